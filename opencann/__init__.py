@@ -1,0 +1,46 @@
+"""opencann: an open graph engine and runtime for PyTorch models.
+
+    import opencann
+    cm = opencann.compile(model, (x,))      # capture, optimize, plan, bind
+    y = cm(x)                               # run
+    print(cm.report.summary())              # what was optimized, what was not, and why
+
+``torch.compile(model, backend="opencann")`` works too (registered on import).
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, Optional
+
+__version__ = "0.1.0"
+
+
+def compile(model, example_inputs, device: str = "cpu", options: Optional[Dict[str, Any]] = None,
+            example_kwargs: Optional[Dict[str, Any]] = None):
+    """Compile ``model`` (a torch.nn.Module, in eval mode for inference) for ``device``.
+
+    ``example_inputs``: a tensor or tuple of positional inputs fixing shapes and dtypes.
+    ``options``: ``disable``/``enable`` (pass names), ``verify`` (IR checks after each
+    pass), ``alignment`` (arena alignment, bytes), ``inplace`` (in-place reuse).
+    Returns a `CompiledModel`. Raises CaptureError or ValueError with the fix."""
+    from .compiler import compile_module
+    return compile_module(model, example_inputs, device=device, options=options,
+                          example_kwargs=example_kwargs)
+
+
+def __getattr__(name):
+    if name in ("CompiledModel", "CompileReport"):
+        from . import compiler, report
+        return getattr(compiler if name == "CompiledModel" else report, name)
+    raise AttributeError(name)
+
+
+def _register_backend() -> None:
+    try:
+        from .frontend.torch.dynamo import register
+        register()
+    except Exception as e:  # pragma: no cover - dynamo unavailable on this platform
+        from .log import logger
+        logger.warning("torch.compile backend 'opencann' not registered: %s", e)
+
+
+_register_backend()

@@ -1,0 +1,168 @@
+"""The graph engine's front door: capture → passes → memory plan → `CompiledModel`.
+
+`compile_module` is what ``opencann.compile`` calls; `compile_graph` takes an IR graph
+(used by the ``torch.compile`` backend). The artifact keeps the graph, memory plan,
+schedule, bound kernels and the compile report.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any, Dict, Optional, Sequence
+
+import torch
+import torch.utils._pytree as pytree
+
+from .frontend.torch import capture, from_exported_program
+from .ir import Graph, MemoryPlan
+from .log import logger
+from .ops import Cost, get_op
+from .passes import PassContext, default_pipeline, plan_memory
+from .report import CompileReport, PassRecord
+from .runtime import Executor
+
+SUPPORTED_DEVICES = ("cpu",)
+KNOWN_OPTIONS = {"disable", "enable", "verify", "alignment", "inplace", "copy_out"}
+
+
+def graph_cost(graph: Graph) -> Dict[str, int]:
+    """Total FLOPs and bytes moved (read + written) of the graph's nodes."""
+    total = Cost()
+    for n in graph.nodes:
+        total = total + get_op(n.op).cost(n)
+    return {"flops": int(total.flops), "bytes": int(total.bytes)}
+
+
+def _fallbacks(graph: Graph) -> Dict[str, Dict[str, Any]]:
+    out: Dict[str, Dict[str, Any]] = {}
+    for n in graph.nodes:
+        if n.op == "HostFallback":
+            k = str(n.meta["aten"])
+            e = out.setdefault(k, {"count": 0, "where": []})
+            e["count"] += 1
+            e["where"].append(n.where())
+    return out
+
+
+def _check_options(options: Optional[Dict[str, Any]]) -> Dict[str, Any]:
+    options = dict(options or {})
+    unknown = set(options) - KNOWN_OPTIONS
+    if unknown:
+        raise ValueError(f"unknown compile option(s) {sorted(unknown)}; known options: "
+                         f"{sorted(KNOWN_OPTIONS)}")
+    return options
+
+
+def _check_device(device: str) -> str:
+    device = str(device)
+    if device.split(":")[0] not in SUPPORTED_DEVICES:
+        raise ValueError(f"device {device!r} is not supported by the compiler yet; use one of "
+                         f"{list(SUPPORTED_DEVICES)}")
+    return device
+
+
+def compile_graph(graph: Graph, device: str = "cpu", options: Optional[Dict[str, Any]] = None,
+                  report: Optional[CompileReport] = None) -> "tuple[Graph, MemoryPlan, CompileReport]":
+    """Optimize ``graph`` in place and plan its memory. Returns (graph, plan, report)."""
+    options = _check_options(options)
+    report = report or CompileReport(model=graph.name, device=device)
+    report.op_counts_before = graph.op_counts()
+    report.cost_before = graph_cost(graph)
+    report.host_fallbacks = _fallbacks(graph)
+    for k, v in report.host_fallbacks.items():
+        logger.warning("host fallback: %s x%d (no opencann converter) at %s", k, v["count"],
+                       "; ".join(v["where"][:3]))
+    ctx = PassContext(options=options, report=report, device=device)
+    default_pipeline().run(graph, ctx)
+    t0 = time.perf_counter()
+    plan = plan_memory(graph, alignment=options.get("alignment", 64),
+                       inplace=options.get("inplace", True),
+                       copy_out=options.get("copy_out", True), log=logger.debug)
+    report.passes.append(PassRecord("memory_plan", "memory", len(graph.nodes), len(graph.nodes),
+                                    time.perf_counter() - t0, len(plan.inplace),
+                                    note=plan.strategy))
+    report.memory = plan.summary()
+    report.op_counts_after = graph.op_counts()
+    report.cost_after = graph_cost(graph)
+    return graph, plan, report
+
+
+class CompiledModel:
+    """A compiled model: call it like the original module.
+
+    Inputs must have the shapes and dtypes of the example inputs (the graph is static);
+    a mismatch raises ValueError naming the input and the expected description.
+    Attributes: ``graph``, ``plan`` (MemoryPlan), ``report`` (CompileReport).
+    """
+
+    def __init__(self, graph: Graph, plan: MemoryPlan, report: CompileReport,
+                 in_spec=None, out_spec=None, input_positions: Optional[Sequence[int]] = None,
+                 profile: bool = False):
+        self.graph, self.plan, self.report = graph, plan, report
+        self._in_spec, self._out_spec = in_spec, out_spec
+        self._positions = list(input_positions) if input_positions is not None else None
+        t0 = time.perf_counter()
+        self.executor = Executor(graph, plan, profile=False)
+        report.passes.append(PassRecord("bind_kernels", "runtime", len(graph.nodes), len(graph.nodes),
+                                        time.perf_counter() - t0, len(self.executor.copy_out_nodes),
+                                        note="arena allocated once; kernels pre-bound"))
+
+    def _flat_inputs(self, args, kwargs) -> list:
+        flat, spec = pytree.tree_flatten((args, kwargs))
+        if self._in_spec is not None and spec != self._in_spec:
+            raise ValueError("the inputs' structure differs from the example inputs the model "
+                             f"was compiled with:\n  got      {spec}\n  expected {self._in_spec}")
+        tensors = [flat[i] for i in self._positions] if self._positions is not None else flat
+        if len(tensors) != len(self.graph.inputs):
+            raise ValueError(f"expected {len(self.graph.inputs)} tensor inputs, got {len(tensors)}")
+        for i, (t, v) in enumerate(zip(tensors, self.graph.inputs)):
+            if not isinstance(t, torch.Tensor):
+                raise ValueError(f"input {i} ({v.name}) must be a tensor, got {type(t).__name__}")
+            if tuple(t.shape) != v.desc.shape or t.dtype != v.desc.dtype.torch:
+                raise ValueError(
+                    f"input {i} ({v.name}) is {t.dtype}{list(t.shape)} but the model was compiled "
+                    f"for {v.desc}; recompile with example inputs of this shape")
+        return tensors
+
+    def __call__(self, *args, **kwargs):
+        tensors = self._flat_inputs(args, kwargs)
+        with torch.no_grad():
+            outs = self.executor.run(tensors)
+        return self._structure(outs)
+
+    def _structure(self, outs):
+        lits = self.graph.meta.get("output_literals", {})
+        n = self.graph.meta.get("n_outputs", len(outs))
+        it = iter(outs)
+        flat = [lits[i] if i in lits else next(it) for i in range(n)]
+        if self._out_spec is None:
+            return flat[0] if len(flat) == 1 else tuple(flat)
+        return pytree.tree_unflatten(flat, self._out_spec)
+
+    def profile(self, *args, path: Optional[str] = None, **kwargs):
+        """Run once recording per-op times; returns Chrome trace events, writes JSON to
+        ``path`` if given (open in chrome://tracing or ui.perfetto.dev)."""
+        return self.executor.profile(self._flat_inputs(args, kwargs), path)
+
+
+def compile_module(model: torch.nn.Module, example_inputs, device: str = "cpu",
+                   options: Optional[Dict[str, Any]] = None, example_kwargs=None) -> CompiledModel:
+    """Capture ``model`` with torch.export on ``example_inputs`` (a tensor or tuple) and
+    compile it for ``device``. Raises CaptureError (capture), ValueError (bad options,
+    device or dtype) with what to change."""
+    device = _check_device(device)
+    options = _check_options(options)
+    args = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
+    ep, times = capture(model, args, example_kwargs)
+    t0 = time.perf_counter()
+    graph = from_exported_program(ep, name=type(model).__name__)
+    report = CompileReport(model=type(model).__name__, device=device, capture_seconds=times)
+    report.passes.append(PassRecord("convert_and_infer", "construct", 0, len(graph.nodes),
+                                    time.perf_counter() - t0, len(graph.nodes),
+                                    note="FX → IR, shape/dtype inference checked against FX"))
+    graph, plan, report = compile_graph(graph, device, options, report)
+    flat, in_spec = pytree.tree_flatten((args, example_kwargs or {}))
+    from torch.export.graph_signature import InputKind
+    user = [s for s in ep.graph_signature.input_specs if s.kind == InputKind.USER_INPUT]
+    positions = [i for i, s in enumerate(user) if isinstance(flat[i], torch.Tensor)]
+    return CompiledModel(graph, plan, report, in_spec=in_spec, out_spec=ep.call_spec.out_spec,
+                         input_positions=positions)

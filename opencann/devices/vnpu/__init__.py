@@ -1,0 +1,23 @@
+"""The virtual NPU (vnpu): an Ascend-style DaVinci device modelled on the host.
+
+Parts: `presets` (chip numbers with sources), `formats` (NC1HWC0 / FRACTAL_Z /
+FRACTAL_NZ layouts), `kernels` (execution in those layouts), `cost_model` (time and
+memory-traffic estimates per kernel).
+"""
+
+from .presets import NpuSpec, PRESETS, ascend310, ascend910, ascend910b, get_preset, load_spec
+from .formats import (c0_for, format_shape, from_fractal_nz, from_fractal_z, from_nc1hwc0, to_fractal_nz,
+                      to_fractal_z, to_nc1hwc0, trans_data, valid_mask)
+from .kernels import conv2d_nc1hwc0, elementwise, matmul_nz
+from .cost_model import (KernelCost, conv2d_cost, eager_time_us, elementwise_cost, flash_attention_calibration_table,
+                         flash_attention_cost, layernorm_cost, matmul_cost, reduction_cost, softmax_cost,
+                         trans_data_cost)
+
+__all__ = [
+    "NpuSpec", "PRESETS", "ascend310", "ascend910", "ascend910b", "get_preset", "load_spec",
+    "c0_for", "format_shape", "from_fractal_nz", "from_fractal_z", "from_nc1hwc0", "to_fractal_nz",
+    "to_fractal_z", "to_nc1hwc0", "trans_data", "valid_mask",
+    "conv2d_nc1hwc0", "elementwise", "matmul_nz", "KernelCost", "conv2d_cost", "eager_time_us",
+    "elementwise_cost", "flash_attention_calibration_table", "flash_attention_cost", "layernorm_cost",
+    "matmul_cost", "reduction_cost", "softmax_cost", "trans_data_cost",
+]

@@ -1,0 +1,454 @@
+"""Per-kernel time and memory-traffic estimates for the virtual NPU.
+
+Model (one kernel):
+
+* **Cube**: FLOPs on fractal-padded sizes (M to 16, N to 16, K to k0 = 32 B / element),
+  at `NpuSpec.peak_cube_tflops` per core, over the cores the kernel can occupy; work is
+  split in base tiles, and a partial last *wave* of tiles costs a full wave.
+* **Vector**: element operations x an op-specific cost multiplier, at
+  `vector_bytes_per_cycle / element size` elements per cycle per vector unit.
+* **MTE** (GM <-> L1/UB data movement): bytes each core moves at the per-core
+  `gm_read/write_bytes_per_cycle` rates (the L2 serves re-reads).
+* **HBM**: bytes that must come from / go to device memory at `hbm_gbps`.
+* Double buffering overlaps the pipelines: ``time = launch + max(cube, vector, mte, hbm)``
+  and ``bound`` names the slowest (``"launch"`` when the launch exceeds all of them).
+
+`eager_time_us` adds the host: in an eager framework the host enqueues ops
+asynchronously, so one op costs ``max(op_dispatch_us, device time)`` per call in a loop.
+
+Modelling constants without a primary source are marked "estimate" where defined.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Sequence
+
+from .presets import NpuSpec, ascend910b
+
+__all__ = [
+    "KernelCost", "VECTOR_OP_COST", "dtype_bytes", "matmul_cost", "conv2d_cost", "elementwise_cost",
+    "reduction_cost", "softmax_cost", "layernorm_cost", "trans_data_cost", "flash_attention_cost",
+    "flash_attention_blocks", "eager_time_us", "FA_910B_MEASURED_TFLOPS", "flash_attention_calibration_table",
+]
+
+# Vector cost per element in "simple op" units (add = 1).  Estimates: the Ascend vector
+# unit issues one instruction per 256-byte repeat; transcendental functions are either
+# multi-cycle instructions (exp, ln) or short instruction sequences (the Ascend C math
+# library builds gelu, erf, tanh and sigmoid from exp/div/mul/add).  Counts below are the
+# number of such instructions, with exp/ln/div/sqrt taken as 2 units (estimate).
+VECTOR_OP_COST: dict[str, float] = {
+    "add": 1, "sub": 1, "mul": 1, "neg": 1, "abs": 1, "relu": 1, "max": 1, "min": 1, "cast": 1,
+    "copy": 1, "where": 1, "leaky_relu": 2, "clamp": 2,
+    "div": 2, "exp": 2, "log": 2, "sqrt": 2, "rsqrt": 2, "reciprocal": 2, "pow": 5,
+    "sigmoid": 5,      # exp(-x) (2) + add (1) + div (2)
+    "silu": 6,         # sigmoid (5) + mul (1)
+    "tanh": 7,         # (e^2x - 1) / (e^2x + 1): mul, exp, sub, add, div
+    "gelu": 10,        # tanh form: x^3 (2 mul), fma (2), tanh (7)... less shared subexpressions
+    "erf": 10,         # polynomial approximation, ~10 mul/add
+    "sin": 8, "cos": 8,
+}
+
+# FlashAttention modelling constants (see flash_attention_cost).
+FA_CUBE_VECTOR_OVERLAP = 0.5
+"""estimate: fraction of the shorter of the Cube-side and Vector-side per-block times hidden
+under the longer.  QK_j -> softmax_j -> PV_j is a dependency chain staged through GM; with one
+block of preload the Vector's softmax of block j runs while the Cube works on block j+1, but
+synchronisation through GM flags serialises part of it.  Checked (not fitted) against an
+independent measurement: pto-isa's FlashAttention on one 910B2 core sustains ~8.8 TFLOP/s per
+core between S1=4K and 8K [PTO-FA]; this model gives 8.1 TFLOP/s per core."""
+FA_SOFTMAX_OPS_PER_SCORE = 2 + 2 + VECTOR_OP_COST["exp"] + 1 + 1
+"""Vector ops per attention score in the online softmax (FlashAttention-2 Alg. 1, Dao 2023):
+cast fp32 in + scale (2), row max + subtract (2), exp (2), row sum (1), cast to fp16 (1) = 8."""
+FA_OUTPUT_OPS_PER_ELEM = 2
+"""Vector ops per output element per key block: rescale by exp(m_old - m_new) and add PV (2)."""
+
+# Matmul base tile for core assignment: estimate (typical Ascend C Matmul tiling for fp16
+# baseM x baseN = 128 x 256, which fills L0C's 128 KiB in fp32).
+MATMUL_BASE_M, MATMUL_BASE_N = 128, 256
+
+_DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4, "float": 4, "half": 2, "int8": 1, "uint8": 1,
+                "int16": 2, "int32": 4, "int64": 8, "float64": 8, "bool": 1}
+
+
+def dtype_bytes(dtype: Any) -> int:
+    """Element size in bytes of a dtype given as torch.dtype, name, or int (bytes).
+
+    Raises ValueError for an unknown dtype.
+    """
+    if isinstance(dtype, int):
+        return dtype
+    name = str(dtype).replace("torch.", "")
+    if name not in _DTYPE_BYTES:
+        raise ValueError(f"unknown dtype {dtype!r}; known: {', '.join(_DTYPE_BYTES)}")
+    return _DTYPE_BYTES[name]
+
+
+@dataclass(frozen=True)
+class KernelCost:
+    """Estimated cost of one kernel on the vnpu.
+
+    time_us: device time incl. launch (µs); flops: FLOPs executed incl. fractal padding;
+    useful_flops: FLOPs of the unpadded problem; hbm_bytes: device-memory traffic (B);
+    bound: 'cube' | 'vector' | 'memory' | 'launch'; breakdown: per-pipeline µs and details.
+    """
+
+    op: str
+    time_us: float
+    flops: float
+    useful_flops: float
+    hbm_bytes: float
+    bound: str
+    breakdown: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def tflops(self) -> float:
+        """Useful TFLOP/s achieved over the device time."""
+        return self.useful_flops / (self.time_us * 1e-6) / 1e12 if self.time_us > 0 else 0.0
+
+
+def _ceil(a: float, b: float) -> int:
+    return int(-(-a // b))
+
+
+def _up(a: int, b: int) -> int:
+    return _ceil(a, b) * b
+
+
+def _waves(tiles: int, cores: int) -> tuple[int, int]:
+    """(cores used, waves) for `tiles` equal work items on `cores` cores."""
+    tiles = max(1, tiles)
+    used = min(cores, tiles)
+    return used, _ceil(tiles, used)
+
+
+def _finish(op: str, spec: NpuSpec, *, cube_us: float, vector_us: float, mte_us: float, hbm_bytes: float,
+            flops: float, useful: float, extra: Mapping[str, Any] | None = None) -> KernelCost:
+    hbm_us = hbm_bytes / (spec.hbm_gbps * 1e9) * 1e6
+    pipes = {"cube": cube_us, "vector": vector_us, "memory": max(mte_us, hbm_us)}
+    slowest = max(pipes, key=pipes.get)  # type: ignore[arg-type]
+    launch = spec.kernel_launch_us
+    bound = "launch" if launch > pipes[slowest] else slowest
+    breakdown = {"cube_us": cube_us, "vector_us": vector_us, "mte_us": mte_us, "hbm_us": hbm_us,
+                 "launch_us": launch, **(extra or {})}
+    return KernelCost(op, launch + pipes[slowest], flops, useful, hbm_bytes, bound, breakdown)
+
+
+def _cube_rate_per_core(spec: NpuSpec, nbytes: int) -> float:
+    """FLOP/s of one Cube core for an element size (see NpuSpec.peak_cube_tflops)."""
+    return spec.peak_cube_tflops(nbytes) * 1e12 / spec.cube_cores
+
+
+def _vector_rate_total(spec: NpuSpec, nbytes: int, units: int | None = None) -> float:
+    """Element-ops per second of `units` vector units (all by default)."""
+    units = spec.vector_cores if units is None else units
+    return spec.vector_elems_per_cycle(nbytes) * units * spec.clock_ghz * 1e9
+
+
+def _mte_us(spec: NpuSpec, read_bytes: float, write_bytes: float, cores: int) -> float:
+    hz = spec.clock_ghz * 1e9
+    return max(read_bytes / (spec.gm_read_bytes_per_cycle * cores),
+               write_bytes / (spec.gm_write_bytes_per_cycle * cores)) / hz * 1e6
+
+
+# ----------------------------------------------------------------------------------
+# Cube kernels
+# ----------------------------------------------------------------------------------
+
+def matmul_cost(m: int, n: int, k: int, batch: int = 1, dtype: Any = "float16",
+                spec: NpuSpec = ascend910b, out_dtype: Any = None) -> KernelCost:
+    """(Batch) matmul C[b] = A[b] (M x K) @ B[b] (K x N) on the Cube.
+
+    FLOPs are counted on fractal-padded sizes: M and N up to multiples of 16, K up to
+    k0 = 32 B / element size (the Cube fractal, Liao et al. Hot Chips 31).  Output tiles of
+    MATMUL_BASE_M x MATMUL_BASE_N (estimate) are spread over the Cube cores in waves.  GM
+    traffic: A is streamed once per column of tiles and B once per row of tiles; HBM
+    traffic is A + B + C once when A and B fit in L2, else the GM traffic.
+    Units: sizes in elements, times in µs, bytes in B.  Raises ValueError on sizes < 1.
+    """
+    if min(m, n, k, batch) < 1:
+        raise ValueError(f"matmul_cost: sizes must be >= 1, got m={m} n={n} k={k} batch={batch}")
+    e = dtype_bytes(dtype)
+    eo = dtype_bytes(out_dtype) if out_dtype is not None else (4 if e == 1 else e)
+    k0 = 32 // e
+    mp, np_, kp = _up(m, 16), _up(n, 16), _up(k, k0)
+    flops = 2.0 * batch * mp * np_ * kp
+    useful = 2.0 * batch * m * n * k
+    tm, tn = _ceil(mp, MATMUL_BASE_M), _ceil(np_, MATMUL_BASE_N)
+    used, waves = _waves(batch * tm * tn, spec.cube_cores)
+    tile_flops = 2.0 * min(mp, MATMUL_BASE_M) * min(np_, MATMUL_BASE_N) * kp
+    cube_us = waves * tile_flops / _cube_rate_per_core(spec, e) * 1e6
+    a_b, b_b, c_b = batch * mp * kp * e, batch * kp * np_ * e, batch * mp * np_ * eo
+    gm_read = a_b * tn + b_b * tm
+    mte = _mte_us(spec, gm_read, c_b, used)
+    if a_b + b_b <= spec.l2_bytes:
+        hbm = a_b + b_b + c_b
+    else:   # one wave's output block (gm x gn tiles) streams its A rows and B columns from HBM
+        gm = min(tm, max(1, math.isqrt(used)))
+        gn = min(tn, _ceil(used, gm))
+        n_waves = _ceil(batch * tm * tn, gm * gn)
+        wave_bytes = (gm * min(mp, MATMUL_BASE_M) + gn * min(np_, MATMUL_BASE_N)) * kp * e
+        hbm = min(gm_read, n_waves * wave_bytes) + c_b
+    return _finish("matmul", spec, cube_us=cube_us, vector_us=0.0, mte_us=mte, hbm_bytes=hbm, flops=flops,
+                   useful=useful, extra={"cores_used": used, "waves": waves, "padded_mnk": (mp, np_, kp),
+                                         "padding_waste": 1 - useful / flops})
+
+
+def conv2d_cost(n: int, c_in: int, h: int, w: int, c_out: int, kernel: Sequence[int] | int,
+                stride: Sequence[int] | int = 1, padding: Sequence[int] | int = 0,
+                dtype: Any = "float16", spec: NpuSpec = ascend910b) -> KernelCost:
+    """Conv2d (groups=1) as the Cube runs it: img2col GEMM with M = N*Ho*Wo,
+    K = C1*C0*KH*KW (input channels padded to C0), N = Cout padded to 16.
+
+    Activations are read once (img2col happens in L1, Liao et al. Hot Chips 31), weights
+    once per wave.  Raises ValueError on non-positive sizes or an empty output.
+    """
+    kh, kw = (kernel, kernel) if isinstance(kernel, int) else kernel
+    sh, sw = (stride, stride) if isinstance(stride, int) else stride
+    ph, pw = (padding, padding) if isinstance(padding, int) else padding
+    ho, wo = (h + 2 * ph - kh) // sh + 1, (w + 2 * pw - kw) // sw + 1
+    if min(n, c_in, h, w, c_out, kh, kw) < 1 or ho < 1 or wo < 1:
+        raise ValueError(f"conv2d_cost: invalid sizes n={n} c_in={c_in} h={h} w={w} c_out={c_out} "
+                         f"kernel={kh}x{kw} -> output {ho}x{wo}")
+    e = dtype_bytes(dtype)
+    c0 = 32 // e
+    m, kdim = n * ho * wo, _up(c_in, c0) * kh * kw
+    mm = matmul_cost(m, c_out, kdim, 1, dtype, spec)
+    useful = 2.0 * n * ho * wo * c_out * c_in * kh * kw
+    used = mm.breakdown["cores_used"]
+    x_b = n * _up(c_in, c0) * h * w * e
+    w_b = kdim * _up(c_out, 16) * e
+    y_b = n * _up(c_out, c0) * ho * wo * e
+    mte = _mte_us(spec, x_b + w_b * mm.breakdown["waves"] * used, y_b, used)
+    return _finish("conv2d", spec, cube_us=mm.breakdown["cube_us"], vector_us=0.0, mte_us=mte,
+                   hbm_bytes=x_b + w_b + y_b, flops=mm.flops, useful=useful,
+                   extra={"cores_used": used, "waves": mm.breakdown["waves"], "gemm_mnk": (m, c_out, kdim),
+                          "padding_waste": 1 - useful / mm.flops})
+
+
+# ----------------------------------------------------------------------------------
+# Vector kernels
+# ----------------------------------------------------------------------------------
+
+def _vector_kernel(op: str, spec: NpuSpec, numel: int, ops_per_elem: float, read_b: float, write_b: float,
+                   e: int, flops_per_elem: float) -> KernelCost:
+    if numel < 1:
+        raise ValueError(f"{op}: numel must be >= 1, got {numel}")
+    per_unit = 8192   # elements per vector work item (estimate: a UB-sized chunk)
+    used, waves = _waves(_ceil(numel, per_unit), spec.vector_cores)
+    vec_us = numel * ops_per_elem / _vector_rate_total(spec, e, used) * 1e6
+    mte = _mte_us(spec, read_b, write_b, used)
+    return _finish(op, spec, cube_us=0.0, vector_us=vec_us, mte_us=mte, hbm_bytes=read_b + write_b,
+                   flops=numel * flops_per_elem, useful=numel * flops_per_elem,
+                   extra={"vector_units_used": used, "ops_per_elem": ops_per_elem})
+
+
+def elementwise_cost(op: str, numel: int, dtype: Any = "float16", n_inputs: int = 1,
+                     spec: NpuSpec = ascend910b) -> KernelCost:
+    """Elementwise `op` over `numel` (storage, i.e. padded) elements with `n_inputs` inputs.
+
+    Vector cost = numel * VECTOR_OP_COST[op] (estimates, see the table).  Traffic: each
+    input read once, the output written once.  Raises ValueError for an unknown op.
+    """
+    if op not in VECTOR_OP_COST:
+        raise ValueError(f"elementwise_cost: unknown op {op!r}; known: {', '.join(sorted(VECTOR_OP_COST))}")
+    e = dtype_bytes(dtype)
+    return _vector_kernel(f"elementwise.{op}", spec, numel, VECTOR_OP_COST[op], n_inputs * numel * e, numel * e,
+                          e, VECTOR_OP_COST[op])
+
+
+def reduction_cost(numel_in: int, numel_out: int, dtype: Any = "float16", op: str = "add",
+                   spec: NpuSpec = ascend910b) -> KernelCost:
+    """Reduction (sum/max/mean...) of `numel_in` elements to `numel_out`: one vector op per
+    input element plus one per output (final combine); reads input once, writes output.
+    """
+    if numel_out < 1 or numel_out > numel_in:
+        raise ValueError(f"reduction_cost: need 1 <= numel_out <= numel_in, got {numel_out}, {numel_in}")
+    e = dtype_bytes(dtype)
+    ops = VECTOR_OP_COST.get(op, 1) * (1 + numel_out / numel_in)
+    return _vector_kernel(f"reduce.{op}", spec, numel_in, ops, numel_in * e, numel_out * e, e, 1.0)
+
+
+def _rows_fit_ub(cols: int, spec: NpuSpec, live_fp32_rows: int = 3) -> bool:
+    return cols * 4 * live_fp32_rows * 2 <= spec.ub_bytes   # x2: double buffering
+
+
+def softmax_cost(rows: int, cols: int, dtype: Any = "float16", spec: NpuSpec = ascend910b) -> KernelCost:
+    """Row softmax: cast, max, subtract, exp, sum, divide, cast = 6 + exp units per element.
+    One pass over GM when a row fits the Unified Buffer (3 fp32 copies, double-buffered),
+    else three reads (max, sum, normalise).
+    """
+    e = dtype_bytes(dtype)
+    ops = 6 + VECTOR_OP_COST["exp"]
+    reads = 1 if _rows_fit_ub(cols, spec) else 3
+    n = rows * cols
+    return _vector_kernel("softmax", spec, n, ops, reads * n * e, n * e, e, 5.0)
+
+
+def layernorm_cost(rows: int, cols: int, dtype: Any = "float16", spec: NpuSpec = ascend910b) -> KernelCost:
+    """LayerNorm over the last dim: mean (1), subtract (1), square (1), sum (1), scale by
+    rsqrt (1), gamma (1), beta (1), two casts (2) = 9 units per element; one GM pass when a
+    row fits the Unified Buffer, else two.
+    """
+    e = dtype_bytes(dtype)
+    reads = 1 if _rows_fit_ub(cols, spec) else 2
+    n = rows * cols
+    return _vector_kernel("layernorm", spec, n, 9.0, reads * n * e + 2 * cols * e, n * e, e, 8.0)
+
+
+def trans_data_cost(numel_src: int, numel_dst: int, dtype: Any = "float16", burst_bytes: int = 32,
+                    spec: NpuSpec = ascend910b) -> KernelCost:
+    """TransData (format conversion): read the source, transpose 16x16 blocks in the Unified
+    Buffer (one vector op per element, the vnchwconv instruction), write the destination.
+
+    `burst_bytes` is the contiguous run the strided side moves (C0 * element size = 32 B for
+    NCHW <-> NC1HWC0); MTE efficiency is taken as min(1, burst / 512 B) (estimate: DMA
+    bursts shorter than 512 B do not reach full bandwidth).
+    """
+    e = dtype_bytes(dtype)
+    eff = min(1.0, burst_bytes / 512)
+    cost = _vector_kernel("trans_data", spec, max(numel_src, numel_dst), 1.0, numel_src * e, numel_dst * e, e, 0.0)
+    mte = cost.breakdown["mte_us"] / eff
+    return _finish("trans_data", spec, cube_us=0.0, vector_us=cost.breakdown["vector_us"], mte_us=mte,
+                   hbm_bytes=cost.hbm_bytes, flops=0.0, useful=0.0, extra={"burst_efficiency": eff})
+
+
+# ----------------------------------------------------------------------------------
+# FlashAttention
+# ----------------------------------------------------------------------------------
+
+def flash_attention_blocks(head_dim: int, dtype: Any = "float16", spec: NpuSpec = ascend910b) -> tuple[int, int]:
+    """Default (block_q, block_k) by FlashAttention's rule (Dao et al. 2022, Alg. 1):
+    B_c = ceil(M / (4d)), B_r = min(B_c, d), with M the Unified Buffer size in elements,
+    each rounded down to a multiple of 16 (the Cube fractal).  910B fp16, d=128: (128, 192).
+    """
+    m = spec.ub_bytes // dtype_bytes(dtype)
+    bc = _ceil(m, 4 * head_dim)
+    br = min(bc, head_dim)
+    return max(16, br // 16 * 16), max(16, bc // 16 * 16)
+
+
+def flash_attention_cost(batch: int, heads: int, seq_q: int, seq_k: int, head_dim: int, dtype: Any = "float16",
+                         block_q: int | None = None, block_k: int | None = None, causal: bool = False,
+                         spec: NpuSpec = ascend910b) -> KernelCost:
+    """Forward FlashAttention on the split Cube/Vector design (910B style).
+
+    Work: each (batch, head, query block of `block_q` rows) is one task on one Cube core
+    (plus its aiv_per_aic Vector units); tasks run in waves over the Cube cores, so one
+    (batch, head) at S=1K with block 128 occupies 8 of 24 cores.  Per key block of
+    `block_k` columns a task does, (Dao 2023, FlashAttention-2 Alg. 1):
+
+    * Cube: S = Q K^T and O += P V: 4 * Br * Bc * d FLOPs (fractal-padded).
+    * Cube-side GM traffic: read K_j, V_j (2 Bc d e), read P (Br Bc e), write S (Br Bc x 4 B
+      fp32) and the partial PV (Br d x 4 B), at the per-core gm rates (AIC and AIV exchange
+      through GM on 910B: no direct L0C -> UB path).
+    * Vector (on aiv_per_aic units): FA_SOFTMAX_OPS_PER_SCORE per score and
+      FA_OUTPUT_OPS_PER_ELEM per output element in fp32, plus its own GM traffic.
+    * Per-block time = max(cube side, vector side) + (1 - FA_CUBE_VECTOR_OVERLAP) * min(...).
+    * Pipeline fill/drain per task: the first softmax and the last PV have no partner to
+      overlap (min(cube side, vector side)), plus loading Q and storing O.
+
+    FLOPs: 4 * S_q * S_k * d per (batch, head) (halved for causal).  HBM bytes: Q and O
+    once, K and V re-read once per query block (the GM traffic; the L2 absorbs re-reads
+    when K and V fit).  `block_q`/`block_k` default to `flash_attention_blocks`.
+    Raises ValueError on non-positive sizes or blocks that are not multiples of 16.
+    """
+    if min(batch, heads, seq_q, seq_k, head_dim) < 1:
+        raise ValueError("flash_attention_cost: batch, heads, seq_q, seq_k, head_dim must be >= 1")
+    dbq, dbk = flash_attention_blocks(head_dim, dtype, spec)
+    br, bc = block_q or dbq, block_k or dbk
+    if br % 16 or bc % 16 or br < 16 or bc < 16:
+        raise ValueError(f"flash_attention_cost: block_q={br}, block_k={bc} must be positive multiples of 16 "
+                         f"(the Cube fractal size)")
+    e = dtype_bytes(dtype)
+    hz = spec.clock_ghz * 1e9
+    d = _up(head_dim, 16)
+    # --- one task, one full key block (cycles) ---
+    cube_cyc = 4.0 * br * bc * d / (_cube_rate_per_core(spec, e) / hz)
+    cube_rd = (2 * bc * d * e + br * bc * e) / spec.gm_read_bytes_per_cycle
+    cube_wr = (br * bc * 4 + br * d * 4) / spec.gm_write_bytes_per_cycle
+    cube_side = max(cube_cyc, cube_rd, cube_wr)
+    aiv = spec.aiv_per_aic
+    vec_rate = spec.vector_elems_per_cycle(4) * aiv                       # fp32 elements / cycle
+    vec_cyc = (br * bc * FA_SOFTMAX_OPS_PER_SCORE + br * d * FA_OUTPUT_OPS_PER_ELEM) / vec_rate
+    vec_rd = (br * bc * 4 + br * d * 4) / (spec.gm_read_bytes_per_cycle * aiv)
+    vec_wr = (br * bc * e) / (spec.gm_write_bytes_per_cycle * aiv)
+    vec_side = max(vec_cyc, vec_rd, vec_wr)
+    long_, short = max(cube_side, vec_side), min(cube_side, vec_side)
+    block_cyc = long_ + (1 - FA_CUBE_VECTOR_OVERLAP) * short
+    fill_cyc = short + (br * d * e) / spec.gm_read_bytes_per_cycle + (br * d * e) / spec.gm_write_bytes_per_cycle
+    # --- tasks and waves ---
+    n_qblk = _ceil(seq_q, br)
+    k_blocks = _up(seq_k, 16) / bc                  # partial last block costs its fractal-padded share
+    if causal:
+        k_blocks = k_blocks * (n_qblk + 1) / (2 * n_qblk)
+    tasks = batch * heads * n_qblk
+    used, waves = _waves(tasks, spec.cube_cores)
+    task_us = (fill_cyc + k_blocks * block_cyc) / hz * 1e6
+    device_us = waves * task_us
+    # --- FLOPs and bytes ---
+    frac = 0.5 if causal else 1.0
+    useful = 4.0 * batch * heads * seq_q * seq_k * head_dim * frac
+    flops = 4.0 * batch * heads * (n_qblk * br) * _up(seq_k, 16) * d * frac
+    qo = 2 * batch * heads * seq_q * head_dim * e
+    kv_once = 2 * batch * heads * seq_k * head_dim * e
+    hbm = qo + kv_once * n_qblk * frac
+    kv_fits_l2 = kv_once <= spec.l2_bytes
+    hbm_time_bytes = qo + (kv_once if kv_fits_l2 else kv_once * n_qblk * frac)
+    hbm_us = hbm_time_bytes / (spec.hbm_gbps * 1e9) * 1e6
+    cube_total = waves * (k_blocks * cube_cyc) / hz * 1e6
+    vec_total = waves * (k_blocks * vec_cyc) / hz * 1e6
+    pipes = {"cube": cube_total, "vector": vec_total, "memory": hbm_us}
+    busy = max(device_us, hbm_us)
+    if hbm_us >= device_us:
+        bound = "memory"
+    else:
+        # which side sets the per-block time
+        side = "cube" if cube_side >= vec_side else "vector"
+        if side == "cube" and max(cube_rd, cube_wr) > cube_cyc:
+            side = "memory"
+        if side == "vector" and max(vec_rd, vec_wr) > vec_cyc:
+            side = "memory"
+        bound = side
+    if spec.kernel_launch_us > busy:
+        bound = "launch"
+    breakdown = {
+        "block_q": br, "block_k": bc, "query_blocks": tasks, "cores_used": used, "waves": waves,
+        "key_blocks_per_task": k_blocks, "block_us": block_cyc / hz * 1e6, "fill_us": fill_cyc / hz * 1e6,
+        "cube_side_us_per_block": cube_side / hz * 1e6, "vector_side_us_per_block": vec_side / hz * 1e6,
+        "cube_us": pipes["cube"], "vector_us": pipes["vector"], "hbm_us": hbm_us,
+        "launch_us": spec.kernel_launch_us, "overlap": FA_CUBE_VECTOR_OVERLAP,
+    }
+    return KernelCost("flash_attention", spec.kernel_launch_us + busy, flops, useful, hbm, bound, breakdown)
+
+
+def eager_time_us(cost: KernelCost, spec: NpuSpec = ascend910b) -> float:
+    """Per-call time of the kernel issued from an eager framework loop: the host enqueues
+    asynchronously, so the slower of host dispatch (`op_dispatch_us`) and device time wins.
+    """
+    return max(spec.op_dispatch_us, cost.time_us)
+
+
+# ----------------------------------------------------------------------------------
+# Calibration against published measurements
+# ----------------------------------------------------------------------------------
+
+FA_910B_MEASURED_TFLOPS: dict[int, float] = {1024: 9.2, 4096: 72.6, 8192: 97.3, 32768: 150.8}
+"""FlashAttention forward on Ascend 910B, head dim 128, batch 1, 1 head, fp16, eager
+per-call timing, TFLOP/s with FLOPs = 4 S^2 d: the published measurements quoted in
+opencann issue 4."""
+
+
+def flash_attention_calibration_table(spec: NpuSpec = ascend910b, head_dim: int = 128
+                                      ) -> list[tuple[int, float, float, float]]:
+    """Rows (S, estimate TFLOP/s, measured TFLOP/s, estimate / measured) for the points in
+    `FA_910B_MEASURED_TFLOPS`; the estimate uses `eager_time_us` (the measurements are
+    eager per-call timings) and default blocks.
+    """
+    rows = []
+    for s, meas in sorted(FA_910B_MEASURED_TFLOPS.items()):
+        c = flash_attention_cost(1, 1, s, s, head_dim, "float16", spec=spec)
+        est = c.useful_flops / (eager_time_us(c, spec) * 1e-6) / 1e12
+        rows.append((s, est, meas, est / meas))
+    return rows

@@ -1,0 +1,58 @@
+"""Capture: `torch.export` then decomposition to core ATen.
+
+We keep ``aten.scaled_dot_product_attention`` undecomposed so that the fusion stage
+can map it to FlashAttention (the core-ATen decomposition would spell it out as
+bmm/softmax/where). Source: PyTorch "torch.export" and "Core ATen IR" documentation.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any, Dict, Tuple
+
+import torch
+
+from ...ir.types import DataType
+
+KEEP = (torch.ops.aten.scaled_dot_product_attention.default,)
+
+
+class CaptureError(RuntimeError):
+    """torch.export could not capture the model; the message says why and what to do."""
+
+
+def decomposition_table() -> Dict:
+    table = torch.export.default_decompositions()
+    for op in KEEP:
+        table.pop(op, None)
+    return table
+
+
+def capture(model: torch.nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any] | None = None,
+            ) -> Tuple[torch.export.ExportedProgram, Dict[str, float]]:
+    """Export ``model`` on ``args``/``kwargs`` and decompose to core ATen.
+
+    Returns the ExportedProgram and timings in seconds (``export``, ``decompose``).
+    Raises CaptureError when torch.export fails (data-dependent control flow, unsupported
+    Python constructs): the message suggests ``torch.compile(backend="opencann")``, which
+    splits the model at graph breaks instead."""
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"opencann.compile expects a torch.nn.Module, got {type(model).__name__}")
+    if not isinstance(args, tuple):
+        args = (args,)
+    for i, a in enumerate(torch.utils._pytree.tree_leaves((args, kwargs or {}))):
+        if isinstance(a, torch.Tensor):
+            DataType.from_torch(a.dtype)  # clear error for unsupported dtypes
+    t0 = time.perf_counter()
+    try:
+        with torch.no_grad():
+            ep = torch.export.export(model, args, kwargs or {}, strict=False)
+    except Exception as e:  # noqa: BLE001 - re-raised with advice
+        raise CaptureError(
+            f"torch.export could not capture {type(model).__name__}: {type(e).__name__}: "
+            f"{str(e).splitlines()[0] if str(e) else ''}\n  fix: remove data-dependent "
+            "Python control flow, or use torch.compile(model, backend='opencann'), which "
+            "compiles each graph between breaks") from None
+    t1 = time.perf_counter()
+    ep = ep.run_decompositions(decomposition_table())
+    t2 = time.perf_counter()
+    return ep, {"export": t1 - t0, "decompose": t2 - t1}

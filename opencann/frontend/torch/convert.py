@@ -1,0 +1,206 @@
+"""FX (core ATen) → opencann IR.
+
+Each ``call_function`` node becomes one IR node of the op that implements its ATen
+overload; tensor arguments become inputs and every other argument an attribute under
+its schema name. An overload with no OpDef becomes a ``HostFallback`` node that runs
+the ATen op on the host (CANN GE fails the whole compile in that case; we run it and
+report it). Output descriptions come from FX's meta values and are re-checked against
+our own inference; a disagreement is an error naming the node and its source line.
+"""
+from __future__ import annotations
+
+import operator
+import os
+from typing import Any, Dict, List, Tuple
+
+import torch
+import torch.fx as fx
+
+from ...ir import DataType, Graph, TensorDesc, TensorRef, Value
+from ...ops import infer, lookup_aten
+
+_TORCH_DIR = os.path.dirname(torch.__file__)
+
+
+class ConversionError(ValueError):
+    """The FX graph could not be converted; the message names the node and source."""
+
+
+def source_of(node: fx.Node) -> Tuple[str, str]:
+    """(``file:line``, module scope) of the user code that produced ``node``."""
+    scope = ""
+    stack = node.meta.get("nn_module_stack")
+    if stack:
+        scope = list(stack.values())[-1][0]
+    src = ""
+    trace = node.meta.get("stack_trace") or ""
+    for line in trace.splitlines():
+        line = line.strip()
+        if line.startswith("File "):
+            parts = line.split('"')
+            if len(parts) >= 3 and not parts[1].startswith(_TORCH_DIR):
+                lineno = parts[2].split("line ")[-1].split(",")[0]
+                src = f"{os.path.basename(parts[1])}:{lineno}"
+    return src, scope
+
+
+def _desc(val: Any, where: str) -> TensorDesc:
+    if not isinstance(val, torch.Tensor):
+        raise ConversionError(f"{where}: expected a tensor meta value, got {type(val).__name__}")
+    shape = tuple(int(s) if not isinstance(s, torch.SymInt) else str(s) for s in val.shape)
+    return TensorDesc(shape, DataType.from_torch(val.dtype))
+
+
+def _flat_vals(val: Any) -> Tuple[List[Any], bool]:
+    if isinstance(val, (list, tuple)):
+        return list(val), True
+    return [val], False
+
+
+def convert_node(graph: Graph, node: fx.Node, env: Dict[fx.Node, Any]) -> None:
+    """Append the IR node for one FX ``call_function`` node; records its outputs in env."""
+    target = node.target
+    if target is operator.getitem:
+        env[node] = env[node.args[0]][node.args[1]]
+        return
+    if not isinstance(target, torch._ops.OpOverload):
+        raise ConversionError(f"{node.name}: unsupported FX target {target!r}; only ATen "
+                              "overloads are expected after decomposition")
+    if not target._schema.returns:
+        # shape/dtype assertions (e.g. _assert_tensor_metadata) were checked at export time
+        graph.meta.setdefault("dropped_asserts", []).append(str(target))
+        env[node] = None
+        return
+    opdef = lookup_aten(target)
+    inputs: List[Value] = []
+    attrs: Dict[str, Any] = {}
+
+    def lift(x):
+        if isinstance(x, fx.Node):
+            v = env[x]
+            if not isinstance(v, Value):
+                raise ConversionError(f"{node.name}: argument {x.name} is not a single tensor")
+            inputs.append(v)
+            return TensorRef(len(inputs) - 1)
+        if isinstance(x, (list, tuple)):
+            return [lift(y) for y in x]
+        if isinstance(x, torch.device):
+            return x
+        return x
+
+    schema = target._schema
+    for i, a in enumerate(schema.arguments):
+        if i < len(node.args) and not a.kwarg_only:
+            attrs[a.name] = lift(node.args[i])
+        elif a.name in node.kwargs:
+            attrs[a.name] = lift(node.kwargs[a.name])
+    src, scope = source_of(node)
+    vals, is_seq = _flat_vals(node.meta.get("val"))
+    descs = [_desc(v, f"{node.name} at {src}") for v in vals]
+    ir = graph.create_node(opdef.name if opdef else "HostFallback", inputs, attrs, descs,
+                           name=node.name, source=src, scope=scope)
+    if opdef is None:
+        ir.meta["aten"] = target
+    # strides of ATen's own result: views downstream depend on them, so planned buffers
+    # reproduce them (e.g. SDPA returns a permuted-contiguous tensor)
+    ir.meta["strides"] = [tuple(int(s) for s in v.stride()) if isinstance(v, torch.Tensor)
+                          and all(isinstance(s, int) for s in v.stride()) else None for v in vals]
+    env[node] = list(ir.outputs) if is_seq else ir.outputs[0]
+
+
+def check_inference(graph: Graph) -> None:
+    """Re-infer every aten-backed node's outputs and compare with FX's meta values.
+
+    Only outputs that are used are compared (ATen's meta kernels and CPU kernels differ
+    on unused extras such as BatchNorm's saved mean). Raises ConversionError naming the
+    node and its source line on disagreement."""
+    outs = {id(v) for v in graph.outputs}
+    for ir in graph.nodes:
+        if ir.op == "HostFallback" or not all(o.desc.is_static for o in ir.outputs):
+            continue
+        ours = infer(ir)
+        for k, (a, o) in enumerate(zip(ours, ir.outputs)):
+            b = o.desc
+            if (o.users or id(o) in outs) and (a.shape != b.shape or a.dtype != b.dtype):
+                raise ConversionError(
+                    f"shape inference disagrees with FX for {ir.name} ({ir.op}, output {k}) "
+                    f"at {ir.where()}: opencann {a}, FX {b}")
+
+
+def _resolve_const(ep: torch.export.ExportedProgram, name: str) -> torch.Tensor:
+    if name in ep.state_dict:
+        return ep.state_dict[name]
+    return ep.constants[name]
+
+
+def from_exported_program(ep: torch.export.ExportedProgram, name: str = "model",
+                          check: bool = True) -> Graph:
+    """Convert a (decomposed) ExportedProgram into an IR Graph.
+
+    Parameters, buffers and lifted constants become graph constants; user inputs become
+    graph inputs in flattened order. Raises ConversionError for mutated buffers
+    (training-mode BatchNorm statistics) and unsupported targets."""
+    from torch.export.graph_signature import InputKind, OutputKind
+
+    graph = Graph(name)
+    env: Dict[fx.Node, Any] = {}
+    sig = ep.graph_signature
+    specs = {s.arg.name: s for s in sig.input_specs if hasattr(s.arg, "name")}
+    for out in sig.output_specs:
+        if out.kind in (OutputKind.BUFFER_MUTATION, OutputKind.USER_INPUT_MUTATION):
+            raise ConversionError(
+                f"the model mutates {out.target} during the forward pass (e.g. BatchNorm in "
+                "training mode updates its running statistics); call model.eval() for "
+                "inference, or use torch.compile(backend='opencann') for training")
+    for node in ep.graph.nodes:
+        if node.op == "placeholder":
+            spec = specs.get(node.name)
+            if spec is not None and spec.kind != InputKind.USER_INPUT:
+                t = _resolve_const(ep, spec.target)
+                env[node] = graph.add_const(t, name=spec.target)
+            elif isinstance(node.meta.get("val"), torch.Tensor):
+                env[node] = graph.add_input(_desc(node.meta["val"], node.name), name=node.name)
+            else:
+                env[node] = node.meta.get("val")
+        elif node.op == "call_function":
+            convert_node(graph, node, env)
+        elif node.op == "output":
+            outs = node.args[0]
+            flat = [env[o] if isinstance(o, fx.Node) else o for o in outs]
+            graph.meta["output_literals"] = {i: o for i, o in enumerate(flat)
+                                             if not isinstance(o, Value)}
+            graph.outputs = [o for o in flat if isinstance(o, Value)]
+            graph.meta["n_outputs"] = len(flat)
+    if check:
+        check_inference(graph)
+    return graph
+
+
+def from_fx_graph(gm: fx.GraphModule, example_inputs, name: str = "graph",
+                  check: bool = True) -> Graph:
+    """Convert an ATen-level FX GraphModule (from AOTAutograd / dynamo backends).
+
+    get_attr nodes become constants; placeholders become inputs."""
+    graph = Graph(name)
+    env: Dict[fx.Node, Any] = {}
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            val = node.meta.get("val")
+            if isinstance(val, torch.Tensor):
+                env[node] = graph.add_input(_desc(val, node.name), name=node.name)
+            else:
+                env[node] = val
+        elif node.op == "get_attr":
+            env[node] = graph.add_const(getattr(gm, node.target), name=node.target)
+        elif node.op == "call_function":
+            convert_node(graph, node, env)
+        elif node.op == "output":
+            outs = node.args[0] if isinstance(node.args[0], (list, tuple)) else [node.args[0]]
+            flat = [env[o] if isinstance(o, fx.Node) else o for o in outs]
+            graph.meta["output_literals"] = {i: o for i, o in enumerate(flat)
+                                             if not isinstance(o, Value)}
+            graph.outputs = [o for o in flat if isinstance(o, Value)]
+            graph.meta["n_outputs"] = len(flat)
+    if check:
+        check_inference(graph)
+    return graph

@@ -1,0 +1,57 @@
+"""Artifacts of the memory and schedule stages, consumed by the runtime.
+
+A `MemoryPlan` maps each planned buffer to an offset in one arena. Sizes are bytes,
+rounded up to ``alignment``. ``lower_bound`` is the largest number of bytes live at any
+single step, the bound no offset assignment can beat (as XLA's buffer assignment reports
+its own gap to it).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, List, Tuple
+
+
+@dataclass
+class Buffer:
+    """One planned allocation: a root value and the values that alias it."""
+
+    root: int                 # value id that owns the storage
+    size: int                 # bytes, aligned
+    start: int                # first step (node index) at which it is live
+    end: int                  # last step at which it is read
+    offset: int = -1          # byte offset in the arena
+    aliases: List[int] = field(default_factory=list)  # view / in-place value ids
+
+
+@dataclass
+class MemoryPlan:
+    buffers: Dict[int, Buffer]            # root value id -> buffer
+    value_buffer: Dict[int, int]          # value id -> root value id (only planned values)
+    arena_bytes: int
+    lower_bound: int
+    naive_bytes: int                      # one fresh allocation per planned value
+    alignment: int
+    strategy: str
+    inplace: List[Tuple[str, str]] = field(default_factory=list)  # (node, input) reused
+    unplanned: Dict[str, str] = field(default_factory=dict)       # value -> why not planned
+
+    @property
+    def ratio(self) -> float:
+        """arena / lower bound (1.0 is optimal)."""
+        return self.arena_bytes / self.lower_bound if self.lower_bound else 1.0
+
+    def summary(self) -> Dict[str, object]:
+        return {"arena_bytes": self.arena_bytes, "lower_bound_bytes": self.lower_bound,
+                "naive_bytes": self.naive_bytes, "arena_over_lower_bound": round(self.ratio, 4),
+                "buffers": len(self.buffers), "inplace_reuses": len(self.inplace),
+                "strategy": self.strategy, "alignment": self.alignment,
+                "kernel_allocated_values": len(self.unplanned)}
+
+
+@dataclass
+class Schedule:
+    """Execution order (node names) and stream of each node; events join streams."""
+
+    order: List[str]
+    streams: Dict[str, int]
+    events: List[Tuple[str, str]] = field(default_factory=list)  # (producer, consumer)

@@ -1,0 +1,7 @@
+"""Operator library: `OpDef` registry, the op table, fused ops and their kernels."""
+from .opdef import Cost, OpDef, OpKind, all_ops, call_args, get_op, infer, lookup_aten, register
+from . import library  # noqa: F401  (registers the table)
+from . import fused  # noqa: F401  (registers opencann's fused ops)
+
+__all__ = ["Cost", "OpDef", "OpKind", "all_ops", "call_args", "get_op", "infer",
+           "lookup_aten", "register"]

@@ -1,0 +1,217 @@
+"""``flash_attention``: eager, differentiable FlashAttention-2 with per-device kernels.
+
+Dispatch: CPU tensors -> numba kernels (``cpu.py``), CUDA tensors -> Triton kernels
+(``triton_kernels.py``). ``backend=`` or the env var ``OPENCANN_FA_BACKEND`` forces
+"numba", "triton" (CPU tensors then need ``TRITON_INTERPRET=1`` set before triton is
+first imported) or "reference" (float64 matmul + softmax, for checking).
+
+Algorithm: FlashAttention-2, Dao 2023, arXiv:2307.08691. The forward saves only the
+output and the row log-sum-exp; the backward recomputes the scores tile by tile.
+Semantics of ``causal`` and ``attn_mask``: see ``reference.py``.
+"""
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+from .planner import TilePlan, cpu_l2, cuda_smem, plan_tiles
+from .reference import additive_mask, attention_reference, causal_offset
+
+_LAYOUTS = ("BNSD", "BSND")
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_BACKENDS = ("numba", "triton", "reference")
+TRITON_MAX_BLOCK = 128  # register-file limit per program; the smem plan is an upper bound
+
+
+def _check(q, k, v, layout):
+    if layout not in _LAYOUTS:
+        raise ValueError(f"layout={layout!r} is not supported; use 'BNSD' (batch, heads, seq, "
+                         "dim) or 'BSND' (batch, seq, heads, dim)")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"{name} has {t.dim()} dims (shape {tuple(t.shape)}); layout "
+                             f"{layout} needs 4 ({', '.join(layout)}): add missing dims with "
+                             "unsqueeze, e.g. q.unsqueeze(0) for a missing batch")
+        if t.dtype not in _DTYPES:
+            raise ValueError(f"{name} has dtype {t.dtype}; use float32, float16 or bfloat16")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(f"q, k, v dtypes differ ({q.dtype}, {k.dtype}, {v.dtype}); cast them to one")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k, v are on different devices ({q.device}, {k.device}, {v.device})")
+
+
+def _to_bnsd(q, k, v, layout):
+    if layout == "BSND":
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+    B, H, Sq, D = q.shape
+    if k.shape[-1] != D or v.shape[-1] != D:
+        raise ValueError(f"head dim mismatch: q has {D}, k has {k.shape[-1]}, v has "
+                         f"{v.shape[-1]}; q, k and v need the same head dim (last axis)")
+    if k.shape != v.shape:
+        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must have the same shape "
+                         f"(in {layout} order)")
+    if k.shape[0] != B:
+        raise ValueError(f"batch mismatch: q has {B}, k/v have {k.shape[0]}")
+    if k.shape[1] == 0 or H % k.shape[1] != 0:
+        raise ValueError(f"query heads ({H}) must be a multiple of key/value heads "
+                         f"({k.shape[1]}) for grouped-/multi-query attention; pick "
+                         "k/v heads that divide the query heads")
+    return q, k, v
+
+
+def _pick_backend(backend, device):
+    backend = backend or os.environ.get("OPENCANN_FA_BACKEND") or (
+        "triton" if device.type == "cuda" else "numba")
+    if backend not in _BACKENDS:
+        raise ValueError(f"backend={backend!r} is unknown; use one of {_BACKENDS}")
+    if backend == "numba" and device.type != "cpu":
+        raise ValueError("the numba backend runs on CPU tensors; move them with .cpu() or use "
+                         "backend='triton'")
+    return backend
+
+
+@functools.lru_cache(maxsize=256)
+def _default_tiles(backend, D, Sq, Sk, dtype):
+    if backend == "triton":
+        plan = plan_tiles(cuda_smem()[0], D, dtype, seq_q=Sq, seq_k=Sk, target="triton")
+        return min(plan.block_q, TRITON_MAX_BLOCK), min(plan.block_k, TRITON_MAX_BLOCK)
+    plan = plan_tiles(cpu_l2()[0], D, torch.float32, seq_q=Sq, seq_k=Sk, target="cpu")
+    return plan.block_q, plan.block_k
+
+
+def _tiles(tiles, backend, D, Sq, Sk, dtype):
+    if tiles is None:
+        return _default_tiles(backend, D, Sq, Sk, dtype)
+    if isinstance(tiles, TilePlan):
+        return tiles.block_q, tiles.block_k
+    try:
+        bq, bk = (int(x) for x in tiles)
+    except (TypeError, ValueError):
+        raise ValueError(f"tiles={tiles!r}: give a TilePlan or a (block_q, block_k) pair") from None
+    if bq < 1 or bk < 1:
+        raise ValueError(f"tiles={tiles!r}: blocks must be >= 1")
+    return bq, bk
+
+
+def _forward_impl(q, k, v, mask, off, scale, bq, bk, backend, out=None):
+    """BNSD forward on prepared inputs; returns (out float32, lse float32)."""
+    if backend == "reference":
+        o, lse = _ref(q, k, v, mask, off, scale)
+        return o.float(), lse.float()
+    if backend == "triton":
+        from . import triton_kernels
+        return triton_kernels.forward(q, k, v, mask, off, scale, bq, bk)
+    from . import cpu
+    qn, kn, vn = (t.detach().float().contiguous().numpy() for t in (q, k, v))
+    mn = None if mask is None else mask.detach().numpy()
+    on = None if out is None else out.numpy()
+    o, lse = cpu.forward(qn, kn, vn, mn, off, scale, bq, bk, out=on)
+    return (out if out is not None else torch.from_numpy(o)), torch.from_numpy(lse)
+
+
+def _ref(q, k, v, mask, off, scale):
+    """Reference with a precomputed additive mask and causal offset."""
+    Sq, Sk = q.shape[2], k.shape[2]
+    if off is not None:
+        i = torch.arange(Sq, device=q.device)[:, None]
+        j = torch.arange(Sk, device=q.device)[None, :]
+        hide = torch.zeros(Sq, Sk, dtype=torch.float64, device=q.device).masked_fill(j > i + off, float("-inf"))
+        mask = hide if mask is None else mask.double() + hide
+    return attention_reference(q, k, v, attn_mask=mask, causal=False, scale=scale)
+
+
+class _FlashAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, mask, off, scale, bq, bk, backend):
+        out, lse = _forward_impl(q, k, v, mask, off, scale, bq, bk, backend)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.cfg = (mask, off, scale, bq, bk, backend)
+        return out.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        mask, off, scale, bq, bk, backend = ctx.cfg
+        if backend == "reference":
+            with torch.enable_grad():
+                qq, kk, vv = (t.detach().double().requires_grad_() for t in (q, k, v))
+                o, _ = _ref(qq, kk, vv, mask, off, scale)
+                dq, dk, dv = torch.autograd.grad(o, (qq, kk, vv), dout.double())
+        elif backend == "triton":
+            from . import triton_kernels
+            dq, dk, dv = triton_kernels.backward(q, k, v, out, lse, dout, mask, off, scale, bq, bk)
+        else:
+            from . import cpu
+            arrs = [t.detach().float().contiguous().numpy() for t in (q, k, v, out, lse, dout)]
+            mn = None if mask is None else mask.numpy()
+            dq, dk, dv = (torch.from_numpy(a) for a in cpu.backward(
+                *arrs[:5], arrs[5], mn, off, scale, bq, bk))
+        return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None)
+
+
+def _prepare(q, k, v, attn_mask, causal, scale, layout, tiles, backend):
+    _check(q, k, v, layout)
+    q, k, v = _to_bnsd(q, k, v, layout)
+    B, H, Sq, D = q.shape
+    Sk = k.shape[2]
+    off = causal_offset(causal, Sq, Sk)
+    mask = additive_mask(attn_mask, B, H, Sq, Sk, dtype=torch.float32)
+    if mask is not None and mask.device != q.device:
+        raise ValueError(f"attn_mask is on {mask.device} but q is on {q.device}")
+    if mask is not None:
+        mask = mask.detach()
+    scale = float(D ** -0.5 if scale is None else scale)
+    backend = _pick_backend(backend, q.device)
+    bq, bk = _tiles(tiles, backend, D, Sq, Sk, q.dtype)
+    return q, k, v, mask, off, scale, bq, bk, backend
+
+
+def flash_attention(q, k, v, *, attn_mask=None, causal=False, scale=None, layout="BNSD",
+                    tiles=None, backend=None):
+    """Memory-efficient exact attention ``softmax(scale * q k^T + mask) v`` with autograd.
+
+    Shapes (``layout="BNSD"``): q (B, H, S_q, D), k and v (B, H_kv, S_k, D) with
+    ``H % H_kv == 0`` (grouped-query; H_kv = 1 is multi-query). ``layout="BSND"``:
+    q (B, S_q, H, D), k, v (B, S_k, H_kv, D); the output follows the input layout.
+    dtypes: float32, float16, bfloat16 (all three equal); accumulation is float32; the
+    output has the input dtype.
+
+    attn_mask: bool (True = keep) or float (added to the scaled scores), broadcastable to
+    (B, H, S_q, S_k) (BNSD order whatever ``layout``); no gradient flows to it.
+    causal: False, True (= "top_left", like torch SDPA ``is_causal``), "top_left" or
+    "bottom_right" (query i sees keys j <= i + S_k - S_q). scale: default D ** -0.5.
+    tiles: None (planner: this CPU's L2 / the GPU's shared memory), a ``TilePlan`` or a
+    (block_q, block_k) pair. backend: None (by device), "numba", "triton", "reference".
+
+    Fully masked rows give output 0 and gradient 0 (no NaN).
+    Raises ValueError for a bad layout, wrong rank, dtype or device mismatch, head-dim
+    mismatch, query heads not a multiple of kv heads, a mask that does not broadcast,
+    or an unknown causal/backend value.
+    Source: FlashAttention-2, Dao 2023, arXiv:2307.08691.
+    """
+    q_, k_, v_, mask, off, scale, bq, bk, backend = _prepare(
+        q, k, v, attn_mask, causal, scale, layout, tiles, backend)
+    out = _FlashAttention.apply(q_, k_, v_, mask, off, scale, bq, bk, backend)
+    return out.transpose(1, 2) if layout == "BSND" else out
+
+
+def flash_attention_forward(q, k, v, *, attn_mask=None, causal=False, scale=None, tiles=None,
+                            backend=None, out=None):
+    """Forward only, no autograd, BNSD: returns ``(out, lse)``.
+
+    q (B, H, S_q, D), k/v (B, H_kv, S_k, D); out (B, H, S_q, D) float32 and lse
+    (B, H, S_q) float32 (natural log; -inf for fully masked rows). ``out``, if given,
+    is a float32 C-contiguous CPU tensor written in place (numba backend). Meant for
+    graph kernels. Same arguments and errors as ``flash_attention``.
+    """
+    q, k, v, mask, off, scale, bq, bk, backend = _prepare(
+        q, k, v, attn_mask, causal, scale, "BNSD", tiles, backend)
+    if out is not None and (backend != "numba" or out.dtype != torch.float32
+                            or not out.is_contiguous() or out.shape != q.shape):
+        raise ValueError("out= needs the numba backend and a contiguous float32 tensor of q's shape")
+    with torch.no_grad():
+        return _forward_impl(q, k, v, mask, off, scale, bq, bk, backend, out=out)

@@ -1,0 +1,167 @@
+"""The operator table: CANN-style op names for the core-ATen overloads opencann
+implements. Names follow the CANN operator list where one exists (Add/Adds, Mul/Muls,
+ReduceSum, Conv2D, BatchMatMul, LayerNorm, TransData...); source: "CANN Operator List"
+(Ascend documentation, built-in operator specifications).
+
+Each row: (name, aten overload, kind, flops per element, inplace-able).
+"""
+from __future__ import annotations
+
+import torch
+
+from ..ir import Node
+from .opdef import Cost, OpDef, OpKind, _nbytes, register
+
+aten = torch.ops.aten
+E, R, V, D, C, N, P = (OpKind.ELEMENTWISE, OpKind.REDUCTION, OpKind.VIEW, OpKind.DATA,
+                       OpKind.CREATION, OpKind.NORM, OpKind.POOL)
+
+_TABLE = [
+    # elementwise arithmetic
+    ("Add", aten.add.Tensor, E, 1, True), ("Adds", aten.add.Scalar, E, 1, True),
+    ("Sub", aten.sub.Tensor, E, 1, True), ("Subs", aten.sub.Scalar, E, 1, True),
+    ("RSub", aten.rsub.Scalar, E, 1, True),
+    ("Mul", aten.mul.Tensor, E, 1, True), ("Muls", aten.mul.Scalar, E, 1, True),
+    ("Div", aten.div.Tensor, E, 1, True), ("Divs", aten.div.Scalar, E, 1, True),
+    ("DivMode", aten.div.Tensor_mode, E, 2, True),
+    ("Pow", aten.pow.Tensor_Scalar, E, 2, True), ("PowTensor", aten.pow.Tensor_Tensor, E, 4, True),
+    ("Neg", aten.neg.default, E, 1, True), ("Abs", aten.abs.default, E, 1, True),
+    ("Exp", aten.exp.default, E, 4, True), ("Log", aten.log.default, E, 4, True),
+    ("Sqrt", aten.sqrt.default, E, 2, True), ("Rsqrt", aten.rsqrt.default, E, 2, True),
+    ("Reciprocal", aten.reciprocal.default, E, 1, True),
+    ("Sin", aten.sin.default, E, 4, True), ("Cos", aten.cos.default, E, 4, True),
+    ("Floor", aten.floor.default, E, 1, True), ("Sign", aten.sign.default, E, 1, True),
+    ("Maximum", aten.maximum.default, E, 1, True), ("Minimum", aten.minimum.default, E, 1, True),
+    ("ClipByValue", aten.clamp.default, E, 2, True),
+    ("ClampTensor", aten.clamp.Tensor, E, 2, True),
+    ("Select", aten.where.self, E, 1, False),
+    # activations
+    ("Relu", aten.relu.default, E, 1, True), ("Gelu", aten.gelu.default, E, 8, True),
+    ("Sigmoid", aten.sigmoid.default, E, 4, True), ("Tanh", aten.tanh.default, E, 4, True),
+    ("Erf", aten.erf.default, E, 4, True), ("Swish", aten.silu.default, E, 5, True),
+    ("HardTanh", aten.hardtanh.default, E, 2, True), ("LeakyRelu", aten.leaky_relu.default, E, 2, True),
+    ("HardSigmoid", aten.hardsigmoid.default, E, 3, True),
+    ("HardSwish", aten.hardswish.default, E, 4, True),
+    # comparisons and logic
+    ("Equal", aten.eq.Tensor, E, 1, False), ("Equals", aten.eq.Scalar, E, 1, False),
+    ("NotEqual", aten.ne.Tensor, E, 1, False), ("NotEquals", aten.ne.Scalar, E, 1, False),
+    ("Less", aten.lt.Tensor, E, 1, False), ("Lesss", aten.lt.Scalar, E, 1, False),
+    ("LessEqual", aten.le.Tensor, E, 1, False), ("LessEquals", aten.le.Scalar, E, 1, False),
+    ("Greater", aten.gt.Tensor, E, 1, False), ("Greaters", aten.gt.Scalar, E, 1, False),
+    ("GreaterEqual", aten.ge.Tensor, E, 1, False), ("GreaterEquals", aten.ge.Scalar, E, 1, False),
+    ("LogicalNot", aten.logical_not.default, E, 1, False),
+    ("LogicalAnd", aten.logical_and.default, E, 1, False),
+    ("LogicalOr", aten.logical_or.default, E, 1, False),
+    ("BitwiseAnd", aten.bitwise_and.Tensor, E, 1, False),
+    ("BitwiseOr", aten.bitwise_or.Tensor, E, 1, False),
+    ("BitwiseNot", aten.bitwise_not.default, E, 1, False),
+    ("IsNan", aten.isnan.default, E, 1, False),
+    # casts and copies
+    ("Cast", aten._to_copy.default, E, 0, False), ("Identity", aten.clone.default, D, 0, False),
+    ("Fill", aten.fill.Scalar, E, 0, False),
+    # reductions
+    ("ReduceSum", aten.sum.dim_IntList, R, 1, False), ("ReduceSumAll", aten.sum.default, R, 1, False),
+    ("ReduceMean", aten.mean.dim, R, 1, False), ("ReduceMeanAll", aten.mean.default, R, 1, False),
+    ("ReduceMax", aten.amax.default, R, 1, False),
+    ("ReduceMin", aten.amin.default, R, 1, False), ("ReduceAny", aten.any.dim, R, 1, False),
+    ("ReduceAll", aten.all.dim, R, 1, False),
+    ("ArgMaxD", aten.argmax.default, R, 1, False), ("ArgMinD", aten.argmin.default, R, 1, False),
+    ("ReduceMaxD", aten.max.dim, R, 1, False),
+    ("ReduceVar", aten.var.correction, R, 3, False),
+    ("Cumsum", aten.cumsum.default, R, 1, False),
+    # normalisation and softmax
+    ("SoftmaxV2", aten._softmax.default, N, 5, False),
+    ("LogSoftmaxV2", aten._log_softmax.default, N, 5, False),
+    ("LayerNorm", aten.native_layer_norm.default, N, 8, False),
+    ("BatchNorm", aten._native_batch_norm_legit_no_training.default, N, 4, False),
+    ("GroupNorm", aten.native_group_norm.default, N, 8, False),
+    # pooling
+    ("MaxPoolWithArgmax", aten.max_pool2d_with_indices.default, P, 1, False),
+    ("AvgPool", aten.avg_pool2d.default, P, 1, False),
+    ("AdaptiveAvgPool2d", aten._adaptive_avg_pool2d.default, P, 1, False),
+    # gathers, concatenation, padding, creation
+    ("Embedding", aten.embedding.default, D, 0, False),
+    ("GatherElements", aten.gather.default, D, 0, False),
+    ("Index", aten.index.Tensor, D, 0, False),
+    ("IndexSelect", aten.index_select.default, D, 0, False),
+    ("ConcatD", aten.cat.default, D, 0, False), ("Pack", aten.stack.default, D, 0, False),
+    ("PadV3", aten.constant_pad_nd.default, D, 0, False),
+    ("Tile", aten.repeat.default, D, 0, False),
+    ("Triu", aten.triu.default, D, 0, False), ("Tril", aten.tril.default, D, 0, False),
+    ("Range", aten.arange.start_step, C, 0, False), ("RangeEnd", aten.arange.default, C, 0, False),
+    ("Fill2", aten.full.default, C, 0, False), ("FillLike", aten.full_like.default, C, 0, False),
+    ("ScalarTensor", aten.scalar_tensor.default, C, 0, False),
+    ("ZerosLike", aten.zeros_like.default, C, 0, False),
+    ("OnesLike", aten.ones_like.default, C, 0, False),
+    # views and shape ops (alias their input; no copy, no kernel work)
+    ("Reshape", aten.view.default, V, 0, False), ("UnsafeReshape", aten._unsafe_view.default, V, 0, False),
+    ("ReshapeCopy", aten.reshape.default, V, 0, False),
+    ("Transpose", aten.permute.default, V, 0, False), ("TransposeD", aten.t.default, V, 0, False),
+    ("Swapaxes", aten.transpose.int, V, 0, False),
+    ("Unsqueeze", aten.unsqueeze.default, V, 0, False), ("Squeeze", aten.squeeze.dims, V, 0, False),
+    ("SqueezeDim", aten.squeeze.dim, V, 0, False),
+    ("BroadcastTo", aten.expand.default, V, 0, False),
+    ("StridedSlice", aten.slice.Tensor, V, 0, False), ("SelectInt", aten.select.int, V, 0, False),
+    ("SplitWithSize", aten.split_with_sizes.default, V, 0, False),
+    ("SplitV", aten.split.Tensor, V, 0, False),
+    ("Alias", aten.alias.default, V, 0, False),
+    ("AsStrided", aten.as_strided.default, V, 0, False),
+]
+
+
+def _matmul_cost(node: Node) -> Cost:
+    """2·M·N·K per (batch) product; addmm adds M·N for the bias."""
+    ins = [v.desc for v in node.inputs]
+    out = node.outputs[0].desc
+    a = ins[-2]  # mm(a, b), bmm(a, b), addmm(bias, a, b)
+    k = int(a.shape[-1])
+    flops = 2 * k * _numel_of(out.shape)
+    if node.op == "MatMulV2":
+        flops += _numel_of(out.shape)
+    return Cost(flops, sum(_nbytes(d) for d in ins) + _nbytes(out))
+
+
+def _conv_cost(node: Node) -> Cost:
+    """2·N·C_out·H_out·W_out·(C_in/groups)·K_h·K_w (plus bias)."""
+    w = node.inputs[1].desc
+    out = node.outputs[0].desc
+    macs = _numel_of(out.shape) * _numel_of(w.shape[1:])
+    moved = sum(_nbytes(v.desc) for v in node.inputs) + _nbytes(out)
+    return Cost(2 * macs, moved)
+
+
+def _attention_cost(node: Node) -> Cost:
+    """4·B·H·S_q·S_k·D (two matmuls) + 5·B·H·S_q·S_k (softmax)."""
+    q, k = node.inputs[0].desc, node.inputs[1].desc
+    bh = _numel_of(q.shape[:-2])
+    sq, d = int(q.shape[-2]), int(q.shape[-1])
+    sk = int(k.shape[-2])
+    flops = 4 * bh * sq * sk * d + 5 * bh * sq * sk
+    moved = sum(_nbytes(v.desc) for v in node.inputs) + _nbytes(node.outputs[0].desc)
+    return Cost(flops, moved)
+
+
+def _numel_of(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= int(s)
+    return n
+
+
+def _register_all() -> None:
+    for name, target, kind, fpe, inplace in _TABLE:
+        register(OpDef(name, kind, aten=target, flops_per_elem=fpe, inplace_ok=inplace))
+    register(OpDef("MatMul", OpKind.MATMUL, aten=aten.mm.default, cost_fn=_matmul_cost))
+    register(OpDef("BatchMatMul", OpKind.MATMUL, aten=aten.bmm.default, cost_fn=_matmul_cost))
+    register(OpDef("MatMulV2", OpKind.MATMUL, aten=aten.addmm.default, cost_fn=_matmul_cost,
+                   doc="addmm(bias, x, w): a Linear layer after decomposition"))
+    register(OpDef("Conv2D", OpKind.CONV, aten=aten.convolution.default, cost_fn=_conv_cost))
+    register(OpDef("ScaledDotProductAttention", OpKind.ATTENTION,
+                   aten=aten.scaled_dot_product_attention.default, cost_fn=_attention_cost))
+    register(OpDef("Dropout", OpKind.ELEMENTWISE, aten=aten.native_dropout.default,
+                   flops_per_elem=2, random=True))
+    register(OpDef("HostFallback", OpKind.FALLBACK,
+                   doc="an ATen op with no opencann converter, run on the host as is"))
+
+
+_register_all()

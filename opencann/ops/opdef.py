@@ -1,0 +1,202 @@
+"""`OpDef` and the operator registry (CANN's operator library, "compute services").
+
+Every IR op is described by one `OpDef`: its schema (taken from the ATen overload it
+implements, so attribute names are PyTorch's), shape/dtype inference (run on meta
+tensors), flags, a cost function (FLOPs and bytes moved), a reference implementation
+and its kernels per device. Kernels of aten-backed ops call the ATen overload; when an
+``.out`` overload exists the runtime writes straight into the planned arena buffer.
+"""
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from ..ir import DataType, Node, TensorDesc, TensorListRef, TensorRef
+
+
+class OpKind(enum.Enum):
+    ELEMENTWISE = "elementwise"
+    REDUCTION = "reduction"
+    MATMUL = "matmul"
+    CONV = "conv"
+    NORM = "norm"
+    POOL = "pool"
+    VIEW = "view"          # output aliases the input's storage
+    DATA = "data"          # copies / gathers / concatenations
+    CREATION = "creation"  # tensors made from nothing (arange, full)
+    ATTENTION = "attention"
+    FUSED = "fused"
+    FALLBACK = "fallback"
+
+
+@dataclass
+class Cost:
+    """Work of one node: floating-point operations and bytes read + written."""
+
+    flops: int = 0
+    bytes: int = 0
+
+    def __add__(self, other: "Cost") -> "Cost":
+        return Cost(self.flops + other.flops, self.bytes + other.bytes)
+
+
+@dataclass
+class OpDef:
+    """One operator of the library.
+
+    ``aten``: the ATen overload it implements (None for opencann's own fused ops).
+    ``flops_per_elem``: elementwise/reduction work per output (or input) element.
+    ``inplace_ok``: the output may share the buffer of input 0 (same size and dtype).
+    ``kernels``: device name -> callable taking the ATen-style args.
+    ``out_kernel``: the ``.out`` overload, when one exists, for arena binding.
+    """
+
+    name: str
+    kind: OpKind
+    aten: Optional[torch._ops.OpOverload] = None
+    flops_per_elem: float = 1.0
+    inplace_ok: bool = False
+    random: bool = False
+    kernels: Dict[str, Callable] = field(default_factory=dict)
+    out_kernel: Optional[torch._ops.OpOverload] = None
+    out_names: Tuple[str, ...] = ()
+    cost_fn: Optional[Callable[[Node], Cost]] = None
+    doc: str = ""
+
+    @property
+    def reference(self) -> Callable:
+        """Reference implementation: the eager ATen op itself."""
+        return self.aten
+
+    def cost(self, node: Node) -> Cost:
+        if self.cost_fn is not None:
+            return self.cost_fn(node)
+        if self.kind in (OpKind.VIEW,):
+            return Cost(0, 0)
+        moved = sum(_nbytes(v.desc) for v in node.inputs) + \
+            sum(_nbytes(o.desc) for o in node.outputs)
+        if self.kind == OpKind.REDUCTION:
+            n = sum(_numel(v.desc) for v in node.inputs[:1])
+        else:
+            n = sum(_numel(o.desc) for o in node.outputs[:1])
+        flops = 0 if self.kind in (OpKind.DATA, OpKind.CREATION) else int(n * self.flops_per_elem)
+        return Cost(flops, moved)
+
+
+def _numel(d: TensorDesc) -> int:
+    return math.prod(int(s) for s in d.shape) if d.is_static else 0
+
+
+def _nbytes(d: TensorDesc) -> int:
+    return _numel(d) * d.dtype.itemsize
+
+
+_REGISTRY: Dict[str, OpDef] = {}
+_BY_ATEN: Dict[torch._ops.OpOverload, OpDef] = {}
+
+
+def _find_out_overload(op: torch._ops.OpOverload) -> Tuple[Optional[torch._ops.OpOverload], Tuple[str, ...]]:
+    """The ``.out`` overload whose non-out arguments equal ``op``'s, if any."""
+    packet = op.overloadpacket
+    base = op._overloadname
+    cands = [f"{base}_out", "out"] if base != "default" else ["out"]
+    if base.startswith("dim_"):
+        cands.insert(0, base[4:] + "_out")
+    want = [a.name for a in op._schema.arguments]
+    for c in cands:
+        if c not in packet.overloads():
+            continue
+        o = getattr(packet, c)
+        args = [a for a in o._schema.arguments if not a.is_out]
+        outs = tuple(a.name for a in o._schema.arguments if a.is_out)
+        if [a.name for a in args] == want and len(outs) == len(op._schema.returns):
+            return o, outs
+    return None, ()
+
+
+def register(opdef: OpDef) -> OpDef:
+    """Add an op to the registry; raises ValueError on a duplicate name or overload."""
+    if opdef.name in _REGISTRY:
+        raise ValueError(f"op {opdef.name} is registered twice")
+    if opdef.aten is not None:
+        if opdef.aten in _BY_ATEN:
+            raise ValueError(f"{opdef.aten} is already implemented by {_BY_ATEN[opdef.aten].name}")
+        _BY_ATEN[opdef.aten] = opdef
+        opdef.kernels.setdefault("cpu", opdef.aten)
+        if opdef.out_kernel is None and opdef.kind != OpKind.VIEW:
+            opdef.out_kernel, opdef.out_names = _find_out_overload(opdef.aten)
+    _REGISTRY[opdef.name] = opdef
+    return opdef
+
+
+def get_op(name: str) -> OpDef:
+    """The OpDef named ``name``; raises KeyError listing close names."""
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        import difflib
+        close = difflib.get_close_matches(name, list(_REGISTRY), n=3)
+        raise KeyError(f"unknown op {name!r}" + (f"; did you mean {close}?" if close else "")) from None
+
+
+def lookup_aten(target) -> Optional[OpDef]:
+    return _BY_ATEN.get(target)
+
+
+def all_ops() -> List[OpDef]:
+    return list(_REGISTRY.values())
+
+
+# -- calling an op with a node's arguments -------------------------------------------
+
+def _resolve(val: Any, inputs: Sequence[Any]) -> Any:
+    if isinstance(val, TensorRef):
+        return inputs[val.index]
+    if isinstance(val, TensorListRef):
+        return list(inputs[val.start:val.start + val.length])
+    if isinstance(val, list):
+        return [_resolve(v, inputs) for v in val]
+    return val
+
+
+def call_args(node: Node, inputs: Sequence[Any]) -> Tuple[list, dict]:
+    """Rebuild ATen positional/keyword args from ``node.attrs`` and actual inputs."""
+    op = get_op(node.op)
+    schema = (op.aten or node.meta["aten"])._schema
+    args, kwargs = [], {}
+    for a in schema.arguments:
+        if a.name not in node.attrs:
+            continue
+        val = _resolve(node.attrs[a.name], inputs)
+        if a.kwarg_only:
+            kwargs[a.name] = val
+        else:
+            args.append(val)
+    return args, kwargs
+
+
+def infer(node: Node) -> List[TensorDesc]:
+    """Shape/dtype inference by running the op's ATen overload on meta tensors.
+
+    Raises ValueError naming the node and its source location when inference fails."""
+    op = get_op(node.op)
+    target = op.aten or node.meta.get("aten")
+    if target is None:
+        return [o.desc for o in node.outputs]
+    metas = [torch.empty(v.desc.shape, dtype=v.desc.dtype.torch, device="meta")
+             for v in node.inputs]
+    args, kwargs = call_args(node, metas)
+    if "device" in kwargs:
+        kwargs["device"] = "meta"
+    try:
+        out = target(*args, **kwargs)
+    except Exception as e:  # noqa: BLE001 - re-raised with context
+        raise ValueError(f"shape inference failed for {node.name} ({node.op}) at "
+                         f"{node.where()}: {e}") from None
+    outs = out if isinstance(out, (tuple, list)) else [out]
+    return [TensorDesc(tuple(int(s) for s in t.shape), DataType.from_torch(t.dtype))
+            for t in outs]

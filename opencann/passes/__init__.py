@@ -1,0 +1,20 @@
+"""The optimization pipeline (five stages: prepare, fusion, layout, memory, schedule)."""
+from .base import Pass, PassContext, PassManager
+from .fusion import FoldBatchNorm, FuseConvAct, FuseConvAddAct, FuseLinearAct
+from .layout import LayoutSelection
+from .memory import plan_memory
+from .prepare import CommonSubexpressionElimination, ConstantFolding, DeadCodeElimination
+from .schedule import SingleStreamSchedule
+
+
+def default_pipeline() -> PassManager:
+    """Prepare → fusion → layout → schedule. (Memory planning runs after scheduling,
+    on the final order, in the compiler.)"""
+    return PassManager([
+        ConstantFolding(), DeadCodeElimination(), CommonSubexpressionElimination(),
+        FoldBatchNorm(), FuseConvAct(), FuseConvAddAct(), FuseLinearAct(),
+        DeadCodeElimination(), LayoutSelection(), SingleStreamSchedule(),
+    ])
+
+
+__all__ = ["Pass", "PassContext", "PassManager", "default_pipeline", "plan_memory"]

@@ -1,0 +1,79 @@
+"""`Pass` and `PassManager`: ordered, named, switchable, timed, logged passes, with
+optional verification after each. A pass reports what it changed and, for every match
+it did not rewrite, why (recorded in the compile report and logged)."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+from ..ir import Graph, Node, verify
+from ..log import logger
+from ..report import CompileReport, PassRecord
+
+
+@dataclass
+class PassContext:
+    """What a pass may read and write besides the graph."""
+
+    options: Dict[str, Any]
+    report: CompileReport
+    device: str = "cpu"
+    artifacts: Dict[str, Any] = field(default_factory=dict)
+
+    def applied(self, pattern: str, nodes: List[Node]) -> None:
+        where = nodes[0].where() if nodes else ""
+        self.report.applied.append({"pattern": pattern, "nodes": "+".join(n.name for n in nodes),
+                                    "where": where})
+        logger.debug("fused %s: %s at %s", pattern, "+".join(n.name for n in nodes), where)
+
+    def skipped(self, pattern: str, node: Node, reason: str) -> None:
+        self.report.skipped.append({"pattern": pattern, "node": node.name,
+                                    "where": node.where(), "reason": reason})
+        logger.info("%s not applied at %s (%s): %s", pattern, node.name, node.where(), reason)
+
+
+class Pass:
+    """One transformation. Subclasses set ``name`` and ``stage`` and implement ``run``,
+    returning the number of rewrites."""
+
+    name = "pass"
+    stage = "prepare"
+    default_enabled = True
+
+    def run(self, graph: Graph, ctx: PassContext) -> int:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+
+class PassManager:
+    """Runs passes in order. ``options["disable"]`` (names) switches passes off;
+    ``options["enable"]`` switches on passes that are off by default;
+    ``options["verify"]`` runs the IR verifier after each pass."""
+
+    def __init__(self, passes: List[Pass]):
+        self.passes = passes
+
+    def names(self) -> List[str]:
+        return [p.name for p in self.passes]
+
+    def run(self, graph: Graph, ctx: PassContext) -> Graph:
+        disable = set(ctx.options.get("disable", ()))
+        enable = set(ctx.options.get("enable", ()))
+        unknown = (disable | enable) - set(self.names())
+        if unknown:
+            raise ValueError(f"unknown pass name(s) {sorted(unknown)}; passes are {self.names()}")
+        check = ctx.options.get("verify", False)
+        for p in self.passes:
+            on = (p.default_enabled or p.name in enable) and p.name not in disable
+            before = len(graph.nodes)
+            t0 = time.perf_counter()
+            changed = p.run(graph, ctx) if on else 0
+            dt = time.perf_counter() - t0
+            if on and check:
+                verify(graph)
+            ctx.report.passes.append(PassRecord(p.name, p.stage, before, len(graph.nodes), dt,
+                                                int(changed or 0), enabled=on,
+                                                note=ctx.artifacts.pop("note", "")))
+            logger.debug("pass %s: %d -> %d nodes, %d changes, %.1f ms", p.name, before,
+                          len(graph.nodes), changed or 0, dt * 1e3)
+        return graph

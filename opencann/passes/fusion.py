@@ -1,0 +1,253 @@
+"""Stage 2, fusion (first set). One class per rewrite, each with a match condition and
+a one-line statement of what it rewrites (as ONNX Runtime's optimizers). Every match
+that is not rewritten is reported with its reason.
+
+- `FoldBatchNorm`: Conv2D → BatchNorm(eval) ⇒ Conv2D with W·γ/σ and (b−μ)·γ/σ+β.
+  (Ioffe & Szegedy 2015; the standard inference-time fold, as in torch.fx's
+  ``fuse_conv_bn_eval``). Changes rounding: within 1e-5 relative in fp32.
+- `FuseConvAct`: Conv2D(+bias) → Relu/Gelu/Sigmoid/Tanh/Swish ⇒ ConvBiasAct.
+- `FuseConvAddAct`: ConvBiasAct(none) → Add(·, r) [→ Relu] ⇒ ConvAddAct (oneDNN sum
+  post-op, in place into r when r dies there).
+- `FuseLinearAct`: MatMulV2 [→ Reshape] → activation ⇒ LinearAct [→ Reshape]; a constant
+  weight also gets a packed GEMM, so every MatMulV2 with a constant weight is rewritten.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ..ir import Graph, Node, TensorRef, Value
+from ..ops.fused import mkldnn_available
+from .base import Pass, PassContext
+
+_ACT_OPS = {"Relu": "relu", "Gelu": "gelu", "Sigmoid": "sigmoid", "Tanh": "tanh", "Swish": "silu"}
+
+
+def _only_user(v: Value, graph: Graph) -> Optional[Node]:
+    if len(v.users) == 1 and v not in graph.outputs:
+        return v.users[0]
+    return None
+
+
+class FoldBatchNorm(Pass):
+    """Conv2D → BatchNorm (inference) ⇒ Conv2D with folded weight and bias."""
+
+    name, stage = "fold_batchnorm", "fusion"
+
+    def run(self, graph: Graph, ctx: PassContext) -> int:
+        n = 0
+        for bn in list(graph.nodes):
+            if bn.op == "HostFallback" and "batch_norm" in str(bn.meta.get("aten", "")):
+                ctx.skipped("FoldBatchNorm", bn, "BatchNorm in training mode (batch statistics); "
+                            "call model.eval() for inference")
+                continue
+            if bn.op != "BatchNorm":
+                continue
+            x = bn.arg("input")
+            conv = x.producer
+            if conv is None or conv.op != "Conv2D":
+                ctx.skipped("FoldBatchNorm", bn, f"input is produced by {conv.op if conv else 'a graph input'}, not Conv2D")
+                continue
+            if len(x.users) != 1 or x in graph.outputs:
+                ctx.skipped("FoldBatchNorm", bn, "the convolution's output is also used elsewhere")
+                continue
+            if conv.attrs.get("transposed"):
+                ctx.skipped("FoldBatchNorm", bn, "transposed convolution")
+                continue
+            params = [bn.arg(k) for k in ("weight", "bias", "running_mean", "running_var")]
+            w = conv.arg("weight")
+            b = conv.arg("bias")
+            if not all(isinstance(p, Value) and p.is_const for p in params) or not w.is_const \
+                    or (b is not None and not b.is_const):
+                ctx.skipped("FoldBatchNorm", bn, "weights or statistics are not constants")
+                continue
+            gamma, beta, mean, var = (p.const.double() for p in params)
+            eps = bn.attrs["eps"]
+            scale = gamma / torch.sqrt(var + eps)
+            wf = (w.const.double() * scale.reshape(-1, 1, 1, 1)).to(w.const.dtype)
+            b0 = b.const.double() if b is not None else torch.zeros_like(mean)
+            bf = ((b0 - mean) * scale + beta).to(w.const.dtype)
+            wv, bv = graph.add_const(wf, f"{conv.name}_w_bnfolded"), graph.add_const(bf, f"{conv.name}_b_bnfolded")
+            for old, new in ((w, wv),):
+                graph.replace_input(conv, old, new)
+            if b is not None:
+                graph.replace_input(conv, b, bv)
+            else:
+                conv.inputs.append(bv)
+                bv.users.append(conv)
+                conv.attrs["bias"] = TensorRef(len(conv.inputs) - 1)
+            graph.replace_all_uses_with(bn.outputs[0], conv.outputs[0])
+            for o in bn.outputs[1:]:
+                if o.users or o in graph.outputs:
+                    break
+            graph.erase_node(bn)
+            ctx.applied("Conv+BN fold", [conv, bn])
+            n += 1
+        graph.prune_constants()
+        return n
+
+
+def _conv_check(conv: Node) -> Optional[str]:
+    if not mkldnn_available():
+        return "oneDNN (mkldnn) is not available in this torch build"
+    if conv.attrs.get("transposed"):
+        return "transposed convolution (no fused oneDNN kernel used here)"
+    if conv.outputs[0].desc.dtype.torch != torch.float32:
+        return f"dtype {conv.outputs[0].desc.dtype.value}: fused oneDNN conv path is fp32 only here"
+    if conv.outputs[0].desc.rank != 4:
+        return "not a 2-D convolution"
+    if any(p != 0 for p in conv.attrs.get("output_padding", [0])):
+        return "output padding"
+    return None
+
+
+def _make_conv(graph: Graph, conv: Node, act: str, before: Node, name: str) -> Node:
+    ins = [conv.arg("input"), conv.arg("weight")]
+    b = conv.arg("bias")
+    attrs = {k: conv.attrs[k] for k in ("stride", "padding", "dilation", "groups")}
+    attrs.update(input=TensorRef(0), weight=TensorRef(1), act=act)
+    if b is not None:
+        ins.append(b)
+        attrs["bias"] = TensorRef(2)
+    return graph.create_node("ConvBiasAct", ins, attrs, [before.outputs[0].desc], name=name,
+                             source=conv.source, scope=conv.scope, before=before)
+
+
+class FuseConvAct(Pass):
+    """Conv2D → activation ⇒ ConvBiasAct(act); a lone Conv2D ⇒ ConvBiasAct(none) so it
+    also gets oneDNN's prepacked weight."""
+
+    name, stage = "fuse_conv_act", "fusion"
+
+    def run(self, graph: Graph, ctx: PassContext) -> int:
+        n = 0
+        for conv in list(graph.nodes):
+            if conv.op != "Conv2D":
+                continue
+            why = _conv_check(conv)
+            if why:
+                ctx.skipped("Conv+activation", conv, why)
+                continue
+            user = _only_user(conv.outputs[0], graph)
+            if user is not None and user.op in _ACT_OPS and user.inputs[0] is conv.outputs[0] \
+                    and not (user.op == "Gelu" and user.attrs.get("approximate", "none") != "none"):
+                fused = _make_conv(graph, conv, _ACT_OPS[user.op], user, conv.name + "_" + user.op.lower())
+                graph.replace_all_uses_with(user.outputs[0], fused.outputs[0])
+                graph.erase_node(user)
+                graph.erase_node(conv)
+                ctx.applied(f"Conv+{user.op}", [conv, user])
+            else:
+                if user is None and len(conv.outputs[0].users) > 1:
+                    ctx.skipped("Conv+activation", conv, "the convolution's output has several users")
+                fused = _make_conv(graph, conv, "none", conv, conv.name)
+                graph.replace_all_uses_with(conv.outputs[0], fused.outputs[0])
+                graph.erase_node(conv)
+            n += 1
+        return n
+
+
+class FuseConvAddAct(Pass):
+    """ConvBiasAct(none) → Add(·, r) [→ Relu] ⇒ ConvAddAct (sum post-op into r)."""
+
+    name, stage = "fuse_conv_add_act", "fusion"
+
+    def run(self, graph: Graph, ctx: PassContext) -> int:
+        n = 0
+        step = {nd: i for i, nd in enumerate(graph.nodes)}
+        for add in list(graph.nodes):
+            if add.op != "Add" or add.attrs.get("alpha", 1) != 1 or len(add.inputs) != 2:
+                continue
+            conv = other = None
+            for a, b in ((0, 1), (1, 0)):
+                p = add.inputs[a].producer
+                if p is not None and p.op == "ConvBiasAct" and p.attrs["act"] == "none" \
+                        and _only_user(p.outputs[0], graph) is add:
+                    conv, other = p, add.inputs[b]
+                    break
+            if conv is None:
+                if any(v.producer is not None and v.producer.op in ("ConvBiasAct", "Conv2D")
+                       for v in add.inputs):
+                    ctx.skipped("Conv+Add", add, "the convolution already has a fused activation "
+                                "or its output has other users")
+                continue
+            if other.desc.shape != conv.outputs[0].desc.shape or other.desc.dtype != conv.outputs[0].desc.dtype:
+                ctx.skipped("Conv+Add", add, f"addend {other.desc} is broadcast (not the conv's "
+                            f"full output {conv.outputs[0].desc}); oneDNN's sum post-op needs equal shapes")
+                continue
+            relu = _only_user(add.outputs[0], graph)
+            relu = relu if relu is not None and relu.op == "Relu" else None
+            last = relu or add
+            # in place into the addend only if nothing reads it after this node
+            later = [u for u in other.users if u is not add and step.get(u, -1) > step[add]]
+            inplace = (not other.is_const and other not in graph.inputs and other not in graph.outputs
+                       and other.producer is not None and other.producer.op not in _VIEWS and not later)
+            if not inplace:
+                reason = ("the addend is read again later" if later else
+                          "the addend is a graph input, constant or view")
+                ctx.skipped("Conv+Add in place", add, reason + "; using the out-of-place sum")
+            ins = list(conv.inputs) + [other]
+            attrs = dict(conv.attrs, other=TensorRef(len(ins) - 1), inplace=inplace,
+                         act="relu" if relu else "none")
+            if inplace:
+                attrs["inplace_input"] = len(ins) - 1
+            fused = graph.create_node("ConvAddAct", ins, attrs, [last.outputs[0].desc],
+                                      name=conv.name + "_add" + ("_relu" if relu else ""),
+                                      source=conv.source, scope=conv.scope, before=last)
+            graph.replace_all_uses_with(last.outputs[0], fused.outputs[0])
+            for nd in ([relu] if relu else []) + [add, conv]:
+                graph.erase_node(nd)
+            ctx.applied("Conv+Add" + ("+Relu" if relu else ""), [conv, add] + ([relu] if relu else []))
+            step = {nd: i for i, nd in enumerate(graph.nodes)}
+            n += 1
+        return n
+
+
+_VIEWS = {"Reshape", "UnsafeReshape", "Transpose", "TransposeD", "Swapaxes", "Unsqueeze", "Squeeze",
+          "SqueezeDim", "BroadcastTo", "StridedSlice", "SelectInt", "SplitWithSize", "SplitV", "Alias",
+          "AsStrided", "ReshapeCopy"}
+
+
+class FuseLinearAct(Pass):
+    """MatMulV2(b, x, Wᵀ) [→ Reshape] → activation ⇒ LinearAct(act) [→ Reshape]."""
+
+    name, stage = "fuse_linear_act", "fusion"
+
+    def run(self, graph: Graph, ctx: PassContext) -> int:
+        n = 0
+        for mm in list(graph.nodes):
+            if mm.op != "MatMulV2":
+                continue
+            if mm.attrs.get("beta", 1) != 1 or mm.attrs.get("alpha", 1) != 1:
+                ctx.skipped("Linear+activation", mm, "addmm with alpha/beta != 1")
+                continue
+            bias, x, w = mm.inputs
+            if bias.desc.rank != 1:
+                ctx.skipped("Linear+activation", mm, f"bias {bias.desc} is not per-output-channel")
+                continue
+            act, view, last = "none", None, mm
+            u = _only_user(mm.outputs[0], graph)
+            if u is not None and u.op == "Reshape":
+                view = u
+                u = _only_user(u.outputs[0], graph)
+            if u is not None and u.op in _ACT_OPS and not (u.op == "Gelu" and u.attrs.get("approximate", "none") != "none"):
+                act = _ACT_OPS[u.op]
+            elif u is not None and u.op in ("Gelu",):
+                ctx.skipped("Linear+activation", mm, "tanh-approximated GELU is applied unfused")
+            if act == "none" and not w.is_const:
+                continue
+            fused = graph.create_node("LinearAct", [bias, x, w],
+                                      {"self": TensorRef(0), "mat1": TensorRef(1), "mat2": TensorRef(2), "act": act},
+                                      [mm.outputs[0].desc], name=mm.name + ("_" + act if act != "none" else "_packed"),
+                                      source=mm.source, scope=mm.scope, before=mm)
+            graph.replace_all_uses_with(mm.outputs[0], fused.outputs[0])
+            graph.erase_node(mm)
+            nodes = [mm]
+            if act != "none":
+                src = view.outputs[0] if view is not None else fused.outputs[0]
+                graph.replace_all_uses_with(u.outputs[0], src)
+                graph.erase_node(u)
+                nodes.append(u)
+                ctx.applied(f"Linear+bias+{act}", nodes)
+            n += 1
+        return n

@@ -1,0 +1,193 @@
+"""Memory stage: liveness, in-place and view aliasing, offsets in one arena.
+
+Algorithm: every intermediate value gets a buffer, except views (which alias their
+input's buffer) and graph outputs (which the caller keeps, so they are allocated fresh
+on each call). An elementwise node whose input buffer dies at that node writes in place.
+Offsets are assigned by greedy-by-size best-fit (Pisarchyk & Lee, "Efficient Memory
+Management for Deep Neural Net Inference", arXiv:2001.03288, "Greedy by Size"), then
+retried in lifetime order; the smaller arena is kept. The lower bound is the most bytes
+live at any one step; the plan reports its gap to it (as XLA's buffer assignment does).
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Tuple
+
+from ..ir import Buffer, Graph, MemoryPlan, Node
+from ..ops import OpKind, get_op
+
+DEFAULT_ALIGNMENT = 64  # bytes: one cache line, and AVX-512 / oneDNN friendly
+
+
+def _align(n: int, a: int) -> int:
+    return (n + a - 1) // a * a
+
+
+def _alias_input(node: Node) -> Optional[int]:
+    """Index of the input whose storage the node's outputs alias, if any."""
+    if "inplace_input" in node.attrs:
+        return node.attrs["inplace_input"]
+    if get_op(node.op).kind == OpKind.VIEW:
+        return 0
+    return None
+
+
+def _place(bufs: List[Buffer], order: List[Buffer]) -> int:
+    """Best-fit offset assignment in the given order; returns the arena size."""
+    placed: List[Buffer] = []
+    arena = 0
+    for b in order:
+        busy = sorted((p.offset, p.offset + p.size) for p in placed
+                      if p.start <= b.end and b.start <= p.end)
+        best, best_gap, cur = None, None, 0
+        for lo, hi in busy:
+            gap = lo - cur
+            if gap >= b.size and (best_gap is None or gap < best_gap):
+                best, best_gap = cur, gap
+            cur = max(cur, hi)
+        b.offset = best if best is not None else cur
+        placed.append(b)
+        arena = max(arena, b.offset + b.size)
+    return arena
+
+
+def writes_into_buffer(node: Node) -> bool:
+    """True when the node's kernel can write into a given buffer: an ATen ``.out``
+    overload exists, or the node works in place on an input."""
+    op = get_op(node.op)
+    return op.out_kernel is not None or "inplace_input" in node.attrs
+
+
+def plan_memory(graph: Graph, alignment: int = DEFAULT_ALIGNMENT, inplace: bool = True,
+                copy_out: bool = True, log=None) -> MemoryPlan:
+    """Plan the intermediates of ``graph`` (in its current node order) into one arena.
+
+    With ``copy_out=False`` only values whose kernel can write into a given
+    buffer are planned; the others (oneDNN fused convolutions, packed GEMMs, casts,
+    host fallbacks) keep the kernel's own allocation and are listed in ``unplanned``
+    with that reason. With ``copy_out=True`` (default) every intermediate is planned and the
+    runtime copies such results into their buffers.
+    Returns a `MemoryPlan` (bytes). Raises ValueError for a symbolic shape (bind the
+    shapes first: plans are made per concrete input shape) or alignment < 16."""
+    if alignment < 16 or alignment & (alignment - 1):
+        raise ValueError(f"alignment must be a power of two >= 16 bytes, got {alignment}")
+    step = {n: i for i, n in enumerate(graph.nodes)}
+    out_ids = {id(v) for v in graph.outputs}
+    root: Dict[int, int] = {}          # value id -> root value id
+    bufs: Dict[int, Buffer] = {}
+    unplanned: Dict[str, str] = {}
+    inplace_log: List[Tuple[str, str]] = []
+    fresh_roots = set()                # roots that back a graph output
+
+    for v in graph.inputs + graph.constants:
+        root[v.id] = -1                # external storage
+    # last read of each value counting reads through views of it (views are resolved
+    # before in-place decisions, so a value is overwritten only when no view outlives it)
+    view_of: Dict[int, int] = {}
+    for node in graph.nodes:
+        ai = _alias_input(node)
+        if ai is not None:
+            src = node.inputs[ai]
+            for o in node.outputs:
+                view_of[o.id] = view_of.get(src.id, src.id)
+    last_read: Dict[int, int] = {}
+    for node in graph.nodes:
+        for x in node.inputs:
+            r = view_of.get(x.id, x.id)
+            last_read[r] = max(last_read.get(r, -1), step[node])
+    for v in graph.outputs:
+        last_read[view_of.get(v.id, v.id)] = len(graph.nodes)
+
+    for node in graph.nodes:
+        i = step[node]
+        ai = _alias_input(node)
+        for o in node.outputs:
+            if not o.desc.is_static:
+                raise ValueError(f"{node.name} has symbolic shape {o.desc.shape}; plans are "
+                                 "made per concrete input shape")
+            if ai is not None:
+                src = node.inputs[ai]
+                r = root.get(src.id, -1)
+                root[o.id] = r
+                if r in bufs:
+                    bufs[r].aliases.append(o.id)
+                continue
+            if not copy_out and not writes_into_buffer(node):
+                root[o.id] = -1
+                unplanned[repr(o)] = (f"{node.op} allocates its own output (no .out kernel); "
+                                      "kept out of the arena because options={'copy_out': False}")
+                continue
+            # in-place: an elementwise op may overwrite an input that dies here
+            x = _inplace_candidate(node, o, root, bufs, last_read, i) if inplace else None
+            if x is not None:
+                root[o.id] = x.id
+                bufs[x.id].aliases.append(o.id)
+                inplace_log.append((node.name, repr(x)))
+                continue
+            size = _align(max(o.desc.nbytes, 1), alignment)
+            bufs[o.id] = Buffer(root=o.id, size=size, start=i, end=i)
+            root[o.id] = o.id
+
+    # lifetimes: a buffer lives until the last read of its root or any alias
+    for node in graph.nodes:
+        i = step[node]
+        for x in node.inputs:
+            r = root.get(x.id, -1)
+            if r in bufs:
+                bufs[r].end = max(bufs[r].end, i)
+    for v in graph.outputs:
+        r = root.get(v.id, -1)
+        if r in bufs:
+            fresh_roots.add(r)
+    for r in fresh_roots:
+        unplanned[f"%{r}"] = "backs a graph output: allocated fresh per call so results survive the next call"
+        del bufs[r]
+
+    naive = sum(b.size for b in bufs.values())
+    lb = _lower_bound(list(bufs.values()), len(graph.nodes))
+    blist = list(bufs.values())
+    by_size = sorted(blist, key=lambda b: (-b.size, b.start))
+    a1 = _place(blist, by_size)
+    off1 = {b.root: b.offset for b in blist}
+    by_time = sorted(blist, key=lambda b: (b.start, -b.size))
+    a2 = _place(blist, by_time)
+    strategy = "greedy-by-size best-fit"
+    if a1 <= a2:
+        for b in blist:
+            b.offset = off1[b.root]
+        arena = a1
+    else:
+        arena, strategy = a2, "lifetime-ordered best-fit"
+    value_buffer = {vid: r for vid, r in root.items() if r in bufs}
+    plan = MemoryPlan(buffers=bufs, value_buffer=value_buffer, arena_bytes=arena,
+                      lower_bound=lb, naive_bytes=naive, alignment=alignment,
+                      strategy=strategy, inplace=inplace_log, unplanned=unplanned)
+    if log:
+        log(f"memory plan: arena {arena} B, lower bound {lb} B ({plan.ratio:.3f}x), "
+            f"naive {naive} B, {len(inplace_log)} in-place reuses, {strategy}")
+    return plan
+
+
+def _inplace_candidate(node: Node, o, root, bufs, last_read, i):
+    """An input of an in-place-able op that is a planned root, has the output's shape
+    and dtype, appears once, and is read for the last time (views included) here."""
+    if not get_op(node.op).inplace_ok or len(node.outputs) != 1:
+        return None
+    for x in node.inputs:
+        if (root.get(x.id, -1) == x.id and x.id in bufs and x.desc.shape == o.desc.shape
+                and x.desc.dtype == o.desc.dtype and last_read.get(x.id, -1) == i
+                and node.inputs.count(x) == 1):
+            return x
+    return None
+
+
+def _lower_bound(bufs: List[Buffer], nsteps: int) -> int:
+    """Max over steps of the bytes of buffers live at that step (sweep line)."""
+    delta = [0] * (nsteps + 2)
+    for b in bufs:
+        delta[b.start] += b.size
+        delta[b.end + 1] -= b.size
+    best = cur = 0
+    for d in delta:
+        cur += d
+        best = max(best, cur)
+    return best

@@ -1,0 +1,97 @@
+"""Stage 1, prepare: constant folding, dead-code elimination, common-subexpression
+elimination. (Shape/dtype inference runs at conversion, checked against FX.)"""
+from __future__ import annotations
+
+from typing import Any, Dict, Tuple
+
+import torch
+
+from ..ir import Graph, TensorListRef, TensorRef
+from ..ops import OpKind, call_args, get_op
+from .base import Pass, PassContext
+
+FOLD_LIMIT_BYTES = 64 << 20  # don't materialise folded constants larger than this
+
+
+class ConstantFolding(Pass):
+    """Evaluate nodes whose inputs are all constants (weight permutes, masks built from
+    arange/full...) once at compile time; outputs become graph constants."""
+
+    name, stage = "constant_folding", "prepare"
+
+    def run(self, graph: Graph, ctx: PassContext) -> int:
+        n = 0
+        for node in list(graph.nodes):
+            op = get_op(node.op)
+            if op.random or op.kind == OpKind.FUSED:
+                continue
+            if not all(v.is_const for v in node.inputs):
+                continue
+            if sum(o.desc.nbytes for o in node.outputs) > FOLD_LIMIT_BYTES:
+                ctx.skipped("ConstantFolding", node, f"output larger than {FOLD_LIMIT_BYTES >> 20} MiB")
+                continue
+            target = op.aten or node.meta.get("aten")
+            args, kwargs = call_args(node, [v.const for v in node.inputs])
+            with torch.no_grad():
+                res = target(*args, **kwargs)
+            res = list(res) if isinstance(res, (tuple, list)) else [res]
+            for o, r in zip(node.outputs, res):
+                c = graph.add_const(r, name=f"{node.name}_folded")
+                graph.replace_all_uses_with(o, c)
+            graph.erase_node(node)
+            n += 1
+        graph.prune_constants()
+        return n
+
+
+class DeadCodeElimination(Pass):
+    """Remove nodes none of whose outputs are used (random ops included: their
+    results are unobservable)."""
+
+    name, stage = "dce", "prepare"
+
+    def run(self, graph: Graph, ctx: PassContext) -> int:
+        outs = {id(v) for v in graph.outputs}
+        n = 0
+        for node in reversed(list(graph.nodes)):
+            if not any(o.users or id(o) in outs for o in node.outputs):
+                graph.erase_node(node)
+                n += 1
+        graph.prune_constants()
+        return n
+
+
+def _key(node) -> Tuple:
+    def freeze(a: Any):
+        if isinstance(a, (list, tuple)):
+            return tuple(freeze(x) for x in a)
+        if isinstance(a, (TensorRef, TensorListRef)):
+            return a
+        return repr(a)
+    return (node.op, tuple(v.id for v in node.inputs),
+            tuple(sorted((k, freeze(v)) for k, v in node.attrs.items())),
+            str(node.meta.get("aten", "")))
+
+
+class CommonSubexpressionElimination(Pass):
+    """Replace a node by an earlier identical one (same op, inputs, attributes).
+    Random ops are never merged."""
+
+    name, stage = "cse", "prepare"
+
+    def run(self, graph: Graph, ctx: PassContext) -> int:
+        seen: Dict[Tuple, Any] = {}
+        n = 0
+        for node in list(graph.nodes):
+            if get_op(node.op).random:
+                continue
+            k = _key(node)
+            prev = seen.get(k)
+            if prev is None:
+                seen[k] = node
+                continue
+            for a, b in zip(node.outputs, prev.outputs):
+                graph.replace_all_uses_with(a, b)
+            graph.erase_node(node)
+            n += 1
+        return n

@@ -1,0 +1,102 @@
+"""The compile report: what each pass did, fusions applied and skipped (with reasons
+and source locations), host fallbacks, the memory plan, and FLOPs / bytes moved
+before and after optimization. Rendered as JSON and as readable text."""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any, Dict, List
+
+
+@dataclass
+class PassRecord:
+    name: str
+    stage: str
+    nodes_before: int
+    nodes_after: int
+    seconds: float
+    changed: int
+    enabled: bool = True
+    note: str = ""
+
+
+@dataclass
+class CompileReport:
+    model: str = ""
+    device: str = "cpu"
+    capture_seconds: Dict[str, float] = field(default_factory=dict)
+    passes: List[PassRecord] = field(default_factory=list)
+    applied: List[Dict[str, str]] = field(default_factory=list)
+    skipped: List[Dict[str, str]] = field(default_factory=list)
+    host_fallbacks: Dict[str, Dict[str, Any]] = field(default_factory=dict)
+    memory: Dict[str, Any] = field(default_factory=dict)
+    cost_before: Dict[str, int] = field(default_factory=dict)
+    cost_after: Dict[str, int] = field(default_factory=dict)
+    op_counts_before: Dict[str, int] = field(default_factory=dict)
+    op_counts_after: Dict[str, int] = field(default_factory=dict)
+    notes: List[str] = field(default_factory=list)
+
+    @property
+    def opencann_seconds(self) -> float:
+        """Time spent in opencann's own passes and planning (excludes capture)."""
+        return sum(p.seconds for p in self.passes)
+
+    def to_dict(self) -> Dict[str, Any]:
+        d = asdict(self)
+        d["opencann_seconds"] = self.opencann_seconds
+        return d
+
+    def to_json(self, indent: int = 2) -> str:
+        return json.dumps(self.to_dict(), indent=indent, default=str)
+
+    def summary(self) -> str:
+        """A few lines: fusions, fallbacks, memory, cost, compile time."""
+        m = self.memory
+        lines = [f"opencann compile report: {self.model} on {self.device}"]
+        cap = sum(self.capture_seconds.values())
+        lines.append(f"  compile time: capture {cap:.2f} s, opencann passes {self.opencann_seconds:.3f} s")
+        lines.append(f"  nodes: {sum(self.op_counts_before.values())} -> {sum(self.op_counts_after.values())}")
+        kinds: Dict[str, int] = {}
+        for a in self.applied:
+            kinds[a["pattern"]] = kinds.get(a["pattern"], 0) + 1
+        lines.append("  fusions applied: " + (", ".join(f"{k} x{v}" for k, v in kinds.items()) or "none"))
+        sk: Dict[str, int] = {}
+        for s in self.skipped:
+            sk[f"{s['pattern']}: {s['reason']}"] = sk.get(f"{s['pattern']}: {s['reason']}", 0) + 1
+        if sk:
+            lines.append("  skipped:")
+            lines += [f"    - {k} (x{v})" for k, v in sk.items()]
+        if self.host_fallbacks:
+            lines.append("  host fallbacks: " + ", ".join(
+                f"{k} x{v['count']}" for k, v in self.host_fallbacks.items()))
+        if m:
+            mib = 1 << 20
+            lines.append(f"  memory: arena {m['arena_bytes'] / mib:.2f} MiB, lower bound "
+                         f"{m['lower_bound_bytes'] / mib:.2f} MiB ({m['arena_over_lower_bound']:.3f}x), "
+                         f"naive {m['naive_bytes'] / mib:.2f} MiB")
+        if self.cost_before:
+            cb, ca = self.cost_before, self.cost_after
+            lines.append(f"  GFLOPs {cb['flops'] / 1e9:.3f} -> {ca['flops'] / 1e9:.3f}; "
+                         f"bytes moved {cb['bytes'] / 1e6:.1f} MB -> {ca['bytes'] / 1e6:.1f} MB")
+        lines += [f"  note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+    def to_text(self) -> str:
+        """The full readable report: summary, every pass, every fusion and skip."""
+        lines = [self.summary(), "", "passes:"]
+        for p in self.passes:
+            state = "" if p.enabled else " (disabled)"
+            lines.append(f"  {p.stage:9s} {p.name:28s} nodes {p.nodes_before:5d} -> {p.nodes_after:5d}"
+                         f"  changed {p.changed:4d}  {p.seconds * 1e3:8.1f} ms{state}"
+                         + (f"  [{p.note}]" if p.note else ""))
+        if self.applied:
+            lines.append("fusions applied:")
+            lines += [f"  {a['pattern']}: {a['nodes']} at {a['where']}" for a in self.applied]
+        if self.skipped:
+            lines.append("optimizations not applied:")
+            lines += [f"  {s['pattern']} at {s['node']} ({s['where']}): {s['reason']}" for s in self.skipped]
+        if self.host_fallbacks:
+            lines.append("host fallbacks (ATen ops with no opencann converter, run on the host):")
+            for k, v in self.host_fallbacks.items():
+                lines.append(f"  {k} x{v['count']} at " + "; ".join(v["where"][:5]))
+        return "\n".join(lines)

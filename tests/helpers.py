@@ -1,0 +1,65 @@
+"""Shared test helpers: run a function through opencann's graph engine via make_fx."""
+from __future__ import annotations
+
+import torch
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from opencann.compiler import compile_graph
+from opencann.frontend.torch import decomposition_table, from_fx_graph
+from opencann.runtime import Executor
+
+
+def run_compiled(fn, *inputs, options=None):
+    """Trace ``fn`` to ATen with make_fx, compile it and run it; returns (outputs, graph,
+    plan, report). Outputs are a list."""
+    gm = make_fx(lambda *a: fn(*a), decomposition_table=decomposition_table(),
+                 tracing_mode="fake")(*inputs)
+    graph = from_fx_graph(gm, inputs)
+    graph, plan, report = compile_graph(graph, "cpu", options or {"verify": True})
+    ex = Executor(graph, plan)
+    tensors = [x for x in inputs if isinstance(x, torch.Tensor)]
+    outs = ex.run(tensors)
+    lits = graph.meta.get("output_literals", {})
+    n = graph.meta.get("n_outputs", len(outs))
+    it = iter(outs)
+    return [lits[i] if i in lits else next(it) for i in range(n)], graph, plan, report
+
+
+def assert_close(a, b, rtol=1e-5, atol=1e-5, msg=""):
+    assert a.shape == b.shape, f"{msg}: shape {a.shape} vs {b.shape}"
+    assert a.dtype == b.dtype, f"{msg}: dtype {a.dtype} vs {b.dtype}"
+    if a.dtype.is_floating_point:
+        torch.testing.assert_close(a, b, rtol=rtol, atol=atol, msg=msg or None)
+    else:
+        assert torch.equal(a, b), msg
+
+
+def run_op_direct(op_name, *args):
+    """Build a one-node IR graph for ``op_name`` with ATen-style ``args`` (tensors become
+    graph inputs), compile and run it; returns (outputs, eager reference outputs)."""
+    from opencann.ir import Graph, TensorDesc, TensorRef
+    from opencann.ops import get_op, infer
+
+    op = get_op(op_name)
+    graph = Graph(op_name)
+    inputs, attrs, tensors = [], {}, []
+    for a, val in zip(op.aten._schema.arguments, args):
+        if isinstance(val, torch.Tensor):
+            v = graph.add_input(TensorDesc.of(val))
+            inputs.append(v)
+            tensors.append(val)
+            attrs[a.name] = TensorRef(len(inputs) - 1)
+        else:
+            attrs[a.name] = val
+    node = graph.create_node(op_name, inputs, attrs, [])
+    descs = infer(node)
+    node.outputs = [graph._value(d, producer=node) for d in descs]
+    graph.outputs = list(node.outputs)
+    graph, plan, report = compile_graph(graph, "cpu", {"verify": True})
+    outs = Executor(graph, plan).run(tensors)
+    schema = op.aten._schema.arguments
+    pos_args = [v for a, v in zip(schema, args) if not a.kwarg_only]
+    kw = {a.name: v for a, v in zip(schema, args) if a.kwarg_only}
+    ref = op.aten(*pos_args, **kw)
+    refs = list(ref) if isinstance(ref, (tuple, list)) else [ref]
+    return list(outs), refs

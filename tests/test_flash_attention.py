@@ -1,0 +1,169 @@
+"""FlashAttention (numba CPU backend) against a float64 matmul + softmax reference.
+
+Relative error = max|a - b| / max|ref|. Tolerances: fp32 1e-5 (output) and 1e-4
+(gradients); fp16/bf16 1e-2. Inputs are seeded random normals, never zeros.
+"""
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from opencann.ops.flash_attention import (attention_reference, flash_attention,
+                                          flash_attention_forward)
+
+
+def rel(a, b):
+    return ((a.double() - b.double()).abs().max() / b.double().abs().max()).item()
+
+
+def make(seed, B, H, Hk, Sq, Sk, D, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(B, h, s, D, generator=g).to(dtype) for h, s in ((H, Sq), (Hk, Sk), (Hk, Sk))], g
+
+
+def make_mask(kind, g, B, H, Sq, Sk):
+    if kind == "bool_full":
+        return torch.rand(B, H, Sq, Sk, generator=g) > 0.3
+    if kind == "bool_bcast":
+        return torch.rand(Sq, Sk, generator=g) > 0.4  # broadcast over batch and heads
+    if kind == "float_bcast":
+        return torch.randn(B, 1, 1, Sk, generator=g)  # per-key bias
+    if kind == "float_heads":
+        m = torch.randn(1, H, Sq, Sk, generator=g)
+        return m.masked_fill(torch.rand(1, H, Sq, Sk, generator=g) > 0.8, float("-inf"))
+    return None
+
+
+# (B, H, Hk, Sq, Sk, D, causal, mask, tiles) - tails not multiple of tiles, Sq != Sk, GQA, MQA
+CASES = [
+    (1, 2, 2, 37, 53, 16, False, None, (16, 16)),
+    (2, 4, 2, 64, 64, 32, True, None, (16, 32)),
+    (1, 6, 2, 45, 70, 24, "bottom_right", "bool_bcast", (16, 16)),
+    (2, 4, 1, 70, 33, 16, "top_left", "float_bcast", (32, 16)),
+    (1, 4, 4, 29, 29, 64, False, "bool_full", (16, 48)),
+    (2, 2, 1, 33, 81, 40, "bottom_right", "float_heads", (48, 32)),
+    (1, 2, 2, 100, 100, 32, True, None, None),  # planner-chosen tiles
+]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_fp32_matches_reference(case):
+    B, H, Hk, Sq, Sk, D, causal, mk, tiles = case
+    (q, k, v), g = make(hash(case) % 10_000, B, H, Hk, Sq, Sk, D)
+    mask = make_mask(mk, g, B, H, Sq, Sk)
+    qq, kk, vv = (t.clone().requires_grad_() for t in (q, k, v))
+    out = flash_attention(qq, kk, vv, attn_mask=mask, causal=causal, tiles=tiles)
+    do = torch.randn(out.shape, generator=g)
+    out.backward(do)
+    rq, rk, rv = (t.double().requires_grad_() for t in (q, k, v))
+    ref, _ = attention_reference(rq, rk, rv, attn_mask=mask, causal=causal)
+    ref.backward(do.double())
+    assert not torch.isnan(out).any()
+    assert rel(out, ref) < 1e-5
+    for a, b in ((qq, rq), (kk, rk), (vv, rv)):
+        assert not torch.isnan(a.grad).any()
+        assert rel(a.grad, b.grad) < 1e-4
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_dtypes(dtype):
+    (q, k, v), g = make(7, 1, 4, 2, 50, 61, 32, dtype)
+    mask = make_mask("float_bcast", g, 1, 4, 50, 61)
+    qq, kk, vv = (t.clone().requires_grad_() for t in (q, k, v))
+    out = flash_attention(qq, kk, vv, attn_mask=mask, causal="bottom_right", tiles=(16, 32))
+    assert out.dtype == dtype
+    do = torch.randn(out.shape, generator=g).to(dtype)
+    out.backward(do)
+    rq, rk, rv = (t.double().requires_grad_() for t in (q, k, v))
+    ref, _ = attention_reference(rq, rk, rv, attn_mask=mask, causal="bottom_right")
+    ref.backward(do.double())
+    assert rel(out, ref) < 1e-2
+    for a, b in ((qq, rq), (kk, rk), (vv, rv)):
+        assert a.grad.dtype == dtype and rel(a.grad, b.grad) < 1e-2
+
+
+def test_bsnd_layout_matches_bnsd():
+    (q, k, v), g = make(3, 2, 4, 2, 40, 40, 16)
+    ref, _ = attention_reference(q, k, v, causal=True)
+    out = flash_attention(*(t.transpose(1, 2).contiguous() for t in (q, k, v)),
+                          causal=True, layout="BSND", tiles=(16, 16))
+    assert out.shape == (2, 40, 4, 16)
+    assert rel(out.transpose(1, 2), ref) < 1e-5
+
+
+def test_every_output_element_written():
+    (q, k, v), g = make(11, 1, 3, 1, 45, 38, 24)
+    out = torch.full((1, 3, 45, 24), float("nan"))
+    o, lse = flash_attention_forward(q, k, v, causal="bottom_right", tiles=(16, 16), out=out)
+    assert o.data_ptr() == out.data_ptr()
+    assert not torch.isnan(out).any()
+    ref, ref_lse = attention_reference(q, k, v, causal="bottom_right")
+    assert rel(out, ref) < 1e-5
+    fin = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isfinite(lse), fin)
+    assert rel(lse[fin], ref_lse[fin]) < 1e-5
+
+
+def test_fully_masked_rows_give_zero_output_and_gradient():
+    (q, k, v), g = make(5, 1, 2, 2, 30, 20, 16)
+    mask = torch.rand(1, 2, 30, 20, generator=g) > 0.5
+    mask[:, :, 3] = False  # row 3 sees nothing; bottom_right with Sq > Sk hides rows 0..9 too
+    qq, kk, vv = (t.clone().requires_grad_() for t in (q, k, v))
+    out = flash_attention(qq, kk, vv, attn_mask=mask, causal="bottom_right", tiles=(16, 16))
+    out.backward(torch.randn(out.shape, generator=g))
+    assert torch.equal(out[:, :, :10], torch.zeros_like(out[:, :, :10]))
+    assert torch.equal(out[:, :, 3], torch.zeros_like(out[:, :, 3]))
+    assert torch.equal(qq.grad[:, :, :10], torch.zeros_like(qq.grad[:, :, :10]))
+    for t in (out, qq.grad, kk.grad, vv.grad):
+        assert torch.isfinite(t).all()
+    ref, _ = attention_reference(q, k, v, attn_mask=mask, causal="bottom_right")
+    assert rel(out, ref) < 1e-5
+
+
+def test_reference_agrees_with_torch_sdpa():
+    (q, k, v), g = make(2, 2, 4, 4, 33, 47, 16)
+    mask = make_mask("bool_bcast", g, 2, 4, 33, 47)
+    mask[:, 0] = True  # no fully masked row (torch's math path gives NaN there)
+    ref, _ = attention_reference(q, k, v, attn_mask=mask)
+    sd = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=mask)
+    assert rel(ref, sd) < 1e-12
+    ref, _ = attention_reference(q, k, v, causal=True)
+    sd = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), is_causal=True)
+    assert rel(ref, sd) < 1e-12
+
+
+def test_trains():
+    (q, k, v), g = make(9, 1, 2, 2, 24, 24, 16)
+    w = torch.nn.Parameter(torch.randn(16, 16, generator=g) * 0.1)
+    opt = torch.optim.SGD([w], lr=0.5)
+    losses = []
+    for _ in range(5):
+        out = flash_attention(q @ w, k, v, causal=True, tiles=(16, 16))
+        loss = (out - v).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0]
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(layout="NBSD"), "layout"),
+    (dict(causal="diagonal"), "causal"),
+    (dict(attn_mask=torch.ones(3, 7, dtype=torch.bool)), "broadcast"),
+    (dict(backend="cuda"), "backend"),
+])
+def test_bad_arguments(kwargs, match):
+    (q, k, v), _ = make(1, 1, 2, 2, 8, 8, 16)
+    with pytest.raises(ValueError, match=match):
+        flash_attention(q, k, v, **kwargs)
+
+
+def test_bad_shapes():
+    (q, k, v), _ = make(1, 1, 4, 2, 8, 8, 16)
+    with pytest.raises(ValueError, match="4 "):
+        flash_attention(q[0], k[0], v[0])
+    with pytest.raises(ValueError, match="head dim"):
+        flash_attention(q, k[..., :8], v[..., :8])
+    with pytest.raises(ValueError, match="multiple of key/value heads"):
+        flash_attention(q[:, :3], k, v)

@@ -1,0 +1,124 @@
+"""vnpu cost model: padding waste, bounds, and FlashAttention against published 910B numbers.
+
+Calibration outcome (honest): with constants taken from the 910B platform config and
+estimates documented in cost_model.py, the FlashAttention estimate is within +-25% of the
+issue's published measurements at S=1K and S=32K, but 1.6-1.7x above them at S=4K and 8K.
+The model does match, within +-25%, an independent single-core 910B2 measurement
+(pto-isa FlashAttention demo).  The tests assert exactly that: +-25% at 1K and 32K, within
+a factor of 2 at 4K and 8K, and the measured trend (throughput rising with S).
+"""
+
+import pytest
+
+from opencann.devices.vnpu.cost_model import (VECTOR_OP_COST, conv2d_cost, eager_time_us, elementwise_cost,
+                                              flash_attention_blocks, flash_attention_calibration_table,
+                                              flash_attention_cost, layernorm_cost, matmul_cost, reduction_cost,
+                                              softmax_cost, trans_data_cost)
+from opencann.devices.vnpu.presets import ascend310, ascend910, ascend910b
+
+BOUNDS = {"cube", "vector", "memory", "launch"}
+
+
+def test_flash_attention_calibration_table():
+    rows = flash_attention_calibration_table()
+    assert [r[0] for r in rows] == [1024, 4096, 8192, 32768]
+    for s, est, meas, ratio in rows:
+        assert ratio == pytest.approx(est / meas)
+        assert 0.5 < ratio < 2.0, f"S={s}: estimate {est:.1f} vs measured {meas:.1f} TFLOP/s"
+    by_s = {r[0]: r for r in rows}
+    for s in (1024, 32768):   # reached honestly at these two points only
+        assert 0.75 <= by_s[s][3] <= 1.25, by_s[s]
+    ests = [r[1] for r in rows]
+    assert ests == sorted(ests), "throughput must rise with S, as measured"
+    # the low S=1K figure comes from occupancy: 8 query blocks on 24 cube cores
+    c = flash_attention_cost(1, 1, 1024, 1024, 128)
+    assert c.breakdown["cores_used"] == 8 and c.breakdown["waves"] == 1
+
+
+def test_flash_attention_matches_independent_single_core_measurement():
+    # pto-isa torch_jit flash_atten demo on 910B2: S0=128 (one query block, one core), d=128, kernel time
+    measured_us = {1024: 19.2, 2048: 23.42, 4096: 38.317, 8192: 68.778}
+    for s1, t in measured_us.items():
+        c = flash_attention_cost(1, 1, 128, s1, 128, block_q=128)
+        assert c.breakdown["cores_used"] == 1
+        assert 0.75 <= c.time_us / t <= 1.25, (s1, c.time_us, t)
+
+
+def test_flash_attention_blocks_rule():
+    # M = 192 KiB / 2 B = 98304 elements; B_c = ceil(M / 4d) = 192; B_r = min(B_c, d) = 128
+    assert flash_attention_blocks(128, "float16", ascend910b) == (128, 192)
+    br, bc = flash_attention_blocks(64, "float16", ascend910b)
+    assert br == 64 and bc % 16 == 0 and bc >= 384
+
+
+def test_flash_attention_flops_bytes_and_causal():
+    s, d = 4096, 128
+    c = flash_attention_cost(2, 8, s, s, d)
+    assert c.useful_flops == 4 * 2 * 8 * s * s * d
+    assert c.flops >= c.useful_flops
+    n_qblk = s // 128
+    kv = 2 * 2 * 8 * s * d * 2
+    assert c.hbm_bytes == pytest.approx(2 * 2 * 8 * s * d * 2 + kv * n_qblk)
+    cc = flash_attention_cost(2, 8, s, s, d, causal=True)
+    assert cc.useful_flops == c.useful_flops / 2 and cc.time_us < c.time_us
+    with pytest.raises(ValueError, match="multiples of 16"):
+        flash_attention_cost(1, 1, 128, 128, 64, block_q=100)
+
+
+def test_matmul_padding_waste_and_bounds():
+    aligned = matmul_cost(1024, 1024, 1024)
+    assert aligned.flops == aligned.useful_flops and aligned.bound in BOUNDS
+    ragged = matmul_cost(1000, 1000, 1000)
+    assert ragged.flops == 2 * 1008 * 1008 * 1008
+    assert ragged.breakdown["padding_waste"] > 0
+    big = matmul_cost(8192, 8192, 8192)
+    assert big.bound == "cube"
+    assert big.tflops <= ascend910b.peak_cube_tflops(2)
+    assert big.tflops > 0.8 * ascend910b.peak_cube_tflops(2)
+    tiny = matmul_cost(16, 16, 16)
+    assert tiny.bound == "launch"
+    skinny = matmul_cost(16, 16384, 16384)     # GEMV-like: streaming B dominates
+    assert skinny.bound == "memory"
+    i8, f16 = matmul_cost(4096, 4096, 4096, dtype="int8"), matmul_cost(4096, 4096, 4096, dtype="float16")
+    assert i8.breakdown["cube_us"] == pytest.approx(f16.breakdown["cube_us"] / 2)   # 16x32x16 int8 Cube
+    with pytest.raises(ValueError):
+        matmul_cost(0, 1, 1)
+
+
+def test_batch_matmul_scales_with_batch():
+    one = matmul_cost(512, 512, 512, batch=1)
+    many = matmul_cost(512, 512, 512, batch=48)
+    assert many.useful_flops == 48 * one.useful_flops
+    assert many.breakdown["cores_used"] == 24
+
+
+def test_conv2d_channel_padding_waste():
+    c3 = conv2d_cost(1, 3, 224, 224, 64, 7, stride=2, padding=3)
+    assert c3.breakdown["padding_waste"] > 0.7    # 3 input channels padded to C0=16
+    c64 = conv2d_cost(1, 64, 56, 56, 64, 3, padding=1)
+    assert c64.breakdown["padding_waste"] == pytest.approx(0.0)
+    assert c64.bound in BOUNDS
+
+
+def test_vector_costs_order_by_op():
+    n = 1 << 22
+    add, gelu = elementwise_cost("add", n, n_inputs=2), elementwise_cost("gelu", n)
+    assert gelu.breakdown["vector_us"] > add.breakdown["vector_us"]
+    assert add.bound == "memory"
+    assert add.hbm_bytes == 3 * n * 2
+    assert set(VECTOR_OP_COST) >= {"exp", "gelu", "sigmoid", "add"}
+    with pytest.raises(ValueError, match="unknown op"):
+        elementwise_cost("frobnicate", 10)
+    for c in (reduction_cost(n, 1024), softmax_cost(4096, 1024), layernorm_cost(4096, 1024),
+              trans_data_cost(n, n)):
+        assert c.bound in BOUNDS and c.time_us > 0 and c.hbm_bytes > 0
+    assert softmax_cost(64, 1 << 16).hbm_bytes > softmax_cost(1 << 10, 64).hbm_bytes  # no UB fit: 3 reads
+    assert trans_data_cost(n, n, burst_bytes=32).breakdown["mte_us"] > trans_data_cost(n, n, burst_bytes=512
+                                                                                        ).breakdown["mte_us"]
+
+
+def test_presets_order_and_eager_time():
+    costs = [matmul_cost(4096, 4096, 4096, spec=s).time_us for s in (ascend310, ascend910, ascend910b)]
+    assert costs[0] > costs[1] > costs[2]
+    c = elementwise_cost("add", 1024)
+    assert eager_time_us(c) == ascend910b.op_dispatch_us
