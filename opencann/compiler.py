@@ -76,7 +76,7 @@ def compile_graph(graph: Graph, device: str = "cpu", options: Optional[Dict[str,
     t0 = time.perf_counter()
     plan = plan_memory(graph, alignment=options.get("alignment", 64),
                        inplace=options.get("inplace", True),
-                       copy_out=options.get("copy_out", True), log=logger.debug)
+                       copy_out=options.get("copy_out", False), log=logger.debug)
     report.passes.append(PassRecord("memory_plan", "memory", len(graph.nodes), len(graph.nodes),
                                     time.perf_counter() - t0, len(plan.inplace),
                                     note=plan.strategy))

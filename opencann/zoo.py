@@ -93,3 +93,21 @@ def get(name: str, **kw) -> ZooModel:
     if name not in ZOO:
         raise KeyError(f"unknown zoo model {name!r}; choose one of {sorted(ZOO)}")
     return ZOO[name](**kw)
+
+
+def sample_image(size: int = 224) -> torch.Tensor:
+    """A real photograph (scikit-learn's bundled ``china.jpg``), resized and normalized
+    with ImageNet statistics: float32 [1, 3, size, size]. Falls back to a seeded random
+    tensor, with a warning, when scikit-learn is not installed."""
+    try:
+        from sklearn.datasets import load_sample_image
+        img = torch.from_numpy(load_sample_image("china.jpg").copy()).permute(2, 0, 1).float() / 255
+    except ImportError:
+        import warnings
+        warnings.warn("scikit-learn is not installed: using a random image tensor")
+        img = torch.rand(3, 427, 640, generator=torch.Generator().manual_seed(0))
+    img = torch.nn.functional.interpolate(img[None], size=(size, size), mode="bilinear",
+                                          align_corners=False)
+    mean = torch.tensor([0.485, 0.456, 0.406]).view(1, 3, 1, 1)
+    std = torch.tensor([0.229, 0.224, 0.225]).view(1, 3, 1, 1)
+    return ((img - mean) / std).contiguous()

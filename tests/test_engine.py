@@ -105,6 +105,7 @@ def test_conv_fusions_and_reasons():
     assert kinds.count("Conv+BN fold") == 2 and "Conv+Relu" in kinds and "Conv+Add+Relu" in kinds
     reasons = " ".join(s["reason"] for s in cm.report.skipped)
     assert "several users" in reasons  # c3's output feeds sigmoid, add and mean
+    assert "also the convolution's input" in reasons  # y feeds c2 and the residual add
     text = cm.report.to_text()
     assert "optimizations not applied" in text and "test_engine.py:" in text  # source location
     d = json.loads(cm.report.to_json())

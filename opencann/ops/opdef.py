@@ -96,6 +96,9 @@ def _nbytes(d: TensorDesc) -> int:
 
 
 _REGISTRY: Dict[str, OpDef] = {}
+# device name -> op name -> bind-time kernel factory ``f(node, in_descs, consts) -> callable``.
+# Consulted by the runtime before the generic (CPU) kernels, for nodes placed on that device.
+DEVICE_KERNEL_FACTORIES: Dict[str, Dict[str, Callable]] = {}
 _BY_ATEN: Dict[torch._ops.OpOverload, OpDef] = {}
 
 

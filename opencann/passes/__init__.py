@@ -1,4 +1,5 @@
 """The optimization pipeline (five stages: prepare, fusion, layout, memory, schedule)."""
+from .attention import FuseFlashAttention
 from .base import Pass, PassContext, PassManager
 from .fusion import FoldBatchNorm, FuseConvAct, FuseConvAddAct, FuseLinearAct
 from .layout import LayoutSelection
@@ -12,7 +13,7 @@ def default_pipeline() -> PassManager:
     on the final order, in the compiler.)"""
     return PassManager([
         ConstantFolding(), DeadCodeElimination(), CommonSubexpressionElimination(),
-        FoldBatchNorm(), FuseConvAct(), FuseConvAddAct(), FuseLinearAct(),
+        FoldBatchNorm(), FuseConvAct(), FuseConvAddAct(), FuseLinearAct(), FuseFlashAttention(),
         DeadCodeElimination(), LayoutSelection(), SingleStreamSchedule(),
     ])
 

@@ -180,10 +180,13 @@ class FuseConvAddAct(Pass):
             last = relu or add
             # in place into the addend only if nothing reads it after this node
             later = [u for u in other.users if u is not add and step.get(u, -1) > step[add]]
+            feeds_conv = other in conv.inputs
             inplace = (not other.is_const and other not in graph.inputs and other not in graph.outputs
-                       and other.producer is not None and other.producer.op not in _VIEWS and not later)
+                       and other.producer is not None and other.producer.op not in _VIEWS
+                       and not later and not feeds_conv)
             if not inplace:
                 reason = ("the addend is read again later" if later else
+                          "the addend is also the convolution's input" if feeds_conv else
                           "the addend is a graph input, constant or view")
                 ctx.skipped("Conv+Add in place", add, reason + "; using the out-of-place sum")
             ins = list(conv.inputs) + [other]

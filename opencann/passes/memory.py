@@ -58,13 +58,13 @@ def writes_into_buffer(node: Node) -> bool:
 
 
 def plan_memory(graph: Graph, alignment: int = DEFAULT_ALIGNMENT, inplace: bool = True,
-                copy_out: bool = True, log=None) -> MemoryPlan:
+                copy_out: bool = False, log=None) -> MemoryPlan:
     """Plan the intermediates of ``graph`` (in its current node order) into one arena.
 
-    With ``copy_out=False`` only values whose kernel can write into a given
+    With ``copy_out=False`` (default) only values whose kernel can write into a given
     buffer are planned; the others (oneDNN fused convolutions, packed GEMMs, casts,
     host fallbacks) keep the kernel's own allocation and are listed in ``unplanned``
-    with that reason. With ``copy_out=True`` (default) every intermediate is planned and the
+    with that reason. With ``copy_out=True`` every intermediate is planned and the
     runtime copies such results into their buffers.
     Returns a `MemoryPlan` (bytes). Raises ValueError for a symbolic shape (bind the
     shapes first: plans are made per concrete input shape) or alignment < 16."""
@@ -114,7 +114,7 @@ def plan_memory(graph: Graph, alignment: int = DEFAULT_ALIGNMENT, inplace: bool 
             if not copy_out and not writes_into_buffer(node):
                 root[o.id] = -1
                 unplanned[repr(o)] = (f"{node.op} allocates its own output (no .out kernel); "
-                                      "kept out of the arena because options={'copy_out': False}")
+                                      "copying it into the arena costs more than it saves (a oneDNN reorder); plan it with options={'copy_out': True}")
                 continue
             # in-place: an elementwise op may overwrite an input that dies here
             x = _inplace_candidate(node, o, root, bufs, last_read, i) if inplace else None

@@ -20,6 +20,7 @@ import torch
 from ..ir import Graph, MemoryPlan, Node, TensorListRef, TensorRef, Value
 from ..ops import OpKind, get_op
 from ..ops.fused import KERNEL_FACTORIES
+from ..ops.opdef import DEVICE_KERNEL_FACTORIES
 
 
 def _dense(shape, strides) -> bool:
@@ -114,9 +115,11 @@ class Executor:
                     bufnames.append(None)
             target = f"K{idx}"
             lhs = ", ".join(outs) + ("," if len(outs) == 1 and len(node.outputs) > 1 else "")
-            if node.op in KERNEL_FACTORIES:
+            factory = (DEVICE_KERNEL_FACTORIES.get(node.device.split(":")[0], {}).get(node.op)
+                       or KERNEL_FACTORIES.get(node.op))
+            if factory is not None:
                 consts = [v.const for v in node.inputs]
-                glb[target] = KERNEL_FACTORIES[node.op](node, in_descs_of(node), consts)
+                glb[target] = factory(node, in_descs_of(node), consts)
                 call = f"{target}({', '.join(names[v.id] for v in node.inputs)})"
                 self._emit_result(lines, node, lhs, outs, bufnames, call)
             else:

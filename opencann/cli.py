@@ -1,0 +1,194 @@
+"""The ``opencann`` command line: demo, compile, run, bench.
+
+    opencann demo                               # the main job on the embedded default
+    opencann compile resnet50 --report r.json   # zoo name or file.py:factory
+    opencann run bert-base --trace trace.json   # run once, Chrome trace of every op
+    opencann bench minilm --batch 1 --seq 128   # compiled vs eager latency
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import sys
+import time
+
+import torch
+from rich.console import Console
+
+console = Console()
+
+
+def _load(spec: str, batch: int, seq: int):
+    """A zoo name, or ``file.py:factory`` where factory() returns (model, inputs)."""
+    from . import zoo
+    if ":" in spec and spec.split(":")[0].endswith(".py"):
+        path, fn = spec.rsplit(":", 1)
+        if not os.path.exists(path):
+            raise SystemExit(f"error: {path} does not exist")
+        mod_spec = importlib.util.spec_from_file_location("user_model", path)
+        mod = importlib.util.module_from_spec(mod_spec)
+        mod_spec.loader.exec_module(mod)
+        if not hasattr(mod, fn):
+            raise SystemExit(f"error: {path} has no function {fn!r}")
+        res = getattr(mod, fn)()
+        if isinstance(res, zoo.ZooModel):
+            return res
+        model, inputs = res
+        inputs = inputs if isinstance(inputs, tuple) else (inputs,)
+        return zoo.ZooModel(fn, model.eval(), inputs, spec)
+    kw = {"batch": batch}
+    if spec in ("minilm", "bert-base", "gpt2"):
+        kw["seq"] = seq
+    try:
+        return zoo.get(spec, **kw)
+    except KeyError as e:
+        raise SystemExit(f"error: {e.args[0]}; or pass file.py:factory") from None
+
+
+def _compile(zm, device="cpu", options=None):
+    import opencann
+    with console.status(f"compiling {zm.name} (torch.export, decomposition, passes, planning)..."):
+        t0 = time.perf_counter()
+        cm = opencann.compile(zm.model, zm.example_inputs, device=device, options=options)
+    console.print(f"compiled {zm.name} in {time.perf_counter() - t0:.1f} s")
+    return cm
+
+
+def _max_diff(a, b) -> float:
+    import torch.utils._pytree as pytree
+    return max(float((x.double() - y.double()).abs().max())
+               for x, y in zip(pytree.tree_leaves(a), pytree.tree_leaves(b))
+               if isinstance(x, torch.Tensor) and x.dtype.is_floating_point)
+
+
+def cmd_demo(args) -> int:
+    from rich.table import Table
+
+    from . import zoo
+    from .timing import median_ms
+    torch.set_num_threads(args.threads)
+    console.rule("[bold]all-MiniLM-L6-v2 (real weights) on real sentences")
+    zm = zoo.minilm()
+    ids, mask = zoo.tokenize(zoo.SENTENCES)
+    zm.example_inputs = (ids, mask)
+    cm = _compile(zm)
+    out = cm(ids, mask).last_hidden_state
+    with torch.no_grad():
+        ref = zm.model(ids, mask).last_hidden_state
+    emb = torch.nn.functional.normalize((out * mask[..., None]).sum(1) / mask.sum(1, keepdim=True), dim=-1)
+    sim = emb @ emb.T
+    t = Table(title="cosine similarity (compiled model)")
+    t.add_column("")
+    for i in range(len(zoo.SENTENCES)):
+        t.add_column(str(i))
+    for i, s in enumerate(zoo.SENTENCES):
+        t.add_row(f"{i} {s[:40]}", *[f"{sim[i, j]:.3f}" for j in range(len(zoo.SENTENCES))])
+    console.print(t)
+    eager_ms = median_ms(zm.model, ids, mask, runs=args.runs)
+    comp_ms = median_ms(cm, ids, mask, runs=args.runs)
+    console.print(f"max |compiled - eager| = {_max_diff(out, ref):.2e}")
+    console.print(f"latency: eager {eager_ms:.1f} ms, opencann {comp_ms:.1f} ms "
+                  f"(compiled/eager = {comp_ms / eager_ms:.2f})")
+    console.print(cm.report.summary())
+
+    console.rule("[bold]ResNet-50 on an image")
+    zr = zoo.resnet50()
+    img = zoo.sample_image()
+    cr = _compile(zr)
+    out = cr(img)
+    with torch.no_grad():
+        ref = zr.model(img)
+    eager_ms = median_ms(zr.model, img, runs=args.runs)
+    comp_ms = median_ms(cr, img, runs=args.runs)
+    console.print(f"pooled features {tuple(out.pooler_output.shape)}, max |compiled - eager| = "
+                  f"{_max_diff(out, ref):.2e}")
+    console.print(f"latency: eager {eager_ms:.1f} ms, opencann {comp_ms:.1f} ms "
+                  f"(compiled/eager = {comp_ms / eager_ms:.2f})")
+    console.print(cr.report.summary())
+    return 0
+
+
+def cmd_compile(args) -> int:
+    zm = _load(args.model, args.batch, args.seq)
+    options = json.loads(args.options) if args.options else None
+    cm = _compile(zm, args.device, options)
+    console.print(cm.report.to_text() if args.verbose else cm.report.summary())
+    if args.report:
+        with open(args.report, "w") as f:
+            f.write(cm.report.to_json())
+        console.print(f"report written to {args.report}")
+    if args.dot:
+        from .ir import to_dot
+        with open(args.dot, "w") as f:
+            f.write(to_dot(cm.graph))
+        console.print(f"graph written to {args.dot} (render: dot -Tsvg {args.dot} -o graph.svg)")
+    return 0
+
+
+def cmd_run(args) -> int:
+    zm = _load(args.model, args.batch, args.seq)
+    cm = _compile(zm)
+    out = cm(*zm.example_inputs)
+    with torch.no_grad():
+        ref = zm.model(*zm.example_inputs)
+    console.print(f"ran {zm.name}: max |compiled - eager| = {_max_diff(out, ref):.2e}")
+    if args.trace:
+        ev = cm.profile(*zm.example_inputs, path=args.trace)
+        top = sorted(ev, key=lambda e: -e["dur"])[:10]
+        console.print(f"Chrome trace with {len(ev)} ops written to {args.trace}; slowest ops:")
+        for e in top:
+            console.print(f"  {e['dur'] / 1e3:8.2f} ms  {e['name']:22s} {e['args']['node']}  {e['cat']}")
+    return 0
+
+
+def cmd_bench(args) -> int:
+    from .timing import median_ms
+    torch.set_num_threads(args.threads)
+    zm = _load(args.model, args.batch, args.seq)
+    cm = _compile(zm)
+    e = median_ms(zm.model, *zm.example_inputs, runs=args.runs)
+    c = median_ms(cm, *zm.example_inputs, runs=args.runs)
+    console.print(f"{zm.name} batch {args.batch}: eager {e:.1f} ms, opencann {c:.1f} ms, "
+                  f"compiled/eager {c / e:.2f} (median of {args.runs}, {args.threads} threads)")
+    return 0
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="opencann", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    d = sub.add_parser("demo", help="the main job: MiniLM and ResNet-50, compiled vs eager")
+    d.add_argument("--runs", type=int, default=10)
+    d.add_argument("--threads", type=int, default=torch.get_num_threads())
+    for name, fn, hlp in (("compile", cmd_compile, "compile a model and print its report"),
+                          ("run", cmd_run, "compile, run once, optionally trace"),
+                          ("bench", cmd_bench, "compiled vs eager latency")):
+        s = sub.add_parser(name, help=hlp)
+        s.add_argument("model", help="zoo name (minilm, bert-base, gpt2, resnet50) or file.py:factory")
+        s.add_argument("--batch", type=int, default=1)
+        s.add_argument("--seq", type=int, default=128)
+        s.set_defaults(fn=fn)
+        if name == "compile":
+            s.add_argument("--device", default="cpu")
+            s.add_argument("--report", help="write the JSON report here")
+            s.add_argument("--dot", help="write the optimized graph as Graphviz DOT here")
+            s.add_argument("--options", help='compile options as JSON, e.g. \'{"disable": ["cse"]}\'')
+            s.add_argument("-v", "--verbose", action="store_true", help="the full text report")
+        if name == "run":
+            s.add_argument("--trace", help="write a Chrome trace (chrome://tracing, Perfetto) here")
+        if name == "bench":
+            s.add_argument("--runs", type=int, default=10)
+            s.add_argument("--threads", type=int, default=torch.get_num_threads())
+    d.set_defaults(fn=cmd_demo)
+    args = p.parse_args(argv)
+    try:
+        return args.fn(args)
+    except (ValueError, RuntimeError) as e:
+        console.print(f"[red]error:[/red] {e}")
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

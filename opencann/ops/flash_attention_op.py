@@ -1,0 +1,90 @@
+"""The ``FlashAttention`` graph op: its `OpDef` (cost without the S×S score matrix) and
+its bind-time kernel factory (added to ``opencann.ops.fused.KERNEL_FACTORIES``).
+
+Node layout (made by ``opencann.passes.attention.FuseFlashAttention``): inputs
+q (B, H, S_q, D), k and v (B, H_kv, S_k, D) in BNSD order, optionally a mask
+broadcastable to (B, H, S_q, S_k) (bool, True = keep, or float, added to the scores);
+attrs ``query``/``key``/``value``/``attn_mask`` (TensorRefs; ``attn_mask`` absent when
+there is none), ``causal`` (False/True = top-left, like SDPA's ``is_causal``),
+``scale`` (None = D ** -0.5). Output: (B, H, S_q, D) in q's dtype.
+
+The kernel is ``flash_attention_forward`` (FlashAttention-2, Dao 2023,
+arXiv:2307.08691); its tiles are planned once at bind time from this CPU's L2
+(``plan_tiles(cpu_l2())``, FlashAttention Algorithm 1, Dao et al. 2022,
+arXiv:2205.14135). Only the output is returned; the row log-sum-exp is dropped
+(inference graphs).
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional, Sequence
+
+import torch
+
+from ..ir import Node, TensorDesc
+from .flash_attention import cpu_l2, flash_attention_forward, plan_tiles
+from .fused import KERNEL_FACTORIES
+from .opdef import Cost, OpDef, OpKind, register
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= int(s)
+    return n
+
+
+def flash_attention_cost(node: Node) -> Cost:
+    """FLOPs 4·B·H·S_q·S_k·D (Q·Kᵀ and P·V); bytes = q, k, v, mask read + output written.
+
+    The S_q×S_k score/probability matrix never leaves the tile buffer, so it is not
+    counted (the point of FlashAttention, Dao et al. 2022, §3.2 IO analysis)."""
+    q = node.arg("query").desc
+    k = node.arg("key").desc
+    bh = _numel(q.shape[:-2])
+    sq, d, sk = int(q.shape[-2]), int(q.shape[-1]), int(k.shape[-2])
+    moved = sum(_numel(v.desc.shape) * v.desc.dtype.itemsize for v in node.inputs)
+    out = node.outputs[0].desc
+    moved += _numel(out.shape) * out.dtype.itemsize
+    return Cost(4 * bh * sq * sk * d, moved)
+
+
+def cpu_tiles(head_dim: int, seq_q: Optional[int] = None, seq_k: Optional[int] = None):
+    """The CPU tile plan (block_q, block_k) for this machine's L2; raises ValueError when
+    the L2 cannot hold 16×16 tiles at ``head_dim`` (see ``plan_tiles``)."""
+    return plan_tiles(cpu_l2()[0], head_dim, torch.float32, seq_q=seq_q, seq_k=seq_k, target="cpu")
+
+
+def make_flash_attention_kernel(node: Node, in_descs: Sequence[TensorDesc], consts: Sequence) -> Callable:
+    """Kernel factory: ``run(q, k, v[, mask]) -> out`` (q's dtype, BNSD).
+
+    Tiles are planned here, once per bound shape, for this CPU's L2; CUDA tensors get the
+    Triton backend's own plan (``tiles=None``)."""
+    q, k = in_descs[0], in_descs[1]
+    plan = cpu_tiles(int(q.shape[-1]), int(q.shape[-2]), int(k.shape[-2]))
+    tiles = (plan.block_q, plan.block_k)
+    causal = bool(node.attrs.get("causal", False))
+    scale = node.attrs.get("scale")
+    has_mask = "attn_mask" in node.attrs
+    out_dtype = q.dtype.torch
+    shape = tuple(int(s) for s in q.shape)
+    # the output layout the replaced node had in eager (SDPA may return BSND memory seen
+    # as BNSD); views after it were captured against those strides, so honour them
+    strides = (node.meta.get("strides") or [None])[0]
+    if strides is not None and tuple(strides) == torch.empty(shape, device="meta").stride():
+        strides = None
+
+    def run(q, k, v, mask=None):
+        t = tiles if q.device.type == "cpu" else None
+        o, _ = flash_attention_forward(q, k, v, attn_mask=mask if has_mask else None,
+                                       causal=causal, scale=scale, tiles=t)
+        if strides is not None:
+            return torch.empty_strided(shape, strides, dtype=out_dtype, device=o.device).copy_(o)
+        return o if o.dtype == out_dtype else o.to(out_dtype)
+    run.tile_plan = plan
+    return run
+
+
+register(OpDef("FlashAttention", OpKind.ATTENTION, cost_fn=flash_attention_cost,
+               doc="exact attention softmax(scale·QKᵀ + mask)·V without the S×S matrix "
+                   "(FlashAttention-2, numba CPU kernel)"))
+KERNEL_FACTORIES["FlashAttention"] = make_flash_attention_kernel
