@@ -183,3 +183,28 @@ def test_torch_compile_backend_with_graph_break():
     torch.testing.assert_close(r["out"], e["out"])
     torch.testing.assert_close(r["aux"][0], e["aux"][0])
     assert len(COMPILED_GRAPHS) - n0 >= 2
+
+
+class Acts(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.c, self.c2, self.c3 = nn.Conv2d(3, 8, 3), nn.Conv2d(8, 8, 1), nn.Conv2d(8, 8, 1, bias=False)
+        self.l, self.l2 = nn.Linear(8, 16), nn.Linear(16, 4)
+
+    def forward(self, x):
+        y = torch.nn.functional.gelu(self.c(x))
+        y = torch.sigmoid(self.c2(y))
+        y = torch.tanh(y * 2)
+        y = self.c3(y) + torch.cos(y)         # bias-less conv + add, not in place
+        z = torch.nn.functional.gelu(self.l(y.mean((2, 3))), approximate="tanh")
+        return torch.tanh(self.l2(z))
+
+
+def test_activation_fusions():
+    m = Acts().eval()
+    x = torch.randn(2, 3, 12, 12, generator=g)
+    cm = opencann.compile(m, (x,))
+    kinds = {a["pattern"] for a in cm.report.applied}
+    assert {"Conv+Gelu", "Conv+Sigmoid", "Conv+Add", "Linear+bias+gelu_tanh", "Linear+bias+tanh"} <= kinds
+    with torch.no_grad():
+        torch.testing.assert_close(cm(x), m(x), rtol=1e-5, atol=1e-6)

@@ -5,8 +5,8 @@
   on a weight reordered once to oneDNN's blocked layout (``_reorder_convolution_weight``).
 - ``ConvAddAct``: Conv2D + residual Add (+ ReLU) as oneDNN's ``sum`` post-op, written in
   place into the addend's buffer (``_convolution_pointwise_.binary``).
-- ``LinearAct``: MatMulV2 (addmm) + activation: MKL's packed GEMM on a weight packed
-  once per batch size (``torch.ops.mkl._mkl_linear``), activation applied in place.
+- ``LinearAct``: MatMulV2 (addmm) + activation: the GEMM writes into the planned buffer
+  and the activation runs in place on it (one pass less over the output).
 
 Source: oneDNN "Primitive Attributes: Post-ops" (oneapi-src.github.io/oneDNN), the same
 kernels PyTorch Inductor uses for CPU freezing (torch/_inductor/fx_passes/mkldnn_fusion.py).
@@ -22,10 +22,10 @@ from ..ir import Node, TensorDesc
 from .library import _conv_cost, _matmul_cost
 from .opdef import Cost, OpDef, OpKind, register
 
-ACTIVATIONS = ("none", "relu", "gelu", "tanh", "sigmoid", "silu")
-_ACT_FN: Dict[str, Callable] = {
+_ACT_FN: Dict[str, Callable] = {  # in-place activations
     "relu": torch.relu_, "gelu": torch.ops.aten.gelu_, "tanh": torch.tanh_,
-    "sigmoid": torch.sigmoid_, "silu": torch.nn.functional.silu,
+    "sigmoid": torch.sigmoid_, "silu": lambda t: torch.nn.functional.silu(t, inplace=True),
+    "gelu_tanh": lambda t: torch.ops.aten.gelu_(t, approximate="tanh"),
 }
 _ONEDNN_ACT = {"none": "none", "relu": "relu", "gelu": "gelu", "tanh": "tanh",
                "sigmoid": "sigmoid", "silu": "swish"}
@@ -48,15 +48,11 @@ def _conv_weight(node: Node, x: TensorDesc, w: torch.Tensor) -> torch.Tensor:
 def _make_conv_kernel(node: Node, in_descs: Sequence[TensorDesc], consts: Sequence) -> Callable:
     a = node.attrs
     w = consts[1]
-    if w is None:  # weight is not a constant: no prepacking
-        def run(x, w, b=None):
-            return torch.ops.mkldnn._convolution_pointwise(
-                x, w, b, a["padding"], a["stride"], a["dilation"], a["groups"],
-                _ONEDNN_ACT[a["act"]], [], "tanh" if a["act"] == "gelu" and a.get("approximate") == "tanh" else "")
-        return run
-    wp = _conv_weight(node, in_descs[0], w)
+    # a constant weight is reordered once; otherwise oneDNN reorders it on every call
+    wp = _conv_weight(node, in_descs[0], w) if w is not None else None
     pad, stride, dil, groups = a["padding"], a["stride"], a["dilation"], a["groups"]
     act = _ONEDNN_ACT[a["act"]]
+    algorithm = "none" if act == "gelu" else ""   # oneDNN's exact (erf) GELU
     conv = torch.ops.mkldnn._convolution_pointwise
 
     if node.op == "ConvAddAct":
@@ -65,43 +61,40 @@ def _make_conv_kernel(node: Node, in_descs: Sequence[TensorDesc], consts: Sequen
         if inplace:
             f = torch.ops.mkldnn._convolution_pointwise_.binary
 
-            def run(x, w, b, other):
-                return f(other, x, wp, b, pad, stride, dil, groups, "add", None, unary, [], "")
+            def run(x, w, *rest):  # (x, w[, bias], other)
+                b, other = (rest[0], rest[1]) if len(rest) == 2 else (None, rest[0])
+                return f(other, x, w if wp is None else wp, b, pad, stride, dil, groups, "add",
+                         None, unary, [], "")
         else:
             f = torch.ops.mkldnn._convolution_pointwise.binary
 
-            def run(x, w, b, other):
-                return f(x, other, wp, b, pad, stride, dil, groups, "add", None, unary, [], "")
+            def run(x, w, *rest):  # (x, w[, bias], other)
+                b, other = (rest[0], rest[1]) if len(rest) == 2 else (None, rest[0])
+                return f(x, other, w if wp is None else wp, b, pad, stride, dil, groups, "add",
+                         None, unary, [], "")
         return run
 
     def run(x, w, b=None):
-        return conv(x, wp, b, pad, stride, dil, groups, act, [], "")
+        return conv(x, w if wp is None else wp, b, pad, stride, dil, groups, act, [], algorithm)
     return run
 
 
 def _make_linear_kernel(node: Node, in_descs: Sequence[TensorDesc], consts: Sequence) -> Callable:
-    """LinearAct(bias, x, w_t): packed MKL GEMM when the weight is constant."""
-    act = node.attrs["act"]
-    post = _ACT_FN.get(act)
-    wt = consts[2]
-    m = int(in_descs[1].shape[0])
-    packed = None
-    if wt is not None and hasattr(torch.ops, "mkl") and hasattr(torch.ops.mkl, "_mkl_linear") \
-            and in_descs[1].dtype.torch == torch.float32:
-        w = wt.t().contiguous()  # (out_features, in_features)
-        try:
-            packed = torch.ops.mkl._mkl_reorder_linear_weight(w, m)
-        except RuntimeError:
-            packed = None
-    if packed is not None:
-        lin = torch.ops.mkl._mkl_linear
-        if post is None:
-            return lambda b, x, _w: lin(x, packed, w, b, m)
-        return lambda b, x, _w: post(lin(x, packed, w, b, m))
-    addmm = torch.ops.aten.addmm.default
-    if post is None:
-        return lambda b, x, w_: addmm(b, x, w_)
-    return lambda b, x, w_: post(addmm(b, x, w_))
+    """LinearAct(bias, x, w_t[, out]): one BLAS GEMM with the bias as its C operand
+    (``addmm``), written into the planned buffer, then the activation in place.
+
+    MKL's packed GEMM (``torch.ops.mkl._mkl_linear``) was measured too: it allocates its
+    output and its threading ignored torch's thread count under load, so plain addmm
+    into the arena is the default."""
+    post = _ACT_FN.get(node.attrs["act"])
+    addmm, addmm_out = torch.ops.aten.addmm.default, torch.ops.aten.addmm.out
+
+    def run(b, x, w, out=None):
+        r = addmm(b, x, w) if out is None else addmm_out(b, x, w, out=out)
+        if post is not None:
+            post(r)
+        return r
+    return run
 
 
 def _linear_cost(node: Node) -> Cost:
@@ -116,6 +109,9 @@ register(OpDef("ConvAddAct", OpKind.FUSED, cost_fn=_conv_cost,
                doc="Conv2D+Add(+ReLU) through oneDNN's sum post-op, in place into the addend"))
 register(OpDef("LinearAct", OpKind.FUSED, cost_fn=_linear_cost,
                doc="addmm + activation on a packed weight"))
+
+# fused ops whose kernels accept ``out=`` (the planned arena buffer)
+OUT_CAPABLE = {"LinearAct"}
 
 KERNEL_FACTORIES: Dict[str, Callable] = {
     "ConvBiasAct": _make_conv_kernel,

@@ -8,8 +8,8 @@ that is not rewritten is reported with its reason.
 - `FuseConvAct`: Conv2D(+bias) → Relu/Gelu/Sigmoid/Tanh/Swish ⇒ ConvBiasAct.
 - `FuseConvAddAct`: ConvBiasAct(none) → Add(·, r) [→ Relu] ⇒ ConvAddAct (oneDNN sum
   post-op, in place into r when r dies there).
-- `FuseLinearAct`: MatMulV2 [→ Reshape] → activation ⇒ LinearAct [→ Reshape]; a constant
-  weight also gets a packed GEMM, so every MatMulV2 with a constant weight is rewritten.
+- `FuseLinearAct`: MatMulV2 [→ Reshape] → activation ⇒ LinearAct [→ Reshape]: the
+  activation runs in place on the GEMM's output buffer.
 """
 from __future__ import annotations
 
@@ -228,29 +228,25 @@ class FuseLinearAct(Pass):
             if bias.desc.rank != 1:
                 ctx.skipped("Linear+activation", mm, f"bias {bias.desc} is not per-output-channel")
                 continue
-            act, view, last = "none", None, mm
+            view = None
             u = _only_user(mm.outputs[0], graph)
             if u is not None and u.op == "Reshape":
                 view = u
                 u = _only_user(u.outputs[0], graph)
-            if u is not None and u.op in _ACT_OPS and not (u.op == "Gelu" and u.attrs.get("approximate", "none") != "none"):
-                act = _ACT_OPS[u.op]
-            elif u is not None and u.op in ("Gelu",):
-                ctx.skipped("Linear+activation", mm, "tanh-approximated GELU is applied unfused")
-            if act == "none" and not w.is_const:
+            if u is None or u.op not in _ACT_OPS or u.inputs[0] is not (view or mm).outputs[0]:
                 continue
+            act = _ACT_OPS[u.op]
+            if u.op == "Gelu" and u.attrs.get("approximate", "none") == "tanh":
+                act = "gelu_tanh"
             fused = graph.create_node("LinearAct", [bias, x, w],
                                       {"self": TensorRef(0), "mat1": TensorRef(1), "mat2": TensorRef(2), "act": act},
-                                      [mm.outputs[0].desc], name=mm.name + ("_" + act if act != "none" else "_packed"),
+                                      [mm.outputs[0].desc], name=mm.name + "_" + act,
                                       source=mm.source, scope=mm.scope, before=mm)
             graph.replace_all_uses_with(mm.outputs[0], fused.outputs[0])
             graph.erase_node(mm)
-            nodes = [mm]
-            if act != "none":
-                src = view.outputs[0] if view is not None else fused.outputs[0]
-                graph.replace_all_uses_with(u.outputs[0], src)
-                graph.erase_node(u)
-                nodes.append(u)
-                ctx.applied(f"Linear+bias+{act}", nodes)
+            src = view.outputs[0] if view is not None else fused.outputs[0]
+            graph.replace_all_uses_with(u.outputs[0], src)
+            graph.erase_node(u)
+            ctx.applied(f"Linear+bias+{act}", [mm, u])
             n += 1
         return n

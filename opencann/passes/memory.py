@@ -14,6 +14,7 @@ from typing import Dict, List, Optional, Tuple
 
 from ..ir import Buffer, Graph, MemoryPlan, Node
 from ..ops import OpKind, get_op
+from ..ops.fused import OUT_CAPABLE
 
 DEFAULT_ALIGNMENT = 64  # bytes: one cache line, and AVX-512 / oneDNN friendly
 
@@ -54,7 +55,7 @@ def writes_into_buffer(node: Node) -> bool:
     """True when the node's kernel can write into a given buffer: an ATen ``.out``
     overload exists, or the node works in place on an input."""
     op = get_op(node.op)
-    return op.out_kernel is not None or "inplace_input" in node.attrs
+    return op.out_kernel is not None or "inplace_input" in node.attrs or node.op in OUT_CAPABLE
 
 
 def plan_memory(graph: Graph, alignment: int = DEFAULT_ALIGNMENT, inplace: bool = True,

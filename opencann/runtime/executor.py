@@ -19,7 +19,7 @@ import torch
 
 from ..ir import Graph, MemoryPlan, Node, TensorListRef, TensorRef, Value
 from ..ops import OpKind, get_op
-from ..ops.fused import KERNEL_FACTORIES
+from ..ops.fused import KERNEL_FACTORIES, OUT_CAPABLE
 from ..ops.opdef import DEVICE_KERNEL_FACTORIES
 
 
@@ -120,8 +120,11 @@ class Executor:
             if factory is not None:
                 consts = [v.const for v in node.inputs]
                 glb[target] = factory(node, in_descs_of(node), consts)
-                call = f"{target}({', '.join(names[v.id] for v in node.inputs)})"
-                self._emit_result(lines, node, lhs, outs, bufnames, call)
+                call = f"{target}({', '.join(names[v.id] for v in node.inputs)}"
+                if node.op in OUT_CAPABLE and len(bufnames) == 1 and bufnames[0] is not None:
+                    lines.append(f"    {outs[0]} = {call}, out={bufnames[0]})")
+                else:
+                    self._emit_result(lines, node, lhs, outs, bufnames, call + ")")
             else:
                 aten = op.aten or node.meta["aten"]
                 schema = aten._schema
