@@ -182,6 +182,10 @@ def main(argv=None) -> int:
             s.add_argument("--runs", type=int, default=10)
             s.add_argument("--threads", type=int, default=torch.get_num_threads())
     d.set_defaults(fn=cmd_demo)
+    from .tools.estimate import add_arguments as _est_args, run_args as _est_run
+    e = sub.add_parser("estimate", help="time, HBM traffic and memory on a virtual NPU")
+    _est_args(e)
+    e.set_defaults(fn=_est_run)
     args = p.parse_args(argv)
     try:
         return args.fn(args)

@@ -20,7 +20,7 @@ from .passes import PassContext, default_pipeline, plan_memory
 from .report import CompileReport, PassRecord
 from .runtime import Executor
 
-SUPPORTED_DEVICES = ("cpu",)
+SUPPORTED_DEVICES = ("cpu", "vnpu")
 KNOWN_OPTIONS = {"disable", "enable", "verify", "alignment", "inplace", "copy_out"}
 
 
@@ -56,7 +56,10 @@ def _check_device(device: str) -> str:
     device = str(device)
     if device.split(":")[0] not in SUPPORTED_DEVICES:
         raise ValueError(f"device {device!r} is not supported by the compiler yet; use one of "
-                         f"{list(SUPPORTED_DEVICES)}")
+                         f"{list(SUPPORTED_DEVICES)} (vnpu as vnpu:<preset> or vnpu:<spec file>)")
+    if device.startswith("vnpu"):
+        from .passes.vnpu_layout import npu_spec_for
+        npu_spec_for(device)   # ValueError listing the presets for vnpu:<unknown>
     return device
 
 

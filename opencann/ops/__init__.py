@@ -3,6 +3,7 @@ from .opdef import Cost, OpDef, OpKind, all_ops, call_args, get_op, infer, looku
 from . import library  # noqa: F401  (registers the table)
 from . import fused  # noqa: F401  (registers opencann's fused ops)
 from . import flash_attention_op  # noqa: F401  (FlashAttention op and its kernel factory)
+from . import vnpu_ops  # noqa: F401  (TransData and the vnpu kernels)
 
 __all__ = ["Cost", "OpDef", "OpKind", "all_ops", "call_args", "get_op", "infer",
            "lookup_aten", "register"]

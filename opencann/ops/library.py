@@ -113,11 +113,11 @@ def _matmul_cost(node: Node) -> Cost:
     """2·M·N·K per (batch) product; addmm adds M·N for the bias."""
     ins = [v.desc for v in node.inputs]
     out = node.outputs[0].desc
-    a = ins[-2]  # mm(a, b), bmm(a, b), addmm(bias, a, b)
-    k = int(a.shape[-1])
-    flops = 2 * k * _numel_of(out.shape)
+    a = ins[-2]  # mm(a, b), bmm(a, b), addmm(bias, a, b); origin shapes: formats pad storage
+    k = int(a.origin_shape[-1])
+    flops = 2 * k * _numel_of(out.origin_shape)
     if node.op == "MatMulV2":
-        flops += _numel_of(out.shape)
+        flops += _numel_of(out.origin_shape)
     return Cost(flops, sum(_nbytes(d) for d in ins) + _nbytes(out))
 
 
@@ -125,7 +125,7 @@ def _conv_cost(node: Node) -> Cost:
     """2·N·C_out·H_out·W_out·(C_in/groups)·K_h·K_w (plus bias)."""
     w = node.inputs[1].desc
     out = node.outputs[0].desc
-    macs = _numel_of(out.shape) * _numel_of(w.shape[1:])
+    macs = _numel_of(out.origin_shape) * _numel_of(w.origin_shape[1:])
     moved = sum(_nbytes(v.desc) for v in node.inputs) + _nbytes(out)
     return Cost(2 * macs, moved)
 

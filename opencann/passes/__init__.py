@@ -4,8 +4,10 @@ from .base import Pass, PassContext, PassManager
 from .fusion import FoldBatchNorm, FuseConvAct, FuseConvAddAct, FuseLinearAct
 from .layout import LayoutSelection
 from .memory import plan_memory
-from .prepare import CommonSubexpressionElimination, ConstantFolding, DeadCodeElimination
+from .prepare import (CommonSubexpressionElimination, ConstantFolding, DeadCodeElimination,
+                      IdentityElimination)
 from .schedule import SingleStreamSchedule
+from .vnpu_layout import NpuLayoutSelection
 
 
 def default_pipeline() -> PassManager:
@@ -13,8 +15,9 @@ def default_pipeline() -> PassManager:
     on the final order, in the compiler.)"""
     return PassManager([
         ConstantFolding(), DeadCodeElimination(), CommonSubexpressionElimination(),
+        IdentityElimination(),
         FoldBatchNorm(), FuseConvAct(), FuseConvAddAct(), FuseLinearAct(), FuseFlashAttention(),
-        DeadCodeElimination(), LayoutSelection(), SingleStreamSchedule(),
+        DeadCodeElimination(), LayoutSelection(), NpuLayoutSelection(), SingleStreamSchedule(),
     ])
 
 

@@ -121,6 +121,9 @@ class FuseConvAct(Pass):
     name, stage = "fuse_conv_act", "fusion"
 
     def run(self, graph: Graph, ctx: PassContext) -> int:
+        if not ctx.device.startswith("cpu"):
+            ctx.artifacts["note"] = f"cpu-only fusion (oneDNN/BLAS kernels): skipped on {ctx.device}"
+            return 0
         n = 0
         for conv in list(graph.nodes):
             if conv.op != "Conv2D":
@@ -153,6 +156,9 @@ class FuseConvAddAct(Pass):
     name, stage = "fuse_conv_add_act", "fusion"
 
     def run(self, graph: Graph, ctx: PassContext) -> int:
+        if not ctx.device.startswith("cpu"):
+            ctx.artifacts["note"] = f"cpu-only fusion (oneDNN/BLAS kernels): skipped on {ctx.device}"
+            return 0
         n = 0
         step = {nd: i for i, nd in enumerate(graph.nodes)}
         for add in list(graph.nodes):
@@ -217,6 +223,9 @@ class FuseLinearAct(Pass):
     name, stage = "fuse_linear_act", "fusion"
 
     def run(self, graph: Graph, ctx: PassContext) -> int:
+        if not ctx.device.startswith("cpu"):
+            ctx.artifacts["note"] = f"cpu-only fusion (oneDNN/BLAS kernels): skipped on {ctx.device}"
+            return 0
         n = 0
         for mm in list(graph.nodes):
             if mm.op != "MatMulV2":

@@ -5,7 +5,8 @@ input's buffer) and graph outputs (which the caller keeps, so they are allocated
 on each call). An elementwise node whose input buffer dies at that node writes in place.
 Offsets are assigned by greedy-by-size best-fit (Pisarchyk & Lee, "Efficient Memory
 Management for Deep Neural Net Inference", arXiv:2001.03288, "Greedy by Size"), then
-retried in lifetime order; the smaller arena is kept. The lower bound is the most bytes
+retried in lifetime order and three more orders (longest lifetime, largest
+size×lifetime); the smallest arena is kept. The lower bound is the most bytes
 live at any one step; the plan reports its gap to it (as XLA's buffer assignment does).
 """
 from __future__ import annotations
@@ -146,18 +147,7 @@ def plan_memory(graph: Graph, alignment: int = DEFAULT_ALIGNMENT, inplace: bool 
     naive = sum(b.size for b in bufs.values())
     lb = _lower_bound(list(bufs.values()), len(graph.nodes))
     blist = list(bufs.values())
-    by_size = sorted(blist, key=lambda b: (-b.size, b.start))
-    a1 = _place(blist, by_size)
-    off1 = {b.root: b.offset for b in blist}
-    by_time = sorted(blist, key=lambda b: (b.start, -b.size))
-    a2 = _place(blist, by_time)
-    strategy = "greedy-by-size best-fit"
-    if a1 <= a2:
-        for b in blist:
-            b.offset = off1[b.root]
-        arena = a1
-    else:
-        arena, strategy = a2, "lifetime-ordered best-fit"
+    arena, strategy = _best_placement(blist)
     value_buffer = {vid: r for vid, r in root.items() if r in bufs}
     plan = MemoryPlan(buffers=bufs, value_buffer=value_buffer, arena_bytes=arena,
                       lower_bound=lb, naive_bytes=naive, alignment=alignment,
@@ -166,6 +156,31 @@ def plan_memory(graph: Graph, alignment: int = DEFAULT_ALIGNMENT, inplace: bool 
         log(f"memory plan: arena {arena} B, lower bound {lb} B ({plan.ratio:.3f}x), "
             f"naive {naive} B, {len(inplace_log)} in-place reuses, {strategy}")
     return plan
+
+
+# Placement orders tried; the smallest arena wins (each is one best-fit sweep).
+_ORDERS = {
+    "greedy-by-size best-fit": lambda b: (-b.size, b.start),
+    "lifetime-ordered best-fit": lambda b: (b.start, -b.size),
+    "size-then-longest-lifetime best-fit": lambda b: (-b.size, -(b.end - b.start)),
+    "longest-lifetime best-fit": lambda b: (-(b.end - b.start), -b.size),
+    "largest-area best-fit": lambda b: (-b.size * (b.end - b.start + 1), b.start),
+}
+
+
+def _best_placement(blist: List[Buffer]) -> Tuple[int, str]:
+    """Try each order of `_ORDERS`; keep the smallest arena (ties: the first order).
+    Sets every buffer's offset; returns (arena bytes, strategy name)."""
+    best = None
+    for name, key in _ORDERS.items():
+        arena = _place(blist, sorted(blist, key=key))
+        if best is None or arena < best[0]:
+            best = (arena, name, {b.root: b.offset for b in blist})
+        if arena == _lower_bound(blist, max((b.end for b in blist), default=0) + 1):
+            break  # optimal: no order can do better
+    for b in blist:
+        b.offset = best[2][b.root]
+    return best[0], best[1]
 
 
 def _inplace_candidate(node: Node, o, root, bufs, last_read, i):

@@ -95,3 +95,43 @@ class CommonSubexpressionElimination(Pass):
             graph.erase_node(node)
             n += 1
         return n
+
+
+def _contiguous(shape, strides) -> bool:
+    expect = 1
+    for size, st in zip(reversed(shape), reversed(strides)):
+        if size != 1 and st != expect:
+            return False
+        expect *= size
+    return True
+
+
+class IdentityElimination(Pass):
+    """Drop copies that change nothing: ``clone`` (dropout in eval mode becomes one) of a
+    value that is already laid out as the copy would be. Kept when the copy is a graph
+    output (results must not alias inputs or each other) or when the input's strides are
+    unknown or not contiguous and the copy makes them so (a view may depend on it)."""
+
+    name, stage = "identity_elimination", "prepare"
+
+    def run(self, graph: Graph, ctx: PassContext) -> int:
+        n = 0
+        outs = {id(v) for v in graph.outputs}
+        for node in list(graph.nodes):
+            if node.op not in ("Identity", "Alias"):
+                continue
+            src, dst = node.inputs[0], node.outputs[0]
+            if id(dst) in outs:
+                continue
+            fmt = node.attrs.get("memory_format")
+            if node.op == "Identity" and fmt not in (None, torch.preserve_format):
+                p = src.producer
+                st = (p.meta.get("strides") or [None] * len(p.outputs))[p.outputs.index(src)] if p else None
+                if src.is_const:
+                    st = tuple(src.const.stride())
+                if st is None or not _contiguous(src.desc.shape, st):
+                    continue
+            graph.replace_all_uses_with(dst, src)
+            graph.erase_node(node)
+            n += 1
+        return n

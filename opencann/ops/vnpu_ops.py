@@ -1,0 +1,217 @@
+"""vnpu operators: the ``TransData`` op and the kernels of nodes placed on the virtual NPU.
+
+Kernels live in ``DEVICE_KERNEL_FACTORIES["vnpu"]`` (bind-time factories
+``f(node, in_descs, consts) -> callable(*inputs)``, see `opdef`). A factory looks at the
+formats the layout pass (``passes/vnpu_layout.py``) gave the node's values:
+
+- ``TransData``: `trans_data` between ND/NCHW and NC1HWC0 / FRACTAL_Z / FRACTAL_NZ.
+- ``Conv2D``: NC1HWC0 activations × FRACTAL_Z weight → NC1HWC0 (`conv2d_nc1hwc0`).
+- ``MatMul``/``BatchMatMul``/``MatMulV2``: FRACTAL_NZ × FRACTAL_NZ → FRACTAL_NZ
+  (`matmul_nz`); MatMulV2's bias is added as a zero-padded FRACTAL_NZ tensor.
+- elementwise ops (every non-random ``OpKind.ELEMENTWISE`` op): on NC1HWC0 / FRACTAL_NZ
+  storage through `elementwise`, which keeps the padding zero.
+- per-channel ops on NC1HWC0 (max/avg pooling, mean/sum/max/min over H and W,
+  inference BatchNorm): run on the (N, C1·C0, H, W) view of the storage, so padded
+  channels stay zero (zero in, zero out; BatchNorm pads its parameters so that holds).
+
+A node in ND (the op has no NPU-format kernel, or its operands are in ND) runs its
+normal ATen kernel on the host. `NPU_FORMAT_OPS` is the table the layout pass reads.
+Source for formats and kernels: ``opencann.devices.vnpu`` (CANN TransData, GE formats).
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable, Dict, Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from ..devices.vnpu import conv2d_nc1hwc0, elementwise, matmul_nz, to_fractal_nz, trans_data, trans_data_cost
+from ..ir import Format, Node, TensorDesc, TensorRef
+from . import library  # noqa: F401  (the op table must exist before we scan it)
+from .opdef import DEVICE_KERNEL_FACTORIES, Cost, OpDef, OpKind, all_ops, call_args, get_op, register
+
+DEVICE = "vnpu"
+NPU_FORMATS = (Format.NC1HWC0, Format.FRACTAL_Z, Format.FRACTAL_NZ)
+
+# op name -> how it runs in NPU formats ("conv", "matmul", "elementwise", "channelwise")
+NPU_FORMAT_OPS: Dict[str, str] = {"Conv2D": "conv", "MatMul": "matmul", "BatchMatMul": "matmul",
+                                  "MatMulV2": "matmul"}
+CHANNELWISE_OPS = ("MaxPoolWithArgmax", "AvgPool", "AdaptiveAvgPool2d", "ReduceMean", "ReduceSum",
+                   "ReduceMax", "ReduceMin", "BatchNorm")
+
+
+def origin_format_for(fmt: Format) -> Format:
+    """The plain format a tensor stored in ``fmt`` is read in: NCHW for NC1HWC0 and
+    FRACTAL_Z (4-D activations and conv weights), ND otherwise."""
+    return Format.NCHW if fmt in (Format.NC1HWC0, Format.FRACTAL_Z) else Format.ND
+
+
+def _numel(shape) -> int:
+    return math.prod(int(s) for s in shape)
+
+
+def _trans_data_cost(node: Node) -> Cost:
+    """Bytes read + written by one TransData, from the vnpu cost model (`trans_data_cost`,
+    ascend910b numbers); no FLOPs."""
+    s, d = node.inputs[0].desc, node.outputs[0].desc
+    e = s.dtype.itemsize
+    c0 = max(1, 32 // e)
+    kc = trans_data_cost(_numel(s.shape), _numel(d.shape), s.dtype.value, burst_bytes=c0 * e)
+    return Cost(0, int(kc.hbm_bytes))
+
+
+register(OpDef("TransData", OpKind.DATA, cost_fn=_trans_data_cost,
+               doc="format conversion (CANN TransData); attrs src_format, dst_format (format names, "
+                   "e.g. 'ND', 'NC1HWC0'), origin_shape, origin_format: the logical shape and its plain format"))
+
+
+# -- factories ---------------------------------------------------------------------------
+
+def host_kernel(node: Node) -> Callable:
+    """The node's ATen kernel called on host tensors in ND (a vnpu node without an
+    NPU-format kernel executes functionally on the host)."""
+    op = get_op(node.op)
+    target = op.aten or node.meta["aten"]
+
+    def run(*ins):
+        args, kwargs = call_args(node, ins)
+        return target(*args, **kwargs)
+    return run
+
+
+def _index(node: Node, name: str) -> Optional[int]:
+    a = node.attrs.get(name)
+    return a.index if isinstance(a, TensorRef) else None
+
+
+def make_trans_data(node: Node, in_descs: Sequence[TensorDesc], consts: Sequence) -> Callable:
+    """TransData kernel: ``trans_data(x, src, dst, origin_shape, origin_format)``."""
+    a = node.attrs
+    src, dst = str(a["src_format"]), str(a["dst_format"])
+    shape, of = tuple(a["origin_shape"]), str(a["origin_format"])
+    return lambda x: trans_data(x, src, dst, origin_shape=shape, origin_format=of)
+
+
+def make_conv(node: Node, in_descs: Sequence[TensorDesc], consts: Sequence) -> Callable:
+    """Conv2D on NC1HWC0 × FRACTAL_Z (groups=1); the host kernel when the input is ND."""
+    xi, wi, bi = _index(node, "input"), _index(node, "weight"), _index(node, "bias")
+    if in_descs[xi].format != Format.NC1HWC0:
+        return host_kernel(node)
+    wd = in_descs[wi]
+    if wd.format != Format.FRACTAL_Z:
+        raise ValueError(f"{node.name}: NC1HWC0 convolution needs a FRACTAL_Z weight, got {wd}")
+    cout, cin, kh, kw = (int(s) for s in wd.origin_shape)
+    a = node.attrs
+
+    def run(*ins):
+        return conv2d_nc1hwc0(ins[xi], ins[wi], in_channels=cin, out_channels=cout, kernel_size=(kh, kw),
+                              stride=a["stride"], padding=a["padding"], dilation=a["dilation"],
+                              bias=ins[bi] if bi is not None else None)
+    return run
+
+
+def make_matmul(node: Node, in_descs: Sequence[TensorDesc], consts: Sequence) -> Callable:
+    """MatMul (mm), BatchMatMul (bmm), MatMulV2 (addmm: beta·bias + alpha·a@b) on
+    FRACTAL_NZ operands; the host kernel when the output is ND."""
+    if node.outputs[0].desc.format != Format.FRACTAL_NZ:
+        return host_kernel(node)
+    names = ("mat1", "mat2") if node.op == "MatMulV2" else ("self", "mat2")
+    ai, bi = _index(node, names[0]), _index(node, names[1])
+    a_shape, b_shape = in_descs[ai].origin_shape, in_descs[bi].origin_shape
+    if node.op != "MatMulV2":
+        return lambda *ins: matmul_nz(ins[ai], ins[bi], a_shape, b_shape)
+    ci = _index(node, "self")   # addmm(self=bias, mat1, mat2, beta, alpha)
+    beta, alpha = node.attrs.get("beta", 1), node.attrs.get("alpha", 1)
+    out_shape = tuple(node.outputs[0].desc.origin_shape)
+
+    def bias_nz(bias: torch.Tensor) -> torch.Tensor:
+        return to_fractal_nz((bias * beta if beta != 1 else bias).expand(out_shape))
+
+    fixed = bias_nz(consts[ci]) if consts[ci] is not None else None  # constant bias: once
+
+    def run(*ins):
+        c = matmul_nz(ins[ai], ins[bi], a_shape, b_shape)
+        if alpha != 1:
+            c = c * alpha
+        return c + (fixed if fixed is not None else bias_nz(ins[ci]))
+    return run
+
+
+def make_elementwise(node: Node, in_descs: Sequence[TensorDesc], consts: Sequence) -> Callable:
+    """Any elementwise op on NC1HWC0 / FRACTAL_NZ storage via `elementwise` (padding
+    re-zeroed); the host kernel in ND."""
+    out = node.outputs[0].desc
+    fn = host_kernel(node)
+    if out.format not in NPU_FORMATS:
+        return fn
+    fmt, shape, of = out.format.value, tuple(out.origin_shape), out.origin_format.value
+    return lambda *ins: elementwise(fn, *ins, fmt=fmt, origin_shape=shape, origin_format=of)
+
+
+def _to_4d(x: torch.Tensor) -> torch.Tensor:
+    n, c1, h, w, c0 = x.shape
+    return x.permute(0, 1, 4, 2, 3).reshape(n, c1 * c0, h, w)
+
+
+def _to_5d(y: torch.Tensor, c0: int) -> torch.Tensor:
+    n, c, h, w = y.shape
+    return y.reshape(n, c // c0, c0, h, w).permute(0, 1, 3, 4, 2).contiguous()
+
+
+def make_channelwise(node: Node, in_descs: Sequence[TensorDesc], consts: Sequence) -> Callable:
+    """Pooling / H,W-reductions / inference BatchNorm on NC1HWC0: the ATen op on the
+    (N, C1·C0, H, W) view; output 0 back to NC1HWC0, other outputs (pool indices,
+    BatchNorm's empty statistics) in ND with the padded channels dropped."""
+    out = node.outputs[0].desc
+    fn = host_kernel(node)
+    if out.format != Format.NC1HWC0:
+        return fn
+    xi = _index(node, "input") if "input" in node.attrs else _index(node, "self")
+    c = int(out.origin_shape[1])
+    c0 = int(out.shape[-1])
+    cp = int(out.shape[1]) * c0
+    pads = {}
+    if node.op == "BatchNorm":   # pad parameters: padded channels map 0 -> 0
+        for name, fill in (("weight", 0.0), ("bias", 0.0), ("running_mean", 0.0), ("running_var", 1.0)):
+            i = _index(node, name)
+            if i is not None:
+                pads[i] = fill
+
+    def pad(t: torch.Tensor, fill: float) -> torch.Tensor:
+        return F.pad(t, (0, cp - c), value=fill) if cp != c else t
+
+    fixed = {i: pad(consts[i], f) for i, f in pads.items() if consts[i] is not None}
+
+    def run(*ins):
+        args = list(ins)
+        args[xi] = _to_4d(ins[xi])
+        for i, f in pads.items():
+            args[i] = fixed[i] if i in fixed else pad(ins[i], f)
+        r = fn(*args)
+        if isinstance(r, torch.Tensor):
+            return _to_5d(r, c0)
+        rest = [t[:, :c].contiguous() if t.dim() >= 2 and t.shape[1] == cp else t for t in r[1:]]
+        return (_to_5d(r[0], c0), *rest)
+    return run
+
+
+def _register_kernels() -> None:
+    table = DEVICE_KERNEL_FACTORIES.setdefault(DEVICE, {})
+    table["TransData"] = make_trans_data
+    table["Conv2D"] = make_conv
+    for name in ("MatMul", "BatchMatMul", "MatMulV2"):
+        table[name] = make_matmul
+    for op in all_ops():
+        if op.kind == OpKind.ELEMENTWISE and not op.random and op.aten is not None:
+            table[op.name] = make_elementwise
+            NPU_FORMAT_OPS[op.name] = "elementwise"
+    for name in CHANNELWISE_OPS:
+        table[name] = make_channelwise
+        NPU_FORMAT_OPS[name] = "channelwise"
+
+
+_register_kernels()
+
+__all__ = ["NPU_FORMAT_OPS", "CHANNELWISE_OPS", "host_kernel", "make_trans_data", "make_conv", "make_matmul",
+           "make_elementwise", "make_channelwise", "origin_format_for"]

@@ -1,0 +1,312 @@
+"""Stage 3, layout for the virtual NPU: place nodes on the vnpu, choose NPU storage
+formats, insert TransData at format boundaries and remove inverse TransData pairs.
+
+`NpuLayoutSelection` (runs only when the device is ``vnpu[:<preset>]``):
+
+1. placement: every node except host fallbacks gets ``node.device = ctx.device``;
+2. selection, in topological order (the table is ``ops.vnpu_ops.NPU_FORMAT_OPS``):
+   Conv2D (groups=1, float) takes NC1HWC0 activations and a FRACTAL_Z weight and gives
+   NC1HWC0; MatMul/BatchMatMul/MatMulV2 take and give FRACTAL_NZ; an elementwise op
+   whose full-size operands are all in the same NPU format (same logical shape and
+   dtype) stays in it; pooling, H/W reductions (keepdim) and inference BatchNorm on an
+   NC1HWC0 input stay in NC1HWC0; everything else runs in ND;
+3. insertion (as GE does): each NPU-format node gets TransData ND→format on its inputs
+   (constant weights are converted once, at compile time, into new constants) and
+   TransData format→ND on its outputs, so the graph is correct edge by edge;
+4. elimination: TransData(A→B) feeding TransData(B→A) of the same logical tensor is
+   removed (reported as "TransData elimination"), then unused TransData are dropped.
+
+Formatted values carry ``format``, the padded storage ``shape`` (`format_shape`) and
+their ``origin_shape``/``origin_format``, so the memory planner sizes storage correctly;
+graph outputs are always TransData'd back to their origin format. A node that consumes
+an NPU-format value but cannot run in that format is reported with ``ctx.skipped``.
+Source: CANN Graph Engine developer guide (format selection, TransData insertion,
+"TransOpDepthFusionPass"/"TransOpSymmetryEliminationPass" in GE's graph optimizer).
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Tuple
+
+import torch
+
+from ..devices.vnpu import NpuSpec, format_shape, get_preset, load_spec, trans_data
+from ..ir import Format, Graph, Node, TensorDesc, TensorRef, Value
+from ..ops import OpKind, get_op, vnpu_ops  # noqa: F401  (registers TransData and the vnpu kernels)
+from ..ops.vnpu_ops import NPU_FORMAT_OPS, origin_format_for
+from .base import Pass, PassContext
+
+ND = Format.ND
+_FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+_PATTERN = "NPU format"
+
+
+def npu_spec_for(device: str) -> NpuSpec:
+    """The `NpuSpec` of a device string ``vnpu`` (ascend910b), ``vnpu:<preset>``
+    (ascend910, ascend910b, ascend310) or ``vnpu:<spec file .json/.toml>``.
+
+    Raises ValueError for a non-vnpu device or an unknown preset (listing the presets)."""
+    kind, _, name = str(device).partition(":")
+    if kind != "vnpu":
+        raise ValueError(f"{device!r} is not a vnpu device; use 'vnpu:<preset>', e.g. 'vnpu:ascend910b'")
+    if not name:
+        return get_preset("ascend910b")
+    if name.endswith((".json", ".toml")):
+        return load_spec(name)
+    return get_preset(name)
+
+
+def npu_desc(desc: TensorDesc, fmt: Format) -> TensorDesc:
+    """Desc of a plain tensor ``desc`` stored in ``fmt``: padded storage shape
+    (`format_shape`), ``origin_shape`` = the logical shape."""
+    of = origin_format_for(fmt)
+    storage = format_shape(desc.shape, fmt.value, desc.dtype.torch, origin_format=of.value)
+    return TensorDesc(storage, desc.dtype, fmt, origin_shape=tuple(desc.shape), origin_format=of)
+
+
+def _pos(node: Node, name: str) -> Optional[int]:
+    a = node.attrs.get(name)
+    return a.index if isinstance(a, TensorRef) else None
+
+
+class _Choice:
+    """Per-input required formats and per-output formats of one node."""
+
+    def __init__(self, ins: List[Format], outs: List[Format]):
+        self.ins, self.outs = ins, outs
+
+
+def _conv(node: Node) -> Tuple[Optional[_Choice], str]:
+    x = node.arg("input")
+    a = node.attrs
+    if a.get("transposed"):
+        return None, "transposed convolution has no NC1HWC0 kernel on the vnpu"
+    if a.get("groups", 1) != 1:
+        return None, f"grouped convolution (groups={a['groups']}): conv2d_nc1hwc0 supports groups=1 only"
+    if x.desc.rank != 4 or node.outputs[0].desc.rank != 4:
+        return None, "not a 2-D convolution"
+    if x.desc.dtype.torch not in _FLOATS:
+        return None, f"dtype {x.desc.dtype.value}: the NC1HWC0 convolution takes floating point"
+    ins = [ND] * len(node.inputs)
+    ins[_pos(node, "input")] = Format.NC1HWC0
+    ins[_pos(node, "weight")] = Format.FRACTAL_Z
+    return _Choice(ins, [Format.NC1HWC0]), ""
+
+
+def _matmul(node: Node) -> Tuple[Optional[_Choice], str]:
+    names = ("mat1", "mat2") if node.op == "MatMulV2" else ("self", "mat2")
+    rank = 3 if node.op == "BatchMatMul" else 2
+    ops = [node.inputs[_pos(node, n)] for n in names]
+    if any(v.desc.rank != rank for v in ops):
+        return None, f"operands are not rank {rank}"
+    if any(v.desc.dtype.torch not in _FLOATS for v in ops):
+        return None, "integer matmul: FRACTAL_NZ kernel here is for floating point"
+    ins = [ND] * len(node.inputs)
+    for n in names:
+        ins[_pos(node, n)] = Format.FRACTAL_NZ
+    return _Choice(ins, [Format.FRACTAL_NZ]), ""
+
+
+def _elementwise(node: Node, fmt: Dict[int, Format]) -> Tuple[Optional[_Choice], str]:
+    out = node.outputs[0].desc
+    if len(node.outputs) != 1:
+        return None, "multi-output elementwise op"
+    ins, formats = [], set()
+    for v in node.inputs:
+        if v.desc.is_static and v.desc.numel == 1:      # scalars broadcast in any layout
+            ins.append(ND)
+            continue
+        f = fmt.get(v.id, ND)
+        if f == ND:
+            where = f"produced by {v.producer.op}" if v.producer is not None else "a graph input or constant"
+            return None, (f"operand {v} ({where}) is in ND; mixing layouts would need a TransData, "
+                          f"so {node.op} runs in ND")
+        if tuple(v.desc.origin_shape) != tuple(out.shape) or v.desc.dtype != out.dtype:
+            return None, (f"operand {v} is {v.desc.dtype.value}{list(v.desc.origin_shape)} but the result is "
+                          f"{out.dtype.value}{list(out.shape)}: broadcasting or a dtype change moves the "
+                          f"padding, so {node.op} runs in ND")
+        formats.add(f)
+        ins.append(f)
+    if len(formats) != 1:
+        return None, f"operands in different formats {sorted(f.value for f in formats)}"
+    return _Choice(ins, [formats.pop()]), ""
+
+
+def _channelwise(node: Node, fmt: Dict[int, Format]) -> Tuple[Optional[_Choice], str]:
+    xi = _pos(node, "input") if "input" in node.attrs else _pos(node, "self")
+    x = node.inputs[xi]
+    if fmt.get(x.id, ND) != Format.NC1HWC0:
+        return None, f"input is in {fmt.get(x.id, ND).value}"
+    out = node.outputs[0].desc
+    if x.desc.rank != 4 or out.rank != 4:
+        return None, "not a 4-D (NCHW) tensor"
+    if out.dtype != x.desc.dtype:
+        return None, "the result changes dtype (and so C0)"
+    if node.op.startswith("Reduce"):
+        dims = {d % 4 for d in (node.attrs.get("dim") or [])}
+        if not node.attrs.get("keepdim") or not dims or not dims <= {2, 3} or node.attrs.get("dtype"):
+            return None, "reduces over channels or drops dimensions (only H/W with keepdim stay NC1HWC0)"
+    ins = [ND] * len(node.inputs)
+    ins[xi] = Format.NC1HWC0
+    return _Choice(ins, [Format.NC1HWC0] + [ND] * (len(node.outputs) - 1)), ""
+
+
+def select(node: Node, fmt: Dict[int, Format]) -> Tuple[Optional[_Choice], str]:
+    """Formats for ``node`` given its operands' formats, or (None, why it runs in ND)."""
+    kind = NPU_FORMAT_OPS.get(node.op)
+    if kind is None and get_op(node.op).kind == OpKind.VIEW:
+        return None, (f"{node.op} is a view of the logical (ND) layout; padded, blocked NPU storage "
+                      "cannot be viewed that way, so its input is TransData'd back to ND")
+    if kind is None:
+        return None, f"{node.op} has no vnpu kernel in NPU formats; it runs in ND on the host"
+    if kind == "conv":
+        return _conv(node)
+    if kind == "matmul":
+        return _matmul(node)
+    if kind == "elementwise":
+        return _elementwise(node, fmt)
+    return _channelwise(node, fmt)
+
+
+class NpuLayoutSelection(Pass):
+    """vnpu placement + format selection + TransData insertion and elimination."""
+
+    name, stage = "npu_layout", "layout"
+
+    def run(self, graph: Graph, ctx: PassContext) -> int:
+        if not ctx.device.startswith("vnpu"):
+            return 0
+        npu_spec_for(ctx.device)   # validates the preset early
+        for n in graph.nodes:
+            if n.op != "HostFallback":
+                n.device = ctx.device
+        fmt: Dict[int, Format] = {}
+        choices: Dict[Node, _Choice] = {}
+        reasons: Dict[Node, str] = {}
+        for n in graph.nodes:
+            ch, why = select(n, fmt)
+            if ch is None:
+                if any(fmt.get(v.id, ND) != ND for v in n.inputs):
+                    reasons[n] = why
+                continue
+            choices[n] = ch
+            for o, f in zip(n.outputs, ch.outs):
+                fmt[o.id] = f
+        self._consts: Dict[Tuple[int, Format], Value] = {}
+        self._converted: Dict[Tuple[int, Format], Value] = {}
+        inserted = 0
+        for n in list(graph.nodes):
+            ch = choices.get(n)
+            if ch is None:
+                continue
+            for i, r in enumerate(ch.ins):
+                if r != ND:
+                    inserted += self._convert_input(graph, n, i, r)
+            for j, f in enumerate(ch.outs):
+                if f != ND:
+                    self._wrap_output(graph, n, j, f)
+                    inserted += 1
+        eliminated = self._eliminate(graph, ctx)
+        dropped = self._drop_dead(graph)
+        graph.prune_constants()
+        for n, why in reasons.items():
+            if n in graph.nodes:
+                ctx.skipped(_PATTERN, n, why)
+        left = sum(1 for n in graph.nodes if n.op == "TransData")
+        ctx.artifacts["note"] = (f"{len(choices)} nodes in NPU formats, {left} TransData kept "
+                                 f"({inserted} inserted, {eliminated} inverse pairs eliminated, {dropped} unused "
+                                 f"dropped), {len(self._consts)} weights converted at compile time")
+        return len(choices) + left
+
+    # -- surgery --------------------------------------------------------------------
+    @staticmethod
+    def _set_input(node: Node, i: int, new: Value) -> None:
+        old = node.inputs[i]
+        node.inputs[i] = new
+        old.users.remove(node)
+        new.users.append(node)
+
+    def _convert_input(self, graph: Graph, node: Node, i: int, r: Format) -> int:
+        """Give input ``i`` of ``node`` in format ``r``; returns TransData nodes added."""
+        v = node.inputs[i]
+        key = (v.id, r)
+        if v.is_const:
+            if key not in self._consts:
+                of = origin_format_for(r)
+                t = trans_data(v.const, of.value, r.value)
+                c = graph.add_const(t.contiguous(), f"{v.name or v.id}_{r.value.lower()}")
+                c.desc = npu_desc(v.desc, r)
+                self._consts[key] = c
+            self._set_input(node, i, self._consts[key])
+            return 0
+        added = 0
+        if key not in self._converted:
+            t = _trans(graph, v, ND, r, before=node, device=node.device)
+            self._converted[key] = t.outputs[0]
+            added = 1
+        self._set_input(node, i, self._converted[key])
+        return added
+
+    def _wrap_output(self, graph: Graph, node: Node, j: int, f: Format) -> None:
+        """Store output ``j`` in ``f`` and give its users an ND copy (TransData f→ND)."""
+        o = node.outputs[j]
+        plain = o.desc
+        users = list(o.users)
+        o.desc = npu_desc(plain, f)
+        node.meta.pop("strides", None)
+        idx = graph.nodes.index(node)
+        after = graph.nodes[idx + 1] if idx + 1 < len(graph.nodes) else None
+        t = _trans(graph, o, f, ND, before=after, out_desc=plain, device=node.device)
+        nd = t.outputs[0]
+        for u in users:
+            for k, v in enumerate(u.inputs):
+                if v is o:
+                    self._set_input(u, k, nd)
+        graph.outputs = [nd if v is o else v for v in graph.outputs]
+
+    @staticmethod
+    def _eliminate(graph: Graph, ctx: PassContext) -> int:
+        n = 0
+        for t2 in list(graph.nodes):
+            if t2.op != "TransData" or t2 not in graph.nodes:
+                continue
+            t1 = t2.inputs[0].producer
+            if t1 is None or t1.op != "TransData":
+                continue
+            a1, a2 = t1.attrs, t2.attrs
+            if (a1["src_format"], a1["dst_format"]) != (a2["dst_format"], a2["src_format"]) \
+                    or tuple(a1["origin_shape"]) != tuple(a2["origin_shape"]):
+                continue
+            graph.replace_all_uses_with(t2.outputs[0], t1.inputs[0])
+            graph.erase_node(t2)
+            ctx.applied("TransData elimination", [t1, t2])
+            n += 1
+        return n
+
+    @staticmethod
+    def _drop_dead(graph: Graph) -> int:
+        n = 0
+        for t in reversed(list(graph.nodes)):
+            if t.op == "TransData" and not t.outputs[0].users and t.outputs[0] not in graph.outputs:
+                graph.erase_node(t)
+                n += 1
+        return n
+
+
+def _trans(graph: Graph, v: Value, src: Format, dst: Format, before: Optional[Node],
+           out_desc: Optional[TensorDesc] = None, device: str = "vnpu") -> Node:
+    """A TransData node v(src) → dst, inserted before ``before`` (appended if None)."""
+    npu = dst if dst != ND else src
+    origin = tuple(v.desc.origin_shape)
+    if out_desc is None:
+        out_desc = npu_desc(v.desc, dst)
+    attrs = {"src_format": src.value, "dst_format": dst.value, "origin_shape": origin,
+             "origin_format": origin_format_for(npu).value}
+    base = v.producer.name if v.producer is not None else (v.name or f"v{v.id}")
+    t = graph.create_node("TransData", [v], attrs, [out_desc], name=f"{base}_to_{dst.value.lower()}",
+                          source=v.producer.source if v.producer is not None else "",
+                          scope=v.producer.scope if v.producer is not None else "", before=before)
+    t.device = device
+    return t
+
+
+__all__ = ["NpuLayoutSelection", "npu_desc", "npu_spec_for", "select"]

@@ -1,0 +1,552 @@
+"""``estimate``: how fast a model would run on an Ascend-style NPU, and whether it fits.
+
+Compiles the model for the virtual NPU (``vnpu:<preset>``: formats, TransData, memory
+plan) without running it, costs every node with the vnpu cost model
+(``opencann.devices.vnpu.cost_model``), and reports per-op time and bound, totals, HBM
+traffic with and without the fusion passes, and peak device memory. A plan that does
+not fit in the preset's HBM raises ValueError saying by how much and what to change.
+
+Op → cost function (all on the op's storage sizes, in its dtype):
+
+- Conv2D / ConvBiasAct / ConvAddAct → `conv2d_cost` (groups g as g·N convolutions of
+  C/g channels: same FLOPs and activation bytes); MatMul, BatchMatMul, MatMulV2,
+  LinearAct → `matmul_cost`; FlashAttention → `flash_attention_cost`;
+  ScaledDotProductAttention (unfused) → QKᵀ `matmul_cost` + `softmax_cost` (+ mask add)
+  + PV `matmul_cost`, the S×S scores going through HBM;
+- SoftmaxV2 / LogSoftmaxV2 → `softmax_cost`; LayerNorm → `layernorm_cost`; BatchNorm
+  (inference, x·scale + shift) → `elementwise_cost` with 2 vector ops per element;
+- elementwise ops → `elementwise_cost` with the op's vector cost (`ELEMENTWISE_KEYS`);
+- reductions and pooling → `reduction_cost`; TransData → `trans_data_cost`;
+- data movement (Embedding, Identity, concat, gathers, padding) and creation ops →
+  `elementwise_cost("copy")` on the output (read + write; creation: write only);
+- views → free (no kernel, not listed);
+- anything else (host fallbacks, ops without a model) → **fallback**: memory-bound
+  ``copy`` of its largest tensor, read by each input and written once; such rows are
+  flagged ``fallback`` and listed in the report.
+
+Peak memory = weights (constants, in their NPU formats) + the memory plan's arena +
+the peak of kernel-allocated tensors (values outside the plan, by liveness) + inputs.
+matplotlib (Agg backend) draws the roofline: the de-facto standard plotting library.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from ..devices.vnpu import (KernelCost, NpuSpec, conv2d_cost, elementwise_cost, flash_attention_cost,
+                            layernorm_cost, matmul_cost, reduction_cost, softmax_cost, trans_data_cost)
+from ..ir import Graph, MemoryPlan, Node, Value
+from ..ops import OpKind, get_op
+from ..passes.vnpu_layout import npu_spec_for
+
+GiB = float(1 << 30)
+MiB = float(1 << 20)
+
+# IR op -> key of the cost model's VECTOR_OP_COST table
+ELEMENTWISE_KEYS: Dict[str, str] = {
+    "Add": "add", "Adds": "add", "Sub": "sub", "Subs": "sub", "RSub": "sub", "Mul": "mul", "Muls": "mul",
+    "Div": "div", "Divs": "div", "DivMode": "div", "Pow": "pow", "PowTensor": "pow", "Neg": "neg",
+    "Abs": "abs", "Exp": "exp", "Log": "log", "Sqrt": "sqrt", "Rsqrt": "rsqrt", "Reciprocal": "reciprocal",
+    "Sin": "sin", "Cos": "cos", "Floor": "copy", "Sign": "copy", "Maximum": "max", "Minimum": "min",
+    "ClipByValue": "clamp", "ClampTensor": "clamp", "HardTanh": "clamp", "Select": "where", "Relu": "relu",
+    "Gelu": "gelu", "Sigmoid": "sigmoid", "Tanh": "tanh", "Erf": "erf", "Swish": "silu",
+    "LeakyRelu": "leaky_relu", "HardSigmoid": "clamp", "HardSwish": "silu", "Cast": "cast", "Fill": "copy",
+    "Dropout": "mul",
+}
+_COMPARE = ("Equal", "NotEqual", "Less", "LessEqual", "Greater", "GreaterEqual", "Logical", "Bitwise", "IsNan")
+REDUCTION_KEYS: Dict[str, str] = {
+    "ReduceSum": "add", "ReduceSumAll": "add", "ReduceMean": "add", "ReduceMeanAll": "add", "ReduceMax": "max",
+    "ReduceMin": "min", "ReduceAny": "max", "ReduceAll": "min", "ArgMaxD": "max", "ArgMinD": "min",
+    "ReduceMaxD": "max", "ReduceVar": "add", "Cumsum": "add", "MaxPoolWithArgmax": "max", "AvgPool": "add",
+    "AdaptiveAvgPool2d": "add",
+}
+FUSED_CONV = ("Conv2D", "ConvBiasAct", "ConvAddAct")
+FUSED_MATMUL = ("MatMul", "BatchMatMul", "MatMulV2", "LinearAct")
+
+
+@dataclass
+class OpRow:
+    """One costed node: time in µs, HBM bytes read + written, FLOPs (fractal-padded),
+    ``bound`` (cube / vector / mte / memory / launch), ``model`` (the cost function used)
+    and ``fallback`` (True when no cost function fits and the memory-bound fallback is used)."""
+
+    name: str
+    op: str
+    time_us: float
+    bound: str
+    hbm_bytes: float
+    flops: float
+    model: str
+    fallback: bool = False
+    format: str = "ND"
+
+    @property
+    def intensity(self) -> float:
+        """Arithmetic intensity, FLOP per HBM byte."""
+        return self.flops / self.hbm_bytes if self.hbm_bytes else 0.0
+
+    @property
+    def tflops(self) -> float:
+        """Achieved TFLOP/s."""
+        return self.flops / (self.time_us * 1e-6) / 1e12 if self.time_us else 0.0
+
+
+@dataclass
+class EstimateReport:
+    """What `estimate` found. Times in µs, sizes in bytes.
+
+    ``rows``: per-op costs of the reported graph (fused unless ``fused=False``);
+    ``hbm_bytes_fused`` / ``hbm_bytes_unfused``: total HBM traffic with the fusion
+    passes on / off (``time_us_fused`` / ``time_us_unfused`` likewise); memory:
+    ``weights_bytes``, ``arena_bytes``, ``kernel_alloc_peak_bytes``, ``input_bytes`` and
+    their sum ``peak_bytes`` against ``spec.hbm_bytes``.
+    """
+
+    model: str
+    device: str
+    spec: NpuSpec
+    batch: int
+    fused: bool
+    dtype: str
+    rows: List[OpRow]
+    time_us_fused: float
+    time_us_unfused: float
+    hbm_bytes_fused: float
+    hbm_bytes_unfused: float
+    weights_bytes: int
+    arena_bytes: int
+    kernel_alloc_peak_bytes: int
+    input_bytes: int
+    views: int = 0
+    notes: List[str] = field(default_factory=list)
+
+    # -- totals ---------------------------------------------------------------------
+    @property
+    def total_time_us(self) -> float:
+        """Sum of kernel times, µs (kernels run one after another on one stream)."""
+        return sum(r.time_us for r in self.rows)
+
+    @property
+    def total_flops(self) -> float:
+        """Sum of fractal-padded FLOPs."""
+        return sum(r.flops for r in self.rows)
+
+    @property
+    def total_hbm_bytes(self) -> float:
+        """Sum of HBM bytes read + written by the reported graph."""
+        return sum(r.hbm_bytes for r in self.rows)
+
+    @property
+    def peak_bytes(self) -> int:
+        """Weights + arena + kernel-allocated peak + inputs, bytes."""
+        return self.weights_bytes + self.arena_bytes + self.kernel_alloc_peak_bytes + self.input_bytes
+
+    @property
+    def fallbacks(self) -> Dict[str, int]:
+        """Ops costed with the memory-bound fallback: op -> count."""
+        out: Dict[str, int] = {}
+        for r in self.rows:
+            if r.fallback:
+                out[r.op] = out.get(r.op, 0) + 1
+        return out
+
+    def time_by_bound(self) -> Dict[str, float]:
+        """µs per bound (cube, vector, mte, memory, launch)."""
+        out: Dict[str, float] = {}
+        for r in self.rows:
+            out[r.bound] = out.get(r.bound, 0.0) + r.time_us
+        return out
+
+    def time_by_op(self) -> Dict[str, float]:
+        """µs per op type, largest first."""
+        out: Dict[str, float] = {}
+        for r in self.rows:
+            out[r.op] = out.get(r.op, 0.0) + r.time_us
+        return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+    # -- rendering ------------------------------------------------------------------
+    def to_dict(self) -> Dict[str, Any]:
+        """JSON-ready dict: totals, fusion comparison, memory, per-op rows."""
+        return {
+            "model": self.model, "device": self.device, "preset": self.spec.name, "batch": self.batch,
+            "fused": self.fused, "dtype": self.dtype,
+            "totals": {"time_us": self.total_time_us, "flops": self.total_flops,
+                       "hbm_bytes": self.total_hbm_bytes, "ops": len(self.rows), "views": self.views,
+                       "achieved_tflops": self.total_flops / (self.total_time_us * 1e-6) / 1e12
+                       if self.total_time_us else 0.0},
+            "fusion": {"time_us_fused": self.time_us_fused, "time_us_unfused": self.time_us_unfused,
+                       "hbm_bytes_fused": self.hbm_bytes_fused, "hbm_bytes_unfused": self.hbm_bytes_unfused},
+            "memory": {"weights_bytes": self.weights_bytes, "arena_bytes": self.arena_bytes,
+                       "kernel_alloc_peak_bytes": self.kernel_alloc_peak_bytes, "input_bytes": self.input_bytes,
+                       "peak_bytes": self.peak_bytes, "hbm_capacity_bytes": self.spec.hbm_bytes},
+            "time_by_bound_us": self.time_by_bound(), "time_by_op_us": self.time_by_op(),
+            "fallbacks": self.fallbacks, "notes": self.notes,
+            "rows": [asdict(r) for r in self.rows],
+        }
+
+    def to_json(self, path: Optional[str] = None, indent: int = 2) -> str:
+        """The report as JSON (written to ``path`` when given)."""
+        s = json.dumps(self.to_dict(), indent=indent, default=str)
+        if path:
+            with open(path, "w") as f:
+                f.write(s)
+        return s
+
+    def to_text(self, top: int = 15) -> str:
+        """Readable summary: the ``top`` ops by time with their bound, then totals."""
+        t = self.total_time_us
+        lines = [f"opencann estimate: {self.model} on {self.device} ({self.spec.name}), batch {self.batch}, "
+                 f"{self.dtype}, {'fused' if self.fused else 'unfused'} graph",
+                 f"  {'node':28s} {'op':18s} {'time us':>10s} {'%':>6s} {'bound':>7s} {'HBM MB':>9s} "
+                 f"{'GFLOP':>9s} {'TFLOP/s':>8s}"]
+        for r in sorted(self.rows, key=lambda r: -r.time_us)[:top]:
+            lines.append(f"  {r.name[:28]:28s} {r.op[:18]:18s} {r.time_us:10.2f} {100 * r.time_us / t:5.1f}% "
+                         f"{r.bound:>7s} {r.hbm_bytes / 1e6:9.3f} {r.flops / 1e9:9.3f} {r.tflops:8.2f}"
+                         + ("  (fallback)" if r.fallback else ""))
+        lines.append(f"  total: {t / 1e3:.3f} ms over {len(self.rows)} kernels ({self.views} views free), "
+                     f"{self.total_flops / 1e9:.2f} GFLOP, {self.to_dict()['totals']['achieved_tflops']:.2f} TFLOP/s "
+                     f"achieved of {self.spec.peak_cube_tflops(_bytes(self.dtype)):.1f} peak Cube")
+        share = ", ".join(f"{k} {100 * v / t:.0f}%" for k, v in
+                          sorted(self.time_by_bound().items(), key=lambda kv: -kv[1])) if t else ""
+        lines.append(f"  time by bound: {share}")
+        top_ops = ", ".join(f"{k} {v / 1e3:.3f} ms" for k, v in list(self.time_by_op().items())[:6])
+        lines.append(f"  time by op: {top_ops}")
+        saved = 1 - self.hbm_bytes_fused / self.hbm_bytes_unfused if self.hbm_bytes_unfused else 0.0
+        lines.append(f"  HBM traffic: {self.hbm_bytes_fused / 1e6:.1f} MB fused vs "
+                     f"{self.hbm_bytes_unfused / 1e6:.1f} MB unfused ({100 * saved:.1f}% saved); time "
+                     f"{self.time_us_fused / 1e3:.3f} ms fused vs {self.time_us_unfused / 1e3:.3f} ms unfused")
+        lines.append(f"  memory: peak {self.peak_bytes / MiB:.1f} MiB of {self.spec.hbm_bytes / GiB:.0f} GiB HBM "
+                     f"(weights {self.weights_bytes / MiB:.1f} MiB, arena {self.arena_bytes / MiB:.1f} MiB, "
+                     f"kernel-allocated peak {self.kernel_alloc_peak_bytes / MiB:.1f} MiB, "
+                     f"inputs {self.input_bytes / MiB:.1f} MiB)")
+        if self.fallbacks:
+            lines.append("  costed with the memory-bound fallback (no cost function): "
+                         + ", ".join(f"{k} x{v}" for k, v in self.fallbacks.items()))
+        lines += [f"  note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+    def roofline_plot(self, path: str) -> str:
+        """Write a roofline PNG to ``path``: each op with FLOPs as a point (arithmetic
+        intensity FLOP/B vs achieved TFLOP/s, colour = bound) under the preset's roofline
+        min(peak Cube TFLOP/s, HBM GB/s × intensity) (Williams, Waterman, Patterson,
+        "Roofline", CACM 2009). Ops without FLOPs (TransData, copies) are left out and
+        counted in the title. Returns ``path``."""
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        peak = self.spec.peak_cube_tflops(_bytes(self.dtype))
+        bw = self.spec.hbm_gbps * 1e9 / 1e12            # TB/s: TFLOP/s per FLOP/B
+        pts = [r for r in self.rows if r.flops > 0 and r.hbm_bytes > 0 and r.time_us > 0]
+        fig, ax = plt.subplots(figsize=(8, 5.5))
+        lo = min([r.intensity for r in pts] + [0.1]) / 2
+        hi = max([r.intensity for r in pts] + [peak / bw * 4]) * 2
+        xs = [lo * (hi / lo) ** (i / 200) for i in range(201)]
+        ax.plot(xs, [min(peak, bw * x) for x in xs], "k-", lw=2,
+                label=f"roofline: {peak:.0f} TFLOP/s Cube ({self.dtype}), {self.spec.hbm_gbps:.0f} GB/s HBM")
+        colours = {"cube": "tab:red", "vector": "tab:green", "mte": "tab:orange", "memory": "tab:blue",
+                   "launch": "tab:gray"}
+        for b in sorted({r.bound for r in pts}):
+            sel = [r for r in pts if r.bound == b]
+            ax.scatter([r.intensity for r in sel], [r.tflops for r in sel], s=18, alpha=0.75,
+                       color=colours.get(b, "tab:purple"), label=f"{b}-bound ops ({len(sel)})")
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel("arithmetic intensity (FLOP / HBM byte)")
+        ax.set_ylabel("achieved TFLOP/s")
+        ax.set_title(f"{self.model} on {self.spec.name}, batch {self.batch} "
+                     f"({len(self.rows) - len(pts)} ops without FLOPs not shown)", fontsize=10)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8, loc="lower right")
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        return path
+
+
+# -- costing -----------------------------------------------------------------------------
+
+def _bytes(dtype: str) -> int:
+    return max(1, torch.empty((), dtype=getattr(torch, dtype)).element_size())
+
+
+def _numel(shape: Sequence) -> int:
+    return math.prod(int(s) for s in shape)
+
+
+def _combine(op: str, parts: List[KernelCost]) -> KernelCost:
+    """Kernels run one after another: times, FLOPs and bytes add; the bound is the
+    bound of the longest part."""
+    longest = max(parts, key=lambda c: c.time_us)
+    return KernelCost(op, sum(c.time_us for c in parts), sum(c.flops for c in parts),
+                      sum(c.useful_flops for c in parts), sum(c.hbm_bytes for c in parts), longest.bound,
+                      {"parts": [c.op for c in parts]})
+
+
+def _big_inputs(node: Node) -> List[Value]:
+    return [v for v in node.inputs if v.desc.is_static and _numel(v.desc.shape) > 1]
+
+
+def node_cost(node: Node, spec: NpuSpec) -> Tuple[Optional[KernelCost], str, bool]:
+    """(cost, cost-function name, fallback?) of one node on ``spec``; (None, "view",
+    False) for views. See the module docstring for the op → function table."""
+    op = get_op(node.op)
+    out = node.outputs[0].desc
+    dt = out.dtype.value
+    if op.kind == OpKind.VIEW:
+        return None, "view", False
+    if node.op == "TransData":
+        s = node.inputs[0].desc
+        e = s.dtype.itemsize
+        return trans_data_cost(_numel(s.shape), _numel(out.shape), dt, burst_bytes=max(1, 32 // e) * e,
+                               spec=spec), "trans_data_cost", False
+    if node.op in FUSED_CONV:
+        x, w = node.arg("input").desc, node.arg("weight").desc
+        n, c, h, wd = (int(s) for s in x.origin_shape)
+        cout, _, kh, kw = (int(s) for s in w.origin_shape)
+        a = node.attrs
+        g = int(a.get("groups", 1))
+        dil = list(a.get("dilation", [1, 1]))
+        k = ((kh - 1) * dil[0] + 1, (kw - 1) * dil[-1] + 1)
+        return conv2d_cost(n * g, c // g, h, wd, cout // g, k, tuple(a["stride"]), tuple(a["padding"]),
+                           x.dtype.value, spec), "conv2d_cost", False
+    if node.op in FUSED_MATMUL:
+        names = ("mat1", "mat2") if node.op in ("MatMulV2", "LinearAct") else ("self", "mat2")
+        a_d, b_d = node.arg(names[0]).desc, node.arg(names[1]).desc
+        a_s, b_s = a_d.origin_shape, b_d.origin_shape
+        m, kdim, nn = int(a_s[-2]), int(a_s[-1]), int(b_s[-1])
+        batch = _numel(out.origin_shape[:-2]) if node.op == "BatchMatMul" else 1
+        return matmul_cost(m, nn, kdim, batch, a_d.dtype.value, spec), "matmul_cost", False
+    if node.op in ("FlashAttention", "ScaledDotProductAttention"):
+        q, kk = node.arg("query").desc, node.arg("key").desc
+        bh = _numel(q.shape[:-2])
+        sq, d, sk = int(q.shape[-2]), int(q.shape[-1]), int(kk.shape[-2])
+        if node.op == "FlashAttention":
+            heads = int(q.shape[-3]) if q.rank >= 3 else 1
+            return flash_attention_cost(bh // heads, heads, sq, sk, d, dt, causal=bool(node.attrs.get("causal")),
+                                        spec=spec), "flash_attention_cost", False
+        parts = [matmul_cost(sq, sk, d, bh, dt, spec), softmax_cost(bh * sq, sk, dt, spec),
+                 matmul_cost(sq, d, sk, bh, dt, spec)]
+        if node.attrs.get("attn_mask") is not None:
+            parts.insert(1, elementwise_cost("add", bh * sq * sk, dt, 2, spec))
+        return _combine("attention", parts), "matmul_cost+softmax_cost (S×S scores in HBM)", False
+    if node.op in ("SoftmaxV2", "LogSoftmaxV2"):
+        cols = int(out.shape[node.attrs.get("dim", -1)])
+        return softmax_cost(_numel(out.shape) // cols, cols, dt, spec), "softmax_cost", False
+    if node.op == "LayerNorm":
+        cols = _numel(node.attrs["normalized_shape"])
+        return layernorm_cost(_numel(out.shape) // cols, cols, dt, spec), "layernorm_cost", False
+    if node.op == "BatchNorm":   # x·scale + shift: 2 vector ops/element, like clamp's entry
+        return elementwise_cost("clamp", _numel(out.shape), dt, 1, spec), "elementwise_cost (2 ops/elem)", False
+    if node.op in ELEMENTWISE_KEYS or node.op.startswith(_COMPARE):
+        key = ELEMENTWISE_KEYS.get(node.op, "sub")     # comparisons: one subtract-and-select per element
+        n_in = max(1, len(_big_inputs(node)))
+        return elementwise_cost(key, max(1, _numel(out.shape)), dt, n_in, spec), "elementwise_cost", False
+    if node.op in REDUCTION_KEYS:
+        x = node.inputs[0].desc
+        n_in, n_out = max(1, _numel(x.shape)), max(1, _numel(out.shape))
+        return reduction_cost(n_in, min(n_in, n_out), x.dtype.value, REDUCTION_KEYS[node.op], spec), \
+            "reduction_cost", False
+    if op.kind in (OpKind.DATA, OpKind.CREATION):
+        n_in = 0 if op.kind == OpKind.CREATION else 1
+        return elementwise_cost("copy", max(1, _numel(out.shape)), dt, n_in, spec), \
+            "elementwise_cost(copy)", False
+    # fallback: memory-bound copy of the largest tensor
+    sizes = [_numel(v.desc.shape) for v in node.inputs + node.outputs if v.desc.is_static]
+    return elementwise_cost("copy", max([1] + sizes), dt, max(1, len(_big_inputs(node))), spec), \
+        "fallback: elementwise_cost(copy)", True
+
+
+def cost_graph(graph: Graph, spec: NpuSpec) -> Tuple[List[OpRow], int]:
+    """Per-node rows of ``graph`` on ``spec`` and the number of (free) views."""
+    rows, views = [], 0
+    for n in graph.nodes:
+        c, model, fb = node_cost(n, spec)
+        if c is None:
+            views += 1
+            continue
+        rows.append(OpRow(n.name, n.op, float(c.time_us), c.bound, float(c.hbm_bytes), float(c.flops), model,
+                          fb, n.outputs[0].desc.format.value))
+    return rows, views
+
+
+# -- memory ------------------------------------------------------------------------------
+
+def kernel_alloc_peak(graph: Graph, plan: MemoryPlan) -> int:
+    """Peak bytes of intermediates outside the arena (kernel-allocated values and graph
+    outputs), by liveness in the graph's order: live from the producing step to the
+    last read (graph outputs to the end). Views and in-place aliases cost nothing."""
+    step = {n: i for i, n in enumerate(graph.nodes)}
+    end = len(graph.nodes)
+    delta = [0] * (end + 2)
+    outs = {id(v) for v in graph.outputs}
+    for n in graph.nodes:
+        if get_op(n.op).kind == OpKind.VIEW or "inplace_input" in n.attrs:
+            continue
+        for o in n.outputs:
+            if o.id in plan.value_buffer or not o.desc.is_static:
+                continue
+            last = max([step[u] for u in o.users] + [step[n]])
+            if id(o) in outs:
+                last = end
+            delta[step[n]] += o.desc.nbytes
+            delta[last + 1] -= o.desc.nbytes
+    best = cur = 0
+    for d in delta:
+        cur += d
+        best = max(best, cur)
+    return best
+
+
+# -- driver ------------------------------------------------------------------------------
+
+def _rebatch(inputs: Tuple, batch: int) -> Tuple:
+    """Same inputs with dim 0 = ``batch``, as uninitialized tensors (estimate never runs
+    the model, and untouched pages of a large ``torch.empty`` cost no memory)."""
+    return tuple(torch.empty((batch, *x.shape[1:]), dtype=x.dtype) if isinstance(x, torch.Tensor) and x.dim()
+                 else x for x in inputs)
+
+
+def _load(model_or_zoo_name, example_inputs, batch: int, zoo_kwargs: Dict[str, Any]):
+    if isinstance(model_or_zoo_name, str):
+        from .. import zoo
+        zm = zoo.get(model_or_zoo_name, batch=1, **zoo_kwargs)
+        return zm.name, zm.model, _rebatch(zm.example_inputs, batch)
+    if example_inputs is None:
+        raise ValueError("estimate: give example_inputs for a torch.nn.Module (or pass a zoo name such as "
+                         "'resnet50')")
+    args = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
+    if batch != 1:
+        args = _rebatch(args, batch)
+    return type(model_or_zoo_name).__name__, model_or_zoo_name, args
+
+
+def _fusion_options(fused: bool) -> Dict[str, Any]:
+    from ..passes import default_pipeline
+    pm = default_pipeline()
+    names = pm.names()
+    if fused:
+        off_by_default = [p.name for p in pm.passes if p.stage == "fusion" and not p.default_enabled]
+        return {"enable": off_by_default}
+    return {"disable": [p.name for p in pm.passes if p.stage == "fusion" and p.name in names]}
+
+
+def _compile(ep, name: str, device: str, fused: bool):
+    from ..compiler import compile_graph
+    from ..frontend.torch import from_exported_program
+    graph = from_exported_program(ep, name=name)
+    graph, plan, report = compile_graph(graph, device, _fusion_options(fused))
+    return graph, plan, report
+
+
+def estimate(model_or_zoo_name, example_inputs=None, device: str = "vnpu:ascend910b", batch: int = 1,
+             fused: bool = True, **zoo_kwargs) -> EstimateReport:
+    """Estimate time, HBM traffic and peak memory of a model on a virtual NPU.
+
+    Args:
+        model_or_zoo_name: a torch.nn.Module, or a zoo name ('resnet50', 'bert-base',
+            'gpt2', 'minilm'; ``zoo_kwargs`` such as ``size=64`` or ``seq=32`` go to the
+            zoo factory).
+        example_inputs: tensor or tuple fixing shapes and dtypes (modules only).
+        device: ``vnpu:<preset>`` (ascend910, ascend910b, ascend310) or
+            ``vnpu:<spec.json|.toml>``.
+        batch: batch size; the inputs' dim 0 is set to it (uninitialized tensors: the
+            model is never run).
+        fused: report the graph with the fusion passes on (True; FlashAttention enabled)
+            or off. HBM traffic of both is always reported.
+    Returns: `EstimateReport` (µs, bytes, FLOPs).
+    Raises:
+        ValueError: not a vnpu device, unknown preset, batch < 1, missing inputs, or a
+            plan whose peak memory exceeds the preset's HBM (the message gives the
+            numbers, the largest batch that fits and what to change).
+        CaptureError: torch.export cannot capture the model.
+    """
+    from ..frontend.torch import capture
+    spec = npu_spec_for(device)
+    if batch < 1:
+        raise ValueError(f"estimate: batch must be >= 1, got {batch}")
+    name, model, args = _load(model_or_zoo_name, example_inputs, batch, zoo_kwargs)
+    ep, _ = capture(model, args)
+    graph, plan, _ = _compile(ep, name, device, fused)
+    weights = sum(c.desc.nbytes for c in graph.constants)
+    kalloc = kernel_alloc_peak(graph, plan)
+    inputs = sum(v.desc.nbytes for v in graph.inputs)
+    peak = weights + plan.arena_bytes + kalloc + inputs
+    if peak > spec.hbm_bytes:
+        act = plan.arena_bytes + kalloc + inputs
+        fits = int((spec.hbm_bytes - weights) // (act / batch)) if act and spec.hbm_bytes > weights else 0
+        raise ValueError(
+            f"{name} at batch {batch} needs {peak / GiB:.2f} GiB on {spec.name} but it has "
+            f"{spec.hbm_bytes / GiB:.2f} GiB of HBM: {(peak - spec.hbm_bytes) / GiB:.2f} GiB too much "
+            f"(weights {weights / GiB:.2f} GiB + activation arena {plan.arena_bytes / GiB:.2f} GiB + "
+            f"kernel-allocated peak {kalloc / GiB:.2f} GiB + inputs {inputs / GiB:.2f} GiB). "
+            f"Use a smaller batch (activations scale with it: about {fits} fits), recompute activations "
+            f"instead of keeping them (training), or a device with more HBM.")
+    rows, views = cost_graph(graph, spec)
+    other, _, _ = _compile(ep, name, device, not fused)
+    other_rows, _ = cost_graph(other, spec)
+    t_here, b_here = sum(r.time_us for r in rows), sum(r.hbm_bytes for r in rows)
+    t_other, b_other = sum(r.time_us for r in other_rows), sum(r.hbm_bytes for r in other_rows)
+    dtypes = [v.desc.dtype.value for v in graph.constants if v.desc.dtype.is_floating]
+    dtype = max(set(dtypes), key=dtypes.count) if dtypes else "float32"
+    rep = EstimateReport(
+        model=name, device=device, spec=spec, batch=batch, fused=fused, dtype=dtype, rows=rows,
+        time_us_fused=t_here if fused else t_other, time_us_unfused=t_other if fused else t_here,
+        hbm_bytes_fused=b_here if fused else b_other, hbm_bytes_unfused=b_other if fused else b_here,
+        weights_bytes=int(weights), arena_bytes=int(plan.arena_bytes), kernel_alloc_peak_bytes=int(kalloc),
+        input_bytes=int(inputs), views=views)
+    if any(r.op == "TransData" for r in rows):
+        td = [r for r in rows if r.op == "TransData"]
+        rep.notes.append(f"{len(td)} TransData kernels cost {sum(r.time_us for r in td):.1f} us "
+                         f"({sum(r.hbm_bytes for r in td) / 1e6:.1f} MB of HBM traffic)")
+    return rep
+
+
+def add_arguments(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the ``estimate`` options to ``ap`` (a parser or a CLI subparser)."""
+    ap.add_argument("--model", required=True, help="zoo name: resnet50, bert-base, gpt2, minilm")
+    ap.add_argument("--device", default="vnpu:ascend910b", help="vnpu:<preset> or vnpu:<spec.json|.toml>")
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--size", type=int, help="image size (resnet50)")
+    ap.add_argument("--seq", type=int, help="sequence length (bert-base, gpt2, minilm)")
+    ap.add_argument("--json", help="write the report as JSON here")
+    ap.add_argument("--plot", help="write the roofline PNG here")
+    ap.add_argument("--no-fusion", action="store_true", help="report the graph without the fusion passes")
+    ap.add_argument("--top", type=int, default=15, help="ops listed by time")
+    return ap
+
+
+def run_args(args: argparse.Namespace) -> int:
+    """Run an estimate from parsed ``add_arguments`` options; prints the text report and
+    writes --json / --plot. Returns 0, or 2 (message printed) when the plan does not fit
+    or the device is not a vnpu."""
+    kw = {k: getattr(args, k) for k in ("size", "seq") if getattr(args, k, None) is not None}
+    try:
+        rep = estimate(args.model, device=args.device, batch=args.batch, fused=not args.no_fusion, **kw)
+    except ValueError as e:
+        print(f"error: {e}")
+        return 2
+    print(rep.to_text(top=args.top))
+    if args.json:
+        rep.to_json(args.json)
+        print(f"wrote {args.json}")
+    if args.plot:
+        rep.roofline_plot(args.plot)
+        print(f"wrote {args.plot}")
+    return 0
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """``opencann estimate --model resnet50 --device vnpu:ascend910b [--batch N]
+    [--json out.json] [--plot roofline.png] [--no-fusion] [--top K] [--size S] [--seq L]``."""
+    ap = argparse.ArgumentParser(prog="opencann estimate",
+                                 description="estimate time, HBM traffic and memory on a virtual NPU")
+    return run_args(add_arguments(ap).parse_args(argv))
+
+
+__all__ = ["EstimateReport", "OpRow", "estimate", "node_cost", "cost_graph", "kernel_alloc_peak", "add_arguments", "run_args", "main"]
