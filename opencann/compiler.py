@@ -21,7 +21,8 @@ from .report import CompileReport, PassRecord
 from .runtime import Executor
 
 SUPPORTED_DEVICES = ("cpu", "vnpu")
-KNOWN_OPTIONS = {"disable", "enable", "verify", "alignment", "inplace", "copy_out"}
+KNOWN_OPTIONS = {"disable", "enable", "verify", "alignment", "inplace", "copy_out",
+                 "precision_mode", "keep_fp32"}
 
 
 def graph_cost(graph: Graph) -> Dict[str, int]:

@@ -4,6 +4,7 @@ from .base import Pass, PassContext, PassManager
 from .fusion import FoldBatchNorm, FuseConvAct, FuseConvAddAct, FuseLinearAct
 from .layout import LayoutSelection
 from .memory import plan_memory
+from .precision import MixedPrecision
 from .prepare import (CommonSubexpressionElimination, ConstantFolding, DeadCodeElimination,
                       IdentityElimination)
 from .schedule import SingleStreamSchedule
@@ -15,7 +16,7 @@ def default_pipeline() -> PassManager:
     on the final order, in the compiler.)"""
     return PassManager([
         ConstantFolding(), DeadCodeElimination(), CommonSubexpressionElimination(),
-        IdentityElimination(),
+        IdentityElimination(), MixedPrecision(),
         FoldBatchNorm(), FuseConvAct(), FuseConvAddAct(), FuseLinearAct(), FuseFlashAttention(),
         DeadCodeElimination(), LayoutSelection(), NpuLayoutSelection(), SingleStreamSchedule(),
     ])

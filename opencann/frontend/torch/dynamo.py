@@ -44,12 +44,40 @@ def _compile_fx(gm: torch.fx.GraphModule, example_inputs, options: Optional[Dict
     return run
 
 
+def _dynamic(example_inputs) -> bool:
+    for t in example_inputs:
+        if isinstance(t, torch.SymInt):
+            return True
+        if isinstance(t, torch.Tensor) and any(isinstance(d, torch.SymInt) for d in t.shape):
+            return True
+    return False
+
+
 def opencann_backend(gm: torch.fx.GraphModule, example_inputs, **options):
-    """The dynamo backend: AOTAutograd (forward graph) → opencann passes → runtime."""
+    """The dynamo backend: AOTAutograd → opencann passes → runtime. Inference graphs get
+    the forward compiler only; when gradients are needed (a parameter or input requires
+    grad and grad mode is on) the training backend compiles forward and backward.
+    ``torch.compile(..., options={...})`` passes opencann's compile options."""
     from torch._dynamo.backends.common import aot_autograd
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    options = dict(options.pop("options", None) or {}, **options)
+    if _dynamic(example_inputs):
+        from ...log import logger
+        logger.warning(
+            "opencann: dynamo passed a graph with symbolic shapes (it recompiled for a new "
+            "input shape); opencann compiles static shapes, so this graph runs eagerly. Use "
+            "torch.compile(model, backend='opencann', dynamic=False) to get one static graph "
+            "per shape (gears)")
+        return gm.forward
+    if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad
+                                       for t in example_inputs):
+        from .training import opencann_training_backend
+        return opencann_training_backend(gm, example_inputs, **options)
 
     def fw(g, inputs):
-        return _compile_fx(g, inputs, options or None)
+        with unset_fake_temporarily():  # constant folding must make real tensors
+            return _compile_fx(g, inputs, options or None)
 
     return aot_autograd(fw_compiler=fw, decompositions=decomposition_table())(gm, example_inputs)
 

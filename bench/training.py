@@ -1,0 +1,89 @@
+"""Training benchmark: step time and planned peak activation memory for ResNet-50 and
+BERT-base (batch 8): eager, opencann without recomputation (memory_budget = 1.0 is the
+always-on cheap-op cut), and opencann with budgets of 50% and 30% of its own
+no-recomputation peak; plus the largest batch that fits a memory cap with and without
+recomputation (peaks scale linearly in the batch; computed from the plans).
+
+    .venv/bin/python bench/training.py [--models resnet50,bert-base] [--steps 2] [--cap-gib 4]
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import time
+
+import torch
+
+from opencann import zoo
+from opencann.frontend.torch.training import make_training_backend
+from opencann.passes.recompute import last_partition_report
+
+MiB = 2 ** 20
+
+
+def _loss(name, model, inputs):
+    out = model(*inputs)
+    h = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+    return h.float().pow(2).mean()
+
+
+def _time(name, model, inputs, steps):
+    _loss(name, model, inputs).backward()  # warm-up (and compile)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        model.zero_grad(set_to_none=True)
+        _loss(name, model, inputs).backward()
+    return (time.perf_counter() - t0) / steps * 1e3
+
+
+def run(name, steps, cap):
+    zm = zoo.get(name, batch=8)
+    base = zm.model.train()
+    rows = []
+    ms = _time(name, base, zm.example_inputs, steps)
+    rows.append((name, "eager", ms, None, ""))
+    peak0 = None
+    for label, budget in (("opencann, no budget", None), ("opencann, budget 50%", 0.5),
+                          ("opencann, budget 30%", 0.3)):
+        m = copy.deepcopy(base)
+        try:
+            cm = torch.compile(m, backend=make_training_backend(memory_budget=budget), dynamic=False)
+            ms = _time(name, cm, zm.example_inputs, steps)
+            rep = last_partition_report()
+            peak0 = rep["peak_without_recompute"]
+            rows.append((name, label, ms, rep["peak"],
+                         f"{len(rep['recomputed'])} recomputed, {rep['recompute_flops'] / 1e9:.2f} GFLOP"))
+        except Exception as e:  # noqa: BLE001 - a budget that cannot be met is a result
+            msg = str(e).split("MemoryBudgetError: ")[-1].split(". Fix")[0]
+            rows.append((name, label, None, None, msg[:120]))
+    return rows, peak0
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser()
+    p.add_argument("--models", default="resnet50,bert-base")
+    p.add_argument("--steps", type=int, default=2)
+    p.add_argument("--cap-gib", type=float, default=4.0)
+    a = p.parse_args(argv)
+    cap = a.cap_gib * 2 ** 30
+    print("command: .venv/bin/python bench/training.py " + " ".join(argv or []))
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads\n")
+    print("| model | mode | step ms | planned peak activations MiB | note |")
+    print("|---|---|---|---|---|")
+    fits = []
+    for name in a.models.split(","):
+        rows, peak0 = run(name, a.steps, cap)
+        for r in rows:
+            print(f"| {r[0]} | {r[1]} | {'' if r[2] is None else f'{r[2]:.0f}'} | "
+                  f"{'' if r[3] is None else f'{r[3] / MiB:.0f}'} | {r[4]} |")
+        peaks = [r[3] for r in rows if r[3] is not None]
+        if peak0 and peaks:
+            fits.append((name, int(cap // (peak0 / 8)), int(cap // (min(peaks) / 8))))
+    print(f"\nlargest batch within {a.cap_gib:g} GiB of activations (linear in batch, from the plans):")
+    print("| model | no recomputation | with recomputation |\n|---|---|---|")
+    for f in fits:
+        print(f"| {f[0]} | {f[1]} | {f[2]} |")
+
+
+if __name__ == "__main__":
+    main()

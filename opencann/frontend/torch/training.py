@@ -1,0 +1,141 @@
+"""Training through the graph engine: ``torch.compile(model, backend=...)`` in training
+mode compiles both the forward and the backward graph with opencann.
+
+AOTAutograd traces the joint forward+backward graph, opencann's recomputation pass
+(`opencann.passes.recompute.partition`) splits it into a forward graph (which also
+returns the tensors saved for backward) and a backward graph, and each goes through the
+same convert → `compile_graph` → `Executor` path as inference (`dynamo._compile_fx`).
+Optimizer steps stay in torch. Source: PyTorch "AOTAutograd" and "Custom Backends"
+(torch.compiler docs); Chen et al. 2016 (arXiv:1604.06174) for recomputation.
+
+Options (``torch.compile(..., backend=opencann_training_backend, options={...})`` or
+`make_training_backend(**options)`): ``memory_budget`` (bytes, or a fraction of the
+no-recomputation peak; see `opencann.passes.recompute`) plus every `compile_graph`
+option (``disable``, ``enable``, ``verify``, ``alignment``, ``inplace``, ``copy_out``,
+and ``precision_mode`` once the compiler knows it).
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, List
+
+import torch
+import torch.fx as fx
+from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+from ...passes.recompute import PARTITION_REPORTS, make_partition_fn
+from .capture import decomposition_table
+from .dynamo import COMPILED_GRAPHS, _compile_fx
+
+TRAINING_OPTIONS = {"memory_budget"}
+
+
+def fill_unused_grad_outputs(gm: fx.GraphModule) -> List[str]:
+    """Make backward ops that skip some gradients (``output_mask`` with False, e.g. the
+    input gradient of the first ``convolution_backward``) compute all of them, so every
+    output has a tensor description. opencann's converter rejects a ``None`` output
+    (ConversionError "expected a tensor meta value, got NoneType"); the extra gradient
+    is computed and dropped. Returns the names of the rewritten nodes. Raises
+    ValueError for a None output on an op without ``output_mask``."""
+    from torch._guards import detect_fake_mode
+    fixed = []
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+            continue
+        val = node.meta.get("val")
+        if not isinstance(val, (list, tuple)) or all(v is not None for v in val):
+            continue
+        names = [a.name for a in node.target._schema.arguments]
+        if "output_mask" not in names:
+            raise ValueError(f"{node.name} ({node.target}) has a None output and no output_mask; "
+                             "opencann's converter needs a tensor for every output")
+        i = names.index("output_mask")
+        args = list(node.args)
+        if i < len(args):
+            args[i] = [True] * len(args[i])
+            node.args = tuple(args)
+        else:
+            node.kwargs = {**node.kwargs, "output_mask": [True] * len(val)}
+        metas = fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta["val"])
+        mode = detect_fake_mode(list(torch.utils._pytree.tree_leaves(metas)))
+        with mode:
+            node.meta["val"] = node.target(*metas[0], **metas[1])
+        fixed.append(node.name)
+    if fixed:
+        gm.recompile()
+    return fixed
+
+
+# Fused-attention forwards whose decomposition is only valid for inference: the math
+# decomposition returns a placeholder logsumexp, which the fused backward then reads.
+KEEP_FOR_TRAINING = (torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,)
+
+
+def training_decompositions() -> Dict:
+    """The inference decomposition table minus ops whose decomposition breaks their
+    fused backward (`KEEP_FOR_TRAINING`; they run as host fallbacks)."""
+    table = dict(decomposition_table())
+    for op in KEEP_FOR_TRAINING:
+        table.pop(op, None)
+    return table
+
+
+def _boxed(run):
+    def call(args):
+        return run(*args)
+    call._boxed_call = True
+    return call
+
+
+def make_training_backend(**options):
+    """A dynamo backend (``torch.compile(model, backend=make_training_backend(...))``)
+    that compiles forward and backward graphs with opencann. ``options``: see the
+    module docstring. Raises ValueError for a malformed ``memory_budget``; MemoryBudgetError
+    (at the first training step) when the budget cannot be met."""
+    def backend(gm: fx.GraphModule, example_inputs, **more):
+        return opencann_training_backend(gm, example_inputs, **{**options, **more})
+    return backend
+
+
+def opencann_training_backend(gm: fx.GraphModule, example_inputs, **options):
+    """The training backend: AOTAutograd (joint graph) → opencann partition
+    (recomputation) → opencann passes and runtime for the forward and backward graphs.
+    Under ``torch.no_grad`` only the forward (inference) graph is compiled."""
+    from torch._dynamo.backends.common import aot_autograd
+    opts: Dict[str, Any] = dict(options.pop("options", None) or {})
+    opts.update(options)
+    budget = opts.pop("memory_budget", None)
+    if budget is not None:
+        from ...passes.recompute import _resolve_budget
+        _resolve_budget(budget, 1)  # fail fast on a malformed budget
+    compile_opts = opts or None
+    n_parts = len(PARTITION_REPORTS)
+
+    def fw(g, inputs):
+        with unset_fake_temporarily():  # constant folding must make real tensors
+            run = _compile_fx(g, inputs, compile_opts)
+        _attach(COMPILED_GRAPHS[-1], "forward", n_parts)
+        return _boxed(run)
+
+    def bw(g, inputs):
+        fixed = fill_unused_grad_outputs(g)
+        with unset_fake_temporarily():
+            run = _compile_fx(g, inputs, compile_opts)
+        rep = COMPILED_GRAPHS[-1]
+        if fixed:
+            rep.notes.append("backward ops made to compute all gradients (converter needs a "
+                             "tensor for every output): " + ", ".join(fixed))
+        _attach(rep, "backward", n_parts)
+        return _boxed(run)
+
+    return aot_autograd(fw_compiler=fw, bw_compiler=bw, inference_compiler=fw,
+                        partition_fn=make_partition_fn(budget),
+                        decompositions=training_decompositions())(gm, example_inputs)
+
+
+def _attach(report, role: str, n_parts: int) -> None:
+    """Record the graph's role and the partition report (if this compile made one)."""
+    report.notes.append(f"training graph: {role}")
+    if len(PARTITION_REPORTS) > n_parts:
+        rec = PARTITION_REPORTS[-1]
+        report.memory["recompute"] = {k: v for k, v in rec.items() if k not in ("saved",)}
+        rec.setdefault("arena_bytes", {})[role] = report.memory.get("arena_bytes")

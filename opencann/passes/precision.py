@@ -1,0 +1,152 @@
+"""Mixed precision: CANN's precision modes over an IR graph, by inserting ``Cast`` nodes.
+
+Modes (names from CANN's ATC / GE option ``precision_mode``; source: Ascend "ATC
+parameters: --precision_mode" and torch_npu "precision_mode" documentation):
+
+* ``force_fp32``: every floating-point op computes in fp32 (low-precision inputs are
+  cast up; results are cast back to the original dtype at the graph outputs).
+* ``must_keep_origin_dtype``: nothing changes.
+* ``allow_fp32_to_fp16``: fp32 is kept where the device supports it and lowered to fp16
+  only where it does not; every CPU op supports fp32, so on "cpu" nothing changes.
+* ``allow_mix_precision`` (fp16) / ``allow_mix_precision_bf16``: the *low list*
+  (matmul, conv, attention) runs in fp16 / bf16; the *keep-fp32 list* (softmax, norms,
+  reductions, exp/log/pow, losses: `KEEP_FP32`, user-modifiable) runs in fp32; every
+  other op follows its inputs (low when all its float inputs are low).
+* ``force_fp16``: every floating-point op that is not a cast runs in fp16.
+
+Casts of weights (graph constants) are done once at compile time. A Cast pair
+low→fp32→low of the same tensor is exact and folded away.
+"""
+from __future__ import annotations
+
+from typing import Dict, Iterable, Optional
+
+import torch
+
+from ..ir import DataType, Graph, Node, TensorRef, Value
+from ..ops import OpKind, get_op
+from .base import Pass, PassContext
+
+MODES = ("force_fp32", "must_keep_origin_dtype", "allow_fp32_to_fp16", "allow_mix_precision",
+         "allow_mix_precision_fp16", "allow_mix_precision_bf16", "force_fp16")
+LOW_KINDS = (OpKind.MATMUL, OpKind.CONV, OpKind.ATTENTION)
+FOLLOW_KINDS = (OpKind.ELEMENTWISE, OpKind.VIEW, OpKind.DATA)
+# CANN's "black list" analogue: ops whose accuracy needs fp32 (IR op names; HostFallback
+# nodes such as losses are never lowered). Modify freely: KEEP_FP32.add("Gelu").
+KEEP_FP32 = {"SoftmaxV2", "LogSoftmaxV2", "LayerNorm", "BatchNorm", "GroupNorm",
+             "ReduceSum", "ReduceSumAll", "ReduceMean", "ReduceMeanAll", "ReduceVar", "Cumsum",
+             "ReduceMax", "ReduceMin", "Exp", "Log", "Pow", "PowTensor", "Sqrt", "Rsqrt",
+             "Reciprocal", "Div", "Divs", "FlashAttentionScore"}
+FP32, FP16, BF16 = DataType.FLOAT, DataType.FLOAT16, DataType.BF16
+
+
+def low_dtype(mode: str) -> Optional[DataType]:
+    """The low-precision type of ``mode`` (None for modes that lower nothing on CPU).
+    Raises ValueError naming the valid modes."""
+    if mode not in MODES:
+        raise ValueError(f"unknown precision_mode {mode!r}; use one of {list(MODES)}")
+    return {"allow_mix_precision": FP16, "allow_mix_precision_fp16": FP16,
+            "allow_mix_precision_bf16": BF16, "force_fp16": FP16}.get(mode)
+
+
+def _cast(graph: Graph, v: Value, dt: DataType, before: Node, cache: Dict) -> Value:
+    """``v`` as ``dt``: a folded constant, an existing cast's source, or a new Cast node."""
+    key = (v.id, dt)
+    if key in cache:
+        return cache[key]
+    if v.is_const:
+        out = graph.add_const(v.const.to(dt.torch), name=f"{v.name or v.id}_{dt.value}")
+    elif (v.producer is not None and v.producer.op == "Cast" and v.producer.meta.get("precision")
+          and v.producer.inputs[0].desc.dtype == dt):
+        out = v.producer.inputs[0]  # low -> fp32 -> low is exact
+    else:
+        node = graph.create_node("Cast", [v], {"self": TensorRef(0), "dtype": dt.torch},
+                                 [v.desc.with_(dtype=dt)], name=f"cast_{dt.value}",
+                                 source=before.source, scope=before.scope, before=before)
+        node.meta["precision"] = True
+        out = node.output
+    cache[key] = out
+    return out
+
+
+class MixedPrecision(Pass):
+    """Rewrites float ops to the precision of ``options["precision_mode"]`` (CANN mode
+    names above) by inserting Cast nodes; ``options["keep_fp32"]`` (op names) adds to
+    `KEEP_FP32`. Off unless ``precision_mode`` is set."""
+
+    name = "precision"
+    stage = "prepare"
+
+    def __init__(self, keep_fp32: Optional[Iterable[str]] = None):
+        self.keep_fp32 = set(KEEP_FP32 if keep_fp32 is None else keep_fp32)
+
+    def run(self, graph: Graph, ctx: PassContext) -> int:
+        mode = ctx.options.get("precision_mode")
+        if not mode:
+            return 0
+        low = low_dtype(mode)
+        keep = self.keep_fp32 | set(ctx.options.get("keep_fp32", ()))
+        if mode == "force_fp32":
+            return self._rewrite(graph, FP32, lambda n: True, set(), ctx, mode)
+        if low is None:
+            ctx.artifacts["note"] = f"{mode}: every op supports fp32 on {ctx.device}; unchanged"
+            return 0
+        if mode == "force_fp16":
+            return self._rewrite(graph, low, lambda n: True, set(), ctx, mode)
+        return self._rewrite(graph, low, lambda n: get_op(n.op).kind in LOW_KINDS, keep, ctx, mode)
+
+    def _rewrite(self, graph: Graph, target: DataType, is_low, keep, ctx: PassContext, mode: str) -> int:
+        floats = (FP32, FP16, BF16)
+        cache: Dict = {}
+        origin = {id(v): v.desc.dtype for v in graph.values()}
+        changed = 0
+        for node in list(graph.nodes):
+            kind = get_op(node.op).kind
+            if node.op in ("Cast", "HostFallback") or kind in (OpKind.CREATION, OpKind.FALLBACK):
+                want = None if node.op == "Cast" else FP32  # hosts and creations: fp32 in
+            elif node.op in keep:
+                want = FP32
+            elif is_low(node):
+                want = target
+            elif kind in FOLLOW_KINDS:
+                act = [v for v in node.inputs if v.desc.dtype in floats and not v.is_const]
+                want = target if act and all(v.desc.dtype == target for v in act) else FP32
+            else:
+                want = FP32
+            if want is None:
+                continue
+            for v in dict.fromkeys(node.inputs):
+                if v.desc.dtype in floats and v.desc.dtype != want and (
+                        want != FP32 or v.desc.dtype != origin[id(v)] or mode == "force_fp32"):
+                    graph.replace_input(node, v, _cast(graph, v, want, node, cache))
+                    changed += 1
+            for o in node.outputs:
+                if o.desc.dtype in floats and o.desc.dtype != want and any(
+                        v.desc.dtype == want for v in node.inputs):
+                    o.desc = o.desc.with_(dtype=want)
+        # graph outputs keep their original dtypes
+        for i, v in enumerate(graph.outputs):
+            if v.desc.dtype != origin.get(id(v), v.desc.dtype):
+                tail = graph.create_node("Cast", [v], {"self": TensorRef(0),
+                                                       "dtype": origin[id(v)].torch},
+                                         [v.desc.with_(dtype=origin[id(v)])], name="cast_out")
+                graph.outputs[i] = tail.output
+                changed += 1
+        graph.prune_constants()
+        ctx.artifacts["note"] = f"{mode}: {changed} casts; low precision {target.value}"
+        return changed
+
+
+def precision_summary(graph: Graph) -> Dict[str, Dict[str, int]]:
+    """Op name -> {dtype of its first output: count}, for checking what ran in which
+    precision."""
+    out: Dict[str, Dict[str, int]] = {}
+    for n in graph.nodes:
+        if n.outputs:
+            d = out.setdefault(n.op, {})
+            k = n.outputs[0].desc.dtype.value
+            d[k] = d.get(k, 0) + 1
+    return out
+
+
+__all__ = ["MixedPrecision", "KEEP_FP32", "MODES", "low_dtype", "precision_summary"]

@@ -1,0 +1,91 @@
+"""Mixed precision (CANN precision modes): matmul/conv in fp16/bf16, softmax/norms in
+fp32, outputs close to fp32.
+
+Tolerances (relative max|a-b|/max|ref|): bf16 keeps 8 mantissa bits (eps 2^-8 = 0.4%),
+fp16 11 bits (eps 2^-11); each matmul/conv rounds its inputs once, errors add over the
+layers, so we allow 3% (bf16) and 0.5% (fp16) for these two- and three-layer models."""
+import pytest
+import torch
+
+from opencann.compiler import compile_graph
+from opencann.frontend.torch import capture, from_exported_program
+from opencann.passes.base import PassContext
+from opencann.passes.precision import KEEP_FP32, MixedPrecision, low_dtype, precision_summary
+from opencann.report import CompileReport
+from opencann.runtime import Executor
+
+
+class Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.q, self.k = torch.nn.Linear(32, 32), torch.nn.Linear(32, 32)
+        self.ln = torch.nn.LayerNorm(32)
+        self.out = torch.nn.Linear(32, 16)
+
+    def forward(self, x):
+        a = torch.softmax(self.q(x) @ self.k(x).transpose(-1, -2) / 32 ** 0.5, dim=-1)
+        return self.out(self.ln(a @ x + x))
+
+
+def _cnn():
+    return torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.ReLU(),
+                               torch.nn.Conv2d(8, 4, 3, padding=1), torch.nn.Flatten(),
+                               torch.nn.Linear(4 * 8 * 8, 10), torch.nn.Softmax(-1))
+
+
+def _run(model, x, mode, **opts):
+    torch.manual_seed(0)
+    ep, _ = capture(model.eval(), (x,))
+    g = from_exported_program(ep)
+    ctx = PassContext(options={"precision_mode": mode, **opts}, report=CompileReport())
+    MixedPrecision().run(g, ctx)
+    g, plan, _ = compile_graph(g, "cpu")
+    return Executor(g, plan).run([x])[0], precision_summary(g)
+
+
+@pytest.mark.parametrize("mode,dt,tol", [("allow_mix_precision_bf16", "bfloat16", 3e-2),
+                                         ("allow_mix_precision", "float16", 5e-3)])
+def test_mix_precision_transformer_block(mode, dt, tol):
+    torch.manual_seed(0)
+    model, x = Block(), torch.randn(2, 8, 32)
+    ref = model(x)
+    out, summ = _run(model, x, mode)
+    assert set(summ["MatMulV2"]) == {dt} and set(summ["BatchMatMul"]) == {dt}
+    assert set(summ["SoftmaxV2"]) == {"float32"} and set(summ["LayerNorm"]) == {"float32"}
+    assert out.dtype == torch.float32
+    err = ((out - ref).abs().max() / ref.abs().max()).item()
+    assert 0 < err < tol
+
+
+def test_mix_precision_cnn_bf16():
+    torch.manual_seed(0)
+    model, x = _cnn(), torch.randn(2, 3, 8, 8)
+    ref = model(x)
+    out, summ = _run(model, x, "allow_mix_precision_bf16")
+    assert set(summ["Conv2D"]) == {"bfloat16"} and set(summ["SoftmaxV2"]) == {"float32"}
+    assert ((out - ref).abs().max() / ref.abs().max()).item() < 3e-2
+
+
+def test_keep_list_is_user_modifiable_and_keep_modes():
+    torch.manual_seed(0)
+    model, x = Block(), torch.randn(2, 8, 32)
+    ref = model(x)
+    out, summ = _run(model, x, "allow_mix_precision_bf16", keep_fp32=["BatchMatMul"])
+    assert set(summ["BatchMatMul"]) == {"float32"} and set(summ["MatMulV2"]) == {"bfloat16"}
+    for mode in ("must_keep_origin_dtype", "allow_fp32_to_fp16", "force_fp32"):
+        out, summ = _run(model, x, mode)
+        assert "Cast" not in summ
+        assert ((out - ref).abs().max() / ref.abs().max()).item() < 1e-5
+    assert "SoftmaxV2" in KEEP_FP32
+    with pytest.raises(ValueError, match="unknown precision_mode"):
+        low_dtype("fp8_please")
+
+
+def test_force_fp16_lowers_everything():
+    torch.manual_seed(0)
+    model, x = Block(), torch.randn(2, 8, 32)
+    ref = model(x)
+    out, summ = _run(model, x, "force_fp16")
+    assert set(summ["SoftmaxV2"]) == {"float16"} and set(summ["LayerNorm"]) == {"float16"}
+    assert out.dtype == torch.float32
+    assert ((out - ref).abs().max() / ref.abs().max()).item() < 2e-2

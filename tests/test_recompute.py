@@ -1,0 +1,82 @@
+"""Recomputation policy and budgets (Chen et al. 2016): cheap ops only by default,
+budgets that shrink the planned peak, a clear error when a budget cannot be met."""
+import copy
+
+import pytest
+import torch
+
+from opencann.frontend.torch.training import make_training_backend
+from opencann.passes.recompute import MemoryBudgetError, is_cheap, is_random, last_partition_report
+
+
+def _fx_node(fn, *args):
+    gm = torch.fx.symbolic_trace(fn)
+    return [n for n in gm.graph.nodes if n.op == "call_function"][0]
+
+
+def test_cheap_policy():
+    aten = torch.ops.aten
+    g = torch.fx.Graph()
+    x = g.placeholder("x")
+    mk = lambda t, *a: g.call_function(t, (x,) + a)  # noqa: E731
+    assert is_cheap(mk(aten.relu.default)) and is_cheap(mk(aten.mul.Tensor, 2.0))
+    assert is_cheap(mk(aten.view.default, [4])) and is_cheap(mk(aten._to_copy.default))
+    for t in (aten.mm.default, aten.convolution.default, aten.bmm.default,
+              aten.native_layer_norm.default, aten._softmax.default):
+        assert not is_cheap(mk(t))
+    drop = mk(aten.native_dropout.default, 0.1, True)
+    assert is_random(drop) and not is_cheap(drop)
+
+
+class MLP(torch.nn.Module):
+    def __init__(self, width=256, depth=6):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(width, width) for _ in range(depth))
+        self.norms = torch.nn.ModuleList(torch.nn.LayerNorm(width) for _ in range(depth))
+
+    def forward(self, x):
+        for lin, ln in zip(self.layers, self.norms):
+            x = x + torch.nn.functional.gelu(lin(ln(x)))
+        return x
+
+
+def _step(budget, batch=64):
+    torch.manual_seed(0)
+    model = MLP()
+    ref = copy.deepcopy(model)
+    x = torch.randn(batch, 256)
+    cm = torch.compile(model, backend=make_training_backend(memory_budget=budget))
+    cm(x).pow(2).mean().backward()
+    ref(x).pow(2).mean().backward()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert (p.grad - q.grad).abs().max() / q.grad.abs().max() < 1e-5
+    return last_partition_report()
+
+
+def test_min_cut_recomputes_only_cheap_ops_and_reports():
+    rep = _step(None)
+    assert rep["recomputed"], "the GELU/view chain should be recomputed"
+    assert not any(n.startswith(("addmm", "mm", "native_layer_norm")) for n in rep["recomputed"])
+    assert rep["peak_min_cut"] <= rep["peak_without_recompute"]
+    assert rep["saved_bytes"] < rep["saved_bytes_without_recompute"]
+    assert rep["saved"] and all(s["bytes"] > 0 for s in rep["saved"])
+
+
+@pytest.mark.parametrize("frac", [0.85])
+def test_budget_fraction_fits_and_costs_flops(frac):
+    base = _step(None)
+    rep = _step(frac)
+    assert rep["peak"] <= frac * rep["peak_without_recompute"]
+    assert rep["recompute_flops"] > base["recompute_flops"]
+    assert rep["budget_search_steps"] > 0
+
+
+def test_budget_in_bytes_and_impossible_budget():
+    base = _step(None)
+    rep = _step(int(0.85 * base["peak_without_recompute"]))
+    assert rep["peak"] <= 0.85 * base["peak_without_recompute"]
+    with pytest.raises(Exception, match="cannot be met: the smallest planned peak") as e:
+        _step(1000)
+    assert "MemoryBudgetError" in str(e.value) or isinstance(e.value, MemoryBudgetError)
+    with pytest.raises(ValueError, match="memory_budget must be"):
+        make_training_backend(memory_budget=-1)(None, None)

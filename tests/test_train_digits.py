@@ -1,0 +1,12 @@
+"""The digits demo trains through the compiled path (opencann forward + backward, bf16
+autocast, recomputation) to >= 95% test accuracy within CI time."""
+import pytest
+
+pytest.importorskip("sklearn")
+
+
+def test_digits_reaches_95_percent():
+    from opencann.tools.train_demo import train_digits
+    r = train_digits(epochs=8, log=lambda *_: None)
+    assert r["test_accuracy"] >= 0.95, r
+    assert r["seconds"] < 60, r
