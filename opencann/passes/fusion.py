@@ -9,7 +9,9 @@ that is not rewritten is reported with its reason.
 - `FuseConvAddAct`: ConvBiasAct(none) → Add(·, r) [→ Relu] ⇒ ConvAddAct (oneDNN sum
   post-op, in place into r when r dies there).
 - `FuseLinearAct`: MatMulV2 [→ Reshape] → activation ⇒ LinearAct [→ Reshape]: the
-  activation runs in place on the GEMM's output buffer.
+  activation runs in place on the GEMM's output; a MatMulV2 with a constant fp32 weight
+  also becomes a LinearAct, whose kernel (addmm or MKL's packed GEMM) is measured per
+  shape at bind time.
 """
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ from typing import Optional
 import torch
 
 from ..ir import Graph, Node, TensorRef, Value
-from ..ops.fused import mkldnn_available
+from ..ops.fused import mkl_packed_available, mkldnn_available
 from .base import Pass, PassContext
 
 _ACT_OPS = {"Relu": "relu", "Gelu": "gelu", "Sigmoid": "sigmoid", "Tanh": "tanh", "Swish": "silu"}
@@ -243,16 +245,23 @@ class FuseLinearAct(Pass):
                 view = u
                 u = _only_user(u.outputs[0], graph)
             if u is None or u.op not in _ACT_OPS or u.inputs[0] is not (view or mm).outputs[0]:
-                continue
-            act = _ACT_OPS[u.op]
-            if u.op == "Gelu" and u.attrs.get("approximate", "none") == "tanh":
-                act = "gelu_tanh"
+                act, u = "none", None
+                if not (w.is_const and mkl_packed_available()):
+                    continue  # nothing to gain: plain addmm already writes into the arena
+            else:
+                act = _ACT_OPS[u.op]
+                if u.op == "Gelu" and u.attrs.get("approximate", "none") == "tanh":
+                    act = "gelu_tanh"
             fused = graph.create_node("LinearAct", [bias, x, w],
                                       {"self": TensorRef(0), "mat1": TensorRef(1), "mat2": TensorRef(2), "act": act},
-                                      [mm.outputs[0].desc], name=mm.name + "_" + act,
+                                      [mm.outputs[0].desc], name=f"{mm.name}_{act}",
                                       source=mm.source, scope=mm.scope, before=mm)
             graph.replace_all_uses_with(mm.outputs[0], fused.outputs[0])
             graph.erase_node(mm)
+            if u is None:
+                ctx.applied("Linear GEMM autotune", [mm])
+                n += 1
+                continue
             src = view.outputs[0] if view is not None else fused.outputs[0]
             graph.replace_all_uses_with(u.outputs[0], src)
             graph.erase_node(u)

@@ -56,7 +56,7 @@ def writes_into_buffer(node: Node) -> bool:
     """True when the node's kernel can write into a given buffer: an ATen ``.out``
     overload exists, or the node works in place on an input."""
     op = get_op(node.op)
-    return op.out_kernel is not None or "inplace_input" in node.attrs or node.op in OUT_CAPABLE
+    return op.out_kernel is not None or "inplace_input" in node.attrs or (node.op in OUT_CAPABLE and OUT_CAPABLE[node.op](node))
 
 
 def plan_memory(graph: Graph, alignment: int = DEFAULT_ALIGNMENT, inplace: bool = True,

@@ -121,7 +121,8 @@ class Executor:
                 consts = [v.const for v in node.inputs]
                 glb[target] = factory(node, in_descs_of(node), consts)
                 call = f"{target}({', '.join(names[v.id] for v in node.inputs)}"
-                if node.op in OUT_CAPABLE and len(bufnames) == 1 and bufnames[0] is not None:
+                if (node.op in OUT_CAPABLE and OUT_CAPABLE[node.op](node) and len(bufnames) == 1
+                        and bufnames[0] is not None):
                     lines.append(f"    {outs[0]} = {call}, out={bufnames[0]})")
                 else:
                     self._emit_result(lines, node, lhs, outs, bufnames, call + ")")
