@@ -246,7 +246,7 @@ class FuseLinearAct(Pass):
                 u = _only_user(u.outputs[0], graph)
             if u is None or u.op not in _ACT_OPS or u.inputs[0] is not (view or mm).outputs[0]:
                 act, u = "none", None
-                if not (w.is_const and mkl_packed_available()):
+                if not (w.is_const and w.desc.dtype.torch == torch.float32 and mkl_packed_available()):
                     continue  # nothing to gain: plain addmm already writes into the arena
             else:
                 act = _ACT_OPS[u.op]
