@@ -69,11 +69,18 @@ class CompileReport:
         if self.host_fallbacks:
             lines.append("  host fallbacks: " + ", ".join(
                 f"{k} x{v['count']}" for k, v in self.host_fallbacks.items()))
+        mib = 1 << 20
         if m:
-            mib = 1 << 20
             lines.append(f"  memory: arena {m['arena_bytes'] / mib:.2f} MiB, lower bound "
                          f"{m['lower_bound_bytes'] / mib:.2f} MiB ({m['arena_over_lower_bound']:.3f}x), "
                          f"naive {m['naive_bytes'] / mib:.2f} MiB")
+        rec = m.get("recompute") if m else None
+        if rec:
+            lines.append(f"  recomputation: {len(rec.get('recomputed', []))} tensors recomputed "
+                         f"({rec.get('recompute_flops', 0) / 1e9:.3f} GFLOP), planned peak "
+                         f"{rec['peak'] / mib:.2f} MiB vs {rec['peak_without_recompute'] / mib:.2f} MiB "
+                         f"without recomputation"
+                         + (f", budget {rec['memory_budget']}" if rec.get("memory_budget") else ""))
         if self.cost_before:
             cb, ca = self.cost_before, self.cost_after
             lines.append(f"  GFLOPs {cb['flops'] / 1e9:.3f} -> {ca['flops'] / 1e9:.3f}; "

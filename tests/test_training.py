@@ -93,3 +93,20 @@ def test_training_loop_matches_eager_over_steps():
             o.step()
     for p, q in zip(model.parameters(), ref.parameters()):
         assert (p - q).abs().max() / q.abs().max() < 1e-5
+
+
+def test_backend_name_routes_training_and_passes_options():
+    """torch.compile(backend="opencann") in training mode compiles forward and backward;
+    options={"memory_budget": ...} reaches the recomputation pass."""
+    model = _cnn().train()
+    ref = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(2)
+    x, y = torch.randn(4, 1, 8, 8, generator=g), torch.randint(0, 10, (4,), generator=g)
+    n = len(COMPILED_GRAPHS)
+    cm = torch.compile(model, backend="opencann", options={"memory_budget": 0.9})
+    torch.nn.functional.cross_entropy(cm(x), y).backward()
+    torch.nn.functional.cross_entropy(ref(x), y).backward()
+    assert max(_grad_errors(model, ref).values()) < 1e-5
+    roles = " ".join(" ".join(r.notes) for r in COMPILED_GRAPHS[n:])
+    assert "training graph: forward" in roles and "training graph: backward" in roles
+    assert last_partition_report()["memory_budget"] == 0.9
