@@ -99,13 +99,12 @@ class CompiledModel:
     """
 
     def __init__(self, graph: Graph, plan: MemoryPlan, report: CompileReport,
-                 in_spec=None, out_spec=None, input_positions: Optional[Sequence[int]] = None,
-                 profile: bool = False):
+                 in_spec=None, out_spec=None, input_positions: Optional[Sequence[int]] = None):
         self.graph, self.plan, self.report = graph, plan, report
         self._in_spec, self._out_spec = in_spec, out_spec
         self._positions = list(input_positions) if input_positions is not None else None
         t0 = time.perf_counter()
-        self.executor = Executor(graph, plan, profile=False)
+        self.executor = Executor(graph, plan)
         report.passes.append(PassRecord("bind_kernels", "runtime", len(graph.nodes), len(graph.nodes),
                                         time.perf_counter() - t0, len(self.executor.copy_out_nodes),
                                         note="arena allocated once; kernels pre-bound"))

@@ -11,13 +11,8 @@ def median_ms(fn, *args, runs: int = 10, warmup: int = 2) -> float:
     with torch.no_grad():
         for _ in range(warmup):
             fn(*args)
-        t = tb.Timer("fn(*args)", globals={"fn": fn, "args": args},
-                     num_threads=torch.get_num_threads())
-        m = t.timeit(1) if runs <= 1 else None
-        times = []
-        for _ in range(max(runs, 1)):
-            times.append(tb.Timer("fn(*args)", globals={"fn": fn, "args": args},
-                                  num_threads=torch.get_num_threads()).timeit(1).median)
-        del m
+        timer = tb.Timer("fn(*args)", globals={"fn": fn, "args": args},
+                         num_threads=torch.get_num_threads())
+        times = [timer.timeit(1).median for _ in range(max(runs, 1))]
     times.sort()
     return times[len(times) // 2] * 1e3

@@ -71,18 +71,17 @@ class FoldBatchNorm(Pass):
             b0 = b.const.double() if b is not None else torch.zeros_like(mean)
             bf = ((b0 - mean) * scale + beta).to(w.const.dtype)
             wv, bv = graph.add_const(wf, f"{conv.name}_w_bnfolded"), graph.add_const(bf, f"{conv.name}_b_bnfolded")
-            for old, new in ((w, wv),):
-                graph.replace_input(conv, old, new)
+            graph.replace_input(conv, w, wv)
             if b is not None:
                 graph.replace_input(conv, b, bv)
             else:
                 conv.inputs.append(bv)
                 bv.users.append(conv)
                 conv.attrs["bias"] = TensorRef(len(conv.inputs) - 1)
+            if any(o.users or o in graph.outputs for o in bn.outputs[1:]):
+                ctx.skipped("FoldBatchNorm", bn, "the saved mean/variance outputs are used")
+                continue
             graph.replace_all_uses_with(bn.outputs[0], conv.outputs[0])
-            for o in bn.outputs[1:]:
-                if o.users or o in graph.outputs:
-                    break
             graph.erase_node(bn)
             ctx.applied("Conv+BN fold", [conv, bn])
             n += 1

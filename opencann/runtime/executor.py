@@ -12,6 +12,7 @@ viewable in chrome://tracing or ui.perfetto.dev).
 from __future__ import annotations
 
 import json
+import math
 import time
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
@@ -66,7 +67,7 @@ class Executor:
 
     def _build(self, profile: bool) -> Callable:
         g = self.graph
-        glb: Dict[str, Any] = {"_ExecutionError": ExecutionError}
+        glb: Dict[str, Any] = {}
         names: Dict[int, str] = {}
         lines: List[str] = []
         for i, v in enumerate(g.inputs):
@@ -77,11 +78,10 @@ class Executor:
         lit = [0]
 
         def literal(x) -> str:
-            if isinstance(x, (int, float, bool)) or x is None or isinstance(x, str):
-                return repr(x) if not (isinstance(x, float) and (x != x or x in (float("inf"), float("-inf")))) else _bind(x)
-            return _bind(x)
-
-        def _bind(x) -> str:
+            """Inline plain literals; bind everything else (lists, dtypes, inf/nan) as a global."""
+            if (x is None or isinstance(x, (bool, int, str))
+                    or (isinstance(x, float) and math.isfinite(x))):
+                return repr(x)
             k = f"L{lit[0]}"
             lit[0] += 1
             glb[k] = x
