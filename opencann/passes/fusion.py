@@ -115,16 +115,27 @@ def _make_conv(graph: Graph, conv: Node, act: str, before: Node, name: str) -> N
                              source=conv.source, scope=conv.scope, before=before)
 
 
-class FuseConvAct(Pass):
-    """Conv2D → activation ⇒ ConvBiasAct(act); a lone Conv2D ⇒ ConvBiasAct(none) so it
-    also gets oneDNN's prepacked weight."""
-
-    name, stage = "fuse_conv_act", "fusion"
+class CpuFusion(Pass):
+    """A fusion into CPU kernels (oneDNN post-ops, BLAS GEMMs): on other devices it does
+    nothing and says so in the report."""
 
     def run(self, graph: Graph, ctx: PassContext) -> int:
         if not ctx.device.startswith("cpu"):
             ctx.artifacts["note"] = f"cpu-only fusion (oneDNN/BLAS kernels): skipped on {ctx.device}"
             return 0
+        return self.rewrite(graph, ctx)
+
+    def rewrite(self, graph: Graph, ctx: PassContext) -> int:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+
+class FuseConvAct(CpuFusion):
+    """Conv2D → activation ⇒ ConvBiasAct(act); a lone Conv2D ⇒ ConvBiasAct(none) so it
+    also gets oneDNN's prepacked weight."""
+
+    name, stage = "fuse_conv_act", "fusion"
+
+    def rewrite(self, graph: Graph, ctx: PassContext) -> int:
         n = 0
         for conv in list(graph.nodes):
             if conv.op != "Conv2D":
@@ -151,15 +162,12 @@ class FuseConvAct(Pass):
         return n
 
 
-class FuseConvAddAct(Pass):
+class FuseConvAddAct(CpuFusion):
     """ConvBiasAct(none) → Add(·, r) [→ Relu] ⇒ ConvAddAct (sum post-op into r)."""
 
     name, stage = "fuse_conv_add_act", "fusion"
 
-    def run(self, graph: Graph, ctx: PassContext) -> int:
-        if not ctx.device.startswith("cpu"):
-            ctx.artifacts["note"] = f"cpu-only fusion (oneDNN/BLAS kernels): skipped on {ctx.device}"
-            return 0
+    def rewrite(self, graph: Graph, ctx: PassContext) -> int:
         n = 0
         step = {nd: i for i, nd in enumerate(graph.nodes)}
         for add in list(graph.nodes):
@@ -218,15 +226,12 @@ _VIEWS = {"Reshape", "UnsafeReshape", "Transpose", "TransposeD", "Swapaxes", "Un
           "AsStrided", "ReshapeCopy"}
 
 
-class FuseLinearAct(Pass):
+class FuseLinearAct(CpuFusion):
     """MatMulV2(b, x, Wᵀ) [→ Reshape] → activation ⇒ LinearAct(act) [→ Reshape]."""
 
     name, stage = "fuse_linear_act", "fusion"
 
-    def run(self, graph: Graph, ctx: PassContext) -> int:
-        if not ctx.device.startswith("cpu"):
-            ctx.artifacts["note"] = f"cpu-only fusion (oneDNN/BLAS kernels): skipped on {ctx.device}"
-            return 0
+    def rewrite(self, graph: Graph, ctx: PassContext) -> int:
         n = 0
         for mm in list(graph.nodes):
             if mm.op != "MatMulV2":

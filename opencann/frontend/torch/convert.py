@@ -127,6 +127,16 @@ def check_inference(graph: Graph) -> None:
                     f"at {ir.where()}: opencann {a}, FX {b}")
 
 
+def _set_outputs(graph: Graph, node: fx.Node, env: Dict[fx.Node, Any]) -> None:
+    """Graph outputs from the FX output node; non-tensor outputs (None, ints) are kept
+    as literals by position so the runtime can rebuild the flat output list."""
+    outs = node.args[0] if isinstance(node.args[0], (list, tuple)) else [node.args[0]]
+    flat = [env[o] if isinstance(o, fx.Node) else o for o in outs]
+    graph.meta["output_literals"] = {i: o for i, o in enumerate(flat) if not isinstance(o, Value)}
+    graph.outputs = [o for o in flat if isinstance(o, Value)]
+    graph.meta["n_outputs"] = len(flat)
+
+
 def _resolve_const(ep: torch.export.ExportedProgram, name: str) -> torch.Tensor:
     if name in ep.state_dict:
         return ep.state_dict[name]
@@ -165,12 +175,7 @@ def from_exported_program(ep: torch.export.ExportedProgram, name: str = "model",
         elif node.op == "call_function":
             convert_node(graph, node, env)
         elif node.op == "output":
-            outs = node.args[0]
-            flat = [env[o] if isinstance(o, fx.Node) else o for o in outs]
-            graph.meta["output_literals"] = {i: o for i, o in enumerate(flat)
-                                             if not isinstance(o, Value)}
-            graph.outputs = [o for o in flat if isinstance(o, Value)]
-            graph.meta["n_outputs"] = len(flat)
+            _set_outputs(graph, node, env)
     if check:
         check_inference(graph)
     return graph
@@ -195,12 +200,7 @@ def from_fx_graph(gm: fx.GraphModule, example_inputs, name: str = "graph",
         elif node.op == "call_function":
             convert_node(graph, node, env)
         elif node.op == "output":
-            outs = node.args[0] if isinstance(node.args[0], (list, tuple)) else [node.args[0]]
-            flat = [env[o] if isinstance(o, fx.Node) else o for o in outs]
-            graph.meta["output_literals"] = {i: o for i, o in enumerate(flat)
-                                             if not isinstance(o, Value)}
-            graph.outputs = [o for o in flat if isinstance(o, Value)]
-            graph.meta["n_outputs"] = len(flat)
+            _set_outputs(graph, node, env)
     if check:
         check_inference(graph)
     return graph
