@@ -22,7 +22,7 @@ from .runtime import Executor
 
 SUPPORTED_DEVICES = ("cpu", "vnpu")
 KNOWN_OPTIONS = {"disable", "enable", "verify", "alignment", "inplace", "copy_out",
-                 "precision_mode", "keep_fp32"}
+                 "precision_mode", "keep_fp32", "host_fallback"}
 
 
 def graph_cost(graph: Graph) -> Dict[str, int]:
@@ -72,6 +72,10 @@ def compile_graph(graph: Graph, device: str = "cpu", options: Optional[Dict[str,
     report.op_counts_before = graph.op_counts()
     report.cost_before = graph_cost(graph)
     report.host_fallbacks = _fallbacks(graph)
+    if report.host_fallbacks and not options.get("host_fallback", True):
+        listed = "; ".join(f"{k} x{v['count']} at {v['where'][0]}" for k, v in report.host_fallbacks.items())
+        raise ValueError(f"ops without an opencann converter: {listed}. With "
+                         "options={'host_fallback': True} (the default) they run on the host")
     for k, v in report.host_fallbacks.items():
         logger.warning("host fallback: %s x%d (no opencann converter) at %s", k, v["count"],
                        "; ".join(v["where"][:3]))

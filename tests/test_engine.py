@@ -131,6 +131,9 @@ def test_host_fallback_runs_and_is_reported():
     assert list(fb) == ["aten.special_bessel_j0.default"] and fb["aten.special_bessel_j0.default"]["count"] == 2
     assert "test_engine.py" in fb["aten.special_bessel_j0.default"]["where"][0]
     assert "host fallbacks" in cm.report.summary()
+    # CANN GE's behaviour on request: fail the whole compile, naming the op and its line
+    with pytest.raises(ValueError, match="special_bessel_j0.*test_engine.py"):
+        opencann.compile(Custom(), (x,), options={"host_fallback": False})
 
 
 def test_bad_inputs_have_clear_errors():
@@ -208,3 +211,15 @@ def test_activation_fusions():
     assert {"Conv+Gelu", "Conv+Sigmoid", "Conv+Add", "Linear+bias+gelu_tanh", "Linear+bias+tanh"} <= kinds
     with torch.no_grad():
         torch.testing.assert_close(cm(x), m(x), rtol=1e-5, atol=1e-6)
+
+
+def test_inference_disagreement_names_node(monkeypatch):
+    """Our shape inference is checked against FX's meta values at conversion."""
+    from opencann.frontend.torch import convert
+    from opencann.ir import TensorDesc as TD
+
+    def wrong(node):
+        return [TD((7, 7), o.desc.dtype) for o in node.outputs]
+    monkeypatch.setattr(convert, "infer", wrong)
+    with pytest.raises(convert.ConversionError, match=r"shape inference disagrees with FX for .*test_engine.py:\d+"):
+        opencann.compile(Custom(), (torch.randn(3, 4),))
