@@ -167,3 +167,14 @@ def test_bad_shapes():
         flash_attention(q, k[..., :8], v[..., :8])
     with pytest.raises(ValueError, match="multiple of key/value heads"):
         flash_attention(q[:, :3], k, v)
+
+
+def test_public_spelling_opencann_ops_flash_attention():
+    """The issue's API: ``opencann.ops.flash_attention(q, k, v, ...)`` trains."""
+    import opencann.ops as ops
+    g = torch.Generator().manual_seed(7)
+    q = torch.randn(1, 2, 33, 16, generator=g, requires_grad=True)
+    k, v = torch.randn(1, 1, 45, 16, generator=g), torch.randn(1, 1, 45, 16, generator=g)
+    out = ops.flash_attention(q, k, v, causal="bottom_right")
+    out.square().sum().backward()
+    assert q.grad is not None and torch.isfinite(q.grad).all() and q.grad.abs().max() > 0

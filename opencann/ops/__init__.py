@@ -7,3 +7,9 @@ from . import vnpu_ops  # noqa: F401  (TransData and the vnpu kernels)
 
 __all__ = ["Cost", "OpDef", "OpKind", "all_ops", "call_args", "get_op", "infer",
            "lookup_aten", "register"]
+
+# ``opencann.ops.flash_attention(q, k, v, ...)`` is the eager API (the spelling);
+# the subpackage stays importable as ``opencann.ops.flash_attention.<module>``.
+from .flash_attention import flash_attention, plan_tiles  # noqa: E402,F811
+
+__all__ += ["flash_attention", "plan_tiles"]
