@@ -89,8 +89,13 @@ def compile_graph(graph: Graph, device: str = "cpu", options: Optional[Dict[str,
                                     time.perf_counter() - t0, len(plan.inplace),
                                     note=plan.strategy))
     report.memory = plan.summary()
+    randoms = sorted({n.op for n in graph.nodes if get_op(n.op).random})
+    if randoms:
+        report.notes.append(f"random ops kept as is ({', '.join(randoms)}: the model is in "
+                            "training mode); they are never folded, merged or recomputed")
     report.op_counts_after = graph.op_counts()
     report.cost_after = graph_cost(graph)
+    logger.info("%s", report.summary())
     return graph, plan, report
 
 
@@ -125,9 +130,11 @@ class CompiledModel:
             if not isinstance(t, torch.Tensor):
                 raise ValueError(f"input {i} ({v.name}) must be a tensor, got {type(t).__name__}")
             if tuple(t.shape) != v.desc.shape or t.dtype != v.desc.dtype.torch:
+                what = "shape" if tuple(t.shape) != v.desc.shape else "dtype"
                 raise ValueError(
-                    f"input {i} ({v.name}) is {t.dtype}{list(t.shape)} but the model was compiled "
-                    f"for {v.desc}; recompile with example inputs of this shape")
+                    f"input {i} ({v.name}) is {str(t.dtype).replace('torch.', '')}{list(t.shape)} "
+                    f"but the model was compiled for {v.desc}; the {what} differs: recompile with "
+                    f"example inputs of this {what}" + (" or cast the input" if what == "dtype" else ""))
         return tensors
 
     def __call__(self, *args, **kwargs):

@@ -8,6 +8,23 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, List
 
 
+def fmt_bytes(n: float) -> str:
+    """Bytes with a binary unit that keeps 3 significant figures (B, KiB, MiB, GiB)."""
+    for unit in ("B", "KiB", "MiB"):
+        if abs(n) < 1024:
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.3g} {unit}"
+        n /= 1024
+    return f"{n:.3g} GiB"
+
+
+def fmt_flops(n: float) -> str:
+    """FLOPs with a decimal unit (FLOP, MFLOP, GFLOP, TFLOP)."""
+    for unit, d in (("TFLOP", 1e12), ("GFLOP", 1e9), ("MFLOP", 1e6)):
+        if n >= d:
+            return f"{n / d:.3g} {unit}"
+    return f"{n:.0f} FLOP"
+
+
 @dataclass
 class PassRecord:
     name: str
@@ -69,22 +86,23 @@ class CompileReport:
         if self.host_fallbacks:
             lines.append("  host fallbacks: " + ", ".join(
                 f"{k} x{v['count']}" for k, v in self.host_fallbacks.items()))
-        mib = 1 << 20
         if m:
-            lines.append(f"  memory: arena {m['arena_bytes'] / mib:.2f} MiB, lower bound "
-                         f"{m['lower_bound_bytes'] / mib:.2f} MiB ({m['arena_over_lower_bound']:.3f}x), "
-                         f"naive {m['naive_bytes'] / mib:.2f} MiB")
+            lines.append(f"  memory: arena {fmt_bytes(m['arena_bytes'])}, lower bound "
+                         f"{fmt_bytes(m['lower_bound_bytes'])} ({m['arena_over_lower_bound']:.3f}x), "
+                         f"naive {fmt_bytes(m['naive_bytes'])}"
+                         + (f"; {m['kernel_allocated_values']} values kernel-allocated"
+                            if m.get("kernel_allocated_values") else ""))
         rec = m.get("recompute") if m else None
         if rec:
             lines.append(f"  recomputation: {len(rec.get('recomputed', []))} tensors recomputed "
-                         f"({rec.get('recompute_flops', 0) / 1e9:.3f} GFLOP), planned peak "
-                         f"{rec['peak'] / mib:.2f} MiB vs {rec['peak_without_recompute'] / mib:.2f} MiB "
+                         f"({fmt_flops(rec.get('recompute_flops', 0))}), planned peak "
+                         f"{fmt_bytes(rec['peak'])} vs {fmt_bytes(rec['peak_without_recompute'])} "
                          f"without recomputation"
                          + (f", budget {rec['memory_budget']}" if rec.get("memory_budget") else ""))
         if self.cost_before:
             cb, ca = self.cost_before, self.cost_after
-            lines.append(f"  GFLOPs {cb['flops'] / 1e9:.3f} -> {ca['flops'] / 1e9:.3f}; "
-                         f"bytes moved {cb['bytes'] / 1e6:.1f} MB -> {ca['bytes'] / 1e6:.1f} MB")
+            lines.append(f"  work {fmt_flops(cb['flops'])} -> {fmt_flops(ca['flops'])}; "
+                         f"bytes moved {fmt_bytes(cb['bytes'])} -> {fmt_bytes(ca['bytes'])}")
         lines += [f"  note: {n}" for n in self.notes]
         return "\n".join(lines)
 

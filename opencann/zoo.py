@@ -12,6 +12,11 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+try:  # the weight-loading progress bar is noise in reports and pipes
+    from transformers.utils import logging as _hf_logging
+    _hf_logging.disable_progress_bar()
+except ImportError:  # pragma: no cover
+    pass
 
 SENTENCES = [
     "A man is playing a guitar on stage.",

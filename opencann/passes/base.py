@@ -25,7 +25,7 @@ class PassContext:
         where = nodes[0].where() if nodes else ""
         self.report.applied.append({"pattern": pattern, "nodes": "+".join(n.name for n in nodes),
                                     "where": where})
-        logger.debug("fused %s: %s at %s", pattern, "+".join(n.name for n in nodes), where)
+        logger.info("applied %s: %s at %s", pattern, "+".join(n.name for n in nodes), where)
 
     def skipped(self, pattern: str, node: Node, reason: str) -> None:
         self.report.skipped.append({"pattern": pattern, "node": node.name,

@@ -52,7 +52,11 @@ def npu_spec_for(device: str) -> NpuSpec:
         return get_preset("ascend910b")
     if name.endswith((".json", ".toml")):
         return load_spec(name)
-    return get_preset(name)
+    try:
+        return get_preset(name)
+    except ValueError as e:
+        raise ValueError(f"device {device!r}: {e}; as a device write 'vnpu:<preset>' or "
+                         "'vnpu:<spec.json|spec.toml>'") from None
 
 
 def npu_desc(desc: TensorDesc, fmt: Format) -> TensorDesc:

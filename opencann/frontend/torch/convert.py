@@ -157,7 +157,12 @@ def from_exported_program(ep: torch.export.ExportedProgram, name: str = "model",
     sig = ep.graph_signature
     specs = {s.arg.name: s for s in sig.input_specs if hasattr(s.arg, "name")}
     for out in sig.output_specs:
-        if out.kind in (OutputKind.BUFFER_MUTATION, OutputKind.USER_INPUT_MUTATION):
+        if out.kind == OutputKind.USER_INPUT_MUTATION:
+            raise ConversionError(
+                f"the model writes in place into its input {out.target} (e.g. x.add_(1)); a "
+                "compiled graph does not modify its caller's tensors. Fix: work on a copy "
+                "(x = x.clone() first, or x = x + 1)")
+        if out.kind == OutputKind.BUFFER_MUTATION:
             raise ConversionError(
                 f"the model mutates {out.target} during the forward pass (e.g. BatchNorm in "
                 "training mode updates its running statistics); call model.eval() for "
