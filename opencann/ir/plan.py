@@ -45,7 +45,8 @@ class MemoryPlan:
                 "naive_bytes": self.naive_bytes, "arena_over_lower_bound": round(self.ratio, 4),
                 "buffers": len(self.buffers), "inplace_reuses": len(self.inplace),
                 "strategy": self.strategy, "alignment": self.alignment,
-                "kernel_allocated_values": len(self.unplanned)}
+                "kernel_allocated_values": sum("graph output" not in r for r in self.unplanned.values()),
+                "graph_output_values": sum("graph output" in r for r in self.unplanned.values())}
 
 
 @dataclass

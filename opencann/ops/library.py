@@ -116,7 +116,7 @@ def _matmul_cost(node: Node) -> Cost:
     a = ins[-2]  # mm(a, b), bmm(a, b), addmm(bias, a, b); origin shapes: formats pad storage
     k = int(a.origin_shape[-1])
     flops = 2 * k * _numel_of(out.origin_shape)
-    if node.op == "MatMulV2":
+    if node.op in ("MatMulV2", "LinearAct"):  # + the bias
         flops += _numel_of(out.origin_shape)
     return Cost(flops, sum(_nbytes(d) for d in ins) + _nbytes(out))
 
