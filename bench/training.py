@@ -60,7 +60,7 @@ def run(name, steps, cap):
                  "tensors saved for backward (measured with saved_tensors_hooks)"))
     peak0 = None
     for label, budget in (("opencann, no budget", None), ("opencann, budget 50%", 0.5),
-                          ("opencann, budget 30%", 0.3)):
+                          ("opencann, budget 40%", 0.4), ("opencann, budget 30%", 0.3)):
         m = copy.deepcopy(base)
         try:
             cm = torch.compile(m, backend=make_training_backend(memory_budget=budget), dynamic=False)

@@ -80,3 +80,29 @@ def test_budget_in_bytes_and_impossible_budget():
     assert "MemoryBudgetError" in str(e.value) or isinstance(e.value, MemoryBudgetError)
     with pytest.raises(ValueError, match="memory_budget must be"):
         make_training_backend(memory_budget=-1)(None, None)
+
+
+def test_budget_with_training_batchnorm_does_not_recompute_stateful_ops():
+    """BatchNorm in training reads running statistics that the step overwrites after the
+    forward: recomputing it in the backward failed autograd's version check. Stateful ops
+    are never recomputed; convolutions between them may be."""
+    import copy
+
+    from opencann.frontend.torch.training import make_training_backend
+    from opencann.passes.recompute import last_partition_report
+    torch.manual_seed(0)
+    layers = []
+    for cin in (3, 16, 16):
+        layers += [torch.nn.Conv2d(cin, 16, 3, padding=1, bias=False), torch.nn.BatchNorm2d(16), torch.nn.ReLU()]
+    m = torch.nn.Sequential(*layers, torch.nn.Flatten(), torch.nn.Linear(16 * 16 * 16, 10)).train()
+    ref = copy.deepcopy(m)
+    x = torch.randn(4, 3, 16, 16, generator=torch.Generator().manual_seed(1))
+    c = torch.compile(m, backend=make_training_backend(memory_budget=0.85))
+    c(x).square().mean().backward()
+    ref(x).square().mean().backward()
+    for p, q in zip(m.parameters(), ref.parameters()):
+        assert ((p.grad - q.grad).abs().max() / q.grad.abs().max()).item() < 1e-5
+    rep = last_partition_report()
+    assert rep["recomputed"] and rep["peak"] < rep["peak_without_recompute"]
+    assert not any("batch_norm" in r for r in rep["recomputed"])
+    assert torch.allclose(m[1].running_mean, ref[1].running_mean, atol=1e-6)

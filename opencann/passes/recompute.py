@@ -341,8 +341,16 @@ def _budget_candidates(joint: _Joint) -> List[fx.Node]:
     info = joint.info
     return [n for n in joint.gm.graph.nodes
             if n.op == "call_function" and info.is_required_fw(n) and not is_random(n)
+            and not is_stateful(n)
             and n.target is not operator.getitem and not _is_view(n)
             and n.dist_from_bw < int(1e9) and _nbytes(n.meta.get("val")) > 0]
+
+
+def is_stateful(node: fx.Node) -> bool:
+    """Ops that read state the step updates in place after the forward (BatchNorm in
+    training reads the running statistics that AOTAutograd's epilogue then overwrites):
+    a backward recomputation would read the overwritten buffers, so never recompute."""
+    return "batch_norm" in str(node.target) and "no_training" not in str(node.target)
 
 
 def _articulations(joint: _Joint) -> set:
