@@ -101,13 +101,13 @@ class Executor:
         for idx, node in enumerate(g.nodes):
             op = get_op(node.op)
             outs = []
-            for j, o in enumerate(node.outputs):
+            for o in node.outputs:
                 names[o.id] = f"v{o.id}"
                 outs.append(names[o.id])
-            planned = [o.id in self.plan.value_buffer for o in node.outputs]
             bufnames = []
-            for o, p in zip(node.outputs, planned):
-                if p and op.kind != OpKind.VIEW and "inplace_input" not in node.attrs:
+            for o in node.outputs:
+                if (o.id in self.plan.value_buffer and op.kind != OpKind.VIEW
+                        and "inplace_input" not in node.attrs):
                     bn = f"B{o.id}"
                     glb[bn] = self._view(o)
                     bufnames.append(bn)
@@ -202,6 +202,7 @@ class Executor:
         to ``path`` as Trace Event Format JSON when given."""
         prof = Executor.__new__(Executor)
         prof.__dict__.update(self.__dict__)
+        prof.copy_out_nodes = []  # rebuilt below; keep this executor's list as it is
         fn = prof._build(profile=True)
         prof._stamps.clear()
         t0 = time.perf_counter_ns()
