@@ -178,3 +178,20 @@ def test_public_spelling_opencann_ops_flash_attention():
     out = ops.flash_attention(q, k, v, causal="bottom_right")
     out.square().sum().backward()
     assert q.grad is not None and torch.isfinite(q.grad).all() and q.grad.abs().max() > 0
+
+
+def test_forward_only_long_sequence_uses_256_row_blocks_correctly():
+    """Inference (no grad) at S >= 512 takes the forward-only 256-row query blocks; the
+    tail (600 = 2*256 + 88) and a causal bottom-right mask must still be exact."""
+    from opencann.ops.flash_attention.api import CPU_FORWARD_BLOCK_Q, _default_tiles
+    assert _default_tiles("numba", 64, 600, 700, torch.float32, True)[0] == CPU_FORWARD_BLOCK_Q
+    g = torch.Generator().manual_seed(11)
+    q = torch.randn(1, 2, 600, 64, generator=g)
+    k, v = torch.randn(1, 2, 700, 64, generator=g), torch.randn(1, 2, 700, 64, generator=g)
+    import opencann.ops as ops
+    with torch.no_grad():
+        out = ops.flash_attention(q, k, v, causal="bottom_right")
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q.double(), k.double(), v.double(),
+        attn_mask=torch.ones(600, 700, dtype=torch.bool).tril(100))
+    assert ((out.double() - ref).abs().max() / ref.abs().max()).item() < 1e-5

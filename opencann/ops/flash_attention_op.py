@@ -57,11 +57,10 @@ def cpu_tiles(head_dim: int, seq_q: Optional[int] = None, seq_k: Optional[int] =
 def make_flash_attention_kernel(node: Node, in_descs: Sequence[TensorDesc], consts: Sequence) -> Callable:
     """Kernel factory: ``run(q, k, v[, mask]) -> out`` (q's dtype, BNSD).
 
-    Tiles are planned here, once per bound shape, for this CPU's L2; CUDA tensors get the
-    Triton backend's own plan (``tiles=None``)."""
-    q, k = in_descs[0], in_descs[1]
-    plan = cpu_tiles(int(q.shape[-1]), int(q.shape[-2]), int(k.shape[-2]))
-    tiles = (plan.block_q, plan.block_k)
+    Tiles: the API's forward-only default (this CPU's L2 plan, 256-row query blocks for
+    long sequences; the Triton plan on CUDA); the fusion pass has already checked with
+    `cpu_tiles` that the head dim fits."""
+    q = in_descs[0]
     causal = bool(node.attrs.get("causal", False))
     scale = node.attrs.get("scale")
     has_mask = "attn_mask" in node.attrs
@@ -74,13 +73,11 @@ def make_flash_attention_kernel(node: Node, in_descs: Sequence[TensorDesc], cons
         strides = None
 
     def run(q, k, v, mask=None):
-        t = tiles if q.device.type == "cpu" else None
         o, _ = flash_attention_forward(q, k, v, attn_mask=mask if has_mask else None,
-                                       causal=causal, scale=scale, tiles=t)
+                                       causal=causal, scale=scale)
         if strides is not None:
             return torch.empty_strided(shape, strides, dtype=out_dtype, device=o.device).copy_(o)
         return o if o.dtype == out_dtype else o.to(out_dtype)
-    run.tile_plan = plan
     return run
 
 
