@@ -1,50 +1,19 @@
-"""Data-parallel training with gloo on 2 local processes: parameters stay identical
-across ranks and match single-process training on the same global batch."""
+"""Data-parallel training with gloo on 2 local processes launched by torchrun:
+parameters stay identical across ranks and match single-process training on the same
+global batch."""
 import os
 import socket
+import subprocess
+import sys
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from opencann.tools.distributed import backend_for, init_process_group
 
-STEPS, GLOBAL_BATCH = 3, 8
-
-
-def _model():
-    torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
-
-
-def _data():
-    g = torch.Generator().manual_seed(1)
-    return torch.randn(STEPS, GLOBAL_BATCH, 6, generator=g), torch.randn(STEPS, GLOBAL_BATCH, 3, generator=g)
-
-
-def _worker(rank, world, port, out_dir, compiled):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world))
-    torch.set_num_threads(1)
-    import torch.distributed as dist
-    from opencann.tools.distributed import wrap_ddp
-    init_process_group("hccl")
-    model = _model()
-    backend = None
-    if compiled:
-        from opencann.frontend.torch.training import opencann_training_backend
-        backend = opencann_training_backend
-    ddp = wrap_ddp(model, compile_backend=backend)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    xs, ys = _data()
-    per = GLOBAL_BATCH // world
-    for s in range(STEPS):
-        opt.zero_grad()
-        x, y = xs[s, rank * per:(rank + 1) * per], ys[s, rank * per:(rank + 1) * per]
-        torch.nn.functional.mse_loss(ddp(x), y).backward()
-        opt.step()
-    torch.save([p.detach() for p in model.parameters()], os.path.join(out_dir, f"r{rank}.pt"))
-    dist.destroy_process_group()
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "examples"))
+from ddp_train import STEPS, model_and_data  # noqa: E402
 
 
 def _free_port():
@@ -72,11 +41,27 @@ def test_init_needs_env(monkeypatch):
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "opencann"])
 def test_two_ranks_match_single_process(tmp_path, compiled):
-    mp.spawn(_worker, args=(2, _free_port(), str(tmp_path), compiled), nprocs=2, join=True)
+    """Launched as users launch it (torchrun). gloo's destroy_process_group intermittently
+    hung when the peer had exited (about 1 launch in 6; the example no longer calls it);
+    as a guard, a launch that still hangs is retried once on a new port and a second
+    hang fails with the launcher's output rather than blocking CI."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+           "--master-addr", "127.0.0.1", "--master-port", "0",
+           os.path.join(ROOT, "examples", "ddp_train.py"), "--out", str(tmp_path)]
+    cmd += ["--compiled"] if compiled else []
+    for attempt in range(2):
+        cmd[cmd.index("--master-port") + 1] = str(_free_port())
+        try:
+            res = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT,
+                                 env={**os.environ, "OMP_NUM_THREADS": "1"})
+            break
+        except subprocess.TimeoutExpired as e:
+            if attempt == 1:
+                pytest.fail(f"torchrun did not finish in 120 s twice: {e.stderr!s:.2000}")
+    assert res.returncode == 0, res.stderr[-3000:]
     r0, r1 = torch.load(tmp_path / "r0.pt"), torch.load(tmp_path / "r1.pt")
-    model = _model()
+    model, xs, ys = model_and_data()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    xs, ys = _data()
     for s in range(STEPS):
         opt.zero_grad()
         torch.nn.functional.mse_loss(model(xs[s]), ys[s]).backward()
