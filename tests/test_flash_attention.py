@@ -3,7 +3,6 @@
 Relative error = max|a - b| / max|ref|. Tolerances: fp32 1e-5 (output) and 1e-4
 (gradients); fp16/bf16 1e-2. Inputs are seeded random normals, never zeros.
 """
-import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F

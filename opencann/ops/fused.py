@@ -15,7 +15,7 @@ Kernels are built per input shape by ``make_kernel(node, in_descs, consts)``.
 """
 from __future__ import annotations
 
-from typing import Callable, Dict, Optional, Sequence
+from typing import Callable, Dict, Sequence
 
 import torch
 

@@ -73,7 +73,6 @@ def plan_memory(graph: Graph, alignment: int = DEFAULT_ALIGNMENT, inplace: bool 
     if alignment < 16 or alignment & (alignment - 1):
         raise ValueError(f"alignment must be a power of two >= 16 bytes, got {alignment}")
     step = {n: i for i, n in enumerate(graph.nodes)}
-    out_ids = {id(v) for v in graph.outputs}
     root: Dict[int, int] = {}          # value id -> root value id
     bufs: Dict[int, Buffer] = {}
     unplanned: Dict[str, str] = {}

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 from typing import Dict, Iterable, Optional
 
-import torch
 
 from ..ir import DataType, Graph, Node, TensorRef, Value
 from ..ops import OpKind, get_op

@@ -18,7 +18,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 
-from ..ir import Graph, MemoryPlan, Node, TensorListRef, TensorRef, Value
+from ..ir import Graph, MemoryPlan, TensorListRef, TensorRef, Value
 from ..ops import OpKind, get_op
 from ..ops.fused import KERNEL_FACTORIES, OUT_CAPABLE
 from ..ops.opdef import DEVICE_KERNEL_FACTORIES

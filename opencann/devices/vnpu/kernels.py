@@ -136,9 +136,8 @@ def matmul_nz(a: torch.Tensor, b: torch.Tensor, a_shape: Sequence[int], b_shape:
         if tuple(t.shape) != exp:
             raise ValueError(f"matmul_nz: {nm} storage shape {tuple(t.shape)} disagrees with logical shape {s} "
                              f"(expected {exp})")
-    kdim = a_shape[-1]
     acc = _acc_dtype(a.dtype)
-    nb_a, nb_b = a.dim() - 4, b.dim() - 4
+    nb_a = a.dim() - 4
     # A fractals: (..., K1, M1, 16, k0) -> (..., M1, 16, K1*k0)
     pa = list(range(nb_a)) + [nb_a + 1, nb_a + 2, nb_a, nb_a + 3]
     a_blk = a.permute(*pa).flatten(-2)
