@@ -156,6 +156,33 @@ DIRECT = [
     ("ZerosLike", lambda: (rn(3, 4),)), ("OnesLike", lambda: (rn(3, 4),)),
     ("SqueezeDim", lambda: (rn(3, 1, 4), 1)), ("BroadcastTo", lambda: (rn(3, 1), [3, 5])),
     ("SplitV", lambda: (rn(6, 2), 2)), ("TransposeD", lambda: (rn(3, 4),)),
+    ("Addcmul", lambda: (rn(3, 1), rn(2, 3, 4), rn(3, 1))),
+]
+# gradient ops that training keeps whole (opencann.frontend.torch.training.NATIVE_BACKWARD_OPS)
+_x4, _p = rn(2, 3, 8, 8), aten.max_pool2d_with_indices(rn(1, 2, 6, 6), [2, 2])
+_q, _k, _v = rn(1, 2, 8, 4), rn(1, 2, 8, 4), rn(1, 2, 8, 4)
+_fa = aten._scaled_dot_product_flash_attention_for_cpu(_q, _k, _v)
+_ln = aten.native_layer_norm(_x4, [8], None, None, 1e-5)
+DIRECT += [
+    ("ReluGrad", lambda: (rn(3, 4), rn(3, 4), 0.0)), ("GeluGrad", lambda: (rn(3, 4), rn(3, 4))),
+    ("TanhGrad", lambda: (rn(3, 4), rn(3, 4))), ("SigmoidGrad", lambda: (rn(3, 4), rn(3, 4))),
+    ("SwishGrad", lambda: (rn(3, 4), rn(3, 4))),
+    ("DropOutDoMaskGrad", lambda: (rn(3, 4), rn(3, 4) > 0, 2.0)),
+    ("SoftmaxGrad", lambda: (rn(3, 4), torch.softmax(rn(3, 4), 1), 1, torch.float32)),
+    ("LogSoftmaxGrad", lambda: (rn(3, 4), torch.log_softmax(rn(3, 4), 1), 1, torch.float32)),
+    ("LayerNormGrad", lambda: (rn(2, 3, 8, 8), _x4, [8], _ln[1], _ln[2], rn(8), rn(8), [True] * 3)),
+    ("BatchNormGrad", lambda: (rn(2, 3, 8, 8), _x4, rn(3), None, None, rn(3), pos(3), True, 1e-5,
+                               [True] * 3)),
+    ("MaxPoolGradWithArgmax", lambda: (rn(1, 2, 3, 3), rn(1, 2, 6, 6), [2, 2], [2, 2], [0, 0],
+                                       [1, 1], False, _p[1])),
+    ("AvgPoolGrad", lambda: (rn(1, 2, 3, 3), rn(1, 2, 6, 6), [2, 2], [2, 2], [0, 0], False, True,
+                             None)),
+    ("AdaptiveAvgPool2dGrad", lambda: (rn(1, 2, 1, 1), rn(1, 2, 4, 4))),
+    ("EmbeddingDenseGrad", lambda: (rn(5, 4), ri(10, 5), 10, -1, False)),
+    ("Conv2DBackprop", lambda: (rn(2, 4, 6, 6), _x4, rn(4, 3, 3, 3), [4], [1, 1], [0, 0], [1, 1],
+                                False, [0, 0], 1, [True] * 3)),
+    ("FlashAttentionScore", lambda: (_q, _k, _v)),
+    ("FlashAttentionScoreGrad", lambda: (rn(1, 2, 8, 4), _q, _k, _v, _fa[0], _fa[1], 0.0, False)),
 ]
 
 

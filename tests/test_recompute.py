@@ -106,3 +106,76 @@ def test_budget_with_training_batchnorm_does_not_recompute_stateful_ops():
     assert rep["recomputed"] and rep["peak"] < rep["peak_without_recompute"]
     assert not any("batch_norm" in r for r in rep["recomputed"])
     assert torch.allclose(m[1].running_mean, ref[1].running_mean, atol=1e-6)
+
+
+def _conv_bn_relu(cin, cout):
+    return [torch.nn.Conv2d(cin, cout, 3, padding=1, bias=False), torch.nn.BatchNorm2d(cout),
+            torch.nn.ReLU()]
+
+
+class _Block(torch.nn.Module):
+    """A ResNet basic block: the residual stream skips the convolutions, so checkpoints
+    must sit on the stream (its articulation points), not on the convolutions."""
+
+    def __init__(self, c):
+        super().__init__()
+        self.body = torch.nn.Sequential(*_conv_bn_relu(c, c)[:3],
+                                        torch.nn.Conv2d(c, c, 3, padding=1, bias=False),
+                                        torch.nn.BatchNorm2d(c))
+
+    def forward(self, x):
+        return torch.relu(self.body(x) + x)
+
+
+def _train_steps(model, budget, steps=2):
+    """Compiled and eager training side by side (SGD, 2 steps): returns the last
+    partition report and both models after asserting gradient and running-stat parity."""
+    from opencann.frontend.torch.dynamo import COMPILED_GRAPHS
+    ref = copy.deepcopy(model)
+    cm = torch.compile(model, backend=make_training_backend(memory_budget=budget))
+    opts = [torch.optim.SGD(m.parameters(), lr=0.05) for m in (model, ref)]
+    n0 = len(COMPILED_GRAPHS)
+    for step in range(steps):
+        x = torch.randn(4, 3, 16, 16, generator=torch.Generator().manual_seed(step))
+        for m, f, o in ((model, cm, opts[0]), (ref, ref, opts[1])):
+            o.zero_grad()
+            f(x).square().mean().backward()
+        for p, q in zip(model.parameters(), ref.parameters()):
+            assert ((p.grad - q.grad).abs().max() / q.grad.abs().max()).item() < 1e-5
+        for o in opts:
+            o.step()
+    for b, rb in zip(model.buffers(), ref.buffers()):
+        assert torch.allclose(b.float(), rb.float(), atol=1e-5)
+    return last_partition_report(), COMPILED_GRAPHS[n0:]
+
+
+def test_batchnorm_outputs_recomputed_from_saved_statistics():
+    """The min cut saves each BatchNorm's input (its backward reads it anyway) and
+    recomputes output and ReLU in the backward from the saved mean/rstd; the forward
+    keeps the op's own output."""
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(*_conv_bn_relu(3, 16), *_conv_bn_relu(16, 16), *_conv_bn_relu(16, 16),
+                            torch.nn.Flatten(), torch.nn.Linear(16 * 16 * 16, 10)).train()
+    rep, graphs = _train_steps(m, None)
+    assert len(rep["batch_norm_outputs_recomputable"]) == 3
+    assert sum(r.startswith("addcmul") for r in rep["recomputed"]) == 3
+    assert not any(s["name"].startswith("relu") for s in rep["saved"])
+    assert rep["saved_bytes"] <= 0.6 * rep["saved_bytes_without_recompute"], rep
+    assert rep["peak_min_cut"] < rep["peak_without_recompute"]
+    fw, bw = graphs[0], graphs[1]
+    assert "training graph: forward" in fw.notes and "Addcmul" not in fw.op_counts_before
+    assert bw.op_counts_before.get("Addcmul") == 3
+    assert {"BatchNormGrad", "ReluGrad", "Conv2DBackprop"} <= set(bw.op_counts_before)
+    assert not fw.host_fallbacks.keys() - {"aten._native_batch_norm_legit_functional.default"}
+    assert not bw.host_fallbacks
+
+
+@pytest.mark.parametrize("frac", [0.5])
+def test_budget_checkpoints_the_residual_stream(frac):
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(*_conv_bn_relu(3, 16), *[_Block(16) for _ in range(6)],
+                            torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(),
+                            torch.nn.Linear(16, 10)).train()
+    rep, _ = _train_steps(m, frac)
+    assert rep["peak"] <= frac * rep["peak_without_recompute"]
+    assert any(r.startswith("convolution") for r in rep["recomputed"])

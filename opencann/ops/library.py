@@ -35,6 +35,7 @@ _TABLE = [
     ("ClipByValue", aten.clamp.default, E, 2, True),
     ("ClampTensor", aten.clamp.Tensor, E, 2, True),
     ("Select", aten.where.self, E, 1, False),
+    ("Addcmul", aten.addcmul.default, E, 2, True),
     # activations
     ("Relu", aten.relu.default, E, 1, True), ("Gelu", aten.gelu.default, E, 8, True),
     ("Sigmoid", aten.sigmoid.default, E, 4, True), ("Tanh", aten.tanh.default, E, 4, True),
@@ -106,6 +107,22 @@ _TABLE = [
     ("SplitV", aten.split.Tensor, V, 0, False),
     ("Alias", aten.alias.default, V, 0, False),
     ("AsStrided", aten.as_strided.default, V, 0, False),
+    # gradients (training backward graphs): one native kernel each instead of the
+    # decomposition's chain of elementwise passes; names after CANN's *Grad operators
+    ("ReluGrad", aten.threshold_backward.default, E, 1, True),
+    ("GeluGrad", aten.gelu_backward.default, E, 10, True),
+    ("TanhGrad", aten.tanh_backward.default, E, 3, True),
+    ("SigmoidGrad", aten.sigmoid_backward.default, E, 3, True),
+    ("SwishGrad", aten.silu_backward.default, E, 6, True),
+    ("DropOutDoMaskGrad", aten.native_dropout_backward.default, E, 2, True),
+    ("SoftmaxGrad", aten._softmax_backward_data.default, N, 4, False),
+    ("LogSoftmaxGrad", aten._log_softmax_backward_data.default, N, 4, False),
+    ("LayerNormGrad", aten.native_layer_norm_backward.default, N, 10, False),
+    ("BatchNormGrad", aten.native_batch_norm_backward.default, N, 10, False),
+    ("MaxPoolGradWithArgmax", aten.max_pool2d_with_indices_backward.default, P, 1, False),
+    ("AvgPoolGrad", aten.avg_pool2d_backward.default, P, 1, False),
+    ("AdaptiveAvgPool2dGrad", aten._adaptive_avg_pool2d_backward.default, P, 1, False),
+    ("EmbeddingDenseGrad", aten.embedding_dense_backward.default, D, 1, False),
 ]
 
 
@@ -128,6 +145,26 @@ def _conv_cost(node: Node) -> Cost:
     macs = _numel_of(out.origin_shape) * _numel_of(w.origin_shape[1:])
     moved = sum(_nbytes(v.desc) for v in node.inputs) + _nbytes(out)
     return Cost(2 * macs, moved)
+
+
+def _conv_grad_cost(node: Node) -> Cost:
+    """convolution_backward(grad_out, input, weight, ...): the input and the weight
+    gradient are one convolution's MACs each, 2 FLOPs per MAC."""
+    g, w = node.inputs[0].desc, node.inputs[2].desc
+    macs = _numel_of(g.origin_shape) * _numel_of(w.origin_shape[1:])
+    moved = sum(_nbytes(v.desc) for v in node.inputs) + sum(_nbytes(o.desc) for o in node.outputs)
+    return Cost(4 * macs, moved)
+
+
+def _attention_grad_cost(node: Node) -> Cost:
+    """Attention backward (grad_out, q, k, v, ...): five S_q×S_k×D matmuls (QKᵀ again,
+    dV, dP, dQ, dK) = 2.5× the forward's two; source: Dao et al. 2022, FlashAttention
+    (arXiv:2205.14135) Algorithm 4."""
+    q, k = node.inputs[1].desc, node.inputs[2].desc
+    bh = _numel_of(q.shape[:-2])
+    sq, d, sk = int(q.shape[-2]), int(q.shape[-1]), int(k.shape[-2])
+    moved = sum(_nbytes(v.desc) for v in node.inputs) + sum(_nbytes(o.desc) for o in node.outputs)
+    return Cost(10 * bh * sq * sk * d + 8 * bh * sq * sk, moved)
 
 
 def _attention_cost(node: Node) -> Cost:
@@ -158,6 +195,16 @@ def _register_all() -> None:
     register(OpDef("Conv2D", OpKind.CONV, aten=aten.convolution.default, cost_fn=_conv_cost))
     register(OpDef("ScaledDotProductAttention", OpKind.ATTENTION,
                    aten=aten.scaled_dot_product_attention.default, cost_fn=_attention_cost))
+    register(OpDef("Conv2DBackprop", OpKind.CONV, aten=aten.convolution_backward.default,
+                   cost_fn=_conv_grad_cost,
+                   doc="input, weight and bias gradients: CANN's Conv2DBackpropInput + Filter"))
+    register(OpDef("FlashAttentionScore", OpKind.ATTENTION,
+                   aten=aten._scaled_dot_product_flash_attention_for_cpu.default,
+                   cost_fn=_attention_cost, doc="fused attention forward kept for training "
+                   "(returns the output and the logsumexp its backward reads)"))
+    register(OpDef("FlashAttentionScoreGrad", OpKind.ATTENTION,
+                   aten=aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
+                   cost_fn=_attention_grad_cost))
     register(OpDef("Dropout", OpKind.ELEMENTWISE, aten=aten.native_dropout.default,
                    flops_per_elem=2, random=True))
     register(OpDef("HostFallback", OpKind.FALLBACK,

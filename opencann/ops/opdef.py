@@ -106,7 +106,7 @@ def _find_out_overload(op: torch._ops.OpOverload) -> Tuple[Optional[torch._ops.O
     """The ``.out`` overload whose non-out arguments equal ``op``'s, if any."""
     packet = op.overloadpacket
     base = op._overloadname
-    cands = [f"{base}_out", "out"] if base != "default" else ["out"]
+    cands = [f"{base}_out", "out"] if base != "default" else ["out", "grad_input"]
     if base.startswith("dim_"):
         cands.insert(0, base[4:] + "_out")
     want = [a.name for a in op._schema.arguments]

@@ -38,6 +38,8 @@ import torch.fx as fx
 
 from ..ir import DataType, Node, TensorDesc, Value
 from ..ops import OpKind, lookup_aten
+from .recompute_bn import (TRAINING_BATCH_NORMS, drop_running_stats_from_backward,
+                           forward_uses_native_outputs, rewrite_batch_norm_outputs)
 
 PARTITION_REPORTS: List[Dict[str, Any]] = []  # one dict per partitioned joint graph
 
@@ -209,6 +211,7 @@ class _Joint:
 def _prepare(joint: _Joint) -> None:
     from torch._functorch import partitioners as P
     gm = joint.gm
+    drop_running_stats_from_backward(gm)
     gm.graph.eliminate_dead_code()
     gm.recompile()
     if P.has_recomputable_ops(gm):
@@ -229,12 +232,17 @@ def _prepare(joint: _Joint) -> None:
     joint.info = info
 
 
-def _cut(joint: _Joint, dont_ban: Sequence[fx.Node], aggressive: bool):
-    """Min cut under our policy; returns (fw, bw, saved nodes)."""
+def _cut(joint: _Joint, dont_ban: Sequence[fx.Node], aggressive: bool,
+         must_save: Sequence[fx.Node] = ()):
+    """Min cut under our policy; ``must_save`` (checkpoints) are saved even when cheap.
+    Returns (fw, bw, saved nodes)."""
     from torch._functorch import partitioners as P
     from torch.utils.checkpoint import CheckpointPolicy
     gm, info = joint.gm, joint.info
     tagged = []
+    for n in must_save:
+        n.meta["recompute"] = CheckpointPolicy.MUST_SAVE
+        tagged.append(n)
     for n in gm.graph.nodes:
         if (n.op == "call_function" and info.is_required_fw(n) and not is_cheap(n)
                 and n.target is not operator.getitem and "recompute" not in n.meta):
@@ -308,6 +316,9 @@ def partition(joint_module: fx.GraphModule, joint_inputs: Any = None, *, num_fwd
     fw0, bw0 = P.default_partition(gm, joint_inputs, num_fwd_outputs=num_fwd_outputs,
                                    static_lifetime_input_indices=joint.static_idx)
     base = planned_peak(fw0, bw0, num_fwd_outputs)
+    bn_rewritten = rewrite_batch_norm_outputs(gm)
+    if bn_rewritten:
+        _prepare(joint)
     fw, bw, saved = _cut(joint, [], aggressive=False)
     cut = planned_peak(fw, bw, num_fwd_outputs)
     target = _resolve_budget(memory_budget, base["peak"])
@@ -318,6 +329,7 @@ def partition(joint_module: fx.GraphModule, joint_inputs: Any = None, *, num_fwd
     else:
         cut_chosen = cut
     names, flops = _recompute_summary(fw, bw)
+    forward_uses_native_outputs(fw)
     size = lambda n: _nbytes(n.meta.get("val"))  # noqa: E731
     rep = {
         "graph": name or f"joint_{len(PARTITION_REPORTS)}",
@@ -329,6 +341,7 @@ def partition(joint_module: fx.GraphModule, joint_inputs: Any = None, *, num_fwd
         "peak": cut_chosen["peak"], "peak_detail": cut_chosen,
         "saved_bytes_without_recompute": base["saved_bytes"],
         "saved_bytes": cut_chosen["saved_bytes"], "budget_search_steps": steps,
+        "batch_norm_outputs_recomputable": bn_rewritten,
     }
     PARTITION_REPORTS.append(rep)
     return fw, bw
@@ -349,8 +362,9 @@ def _budget_candidates(joint: _Joint) -> List[fx.Node]:
 def is_stateful(node: fx.Node) -> bool:
     """Ops that read state the step updates in place after the forward (BatchNorm in
     training reads the running statistics that AOTAutograd's epilogue then overwrites):
-    a backward recomputation would read the overwritten buffers, so never recompute."""
-    return "batch_norm" in str(node.target) and "no_training" not in str(node.target)
+    a backward recomputation would read the overwritten buffers, so never recompute.
+    Their outputs stay recomputable through `recompute_bn`."""
+    return node.target in TRAINING_BATCH_NORMS
 
 
 def _articulations(joint: _Joint) -> set:
@@ -405,8 +419,9 @@ def _fit_budget(joint: _Joint, target: int, current):
     bound_sets = [{n for n in cands if not is_cheap(n)}, _articulations(joint)]
     tried, fits = [current[3]["peak"]], []
     for k, bounds in ((k, b) for b in bound_sets if b for k in (2, 3, 4, 6, 8, 12, 16, 24, 32)):
-        keep = set(checkpoints(cands, max(total // k, 1), bounds))
-        fw, bw, saved = _cut(joint, [n for n in cands if n not in keep], aggressive=True)
+        keep = checkpoints(cands, max(total // k, 1), bounds)
+        fw, bw, saved = _cut(joint, [n for n in cands if n not in set(keep)], aggressive=True,
+                             must_save=keep)
         peak = planned_peak(fw, bw, joint.num_fwd_outputs)
         tried.append(peak["peak"])
         if peak["peak"] <= target:

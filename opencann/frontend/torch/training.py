@@ -50,6 +50,9 @@ def fill_unused_grad_outputs(gm: fx.GraphModule) -> List[str]:
                              "opencann's converter needs a tensor for every output")
         i = names.index("output_mask")
         args = list(node.args)
+        if node.target is torch.ops.aten.convolution_backward.default and list(args[3]) == [0]:
+            # no bias: a bias gradient still comes back with C_out elements, not 0
+            args[3] = [int(args[0].meta["val"].shape[1])]
         if i < len(args):
             args[i] = [True] * len(args[i])
             node.args = tuple(args)
@@ -69,12 +72,25 @@ def fill_unused_grad_outputs(gm: fx.GraphModule) -> List[str]:
 # decomposition returns a placeholder logsumexp, which the fused backward then reads.
 KEEP_FOR_TRAINING = (torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,)
 
+_a = torch.ops.aten
+# Gradient ops kept whole in backward graphs: each is one native kernel (an opencann
+# *Grad op) where core ATen's decomposition is a chain of 5-12 elementwise passes and
+# reductions over the activation, with as many full-size temporaries alive at once.
+NATIVE_BACKWARD_OPS = (
+    _a.threshold_backward.default, _a.gelu_backward.default, _a.tanh_backward.default,
+    _a.sigmoid_backward.default, _a.silu_backward.default, _a.native_dropout_backward.default,
+    _a._softmax_backward_data.default, _a._log_softmax_backward_data.default,
+    _a.native_layer_norm_backward.default, _a.native_batch_norm_backward.default,
+    _a.embedding_dense_backward.default,
+)
+
 
 def training_decompositions() -> Dict:
     """The inference decomposition table minus ops whose decomposition breaks their
-    fused backward (`KEEP_FOR_TRAINING`; they run as host fallbacks)."""
+    fused backward (`KEEP_FOR_TRAINING`) and the gradient ops that run faster and in
+    less memory as one kernel (`NATIVE_BACKWARD_OPS`)."""
     table = dict(decomposition_table())
-    for op in KEEP_FOR_TRAINING:
+    for op in KEEP_FOR_TRAINING + NATIVE_BACKWARD_OPS:
         table.pop(op, None)
     return table
 
