@@ -136,9 +136,18 @@ class Executor:
                     s = render(node.attrs[a.name])
                     (kw.append(f"{a.name}={s}") if a.kwarg_only else pos.append(s))
                 args = ", ".join(pos + kw)
-                use_out = (op.out_kernel is not None and all(b is not None for b in bufnames)
+                use_out = (op.out_kernel is not None and any(b is not None for b in bufnames)
                            and len(bufnames) == len(op.out_names))
                 if use_out:
+                    # outputs outside the arena (graph outputs) get a fresh tensor each run,
+                    # so a multi-output kernel still writes its planned outputs in place
+                    for j, o in enumerate(node.outputs):
+                        if bufnames[j] is None:
+                            bufnames[j] = f"_e{j}"
+                            glb[f"S{o.id}"] = self._fresh_args(o)
+                            lines.append(f"    _e{j} = torch.empty_strided(S{o.id}[0], S{o.id}[1], "
+                                         f"dtype=S{o.id}[2])")
+                    glb.setdefault("torch", torch)
                     glb[target] = op.out_kernel
                     outkw = ", ".join(f"{n}={b}" for n, b in zip(op.out_names, bufnames))
                     lines.append(f"    {target}({args}{', ' if args else ''}{outkw})")
@@ -160,6 +169,17 @@ class Executor:
             self._stamps = stamps
         exec(compile(src, f"<opencann:{g.name}>", "exec"), glb)  # noqa: S102 - our codegen
         return glb["_run"]
+
+    @staticmethod
+    def _fresh_args(v) -> tuple:
+        """(shape, strides, dtype) for a fresh output tensor of ``v``: the FX strides
+        when the frontend recorded them, else contiguous."""
+        d = v.desc
+        strides = v.producer.meta.get("strides") if v.producer is not None else None
+        st = strides[v.producer.outputs.index(v)] if strides else None
+        if st is None or not _dense(d.shape, st):
+            st = torch.empty(d.shape, device="meta").stride()
+        return tuple(d.shape), tuple(st), d.dtype.torch
 
     def _emit_result(self, lines, node, lhs, outs, bufnames, call) -> None:
         if any(b is not None for b in bufnames):
