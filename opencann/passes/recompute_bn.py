@@ -12,13 +12,14 @@ output to that affine form (``aten.addcmul``, one elementwise pass, plus [C]-siz
 so the minimum cut may save the BatchNorm *input* (which the BatchNorm backward reads
 anyway) and recompute the output and what follows it (ReLU, residual Add, even the next
 convolution under a budget) in the backward, instead of saving a second activation per
-layer. Source: the BatchNorm definition (Ioffe & Szegedy 2015, arXiv:1502.03167,
-Algorithm 1); Chen et al. 2016 (arXiv:1604.06174) §4 recompute BatchNorm outputs the
-same way.
+layer. Sources: the BatchNorm definition (Ioffe & Szegedy 2015, arXiv:1502.03167,
+Algorithm 1); dropping the outputs of cheap operators such as BatchNorm and activations
+and recomputing them in the backward is Chen et al. 2016's (arXiv:1604.06174) first
+memory-saving heuristic.
 
 After the partition, `forward_uses_native_outputs` puts the op's own output back in the
 forward graph, so the forward pays nothing; the affine form runs only where the backward
-recomputes. The two agree to float rounding (within 1e-6 relative).
+recomputes. The two agree to float rounding (bitwise on ResNet-50 on this machine).
 """
 from __future__ import annotations
 
