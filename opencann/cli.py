@@ -165,14 +165,6 @@ def cmd_bench(args) -> int:
     return 0
 
 
-def cmd_train_demo(args) -> int:
-    from .tools.train_demo import main as train_main
-    rest = list(args.rest)
-    if not any(a.startswith("--minilm-steps") for a in rest):
-        rest += ["--minilm-steps", "4"]   # show transformer training too
-    return train_main(rest)
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="opencann", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -206,8 +198,9 @@ def main(argv=None) -> int:
     e.set_defaults(fn=_est_run)
     t = sub.add_parser("train-demo", help="train a CNN on scikit-learn's digits through the "
                        "compiled path (mixed precision, recomputation), then fine-tune MiniLM")
-    t.add_argument("rest", nargs=argparse.REMAINDER, help="arguments for the demo (--help)")
-    t.set_defaults(fn=cmd_train_demo)
+    from .tools.train_demo import add_arguments as _train_args, run_args as _train_run
+    _train_args(t, minilm_steps=4)  # show transformer training too
+    t.set_defaults(fn=_train_run)
     args = p.parse_args(argv)
     try:
         return args.fn(args)

@@ -182,6 +182,8 @@ DIRECT += [
     ("Conv2DBackprop", lambda: (rn(2, 4, 6, 6), _x4, rn(4, 3, 3, 3), [4], [1, 1], [0, 0], [1, 1],
                                 False, [0, 0], 1, [True] * 3)),
     ("FlashAttentionScore", lambda: (_q, _k, _v)),
+    ("BNTrainingUpdate", lambda: (_x4, rn(3), rn(3), rn(3), pos(3), True, 0.1, 1e-5)),
+    ("BNTrainingUpdateNoStats", lambda: (_x4, rn(3), rn(3), True, 0.1, 1e-5)),
     ("FlashAttentionScoreGrad", lambda: (rn(1, 2, 8, 4), _q, _k, _v, _fa[0], _fa[1], 0.0, False)),
 ]
 

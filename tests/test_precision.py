@@ -89,3 +89,22 @@ def test_force_fp16_lowers_everything():
     assert set(summ["SoftmaxV2"]) == {"float16"} and set(summ["LayerNorm"]) == {"float16"}
     assert out.dtype == torch.float32
     assert ((out - ref).abs().max() / ref.abs().max()).item() < 2e-2
+
+
+@pytest.mark.parametrize("norm", ["layer", "group"])
+def test_bf16_autocast_inference_with_norms(norm):
+    """LayerNorm/GroupNorm on a bf16 input under autocast: their CPU kernels keep the
+    statistics in bf16 where ATen's meta kernel (and so the .out overload) says fp32;
+    such nodes allocate their own outputs instead of writing into the arena."""
+    import opencann  # noqa: F401 - registers the backend
+    torch.manual_seed(0)
+    if norm == "layer":
+        m, x = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.LayerNorm(16)), torch.randn(2, 16)
+    else:
+        m = torch.nn.Sequential(torch.nn.Conv2d(4, 8, 3), torch.nn.GroupNorm(2, 8), torch.nn.ReLU())
+        x = torch.randn(2, 4, 8, 8)
+    cm = torch.compile(m, backend="opencann", dynamic=False)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        out, ref = cm(x), m(x)
+    assert out.dtype == ref.dtype == torch.bfloat16
+    assert torch.allclose(out.float(), ref.float(), atol=1e-2)

@@ -110,3 +110,58 @@ def test_backend_name_routes_training_and_passes_options():
     roles = " ".join(" ".join(r.notes) for r in COMPILED_GRAPHS[n:])
     assert "training graph: forward" in roles and "training graph: backward" in roles
     assert last_partition_report()["memory_budget"] == 0.9
+
+
+def _compiled_matches_eager(model, x, autocast=None, tol=1e-5):
+    """One compiled training step against eager (optionally under autocast); asserts that
+    opencann compiled a backward graph and that input and parameter gradients match."""
+    ref = copy.deepcopy(model)
+    n0 = len(COMPILED_GRAPHS)
+    cm = torch.compile(model, backend="opencann", dynamic=False)
+    grads = []
+    for m, f in ((model, cm), (ref, ref)):
+        xi = x.clone().requires_grad_(True)
+        with torch.autocast("cpu", dtype=autocast, enabled=autocast is not None):
+            out = f(xi)
+        out.float().square().mean().backward()
+        grads.append([xi.grad] + [p.grad for p in m.parameters()])
+    assert any("training graph: backward" in r.notes for r in COMPILED_GRAPHS[n0:])
+    for a, b in zip(*grads):
+        assert (a is None) == (b is None)
+        if b is not None:
+            assert ((a.float() - b.float()).abs().max() / b.float().abs().max()).item() <= tol
+
+
+def test_eval_batchnorm_with_gradients():
+    """Eval-mode BatchNorm under autograd (frozen statistics, input gradients): its CPU
+    kernel returns empty saved statistics where ATen's meta kernel says [C]."""
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.BatchNorm2d(8), torch.nn.ReLU())
+    m[1].running_mean.uniform_(-1, 1)
+    m[1].running_var.uniform_(0.5, 2)
+    _compiled_matches_eager(m.eval(), torch.randn(2, 3, 8, 8))
+
+
+def test_layernorm_on_bf16_under_autocast():
+    """Linear → LayerNorm under bf16 autocast: LayerNorm's mean/rstd keep the bf16 input's
+    dtype on CPU (fp32 per ATen's meta kernel)."""
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.LayerNorm(32), torch.nn.Linear(32, 4))
+    _compiled_matches_eager(m, torch.randn(4, 16), autocast=torch.bfloat16, tol=1e-2)
+
+
+@pytest.mark.parametrize("affine", ["none", "weight_only"])
+def test_layernorm_without_affine_parameters(affine):
+    """A gradient op that skips outputs (LayerNormGrad with no weight/bias: output_mask
+    False) compiles with those outputs absent, as does the first convolution's unneeded
+    input gradient."""
+    torch.manual_seed(0)
+    ln = torch.nn.LayerNorm(16, elementwise_affine=affine != "none", bias=False)
+    m = torch.nn.Sequential(torch.nn.Linear(16, 16), ln, torch.nn.Linear(16, 4))
+    _compiled_matches_eager(m, torch.randn(4, 16))
+    c = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.ReLU())
+    ref = copy.deepcopy(c)
+    x = torch.randn(2, 3, 8, 8)
+    torch.compile(c, backend="opencann", dynamic=False)(x).sum().backward()
+    ref(x).sum().backward()
+    assert torch.allclose(c[0].weight.grad, ref[0].weight.grad, rtol=1e-5, atol=1e-6)

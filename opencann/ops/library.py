@@ -75,6 +75,10 @@ _TABLE = [
     ("LogSoftmaxV2", aten._log_softmax.default, N, 5, False),
     ("LayerNorm", aten.native_layer_norm.default, N, 8, False),
     ("BatchNorm", aten._native_batch_norm_legit_no_training.default, N, 4, False),
+    # training BatchNorm: batch statistics, normalised output, updated running statistics
+    # (CANN splits it into BNTrainingReduce + BNTrainingUpdate)
+    ("BNTrainingUpdate", aten._native_batch_norm_legit_functional.default, N, 8, False),
+    ("BNTrainingUpdateNoStats", aten._native_batch_norm_legit.no_stats, N, 8, False),
     ("GroupNorm", aten.native_group_norm.default, N, 8, False),
     # pooling
     ("MaxPoolWithArgmax", aten.max_pool2d_with_indices.default, P, 1, False),

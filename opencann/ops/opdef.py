@@ -201,5 +201,6 @@ def infer(node: Node) -> List[TensorDesc]:
         raise ValueError(f"shape inference failed for {node.name} ({node.op}) at "
                          f"{node.where()}: {e}") from None
     outs = out if isinstance(out, (tuple, list)) else [out]
-    return [TensorDesc(tuple(int(s) for s in t.shape), DataType.from_torch(t.dtype))
+    return [TensorDesc((0,), DataType.FLOAT) if t is None  # a skipped output (output_mask)
+            else TensorDesc(tuple(int(s) for s in t.shape), DataType.from_torch(t.dtype))
             for t in outs]

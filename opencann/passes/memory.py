@@ -56,6 +56,8 @@ def writes_into_buffer(node: Node) -> bool:
     """True when the node's kernel can write into a given buffer: an ATen ``.out``
     overload exists, or the node works in place on an input."""
     op = get_op(node.op)
+    if node.meta.get("no_out_kernel"):  # see frontend.torch.convert.META_DIVERGES
+        return "inplace_input" in node.attrs
     return op.out_kernel is not None or "inplace_input" in node.attrs or (node.op in OUT_CAPABLE and OUT_CAPABLE[node.op](node))
 
 
@@ -101,7 +103,11 @@ def plan_memory(graph: Graph, alignment: int = DEFAULT_ALIGNMENT, inplace: bool 
     for node in graph.nodes:
         i = step[node]
         ai = _alias_input(node)
-        for o in node.outputs:
+        none_outs = node.meta.get("none_outputs", ())
+        for k, o in enumerate(node.outputs):
+            if k in none_outs:  # an output the kernel does not produce (output_mask False)
+                root[o.id] = -1
+                continue
             if not o.desc.is_static:
                 raise ValueError(f"{node.name} has symbolic shape {o.desc.shape}; plans are "
                                  "made per concrete input shape")

@@ -31,6 +31,7 @@ the runtime holds its arguments until it returns).
 """
 from __future__ import annotations
 
+import math
 import operator
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -275,12 +276,23 @@ def _extract(joint: _Joint, saved: List[fx.Node]):
 
 
 def _resolve_budget(budget: Any, baseline_peak: int) -> Optional[int]:
+    """Bytes of planned peak allowed: None (no budget), a float fraction in (0, 1] of
+    ``baseline_peak``, or an int number of bytes. Raises ValueError otherwise (booleans,
+    non-numbers, NaN/inf, <= 0, a non-integral float above 1)."""
     if budget is None:
         return None
-    if isinstance(budget, bool) or not isinstance(budget, (int, float)) or budget <= 0:
-        raise ValueError(f"memory_budget must be a positive number of bytes (> 1) or a fraction "
-                         f"of the no-recomputation peak in (0, 1], got {budget!r}")
-    return int(budget * baseline_peak) if budget <= 1 else int(budget)
+    usage = ("memory_budget must be a fraction of the no-recomputation peak in (0, 1] "
+             "(e.g. 0.5) or a positive int number of bytes (e.g. 2**30)")
+    if isinstance(budget, bool) or not isinstance(budget, (int, float)):
+        raise ValueError(f"{usage}, got {budget!r} ({type(budget).__name__})")
+    if not math.isfinite(budget) or budget <= 0:
+        raise ValueError(f"{usage}, got {budget!r}")
+    if isinstance(budget, float) and budget > 1:
+        if not budget.is_integer():
+            raise ValueError(f"{usage}, got {budget!r}: a float above 1 is neither a fraction "
+                             "nor a whole number of bytes")
+        budget = int(budget)
+    return int(budget * baseline_peak) if isinstance(budget, float) or budget == 1 else int(budget)
 
 
 def _recompute_summary(fw: fx.GraphModule, bw: fx.GraphModule) -> Tuple[List[str], int]:

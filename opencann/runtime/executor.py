@@ -137,7 +137,9 @@ class Executor:
                     (kw.append(f"{a.name}={s}") if a.kwarg_only else pos.append(s))
                 args = ", ".join(pos + kw)
                 use_out = (op.out_kernel is not None and any(b is not None for b in bufnames)
-                           and len(bufnames) == len(op.out_names))
+                           and len(bufnames) == len(op.out_names)
+                           and not node.meta.get("none_outputs")
+                           and not node.meta.get("no_out_kernel"))
                 if use_out:
                     # outputs outside the arena (graph outputs) get a fresh tensor each run,
                     # so a multi-output kernel still writes its planned outputs in place

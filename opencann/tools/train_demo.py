@@ -111,23 +111,45 @@ def finetune_minilm(steps: int = 6, lr: float = 5e-4, log=print) -> List[float]:
     return losses
 
 
-def main(argv: Optional[List[str]] = None) -> int:
-    """CLI entry (``opencann train-demo``). Returns 0 when the digits model reaches
-    95% test accuracy (and MiniLM's loss went down, when run), else 1."""
-    p = argparse.ArgumentParser(prog="opencann train-demo", description=__doc__.split("\n")[0])
+def add_arguments(p: argparse.ArgumentParser, minilm_steps: int = 0) -> None:
+    """The demo's options (shared by ``opencann train-demo`` and the example script)."""
     p.add_argument("--epochs", type=int, default=12)
     p.add_argument("--no-bf16", action="store_true", help="train in fp32")
-    p.add_argument("--memory-budget", type=float, default=None,
-                   help="recomputation budget: bytes (>1) or fraction of the no-recompute peak")
-    p.add_argument("--minilm-steps", type=int, default=0, help="also fine-tune MiniLM (0: skip)")
-    a = p.parse_args(argv)
-    r = train_digits(epochs=a.epochs, bf16=not a.no_bf16, memory_budget=a.memory_budget)
+    p.add_argument("--memory-budget", type=_budget, default=None,
+                   help="recomputation budget: a fraction of the no-recompute peak in (0, 1] "
+                        "or an int number of bytes")
+    p.add_argument("--minilm-steps", type=int, default=minilm_steps,
+                   help=f"also fine-tune MiniLM for this many steps (0: skip; default {minilm_steps})")
+
+
+def _budget(text: str):
+    return int(text) if text.isdigit() else float(text)
+
+
+def run_args(a: argparse.Namespace) -> int:
+    """Run the demo with parsed options. Returns 0 when the digits model reaches 95% test
+    accuracy (and MiniLM's loss went down, when run), 1 when it does not, 2 for a budget
+    that cannot be met or malformed options (printed as one line)."""
+    from torch._dynamo.exc import BackendCompilerFailed
+    try:
+        r = train_digits(epochs=a.epochs, bf16=not a.no_bf16, memory_budget=a.memory_budget)
+    except (ValueError, BackendCompilerFailed) as e:
+        inner = getattr(e, "inner_exception", e)
+        print(f"error: {type(inner).__name__}: {inner}")
+        return 2
     print(f"digits: test accuracy {r['test_accuracy']:.3f} in {r['seconds']:.1f} s")
     ok = r["test_accuracy"] >= 0.95
     if a.minilm_steps:
         losses = finetune_minilm(a.minilm_steps)
         ok = ok and losses[-1] < losses[0]
     return 0 if ok else 1
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """Script entry (``python examples/train_digits.py``); see `run_args`."""
+    p = argparse.ArgumentParser(prog="train_digits", description=__doc__.split("\n")[0])
+    add_arguments(p)
+    return run_args(p.parse_args(argv))
 
 
 if __name__ == "__main__":

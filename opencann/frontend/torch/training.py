@@ -16,7 +16,7 @@ and ``precision_mode`` once the compiler knows it).
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List
+from typing import Any, Dict
 
 import torch
 import torch.fx as fx
@@ -27,45 +27,6 @@ from .capture import decomposition_table
 from .dynamo import COMPILED_GRAPHS, _compile_fx
 
 TRAINING_OPTIONS = {"memory_budget"}
-
-
-def fill_unused_grad_outputs(gm: fx.GraphModule) -> List[str]:
-    """Make backward ops that skip some gradients (``output_mask`` with False, e.g. the
-    input gradient of the first ``convolution_backward``) compute all of them, so every
-    output has a tensor description. opencann's converter rejects a ``None`` output
-    (ConversionError "expected a tensor meta value, got NoneType"); the extra gradient
-    is computed and dropped. Returns the names of the rewritten nodes. Raises
-    ValueError for a None output on an op without ``output_mask``."""
-    from torch._guards import detect_fake_mode
-    fixed = []
-    for node in gm.graph.nodes:
-        if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
-            continue
-        val = node.meta.get("val")
-        if not isinstance(val, (list, tuple)) or all(v is not None for v in val):
-            continue
-        names = [a.name for a in node.target._schema.arguments]
-        if "output_mask" not in names:
-            raise ValueError(f"{node.name} ({node.target}) has a None output and no output_mask; "
-                             "opencann's converter needs a tensor for every output")
-        i = names.index("output_mask")
-        args = list(node.args)
-        if node.target is torch.ops.aten.convolution_backward.default and list(args[3]) == [0]:
-            # no bias: a bias gradient still comes back with C_out elements, not 0
-            args[3] = [int(args[0].meta["val"].shape[1])]
-        if i < len(args):
-            args[i] = [True] * len(args[i])
-            node.args = tuple(args)
-        else:
-            node.kwargs = {**node.kwargs, "output_mask": [True] * len(val)}
-        metas = fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta["val"])
-        mode = detect_fake_mode(list(torch.utils._pytree.tree_leaves(metas)))
-        with mode:
-            node.meta["val"] = node.target(*metas[0], **metas[1])
-        fixed.append(node.name)
-    if fixed:
-        gm.recompile()
-    return fixed
 
 
 # Fused-attention forwards whose decomposition is only valid for inference: the math
@@ -105,11 +66,27 @@ def _boxed(run):
 def make_training_backend(**options):
     """A dynamo backend (``torch.compile(model, backend=make_training_backend(...))``)
     that compiles forward and backward graphs with opencann. ``options``: see the
-    module docstring. Raises ValueError for a malformed ``memory_budget``; MemoryBudgetError
-    (at the first training step) when the budget cannot be met."""
+    module docstring. Raises ValueError at once for an unknown option or a malformed
+    ``memory_budget``. A budget that cannot be met raises MemoryBudgetError at the first
+    training step; torch.compile wraps it in ``torch._dynamo.exc.BackendCompilerFailed``,
+    whose ``inner_exception`` is the MemoryBudgetError."""
+    _check_training_options(options)
+
     def backend(gm: fx.GraphModule, example_inputs, **more):
         return opencann_training_backend(gm, example_inputs, **{**options, **more})
     return backend
+
+
+def _check_training_options(opts: Dict[str, Any]) -> None:
+    """Raise ValueError for an unknown option (listing compile and training options)
+    or a malformed ``memory_budget``."""
+    from ...compiler import KNOWN_OPTIONS  # noqa: PLC0415 - the API layer, as in dynamo.py
+    from ...passes.recompute import _resolve_budget
+    unknown = set(opts) - KNOWN_OPTIONS - TRAINING_OPTIONS - {"options"}
+    if unknown:
+        raise ValueError(f"unknown option(s) {sorted(unknown)}; compile options: "
+                         f"{sorted(KNOWN_OPTIONS)}; training options: {sorted(TRAINING_OPTIONS)}")
+    _resolve_budget(opts.get("memory_budget"), 1)
 
 
 def opencann_training_backend(gm: fx.GraphModule, example_inputs, **options):
@@ -119,10 +96,8 @@ def opencann_training_backend(gm: fx.GraphModule, example_inputs, **options):
     from torch._dynamo.backends.common import aot_autograd
     opts: Dict[str, Any] = dict(options.pop("options", None) or {})
     opts.update(options)
+    _check_training_options(opts)
     budget = opts.pop("memory_budget", None)
-    if budget is not None:
-        from ...passes.recompute import _resolve_budget
-        _resolve_budget(budget, 1)  # fail fast on a malformed budget
     compile_opts = opts or None
     n_parts = len(PARTITION_REPORTS)
 
@@ -133,14 +108,9 @@ def opencann_training_backend(gm: fx.GraphModule, example_inputs, **options):
         return _boxed(run)
 
     def bw(g, inputs):
-        fixed = fill_unused_grad_outputs(g)
         with unset_fake_temporarily():
             run = _compile_fx(g, inputs, compile_opts)
-        rep = COMPILED_GRAPHS[-1]
-        if fixed:
-            rep.notes.append("backward ops made to compute all gradients (converter needs a "
-                             "tensor for every output): " + ", ".join(fixed))
-        _attach(rep, "backward", n_parts)
+        _attach(COMPILED_GRAPHS[-1], "backward", n_parts)
         return _boxed(run)
 
     return aot_autograd(fw_compiler=fw, bw_compiler=bw, inference_compiler=fw,
