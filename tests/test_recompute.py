@@ -135,7 +135,7 @@ def _train_steps(model, budget, steps=2):
     partition report and both models after asserting gradient and running-stat parity."""
     from opencann.frontend.torch.dynamo import COMPILED_GRAPHS
     ref = copy.deepcopy(model)
-    cm = torch.compile(model, backend=make_training_backend(memory_budget=budget))
+    cm = torch.compile(model, backend=make_training_backend(memory_budget=budget), dynamic=False)
     opts = [torch.optim.SGD(m.parameters(), lr=0.05) for m in (model, ref)]
     n0 = len(COMPILED_GRAPHS)
     for step in range(steps):

@@ -126,7 +126,6 @@ def convert_node(graph: Graph, node: fx.Node, env: Dict[fx.Node, Any]) -> None:
     env[node] = list(ir.outputs) if is_seq else ir.outputs[0]
 
 
-
 def check_inference(graph: Graph) -> None:
     """Re-infer every aten-backed node's outputs and compare with FX's meta values.
 

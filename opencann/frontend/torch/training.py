@@ -80,7 +80,7 @@ def make_training_backend(**options):
 def _check_training_options(opts: Dict[str, Any]) -> None:
     """Raise ValueError for an unknown option (listing compile and training options)
     or a malformed ``memory_budget``."""
-    from ...compiler import KNOWN_OPTIONS  # noqa: PLC0415 - the API layer, as in dynamo.py
+    from ...compiler import KNOWN_OPTIONS  # lazy upward import, as in dynamo.py
     from ...passes.recompute import _resolve_budget
     unknown = set(opts) - KNOWN_OPTIONS - TRAINING_OPTIONS - {"options"}
     if unknown:
