@@ -94,11 +94,16 @@ class CompileReport:
                             if m.get("kernel_allocated_values") else ""))
         rec = m.get("recompute") if m else None
         if rec:
-            lines.append(f"  recomputation: {len(rec.get('recomputed', []))} tensors recomputed "
+            bns = rec.get("batch_norm_outputs_recomputable") or []
+            lines.append(f"  recomputation: {rec.get('saved_count', 0)} tensors saved "
+                         f"({fmt_bytes(rec.get('saved_bytes', 0))}), "
+                         f"{len(rec.get('recomputed', []))} recomputed "
                          f"({fmt_flops(rec.get('recompute_flops', 0))}), planned peak "
                          f"{fmt_bytes(rec['peak'])} vs {fmt_bytes(rec['peak_without_recompute'])} "
                          f"without recomputation"
-                         + (f", budget {rec['memory_budget']}" if rec.get("memory_budget") else ""))
+                         + (f", budget {rec['memory_budget']}" if rec.get("memory_budget") else "")
+                         + (f"; {len(bns)} BatchNorm outputs recomputed from saved statistics"
+                            if bns else ""))
         if self.cost_before:
             cb, ca = self.cost_before, self.cost_after
             lines.append(f"  work {fmt_flops(cb['flops'])} -> {fmt_flops(ca['flops'])}; "

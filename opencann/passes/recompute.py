@@ -351,6 +351,7 @@ def partition(joint_module: fx.GraphModule, joint_inputs: Any = None, *, num_fwd
         "graph": name or f"joint_{len(PARTITION_REPORTS)}",
         "memory_budget": memory_budget, "budget_bytes": target,
         "saved": [{"name": n.name, "bytes": size(n)} for n in saved if n.op != "placeholder"],
+        "saved_count": sum(n.op != "placeholder" for n in saved),
         "saved_inputs": [n.name for n in saved if n.op == "placeholder"],
         "recomputed": names, "recompute_flops": flops,
         "peak_without_recompute": base["peak"], "peak_min_cut": cut["peak"],
