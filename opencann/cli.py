@@ -204,8 +204,8 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     try:
         return args.fn(args)
-    except (ValueError, RuntimeError) as e:
-        console.print(f"[red]error:[/red] {e}")
+    except (ValueError, RuntimeError, KeyError, FileNotFoundError) as e:
+        console.print(f"[red]error:[/red] {e.args[0] if isinstance(e, KeyError) else e}")
         return 2
 
 

@@ -7,7 +7,7 @@ schedule, bound kernels and the compile report.
 from __future__ import annotations
 
 import time
-from typing import Any, Dict, Optional, Sequence
+from typing import Any, Dict, Optional, Sequence, Tuple
 
 import torch
 import torch.utils._pytree as pytree
@@ -44,12 +44,38 @@ def _fallbacks(graph: Graph) -> Dict[str, Dict[str, Any]]:
     return out
 
 
+_BOOL_OPTIONS = ("verify", "inplace", "copy_out", "host_fallback")
+_LIST_OPTIONS = ("disable", "enable", "keep_fp32")
+
+
 def _check_options(options: Optional[Dict[str, Any]]) -> Dict[str, Any]:
+    """Validate compile options; raises ValueError naming the option and what it takes."""
+    if options is not None and not isinstance(options, dict):
+        raise ValueError(f"options must be a dict such as {{'verify': True}}, got "
+                         f"{type(options).__name__} {options!r}")
     options = dict(options or {})
     unknown = set(options) - KNOWN_OPTIONS
     if unknown:
         raise ValueError(f"unknown compile option(s) {sorted(unknown)}; known options: "
                          f"{sorted(KNOWN_OPTIONS)}")
+    for k in _BOOL_OPTIONS:
+        if k in options and not isinstance(options[k], bool):
+            raise ValueError(f"option {k!r} takes True or False, got {options[k]!r}")
+    for k in _LIST_OPTIONS:
+        v = options.get(k)
+        if v is not None and (isinstance(v, str) or not all(isinstance(x, str) for x in v)):
+            raise ValueError(f"option {k!r} takes a list of names, e.g. [{v!r}], got {v!r}")
+    if "keep_fp32" in options:
+        from .ops import get_op
+        for name in options["keep_fp32"]:
+            try:
+                get_op(name)
+            except KeyError as e:
+                raise ValueError(f"option 'keep_fp32': {e.args[0]}; it takes opencann op names "
+                                 "such as 'SoftmaxV2' or 'LayerNorm'") from None
+    a = options.get("alignment")
+    if a is not None and (isinstance(a, bool) or not isinstance(a, int) or a <= 0 or a & (a - 1)):
+        raise ValueError(f"option 'alignment' takes a power of two in bytes (e.g. 64), got {a!r}")
     return options
 
 
@@ -108,10 +134,20 @@ class CompiledModel:
     """
 
     def __init__(self, graph: Graph, plan: MemoryPlan, report: CompileReport,
-                 in_spec=None, out_spec=None, input_positions: Optional[Sequence[int]] = None):
+                 in_spec=None, out_spec=None, input_positions: Optional[Sequence[int]] = None,
+                 example_flat: Optional[Sequence[Any]] = None,
+                 frozen: Optional[Sequence[Tuple[str, torch.Tensor]]] = None):
         self.graph, self.plan, self.report = graph, plan, report
         self._in_spec, self._out_spec = in_spec, out_spec
         self._positions = list(input_positions) if input_positions is not None else None
+        flat = list(example_flat or [])
+        # non-tensor arguments are baked into the graph: calls must repeat them
+        self._baked = {i: v for i, v in enumerate(flat) if not isinstance(v, torch.Tensor)}
+        self._contig = [t.is_contiguous() for t in flat if isinstance(t, torch.Tensor)]
+        # weights are frozen into the graph (folded, prepacked): detect in-place changes
+        self._frozen = [(n, t, t._version) for n, t in (frozen or [])]
+        consts = {id(c) for c in graph.constants}
+        self._const_outputs = [i for i, v in enumerate(graph.outputs) if id(v) in consts]
         t0 = time.perf_counter()
         self.executor = Executor(graph, plan)
         report.passes.append(PassRecord("bind_kernels", "runtime", len(graph.nodes), len(graph.nodes),
@@ -121,8 +157,27 @@ class CompiledModel:
     def _flat_inputs(self, args, kwargs) -> list:
         flat, spec = pytree.tree_flatten((args, kwargs))
         if self._in_spec is not None and spec != self._in_spec:
-            raise ValueError("the inputs' structure differs from the example inputs the model "
-                             f"was compiled with:\n  got      {spec}\n  expected {self._in_spec}")
+            want_args, want_kw = pytree.tree_unflatten([None] * self._in_spec.num_leaves,
+                                                       self._in_spec)
+            raise ValueError(
+                f"the model was compiled for {len(want_args)} positional input(s) and keyword "
+                f"input(s) {sorted(want_kw)}, with the example's nesting; got {len(args)} "
+                f"positional and {sorted(kwargs)} (or a different nesting of lists, tuples and "
+                "dicts). Call it like the example inputs, or recompile")
+        for i, want in self._baked.items():
+            got = flat[i]
+            if type(got) is not type(want) or not _same_value(got, want):
+                raise ValueError(
+                    f"non-tensor input #{i} was {want!r} when the model was compiled and is "
+                    f"{got if not isinstance(got, torch.Tensor) else 'a tensor'!r} now: non-tensor "
+                    "arguments are baked into the compiled graph. Recompile with this value, or "
+                    "make it a tensor input")
+        for name, t, version in self._frozen:
+            if t._version != version:
+                raise ValueError(
+                    f"parameter or buffer {name!r} was modified in place after compiling: the "
+                    "compiled graph holds the weights it was compiled with (folded, prepacked). "
+                    "Recompile after changing weights")
         tensors = [flat[i] for i in self._positions] if self._positions is not None else flat
         if len(tensors) != len(self.graph.inputs):
             raise ValueError(f"expected {len(self.graph.inputs)} tensor inputs, got {len(tensors)}")
@@ -135,12 +190,19 @@ class CompiledModel:
                     f"input {i} ({v.name}) is {str(t.dtype).replace('torch.', '')}{list(t.shape)} "
                     f"but the model was compiled for {v.desc}; the {what} differs: recompile with "
                     f"example inputs of this {what}" + (" or cast the input" if what == "dtype" else ""))
-        return tensors
+            if t.device.type != "cpu":
+                raise ValueError(f"input {i} ({v.name}) is on {t.device}; the compiled model "
+                                 "runs on the host (cpu): move the input with .cpu()")
+        # the graph was traced on contiguous examples: its views assume those strides
+        return [t.contiguous() if i < len(self._contig) and self._contig[i] else t
+                for i, t in enumerate(tensors)]
 
     def __call__(self, *args, **kwargs):
         tensors = self._flat_inputs(args, kwargs)
         with torch.no_grad():
             outs = self.executor.run(tensors)
+        if self._const_outputs:  # a folded constant is one tensor: give each call its own
+            outs = tuple(o.clone() if i in self._const_outputs else o for i, o in enumerate(outs))
         return self._structure(outs)
 
     def _structure(self, outs):
@@ -178,5 +240,14 @@ def compile_module(model: torch.nn.Module, example_inputs, device: str = "cpu",
     from torch.export.graph_signature import InputKind
     user = [s for s in ep.graph_signature.input_specs if s.kind == InputKind.USER_INPUT]
     positions = [i for i, s in enumerate(user) if isinstance(flat[i], torch.Tensor)]
+    frozen = list(model.named_parameters()) + list(model.named_buffers())
     return CompiledModel(graph, plan, report, in_spec=in_spec, out_spec=ep.call_spec.out_spec,
-                         input_positions=positions)
+                         input_positions=positions, example_flat=flat, frozen=frozen)
+
+
+def _same_value(a: Any, b: Any) -> bool:
+    """Equality for baked non-tensor arguments (NaN equals NaN; never raises)."""
+    try:
+        return bool(a == b) or (isinstance(a, float) and a != a and b != b)
+    except Exception:  # noqa: BLE001 - exotic objects: identity only
+        return a is b

@@ -94,9 +94,18 @@ ZOO: Dict[str, Callable[..., ZooModel]] = {
 
 
 def get(name: str, **kw) -> ZooModel:
-    """A zoo model by name; raises KeyError listing the names."""
+    """A zoo model by name; raises KeyError listing the names, ValueError for an option
+    the model does not take (e.g. ``size`` for a transformer) or a non-positive size."""
+    import inspect
     if name not in ZOO:
         raise KeyError(f"unknown zoo model {name!r}; choose one of {sorted(ZOO)}")
+    takes = list(inspect.signature(ZOO[name]).parameters)
+    bad = [k for k in kw if k not in takes]
+    if bad:
+        raise ValueError(f"zoo model {name!r} takes {takes}, not {bad}")
+    for k, v in kw.items():
+        if isinstance(v, int) and v <= 0:
+            raise ValueError(f"zoo model {name!r}: {k} must be positive, got {v}")
     return ZOO[name](**kw)
 
 

@@ -528,8 +528,8 @@ def run_args(args: argparse.Namespace) -> int:
     kw = {k: getattr(args, k) for k in ("size", "seq") if getattr(args, k, None) is not None}
     try:
         rep = estimate(args.model, device=args.device, batch=args.batch, fused=not args.no_fusion, **kw)
-    except ValueError as e:
-        print(f"error: {e}")
+    except (ValueError, KeyError, FileNotFoundError) as e:
+        print(f"error: {e.args[0] if isinstance(e, KeyError) else e}")
         return 2
     print(rep.to_text(top=args.top))
     if args.json:

@@ -48,6 +48,9 @@ def _to_bnsd(q, k, v, layout):
     if layout == "BSND":
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
     B, H, Sq, D = q.shape
+    if D == 0:
+        raise ValueError(f"head dim is 0 (q shape {tuple(q.shape)} in BNSD order); attention "
+                         "needs at least one feature per head")
     if k.shape[-1] != D or v.shape[-1] != D:
         raise ValueError(f"head dim mismatch: q has {D}, k has {k.shape[-1]}, v has "
                          f"{v.shape[-1]}; q, k and v need the same head dim (last axis)")
@@ -202,6 +205,7 @@ def flash_attention(q, k, v, *, attn_mask=None, causal=False, scale=None, layout
     or an unknown causal/backend value.
     Source: FlashAttention-2, Dao 2023, arXiv:2307.08691.
     """
+    _check(q, k, v, layout)  # before anything reads tensor attributes
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     q_, k_, v_, mask, off, scale, bq, bk, backend = _prepare(
         q, k, v, attn_mask, causal, scale, layout, tiles, backend, forward_only=not needs_grad)
