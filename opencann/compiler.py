@@ -227,6 +227,10 @@ def compile_module(model: torch.nn.Module, example_inputs, device: str = "cpu",
     device or dtype) with what to change."""
     device = _check_device(device)
     options = _check_options(options)
+    if isinstance(example_inputs, list):
+        raise ValueError("example_inputs must be a tensor or a tuple of the model's positional "
+                         "inputs, got a list: pass tuple(example_inputs), or (my_list,) when "
+                         "the model takes one list argument")
     args = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
     ep, times = capture(model, args, example_kwargs)
     t0 = time.perf_counter()

@@ -129,4 +129,9 @@ class CompileReport:
             lines.append("host fallbacks (ATen ops with no opencann converter, run on the host):")
             for k, v in self.host_fallbacks.items():
                 lines.append(f"  {k} x{v['count']} at " + "; ".join(v["where"][:5]))
+        ka = (self.memory or {}).get("kernel_allocated") or {}
+        if ka:
+            lines.append("values outside the arena (allocated by their kernel), by reason:")
+            lines += [f"  {v['count']} x {reason}: {', '.join(v['values'][:4])}"
+                      + (" ..." if v["count"] > 4 else "") for reason, v in ka.items()]
         return "\n".join(lines)

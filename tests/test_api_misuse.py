@@ -101,3 +101,26 @@ def test_flash_attention_and_zoo_input_errors():
         zoo.get("resnet50", seq=7)
     with pytest.raises(ValueError, match="batch must be positive"):
         zoo.get("minilm", batch=0)
+
+
+def test_data_dependent_shapes_and_list_inputs_are_explained():
+    from opencann.frontend.torch.convert import ConversionError
+
+    class Masked(nn.Module):
+        def forward(self, x):
+            return x[x > 0] * 2
+
+    with pytest.raises(ConversionError, match="data-dependent value"):
+        opencann.compile(Masked(), (torch.randn(8),))
+    with pytest.raises(ValueError, match="tensor or a tuple"):
+        opencann.compile(nn.Linear(4, 4), [torch.randn(2, 4)])
+
+
+def test_report_lists_kernel_allocated_values_and_fused_work():
+    m = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Conv2d(8, 8, 3)).eval()
+    cm = opencann.compile(m, (torch.randn(1, 3, 16, 16),))
+    assert "values outside the arena" in cm.report.to_text()
+    assert cm.report.to_dict()["memory"]["kernel_allocated"]
+    mlp = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)).eval()
+    r = opencann.compile(mlp, (torch.randn(2, 8),)).report
+    assert r.cost_after["flops"] == r.cost_before["flops"]  # fusing moves work, adds none

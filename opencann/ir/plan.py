@@ -46,7 +46,21 @@ class MemoryPlan:
                 "buffers": len(self.buffers), "inplace_reuses": len(self.inplace),
                 "strategy": self.strategy, "alignment": self.alignment,
                 "kernel_allocated_values": sum("graph output" not in r for r in self.unplanned.values()),
-                "graph_output_values": sum("graph output" in r for r in self.unplanned.values())}
+                "graph_output_values": sum("graph output" in r for r in self.unplanned.values()),
+                "kernel_allocated": self.kernel_allocated()}
+
+    def kernel_allocated(self, limit: int = 8) -> Dict[str, object]:
+        """Values outside the arena (not graph outputs), grouped by reason: reason ->
+        {"count", "values" (the first ``limit``)}."""
+        out: Dict[str, Dict[str, object]] = {}
+        for v, r in self.unplanned.items():
+            if "graph output" in r:
+                continue
+            e = out.setdefault(r, {"count": 0, "values": []})
+            e["count"] += 1
+            if len(e["values"]) < limit:
+                e["values"].append(v)
+        return out
 
 
 @dataclass

@@ -167,15 +167,29 @@ def _make_linear_kernel(node: Node, in_descs: Sequence[TensorDesc], consts: Sequ
     return run_packed if LINEAR_CHOICES[key] == "mkl_packed" else run_addmm
 
 
+# activation -> the library op whose FLOPs per element it costs (so fusing does not
+# change the work the report shows)
+_ACT_OPS = {"relu": "Relu", "gelu": "Gelu", "tanh": "Tanh", "sigmoid": "Sigmoid", "silu": "Swish"}
+
+
+def _act_flops(node: Node) -> int:
+    name = _ACT_OPS.get(node.attrs.get("act", "none"))
+    return 0 if name is None else int(get_op(name).flops_per_elem * node.outputs[0].desc.numel)
+
+
 def _linear_cost(node: Node) -> Cost:
     c = _matmul_cost(node)
-    act = 0 if node.attrs.get("act", "none") == "none" else 8 * node.outputs[0].desc.numel
-    return Cost(c.flops + act, c.bytes)
+    return Cost(c.flops + _act_flops(node), c.bytes)
 
 
-register(OpDef("ConvBiasAct", OpKind.FUSED, cost_fn=_conv_cost,
+def _conv_act_cost(node: Node) -> Cost:
+    c = _conv_cost(node)
+    return Cost(c.flops + _act_flops(node), c.bytes)
+
+
+register(OpDef("ConvBiasAct", OpKind.FUSED, cost_fn=_conv_act_cost,
                doc="Conv2D(+folded BN)+activation in one oneDNN primitive"))
-register(OpDef("ConvAddAct", OpKind.FUSED, cost_fn=_conv_cost,
+register(OpDef("ConvAddAct", OpKind.FUSED, cost_fn=_conv_act_cost,
                doc="Conv2D+Add(+ReLU) through oneDNN's sum post-op, in place into the addend"))
 register(OpDef("LinearAct", OpKind.FUSED, cost_fn=_linear_cost,
                doc="addmm + activation on a packed weight"))

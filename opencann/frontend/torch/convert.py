@@ -45,6 +45,12 @@ def source_of(node: fx.Node) -> Tuple[str, str]:
 
 
 def _desc(val: Any, where: str) -> TensorDesc:
+    if isinstance(val, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        raise ConversionError(
+            f"{where}: the model computes a data-dependent value ({type(val).__name__}: a "
+            "shape or scalar that depends on tensor values, e.g. x[x > 0], nonzero() or "
+            ".item()). opencann compiles static graphs: keep shapes independent of the data, "
+            "or use torch.compile(model, backend='opencann'), which runs such parts eagerly")
     if not isinstance(val, torch.Tensor):
         raise ConversionError(f"{where}: expected a tensor meta value, got {type(val).__name__}")
     shape = tuple(int(s) if not isinstance(s, torch.SymInt) else str(s) for s in val.shape)
