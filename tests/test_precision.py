@@ -108,3 +108,19 @@ def test_bf16_autocast_inference_with_norms(norm):
         out, ref = cm(x), m(x)
     assert out.dtype == ref.dtype == torch.bfloat16
     assert torch.allclose(out.float(), ref.float(), atol=1e-2)
+
+
+@pytest.mark.parametrize("dt,mode", [(torch.bfloat16, "allow_mix_precision"),
+                                     (torch.float16, "allow_mix_precision_bf16")])
+def test_low_precision_model_under_another_low_mode(dt, mode):
+    """A bf16 (fp16) model under an fp16 (bf16) mode: ops kept in fp32 get all their float
+    inputs in fp32, the model's own weights included (ATen wants one dtype)."""
+    import torch.nn as nn
+
+    import opencann
+    torch.manual_seed(0)
+    for m, x in ((nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8)), torch.randn(2, 8)),
+                 (nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4)), torch.randn(1, 3, 6, 6))):
+        m, x = m.eval().to(dt), x.to(dt)
+        out = opencann.compile(m, (x,), options={"precision_mode": mode})(x)
+        assert out.dtype == dt and torch.allclose(out.float(), m(x).float(), atol=3e-2)

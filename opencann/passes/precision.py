@@ -114,9 +114,13 @@ class MixedPrecision(Pass):
                 want = FP32
             if want is None:
                 continue
-            for v in dict.fromkeys(node.inputs):
-                if v.desc.dtype in floats and v.desc.dtype != want and (
-                        want != FP32 or v.desc.dtype != origin[id(v)] or mode == "force_fp32"):
+            fl = [v for v in dict.fromkeys(node.inputs) if v.desc.dtype in floats]
+            # up to fp32 only what an earlier rewrite lowered (a bf16/fp16 model keeps its
+            # own precision) -- but then every float input, as ATen's kernels want one dtype
+            lift = want != FP32 or mode == "force_fp32" or any(
+                v.desc.dtype != origin[id(v)] for v in fl)
+            for v in fl:
+                if v.desc.dtype != want and lift:
                     graph.replace_input(node, v, _cast(graph, v, want, node, cache))
                     changed += 1
             for o in node.outputs:
