@@ -124,3 +124,11 @@ def test_report_lists_kernel_allocated_values_and_fused_work():
     mlp = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)).eval()
     r = opencann.compile(mlp, (torch.randn(2, 8),)).report
     assert r.cost_after["flops"] == r.cost_before["flops"]  # fusing moves work, adds none
+
+
+def test_estimate_batch_follows_the_example_inputs():
+    from opencann.tools.estimate import estimate
+    m = nn.Sequential(nn.Linear(64, 64), nn.ReLU()).eval()
+    head = lambda r: r.to_text().splitlines()[0]  # noqa: E731
+    assert "batch 2," in head(estimate(m, torch.randn(2, 64)))
+    assert "batch 1," in head(estimate(m, torch.randn(2, 64), batch=1))

@@ -421,8 +421,7 @@ def _load(model_or_zoo_name, example_inputs, batch: int, zoo_kwargs: Dict[str, A
         raise ValueError("estimate: give example_inputs for a torch.nn.Module (or pass a zoo name such as "
                          "'resnet50')")
     args = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
-    if batch != 1:
-        args = _rebatch(args, batch)
+    args = _rebatch(args, batch)
     return type(model_or_zoo_name).__name__, model_or_zoo_name, args
 
 
@@ -444,8 +443,8 @@ def _compile(ep, name: str, device: str, fused: bool):
     return graph, plan, report
 
 
-def estimate(model_or_zoo_name, example_inputs=None, device: str = "vnpu:ascend910b", batch: int = 1,
-             fused: bool = True, **zoo_kwargs) -> EstimateReport:
+def estimate(model_or_zoo_name, example_inputs=None, device: str = "vnpu:ascend910b",
+             batch: Optional[int] = None, fused: bool = True, **zoo_kwargs) -> EstimateReport:
     """Estimate time, HBM traffic and peak memory of a model on a virtual NPU.
 
     Args:
@@ -456,7 +455,8 @@ def estimate(model_or_zoo_name, example_inputs=None, device: str = "vnpu:ascend9
         device: ``vnpu:<preset>`` (ascend910, ascend910b, ascend310) or
             ``vnpu:<spec.json|.toml>``.
         batch: batch size; the inputs' dim 0 is set to it (uninitialized tensors: the
-            model is never run).
+            model is never run). None: 1 for a zoo model, the example inputs' dim 0 for
+            a module.
         fused: report the graph with the fusion passes on (True; FlashAttention enabled)
             or off. HBM traffic of both is always reported.
     Returns: `EstimateReport` (µs, bytes, FLOPs).
@@ -468,6 +468,10 @@ def estimate(model_or_zoo_name, example_inputs=None, device: str = "vnpu:ascend9
     """
     from ..frontend.torch import capture
     spec = npu_spec_for(device)
+    if batch is None:
+        ex = example_inputs[0] if isinstance(example_inputs, tuple) else example_inputs
+        batch = (int(ex.shape[0]) if isinstance(model_or_zoo_name, torch.nn.Module)
+                 and isinstance(ex, torch.Tensor) and ex.dim() else 1)
     if batch < 1:
         raise ValueError(f"estimate: batch must be >= 1, got {batch}")
     name, model, args = _load(model_or_zoo_name, example_inputs, batch, zoo_kwargs)
