@@ -187,3 +187,19 @@ def test_cost_has_no_score_matrix_bytes():
     unfused = sum(get_op(n.op).cost(n).bytes for n in spelled.graph.nodes
                   if n.op in ("BatchMatMul", "SoftmaxV2", "Add", "Div", "Muls"))
     assert c_fa.bytes + 4 * B * H * S * S * 4 <= unfused
+
+
+def test_vnpu_head_dim_check_uses_the_unified_buffer():
+    """On vnpu the tile check uses the preset's Unified Buffer (Cube fractals), not the
+    host's L2: D=4096 cannot tile in 192 KiB and is reported, D=64 fuses."""
+    class A(torch.nn.Module):
+        def forward(self, q, k, v):
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v)
+
+    for d, fused in ((64, True), (4096, False)):
+        q = torch.randn(1, 1, 32, d)
+        rep = opencann.compile(A(), (q, q, q), device="vnpu:ascend910b",
+                               options={"enable": ["fuse_flash_attention"]}).report
+        assert ("FlashAttention" in rep.op_counts_after) == fused
+        if not fused:
+            assert any("Unified Buffer" in s["reason"] for s in rep.skipped)

@@ -36,14 +36,20 @@ def _broadcasts(shape, target) -> bool:
 
 def _tile_check(device: str, d: int, sq: int, sk: int) -> Optional[str]:
     """None if the target's tile buffer holds 16×16 tiles at head dim ``d``."""
+    dtype = torch.float32
     if device == "cuda":
         buf, src = cuda_smem()
         target = "triton"
+    elif device.startswith("vnpu"):
+        from .vnpu_layout import npu_spec_for
+        spec = npu_spec_for(device)
+        buf, src = spec.ub_bytes, f"{spec.name} Unified Buffer"
+        target, dtype = "cube", torch.float16
     else:
         buf, src = cpu_l2()
         target = "cpu"
     try:
-        plan_tiles(buf, d, torch.float32, seq_q=sq, seq_k=sk, target=target)
+        plan_tiles(buf, d, dtype, seq_q=sq, seq_k=sk, target=target)
     except ValueError as e:
         return f"head dim {d} is larger than the tile plan supports ({e}; buffer from {src})"
     return None
