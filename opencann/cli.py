@@ -66,8 +66,12 @@ def _compile(zm, device="cpu", options=None):
 def _max_diff(a, b) -> str:
     """``max |a-b|`` and the relative figure max|a-b| / max|b| over all float leaves."""
     import torch.utils._pytree as pytree
-    pairs = [(x.double(), y.double()) for x, y in zip(pytree.tree_leaves(a), pytree.tree_leaves(b))
-             if isinstance(x, torch.Tensor) and x.dtype.is_floating_point]
+    leaves = [(x, y) for x, y in zip(pytree.tree_leaves(a), pytree.tree_leaves(b))
+              if isinstance(x, torch.Tensor)]
+    pairs = [(x.double(), y.double()) for x, y in leaves if x.dtype.is_floating_point]
+    if not pairs:  # integer/bool outputs (argmax, masks): exact comparison
+        same = all(torch.equal(x, y) for x, y in leaves)
+        return f"{'identical' if same else 'DIFFERENT'} (non-float outputs, compared exactly)"
     ab = max(float((x - y).abs().max()) for x, y in pairs)
     rel = max(float((x - y).abs().max() / y.abs().max().clamp_min(1e-30)) for x, y in pairs)
     return f"{ab:.2e} (relative {rel:.2e})"
@@ -160,7 +164,7 @@ def cmd_bench(args) -> int:
     cm = _compile(zm)
     e = median_ms(zm.model, *zm.example_inputs, runs=args.runs)
     c = median_ms(cm, *zm.example_inputs, runs=args.runs)
-    console.print(f"{zm.name} batch {args.batch}: eager {e:.1f} ms, opencann {c:.1f} ms, "
+    console.print(f"{zm.name} batch {args.batch}: eager {e:.3g} ms, opencann {c:.3g} ms, "
                   f"compiled/eager {c / e:.2f} (median of {args.runs}, {args.threads} threads)")
     return 0
 
