@@ -84,6 +84,8 @@ def _check_device(device: str) -> str:
     if device.split(":")[0] not in SUPPORTED_DEVICES:
         raise ValueError(f"device {device!r} is not supported by the compiler yet; use one of "
                          f"{list(SUPPORTED_DEVICES)} (vnpu as vnpu:<preset> or vnpu:<spec file>)")
+    if device.split(":")[0] == "cpu" and device not in ("cpu", "cpu:0"):
+        raise ValueError(f"device {device!r}: the host is one device, 'cpu'")
     if device.startswith("vnpu"):
         from .passes.vnpu_layout import npu_spec_for
         npu_spec_for(device)   # ValueError listing the presets for vnpu:<unknown>

@@ -132,3 +132,24 @@ def test_estimate_batch_follows_the_example_inputs():
     head = lambda r: r.to_text().splitlines()[0]  # noqa: E731
     assert "batch 2," in head(estimate(m, torch.randn(2, 64)))
     assert "batch 1," in head(estimate(m, torch.randn(2, 64), batch=1))
+
+
+def test_buffer_mutation_advice_and_host_device():
+    from opencann.frontend.torch.convert import ConversionError
+
+    class Counter(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("n", torch.zeros(()))
+
+        def forward(self, x):
+            self.n += 1
+            return x * 2
+
+    with pytest.raises(ConversionError, match="counter or cache"):
+        opencann.compile(Counter().eval(), (torch.randn(2),))
+    bn = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4)).train()
+    with pytest.raises(ConversionError, match="call model.eval"):
+        opencann.compile(bn, (torch.randn(2, 3, 6, 6),))
+    with pytest.raises(ValueError, match="the host is one device"):
+        opencann.compile(nn.Linear(4, 4).eval(), (torch.randn(2, 4),), device="cpu:7")

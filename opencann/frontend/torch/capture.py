@@ -7,6 +7,7 @@ bmm/softmax/where). Source: PyTorch "torch.export" and "Core ATen IR" documentat
 from __future__ import annotations
 
 import time
+import warnings
 from typing import Any, Dict, Tuple
 
 import torch
@@ -44,7 +45,9 @@ def capture(model: torch.nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any
             DataType.from_torch(a.dtype)  # clear error for unsupported dtypes
     t0 = time.perf_counter()
     try:
-        with torch.no_grad():
+        with torch.no_grad(), warnings.catch_warnings():
+            # torch-internal deprecation noise from export's own pytree use
+            warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
             ep = torch.export.export(model, args, kwargs or {}, strict=False)
     except Exception as e:  # noqa: BLE001 - re-raised with advice
         raise CaptureError(
@@ -53,6 +56,8 @@ def capture(model: torch.nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any
             "Python control flow, or use torch.compile(model, backend='opencann'), which "
             "compiles each graph between breaks") from None
     t1 = time.perf_counter()
-    ep = ep.run_decompositions(decomposition_table())
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
+        ep = ep.run_decompositions(decomposition_table())
     t2 = time.perf_counter()
     return ep, {"export": t1 - t0, "decompose": t2 - t1}

@@ -190,10 +190,15 @@ def from_exported_program(ep: torch.export.ExportedProgram, name: str = "model",
                 "compiled graph does not modify its caller's tensors. Fix: work on a copy "
                 "(x = x.clone() first, or x = x + 1)")
         if out.kind == OutputKind.BUFFER_MUTATION:
+            bn = any(w in str(out.target) for w in ("running_mean", "running_var",
+                                                   "num_batches_tracked"))
             raise ConversionError(
-                f"the model mutates {out.target} during the forward pass (e.g. BatchNorm in "
-                "training mode updates its running statistics); call model.eval() for "
-                "inference, or use torch.compile(backend='opencann') for training")
+                f"the model mutates its buffer {out.target} during the forward pass"
+                + ("; BatchNorm in training mode updates its running statistics: call "
+                   "model.eval() for inference" if bn else
+                   " (e.g. a counter or cache updated in forward); a compiled graph keeps "
+                   "its buffers fixed: move the update out of forward")
+                + ", or use torch.compile(model, backend='opencann'), which keeps mutations")
     for node in ep.graph.nodes:
         if node.op == "placeholder":
             spec = specs.get(node.name)
