@@ -153,3 +153,23 @@ def test_buffer_mutation_advice_and_host_device():
         opencann.compile(bn, (torch.randn(2, 3, 6, 6),))
     with pytest.raises(ValueError, match="the host is one device"):
         opencann.compile(nn.Linear(4, 4).eval(), (torch.randn(2, 4),), device="cpu:7")
+
+
+def test_llama_decode_step_with_kv_cache():
+    """A one-token decode (RoPE on [1, H, 1, D]): an in-place Add's input and output views
+    of one buffer differed only in size-1 strides, which ATen's overlap check rejected."""
+    import copy
+    import os
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    m = LlamaForCausalLM(LlamaConfig(vocab_size=100, hidden_size=32, intermediate_size=64,
+                                     num_hidden_layers=1, num_attention_heads=4,
+                                     num_key_value_heads=2)).eval()
+    ids = torch.randint(0, 100, (1, 5))
+    with torch.no_grad():
+        cache = m(input_ids=ids, use_cache=True).past_key_values
+        ref = m(input_ids=ids[:, -1:], past_key_values=copy.deepcopy(cache), use_cache=True)
+        cm = torch.compile(m, backend="opencann", dynamic=False)
+        out = cm(input_ids=ids[:, -1:], past_key_values=copy.deepcopy(cache), use_cache=True)
+    assert torch.allclose(out.logits, ref.logits, atol=1e-5)

@@ -24,6 +24,18 @@ from ..ops.fused import KERNEL_FACTORIES, OUT_CAPABLE
 from ..ops.opdef import DEVICE_KERNEL_FACTORIES
 
 
+def _canonical(shape, strides) -> tuple:
+    """``strides`` with each size-1 dim's stride set to what a contiguous layout of the
+    following dims gives. Size-1 strides address nothing, but ATen's input/output
+    overlap check compares them: two views of one buffer that differ only there (an
+    in-place op's input and output, from different FX strides) count as partial overlap."""
+    out = list(strides)
+    for i in range(len(shape) - 1, -1, -1):
+        if shape[i] == 1:
+            out[i] = out[i + 1] * max(int(shape[i + 1]), 1) if i + 1 < len(shape) else 1
+    return tuple(out)
+
+
 def _dense(shape, strides) -> bool:
     """True if ``strides`` lay ``shape`` out densely (a permutation of contiguous)."""
     dims = sorted((st, sz) for st, sz in zip(strides, shape) if sz != 1)
@@ -62,7 +74,7 @@ class Executor:
         strides = v.producer.meta.get("strides") if v.producer is not None else None
         st = strides[v.producer.outputs.index(v)] if strides else None
         if st is not None and _dense(d.shape, st):
-            return t.as_strided(d.shape, st)
+            return t.as_strided(d.shape, _canonical(d.shape, st))
         return t.view(d.shape)
 
     def _build(self, profile: bool) -> Callable:
@@ -207,12 +219,16 @@ class Executor:
             raise ExecutionError(self._locate(e)) from e
 
     def _locate(self, e: Exception) -> str:
+        import re
         import traceback
         tb = traceback.extract_tb(e.__traceback__)
         for fr in reversed(tb):
             if fr.filename.startswith("<opencann"):
                 line = self._src.splitlines()[fr.lineno - 1]
-                import re
+                k = re.search(r"\bK(\d+)\(", line)  # kernel K<i> is node i
+                if k is not None and int(k.group(1)) < len(self.graph.nodes):
+                    node = self.graph.nodes[int(k.group(1))]
+                    return f"{node.name} ({node.op}) at {node.where()} failed: {e}"
                 defined = set(re.findall(r"\bv(\d+)\b", line.split("=")[0]))
                 for node in self.graph.nodes:
                     if any(str(o.id) in defined for o in node.outputs):
