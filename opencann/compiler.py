@@ -131,7 +131,11 @@ class CompiledModel:
     """A compiled model: call it like the original module.
 
     Inputs must have the shapes and dtypes of the example inputs (the graph is static);
-    a mismatch raises ValueError naming the input and the expected description.
+    a mismatch raises ValueError naming the input and the expected description, as do
+    another number or nesting of inputs, a non-tensor argument with another value than
+    at compile time (it is baked into the graph), an input not on the cpu, and a
+    parameter or buffer modified in place since compiling (weights are frozen).
+    Non-contiguous inputs are made contiguous; constant outputs are fresh per call.
     Attributes: ``graph``, ``plan`` (MemoryPlan), ``report`` (CompileReport).
     """
 

@@ -104,6 +104,8 @@ class CompileReport:
                          + (f", budget {rec['memory_budget']}" if rec.get("memory_budget") else "")
                          + (f"; {len(bns)} BatchNorm outputs recomputed from saved statistics"
                             if bns else ""))
+            lines += [f"  BatchNorm output recompute not applied at {bn}: {why}"
+                      for bn, why in (rec.get("batch_norm_outputs_kept") or {}).items()]
         if self.cost_before:
             cb, ca = self.cost_before, self.cost_after
             lines.append(f"  work {fmt_flops(cb['flops'])} -> {fmt_flops(ca['flops'])}; "

@@ -176,8 +176,7 @@ def test_batchnorm_outputs_recomputed_from_saved_statistics():
     assert not bw.host_fallbacks
 
 
-@pytest.mark.parametrize("frac", [0.5])
-def test_budget_checkpoints_the_residual_stream(frac):
+def test_budget_checkpoints_the_residual_stream(frac=0.5):
     torch.manual_seed(0)
     m = torch.nn.Sequential(*_conv_bn_relu(3, 16), *[_Block(16) for _ in range(6)],
                             torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(),
@@ -185,3 +184,18 @@ def test_budget_checkpoints_the_residual_stream(frac):
     rep, _ = _train_steps(m, frac)
     assert rep["peak"] <= frac * rep["peak_without_recompute"]
     assert any(r.startswith("convolution") for r in rep["recomputed"])
+
+
+def test_batchnorm_rewrite_skips_low_precision_and_says_why():
+    """A bf16 model's BatchNorms keep their outputs (the rewrite is fp32/fp64 only); the
+    report names each one and the reason. (Also: the bf16 training BatchNorm compiles,
+    its statistics' dtype differing between ATen's meta and CPU kernels.)"""
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(*_conv_bn_relu(3, 8), *_conv_bn_relu(8, 8), torch.nn.Flatten(),
+                            torch.nn.Linear(8 * 64, 2)).train().bfloat16()
+    cm = torch.compile(m, backend=make_training_backend(memory_budget=0.95), dynamic=False)
+    cm(torch.randn(4, 3, 8, 8, dtype=torch.bfloat16)).float().sum().backward()
+    rep = last_partition_report()
+    assert not rep["batch_norm_outputs_recomputable"]
+    assert len(rep["batch_norm_outputs_kept"]) == 2
+    assert all("fp32/fp64 only" in why for why in rep["batch_norm_outputs_kept"].values())

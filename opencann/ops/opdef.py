@@ -95,6 +95,10 @@ def _nbytes(d: TensorDesc) -> int:
     return _numel(d) * d.dtype.itemsize
 
 
+# Stand-in description of an output a multi-output op does not produce (a gradient op's
+# ``output_mask`` False): never planned; the kernel returns None there.
+SKIPPED_OUTPUT = TensorDesc((0,), DataType.FLOAT)
+
 _REGISTRY: Dict[str, OpDef] = {}
 # device name -> op name -> bind-time kernel factory ``f(node, in_descs, consts) -> callable``.
 # Consulted by the runtime before the generic (CPU) kernels, for nodes placed on that device.
@@ -201,6 +205,6 @@ def infer(node: Node) -> List[TensorDesc]:
         raise ValueError(f"shape inference failed for {node.name} ({node.op}) at "
                          f"{node.where()}: {e}") from None
     outs = out if isinstance(out, (tuple, list)) else [out]
-    return [TensorDesc((0,), DataType.FLOAT) if t is None  # a skipped output (output_mask)
+    return [SKIPPED_OUTPUT if t is None
             else TensorDesc(tuple(int(s) for s in t.shape), DataType.from_torch(t.dtype))
             for t in outs]

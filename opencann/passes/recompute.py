@@ -31,15 +31,17 @@ the runtime holds its arguments until it returns).
 """
 from __future__ import annotations
 
+import itertools
 import math
 import operator
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 import torch.fx as fx
 
 from ..ir import DataType, Node, TensorDesc, Value
+from ..log import logger
 from ..ops import OpKind, lookup_aten
 from .recompute_bn import (TRAINING_BATCH_NORMS, drop_running_stats_from_backward,
                            forward_uses_native_outputs, rewrite_batch_norm_outputs)
@@ -333,11 +335,13 @@ def partition(joint_module: fx.GraphModule, joint_inputs: Any = None, *, num_fwd
     fw, bw, saved = _cut(joint, [], aggressive=False)
     cut = planned_peak(fw, bw, num_fwd_outputs)
     target = _resolve_budget(memory_budget, base["peak"])
-    steps, bn_rewritten, chosen = 0, [], cut
+    steps, bn_rewritten, bn_kept, chosen = 0, [], {}, cut
     if target is not None and cut["peak"] > target:
         # Under a budget only: BatchNorm outputs become recomputable (an addcmul and
         # its ReLU/Add per layer in the backward: about 5% of a ResNet-50 step here)
-        bn_rewritten = rewrite_batch_norm_outputs(gm)
+        bn_rewritten, bn_kept = rewrite_batch_norm_outputs(gm)
+        for bn, why in bn_kept.items():
+            logger.info("BatchNorm output recompute not applied at %s: %s", bn, why)
         if bn_rewritten:
             _prepare(joint)
             fw, bw, saved = _cut(joint, [], aggressive=False)
@@ -359,6 +363,7 @@ def partition(joint_module: fx.GraphModule, joint_inputs: Any = None, *, num_fwd
         "saved_bytes_without_recompute": base["saved_bytes"],
         "saved_bytes": chosen["saved_bytes"], "budget_search_steps": steps,
         "batch_norm_outputs_recomputable": bn_rewritten,
+        "batch_norm_outputs_kept": bn_kept,
     }
     PARTITION_REPORTS.append(rep)
     return fw, bw
@@ -433,16 +438,26 @@ K_NON_CHEAP = (2, 3, 4, 6, 8, 12, 16)
 PREFIXES = (0.3, 0.5, 0.7, 0.85)
 
 
-def _plan(joint: _Joint, region: Sequence[fx.Node], seg_bytes: int, bounds: set):
-    """One Chen plan: checkpoints in ``region`` (force-saved), the rest of the region
-    recomputable, the forward after it under the always-on policy. Returns (recompute
-    FLOPs, peak, fw, bw, saved, peak dict)."""
-    keep = checkpoints(region, seg_bytes, bounds)
+class _Plan(NamedTuple):
+    flops: int          # recompute FLOPs
+    peak: int           # planned peak, bytes
+    fw: fx.GraphModule
+    bw: fx.GraphModule
+    saved: List[fx.Node]
+    detail: Dict[str, int]
+    k: int              # segments per forward
+    bounds: set         # segment boundary kind
+
+
+def _plan(joint: _Joint, region: Sequence[fx.Node], k: int, total: int, bounds: set) -> _Plan:
+    """One Chen plan: checkpoints in ``region`` every total/k bytes (force-saved), the
+    rest of the region recomputable, the forward after it under the always-on policy."""
+    keep = checkpoints(region, max(total // k, 1), bounds)
     ks = set(keep)
     fw, bw, saved = _cut(joint, [n for n in region if n not in ks], aggressive=True,
                          must_save=keep)
     peak = planned_peak(fw, bw, joint.num_fwd_outputs)
-    return _recompute_summary(fw, bw)[1], peak["peak"], fw, bw, saved, peak
+    return _Plan(_recompute_summary(fw, bw)[1], peak["peak"], fw, bw, saved, peak, k, bounds)
 
 
 def _fit_budget(joint: _Joint, target: int, current):
@@ -458,17 +473,15 @@ def _fit_budget(joint: _Joint, target: int, current):
     Returns (fw, bw, saved, peak dict, plans tried); raises MemoryBudgetError with the
     smallest peak found."""
     cands = _budget_candidates(joint)
-    sizes = [_nbytes(n.meta.get("val")) for n in cands]
-    total = sum(sizes)
+    cum = list(itertools.accumulate(_nbytes(n.meta.get("val")) for n in cands))
+    total = cum[-1] if cum else 0
     bound_sets = [(_articulations(joint), K_ARTICULATION),
                   ({n for n in cands if not is_cheap(n)}, K_NON_CHEAP)]
-    tried, fits = [current[3]["peak"]], []
-    for bounds, grid in bound_sets:
-        for k in grid if bounds else ():
-            plan = _plan(joint, cands, max(total // k, 1), bounds)
-            tried.append(plan[1])
-            if plan[1] <= target:
-                fits.append(plan + (k, bounds))
+    tried = [current[3]["peak"]]
+    plans = [_plan(joint, cands, k, total, bounds)
+             for bounds, grid in bound_sets if bounds for k in grid]
+    tried += [p.peak for p in plans]
+    fits = sorted((p for p in plans if p.peak <= target), key=lambda p: (p.flops, p.peak))
     if not fits:
         best = min(tried)
         raise MemoryBudgetError(
@@ -476,17 +489,15 @@ def _fit_budget(joint: _Joint, target: int, current):
             f"planned peak reachable by recomputation is {best} B ({best / 2**20:.2f} MiB) "
             "(random ops and the graph's own inputs are never recomputed). Fix: raise "
             f"memory_budget to at least {best} bytes, or reduce the batch size")
-    fits.sort(key=lambda t: (t[0], t[1]))
-    cum = [sum(sizes[:i + 1]) for i in range(len(sizes))]
-    for _, _, _, _, _, _, k, bounds in fits[:2]:
+    for p in fits[:2]:
         for frac in PREFIXES:
             upto = next(i for i, c in enumerate(cum) if c >= frac * total) + 1
-            plan = _plan(joint, cands[:upto], max(total // k, 1), bounds)
-            tried.append(plan[1])
-            if plan[1] <= target:
-                fits.append(plan + (k, bounds))
-    flops, _, fw, bw, saved, peak, _, _ = min(fits, key=lambda t: (t[0], t[1]))
-    return fw, bw, saved, peak, len(tried) - 1
+            narrowed = _plan(joint, cands[:upto], p.k, total, p.bounds)
+            tried.append(narrowed.peak)
+            if narrowed.peak <= target:
+                fits.append(narrowed)
+    best = min(fits, key=lambda p: (p.flops, p.peak))
+    return best.fw, best.bw, best.saved, best.detail, len(tried) - 1
 
 
 def make_partition_fn(memory_budget: Any = None):

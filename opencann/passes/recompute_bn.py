@@ -24,7 +24,7 @@ recomputes. The two agree to float rounding (bitwise on ResNet-50 on this machin
 from __future__ import annotations
 
 import operator
-from typing import List
+from typing import Dict, List, Tuple
 
 import torch
 import torch.fx as fx
@@ -52,13 +52,13 @@ def _call(g: fx.Graph, target, args, val):
     return n
 
 
-def rewrite_batch_norm_outputs(gm: fx.GraphModule) -> List[str]:
+def rewrite_batch_norm_outputs(gm: fx.GraphModule) -> Tuple[List[str], Dict[str, str]]:
     """Rewire the users of each training BatchNorm's output to ``addcmul(shift, x,
-    scale)`` built from the op's saved mean/rstd (see the module docstring). Skipped
-    (left as is) when the op is not in training mode, its input is not fp32/fp64 of
-    rank >= 2 matching the statistics' dtype, or its output is unused. Returns the names
-    of the rewritten BatchNorm nodes. The graph is recompiled when anything changed."""
-    done = []
+    scale)`` built from the op's saved mean/rstd (see the module docstring). Returns
+    (names of the rewritten BatchNorm nodes, {name: why it was left as is} for the
+    others: unused output or statistics, an input that is not fp32/fp64 of rank >= 2
+    matching the statistics' dtype). The graph is recompiled when anything changed."""
+    done, kept = [], {}
     g = gm.graph
     pos = {n: i for i, n in enumerate(g.nodes)}
     for bn in list(g.nodes):
@@ -67,10 +67,16 @@ def rewrite_batch_norm_outputs(gm: fx.GraphModule) -> List[str]:
         x, w, b = bn.args[0], bn.args[1], bn.args[2]
         out, mean, rstd = (_getitem(bn, i) for i in range(3))
         if out is None or not out.users or mean is None or rstd is None:
+            kept[bn.name] = "its output or statistics are unused"
             continue
         xv, mv = x.meta.get("val"), mean.meta.get("val")
-        if (not isinstance(xv, torch.Tensor) or xv.dim() < 2 or xv.dtype != mv.dtype
-                or xv.dtype not in (torch.float32, torch.float64)):
+        if not isinstance(xv, torch.Tensor) or xv.dim() < 2:
+            kept[bn.name] = "its input is not a tensor of rank >= 2"
+            continue
+        if xv.dtype != mv.dtype or xv.dtype not in (torch.float32, torch.float64):
+            kept[bn.name] = (f"input {xv.dtype} with {mv.dtype} statistics: the rewrite is "
+                             "for fp32/fp64 only (in low precision the affine form would round "
+                             "differently from the op's own output)")
             continue
         shape = [xv.shape[1]] + [1] * (xv.dim() - 2)
         with g.inserting_before(max(out, mean, rstd, key=pos.__getitem__).next):
@@ -89,7 +95,7 @@ def rewrite_batch_norm_outputs(gm: fx.GraphModule) -> List[str]:
     if done:
         g.lint()
         gm.recompile()
-    return done
+    return done, kept
 
 
 def forward_uses_native_outputs(fw: fx.GraphModule) -> int:

@@ -24,6 +24,17 @@ from ..ops.fused import KERNEL_FACTORIES, OUT_CAPABLE
 from ..ops.opdef import DEVICE_KERNEL_FACTORIES
 
 
+def _traced_strides(v: Value) -> Optional[tuple]:
+    """The strides ATen gave ``v`` when the graph was traced (``node.meta["strides"]``),
+    canonicalized; None when unrecorded or not dense (then ``v`` is laid out
+    contiguously)."""
+    strides = v.producer.meta.get("strides") if v.producer is not None else None
+    st = strides[v.producer.outputs.index(v)] if strides else None
+    if st is None or not _dense(v.desc.shape, st):
+        return None
+    return _canonical(v.desc.shape, st)
+
+
 def _canonical(shape, strides) -> tuple:
     """``strides`` with each size-1 dim's stride set to what a contiguous layout of the
     following dims gives. Size-1 strides address nothing, but ATen's input/output
@@ -71,11 +82,8 @@ class Executor:
         b = self.plan.buffers[r]
         d = v.desc
         t = self.arena[b.offset:b.offset + d.nbytes].view(d.dtype.torch)
-        strides = v.producer.meta.get("strides") if v.producer is not None else None
-        st = strides[v.producer.outputs.index(v)] if strides else None
-        if st is not None and _dense(d.shape, st):
-            return t.as_strided(d.shape, _canonical(d.shape, st))
-        return t.view(d.shape)
+        st = _traced_strides(v)
+        return t.view(d.shape) if st is None else t.as_strided(d.shape, st)
 
     def _build(self, profile: bool) -> Callable:
         g = self.graph
@@ -186,13 +194,10 @@ class Executor:
 
     @staticmethod
     def _fresh_args(v) -> tuple:
-        """(shape, strides, dtype) for a fresh output tensor of ``v``: the FX strides
-        when the frontend recorded them, else contiguous."""
+        """(shape, strides, dtype) for a fresh output tensor of ``v``: the traced strides
+        when the frontend recorded dense ones, else contiguous."""
         d = v.desc
-        strides = v.producer.meta.get("strides") if v.producer is not None else None
-        st = strides[v.producer.outputs.index(v)] if strides else None
-        if st is None or not _dense(d.shape, st):
-            st = torch.empty(d.shape, device="meta").stride()
+        st = _traced_strides(v) or torch.empty(d.shape, device="meta").stride()
         return tuple(d.shape), tuple(st), d.dtype.torch
 
     def _emit_result(self, lines, node, lhs, outs, bufnames, call) -> None:

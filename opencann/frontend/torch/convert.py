@@ -18,6 +18,7 @@ import torch.fx as fx
 
 from ...ir import DataType, Graph, TensorDesc, TensorRef, Value
 from ...ops import infer, lookup_aten
+from ...ops.opdef import SKIPPED_OUTPUT
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
 
@@ -65,9 +66,10 @@ def _flat_vals(val: Any) -> Tuple[List[Any], bool]:
 
 # Outputs where ATen's meta kernel and its CPU kernel disagree, so FX's values are taken
 # as they are: inference BatchNorm's saved statistics are empty on CPU ([C] on meta);
-# for bf16/fp16 inputs, LayerNorm's and GroupNorm's mean/rstd dtypes differ between
-# the meta kernel, the CPU kernel and the .out overload's own check.
-META_DIVERGES = {"BatchNorm": {1, 2}, "LayerNorm": {1, 2}, "GroupNorm": {1, 2}}
+# for bf16/fp16 inputs, the normalisations' statistics dtypes differ between the meta
+# kernel, the CPU kernel and the .out overload's own check.
+META_DIVERGES = {"BatchNorm": {1, 2}, "LayerNorm": {1, 2}, "GroupNorm": {1, 2},
+                 "BNTrainingUpdate": {1, 2, 3, 4}, "BNTrainingUpdateNoStats": {1, 2}}
 LOW_PRECISION = (DataType.BF16, DataType.FLOAT16)
 
 
@@ -113,7 +115,7 @@ def convert_node(graph: Graph, node: fx.Node, env: Dict[fx.Node, Any]) -> None:
     # a multi-output op may skip outputs (a gradient op's output_mask): an empty
     # stand-in value, never planned, that the kernel returns as None
     none_outputs = [k for k, v in enumerate(vals) if v is None] if is_seq else []
-    descs = [TensorDesc((0,), DataType.FLOAT) if k in none_outputs
+    descs = [SKIPPED_OUTPUT if k in none_outputs
              else _desc(v, f"{node.name} at {src}") for k, v in enumerate(vals)]
     ir = graph.create_node(opdef.name if opdef else "HostFallback", inputs, attrs, descs,
                            name=node.name, source=src, scope=scope)
