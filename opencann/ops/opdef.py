@@ -159,12 +159,18 @@ def is_random_call(target: Any, args: Dict[str, Any], flagged: bool = False) -> 
     """True when calling ``target`` (an ATen overload or None) with ``args`` (schema
     argument name -> value; tensors may be any stand-in) draws from torch's RNG:
     ``flagged`` (an OpDef's ``random``) or the overload is `seeded`, unless a literal
-    argument of `_RANDOMNESS_OFF` turns the draw off."""
+    argument of `_RANDOMNESS_OFF` (given, or omitted and defaulted) turns the draw off."""
     od = _BY_ATEN.get(target) if target is not None else None
     if not (flagged or (od is not None and od.random) or seeded(target)):
         return False
+    schema = {a.name: a for a in target._schema.arguments} if seeded(target) else {}
     for name, off in _RANDOMNESS_OFF:
-        val = args.get(name, None)
+        if name in args:
+            val = args[name]
+        elif name in schema and schema[name].has_default_value():
+            val = schema[name].default_value   # an omitted argument takes its default
+        else:
+            continue
         if val is off if isinstance(off, bool) else (
                 isinstance(val, (int, float)) and not isinstance(val, bool) and val == off):
             return False
