@@ -15,7 +15,7 @@ import torch.utils._pytree as pytree
 from .frontend.torch import capture, from_exported_program
 from .ir import Graph, MemoryPlan
 from .log import logger
-from .ops import Cost, get_op
+from .ops import Cost, get_op, is_random
 from .passes import PassContext, default_pipeline, plan_memory
 from .report import CompileReport, PassRecord
 from .runtime import Executor
@@ -117,10 +117,11 @@ def compile_graph(graph: Graph, device: str = "cpu", options: Optional[Dict[str,
                                     time.perf_counter() - t0, len(plan.inplace),
                                     note=plan.strategy))
     report.memory = plan.summary()
-    randoms = sorted({n.op for n in graph.nodes if get_op(n.op).random})
+    randoms = sorted({str(n.meta["aten"]) if n.op == "HostFallback" else n.op
+                      for n in graph.nodes if is_random(n)})
     if randoms:
-        report.notes.append(f"random ops kept as is ({', '.join(randoms)}: the model is in "
-                            "training mode); they are never folded, merged or recomputed")
+        report.notes.append(f"random ops drawn anew on every call ({', '.join(randoms)}); they "
+                            "are never folded, merged or recomputed")
     report.op_counts_after = graph.op_counts()
     report.cost_after = graph_cost(graph)
     logger.info("%s", report.summary())

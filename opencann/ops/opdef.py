@@ -51,6 +51,8 @@ class OpDef:
     ``aten``: the ATen overload it implements (None for opencann's own fused ops).
     ``flops_per_elem``: elementwise/reduction work per output (or input) element.
     ``inplace_ok``: the output may share the buffer of input 0 (same size and dtype).
+    ``random``: the op draws from torch's RNG (set at `register` from the ATen overload's
+    ``nondeterministic_seeded`` tag); see `is_random` for the per-node fact.
     ``kernels``: device name -> callable taking the ATen-style args.
     ``out_kernel``: the ``.out`` overload, when one exists, for arena binding.
     """
@@ -134,10 +136,54 @@ def register(opdef: OpDef) -> OpDef:
             raise ValueError(f"{opdef.aten} is already implemented by {_BY_ATEN[opdef.aten].name}")
         _BY_ATEN[opdef.aten] = opdef
         opdef.kernels.setdefault("cpu", opdef.aten)
+        opdef.random = opdef.random or seeded(opdef.aten)
         if opdef.out_kernel is None and opdef.kind != OpKind.VIEW:
             opdef.out_kernel, opdef.out_names = _find_out_overload(opdef.aten)
     _REGISTRY[opdef.name] = opdef
     return opdef
+
+
+def seeded(target: Any) -> bool:
+    """True for an ATen overload tagged ``nondeterministic_seeded`` (it draws from torch's
+    RNG: rand*, randn*, randint*, randperm, bernoulli, normal, multinomial, dropout...)."""
+    return isinstance(target, torch._ops.OpOverload) and \
+        torch.Tag.nondeterministic_seeded in target.tags
+
+
+# Literal arguments that switch a seeded op's randomness off: SDPA / fused attention
+# with ``dropout_p=0``, ``native_dropout(train=False)``, ``rrelu_with_noise(training=False)``.
+_RANDOMNESS_OFF = (("dropout_p", 0.0), ("train", False), ("training", False))
+
+
+def is_random_call(target: Any, args: Dict[str, Any], flagged: bool = False) -> bool:
+    """True when calling ``target`` (an ATen overload or None) with ``args`` (schema
+    argument name -> value; tensors may be any stand-in) draws from torch's RNG:
+    ``flagged`` (an OpDef's ``random``) or the overload is `seeded`, unless a literal
+    argument of `_RANDOMNESS_OFF` (given, or omitted and defaulted) turns the draw off."""
+    od = _BY_ATEN.get(target) if target is not None else None
+    if not (flagged or (od is not None and od.random) or seeded(target)):
+        return False
+    schema = {a.name: a for a in target._schema.arguments} if seeded(target) else {}
+    for name, off in _RANDOMNESS_OFF:
+        if name in args:
+            val = args[name]
+        elif name in schema and schema[name].has_default_value():
+            val = schema[name].default_value   # an omitted argument takes its default
+        else:
+            continue
+        if val is off if isinstance(off, bool) else (
+                isinstance(val, (int, float)) and not isinstance(val, bool) and val == off):
+            return False
+    return True
+
+
+def is_random(node: Node) -> bool:
+    """The per-node fact "random": the IR ``node`` draws from torch's RNG on every run
+    (its OpDef's ``random`` flag, or for a HostFallback / aten-backed node its overload's
+    ``nondeterministic_seeded`` tag). Random nodes are never constant-folded, merged,
+    duplicated or recomputed; their results differ per call and advance the RNG."""
+    op = get_op(node.op)
+    return is_random_call(op.aten or node.meta.get("aten"), node.attrs, op.random)
 
 
 def get_op(name: str) -> OpDef:

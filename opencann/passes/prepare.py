@@ -7,7 +7,7 @@ from typing import Any, Dict, Tuple
 import torch
 
 from ..ir import Graph, TensorListRef, TensorRef
-from ..ops import OpKind, call_args, get_op
+from ..ops import OpKind, call_args, get_op, is_random
 from .base import Pass, PassContext
 
 FOLD_LIMIT_BYTES = 64 << 20  # don't materialise folded constants larger than this
@@ -15,7 +15,9 @@ FOLD_LIMIT_BYTES = 64 << 20  # don't materialise folded constants larger than th
 
 class ConstantFolding(Pass):
     """Evaluate nodes whose inputs are all constants (weight permutes, masks built from
-    arange/full...) once at compile time; outputs become graph constants."""
+    arange/full...) once at compile time; outputs become graph constants. Random nodes
+    (`is_random`: rand, randn(4, 6) with no inputs at all...) are never folded: they
+    draw anew on every call."""
 
     name, stage = "constant_folding", "prepare"
 
@@ -23,7 +25,7 @@ class ConstantFolding(Pass):
         n = 0
         for node in list(graph.nodes):
             op = get_op(node.op)
-            if op.random or op.kind == OpKind.FUSED:
+            if op.kind == OpKind.FUSED or is_random(node):
                 continue
             if not all(v.is_const for v in node.inputs):
                 continue
@@ -45,8 +47,10 @@ class ConstantFolding(Pass):
 
 
 class DeadCodeElimination(Pass):
-    """Remove nodes none of whose outputs are used (random ops included: their
-    results are unobservable)."""
+    """Remove nodes none of whose outputs are used. Unused random ops are removed too:
+    their values are unobservable. The compiled model then advances torch's RNG by
+    fewer draws than eager would; its random stream is its own (reproducible under
+    ``torch.manual_seed``), not eager's bit for bit."""
 
     name, stage = "dce", "prepare"
 
@@ -75,7 +79,7 @@ def _key(node) -> Tuple:
 
 class CommonSubexpressionElimination(Pass):
     """Replace a node by an earlier identical one (same op, inputs, attributes).
-    Random ops are never merged."""
+    Random nodes (`is_random`) are never merged: each draws its own values."""
 
     name, stage = "cse", "prepare"
 
@@ -83,7 +87,7 @@ class CommonSubexpressionElimination(Pass):
         seen: Dict[Tuple, Any] = {}
         n = 0
         for node in list(graph.nodes):
-            if get_op(node.op).random:
+            if is_random(node):
                 continue
             k = _key(node)
             prev = seen.get(k)

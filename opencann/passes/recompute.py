@@ -42,7 +42,7 @@ import torch.fx as fx
 
 from ..ir import DataType, Node, TensorDesc, Value
 from ..log import logger
-from ..ops import OpKind, lookup_aten
+from ..ops import OpKind, is_random_call, lookup_aten
 from .recompute_bn import (TRAINING_BATCH_NORMS, drop_running_stats_from_backward,
                            forward_uses_native_outputs, rewrite_batch_norm_outputs)
 
@@ -71,12 +71,15 @@ def _target(node: fx.Node):
 
 
 def is_random(node: fx.Node) -> bool:
-    """True for random / RNG-seeded ops (dropout, rand*): never recomputed."""
+    """True for an FX node that draws from torch's RNG (dropout, rand*, bernoulli...;
+    the rule of `opencann.ops.is_random_call`): never recomputed."""
     t = _target(node)
     if not isinstance(t, torch._ops.OpOverload):
         return False
-    od = lookup_aten(t)
-    return bool((od is not None and od.random) or torch.Tag.nondeterministic_seeded in t.tags)
+    schema = t._schema.arguments
+    args = {a.name: v for a, v in zip(schema, node.args)}
+    args.update(node.kwargs)
+    return is_random_call(t, args)
 
 
 def is_cheap(node: fx.Node) -> bool:

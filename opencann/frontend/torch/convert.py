@@ -172,13 +172,31 @@ def _resolve_const(ep: torch.export.ExportedProgram, name: str) -> torch.Tensor:
     return ep.constants[name]
 
 
+def _custom_object_error(node: fx.Node, spec) -> str:
+    """The message for an object (not tensor) input lifted by torch.export: an explicit
+    ``torch.Generator`` (``generator=``), or a TorchScript custom class."""
+    users = [u for u in node.users if u.op == "call_function"]
+    where = ", ".join(f"{u.target} at {source_of(u)[0] or '?'}" for u in users[:3])
+    cls = getattr(spec.arg, "class_fqn", "?")
+    if cls.endswith("Generator"):
+        return (f"the model draws from its own torch.Generator (generator= in {where}); "
+                "torch.export captures a copy of it, so the compiled model could not follow "
+                "your generator's seed. Fix: draw from torch's global RNG (drop generator=, "
+                "seed with torch.manual_seed), or use torch.compile(model, backend='opencann'), "
+                "which runs those draws eagerly")
+    return (f"the model uses a {cls} object ({where}); opencann compiles graphs of tensors "
+            "only. Fix: keep the object out of forward, or use torch.compile(model, "
+            "backend='opencann'), which runs such parts eagerly")
+
+
 def from_exported_program(ep: torch.export.ExportedProgram, name: str = "model",
                           check: bool = True) -> Graph:
     """Convert a (decomposed) ExportedProgram into an IR Graph.
 
     Parameters, buffers and lifted constants become graph constants; user inputs become
     graph inputs in flattened order. Raises ConversionError for mutated buffers
-    (training-mode BatchNorm statistics) and unsupported targets."""
+    (training-mode BatchNorm statistics), object inputs (an explicit ``generator=``)
+    and unsupported targets."""
     from torch.export.graph_signature import InputKind, OutputKind
 
     graph = Graph(name)
@@ -204,6 +222,8 @@ def from_exported_program(ep: torch.export.ExportedProgram, name: str = "model",
     for node in ep.graph.nodes:
         if node.op == "placeholder":
             spec = specs.get(node.name)
+            if spec is not None and spec.kind == InputKind.CUSTOM_OBJ:
+                raise ConversionError(_custom_object_error(node, spec))
             if spec is not None and spec.kind != InputKind.USER_INPUT:
                 t = _resolve_const(ep, spec.target)
                 env[node] = graph.add_const(t, name=spec.target)
