@@ -3,9 +3,21 @@
 We keep ``aten.scaled_dot_product_attention`` undecomposed so that the fusion stage
 can map it to FlashAttention (the core-ATen decomposition would spell it out as
 bmm/softmax/where). Source: PyTorch "torch.export" and "Core ATen IR" documentation.
+
+torch.export is not thread-safe: it pushes process-wide tracing state (proxy mode slot,
+the FX patcher) and, in non-strict mode, replaces ``builtins.max``, ``builtins.min`` and
+``math.pow`` for the duration of the trace (``torch._export.non_strict_utils.
+_override_builtin_ops``). Two overlapping exports fail with torch-internal assertions
+and can leave those builtins replaced for good (each restores what it found, the
+other's replacement). `capture` therefore runs one export at a time (`_EXPORT_LOCK`)
+and restores the three builtins should they differ afterwards.
 """
 from __future__ import annotations
 
+import builtins
+import contextlib
+import math
+import threading
 import time
 import warnings
 from typing import Any, Dict, Tuple
@@ -15,6 +27,9 @@ import torch
 from ...ir.types import DataType
 
 KEEP = (torch.ops.aten.scaled_dot_product_attention.default,)
+
+_EXPORT_LOCK = threading.Lock()
+_PATCHED_BY_EXPORT = ((builtins, "max"), (builtins, "min"), (math, "pow"))
 
 
 class CaptureError(RuntimeError):
@@ -43,6 +58,24 @@ def capture(model: torch.nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any
     for i, a in enumerate(torch.utils._pytree.tree_leaves((args, kwargs or {}))):
         if isinstance(a, torch.Tensor):
             DataType.from_torch(a.dtype)  # clear error for unsupported dtypes
+    with _serialized_export():
+        return _capture(model, args, kwargs)
+
+
+@contextlib.contextmanager
+def _serialized_export():
+    """Hold `_EXPORT_LOCK`; on exit put back any of `_PATCHED_BY_EXPORT` that changed."""
+    with _EXPORT_LOCK:
+        saved = [(mod, name, getattr(mod, name)) for mod, name in _PATCHED_BY_EXPORT]
+        try:
+            yield
+        finally:
+            for mod, name, fn in saved:
+                if getattr(mod, name) is not fn:
+                    setattr(mod, name, fn)
+
+
+def _capture(model, args, kwargs):
     t0 = time.perf_counter()
     try:
         with torch.no_grad(), warnings.catch_warnings():
