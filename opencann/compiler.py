@@ -6,6 +6,7 @@ schedule, bound kernels and the compile report.
 """
 from __future__ import annotations
 
+import threading
 import time
 from typing import Any, Dict, Optional, Sequence, Tuple
 
@@ -18,11 +19,14 @@ from .log import logger
 from .ops import Cost, get_op, is_random
 from .passes import PassContext, default_pipeline, plan_memory
 from .report import CompileReport, PassRecord
-from .runtime import Executor
+from .runtime import DEFAULT_CONCURRENT_CALLS, Executor, ExecutorPool
 
 SUPPORTED_DEVICES = ("cpu", "vnpu")
 KNOWN_OPTIONS = {"disable", "enable", "verify", "alignment", "inplace", "copy_out",
-                 "precision_mode", "keep_fp32", "host_fallback"}
+                 "precision_mode", "keep_fp32", "host_fallback", "concurrent_calls"}
+# opencann.compile runs one at a time: torch.export is not thread-safe (concurrent exports
+# corrupt its mode stack and leave builtins patched), and compiling is CPU-bound anyway
+_COMPILE_LOCK = threading.RLock()
 
 
 def graph_cost(graph: Graph) -> Dict[str, int]:
@@ -73,6 +77,10 @@ def _check_options(options: Optional[Dict[str, Any]]) -> Dict[str, Any]:
             except KeyError as e:
                 raise ValueError(f"option 'keep_fp32': {e.args[0]}; it takes opencann op names "
                                  "such as 'SoftmaxV2' or 'LayerNorm'") from None
+    c = options.get("concurrent_calls")
+    if c is not None and (isinstance(c, bool) or not isinstance(c, int) or c < 1):
+        raise ValueError(f"option 'concurrent_calls' takes a positive int (the most calls "
+                         f"run at once, each with its own arena; e.g. 4), got {c!r}")
     a = options.get("alignment")
     if a is not None and (isinstance(a, bool) or not isinstance(a, int) or a <= 0 or a & (a - 1)):
         raise ValueError(f"option 'alignment' takes a power of two in bytes (e.g. 64), got {a!r}")
@@ -137,13 +145,18 @@ class CompiledModel:
     at compile time (it is baked into the graph), an input not on the cpu, and a
     parameter or buffer modified in place since compiling (weights are frozen).
     Non-contiguous inputs are made contiguous; constant outputs are fresh per call.
-    Attributes: ``graph``, ``plan`` (MemoryPlan), ``report`` (CompileReport).
+    It may be called from several threads at once: each call borrows an executor (its
+    own arena) from a pool of at most ``concurrent_calls`` (compile option, default
+    `DEFAULT_CONCURRENT_CALLS`); further calls wait for one to be free.
+    Attributes: ``graph``, ``plan`` (MemoryPlan), ``report`` (CompileReport),
+    ``executor`` (the first executor), ``pool`` (ExecutorPool).
     """
 
     def __init__(self, graph: Graph, plan: MemoryPlan, report: CompileReport,
                  in_spec=None, out_spec=None, input_positions: Optional[Sequence[int]] = None,
                  example_flat: Optional[Sequence[Any]] = None,
-                 frozen: Optional[Sequence[Tuple[str, torch.Tensor]]] = None):
+                 frozen: Optional[Sequence[Tuple[str, torch.Tensor]]] = None,
+                 concurrent_calls: int = DEFAULT_CONCURRENT_CALLS):
         self.graph, self.plan, self.report = graph, plan, report
         self._in_spec, self._out_spec = in_spec, out_spec
         self._positions = list(input_positions) if input_positions is not None else None
@@ -157,6 +170,7 @@ class CompiledModel:
         self._const_outputs = [i for i, v in enumerate(graph.outputs) if id(v) in consts]
         t0 = time.perf_counter()
         self.executor = Executor(graph, plan)
+        self.pool = ExecutorPool(lambda: Executor(graph, plan), concurrent_calls, first=self.executor)
         report.passes.append(PassRecord("bind_kernels", "runtime", len(graph.nodes), len(graph.nodes),
                                         time.perf_counter() - t0, len(self.executor.copy_out_nodes),
                                         note="arena allocated once; kernels pre-bound"))
@@ -207,7 +221,7 @@ class CompiledModel:
     def __call__(self, *args, **kwargs):
         tensors = self._flat_inputs(args, kwargs)
         with torch.no_grad():
-            outs = self.executor.run(tensors)
+            outs = self.pool.run(tensors)
         if self._const_outputs:  # a folded constant is one tensor: give each call its own
             outs = tuple(o.clone() if i in self._const_outputs else o for i, o in enumerate(outs))
         return self._structure(outs)
@@ -224,14 +238,20 @@ class CompiledModel:
     def profile(self, *args, path: Optional[str] = None, **kwargs):
         """Run once recording per-op times; returns Chrome trace events, writes JSON to
         ``path`` if given (open in chrome://tracing or ui.perfetto.dev)."""
-        return self.executor.profile(self._flat_inputs(args, kwargs), path)
+        return self.pool.profile(self._flat_inputs(args, kwargs), path)
 
 
 def compile_module(model: torch.nn.Module, example_inputs, device: str = "cpu",
                    options: Optional[Dict[str, Any]] = None, example_kwargs=None) -> CompiledModel:
     """Capture ``model`` with torch.export on ``example_inputs`` (a tensor or tuple) and
     compile it for ``device``. Raises CaptureError (capture), ValueError (bad options,
-    device or dtype) with what to change."""
+    device or dtype) with what to change. Thread-safe: concurrent calls run one at a
+    time (torch.export is not thread-safe)."""
+    with _COMPILE_LOCK:
+        return _compile_module(model, example_inputs, device, options, example_kwargs)
+
+
+def _compile_module(model, example_inputs, device, options, example_kwargs) -> CompiledModel:
     device = _check_device(device)
     options = _check_options(options)
     if isinstance(example_inputs, list):
@@ -253,7 +273,8 @@ def compile_module(model: torch.nn.Module, example_inputs, device: str = "cpu",
     positions = [i for i, s in enumerate(user) if isinstance(flat[i], torch.Tensor)]
     frozen = list(model.named_parameters()) + list(model.named_buffers())
     return CompiledModel(graph, plan, report, in_spec=in_spec, out_spec=ep.call_spec.out_spec,
-                         input_positions=positions, example_flat=flat, frozen=frozen)
+                         input_positions=positions, example_flat=flat, frozen=frozen,
+                         concurrent_calls=options.get("concurrent_calls", DEFAULT_CONCURRENT_CALLS))
 
 
 def _same_value(a: Any, b: Any) -> bool:

@@ -11,10 +11,13 @@
 
 Source: oneDNN "Primitive Attributes: Post-ops" (oneapi-src.github.io/oneDNN), the same
 kernels PyTorch Inductor uses for CPU freezing (torch/_inductor/fx_passes/mkldnn_fusion.py).
-Kernels are built per input shape by ``make_kernel(node, in_descs, consts)``.
+Kernels are built per input shape by ``make_kernel(node, in_descs, consts)``. A kernel
+keeps no per-call state: one bound kernel serves every executor of its graph, including
+calls running at once on several threads (``opencann.runtime.pool``).
 """
 from __future__ import annotations
 
+import threading
 from typing import Callable, Dict, Sequence
 
 import torch
@@ -103,6 +106,7 @@ def mkl_packed_available() -> bool:
 
 # (m, k, n, dtype) -> "mkl_packed" | "addmm": bind-time choice, measured once per shape
 LINEAR_CHOICES: Dict[tuple, str] = {}
+_LINEAR_CHOICES_LOCK = threading.Lock()  # one measurement per shape, even when binding races
 
 
 def _time_us(fn, reps: int = 5) -> float:
@@ -155,16 +159,21 @@ def _make_linear_kernel(node: Node, in_descs: Sequence[TensorDesc], consts: Sequ
         return r
 
     key = (m, k, n, str(wt.dtype))
-    if key not in LINEAR_CHOICES:
-        g = torch.Generator().manual_seed(0)
-        x = torch.randn(m, k, generator=g)
-        b = consts[0] if consts[0] is not None else torch.zeros(n)
-        out = torch.empty(m, n)
-        t_addmm = _time_us(lambda: run_addmm(b, x, wt, out))
-        t_packed = _time_us(lambda: run_packed(b, x, wt, out))
-        LINEAR_CHOICES[key] = "mkl_packed" if t_packed < 0.97 * t_addmm else "addmm"
-    node.meta["kernel"] = LINEAR_CHOICES[key]
-    return run_packed if LINEAR_CHOICES[key] == "mkl_packed" else run_addmm
+    choice = LINEAR_CHOICES.get(key)
+    if choice is None:
+        with _LINEAR_CHOICES_LOCK:
+            choice = LINEAR_CHOICES.get(key)
+            if choice is None:
+                g = torch.Generator().manual_seed(0)
+                x = torch.randn(m, k, generator=g)
+                b = consts[0] if consts[0] is not None else torch.zeros(n)
+                out = torch.empty(m, n)
+                t_addmm = _time_us(lambda: run_addmm(b, x, wt, out))
+                t_packed = _time_us(lambda: run_packed(b, x, wt, out))
+                choice = "mkl_packed" if t_packed < 0.97 * t_addmm else "addmm"
+                LINEAR_CHOICES[key] = choice
+    node.meta["kernel"] = choice
+    return run_packed if choice == "mkl_packed" else run_addmm
 
 
 # activation -> the library op whose FLOPs per element it costs (so fusing does not

@@ -104,6 +104,7 @@ SKIPPED_OUTPUT = TensorDesc((0,), DataType.FLOAT)
 _REGISTRY: Dict[str, OpDef] = {}
 # device name -> op name -> bind-time kernel factory ``f(node, in_descs, consts) -> callable``.
 # Consulted by the runtime before the generic (CPU) kernels, for nodes placed on that device.
+# The callable must keep no per-call state: it is shared by concurrent calls (threads).
 DEVICE_KERNEL_FACTORIES: Dict[str, Dict[str, Callable]] = {}
 _BY_ATEN: Dict[torch._ops.OpOverload, OpDef] = {}
 

@@ -1,4 +1,6 @@
-"""Runtime: executor over one memory arena, per-op profiling (Chrome trace)."""
+"""Runtime: executor over one memory arena, per-op profiling (Chrome trace), and a
+bounded pool of executors for calls from several threads."""
 from .executor import ExecutionError, Executor
+from .pool import DEFAULT_CONCURRENT_CALLS, ExecutorPool
 
-__all__ = ["ExecutionError", "Executor"]
+__all__ = ["DEFAULT_CONCURRENT_CALLS", "ExecutionError", "Executor", "ExecutorPool"]

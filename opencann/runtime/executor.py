@@ -8,6 +8,11 @@ Ops without one (oneDNN fused convolutions, casts, host fallbacks) return a fres
 that is copied into its buffer ("copy-out"), so the arena stays the only storage of
 intermediates. Per-op times can be recorded as a Chrome trace (Trace Event Format,
 viewable in chrome://tracing or ui.perfetto.dev).
+
+An executor runs one call at a time (its arena is the call's scratch); concurrent calls
+each borrow their own from an `ExecutorPool` (``opencann.runtime.pool``), whose further
+executors are `Executor.clone`s: bound kernels, constants and code are shared (kernels
+keep no per-call state), only the arena and its views are new.
 """
 from __future__ import annotations
 
@@ -74,7 +79,25 @@ class Executor:
         self.copy_out_nodes: List[str] = []
         self._src = ""
         self.trace_events: List[Dict[str, Any]] = []
+        self._bound: List[tuple] = []  # (global name, value) of each arena view in the code
         self._fn = self._build(profile)
+
+    def clone(self) -> "Executor":
+        """Another executor of the same graph and plan with its own arena: kernels,
+        constants and generated code are shared (built once, kernels are stateless per
+        call), the arena views are rebound. Cheap: one allocation and one view per
+        planned buffer."""
+        ex = Executor.__new__(Executor)
+        ex.__dict__.update(self.__dict__)
+        ex.arena = torch.empty_like(self.arena)
+        ex.copy_out_nodes = list(self.copy_out_nodes)
+        ex.trace_events = []
+        glb = dict(self._glb)
+        for name, v in self._bound:
+            glb[name] = ex._view(v)
+        exec(self._code, glb)  # noqa: S102 - our codegen, compiled once in _build
+        ex._glb, ex._fn = glb, glb["_run"]
+        return ex
 
     # -- binding ------------------------------------------------------------------
     def _view(self, v: Value) -> torch.Tensor:
@@ -130,6 +153,7 @@ class Executor:
                         and "inplace_input" not in node.attrs):
                     bn = f"B{o.id}"
                     glb[bn] = self._view(o)
+                    self._bound.append((bn, o))
                     bufnames.append(bn)
                 else:
                     bufnames.append(None)
@@ -189,7 +213,9 @@ class Executor:
             stamps: List[int] = []
             glb["_rec"] = lambda i: stamps.append((i, time.perf_counter_ns()))
             self._stamps = stamps
-        exec(compile(src, f"<opencann:{g.name}>", "exec"), glb)  # noqa: S102 - our codegen
+        self._code = compile(src, f"<opencann:{g.name}>", "exec")
+        exec(self._code, glb)  # noqa: S102 - our codegen
+        self._glb = glb
         return glb["_run"]
 
     @staticmethod
@@ -246,6 +272,7 @@ class Executor:
         prof = Executor.__new__(Executor)
         prof.__dict__.update(self.__dict__)
         prof.copy_out_nodes = []  # rebuilt below; keep this executor's list as it is
+        prof._bound = []
         fn = prof._build(profile=True)
         prof._stamps.clear()
         t0 = time.perf_counter_ns()

@@ -3,9 +3,26 @@
 We keep ``aten.scaled_dot_product_attention`` undecomposed so that the fusion stage
 can map it to FlashAttention (the core-ATen decomposition would spell it out as
 bmm/softmax/where). Source: PyTorch "torch.export" and "Core ATen IR" documentation.
+
+torch.export is not thread-safe: it sets process-wide tracing state (the proxy mode
+slot, the FX patcher, ``torch.fx._symbolic_trace._is_fx_tracing_flag``) and, in
+non-strict mode, replaces ``builtins.max``, ``builtins.min`` and ``math.pow`` for the
+duration of the trace (``torch._export.non_strict_utils._override_builtin_ops``). Two
+overlapping traces (two exports, or an export and a dynamo compile) fail with
+torch-internal assertions and can leave those replaced for good (each restores what it
+found: the other's replacement), after which every torch.compile'd call fails. So
+`capture` runs one export at a time (`_EXPORT_LOCK`), holds dynamo's compile lock
+meanwhile (no torch.compile compiles during it), and puts back any of the four that
+differ afterwards. A torch.compile'd function *called* in another thread during an
+export still sees the FX flag and raises torch's "FX to symbolically trace a
+dynamo-optimized function" error: torch's limit, loud and transient.
 """
 from __future__ import annotations
 
+import builtins
+import contextlib
+import math
+import threading
 import time
 import warnings
 from typing import Any, Dict, Tuple
@@ -15,6 +32,10 @@ import torch
 from ...ir.types import DataType
 
 KEEP = (torch.ops.aten.scaled_dot_product_attention.default,)
+
+_EXPORT_LOCK = threading.Lock()
+_PATCHED_BY_EXPORT = ((builtins, "max"), (builtins, "min"), (math, "pow"),
+                      (torch.fx._symbolic_trace, "_is_fx_tracing_flag"))
 
 
 class CaptureError(RuntimeError):
@@ -43,6 +64,36 @@ def capture(model: torch.nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any
     for i, a in enumerate(torch.utils._pytree.tree_leaves((args, kwargs or {}))):
         if isinstance(a, torch.Tensor):
             DataType.from_torch(a.dtype)  # clear error for unsupported dtypes
+    with _serialized_export():
+        return _capture(model, args, kwargs)
+
+
+@contextlib.contextmanager
+def _serialized_export():
+    """Hold `_EXPORT_LOCK` and dynamo's compile lock; on exit put back any of
+    `_PATCHED_BY_EXPORT` that changed."""
+    with _EXPORT_LOCK, _dynamo_compile_lock():
+        saved = [(mod, name, getattr(mod, name)) for mod, name in _PATCHED_BY_EXPORT]
+        try:
+            yield
+        finally:
+            for mod, name, fn in saved:
+                if getattr(mod, name) is not fn:
+                    setattr(mod, name, fn)
+
+
+def _dynamo_compile_lock():
+    """torch.compile's process-wide compile lock (a reentrant lock), or a no-op context
+    if this torch has none. Taken after `_EXPORT_LOCK`; dynamo's backends never take
+    `_EXPORT_LOCK`, so the order is fixed."""
+    try:
+        from torch._dynamo.convert_frame import compile_lock
+    except (ImportError, AttributeError):
+        return contextlib.nullcontext()
+    return compile_lock
+
+
+def _capture(model, args, kwargs):
     t0 = time.perf_counter()
     try:
         with torch.no_grad(), warnings.catch_warnings():

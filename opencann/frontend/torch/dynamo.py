@@ -21,11 +21,14 @@ COMPILED_GRAPHS: List[Any] = []  # reports of the graphs compiled in this proces
 
 def _compile_fx(gm: torch.fx.GraphModule, example_inputs, options: Optional[Dict[str, Any]] = None):
     from ...compiler import compile_graph
-    from ...runtime import Executor
+    from ...runtime import DEFAULT_CONCURRENT_CALLS, Executor, ExecutorPool
     graph = from_fx_graph(gm, example_inputs, name=f"dynamo_graph_{len(COMPILED_GRAPHS)}")
     graph, plan, report = compile_graph(graph, "cpu", options)
     COMPILED_GRAPHS.append(report)
-    ex: List[Executor] = []  # built on the first real call: compilation runs under fake mode
+    # executors are built on the first real call (compilation runs under fake mode); each
+    # overlapping call (threads) gets its own, up to the `concurrent_calls` option
+    pool = ExecutorPool(lambda: Executor(graph, plan),
+                        (options or {}).get("concurrent_calls", DEFAULT_CONCURRENT_CALLS))
     idx = [i for i, n in enumerate(gm.graph.find_nodes(op="placeholder"))
            if isinstance(n.meta.get("val"), torch.Tensor)]
     lits = graph.meta.get("output_literals", {})
@@ -34,9 +37,7 @@ def _compile_fx(gm: torch.fx.GraphModule, example_inputs, options: Optional[Dict
     def run(*args):
         if len(args) == 1 and isinstance(args[0], list) and len(idx) != 1:
             args = tuple(args[0])
-        if not ex:
-            ex.append(Executor(graph, plan))
-        outs = ex[0].run([args[i] for i in idx])
+        outs = pool.run([args[i] for i in idx])
         it = iter(outs)
         return [lits[i] if i in lits else next(it) for i in range(n_out)]
 

@@ -37,12 +37,19 @@ reductions, FMA); no ``nnan``/``ninf``, because masks rely on ``-inf``.
 
 All inputs are float32 here (the API converts fp16/bf16 at the boundary; numba has no
 bf16); accumulation is float32.
+
+Threads: the kernels keep no state between calls and may run from several threads at
+once under numba's OpenMP or TBB threading layers; under its ``workqueue`` layer (the
+fallback when neither loads), which aborts the process on concurrent parallel launches,
+launches are serialized (`_launch_guard`).
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import math
 import os
+import threading
 
 import numba
 import numpy as np
@@ -442,6 +449,14 @@ def bwd_dq_kernel(q, k, v, do, lse, dd, mask, has_mask, causal, offset, scale,
 
 
 _DUMMY_MASK = np.zeros((1, 1, 1, 1), np.float32)
+_WORKQUEUE_LOCK = threading.Lock()
+
+
+def _launch_guard():
+    """A lock when numba's threading layer is ``workqueue`` (not thread-safe: concurrent
+    launches terminate the process), else a no-op context. Starts the layer if needed."""
+    numba.get_parallel_chunksize()  # launches numba's threads: the layer is known after
+    return _WORKQUEUE_LOCK if numba.threading_layer() == "workqueue" else contextlib.nullcontext()
 
 
 def _args(q, k, mask, causal_off):
@@ -462,14 +477,15 @@ def forward(q, k, v, mask, causal_off, scale, block_q, block_k, out=None):
     if out is None:
         out = np.empty((B, H, Sq, D), np.float32)
     lse = np.empty((B, H, Sq), np.float32)
-    old = numba.get_parallel_chunksize()
-    numba.set_parallel_chunksize(1)  # dynamic schedule: causal tasks have unequal work
-    try:
-        fwd_kernel(q.reshape(-1, D), k.reshape(-1, D), v.reshape(-1, D), mask, has_mask,
-                   causal, off, np.float32(scale), B, H, Hk, Sq, Sk, int(block_q),
-                   int(block_k), out.reshape(-1, D), lse.reshape(-1))
-    finally:
-        numba.set_parallel_chunksize(old)
+    with _launch_guard():
+        old = numba.get_parallel_chunksize()  # thread-local in numba
+        numba.set_parallel_chunksize(1)  # dynamic schedule: causal tasks have unequal work
+        try:
+            fwd_kernel(q.reshape(-1, D), k.reshape(-1, D), v.reshape(-1, D), mask, has_mask,
+                       causal, off, np.float32(scale), B, H, Hk, Sq, Sk, int(block_q),
+                       int(block_k), out.reshape(-1, D), lse.reshape(-1))
+        finally:
+            numba.set_parallel_chunksize(old)
     return out, lse
 
 
@@ -484,11 +500,12 @@ def backward(q, k, v, out, lse, do, mask, causal_off, scale, block_q, block_k):
     flat = [x.reshape(-1, D) for x in (q, k, v, do)]
     common = (lse.reshape(-1), dd, mask, has_mask, causal, off, np.float32(scale),
               B, H, Hk, Sq, Sk, int(block_q), int(block_k))
-    old = numba.get_parallel_chunksize()
-    numba.set_parallel_chunksize(1)
-    try:
-        bwd_dkdv_kernel(*flat, *common, dk.reshape(-1, D), dv.reshape(-1, D))
-        bwd_dq_kernel(*flat, *common, dq.reshape(-1, D))
-    finally:
-        numba.set_parallel_chunksize(old)
+    with _launch_guard():
+        old = numba.get_parallel_chunksize()
+        numba.set_parallel_chunksize(1)
+        try:
+            bwd_dkdv_kernel(*flat, *common, dk.reshape(-1, D), dv.reshape(-1, D))
+            bwd_dq_kernel(*flat, *common, dq.reshape(-1, D))
+        finally:
+            numba.set_parallel_chunksize(old)
     return dq, dk, dv
