@@ -126,14 +126,15 @@ def _forward_impl(q, k, v, mask, off, scale, bq, bk, backend, out=None):
 
 
 def _ref(q, k, v, mask, off, scale):
-    """Reference with a precomputed additive mask and causal offset."""
+    """Reference with a precomputed additive mask and causal offset (the offset of
+    ``causal_offset``: 0 for top-left, S_k - S_q for bottom-right). The causal mask
+    overwrites hidden scores (a NaN key a query does not see stays out of its row),
+    as in torch's CPU SDPA; an additive -inf would keep the NaN."""
     Sq, Sk = q.shape[2], k.shape[2]
-    if off is not None:
-        i = torch.arange(Sq, device=q.device)[:, None]
-        j = torch.arange(Sk, device=q.device)[None, :]
-        hide = torch.zeros(Sq, Sk, dtype=torch.float64, device=q.device).masked_fill(j > i + off, float("-inf"))
-        mask = hide if mask is None else mask.double() + hide
-    return attention_reference(q, k, v, attn_mask=mask, causal=False, scale=scale)
+    causal = False if off is None else ("top_left" if off == 0 else "bottom_right")
+    if off is not None and causal_offset(causal, Sq, Sk) != off:
+        raise ValueError(f"causal offset {off} is neither top-left (0) nor bottom-right ({Sk - Sq})")
+    return attention_reference(q, k, v, attn_mask=mask, causal=causal, scale=scale)
 
 
 class _FlashAttention(torch.autograd.Function):
