@@ -22,9 +22,12 @@ it, else to scipy's OpenBLAS ``sgemm`` (both have the Fortran BLAS ABI);
 ``OPENCANN_FA_BLAS=openblas`` forces the latter. Binding by symbol name keeps the
 compiled kernels cacheable.
 
-The forward works in base 2: the ``Q K^T`` GEMM is scaled by ``scale * log2(e)`` (and a
-float mask by ``log2(e)``), so the softmax needs ``2^x`` only - no multiply per element -
-and ``lse = ln2 * (m + log2 l)``. ``2^x`` is ``2^round(x)`` built in the exponent bits
+The forward works in base 2: the ``Q K^T`` GEMM is scaled by ``scale * log2(e)``, so the
+softmax needs ``2^x`` only - no multiply per element - and ``lse = ln2 * (m + log2 l)``.
+With a float mask the scores stay in natural units (``mask * log2(e)`` overflows for
+``finfo(float32).min``) and ``log2(e)`` multiplies ``score - max`` in the exponential.
+NaN/Inf follow torch's CPU SDPA: a NaN or +inf score makes its row NaN (the row max
+drops NaN, the sum keeps it; +inf - +inf is NaN); a row that sees no key is 0. ``2^x`` is ``2^round(x)`` built in the exponent bits
 times a degree-6 polynomial for ``2^r``, |r| <= 1/2 (Cephes ``exp2f`` coefficients,
 relative error < 2e-7), in one branch-free loop that also writes P and sums the row;
 LLVM vectorizes it (8 floats per AVX2 register: ~0.25 ns per element on one core here,
