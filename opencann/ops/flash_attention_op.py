@@ -6,7 +6,10 @@ q (B, H, S_q, D), k and v (B, H_kv, S_k, D) in BNSD order, optionally a mask
 broadcastable to (B, H, S_q, S_k) (bool, True = keep, or float, added to the scores);
 attrs ``query``/``key``/``value``/``attn_mask`` (TensorRefs; ``attn_mask`` absent when
 there is none), ``causal`` (False/True = top-left, like SDPA's ``is_causal``),
-``scale`` (None = D ** -0.5). Output: (B, H, S_q, D) in q's dtype.
+``scale`` (None = D ** -0.5), ``masked_rows`` ("zero": a row that sees no key gives 0,
+as torch's SDPA; "nan": it gives NaN, as ``softmax`` of an all ``-inf`` row in the
+spelled-out form). Output: (B, H, S_q, D) in q's dtype. NaN/Inf: see
+``flash_attention``.
 
 The kernel is ``flash_attention_forward`` (FlashAttention-2, Dao 2023,
 arXiv:2307.08691); its tiles are planned once at bind time from this CPU's L2
@@ -64,6 +67,7 @@ def make_flash_attention_kernel(node: Node, in_descs: Sequence[TensorDesc], cons
     causal = bool(node.attrs.get("causal", False))
     scale = node.attrs.get("scale")
     has_mask = "attn_mask" in node.attrs
+    nan_rows = node.attrs.get("masked_rows", "zero") == "nan"
     out_dtype = q.dtype.torch
     shape = tuple(int(s) for s in q.shape)
     # the output layout the replaced node had in eager (SDPA may return BSND memory seen
@@ -73,8 +77,10 @@ def make_flash_attention_kernel(node: Node, in_descs: Sequence[TensorDesc], cons
         strides = None
 
     def run(q, k, v, mask=None):
-        o, _ = flash_attention_forward(q, k, v, attn_mask=mask if has_mask else None,
-                                       causal=causal, scale=scale)
+        o, lse = flash_attention_forward(q, k, v, attn_mask=mask if has_mask else None,
+                                         causal=causal, scale=scale)
+        if nan_rows:  # rows that saw no key (lse -inf): NaN, as eager's softmax
+            o.masked_fill_((lse == float("-inf")).unsqueeze(-1), float("nan"))
         if strides is not None:
             return torch.empty_strided(shape, strides, dtype=out_dtype, device=o.device).copy_(o)
         return o if o.dtype == out_dtype else o.to(out_dtype)

@@ -9,7 +9,10 @@
 Off by default (``default_enabled = False``): on CPU, torch's own SDPA kernel is about
 as fast today; enable with ``options={"enable": ["fuse_flash_attention"]}``.
 Numerics: fp32 accumulation with a different summation order than eager; within
-1e-5 relative (max|a-b|/max|ref|) in fp32.
+1e-5 relative (max|a-b|/max|ref|) in fp32. NaN/Inf follow eager: a NaN or +inf score
+(NaN in q/k, NaN or +inf in the mask) makes its row NaN; a row that sees no key gives
+0 for SDPA (as torch's SDPA) but NaN for the spelled-out softmax (as ``torch.softmax``
+of an all ``-inf`` row): the node's ``masked_rows`` attribute ("zero" or "nan").
 Every SDPA node that is not rewritten is reported with its reason.
 """
 from __future__ import annotations
@@ -91,10 +94,11 @@ def _check(q: Value, k: Value, v: Value, mask: Optional[Value], dropout_p: float
     return _tile_check(device, D, Sq, Sk)
 
 
-def _make(graph: Graph, q, k, v, mask, causal, scale, out_desc, at: Node, name: str) -> Node:
+def _make(graph: Graph, q, k, v, mask, causal, scale, out_desc, at: Node, name: str,
+          masked_rows: str = "zero") -> Node:
     ins = [q, k, v]
     attrs = {"query": TensorRef(0), "key": TensorRef(1), "value": TensorRef(2),
-             "causal": bool(causal), "scale": scale}
+             "causal": bool(causal), "scale": scale, "masked_rows": masked_rows}
     if mask is not None:
         ins.append(mask)
         attrs["attn_mask"] = TensorRef(3)
@@ -296,13 +300,16 @@ class FuseFlashAttention(Pass):
             return 0
         q, k, v, mask, scale, chain, last = m
         why = _check(q, k, v, mask, 0.0, False, ctx.device)
+        if why is None and mask is not None and mask.desc.dtype.torch == torch.bool:
+            why = ("a bool tensor added to the scores adds 0/1 (type promotion), not a keep "
+                   "mask; FlashAttention would read it as True = keep")
         if why:
             ctx.skipped(_PATTERN, bmm2, why)
             return 0
         # inserted in place of the last node: every operand feeds the chain, so it is
         # already defined there
         fa = _make(graph, q, k, v, mask, False, scale, last.outputs[0].desc, last,
-                   bmm2.name + "_flash")
+                   bmm2.name + "_flash", masked_rows="nan")  # softmax(all -inf) is NaN
         graph.replace_all_uses_with(last.outputs[0], fa.outputs[0])
         _erase_dead(graph, chain)
         ctx.applied("softmax(QKᵀ)V→FlashAttention", [n for n in chain if n.op != "Reshape"])

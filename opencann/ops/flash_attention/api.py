@@ -126,14 +126,15 @@ def _forward_impl(q, k, v, mask, off, scale, bq, bk, backend, out=None):
 
 
 def _ref(q, k, v, mask, off, scale):
-    """Reference with a precomputed additive mask and causal offset."""
+    """Reference with a precomputed additive mask and causal offset (the offset of
+    ``causal_offset``: 0 for top-left, S_k - S_q for bottom-right). The causal mask
+    overwrites hidden scores (a NaN key a query does not see stays out of its row),
+    as in torch's CPU SDPA; an additive -inf would keep the NaN."""
     Sq, Sk = q.shape[2], k.shape[2]
-    if off is not None:
-        i = torch.arange(Sq, device=q.device)[:, None]
-        j = torch.arange(Sk, device=q.device)[None, :]
-        hide = torch.zeros(Sq, Sk, dtype=torch.float64, device=q.device).masked_fill(j > i + off, float("-inf"))
-        mask = hide if mask is None else mask.double() + hide
-    return attention_reference(q, k, v, attn_mask=mask, causal=False, scale=scale)
+    causal = False if off is None else ("top_left" if off == 0 else "bottom_right")
+    if off is not None and causal_offset(causal, Sq, Sk) != off:
+        raise ValueError(f"causal offset {off} is neither top-left (0) nor bottom-right ({Sk - Sq})")
+    return attention_reference(q, k, v, attn_mask=mask, causal=causal, scale=scale)
 
 
 class _FlashAttention(torch.autograd.Function):
@@ -199,7 +200,10 @@ def flash_attention(q, k, v, *, attn_mask=None, causal=False, scale=None, layout
     tiles: None (planner: this CPU's L2 / the GPU's shared memory), a ``TilePlan`` or a
     (block_q, block_k) pair. backend: None (by device), "numba", "triton", "reference".
 
-    Fully masked rows give output 0 and gradient 0 (no NaN).
+    NaN/Inf as torch's CPU SDPA: a row that sees no key (fully masked) gives output 0
+    and gradient 0; a NaN or +inf score (NaN in q or a visible key, NaN or +inf in the
+    mask) gives a NaN row; keys hidden by ``causal`` are out of the row even if NaN;
+    finite masks such as ``finfo(float32).min`` stay finite (no overflow).
     Raises ValueError for a bad layout, wrong rank, dtype or device mismatch, head-dim
     mismatch, query heads not a multiple of kv heads, a mask that does not broadcast,
     or an unknown causal/backend value.
@@ -218,7 +222,7 @@ def flash_attention_forward(q, k, v, *, attn_mask=None, causal=False, scale=None
     """Forward only, no autograd, BNSD: returns ``(out, lse)``.
 
     q (B, H, S_q, D), k/v (B, H_kv, S_k, D); out (B, H, S_q, D) float32 and lse
-    (B, H, S_q) float32 (natural log; -inf for fully masked rows). ``out``, if given,
+    (B, H, S_q) float32 (natural log; -inf for fully masked rows, NaN for NaN rows). ``out``, if given,
     is a float32 C-contiguous CPU tensor written in place (numba backend). Meant for
     graph kernels. Same arguments and errors as ``flash_attention``.
     """

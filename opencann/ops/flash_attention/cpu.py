@@ -22,9 +22,12 @@ it, else to scipy's OpenBLAS ``sgemm`` (both have the Fortran BLAS ABI);
 ``OPENCANN_FA_BLAS=openblas`` forces the latter. Binding by symbol name keeps the
 compiled kernels cacheable.
 
-The forward works in base 2: the ``Q K^T`` GEMM is scaled by ``scale * log2(e)`` (and a
-float mask by ``log2(e)``), so the softmax needs ``2^x`` only - no multiply per element -
-and ``lse = ln2 * (m + log2 l)``. ``2^x`` is ``2^round(x)`` built in the exponent bits
+The forward works in base 2: the ``Q K^T`` GEMM is scaled by ``scale * log2(e)``, so the
+softmax needs ``2^x`` only - no multiply per element - and ``lse = ln2 * (m + log2 l)``.
+With a float mask the scores stay in natural units (``mask * log2(e)`` overflows for
+``finfo(float32).min``) and ``log2(e)`` multiplies ``score - max`` in the exponential.
+NaN/Inf follow torch's CPU SDPA: a NaN or +inf score makes its row NaN (the row max
+drops NaN, the sum keeps it; +inf - +inf is NaN); a row that sees no key is 0. ``2^x`` is ``2^round(x)`` built in the exponent bits
 times a degree-6 polynomial for ``2^r``, |r| <= 1/2 (Cephes ``exp2f`` coefficients,
 relative error < 2e-7), in one branch-free loop that also writes P and sums the row;
 LLVM vectorizes it (8 floats per AVX2 register: ~0.25 ns per element on one core here,
@@ -181,16 +184,20 @@ def _i2f(typingctx, x):
 
 
 @njit(fastmath=_FM, cache=True, inline="always")
-def _exp2_sub(x, n, sub):
-    """In place ``x[j] = 2^(x[j] - sub)`` for j < n; returns the sum. One branch-free
-    loop: ``t = k + r`` with k = floor(t + 1/2), ``2^r`` by a degree-6 polynomial on
-    |r| <= 1/2 (Cephes exp2f coefficients, relative error < 2e-7), ``2^k`` built in the
-    exponent bits. t is clamped to [-127, 64]: results below ~2^-126.5 (and ``2^-inf``)
-    are 0, and an argument above 64 gives 2^64 (finite, so a caller that subtracted a
-    stale maximum sees it in the sum)."""
+def _exp2_sub(x, n, sub, unit):
+    """In place ``x[j] = 2^((x[j] - sub) * unit)`` for j < n; returns the sum. ``unit``
+    is 1 for scores in base-2 units (folded away when passed as a constant) or log2(e)
+    for natural units (masked scores: the mask is added unscaled, so a finite mask such
+    as ``finfo(float32).min`` never overflows). One branch-free loop: ``t = k + r`` with
+    k = floor(t + 1/2), ``2^r`` by a degree-6 polynomial on |r| <= 1/2 (Cephes exp2f
+    coefficients, relative error < 2e-7), ``2^k`` built in the exponent bits. t is
+    clamped to [-127, 64]: results below ~2^-126.5 (and ``2^-inf``) are 0, and an
+    argument above 64 gives 2^64 (finite, so a caller that subtracted a stale maximum
+    sees it in the sum). NaN stays NaN (numba's ``max``/``min`` keep a NaN first
+    argument), and ``inf - inf`` is NaN, as in eager's softmax."""
     s = np.float32(0.0)
     for j in range(n):
-        t = min(max(x[j] - sub, np.float32(-127.0)), np.float32(64.0))
+        t = min(max((x[j] - sub) * unit, np.float32(-127.0)), np.float32(64.0))
         kf = np.floor(t + np.float32(0.5))
         r = t - kf
         p = np.float32(1.0) + r * (np.float32(6.931472028550421e-01) + r * (
@@ -251,18 +258,28 @@ def _row_max(x, n, mx):
     return max(max(a0, b0), mx)
 
 
+@njit(fastmath=_FM, cache=True, inline="always")
+def _any_nan(x, n):
+    """True when one of x[:n] is NaN."""
+    for j in range(n):
+        if x[j] != x[j]:
+            return True
+    return False
+
+
 @njit(cache=True, inline="always")
-def _mask_tile(s, nr, nc, b, h, q0, k0, mask, has_mask, causal, offset, mscale):
-    """Add ``mscale`` times the float mask and set causally hidden scores
+def _mask_tile(s, nr, nc, b, h, q0, k0, mask, has_mask, causal, offset):
+    """Add the float mask (natural units) and set causally hidden scores
     (key > query + offset) to -inf on an (nr, nc) score tile stored row-major with
-    stride nc. (The forward works in base 2: mscale = log2(e); the backward: 1.)"""
+    stride nc. The causal -inf overwrites the score, so a NaN key a query does not
+    see stays out of its row (as in torch's CPU SDPA)."""
     ninf = np.float32(-np.inf)
     for i in range(nr):
         base = i * nc
         if has_mask:
             mrow = mask[b, h, q0 + i]
             for j in range(nc):
-                s[base + j] += mrow[k0 + j] * mscale
+                s[base + j] += mrow[k0 + j]
         if causal:
             first_hidden = q0 + i + offset + 1 - k0
             for j in range(max(first_hidden, 0), nc):
@@ -278,7 +295,11 @@ def fwd_kernel(q, k, v, mask, has_mask, causal, offset, scale, B, H, Hk, Sq, Sk,
     nqb = (Sq + br - 1) // br
     nkb_all = (Sk + bc - 1) // bc
     group = H // Hk
-    qk_alpha = np.float32(np.float64(scale) * _LOG2E)  # scores in base-2 units
+    # scores in base-2 units (no per-element multiply in the exponential), except with a
+    # float mask: mask * log2(e) overflows for |mask| > FLT_MAX / log2(e) (transformers'
+    # finfo.min masks), so masked scores stay in natural units, scaled inside _exp2_sub
+    qk_alpha = np.float32(np.float64(scale) * (1.0 if has_mask else _LOG2E))
+    unit = _LOG2E if has_mask else 1.0  # base-2 units per score unit
     for t in prange(B * H * nqb):
         bh = t // nqb
         qb = t - bh * nqb
@@ -302,46 +323,69 @@ def fwd_kernel(q, k, v, mask, has_mask, causal, offset, scale, B, H, Hk, Sq, Sk,
             _mm(q[qrow:qrow + nr], False, k[kvrow + k0:kvrow + k0 + nc], True, sbuf,
                 nr, nc, D, qk_alpha, 0.0)
             if has_mask or (causal and k0 + nc - 1 > q0 + offset):
-                _mask_tile(sbuf, nr, nc, b, h, q0, k0, mask, has_mask, causal, offset,
-                           np.float32(_LOG2E))
+                _mask_tile(sbuf, nr, nc, b, h, q0, k0, mask, has_mask, causal, offset)
             for i in range(nr):
                 row = sbuf[i * nc:(i + 1) * nc]
                 mi = m[i]
+                if mi != mi:  # a NaN reached this row (l and O are NaN): nothing to add
+                    for j in range(nc):
+                        row[j] = 0.0
+                    continue
                 if mi != -np.inf:
                     # Lazy rescaling: P = 2^(S - m_old) without a max pass while no score
                     # exceeds m_old + 20 (every P <= row sum <= 2^20, no overflow; P may
                     # exceed 1, the final 1/l normalises). Else recompute this row's
                     # scores (a 1-row GEMM) and take the exact path below.
-                    rs = _exp2_sub(row, nc, mi)
-                    if rs <= _LAZY_SUM_MAX:
+                    if has_mask:
+                        rs = _exp2_sub(row, nc, mi, np.float32(_LOG2E))
+                    else:
+                        rs = _exp2_sub(row, nc, mi, np.float32(1.0))
+                    if rs <= _LAZY_SUM_MAX:  # False for NaN: the exact path propagates it
                         l[i] += rs
                         continue
                     _mm(q[qrow + i:qrow + i + 1], False, k[kvrow + k0:kvrow + k0 + nc], True,
                         row, 1, nc, D, qk_alpha, 0.0)
                     if has_mask or causal:
                         _mask_tile(row, 1, nc, b, h, q0 + i, k0, mask, has_mask, causal,
-                                   offset, np.float32(_LOG2E))
-                mx = _row_max(row, nc, mi)
-                if mx == -np.inf:  # row sees nothing yet: P = 0
-                    for j in range(nc):
-                        row[j] = 0.0
-                    continue
-                rs = _exp2_sub(row, nc, mx)
+                                   offset)
+                mx = _row_max(row, nc, mi)  # drops NaN; the sum below keeps it
+                if mx == -np.inf:
+                    if not _any_nan(row, nc):  # row sees nothing yet: P = 0
+                        for j in range(nc):
+                            row[j] = 0.0
+                        continue
+                    mx = np.float32(np.nan)  # only NaN scores: the row is NaN
+                if has_mask:
+                    rs = _exp2_sub(row, nc, mx, np.float32(_LOG2E))
+                else:
+                    rs = _exp2_sub(row, nc, mx, np.float32(1.0))
                 # max moved (else the lazy path had taken it): rescale l and O; on the
-                # first tile mi = -inf and alpha = 0
-                alpha = np.float32(math.exp((np.float64(mi) - np.float64(mx)) * _LN2))
+                # first tile mi = -inf and alpha = 0. A NaN (a NaN score, or +inf - +inf)
+                # makes l NaN and so the row's output NaN, as eager's softmax.
+                alpha = np.float32(math.exp((np.float64(mi) - np.float64(mx)) * unit * _LN2))
+                if rs != rs:
+                    l[i] = np.float32(np.nan)
+                    m[i] = np.float32(np.nan)
+                    for d in range(D):
+                        acc[i, d] = np.nan
+                    continue
                 l[i] = l[i] * alpha + rs
                 m[i] = mx
                 for d in range(D):
                     acc[i, d] *= alpha
             _mm(sbuf, False, v[kvrow + k0:kvrow + k0 + nc], False, acc, nr, D, nc, 1.0, 1.0)
         for i in range(nr):
-            if l[i] > 0:
+            if l[i] != l[i]:  # NaN reached the row's softmax: NaN, as eager
+                for d in range(D):
+                    out[qrow + i, d] = np.nan
+                lse[qrow + i] = np.nan
+            elif l[i] > 0:
                 inv = np.float32(1.0) / l[i]
                 for d in range(D):
                     out[qrow + i, d] = acc[i, d] * inv
-                lse[qrow + i] = np.float32((np.float64(m[i]) + math.log2(np.float64(l[i]))) * _LN2)
-            else:  # fully masked row: defined as output 0, lse -inf
+                lse[qrow + i] = np.float32((np.float64(m[i]) * unit + math.log2(np.float64(l[i])))
+                                           * _LN2)
+            else:  # fully masked row: output 0, lse -inf (as torch's CPU SDPA)
                 for d in range(D):
                     out[qrow + i, d] = 0.0
                 lse[qrow + i] = -np.inf
@@ -354,8 +398,7 @@ def _probs_and_ds(q, k, v, do, lse, dd, mask, has_mask, causal, offset, scale, b
     into dsbuf for one (nr, nc) tile. Rows with lse = -inf (fully masked) get P = 0."""
     _mm(q[qrow:qrow + nr], False, k[kvrow + k0:kvrow + k0 + nc], True, pbuf, nr, nc, D, scale, 0.0)
     if has_mask or (causal and k0 + nc - 1 > q0 + offset):
-        _mask_tile(pbuf, nr, nc, b, h, q0, k0, mask, has_mask, causal, offset,
-                   np.float32(1.0))
+        _mask_tile(pbuf, nr, nc, b, h, q0, k0, mask, has_mask, causal, offset)
     for i in range(nr):
         row = pbuf[i * nc:(i + 1) * nc]
         li = lse[qrow + i]

@@ -16,8 +16,10 @@ Conventions (BNSD: batch, heads, sequence, head dim):
 * ``attn_mask`` bool: ``True`` = keep (as in torch SDPA); float: added to the scaled
   scores (``-inf`` removes a key). It must broadcast to ``(B, H, S_q, S_k)``.
 * A row that sees no key at all ("fully masked") has output 0, log-sum-exp
-  ``-inf`` and contributes gradient 0 - never NaN. (torch's math SDPA returns NaN
-  there; we define it instead.)
+  ``-inf`` and contributes gradient 0, as torch's SDPA (>= 2.5, every CPU backend).
+* NaN/Inf: a NaN or ``+inf`` score (NaN in q or a visible key, NaN or ``+inf`` in the
+  mask) makes its row NaN, as softmax does; the causal mask overwrites the scores it
+  hides (a NaN key a query does not see stays out of its row), as torch's CPU SDPA.
 
 The reference is plain matmul + softmax in float64, used by the tests as the truth.
 """

@@ -9,7 +9,9 @@ Algorithm: Dao 2023, arXiv:2307.08691 (Algorithms 1 and 2). Forward: one program
 log-sum-exp. Backward: ``D = rowsum(dO * O)`` in torch, then one program per (key
 block, batch*kv-head) for dK/dV (looping over the group's query heads, no atomics)
 and one per (query block, batch*head) for dQ. Semantics (causal offset, additive mask
-broadcast by stride 0, fully masked rows -> 0) follow ``reference.py``. The head dim
+broadcast by stride 0, fully masked rows -> 0, NaN and +inf scores -> NaN rows) follow
+``reference.py``. The mask is added in natural units (``tl.exp``), so finite masks
+such as ``finfo(float32).min`` do not overflow. The head dim
 is padded to a power of two inside the kernel (masked loads); sequence tails are
 masked. Accumulation is float32; P is cast to the value dtype before ``P @ V`` as in
 the FlashAttention-2 reference kernels.
@@ -68,9 +70,11 @@ def _fwd(Q, K, V, M, O, L, scale, Sq, Sk, H, group, off, D,
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
-    has = l_i > 0
-    out = tl.where(has[:, None], acc / tl.where(has, l_i, 1.0)[:, None], 0.0)
-    lse = tl.where(has, m_i + tl.log(tl.where(has, l_i, 1.0)), float("-inf"))
+    # l = 0: the row saw no key (output 0, lse -inf, as torch's CPU SDPA); a NaN score
+    # or +inf - +inf made l NaN, and NaN / NaN keeps the row NaN, as eager's softmax
+    empty = l_i == 0
+    out = tl.where(empty[:, None], 0.0, acc / tl.where(empty, 1.0, l_i)[:, None])
+    lse = tl.where(empty, float("-inf"), m_i + tl.log(tl.where(empty, 1.0, l_i)))
     tl.store(O + bh * Sq * D + rows[:, None] * D + dims[None, :], out,
              mask=rmask[:, None] & dmask[None, :])
     tl.store(L + bh * Sq + rows, lse, mask=rmask)
