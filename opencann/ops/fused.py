@@ -187,11 +187,12 @@ def _conv_act_cost(node: Node) -> Cost:
     return Cost(c.flops + _act_flops(node), c.bytes)
 
 
-register(OpDef("ConvBiasAct", OpKind.FUSED, cost_fn=_conv_act_cost,
+register(OpDef("ConvBiasAct", OpKind.FUSED, aliases=((),), cost_fn=_conv_act_cost,
                doc="Conv2D(+folded BN)+activation in one oneDNN primitive"))
-register(OpDef("ConvAddAct", OpKind.FUSED, cost_fn=_conv_act_cost,
+register(OpDef("ConvAddAct", OpKind.FUSED, aliases=((),),  # in place: the node's inplace_input
+               cost_fn=_conv_act_cost,
                doc="Conv2D+Add(+ReLU) through oneDNN's sum post-op, in place into the addend"))
-register(OpDef("LinearAct", OpKind.FUSED, cost_fn=_linear_cost,
+register(OpDef("LinearAct", OpKind.FUSED, aliases=((),), cost_fn=_linear_cost,
                doc="addmm + activation on a packed weight"))
 
 # fused ops whose kernels accept ``out=`` (the planned arena buffer), by predicate
