@@ -35,7 +35,7 @@ def _compile_fx(gm: torch.fx.GraphModule, example_inputs, options: Optional[Dict
         if len(args) == 1 and isinstance(args[0], list) and len(idx) != 1:
             args = tuple(args[0])
         if not ex:
-            ex.append(Executor(graph, plan))
+            ex.append(Executor(graph, plan, check_aliasing=(options or {}).get("check_aliasing")))
         outs = ex[0].run([args[i] for i in idx])
         it = iter(outs)
         return [lits[i] if i in lits else next(it) for i in range(n_out)]
