@@ -320,3 +320,17 @@ def test_check_aliasing_passes_on_declared_aliasing():
 def test_check_aliasing_option_is_validated():
     with pytest.raises(ValueError, match="check_aliasing"):
         opencann.compile(Fn(lambda m, x: x + 1), (torch.randn(2),), options={"check_aliasing": 1})
+
+
+@pytest.mark.parametrize("fused", ["conv", "conv_relu", "conv_add", "linear"])
+def test_fused_outputs_keep_eager_strides(fused):
+    """A fused node stands for the node whose output it replaces: it keeps that node's
+    traced strides (a channels-last conv output stays channels-last, as in eager)."""
+    x = torch.randn(2, 4, 8, 8, generator=G).contiguous(memory_format=torch.channels_last)
+    f = {"conv": lambda m, x: m.a(x),
+         "conv_relu": lambda m, x: torch.relu(m.a(x)),
+         "conv_add": lambda m, x: m.a(x) + m.b(x),
+         "linear": lambda m, x: torch.relu(m.fc(x))}[fused]
+    torch.manual_seed(0)
+    m = Fn(f, a=_conv(4, 4, 1), b=_conv(4, 4, 2), fc=nn.Linear(8, 3))
+    check_like_eager(m, x, tol=1e-4, nan=False)

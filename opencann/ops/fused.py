@@ -68,32 +68,18 @@ def _make_conv_kernel(node: Node, in_descs: Sequence[TensorDesc], consts: Sequen
                          None, unary, [], "")
         else:
             f = torch.ops.mkldnn._convolution_pointwise.binary
-            nchw = _needs_nchw(node)
 
             def run(x, w, *rest):  # (x, w[, bias], other)
                 b, other = (rest[0], rest[1]) if len(rest) == 2 else (None, rest[0])
-                y = f(x, other, w if wp is None else wp, b, pad, stride, dil, groups, "add",
-                      None, unary, [], "")
-                return y.contiguous() if nchw else y
+                return f(x, other, w if wp is None else wp, b, pad, stride, dil, groups, "add",
+                         None, unary, [], "")
         return run
 
-    if _needs_nchw(node):
-        def run(x, w, b=None):  # oneDNN returns channels-last; a view downstream needs NCHW
-            return conv(x, w if wp is None else wp, b, pad, stride, dil, groups, act, [],
-                        algorithm).contiguous()
-        return run
-
+    # oneDNN returns channels-last; where a view reads the result or the caller gets it,
+    # the executor brings it back to the traced (eager) strides
     def run(x, w, b=None):
         return conv(x, w if wp is None else wp, b, pad, stride, dil, groups, act, [], algorithm)
     return run
-
-
-def _needs_nchw(node: Node) -> bool:
-    """True when the conv's output must be contiguous NCHW, as eager's is: a view op
-    reads it (views assume the traced strides) or nothing in the graph does (a graph
-    output, which the caller may view)."""
-    users = node.outputs[0].users
-    return not users or any(get_op(u.op).kind == OpKind.VIEW for u in users)
 
 
 def mkl_packed_available() -> bool:

@@ -113,8 +113,17 @@ def _make_conv(graph: Graph, conv: Node, act: str, before: Node, name: str) -> N
     if b is not None:
         ins.append(b)
         attrs["bias"] = TensorRef(2)
-    return graph.create_node("ConvBiasAct", ins, attrs, [before.outputs[0].desc], name=name,
-                             source=conv.source, scope=conv.scope, before=before)
+    fused = graph.create_node("ConvBiasAct", ins, attrs, [before.outputs[0].desc], name=name,
+                              source=conv.source, scope=conv.scope, before=before)
+    return _stands_for(fused, before)
+
+
+def _stands_for(fused: Node, replaced: Node) -> Node:
+    """``fused`` replaces ``replaced``'s output: it keeps that output's traced strides
+    (``meta["strides"]``), which views after it and the caller (eager's strides) rely on."""
+    if replaced.meta.get("strides"):
+        fused.meta["strides"] = replaced.meta["strides"][:1]
+    return fused
 
 
 class CpuFusion(Pass):
@@ -219,6 +228,7 @@ class FuseConvAddAct(CpuFusion):
             fused = graph.create_node("ConvAddAct", ins, attrs, [last.outputs[0].desc],
                                       name=conv.name + "_add" + ("_relu" if relu else ""),
                                       source=conv.source, scope=conv.scope, before=last)
+            _stands_for(fused, last)
             graph.replace_all_uses_with(last.outputs[0], fused.outputs[0])
             for nd in ([relu] if relu else []) + [add, conv]:
                 graph.erase_node(nd)
@@ -262,6 +272,7 @@ class FuseLinearAct(CpuFusion):
                                       {"self": TensorRef(0), "mat1": TensorRef(1), "mat2": TensorRef(2), "act": act},
                                       [mm.outputs[0].desc], name=f"{mm.name}_{act}",
                                       source=mm.source, scope=mm.scope, before=mm)
+            _stands_for(fused, mm)
             graph.replace_all_uses_with(mm.outputs[0], fused.outputs[0])
             graph.erase_node(mm)
             if u is None:

@@ -236,7 +236,8 @@ class Executor:
             for k, o in enumerate(node.outputs):
                 # a kernel's own allocation, in the layout it chose: give it the traced
                 # strides where a view reads it or the caller gets it
-                if (bufnames[k] is not None or aliased[k] or o.id not in layout_bound
+                if (bufnames[k] is not None or o.id not in layout_bound
+                        or (aliased[k] and "inplace_input" not in node.attrs)
                         or k in node.meta.get("none_outputs", ())):
                     continue
                 st = self._layout_of(o)
@@ -269,9 +270,13 @@ class Executor:
     def _layout_sensitive(g: Graph) -> set:
         """Ids of values whose strides must be the traced ones: graph outputs (the caller
         sees eager's strides) and inputs of ops whose output may alias them (a view's
-        result, and whether it can be taken at all, depends on its input's strides)."""
+        result, and whether it can be taken at all, depends on its input's strides). A
+        kernel writing in place into an input (ConvAddAct) leaves that input in whatever
+        layout it has; its own output is then conformed where needed."""
         need = {v.id for v in g.outputs}
         for n in g.nodes:
+            if "inplace_input" in n.attrs:  # its output is conformed itself, if need be
+                continue
             for idx in output_aliases(n):
                 need.update(n.inputs[i].id for i in idx)
         return need
