@@ -334,3 +334,35 @@ def test_fused_outputs_keep_eager_strides(fused):
     torch.manual_seed(0)
     m = Fn(f, a=_conv(4, 4, 1), b=_conv(4, 4, 2), fc=nn.Linear(8, 3))
     check_like_eager(m, x, tol=1e-4, nan=False)
+
+
+def _tiny_graph():
+    from opencann.ir import DataType, Graph, TensorDesc, TensorRef
+    g = Graph("t")
+    d = TensorDesc((4,), DataType.FLOAT)
+    x = g.add_input(d, "x")
+    y = g.create_node("Relu", [x], {"self": TensorRef(0)}, [d], name="relu").outputs[0]
+    z = g.create_node("Neg", [y], {"self": TensorRef(0)}, [d], name="neg").outputs[0]
+    return g, x, y, z, TensorRef
+
+
+def test_outputs_merged_with_an_input_or_each_other_are_copied():
+    from opencann.runtime.executor import independent_outputs
+    g, x, y, z, _ = _tiny_graph()
+    g.outputs = [x, y, y, z, z]
+    # eager: output 0 was fresh (say, a clone a pass removed), 1 and 2 distinct tensors,
+    # 3 and 4 one tensor returned twice
+    g.meta["output_storage"] = [frozenset({-1}), frozenset({-2}), frozenset({-3}),
+                                frozenset({z.id}), frozenset({z.id})]
+    assert independent_outputs(g) == [0, 2]
+
+
+def test_planner_refuses_a_declared_write_into_memory_read_later():
+    from opencann.passes import plan_memory
+    g, x, y, z, TensorRef = _tiny_graph()
+    w = g.create_node("Neg", [y, z], {"self": TensorRef(0), "inplace_input": 0}, [y.desc],
+                      name="bad").outputs[0]
+    g.create_node("Add", [w, y], {"self": TensorRef(0), "other": TensorRef(1)}, [y.desc])
+    g.outputs = [g.nodes[-1].outputs[0]]
+    with pytest.raises(ValueError, match="bad .* writes in place into .* still read afterwards"):
+        plan_memory(g)
