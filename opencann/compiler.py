@@ -23,7 +23,8 @@ from .runtime import DEFAULT_CONCURRENT_CALLS, Executor, ExecutorPool
 
 SUPPORTED_DEVICES = ("cpu", "vnpu")
 KNOWN_OPTIONS = {"disable", "enable", "verify", "alignment", "inplace", "copy_out",
-                 "precision_mode", "keep_fp32", "host_fallback", "concurrent_calls"}
+                 "precision_mode", "keep_fp32", "host_fallback", "concurrent_calls",
+                 "check_aliasing"}
 # opencann.compile runs one at a time: torch.export is not thread-safe (concurrent exports
 # corrupt its mode stack and leave builtins patched), and compiling is CPU-bound anyway
 _COMPILE_LOCK = threading.RLock()
@@ -48,7 +49,7 @@ def _fallbacks(graph: Graph) -> Dict[str, Dict[str, Any]]:
     return out
 
 
-_BOOL_OPTIONS = ("verify", "inplace", "copy_out", "host_fallback")
+_BOOL_OPTIONS = ("verify", "inplace", "copy_out", "host_fallback", "check_aliasing")
 _LIST_OPTIONS = ("disable", "enable", "keep_fp32")
 
 
@@ -144,7 +145,10 @@ class CompiledModel:
     another number or nesting of inputs, a non-tensor argument with another value than
     at compile time (it is baked into the graph), an input not on the cpu, and a
     parameter or buffer modified in place since compiling (weights are frozen).
-    Non-contiguous inputs are made contiguous; constant outputs are fresh per call.
+    Non-contiguous inputs are made contiguous. Outputs have eager's strides and share
+    memory only where eager's do (views of an input); constant outputs are fresh per call.
+    ``check_aliasing`` (the compile option; None: the ``OPENCANN_CHECK_ALIASING``
+    environment variable) checks every kernel's output aliasing at run time (debug).
     It may be called from several threads at once: each call borrows an executor (its
     own arena) from a pool of at most ``concurrent_calls`` (compile option, default
     `DEFAULT_CONCURRENT_CALLS`); further calls wait for one to be free.
@@ -156,7 +160,8 @@ class CompiledModel:
                  in_spec=None, out_spec=None, input_positions: Optional[Sequence[int]] = None,
                  example_flat: Optional[Sequence[Any]] = None,
                  frozen: Optional[Sequence[Tuple[str, torch.Tensor]]] = None,
-                 concurrent_calls: int = DEFAULT_CONCURRENT_CALLS):
+                 concurrent_calls: int = DEFAULT_CONCURRENT_CALLS,
+                 check_aliasing: Optional[bool] = None):
         self.graph, self.plan, self.report = graph, plan, report
         self._in_spec, self._out_spec = in_spec, out_spec
         self._positions = list(input_positions) if input_positions is not None else None
@@ -166,11 +171,10 @@ class CompiledModel:
         self._contig = [t.is_contiguous() for t in flat if isinstance(t, torch.Tensor)]
         # weights are frozen into the graph (folded, prepacked): detect in-place changes
         self._frozen = [(n, t, t._version) for n, t in (frozen or [])]
-        consts = {id(c) for c in graph.constants}
-        self._const_outputs = [i for i, v in enumerate(graph.outputs) if id(v) in consts]
         t0 = time.perf_counter()
-        self.executor = Executor(graph, plan)
-        self.pool = ExecutorPool(lambda: Executor(graph, plan), concurrent_calls, first=self.executor)
+        self.executor = Executor(graph, plan, check_aliasing=check_aliasing)
+        self.pool = ExecutorPool(lambda: Executor(graph, plan, check_aliasing=check_aliasing),
+                                 concurrent_calls, first=self.executor)
         report.passes.append(PassRecord("bind_kernels", "runtime", len(graph.nodes), len(graph.nodes),
                                         time.perf_counter() - t0, len(self.executor.copy_out_nodes),
                                         note="arena allocated once; kernels pre-bound"))
@@ -222,8 +226,6 @@ class CompiledModel:
         tensors = self._flat_inputs(args, kwargs)
         with torch.no_grad():
             outs = self.pool.run(tensors)
-        if self._const_outputs:  # a folded constant is one tensor: give each call its own
-            outs = tuple(o.clone() if i in self._const_outputs else o for i, o in enumerate(outs))
         return self._structure(outs)
 
     def _structure(self, outs):
@@ -274,7 +276,8 @@ def _compile_module(model, example_inputs, device, options, example_kwargs) -> C
     frozen = list(model.named_parameters()) + list(model.named_buffers())
     return CompiledModel(graph, plan, report, in_spec=in_spec, out_spec=ep.call_spec.out_spec,
                          input_positions=positions, example_flat=flat, frozen=frozen,
-                         concurrent_calls=options.get("concurrent_calls", DEFAULT_CONCURRENT_CALLS))
+                         concurrent_calls=options.get("concurrent_calls", DEFAULT_CONCURRENT_CALLS),
+                         check_aliasing=options.get("check_aliasing"))
 
 
 def _same_value(a: Any, b: Any) -> bool:

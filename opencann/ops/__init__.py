@@ -1,13 +1,15 @@
 """Operator library: `OpDef` registry, the op table, fused ops and their kernels."""
 from .opdef import (Cost, OpDef, OpKind, all_ops, call_args, get_op, infer, is_random,
-                    is_random_call, lookup_aten, register)
+                    is_random_call, lookup_aten, output_aliases, register)
+from .aliasing import aliases_of, last_reads, storage_roots
 from . import library  # noqa: F401  (registers the table)
 from . import fused  # noqa: F401  (registers opencann's fused ops)
 from . import flash_attention_op  # noqa: F401  (FlashAttention op and its kernel factory)
 from . import vnpu_ops  # noqa: F401  (TransData and the vnpu kernels)
 
-__all__ = ["Cost", "OpDef", "OpKind", "all_ops", "call_args", "get_op", "infer",
-           "is_random", "is_random_call", "lookup_aten", "register"]
+__all__ = ["Cost", "OpDef", "OpKind", "aliases_of", "all_ops", "call_args", "get_op", "infer",
+           "is_random", "is_random_call", "last_reads", "lookup_aten", "output_aliases", "register",
+           "storage_roots"]
 
 # ``opencann.ops.flash_attention(q, k, v, ...)`` is the eager API (the issue's spelling);
 # the subpackage stays importable as ``opencann.ops.flash_attention.<module>``.

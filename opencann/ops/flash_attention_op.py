@@ -87,7 +87,7 @@ def make_flash_attention_kernel(node: Node, in_descs: Sequence[TensorDesc], cons
     return run
 
 
-register(OpDef("FlashAttention", OpKind.ATTENTION, cost_fn=flash_attention_cost,
+register(OpDef("FlashAttention", OpKind.ATTENTION, aliases=((),), cost_fn=flash_attention_cost,
                doc="exact attention softmax(scale·QKᵀ + mask)·V without the S×S matrix "
                    "(FlashAttention-2, numba CPU kernel)"))
 KERNEL_FACTORIES["FlashAttention"] = make_flash_attention_kernel

@@ -83,20 +83,12 @@ def _make_conv_kernel(node: Node, in_descs: Sequence[TensorDesc], consts: Sequen
                 return y if post is None else post(y)
         else:
             f = torch.ops.mkldnn._convolution_pointwise.binary
-            nchw = _needs_nchw(node)
 
             def run(x, w, *rest):  # (x, w[, bias], other)
                 b, other = (rest[0], rest[1]) if len(rest) == 2 else (None, rest[0])
                 y = f(x, other, w if wp is None else wp, b, pad, stride, dil, groups, "add",
                       None, unary, [], "")
-                y = y if post is None else post(y)
-                return y.contiguous() if nchw else y
-        return run
-
-    if _needs_nchw(node):
-        def run(x, w, b=None):  # oneDNN returns channels-last; a view downstream needs NCHW
-            y = conv(x, w if wp is None else wp, b, pad, stride, dil, groups, act, [], algorithm)
-            return (y if post is None else post(y)).contiguous()
+                return y if post is None else post(y)
         return run
 
     if post is not None:
@@ -105,17 +97,11 @@ def _make_conv_kernel(node: Node, in_descs: Sequence[TensorDesc], consts: Sequen
                              algorithm))
         return run
 
+    # oneDNN returns channels-last; where a view reads the result or the caller gets it,
+    # the executor brings it back to the traced (eager) strides
     def run(x, w, b=None):
         return conv(x, w if wp is None else wp, b, pad, stride, dil, groups, act, [], algorithm)
     return run
-
-
-def _needs_nchw(node: Node) -> bool:
-    """True when the conv's output must be contiguous NCHW, as eager's is: a view op
-    reads it (views assume the traced strides) or nothing in the graph does (a graph
-    output, which the caller may view)."""
-    users = node.outputs[0].users
-    return not users or any(get_op(u.op).kind == OpKind.VIEW for u in users)
 
 
 def mkl_packed_available() -> bool:
@@ -215,11 +201,12 @@ def _conv_act_cost(node: Node) -> Cost:
     return Cost(c.flops + _act_flops(node), c.bytes)
 
 
-register(OpDef("ConvBiasAct", OpKind.FUSED, cost_fn=_conv_act_cost,
+register(OpDef("ConvBiasAct", OpKind.FUSED, aliases=((),), cost_fn=_conv_act_cost,
                doc="Conv2D(+folded BN)+activation in one oneDNN primitive"))
-register(OpDef("ConvAddAct", OpKind.FUSED, cost_fn=_conv_act_cost,
+register(OpDef("ConvAddAct", OpKind.FUSED, aliases=((),),  # in place: the node's inplace_input
+               cost_fn=_conv_act_cost,
                doc="Conv2D+Add(+ReLU) through oneDNN's sum post-op, in place into the addend"))
-register(OpDef("LinearAct", OpKind.FUSED, cost_fn=_linear_cost,
+register(OpDef("LinearAct", OpKind.FUSED, aliases=((),), cost_fn=_linear_cost,
                doc="addmm + activation on a packed weight"))
 
 # fused ops whose kernels accept ``out=`` (the planned arena buffer), by predicate

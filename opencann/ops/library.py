@@ -130,6 +130,11 @@ _TABLE = [
 ]
 
 
+# aliasing the ATen schema does not state: ``_unsafe_view(Tensor self, ...) -> Tensor``
+# carries no annotation, but its kernel returns a view of ``self``
+_DECLARED_ALIASES = {"UnsafeReshape": (("self",),)}
+
+
 def _matmul_cost(node: Node) -> Cost:
     """2·M·N·K per (batch) product; addmm adds M·N for the bias."""
     ins = [v.desc for v in node.inputs]
@@ -191,7 +196,8 @@ def _numel_of(shape) -> int:
 
 def _register_all() -> None:
     for name, target, kind, fpe, inplace in _TABLE:
-        register(OpDef(name, kind, aten=target, flops_per_elem=fpe, inplace_ok=inplace))
+        register(OpDef(name, kind, aten=target, flops_per_elem=fpe, inplace_ok=inplace,
+                       aliases=_DECLARED_ALIASES.get(name)))
     register(OpDef("MatMul", OpKind.MATMUL, aten=aten.mm.default, cost_fn=_matmul_cost))
     register(OpDef("BatchMatMul", OpKind.MATMUL, aten=aten.bmm.default, cost_fn=_matmul_cost))
     register(OpDef("MatMulV2", OpKind.MATMUL, aten=aten.addmm.default, cost_fn=_matmul_cost,

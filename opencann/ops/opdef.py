@@ -25,7 +25,7 @@ class OpKind(enum.Enum):
     CONV = "conv"
     NORM = "norm"
     POOL = "pool"
-    VIEW = "view"          # output aliases the input's storage
+    VIEW = "view"          # output aliases the input's storage (see ``OpDef.aliases``)
     DATA = "data"          # copies / gathers / concatenations
     CREATION = "creation"  # tensors made from nothing (arange, full)
     ATTENTION = "attention"
@@ -55,6 +55,13 @@ class OpDef:
     ``nondeterministic_seeded`` tag); see `is_random` for the per-node fact.
     ``kernels``: device name -> callable taking the ATen-style args.
     ``out_kernel``: the ``.out`` overload, when one exists, for arena binding.
+    ``aliases``: per return of the op, the names of the arguments whose storage that
+    return may share (a view, or an input handed back as is); ``()`` for a return that
+    is always fresh memory; the last entry also covers any further outputs (a
+    ``Tensor[]`` return such as split's). Derived from the ATen schema's alias
+    annotations at registration (``view(Tensor(a) self, ...) -> Tensor(a)``) unless
+    declared; ``None`` (an op without an ATen overload that declares nothing) means
+    unknown: every output may alias every tensor input. See `output_aliases`.
     """
 
     name: str
@@ -66,6 +73,7 @@ class OpDef:
     kernels: Dict[str, Callable] = field(default_factory=dict)
     out_kernel: Optional[torch._ops.OpOverload] = None
     out_names: Tuple[str, ...] = ()
+    aliases: Optional[Tuple[Tuple[str, ...], ...]] = None
     cost_fn: Optional[Callable[[Node], Cost]] = None
     doc: str = ""
 
@@ -138,6 +146,8 @@ def register(opdef: OpDef) -> OpDef:
         _BY_ATEN[opdef.aten] = opdef
         opdef.kernels.setdefault("cpu", opdef.aten)
         opdef.random = opdef.random or seeded(opdef.aten)
+        if opdef.aliases is None:
+            opdef.aliases = schema_aliases(opdef.aten)
         if opdef.out_kernel is None and opdef.kind != OpKind.VIEW:
             opdef.out_kernel, opdef.out_names = _find_out_overload(opdef.aten)
     _REGISTRY[opdef.name] = opdef
@@ -195,6 +205,63 @@ def get_op(name: str) -> OpDef:
         import difflib
         close = difflib.get_close_matches(name, list(_REGISTRY), n=3)
         raise KeyError(f"unknown op {name!r}" + (f"; did you mean {close}?" if close else "")) from None
+
+
+def schema_aliases(op: torch._ops.OpOverload) -> Tuple[Tuple[str, ...], ...]:
+    """Per return of ``op``, the arguments its storage may share, from the schema's alias
+    annotations: a return aliases an argument when their alias sets meet
+    (``Tensor(a) self -> Tensor(a)``) or when the argument's storage flows into the
+    wildcard set (``Tensor(a -> *) self -> Tensor[]``: split, unbind). An annotated return
+    whose set names no argument may alias every tensor argument."""
+    args = [a for a in op._schema.arguments if a.alias_info is not None]
+    wild = tuple(a.name for a in args if "*" in a.alias_info.after_set)
+    tensors = tuple(a.name for a in op._schema.arguments
+                    if "Tensor" in str(a.type))
+    out = []
+    for r in op._schema.returns:
+        info = r.alias_info
+        sets = (info.before_set | info.after_set) if info is not None else set()
+        names = tuple(a.name for a in args
+                      if sets & (a.alias_info.before_set | a.alias_info.after_set))
+        if info is not None and sets and not names:
+            names = tensors                 # annotated, but with no argument: unknown
+        elif info is not None:
+            names = tuple(dict.fromkeys(names + wild))
+        out.append(names)
+    return tuple(out)
+
+
+def _ref_indices(val: Any) -> List[int]:
+    if isinstance(val, TensorRef):
+        return [val.index]
+    if isinstance(val, TensorListRef):
+        return list(range(val.start, val.start + val.length))
+    if isinstance(val, (list, tuple)):
+        return [i for v in val for i in _ref_indices(v)]
+    return []
+
+
+def output_aliases(node: Node) -> List[Tuple[int, ...]]:
+    """For each output of ``node``, the indices of the inputs whose storage it may share.
+
+    Sources, first match wins: the node's ``inplace_input`` attribute (a kernel that
+    writes into that input and returns it, e.g. ConvAddAct in place); the OpDef's
+    ``aliases``; for a HostFallback node, the schema of its ``meta["aten"]`` overload.
+    Unknown (no declaration, no schema) means every output may alias every input."""
+    if "inplace_input" in node.attrs:
+        return [(node.attrs["inplace_input"],)] * len(node.outputs)
+    op = get_op(node.op)
+    facts = op.aliases
+    if facts is None and op.aten is None and node.meta.get("aten") is not None:
+        facts = schema_aliases(node.meta["aten"])
+    if facts is None:
+        return [tuple(range(len(node.inputs)))] * len(node.outputs)
+    out = []
+    for k in range(len(node.outputs)):
+        names = facts[min(k, len(facts) - 1)] if facts else ()
+        idx = sorted({i for n in names for i in _ref_indices(node.attrs.get(n))})
+        out.append(tuple(idx))
+    return out
 
 
 def lookup_aten(target) -> Optional[OpDef]:

@@ -61,7 +61,7 @@ def _trans_data_cost(node: Node) -> Cost:
     return Cost(0, int(kc.hbm_bytes))
 
 
-register(OpDef("TransData", OpKind.DATA, cost_fn=_trans_data_cost,
+register(OpDef("TransData", OpKind.DATA, aliases=((),), cost_fn=_trans_data_cost,
                doc="format conversion (CANN TransData); attrs src_format, dst_format (format names, "
                    "e.g. 'ND', 'NC1HWC0'), origin_shape, origin_format: the logical shape and its plain format"))
 
@@ -86,11 +86,20 @@ def _index(node: Node, name: str) -> Optional[int]:
 
 
 def make_trans_data(node: Node, in_descs: Sequence[TensorDesc], consts: Sequence) -> Callable:
-    """TransData kernel: ``trans_data(x, src, dst, origin_shape, origin_format)``."""
+    """TransData kernel: ``trans_data(x, src, dst, origin_shape, origin_format)`` into fresh
+    contiguous memory, as the op is declared (``aliases``: fresh): `trans_data` returns a
+    view of ``x`` when no data moves (FRACTAL_NZ -> ND of a matrix that fits one fractal
+    column), which is copied here."""
     a = node.attrs
     src, dst = str(a["src_format"]), str(a["dst_format"])
     shape, of = tuple(a["origin_shape"]), str(a["origin_format"])
-    return lambda x: trans_data(x, src, dst, origin_shape=shape, origin_format=of)
+
+    def run(x):
+        r = trans_data(x, src, dst, origin_shape=shape, origin_format=of)
+        if r.untyped_storage().data_ptr() == x.untyped_storage().data_ptr():
+            return r.clone(memory_format=torch.contiguous_format)
+        return r
+    return run
 
 
 def make_conv(node: Node, in_descs: Sequence[TensorDesc], consts: Sequence) -> Callable:

@@ -7,7 +7,8 @@ that is not rewritten is reported with its reason.
   ``fuse_conv_bn_eval``). Changes rounding: within 1e-5 relative in fp32.
 - `FuseConvAct`: Conv2D(+bias) → Relu/Gelu/Sigmoid/Tanh/Swish ⇒ ConvBiasAct.
 - `FuseConvAddAct`: ConvBiasAct(none) → Add(·, r) [→ Relu] ⇒ ConvAddAct (oneDNN sum
-  post-op, in place into r when r dies there).
+  post-op, in place into r when r's memory dies there: no view or other alias of r is
+  read later or returned).
 - `FuseLinearAct`: MatMulV2 [→ Reshape] → activation ⇒ LinearAct [→ Reshape]: the
   activation runs in place on the GEMM's output; a MatMulV2 with a constant fp32 weight
   also becomes a LinearAct, whose kernel (addmm or MKL's packed GEMM) is measured per
@@ -20,6 +21,7 @@ from typing import Optional
 import torch
 
 from ..ir import Graph, Node, TensorRef, Value
+from ..ops import aliases_of, storage_roots
 from ..ops.fused import mkl_packed_available, mkldnn_available
 from .base import Pass, PassContext
 
@@ -111,8 +113,17 @@ def _make_conv(graph: Graph, conv: Node, act: str, before: Node, name: str) -> N
     if b is not None:
         ins.append(b)
         attrs["bias"] = TensorRef(2)
-    return graph.create_node("ConvBiasAct", ins, attrs, [before.outputs[0].desc], name=name,
-                             source=conv.source, scope=conv.scope, before=before)
+    fused = graph.create_node("ConvBiasAct", ins, attrs, [before.outputs[0].desc], name=name,
+                              source=conv.source, scope=conv.scope, before=before)
+    return _stands_for(fused, before)
+
+
+def _stands_for(fused: Node, replaced: Node) -> Node:
+    """``fused`` replaces ``replaced``'s output: it keeps that output's traced strides
+    (``meta["strides"]``), which views after it and the caller (eager's strides) rely on."""
+    if replaced.meta.get("strides"):
+        fused.meta["strides"] = replaced.meta["strides"][:1]
+    return fused
 
 
 class CpuFusion(Pass):
@@ -193,16 +204,21 @@ class FuseConvAddAct(CpuFusion):
             relu = _only_user(add.outputs[0], graph)
             relu = relu if relu is not None and relu.op == "Relu" else None
             last = relu or add
-            # in place into the addend only if nothing reads it after this node
-            later = [u for u in other.users if u is not add and step.get(u, -1) > step[add]]
-            feeds_conv = other in conv.inputs
-            inplace = (not other.is_const and other not in graph.inputs and other not in graph.outputs
-                       and other.producer is not None and other.producer.op not in _VIEWS
-                       and not later and not feeds_conv)
+            # in place into the addend only if it owns its memory (not a graph input,
+            # constant or view) and nothing that may share that memory (the addend, its
+            # views, views of those, split outputs...) is read after this node or returned
+            roots = storage_roots(graph, writes_as_fresh=True)
+            owns = other.producer is not None and roots.get(other.id) == frozenset((other.id,))
+            sharing = [other] + aliases_of(graph, other, roots)
+            later = [u for v in sharing for u in v.users if u is not add and step.get(u, -1) > step[add]]
+            returned = any(v in graph.outputs for v in sharing)
+            feeds_conv = any(v in conv.inputs for v in sharing)
+            inplace = owns and not later and not returned and not feeds_conv
             if not inplace:
-                reason = ("the addend is read again later" if later else
-                          "the addend is also the convolution's input" if feeds_conv else
-                          "the addend is a graph input, constant or view")
+                reason = ("the addend is a graph input, constant or view" if not owns else
+                          "the addend (or a view of it) is read again later" if later else
+                          "the addend (or a view of it) is a graph output" if returned else
+                          "the addend is also the convolution's input")
                 ctx.skipped("Conv+Add in place", add, reason + "; using the out-of-place sum")
             ins = list(conv.inputs) + [other]
             attrs = dict(conv.attrs, other=TensorRef(len(ins) - 1), inplace=inplace,
@@ -212,6 +228,7 @@ class FuseConvAddAct(CpuFusion):
             fused = graph.create_node("ConvAddAct", ins, attrs, [last.outputs[0].desc],
                                       name=conv.name + "_add" + ("_relu" if relu else ""),
                                       source=conv.source, scope=conv.scope, before=last)
+            _stands_for(fused, last)
             graph.replace_all_uses_with(last.outputs[0], fused.outputs[0])
             for nd in ([relu] if relu else []) + [add, conv]:
                 graph.erase_node(nd)
@@ -219,11 +236,6 @@ class FuseConvAddAct(CpuFusion):
             step = {nd: i for i, nd in enumerate(graph.nodes)}
             n += 1
         return n
-
-
-_VIEWS = {"Reshape", "UnsafeReshape", "Transpose", "TransposeD", "Swapaxes", "Unsqueeze", "Squeeze",
-          "SqueezeDim", "BroadcastTo", "StridedSlice", "SelectInt", "SplitWithSize", "SplitV", "Alias",
-          "AsStrided", "ReshapeCopy"}
 
 
 class FuseLinearAct(CpuFusion):
@@ -260,6 +272,7 @@ class FuseLinearAct(CpuFusion):
                                       {"self": TensorRef(0), "mat1": TensorRef(1), "mat2": TensorRef(2), "act": act},
                                       [mm.outputs[0].desc], name=f"{mm.name}_{act}",
                                       source=mm.source, scope=mm.scope, before=mm)
+            _stands_for(fused, mm)
             graph.replace_all_uses_with(mm.outputs[0], fused.outputs[0])
             graph.erase_node(mm)
             if u is None:

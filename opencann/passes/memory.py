@@ -1,7 +1,8 @@
 """Memory stage: liveness, in-place and view aliasing, offsets in one arena.
 
-Algorithm: every intermediate value gets a buffer, except views (which alias their
-input's buffer) and graph outputs (which the caller keeps, so they are allocated fresh
+Algorithm: every intermediate value gets a buffer, except outputs that may alias an
+input (views, by the op's ATen schema or OpDef ``aliases``; unknown counts as aliasing:
+they live in their inputs' buffers, whose lifetimes they extend) and graph outputs (which the caller keeps, so they are allocated fresh
 on each call). An elementwise node whose input buffer dies at that node writes in place.
 Offsets are assigned by greedy-by-size best-fit (Pisarchyk & Lee, "Efficient Memory
 Management for Deep Neural Net Inference", arXiv:2001.03288, "Greedy by Size"), then
@@ -11,10 +12,10 @@ live at any one step; the plan reports its gap to it (as XLA's buffer assignment
 """
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, FrozenSet, List, Tuple
 
 from ..ir import Buffer, Graph, MemoryPlan, Node
-from ..ops import OpKind, get_op
+from ..ops import get_op, last_reads, output_aliases, storage_roots
 from ..ops.fused import OUT_CAPABLE
 
 DEFAULT_ALIGNMENT = 64  # bytes: one cache line, and AVX-512 / oneDNN friendly
@@ -22,15 +23,6 @@ DEFAULT_ALIGNMENT = 64  # bytes: one cache line, and AVX-512 / oneDNN friendly
 
 def _align(n: int, a: int) -> int:
     return (n + a - 1) // a * a
-
-
-def _alias_input(node: Node) -> Optional[int]:
-    """Index of the input whose storage the node's outputs alias, if any."""
-    if "inplace_input" in node.attrs:
-        return node.attrs["inplace_input"]
-    if get_op(node.op).kind == OpKind.VIEW:
-        return 0
-    return None
 
 
 def _place(bufs: List[Buffer], order: List[Buffer]) -> int:
@@ -75,7 +67,8 @@ def plan_memory(graph: Graph, alignment: int = DEFAULT_ALIGNMENT, inplace: bool 
     if alignment < 16 or alignment & (alignment - 1):
         raise ValueError(f"alignment must be a power of two >= 16 bytes, got {alignment}")
     step = {n: i for i, n in enumerate(graph.nodes)}
-    root: Dict[int, int] = {}          # value id -> root value id
+    root: Dict[int, int] = {}          # value id -> the buffer it owns or writes in place into
+    holds: Dict[int, FrozenSet[int]] = {}  # value id -> buffers its storage may be part of
     bufs: Dict[int, Buffer] = {}
     unplanned: Dict[str, str] = {}
     inplace_log: List[Tuple[str, str]] = []
@@ -83,68 +76,62 @@ def plan_memory(graph: Graph, alignment: int = DEFAULT_ALIGNMENT, inplace: bool 
 
     for v in graph.inputs + graph.constants:
         root[v.id] = -1                # external storage
-    # last read of each value counting reads through views of it (views are resolved
-    # before in-place decisions, so a value is overwritten only when no view outlives it)
-    view_of: Dict[int, int] = {}
-    for node in graph.nodes:
-        ai = _alias_input(node)
-        if ai is not None:
-            src = node.inputs[ai]
-            for o in node.outputs:
-                view_of[o.id] = view_of.get(src.id, src.id)
-    last_read: Dict[int, int] = {}
-    for node in graph.nodes:
-        for x in node.inputs:
-            r = view_of.get(x.id, x.id)
-            last_read[r] = max(last_read.get(r, -1), step[node])
-    for v in graph.outputs:
-        last_read[view_of.get(v.id, v.id)] = len(graph.nodes)
+        holds[v.id] = frozenset()
+    # storage each value may share (ATen schemas / OpDef ``aliases``; unknown = may alias)
+    # and the last read of each storage root through any alias of it (views, views of
+    # views, split outputs, graph outputs), so a buffer is overwritten in place only
+    # when nothing that may share it is read afterwards
+    sroots = storage_roots(graph)
+    last_read = last_reads(graph, sroots, step)
+    _check_declared_writes(graph, step)
 
     for node in graph.nodes:
         i = step[node]
-        ai = _alias_input(node)
+        aliased = output_aliases(node)
         none_outs = node.meta.get("none_outputs", ())
         for k, o in enumerate(node.outputs):
             if k in none_outs:  # an output the kernel does not produce (output_mask False)
                 root[o.id] = -1
+                holds[o.id] = frozenset()
                 continue
             if not o.desc.is_static:
                 raise ValueError(f"{node.name} has symbolic shape {o.desc.shape}; plans are "
                                  "made per concrete input shape")
-            if ai is not None:
-                src = node.inputs[ai]
-                r = root.get(src.id, -1)
-                root[o.id] = r
-                if r in bufs:
+            if aliased[k]:  # a view (or the input itself): lives in its inputs' buffers
+                srcs = frozenset().union(*(holds.get(node.inputs[j].id, frozenset())
+                                           for j in aliased[k]))
+                holds[o.id] = srcs
+                root[o.id] = next(iter(srcs)) if len(srcs) == 1 else -1
+                for r in srcs:
                     bufs[r].aliases.append(o.id)
                 continue
             if not copy_out and not writes_into_buffer(node):
                 root[o.id] = -1
+                holds[o.id] = frozenset()
                 unplanned[repr(o)] = (f"{node.op} allocates its own output (no .out kernel); "
                                       "copying it into the arena costs more than it saves (a oneDNN reorder); plan it with options={'copy_out': True}")
                 continue
             # in-place: an elementwise op may overwrite an input that dies here
-            x = _inplace_candidate(node, o, root, bufs, last_read, i) if inplace else None
+            x = _inplace_candidate(node, o, root, bufs, last_read, sroots, i) if inplace else None
             if x is not None:
                 root[o.id] = x.id
+                holds[o.id] = frozenset((x.id,))
                 bufs[x.id].aliases.append(o.id)
                 inplace_log.append((node.name, repr(x)))
                 continue
             size = _align(max(o.desc.nbytes, 1), alignment)
             bufs[o.id] = Buffer(root=o.id, size=size, start=i, end=i)
             root[o.id] = o.id
+            holds[o.id] = frozenset((o.id,))
 
     # lifetimes: a buffer lives until the last read of its root or any alias
     for node in graph.nodes:
         i = step[node]
         for x in node.inputs:
-            r = root.get(x.id, -1)
-            if r in bufs:
+            for r in holds.get(x.id, ()):
                 bufs[r].end = max(bufs[r].end, i)
     for v in graph.outputs:
-        r = root.get(v.id, -1)
-        if r in bufs:
-            fresh_roots.add(r)
+        fresh_roots.update(holds.get(v.id, ()))
     for r in fresh_roots:
         unplanned[f"%{r}"] = "backs a graph output: allocated fresh per call so results survive the next call"
         del bufs[r]
@@ -188,17 +175,40 @@ def _best_placement(blist: List[Buffer]) -> Tuple[int, str]:
     return best[0], best[1]
 
 
-def _inplace_candidate(node: Node, o, root, bufs, last_read, i):
+def _inplace_candidate(node: Node, o, root, bufs, last_read, sroots, i):
     """An input of an in-place-able op that is a planned root, has the output's shape
-    and dtype, appears once, and is read for the last time (views included) here."""
+    and dtype, is read for the last time here through every value that may share its
+    storage (views, views of views, split outputs, graph outputs) and whose storage no
+    other input of the node may share."""
     if not get_op(node.op).inplace_ok or len(node.outputs) != 1:
         return None
     for x in node.inputs:
         if (root.get(x.id, -1) == x.id and x.id in bufs and x.desc.shape == o.desc.shape
                 and x.desc.dtype == o.desc.dtype and last_read.get(x.id, -1) == i
+                and not any(y is not x and x.id in sroots.get(y.id, ()) for y in node.inputs)
                 and node.inputs.count(x) == 1):
             return x
     return None
+
+
+def _check_declared_writes(graph: Graph, step: Dict[Node, int]) -> None:
+    """A node that writes into an input (``inplace_input``, decided by a fusion) must be
+    the last reader of that input's memory, through every alias, in the final order.
+    Raises ValueError naming the node otherwise (a pass broke its own rule)."""
+    writers = [n for n in graph.nodes if "inplace_input" in n.attrs]
+    if not writers:
+        return
+    before = storage_roots(graph, writes_as_fresh=True)  # contents before each write
+    last = last_reads(graph, before, step)
+    external = {v.id for v in graph.inputs + graph.constants}
+    for n in writers:
+        x = n.inputs[n.attrs["inplace_input"]]
+        late = max((last.get(r, -1) for r in before.get(x.id, ())), default=-1)
+        if late > step[n] or before.get(x.id, frozenset()) & external:
+            raise ValueError(f"{n.name} ({n.op}) at {n.where()} writes in place into {x!r}, "
+                             "whose memory is still read afterwards (through it or a view) or "
+                             "is a graph input, constant or output; the pass that made it "
+                             "in place must leave it out of place")
 
 
 def _lower_bound(bufs: List[Buffer], nsteps: int) -> int:

@@ -24,9 +24,10 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 import torch
 
 from ..ir import Graph, MemoryPlan, TensorListRef, TensorRef, Value
-from ..ops import OpKind, get_op
+from ..ops import get_op, output_aliases, storage_roots
 from ..ops.fused import KERNEL_FACTORIES, OUT_CAPABLE
 from ..ops.opdef import DEVICE_KERNEL_FACTORIES
+from .alias_check import AliasChecker, AliasingError, enabled_by_env
 
 
 def _traced_strides(v: Value) -> Optional[tuple]:
@@ -63,6 +64,52 @@ def _dense(shape, strides) -> bool:
     return True
 
 
+def _conform(t: torch.Tensor, strides: tuple) -> torch.Tensor:
+    """``t`` laid out with ``strides`` (canonical, dense): ``t`` itself when it already is,
+    else a copy. Kernels that choose their own layout (oneDNN's channels-last, elementwise
+    ops propagating it) are brought back to the traced layout where it matters."""
+    if t.stride() == strides or _canonical(t.shape, t.stride()) == strides:
+        return t
+    return torch.empty_strided(t.shape, strides, dtype=t.dtype, device=t.device).copy_(t)
+
+
+def _own(t: torch.Tensor) -> torch.Tensor:
+    """A copy of ``t`` in memory of its own, with ``t``'s exact strides (also expanded or
+    overlapping ones): the span of storage ``t`` covers is copied and viewed the same way."""
+    if t.numel() == 0:
+        return t.clone()
+    span = 1 + sum((s - 1) * st for s, st in zip(t.shape, t.stride()))
+    flat = t.as_strided((span,), (1,), t.storage_offset()).clone()
+    return flat.as_strided(t.shape, t.stride())
+
+
+def independent_outputs(graph: Graph) -> List[int]:
+    """Indices of graph outputs the runtime must copy so that outputs are as independent
+    as eager's: an output backed by a constant (the compiled model's own weights: a caller
+    must not be able to change them), by a graph input eager did not return a view of, or
+    sharing memory with an earlier output where eager's did not (CSE merged ``x + 1, x + 1``).
+    Eager's aliasing comes from ``graph.meta["output_storage"]``, recorded at conversion;
+    without it, outputs are assumed distinct unless they are the same value."""
+    roots = storage_roots(graph)
+    eager = graph.meta.get("output_storage")
+    consts = {c.id for c in graph.constants}
+    inputs = {v.id for v in graph.inputs}
+    copy: List[int] = []
+    kept: List[int] = []
+    for i, v in enumerate(graph.outputs):
+        mine = roots.get(v.id, frozenset((v.id,)))
+        e_i = eager[i] if eager is not None else frozenset((v.id,))
+        if (mine & consts or (mine & inputs) - e_i
+                or any(mine & roots.get(graph.outputs[j].id, frozenset())
+                       and not (e_i & (eager[j] if eager is not None else
+                                       frozenset((graph.outputs[j].id,))))
+                       for j in kept)):
+            copy.append(i)
+        else:
+            kept.append(i)
+    return copy
+
+
 class ExecutionError(RuntimeError):
     """A kernel failed at run time; the message names the node and its source."""
 
@@ -70,12 +117,16 @@ class ExecutionError(RuntimeError):
 class Executor:
     """Runs ``graph`` with ``plan`` on the CPU. Planned values are views into one arena
     (uint8, ``plan.arena_bytes``); values outside the plan keep their kernel's allocation.
-    ``profile=True`` builds the variant that time-stamps every op."""
+    ``profile=True`` builds the variant that time-stamps every op. ``check_aliasing``
+    (default: the ``OPENCANN_CHECK_ALIASING`` environment variable) checks after every
+    kernel that its outputs share memory only as declared (`AliasChecker`)."""
 
-    def __init__(self, graph: Graph, plan: MemoryPlan, profile: bool = False):
+    def __init__(self, graph: Graph, plan: MemoryPlan, profile: bool = False,
+                 check_aliasing: Optional[bool] = None):
         self.graph = graph
         self.plan = plan
         self.arena = torch.empty(max(plan.arena_bytes, 1), dtype=torch.uint8)
+        self.check_aliasing = enabled_by_env() if check_aliasing is None else check_aliasing
         self.copy_out_nodes: List[str] = []
         self._src = ""
         self.trace_events: List[Dict[str, Any]] = []
@@ -93,6 +144,8 @@ class Executor:
         ex.copy_out_nodes = list(self.copy_out_nodes)
         ex.trace_events = []
         glb = dict(self._glb)
+        if "_chk" in glb:  # the debug checker keeps per-run state: one per executor
+            glb["_chk"] = AliasChecker(self.graph, self.plan)
         for name, v in self._bound:
             glb[name] = ex._view(v)
         exec(self._code, glb)  # noqa: S102 - our codegen, compiled once in _build
@@ -141,16 +194,20 @@ class Executor:
             return literal(a)
 
         in_descs_of = lambda n: [v.desc for v in n.inputs]  # noqa: E731
+        layout_bound = self._layout_sensitive(g)
+        glb["_conform"] = _conform
+        if self.check_aliasing:
+            glb["_chk"] = AliasChecker(g, self.plan)
         for idx, node in enumerate(g.nodes):
             op = get_op(node.op)
+            aliased = output_aliases(node)
             outs = []
             for o in node.outputs:
                 names[o.id] = f"v{o.id}"
                 outs.append(names[o.id])
             bufnames = []
-            for o in node.outputs:
-                if (o.id in self.plan.value_buffer and op.kind != OpKind.VIEW
-                        and "inplace_input" not in node.attrs):
+            for k, o in enumerate(node.outputs):
+                if o.id in self.plan.value_buffer and not aliased[k]:
                     bn = f"B{o.id}"
                     glb[bn] = self._view(o)
                     self._bound.append((bn, o))
@@ -180,13 +237,14 @@ class Executor:
                     s = render(node.attrs[a.name])
                     (kw.append(f"{a.name}={s}") if a.kwarg_only else pos.append(s))
                 args = ", ".join(pos + kw)
-                use_out = (op.out_kernel is not None and any(b is not None for b in bufnames)
+                use_out = (op.out_kernel is not None and not any(aliased)
                            and len(bufnames) == len(op.out_names)
                            and not node.meta.get("none_outputs")
                            and not node.meta.get("no_out_kernel"))
                 if use_out:
-                    # outputs outside the arena (graph outputs) get a fresh tensor each run,
-                    # so a multi-output kernel still writes its planned outputs in place
+                    # outputs outside the arena (graph outputs) get a fresh tensor each run
+                    # in the traced layout (eager's strides), so a multi-output kernel still
+                    # writes its planned outputs in place
                     for j, o in enumerate(node.outputs):
                         if bufnames[j] is None:
                             bufnames[j] = f"_e{j}"
@@ -201,10 +259,28 @@ class Executor:
                 else:
                     glb[target] = aten
                     self._emit_result(lines, node, lhs, outs, bufnames, f"{target}({args})")
+            for k, o in enumerate(node.outputs):
+                # a kernel's own allocation, in the layout it chose: give it the traced
+                # strides where a view reads it or the caller gets it
+                if (bufnames[k] is not None or o.id not in layout_bound
+                        or (aliased[k] and "inplace_input" not in node.attrs)
+                        or k in node.meta.get("none_outputs", ())):
+                    continue
+                st = self._layout_of(o)
+                if st is not None:
+                    glb[f"T{o.id}"] = st
+                    lines.append(f"    {outs[k]} = _conform({outs[k]}, T{o.id})")
+            if self.check_aliasing:
+                lines.append(f"    _chk.after({idx}, ({', '.join(outs)},))")
             if profile:
                 lines.append(f"    _rec({idx})")
-        ret = ", ".join(names[v.id] for v in g.outputs)
+        own = set(independent_outputs(g))
+        glb["_own"] = _own
+        ret = ", ".join(f"_own({names[v.id]})" if i in own else names[v.id]
+                        for i, v in enumerate(g.outputs))
         head = ["def _run(inputs):"]
+        if self.check_aliasing:
+            head.append("    _chk.begin(inputs)")
         if g.inputs:
             head.append(f"    {', '.join(names[v.id] for v in g.inputs)}, = inputs")
         src = "\n".join(head + lines + [f"    return ({ret}{',' if len(g.outputs) == 1 else ''})"])
@@ -217,6 +293,34 @@ class Executor:
         exec(self._code, glb)  # noqa: S102 - our codegen
         self._glb = glb
         return glb["_run"]
+
+    @staticmethod
+    def _layout_sensitive(g: Graph) -> set:
+        """Ids of values whose strides must be the traced ones: graph outputs (the caller
+        sees eager's strides) and inputs of ops whose output may alias them (a view's
+        result, and whether it can be taken at all, depends on its input's strides). A
+        kernel writing in place into an input (ConvAddAct) leaves that input in whatever
+        layout it has; its own output is then conformed where needed."""
+        need = {v.id for v in g.outputs}
+        for n in g.nodes:
+            if "inplace_input" in n.attrs:  # its output is conformed itself, if need be
+                continue
+            for idx in output_aliases(n):
+                need.update(n.inputs[i].id for i in idx)
+        return need
+
+    @staticmethod
+    def _layout_of(v: Value) -> Optional[tuple]:
+        """The strides ``v`` must have: the traced ones when dense, contiguous when none
+        were recorded (a node the passes inserted); None when the traced strides are not
+        dense (an expanded or overlapping result: left as the kernel made it)."""
+        st = _traced_strides(v)
+        if st is not None:
+            return st
+        recorded = v.producer.meta.get("strides") if v.producer is not None else None
+        if recorded and recorded[v.producer.outputs.index(v)] is not None:
+            return None
+        return _canonical(v.desc.shape, torch.empty(v.desc.shape, device="meta").stride())
 
     @staticmethod
     def _fresh_args(v) -> tuple:
@@ -246,6 +350,8 @@ class Executor:
         """Run once; ``inputs`` flat, in graph-input order. Returns the flat outputs."""
         try:
             return self._fn(inputs)
+        except AliasingError:
+            raise
         except (RuntimeError, TypeError, ValueError, IndexError) as e:
             raise ExecutionError(self._locate(e)) from e
 

@@ -41,7 +41,7 @@ import torch
 from ..devices.vnpu import (KernelCost, NpuSpec, conv2d_cost, elementwise_cost, flash_attention_cost,
                             layernorm_cost, matmul_cost, reduction_cost, softmax_cost, trans_data_cost)
 from ..ir import Graph, MemoryPlan, Node, Value
-from ..ops import OpKind, get_op
+from ..ops import OpKind, get_op, output_aliases
 from ..passes.vnpu_layout import npu_spec_for
 
 GiB = float(1 << 30)
@@ -380,16 +380,15 @@ def cost_graph(graph: Graph, spec: NpuSpec) -> Tuple[List[OpRow], int]:
 def kernel_alloc_peak(graph: Graph, plan: MemoryPlan) -> int:
     """Peak bytes of intermediates outside the arena (kernel-allocated values and graph
     outputs), by liveness in the graph's order: live from the producing step to the
-    last read (graph outputs to the end). Views and in-place aliases cost nothing."""
+    last read (graph outputs to the end). Outputs that alias an input (views, host
+    views by their ATen schema, in-place results) cost nothing."""
     step = {n: i for i, n in enumerate(graph.nodes)}
     end = len(graph.nodes)
     delta = [0] * (end + 2)
     outs = {id(v) for v in graph.outputs}
     for n in graph.nodes:
-        if get_op(n.op).kind == OpKind.VIEW or "inplace_input" in n.attrs:
-            continue
-        for o in n.outputs:
-            if o.id in plan.value_buffer or not o.desc.is_static:
+        for o, aliased in zip(n.outputs, output_aliases(n)):
+            if aliased or o.id in plan.value_buffer or not o.desc.is_static:
                 continue
             last = max([step[u] for u in o.users] + [step[n]])
             if id(o) in outs:

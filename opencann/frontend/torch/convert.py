@@ -17,7 +17,7 @@ import torch
 import torch.fx as fx
 
 from ...ir import DataType, Graph, TensorDesc, TensorRef, Value
-from ...ops import infer, lookup_aten
+from ...ops import infer, lookup_aten, storage_roots
 from ...ops.opdef import SKIPPED_OUTPUT
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
@@ -164,6 +164,10 @@ def _set_outputs(graph: Graph, node: fx.Node, env: Dict[fx.Node, Any]) -> None:
     graph.meta["output_literals"] = {i: o for i, o in enumerate(flat) if not isinstance(o, Value)}
     graph.outputs = [o for o in flat if isinstance(o, Value)]
     graph.meta["n_outputs"] = len(flat)
+    # which outputs share memory in eager (views of one tensor, one tensor returned twice):
+    # passes may merge values (CSE), the runtime then keeps outputs eager kept apart apart
+    roots = storage_roots(graph)
+    graph.meta["output_storage"] = [roots[o.id] for o in graph.outputs]
 
 
 def _resolve_const(ep: torch.export.ExportedProgram, name: str) -> torch.Tensor:

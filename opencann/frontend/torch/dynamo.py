@@ -27,8 +27,9 @@ def _compile_fx(gm: torch.fx.GraphModule, example_inputs, options: Optional[Dict
     COMPILED_GRAPHS.append(report)
     # executors are built on the first real call (compilation runs under fake mode); each
     # overlapping call (threads) gets its own, up to the `concurrent_calls` option
-    pool = ExecutorPool(lambda: Executor(graph, plan),
-                        (options or {}).get("concurrent_calls", DEFAULT_CONCURRENT_CALLS))
+    opts = options or {}
+    pool = ExecutorPool(lambda: Executor(graph, plan, check_aliasing=opts.get("check_aliasing")),
+                        opts.get("concurrent_calls", DEFAULT_CONCURRENT_CALLS))
     idx = [i for i, n in enumerate(gm.graph.find_nodes(op="placeholder"))
            if isinstance(n.meta.get("val"), torch.Tensor)]
     lits = graph.meta.get("output_literals", {})

@@ -1,0 +1,68 @@
+"""Storage aliasing over a graph: which values may share memory.
+
+Built from each node's `output_aliases` (its OpDef's ``aliases``, taken from the ATen
+schema's alias annotations or declared; unknown means "may alias"). A value's *storage
+roots* are the values that own the memory it may live in: a graph input, a constant, or
+the output of a kernel that returns fresh memory. A view (of a view, of a split
+output...) has the roots of what it views. The memory planner, the in-place fusions and
+the runtime read this one analysis.
+"""
+from __future__ import annotations
+
+from typing import Dict, FrozenSet, Iterable, List
+
+from ..ir import Graph, Node, Value
+from .opdef import output_aliases
+
+
+def storage_roots(graph: Graph, writes_as_fresh: bool = False) -> Dict[int, FrozenSet[int]]:
+    """Value id -> ids of the values owning the storage it may share (itself for a graph
+    input, a constant or a fresh kernel output). Nodes must be in a valid order.
+
+    ``writes_as_fresh=True`` counts the output of a node that writes into its input
+    (``inplace_input``) as a new root: the roots then tell apart the memory's contents
+    before and after that write, so the readers of the old contents can be found."""
+    roots: Dict[int, FrozenSet[int]] = {}
+    for v in list(graph.inputs) + list(graph.constants):
+        roots[v.id] = frozenset((v.id,))
+    for node in graph.nodes:
+        fresh = writes_as_fresh and "inplace_input" in node.attrs
+        for o, idx in zip(node.outputs, output_aliases(node)):
+            if idx and not fresh:
+                roots[o.id] = frozenset().union(
+                    *(roots.get(node.inputs[i].id, frozenset((node.inputs[i].id,))) for i in idx))
+            else:
+                roots[o.id] = frozenset((o.id,))
+    return roots
+
+
+def aliases_of(graph: Graph, v: Value, roots: Dict[int, FrozenSet[int]] = None) -> List[Value]:
+    """Every value other than ``v`` that may share storage with ``v`` (its views, views of
+    those, split outputs, what ``v`` itself views, in-place results): the values whose
+    reads must count as reads of ``v``'s memory."""
+    roots = roots if roots is not None else storage_roots(graph)
+    mine = roots.get(v.id, frozenset((v.id,)))
+    return [u for u in _values(graph) if u is not v and roots.get(u.id, frozenset()) & mine]
+
+
+def _values(graph: Graph) -> Iterable[Value]:
+    yield from graph.inputs
+    yield from graph.constants
+    for n in graph.nodes:
+        yield from n.outputs
+
+
+def last_reads(graph: Graph, roots: Dict[int, FrozenSet[int]],
+               step: Dict[Node, int]) -> Dict[int, int]:
+    """Storage root id -> the last step at which its memory is read through any value
+    that may alias it; a root behind a graph output counts as read after the last node
+    (``len(graph.nodes)``)."""
+    last: Dict[int, int] = {}
+    for node in graph.nodes:
+        for x in node.inputs:
+            for r in roots.get(x.id, (x.id,)):
+                last[r] = max(last.get(r, -1), step[node])
+    for v in graph.outputs:
+        for r in roots.get(v.id, (v.id,)):
+            last[r] = len(graph.nodes)
+    return last
