@@ -24,6 +24,7 @@ import torch
 from ...ir import DataType, Graph, TensorDesc, TensorRef, Value
 from ...ops import lookup_aten
 from ...ops.onnx_fallback import make_onnx_kernel
+from ..torch.convert import LOW_PRECISION, META_DIVERGES
 
 # onnx TensorProto element type -> torch dtype (types the IR models)
 ONNX_DTYPES = {1: torch.float32, 2: torch.uint8, 3: torch.int8, 5: torch.int16,
@@ -156,7 +157,7 @@ class Converter:
                 return [sub(y, fn) for y in a]
             return a
 
-        multi = len(schema.returns) > 1 or str(schema.returns[0].type).endswith("[]")
+        multi = len(schema.returns) > 1 or isinstance(schema.returns[0].type, torch.ListType)
         if all(v.is_const for v in inputs):
             with torch.no_grad():
                 res = target(*[sub(a, lambda v: v.const) for a in args],
@@ -181,7 +182,15 @@ class Converter:
                                     source=self.source(), scope=self.scope())
         if opdef is None:
             ir.meta["aten"] = target
-        ir.meta["strides"] = [tuple(int(s) for s in m.stride()) for m in mouts]
+        if ir.op in META_DIVERGES:
+            for k in META_DIVERGES[ir.op]:
+                if ir.op == "BatchNorm" and k < len(ir.outputs):
+                    # inference BatchNorm's saved statistics are empty on CPU ([C] on meta)
+                    ir.outputs[k].desc = TensorDesc((0,), ir.outputs[k].desc.dtype)
+            if ir.inputs[0].desc.dtype in LOW_PRECISION:
+                ir.meta["no_out_kernel"] = True
+        ir.meta["strides"] = [tuple(int(s) for s in m.stride()) if tuple(m.shape) == o.desc.shape
+                              else None for m, o in zip(mouts, ir.outputs)]
         for o, m in zip(ir.outputs, mouts):
             self.metas[o.id] = m
         return list(ir.outputs) if multi else ir.outputs[0]
