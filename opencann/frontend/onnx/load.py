@@ -43,7 +43,7 @@ def _read(path: str):
     try:
         from onnx.external_data_helper import load_external_data_for_model
         load_external_data_for_model(model, os.path.dirname(os.path.abspath(path)))
-    except (OSError, ValueError) as e:
+    except Exception as e:  # noqa: BLE001 - OSError, or onnx's ValidationError for a bad location
         raise OnnxLoadError(f"{path}: its external weight data could not be read ({e}); keep "
                             "the data file(s) next to the .onnx file, as saved") from None
     return model
