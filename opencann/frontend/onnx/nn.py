@@ -48,7 +48,32 @@ def unary(cv: Converter, n: OnnxNode):
 
 @converts(*_BINARY)
 def binary(cv: Converter, n: OnnxNode):
+    if n.op_type == "Add":
+        for prod, bias in ((n.x(0), n.x(1)), (n.x(1), n.x(0))):
+            y = _linear_bias(cv, prod, bias)
+            if y is not None:
+                return [y]
     return [cv.call(_BINARY[n.op_type], n.x(0), n.x(1))]
+
+
+def _linear_bias(cv: Converter, prod: Value, bias: Value) -> Optional[Value]:
+    """MatMul + Add(bias) as exported for a Linear layer ⇒ ``addmm(bias, x, w)`` [+ view],
+    the graph the torch frontend gets, so Linear+activation fusion applies. ``prod``
+    must be an ``mm`` (or a view of one) and ``bias`` a constant of shape [N] (or
+    [1, ..., N]). The mm stays for other users (dead-code elimination drops it if none)."""
+    p = prod.producer
+    view = None
+    if p is not None and p.op == "Reshape" and p.inputs[0].producer is not None:
+        view, p = p, p.inputs[0].producer
+    if p is None or p.op != "MatMul" or not bias.is_const:
+        return None
+    nn_ = shape(p.outputs[0])[-1]
+    b = bias.const
+    if shape(prod)[-1] != nn_ or b.dtype != prod.desc.dtype.torch or b.numel() != nn_ or b.shape[-1:] != (nn_,) \
+            or b.dim() > prod.desc.rank:
+        return None
+    y = cv.call(aten.addmm.default, cv.const(b.reshape(nn_)), p.inputs[0], p.inputs[1])
+    return reshape(cv, y, shape(prod)) if view is not None else y
 
 
 @converts("Div")
@@ -255,7 +280,7 @@ def cumsum(cv: Converter, n: OnnxNode):
     axis = norm_axis(n.ints(1)[0], x.desc.rank)
     if n.attr("exclusive", 0) or n.attr("reverse", 0):
         raise NotConverted("exclusive or reverse CumSum")
-    return [cv.call(aten.cumsum.default, x, axis)]
+    return [cv.call(aten.cumsum.default, x, axis, dtype=x.desc.dtype.torch)]
 
 
 # -- matrix products --------------------------------------------------------------------
@@ -526,6 +551,9 @@ def resize(cv: Converter, n: OnnxNode):
         raise NotConverted(f"nearest Resize with {ctm}/{nm}")
     if mode == "linear":
         if ctm == "align_corners":
+            if factors and any(d * f != o for d, f, o in zip(s[2:], factors, out[2:])):
+                # ONNX divides by the fractional resized length (in·scale - 1)
+                raise NotConverted("align_corners Resize with a fractional output length")
             ac = True
         elif ctm in ("half_pixel", "pytorch_half_pixel") and all(o > 1 for o in out[2:]):
             ac = False
