@@ -14,14 +14,27 @@ from typing import Any, Dict, Optional
 __version__ = "0.1.0"
 
 
-def compile(model, example_inputs, device: str = "cpu", options: Optional[Dict[str, Any]] = None,
-            example_kwargs: Optional[Dict[str, Any]] = None):
+def compile(model, example_inputs=None, device: str = "cpu", options: Optional[Dict[str, Any]] = None,
+            example_kwargs: Optional[Dict[str, Any]] = None,
+            input_shapes: Optional[Dict[str, Any]] = None):
     """Compile ``model`` (a torch.nn.Module, in eval mode for inference) for ``device``.
 
     ``example_inputs``: a tensor or tuple of positional inputs fixing shapes and dtypes.
     ``options``: ``disable``/``enable`` (pass names), ``verify`` (IR checks after each
     pass), ``alignment`` (arena alignment, bytes), ``inplace`` (in-place reuse).
-    Returns a `CompiledModel`. Raises CaptureError or ValueError with the fix."""
+    Returns a `CompiledModel`. Raises CaptureError or ValueError with the fix.
+
+    ``model`` may also be an ONNX model (a ``.onnx`` path or ``onnx.ModelProto``): its
+    inputs come from the model's static shapes, or ``input_shapes`` (name -> sizes) for
+    symbolic dims; the result is called with tensors in graph-input order (or by name)
+    and returns a tuple of outputs."""
+    import os
+    if isinstance(model, (str, os.PathLike)) or type(model).__name__ == "ModelProto":
+        from .compiler import compile_onnx
+        return compile_onnx(model, device=device, options=options, input_shapes=input_shapes)
+    if example_inputs is None:
+        raise ValueError("example_inputs is required for a torch model: a tensor or tuple of "
+                         "the model's positional inputs fixing shapes and dtypes")
     from .compiler import compile_module
     return compile_module(model, example_inputs, device=device, options=options,
                           example_kwargs=example_kwargs)

@@ -41,8 +41,8 @@ def graph_cost(graph: Graph) -> Dict[str, int]:
 def _fallbacks(graph: Graph) -> Dict[str, Dict[str, Any]]:
     out: Dict[str, Dict[str, Any]] = {}
     for n in graph.nodes:
-        if n.op == "HostFallback":
-            k = str(n.meta["aten"])
+        if n.op in ("HostFallback", "OnnxHostFallback"):
+            k = str(n.meta["aten"]) if n.op == "HostFallback" else f"onnx::{n.attrs['op_type']}"
             e = out.setdefault(k, {"count": 0, "where": []})
             e["count"] += 1
             e["where"].append(n.where())
@@ -278,6 +278,41 @@ def _compile_module(model, example_inputs, device, options, example_kwargs) -> C
                          input_positions=positions, example_flat=flat, frozen=frozen,
                          concurrent_calls=options.get("concurrent_calls", DEFAULT_CONCURRENT_CALLS),
                          check_aliasing=options.get("check_aliasing"))
+
+
+class OnnxCompiledModel(CompiledModel):
+    """A compiled ONNX model: call it with tensors in graph-input order (or by input
+    name as keywords); returns a tuple of the graph's outputs."""
+
+    def __call__(self, *args, **kwargs):
+        names = self.graph.meta["input_names"]
+        unknown = set(kwargs) - set(names)
+        if unknown or len(args) + len(kwargs) != len(names) or set(names[:len(args)]) & set(kwargs):
+            raise ValueError(f"the ONNX model takes inputs {names} (positionally or by name); "
+                             f"got {len(args)} positional and {sorted(kwargs)}")
+        ordered = list(args) + [kwargs[k] for k in names[len(args):]]
+        return tuple(super().__call__(*ordered))
+
+
+def compile_onnx(model, device: str = "cpu", options: Optional[Dict[str, Any]] = None,
+                 input_shapes: Optional[Dict[str, Sequence[int]]] = None) -> CompiledModel:
+    """Compile an ONNX model (a ``.onnx`` path or ``onnx.ModelProto``, opset >= 13) for
+    ``device``. ``input_shapes``: sizes for inputs with symbolic dims. Raises
+    OnnxLoadError (bad file, old opset) or ConversionError (unsupported graph), both
+    ValueError, with the fix."""
+    from .frontend.onnx import from_onnx, load_model
+    device, options = _check_device(device), _check_options(options)
+    t0 = time.perf_counter()
+    proto = load_model(model)
+    graph = from_onnx(proto, input_shapes)
+    report = CompileReport(model=graph.name, device=device)
+    report.passes.append(PassRecord("convert_and_infer", "construct", 0, len(graph.nodes),
+                                    time.perf_counter() - t0, len(graph.nodes),
+                                    note="ONNX → IR, shapes checked against onnx.shape_inference"))
+    graph, plan, report = compile_graph(graph, device, options, report)
+    n = len(graph.outputs)
+    return OnnxCompiledModel(graph, plan, report, out_spec=pytree.tree_flatten(tuple(range(n)))[1],
+                             example_flat=[torch.empty(0) for _ in graph.inputs])
 
 
 def _same_value(a: Any, b: Any) -> bool:

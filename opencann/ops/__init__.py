@@ -6,6 +6,7 @@ from . import library  # noqa: F401  (registers the table)
 from . import fused  # noqa: F401  (registers opencann's fused ops)
 from . import flash_attention_op  # noqa: F401  (FlashAttention op and its kernel factory)
 from . import vnpu_ops  # noqa: F401  (TransData and the vnpu kernels)
+from . import onnx_fallback  # noqa: F401  (OnnxHostFallback: ONNX nodes run by onnx's evaluator)
 
 __all__ = ["Cost", "OpDef", "OpKind", "aliases_of", "all_ops", "call_args", "get_op", "infer",
            "is_random", "is_random_call", "last_reads", "lookup_aten", "output_aliases", "register",

@@ -1,0 +1,563 @@
+"""ONNX converters, arithmetic and neural-network ops: elementwise math, activations,
+reductions, MatMul/Gemm, Conv/ConvTranspose, Batch/Layer/Group/InstanceNormalization,
+Softmax, pooling, Resize. Each maps to the ATen overloads the torch frontend produces
+(Gemm → ``aten.addmm``, Conv → ``aten.convolution``, inference BatchNormalization →
+``aten._native_batch_norm_legit_no_training``...) so the fusion passes apply as they
+do to captured PyTorch models. Semantics: the ONNX operator specification
+(onnx/docs/Operators.md); configurations not mapped raise NotConverted (host fallback)."""
+from __future__ import annotations
+
+import math
+from typing import List, Optional
+
+import torch
+
+from ...ir import Value
+from .convert import Converter, NotConverted, OnnxNode, converts
+from .tensor import norm_axis, reshape, shape
+
+aten = torch.ops.aten
+
+_UNARY = {
+    "Abs": aten.abs.default, "Neg": aten.neg.default, "Exp": aten.exp.default,
+    "Log": aten.log.default, "Sqrt": aten.sqrt.default, "Reciprocal": aten.reciprocal.default,
+    "Sin": aten.sin.default, "Cos": aten.cos.default, "Tan": aten.tan.default,
+    "Asin": aten.asin.default, "Acos": aten.acos.default, "Atan": aten.atan.default,
+    "Sinh": aten.sinh.default, "Cosh": aten.cosh.default, "Asinh": aten.asinh.default,
+    "Acosh": aten.acosh.default, "Atanh": aten.atanh.default,
+    "Floor": aten.floor.default, "Ceil": aten.ceil.default, "Round": aten.round.default,
+    "Sign": aten.sign.default, "Erf": aten.erf.default, "Relu": aten.relu.default,
+    "Sigmoid": aten.sigmoid.default, "Tanh": aten.tanh.default, "Not": aten.logical_not.default,
+    "IsNaN": aten.isnan.default, "BitwiseNot": aten.bitwise_not.default,
+    "Mish": aten.mish.default, "Softplus": aten.softplus.default,
+}
+_BINARY = {
+    "Add": aten.add.Tensor, "Sub": aten.sub.Tensor, "Mul": aten.mul.Tensor,
+    "Equal": aten.eq.Tensor, "Less": aten.lt.Tensor, "LessOrEqual": aten.le.Tensor,
+    "Greater": aten.gt.Tensor, "GreaterOrEqual": aten.ge.Tensor,
+    "And": aten.logical_and.default, "Or": aten.logical_or.default,
+    "Xor": aten.logical_xor.default, "BitwiseAnd": aten.bitwise_and.Tensor,
+    "BitwiseOr": aten.bitwise_or.Tensor, "BitwiseXor": aten.bitwise_xor.Tensor,
+}
+
+
+@converts(*_UNARY)
+def unary(cv: Converter, n: OnnxNode):
+    return [cv.call(_UNARY[n.op_type], n.x(0))]
+
+
+@converts(*_BINARY)
+def binary(cv: Converter, n: OnnxNode):
+    if n.op_type == "Add":
+        for prod, bias in ((n.x(0), n.x(1)), (n.x(1), n.x(0))):
+            y = _linear_bias(cv, prod, bias)
+            if y is not None:
+                return [y]
+    return [cv.call(_BINARY[n.op_type], n.x(0), n.x(1))]
+
+
+def _linear_bias(cv: Converter, prod: Value, bias: Value) -> Optional[Value]:
+    """MatMul + Add(bias) as exported for a Linear layer ⇒ ``addmm(bias, x, w)`` [+ view],
+    the graph the torch frontend gets, so Linear+activation fusion applies. ``prod``
+    must be an ``mm`` (or a view of one) and ``bias`` a constant of shape [N] (or
+    [1, ..., N]). The mm stays for other users (dead-code elimination drops it if none)."""
+    p = prod.producer
+    view = None
+    if p is not None and p.op == "Reshape" and p.inputs[0].producer is not None:
+        view, p = p, p.inputs[0].producer
+    if p is None or p.op != "MatMul" or not bias.is_const:
+        return None
+    nn_ = shape(p.outputs[0])[-1]
+    b = bias.const
+    if shape(prod)[-1] != nn_ or b.dtype != prod.desc.dtype.torch or b.numel() != nn_ or b.shape[-1:] != (nn_,) \
+            or b.dim() > prod.desc.rank:
+        return None
+    y = cv.call(aten.addmm.default, cv.const(b.reshape(nn_)), p.inputs[0], p.inputs[1])
+    return reshape(cv, y, shape(prod)) if view is not None else y
+
+
+@converts("Div")
+def div(cv: Converter, n: OnnxNode):
+    a, b = n.x(0), n.x(1)
+    if a.desc.dtype.is_floating:
+        return [cv.call(aten.div.Tensor, a, b)]
+    return [cv.call(aten.div.Tensor_mode, a, b, rounding_mode="trunc")]
+
+
+@converts("Mod")
+def mod(cv: Converter, n: OnnxNode):
+    fn = aten.fmod.Tensor if n.attr("fmod", 0) else aten.remainder.Tensor
+    return [cv.call(fn, n.x(0), n.x(1))]
+
+
+@converts("Pow")
+def pow_op(cv: Converter, n: OnnxNode):
+    a, b = n.x(0), n.x(1)
+    c = n.c(1)
+    if c is not None and c.numel() == 1 and a.desc.dtype.is_floating and c.dim() <= a.desc.rank:
+        e = c.reshape(-1)[0].item()
+        y = cv.call(aten.pow.Tensor_Scalar, a, float(e))
+    else:
+        y = cv.call(aten.pow.Tensor_Tensor, a, b)
+    if y.desc.dtype != a.desc.dtype:
+        y = cv.call(aten._to_copy.default, y, dtype=a.desc.dtype.torch)
+    return [y]
+
+
+@converts("Max", "Min", "Sum", "Mean")
+def variadic(cv: Converter, n: OnnxNode):
+    xs = [n.x(i) for i in range(len(n.inputs)) if n.has(i)]
+    fn = {"Max": aten.maximum.default, "Min": aten.minimum.default,
+          "Sum": aten.add.Tensor, "Mean": aten.add.Tensor}[n.op_type]
+    y = xs[0]
+    for x in xs[1:]:
+        y = cv.call(fn, y, x)
+    if n.op_type == "Mean":
+        y = cv.call(aten.div.Tensor, y, cv.scalar(len(xs), y.desc.dtype.torch))
+    elif len(xs) == 1:
+        y = cv.call(aten.clone.default, y)
+    return [y]
+
+
+@converts("IsInf")
+def isinf(cv: Converter, n: OnnxNode):
+    x = n.x(0)
+    pos, neg = n.attr("detect_positive", 1), n.attr("detect_negative", 1)
+    if pos and neg:
+        return [cv.call(aten.isinf.default, x)]
+    inf = cv.scalar(math.inf if pos else -math.inf, x.desc.dtype.torch)
+    return [cv.call(aten.eq.Tensor, x, inf)]
+
+
+@converts("LeakyRelu")
+def leaky_relu(cv: Converter, n: OnnxNode):
+    return [cv.call(aten.leaky_relu.default, n.x(0), n.attr("alpha", 0.01))]
+
+
+@converts("Elu", "Selu", "Celu")
+def elu(cv: Converter, n: OnnxNode):
+    x = n.x(0)
+    if n.op_type == "Elu":
+        return [cv.call(aten.elu.default, x, n.attr("alpha", 1.0))]
+    if n.op_type == "Celu":
+        return [cv.call(aten.celu.default, x, n.attr("alpha", 1.0))]
+    return [cv.call(aten.elu.default, x, n.attr("alpha", 1.67326319217681884765625),
+                    n.attr("gamma", 1.05070102214813232421875))]
+
+
+@converts("HardSigmoid")
+def hard_sigmoid(cv: Converter, n: OnnxNode):
+    x = n.x(0)
+    y = cv.call(aten.add.Scalar, cv.call(aten.mul.Scalar, x, n.attr("alpha", 0.2)),
+                n.attr("beta", 0.5))
+    return [cv.call(aten.clamp.default, y, 0.0, 1.0)]
+
+
+@converts("HardSwish")
+def hard_swish(cv: Converter, n: OnnxNode):
+    return [cv.call(aten.hardswish.default, n.x(0))]
+
+
+@converts("Softsign")
+def softsign(cv: Converter, n: OnnxNode):
+    x = n.x(0)
+    return [cv.call(aten.div.Tensor, x, cv.call(aten.add.Scalar, cv.call(aten.abs.default, x), 1))]
+
+
+@converts("ThresholdedRelu")
+def thresholded_relu(cv: Converter, n: OnnxNode):
+    x = n.x(0)
+    keep = cv.call(aten.gt.Scalar, x, n.attr("alpha", 1.0))
+    return [cv.call(aten.where.self, keep, x, cv.scalar(0, x.desc.dtype.torch))]
+
+
+@converts("PRelu")
+def prelu(cv: Converter, n: OnnxNode):
+    x, slope = n.x(0), n.x(1)
+    neg = cv.call(aten.lt.Scalar, x, 0)
+    return [cv.call(aten.where.self, neg, cv.call(aten.mul.Tensor, x, slope), x)]
+
+
+@converts("Gelu")
+def gelu(cv: Converter, n: OnnxNode):
+    return [cv.call(aten.gelu.default, n.x(0), approximate=n.attr("approximate", "none"))]
+
+
+@converts("Clip")
+def clip(cv: Converter, n: OnnxNode):
+    x = n.x(0)
+    lo, hi = n.c(1), n.c(2)
+    if (n.has(1) and lo is None) or (n.has(2) and hi is None):
+        return [cv.call(aten.clamp.Tensor, x, n.x(1), n.x(2))]
+    lo = lo.item() if lo is not None else None
+    hi = hi.item() if hi is not None else None
+    if lo is None and hi is None:
+        return [x]
+    if lo is not None and hi is not None and lo > hi:
+        raise NotConverted("min > max")
+    if lo == 0 and hi is None:
+        return [cv.call(aten.relu.default, x)]
+    return [cv.call(aten.clamp.default, x, lo, hi)]
+
+
+# -- reductions -------------------------------------------------------------------------
+
+def _axes(cv: Converter, n: OnnxNode, rank: int) -> Optional[List[int]]:
+    """The reduced axes (None = all, [] = none): input 1 from opset 18 (13 for
+    ReduceSum), else the ``axes`` attribute."""
+    axes = n.ints(1) if n.has(1) else n.attr("axes")
+    if not axes:
+        return [] if n.attr("noop_with_empty_axes", 0) else None
+    return sorted(norm_axis(a, rank) for a in axes)
+
+
+def _reduce(cv: Converter, x: Value, axes, keep: bool, how: str) -> Value:
+    rank = x.desc.rank
+    dims = list(range(rank)) if axes is None else axes
+    if how == "sum":
+        return cv.call(aten.sum.dim_IntList, x, dims, keep)
+    if how == "mean":
+        return cv.call(aten.mean.dim, x, dims, keep)
+    if how in ("max", "min"):
+        if any(shape(x)[d] == 0 for d in dims):
+            raise NotConverted("reduction over an empty dimension")
+        return cv.call(aten.amax.default if how == "max" else aten.amin.default, x, dims, keep)
+    if how == "prod":
+        for d in sorted(dims, reverse=True):
+            x = cv.call(aten.prod.dim_int, x, d, keep)
+        return x
+    if how == "logsumexp":
+        return cv.call(aten.logsumexp.default, x, dims, keep)
+    raise AssertionError(how)
+
+
+@converts("ReduceSum", "ReduceMean", "ReduceMax", "ReduceMin", "ReduceProd", "ReduceL1",
+          "ReduceL2", "ReduceSumSquare", "ReduceLogSum", "ReduceLogSumExp")
+def reduce(cv: Converter, n: OnnxNode):
+    x = n.x(0)
+    axes = _axes(cv, n, x.desc.rank)
+    keep = bool(n.attr("keepdims", 1))
+    if axes == []:
+        return [cv.call(aten.clone.default, x)]
+    op = n.op_type
+    if op in ("ReduceMax", "ReduceMin") and x.desc.dtype.torch == torch.bool:
+        raise NotConverted("boolean max/min")
+    how = {"ReduceSum": "sum", "ReduceMean": "mean", "ReduceMax": "max", "ReduceMin": "min",
+           "ReduceProd": "prod", "ReduceLogSumExp": "logsumexp"}.get(op)
+    if how is not None:
+        return [_reduce(cv, x, axes, keep, how)]
+    if op == "ReduceL1":
+        return [_reduce(cv, cv.call(aten.abs.default, x), axes, keep, "sum")]
+    if op == "ReduceSumSquare":
+        return [_reduce(cv, cv.call(aten.mul.Tensor, x, x), axes, keep, "sum")]
+    if op == "ReduceL2":
+        y = cv.call(aten.sqrt.default, _reduce(cv, cv.call(aten.mul.Tensor, x, x), axes, keep, "sum"))
+    else:  # ReduceLogSum
+        y = cv.call(aten.log.default, _reduce(cv, x, axes, keep, "sum"))
+    if y.desc.dtype != x.desc.dtype:
+        y = cv.call(aten._to_copy.default, y, dtype=x.desc.dtype.torch)
+    return [y]
+
+
+@converts("ArgMax", "ArgMin")
+def argmax(cv: Converter, n: OnnxNode):
+    x = n.x(0)
+    axis = norm_axis(n.attr("axis", 0), x.desc.rank)
+    keep = bool(n.attr("keepdims", 1))
+    fn = aten.argmax.default if n.op_type == "ArgMax" else aten.argmin.default
+    if n.attr("select_last_index", 0):
+        d = shape(x)[axis]
+        flipped = cv.call(aten.index_select.default, x, axis,
+                          cv.const(torch.arange(d - 1, -1, -1)))
+        i = cv.call(fn, flipped, axis, keep)
+        return [cv.call(aten.rsub.Scalar, i, d - 1)]
+    return [cv.call(fn, x, axis, keep)]
+
+
+@converts("CumSum")
+def cumsum(cv: Converter, n: OnnxNode):
+    x = n.x(0)
+    axis = norm_axis(n.ints(1)[0], x.desc.rank)
+    if n.attr("exclusive", 0) or n.attr("reverse", 0):
+        raise NotConverted("exclusive or reverse CumSum")
+    return [cv.call(aten.cumsum.default, x, axis, dtype=x.desc.dtype.torch)]
+
+
+# -- matrix products --------------------------------------------------------------------
+
+def matmul(cv: Converter, a: Value, b: Value) -> Value:
+    """numpy ``matmul`` semantics by mm / bmm with views and expands, as ATen's own
+    ``matmul`` decomposition does (so a Linear on 3-D input is view → mm → view)."""
+    sa, sb = shape(a), shape(b)
+    if len(sa) == 1:
+        return reshape(cv, matmul(cv, reshape(cv, a, [1] + sa), b), sb[:-2] + sb[-1:] if len(sb) > 1 else [])
+    if len(sb) == 1:
+        y = matmul(cv, a, reshape(cv, b, sb + [1]))
+        return reshape(cv, y, shape(y)[:-1])
+    if len(sa) == 2 and len(sb) == 2:
+        return cv.call(aten.mm.default, a, b)
+    m, k, nn = sa[-2], sa[-1], sb[-1]
+    if len(sb) == 2:   # (..., m, k) @ (k, n): fold the batch into the rows
+        y = cv.call(aten.mm.default, reshape(cv, a, [math.prod(sa[:-1]), k]), b)
+        return reshape(cv, y, sa[:-1] + [nn])
+    batch = list(torch.broadcast_shapes(tuple(sa[:-2]), tuple(sb[:-2])))
+    bt = math.prod(batch)
+    if sa[:-2] != batch:
+        a = cv.call(aten.expand.default, a, batch + [m, k])
+    if sb[:-2] != batch:
+        b = cv.call(aten.expand.default, b, batch + [k, nn])
+    y = cv.call(aten.bmm.default, reshape(cv, a, [bt, m, k]), reshape(cv, b, [bt, k, nn]))
+    return reshape(cv, y, batch + [m, nn])
+
+
+@converts("MatMul")
+def matmul_op(cv: Converter, n: OnnxNode):
+    a, b = n.x(0), n.x(1)
+    if a.desc.dtype.torch not in (torch.float32, torch.float64, torch.float16, torch.bfloat16):
+        raise NotConverted(f"integer MatMul ({a.desc.dtype})")
+    return [matmul(cv, a, b)]
+
+
+@converts("Gemm")
+def gemm(cv: Converter, n: OnnxNode):
+    a, b, c = n.x(0), n.x(1), n.x(2)
+    alpha, beta = n.attr("alpha", 1.0), n.attr("beta", 1.0)
+    if n.attr("transA", 0):
+        a = cv.call(aten.permute.default, a, [1, 0])
+    if n.attr("transB", 0):
+        b = cv.call(aten.permute.default, b, [1, 0])
+    if c is None or beta == 0:
+        y = cv.call(aten.mm.default, a, b)
+        return [y if alpha == 1 else cv.call(aten.mul.Scalar, y, alpha)]
+    kw = {}
+    if beta != 1:
+        kw["beta"] = beta
+    if alpha != 1:
+        kw["alpha"] = alpha
+    return [cv.call(aten.addmm.default, c, a, b, **kw)]
+
+
+# -- convolution ------------------------------------------------------------------------
+
+def _auto_pads(n: OnnxNode, in_sp, k, strides, dil) -> List[int]:
+    """ONNX pads [b1..bn, e1..en] from ``auto_pad`` (SAME_UPPER puts the odd one at
+    the end) or the ``pads`` attribute."""
+    auto = n.attr("auto_pad", "NOTSET")
+    r = len(in_sp)
+    if auto in ("NOTSET", ""):
+        return list(n.attr("pads", [0] * 2 * r))
+    if auto == "VALID":
+        return [0] * 2 * r
+    begin, end = [], []
+    for i in range(r):
+        out = -(-in_sp[i] // strides[i])
+        total = max(0, (out - 1) * strides[i] + (k[i] - 1) * dil[i] + 1 - in_sp[i])
+        small, big = total // 2, total - total // 2
+        begin.append(small if auto == "SAME_UPPER" else big)
+        end.append(big if auto == "SAME_UPPER" else small)
+    return begin + end
+
+
+def _pad_input(cv: Converter, x: Value, pads: List[int], value: float = 0.0):
+    """Pads symmetric → (x, per-dim padding); asymmetric ones are applied to ``x``."""
+    r = len(pads) // 2
+    begin, end = pads[:r], pads[r:]
+    if begin == end:
+        return x, begin
+    tpad: List[int] = []
+    for i in range(r - 1, -1, -1):
+        tpad += [begin[i], end[i]]
+    return cv.call(aten.constant_pad_nd.default, x, tpad, value), [0] * r
+
+
+@converts("Conv")
+def conv(cv: Converter, n: OnnxNode):
+    x, w, b = n.x(0), n.x(1), n.x(2)
+    sp = shape(x)[2:]
+    r = len(sp)
+    k = n.attr("kernel_shape") or shape(w)[2:]
+    strides = list(n.attr("strides", [1] * r))
+    dil = list(n.attr("dilations", [1] * r))
+    x, padding = _pad_input(cv, x, _auto_pads(n, sp, k, strides, dil))
+    return [cv.call(aten.convolution.default, x, w, b, strides, padding, dil, False,
+                    [0] * r, n.attr("group", 1))]
+
+
+@converts("ConvTranspose")
+def conv_transpose(cv: Converter, n: OnnxNode):
+    x, w, b = n.x(0), n.x(1), n.x(2)
+    sp = shape(x)[2:]
+    r = len(sp)
+    k = list(n.attr("kernel_shape") or shape(w)[2:])
+    strides = list(n.attr("strides", [1] * r))
+    dil = list(n.attr("dilations", [1] * r))
+    out_pad = list(n.attr("output_padding", [0] * r))
+    auto = n.attr("auto_pad", "NOTSET")
+    if n.attr("output_shape") is not None or auto not in ("NOTSET", "", "VALID"):
+        raise NotConverted("ConvTranspose with output_shape or SAME auto_pad")
+    pads = [0] * 2 * r if auto == "VALID" else list(n.attr("pads", [0] * 2 * r))
+    if pads[:r] != pads[r:]:
+        raise NotConverted("asymmetric ConvTranspose pads")
+    return [cv.call(aten.convolution.default, x, w, b, strides, pads[:r], dil, True,
+                    out_pad, n.attr("group", 1))]
+
+
+# -- normalization ----------------------------------------------------------------------
+
+@converts("BatchNormalization")
+def batch_norm(cv: Converter, n: OnnxNode):
+    if n.attr("training_mode", 0) or len([y for y in n.outputs if y]) > 1:
+        raise NotConverted("training-mode BatchNormalization")
+    x = n.x(0)
+    return [cv.call(aten._native_batch_norm_legit_no_training.default, x, n.x(1), n.x(2), n.x(3),
+                    n.x(4), n.attr("momentum", 0.9), n.attr("epsilon", 1e-5))[0]]
+
+
+@converts("LayerNormalization")
+def layer_norm(cv: Converter, n: OnnxNode):
+    x, scale, bias = n.x(0), n.x(1), n.x(2)
+    s = shape(x)
+    axis = norm_axis(n.attr("axis", -1), len(s))
+    if n.attr("stash_type", 1) != 1 or not x.desc.dtype.is_floating:
+        raise NotConverted("stash_type other than float32")
+    normalized = s[axis:]
+    if shape(scale) != normalized:
+        scale = cv.call(aten.expand.default, scale, normalized)
+    if bias is not None and shape(bias) != normalized:
+        bias = cv.call(aten.expand.default, bias, normalized)
+    outs = cv.call(aten.native_layer_norm.default, x, normalized, scale, bias,
+                   n.attr("epsilon", 1e-5))
+    return outs[:len(n.outputs)]
+
+
+@converts("InstanceNormalization", "GroupNormalization")
+def group_norm(cv: Converter, n: OnnxNode):
+    x, scale, bias = n.x(0), n.x(1), n.x(2)
+    s = shape(x)
+    c = s[1]
+    groups = c if n.op_type == "InstanceNormalization" else n.attr("num_groups")
+    if n.op_type == "GroupNormalization" and (cv.opset < 21 or shape(scale) != [c]):
+        raise NotConverted("GroupNormalization-18 (per-group scale)")
+    hw = math.prod(s[2:])
+    y = cv.call(aten.native_group_norm.default, x, scale, bias, s[0], c, hw, groups,
+                n.attr("epsilon", 1e-5))[0]
+    return [y]
+
+
+@converts("Softmax", "LogSoftmax")
+def softmax(cv: Converter, n: OnnxNode):
+    x = n.x(0)
+    axis = norm_axis(n.attr("axis", -1), x.desc.rank)
+    fn = aten._softmax.default if n.op_type == "Softmax" else aten._log_softmax.default
+    return [cv.call(fn, x, axis, False)]
+
+
+# -- pooling ----------------------------------------------------------------------------
+
+def _to_2d(cv: Converter, x: Value):
+    """1-D pooling runs as 2-D on (N, C, 1, L); returns (x, undo)."""
+    s = shape(x)
+    if len(s) == 3:
+        return reshape(cv, x, s[:2] + [1, s[2]]), lambda y: reshape(cv, y, shape(y)[:2] + [shape(y)[3]])
+    return x, lambda y: y
+
+
+@converts("MaxPool", "AveragePool")
+def pool(cv: Converter, n: OnnxNode):
+    x = n.x(0)
+    sp = shape(x)[2:]
+    r = len(sp)
+    if r not in (1, 2):
+        raise NotConverted(f"{r}-D pooling")
+    if n.op_type == "MaxPool" and (len(n.outputs) > 1 and n.outputs[1]):
+        raise NotConverted("MaxPool Indices output")
+    k = list(n.attr("kernel_shape"))
+    strides = list(n.attr("strides", [1] * r))
+    dil = list(n.attr("dilations", [1] * r))
+    ceil = bool(n.attr("ceil_mode", 0))
+    pads = _auto_pads(n, sp, k, strides, dil)
+    if n.op_type == "AveragePool" and (dil != [1] * r or (ceil and any(pads))):
+        raise NotConverted("dilated or padded ceil-mode AveragePool")
+    if any(p * 2 > kk for p, kk in zip(pads, k + k)) or (ceil and pads[:r] != pads[r:]):
+        raise NotConverted("padding larger than half the kernel")
+    if n.op_type == "MaxPool":
+        fill = -math.inf if x.desc.dtype.is_floating else torch.iinfo(x.desc.dtype.torch).min
+        if not x.desc.dtype.is_floating:
+            raise NotConverted("integer MaxPool")
+        x, padding = _pad_input(cv, x, pads, fill)
+    else:
+        include = bool(n.attr("count_include_pad", 0))
+        if pads[:r] != pads[r:]:
+            if not include:
+                raise NotConverted("asymmetric AveragePool pads without count_include_pad")
+            x, padding = _pad_input(cv, x, pads)
+        else:
+            padding = pads[:r]
+    x, undo = _to_2d(cv, x)
+    if r == 1:
+        k, strides, dil, padding = [1] + k, [1] + strides, [1] + dil, [0] + list(padding)
+    if n.op_type == "MaxPool":
+        y = cv.call(aten.max_pool2d_with_indices.default, x, k, strides, padding, dil, ceil)[0]
+    else:
+        y = cv.call(aten.avg_pool2d.default, x, k, strides, padding, ceil,
+                    bool(n.attr("count_include_pad", 0)))
+    return [undo(y)]
+
+
+@converts("GlobalAveragePool", "GlobalMaxPool")
+def global_pool(cv: Converter, n: OnnxNode):
+    x = n.x(0)
+    dims = list(range(2, x.desc.rank))
+    if n.op_type == "GlobalAveragePool":
+        return [cv.call(aten.mean.dim, x, dims, True)]
+    return [cv.call(aten.amax.default, x, dims, True)]
+
+
+# -- resize -----------------------------------------------------------------------------
+
+@converts("Resize")
+def resize(cv: Converter, n: OnnxNode):
+    x = n.x(0)
+    s = shape(x)
+    if len(s) != 4:
+        raise NotConverted("Resize of a non-4-D tensor")
+    mode = n.attr("mode", "nearest")
+    ctm = n.attr("coordinate_transformation_mode", "half_pixel")
+    if n.attr("antialias", 0) or n.attr("axes") is not None or \
+            n.attr("keep_aspect_ratio_policy", "stretch") != "stretch":
+        raise NotConverted("antialias, axes or keep_aspect_ratio_policy")
+    if n.has(1) and ctm == "tf_crop_and_resize":
+        raise NotConverted("tf_crop_and_resize")
+    scales = n.c(2) if n.has(2) else None
+    sizes = n.ints(3) if n.has(3) else None
+    if scales is not None and scales.numel() == 0:
+        scales = None
+    if scales is None and sizes is None:
+        raise NotConverted("run-time scales")
+    if scales is not None:
+        sc = [float(v) for v in scales.tolist()]
+        if sc[:2] != [1.0, 1.0]:
+            raise NotConverted("Resize over batch or channels")
+        out = [int(math.floor(d * f)) for d, f in zip(s, sc)]
+        factors = sc[2:]
+    else:
+        if sizes[:2] != s[:2]:
+            raise NotConverted("Resize over batch or channels")
+        out, factors = list(sizes), None
+    if mode == "nearest":
+        nm = n.attr("nearest_mode", "round_prefer_floor")
+        if ctm == "asymmetric" and nm == "floor":
+            return [cv.call(aten.upsample_nearest2d.vec, x, None if factors else out[2:], factors)]
+        raise NotConverted(f"nearest Resize with {ctm}/{nm}")
+    if mode == "linear":
+        if ctm == "align_corners":
+            if factors and any(d * f != o for d, f, o in zip(s[2:], factors, out[2:])):
+                # ONNX divides by the fractional resized length (in·scale - 1)
+                raise NotConverted("align_corners Resize with a fractional output length")
+            ac = True
+        elif ctm in ("half_pixel", "pytorch_half_pixel") and all(o > 1 for o in out[2:]):
+            ac = False
+        else:
+            raise NotConverted(f"linear Resize with {ctm}")
+        return [cv.call(aten.upsample_bilinear2d.vec, x, None if factors else out[2:], ac, factors)]
+    raise NotConverted(f"{mode} Resize")
