@@ -7,6 +7,7 @@ schedule, bound kernels and the compile report.
 from __future__ import annotations
 
 import time
+import weakref
 from typing import Any, Dict, Optional, Sequence, Tuple
 
 import torch
@@ -31,6 +32,30 @@ def graph_cost(graph: Graph) -> Dict[str, int]:
     for n in graph.nodes:
         total = total + get_op(n.op).cost(n)
     return {"flops": int(total.flops), "bytes": int(total.bytes)}
+
+
+def snapshot_constants(graph: Graph, live: Sequence[torch.Tensor]) -> int:
+    """Make the graph's constants its own: each constant that shares memory with one of
+    the ``live`` tensors (the module's parameters and buffers, export's lifted constants)
+    is re-pointed at a copy of that memory, so nothing done to the module later
+    (``p.data.mul_``, an optimizer step) changes the compiled model's results. Constants
+    sharing one storage (a weight and its folded transpose, tied weights) share one copy;
+    derived constants (folded, cast, prepacked) are copies already and stay as they are.
+    Returns the number of storages copied."""
+    storages = {t.untyped_storage().data_ptr() for t in live
+                if isinstance(t, torch.Tensor) and t.device.type != "meta" and t.numel()}
+    copies: Dict[int, Any] = {}
+    for c in graph.constants:
+        t = c.const
+        if not isinstance(t, torch.Tensor) or not t.numel():
+            continue
+        ptr = t.untyped_storage().data_ptr()
+        if ptr in storages:
+            if ptr not in copies:
+                copies[ptr] = t.untyped_storage().clone()
+            c.const = torch.empty(0, dtype=t.dtype).set_(copies[ptr], t.storage_offset(),
+                                                         t.size(), t.stride())
+    return len(copies)
 
 
 def _fallbacks(graph: Graph) -> Dict[str, Dict[str, Any]]:
@@ -136,6 +161,13 @@ class CompiledModel:
     at compile time (it is baked into the graph), an input not on the cpu, and a
     parameter or buffer modified in place since compiling (weights are frozen).
     Non-contiguous inputs are made contiguous; constant outputs are fresh per call.
+    A model that writes into its inputs (``x.add_(1)``) does so here too: after the run
+    the new values are copied into the caller's tensors, and an output that is the
+    mutated input (``return x.add_(1)``) is the caller's tensor object.
+    Weights are a snapshot taken at compile time (the model holds its own copies):
+    changing the module afterwards never changes results; an in-place change that torch
+    records (``p.mul_(2)`` under no_grad, an optimizer step) raises ValueError on the next
+    call, saying to recompile.
     Attributes: ``graph``, ``plan`` (MemoryPlan), ``report`` (CompileReport).
     """
 
@@ -149,9 +181,11 @@ class CompiledModel:
         flat = list(example_flat or [])
         # non-tensor arguments are baked into the graph: calls must repeat them
         self._baked = {i: v for i, v in enumerate(flat) if not isinstance(v, torch.Tensor)}
+        self._mutations = list(graph.meta.get("input_mutations", ()))
         self._contig = [t.is_contiguous() for t in flat if isinstance(t, torch.Tensor)]
-        # weights are frozen into the graph (folded, prepacked): detect in-place changes
-        self._frozen = [(n, t, t._version) for n, t in (frozen or [])]
+        # weights are a snapshot (folded, prepacked, copied): detect in-place changes of
+        # the module's tensors (weak references: the compiled model never keeps them alive)
+        self._frozen = [(n, weakref.ref(t), t._version) for n, t in (frozen or [])]
         consts = {id(c) for c in graph.constants}
         self._const_outputs = [i for i, v in enumerate(graph.outputs) if id(v) in consts]
         t0 = time.perf_counter()
@@ -161,6 +195,16 @@ class CompiledModel:
                                         note="arena allocated once; kernels pre-bound"))
 
     def _flat_inputs(self, args, kwargs) -> list:
+        """The graph's input tensors for a call (contiguous where the examples were)."""
+        return self._contiguous(self._user_tensors(args, kwargs))
+
+    def _contiguous(self, tensors: list) -> list:
+        # the graph was traced on contiguous examples: its views assume those strides
+        return [t.contiguous() if i < len(self._contig) and self._contig[i] else t
+                for i, t in enumerate(tensors)]
+
+    def _user_tensors(self, args, kwargs) -> list:
+        """The caller's tensors, in graph-input order, after checking them."""
         flat, spec = pytree.tree_flatten((args, kwargs))
         if self._in_spec is not None and spec != self._in_spec:
             want_args, want_kw = pytree.tree_unflatten([None] * self._in_spec.num_leaves,
@@ -178,11 +222,12 @@ class CompiledModel:
                     f"{got if not isinstance(got, torch.Tensor) else 'a tensor'!r} now: non-tensor "
                     "arguments are baked into the compiled graph. Recompile with this value, or "
                     "make it a tensor input")
-        for name, t, version in self._frozen:
-            if t._version != version:
+        for name, ref, version in self._frozen:
+            t = ref()
+            if t is not None and t._version != version:
                 raise ValueError(
                     f"parameter or buffer {name!r} was modified in place after compiling: the "
-                    "compiled graph holds the weights it was compiled with (folded, prepacked). "
+                    "compiled model holds a snapshot of the weights it was compiled with. "
                     "Recompile after changing weights")
         tensors = [flat[i] for i in self._positions] if self._positions is not None else flat
         if len(tensors) != len(self.graph.inputs):
@@ -199,23 +244,34 @@ class CompiledModel:
             if t.device.type != "cpu":
                 raise ValueError(f"input {i} ({v.name}) is on {t.device}; the compiled model "
                                  "runs on the host (cpu): move the input with .cpu()")
-        # the graph was traced on contiguous examples: its views assume those strides
-        return [t.contiguous() if i < len(self._contig) and self._contig[i] else t
-                for i, t in enumerate(tensors)]
+        return tensors
 
     def __call__(self, *args, **kwargs):
-        tensors = self._flat_inputs(args, kwargs)
+        user = self._user_tensors(args, kwargs)
         with torch.no_grad():
-            outs = self.executor.run(tensors)
-        if self._const_outputs:  # a folded constant is one tensor: give each call its own
-            outs = tuple(o.clone() if i in self._const_outputs else o for i, o in enumerate(outs))
-        return self._structure(outs)
+            outs = self.executor.run(self._contiguous(user))
+            if self._const_outputs:  # a folded constant is one tensor: give each call its own
+                outs = tuple(o.clone() if i in self._const_outputs else o
+                             for i, o in enumerate(outs))
+            # a model that writes into its inputs: the caller's tensors get eager's values
+            for i, new in zip(self._mutations, outs):
+                user[i].copy_(new)
+        return self._structure(outs[len(self._mutations):], user)
 
-    def _structure(self, outs):
+    def _structure(self, outs, user=None):
         lits = self.graph.meta.get("output_literals", {})
-        n = self.graph.meta.get("n_outputs", len(outs))
+        k = len(self._mutations)
+        n = self.graph.meta.get("n_outputs", len(outs) + k) - k
+        mine = self.graph.meta.get("returns_input", {}) if user is not None else {}
         it = iter(outs)
-        flat = [lits[i] if i in lits else next(it) for i in range(n)]
+        flat = []
+        for i in range(n):
+            if i + k in lits:
+                flat.append(lits[i + k])
+                continue
+            o = next(it)
+            # an output that is a mutated input is the caller's tensor itself, as in eager
+            flat.append(user[mine[i]] if i in mine else o)
         if self._out_spec is None:
             return flat[0] if len(flat) == 1 else tuple(flat)
         return pytree.tree_unflatten(flat, self._out_spec)
@@ -246,11 +302,13 @@ def compile_module(model: torch.nn.Module, example_inputs, device: str = "cpu",
                                     time.perf_counter() - t0, len(graph.nodes),
                                     note="FX → IR, shape/dtype inference checked against FX"))
     graph, plan, report = compile_graph(graph, device, options, report)
+    frozen = list(model.named_parameters()) + list(model.named_buffers())
+    snapshot_constants(graph, [t for _, t in frozen] + list(ep.state_dict.values())
+                       + list(ep.constants.values()))
     flat, in_spec = pytree.tree_flatten((args, example_kwargs or {}))
     from torch.export.graph_signature import InputKind
     user = [s for s in ep.graph_signature.input_specs if s.kind == InputKind.USER_INPUT]
     positions = [i for i, s in enumerate(user) if isinstance(flat[i], torch.Tensor)]
-    frozen = list(model.named_parameters()) + list(model.named_buffers())
     return CompiledModel(graph, plan, report, in_spec=in_spec, out_spec=ep.call_spec.out_spec,
                          input_positions=positions, example_flat=flat, frozen=frozen)
 

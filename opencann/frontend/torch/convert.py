@@ -177,8 +177,12 @@ def from_exported_program(ep: torch.export.ExportedProgram, name: str = "model",
     """Convert a (decomposed) ExportedProgram into an IR Graph.
 
     Parameters, buffers and lifted constants become graph constants; user inputs become
-    graph inputs in flattened order. Raises ConversionError for mutated buffers
-    (training-mode BatchNorm statistics) and unsupported targets."""
+    graph inputs in flattened order. A model that writes into its inputs (``x.add_(1)``)
+    returns the new values first: ``graph.meta["input_mutations"]`` lists, for each of
+    these leading outputs, the graph input it updates, and ``meta["returns_input"]`` maps
+    a user output (index among the outputs after them) that is the mutated input itself
+    to that graph input. Raises ConversionError for mutated buffers (training-mode
+    BatchNorm statistics) and unsupported targets."""
     from torch.export.graph_signature import InputKind, OutputKind
 
     graph = Graph(name)
@@ -186,11 +190,6 @@ def from_exported_program(ep: torch.export.ExportedProgram, name: str = "model",
     sig = ep.graph_signature
     specs = {s.arg.name: s for s in sig.input_specs if hasattr(s.arg, "name")}
     for out in sig.output_specs:
-        if out.kind == OutputKind.USER_INPUT_MUTATION:
-            raise ConversionError(
-                f"the model writes in place into its input {out.target} (e.g. x.add_(1)); a "
-                "compiled graph does not modify its caller's tensors. Fix: work on a copy "
-                "(x = x.clone() first, or x = x + 1)")
         if out.kind == OutputKind.BUFFER_MUTATION:
             bn = any(w in str(out.target) for w in ("running_mean", "running_var",
                                                    "num_batches_tracked"))
@@ -215,9 +214,35 @@ def from_exported_program(ep: torch.export.ExportedProgram, name: str = "model",
             convert_node(graph, node, env)
         elif node.op == "output":
             _set_outputs(graph, node, env)
+            _input_mutations(graph, sig, node)
     if check:
         check_inference(graph)
     return graph
+
+
+def _input_mutations(graph: Graph, sig, out_node: fx.Node) -> None:
+    """Record which leading outputs are new values of user inputs (see
+    `from_exported_program`); torch.export puts them before the user outputs."""
+    from torch.export.graph_signature import OutputKind
+    kinds = [s.kind for s in sig.output_specs]
+    k = sum(kind == OutputKind.USER_INPUT_MUTATION for kind in kinds)
+    if not k:
+        return
+    if kinds[:k] != [OutputKind.USER_INPUT_MUTATION] * k:
+        raise ConversionError("torch.export listed input mutations after other outputs; "
+                              "opencann expects them first (report this as a bug)")
+    names = [v.name for v in graph.inputs]
+    args = list(out_node.args[0])
+    mutations, produced = [], {}
+    for i, spec in enumerate(sig.output_specs[:k]):
+        if spec.target not in names:
+            raise ConversionError(f"the model writes into its input {spec.target}, which is "
+                                  "not a tensor input of the graph (report this as a bug)")
+        mutations.append(names.index(spec.target))
+        produced[args[i]] = mutations[-1]
+    graph.meta["input_mutations"] = mutations
+    graph.meta["returns_input"] = {j: produced[a] for j, a in enumerate(args[k:])
+                                   if isinstance(a, fx.Node) and a in produced}
 
 
 def from_fx_graph(gm: fx.GraphModule, example_inputs, name: str = "graph",
