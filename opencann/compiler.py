@@ -13,7 +13,7 @@ from typing import Any, Dict, Optional, Sequence, Tuple
 import torch
 import torch.utils._pytree as pytree
 
-from .frontend.torch import capture, from_exported_program
+from .frontend.torch import capture, check_layout, from_exported_program
 from .ir import Graph, MemoryPlan
 from .log import logger
 from .ops import Cost, get_op
@@ -158,7 +158,9 @@ class CompiledModel:
     Inputs must have the shapes and dtypes of the example inputs (the graph is static);
     a mismatch raises ValueError naming the input and the expected description, as do
     another number or nesting of inputs, a non-tensor argument with another value than
-    at compile time (it is baked into the graph), an input not on the cpu, and a
+    at compile time (it is baked into the graph), an input not on the cpu, a sparse
+    input, an input that requires grad while grad mode is on (the compiled model is
+    inference-only: outputs never carry a gradient), and a
     parameter or buffer modified in place since compiling (weights are frozen).
     Non-contiguous inputs are made contiguous; constant outputs are fresh per call.
     A model that writes into its inputs (``x.add_(1)``) does so here too: after the run
@@ -235,6 +237,13 @@ class CompiledModel:
         for i, (t, v) in enumerate(zip(tensors, self.graph.inputs)):
             if not isinstance(t, torch.Tensor):
                 raise ValueError(f"input {i} ({v.name}) must be a tensor, got {type(t).__name__}")
+            check_layout(t, f"input {i} ({v.name})")
+            if t.requires_grad and torch.is_grad_enabled():
+                raise ValueError(
+                    f"input {i} ({v.name}) requires grad, but opencann.compile makes an "
+                    "inference model: its outputs carry no gradient. Pass x.detach() or call "
+                    "it under torch.no_grad(); to train, use torch.compile(model, "
+                    "backend='opencann')")
             if tuple(t.shape) != v.desc.shape or t.dtype != v.desc.dtype.torch:
                 what = "shape" if tuple(t.shape) != v.desc.shape else "dtype"
                 raise ValueError(

@@ -104,9 +104,17 @@ def get(name: str, **kw) -> ZooModel:
     if bad:
         raise ValueError(f"zoo model {name!r} takes {takes}, not {bad}")
     for k, v in kw.items():
-        if isinstance(v, int) and v <= 0:
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise ValueError(f"zoo model {name!r}: {k} must be a whole number, got {v!r}")
+        if v <= 0:
             raise ValueError(f"zoo model {name!r}: {k} must be positive, got {v}")
-    return ZOO[name](**kw)
+    zm = ZOO[name](**kw)
+    cfg = getattr(zm.model, "config", None)
+    limit = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None)
+    if "seq" in kw and isinstance(limit, int) and kw["seq"] > limit:
+        raise ValueError(f"zoo model {name!r}: seq {kw['seq']} is longer than its {limit} "
+                         f"positions (its position table); use seq <= {limit} (--seq {limit})")
+    return zm
 
 
 def sample_image(size: int = 224) -> torch.Tensor:
