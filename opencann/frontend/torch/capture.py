@@ -169,6 +169,24 @@ _DATA_DEPENDENT = re.compile(r"data-dependent|GuardOnDataDependent|unbacked|Dyna
                              re.IGNORECASE)
 
 
+def _eager_error(model: torch.nn.Module, args, kwargs) -> BaseException | None:
+    """The exception ``model`` raises in eager PyTorch on (copies of) these inputs, or
+    None when it runs, or when the inputs are fake (``estimate``: nothing to run)."""
+    from torch._subclasses.fake_tensor import is_fake
+    leaves = [t for t in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+    if any(is_fake(t) for t in leaves):
+        return None
+    copies = torch.utils._pytree.tree_map(
+        lambda t: t.clone() if isinstance(t, torch.Tensor) else t, (args, kwargs))
+    try:
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model(*copies[0], **copies[1])
+    except Exception as e:  # noqa: BLE001 - reported as the cause
+        return e
+    return None
+
+
 def _explain(model: torch.nn.Module, args, kwargs, e: BaseException) -> str:
     """One line: why torch.export failed on ``model`` and what to change."""
     name = type(model).__name__
@@ -185,13 +203,8 @@ def _explain(model: torch.nn.Module, args, kwargs, e: BaseException) -> str:
                                     "export utilities register cache objects)" if cache else
                                     "return tensors, tuples, lists, dicts or dataclasses of "
                                     "tensors (or register the class with torch.utils._pytree)"))
-    try:  # inputs the model rejects in eager too are the problem, not the capture
-        copies = torch.utils._pytree.tree_map(
-            lambda t: t.clone() if isinstance(t, torch.Tensor) else t, (args, kwargs))
-        with torch.no_grad(), warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            model(*copies[0], **copies[1])
-    except Exception as eager:  # noqa: BLE001 - reported as the cause
+    eager = _eager_error(model, args, kwargs)
+    if eager is not None:  # inputs the model rejects in eager too: not a capture problem
         return (f"{name} fails on these example inputs ({shown or 'no tensors'}) in eager "
                 f"PyTorch too: {_first_line(eager)}{_positions_hint(model, inputs)}; fix: give "
                 "example inputs of the shapes and value ranges the model accepts")
