@@ -142,6 +142,10 @@ def compile_graph(graph: Graph, device: str = "cpu", options: Optional[Dict[str,
                                     time.perf_counter() - t0, len(plan.inplace),
                                     note=plan.strategy))
     report.memory = plan.summary()
+    effects = sorted(set(graph.meta.get("dropped_effects", ())))
+    if effects:
+        report.notes.append(f"side-effect checks dropped ({', '.join(effects)}): e.g. linalg.inv "
+                            "of a singular matrix gives inf/NaN instead of eager's error")
     randoms = sorted({n.op for n in graph.nodes if get_op(n.op).random})
     if randoms:
         report.notes.append(f"random ops kept as is ({', '.join(randoms)}: the model is in "

@@ -166,6 +166,7 @@ def _convert_effect(graph: Graph, node: fx.Node, env: Dict[fx.Node, Any]) -> Non
         raise ConversionError(f"{node.name}: side-effect op {op!r} is not an ATen overload")
     if not op._schema.returns:
         graph.meta.setdefault("dropped_asserts", []).append(str(op))
+        graph.meta.setdefault("dropped_effects", []).append(str(op))
         env[node] = [None, None]
         return
     inner = _EffectNode(node, vals[1] if len(op._schema.returns) == 1 else tuple(vals[1:]))
