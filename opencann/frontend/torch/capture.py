@@ -132,9 +132,10 @@ def _describe_inputs(model: torch.nn.Module, args, kwargs) -> List[Tuple[str, An
         bound = inspect.signature(model.forward).bind(*args, **kwargs)
         pairs = []
         for k, v in bound.arguments.items():
-            if isinstance(v, dict) and bound.signature.parameters[k].kind == inspect.Parameter.VAR_KEYWORD:
+            kind = bound.signature.parameters[k].kind
+            if kind == inspect.Parameter.VAR_KEYWORD:
                 pairs += list(v.items())
-            elif isinstance(v, tuple) and bound.signature.parameters[k].kind == inspect.Parameter.VAR_POSITIONAL:
+            elif kind == inspect.Parameter.VAR_POSITIONAL:
                 pairs += [(f"{k}[{i}]", x) for i, x in enumerate(v)]
             else:
                 pairs.append((k, v))
