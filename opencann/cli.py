@@ -13,35 +13,82 @@ import argparse
 import importlib.util
 import json
 import os
+import traceback
 import warnings
 import sys
 import time
 
 import torch
 from rich.console import Console
+from rich.markup import escape
+
+from .tools.argtypes import output_file, positive_int
 
 console = Console(soft_wrap=True)  # no hard wrapping when piped to a file
 warnings.filterwarnings("ignore", message=".*LeafSpec.*")  # torch-internal deprecation noise
 
 
+class CliError(Exception):
+    """A mistake in the command line or in the files it names; printed as one line."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors (the usage is one ``-h`` away)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} -h)\n")
+
+
+def _user_error(path: str, what: str, e: BaseException) -> CliError:
+    """One line for an exception raised by the user's file: its type, message and the
+    line of that file where it happened."""
+    if isinstance(e, SyntaxError):
+        return CliError(f"{path}:{e.lineno}: syntax error: {e.msg}")
+    frames = [f for f in traceback.extract_tb(e.__traceback__)
+              if os.path.abspath(f.filename) == os.path.abspath(path)]
+    at = f" at {path}:{frames[-1].lineno}" if frames else ""
+    first = (str(e).splitlines() or [""])[0]
+    return CliError(f"{what} raised {type(e).__name__}: {first}{at}")
+
+
+def _describe(x) -> str:
+    if isinstance(x, (tuple, list)):
+        inner = ", ".join(_describe(y) for y in x[:4]) + (", ..." if len(x) > 4 else "")
+        return f"{type(x).__name__} ({inner})"
+    if callable(x) and not isinstance(x, torch.nn.Module):
+        return "a function"
+    return type(x).__name__
+
+
 def _load(spec: str, batch: int, seq: int):
-    """A zoo name, or ``file.py:factory`` where factory() returns (model, inputs)."""
+    """A zoo name, or ``file.py:factory`` where factory() returns (model, inputs).
+    Raises CliError (one line) for a missing file or function, an error raised while
+    importing the file or calling the factory, or a factory result of another form."""
     from . import zoo
     if ":" in spec and spec.split(":")[0].endswith(".py"):
         path, fn = spec.rsplit(":", 1)
-        if not os.path.exists(path):
-            raise SystemExit(f"error: {path} does not exist")
+        if not os.path.isfile(path):
+            raise CliError(f"{path} " + ("is a directory" if os.path.isdir(path) else "does not exist")
+                           + "; give file.py:factory")
         mod_spec = importlib.util.spec_from_file_location("user_model", path)
         mod = importlib.util.module_from_spec(mod_spec)
-        mod_spec.loader.exec_module(mod)
-        if not hasattr(mod, fn):
-            raise SystemExit(f"error: {path} has no function {fn!r}")
-        res = getattr(mod, fn)()
+        try:
+            mod_spec.loader.exec_module(mod)
+        except Exception as e:  # noqa: BLE001 - the user's file: reported in one line
+            raise _user_error(path, f"importing {path}", e) from None
+        if not callable(getattr(mod, fn, None)):
+            raise CliError(f"{path} has no function {fn!r}")
+        try:
+            res = getattr(mod, fn)()
+        except Exception as e:  # noqa: BLE001 - the user's factory: reported in one line
+            raise _user_error(path, f"{fn}()", e) from None
         if isinstance(res, zoo.ZooModel):
             return res
         if not (isinstance(res, tuple) and len(res) == 2 and isinstance(res[0], torch.nn.Module)):
-            raise SystemExit(f"error: {fn}() must return (model, example_inputs), got "
-                             f"{type(res).__name__}")
+            raise CliError(f"{fn}() must return (model, example_inputs) with model a "
+                           f"torch.nn.Module, got {_describe(res)}"
+                           + ("; wrap the function in a torch.nn.Module" if isinstance(res, tuple)
+                              and res and callable(res[0]) else ""))
         model, inputs = res
         inputs = inputs if isinstance(inputs, tuple) else (inputs,)
         return zoo.ZooModel(fn, model.eval(), inputs, spec)
@@ -51,7 +98,7 @@ def _load(spec: str, batch: int, seq: int):
     try:
         return zoo.get(spec, **kw)
     except KeyError as e:
-        raise SystemExit(f"error: {e.args[0]}; or pass file.py:factory") from None
+        raise CliError(f"{e.args[0]}; or pass file.py:factory") from None
 
 
 def _compile(zm, device="cpu", options=None):
@@ -126,7 +173,11 @@ def cmd_demo(args) -> int:
 
 def cmd_compile(args) -> int:
     zm = _load(args.model, args.batch, args.seq)
-    options = json.loads(args.options) if args.options else None
+    try:
+        options = json.loads(args.options) if args.options else None
+    except json.JSONDecodeError as e:
+        raise CliError(f"--options is not valid JSON ({e.msg} at column {e.colno}); e.g. "
+                       "--options '{\"disable\": [\"cse\"]}'") from None
     cm = _compile(zm, args.device, options)
     console.print(cm.report.to_text() if args.verbose else cm.report.summary())
     if args.report:
@@ -170,31 +221,33 @@ def cmd_bench(args) -> int:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="opencann", description=__doc__,
+    p = _Parser(prog="opencann", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
     d = sub.add_parser("demo", help="the main job: MiniLM and ResNet-50, compiled vs eager")
-    d.add_argument("--runs", type=int, default=10)
-    d.add_argument("--threads", type=int, default=torch.get_num_threads())
+    d.add_argument("--runs", type=positive_int, default=10)
+    d.add_argument("--threads", type=positive_int, default=torch.get_num_threads())
     for name, fn, hlp in (("compile", cmd_compile, "compile a model and print its report"),
                           ("run", cmd_run, "compile, run once, optionally trace"),
                           ("bench", cmd_bench, "compiled vs eager latency")):
         s = sub.add_parser(name, help=hlp)
         s.add_argument("model", help="zoo name (minilm, bert-base, gpt2, resnet50) or file.py:factory")
-        s.add_argument("--batch", type=int, default=1)
-        s.add_argument("--seq", type=int, default=128)
+        s.add_argument("--batch", type=positive_int, default=1)
+        s.add_argument("--seq", type=positive_int, default=128)
         s.set_defaults(fn=fn)
         if name == "compile":
             s.add_argument("--device", default="cpu")
-            s.add_argument("--report", help="write the JSON report here")
-            s.add_argument("--dot", help="write the optimized graph as Graphviz DOT here")
+            s.add_argument("--report", type=output_file, help="write the JSON report here")
+            s.add_argument("--dot", type=output_file,
+                           help="write the optimized graph as Graphviz DOT here")
             s.add_argument("--options", help='compile options as JSON, e.g. \'{"disable": ["cse"]}\'')
             s.add_argument("-v", "--verbose", action="store_true", help="the full text report")
         if name == "run":
-            s.add_argument("--trace", help="write a Chrome trace (chrome://tracing, Perfetto) here")
+            s.add_argument("--trace", type=output_file,
+                           help="write a Chrome trace (chrome://tracing, Perfetto) here")
         if name == "bench":
-            s.add_argument("--runs", type=int, default=10)
-            s.add_argument("--threads", type=int, default=torch.get_num_threads())
+            s.add_argument("--runs", type=positive_int, default=10)
+            s.add_argument("--threads", type=positive_int, default=torch.get_num_threads())
     d.set_defaults(fn=cmd_demo)
     from .tools.estimate import add_arguments as _est_args, run_args as _est_run
     e = sub.add_parser("estimate", help="time, HBM traffic and memory on a virtual NPU")
@@ -208,8 +261,12 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     try:
         return args.fn(args)
-    except (ValueError, RuntimeError, KeyError, FileNotFoundError) as e:
-        console.print(f"[red]error:[/red] {e.args[0] if isinstance(e, KeyError) else e}")
+    except (CliError, ValueError, RuntimeError, KeyError, OSError) as e:
+        msg = e.args[0] if isinstance(e, KeyError) and e.args else str(e)
+        if isinstance(e, OSError) and e.filename is not None:
+            msg = f"{e.filename}: {e.strerror}"
+        lines = msg.strip().splitlines() or [type(e).__name__]
+        Console(stderr=True, soft_wrap=True).print(f"[red]error:[/red] {escape(lines[0])}")
         return 2
 
 

@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import threading
 import time
+import weakref
 from typing import Any, Dict, Optional, Sequence, Tuple
 
 import torch
 import torch.utils._pytree as pytree
 
-from .frontend.torch import capture, from_exported_program
+from .frontend.torch import capture, check_layout, from_exported_program
 from .ir import Graph, MemoryPlan
 from .log import logger
 from .ops import Cost, get_op, is_random
@@ -36,6 +37,30 @@ def graph_cost(graph: Graph) -> Dict[str, int]:
     for n in graph.nodes:
         total = total + get_op(n.op).cost(n)
     return {"flops": int(total.flops), "bytes": int(total.bytes)}
+
+
+def snapshot_constants(graph: Graph, live: Sequence[torch.Tensor]) -> int:
+    """Make the graph's constants its own: each constant that shares memory with one of
+    the ``live`` tensors (the module's parameters and buffers, export's lifted constants)
+    is re-pointed at a copy of that memory, so nothing done to the module later
+    (``p.data.mul_``, an optimizer step) changes the compiled model's results. Constants
+    sharing one storage (a weight and its folded transpose, tied weights) share one copy;
+    derived constants (folded, cast, prepacked) are copies already and stay as they are.
+    Returns the number of storages copied."""
+    storages = {t.untyped_storage().data_ptr() for t in live
+                if isinstance(t, torch.Tensor) and t.device.type != "meta" and t.numel()}
+    copies: Dict[int, Any] = {}
+    for c in graph.constants:
+        t = c.const
+        if not isinstance(t, torch.Tensor) or not t.numel():
+            continue
+        ptr = t.untyped_storage().data_ptr()
+        if ptr in storages:
+            if ptr not in copies:
+                copies[ptr] = t.untyped_storage().clone()
+            c.const = torch.empty(0, dtype=t.dtype).set_(copies[ptr], t.storage_offset(),
+                                                         t.size(), t.stride())
+    return len(copies)
 
 
 def _fallbacks(graph: Graph) -> Dict[str, Dict[str, Any]]:
@@ -126,6 +151,10 @@ def compile_graph(graph: Graph, device: str = "cpu", options: Optional[Dict[str,
                                     time.perf_counter() - t0, len(plan.inplace),
                                     note=plan.strategy))
     report.memory = plan.summary()
+    effects = sorted(set(graph.meta.get("dropped_effects", ())))
+    if effects:
+        report.notes.append(f"side-effect checks dropped ({', '.join(effects)}): e.g. linalg.inv "
+                            "of a singular matrix gives inf/NaN instead of eager's error")
     randoms = sorted({str(n.meta["aten"]) if n.op == "HostFallback" else n.op
                       for n in graph.nodes if is_random(n)})
     if randoms:
@@ -143,7 +172,9 @@ class CompiledModel:
     Inputs must have the shapes and dtypes of the example inputs (the graph is static);
     a mismatch raises ValueError naming the input and the expected description, as do
     another number or nesting of inputs, a non-tensor argument with another value than
-    at compile time (it is baked into the graph), an input not on the cpu, and a
+    at compile time (it is baked into the graph), an input not on the cpu, a sparse
+    input, an input that requires grad while grad mode is on (the compiled model is
+    inference-only: outputs never carry a gradient), and a
     parameter or buffer modified in place since compiling (weights are frozen).
     Non-contiguous inputs are made contiguous. Outputs have eager's strides and share
     memory only where eager's do (views of an input); constant outputs are fresh per call.
@@ -152,6 +183,13 @@ class CompiledModel:
     It may be called from several threads at once: each call borrows an executor (its
     own arena) from a pool of at most ``concurrent_calls`` (compile option, default
     `DEFAULT_CONCURRENT_CALLS`); further calls wait for one to be free.
+    A model that writes into its inputs (``x.add_(1)``) does so here too: after the run
+    the new values are copied into the caller's tensors, and an output that is the
+    mutated input (``return x.add_(1)``) is the caller's tensor object.
+    Weights are a snapshot taken at compile time (the model holds its own copies):
+    changing the module afterwards never changes results; an in-place change that torch
+    records (``p.mul_(2)`` under no_grad, an optimizer step) raises ValueError on the next
+    call, saying to recompile.
     Attributes: ``graph``, ``plan`` (MemoryPlan), ``report`` (CompileReport),
     ``executor`` (the first executor), ``pool`` (ExecutorPool).
     """
@@ -168,9 +206,11 @@ class CompiledModel:
         flat = list(example_flat or [])
         # non-tensor arguments are baked into the graph: calls must repeat them
         self._baked = {i: v for i, v in enumerate(flat) if not isinstance(v, torch.Tensor)}
+        self._mutations = list(graph.meta.get("input_mutations", ()))
         self._contig = [t.is_contiguous() for t in flat if isinstance(t, torch.Tensor)]
-        # weights are frozen into the graph (folded, prepacked): detect in-place changes
-        self._frozen = [(n, t, t._version) for n, t in (frozen or [])]
+        # weights are a snapshot (folded, prepacked, copied): detect in-place changes of
+        # the module's tensors (weak references: the compiled model never keeps them alive)
+        self._frozen = [(n, weakref.ref(t), t._version) for n, t in (frozen or [])]
         t0 = time.perf_counter()
         self.executor = Executor(graph, plan, check_aliasing=check_aliasing)
         self.pool = ExecutorPool(lambda: Executor(graph, plan, check_aliasing=check_aliasing),
@@ -180,6 +220,16 @@ class CompiledModel:
                                         note="arena allocated once; kernels pre-bound"))
 
     def _flat_inputs(self, args, kwargs) -> list:
+        """The graph's input tensors for a call (contiguous where the examples were)."""
+        return self._contiguous(self._user_tensors(args, kwargs))
+
+    def _contiguous(self, tensors: list) -> list:
+        # the graph was traced on contiguous examples: its views assume those strides
+        return [t.contiguous() if i < len(self._contig) and self._contig[i] else t
+                for i, t in enumerate(tensors)]
+
+    def _user_tensors(self, args, kwargs) -> list:
+        """The caller's tensors, in graph-input order, after checking them."""
         flat, spec = pytree.tree_flatten((args, kwargs))
         if self._in_spec is not None and spec != self._in_spec:
             want_args, want_kw = pytree.tree_unflatten([None] * self._in_spec.num_leaves,
@@ -197,11 +247,12 @@ class CompiledModel:
                     f"{got if not isinstance(got, torch.Tensor) else 'a tensor'!r} now: non-tensor "
                     "arguments are baked into the compiled graph. Recompile with this value, or "
                     "make it a tensor input")
-        for name, t, version in self._frozen:
-            if t._version != version:
+        for name, ref, version in self._frozen:
+            t = ref()
+            if t is not None and t._version != version:
                 raise ValueError(
                     f"parameter or buffer {name!r} was modified in place after compiling: the "
-                    "compiled graph holds the weights it was compiled with (folded, prepacked). "
+                    "compiled model holds a snapshot of the weights it was compiled with. "
                     "Recompile after changing weights")
         tensors = [flat[i] for i in self._positions] if self._positions is not None else flat
         if len(tensors) != len(self.graph.inputs):
@@ -209,6 +260,13 @@ class CompiledModel:
         for i, (t, v) in enumerate(zip(tensors, self.graph.inputs)):
             if not isinstance(t, torch.Tensor):
                 raise ValueError(f"input {i} ({v.name}) must be a tensor, got {type(t).__name__}")
+            check_layout(t, f"input {i} ({v.name})")
+            if t.requires_grad and torch.is_grad_enabled():
+                raise ValueError(
+                    f"input {i} ({v.name}) requires grad, but opencann.compile makes an "
+                    "inference model: its outputs carry no gradient. Pass x.detach() or call "
+                    "it under torch.no_grad(); to train, use torch.compile(model, "
+                    "backend='opencann')")
             if tuple(t.shape) != v.desc.shape or t.dtype != v.desc.dtype.torch:
                 what = "shape" if tuple(t.shape) != v.desc.shape else "dtype"
                 raise ValueError(
@@ -218,21 +276,31 @@ class CompiledModel:
             if t.device.type != "cpu":
                 raise ValueError(f"input {i} ({v.name}) is on {t.device}; the compiled model "
                                  "runs on the host (cpu): move the input with .cpu()")
-        # the graph was traced on contiguous examples: its views assume those strides
-        return [t.contiguous() if i < len(self._contig) and self._contig[i] else t
-                for i, t in enumerate(tensors)]
+        return tensors
 
     def __call__(self, *args, **kwargs):
-        tensors = self._flat_inputs(args, kwargs)
+        user = self._user_tensors(args, kwargs)
         with torch.no_grad():
-            outs = self.pool.run(tensors)
-        return self._structure(outs)
+            outs = self.pool.run(self._contiguous(user))
+            # a model that writes into its inputs: the caller's tensors get eager's values
+            for i, new in zip(self._mutations, outs):
+                user[i].copy_(new)
+        return self._structure(outs[len(self._mutations):], user)
 
-    def _structure(self, outs):
+    def _structure(self, outs, user=None):
         lits = self.graph.meta.get("output_literals", {})
-        n = self.graph.meta.get("n_outputs", len(outs))
+        k = len(self._mutations)
+        n = self.graph.meta.get("n_outputs", len(outs) + k) - k
+        mine = self.graph.meta.get("returns_input", {}) if user is not None else {}
         it = iter(outs)
-        flat = [lits[i] if i in lits else next(it) for i in range(n)]
+        flat = []
+        for i in range(n):
+            if i + k in lits:
+                flat.append(lits[i + k])
+                continue
+            o = next(it)
+            # an output that is a mutated input is the caller's tensor itself, as in eager
+            flat.append(user[mine[i]] if i in mine else o)
         if self._out_spec is None:
             return flat[0] if len(flat) == 1 else tuple(flat)
         return pytree.tree_unflatten(flat, self._out_spec)
@@ -269,11 +337,13 @@ def _compile_module(model, example_inputs, device, options, example_kwargs) -> C
                                     time.perf_counter() - t0, len(graph.nodes),
                                     note="FX → IR, shape/dtype inference checked against FX"))
     graph, plan, report = compile_graph(graph, device, options, report)
+    frozen = list(model.named_parameters()) + list(model.named_buffers())
+    snapshot_constants(graph, [t for _, t in frozen] + list(ep.state_dict.values())
+                       + list(ep.constants.values()))
     flat, in_spec = pytree.tree_flatten((args, example_kwargs or {}))
     from torch.export.graph_signature import InputKind
     user = [s for s in ep.graph_signature.input_specs if s.kind == InputKind.USER_INPUT]
     positions = [i for i, s in enumerate(user) if isinstance(flat[i], torch.Tensor)]
-    frozen = list(model.named_parameters()) + list(model.named_buffers())
     return CompiledModel(graph, plan, report, in_spec=in_spec, out_spec=ep.call_spec.out_spec,
                          input_positions=positions, example_flat=flat, frozen=frozen,
                          concurrent_calls=options.get("concurrent_calls", DEFAULT_CONCURRENT_CALLS),

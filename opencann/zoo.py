@@ -104,9 +104,30 @@ def get(name: str, **kw) -> ZooModel:
     if bad:
         raise ValueError(f"zoo model {name!r} takes {takes}, not {bad}")
     for k, v in kw.items():
-        if isinstance(v, int) and v <= 0:
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise ValueError(f"zoo model {name!r}: {k} must be a whole number, got {v!r}")
+        if v <= 0:
             raise ValueError(f"zoo model {name!r}: {k} must be positive, got {v}")
+    limit = max_positions(name)
+    if "seq" in kw and limit is not None and kw["seq"] > limit:
+        raise ValueError(f"zoo model {name!r}: seq {kw['seq']} is longer than its {limit} "
+                         f"positions (its position table); use seq <= {limit} (--seq {limit})")
     return ZOO[name](**kw)
+
+
+def max_positions(name: str):
+    """The longest sequence a zoo transformer takes (its position table, from its
+    config, without building the model); None for models without one."""
+    if name == "bert-base":
+        from transformers import BertConfig
+        return BertConfig().max_position_embeddings
+    if name == "gpt2":
+        from transformers import GPT2Config
+        return GPT2Config().n_positions
+    if name == "minilm":
+        from transformers import AutoConfig
+        return AutoConfig.from_pretrained(minilm_path()).max_position_embeddings
+    return None
 
 
 def sample_image(size: int = 224) -> torch.Tensor:

@@ -53,8 +53,10 @@ def _numel(shape) -> int:
 
 def _trans_data_cost(node: Node) -> Cost:
     """Bytes read + written by one TransData, from the vnpu cost model (`trans_data_cost`,
-    ascend910b numbers); no FLOPs."""
+    ascend910b numbers); no FLOPs; nothing for an empty tensor (batch 0)."""
     s, d = node.inputs[0].desc, node.outputs[0].desc
+    if not _numel(s.shape) or not _numel(d.shape):
+        return Cost(0, 0)
     e = s.dtype.itemsize
     c0 = max(1, 32 // e)
     kc = trans_data_cost(_numel(s.shape), _numel(d.shape), s.dtype.value, burst_bytes=c0 * e)

@@ -34,8 +34,16 @@ class ConstantFolding(Pass):
                 continue
             target = op.aten or node.meta.get("aten")
             args, kwargs = call_args(node, [v.const for v in node.inputs])
-            with torch.no_grad():
-                res = target(*args, **kwargs)
+            try:
+                with torch.no_grad():
+                    res = target(*args, **kwargs)
+            except Exception as e:  # noqa: BLE001 - the model itself fails: say where
+                raise ValueError(
+                    f"{node.name} ({node.op}) at {node.where()} fails on its constant inputs "
+                    f"at compile time ({type(e).__name__}: {(str(e).splitlines() or [''])[0]}), "
+                    "so the model fails on every input of these shapes, as in eager; fix: check "
+                    "the example inputs' shapes (e.g. a sequence longer than the model's "
+                    "position table)") from None
             res = list(res) if isinstance(res, (tuple, list)) else [res]
             for o, r in zip(node.outputs, res):
                 c = graph.add_const(r, name=f"{node.name}_folded")

@@ -25,6 +25,7 @@ Source: CANN Graph Engine developer guide (format selection, TransData insertion
 """
 from __future__ import annotations
 
+import os
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -55,6 +56,8 @@ def npu_spec_for(device: str) -> NpuSpec:
     try:
         return get_preset(name)
     except ValueError as e:
+        if os.path.exists(name):  # a path without .json/.toml: load_spec says what is wrong
+            return load_spec(name)
         raise ValueError(f"device {device!r}: {e}; as a device write 'vnpu:<preset>' or "
                          "'vnpu:<spec.json|spec.toml>'") from None
 

@@ -43,6 +43,7 @@ from ..devices.vnpu import (KernelCost, NpuSpec, conv2d_cost, elementwise_cost, 
 from ..ir import Graph, MemoryPlan, Node, Value
 from ..ops import OpKind, get_op, output_aliases
 from ..passes.vnpu_layout import npu_spec_for
+from .argtypes import output_file, positive_int
 
 GiB = float(1 << 30)
 MiB = float(1 << 20)
@@ -405,10 +406,12 @@ def kernel_alloc_peak(graph: Graph, plan: MemoryPlan) -> int:
 # -- driver ------------------------------------------------------------------------------
 
 def _rebatch(inputs: Tuple, batch: int) -> Tuple:
-    """Same inputs with dim 0 = ``batch``, as uninitialized tensors (estimate never runs
-    the model, and untouched pages of a large ``torch.empty`` cost no memory)."""
-    return tuple(torch.empty((batch, *x.shape[1:]), dtype=x.dtype) if isinstance(x, torch.Tensor) and x.dim()
-                 else x for x in inputs)
+    """Same inputs with dim 0 = ``batch``, as fake tensors (shape and dtype, no storage:
+    estimate never runs the model, so a batch far beyond the host's memory costs none)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        return tuple(torch.empty((batch, *x.shape[1:]), dtype=x.dtype)
+                     if isinstance(x, torch.Tensor) and x.dim() else x for x in inputs)
 
 
 def _load(model_or_zoo_name, example_inputs, batch: int, zoo_kwargs: Dict[str, Any]):
@@ -514,25 +517,27 @@ def add_arguments(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the ``estimate`` options to ``ap`` (a parser or a CLI subparser)."""
     ap.add_argument("--model", required=True, help="zoo name: resnet50, bert-base, gpt2, minilm")
     ap.add_argument("--device", default="vnpu:ascend910b", help="vnpu:<preset> or vnpu:<spec.json|.toml>")
-    ap.add_argument("--batch", type=int, default=1)
-    ap.add_argument("--size", type=int, help="image size (resnet50)")
-    ap.add_argument("--seq", type=int, help="sequence length (bert-base, gpt2, minilm)")
-    ap.add_argument("--json", help="write the report as JSON here")
-    ap.add_argument("--plot", help="write the roofline PNG here")
+    ap.add_argument("--batch", type=positive_int, default=1)
+    ap.add_argument("--size", type=positive_int, help="image size (resnet50)")
+    ap.add_argument("--seq", type=positive_int, help="sequence length (bert-base, gpt2, minilm)")
+    ap.add_argument("--json", type=output_file, help="write the report as JSON here")
+    ap.add_argument("--plot", type=output_file, help="write the roofline PNG here")
     ap.add_argument("--no-fusion", action="store_true", help="report the graph without the fusion passes")
-    ap.add_argument("--top", type=int, default=15, help="ops listed by time")
+    ap.add_argument("--top", type=positive_int, default=15, help="ops listed by time")
     return ap
 
 
 def run_args(args: argparse.Namespace) -> int:
     """Run an estimate from parsed ``add_arguments`` options; prints the text report and
-    writes --json / --plot. Returns 0, or 2 (message printed) when the plan does not fit
-    or the device is not a vnpu."""
+    writes --json / --plot. Returns 0, or 2 (one line on stderr) when the plan does not
+    fit, the device is not a vnpu, the spec file or model is wrong, or capture fails."""
+    import sys
     kw = {k: getattr(args, k) for k in ("size", "seq") if getattr(args, k, None) is not None}
     try:
         rep = estimate(args.model, device=args.device, batch=args.batch, fused=not args.no_fusion, **kw)
-    except (ValueError, KeyError, FileNotFoundError) as e:
-        print(f"error: {e.args[0] if isinstance(e, KeyError) else e}")
+    except (ValueError, KeyError, RuntimeError, OSError) as e:
+        msg = e.args[0] if isinstance(e, KeyError) and e.args else str(e)
+        print(f"error: {(msg.strip().splitlines() or [type(e).__name__])[0]}", file=sys.stderr)
         return 2
     print(rep.to_text(top=args.top))
     if args.json:

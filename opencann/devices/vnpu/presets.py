@@ -60,6 +60,17 @@ FIELD_DOCS: dict[str, tuple[str, str]] = {
 }
 
 _NUMERIC_FIELDS = [f for f in FIELD_DOCS if f != "name"]
+
+# Plausible ranges (inclusive) for any accelerator, far wider than real chips: a value
+# outside is a typo or a unit mistake (MHz for GHz), and would print absurd estimates.
+_RANGES: dict[str, tuple[float, float]] = {
+    "cube_cores": (1, 1e5), "vector_cores": (1, 1e5), "clock_ghz": (0.01, 100),
+    "cube_macs_per_cycle": (1, 1e7), "vector_bytes_per_cycle": (1, 1e6),
+    **{k: (256, 1 << 30) for k in ("l0a_bytes", "l0b_bytes", "l0c_bytes", "l1_bytes", "ub_bytes")},
+    "l2_bytes": (1024, 1 << 40), "hbm_bytes": (1 << 20, 1 << 50), "hbm_gbps": (0.1, 1e6),
+    "gm_read_bytes_per_cycle": (0.1, 1e5), "gm_write_bytes_per_cycle": (0.1, 1e5),
+    "kernel_launch_us": (1e-6, 1e6), "op_dispatch_us": (1e-6, 1e6),
+}
 _INT_FIELDS = {
     "cube_cores", "vector_cores", "cube_macs_per_cycle", "vector_bytes_per_cycle",
     "l0a_bytes", "l0b_bytes", "l0c_bytes", "l1_bytes", "ub_bytes", "l2_bytes", "hbm_bytes",
@@ -163,6 +174,10 @@ def _validate(values: Mapping[str, Any], origin: str) -> None:
         if not math.isfinite(v) or v <= 0:
             raise ValueError(f"{origin}: key '{key}' ({meaning}) must be a positive number in {unit}, "
                              f"got {v!r}; give the chip's value (> 0)")
+        lo, hi = _RANGES[key]
+        if not lo <= v <= hi:
+            raise ValueError(f"{origin}: key '{key}' ({meaning}) is {v!r} {unit}, outside the plausible "
+                             f"range {lo:g}..{hi:g} {unit}; give the chip's value in {unit}")
     if values["vector_cores"] < values["cube_cores"]:
         raise ValueError(f"{origin}: 'vector_cores' ({values['vector_cores']}) is smaller than 'cube_cores' "
                          f"({values['cube_cores']}); every Cube core needs at least one Vector unit")
@@ -287,14 +302,21 @@ def load_spec(path: str | Path) -> NpuSpec:
 
     Raises:
         FileNotFoundError: the file does not exist.
-        ValueError: unknown suffix, unreadable JSON/TOML, an unknown key, a missing key,
-            or a non-positive / non-numeric value; the message names the key and the fix.
+        ValueError: a directory, not UTF-8, unknown suffix, unreadable JSON/TOML, an
+            unknown key, a missing key, or a non-positive / non-numeric / implausible value
+            (outside `_RANGES`); the message names the file, the key and the fix.
     """
     p = Path(path)
     if not p.exists():
         raise FileNotFoundError(f"spec file {p} does not exist")
+    if p.is_dir():
+        raise ValueError(f"spec file {p} is a directory; give a .json or .toml file in it")
     suffix = p.suffix.lower()
-    text = p.read_text()
+    try:
+        text = p.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{p}: not UTF-8 text (byte {e.start}: {e.reason}); save the spec file "
+                         "as UTF-8 JSON or TOML") from None
     try:
         if suffix == ".json":
             data = json.loads(text)

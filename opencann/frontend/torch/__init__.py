@@ -1,6 +1,6 @@
 """PyTorch frontend: capture (torch.export + core-ATen decomposition) and FX → IR."""
-from .capture import CaptureError, capture, decomposition_table
+from .capture import CaptureError, capture, check_layout, decomposition_table
 from .convert import ConversionError, from_exported_program, from_fx_graph
 
-__all__ = ["CaptureError", "capture", "decomposition_table", "ConversionError",
+__all__ = ["CaptureError", "capture", "check_layout", "decomposition_table", "ConversionError",
            "from_exported_program", "from_fx_graph"]

@@ -21,11 +21,17 @@ from __future__ import annotations
 
 import builtins
 import contextlib
+import inspect
+import io
+import logging
 import math
+import os
+import re
+import sys
 import threading
 import time
 import warnings
-from typing import Any, Dict, Tuple
+from typing import Any, Dict, Iterator, List, Tuple
 
 import torch
 
@@ -54,17 +60,24 @@ def capture(model: torch.nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any
     """Export ``model`` on ``args``/``kwargs`` and decompose to core ATen.
 
     Returns the ExportedProgram and timings in seconds (``export``, ``decompose``).
-    Raises CaptureError when torch.export fails (data-dependent control flow, unsupported
-    Python constructs): the message suggests ``torch.compile(backend="opencann")``, which
-    splits the model at graph breaks instead."""
+    transformers models may return their cache objects (``DynamicCache``): their pytree
+    registration (transformers' own export utilities) is made before exporting.
+    Raises TypeError (not a module), ValueError (a sparse or otherwise non-strided input,
+    an unsupported dtype) and CaptureError when torch.export fails, with one line saying
+    why: example inputs the model rejects in eager PyTorch too (shapes, positions beyond
+    the model's), an output type export cannot flatten, data-dependent control flow
+    (then suggesting ``torch.compile(model, backend="opencann")``, which splits the
+    model at graph breaks)."""
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"opencann.compile expects a torch.nn.Module, got {type(model).__name__}")
     if not isinstance(args, tuple):
         args = (args,)
-    for i, a in enumerate(torch.utils._pytree.tree_leaves((args, kwargs or {}))):
-        if isinstance(a, torch.Tensor):
-            DataType.from_torch(a.dtype)  # clear error for unsupported dtypes
+    for i, a in enumerate(t for t in torch.utils._pytree.tree_leaves((args, kwargs or {}))
+                          if isinstance(t, torch.Tensor)):
+        check_layout(a, f"tensor input {i}")
+        DataType.from_torch(a.dtype)  # clear error for unsupported dtypes
     with _serialized_export():
+        _register_transformers_caches(model)   # process-wide pytree registry: under the lock
         return _capture(model, args, kwargs)
 
 
@@ -96,19 +109,162 @@ def _dynamo_compile_lock():
 def _capture(model, args, kwargs):
     t0 = time.perf_counter()
     try:
-        with torch.no_grad(), warnings.catch_warnings():
+        with torch.no_grad(), warnings.catch_warnings(), _quiet_torch_logs():
             # torch-internal deprecation noise from export's own pytree use
             warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
             ep = torch.export.export(model, args, kwargs or {}, strict=False)
     except Exception as e:  # noqa: BLE001 - re-raised with advice
-        raise CaptureError(
-            f"torch.export could not capture {type(model).__name__}: {type(e).__name__}: "
-            f"{str(e).splitlines()[0] if str(e) else ''}\n  fix: remove data-dependent "
-            "Python control flow, or use torch.compile(model, backend='opencann'), which "
-            "compiles each graph between breaks") from None
+        raise CaptureError(_explain(model, args, kwargs or {}, e)) from None
     t1 = time.perf_counter()
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
         ep = ep.run_decompositions(decomposition_table())
     t2 = time.perf_counter()
     return ep, {"export": t1 - t0, "decompose": t2 - t1}
+
+
+def check_layout(t: torch.Tensor, what: str) -> None:
+    """ValueError unless ``t`` is a dense (strided) tensor: graphs compute on dense
+    tensors, and sparse/nested layouts reach kernels that reject them."""
+    if t.layout != torch.strided or getattr(t, "is_nested", False):
+        kind = "nested" if getattr(t, "is_nested", False) else str(t.layout).replace("torch.", "")
+        raise ValueError(f"{what} is a {kind} tensor; opencann compiles dense tensors: pass "
+                         "x.to_dense() (the compiled graph computes on dense tensors)")
+
+
+def _register_transformers_caches(model: torch.nn.Module) -> None:
+    """Make transformers' cache objects (``DynamicCache`` returned by decoders with their
+    default ``use_cache=True``) pytree nodes, with transformers' own registration
+    (``transformers.exporters.exporter_dynamo``); nothing for other models."""
+    if not type(model).__module__.startswith("transformers."):
+        return
+    try:
+        from transformers.exporters.exporter_dynamo import register_cache_pytrees_for_model
+    except ImportError:  # older transformers: the error says to pass use_cache=False
+        return
+    register_cache_pytrees_for_model(model)
+
+
+@contextlib.contextmanager
+def _quiet_torch_logs() -> Iterator[None]:
+    """Hold back what torch writes while export probes a failing model (logged meta-kernel
+    tracebacks, the partial FX graph it prints to stderr): the error is re-raised as one
+    line. Output of a successful export is passed on; everything is kept when the user
+    asked for torch's logs with TORCH_LOGS."""
+    if os.environ.get("TORCH_LOGS"):
+        yield
+        return
+    loggers = [logging.getLogger(n) for n in ("torch._subclasses.fake_tensor",
+                                              "torch.fx.experimental.symbolic_shapes")]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.CRITICAL)
+    held = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(held):
+            yield
+    except BaseException:  # the caller reports the failure in one line
+        raise
+    else:
+        sys.stderr.write(held.getvalue())
+    finally:
+        for lg, lv in zip(loggers, levels):
+            lg.setLevel(lv)
+
+
+def _first_line(e: BaseException) -> str:
+    return f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}"
+
+
+def _describe_inputs(model: torch.nn.Module, args, kwargs) -> List[Tuple[str, Any]]:
+    """(name, value) of each argument, named after ``model.forward``'s parameters."""
+    try:
+        bound = inspect.signature(model.forward).bind(*args, **kwargs)
+        pairs = []
+        for k, v in bound.arguments.items():
+            kind = bound.signature.parameters[k].kind
+            if kind == inspect.Parameter.VAR_KEYWORD:
+                pairs += list(v.items())
+            elif kind == inspect.Parameter.VAR_POSITIONAL:
+                pairs += [(f"{k}[{i}]", x) for i, x in enumerate(v)]
+            else:
+                pairs.append((k, v))
+        return pairs
+    except (TypeError, ValueError):
+        return [(f"input {i}", a) for i, a in enumerate(args)] + list(kwargs.items())
+
+
+def _shape(t: torch.Tensor) -> str:
+    return f"{str(t.dtype).replace('torch.', '')}{list(t.shape)}"
+
+
+def _positions_hint(model: torch.nn.Module, inputs: List[Tuple[str, Any]]) -> str:
+    """'; input_ids has 2000 positions, more than ...' when an integer input is longer
+    than the model's position table (transformers ``config``), else ''."""
+    cfg = getattr(model, "config", None)
+    for key in ("max_position_embeddings", "n_positions"):
+        limit = getattr(cfg, key, None)
+        if isinstance(limit, int):
+            break
+    else:
+        return ""
+    for name, v in inputs:
+        if (isinstance(v, torch.Tensor) and v.dim() >= 2 and not v.dtype.is_floating_point
+                and v.shape[-1] > limit):
+            return (f"; {name} has {v.shape[-1]} positions but the model has {limit} "
+                    f"(config.{key}): use sequences of at most {limit}")
+    return ""
+
+
+_DATA_DEPENDENT = re.compile(r"data-dependent|GuardOnDataDependent|unbacked|Dynamic control flow",
+                             re.IGNORECASE)
+
+
+def _eager_error(model: torch.nn.Module, args, kwargs) -> BaseException | None:
+    """The exception ``model`` raises in eager PyTorch on (copies of) these inputs, or
+    None when it runs, or when the inputs are fake (``estimate``: nothing to run)."""
+    from torch._subclasses.fake_tensor import is_fake
+    leaves = [t for t in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+    if any(is_fake(t) for t in leaves):
+        return None
+    copies = torch.utils._pytree.tree_map(
+        lambda t: t.clone() if isinstance(t, torch.Tensor) else t, (args, kwargs))
+    try:
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model(*copies[0], **copies[1])
+    except Exception as e:  # noqa: BLE001 - reported as the cause
+        return e
+    return None
+
+
+def _explain(model: torch.nn.Module, args, kwargs, e: BaseException) -> str:
+    """One line: why torch.export failed on ``model`` and what to change."""
+    name = type(model).__name__
+    msg = str(e)
+    inputs = _describe_inputs(model, args, kwargs)
+    shown = ", ".join(f"{k} {_shape(v)}" for k, v in inputs if isinstance(v, torch.Tensor))
+    if "not a known type" in msg or "register a pytree" in msg:
+        m = re.search(r"<class '([^']+)'>", msg)
+        cls = m.group(1).rsplit(".", 1)[-1] if m else "an object"
+        cache = "Cache" in cls
+        return (f"{name} returns or takes a {cls}, which torch.export cannot flatten into "
+                "tensors; fix: " + ("call the model with use_cache=False (example_kwargs="
+                                    "{'use_cache': False}), or update transformers (its "
+                                    "export utilities register cache objects)" if cache else
+                                    "return tensors, tuples, lists, dicts or dataclasses of "
+                                    "tensors (or register the class with torch.utils._pytree)"))
+    eager = _eager_error(model, args, kwargs)
+    if eager is not None:  # inputs the model rejects in eager too: not a capture problem
+        return (f"{name} fails on these example inputs ({shown or 'no tensors'}) in eager "
+                f"PyTorch too: {_first_line(eager)}{_positions_hint(model, inputs)}; fix: give "
+                "example inputs of the shapes and value ranges the model accepts")
+    if _DATA_DEPENDENT.search(type(e).__name__ + " " + msg):
+        m = re.search(r'raised this error:\s*File "([^"]+)", line (\d+)', msg)
+        at = f" at {os.path.basename(m.group(1))}:{m.group(2)}" if m else ""
+        return (f"torch.export could not capture {name}: Python control flow depends on tensor "
+                f"values{at} (an if/while on a tensor, .item(), .tolist()); fix: compute both "
+                "branches and pick with torch.where, or use torch.compile(model, "
+                "backend='opencann'), which compiles each graph between breaks")
+    return (f"torch.export could not capture {name}: {_first_line(e)[:200]}; fix: use "
+            "torch.compile(model, backend='opencann'), which compiles each graph between breaks")

@@ -79,6 +79,17 @@ def convert_node(graph: Graph, node: fx.Node, env: Dict[fx.Node, Any]) -> None:
     if target is operator.getitem:
         env[node] = env[node.args[0]][node.args[1]]
         return
+    if target is torch.ops.higher_order.with_effects:
+        _convert_effect(graph, node, env)
+        return
+    if isinstance(target, torch._ops.HigherOrderOperator):
+        src, scope = source_of(node)
+        where = src if src and not src.startswith("<") else (scope or "the model")
+        raise ConversionError(
+            f"{node.name} in {where}: torch.{target.name()} (a higher-order op: "
+            "control flow or a subgraph inside the graph) is not supported by opencann.compile. "
+            "Fix: compute both branches and pick with torch.where(pred, a, b), or use "
+            "torch.compile(model, backend='opencann'), which runs such graphs eagerly")
     if not isinstance(target, torch._ops.OpOverload):
         raise ConversionError(f"{node.name}: unsupported FX target {target!r}; only ATen "
                               "overloads are expected after decomposition")
@@ -134,6 +145,36 @@ def convert_node(graph: Graph, node: fx.Node, env: Dict[fx.Node, Any]) -> None:
     env[node] = list(ir.outputs) if is_seq else ir.outputs[0]
 
 
+class _EffectNode:
+    """The op inside ``with_effects(token, op, *args)``, seen as a plain FX node."""
+
+    def __init__(self, node: fx.Node, val: Any):
+        self.name, self.target = node.name, node.args[1]
+        self.args, self.kwargs = node.args[2:], node.kwargs
+        self.meta = dict(node.meta, val=val)
+
+
+def _convert_effect(graph: Graph, node: fx.Node, env: Dict[fx.Node, Any]) -> None:
+    """``with_effects(token, op, *args)``: torch.export threads a token through ops with
+    side effects (``_linalg_check_errors`` of linalg.inv/solve, prints) to keep their
+    order. A static graph runs in order anyway: the token is dropped and ``op`` converted
+    as usual (an op without results, such as the error check, is dropped like an
+    assertion). The node's value is (token, *results), the token None."""
+    op = node.args[1]
+    vals = list(node.meta.get("val") or ())
+    if not isinstance(op, torch._ops.OpOverload):
+        raise ConversionError(f"{node.name}: side-effect op {op!r} is not an ATen overload")
+    if not op._schema.returns:
+        graph.meta.setdefault("dropped_asserts", []).append(str(op))
+        graph.meta.setdefault("dropped_effects", []).append(str(op))
+        env[node] = [None, None]
+        return
+    inner = _EffectNode(node, vals[1] if len(op._schema.returns) == 1 else tuple(vals[1:]))
+    convert_node(graph, inner, env)
+    res = env.pop(inner)
+    env[node] = [None] + (list(res) if len(op._schema.returns) > 1 else [res])
+
+
 def check_inference(graph: Graph) -> None:
     """Re-infer every aten-backed node's outputs and compare with FX's meta values.
 
@@ -156,10 +197,13 @@ def check_inference(graph: Graph) -> None:
                     f"at {ir.where()}: opencann {a}, FX {b}")
 
 
-def _set_outputs(graph: Graph, node: fx.Node, env: Dict[fx.Node, Any]) -> None:
+def _set_outputs(graph: Graph, node: fx.Node, env: Dict[fx.Node, Any], sig=None) -> None:
     """Graph outputs from the FX output node; non-tensor outputs (None, ints) are kept
-    as literals by position so the runtime can rebuild the flat output list."""
+    as literals by position so the runtime can rebuild the flat output list. Side-effect
+    tokens (``sig``'s TOKEN outputs) are left out."""
     outs = node.args[0] if isinstance(node.args[0], (list, tuple)) else [node.args[0]]
+    if sig is not None:
+        outs = [o for o, s in zip(outs, _output_specs(sig, all_kinds=True)) if s is not None]
     flat = [env[o] if isinstance(o, fx.Node) else o for o in outs]
     graph.meta["output_literals"] = {i: o for i, o in enumerate(flat) if not isinstance(o, Value)}
     graph.outputs = [o for o in flat if isinstance(o, Value)]
@@ -198,9 +242,13 @@ def from_exported_program(ep: torch.export.ExportedProgram, name: str = "model",
     """Convert a (decomposed) ExportedProgram into an IR Graph.
 
     Parameters, buffers and lifted constants become graph constants; user inputs become
-    graph inputs in flattened order. Raises ConversionError for mutated buffers
-    (training-mode BatchNorm statistics), object inputs (an explicit ``generator=``)
-    and unsupported targets."""
+    graph inputs in flattened order. A model that writes into its inputs (``x.add_(1)``)
+    returns the new values first: ``graph.meta["input_mutations"]`` lists, for each of
+    these leading outputs, the graph input it updates, and ``meta["returns_input"]`` maps
+    a user output (index among the outputs after them) that is the mutated input itself
+    to that graph input. Raises ConversionError for mutated buffers (training-mode
+    BatchNorm statistics), object inputs (an explicit ``generator=``) and unsupported
+    targets."""
     from torch.export.graph_signature import InputKind, OutputKind
 
     graph = Graph(name)
@@ -208,11 +256,6 @@ def from_exported_program(ep: torch.export.ExportedProgram, name: str = "model",
     sig = ep.graph_signature
     specs = {s.arg.name: s for s in sig.input_specs if hasattr(s.arg, "name")}
     for out in sig.output_specs:
-        if out.kind == OutputKind.USER_INPUT_MUTATION:
-            raise ConversionError(
-                f"the model writes in place into its input {out.target} (e.g. x.add_(1)); a "
-                "compiled graph does not modify its caller's tensors. Fix: work on a copy "
-                "(x = x.clone() first, or x = x + 1)")
         if out.kind == OutputKind.BUFFER_MUTATION:
             bn = any(w in str(out.target) for w in ("running_mean", "running_var",
                                                    "num_batches_tracked"))
@@ -228,7 +271,9 @@ def from_exported_program(ep: torch.export.ExportedProgram, name: str = "model",
             spec = specs.get(node.name)
             if spec is not None and spec.kind == InputKind.CUSTOM_OBJ:
                 raise ConversionError(_custom_object_error(node, spec))
-            if spec is not None and spec.kind != InputKind.USER_INPUT:
+            elif spec is not None and spec.kind == InputKind.TOKEN:
+                env[node] = None   # side-effect ordering token: see _convert_effect
+            elif spec is not None and spec.kind != InputKind.USER_INPUT:
                 t = _resolve_const(ep, spec.target)
                 env[node] = graph.add_const(t, name=spec.target)
             elif isinstance(node.meta.get("val"), torch.Tensor):
@@ -238,10 +283,46 @@ def from_exported_program(ep: torch.export.ExportedProgram, name: str = "model",
         elif node.op == "call_function":
             convert_node(graph, node, env)
         elif node.op == "output":
-            _set_outputs(graph, node, env)
+            _set_outputs(graph, node, env, sig)
+            _input_mutations(graph, sig, node)
     if check:
         check_inference(graph)
     return graph
+
+
+def _output_specs(sig, all_kinds: bool = False) -> list:
+    """``sig``'s output specs without the side-effect tokens (``all_kinds``: with None in
+    their places)."""
+    from torch.export.graph_signature import OutputKind
+    specs = [None if s.kind == OutputKind.TOKEN else s for s in sig.output_specs]
+    return specs if all_kinds else [s for s in specs if s is not None]
+
+
+def _input_mutations(graph: Graph, sig, out_node: fx.Node) -> None:
+    """Record which leading outputs are new values of user inputs (see
+    `from_exported_program`); torch.export puts them before the user outputs."""
+    from torch.export.graph_signature import OutputKind
+    specs = _output_specs(sig)
+    kinds = [s.kind for s in specs]
+    k = sum(kind == OutputKind.USER_INPUT_MUTATION for kind in kinds)
+    if not k:
+        return
+    if kinds[:k] != [OutputKind.USER_INPUT_MUTATION] * k:
+        raise ConversionError("torch.export listed input mutations after other outputs; "
+                              "opencann expects them first (report this as a bug)")
+    names = [v.name for v in graph.inputs]
+    args = [a for a, s in zip(out_node.args[0], _output_specs(sig, all_kinds=True))
+            if s is not None]
+    mutations, produced = [], {}
+    for i, spec in enumerate(specs[:k]):
+        if spec.target not in names:
+            raise ConversionError(f"the model writes into its input {spec.target}, which is "
+                                  "not a tensor input of the graph (report this as a bug)")
+        mutations.append(names.index(spec.target))
+        produced[args[i]] = mutations[-1]
+    graph.meta["input_mutations"] = mutations
+    graph.meta["returns_input"] = {j: produced[a] for j, a in enumerate(args[k:])
+                                   if isinstance(a, fx.Node) and a in produced}
 
 
 def from_fx_graph(gm: fx.GraphModule, example_inputs, name: str = "graph",

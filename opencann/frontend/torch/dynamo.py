@@ -72,6 +72,15 @@ def opencann_backend(gm: torch.fx.GraphModule, example_inputs, **options):
             "torch.compile(model, backend='opencann', dynamic=False) to get one static graph "
             "per shape (gears)")
         return gm.forward
+    hops = sorted({n.target.name() for n in gm.graph.nodes if n.op == "call_function"
+                   and isinstance(n.target, torch._ops.HigherOrderOperator)})
+    if hops:
+        from ...log import logger
+        logger.warning(
+            "opencann: this graph holds %s (control flow or a subgraph, a higher-order op "
+            "opencann does not compile), so it runs eagerly; compute both branches and pick "
+            "with torch.where(pred, a, b) to compile it", ", ".join(f"torch.{h}" for h in hops))
+        return gm.forward
     if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad
                                        for t in example_inputs):
         from .training import opencann_training_backend

@@ -12,6 +12,8 @@ Semantics of ``causal`` and ``attn_mask``: see ``reference.py``.
 from __future__ import annotations
 
 import functools
+import math
+import numbers
 import os
 
 import torch
@@ -42,6 +44,17 @@ def _check(q, k, v, layout):
         raise ValueError(f"q, k, v dtypes differ ({q.dtype}, {k.dtype}, {v.dtype}); cast them to one")
     if not (q.device == k.device == v.device):
         raise ValueError(f"q, k, v are on different devices ({q.device}, {k.device}, {v.device})")
+
+
+def _check_scale(scale) -> float:
+    """``scale`` as a float; ValueError naming it unless it is a finite real number."""
+    if isinstance(scale, torch.Tensor) and scale.numel() == 1:
+        scale = scale.item()
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real) \
+            or not math.isfinite(scale):
+        raise ValueError(f"scale={scale!r}: give a finite number (the factor on q k^T; None "
+                         "means 1/sqrt(head dim))")
+    return float(scale)
 
 
 def _to_bnsd(q, k, v, layout):
@@ -177,7 +190,7 @@ def _prepare(q, k, v, attn_mask, causal, scale, layout, tiles, backend, forward_
         raise ValueError(f"attn_mask is on {mask.device} but q is on {q.device}")
     if mask is not None:
         mask = mask.detach()
-    scale = float(D ** -0.5 if scale is None else scale)
+    scale = _check_scale(D ** -0.5 if scale is None else scale)
     backend = _pick_backend(backend, q.device)
     bq, bk = _tiles(tiles, backend, D, Sq, Sk, q.dtype, forward_only)
     return q, k, v, mask, off, scale, bq, bk, backend
@@ -206,7 +219,7 @@ def flash_attention(q, k, v, *, attn_mask=None, causal=False, scale=None, layout
     finite masks such as ``finfo(float32).min`` stay finite (no overflow).
     Raises ValueError for a bad layout, wrong rank, dtype or device mismatch, head-dim
     mismatch, query heads not a multiple of kv heads, a mask that does not broadcast,
-    or an unknown causal/backend value.
+    a scale that is not a finite number, or an unknown causal/backend value.
     Source: FlashAttention-2, Dao 2023, arXiv:2307.08691.
     """
     _check(q, k, v, layout)  # before anything reads tensor attributes

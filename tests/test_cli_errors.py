@@ -1,0 +1,110 @@
+"""Command-line mistakes get one line on stderr naming the problem and the fix, and exit
+code 2 (issue #9): no traceback, no silent success."""
+import pytest
+import torch
+
+from opencann import cli
+
+FACTORIES = '''
+import torch
+
+def lam():
+    return (lambda x: x * 2), (torch.randn(2),)
+
+def wrong_shape():
+    return torch.nn.Linear(4, 4), (torch.randn(2, 5),)
+
+def ok():
+    return torch.nn.Linear(4, 4), (torch.randn(2, 4),)
+
+def boom():
+    raise RuntimeError("no weights here")
+'''
+
+
+def _run(argv, capsys):
+    """(exit code, the stderr lines) of ``opencann argv``, run in-process."""
+    try:
+        rc = cli.main(argv)
+    except SystemExit as e:  # argparse's own errors
+        rc = e.code
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    return rc, err
+
+
+def _one_error(argv, capsys, *needles):
+    rc, err = _run(argv, capsys)
+    assert rc == 2, (rc, err)
+    assert len(err) == 1, err
+    for n in needles:
+        assert n in err[0], err[0]
+    return err[0]
+
+
+@pytest.fixture
+def factories(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "f.py").write_text(FACTORIES)
+    (tmp_path / "syn.py").write_text("def f(:\n    pass\n")
+    (tmp_path / "d").mkdir()
+    return tmp_path
+
+
+def test_output_paths_and_counts(factories, capsys):
+    _one_error(["compile", "f.py:ok", "--report", "d"], capsys, "--report", "d is a directory")
+    _one_error(["compile", "f.py:ok", "--dot", "nowhere/g.dot"], capsys,
+               "directory nowhere does not exist")
+    _one_error(["bench", "f.py:ok", "--runs", "0"], capsys, "--runs", "at least 1, got 0")
+    _one_error(["compile", "f.py:ok", "--batch", "two"], capsys, "--batch", "'two'")
+
+
+def test_factory_files(factories, capsys):
+    _one_error(["compile", "syn.py:f"], capsys, "syn.py:1: syntax error")
+    _one_error(["compile", "f.py:lam"], capsys, "must return (model, example_inputs)",
+               "a function", "wrap the function in a torch.nn.Module")
+    _one_error(["compile", "f.py:boom"], capsys, "boom() raised RuntimeError: no weights here",
+               "f.py:14")
+    _one_error(["compile", "f.py:nope"], capsys, "has no function 'nope'")
+    _one_error(["compile", "d:f"], capsys)
+    _one_error(["compile", "f.py:wrong_shape"], capsys, "float32[2, 5]", "eager",
+               "mat1 and mat2 shapes cannot be multiplied")
+    _one_error(["compile", "f.py:ok", "--options", "{bad"], capsys, "--options is not valid JSON")
+
+
+def test_seq_beyond_the_model_positions(capsys):
+    _one_error(["compile", "gpt2", "--seq", "2000"], capsys, "seq 2000", "1024 positions",
+               "--seq 1024")
+
+
+def test_spec_files(tmp_path, capsys):
+    (tmp_path / "spec.toml").mkdir()
+    _one_error(["estimate", "--model", "resnet50", "--device", f"vnpu:{tmp_path / 'spec.toml'}"],
+               capsys, "is a directory")
+    bad = tmp_path / "latin1.toml"
+    bad.write_bytes('name = "café"\n'.encode("latin-1"))
+    _one_error(["estimate", "--model", "resnet50", "--device", f"vnpu:{bad}"], capsys,
+               str(bad), "not UTF-8")
+    tiny = tmp_path / "tiny.toml"
+    tiny.write_text('base = "ascend910b"\nname = "x"\nclock_ghz = 1e-300\n')
+    _one_error(["estimate", "--model", "resnet50", "--device", f"vnpu:{tiny}"], capsys,
+               "'clock_ghz'", "plausible range")
+
+
+def test_estimate_of_a_huge_batch_needs_no_host_memory():
+    """Inputs are fake tensors: a batch whose input alone is 256 GB is costed, and the
+    plan is refused with the HBM message (not a host allocation failure)."""
+    from opencann.tools.estimate import estimate
+    m = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU()).eval()
+    with pytest.raises(ValueError, match="needs .* GiB on ascend910b but it has 64.00 GiB"):
+        estimate(m, torch.randn(2, 64), batch=10 ** 9)
+
+
+def test_flash_attention_names_a_bad_scale():
+    from opencann.ops import flash_attention
+    q = torch.randn(1, 1, 4, 8)
+    for bad in ("big", float("nan"), None.__class__):
+        with pytest.raises(ValueError, match="scale=.*finite number"):
+            flash_attention(q, q, q, scale=bad)
+    torch.testing.assert_close(flash_attention(q, q, q, scale=0.5),
+                               torch.nn.functional.scaled_dot_product_attention(q, q, q, scale=0.5),
+                               atol=1e-5, rtol=1e-5)

@@ -1,0 +1,250 @@
+"""Models at the edges of what the frontend captures (issue #9): weights changed after
+compiling, models that write into their inputs, side-effect tokens (linalg), higher-order
+ops, transformers caches, sparse and requires-grad inputs, empty batches, and capture
+failures explained in one line. Values are compared with eager PyTorch."""
+import copy
+import os
+
+import pytest
+import torch
+import torch.nn as nn
+
+import opencann
+from opencann.frontend.torch import CaptureError, ConversionError
+
+
+def _conv_bn_linear():
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(),
+                      nn.Linear(64, 5)).eval()
+    with torch.no_grad():
+        m[1].running_mean.normal_()
+        m[1].running_var.uniform_(0.5, 2.0)
+    return m
+
+
+def test_weights_are_a_snapshot_taken_at_compile_time():
+    """Folded Conv+BN and the Linear read the same (compile-time) weights, whatever
+    happens to the module afterwards through ``.data`` (which torch does not version)."""
+    m = _conv_bn_linear()
+    x = torch.randn(2, 3, 6, 6)  # no NaN: the fused Conv+ReLU kernel's NaN handling is another issue
+    old = copy.deepcopy(m)
+    cm = opencann.compile(m, (x,))
+    for p in m.parameters():
+        p.data.mul_(1.5)
+    with torch.no_grad():
+        want, changed = old(x), m(x)
+    for _ in range(2):
+        y = cm(x)
+        torch.testing.assert_close(y, want, atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(y, changed, atol=1e-3)
+    params = {p.untyped_storage().data_ptr() for p in list(m.parameters()) + list(m.buffers())}
+    assert not any(c.const.untyped_storage().data_ptr() in params for c in cm.graph.constants)
+
+
+def test_snapshot_shares_one_copy_between_views_of_a_weight():
+    class Tied(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(6, 6))
+
+        def forward(self, x):
+            return x @ self.w + x @ self.w.t()
+
+    m = Tied().eval()
+    x = torch.randn(3, 6)
+    cm = opencann.compile(m, (x,))
+    ptrs = {c.const.untyped_storage().data_ptr() for c in cm.graph.constants}
+    assert len(cm.graph.constants) == 2 and len(ptrs) == 1  # w and its folded transpose
+    assert m.w.untyped_storage().data_ptr() not in ptrs
+    with torch.no_grad():
+        want = m(x)
+        m.w.data.zero_()
+    torch.testing.assert_close(cm(x), want)
+
+
+def test_torch_compile_backend_follows_live_weights():
+    """Through dynamo, parameters are graph inputs: results follow the module, never a mix."""
+    m = _conv_bn_linear()
+    x = torch.randn(2, 3, 6, 6)
+    cm = torch.compile(m, backend="opencann")
+    with torch.no_grad():
+        cm(x)
+        for p in m.parameters():
+            p.data.mul_(1.5)
+        torch.testing.assert_close(cm(x), m(x), atol=1e-5, rtol=1e-5)
+
+
+class WritesInputs(nn.Module):
+    def forward(self, x, buf, g):
+        buf.lerp_(g, 0.1)
+        y = x.add_(1)
+        return y, buf * 2, x[0] * 3
+
+
+def _inputs():
+    torch.manual_seed(1)
+    x, buf, g = torch.randn(3, 4), torch.randn(4), torch.randn(4)
+    x[1, 2] = float("nan")
+    return x, buf, g
+
+
+def test_model_writing_into_its_inputs_matches_eager():
+    ins = _inputs()
+    cm = opencann.compile(WritesInputs(), tuple(t.clone() for t in ins))
+    eager = [t.clone() for t in ins]
+    mine = [t.clone() for t in ins]
+    for _ in range(2):  # the second call starts from the inputs the first one changed
+        ref = WritesInputs()(*eager)
+        out = cm(*mine)
+        assert out[0] is mine[0]  # eager's x.add_(1) returns x itself
+        for a, b in zip(out, ref):
+            torch.testing.assert_close(a, b, equal_nan=True)
+        for a, b in zip(mine, eager):
+            torch.testing.assert_close(a, b, equal_nan=True)
+    kept = out[1].clone()
+    cm(*mine)
+    torch.testing.assert_close(out[1], kept)  # outputs do not alias the next call's
+
+
+def test_input_mutation_writes_through_views_and_non_contiguous_inputs():
+    class AddOne(nn.Module):
+        def forward(self, x):
+            x.mul_(2).add_(1)
+            return x.sum(0)
+
+    cm = opencann.compile(AddOne(), (torch.randn(3, 4),))
+    big = torch.randn(3, 8)
+    ref_big = big.clone()
+    view, ref_view = big[:, ::2], ref_big[:, ::2]      # non-contiguous views
+    out, ref = cm(view), AddOne()(ref_view)
+    torch.testing.assert_close(out, ref)
+    torch.testing.assert_close(big, ref_big)           # written into the caller's storage
+    t = torch.randn(4, 3).t()                          # transposed input
+    r = t.clone()
+    cm(t)
+    AddOne()(r)
+    torch.testing.assert_close(t, r)
+
+
+def test_linalg_inv_and_solve_run_with_eager_values():
+    class Inv(nn.Module):
+        def forward(self, a, b):
+            return torch.linalg.inv(a) * 2, torch.linalg.solve(a, b) + 1
+
+    torch.manual_seed(2)
+    a = torch.randn(2, 3, 3) + 3 * torch.eye(3)
+    b = torch.randn(2, 3, 2)
+    cm = opencann.compile(Inv(), (a, b))
+    assert any("_linalg_check_errors" in n for n in cm.report.notes)
+    for _ in range(2):
+        for got, want in zip(cm(a, b), Inv()(a, b)):
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+class Cond(nn.Module):
+    def forward(self, x):
+        return torch.cond(x.sum() > 0, lambda t: t * 2, lambda t: t - 1, (x,))
+
+
+def test_torch_cond_names_the_op_and_the_fix():
+    with pytest.raises(ConversionError) as e:
+        opencann.compile(Cond(), (torch.randn(4),))
+    msg = str(e.value)
+    assert "torch.cond" in msg and "torch.where" in msg and "\n" not in msg
+    cm = torch.compile(Cond(), backend="opencann")   # the advised route runs it (eagerly)
+    for x in (torch.rand(4), -torch.rand(4)):
+        torch.testing.assert_close(cm(x), Cond()(x))
+
+
+def test_batch_zero_on_vnpu_and_cpu():
+    m = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU()).eval()
+    x = torch.randn(0, 3, 6, 6)
+    for device in ("cpu", "vnpu:ascend910b"):
+        y = opencann.compile(m, (x,), device=device)(x)
+        assert y.shape == m(x).shape == (0, 4, 4, 4)
+
+
+def test_sparse_and_requires_grad_inputs_are_explained():
+    m = nn.Linear(4, 3).eval()
+    with pytest.raises(ValueError, match="sparse_coo tensor; .*x.to_dense()"):
+        opencann.compile(m, (torch.randn(2, 4).to_sparse(),))
+    x = torch.randn(2, 4)
+    cm = opencann.compile(m, (x,))
+    with pytest.raises(ValueError, match="input 0 .* is a sparse_coo tensor"):
+        cm(x.to_sparse())
+    xg = x.clone().requires_grad_()
+    with pytest.raises(ValueError, match="requires grad.*x.detach\\(\\).*torch.no_grad"):
+        cm(xg)
+    with torch.no_grad():
+        torch.testing.assert_close(cm(xg), m(x))
+    torch.testing.assert_close(cm(xg.detach()), m(x).detach())
+
+
+def test_llama_with_its_default_kv_cache():
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import LlamaConfig, LlamaModel
+    torch.manual_seed(0)
+    m = LlamaModel(LlamaConfig(vocab_size=100, hidden_size=32, intermediate_size=64,
+                               num_hidden_layers=2, num_attention_heads=4,
+                               num_key_value_heads=2)).eval()
+    ids = torch.randint(0, 100, (1, 5))
+    cm = opencann.compile(m, (ids,))
+    with torch.no_grad():
+        ref = m(ids)
+    for _ in range(2):
+        out = cm(ids)
+        torch.testing.assert_close(out.last_hidden_state, ref.last_hidden_state,
+                                   atol=1e-5, rtol=1e-5)
+        assert type(out.past_key_values) is type(ref.past_key_values)
+        for a, b in zip(out.past_key_values.layers, ref.past_key_values.layers, strict=True):
+            torch.testing.assert_close(a.keys, b.keys, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(a.values, b.values, atol=1e-5, rtol=1e-5)
+
+
+def _one_line(e) -> str:
+    msg = str(e.value)
+    assert "\n" not in msg and "Traceback" not in msg, msg
+    return msg
+
+
+def test_capture_failures_say_why_in_one_line(capfd):
+    class Lin(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.lin(x)
+
+    class Branchy(nn.Module):
+        def forward(self, x):
+            if x.sum() > 0:
+                return x * 2
+            return x - 1
+
+    with pytest.raises(CaptureError) as e:
+        opencann.compile(Lin(), (torch.randn(2, 5),))
+    msg = _one_line(e)
+    assert "x float32[2, 5]" in msg and "eager" in msg and "data-dependent" not in msg
+    with pytest.raises(CaptureError) as e:
+        opencann.compile(Branchy(), (torch.randn(3),))
+    msg = _one_line(e)
+    assert "depends on tensor values at test_frontend_edge_cases.py:" in msg
+    assert "torch.where" in msg
+    assert "def forward" not in capfd.readouterr().err  # torch's partial graph held back
+
+
+def test_positions_beyond_the_model_are_named():
+    from transformers import BertConfig, BertModel, GPT2Config, GPT2Model
+    small = dict(num_hidden_layers=1, hidden_size=32, num_attention_heads=2,
+                 intermediate_size=32, vocab_size=50)
+    bert = BertModel(BertConfig(max_position_embeddings=16, **small)).eval()
+    with pytest.raises(CaptureError) as e:
+        opencann.compile(bert, (torch.randint(0, 50, (1, 20)),))
+    assert "input_ids has 20 positions but the model has 16" in _one_line(e)
+    gpt = GPT2Model(GPT2Config(n_layer=1, n_embd=32, n_head=2, n_positions=16, vocab_size=50,
+                               use_cache=False)).eval()
+    with pytest.raises(ValueError, match="fails on its constant inputs .*IndexError") as e:
+        opencann.compile(gpt, (torch.randint(0, 50, (1, 20)),))
+    _one_line(e)
