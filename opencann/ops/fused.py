@@ -178,7 +178,10 @@ def _make_linear_kernel(node: Node, in_descs: Sequence[TensorDesc], consts: Sequ
         return r
 
     key = (m, k, n, str(wt.dtype))
-    choice = LINEAR_CHOICES.get(key)
+    # a choice already made for this node (an earlier bind, or a loaded model file) holds,
+    # so every executor of a model, saved or live, runs the same GEMM (same bits)
+    choice = node.meta.get("kernel") if node.meta.get("kernel") in ("addmm", "mkl_packed") \
+        else LINEAR_CHOICES.get(key)
     if choice is None:
         with _LINEAR_CHOICES_LOCK:
             choice = LINEAR_CHOICES.get(key)
