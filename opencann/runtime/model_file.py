@@ -244,7 +244,7 @@ def _pack_constants(g: Graph) -> Tuple[Dict[str, torch.Tensor], Dict[str, Any]]:
             for d in range(t.dim()):
                 if t.stride(d) == 0:
                     compact = compact.narrow(d, 0, min(1, t.shape[d]))
-            flat = compact.permute(*order, *[d for d in range(t.dim()) if d not in order]).reshape(-1)
+            flat = compact.permute(order + [d for d in range(t.dim()) if d not in order]).reshape(-1)
             strides = list(t.stride())
         tensors[key] = flat.clone()  # own storage: no two entries share memory
         layouts[key] = {"shape": list(t.shape), "strides": strides}
