@@ -51,6 +51,8 @@ from ..report import CompileReport, PassRecord, fmt_bytes
 FORMAT_VERSION = 1
 MAGIC = b"OPENCANN"
 _PREFIX = struct.Struct("<8sIQ32s")  # magic, format version, header length, header sha256
+_ALIGN = 64  # bytes: every weight starts this aligned in the file and in memory (as torch's
+# allocator aligns them), so a loaded model's GEMMs take the same code paths (same bits)
 SECTIONS = ("metadata", "graph", "plan", "schedule", "report", "constants")
 KNOWN_DEVICES = ("cpu", "vnpu")
 
@@ -246,15 +248,17 @@ def _pack_constants(g: Graph) -> Tuple[Dict[str, torch.Tensor], Dict[str, Any]]:
                     compact = compact.narrow(d, 0, min(1, t.shape[d]))
             flat = compact.permute(order + [d for d in range(t.dim()) if d not in order]).reshape(-1)
             strides = list(t.stride())
-        tensors[key] = flat.clone()  # own storage: no two entries share memory
-        layouts[key] = {"shape": list(t.shape), "strides": strides}
+        # own storage (no two entries share memory), padded to whole _ALIGN blocks
+        pad = -flat.numel() % max(_ALIGN // flat.element_size(), 1)
+        tensors[key] = torch.cat([flat, flat.new_zeros(pad)]) if pad else flat.clone()
+        layouts[key] = {"shape": list(t.shape), "strides": strides, "numel": flat.numel()}
     return tensors, layouts
 
 
 def _unpack_constants(raw: Dict[str, torch.Tensor], layouts: Dict[str, Any]) -> Dict[str, torch.Tensor]:
     out = {}
     for key, lay in layouts.items():
-        flat = raw[key]
+        flat = raw[key][:lay["numel"]]
         if lay["strides"] is None:
             out[key] = flat.reshape(lay["shape"])
         elif flat.numel() == 0:
@@ -262,6 +266,40 @@ def _unpack_constants(raw: Dict[str, torch.Tensor], layouts: Dict[str, Any]) -> 
         else:
             out[key] = torch.as_strided(flat, lay["shape"], lay["strides"])
     return out
+
+
+_ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+              "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+              "U8": torch.uint8, "BOOL": torch.bool, "C64": torch.complex64}
+
+
+def _safetensors_views(buf: memoryview, where: str) -> Dict[str, torch.Tensor]:
+    """The tensors of a safetensors blob (written by ``safetensors.torch.save``) as views
+    of ``buf``, without copying: the format is an 8-byte little-endian header length,
+    a JSON header {name: {dtype, shape, data_offsets}} and the data (safetensors' spec,
+    huggingface/safetensors README). ``safetensors.torch.load`` would copy the weights
+    twice more, which is most of a large model's load time."""
+    if len(buf) == 0:
+        return {}
+    try:
+        n = struct.unpack_from("<Q", buf)[0]
+        header = json.loads(bytes(buf[8:8 + n]))
+        base, out = 8 + n, {}
+        for name, e in header.items():
+            if name == "__metadata__":
+                continue
+            lo, hi = e["data_offsets"]
+            dt = _ST_DTYPES[e["dtype"]]
+            if not 0 <= lo <= hi <= len(buf) - base:
+                raise ValueError(f"tensor {name} lies outside the section")
+            t = (torch.frombuffer(buf, dtype=dt, count=(hi - lo) // dt.itemsize, offset=base + lo)
+                 if hi > lo else torch.empty(0, dtype=dt))
+            if t.data_ptr() % _ALIGN:   # a file laid out by another writer: an aligned copy
+                t = t.clone()
+            out[name] = t.reshape(e["shape"])
+        return out
+    except (ValueError, KeyError, TypeError, struct.error) as e:
+        raise ModelFileError(f"{where}: constants section is not valid safetensors ({e})") from None
 
 
 # -- plan, report, specs -----------------------------------------------------------------
@@ -404,18 +442,31 @@ def save(compiled, path: str, description: str = "") -> Dict[str, Any]:
              "plan": _json_bytes(_plan_to_json(plan)), "schedule": _json_bytes(schedule),
              "report": json.dumps(report_j, separators=(",", ":")).encode(),
              "constants": safetensors.torch.save(tensors) if tensors else b""}
-    sections, off = [], 0
-    for name in SECTIONS:
-        b = blobs[name]
-        sections.append({"name": name, "offset": off, "size": len(b),
-                         "sha256": hashlib.sha256(b).hexdigest()})
-        off += len(b)
-    header = _json_bytes({"sections": sections})
+    # the header's length does not depend on the offsets' values beyond their digits: lay
+    # out twice so the weights start 64-byte aligned in the file (aligned zero-copy views)
+    header, pads = b"", {}
+    for _ in range(3):
+        sections, off, pads = [], 0, {}
+        for name in SECTIONS:
+            b = blobs[name]
+            if name == "constants" and b:  # the tensor data (after safetensors' header) aligned
+                data_start = 8 + struct.unpack_from("<Q", b)[0]
+                pads[name] = -(_PREFIX.size + len(header) + off + data_start) % _ALIGN
+                off += pads[name]
+            sections.append({"name": name, "offset": off, "size": len(b),
+                             "sha256": hashlib.sha256(b).hexdigest()})
+            off += len(b)
+        new = _json_bytes({"sections": sections})
+        if len(new) == len(header):
+            break
+        header = new
+    header = new
     tmp = f"{path}.tmp{os.getpid()}"
     with open(tmp, "wb") as f:
         f.write(_PREFIX.pack(MAGIC, FORMAT_VERSION, len(header), hashlib.sha256(header).digest()))
         f.write(header)
         for name in SECTIONS:
+            f.write(b"\0" * pads.get(name, 0))
             f.write(blobs[name])
     os.replace(tmp, path)   # never leave a half-written model file under the final name
     return {"format_version": FORMAT_VERSION, "sections": sections}
@@ -425,10 +476,11 @@ def save(compiled, path: str, description: str = "") -> Dict[str, Any]:
 def read_sections(path: str, verify: bool = True) -> Tuple[Dict[str, Any], Dict[str, memoryview]]:
     """(header, section name -> bytes) of the file at ``path``, every checksum checked.
     Raises ModelFileError (what is wrong, one line) or FileNotFoundError."""
-    with open(path, "rb") as f:
-        data = f.read()
+    with open(path, "rb") as f:   # one copy of the file, 64-byte aligned; sections are views
+        data = memoryview(torch.empty(os.fstat(f.fileno()).st_size, dtype=torch.uint8).numpy())
+        f.readinto(data)
     where = os.path.basename(path)
-    if len(data) < len(MAGIC) or data[:len(MAGIC)] != MAGIC:
+    if len(data) < len(MAGIC) or bytes(data[:len(MAGIC)]) != MAGIC:
         raise ModelFileError(f"{where} is not an opencann model file (it does not start with "
                              f"{MAGIC.decode()!r}); write one with opencann.save")
     if len(data) < _PREFIX.size:
@@ -493,15 +545,11 @@ def read(path: str) -> Dict[str, Any]:
     """Parse the model file at ``path`` into the keyword arguments of
     `CompiledModel.from_parts` (graph, plan, report, calling convention), plus
     ``metadata``. Raises ModelFileError (one line, what is wrong) or FileNotFoundError."""
-    import safetensors.torch
     where = os.path.basename(path)
     _, secs = read_sections(path)
     meta = _json_section(secs, "metadata", where)
     check_device(meta.get("device", "cpu"), where)
-    try:
-        consts = safetensors.torch.load(bytes(secs["constants"])) if len(secs["constants"]) else {}
-    except Exception as e:  # noqa: BLE001 - safetensors' own parse error
-        raise ModelFileError(f"{where}: constants section is not valid safetensors ({e})") from None
+    consts = _safetensors_views(secs["constants"], where)
     gj = _json_section(secs, "graph", where)
     try:
         graph = _graph_from_json(gj, _unpack_constants(consts, gj["constant_layouts"]))
