@@ -162,6 +162,8 @@ def _make_linear_kernel(node: Node, in_descs: Sequence[TensorDesc], consts: Sequ
     if not (mkl_packed_available() and wt is not None and x_desc.rank == 2
             and x_desc.dtype.torch == torch.float32 and wt.dtype == torch.float32):
         return run_addmm
+    if node.meta.get("kernel") == "addmm":  # chosen before (e.g. a loaded model): no packing
+        return run_addmm
     m, k = (int(d) for d in x_desc.shape)
     n = int(wt.shape[1])
     w = wt.t().contiguous()  # (out_features, in_features)
