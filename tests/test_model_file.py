@@ -297,6 +297,13 @@ def test_newer_format_other_device_unknown_op(small, tmp_path):
     assert "missing or malformed field" in _load_error(
         _rewrite(path, str(tmp_path / "f.ocm"), "metadata", no_field))
 
+    def garbage_nodes(g):
+        g["nodes"][0]["outputs"] = "x"
+        g["values"][0][2] = [1, 2]
+        return g
+    assert "missing or malformed field" in _load_error(
+        _rewrite(path, str(tmp_path / "g.ocm"), "graph", garbage_nodes))
+
 
 def test_file_holds_no_pickle(small):
     """Every section but the weights is JSON; the weights section is safetensors whose

@@ -560,9 +560,11 @@ def read(path: str) -> Dict[str, Any]:
         baked = {i: _dec(v) for i, v in meta["baked"]}
         parts = dict(input_positions=meta["input_positions"], contiguous=meta["contiguous"],
                      concurrent_calls=meta["concurrent_calls"])
-    except (KeyError, TypeError, IndexError) as e:
-        raise ModelFileError(f"{where}: missing or malformed field {e} (made by another "
-                             "opencann version?)") from None
+    except ModelFileError:
+        raise
+    except (KeyError, TypeError, IndexError, AttributeError, ValueError) as e:
+        raise ModelFileError(f"{where}: missing or malformed field ({type(e).__name__}: {e}) "
+                             "(made by another opencann version?)") from None
     report.passes = [p for p in report.passes if p.name != "bind_kernels"]  # rebound on load
     report.notes.append(f"loaded from {where} (saved by opencann {meta.get('opencann_version')}, "
                         f"torch {meta.get('torch_version')})")
