@@ -40,7 +40,31 @@ def compile(model, example_inputs=None, device: str = "cpu", options: Optional[D
                           example_kwargs=example_kwargs)
 
 
+def save(compiled, path: str, description: str = "") -> None:
+    """Write a `CompiledModel` to ``path`` (an ``.ocm`` model file: optimized graph, memory
+    plan, schedule, report, metadata as JSON; weights as safetensors; sha256 per
+    section; no pickle). Raises ModelFileError if part of the graph cannot be stored."""
+    from .runtime.model_file import save as _save
+    _save(compiled, path, description=description)
+
+
+def load(path: str):
+    """Load a model file written by `save` into a `CompiledModel`, in any process: no
+    model class, no torch.export, no pickled code. Outputs are bit-for-bit those of the
+    saved model. Raises ModelFileError (a ValueError) with one line saying what is wrong
+    (not a model file, truncated, corrupted or modified, newer format, unknown device or
+    op) and FileNotFoundError."""
+    from .compiler import CompiledModel
+    from .runtime.model_file import read
+    parts = read(path)
+    parts.pop("metadata")
+    return CompiledModel.from_parts(**parts)
+
+
 def __getattr__(name):
+    if name == "ModelFileError":
+        from .runtime.model_file import ModelFileError
+        return ModelFileError
     if name in ("CompiledModel", "CompileReport"):
         from . import compiler, report
         return getattr(compiler if name == "CompiledModel" else report, name)

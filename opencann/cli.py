@@ -1,4 +1,4 @@
-"""The ``opencann`` command line: demo, compile, run, bench, estimate, train-demo.
+"""The ``opencann`` command line: demo, compile, run, bench, estimate, train-demo, inspect.
 
     opencann demo                               # the main job on the embedded default
     opencann compile resnet50 --report r.json   # zoo name or file.py:factory
@@ -6,6 +6,7 @@
     opencann bench minilm --batch 1 --seq 128   # compiled vs eager latency
     opencann estimate --model resnet50 --device vnpu:ascend910b --plot roofline.png
     opencann train-demo                         # digits CNN + MiniLM fine-tune, compiled
+    opencann inspect m.ocm [--json]             # a saved model file (opencann.save)
 """
 from __future__ import annotations
 
@@ -220,6 +221,18 @@ def cmd_bench(args) -> int:
     return 0
 
 
+def cmd_inspect(args) -> int:
+    """Print a model file's metadata, inputs/outputs, op counts, memory plan, sections
+    (sizes, sha256) and graph; ``--json`` prints the same as JSON."""
+    from .runtime.model_file import describe, describe_text
+    info = describe(args.file)
+    if args.json:
+        print(json.dumps(info, indent=2, default=str))
+    else:
+        console.print(describe_text(info), markup=False, highlight=False)
+    return 0
+
+
 def main(argv=None) -> int:
     p = _Parser(prog="opencann", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -258,6 +271,11 @@ def main(argv=None) -> int:
     from .tools.train_demo import add_arguments as _train_args, run_args as _train_run
     _train_args(t, minilm_steps=4)  # show transformer training too
     t.set_defaults(fn=_train_run)
+    ins = sub.add_parser("inspect", help="show a saved model file (.ocm): metadata, ops, "
+                         "memory plan, sections with checksums, graph")
+    ins.add_argument("file", help="a file written by opencann.save")
+    ins.add_argument("--json", action="store_true", help="print JSON instead of text")
+    ins.set_defaults(fn=cmd_inspect)
     args = p.parse_args(argv)
     try:
         return args.fn(args)

@@ -219,6 +219,29 @@ class CompiledModel:
                                         time.perf_counter() - t0, len(self.executor.copy_out_nodes),
                                         note="arena allocated once; kernels pre-bound"))
 
+    def calling_convention(self) -> Dict[str, Any]:
+        """How calls map onto the graph, for `opencann.save`: ``in_spec``/``out_spec``
+        (pytree TreeSpecs or None), ``input_positions`` (flat indices of the tensor
+        inputs), ``baked`` (flat index -> non-tensor value fixed at compile time),
+        ``contiguous`` (per tensor input: was the example contiguous) and
+        ``concurrent_calls`` (the executor pool's size)."""
+        return {"in_spec": self._in_spec, "out_spec": self._out_spec,
+                "input_positions": self._positions, "baked": dict(self._baked),
+                "contiguous": list(self._contig), "concurrent_calls": self.pool.size}
+
+    @classmethod
+    def from_parts(cls, graph: Graph, plan: MemoryPlan, report: CompileReport, in_spec, out_spec,
+                   input_positions: Optional[Sequence[int]], baked: Dict[int, Any],
+                   contiguous: Sequence[bool],
+                   concurrent_calls: int = DEFAULT_CONCURRENT_CALLS) -> "CompiledModel":
+        """A compiled model from saved parts (`opencann.load`): the arguments of
+        `calling_convention` plus graph, plan and report. Binds kernels; no capture.
+        Weights are not watched for in-place changes (the file holds its own copy)."""
+        cm = cls(graph, plan, report, in_spec=in_spec, out_spec=out_spec,
+                 input_positions=input_positions, concurrent_calls=concurrent_calls)
+        cm._baked, cm._contig = dict(baked), list(contiguous)
+        return cm
+
     def _flat_inputs(self, args, kwargs) -> list:
         """The graph's input tensors for a call (contiguous where the examples were)."""
         return self._contiguous(self._user_tensors(args, kwargs))

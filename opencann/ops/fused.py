@@ -148,6 +148,8 @@ def _make_linear_kernel(node: Node, in_descs: Sequence[TensorDesc], consts: Sequ
     if not (mkl_packed_available() and wt is not None and x_desc.rank == 2
             and x_desc.dtype.torch == torch.float32 and wt.dtype == torch.float32):
         return run_addmm
+    if node.meta.get("kernel") == "addmm":  # chosen before (e.g. a loaded model): no packing
+        return run_addmm
     m, k = (int(d) for d in x_desc.shape)
     n = int(wt.shape[1])
     w = wt.t().contiguous()  # (out_features, in_features)
@@ -164,7 +166,10 @@ def _make_linear_kernel(node: Node, in_descs: Sequence[TensorDesc], consts: Sequ
         return r
 
     key = (m, k, n, str(wt.dtype))
-    choice = LINEAR_CHOICES.get(key)
+    # a choice already made for this node (an earlier bind, or a loaded model file) holds,
+    # so every executor of a model, saved or live, runs the same GEMM (same bits)
+    choice = node.meta.get("kernel") if node.meta.get("kernel") in ("addmm", "mkl_packed") \
+        else LINEAR_CHOICES.get(key)
     if choice is None:
         with _LINEAR_CHOICES_LOCK:
             choice = LINEAR_CHOICES.get(key)

@@ -1,0 +1,617 @@
+"""The offline model file (``.ocm``): a compiled model saved once, loaded without its
+Python class, without torch.export and without running any pickled code.
+
+Layout (all integers little-endian)::
+
+    b"OPENCANN"  u32 format version  u64 header length  32-byte sha256 of the header
+    header: UTF-8 JSON {"sections": [{"name", "offset", "size", "sha256"}, ...]}
+    sections, back to back (offsets count from the end of the header)
+
+Sections: ``metadata`` (format/opencann/torch versions, device, input/output names and
+descriptions, calling convention, gears), ``graph`` (the optimized IR: values with
+their `TensorDesc` incl. storage formats, nodes with op, attributes and meta),
+``plan`` (the `MemoryPlan`), ``schedule`` (node order and streams), ``report`` (the
+`CompileReport`), all JSON, and ``constants`` (the weights, safetensors). Every section
+carries its sha256; so does the header. Nothing is pickled: ATen operators are stored by
+qualified name and resolved through ``torch.ops`` only; dtypes, devices, layouts and
+memory formats by name; pytree specs with ``torch.utils._pytree.treespec_dumps``
+(JSON). An output class that the loading process cannot rebuild without the model's
+code (a transformers ``ModelOutput`` when transformers is not imported, a namedtuple)
+comes back as a plain ``dict`` (keys in order) or ``tuple``.
+
+Why safetensors for weights: the project's rule (DESIGN.md) — a well-kept, pickle-free
+tensor format with a documented header; weights keep their dtype and (via the strides
+stored in ``graph``) their layout, so a loaded model runs the same kernels on the same
+bytes as the live one.
+
+Every problem with a file raises `ModelFileError` (a ValueError) with one line saying
+what is wrong: not an opencann model file, truncated, a section or the header failing
+its checksum, a newer format version, a device or preset this opencann lacks, or an
+op / ATen operator it does not know.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import struct
+import time
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+import torch.utils._pytree as pytree
+
+from ..ir import Graph, MemoryPlan, Node, TensorListRef, TensorRef, Value
+from ..ir.plan import Buffer
+from ..ir.types import DataType, Format, TensorDesc
+from ..ops import get_op
+from ..report import CompileReport, PassRecord, fmt_bytes
+
+FORMAT_VERSION = 1
+MAGIC = b"OPENCANN"
+_PREFIX = struct.Struct("<8sIQ32s")  # magic, format version, header length, header sha256
+_ALIGN = 64  # bytes: every weight starts this aligned in the file and in memory (as torch's
+# allocator aligns them), so a loaded model's GEMMs take the same code paths (same bits)
+SECTIONS = ("metadata", "graph", "plan", "schedule", "report", "constants")
+KNOWN_DEVICES = ("cpu", "vnpu")
+
+
+class ModelFileError(ValueError):
+    """A model file that cannot be saved or loaded; the message says what is wrong."""
+
+
+# -- literals ----------------------------------------------------------------------------
+_NONFINITE = {"inf": math.inf, "-inf": -math.inf, "nan": math.nan}
+
+
+def _enc(x: Any, where: str) -> Any:
+    """A JSON form of an attribute / meta literal. Plain JSON scalars and lists stay
+    as they are; everything else is a one-key dict {"$kind": payload}."""
+    if x is None or isinstance(x, (bool, int, str)):
+        return x
+    if isinstance(x, float):
+        return x if math.isfinite(x) else {"$float": repr(x)}
+    if isinstance(x, list):
+        return [_enc(v, where) for v in x]
+    if isinstance(x, tuple):
+        return {"$tuple": [_enc(v, where) for v in x]}
+    if isinstance(x, dict):
+        return {"$dict": [[_enc(k, where), _enc(v, where)] for k, v in x.items()]}
+    if isinstance(x, TensorRef):
+        return {"$ref": x.index}
+    if isinstance(x, TensorListRef):
+        return {"$refs": [x.start, x.length]}
+    if isinstance(x, torch.dtype):
+        return {"$dtype": str(x).replace("torch.", "")}
+    if isinstance(x, torch.device):
+        return {"$device": str(x)}
+    if isinstance(x, torch.layout):
+        return {"$layout": str(x).replace("torch.", "")}
+    if isinstance(x, torch.memory_format):
+        return {"$memory_format": str(x).replace("torch.", "")}
+    if isinstance(x, torch._ops.OpOverload):
+        return {"$aten": f"{x.namespace}::{x._opname}.{x._overloadname}"}
+    if isinstance(x, complex):
+        return {"$complex": [_enc(x.real, where), _enc(x.imag, where)]}
+    raise ModelFileError(f"cannot save {where}: a {type(x).__name__} value ({x!r:.60}) has no "
+                         "model-file encoding (only literals, dtypes, devices, layouts, memory "
+                         "formats and ATen operators are stored)")
+
+
+def _resolve_aten(qualified: str) -> torch._ops.OpOverload:
+    """``ns::name.overload`` -> the OpOverload, looked up in ``torch.ops`` only."""
+    ns, _, rest = qualified.partition("::")
+    name, _, overload = rest.rpartition(".")
+    try:
+        op = getattr(getattr(getattr(torch.ops, ns), name), overload)
+    except (AttributeError, RuntimeError):
+        op = None
+    if not isinstance(op, torch._ops.OpOverload):
+        raise ModelFileError(f"unknown ATen operator {qualified} in graph (made by a newer torch "
+                             f"than {torch.__version__}?): upgrade torch or recompile the model")
+    return op
+
+
+def _dec(x: Any) -> Any:
+    if x is None or isinstance(x, (bool, int, float, str)):
+        return x
+    if isinstance(x, list):
+        return [_dec(v) for v in x]
+    if not (isinstance(x, dict) and len(x) == 1):
+        raise ModelFileError(f"graph section: unreadable literal {x!r:.60} (made by a newer opencann?)")
+    (kind, p), = x.items()
+    if kind == "$float":
+        return _NONFINITE[p]
+    if kind == "$tuple":
+        return tuple(_dec(v) for v in p)
+    if kind == "$dict":
+        return {_dec(k): _dec(v) for k, v in p}
+    if kind == "$ref":
+        return TensorRef(p)
+    if kind == "$refs":
+        return TensorListRef(*p)
+    if kind == "$device":
+        return torch.device(p)
+    if kind == "$aten":
+        return _resolve_aten(p)
+    if kind == "$complex":
+        return complex(_dec(p[0]), _dec(p[1]))
+    typ = {"$dtype": torch.dtype, "$layout": torch.layout, "$memory_format": torch.memory_format}.get(kind)
+    obj = getattr(torch, p, None) if typ is not None else None
+    if typ is None or not isinstance(obj, typ):
+        raise ModelFileError(f"graph section: unknown {kind.lstrip('$')} {p!r} (made by a newer "
+                             "opencann or torch?)")
+    return obj
+
+
+def _enc_desc(d: TensorDesc) -> Dict[str, Any]:
+    out = {"shape": list(d.shape), "dtype": d.dtype.value, "format": d.format.value}
+    if d.origin_shape != d.shape or d.origin_format != d.format:
+        out["origin_shape"], out["origin_format"] = list(d.origin_shape), d.origin_format.value
+    return out
+
+
+def _dec_desc(d: Dict[str, Any]) -> TensorDesc:
+    try:
+        fmt = Format(d["format"])
+        return TensorDesc(tuple(d["shape"]), DataType(d["dtype"]), fmt,
+                          tuple(d.get("origin_shape", d["shape"])), Format(d.get("origin_format", fmt.value)))
+    except ValueError as e:
+        raise ModelFileError(f"graph section: {e} (made by a newer opencann?)") from None
+
+
+# -- graph -------------------------------------------------------------------------------
+def _graph_to_json(g: Graph) -> Dict[str, Any]:
+    values = [[v.id, v.name, _enc_desc(v.desc)] for v in g.values()]
+    known = {v[0] for v in values}
+    missing = [v for v in g.outputs if v.id not in known]
+    if missing:
+        raise ModelFileError(f"cannot save graph {g.name}: output {missing[0]} is not produced in it")
+    nodes = [{"op": n.op, "name": n.name, "source": n.source, "scope": n.scope, "device": n.device,
+              "stream": n.stream, "inputs": [v.id for v in n.inputs], "outputs": [v.id for v in n.outputs],
+              "attrs": {k: _enc(a, f"{n.name}.attrs[{k!r}]") for k, a in n.attrs.items()},
+              "meta": {k: _enc(a, f"{n.name}.meta[{k!r}]") for k, a in n.meta.items()}}
+             for n in g.nodes]
+    return {"name": g.name, "values": values, "inputs": [v.id for v in g.inputs],
+            "constants": [v.id for v in g.constants], "nodes": nodes,
+            "outputs": [v.id for v in g.outputs], "meta": _enc(g.meta, "graph.meta")}
+
+
+def _graph_from_json(j: Dict[str, Any], consts: Dict[str, torch.Tensor]) -> Graph:
+    g = Graph(j["name"])
+    descs = {vid: (name, _dec_desc(d)) for vid, name, d in j["values"]}
+    vals: Dict[int, Value] = {}
+
+    def mk(vid: int, producer: Optional[Node] = None, const=None) -> Value:
+        name, desc = descs[vid]
+        vals[vid] = Value(vid, desc, producer=producer, const=const, name=name)
+        return vals[vid]
+
+    g.inputs = [mk(i) for i in j["inputs"]]
+    for i in j["constants"]:
+        if f"v{i}" not in consts:
+            raise ModelFileError(f"constants section lacks the weight of value %{i}")
+        g.constants.append(mk(i, const=consts[f"v{i}"]))
+    for nj in j["nodes"]:
+        try:
+            get_op(nj["op"])
+        except KeyError:
+            raise ModelFileError(f"unknown op {nj['op']!r} in graph (node {nj['name']}): the file "
+                                 "was made by a newer opencann; upgrade opencann") from None
+        n = Node(nj["op"], [vals[i] for i in nj["inputs"]], {k: _dec(a) for k, a in nj["attrs"].items()},
+                 nj["name"], nj["source"], nj["scope"])
+        n.device, n.stream = nj["device"], nj["stream"]
+        n.meta = {k: _dec(a) for k, a in nj["meta"].items()}
+        for v in n.inputs:
+            v.users.append(n)
+        n.outputs = [mk(i, producer=n) for i in nj["outputs"]]
+        g.nodes.append(n)
+        g._names[n.name] = g._names.get(n.name, 0) + 1
+    g.outputs = [vals[i] for i in j["outputs"]]
+    g.meta = _dec(j["meta"])
+    g._ids = iter(range(max(descs, default=-1) + 1, 1 << 62))  # new values get fresh ids
+    return g
+
+
+# -- constants: safetensors, layouts kept ------------------------------------------------
+def _storage_order(t: torch.Tensor) -> Optional[List[int]]:
+    """Dims ordered by decreasing stride if ``t`` (stride-0 dims counted as size 1) is
+    dense, else None."""
+    dims = [d for d in range(t.dim()) if t.shape[d] != 1 and t.stride(d) != 0]
+    dims.sort(key=lambda d: -t.stride(d))
+    expect = 1
+    for d in reversed(dims):
+        if t.stride(d) != expect:
+            return None
+        expect *= t.shape[d]
+    return dims
+
+
+def _pack_constants(g: Graph) -> Tuple[Dict[str, torch.Tensor], Dict[str, Any]]:
+    """Each constant as one flat tensor in storage order, plus its shape and strides so
+    the loader rebuilds the same layout (expanded dims stay expanded, not materialized)."""
+    tensors: Dict[str, torch.Tensor] = {}
+    layouts: Dict[str, Any] = {}
+    for v in g.constants:
+        t = v.const
+        if t.device.type != "cpu":
+            t = t.cpu()
+        order = _storage_order(t)
+        key = f"v{v.id}"
+        if order is None or t.storage_offset() < 0:
+            flat, strides = t.contiguous().reshape(-1), None   # overlapping view: dense copy
+        else:
+            compact = t
+            for d in range(t.dim()):
+                if t.stride(d) == 0:
+                    compact = compact.narrow(d, 0, min(1, t.shape[d]))
+            flat = compact.permute(order + [d for d in range(t.dim()) if d not in order]).reshape(-1)
+            strides = list(t.stride())
+        # own storage (no two entries share memory), padded to whole _ALIGN blocks
+        pad = -flat.numel() % max(_ALIGN // flat.element_size(), 1)
+        tensors[key] = torch.cat([flat, flat.new_zeros(pad)]) if pad else flat.clone()
+        layouts[key] = {"shape": list(t.shape), "strides": strides, "numel": flat.numel()}
+    return tensors, layouts
+
+
+def _unpack_constants(raw: Dict[str, torch.Tensor], layouts: Dict[str, Any]) -> Dict[str, torch.Tensor]:
+    out = {}
+    for key, lay in layouts.items():
+        flat = raw[key][:lay["numel"]]
+        if lay["strides"] is None:
+            out[key] = flat.reshape(lay["shape"])
+        elif flat.numel() == 0:
+            out[key] = torch.empty_strided(lay["shape"], lay["strides"], dtype=flat.dtype)
+        else:
+            out[key] = torch.as_strided(flat, lay["shape"], lay["strides"])
+    return out
+
+
+_ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+              "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+              "U8": torch.uint8, "BOOL": torch.bool, "C64": torch.complex64}
+
+
+def _safetensors_views(buf: memoryview, where: str) -> Dict[str, torch.Tensor]:
+    """The tensors of a safetensors blob (written by ``safetensors.torch.save``) as views
+    of ``buf``, without copying: the format is an 8-byte little-endian header length,
+    a JSON header {name: {dtype, shape, data_offsets}} and the data (safetensors' spec,
+    huggingface/safetensors README). ``safetensors.torch.load`` would copy the weights
+    twice more, which is most of a large model's load time."""
+    if len(buf) == 0:
+        return {}
+    try:
+        n = struct.unpack_from("<Q", buf)[0]
+        header = json.loads(bytes(buf[8:8 + n]))
+        base, out = 8 + n, {}
+        for name, e in header.items():
+            if name == "__metadata__":
+                continue
+            lo, hi = e["data_offsets"]
+            dt = _ST_DTYPES[e["dtype"]]
+            if not 0 <= lo <= hi <= len(buf) - base:
+                raise ValueError(f"tensor {name} lies outside the section")
+            t = (torch.frombuffer(buf, dtype=dt, count=(hi - lo) // dt.itemsize, offset=base + lo)
+                 if hi > lo else torch.empty(0, dtype=dt))
+            if t.data_ptr() % _ALIGN:   # a file laid out by another writer: an aligned copy
+                t = t.clone()
+            out[name] = t.reshape(e["shape"])
+        return out
+    except (ValueError, KeyError, TypeError, struct.error) as e:
+        raise ModelFileError(f"{where}: constants section is not valid safetensors ({e})") from None
+
+
+# -- plan, report, specs -----------------------------------------------------------------
+def _plan_to_json(p: MemoryPlan) -> Dict[str, Any]:
+    return {"buffers": [vars(b) for b in p.buffers.values()],
+            "value_buffer": [[k, v] for k, v in p.value_buffer.items()],
+            "arena_bytes": p.arena_bytes, "lower_bound": p.lower_bound, "naive_bytes": p.naive_bytes,
+            "alignment": p.alignment, "strategy": p.strategy,
+            "inplace": [list(x) for x in p.inplace], "unplanned": p.unplanned}
+
+
+def _plan_from_json(j: Dict[str, Any]) -> MemoryPlan:
+    bufs = [Buffer(**b) for b in j["buffers"]]
+    return MemoryPlan({b.root: b for b in bufs}, {k: v for k, v in j["value_buffer"]},
+                      j["arena_bytes"], j["lower_bound"], j["naive_bytes"], j["alignment"],
+                      j["strategy"], [tuple(x) for x in j["inplace"]], dict(j["unplanned"]))
+
+
+def _report_from_json(j: Dict[str, Any]) -> CompileReport:
+    j = dict(j)
+    j.pop("opencann_seconds", None)
+    j["passes"] = [PassRecord(**p) for p in j["passes"]]
+    fields = CompileReport.__dataclass_fields__
+    return CompileReport(**{k: v for k, v in j.items() if k in fields})
+
+
+def _children(s) -> list:
+    return list(s.children()) if hasattr(s, "children") else list(s.children_specs)
+
+
+def _spec_to_json(spec, what: str) -> Optional[Dict[str, Any]]:
+    """``treespec_dumps`` when pytree can serialize the spec, and always a plain
+    structure (types by name, dict keys) to fall back on."""
+    if spec is None:
+        return None
+    try:
+        dumped = pytree.treespec_dumps(spec)
+    except Exception:  # noqa: BLE001 - an unregistered class: the plain structure serves
+        dumped = None
+
+    def plain(s):
+        if s.is_leaf():
+            return None
+        ctx = s.context
+        keys = [_enc(k, what) for k in ctx] if isinstance(ctx, (list, tuple)) and all(
+            isinstance(k, (str, int)) for k in ctx) else None
+        return {"type": f"{s.type.__module__}.{s.type.__qualname__}", "keys": keys,
+                "children": [plain(c) for c in _children(s)]}
+    return {"treespec": dumped, "plain": plain(spec)}
+
+
+def _spec_from_json(j: Optional[Dict[str, Any]]) -> Tuple[Any, Optional[str]]:
+    """(TreeSpec, note) — note says what was rebuilt as a plain container."""
+    if j is None:
+        return None, None
+    if j["treespec"] is not None:
+        try:
+            return pytree.treespec_loads(j["treespec"]), None
+        except Exception:  # noqa: BLE001 - class not registered in this process
+            pass
+    rebuilt: List[str] = []
+
+    def build(p):
+        if p is None:
+            return pytree.treespec_leaf() if hasattr(pytree, "treespec_leaf") else pytree.LeafSpec()
+        kids = [build(c) for c in p["children"]]
+        t = p["type"]
+        if t in ("builtins.tuple", "builtins.list"):
+            return pytree.TreeSpec(tuple if t == "builtins.tuple" else list, None, kids)
+        if t == "builtins.dict" or p["keys"] is not None and len(p["keys"]) == len(kids):
+            if t != "builtins.dict":
+                rebuilt.append(f"{t} -> dict")
+            return pytree.TreeSpec(dict, list(p["keys"] or []), kids)
+        rebuilt.append(f"{t} -> tuple")
+        return pytree.TreeSpec(tuple, None, kids)
+    spec = build(j["plain"])
+    return spec, ("; ".join(rebuilt) or None)
+
+
+def _output_names(spec, n: int) -> List[str]:
+    """Names of the flat outputs: dict keys / ModelOutput fields along the path."""
+    if spec is None:
+        return [f"output{i}" for i in range(n)]
+    names: List[str] = []
+
+    def walk(s, prefix):
+        if s.is_leaf():
+            names.append(prefix or f"output{len(names)}")
+            return
+        ctx = s.context
+        keys = list(ctx) if isinstance(ctx, (list, tuple)) and len(ctx) == len(_children(s)) else None
+        for i, c in enumerate(_children(s)):
+            k = str(keys[i]) if keys else str(i)
+            walk(c, f"{prefix}.{k}" if prefix else k)
+    walk(spec, "")
+    return names if len(names) == n else [f"output{i}" for i in range(n)]
+
+
+# -- save ---------------------------------------------------------------------------------
+def _json_bytes(obj: Any) -> bytes:
+    return json.dumps(obj, allow_nan=False, separators=(",", ":")).encode()
+
+
+def save(compiled, path: str, description: str = "") -> Dict[str, Any]:
+    """Write ``compiled`` (a `CompiledModel`) to ``path`` (conventionally ``*.ocm``).
+
+    Returns the header (sections with offsets, sizes, sha256). Raises ModelFileError
+    when something in the graph has no file encoding (naming the node and attribute),
+    OSError when the file cannot be written."""
+    import safetensors.torch
+
+    from .. import __version__
+    g, plan, report = compiled.graph, compiled.plan, compiled.report
+    conv = compiled.calling_convention()
+    graph_j = _graph_to_json(g)
+    tensors, layouts = _pack_constants(g)
+    graph_j["constant_layouts"] = layouts
+    n_out = g.meta.get("n_outputs", len(g.outputs))
+    out_names = _output_names(conv["out_spec"], n_out)
+    lits = g.meta.get("output_literals", {})
+    tensor_out_names = [nm for i, nm in enumerate(out_names) if i not in lits]
+    meta = {
+        "format_version": FORMAT_VERSION, "opencann_version": __version__,
+        "torch_version": torch.__version__, "created_unix": int(time.time()),
+        "model": report.model or g.name, "device": report.device, "description": description,
+        "inputs": [{"name": v.name or f"input{i}", "desc": str(v.desc), **_enc_desc(v.desc)}
+                   for i, v in enumerate(g.inputs)],
+        "outputs": [{"name": nm, "desc": str(v.desc), **_enc_desc(v.desc)}
+                    for nm, v in zip(tensor_out_names, g.outputs)],
+        "gears": [],   # dynamic-shape gears: none yet, every model is static
+        "in_spec": _spec_to_json(conv["in_spec"], "input structure"),
+        "out_spec": _spec_to_json(conv["out_spec"], "output structure"),
+        "input_positions": conv["input_positions"],
+        "baked": [[i, _enc(v, f"non-tensor input #{i}")] for i, v in conv["baked"].items()],
+        "contiguous": conv["contiguous"], "concurrent_calls": conv["concurrent_calls"],
+    }
+    schedule = {"order": [n.name for n in g.nodes], "streams": {n.name: n.stream for n in g.nodes}}
+    report_j = json.loads(report.to_json())
+    blobs = {"metadata": _json_bytes(meta), "graph": _json_bytes(graph_j),
+             "plan": _json_bytes(_plan_to_json(plan)), "schedule": _json_bytes(schedule),
+             "report": json.dumps(report_j, separators=(",", ":")).encode(),
+             "constants": safetensors.torch.save(tensors) if tensors else b""}
+    # the header's length does not depend on the offsets' values beyond their digits: lay
+    # out twice so the weights start 64-byte aligned in the file (aligned zero-copy views)
+    header, pads = b"", {}
+    for _ in range(3):
+        sections, off, pads = [], 0, {}
+        for name in SECTIONS:
+            b = blobs[name]
+            if name == "constants" and b:  # the tensor data (after safetensors' header) aligned
+                data_start = 8 + struct.unpack_from("<Q", b)[0]
+                pads[name] = -(_PREFIX.size + len(header) + off + data_start) % _ALIGN
+                off += pads[name]
+            sections.append({"name": name, "offset": off, "size": len(b),
+                             "sha256": hashlib.sha256(b).hexdigest()})
+            off += len(b)
+        new = _json_bytes({"sections": sections})
+        if len(new) == len(header):
+            break
+        header = new
+    header = new
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "wb") as f:
+        f.write(_PREFIX.pack(MAGIC, FORMAT_VERSION, len(header), hashlib.sha256(header).digest()))
+        f.write(header)
+        for name in SECTIONS:
+            f.write(b"\0" * pads.get(name, 0))
+            f.write(blobs[name])
+    os.replace(tmp, path)   # never leave a half-written model file under the final name
+    return {"format_version": FORMAT_VERSION, "sections": sections}
+
+
+# -- read ----------------------------------------------------------------------------------
+def read_sections(path: str, verify: bool = True) -> Tuple[Dict[str, Any], Dict[str, memoryview]]:
+    """(header, section name -> bytes) of the file at ``path``, every checksum checked.
+    Raises ModelFileError (what is wrong, one line) or FileNotFoundError."""
+    with open(path, "rb") as f:   # one copy of the file, 64-byte aligned; sections are views
+        data = memoryview(torch.empty(os.fstat(f.fileno()).st_size, dtype=torch.uint8).numpy())
+        f.readinto(data)
+    where = os.path.basename(path)
+    if len(data) < len(MAGIC) or bytes(data[:len(MAGIC)]) != MAGIC:
+        raise ModelFileError(f"{where} is not an opencann model file (it does not start with "
+                             f"{MAGIC.decode()!r}); write one with opencann.save")
+    if len(data) < _PREFIX.size:
+        raise ModelFileError(f"{where} is truncated: {len(data)} bytes, expected at least "
+                             f"{_PREFIX.size} (an interrupted copy or download?)")
+    _, version, hlen, hsha = _PREFIX.unpack_from(data)
+    if version > FORMAT_VERSION:
+        raise ModelFileError(f"{where}: model file format version {version} is newer than this "
+                             f"opencann supports ({FORMAT_VERSION}): upgrade opencann")
+    if version < 1:
+        raise ModelFileError(f"{where}: format version {version} is not a valid opencann model file version")
+    if len(data) < _PREFIX.size + hlen:
+        raise ModelFileError(f"{where} is truncated: {len(data)} bytes, expected at least "
+                             f"{_PREFIX.size + hlen} (an interrupted copy or download?)")
+    raw = memoryview(data)[_PREFIX.size:_PREFIX.size + hlen]
+    if hashlib.sha256(raw).digest() != hsha:
+        raise ModelFileError(f"{where}: header checksum mismatch (file corrupted or modified)")
+    try:
+        header = json.loads(bytes(raw))
+        secs = {s["name"]: s for s in header["sections"]}
+    except (ValueError, KeyError, TypeError) as e:
+        raise ModelFileError(f"{where}: unreadable header ({e})") from None
+    base = _PREFIX.size + hlen
+    end = base + max((s["offset"] + s["size"] for s in secs.values()), default=0)
+    if len(data) < end:
+        raise ModelFileError(f"{where} is truncated: {len(data)} bytes, expected {end} "
+                             "(an interrupted copy or download?)")
+    missing = [s for s in SECTIONS if s not in secs]
+    if missing:
+        raise ModelFileError(f"{where}: section {missing[0]!r} is missing (made by another tool?)")
+    out = {}
+    for name, s in secs.items():
+        mv = memoryview(data)[base + s["offset"]:base + s["offset"] + s["size"]]
+        if verify and hashlib.sha256(mv).hexdigest() != s["sha256"]:
+            raise ModelFileError(f"{where}: section {name!r} checksum mismatch (file corrupted "
+                                 "or modified)")
+        out[name] = mv
+    return header, out
+
+
+def _json_section(secs, name: str, where: str) -> Any:
+    try:
+        return json.loads(bytes(secs[name]))
+    except ValueError as e:
+        raise ModelFileError(f"{where}: section {name!r} is not valid JSON ({e})") from None
+
+
+def check_device(device: str, where: str = "model file") -> None:
+    """Raise ModelFileError unless this opencann has ``device`` (kind and vnpu preset)."""
+    from ..devices.vnpu.presets import PRESETS
+    kind, _, name = str(device).partition(":")
+    if kind not in KNOWN_DEVICES:
+        raise ModelFileError(f"{where} was compiled for device {device!r}: this opencann has no "
+                             f"such device (it has {', '.join(KNOWN_DEVICES)}); recompile for one")
+    if kind == "vnpu" and name and not name.endswith((".json", ".toml")) and name.lower() not in PRESETS:
+        raise ModelFileError(f"{where} was compiled for device {device!r}: this opencann has no "
+                             f"vnpu preset {name!r} (it has {', '.join(sorted(PRESETS))}); upgrade "
+                             "opencann or recompile")
+
+
+def read(path: str) -> Dict[str, Any]:
+    """Parse the model file at ``path`` into the keyword arguments of
+    `CompiledModel.from_parts` (graph, plan, report, calling convention), plus
+    ``metadata``. Raises ModelFileError (one line, what is wrong) or FileNotFoundError."""
+    where = os.path.basename(path)
+    _, secs = read_sections(path)
+    meta = _json_section(secs, "metadata", where)
+    check_device(meta.get("device", "cpu"), where)
+    consts = _safetensors_views(secs["constants"], where)
+    gj = _json_section(secs, "graph", where)
+    try:
+        graph = _graph_from_json(gj, _unpack_constants(consts, gj["constant_layouts"]))
+        plan = _plan_from_json(_json_section(secs, "plan", where))
+        report = _report_from_json(_json_section(secs, "report", where))
+        in_spec, _ = _spec_from_json(meta["in_spec"])
+        out_spec, note = _spec_from_json(meta["out_spec"])
+        baked = {i: _dec(v) for i, v in meta["baked"]}
+        parts = dict(input_positions=meta["input_positions"], contiguous=meta["contiguous"],
+                     concurrent_calls=meta["concurrent_calls"])
+    except ModelFileError:
+        raise
+    except (KeyError, TypeError, IndexError, AttributeError, ValueError) as e:
+        raise ModelFileError(f"{where}: missing or malformed field ({type(e).__name__}: {e}) "
+                             "(made by another opencann version?)") from None
+    report.passes = [p for p in report.passes if p.name != "bind_kernels"]  # rebound on load
+    report.notes.append(f"loaded from {where} (saved by opencann {meta.get('opencann_version')}, "
+                        f"torch {meta.get('torch_version')})")
+    if note:
+        report.notes.append(f"output classes rebuilt as plain containers ({note}): import the "
+                            "model's library (e.g. transformers) before opencann.load to get them back")
+    return dict(graph=graph, plan=plan, report=report, in_spec=in_spec, out_spec=out_spec,
+                baked=baked, metadata=meta, **parts)
+
+
+def describe(path: str) -> Dict[str, Any]:
+    """Everything ``opencann inspect`` shows, as JSON-able data: metadata, sections
+    (size, sha256), op counts, memory plan summary and the graph as text."""
+    parts = read(path)
+    header, _ = read_sections(path, verify=False)
+    g, plan = parts["graph"], parts["plan"]
+    return {"file": path, "file_bytes": os.path.getsize(path), "metadata": parts["metadata"],
+            "sections": header["sections"], "op_counts": g.op_counts(), "nodes": len(g.nodes),
+            "constants": len(g.constants),
+            "constant_bytes": sum(v.const.numel() * v.const.element_size() for v in g.constants),
+            "memory_plan": plan.summary(), "graph": str(g), "notes": parts["report"].notes}
+
+
+def describe_text(info: Dict[str, Any]) -> str:
+    """`describe`'s data as readable text."""
+    m = info["metadata"]
+    lines = [f"{info['file']}: opencann model file, format {m['format_version']}, "
+             f"{fmt_bytes(info['file_bytes'])}",
+             f"  model {m['model']} for {m['device']}; saved by opencann {m['opencann_version']}, "
+             f"torch {m['torch_version']}"]
+    if m.get("description"):
+        lines.append(f"  {m['description']}")
+    lines.append("inputs:")
+    lines += [f"  {x['name']}: {x['desc']}" for x in m["inputs"]]
+    lines.append("outputs:")
+    lines += [f"  {x['name']}: {x['desc']}" for x in m["outputs"]]
+    lines.append(f"gears: {m['gears'] or 'none (static shapes)'}")
+    lines.append(f"ops ({info['nodes']} nodes, {info['constants']} constants, "
+                 f"{fmt_bytes(info['constant_bytes'])} of weights):")
+    lines += [f"  {k:28s} {v}" for k, v in sorted(info["op_counts"].items(), key=lambda kv: -kv[1])]
+    mp = info["memory_plan"]
+    lines.append(f"memory plan: arena {fmt_bytes(mp['arena_bytes'])}, lower bound "
+                 f"{fmt_bytes(mp['lower_bound_bytes'])} ({mp['arena_over_lower_bound']}x), naive "
+                 f"{fmt_bytes(mp['naive_bytes'])}; {mp['buffers']} buffers, {mp['inplace_reuses']} "
+                 f"in-place reuses, strategy {mp['strategy']}, alignment {mp['alignment']}")
+    lines.append("sections:")
+    lines += [f"  {s['name']:10s} {fmt_bytes(s['size']):>10s}  sha256 {s['sha256']}" for s in info["sections"]]
+    lines += [f"note: {n}" for n in info["notes"]]
+    lines += ["graph:", info["graph"]]
+    return "\n".join(lines)
