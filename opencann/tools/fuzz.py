@@ -621,6 +621,36 @@ def shrink(prog: Program, failure: Failure, checks=None, budget: int = 80) -> Pr
         got = check_program(p, failure.backend, checks)
         return bool(got) and any(f.key() == key for f in got)
 
+    prog = _ddmin(prog, fails, calls, budget)
+    # an output made by a step: try returning one of the step's operands instead
+    producers = {o: s for s in prog.steps for o in s.outs}
+    for k, o in enumerate(list(prog.outputs)):
+        for u in producers[o].uses if o in producers else []:
+            cand = replace(prog, outputs=prog.outputs[:k] + [u] + prog.outputs[k + 1:])
+            if fails(cand):
+                prog = _ddmin(cand, fails, calls, budget)
+                break
+    for o in list(prog.outputs):
+        if len(prog.outputs) > 1:
+            cand = replace(prog, outputs=[x for x in prog.outputs if x != o])
+            if fails(cand):
+                prog = cand
+    prog = _ddmin(prog, fails, calls, budget)
+    for k, spec in enumerate(prog.inputs):
+        if spec.specials:
+            ins = list(prog.inputs)
+            ins[k] = replace(spec, specials=[])
+            if fails(replace(prog, inputs=ins)):
+                prog = replace(prog, inputs=ins)
+    used = {u for s in prog.steps for u in s.uses} | set(prog.outputs)
+    unused = [s for s in prog.inputs if s.name not in used]
+    if unused and fails(replace(prog, inputs=[s for s in prog.inputs if s.name in used])):
+        prog = replace(prog, inputs=[s for s in prog.inputs if s.name in used])
+    return prog
+
+
+def _ddmin(prog: Program, fails, calls, budget) -> Program:
+    """Delta debugging over the steps (dropping a step drops the steps reading it)."""
     n = 2
     while len(prog.steps) >= 1 and calls[0] < budget:
         size = max(1, len(prog.steps) // n)
@@ -634,21 +664,6 @@ def shrink(prog: Program, failure: Failure, checks=None, budget: int = 80) -> Pr
             if size == 1:
                 break
             n = min(len(prog.steps), n * 2)
-    for o in list(prog.outputs):
-        if len(prog.outputs) > 1:
-            cand = replace(prog, outputs=[x for x in prog.outputs if x != o])
-            if fails(cand):
-                prog = cand
-    for k, spec in enumerate(prog.inputs):
-        if spec.specials:
-            ins = list(prog.inputs)
-            ins[k] = replace(spec, specials=[])
-            if fails(replace(prog, inputs=ins)):
-                prog = replace(prog, inputs=ins)
-    used = {u for s in prog.steps for u in s.uses} | set(prog.outputs)
-    unused = [s for s in prog.inputs if s.name not in used]
-    if unused and fails(replace(prog, inputs=[s for s in prog.inputs if s.name in used])):
-        prog = replace(prog, inputs=[s for s in prog.inputs if s.name in used])
     return prog
 
 

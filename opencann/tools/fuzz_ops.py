@@ -541,7 +541,7 @@ _RANDOM = ["torch.rand_like({a}) != torch.rand_like({a})",
 
 @op("random", "random")
 def _random(g):
-    a = g.pick("float", dtypes=("torch.float32",))
+    a = g.pick("float")
     return a and g.step(g.rng.choice(_RANDOM).format(a=a.name), [a], exact=True)
 
 
