@@ -1,4 +1,4 @@
-"""The ``opencann`` command line: demo, compile, run, bench, estimate, train-demo, inspect.
+"""The ``opencann`` command line: demo, compile, run, bench, estimate, train-demo, inspect, fuzz.
 
     opencann demo                               # the main job on the embedded default
     opencann compile resnet50 --report r.json   # zoo name or file.py:factory
@@ -7,6 +7,7 @@
     opencann estimate --model resnet50 --device vnpu:ascend910b --plot roofline.png
     opencann train-demo                         # digits CNN + MiniLM fine-tune, compiled
     opencann inspect m.ocm [--json]             # a saved model file (opencann.save)
+    opencann fuzz --cases 10000 --out fuzz_failures/   # differential fuzzing against eager
 """
 from __future__ import annotations
 
@@ -233,6 +234,25 @@ def cmd_inspect(args) -> int:
     return 0
 
 
+def _csv(s):
+    return [x for x in s.split(",") if x] if s else None
+
+
+def cmd_fuzz(args) -> int:
+    from .tools.fuzz import BACKENDS, run_fuzz
+    backends = list(BACKENDS) if args.backend == "all" else _csv(args.backend)
+    every = {"dynamo": args.dynamo_every} if args.dynamo_every > 1 else None
+    res = run_fuzz(cases=args.cases, seed=args.seed, backends=backends, ops=_csv(args.op),
+                   kinds=_csv(args.kinds), checks=_csv(args.checks), out_dir=args.out,
+                   max_steps=args.max_steps, shrink_budget=args.shrink_budget,
+                   max_shrinks=args.max_shrinks, every=every,
+                   progress=lambda m: console.print(m, markup=False, highlight=False))
+    console.print(res.summary(), markup=False, highlight=False)
+    if res.failures and args.out:
+        console.print(f"minimal repros written to {args.out}/ (run one with python)")
+    return 1 if res.failures else 0
+
+
 def main(argv=None) -> int:
     p = _Parser(prog="opencann", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -276,6 +296,23 @@ def main(argv=None) -> int:
     ins.add_argument("file", help="a file written by opencann.save")
     ins.add_argument("--json", action="store_true", help="print JSON instead of text")
     ins.set_defaults(fn=cmd_inspect)
+    f = sub.add_parser("fuzz", help="differential fuzzing: random small programs compiled "
+                       "and checked against eager; failures shrunk to minimal repros")
+    f.add_argument("--cases", type=positive_int, default=200, help="number of programs")
+    f.add_argument("--seed", type=int, default=0, help="first seed (case i uses seed+i)")
+    f.add_argument("--backend", default="opencann",
+                   help="all, or a comma list of opencann, vnpu, dynamo, flash")
+    f.add_argument("--out", help="write each failure's minimal repro script here")
+    f.add_argument("--op", help="only these ops or op groups (comma list; see opencann/tools/fuzz_ops.py)")
+    f.add_argument("--kinds", help="only these op groups and input features (special, lowp, ints, multi_out)")
+    f.add_argument("--checks", help="only these checks (error, meta, values, nan, input-mutation, "
+                   "second-call, alias, threads, weights)")
+    f.add_argument("--max-steps", type=int, default=10, help="most steps per program")
+    f.add_argument("--shrink-budget", type=int, default=60, help="compiles spent shrinking one failure (0: off)")
+    f.add_argument("--max-shrinks", type=int, default=50, help="failures shrunk (the rest kept as found)")
+    f.add_argument("--dynamo-every", type=int, default=1,
+                   help="run torch.compile on every k-th program only (it is the slowest backend)")
+    f.set_defaults(fn=cmd_fuzz)
     args = p.parse_args(argv)
     try:
         return args.fn(args)
