@@ -377,4 +377,4 @@ def test_cli_inspect(small, capsys):
     bad = os.path.join(os.path.dirname(path), "not_a_model.ocm")
     open(bad, "wb").write(b"hello")
     assert main(["inspect", bad]) == 2
-    assert "not an opencann model file" in capsys.readouterr().out
+    assert "not an opencann model file" in capsys.readouterr().err

@@ -76,6 +76,8 @@ def _enc(x: Any, where: str) -> Any:
         return [_enc(v, where) for v in x]
     if isinstance(x, tuple):
         return {"$tuple": [_enc(v, where) for v in x]}
+    if isinstance(x, frozenset):   # e.g. graph.meta["output_storage"]: sets of value ids
+        return {"$frozenset": [_enc(v, where) for v in sorted(x, key=repr)]}
     if isinstance(x, dict):
         return {"$dict": [[_enc(k, where), _enc(v, where)] for k, v in x.items()]}
     if isinstance(x, TensorRef):
@@ -125,6 +127,8 @@ def _dec(x: Any) -> Any:
         return _NONFINITE[p]
     if kind == "$tuple":
         return tuple(_dec(v) for v in p)
+    if kind == "$frozenset":
+        return frozenset(_dec(v) for v in p)
     if kind == "$dict":
         return {_dec(k): _dec(v) for k, v in p}
     if kind == "$ref":
