@@ -366,3 +366,26 @@ def test_planner_refuses_a_declared_write_into_memory_read_later():
     g.outputs = [g.nodes[-1].outputs[0]]
     with pytest.raises(ValueError, match="bad .* writes in place into .* still read afterwards"):
         plan_memory(g)
+
+
+@pytest.mark.parametrize("causal,mask", [(True, False), (False, True), (False, False)])
+def test_torch_compile_attention_output_has_eager_strides(causal, mask):
+    """Under torch.compile, SDPA reaches the backend as the CPU flash kernel, whose
+    decomposition returned (L, B, H, D)-ordered strides; it is kept whole now."""
+    import torch.nn.functional as F
+
+    class Attn(torch.nn.Module):
+        def forward(self, q, k, v, m):
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=m if mask else None,
+                                                  is_causal=causal)
+
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 3, 5, 4) for _ in range(3))
+    m = torch.randn(5, 5)
+    model = Attn()
+    fast = torch.compile(model, backend="opencann", dynamic=False)
+    for _ in range(2):
+        want, got = model(q, k, v, m), fast(q, k, v, m)
+        assert got.stride() == want.stride()
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+        assert got.view(2, -1).shape == (2, 60)

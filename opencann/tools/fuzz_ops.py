@@ -530,8 +530,10 @@ def _inplace_input(g):
 
 
 # ---------------------------------------------------------------- random (checked through sinks)
-_RANDOM = ["torch.rand_like({a}) != torch.rand_like({a})",
-           "(torch.rand_like({a}) - torch.rand_like({a})).abs() > 0",
+# two draws must differ: drawn in float64, where a collision has probability ~2^-53 per
+# element (in bf16 two uniform draws collide about once in 256)
+_RANDOM = ["torch.rand_like({a}, dtype=torch.float64) != torch.rand_like({a}, dtype=torch.float64)",
+           "(torch.rand_like({a}, dtype=torch.float64) - torch.rand_like({a}, dtype=torch.float64)).abs() > 0",
            "(torch.rand_like({a}) >= 0) & (torch.rand_like({a}) < 1)",
            "torch.randn_like({a}).isfinite()",
            "(F.dropout({a}.nan_to_num(1.0, 1.0, 1.0) + 1e4, 0.5, True) == 0).sum() < {a}.numel() + 1",

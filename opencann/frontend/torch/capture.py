@@ -37,7 +37,12 @@ import torch
 
 from ...ir.types import DataType
 
-KEEP = (torch.ops.aten.scaled_dot_product_attention.default,)
+# Kept whole: SDPA (torch.export's form) and the CPU flash kernel it lowers to under
+# dynamo/AOTAutograd. The latter's decomposition ends in permute → clone → permute and
+# gives the output (L, B, H, D)-ordered strides where eager's is contiguous: a caller's
+# .view() of the output would fail or the layout would differ from eager's.
+KEEP = (torch.ops.aten.scaled_dot_product_attention.default,
+        torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default)
 
 _EXPORT_LOCK = threading.Lock()
 _PATCHED_BY_EXPORT = ((builtins, "max"), (builtins, "min"), (math, "pow"),
