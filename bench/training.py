@@ -15,8 +15,8 @@ import time
 import torch
 
 from opencann import zoo
-from opencann.frontend.torch.training import make_training_backend
-from opencann.passes.recompute import last_partition_report
+from opencann.dynamo.training import make_training_backend
+from opencann.dynamo.partition import last_partition_report
 
 MiB = 2 ** 20
 BUDGETS = ("opencann, no budget", "opencann, budget 50%", "opencann, budget 40%",

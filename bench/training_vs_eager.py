@@ -14,7 +14,7 @@ import time
 import torch
 
 from opencann import zoo
-from opencann.frontend.torch.training import make_training_backend
+from opencann.dynamo.training import make_training_backend
 
 
 def _loss(model, inputs):

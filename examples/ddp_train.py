@@ -42,7 +42,7 @@ def main(argv=None) -> int:
     model, xs, ys = model_and_data()
     backend = None
     if a.compiled:
-        from opencann.frontend.torch.training import opencann_training_backend
+        from opencann.dynamo.training import opencann_training_backend
         backend = opencann_training_backend
     ddp = wrap_ddp(model, compile_backend=backend)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

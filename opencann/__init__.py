@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, Optional
 
-__version__ = "0.1.0"
+from .version import __version__  # noqa: F401
 
 
 def compile(model, example_inputs=None, device: str = "cpu", options: Optional[Dict[str, Any]] = None,
@@ -73,7 +73,7 @@ def __getattr__(name):
 
 def _register_backend() -> None:
     try:
-        from .frontend.torch.dynamo import register
+        from .dynamo import register
         register()
     except Exception as e:  # pragma: no cover - dynamo unavailable on this platform
         from .log import logger

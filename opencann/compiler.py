@@ -17,15 +17,13 @@ import torch.utils._pytree as pytree
 from .frontend.torch import capture, check_layout, from_exported_program
 from .ir import Graph, MemoryPlan
 from .log import logger
+from .options import KNOWN_OPTIONS, check_options  # noqa: F401  (KNOWN_OPTIONS re-exported)
 from .ops import Cost, get_op, is_random
 from .passes import PassContext, default_pipeline, plan_memory
 from .report import CompileReport, PassRecord
 from .runtime import DEFAULT_CONCURRENT_CALLS, Executor, ExecutorPool
 
 SUPPORTED_DEVICES = ("cpu", "vnpu")
-KNOWN_OPTIONS = {"disable", "enable", "verify", "alignment", "inplace", "copy_out",
-                 "precision_mode", "keep_fp32", "host_fallback", "concurrent_calls",
-                 "check_aliasing"}
 # opencann.compile runs one at a time: torch.export is not thread-safe (concurrent exports
 # corrupt its mode stack and leave builtins patched), and compiling is CPU-bound anyway
 _COMPILE_LOCK = threading.RLock()
@@ -74,45 +72,6 @@ def _fallbacks(graph: Graph) -> Dict[str, Dict[str, Any]]:
     return out
 
 
-_BOOL_OPTIONS = ("verify", "inplace", "copy_out", "host_fallback", "check_aliasing")
-_LIST_OPTIONS = ("disable", "enable", "keep_fp32")
-
-
-def _check_options(options: Optional[Dict[str, Any]]) -> Dict[str, Any]:
-    """Validate compile options; raises ValueError naming the option and what it takes."""
-    if options is not None and not isinstance(options, dict):
-        raise ValueError(f"options must be a dict such as {{'verify': True}}, got "
-                         f"{type(options).__name__} {options!r}")
-    options = dict(options or {})
-    unknown = set(options) - KNOWN_OPTIONS
-    if unknown:
-        raise ValueError(f"unknown compile option(s) {sorted(unknown)}; known options: "
-                         f"{sorted(KNOWN_OPTIONS)}")
-    for k in _BOOL_OPTIONS:
-        if k in options and not isinstance(options[k], bool):
-            raise ValueError(f"option {k!r} takes True or False, got {options[k]!r}")
-    for k in _LIST_OPTIONS:
-        v = options.get(k)
-        if v is not None and (isinstance(v, str) or not all(isinstance(x, str) for x in v)):
-            raise ValueError(f"option {k!r} takes a list of names, e.g. [{v!r}], got {v!r}")
-    if "keep_fp32" in options:
-        from .ops import get_op
-        for name in options["keep_fp32"]:
-            try:
-                get_op(name)
-            except KeyError as e:
-                raise ValueError(f"option 'keep_fp32': {e.args[0]}; it takes opencann op names "
-                                 "such as 'SoftmaxV2' or 'LayerNorm'") from None
-    c = options.get("concurrent_calls")
-    if c is not None and (isinstance(c, bool) or not isinstance(c, int) or c < 1):
-        raise ValueError(f"option 'concurrent_calls' takes a positive int (the most calls "
-                         f"run at once, each with its own arena; e.g. 4), got {c!r}")
-    a = options.get("alignment")
-    if a is not None and (isinstance(a, bool) or not isinstance(a, int) or a <= 0 or a & (a - 1)):
-        raise ValueError(f"option 'alignment' takes a power of two in bytes (e.g. 64), got {a!r}")
-    return options
-
-
 def _check_device(device: str) -> str:
     device = str(device)
     if device.split(":")[0] not in SUPPORTED_DEVICES:
@@ -129,7 +88,7 @@ def _check_device(device: str) -> str:
 def compile_graph(graph: Graph, device: str = "cpu", options: Optional[Dict[str, Any]] = None,
                   report: Optional[CompileReport] = None) -> "tuple[Graph, MemoryPlan, CompileReport]":
     """Optimize ``graph`` in place and plan its memory. Returns (graph, plan, report)."""
-    options = _check_options(options)
+    options = check_options(options)
     report = report or CompileReport(model=graph.name, device=device)
     report.op_counts_before = graph.op_counts()
     report.cost_before = graph_cost(graph)
@@ -346,7 +305,7 @@ def compile_module(model: torch.nn.Module, example_inputs, device: str = "cpu",
 
 def _compile_module(model, example_inputs, device, options, example_kwargs) -> CompiledModel:
     device = _check_device(device)
-    options = _check_options(options)
+    options = check_options(options)
     if isinstance(example_inputs, list):
         raise ValueError("example_inputs must be a tensor or a tuple of the model's positional "
                          "inputs, got a list: pass tuple(example_inputs), or (my_list,) when "
@@ -394,7 +353,7 @@ def compile_onnx(model, device: str = "cpu", options: Optional[Dict[str, Any]] =
     OnnxLoadError (bad file, old opset) or ConversionError (unsupported graph), both
     ValueError, with the fix."""
     from .frontend.onnx import from_onnx, load_model
-    device, options = _check_device(device), _check_options(options)
+    device, options = _check_device(device), check_options(options)
     t0 = time.perf_counter()
     proto = load_model(model)
     graph = from_onnx(proto, input_shapes)

@@ -175,7 +175,7 @@ def test_torch_compile_backend_with_graph_break():
             if y.sum() > 0:  # data-dependent: a graph break
                 y = y * 2
             return {"out": y, "aux": (y.mean(),)}
-    from opencann.frontend.torch.dynamo import COMPILED_GRAPHS
+    from opencann.dynamo import COMPILED_GRAPHS
     n0 = len(COMPILED_GRAPHS)
     m = M().eval()
     x = torch.randn(4, 8, generator=g)

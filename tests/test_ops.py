@@ -158,7 +158,7 @@ DIRECT = [
     ("SplitV", lambda: (rn(6, 2), 2)), ("TransposeD", lambda: (rn(3, 4),)),
     ("Addcmul", lambda: (rn(3, 1), rn(2, 3, 4), rn(3, 1))),
 ]
-# gradient ops that training keeps whole (opencann.frontend.torch.training.NATIVE_BACKWARD_OPS)
+# gradient ops that training keeps whole (opencann.dynamo.training.NATIVE_BACKWARD_OPS)
 _x4, _p = rn(2, 3, 8, 8), aten.max_pool2d_with_indices(rn(1, 2, 6, 6), [2, 2])
 _q, _k, _v = rn(1, 2, 8, 4), rn(1, 2, 8, 4), rn(1, 2, 8, 4)
 _fa = aten._scaled_dot_product_flash_attention_for_cpu(_q, _k, _v)

@@ -11,8 +11,8 @@ import torch.nn.functional as F
 
 import opencann
 from opencann.frontend.torch.convert import ConversionError
-from opencann.frontend.torch.dynamo import COMPILED_GRAPHS
-from opencann.frontend.torch.training import opencann_training_backend
+from opencann.dynamo import COMPILED_GRAPHS
+from opencann.dynamo.training import opencann_training_backend
 from opencann.ops import is_random
 
 

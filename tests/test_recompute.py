@@ -5,8 +5,8 @@ import copy
 import pytest
 import torch
 
-from opencann.frontend.torch.training import make_training_backend
-from opencann.passes.recompute import MemoryBudgetError, is_cheap, is_random, last_partition_report
+from opencann.dynamo.training import make_training_backend
+from opencann.dynamo.partition import MemoryBudgetError, is_cheap, is_random, last_partition_report
 
 
 def _fx_node(fn, *args):
@@ -91,8 +91,8 @@ def test_budget_with_training_batchnorm_does_not_recompute_stateful_ops():
     are never recomputed; convolutions between them may be."""
     import copy
 
-    from opencann.frontend.torch.training import make_training_backend
-    from opencann.passes.recompute import last_partition_report
+    from opencann.dynamo.training import make_training_backend
+    from opencann.dynamo.partition import last_partition_report
     torch.manual_seed(0)
     layers = []
     for cin in (3, 16, 16):
@@ -133,7 +133,7 @@ class _Block(torch.nn.Module):
 def _train_steps(model, budget, steps=2):
     """Compiled and eager training side by side (SGD, 2 steps): returns the last
     partition report and both models after asserting gradient and running-stat parity."""
-    from opencann.frontend.torch.dynamo import COMPILED_GRAPHS
+    from opencann.dynamo import COMPILED_GRAPHS
     ref = copy.deepcopy(model)
     cm = torch.compile(model, backend=make_training_backend(memory_budget=budget), dynamic=False)
     opts = [torch.optim.SGD(m.parameters(), lr=0.05) for m in (model, ref)]

@@ -8,9 +8,9 @@ import copy
 import pytest
 import torch
 
-from opencann.frontend.torch.dynamo import COMPILED_GRAPHS
-from opencann.frontend.torch.training import make_training_backend, opencann_training_backend
-from opencann.passes.recompute import last_partition_report
+from opencann.dynamo import COMPILED_GRAPHS
+from opencann.dynamo.training import make_training_backend, opencann_training_backend
+from opencann.dynamo.partition import last_partition_report
 
 
 def _grad_errors(model, ref):

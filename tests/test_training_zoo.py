@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from opencann import zoo
-from opencann.frontend.torch.training import make_training_backend
-from opencann.passes.recompute import last_partition_report
+from opencann.dynamo.training import make_training_backend
+from opencann.dynamo.partition import last_partition_report
 
 CASES = [("minilm", dict(batch=2, seq=32), None), ("bert-base", dict(batch=2, seq=32), 0.5),
          ("gpt2", dict(batch=2, seq=32), None), ("resnet50", dict(batch=2, size=64), 0.5)]

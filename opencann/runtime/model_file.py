@@ -415,7 +415,7 @@ def save(compiled, path: str, description: str = "") -> Dict[str, Any]:
     OSError when the file cannot be written."""
     import safetensors.torch
 
-    from .. import __version__
+    from ..version import __version__
     g, plan, report = compiled.graph, compiled.plan, compiled.report
     conv = compiled.calling_convention()
     graph_j = _graph_to_json(g)

@@ -48,7 +48,7 @@ def train_digits(epochs: int = 12, batch: int = 64, lr: float = 3e-3, bf16: bool
     """Train `digits_cnn` through the opencann training backend. Returns
     ``{"test_accuracy", "seconds", "final_loss"}`` (accuracy in [0, 1], wall seconds
     including compilation)."""
-    from ..frontend.torch.training import make_training_backend
+    from ..dynamo.training import make_training_backend
     torch.manual_seed(seed)
     xtr, ytr, xte, yte = load_digits_split(seed)
     model = digits_cnn().train()
@@ -80,7 +80,7 @@ def finetune_minilm(steps: int = 6, lr: float = 5e-4, log=print) -> List[float]:
     6 sentences with 3 topic labels, through the opencann training backend. Returns
     the loss of each step."""
     from .. import zoo
-    from ..frontend.torch.training import opencann_training_backend
+    from ..dynamo.training import opencann_training_backend
     sents = zoo.SENTENCES + ["The dog chases a ball in the park."]
     labels = torch.tensor([0, 0, 1, 1, 2, 1])
     ids, mask = zoo.tokenize(sents, max_length=16)

@@ -2,15 +2,15 @@
 mode compiles both the forward and the backward graph with opencann.
 
 AOTAutograd traces the joint forward+backward graph, opencann's recomputation pass
-(`opencann.passes.recompute.partition`) splits it into a forward graph (which also
+(`opencann.dynamo.partition.partition`) splits it into a forward graph (which also
 returns the tensors saved for backward) and a backward graph, and each goes through the
-same convert → `compile_graph` → `Executor` path as inference (`dynamo._compile_fx`).
+same convert → `compile_graph` → `Executor` path as inference (`opencann.dynamo.compile_fx`).
 Optimizer steps stay in torch. Source: PyTorch "AOTAutograd" and "Custom Backends"
 (torch.compiler docs); Chen et al. 2016 (arXiv:1604.06174) for recomputation.
 
 Options (``torch.compile(..., backend=opencann_training_backend, options={...})`` or
 `make_training_backend(**options)`): ``memory_budget`` (bytes, or a fraction of the
-no-recomputation peak; see `opencann.passes.recompute`) plus every `compile_graph`
+no-recomputation peak; see `opencann.dynamo.partition`) plus every `compile_graph`
 option (``disable``, ``enable``, ``verify``, ``alignment``, ``inplace``, ``copy_out``,
 and ``precision_mode`` once the compiler knows it).
 """
@@ -22,9 +22,10 @@ import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-from ...passes.recompute import PARTITION_REPORTS, make_partition_fn
-from .capture import decomposition_table
-from .dynamo import COMPILED_GRAPHS, _compile_fx
+from ..frontend.torch import decomposition_table
+from ..options import KNOWN_OPTIONS
+from .compile_fx import compile_fx
+from .partition import PARTITION_REPORTS, make_partition_fn, resolve_budget
 
 TRAINING_OPTIONS = {"memory_budget"}
 
@@ -80,13 +81,11 @@ def make_training_backend(**options):
 def _check_training_options(opts: Dict[str, Any]) -> None:
     """Raise ValueError for an unknown option (listing compile and training options)
     or a malformed ``memory_budget``."""
-    from ...compiler import KNOWN_OPTIONS  # lazy upward import, as in dynamo.py
-    from ...passes.recompute import _resolve_budget
     unknown = set(opts) - KNOWN_OPTIONS - TRAINING_OPTIONS - {"options"}
     if unknown:
         raise ValueError(f"unknown option(s) {sorted(unknown)}; compile options: "
                          f"{sorted(KNOWN_OPTIONS)}; training options: {sorted(TRAINING_OPTIONS)}")
-    _resolve_budget(opts.get("memory_budget"), 1)
+    resolve_budget(opts.get("memory_budget"), 1)
 
 
 def opencann_training_backend(gm: fx.GraphModule, example_inputs, **options):
@@ -103,14 +102,14 @@ def opencann_training_backend(gm: fx.GraphModule, example_inputs, **options):
 
     def fw(g, inputs):
         with unset_fake_temporarily():  # constant folding must make real tensors
-            run = _compile_fx(g, inputs, compile_opts)
-        _attach(COMPILED_GRAPHS[-1], "forward", n_parts)
+            run = compile_fx(g, inputs, compile_opts)
+        _attach(run.report, "forward", n_parts)
         return _boxed(run)
 
     def bw(g, inputs):
         with unset_fake_temporarily():
-            run = _compile_fx(g, inputs, compile_opts)
-        _attach(COMPILED_GRAPHS[-1], "backward", n_parts)
+            run = compile_fx(g, inputs, compile_opts)
+        _attach(run.report, "backward", n_parts)
         return _boxed(run)
 
     return aot_autograd(fw_compiler=fw, bw_compiler=bw, inference_compiler=fw,

@@ -280,7 +280,7 @@ def _extract(joint: _Joint, saved: List[fx.Node]):
     return fw, bw
 
 
-def _resolve_budget(budget: Any, baseline_peak: int) -> Optional[int]:
+def resolve_budget(budget: Any, baseline_peak: int) -> Optional[int]:
     """Bytes of planned peak allowed: None (no budget), a float fraction in (0, 1] of
     ``baseline_peak``, or an int number of bytes. Raises ValueError otherwise (booleans,
     non-numbers, NaN/inf, <= 0, a non-integral float above 1)."""
@@ -337,7 +337,7 @@ def partition(joint_module: fx.GraphModule, joint_inputs: Any = None, *, num_fwd
     base = planned_peak(fw0, bw0, num_fwd_outputs)
     fw, bw, saved = _cut(joint, [], aggressive=False)
     cut = planned_peak(fw, bw, num_fwd_outputs)
-    target = _resolve_budget(memory_budget, base["peak"])
+    target = resolve_budget(memory_budget, base["peak"])
     steps, bn_rewritten, bn_kept, chosen = 0, [], {}, cut
     if target is not None and cut["peak"] > target:
         # Under a budget only: BatchNorm outputs become recomputable (an addcmul and

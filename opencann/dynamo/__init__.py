@@ -1,0 +1,17 @@
+"""``torch.compile`` backends: applications of the graph engine, above the compiler.
+
+- `backend`: ``torch.compile(model, backend="opencann")`` (inference, and training when
+  gradients are needed), registered by name on ``import opencann``;
+- `training`: forward and backward graphs through AOTAutograd, with recomputation under
+  a memory budget (`make_training_backend`);
+- `partition`: the joint-graph partition (min cut, Chen checkpoints) and
+  `recompute_bn`: BatchNorm outputs rebuilt from their saved statistics;
+- `compile_fx`: the one FX → IR → `compile_graph` → executor path both backends share.
+"""
+from .backend import opencann_backend, register
+from .compile_fx import COMPILED_GRAPHS, compile_fx
+from .partition import MemoryBudgetError, last_partition_report
+from .training import make_training_backend, opencann_training_backend
+
+__all__ = ["COMPILED_GRAPHS", "MemoryBudgetError", "compile_fx", "last_partition_report",
+           "make_training_backend", "opencann_backend", "opencann_training_backend", "register"]

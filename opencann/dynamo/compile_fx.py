@@ -1,0 +1,43 @@
+"""The one path from an AOTAutograd FX graph to a runnable opencann graph, shared by the
+inference and the training backends: FX (ATen) → IR → `compile_graph` → an executor pool."""
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional
+
+import torch
+
+from ..compiler import compile_graph
+from ..frontend.torch import from_fx_graph
+from ..runtime import DEFAULT_CONCURRENT_CALLS, Executor, ExecutorPool
+
+COMPILED_GRAPHS: List[Any] = []  # reports of the graphs compiled in this process
+
+
+def compile_fx(gm: torch.fx.GraphModule, example_inputs, options: Optional[Dict[str, Any]] = None):
+    """Compile one ATen-level FX graph (from AOTAutograd: an inference graph, or one half
+    of a partitioned training graph) with opencann's passes; returns the callable that
+    runs it (``run(*tensors) -> list``, not boxed), with its compile report as
+    ``run.report`` (also appended to `COMPILED_GRAPHS`). Executors are built on the
+    first real call (compilation runs under fake mode); overlapping calls (threads) each
+    get their own arena, up to the ``concurrent_calls`` option."""
+    graph = from_fx_graph(gm, example_inputs, name=f"dynamo_graph_{len(COMPILED_GRAPHS)}")
+    graph, plan, report = compile_graph(graph, "cpu", options)
+    COMPILED_GRAPHS.append(report)
+    opts = options or {}
+    pool = ExecutorPool(lambda: Executor(graph, plan, check_aliasing=opts.get("check_aliasing")),
+                        opts.get("concurrent_calls", DEFAULT_CONCURRENT_CALLS))
+    idx = [i for i, n in enumerate(gm.graph.find_nodes(op="placeholder"))
+           if isinstance(n.meta.get("val"), torch.Tensor)]
+    lits = graph.meta.get("output_literals", {})
+    n_out = graph.meta.get("n_outputs", len(graph.outputs))
+
+    def run(*args):
+        if len(args) == 1 and isinstance(args[0], list) and len(idx) != 1:
+            args = tuple(args[0])
+        outs = pool.run([args[i] for i in idx])
+        it = iter(outs)
+        return [lits[i] if i in lits else next(it) for i in range(n_out)]
+
+    run._boxed_call = False
+    run.report = report
+    return run
