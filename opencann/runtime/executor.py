@@ -84,30 +84,41 @@ def _own(t: torch.Tensor) -> torch.Tensor:
 
 
 def independent_outputs(graph: Graph) -> List[int]:
-    """Indices of graph outputs the runtime must copy so that outputs are as independent
-    as eager's: an output backed by a constant (the compiled model's own weights: a caller
-    must not be able to change them), by a graph input eager did not return a view of, or
-    sharing memory with an earlier output where eager's did not (CSE merged ``x + 1, x + 1``).
+    """Indices of graph outputs the runtime must copy (`output_copies`), ascending."""
+    return sorted(output_copies(graph))
+
+
+def output_copies(graph: Graph) -> Dict[int, Optional[int]]:
+    """Graph outputs the runtime must copy so that outputs are as independent as eager's,
+    each mapped to None (a copy of its own) or to an earlier copied output whose copy it
+    shares: eager returned one tensor there (``return a, b, b`` after CSE merged ``a``
+    and ``b``: outputs 1 and 2 are one copy, as in eager). An output is copied when it
+    is backed by a constant (the compiled model's own weights: a caller must not be able
+    to change them), by a graph input eager did not return a view of, or shares memory
+    with an earlier kept output where eager's did not (CSE merged ``x + 1, x + 1``).
     Eager's aliasing comes from ``graph.meta["output_storage"]``, recorded at conversion;
     without it, outputs are assumed distinct unless they are the same value."""
     roots = storage_roots(graph)
     eager = graph.meta.get("output_storage")
     consts = {c.id for c in graph.constants}
     inputs = {v.id for v in graph.inputs}
-    copy: List[int] = []
+
+    def eager_of(j: int) -> frozenset:
+        return eager[j] if eager is not None else frozenset((graph.outputs[j].id,))
+
+    copies: Dict[int, Optional[int]] = {}
     kept: List[int] = []
     for i, v in enumerate(graph.outputs):
         mine = roots.get(v.id, frozenset((v.id,)))
-        e_i = eager[i] if eager is not None else frozenset((v.id,))
+        e_i = eager_of(i)
         if (mine & consts or (mine & inputs) - e_i
                 or any(mine & roots.get(graph.outputs[j].id, frozenset())
-                       and not (e_i & (eager[j] if eager is not None else
-                                       frozenset((graph.outputs[j].id,))))
-                       for j in kept)):
-            copy.append(i)
+                       and not (e_i & eager_of(j)) for j in kept)):
+            copies[i] = next((j for j, src in copies.items() if src is None
+                              and graph.outputs[j] is v and e_i & eager_of(j)), None)
         else:
             kept.append(i)
-    return copy
+    return copies
 
 
 class ExecutionError(RuntimeError):
@@ -274,10 +285,13 @@ class Executor:
                 lines.append(f"    _chk.after({idx}, ({', '.join(outs)},))")
             if profile:
                 lines.append(f"    _rec({idx})")
-        own = set(independent_outputs(g))
         glb["_own"] = _own
-        ret = ", ".join(f"_own({names[v.id]})" if i in own else names[v.id]
-                        for i, v in enumerate(g.outputs))
+        rets = [names[v.id] for v in g.outputs]
+        for i, shared in output_copies(g).items():
+            if shared is None:
+                lines.append(f"    _o{i} = _own({rets[i]})")
+            rets[i] = f"_o{i if shared is None else shared}"
+        ret = ", ".join(rets)
         head = ["def _run(inputs):"]
         if self.check_aliasing:
             head.append("    _chk.begin(inputs)")
