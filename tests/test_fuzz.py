@@ -13,7 +13,7 @@ from opencann.tools.fuzz import (CHECKS, Failure, check_module, check_program, g
 from opencann.tools.fuzz_ops import OPS, op_table
 
 # (backend, first seed, programs): torch.compile costs most per program, so fewer of it
-CAMPAIGNS = [("opencann", 0, 40), ("vnpu", 1000, 20), ("dynamo", 2000, 60)]
+CAMPAIGNS = [("opencann", 0, 100), ("vnpu", 1000, 50), ("dynamo", 2000, 150)]
 
 
 @pytest.mark.parametrize("backend,seed,cases", CAMPAIGNS, ids=[c[0] for c in CAMPAIGNS])
