@@ -260,3 +260,56 @@ def test_zoo_model_matches_onnxruntime(name, tmp_path):
         eager = model(*z.example_inputs)
     eager = eager.last_hidden_state if hasattr(eager, "last_hidden_state") else eager
     assert_close(cm(*z.example_inputs)[:1], [eager.numpy()])
+
+
+def _model(nodes, inputs, outputs, inits=(), opset=17):
+    """A one-graph model: ``inputs``/``outputs`` as (name, elem type, dims)."""
+    vi = helper.make_tensor_value_info
+    g = helper.make_graph(nodes, "m", [vi(*i) for i in inputs], [vi(*o) for o in outputs],
+                          initializer=list(inits))
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", opset)])
+
+
+def _ort(model, feeds):
+    s = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    return s.run(None, feeds)
+
+
+_F = TensorProto.FLOAT
+
+
+@pytest.mark.parametrize("case", ["relu_relu", "identity_identity", "output_is_input",
+                                  "output_is_initializer", "same_name_twice"])
+def test_outputs_are_independent_tensors(case):
+    """Every ONNX output is its own tensor, as ONNX Runtime's: CSE merging ``Relu(x)``
+    twice, an Identity of the input, the input or an initializer itself as an output.
+    Writing into one output changes no other, nor the input, nor the next call's."""
+    w = onnx.numpy_helper.from_array(np.arange(6, dtype=np.float32).reshape(2, 3), "w")
+    nodes, outs, inits = {
+        "relu_relu": ([helper.make_node("Relu", ["x"], ["y"]),
+                       helper.make_node("Relu", ["x"], ["z"])], ["y", "z"], []),
+        "identity_identity": ([helper.make_node("Identity", ["x"], ["y"]),
+                               helper.make_node("Identity", ["x"], ["z"])], ["y", "z"], []),
+        "output_is_input": ([helper.make_node("Relu", ["x"], ["y"])], ["y", "x"], []),
+        "output_is_initializer": ([helper.make_node("Add", ["x", "w"], ["y"])], ["y", "w"], [w]),
+        "same_name_twice": ([helper.make_node("Relu", ["x"], ["y"])], ["y", "y"], []),
+    }[case]
+    model = _model(nodes, [("x", _F, [2, 3])], [(o, _F, [2, 3]) for o in outs], inits)
+    cm = opencann.compile(model)
+    x = torch.randn(2, 3)
+    x0 = x.clone()
+    outs1 = cm(x)
+    refs = _ort(model, {"x": x.numpy()})
+    assert_close(outs1, refs)
+    for k, o in enumerate(outs1):
+        before = [t.clone() for t in outs1]
+        o.fill_(123.0)
+        for j, t in enumerate(outs1):
+            if j != k:
+                assert torch.equal(t, before[j]), (k, j)
+        assert torch.equal(x, x0)
+    kept = [t.clone() for t in outs1]
+    outs2 = cm(torch.randn(2, 3))
+    assert all(torch.equal(a, b) for a, b in zip(outs1, kept))     # a second call
+    if case == "output_is_initializer":
+        assert_close(outs2[1:], refs[1:])        # the weights were not changed by the write

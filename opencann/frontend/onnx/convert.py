@@ -382,7 +382,11 @@ def convert_node(cv: Converter, proto, infos: Dict[str, TensorDesc], check: bool
 
 def _set_outputs(cv: Converter, model) -> None:
     """Graph outputs in the model's order. An output that is a graph input, or that
-    appears twice, is copied so every result is its own tensor."""
+    appears twice, is copied so every result is its own tensor. Every ONNX graph output
+    is a distinct tensor (ONNX Runtime returns fresh arrays, initializers and inputs
+    included): ``output_storage`` records each as its own storage, so the runtime copies
+    outputs that passes later merge (CSE of ``Relu(x), Relu(x)``) or that view an input
+    or a constant (`output_copies`)."""
     import torch as _t
     outs: List[Value] = []
     graph_inputs = {id(v) for v in cv.graph.inputs}
@@ -395,5 +399,6 @@ def _set_outputs(cv: Converter, model) -> None:
                 v = cv.const(v.const.clone())
         outs.append(v)
     cv.graph.outputs = outs
+    cv.graph.meta["output_storage"] = [frozenset((v.id,)) for v in outs]
     cv.graph.meta["output_names"] = [o.name for o in model.graph.output]
     cv.graph.meta["input_names"] = [v.name for v in cv.graph.inputs]
