@@ -392,3 +392,96 @@ def test_reference_fallback_at_an_opset_it_lacks_is_one_clear_error(monkeypatch)
     with pytest.raises(ConversionError) as e:
         opencann.compile(model)
     assert "Foo" in _one_line(e) and "not supported yet" in str(e.value)
+
+
+def _unary_model(op, xt=_F, outt=None, n=len(_SPECIAL), inits=(), extra_ins=(), **attrs):
+    node = helper.make_node(op, ["x"] + list(extra_ins), ["y"], **attrs)
+    return _model([node], [("x", xt, [n])], [("y", outt or xt, [n])], inits)
+
+
+@pytest.mark.parametrize("op", ["Sign", "Abs", "Neg", "Floor", "Ceil", "Round", "Relu",
+                                "Reciprocal", "Exp", "Sqrt", "HardSigmoid", "ThresholdedRelu"])
+def test_elementwise_specials_match_onnxruntime(op):
+    """NaN, ±inf, ±0 and halves (Round: half to even) as ONNX Runtime, bit for bit;
+    ``Sign(NaN)`` is NaN (``aten.sign`` gave 0)."""
+    x = np.array(_SPECIAL, np.float32)
+    model = _unary_model(op)
+    cm = opencann.compile(model)
+    out, ref = cm(torch.from_numpy(x))[0].numpy(), _ort(model, {"x": x})[0]
+    np.testing.assert_array_equal(np.isnan(out), np.isnan(ref))
+    np.testing.assert_allclose(out, ref, rtol=1e-6)        # Exp/Sqrt: one ulp apart
+    np.testing.assert_array_equal(np.signbit(out[~np.isnan(out)]), np.signbit(ref[~np.isnan(ref)]))
+    if op == "Sign":
+        assert np.isnan(out[0]) and np.isnan(np.sign(x[0]))
+
+
+@pytest.mark.parametrize("bounds", [(), ("lo",), ("", "hi"), ("lo", "hi"), ("lo_in",),
+                                    ("", "hi_in")])
+def test_clip_default_bounds_are_the_type_limits(bounds):
+    """Absent Clip bounds are ``numeric_limits`` lowest / max (the specification), so
+    ``±inf`` clips to ``±FLT_MAX`` as ONNX Runtime's; bounds given as constants or at run
+    time."""
+    x = np.array(_SPECIAL, np.float32)
+    inits = [onnx.numpy_helper.from_array(np.array(-1.0, np.float32), "lo"),
+             onnx.numpy_helper.from_array(np.array(2.0, np.float32), "hi")]
+    inits = [t for t in inits if t.name in bounds]
+    runtime = [b for b in bounds if b.endswith("_in")]
+    node = helper.make_node("Clip", ["x"] + list(bounds), ["y"])
+    model = _model([node], [("x", _F, [len(x)])] + [(b, _F, []) for b in runtime],
+                   [("y", _F, [len(x)])], inits)
+    feeds = {"x": x, **{b: np.array(-1.0 if b == "lo_in" else 2.0, np.float32) for b in runtime}}
+    cm = opencann.compile(model)
+    out = cm(*[torch.from_numpy(v) for v in feeds.values()])[0].numpy()
+    ref = _ort(model, feeds)[0]
+    np.testing.assert_array_equal(out, ref)
+    assert out[1] == (2.0 if "hi" in bounds or "hi_in" in bounds else np.finfo(np.float32).max)
+
+
+def test_nan_reductions_follow_the_spec_and_numpy():
+    """ReduceMax/Min give NaN and ArgMax/ArgMin the index of the first NaN, as numpy and
+    the specification (ONNX Runtime skips NaN: documented in ``frontend/onnx/nn.py``)."""
+    x = np.array([[1.0, np.nan, 5.0, -2.0], [3.0, -1.0, np.nan, 7.0], [0.0, -0.0, 2.5, -np.inf]],
+                 np.float32)
+    ax = helper.make_tensor("ax", TensorProto.INT64, [1], [1])
+    nodes = [helper.make_node("ReduceMax", ["x", "ax"], ["mx"], keepdims=0),
+             helper.make_node("ReduceMin", ["x", "ax"], ["mn"], keepdims=0),
+             helper.make_node("ArgMax", ["x"], ["amx"], axis=1, keepdims=0),
+             helper.make_node("ArgMin", ["x"], ["amn"], axis=1, keepdims=0)]
+    model = _model(nodes, [("x", _F, [3, 4])],
+                   [("mx", _F, [3]), ("mn", _F, [3]), ("amx", TensorProto.INT64, [3]),
+                    ("amn", TensorProto.INT64, [3])], [ax], 18)
+    mx, mn, amx, amn = (t.numpy() for t in opencann.compile(model)(torch.from_numpy(x)))
+    np.testing.assert_array_equal(mx, x.max(1))
+    np.testing.assert_array_equal(mn, x.min(1))
+    np.testing.assert_array_equal(amx, x.argmax(1))
+    np.testing.assert_array_equal(amn, x.argmin(1))
+
+
+@pytest.mark.parametrize("op", ["Max", "Min", "Mod", "Fmod", "Div", "Pow"])
+def test_binary_specials_match_onnxruntime(op):
+    """NaN / ±inf / ±0 pairs; float Mod where the quotient overflows float32
+    (``fmod(3.4e38, -0.7)``: ATen's vectorized float32 kernel gave NaN)."""
+    x = np.array(_SPECIAL, np.float32)
+    y = np.roll(x, 3)
+    attrs = {"fmod": 1} if op == "Fmod" else {}
+    node = helper.make_node("Mod" if op == "Fmod" else op, ["x", "z"], ["y"], **attrs)
+    model = _model([node], [("x", _F, [len(x)]), ("z", _F, [len(x)])], [("y", _F, [len(x)])])
+    out = opencann.compile(model)(torch.from_numpy(x), torch.from_numpy(y))[0].numpy()
+    if op == "Mod":      # ONNX Runtime takes float Mod only with fmod=1 (before opset 28)
+        with np.errstate(all="ignore"):
+            ref = np.mod(x, y)
+    else:
+        ref = _ort(model, {"x": x, "z": y})[0]
+    np.testing.assert_array_equal(np.isnan(out), np.isnan(ref))
+    np.testing.assert_allclose(out, ref, rtol=1e-6)
+
+
+@pytest.mark.parametrize("fmod", [0, 1])
+def test_integer_mod_signs_match_onnxruntime(fmod):
+    a = np.array([-7, 7, -7, 7, 0, 5, -5, 3, -3, 1, -1, 6], np.int32)
+    b = np.array([3, -3, -3, 3, 2, 5, 5, -2, 2, 4, 4, -4], np.int32)
+    node = helper.make_node("Mod", ["a", "b"], ["y"], fmod=fmod)
+    i32 = TensorProto.INT32
+    model = _model([node], [("a", i32, [12]), ("b", i32, [12])], [("y", i32, [12])])
+    out = opencann.compile(model)(torch.from_numpy(a), torch.from_numpy(b))[0].numpy()
+    np.testing.assert_array_equal(out, _ort(model, {"a": a, "b": b})[0])
