@@ -485,3 +485,17 @@ def test_integer_mod_signs_match_onnxruntime(fmod):
     model = _model([node], [("a", i32, [12]), ("b", i32, [12])], [("y", i32, [12])])
     out = opencann.compile(model)(torch.from_numpy(a), torch.from_numpy(b))[0].numpy()
     np.testing.assert_array_equal(out, _ort(model, {"a": a, "b": b})[0])
+
+
+def test_checker_failure_is_not_called_a_corrupt_file():
+    """A well-formed protobuf that onnx.checker rejects (an output without a type) names
+    the checker and the fix, not a truncated file."""
+    x = helper.make_tensor_value_info("x", _F, [2])
+    g = helper.make_graph([helper.make_node("Relu", ["x"], ["y"])], "untyped", [x],
+                          [helper.make_value_info("y", onnx.TypeProto())])
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    with pytest.raises(OnnxLoadError) as e:
+        opencann.compile(model)
+    msg = _one_line(e)
+    assert "onnx.checker" in msg and "give every graph output a type" in msg
+    assert "truncated" not in msg and "corrupt" not in msg
