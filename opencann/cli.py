@@ -1,7 +1,7 @@
 """The ``opencann`` command line: demo, compile, run, bench, estimate, train-demo, inspect, fuzz.
 
     opencann demo                               # the main job on the embedded default
-    opencann compile resnet50 --report r.json   # zoo name or file.py:factory
+    opencann compile resnet50 --report r.json   # zoo name, file.py:factory or m.onnx
     opencann run bert-base --trace trace.json   # run once, Chrome trace of every op
     opencann bench minilm --batch 1 --seq 128   # compiled vs eager latency
     opencann estimate --model resnet50 --device vnpu:ascend910b --plot roofline.png
@@ -63,10 +63,13 @@ def _describe(x) -> str:
 
 
 def _load(spec: str, batch: int, seq: int):
-    """A zoo name, or ``file.py:factory`` where factory() returns (model, inputs).
+    """A zoo name, ``file.py:factory`` where factory() returns (model, inputs), or an
+    ``.onnx`` file (`OnnxFile`).
     Raises CliError (one line) for a missing file or function, an error raised while
     importing the file or calling the factory, or a factory result of another form."""
     from . import zoo
+    if spec.lower().endswith(".onnx"):
+        return _load_onnx(spec)
     if ":" in spec and spec.split(":")[0].endswith(".py"):
         path, fn = spec.rsplit(":", 1)
         if not os.path.isfile(path):
@@ -103,8 +106,75 @@ def _load(spec: str, batch: int, seq: int):
         raise CliError(f"{e.args[0]}; or pass file.py:factory") from None
 
 
+class OnnxFile:
+    """An ``.onnx`` path given on the command line; inputs come from its static shapes."""
+
+    def __init__(self, path: str):
+        self.path = self.name = path
+
+
+def _load_onnx(path: str) -> OnnxFile:
+    """Checks that ``path`` exists and that every model input has static dims; CliError
+    (one line) otherwise: the CLI has no way to give sizes for symbolic dims."""
+    if not os.path.isfile(path):
+        raise CliError(f"{path}: no such ONNX file")
+    try:
+        import onnx
+    except ImportError:
+        raise CliError("ONNX models need the onnx package: pip install 'opencann[onnx]'") from None
+    try:
+        model = onnx.load(path, load_external_data=False)
+    except Exception:  # noqa: BLE001 - the compile step reports a bad file in one line
+        return OnnxFile(path)
+    inits = {t.name for t in model.graph.initializer}
+    for vi in model.graph.input:
+        if vi.name in inits or not vi.type.HasField("tensor_type"):
+            continue
+        dims = [d.dim_value if d.HasField("dim_value") else (d.dim_param or "?")
+                for d in vi.type.tensor_type.shape.dim]
+        if not all(isinstance(d, int) for d in dims):
+            raise CliError(f"{path}: input {vi.name} has symbolic dims {tuple(dims)}; the CLI "
+                           "compiles static shapes: fix them in the model (onnx.tools."
+                           "update_model_dims.update_inputs_outputs_dims) or call "
+                           "opencann.compile(path, input_shapes=...) from Python")
+    return OnnxFile(path)
+
+
+def _onnx_inputs(cm, seed: int = 0):
+    """Random inputs for a compiled ONNX model, in graph-input order: floats normal,
+    integers in [0, 2) (valid token ids and indices), bools random."""
+    g = torch.Generator().manual_seed(seed)
+    xs = []
+    for v in cm.graph.inputs:
+        dt, shp = v.desc.dtype.torch, tuple(v.desc.shape)
+        if dt.is_floating_point:
+            xs.append(torch.randn(shp, generator=g).to(dt))
+        elif dt == torch.bool:
+            xs.append(torch.randint(0, 2, shp, generator=g).bool())
+        else:
+            xs.append(torch.randint(0, 2, shp, generator=g).to(dt))
+    return xs
+
+
+def _onnx_reference(path: str, cm, inputs):
+    """ONNX Runtime's outputs for ``inputs`` (None when onnxruntime is not installed)."""
+    try:
+        import onnxruntime as ort
+    except ImportError:
+        return None
+    s = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
+    feeds = {n: x.numpy() for n, x in zip(cm.graph.meta["input_names"], inputs)}
+    return tuple(torch.from_numpy(r) for r in s.run(None, feeds))
+
+
 def _compile(zm, device="cpu", options=None):
     import opencann
+    if isinstance(zm, OnnxFile):
+        with console.status(f"compiling {zm.name} (ONNX conversion, passes, planning)..."):
+            t0 = time.perf_counter()
+            cm = opencann.compile(zm.path, device=device, options=options)
+        console.print(f"compiled {zm.name} in {time.perf_counter() - t0:.1f} s")
+        return cm
     with console.status(f"compiling {zm.name} (torch.export, decomposition, passes, planning)..."):
         t0 = time.perf_counter()
         cm = opencann.compile(zm.model, zm.example_inputs, device=device, options=options)
@@ -197,12 +267,22 @@ def cmd_compile(args) -> int:
 def cmd_run(args) -> int:
     zm = _load(args.model, args.batch, args.seq)
     cm = _compile(zm)
-    out = cm(*zm.example_inputs)
-    with torch.no_grad():
-        ref = zm.model(*zm.example_inputs)
-    console.print(f"ran {zm.name}: max |compiled - eager| = {_max_diff(out, ref)}")
+    if isinstance(zm, OnnxFile):
+        inputs = _onnx_inputs(cm)
+        out = cm(*inputs)
+        ref = _onnx_reference(zm.path, cm, inputs)
+        console.print(f"ran {zm.name} on random inputs: " + (
+            f"max |compiled - onnxruntime| = {_max_diff(out, ref)}" if ref is not None else
+            "outputs " + ", ".join(f"{tuple(o.shape)} {o.dtype}" for o in out)
+            + " (install onnxruntime to compare)"))
+    else:
+        inputs = zm.example_inputs
+        out = cm(*inputs)
+        with torch.no_grad():
+            ref = zm.model(*inputs)
+        console.print(f"ran {zm.name}: max |compiled - eager| = {_max_diff(out, ref)}")
     if args.trace:
-        ev = cm.profile(*zm.example_inputs, path=args.trace)
+        ev = cm.profile(*inputs, path=args.trace)
         top = sorted(ev, key=lambda e: -e["dur"])[:10]
         console.print(f"Chrome trace with {len(ev)} ops written to {args.trace}; slowest ops:")
         for e in top:
@@ -214,6 +294,9 @@ def cmd_bench(args) -> int:
     from .timing import median_ms
     torch.set_num_threads(args.threads)
     zm = _load(args.model, args.batch, args.seq)
+    if isinstance(zm, OnnxFile):
+        raise CliError("bench compares with eager PyTorch and takes zoo names or file.py:factory; "
+                       "ONNX models are not supported by bench yet (use run)")
     cm = _compile(zm)
     e = median_ms(zm.model, *zm.example_inputs, runs=args.runs)
     c = median_ms(cm, *zm.example_inputs, runs=args.runs)
@@ -264,7 +347,8 @@ def main(argv=None) -> int:
                           ("run", cmd_run, "compile, run once, optionally trace"),
                           ("bench", cmd_bench, "compiled vs eager latency")):
         s = sub.add_parser(name, help=hlp)
-        s.add_argument("model", help="zoo name (minilm, bert-base, gpt2, resnet50) or file.py:factory")
+        s.add_argument("model", help="zoo name (minilm, bert-base, gpt2, resnet50), file.py:factory"
+                       + (" or an .onnx file" if name != "bench" else ""))
         s.add_argument("--batch", type=positive_int, default=1)
         s.add_argument("--seq", type=positive_int, default=128)
         s.set_defaults(fn=fn)

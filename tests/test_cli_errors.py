@@ -108,3 +108,38 @@ def test_flash_attention_names_a_bad_scale():
     torch.testing.assert_close(flash_attention(q, q, q, scale=0.5),
                                torch.nn.functional.scaled_dot_product_attention(q, q, q, scale=0.5),
                                atol=1e-5, rtol=1e-5)
+
+
+@pytest.fixture
+def onnx_files(tmp_path, monkeypatch):
+    """m.onnx (static [2, 4] input; Relu and Sign outputs) and dyn.onnx (symbolic batch)."""
+    onnx = pytest.importorskip("onnx")
+    from onnx import TensorProto, helper
+    monkeypatch.chdir(tmp_path)
+
+    def save(name, dims):
+        x = helper.make_tensor_value_info("x", TensorProto.FLOAT, dims)
+        outs = [helper.make_tensor_value_info(y, TensorProto.FLOAT, dims) for y in ("y", "z")]
+        nodes = [helper.make_node("Relu", ["x"], ["y"]), helper.make_node("Sign", ["x"], ["z"])]
+        g = helper.make_graph(nodes, "g", [x], outs)
+        onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]), name)
+    save("m.onnx", [2, 4])
+    save("dyn.onnx", ["n", 4])
+    return tmp_path
+
+
+def test_onnx_files_compile_and_run(onnx_files, capsys):
+    """``opencann compile|run m.onnx`` (inputs from the model's static shapes; run compares
+    with ONNX Runtime when installed); symbolic dims, bench and estimate: one line each."""
+    assert cli.main(["compile", "m.onnx"]) == 0
+    assert cli.main(["run", "m.onnx", "--trace", "t.json"]) == 0
+    out = capsys.readouterr().out
+    assert "ran m.onnx on random inputs" in out and (onnx_files / "t.json").exists()
+    if "onnxruntime" in out:
+        assert "max |compiled - onnxruntime| = 0.00e+00" in out
+    _one_error(["compile", "dyn.onnx"], capsys, "input x has symbolic dims", "static shapes",
+               "input_shapes=")
+    _one_error(["run", "missing.onnx"], capsys, "missing.onnx: no such ONNX file")
+    _one_error(["bench", "m.onnx"], capsys, "ONNX models are not supported by bench yet")
+    rc, err = _run(["estimate", "--model", "m.onnx"], capsys)
+    assert rc == 2 and len(err) == 1 and "ONNX models are not supported by estimate yet" in err[0]

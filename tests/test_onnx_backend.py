@@ -27,7 +27,7 @@ from onnx.backend.test.runner import Runner  # noqa: E402
 
 from onnx_backend import OpencannBackend  # noqa: E402
 from opencann.frontend.onnx import convert as _convert  # noqa: E402
-from opencann.frontend.onnx import nn, tensor  # noqa: E402,F401  (register the converters)
+from opencann.frontend.onnx import nn, quant, tensor  # noqa: E402,F401  (register the converters)
 
 CONVERTED = set(_convert.CONVERTERS)
 

@@ -260,3 +260,242 @@ def test_zoo_model_matches_onnxruntime(name, tmp_path):
         eager = model(*z.example_inputs)
     eager = eager.last_hidden_state if hasattr(eager, "last_hidden_state") else eager
     assert_close(cm(*z.example_inputs)[:1], [eager.numpy()])
+
+
+def _model(nodes, inputs, outputs, inits=(), opset=17):
+    """A one-graph model: ``inputs``/``outputs`` as (name, elem type, dims)."""
+    vi = helper.make_tensor_value_info
+    g = helper.make_graph(nodes, "m", [vi(*i) for i in inputs], [vi(*o) for o in outputs],
+                          initializer=list(inits))
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", opset)])
+
+
+def _ort(model, feeds):
+    s = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    return s.run(None, feeds)
+
+
+_F = TensorProto.FLOAT
+
+
+@pytest.mark.parametrize("case", ["relu_relu", "identity_identity", "output_is_input",
+                                  "output_is_initializer", "same_name_twice"])
+def test_outputs_are_independent_tensors(case):
+    """Every ONNX output is its own tensor, as ONNX Runtime's: CSE merging ``Relu(x)``
+    twice, an Identity of the input, the input or an initializer itself as an output.
+    Writing into one output changes no other, nor the input, nor the next call's."""
+    w = onnx.numpy_helper.from_array(np.arange(6, dtype=np.float32).reshape(2, 3), "w")
+    nodes, outs, inits = {
+        "relu_relu": ([helper.make_node("Relu", ["x"], ["y"]),
+                       helper.make_node("Relu", ["x"], ["z"])], ["y", "z"], []),
+        "identity_identity": ([helper.make_node("Identity", ["x"], ["y"]),
+                               helper.make_node("Identity", ["x"], ["z"])], ["y", "z"], []),
+        "output_is_input": ([helper.make_node("Relu", ["x"], ["y"])], ["y", "x"], []),
+        "output_is_initializer": ([helper.make_node("Add", ["x", "w"], ["y"])], ["y", "w"], [w]),
+        "same_name_twice": ([helper.make_node("Relu", ["x"], ["y"])], ["y", "y"], []),
+    }[case]
+    model = _model(nodes, [("x", _F, [2, 3])], [(o, _F, [2, 3]) for o in outs], inits)
+    cm = opencann.compile(model)
+    x = torch.randn(2, 3)
+    x0 = x.clone()
+    outs1 = cm(x)
+    refs = _ort(model, {"x": x.numpy()})
+    assert_close(outs1, refs)
+    for k, o in enumerate(outs1):
+        before = [t.clone() for t in outs1]
+        o.fill_(123.0)
+        for j, t in enumerate(outs1):
+            if j != k:
+                assert torch.equal(t, before[j]), (k, j)
+        assert torch.equal(x, x0)
+    kept = [t.clone() for t in outs1]
+    outs2 = cm(torch.randn(2, 3))
+    assert all(torch.equal(a, b) for a, b in zip(outs1, kept))     # a second call
+    if case == "output_is_initializer":
+        assert_close(outs2[1:], refs[1:])        # the weights were not changed by the write
+
+
+_SPECIAL = [np.nan, np.inf, -np.inf, 0.0, -0.0, 0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 0.7, -0.7,
+            300.0, -300.0, 3.4e38, -3.4e38, 1e10]
+
+
+def _assert_same(outs, refs):
+    """Bit-exact agreement with ONNX Runtime, NaN in the same places, same dtypes."""
+    assert len(outs) == len(refs)
+    for o, r in zip(outs, refs):
+        o = o.numpy()
+        assert o.dtype == r.dtype and o.shape == r.shape
+        np.testing.assert_array_equal(o, r)          # NaN equals NaN here
+
+
+@pytest.mark.parametrize("opset", [13, 19, 21])
+@pytest.mark.parametrize("qtype,zp", [(TensorProto.UINT8, 3), (TensorProto.INT8, -2),
+                                      (TensorProto.INT8, 3), (TensorProto.UINT8, None)])
+def test_quantize_dequantize_match_onnxruntime(opset, qtype, zp):
+    """QuantizeLinear saturates ±inf to the type's range (the reference evaluator gave the
+    minimum for +inf), rounds half to even, NaN as ONNX Runtime (the type's minimum);
+    DequantizeLinear runs at opset 13 (the reference evaluator implements only 19+)."""
+    npq = np.uint8 if qtype == TensorProto.UINT8 else np.int8
+    x = np.array(_SPECIAL * 2, np.float32).reshape(2, len(_SPECIAL))
+    ins = ["x", "s"] + (["z"] if zp is not None else [])
+    inits = [onnx.numpy_helper.from_array(np.array(0.5, np.float32), "s")]
+    if zp is not None:
+        inits.append(onnx.numpy_helper.from_array(np.array(zp, npq), "z"))
+    nodes = [helper.make_node("QuantizeLinear", ins, ["q"]),
+             helper.make_node("DequantizeLinear", ["qi"] + ins[1:], ["d"])]
+    model = _model(nodes, [("x", _F, list(x.shape)), ("qi", qtype, list(x.shape))],
+                   [("q", qtype, list(x.shape)), ("d", _F, list(x.shape))], inits, opset)
+    qi = np.random.default_rng(0).integers(np.iinfo(npq).min, np.iinfo(npq).max + 1, x.shape,
+                                           dtype=npq)
+    cm = opencann.compile(model)
+    assert not cm.report.host_fallbacks
+    _assert_same(cm(torch.from_numpy(x), torch.from_numpy(qi)), _ort(model, {"x": x, "qi": qi}))
+    q = cm(torch.from_numpy(x), torch.from_numpy(qi))[0]
+    hi, lo = np.iinfo(npq).max, np.iinfo(npq).min
+    assert q[0, 1] == hi and q[0, 2] == lo                  # +inf, -inf saturate
+
+
+@pytest.mark.parametrize("axis", [1, -1, 0])
+def test_quantize_per_axis_matches_onnxruntime(axis):
+    rng = np.random.default_rng(1)
+    x = (rng.standard_normal((3, 4, 5)) * 50).astype(np.float32)
+    x[0, 0, :4] = [np.nan, np.inf, -np.inf, 2.5]
+    c = x.shape[axis]
+    s = onnx.numpy_helper.from_array((rng.random(c) + 0.25).astype(np.float32), "s")
+    z = onnx.numpy_helper.from_array(rng.integers(-5, 6, c).astype(np.int8), "z")
+    nodes = [helper.make_node("QuantizeLinear", ["x", "s", "z"], ["q"], axis=axis),
+             helper.make_node("DequantizeLinear", ["q", "s", "z"], ["d"], axis=axis)]
+    model = _model(nodes, [("x", _F, list(x.shape))],
+                   [("q", TensorProto.INT8, list(x.shape)), ("d", _F, list(x.shape))], [s, z], 13)
+    cm = opencann.compile(model)
+    _assert_same(cm(torch.from_numpy(x)), _ort(model, {"x": x}))
+
+
+def test_reference_fallback_at_an_opset_it_lacks_is_one_clear_error(monkeypatch):
+    """A node left to onnx's reference evaluator at an opset it does not implement (its
+    DequantizeLinear starts at 19) fails at compile time naming the op, the opset and
+    the version converter; an op nobody implements says it is not supported."""
+    from opencann.frontend.onnx import convert
+    monkeypatch.delitem(convert.CONVERTERS, "DequantizeLinear")
+    s = onnx.numpy_helper.from_array(np.array(0.5, np.float32), "s")
+    model = _model([helper.make_node("DequantizeLinear", ["x", "s"], ["y"], name="dq0")],
+                   [("x", TensorProto.INT8, [3])], [("y", _F, [3])], [s], 13)
+    with pytest.raises(ConversionError) as e:
+        opencann.compile(model)
+    msg = _one_line(e)
+    assert "dq0" in msg and "opset 13" in msg and "convert_version(model, 19)" in msg
+    g = helper.make_graph([helper.make_node("Foo", ["x"], ["y"], name="f0", domain="my.dom")], "g",
+                          [helper.make_tensor_value_info("x", _F, [3])],
+                          [helper.make_tensor_value_info("y", _F, [3])])
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17),
+                                                helper.make_opsetid("my.dom", 1)])
+    with pytest.raises(ConversionError) as e:
+        opencann.compile(model)
+    assert "Foo" in _one_line(e) and "not supported yet" in str(e.value)
+
+
+def _unary_model(op, xt=_F, outt=None, n=len(_SPECIAL), inits=(), extra_ins=(), **attrs):
+    node = helper.make_node(op, ["x"] + list(extra_ins), ["y"], **attrs)
+    return _model([node], [("x", xt, [n])], [("y", outt or xt, [n])], inits)
+
+
+@pytest.mark.parametrize("op", ["Sign", "Abs", "Neg", "Floor", "Ceil", "Round", "Relu",
+                                "Reciprocal", "Exp", "Sqrt", "HardSigmoid", "ThresholdedRelu"])
+def test_elementwise_specials_match_onnxruntime(op):
+    """NaN, ±inf, ±0 and halves (Round: half to even) as ONNX Runtime, bit for bit;
+    ``Sign(NaN)`` is NaN (``aten.sign`` gave 0)."""
+    x = np.array(_SPECIAL, np.float32)
+    model = _unary_model(op)
+    cm = opencann.compile(model)
+    out, ref = cm(torch.from_numpy(x))[0].numpy(), _ort(model, {"x": x})[0]
+    np.testing.assert_array_equal(np.isnan(out), np.isnan(ref))
+    np.testing.assert_allclose(out, ref, rtol=1e-6)        # Exp/Sqrt: one ulp apart
+    np.testing.assert_array_equal(np.signbit(out[~np.isnan(out)]), np.signbit(ref[~np.isnan(ref)]))
+    if op == "Sign":
+        assert np.isnan(out[0]) and np.isnan(np.sign(x[0]))
+
+
+@pytest.mark.parametrize("bounds", [(), ("lo",), ("", "hi"), ("lo", "hi"), ("lo_in",),
+                                    ("", "hi_in")])
+def test_clip_default_bounds_are_the_type_limits(bounds):
+    """Absent Clip bounds are ``numeric_limits`` lowest / max (the specification), so
+    ``±inf`` clips to ``±FLT_MAX`` as ONNX Runtime's; bounds given as constants or at run
+    time."""
+    x = np.array(_SPECIAL, np.float32)
+    inits = [onnx.numpy_helper.from_array(np.array(-1.0, np.float32), "lo"),
+             onnx.numpy_helper.from_array(np.array(2.0, np.float32), "hi")]
+    inits = [t for t in inits if t.name in bounds]
+    runtime = [b for b in bounds if b.endswith("_in")]
+    node = helper.make_node("Clip", ["x"] + list(bounds), ["y"])
+    model = _model([node], [("x", _F, [len(x)])] + [(b, _F, []) for b in runtime],
+                   [("y", _F, [len(x)])], inits)
+    feeds = {"x": x, **{b: np.array(-1.0 if b == "lo_in" else 2.0, np.float32) for b in runtime}}
+    cm = opencann.compile(model)
+    out = cm(*[torch.from_numpy(v) for v in feeds.values()])[0].numpy()
+    ref = _ort(model, feeds)[0]
+    np.testing.assert_array_equal(out, ref)
+    assert out[1] == (2.0 if "hi" in bounds or "hi_in" in bounds else np.finfo(np.float32).max)
+
+
+def test_nan_reductions_follow_the_spec_and_numpy():
+    """ReduceMax/Min give NaN and ArgMax/ArgMin the index of the first NaN, as numpy and
+    the specification (ONNX Runtime skips NaN: documented in ``frontend/onnx/nn.py``)."""
+    x = np.array([[1.0, np.nan, 5.0, -2.0], [3.0, -1.0, np.nan, 7.0], [0.0, -0.0, 2.5, -np.inf]],
+                 np.float32)
+    ax = helper.make_tensor("ax", TensorProto.INT64, [1], [1])
+    nodes = [helper.make_node("ReduceMax", ["x", "ax"], ["mx"], keepdims=0),
+             helper.make_node("ReduceMin", ["x", "ax"], ["mn"], keepdims=0),
+             helper.make_node("ArgMax", ["x"], ["amx"], axis=1, keepdims=0),
+             helper.make_node("ArgMin", ["x"], ["amn"], axis=1, keepdims=0)]
+    model = _model(nodes, [("x", _F, [3, 4])],
+                   [("mx", _F, [3]), ("mn", _F, [3]), ("amx", TensorProto.INT64, [3]),
+                    ("amn", TensorProto.INT64, [3])], [ax], 18)
+    mx, mn, amx, amn = (t.numpy() for t in opencann.compile(model)(torch.from_numpy(x)))
+    np.testing.assert_array_equal(mx, x.max(1))
+    np.testing.assert_array_equal(mn, x.min(1))
+    np.testing.assert_array_equal(amx, x.argmax(1))
+    np.testing.assert_array_equal(amn, x.argmin(1))
+
+
+@pytest.mark.parametrize("op", ["Max", "Min", "Mod", "Fmod", "Div", "Pow"])
+def test_binary_specials_match_onnxruntime(op):
+    """NaN / ±inf / ±0 pairs; float Mod where the quotient overflows float32
+    (``fmod(3.4e38, -0.7)``: ATen's vectorized float32 kernel gave NaN)."""
+    x = np.array(_SPECIAL, np.float32)
+    y = np.roll(x, 3)
+    attrs = {"fmod": 1} if op == "Fmod" else {}
+    node = helper.make_node("Mod" if op == "Fmod" else op, ["x", "z"], ["y"], **attrs)
+    model = _model([node], [("x", _F, [len(x)]), ("z", _F, [len(x)])], [("y", _F, [len(x)])])
+    out = opencann.compile(model)(torch.from_numpy(x), torch.from_numpy(y))[0].numpy()
+    if op == "Mod":      # ONNX Runtime takes float Mod only with fmod=1 (before opset 28)
+        with np.errstate(all="ignore"):
+            ref = np.mod(x, y)
+    else:
+        ref = _ort(model, {"x": x, "z": y})[0]
+    np.testing.assert_array_equal(np.isnan(out), np.isnan(ref))
+    np.testing.assert_allclose(out, ref, rtol=1e-6)
+
+
+@pytest.mark.parametrize("fmod", [0, 1])
+def test_integer_mod_signs_match_onnxruntime(fmod):
+    a = np.array([-7, 7, -7, 7, 0, 5, -5, 3, -3, 1, -1, 6], np.int32)
+    b = np.array([3, -3, -3, 3, 2, 5, 5, -2, 2, 4, 4, -4], np.int32)
+    node = helper.make_node("Mod", ["a", "b"], ["y"], fmod=fmod)
+    i32 = TensorProto.INT32
+    model = _model([node], [("a", i32, [12]), ("b", i32, [12])], [("y", i32, [12])])
+    out = opencann.compile(model)(torch.from_numpy(a), torch.from_numpy(b))[0].numpy()
+    np.testing.assert_array_equal(out, _ort(model, {"a": a, "b": b})[0])
+
+
+def test_checker_failure_is_not_called_a_corrupt_file():
+    """A well-formed protobuf that onnx.checker rejects (an output without a type) names
+    the checker and the fix, not a truncated file."""
+    x = helper.make_tensor_value_info("x", _F, [2])
+    g = helper.make_graph([helper.make_node("Relu", ["x"], ["y"])], "untyped", [x],
+                          [helper.make_value_info("y", onnx.TypeProto())])
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    with pytest.raises(OnnxLoadError) as e:
+        opencann.compile(model)
+    msg = _one_line(e)
+    assert "onnx.checker" in msg and "give every graph output a type" in msg
+    assert "truncated" not in msg and "corrupt" not in msg

@@ -31,6 +31,7 @@ _TABLE = [
     ("Reciprocal", aten.reciprocal.default, E, 1, True),
     ("Sin", aten.sin.default, E, 4, True), ("Cos", aten.cos.default, E, 4, True),
     ("Floor", aten.floor.default, E, 1, True), ("Sign", aten.sign.default, E, 1, True),
+    ("Round", aten.round.default, E, 1, True),
     ("Maximum", aten.maximum.default, E, 1, True), ("Minimum", aten.minimum.default, E, 1, True),
     ("ClipByValue", aten.clamp.default, E, 2, True),
     ("ClampTensor", aten.clamp.Tensor, E, 2, True),

@@ -415,6 +415,10 @@ def _rebatch(inputs: Tuple, batch: int) -> Tuple:
 
 
 def _load(model_or_zoo_name, example_inputs, batch: int, zoo_kwargs: Dict[str, Any]):
+    if isinstance(model_or_zoo_name, str) and model_or_zoo_name.lower().endswith(".onnx"):
+        raise ValueError(f"{model_or_zoo_name}: estimate takes zoo names (resnet50, bert-base, "
+                         "gpt2, minilm) or a torch.nn.Module; ONNX models are not supported by "
+                         "estimate yet")
     if isinstance(model_or_zoo_name, str):
         from .. import zoo
         zm = zoo.get(model_or_zoo_name, batch=1, **zoo_kwargs)
@@ -463,8 +467,8 @@ def estimate(model_or_zoo_name, example_inputs=None, device: str = "vnpu:ascend9
             or off. HBM traffic of both is always reported.
     Returns: `EstimateReport` (µs, bytes, FLOPs).
     Raises:
-        ValueError: not a vnpu device, unknown preset, batch < 1, missing inputs, or a
-            plan whose peak memory exceeds the preset's HBM (the message gives the
+        ValueError: not a vnpu device, unknown preset, batch < 1, missing inputs, an
+            ``.onnx`` path (not supported by estimate yet), or a plan whose peak memory exceeds the preset's HBM (the message gives the
             numbers, the largest batch that fits and what to change).
         CaptureError: torch.export cannot capture the model.
     """

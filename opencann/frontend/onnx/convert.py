@@ -16,6 +16,7 @@ that gives a static shape; a disagreement is a ConversionError naming the node.
 """
 from __future__ import annotations
 
+import re
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import numpy as np
@@ -203,8 +204,8 @@ class Converter:
         opsets = tuple(sorted(self.opsets.items()))
         raw = n.proto.SerializeToString()
         n_out = len([y for y in n.outputs if y])
+        run = self._reference_kernel(n, reason, raw, opsets, [v.desc.dtype.torch for v in ins], n_out)
         if all(v.is_const for v in ins) and n.op_type not in RANDOM_OPS:
-            run = make_onnx_kernel(raw, opsets, [v.const.dtype for v in ins], n_out)
             return [self.const(t) for t in run(*[v.const for v in ins])]
         if any(d is None for d in descs[:n_out]):
             raise ConversionError(
@@ -216,6 +217,29 @@ class Converter:
         ir = self.graph.create_node("OnnxHostFallback", ins, attrs, list(descs[:n_out]),
                                     name=n.name, source=self.source(), scope=self.scope())
         return list(ir.outputs)
+
+    def _reference_kernel(self, n: OnnxNode, reason: str, raw: bytes, opsets, dtypes, n_out: int):
+        """The host kernel of ``n`` (built now, so an op onnx's reference evaluator cannot
+        run is a ConversionError at compile time naming the op, its opset and the fix)."""
+        try:
+            return make_onnx_kernel(raw, opsets, dtypes, n_out)
+        except Exception as e:  # noqa: BLE001 - RuntimeError / NotImplementedError from onnx
+            msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            domain = n.proto.domain or "ai.onnx"
+            version = self.opsets.get(n.proto.domain if n.proto.domain != "ai.onnx" else "", 0)
+            found = re.search(r"found ([\d, ]+)", msg)
+            have = sorted(int(v) for v in re.findall(r"\d+", found.group(1))) if found else []
+            newer = [v for v in have if v > version]
+            ours = ("has no opencann converter" if reason in ("", "no converter")
+                    else f"is not converted by opencann ({reason})")
+            if newer:
+                tail = (f"onnx's reference evaluator runs it only at opsets "
+                        f"{', '.join(map(str, have))}: convert the model first with "
+                        f"onnx.version_converter.convert_version(model, {newer[0]})")
+            else:
+                tail = f"onnx's reference evaluator cannot run it ({msg}): it is not supported yet"
+            raise ConversionError(f"ONNX node {self.where()}: {n.op_type} ({domain} opset {version}) "
+                                  f"{ours}, and {tail}") from None
 
     # -- locations ----------------------------------------------------------------------
     def where(self) -> str:
@@ -330,7 +354,7 @@ def from_onnx(model, input_shapes: Optional[Dict[str, Sequence[int]]] = None,
             dt = torch_dtype(vi.type.tensor_type.elem_type, f"input {vi.name}")
             cv.env[vi.name] = graph.add_input(TensorDesc(shapes[vi.name], DataType.from_torch(dt)),
                                               name=vi.name)
-    from . import nn, tensor  # noqa: F401  (register the converters)
+    from . import nn, quant, tensor  # noqa: F401  (register the converters)
     for proto in model.graph.node:
         convert_node(cv, proto, infos, check)
     _set_outputs(cv, model)
@@ -382,7 +406,11 @@ def convert_node(cv: Converter, proto, infos: Dict[str, TensorDesc], check: bool
 
 def _set_outputs(cv: Converter, model) -> None:
     """Graph outputs in the model's order. An output that is a graph input, or that
-    appears twice, is copied so every result is its own tensor."""
+    appears twice, is copied so every result is its own tensor. Every ONNX graph output
+    is a distinct tensor (ONNX Runtime returns fresh arrays, initializers and inputs
+    included): ``output_storage`` records each as its own storage, so the runtime copies
+    outputs that passes later merge (CSE of ``Relu(x), Relu(x)``) or that view an input
+    or a constant (`output_copies`)."""
     import torch as _t
     outs: List[Value] = []
     graph_inputs = {id(v) for v in cv.graph.inputs}
@@ -395,5 +423,6 @@ def _set_outputs(cv: Converter, model) -> None:
                 v = cv.const(v.const.clone())
         outs.append(v)
     cv.graph.outputs = outs
+    cv.graph.meta["output_storage"] = [frozenset((v.id,)) for v in outs]
     cv.graph.meta["output_names"] = [o.name for o in model.graph.output]
     cv.graph.meta["input_names"] = [v.name for v in cv.graph.inputs]

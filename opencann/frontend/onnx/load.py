@@ -60,8 +60,8 @@ def load_model(source: Any):
     inlined and external data loaded.
 
     Raises OnnxLoadError: missing, empty, truncated or corrupt file; external data
-    missing; a ModelProto whose external data was not loaded; a model the onnx checker
-    rejects; a default-domain opset below 13 (convert it with
+    missing; a ModelProto whose external data was not loaded; a model ``onnx.checker``
+    rejects (the message says so, with the checker's first line); a default-domain opset below 13 (convert it with
     ``onnx.version_converter.convert_version(model, 17)``)."""
     onnx = _onnx()
     if isinstance(source, (str, os.PathLike)):
@@ -91,8 +91,8 @@ def load_model(source: Any):
         onnx.checker.check_model(model)
     except (onnx.checker.ValidationError, ValueError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise OnnxLoadError(f"{where} is not a valid ONNX model: {first}; the file may be "
-                            "truncated or corrupt: re-export it") from None
+        raise OnnxLoadError(f"{where}: the model does not pass onnx.checker: {first}; fix the "
+                            "model (e.g. give every graph output a type) or re-export it") from None
     known = {i.name for i in model.graph.input} | {t.name for t in model.graph.initializer}
     known |= {y for n in model.graph.node for y in n.output}
     missing = [o.name for o in model.graph.output if o.name not in known]

@@ -4,7 +4,21 @@ Softmax, pooling, Resize. Each maps to the ATen overloads the torch frontend pro
 (Gemm → ``aten.addmm``, Conv → ``aten.convolution``, inference BatchNormalization →
 ``aten._native_batch_norm_legit_no_training``...) so the fusion passes apply as they
 do to captured PyTorch models. Semantics: the ONNX operator specification
-(onnx/docs/Operators.md); configurations not mapped raise NotConverted (host fallback)."""
+(onnx/docs/Operators.md); configurations not mapped raise NotConverted (host fallback).
+
+NaN, ±inf and ±0 (compared with ONNX Runtime 1.x CPU and numpy on NaN, ±inf, ±0 and
+halves; tests/test_onnx_frontend.py): where ATen differs from the specification the
+converter corrects it: ``Sign(NaN)`` is NaN (``aten.sign`` gives 0); ``Clip``'s absent
+bounds are the type's lowest / largest value, so ``±inf`` clips to ``±FLT_MAX``.
+``Round`` is half to even, ``Mod`` follows the divisor's sign (``fmod=1``: the
+dividend's; float ``Mod`` runs in float64, as ATen's vectorized float32 kernels give NaN
+where the quotient overflows), float→int ``Cast`` of NaN/±inf is undefined in the specification (ours
+matches ONNX Runtime on x86). Where ONNX Runtime itself deviates from the specification
+and numpy, we follow the specification / numpy: ``ReduceMax``/``ReduceMin`` with a NaN
+give NaN and ``ArgMax``/``ArgMin`` the index of the first NaN (ONNX Runtime skips NaN);
+``MaxPool`` keeps NaN (ONNX Runtime drops some, by position); a NaN ``Clip`` bound
+makes the result NaN (numpy, ATen; ONNX Runtime ignores the bound, the specification
+does not say). ``Selu``/``Celu`` of ``-0.0`` give ``-0.0`` (ONNX Runtime ``+0.0``)."""
 from __future__ import annotations
 
 import math
@@ -43,7 +57,12 @@ _BINARY = {
 
 @converts(*_UNARY)
 def unary(cv: Converter, n: OnnxNode):
-    return [cv.call(_UNARY[n.op_type], n.x(0))]
+    x = n.x(0)
+    y = cv.call(_UNARY[n.op_type], x)
+    if n.op_type == "Sign" and x.desc.dtype.is_floating:
+        # ONNX (and numpy) Sign(NaN) is NaN; aten.sign gives 0
+        y = cv.call(aten.where.self, cv.call(aten.isnan.default, x), x, y)
+    return [y]
 
 
 @converts(*_BINARY)
@@ -87,7 +106,16 @@ def div(cv: Converter, n: OnnxNode):
 @converts("Mod")
 def mod(cv: Converter, n: OnnxNode):
     fn = aten.fmod.Tensor if n.attr("fmod", 0) else aten.remainder.Tensor
-    return [cv.call(fn, n.x(0), n.x(1))]
+    a, b = n.x(0), n.x(1)
+    dt = a.desc.dtype.torch
+    if dt in (torch.float32, torch.float16, torch.bfloat16):
+        # ATen's vectorized float32 fmod/remainder give NaN where |a / b| overflows
+        # (fmod(3.4e38, -0.7)); in float64 the result is exact (C fmod), then rounded once
+        f64 = torch.float64
+        y = cv.call(fn, cv.call(aten._to_copy.default, a, dtype=f64),
+                    cv.call(aten._to_copy.default, b, dtype=f64))
+        return [cv.call(aten._to_copy.default, y, dtype=dt)]
+    return [cv.call(fn, a, b)]
 
 
 @converts("Pow")
@@ -185,12 +213,22 @@ def gelu(cv: Converter, n: OnnxNode):
 
 @converts("Clip")
 def clip(cv: Converter, n: OnnxNode):
+    """``min`` / ``max`` default to the type's lowest / largest value (the specification's
+    ``numeric_limits``), so for floats ``±inf`` becomes ``±FLT_MAX`` even without bounds,
+    as in ONNX Runtime. A NaN bound makes every element NaN (as numpy and ATen; ONNX
+    Runtime ignores it)."""
     x = n.x(0)
-    lo, hi = n.c(1), n.c(2)
-    if (n.has(1) and lo is None) or (n.has(2) and hi is None):
-        return [cv.call(aten.clamp.Tensor, x, n.x(1), n.x(2))]
-    lo = lo.item() if lo is not None else None
-    hi = hi.item() if hi is not None else None
+    dt = x.desc.dtype.torch
+    fin = torch.finfo(dt) if dt.is_floating_point else None
+    if (n.has(1) and n.c(1) is None) or (n.has(2) and n.c(2) is None):
+        lo_v = n.x(1) if n.has(1) else (cv.scalar(fin.min, dt) if fin else None)
+        hi_v = n.x(2) if n.has(2) else (cv.scalar(fin.max, dt) if fin else None)
+        return [cv.call(aten.clamp.Tensor, x, lo_v, hi_v)]
+    lo = n.c(1).item() if n.has(1) else None
+    hi = n.c(2).item() if n.has(2) else None
+    if fin is not None:
+        lo = fin.min if lo is None else lo
+        hi = fin.max if hi is None else hi
     if lo is None and hi is None:
         return [x]
     if lo is not None and hi is not None and lo > hi:

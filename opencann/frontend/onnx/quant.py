@@ -1,0 +1,95 @@
+"""ONNX converters, linear quantization: QuantizeLinear and DequantizeLinear (opset 13+),
+per-tensor and per-axis scale / zero point, int8 and uint8 (int16 too where the IR has
+it). Semantics: the ONNX operator specification (onnx/docs/Operators.md):
+
+* ``QuantizeLinear``: ``y = saturate(round(x / scale) + zero_point)``, rounding half to
+  even (``aten.round``), saturating to the type's range: ``+inf`` gives the type's
+  maximum (255 / 127), ``-inf`` its minimum. NaN has no value in the specification;
+  ONNX Runtime (1.x, CPU) gives the type's minimum (0 / -128) whatever the zero point,
+  and so do we. (onnx's reference evaluator gives the minimum for +inf too, which the
+  specification's saturation contradicts: it is not used for these ops.)
+* ``DequantizeLinear``: ``y = (x - zero_point) * scale`` in ``scale``'s type, the
+  difference taken in int32 (exact, as ONNX Runtime).
+
+Blocked quantization (``block_size``, opset 21), float8/int4 types and a
+``precision`` / ``output_dtype`` other than the zero point's raise NotConverted (host
+fallback)."""
+from __future__ import annotations
+
+import torch
+
+from ...ir import Value
+from .convert import Converter, NotConverted, OnnxNode, converts, torch_dtype
+from .tensor import norm_axis, reshape, shape
+
+aten = torch.ops.aten
+
+_RANGES = {torch.uint8: (0, 255), torch.int8: (-128, 127), torch.int16: (-32768, 32767)}
+
+
+def _per_axis(cv: Converter, n: OnnxNode, p: Value, x: Value) -> Value:
+    """Scale or zero point ``p`` shaped to broadcast against ``x``: a scalar (or
+    one-element) ``p`` as is, a 1-D ``p`` along attribute ``axis`` (default 1)."""
+    if n.attr("block_size", 0):
+        raise NotConverted("blocked quantization (block_size)")
+    if p.desc.rank == 0 or (p.desc.rank == 1 and shape(p)[0] == 1):
+        return p
+    if p.desc.rank != 1:
+        raise NotConverted(f"scale / zero point of rank {p.desc.rank}")
+    r = x.desc.rank
+    axis = norm_axis(n.attr("axis", 1), r)
+    view = [1] * r
+    view[axis] = shape(p)[0]
+    return reshape(cv, p, view)
+
+
+@converts("QuantizeLinear")
+def quantize_linear(cv: Converter, n: OnnxNode):
+    x = n.x(0)
+    if n.has(2):
+        qt = n.x(2).desc.dtype.torch
+    else:
+        qt = torch_dtype(n.attr("output_dtype", 2) or 2, cv.where())
+    if n.has(2) and n.attr("output_dtype", 0) and torch_dtype(n.attr("output_dtype"), cv.where()) != qt:
+        raise NotConverted("output_dtype differs from the zero point's type")
+    if qt not in _RANGES or not (x.desc.dtype.is_floating or x.desc.dtype.torch == torch.int32):
+        raise NotConverted(f"quantizing {x.desc.dtype} to {qt}")
+    if n.attr("precision", 0):
+        raise NotConverted("precision attribute")
+    lo, hi = _RANGES[qt]
+    f32 = torch.float32
+    xf = x if x.desc.dtype.torch == f32 else cv.call(aten._to_copy.default, x, dtype=f32)
+    scale = _per_axis(cv, n, n.x(1), x)
+    if scale.desc.dtype.torch != f32:
+        scale = cv.call(aten._to_copy.default, scale, dtype=f32)
+    y = cv.call(aten.round.default, cv.call(aten.div.Tensor, xf, scale))
+    if n.has(2):
+        zp = cv.call(aten._to_copy.default, _per_axis(cv, n, n.x(2), x), dtype=f32)
+        y = cv.call(aten.add.Tensor, y, zp)
+    y = cv.call(aten.clamp.default, y, float(lo), float(hi))
+    # NaN: the type's minimum, as ONNX Runtime (clamp keeps NaN, and a NaN cast is undefined)
+    y = cv.call(aten.where.self, cv.call(aten.isnan.default, y), cv.scalar(float(lo), f32), y)
+    return [cv.call(aten._to_copy.default, y, dtype=qt)]
+
+
+@converts("DequantizeLinear")
+def dequantize_linear(cv: Converter, n: OnnxNode):
+    x = n.x(0)
+    xt = x.desc.dtype.torch
+    if xt not in _RANGES and xt != torch.int32:
+        raise NotConverted(f"dequantizing {x.desc.dtype}")
+    scale = n.x(1)
+    out = scale.desc.dtype.torch
+    if n.attr("output_dtype", 0) and torch_dtype(n.attr("output_dtype"), cv.where()) != out:
+        raise NotConverted("output_dtype differs from the scale's type")
+    scale = _per_axis(cv, n, scale, x)
+    d = cv.call(aten._to_copy.default, x, dtype=torch.int32)
+    if n.has(2):
+        zp = cv.call(aten._to_copy.default, _per_axis(cv, n, n.x(2), x), dtype=torch.int32)
+        d = cv.call(aten.sub.Tensor, d, zp)
+    if out == torch.float32:
+        return [cv.call(aten.mul.Tensor, cv.call(aten._to_copy.default, d, dtype=out), scale)]
+    # float16 / bfloat16 scales: the product in float32, rounded once to the scale's type
+    y = cv.call(aten.mul.Tensor, cv.call(aten._to_copy.default, d, dtype=torch.float32),
+                cv.call(aten._to_copy.default, scale, dtype=torch.float32))
+    return [cv.call(aten._to_copy.default, y, dtype=out)]
