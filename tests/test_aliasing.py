@@ -265,6 +265,32 @@ def test_channels_last_example_keeps_channels_last_like_eager():
     check_like_eager(Fn(lambda m, x: (torch.relu(x) * 2, m.c(x) + 1), c=_conv(4, 4, 5)), x, tol=1e-4)
 
 
+@pytest.mark.parametrize("kind", ["conv_bn_relu", "conv_add_residual", "conv_conv"])
+def test_vnpu_channels_last_outputs_keep_eagers_strides(kind):
+    """The TransData back to the origin format stands for the traced value: it keeps
+    eager's (channels-last) strides, so views behave as in eager."""
+    torch.manual_seed(0)
+    mods = {"conv_bn_relu": lambda m, x: torch.relu(m.bn(m.c(x))),
+            "conv_add_residual": lambda m, x: m.c(x) + x,
+            "conv_conv": lambda m, x: m.d(m.c(x))}
+    bn = nn.BatchNorm2d(4).eval()
+    with torch.no_grad():
+        bn.running_mean.normal_()
+        bn.running_var.uniform_(0.5, 2.0)
+    m = Fn(mods[kind], c=_conv(4, 4, 1), d=_conv(4, 4, 2), bn=bn)
+    x = torch.randn(2, 4, 6, 6, generator=G).contiguous(memory_format=torch.channels_last)
+    _, (y,) = check_like_eager(m, x, device="vnpu:ascend910b", tol=1e-4,
+                               nan=kind == "conv_add_residual")
+    with torch.no_grad():
+        want = m(x)
+    assert y.stride() == want.stride() == (144, 1, 24, 4)
+    with pytest.raises(RuntimeError):   # not viewable as (2, -1): eager refuses too
+        want.view(2, -1)
+    with pytest.raises(RuntimeError):
+        y.view(2, -1)
+    assert y.permute(0, 2, 3, 1).view(2, -1).shape == want.permute(0, 2, 3, 1).view(2, -1).shape
+
+
 # -- the aliasing facts and the debug check ------------------------------------------
 
 def test_aliasing_facts_from_schemas_and_opdefs():
