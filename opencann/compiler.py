@@ -283,6 +283,7 @@ class CompiledModel:
         k = len(self._mutations)
         n = self.graph.meta.get("n_outputs", len(outs) + k) - k
         mine = self.graph.meta.get("returns_input", {}) if user is not None else {}
+        views = self.graph.meta.get("input_views", {}) if user is not None else {}
         it = iter(outs)
         flat = []
         for i in range(n):
@@ -291,7 +292,8 @@ class CompiledModel:
                 continue
             o = next(it)
             # an output that is a mutated input is the caller's tensor itself, as in eager
-            flat.append(user[mine[i]] if i in mine else o)
+            v = _view_of(user, views.get(i))
+            flat.append(user[mine[i]] if i in mine else o if v is None else v)
         if self._out_spec is None:
             return flat[0] if len(flat) == 1 else tuple(flat)
         return pytree.tree_unflatten(flat, self._out_spec)
@@ -393,6 +395,19 @@ def _nesting_error(args, kwargs, in_spec, arg_names) -> str:
                     "example's lists, tuples and dicts): call it like the example inputs, or "
                     "recompile")
     return "the call's nesting of inputs differs from the example's: call it like the example"
+
+
+def _view_of(user, view) -> Optional[torch.Tensor]:
+    """The view of the caller's mutated input that an output is in eager
+    (``graph.meta["input_views"]``), or None when the caller's tensor is laid out
+    otherwise than the traced one (then the output is a copy)."""
+    if view is None:
+        return None
+    i, shape, stride, offset, base_stride = view
+    t = user[i]
+    if tuple(t.stride()) != tuple(base_stride):
+        return None
+    return t.as_strided(shape, stride, t.storage_offset() + offset)
 
 
 def _nest(o: Any) -> str:
