@@ -22,6 +22,7 @@ from .ops import Cost, get_op, is_random
 from .passes import PassContext, default_pipeline, plan_memory
 from .report import CompileReport, PassRecord
 from .runtime import DEFAULT_CONCURRENT_CALLS, Executor, ExecutorPool
+from .runtime.call_binding import bind_call, forward_arg_names, input_labels
 
 SUPPORTED_DEVICES = ("cpu", "vnpu")
 # opencann.compile runs one at a time: torch.export is not thread-safe (concurrent exports
@@ -158,9 +159,13 @@ class CompiledModel:
                  example_flat: Optional[Sequence[Any]] = None,
                  frozen: Optional[Sequence[Tuple[str, torch.Tensor]]] = None,
                  concurrent_calls: int = DEFAULT_CONCURRENT_CALLS,
-                 check_aliasing: Optional[bool] = None):
+                 check_aliasing: Optional[bool] = None,
+                 arg_names: Optional[Sequence[Optional[str]]] = None):
         self.graph, self.plan, self.report = graph, plan, report
         self._in_spec, self._out_spec = in_spec, out_spec
+        # forward's positional parameter names: calls are bound by name (call_binding)
+        self._arg_names = list(arg_names) if arg_names is not None else None
+        self._labels = input_labels(in_spec, self._arg_names) if in_spec is not None else None
         self._positions = list(input_positions) if input_positions is not None else None
         flat = list(example_flat or [])
         # non-tensor arguments are baked into the graph: calls must repeat them
@@ -182,22 +187,27 @@ class CompiledModel:
         """How calls map onto the graph, for `opencann.save`: ``in_spec``/``out_spec``
         (pytree TreeSpecs or None), ``input_positions`` (flat indices of the tensor
         inputs), ``baked`` (flat index -> non-tensor value fixed at compile time),
-        ``contiguous`` (per tensor input: was the example contiguous) and
-        ``concurrent_calls`` (the executor pool's size)."""
+        ``contiguous`` (per tensor input: was the example contiguous),
+        ``concurrent_calls`` (the executor pool's size) and ``arg_names`` (names of
+        ``forward``'s positional parameters, None per positional-only one; None if
+        unknown), by which calls are bound."""
         return {"in_spec": self._in_spec, "out_spec": self._out_spec,
                 "input_positions": self._positions, "baked": dict(self._baked),
-                "contiguous": list(self._contig), "concurrent_calls": self.pool.size}
+                "contiguous": list(self._contig), "concurrent_calls": self.pool.size,
+                "arg_names": self._arg_names}
 
     @classmethod
     def from_parts(cls, graph: Graph, plan: MemoryPlan, report: CompileReport, in_spec, out_spec,
                    input_positions: Optional[Sequence[int]], baked: Dict[int, Any],
                    contiguous: Sequence[bool],
-                   concurrent_calls: int = DEFAULT_CONCURRENT_CALLS) -> "CompiledModel":
+                   concurrent_calls: int = DEFAULT_CONCURRENT_CALLS,
+                   arg_names: Optional[Sequence[Optional[str]]] = None) -> "CompiledModel":
         """A compiled model from saved parts (`opencann.load`): the arguments of
         `calling_convention` plus graph, plan and report. Binds kernels; no capture.
         Weights are not watched for in-place changes (the file holds its own copy)."""
         cm = cls(graph, plan, report, in_spec=in_spec, out_spec=out_spec,
-                 input_positions=input_positions, concurrent_calls=concurrent_calls)
+                 input_positions=input_positions, concurrent_calls=concurrent_calls,
+                 arg_names=arg_names)
         cm._baked, cm._contig = dict(baked), list(contiguous)
         return cm
 
@@ -212,20 +222,17 @@ class CompiledModel:
 
     def _user_tensors(self, args, kwargs) -> list:
         """The caller's tensors, in graph-input order, after checking them."""
+        if self._in_spec is not None:
+            args, kwargs = bind_call(args, kwargs, self._in_spec, self._arg_names)
         flat, spec = pytree.tree_flatten((args, kwargs))
         if self._in_spec is not None and spec != self._in_spec:
-            want_args, want_kw = pytree.tree_unflatten([None] * self._in_spec.num_leaves,
-                                                       self._in_spec)
-            raise ValueError(
-                f"the model was compiled for {len(want_args)} positional input(s) and keyword "
-                f"input(s) {sorted(want_kw)}, with the example's nesting; got {len(args)} "
-                f"positional and {sorted(kwargs)} (or a different nesting of lists, tuples and "
-                "dicts). Call it like the example inputs, or recompile")
+            raise ValueError(_nesting_error(args, kwargs, self._in_spec, self._arg_names))
+        label = (lambda i: self._labels[i]) if self._labels else (lambda i: f"#{i}")
         for i, want in self._baked.items():
             got = flat[i]
             if type(got) is not type(want) or not _same_value(got, want):
                 raise ValueError(
-                    f"non-tensor input #{i} was {want!r} when the model was compiled and is "
+                    f"non-tensor input {label(i)} was {want!r} when the model was compiled and is "
                     f"{got if not isinstance(got, torch.Tensor) else 'a tensor'!r} now: non-tensor "
                     "arguments are baked into the compiled graph. Recompile with this value, or "
                     "make it a tensor input")
@@ -240,23 +247,25 @@ class CompiledModel:
         if len(tensors) != len(self.graph.inputs):
             raise ValueError(f"expected {len(self.graph.inputs)} tensor inputs, got {len(tensors)}")
         for i, (t, v) in enumerate(zip(tensors, self.graph.inputs)):
+            name = (f"input {self._labels[self._positions[i]]}" if self._labels and
+                    self._positions is not None else f"input {i} ({v.name})")
             if not isinstance(t, torch.Tensor):
-                raise ValueError(f"input {i} ({v.name}) must be a tensor, got {type(t).__name__}")
-            check_layout(t, f"input {i} ({v.name})")
+                raise ValueError(f"{name} must be a tensor, got {type(t).__name__}")
+            check_layout(t, f"{name}")
             if t.requires_grad and torch.is_grad_enabled():
                 raise ValueError(
-                    f"input {i} ({v.name}) requires grad, but opencann.compile makes an "
+                    f"{name} requires grad, but opencann.compile makes an "
                     "inference model: its outputs carry no gradient. Pass x.detach() or call "
                     "it under torch.no_grad(); to train, use torch.compile(model, "
                     "backend='opencann')")
             if tuple(t.shape) != v.desc.shape or t.dtype != v.desc.dtype.torch:
                 what = "shape" if tuple(t.shape) != v.desc.shape else "dtype"
                 raise ValueError(
-                    f"input {i} ({v.name}) is {str(t.dtype).replace('torch.', '')}{list(t.shape)} "
+                    f"{name} is {str(t.dtype).replace('torch.', '')}{list(t.shape)} "
                     f"but the model was compiled for {v.desc}; the {what} differs: recompile with "
                     f"example inputs of this {what}" + (" or cast the input" if what == "dtype" else ""))
             if t.device.type != "cpu":
-                raise ValueError(f"input {i} ({v.name}) is on {t.device}; the compiled model "
+                raise ValueError(f"{name} is on {t.device}; the compiled model "
                                  "runs on the host (cpu): move the input with .cpu()")
         return tensors
 
@@ -274,6 +283,7 @@ class CompiledModel:
         k = len(self._mutations)
         n = self.graph.meta.get("n_outputs", len(outs) + k) - k
         mine = self.graph.meta.get("returns_input", {}) if user is not None else {}
+        views = self.graph.meta.get("input_views", {}) if user is not None else {}
         it = iter(outs)
         flat = []
         for i in range(n):
@@ -282,7 +292,8 @@ class CompiledModel:
                 continue
             o = next(it)
             # an output that is a mutated input is the caller's tensor itself, as in eager
-            flat.append(user[mine[i]] if i in mine else o)
+            v = _view_of(user, views.get(i))
+            flat.append(user[mine[i]] if i in mine else o if v is None else v)
         if self._out_spec is None:
             return flat[0] if len(flat) == 1 else tuple(flat)
         return pytree.tree_unflatten(flat, self._out_spec)
@@ -323,13 +334,14 @@ def _compile_module(model, example_inputs, device, options, example_kwargs) -> C
     snapshot_constants(graph, [t for _, t in frozen] + list(ep.state_dict.values())
                        + list(ep.constants.values()))
     flat, in_spec = pytree.tree_flatten((args, example_kwargs or {}))
+    arg_names = forward_arg_names(model)
     from torch.export.graph_signature import InputKind
     user = [s for s in ep.graph_signature.input_specs if s.kind == InputKind.USER_INPUT]
     positions = [i for i, s in enumerate(user) if isinstance(flat[i], torch.Tensor)]
     return CompiledModel(graph, plan, report, in_spec=in_spec, out_spec=ep.call_spec.out_spec,
                          input_positions=positions, example_flat=flat, frozen=frozen,
                          concurrent_calls=options.get("concurrent_calls", DEFAULT_CONCURRENT_CALLS),
-                         check_aliasing=options.get("check_aliasing"))
+                         check_aliasing=options.get("check_aliasing"), arg_names=arg_names)
 
 
 class OnnxCompiledModel(CompiledModel):
@@ -365,6 +377,42 @@ def compile_onnx(model, device: str = "cpu", options: Optional[Dict[str, Any]] =
     n = len(graph.outputs)
     return OnnxCompiledModel(graph, plan, report, out_spec=pytree.tree_flatten(tuple(range(n)))[1],
                              example_flat=[torch.empty(0) for _ in graph.inputs])
+
+
+def _nesting_error(args, kwargs, in_spec, arg_names) -> str:
+    """One line naming the first argument whose nesting of lists, tuples and dicts
+    differs from the example's."""
+    want_args, want_kw = pytree.tree_unflatten([None] * in_spec.num_leaves, in_spec)
+    names = list(arg_names or [])
+    pairs = [(a, w, f"'{names[j]}' (argument #{j})" if j < len(names) and names[j]
+              else f"argument #{j}") for j, (a, w) in enumerate(zip(args, want_args))]
+    pairs += [(kwargs[k], want_kw[k], f"'{k}' (keyword)") for k in want_kw]
+    for got, want, what in pairs:
+        if pytree.tree_structure(got) != pytree.tree_structure(want):
+            g, w = _nest(got), _nest(want)
+            return (f"input {what} is {g if g != w else 'nested differently'} but the model "
+                    f"was compiled for {w} (the "
+                    "example's lists, tuples and dicts): call it like the example inputs, or "
+                    "recompile")
+    return "the call's nesting of inputs differs from the example's: call it like the example"
+
+
+def _view_of(user, view) -> Optional[torch.Tensor]:
+    """The view of the caller's mutated input that an output is in eager
+    (``graph.meta["input_views"]``), or None when the caller's tensor is laid out
+    otherwise than the traced one (then the output is a copy)."""
+    if view is None:
+        return None
+    i, shape, stride, offset, base_stride = view
+    t = user[i]
+    if tuple(t.stride()) != tuple(base_stride):
+        return None
+    return t.as_strided(shape, stride, t.storage_offset() + offset)
+
+
+def _nest(o: Any) -> str:
+    return (f"a {type(o).__name__} of {len(o)}" if isinstance(o, (list, tuple, dict))
+            else "a single value")
 
 
 def _same_value(a: Any, b: Any) -> bool:

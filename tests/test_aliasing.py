@@ -265,6 +265,32 @@ def test_channels_last_example_keeps_channels_last_like_eager():
     check_like_eager(Fn(lambda m, x: (torch.relu(x) * 2, m.c(x) + 1), c=_conv(4, 4, 5)), x, tol=1e-4)
 
 
+@pytest.mark.parametrize("kind", ["conv_bn_relu", "conv_add_residual", "conv_conv"])
+def test_vnpu_channels_last_outputs_keep_eagers_strides(kind):
+    """The TransData back to the origin format stands for the traced value: it keeps
+    eager's (channels-last) strides, so views behave as in eager."""
+    torch.manual_seed(0)
+    mods = {"conv_bn_relu": lambda m, x: torch.relu(m.bn(m.c(x))),
+            "conv_add_residual": lambda m, x: m.c(x) + x,
+            "conv_conv": lambda m, x: m.d(m.c(x))}
+    bn = nn.BatchNorm2d(4).eval()
+    with torch.no_grad():
+        bn.running_mean.normal_()
+        bn.running_var.uniform_(0.5, 2.0)
+    m = Fn(mods[kind], c=_conv(4, 4, 1), d=_conv(4, 4, 2), bn=bn)
+    x = torch.randn(2, 4, 6, 6, generator=G).contiguous(memory_format=torch.channels_last)
+    _, (y,) = check_like_eager(m, x, device="vnpu:ascend910b", tol=1e-4,
+                               nan=kind == "conv_add_residual")
+    with torch.no_grad():
+        want = m(x)
+    assert y.stride() == want.stride() == (144, 1, 24, 4)
+    with pytest.raises(RuntimeError):   # not viewable as (2, -1): eager refuses too
+        want.view(2, -1)
+    with pytest.raises(RuntimeError):
+        y.view(2, -1)
+    assert y.permute(0, 2, 3, 1).view(2, -1).shape == want.permute(0, 2, 3, 1).view(2, -1).shape
+
+
 # -- the aliasing facts and the debug check ------------------------------------------
 
 def test_aliasing_facts_from_schemas_and_opdefs():
@@ -412,3 +438,42 @@ def test_merged_outputs_keep_eagers_sharing_among_themselves():
         b.add_(100)
         torch.testing.assert_close(c, b)
         torch.testing.assert_close(a, e[0])
+
+
+_MUTATED_VIEWS = {"select": lambda x: x[0].add_(1), "slice": lambda x: x.mul_(2)[1:],
+                  "three": lambda x: (x.add_(1), x.view(2, 12), x[0]),
+                  "transpose": lambda x: x.add_(1).t()}
+
+
+@pytest.mark.parametrize("kind", sorted(_MUTATED_VIEWS))
+def test_views_of_a_mutated_input_are_views_of_the_callers_tensor(kind, tmp_path):
+    """In eager the returned views share memory with the mutated input: so do ours
+    (values, strides, offsets, a second call, writes through the view reach the input),
+    also after a model file round trip."""
+    m = Fn(lambda m, x: _MUTATED_VIEWS[kind](x)).eval()
+    x = torch.randn(2, 12, generator=G)
+    cm = opencann.compile(m, (x.clone(),))
+    opencann.save(cm, str(tmp_path / "m.ocm"))
+    for c in (cm, cm, opencann.load(str(tmp_path / "m.ocm"))):
+        xs = torch.randn(2, 12, generator=G)
+        a, b = xs.clone(), xs.clone()
+        want, got = _flat(m(a)), _flat(c(b))
+        assert torch.equal(a, b)
+        for g, w in zip(got, want):
+            assert torch.equal(g, w) and g.stride() == w.stride()
+            assert g.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+            assert g.storage_offset() - b.storage_offset() == w.storage_offset() - a.storage_offset()
+        got[-1].add_(100)
+        want[-1].add_(100)
+        assert torch.equal(a, b)
+
+
+def test_view_of_a_mutated_non_contiguous_input_is_a_copy_with_eagers_values():
+    """A caller's tensor laid out otherwise than the traced one: the view cannot be
+    rebuilt on it, the output is a copy (documented), values and input as in eager."""
+    m = Fn(lambda m, x: x[0].add_(1)).eval()
+    cm = opencann.compile(m, (torch.randn(2, 12, generator=G),))
+    xs = torch.randn(12, 2, generator=G).t()
+    a, b = xs.clone(memory_format=torch.preserve_format), xs.t().clone().t()
+    want, got = m(a), cm(b)
+    assert torch.equal(got, want) and torch.equal(a, b)

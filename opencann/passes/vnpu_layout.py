@@ -259,10 +259,12 @@ class NpuLayoutSelection(Pass):
         plain = o.desc
         users = list(o.users)
         o.desc = npu_desc(plain, f)
-        node.meta.pop("strides", None)
+        strides = node.meta.pop("strides", None)
         idx = graph.nodes.index(node)
         after = graph.nodes[idx + 1] if idx + 1 < len(graph.nodes) else None
         t = _trans(graph, o, f, ND, before=after, out_desc=plain, device=node.device)
+        if strides:  # the ND copy stands for the traced value: it keeps eager's strides
+            t.meta["strides"] = [strides[j]]
         nd = t.outputs[0]
         for u in users:
             for k, v in enumerate(u.inputs):

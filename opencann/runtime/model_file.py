@@ -439,6 +439,7 @@ def save(compiled, path: str, description: str = "") -> Dict[str, Any]:
         "input_positions": conv["input_positions"],
         "baked": [[i, _enc(v, f"non-tensor input #{i}")] for i, v in conv["baked"].items()],
         "contiguous": conv["contiguous"], "concurrent_calls": conv["concurrent_calls"],
+        "arg_names": conv.get("arg_names"),
     }
     schedule = {"order": [n.name for n in g.nodes], "streams": {n.name: n.stream for n in g.nodes}}
     report_j = json.loads(report.to_json())
@@ -563,7 +564,8 @@ def read(path: str) -> Dict[str, Any]:
         out_spec, note = _spec_from_json(meta["out_spec"])
         baked = {i: _dec(v) for i, v in meta["baked"]}
         parts = dict(input_positions=meta["input_positions"], contiguous=meta["contiguous"],
-                     concurrent_calls=meta["concurrent_calls"])
+                     concurrent_calls=meta["concurrent_calls"],
+                     arg_names=meta.get("arg_names"))   # absent in older files: bound by position
     except ModelFileError:
         raise
     except (KeyError, TypeError, IndexError, AttributeError, ValueError) as e:

@@ -118,12 +118,12 @@ def _capture(model, args, kwargs):
             # torch-internal deprecation noise from export's own pytree use
             warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
             ep = torch.export.export(model, args, kwargs or {}, strict=False)
+            t1 = time.perf_counter()
+            # decomposing re-traces the program: it fails too (an input's metadata
+            # changed in place: AOTAutograd's mutation-count assertion)
+            ep = ep.run_decompositions(decomposition_table())
     except Exception as e:  # noqa: BLE001 - re-raised with advice
         raise CaptureError(_explain(model, args, kwargs or {}, e)) from None
-    t1 = time.perf_counter()
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
-        ep = ep.run_decompositions(decomposition_table())
     t2 = time.perf_counter()
     return ep, {"export": t1 - t0, "decompose": t2 - t1}
 
@@ -243,6 +243,35 @@ def _eager_error(model: torch.nn.Module, args, kwargs) -> BaseException | None:
     return None
 
 
+def _inputs_changed_in_place(model: torch.nn.Module, args, kwargs,
+                             inputs: List[Tuple[str, Any]]) -> str | None:
+    """The name of the first tensor input whose shape, strides or storage offset ``model``
+    changes in place (``x.t_()``, ``x.unsqueeze_(0)``, ``x.resize_(...)``), found by
+    running it eagerly on clones; None when none does, the inputs are fake or it fails."""
+    from torch._subclasses.fake_tensor import is_fake
+    tree = torch.utils._pytree
+    leaves = tree.tree_leaves((args, kwargs))
+    if any(isinstance(t, torch.Tensor) and is_fake(t) for t in leaves):
+        return None
+    copies = tree.tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, (args, kwargs))
+
+    def meta(tree_):
+        return [(t.shape, t.stride(), t.storage_offset()) if isinstance(t, torch.Tensor) else None
+                for t in tree.tree_leaves(tree_)]
+    before = meta(copies)
+    try:
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model(*copies[0], **copies[1])
+    except Exception:  # noqa: BLE001 - no verdict
+        return None
+    for leaf, b, a in zip(leaves, before, meta(copies)):
+        if a != b:
+            return next((n for n, v in inputs if any(x is leaf for x in tree.tree_leaves(v))),
+                        "x")
+    return None
+
+
 def _explain(model: torch.nn.Module, args, kwargs, e: BaseException) -> str:
     """One line: why torch.export failed on ``model`` and what to change."""
     name = type(model).__name__
@@ -260,6 +289,12 @@ def _explain(model: torch.nn.Module, args, kwargs, e: BaseException) -> str:
                                     "return tensors, tuples, lists, dicts or dataclasses of "
                                     "tensors (or register the class with torch.utils._pytree)"))
     eager = _eager_error(model, args, kwargs)
+    changed = _inputs_changed_in_place(model, args, kwargs, inputs) if eager is None else None
+    if changed:
+        return (f"{name} changes the shape/strides of its input {changed} in place (e.g. "
+                f"{changed}.t_(), {changed}.unsqueeze_(0)); opencann compiles value mutations "
+                f"only: use {changed} = {changed}.t() (the out-of-place op) instead, or "
+                "torch.compile(model, backend='opencann')")
     if eager is not None:  # inputs the model rejects in eager too: not a capture problem
         return (f"{name} fails on these example inputs ({shown or 'no tensors'}) in eager "
                 f"PyTorch too: {_first_line(eager)}{_positions_hint(model, inputs)}; fix: give "

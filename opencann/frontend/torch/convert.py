@@ -323,6 +323,37 @@ def _input_mutations(graph: Graph, sig, out_node: fx.Node) -> None:
     graph.meta["input_mutations"] = mutations
     graph.meta["returns_input"] = {j: produced[a] for j, a in enumerate(args[k:])
                                    if isinstance(a, fx.Node) and a in produced}
+    views = _views_of_mutated_inputs(args[k:], produced)
+    if views:
+        graph.meta["input_views"] = views
+
+
+def _views_of_mutated_inputs(outs, produced) -> Dict[int, list]:
+    """User outputs that are views of a mutated input's new value (``x[0].add_(1)``,
+    ``x.mul_(2)[1:]``): in eager they share the input's memory. Maps the output's index
+    to [graph input, shape, strides, storage offset relative to the new value, the new
+    value's strides], from the FX fake tensors (views share their base's storage)."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    def val(n):
+        v = n.meta.get("val") if isinstance(n, fx.Node) else None
+        return v if isinstance(v, torch.Tensor) else None
+    bases = {}
+    for node, i in produced.items():
+        v = val(node)
+        if v is not None:
+            bases.setdefault(StorageWeakRef(v.untyped_storage()), (i, v))
+    views: Dict[int, list] = {}
+    for j, a in enumerate(outs):
+        v = val(a)
+        if v is None or a in produced:
+            continue
+        hit = bases.get(StorageWeakRef(v.untyped_storage()))
+        if hit is not None and hit[1].dtype == v.dtype:
+            i, base = hit
+            views[j] = [i, list(v.shape), list(v.stride()),
+                        int(v.storage_offset() - base.storage_offset()), list(base.stride())]
+    return views
 
 
 def from_fx_graph(gm: fx.GraphModule, example_inputs, name: str = "graph",
