@@ -83,6 +83,13 @@ def _own(t: torch.Tensor) -> torch.Tensor:
     return flat.as_strided(t.shape, t.stride())
 
 
+def _restride(t: torch.Tensor, strides: tuple) -> torch.Tensor:
+    """``t`` with ``strides`` (eager's): ``t`` itself when it has them, else a copy."""
+    if t.stride() == strides:
+        return t
+    return torch.empty_strided(t.shape, strides, dtype=t.dtype).copy_(t)
+
+
 def independent_outputs(graph: Graph) -> List[int]:
     """Indices of graph outputs the runtime must copy (`output_copies`), ascending."""
     return sorted(output_copies(graph))
@@ -291,6 +298,13 @@ class Executor:
             if shared is None:
                 lines.append(f"    _o{i} = _own({rets[i]})")
             rets[i] = f"_o{i if shared is None else shared}"
+        # outputs whose exported strides differ from eager's (torch.export's
+        # functionalization can re-derive a value as a permute of a contiguous clone)
+        for i, st in g.meta.get("eager_output_strides", {}).items():
+            glb[f"E{i}"] = tuple(st)
+            lines.append(f"    _o{i}e = _restride({rets[i]}, E{i})")
+            rets[i] = f"_o{i}e"
+        glb["_restride"] = _restride
         ret = ", ".join(rets)
         head = ["def _run(inputs):"]
         if self.check_aliasing:

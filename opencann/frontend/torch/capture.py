@@ -121,7 +121,9 @@ def _capture(model, args, kwargs):
             t1 = time.perf_counter()
             # decomposing re-traces the program: it fails too (an input's metadata
             # changed in place: AOTAutograd's mutation-count assertion)
+            eager = _user_output_strides(ep)   # before decomposition: eager's layouts
             ep = ep.run_decompositions(decomposition_table())
+            next(n for n in ep.graph.nodes if n.op == "output").meta["eager_strides"] = eager
     except Exception as e:  # noqa: BLE001 - re-raised with advice
         raise CaptureError(_explain(model, args, kwargs or {}, e)) from None
     t2 = time.perf_counter()
@@ -308,3 +310,32 @@ def _explain(model: torch.nn.Module, args, kwargs, e: BaseException) -> str:
                 "backend='opencann'), which compiles each graph between breaks")
     return (f"torch.export could not capture {name}: {_first_line(e)[:200]}; fix: use "
             "torch.compile(model, backend='opencann'), which compiles each graph between breaks")
+
+
+
+def _user_output_strides(ep: torch.export.ExportedProgram) -> list:
+    """Strides of each user output of ``ep`` as its FX values give them (None for a
+    non-tensor output), in user-output order."""
+    from torch.export.graph_signature import OutputKind
+    out = next(n for n in ep.graph.nodes if n.op == "output")
+    res = []
+    for a, spec in zip(out.args[0], ep.graph_signature.output_specs):
+        if spec.kind != OutputKind.USER_OUTPUT:
+            continue
+        val = a.meta.get("val") if isinstance(a, torch.fx.Node) else None
+        res.append(tuple(int(x) for x in val.stride()) if isinstance(val, torch.Tensor)
+                   and all(isinstance(x, int) for x in val.stride()) else None)
+    return res
+
+
+def eager_output_strides(ep: torch.export.ExportedProgram) -> list | None:
+    """Eager's strides of each user output, recorded by `capture` from the program
+    before decomposition (torch.export's training IR keeps in-place ops, so its values
+    have eager's layouts), or None when not recorded.
+
+    Decomposition functionalizes the program and can re-derive a value with other
+    strides than eager's (a base updated through an in-place op on its transposed view
+    becomes a permute of a contiguous clone), so the decomposed graph's output strides
+    are not always eager's."""
+    out = next(n for n in ep.graph.nodes if n.op == "output")
+    return out.meta.get("eager_strides")
