@@ -6,6 +6,7 @@
     opencann bench minilm --batch 1 --seq 128   # compiled vs eager latency
     opencann estimate --model resnet50 --device vnpu:ascend910b --plot roofline.png
     opencann train-demo                         # digits CNN + MiniLM fine-tune, compiled
+    opencann atc --model m.onnx --framework 5 --output m --soc_version Ascend910B   # -> m.ocm
     opencann inspect m.ocm [--json]             # a saved model file (opencann.save)
     opencann fuzz --cases 10000 --out fuzz_failures/   # differential fuzzing against eager
 """
@@ -317,6 +318,58 @@ def cmd_inspect(args) -> int:
     return 0
 
 
+def cmd_atc(args) -> int:
+    """ATC-style conversion: --model (.onnx with --framework 5, or file.py:factory with
+    --framework pytorch) -> <output>.ocm for --soc_version's device."""
+    import opencann
+    from .log import logger
+    from .tools.atc import LOG_LEVELS
+    if args.log:
+        logger.setLevel(LOG_LEVELS[args.log])
+    is_onnx = args.model.lower().endswith(".onnx")
+    fw = args.framework or ("onnx" if is_onnx else "pytorch")
+    if fw == "onnx" and not is_onnx:
+        raise CliError(f"--framework 5 (ONNX) takes an .onnx file, got --model {args.model}")
+    if fw == "pytorch" and (is_onnx or not (":" in args.model
+                                            and args.model.split(":")[0].endswith(".py"))):
+        raise CliError(f"--framework pytorch takes --model file.py:factory, got {args.model}")
+    if args.output_dir and not os.path.isdir(args.output_dir):
+        raise CliError(f"directory {args.output_dir} of --output does not exist; create it first")
+    if args.dump_graph and os.path.isfile(args.dump_graph):
+        raise CliError(f"--dump_graph {args.dump_graph} is a file; give a directory")
+    options = {}
+    if args.precision_mode:
+        options["precision_mode"] = args.precision_mode
+    if args.fusion_switch_file:
+        options["fusion_switch_file"] = args.fusion_switch_file
+    if args.dump_graph:
+        options["dump_graph"] = args.dump_graph
+    t0 = time.perf_counter()
+    if fw == "onnx":
+        if not os.path.isfile(args.model):
+            raise CliError(f"{args.model}: no such ONNX file")
+        cm = opencann.compile(args.model, device=args.soc_version, options=options,
+                              input_shapes=args.input_shape)
+    else:
+        if args.input_shape:
+            raise CliError("--input_shape is for ONNX models; with --framework pytorch the "
+                           "factory's example inputs fix the shapes")
+        zm = _load(args.model, 1, 128)
+        cm = opencann.compile(zm.model, zm.example_inputs, device=args.soc_version,
+                              options=options)
+    opencann.save(cm, args.output)
+    r = cm.report
+    off = [p.name for p in r.passes if not p.enabled]
+    console.print(f"ATC run success: wrote {args.output} (device {args.soc_version}, "
+                  f"{sum(r.op_counts_after.values())} ops, {len(r.applied)} fusions applied, "
+                  f"passes off: {', '.join(off) or 'none'}) in {time.perf_counter() - t0:.1f} s",
+                  markup=False, highlight=False)
+    if args.dump_graph:
+        console.print(f"graph after each stage written to {args.dump_graph}/ (.dot, .json)",
+                      markup=False, highlight=False)
+    return 0
+
+
 def _csv(s):
     return [x for x in s.split(",") if x] if s else None
 
@@ -375,6 +428,26 @@ def main(argv=None) -> int:
     from .tools.train_demo import add_arguments as _train_args, run_args as _train_run
     _train_args(t, minilm_steps=4)  # show transformer training too
     t.set_defaults(fn=_train_run)
+    from .tools import atc as _atc
+    a = sub.add_parser("atc", help="ATC-style conversion to a model file (.ocm), with ATC's "
+                       "flag names")
+    a.add_argument("--model", required=True, help="an .onnx file, or file.py:factory "
+                   "(--framework pytorch)")
+    a.add_argument("--framework", type=_atc.framework,
+                   help="5 (ONNX) or pytorch; default from --model")
+    a.add_argument("--output", required=True, type=_atc.output_path,
+                   help="output path; .ocm is appended (ATC appends .om)")
+    a.add_argument("--input_shape", type=_atc.input_shape,
+                   help='sizes of inputs with symbolic dims, e.g. "x:1,3,224,224;y:1,128"')
+    a.add_argument("--soc_version", type=_atc.soc_version, default="cpu",
+                   help="cpu, Ascend910B[1-4], Ascend910[A], Ascend310[P3] (vnpu presets)")
+    a.add_argument("--precision_mode", help="CANN precision mode, e.g. allow_mix_precision")
+    a.add_argument("--fusion_switch_file", help="CANN fusion switch JSON file "
+                   '({"Switch": {"GraphFusion": {"ConvBatchnormFusionPass": "off"}}})')
+    a.add_argument("--log", choices=sorted(_atc.LOG_LEVELS), help="log level")
+    a.add_argument("--dump_graph", metavar="DIR",
+                   help="write the graph after each pipeline stage as DOT and JSON here")
+    a.set_defaults(fn=cmd_atc)
     ins = sub.add_parser("inspect", help="show a saved model file (.ocm): metadata, ops, "
                          "memory plan, sections with checksums, graph")
     ins.add_argument("file", help="a file written by opencann.save")
@@ -398,6 +471,8 @@ def main(argv=None) -> int:
                    help="run torch.compile on every k-th program only (it is the slowest backend)")
     f.set_defaults(fn=cmd_fuzz)
     args = p.parse_args(argv)
+    if args.cmd == "atc":
+        args.output_dir = os.path.dirname(args.output)
     try:
         return args.fn(args)
     except (CliError, ValueError, RuntimeError, KeyError, OSError) as e:

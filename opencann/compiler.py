@@ -102,6 +102,15 @@ def compile_graph(graph: Graph, device: str = "cpu", options: Optional[Dict[str,
         logger.warning("host fallback: %s x%d (no opencann converter) at %s", k, v["count"],
                        "; ".join(v["where"][:3]))
     ctx = PassContext(options=options, report=report, device=device)
+    if options.get("dump_graph"):
+        from .ir.dump import write_stage
+        stages = [0]
+
+        def dump(stage: str, g: Graph) -> None:
+            write_stage(options["dump_graph"], stages[0], stage, g)
+            stages[0] += 1
+        dump("input", graph)
+        ctx.observe = dump
     default_pipeline().run(graph, ctx)
     t0 = time.perf_counter()
     plan = plan_memory(graph, alignment=options.get("alignment", 64),

@@ -264,6 +264,7 @@ class FuseFlashAttention(Pass):
     """ScaledDotProductAttention, or its spelled-out softmax(scale·q kᵀ + mask)·v ⇒ FlashAttention."""
 
     name, stage = "fuse_flash_attention", "fusion"
+    switch_section = "UBFusion"
     default_enabled = False
 
     def run(self, graph: Graph, ctx: PassContext) -> int:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Dict, List
+from typing import Any, Callable, Dict, List, Optional
 
 from ..ir import Graph, Node, verify
 from ..log import logger
@@ -20,6 +20,9 @@ class PassContext:
     report: CompileReport
     device: str = "cpu"
     artifacts: Dict[str, Any] = field(default_factory=dict)
+    #: called as ``observe(stage, graph)`` after the last pass of each run of same-stage
+    #: passes (``--dump_graph``); it must not change the graph
+    observe: Optional[Callable[[str, Graph], None]] = None
 
     def applied(self, pattern: str, nodes: List[Node]) -> None:
         where = nodes[0].where() if nodes else ""
@@ -40,6 +43,10 @@ class Pass:
     name = "pass"
     stage = "prepare"
     default_enabled = True
+    #: the section of CANN's fusion switch file that switches this pass ("GraphFusion",
+    #: "UBFusion"; None: not a fusion pass) and CANN's names for the same rewrite
+    switch_section: Optional[str] = None
+    cann_names: tuple = ()
 
     def run(self, graph: Graph, ctx: PassContext) -> int:  # pragma: no cover - abstract
         raise NotImplementedError
@@ -63,7 +70,7 @@ class PassManager:
         if unknown:
             raise ValueError(f"unknown pass name(s) {sorted(unknown)}; passes are {self.names()}")
         check = ctx.options.get("verify", False)
-        for p in self.passes:
+        for i, p in enumerate(self.passes):
             on = (p.default_enabled or p.name in enable) and p.name not in disable
             before = len(graph.nodes)
             t0 = time.perf_counter()
@@ -76,4 +83,7 @@ class PassManager:
                                                 note=ctx.artifacts.pop("note", "")))
             logger.debug("pass %s: %d -> %d nodes, %d changes, %.1f ms", p.name, before,
                           len(graph.nodes), changed or 0, dt * 1e3)
+            if ctx.observe is not None and (i + 1 == len(self.passes)
+                                            or self.passes[i + 1].stage != p.stage):
+                ctx.observe(p.stage, graph)
         return graph

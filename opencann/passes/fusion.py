@@ -38,6 +38,7 @@ class FoldBatchNorm(Pass):
     """Conv2D → BatchNorm (inference) ⇒ Conv2D with folded weight and bias."""
 
     name, stage = "fold_batchnorm", "fusion"
+    switch_section, cann_names = "GraphFusion", ("ConvBatchnormFusionPass",)
 
     def run(self, graph: Graph, ctx: PassContext) -> int:
         n = 0
@@ -145,6 +146,7 @@ class FuseConvAct(CpuFusion):
     also gets oneDNN's prepacked weight."""
 
     name, stage = "fuse_conv_act", "fusion"
+    switch_section = "UBFusion"
 
     def rewrite(self, graph: Graph, ctx: PassContext) -> int:
         n = 0
@@ -177,6 +179,7 @@ class FuseConvAddAct(CpuFusion):
     """ConvBiasAct(none) → Add(·, r) [→ Relu] ⇒ ConvAddAct (sum post-op into r)."""
 
     name, stage = "fuse_conv_add_act", "fusion"
+    switch_section = "UBFusion"
 
     def rewrite(self, graph: Graph, ctx: PassContext) -> int:
         n = 0
@@ -242,6 +245,7 @@ class FuseLinearAct(CpuFusion):
     """MatMulV2(b, x, Wᵀ) [→ Reshape] → activation ⇒ LinearAct(act) [→ Reshape]."""
 
     name, stage = "fuse_linear_act", "fusion"
+    switch_section = "UBFusion"
 
     def rewrite(self, graph: Graph, ctx: PassContext) -> int:
         n = 0
