@@ -279,3 +279,19 @@ def test_single_op_matches_torch(op_type):
     small = acl.create_data_buffer(in_d[0][2], 8)
     assert acl.op.execute(op_type, [in_d[0][0]], [small], [out[0]], [out[1]], 0, stream) == \
         acl.ACL_ERROR_OP_INPUT_NOT_MATCH
+
+
+def test_example_runs_on_a_saved_model(saved, capsys):
+    """examples/acl_resnet50.py's flow (on the small model, to stay fast)."""
+    import importlib.util
+    import pathlib
+    p = pathlib.Path(__file__).resolve().parent.parent / "examples" / "acl_resnet50.py"
+    spec = importlib.util.spec_from_file_location("acl_resnet50", p)
+    ex = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ex)
+    cm, path = saved
+    assert ex.main(["--model", path]) == 0
+    assert "top-5: #" in capsys.readouterr().out
+    x, outs = ex.run(path)
+    want = cm(torch.from_numpy(x))
+    assert [o.tobytes() for o in outs] == [w.numpy().tobytes() for w in want]
