@@ -241,6 +241,23 @@ def test_vnpu_hbm_accounting(tmp_path):
     assert acl.init(str(tmp_path / "missing.json")) == acl.ACL_ERROR_INVALID_FILE
 
 
+def test_loaded_model_counts_against_device_memory(saved, tmp_path, monkeypatch):
+    cm, path = saved
+    from opencann.acl.mdl import model_bytes
+    need = model_bytes(cm)
+    assert need >= 8 * 3 * 3 * 3 * 4        # at least the conv weight
+    monkeypatch.setattr(_state, "device_capacity", lambda dev: need + 4096)  # a small device
+    assert acl.init() == 0 and acl.rt.set_device(0) == 0
+    free0 = acl.rt.get_mem_info(0)[0]
+    mid, ret = acl.mdl.load_from_file(path)
+    assert ret == 0 and acl.rt.get_mem_info(0)[0] == free0 - need
+    p, ret = acl.rt.malloc(free0 - need, 0)                  # the rest of the device
+    assert ret == 0
+    assert acl.mdl.load_from_file(path)[1] == acl.ACL_ERROR_RT_MEMORY_ALLOCATION
+    assert acl.rt.free(p) == 0 and acl.mdl.unload(mid) == 0
+    assert acl.rt.get_mem_info(0)[0] == free0
+
+
 def _put(t: torch.Tensor):
     t = t.contiguous()
     p, ret = acl.rt.malloc(max(t.numel() * t.element_size(), 1), 0)

@@ -25,6 +25,7 @@ streams: Dict[int, int] = {}         # stream handle -> device id
 data_buffers: Dict[int, tuple] = {}  # handle -> (ptr, size)
 datasets: Dict[int, List[int]] = {}  # handle -> data buffer handles
 models: Dict[int, Any] = {}          # model id -> CompiledModel
+model_mem: Dict[int, tuple] = {}     # model id -> (device id, bytes counted)
 model_descs: Dict[int, Optional[int]] = {}  # desc handle -> model id (None before get_desc)
 tensor_descs: Dict[int, tuple] = {}  # handle -> (acl dtype, dims, format)
 attrs: Dict[int, Dict[str, Any]] = {}
@@ -93,7 +94,7 @@ def device_capacity(dev: int) -> int:
 def reset() -> None:
     """Drop every allocation and handle (`acl.finalize`)."""
     global current_device
-    for d in (device_used, contexts, streams, data_buffers, datasets, models, model_descs,
+    for d in (device_used, contexts, streams, data_buffers, datasets, models, model_mem, model_descs,
               tensor_descs, attrs, regions):
         d.clear()
     _bases.clear()

@@ -17,7 +17,8 @@ from .errors import (ACL_ERROR_DESERIALIZE_MODEL, ACL_ERROR_FAILURE,
                      ACL_ERROR_GE_EXEC_MODEL_DATA_SIZE_INVALID, ACL_ERROR_INVALID_FILE,
                      ACL_ERROR_INVALID_MODEL_ID, ACL_ERROR_INVALID_PARAM,
                      ACL_ERROR_MODEL_INPUT_NOT_MATCH, ACL_ERROR_MODEL_OUTPUT_NOT_MATCH,
-                     ACL_ERROR_RT_CONTEXT_NULL, ACL_ERROR_RT_PARAM_INVALID, ACL_SUCCESS, fail)
+                     ACL_ERROR_RT_CONTEXT_NULL, ACL_ERROR_RT_MEMORY_ALLOCATION,
+                     ACL_ERROR_RT_PARAM_INVALID, ACL_SUCCESS, fail)
 from .types import dtype_to_acl
 
 
@@ -27,8 +28,10 @@ def _init(api):
 
 
 def load_from_file(model_path: str):
-    """(model id, ret): load a file written by `opencann.save` on the current device.
-    ACL_ERROR_INVALID_FILE (missing), ACL_ERROR_DESERIALIZE_MODEL (not a valid model file)."""
+    """(model id, ret): load a file written by `opencann.save` on the current device; its
+    weights and activation arena count against the device's memory until `unload`.
+    ACL_ERROR_INVALID_FILE (missing), ACL_ERROR_DESERIALIZE_MODEL (not a valid model file),
+    ACL_ERROR_RT_MEMORY_ALLOCATION (does not fit)."""
     api = "acl.mdl.load_from_file"
     if _init(api):
         return 0, _init(api)
@@ -41,15 +44,36 @@ def load_from_file(model_path: str):
         cm = opencann.load(os.fspath(model_path))
     except ValueError as e:
         return 0, fail(ACL_ERROR_DESERIALIZE_MODEL, api, f"{model_path}: {e}")
-    mid = S.new_handle()
-    S.models[mid] = cm
+    need = model_bytes(cm)
+    dev = S.current_device
+    with S.lock:
+        used, cap = S.device_used.get(dev, 0), S.device_capacity(dev)
+        if used + need > cap:
+            return 0, fail(ACL_ERROR_RT_MEMORY_ALLOCATION, api, f"the model needs {need} bytes "
+                           f"(weights + activation arena), {cap - used} of {cap} are free on device "
+                           f"{dev} ({S.device_names[dev]})")
+        S.device_used[dev] = used + need
+        mid = S.new_handle()
+        S.models[mid] = cm
+        S.model_mem[mid] = (dev, need)
     return mid, ACL_SUCCESS
 
 
+def model_bytes(cm) -> int:
+    """Device bytes a loaded model holds: its weights plus its activation arena."""
+    w = sum(c.const.numel() * c.const.element_size() for c in cm.graph.constants
+            if isinstance(c.const, torch.Tensor))
+    return int(w) + int(cm.plan.arena_bytes)
+
+
 def unload(model_id: int) -> int:
-    if S.models.pop(model_id, None) is None:
-        return fail(ACL_ERROR_INVALID_MODEL_ID, "acl.mdl.unload", f"model id {model_id!r} is not "
-                    "loaded (unloaded twice?)")
+    with S.lock:
+        if S.models.pop(model_id, None) is None:
+            return fail(ACL_ERROR_INVALID_MODEL_ID, "acl.mdl.unload", f"model id {model_id!r} is not "
+                        "loaded (unloaded twice?)")
+        dev, need = S.model_mem.pop(model_id)
+        if dev in S.device_used:
+            S.device_used[dev] -= need
     return ACL_SUCCESS
 
 

@@ -51,7 +51,8 @@ def reset_device(device_id: int) -> int:
         for base, r in list(S.regions.items()):
             if r.device == device_id:
                 S.del_region(base)
-        S.device_used.pop(device_id, None)
+        # loaded models stay loaded (and counted) until acl.mdl.unload
+        S.device_used[device_id] = sum(n for d, n in S.model_mem.values() if d == device_id)
         for h in [h for h, d in S.streams.items() if d == device_id]:
             del S.streams[h]
         if S.current_device == device_id:
