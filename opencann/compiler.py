@@ -14,7 +14,7 @@ from typing import Any, Dict, Optional, Sequence, Tuple
 import torch
 import torch.utils._pytree as pytree
 
-from .frontend.torch import capture, check_layout, eager_output_strides, from_exported_program
+from .frontend.torch import capture, check_layout, from_exported_program
 from .ir import Graph, MemoryPlan
 from .log import logger
 from .options import KNOWN_OPTIONS, check_options  # noqa: F401  (KNOWN_OPTIONS re-exported)
@@ -334,7 +334,6 @@ def _compile_module(model, example_inputs, device, options, example_kwargs) -> C
     ep, times = capture(model, args, example_kwargs)
     t0 = time.perf_counter()
     graph = from_exported_program(ep, name=type(model).__name__)
-    _record_eager_strides(graph, eager_output_strides(ep))
     report = CompileReport(model=type(model).__name__, device=device, capture_seconds=times)
     report.passes.append(PassRecord("convert_and_infer", "construct", 0, len(graph.nodes),
                                     time.perf_counter() - t0, len(graph.nodes),
@@ -352,47 +351,6 @@ def _compile_module(model, example_inputs, device, options, example_kwargs) -> C
                          input_positions=positions, example_flat=flat, frozen=frozen,
                          concurrent_calls=options.get("concurrent_calls", DEFAULT_CONCURRENT_CALLS),
                          check_aliasing=options.get("check_aliasing"), arg_names=arg_names)
-
-
-def _record_eager_strides(graph: Graph, eager: Optional[list]) -> None:
-    """``graph.meta["eager_output_strides"]``: graph output index -> eager's strides, for
-    the outputs whose decomposed graph's strides differ from eager's (see
-    `eager_output_strides`); the runtime returns those outputs with eager's strides.
-    Outputs that are the caller's tensor or a view of it are left alone, as are
-    non-dense strides and anything that cannot be matched up one to one."""
-    if not eager:
-        return
-    k = len(graph.meta.get("input_mutations", ()))
-    lits = graph.meta.get("output_literals", {})
-    n_user = graph.meta.get("n_outputs", len(graph.outputs)) - k
-    if len(eager) != n_user:
-        return
-    mine = set(graph.meta.get("returns_input", {})) | set(graph.meta.get("input_views", {}))
-    fixes: Dict[int, tuple] = {}
-    g = k
-    for i in range(n_user):
-        if i + k in lits:
-            continue
-        v, st = graph.outputs[g], eager[i]
-        g += 1
-        if st is None or i in mine or v.producer is None or len(st) != len(v.desc.shape):
-            continue
-        traced = (v.producer.meta.get("strides") or [None] * len(v.producer.outputs))[
-            v.producer.outputs.index(v)]
-        if traced is not None and tuple(traced) != st and _dense_strides(v.desc.shape, st):
-            fixes[g - 1] = st
-    if fixes:
-        graph.meta["eager_output_strides"] = fixes
-
-
-def _dense_strides(shape, strides) -> bool:
-    """True if ``strides`` lay ``shape`` out densely (a permutation of contiguous)."""
-    expect = 1
-    for st, sz in sorted((st, sz) for st, sz in zip(strides, shape) if sz != 1):
-        if st != expect:
-            return False
-        expect *= sz
-    return True
 
 
 class OnnxCompiledModel(CompiledModel):

@@ -126,3 +126,14 @@ class TensorDesc:
         dims = ",".join(str(d) for d in self.shape)
         fmt = "" if self.format in (Format.ND, Format.NCHW) else f"@{self.format.value}"
         return f"{self.dtype.value}[{dims}]{fmt}"
+
+
+def is_dense(shape, strides) -> bool:
+    """True if ``strides`` (elements) lay ``shape`` out densely: a permutation of the
+    contiguous layout, size-1 dims ignored (no gaps, no overlap, no stride 0)."""
+    expect = 1
+    for st, sz in sorted((st, sz) for st, sz in zip(strides, shape) if sz != 1):
+        if st != expect:
+            return False
+        expect *= sz
+    return True

@@ -23,7 +23,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 
-from ..ir import Graph, MemoryPlan, TensorListRef, TensorRef, Value
+from ..ir import Graph, MemoryPlan, TensorListRef, TensorRef, Value, is_dense
 from ..ops import get_op, output_aliases, storage_roots
 from ..ops.fused import KERNEL_FACTORIES, OUT_CAPABLE
 from ..ops.opdef import DEVICE_KERNEL_FACTORIES
@@ -36,7 +36,7 @@ def _traced_strides(v: Value) -> Optional[tuple]:
     contiguously)."""
     strides = v.producer.meta.get("strides") if v.producer is not None else None
     st = strides[v.producer.outputs.index(v)] if strides else None
-    if st is None or not _dense(v.desc.shape, st):
+    if st is None or not is_dense(v.desc.shape, st):
         return None
     return _canonical(v.desc.shape, st)
 
@@ -51,17 +51,6 @@ def _canonical(shape, strides) -> tuple:
         if shape[i] == 1:
             out[i] = out[i + 1] * max(int(shape[i + 1]), 1) if i + 1 < len(shape) else 1
     return tuple(out)
-
-
-def _dense(shape, strides) -> bool:
-    """True if ``strides`` lay ``shape`` out densely (a permutation of contiguous)."""
-    dims = sorted((st, sz) for st, sz in zip(strides, shape) if sz != 1)
-    expect = 1
-    for st, sz in dims:
-        if st != expect:
-            return False
-        expect *= sz
-    return True
 
 
 def _conform(t: torch.Tensor, strides: tuple) -> torch.Tensor:
@@ -81,13 +70,6 @@ def _own(t: torch.Tensor) -> torch.Tensor:
     span = 1 + sum((s - 1) * st for s, st in zip(t.shape, t.stride()))
     flat = t.as_strided((span,), (1,), t.storage_offset()).clone()
     return flat.as_strided(t.shape, t.stride())
-
-
-def _restride(t: torch.Tensor, strides: tuple) -> torch.Tensor:
-    """``t`` with ``strides`` (eager's): ``t`` itself when it has them, else a copy."""
-    if t.stride() == strides:
-        return t
-    return torch.empty_strided(t.shape, strides, dtype=t.dtype).copy_(t)
 
 
 def independent_outputs(graph: Graph) -> List[int]:
@@ -302,9 +284,8 @@ class Executor:
         # functionalization can re-derive a value as a permute of a contiguous clone)
         for i, st in g.meta.get("eager_output_strides", {}).items():
             glb[f"E{i}"] = tuple(st)
-            lines.append(f"    _o{i}e = _restride({rets[i]}, E{i})")
+            lines.append(f"    _o{i}e = _conform({rets[i]}, E{i})")
             rets[i] = f"_o{i}e"
-        glb["_restride"] = _restride
         ret = ", ".join(rets)
         head = ["def _run(inputs):"]
         if self.check_aliasing:

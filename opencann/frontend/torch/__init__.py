@@ -1,7 +1,6 @@
 """PyTorch frontend: capture (torch.export + core-ATen decomposition) and FX → IR."""
-from .capture import (CaptureError, capture, check_layout, decomposition_table,
-                      eager_output_strides)
+from .capture import CaptureError, capture, check_layout, decomposition_table
 from .convert import ConversionError, from_exported_program, from_fx_graph
 
-__all__ = ["CaptureError", "capture", "check_layout", "decomposition_table", "eager_output_strides",
-           "ConversionError", "from_exported_program", "from_fx_graph"]
+__all__ = ["CaptureError", "capture", "check_layout", "decomposition_table", "ConversionError",
+           "from_exported_program", "from_fx_graph"]

@@ -121,7 +121,9 @@ def _capture(model, args, kwargs):
             t1 = time.perf_counter()
             # decomposing re-traces the program: it fails too (an input's metadata
             # changed in place: AOTAutograd's mutation-count assertion)
-            eager = _user_output_strides(ep)   # before decomposition: eager's layouts
+            # the user outputs' strides before decomposition are eager's: functionalizing
+            # can re-derive a value with others (see convert._record_eager_strides)
+            eager = _user_output_strides(ep)
             ep = ep.run_decompositions(decomposition_table())
             next(n for n in ep.graph.nodes if n.op == "output").meta["eager_strides"] = eager
     except Exception as e:  # noqa: BLE001 - re-raised with advice
@@ -326,16 +328,3 @@ def _user_output_strides(ep: torch.export.ExportedProgram) -> list:
         res.append(tuple(int(x) for x in val.stride()) if isinstance(val, torch.Tensor)
                    and all(isinstance(x, int) for x in val.stride()) else None)
     return res
-
-
-def eager_output_strides(ep: torch.export.ExportedProgram) -> list | None:
-    """Eager's strides of each user output, recorded by `capture` from the program
-    before decomposition (torch.export's training IR keeps in-place ops, so its values
-    have eager's layouts), or None when not recorded.
-
-    Decomposition functionalizes the program and can re-derive a value with other
-    strides than eager's (a base updated through an in-place op on its transposed view
-    becomes a permute of a contiguous clone), so the decomposed graph's output strides
-    are not always eager's."""
-    out = next(n for n in ep.graph.nodes if n.op == "output")
-    return out.meta.get("eager_strides")

@@ -16,7 +16,7 @@ from typing import Any, Dict, List, Tuple
 import torch
 import torch.fx as fx
 
-from ...ir import DataType, Graph, TensorDesc, TensorRef, Value
+from ...ir import DataType, Graph, TensorDesc, TensorRef, Value, is_dense
 from ...ops import infer, lookup_aten, storage_roots
 from ...ops.opdef import SKIPPED_OUTPUT
 
@@ -285,6 +285,7 @@ def from_exported_program(ep: torch.export.ExportedProgram, name: str = "model",
         elif node.op == "output":
             _set_outputs(graph, node, env, sig)
             _input_mutations(graph, sig, node)
+            _record_eager_strides(graph, node.meta.get("eager_strides"))
     if check:
         check_inference(graph)
     return graph
@@ -296,6 +297,40 @@ def _output_specs(sig, all_kinds: bool = False) -> list:
     from torch.export.graph_signature import OutputKind
     specs = [None if s.kind == OutputKind.TOKEN else s for s in sig.output_specs]
     return specs if all_kinds else [s for s in specs if s is not None]
+
+
+def _record_eager_strides(graph: Graph, eager) -> None:
+    """``graph.meta["eager_output_strides"]``: graph output index -> eager's strides, for
+    the user outputs whose decomposed strides differ from eager's. ``eager``: the user
+    outputs' strides before decomposition (recorded by `capture`; None for a non-tensor
+    output). Decomposition functionalizes the program and can re-derive a value with other
+    strides (a base updated through an in-place op on its transposed view becomes a
+    permute of a contiguous clone); the runtime returns those outputs with eager's.
+    Outputs that are the caller's tensor or a view of it, non-dense strides, and counts
+    that do not match up one to one are left alone."""
+    if not eager:
+        return
+    k = len(graph.meta.get("input_mutations", ()))
+    lits = graph.meta.get("output_literals", {})
+    n_user = graph.meta.get("n_outputs", len(graph.outputs)) - k
+    if len(eager) != n_user:
+        return
+    mine = set(graph.meta.get("returns_input", {})) | set(graph.meta.get("input_views", {}))
+    fixes: Dict[int, tuple] = {}
+    g = k
+    for i in range(n_user):
+        if i + k in lits:
+            continue
+        v, st = graph.outputs[g], eager[i]
+        g += 1
+        if st is None or i in mine or v.producer is None or len(st) != len(v.desc.shape):
+            continue
+        traced = (v.producer.meta.get("strides") or [None] * len(v.producer.outputs))[
+            v.producer.outputs.index(v)]
+        if traced is not None and tuple(traced) != tuple(st) and is_dense(v.desc.shape, st):
+            fixes[g - 1] = tuple(st)
+    if fixes:
+        graph.meta["eager_output_strides"] = fixes
 
 
 def _input_mutations(graph: Graph, sig, out_node: fx.Node) -> None:
