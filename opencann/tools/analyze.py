@@ -144,6 +144,9 @@ def _check_device(device: str) -> None:
     if str(device).split(":")[0] not in SUPPORTED_DEVICES:
         raise ValueError(f"device {device!r}: analyze audits for {list(SUPPORTED_DEVICES)} "
                          "(vnpu as vnpu:<preset>)")
+    if str(device).startswith("vnpu"):
+        from ..passes.vnpu_layout import npu_spec_for
+        npu_spec_for(device)   # ValueError listing the presets
 
 
 def audit_graph(graph, res: Analysis) -> None:
