@@ -47,18 +47,26 @@ class BisectResult:
 def ddmin(items: Sequence[str], restores: Callable[[List[str]], bool]) -> List[str]:
     """A 1-minimal subset of ``items`` for which ``restores(subset)`` holds, given that
     it holds for all of ``items`` (Zeller & Hildebrandt 2002, delta debugging)."""
+    seen: Dict[tuple, bool] = {}
+
+    def test(subset: List[str]) -> bool:
+        key = tuple(subset)
+        if key not in seen:
+            seen[key] = restores(subset)
+        return seen[key]
+
     cur, n = list(items), 2
     while len(cur) >= 2:
         size = -(-len(cur) // n)
         chunks = [cur[i:i + size] for i in range(0, len(cur), size)]
         for c in chunks:
-            if restores(c):
+            if test(c):
                 cur, n = c, 2
                 break
         else:
             for c in chunks:
                 rest = [x for x in cur if x not in c]
-                if len(chunks) > 2 and restores(rest):
+                if len(chunks) > 2 and test(rest):
                     cur, n = rest, max(n - 1, 2)
                     break
             else:
