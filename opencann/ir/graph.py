@@ -107,6 +107,15 @@ class Node:
         return f"{outs} = {self.op}({ins}{'; ' + attrs if attrs else ''})"
 
 
+def _carry_origin(old: Value, new: Value) -> None:
+    src, dst = old.producer, new.producer
+    if src is None or dst is None or not src.meta.get("origin"):
+        return
+    label = src.meta["origin"][src.outputs.index(old)]
+    if label is not None:
+        dst.meta.setdefault("origin", [None] * len(dst.outputs))[dst.outputs.index(new)] = label
+
+
 class Graph:
     """A static computation graph: inputs, constants, nodes in a valid order, outputs."""
 
@@ -155,7 +164,10 @@ class Graph:
 
     # -- surgery --------------------------------------------------------------------
     def replace_all_uses_with(self, old: Value, new: Value) -> int:
-        """Redirect every use of ``old`` (including graph outputs) to ``new``."""
+        """Redirect every use of ``old`` (including graph outputs) to ``new``. ``new`` then
+        stands for the traced value ``old`` stood for (its producer's ``meta["origin"]``,
+        recorded by the frontend), so rewritten graphs still map back to the model."""
+        _carry_origin(old, new)
         count = 0
         for user in list(old.users):
             user.inputs = [new if v is old else v for v in user.inputs]

@@ -74,7 +74,10 @@ class PassManager:
             on = (p.default_enabled or p.name in enable) and p.name not in disable
             before = len(graph.nodes)
             t0 = time.perf_counter()
+            first = len(ctx.report.applied)
             changed = p.run(graph, ctx) if on else 0
+            for a in ctx.report.applied[first:]:   # which pass made each rewrite
+                a.setdefault("pass", p.name)
             dt = time.perf_counter() - t0
             if on and check:
                 verify(graph)

@@ -285,6 +285,8 @@ class FuseLinearAct(CpuFusion):
                 continue
             src = view.outputs[0] if view is not None else fused.outputs[0]
             graph.replace_all_uses_with(u.outputs[0], src)
+            if view is not None:  # the GEMM's result is activated before the view: no eager value
+                fused.meta.pop("origin", None)
             graph.erase_node(u)
             ctx.applied(f"Linear+bias+{act}", [mm, u])
             n += 1

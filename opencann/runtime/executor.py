@@ -272,9 +272,13 @@ class Executor:
                     lines.append(f"    {outs[k]} = _conform({outs[k]}, T{o.id})")
             if self.check_aliasing:
                 lines.append(f"    _chk.after({idx}, ({', '.join(outs)},))")
+            if getattr(self, "_observe", None) is not None:
+                lines.append(f"    _obs({idx}, ({', '.join(outs)},))")
             if profile:
                 lines.append(f"    _rec({idx})")
         glb["_own"] = _own
+        if getattr(self, "_observe", None) is not None:
+            glb["_obs"] = lambda i, outs, _f=self._observe: _f(g.nodes[i], outs)
         rets = [names[v.id] for v in g.outputs]
         for i, shared in output_copies(g).items():
             if shared is None:
@@ -363,6 +367,20 @@ class Executor:
             raise
         except (RuntimeError, TypeError, ValueError, IndexError) as e:
             raise ExecutionError(self._locate(e)) from e
+
+    def run_observed(self, inputs: Sequence[torch.Tensor],
+                     observe: Callable[[Any, tuple], None]) -> tuple:
+        """Run once, calling ``observe(node, outputs)`` right after each node's kernel with
+        its output tensors (arena views, overwritten later: copy what you keep; values in
+        an NPU storage format as stored). Used for layer-by-layer comparison with eager
+        (``opencann.tools.compare``). Runs on an arena of its own; this executor is left
+        as it is. Returns the flat outputs; raises ExecutionError like `run`."""
+        ex = Executor.__new__(Executor)
+        ex.__dict__.update(self.__dict__)
+        ex.arena = torch.empty_like(self.arena)
+        ex.copy_out_nodes, ex._bound, ex._observe = [], [], observe
+        ex._fn = ex._build(profile=False)
+        return ex.run(inputs)
 
     def _locate(self, e: Exception) -> str:
         import re

@@ -138,6 +138,10 @@ def convert_node(graph: Graph, node: fx.Node, env: Dict[fx.Node, Any]) -> None:
         ir.meta["no_out_kernel"] = True
     if opdef is None:
         ir.meta["aten"] = target
+    if isinstance(node, fx.Node):
+        # the FX value each output stands for ("name", or "name.k" for output k of a
+        # multi-output node): layer-by-layer comparison with eager (opencann.tools.compare)
+        ir.meta["origin"] = [node.name] if not is_seq else [f"{node.name}.{k}" for k in range(len(vals))]
     # strides of ATen's own result: views downstream depend on them, so planned buffers
     # reproduce them (e.g. SDPA returns a permuted-contiguous tensor)
     ir.meta["strides"] = [tuple(int(s) for s in v.stride()) if isinstance(v, torch.Tensor)
