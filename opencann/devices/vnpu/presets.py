@@ -21,6 +21,8 @@ Sources used below (short keys in the per-field strings):
   ``FormatHelper``/``npu_format_cast`` notes that A2 keeps matmul weights ND.
 * [MM-910B] public torch_npu ``torch.mm`` loop measurements on 910B2 quoted in opencann issue 17
   (fp16 98 / 251 / 315 / 305 / 275 TFLOPS at M=N=K=1024 / 2048 / 4096 / 8192 / 10240; fp32 ~1/4).
+* [GE-310-STUB] the Ascend310 platform-info stub in GE's public unit tests (ai_core freq 680 MHz,
+  l2 read/write rates 128/64 B/cycle), as quoted in opencann issue 17.
 * [PTO-FA] CANN pto-isa "torch_jit/flash_atten" demo, benchmark table on 910B2
   (https://pto-isa.gitcode.com/demos/torch_jit/flash_atten).
 
@@ -293,8 +295,8 @@ ascend310 = NpuSpec(
     cube_cores=2, vector_cores=2, clock_ghz=0.5,
     cube_macs_per_cycle=4096, vector_bytes_per_cycle=256,
     l0a_bytes=64 * KiB, l0b_bytes=64 * KiB, l0c_bytes=256 * KiB, l1_bytes=1 * MiB, ub_bytes=256 * KiB,
-    l2_bytes=8 * MiB, hbm_bytes=8 * GiB, hbm_gbps=47.8,
-    gm_read_bytes_per_cycle=32.0, gm_write_bytes_per_cycle=32.0,
+    l2_bytes=8 * MiB, hbm_bytes=8 * GiB, hbm_gbps=59.7,
+    gm_read_bytes_per_cycle=174.0, gm_write_bytes_per_cycle=87.0,
     kernel_launch_us=10.0, op_dispatch_us=100.0,
     sources={
         "cube_nd_direct": "[HC31] DaVinci Cube reads fractal (NZ / FRACTAL_Z) operands from L0A/L0B; "
@@ -315,9 +317,13 @@ ascend310 = NpuSpec(
         "ub_bytes": "estimate: DaVinci Max sizes [HC31] assumed for 310",
         "l2_bytes": "estimate: 8 MB on-chip buffer (Ascend 310 product brief)",
         "hbm_bytes": "estimate: 8 GB LPDDR4X on Atlas 200 boards",
-        "hbm_gbps": "estimate: LPDDR4X 2 x 64 bit at 3733 MT/s = 59.7 GB/s peak, 80% usable",
-        "gm_read_bytes_per_cycle": "estimate: 32 B/cycle per core",
-        "gm_write_bytes_per_cycle": "estimate: 32 B/cycle per core",
+        "hbm_gbps": "estimate: LPDDR4X 2 x 64 bit at 3733 MT/s = 59.7 GB/s nominal (the cost model derates "
+                    "every preset by HBM_EFFICIENCY)",
+        "gm_read_bytes_per_cycle": "[GE-310-STUB] l2_read_rate 128 B/cycle at the stub's 680 MHz = 87 GB/s per "
+                                   "core, expressed at this preset's 0.5 GHz clock (the clock follows the 8 TFLOPS "
+                                   "product peak; the stub's 680 MHz would give 11.1 TFLOPS)",
+        "gm_write_bytes_per_cycle": "[GE-310-STUB] l2_write_rate 64 B/cycle at 680 MHz = 43.5 GB/s per core, "
+                                    "expressed at 0.5 GHz",
         "kernel_launch_us": "estimate: twice the 910B value (slower embedded host CPU)",
         "op_dispatch_us": "estimate: larger than 910B for the slower embedded host CPU",
     },
