@@ -16,6 +16,14 @@ formats, insert TransData at format boundaries and remove inverse TransData pair
 4. elimination: TransData(A→B) feeding TransData(B→A) of the same logical tensor is
    removed (reported as "TransData elimination"), then unused TransData are dropped.
 
+Per-preset rules (capabilities on `NpuSpec`): where ``spec.cube_nd_direct`` (Atlas A2,
+910B) MatMul/BatchMatMul/MatMulV2 read and write ND, so no TransData surrounds them (the
+Cube converts ND to fractals while loading); where float32 is not in ``spec.cube_dtypes``
+(910, 310) the float32 operands of Conv2D and the matmuls are cast to float16 before the
+Cube and the result back to float32 (reported as "fp32 to fp16 for the Cube"; a
+fp16→fp32→fp16 pair between two Cube ops is exact and skipped), as GE's default
+precision mode does on those chips.
+
 Formatted values carry ``format``, the padded storage ``shape`` (`format_shape`) and
 their ``origin_shape``/``origin_format``, so the memory planner sizes storage correctly;
 graph outputs are always TransData'd back to their origin format. A node that consumes
@@ -31,10 +39,11 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from ..devices.vnpu import NpuSpec, format_shape, get_preset, load_spec, trans_data
-from ..ir import Format, Graph, Node, TensorDesc, TensorRef, Value
+from ..ir import DataType, Format, Graph, Node, TensorDesc, TensorRef, Value
 from ..ops import OpKind, get_op, vnpu_ops  # noqa: F401  (registers TransData and the vnpu kernels)
 from ..ops.vnpu_ops import NPU_FORMAT_OPS, origin_format_for
 from .base import Pass, PassContext
+from .precision import _cast
 
 ND = Format.ND
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
@@ -157,9 +166,12 @@ def _channelwise(node: Node, fmt: Dict[int, Format]) -> Tuple[Optional[_Choice],
     return _Choice(ins, [Format.NC1HWC0] + [ND] * (len(node.outputs) - 1)), ""
 
 
-def select(node: Node, fmt: Dict[int, Format]) -> Tuple[Optional[_Choice], str]:
-    """Formats for ``node`` given its operands' formats, or (None, why it runs in ND)."""
+def select(node: Node, fmt: Dict[int, Format], spec: Optional[NpuSpec] = None) -> Tuple[Optional[_Choice], str]:
+    """Formats for ``node`` given its operands' formats and the chip ``spec`` (None: no
+    per-preset rules), or (None, why it runs in ND)."""
     kind = NPU_FORMAT_OPS.get(node.op)
+    if kind == "matmul" and spec is not None and spec.cube_nd_direct:
+        return None, f"{spec.name} matmuls read ND directly (ND-direct Cube load): no TransData"
     if kind is None and get_op(node.op).kind == OpKind.VIEW:
         return None, (f"{node.op} is a view of the logical (ND) layout; padded, blocked NPU storage "
                       "cannot be viewed that way, so its input is TransData'd back to ND")
@@ -182,7 +194,8 @@ class NpuLayoutSelection(Pass):
     def run(self, graph: Graph, ctx: PassContext) -> int:
         if not ctx.device.startswith("vnpu"):
             return 0
-        npu_spec_for(ctx.device)   # validates the preset early
+        spec = npu_spec_for(ctx.device)   # validates the preset early
+        casts = 0 if "float32" in spec.cube_dtypes else _cube_fp16_casts(graph, ctx)
         for n in graph.nodes:
             if n.op != "HostFallback":
                 n.device = ctx.device
@@ -190,7 +203,7 @@ class NpuLayoutSelection(Pass):
         choices: Dict[Node, _Choice] = {}
         reasons: Dict[Node, str] = {}
         for n in graph.nodes:
-            ch, why = select(n, fmt)
+            ch, why = select(n, fmt, spec)
             if ch is None:
                 if any(fmt.get(v.id, ND) != ND for v in n.inputs):
                     reasons[n] = why
@@ -221,7 +234,8 @@ class NpuLayoutSelection(Pass):
         left = sum(1 for n in graph.nodes if n.op == "TransData")
         ctx.artifacts["note"] = (f"{len(choices)} nodes in NPU formats, {left} TransData kept "
                                  f"({inserted} inserted, {eliminated} inverse pairs eliminated, {dropped} unused "
-                                 f"dropped), {len(self._consts)} weights converted at compile time")
+                                 f"dropped), {len(self._consts)} weights converted at compile time"
+                                 + (f", {casts} fp32 Cube ops cast to fp16 ({spec.name})" if casts else ""))
         return len(choices) + left
 
     # -- surgery --------------------------------------------------------------------
@@ -299,6 +313,44 @@ class NpuLayoutSelection(Pass):
                 graph.erase_node(t)
                 n += 1
         return n
+
+
+def _cube_fp16_casts(graph: Graph, ctx: PassContext) -> int:
+    """Cast the float32 operands of Cube ops (conv, matmul) to float16 and their float32
+    results back (chips whose Cube has no fp32). Returns the number of Cube ops changed."""
+    cache: Dict = {}
+    changed = 0
+    for n in list(graph.nodes):
+        if NPU_FORMAT_OPS.get(n.op) not in ("conv", "matmul") or len(n.outputs) != 1 \
+                or n.outputs[0].desc.dtype != DataType.FLOAT:
+            continue
+        for i, v in enumerate(n.inputs):
+            if v.desc.dtype == DataType.FLOAT:
+                NpuLayoutSelection._set_input(n, i, _cast(graph, v, DataType.FLOAT16, n, cache))
+        o = n.outputs[0]
+        users = list(o.users)
+        o.desc = o.desc.with_(dtype=DataType.FLOAT16)
+        idx = graph.nodes.index(n)
+        after = graph.nodes[idx + 1] if idx + 1 < len(graph.nodes) else None
+        back = graph.create_node("Cast", [o], {"self": TensorRef(0), "dtype": torch.float32},
+                                 [o.desc.with_(dtype=DataType.FLOAT)], name=f"{n.name}_fp32",
+                                 source=n.source, scope=n.scope, before=after)
+        back.meta["precision"] = True     # lets _cast skip an exact fp16 -> fp32 -> fp16 pair
+        if "strides" in n.meta:
+            back.meta["strides"] = n.meta.pop("strides")
+        for u in users:
+            for k, v in enumerate(u.inputs):
+                if v is o:
+                    NpuLayoutSelection._set_input(u, k, back.output)
+        graph.outputs = [back.output if v is o else v for v in graph.outputs]
+        ctx.applied("fp32 to fp16 for the Cube", [n])
+        changed += 1
+    for t in reversed(list(graph.nodes)):   # casts back to fp32 that only fed the next Cube op
+        if t.op == "Cast" and t.meta.get("precision") and not t.outputs[0].users \
+                and t.outputs[0] not in graph.outputs:
+            graph.erase_node(t)
+    graph.prune_constants()
+    return changed
 
 
 def _trans(graph: Graph, v: Value, src: Format, dst: Format, before: Optional[Node],

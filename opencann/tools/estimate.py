@@ -449,8 +449,37 @@ def _compile(ep, name: str, device: str, fused: bool):
     return graph, plan, report
 
 
+def _load_factory(spec: str):
+    """``file.py:factory`` -> (model, example_inputs) from ``factory()``. Raises ValueError."""
+    import importlib.util
+    import os
+    path, fn = spec.rsplit(":", 1)
+    if not os.path.isfile(path):
+        raise ValueError(f"{path} does not exist; give file.py:factory")
+    mod_spec = importlib.util.spec_from_file_location("user_model", path)
+    mod = importlib.util.module_from_spec(mod_spec)
+    mod_spec.loader.exec_module(mod)
+    if not callable(getattr(mod, fn, None)):
+        raise ValueError(f"{path} has no function {fn!r}")
+    res = getattr(mod, fn)()
+    if not (isinstance(res, tuple) and len(res) == 2 and isinstance(res[0], torch.nn.Module)):
+        raise ValueError(f"{fn}() must return (model, example_inputs) with model a torch.nn.Module")
+    return res[0].eval(), res[1] if isinstance(res[1], tuple) else (res[1],)
+
+
+def _as_dtype(model, inputs, dtype: Optional[str]):
+    if dtype is None:
+        return model, inputs
+    dt = getattr(torch, dtype, None)
+    if not isinstance(dt, torch.dtype) or not dt.is_floating_point:
+        raise ValueError(f"--dtype {dtype!r}: give a floating dtype such as float16, bfloat16 or float32")
+    conv = tuple(x.to(dt) if isinstance(x, torch.Tensor) and x.is_floating_point() else x for x in inputs)
+    return model.to(dt), conv
+
+
 def estimate(model_or_zoo_name, example_inputs=None, device: str = "vnpu:ascend910b",
-             batch: Optional[int] = None, fused: bool = True, **zoo_kwargs) -> EstimateReport:
+             batch: Optional[int] = None, fused: bool = True, dtype: Optional[str] = None,
+             **zoo_kwargs) -> EstimateReport:
     """Estimate time, HBM traffic and peak memory of a model on a virtual NPU.
 
     Args:
@@ -465,6 +494,9 @@ def estimate(model_or_zoo_name, example_inputs=None, device: str = "vnpu:ascend9
             a module.
         fused: report the graph with the fusion passes on (True; FlashAttention enabled)
             or off. HBM traffic of both is always reported.
+        dtype: cast the model and its floating inputs to this dtype first ('float16',
+            'bfloat16', 'float32'); None keeps them. ``model_or_zoo_name`` may also be
+            ``"file.py:factory"`` (factory() returns (model, example_inputs)).
     Returns: `EstimateReport` (µs, bytes, FLOPs).
     Raises:
         ValueError: not a vnpu device, unknown preset, batch < 1, missing inputs, an
@@ -474,6 +506,8 @@ def estimate(model_or_zoo_name, example_inputs=None, device: str = "vnpu:ascend9
     """
     from ..frontend.torch import capture
     spec = npu_spec_for(device)
+    if isinstance(model_or_zoo_name, str) and model_or_zoo_name.split(":")[0].endswith(".py"):
+        model_or_zoo_name, example_inputs = _load_factory(model_or_zoo_name)
     if batch is None:
         ex = example_inputs[0] if isinstance(example_inputs, tuple) else example_inputs
         batch = (int(ex.shape[0]) if isinstance(model_or_zoo_name, torch.nn.Module)
@@ -481,6 +515,7 @@ def estimate(model_or_zoo_name, example_inputs=None, device: str = "vnpu:ascend9
     if batch < 1:
         raise ValueError(f"estimate: batch must be >= 1, got {batch}")
     name, model, args = _load(model_or_zoo_name, example_inputs, batch, zoo_kwargs)
+    model, args = _as_dtype(model, args, dtype)
     ep, _ = capture(model, args)
     graph, plan, _ = _compile(ep, name, device, fused)
     weights = sum(c.desc.nbytes for c in graph.constants)
@@ -519,7 +554,9 @@ def estimate(model_or_zoo_name, example_inputs=None, device: str = "vnpu:ascend9
 
 def add_arguments(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the ``estimate`` options to ``ap`` (a parser or a CLI subparser)."""
-    ap.add_argument("--model", required=True, help="zoo name: resnet50, bert-base, gpt2, minilm")
+    ap.add_argument("--model", required=True, help="zoo name (resnet50, bert-base, gpt2, minilm) or file.py:factory")
+    ap.add_argument("--dtype", choices=("float16", "bfloat16", "float32"),
+                    help="cast the model and inputs to this dtype first (default: as given)")
     ap.add_argument("--device", default="vnpu:ascend910b", help="vnpu:<preset> or vnpu:<spec.json|.toml>")
     ap.add_argument("--batch", type=positive_int, default=1)
     ap.add_argument("--size", type=positive_int, help="image size (resnet50)")
@@ -538,7 +575,8 @@ def run_args(args: argparse.Namespace) -> int:
     import sys
     kw = {k: getattr(args, k) for k in ("size", "seq") if getattr(args, k, None) is not None}
     try:
-        rep = estimate(args.model, device=args.device, batch=args.batch, fused=not args.no_fusion, **kw)
+        rep = estimate(args.model, device=args.device, batch=args.batch, fused=not args.no_fusion,
+                       dtype=getattr(args, "dtype", None), **kw)
     except (ValueError, KeyError, RuntimeError, OSError) as e:
         msg = e.args[0] if isinstance(e, KeyError) and e.args else str(e)
         print(f"error: {(msg.strip().splitlines() or [type(e).__name__])[0]}", file=sys.stderr)
