@@ -389,10 +389,8 @@ def cmd_fuzz(args) -> int:
     return 1 if res.failures else 0
 
 
-def main(argv=None) -> int:
-    p = _Parser(prog="opencann", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = p.add_subparsers(dest="cmd", required=True)
+def _add_model_commands(sub) -> None:
+    """demo, compile, run and bench: the commands that take a zoo name or model file."""
     d = sub.add_parser("demo", help="the main job: MiniLM and ResNet-50, compiled vs eager")
     d.add_argument("--runs", type=positive_int, default=10)
     d.add_argument("--threads", type=positive_int, default=torch.get_num_threads())
@@ -419,6 +417,10 @@ def main(argv=None) -> int:
             s.add_argument("--runs", type=positive_int, default=10)
             s.add_argument("--threads", type=positive_int, default=torch.get_num_threads())
     d.set_defaults(fn=cmd_demo)
+
+
+def _add_tool_commands(sub) -> None:
+    """estimate and train-demo (their arguments come from their tools' modules)."""
     from .tools.estimate import add_arguments as _est_args, run_args as _est_run
     e = sub.add_parser("estimate", help="time, HBM traffic and memory on a virtual NPU")
     _est_args(e)
@@ -428,6 +430,10 @@ def main(argv=None) -> int:
     from .tools.train_demo import add_arguments as _train_args, run_args as _train_run
     _train_args(t, minilm_steps=4)  # show transformer training too
     t.set_defaults(fn=_train_run)
+
+
+def _add_atc_command(sub) -> None:
+    """atc, with ATC's flag names, and inspect (a saved model file)."""
     from .tools import atc as _atc
     a = sub.add_parser("atc", help="ATC-style conversion to a model file (.ocm), with ATC's "
                        "flag names")
@@ -453,6 +459,10 @@ def main(argv=None) -> int:
     ins.add_argument("file", help="a file written by opencann.save")
     ins.add_argument("--json", action="store_true", help="print JSON instead of text")
     ins.set_defaults(fn=cmd_inspect)
+
+
+def _add_fuzz_command(sub) -> None:
+    """fuzz: differential fuzzing against eager."""
     f = sub.add_parser("fuzz", help="differential fuzzing: random small programs compiled "
                        "and checked against eager; failures shrunk to minimal repros")
     f.add_argument("--cases", type=positive_int, default=200, help="number of programs")
@@ -470,7 +480,26 @@ def main(argv=None) -> int:
     f.add_argument("--dynamo-every", type=int, default=1,
                    help="run torch.compile on every k-th program only (it is the slowest backend)")
     f.set_defaults(fn=cmd_fuzz)
-    args = p.parse_args(argv)
+
+
+def _parser() -> argparse.ArgumentParser:
+    """The ``opencann`` argument parser, one subcommand per ``cmd_*``."""
+    p = _Parser(prog="opencann", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    _add_model_commands(sub)
+    _add_tool_commands(sub)
+    _add_atc_command(sub)
+    _add_fuzz_command(sub)
+    return p
+
+
+def main(argv=None) -> int:
+    """Run the ``opencann`` command line with ``argv`` (default ``sys.argv[1:]``); returns
+    the exit status: 0 on success, 1 when a command reports failures (fuzz), 2 for bad
+    input or a failed compile/run, printed as one ``error:`` line on stderr. Argument
+    errors exit through argparse (status 2)."""
+    args = _parser().parse_args(argv)
     if args.cmd == "atc":
         args.output_dir = os.path.dirname(args.output)
     try:
