@@ -17,12 +17,12 @@ that gives a static shape; a disagreement is a ConversionError naming the node.
 from __future__ import annotations
 
 import re
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
 
-from ...ir import DataType, Graph, TensorDesc, TensorRef, Value
+from ...ir import DataType, Graph, Node, TensorDesc, TensorRef, Value
 from ...ops import lookup_aten
 from ...ops.onnx_fallback import make_onnx_kernel
 from ..torch.convert import LOW_PRECISION, META_DIVERGES
@@ -96,6 +96,50 @@ class OnnxNode:
         return [int(a) for a in c.reshape(-1).tolist()]
 
 
+def _lift_args(schema, args, kwargs) -> Tuple[List[Value], Dict[str, Any]]:
+    """(inputs, attrs) of an ATen call: each Value argument becomes an input and a
+    `TensorRef` to it in the attrs, keyed by the schema's argument names."""
+    inputs: List[Value] = []
+    attrs: Dict[str, Any] = {}
+
+    def lift(a):
+        if isinstance(a, Value):
+            inputs.append(a)
+            return TensorRef(len(inputs) - 1)
+        if isinstance(a, (list, tuple)):
+            return [lift(y) for y in a]
+        return a
+
+    for i, a in enumerate(schema.arguments):
+        if i < len(args) and not a.kwarg_only:
+            attrs[a.name] = lift(args[i])
+        elif a.name in kwargs:
+            attrs[a.name] = lift(kwargs[a.name])
+    return inputs, attrs
+
+
+def _sub(a, fn):
+    """``a`` with every Value (also inside lists) replaced by ``fn(value)``."""
+    if isinstance(a, Value):
+        return fn(a)
+    if isinstance(a, (list, tuple)):
+        return [_sub(y, fn) for y in a]
+    return a
+
+
+def _meta_diverges(ir: Node) -> None:
+    """Outputs where the meta kernel and the CPU kernel disagree (`META_DIVERGES`):
+    inference BatchNorm's saved statistics are empty on CPU ([C] on meta); bf16/fp16
+    inputs let the op allocate its own outputs (``no_out_kernel``)."""
+    if ir.op not in META_DIVERGES:
+        return
+    for k in META_DIVERGES[ir.op]:
+        if ir.op == "BatchNorm" and k < len(ir.outputs):
+            ir.outputs[k].desc = TensorDesc((0,), ir.outputs[k].desc.dtype)
+    if ir.inputs[0].desc.dtype in LOW_PRECISION:
+        ir.meta["no_out_kernel"] = True
+
+
 class Converter:
     """Builds the IR graph; `call` maps one ATen call to one IR node (or a constant)."""
 
@@ -134,39 +178,16 @@ class Converter:
         returns its output Value, or a list for multi-output ops. All-constant calls
         are evaluated now and return constants."""
         schema = target._schema
-        inputs: List[Value] = []
-        attrs: Dict[str, Any] = {}
-
-        def lift(a):
-            if isinstance(a, Value):
-                inputs.append(a)
-                return TensorRef(len(inputs) - 1)
-            if isinstance(a, (list, tuple)):
-                return [lift(y) for y in a]
-            return a
-
-        for i, a in enumerate(schema.arguments):
-            if i < len(args) and not a.kwarg_only:
-                attrs[a.name] = lift(args[i])
-            elif a.name in kwargs:
-                attrs[a.name] = lift(kwargs[a.name])
-
-        def sub(a, fn):
-            if isinstance(a, Value):
-                return fn(a)
-            if isinstance(a, (list, tuple)):
-                return [sub(y, fn) for y in a]
-            return a
-
+        inputs, attrs = _lift_args(schema, args, kwargs)
         multi = len(schema.returns) > 1 or isinstance(schema.returns[0].type, torch.ListType)
         if all(v.is_const for v in inputs):
             with torch.no_grad():
-                res = target(*[sub(a, lambda v: v.const) for a in args],
-                             **{k: sub(a, lambda v: v.const) for k, a in kwargs.items()})
+                res = target(*[_sub(a, lambda v: v.const) for a in args],
+                             **{k: _sub(a, lambda v: v.const) for k, a in kwargs.items()})
             outs = [self.const(r) for r in (res if multi else [res])]
             return outs if multi else outs[0]
-        margs = [sub(a, self.meta) for a in args]
-        mkw = {k: sub(a, self.meta) for k, a in kwargs.items()}
+        margs = [_sub(a, self.meta) for a in args]
+        mkw = {k: _sub(a, self.meta) for k, a in kwargs.items()}
         if "device" in mkw:
             mkw["device"] = "meta"
         try:
@@ -183,13 +204,7 @@ class Converter:
                                     source=self.source(), scope=self.scope())
         if opdef is None:
             ir.meta["aten"] = target
-        if ir.op in META_DIVERGES:
-            for k in META_DIVERGES[ir.op]:
-                if ir.op == "BatchNorm" and k < len(ir.outputs):
-                    # inference BatchNorm's saved statistics are empty on CPU ([C] on meta)
-                    ir.outputs[k].desc = TensorDesc((0,), ir.outputs[k].desc.dtype)
-            if ir.inputs[0].desc.dtype in LOW_PRECISION:
-                ir.meta["no_out_kernel"] = True
+        _meta_diverges(ir)
         ir.meta["strides"] = [tuple(int(s) for s in m.stride()) if tuple(m.shape) == o.desc.shape
                               else None for m, o in zip(mouts, ir.outputs)]
         for o, m in zip(ir.outputs, mouts):
