@@ -198,6 +198,9 @@ def _max_diff(a, b) -> str:
 
 
 def cmd_demo(args) -> int:
+    """``opencann demo``: all-MiniLM-L6-v2 (real weights) on the zoo's sentences (cosine-similarity
+    table) and ResNet-50 on the sample image, compiled vs eager: max difference, median latency
+    (ms, ``--runs`` runs, ``--threads`` threads) and the compile reports. Returns 0."""
     from rich.table import Table
 
     from . import zoo
@@ -245,6 +248,9 @@ def cmd_demo(args) -> int:
 
 
 def cmd_compile(args) -> int:
+    """``opencann compile MODEL``: compile and print the report summary (``-v``: the full text);
+    ``--report`` writes the JSON report, ``--dot`` the optimized graph. Returns 0. Raises
+    CliError for ``--options`` that is not valid JSON."""
     zm = _load(args.model, args.batch, args.seq)
     try:
         options = json.loads(args.options) if args.options else None
@@ -266,6 +272,9 @@ def cmd_compile(args) -> int:
 
 
 def cmd_run(args) -> int:
+    """``opencann run MODEL``: compile, run once and print the max difference to eager PyTorch
+    (ONNX: to onnxruntime when installed); ``--trace`` writes a Chrome trace (µs) and lists the
+    10 slowest ops. Returns 0."""
     zm = _load(args.model, args.batch, args.seq)
     cm = _compile(zm)
     if isinstance(zm, OnnxFile):
@@ -292,6 +301,8 @@ def cmd_run(args) -> int:
 
 
 def cmd_bench(args) -> int:
+    """``opencann bench MODEL``: median latency in ms of eager and compiled (``--runs`` runs,
+    ``--threads`` threads). Returns 0. Raises CliError for an ONNX model (no eager reference)."""
     from .timing import median_ms
     torch.set_num_threads(args.threads)
     zm = _load(args.model, args.batch, args.seq)
@@ -375,6 +386,8 @@ def _csv(s):
 
 
 def cmd_fuzz(args) -> int:
+    """``opencann fuzz``: differential fuzzing (`opencann.tools.fuzz.run_fuzz`) with the command's
+    options; prints progress and the summary. Returns 1 when a check failed, else 0."""
     from .tools.fuzz import BACKENDS, run_fuzz
     backends = list(BACKENDS) if args.backend == "all" else _csv(args.backend)
     every = {"dynamo": args.dynamo_every} if args.dynamo_every > 1 else None

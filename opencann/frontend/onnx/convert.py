@@ -71,9 +71,12 @@ class OnnxNode:
             self.attrs[a.name] = v.decode() if isinstance(v, bytes) else v
 
     def attr(self, name: str, default: Any = None) -> Any:
+        """The attribute ``name`` (int, float, str, lists, TensorProto; bytes decoded to str), or
+        ``default`` when absent."""
         return self.attrs.get(name, default)
 
     def has(self, i: int) -> bool:
+        """Whether input ``i`` is given (ONNX marks an omitted optional input with an empty name)."""
         return i < len(self.inputs) and self.inputs[i] != ""
 
     def x(self, i: int) -> Optional[Value]:
@@ -153,6 +156,8 @@ class Converter:
 
     # -- values -----------------------------------------------------------------------
     def meta(self, v: Value) -> torch.Tensor:
+        """A meta tensor (shape, dtype and, for constants and ATen results, strides; no data)
+        standing for ``v``, for shape inference through ATen's meta kernels; cached per value."""
         m = self.metas.get(v.id)
         if m is None:
             if v.is_const:
@@ -164,12 +169,14 @@ class Converter:
         return m
 
     def const(self, t: torch.Tensor, name: Optional[str] = None) -> Value:
+        """``t`` as a graph constant (contiguous), named ``name`` when given; returns its Value."""
         t = t.detach()
         if not t.is_contiguous():
             t = t.contiguous()
         return self.graph.add_const(t, name=name)
 
     def scalar(self, value, dtype: torch.dtype) -> Value:
+        """A 0-d constant of ``value`` with ``dtype``."""
         return self.const(torch.tensor(value, dtype=dtype))
 
     # -- one ATen call ----------------------------------------------------------------
@@ -258,13 +265,17 @@ class Converter:
 
     # -- locations ----------------------------------------------------------------------
     def where(self) -> str:
+        """The node being converted, for messages: ``'name (OpType)'`` ('?' outside a node)."""
         n = self.node
         return f"{n.name} ({n.op_type})" if n else "?"
 
     def source(self) -> str:
+        """The source recorded on IR nodes: ``'onnx:<OpType>'`` of the node being converted (''
+        outside a node)."""
         return f"onnx:{self.node.op_type}" if self.node else ""
 
     def scope(self) -> str:
+        """The scope recorded on IR nodes: the ONNX node's name ('' outside a node)."""
         return self.node.name if self.node else ""
 
 
