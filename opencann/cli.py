@@ -202,6 +202,9 @@ def _max_diff(a, b) -> str:
 
 
 def cmd_demo(args) -> int:
+    """``opencann demo``: all-MiniLM-L6-v2 (real weights) on the zoo's sentences (cosine-similarity
+    table) and ResNet-50 on the sample image, compiled vs eager: max difference, median latency
+    (ms, ``--runs`` runs, ``--threads`` threads) and the compile reports. Returns 0."""
     from rich.table import Table
 
     from . import zoo
@@ -249,6 +252,9 @@ def cmd_demo(args) -> int:
 
 
 def cmd_compile(args) -> int:
+    """``opencann compile MODEL``: compile and print the report summary (``-v``: the full text);
+    ``--report`` writes the JSON report, ``--dot`` the optimized graph. Returns 0. Raises
+    CliError for ``--options`` that is not valid JSON."""
     zm = _load(args.model, args.batch, args.seq)
     try:
         options = json.loads(args.options) if args.options else None
@@ -270,6 +276,9 @@ def cmd_compile(args) -> int:
 
 
 def cmd_run(args) -> int:
+    """``opencann run MODEL``: compile, run once and print the max difference to eager PyTorch
+    (ONNX: to onnxruntime when installed); ``--trace`` writes a Chrome trace (µs) and lists the
+    10 slowest ops. Returns 0."""
     zm = _load(args.model, args.batch, args.seq)
     cm = _compile(zm)
     if isinstance(zm, OnnxFile):
@@ -296,6 +305,8 @@ def cmd_run(args) -> int:
 
 
 def cmd_bench(args) -> int:
+    """``opencann bench MODEL``: median latency in ms of eager and compiled (``--runs`` runs,
+    ``--threads`` threads). Returns 0. Raises CliError for an ONNX model (no eager reference)."""
     from .timing import median_ms
     torch.set_num_threads(args.threads)
     zm = _load(args.model, args.batch, args.seq)
@@ -379,6 +390,8 @@ def _csv(s):
 
 
 def cmd_fuzz(args) -> int:
+    """``opencann fuzz``: differential fuzzing (`opencann.tools.fuzz.run_fuzz`) with the command's
+    options; prints progress and the summary. Returns 1 when a check failed, else 0."""
     from .tools.fuzz import BACKENDS, run_fuzz
     backends = list(BACKENDS) if args.backend == "all" else _csv(args.backend)
     every = {"dynamo": args.dynamo_every} if args.dynamo_every > 1 else None
@@ -506,10 +519,8 @@ def _add_migration_commands(sub) -> None:
                        help="the output status that counts as a divergence")
 
 
-def main(argv=None) -> int:
-    p = _Parser(prog="opencann", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = p.add_subparsers(dest="cmd", required=True)
+def _add_model_commands(sub) -> None:
+    """demo, compile, run and bench: the commands that take a zoo name or model file."""
     d = sub.add_parser("demo", help="the main job: MiniLM and ResNet-50, compiled vs eager")
     d.add_argument("--runs", type=positive_int, default=10)
     d.add_argument("--threads", type=positive_int, default=torch.get_num_threads())
@@ -536,6 +547,10 @@ def main(argv=None) -> int:
             s.add_argument("--runs", type=positive_int, default=10)
             s.add_argument("--threads", type=positive_int, default=torch.get_num_threads())
     d.set_defaults(fn=cmd_demo)
+
+
+def _add_tool_commands(sub) -> None:
+    """estimate and train-demo (their arguments come from their tools' modules)."""
     from .tools.estimate import add_arguments as _est_args, run_args as _est_run
     e = sub.add_parser("estimate", help="time, HBM traffic and memory on a virtual NPU")
     _est_args(e)
@@ -545,6 +560,10 @@ def main(argv=None) -> int:
     from .tools.train_demo import add_arguments as _train_args, run_args as _train_run
     _train_args(t, minilm_steps=4)  # show transformer training too
     t.set_defaults(fn=_train_run)
+
+
+def _add_atc_command(sub) -> None:
+    """atc, with ATC's flag names, and inspect (a saved model file)."""
     from .tools import atc as _atc
     a = sub.add_parser("atc", help="ATC-style conversion to a model file (.ocm), with ATC's "
                        "flag names")
@@ -570,6 +589,10 @@ def main(argv=None) -> int:
     ins.add_argument("file", help="a file written by opencann.save")
     ins.add_argument("--json", action="store_true", help="print JSON instead of text")
     ins.set_defaults(fn=cmd_inspect)
+
+
+def _add_fuzz_command(sub) -> None:
+    """fuzz: differential fuzzing against eager."""
     f = sub.add_parser("fuzz", help="differential fuzzing: random small programs compiled "
                        "and checked against eager; failures shrunk to minimal repros")
     f.add_argument("--cases", type=positive_int, default=200, help="number of programs")
@@ -587,8 +610,27 @@ def main(argv=None) -> int:
     f.add_argument("--dynamo-every", type=int, default=1,
                    help="run torch.compile on every k-th program only (it is the slowest backend)")
     f.set_defaults(fn=cmd_fuzz)
+
+
+def _parser() -> argparse.ArgumentParser:
+    """The ``opencann`` argument parser, one subcommand per ``cmd_*``."""
+    p = _Parser(prog="opencann", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    _add_model_commands(sub)
+    _add_tool_commands(sub)
+    _add_atc_command(sub)
+    _add_fuzz_command(sub)
     _add_migration_commands(sub)
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv=None) -> int:
+    """Run the ``opencann`` command line with ``argv`` (default ``sys.argv[1:]``); returns
+    the exit status: 0 on success, 1 when a command reports failures (fuzz), 2 for bad
+    input or a failed compile/run, printed as one ``error:`` line on stderr. Argument
+    errors exit through argparse (status 2)."""
+    args = _parser().parse_args(argv)
     if args.cmd == "atc":
         args.output_dir = os.path.dirname(args.output)
     try:

@@ -27,6 +27,8 @@ def fmt_flops(n: float) -> str:
 
 @dataclass
 class PassRecord:
+    """One pass run of a compile: its name and stage, node counts before and after, wall time in
+    seconds, the number of changes, whether it was enabled, and a note."""
     name: str
     stage: str
     nodes_before: int
@@ -39,6 +41,10 @@ class PassRecord:
 
 @dataclass
 class CompileReport:
+    """What a compile did: capture times (s), every pass run, rewrites applied and skipped (each
+    with its reason and source location), host fallbacks, the memory plan's summary (bytes), the
+    graph's cost (FLOPs, bytes) and op counts before and after, and notes. Serialized by
+    `to_json`; printed by `summary` and `to_text`."""
     model: str = ""
     device: str = "cpu"
     capture_seconds: Dict[str, float] = field(default_factory=dict)
@@ -59,11 +65,13 @@ class CompileReport:
         return sum(p.seconds for p in self.passes)
 
     def to_dict(self) -> Dict[str, Any]:
+        """The report as plain data (``dataclasses.asdict``) plus ``opencann_seconds``."""
         d = asdict(self)
         d["opencann_seconds"] = self.opencann_seconds
         return d
 
     def to_json(self, indent: int = 2) -> str:
+        """`to_dict` as JSON text (non-JSON values as ``str``), indented by ``indent``."""
         return json.dumps(self.to_dict(), indent=indent, default=str)
 
     def summary(self) -> str:

@@ -84,6 +84,8 @@ def finalize() -> int:
 
 
 def check_init(api: str) -> int:
+    """ACL_SUCCESS when ``acl.init`` has been called (and not finalized), else
+    ACL_ERROR_UNINITIALIZE, logged as a failure of ``api`` (the caller's API name)."""
     return ACL_SUCCESS if S.initialized else fail(
         ACL_ERROR_UNINITIALIZE, api, "acl.init was not called (or acl.finalize was)")
 
@@ -137,6 +139,8 @@ def create_tensor_desc(data_type: int, dims, format: int = ACL_FORMAT_ND) -> int
 
 
 def destroy_tensor_desc(desc: int) -> int:
+    """aclDestroyTensorDesc: forget tensor description ``desc`` (from ``create_tensor_desc``).
+    Returns ACL_SUCCESS, or ACL_ERROR_INVALID_PARAM (logged) when it is not live."""
     if S.tensor_descs.pop(desc, None) is None:
         return fail(ACL_ERROR_INVALID_PARAM, "acl.destroy_tensor_desc", f"{desc!r} is not a "
                     "live tensor description")

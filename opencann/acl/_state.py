@@ -33,6 +33,7 @@ _handles = itertools.count(0x10000)
 
 
 def new_handle() -> int:
+    """A fresh opaque handle (an int from 0x10000 up, never reused in the process)."""
     return next(_handles)
 
 
@@ -53,6 +54,8 @@ regions: Dict[int, Region] = {}
 
 
 def add_region(r: Region) -> None:
+    """Register byte range ``r`` at ``r.base`` (replacing a region at the same base), kept sorted
+    for `find`."""
     if r.base in regions:
         del_region(r.base)
     bisect.insort(_bases, r.base)
@@ -60,6 +63,7 @@ def add_region(r: Region) -> None:
 
 
 def del_region(base: int) -> None:
+    """Forget the region at ``base``. Raises KeyError when there is none."""
     regions.pop(base)
     _bases.pop(bisect.bisect_left(_bases, base))
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import Dict, FrozenSet, List, Tuple
 
 from ..ir import Buffer, Graph, MemoryPlan, Node
+from ..ir.liveness import peak_live_bytes
 from ..ops import get_op, last_reads, output_aliases, storage_roots
 from ..ops.fused import OUT_CAPABLE
 
@@ -212,13 +213,5 @@ def _check_declared_writes(graph: Graph, step: Dict[Node, int]) -> None:
 
 
 def _lower_bound(bufs: List[Buffer], nsteps: int) -> int:
-    """Max over steps of the bytes of buffers live at that step (sweep line)."""
-    delta = [0] * (nsteps + 2)
-    for b in bufs:
-        delta[b.start] += b.size
-        delta[b.end + 1] -= b.size
-    best = cur = 0
-    for d in delta:
-        cur += d
-        best = max(best, cur)
-    return best
+    """Max over steps of the bytes of buffers live at that step (`peak_live_bytes`)."""
+    return peak_live_bytes((b.start, b.end, b.size) for b in bufs)

@@ -44,6 +44,7 @@ class OpFinding:
     detail: str = ""
 
     def add(self, source: str, module: str) -> None:
+        """Count one more occurrence at ``source`` (``file:line``) in ``module`` (module path)."""
         self.count += 1
         if source and source not in self.sources:
             self.sources.append(source)
@@ -63,17 +64,21 @@ class Analysis:
     capture: str = "torch.export"
 
     def note(self, op: str, kind: str, source: str = "", module: str = "", detail: str = "") -> None:
+        """Record one occurrence of ``op`` classified as ``kind`` (one of `KINDS`)."""
         f = self.findings.setdefault(f"{kind}:{op}", OpFinding(op, kind, detail=detail))
         f.add(source, module)
 
     def by_kind(self, kind: str) -> List[OpFinding]:
+        """The findings of ``kind``, most frequent first."""
         return sorted((f for f in self.findings.values() if f.kind == kind), key=lambda f: -f.count)
 
     def counts(self) -> Dict[str, int]:
+        """Occurrences per kind, every kind of `KINDS` present."""
         return {k: sum(f.count for f in self.by_kind(k)) for k in KINDS}
 
     @property
     def readiness(self) -> str:
+        """"ready", "ready with host fallbacks" or "not ready" (dynamic or data-dependent ops)."""
         c = self.counts()
         if c["data_dependent"] or c["dynamic_shape"]:
             return "not ready"
@@ -87,11 +92,13 @@ class Analysis:
         return 1 if any(self.counts()[k] for k in BLOCKING) else 0
 
     def to_dict(self) -> Dict[str, Any]:
+        """JSON-ready form (``opencann analyze --json``)."""
         return {"model": self.model, "device": self.device, "capture": self.capture,
                 "graphs": self.graphs, "readiness": self.readiness, "counts": self.counts(),
                 "findings": [vars(f) for k in KINDS for f in self.by_kind(k)]}
 
     def to_text(self) -> str:
+        """Readable form: readiness, counts, then each finding with its sources."""
         c = self.counts()
         lines = [f"{self.model} on {self.device}: {self.readiness} ({self.capture}, "
                  f"{self.graphs} graph{'s' if self.graphs != 1 else ''})",

@@ -84,6 +84,7 @@ class CompareResult:
         return worst(o.status for o in self.outputs)
 
     def counts(self) -> Dict[str, int]:
+        """Layers per status (``pass``/``warn``/``fail``)."""
         c = {"pass": 0, "warn": 0, "fail": 0}
         for r in self.layers:
             c[r.status] += 1
@@ -101,6 +102,7 @@ class CompareResult:
                 w.writerow(dict(asdict(r), index=f"out{k}"))
 
     def summary(self) -> str:
+        """A few lines: layer counts per status, each output's metrics, the first divergence."""
         c = self.counts()
         lines = [f"{self.model} on {self.device}{_opts(self.options)}: {len(self.layers)} layers "
                  f"compared with eager: {c['pass']} pass, {c['warn']} warn, {c['fail']} fail; "
@@ -122,6 +124,7 @@ def _opts(options: Dict[str, Any]) -> str:
 
 
 def worst(statuses) -> str:
+    """The worst of ``statuses`` (fail > warn > pass); "pass" when empty."""
     order = {"pass": 0, "warn": 1, "fail": 2}
     return max(statuses, key=order.__getitem__, default="pass")
 

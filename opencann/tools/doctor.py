@@ -147,6 +147,7 @@ def doctor(installed: Callable[[str], Optional[str]] = _installed) -> List[Check
 
 
 def to_json(checks: List[Check]) -> Dict[str, object]:
+    """``{"status": worst status, "python": interpreter, "checks": [...]}`` for ``--json``."""
     worst = "error" if any(c.status == "error" for c in checks) else (
         "warning" if any(c.status == "warning" for c in checks) else "ok")
     return {"status": worst, "python": sys.executable, "checks": [asdict(c) for c in checks]}

@@ -41,6 +41,7 @@ import torch
 from ..devices.vnpu import (KernelCost, NpuSpec, conv2d_cost, elementwise_cost, flash_attention_cost,
                             layernorm_cost, matmul_cost, reduction_cost, softmax_cost, trans_data_cost)
 from ..ir import Graph, MemoryPlan, Node, Value
+from ..ir.liveness import peak_live_bytes
 from ..ops import OpKind, get_op, output_aliases
 from ..passes.vnpu_layout import npu_spec_for
 from .argtypes import output_file, positive_int
@@ -385,8 +386,8 @@ def kernel_alloc_peak(graph: Graph, plan: MemoryPlan) -> int:
     views by their ATen schema, in-place results) cost nothing."""
     step = {n: i for i, n in enumerate(graph.nodes)}
     end = len(graph.nodes)
-    delta = [0] * (end + 2)
     outs = {id(v) for v in graph.outputs}
+    ranges = []
     for n in graph.nodes:
         for o, aliased in zip(n.outputs, output_aliases(n)):
             if aliased or o.id in plan.value_buffer or not o.desc.is_static:
@@ -394,13 +395,8 @@ def kernel_alloc_peak(graph: Graph, plan: MemoryPlan) -> int:
             last = max([step[u] for u in o.users] + [step[n]])
             if id(o) in outs:
                 last = end
-            delta[step[n]] += o.desc.nbytes
-            delta[last + 1] -= o.desc.nbytes
-    best = cur = 0
-    for d in delta:
-        cur += d
-        best = max(best, cur)
-    return best
+            ranges.append((step[n], last, o.desc.nbytes))
+    return peak_live_bytes(ranges)
 
 
 # -- driver ------------------------------------------------------------------------------
