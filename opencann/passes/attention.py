@@ -21,6 +21,7 @@ from typing import List, Optional, Tuple
 
 import torch
 
+from ..devices import parse_device
 from ..ir import Graph, Node, TensorRef, Value
 from ..ops.flash_attention import cpu_l2, cuda_smem, plan_tiles
 from .base import Pass, PassContext
@@ -43,10 +44,8 @@ def _tile_check(device: str, d: int, sq: int, sk: int) -> Optional[str]:
     if device == "cuda":
         buf, src = cuda_smem()
         target = "triton"
-    elif device.startswith("vnpu"):
-        from .vnpu_layout import npu_spec_for
-        spec = npu_spec_for(device)
-        buf, src = spec.ub_bytes, f"{spec.name} Unified Buffer"
+    elif parse_device(device).kind == "vnpu":
+        buf, src = parse_device(device).tile_buffer()
         target, dtype = "cube", torch.float16
     else:
         buf, src = cpu_l2()

@@ -25,12 +25,12 @@ Source: CANN Graph Engine developer guide (format selection, TransData insertion
 """
 from __future__ import annotations
 
-import os
 from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from ..devices.vnpu import NpuSpec, format_shape, get_preset, load_spec, trans_data
+from ..devices import parse_device
+from ..devices.vnpu import format_shape, trans_data
 from ..ir import Format, Graph, Node, TensorDesc, TensorRef, Value
 from ..ops import OpKind, get_op, vnpu_ops  # noqa: F401  (registers TransData and the vnpu kernels)
 from ..ops.vnpu_ops import NPU_FORMAT_OPS, origin_format_for
@@ -39,27 +39,6 @@ from .base import Pass, PassContext
 ND = Format.ND
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 _PATTERN = "NPU format"
-
-
-def npu_spec_for(device: str) -> NpuSpec:
-    """The `NpuSpec` of a device string ``vnpu`` (ascend910b), ``vnpu:<preset>``
-    (ascend910, ascend910b, ascend310) or ``vnpu:<spec file .json/.toml>``.
-
-    Raises ValueError for a non-vnpu device or an unknown preset (listing the presets)."""
-    kind, _, name = str(device).partition(":")
-    if kind != "vnpu":
-        raise ValueError(f"{device!r} is not a vnpu device; use 'vnpu:<preset>', e.g. 'vnpu:ascend910b'")
-    if not name:
-        return get_preset("ascend910b")
-    if name.endswith((".json", ".toml")):
-        return load_spec(name)
-    try:
-        return get_preset(name)
-    except ValueError as e:
-        if os.path.exists(name):  # a path without .json/.toml: load_spec says what is wrong
-            return load_spec(name)
-        raise ValueError(f"device {device!r}: {e}; as a device write 'vnpu:<preset>' or "
-                         "'vnpu:<spec.json|spec.toml>'") from None
 
 
 def npu_desc(desc: TensorDesc, fmt: Format) -> TensorDesc:
@@ -180,9 +159,8 @@ class NpuLayoutSelection(Pass):
     name, stage = "npu_layout", "layout"
 
     def run(self, graph: Graph, ctx: PassContext) -> int:
-        if not ctx.device.startswith("vnpu"):
+        if parse_device(ctx.device).kind != "vnpu":   # also validates the preset early
             return 0
-        npu_spec_for(ctx.device)   # validates the preset early
         for n in graph.nodes:
             if n.op != "HostFallback":
                 n.device = ctx.device
@@ -318,4 +296,4 @@ def _trans(graph: Graph, v: Value, src: Format, dst: Format, before: Optional[No
     return t
 
 
-__all__ = ["NpuLayoutSelection", "npu_desc", "npu_spec_for", "select"]
+__all__ = ["NpuLayoutSelection", "npu_desc", "select"]

@@ -38,11 +38,11 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from ..devices import parse_device
 from ..devices.vnpu import (KernelCost, NpuSpec, conv2d_cost, elementwise_cost, flash_attention_cost,
                             layernorm_cost, matmul_cost, reduction_cost, softmax_cost, trans_data_cost)
 from ..ir import Graph, MemoryPlan, Node, Value
 from ..ops import OpKind, get_op, output_aliases
-from ..passes.vnpu_layout import npu_spec_for
 from .argtypes import output_file, positive_int
 
 GiB = float(1 << 30)
@@ -473,7 +473,7 @@ def estimate(model_or_zoo_name, example_inputs=None, device: str = "vnpu:ascend9
         CaptureError: torch.export cannot capture the model.
     """
     from ..frontend.torch import capture
-    spec = npu_spec_for(device)
+    spec = parse_device(device, kind="vnpu").spec
     if batch is None:
         ex = example_inputs[0] if isinstance(example_inputs, tuple) else example_inputs
         batch = (int(ex.shape[0]) if isinstance(model_or_zoo_name, torch.nn.Module)
