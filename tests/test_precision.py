@@ -10,7 +10,7 @@ import torch
 from opencann.compiler import compile_graph
 from opencann.frontend.torch import capture, from_exported_program
 from opencann.passes.base import PassContext
-from opencann.passes.precision import KEEP_FP32, MixedPrecision, low_dtype, precision_summary
+from opencann.passes.precision import MixedPrecision, default_keep_fp32, low_dtype, precision_summary
 from opencann.report import CompileReport
 from opencann.runtime import Executor
 
@@ -76,7 +76,7 @@ def test_keep_list_is_user_modifiable_and_keep_modes():
         out, summ = _run(model, x, mode)
         assert "Cast" not in summ
         assert ((out - ref).abs().max() / ref.abs().max()).item() < 1e-5
-    assert "SoftmaxV2" in KEEP_FP32
+    assert "SoftmaxV2" in default_keep_fp32() and "Relu" not in default_keep_fp32()
     with pytest.raises(ValueError, match="unknown precision_mode"):
         low_dtype("fp8_please")
 

@@ -4,7 +4,7 @@
   the spelled-out form BatchMatMul(SoftmaxV2(Add(Muls|Div(BatchMatMul(q, kᵀ)), mask)), v)
   (scale and mask optional), seen through the BroadcastTo/Reshape views the core-ATen
   decomposition puts around each bmm ⇒ FlashAttention. Kernel: FlashAttention-2
-  (Dao 2023, arXiv:2307.08691), see ``opencann.ops.flash_attention_op``.
+  (Dao 2023, arXiv:2307.08691), see ``opencann.ops.flash_attention.opdef``.
 
 Off by default (``default_enabled = False``): on CPU, torch's own SDPA kernel is about
 as fast today; enable with ``options={"enable": ["fuse_flash_attention"]}``.

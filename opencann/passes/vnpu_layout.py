@@ -4,7 +4,7 @@ formats, insert TransData at format boundaries and remove inverse TransData pair
 `NpuLayoutSelection` (runs only when the device is ``vnpu[:<preset>]``):
 
 1. placement: every node except host fallbacks gets ``node.device = ctx.device``;
-2. selection, in topological order (the table is ``ops.vnpu_ops.NPU_FORMAT_OPS``):
+2. selection, in topological order (by each op's ``OpDef.npu_format`` column):
    Conv2D (groups=1, float) takes NC1HWC0 activations and a FRACTAL_Z weight and gives
    NC1HWC0; MatMul/BatchMatMul/MatMulV2 take and give FRACTAL_NZ; an elementwise op
    whose full-size operands are all in the same NPU format (same logical shape and
@@ -32,8 +32,8 @@ import torch
 from ..devices import parse_device
 from ..devices.vnpu import format_shape, trans_data
 from ..ir import Format, Graph, Node, TensorDesc, TensorRef, Value
-from ..ops import OpKind, get_op, vnpu_ops  # noqa: F401  (registers TransData and the vnpu kernels)
-from ..ops.vnpu_ops import NPU_FORMAT_OPS, origin_format_for
+from ..ops import get_op
+from ..ops.kernels.vnpu import origin_format_for
 from .base import Pass, PassContext
 
 ND = Format.ND
@@ -138,8 +138,8 @@ def _channelwise(node: Node, fmt: Dict[int, Format]) -> Tuple[Optional[_Choice],
 
 def select(node: Node, fmt: Dict[int, Format]) -> Tuple[Optional[_Choice], str]:
     """Formats for ``node`` given its operands' formats, or (None, why it runs in ND)."""
-    kind = NPU_FORMAT_OPS.get(node.op)
-    if kind is None and get_op(node.op).kind == OpKind.VIEW:
+    kind = get_op(node.op).npu_format
+    if kind is None and get_op(node.op).is_view:
         return None, (f"{node.op} is a view of the logical (ND) layout; padded, blocked NPU storage "
                       "cannot be viewed that way, so its input is TransData'd back to ND")
     if kind is None:

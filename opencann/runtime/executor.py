@@ -25,8 +25,6 @@ import torch
 
 from ..ir import Graph, MemoryPlan, TensorListRef, TensorRef, Value, is_dense
 from ..ops import get_op, output_aliases, storage_roots
-from ..ops.fused import KERNEL_FACTORIES, OUT_CAPABLE
-from ..ops.opdef import DEVICE_KERNEL_FACTORIES
 from .alias_check import AliasChecker, AliasingError, enabled_by_env
 
 
@@ -216,19 +214,19 @@ class Executor:
                     bufnames.append(None)
             target = f"K{idx}"
             lhs = ", ".join(outs) + ("," if len(outs) == 1 and len(node.outputs) > 1 else "")
-            factory = (DEVICE_KERNEL_FACTORIES.get(node.device.split(":")[0], {}).get(node.op)
-                       or KERNEL_FACTORIES.get(node.op))
+            factory = op.kernel_factory(node.device)
             if factory is not None:
                 consts = [v.const for v in node.inputs]
                 glb[target] = factory(node, in_descs_of(node), consts)
                 call = f"{target}({', '.join(names[v.id] for v in node.inputs)}"
-                if (node.op in OUT_CAPABLE and OUT_CAPABLE[node.op](node) and len(bufnames) == 1
+                if (op.writes_out(node) and len(bufnames) == 1
                         and bufnames[0] is not None):
                     lines.append(f"    {outs[0]} = {call}, out={bufnames[0]})")
                 else:
                     self._emit_result(lines, node, lhs, outs, bufnames, call + ")")
             else:
                 aten = op.aten or node.meta["aten"]
+                kernel = op.kernel(node.device) or aten   # a user's OpDef.kernels entry, or ATen
                 schema = aten._schema
                 pos, kw = [], []
                 for a in schema.arguments:
@@ -237,7 +235,7 @@ class Executor:
                     s = render(node.attrs[a.name])
                     (kw.append(f"{a.name}={s}") if a.kwarg_only else pos.append(s))
                 args = ", ".join(pos + kw)
-                use_out = (op.out_kernel is not None and not any(aliased)
+                use_out = (kernel is aten and op.out_kernel is not None and not any(aliased)
                            and len(bufnames) == len(op.out_names)
                            and not node.meta.get("none_outputs")
                            and not node.meta.get("no_out_kernel"))
@@ -257,7 +255,7 @@ class Executor:
                     lines.append(f"    {target}({args}{', ' if args else ''}{outkw})")
                     lines.append(f"    {', '.join(outs)} = {', '.join(bufnames)}")
                 else:
-                    glb[target] = aten
+                    glb[target] = kernel
                     self._emit_result(lines, node, lhs, outs, bufnames, f"{target}({args})")
             for k, o in enumerate(node.outputs):
                 # a kernel's own allocation, in the layout it chose: give it the traced
