@@ -14,6 +14,7 @@ from typing import Any, Dict, Optional, Sequence, Tuple
 import torch
 import torch.utils._pytree as pytree
 
+from .devices import KINDS, parse_device
 from .frontend.torch import capture, check_layout, from_exported_program
 from .ir import Graph, MemoryPlan
 from .log import logger
@@ -24,7 +25,7 @@ from .report import CompileReport, PassRecord
 from .runtime import DEFAULT_CONCURRENT_CALLS, Executor, ExecutorPool
 from .runtime.call_binding import bind_call, forward_arg_names, input_labels
 
-SUPPORTED_DEVICES = ("cpu", "vnpu")
+SUPPORTED_DEVICES = KINDS
 # opencann.compile runs one at a time: torch.export is not thread-safe (concurrent exports
 # corrupt its mode stack and leave builtins patched), and compiling is CPU-bound anyway
 _COMPILE_LOCK = threading.RLock()
@@ -74,16 +75,8 @@ def _fallbacks(graph: Graph) -> Dict[str, Dict[str, Any]]:
 
 
 def _check_device(device: str) -> str:
-    device = str(device)
-    if device.split(":")[0] not in SUPPORTED_DEVICES:
-        raise ValueError(f"device {device!r} is not supported by the compiler yet; use one of "
-                         f"{list(SUPPORTED_DEVICES)} (vnpu as vnpu:<preset> or vnpu:<spec file>)")
-    if device.split(":")[0] == "cpu" and device not in ("cpu", "cpu:0"):
-        raise ValueError(f"device {device!r}: the host is one device, 'cpu'")
-    if device.startswith("vnpu"):
-        from .passes.vnpu_layout import npu_spec_for
-        npu_spec_for(device)   # ValueError listing the presets for vnpu:<unknown>
-    return device
+    """``device`` checked by `devices.parse_device` (ValueError naming what to write)."""
+    return parse_device(device).name
 
 
 def compile_graph(graph: Graph, device: str = "cpu", options: Optional[Dict[str, Any]] = None,

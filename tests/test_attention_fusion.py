@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 import opencann
 import opencann.compiler
-import opencann.ops.flash_attention_op  # noqa: F401  (registers FlashAttention; also in opencann.ops)
+import opencann.ops.flash_attention.opdef  # noqa: F401  (registers FlashAttention; also in opencann.ops)
 from opencann.ir import DataType, Graph, TensorDesc
 from opencann.ops import get_op
 from opencann.passes import attention as attn_pass

@@ -57,11 +57,11 @@ def init(config_path: str = "") -> int:
                 return fail(ACL_ERROR_PARSE_FILE, "acl.init", f"config {config_path!r} is not "
                             f"JSON: {e}")
             devices = list(cfg.get("devices", devices)) if isinstance(cfg, dict) else devices
-        from ..passes.vnpu_layout import npu_spec_for
+        from ..devices import parse_device
         for d in devices:
             try:
                 if d != "cpu":
-                    npu_spec_for(d)   # ValueError naming the presets
+                    parse_device(d, kind="vnpu")   # ValueError naming the presets
             except ValueError as e:
                 return fail(ACL_ERROR_INVALID_PARAM, "acl.init", f"device {d!r}: {e} (or 'cpu')")
         S.reset()

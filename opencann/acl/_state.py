@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import bisect
 import itertools
-import os
 import threading
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
@@ -84,15 +83,8 @@ def find(ptr: int, nbytes: int) -> Optional[tuple]:
 
 def device_capacity(dev: int) -> int:
     """Memory size of device ``dev`` in bytes: the vnpu preset's HBM, or host RAM."""
-    name = device_names[dev]
-    if name.startswith("vnpu"):
-        from ..passes.vnpu_layout import npu_spec_for
-        return npu_spec_for(name).hbm_bytes
-    try:
-        import psutil
-        return int(psutil.virtual_memory().total)
-    except ImportError:  # pragma: no cover
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    from ..devices import parse_device
+    return parse_device(device_names[dev]).memory_bytes
 
 
 def reset() -> None:

@@ -4,7 +4,7 @@
   the spelled-out form BatchMatMul(SoftmaxV2(Add(Muls|Div(BatchMatMul(q, kᵀ)), mask)), v)
   (scale and mask optional), seen through the BroadcastTo/Reshape views the core-ATen
   decomposition puts around each bmm ⇒ FlashAttention. Kernel: FlashAttention-2
-  (Dao 2023, arXiv:2307.08691), see ``opencann.ops.flash_attention_op``.
+  (Dao 2023, arXiv:2307.08691), see ``opencann.ops.flash_attention.opdef``.
 
 Off by default (``default_enabled = False``): on CPU, torch's own SDPA kernel is about
 as fast today; enable with ``options={"enable": ["fuse_flash_attention"]}``.
@@ -21,6 +21,7 @@ from typing import List, Optional, Tuple
 
 import torch
 
+from ..devices import parse_device
 from ..ir import Graph, Node, TensorRef, Value
 from ..ops.flash_attention import cpu_l2, cuda_smem, plan_tiles
 from .base import Pass, PassContext
@@ -43,10 +44,8 @@ def _tile_check(device: str, d: int, sq: int, sk: int) -> Optional[str]:
     if device == "cuda":
         buf, src = cuda_smem()
         target = "triton"
-    elif device.startswith("vnpu"):
-        from .vnpu_layout import npu_spec_for
-        spec = npu_spec_for(device)
-        buf, src = spec.ub_bytes, f"{spec.name} Unified Buffer"
+    elif parse_device(device).kind == "vnpu":
+        buf, src = parse_device(device).tile_buffer()
         target, dtype = "cube", torch.float16
     else:
         buf, src = cpu_l2()

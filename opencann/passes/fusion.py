@@ -20,12 +20,15 @@ from typing import Optional
 
 import torch
 
+from ..devices.cpu import mkl_packed_available, mkldnn_available
 from ..ir import Graph, Node, TensorRef, Value
-from ..ops import aliases_of, storage_roots
-from ..ops.fused import mkl_packed_available, mkldnn_available
+from ..ops import aliases_of, get_op, storage_roots
 from .base import Pass, PassContext
 
-_ACT_OPS = {"Relu": "relu", "Gelu": "gelu", "Sigmoid": "sigmoid", "Tanh": "tanh", "Swish": "silu"}
+
+def _act(node: Optional[Node]) -> Optional[str]:
+    """The activation ``node`` computes (its OpDef's ``activation`` column), or None."""
+    return None if node is None else get_op(node.op).activation
 
 
 def _only_user(v: Value, graph: Graph) -> Optional[Node]:
@@ -158,9 +161,9 @@ class FuseConvAct(CpuFusion):
                 ctx.skipped("Conv+activation", conv, why)
                 continue
             user = _only_user(conv.outputs[0], graph)
-            if user is not None and user.op in _ACT_OPS and user.inputs[0] is conv.outputs[0] \
+            if _act(user) and user.inputs[0] is conv.outputs[0] \
                     and not (user.op == "Gelu" and user.attrs.get("approximate", "none") != "none"):
-                fused = _make_conv(graph, conv, _ACT_OPS[user.op], user, conv.name + "_" + user.op.lower())
+                fused = _make_conv(graph, conv, _act(user), user, conv.name + "_" + user.op.lower())
                 graph.replace_all_uses_with(user.outputs[0], fused.outputs[0])
                 graph.erase_node(user)
                 graph.erase_node(conv)
@@ -264,12 +267,12 @@ class FuseLinearAct(CpuFusion):
             if u is not None and u.op == "Reshape":
                 view = u
                 u = _only_user(u.outputs[0], graph)
-            if u is None or u.op not in _ACT_OPS or u.inputs[0] is not (view or mm).outputs[0]:
+            if not _act(u) or u.inputs[0] is not (view or mm).outputs[0]:
                 act, u = "none", None
                 if not (w.is_const and w.desc.dtype.torch == torch.float32 and mkl_packed_available()):
                     continue  # nothing to gain: plain addmm already writes into the arena
             else:
-                act = _ACT_OPS[u.op]
+                act = _act(u)
                 if u.op == "Gelu" and u.attrs.get("approximate", "none") == "tanh":
                     act = "gelu_tanh"
             fused = graph.create_node("LinearAct", [bias, x, w],

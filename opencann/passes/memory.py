@@ -17,7 +17,6 @@ from typing import Dict, FrozenSet, List, Tuple
 from ..ir import Buffer, Graph, MemoryPlan, Node
 from ..ir.liveness import peak_live_bytes
 from ..ops import get_op, last_reads, output_aliases, storage_roots
-from ..ops.fused import OUT_CAPABLE
 
 DEFAULT_ALIGNMENT = 64  # bytes: one cache line, and AVX-512 / oneDNN friendly
 
@@ -51,7 +50,7 @@ def writes_into_buffer(node: Node) -> bool:
     op = get_op(node.op)
     if node.meta.get("no_out_kernel"):  # see frontend.torch.convert.META_DIVERGES
         return "inplace_input" in node.attrs
-    return op.out_kernel is not None or "inplace_input" in node.attrs or (node.op in OUT_CAPABLE and OUT_CAPABLE[node.op](node))
+    return op.out_kernel is not None or "inplace_input" in node.attrs or op.writes_out(node)
 
 
 def plan_memory(graph: Graph, alignment: int = DEFAULT_ALIGNMENT, inplace: bool = True,

@@ -4,7 +4,7 @@ formats, insert TransData at format boundaries and remove inverse TransData pair
 `NpuLayoutSelection` (runs only when the device is ``vnpu[:<preset>]``):
 
 1. placement: every node except host fallbacks gets ``node.device = ctx.device``;
-2. selection, in topological order (the table is ``ops.vnpu_ops.NPU_FORMAT_OPS``):
+2. selection, in topological order (by each op's ``OpDef.npu_format`` column):
    Conv2D (groups=1, float) takes NC1HWC0 activations and a FRACTAL_Z weight and gives
    NC1HWC0; MatMul/BatchMatMul/MatMulV2 take and give FRACTAL_NZ; an elementwise op
    whose full-size operands are all in the same NPU format (same logical shape and
@@ -33,42 +33,21 @@ Source: CANN Graph Engine developer guide (format selection, TransData insertion
 """
 from __future__ import annotations
 
-import os
 from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from ..devices.vnpu import NpuSpec, format_shape, get_preset, load_spec, trans_data
+from ..devices import parse_device
+from ..devices.vnpu import NpuSpec, format_shape, trans_data
 from ..ir import DataType, Format, Graph, Node, TensorDesc, TensorRef, Value
-from ..ops import OpKind, get_op, vnpu_ops  # noqa: F401  (registers TransData and the vnpu kernels)
-from ..ops.vnpu_ops import NPU_FORMAT_OPS, origin_format_for
+from ..ops import get_op
+from ..ops.kernels.vnpu import origin_format_for
 from .base import Pass, PassContext
 from .precision import _cast
 
 ND = Format.ND
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 _PATTERN = "NPU format"
-
-
-def npu_spec_for(device: str) -> NpuSpec:
-    """The `NpuSpec` of a device string ``vnpu`` (ascend910b), ``vnpu:<preset>``
-    (ascend910, ascend910b, ascend310) or ``vnpu:<spec file .json/.toml>``.
-
-    Raises ValueError for a non-vnpu device or an unknown preset (listing the presets)."""
-    kind, _, name = str(device).partition(":")
-    if kind != "vnpu":
-        raise ValueError(f"{device!r} is not a vnpu device; use 'vnpu:<preset>', e.g. 'vnpu:ascend910b'")
-    if not name:
-        return get_preset("ascend910b")
-    if name.endswith((".json", ".toml")):
-        return load_spec(name)
-    try:
-        return get_preset(name)
-    except ValueError as e:
-        if os.path.exists(name):  # a path without .json/.toml: load_spec says what is wrong
-            return load_spec(name)
-        raise ValueError(f"device {device!r}: {e}; as a device write 'vnpu:<preset>' or "
-                         "'vnpu:<spec.json|spec.toml>'") from None
 
 
 def npu_desc(desc: TensorDesc, fmt: Format) -> TensorDesc:
@@ -169,10 +148,10 @@ def _channelwise(node: Node, fmt: Dict[int, Format]) -> Tuple[Optional[_Choice],
 def select(node: Node, fmt: Dict[int, Format], spec: Optional[NpuSpec] = None) -> Tuple[Optional[_Choice], str]:
     """Formats for ``node`` given its operands' formats and the chip ``spec`` (None: no
     per-preset rules), or (None, why it runs in ND)."""
-    kind = NPU_FORMAT_OPS.get(node.op)
+    kind = get_op(node.op).npu_format
     if kind == "matmul" and spec is not None and spec.cube_nd_direct:
         return None, f"{spec.name} matmuls read ND directly (ND-direct Cube load): no TransData"
-    if kind is None and get_op(node.op).kind == OpKind.VIEW:
+    if kind is None and get_op(node.op).is_view:
         return None, (f"{node.op} is a view of the logical (ND) layout; padded, blocked NPU storage "
                       "cannot be viewed that way, so its input is TransData'd back to ND")
     if kind is None:
@@ -192,9 +171,9 @@ class NpuLayoutSelection(Pass):
     name, stage = "npu_layout", "layout"
 
     def run(self, graph: Graph, ctx: PassContext) -> int:
-        if not ctx.device.startswith("vnpu"):
+        if parse_device(ctx.device).kind != "vnpu":   # also validates the preset early
             return 0
-        spec = npu_spec_for(ctx.device)   # validates the preset early
+        spec = parse_device(ctx.device).spec
         casts = 0 if "float32" in spec.cube_dtypes else _cube_fp16_casts(graph, ctx)
         for n in graph.nodes:
             if n.op != "HostFallback":
@@ -321,7 +300,7 @@ def _cube_fp16_casts(graph: Graph, ctx: PassContext) -> int:
     cache: Dict = {}
     changed = 0
     for n in list(graph.nodes):
-        if NPU_FORMAT_OPS.get(n.op) not in ("conv", "matmul") or len(n.outputs) != 1 \
+        if get_op(n.op).npu_format not in ("conv", "matmul") or len(n.outputs) != 1 \
                 or n.outputs[0].desc.dtype != DataType.FLOAT:
             continue
         for i, v in enumerate(n.inputs):
@@ -370,4 +349,4 @@ def _trans(graph: Graph, v: Value, src: Format, dst: Format, before: Optional[No
     return t
 
 
-__all__ = ["NpuLayoutSelection", "npu_desc", "npu_spec_for", "select"]
+__all__ = ["NpuLayoutSelection", "npu_desc", "select"]

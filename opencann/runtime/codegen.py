@@ -18,8 +18,6 @@ import torch
 
 from ..ir import Graph, MemoryPlan, Node, TensorListRef, TensorRef, Value, is_dense
 from ..ops import get_op, output_aliases, storage_roots
-from ..ops.fused import KERNEL_FACTORIES, OUT_CAPABLE
-from ..ops.opdef import DEVICE_KERNEL_FACTORIES
 from .alias_check import AliasChecker
 
 
@@ -160,13 +158,12 @@ def output_copies(graph: Graph) -> Dict[int, Optional[int]]:
 def _kernel_factory(node: Node) -> Optional[Callable]:
     """The bind-time kernel factory of ``node`` on its device (``factory(node, in_descs,
     consts) -> kernel``), or None: the node runs its ATen op."""
-    return (DEVICE_KERNEL_FACTORIES.get(node.device.split(":")[0], {}).get(node.op)
-            or KERNEL_FACTORIES.get(node.op))
+    return get_op(node.op).kernel_factory(node.device)
 
 
 def _out_capable(node: Node) -> bool:
     """Whether ``node``'s factory-made kernel takes ``out=`` (writes into a given buffer)."""
-    return node.op in OUT_CAPABLE and OUT_CAPABLE[node.op](node)
+    return get_op(node.op).writes_out(node)
 
 
 # -- the generator ------------------------------------------------------------------
@@ -289,6 +286,7 @@ class CodeGen:
     def _emit_aten_call(self, idx, node, op, aliased, lhs, outs, bufnames) -> None:
         target = f"K{idx}"
         aten = op.aten or node.meta["aten"]
+        kernel = op.kernel(node.device) or aten   # a user's OpDef.kernels entry, or ATen
         pos, kw = [], []
         for a in aten._schema.arguments:
             if a.name not in node.attrs:
@@ -296,12 +294,12 @@ class CodeGen:
             s = self.render(node.attrs[a.name], node)
             (kw.append(f"{a.name}={s}") if a.kwarg_only else pos.append(s))
         args = ", ".join(pos + kw)
-        use_out = (op.out_kernel is not None and not any(aliased)
+        use_out = (kernel is aten and op.out_kernel is not None and not any(aliased)
                    and len(bufnames) == len(op.out_names)
                    and not node.meta.get("none_outputs")
                    and not node.meta.get("no_out_kernel"))
         if not use_out:
-            self.glb[target] = aten
+            self.glb[target] = kernel
             self._emit_result(node, lhs, outs, bufnames, f"{target}({args})")
             return
         # outputs outside the arena (graph outputs) get a fresh tensor each run in the

@@ -54,7 +54,6 @@ _PREFIX = struct.Struct("<8sIQ32s")  # magic, format version, header length, hea
 _ALIGN = 64  # bytes: every weight starts this aligned in the file and in memory (as torch's
 # allocator aligns them), so a loaded model's GEMMs take the same code paths (same bits)
 SECTIONS = ("metadata", "graph", "plan", "schedule", "report", "constants")
-KNOWN_DEVICES = ("cpu", "vnpu")
 
 
 class ModelFileError(ValueError):
@@ -547,15 +546,17 @@ def _json_section(secs, name: str, where: str) -> Any:
 
 def check_device(device: str, where: str = "model file") -> None:
     """Raise ModelFileError unless this opencann has ``device`` (kind and vnpu preset)."""
-    from ..devices.vnpu.presets import PRESETS
-    kind, _, name = str(device).partition(":")
-    if kind not in KNOWN_DEVICES:
-        raise ModelFileError(f"{where} was compiled for device {device!r}: this opencann has no "
-                             f"such device (it has {', '.join(KNOWN_DEVICES)}); recompile for one")
-    if kind == "vnpu" and name and not name.endswith((".json", ".toml")) and name.lower() not in PRESETS:
-        raise ModelFileError(f"{where} was compiled for device {device!r}: this opencann has no "
-                             f"vnpu preset {name!r} (it has {', '.join(sorted(PRESETS))}); upgrade "
-                             "opencann or recompile")
+    from ..devices import KINDS, PRESETS, DeviceError, parse_device
+    try:
+        parse_device(device, load=False)
+    except DeviceError as e:
+        if e.reason == "kind":
+            raise ModelFileError(f"{where} was compiled for device {device!r}: this opencann has no "
+                                 f"such device (it has {', '.join(KINDS)}); recompile for one") from None
+        if e.reason == "preset":
+            raise ModelFileError(f"{where} was compiled for device {device!r}: this opencann has no "
+                                 f"vnpu preset {e.preset!r} (it has {', '.join(sorted(PRESETS))}); "
+                                 "upgrade opencann or recompile") from None
 
 
 def read(path: str) -> Dict[str, Any]:

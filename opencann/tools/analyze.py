@@ -24,6 +24,9 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
+from ..devices import parse_device
+from ..ops import get_op
+
 KINDS = ("converted", "host_fallback", "custom_op", "no_device_kernel", "dynamic_shape",
          "data_dependent")
 # kinds that keep a model from compiling into one device graph: exit code 1 in CI
@@ -147,20 +150,12 @@ def analyze_onnx(path: str, device: str = "cpu", input_shapes=None) -> Analysis:
 
 
 def _check_device(device: str) -> None:
-    from ..compiler import SUPPORTED_DEVICES
-    if str(device).split(":")[0] not in SUPPORTED_DEVICES:
-        raise ValueError(f"device {device!r}: analyze audits for {list(SUPPORTED_DEVICES)} "
-                         "(vnpu as vnpu:<preset>)")
-    if str(device).startswith("vnpu"):
-        from ..passes.vnpu_layout import npu_spec_for
-        npu_spec_for(device)   # ValueError listing the presets
+    parse_device(device)   # one ValueError line: unknown device, or the vnpu presets
 
 
 def audit_graph(graph, res: Analysis) -> None:
     """Classify every node of an IR ``graph`` into ``res``."""
-    from ..ops.opdef import DEVICE_KERNEL_FACTORIES
-    on_npu = res.device.startswith("vnpu")
-    npu = DEVICE_KERNEL_FACTORIES.get("vnpu", {})
+    on_npu = parse_device(res.device, load=False).kind == "vnpu"
     for n in graph.nodes:
         src, mod = n.source, n.scope
         if any(isinstance(d, str) for o in n.outputs for d in o.desc.shape):
@@ -172,7 +167,7 @@ def audit_graph(graph, res: Analysis) -> None:
             ns = getattr(target, "namespace", "aten")
             kind = "host_fallback" if ns in _CORE_NAMESPACES else "custom_op"
             res.note(str(target), kind, src, mod)
-        elif on_npu and n.op not in npu:
+        elif on_npu and "vnpu" not in get_op(n.op).kernel_factories:
             res.note(n.op, "no_device_kernel", src, mod, detail="runs on the host")
         else:
             res.note(n.op, "converted", src, mod)

@@ -195,11 +195,11 @@ class Session:
         ``layers``, else the outputs only). Under a ``precision_mode`` that lowers to
         fp16/bf16, every float value is judged by that dtype's thresholds (what the mode
         allows), unless ``strict`` (each value by its own dtype's)."""
-        from ..compiler import SUPPORTED_DEVICES, compile_graph
+        from ..compiler import compile_graph
+        from ..devices import parse_device
         from ..frontend.torch import from_exported_program
         from ..runtime import Executor
-        if str(device).split(":")[0] not in SUPPORTED_DEVICES:
-            raise ValueError(f"device {device!r}: compare runs on {list(SUPPORTED_DEVICES)}")
+        parse_device(device)   # one ValueError line naming the devices / vnpu presets
         graph = from_exported_program(self.ep, name=type(self.model).__name__)
         graph, plan, report = compile_graph(graph, str(device), dict(options or {}))
         res = CompareResult(type(self.model).__name__, str(device), dict(options or {}),
