@@ -23,8 +23,7 @@ def test_ir_print_verify_dot():
     verify(graph)
     assert "digraph" in to_dot(graph)
     node = graph.nodes[0]
-    node.inputs.append(graph.outputs[0])  # use before definition
-    graph.outputs[0].users.append(node)
+    node.add_input(graph.outputs[0])  # use before definition
     with pytest.raises(GraphError, match="before it is defined"):
         verify(graph)
     with pytest.raises(ValueError, match="unsupported dtype"):

@@ -114,12 +114,6 @@ def _make(graph: Graph, q, k, v, mask, causal, scale, out_desc, at: Node, name: 
 
 # -- the spelled-out pattern --------------------------------------------------------
 
-def _sole_user(v: Value, graph: Graph) -> Optional[Node]:
-    if len(set(v.users)) == 1 and v not in graph.outputs:
-        return v.users[0]
-    return None
-
-
 def _strip_to_4d(v: Value) -> Tuple[Value, List[Node]]:
     """Walk up the no-op views the decomposition puts in front of a bmm operand:
     Reshape merging (B, H) into B·H, BroadcastTo to the same shape, Identity (a
@@ -144,7 +138,7 @@ def _strip_to_4d(v: Value) -> Tuple[Value, List[Node]]:
 
 def _bmm_4d_out(bmm: Node, graph: Graph) -> Optional[Node]:
     """The Reshape (B·H, S, X) → (B, H, S, X) that follows a bmm, if it is the sole user."""
-    r = _sole_user(bmm.outputs[0], graph)
+    r = graph.sole_user(bmm.outputs[0])
     if r is not None and r.op in _RESHAPES and r.outputs[0].desc.rank == 4 and \
             tuple(r.outputs[0].desc.shape[-2:]) == tuple(bmm.outputs[0].desc.shape[-2:]):
         return r
@@ -193,7 +187,7 @@ def _match_spelled_out(bmm2: Node, graph: Graph):
     if sm is None or sm.op != "SoftmaxV2" or sm.attrs.get("half_to_float") or \
             int(sm.attrs.get("dim", 0)) not in (-1, 3) or p4.desc.rank != 4 or v4.desc.rank != 4:
         return None
-    if any(_sole_user(n.outputs[0], graph) is None for n in pviews) or _sole_user(p4, graph) is None:
+    if any(graph.sole_user(n.outputs[0]) is None for n in pviews) or graph.sole_user(p4) is None:
         return None
     chain = [sm] + pviews
     x = sm.inputs[0]
@@ -201,7 +195,7 @@ def _match_spelled_out(bmm2: Node, graph: Graph):
     scale = 1.0
     node = x.producer
     if node is not None and node.op == "Add" and len(node.inputs) == 2 and node.attrs.get("alpha", 1) == 1:
-        if _sole_user(x, graph) is None:
+        if graph.sole_user(x) is None:
             return None
         side = [i for i in (0, 1) if _leads_to_scores(node.inputs[i])]
         if not side:
@@ -212,7 +206,7 @@ def _match_spelled_out(bmm2: Node, graph: Graph):
         chain.append(node)
         node = x.producer
     if node is not None and node.op in ("Muls", "Mul", "Div") and _scalar(node) is not None:
-        if _sole_user(x, graph) is None:
+        if graph.sole_user(x) is None:
             return None
         c = _scalar(node)
         if node.op == "Div":
@@ -224,7 +218,7 @@ def _match_spelled_out(bmm2: Node, graph: Graph):
         chain.append(node)
         x = node.inputs[0]
         node = x.producer
-    if node is None or node.op not in _RESHAPES or _sole_user(x, graph) is None:
+    if node is None or node.op not in _RESHAPES or graph.sole_user(x) is None:
         return None
     bmm1 = node.inputs[0].producer
     if bmm1 is None or bmm1.op != "BatchMatMul" or _bmm_4d_out(bmm1, graph) is not node:
@@ -250,7 +244,7 @@ def _erase_dead(graph: Graph, nodes: List[Node]) -> None:
     while changed:
         changed = False
         for n in list(pending):
-            if n in graph.nodes and not any(o.users or o in graph.outputs for o in n.outputs):
+            if not n.erased and not any(o.users or o in graph.outputs for o in n.outputs):
                 ins = [v.producer for v in n.inputs if v.producer is not None]
                 graph.erase_node(n)
                 pending.remove(n)
@@ -270,7 +264,7 @@ class FuseFlashAttention(Pass):
     def run(self, graph: Graph, ctx: PassContext) -> int:
         n = 0
         for node in list(graph.nodes):
-            if node not in graph.nodes:
+            if node.erased:
                 continue
             if node.op == "ScaledDotProductAttention":
                 n += self._sdpa(graph, node, ctx)

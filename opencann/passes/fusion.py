@@ -28,12 +28,6 @@ from .base import Pass, PassContext
 _ACT_OPS = {"Relu": "relu", "Gelu": "gelu", "Sigmoid": "sigmoid", "Tanh": "tanh", "Swish": "silu"}
 
 
-def _only_user(v: Value, graph: Graph) -> Optional[Node]:
-    if len(v.users) == 1 and v not in graph.outputs:
-        return v.users[0]
-    return None
-
-
 class FoldBatchNorm(Pass):
     """Conv2D → BatchNorm (inference) ⇒ Conv2D with folded weight and bias."""
 
@@ -54,7 +48,7 @@ class FoldBatchNorm(Pass):
             if conv is None or conv.op != "Conv2D":
                 ctx.skipped("FoldBatchNorm", bn, f"input is produced by {conv.op if conv else 'a graph input'}, not Conv2D")
                 continue
-            if len(x.users) != 1 or x in graph.outputs:
+            if graph.sole_user(x) is None:
                 ctx.skipped("FoldBatchNorm", bn, "the convolution's output is also used elsewhere")
                 continue
             if conv.attrs.get("transposed"):
@@ -74,13 +68,11 @@ class FoldBatchNorm(Pass):
             b0 = b.const.double() if b is not None else torch.zeros_like(mean)
             bf = ((b0 - mean) * scale + beta).to(w.const.dtype)
             wv, bv = graph.add_const(wf, f"{conv.name}_w_bnfolded"), graph.add_const(bf, f"{conv.name}_b_bnfolded")
-            graph.replace_input(conv, w, wv)
+            conv.replace_input(w, wv)
             if b is not None:
-                graph.replace_input(conv, b, bv)
+                conv.replace_input(b, bv)
             else:
-                conv.inputs.append(bv)
-                bv.users.append(conv)
-                conv.attrs["bias"] = TensorRef(len(conv.inputs) - 1)
+                conv.attrs["bias"] = TensorRef(conv.add_input(bv))
             if any(o.users or o in graph.outputs for o in bn.outputs[1:]):
                 ctx.skipped("FoldBatchNorm", bn, "the saved mean/variance outputs are used")
                 continue
@@ -157,7 +149,7 @@ class FuseConvAct(CpuFusion):
             if why:
                 ctx.skipped("Conv+activation", conv, why)
                 continue
-            user = _only_user(conv.outputs[0], graph)
+            user = graph.sole_user(conv.outputs[0])
             if user is not None and user.op in _ACT_OPS and user.inputs[0] is conv.outputs[0] \
                     and not (user.op == "Gelu" and user.attrs.get("approximate", "none") != "none"):
                 fused = _make_conv(graph, conv, _ACT_OPS[user.op], user, conv.name + "_" + user.op.lower())
@@ -191,7 +183,7 @@ class FuseConvAddAct(CpuFusion):
             for a, b in ((0, 1), (1, 0)):
                 p = add.inputs[a].producer
                 if p is not None and p.op == "ConvBiasAct" and p.attrs["act"] == "none" \
-                        and _only_user(p.outputs[0], graph) is add:
+                        and graph.sole_user(p.outputs[0]) is add and add.inputs[b] is not add.inputs[a]:
                     conv, other = p, add.inputs[b]
                     break
             if conv is None:
@@ -204,7 +196,7 @@ class FuseConvAddAct(CpuFusion):
                 ctx.skipped("Conv+Add", add, f"addend {other.desc} is broadcast (not the conv's "
                             f"full output {conv.outputs[0].desc}); oneDNN's sum post-op needs equal shapes")
                 continue
-            relu = _only_user(add.outputs[0], graph)
+            relu = graph.sole_user(add.outputs[0])
             relu = relu if relu is not None and relu.op == "Relu" else None
             last = relu or add
             # in place into the addend only if it owns its memory (not a graph input,
@@ -260,10 +252,10 @@ class FuseLinearAct(CpuFusion):
                 ctx.skipped("Linear+activation", mm, f"bias {bias.desc} is not per-output-channel")
                 continue
             view = None
-            u = _only_user(mm.outputs[0], graph)
+            u = graph.sole_user(mm.outputs[0])
             if u is not None and u.op == "Reshape":
                 view = u
-                u = _only_user(u.outputs[0], graph)
+                u = graph.sole_user(u.outputs[0])
             if u is None or u.op not in _ACT_OPS or u.inputs[0] is not (view or mm).outputs[0]:
                 act, u = "none", None
                 if not (w.is_const and w.desc.dtype.torch == torch.float32 and mkl_packed_available()):

@@ -121,7 +121,7 @@ class MixedPrecision(Pass):
                 v.desc.dtype != origin[id(v)] for v in fl)
             for v in fl:
                 if v.desc.dtype != want and lift:
-                    graph.replace_input(node, v, _cast(graph, v, want, node, cache))
+                    node.replace_input(v, _cast(graph, v, want, node, cache))
                     changed += 1
             for o in node.outputs:
                 if o.desc.dtype in floats and o.desc.dtype != want and any(

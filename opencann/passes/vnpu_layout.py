@@ -216,7 +216,7 @@ class NpuLayoutSelection(Pass):
         dropped = self._drop_dead(graph)
         graph.prune_constants()
         for n, why in reasons.items():
-            if n in graph.nodes:
+            if not n.erased:
                 ctx.skipped(_PATTERN, n, why)
         left = sum(1 for n in graph.nodes if n.op == "TransData")
         ctx.artifacts["note"] = (f"{len(choices)} nodes in NPU formats, {left} TransData kept "
@@ -225,13 +225,6 @@ class NpuLayoutSelection(Pass):
         return len(choices) + left
 
     # -- surgery --------------------------------------------------------------------
-    @staticmethod
-    def _set_input(node: Node, i: int, new: Value) -> None:
-        old = node.inputs[i]
-        node.inputs[i] = new
-        old.users.remove(node)
-        new.users.append(node)
-
     def _convert_input(self, graph: Graph, node: Node, i: int, r: Format) -> int:
         """Give input ``i`` of ``node`` in format ``r``; returns TransData nodes added."""
         v = node.inputs[i]
@@ -243,14 +236,14 @@ class NpuLayoutSelection(Pass):
                 c = graph.add_const(t.contiguous(), f"{v.name or v.id}_{r.value.lower()}")
                 c.desc = npu_desc(v.desc, r)
                 self._consts[key] = c
-            self._set_input(node, i, self._consts[key])
+            node.set_input(i, self._consts[key])
             return 0
         added = 0
         if key not in self._converted:
             t = _trans(graph, v, ND, r, before=node, device=node.device)
             self._converted[key] = t.outputs[0]
             added = 1
-        self._set_input(node, i, self._converted[key])
+        node.set_input(i, self._converted[key])
         return added
 
     def _wrap_output(self, graph: Graph, node: Node, j: int, f: Format) -> None:
@@ -260,23 +253,19 @@ class NpuLayoutSelection(Pass):
         users = list(o.users)
         o.desc = npu_desc(plain, f)
         strides = node.meta.pop("strides", None)
-        idx = graph.nodes.index(node)
-        after = graph.nodes[idx + 1] if idx + 1 < len(graph.nodes) else None
-        t = _trans(graph, o, f, ND, before=after, out_desc=plain, device=node.device)
+        t = _trans(graph, o, f, ND, before=node.next, out_desc=plain, device=node.device)
         if strides:  # the ND copy stands for the traced value: it keeps eager's strides
             t.meta["strides"] = [strides[j]]
         nd = t.outputs[0]
         for u in users:
-            for k, v in enumerate(u.inputs):
-                if v is o:
-                    self._set_input(u, k, nd)
+            u.replace_input(o, nd)
         graph.outputs = [nd if v is o else v for v in graph.outputs]
 
     @staticmethod
     def _eliminate(graph: Graph, ctx: PassContext) -> int:
         n = 0
         for t2 in list(graph.nodes):
-            if t2.op != "TransData" or t2 not in graph.nodes:
+            if t2.op != "TransData" or t2.erased:
                 continue
             t1 = t2.inputs[0].producer
             if t1 is None or t1.op != "TransData":

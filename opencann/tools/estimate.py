@@ -358,7 +358,7 @@ def node_cost(node: Node, spec: NpuSpec) -> Tuple[Optional[KernelCost], str, boo
         return elementwise_cost("copy", max(1, _numel(out.shape)), dt, n_in, spec), \
             "elementwise_cost(copy)", False
     # fallback: memory-bound copy of the largest tensor
-    sizes = [_numel(v.desc.shape) for v in node.inputs + node.outputs if v.desc.is_static]
+    sizes = [_numel(v.desc.shape) for v in (*node.inputs, *node.outputs) if v.desc.is_static]
     return elementwise_cost("copy", max([1] + sizes), dt, max(1, len(_big_inputs(node))), spec), \
         "fallback: elementwise_cost(copy)", True
 
