@@ -45,7 +45,7 @@ def test_resnet50_vnpu_matches_cpu():
     assert counts.get("TransData", 0) >= 2          # in at the input, out at each output
     assert {Format.NC1HWC0, Format.FRACTAL_Z} <= _formats(cm)
     assert "ConvBiasAct" not in counts and "ConvAddAct" not in counts   # no oneDNN fusions on vnpu
-    elim = [a for a in cm.report.applied if a["pattern"] == "TransData elimination"]
+    elim = [a for a in cm.report.applied if a["detail"] == "TransData elimination"]
     assert len(elim) > 0
     assert all(n.device == DEV for n in cm.graph.nodes)
     conv = next(n for n in cm.graph.nodes if n.op == "Conv2D")
@@ -78,7 +78,7 @@ def test_bert_layer_vnpu_matches_cpu():
     assert Format.FRACTAL_NZ in _formats(cm)
     mm = [n for n in cm.graph.nodes if n.op == "MatMulV2"]
     assert mm and all(n.outputs[0].desc.format == Format.FRACTAL_NZ for n in mm)
-    skipped = [s for s in cm.report.skipped if s["pattern"] == "NPU format"]
+    skipped = [s for s in cm.report.skipped if s["pass"] == "npu_layout"]
     assert skipped and all(s["reason"] for s in skipped)
 
 

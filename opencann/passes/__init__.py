@@ -1,9 +1,9 @@
-"""The optimization pipeline (five stages: prepare, fusion, layout, memory, schedule)."""
+"""The optimization pipeline (stages: prepare, fusion, layout, schedule, memory)."""
 from .attention import FuseFlashAttention
-from .base import Pass, PassContext, PassManager
+from .base import Pass, PassContext, PassManager, RewritePass, Skip
 from .fusion import FoldBatchNorm, FuseConvAct, FuseConvAddAct, FuseLinearAct
 from .layout import LayoutSelection
-from .memory import plan_memory
+from .memory import MemoryPlanning, plan_memory
 from .precision import MixedPrecision
 from .prepare import (CommonSubexpressionElimination, ConstantFolding, DeadCodeElimination,
                       IdentityElimination)
@@ -12,14 +12,20 @@ from .vnpu_layout import NpuLayoutSelection
 
 
 def default_pipeline() -> PassManager:
-    """Prepare → fusion → layout → schedule. (Memory planning runs after scheduling,
-    on the final order, in the compiler.)"""
+    """Prepare → fusion → layout → schedule → memory (planning on the final order; the
+    plan is ``ctx.artifacts["memory_plan"]``). The compiler adds kernel binding as the
+    last stage when it builds a callable model."""
     return PassManager([
         ConstantFolding(), DeadCodeElimination(), CommonSubexpressionElimination(),
         IdentityElimination(), MixedPrecision(),
         FoldBatchNorm(), FuseConvAct(), FuseConvAddAct(), FuseLinearAct(), FuseFlashAttention(),
         DeadCodeElimination(), LayoutSelection(), NpuLayoutSelection(), SingleStreamSchedule(),
+        MemoryPlanning(),
     ])
 
 
-__all__ = ["Pass", "PassContext", "PassManager", "default_pipeline", "plan_memory"]
+__all__ = ["Pass", "PassContext", "PassManager", "RewritePass", "Skip", "default_pipeline",
+           "plan_memory", "MemoryPlanning", "ConstantFolding", "DeadCodeElimination",
+           "CommonSubexpressionElimination", "IdentityElimination", "MixedPrecision",
+           "FoldBatchNorm", "FuseConvAct", "FuseConvAddAct", "FuseLinearAct",
+           "FuseFlashAttention", "LayoutSelection", "NpuLayoutSelection", "SingleStreamSchedule"]

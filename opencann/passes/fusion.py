@@ -16,72 +16,80 @@ that is not rewritten is reported with its reason.
 """
 from __future__ import annotations
 
-from typing import Optional
+from dataclasses import dataclass
+from typing import List, Optional
 
 import torch
 
 from ..ir import Graph, Node, TensorRef, Value
 from ..ops import aliases_of, storage_roots
 from ..ops.fused import mkl_packed_available, mkldnn_available
-from .base import Pass, PassContext
+from .base import PassContext, RewritePass, Skip
 
 _ACT_OPS = {"Relu": "relu", "Gelu": "gelu", "Sigmoid": "sigmoid", "Tanh": "tanh", "Swish": "silu"}
 
 
-class FoldBatchNorm(Pass):
+@dataclass
+class _BnMatch:
+    conv: Node
+    bn: Node
+    params: List[Value]      # weight, bias, running_mean, running_var (constants)
+    w: Value
+    b: Optional[Value]
+
+
+class FoldBatchNorm(RewritePass):
     """Conv2D → BatchNorm (inference) ⇒ Conv2D with folded weight and bias."""
 
     name, stage = "fold_batchnorm", "fusion"
+    ops = ("BatchNorm", "HostFallback")
     switch_section, cann_names = "GraphFusion", ("ConvBatchnormFusionPass",)
 
     def run(self, graph: Graph, ctx: PassContext) -> int:
-        n = 0
-        for bn in list(graph.nodes):
-            if bn.op == "HostFallback" and "batch_norm" in str(bn.meta.get("aten", "")):
-                ctx.skipped("FoldBatchNorm", bn, "BatchNorm in training mode (batch statistics); "
-                            "call model.eval() for inference")
-                continue
-            if bn.op != "BatchNorm":
-                continue
-            x = bn.arg("input")
-            conv = x.producer
-            if conv is None or conv.op != "Conv2D":
-                ctx.skipped("FoldBatchNorm", bn, f"input is produced by {conv.op if conv else 'a graph input'}, not Conv2D")
-                continue
-            if graph.sole_user(x) is None:
-                ctx.skipped("FoldBatchNorm", bn, "the convolution's output is also used elsewhere")
-                continue
-            if conv.attrs.get("transposed"):
-                ctx.skipped("FoldBatchNorm", bn, "transposed convolution")
-                continue
-            params = [bn.arg(k) for k in ("weight", "bias", "running_mean", "running_var")]
-            w = conv.arg("weight")
-            b = conv.arg("bias")
-            if not all(isinstance(p, Value) and p.is_const for p in params) or not w.is_const \
-                    or (b is not None and not b.is_const):
-                ctx.skipped("FoldBatchNorm", bn, "weights or statistics are not constants")
-                continue
-            gamma, beta, mean, var = (p.const.double() for p in params)
-            eps = bn.attrs["eps"]
-            scale = gamma / torch.sqrt(var + eps)
-            wf = (w.const.double() * scale.reshape(-1, 1, 1, 1)).to(w.const.dtype)
-            b0 = b.const.double() if b is not None else torch.zeros_like(mean)
-            bf = ((b0 - mean) * scale + beta).to(w.const.dtype)
-            wv, bv = graph.add_const(wf, f"{conv.name}_w_bnfolded"), graph.add_const(bf, f"{conv.name}_b_bnfolded")
-            conv.replace_input(w, wv)
-            if b is not None:
-                conv.replace_input(b, bv)
-            else:
-                conv.attrs["bias"] = TensorRef(conv.add_input(bv))
-            if any(o.users or o in graph.outputs for o in bn.outputs[1:]):
-                ctx.skipped("FoldBatchNorm", bn, "the saved mean/variance outputs are used")
-                continue
-            graph.replace_all_uses_with(bn.outputs[0], conv.outputs[0])
-            graph.erase_node(bn)
-            ctx.applied("Conv+BN fold", [conv, bn])
-            n += 1
+        n = super().run(graph, ctx)
         graph.prune_constants()
         return n
+
+    def match(self, bn: Node, graph: Graph, ctx: PassContext):
+        if bn.op == "HostFallback":
+            if "batch_norm" in str(bn.meta.get("aten", "")):
+                return Skip("BatchNorm in training mode (batch statistics); call model.eval() "
+                            "for inference")
+            return None
+        x = bn.arg("input")
+        conv = x.producer
+        if conv is None or conv.op != "Conv2D":
+            return Skip(f"input is produced by {conv.op if conv else 'a graph input'}, not Conv2D")
+        if graph.sole_user(x) is None:
+            return Skip("the convolution's output is also used elsewhere")
+        if conv.attrs.get("transposed"):
+            return Skip("transposed convolution")
+        params = [bn.arg(k) for k in ("weight", "bias", "running_mean", "running_var")]
+        w, b = conv.arg("weight"), conv.arg("bias")
+        if not all(isinstance(p, Value) and p.is_const for p in params) or not w.is_const \
+                or (b is not None and not b.is_const):
+            return Skip("weights or statistics are not constants")
+        if any(o.users or o in graph.outputs for o in bn.outputs[1:]):
+            return Skip("the saved mean/variance outputs are used")
+        return _BnMatch(conv, bn, params, w, b)
+
+    def rewrite(self, graph: Graph, m: _BnMatch, ctx: PassContext) -> int:
+        conv, bn, w, b = m.conv, m.bn, m.w, m.b
+        gamma, beta, mean, var = (p.const.double() for p in m.params)
+        scale = gamma / torch.sqrt(var + bn.attrs["eps"])
+        wf = (w.const.double() * scale.reshape(-1, 1, 1, 1)).to(w.const.dtype)
+        b0 = b.const.double() if b is not None else torch.zeros_like(mean)
+        bf = ((b0 - mean) * scale + beta).to(w.const.dtype)
+        wv, bv = graph.add_const(wf, f"{conv.name}_w_bnfolded"), graph.add_const(bf, f"{conv.name}_b_bnfolded")
+        conv.replace_input(w, wv)
+        if b is not None:
+            conv.replace_input(b, bv)
+        else:
+            conv.attrs["bias"] = TensorRef(conv.add_input(bv))
+        graph.replace_all_uses_with(bn.outputs[0], conv.outputs[0])
+        graph.erase_node(bn)
+        ctx.applied([conv, bn])
+        return 1
 
 
 def _conv_check(conv: Node) -> Optional[str]:
@@ -119,18 +127,19 @@ def _stands_for(fused: Node, replaced: Node) -> Node:
     return fused
 
 
-class CpuFusion(Pass):
+class CpuFusion(RewritePass):
     """A fusion into CPU kernels (oneDNN post-ops, BLAS GEMMs): on other devices it does
     nothing and says so in the report."""
 
-    def run(self, graph: Graph, ctx: PassContext) -> int:
-        if not ctx.device.startswith("cpu"):
-            ctx.artifacts["note"] = f"cpu-only fusion (oneDNN/BLAS kernels): skipped on {ctx.device}"
-            return 0
-        return self.rewrite(graph, ctx)
+    devices = ("cpu",)
+    off_device_note = "cpu-only fusion (oneDNN/BLAS kernels): skipped on {device}"
 
-    def rewrite(self, graph: Graph, ctx: PassContext) -> int:  # pragma: no cover - abstract
-        raise NotImplementedError
+
+@dataclass
+class _ConvMatch:
+    conv: Node
+    act: Optional[Node]          # the activation fused, None: the conv alone
+    why_not_act: str = ""        # why the user activation was not fused
 
 
 class FuseConvAct(CpuFusion):
@@ -138,146 +147,171 @@ class FuseConvAct(CpuFusion):
     also gets oneDNN's prepacked weight."""
 
     name, stage = "fuse_conv_act", "fusion"
+    ops = ("Conv2D",)
     switch_section = "UBFusion"
 
-    def rewrite(self, graph: Graph, ctx: PassContext) -> int:
-        n = 0
-        for conv in list(graph.nodes):
-            if conv.op != "Conv2D":
-                continue
-            why = _conv_check(conv)
-            if why:
-                ctx.skipped("Conv+activation", conv, why)
-                continue
-            user = graph.sole_user(conv.outputs[0])
-            if user is not None and user.op in _ACT_OPS and user.inputs[0] is conv.outputs[0] \
-                    and not (user.op == "Gelu" and user.attrs.get("approximate", "none") != "none"):
-                fused = _make_conv(graph, conv, _ACT_OPS[user.op], user, conv.name + "_" + user.op.lower())
-                graph.replace_all_uses_with(user.outputs[0], fused.outputs[0])
-                graph.erase_node(user)
-                graph.erase_node(conv)
-                ctx.applied(f"Conv+{user.op}", [conv, user])
-            else:
-                if user is None and len(conv.outputs[0].users) > 1:
-                    ctx.skipped("Conv+activation", conv, "the convolution's output has several users")
-                fused = _make_conv(graph, conv, "none", conv, conv.name)
-                graph.replace_all_uses_with(conv.outputs[0], fused.outputs[0])
-                graph.erase_node(conv)
-            n += 1
-        return n
+    def match(self, conv: Node, graph: Graph, ctx: PassContext):
+        why = _conv_check(conv)
+        if why:
+            return Skip(why)
+        user = graph.sole_user(conv.outputs[0])
+        if user is None:
+            several = len(conv.outputs[0].users) > 1
+            return _ConvMatch(conv, None, "the convolution's output has several users" if several else "")
+        if user.op not in _ACT_OPS or user.inputs[0] is not conv.outputs[0]:
+            return _ConvMatch(conv, None)
+        if user.op == "Gelu" and user.attrs.get("approximate", "none") != "none":
+            return _ConvMatch(conv, None, f"Gelu(approximate={user.attrs['approximate']!r}): the "
+                              "fused oneDNN convolution here applies only the exact (erf) GELU")
+        return _ConvMatch(conv, user)
+
+    def rewrite(self, graph: Graph, m: _ConvMatch, ctx: PassContext) -> int:
+        conv, user = m.conv, m.act
+        if m.why_not_act:
+            ctx.skipped(conv, m.why_not_act)
+        if user is not None:
+            fused = _make_conv(graph, conv, _ACT_OPS[user.op], user, conv.name + "_" + user.op.lower())
+            graph.replace_all_uses_with(user.outputs[0], fused.outputs[0])
+            graph.erase_node(user)
+            graph.erase_node(conv)
+            ctx.applied([conv, user], f"Conv+{user.op}")
+        else:
+            fused = _make_conv(graph, conv, "none", conv, conv.name)
+            graph.replace_all_uses_with(conv.outputs[0], fused.outputs[0])
+            graph.erase_node(conv)
+        return 1
+
+
+@dataclass
+class _AddMatch:
+    conv: Node
+    add: Node
+    other: Value                 # the addend
+    relu: Optional[Node]
 
 
 class FuseConvAddAct(CpuFusion):
     """ConvBiasAct(none) → Add(·, r) [→ Relu] ⇒ ConvAddAct (sum post-op into r)."""
 
     name, stage = "fuse_conv_add_act", "fusion"
+    ops = ("Add",)
     switch_section = "UBFusion"
 
-    def rewrite(self, graph: Graph, ctx: PassContext) -> int:
-        n = 0
-        step = {nd: i for i, nd in enumerate(graph.nodes)}
-        for add in list(graph.nodes):
-            if add.op != "Add" or add.attrs.get("alpha", 1) != 1 or len(add.inputs) != 2:
-                continue
-            conv = other = None
-            for a, b in ((0, 1), (1, 0)):
-                p = add.inputs[a].producer
-                if p is not None and p.op == "ConvBiasAct" and p.attrs["act"] == "none" \
-                        and graph.sole_user(p.outputs[0]) is add and add.inputs[b] is not add.inputs[a]:
-                    conv, other = p, add.inputs[b]
-                    break
-            if conv is None:
-                if any(v.producer is not None and v.producer.op in ("ConvBiasAct", "Conv2D")
-                       for v in add.inputs):
-                    ctx.skipped("Conv+Add", add, "the convolution already has a fused activation "
-                                "or its output has other users")
-                continue
-            if other.desc.shape != conv.outputs[0].desc.shape or other.desc.dtype != conv.outputs[0].desc.dtype:
-                ctx.skipped("Conv+Add", add, f"addend {other.desc} is broadcast (not the conv's "
-                            f"full output {conv.outputs[0].desc}); oneDNN's sum post-op needs equal shapes")
-                continue
-            relu = graph.sole_user(add.outputs[0])
-            relu = relu if relu is not None and relu.op == "Relu" else None
-            last = relu or add
-            # in place into the addend only if it owns its memory (not a graph input,
-            # constant or view) and nothing that may share that memory (the addend, its
-            # views, views of those, split outputs...) is read after this node or returned
-            roots = storage_roots(graph, writes_as_fresh=True)
-            owns = other.producer is not None and roots.get(other.id) == frozenset((other.id,))
-            sharing = [other] + aliases_of(graph, other, roots)
-            later = [u for v in sharing for u in v.users if u is not add and step.get(u, -1) > step[add]]
-            returned = any(v in graph.outputs for v in sharing)
-            feeds_conv = any(v in conv.inputs for v in sharing)
-            inplace = owns and not later and not returned and not feeds_conv
-            if not inplace:
-                reason = ("the addend is a graph input, constant or view" if not owns else
-                          "the addend (or a view of it) is read again later" if later else
-                          "the addend (or a view of it) is a graph output" if returned else
-                          "the addend is also the convolution's input")
-                ctx.skipped("Conv+Add in place", add, reason + "; using the out-of-place sum")
-            ins = list(conv.inputs) + [other]
-            attrs = dict(conv.attrs, other=TensorRef(len(ins) - 1), inplace=inplace,
-                         act="relu" if relu else "none")
-            if inplace:
-                attrs["inplace_input"] = len(ins) - 1
-            fused = graph.create_node("ConvAddAct", ins, attrs, [last.outputs[0].desc],
-                                      name=conv.name + "_add" + ("_relu" if relu else ""),
-                                      source=conv.source, scope=conv.scope, before=last)
-            _stands_for(fused, last)
-            graph.replace_all_uses_with(last.outputs[0], fused.outputs[0])
-            for nd in ([relu] if relu else []) + [add, conv]:
-                graph.erase_node(nd)
-            ctx.applied("Conv+Add" + ("+Relu" if relu else ""), [conv, add] + ([relu] if relu else []))
-            step = {nd: i for i, nd in enumerate(graph.nodes)}
-            n += 1
-        return n
+    def match(self, add: Node, graph: Graph, ctx: PassContext):
+        if not any(v.producer is not None and v.producer.op in ("ConvBiasAct", "Conv2D")
+                   for v in add.inputs):
+            return None   # no convolution feeds it: not this pattern's root
+        if add.attrs.get("alpha", 1) != 1:
+            return Skip(f"Add with alpha={add.attrs['alpha']} (x + alpha·y); oneDNN's sum "
+                        "post-op adds with scale 1")
+        if len(add.inputs) != 2:
+            return Skip("adds a scalar, not a tensor; oneDNN's sum post-op adds a tensor")
+        for a, b in ((0, 1), (1, 0)):
+            p = add.inputs[a].producer
+            if p is not None and p.op == "ConvBiasAct" and p.attrs["act"] == "none" \
+                    and graph.sole_user(p.outputs[0]) is add and add.inputs[b] is not add.inputs[a]:
+                conv, other = p, add.inputs[b]
+                break
+        else:
+            return Skip("the convolution already has a fused activation or its output has "
+                        "other users")
+        out = conv.outputs[0].desc
+        if other.desc.shape != out.shape or other.desc.dtype != out.dtype:
+            return Skip(f"addend {other.desc} is broadcast (not the conv's full output {out}); "
+                        "oneDNN's sum post-op needs equal shapes")
+        relu = graph.sole_user(add.outputs[0])
+        return _AddMatch(conv, add, other, relu if relu is not None and relu.op == "Relu" else None)
+
+    def rewrite(self, graph: Graph, m: _AddMatch, ctx: PassContext) -> int:
+        conv, add, other, relu = m.conv, m.add, m.other, m.relu
+        last = relu or add
+        why = _why_not_in_place(graph, conv, add, other)
+        if why:
+            ctx.skipped(add, why + "; using the out-of-place sum", "in place")
+        ins = list(conv.inputs) + [other]
+        attrs = dict(conv.attrs, other=TensorRef(len(ins) - 1), inplace=not why,
+                     act="relu" if relu else "none")
+        if not why:
+            attrs["inplace_input"] = len(ins) - 1
+        fused = graph.create_node("ConvAddAct", ins, attrs, [last.outputs[0].desc],
+                                  name=conv.name + "_add" + ("_relu" if relu else ""),
+                                  source=conv.source, scope=conv.scope, before=last)
+        _stands_for(fused, last)
+        graph.replace_all_uses_with(last.outputs[0], fused.outputs[0])
+        for nd in ([relu] if relu else []) + [add, conv]:
+            graph.erase_node(nd)
+        ctx.applied([conv, add] + ([relu] if relu else []), "Conv+Add" + ("+Relu" if relu else ""))
+        return 1
+
+
+def _why_not_in_place(graph: Graph, conv: Node, add: Node, other: Value) -> str:
+    """Why the sum cannot be written in place into the addend ("" if it can): the addend
+    must own its memory (not a graph input, constant or view) and nothing that may
+    share that memory (the addend, its views, views of those, split outputs...) may be
+    read after ``add``, be returned or feed the convolution."""
+    step = {nd: i for i, nd in enumerate(graph.nodes)}
+    roots = storage_roots(graph, writes_as_fresh=True)
+    if other.producer is None or roots.get(other.id) != frozenset((other.id,)):
+        return "the addend is a graph input, constant or view"
+    sharing = [other] + aliases_of(graph, other, roots)
+    if any(u is not add and step.get(u, -1) > step[add] for v in sharing for u in v.users):
+        return "the addend (or a view of it) is read again later"
+    if any(v in graph.outputs for v in sharing):
+        return "the addend (or a view of it) is a graph output"
+    if any(v in conv.inputs for v in sharing):
+        return "the addend is also the convolution's input"
+    return ""
+
+
+@dataclass
+class _LinearMatch:
+    mm: Node
+    view: Optional[Node]         # a Reshape between the GEMM and the activation
+    act_node: Optional[Node]
+    act: str
 
 
 class FuseLinearAct(CpuFusion):
     """MatMulV2(b, x, Wᵀ) [→ Reshape] → activation ⇒ LinearAct(act) [→ Reshape]."""
 
     name, stage = "fuse_linear_act", "fusion"
+    ops = ("MatMulV2",)
     switch_section = "UBFusion"
 
-    def rewrite(self, graph: Graph, ctx: PassContext) -> int:
-        n = 0
-        for mm in list(graph.nodes):
-            if mm.op != "MatMulV2":
-                continue
-            if mm.attrs.get("beta", 1) != 1 or mm.attrs.get("alpha", 1) != 1:
-                ctx.skipped("Linear+activation", mm, "addmm with alpha/beta != 1")
-                continue
-            bias, x, w = mm.inputs
-            if bias.desc.rank != 1:
-                ctx.skipped("Linear+activation", mm, f"bias {bias.desc} is not per-output-channel")
-                continue
-            view = None
-            u = graph.sole_user(mm.outputs[0])
-            if u is not None and u.op == "Reshape":
-                view = u
-                u = graph.sole_user(u.outputs[0])
-            if u is None or u.op not in _ACT_OPS or u.inputs[0] is not (view or mm).outputs[0]:
-                act, u = "none", None
-                if not (w.is_const and w.desc.dtype.torch == torch.float32 and mkl_packed_available()):
-                    continue  # nothing to gain: plain addmm already writes into the arena
-            else:
-                act = _ACT_OPS[u.op]
-                if u.op == "Gelu" and u.attrs.get("approximate", "none") == "tanh":
-                    act = "gelu_tanh"
-            fused = graph.create_node("LinearAct", [bias, x, w],
-                                      {"self": TensorRef(0), "mat1": TensorRef(1), "mat2": TensorRef(2), "act": act},
-                                      [mm.outputs[0].desc], name=f"{mm.name}_{act}",
-                                      source=mm.source, scope=mm.scope, before=mm)
-            _stands_for(fused, mm)
-            graph.replace_all_uses_with(mm.outputs[0], fused.outputs[0])
-            graph.erase_node(mm)
-            if u is None:
-                ctx.applied("Linear GEMM autotune", [mm])
-                n += 1
-                continue
-            src = view.outputs[0] if view is not None else fused.outputs[0]
-            graph.replace_all_uses_with(u.outputs[0], src)
-            graph.erase_node(u)
-            ctx.applied(f"Linear+bias+{act}", [mm, u])
-            n += 1
-        return n
+    def match(self, mm: Node, graph: Graph, ctx: PassContext):
+        if mm.attrs.get("beta", 1) != 1 or mm.attrs.get("alpha", 1) != 1:
+            return Skip("addmm with alpha/beta != 1")
+        bias, x, w = mm.inputs
+        if bias.desc.rank != 1:
+            return Skip(f"bias {bias.desc} is not per-output-channel")
+        view = None
+        u = graph.sole_user(mm.outputs[0])
+        if u is not None and u.op == "Reshape":
+            view = u
+            u = graph.sole_user(u.outputs[0])
+        if u is not None and u.op in _ACT_OPS and u.inputs[0] is (view or mm).outputs[0]:
+            tanh = u.op == "Gelu" and u.attrs.get("approximate", "none") == "tanh"
+            return _LinearMatch(mm, view, u, "gelu_tanh" if tanh else _ACT_OPS[u.op])
+        if not (w.is_const and w.desc.dtype.torch == torch.float32 and mkl_packed_available()):
+            return Skip("no activation follows and the weight is not a constant fp32 tensor "
+                        "for MKL's packed GEMM: plain addmm already writes into the arena")
+        return _LinearMatch(mm, None, None, "none")
+
+    def rewrite(self, graph: Graph, m: _LinearMatch, ctx: PassContext) -> int:
+        mm, u, act = m.mm, m.act_node, m.act
+        bias, x, w = mm.inputs
+        fused = graph.create_node("LinearAct", [bias, x, w],
+                                  {"self": TensorRef(0), "mat1": TensorRef(1), "mat2": TensorRef(2), "act": act},
+                                  [mm.outputs[0].desc], name=f"{mm.name}_{act}",
+                                  source=mm.source, scope=mm.scope, before=mm)
+        _stands_for(fused, mm)
+        graph.replace_all_uses_with(mm.outputs[0], fused.outputs[0])
+        graph.erase_node(mm)
+        if u is None:
+            ctx.applied([mm], "Linear GEMM autotune")
+            return 1
+        src = m.view.outputs[0] if m.view is not None else fused.outputs[0]
+        graph.replace_all_uses_with(u.outputs[0], src)
+        graph.erase_node(u)
+        ctx.applied([mm, u], f"Linear+bias+{act}")
+        return 1

@@ -15,8 +15,10 @@ from __future__ import annotations
 from typing import Dict, FrozenSet, List, Tuple
 
 from ..ir import Buffer, Graph, MemoryPlan, Node
+from ..log import logger
 from ..ops import get_op, last_reads, output_aliases, storage_roots
 from ..ops.fused import OUT_CAPABLE
+from .base import Pass, PassContext
 
 DEFAULT_ALIGNMENT = 64  # bytes: one cache line, and AVX-512 / oneDNN friendly
 
@@ -148,6 +150,26 @@ def plan_memory(graph: Graph, alignment: int = DEFAULT_ALIGNMENT, inplace: bool 
         log(f"memory plan: arena {arena} B, lower bound {lb} B ({plan.ratio:.3f}x), "
             f"naive {naive} B, {len(inplace_log)} in-place reuses, {strategy}")
     return plan
+
+
+class MemoryPlanning(Pass):
+    """The memory stage: `plan_memory` on the final node order with the options
+    ``alignment`` (bytes, default 64), ``inplace`` and ``copy_out``. Stores the
+    `MemoryPlan` in ``ctx.artifacts["memory_plan"]`` and its summary in the report;
+    returns the number of in-place reuses. Raises ValueError as `plan_memory` does."""
+
+    name, stage = "memory_plan", "memory"
+    required, observed = True, False
+
+    def run(self, graph: Graph, ctx: PassContext) -> int:
+        o = ctx.options
+        plan = plan_memory(graph, alignment=o.get("alignment", DEFAULT_ALIGNMENT),
+                           inplace=o.get("inplace", True), copy_out=o.get("copy_out", False),
+                           log=logger.debug)
+        ctx.artifacts["memory_plan"] = plan
+        ctx.report.memory = plan.summary()
+        ctx.note(plan.strategy)
+        return len(plan.inplace)
 
 
 # Placement orders tried; the smallest arena wins (each is one best-fit sweep).

@@ -6,9 +6,9 @@ from typing import Any, Dict, Tuple
 
 import torch
 
-from ..ir import Graph, TensorListRef, TensorRef
+from ..ir import Graph, Node, TensorListRef, TensorRef
 from ..ops import OpKind, call_args, get_op, is_random
-from .base import Pass, PassContext
+from .base import Pass, PassContext, RewritePass, Skip
 
 FOLD_LIMIT_BYTES = 64 << 20  # don't materialise folded constants larger than this
 
@@ -30,7 +30,7 @@ class ConstantFolding(Pass):
             if not all(v.is_const for v in node.inputs):
                 continue
             if sum(o.desc.nbytes for o in node.outputs) > FOLD_LIMIT_BYTES:
-                ctx.skipped("ConstantFolding", node, f"output larger than {FOLD_LIMIT_BYTES >> 20} MiB")
+                ctx.skipped(node, f"output larger than {FOLD_LIMIT_BYTES >> 20} MiB")
                 continue
             target = op.aten or node.meta.get("aten")
             args, kwargs = call_args(node, [v.const for v in node.inputs])
@@ -118,32 +118,31 @@ def _contiguous(shape, strides) -> bool:
     return True
 
 
-class IdentityElimination(Pass):
+class IdentityElimination(RewritePass):
     """Drop copies that change nothing: ``clone`` (dropout in eval mode becomes one) of a
     value that is already laid out as the copy would be. Kept when the copy is a graph
     output (results must not alias inputs or each other) or when the input's strides are
     unknown or not contiguous and the copy makes them so (a view may depend on it)."""
 
     name, stage = "identity_elimination", "prepare"
+    ops = ("Identity", "Alias")
 
-    def run(self, graph: Graph, ctx: PassContext) -> int:
-        n = 0
-        outs = {id(v) for v in graph.outputs}
-        for node in list(graph.nodes):
-            if node.op not in ("Identity", "Alias"):
-                continue
-            src, dst = node.inputs[0], node.outputs[0]
-            if id(dst) in outs:
-                continue
-            fmt = node.attrs.get("memory_format")
-            if node.op == "Identity" and fmt not in (None, torch.preserve_format):
-                p = src.producer
-                st = (p.meta.get("strides") or [None] * len(p.outputs))[p.outputs.index(src)] if p else None
-                if src.is_const:
-                    st = tuple(src.const.stride())
-                if st is None or not _contiguous(src.desc.shape, st):
-                    continue
-            graph.replace_all_uses_with(dst, src)
-            graph.erase_node(node)
-            n += 1
-        return n
+    def match(self, node: Node, graph: Graph, ctx: PassContext):
+        src, dst = node.inputs[0], node.outputs[0]
+        if any(o is dst for o in graph.outputs):
+            return Skip("the copy is a graph output (results must not alias inputs or each other)")
+        fmt = node.attrs.get("memory_format")
+        if node.op == "Identity" and fmt not in (None, torch.preserve_format):
+            p = src.producer
+            st = (p.meta.get("strides") or [None] * len(p.outputs))[p.outputs.index(src)] if p else None
+            if src.is_const:
+                st = tuple(src.const.stride())
+            if st is None or not _contiguous(src.desc.shape, st):
+                return Skip(f"the copy makes its input contiguous ({fmt}); its strides are "
+                            + ("unknown" if st is None else f"{tuple(st)}"))
+        return node
+
+    def rewrite(self, graph: Graph, node: Node, ctx: PassContext) -> int:
+        graph.replace_all_uses_with(node.outputs[0], node.inputs[0])
+        graph.erase_node(node)
+        return 1

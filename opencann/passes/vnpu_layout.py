@@ -38,7 +38,6 @@ from .base import Pass, PassContext
 
 ND = Format.ND
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
-_PATTERN = "NPU format"
 
 
 def npu_spec_for(device: str) -> NpuSpec:
@@ -178,6 +177,7 @@ class NpuLayoutSelection(Pass):
     """vnpu placement + format selection + TransData insertion and elimination."""
 
     name, stage = "npu_layout", "layout"
+    devices = ("vnpu",)
 
     def run(self, graph: Graph, ctx: PassContext) -> int:
         if not ctx.device.startswith("vnpu"):
@@ -217,7 +217,7 @@ class NpuLayoutSelection(Pass):
         graph.prune_constants()
         for n, why in reasons.items():
             if not n.erased:
-                ctx.skipped(_PATTERN, n, why)
+                ctx.skipped(n, why)
         left = sum(1 for n in graph.nodes if n.op == "TransData")
         ctx.artifacts["note"] = (f"{len(choices)} nodes in NPU formats, {left} TransData kept "
                                  f"({inserted} inserted, {eliminated} inverse pairs eliminated, {dropped} unused "
@@ -276,7 +276,7 @@ class NpuLayoutSelection(Pass):
                 continue
             graph.replace_all_uses_with(t2.outputs[0], t1.inputs[0])
             graph.erase_node(t2)
-            ctx.applied("TransData elimination", [t1, t2])
+            ctx.applied([t1, t2], "TransData elimination")
             n += 1
         return n
 
