@@ -13,7 +13,7 @@ import opencann
 import opencann.ops.flash_attention_op  # noqa: F401  (registers FlashAttention; also in opencann.ops)
 from opencann.ir import DataType, Graph, TensorDesc
 from opencann.ops import get_op
-from opencann.passes import attention as attn_pass
+from opencann.passes.fusion import attention as attn_pass
 
 OPTS = {"enable": ["fuse_flash_attention"]}
 

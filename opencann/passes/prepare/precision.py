@@ -22,9 +22,9 @@ from __future__ import annotations
 from typing import Dict, Iterable, Optional
 
 
-from ..ir import DataType, Graph, Node, TensorRef, Value
-from ..ops import OpKind, get_op
-from .base import Pass, PassContext
+from ...ir import DataType, Graph, Node, TensorRef, Value
+from ...ops import OpKind, get_op
+from ..base import Pass, PassContext
 
 MODES = ("force_fp32", "must_keep_origin_dtype", "allow_fp32_to_fp16", "allow_mix_precision",
          "allow_mix_precision_fp16", "allow_mix_precision_bf16", "force_fp16")

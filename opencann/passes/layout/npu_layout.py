@@ -30,11 +30,11 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from ..devices.vnpu import NpuSpec, format_shape, get_preset, load_spec, trans_data
-from ..ir import Format, Graph, Node, TensorDesc, TensorRef, Value
-from ..ops import OpKind, get_op, vnpu_ops  # noqa: F401  (registers TransData and the vnpu kernels)
-from ..ops.vnpu_ops import NPU_FORMAT_OPS, origin_format_for
-from .base import Pass, PassContext
+from ...devices.vnpu import NpuSpec, format_shape, get_preset, load_spec, trans_data
+from ...ir import Format, Graph, Node, TensorDesc, TensorRef, Value
+from ...ops import OpKind, get_op, vnpu_ops  # noqa: F401  (registers TransData and the vnpu kernels)
+from ...ops.vnpu_ops import NPU_FORMAT_OPS, origin_format_for
+from ..base import Pass, PassContext
 
 ND = Format.ND
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)

@@ -22,9 +22,9 @@ from typing import List, Optional, Tuple
 
 import torch
 
-from ..ir import Graph, Node, TensorRef, Value
-from ..ops.flash_attention import cpu_l2, cuda_smem, plan_tiles
-from .base import PassContext, RewritePass, Skip
+from ...ir import Graph, Node, TensorRef, Value
+from ...ops.flash_attention import cpu_l2, cuda_smem, plan_tiles
+from ..base import PassContext, RewritePass, Skip
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _RESHAPES = ("Reshape", "UnsafeReshape", "ReshapeCopy")
@@ -44,7 +44,7 @@ def _tile_check(device: str, d: int, sq: int, sk: int) -> Optional[str]:
         buf, src = cuda_smem()
         target = "triton"
     elif device.startswith("vnpu"):
-        from .vnpu_layout import npu_spec_for
+        from ..layout.npu_layout import npu_spec_for
         spec = npu_spec_for(device)
         buf, src = spec.ub_bytes, f"{spec.name} Unified Buffer"
         target, dtype = "cube", torch.float16

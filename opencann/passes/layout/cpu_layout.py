@@ -7,8 +7,8 @@ real CPU layout stage (blocked activations between oneDNN kernels) is future wor
 vnpu's layout stage is `NpuLayoutSelection` (``npu_layout``)."""
 from __future__ import annotations
 
-from ..ir import Graph
-from .base import Pass, PassContext
+from ...ir import Graph
+from ..base import Pass, PassContext
 
 
 class LayoutSelection(Pass):
