@@ -305,6 +305,10 @@ class Graph:
                 count += 1
         return count
 
+    def replace_input(self, node: Node, old: Value, new: Value) -> None:
+        """``node.replace_input(old, new)``: every use of ``old`` by ``node`` reads ``new``."""
+        node.replace_input(old, new)
+
     def erase_node(self, node: Node) -> None:
         """Remove a node whose outputs are unused, in O(1); sets ``node.erased``.
         Raises ValueError if an output is still used or the node is not in this graph."""
