@@ -25,6 +25,11 @@ def fmt_flops(n: float) -> str:
     return f"{n:.0f} FLOP"
 
 
+def _rewrite(entry: Dict[str, str]) -> str:
+    """An applied/skipped entry's rewrite: the pass name, with its variant if any."""
+    return entry["pass"] + (f" ({entry['detail']})" if entry.get("detail") else "")
+
+
 @dataclass
 class PassRecord:
     """One pass run of a compile: its name and stage, node counts before and after, wall time in
@@ -49,6 +54,9 @@ class CompileReport:
     device: str = "cpu"
     capture_seconds: Dict[str, float] = field(default_factory=dict)
     passes: List[PassRecord] = field(default_factory=list)
+    #: rewrites made and matches not rewritten: {"pass": the pass's one name, "detail":
+    #: the variant ("" if none), "nodes": node names joined by "+", "where": source
+    #: location, and for skips "reason"}
     applied: List[Dict[str, str]] = field(default_factory=list)
     skipped: List[Dict[str, str]] = field(default_factory=list)
     host_fallbacks: Dict[str, Dict[str, Any]] = field(default_factory=dict)
@@ -83,11 +91,12 @@ class CompileReport:
         lines.append(f"  nodes: {sum(self.op_counts_before.values())} -> {sum(self.op_counts_after.values())}")
         kinds: Dict[str, int] = {}
         for a in self.applied:
-            kinds[a["pattern"]] = kinds.get(a["pattern"], 0) + 1
+            kinds[_rewrite(a)] = kinds.get(_rewrite(a), 0) + 1
         lines.append("  fusions applied: " + (", ".join(f"{k} x{v}" for k, v in kinds.items()) or "none"))
         sk: Dict[str, int] = {}
         for s in self.skipped:
-            sk[f"{s['pattern']}: {s['reason']}"] = sk.get(f"{s['pattern']}: {s['reason']}", 0) + 1
+            key = f"{_rewrite(s)}: {s['reason']}"
+            sk[key] = sk.get(key, 0) + 1
         if sk:
             lines.append("  skipped:")
             lines += [f"    - {k} (x{v})" for k, v in sk.items()]
@@ -131,10 +140,10 @@ class CompileReport:
                          + (f"  [{p.note}]" if p.note else ""))
         if self.applied:
             lines.append("fusions applied:")
-            lines += [f"  {a['pattern']}: {a['nodes']} at {a['where']}" for a in self.applied]
+            lines += [f"  {_rewrite(a)}: {a['nodes']} at {a['where']}" for a in self.applied]
         if self.skipped:
             lines.append("optimizations not applied:")
-            lines += [f"  {s['pattern']} at {s['node']} ({s['where']}): {s['reason']}" for s in self.skipped]
+            lines += [f"  {_rewrite(s)} at {s['nodes']} ({s['where']}): {s['reason']}" for s in self.skipped]
         if self.host_fallbacks:
             lines.append("host fallbacks (ATen ops with no opencann converter, run on the host):")
             for k, v in self.host_fallbacks.items():

@@ -225,7 +225,7 @@ def test_issue_conv_add_not_in_place_when_a_view_is_read_later(later):
     cm, _ = check_like_eager(m, torch.randn(2, 4, 8, 8, generator=G), tol=1e-4, nan=False)
     fused = [n for n in cm.graph.nodes if n.op == "ConvAddAct"]
     assert fused and not any(n.attrs.get("inplace") for n in fused)
-    assert any(s["pattern"] == "Conv+Add in place" for s in cm.report.skipped)
+    assert any((s["pass"], s["detail"]) == ("fuse_conv_add_act", "in place") for s in cm.report.skipped)
 
 
 def test_conv_add_still_in_place_when_the_addend_dies():

@@ -50,7 +50,7 @@ class CorruptBias(Pass):
         conv = [n for n in graph.nodes if n.op in ("Conv2D", "ConvBiasAct", "ConvAddAct")][1]
         b = conv.arg("bias")
         graph.replace_input(conv, b, graph.add_const(b.const + 0.5, "bad_bias"))
-        ctx.applied("Corrupt bias", [conv])
+        ctx.applied([conv], "Corrupt bias")
         return 1
 
 
@@ -135,7 +135,7 @@ def test_bisect_names_injected_pass_and_site(net, corrupt):
     b = bisect(m, x)
     assert b.diverged and b.passes == ["corrupt_bias"]
     assert b.site is not None and b.site["pass"] == "corrupt_bias"
-    assert b.site["pattern"] == "Corrupt bias" and "c2" in b.site["where"]
+    assert b.site["detail"] == "Corrupt bias" and "c2" in b.site["where"]
     assert b.message.startswith("disabling corrupt_bias (Corrupt bias) at ")
     assert "restores accuracy" in b.message and "test_migration_tools.py:" in b.message
 

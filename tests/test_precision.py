@@ -10,7 +10,7 @@ import torch
 from opencann.compiler import compile_graph
 from opencann.frontend.torch import capture, from_exported_program
 from opencann.passes.base import PassContext
-from opencann.passes.precision import MixedPrecision, default_keep_fp32, low_dtype, precision_summary
+from opencann.passes.prepare.precision import MixedPrecision, default_keep_fp32, low_dtype, precision_summary
 from opencann.report import CompileReport
 from opencann.runtime import Executor
 

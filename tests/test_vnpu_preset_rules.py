@@ -63,7 +63,7 @@ def test_910_matmul_keeps_nz_and_casts_fp32_to_fp16():
     assert mm and all(n.outputs[0].desc.format.value == "FRACTAL_NZ" for n in mm)
     assert all(n.outputs[0].desc.dtype.value == "float16" for n in mm)
     assert cm.graph.op_counts().get("TransData", 0) >= 2
-    applied = [a for a in cm.report.applied if a["pattern"] == "fp32 to fp16 for the Cube"]
+    applied = [a for a in cm.report.applied if a["detail"] == "fp32 to fp16 for the Cube"]
     assert len(applied) == 2
     with torch.no_grad():
         ref = m(x)

@@ -206,11 +206,8 @@ def _graph_from_json(j: Dict[str, Any], consts: Dict[str, torch.Tensor]) -> Grap
                  nj["name"], nj["source"], nj["scope"])
         n.device, n.stream = nj["device"], nj["stream"]
         n.meta = {k: _dec(a) for k, a in nj["meta"].items()}
-        for v in n.inputs:
-            v.users.append(n)
         n.outputs = [mk(i, producer=n) for i in nj["outputs"]]
-        g.nodes.append(n)
-        g._names[n.name] = g._names.get(n.name, 0) + 1
+        g.add_node(n)   # wires its uses and registers its name
     g.outputs = [vals[i] for i in j["outputs"]]
     g.meta = _dec(j["meta"])
     g._ids = iter(range(max(descs, default=-1) + 1, 1 << 62))  # new values get fresh ids

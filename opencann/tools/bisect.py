@@ -175,7 +175,8 @@ def _message(res: BisectResult, guilty: Optional[str]) -> str:
         return (f"disabling passes {', '.join(res.passes)} together restores accuracy (each "
                 "alone does not)" + _at(res.layer))
     if res.site is not None:
-        msg = (f"disabling {guilty} ({res.site['pattern']}) at {res.site['nodes']} "
+        detail = f" ({res.site['detail']})" if res.site.get("detail") else ""
+        msg = (f"disabling {guilty}{detail} at {res.site['nodes']} "
                f"({res.site['where'] or '?'}) restores accuracy")
     else:
         msg = f"disabling {guilty} restores accuracy" + _at(res.layer)

@@ -153,7 +153,7 @@ def create(node: Node, spec: NpuSpec) -> Tuple[KernelCost, str]:
 
 def fallback(node: Node, spec: NpuSpec) -> Tuple[KernelCost, str]:
     """No cost function: memory-bound copy of the largest tensor."""
-    sizes = [numel(v.desc.shape) for v in node.inputs + node.outputs if v.desc.is_static]
+    sizes = [numel(v.desc.shape) for v in (*node.inputs, *node.outputs) if v.desc.is_static]
     return elementwise_cost("copy", max([1] + sizes), node.outputs[0].desc.dtype.value,
                             max(1, len(_big_inputs(node))), spec), "fallback: elementwise_cost(copy)"
 

@@ -37,17 +37,16 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from ..devices import parse_device
-from ..devices.vnpu import NpuSpec, format_shape, trans_data
-from ..ir import DataType, Format, Graph, Node, TensorDesc, TensorRef, Value
-from ..ops import get_op
-from ..ops.kernels.vnpu import origin_format_for
-from .base import Pass, PassContext
-from .precision import _cast
+from ...devices import parse_device
+from ...devices.vnpu import NpuSpec, format_shape, trans_data
+from ...ir import DataType, Format, Graph, Node, TensorDesc, TensorRef, Value
+from ...ops import get_op
+from ...ops.kernels.vnpu import origin_format_for
+from ..base import Pass, PassContext
+from ..prepare.precision import _cast
 
 ND = Format.ND
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
-_PATTERN = "NPU format"
 
 
 def npu_desc(desc: TensorDesc, fmt: Format) -> TensorDesc:
@@ -169,6 +168,7 @@ class NpuLayoutSelection(Pass):
     """vnpu placement + format selection + TransData insertion and elimination."""
 
     name, stage = "npu_layout", "layout"
+    devices = ("vnpu",)
 
     def run(self, graph: Graph, ctx: PassContext) -> int:
         if parse_device(ctx.device).kind != "vnpu":   # also validates the preset early
@@ -208,8 +208,8 @@ class NpuLayoutSelection(Pass):
         dropped = self._drop_dead(graph)
         graph.prune_constants()
         for n, why in reasons.items():
-            if n in graph.nodes:
-                ctx.skipped(_PATTERN, n, why)
+            if not n.erased:
+                ctx.skipped(n, why)
         left = sum(1 for n in graph.nodes if n.op == "TransData")
         ctx.artifacts["note"] = (f"{len(choices)} nodes in NPU formats, {left} TransData kept "
                                  f"({inserted} inserted, {eliminated} inverse pairs eliminated, {dropped} unused "
@@ -218,13 +218,6 @@ class NpuLayoutSelection(Pass):
         return len(choices) + left
 
     # -- surgery --------------------------------------------------------------------
-    @staticmethod
-    def _set_input(node: Node, i: int, new: Value) -> None:
-        old = node.inputs[i]
-        node.inputs[i] = new
-        old.users.remove(node)
-        new.users.append(node)
-
     def _convert_input(self, graph: Graph, node: Node, i: int, r: Format) -> int:
         """Give input ``i`` of ``node`` in format ``r``; returns TransData nodes added."""
         v = node.inputs[i]
@@ -236,14 +229,14 @@ class NpuLayoutSelection(Pass):
                 c = graph.add_const(t.contiguous(), f"{v.name or v.id}_{r.value.lower()}")
                 c.desc = npu_desc(v.desc, r)
                 self._consts[key] = c
-            self._set_input(node, i, self._consts[key])
+            node.set_input(i, self._consts[key])
             return 0
         added = 0
         if key not in self._converted:
             t = _trans(graph, v, ND, r, before=node, device=node.device)
             self._converted[key] = t.outputs[0]
             added = 1
-        self._set_input(node, i, self._converted[key])
+        node.set_input(i, self._converted[key])
         return added
 
     def _wrap_output(self, graph: Graph, node: Node, j: int, f: Format) -> None:
@@ -253,23 +246,19 @@ class NpuLayoutSelection(Pass):
         users = list(o.users)
         o.desc = npu_desc(plain, f)
         strides = node.meta.pop("strides", None)
-        idx = graph.nodes.index(node)
-        after = graph.nodes[idx + 1] if idx + 1 < len(graph.nodes) else None
-        t = _trans(graph, o, f, ND, before=after, out_desc=plain, device=node.device)
+        t = _trans(graph, o, f, ND, before=node.next, out_desc=plain, device=node.device)
         if strides:  # the ND copy stands for the traced value: it keeps eager's strides
             t.meta["strides"] = [strides[j]]
         nd = t.outputs[0]
         for u in users:
-            for k, v in enumerate(u.inputs):
-                if v is o:
-                    self._set_input(u, k, nd)
+            u.replace_input(o, nd)
         graph.outputs = [nd if v is o else v for v in graph.outputs]
 
     @staticmethod
     def _eliminate(graph: Graph, ctx: PassContext) -> int:
         n = 0
         for t2 in list(graph.nodes):
-            if t2.op != "TransData" or t2 not in graph.nodes:
+            if t2.op != "TransData" or t2.erased:
                 continue
             t1 = t2.inputs[0].producer
             if t1 is None or t1.op != "TransData":
@@ -280,7 +269,7 @@ class NpuLayoutSelection(Pass):
                 continue
             graph.replace_all_uses_with(t2.outputs[0], t1.inputs[0])
             graph.erase_node(t2)
-            ctx.applied("TransData elimination", [t1, t2])
+            ctx.applied([t1, t2], "TransData elimination")
             n += 1
         return n
 
@@ -305,12 +294,11 @@ def _cube_fp16_casts(graph: Graph, ctx: PassContext) -> int:
             continue
         for i, v in enumerate(n.inputs):
             if v.desc.dtype == DataType.FLOAT:
-                NpuLayoutSelection._set_input(n, i, _cast(graph, v, DataType.FLOAT16, n, cache))
+                n.set_input(i, _cast(graph, v, DataType.FLOAT16, n, cache))
         o = n.outputs[0]
         users = list(o.users)
         o.desc = o.desc.with_(dtype=DataType.FLOAT16)
-        idx = graph.nodes.index(n)
-        after = graph.nodes[idx + 1] if idx + 1 < len(graph.nodes) else None
+        after = n.next
         back = graph.create_node("Cast", [o], {"self": TensorRef(0), "dtype": torch.float32},
                                  [o.desc.with_(dtype=DataType.FLOAT)], name=f"{n.name}_fp32",
                                  source=n.source, scope=n.scope, before=after)
@@ -318,11 +306,9 @@ def _cube_fp16_casts(graph: Graph, ctx: PassContext) -> int:
         if "strides" in n.meta:
             back.meta["strides"] = n.meta.pop("strides")
         for u in users:
-            for k, v in enumerate(u.inputs):
-                if v is o:
-                    NpuLayoutSelection._set_input(u, k, back.output)
+            u.replace_input(o, back.output)
         graph.outputs = [back.output if v is o else v for v in graph.outputs]
-        ctx.applied("fp32 to fp16 for the Cube", [n])
+        ctx.applied([n], "fp32 to fp16 for the Cube")
         changed += 1
     for t in reversed(list(graph.nodes)):   # casts back to fp32 that only fed the next Cube op
         if t.op == "Cast" and t.meta.get("precision") and not t.outputs[0].users \

@@ -23,9 +23,9 @@ from __future__ import annotations
 from typing import Dict, Iterable, Optional, Set
 
 
-from ..ir import DataType, Graph, Node, TensorRef, Value
-from ..ops import OpKind, all_ops, get_op
-from .base import Pass, PassContext
+from ...ir import DataType, Graph, Node, TensorRef, Value
+from ...ops import OpKind, all_ops, get_op
+from ..base import Pass, PassContext
 
 MODES = ("force_fp32", "must_keep_origin_dtype", "allow_fp32_to_fp16", "allow_mix_precision",
          "allow_mix_precision_fp16", "allow_mix_precision_bf16", "force_fp16")
@@ -127,7 +127,7 @@ class MixedPrecision(Pass):
                 v.desc.dtype != origin[id(v)] for v in fl)
             for v in fl:
                 if v.desc.dtype != want and lift:
-                    graph.replace_input(node, v, _cast(graph, v, want, node, cache))
+                    node.replace_input(v, _cast(graph, v, want, node, cache))
                     changed += 1
             for o in node.outputs:
                 if o.desc.dtype in floats and o.desc.dtype != want and any(
