@@ -66,6 +66,10 @@ class CompileReport:
     op_counts_before: Dict[str, int] = field(default_factory=dict)
     op_counts_after: Dict[str, int] = field(default_factory=dict)
     notes: List[str] = field(default_factory=list)
+    #: a model compiled with dynamic dims: "dims" (name -> symbol, min, max, sources),
+    #: "guards" (conditions each call's shapes must meet), "plan_cache_size" and "plans"
+    #: (one entry per concrete shape planned: dims, arena bytes, ratio, build ms)
+    dynamic: Dict[str, Any] = field(default_factory=dict)
 
     @property
     def opencann_seconds(self) -> float:

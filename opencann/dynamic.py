@@ -1,0 +1,238 @@
+"""Compiling with dynamic dims: capture once, optimise once, plan per concrete shape.
+
+``opencann.compile(model, inputs, dynamic_shapes={"input_ids": {0: "batch", 1: "seq"}})``
+exports the model once with torch.export's dynamic shapes, converts it to an IR whose
+shapes carry the shape environment's symbols (``float32[s0,s1,384]``), and runs the
+optimisation passes once on that symbolic graph (a pass whose condition depends on a
+dim skips with the guard it needs). The memory stage is deferred: on the first call
+with a new concrete shape the graph is specialised (`opencann.ir.specialise`: symbols
+bound, descs re-derived), its memory planned and its kernels bound (the compiler's own
+`MemoryPlanning` and `BindKernels` stages), and the resulting executor pool cached in a
+bounded LRU (`opencann.runtime.shape_cache`, option ``plan_cache_size``). No call
+re-captures or re-runs a pass. The example inputs' shape is planned at compile time.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any, Dict, Mapping, Optional, Sequence, Tuple
+
+import torch
+import torch.utils._pytree as pytree
+
+from .compiler import BindKernels, CompiledModel, graph_cost, run_pipeline, snapshot_constants
+from .devices import parse_device
+from .frontend.torch import capture, from_exported_program
+from .frontend.torch.dynamic import dynamic_dims, export_dynamic_shapes
+from .ir import Graph, MemoryPlan
+from .ir.specialise import specialise
+from .ir.symbolic import holds, is_symbol, parse, shape_symbols
+from .log import logger
+from .options import check_options
+from .passes import MemoryPlanning, Pass, PassContext, PassManager, default_pipeline
+from .report import CompileReport, PassRecord
+from .runtime import DEFAULT_CONCURRENT_CALLS, Executor, ExecutorPool
+from .runtime.call_binding import forward_arg_names
+from .runtime.shape_cache import DEFAULT_PLAN_CACHE_SIZE, ShapePlanCache
+
+
+class DeferredMemoryPlanning(Pass):
+    """The memory stage of a graph with dynamic dims: nothing to plan until the dims
+    have values; `DynamicCompiledModel` plans each concrete shape on first use."""
+
+    name, stage = "memory_plan", "memory"
+    required, observed = True, False
+
+    def run(self, graph: Graph, ctx: PassContext) -> int:
+        """Note the deferral; plans nothing (returns 0)."""
+        ctx.note("deferred: planned per concrete shape on its first call (dynamic dims)")
+        return 0
+
+
+def symbolic_pipeline() -> PassManager:
+    """The default pipeline with its memory stage deferred (`DeferredMemoryPlanning`)."""
+    return PassManager([p if not isinstance(p, MemoryPlanning) else DeferredMemoryPlanning()
+                        for p in default_pipeline().passes])
+
+
+def plan_shape(graph: Graph, values: Mapping[str, int], options: Dict[str, Any]
+               ) -> Tuple[Graph, MemoryPlan, Executor]:
+    """`specialise` ``graph`` to ``values`` (symbol -> int), then run the compiler's
+    memory and binding stages on it. Returns (concrete graph, plan, first executor)."""
+    g = specialise(graph, values)
+    ctx = PassContext(options=options, report=CompileReport(model=graph.name),
+                      artifacts={"live_tensors": ()})
+    PassManager([MemoryPlanning(), BindKernels()]).run(g, ctx)
+    return g, ctx.artifacts["memory_plan"], ctx.artifacts["executor"]
+
+
+class ShapeBinder:
+    """Binds a call's input shapes to the graph's symbols and checks them: ranges,
+    dims shared between inputs, and the model's own shape conditions (``guards``).
+
+    ``dims``: symbol -> {"name", "min", "max", "sources"} (`dynamic_dims`);
+    ``names``: one label per graph input for messages."""
+
+    def __init__(self, graph: Graph, dims: Dict[str, Dict[str, Any]], guards: Sequence[str],
+                 names: Sequence[str]):
+        self.dims, self.guards, self.names = dims, list(guards), list(names)
+        self.shapes = [v.desc.shape for v in graph.inputs]
+        self.order = sorted(dims)
+        loose = shape_symbols(self.shapes) - {d for s in self.shapes for d in s if is_symbol(d)}
+        if loose:
+            raise ValueError(f"input dims {sorted(loose)} are only known as expressions "
+                             "(e.g. 2*s0): declare each dynamic dim of the inputs on its own")
+
+    def bind(self, inputs: Sequence[torch.Tensor]) -> Tuple[int, ...]:
+        """The values of the symbols (in ``self.order``) for these inputs. Raises
+        ValueError naming the input, the dim, its range and the fix."""
+        values: Dict[str, int] = {}
+        where: Dict[str, str] = {}
+        for name, shape, t in zip(self.names, self.shapes, inputs):
+            for i, d in enumerate(shape):
+                if not isinstance(d, str):
+                    continue
+                n = int(t.shape[i])
+                if d in values and values[d] != n:
+                    raise ValueError(
+                        f"{name} dim {i} is {n} but {where[d]} is {values[d]}: both are the "
+                        f"dynamic dim {self.dims[d]['name']}, so they must be equal")
+                values[d], where[d] = n, f"{name} dim {i}"
+                self._check_range(d, n, f"{name} dim {i}")
+        for g in self.guards:
+            if not holds(g, values):
+                raise ValueError(f"the shapes {self.describe(values)} break the model's shape "
+                                 f"condition {self.readable(g)} (found by torch.export); call "
+                                 "it with shapes that satisfy it")
+        return tuple(values[s] for s in self.order)
+
+    def _check_range(self, sym: str, n: int, what: str) -> None:
+        d = self.dims[sym]
+        lo, hi = d["min"], d["max"]
+        if n < lo or (hi is not None and n > hi):
+            rng = f"[{lo}, {hi if hi is not None else 'inf'}]"
+            raise ValueError(
+                f"{what} ({d['name']}) is {n}, outside the compiled range {rng} of "
+                f"{d['name']}: call with {lo} <= {d['name']} <= {hi if hi is not None else 'inf'}, "
+                f"or recompile with a range that holds it (dim_ranges={{'{d['name']}': "
+                f"({min(lo, n)}, {max(hi or n, n)})}}) if the model allows it")
+
+    def describe(self, values: Mapping[str, int]) -> str:
+        """``batch=2, seq=40`` for symbol values."""
+        return ", ".join(f"{self.dims[s]['name']}={values[s]}" for s in self.order if s in values)
+
+    def readable(self, expr: str) -> str:
+        """``expr`` with the user's dim names for the symbols."""
+        import sympy
+        e = parse(expr)
+        return str(e.xreplace({s: sympy.Symbol(self.dims[str(s)]["name"]) for s in e.free_symbols
+                               if str(s) in self.dims}))
+
+
+class DynamicCompiledModel(CompiledModel):
+    """A compiled model with dynamic dims: called like `CompiledModel` with any shape in
+    the declared ranges. ``graph`` is the optimised symbolic graph; each new concrete
+    shape is specialised, planned and bound on its first call and cached (at most
+    ``plan_cache_size`` shapes, least recently used dropped). ``plan``/``executor`` are
+    the example shape's. A shape outside a range raises ValueError naming the input,
+    the dim, its range and the fix. ``plans`` is the `ShapePlanCache` (its counters:
+    ``hits``, ``misses``, ``evictions``); ``report.dynamic`` lists the dims, their
+    ranges, the guards and each plan built. Thread-safe as `CompiledModel`. Saving
+    (`opencann.save`) is for static models (ValueError)."""
+
+    def __init__(self, graph: Graph, report: CompileReport, binder: ShapeBinder,
+                 options: Dict[str, Any], example_inputs: Sequence[torch.Tensor], **kw):
+        self._options, self.binder = options, binder
+        self._concurrent = options.get("concurrent_calls", DEFAULT_CONCURRENT_CALLS)
+        key = binder.bind(example_inputs)
+        pool = self._build(key, graph, report)
+        report.memory = pool.plan.summary()   # the example shape's plan
+        super().__init__(graph, pool.plan, report, concurrent_calls=self._concurrent,
+                         check_aliasing=options.get("check_aliasing"), executor=pool.first, **kw)
+        self.plans = ShapePlanCache(binder.bind, lambda k: self._build(k, graph, report),
+                                    options.get("plan_cache_size", DEFAULT_PLAN_CACHE_SIZE),
+                                    self._concurrent)
+        self.plans.put(key, pool)
+        self.pool = self.plans
+
+    def _build(self, key: Tuple[int, ...], graph: Graph, report: CompileReport) -> ExecutorPool:
+        """The executor pool of one concrete shape (symbol values ``key``)."""
+        t0 = time.perf_counter()
+        values = dict(zip(self.binder.order, key))
+        g, plan, ex = plan_shape(graph, values, self._options)
+        check = self._options.get("check_aliasing")
+        pool = ExecutorPool(lambda: Executor(g, plan, check_aliasing=check), self._concurrent,
+                            first=ex)
+        pool.plan = plan
+        dt = time.perf_counter() - t0
+        report.dynamic.setdefault("plans", []).append(
+            {"dims": {self.binder.dims[s]["name"]: v for s, v in values.items()},
+             "arena_bytes": plan.arena_bytes, "lower_bound_bytes": plan.lower_bound,
+             "arena_over_lower_bound": round(plan.ratio, 4), "build_ms": round(dt * 1e3, 2)})
+        logger.info("dynamic shapes: planned %s in %.1f ms (arena %d bytes, %.3fx its lower "
+                    "bound)", self.binder.describe(values), dt * 1e3, plan.arena_bytes, plan.ratio)
+        return pool
+
+    def calling_convention(self) -> Dict[str, Any]:
+        """Refused: a model file stores one static plan (ValueError with the fix)."""
+        raise ValueError("opencann.save stores static models: compile without dynamic_shapes "
+                         "(example inputs of the shape to serve) to save one")
+
+
+def _report_dims(report: CompileReport, binder: ShapeBinder, capacity: int) -> None:
+    """``report.dynamic``: dims (name -> symbol, range, sources), guards and cache size."""
+    dims = {d["name"]: {"symbol": s, "min": d["min"], "max": d["max"], "sources": d["sources"]}
+            for s, d in binder.dims.items()}
+    guards = [f"{d['min']} <= {d['name']}" + (f" <= {d['max']}" if d["max"] is not None else "")
+              for d in binder.dims.values()]
+    guards += [f"{' == '.join(d['sources'])} ({d['name']})" for d in binder.dims.values()
+               if len(d["sources"]) > 1]
+    guards += [binder.readable(g) for g in binder.guards]
+    report.dynamic.update({"dims": dims, "guards": guards, "plan_cache_size": capacity})
+    report.notes.append("dynamic dims: " + ", ".join(
+        f"{n} in [{d['min']}, {d['max'] if d['max'] is not None else 'inf'}]"
+        for n, d in dims.items()) + f"; memory planned per shape (cache of {capacity})")
+
+
+def compile_dynamic(model: torch.nn.Module, example_inputs, dynamic_shapes: Any,
+                    device: str = "cpu", options: Optional[Dict[str, Any]] = None,
+                    example_kwargs: Optional[Dict[str, Any]] = None,
+                    dim_ranges: Optional[Mapping[str, Tuple[int, int]]] = None
+                    ) -> DynamicCompiledModel:
+    """Capture ``model`` once with dynamic dims (``dynamic_shapes``, see
+    `opencann.frontend.torch.dynamic`), optimise the symbolic graph once, plan the
+    example's shape; returns a `DynamicCompiledModel`. Raises CaptureError (the model
+    cannot run with these dims: torch.export's reason), ValueError (bad spec, options,
+    device)."""
+    device = parse_device(device).name
+    options = check_options(options)
+    if isinstance(example_inputs, list):
+        raise ValueError("example_inputs must be a tensor or a tuple of the model's positional "
+                         "inputs, got a list: pass tuple(example_inputs)")
+    args = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
+    spec, labels = export_dynamic_shapes(model, args, example_kwargs, dynamic_shapes, dim_ranges)
+    ep, times = capture(model, args, example_kwargs, dynamic_shapes=spec)
+    t0 = time.perf_counter()
+    graph = from_exported_program(ep, name=type(model).__name__)
+    report = CompileReport(model=type(model).__name__, device=device, capture_seconds=times)
+    report.passes.append(PassRecord("convert_and_infer", "construct", 0, len(graph.nodes),
+                                    time.perf_counter() - t0, len(graph.nodes),
+                                    note="FX → IR with symbolic dims"))
+    frozen = list(model.named_parameters()) + list(model.named_buffers())
+    live = [t for _, t in frozen] + list(ep.state_dict.values()) + list(ep.constants.values())
+    binder = ShapeBinder(graph, dynamic_dims(ep, labels), graph.meta.get("shape_guards", ()),
+                         [v.name for v in graph.inputs])
+    flat, in_spec = pytree.tree_flatten((args, example_kwargs or {}))
+    from torch.export.graph_signature import InputKind
+    user = [s for s in ep.graph_signature.input_specs if s.kind == InputKind.USER_INPUT]
+    positions = [i for i, s in enumerate(user) if isinstance(flat[i], torch.Tensor)]
+    tensors = [flat[i] for i in positions]
+    example = dict(zip(binder.order, binder.bind(tensors)))
+    before = graph_cost(specialise(graph, example))
+    run_pipeline(graph, device, options, report, symbolic_pipeline())
+    report.cost_before, report.cost_after = before, graph_cost(specialise(graph, example))
+    snapshot_constants(graph, live)
+    _report_dims(report, binder, options.get("plan_cache_size", DEFAULT_PLAN_CACHE_SIZE))
+    return DynamicCompiledModel(graph, report, binder, options, tensors, in_spec=in_spec,
+                                out_spec=ep.call_spec.out_spec, input_positions=positions,
+                                example_flat=flat, frozen=frozen,
+                                arg_names=forward_arg_names(model))
