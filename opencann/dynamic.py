@@ -21,8 +21,8 @@ import torch.utils._pytree as pytree
 
 from .compiler import BindKernels, CompiledModel, graph_cost, run_pipeline, snapshot_constants
 from .devices import parse_device
-from .frontend.torch import capture, from_exported_program
-from .frontend.torch.dynamic import dynamic_dims, export_dynamic_shapes
+from .frontend.torch import CaptureError, capture, from_exported_program
+from .frontend.torch.dynamic import dynamic_dims, export_dynamic_shapes, required_ranges
 from .ir import Graph, MemoryPlan
 from .ir.specialise import specialise
 from .ir.symbolic import holds, is_symbol, parse, shape_symbols
@@ -63,6 +63,18 @@ def plan_shape(graph: Graph, values: Mapping[str, int], options: Dict[str, Any]
                       artifacts={"live_tensors": ()})
     PassManager([MemoryPlanning(), BindKernels()]).run(g, ctx)
     return g, ctx.artifacts["memory_plan"], ctx.artifacts["executor"]
+
+
+def pin_kernel_choices(graph: Graph, bound: Graph) -> int:
+    """Copy the kernel choices binding made on ``bound`` (a specialised copy of
+    ``graph``: ``node.meta["kernel"]``, the GEMM measured per shape) onto ``graph``'s
+    nodes, so every later specialisation binds the same kernels without measuring.
+    Returns how many nodes got a choice."""
+    chosen = {n.name: n.meta["kernel"] for n in bound.nodes if "kernel" in n.meta}
+    for n in graph.nodes:
+        if n.name in chosen:
+            n.meta["kernel"] = chosen[n.name]
+    return len(chosen)
 
 
 class ShapeBinder:
@@ -146,6 +158,11 @@ class DynamicCompiledModel(CompiledModel):
         key = binder.bind(example_inputs)
         pool = self._build(key, graph, report)
         report.memory = pool.plan.summary()   # the example shape's plan
+        pinned = pin_kernel_choices(graph, pool.graph)
+        if pinned:
+            report.notes.append(f"kernel choices measured at the example shape ({pinned} "
+                                "GEMMs) are kept at every shape: a new shape costs no "
+                                "measurement")
         super().__init__(graph, pool.plan, report, concurrent_calls=self._concurrent,
                          check_aliasing=options.get("check_aliasing"), executor=pool.first, **kw)
         self.plans = ShapePlanCache(binder.bind, lambda k: self._build(k, graph, report),
@@ -162,7 +179,7 @@ class DynamicCompiledModel(CompiledModel):
         check = self._options.get("check_aliasing")
         pool = ExecutorPool(lambda: Executor(g, plan, check_aliasing=check), self._concurrent,
                             first=ex)
-        pool.plan = plan
+        pool.plan, pool.graph = plan, g
         dt = time.perf_counter() - t0
         report.dynamic.setdefault("plans", []).append(
             {"dims": {self.binder.dims[s]["name"]: v for s, v in values.items()},
@@ -193,6 +210,23 @@ def _report_dims(report: CompileReport, binder: ShapeBinder, capacity: int) -> N
         for n, d in dims.items()) + f"; memory planned per shape (cache of {capacity})")
 
 
+def _capture(model, args, kwargs, dynamic_shapes, dim_ranges):
+    """`capture` with dynamic dims; a dim given no range whose default range holds sizes
+    the model rejects (a position table bounds ``seq``) is narrowed to torch.export's
+    requirement and captured again. Returns (ep, times, labels, the narrowed ranges)."""
+    spec, labels, free = export_dynamic_shapes(model, args, kwargs, dynamic_shapes, dim_ranges)
+    try:
+        return capture(model, args, kwargs, dynamic_shapes=spec) + (labels, {})
+    except CaptureError as e:
+        fix = required_ranges(str(e))
+        if not fix or not set(fix) <= free:
+            raise
+    ranges = {**dict(dim_ranges or {}), **fix}
+    logger.info("dynamic dims %s narrowed to what the model accepts: %s", sorted(fix), fix)
+    spec, labels, _ = export_dynamic_shapes(model, args, kwargs, dynamic_shapes, ranges)
+    return capture(model, args, kwargs, dynamic_shapes=spec) + (labels, fix)
+
+
 def compile_dynamic(model: torch.nn.Module, example_inputs, dynamic_shapes: Any,
                     device: str = "cpu", options: Optional[Dict[str, Any]] = None,
                     example_kwargs: Optional[Dict[str, Any]] = None,
@@ -209,8 +243,7 @@ def compile_dynamic(model: torch.nn.Module, example_inputs, dynamic_shapes: Any,
         raise ValueError("example_inputs must be a tensor or a tuple of the model's positional "
                          "inputs, got a list: pass tuple(example_inputs)")
     args = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
-    spec, labels = export_dynamic_shapes(model, args, example_kwargs, dynamic_shapes, dim_ranges)
-    ep, times = capture(model, args, example_kwargs, dynamic_shapes=spec)
+    ep, times, labels, narrowed = _capture(model, args, example_kwargs, dynamic_shapes, dim_ranges)
     t0 = time.perf_counter()
     graph = from_exported_program(ep, name=type(model).__name__)
     report = CompileReport(model=type(model).__name__, device=device, capture_seconds=times)
@@ -232,6 +265,9 @@ def compile_dynamic(model: torch.nn.Module, example_inputs, dynamic_shapes: Any,
     report.cost_before, report.cost_after = before, graph_cost(specialise(graph, example))
     snapshot_constants(graph, live)
     _report_dims(report, binder, options.get("plan_cache_size", DEFAULT_PLAN_CACHE_SIZE))
+    if narrowed:
+        report.notes.append(f"dims given no range narrowed to what the model accepts "
+                            f"(torch.export's guards): {narrowed}")
     return DynamicCompiledModel(graph, report, binder, options, tensors, in_spec=in_spec,
                                 out_spec=ep.call_spec.out_spec, input_positions=positions,
                                 example_flat=flat, frozen=frozen,

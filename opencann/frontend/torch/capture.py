@@ -36,6 +36,7 @@ from typing import Any, Dict, Iterator, List, Tuple
 import torch
 
 from ...ir.types import DataType
+from .dynamic import constraint_violation
 
 # Kept whole: SDPA (torch.export's form) and the CPU flash kernel it lowers to under
 # dynamo/AOTAutograd. The latter's decomposition ends in permute → clone → permute and
@@ -286,6 +287,9 @@ def _explain(model: torch.nn.Module, args, kwargs, e: BaseException) -> str:
     """One line: why torch.export failed on ``model`` and what to change."""
     name = type(model).__name__
     msg = str(e)
+    violation = constraint_violation(msg)
+    if violation:
+        return violation
     inputs = _describe_inputs(model, args, kwargs)
     shown = ", ".join(f"{k} {_shape(v)}" for k, v in inputs if isinstance(v, torch.Tensor))
     if "not a known type" in msg or "register a pytree" in msg:

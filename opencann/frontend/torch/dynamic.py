@@ -19,7 +19,9 @@ Source: PyTorch "torch.export" documentation, "Expressing Dynamism".
 """
 from __future__ import annotations
 
+import ast
 import inspect
+import re
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 import torch
@@ -56,6 +58,7 @@ class _Dims:
 
     def __init__(self, ranges: Mapping[str, Tuple[int, int]]):
         self.ranges, self.dims = dict(ranges), {}
+        self.free: set = set()   # names given no range (the default one)
 
     def get(self, entry: Any):
         if entry is None or _is_dim(entry):
@@ -65,6 +68,8 @@ class _Dims:
             raise ValueError(f"dynamic dim {entry!r}: name it with an identifier such as 'batch', "
                              "or give a torch.export.Dim")
         if name not in self.dims:
+            if not isinstance(entry, tuple) and name not in self.ranges:
+                self.free.add(name)
             lo, hi = _range_of(name, entry, self.ranges)
             self.dims[name] = torch.export.Dim(name, min=lo, max=hi) if hi is not None else \
                 torch.export.Dim(name, min=lo)
@@ -90,9 +95,9 @@ def _one_input(spec: Any, dims: _Dims, what: str) -> Any:
 def export_dynamic_shapes(model: torch.nn.Module, args: Tuple[Any, ...],
                           kwargs: Optional[Dict[str, Any]], spec: Any,
                           ranges: Optional[Mapping[str, Tuple[int, int]]] = None
-                          ) -> Tuple[Any, Dict[Tuple[str, int], str]]:
-    """torch.export's ``dynamic_shapes`` for ``spec`` and the user's dim names by
-    (argument name, dim index). ``spec``: a dict keyed by ``forward``'s argument names
+                          ) -> Tuple[Any, Dict[Tuple[str, int], str], set]:
+    """torch.export's ``dynamic_shapes`` for ``spec``, the user's dim names by
+    (argument name, dim index) and the names given no range (default ``[1, inf)``). ``spec``: a dict keyed by ``forward``'s argument names
     or a tuple in argument order (see the module docstring); arguments it leaves out
     are static. Raises ValueError naming an unknown argument, a bad key or range."""
     dims = _Dims(ranges or {})
@@ -119,8 +124,8 @@ def export_dynamic_shapes(model: torch.nn.Module, args: Tuple[Any, ...],
                    for n, s in by_name.items() if isinstance(s, (list, tuple))
                    for i, d in enumerate(s) if d is not None and not isinstance(d, (list, tuple, dict))})
     if kwargs:   # keyed by name, as torch.export takes it with keyword inputs
-        return {n: by_name[n] for n in names}, labels
-    return tuple(by_name[n] for n in names), labels
+        return {n: by_name[n] for n in names}, labels, dims.free
+    return tuple(by_name[n] for n in names), labels, dims.free
 
 
 def _arg_names(model: torch.nn.Module, args, kwargs) -> List[str]:
@@ -169,3 +174,36 @@ def _vr(ep, expr) -> Dict[str, Optional[int]]:
     hi = r.upper
     return {"min": int(r.lower), "max": int(hi) if getattr(hi, "is_finite", True) and
             str(hi) not in ("oo", "int_oo") else None}
+
+
+_VIOLATION = re.compile(r"Not all values of (\w+) = .*? satisfy the generated guard (.*)")
+_SIZE = re.compile(r"L\['[^']+'\]\.size\(\)\[\d+\]")
+
+
+def constraint_violation(message: str) -> Optional[str]:
+    """One line for torch.export's "Constraints violated" error (a dynamic dim whose
+    declared range holds sizes the model rejects): what the model requires of each dim
+    and the fix, ``dim_ranges={'seq': (2, 512)}`` when the requirement is a range; None
+    for any other message."""
+    found = _VIOLATION.findall(message)
+    if "Constraints violated" not in message or not found:
+        return None
+    needs, fixes = [], {}
+    for name, guard in found:
+        guard = _SIZE.sub(name, guard.strip())
+        needs.append(guard.replace(" and ", ", "))
+        lo = re.search(rf"(\d+) <= {name}\b", guard)
+        hi = re.search(rf"\b{name} <= (\d+)", guard)
+        if lo or hi:
+            fixes[name] = (int(lo.group(1)) if lo else DEFAULT_MIN, int(hi.group(1)) if hi else None)
+    fix = (f"dim_ranges={fixes!r}" if fixes and all(h is not None for _, h in fixes.values())
+           else "narrow the dims' ranges to what the model accepts")
+    return (f"the model does not accept every size in the declared range of "
+            f"{', '.join(n for n, _ in found)}: it requires {'; '.join(needs)} (torch.export's "
+            f"guards); fix: {fix}")
+
+
+def required_ranges(message: str) -> Dict[str, Tuple[int, int]]:
+    """The ``dim_ranges`` fix a `constraint_violation` line proposes ({} if none)."""
+    m = re.search(r"fix: dim_ranges=(\{.*\})$", message)
+    return ast.literal_eval(m.group(1)) if m else {}
