@@ -59,6 +59,8 @@ def plan_shape(graph: Graph, values: Mapping[str, int], options: Dict[str, Any]
     """`specialise` ``graph`` to ``values`` (symbol -> int), then run the compiler's
     memory and binding stages on it. Returns (concrete graph, plan, first executor)."""
     g = specialise(graph, values)
+    # the pass switches named the optimisation passes, which ran once already
+    options = {k: v for k, v in options.items() if k not in ("disable", "enable")}
     ctx = PassContext(options=options, report=CompileReport(model=graph.name),
                       artifacts={"live_tensors": ()})
     PassManager([MemoryPlanning(), BindKernels()]).run(g, ctx)

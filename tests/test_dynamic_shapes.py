@@ -279,3 +279,63 @@ def test_minilm_report_and_range(minilm):
     ids, mask = _text(2, 16, 0)
     with pytest.raises(ValueError, match="must be equal"):
         cm(ids, mask[:1])
+
+
+class Positions(torch.nn.Module):
+    """Token + position embeddings (a table of 32 positions bounds the length)."""
+
+    def __init__(self):
+        super().__init__()
+        self.tok = torch.nn.Embedding(100, 8)
+        self.pos = torch.nn.Parameter(torch.randn(1, 32, 8))
+
+    def forward(self, ids):
+        return self.tok(ids) + self.pos[:, :ids.shape[1]]
+
+
+class SpelledOutAttention(torch.nn.Module):
+    def forward(self, q, k, v):
+        s = q @ k.transpose(-1, -2) * q.shape[-1] ** -0.5
+        return torch.softmax(s, -1) @ v
+
+
+def test_a_dim_without_range_is_narrowed_to_what_the_model_accepts():
+    m = _seeded(Positions())
+    cm = opencann.compile(m, (torch.randint(0, 100, (2, 8)),),
+                          dynamic_shapes={"ids": {0: "batch", 1: "seq"}})
+    assert cm.report.dynamic["dims"]["seq"]["max"] == 32
+    assert any("narrowed" in n for n in cm.report.notes)
+    for t in (3, 32):
+        ids = torch.randint(0, 100, (3, t))
+        with torch.no_grad():
+            _same(cm(ids), m(ids))
+    with pytest.raises(ValueError, match=r"seq.*33"):
+        cm(torch.randint(0, 100, (1, 33)))
+
+
+def test_an_explicit_range_the_model_rejects_is_one_clear_error():
+    with pytest.raises(opencann.frontend.torch.CaptureError) as e:
+        opencann.compile(_seeded(Positions()), (torch.randint(0, 100, (2, 8)),),
+                         dynamic_shapes={"ids": {1: "seq"}}, dim_ranges={"seq": (2, 64)})
+    assert "seq <= 32" in str(e.value) and "dim_ranges={'seq': (2, 32)}" in str(e.value)
+
+
+def test_spelled_out_attention_compiled_at_one_length_called_at_another():
+    m = SpelledOutAttention()
+    qkv = [torch.randn(2, 4, 8, 16) for _ in range(3)]
+    seq = {2: "seq"}
+    cm = opencann.compile(m, tuple(qkv), dynamic_shapes={"q": seq, "k": seq, "v": seq},
+                          options={"enable": ["fuse_flash_attention"]})
+    skips = [s for s in cm.report.skipped if s["pass"] == "fuse_flash_attention"]
+    assert skips and all("dynamic dim" in s["reason"] for s in skips)
+    for t in (3, 19, 8):
+        q, k, v = (torch.randn(2, 4, t, 16) for _ in range(3))
+        _same(cm(q, k, v), m(q, k, v))
+
+
+def test_constant_folding_states_its_guard():
+    m = _seeded(Positions())
+    cm = opencann.compile(m, (torch.randint(0, 100, (2, 8)),),
+                          dynamic_shapes={"ids": {1: "seq"}}, dim_ranges={"seq": (2, 32)})
+    skips = [s for s in cm.report.skipped if s["pass"] == "constant_folding"]
+    assert skips and "every dim static" in skips[0]["reason"]

@@ -177,3 +177,11 @@ def fits(sizes: Iterable[int], shape: Tuple[Any, ...]) -> bool:
     sizes = tuple(sizes)
     return len(sizes) == len(shape) and all(
         not isinstance(d, int) or int(s) == d for s, d in zip(sizes, shape))
+
+
+def as_expr(dim: Any) -> sympy.Expr:
+    """A dim (int, string form or `SymExpr`) as an expanded sympy expression, for
+    comparing symbolic sizes (``384*s1`` equals ``s1*384``)."""
+    if isinstance(dim, SymExpr):
+        dim = dim.expr
+    return sympy.expand(parse(dim)) if isinstance(dim, str) else sympy.Integer(int(dim))
