@@ -87,20 +87,23 @@ class ShapeBinder:
     ``names``: one label per graph input for messages."""
 
     def __init__(self, graph: Graph, dims: Dict[str, Dict[str, Any]], guards: Sequence[str],
-                 names: Sequence[str]):
+                 names: Sequence[str], scalars: Sequence[str] = ()):
         self.dims, self.guards, self.names = dims, list(guards), list(names)
         self.shapes = [v.desc.shape for v in graph.inputs]
+        self.scalars = list(scalars)   # symbols passed as int arguments (dynamo's SymInts)
         self.order = sorted(dims)
         loose = shape_symbols(self.shapes) - {d for s in self.shapes for d in s if is_symbol(d)}
+        loose -= set(self.scalars)
         if loose:
             raise ValueError(f"input dims {sorted(loose)} are only known as expressions "
                              "(e.g. 2*s0): declare each dynamic dim of the inputs on its own")
 
-    def bind(self, inputs: Sequence[torch.Tensor]) -> Tuple[int, ...]:
-        """The values of the symbols (in ``self.order``) for these inputs. Raises
-        ValueError naming the input, the dim, its range and the fix."""
-        values: Dict[str, int] = {}
-        where: Dict[str, str] = {}
+    def bind(self, inputs: Sequence[torch.Tensor], scalars: Sequence[int] = ()) -> Tuple[int, ...]:
+        """The values of the symbols (in ``self.order``) for these inputs (and the int
+        arguments standing for ``self.scalars``). Raises ValueError naming the input, the
+        dim, its range and the fix."""
+        values: Dict[str, int] = dict(zip(self.scalars, (int(v) for v in scalars)))
+        where: Dict[str, str] = {s: "its size argument" for s in values}
         for name, shape, t in zip(self.names, self.shapes, inputs):
             for i, d in enumerate(shape):
                 if not isinstance(d, str):
@@ -142,6 +145,47 @@ class ShapeBinder:
                                if str(s) in self.dims}))
 
 
+class PlanBuilder:
+    """Builds the `ExecutorPool` of one concrete shape of a symbolic ``graph``
+    (`plan_shape`), records it in ``report.dynamic["plans"]`` and the log, and after the
+    first build pins its kernel choices on ``graph`` (`pin_kernel_choices`)."""
+
+    def __init__(self, graph: Graph, report: CompileReport, binder: "ShapeBinder",
+                 options: Dict[str, Any]):
+        self.graph, self.report, self.binder, self.options = graph, report, binder, options
+        self.concurrent = options.get("concurrent_calls", DEFAULT_CONCURRENT_CALLS)
+        self.pinned = None
+
+    def __call__(self, key: Tuple[int, ...]) -> ExecutorPool:
+        """The executor pool for symbol values ``key`` (in ``binder.order``)."""
+        t0 = time.perf_counter()
+        values = dict(zip(self.binder.order, key))
+        g, plan, ex = plan_shape(self.graph, values, self.options)
+        check = self.options.get("check_aliasing")
+        pool = ExecutorPool(lambda: Executor(g, plan, check_aliasing=check), self.concurrent,
+                            first=ex)
+        pool.plan, pool.graph = plan, g
+        dt = time.perf_counter() - t0
+        self.report.dynamic.setdefault("plans", []).append(
+            {"dims": {self.binder.dims[s]["name"]: v for s, v in values.items()},
+             "arena_bytes": plan.arena_bytes, "lower_bound_bytes": plan.lower_bound,
+             "arena_over_lower_bound": round(plan.ratio, 4), "build_ms": round(dt * 1e3, 2)})
+        logger.info("dynamic shapes: planned %s in %.1f ms (arena %d bytes, %.3fx its lower "
+                    "bound)", self.binder.describe(values), dt * 1e3, plan.arena_bytes, plan.ratio)
+        if self.pinned is None:
+            self.pinned = pin_kernel_choices(self.graph, g)
+            if self.pinned:
+                self.report.notes.append(
+                    f"kernel choices measured at the first shape planned ({self.pinned} GEMMs) "
+                    "are kept at every shape: a new shape costs no measurement")
+        return pool
+
+    def cache(self) -> ShapePlanCache:
+        """A `ShapePlanCache` building with this builder (capacity: ``plan_cache_size``)."""
+        return ShapePlanCache(self.binder.bind, self, self.options.get(
+            "plan_cache_size", DEFAULT_PLAN_CACHE_SIZE), self.concurrent)
+
+
 class DynamicCompiledModel(CompiledModel):
     """A compiled model with dynamic dims: called like `CompiledModel` with any shape in
     the declared ranges. ``graph`` is the optimised symbolic graph; each new concrete
@@ -155,41 +199,16 @@ class DynamicCompiledModel(CompiledModel):
 
     def __init__(self, graph: Graph, report: CompileReport, binder: ShapeBinder,
                  options: Dict[str, Any], example_inputs: Sequence[torch.Tensor], **kw):
-        self._options, self.binder = options, binder
-        self._concurrent = options.get("concurrent_calls", DEFAULT_CONCURRENT_CALLS)
+        self.binder = binder
+        build = PlanBuilder(graph, report, binder, options)
         key = binder.bind(example_inputs)
-        pool = self._build(key, graph, report)
+        pool = build(key)
         report.memory = pool.plan.summary()   # the example shape's plan
-        pinned = pin_kernel_choices(graph, pool.graph)
-        if pinned:
-            report.notes.append(f"kernel choices measured at the example shape ({pinned} "
-                                "GEMMs) are kept at every shape: a new shape costs no "
-                                "measurement")
-        super().__init__(graph, pool.plan, report, concurrent_calls=self._concurrent,
+        super().__init__(graph, pool.plan, report, concurrent_calls=build.concurrent,
                          check_aliasing=options.get("check_aliasing"), executor=pool.first, **kw)
-        self.plans = ShapePlanCache(binder.bind, lambda k: self._build(k, graph, report),
-                                    options.get("plan_cache_size", DEFAULT_PLAN_CACHE_SIZE),
-                                    self._concurrent)
+        self.plans = build.cache()
         self.plans.put(key, pool)
         self.pool = self.plans
-
-    def _build(self, key: Tuple[int, ...], graph: Graph, report: CompileReport) -> ExecutorPool:
-        """The executor pool of one concrete shape (symbol values ``key``)."""
-        t0 = time.perf_counter()
-        values = dict(zip(self.binder.order, key))
-        g, plan, ex = plan_shape(graph, values, self._options)
-        check = self._options.get("check_aliasing")
-        pool = ExecutorPool(lambda: Executor(g, plan, check_aliasing=check), self._concurrent,
-                            first=ex)
-        pool.plan, pool.graph = plan, g
-        dt = time.perf_counter() - t0
-        report.dynamic.setdefault("plans", []).append(
-            {"dims": {self.binder.dims[s]["name"]: v for s, v in values.items()},
-             "arena_bytes": plan.arena_bytes, "lower_bound_bytes": plan.lower_bound,
-             "arena_over_lower_bound": round(plan.ratio, 4), "build_ms": round(dt * 1e3, 2)})
-        logger.info("dynamic shapes: planned %s in %.1f ms (arena %d bytes, %.3fx its lower "
-                    "bound)", self.binder.describe(values), dt * 1e3, plan.arena_bytes, plan.ratio)
-        return pool
 
     def calling_convention(self) -> Dict[str, Any]:
         """Refused: a model file stores one static plan (ValueError with the fix)."""
@@ -274,3 +293,36 @@ def compile_dynamic(model: torch.nn.Module, example_inputs, dynamic_shapes: Any,
                                 out_spec=ep.call_spec.out_spec, input_positions=positions,
                                 example_flat=flat, frozen=frozen,
                                 arg_names=forward_arg_names(model))
+
+
+def compile_symbolic_fx(graph: Graph, placeholders: Sequence[Any], options: Dict[str, Any],
+                        report: CompileReport):
+    """The torch.compile path for a graph with symbolic shapes (dynamo's ``dynamic``
+    graphs): optimise ``graph`` once, plan each concrete shape on first use (cached as
+    for `compile_dynamic`). ``placeholders``: the FX graph's placeholder values (tensors
+    and SymInts, in calling order). Returns ``run(args) -> flat outputs`` taking the
+    graph's call arguments (tensors and the ints dynamo passes for its SymInts).
+    dynamo's own guards keep calls within the shapes this graph is valid for."""
+    run_pipeline(graph, "cpu", options, report, symbolic_pipeline())
+    tensors = [i for i, v in enumerate(placeholders) if isinstance(v, torch.Tensor)]
+    sizes = [(i, str(v.node.expr)) for i, v in enumerate(placeholders)
+             if isinstance(v, torch.SymInt) and v.node.expr.is_Symbol]
+    dims: Dict[str, Dict[str, Any]] = {}
+    for name, shape in zip([v.name for v in graph.inputs], [v.desc.shape for v in graph.inputs]):
+        for k, d in enumerate(shape):
+            if is_symbol(d):
+                dims.setdefault(d, {"name": d, "min": 0, "max": None, "sources": []})[
+                    "sources"].append(f"{name}.shape[{k}]")
+    for _, s in sizes:
+        dims.setdefault(s, {"name": s, "min": 0, "max": None, "sources": ["a size argument"]})
+    binder = ShapeBinder(graph, dims, graph.meta.get("shape_guards", ()),
+                         [v.name for v in graph.inputs], scalars=[s for _, s in sizes])
+    _report_dims(report, binder, options.get("plan_cache_size", DEFAULT_PLAN_CACHE_SIZE))
+    plans = PlanBuilder(graph, report, binder, options).cache()
+
+    def run(args):
+        ts = [args[i] for i in tensors]
+        key = binder.bind(ts, [args[i] for i, _ in sizes])
+        return plans.pool_for_key(key).run(ts)
+    run.plans = plans
+    return run

@@ -339,3 +339,34 @@ def test_constant_folding_states_its_guard():
                           dynamic_shapes={"ids": {1: "seq"}}, dim_ranges={"seq": (2, 32)})
     skips = [s for s in cm.report.skipped if s["pass"] == "constant_folding"]
     assert skips and "every dim static" in skips[0]["reason"]
+
+
+# -- torch.compile: dynamo's symbolic graphs through the same per-shape plans --------
+def test_torch_compile_symbolic_graphs_are_compiled_not_run_eagerly(caplog):
+    from opencann.dynamo.compile_fx import COMPILED_GRAPHS
+    torch._dynamo.reset()
+    m = _seeded(Attention())
+    cm = torch.compile(m, backend="opencann")          # default dynamic=None
+    before = len(COMPILED_GRAPHS)
+    shapes = [(2, 8), (3, 5), (3, 21), (2, 8), (4, 17), (2, 40)]
+    with caplog.at_level("INFO", logger="opencann"), torch.no_grad():
+        for b, t in shapes:
+            x = torch.randn(b, t, 16)
+            _same(cm(x), m(x))
+            _same(cm(x), m(x))
+    assert not [r for r in caplog.records if "eagerly" in r.getMessage()]
+    graphs = COMPILED_GRAPHS[before:]
+    assert len(graphs) == 2                           # one static, then one symbolic graph
+    dyn = graphs[-1].dynamic
+    assert dyn["dims"] and len(dyn["plans"]) == 5     # every shape from (3, 5) on
+    assert any("symbolic shapes" in r.getMessage() for r in caplog.records)
+
+
+def test_torch_compile_dynamic_true_conv_batches():
+    torch._dynamo.reset()
+    m = _seeded(ConvNet())
+    cm = torch.compile(m, backend="opencann", dynamic=True)
+    with torch.no_grad():
+        for n in (2, 5, 3):
+            x = torch.randn(n, 3, 10, 10)
+            _same(cm(x), m(x))

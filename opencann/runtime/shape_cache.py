@@ -71,7 +71,11 @@ class ShapePlanCache:
     def pool_for(self, inputs: Sequence[torch.Tensor]) -> ExecutorPool:
         """The pool for these inputs' shapes, built (and cached) on first use. Raises
         what ``key_of`` and ``build`` raise."""
-        key = self._key_of(inputs)
+        return self.pool_for_key(self._key_of(inputs))
+
+    def pool_for_key(self, key: Hashable) -> ExecutorPool:
+        """The pool for ``key``, built (and cached) on first use. Raises what ``build``
+        raises."""
         pool = self._cached(key)
         if pool is not None:
             return pool

@@ -466,7 +466,7 @@ def from_fx_graph(gm: fx.GraphModule, example_inputs, name: str = "graph",
             val = node.meta.get("val")
             if isinstance(val, torch.Tensor):
                 env[node] = graph.add_input(_desc(val, node.name), name=node.name)
-            else:
+            elif not _shape_value(node, env):   # a size input (dynamo's SymInt): a SymExpr
                 env[node] = val
         elif node.op == "get_attr":
             env[node] = graph.add_const(getattr(gm, node.target), name=node.target)
