@@ -35,7 +35,10 @@ def compile(model, example_inputs=None, device: str = "cpu", options: Optional[D
     (``{"input_ids": {0: "batch", 1: "seq"}}``, ranges in ``dim_ranges``:
     ``{"seq": (16, 512)}``). The model is captured and optimised once; each new shape
     gets its own memory plan on its first call (cached, option ``plan_cache_size``,
-    default 8). Returns a `DynamicCompiledModel` (see ``docs/dynamic_shapes.md``)."""
+    default 8). Returns a `DynamicCompiledModel` (see ``docs/dynamic_shapes.md``).
+    ATC-style gears: ``options={"dynamic_batch_size": [1, 2, 4, 8]}`` (or
+    ``dynamic_image_size``, ``dynamic_dims``) plan each gear at compile time and serve
+    exactly those shapes (`opencann.gears`)."""
     import os
     if isinstance(model, (str, os.PathLike)) or type(model).__name__ == "ModelProto":
         from .compiler import compile_onnx
@@ -43,6 +46,12 @@ def compile(model, example_inputs=None, device: str = "cpu", options: Optional[D
     if example_inputs is None:
         raise ValueError("example_inputs is required for a torch model: a tensor or tuple of "
                          "the model's positional inputs fixing shapes and dtypes")
+    gears = [k for k in ("dynamic_batch_size", "dynamic_image_size", "dynamic_dims")
+             if k in (options or {})]
+    if gears:
+        from .gears import compile_with_gears
+        return compile_with_gears(model, example_inputs, dict(options), dynamic_shapes,
+                                  device=device, example_kwargs=example_kwargs)
     if dynamic_shapes is not None:
         from .dynamic import compile_dynamic
         return compile_dynamic(model, example_inputs, dynamic_shapes, device=device,

@@ -91,6 +91,8 @@ class ShapeBinder:
         self.dims, self.guards, self.names = dims, list(guards), list(names)
         self.shapes = [v.desc.shape for v in graph.inputs]
         self.scalars = list(scalars)   # symbols passed as int arguments (dynamo's SymInts)
+        #: (option, dim names, gears, gear keys, why no padding) once `opencann.gears` set it
+        self.gears: Optional[tuple] = None
         self.order = sorted(dims)
         loose = shape_symbols(self.shapes) - {d for s in self.shapes for d in s if is_symbol(d)}
         loose -= set(self.scalars)
@@ -114,13 +116,21 @@ class ShapeBinder:
                         f"{name} dim {i} is {n} but {where[d]} is {values[d]}: both are the "
                         f"dynamic dim {self.dims[d]['name']}, so they must be equal")
                 values[d], where[d] = n, f"{name} dim {i}"
-                self._check_range(d, n, f"{name} dim {i}")
+                if self.gears is None:   # with gears, the gear check names the gears
+                    self._check_range(d, n, f"{name} dim {i}")
         for g in self.guards:
             if not holds(g, values):
                 raise ValueError(f"the shapes {self.describe(values)} break the model's shape "
                                  f"condition {self.readable(g)} (found by torch.export); call "
                                  "it with shapes that satisfy it")
-        return tuple(values[s] for s in self.order)
+        key = tuple(values[s] for s in self.order)
+        if self.gears is not None and key not in self.gears[3]:
+            opt, names, gears, _, why = self.gears
+            shown = [g[0] if len(g) == 1 else list(g) for g in gears]
+            raise ValueError(f"{self.describe(values)} is not one of the gears compiled with "
+                             f"{opt}={shown} ({', '.join(names)}); {why}: call with a gear's "
+                             f"shape, or recompile with a gear for it")
+        return key
 
     def _check_range(self, sym: str, n: int, what: str) -> None:
         d = self.dims[sym]

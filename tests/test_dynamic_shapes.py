@@ -370,3 +370,53 @@ def test_torch_compile_dynamic_true_conv_batches():
         for n in (2, 5, 3):
             x = torch.randn(n, 3, 10, 10)
             _same(cm(x), m(x))
+
+
+# -- ATC-style gears ----------------------------------------------------------------
+def test_batch_gears_serve_exact_gears_and_name_them_otherwise():
+    m = _seeded(ConvNet())
+    cm = opencann.compile(m, (torch.randn(2, 3, 10, 10),),
+                          options={"dynamic_batch_size": [8, 1, 4, 2]})
+    assert sorted(cm.plans.keys()) == [(1,), (2,), (4,), (8,)]   # every gear planned now
+    assert cm.report.dynamic["gears"]["values"] == [[1], [2], [4], [8]]
+    assert "padding" in cm.report.dynamic["padding"]
+    built = cm.plans.misses
+    for n in (1, 2, 4, 8):
+        x = torch.randn(n, 3, 10, 10)
+        with torch.no_grad():
+            _same(cm(x), m(x))
+    assert cm.plans.misses == built                              # no plan built at call time
+    for n in (3, 9):                                             # between gears, above all
+        with pytest.raises(ValueError, match=r"not one of the gears .*\[1, 2, 4, 8\]"):
+            cm(torch.randn(n, 3, 10, 10))
+
+
+def test_image_size_gears_and_dims_gears():
+    m = _seeded(ConvNet())
+    cm = opencann.compile(m, (torch.randn(2, 3, 10, 10),),
+                          options={"dynamic_image_size": [[8, 8], [10, 12]]})
+    x = torch.randn(2, 3, 10, 12)
+    with torch.no_grad():
+        _same(cm(x), m(x))
+    with pytest.raises(ValueError, match="not one of the gears"):
+        cm(torch.randn(2, 3, 12, 10))
+    a = _seeded(Attention())
+    cm = opencann.compile(a, (torch.randn(2, 8, 16),), dynamic_shapes={"x": {0: "b", 1: "t"}},
+                          options={"dynamic_dims": [[1, 16], [2, 40]]})
+    x = torch.randn(2, 40, 16)
+    with torch.no_grad():
+        _same(cm(x), a(x))
+
+
+def test_too_many_gears_is_one_clear_error():
+    with pytest.raises(ValueError, match="at most 100"):
+        opencann.compile(_seeded(ConvNet()), (torch.randn(2, 3, 10, 10),),
+                         options={"dynamic_batch_size": list(range(1, 102))})
+    with pytest.raises(ValueError, match="dynamic_shapes"):
+        opencann.compile(_seeded(ConvNet()), (torch.randn(2, 3, 10, 10),),
+                         options={"dynamic_dims": [[1, 2]]})
+
+
+def test_a_dynamic_model_is_not_saved(tmp_path, attention):
+    with pytest.raises(ValueError, match="static models"):
+        opencann.save(attention[1], str(tmp_path / "m.ocm"))
