@@ -326,7 +326,7 @@ class CompiledModel:
         k = len(self._mutations)
         n = self.graph.meta.get("n_outputs", len(outs) + k) - k
         mine = self.graph.meta.get("returns_input", {}) if user is not None else {}
-        views = self.graph.meta.get("input_views", {}) if user is not None else {}
+        views = self._input_views(user) if user is not None else {}
         it = iter(outs)
         flat = []
         for i in range(n):
@@ -340,6 +340,11 @@ class CompiledModel:
         if self._out_spec is None:
             return flat[0] if len(flat) == 1 else tuple(flat)
         return pytree.tree_unflatten(flat, self._out_spec)
+
+    def _input_views(self, user) -> Dict[int, list]:
+        """``graph.meta["input_views"]`` for this call's inputs ``user`` (concrete here;
+        `opencann.dynamic` binds symbolic ones)."""
+        return self.graph.meta.get("input_views", {})
 
     def profile(self, *args, path: Optional[str] = None, **kwargs):
         """Run once recording per-op times; returns Chrome trace events, writes JSON to

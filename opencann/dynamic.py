@@ -25,7 +25,7 @@ from .frontend.torch import CaptureError, capture, from_exported_program
 from .frontend.torch.dynamic import dynamic_dims, export_dynamic_shapes, required_ranges
 from .ir import Graph, MemoryPlan
 from .ir.specialise import specialise
-from .ir.symbolic import holds, is_symbol, parse, shape_symbols
+from .ir.symbolic import bind, bind_tree, holds, is_symbol, parse, shape_symbols
 from .log import logger
 from .options import check_options
 from .passes import MemoryPlanning, Pass, PassContext, PassManager, default_pipeline
@@ -219,6 +219,18 @@ class DynamicCompiledModel(CompiledModel):
         self.plans = build.cache()
         self.plans.put(key, pool)
         self.pool = self.plans
+
+    def _input_views(self, user) -> Dict[int, list]:
+        """The views of mutated inputs the outputs are, bound to this call's shapes."""
+        views = self.graph.meta.get("input_views", {})
+        if not views:
+            return views
+        values = dict(zip(self.binder.order, self.binder.bind(user)))
+        memo: Dict[str, int] = {}
+        return {j: [v[0]] + [bind_tree(x, values, memo) if not isinstance(x, (str, list))
+                             else [bind(d, values, memo) for d in x] if isinstance(x, list)
+                             else bind(x, values, memo) for x in v[1:]]
+                for j, v in views.items()}
 
     def calling_convention(self) -> Dict[str, Any]:
         """Refused: a model file stores one static plan (ValueError with the fix)."""

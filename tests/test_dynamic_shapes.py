@@ -2,6 +2,7 @@
 shape on its first call (bounded LRU), values matching eager within 1e-4 at every
 shape (random non-zero inputs, NaN positions, a second call, output independence),
 and one clear error for a shape outside the declared range."""
+import logging
 import threading
 
 import pytest
@@ -342,18 +343,35 @@ def test_constant_folding_states_its_guard():
 
 
 # -- torch.compile: dynamo's symbolic graphs through the same per-shape plans --------
-def test_torch_compile_symbolic_graphs_are_compiled_not_run_eagerly(caplog):
+class _Records(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.records = []
+
+    def emit(self, record):
+        self.records.append(record)
+
+
+def test_torch_compile_symbolic_graphs_are_compiled_not_run_eagerly():
     from opencann.dynamo.compile_fx import COMPILED_GRAPHS
     torch._dynamo.reset()
+    caplog, log = _Records(), logging.getLogger("opencann")
+    level = log.level
+    log.addHandler(caplog)
+    log.setLevel(logging.INFO)
     m = _seeded(Attention())
     cm = torch.compile(m, backend="opencann")          # default dynamic=None
     before = len(COMPILED_GRAPHS)
     shapes = [(2, 8), (3, 5), (3, 21), (2, 8), (4, 17), (2, 40)]
-    with caplog.at_level("INFO", logger="opencann"), torch.no_grad():
-        for b, t in shapes:
-            x = torch.randn(b, t, 16)
-            _same(cm(x), m(x))
-            _same(cm(x), m(x))
+    try:
+        with torch.no_grad():
+            for b, t in shapes:
+                x = torch.randn(b, t, 16)
+                _same(cm(x), m(x))
+                _same(cm(x), m(x))
+    finally:
+        log.removeHandler(caplog)
+        log.setLevel(level)
     assert not [r for r in caplog.records if "eagerly" in r.getMessage()]
     graphs = COMPILED_GRAPHS[before:]
     assert len(graphs) == 2                           # one static, then one symbolic graph
@@ -420,3 +438,20 @@ def test_too_many_gears_is_one_clear_error():
 def test_a_dynamic_model_is_not_saved(tmp_path, attention):
     with pytest.raises(ValueError, match="static models"):
         opencann.save(attention[1], str(tmp_path / "m.ocm"))
+
+
+class WritesInput(torch.nn.Module):
+    def forward(self, x):
+        return x.add_(1)[1:]
+
+
+def test_a_model_writing_its_input_returns_views_of_it_at_every_shape():
+    m = WritesInput()
+    cm = opencann.compile(m, (torch.randn(4, 8),), dynamic_shapes={"x": {0: "b", 1: "t"}},
+                          dim_ranges={"b": (3, 64), "t": (2, 64)})
+    for b, t in [(4, 8), (5, 3), (9, 16)]:
+        x = torch.randn(b, t)
+        y = x.clone()
+        out, ref = cm(x), m(y)
+        assert torch.equal(out, ref) and torch.equal(x, y)
+        assert out.data_ptr() == x[1:].data_ptr()          # a view of the caller's tensor

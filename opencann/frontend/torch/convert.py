@@ -189,6 +189,14 @@ def _backed_expr(s: "torch.SymInt") -> "str | None":
     return str(expr)
 
 
+def _size(s: Any) -> Any:
+    """An int, or a symbolic size's string form (bound per call by `opencann.dynamic`)."""
+    if isinstance(s, torch.SymInt):
+        e = _backed_expr(s)
+        return int(e) if e is not None and e.lstrip("-").isdigit() else e
+    return int(s)
+
+
 def _shape_value(node: fx.Node, env: Dict[fx.Node, Any]) -> bool:
     """A node computing a size from symbolic input shapes (``sym_size``, ``s0 * s1``)
     becomes a `SymExpr` in ``env`` (ops taking it as an argument hold it as an attr); a
@@ -449,8 +457,9 @@ def _views_of_mutated_inputs(outs, produced) -> Dict[int, list]:
         hit = bases.get(StorageWeakRef(v.untyped_storage()))
         if hit is not None and hit[1].dtype == v.dtype:
             i, base = hit
-            views[j] = [i, list(v.shape), list(v.stride()),
-                        int(v.storage_offset() - base.storage_offset()), list(base.stride())]
+            views[j] = [i, [_size(s) for s in v.shape], [_size(s) for s in v.stride()],
+                        _size(v.storage_offset() - base.storage_offset()),
+                        [_size(s) for s in base.stride()]]
     return views
 
 
