@@ -7,6 +7,7 @@ plans its memory and binds its kernels), the steady state of the same dynamic mo
 a static compile of exactly that shape, and eager PyTorch. Steady-state times are the
 median of ``--reps`` calls, the three runs interleaved call by call so machine load
 hits them alike. ``plan ms`` is the plan build alone (``report.dynamic["plans"]``);
+``err vs eager`` is the dynamic model's largest error relative to the output's magnitude.
 ``static 1st`` is the static compile's first call (torch's kernels meet a new shape
 there too: oneDNN/MKL set up per shape).
 
@@ -44,7 +45,12 @@ def _timed(fn, *args):
 def cell(model, dyn, name, batch, seq, reps):
     """One row: first call, steady state (dynamic, static, eager), plan build."""
     x = _inputs(name, batch, seq)
-    first = _timed(dyn, *x)
+    t0 = time.perf_counter()
+    out = dyn(*x)
+    first = (time.perf_counter() - t0) * 1e3
+    with torch.no_grad():
+        ref = model(*x).last_hidden_state
+    err = ((out.last_hidden_state - ref).abs().max() / ref.abs().max()).item()
     plan_ms = dyn.report.dynamic["plans"][-1]["build_ms"]
     static = opencann.compile(model, x)
     static_first = _timed(static, *x)
@@ -57,7 +63,7 @@ def cell(model, dyn, name, batch, seq, reps):
             runs["eager"].append(_timed(model, *x))
     med = {k: statistics.median(v) for k, v in runs.items()}
     return {"model": name, "batch": batch, "seq": seq, "first_ms": first, "plan_ms": plan_ms,
-            "static_first_ms": static_first,
+            "static_first_ms": static_first, "rel_err": err,
             **{f"{k}_ms": v for k, v in med.items()}}
 
 
@@ -70,7 +76,7 @@ def main():
     torch.set_num_threads(2)
     print(f"{'model':7s} {'shape':>7s} {'first':>8s} {'plan':>7s} {'steady':>8s} "
           f"{'static 1st':>10s} {'static':>8s} {'eager':>8s} {'first-steady':>13s} "
-          f"{'steady/static':>14s}")
+          f"{'steady/static':>14s} {'err vs eager':>12s}")
     for name in a.models:
         model, example, spec = _model(name)
         t0 = time.perf_counter()
@@ -84,7 +90,7 @@ def main():
                   f"{r['dynamic_ms']:8.1f} {r['static_first_ms']:10.1f} {r['static_ms']:8.1f} "
                   f"{r['eager_ms']:8.1f} "
                   f"{r['first_ms'] - r['dynamic_ms']:13.1f} "
-                  f"{r['dynamic_ms'] / r['static_ms']:14.3f}", flush=True)
+                  f"{r['dynamic_ms'] / r['static_ms']:14.3f} {r['rel_err']:12.1e}", flush=True)
 
 
 if __name__ == "__main__":
