@@ -279,8 +279,13 @@ def compile_dynamic(model: torch.nn.Module, example_inputs, dynamic_shapes: Any,
     `opencann.frontend.torch.dynamic`), optimise the symbolic graph once, plan the
     example's shape; returns a `DynamicCompiledModel`. Raises CaptureError (the model
     cannot run with these dims: torch.export's reason), ValueError (bad spec, options,
-    device)."""
-    device = parse_device(device).name
+    device other than cpu)."""
+    dev = parse_device(device)
+    if dev.kind != "cpu":
+        raise ValueError(f"dynamic_shapes compiles for cpu; on {dev.name} the layout stage "
+                         "needs static storage shapes (NC1HWC0 blocks per dim): compile one "
+                         "model per shape for this device, or compile for 'cpu'")
+    device = dev.name
     options = check_options(options)
     if isinstance(example_inputs, list):
         raise ValueError("example_inputs must be a tensor or a tuple of the model's positional "

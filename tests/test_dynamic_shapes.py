@@ -455,3 +455,9 @@ def test_a_model_writing_its_input_returns_views_of_it_at_every_shape():
         out, ref = cm(x), m(y)
         assert torch.equal(out, ref) and torch.equal(x, y)
         assert out.data_ptr() == x[1:].data_ptr()          # a view of the caller's tensor
+
+
+def test_vnpu_with_dynamic_dims_is_one_clear_error():
+    with pytest.raises(ValueError, match="compiles for cpu"):
+        opencann.compile(_seeded(ConvNet()), (torch.randn(2, 3, 10, 10),), device="vnpu",
+                         dynamic_shapes={"x": {0: "batch"}})
