@@ -10,6 +10,8 @@ bound, descs re-derived), its memory planned and its kernels bound (the compiler
 `MemoryPlanning` and `BindKernels` stages), and the resulting executor pool cached in a
 bounded LRU (`opencann.runtime.shape_cache`, option ``plan_cache_size``). No call
 re-captures or re-runs a pass. The example inputs' shape is planned at compile time.
+`compile_symbolic_fx` does the same for dynamo's symbolic graphs (``torch.compile``);
+`opencann.gears` builds ATC-style gears on top.
 """
 from __future__ import annotations
 
