@@ -276,9 +276,16 @@ class Graph:
         return v
 
     def _unique(self, base: str) -> str:
+        """``base``, or ``base_<k>`` with the first k that no node has taken (a derived
+        name is taken too: a later ``base_1`` from the trace gets ``base_1_1``)."""
         n = self._names.get(base, 0)
+        name = base if n == 0 else f"{base}_{n}"
+        while n and name in self._names:
+            n += 1
+            name = f"{base}_{n}"
         self._names[base] = n + 1
-        return base if n == 0 else f"{base}_{n}"
+        self._names.setdefault(name, 1)
+        return name
 
     def create_node(self, op: str, inputs: Sequence[Value], attrs: Dict[str, Any],
                     out_descs: Sequence[TensorDesc], name: str | None = None,
