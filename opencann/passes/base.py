@@ -136,10 +136,12 @@ class RewritePass(Pass):
     def run(self, graph: Graph, ctx: PassContext) -> int:
         n = 0
         for node in list(graph.nodes):
-            if node.erased or (self.ops and node.op not in self.ops):
+            if self.ops and node.op not in self.ops:
+                continue
+            ctx.sites_seen.add(f"{ctx.pass_name}@{node.name}")
+            if node.erased:
                 continue
             ctx.root = node
-            ctx.sites_seen.add(f"{ctx.pass_name}@{node.name}")
             m = self.match(node, graph, ctx)
             if isinstance(m, Skip):
                 ctx.skip(m if m.node is not None else Skip(m.reason, node, m.detail))
