@@ -258,3 +258,24 @@ def test_minilm_bf16_error_grows_along_the_encoder():
     first = res.layers[res.first_divergence]
     assert first.module.startswith("encoder.layer.0.") and first.status != "pass"
     assert res.status == "warn" and all(o.cosine > 0.999 for o in res.outputs)
+
+
+def test_a_trial_that_fails_to_run_is_unresolved_not_a_crash():
+    """ddmin's third outcome: a compile whose model fails to run restores nothing; the
+    search goes on and the message says so."""
+    from types import SimpleNamespace as NS
+    from opencann.report import CompileReport, PassRecord
+    from opencann.runtime import ExecutionError
+
+    class FakeSession:      # outputs fail unless pass "b" is off; "a" off breaks the run
+        def run(self, device, opts, layers=True, strict=False):
+            off = set(opts.get("disable", ()))
+            if "a" in off and "b" not in off:
+                raise ExecutionError("view_1 (Reshape) failed: view size is not compatible")
+            rep = CompileReport(passes=[PassRecord(n, "fusion", 1, 1, 0.0, 1) for n in "abc"])
+            return NS(outputs=[NS(status="pass" if "b" in off else "fail")], layers=[],
+                      first_divergence=None, report=rep)
+
+    b = bisect(None, None, session=FakeSession())
+    assert b.passes == ["b"] and b.unresolved and "view size" in b.unresolved[0]
+    assert "counted as not restoring" in b.message and b.compiles == sum(b.steps.values())

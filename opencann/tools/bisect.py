@@ -33,6 +33,9 @@ from ..runtime import ExecutionError
 from .compare import CompareResult, LayerResult, Session
 
 _NOT_PASSES = ("construct", "memory", "runtime")
+# what a trial of each option does, as progress shows it
+_SAY = {"disable": "disabling", "disable_rewrites": "disabling sites",
+        "keep_fp32": "keeping in fp32"}
 
 
 @dataclass
@@ -137,7 +140,7 @@ class _Trial:
 
     def restores(self, step: str, key: str, extra: List[str]) -> bool:
         """Whether compiling with ``extra`` added to option ``key`` restores accuracy."""
-        self.say(f"  {step}: {key} += {', '.join(extra)}")
+        self.say(f"  {_SAY[key]} {', '.join(extra)}")
         self.step(step, 1)
         opts = dict(self.opts, **{key: list(self.opts.get(key) or ()) + list(extra)})
         try:
