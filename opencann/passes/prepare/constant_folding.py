@@ -29,7 +29,8 @@ class ConstantFolding(Pass):
             if sum(o.desc.nbytes for o in node.outputs) > FOLD_LIMIT_BYTES:
                 ctx.skipped(node, f"output larger than {FOLD_LIMIT_BYTES >> 20} MiB")
                 continue
-            target = op.aten or node.meta.get("aten")
+            # the host's kernel: a user's OpDef.kernels["cpu"], else the ATen overload
+            target = op.kernel("cpu") or node.meta.get("aten")
             args, kwargs = call_args(node, [v.const for v in node.inputs])
             try:
                 with torch.no_grad():
