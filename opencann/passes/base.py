@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
+from ..devices import parse_device
 from ..ir import Graph, Node, verify
 from ..log import logger
 from ..report import CompileReport, PassRecord
@@ -49,8 +50,9 @@ class PassContext:
 
     @property
     def device_kind(self) -> str:
-        """``vnpu`` for ``vnpu:ascend910b``, ``cpu`` for ``cpu``."""
-        return str(self.device).partition(":")[0]
+        """``vnpu`` for ``vnpu:ascend910b``, ``cpu`` for ``cpu`` (`parse_device`; raises
+        `DeviceError` for a device string it does not know)."""
+        return parse_device(self.device, load=False).kind
 
     def applied(self, nodes: List[Node], detail: str = "") -> None:
         """Record a rewrite of ``nodes`` (``detail``: the variant, e.g. "Conv+Relu")."""
@@ -91,7 +93,9 @@ class Pass:
     cann_names: tuple = ()
 
     def runs_on(self, device: str) -> bool:
-        return not self.devices or str(device).partition(":")[0] in self.devices
+        """True when ``devices`` is empty or holds the kind of ``device`` (a device
+        string, read by `parse_device`; raises `DeviceError` for an unknown one)."""
+        return not self.devices or parse_device(device, load=False).kind in self.devices
 
     def run(self, graph: Graph, ctx: PassContext) -> int:  # pragma: no cover - abstract
         raise NotImplementedError

@@ -24,7 +24,7 @@ import torch
 
 from ...devices import parse_device
 from ...ir import Graph, Node, TensorRef, Value
-from ...ops.flash_attention import cpu_l2, cuda_smem, plan_tiles
+from ...ops.flash_attention import cpu_l2, plan_tiles
 from ..base import PassContext, RewritePass, Skip
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -40,16 +40,13 @@ def _broadcasts(shape, target) -> bool:
 
 def _tile_check(device: str, d: int, sq: int, sk: int) -> Optional[str]:
     """None if the target's tile buffer holds 16×16 tiles at head dim ``d``."""
-    dtype = torch.float32
-    if device == "cuda":
-        buf, src = cuda_smem()
-        target = "triton"
-    elif parse_device(device).kind == "vnpu":
-        buf, src = parse_device(device).tile_buffer()
+    dev = parse_device(device)
+    if dev.kind == "vnpu":
+        buf, src = dev.tile_buffer()   # the vnpu's Unified Buffer
         target, dtype = "cube", torch.float16
     else:
         buf, src = cpu_l2()
-        target = "cpu"
+        target, dtype = "cpu", torch.float32
     try:
         plan_tiles(buf, d, dtype, seq_q=sq, seq_k=sk, target=target)
     except ValueError as e:

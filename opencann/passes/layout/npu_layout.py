@@ -171,9 +171,10 @@ class NpuLayoutSelection(Pass):
     devices = ("vnpu",)
 
     def run(self, graph: Graph, ctx: PassContext) -> int:
-        if parse_device(ctx.device).kind != "vnpu":   # also validates the preset early
+        dev = parse_device(ctx.device)   # also validates the preset early
+        if dev.kind != "vnpu":
             return 0
-        spec = parse_device(ctx.device).spec
+        spec = dev.spec
         casts = 0 if "float32" in spec.cube_dtypes else _cube_fp16_casts(graph, ctx)
         for n in graph.nodes:
             if n.op != "HostFallback":
