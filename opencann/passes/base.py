@@ -63,6 +63,8 @@ class PassContext:
         self.skip(Skip(reason, node, detail))
 
     def skip(self, s: Skip) -> None:
+        """Record the `Skip` ``s`` of the running pass (its ``node`` set: where the
+        report shows it)."""
         self.events.append(("skipped", s))
 
     def note(self, text: str) -> None:
@@ -98,14 +100,21 @@ class Pass:
         return not self.devices or parse_device(device, load=False).kind in self.devices
 
     def run(self, graph: Graph, ctx: PassContext) -> int:  # pragma: no cover - abstract
+        """Transform ``graph`` in place; returns the number of rewrites (0: unchanged).
+        Rewrites and skips are recorded with ``ctx.applied``/``ctx.skipped``, a one-line
+        summary with ``ctx.note``."""
         raise NotImplementedError
 
 
 class RewritePass(Pass):
-    """A rule: ``match`` each live node whose op is in ``ops`` (in graph order, nodes
-    added by earlier rewrites included), ``rewrite`` each match; skips are recorded."""
+    """A rule: ``match`` each live node whose op is in ``ops`` (in graph order, over the
+    nodes present when the pass starts), ``rewrite`` each match; skips are recorded."""
 
     def run(self, graph: Graph, ctx: PassContext) -> int:
+        """Call `match` on each node of the node list as it is when the pass starts
+        (graph order; nodes erased since, and nodes whose op is not in ``ops``, passed over),
+        record each `Skip` (at the root when it names no node) and `rewrite` each match.
+        Returns the sum of the rewrites' counts."""
         n = 0
         for node in list(graph.nodes):
             if node.erased or (self.ops and node.op not in self.ops):
@@ -136,12 +145,24 @@ class PassManager:
         self.passes = passes
 
     def names(self) -> List[str]:
+        """The passes' names in run order (the names ``disable``/``enable`` take)."""
         return [p.name for p in self.passes]
 
     def stages(self) -> List[str]:
+        """The passes' stages, each once, in order of first appearance."""
         return list(dict.fromkeys(p.stage for p in self.passes))
 
     def run(self, graph: Graph, ctx: PassContext) -> Graph:
+        """Run the passes in order on ``graph`` (in place); returns ``graph``.
+
+        A switched-off pass is recorded (``enabled=False``) without running; a pass whose
+        ``devices`` exclude ``ctx.device`` is recorded with its ``off_device_note``. Each pass
+        adds a `PassRecord` to ``ctx.report.passes`` and its rewrites and skips to
+        ``report.applied``/``report.skipped``; ``ctx.observe`` sees the graph after the last
+        pass of each run of same-stage passes (if that pass is ``observed``). Raises
+        ValueError for an unknown name in ``disable``/``enable`` (listing the names) or a
+        ``required`` pass disabled, and `GraphError` when ``options["verify"]`` finds a
+        broken invariant after a pass."""
         disable = set(ctx.options.get("disable", ()))
         enable = set(ctx.options.get("enable", ()))
         unknown = (disable | enable) - set(self.names())

@@ -295,6 +295,12 @@ class FuseFlashAttention(RewritePass):
     default_enabled = False
 
     def match(self, node: Node, graph: Graph, ctx: PassContext):
+        """ScaledDotProductAttention: an `_Attention` match, or a `Skip` with the first
+        reason FlashAttention cannot take it (dropout, ranks, dtypes, head dims, shapes, heads,
+        mask, tile plan: `_check`). BatchMatMul: None unless its first operand is (through
+        no-op views) a SoftmaxV2, else the spelled-out softmax(scale·q kᵀ + mask)·v chain
+        (`_match_spelled_out`) or a `Skip` saying which part differs; a bool mask added to the
+        scores is refused (it adds 0/1)."""
         if node.op == "ScaledDotProductAttention":
             return self._match_sdpa(node, ctx)
         m = _match_spelled_out(node, graph)
@@ -319,6 +325,8 @@ class FuseFlashAttention(RewritePass):
         return _Attention(q, k, v, mask, node.attrs.get("scale"), [node], node, sdpa=True)
 
     def rewrite(self, graph: Graph, m: _Attention, ctx: PassContext) -> int:
+        """Replace the SDPA node, or the whole spelled-out chain, by one FlashAttention
+        node (spelled-out: rows whose mask is all -inf give NaN, as softmax does); returns 1."""
         last = m.last
         if m.sdpa:
             fa = _make(graph, m.q, m.k, m.v, m.mask, last.attrs.get("is_causal", False), m.scale,

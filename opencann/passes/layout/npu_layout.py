@@ -171,6 +171,10 @@ class NpuLayoutSelection(Pass):
     devices = ("vnpu",)
 
     def run(self, graph: Graph, ctx: PassContext) -> int:
+        """Place, select formats, insert and eliminate TransData (module docstring,
+        steps 1-4) for ``ctx.device`` (a ``vnpu[:<preset>]``; another kind: 0, unchanged).
+        Returns the number of nodes in NPU formats plus the TransData nodes kept. Raises
+        `DeviceError` for an unknown preset."""
         dev = parse_device(ctx.device)   # also validates the preset early
         if dev.kind != "vnpu":
             return 0
