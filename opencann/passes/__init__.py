@@ -7,7 +7,7 @@ from .layout import LayoutSelection, NpuLayoutSelection
 from .memory import MemoryPlanning, plan_memory
 from .prepare import (CommonSubexpressionElimination, ConstantFolding, DeadCodeElimination,
                       IdentityElimination, MixedPrecision)
-from .schedule import SingleStreamSchedule
+from .schedule import SingleStreamSchedule, apply_schedule
 
 
 def default_pipeline() -> PassManager:
@@ -27,4 +27,5 @@ __all__ = ["Pass", "PassContext", "PassManager", "RewritePass", "Skip", "default
            "plan_memory", "MemoryPlanning", "ConstantFolding", "DeadCodeElimination",
            "CommonSubexpressionElimination", "IdentityElimination", "MixedPrecision",
            "FoldBatchNorm", "FuseConvAct", "FuseConvAddAct", "FuseLinearAct",
-           "FuseFlashAttention", "LayoutSelection", "NpuLayoutSelection", "SingleStreamSchedule"]
+           "FuseFlashAttention", "LayoutSelection", "NpuLayoutSelection", "SingleStreamSchedule",
+           "apply_schedule"]
