@@ -19,6 +19,13 @@ from ..ir import DataType, Node, TensorDesc, TensorListRef, TensorRef, numel
 
 
 class OpKind(enum.Enum):
+    """The class of an op. It decides the default `OpDef.cost` (VIEW: nothing;
+    REDUCTION: FLOPs per input element; DATA, CREATION: bytes only), view-ness (VIEW
+    outputs alias their input and get no ``.out`` kernel), mixed precision (MATMUL, CONV,
+    ATTENTION are lowered; ELEMENTWISE, VIEW, DATA follow their inputs), the vnpu estimate
+    of DATA/CREATION ops without a ``device_cost`` (copy / fill), and constant folding
+    (FUSED nodes are never folded)."""
+
     ELEMENTWISE = "elementwise"
     REDUCTION = "reduction"
     MATMUL = "matmul"
@@ -315,10 +322,13 @@ def output_aliases(node: Node) -> List[Tuple[int, ...]]:
 
 
 def lookup_aten(target) -> Optional[OpDef]:
+    """The registered `OpDef` implementing the ATen overload ``target`` (e.g.
+    ``torch.ops.aten.relu.default``), or None when no op is registered for it."""
     return _BY_ATEN.get(target)
 
 
 def all_ops() -> List[OpDef]:
+    """Every registered `OpDef`, in registration order (a new list)."""
     return list(_REGISTRY.values())
 
 
