@@ -62,6 +62,9 @@ class OpDef:
     annotations at registration (``view(Tensor(a) self, ...) -> Tensor(a)``) unless
     declared; ``None`` (an op without an ATen overload that declares nothing) means
     unknown: every output may alias every tensor input. See `output_aliases`.
+    ``primary_only``: the op that computes output 0 alone from the same attributes,
+    cheaper because it skips the others (max.dim's indices ⇒ amax); the pass
+    ``drop_unused_outputs`` runs it instead when no other output is read (inference).
     """
 
     name: str
@@ -75,6 +78,7 @@ class OpDef:
     out_names: Tuple[str, ...] = ()
     aliases: Optional[Tuple[Tuple[str, ...], ...]] = None
     cost_fn: Optional[Callable[[Node], Cost]] = None
+    primary_only: Optional[str] = None
     doc: str = ""
 
     @property

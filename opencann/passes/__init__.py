@@ -1,6 +1,7 @@
 """The optimization pipeline (five stages: prepare, fusion, layout, memory, schedule)."""
 from .attention import FuseFlashAttention
 from .base import Pass, PassContext, PassManager
+from .drop_unused_outputs import DropUnusedOutputs
 from .fusion import FoldBatchNorm, FuseConvAct, FuseConvAddAct, FuseLinearAct
 from .layout import LayoutSelection
 from .memory import plan_memory
@@ -16,7 +17,7 @@ def default_pipeline() -> PassManager:
     on the final order, in the compiler.)"""
     return PassManager([
         ConstantFolding(), DeadCodeElimination(), CommonSubexpressionElimination(),
-        IdentityElimination(), MixedPrecision(),
+        IdentityElimination(), DropUnusedOutputs(), MixedPrecision(),
         FoldBatchNorm(), FuseConvAct(), FuseConvAddAct(), FuseLinearAct(), FuseFlashAttention(),
         DeadCodeElimination(), LayoutSelection(), NpuLayoutSelection(), SingleStreamSchedule(),
     ])
