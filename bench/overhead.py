@@ -4,11 +4,13 @@ the same chain in eager PyTorch.
 
     .venv/bin/python bench/overhead.py [--ops 100 400] [--reps 2000] [--threads 1]
 
-Per chain length: µs per call and per op, compiled and eager. The marginal cost
+Per chain length: µs per call and per op, compiled (kernels bound through
+`opencann.runtime.fast_call`, and every kernel bound as its OpOverload) and eager. The marginal cost
 (difference of two lengths' call times / difference of op counts) removes the fixed
 cost of a call (argument binding, input checks, output copies) and is the per-op figure
-the issue holds to ≤ 5 µs. Times are the minimum over ``--rounds`` rounds of the mean
-of ``--reps`` calls (the least disturbed estimate on a shared machine). Writes
+the issue holds to ≤ 5 µs. Times are the minimum over ``--rounds`` rounds (variants
+interleaved) of the mean of ``--reps`` calls: the least disturbed estimate on a shared
+machine. Writes
 bench/results/overhead.json.
 """
 from __future__ import annotations
@@ -18,11 +20,13 @@ import json
 import os
 import sys
 import time
+from typing import Callable, Dict
 
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import opencann  # noqa: E402
+from opencann.runtime import fast_call  # noqa: E402
 
 
 class Chain(torch.nn.Module):
@@ -48,24 +52,28 @@ class Chain(torch.nn.Module):
         return x
 
 
-def per_call_us(fn, args, reps: int, rounds: int) -> float:
-    best = float("inf")
+def per_call_us(fns: Dict[str, Callable], args, reps: int, rounds: int) -> Dict[str, float]:
+    """Per variant, the minimum over rounds of the mean time of ``reps`` calls (µs);
+    the variants take turns within each round."""
+    best = {k: float("inf") for k in fns}
     with torch.no_grad():
-        for _ in range(3):
-            fn(*args)
-        for _ in range(rounds):
-            t0 = time.perf_counter()
-            for _ in range(reps):
+        for fn in fns.values():
+            for _ in range(3):
                 fn(*args)
-            best = min(best, (time.perf_counter() - t0) / reps)
-    return best * 1e6
+        for _ in range(rounds):
+            for k, fn in fns.items():
+                t0 = time.perf_counter()
+                for _ in range(reps):
+                    fn(*args)
+                best[k] = min(best[k], (time.perf_counter() - t0) / reps * 1e6)
+    return best
 
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--ops", type=int, nargs=2, default=[100, 400], metavar=("SHORT", "LONG"))
-    ap.add_argument("--reps", type=int, default=300, help="calls per round")
-    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--reps", type=int, default=200, help="calls per round")
+    ap.add_argument("--rounds", type=int, default=9)
     ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -73,23 +81,28 @@ def main(argv=None) -> None:
     rows = []
     for n in args.ops:
         m = Chain(n).eval()
-        cm = opencann.compile(m, (x, y))
+        compiled = {}
+        for variant, on in (("opencann", True), ("overloads", False)):
+            fast_call.ENABLED = on
+            compiled[variant] = opencann.compile(m, (x, y))
+        fast_call.ENABLED = True
+        cm = compiled["opencann"]
         nodes = len(cm.graph.nodes)
         torch.testing.assert_close(cm(x, y), m(x, y))
-        c = per_call_us(cm, (x, y), args.reps, args.rounds)
-        e = per_call_us(m, (x, y), args.reps, args.rounds)
-        raw = per_call_us(cm.executor.run, ([x, y],), args.reps, args.rounds)
-        rows.append(dict(ops=n, nodes=nodes, opencann_us=c, executor_us=raw, eager_us=e))
-        print(f"{n} ops ({nodes} nodes): opencann {c:.0f} µs/call ({c / nodes:.2f} µs/op), "
-              f"executor alone {raw:.0f} µs ({raw / nodes:.2f} µs/op), "
-              f"eager {e:.0f} µs ({e / n:.2f} µs/op)")
+        t = per_call_us({"opencann": cm, "overloads": compiled["overloads"], "eager": m},
+                        (x, y), args.reps, args.rounds)
+        rows.append(dict(ops=n, nodes=nodes, opencann_us=t["opencann"],
+                         overloads_us=t["overloads"], eager_us=t["eager"]))
+        print(f"{n} ops ({nodes} nodes): opencann {t['opencann']:.0f} µs/call "
+              f"({t['opencann'] / nodes:.2f} µs/op); with every kernel bound as its "
+              f"OpOverload {t['overloads']:.0f} µs ({t['overloads'] / nodes:.2f} µs/op); "
+              f"eager {t['eager']:.0f} µs ({t['eager'] / n:.2f} µs/op)", flush=True)
     a, b = rows
-    dn = b["nodes"] - a["nodes"]
-    marg = {k: (b[k] - a[k]) / dn for k in ("opencann_us", "executor_us")}
-    marg["eager_us"] = (b["eager_us"] - a["eager_us"]) / (b["ops"] - a["ops"])
-    fixed = a["opencann_us"] - marg["opencann_us"] * a["nodes"]
-    print(f"marginal per op: opencann {marg['opencann_us']:.2f} µs, eager {marg['eager_us']:.2f} µs;"
-          f" fixed per call: opencann {fixed:.0f} µs")
+    marg = {k: (b[k] - a[k]) / (b["ops"] - a["ops"]) for k in ("opencann_us", "overloads_us", "eager_us")}
+    fixed = a["opencann_us"] - marg["opencann_us"] * a["ops"]
+    print(f"marginal per op: opencann {marg['opencann_us']:.2f} µs (as OpOverloads "
+          f"{marg['overloads_us']:.2f} µs), eager {marg['eager_us']:.2f} µs; fixed per call: "
+          f"opencann {fixed:.0f} µs")
     out = os.path.join(os.path.dirname(__file__), "results", "overhead.json")
     os.makedirs(os.path.dirname(out), exist_ok=True)
     with open(out, "w") as f:

@@ -24,10 +24,11 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 import torch
 
 from ..ir import Graph, MemoryPlan, TensorListRef, TensorRef, Value, is_dense
-from ..ops import get_op, output_aliases, storage_roots
+from ..ops import call_args, get_op, output_aliases, storage_roots
 from ..ops.fused import KERNEL_FACTORIES, OUT_CAPABLE
 from ..ops.opdef import DEVICE_KERNEL_FACTORIES
 from .alias_check import AliasChecker, AliasingError, enabled_by_env
+from .fast_call import fast_callable
 
 
 def _traced_strides(v: Value) -> Optional[tuple]:
@@ -252,12 +253,12 @@ class Executor:
                             lines.append(f"    _e{j} = torch.empty_strided(S{o.id}[0], S{o.id}[1], "
                                          f"dtype=S{o.id}[2])")
                     glb.setdefault("torch", torch)
-                    glb[target] = op.out_kernel
+                    glb[target] = self._fast(node, op.out_kernel, op.out_names)
                     outkw = ", ".join(f"{n}={b}" for n, b in zip(op.out_names, bufnames))
                     lines.append(f"    {target}({args}{', ' if args else ''}{outkw})")
                     lines.append(f"    {', '.join(outs)} = {', '.join(bufnames)}")
                 else:
-                    glb[target] = aten
+                    glb[target] = self._fast(node, aten)
                     self._emit_result(lines, node, lhs, outs, bufnames, f"{target}({args})")
             for k, o in enumerate(node.outputs):
                 # a kernel's own allocation, in the layout it chose: give it the traced
@@ -302,6 +303,17 @@ class Executor:
         exec(self._code, glb)  # noqa: S102 - our codegen
         self._glb = glb
         return glb["_run"]
+
+    def _fast(self, node, overload, out_names=()) -> Callable:
+        """``overload`` or the public torch function proven to reach it (`fast_callable`),
+        checked with the node's arguments on meta tensors."""
+        metas = [torch.empty(v.desc.shape, dtype=v.desc.dtype.torch, device="meta")
+                 for v in node.inputs]
+        args, kwargs = call_args(node, metas)
+        for name, o in zip(out_names, node.outputs):
+            shape, strides, dtype = self._fresh_args(o)
+            kwargs[name] = torch.empty_strided(shape, strides, dtype=dtype, device="meta")
+        return fast_callable(overload, args, kwargs)
 
     @staticmethod
     def _layout_sensitive(g: Graph) -> set:
