@@ -78,25 +78,24 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     x, y = torch.randn(8), torch.randn(8)
-    rows = []
+    fns, nodes = {}, {}
     for n in args.ops:
         m = Chain(n).eval()
-        compiled = {}
         for variant, on in (("opencann", True), ("overloads", False)):
             fast_call.ENABLED = on
-            compiled[variant] = opencann.compile(m, (x, y))
+            fns[(variant, n)] = opencann.compile(m, (x, y))
         fast_call.ENABLED = True
-        cm = compiled["opencann"]
-        nodes = len(cm.graph.nodes)
-        torch.testing.assert_close(cm(x, y), m(x, y))
-        t = per_call_us({"opencann": cm, "overloads": compiled["overloads"], "eager": m},
-                        (x, y), args.reps, args.rounds)
-        rows.append(dict(ops=n, nodes=nodes, opencann_us=t["opencann"],
-                         overloads_us=t["overloads"], eager_us=t["eager"]))
-        print(f"{n} ops ({nodes} nodes): opencann {t['opencann']:.0f} µs/call "
-              f"({t['opencann'] / nodes:.2f} µs/op); with every kernel bound as its "
-              f"OpOverload {t['overloads']:.0f} µs ({t['overloads'] / nodes:.2f} µs/op); "
-              f"eager {t['eager']:.0f} µs ({t['eager'] / n:.2f} µs/op)", flush=True)
+        torch.testing.assert_close(fns[("opencann", n)](x, y), m(x, y))
+        nodes[n] = len(fns[("opencann", n)].graph.nodes)
+        fns[("eager", n)] = m
+    t = per_call_us(fns, (x, y), args.reps, args.rounds)   # every variant, every length: interleaved
+    rows = []
+    for n in args.ops:
+        c, o, e = t[("opencann", n)], t[("overloads", n)], t[("eager", n)]
+        rows.append(dict(ops=n, nodes=nodes[n], opencann_us=c, overloads_us=o, eager_us=e))
+        print(f"{n} ops ({nodes[n]} nodes): opencann {c:.0f} µs/call ({c / nodes[n]:.2f} µs/op); "
+              f"with every kernel bound as its OpOverload {o:.0f} µs ({o / nodes[n]:.2f} µs/op); "
+              f"eager {e:.0f} µs ({e / n:.2f} µs/op)")
     a, b = rows
     marg = {k: (b[k] - a[k]) / (b["ops"] - a["ops"]) for k in ("opencann_us", "overloads_us", "eager_us")}
     fixed = a["opencann_us"] - marg["opencann_us"] * a["ops"]
