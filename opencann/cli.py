@@ -1,4 +1,5 @@
-"""The ``opencann`` command line: demo, compile, run, bench, estimate, train-demo, inspect, fuzz.
+"""The ``opencann`` command line: demo, compile, run, bench, estimate, train-demo, inspect, fuzz,
+doctor, analyze, compare.
 
     opencann demo                               # the main job on the embedded default
     opencann compile resnet50 --report r.json   # zoo name, file.py:factory or m.onnx
@@ -9,6 +10,9 @@
     opencann atc --model m.onnx --framework 5 --output m --soc_version Ascend910B   # -> m.ocm
     opencann inspect m.ocm [--json]             # a saved model file (opencann.save)
     opencann fuzz --cases 10000 --out fuzz_failures/   # differential fuzzing against eager
+    opencann doctor [--json]                    # versions, CPU ISA, oneDNN/MKL, GPU, vnpu
+    opencann analyze m.py:factory [--device vnpu]   # op-support audit with source lines
+    opencann compare resnet50 --html r.html --bisect   # layer-by-layer vs eager; guilty pass
 """
 from __future__ import annotations
 
@@ -198,6 +202,9 @@ def _max_diff(a, b) -> str:
 
 
 def cmd_demo(args) -> int:
+    """``opencann demo``: all-MiniLM-L6-v2 (real weights) on the zoo's sentences (cosine-similarity
+    table) and ResNet-50 on the sample image, compiled vs eager: max difference, median latency
+    (ms, ``--runs`` runs, ``--threads`` threads) and the compile reports. Returns 0."""
     from rich.table import Table
 
     from . import zoo
@@ -245,6 +252,9 @@ def cmd_demo(args) -> int:
 
 
 def cmd_compile(args) -> int:
+    """``opencann compile MODEL``: compile and print the report summary (``-v``: the full text);
+    ``--report`` writes the JSON report, ``--dot`` the optimized graph. Returns 0. Raises
+    CliError for ``--options`` that is not valid JSON."""
     zm = _load(args.model, args.batch, args.seq)
     try:
         options = json.loads(args.options) if args.options else None
@@ -266,6 +276,9 @@ def cmd_compile(args) -> int:
 
 
 def cmd_run(args) -> int:
+    """``opencann run MODEL``: compile, run once and print the max difference to eager PyTorch
+    (ONNX: to onnxruntime when installed); ``--trace`` writes a Chrome trace (µs) and lists the
+    10 slowest ops. Returns 0."""
     zm = _load(args.model, args.batch, args.seq)
     cm = _compile(zm)
     if isinstance(zm, OnnxFile):
@@ -292,6 +305,8 @@ def cmd_run(args) -> int:
 
 
 def cmd_bench(args) -> int:
+    """``opencann bench MODEL``: median latency in ms of eager and compiled (``--runs`` runs,
+    ``--threads`` threads). Returns 0. Raises CliError for an ONNX model (no eager reference)."""
     from .timing import median_ms
     torch.set_num_threads(args.threads)
     zm = _load(args.model, args.batch, args.seq)
@@ -375,6 +390,8 @@ def _csv(s):
 
 
 def cmd_fuzz(args) -> int:
+    """``opencann fuzz``: differential fuzzing (`opencann.tools.fuzz.run_fuzz`) with the command's
+    options; prints progress and the summary. Returns 1 when a check failed, else 0."""
     from .tools.fuzz import BACKENDS, run_fuzz
     backends = list(BACKENDS) if args.backend == "all" else _csv(args.backend)
     every = {"dynamo": args.dynamo_every} if args.dynamo_every > 1 else None
@@ -389,10 +406,121 @@ def cmd_fuzz(args) -> int:
     return 1 if res.failures else 0
 
 
-def main(argv=None) -> int:
-    p = _Parser(prog="opencann", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = p.add_subparsers(dest="cmd", required=True)
+def _json_options(text):
+    try:
+        return json.loads(text) if text else {}
+    except json.JSONDecodeError as e:
+        raise CliError(f"--options is not valid JSON ({e.msg} at column {e.colno}); e.g. "
+                       "--options '{\"disable\": [\"cse\"]}'") from None
+
+
+def cmd_doctor(args) -> int:
+    """Environment checks (opencann.tools.doctor); exit 1 when one is an error."""
+    from .tools.doctor import doctor, to_json
+    checks = doctor()
+    if args.json:
+        print(json.dumps(to_json(checks), indent=2))
+    else:
+        mark = {"ok": "[green]ok[/green]", "warning": "[yellow]warning[/yellow]", "error": "[red]error[/red]"}
+        for c in checks:
+            console.print(f"{mark[c.status]:>26s}  {c.name:12s} {escape(c.value)}"
+                          + (f"\n{'':16s}fix: {escape(c.advice)}" if c.advice else ""))
+    return 1 if any(c.status == "error" for c in checks) else 0
+
+
+def cmd_analyze(args) -> int:
+    """Op-support audit (opencann.tools.analyze); exit 1 when an op keeps the model
+    from compiling into one device graph."""
+    from .tools.analyze import analyze, analyze_onnx
+    zm = _load(args.model, args.batch, args.seq)
+    if isinstance(zm, OnnxFile):
+        a = analyze_onnx(zm.path, args.device)
+    else:
+        a = analyze(zm.model, zm.example_inputs, args.device, name=zm.name)
+    if args.json:
+        print(json.dumps(a.to_dict(), indent=2))
+    else:
+        console.print(a.to_text(), markup=False, highlight=False)
+    return a.exit_code
+
+
+def _compare_table(res, rows: int) -> str:
+    """The first diverging layer and its neighbours (or the first rows), one per line."""
+    i = res.first_divergence if res.first_divergence is not None else 0
+    lo = max(0, i - rows // 2)
+    lines = [f"{'#':>4} {'node':28s} {'op':12s} {'dtype':9s} {'cosine':>10s} {'max abs':>9s} "
+             f"{'rel RMSE':>9s} {'1/1000':>6s}  status  source"]
+    for r in res.layers[lo:lo + rows]:
+        lines.append(f"{r.index:4d} {r.node[:28]:28s} {r.op[:12]:12s} {r.dtype:9s} {r.cosine:10.6f} "
+                     f"{r.max_abs:9.2e} {r.rel_rmse:9.2e} {r.thousandth:6.3f}  {r.status:6s}  "
+                     f"{r.module} ({r.source})" + ("  <- first divergence" if r.index == res.first_divergence else ""))
+    return "\n".join(lines)
+
+
+def cmd_compare(args) -> int:
+    """Layer-by-layer accuracy against eager (opencann.tools.compare), CSV/HTML, and
+    --bisect; exit 1 when the outputs fail their thresholds."""
+    from .tools.compare import Session
+    zm = _load(args.model, args.batch, args.seq)
+    if isinstance(zm, OnnxFile):
+        raise CliError("compare checks against eager PyTorch and takes zoo names or "
+                       "file.py:factory; for an .onnx file use opencann run (against onnxruntime)")
+    options = _json_options(args.options)
+    if args.precision_mode:
+        options["precision_mode"] = args.precision_mode
+    with console.status(f"capturing {zm.name} and running it eagerly..."):
+        s = Session(zm.model, zm.example_inputs)
+    with console.status("compiling and comparing layer by layer..."):
+        res = s.run(args.device, options)
+    console.print(res.summary(), markup=False, highlight=False)
+    console.print(_compare_table(res, args.rows), markup=False, highlight=False)
+    if args.csv:
+        res.to_csv(args.csv)
+        console.print(f"CSV written to {args.csv}", markup=False, highlight=False)
+    if args.html:
+        from .tools.compare_html import write_html
+        write_html(res, args.html)
+        console.print(f"HTML written to {args.html}", markup=False, highlight=False)
+    if args.bisect:
+        from .tools.bisect import bisect
+        b = bisect(zm.model, zm.example_inputs, args.device, options, on=args.bisect_on,
+                   session=s, progress=lambda m: console.print(m, markup=False, highlight=False))
+        console.print(f"bisect ({b.compiles} compiles): {b.message}", markup=False, highlight=False)
+    return 1 if res.status == "fail" else 0
+
+
+def _add_migration_commands(sub) -> None:
+    """doctor, analyze, compare: the migration toolkit (docs/migration.md)."""
+    d = sub.add_parser("doctor", help="check versions, CPU, oneDNN/MKL, threads, GPU, vnpu presets")
+    d.add_argument("--json", action="store_true", help="print JSON instead of text")
+    d.set_defaults(fn=cmd_doctor)
+    for name, fn, hlp in (("analyze", cmd_analyze, "op-support audit: host fallbacks, custom "
+                           "ops, data-dependent branches, ops without a device kernel"),
+                          ("compare", cmd_compare, "layer-by-layer accuracy against eager "
+                           "(cosine, max abs/rel, relative RMSE, 1/1000 ratio); --bisect")):
+        s = sub.add_parser(name, help=hlp)
+        s.add_argument("model", help="zoo name (minilm, bert-base, gpt2, resnet50), file.py:factory"
+                       + (" or an .onnx file" if name == "analyze" else ""))
+        s.add_argument("--device", default="cpu", help="cpu or vnpu[:preset]")
+        s.add_argument("--batch", type=positive_int, default=1)
+        s.add_argument("--seq", type=positive_int, default=128)
+        s.set_defaults(fn=fn)
+        if name == "analyze":
+            s.add_argument("--json", action="store_true", help="print JSON instead of text")
+            continue
+        s.add_argument("--precision-mode", help="CANN precision mode, e.g. allow_mix_precision_bf16")
+        s.add_argument("--options", help='compile options as JSON, e.g. \'{"disable": ["cse"]}\'')
+        s.add_argument("--csv", type=output_file, help="write every layer's metrics here")
+        s.add_argument("--html", type=output_file, help="write a self-contained HTML report here")
+        s.add_argument("--rows", type=positive_int, default=12, help="layers shown around the first divergence")
+        s.add_argument("--bisect", action="store_true", help="find the pass and rewrite that "
+                       "cause a divergence of the outputs")
+        s.add_argument("--bisect-on", choices=("fail", "warn"), default="fail",
+                       help="the output status that counts as a divergence")
+
+
+def _add_model_commands(sub) -> None:
+    """demo, compile, run and bench: the commands that take a zoo name or model file."""
     d = sub.add_parser("demo", help="the main job: MiniLM and ResNet-50, compiled vs eager")
     d.add_argument("--runs", type=positive_int, default=10)
     d.add_argument("--threads", type=positive_int, default=torch.get_num_threads())
@@ -419,6 +547,10 @@ def main(argv=None) -> int:
             s.add_argument("--runs", type=positive_int, default=10)
             s.add_argument("--threads", type=positive_int, default=torch.get_num_threads())
     d.set_defaults(fn=cmd_demo)
+
+
+def _add_tool_commands(sub) -> None:
+    """estimate and train-demo (their arguments come from their tools' modules)."""
     from .tools.estimate import add_arguments as _est_args, run_args as _est_run
     e = sub.add_parser("estimate", help="time, HBM traffic and memory on a virtual NPU")
     _est_args(e)
@@ -428,6 +560,10 @@ def main(argv=None) -> int:
     from .tools.train_demo import add_arguments as _train_args, run_args as _train_run
     _train_args(t, minilm_steps=4)  # show transformer training too
     t.set_defaults(fn=_train_run)
+
+
+def _add_atc_command(sub) -> None:
+    """atc, with ATC's flag names, and inspect (a saved model file)."""
     from .tools import atc as _atc
     a = sub.add_parser("atc", help="ATC-style conversion to a model file (.ocm), with ATC's "
                        "flag names")
@@ -453,6 +589,10 @@ def main(argv=None) -> int:
     ins.add_argument("file", help="a file written by opencann.save")
     ins.add_argument("--json", action="store_true", help="print JSON instead of text")
     ins.set_defaults(fn=cmd_inspect)
+
+
+def _add_fuzz_command(sub) -> None:
+    """fuzz: differential fuzzing against eager."""
     f = sub.add_parser("fuzz", help="differential fuzzing: random small programs compiled "
                        "and checked against eager; failures shrunk to minimal repros")
     f.add_argument("--cases", type=positive_int, default=200, help="number of programs")
@@ -470,7 +610,27 @@ def main(argv=None) -> int:
     f.add_argument("--dynamo-every", type=int, default=1,
                    help="run torch.compile on every k-th program only (it is the slowest backend)")
     f.set_defaults(fn=cmd_fuzz)
-    args = p.parse_args(argv)
+
+
+def _parser() -> argparse.ArgumentParser:
+    """The ``opencann`` argument parser, one subcommand per ``cmd_*``."""
+    p = _Parser(prog="opencann", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    _add_model_commands(sub)
+    _add_tool_commands(sub)
+    _add_atc_command(sub)
+    _add_fuzz_command(sub)
+    _add_migration_commands(sub)
+    return p
+
+
+def main(argv=None) -> int:
+    """Run the ``opencann`` command line with ``argv`` (default ``sys.argv[1:]``); returns
+    the exit status: 0 on success, 1 when a command reports failures (fuzz), 2 for bad
+    input or a failed compile/run, printed as one ``error:`` line on stderr. Argument
+    errors exit through argparse (status 2)."""
+    args = _parser().parse_args(argv)
     if args.cmd == "atc":
         args.output_dir = os.path.dirname(args.output)
     try:

@@ -14,17 +14,18 @@ from typing import Any, Dict, Optional, Sequence, Tuple
 import torch
 import torch.utils._pytree as pytree
 
+from .devices import KINDS, parse_device
 from .frontend.torch import capture, check_layout, from_exported_program
 from .ir import Graph, MemoryPlan
 from .log import logger
 from .options import KNOWN_OPTIONS, check_options  # noqa: F401  (KNOWN_OPTIONS re-exported)
 from .ops import Cost, get_op, is_random
-from .passes import PassContext, default_pipeline, plan_memory
+from .passes import Pass, PassContext, PassManager, default_pipeline
 from .report import CompileReport, PassRecord
 from .runtime import DEFAULT_CONCURRENT_CALLS, Executor, ExecutorPool
 from .runtime.call_binding import bind_call, forward_arg_names, input_labels
 
-SUPPORTED_DEVICES = ("cpu", "vnpu")
+SUPPORTED_DEVICES = KINDS
 # opencann.compile runs one at a time: torch.export is not thread-safe (concurrent exports
 # corrupt its mode stack and leave builtins patched), and compiling is CPU-bound anyway
 _COMPILE_LOCK = threading.RLock()
@@ -74,21 +75,50 @@ def _fallbacks(graph: Graph) -> Dict[str, Dict[str, Any]]:
 
 
 def _check_device(device: str) -> str:
-    device = str(device)
-    if device.split(":")[0] not in SUPPORTED_DEVICES:
-        raise ValueError(f"device {device!r} is not supported by the compiler yet; use one of "
-                         f"{list(SUPPORTED_DEVICES)} (vnpu as vnpu:<preset> or vnpu:<spec file>)")
-    if device.split(":")[0] == "cpu" and device not in ("cpu", "cpu:0"):
-        raise ValueError(f"device {device!r}: the host is one device, 'cpu'")
-    if device.startswith("vnpu"):
-        from .passes.vnpu_layout import npu_spec_for
-        npu_spec_for(device)   # ValueError listing the presets for vnpu:<unknown>
-    return device
+    """``device`` checked by `devices.parse_device` (ValueError naming what to write)."""
+    return parse_device(device).name
+
+
+class BindKernels(Pass):
+    """The last stage, in the runtime: make the graph's constants its own
+    (`snapshot_constants` of ``ctx.artifacts["live_tensors"]``), then bind every kernel
+    to the memory plan (``ctx.artifacts["memory_plan"]``) in an `Executor`, stored as
+    ``ctx.artifacts["executor"]``; returns the number of results copied out."""
+
+    name, stage = "bind_kernels", "runtime"
+    required, observed = True, False
+
+    def run(self, graph: Graph, ctx: PassContext) -> int:
+        """Snapshot the constants and build the `Executor`; returns its copy-out count."""
+        snapshot_constants(graph, ctx.artifacts.get("live_tensors", ()))
+        ex = Executor(graph, ctx.artifacts["memory_plan"],
+                      check_aliasing=ctx.options.get("check_aliasing"))
+        ctx.artifacts["executor"] = ex
+        ctx.note("arena allocated once; kernels pre-bound")
+        return len(ex.copy_out_nodes)
 
 
 def compile_graph(graph: Graph, device: str = "cpu", options: Optional[Dict[str, Any]] = None,
-                  report: Optional[CompileReport] = None) -> "tuple[Graph, MemoryPlan, CompileReport]":
-    """Optimize ``graph`` in place and plan its memory. Returns (graph, plan, report)."""
+                  report: Optional[CompileReport] = None,
+                  pipeline: Optional[PassManager] = None) -> "tuple[Graph, MemoryPlan, CompileReport]":
+    """Optimize ``graph`` in place and plan its memory. Returns (graph, plan, report).
+
+    ``pipeline``: the passes to run (default `default_pipeline`); it must end with the
+    memory stage (`MemoryPlanning`), else ValueError."""
+    ctx = run_pipeline(graph, device, options, report, pipeline or default_pipeline())
+    return graph, ctx.artifacts["memory_plan"], ctx.report
+
+
+def run_pipeline(graph: Graph, device: str, options: Optional[Dict[str, Any]],
+                 report: Optional[CompileReport], pipeline: PassManager,
+                 artifacts: Optional[Dict[str, Any]] = None) -> PassContext:
+    """Run ``pipeline`` on ``graph`` (in place) for ``device``; returns the pass context,
+    whose ``artifacts`` hold what the stages made (``memory_plan``, ``executor``...).
+    Raises ValueError for bad options, host fallbacks when they are off, or a pipeline
+    without a memory stage."""
+    if "memory" not in pipeline.stages():
+        raise ValueError(f"pipeline {pipeline.names()} has no memory stage; end it with "
+                         "opencann.passes.MemoryPlanning()")
     options = check_options(options)
     report = report or CompileReport(model=graph.name, device=device)
     report.op_counts_before = graph.op_counts()
@@ -101,7 +131,8 @@ def compile_graph(graph: Graph, device: str = "cpu", options: Optional[Dict[str,
     for k, v in report.host_fallbacks.items():
         logger.warning("host fallback: %s x%d (no opencann converter) at %s", k, v["count"],
                        "; ".join(v["where"][:3]))
-    ctx = PassContext(options=options, report=report, device=device)
+    ctx = PassContext(options=options, report=report, device=device,
+                      artifacts=dict(artifacts or {}))
     if options.get("dump_graph"):
         from .ir.dump import write_stage
         stages = [0]
@@ -111,15 +142,7 @@ def compile_graph(graph: Graph, device: str = "cpu", options: Optional[Dict[str,
             stages[0] += 1
         dump("input", graph)
         ctx.observe = dump
-    default_pipeline().run(graph, ctx)
-    t0 = time.perf_counter()
-    plan = plan_memory(graph, alignment=options.get("alignment", 64),
-                       inplace=options.get("inplace", True),
-                       copy_out=options.get("copy_out", False), log=logger.debug)
-    report.passes.append(PassRecord("memory_plan", "memory", len(graph.nodes), len(graph.nodes),
-                                    time.perf_counter() - t0, len(plan.inplace),
-                                    note=plan.strategy))
-    report.memory = plan.summary()
+    pipeline.run(graph, ctx)
     effects = sorted(set(graph.meta.get("dropped_effects", ())))
     if effects:
         report.notes.append(f"side-effect checks dropped ({', '.join(effects)}): e.g. linalg.inv "
@@ -132,7 +155,12 @@ def compile_graph(graph: Graph, device: str = "cpu", options: Optional[Dict[str,
     report.op_counts_after = graph.op_counts()
     report.cost_after = graph_cost(graph)
     logger.info("%s", report.summary())
-    return graph, plan, report
+    return ctx
+
+
+def _bind_pipeline() -> PassManager:
+    """The default pipeline with kernel binding as its last stage."""
+    return PassManager(default_pipeline().passes + [BindKernels()])
 
 
 class CompiledModel:
@@ -169,7 +197,8 @@ class CompiledModel:
                  frozen: Optional[Sequence[Tuple[str, torch.Tensor]]] = None,
                  concurrent_calls: int = DEFAULT_CONCURRENT_CALLS,
                  check_aliasing: Optional[bool] = None,
-                 arg_names: Optional[Sequence[Optional[str]]] = None):
+                 arg_names: Optional[Sequence[Optional[str]]] = None,
+                 executor: Optional[Executor] = None):
         self.graph, self.plan, self.report = graph, plan, report
         self._in_spec, self._out_spec = in_spec, out_spec
         # forward's positional parameter names: calls are bound by name (call_binding)
@@ -184,13 +213,14 @@ class CompiledModel:
         # weights are a snapshot (folded, prepacked, copied): detect in-place changes of
         # the module's tensors (weak references: the compiled model never keeps them alive)
         self._frozen = [(n, weakref.ref(t), t._version) for n, t in (frozen or [])]
-        t0 = time.perf_counter()
-        self.executor = Executor(graph, plan, check_aliasing=check_aliasing)
+        if executor is None:   # a loaded model: run the binding stage alone
+            ctx = PassContext(options={"check_aliasing": check_aliasing}, report=report,
+                              artifacts={"memory_plan": plan})
+            PassManager([BindKernels()]).run(graph, ctx)
+            executor = ctx.artifacts["executor"]
+        self.executor = executor
         self.pool = ExecutorPool(lambda: Executor(graph, plan, check_aliasing=check_aliasing),
                                  concurrent_calls, first=self.executor)
-        report.passes.append(PassRecord("bind_kernels", "runtime", len(graph.nodes), len(graph.nodes),
-                                        time.perf_counter() - t0, len(self.executor.copy_out_nodes),
-                                        note="arena allocated once; kernels pre-bound"))
 
     def calling_convention(self) -> Dict[str, Any]:
         """How calls map onto the graph, for `opencann.save`: ``in_spec``/``out_spec``
@@ -338,19 +368,21 @@ def _compile_module(model, example_inputs, device, options, example_kwargs) -> C
     report.passes.append(PassRecord("convert_and_infer", "construct", 0, len(graph.nodes),
                                     time.perf_counter() - t0, len(graph.nodes),
                                     note="FX → IR, shape/dtype inference checked against FX"))
-    graph, plan, report = compile_graph(graph, device, options, report)
     frozen = list(model.named_parameters()) + list(model.named_buffers())
-    snapshot_constants(graph, [t for _, t in frozen] + list(ep.state_dict.values())
-                       + list(ep.constants.values()))
+    live = [t for _, t in frozen] + list(ep.state_dict.values()) + list(ep.constants.values())
+    ctx = run_pipeline(graph, device, options, report, _bind_pipeline(),
+                       artifacts={"live_tensors": live})
     flat, in_spec = pytree.tree_flatten((args, example_kwargs or {}))
     arg_names = forward_arg_names(model)
     from torch.export.graph_signature import InputKind
     user = [s for s in ep.graph_signature.input_specs if s.kind == InputKind.USER_INPUT]
     positions = [i for i, s in enumerate(user) if isinstance(flat[i], torch.Tensor)]
-    return CompiledModel(graph, plan, report, in_spec=in_spec, out_spec=ep.call_spec.out_spec,
-                         input_positions=positions, example_flat=flat, frozen=frozen,
+    return CompiledModel(graph, ctx.artifacts["memory_plan"], report, in_spec=in_spec,
+                         out_spec=ep.call_spec.out_spec, input_positions=positions,
+                         example_flat=flat, frozen=frozen,
                          concurrent_calls=options.get("concurrent_calls", DEFAULT_CONCURRENT_CALLS),
-                         check_aliasing=options.get("check_aliasing"), arg_names=arg_names)
+                         check_aliasing=options.get("check_aliasing"), arg_names=arg_names,
+                         executor=ctx.artifacts["executor"])
 
 
 class OnnxCompiledModel(CompiledModel):
@@ -382,10 +414,13 @@ def compile_onnx(model, device: str = "cpu", options: Optional[Dict[str, Any]] =
     report.passes.append(PassRecord("convert_and_infer", "construct", 0, len(graph.nodes),
                                     time.perf_counter() - t0, len(graph.nodes),
                                     note="ONNX → IR, shapes checked against onnx.shape_inference"))
-    graph, plan, report = compile_graph(graph, device, options, report)
+    ctx = run_pipeline(graph, device, options, report, _bind_pipeline())
     n = len(graph.outputs)
-    return OnnxCompiledModel(graph, plan, report, out_spec=pytree.tree_flatten(tuple(range(n)))[1],
-                             example_flat=[torch.empty(0) for _ in graph.inputs])
+    return OnnxCompiledModel(graph, ctx.artifacts["memory_plan"], report,
+                             out_spec=pytree.tree_flatten(tuple(range(n)))[1],
+                             example_flat=[torch.empty(0) for _ in graph.inputs],
+                             check_aliasing=options.get("check_aliasing"),
+                             executor=ctx.artifacts["executor"])
 
 
 def _nesting_error(args, kwargs, in_spec, arg_names) -> str:

@@ -25,8 +25,15 @@ def fmt_flops(n: float) -> str:
     return f"{n:.0f} FLOP"
 
 
+def _rewrite(entry: Dict[str, str]) -> str:
+    """An applied/skipped entry's rewrite: the pass name, with its variant if any."""
+    return entry["pass"] + (f" ({entry['detail']})" if entry.get("detail") else "")
+
+
 @dataclass
 class PassRecord:
+    """One pass run of a compile: its name and stage, node counts before and after, wall time in
+    seconds, the number of changes, whether it was enabled, and a note."""
     name: str
     stage: str
     nodes_before: int
@@ -39,10 +46,17 @@ class PassRecord:
 
 @dataclass
 class CompileReport:
+    """What a compile did: capture times (s), every pass run, rewrites applied and skipped (each
+    with its reason and source location), host fallbacks, the memory plan's summary (bytes), the
+    graph's cost (FLOPs, bytes) and op counts before and after, and notes. Serialized by
+    `to_json`; printed by `summary` and `to_text`."""
     model: str = ""
     device: str = "cpu"
     capture_seconds: Dict[str, float] = field(default_factory=dict)
     passes: List[PassRecord] = field(default_factory=list)
+    #: rewrites made and matches not rewritten: {"pass": the pass's one name, "detail":
+    #: the variant ("" if none), "nodes": node names joined by "+", "where": source
+    #: location, and for skips "reason"}
     applied: List[Dict[str, str]] = field(default_factory=list)
     skipped: List[Dict[str, str]] = field(default_factory=list)
     host_fallbacks: Dict[str, Dict[str, Any]] = field(default_factory=dict)
@@ -59,11 +73,13 @@ class CompileReport:
         return sum(p.seconds for p in self.passes)
 
     def to_dict(self) -> Dict[str, Any]:
+        """The report as plain data (``dataclasses.asdict``) plus ``opencann_seconds``."""
         d = asdict(self)
         d["opencann_seconds"] = self.opencann_seconds
         return d
 
     def to_json(self, indent: int = 2) -> str:
+        """`to_dict` as JSON text (non-JSON values as ``str``), indented by ``indent``."""
         return json.dumps(self.to_dict(), indent=indent, default=str)
 
     def summary(self) -> str:
@@ -75,11 +91,12 @@ class CompileReport:
         lines.append(f"  nodes: {sum(self.op_counts_before.values())} -> {sum(self.op_counts_after.values())}")
         kinds: Dict[str, int] = {}
         for a in self.applied:
-            kinds[a["pattern"]] = kinds.get(a["pattern"], 0) + 1
+            kinds[_rewrite(a)] = kinds.get(_rewrite(a), 0) + 1
         lines.append("  fusions applied: " + (", ".join(f"{k} x{v}" for k, v in kinds.items()) or "none"))
         sk: Dict[str, int] = {}
         for s in self.skipped:
-            sk[f"{s['pattern']}: {s['reason']}"] = sk.get(f"{s['pattern']}: {s['reason']}", 0) + 1
+            key = f"{_rewrite(s)}: {s['reason']}"
+            sk[key] = sk.get(key, 0) + 1
         if sk:
             lines.append("  skipped:")
             lines += [f"    - {k} (x{v})" for k, v in sk.items()]
@@ -123,10 +140,10 @@ class CompileReport:
                          + (f"  [{p.note}]" if p.note else ""))
         if self.applied:
             lines.append("fusions applied:")
-            lines += [f"  {a['pattern']}: {a['nodes']} at {a['where']}" for a in self.applied]
+            lines += [f"  {_rewrite(a)}: {a['nodes']} at {a['where']}" for a in self.applied]
         if self.skipped:
             lines.append("optimizations not applied:")
-            lines += [f"  {s['pattern']} at {s['node']} ({s['where']}): {s['reason']}" for s in self.skipped]
+            lines += [f"  {_rewrite(s)} at {s['nodes']} ({s['where']}): {s['reason']}" for s in self.skipped]
         if self.host_fallbacks:
             lines.append("host fallbacks (ATen ops with no opencann converter, run on the host):")
             for k, v in self.host_fallbacks.items():

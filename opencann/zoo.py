@@ -29,6 +29,8 @@ SENTENCES = [
 
 @dataclass
 class ZooModel:
+    """A model of the zoo: its name, the ``torch.nn.Module`` (eval mode), example inputs (one
+    call's positional arguments) and a one-line description."""
     name: str
     model: torch.nn.Module
     example_inputs: Tuple[torch.Tensor, ...]
@@ -65,6 +67,8 @@ def tokenize(sentences, max_length: int = 32):
 
 
 def bert_base(batch: int = 1, seq: int = 128) -> ZooModel:
+    """BERT-base from its transformers config with seeded random weights (SDPA attention). Input:
+    input_ids int64 [batch, seq] in [0, 30000)."""
     from transformers import BertConfig, BertModel
     torch.manual_seed(0)
     m = BertModel(BertConfig(attn_implementation="sdpa")).eval()
@@ -73,6 +77,8 @@ def bert_base(batch: int = 1, seq: int = 128) -> ZooModel:
 
 
 def gpt2_small(batch: int = 1, seq: int = 128) -> ZooModel:
+    """GPT-2 small from its transformers config with seeded random weights, no KV cache. Input:
+    input_ids int64 [batch, seq] in [0, 50000)."""
     from transformers import GPT2Config, GPT2Model
     torch.manual_seed(0)
     m = GPT2Model(GPT2Config(use_cache=False)).eval()
@@ -81,6 +87,8 @@ def gpt2_small(batch: int = 1, seq: int = 128) -> ZooModel:
 
 
 def resnet50(batch: int = 1, size: int = 224) -> ZooModel:
+    """ResNet-50 (transformers' default ResNetConfig) with seeded random weights. Input: pixel
+    values float32 [batch, 3, size, size], standard normal."""
     from transformers import ResNetConfig, ResNetModel
     torch.manual_seed(0)
     m = ResNetModel(ResNetConfig()).eval()  # the default config is ResNet-50

@@ -10,31 +10,12 @@ import torch
 import torch.nn.functional as F
 
 import opencann
-import opencann.compiler
-import opencann.ops.flash_attention_op  # noqa: F401  (registers FlashAttention; also in opencann.ops)
+import opencann.ops.flash_attention.opdef  # noqa: F401  (registers FlashAttention; also in opencann.ops)
 from opencann.ir import DataType, Graph, TensorDesc
 from opencann.ops import get_op
-from opencann.passes import attention as attn_pass
-from opencann.passes.attention import FuseFlashAttention
+from opencann.passes.fusion import attention as attn_pass
 
 OPTS = {"enable": ["fuse_flash_attention"]}
-
-
-@pytest.fixture(autouse=True)
-def _pipeline_with_pass(monkeypatch):
-    """Until FuseFlashAttention is in default_pipeline, add it after fuse_linear_act."""
-    orig = opencann.compiler.default_pipeline
-    if "fuse_flash_attention" in orig().names():
-        yield
-        return
-
-    def patched():
-        pm = orig()
-        i = pm.names().index("fuse_linear_act")
-        pm.passes.insert(i + 1, FuseFlashAttention())
-        return pm
-    monkeypatch.setattr(opencann.compiler, "default_pipeline", patched)
-    yield
 
 
 def rel(a, b):
@@ -93,7 +74,7 @@ def test_sdpa_becomes_flash_attention(causal, mask):
     assert len(_fa_nodes(cm)) == 1, str(cm.graph)
     assert "ScaledDotProductAttention" not in cm.graph.op_counts()
     assert _fa_nodes(cm)[0].attrs["causal"] is causal
-    assert any("FlashAttention" in a["pattern"] for a in cm.report.applied)
+    assert any(a["pass"] == "fuse_flash_attention" for a in cm.report.applied)
     with torch.no_grad():
         ref = model(*inputs)
     assert rel(first(cm(*inputs)), ref) < 1e-5
@@ -124,7 +105,7 @@ def test_dropout_is_skipped_with_reason():
     model = SelfAttention(dropout_p=0.1).eval()  # dropout_p passed explicitly: training-style
     cm = opencann.compile(model, _inputs(), options=OPTS)
     assert "FlashAttention" not in cm.graph.op_counts()
-    reasons = [s["reason"] for s in cm.report.skipped if "FlashAttention" in s["pattern"]]
+    reasons = [s["reason"] for s in cm.report.skipped if s["pass"] == "fuse_flash_attention"]
     assert reasons and "dropout" in reasons[0]
 
 
@@ -135,7 +116,7 @@ def test_head_dim_too_large_for_tile_plan_is_skipped(monkeypatch):
     inputs = _inputs(C=128)
     cm = opencann.compile(model, inputs, options=OPTS)
     assert "FlashAttention" not in cm.graph.op_counts()
-    reasons = [s["reason"] for s in cm.report.skipped if "FlashAttention" in s["pattern"]]
+    reasons = [s["reason"] for s in cm.report.skipped if s["pass"] == "fuse_flash_attention"]
     assert reasons and "head dim 64" in reasons[0]
     with torch.no_grad():
         assert rel(first(cm(*inputs)), model(*inputs)) < 1e-5

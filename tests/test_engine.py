@@ -23,8 +23,7 @@ def test_ir_print_verify_dot():
     verify(graph)
     assert "digraph" in to_dot(graph)
     node = graph.nodes[0]
-    node.inputs.append(graph.outputs[0])  # use before definition
-    graph.outputs[0].users.append(node)
+    node.add_input(graph.outputs[0])  # use before definition
     with pytest.raises(GraphError, match="before it is defined"):
         verify(graph)
     with pytest.raises(ValueError, match="unsupported dtype"):
@@ -101,8 +100,9 @@ def test_conv_fusions_and_reasons():
     with torch.no_grad():
         ref = m(x)
     torch.testing.assert_close(cm(x), ref, rtol=1e-4, atol=1e-5)
-    kinds = [a["pattern"] for a in cm.report.applied]
-    assert kinds.count("Conv+BN fold") == 2 and "Conv+Relu" in kinds and "Conv+Add+Relu" in kinds
+    kinds = [a["pass"] for a in cm.report.applied]
+    details = [a["detail"] for a in cm.report.applied]
+    assert kinds.count("fold_batchnorm") == 2 and "Conv+Relu" in details and "Conv+Add+Relu" in details
     reasons = " ".join(s["reason"] for s in cm.report.skipped)
     assert "several users" in reasons  # c3's output feeds sigmoid, add and mean
     assert "also the convolution's input" in reasons  # y feeds c2 and the residual add
@@ -155,7 +155,7 @@ def test_pass_switch_and_trace(tmp_path):
     m = _randomize_bn(ConvNet())
     x = torch.randn(1, 3, 8, 8, generator=g)
     cm = opencann.compile(m, (x,), options={"disable": ["fold_batchnorm"], "verify": True})
-    assert not any(a["pattern"] == "Conv+BN fold" for a in cm.report.applied)
+    assert not any(a["pass"] == "fold_batchnorm" for a in cm.report.applied)
     with torch.no_grad():
         torch.testing.assert_close(cm(x), m(x), rtol=1e-4, atol=1e-5)
     path = tmp_path / "trace.json"
@@ -207,7 +207,7 @@ def test_activation_fusions():
     m = Acts().eval()
     x = torch.randn(2, 3, 12, 12, generator=g)
     cm = opencann.compile(m, (x,))
-    kinds = {a["pattern"] for a in cm.report.applied}
+    kinds = {a["detail"] for a in cm.report.applied}
     assert {"Conv+Gelu", "Conv+Sigmoid", "Conv+Add", "Linear+bias+gelu_tanh", "Linear+bias+tanh"} <= kinds
     with torch.no_grad():
         torch.testing.assert_close(cm(x), m(x), rtol=1e-5, atol=1e-6)

@@ -10,7 +10,7 @@ import torch
 from opencann.compiler import compile_graph
 from opencann.frontend.torch import capture, from_exported_program
 from opencann.passes.base import PassContext
-from opencann.passes.precision import KEEP_FP32, MixedPrecision, low_dtype, precision_summary
+from opencann.passes.prepare.precision import MixedPrecision, default_keep_fp32, low_dtype, precision_summary
 from opencann.report import CompileReport
 from opencann.runtime import Executor
 
@@ -76,9 +76,24 @@ def test_keep_list_is_user_modifiable_and_keep_modes():
         out, summ = _run(model, x, mode)
         assert "Cast" not in summ
         assert ((out - ref).abs().max() / ref.abs().max()).item() < 1e-5
-    assert "SoftmaxV2" in KEEP_FP32
+    assert "SoftmaxV2" in default_keep_fp32() and "Relu" not in default_keep_fp32()
     with pytest.raises(ValueError, match="unknown precision_mode"):
         low_dtype("fp8_please")
+
+
+def test_keep_fp32_default_comes_from_the_opdef_column(monkeypatch):
+    """MixedPrecision's default keep-list is the ops whose OpDef says keep_fp32; the
+    ``keep_fp32`` argument still replaces it."""
+    from opencann.ops import get_op
+    torch.manual_seed(0)
+    model, x = Block(), torch.randn(2, 8, 32)
+    ref = model(x)
+    monkeypatch.setattr(get_op("BatchMatMul"), "keep_fp32", True)
+    assert "BatchMatMul" in MixedPrecision().keep_fp32
+    out, summ = _run(model, x, "allow_mix_precision_bf16")
+    assert set(summ["BatchMatMul"]) == {"float32"} and set(summ["MatMulV2"]) == {"bfloat16"}
+    assert ((out - ref).abs().max() / ref.abs().max()).item() < 3e-2
+    assert MixedPrecision(keep_fp32=["Exp"]).keep_fp32 == {"Exp"}
 
 
 def test_force_fp16_lowers_everything():

@@ -57,11 +57,11 @@ def init(config_path: str = "") -> int:
                 return fail(ACL_ERROR_PARSE_FILE, "acl.init", f"config {config_path!r} is not "
                             f"JSON: {e}")
             devices = list(cfg.get("devices", devices)) if isinstance(cfg, dict) else devices
-        from ..passes.vnpu_layout import npu_spec_for
+        from ..devices import parse_device
         for d in devices:
             try:
                 if d != "cpu":
-                    npu_spec_for(d)   # ValueError naming the presets
+                    parse_device(d, kind="vnpu")   # ValueError naming the presets
             except ValueError as e:
                 return fail(ACL_ERROR_INVALID_PARAM, "acl.init", f"device {d!r}: {e} (or 'cpu')")
         S.reset()
@@ -84,6 +84,8 @@ def finalize() -> int:
 
 
 def check_init(api: str) -> int:
+    """ACL_SUCCESS when ``acl.init`` has been called (and not finalized), else
+    ACL_ERROR_UNINITIALIZE, logged as a failure of ``api`` (the caller's API name)."""
     return ACL_SUCCESS if S.initialized else fail(
         ACL_ERROR_UNINITIALIZE, api, "acl.init was not called (or acl.finalize was)")
 
@@ -137,6 +139,8 @@ def create_tensor_desc(data_type: int, dims, format: int = ACL_FORMAT_ND) -> int
 
 
 def destroy_tensor_desc(desc: int) -> int:
+    """aclDestroyTensorDesc: forget tensor description ``desc`` (from ``create_tensor_desc``).
+    Returns ACL_SUCCESS, or ACL_ERROR_INVALID_PARAM (logged) when it is not live."""
     if S.tensor_descs.pop(desc, None) is None:
         return fail(ACL_ERROR_INVALID_PARAM, "acl.destroy_tensor_desc", f"{desc!r} is not a "
                     "live tensor description")

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import bisect
 import itertools
-import os
 import threading
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
@@ -33,6 +32,7 @@ _handles = itertools.count(0x10000)
 
 
 def new_handle() -> int:
+    """A fresh opaque handle (an int from 0x10000 up, never reused in the process)."""
     return next(_handles)
 
 
@@ -53,6 +53,8 @@ regions: Dict[int, Region] = {}
 
 
 def add_region(r: Region) -> None:
+    """Register byte range ``r`` at ``r.base`` (replacing a region at the same base), kept sorted
+    for `find`."""
     if r.base in regions:
         del_region(r.base)
     bisect.insort(_bases, r.base)
@@ -60,6 +62,7 @@ def add_region(r: Region) -> None:
 
 
 def del_region(base: int) -> None:
+    """Forget the region at ``base``. Raises KeyError when there is none."""
     regions.pop(base)
     _bases.pop(bisect.bisect_left(_bases, base))
 
@@ -80,15 +83,8 @@ def find(ptr: int, nbytes: int) -> Optional[tuple]:
 
 def device_capacity(dev: int) -> int:
     """Memory size of device ``dev`` in bytes: the vnpu preset's HBM, or host RAM."""
-    name = device_names[dev]
-    if name.startswith("vnpu"):
-        from ..passes.vnpu_layout import npu_spec_for
-        return npu_spec_for(name).hbm_bytes
-    try:
-        import psutil
-        return int(psutil.virtual_memory().total)
-    except ImportError:  # pragma: no cover
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    from ..devices import parse_device
+    return parse_device(device_names[dev]).memory_bytes
 
 
 def reset() -> None:

@@ -67,6 +67,8 @@ def model_bytes(cm) -> int:
 
 
 def unload(model_id: int) -> int:
+    """aclmdlUnload: unload model ``model_id`` and give its device memory back. Returns
+    ACL_SUCCESS, or ACL_ERROR_INVALID_MODEL_ID (logged) when it is not loaded."""
     with S.lock:
         if S.models.pop(model_id, None) is None:
             return fail(ACL_ERROR_INVALID_MODEL_ID, "acl.mdl.unload", f"model id {model_id!r} is not "
@@ -85,6 +87,9 @@ def create_desc() -> int:
 
 
 def get_desc(model_desc: int, model_id: int) -> int:
+    """aclmdlGetDesc: fill description ``model_desc`` (from ``create_desc``) with loaded model
+    ``model_id``'s inputs and outputs. Returns ACL_SUCCESS, ACL_ERROR_INVALID_PARAM for a bad
+    description or ACL_ERROR_INVALID_MODEL_ID for a model not loaded (logged)."""
     if model_desc not in S.model_descs:
         return fail(ACL_ERROR_INVALID_PARAM, "acl.mdl.get_desc", f"{model_desc!r} is not a model "
                     "description from acl.mdl.create_desc")
@@ -95,6 +100,8 @@ def get_desc(model_desc: int, model_id: int) -> int:
 
 
 def destroy_desc(model_desc: int) -> int:
+    """aclmdlDestroyDesc: forget model description ``model_desc``. Returns ACL_SUCCESS, or
+    ACL_ERROR_INVALID_PARAM (logged) when it is not live."""
     if model_desc not in S.model_descs:
         return fail(ACL_ERROR_INVALID_PARAM, "acl.mdl.destroy_desc", f"{model_desc!r} is not a "
                     "live model description")
@@ -127,11 +134,13 @@ def _nbytes(desc) -> int:
 
 
 def get_num_inputs(model_desc: int) -> int:
+    """aclmdlGetNumInputs: the model's number of inputs (0 on a bad description, logged)."""
     v = _values(model_desc, False, "acl.mdl.get_num_inputs")
     return 0 if v is None else len(v)
 
 
 def get_num_outputs(model_desc: int) -> int:
+    """aclmdlGetNumOutputs: the model's number of outputs (0 on a bad description, logged)."""
     v = _values(model_desc, True, "acl.mdl.get_num_outputs")
     return 0 if v is None else len(v)
 
@@ -151,6 +160,7 @@ def get_input_size_by_index(model_desc: int, index: int) -> int:
 
 
 def get_output_size_by_index(model_desc: int, index: int) -> int:
+    """aclmdlGetOutputSizeByIndex: byte size of output ``index`` (0 on a bad description or index)."""
     return _size(model_desc, index, True, "acl.mdl.get_output_size_by_index")
 
 
@@ -169,6 +179,7 @@ def get_input_dims(model_desc: int, index: int):
 
 
 def get_output_dims(model_desc: int, index: int):
+    """aclmdlGetOutputDims: ({"name", "dimCount", "dims"}, ret) of output ``index``."""
     return _dims(model_desc, index, True, "acl.mdl.get_output_dims")
 
 
@@ -179,22 +190,27 @@ def get_input_data_type(model_desc: int, index: int) -> int:
 
 
 def get_output_data_type(model_desc: int, index: int) -> int:
+    """aclmdlGetOutputDataType: ACL data type (ACL_FLOAT...) of output ``index``; ACL_DT_UNDEFINED
+    (-1) on a bad description or index."""
     v = _values(model_desc, True, "acl.mdl.get_output_data_type")
     return dtype_to_acl(v[index].desc.dtype.torch) if v and 0 <= index < len(v) else -1
 
 
 def get_input_name_by_index(model_desc: int, index: int) -> str:
+    """aclmdlGetInputNameByIndex: the name of input ``index`` ('' on a bad description or index)."""
     v = _values(model_desc, False, "acl.mdl.get_input_name_by_index")
     return v[index].name if v and 0 <= index < len(v) else ""
 
 
 def get_output_name_by_index(model_desc: int, index: int) -> str:
+    """aclmdlGetOutputNameByIndex: the name of output ``index`` ('' on a bad description or index)."""
     v = _values(model_desc, True, "acl.mdl.get_output_name_by_index")
     return v[index].name if v and 0 <= index < len(v) else ""
 
 
 # -- datasets -----------------------------------------------------------------------------
 def create_dataset() -> int:
+    """aclmdlCreateDataset: a new empty dataset (a list of data buffers); returns its handle."""
     h = S.new_handle()
     S.datasets[h] = []
     return h
@@ -210,6 +226,8 @@ def add_dataset_buffer(dataset: int, data_buffer: int):
 
 
 def get_dataset_num_buffers(dataset: int) -> int:
+    """aclmdlGetDatasetNumBuffers: the number of data buffers in ``dataset`` (0 for an unknown
+    handle)."""
     return len(S.datasets.get(dataset, ()))
 
 

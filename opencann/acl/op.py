@@ -15,12 +15,15 @@ from .types import acl_to_dtype
 
 
 def create_attr() -> int:
+    """aclopCreateAttr: a new empty operator attribute set; returns its handle."""
     h = S.new_handle()
     S.attrs[h] = {}
     return h
 
 
 def destroy_attr(attr: int) -> int:
+    """aclopDestroyAttr: forget attribute set ``attr``. Returns ACL_SUCCESS, or
+    ACL_ERROR_INVALID_PARAM (logged) when it is not live."""
     if S.attrs.pop(attr, None) is None:
         return fail(ACL_ERROR_INVALID_PARAM, "acl.op.destroy_attr", f"{attr!r} is not a live attr")
     return ACL_SUCCESS

@@ -85,6 +85,8 @@ def create_context(device_id: int):
 
 
 def destroy_context(context: int) -> int:
+    """aclrtDestroyContext: forget ``context`` (from ``create_context``). Returns ACL_SUCCESS, or
+    ACL_ERROR_INVALID_PARAM (logged) when it is not live."""
     if S.contexts.pop(context, None) is None:
         return fail(ACL_ERROR_INVALID_PARAM, "acl.rt.destroy_context", f"{context!r} is not a live "
                     "context (destroyed twice?)")
@@ -92,6 +94,8 @@ def destroy_context(context: int) -> int:
 
 
 def set_context(context: int) -> int:
+    """aclrtSetCurrentContext: make ``context``'s device the current one. Returns ACL_SUCCESS, or
+    ACL_ERROR_INVALID_PARAM (logged) when it is not live."""
     if context not in S.contexts:
         return fail(ACL_ERROR_INVALID_PARAM, "acl.rt.set_context", f"{context!r} is not a live context")
     S.current_device = S.contexts[context]
@@ -119,6 +123,8 @@ def synchronize_stream(stream: int) -> int:
 
 
 def destroy_stream(stream: int) -> int:
+    """aclrtDestroyStream: forget ``stream`` (from ``create_stream``). Returns ACL_SUCCESS, or
+    ACL_ERROR_INVALID_PARAM (logged) when it is not live."""
     if S.streams.pop(stream, None) is None:
         return fail(ACL_ERROR_INVALID_PARAM, "acl.rt.destroy_stream", f"{stream!r} is not a live "
                     "stream (destroyed twice?)")
@@ -189,6 +195,9 @@ def free(dev_ptr: int) -> int:
 
 
 def free_host(host_ptr: int) -> int:
+    """aclrtFreeHost: free host memory from ``malloc_host``. Returns ACL_SUCCESS,
+    ACL_ERROR_UNINITIALIZE before ``acl.init``, or ACL_ERROR_INVALID_PARAM (logged) for a
+    pointer that is not a live host allocation."""
     return _free(host_ptr, True, "acl.rt.free_host")
 
 

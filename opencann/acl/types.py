@@ -52,8 +52,12 @@ _TD = {v: k for k, v in _DT.items()}
 
 
 def acl_to_dtype(code) -> Optional[torch.dtype]:
+    """The torch dtype of aclDataType ``code`` (ACL_FLOAT → torch.float32, ...), or None for an
+    unknown code."""
     return _DT.get(code)
 
 
 def dtype_to_acl(dtype: torch.dtype) -> int:
+    """The aclDataType code of torch ``dtype``, or ACL_DT_UNDEFINED (-1) for a dtype ACL does not
+    have."""
     return _TD.get(dtype, ACL_DT_UNDEFINED)

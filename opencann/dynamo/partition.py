@@ -41,6 +41,7 @@ import torch
 import torch.fx as fx
 
 from ..ir import DataType, Node, TensorDesc, Value
+from ..ir.liveness import live_bytes, peak_live_bytes
 from ..log import logger
 from ..ops import OpKind, is_random_call, lookup_aten
 from .recompute_bn import (TRAINING_BATCH_NORMS, drop_running_stats_from_backward,
@@ -170,15 +171,7 @@ def _liveness_peak(gm: fx.GraphModule, count_outputs: bool = True) -> int:
         for a in out_node.all_input_nodes:
             if root.get(a) is not None:
                 size[root[a]] = 0
-    delta = [0] * (len(nodes) + 2)
-    for r, s in size.items():
-        delta[step[r]] += s
-        delta[end[r] + 1] -= s
-    best = cur = 0
-    for d in delta:
-        cur += d
-        best = max(best, cur)
-    return best
+    return peak_live_bytes((step[r], end[r], s) for r, s in size.items())
 
 
 def planned_peak(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int) -> Dict[str, int]:
@@ -405,16 +398,10 @@ def _articulations(joint: _Joint) -> set:
         for a in n.all_input_nodes:
             if a in pos:
                 last[a] = max(last.get(a, -1), pos[n])
-    delta = [0] * (len(fw) + 2)
-    for n in fw:
-        if n.op == "call_function" and n in last and not _is_view(n):
-            b = _nbytes(n.meta.get("val"))
-            delta[pos[n] + 1] += b
-            delta[last[n] + 1] -= b
-    live, cur = [], 0
-    for i in range(len(fw)):
-        cur += delta[i + 1] if i + 1 < len(delta) else 0
-        live.append(cur)  # bytes live just after step i (including fw[i] itself)
+    # bytes live just after step i (including fw[i] itself): a value from its step to
+    # the step before its last reader
+    live = live_bytes(((pos[n], last[n] - 1, _nbytes(n.meta.get("val"))) for n in fw
+                       if n.op == "call_function" and n in last and not _is_view(n)), len(fw))
     return {n for n in fw if n.op == "call_function" and n in last
             and live[pos[n]] - _nbytes(n.meta.get("val")) <= _nbytes(n.meta.get("val")) // 2}
 

@@ -6,9 +6,10 @@ Weights are graph constants: a `Value` whose ``const`` holds the tensor.
 """
 from __future__ import annotations
 
+import heapq
 import itertools
 from dataclasses import dataclass
-from typing import Any, Dict, Iterable, List, Sequence
+from typing import Any, Dict, Iterable, Iterator, KeysView, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -31,18 +32,26 @@ class TensorListRef:
 
 
 class Value:
-    """An SSA value: produced by one node (or a graph input / constant), used by many."""
+    """An SSA value: produced by one node (or a graph input / constant), used by many.
 
-    __slots__ = ("id", "desc", "producer", "users", "const", "name", "__weakref__")
+    ``users`` is the ordered set of nodes that read it (a node that reads it twice, as
+    ``x * x``, is one user); it is kept by `Node`/`Graph` methods, never edited here."""
+
+    __slots__ = ("id", "desc", "producer", "_users", "const", "name", "__weakref__")
 
     def __init__(self, vid: int, desc: TensorDesc, producer: "Node | None" = None,
                  const: torch.Tensor | None = None, name: str | None = None):
         self.id = vid
         self.desc = desc
         self.producer = producer
-        self.users: List[Node] = []
+        self._users: Dict[Node, None] = {}
         self.const = const
         self.name = name
+
+    @property
+    def users(self) -> KeysView["Node"]:
+        """The nodes reading this value, in the order they started to (read-only)."""
+        return self._users.keys()
 
     @property
     def is_const(self) -> bool:
@@ -56,17 +65,20 @@ class Node:
     """One op application. ``attrs`` holds every non-tensor argument by schema name;
     tensor arguments appear there as `TensorRef`/`TensorListRef` into ``inputs``.
 
+    ``inputs`` is a tuple: change it with `replace_input`, `set_input` or `set_inputs`,
+    which keep every value's ``users`` exact. ``erased`` is True once the node was
+    removed from its graph (`Graph.erase_node`).
     ``source`` is ``file:line`` of the user code that created it and ``scope`` the
     module path (``encoder.layer.0.attention``): both are shown in compile reports.
     """
 
-    __slots__ = ("op", "inputs", "outputs", "attrs", "name", "source", "scope",
-                 "device", "stream", "meta")
+    __slots__ = ("op", "_inputs", "outputs", "attrs", "name", "source", "scope",
+                 "device", "stream", "meta", "erased", "_prev", "_next", "_owner")
 
     def __init__(self, op: str, inputs: Sequence[Value], attrs: Dict[str, Any],
                  name: str, source: str = "", scope: str = ""):
         self.op = op
-        self.inputs: List[Value] = list(inputs)
+        self._inputs: Tuple[Value, ...] = tuple(inputs)
         self.outputs: List[Value] = []
         self.attrs = dict(attrs)
         self.name = name
@@ -75,13 +87,64 @@ class Node:
         self.device = "cpu"
         self.stream = 0
         self.meta: Dict[str, Any] = {}
+        self.erased = False
+        self._owner: "NodeList | None" = None   # in a graph: its inputs list it as a user
+        self._prev: "Node | None" = None
+        self._next: "Node | None" = None
 
+    # -- inputs -----------------------------------------------------------------------
+    @property
+    def inputs(self) -> Tuple[Value, ...]:
+        return self._inputs
+
+    def set_inputs(self, values: Sequence[Value]) -> None:
+        """Replace the whole input tuple, updating the users of old and new values."""
+        old, self._inputs = self._inputs, tuple(values)
+        if self._owner is not None:
+            for v in old:
+                if v not in self._inputs:
+                    v._users.pop(self, None)
+            for v in self._inputs:
+                v._users[self] = None
+
+    def set_input(self, i: int, new: Value) -> None:
+        """Replace input ``i`` (one position) by ``new``."""
+        ins = list(self._inputs)
+        ins[i] = new
+        self.set_inputs(ins)
+
+    def replace_input(self, old: Value, new: Value) -> None:
+        """Replace every occurrence of ``old`` among the inputs by ``new``."""
+        self.set_inputs([new if v is old else v for v in self._inputs])
+
+    def add_input(self, v: Value) -> int:
+        """Append ``v`` as a new input; returns its index (for a `TensorRef`)."""
+        self.set_inputs(self._inputs + (v,))
+        return len(self._inputs) - 1
+
+    def _link(self, owner: "NodeList") -> None:
+        self._owner = owner
+        for v in self._inputs:
+            v._users[self] = None
+
+    def _unlink(self) -> None:
+        self._owner = None
+        for v in self._inputs:
+            v._users.pop(self, None)
+
+    # -- inspection -------------------------------------------------------------------
     @property
     def output(self) -> Value:
         """The single output; raises ValueError for multi-output nodes."""
         if len(self.outputs) != 1:
             raise ValueError(f"{self.name} ({self.op}) has {len(self.outputs)} outputs")
         return self.outputs[0]
+
+    @property
+    def next(self) -> "Node | None":
+        """The node after this one in its graph's order (None for the last)."""
+        n = self._next
+        return None if n is None or isinstance(n, _Root) else n
 
     def arg(self, name: str) -> Any:
         """A schema argument by name: a Value for tensors, a list of Values for tensor
@@ -90,7 +153,7 @@ class Node:
         if isinstance(a, TensorRef):
             return self.inputs[a.index]
         if isinstance(a, TensorListRef):
-            return self.inputs[a.start:a.start + a.length]
+            return list(self.inputs[a.start:a.start + a.length])
         return a
 
     def where(self) -> str:
@@ -107,18 +170,96 @@ class Node:
         return f"{outs} = {self.op}({ins}{'; ' + attrs if attrs else ''})"
 
 
+def _carry_origin(old: Value, new: Value) -> None:
+    src, dst = old.producer, new.producer
+    if src is None or dst is None or not src.meta.get("origin"):
+        return
+    label = src.meta["origin"][src.outputs.index(old)]
+    if label is not None:
+        dst.meta.setdefault("origin", [None] * len(dst.outputs))[dst.outputs.index(new)] = label
+class _Root:
+    """The sentinel of a graph's doubly linked node list."""
+
+    __slots__ = ("_prev", "_next")
+
+    def __init__(self):
+        self._prev = self._next = self
+
+
+class NodeList:
+    """The nodes of a graph in order: a doubly linked list (O(1) insert and erase, as
+    torch.fx's). Iterable (erasing the current node while iterating is safe), sized,
+    reversible; indexing is O(n) and meant for diagnostics."""
+
+    def __init__(self):
+        self._root = _Root()
+        self._len = 0
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __iter__(self) -> Iterator[Node]:
+        n = self._root._next
+        while n is not self._root:
+            if not n.erased:
+                yield n
+            n = n._next   # read after the yield: nodes inserted after n are visited
+
+    def __reversed__(self) -> Iterator[Node]:
+        n = self._root._prev
+        while n is not self._root:
+            if not n.erased:
+                yield n
+            n = n._prev
+
+    def __getitem__(self, i):
+        return list(self)[i]
+
+    def __contains__(self, node: object) -> bool:
+        return isinstance(node, Node) and node._owner is self and not node.erased
+
+    def _insert(self, node: Node, before: "Node | _Root") -> None:
+        prev = before._prev
+        node._prev, node._next = prev, before
+        prev._next = node
+        before._prev = node
+        node._link(self)
+        self._len += 1
+
+    def _remove(self, node: Node) -> None:
+        # the node keeps its _prev/_next so that an iteration standing on it can go on
+        node._prev._next = node._next
+        node._next._prev = node._prev
+        node._unlink()
+        self._len -= 1
+
+    def _clear(self) -> None:
+        self._root._prev = self._root._next = self._root
+        self._len = 0
+
+
 class Graph:
-    """A static computation graph: inputs, constants, nodes in a valid order, outputs."""
+    """A static computation graph: inputs, constants, nodes in a valid order, outputs.
+
+    Invariants (checked by `opencann.ir.verify`): every node's inputs list it among
+    their ``users`` and nothing else does; erased nodes are in no ``users``. Keep them
+    by changing the graph only through `create_node`, `add_node`, `erase_node`,
+    `replace_all_uses_with` and the `Node` input methods."""
 
     def __init__(self, name: str = "graph"):
         self.name = name
         self.inputs: List[Value] = []
         self.outputs: List[Value] = []
         self.constants: List[Value] = []
-        self.nodes: List[Node] = []
+        self._nodes = NodeList()
         self._ids = itertools.count()
         self._names: Dict[str, int] = {}
         self.meta: Dict[str, Any] = {}
+
+    @property
+    def nodes(self) -> NodeList:
+        """The nodes in order (`NodeList`: iterate, ``len``, ``reversed``)."""
+        return self._nodes
 
     # -- construction ---------------------------------------------------------------
     def _value(self, desc: TensorDesc, **kw) -> Value:
@@ -144,24 +285,30 @@ class Graph:
                     source: str = "", scope: str = "", before: Node | None = None) -> Node:
         """Create a node, append it (or insert it before ``before``) and wire its uses."""
         node = Node(op, inputs, attrs, self._unique(name or op.lower()), source, scope)
-        for v in node.inputs:
-            v.users.append(node)
         node.outputs = [self._value(d, producer=node) for d in out_descs]
-        if before is None:
-            self.nodes.append(node)
-        else:
-            self.nodes.insert(self.nodes.index(before), node)
+        self._nodes._insert(node, self._nodes._root if before is None else before)
+        return node
+
+    def add_node(self, node: Node, before: Node | None = None) -> Node:
+        """Insert a node built elsewhere (a model file's), keeping its name and outputs;
+        appended, or before ``before``. Raises ValueError if it is in a graph already."""
+        if node._owner is not None or node.erased:
+            raise ValueError(f"{node.name} is (or was) in a graph already")
+        self._names[node.name] = self._names.get(node.name, 0) + 1
+        self._nodes._insert(node, self._nodes._root if before is None else before)
         return node
 
     # -- surgery --------------------------------------------------------------------
     def replace_all_uses_with(self, old: Value, new: Value) -> int:
-        """Redirect every use of ``old`` (including graph outputs) to ``new``."""
+        """Redirect every use of ``old`` (including graph outputs) to ``new``; returns
+        the number of users and output positions redirected. ``new`` then stands for the
+        traced value ``old`` stood for (its producer's ``meta["origin"]``, recorded by the
+        frontend), so rewritten graphs still map back to the model."""
+        _carry_origin(old, new)
         count = 0
         for user in list(old.users):
-            user.inputs = [new if v is old else v for v in user.inputs]
-            new.users.append(user)
+            user.replace_input(old, new)
             count += 1
-        old.users.clear()
         for i, o in enumerate(self.outputs):
             if o is old:
                 self.outputs[i] = new
@@ -169,48 +316,52 @@ class Graph:
         return count
 
     def replace_input(self, node: Node, old: Value, new: Value) -> None:
-        node.inputs = [new if v is old else v for v in node.inputs]
-        old.users.remove(node)
-        new.users.append(node)
+        """``node.replace_input(old, new)``: every use of ``old`` by ``node`` reads ``new``."""
+        node.replace_input(old, new)
 
     def erase_node(self, node: Node) -> None:
-        """Remove a node whose outputs are unused; raises ValueError otherwise."""
+        """Remove a node whose outputs are unused, in O(1); sets ``node.erased``.
+        Raises ValueError if an output is still used or the node is not in this graph."""
+        if node not in self._nodes:
+            raise ValueError(f"cannot erase {node.name}: it is not in graph {self.name}")
         for o in node.outputs:
             if o.users or o in self.outputs:
                 raise ValueError(f"cannot erase {node.name}: output {o} is still used")
-        for v in node.inputs:
-            if node in v.users:
-                v.users.remove(node)
-        self.nodes.remove(node)
+        self._nodes._remove(node)
+        node.erased = True
+
+    def sole_user(self, v: Value) -> Optional[Node]:
+        """The one node reading ``v`` (``x * x`` is one reader), or None when ``v`` has
+        no reader, several, or is a graph output (the caller sees it too)."""
+        if len(v.users) != 1 or any(o is v for o in self.outputs):
+            return None
+        return next(iter(v.users))
 
     def prune_constants(self) -> None:
         self.constants = [c for c in self.constants if c.users or c in self.outputs]
 
     def topo_sort(self) -> None:
-        """Reorder nodes topologically, stable with respect to the current order."""
-        pos = {n: i for i, n in enumerate(self.nodes)}
-        indeg = {n: 0 for n in self.nodes}
-        for n in self.nodes:
-            indeg[n] = len({v.producer for v in n.inputs if v.producer is not None})
-        import heapq
-        ready = [(pos[n], n.name, n) for n in self.nodes if indeg[n] == 0]
+        """Reorder nodes topologically, stable with respect to the current order.
+        Raises ValueError if the graph has a cycle."""
+        nodes = list(self._nodes)
+        pos = {n: i for i, n in enumerate(nodes)}
+        indeg = {n: len({v.producer for v in n.inputs if v.producer is not None})
+                 for n in nodes}
+        ready = [(pos[n], n.name, n) for n in nodes if indeg[n] == 0]
         heapq.heapify(ready)
         order: List[Node] = []
         while ready:
             _, _, n = heapq.heappop(ready)
             order.append(n)
-            seen = set()
-            for o in n.outputs:
-                for u in o.users:
-                    if u in seen:
-                        continue
-                    seen.add(u)
-                    indeg[u] -= 1
-                    if indeg[u] == 0:
-                        heapq.heappush(ready, (pos[u], u.name, u))
-        if len(order) != len(self.nodes):
+            for u in {u: None for o in n.outputs for u in o.users}:
+                indeg[u] -= 1
+                if indeg[u] == 0:
+                    heapq.heappush(ready, (pos[u], u.name, u))
+        if len(order) != len(nodes):
             raise ValueError(f"graph {self.name} has a cycle")
-        self.nodes = order
+        self._nodes._clear()
+        for n in order:   # relink in the new order (users stay as they are)
+            self._nodes._insert(n, self._nodes._root)
 
     # -- inspection -----------------------------------------------------------------
     def values(self) -> Iterable[Value]:

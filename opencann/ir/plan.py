@@ -25,6 +25,10 @@ class Buffer:
 
 @dataclass
 class MemoryPlan:
+    """The memory stage's result: each planned buffer's arena offset and size (bytes), which buffer
+    each planned value lives in, the arena size next to its lower bound (the most bytes live at
+    one step, `opencann.ir.liveness`) and to one allocation per value, the in-place reuses and
+    why the other values are not planned."""
     buffers: Dict[int, Buffer]            # root value id -> buffer
     value_buffer: Dict[int, int]          # value id -> root value id (only planned values)
     arena_bytes: int
@@ -41,6 +45,8 @@ class MemoryPlan:
         return self.arena_bytes / self.lower_bound if self.lower_bound else 1.0
 
     def summary(self) -> Dict[str, object]:
+        """The plan as the compile report's ``memory`` entry: byte sizes, arena/lower-bound ratio,
+        counts, strategy, alignment and the kernel-allocated values grouped by reason."""
         return {"arena_bytes": self.arena_bytes, "lower_bound_bytes": self.lower_bound,
                 "naive_bytes": self.naive_bytes, "arena_over_lower_bound": round(self.ratio, 4),
                 "buffers": len(self.buffers), "inplace_reuses": len(self.inplace),

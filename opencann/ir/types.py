@@ -17,6 +17,12 @@ import torch
 Dim = Union[int, str]  # an int, or a symbol name such as "batch" or "seq"
 
 
+def numel(shape) -> int:
+    """Number of elements of ``shape`` (a sequence of ints or int-like sizes; () -> 1).
+    Raises TypeError/ValueError for a symbolic size that is not bound to an int."""
+    return math.prod(int(s) for s in shape)
+
+
 class DataType(enum.Enum):
     """Element types, with their torch equivalents and sizes in bytes."""
 
@@ -113,7 +119,7 @@ class TensorDesc:
         """Number of elements; raises ValueError for a symbolic shape."""
         if not self.is_static:
             raise ValueError(f"shape {self.shape} is symbolic; bind the symbols first")
-        return math.prod(self.shape)
+        return numel(self.shape)
 
     @property
     def nbytes(self) -> int:

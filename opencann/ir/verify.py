@@ -9,7 +9,8 @@ class GraphError(ValueError):
 
 
 def verify(graph: Graph) -> None:
-    """Check SSA form, use lists, topological order and attr references.
+    """Check SSA form, topological order, attr references and that every value's
+    ``users`` is exactly the set of live nodes reading it.
 
     Raises `GraphError` naming the offending node (with source location)."""
     defined = {id(v) for v in graph.inputs} | {id(v) for v in graph.constants}
@@ -31,10 +32,17 @@ def verify(graph: Graph) -> None:
             if o.producer is not node:
                 raise GraphError(f"{node.name}: output {o} has another producer")
             defined.add(id(o))
-    for v in graph.values():
-        for u in v.users:
-            if v not in u.inputs:
-                raise GraphError(f"{v} lists {u.name} as user but is not its input")
+    _check_users(graph)
     for o in graph.outputs:
         if id(o) not in defined:
             raise GraphError(f"graph output {o} is not defined")
+
+
+def _check_users(graph: Graph) -> None:
+    """Every value's ``users`` holds only live nodes of this graph that read it."""
+    for v in graph.values():
+        for u in v.users:
+            if u.erased or u not in graph.nodes:
+                raise GraphError(f"{v} lists {u.name} as user, but that node is not in the graph")
+            if not any(x is v for x in u.inputs):
+                raise GraphError(f"{v} lists {u.name} as user but is not its input")

@@ -1,11 +1,11 @@
-"""Operator library: `OpDef` registry, the op table, fused ops and their kernels."""
+"""Operator library: `OpDef` registry (one row per op, every per-op fact a column), the
+op table, fused ops, and the kernels per device (``ops/kernels/{cpu,vnpu}.py``)."""
 from .opdef import (Cost, OpDef, OpKind, all_ops, call_args, get_op, infer, is_random,
                     is_random_call, lookup_aten, output_aliases, register)
 from .aliasing import aliases_of, last_reads, storage_roots
 from . import library  # noqa: F401  (registers the table)
 from . import fused  # noqa: F401  (registers opencann's fused ops)
-from . import flash_attention_op  # noqa: F401  (FlashAttention op and its kernel factory)
-from . import vnpu_ops  # noqa: F401  (TransData and the vnpu kernels)
+from .flash_attention import opdef as _flash_attention_opdef  # noqa: F401  (FlashAttention op)
 from . import onnx_fallback  # noqa: F401  (OnnxHostFallback: ONNX nodes run by onnx's evaluator)
 
 __all__ = ["Cost", "OpDef", "OpKind", "aliases_of", "all_ops", "call_args", "get_op", "infer",

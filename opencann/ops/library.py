@@ -3,13 +3,18 @@ implements. Names follow the CANN operator list where one exists (Add/Adds, Mul/
 ReduceSum, Conv2D, BatchMatMul, LayerNorm, TransData...); source: "CANN Operator List"
 (Ascend documentation, built-in operator specifications).
 
-Each row: (name, aten overload, kind, flops per element, inplace-able).
+Each row: (name, aten overload, kind, flops per element, inplace-able); the dicts after
+the table fill the other `OpDef` columns of some rows (activation, keep-fp32, vnpu cost,
+NPU format family). Adding an op is one row here (plus its entries in those dicts).
 """
 from __future__ import annotations
 
 import torch
 
-from ..ir import Node
+from ..devices.vnpu import trans_data_cost
+from ..ir import Node, numel
+from .kernels import vnpu as vnpu_kernels
+from .kernels import vnpu_cost
 from .opdef import Cost, OpDef, OpKind, _nbytes, register
 
 aten = torch.ops.aten
@@ -142,15 +147,87 @@ _DECLARED_ALIASES = {"UnsafeReshape": (("self",),)}
 _PRIMARY_ONLY = {"MaxPoolWithArgmax": "MaxPool", "ReduceMaxD": "ReduceMax"}
 
 
+# OpDef.activation: the activations opencann's fused CPU kernels take (ConvBiasAct, LinearAct)
+_ACTIVATION = {"Relu": "relu", "Gelu": "gelu", "Sigmoid": "sigmoid", "Tanh": "tanh", "Swish": "silu"}
+
+# OpDef.keep_fp32: CANN's "black list" analogue, ops whose accuracy needs fp32
+# (MixedPrecision's default keep-list)
+_KEEP_FP32 = {"SoftmaxV2", "LogSoftmaxV2", "LayerNorm", "BatchNorm", "GroupNorm",
+              "ReduceSum", "ReduceSumAll", "ReduceMean", "ReduceMeanAll", "ReduceVar", "Cumsum",
+              "ReduceMax", "ReduceMin", "Exp", "Log", "Pow", "PowTensor", "Sqrt", "Rsqrt",
+              "Reciprocal", "Div", "Divs", "FlashAttentionScore"}
+
+# OpDef.device_cost["vnpu"] of elementwise ops: the key of the vnpu cost model's
+# VECTOR_OP_COST table (comparisons and logic: one subtract-and-select per element)
+_VNPU_VECTOR = {
+    "Add": "add", "Adds": "add", "Sub": "sub", "Subs": "sub", "RSub": "sub", "Mul": "mul", "Muls": "mul",
+    "Div": "div", "Divs": "div", "DivMode": "div", "Pow": "pow", "PowTensor": "pow", "Neg": "neg",
+    "Abs": "abs", "Exp": "exp", "Log": "log", "Sqrt": "sqrt", "Rsqrt": "rsqrt", "Reciprocal": "reciprocal",
+    "Sin": "sin", "Cos": "cos", "Floor": "copy", "Sign": "copy", "Maximum": "max", "Minimum": "min",
+    "ClipByValue": "clamp", "ClampTensor": "clamp", "HardTanh": "clamp", "Select": "where", "Relu": "relu",
+    "Gelu": "gelu", "Sigmoid": "sigmoid", "Tanh": "tanh", "Erf": "erf", "Swish": "silu",
+    "LeakyRelu": "leaky_relu", "HardSigmoid": "clamp", "HardSwish": "silu", "Cast": "cast", "Fill": "copy",
+    **{n: "sub" for n in ("Equal", "Equals", "NotEqual", "NotEquals", "Less", "Lesss", "LessEqual",
+                          "LessEquals", "Greater", "Greaters", "GreaterEqual", "GreaterEquals",
+                          "LogicalNot", "LogicalAnd", "LogicalOr", "BitwiseAnd", "BitwiseOr",
+                          "BitwiseNot", "IsNan")},
+}
+# ... of reductions and pooling: how elements combine
+_VNPU_REDUCE = {
+    "ReduceSum": "add", "ReduceSumAll": "add", "ReduceMean": "add", "ReduceMeanAll": "add", "ReduceMax": "max",
+    "ReduceMin": "min", "ReduceAny": "max", "ReduceAll": "min", "ArgMaxD": "max", "ArgMinD": "min",
+    "ReduceMaxD": "max", "ReduceVar": "add", "Cumsum": "add", "MaxPoolWithArgmax": "max", "AvgPool": "add",
+    "AdaptiveAvgPool2d": "add",
+}
+_VNPU_COST = {"SoftmaxV2": vnpu_cost.softmax, "LogSoftmaxV2": vnpu_cost.softmax,
+              "LayerNorm": vnpu_cost.layernorm, "BatchNorm": vnpu_cost.batchnorm,
+              **{n: vnpu_cost.vector(k) for n, k in _VNPU_VECTOR.items()},
+              **{n: vnpu_cost.reduction(k) for n, k in _VNPU_REDUCE.items()}}
+
+# OpDef.npu_format "channelwise": run on NC1HWC0 storage per channel (pooling, H/W
+# reductions, inference BatchNorm); every non-random elementwise op is "elementwise"
+_CHANNELWISE = ("MaxPoolWithArgmax", "AvgPool", "AdaptiveAvgPool2d", "ReduceMean", "ReduceSum",
+                "ReduceMax", "ReduceMin", "BatchNorm")
+
+
+def _npu(family: str) -> dict:
+    """The OpDef columns of an op that runs in NPU formats as ``family``."""
+    return {"npu_format": family, "kernel_factories": {"vnpu": vnpu_kernels.FACTORIES[family]}}
+
+
+def _columns(name: str, kind: OpKind) -> dict:
+    """Activation, keep-fp32, vnpu cost and NPU-format columns of table row ``name``."""
+    cols = {"activation": _ACTIVATION.get(name), "keep_fp32": name in _KEEP_FP32}
+    if name in _VNPU_COST:
+        cols["device_cost"] = {"vnpu": _VNPU_COST[name]}
+    if kind == OpKind.ELEMENTWISE:
+        cols.update(_npu("elementwise"))
+    elif name in _CHANNELWISE:
+        cols.update(_npu("channelwise"))
+    return cols
+
+
+def _trans_data_cost(node: Node) -> Cost:
+    """Bytes read + written by one TransData, from the vnpu cost model (`trans_data_cost`,
+    ascend910b numbers); no FLOPs; nothing for an empty tensor (batch 0)."""
+    s, d = node.inputs[0].desc, node.outputs[0].desc
+    if not numel(s.shape) or not numel(d.shape):
+        return Cost(0, 0)
+    e = s.dtype.itemsize
+    c0 = max(1, 32 // e)
+    kc = trans_data_cost(numel(s.shape), numel(d.shape), s.dtype.value, burst_bytes=c0 * e)
+    return Cost(0, int(kc.hbm_bytes))
+
+
 def _matmul_cost(node: Node) -> Cost:
     """2·M·N·K per (batch) product; addmm adds M·N for the bias."""
     ins = [v.desc for v in node.inputs]
     out = node.outputs[0].desc
     a = ins[-2]  # mm(a, b), bmm(a, b), addmm(bias, a, b); origin shapes: formats pad storage
     k = int(a.origin_shape[-1])
-    flops = 2 * k * _numel_of(out.origin_shape)
+    flops = 2 * k * numel(out.origin_shape)
     if node.op in ("MatMulV2", "LinearAct"):  # + the bias
-        flops += _numel_of(out.origin_shape)
+        flops += numel(out.origin_shape)
     return Cost(flops, sum(_nbytes(d) for d in ins) + _nbytes(out))
 
 
@@ -158,7 +235,7 @@ def _conv_cost(node: Node) -> Cost:
     """2·N·C_out·H_out·W_out·(C_in/groups)·K_h·K_w (plus bias)."""
     w = node.inputs[1].desc
     out = node.outputs[0].desc
-    macs = _numel_of(out.origin_shape) * _numel_of(w.origin_shape[1:])
+    macs = numel(out.origin_shape) * numel(w.origin_shape[1:])
     moved = sum(_nbytes(v.desc) for v in node.inputs) + _nbytes(out)
     return Cost(2 * macs, moved)
 
@@ -167,7 +244,7 @@ def _conv_grad_cost(node: Node) -> Cost:
     """convolution_backward(grad_out, input, weight, ...): the input and the weight
     gradient are one convolution's MACs each, 2 FLOPs per MAC."""
     g, w = node.inputs[0].desc, node.inputs[2].desc
-    macs = _numel_of(g.origin_shape) * _numel_of(w.origin_shape[1:])
+    macs = numel(g.origin_shape) * numel(w.origin_shape[1:])
     moved = sum(_nbytes(v.desc) for v in node.inputs) + sum(_nbytes(o.desc) for o in node.outputs)
     return Cost(4 * macs, moved)
 
@@ -177,7 +254,7 @@ def _attention_grad_cost(node: Node) -> Cost:
     dV, dP, dQ, dK) = 2.5× the forward's two; source: Dao et al. 2022, FlashAttention
     (arXiv:2205.14135) Algorithm 4."""
     q, k = node.inputs[1].desc, node.inputs[2].desc
-    bh = _numel_of(q.shape[:-2])
+    bh = numel(q.shape[:-2])
     sq, d, sk = int(q.shape[-2]), int(q.shape[-1]), int(k.shape[-2])
     moved = sum(_nbytes(v.desc) for v in node.inputs) + sum(_nbytes(o.desc) for o in node.outputs)
     return Cost(10 * bh * sq * sk * d + 8 * bh * sq * sk, moved)
@@ -186,7 +263,7 @@ def _attention_grad_cost(node: Node) -> Cost:
 def _attention_cost(node: Node) -> Cost:
     """4·B·H·S_q·S_k·D (two matmuls) + 5·B·H·S_q·S_k (softmax)."""
     q, k = node.inputs[0].desc, node.inputs[1].desc
-    bh = _numel_of(q.shape[:-2])
+    bh = numel(q.shape[:-2])
     sq, d = int(q.shape[-2]), int(q.shape[-1])
     sk = int(k.shape[-2])
     flops = 4 * bh * sq * sk * d + 5 * bh * sq * sk
@@ -194,39 +271,41 @@ def _attention_cost(node: Node) -> Cost:
     return Cost(flops, moved)
 
 
-def _numel_of(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= int(s)
-    return n
-
-
 def _register_all() -> None:
     for name, target, kind, fpe, inplace in _TABLE:
         register(OpDef(name, kind, aten=target, flops_per_elem=fpe, inplace_ok=inplace,
-                       aliases=_DECLARED_ALIASES.get(name),
-                       primary_only=_PRIMARY_ONLY.get(name)))
-    register(OpDef("MatMul", OpKind.MATMUL, aten=aten.mm.default, cost_fn=_matmul_cost))
-    register(OpDef("BatchMatMul", OpKind.MATMUL, aten=aten.bmm.default, cost_fn=_matmul_cost))
-    register(OpDef("MatMulV2", OpKind.MATMUL, aten=aten.addmm.default, cost_fn=_matmul_cost,
+                       aliases=_DECLARED_ALIASES.get(name), primary_only=_PRIMARY_ONLY.get(name),
+                       **_columns(name, kind)))
+    mm = {"cost_fn": _matmul_cost, "device_cost": {"vnpu": vnpu_cost.matmul}, **_npu("matmul")}
+    register(OpDef("MatMul", OpKind.MATMUL, aten=aten.mm.default, **mm))
+    register(OpDef("BatchMatMul", OpKind.MATMUL, aten=aten.bmm.default, **mm))
+    register(OpDef("MatMulV2", OpKind.MATMUL, aten=aten.addmm.default, **mm,
                    doc="addmm(bias, x, w): a Linear layer after decomposition"))
-    register(OpDef("Conv2D", OpKind.CONV, aten=aten.convolution.default, cost_fn=_conv_cost))
+    register(OpDef("Conv2D", OpKind.CONV, aten=aten.convolution.default, cost_fn=_conv_cost,
+                   device_cost={"vnpu": vnpu_cost.conv}, **_npu("conv")))
     register(OpDef("ScaledDotProductAttention", OpKind.ATTENTION,
-                   aten=aten.scaled_dot_product_attention.default, cost_fn=_attention_cost))
+                   aten=aten.scaled_dot_product_attention.default, cost_fn=_attention_cost,
+                   device_cost={"vnpu": vnpu_cost.attention}))
     register(OpDef("Conv2DBackprop", OpKind.CONV, aten=aten.convolution_backward.default,
                    cost_fn=_conv_grad_cost,
                    doc="input, weight and bias gradients: CANN's Conv2DBackpropInput + Filter"))
     register(OpDef("FlashAttentionScore", OpKind.ATTENTION,
                    aten=aten._scaled_dot_product_flash_attention_for_cpu.default,
-                   cost_fn=_attention_cost, doc="fused attention forward kept for training "
+                   cost_fn=_attention_cost, keep_fp32=True, doc="fused attention forward kept for training "
                    "(returns the output and the logsumexp its backward reads)"))
     register(OpDef("FlashAttentionScoreGrad", OpKind.ATTENTION,
                    aten=aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
                    cost_fn=_attention_grad_cost))
     register(OpDef("Dropout", OpKind.ELEMENTWISE, aten=aten.native_dropout.default,
-                   flops_per_elem=2, random=True))
+                   flops_per_elem=2, random=True, device_cost={"vnpu": vnpu_cost.vector("mul")}))
     register(OpDef("HostFallback", OpKind.FALLBACK,
                    doc="an ATen op with no opencann converter, run on the host as is"))
+    register(OpDef("TransData", OpKind.DATA, aliases=((),), cost_fn=_trans_data_cost,
+                   kernel_factories={"vnpu": vnpu_kernels.make_trans_data},
+                   device_cost={"vnpu": vnpu_cost.trans_data},
+                   doc="format conversion (CANN TransData); attrs src_format, dst_format (format names, "
+                       "e.g. 'ND', 'NC1HWC0'), origin_shape, origin_format: the logical shape and its plain "
+                       "format"))
 
 
 _register_all()

@@ -21,7 +21,6 @@ import numpy as np
 import torch
 
 from ..ir import Node, TensorDesc
-from .fused import KERNEL_FACTORIES
 from .opdef import OpDef, OpKind, register
 
 # torch dtype -> onnx TensorProto element type (the numbers of onnx.proto's DataType)
@@ -72,7 +71,6 @@ def _factory(node: Node, in_descs: Sequence[TensorDesc], consts: Sequence) -> Ca
     return run
 
 
-register(OpDef("OnnxHostFallback", OpKind.FALLBACK,
+register(OpDef("OnnxHostFallback", OpKind.FALLBACK, kernel_factories={"cpu": _factory},
                doc="an ONNX node with no opencann converter, run on the host by "
                    "onnx.reference.ReferenceEvaluator"))
-KERNEL_FACTORIES["OnnxHostFallback"] = _factory

@@ -9,13 +9,13 @@ and its kernels per device. Kernels of aten-backed ops call the ATen overload; w
 from __future__ import annotations
 
 import enum
-import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from ..ir import DataType, Node, TensorDesc, TensorListRef, TensorRef
+from ..devices import KINDS, parse_device
+from ..ir import DataType, Node, TensorDesc, TensorListRef, TensorRef, numel
 
 
 class OpKind(enum.Enum):
@@ -46,14 +46,24 @@ class Cost:
 
 @dataclass
 class OpDef:
-    """One operator of the library.
+    """One operator of the library: every per-op fact is a column here.
 
     ``aten``: the ATen overload it implements (None for opencann's own fused ops).
     ``flops_per_elem``: elementwise/reduction work per output (or input) element.
     ``inplace_ok``: the output may share the buffer of input 0 (same size and dtype).
     ``random``: the op draws from torch's RNG (set at `register` from the ATen overload's
     ``nondeterministic_seeded`` tag); see `is_random` for the per-node fact.
-    ``kernels``: device name -> callable taking the ATen-style args.
+    ``kernels``: device kind ("cpu", "vnpu") -> callable taking the ATen-style args
+    (positional and keyword, as ``aten``'s schema orders them; tensors in, tensors out).
+    ``cpu`` defaults to ``aten``; a kernel given here replaces it (the executor calls it,
+    and no ``.out`` overload is used for that device). A device without an entry runs
+    the ``cpu`` kernel on the host.
+    ``kernel_factories``: device kind -> bind-time factory ``f(node, in_descs, consts)
+    -> callable(*inputs)`` (inputs in ``node.inputs`` order); consulted before
+    ``kernels``. The callable must keep no per-call state: it is shared by concurrent
+    calls (threads). Kernels live in ``ops/kernels/{cpu,vnpu}.py``.
+    ``out_capable``: predicate on a node, True when the factory's kernel accepts
+    ``out=`` (the planned arena buffer).
     ``out_kernel``: the ``.out`` overload, when one exists, for arena binding.
     ``aliases``: per return of the op, the names of the arguments whose storage that
     return may share (a view, or an input handed back as is); ``()`` for a return that
@@ -65,6 +75,17 @@ class OpDef:
     ``primary_only``: the op that computes output 0 alone from the same attributes,
     cheaper because it skips the others (max.dim's indices ⇒ amax); the pass
     ``drop_unused_outputs`` runs it instead when no other output is read (inference).
+    ``cost_fn``: FLOPs and bytes of a node (default: from ``kind`` and
+    ``flops_per_elem``, see `cost`).
+    ``device_cost``: device kind -> time model of a node on that device, ``f(node,
+    spec) -> (KernelCost, cost-function name)`` (vnpu: ``ops/kernels/vnpu_cost.py``).
+    ``npu_format``: how the op runs in NPU storage formats on the vnpu: "conv",
+    "matmul", "elementwise", "channelwise", or None (ND only).
+    ``keep_fp32``: mixed precision keeps it in fp32 (softmax, norms, reductions,
+    exp/log/pow...; `MixedPrecision`'s default keep-list).
+    ``activation``: the activation the op is, as the fused CPU kernels name it
+    ("relu", "gelu", "tanh", "sigmoid", "silu"), or None.
+    View-ness is ``kind == OpKind.VIEW`` (`is_view`).
     """
 
     name: str
@@ -74,11 +95,17 @@ class OpDef:
     inplace_ok: bool = False
     random: bool = False
     kernels: Dict[str, Callable] = field(default_factory=dict)
+    kernel_factories: Dict[str, Callable] = field(default_factory=dict)
+    out_capable: Optional[Callable[[Node], bool]] = None
     out_kernel: Optional[torch._ops.OpOverload] = None
     out_names: Tuple[str, ...] = ()
     aliases: Optional[Tuple[Tuple[str, ...], ...]] = None
     cost_fn: Optional[Callable[[Node], Cost]] = None
     primary_only: Optional[str] = None
+    device_cost: Dict[str, Callable] = field(default_factory=dict)
+    npu_format: Optional[str] = None
+    keep_fp32: bool = False
+    activation: Optional[str] = None
     doc: str = ""
 
     @property
@@ -86,7 +113,30 @@ class OpDef:
         """Reference implementation: the eager ATen op itself."""
         return self.aten
 
+    @property
+    def is_view(self) -> bool:
+        """The output aliases the input's storage (no kernel work)."""
+        return self.kind == OpKind.VIEW
+
+    def kernel_factory(self, device: str) -> Optional[Callable]:
+        """The bind-time kernel factory for a node on ``device`` (a device string): the
+        device kind's, else the host's (``cpu``), else None."""
+        kind = parse_device(device, load=False).kind
+        return self.kernel_factories.get(kind) or self.kernel_factories.get("cpu")
+
+    def kernel(self, device: str) -> Optional[Callable]:
+        """The ATen-style kernel for a node on ``device``: the device kind's entry of
+        ``kernels``, else the host's (``cpu``), else ``aten`` (None for a host fallback,
+        whose overload is the node's ``meta["aten"]``)."""
+        kind = parse_device(device, load=False).kind
+        return self.kernels.get(kind) or self.kernels.get("cpu") or self.aten
+
+    def writes_out(self, node: Node) -> bool:
+        """True when ``node``'s factory kernel takes ``out=`` (`out_capable`)."""
+        return self.out_capable is not None and bool(self.out_capable(node))
+
     def cost(self, node: Node) -> Cost:
+        """FLOPs and bytes read + written of ``node`` (``cost_fn``, else from ``kind``)."""
         if self.cost_fn is not None:
             return self.cost_fn(node)
         if self.kind in (OpKind.VIEW,):
@@ -94,19 +144,15 @@ class OpDef:
         moved = sum(_nbytes(v.desc) for v in node.inputs) + \
             sum(_nbytes(o.desc) for o in node.outputs)
         if self.kind == OpKind.REDUCTION:
-            n = sum(_numel(v.desc) for v in node.inputs[:1])
+            n = sum(numel(v.desc.shape) for v in node.inputs[:1] if v.desc.is_static)
         else:
-            n = sum(_numel(o.desc) for o in node.outputs[:1])
+            n = sum(numel(o.desc.shape) for o in node.outputs[:1] if o.desc.is_static)
         flops = 0 if self.kind in (OpKind.DATA, OpKind.CREATION) else int(n * self.flops_per_elem)
         return Cost(flops, moved)
 
 
-def _numel(d: TensorDesc) -> int:
-    return math.prod(int(s) for s in d.shape) if d.is_static else 0
-
-
 def _nbytes(d: TensorDesc) -> int:
-    return _numel(d) * d.dtype.itemsize
+    return numel(d.shape) * d.dtype.itemsize if d.is_static else 0
 
 
 # Stand-in description of an output a multi-output op does not produce (a gradient op's
@@ -114,10 +160,6 @@ def _nbytes(d: TensorDesc) -> int:
 SKIPPED_OUTPUT = TensorDesc((0,), DataType.FLOAT)
 
 _REGISTRY: Dict[str, OpDef] = {}
-# device name -> op name -> bind-time kernel factory ``f(node, in_descs, consts) -> callable``.
-# Consulted by the runtime before the generic (CPU) kernels, for nodes placed on that device.
-# The callable must keep no per-call state: it is shared by concurrent calls (threads).
-DEVICE_KERNEL_FACTORIES: Dict[str, Dict[str, Callable]] = {}
 _BY_ATEN: Dict[torch._ops.OpOverload, OpDef] = {}
 
 
@@ -141,18 +183,26 @@ def _find_out_overload(op: torch._ops.OpOverload) -> Tuple[Optional[torch._ops.O
 
 
 def register(opdef: OpDef) -> OpDef:
-    """Add an op to the registry; raises ValueError on a duplicate name or overload."""
+    """Add an op to the registry. Raises ValueError on a duplicate name or overload, or
+    a ``kernels`` / ``kernel_factories`` / ``device_cost`` key that is not a device kind
+    (naming the kinds)."""
     if opdef.name in _REGISTRY:
         raise ValueError(f"op {opdef.name} is registered twice")
+    for col in ("kernels", "kernel_factories", "device_cost"):
+        bad = [k for k in getattr(opdef, col) if k not in KINDS]
+        if bad:
+            raise ValueError(f"op {opdef.name}: {col} has device {bad[0]!r}; device kinds are "
+                             f"{list(KINDS)} (e.g. {col}={{'cpu': fn}})")
     if opdef.aten is not None:
         if opdef.aten in _BY_ATEN:
             raise ValueError(f"{opdef.aten} is already implemented by {_BY_ATEN[opdef.aten].name}")
         _BY_ATEN[opdef.aten] = opdef
+        own_cpu = opdef.kernels.get("cpu") not in (None, opdef.aten)
         opdef.kernels.setdefault("cpu", opdef.aten)
         opdef.random = opdef.random or seeded(opdef.aten)
         if opdef.aliases is None:
             opdef.aliases = schema_aliases(opdef.aten)
-        if opdef.out_kernel is None and opdef.kind != OpKind.VIEW:
+        if opdef.out_kernel is None and opdef.kind != OpKind.VIEW and not own_cpu:
             opdef.out_kernel, opdef.out_names = _find_out_overload(opdef.aten)
     _REGISTRY[opdef.name] = opdef
     return opdef

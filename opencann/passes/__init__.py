@@ -1,26 +1,43 @@
-"""The optimization pipeline (five stages: prepare, fusion, layout, memory, schedule)."""
-from .attention import FuseFlashAttention
-from .base import Pass, PassContext, PassManager
-from .drop_unused_outputs import DropUnusedOutputs
-from .fusion import FoldBatchNorm, FuseConvAct, FuseConvAddAct, FuseLinearAct
-from .layout import LayoutSelection
-from .memory import plan_memory
-from .precision import MixedPrecision
+"""The optimization pipeline (stages: prepare, fusion, layout, schedule, memory), one
+pass per module under ``prepare/``, ``fusion/`` and ``layout/``; the public names are
+re-exported here."""
+import sys as _sys
+
+from .base import Pass, PassContext, PassManager, RewritePass, Skip
+from .fusion import FoldBatchNorm, FuseConvAct, FuseConvAddAct, FuseFlashAttention, FuseLinearAct
+from .fusion import attention
+from .layout import LayoutSelection, NpuLayoutSelection
+from .layout import npu_layout as vnpu_layout
+from .memory import MemoryPlanning, plan_memory
 from .prepare import (CommonSubexpressionElimination, ConstantFolding, DeadCodeElimination,
-                      IdentityElimination)
+                      IdentityElimination, MixedPrecision)
+from .prepare.drop_unused_outputs import DropUnusedOutputs
+from .prepare import precision
 from .schedule import SingleStreamSchedule
-from .vnpu_layout import NpuLayoutSelection
+
+# the module paths from before the one-pass-per-file split (opencann.passes.attention,
+# .precision, .vnpu_layout) still import
+for _old, _mod in (("attention", attention), ("precision", precision),
+                   ("vnpu_layout", vnpu_layout)):
+    _sys.modules.setdefault(f"{__name__}.{_old}", _mod)
 
 
 def default_pipeline() -> PassManager:
-    """Prepare → fusion → layout → schedule. (Memory planning runs after scheduling,
-    on the final order, in the compiler.)"""
+    """Prepare → fusion → layout → schedule → memory (planning on the final order; the
+    plan is ``ctx.artifacts["memory_plan"]``). The compiler adds kernel binding as the
+    last stage when it builds a callable model."""
     return PassManager([
         ConstantFolding(), DeadCodeElimination(), CommonSubexpressionElimination(),
         IdentityElimination(), DropUnusedOutputs(), MixedPrecision(),
         FoldBatchNorm(), FuseConvAct(), FuseConvAddAct(), FuseLinearAct(), FuseFlashAttention(),
         DeadCodeElimination(), LayoutSelection(), NpuLayoutSelection(), SingleStreamSchedule(),
+        MemoryPlanning(),
     ])
 
 
-__all__ = ["Pass", "PassContext", "PassManager", "default_pipeline", "plan_memory"]
+__all__ = ["Pass", "PassContext", "PassManager", "RewritePass", "Skip", "default_pipeline",
+           "plan_memory", "MemoryPlanning", "ConstantFolding", "DeadCodeElimination",
+           "CommonSubexpressionElimination", "IdentityElimination", "MixedPrecision",
+           "FoldBatchNorm", "FuseConvAct", "FuseConvAddAct", "FuseLinearAct",
+           "FuseFlashAttention", "LayoutSelection", "NpuLayoutSelection", "SingleStreamSchedule",
+           "attention", "precision", "vnpu_layout"]

@@ -15,8 +15,10 @@ from __future__ import annotations
 from typing import Dict, FrozenSet, List, Tuple
 
 from ..ir import Buffer, Graph, MemoryPlan, Node
+from ..ir.liveness import peak_live_bytes
+from ..log import logger
 from ..ops import get_op, last_reads, output_aliases, storage_roots
-from ..ops.fused import OUT_CAPABLE
+from .base import Pass, PassContext
 
 DEFAULT_ALIGNMENT = 64  # bytes: one cache line, and AVX-512 / oneDNN friendly
 
@@ -50,7 +52,7 @@ def writes_into_buffer(node: Node) -> bool:
     op = get_op(node.op)
     if node.meta.get("no_out_kernel"):  # see frontend.torch.convert.META_DIVERGES
         return "inplace_input" in node.attrs
-    return op.out_kernel is not None or "inplace_input" in node.attrs or (node.op in OUT_CAPABLE and OUT_CAPABLE[node.op](node))
+    return op.out_kernel is not None or "inplace_input" in node.attrs or op.writes_out(node)
 
 
 def plan_memory(graph: Graph, alignment: int = DEFAULT_ALIGNMENT, inplace: bool = True,
@@ -72,15 +74,12 @@ def plan_memory(graph: Graph, alignment: int = DEFAULT_ALIGNMENT, inplace: bool 
     bufs: Dict[int, Buffer] = {}
     unplanned: Dict[str, str] = {}
     inplace_log: List[Tuple[str, str]] = []
-    fresh_roots = set()                # roots that back a graph output
 
     for v in graph.inputs + graph.constants:
-        root[v.id] = -1                # external storage
-        holds[v.id] = frozenset()
+        root[v.id], holds[v.id] = -1, frozenset()   # external storage
     # storage each value may share (ATen schemas / OpDef ``aliases``; unknown = may alias)
-    # and the last read of each storage root through any alias of it (views, views of
-    # views, split outputs, graph outputs), so a buffer is overwritten in place only
-    # when nothing that may share it is read afterwards
+    # and the last read of each storage root through any alias (views, split outputs,
+    # graph outputs): a buffer is overwritten in place only when none is read afterwards
     sroots = storage_roots(graph)
     last_read = last_reads(graph, sroots, step)
     _check_declared_writes(graph, step)
@@ -105,49 +104,87 @@ def plan_memory(graph: Graph, alignment: int = DEFAULT_ALIGNMENT, inplace: bool 
                 for r in srcs:
                     bufs[r].aliases.append(o.id)
                 continue
-            if not copy_out and not writes_into_buffer(node):
-                root[o.id] = -1
-                holds[o.id] = frozenset()
-                unplanned[repr(o)] = (f"{node.op} allocates its own output (no .out kernel); "
-                                      "copying it into the arena costs more than it saves (a oneDNN reorder); plan it with options={'copy_out': True}")
-                continue
-            # in-place: an elementwise op may overwrite an input that dies here
-            x = _inplace_candidate(node, o, root, bufs, last_read, sroots, i) if inplace else None
-            if x is not None:
-                root[o.id] = x.id
-                holds[o.id] = frozenset((x.id,))
-                bufs[x.id].aliases.append(o.id)
-                inplace_log.append((node.name, repr(x)))
-                continue
-            size = _align(max(o.desc.nbytes, 1), alignment)
-            bufs[o.id] = Buffer(root=o.id, size=size, start=i, end=i)
-            root[o.id] = o.id
-            holds[o.id] = frozenset((o.id,))
+            _own_buffer(node, o, i, root, holds, bufs, unplanned, inplace_log, copy_out,
+                        alignment, _inplace_candidate(node, o, root, bufs, last_read, sroots, i)
+                        if inplace else None)
 
-    # lifetimes: a buffer lives until the last read of its root or any alias
+    _lifetimes(graph, step, holds, bufs, unplanned)
+    plan = _placed(bufs, root, len(graph.nodes), alignment, inplace_log, unplanned)
+    arena, lb, naive, strategy = plan.arena_bytes, plan.lower_bound, plan.naive_bytes, plan.strategy
+    if log:
+        log(f"memory plan: arena {arena} B, lower bound {lb} B ({plan.ratio:.3f}x), "
+            f"naive {naive} B, {len(inplace_log)} in-place reuses, {strategy}")
+    return plan
+
+
+def _placed(bufs, root, nsteps: int, alignment: int, inplace_log, unplanned) -> MemoryPlan:
+    """Offsets for ``bufs`` (the best of `_ORDERS`) and the resulting `MemoryPlan`."""
+    naive = sum(b.size for b in bufs.values())
+    lb = _lower_bound(list(bufs.values()), nsteps)
+    arena, strategy = _best_placement(list(bufs.values()))
+    value_buffer = {vid: r for vid, r in root.items() if r in bufs}
+    return MemoryPlan(buffers=bufs, value_buffer=value_buffer, arena_bytes=arena,
+                      lower_bound=lb, naive_bytes=naive, alignment=alignment,
+                      strategy=strategy, inplace=inplace_log, unplanned=unplanned)
+
+
+def _lifetimes(graph: Graph, step, holds, bufs, unplanned) -> None:
+    """A buffer lives until the last read of its root or any alias; buffers backing a
+    graph output leave the arena (allocated fresh per call)."""
     for node in graph.nodes:
         i = step[node]
         for x in node.inputs:
             for r in holds.get(x.id, ()):
                 bufs[r].end = max(bufs[r].end, i)
+    fresh_roots = set()
     for v in graph.outputs:
         fresh_roots.update(holds.get(v.id, ()))
     for r in fresh_roots:
         unplanned[f"%{r}"] = "backs a graph output: allocated fresh per call so results survive the next call"
         del bufs[r]
 
-    naive = sum(b.size for b in bufs.values())
-    lb = _lower_bound(list(bufs.values()), len(graph.nodes))
-    blist = list(bufs.values())
-    arena, strategy = _best_placement(blist)
-    value_buffer = {vid: r for vid, r in root.items() if r in bufs}
-    plan = MemoryPlan(buffers=bufs, value_buffer=value_buffer, arena_bytes=arena,
-                      lower_bound=lb, naive_bytes=naive, alignment=alignment,
-                      strategy=strategy, inplace=inplace_log, unplanned=unplanned)
-    if log:
-        log(f"memory plan: arena {arena} B, lower bound {lb} B ({plan.ratio:.3f}x), "
-            f"naive {naive} B, {len(inplace_log)} in-place reuses, {strategy}")
-    return plan
+
+class MemoryPlanning(Pass):
+    """The memory stage: `plan_memory` on the final node order with the options
+    ``alignment`` (bytes, default 64), ``inplace`` and ``copy_out``. Stores the
+    `MemoryPlan` in ``ctx.artifacts["memory_plan"]`` and its summary in the report;
+    returns the number of in-place reuses. Raises ValueError as `plan_memory` does."""
+
+    name, stage = "memory_plan", "memory"
+    required, observed = True, False
+
+    def run(self, graph: Graph, ctx: PassContext) -> int:
+        o = ctx.options
+        plan = plan_memory(graph, alignment=o.get("alignment", DEFAULT_ALIGNMENT),
+                           inplace=o.get("inplace", True), copy_out=o.get("copy_out", False),
+                           log=logger.debug)
+        ctx.artifacts["memory_plan"] = plan
+        ctx.report.memory = plan.summary()
+        ctx.note(plan.strategy)
+        return len(plan.inplace)
+
+
+def _own_buffer(node: Node, o, i: int, root, holds, bufs, unplanned, inplace_log,
+                copy_out: bool, alignment: int, x) -> None:
+    """Give output ``o`` of ``node`` (step ``i``) storage: none (its kernel allocates it),
+    the buffer of input ``x`` (in place: an elementwise op overwrites an input that dies
+    here) or a new buffer."""
+    if not copy_out and not writes_into_buffer(node):
+        root[o.id] = -1
+        holds[o.id] = frozenset()
+        unplanned[repr(o)] = (f"{node.op} allocates its own output (no .out kernel); "
+                              "copying it into the arena costs more than it saves (a oneDNN reorder); plan it with options={'copy_out': True}")
+        return
+    if x is not None:
+        root[o.id] = x.id
+        holds[o.id] = frozenset((x.id,))
+        bufs[x.id].aliases.append(o.id)
+        inplace_log.append((node.name, repr(x)))
+        return
+    size = _align(max(o.desc.nbytes, 1), alignment)
+    bufs[o.id] = Buffer(root=o.id, size=size, start=i, end=i)
+    root[o.id] = o.id
+    holds[o.id] = frozenset((o.id,))
 
 
 # Placement orders tried; the smallest arena wins (each is one best-fit sweep).
@@ -212,13 +249,5 @@ def _check_declared_writes(graph: Graph, step: Dict[Node, int]) -> None:
 
 
 def _lower_bound(bufs: List[Buffer], nsteps: int) -> int:
-    """Max over steps of the bytes of buffers live at that step (sweep line)."""
-    delta = [0] * (nsteps + 2)
-    for b in bufs:
-        delta[b.start] += b.size
-        delta[b.end + 1] -= b.size
-    best = cur = 0
-    for d in delta:
-        cur += d
-        best = max(best, cur)
-    return best
+    """Max over steps of the bytes of buffers live at that step (`peak_live_bytes`)."""
+    return peak_live_bytes((b.start, b.end, b.size) for b in bufs)

@@ -31,6 +31,8 @@ class AliasingError(RuntimeError):
 
 
 def enabled_by_env() -> bool:
+    """Whether ``OPENCANN_CHECK_ALIASING`` is set to anything but '', '0', 'false' or 'no'
+    (case-insensitive)."""
     return os.environ.get(ENV_VAR, "").strip().lower() not in ("", "0", "false", "no")
 
 
@@ -77,6 +79,8 @@ class AliasChecker:
             yield from n.outputs
 
     def begin(self, inputs: Sequence[torch.Tensor]) -> None:
+        """Start a run: graph inputs (``inputs``, in graph-input order) and constants are the
+        values live so far."""
         self._live = []
         for v, t in list(zip((v.id for v in self.graph.inputs), inputs)) + self._consts:
             s = _span(t)
@@ -84,6 +88,9 @@ class AliasChecker:
                 self._live.append((v, s))
 
     def after(self, idx: int, outs: Sequence) -> None:
+        """Check node ``idx``'s outputs ``outs``: each may overlap in memory only values it may
+        share storage with (the op's declared aliasing or its planned buffer) or values no
+        longer read. Raises `AliasingError` naming the node, the output and the other value."""
         node = self.graph.nodes[idx]
         self._live = [(v, s) for v, s in self._live if self.until[v] >= idx]
         for k, (o, t) in enumerate(zip(node.outputs, outs)):

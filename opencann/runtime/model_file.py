@@ -54,7 +54,6 @@ _PREFIX = struct.Struct("<8sIQ32s")  # magic, format version, header length, hea
 _ALIGN = 64  # bytes: every weight starts this aligned in the file and in memory (as torch's
 # allocator aligns them), so a loaded model's GEMMs take the same code paths (same bits)
 SECTIONS = ("metadata", "graph", "plan", "schedule", "report", "constants")
-KNOWN_DEVICES = ("cpu", "vnpu")
 
 
 class ModelFileError(ValueError):
@@ -207,11 +206,8 @@ def _graph_from_json(j: Dict[str, Any], consts: Dict[str, torch.Tensor]) -> Grap
                  nj["name"], nj["source"], nj["scope"])
         n.device, n.stream = nj["device"], nj["stream"]
         n.meta = {k: _dec(a) for k, a in nj["meta"].items()}
-        for v in n.inputs:
-            v.users.append(n)
         n.outputs = [mk(i, producer=n) for i in nj["outputs"]]
-        g.nodes.append(n)
-        g._names[n.name] = g._names.get(n.name, 0) + 1
+        g.add_node(n)   # wires its uses and registers its name
     g.outputs = [vals[i] for i in j["outputs"]]
     g.meta = _dec(j["meta"])
     g._ids = iter(range(max(descs, default=-1) + 1, 1 << 62))  # new values get fresh ids
@@ -407,25 +403,15 @@ def _json_bytes(obj: Any) -> bytes:
     return json.dumps(obj, allow_nan=False, separators=(",", ":")).encode()
 
 
-def save(compiled, path: str, description: str = "") -> Dict[str, Any]:
-    """Write ``compiled`` (a `CompiledModel`) to ``path`` (conventionally ``*.ocm``).
-
-    Returns the header (sections with offsets, sizes, sha256). Raises ModelFileError
-    when something in the graph has no file encoding (naming the node and attribute),
-    OSError when the file cannot be written."""
-    import safetensors.torch
-
+def _metadata(g, report, conv: Dict[str, Any], description: str) -> Dict[str, Any]:
+    """The ``metadata`` section: versions, model, device, inputs and outputs (names and
+    descs), the calling convention (structures, positions, baked non-tensor inputs)."""
     from ..version import __version__
-    g, plan, report = compiled.graph, compiled.plan, compiled.report
-    conv = compiled.calling_convention()
-    graph_j = _graph_to_json(g)
-    tensors, layouts = _pack_constants(g)
-    graph_j["constant_layouts"] = layouts
     n_out = g.meta.get("n_outputs", len(g.outputs))
     out_names = _output_names(conv["out_spec"], n_out)
     lits = g.meta.get("output_literals", {})
     tensor_out_names = [nm for i, nm in enumerate(out_names) if i not in lits]
-    meta = {
+    return {
         "format_version": FORMAT_VERSION, "opencann_version": __version__,
         "torch_version": torch.__version__, "created_unix": int(time.time()),
         "model": report.model or g.name, "device": report.device, "description": description,
@@ -441,12 +427,11 @@ def save(compiled, path: str, description: str = "") -> Dict[str, Any]:
         "contiguous": conv["contiguous"], "concurrent_calls": conv["concurrent_calls"],
         "arg_names": conv.get("arg_names"),
     }
-    schedule = {"order": [n.name for n in g.nodes], "streams": {n.name: n.stream for n in g.nodes}}
-    report_j = json.loads(report.to_json())
-    blobs = {"metadata": _json_bytes(meta), "graph": _json_bytes(graph_j),
-             "plan": _json_bytes(_plan_to_json(plan)), "schedule": _json_bytes(schedule),
-             "report": json.dumps(report_j, separators=(",", ":")).encode(),
-             "constants": safetensors.torch.save(tensors) if tensors else b""}
+
+
+def _layout(blobs: Dict[str, bytes]) -> Tuple[bytes, List[Dict[str, Any]], Dict[str, int]]:
+    """(header, sections, pads): each section's offset, size and sha256, with the
+    constants' tensor data (after safetensors' header) 64-byte aligned in the file."""
     # the header's length does not depend on the offsets' values beyond their digits: lay
     # out twice so the weights start 64-byte aligned in the file (aligned zero-copy views)
     header, pads = b"", {}
@@ -465,7 +450,30 @@ def save(compiled, path: str, description: str = "") -> Dict[str, Any]:
         if len(new) == len(header):
             break
         header = new
-    header = new
+    return new, sections, pads
+
+
+def save(compiled, path: str, description: str = "") -> Dict[str, Any]:
+    """Write ``compiled`` (a `CompiledModel`) to ``path`` (conventionally ``*.ocm``).
+
+    Returns the header (sections with offsets, sizes, sha256). Raises ModelFileError
+    when something in the graph has no file encoding (naming the node and attribute),
+    OSError when the file cannot be written."""
+    import safetensors.torch
+
+    g, plan, report = compiled.graph, compiled.plan, compiled.report
+    conv = compiled.calling_convention()
+    graph_j = _graph_to_json(g)
+    tensors, layouts = _pack_constants(g)
+    graph_j["constant_layouts"] = layouts
+    meta = _metadata(g, report, conv, description)
+    schedule = {"order": [n.name for n in g.nodes], "streams": {n.name: n.stream for n in g.nodes}}
+    report_j = json.loads(report.to_json())
+    blobs = {"metadata": _json_bytes(meta), "graph": _json_bytes(graph_j),
+             "plan": _json_bytes(_plan_to_json(plan)), "schedule": _json_bytes(schedule),
+             "report": json.dumps(report_j, separators=(",", ":")).encode(),
+             "constants": safetensors.torch.save(tensors) if tensors else b""}
+    header, sections, pads = _layout(blobs)
     tmp = f"{path}.tmp{os.getpid()}"
     with open(tmp, "wb") as f:
         f.write(_PREFIX.pack(MAGIC, FORMAT_VERSION, len(header), hashlib.sha256(header).digest()))
@@ -535,15 +543,17 @@ def _json_section(secs, name: str, where: str) -> Any:
 
 def check_device(device: str, where: str = "model file") -> None:
     """Raise ModelFileError unless this opencann has ``device`` (kind and vnpu preset)."""
-    from ..devices.vnpu.presets import PRESETS
-    kind, _, name = str(device).partition(":")
-    if kind not in KNOWN_DEVICES:
-        raise ModelFileError(f"{where} was compiled for device {device!r}: this opencann has no "
-                             f"such device (it has {', '.join(KNOWN_DEVICES)}); recompile for one")
-    if kind == "vnpu" and name and not name.endswith((".json", ".toml")) and name.lower() not in PRESETS:
-        raise ModelFileError(f"{where} was compiled for device {device!r}: this opencann has no "
-                             f"vnpu preset {name!r} (it has {', '.join(sorted(PRESETS))}); upgrade "
-                             "opencann or recompile")
+    from ..devices import KINDS, PRESETS, DeviceError, parse_device
+    try:
+        parse_device(device, load=False)
+    except DeviceError as e:
+        if e.reason == "kind":
+            raise ModelFileError(f"{where} was compiled for device {device!r}: this opencann has no "
+                                 f"such device (it has {', '.join(KINDS)}); recompile for one") from None
+        if e.reason == "preset":
+            raise ModelFileError(f"{where} was compiled for device {device!r}: this opencann has no "
+                                 f"vnpu preset {e.preset!r} (it has {', '.join(sorted(PRESETS))}); "
+                                 "upgrade opencann or recompile") from None
 
 
 def read(path: str) -> Dict[str, Any]:

@@ -6,7 +6,8 @@ plan) without running it, costs every node with the vnpu cost model
 traffic with and without the fusion passes, and peak device memory. A plan that does
 not fit in the preset's HBM raises ValueError saying by how much and what to change.
 
-Op → cost function (all on the op's storage sizes, in its dtype):
+Op → cost function: each op's ``OpDef.device_cost["vnpu"]`` column (the functions of
+``opencann.ops.kernels.vnpu_cost``, all on the op's storage sizes, in its dtype):
 
 - Conv2D / ConvBiasAct / ConvAddAct → `conv2d_cost` (groups g as g·N convolutions of
   C/g channels: same FLOPs and activation bytes); MatMul, BatchMatMul, MatMulV2,
@@ -15,11 +16,11 @@ Op → cost function (all on the op's storage sizes, in its dtype):
   + PV `matmul_cost`, the S×S scores going through HBM;
 - SoftmaxV2 / LogSoftmaxV2 → `softmax_cost`; LayerNorm → `layernorm_cost`; BatchNorm
   (inference, x·scale + shift) → `elementwise_cost` with 2 vector ops per element;
-- elementwise ops → `elementwise_cost` with the op's vector cost (`ELEMENTWISE_KEYS`);
+- elementwise ops → `elementwise_cost` with the op's vector cost key;
 - reductions and pooling → `reduction_cost`; TransData → `trans_data_cost`;
-- data movement (Embedding, Identity, concat, gathers, padding) and creation ops →
-  `elementwise_cost("copy")` on the output (read + write; creation: write only);
-- views → free (no kernel, not listed);
+- ops without the column: data movement (Embedding, Identity, concat, gathers, padding)
+  and creation ops → `elementwise_cost("copy")` on the output (read + write; creation:
+  write only); views → free (no kernel, not listed);
 - anything else (host fallbacks, ops without a model) → **fallback**: memory-bound
   ``copy`` of its largest tensor, read by each input and written once; such rows are
   flagged ``fallback`` and listed in the report.
@@ -32,43 +33,21 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from ..devices.vnpu import (KernelCost, NpuSpec, conv2d_cost, elementwise_cost, flash_attention_cost,
-                            layernorm_cost, matmul_cost, reduction_cost, softmax_cost, trans_data_cost)
-from ..ir import Graph, MemoryPlan, Node, Value
+from ..devices import parse_device
+from ..devices.vnpu import KernelCost, NpuSpec
+from ..ir import Graph, MemoryPlan, Node
+from ..ir.liveness import peak_live_bytes
 from ..ops import OpKind, get_op, output_aliases
-from ..passes.vnpu_layout import npu_spec_for
+from ..ops.kernels import vnpu_cost
 from .argtypes import output_file, positive_int
 
 GiB = float(1 << 30)
 MiB = float(1 << 20)
-
-# IR op -> key of the cost model's VECTOR_OP_COST table
-ELEMENTWISE_KEYS: Dict[str, str] = {
-    "Add": "add", "Adds": "add", "Sub": "sub", "Subs": "sub", "RSub": "sub", "Mul": "mul", "Muls": "mul",
-    "Div": "div", "Divs": "div", "DivMode": "div", "Pow": "pow", "PowTensor": "pow", "Neg": "neg",
-    "Abs": "abs", "Exp": "exp", "Log": "log", "Sqrt": "sqrt", "Rsqrt": "rsqrt", "Reciprocal": "reciprocal",
-    "Sin": "sin", "Cos": "cos", "Floor": "copy", "Sign": "copy", "Maximum": "max", "Minimum": "min",
-    "ClipByValue": "clamp", "ClampTensor": "clamp", "HardTanh": "clamp", "Select": "where", "Relu": "relu",
-    "Gelu": "gelu", "Sigmoid": "sigmoid", "Tanh": "tanh", "Erf": "erf", "Swish": "silu",
-    "LeakyRelu": "leaky_relu", "HardSigmoid": "clamp", "HardSwish": "silu", "Cast": "cast", "Fill": "copy",
-    "Dropout": "mul",
-}
-_COMPARE = ("Equal", "NotEqual", "Less", "LessEqual", "Greater", "GreaterEqual", "Logical", "Bitwise", "IsNan")
-REDUCTION_KEYS: Dict[str, str] = {
-    "ReduceSum": "add", "ReduceSumAll": "add", "ReduceMean": "add", "ReduceMeanAll": "add", "ReduceMax": "max",
-    "ReduceMin": "min", "ReduceAny": "max", "ReduceAll": "min", "ArgMaxD": "max", "ArgMinD": "min",
-    "ReduceMaxD": "max", "ReduceVar": "add", "Cumsum": "add", "MaxPoolWithArgmax": "max", "AvgPool": "add",
-    "AdaptiveAvgPool2d": "add",
-}
-FUSED_CONV = ("Conv2D", "ConvBiasAct", "ConvAddAct")
-FUSED_MATMUL = ("MatMul", "BatchMatMul", "MatMulV2", "LinearAct")
-
 
 @dataclass
 class OpRow:
@@ -276,91 +255,23 @@ def _bytes(dtype: str) -> int:
     return max(1, torch.empty((), dtype=getattr(torch, dtype)).element_size())
 
 
-def _numel(shape: Sequence) -> int:
-    return math.prod(int(s) for s in shape)
-
-
-def _combine(op: str, parts: List[KernelCost]) -> KernelCost:
-    """Kernels run one after another: times, FLOPs and bytes add; the bound is the
-    bound of the longest part."""
-    longest = max(parts, key=lambda c: c.time_us)
-    return KernelCost(op, sum(c.time_us for c in parts), sum(c.flops for c in parts),
-                      sum(c.useful_flops for c in parts), sum(c.hbm_bytes for c in parts), longest.bound,
-                      {"parts": [c.op for c in parts]})
-
-
-def _big_inputs(node: Node) -> List[Value]:
-    return [v for v in node.inputs if v.desc.is_static and _numel(v.desc.shape) > 1]
-
-
 def node_cost(node: Node, spec: NpuSpec) -> Tuple[Optional[KernelCost], str, bool]:
     """(cost, cost-function name, fallback?) of one node on ``spec``; (None, "view",
-    False) for views. See the module docstring for the op → function table."""
+    False) for views. The op's ``device_cost["vnpu"]`` column when it has one; else data
+    movement / creation ops cost a copy and anything else the memory-bound fallback (see
+    ``opencann.ops.kernels.vnpu_cost``)."""
     op = get_op(node.op)
-    out = node.outputs[0].desc
-    dt = out.dtype.value
-    if op.kind == OpKind.VIEW:
+    if op.is_view:
         return None, "view", False
-    if node.op == "TransData":
-        s = node.inputs[0].desc
-        e = s.dtype.itemsize
-        return trans_data_cost(_numel(s.shape), _numel(out.shape), dt, burst_bytes=max(1, 32 // e) * e,
-                               spec=spec), "trans_data_cost", False
-    if node.op in FUSED_CONV:
-        x, w = node.arg("input").desc, node.arg("weight").desc
-        n, c, h, wd = (int(s) for s in x.origin_shape)
-        cout, _, kh, kw = (int(s) for s in w.origin_shape)
-        a = node.attrs
-        g = int(a.get("groups", 1))
-        dil = list(a.get("dilation", [1, 1]))
-        k = ((kh - 1) * dil[0] + 1, (kw - 1) * dil[-1] + 1)
-        return conv2d_cost(n * g, c // g, h, wd, cout // g, k, tuple(a["stride"]), tuple(a["padding"]),
-                           x.dtype.value, spec), "conv2d_cost", False
-    if node.op in FUSED_MATMUL:
-        names = ("mat1", "mat2") if node.op in ("MatMulV2", "LinearAct") else ("self", "mat2")
-        a_d, b_d = node.arg(names[0]).desc, node.arg(names[1]).desc
-        a_s, b_s = a_d.origin_shape, b_d.origin_shape
-        m, kdim, nn = int(a_s[-2]), int(a_s[-1]), int(b_s[-1])
-        batch = _numel(out.origin_shape[:-2]) if node.op == "BatchMatMul" else 1
-        return matmul_cost(m, nn, kdim, batch, a_d.dtype.value, spec), "matmul_cost", False
-    if node.op in ("FlashAttention", "ScaledDotProductAttention"):
-        q, kk = node.arg("query").desc, node.arg("key").desc
-        bh = _numel(q.shape[:-2])
-        sq, d, sk = int(q.shape[-2]), int(q.shape[-1]), int(kk.shape[-2])
-        if node.op == "FlashAttention":
-            heads = int(q.shape[-3]) if q.rank >= 3 else 1
-            return flash_attention_cost(bh // heads, heads, sq, sk, d, dt, causal=bool(node.attrs.get("causal")),
-                                        spec=spec), "flash_attention_cost", False
-        parts = [matmul_cost(sq, sk, d, bh, dt, spec), softmax_cost(bh * sq, sk, dt, spec),
-                 matmul_cost(sq, d, sk, bh, dt, spec)]
-        if node.attrs.get("attn_mask") is not None:
-            parts.insert(1, elementwise_cost("add", bh * sq * sk, dt, 2, spec))
-        return _combine("attention", parts), "matmul_cost+softmax_cost (S×S scores in HBM)", False
-    if node.op in ("SoftmaxV2", "LogSoftmaxV2"):
-        cols = int(out.shape[node.attrs.get("dim", -1)])
-        return softmax_cost(_numel(out.shape) // cols, cols, dt, spec), "softmax_cost", False
-    if node.op == "LayerNorm":
-        cols = _numel(node.attrs["normalized_shape"])
-        return layernorm_cost(_numel(out.shape) // cols, cols, dt, spec), "layernorm_cost", False
-    if node.op == "BatchNorm":   # x·scale + shift: 2 vector ops/element, like clamp's entry
-        return elementwise_cost("clamp", _numel(out.shape), dt, 1, spec), "elementwise_cost (2 ops/elem)", False
-    if node.op in ELEMENTWISE_KEYS or node.op.startswith(_COMPARE):
-        key = ELEMENTWISE_KEYS.get(node.op, "sub")     # comparisons: one subtract-and-select per element
-        n_in = max(1, len(_big_inputs(node)))
-        return elementwise_cost(key, max(1, _numel(out.shape)), dt, n_in, spec), "elementwise_cost", False
-    if node.op in REDUCTION_KEYS:
-        x = node.inputs[0].desc
-        n_in, n_out = max(1, _numel(x.shape)), max(1, _numel(out.shape))
-        return reduction_cost(n_in, min(n_in, n_out), x.dtype.value, REDUCTION_KEYS[node.op], spec), \
-            "reduction_cost", False
+    fn = op.device_cost.get("vnpu")
+    if fn is not None:
+        c, model = fn(node, spec)
+        return c, model, False
     if op.kind in (OpKind.DATA, OpKind.CREATION):
-        n_in = 0 if op.kind == OpKind.CREATION else 1
-        return elementwise_cost("copy", max(1, _numel(out.shape)), dt, n_in, spec), \
-            "elementwise_cost(copy)", False
-    # fallback: memory-bound copy of the largest tensor
-    sizes = [_numel(v.desc.shape) for v in node.inputs + node.outputs if v.desc.is_static]
-    return elementwise_cost("copy", max([1] + sizes), dt, max(1, len(_big_inputs(node))), spec), \
-        "fallback: elementwise_cost(copy)", True
+        c, model = (vnpu_cost.create if op.kind == OpKind.CREATION else vnpu_cost.copy)(node, spec)
+        return c, model, False
+    c, model = vnpu_cost.fallback(node, spec)
+    return c, model, True
 
 
 def cost_graph(graph: Graph, spec: NpuSpec) -> Tuple[List[OpRow], int]:
@@ -385,8 +296,8 @@ def kernel_alloc_peak(graph: Graph, plan: MemoryPlan) -> int:
     views by their ATen schema, in-place results) cost nothing."""
     step = {n: i for i, n in enumerate(graph.nodes)}
     end = len(graph.nodes)
-    delta = [0] * (end + 2)
     outs = {id(v) for v in graph.outputs}
+    ranges = []
     for n in graph.nodes:
         for o, aliased in zip(n.outputs, output_aliases(n)):
             if aliased or o.id in plan.value_buffer or not o.desc.is_static:
@@ -394,13 +305,8 @@ def kernel_alloc_peak(graph: Graph, plan: MemoryPlan) -> int:
             last = max([step[u] for u in o.users] + [step[n]])
             if id(o) in outs:
                 last = end
-            delta[step[n]] += o.desc.nbytes
-            delta[last + 1] -= o.desc.nbytes
-    best = cur = 0
-    for d in delta:
-        cur += d
-        best = max(best, cur)
-    return best
+            ranges.append((step[n], last, o.desc.nbytes))
+    return peak_live_bytes(ranges)
 
 
 # -- driver ------------------------------------------------------------------------------
@@ -449,8 +355,37 @@ def _compile(ep, name: str, device: str, fused: bool):
     return graph, plan, report
 
 
+def _load_factory(spec: str):
+    """``file.py:factory`` -> (model, example_inputs) from ``factory()``. Raises ValueError."""
+    import importlib.util
+    import os
+    path, fn = spec.rsplit(":", 1)
+    if not os.path.isfile(path):
+        raise ValueError(f"{path} does not exist; give file.py:factory")
+    mod_spec = importlib.util.spec_from_file_location("user_model", path)
+    mod = importlib.util.module_from_spec(mod_spec)
+    mod_spec.loader.exec_module(mod)
+    if not callable(getattr(mod, fn, None)):
+        raise ValueError(f"{path} has no function {fn!r}")
+    res = getattr(mod, fn)()
+    if not (isinstance(res, tuple) and len(res) == 2 and isinstance(res[0], torch.nn.Module)):
+        raise ValueError(f"{fn}() must return (model, example_inputs) with model a torch.nn.Module")
+    return res[0].eval(), res[1] if isinstance(res[1], tuple) else (res[1],)
+
+
+def _as_dtype(model, inputs, dtype: Optional[str]):
+    if dtype is None:
+        return model, inputs
+    dt = getattr(torch, dtype, None)
+    if not isinstance(dt, torch.dtype) or not dt.is_floating_point:
+        raise ValueError(f"--dtype {dtype!r}: give a floating dtype such as float16, bfloat16 or float32")
+    conv = tuple(x.to(dt) if isinstance(x, torch.Tensor) and x.is_floating_point() else x for x in inputs)
+    return model.to(dt), conv
+
+
 def estimate(model_or_zoo_name, example_inputs=None, device: str = "vnpu:ascend910b",
-             batch: Optional[int] = None, fused: bool = True, **zoo_kwargs) -> EstimateReport:
+             batch: Optional[int] = None, fused: bool = True, dtype: Optional[str] = None,
+             **zoo_kwargs) -> EstimateReport:
     """Estimate time, HBM traffic and peak memory of a model on a virtual NPU.
 
     Args:
@@ -465,6 +400,9 @@ def estimate(model_or_zoo_name, example_inputs=None, device: str = "vnpu:ascend9
             a module.
         fused: report the graph with the fusion passes on (True; FlashAttention enabled)
             or off. HBM traffic of both is always reported.
+        dtype: cast the model and its floating inputs to this dtype first ('float16',
+            'bfloat16', 'float32'); None keeps them. ``model_or_zoo_name`` may also be
+            ``"file.py:factory"`` (factory() returns (model, example_inputs)).
     Returns: `EstimateReport` (µs, bytes, FLOPs).
     Raises:
         ValueError: not a vnpu device, unknown preset, batch < 1, missing inputs, an
@@ -473,7 +411,9 @@ def estimate(model_or_zoo_name, example_inputs=None, device: str = "vnpu:ascend9
         CaptureError: torch.export cannot capture the model.
     """
     from ..frontend.torch import capture
-    spec = npu_spec_for(device)
+    spec = parse_device(device, kind="vnpu").spec
+    if isinstance(model_or_zoo_name, str) and model_or_zoo_name.split(":")[0].endswith(".py"):
+        model_or_zoo_name, example_inputs = _load_factory(model_or_zoo_name)
     if batch is None:
         ex = example_inputs[0] if isinstance(example_inputs, tuple) else example_inputs
         batch = (int(ex.shape[0]) if isinstance(model_or_zoo_name, torch.nn.Module)
@@ -481,6 +421,7 @@ def estimate(model_or_zoo_name, example_inputs=None, device: str = "vnpu:ascend9
     if batch < 1:
         raise ValueError(f"estimate: batch must be >= 1, got {batch}")
     name, model, args = _load(model_or_zoo_name, example_inputs, batch, zoo_kwargs)
+    model, args = _as_dtype(model, args, dtype)
     ep, _ = capture(model, args)
     graph, plan, _ = _compile(ep, name, device, fused)
     weights = sum(c.desc.nbytes for c in graph.constants)
@@ -519,7 +460,9 @@ def estimate(model_or_zoo_name, example_inputs=None, device: str = "vnpu:ascend9
 
 def add_arguments(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the ``estimate`` options to ``ap`` (a parser or a CLI subparser)."""
-    ap.add_argument("--model", required=True, help="zoo name: resnet50, bert-base, gpt2, minilm")
+    ap.add_argument("--model", required=True, help="zoo name (resnet50, bert-base, gpt2, minilm) or file.py:factory")
+    ap.add_argument("--dtype", choices=("float16", "bfloat16", "float32"),
+                    help="cast the model and inputs to this dtype first (default: as given)")
     ap.add_argument("--device", default="vnpu:ascend910b", help="vnpu:<preset> or vnpu:<spec.json|.toml>")
     ap.add_argument("--batch", type=positive_int, default=1)
     ap.add_argument("--size", type=positive_int, help="image size (resnet50)")
@@ -538,7 +481,8 @@ def run_args(args: argparse.Namespace) -> int:
     import sys
     kw = {k: getattr(args, k) for k in ("size", "seq") if getattr(args, k, None) is not None}
     try:
-        rep = estimate(args.model, device=args.device, batch=args.batch, fused=not args.no_fusion, **kw)
+        rep = estimate(args.model, device=args.device, batch=args.batch, fused=not args.no_fusion,
+                       dtype=getattr(args, "dtype", None), **kw)
     except (ValueError, KeyError, RuntimeError, OSError) as e:
         msg = e.args[0] if isinstance(e, KeyError) and e.args else str(e)
         print(f"error: {(msg.strip().splitlines() or [type(e).__name__])[0]}", file=sys.stderr)

@@ -56,12 +56,18 @@ MAX_NUMEL = 2048
 # ------------------------------------------------------------------ programs
 @dataclass
 class InputSpec:
+    """One input of a fuzz program: its variable name, shape, dtype name ('float32', 'int64',
+    'bool', ...) and special values (flat index, Python literal source such as 'nan') written
+    into it."""
     name: str
     shape: Tuple[int, ...]
     dtype: str                                   # "float32", "int64", "bool"...
     specials: List[Tuple[int, str]] = field(default_factory=list)  # (flat index, value source)
 
     def source(self) -> str:
+        """The lines of ``make_inputs`` that create this input from generator ``g``: ``randn`` for
+        floats (cast to the dtype), ``randint(-8, 9)`` for ints, ``rand > 0.5`` for bool, then
+        the special values."""
         shape = ", ".join(map(str, self.shape)) + ("," if len(self.shape) == 1 else "")
         if self.dtype == "bool":
             s = f"    {self.name} = torch.rand(({shape}), generator=g) > 0.5"
@@ -80,6 +86,10 @@ class InputSpec:
 
 @dataclass
 class Step:
+    """One step of a fuzz program: a Python expression over earlier values (``uses``) assigned to
+    ``outs`` (none for an in-place step on ``inplace``), its op name and group, the module
+    ``__init__`` lines it needs, and whether its result is exact (bit-identical across
+    backends)."""
     expr: str
     uses: List[str]
     outs: List[str]
@@ -90,11 +100,15 @@ class Step:
     exact: bool = False
 
     def line(self) -> str:
+        """The step as one line of ``forward``: ``outs = expr``, or ``expr`` alone for an in-place
+        step."""
         return f"{', '.join(self.outs)} = {self.expr}" if self.outs else self.expr
 
 
 @dataclass
 class Program:
+    """A generated fuzz program: its seed, inputs, steps and returned value names; `source` writes
+    it as standalone Python."""
     seed: int
     inputs: List[InputSpec]
     steps: List[Step]
@@ -102,14 +116,18 @@ class Program:
 
     @property
     def tol(self) -> float:
+        """Relative and absolute tolerance of value checks: 5e-2 with bfloat16 in the program, 1e-2
+        with float16, else 1e-4."""
         src = self.source()
         return 5e-2 if "bfloat16" in src else 1e-2 if "float16" in src else 1e-4
 
     @property
     def has_attention(self) -> bool:
+        """Whether a step is of the 'attention' group (scaled_dot_product_attention)."""
         return any(s.group == "attention" for s in self.steps)
 
     def ops(self) -> List[str]:
+        """The op names the steps use, sorted, without repeats."""
         return sorted({s.op for s in self.steps})
 
     def source(self) -> str:
@@ -130,6 +148,8 @@ class Program:
         return "\n".join(lines)
 
     def namespace(self) -> dict:
+        """The globals of `source` after running it (``M``, ``make_inputs``). Raises what the
+        program raises at definition (a generator bug)."""
         ns: dict = {}
         exec(compile(self.source(), f"<fuzz program {self.seed}>", "exec"), ns)  # noqa: S102
         return ns
@@ -137,6 +157,8 @@ class Program:
 
 @dataclass
 class Val:
+    """A value of a program being generated: its variable name, a sample tensor (computed eagerly
+    as it grows), whether it is exact, and whether it is a program input."""
     name: str
     t: torch.Tensor
     exact: bool
@@ -177,6 +199,9 @@ class Gen:
 
     def pick(self, kind: str, exact: bool = False, min_ndim: int = 0, ndims=None, dtypes=None,
              inplace_target: bool = False, on_inputs: bool = False) -> Optional[Val]:
+        """A random earlier value of ``kind`` ('any', 'bool', 'float', 'int', 'num') meeting the
+        filters (exact, rank, dtypes; for in-place targets: on a program input or not, never
+        expanded), preferring recent ones; None if there is none."""
         inputs = {_storage(v.t) for v in self.vals if v.is_input}
         out = []
         for v in self.vals:
@@ -193,6 +218,8 @@ class Gen:
         return self._recent(out)
 
     def partner(self, a: Val, kind: str, same_shape: bool = False, exact: bool = False) -> Optional[Val]:
+        """A second operand for ``a``: a value of ``kind`` with ``a``'s shape or (unless
+        ``same_shape``) one that broadcasts with it; None if there is none."""
         same, bcast = [], []
         for v in self.vals:
             if not _kind_ok(v.t, kind) or (exact and not v.exact):
@@ -210,10 +237,13 @@ class Gen:
         return self._recent(bcast)
 
     def dim(self, a: Val) -> int:
+        """A random dim of ``a``, negative (counted from the end) one time in four."""
         d = self.rng.randrange(a.t.dim())
         return d - a.t.dim() if self.rng.random() < 0.25 else d
 
     def module(self, ctor: str, inits: Sequence[str] = ()) -> str:
+        """Register a submodule ``self.m<k> = ctor`` (plus ``inits``, formatted with ``m``) for the
+        next step; returns its attribute name."""
         name = f"self.m{self.n_modules}"
         self.n_modules += 1
         self.pending += [f"{name} = {ctor}"] + [i.format(m=name) for i in inits]
@@ -221,11 +251,16 @@ class Gen:
 
     def step(self, expr: str, uses: List[Val], n_out: int = 1, exact: bool = False,
              inplace: Optional[Val] = None) -> "Step":
+        """A `Step` for ``expr`` over ``uses`` with ``n_out`` outputs (names filled in by the
+        caller), the pending module lines, in place on ``inplace`` when given; exact only if
+        every input is."""
         return Step(expr, sorted({u.name for u in uses}), [] if inplace else [""] * n_out, "", "",
                     list(self.pending), inplace.name if inplace else None,
                     exact and all(u.exact for u in uses))
 
     def duplicate(self) -> Optional[Step]:
+        """A repeat of one of the last five value-producing steps (exercises CSE and output
+        aliasing), or None."""
         cands = [s for s in self.steps if s.outs and s.group not in ("random", "dup")]
         if not cands:
             return None
@@ -345,11 +380,15 @@ def _pick_outputs(rng: random.Random, g: Gen, multi: bool) -> List[str]:
 # ------------------------------------------------------------------ checking
 @dataclass
 class Failure:
+    """One failed check: the backend ('opencann', 'vnpu', 'dynamo', 'flash'), the check ('error',
+    'values', 'nan', 'alias', ...) and what went wrong."""
     backend: str
     check: str
     detail: str
 
     def key(self) -> Tuple[str, str, str]:
+        """What makes two failures the same bug when shrinking: backend, check and, for errors, the
+        message up to its first ':'."""
         return (self.backend, self.check, self.detail.split(":")[0] if self.check == "error" else "")
 
     def __str__(self) -> str:
@@ -698,6 +737,8 @@ def repro_source(prog: Program, failure: Failure) -> str:
 # ------------------------------------------------------------------ driver
 @dataclass
 class FuzzResult:
+    """The outcome of `run_fuzz`: cases generated, runs per backend, invalid programs (eager itself
+    failed), failures as (failure, minimal program, repro path) and wall time in seconds."""
     cases: int = 0
     runs: Dict[str, int] = field(default_factory=dict)
     invalid: int = 0
@@ -705,6 +746,8 @@ class FuzzResult:
     seconds: float = 0.0
 
     def summary(self) -> str:
+        """A text summary: counts, then failures grouped by backend and check (up to 8 each, with
+        seed, detail and ops)."""
         lines = [f"{self.cases} programs, runs per backend {self.runs}, {len(self.failures)} "
                  f"failures, {self.seconds:.0f} s" + (f", {self.invalid} invalid" if self.invalid else "")]
         groups: Dict[Tuple[str, str], list] = {}

@@ -19,6 +19,8 @@ from typing import Callable, Dict, List, NamedTuple, Optional
 
 
 class FuzzOp(NamedTuple):
+    """One op the fuzzer can generate: name, group (for --op and --kinds), its builder ``build(g:
+    Gen) -> Optional[Step]`` and its relative weight in sampling."""
     name: str
     group: str
     build: Callable  # build(g) -> Optional[Step]
@@ -29,6 +31,8 @@ OPS: List[FuzzOp] = []
 
 
 def op(name: str, group: str, weight: float = 1.0):
+    """Decorator registering a builder in `OPS` as a `FuzzOp` named ``name`` in ``group``, sampled
+    with ``weight``; returns the builder unchanged."""
     def deco(fn):
         OPS.append(FuzzOp(name, group, fn, weight))
         return fn

@@ -9,11 +9,13 @@ from .presets import NpuSpec, PRESETS, ascend310, ascend910, ascend910b, get_pre
 from .formats import (c0_for, format_shape, from_fractal_nz, from_fractal_z, from_nc1hwc0, to_fractal_nz,
                       to_fractal_z, to_nc1hwc0, trans_data, valid_mask)
 from .kernels import conv2d_nc1hwc0, elementwise, matmul_nz
+from .calibration import calibration_table
 from .cost_model import (KernelCost, conv2d_cost, eager_time_us, elementwise_cost, flash_attention_calibration_table,
                          flash_attention_cost, layernorm_cost, matmul_cost, reduction_cost, softmax_cost,
                          trans_data_cost)
 
 __all__ = [
+    "calibration_table",
     "NpuSpec", "PRESETS", "ascend310", "ascend910", "ascend910b", "get_preset", "load_spec",
     "c0_for", "format_shape", "from_fractal_nz", "from_fractal_z", "from_nc1hwc0", "to_fractal_nz",
     "to_fractal_z", "to_nc1hwc0", "trans_data", "valid_mask",

@@ -28,7 +28,8 @@ from typing import Any, Mapping, Sequence
 from .presets import NpuSpec, ascend910b
 
 __all__ = [
-    "KernelCost", "VECTOR_OP_COST", "dtype_bytes", "matmul_cost", "conv2d_cost", "elementwise_cost",
+    "KernelCost", "VECTOR_OP_COST", "DISPATCH_SCALE", "HBM_EFFICIENCY", "CUBE_EFFICIENCY", "cube_k0",
+    "dispatch_us", "dtype_bytes", "matmul_cost", "conv2d_cost", "elementwise_cost",
     "reduction_cost", "softmax_cost", "layernorm_cost", "trans_data_cost", "flash_attention_cost",
     "flash_attention_blocks", "eager_time_us", "FA_910B_MEASURED_TFLOPS", "flash_attention_calibration_table",
 ]
@@ -64,9 +65,6 @@ cast fp32 in + scale (2), row max + subtract (2), exp (2), row sum (1), cast to 
 FA_OUTPUT_OPS_PER_ELEM = 2
 """Vector ops per output element per key block: rescale by exp(m_old - m_new) and add PV (2)."""
 
-# Matmul base tile for core assignment: estimate (typical Ascend C Matmul tiling for fp16
-# baseM x baseN = 128 x 256, which fills L0C's 128 KiB in fp32).
-MATMUL_BASE_M, MATMUL_BASE_N = 128, 256
 
 _DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4, "float": 4, "half": 2, "int8": 1, "uint8": 1,
                 "int16": 2, "int32": 4, "int64": 8, "float64": 8, "bool": 1}
@@ -125,7 +123,7 @@ def _waves(tiles: int, cores: int) -> tuple[int, int]:
 
 def _finish(op: str, spec: NpuSpec, *, cube_us: float, vector_us: float, mte_us: float, hbm_bytes: float,
             flops: float, useful: float, extra: Mapping[str, Any] | None = None) -> KernelCost:
-    hbm_us = hbm_bytes / (spec.hbm_gbps * 1e9) * 1e6
+    hbm_us = _hbm_us(spec, hbm_bytes)
     pipes = {"cube": cube_us, "vector": vector_us, "memory": max(mte_us, hbm_us)}
     slowest = max(pipes, key=pipes.get)  # type: ignore[arg-type]
     launch = spec.kernel_launch_us
@@ -156,53 +154,129 @@ def _mte_us(spec: NpuSpec, read_bytes: float, write_bytes: float, cores: int) ->
 # Cube kernels
 # ----------------------------------------------------------------------------------
 
+def cube_k0(dtype: Any) -> int:
+    """K0 of the Cube's operand fractal (16 x K0 in L0A, K0 x 16 in L0B): 32 B / element
+    size (fp16 16, int8 32, fp32 8; [HC31]).  Used for padding inside the kernel cost only;
+    stored tensors use `formats.c0_for` (fp32 C0 = 16)."""
+    return max(1, 32 // dtype_bytes(dtype))
+
+
+# Tiler candidates (estimate: Ascend C Matmul tilings use base blocks of 16..256 rows/columns
+# within L0C, and split K across cores ("multi-core K split") when M x N tiles cannot fill them).
+TILE_SIZES = (16, 32, 64, 128, 256)
+K_SPLITS = (1, 2, 4, 8)
+HBM_EFFICIENCY = 0.85
+"""estimate (derating): fraction of nominal HBM bandwidth a streaming kernel reaches.  No
+public Ascend STREAM figure; HBM2/HBM2e devices measure 0.8-0.9 of nominal (BabelStream on
+A100 40GB: ~1.4 of 1.56 TB/s).  Applied to `NpuSpec.hbm_gbps`."""
+CUBE_EFFICIENCY = 0.9
+"""estimate: fraction of the Cube's peak a large, cube-bound tile sequence sustains (L0A/L0B
+ping-pong bubbles and per-tile fixpipe drains).  Checked against [MM-910B]: torch.mm fp16
+at M=N=K=4096 reaches 315 of 354 TFLOPS (0.89)."""
+
+
+def _hbm_us(spec: NpuSpec, nbytes: float) -> float:
+    return nbytes / (spec.hbm_gbps * HBM_EFFICIENCY * 1e9) * 1e6
+
+
+def _gemm(op: str, batch: int, m: int, n: int, k: int, e: int, eo: int, spec: NpuSpec,
+          a_bytes: float | None = None, epilogue_ops: float = 0.0, epilogue_inputs: int = 0,
+          useful: float | None = None) -> KernelCost:
+    """The Cube GEMM model shared by matmul and conv (see `matmul_cost`).
+
+    For every candidate tiling (base bm x bn output tile within L0C, K split ks) the time is
+    a max of pipelines each non-decreasing in M, N, K and batch (waves x per-tile work); the
+    kernel takes the fastest candidate, so time is monotone in every dimension."""
+    k0 = 32 // e
+    mp, np_, kp = _up(m, 16), _up(n, 16), _up(k, k0)
+    flops = 2.0 * batch * mp * np_ * kp
+    useful = 2.0 * batch * m * n * k if useful is None else useful
+    rate = _cube_rate_per_core(spec, e) * CUBE_EFFICIENCY / 1e6          # FLOP per µs per core
+    hz = spec.clock_ghz * 1e9
+    a_total = batch * mp * kp * e if a_bytes is None else a_bytes
+    b_total, c_total = batch * kp * np_ * e, batch * mp * np_ * eo
+    vec_rate = _vector_rate_total(spec, 4, spec.vector_cores) / 1e6       # fp32 elem-ops per µs, all units
+    gm_, gn_ = max(1, math.isqrt(spec.cube_cores)), max(1, spec.cube_cores // max(1, math.isqrt(spec.cube_cores)))
+    best = None
+    for bm in TILE_SIZES:
+        for bn in TILE_SIZES:
+            if bm * bn * 4 > spec.l0c_bytes:
+                continue
+            tm, tn = _ceil(mp, bm), _ceil(np_, bn)
+            for ks in K_SPLITS:
+                if ks > 1 and k0 * ks > kp:
+                    continue
+                kper = _up(_ceil(kp, ks), k0)
+                tiles = batch * tm * tn * ks
+                waves = _ceil(tiles, spec.cube_cores)
+                cube = waves * 2.0 * bm * bn * kper / rate
+                a_tile = a_total / (batch * tm) / ks                 # one row of tiles' share of A
+                rd = waves * (a_tile + bn * kper * e) / (spec.gm_read_bytes_per_cycle * hz) * 1e6
+                wr_b = bm * bn * (4 if ks > 1 else eo)
+                wr = waves * wr_b / (spec.gm_write_bytes_per_cycle * hz) * 1e6
+                mte = max(rd, wr)
+                vec = (batch * mp * np_ * (ks - 1 + epilogue_ops)) / vec_rate if (ks > 1 or epilogue_ops) else 0.0
+                fits = a_total + b_total <= spec.l2_bytes
+                stream = a_total + b_total if fits else a_total * _ceil(tn, gn_) + b_total * _ceil(tm, gm_)
+                hbm = stream + c_total * (1 + epilogue_inputs) + (2 * ks * batch * mp * np_ * 4 if ks > 1 else 0)
+                t = max(cube, vec, mte, _hbm_us(spec, hbm))
+                if best is None or t < best[0]:
+                    best = (t, cube, vec, mte, hbm, bm, bn, ks, min(tiles, spec.cube_cores), waves)
+    t, cube, vec, mte, hbm, bm, bn, ks, used, waves = best
+    return _finish(op, spec, cube_us=cube, vector_us=vec, mte_us=mte, hbm_bytes=hbm, flops=flops, useful=useful,
+                   extra={"cores_used": used, "waves": waves, "tile": (bm, bn), "k_split": ks,
+                          "padded_mnk": (mp, np_, kp), "padding_waste": 1 - useful / flops})
+
+
 def matmul_cost(m: int, n: int, k: int, batch: int = 1, dtype: Any = "float16",
-                spec: NpuSpec = ascend910b, out_dtype: Any = None) -> KernelCost:
+                spec: NpuSpec = ascend910b, out_dtype: Any = None, epilogue: Sequence[str] = ()) -> KernelCost:
     """(Batch) matmul C[b] = A[b] (M x K) @ B[b] (K x N) on the Cube.
 
     FLOPs are counted on fractal-padded sizes: M and N up to multiples of 16, K up to
-    k0 = 32 B / element size (the Cube fractal, Liao et al. Hot Chips 31).  Output tiles of
-    MATMUL_BASE_M x MATMUL_BASE_N (estimate) are spread over the Cube cores in waves.  GM
-    traffic: A is streamed once per column of tiles and B once per row of tiles; HBM
-    traffic is A + B + C once when A and B fit in L2, else the GM traffic.
+    `cube_k0` = 32 B / element (the Cube fractal, Liao et al. Hot Chips 31).  A tiler picks,
+    among base tiles bm x bn (16..256, fitting L0C in fp32) and K splits (1..8; partial sums
+    in fp32 through GM, added by the Vector units), the fastest; per candidate, tiles run in
+    waves over the Cube cores and each pipeline is (waves x per-tile work): Cube at
+    CUBE_EFFICIENCY x peak, GM reads (each tile reads its rows of A and its B columns) and
+    writes at the per-core rates, HBM at HBM_EFFICIENCY x nominal for A + B + C once when
+    A and B fit in L2 (else A once per group of column tiles, B once per group of row
+    tiles).  Time is monotone in M, N, K and batch.
+    `epilogue`: Vector ops fused after the Cube as GE fuses them ('bias', 'relu', 'add',
+    ... keys of VECTOR_OP_COST; 'add' of a residual reads one more C-sized tensor), costed
+    on the output with no extra kernel.  fp32: the Cube rate is `NpuSpec.peak_cube_tflops(4)`.
     Units: sizes in elements, times in µs, bytes in B.  Raises ValueError on sizes < 1.
     """
     if min(m, n, k, batch) < 1:
         raise ValueError(f"matmul_cost: sizes must be >= 1, got m={m} n={n} k={k} batch={batch}")
     e = dtype_bytes(dtype)
     eo = dtype_bytes(out_dtype) if out_dtype is not None else (4 if e == 1 else e)
-    k0 = 32 // e
-    mp, np_, kp = _up(m, 16), _up(n, 16), _up(k, k0)
-    flops = 2.0 * batch * mp * np_ * kp
-    useful = 2.0 * batch * m * n * k
-    tm, tn = _ceil(mp, MATMUL_BASE_M), _ceil(np_, MATMUL_BASE_N)
-    used, waves = _waves(batch * tm * tn, spec.cube_cores)
-    tile_flops = 2.0 * min(mp, MATMUL_BASE_M) * min(np_, MATMUL_BASE_N) * kp
-    cube_us = waves * tile_flops / _cube_rate_per_core(spec, e) * 1e6
-    a_b, b_b, c_b = batch * mp * kp * e, batch * kp * np_ * e, batch * mp * np_ * eo
-    gm_read = a_b * tn + b_b * tm
-    mte = _mte_us(spec, gm_read, c_b, used)
-    if a_b + b_b <= spec.l2_bytes:
-        hbm = a_b + b_b + c_b
-    else:   # one wave's output block (gm x gn tiles) streams its A rows and B columns from HBM
-        gm = min(tm, max(1, math.isqrt(used)))
-        gn = min(tn, _ceil(used, gm))
-        n_waves = _ceil(batch * tm * tn, gm * gn)
-        wave_bytes = (gm * min(mp, MATMUL_BASE_M) + gn * min(np_, MATMUL_BASE_N)) * kp * e
-        hbm = min(gm_read, n_waves * wave_bytes) + c_b
-    return _finish("matmul", spec, cube_us=cube_us, vector_us=0.0, mte_us=mte, hbm_bytes=hbm, flops=flops,
-                   useful=useful, extra={"cores_used": used, "waves": waves, "padded_mnk": (mp, np_, kp),
-                                         "padding_waste": 1 - useful / flops})
+    ops, extra_in = _epilogue(epilogue)
+    return _gemm("matmul", batch, m, n, k, e, eo, spec, epilogue_ops=ops, epilogue_inputs=extra_in)
+
+
+def _epilogue(epilogue: Sequence[str]) -> tuple[float, int]:
+    ops, extra = 0.0, 0
+    for name in epilogue:
+        key = "add" if name == "bias" else name
+        if key not in VECTOR_OP_COST:
+            raise ValueError(f"unknown epilogue op {name!r}; use 'bias' or one of {', '.join(sorted(VECTOR_OP_COST))}")
+        ops += VECTOR_OP_COST[key]
+        extra += name == "add"
+    return ops, extra
 
 
 def conv2d_cost(n: int, c_in: int, h: int, w: int, c_out: int, kernel: Sequence[int] | int,
                 stride: Sequence[int] | int = 1, padding: Sequence[int] | int = 0,
-                dtype: Any = "float16", spec: NpuSpec = ascend910b) -> KernelCost:
+                dtype: Any = "float16", spec: NpuSpec = ascend910b, epilogue: Sequence[str] = ()) -> KernelCost:
     """Conv2d (groups=1) as the Cube runs it: img2col GEMM with M = N*Ho*Wo,
-    K = C1*C0*KH*KW (input channels padded to C0), N = Cout padded to 16.
+    K = C1*C0*KH*KW (input channels padded to the stored C0, `formats.c0_for`), N = Cout.
 
-    Activations are read once (img2col happens in L1, Liao et al. Hot Chips 31), weights
-    once per wave.  Raises ValueError on non-positive sizes or an empty output.
+    Same tiler and pipelines as `matmul_cost`; img2col happens in L1 (Liao et al. Hot
+    Chips 31), so a row of output tiles reads its input window (the NC1HWC0 input, not
+    the KH*KW-times larger patch matrix) and the weights are read once per row of tiles,
+    as a matmul's B.  A 1x1 stride-1 conv costs exactly the matmul of the same GEMM.
+    `epilogue` as in `matmul_cost` (GE fuses bias + ReLU / residual Add into the conv).
+    Raises ValueError on non-positive sizes or an empty output.
     """
     kh, kw = (kernel, kernel) if isinstance(kernel, int) else kernel
     sh, sw = (stride, stride) if isinstance(stride, int) else stride
@@ -212,19 +286,17 @@ def conv2d_cost(n: int, c_in: int, h: int, w: int, c_out: int, kernel: Sequence[
         raise ValueError(f"conv2d_cost: invalid sizes n={n} c_in={c_in} h={h} w={w} c_out={c_out} "
                          f"kernel={kh}x{kw} -> output {ho}x{wo}")
     e = dtype_bytes(dtype)
-    c0 = 32 // e
+    c0 = 32 if e == 1 else 16                       # stored C0 (formats.c0_for)
     m, kdim = n * ho * wo, _up(c_in, c0) * kh * kw
-    mm = matmul_cost(m, c_out, kdim, 1, dtype, spec)
+    # input bytes a row of tiles needs: the rows of the input its output rows come from
+    x_b = n * _up(c_in, c0) * min(h, ho * sh + kh - 1) * min(w, wo * sw + kw - 1) * e
+    a_bytes = min(float(x_b), float(_up(m, 16) * _up(kdim, 32 // e) * e))
+    ops, extra_in = _epilogue(epilogue)
     useful = 2.0 * n * ho * wo * c_out * c_in * kh * kw
-    used = mm.breakdown["cores_used"]
-    x_b = n * _up(c_in, c0) * h * w * e
-    w_b = kdim * _up(c_out, 16) * e
-    y_b = n * _up(c_out, c0) * ho * wo * e
-    mte = _mte_us(spec, x_b + w_b * mm.breakdown["waves"] * used, y_b, used)
-    return _finish("conv2d", spec, cube_us=mm.breakdown["cube_us"], vector_us=0.0, mte_us=mte,
-                   hbm_bytes=x_b + w_b + y_b, flops=mm.flops, useful=useful,
-                   extra={"cores_used": used, "waves": mm.breakdown["waves"], "gemm_mnk": (m, c_out, kdim),
-                          "padding_waste": 1 - useful / mm.flops})
+    c = _gemm("conv2d", 1, m, c_out, kdim, e, 4 if e == 1 else e, spec, a_bytes=a_bytes, epilogue_ops=ops,
+              epilogue_inputs=extra_in, useful=useful)
+    return KernelCost("conv2d", c.time_us, c.flops, c.useful_flops, c.hbm_bytes, c.bound,
+                      {**c.breakdown, "gemm_mnk": (m, c_out, kdim)})
 
 
 # ----------------------------------------------------------------------------------
@@ -396,7 +468,7 @@ def flash_attention_cost(batch: int, heads: int, seq_q: int, seq_k: int, head_di
     hbm = qo + kv_once * n_qblk * frac
     kv_fits_l2 = kv_once <= spec.l2_bytes
     hbm_time_bytes = qo + (kv_once if kv_fits_l2 else kv_once * n_qblk * frac)
-    hbm_us = hbm_time_bytes / (spec.hbm_gbps * 1e9) * 1e6
+    hbm_us = _hbm_us(spec, hbm_time_bytes)
     cube_total = waves * (k_blocks * cube_cyc) / hz * 1e6
     vec_total = waves * (k_blocks * vec_cyc) / hz * 1e6
     pipes = {"cube": cube_total, "vector": vec_total, "memory": hbm_us}
@@ -423,11 +495,28 @@ def flash_attention_cost(batch: int, heads: int, seq_q: int, seq_k: int, head_di
     return KernelCost("flash_attention", spec.kernel_launch_us + busy, flops, useful, hbm, bound, breakdown)
 
 
+DISPATCH_SCALE: dict[str, float] = {"flash_attention": 1.0, "matmul": 22.0 / 70.0, "conv2d": 22.0 / 70.0,
+                                   "default": 22.0 / 70.0}
+"""Host dispatch per op class, as a fraction of `NpuSpec.op_dispatch_us` (the fused-attention
+figure, [PTO-FA]: torch_npu npu_fused_attention takes a flat 70-76 us per call for small work).
+Matmuls and the rest: a torch.mm loop on 910B2 takes <= 22 us per call when the device work
+is small ([MM-910B]: 98 TFLOPS at M=N=K=1024 is 21.9 us per call); other op classes are
+assumed to dispatch like torch.mm (estimate)."""
+
+
+def dispatch_us(op: str, spec: NpuSpec = ascend910b) -> float:
+    """Host-side per-call cost of an eager op of class `op` (a `KernelCost.op`, e.g.
+    'matmul', 'conv2d', 'flash_attention', 'elementwise.add'), µs."""
+    key = op.split(".")[0]
+    return spec.op_dispatch_us * DISPATCH_SCALE.get(key, DISPATCH_SCALE["default"])
+
+
 def eager_time_us(cost: KernelCost, spec: NpuSpec = ascend910b) -> float:
     """Per-call time of the kernel issued from an eager framework loop: the host enqueues
-    asynchronously, so the slower of host dispatch (`op_dispatch_us`) and device time wins.
+    asynchronously, so the slower of host dispatch (`dispatch_us` of the op's class) and
+    device time wins.
     """
-    return max(spec.op_dispatch_us, cost.time_us)
+    return max(dispatch_us(cost.op, spec), cost.time_us)
 
 
 # ----------------------------------------------------------------------------------

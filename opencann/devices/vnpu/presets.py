@@ -16,6 +16,13 @@ Sources used below (short keys in the per-field strings):
   ``[SoCInfo]``, ``[AICoreSpec]``, ``[AICoreMemoryRates]``) as quoted in public Ascend
   kernel repositories; the B1/B2 files list ai_core_cnt=24, vector_core_cnt=48, the B3
   file 20/40.
+* [A2-ND] Ascend C Matmul API docs for Atlas A2 training / 800I A2 inference products (ND input
+  format for A/B, on-the-fly ND->NZ in the GM->L1 copy; supported dtypes), and torch_npu's
+  ``FormatHelper``/``npu_format_cast`` notes that A2 keeps matmul weights ND.
+* [MM-910B] public torch_npu ``torch.mm`` loop measurements on 910B2 quoted in opencann issue 17
+  (fp16 98 / 251 / 315 / 305 / 275 TFLOPS at M=N=K=1024 / 2048 / 4096 / 8192 / 10240; fp32 ~1/4).
+* [GE-310-STUB] the Ascend310 platform-info stub in GE's public unit tests (ai_core freq 680 MHz,
+  l2 read/write rates 128/64 B/cycle), as quoted in opencann issue 17.
 * [PTO-FA] CANN pto-isa "torch_jit/flash_atten" demo, benchmark table on 910B2
   (https://pto-isa.gitcode.com/demos/torch_jit/flash_atten).
 
@@ -31,7 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
-__all__ = ["NpuSpec", "ascend910", "ascend910b", "ascend310", "PRESETS", "get_preset", "load_spec"]
+__all__ = ["NpuSpec", "CAPABILITY_DOCS", "ascend910", "ascend910b", "ascend310", "PRESETS", "get_preset", "load_spec"]
 
 KiB = 1024
 MiB = 1024 * KiB
@@ -71,6 +78,15 @@ _RANGES: dict[str, tuple[float, float]] = {
     "gm_read_bytes_per_cycle": (0.1, 1e5), "gm_write_bytes_per_cycle": (0.1, 1e5),
     "kernel_launch_us": (1e-6, 1e6), "op_dispatch_us": (1e-6, 1e6),
 }
+# Capabilities (not numbers): optional in spec files, default = the Atlas training / inference
+# (Ascend 910 / 310) behaviour.  name -> (type, meaning)
+CAPABILITY_DOCS: dict[str, tuple[type, str]] = {
+    "cube_nd_direct": (bool, "the Cube loads ND operands and converts them to fractals while loading "
+                             "(no TransData around matmuls)"),
+    "cube_dtypes": (tuple, "operand dtypes the Cube takes natively; other floats are cast to float16"),
+    "cube_fp32_fraction": (float, "fp32 Cube throughput as a fraction of fp16 (where float32 is in cube_dtypes)"),
+}
+
 _INT_FIELDS = {
     "cube_cores", "vector_cores", "cube_macs_per_cycle", "vector_bytes_per_cycle",
     "l0a_bytes", "l0b_bytes", "l0c_bytes", "l1_bytes", "ub_bytes", "l2_bytes", "hbm_bytes",
@@ -106,6 +122,9 @@ class NpuSpec:
     gm_write_bytes_per_cycle: float
     kernel_launch_us: float
     op_dispatch_us: float
+    cube_nd_direct: bool = False
+    cube_dtypes: tuple = ("float16", "int8")
+    cube_fp32_fraction: float = 0.5
     sources: Mapping[str, str] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -126,12 +145,15 @@ class NpuSpec:
         """Peak Cube TFLOP/s for an element size in bytes (2: fp16/bf16, 1: int8, 4: fp32).
 
         The Cube consumes one 16 x k0 by k0 x 16 fractal pair per cycle with
-        k0 = 32 B / element size ([HC31]: 16x16x16 fp16, 16x32x16 int8); fp32 at
-        16x8x16 follows the same 32-byte rule (estimate for chips without native fp32 Cube).
+        k0 = 32 B / element size ([HC31]: 16x16x16 fp16, 16x32x16 int8).  fp32: where the
+        Cube takes fp32 (``"float32" in cube_dtypes``) ``cube_fp32_fraction`` of the fp16
+        rate (910B: 1/4, measured [MM-910B]); elsewhere GE casts fp32 operands to fp16, so
+        the fp16 rate applies.
         """
-        k0 = 32 // dtype_bytes
-        macs = self.cube_macs_per_cycle * k0 // 16
-        return 2 * macs * self.cube_cores * self.clock_ghz * 1e9 / 1e12
+        fp16 = 2 * self.cube_macs_per_cycle * self.cube_cores * self.clock_ghz * 1e9 / 1e12
+        if dtype_bytes == 4:
+            return fp16 * self.cube_fp32_fraction if "float32" in self.cube_dtypes else fp16
+        return fp16 * (2 // dtype_bytes if dtype_bytes < 2 else 1)
 
     def vector_elems_per_cycle(self, dtype_bytes: int) -> float:
         """Elements one vector unit processes per cycle for an element size in bytes."""
@@ -178,6 +200,17 @@ def _validate(values: Mapping[str, Any], origin: str) -> None:
         if not lo <= v <= hi:
             raise ValueError(f"{origin}: key '{key}' ({meaning}) is {v!r} {unit}, outside the plausible "
                              f"range {lo:g}..{hi:g} {unit}; give the chip's value in {unit}")
+    for key, (typ, meaning) in CAPABILITY_DOCS.items():
+        if key not in values:
+            continue
+        v = values[key]
+        ok = (isinstance(v, bool) if typ is bool else
+              isinstance(v, (tuple, list)) and all(isinstance(d, str) for d in v) if typ is tuple else
+              isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v <= 1)
+        if not ok:
+            want = {bool: "true or false", tuple: "a list of dtype names, e.g. [\"float16\", \"int8\"]",
+                    float: "a number in (0, 1]"}[typ]
+            raise ValueError(f"{origin}: key '{key}' ({meaning}) must be {want}, got {v!r}")
     if values["vector_cores"] < values["cube_cores"]:
         raise ValueError(f"{origin}: 'vector_cores' ({values['vector_cores']}) is smaller than 'cube_cores' "
                          f"({values['cube_cores']}); every Cube core needs at least one Vector unit")
@@ -198,6 +231,11 @@ ascend910 = NpuSpec(
     gm_read_bytes_per_cycle=64.0, gm_write_bytes_per_cycle=64.0,
     kernel_launch_us=5.0, op_dispatch_us=70.0,
     sources={
+        "cube_nd_direct": "[HC31] DaVinci Cube reads fractal (NZ / FRACTAL_Z) operands from L0A/L0B; "
+                          "GE inserts TransData to them",
+        "cube_dtypes": "[HC31] Cube unit fp16 and int8 only: GE casts fp32 to fp16 (precision_mode "
+                       "force_fp16 / allow_fp32_to_fp16)",
+        "cube_fp32_fraction": "unused: no fp32 Cube",
         "cube_cores": "[HC31] Ascend 910: 32 DaVinci Max AI cores (each with Cube and Vector units)",
         "vector_cores": "[HC31] one Vector unit per DaVinci core",
         "clock_ghz": "estimate: 256 TFLOPS fp16 peak [HC31] / (32 cores x 8192 FLOP/cycle) = 0.98 GHz, rounded",
@@ -224,7 +262,12 @@ ascend910b = NpuSpec(
     l2_bytes=192 * MiB, hbm_bytes=64 * GiB, hbm_gbps=1600.0,
     gm_read_bytes_per_cycle=110.0, gm_write_bytes_per_cycle=86.0,
     kernel_launch_us=5.0, op_dispatch_us=70.0,
+    cube_nd_direct=True, cube_dtypes=("float16", "bfloat16", "float32", "int8"), cube_fp32_fraction=0.25,
     sources={
+        "cube_nd_direct": "[A2-ND] Atlas A2 (910B) MatMul reads ND from GM; the ND->NZ conversion happens in "
+                          "the MTE2 load (Nd2Nz), so GE inserts no TransData around MatMul/BatchMatMul",
+        "cube_dtypes": "[A2-ND] Ascend C Matmul on Atlas A2 takes half, bfloat16, float (as HF32/fp32) and int8",
+        "cube_fp32_fraction": "[MM-910B] public torch.mm loop measurements on 910B2: fp32 ~1/4 of fp16 TFLOPS",
         "cube_cores": f"{_INI} ai_core_cnt=24 / cube_core_cnt=24 (910B1/B2 class; 910B3 has 20)",
         "vector_cores": f"{_INI} vector_core_cnt=48, split AIC/AIV design (910B3 has 40)",
         "clock_ghz": f"{_INI} cube_freq=1800 (MHz)",
@@ -252,10 +295,15 @@ ascend310 = NpuSpec(
     cube_cores=2, vector_cores=2, clock_ghz=0.5,
     cube_macs_per_cycle=4096, vector_bytes_per_cycle=256,
     l0a_bytes=64 * KiB, l0b_bytes=64 * KiB, l0c_bytes=256 * KiB, l1_bytes=1 * MiB, ub_bytes=256 * KiB,
-    l2_bytes=8 * MiB, hbm_bytes=8 * GiB, hbm_gbps=47.8,
-    gm_read_bytes_per_cycle=32.0, gm_write_bytes_per_cycle=32.0,
+    l2_bytes=8 * MiB, hbm_bytes=8 * GiB, hbm_gbps=59.7,
+    gm_read_bytes_per_cycle=174.0, gm_write_bytes_per_cycle=87.0,
     kernel_launch_us=10.0, op_dispatch_us=100.0,
     sources={
+        "cube_nd_direct": "[HC31] DaVinci Cube reads fractal (NZ / FRACTAL_Z) operands from L0A/L0B; "
+                          "GE inserts TransData to them",
+        "cube_dtypes": "[HC31] Cube unit fp16 and int8 only: GE casts fp32 to fp16 (precision_mode "
+                       "force_fp16 / allow_fp32_to_fp16)",
+        "cube_fp32_fraction": "unused: no fp32 Cube",
         "cube_cores": "[HC31] Ascend 310: 2 DaVinci AI cores",
         "vector_cores": "[HC31] one Vector unit per DaVinci core",
         "clock_ghz": "estimate: 8 TFLOPS fp16 peak (Huawei Ascend 310 product brief) / (2 cores x 8192 FLOP/cycle)"
@@ -269,9 +317,13 @@ ascend310 = NpuSpec(
         "ub_bytes": "estimate: DaVinci Max sizes [HC31] assumed for 310",
         "l2_bytes": "estimate: 8 MB on-chip buffer (Ascend 310 product brief)",
         "hbm_bytes": "estimate: 8 GB LPDDR4X on Atlas 200 boards",
-        "hbm_gbps": "estimate: LPDDR4X 2 x 64 bit at 3733 MT/s = 59.7 GB/s peak, 80% usable",
-        "gm_read_bytes_per_cycle": "estimate: 32 B/cycle per core",
-        "gm_write_bytes_per_cycle": "estimate: 32 B/cycle per core",
+        "hbm_gbps": "estimate: LPDDR4X 2 x 64 bit at 3733 MT/s = 59.7 GB/s nominal (the cost model derates "
+                    "every preset by HBM_EFFICIENCY)",
+        "gm_read_bytes_per_cycle": "[GE-310-STUB] l2_read_rate 128 B/cycle at the stub's 680 MHz = 87 GB/s per "
+                                   "core, expressed at this preset's 0.5 GHz clock (the clock follows the 8 TFLOPS "
+                                   "product peak; the stub's 680 MHz would give 11.1 TFLOPS)",
+        "gm_write_bytes_per_cycle": "[GE-310-STUB] l2_write_rate 64 B/cycle at 680 MHz = 43.5 GB/s per core, "
+                                    "expressed at 0.5 GHz",
         "kernel_launch_us": "estimate: twice the 910B value (slower embedded host CPU)",
         "op_dispatch_us": "estimate: larger than 910B for the slower embedded host CPU",
     },
@@ -341,14 +393,14 @@ def load_spec(path: str | Path) -> NpuSpec:
         raise ValueError(f"{p}: key 'sources' must be a table mapping field names to source strings")
     base_name = data.pop("base", None)
     for key in list(data) + list(user_sources):
-        if key not in FIELD_DOCS:
-            raise ValueError(f"{p}: unknown key '{key}'; valid keys are {', '.join(FIELD_DOCS)}, 'base', "
-                             f"'sources'; remove it or fix its spelling")
+        if key not in FIELD_DOCS and key not in CAPABILITY_DOCS:
+            raise ValueError(f"{p}: unknown key '{key}'; valid keys are {', '.join(FIELD_DOCS)}, "
+                             f"{', '.join(CAPABILITY_DOCS)}, 'base', 'sources'; remove it or fix its spelling")
     values: dict[str, Any] = {}
     sources: dict[str, str] = {}
     if base_name is not None:
         base = get_preset(str(base_name))
-        values = {f: getattr(base, f) for f in FIELD_DOCS}
+        values = {f: getattr(base, f) for f in (*FIELD_DOCS, *CAPABILITY_DOCS)}
         sources = dict(base.sources)
     values.update(data)
     for key in data:
@@ -357,4 +409,6 @@ def load_spec(path: str | Path) -> NpuSpec:
     _validate(values, origin=str(p))
     for key in _INT_FIELDS:
         values[key] = int(values[key])
+    if "cube_dtypes" in values:
+        values["cube_dtypes"] = tuple(values["cube_dtypes"])
     return NpuSpec(**values, sources=sources)

@@ -17,12 +17,12 @@ that gives a static shape; a disagreement is a ConversionError naming the node.
 from __future__ import annotations
 
 import re
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
 
-from ...ir import DataType, Graph, TensorDesc, TensorRef, Value
+from ...ir import DataType, Graph, Node, TensorDesc, TensorRef, Value
 from ...ops import lookup_aten
 from ...ops.onnx_fallback import make_onnx_kernel
 from ..torch.convert import LOW_PRECISION, META_DIVERGES
@@ -71,9 +71,12 @@ class OnnxNode:
             self.attrs[a.name] = v.decode() if isinstance(v, bytes) else v
 
     def attr(self, name: str, default: Any = None) -> Any:
+        """The attribute ``name`` (int, float, str, lists, TensorProto; bytes decoded to str), or
+        ``default`` when absent."""
         return self.attrs.get(name, default)
 
     def has(self, i: int) -> bool:
+        """Whether input ``i`` is given (ONNX marks an omitted optional input with an empty name)."""
         return i < len(self.inputs) and self.inputs[i] != ""
 
     def x(self, i: int) -> Optional[Value]:
@@ -96,6 +99,50 @@ class OnnxNode:
         return [int(a) for a in c.reshape(-1).tolist()]
 
 
+def _lift_args(schema, args, kwargs) -> Tuple[List[Value], Dict[str, Any]]:
+    """(inputs, attrs) of an ATen call: each Value argument becomes an input and a
+    `TensorRef` to it in the attrs, keyed by the schema's argument names."""
+    inputs: List[Value] = []
+    attrs: Dict[str, Any] = {}
+
+    def lift(a):
+        if isinstance(a, Value):
+            inputs.append(a)
+            return TensorRef(len(inputs) - 1)
+        if isinstance(a, (list, tuple)):
+            return [lift(y) for y in a]
+        return a
+
+    for i, a in enumerate(schema.arguments):
+        if i < len(args) and not a.kwarg_only:
+            attrs[a.name] = lift(args[i])
+        elif a.name in kwargs:
+            attrs[a.name] = lift(kwargs[a.name])
+    return inputs, attrs
+
+
+def _sub(a, fn):
+    """``a`` with every Value (also inside lists) replaced by ``fn(value)``."""
+    if isinstance(a, Value):
+        return fn(a)
+    if isinstance(a, (list, tuple)):
+        return [_sub(y, fn) for y in a]
+    return a
+
+
+def _meta_diverges(ir: Node) -> None:
+    """Outputs where the meta kernel and the CPU kernel disagree (`META_DIVERGES`):
+    inference BatchNorm's saved statistics are empty on CPU ([C] on meta); bf16/fp16
+    inputs let the op allocate its own outputs (``no_out_kernel``)."""
+    if ir.op not in META_DIVERGES:
+        return
+    for k in META_DIVERGES[ir.op]:
+        if ir.op == "BatchNorm" and k < len(ir.outputs):
+            ir.outputs[k].desc = TensorDesc((0,), ir.outputs[k].desc.dtype)
+    if ir.inputs[0].desc.dtype in LOW_PRECISION:
+        ir.meta["no_out_kernel"] = True
+
+
 class Converter:
     """Builds the IR graph; `call` maps one ATen call to one IR node (or a constant)."""
 
@@ -109,6 +156,8 @@ class Converter:
 
     # -- values -----------------------------------------------------------------------
     def meta(self, v: Value) -> torch.Tensor:
+        """A meta tensor (shape, dtype and, for constants and ATen results, strides; no data)
+        standing for ``v``, for shape inference through ATen's meta kernels; cached per value."""
         m = self.metas.get(v.id)
         if m is None:
             if v.is_const:
@@ -120,12 +169,14 @@ class Converter:
         return m
 
     def const(self, t: torch.Tensor, name: Optional[str] = None) -> Value:
+        """``t`` as a graph constant (contiguous), named ``name`` when given; returns its Value."""
         t = t.detach()
         if not t.is_contiguous():
             t = t.contiguous()
         return self.graph.add_const(t, name=name)
 
     def scalar(self, value, dtype: torch.dtype) -> Value:
+        """A 0-d constant of ``value`` with ``dtype``."""
         return self.const(torch.tensor(value, dtype=dtype))
 
     # -- one ATen call ----------------------------------------------------------------
@@ -134,39 +185,16 @@ class Converter:
         returns its output Value, or a list for multi-output ops. All-constant calls
         are evaluated now and return constants."""
         schema = target._schema
-        inputs: List[Value] = []
-        attrs: Dict[str, Any] = {}
-
-        def lift(a):
-            if isinstance(a, Value):
-                inputs.append(a)
-                return TensorRef(len(inputs) - 1)
-            if isinstance(a, (list, tuple)):
-                return [lift(y) for y in a]
-            return a
-
-        for i, a in enumerate(schema.arguments):
-            if i < len(args) and not a.kwarg_only:
-                attrs[a.name] = lift(args[i])
-            elif a.name in kwargs:
-                attrs[a.name] = lift(kwargs[a.name])
-
-        def sub(a, fn):
-            if isinstance(a, Value):
-                return fn(a)
-            if isinstance(a, (list, tuple)):
-                return [sub(y, fn) for y in a]
-            return a
-
+        inputs, attrs = _lift_args(schema, args, kwargs)
         multi = len(schema.returns) > 1 or isinstance(schema.returns[0].type, torch.ListType)
         if all(v.is_const for v in inputs):
             with torch.no_grad():
-                res = target(*[sub(a, lambda v: v.const) for a in args],
-                             **{k: sub(a, lambda v: v.const) for k, a in kwargs.items()})
+                res = target(*[_sub(a, lambda v: v.const) for a in args],
+                             **{k: _sub(a, lambda v: v.const) for k, a in kwargs.items()})
             outs = [self.const(r) for r in (res if multi else [res])]
             return outs if multi else outs[0]
-        margs = [sub(a, self.meta) for a in args]
-        mkw = {k: sub(a, self.meta) for k, a in kwargs.items()}
+        margs = [_sub(a, self.meta) for a in args]
+        mkw = {k: _sub(a, self.meta) for k, a in kwargs.items()}
         if "device" in mkw:
             mkw["device"] = "meta"
         try:
@@ -183,13 +211,7 @@ class Converter:
                                     source=self.source(), scope=self.scope())
         if opdef is None:
             ir.meta["aten"] = target
-        if ir.op in META_DIVERGES:
-            for k in META_DIVERGES[ir.op]:
-                if ir.op == "BatchNorm" and k < len(ir.outputs):
-                    # inference BatchNorm's saved statistics are empty on CPU ([C] on meta)
-                    ir.outputs[k].desc = TensorDesc((0,), ir.outputs[k].desc.dtype)
-            if ir.inputs[0].desc.dtype in LOW_PRECISION:
-                ir.meta["no_out_kernel"] = True
+        _meta_diverges(ir)
         ir.meta["strides"] = [tuple(int(s) for s in m.stride()) if tuple(m.shape) == o.desc.shape
                               else None for m, o in zip(mouts, ir.outputs)]
         for o, m in zip(ir.outputs, mouts):
@@ -243,13 +265,17 @@ class Converter:
 
     # -- locations ----------------------------------------------------------------------
     def where(self) -> str:
+        """The node being converted, for messages: ``'name (OpType)'`` ('?' outside a node)."""
         n = self.node
         return f"{n.name} ({n.op_type})" if n else "?"
 
     def source(self) -> str:
+        """The source recorded on IR nodes: ``'onnx:<OpType>'`` of the node being converted (''
+        outside a node)."""
         return f"onnx:{self.node.op_type}" if self.node else ""
 
     def scope(self) -> str:
+        """The scope recorded on IR nodes: the ONNX node's name ('' outside a node)."""
         return self.node.name if self.node else ""
 
 

@@ -57,6 +57,9 @@ _BINARY = {
 
 @converts(*_UNARY)
 def unary(cv: Converter, n: OnnxNode):
+    """ONNX elementwise unary ops (Abs, Exp, Relu, Sigmoid, Not, IsNaN, ...) → the ATen op of the
+    same name (`_UNARY`); Sign of NaN stays NaN (aten.sign gives 0). Returns the node's outputs
+    (a list of Values)."""
     x = n.x(0)
     y = cv.call(_UNARY[n.op_type], x)
     if n.op_type == "Sign" and x.desc.dtype.is_floating:
@@ -67,6 +70,9 @@ def unary(cv: Converter, n: OnnxNode):
 
 @converts(*_BINARY)
 def binary(cv: Converter, n: OnnxNode):
+    """ONNX elementwise binary ops (Add, Sub, Mul, comparisons, logical and bitwise ops; numpy
+    broadcasting) → the ATen op (`_BINARY`); MatMul + Add(constant bias) becomes ``addmm`` as
+    for a torch Linear. Returns the node's outputs (a list of Values)."""
     if n.op_type == "Add":
         for prod, bias in ((n.x(0), n.x(1)), (n.x(1), n.x(0))):
             y = _linear_bias(cv, prod, bias)
@@ -97,6 +103,8 @@ def _linear_bias(cv: Converter, prod: Value, bias: Value) -> Optional[Value]:
 
 @converts("Div")
 def div(cv: Converter, n: OnnxNode):
+    """ONNX Div: true division for floats, truncation toward zero for integers
+    (``div(rounding_mode='trunc')``). Returns the node's outputs (a list of Values)."""
     a, b = n.x(0), n.x(1)
     if a.desc.dtype.is_floating:
         return [cv.call(aten.div.Tensor, a, b)]
@@ -105,6 +113,10 @@ def div(cv: Converter, n: OnnxNode):
 
 @converts("Mod")
 def mod(cv: Converter, n: OnnxNode):
+    """ONNX Mod: ``remainder`` (the divisor's sign) or, with ``fmod=1``, ``fmod`` (the dividend's);
+    float16/bfloat16/float32 computed in float64 and rounded once (ATen's vectorized float32
+    kernels give NaN where the quotient overflows). Returns the node's outputs (a list of
+    Values)."""
     fn = aten.fmod.Tensor if n.attr("fmod", 0) else aten.remainder.Tensor
     a, b = n.x(0), n.x(1)
     dt = a.desc.dtype.torch
@@ -120,6 +132,9 @@ def mod(cv: Converter, n: OnnxNode):
 
 @converts("Pow")
 def pow_op(cv: Converter, n: OnnxNode):
+    """ONNX Pow: ``pow.Tensor_Scalar`` for a one-element constant float exponent, else
+    ``pow.Tensor_Tensor``; the result has the base's dtype, as ONNX specifies. Returns the
+    node's outputs (a list of Values)."""
     a, b = n.x(0), n.x(1)
     c = n.c(1)
     if c is not None and c.numel() == 1 and a.desc.dtype.is_floating and c.dim() <= a.desc.rank:
@@ -134,6 +149,9 @@ def pow_op(cv: Converter, n: OnnxNode):
 
 @converts("Max", "Min", "Sum", "Mean")
 def variadic(cv: Converter, n: OnnxNode):
+    """ONNX Max, Min, Sum, Mean over any number of broadcast inputs: a chain of
+    ``maximum``/``minimum``/``add`` (Mean then divides by the count); one input is copied.
+    Returns the node's outputs (a list of Values)."""
     xs = [n.x(i) for i in range(len(n.inputs)) if n.has(i)]
     fn = {"Max": aten.maximum.default, "Min": aten.minimum.default,
           "Sum": aten.add.Tensor, "Mean": aten.add.Tensor}[n.op_type]
@@ -149,6 +167,9 @@ def variadic(cv: Converter, n: OnnxNode):
 
 @converts("IsInf")
 def isinf(cv: Converter, n: OnnxNode):
+    """ONNX IsInf: ``isinf``, or an equality with +inf or -inf when ``detect_negative`` or
+    ``detect_positive`` is 0. Output bool, the input's shape. Returns the node's outputs (a list
+    of Values)."""
     x = n.x(0)
     pos, neg = n.attr("detect_positive", 1), n.attr("detect_negative", 1)
     if pos and neg:
@@ -159,11 +180,16 @@ def isinf(cv: Converter, n: OnnxNode):
 
 @converts("LeakyRelu")
 def leaky_relu(cv: Converter, n: OnnxNode):
+    """ONNX LeakyRelu (``alpha``, default 0.01) → ``aten.leaky_relu``. Returns the node's outputs
+    (a list of Values)."""
     return [cv.call(aten.leaky_relu.default, n.x(0), n.attr("alpha", 0.01))]
 
 
 @converts("Elu", "Selu", "Celu")
 def elu(cv: Converter, n: OnnxNode):
+    """ONNX Elu and Celu (``alpha``, default 1.0) → ``aten.elu``/``aten.celu``; Selu → ``aten.elu``
+    with the specification's default ``alpha`` and ``gamma`` (Klambauer et al. 2017). Returns
+    the node's outputs (a list of Values)."""
     x = n.x(0)
     if n.op_type == "Elu":
         return [cv.call(aten.elu.default, x, n.attr("alpha", 1.0))]
@@ -175,6 +201,8 @@ def elu(cv: Converter, n: OnnxNode):
 
 @converts("HardSigmoid")
 def hard_sigmoid(cv: Converter, n: OnnxNode):
+    """ONNX HardSigmoid: ``clamp(alpha * x + beta, 0, 1)`` (defaults alpha 0.2, beta 0.5). Returns
+    the node's outputs (a list of Values)."""
     x = n.x(0)
     y = cv.call(aten.add.Scalar, cv.call(aten.mul.Scalar, x, n.attr("alpha", 0.2)),
                 n.attr("beta", 0.5))
@@ -183,17 +211,22 @@ def hard_sigmoid(cv: Converter, n: OnnxNode):
 
 @converts("HardSwish")
 def hard_swish(cv: Converter, n: OnnxNode):
+    """ONNX HardSwish → ``aten.hardswish`` (``x * relu6(x + 3) / 6``). Returns the node's outputs
+    (a list of Values)."""
     return [cv.call(aten.hardswish.default, n.x(0))]
 
 
 @converts("Softsign")
 def softsign(cv: Converter, n: OnnxNode):
+    """ONNX Softsign: ``x / (1 + |x|)``. Returns the node's outputs (a list of Values)."""
     x = n.x(0)
     return [cv.call(aten.div.Tensor, x, cv.call(aten.add.Scalar, cv.call(aten.abs.default, x), 1))]
 
 
 @converts("ThresholdedRelu")
 def thresholded_relu(cv: Converter, n: OnnxNode):
+    """ONNX ThresholdedRelu: ``x`` where ``x > alpha`` (default 1.0), else 0. Returns the node's
+    outputs (a list of Values)."""
     x = n.x(0)
     keep = cv.call(aten.gt.Scalar, x, n.attr("alpha", 1.0))
     return [cv.call(aten.where.self, keep, x, cv.scalar(0, x.desc.dtype.torch))]
@@ -201,6 +234,8 @@ def thresholded_relu(cv: Converter, n: OnnxNode):
 
 @converts("PRelu")
 def prelu(cv: Converter, n: OnnxNode):
+    """ONNX PRelu: ``slope * x`` where ``x < 0``, else ``x`` (``slope`` broadcast to ``x``).
+    Returns the node's outputs (a list of Values)."""
     x, slope = n.x(0), n.x(1)
     neg = cv.call(aten.lt.Scalar, x, 0)
     return [cv.call(aten.where.self, neg, cv.call(aten.mul.Tensor, x, slope), x)]
@@ -208,6 +243,8 @@ def prelu(cv: Converter, n: OnnxNode):
 
 @converts("Gelu")
 def gelu(cv: Converter, n: OnnxNode):
+    """ONNX Gelu (opset 20; ``approximate`` 'none' or 'tanh') → ``aten.gelu``. Returns the node's
+    outputs (a list of Values)."""
     return [cv.call(aten.gelu.default, n.x(0), approximate=n.attr("approximate", "none"))]
 
 
@@ -272,6 +309,10 @@ def _reduce(cv: Converter, x: Value, axes, keep: bool, how: str) -> Value:
 @converts("ReduceSum", "ReduceMean", "ReduceMax", "ReduceMin", "ReduceProd", "ReduceL1",
           "ReduceL2", "ReduceSumSquare", "ReduceLogSum", "ReduceLogSumExp")
 def reduce(cv: Converter, n: OnnxNode):
+    """ONNX Reduce* ops (Sum, Mean, Max, Min, Prod, L1, L2, SumSquare, LogSum, LogSumExp) over
+    ``axes`` (attribute or input; ``keepdims`` default 1) → ATen reductions; no axes reduce all
+    dims, or copy the input with ``noop_with_empty_axes``. Raises NotConverted for boolean
+    Max/Min. Returns the node's outputs (a list of Values)."""
     x = n.x(0)
     axes = _axes(cv, n, x.desc.rank)
     keep = bool(n.attr("keepdims", 1))
@@ -299,6 +340,9 @@ def reduce(cv: Converter, n: OnnxNode):
 
 @converts("ArgMax", "ArgMin")
 def argmax(cv: Converter, n: OnnxNode):
+    """ONNX ArgMax/ArgMin along ``axis`` (``keepdims`` default 1) → ``aten.argmax``/``argmin``
+    (int64; the first NaN wins, as numpy); ``select_last_index`` searches the flipped axis.
+    Returns the node's outputs (a list of Values)."""
     x = n.x(0)
     axis = norm_axis(n.attr("axis", 0), x.desc.rank)
     keep = bool(n.attr("keepdims", 1))
@@ -314,6 +358,9 @@ def argmax(cv: Converter, n: OnnxNode):
 
 @converts("CumSum")
 def cumsum(cv: Converter, n: OnnxNode):
+    """ONNX CumSum along a constant axis → ``aten.cumsum`` in the input's dtype. Raises
+    NotConverted for ``exclusive`` or ``reverse``. Returns the node's outputs (a list of
+    Values)."""
     x = n.x(0)
     axis = norm_axis(n.ints(1)[0], x.desc.rank)
     if n.attr("exclusive", 0) or n.attr("reverse", 0):
@@ -350,6 +397,8 @@ def matmul(cv: Converter, a: Value, b: Value) -> Value:
 
 @converts("MatMul")
 def matmul_op(cv: Converter, n: OnnxNode):
+    """ONNX MatMul (numpy ``matmul`` semantics, float dtypes) → mm/bmm with views (`matmul`).
+    Raises NotConverted for integer inputs. Returns the node's outputs (a list of Values)."""
     a, b = n.x(0), n.x(1)
     if a.desc.dtype.torch not in (torch.float32, torch.float64, torch.float16, torch.bfloat16):
         raise NotConverted(f"integer MatMul ({a.desc.dtype})")
@@ -358,6 +407,9 @@ def matmul_op(cv: Converter, n: OnnxNode):
 
 @converts("Gemm")
 def gemm(cv: Converter, n: OnnxNode):
+    """ONNX Gemm: ``alpha * A' @ B' + beta * C`` (A', B' transposed by ``transA``/``transB``) →
+    ``aten.addmm`` (``aten.mm`` without C or with beta 0), as the torch frontend produces for
+    Linear. Returns the node's outputs (a list of Values)."""
     a, b, c = n.x(0), n.x(1), n.x(2)
     alpha, beta = n.attr("alpha", 1.0), n.attr("beta", 1.0)
     if n.attr("transA", 0):
@@ -410,6 +462,9 @@ def _pad_input(cv: Converter, x: Value, pads: List[int], value: float = 0.0):
 
 @converts("Conv")
 def conv(cv: Converter, n: OnnxNode):
+    """ONNX Conv (1-/2-/3-D, groups, dilations, ``auto_pad``) → ``aten.convolution``; asymmetric
+    pads are applied to the input first (``constant_pad_nd``). Returns the node's outputs (a
+    list of Values)."""
     x, w, b = n.x(0), n.x(1), n.x(2)
     sp = shape(x)[2:]
     r = len(sp)
@@ -423,6 +478,9 @@ def conv(cv: Converter, n: OnnxNode):
 
 @converts("ConvTranspose")
 def conv_transpose(cv: Converter, n: OnnxNode):
+    """ONNX ConvTranspose → ``aten.convolution(transposed=True)`` with ``output_padding``. Raises
+    NotConverted for ``output_shape``, SAME ``auto_pad`` or asymmetric pads. Returns the node's
+    outputs (a list of Values)."""
     x, w, b = n.x(0), n.x(1), n.x(2)
     sp = shape(x)[2:]
     r = len(sp)
@@ -444,6 +502,10 @@ def conv_transpose(cv: Converter, n: OnnxNode):
 
 @converts("BatchNormalization")
 def batch_norm(cv: Converter, n: OnnxNode):
+    """ONNX BatchNormalization in inference mode (scale, bias, running mean and variance;
+    ``epsilon`` default 1e-5) → ``aten._native_batch_norm_legit_no_training``, so Conv+BN
+    folding applies. Raises NotConverted in training mode. Returns the node's outputs (a list of
+    Values)."""
     if n.attr("training_mode", 0) or len([y for y in n.outputs if y]) > 1:
         raise NotConverted("training-mode BatchNormalization")
     x = n.x(0)
@@ -453,6 +515,10 @@ def batch_norm(cv: Converter, n: OnnxNode):
 
 @converts("LayerNormalization")
 def layer_norm(cv: Converter, n: OnnxNode):
+    """ONNX LayerNormalization over the dims from ``axis`` (default -1) →
+    ``aten.native_layer_norm`` (scale and bias expanded to the normalized shape); the optional
+    mean and inverse-std outputs too. Raises NotConverted for ``stash_type`` other than 1
+    (float32). Returns the node's outputs (a list of Values)."""
     x, scale, bias = n.x(0), n.x(1), n.x(2)
     s = shape(x)
     axis = norm_axis(n.attr("axis", -1), len(s))
@@ -470,6 +536,9 @@ def layer_norm(cv: Converter, n: OnnxNode):
 
 @converts("InstanceNormalization", "GroupNormalization")
 def group_norm(cv: Converter, n: OnnxNode):
+    """ONNX InstanceNormalization (one group per channel) and GroupNormalization-21 (per-channel
+    scale) → ``aten.native_group_norm``. Raises NotConverted for GroupNormalization-18
+    (per-group scale). Returns the node's outputs (a list of Values)."""
     x, scale, bias = n.x(0), n.x(1), n.x(2)
     s = shape(x)
     c = s[1]
@@ -484,6 +553,8 @@ def group_norm(cv: Converter, n: OnnxNode):
 
 @converts("Softmax", "LogSoftmax")
 def softmax(cv: Converter, n: OnnxNode):
+    """ONNX Softmax/LogSoftmax along ``axis`` (default -1, opset 13) →
+    ``aten._softmax``/``_log_softmax``. Returns the node's outputs (a list of Values)."""
     x = n.x(0)
     axis = norm_axis(n.attr("axis", -1), x.desc.rank)
     fn = aten._softmax.default if n.op_type == "Softmax" else aten._log_softmax.default
@@ -502,6 +573,11 @@ def _to_2d(cv: Converter, x: Value):
 
 @converts("MaxPool", "AveragePool")
 def pool(cv: Converter, n: OnnxNode):
+    """ONNX MaxPool and AveragePool, 1-D (run as 2-D) or 2-D, with strides, dilations, pads or
+    ``auto_pad``, ``ceil_mode`` and ``count_include_pad`` →
+    ``aten.max_pool2d_with_indices``/``avg_pool2d``; MaxPool keeps NaN. Raises NotConverted for
+    other ranks, the Indices output, integer MaxPool, and pads ATen cannot express. Returns the
+    node's outputs (a list of Values)."""
     x = n.x(0)
     sp = shape(x)[2:]
     r = len(sp)
@@ -544,6 +620,8 @@ def pool(cv: Converter, n: OnnxNode):
 
 @converts("GlobalAveragePool", "GlobalMaxPool")
 def global_pool(cv: Converter, n: OnnxNode):
+    """ONNX GlobalAveragePool/GlobalMaxPool: ``mean``/``amax`` over every spatial dim, kept as size
+    1 ([N, C, 1, ...]). Returns the node's outputs (a list of Values)."""
     x = n.x(0)
     dims = list(range(2, x.desc.rank))
     if n.op_type == "GlobalAveragePool":
@@ -555,6 +633,11 @@ def global_pool(cv: Converter, n: OnnxNode):
 
 @converts("Resize")
 def resize(cv: Converter, n: OnnxNode):
+    """ONNX Resize of a 4-D tensor over H and W (constant ``scales`` or ``sizes``): nearest with
+    asymmetric/floor → ``aten.upsample_nearest2d``; linear with align_corners or
+    (pytorch_)half_pixel → ``aten.upsample_bilinear2d``. Raises NotConverted for other modes and
+    coordinate transformations, antialias, ``axes``, keep-aspect-ratio policies, run-time
+    scales, or resizing batch or channels. Returns the node's outputs (a list of Values)."""
     x = n.x(0)
     s = shape(x)
     if len(s) != 4:

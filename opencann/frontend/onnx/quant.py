@@ -45,6 +45,11 @@ def _per_axis(cv: Converter, n: OnnxNode, p: Value, x: Value) -> Value:
 
 @converts("QuantizeLinear")
 def quantize_linear(cv: Converter, n: OnnxNode):
+    """ONNX QuantizeLinear: ``saturate(round_half_even(x / scale) + zero_point)`` to the zero
+    point's type (or ``output_dtype``; default uint8), per tensor or per ``axis``, computed in
+    float32; NaN gives the type's minimum (as ONNX Runtime). Raises NotConverted for other input
+    or output types and the ``precision`` attribute. Returns the node's outputs (a list of
+    Values)."""
     x = n.x(0)
     if n.has(2):
         qt = n.x(2).desc.dtype.torch
@@ -74,6 +79,10 @@ def quantize_linear(cv: Converter, n: OnnxNode):
 
 @converts("DequantizeLinear")
 def dequantize_linear(cv: Converter, n: OnnxNode):
+    """ONNX DequantizeLinear: ``(x - zero_point) * scale`` in the scale's dtype, per tensor or per
+    ``axis``; float16/bfloat16 scales multiply in float32 and round once. Raises NotConverted
+    for other input types or a differing ``output_dtype``. Returns the node's outputs (a list of
+    Values)."""
     x = n.x(0)
     xt = x.desc.dtype.torch
     if xt not in _RANGES and xt != torch.int32:

@@ -16,10 +16,12 @@ aten = torch.ops.aten
 
 
 def shape(v: Value) -> List[int]:
+    """``v``'s shape as a list of ints (static shapes only)."""
     return [int(s) for s in v.desc.shape]
 
 
 def norm_axis(axis: int, rank: int) -> int:
+    """``axis`` in ``[0, rank)``: a negative ONNX axis counts from the end."""
     return axis + rank if axis < 0 else axis
 
 
@@ -38,6 +40,9 @@ def reshape(cv: Converter, x: Value, new_shape: Sequence[int]) -> Value:
 
 @converts("Constant")
 def constant(cv: Converter, n: OnnxNode):
+    """ONNX Constant (``value`` tensor, or ``value_float(s)`` float32 / ``value_int(s)`` int64) → a
+    graph constant. Raises NotConverted for sparse or string constants. Returns the node's
+    outputs (a list of Values)."""
     from onnx import numpy_helper
     a = n.attrs
     if "value" in a:
@@ -58,6 +63,8 @@ def constant(cv: Converter, n: OnnxNode):
 
 @converts("Shape")
 def shape_op(cv: Converter, n: OnnxNode):
+    """ONNX Shape (``start``/``end`` clamped to the rank) → an int64 constant of the static shape.
+    Returns the node's outputs (a list of Values)."""
     s = shape(n.x(0))
     r = len(s)
     start = n.attr("start", 0)
@@ -69,11 +76,15 @@ def shape_op(cv: Converter, n: OnnxNode):
 
 @converts("Size")
 def size_op(cv: Converter, n: OnnxNode):
+    """ONNX Size → an int64 scalar constant: the number of elements. Returns the node's outputs (a
+    list of Values)."""
     return [cv.const(torch.tensor(int(np.prod(shape(n.x(0)))), dtype=torch.int64))]
 
 
 @converts("ConstantOfShape")
 def constant_of_shape(cv: Converter, n: OnnxNode):
+    """ONNX ConstantOfShape → a constant of the given shape filled with ``value`` (a one-element
+    tensor; default float32 zero). Returns the node's outputs (a list of Values)."""
     from onnx import numpy_helper
     dims = n.ints(0)
     val = n.attr("value")
@@ -87,6 +98,9 @@ def constant_of_shape(cv: Converter, n: OnnxNode):
 
 @converts("Range")
 def range_op(cv: Converter, n: OnnxNode):
+    """ONNX Range with constant start, limit and delta → an ``arange`` constant in the start's
+    dtype. Raises NotConverted for run-time values (the length would be data-dependent). Returns
+    the node's outputs (a list of Values)."""
     s, l, d = n.c(0), n.c(1), n.c(2)
     if s is None or l is None or d is None:
         raise NotConverted("Range over run-time values has a data-dependent shape")
@@ -95,11 +109,15 @@ def range_op(cv: Converter, n: OnnxNode):
 
 @converts("Identity")
 def identity(cv: Converter, n: OnnxNode):
+    """ONNX Identity: the input Value itself. Returns the node's outputs (a list of Values)."""
     return [n.x(0)]
 
 
 @converts("Dropout")
 def dropout(cv: Converter, n: OnnxNode):
+    """ONNX Dropout in inference: the input itself, and an all-true bool mask when the mask output
+    is used. Raises NotConverted when ``training_mode`` is true or not constant. Returns the
+    node's outputs (a list of Values)."""
     training = n.c(2)
     if n.has(2) and (training is None or bool(training.item())):
         raise NotConverted("training-mode Dropout")
@@ -112,6 +130,10 @@ def dropout(cv: Converter, n: OnnxNode):
 
 @converts("Cast")
 def cast(cv: Converter, n: OnnxNode):
+    """ONNX Cast to ``to`` → ``aten._to_copy`` (float→int truncates toward zero; NaN/inf are
+    undefined in the specification); the input itself when the dtype already matches. Raises
+    NotConverted for float8 ``saturate``/``round_mode``. Returns the node's outputs (a list of
+    Values)."""
     to = torch_dtype(n.attr("to"), cv.where())
     if n.attr("saturate", 1) != 1 or n.attr("round_mode", "up") != "up":
         raise NotConverted("float8 saturation / rounding mode")
@@ -126,6 +148,8 @@ def cast(cv: Converter, n: OnnxNode):
 
 @converts("CastLike")
 def cast_like(cv: Converter, n: OnnxNode):
+    """ONNX CastLike: a cast to the second input's dtype (`cast`'s rules). Returns the node's
+    outputs (a list of Values)."""
     x, like = n.x(0), n.x(1)
     if x.desc.dtype == like.desc.dtype:
         return [x]
@@ -134,6 +158,9 @@ def cast_like(cv: Converter, n: OnnxNode):
 
 @converts("Reshape")
 def reshape_op(cv: Converter, n: OnnxNode):
+    """ONNX Reshape to a constant shape (0 copies the input's dim unless ``allowzero``; one -1 is
+    inferred) → a view (a contiguous copy first when the layout needs it). Returns the node's
+    outputs (a list of Values)."""
     x = n.x(0)
     want = n.ints(1)
     allowzero = n.attr("allowzero", 0)
@@ -147,6 +174,8 @@ def reshape_op(cv: Converter, n: OnnxNode):
 
 @converts("Flatten")
 def flatten(cv: Converter, n: OnnxNode):
+    """ONNX Flatten at ``axis`` (default 1): a 2-D view [prod(dims before), prod(dims from axis)].
+    Returns the node's outputs (a list of Values)."""
     x = n.x(0)
     s = shape(x)
     axis = norm_axis(n.attr("axis", 1), len(s))
@@ -155,6 +184,8 @@ def flatten(cv: Converter, n: OnnxNode):
 
 @converts("Squeeze")
 def squeeze(cv: Converter, n: OnnxNode):
+    """ONNX Squeeze of the given ``axes`` (input or attribute; all size-1 dims when absent): a
+    view. Returns the node's outputs (a list of Values)."""
     x = n.x(0)
     s = shape(x)
     axes = n.ints(1) if n.has(1) else n.attr("axes")
@@ -165,6 +196,8 @@ def squeeze(cv: Converter, n: OnnxNode):
 
 @converts("Unsqueeze")
 def unsqueeze(cv: Converter, n: OnnxNode):
+    """ONNX Unsqueeze: size-1 dims inserted at ``axes`` (input or attribute, counted in the
+    output's rank): a view. Returns the node's outputs (a list of Values)."""
     x = n.x(0)
     s = shape(x)
     axes = n.ints(1) if n.has(1) else n.attr("axes")
@@ -178,6 +211,8 @@ def unsqueeze(cv: Converter, n: OnnxNode):
 
 @converts("Transpose")
 def transpose(cv: Converter, n: OnnxNode):
+    """ONNX Transpose by ``perm`` (default: reversed dims) → ``aten.permute``; the input itself for
+    the identity permutation. Returns the node's outputs (a list of Values)."""
     x = n.x(0)
     perm = n.attr("perm") or list(range(x.desc.rank))[::-1]
     perm = list(perm)
@@ -188,6 +223,8 @@ def transpose(cv: Converter, n: OnnxNode):
 
 @converts("Concat")
 def concat(cv: Converter, n: OnnxNode):
+    """ONNX Concat along ``axis`` → ``aten.cat`` (one input: itself). Returns the node's outputs (a
+    list of Values)."""
     xs = [n.x(i) for i in range(len(n.inputs)) if n.has(i)]
     axis = norm_axis(n.attr("axis"), xs[0].desc.rank)
     if len(xs) == 1:
@@ -197,6 +234,9 @@ def concat(cv: Converter, n: OnnxNode):
 
 @converts("Split")
 def split(cv: Converter, n: OnnxNode):
+    """ONNX Split along ``axis`` into the given sizes (input or attribute) or ``num_outputs``
+    near-equal parts (the last smaller) → ``aten.split_with_sizes``. Returns the node's outputs
+    (a list of Values)."""
     x = n.x(0)
     axis = norm_axis(n.attr("axis", 0), x.desc.rank)
     dim = shape(x)[axis]
@@ -212,6 +252,9 @@ def split(cv: Converter, n: OnnxNode):
 
 @converts("Slice")
 def slice_op(cv: Converter, n: OnnxNode):
+    """ONNX Slice with constant starts, ends, axes and steps (clamped as the specification says) →
+    ``aten.slice`` for positive steps, ``index_select`` for negative ones. Raises NotConverted
+    for a zero step. Returns the node's outputs (a list of Values)."""
     x = n.x(0)
     s = shape(x)
     starts, ends = n.ints(1), n.ints(2)
@@ -242,6 +285,9 @@ def slice_op(cv: Converter, n: OnnxNode):
 
 @converts("Gather")
 def gather(cv: Converter, n: OnnxNode):
+    """ONNX Gather along ``axis``: ``select`` for a constant scalar index, ``index_select`` + view
+    for constant indices (negative ones wrapped), ``aten.index`` for run-time indices. Returns
+    the node's outputs (a list of Values)."""
     x, idx = n.x(0), n.x(1)
     axis = norm_axis(n.attr("axis", 0), x.desc.rank)
     c = n.c(1)
@@ -258,6 +304,8 @@ def gather(cv: Converter, n: OnnxNode):
 
 @converts("GatherElements")
 def gather_elements(cv: Converter, n: OnnxNode):
+    """ONNX GatherElements along ``axis`` → ``aten.gather`` with negative indices wrapped and cast
+    to int64. Returns the node's outputs (a list of Values)."""
     x, idx = n.x(0), n.x(1)
     axis = norm_axis(n.attr("axis", 0), x.desc.rank)
     d = cv.scalar(shape(x)[axis], idx.desc.dtype.torch)
@@ -270,6 +318,8 @@ def gather_elements(cv: Converter, n: OnnxNode):
 
 @converts("Expand")
 def expand(cv: Converter, n: OnnxNode):
+    """ONNX Expand to the broadcast of the input's shape and a constant shape → ``aten.expand`` (a
+    view). Returns the node's outputs (a list of Values)."""
     x = n.x(0)
     want = n.ints(1)
     out = list(np.broadcast_shapes(tuple(shape(x)), tuple(want)))
@@ -280,11 +330,16 @@ def expand(cv: Converter, n: OnnxNode):
 
 @converts("Tile")
 def tile(cv: Converter, n: OnnxNode):
+    """ONNX Tile by constant repeats → ``aten.repeat``. Returns the node's outputs (a list of
+    Values)."""
     return [cv.call(aten.repeat.default, n.x(0), n.ints(1))]
 
 
 @converts("Pad")
 def pad(cv: Converter, n: OnnxNode):
+    """ONNX Pad, constant mode, with constant pads (and ``axes``) and pad value →
+    ``aten.constant_pad_nd``; the input itself when all pads are 0. Raises NotConverted for
+    other modes or a run-time value. Returns the node's outputs (a list of Values)."""
     x = n.x(0)
     r = x.desc.rank
     mode = n.attr("mode", "constant")
@@ -312,11 +367,15 @@ def pad(cv: Converter, n: OnnxNode):
 
 @converts("Where")
 def where(cv: Converter, n: OnnxNode):
+    """ONNX Where(condition, X, Y) with broadcasting → ``aten.where.self``. Returns the node's
+    outputs (a list of Values)."""
     return [cv.call(aten.where.self, n.x(0), n.x(1), n.x(2))]
 
 
 @converts("Trilu")
 def trilu(cv: Converter, n: OnnxNode):
+    """ONNX Trilu: ``triu`` (``upper`` default 1) or ``tril`` with diagonal offset ``k`` (optional
+    constant input, default 0). Returns the node's outputs (a list of Values)."""
     k = n.ints(1, [0])[0]
     fn = aten.triu.default if n.attr("upper", 1) else aten.tril.default
     return [cv.call(fn, n.x(0), k)]

@@ -54,6 +54,9 @@ class CaptureError(RuntimeError):
 
 
 def decomposition_table() -> Dict:
+    """torch.export's default decompositions minus `KEEP` (scaled-dot-product attention stays one
+    op, so its output keeps eager's strides and the attention fusion sees it): a dict from ATen
+    overload to its decomposition, for ``run_decompositions``/``make_fx``."""
     table = torch.export.default_decompositions()
     for op in KEEP:
         table.pop(op, None)

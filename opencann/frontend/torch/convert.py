@@ -73,15 +73,10 @@ META_DIVERGES = {"BatchNorm": {1, 2}, "LayerNorm": {1, 2}, "GroupNorm": {1, 2},
 LOW_PRECISION = (DataType.BF16, DataType.FLOAT16)
 
 
-def convert_node(graph: Graph, node: fx.Node, env: Dict[fx.Node, Any]) -> None:
-    """Append the IR node for one FX ``call_function`` node; records its outputs in env."""
-    target = node.target
-    if target is operator.getitem:
-        env[node] = env[node.args[0]][node.args[1]]
-        return
-    if target is torch.ops.higher_order.with_effects:
-        _convert_effect(graph, node, env)
-        return
+def _check_target(node: fx.Node, target) -> None:
+    """Raise ConversionError unless ``target`` is an ATen overload: a higher-order op
+    (control flow or a subgraph inside the graph) or any other callable is refused with
+    the fix."""
     if isinstance(target, torch._ops.HigherOrderOperator):
         src, scope = source_of(node)
         where = src if src and not src.startswith("<") else (scope or "the model")
@@ -93,12 +88,12 @@ def convert_node(graph: Graph, node: fx.Node, env: Dict[fx.Node, Any]) -> None:
     if not isinstance(target, torch._ops.OpOverload):
         raise ConversionError(f"{node.name}: unsupported FX target {target!r}; only ATen "
                               "overloads are expected after decomposition")
-    if not target._schema.returns:
-        # shape/dtype assertions (e.g. _assert_tensor_metadata) were checked at export time
-        graph.meta.setdefault("dropped_asserts", []).append(str(target))
-        env[node] = None
-        return
-    opdef = lookup_aten(target)
+
+
+def _lift_args(node: fx.Node, schema, env: Dict[fx.Node, Any]) -> Tuple[List[Value], Dict[str, Any]]:
+    """(inputs, attrs) of ``node``'s ATen call: each FX node argument becomes an input
+    (its Value in ``env``) and a `TensorRef` to it, keyed by the schema's argument names.
+    Raises ConversionError for an argument that is not a single tensor."""
     inputs: List[Value] = []
     attrs: Dict[str, Any] = {}
 
@@ -115,12 +110,31 @@ def convert_node(graph: Graph, node: fx.Node, env: Dict[fx.Node, Any]) -> None:
             return x
         return x
 
-    schema = target._schema
     for i, a in enumerate(schema.arguments):
         if i < len(node.args) and not a.kwarg_only:
             attrs[a.name] = lift(node.args[i])
         elif a.name in node.kwargs:
             attrs[a.name] = lift(node.kwargs[a.name])
+    return inputs, attrs
+
+
+def convert_node(graph: Graph, node: fx.Node, env: Dict[fx.Node, Any]) -> None:
+    """Append the IR node for one FX ``call_function`` node; records its outputs in env."""
+    target = node.target
+    if target is operator.getitem:
+        env[node] = env[node.args[0]][node.args[1]]
+        return
+    if target is torch.ops.higher_order.with_effects:
+        _convert_effect(graph, node, env)
+        return
+    _check_target(node, target)
+    if not target._schema.returns:
+        # shape/dtype assertions (e.g. _assert_tensor_metadata) were checked at export time
+        graph.meta.setdefault("dropped_asserts", []).append(str(target))
+        env[node] = None
+        return
+    opdef = lookup_aten(target)
+    inputs, attrs = _lift_args(node, target._schema, env)
     src, scope = source_of(node)
     vals, is_seq = _flat_vals(node.meta.get("val"))
     # a multi-output op may skip outputs (a gradient op's output_mask): an empty
@@ -138,6 +152,10 @@ def convert_node(graph: Graph, node: fx.Node, env: Dict[fx.Node, Any]) -> None:
         ir.meta["no_out_kernel"] = True
     if opdef is None:
         ir.meta["aten"] = target
+    if isinstance(node, fx.Node):
+        # the FX value each output stands for ("name", or "name.k" for output k of a
+        # multi-output node): layer-by-layer comparison with eager (opencann.tools.compare)
+        ir.meta["origin"] = [node.name] if not is_seq else [f"{node.name}.{k}" for k in range(len(vals))]
     # strides of ATen's own result: views downstream depend on them, so planned buffers
     # reproduce them (e.g. SDPA returns a permuted-contiguous tensor)
     ir.meta["strides"] = [tuple(int(s) for s in v.stride()) if isinstance(v, torch.Tensor)

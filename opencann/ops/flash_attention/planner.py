@@ -25,20 +25,19 @@ Buffer sizes (``BUFFER_PRESETS``, bytes), with sources:
 * ``h100_smem`` / ``h200_smem`` = 228 KiB shared memory per SM (NVIDIA Hopper tuning
   guide, "Shared memory capacity per SM is 228 KB"; H200 is the same GH100 die).
 * ``a100_smem`` = 164 KiB (NVIDIA Ampere tuning guide, up to 164 KB per SM).
-* ``cpu_l2()``: this CPU's L2 cache, read from
-  ``/sys/devices/system/cpu/cpu0/cache/index*/{level,size}``; fallback 1 MiB
-  (a common per-core L2 of current x86 server cores) when unreadable.
+* ``cpu_l2()``: this CPU's L2 cache, a fact of the cpu device (``opencann.devices.cpu``:
+  read from ``/sys/devices/system/cpu/cpu0/cache/index*/{level,size}``; fallback 1 MiB).
 * ``cuda_smem()``: ``torch.cuda.get_device_properties(i).shared_memory_per_multiprocessor``
   when CUDA is available, else the H100 preset.
 """
 from __future__ import annotations
 
-import glob
 import math
-import os
 from dataclasses import dataclass, field
 
 import torch
+
+from ...devices.cpu import CPU_L2_FALLBACK, cpu_l2  # noqa: F401  (the CPU's L2: a cpu device fact)
 
 KIB = 1024
 BUFFER_PRESETS = {
@@ -49,7 +48,6 @@ BUFFER_PRESETS = {
     "h200_smem": 228 * KIB,       # same GH100 SM as H100
     "a100_smem": 164 * KIB,       # NVIDIA Ampere tuning guide: 164 KB shared memory / SM
 }
-CPU_L2_FALLBACK = 1024 * KIB  # typical per-core L2 of recent x86 server cores
 
 # Target constraints: (quantum the blocks are rounded down to, powers of two only,
 # preferred minimum block_q). "cube": Ascend Cube unit fractals are 16x16 (fp16);
@@ -61,20 +59,6 @@ TARGETS = {
     "triton": (16, True, 16),
     "cpu": (16, False, 128),
 }
-
-
-def cpu_l2() -> tuple[int, str]:
-    """(bytes, source) of the L2 cache of cpu0, read from sysfs; falls back to 1 MiB."""
-    for d in sorted(glob.glob("/sys/devices/system/cpu/cpu0/cache/index*")):
-        try:
-            level = open(os.path.join(d, "level")).read().strip()
-            size = open(os.path.join(d, "size")).read().strip()
-        except OSError:
-            continue
-        if level == "2":
-            mult = {"K": KIB, "M": KIB * KIB}.get(size[-1], 1)
-            return int(size.rstrip("KM")) * mult, f"sysfs {d}/size = {size}"
-    return CPU_L2_FALLBACK, "sysfs cache info unreadable; fallback 1 MiB (typical per-core L2)"
 
 
 def cuda_smem(device=None) -> tuple[int, str]:

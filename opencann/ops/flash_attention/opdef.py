@@ -1,5 +1,5 @@
 """The ``FlashAttention`` graph op: its `OpDef` (cost without the S×S score matrix) and
-its bind-time kernel factory (added to ``opencann.ops.fused.KERNEL_FACTORIES``).
+its bind-time CPU kernel factory (the OpDef's ``kernel_factories["cpu"]``).
 
 Node layout (made by ``opencann.passes.attention.FuseFlashAttention``): inputs
 q (B, H, S_q, D), k and v (B, H_kv, S_k, D) in BNSD order, optionally a mask
@@ -23,17 +23,11 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from ..ir import Node, TensorDesc
-from .flash_attention import cpu_l2, flash_attention_forward, plan_tiles
-from .fused import KERNEL_FACTORIES
-from .opdef import Cost, OpDef, OpKind, register
-
-
-def _numel(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= int(s)
-    return n
+from ...ir import Node, TensorDesc, numel
+from ..kernels import vnpu_cost
+from ..opdef import Cost, OpDef, OpKind, register
+from .api import flash_attention_forward
+from .planner import cpu_l2, plan_tiles
 
 
 def flash_attention_cost(node: Node) -> Cost:
@@ -43,11 +37,11 @@ def flash_attention_cost(node: Node) -> Cost:
     counted (the point of FlashAttention, Dao et al. 2022, §3.2 IO analysis)."""
     q = node.arg("query").desc
     k = node.arg("key").desc
-    bh = _numel(q.shape[:-2])
+    bh = numel(q.shape[:-2])
     sq, d, sk = int(q.shape[-2]), int(q.shape[-1]), int(k.shape[-2])
-    moved = sum(_numel(v.desc.shape) * v.desc.dtype.itemsize for v in node.inputs)
+    moved = sum(numel(v.desc.shape) * v.desc.dtype.itemsize for v in node.inputs)
     out = node.outputs[0].desc
-    moved += _numel(out.shape) * out.dtype.itemsize
+    moved += numel(out.shape) * out.dtype.itemsize
     return Cost(4 * bh * sq * sk * d, moved)
 
 
@@ -88,6 +82,7 @@ def make_flash_attention_kernel(node: Node, in_descs: Sequence[TensorDesc], cons
 
 
 register(OpDef("FlashAttention", OpKind.ATTENTION, aliases=((),), cost_fn=flash_attention_cost,
+               kernel_factories={"cpu": make_flash_attention_kernel},
+               device_cost={"vnpu": vnpu_cost.flash_attention},
                doc="exact attention softmax(scale·QKᵀ + mask)·V without the S×S matrix "
                    "(FlashAttention-2, numba CPU kernel)"))
-KERNEL_FACTORIES["FlashAttention"] = make_flash_attention_kernel

@@ -4,7 +4,7 @@ formats, insert TransData at format boundaries and remove inverse TransData pair
 `NpuLayoutSelection` (runs only when the device is ``vnpu[:<preset>]``):
 
 1. placement: every node except host fallbacks gets ``node.device = ctx.device``;
-2. selection, in topological order (the table is ``ops.vnpu_ops.NPU_FORMAT_OPS``):
+2. selection, in topological order (by each op's ``OpDef.npu_format`` column):
    Conv2D (groups=1, float) takes NC1HWC0 activations and a FRACTAL_Z weight and gives
    NC1HWC0; MatMul/BatchMatMul/MatMulV2 take and give FRACTAL_NZ; an elementwise op
    whose full-size operands are all in the same NPU format (same logical shape and
@@ -16,6 +16,14 @@ formats, insert TransData at format boundaries and remove inverse TransData pair
 4. elimination: TransData(A→B) feeding TransData(B→A) of the same logical tensor is
    removed (reported as "TransData elimination"), then unused TransData are dropped.
 
+Per-preset rules (capabilities on `NpuSpec`): where ``spec.cube_nd_direct`` (Atlas A2,
+910B) MatMul/BatchMatMul/MatMulV2 read and write ND, so no TransData surrounds them (the
+Cube converts ND to fractals while loading); where float32 is not in ``spec.cube_dtypes``
+(910, 310) the float32 operands of Conv2D and the matmuls are cast to float16 before the
+Cube and the result back to float32 (reported as "fp32 to fp16 for the Cube"; a
+fp16→fp32→fp16 pair between two Cube ops is exact and skipped), as GE's default
+precision mode does on those chips.
+
 Formatted values carry ``format``, the padded storage ``shape`` (`format_shape`) and
 their ``origin_shape``/``origin_format``, so the memory planner sizes storage correctly;
 graph outputs are always TransData'd back to their origin format. A node that consumes
@@ -25,41 +33,20 @@ Source: CANN Graph Engine developer guide (format selection, TransData insertion
 """
 from __future__ import annotations
 
-import os
 from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from ..devices.vnpu import NpuSpec, format_shape, get_preset, load_spec, trans_data
-from ..ir import Format, Graph, Node, TensorDesc, TensorRef, Value
-from ..ops import OpKind, get_op, vnpu_ops  # noqa: F401  (registers TransData and the vnpu kernels)
-from ..ops.vnpu_ops import NPU_FORMAT_OPS, origin_format_for
-from .base import Pass, PassContext
+from ...devices import parse_device
+from ...devices.vnpu import NpuSpec, format_shape, trans_data
+from ...ir import DataType, Format, Graph, Node, TensorDesc, TensorRef, Value
+from ...ops import get_op
+from ...ops.kernels.vnpu import origin_format_for
+from ..base import Pass, PassContext
+from ..prepare.precision import _cast
 
 ND = Format.ND
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
-_PATTERN = "NPU format"
-
-
-def npu_spec_for(device: str) -> NpuSpec:
-    """The `NpuSpec` of a device string ``vnpu`` (ascend910b), ``vnpu:<preset>``
-    (ascend910, ascend910b, ascend310) or ``vnpu:<spec file .json/.toml>``.
-
-    Raises ValueError for a non-vnpu device or an unknown preset (listing the presets)."""
-    kind, _, name = str(device).partition(":")
-    if kind != "vnpu":
-        raise ValueError(f"{device!r} is not a vnpu device; use 'vnpu:<preset>', e.g. 'vnpu:ascend910b'")
-    if not name:
-        return get_preset("ascend910b")
-    if name.endswith((".json", ".toml")):
-        return load_spec(name)
-    try:
-        return get_preset(name)
-    except ValueError as e:
-        if os.path.exists(name):  # a path without .json/.toml: load_spec says what is wrong
-            return load_spec(name)
-        raise ValueError(f"device {device!r}: {e}; as a device write 'vnpu:<preset>' or "
-                         "'vnpu:<spec.json|spec.toml>'") from None
 
 
 def npu_desc(desc: TensorDesc, fmt: Format) -> TensorDesc:
@@ -157,10 +144,13 @@ def _channelwise(node: Node, fmt: Dict[int, Format]) -> Tuple[Optional[_Choice],
     return _Choice(ins, [Format.NC1HWC0] + [ND] * (len(node.outputs) - 1)), ""
 
 
-def select(node: Node, fmt: Dict[int, Format]) -> Tuple[Optional[_Choice], str]:
-    """Formats for ``node`` given its operands' formats, or (None, why it runs in ND)."""
-    kind = NPU_FORMAT_OPS.get(node.op)
-    if kind is None and get_op(node.op).kind == OpKind.VIEW:
+def select(node: Node, fmt: Dict[int, Format], spec: Optional[NpuSpec] = None) -> Tuple[Optional[_Choice], str]:
+    """Formats for ``node`` given its operands' formats and the chip ``spec`` (None: no
+    per-preset rules), or (None, why it runs in ND)."""
+    kind = get_op(node.op).npu_format
+    if kind == "matmul" and spec is not None and spec.cube_nd_direct:
+        return None, f"{spec.name} matmuls read ND directly (ND-direct Cube load): no TransData"
+    if kind is None and get_op(node.op).is_view:
         return None, (f"{node.op} is a view of the logical (ND) layout; padded, blocked NPU storage "
                       "cannot be viewed that way, so its input is TransData'd back to ND")
     if kind is None:
@@ -178,11 +168,13 @@ class NpuLayoutSelection(Pass):
     """vnpu placement + format selection + TransData insertion and elimination."""
 
     name, stage = "npu_layout", "layout"
+    devices = ("vnpu",)
 
     def run(self, graph: Graph, ctx: PassContext) -> int:
-        if not ctx.device.startswith("vnpu"):
+        if parse_device(ctx.device).kind != "vnpu":   # also validates the preset early
             return 0
-        npu_spec_for(ctx.device)   # validates the preset early
+        spec = parse_device(ctx.device).spec
+        casts = 0 if "float32" in spec.cube_dtypes else _cube_fp16_casts(graph, ctx)
         for n in graph.nodes:
             if n.op != "HostFallback":
                 n.device = ctx.device
@@ -190,7 +182,7 @@ class NpuLayoutSelection(Pass):
         choices: Dict[Node, _Choice] = {}
         reasons: Dict[Node, str] = {}
         for n in graph.nodes:
-            ch, why = select(n, fmt)
+            ch, why = select(n, fmt, spec)
             if ch is None:
                 if any(fmt.get(v.id, ND) != ND for v in n.inputs):
                     reasons[n] = why
@@ -216,22 +208,16 @@ class NpuLayoutSelection(Pass):
         dropped = self._drop_dead(graph)
         graph.prune_constants()
         for n, why in reasons.items():
-            if n in graph.nodes:
-                ctx.skipped(_PATTERN, n, why)
+            if not n.erased:
+                ctx.skipped(n, why)
         left = sum(1 for n in graph.nodes if n.op == "TransData")
         ctx.artifacts["note"] = (f"{len(choices)} nodes in NPU formats, {left} TransData kept "
                                  f"({inserted} inserted, {eliminated} inverse pairs eliminated, {dropped} unused "
-                                 f"dropped), {len(self._consts)} weights converted at compile time")
+                                 f"dropped), {len(self._consts)} weights converted at compile time"
+                                 + (f", {casts} fp32 Cube ops cast to fp16 ({spec.name})" if casts else ""))
         return len(choices) + left
 
     # -- surgery --------------------------------------------------------------------
-    @staticmethod
-    def _set_input(node: Node, i: int, new: Value) -> None:
-        old = node.inputs[i]
-        node.inputs[i] = new
-        old.users.remove(node)
-        new.users.append(node)
-
     def _convert_input(self, graph: Graph, node: Node, i: int, r: Format) -> int:
         """Give input ``i`` of ``node`` in format ``r``; returns TransData nodes added."""
         v = node.inputs[i]
@@ -243,14 +229,14 @@ class NpuLayoutSelection(Pass):
                 c = graph.add_const(t.contiguous(), f"{v.name or v.id}_{r.value.lower()}")
                 c.desc = npu_desc(v.desc, r)
                 self._consts[key] = c
-            self._set_input(node, i, self._consts[key])
+            node.set_input(i, self._consts[key])
             return 0
         added = 0
         if key not in self._converted:
             t = _trans(graph, v, ND, r, before=node, device=node.device)
             self._converted[key] = t.outputs[0]
             added = 1
-        self._set_input(node, i, self._converted[key])
+        node.set_input(i, self._converted[key])
         return added
 
     def _wrap_output(self, graph: Graph, node: Node, j: int, f: Format) -> None:
@@ -260,23 +246,19 @@ class NpuLayoutSelection(Pass):
         users = list(o.users)
         o.desc = npu_desc(plain, f)
         strides = node.meta.pop("strides", None)
-        idx = graph.nodes.index(node)
-        after = graph.nodes[idx + 1] if idx + 1 < len(graph.nodes) else None
-        t = _trans(graph, o, f, ND, before=after, out_desc=plain, device=node.device)
+        t = _trans(graph, o, f, ND, before=node.next, out_desc=plain, device=node.device)
         if strides:  # the ND copy stands for the traced value: it keeps eager's strides
             t.meta["strides"] = [strides[j]]
         nd = t.outputs[0]
         for u in users:
-            for k, v in enumerate(u.inputs):
-                if v is o:
-                    self._set_input(u, k, nd)
+            u.replace_input(o, nd)
         graph.outputs = [nd if v is o else v for v in graph.outputs]
 
     @staticmethod
     def _eliminate(graph: Graph, ctx: PassContext) -> int:
         n = 0
         for t2 in list(graph.nodes):
-            if t2.op != "TransData" or t2 not in graph.nodes:
+            if t2.op != "TransData" or t2.erased:
                 continue
             t1 = t2.inputs[0].producer
             if t1 is None or t1.op != "TransData":
@@ -287,7 +269,7 @@ class NpuLayoutSelection(Pass):
                 continue
             graph.replace_all_uses_with(t2.outputs[0], t1.inputs[0])
             graph.erase_node(t2)
-            ctx.applied("TransData elimination", [t1, t2])
+            ctx.applied([t1, t2], "TransData elimination")
             n += 1
         return n
 
@@ -299,6 +281,41 @@ class NpuLayoutSelection(Pass):
                 graph.erase_node(t)
                 n += 1
         return n
+
+
+def _cube_fp16_casts(graph: Graph, ctx: PassContext) -> int:
+    """Cast the float32 operands of Cube ops (conv, matmul) to float16 and their float32
+    results back (chips whose Cube has no fp32). Returns the number of Cube ops changed."""
+    cache: Dict = {}
+    changed = 0
+    for n in list(graph.nodes):
+        if get_op(n.op).npu_format not in ("conv", "matmul") or len(n.outputs) != 1 \
+                or n.outputs[0].desc.dtype != DataType.FLOAT:
+            continue
+        for i, v in enumerate(n.inputs):
+            if v.desc.dtype == DataType.FLOAT:
+                n.set_input(i, _cast(graph, v, DataType.FLOAT16, n, cache))
+        o = n.outputs[0]
+        users = list(o.users)
+        o.desc = o.desc.with_(dtype=DataType.FLOAT16)
+        after = n.next
+        back = graph.create_node("Cast", [o], {"self": TensorRef(0), "dtype": torch.float32},
+                                 [o.desc.with_(dtype=DataType.FLOAT)], name=f"{n.name}_fp32",
+                                 source=n.source, scope=n.scope, before=after)
+        back.meta["precision"] = True     # lets _cast skip an exact fp16 -> fp32 -> fp16 pair
+        if "strides" in n.meta:
+            back.meta["strides"] = n.meta.pop("strides")
+        for u in users:
+            u.replace_input(o, back.output)
+        graph.outputs = [back.output if v is o else v for v in graph.outputs]
+        ctx.applied([n], "fp32 to fp16 for the Cube")
+        changed += 1
+    for t in reversed(list(graph.nodes)):   # casts back to fp32 that only fed the next Cube op
+        if t.op == "Cast" and t.meta.get("precision") and not t.outputs[0].users \
+                and t.outputs[0] not in graph.outputs:
+            graph.erase_node(t)
+    graph.prune_constants()
+    return changed
 
 
 def _trans(graph: Graph, v: Value, src: Format, dst: Format, before: Optional[Node],
@@ -318,4 +335,4 @@ def _trans(graph: Graph, v: Value, src: Format, dst: Format, before: Optional[No
     return t
 
 
-__all__ = ["NpuLayoutSelection", "npu_desc", "npu_spec_for", "select"]
+__all__ = ["NpuLayoutSelection", "npu_desc", "select"]

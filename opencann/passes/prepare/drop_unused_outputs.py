@@ -20,35 +20,33 @@ logsumexp ([B, H, S]) is a by-product of its online softmax.
 """
 from __future__ import annotations
 
-from ..ir import Graph, Node
-from ..ops import get_op, infer
-from .base import Pass, PassContext
+from ...ir import Graph, Node
+from ...ops import get_op, infer
+from ..base import PassContext, RewritePass, Skip
 
 
-class DropUnusedOutputs(Pass):
+class DropUnusedOutputs(RewritePass):
     """X(...) -> (y, unread...) ⇒ X.primary_only(...) -> y (same attributes); cpu only
     (the vnpu's layout rules name the multi-output ops)."""
 
     name, stage = "drop_unused_outputs", "prepare"
     devices = ("cpu",)
 
-    def run(self, graph: Graph, ctx: PassContext) -> int:
-        if not ctx.device.startswith("cpu"):
-            ctx.artifacts["note"] = f"cpu-only lowering: skipped on {ctx.device}"
-            return 0
-        n = 0
-        for node in list(graph.nodes):
-            lean = get_op(node.op).primary_only
-            if lean is None:
-                continue
-            why = self._unread_rest(node, graph)
-            if why:
-                ctx.skipped(f"{node.op}→{lean}", node, why)
-                continue
-            self._rewrite(graph, node, lean)
-            ctx.applied(f"{node.op}→{lean}", [node])
-            n += 1
-        return n
+    def match(self, node: Node, graph: Graph, ctx: PassContext):
+        """(node, lean op) when only output 0 is read; a `Skip` saying which output is read."""
+        lean = get_op(node.op).primary_only
+        if lean is None:
+            return None
+        why = self._unread_rest(node, graph)
+        return Skip(why, detail=f"{node.op}→{lean}") if why else (node, lean)
+
+    def rewrite(self, graph: Graph, m, ctx: PassContext) -> int:
+        """Replace the node by its ``primary_only`` op."""
+        node, lean = m
+        detail = f"{node.op}→{lean}"
+        self._rewrite(graph, node, lean)
+        ctx.applied([node], detail)
+        return 1
 
     @staticmethod
     def _unread_rest(node: Node, graph: Graph) -> str:
@@ -57,7 +55,8 @@ class DropUnusedOutputs(Pass):
             if o in graph.outputs:
                 return f"output {k} is a graph output (saved for the backward in training)"
             if o.users:
-                return f"output {k} is read by {o.users[0].name} ({o.users[0].op})"
+                u = next(iter(o.users))
+                return f"output {k} is read by {u.name} ({u.op})"
         return ""
 
     @staticmethod

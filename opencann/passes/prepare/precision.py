@@ -10,7 +10,8 @@ parameters: --precision_mode" and torch_npu "precision_mode" documentation):
   only where it does not; every CPU op supports fp32, so on "cpu" nothing changes.
 * ``allow_mix_precision`` (fp16) / ``allow_mix_precision_bf16``: the *low list*
   (matmul, conv, attention) runs in fp16 / bf16; the *keep-fp32 list* (softmax, norms,
-  reductions, exp/log/pow, losses: `KEEP_FP32`, user-modifiable) runs in fp32; every
+  reductions, exp/log/pow, losses: the ops whose ``OpDef.keep_fp32`` is set, see
+  `default_keep_fp32`; user-modifiable) runs in fp32; every
   other op follows its inputs (low when all its float inputs are low).
 * ``force_fp16``: every floating-point op that is not a cast runs in fp16.
 
@@ -19,23 +20,27 @@ low→fp32→low of the same tensor is exact and folded away.
 """
 from __future__ import annotations
 
-from typing import Dict, Iterable, Optional
+from typing import Dict, Iterable, Optional, Set
 
 
-from ..ir import DataType, Graph, Node, TensorRef, Value
-from ..ops import OpKind, get_op
-from .base import Pass, PassContext
+from ...ir import DataType, Graph, Node, TensorRef, Value
+from ...ops import OpKind, all_ops, get_op
+from ..base import Pass, PassContext
 
 MODES = ("force_fp32", "must_keep_origin_dtype", "allow_fp32_to_fp16", "allow_mix_precision",
          "allow_mix_precision_fp16", "allow_mix_precision_bf16", "force_fp16")
 LOW_KINDS = (OpKind.MATMUL, OpKind.CONV, OpKind.ATTENTION)
 FOLLOW_KINDS = (OpKind.ELEMENTWISE, OpKind.VIEW, OpKind.DATA)
-# CANN's "black list" analogue: ops whose accuracy needs fp32 (IR op names; HostFallback
-# nodes such as losses are never lowered). Modify freely: KEEP_FP32.add("Gelu").
-KEEP_FP32 = {"SoftmaxV2", "LogSoftmaxV2", "LayerNorm", "BatchNorm", "GroupNorm",
-             "ReduceSum", "ReduceSumAll", "ReduceMean", "ReduceMeanAll", "ReduceVar", "Cumsum",
-             "ReduceMax", "ReduceMin", "Exp", "Log", "Pow", "PowTensor", "Sqrt", "Rsqrt",
-             "Reciprocal", "Div", "Divs", "FlashAttentionScore"}
+
+
+def default_keep_fp32() -> Set[str]:
+    """CANN's "black list" analogue: the IR ops whose accuracy needs fp32, i.e. whose
+    ``OpDef.keep_fp32`` column is set (HostFallback nodes such as losses are never
+    lowered). Change it per op (``get_op("Gelu").keep_fp32 = True``), per pass
+    (``MixedPrecision(keep_fp32=...)``) or per compile (``options["keep_fp32"]``)."""
+    return {op.name for op in all_ops() if op.keep_fp32}
+
+
 FP32, FP16, BF16 = DataType.FLOAT, DataType.FLOAT16, DataType.BF16
 
 
@@ -70,14 +75,15 @@ def _cast(graph: Graph, v: Value, dt: DataType, before: Node, cache: Dict) -> Va
 
 class MixedPrecision(Pass):
     """Rewrites float ops to the precision of ``options["precision_mode"]`` (CANN mode
-    names above) by inserting Cast nodes; ``options["keep_fp32"]`` (op names) adds to
-    `KEEP_FP32`. Off unless ``precision_mode`` is set."""
+    names above) by inserting Cast nodes. Kept in fp32: ``keep_fp32`` (op names; default
+    `default_keep_fp32`, the ops whose OpDef column says so) plus ``options["keep_fp32"]``.
+    Off unless ``precision_mode`` is set."""
 
     name = "precision"
     stage = "prepare"
 
     def __init__(self, keep_fp32: Optional[Iterable[str]] = None):
-        self.keep_fp32 = set(KEEP_FP32 if keep_fp32 is None else keep_fp32)
+        self.keep_fp32 = set(default_keep_fp32() if keep_fp32 is None else keep_fp32)
 
     def run(self, graph: Graph, ctx: PassContext) -> int:
         mode = ctx.options.get("precision_mode")
@@ -121,7 +127,7 @@ class MixedPrecision(Pass):
                 v.desc.dtype != origin[id(v)] for v in fl)
             for v in fl:
                 if v.desc.dtype != want and lift:
-                    graph.replace_input(node, v, _cast(graph, v, want, node, cache))
+                    node.replace_input(v, _cast(graph, v, want, node, cache))
                     changed += 1
             for o in node.outputs:
                 if o.desc.dtype in floats and o.desc.dtype != want and any(
@@ -152,4 +158,4 @@ def precision_summary(graph: Graph) -> Dict[str, Dict[str, int]]:
     return out
 
 
-__all__ = ["MixedPrecision", "KEEP_FP32", "MODES", "low_dtype", "precision_summary"]
+__all__ = ["MixedPrecision", "default_keep_fp32", "MODES", "low_dtype", "precision_summary"]

@@ -1,44 +1,35 @@
-"""vnpu operators: the ``TransData`` op and the kernels of nodes placed on the virtual NPU.
+"""vnpu kernels: bind-time factories ``f(node, in_descs, consts) -> callable(*inputs)``
+for nodes placed on the virtual NPU (an `OpDef`'s ``kernel_factories["vnpu"]``).
 
-Kernels live in ``DEVICE_KERNEL_FACTORIES["vnpu"]`` (bind-time factories
-``f(node, in_descs, consts) -> callable(*inputs)``, see `opdef`). A factory looks at the
-formats the layout pass (``passes/vnpu_layout.py``) gave the node's values:
+A factory looks at the formats the layout pass (``passes/vnpu_layout.py``) gave the
+node's values; an op's ``npu_format`` column says which family it belongs to:
 
 - ``TransData``: `trans_data` between ND/NCHW and NC1HWC0 / FRACTAL_Z / FRACTAL_NZ.
-- ``Conv2D``: NC1HWC0 activations × FRACTAL_Z weight → NC1HWC0 (`conv2d_nc1hwc0`).
-- ``MatMul``/``BatchMatMul``/``MatMulV2``: FRACTAL_NZ × FRACTAL_NZ → FRACTAL_NZ
+- "conv" (Conv2D): NC1HWC0 activations × FRACTAL_Z weight → NC1HWC0 (`conv2d_nc1hwc0`).
+- "matmul" (MatMul/BatchMatMul/MatMulV2): FRACTAL_NZ × FRACTAL_NZ → FRACTAL_NZ
   (`matmul_nz`); MatMulV2's bias is added as a zero-padded FRACTAL_NZ tensor.
-- elementwise ops (every non-random ``OpKind.ELEMENTWISE`` op): on NC1HWC0 / FRACTAL_NZ
-  storage through `elementwise`, which keeps the padding zero.
-- per-channel ops on NC1HWC0 (max/avg pooling, mean/sum/max/min over H and W,
-  inference BatchNorm): run on the (N, C1·C0, H, W) view of the storage, so padded
-  channels stay zero (zero in, zero out; BatchNorm pads its parameters so that holds).
+- "elementwise" (the non-random elementwise ops): on NC1HWC0 / FRACTAL_NZ storage through
+  `elementwise`, which keeps the padding zero.
+- "channelwise" on NC1HWC0 (max/avg pooling, mean/sum/max/min over H and W, inference
+  BatchNorm): run on the (N, C1·C0, H, W) view of the storage, so padded channels stay
+  zero (zero in, zero out; BatchNorm pads its parameters so that holds).
 
-A node in ND (the op has no NPU-format kernel, or its operands are in ND) runs its
-normal ATen kernel on the host. `NPU_FORMAT_OPS` is the table the layout pass reads.
+A node in ND (the op has no NPU-format kernel, or its operands are in ND) runs its host
+(cpu) kernel. `FACTORIES` maps an ``npu_format`` family to its factory.
 Source for formats and kernels: ``opencann.devices.vnpu`` (CANN TransData, GE formats).
 """
 from __future__ import annotations
 
-import math
-from typing import Callable, Dict, Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
 
-from ..devices.vnpu import conv2d_nc1hwc0, elementwise, matmul_nz, to_fractal_nz, trans_data, trans_data_cost
-from ..ir import Format, Node, TensorDesc, TensorRef
-from . import library  # noqa: F401  (the op table must exist before we scan it)
-from .opdef import DEVICE_KERNEL_FACTORIES, Cost, OpDef, OpKind, all_ops, call_args, get_op, register
+from ...devices.vnpu import conv2d_nc1hwc0, elementwise, matmul_nz, to_fractal_nz, trans_data
+from ...ir import Format, Node, TensorDesc, TensorRef
+from ..opdef import call_args, get_op
 
-DEVICE = "vnpu"
 NPU_FORMATS = (Format.NC1HWC0, Format.FRACTAL_Z, Format.FRACTAL_NZ)
-
-# op name -> how it runs in NPU formats ("conv", "matmul", "elementwise", "channelwise")
-NPU_FORMAT_OPS: Dict[str, str] = {"Conv2D": "conv", "MatMul": "matmul", "BatchMatMul": "matmul",
-                                  "MatMulV2": "matmul"}
-CHANNELWISE_OPS = ("MaxPoolWithArgmax", "AvgPool", "AdaptiveAvgPool2d", "ReduceMean", "ReduceSum",
-                   "ReduceMax", "ReduceMin", "BatchNorm")
 
 
 def origin_format_for(fmt: Format) -> Format:
@@ -47,34 +38,13 @@ def origin_format_for(fmt: Format) -> Format:
     return Format.NCHW if fmt in (Format.NC1HWC0, Format.FRACTAL_Z) else Format.ND
 
 
-def _numel(shape) -> int:
-    return math.prod(int(s) for s in shape)
-
-
-def _trans_data_cost(node: Node) -> Cost:
-    """Bytes read + written by one TransData, from the vnpu cost model (`trans_data_cost`,
-    ascend910b numbers); no FLOPs; nothing for an empty tensor (batch 0)."""
-    s, d = node.inputs[0].desc, node.outputs[0].desc
-    if not _numel(s.shape) or not _numel(d.shape):
-        return Cost(0, 0)
-    e = s.dtype.itemsize
-    c0 = max(1, 32 // e)
-    kc = trans_data_cost(_numel(s.shape), _numel(d.shape), s.dtype.value, burst_bytes=c0 * e)
-    return Cost(0, int(kc.hbm_bytes))
-
-
-register(OpDef("TransData", OpKind.DATA, aliases=((),), cost_fn=_trans_data_cost,
-               doc="format conversion (CANN TransData); attrs src_format, dst_format (format names, "
-                   "e.g. 'ND', 'NC1HWC0'), origin_shape, origin_format: the logical shape and its plain format"))
-
-
 # -- factories ---------------------------------------------------------------------------
 
 def host_kernel(node: Node) -> Callable:
     """The node's ATen kernel called on host tensors in ND (a vnpu node without an
     NPU-format kernel executes functionally on the host)."""
     op = get_op(node.op)
-    target = op.aten or node.meta["aten"]
+    target = op.kernels.get("cpu") or op.aten or node.meta["aten"]
 
     def run(*ins):
         args, kwargs = call_args(node, ins)
@@ -207,22 +177,9 @@ def make_channelwise(node: Node, in_descs: Sequence[TensorDesc], consts: Sequenc
     return run
 
 
-def _register_kernels() -> None:
-    table = DEVICE_KERNEL_FACTORIES.setdefault(DEVICE, {})
-    table["TransData"] = make_trans_data
-    table["Conv2D"] = make_conv
-    for name in ("MatMul", "BatchMatMul", "MatMulV2"):
-        table[name] = make_matmul
-    for op in all_ops():
-        if op.kind == OpKind.ELEMENTWISE and not op.random and op.aten is not None:
-            table[op.name] = make_elementwise
-            NPU_FORMAT_OPS[op.name] = "elementwise"
-    for name in CHANNELWISE_OPS:
-        table[name] = make_channelwise
-        NPU_FORMAT_OPS[name] = "channelwise"
+# ``npu_format`` family -> its vnpu kernel factory (an op row takes its factory from here)
+FACTORIES = {"conv": make_conv, "matmul": make_matmul, "elementwise": make_elementwise,
+             "channelwise": make_channelwise}
 
-
-_register_kernels()
-
-__all__ = ["NPU_FORMAT_OPS", "CHANNELWISE_OPS", "host_kernel", "make_trans_data", "make_conv", "make_matmul",
-           "make_elementwise", "make_channelwise", "origin_format_for"]
+__all__ = ["FACTORIES", "NPU_FORMATS", "host_kernel", "make_channelwise", "make_conv", "make_elementwise",
+           "make_matmul", "make_trans_data", "origin_format_for"]

@@ -4,7 +4,7 @@
   the spelled-out form BatchMatMul(SoftmaxV2(Add(Muls|Div(BatchMatMul(q, kᵀ)), mask)), v)
   (scale and mask optional), seen through the BroadcastTo/Reshape views the core-ATen
   decomposition puts around each bmm ⇒ FlashAttention. Kernel: FlashAttention-2
-  (Dao 2023, arXiv:2307.08691), see ``opencann.ops.flash_attention_op``.
+  (Dao 2023, arXiv:2307.08691), see ``opencann.ops.flash_attention.opdef``.
 
 Off by default (``default_enabled = False``): on CPU, torch's own SDPA kernel is about
 as fast today; enable with ``options={"enable": ["fuse_flash_attention"]}``.
@@ -17,16 +17,17 @@ Every SDPA node that is not rewritten is reported with its reason.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
 import torch
 
-from ..ir import Graph, Node, TensorRef, Value
-from ..ops.flash_attention import cpu_l2, cuda_smem, plan_tiles
-from .base import Pass, PassContext
+from ...devices import parse_device
+from ...ir import Graph, Node, TensorRef, Value
+from ...ops.flash_attention import cpu_l2, cuda_smem, plan_tiles
+from ..base import PassContext, RewritePass, Skip
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-_PATTERN = "attention→FlashAttention"
 _RESHAPES = ("Reshape", "UnsafeReshape", "ReshapeCopy")
 
 
@@ -43,10 +44,8 @@ def _tile_check(device: str, d: int, sq: int, sk: int) -> Optional[str]:
     if device == "cuda":
         buf, src = cuda_smem()
         target = "triton"
-    elif device.startswith("vnpu"):
-        from .vnpu_layout import npu_spec_for
-        spec = npu_spec_for(device)
-        buf, src = spec.ub_bytes, f"{spec.name} Unified Buffer"
+    elif parse_device(device).kind == "vnpu":
+        buf, src = parse_device(device).tile_buffer()
         target, dtype = "cube", torch.float16
     else:
         buf, src = cpu_l2()
@@ -114,12 +113,6 @@ def _make(graph: Graph, q, k, v, mask, causal, scale, out_desc, at: Node, name: 
 
 # -- the spelled-out pattern --------------------------------------------------------
 
-def _sole_user(v: Value, graph: Graph) -> Optional[Node]:
-    if len(set(v.users)) == 1 and v not in graph.outputs:
-        return v.users[0]
-    return None
-
-
 def _strip_to_4d(v: Value) -> Tuple[Value, List[Node]]:
     """Walk up the no-op views the decomposition puts in front of a bmm operand:
     Reshape merging (B, H) into B·H, BroadcastTo to the same shape, Identity (a
@@ -144,7 +137,7 @@ def _strip_to_4d(v: Value) -> Tuple[Value, List[Node]]:
 
 def _bmm_4d_out(bmm: Node, graph: Graph) -> Optional[Node]:
     """The Reshape (B·H, S, X) → (B, H, S, X) that follows a bmm, if it is the sole user."""
-    r = _sole_user(bmm.outputs[0], graph)
+    r = graph.sole_user(bmm.outputs[0])
     if r is not None and r.op in _RESHAPES and r.outputs[0].desc.rank == 4 and \
             tuple(r.outputs[0].desc.shape[-2:]) == tuple(bmm.outputs[0].desc.shape[-2:]):
         return r
@@ -179,68 +172,104 @@ def _leads_to_scores(v: Value) -> bool:
         and p.inputs[0].producer.op == "BatchMatMul"
 
 
+@dataclass
+class _Attention:
+    q: Value
+    k: Value
+    v: Value
+    mask: Optional[Value]
+    scale: Optional[float]
+    chain: List[Node]            # nodes replaced (erased once unused)
+    last: Node                   # the node whose output the FlashAttention stands for
+    sdpa: bool = False           # a ScaledDotProductAttention node, not the spelled-out form
+
+
 def _match_spelled_out(bmm2: Node, graph: Graph):
     """Match BatchMatMul(P, V) with P = SoftmaxV2(Add(scale·(q kᵀ), mask)).
 
-    Returns (q, k, v, mask, scale, nodes_to_erase, last_node) or None. Only no-op views
-    are passed; every intermediate must have this chain as its only user."""
+    Returns None when P (through no-op views) is not a softmax (not this pattern's
+    root), a `Skip` saying which part of the pattern differs, or an `_Attention`. Only
+    no-op views are passed; every intermediate must have this chain as its only user."""
+    p4, pviews = _strip_to_4d(bmm2.inputs[0])
+    sm = p4.producer
+    if sm is None or sm.op != "SoftmaxV2":
+        return None
     out4 = _bmm_4d_out(bmm2, graph)
     if out4 is None:
-        return None
-    p4, pviews = _strip_to_4d(bmm2.inputs[0])
+        return Skip("the P·V BatchMatMul's result is not reshaped back to 4-D (B, H, S, D) "
+                    "by its only user")
     v4, _ = _strip_to_4d(bmm2.inputs[1])
-    sm = p4.producer
-    if sm is None or sm.op != "SoftmaxV2" or sm.attrs.get("half_to_float") or \
-            int(sm.attrs.get("dim", 0)) not in (-1, 3) or p4.desc.rank != 4 or v4.desc.rank != 4:
-        return None
-    if any(_sole_user(n.outputs[0], graph) is None for n in pviews) or _sole_user(p4, graph) is None:
-        return None
-    chain = [sm] + pviews
-    x = sm.inputs[0]
-    mask = None
-    scale = 1.0
-    node = x.producer
-    if node is not None and node.op == "Add" and len(node.inputs) == 2 and node.attrs.get("alpha", 1) == 1:
-        if _sole_user(x, graph) is None:
-            return None
-        side = [i for i in (0, 1) if _leads_to_scores(node.inputs[i])]
-        if not side:
-            return None
-        x, mask = node.inputs[side[0]], node.inputs[1 - side[0]]
-        if tuple(node.outputs[0].desc.shape) != tuple(x.desc.shape):
-            return None  # the mask broadcasts the scores up: not attention as we know it
-        chain.append(node)
-        node = x.producer
-    if node is not None and node.op in ("Muls", "Mul", "Div") and _scalar(node) is not None:
-        if _sole_user(x, graph) is None:
-            return None
-        c = _scalar(node)
-        if node.op == "Div":
-            if c == 0:
-                return None
-            scale = 1.0 / c
-        else:
-            scale = c
-        chain.append(node)
-        x = node.inputs[0]
-        node = x.producer
-    if node is None or node.op not in _RESHAPES or _sole_user(x, graph) is None:
-        return None
-    bmm1 = node.inputs[0].producer
-    if bmm1 is None or bmm1.op != "BatchMatMul" or _bmm_4d_out(bmm1, graph) is not node:
-        return None
-    chain += [node, bmm1]
+    why = _softmax_check(sm, p4, v4, pviews, graph)
+    if why:
+        return Skip(why)
+    scores = _match_scores(sm.inputs[0], graph)
+    if isinstance(scores, Skip):
+        return scores
+    x, mask, scale, chain, bmm1 = scores
     q4, _ = _strip_to_4d(bmm1.inputs[0])
     kt4, _ = _strip_to_4d(bmm1.inputs[1])
     k4 = _is_kt(kt4)
-    if k4 is None or q4.desc.rank != 4:
-        return None
+    if k4 is None:
+        return Skip("the second operand of Q·Kᵀ is not K with its last two axes swapped")
+    if q4.desc.rank != 4:
+        return Skip(f"Q is {q4.desc.rank}-D behind the bmm's views; FlashAttention needs 4-D")
     s = tuple(int(d) for d in x.desc.shape)
     if s != (*(int(d) for d in q4.desc.shape[:3]), int(k4.desc.shape[2])) or \
             tuple(k4.desc.shape) != tuple(v4.desc.shape) or tuple(k4.desc.shape[:2]) != tuple(q4.desc.shape[:2]):
-        return None  # broadcast heads/batch or mismatched shapes: leave it alone
-    chain = [bmm2, out4] + chain
-    return q4, k4, v4, mask, scale, chain, out4
+        return Skip(f"broadcast heads/batch or mismatched shapes (scores {list(s)}, q "
+                    f"{list(q4.desc.shape)}, k {list(k4.desc.shape)}, v {list(v4.desc.shape)})")
+    return _Attention(q4, k4, v4, mask, scale, [bmm2, out4, sm] + pviews + chain, out4)
+
+
+def _softmax_check(sm: Node, p4: Value, v4: Value, pviews: List[Node], graph: Graph) -> str:
+    """Why the softmax feeding P·V is not attention's ("" when it is)."""
+    if sm.attrs.get("half_to_float"):
+        return "the softmax changes dtype (half_to_float)"
+    if int(sm.attrs.get("dim", 0)) not in (-1, 3):
+        return f"the softmax runs over dim {sm.attrs.get('dim')}, not the key axis (-1)"
+    if p4.desc.rank != 4 or v4.desc.rank != 4:
+        return (f"P and V are {p4.desc.rank}-D and {v4.desc.rank}-D behind the bmm's views; "
+                "FlashAttention needs 4-D (batch, heads, seq, head_dim)")
+    if any(graph.sole_user(n.outputs[0]) is None for n in pviews) or graph.sole_user(p4) is None:
+        return "the softmax's output (or a view of it) has other users"
+    return ""
+
+
+def _match_scores(x: Value, graph: Graph):
+    """The softmax's input as [mask +] [scale ·] Reshape(BatchMatMul(q, kᵀ)): returns
+    (scores value, mask, scale, nodes passed, the bmm) or a `Skip`."""
+    mask, scale, chain = None, 1.0, []
+    node = x.producer
+    if node is not None and node.op == "Add" and len(node.inputs) == 2 and node.attrs.get("alpha", 1) == 1:
+        if graph.sole_user(x) is None:
+            return Skip("the masked scores have other users")
+        side = [i for i in (0, 1) if _leads_to_scores(node.inputs[i])]
+        if not side:
+            return Skip("neither operand of the Add before the softmax is [scale ·] Q·Kᵀ")
+        x, mask = node.inputs[side[0]], node.inputs[1 - side[0]]
+        if tuple(node.outputs[0].desc.shape) != tuple(x.desc.shape):
+            return Skip("the mask broadcasts the scores to a larger shape")
+        chain.append(node)
+        node = x.producer
+    if node is not None and node.op in ("Muls", "Mul", "Div") and _scalar(node) is not None:
+        if graph.sole_user(x) is None:
+            return Skip("the scaled scores have other users")
+        c = _scalar(node)
+        if node.op == "Div" and c == 0:
+            return Skip("the scores are divided by 0")
+        scale = 1.0 / c if node.op == "Div" else c
+        chain.append(node)
+        x = node.inputs[0]
+        node = x.producer
+    if node is None or node.op not in _RESHAPES:
+        return Skip(f"the softmax's input is {node.op if node else 'a graph input'} "
+                    "[after mask and scale], not Q·Kᵀ reshaped to 4-D")
+    if graph.sole_user(x) is None:
+        return Skip("the scores Q·Kᵀ have other users")
+    bmm1 = node.inputs[0].producer
+    if bmm1 is None or bmm1.op != "BatchMatMul" or _bmm_4d_out(bmm1, graph) is not node:
+        return Skip("the scores are not a BatchMatMul reshaped to 4-D by its only user")
+    return x, mask, scale, chain + [node, bmm1], bmm1
 
 
 def _erase_dead(graph: Graph, nodes: List[Node]) -> None:
@@ -250,7 +279,7 @@ def _erase_dead(graph: Graph, nodes: List[Node]) -> None:
     while changed:
         changed = False
         for n in list(pending):
-            if n in graph.nodes and not any(o.users or o in graph.outputs for o in n.outputs):
+            if not n.erased and not any(o.users or o in graph.outputs for o in n.outputs):
                 ins = [v.producer for v in n.inputs if v.producer is not None]
                 graph.erase_node(n)
                 pending.remove(n)
@@ -260,25 +289,28 @@ def _erase_dead(graph: Graph, nodes: List[Node]) -> None:
                 changed = True
 
 
-class FuseFlashAttention(Pass):
+class FuseFlashAttention(RewritePass):
     """ScaledDotProductAttention, or its spelled-out softmax(scale·q kᵀ + mask)·v ⇒ FlashAttention."""
 
     name, stage = "fuse_flash_attention", "fusion"
+    ops = ("ScaledDotProductAttention", "BatchMatMul")
     switch_section = "UBFusion"
     default_enabled = False
 
-    def run(self, graph: Graph, ctx: PassContext) -> int:
-        n = 0
-        for node in list(graph.nodes):
-            if node not in graph.nodes:
-                continue
-            if node.op == "ScaledDotProductAttention":
-                n += self._sdpa(graph, node, ctx)
-            elif node.op == "BatchMatMul":
-                n += self._spelled_out(graph, node, ctx)
-        return n
+    def match(self, node: Node, graph: Graph, ctx: PassContext):
+        if node.op == "ScaledDotProductAttention":
+            return self._match_sdpa(node, ctx)
+        m = _match_spelled_out(node, graph)
+        if m is None or isinstance(m, Skip):
+            return m
+        why = _check(m.q, m.k, m.v, m.mask, 0.0, False, ctx.device)
+        if why is None and m.mask is not None and m.mask.desc.dtype.torch == torch.bool:
+            why = ("a bool tensor added to the scores adds 0/1 (type promotion), not a keep "
+                   "mask; FlashAttention would read it as True = keep")
+        return Skip(why) if why else m
 
-    def _sdpa(self, graph: Graph, node: Node, ctx: PassContext) -> int:
+    @staticmethod
+    def _match_sdpa(node: Node, ctx: PassContext):
         q, k, v = node.arg("query"), node.arg("key"), node.arg("value")
         mask = node.arg("attn_mask") if "attn_mask" in node.attrs else None
         if mask is not None and not isinstance(mask, Value):
@@ -286,32 +318,24 @@ class FuseFlashAttention(Pass):
         why = _check(q, k, v, mask, node.attrs.get("dropout_p", 0.0) or 0.0,
                      bool(node.attrs.get("enable_gqa", False)), ctx.device)
         if why:
-            ctx.skipped(_PATTERN, node, why)
-            return 0
-        fa = _make(graph, q, k, v, mask, node.attrs.get("is_causal", False), node.attrs.get("scale"),
-                   node.outputs[0].desc, node, node.name + "_flash")
-        graph.replace_all_uses_with(node.outputs[0], fa.outputs[0])
-        graph.erase_node(node)
-        ctx.applied("SDPA→FlashAttention", [node])
-        return 1
+            return Skip(why)
+        return _Attention(q, k, v, mask, node.attrs.get("scale"), [node], node, sdpa=True)
 
-    def _spelled_out(self, graph: Graph, bmm2: Node, ctx: PassContext) -> int:
-        m = _match_spelled_out(bmm2, graph)
-        if m is None:
-            return 0
-        q, k, v, mask, scale, chain, last = m
-        why = _check(q, k, v, mask, 0.0, False, ctx.device)
-        if why is None and mask is not None and mask.desc.dtype.torch == torch.bool:
-            why = ("a bool tensor added to the scores adds 0/1 (type promotion), not a keep "
-                   "mask; FlashAttention would read it as True = keep")
-        if why:
-            ctx.skipped(_PATTERN, bmm2, why)
-            return 0
+    def rewrite(self, graph: Graph, m: _Attention, ctx: PassContext) -> int:
+        last = m.last
+        if m.sdpa:
+            fa = _make(graph, m.q, m.k, m.v, m.mask, last.attrs.get("is_causal", False), m.scale,
+                       last.outputs[0].desc, last, last.name + "_flash")
+            graph.replace_all_uses_with(last.outputs[0], fa.outputs[0])
+            graph.erase_node(last)
+            ctx.applied([last], "SDPA→FlashAttention")
+            return 1
         # inserted in place of the last node: every operand feeds the chain, so it is
         # already defined there
-        fa = _make(graph, q, k, v, mask, False, scale, last.outputs[0].desc, last,
+        bmm2 = m.chain[0]
+        fa = _make(graph, m.q, m.k, m.v, m.mask, False, m.scale, last.outputs[0].desc, last,
                    bmm2.name + "_flash", masked_rows="nan")  # softmax(all -inf) is NaN
         graph.replace_all_uses_with(last.outputs[0], fa.outputs[0])
-        _erase_dead(graph, chain)
-        ctx.applied("softmax(QKᵀ)V→FlashAttention", [n for n in chain if n.op != "Reshape"])
+        _erase_dead(graph, m.chain)
+        ctx.applied([n for n in m.chain if n.op != "Reshape"], "softmax(QKᵀ)V→FlashAttention")
         return 1

@@ -1,0 +1,80 @@
+"""The host CPU as an opencann device: what this machine's CPU and torch build offer.
+
+Facts are probed when asked (cheap; the L2 read is cached):
+
+- `isa`: the vector instruction set ATen dispatches to (``torch.backends.cpu.
+  get_cpu_capability()``: "AVX512", "AVX2", "DEFAULT", ...).
+- `mkldnn_available`: oneDNN convolutions with fused post-ops exist in this torch build
+  (``torch.ops.mkldnn._convolution_pointwise``), the kernels of ConvBiasAct/ConvAddAct.
+- `mkl_packed_available`: MKL's packed GEMM (``torch.ops.mkl._mkl_linear``) exists, one
+  of LinearAct's two GEMMs.
+- `cpu_l2`: (bytes, source) of cpu0's L2 cache, read from
+  ``/sys/devices/system/cpu/cpu0/cache/index*/{level,size}``; falls back to 1 MiB
+  (a common per-core L2 of current x86 server cores) when unreadable. The
+  FlashAttention tile planner sizes its CPU tiles from it.
+- `memory_bytes`: host RAM in bytes (``psutil.virtual_memory().total``, else
+  ``sysconf(SC_PAGE_SIZE · SC_PHYS_PAGES)``).
+"""
+from __future__ import annotations
+
+import functools
+import glob
+import os
+from typing import Tuple
+
+import torch
+
+KIB = 1024
+CPU_L2_FALLBACK = 1024 * KIB  # typical per-core L2 of recent x86 server cores
+FORMATS = ("ND", "NCHW")      # storage formats the host keeps tensors in
+
+
+def isa() -> str:
+    """The vector ISA ATen's CPU kernels use ("AVX512", "AVX2", "DEFAULT", ...)."""
+    try:
+        return str(torch.backends.cpu.get_cpu_capability())
+    except AttributeError:  # pragma: no cover - very old torch
+        return "unknown"
+
+
+def mkldnn_available() -> bool:
+    """True when oneDNN fused-post-op convolutions exist in this torch build."""
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_convolution_pointwise")
+
+
+def mkl_packed_available() -> bool:
+    """True when MKL's packed GEMM (``torch.ops.mkl._mkl_linear``) is available."""
+    return hasattr(torch.ops, "mkl") and hasattr(torch.ops.mkl, "_mkl_linear") \
+        and torch.backends.mkl.is_available()
+
+
+@functools.lru_cache(maxsize=None)
+def _read_l2() -> Tuple[int, str]:
+    for d in sorted(glob.glob("/sys/devices/system/cpu/cpu0/cache/index*")):
+        try:
+            level = open(os.path.join(d, "level")).read().strip()
+            size = open(os.path.join(d, "size")).read().strip()
+        except OSError:
+            continue
+        if level == "2":
+            mult = {"K": KIB, "M": KIB * KIB}.get(size[-1], 1)
+            return int(size.rstrip("KM")) * mult, f"sysfs {d}/size = {size}"
+    return CPU_L2_FALLBACK, "sysfs cache info unreadable; fallback 1 MiB (typical per-core L2)"
+
+
+def cpu_l2() -> Tuple[int, str]:
+    """(bytes, source) of the L2 cache of cpu0, read from sysfs; falls back to 1 MiB."""
+    return _read_l2()
+
+
+def memory_bytes() -> int:
+    """Host RAM in bytes."""
+    try:
+        import psutil
+        return int(psutil.virtual_memory().total)
+    except ImportError:  # pragma: no cover
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+__all__ = ["CPU_L2_FALLBACK", "FORMATS", "cpu_l2", "isa", "memory_bytes", "mkl_packed_available",
+           "mkldnn_available"]

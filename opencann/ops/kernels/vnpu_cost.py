@@ -1,0 +1,162 @@
+"""Costs of nodes on the virtual NPU: an `OpDef`'s ``device_cost["vnpu"]`` column is one of
+these, ``f(node, spec) -> (KernelCost, model)`` with ``model`` the cost function's name.
+
+All on the op's storage sizes, in its dtype, from the vnpu cost model
+(``opencann.devices.vnpu.cost_model``):
+
+- `conv` (Conv2D, ConvBiasAct, ConvAddAct) → ``conv2d_cost`` (groups g as g·N convolutions
+  of C/g channels: same FLOPs and activation bytes); `matmul` (MatMul, BatchMatMul,
+  MatMulV2, LinearAct) → ``matmul_cost``; `flash_attention` → ``flash_attention_cost``;
+  `attention` (unfused ScaledDotProductAttention) → QKᵀ ``matmul_cost`` + ``softmax_cost``
+  (+ mask add) + PV ``matmul_cost``, the S×S scores going through HBM;
+- `softmax` → ``softmax_cost``; `layernorm` → ``layernorm_cost``; `batchnorm` (inference,
+  x·scale + shift) → ``elementwise_cost`` with 2 vector ops per element;
+- `vector(key)` (elementwise ops) → ``elementwise_cost`` with the op's vector cost ``key``
+  (a key of the cost model's VECTOR_OP_COST table);
+- `reduction(key)` (reductions and pooling) → ``reduction_cost``; `trans_data` →
+  ``trans_data_cost``;
+- `copy` (data movement and creation ops, the default of OpKind DATA / CREATION) →
+  ``elementwise_cost("copy")`` on the output (read + write; creation: write only);
+- `fallback` (ops without a cost): memory-bound ``copy`` of its largest tensor, read by
+  each input and written once.
+"""
+from __future__ import annotations
+
+from typing import Callable, List, Tuple
+
+from ...devices.vnpu import (KernelCost, NpuSpec, c0_for, conv2d_cost, elementwise_cost, flash_attention_cost,
+                             layernorm_cost, matmul_cost, reduction_cost, softmax_cost, trans_data_cost)
+from ...ir import Node, Value, numel
+
+VnpuCost = Callable[[Node, NpuSpec], Tuple[KernelCost, str]]
+
+
+def combine(op: str, parts: List[KernelCost]) -> KernelCost:
+    """Kernels run one after another: times, FLOPs and bytes add; the bound is the
+    bound of the longest part."""
+    longest = max(parts, key=lambda c: c.time_us)
+    return KernelCost(op, sum(c.time_us for c in parts), sum(c.flops for c in parts),
+                      sum(c.useful_flops for c in parts), sum(c.hbm_bytes for c in parts), longest.bound,
+                      {"parts": [c.op for c in parts]})
+
+
+def _big_inputs(node: Node) -> List[Value]:
+    return [v for v in node.inputs if v.desc.is_static and numel(v.desc.shape) > 1]
+
+
+def trans_data(node: Node, spec: NpuSpec) -> Tuple[KernelCost, str]:
+    """TransData: bytes moved by the MTE at the C0 burst of the source dtype."""
+    s, out = node.inputs[0].desc, node.outputs[0].desc
+    e = s.dtype.itemsize
+    return trans_data_cost(numel(s.shape), numel(out.shape), out.dtype.value, burst_bytes=c0_for(s.dtype.torch) * e,
+                           spec=spec), "trans_data_cost"
+
+
+def conv(node: Node, spec: NpuSpec) -> Tuple[KernelCost, str]:
+    """Conv2D and its fusions (attrs stride, padding, dilation, groups)."""
+    x, w = node.arg("input").desc, node.arg("weight").desc
+    n, c, h, wd = (int(s) for s in x.origin_shape)
+    cout, _, kh, kw = (int(s) for s in w.origin_shape)
+    a = node.attrs
+    g = int(a.get("groups", 1))
+    dil = list(a.get("dilation", [1, 1]))
+    k = ((kh - 1) * dil[0] + 1, (kw - 1) * dil[-1] + 1)
+    return conv2d_cost(n * g, c // g, h, wd, cout // g, k, tuple(a["stride"]), tuple(a["padding"]),
+                       x.dtype.value, spec), "conv2d_cost"
+
+
+def matmul(node: Node, spec: NpuSpec) -> Tuple[KernelCost, str]:
+    """mm / bmm (self, mat2) and addmm-style (mat1, mat2) products, on origin shapes."""
+    names = ("mat1", "mat2") if "mat1" in node.attrs else ("self", "mat2")
+    a_d, b_d = node.arg(names[0]).desc, node.arg(names[1]).desc
+    a_s, b_s = a_d.origin_shape, b_d.origin_shape
+    m, kdim, nn = int(a_s[-2]), int(a_s[-1]), int(b_s[-1])
+    out = node.outputs[0].desc
+    batch = numel(out.origin_shape[:-2]) if len(a_s) > 2 else 1
+    return matmul_cost(m, nn, kdim, batch, a_d.dtype.value, spec), "matmul_cost"
+
+
+def _qk(node: Node):
+    q, kk = node.arg("query").desc, node.arg("key").desc
+    return q, numel(q.shape[:-2]), int(q.shape[-2]), int(q.shape[-1]), int(kk.shape[-2])
+
+
+def flash_attention(node: Node, spec: NpuSpec) -> Tuple[KernelCost, str]:
+    """FlashAttention: the S×S scores stay on chip."""
+    q, bh, sq, d, sk = _qk(node)
+    heads = int(q.shape[-3]) if q.rank >= 3 else 1
+    return flash_attention_cost(bh // heads, heads, sq, sk, d, node.outputs[0].desc.dtype.value,
+                                causal=bool(node.attrs.get("causal")), spec=spec), "flash_attention_cost"
+
+
+def attention(node: Node, spec: NpuSpec) -> Tuple[KernelCost, str]:
+    """Unfused SDPA: QKᵀ, softmax (+ mask add), PV with the S×S scores in HBM."""
+    _, bh, sq, d, sk = _qk(node)
+    dt = node.outputs[0].desc.dtype.value
+    parts = [matmul_cost(sq, sk, d, bh, dt, spec), softmax_cost(bh * sq, sk, dt, spec),
+             matmul_cost(sq, d, sk, bh, dt, spec)]
+    if node.attrs.get("attn_mask") is not None:
+        parts.insert(1, elementwise_cost("add", bh * sq * sk, dt, 2, spec))
+    return combine("attention", parts), "matmul_cost+softmax_cost (S×S scores in HBM)"
+
+
+def softmax(node: Node, spec: NpuSpec) -> Tuple[KernelCost, str]:
+    """(Log)softmax over ``dim``."""
+    out = node.outputs[0].desc
+    cols = int(out.shape[node.attrs.get("dim", -1)])
+    return softmax_cost(numel(out.shape) // cols, cols, out.dtype.value, spec), "softmax_cost"
+
+
+def layernorm(node: Node, spec: NpuSpec) -> Tuple[KernelCost, str]:
+    """LayerNorm over ``normalized_shape``."""
+    out = node.outputs[0].desc
+    cols = numel(node.attrs["normalized_shape"])
+    return layernorm_cost(numel(out.shape) // cols, cols, out.dtype.value, spec), "layernorm_cost"
+
+
+def batchnorm(node: Node, spec: NpuSpec) -> Tuple[KernelCost, str]:
+    """Inference BatchNorm, x·scale + shift: 2 vector ops/element, like clamp's entry."""
+    out = node.outputs[0].desc
+    return elementwise_cost("clamp", numel(out.shape), out.dtype.value, 1, spec), "elementwise_cost (2 ops/elem)"
+
+
+def vector(key: str) -> VnpuCost:
+    """Elementwise op costing ``key`` (VECTOR_OP_COST) per element, one read per
+    full-size input."""
+    def cost(node: Node, spec: NpuSpec) -> Tuple[KernelCost, str]:
+        out = node.outputs[0].desc
+        n_in = max(1, len(_big_inputs(node)))
+        return elementwise_cost(key, max(1, numel(out.shape)), out.dtype.value, n_in, spec), "elementwise_cost"
+    return cost
+
+
+def reduction(key: str) -> VnpuCost:
+    """Reduction / pooling of input 0 combining with ``key`` (add, max, min)."""
+    def cost(node: Node, spec: NpuSpec) -> Tuple[KernelCost, str]:
+        x, out = node.inputs[0].desc, node.outputs[0].desc
+        n_in, n_out = max(1, numel(x.shape)), max(1, numel(out.shape))
+        return reduction_cost(n_in, min(n_in, n_out), x.dtype.value, key, spec), "reduction_cost"
+    return cost
+
+
+def copy(node: Node, spec: NpuSpec, reads: int = 1) -> Tuple[KernelCost, str]:
+    """Data movement: read ``reads`` times and write the output once."""
+    out = node.outputs[0].desc
+    return elementwise_cost("copy", max(1, numel(out.shape)), out.dtype.value, reads, spec), \
+        "elementwise_cost(copy)"
+
+
+def create(node: Node, spec: NpuSpec) -> Tuple[KernelCost, str]:
+    """Creation ops: write the output once."""
+    return copy(node, spec, reads=0)
+
+
+def fallback(node: Node, spec: NpuSpec) -> Tuple[KernelCost, str]:
+    """No cost function: memory-bound copy of the largest tensor."""
+    sizes = [numel(v.desc.shape) for v in (*node.inputs, *node.outputs) if v.desc.is_static]
+    return elementwise_cost("copy", max([1] + sizes), node.outputs[0].desc.dtype.value,
+                            max(1, len(_big_inputs(node))), spec), "fallback: elementwise_cost(copy)"
+
+
+__all__ = ["VnpuCost", "attention", "batchnorm", "combine", "conv", "copy", "create", "fallback",
+           "flash_attention", "layernorm", "matmul", "reduction", "softmax", "trans_data", "vector"]

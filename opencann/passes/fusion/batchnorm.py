@@ -1,0 +1,75 @@
+"""Stage 2, fusion: `FoldBatchNorm`, Conv2D → BatchNorm(eval) ⇒ Conv2D with W·γ/σ and
+(b−μ)·γ/σ+β (Ioffe & Szegedy 2015; the standard inference-time fold, as in torch.fx's
+``fuse_conv_bn_eval``). Changes rounding: within 1e-5 relative in fp32."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional
+
+import torch
+
+from ...ir import Graph, Node, TensorRef, Value
+from ..base import PassContext, RewritePass, Skip
+
+
+@dataclass
+class _BnMatch:
+    conv: Node
+    bn: Node
+    params: List[Value]      # weight, bias, running_mean, running_var (constants)
+    w: Value
+    b: Optional[Value]
+
+
+class FoldBatchNorm(RewritePass):
+    """Conv2D → BatchNorm (inference) ⇒ Conv2D with folded weight and bias."""
+
+    name, stage = "fold_batchnorm", "fusion"
+    ops = ("BatchNorm", "HostFallback")
+    switch_section, cann_names = "GraphFusion", ("ConvBatchnormFusionPass",)
+
+    def run(self, graph: Graph, ctx: PassContext) -> int:
+        n = super().run(graph, ctx)
+        graph.prune_constants()
+        return n
+
+    def match(self, bn: Node, graph: Graph, ctx: PassContext):
+        if bn.op == "HostFallback":
+            if "batch_norm" in str(bn.meta.get("aten", "")):
+                return Skip("BatchNorm in training mode (batch statistics); call model.eval() "
+                            "for inference")
+            return None
+        x = bn.arg("input")
+        conv = x.producer
+        if conv is None or conv.op != "Conv2D":
+            return Skip(f"input is produced by {conv.op if conv else 'a graph input'}, not Conv2D")
+        if graph.sole_user(x) is None:
+            return Skip("the convolution's output is also used elsewhere")
+        if conv.attrs.get("transposed"):
+            return Skip("transposed convolution")
+        params = [bn.arg(k) for k in ("weight", "bias", "running_mean", "running_var")]
+        w, b = conv.arg("weight"), conv.arg("bias")
+        if not all(isinstance(p, Value) and p.is_const for p in params) or not w.is_const \
+                or (b is not None and not b.is_const):
+            return Skip("weights or statistics are not constants")
+        if any(o.users or o in graph.outputs for o in bn.outputs[1:]):
+            return Skip("the saved mean/variance outputs are used")
+        return _BnMatch(conv, bn, params, w, b)
+
+    def rewrite(self, graph: Graph, m: _BnMatch, ctx: PassContext) -> int:
+        conv, bn, w, b = m.conv, m.bn, m.w, m.b
+        gamma, beta, mean, var = (p.const.double() for p in m.params)
+        scale = gamma / torch.sqrt(var + bn.attrs["eps"])
+        wf = (w.const.double() * scale.reshape(-1, 1, 1, 1)).to(w.const.dtype)
+        b0 = b.const.double() if b is not None else torch.zeros_like(mean)
+        bf = ((b0 - mean) * scale + beta).to(w.const.dtype)
+        wv, bv = graph.add_const(wf, f"{conv.name}_w_bnfolded"), graph.add_const(bf, f"{conv.name}_b_bnfolded")
+        conv.replace_input(w, wv)
+        if b is not None:
+            conv.replace_input(b, bv)
+        else:
+            conv.attrs["bias"] = TensorRef(conv.add_input(bv))
+        graph.replace_all_uses_with(bn.outputs[0], conv.outputs[0])
+        graph.erase_node(bn)
+        ctx.applied([conv, bn])
+        return 1

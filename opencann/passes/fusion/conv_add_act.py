@@ -1,0 +1,93 @@
+"""Stage 2, fusion: `FuseConvAddAct`, ConvBiasAct(none) → Add(·, r) [→ Relu] ⇒
+ConvAddAct (oneDNN sum post-op, in place into r when r's memory dies there: no view or
+other alias of r is read later or returned)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from ...ir import Graph, Node, TensorRef, Value
+from ...ops import aliases_of, storage_roots
+from ..base import PassContext, Skip
+from .common import CpuFusion, _stands_for
+
+
+@dataclass
+class _AddMatch:
+    conv: Node
+    add: Node
+    other: Value                 # the addend
+    relu: Optional[Node]
+
+
+class FuseConvAddAct(CpuFusion):
+    """ConvBiasAct(none) → Add(·, r) [→ Relu] ⇒ ConvAddAct (sum post-op into r)."""
+
+    name, stage = "fuse_conv_add_act", "fusion"
+    ops = ("Add",)
+    switch_section = "UBFusion"
+
+    def match(self, add: Node, graph: Graph, ctx: PassContext):
+        if not any(v.producer is not None and v.producer.op in ("ConvBiasAct", "Conv2D")
+                   for v in add.inputs):
+            return None   # no convolution feeds it: not this pattern's root
+        if add.attrs.get("alpha", 1) != 1:
+            return Skip(f"Add with alpha={add.attrs['alpha']} (x + alpha·y); oneDNN's sum "
+                        "post-op adds with scale 1")
+        if len(add.inputs) != 2:
+            return Skip("adds a scalar, not a tensor; oneDNN's sum post-op adds a tensor")
+        for a, b in ((0, 1), (1, 0)):
+            p = add.inputs[a].producer
+            if p is not None and p.op == "ConvBiasAct" and p.attrs["act"] == "none" \
+                    and graph.sole_user(p.outputs[0]) is add and add.inputs[b] is not add.inputs[a]:
+                conv, other = p, add.inputs[b]
+                break
+        else:
+            return Skip("the convolution already has a fused activation or its output has "
+                        "other users")
+        out = conv.outputs[0].desc
+        if other.desc.shape != out.shape or other.desc.dtype != out.dtype:
+            return Skip(f"addend {other.desc} is broadcast (not the conv's full output {out}); "
+                        "oneDNN's sum post-op needs equal shapes")
+        relu = graph.sole_user(add.outputs[0])
+        return _AddMatch(conv, add, other, relu if relu is not None and relu.op == "Relu" else None)
+
+    def rewrite(self, graph: Graph, m: _AddMatch, ctx: PassContext) -> int:
+        conv, add, other, relu = m.conv, m.add, m.other, m.relu
+        last = relu or add
+        why = _why_not_in_place(graph, conv, add, other)
+        if why:
+            ctx.skipped(add, why + "; using the out-of-place sum", "in place")
+        ins = list(conv.inputs) + [other]
+        attrs = dict(conv.attrs, other=TensorRef(len(ins) - 1), inplace=not why,
+                     act="relu" if relu else "none")
+        if not why:
+            attrs["inplace_input"] = len(ins) - 1
+        fused = graph.create_node("ConvAddAct", ins, attrs, [last.outputs[0].desc],
+                                  name=conv.name + "_add" + ("_relu" if relu else ""),
+                                  source=conv.source, scope=conv.scope, before=last)
+        _stands_for(fused, last)
+        graph.replace_all_uses_with(last.outputs[0], fused.outputs[0])
+        for nd in ([relu] if relu else []) + [add, conv]:
+            graph.erase_node(nd)
+        ctx.applied([conv, add] + ([relu] if relu else []), "Conv+Add" + ("+Relu" if relu else ""))
+        return 1
+
+
+def _why_not_in_place(graph: Graph, conv: Node, add: Node, other: Value) -> str:
+    """Why the sum cannot be written in place into the addend ("" if it can): the addend
+    must own its memory (not a graph input, constant or view) and nothing that may
+    share that memory (the addend, its views, views of those, split outputs...) may be
+    read after ``add``, be returned or feed the convolution."""
+    step = {nd: i for i, nd in enumerate(graph.nodes)}
+    roots = storage_roots(graph, writes_as_fresh=True)
+    if other.producer is None or roots.get(other.id) != frozenset((other.id,)):
+        return "the addend is a graph input, constant or view"
+    sharing = [other] + aliases_of(graph, other, roots)
+    if any(u is not add and step.get(u, -1) > step[add] for v in sharing for u in v.users):
+        return "the addend (or a view of it) is read again later"
+    if any(v in graph.outputs for v in sharing):
+        return "the addend (or a view of it) is a graph output"
+    if any(v in conv.inputs for v in sharing):
+        return "the addend is also the convolution's input"
+    return ""

@@ -1,0 +1,71 @@
+"""Stage 2, fusion: `FuseLinearAct`, MatMulV2 [→ Reshape] → activation ⇒ LinearAct
+[→ Reshape]: the activation runs in place on the GEMM's output; a MatMulV2 with a
+constant fp32 weight also becomes a LinearAct, whose kernel (addmm or MKL's packed
+GEMM) is measured per shape at bind time."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from ...devices.cpu import mkl_packed_available
+from ...ir import Graph, Node, TensorRef
+from ..base import PassContext, Skip
+from .common import CpuFusion, _act, _stands_for
+
+
+@dataclass
+class _LinearMatch:
+    mm: Node
+    view: Optional[Node]         # a Reshape between the GEMM and the activation
+    act_node: Optional[Node]
+    act: str
+
+
+class FuseLinearAct(CpuFusion):
+    """MatMulV2(b, x, Wᵀ) [→ Reshape] → activation ⇒ LinearAct(act) [→ Reshape]."""
+
+    name, stage = "fuse_linear_act", "fusion"
+    ops = ("MatMulV2",)
+    switch_section = "UBFusion"
+
+    def match(self, mm: Node, graph: Graph, ctx: PassContext):
+        if mm.attrs.get("beta", 1) != 1 or mm.attrs.get("alpha", 1) != 1:
+            return Skip("addmm with alpha/beta != 1")
+        bias, x, w = mm.inputs
+        if bias.desc.rank != 1:
+            return Skip(f"bias {bias.desc} is not per-output-channel")
+        view = None
+        u = graph.sole_user(mm.outputs[0])
+        if u is not None and u.op == "Reshape":
+            view = u
+            u = graph.sole_user(u.outputs[0])
+        if _act(u) and u.inputs[0] is (view or mm).outputs[0]:
+            tanh = u.op == "Gelu" and u.attrs.get("approximate", "none") == "tanh"
+            return _LinearMatch(mm, view, u, "gelu_tanh" if tanh else _act(u))
+        if not (w.is_const and w.desc.dtype.torch == torch.float32 and mkl_packed_available()):
+            return Skip("no activation follows and the weight is not a constant fp32 tensor "
+                        "for MKL's packed GEMM: plain addmm already writes into the arena")
+        return _LinearMatch(mm, None, None, "none")
+
+    def rewrite(self, graph: Graph, m: _LinearMatch, ctx: PassContext) -> int:
+        mm, u, act = m.mm, m.act_node, m.act
+        bias, x, w = mm.inputs
+        fused = graph.create_node("LinearAct", [bias, x, w],
+                                  {"self": TensorRef(0), "mat1": TensorRef(1), "mat2": TensorRef(2), "act": act},
+                                  [mm.outputs[0].desc], name=f"{mm.name}_{act}",
+                                  source=mm.source, scope=mm.scope, before=mm)
+        _stands_for(fused, mm)
+        graph.replace_all_uses_with(mm.outputs[0], fused.outputs[0])
+        graph.erase_node(mm)
+        if u is None:
+            ctx.applied([mm], "Linear GEMM autotune")
+            return 1
+        src = m.view.outputs[0] if m.view is not None else fused.outputs[0]
+        graph.replace_all_uses_with(u.outputs[0], src)
+        if m.view is not None:  # the GEMM's result is activated before the view: no eager value
+            fused.meta.pop("origin", None)
+        graph.erase_node(u)
+        ctx.applied([mm, u], f"Linear+bias+{act}")
+        return 1

@@ -1,0 +1,51 @@
+"""Stage 1, prepare: constant folding."""
+from __future__ import annotations
+
+import torch
+
+from ...ir import Graph
+from ...ops import OpKind, call_args, get_op, is_random
+from ..base import Pass, PassContext
+
+FOLD_LIMIT_BYTES = 64 << 20  # don't materialise folded constants larger than this
+
+
+class ConstantFolding(Pass):
+    """Evaluate nodes whose inputs are all constants (weight permutes, masks built from
+    arange/full...) once at compile time; outputs become graph constants. Random nodes
+    (`is_random`: rand, randn(4, 6) with no inputs at all...) are never folded: they
+    draw anew on every call."""
+
+    name, stage = "constant_folding", "prepare"
+
+    def run(self, graph: Graph, ctx: PassContext) -> int:
+        n = 0
+        for node in list(graph.nodes):
+            op = get_op(node.op)
+            if op.kind == OpKind.FUSED or is_random(node):
+                continue
+            if not all(v.is_const for v in node.inputs):
+                continue
+            if sum(o.desc.nbytes for o in node.outputs) > FOLD_LIMIT_BYTES:
+                ctx.skipped(node, f"output larger than {FOLD_LIMIT_BYTES >> 20} MiB")
+                continue
+            target = op.aten or node.meta.get("aten")
+            args, kwargs = call_args(node, [v.const for v in node.inputs])
+            try:
+                with torch.no_grad():
+                    res = target(*args, **kwargs)
+            except Exception as e:  # noqa: BLE001 - the model itself fails: say where
+                raise ValueError(
+                    f"{node.name} ({node.op}) at {node.where()} fails on its constant inputs "
+                    f"at compile time ({type(e).__name__}: {(str(e).splitlines() or [''])[0]}), "
+                    "so the model fails on every input of these shapes, as in eager; fix: check "
+                    "the example inputs' shapes (e.g. a sequence longer than the model's "
+                    "position table)") from None
+            res = list(res) if isinstance(res, (tuple, list)) else [res]
+            for o, r in zip(node.outputs, res):
+                c = graph.add_const(r, name=f"{node.name}_folded")
+                graph.replace_all_uses_with(o, c)
+            graph.erase_node(node)
+            n += 1
+        graph.prune_constants()
+        return n

@@ -1,0 +1,378 @@
+"""Code generation for the executor: one straight-line Python function per graph.
+
+As torch.fx's codegen does, the graph becomes the source of one function ``_run(inputs)``
+with one Python call per op. Kernels, constants and non-literal arguments are bound once
+as globals of that function (``K<i>`` is node i's kernel, ``c<i>`` constant i, ``B<id>``
+the arena view of value ``id``, ``L<i>`` a bound literal); intermediates are views into
+the executor's arena. Ops with an ATen ``.out`` overload write straight into their planned
+buffer; ops without one return a fresh tensor that is copied into its buffer ("copy-out").
+The strides helpers here keep every value that a view reads or the caller gets in the
+layout eager PyTorch gave it (``node.meta["strides"]``, recorded at conversion).
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Dict, List, Optional
+
+import torch
+
+from ..ir import Graph, MemoryPlan, Node, TensorListRef, TensorRef, Value, is_dense
+from ..ops import call_args, get_op, output_aliases, storage_roots
+from .alias_check import AliasChecker
+from .fast_call import fast_callable
+
+
+# -- strides ------------------------------------------------------------------------
+
+def _traced_strides(v: Value) -> Optional[tuple]:
+    """The strides ATen gave ``v`` when the graph was traced (``node.meta["strides"]``),
+    canonicalized; None when unrecorded or not dense (then ``v`` is laid out
+    contiguously)."""
+    strides = v.producer.meta.get("strides") if v.producer is not None else None
+    st = strides[v.producer.outputs.index(v)] if strides else None
+    if st is None or not is_dense(v.desc.shape, st):
+        return None
+    return _canonical(v.desc.shape, st)
+
+
+def _canonical(shape, strides) -> tuple:
+    """``strides`` with each size-1 dim's stride set to what a contiguous layout of the
+    following dims gives. Size-1 strides address nothing, but ATen's input/output
+    overlap check compares them: two views of one buffer that differ only there (an
+    in-place op's input and output, from different FX strides) count as partial overlap."""
+    out = list(strides)
+    for i in range(len(shape) - 1, -1, -1):
+        if shape[i] == 1:
+            out[i] = out[i + 1] * max(int(shape[i + 1]), 1) if i + 1 < len(shape) else 1
+    return tuple(out)
+
+
+def _conform(t: torch.Tensor, strides: tuple) -> torch.Tensor:
+    """``t`` laid out with ``strides`` (canonical, dense): ``t`` itself when it already is,
+    else a copy. Kernels that choose their own layout (oneDNN's channels-last, elementwise
+    ops propagating it) are brought back to the traced layout where it matters."""
+    if t.stride() == strides or _canonical(t.shape, t.stride()) == strides:
+        return t
+    return torch.empty_strided(t.shape, strides, dtype=t.dtype, device=t.device).copy_(t)
+
+
+def _own(t: torch.Tensor) -> torch.Tensor:
+    """A copy of ``t`` in memory of its own, with ``t``'s exact strides (also expanded or
+    overlapping ones): the span of storage ``t`` covers is copied and viewed the same way."""
+    if t.numel() == 0:
+        return t.clone()
+    span = 1 + sum((s - 1) * st for s, st in zip(t.shape, t.stride()))
+    flat = t.as_strided((span,), (1,), t.storage_offset()).clone()
+    return flat.as_strided(t.shape, t.stride())
+
+
+def arena_view(arena: torch.Tensor, plan: MemoryPlan, v: Value) -> torch.Tensor:
+    """The view of planned value ``v`` in ``arena`` (uint8, ``plan.arena_bytes``): its
+    buffer's bytes at ``plan.buffers[...].offset``, viewed as ``v``'s dtype and shape with
+    its traced strides when dense, else contiguous. Raises KeyError when ``v`` is not
+    planned."""
+    b = plan.buffers[plan.value_buffer[v.id]]
+    d = v.desc
+    t = arena[b.offset:b.offset + d.nbytes].view(d.dtype.torch)
+    st = _traced_strides(v)
+    return t.view(d.shape) if st is None else t.as_strided(d.shape, st)
+
+
+def _layout_sensitive(g: Graph) -> set:
+    """Ids of values whose strides must be the traced ones: graph outputs (the caller
+    sees eager's strides) and inputs of ops whose output may alias them (a view's
+    result, and whether it can be taken at all, depends on its input's strides). A
+    kernel writing in place into an input (ConvAddAct) leaves that input in whatever
+    layout it has; its own output is then conformed where needed."""
+    need = {v.id for v in g.outputs}
+    for n in g.nodes:
+        if "inplace_input" in n.attrs:  # its output is conformed itself, if need be
+            continue
+        for idx in output_aliases(n):
+            need.update(n.inputs[i].id for i in idx)
+    return need
+
+
+def _layout_of(v: Value) -> Optional[tuple]:
+    """The strides ``v`` must have: the traced ones when dense, contiguous when none
+    were recorded (a node the passes inserted); None when the traced strides are not
+    dense (an expanded or overlapping result: left as the kernel made it)."""
+    st = _traced_strides(v)
+    if st is not None:
+        return st
+    recorded = v.producer.meta.get("strides") if v.producer is not None else None
+    if recorded and recorded[v.producer.outputs.index(v)] is not None:
+        return None
+    return _canonical(v.desc.shape, torch.empty(v.desc.shape, device="meta").stride())
+
+
+def _fresh_args(v: Value) -> tuple:
+    """(shape, strides, dtype) for a fresh output tensor of ``v``: the traced strides
+    when the frontend recorded dense ones, else contiguous."""
+    d = v.desc
+    st = _traced_strides(v) or torch.empty(d.shape, device="meta").stride()
+    return tuple(d.shape), tuple(st), d.dtype.torch
+
+
+# -- outputs ------------------------------------------------------------------------
+
+def independent_outputs(graph: Graph) -> List[int]:
+    """Indices of graph outputs the runtime must copy (`output_copies`), ascending."""
+    return sorted(output_copies(graph))
+
+
+def output_copies(graph: Graph) -> Dict[int, Optional[int]]:
+    """Graph outputs the runtime must copy so that outputs are as independent as eager's,
+    each mapped to None (a copy of its own) or to an earlier copied output whose copy it
+    shares: eager returned one tensor there (``return a, b, b`` after CSE merged ``a``
+    and ``b``: outputs 1 and 2 are one copy, as in eager). An output is copied when it
+    is backed by a constant (the compiled model's own weights: a caller must not be able
+    to change them), by a graph input eager did not return a view of, or shares memory
+    with an earlier kept output where eager's did not (CSE merged ``x + 1, x + 1``).
+    Eager's aliasing comes from ``graph.meta["output_storage"]``, recorded at conversion;
+    without it, outputs are assumed distinct unless they are the same value."""
+    roots = storage_roots(graph)
+    eager = graph.meta.get("output_storage")
+    consts = {c.id for c in graph.constants}
+    inputs = {v.id for v in graph.inputs}
+
+    def eager_of(j: int) -> frozenset:
+        return eager[j] if eager is not None else frozenset((graph.outputs[j].id,))
+
+    copies: Dict[int, Optional[int]] = {}
+    kept: List[int] = []
+    for i, v in enumerate(graph.outputs):
+        mine = roots.get(v.id, frozenset((v.id,)))
+        e_i = eager_of(i)
+        if (mine & consts or (mine & inputs) - e_i
+                or any(mine & roots.get(graph.outputs[j].id, frozenset())
+                       and not (e_i & eager_of(j)) for j in kept)):
+            copies[i] = next((j for j, src in copies.items() if src is None
+                              and graph.outputs[j] is v and e_i & eager_of(j)), None)
+        else:
+            kept.append(i)
+    return copies
+
+
+# -- kernels ------------------------------------------------------------------------
+
+def _kernel_factory(node: Node) -> Optional[Callable]:
+    """The bind-time kernel factory of ``node`` on its device (``factory(node, in_descs,
+    consts) -> kernel``), or None: the node runs its ATen op."""
+    return get_op(node.op).kernel_factory(node.device)
+
+
+def _out_capable(node: Node) -> bool:
+    """Whether ``node``'s factory-made kernel takes ``out=`` (writes into a given buffer)."""
+    return get_op(node.op).writes_out(node)
+
+
+def _fast(node: Node, overload, out_names=()) -> Callable:
+    """``overload`` or the public torch function proven to reach it (`fast_callable`),
+    checked with the node's arguments on meta tensors."""
+    metas = [torch.empty(v.desc.shape, dtype=v.desc.dtype.torch, device="meta")
+             for v in node.inputs]
+    args, kwargs = call_args(node, metas)
+    for name, o in zip(out_names, node.outputs):
+        shape, strides, dtype = _fresh_args(o)
+        kwargs[name] = torch.empty_strided(shape, strides, dtype=dtype, device="meta")
+    return fast_callable(overload, args, kwargs)
+
+
+# -- the generator ------------------------------------------------------------------
+
+class CodeGen:
+    """Builds the source of ``_run(inputs)`` for ``graph`` and the globals it needs.
+
+    ``view(v)`` gives the arena view of a planned value (bound as ``B<id>``);
+    ``check_aliasing`` adds `AliasChecker` calls after every kernel; ``profile`` adds a
+    ``_rec(i)`` call after node i (the caller binds ``_rec``); ``observe`` an ``_obs(i,
+    outputs)`` call (the caller binds ``_obs``). After `generate`,
+    ``bound`` lists (global name, value) of each arena view and ``copy_out_nodes`` the
+    nodes whose result is copied into its buffer."""
+
+    def __init__(self, graph: Graph, plan: MemoryPlan, view: Callable[[Value], torch.Tensor],
+                 check_aliasing: bool = False, profile: bool = False, observe: bool = False):
+        self.graph, self.plan, self.view = graph, plan, view
+        self.check_aliasing, self.profile, self.observe = check_aliasing, profile, observe
+        self.glb: Dict[str, Any] = {}
+        self.names: Dict[int, str] = {}
+        self.lines: List[str] = []
+        self.bound: List[tuple] = []
+        self.copy_out_nodes: List[str] = []
+        self._lit = 0
+
+    def generate(self) -> tuple:
+        """(source, globals) of ``_run``; the source defines it, the globals bind it."""
+        g, glb = self.graph, self.glb
+        for i, v in enumerate(g.inputs):
+            self.names[v.id] = f"x{i}"
+        for i, c in enumerate(g.constants):
+            self.names[c.id] = f"c{i}"
+            glb[f"c{i}"] = c.const
+        layout_bound = _layout_sensitive(g)
+        glb["_conform"] = _conform
+        if self.check_aliasing:
+            glb["_chk"] = AliasChecker(g, self.plan)
+        for idx, node in enumerate(g.nodes):
+            self._emit_node(idx, node, layout_bound)
+        glb["_own"] = _own
+        ret = self._emit_returns()
+        head = ["def _run(inputs):"]
+        if self.check_aliasing:
+            head.append("    _chk.begin(inputs)")
+        if g.inputs:
+            head.append(f"    {', '.join(self.names[v.id] for v in g.inputs)}, = inputs")
+        tail = [f"    return ({ret}{',' if len(g.outputs) == 1 else ''})"]
+        return "\n".join(head + self.lines + tail), glb
+
+    # -- arguments ------------------------------------------------------------------
+    def literal(self, x) -> str:
+        """Inline plain literals; bind everything else (lists, dtypes, inf/nan) as a global."""
+        if (x is None or isinstance(x, (bool, int, str))
+                or (isinstance(x, float) and math.isfinite(x))):
+            return repr(x)
+        k = f"L{self._lit}"
+        self._lit += 1
+        self.glb[k] = x
+        return k
+
+    def render(self, a, node: Node) -> str:
+        """Source text of ATen argument ``a`` of ``node`` (tensor refs by name)."""
+        names = self.names
+        if isinstance(a, TensorRef):
+            return names[node.inputs[a.index].id]
+        if isinstance(a, TensorListRef):
+            return "[" + ", ".join(names[v.id] for v in node.inputs[a.start:a.start + a.length]) + "]"
+        if isinstance(a, (list, tuple)) and any(isinstance(y, (TensorRef, list, tuple)) for y in a):
+            inner = ", ".join(self.render(y, node) for y in a)
+            return f"[{inner}]"
+        return self.literal(a)
+
+    # -- one node -------------------------------------------------------------------
+    def _emit_node(self, idx: int, node: Node, layout_bound: set) -> None:
+        op = get_op(node.op)
+        aliased = output_aliases(node)
+        outs = []
+        for o in node.outputs:
+            self.names[o.id] = f"v{o.id}"
+            outs.append(self.names[o.id])
+        bufnames = self._bind_buffers(node, aliased)
+        lhs = ", ".join(outs) + ("," if len(outs) == 1 and len(node.outputs) > 1 else "")
+        factory = _kernel_factory(node)
+        if factory is not None:
+            self._emit_factory_call(idx, node, factory, lhs, outs, bufnames)
+        else:
+            self._emit_aten_call(idx, node, op, aliased, lhs, outs, bufnames)
+        self._emit_conform(node, aliased, outs, bufnames, layout_bound)
+        if self.check_aliasing:
+            self.lines.append(f"    _chk.after({idx}, ({', '.join(outs)},))")
+        if self.observe:
+            self.lines.append(f"    _obs({idx}, ({', '.join(outs)},))")
+        if self.profile:
+            self.lines.append(f"    _rec({idx})")
+
+    def _bind_buffers(self, node: Node, aliased) -> List[Optional[str]]:
+        """``B<id>`` (bound to its arena view) for each planned, non-aliasing output; None
+        for the others."""
+        bufnames: List[Optional[str]] = []
+        for k, o in enumerate(node.outputs):
+            if o.id in self.plan.value_buffer and not aliased[k]:
+                bn = f"B{o.id}"
+                self.glb[bn] = self.view(o)
+                self.bound.append((bn, o))
+                bufnames.append(bn)
+            else:
+                bufnames.append(None)
+        return bufnames
+
+    def _emit_factory_call(self, idx, node, factory, lhs, outs, bufnames) -> None:
+        target = f"K{idx}"
+        consts = [v.const for v in node.inputs]
+        self.glb[target] = factory(node, [v.desc for v in node.inputs], consts)
+        call = f"{target}({', '.join(self.names[v.id] for v in node.inputs)}"
+        if _out_capable(node) and len(bufnames) == 1 and bufnames[0] is not None:
+            self.lines.append(f"    {outs[0]} = {call}, out={bufnames[0]})")
+        else:
+            self._emit_result(node, lhs, outs, bufnames, call + ")")
+
+    def _emit_aten_call(self, idx, node, op, aliased, lhs, outs, bufnames) -> None:
+        target = f"K{idx}"
+        aten = op.aten or node.meta["aten"]
+        kernel = op.kernel(node.device) or aten   # a user's OpDef.kernels entry, or ATen
+        pos, kw = [], []
+        for a in aten._schema.arguments:
+            if a.name not in node.attrs:
+                continue
+            s = self.render(node.attrs[a.name], node)
+            (kw.append(f"{a.name}={s}") if a.kwarg_only else pos.append(s))
+        args = ", ".join(pos + kw)
+        use_out = (kernel is aten and op.out_kernel is not None and not any(aliased)
+                   and len(bufnames) == len(op.out_names)
+                   and not node.meta.get("none_outputs")
+                   and not node.meta.get("no_out_kernel"))
+        if not use_out:
+            self.glb[target] = _fast(node, aten) if kernel is aten else kernel
+            self._emit_result(node, lhs, outs, bufnames, f"{target}({args})")
+            return
+        # outputs outside the arena (graph outputs) get a fresh tensor each run in the
+        # traced layout (eager's strides), so a multi-output kernel still writes its
+        # planned outputs in place
+        for j, o in enumerate(node.outputs):
+            if bufnames[j] is None:
+                bufnames[j] = f"_e{j}"
+                self.glb[f"S{o.id}"] = _fresh_args(o)
+                self.lines.append(f"    _e{j} = torch.empty_strided(S{o.id}[0], S{o.id}[1], "
+                                  f"dtype=S{o.id}[2])")
+        self.glb.setdefault("torch", torch)
+        self.glb[target] = _fast(node, op.out_kernel, op.out_names)
+        outkw = ", ".join(f"{n}={b}" for n, b in zip(op.out_names, bufnames))
+        self.lines.append(f"    {target}({args}{', ' if args else ''}{outkw})")
+        self.lines.append(f"    {', '.join(outs)} = {', '.join(bufnames)}")
+
+    def _emit_result(self, node, lhs, outs, bufnames, call) -> None:
+        """Assign a kernel's returned result(s); copy each planned one into its buffer."""
+        lines = self.lines
+        if not any(b is not None for b in bufnames):
+            lines.append(f"    {lhs} = {call}")
+            return
+        self.copy_out_nodes.append(node.name)
+        lines.append(f"    _r = {call}")
+        if len(outs) == 1:
+            lines.append(f"    {bufnames[0]}.copy_(_r); {outs[0]} = {bufnames[0]}")
+            return
+        for j, (o, b) in enumerate(zip(outs, bufnames)):
+            if b is None:
+                lines.append(f"    {o} = _r[{j}]")
+            else:
+                lines.append(f"    {b}.copy_(_r[{j}]); {o} = {b}")
+
+    def _emit_conform(self, node, aliased, outs, bufnames, layout_bound) -> None:
+        """A kernel's own allocation, in the layout it chose: give it the traced strides
+        where a view reads it or the caller gets it."""
+        for k, o in enumerate(node.outputs):
+            if (bufnames[k] is not None or o.id not in layout_bound
+                    or (aliased[k] and "inplace_input" not in node.attrs)
+                    or k in node.meta.get("none_outputs", ())):
+                continue
+            st = _layout_of(o)
+            if st is not None:
+                self.glb[f"T{o.id}"] = st
+                self.lines.append(f"    {outs[k]} = _conform({outs[k]}, T{o.id})")
+
+    # -- outputs --------------------------------------------------------------------
+    def _emit_returns(self) -> str:
+        """Copies and conforms of the graph outputs; returns the return tuple's text."""
+        g = self.graph
+        rets = [self.names[v.id] for v in g.outputs]
+        for i, shared in output_copies(g).items():
+            if shared is None:
+                self.lines.append(f"    _o{i} = _own({rets[i]})")
+            rets[i] = f"_o{i if shared is None else shared}"
+        # outputs whose exported strides differ from eager's (torch.export's
+        # functionalization can re-derive a value as a permute of a contiguous clone)
+        for i, st in g.meta.get("eager_output_strides", {}).items():
+            self.glb[f"E{i}"] = tuple(st)
+            self.lines.append(f"    _o{i}e = _conform({rets[i]}, E{i})")
+            rets[i] = f"_o{i}e"
+        return ", ".join(rets)

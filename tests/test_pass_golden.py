@@ -1,0 +1,429 @@
+"""Golden pass tests (as TVM's before/expected pass tests): each pass runs alone, through
+a `PassManager`, on a hand-built graph of at most 10 nodes; the result is compared with
+the expected printed IR (`opencann.ir.dump.to_text`), and a second graph where the pass
+does not apply checks the reason it records in the report (a `Skip`)."""
+import pytest
+import torch
+
+from opencann.ir import DataType, Graph, TensorDesc, TensorRef, verify
+from opencann.ir.dump import to_text
+from opencann.devices.cpu import mkldnn_available
+from opencann.passes import (CommonSubexpressionElimination, ConstantFolding, DeadCodeElimination,
+                             FoldBatchNorm, FuseConvAct, FuseConvAddAct, FuseFlashAttention,
+                             FuseLinearAct, IdentityElimination, LayoutSelection, MemoryPlanning,
+                             MixedPrecision, NpuLayoutSelection, PassContext, PassManager,
+                             SingleStreamSchedule)
+from opencann.report import CompileReport
+
+F = DataType.FLOAT
+G = torch.Generator().manual_seed(0)
+
+
+def d(*shape, dtype=F):
+    return TensorDesc(tuple(shape), dtype)
+
+
+def rnd(*shape):
+    return torch.randn(*shape, generator=G)
+
+
+def run(p, g, device="cpu", **options):
+    """Run pass ``p`` alone; returns (printed graph, report, context)."""
+    ctx = PassContext(options={"verify": True, **options}, report=CompileReport(), device=device)
+    PassManager([p]).run(g, ctx)
+    verify(g)
+    return to_text(g, attrs=("act", "inplace", "masked_rows", "dtype", "src_format",
+                             "dst_format")), ctx.report, ctx
+
+
+def unary(g, op, x, name=None, **attrs):
+    return g.create_node(op, [x], {"self": TensorRef(0), **attrs}, [x.desc], name).output
+
+
+def binary(g, op, a, b, name=None, **attrs):
+    return g.create_node(op, [a, b], {"self": TensorRef(0), "other": TensorRef(1), **attrs},
+                         [a.desc], name).output
+
+
+def skipped(report):
+    return [(s["pass"], s["reason"]) for s in report.skipped]
+
+
+# -- prepare ----------------------------------------------------------------------------
+
+def test_constant_folding():
+    g = Graph()
+    x = g.add_input(d(2, 3), "x")
+    c = g.add_const(torch.ones(2, 3))
+    g.outputs = [binary(g, "Add", x, unary(g, "Neg", c))]
+    text, rep, _ = run(ConstantFolding(), g)
+    assert text == """graph(%x: float32[2,3]):
+  %c0: float32[2,3] = const
+  %0: float32[2,3] = Add(%x, %c0)
+  return %0"""
+    assert torch.equal(g.constants[0].const, -torch.ones(2, 3))
+    assert rep.passes[0].changed == 1
+
+
+def test_constant_folding_does_not_apply_above_the_size_limit(monkeypatch):
+    from opencann.passes.prepare import constant_folding
+    monkeypatch.setattr(constant_folding, "FOLD_LIMIT_BYTES", 8)
+    g = Graph()
+    g.outputs = [unary(g, "Neg", g.add_const(torch.ones(2, 3)), "neg")]
+    _, rep, _ = run(ConstantFolding(), g)
+    assert skipped(rep) == [("constant_folding", "output larger than 0 MiB")]
+    assert [n.op for n in g.nodes] == ["Neg"]
+
+
+def test_dce_and_cse():
+    g = Graph()
+    x = g.add_input(d(4), "x")
+    a, b = unary(g, "Relu", x), unary(g, "Relu", x)
+    unary(g, "Neg", x)                                  # dead
+    g.outputs = [binary(g, "Add", a, b)]
+    text, _, _ = run(DeadCodeElimination(), g)
+    assert "Neg" not in text
+    text, rep, _ = run(CommonSubexpressionElimination(), g)
+    assert text == """graph(%x: float32[4]):
+  %0: float32[4] = Relu(%x)
+  %1: float32[4] = Add(%0, %0)
+  return %1"""
+    assert not rep.skipped
+
+
+def test_cse_does_not_merge_different_attributes():
+    g = Graph()
+    x = g.add_input(d(4), "x")
+    g.outputs = [binary(g, "Add", unary(g, "Gelu", x, approximate="none"),
+                        unary(g, "Gelu", x, approximate="tanh"))]
+    before = to_text(g)
+    text, rep, _ = run(CommonSubexpressionElimination(), g)
+    assert to_text(g) == before and rep.passes[0].changed == 0
+
+
+def test_identity_elimination():
+    g = Graph()
+    x = g.add_input(d(4), "x")
+    g.outputs = [unary(g, "Relu", unary(g, "Identity", unary(g, "Neg", x)))]
+    text, _, _ = run(IdentityElimination(), g)
+    assert text == """graph(%x: float32[4]):
+  %0: float32[4] = Neg(%x)
+  %1: float32[4] = Relu(%0)
+  return %1"""
+
+
+def test_identity_elimination_keeps_a_returned_copy():
+    g = Graph()
+    x = g.add_input(d(4), "x")
+    g.outputs = [unary(g, "Identity", x, "copy")]
+    _, rep, _ = run(IdentityElimination(), g)
+    assert skipped(rep) == [("identity_elimination", "the copy is a graph output (results "
+                             "must not alias inputs or each other)")]
+
+
+# -- fusion -----------------------------------------------------------------------------
+
+def conv(g, x, cout=4, k=3, bias=True, name="conv"):
+    w = g.add_const(rnd(cout, x.desc.shape[1], k, k))
+    ins, attrs = [x, w], {"input": TensorRef(0), "weight": TensorRef(1), "bias": None}
+    if bias:
+        ins.append(g.add_const(rnd(cout)))
+        attrs["bias"] = TensorRef(2)
+    attrs.update(stride=[1, 1], padding=[1, 1], dilation=[1, 1], transposed=False,
+                 output_padding=[0, 0], groups=1)
+    n, _, h, wd = x.desc.shape
+    return g.create_node("Conv2D", ins, attrs, [d(n, cout, h, wd)], name).output
+
+
+def batchnorm(g, x, name="bn"):
+    c = x.desc.shape[1]
+    ps = [g.add_const(t) for t in (rnd(c), rnd(c), rnd(c), rnd(c).abs() + 0.5)]
+    attrs = {"input": TensorRef(0), "weight": TensorRef(1), "bias": TensorRef(2),
+             "running_mean": TensorRef(3), "running_var": TensorRef(4), "momentum": 0.1,
+             "eps": 1e-5}
+    return g.create_node("BatchNorm", [x] + ps, attrs, [x.desc, d(0), d(0)], name).outputs[0]
+
+
+def test_fold_batchnorm():
+    g = Graph()
+    x = g.add_input(d(1, 3, 6, 6), "x")
+    g.outputs = [batchnorm(g, conv(g, x, bias=False))]
+    xs = rnd(1, 3, 6, 6)
+    ref = torch.nn.functional.batch_norm(
+        torch.nn.functional.conv2d(xs, g.constants[0].const, padding=1),
+        g.constants[3].const, g.constants[4].const, g.constants[1].const,
+        g.constants[2].const, eps=1e-5)
+    text, rep, _ = run(FoldBatchNorm(), g)
+    assert text == """graph(%x: float32[1,3,6,6]):
+  %c0: float32[4,3,3,3] = const
+  %c1: float32[4] = const
+  %0: float32[1,4,6,6] = Conv2D(%x, %c0, %c1)
+  return %0"""
+    w, b = (c.const for c in g.constants)
+    torch.testing.assert_close(torch.nn.functional.conv2d(xs, w, b, padding=1), ref,
+                               rtol=1e-5, atol=1e-5)
+    assert [(a["pass"], a["nodes"]) for a in rep.applied] == [("fold_batchnorm", "conv+bn")]
+
+
+def test_fold_batchnorm_does_not_apply_to_a_graph_input():
+    g = Graph()
+    g.outputs = [batchnorm(g, g.add_input(d(1, 3, 6, 6), "x"))]
+    _, rep, _ = run(FoldBatchNorm(), g)
+    assert skipped(rep) == [("fold_batchnorm", "input is produced by a graph input, not Conv2D")]
+
+
+needs_onednn = pytest.mark.skipif(not mkldnn_available(), reason="oneDNN not in this torch build")
+
+
+@needs_onednn
+def test_fuse_conv_act():
+    g = Graph()
+    x = g.add_input(d(1, 3, 6, 6), "x")
+    g.outputs = [unary(g, "Relu", conv(g, x))]
+    text, rep, _ = run(FuseConvAct(), g)
+    assert text == """graph(%x: float32[1,3,6,6]):
+  %c0: float32[4,3,3,3] = const
+  %c1: float32[4] = const
+  %0: float32[1,4,6,6] = ConvBiasAct(%x, %c0, %c1; act='relu')
+  return %0"""
+    assert [a["detail"] for a in rep.applied] == ["Conv+Relu"]
+
+
+@needs_onednn
+def test_fuse_conv_act_says_why_not_gelu_tanh():
+    g = Graph()
+    x = g.add_input(d(1, 3, 6, 6), "x")
+    g.outputs = [unary(g, "Gelu", conv(g, x), approximate="tanh")]
+    text, rep, _ = run(FuseConvAct(), g)
+    assert "ConvBiasAct(%x, %c0, %c1; act='none')" in text and "Gelu(%0" in text
+    assert skipped(rep) == [("fuse_conv_act", "Gelu(approximate='tanh'): the fused oneDNN "
+                             "convolution here applies only the exact (erf) GELU")]
+
+
+def conv_bias_act(g, x, name="cba"):
+    w, b = g.add_const(rnd(3, 3, 3, 3)), g.add_const(rnd(3))
+    attrs = {"input": TensorRef(0), "weight": TensorRef(1), "bias": TensorRef(2),
+             "stride": [1, 1], "padding": [1, 1], "dilation": [1, 1], "groups": 1, "act": "none"}
+    return g.create_node("ConvBiasAct", [x, w, b], attrs, [x.desc], name).output
+
+
+@needs_onednn
+def test_fuse_conv_add_act_in_place():
+    g = Graph()
+    x = g.add_input(d(1, 3, 6, 6), "x")
+    r = unary(g, "Neg", x)                       # owns its memory, dies at the Add
+    g.outputs = [unary(g, "Relu", binary(g, "Add", conv_bias_act(g, x), r, alpha=1))]
+    text, rep, _ = run(FuseConvAddAct(), g)
+    assert text == """graph(%x: float32[1,3,6,6]):
+  %c0: float32[3,3,3,3] = const
+  %c1: float32[3] = const
+  %0: float32[1,3,6,6] = Neg(%x)
+  %1: float32[1,3,6,6] = ConvAddAct(%x, %c0, %c1, %0; act='relu', inplace=True)
+  return %1"""
+    assert not rep.skipped and [a["detail"] for a in rep.applied] == ["Conv+Add+Relu"]
+
+
+@needs_onednn
+def test_fuse_conv_add_act_does_not_apply_to_a_broadcast_addend():
+    g = Graph()
+    x = g.add_input(d(1, 3, 6, 6), "x")
+    r = g.add_input(d(1, 3, 1, 1), "r")
+    g.outputs = [binary(g, "Add", conv_bias_act(g, x), r, alpha=1)]
+    _, rep, _ = run(FuseConvAddAct(), g)
+    assert skipped(rep) == [("fuse_conv_add_act", "addend float32[1,3,1,1] is broadcast (not "
+                             "the conv's full output float32[1,3,6,6]); oneDNN's sum post-op "
+                             "needs equal shapes")]
+
+
+def addmm(g, x, nout=5, name="mm", **attrs):
+    b, w = g.add_const(rnd(nout)), g.add_const(rnd(x.desc.shape[1], nout))
+    a = {"self": TensorRef(0), "mat1": TensorRef(1), "mat2": TensorRef(2), **attrs}
+    return g.create_node("MatMulV2", [b, x, w], a, [d(x.desc.shape[0], nout)], name).output
+
+
+def test_fuse_linear_act():
+    g = Graph()
+    x = g.add_input(d(2, 4), "x")
+    g.outputs = [unary(g, "Gelu", addmm(g, x), approximate="tanh")]
+    text, rep, _ = run(FuseLinearAct(), g)
+    assert text == """graph(%x: float32[2,4]):
+  %c0: float32[5] = const
+  %c1: float32[4,5] = const
+  %0: float32[2,5] = LinearAct(%c0, %x, %c1; act='gelu_tanh')
+  return %0"""
+    assert [a["detail"] for a in rep.applied] == ["Linear+bias+gelu_tanh"]
+
+
+def test_fuse_linear_act_does_not_apply_with_alpha():
+    g = Graph()
+    x = g.add_input(d(2, 4), "x")
+    g.outputs = [unary(g, "Relu", addmm(g, x, alpha=2.0))]
+    _, rep, _ = run(FuseLinearAct(), g)
+    assert skipped(rep) == [("fuse_linear_act", "addmm with alpha/beta != 1")]
+
+
+def test_cpu_fusions_are_not_run_on_the_vnpu():
+    g = Graph()
+    x = g.add_input(d(2, 4), "x")
+    g.outputs = [unary(g, "Relu", addmm(g, x))]
+    before = to_text(g)
+    _, rep, _ = run(FuseLinearAct(), g, device="vnpu")
+    assert to_text(g) == before
+    assert rep.passes[0].note == "cpu-only fusion (oneDNN/BLAS kernels): skipped on vnpu"
+
+
+def sdpa(g, q, k, v, **attrs):
+    a = {"query": TensorRef(0), "key": TensorRef(1), "value": TensorRef(2), **attrs}
+    return g.create_node("ScaledDotProductAttention", [q, k, v], a, [q.desc], "sdpa").output
+
+
+def test_fuse_flash_attention():
+    g = Graph()
+    q, k, v = (g.add_input(d(1, 2, 8, 16), n) for n in "qkv")
+    g.outputs = [sdpa(g, q, k, v, dropout_p=0.0)]
+    text, rep, _ = run(FuseFlashAttention(), g, enable=["fuse_flash_attention"])
+    assert text == """graph(%q: float32[1,2,8,16], %k: float32[1,2,8,16], %v: float32[1,2,8,16]):
+  %0: float32[1,2,8,16] = FlashAttention(%q, %k, %v; masked_rows='zero')
+  return %0"""
+    assert [a["detail"] for a in rep.applied] == ["SDPA→FlashAttention"]
+
+
+def test_fuse_flash_attention_does_not_apply_with_dropout():
+    g = Graph()
+    q, k, v = (g.add_input(d(1, 2, 8, 16), n) for n in "qkv")
+    g.outputs = [sdpa(g, q, k, v, dropout_p=0.1)]
+    _, rep, _ = run(FuseFlashAttention(), g, enable=["fuse_flash_attention"])
+    assert skipped(rep) == [("fuse_flash_attention", "dropout_p=0.1 > 0 (dropout in training): "
+                             "FlashAttention here has no dropout; use model.eval() or "
+                             "dropout_p=0 for inference")]
+
+
+def test_spelled_out_attention_says_why_a_scale_by_zero_is_not_attention():
+    g = Graph()
+    q, v = g.add_input(d(1, 2, 8, 16), "q"), g.add_input(d(1, 2, 8, 16), "v")
+    kt = g.add_input(d(2, 16, 8), "kt")
+    s = g.create_node("BatchMatMul", [unary(g, "Reshape", q, shape=[2, 8, 16]), kt],
+                      {"self": TensorRef(0), "mat2": TensorRef(1)}, [d(2, 8, 8)]).output
+    s4 = g.create_node("Reshape", [s], {"self": TensorRef(0), "shape": [1, 2, 8, 8]},
+                       [d(1, 2, 8, 8)]).output
+    p = g.create_node("SoftmaxV2", [unary(g, "Div", s4, other=0.0)],
+                      {"self": TensorRef(0), "dim": -1, "half_to_float": False},
+                      [d(1, 2, 8, 8)]).output
+    p3 = g.create_node("Reshape", [p], {"self": TensorRef(0), "shape": [2, 8, 8]}, [d(2, 8, 8)]).output
+    v3 = g.create_node("Reshape", [v], {"self": TensorRef(0), "shape": [2, 8, 16]}, [d(2, 8, 16)]).output
+    o = g.create_node("BatchMatMul", [p3, v3], {"self": TensorRef(0), "mat2": TensorRef(1)},
+                      [d(2, 8, 16)], "pv").output
+    g.outputs = [g.create_node("Reshape", [o], {"self": TensorRef(0), "shape": [1, 2, 8, 16]},
+                               [d(1, 2, 8, 16)]).output]
+    assert len(g.nodes) == 9
+    _, rep, _ = run(FuseFlashAttention(), g, enable=["fuse_flash_attention"])
+    assert skipped(rep) == [("fuse_flash_attention", "the scores are divided by 0")]
+    assert rep.skipped[0]["nodes"] == "pv"
+
+
+# -- layout, precision, schedule, memory -------------------------------------------------
+
+def mm(g, a, b, name="mm"):
+    return g.create_node("MatMul", [a, b], {"self": TensorRef(0), "mat2": TensorRef(1)},
+                         [d(a.desc.shape[0], b.desc.shape[1])], name).output
+
+
+def test_cpu_layout_selection_records_its_decision():
+    g = Graph()
+    g.outputs = [unary(g, "Relu", g.add_input(d(4), "x"))]
+    before = to_text(g)
+    _, rep, _ = run(LayoutSelection(), g)
+    assert to_text(g) == before
+    assert rep.passes[0].note.startswith("cpu keeps ND/NCHW")
+
+
+def test_npu_layout():
+    # Atlas training (910): the Cube reads FRACTAL_NZ; fp16 C0 = 16 (GE's GetCubeSizeByDataType)
+    g = Graph()
+    x = g.add_input(d(16, 32, dtype=DataType.FLOAT16), "x")
+    w = g.add_const(rnd(32, 16).half())
+    g.outputs = [g.create_node("MatMul", [x, w], {"self": TensorRef(0), "mat2": TensorRef(1)},
+                               [d(16, 16, dtype=DataType.FLOAT16)], "mm").output]
+    text, rep, _ = run(NpuLayoutSelection(), g, device="vnpu:ascend910")
+    assert text == """graph(%x: float16[16,32]):
+  %c0: float16[1,2,16,16]@FRACTAL_NZ = const
+  %0: float16[2,1,16,16]@FRACTAL_NZ = TransData(%x; dst_format='FRACTAL_NZ', src_format='ND')
+  %1: float16[1,1,16,16]@FRACTAL_NZ = MatMul(%0, %c0)
+  %2: float16[16,16] = TransData(%1; dst_format='ND', src_format='FRACTAL_NZ')
+  return %2"""
+    assert all(n.device == "vnpu:ascend910" for n in g.nodes)
+
+
+def test_npu_layout_nd_direct_matmul_on_910b():
+    g = Graph()
+    x = g.add_input(d(16, 16), "x")
+    g.outputs = [mm(g, x, g.add_const(rnd(16, 16)))]
+    before = to_text(g)
+    text, rep, _ = run(NpuLayoutSelection(), g, device="vnpu:ascend910b")
+    assert text == before   # the 910B Cube loads ND operands itself: no TransData
+    assert all(n.device == "vnpu:ascend910b" for n in g.nodes)
+
+
+def test_npu_layout_says_why_a_view_runs_in_nd():
+    h = DataType.FLOAT16
+    g = Graph()
+    x = g.add_input(d(16, 16, dtype=h), "x")
+    y = g.create_node("MatMul", [x, g.add_const(rnd(16, 16).half())],
+                      {"self": TensorRef(0), "mat2": TensorRef(1)}, [d(16, 16, dtype=h)], "mm").output
+    g.outputs = [g.create_node("Transpose", [y], {"self": TensorRef(0), "dims": [1, 0]},
+                               [d(16, 16, dtype=h)], "t").output]
+    _, rep, _ = run(NpuLayoutSelection(), g, device="vnpu:ascend910")
+    assert [(s["pass"], s["nodes"]) for s in rep.skipped] == [("npu_layout", "t")]
+    assert "view of the logical (ND) layout" in rep.skipped[0]["reason"]
+
+
+def test_mixed_precision():
+    g = Graph()
+    x = g.add_input(d(4, 4), "x")
+    g.outputs = [mm(g, x, g.add_const(rnd(4, 4)))]
+    text, _, _ = run(MixedPrecision(), g, precision_mode="allow_mix_precision")
+    assert text == """graph(%x: float32[4,4]):
+  %c0: float16[4,4] = const
+  %0: float16[4,4] = Cast(%x; dtype=torch.float16)
+  %1: float16[4,4] = MatMul(%0, %c0)
+  %2: float32[4,4] = Cast(%1; dtype=torch.float32)
+  return %2"""
+
+
+def test_mixed_precision_does_nothing_without_a_mode():
+    g = Graph()
+    x = g.add_input(d(4, 4), "x")
+    g.outputs = [mm(g, x, g.add_const(rnd(4, 4)))]
+    before = to_text(g)
+    _, rep, _ = run(MixedPrecision(), g)
+    assert to_text(g) == before and rep.passes[0].changed == 0
+
+
+def test_schedule_restores_a_topological_order():
+    g = Graph()
+    x = g.add_input(d(4), "x")
+    late = g.create_node("Neg", [x], {"self": TensorRef(0)}, [d(4)], "late")
+    early = g.create_node("Relu", [x], {"self": TensorRef(0)}, [d(4)], "early")
+    late.set_input(0, early.output)         # late now reads a value defined after it
+    g.outputs = [late.output]
+    _, _, ctx = run(SingleStreamSchedule(), g, verify=False)
+    assert [n.name for n in g.nodes] == ["early", "late"]
+    assert ctx.artifacts["schedule"].order == ["early", "late"]
+
+
+def test_memory_planning_stores_the_plan():
+    g = Graph()
+    x = g.add_input(d(256), "x")
+    a = unary(g, "Neg", x)
+    g.outputs = [unary(g, "Relu", unary(g, "Abs", a))]
+    _, rep, ctx = run(MemoryPlanning(), g)
+    plan = ctx.artifacts["memory_plan"]
+    assert plan.arena_bytes == 1024 and rep.memory == plan.summary()
+    assert rep.passes[0].name == "memory_plan"
+
+
+def test_memory_planning_cannot_be_disabled():
+    g = Graph()
+    g.outputs = [unary(g, "Relu", g.add_input(d(4), "x"))]
+    with pytest.raises(ValueError, match="cannot be disabled"):
+        run(MemoryPlanning(), g, disable=["memory_plan"])

@@ -1,0 +1,110 @@
+"""A user's op: an `OpDef` registered with its own kernels (``OpDef(kernels={"cpu": fn})``)
+is run by the executor through that kernel, on the device it was given for; a kernel for
+a device the model is not compiled for is not called; a kernel for an unknown device is
+refused at registration with one clear line."""
+import pytest
+import torch
+
+import opencann
+from opencann.ops import OpDef, OpKind, get_op, register
+
+G = torch.Generator().manual_seed(0)
+
+
+@torch.library.custom_op("opencann_test::scaled_tanh", mutates_args=())
+def scaled_tanh(x: torch.Tensor, alpha: float) -> torch.Tensor:
+    return torch.tanh(x) * alpha
+
+
+@scaled_tanh.register_fake
+def _(x, alpha):
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("opencann_test::soft_shrink2", mutates_args=())
+def soft_shrink2(x: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.softshrink(x, 0.5)
+
+
+@soft_shrink2.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+CALLS = {"cpu": 0, "vnpu": 0}
+
+
+def _counted_cpu(x, alpha):
+    CALLS["cpu"] += 1
+    return torch.tanh(x) * alpha
+
+
+def _counted_vnpu(x):
+    CALLS["vnpu"] += 1
+    return torch.nn.functional.softshrink(x, 0.5)
+
+
+register(OpDef("TestScaledTanh", OpKind.ELEMENTWISE, aten=torch.ops.opencann_test.scaled_tanh.default,
+               kernels={"cpu": _counted_cpu}))
+register(OpDef("TestSoftShrink2", OpKind.ELEMENTWISE, aten=torch.ops.opencann_test.soft_shrink2.default,
+               kernels={"vnpu": _counted_vnpu}))
+
+
+class ScaledTanh(torch.nn.Module):
+    def forward(self, x):
+        return torch.ops.opencann_test.scaled_tanh(x * 2.0, 0.5) + 1.0
+
+
+class SoftShrink(torch.nn.Module):
+    def forward(self, x):
+        return torch.ops.opencann_test.soft_shrink2(x - 0.25) * 3.0
+
+
+def _inputs(n):
+    xs = []
+    for _ in range(n):
+        x = torch.randn(3, 5, generator=G)
+        x[1, 2] = float("nan")
+        xs.append(x)
+    return xs
+
+
+def test_user_cpu_kernel_is_called_once_per_call_and_matches_eager():
+    m = ScaledTanh()
+    cm = opencann.compile(m, (torch.randn(3, 5, generator=G),))
+    assert "TestScaledTanh" in cm.graph.op_counts()
+    CALLS["cpu"] = 0
+    outs, kept = [], []
+    for x in _inputs(3):
+        out = cm(x)
+        torch.testing.assert_close(out, m(x), equal_nan=True)
+        assert torch.isnan(out[1, 2])
+        outs.append(out)
+        kept.append(out.clone())
+    assert CALLS["cpu"] == 3
+    for out, k in zip(outs, kept):                       # a later call leaves earlier outputs alone
+        torch.testing.assert_close(out, k, equal_nan=True)
+
+
+def test_user_kernel_for_another_device_is_not_called():
+    """TestSoftShrink2 has a vnpu kernel only: a cpu compile runs the op's ATen overload;
+    a vnpu compile runs the user's kernel (the node is placed on the vnpu)."""
+    m = SoftShrink()
+    x0 = torch.randn(3, 5, generator=G)
+    cpu = opencann.compile(m, (x0,))
+    vnpu = opencann.compile(m, (x0,), device="vnpu:ascend910b")
+    CALLS["vnpu"] = 0
+    for x in _inputs(2):
+        torch.testing.assert_close(cpu(x), m(x), equal_nan=True)
+    assert CALLS["vnpu"] == 0
+    for x in _inputs(2):
+        torch.testing.assert_close(vnpu(x), m(x), equal_nan=True)
+    assert CALLS["vnpu"] == 2
+
+
+def test_user_kernel_for_unknown_device_is_refused():
+    with pytest.raises(ValueError, match=r"TestBad: kernels has device 'npu'; device kinds are "
+                                         r"\['cpu', 'vnpu'\]"):
+        register(OpDef("TestBad", OpKind.ELEMENTWISE, kernels={"npu": lambda x: x}))
+    with pytest.raises(KeyError):
+        get_op("TestBad")                                  # not half-registered
