@@ -31,6 +31,7 @@ class DropUnusedOutputs(RewritePass):
 
     name, stage = "drop_unused_outputs", "prepare"
     devices = ("cpu",)
+    off_device_note = "cpu-only lowering: not run on {device}"
 
     def match(self, node: Node, graph: Graph, ctx: PassContext):
         """(node, lean op) when only output 0 is read; a `Skip` saying which output is read."""
