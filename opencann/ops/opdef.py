@@ -79,6 +79,9 @@ class OpDef:
     annotations at registration (``view(Tensor(a) self, ...) -> Tensor(a)``) unless
     declared; ``None`` (an op without an ATen overload that declares nothing) means
     unknown: every output may alias every tensor input. See `output_aliases`.
+    ``primary_only``: the op that computes output 0 alone from the same attributes,
+    cheaper because it skips the others (max.dim's indices ⇒ amax); the pass
+    ``drop_unused_outputs`` runs it instead when no other output is read (inference).
     ``cost_fn``: FLOPs and bytes of a node (default: from ``kind`` and
     ``flops_per_elem``, see `cost`).
     ``device_cost``: device kind -> time model of a node on that device, ``f(node,
@@ -105,6 +108,7 @@ class OpDef:
     out_names: Tuple[str, ...] = ()
     aliases: Optional[Tuple[Tuple[str, ...], ...]] = None
     cost_fn: Optional[Callable[[Node], Cost]] = None
+    primary_only: Optional[str] = None
     device_cost: Dict[str, Callable] = field(default_factory=dict)
     npu_format: Optional[str] = None
     keep_fp32: bool = False

@@ -7,6 +7,7 @@ from .layout import LayoutSelection, NpuLayoutSelection
 from .memory import MemoryPlanning, plan_memory
 from .prepare import (CommonSubexpressionElimination, ConstantFolding, DeadCodeElimination,
                       IdentityElimination, MixedPrecision)
+from .prepare.drop_unused_outputs import DropUnusedOutputs
 from .schedule import SingleStreamSchedule, apply_schedule
 
 
@@ -16,7 +17,7 @@ def default_pipeline() -> PassManager:
     last stage when it builds a callable model."""
     return PassManager([
         ConstantFolding(), DeadCodeElimination(), CommonSubexpressionElimination(),
-        IdentityElimination(), MixedPrecision(),
+        IdentityElimination(), DropUnusedOutputs(), MixedPrecision(),
         FoldBatchNorm(), FuseConvAct(), FuseConvAddAct(), FuseLinearAct(), FuseFlashAttention(),
         DeadCodeElimination(), LayoutSelection(), NpuLayoutSelection(), SingleStreamSchedule(),
         MemoryPlanning(),
