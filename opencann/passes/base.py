@@ -22,6 +22,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
+from ..devices import parse_device
 from ..ir import Graph, Node, verify
 from ..log import logger
 from ..report import CompileReport, PassRecord
@@ -64,8 +65,9 @@ class PassContext:
 
     @property
     def device_kind(self) -> str:
-        """``vnpu`` for ``vnpu:ascend910b``, ``cpu`` for ``cpu``."""
-        return str(self.device).partition(":")[0]
+        """``vnpu`` for ``vnpu:ascend910b``, ``cpu`` for ``cpu`` (`parse_device`; raises
+        `DeviceError` for a device string it does not know)."""
+        return parse_device(self.device, load=False).kind
 
     def applied(self, nodes: List[Node], detail: str = "") -> None:
         """Record a rewrite of ``nodes`` (``detail``: the variant, e.g. "Conv+Relu")."""
@@ -76,6 +78,8 @@ class PassContext:
         self.skip(Skip(reason, node, detail))
 
     def skip(self, s: Skip) -> None:
+        """Record the `Skip` ``s`` of the running pass (its ``node`` set: where the
+        report shows it), under the running rewrite's root (its id)."""
         self.events.append(("skipped", (s, self.root)))
 
     def site_off(self, node: Node) -> bool:
@@ -119,9 +123,14 @@ class Pass:
     cann_names: tuple = ()
 
     def runs_on(self, device: str) -> bool:
-        return not self.devices or str(device).partition(":")[0] in self.devices
+        """True when ``devices`` is empty or holds the kind of ``device`` (a device
+        string, read by `parse_device`; raises `DeviceError` for an unknown one)."""
+        return not self.devices or parse_device(device, load=False).kind in self.devices
 
     def run(self, graph: Graph, ctx: PassContext) -> int:  # pragma: no cover - abstract
+        """Transform ``graph`` in place; returns the number of rewrites (0: unchanged).
+        Rewrites and skips are recorded with ``ctx.applied``/``ctx.skipped``, a one-line
+        summary with ``ctx.note``."""
         raise NotImplementedError
 
 
@@ -134,6 +143,10 @@ class RewritePass(Pass):
     site_switchable = True
 
     def run(self, graph: Graph, ctx: PassContext) -> int:
+        """Call `match` on each node of the node list as it is when the pass starts
+        (graph order; nodes erased since, and nodes whose op is not in ``ops``, passed over),
+        record each `Skip` (at the root when it names no node) and `rewrite` each match.
+        Returns the sum of the rewrites' counts."""
         n = 0
         for node in list(graph.nodes):
             if self.ops and node.op not in self.ops:
@@ -173,12 +186,24 @@ class PassManager:
         self.passes = passes
 
     def names(self) -> List[str]:
+        """The passes' names in run order (the names ``disable``/``enable`` take)."""
         return [p.name for p in self.passes]
 
     def stages(self) -> List[str]:
+        """The passes' stages, each once, in order of first appearance."""
         return list(dict.fromkeys(p.stage for p in self.passes))
 
     def run(self, graph: Graph, ctx: PassContext) -> Graph:
+        """Run the passes in order on ``graph`` (in place); returns ``graph``.
+
+        A switched-off pass is recorded (``enabled=False``) without running; a pass whose
+        ``devices`` exclude ``ctx.device`` is recorded with its ``off_device_note``. Each pass
+        adds a `PassRecord` to ``ctx.report.passes`` and its rewrites and skips to
+        ``report.applied``/``report.skipped``; ``ctx.observe`` sees the graph after the last
+        pass of each run of same-stage passes (if that pass is ``observed``). Raises
+        ValueError for an unknown name in ``disable``/``enable`` (listing the names) or a
+        ``required`` pass disabled, and `GraphError` when ``options["verify"]`` finds a
+        broken invariant after a pass."""
         disable = set(ctx.options.get("disable", ()))
         enable = set(ctx.options.get("enable", ()))
         unknown = (disable | enable) - set(self.names())

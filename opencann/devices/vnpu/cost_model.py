@@ -433,10 +433,55 @@ def flash_attention_cost(batch: int, heads: int, seq_q: int, seq_k: int, head_di
     if br % 16 or bc % 16 or br < 16 or bc < 16:
         raise ValueError(f"flash_attention_cost: block_q={br}, block_k={bc} must be positive multiples of 16 "
                          f"(the Cube fractal size)")
-    e = dtype_bytes(dtype)
+    e, hz, d = dtype_bytes(dtype), spec.clock_ghz * 1e9, _up(head_dim, 16)
+    blk = _fa_block(br, bc, d, e, spec)
+    # --- tasks and waves ---
+    n_qblk = _ceil(seq_q, br)
+    k_blocks = _up(seq_k, 16) / bc                  # partial last block costs its fractal-padded share
+    if causal:
+        k_blocks = k_blocks * (n_qblk + 1) / (2 * n_qblk)
+    tasks = batch * heads * n_qblk
+    used, waves = _waves(tasks, spec.cube_cores)
+    device_us = waves * ((blk.fill_cyc + k_blocks * blk.block_cyc) / hz * 1e6)   # waves x task time
+    # --- FLOPs and bytes ---
+    frac = 0.5 if causal else 1.0
+    useful = 4.0 * batch * heads * seq_q * seq_k * head_dim * frac
+    flops = 4.0 * batch * heads * (n_qblk * br) * _up(seq_k, 16) * d * frac
+    hbm, hbm_us = _fa_hbm(batch * heads, seq_q, seq_k, head_dim, e, n_qblk, frac, spec)
+    cube_total = waves * (k_blocks * blk.cube_cyc) / hz * 1e6
+    vec_total = waves * (k_blocks * blk.vec_cyc) / hz * 1e6
+    busy = max(device_us, hbm_us)
+    bound = _fa_bound(blk, device_us, hbm_us, busy, spec)
+    breakdown = {
+        "block_q": br, "block_k": bc, "query_blocks": tasks, "cores_used": used, "waves": waves,
+        "key_blocks_per_task": k_blocks, "block_us": blk.block_cyc / hz * 1e6,
+        "fill_us": blk.fill_cyc / hz * 1e6, "cube_side_us_per_block": blk.cube_side / hz * 1e6,
+        "vector_side_us_per_block": blk.vec_side / hz * 1e6, "cube_us": cube_total,
+        "vector_us": vec_total, "hbm_us": hbm_us, "launch_us": spec.kernel_launch_us,
+        "overlap": FA_CUBE_VECTOR_OVERLAP}
+    return KernelCost("flash_attention", spec.kernel_launch_us + busy, flops, useful, hbm, bound, breakdown)
+
+
+@dataclass(frozen=True)
+class _FaBlock:
+    """Cycles of one FlashAttention task on one full key block (see `flash_attention_cost`):
+    each side (Cube, Vector) takes the max of its compute, GM read and GM write cycles."""
+
+    cube_cyc: float   # Cube MACs of S = Q K^T and O += P V
+    cube_rd: float    # Cube-side GM reads (K_j, V_j, P)
+    cube_wr: float    # Cube-side GM writes (S and the partial PV, fp32)
+    cube_side: float
+    vec_cyc: float    # Vector softmax and output update (fp32)
+    vec_rd: float
+    vec_wr: float
+    vec_side: float
+    block_cyc: float  # max(sides) + (1 - FA_CUBE_VECTOR_OVERLAP) * min(sides)
+    fill_cyc: float   # pipeline fill/drain plus loading Q and storing O
+
+
+def _fa_block(br: int, bc: int, d: int, e: int, spec: NpuSpec) -> _FaBlock:
+    """`_FaBlock` of a ``br`` x ``bc`` block at padded head dim ``d``, ``e`` bytes/element."""
     hz = spec.clock_ghz * 1e9
-    d = _up(head_dim, 16)
-    # --- one task, one full key block (cycles) ---
     cube_cyc = 4.0 * br * bc * d / (_cube_rate_per_core(spec, e) / hz)
     cube_rd = (2 * bc * d * e + br * bc * e) / spec.gm_read_bytes_per_cycle
     cube_wr = (br * bc * 4 + br * d * 4) / spec.gm_write_bytes_per_cycle
@@ -450,49 +495,39 @@ def flash_attention_cost(batch: int, heads: int, seq_q: int, seq_k: int, head_di
     long_, short = max(cube_side, vec_side), min(cube_side, vec_side)
     block_cyc = long_ + (1 - FA_CUBE_VECTOR_OVERLAP) * short
     fill_cyc = short + (br * d * e) / spec.gm_read_bytes_per_cycle + (br * d * e) / spec.gm_write_bytes_per_cycle
-    # --- tasks and waves ---
-    n_qblk = _ceil(seq_q, br)
-    k_blocks = _up(seq_k, 16) / bc                  # partial last block costs its fractal-padded share
-    if causal:
-        k_blocks = k_blocks * (n_qblk + 1) / (2 * n_qblk)
-    tasks = batch * heads * n_qblk
-    used, waves = _waves(tasks, spec.cube_cores)
-    task_us = (fill_cyc + k_blocks * block_cyc) / hz * 1e6
-    device_us = waves * task_us
-    # --- FLOPs and bytes ---
-    frac = 0.5 if causal else 1.0
-    useful = 4.0 * batch * heads * seq_q * seq_k * head_dim * frac
-    flops = 4.0 * batch * heads * (n_qblk * br) * _up(seq_k, 16) * d * frac
-    qo = 2 * batch * heads * seq_q * head_dim * e
-    kv_once = 2 * batch * heads * seq_k * head_dim * e
+    return _FaBlock(cube_cyc, cube_rd, cube_wr, cube_side, vec_cyc, vec_rd, vec_wr, vec_side,
+                    block_cyc, fill_cyc)
+
+
+def _fa_hbm(bh: int, seq_q: int, seq_k: int, head_dim: int, e: int, n_qblk: int,
+            frac: float, spec: NpuSpec) -> tuple:
+    """(HBM bytes, HBM µs) of FlashAttention over ``bh`` (batch x heads): Q and O once, K
+    and V once per query block (times ``frac``); the time counts K and V once when they
+    fit the L2."""
+    qo = 2 * bh * seq_q * head_dim * e
+    kv_once = 2 * bh * seq_k * head_dim * e
     hbm = qo + kv_once * n_qblk * frac
     kv_fits_l2 = kv_once <= spec.l2_bytes
     hbm_time_bytes = qo + (kv_once if kv_fits_l2 else kv_once * n_qblk * frac)
-    hbm_us = _hbm_us(spec, hbm_time_bytes)
-    cube_total = waves * (k_blocks * cube_cyc) / hz * 1e6
-    vec_total = waves * (k_blocks * vec_cyc) / hz * 1e6
-    pipes = {"cube": cube_total, "vector": vec_total, "memory": hbm_us}
-    busy = max(device_us, hbm_us)
+    return hbm, _hbm_us(spec, hbm_time_bytes)
+
+
+def _fa_bound(b: _FaBlock, device_us: float, hbm_us: float, busy: float, spec: NpuSpec) -> str:
+    """What sets the FlashAttention time: memory (HBM, or GM traffic of the slower side),
+    cube, vector, or launch."""
     if hbm_us >= device_us:
         bound = "memory"
     else:
         # which side sets the per-block time
-        side = "cube" if cube_side >= vec_side else "vector"
-        if side == "cube" and max(cube_rd, cube_wr) > cube_cyc:
+        side = "cube" if b.cube_side >= b.vec_side else "vector"
+        if side == "cube" and max(b.cube_rd, b.cube_wr) > b.cube_cyc:
             side = "memory"
-        if side == "vector" and max(vec_rd, vec_wr) > vec_cyc:
+        if side == "vector" and max(b.vec_rd, b.vec_wr) > b.vec_cyc:
             side = "memory"
         bound = side
     if spec.kernel_launch_us > busy:
         bound = "launch"
-    breakdown = {
-        "block_q": br, "block_k": bc, "query_blocks": tasks, "cores_used": used, "waves": waves,
-        "key_blocks_per_task": k_blocks, "block_us": block_cyc / hz * 1e6, "fill_us": fill_cyc / hz * 1e6,
-        "cube_side_us_per_block": cube_side / hz * 1e6, "vector_side_us_per_block": vec_side / hz * 1e6,
-        "cube_us": pipes["cube"], "vector_us": pipes["vector"], "hbm_us": hbm_us,
-        "launch_us": spec.kernel_launch_us, "overlap": FA_CUBE_VECTOR_OVERLAP,
-    }
-    return KernelCost("flash_attention", spec.kernel_launch_us + busy, flops, useful, hbm, bound, breakdown)
+    return bound
 
 
 DISPATCH_SCALE: dict[str, float] = {"flash_attention": 1.0, "matmul": 22.0 / 70.0, "conv2d": 22.0 / 70.0,
