@@ -168,3 +168,18 @@ def test_matmul_time_is_monotone_in_every_dimension(m, n, k, batch, dim, step, d
     grow[{"m": "m", "n": "n", "k": "k", "b": "batch"}[dim]] += step
     b = matmul_cost(grow["m"], grow["n"], grow["k"], grow["batch"], dtype, preset)
     assert b.time_us >= a.time_us * (1 - 1e-12), (dim, step, a.breakdown, b.breakdown)
+
+
+@pytest.mark.parametrize("args", [
+    # found by the property test: a K split that appeared only past some K, and A's
+    # per-tile share taken as (padded M / row tiles) made time drop when M grew
+    (("m", 2204, 2402), dict(n=1064, k=2754, batch=1, dtype="int8", spec=ascend910)),
+    (("m", 1280, 1408), dict(n=252, k=3660, batch=4, dtype="float32", spec=ascend910)),
+    (("m", 1370, 1544), dict(n=76, k=3273, batch=3, dtype="float16", spec=ascend910)),
+    (("m", 3107, 3217), dict(n=496, k=1492, batch=1, dtype="int8", spec=ascend910b)),
+])
+def test_matmul_time_monotone_regressions(args):
+    (dim, small, large), kw = args
+    a = matmul_cost(**{dim: small}, **kw)
+    b = matmul_cost(**{dim: large}, **kw)
+    assert b.time_us >= a.time_us

@@ -203,14 +203,15 @@ def _gemm(op: str, batch: int, m: int, n: int, k: int, e: int, eo: int, spec: Np
             if bm * bn * 4 > spec.l0c_bytes:
                 continue
             tm, tn = _ceil(mp, bm), _ceil(np_, bn)
-            for ks in K_SPLITS:
-                if ks > 1 and k0 * ks > kp:
-                    continue
+            for ks in K_SPLITS:    # one fixed candidate set for every size: min stays monotone
                 kper = _up(_ceil(kp, ks), k0)
                 tiles = batch * tm * tn * ks
                 waves = _ceil(tiles, spec.cube_cores)
                 cube = waves * 2.0 * bm * bn * kper / rate
-                a_tile = a_total / (batch * tm) / ks                 # one row of tiles' share of A
+                # a tile reads its bm rows of A over its K slice (the whole padded A when
+                # it has fewer rows); a conv's A (`a_bytes`, its input window) pro rata
+                a_tile = (min(bm, mp) * kper * e if a_bytes is None
+                          else a_total / batch * min(bm, mp) / mp / ks)
                 rd = waves * (a_tile + bn * kper * e) / (spec.gm_read_bytes_per_cycle * hz) * 1e6
                 wr_b = bm * bn * (4 if ks > 1 else eo)
                 wr = waves * wr_b / (spec.gm_write_bytes_per_cycle * hz) * 1e6
