@@ -5,6 +5,8 @@ import sys as _sys
 
 from .base import Pass, PassContext, PassManager, RewritePass, Skip
 from .fusion import FoldBatchNorm, FuseConvAct, FuseConvAddAct, FuseFlashAttention, FuseLinearAct
+from .fusion import (FuseGatedMLP, FuseGeluErf, FuseGeluTanh, FuseLayerNorm, FuseRMSNorm, FuseSiLU,
+                     user_passes)
 from .fusion import attention
 from .layout import LayoutSelection, NpuLayoutSelection
 from .layout import npu_layout as vnpu_layout
@@ -28,7 +30,8 @@ def default_pipeline() -> PassManager:
     return PassManager([
         ConstantFolding(), DeadCodeElimination(), CommonSubexpressionElimination(),
         IdentityElimination(), MixedPrecision(),
-        FoldBatchNorm(), FuseConvAct(), FuseConvAddAct(), FuseLinearAct(), FuseFlashAttention(),
+        FoldBatchNorm(), *user_passes(), FuseSiLU(), FuseGeluTanh(), FuseGeluErf(), FuseRMSNorm(),
+        FuseLayerNorm(), FuseGatedMLP(), FuseConvAct(), FuseConvAddAct(), FuseLinearAct(), FuseFlashAttention(),
         DeadCodeElimination(), LayoutSelection(), NpuLayoutSelection(), SingleStreamSchedule(),
         MemoryPlanning(),
     ])
@@ -38,5 +41,6 @@ __all__ = ["Pass", "PassContext", "PassManager", "RewritePass", "Skip", "default
            "plan_memory", "MemoryPlanning", "ConstantFolding", "DeadCodeElimination",
            "CommonSubexpressionElimination", "IdentityElimination", "MixedPrecision",
            "FoldBatchNorm", "FuseConvAct", "FuseConvAddAct", "FuseLinearAct",
-           "FuseFlashAttention", "LayoutSelection", "NpuLayoutSelection", "SingleStreamSchedule",
+           "FuseFlashAttention", "FuseSiLU", "FuseGeluTanh", "FuseGeluErf", "FuseRMSNorm",
+           "FuseLayerNorm", "FuseGatedMLP", "LayoutSelection", "NpuLayoutSelection", "SingleStreamSchedule",
            "attention", "precision", "vnpu_layout"]
