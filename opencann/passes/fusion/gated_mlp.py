@@ -43,6 +43,8 @@ class FuseGatedMLP(CpuFusion):
     switch_section = "GraphFusion"
 
     def match(self, mul: Node, graph: Graph, ctx: PassContext):
+        """The matched nodes when ``node`` is the root of ``silu(x W1ᵀ + b1) * (x W3ᵀ + b3)``;
+        a `Skip` with the reason for a near miss; None when ``node`` cannot be the root."""
         pair = tensor_pair(mul, "Mul")
         if pair is None:
             return None
@@ -69,6 +71,8 @@ class FuseGatedMLP(CpuFusion):
         return None
 
     def rewrite(self, graph: Graph, m: _GatedMatch, ctx: PassContext) -> int:
+        """Replace the matched nodes by one `GatedMLP` node; returns the number of rewrites
+        (1)."""
         attrs = {"x": TensorRef(0), "w1": TensorRef(1), "w3": TensorRef(2)}
         new = graph.create_node("GatedMLP", [m.x, m.w1, m.w3], attrs, [m.root.outputs[0].desc],
                                 name=f"{m.root.name}_gated_mlp", source=m.root.source,

@@ -24,6 +24,9 @@ class FuseGeluErf(RewritePass):
     switch_section = "GraphFusion"
 
     def match(self, root: Node, graph: Graph, ctx: PassContext):
+        """The matched nodes when ``node`` is the root of the spelled-out erf GELU ``0.5·x·(1 +
+        erf(x/√2))``; a `Skip` with the reason for a near miss; None when ``node`` cannot be
+        the root."""
         got = gelu_factors(graph, root, "Erf")
         if got is None or isinstance(got, Skip):
             return got
@@ -45,4 +48,6 @@ class FuseGeluErf(RewritePass):
         return _GeluMatch(root, x, nodes)
 
     def rewrite(self, graph: Graph, m: _GeluMatch, ctx: PassContext) -> int:
+        """Replace the matched nodes by one `Gelu` node (approximate='none'); returns the
+        number of rewrites (1)."""
         return gelu_rewrite(graph, m, ctx, "none")

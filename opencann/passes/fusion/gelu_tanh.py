@@ -62,6 +62,9 @@ class FuseGeluTanh(RewritePass):
     switch_section = "GraphFusion"
 
     def match(self, root: Node, graph: Graph, ctx: PassContext):
+        """The matched nodes when ``node`` is the root of GPT-2's spelled-out tanh GELU
+        ``0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³)))``; a `Skip` with the reason for a near
+        miss; None when ``node`` cannot be the root."""
         got = gelu_factors(graph, root, "Tanh")
         if got is None or isinstance(got, Skip):
             return got
@@ -88,6 +91,8 @@ class FuseGeluTanh(RewritePass):
         return _GeluMatch(root, x, nodes)
 
     def rewrite(self, graph: Graph, m: _GeluMatch, ctx: PassContext) -> int:
+        """Replace the matched nodes by one `Gelu` node (approximate='tanh'); returns the
+        number of rewrites (1)."""
         return gelu_rewrite(graph, m, ctx, "tanh")
 
 

@@ -119,6 +119,9 @@ class FuseLayerNorm(RewritePass):
     switch_section = "GraphFusion"
 
     def match(self, root: Node, graph: Graph, ctx: PassContext):
+        """The matched nodes when ``node`` is the root of a hand-written LayerNorm over the
+        last axes (biased variance, eps inside the root); a `Skip` with the reason for a
+        near miss; None when ``node`` cannot be the root."""
         den = _denominator(root)
         if den is None:
             return None
@@ -149,6 +152,8 @@ class FuseLayerNorm(RewritePass):
         return m
 
     def rewrite(self, graph: Graph, m: _LnMatch, ctx: PassContext) -> int:
+        """Replace the matched nodes by one `LayerNorm` node; returns the number of rewrites
+        (1)."""
         x = m.x
         ins = [x] + [v for v in (m.gamma, m.beta) if v is not None]
         ref = iter(range(1, 3))

@@ -69,6 +69,9 @@ class FuseRMSNorm(RewritePass):
     switch_section = "GraphFusion"
 
     def match(self, mul: Node, graph: Graph, ctx: PassContext):
+        """The matched nodes when ``node`` is the root of Llama's RMSNorm ``x · rsqrt(mean(x²,
+        -1, keepdim) + eps) · w``; a `Skip` with the reason for a near miss; None when
+        ``node`` cannot be the root."""
         pair = tensor_pair(mul, "Mul")
         if pair is None:
             return None
@@ -121,6 +124,7 @@ class FuseRMSNorm(RewritePass):
         return None
 
     def rewrite(self, graph: Graph, m: _RmsMatch, ctx: PassContext) -> int:
+        """Replace the matched nodes by one `RmsNorm` node; returns the number of rewrites (1)."""
         ins = [m.x] + ([m.weight] if m.weight is not None else [])
         attrs = {"input": TensorRef(0), "normalized_shape": [int(m.x.desc.shape[-1])],
                  "weight": TensorRef(1) if m.weight is not None else None, "eps": m.eps,

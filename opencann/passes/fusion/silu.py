@@ -28,6 +28,9 @@ class FuseSiLU(RewritePass):
     switch_section = "GraphFusion"
 
     def match(self, mul: Node, graph: Graph, ctx: PassContext):
+        """The matched nodes when ``node`` is the root of ``x * sigmoid(x)`` (either operand
+        order); a `Skip` with the reason for a near miss; None when ``node`` cannot be the
+        root."""
         pair = tensor_pair(mul, "Mul")
         if pair is None:
             return None
@@ -48,6 +51,8 @@ class FuseSiLU(RewritePass):
         return None
 
     def rewrite(self, graph: Graph, m: _SiLUMatch, ctx: PassContext) -> int:
+        """Replace the matched nodes by one `Swish` (SiLU) node; returns the number of rewrites
+        (1)."""
         x = m.sigmoid.inputs[0]
         new = graph.create_node("Swish", [x], {"self": TensorRef(0)}, [m.mul.outputs[0].desc],
                                 name=f"{m.mul.name}_silu", source=m.mul.source,

@@ -124,6 +124,8 @@ class UserFusion(RewritePass):
         self.matcher = _Matcher(rule.pattern)
 
     def match(self, node: Node, graph: Graph, ctx: PassContext):
+        """The binding of the rule's pattern to the graph when ``node`` is the root of the
+        traced pattern (same ops, attributes and wiring); None otherwise."""
         out = node.outputs[self.root.outputs.index(self.rule.pattern.outputs[0])]
         env = self.matcher.match(self.rule.pattern.outputs[0], out, {})
         if env is None:
@@ -137,6 +139,8 @@ class UserFusion(RewritePass):
         return _RuleMatch(node, binding, nodes)
 
     def rewrite(self, graph: Graph, m: _RuleMatch, ctx: PassContext) -> int:
+        """Replace the matched nodes by the rule's traced replacement; returns the number of
+        rewrites (1)."""
         new = inline(graph, self.rule, m)
         old = m.root.outputs[0]
         check_rule_rewrite(self.rule.name, m.root, old, new.outputs[0])
