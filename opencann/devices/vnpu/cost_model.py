@@ -491,8 +491,7 @@ def flash_attention_cost(batch: int, heads: int, seq_q: int, seq_k: int, head_di
         k_blocks = max(1.0, k_blocks * (n_qblk + 1) / (2 * n_qblk))
     tasks = batch * heads * n_qblk
     used, waves = _waves(tasks, spec.cube_cores)
-    edge_cyc = FA_TASK_DISPATCH_CYCLES + br * d * e / spec.gm_read_bytes_per_cycle \
-        + br * d * e / spec.gm_write_bytes_per_cycle
+    edge_cyc = FA_TASK_DISPATCH_CYCLES + br * d * e * (1 / spec.gm_read_bytes_per_cycle + 1 / spec.gm_write_bytes_per_cycle)
     task_cyc = edge_cyc + blk["chain"] + (k_blocks - 1) * blk["steady"]
     device_us = waves * task_cyc / hz * 1e6
     frac = 0.5 if causal else 1.0
