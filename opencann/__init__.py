@@ -106,3 +106,19 @@ def _register_backend() -> None:
 
 
 _register_backend()
+
+
+def register_fusion(name, pattern, replacement, example_inputs, section="GraphFusion",
+                    cann_names=()):
+    """Register a user fusion rule ``pattern(*xs) ⇒ replacement(*xs)`` (torch functions
+    traced with ``example_inputs``) as the fusion pass ``name``; see
+    `opencann.extend.register_fusion` (arguments, errors) and docs/fusion.md."""
+    from .extend import register_fusion as _register
+    return _register(name, pattern, replacement, example_inputs, section, cann_names)
+
+
+def register_op(name, op, **columns):
+    """Make a torch custom op an opencann op with kernels per device, shape inference and
+    cost; see `opencann.extend.register_op` (arguments, errors) and docs/fusion.md."""
+    from .extend import register_op as _register
+    return _register(name, op, **columns)

@@ -485,7 +485,7 @@ def cmd_compare(args) -> int:
         from .tools.bisect import bisect
         b = bisect(zm.model, zm.example_inputs, args.device, options, on=args.bisect_on,
                    session=s, progress=lambda m: console.print(m, markup=False, highlight=False))
-        console.print(f"bisect ({b.compiles} compiles): {b.message}", markup=False, highlight=False)
+        console.print(f"bisect ({b.cost()}): {b.message}", markup=False, highlight=False)
     return 1 if res.status == "fail" else 0
 
 

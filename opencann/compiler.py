@@ -21,7 +21,7 @@ from .ir.symbolic import fits
 from .log import logger
 from .options import KNOWN_OPTIONS, check_options  # noqa: F401  (KNOWN_OPTIONS re-exported)
 from .ops import Cost, get_op, is_random
-from .passes import Pass, PassContext, PassManager, default_pipeline
+from .passes import Pass, PassContext, PassManager, apply_schedule, default_pipeline
 from .report import CompileReport, PassRecord
 from .runtime import DEFAULT_CONCURRENT_CALLS, Executor, ExecutorPool
 from .runtime.call_binding import bind_call, forward_arg_names, input_labels
@@ -93,7 +93,11 @@ class BindKernels(Pass):
     required, observed = True, False
 
     def run(self, graph: Graph, ctx: PassContext) -> int:
-        """Snapshot the constants and build the `Executor`; returns its copy-out count."""
+        """Snapshot the constants and build the `Executor` on the scheduled order
+        (``ctx.artifacts["schedule"]``, as memory planning used it); returns its
+        copy-out count."""
+        if ctx.artifacts.get("schedule") is not None:
+            apply_schedule(graph, ctx.artifacts["schedule"])
         snapshot_constants(graph, ctx.artifacts.get("live_tensors", ()))
         ex = Executor(graph, ctx.artifacts["memory_plan"],
                       check_aliasing=ctx.options.get("check_aliasing"))

@@ -12,10 +12,11 @@ from .ops import get_op
 
 KNOWN_OPTIONS = {"disable", "enable", "verify", "alignment", "inplace", "copy_out",
                  "precision_mode", "keep_fp32", "host_fallback", "concurrent_calls",
-                 "check_aliasing", "fusion_switch_file", "dump_graph", "plan_cache_size"}
+                 "check_aliasing", "fusion_switch_file", "dump_graph", "plan_cache_size",
+                 "disable_rewrites"}
 
 _BOOL_OPTIONS = ("verify", "inplace", "copy_out", "host_fallback", "check_aliasing")
-_LIST_OPTIONS = ("disable", "enable", "keep_fp32")
+_LIST_OPTIONS = ("disable", "enable", "keep_fp32", "disable_rewrites")
 
 
 def check_options(options: Optional[Dict[str, Any]]) -> Dict[str, Any]:
@@ -35,6 +36,11 @@ def check_options(options: Optional[Dict[str, Any]]) -> Dict[str, Any]:
         v = options.get(k)
         if v is not None and (isinstance(v, str) or not all(isinstance(x, str) for x in v)):
             raise ValueError(f"option {k!r} takes a list of names, e.g. [{v!r}], got {v!r}")
+    for rid in options.get("disable_rewrites") or ():
+        if not all(rid.partition("@")[::2]):
+            raise ValueError(f"option 'disable_rewrites' takes rewrite ids '<pass>@<root node>' "
+                             f"as in the compile report's applied entries (e.g. "
+                             f"'fuse_conv_act@convolution_1'), got {rid!r}")
     if "keep_fp32" in options:
         for name in options["keep_fp32"]:
             try:

@@ -165,7 +165,8 @@ def test_fusion_switch_all_and_overrides(tmp_path):
     assert "fuse_linear_act" in off and "fuse_conv_add_act" in off and "fuse_conv_act" in on
     assert "fuse_conv_act" not in off and "fold_batchnorm" not in off
     off, on = read_fusion_switch(_switch(tmp_path, {"Switch": {"GraphFusion": {"ALL": "off"}}}))
-    assert off == ["fold_batchnorm"] and on == []
+    assert off == ["fold_batchnorm", "fuse_silu", "fuse_gelu_tanh", "fuse_gelu_erf",
+                   "fuse_rms_norm", "fuse_layer_norm", "fuse_gated_mlp"] and on == []
     # merged with the given disable list
     from opencann.options import check_options
     o = check_options({"disable": ["cse"], "fusion_switch_file": _switch(

@@ -427,3 +427,188 @@ def test_memory_planning_cannot_be_disabled():
     g.outputs = [unary(g, "Relu", g.add_input(d(4), "x"))]
     with pytest.raises(ValueError, match="cannot be disabled"):
         run(MemoryPlanning(), g, disable=["memory_plan"])
+
+
+# -- pattern fusions (issue #16 item 2) -------------------------------------------------
+
+from opencann.passes import (FuseGatedMLP, FuseGeluErf, FuseGeluTanh, FuseLayerNorm,  # noqa: E402
+                             FuseRMSNorm, FuseSiLU)
+
+
+def scal(g, op, x, c, name=None):
+    return g.create_node(op, [x], {"self": TensorRef(0), "other": c}, [x.desc], name).output
+
+
+def reduce_mean(g, x, dim=-1, keepdim=True, name=None):
+    shape = list(x.desc.shape)
+    shape[dim] = 1
+    if not keepdim:
+        del shape[dim]
+    return g.create_node("ReduceMean", [x], {"self": TensorRef(0), "dim": [dim], "keepdim": keepdim},
+                         [d(*shape)], name).output
+
+
+def test_fuse_silu_either_order():
+    for order in (0, 1):
+        g = Graph()
+        x = g.add_input(d(2, 3), "x")
+        s = unary(g, "Sigmoid", x)
+        g.outputs = [binary(g, "Mul", *((x, s) if order == 0 else (s, x)))]
+        text, rep, _ = run(FuseSiLU(), g)
+        assert text == """graph(%x: float32[2,3]):
+  %0: float32[2,3] = Swish(%x)
+  return %0"""
+        assert rep.applied[0]["pass"] == "fuse_silu"
+
+
+def test_fuse_silu_does_not_apply_to_sigmoid_of_another_tensor():
+    g = Graph()
+    x, y = g.add_input(d(2, 3), "x"), g.add_input(d(2, 3), "y")
+    g.outputs = [binary(g, "Mul", x, unary(g, "Sigmoid", y, "sig"), "mul")]
+    _, rep, _ = run(FuseSiLU(), g)
+    assert skipped(rep) == [("fuse_silu", "multiplies sigmoid(%y) by %x, not by the sigmoid's own input")]
+
+
+def gelu_tanh_graph(g, x, c=0.044715):
+    cube = scal(g, "Mul", g.create_node("Pow", [x], {"self": TensorRef(0), "exponent": 3.0},
+                                        [x.desc]).output, c)
+    z = scal(g, "Mul", binary(g, "Add", x, cube), 0.7978845608028654)
+    return binary(g, "Mul", scal(g, "Mul", x, 0.5), scal(g, "Add", unary(g, "Tanh", z), 1.0))
+
+
+def test_fuse_gelu_tanh():
+    g = Graph()
+    x = g.add_input(d(2, 3), "x")
+    g.outputs = [gelu_tanh_graph(g, x)]
+    text, _, _ = run(FuseGeluTanh(), g)
+    assert text == """graph(%x: float32[2,3]):
+  %0: float32[2,3] = Gelu(%x)
+  return %0"""
+    assert g.nodes[0].attrs["approximate"] == "tanh"
+
+
+def test_fuse_gelu_tanh_does_not_apply_with_another_cubic_coefficient():
+    g = Graph()
+    g.outputs = [gelu_tanh_graph(g, g.add_input(d(2, 3), "x"), c=0.05)]
+    _, rep, _ = run(FuseGeluTanh(), g)
+    assert [r for _, r in skipped(rep)] == ["the cubic coefficient is 0.05, GELU's is 0.044715"]
+
+
+def gelu_erf_graph(g, x, scale=0.5):
+    e = unary(g, "Erf", scal(g, "Div", x, 1.4142135623730951))
+    return binary(g, "Mul", scal(g, "Mul", x, scale), scal(g, "Add", e, 1.0))
+
+
+def test_fuse_gelu_erf():
+    g = Graph()
+    x = g.add_input(d(2, 3), "x")
+    g.outputs = [gelu_erf_graph(g, x)]
+    text, _, _ = run(FuseGeluErf(), g)
+    assert text == """graph(%x: float32[2,3]):
+  %0: float32[2,3] = Gelu(%x)
+  return %0"""
+
+
+def test_fuse_gelu_erf_does_not_apply_with_another_scale():
+    g = Graph()
+    g.outputs = [gelu_erf_graph(g, g.add_input(d(2, 3), "x"), scale=0.25)]
+    _, rep, _ = run(FuseGeluErf(), g)
+    assert [r for _, r in skipped(rep)] == ["x·(1 + erf(…)) is scaled by 0.25, GELU by 0.5"]
+
+
+def rms_graph(g, x, w, dim=-1, eps=1e-6):
+    p = g.create_node("Pow", [x], {"self": TensorRef(0), "exponent": 2}, [x.desc]).output
+    r = unary(g, "Rsqrt", scal(g, "Add", reduce_mean(g, p, dim), eps))
+    y = binary(g, "Mul", x, r)
+    return g.create_node("Mul", [w, y], {"self": TensorRef(0), "other": TensorRef(1)}, [y.desc]).output
+
+
+def test_fuse_rms_norm():
+    g = Graph()
+    x, w = g.add_input(d(2, 8), "x"), g.add_const(rnd(8), "w")
+    g.outputs = [rms_graph(g, x, w)]
+    text, rep, _ = run(FuseRMSNorm(), g)
+    assert text == """graph(%x: float32[2,8]):
+  %c0: float32[8] = const
+  %0: float32[2,8] = RmsNorm(%x, %c0)
+  return %0"""
+    assert g.nodes[0].attrs["eps"] == 1e-6
+
+
+def test_fuse_rms_norm_does_not_apply_over_another_axis():
+    g = Graph()
+    g.outputs = [rms_graph(g, g.add_input(d(2, 8), "x"), g.add_const(rnd(8), "w"), dim=0)]
+    _, rep, _ = run(FuseRMSNorm(), g)
+    assert [r for _, r in skipped(rep)] == ["the mean is over dims [0], RMSNorm's over the last axis"]
+
+
+def ln_graph(g, x, gamma, beta, eps_after_root=False):
+    mu = reduce_mean(g, x)
+    xc = binary(g, "Sub", x, mu)
+    var = reduce_mean(g, g.create_node("Pow", [xc], {"self": TensorRef(0), "exponent": 2},
+                                       [x.desc]).output)
+    den = scal(g, "Add", unary(g, "Sqrt", var), 1e-5) if eps_after_root else \
+        unary(g, "Sqrt", scal(g, "Add", var, 1e-5))
+    return binary(g, "Add", binary(g, "Mul", binary(g, "Div", xc, den), gamma), beta)
+
+
+def test_fuse_layer_norm():
+    g = Graph()
+    x = g.add_input(d(2, 8), "x")
+    g.outputs = [ln_graph(g, x, g.add_const(rnd(8), "g"), g.add_const(rnd(8), "b"))]
+    text, _, _ = run(FuseLayerNorm(), g)
+    assert text == """graph(%x: float32[2,8]):
+  %c0: float32[8] = const
+  %c1: float32[8] = const
+  %0: float32[2,8], %1: float32[2,1], %2: float32[2,1] = LayerNorm(%x, %c0, %c1)
+  return %0"""
+
+
+def test_fuse_layer_norm_does_not_apply_with_eps_after_the_root():
+    g = Graph()
+    x = g.add_input(d(2, 8), "x")
+    g.outputs = [ln_graph(g, x, g.add_const(rnd(8), "g"), g.add_const(rnd(8), "b"), True)]
+    _, rep, _ = run(FuseLayerNorm(), g)
+    assert [r for _, r in skipped(rep)] == [
+        "ε is added after the square root, (x−μ)/(√σ² + ε); LayerNorm adds it under the root, √(σ² + ε)"]
+    assert "LayerNorm" not in g.op_counts()
+
+
+def test_fuse_layer_norm_keeps_a_gamma_of_another_shape():
+    g = Graph()
+    x = g.add_input(d(2, 8), "x")
+    g.outputs = [ln_graph(g, x, g.add_const(rnd(2, 8), "g"), g.add_const(rnd(8), "b"))]
+    _, rep, _ = run(FuseLayerNorm(), g)
+    assert [n.op for n in g.nodes] == ["LayerNorm", "Mul", "Add"]
+    assert [r for _, r in skipped(rep)] == [
+        "γ %g has shape [2, 8], LayerNorm's is [8]: kept as a separate Mul"]
+
+
+def gated_graph(g, x, w1, w3):
+    def mm(w):
+        return g.create_node("MatMul", [x, w], {"self": TensorRef(0), "mat2": TensorRef(1)},
+                             [d(4, 6)]).output
+    return binary(g, "Mul", unary(g, "Swish", mm(w1)), mm(w3))
+
+
+def test_fuse_gated_mlp():
+    g = Graph()
+    x = g.add_input(d(4, 5), "x")
+    g.outputs = [gated_graph(g, x, g.add_const(rnd(5, 6), "w1"), g.add_const(rnd(5, 6), "w3"))]
+    text, _, _ = run(FuseGatedMLP(), g)
+    assert text == """graph(%x: float32[4,5]):
+  %c0: float32[5,6] = const
+  %c1: float32[5,6] = const
+  %0: float32[4,6] = GatedMLP(%x, %c0, %c1)
+  return %0"""
+
+
+def test_fuse_gated_mlp_does_not_apply_to_gemms_of_different_inputs():
+    g = Graph()
+    x, y = g.add_input(d(4, 5), "x"), g.add_input(d(4, 5), "y")
+    w1, w3 = g.add_const(rnd(5, 6), "w1"), g.add_const(rnd(5, 6), "w3")
+    a = g.create_node("MatMul", [x, w1], {"self": TensorRef(0), "mat2": TensorRef(1)}, [d(4, 6)]).output
+    b = g.create_node("MatMul", [y, w3], {"self": TensorRef(0), "mat2": TensorRef(1)}, [d(4, 6)]).output
+    g.outputs = [binary(g, "Mul", unary(g, "Swish", a), b)]
+    _, rep, _ = run(FuseGatedMLP(), g)
+    assert [r for _, r in skipped(rep)] == ["the two GEMMs read different inputs (%x, %y)"]

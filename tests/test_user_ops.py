@@ -108,3 +108,61 @@ def test_user_kernel_for_unknown_device_is_refused():
         register(OpDef("TestBad", OpKind.ELEMENTWISE, kernels={"npu": lambda x: x}))
     with pytest.raises(KeyError):
         get_op("TestBad")                                  # not half-registered
+
+
+FOLD_CALLS = {"user": 0, "aten": 0}
+
+
+@torch.library.custom_op("opencann_test::offset_cos", mutates_args=())
+def offset_cos(x: torch.Tensor, offset: float) -> torch.Tensor:
+    FOLD_CALLS["aten"] += 1
+    return torch.cos(x) + offset
+
+
+@offset_cos.register_fake
+def _(x, offset):
+    return torch.empty_like(x)
+
+
+def _user_offset_cos(x, offset):
+    FOLD_CALLS["user"] += 1
+    return torch.cos(x) + offset
+
+
+register(OpDef("TestOffsetCos", OpKind.ELEMENTWISE, aten=torch.ops.opencann_test.offset_cos.default,
+               kernels={"cpu": _user_offset_cos}))
+
+
+class FoldedOffsetCos(torch.nn.Module):
+    """The custom op reads only a weight: constant folding evaluates it at compile time."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(3, 5, generator=G))
+
+    def forward(self, x):
+        return x * torch.ops.opencann_test.offset_cos(self.w, 0.25)
+
+
+def test_constant_folding_runs_the_user_cpu_kernel():
+    """A user op whose inputs are all constants is folded with the user's cpu kernel
+    (``get_op(op).kernel("cpu")``), not its ATen overload; the folded value is eager's."""
+    m = FoldedOffsetCos()
+    FOLD_CALLS.update(user=0, aten=0)
+    with torch.no_grad():
+        cm = opencann.compile(m, (torch.randn(3, 5, generator=G),))
+    assert FOLD_CALLS == {"user": 1, "aten": 0}
+    assert "TestOffsetCos" not in cm.graph.op_counts()          # folded at compile time
+    assert any(r.name == "constant_folding" and r.changed for r in cm.report.passes)
+    outs, kept = [], []
+    for x in _inputs(2):                                         # NaN position, a second call
+        with torch.no_grad():
+            want = m(x)
+        out = cm(x)
+        torch.testing.assert_close(out, want, equal_nan=True)
+        assert torch.isnan(out[1, 2])
+        outs.append(out)
+        kept.append(out.clone())
+    assert FOLD_CALLS["user"] == 1                               # never called again at run time
+    for out, k in zip(outs, kept):                               # outputs stay independent
+        torch.testing.assert_close(out, k, equal_nan=True)

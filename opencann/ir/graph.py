@@ -55,6 +55,7 @@ class Value:
 
     @property
     def is_const(self) -> bool:
+        """True when the value is a graph constant (``const`` holds its tensor)."""
         return self.const is not None
 
     def __repr__(self) -> str:
@@ -95,6 +96,8 @@ class Node:
     # -- inputs -----------------------------------------------------------------------
     @property
     def inputs(self) -> Tuple[Value, ...]:
+        """The input values in schema order (a tuple; change it with `set_inputs`,
+        `set_input`, `replace_input` or `add_input`, which keep ``users`` exact)."""
         return self._inputs
 
     def set_inputs(self, values: Sequence[Value]) -> None:
@@ -266,19 +269,31 @@ class Graph:
         return Value(next(self._ids), desc, **kw)
 
     def add_input(self, desc: TensorDesc, name: str | None = None) -> Value:
+        """Append a graph input described by ``desc`` (shape, dtype, format); returns
+        its `Value` (no producer). Inputs are bound positionally, in the order added."""
         v = self._value(desc, name=name)
         self.inputs.append(v)
         return v
 
     def add_const(self, tensor: torch.Tensor, name: str | None = None) -> Value:
+        """Add ``tensor`` (detached, not copied) as a graph constant; returns its
+        `Value`, whose ``desc`` is ``TensorDesc.of(tensor)`` (ND). Raises ValueError for a dtype
+        the IR does not model (`DataType.from_torch`)."""
         v = self._value(TensorDesc.of(tensor), const=tensor.detach(), name=name)
         self.constants.append(v)
         return v
 
     def _unique(self, base: str) -> str:
+        """``base``, or ``base_<k>`` with the first k that no node has taken (a derived
+        name is taken too: a later ``base_1`` from the trace gets ``base_1_1``)."""
         n = self._names.get(base, 0)
+        name = base if n == 0 else f"{base}_{n}"
+        while n and name in self._names:
+            n += 1
+            name = f"{base}_{n}"
         self._names[base] = n + 1
-        return base if n == 0 else f"{base}_{n}"
+        self._names.setdefault(name, 1)
+        return name
 
     def create_node(self, op: str, inputs: Sequence[Value], attrs: Dict[str, Any],
                     out_descs: Sequence[TensorDesc], name: str | None = None,
@@ -338,6 +353,7 @@ class Graph:
         return next(iter(v.users))
 
     def prune_constants(self) -> None:
+        """Drop the constants no node reads and no graph output returns."""
         self.constants = [c for c in self.constants if c.users or c in self.outputs]
 
     def topo_sort(self) -> None:
@@ -363,14 +379,39 @@ class Graph:
         for n in order:   # relink in the new order (users stay as they are)
             self._nodes._insert(n, self._nodes._root)
 
+    def reorder(self, order: Sequence[Node]) -> None:
+        """Put the nodes in ``order``: every node of the graph once, each after the
+        producers of its inputs. Raises ValueError naming the first node that is
+        missing, extra, repeated or ahead of a producer (the graph is left unchanged)."""
+        nodes = list(self._nodes)
+        live, seen = set(nodes), set()
+        for n in order:
+            if n not in live or n in seen:
+                raise ValueError(f"order lists {n.name} " + ("twice" if n in seen else
+                                 f"which is not a node of graph {self.name}"))
+            late = next((v for v in n.inputs if v.producer in live and v.producer not in seen), None)
+            if late is not None:
+                raise ValueError(f"order puts {n.name} before {late.producer.name}, which "
+                                 f"produces its input {late!r}")
+            seen.add(n)
+        if len(seen) != len(nodes):
+            missing = next(n for n in nodes if n not in seen)
+            raise ValueError(f"order leaves out {missing.name} ({len(nodes) - len(seen)} nodes)")
+        self._nodes._clear()
+        for n in order:   # relink in the new order (users stay as they are)
+            self._nodes._insert(n, self._nodes._root)
+
     # -- inspection -----------------------------------------------------------------
     def values(self) -> Iterable[Value]:
+        """Every value: the inputs, then the constants, then each node's outputs in
+        node order."""
         yield from self.inputs
         yield from self.constants
         for n in self.nodes:
             yield from n.outputs
 
     def op_counts(self) -> Dict[str, int]:
+        """Number of nodes per op name, in order of first appearance."""
         counts: Dict[str, int] = {}
         for n in self.nodes:
             counts[n.op] = counts.get(n.op, 0) + 1

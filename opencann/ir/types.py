@@ -40,14 +40,17 @@ class DataType(enum.Enum):
 
     @property
     def torch(self) -> torch.dtype:
+        """The torch dtype of the same name (``DataType.FLOAT.torch`` is torch.float32)."""
         return getattr(torch, self.value)
 
     @property
     def itemsize(self) -> int:
+        """Bytes per element (torch's ``element_size``: 4 for float32, 1 for bool)."""
         return torch.empty((), dtype=self.torch).element_size()
 
     @property
     def is_floating(self) -> bool:
+        """True for float16, bfloat16, float32 and float64 (torch's ``is_floating_point``)."""
         return self.torch.is_floating_point
 
     @classmethod
@@ -104,14 +107,18 @@ class TensorDesc:
 
     @classmethod
     def of(cls, t: torch.Tensor, fmt: Format = Format.ND) -> "TensorDesc":
+        """The description of tensor ``t``: its shape (ints), dtype and the storage
+        format ``fmt`` (default ND). Raises ValueError for a dtype the IR does not model."""
         return cls(tuple(int(s) for s in t.shape), DataType.from_torch(t.dtype), fmt)
 
     @property
     def rank(self) -> int:
+        """Number of dimensions (of the storage shape)."""
         return len(self.shape)
 
     @property
     def is_static(self) -> bool:
+        """True when every dimension is an int (no symbol names)."""
         return all(isinstance(d, int) for d in self.shape)
 
     @property
@@ -123,9 +130,13 @@ class TensorDesc:
 
     @property
     def nbytes(self) -> int:
+        """Storage bytes: ``numel`` (of the storage shape, padding included) x
+        ``dtype.itemsize``. Raises ValueError for a symbolic shape."""
         return self.numel * self.dtype.itemsize
 
     def with_(self, **kw) -> "TensorDesc":
+        """A copy with the given fields replaced (``desc.with_(dtype=DataType.FLOAT16)``);
+        ``origin_shape``/``origin_format`` are kept unless given."""
         return replace(self, **kw)
 
     def __str__(self) -> str:

@@ -19,6 +19,13 @@ from ..ir import DataType, Node, TensorDesc, TensorListRef, TensorRef, numel
 
 
 class OpKind(enum.Enum):
+    """The class of an op. It decides the default `OpDef.cost` (VIEW: nothing;
+    REDUCTION: FLOPs per input element; DATA, CREATION: bytes only), view-ness (VIEW
+    outputs alias their input and get no ``.out`` kernel), mixed precision (MATMUL, CONV,
+    ATTENTION are lowered; ELEMENTWISE, VIEW, DATA follow their inputs), the vnpu estimate
+    of DATA/CREATION ops without a ``device_cost`` (copy / fill), and constant folding
+    (FUSED nodes are never folded)."""
+
     ELEMENTWISE = "elementwise"
     REDUCTION = "reduction"
     MATMUL = "matmul"
@@ -72,6 +79,9 @@ class OpDef:
     annotations at registration (``view(Tensor(a) self, ...) -> Tensor(a)``) unless
     declared; ``None`` (an op without an ATen overload that declares nothing) means
     unknown: every output may alias every tensor input. See `output_aliases`.
+    ``primary_only``: the op that computes output 0 alone from the same attributes,
+    cheaper because it skips the others (max.dim's indices ⇒ amax); the pass
+    ``drop_unused_outputs`` runs it instead when no other output is read (inference).
     ``cost_fn``: FLOPs and bytes of a node (default: from ``kind`` and
     ``flops_per_elem``, see `cost`).
     ``device_cost``: device kind -> time model of a node on that device, ``f(node,
@@ -98,6 +108,7 @@ class OpDef:
     out_names: Tuple[str, ...] = ()
     aliases: Optional[Tuple[Tuple[str, ...], ...]] = None
     cost_fn: Optional[Callable[[Node], Cost]] = None
+    primary_only: Optional[str] = None
     device_cost: Dict[str, Callable] = field(default_factory=dict)
     npu_format: Optional[str] = None
     keep_fp32: bool = False
@@ -315,10 +326,13 @@ def output_aliases(node: Node) -> List[Tuple[int, ...]]:
 
 
 def lookup_aten(target) -> Optional[OpDef]:
+    """The registered `OpDef` implementing the ATen overload ``target`` (e.g.
+    ``torch.ops.aten.relu.default``), or None when no op is registered for it."""
     return _BY_ATEN.get(target)
 
 
 def all_ops() -> List[OpDef]:
+    """Every registered `OpDef`, in registration order (a new list)."""
     return list(_REGISTRY.values())
 
 

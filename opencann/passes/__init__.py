@@ -1,24 +1,16 @@
 """The optimization pipeline (stages: prepare, fusion, layout, schedule, memory), one
 pass per module under ``prepare/``, ``fusion/`` and ``layout/``; the public names are
 re-exported here."""
-import sys as _sys
-
 from .base import Pass, PassContext, PassManager, RewritePass, Skip
 from .fusion import FoldBatchNorm, FuseConvAct, FuseConvAddAct, FuseFlashAttention, FuseLinearAct
-from .fusion import attention
+from .fusion import (FuseGatedMLP, FuseGeluErf, FuseGeluTanh, FuseLayerNorm, FuseRMSNorm, FuseSiLU,
+                     user_passes)
 from .layout import LayoutSelection, NpuLayoutSelection
-from .layout import npu_layout as vnpu_layout
 from .memory import MemoryPlanning, plan_memory
 from .prepare import (CommonSubexpressionElimination, ConstantFolding, DeadCodeElimination,
                       IdentityElimination, MixedPrecision)
-from .prepare import precision
-from .schedule import SingleStreamSchedule
-
-# the module paths from before the one-pass-per-file split (opencann.passes.attention,
-# .precision, .vnpu_layout) still import
-for _old, _mod in (("attention", attention), ("precision", precision),
-                   ("vnpu_layout", vnpu_layout)):
-    _sys.modules.setdefault(f"{__name__}.{_old}", _mod)
+from .prepare.drop_unused_outputs import DropUnusedOutputs
+from .schedule import SingleStreamSchedule, apply_schedule
 
 
 def default_pipeline() -> PassManager:
@@ -27,8 +19,9 @@ def default_pipeline() -> PassManager:
     last stage when it builds a callable model."""
     return PassManager([
         ConstantFolding(), DeadCodeElimination(), CommonSubexpressionElimination(),
-        IdentityElimination(), MixedPrecision(),
-        FoldBatchNorm(), FuseConvAct(), FuseConvAddAct(), FuseLinearAct(), FuseFlashAttention(),
+        IdentityElimination(), DropUnusedOutputs(), MixedPrecision(),
+        FoldBatchNorm(), *user_passes(), FuseSiLU(), FuseGeluTanh(), FuseGeluErf(), FuseRMSNorm(),
+        FuseLayerNorm(), FuseGatedMLP(), FuseConvAct(), FuseConvAddAct(), FuseLinearAct(), FuseFlashAttention(),
         DeadCodeElimination(), LayoutSelection(), NpuLayoutSelection(), SingleStreamSchedule(),
         MemoryPlanning(),
     ])
@@ -38,5 +31,6 @@ __all__ = ["Pass", "PassContext", "PassManager", "RewritePass", "Skip", "default
            "plan_memory", "MemoryPlanning", "ConstantFolding", "DeadCodeElimination",
            "CommonSubexpressionElimination", "IdentityElimination", "MixedPrecision",
            "FoldBatchNorm", "FuseConvAct", "FuseConvAddAct", "FuseLinearAct",
-           "FuseFlashAttention", "LayoutSelection", "NpuLayoutSelection", "SingleStreamSchedule",
-           "attention", "precision", "vnpu_layout"]
+           "FuseFlashAttention", "FuseSiLU", "FuseGeluTanh", "FuseGeluErf", "FuseRMSNorm",
+           "FuseLayerNorm", "FuseGatedMLP", "LayoutSelection", "NpuLayoutSelection", "SingleStreamSchedule",
+           "apply_schedule", "DropUnusedOutputs"]

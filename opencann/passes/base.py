@@ -8,6 +8,13 @@ A rewrite is a rule (as ONNX Runtime's rewrite rules and Inductor's patterns): a
 `RewritePass` looks at the live nodes whose op is in its ``ops``; ``match`` returns a
 match, a `Skip` with the reason, or None only when the node is not the pattern's root;
 ``rewrite`` applies a match.
+
+Every rewrite has a stable id, ``"<pass>@<root node>"`` (the root: the node ``match``
+was given; for a plain `Pass`, the first node it names), in its report entry (``id``).
+Root names are the traced (FX) node names or names derived from them, so the same model
+compiled with the same options gets the same ids. ``options["disable_rewrites"]`` (ids)
+makes a `RewritePass` skip exactly those sites, each recorded as a Skip with reason
+`DISABLED_REASON`; a plain pass that sets ``site_switchable`` asks `PassContext.site_off`.
 """
 from __future__ import annotations
 
@@ -15,9 +22,13 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
+from ..devices import parse_device
 from ..ir import Graph, Node, verify
 from ..log import logger
 from ..report import CompileReport, PassRecord
+
+#: the reason recorded for a site switched off by ``options["disable_rewrites"]``
+DISABLED_REASON = "disabled by option disable_rewrites"
 
 
 @dataclass(frozen=True)
@@ -46,22 +57,40 @@ class PassContext:
     #: passes (``--dump_graph``); it must not change the graph
     observe: Optional[Callable[[str, Graph], None]] = None
     events: List[Tuple[str, Any]] = field(default_factory=list)
+    #: the running pass's name and the root of the match being rewritten (the rewrite's id)
+    pass_name: str = ""
+    root: Optional[Node] = None
+    #: "<pass>@<node>" ids of the sites the running passes could switch off (validation)
+    sites_seen: set = field(default_factory=set)
 
     @property
     def device_kind(self) -> str:
-        """``vnpu`` for ``vnpu:ascend910b``, ``cpu`` for ``cpu``."""
-        return str(self.device).partition(":")[0]
+        """``vnpu`` for ``vnpu:ascend910b``, ``cpu`` for ``cpu`` (`parse_device`; raises
+        `DeviceError` for a device string it does not know)."""
+        return parse_device(self.device, load=False).kind
 
     def applied(self, nodes: List[Node], detail: str = "") -> None:
         """Record a rewrite of ``nodes`` (``detail``: the variant, e.g. "Conv+Relu")."""
-        self.events.append(("applied", (list(nodes), detail)))
+        self.events.append(("applied", (list(nodes), detail, self.root)))
 
     def skipped(self, node: Node, reason: str, detail: str = "") -> None:
         """Record a match at ``node`` that was not rewritten, and why."""
         self.skip(Skip(reason, node, detail))
 
     def skip(self, s: Skip) -> None:
-        self.events.append(("skipped", s))
+        """Record the `Skip` ``s`` of the running pass (its ``node`` set: where the
+        report shows it), under the running rewrite's root (its id)."""
+        self.events.append(("skipped", (s, self.root)))
+
+    def site_off(self, node: Node) -> bool:
+        """Whether ``options["disable_rewrites"]`` switches off the running pass's rewrite
+        rooted at ``node``; if so, records the Skip (`DISABLED_REASON`)."""
+        rid = f"{self.pass_name}@{node.name}"
+        self.sites_seen.add(rid)
+        if rid not in self.options.get("disable_rewrites", ()):
+            return False
+        self.events.append(("skipped", (Skip(DISABLED_REASON, node), node)))
+        return True
 
     def note(self, text: str) -> None:
         """The running pass's one-line note in the report."""
@@ -75,7 +104,9 @@ class Pass:
     ``ops``: the root ops it looks at (empty: any); ``devices``: the device kinds it
     runs on (empty: every one; elsewhere it is not run and ``off_device_note``, with
     ``{device}``, is its note); ``required``: a stage that cannot be disabled;
-    ``observed``: the graph is dumped after its stage (``--dump_graph``)."""
+    ``observed``: the graph is dumped after its stage (``--dump_graph``);
+    ``site_switchable``: ``options["disable_rewrites"]`` can switch its rewrites off one by
+    one (every `RewritePass`; a plain pass that calls `PassContext.site_off`)."""
 
     name = "pass"
     stage = "prepare"
@@ -85,32 +116,55 @@ class Pass:
     default_enabled = True
     required = False
     observed = True
+    site_switchable = False
     #: the section of CANN's fusion switch file that switches this pass ("GraphFusion",
     #: "UBFusion"; None: not a fusion pass) and CANN's names for the same rewrite
     switch_section: Optional[str] = None
     cann_names: tuple = ()
 
     def runs_on(self, device: str) -> bool:
-        return not self.devices or str(device).partition(":")[0] in self.devices
+        """True when ``devices`` is empty or holds the kind of ``device`` (a device
+        string, read by `parse_device`; raises `DeviceError` for an unknown one)."""
+        return not self.devices or parse_device(device, load=False).kind in self.devices
 
     def run(self, graph: Graph, ctx: PassContext) -> int:  # pragma: no cover - abstract
+        """Transform ``graph`` in place; returns the number of rewrites (0: unchanged).
+        Rewrites and skips are recorded with ``ctx.applied``/``ctx.skipped``, a one-line
+        summary with ``ctx.note``."""
         raise NotImplementedError
 
 
 class RewritePass(Pass):
-    """A rule: ``match`` each live node whose op is in ``ops`` (in graph order, nodes
-    added by earlier rewrites included), ``rewrite`` each match; skips are recorded."""
+    """A rule: ``match`` each live node whose op is in ``ops`` (in graph order, as they
+    were when the pass started), ``rewrite`` each match; skips are recorded. A site in
+    ``options["disable_rewrites"]`` is matched but not rewritten (a Skip); a rewrite that
+    recorded nothing is recorded as one of its root."""
+
+    site_switchable = True
 
     def run(self, graph: Graph, ctx: PassContext) -> int:
+        """Call `match` on each node of the node list as it is when the pass starts
+        (graph order; nodes erased since, and nodes whose op is not in ``ops``, passed over),
+        record each `Skip` (at the root when it names no node) and `rewrite` each match.
+        Returns the sum of the rewrites' counts."""
         n = 0
         for node in list(graph.nodes):
-            if node.erased or (self.ops and node.op not in self.ops):
+            if self.ops and node.op not in self.ops:
                 continue
+            ctx.sites_seen.add(f"{ctx.pass_name}@{node.name}")
+            if node.erased:
+                continue
+            ctx.root = node
             m = self.match(node, graph, ctx)
             if isinstance(m, Skip):
                 ctx.skip(m if m.node is not None else Skip(m.reason, node, m.detail))
-            elif m is not None:
-                n += self.rewrite(graph, m, ctx)
+            elif m is not None and not ctx.site_off(node):
+                recorded = len(ctx.events)
+                k = self.rewrite(graph, m, ctx)
+                if k and not any(e[0] == "applied" for e in ctx.events[recorded:]):
+                    ctx.applied([node])
+                n += k
+        ctx.root = None
         return n
 
     def match(self, node: Node, graph: Graph, ctx: PassContext) -> Any:  # pragma: no cover
@@ -132,12 +186,24 @@ class PassManager:
         self.passes = passes
 
     def names(self) -> List[str]:
+        """The passes' names in run order (the names ``disable``/``enable`` take)."""
         return [p.name for p in self.passes]
 
     def stages(self) -> List[str]:
+        """The passes' stages, each once, in order of first appearance."""
         return list(dict.fromkeys(p.stage for p in self.passes))
 
     def run(self, graph: Graph, ctx: PassContext) -> Graph:
+        """Run the passes in order on ``graph`` (in place); returns ``graph``.
+
+        A switched-off pass is recorded (``enabled=False``) without running; a pass whose
+        ``devices`` exclude ``ctx.device`` is recorded with its ``off_device_note``. Each pass
+        adds a `PassRecord` to ``ctx.report.passes`` and its rewrites and skips to
+        ``report.applied``/``report.skipped``; ``ctx.observe`` sees the graph after the last
+        pass of each run of same-stage passes (if that pass is ``observed``). Raises
+        ValueError for an unknown name in ``disable``/``enable`` (listing the names) or a
+        ``required`` pass disabled, and `GraphError` when ``options["verify"]`` finds a
+        broken invariant after a pass."""
         disable = set(ctx.options.get("disable", ()))
         enable = set(ctx.options.get("enable", ()))
         unknown = (disable | enable) - set(self.names())
@@ -146,18 +212,36 @@ class PassManager:
         fixed = sorted(p.name for p in self.passes if p.required and p.name in disable)
         if fixed:
             raise ValueError(f"pass(es) {fixed} cannot be disabled: later stages need their result")
+        self._check_rewrite_passes(ctx.options.get("disable_rewrites", ()))
+        ran = set()
         for i, p in enumerate(self.passes):
             on = (p.default_enabled or p.name in enable) and p.name not in disable
             self._run_one(p, on, graph, ctx)
+            if on and p.runs_on(ctx.device):
+                ran.add(p.name)
             if ctx.observe is not None and p.observed and (
                     i + 1 == len(self.passes) or self.passes[i + 1].stage != p.stage):
                 ctx.observe(p.stage, graph)
+        check_rewrite_ids(ctx, ran)
         return graph
+
+    def _check_rewrite_passes(self, ids) -> None:
+        """Each ``disable_rewrites`` id names a pass of this pipeline whose sites switch
+        one by one (ValueError naming them otherwise)."""
+        switchable = list(dict.fromkeys(p.name for p in self.passes if p.site_switchable))
+        for rid in ids:
+            name = rid.partition("@")[0]
+            if name not in switchable:
+                why = "is not a pass of this pipeline" if name not in self.names() else \
+                    "switches only whole (option disable)"
+                raise ValueError(f"option 'disable_rewrites': {rid!r}: pass {name!r} {why}; "
+                                 f"passes whose rewrites switch one by one: {switchable}")
 
     @staticmethod
     def _run_one(p: Pass, on: bool, graph: Graph, ctx: PassContext) -> None:
         before = len(graph.nodes)
         ctx.events = []
+        ctx.pass_name, ctx.root = p.name, None
         t0 = time.perf_counter()
         if on and not p.runs_on(ctx.device):
             ctx.note(p.off_device_note.format(device=ctx.device))
@@ -178,20 +262,40 @@ class PassManager:
 def record_events(name: str, ctx: PassContext) -> None:
     """Move the running pass's rewrites and skips into the report and the log, under
     the pass's ``name``. Report entries: ``pass``, ``detail`` (the variant, may be
-    empty), ``nodes`` (node names joined by "+"), ``where`` and, for skips, ``reason``."""
+    empty), ``nodes`` (node names joined by "+"), ``where``, ``id`` ("<pass>@<root
+    node>"; on skips, when a rewrite rule's match was the root) and, for skips, ``reason``."""
     for kind, e in ctx.events:
         if kind == "applied":
-            nodes, detail = e
+            nodes, detail, root = e
             names = "+".join(n.name for n in nodes)
             where = nodes[0].where() if nodes else ""
+            root = root or (nodes[0] if nodes else None)
             ctx.report.applied.append({"pass": name, "detail": detail, "nodes": names,
-                                       "where": where})
+                                       "where": where, "id": f"{name}@{root.name}" if root else name})
             logger.info("applied %s%s: %s at %s", name, f" ({detail})" if detail else "",
                         names, where)
         else:
-            node = e.node
-            ctx.report.skipped.append({"pass": name, "detail": e.detail, "nodes": node.name,
-                                       "where": node.where(), "reason": e.reason})
+            s, root = e
+            node = s.node
+            entry = {"pass": name, "detail": s.detail, "nodes": node.name,
+                     "where": node.where(), "reason": s.reason}
+            if root is not None:
+                entry["id"] = f"{name}@{root.name}"
+            ctx.report.skipped.append(entry)
             logger.info("%s%s not applied at %s (%s): %s", name,
-                        f" ({e.detail})" if e.detail else "", node.name, node.where(), e.reason)
+                        f" ({s.detail})" if s.detail else "", node.name, node.where(), s.reason)
     ctx.events = []
+
+
+def check_rewrite_ids(ctx: PassContext, ran) -> None:
+    """Raise ValueError (one line, listing ids of this compile) when an id in
+    ``options["disable_rewrites"]`` of a pass that ran names no site that pass looked at."""
+    wrong = [r for r in ctx.options.get("disable_rewrites", ())
+             if r.partition("@")[0] in ran and r not in ctx.sites_seen]
+    if not wrong:
+        return
+    mine = [a["id"] for a in ctx.report.applied if a["pass"] in {w.partition("@")[0] for w in wrong}]
+    ids = list(dict.fromkeys(mine or [a["id"] for a in ctx.report.applied]))
+    raise ValueError(f"option 'disable_rewrites': no rewrite site {wrong} in this compile; ids are "
+                     f"'<pass>@<root node>' as in the compile report's applied entries, here "
+                     f"e.g. {ids[:6]}" + (f" ({len(ids)} in all)" if len(ids) > 6 else ""))

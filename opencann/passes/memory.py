@@ -19,6 +19,7 @@ from ..ir.liveness import peak_live_bytes
 from ..log import logger
 from ..ops import get_op, last_reads, output_aliases, storage_roots
 from .base import Pass, PassContext
+from .schedule import apply_schedule
 
 DEFAULT_ALIGNMENT = 64  # bytes: one cache line, and AVX-512 / oneDNN friendly
 
@@ -145,7 +146,7 @@ def _lifetimes(graph: Graph, step, holds, bufs, unplanned) -> None:
 
 
 class MemoryPlanning(Pass):
-    """The memory stage: `plan_memory` on the final node order with the options
+    """The memory stage: `plan_memory` on the scheduled node order with the options
     ``alignment`` (bytes, default 64), ``inplace`` and ``copy_out``. Stores the
     `MemoryPlan` in ``ctx.artifacts["memory_plan"]`` and its summary in the report;
     returns the number of in-place reuses. Raises ValueError as `plan_memory` does."""
@@ -154,6 +155,12 @@ class MemoryPlanning(Pass):
     required, observed = True, False
 
     def run(self, graph: Graph, ctx: PassContext) -> int:
+        """Plan ``graph`` in the order of the schedule stage (``ctx.artifacts["schedule"]``,
+        applied to the graph by `apply_schedule`; without one, the node order); the plan
+        goes to ``ctx.artifacts["memory_plan"]``. Returns the number of in-place reuses.
+        Raises ValueError as `plan_memory` does, or for a schedule that does not fit."""
+        if ctx.artifacts.get("schedule") is not None:
+            apply_schedule(graph, ctx.artifacts["schedule"])
         o = ctx.options
         plan = plan_memory(graph, alignment=o.get("alignment", DEFAULT_ALIGNMENT),
                            inplace=o.get("inplace", True), copy_out=o.get("copy_out", False),

@@ -17,8 +17,9 @@ from typing import Any, Callable, Dict, List, Optional
 import torch
 
 from ..ir import Graph, MemoryPlan, Node, TensorListRef, TensorRef, Value, is_dense
-from ..ops import get_op, output_aliases, storage_roots
+from ..ops import call_args, get_op, output_aliases, storage_roots
 from .alias_check import AliasChecker
+from .fast_call import fast_callable
 
 
 # -- strides ------------------------------------------------------------------------
@@ -166,6 +167,18 @@ def _out_capable(node: Node) -> bool:
     return get_op(node.op).writes_out(node)
 
 
+def _fast(node: Node, overload, out_names=()) -> Callable:
+    """``overload`` or the public torch function proven to reach it (`fast_callable`),
+    checked with the node's arguments on meta tensors."""
+    metas = [torch.empty(v.desc.shape, dtype=v.desc.dtype.torch, device="meta")
+             for v in node.inputs]
+    args, kwargs = call_args(node, metas)
+    for name, o in zip(out_names, node.outputs):
+        shape, strides, dtype = _fresh_args(o)
+        kwargs[name] = torch.empty_strided(shape, strides, dtype=dtype, device="meta")
+    return fast_callable(overload, args, kwargs)
+
+
 # -- the generator ------------------------------------------------------------------
 
 class CodeGen:
@@ -299,7 +312,7 @@ class CodeGen:
                    and not node.meta.get("none_outputs")
                    and not node.meta.get("no_out_kernel"))
         if not use_out:
-            self.glb[target] = kernel
+            self.glb[target] = _fast(node, aten) if kernel is aten else kernel
             self._emit_result(node, lhs, outs, bufnames, f"{target}({args})")
             return
         # outputs outside the arena (graph outputs) get a fresh tensor each run in the
@@ -312,7 +325,7 @@ class CodeGen:
                 self.lines.append(f"    _e{j} = torch.empty_strided(S{o.id}[0], S{o.id}[1], "
                                   f"dtype=S{o.id}[2])")
         self.glb.setdefault("torch", torch)
-        self.glb[target] = op.out_kernel
+        self.glb[target] = _fast(node, op.out_kernel, op.out_names)
         outkw = ", ".join(f"{n}={b}" for n, b in zip(op.out_names, bufnames))
         self.lines.append(f"    {target}({args}{', ' if args else ''}{outkw})")
         self.lines.append(f"    {', '.join(outs)} = {', '.join(bufnames)}")

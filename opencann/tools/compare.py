@@ -249,7 +249,7 @@ def _name(dtype: torch.dtype) -> str:
 
 def _floor(options: Optional[Dict[str, Any]]) -> Optional[torch.dtype]:
     """The low dtype of ``options["precision_mode"]`` (None: no lowering)."""
-    from ..passes.precision import low_dtype
+    from ..passes.prepare.precision import low_dtype
     mode = (options or {}).get("precision_mode")
     low = low_dtype(mode) if mode else None
     return low.torch if low is not None else None

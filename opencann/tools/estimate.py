@@ -383,6 +383,37 @@ def _as_dtype(model, inputs, dtype: Optional[str]):
     return model.to(dt), conv
 
 
+def _default_batch(model_or_zoo_name, example_inputs) -> int:
+    """A module's example inputs' dim 0; 1 for a zoo model or scalar inputs."""
+    ex = example_inputs[0] if isinstance(example_inputs, tuple) else example_inputs
+    return (int(ex.shape[0]) if isinstance(model_or_zoo_name, torch.nn.Module)
+            and isinstance(ex, torch.Tensor) and ex.dim() else 1)
+
+
+def _check_fits(name: str, batch: int, spec, weights: int, arena: int, kalloc: int,
+                inputs: int) -> None:
+    """Raise ValueError when weights + arena + kernel-allocated peak + inputs (bytes)
+    exceed ``spec.hbm_bytes``; the message gives the numbers in GiB and the largest batch
+    that fits (activations scaled linearly with the batch)."""
+    peak = weights + arena + kalloc + inputs
+    if peak > spec.hbm_bytes:
+        act = arena + kalloc + inputs
+        fits = int((spec.hbm_bytes - weights) // (act / batch)) if act and spec.hbm_bytes > weights else 0
+        raise ValueError(
+            f"{name} at batch {batch} needs {peak / GiB:.2f} GiB on {spec.name} but it has "
+            f"{spec.hbm_bytes / GiB:.2f} GiB of HBM: {(peak - spec.hbm_bytes) / GiB:.2f} GiB too much "
+            f"(weights {weights / GiB:.2f} GiB + activation arena {arena / GiB:.2f} GiB + "
+            f"kernel-allocated peak {kalloc / GiB:.2f} GiB + inputs {inputs / GiB:.2f} GiB). "
+            f"Use a smaller batch (activations scale with it: about {fits} fits), recompute activations "
+            f"instead of keeping them (training), or a device with more HBM.")
+
+
+def _weight_dtype(graph) -> str:
+    """The most common floating dtype among the constants ("float32" when none are)."""
+    dtypes = [v.desc.dtype.value for v in graph.constants if v.desc.dtype.is_floating]
+    return max(set(dtypes), key=dtypes.count) if dtypes else "float32"
+
+
 def estimate(model_or_zoo_name, example_inputs=None, device: str = "vnpu:ascend910b",
              batch: Optional[int] = None, fused: bool = True, dtype: Optional[str] = None,
              **zoo_kwargs) -> EstimateReport:
@@ -415,9 +446,7 @@ def estimate(model_or_zoo_name, example_inputs=None, device: str = "vnpu:ascend9
     if isinstance(model_or_zoo_name, str) and model_or_zoo_name.split(":")[0].endswith(".py"):
         model_or_zoo_name, example_inputs = _load_factory(model_or_zoo_name)
     if batch is None:
-        ex = example_inputs[0] if isinstance(example_inputs, tuple) else example_inputs
-        batch = (int(ex.shape[0]) if isinstance(model_or_zoo_name, torch.nn.Module)
-                 and isinstance(ex, torch.Tensor) and ex.dim() else 1)
+        batch = _default_batch(model_or_zoo_name, example_inputs)
     if batch < 1:
         raise ValueError(f"estimate: batch must be >= 1, got {batch}")
     name, model, args = _load(model_or_zoo_name, example_inputs, batch, zoo_kwargs)
@@ -427,32 +456,20 @@ def estimate(model_or_zoo_name, example_inputs=None, device: str = "vnpu:ascend9
     weights = sum(c.desc.nbytes for c in graph.constants)
     kalloc = kernel_alloc_peak(graph, plan)
     inputs = sum(v.desc.nbytes for v in graph.inputs)
-    peak = weights + plan.arena_bytes + kalloc + inputs
-    if peak > spec.hbm_bytes:
-        act = plan.arena_bytes + kalloc + inputs
-        fits = int((spec.hbm_bytes - weights) // (act / batch)) if act and spec.hbm_bytes > weights else 0
-        raise ValueError(
-            f"{name} at batch {batch} needs {peak / GiB:.2f} GiB on {spec.name} but it has "
-            f"{spec.hbm_bytes / GiB:.2f} GiB of HBM: {(peak - spec.hbm_bytes) / GiB:.2f} GiB too much "
-            f"(weights {weights / GiB:.2f} GiB + activation arena {plan.arena_bytes / GiB:.2f} GiB + "
-            f"kernel-allocated peak {kalloc / GiB:.2f} GiB + inputs {inputs / GiB:.2f} GiB). "
-            f"Use a smaller batch (activations scale with it: about {fits} fits), recompute activations "
-            f"instead of keeping them (training), or a device with more HBM.")
+    _check_fits(name, batch, spec, weights, plan.arena_bytes, kalloc, inputs)
     rows, views = cost_graph(graph, spec)
     other, _, _ = _compile(ep, name, device, not fused)
     other_rows, _ = cost_graph(other, spec)
     t_here, b_here = sum(r.time_us for r in rows), sum(r.hbm_bytes for r in rows)
     t_other, b_other = sum(r.time_us for r in other_rows), sum(r.hbm_bytes for r in other_rows)
-    dtypes = [v.desc.dtype.value for v in graph.constants if v.desc.dtype.is_floating]
-    dtype = max(set(dtypes), key=dtypes.count) if dtypes else "float32"
     rep = EstimateReport(
-        model=name, device=device, spec=spec, batch=batch, fused=fused, dtype=dtype, rows=rows,
+        model=name, device=device, spec=spec, batch=batch, fused=fused, dtype=_weight_dtype(graph), rows=rows,
         time_us_fused=t_here if fused else t_other, time_us_unfused=t_other if fused else t_here,
         hbm_bytes_fused=b_here if fused else b_other, hbm_bytes_unfused=b_other if fused else b_here,
         weights_bytes=int(weights), arena_bytes=int(plan.arena_bytes), kernel_alloc_peak_bytes=int(kalloc),
         input_bytes=int(inputs), views=views)
-    if any(r.op == "TransData" for r in rows):
-        td = [r for r in rows if r.op == "TransData"]
+    td = [r for r in rows if r.op == "TransData"]
+    if td:
         rep.notes.append(f"{len(td)} TransData kernels cost {sum(r.time_us for r in td):.1f} us "
                          f"({sum(r.hbm_bytes for r in td) / 1e6:.1f} MB of HBM traffic)")
     return rep

@@ -51,19 +51,27 @@ VECTOR_OP_COST: dict[str, float] = {
     "sin": 8, "cos": 8,
 }
 
-# FlashAttention modelling constants (see flash_attention_cost).
-FA_CUBE_VECTOR_OVERLAP = 0.5
-"""estimate: fraction of the shorter of the Cube-side and Vector-side per-block times hidden
-under the longer.  QK_j -> softmax_j -> PV_j is a dependency chain staged through GM; with one
-block of preload the Vector's softmax of block j runs while the Cube works on block j+1, but
-synchronisation through GM flags serialises part of it.  Checked (not fitted) against an
-independent measurement: pto-isa's FlashAttention on one 910B2 core sustains ~8.8 TFLOP/s per
-core between S1=4K and 8K [PTO-FA]; this model gives 8.1 TFLOP/s per core."""
+# FlashAttention modelling constants (see flash_attention_cost).  Sources:
+# [PTO-FA-K] CANN pto-isa, kernels/manual/common/flash_atten/README.md and fa_performance_kernel.cpp
+#     (hw-native-sys/pto-isa @ a977dd11, 2026-04-30): the hand-written 910B FlashAttention kernel's
+#     structure -- compute_qk (Cube) -> compute_p (Vector) -> compute_pv (Cube) -> compute_gu (Vector),
+#     every hand-off staged through GM FIFOs and signalled with FFTS cross-core flags, QK run
+#     `qkPreloadNum` = 4 tiles ahead so Cube and Vector overlap in steady state, the QK/PV
+#     accumulators ping-ponged in L0C (assign_running_acc_tile), CUBE_S1 = 128.
+# [PTO-FA-CM] the same directory's scripts/fa_cost_model.py (hw-native-sys/pto-isa @ 0861d808):
+#     Huawei's first-order cycle model of that kernel, with simulator- and board-fitted constants.
 FA_SOFTMAX_OPS_PER_SCORE = 2 + 2 + VECTOR_OP_COST["exp"] + 1 + 1
 """Vector ops per attention score in the online softmax (FlashAttention-2 Alg. 1, Dao 2023):
 cast fp32 in + scale (2), row max + subtract (2), exp (2), row sum (1), cast to fp16 (1) = 8."""
 FA_OUTPUT_OPS_PER_ELEM = 2
 """Vector ops per output element per key block: rescale by exp(m_old - m_new) and add PV (2)."""
+FA_SYNC_CYCLES = 220
+"""Cycles one AIC <-> AIV hand-off (FFTS flag set + wait) adds to the first block's dependency
+chain: [PTO-FA-CM] SIM_LOGICAL_TILE_SYNC_CYCLES = 220 (simulator-calibrated).  In steady state
+the QK preload hides it."""
+FA_TASK_DISPATCH_CYCLES = 2000
+"""Cycles to start one (batch, head, query-block) task on a core: [PTO-FA-CM]
+NPU_BLOCK_DISPATCH_CYCLES = 2000 (fitted by the kernel's authors to on-board 910B3 runs)."""
 
 
 _DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4, "float": 4, "half": 2, "int8": 1, "uint8": 1,
@@ -203,14 +211,15 @@ def _gemm(op: str, batch: int, m: int, n: int, k: int, e: int, eo: int, spec: Np
             if bm * bn * 4 > spec.l0c_bytes:
                 continue
             tm, tn = _ceil(mp, bm), _ceil(np_, bn)
-            for ks in K_SPLITS:
-                if ks > 1 and k0 * ks > kp:
-                    continue
+            for ks in K_SPLITS:    # one fixed candidate set for every size: min stays monotone
                 kper = _up(_ceil(kp, ks), k0)
                 tiles = batch * tm * tn * ks
                 waves = _ceil(tiles, spec.cube_cores)
                 cube = waves * 2.0 * bm * bn * kper / rate
-                a_tile = a_total / (batch * tm) / ks                 # one row of tiles' share of A
+                # a tile reads its bm rows of A over its K slice (the whole padded A when
+                # it has fewer rows); a conv's A (`a_bytes`, its input window) pro rata
+                a_tile = (min(bm, mp) * kper * e if a_bytes is None
+                          else a_total / batch * min(bm, mp) / mp / ks)
                 rd = waves * (a_tile + bn * kper * e) / (spec.gm_read_bytes_per_cycle * hz) * 1e6
                 wr_b = bm * bn * (4 if ks > 1 else eo)
                 wr = waves * wr_b / (spec.gm_write_bytes_per_cycle * hz) * 1e6
@@ -391,39 +400,80 @@ def trans_data_cost(numel_src: int, numel_dst: int, dtype: Any = "float16", burs
 # ----------------------------------------------------------------------------------
 
 def flash_attention_blocks(head_dim: int, dtype: Any = "float16", spec: NpuSpec = ascend910b) -> tuple[int, int]:
-    """Default (block_q, block_k) by FlashAttention's rule (Dao et al. 2022, Alg. 1):
-    B_c = ceil(M / (4d)), B_r = min(B_c, d), with M the Unified Buffer size in elements,
-    each rounded down to a multiple of 16 (the Cube fractal).  910B fp16, d=128: (128, 192).
+    """Default (block_q, block_k) of the vnpu FlashAttention kernel, multiples of 16 (the Cube fractal).
+
+    B_r = min(B_c', d) by FlashAttention's rule (Dao et al. 2022, Alg. 1) with B_c' = ceil(M / 4d),
+    M the Unified Buffer in elements; B_c = the widest key block whose fp32 score tile S = Q K^T
+    fits L0C twice (the Cube accumulates S in L0C and ping-pongs it with the next tile, [PTO-FA-K]):
+    2 * B_r * B_c * 4 B <= l0c_bytes, and at most B_c'.  910B fp16, d=128: (128, 128), the
+    CUBE_S0 x CUBE_S1 of the hand-written kernel [PTO-FA-K]; d=64: (64, 256).
     """
     m = spec.ub_bytes // dtype_bytes(dtype)
-    bc = _ceil(m, 4 * head_dim)
-    br = min(bc, head_dim)
-    return max(16, br // 16 * 16), max(16, bc // 16 * 16)
+    bc_ub = _ceil(m, 4 * head_dim)
+    br = max(16, min(bc_ub, head_dim) // 16 * 16)
+    bc = min(bc_ub, spec.l0c_bytes // (2 * 4 * br))
+    return br, max(16, bc // 16 * 16)
+
+
+def _fa_block_cycles(br: int, bc: int, d: int, e: int, spec: NpuSpec) -> dict[str, float]:
+    """Cycles of one key block of one FlashAttention task on one AI core cluster (1 AIC + its AIVs).
+
+    Stages [PTO-FA-K]: QK (Cube: S = Q K_j^T, read K_j, write S fp32 to GM), P (Vector: read S,
+    online softmax, write P fp16), PV (Cube: read V_j and P, write P V_j fp32), GU (Vector: read
+    P V_j, rescale and accumulate O in UB).  Each stage alone takes the max of its compute and its
+    own GM traffic (double-buffered pipes); `steady` is the per-block time with the stages
+    overlapped by the QK preload: the max of Cube work, Vector work, and the cluster's GM reads
+    and writes at the per-core L2 rates (`gm_read/write_bytes_per_cycle`, which AIC and AIVs
+    share: the platform file's per-core rates, like ddr_rate, are per-core shares of the chip);
+    `chain` is one block through the four stages in sequence plus three hand-offs."""
+    cube = _cube_rate_per_core(spec, e) * CUBE_EFFICIENCY / (spec.clock_ghz * 1e9)   # FLOP per cycle
+    vec = spec.vector_elems_per_cycle(4) * spec.aiv_per_aic
+    rd, wr = spec.gm_read_bytes_per_cycle, spec.gm_write_bytes_per_cycle
+    s_b, p_b, kv_b, pv_b = br * bc * 4, br * bc * e, bc * d * e, br * d * 4
+    qk = max(2.0 * br * bc * d / cube, kv_b / rd, s_b / wr)
+    p = max(br * bc * FA_SOFTMAX_OPS_PER_SCORE / vec, s_b / rd, p_b / wr)
+    pv = max(2.0 * br * bc * d / cube, (kv_b + p_b) / rd, pv_b / wr)
+    gu = max(br * d * FA_OUTPUT_OPS_PER_ELEM / vec, pv_b / rd)
+    cube_cyc = 4.0 * br * bc * d / cube
+    vec_cyc = (br * bc * FA_SOFTMAX_OPS_PER_SCORE + br * d * FA_OUTPUT_OPS_PER_ELEM) / vec
+    rd_cyc = (2 * kv_b + p_b + s_b + pv_b) / rd
+    wr_cyc = (s_b + p_b + pv_b) / wr
+    return {"cube": cube_cyc, "vector": vec_cyc, "gm_read": rd_cyc, "gm_write": wr_cyc,
+            "steady": max(cube_cyc, vec_cyc, rd_cyc, wr_cyc), "chain": qk + p + pv + gu + 3 * FA_SYNC_CYCLES}
+
+
+def _fa_hbm(bh: int, seq_q: int, seq_k: int, head_dim: int, e: int, n_qblk: int,
+            frac: float, spec: NpuSpec) -> tuple:
+    """(HBM bytes, HBM µs) of FlashAttention over ``bh`` (batch x heads), ``e`` bytes per
+    element: Q and O once, K and V once per query block (times ``frac``, 0.5 when causal);
+    the time counts K and V once when they fit the L2."""
+    qo = 2 * bh * seq_q * head_dim * e
+    kv_once = 2 * bh * seq_k * head_dim * e
+    hbm = qo + kv_once * n_qblk * frac
+    return hbm, _hbm_us(spec, qo + (kv_once if kv_once <= spec.l2_bytes else kv_once * n_qblk * frac))
 
 
 def flash_attention_cost(batch: int, heads: int, seq_q: int, seq_k: int, head_dim: int, dtype: Any = "float16",
                          block_q: int | None = None, block_k: int | None = None, causal: bool = False,
                          spec: NpuSpec = ascend910b) -> KernelCost:
-    """Forward FlashAttention on the split Cube/Vector design (910B style).
+    """Forward FlashAttention on the split Cube (AIC) / Vector (AIV) design of 910B, as the
+    hand-written kernel runs it [PTO-FA-K].
 
-    Work: each (batch, head, query block of `block_q` rows) is one task on one Cube core
-    (plus its aiv_per_aic Vector units); tasks run in waves over the Cube cores, so one
-    (batch, head) at S=1K with block 128 occupies 8 of 24 cores.  Per key block of
-    `block_k` columns a task does, (Dao 2023, FlashAttention-2 Alg. 1):
+    Tasks: each (batch, head, query block of `block_q` rows) is one task on one AI core cluster
+    (an AIC and its aiv_per_aic AIVs, each AIV taking half the rows); tasks run in waves over the
+    Cube cores (S=1K, one head, block 128: 8 of 24 cores busy; S=4K: 32 tasks, two waves).
+    Per task and key block of `block_k` columns (`_fa_block_cycles`): QK on the Cube -> S to GM
+    (fp32) -> softmax on the Vector -> P to GM (fp16) -> PV on the Cube -> PV to GM (fp32) -> rescale
+    and accumulate on the Vector; there is no L0C -> UB path on 910B, so every hand-off is GM traffic.
+    With the QK preload the stages overlap, so a task takes
+    ``dispatch + Q load + chain + (n_blocks - 1) * steady + O store`` cycles: the first block's
+    dependency chain (four stages in sequence plus three cross-core hand-offs, FA_SYNC_CYCLES) and
+    then one block per `steady` (the slowest of Cube, Vector, GM reads, GM writes of the cluster).
+    Device time = launch + waves x task.  Cube at CUBE_EFFICIENCY x peak; Vector in fp32.
 
-    * Cube: S = Q K^T and O += P V: 4 * Br * Bc * d FLOPs (fractal-padded).
-    * Cube-side GM traffic: read K_j, V_j (2 Bc d e), read P (Br Bc e), write S (Br Bc x 4 B
-      fp32) and the partial PV (Br d x 4 B), at the per-core gm rates (AIC and AIV exchange
-      through GM on 910B: no direct L0C -> UB path).
-    * Vector (on aiv_per_aic units): FA_SOFTMAX_OPS_PER_SCORE per score and
-      FA_OUTPUT_OPS_PER_ELEM per output element in fp32, plus its own GM traffic.
-    * Per-block time = max(cube side, vector side) + (1 - FA_CUBE_VECTOR_OVERLAP) * min(...).
-    * Pipeline fill/drain per task: the first softmax and the last PV have no partner to
-      overlap (min(cube side, vector side)), plus loading Q and storing O.
-
-    FLOPs: 4 * S_q * S_k * d per (batch, head) (halved for causal).  HBM bytes: Q and O
-    once, K and V re-read once per query block (the GM traffic; the L2 absorbs re-reads
-    when K and V fit).  `block_q`/`block_k` default to `flash_attention_blocks`.
+    FLOPs: 4 * S_q * S_k * d per (batch, head) (halved for causal).  HBM bytes: Q and O once, K and
+    V re-read once per query block (GM traffic; when K and V fit the L2 the time counts them once;
+    the S/P/PV hand-offs stay in L2).  `block_q`/`block_k` default to `flash_attention_blocks`.
     Raises ValueError on non-positive sizes or blocks that are not multiples of 16.
     """
     if min(batch, heads, seq_q, seq_k, head_dim) < 1:
@@ -433,64 +483,34 @@ def flash_attention_cost(batch: int, heads: int, seq_q: int, seq_k: int, head_di
     if br % 16 or bc % 16 or br < 16 or bc < 16:
         raise ValueError(f"flash_attention_cost: block_q={br}, block_k={bc} must be positive multiples of 16 "
                          f"(the Cube fractal size)")
-    e = dtype_bytes(dtype)
-    hz = spec.clock_ghz * 1e9
-    d = _up(head_dim, 16)
-    # --- one task, one full key block (cycles) ---
-    cube_cyc = 4.0 * br * bc * d / (_cube_rate_per_core(spec, e) / hz)
-    cube_rd = (2 * bc * d * e + br * bc * e) / spec.gm_read_bytes_per_cycle
-    cube_wr = (br * bc * 4 + br * d * 4) / spec.gm_write_bytes_per_cycle
-    cube_side = max(cube_cyc, cube_rd, cube_wr)
-    aiv = spec.aiv_per_aic
-    vec_rate = spec.vector_elems_per_cycle(4) * aiv                       # fp32 elements / cycle
-    vec_cyc = (br * bc * FA_SOFTMAX_OPS_PER_SCORE + br * d * FA_OUTPUT_OPS_PER_ELEM) / vec_rate
-    vec_rd = (br * bc * 4 + br * d * 4) / (spec.gm_read_bytes_per_cycle * aiv)
-    vec_wr = (br * bc * e) / (spec.gm_write_bytes_per_cycle * aiv)
-    vec_side = max(vec_cyc, vec_rd, vec_wr)
-    long_, short = max(cube_side, vec_side), min(cube_side, vec_side)
-    block_cyc = long_ + (1 - FA_CUBE_VECTOR_OVERLAP) * short
-    fill_cyc = short + (br * d * e) / spec.gm_read_bytes_per_cycle + (br * d * e) / spec.gm_write_bytes_per_cycle
-    # --- tasks and waves ---
+    e, hz, d = dtype_bytes(dtype), spec.clock_ghz * 1e9, _up(head_dim, 16)
+    blk = _fa_block_cycles(br, bc, d, e, spec)
     n_qblk = _ceil(seq_q, br)
-    k_blocks = _up(seq_k, 16) / bc                  # partial last block costs its fractal-padded share
+    k_blocks = max(1.0, _up(seq_k, 16) / bc)        # a partial last block costs its fractal-padded share
     if causal:
-        k_blocks = k_blocks * (n_qblk + 1) / (2 * n_qblk)
+        k_blocks = max(1.0, k_blocks * (n_qblk + 1) / (2 * n_qblk))
     tasks = batch * heads * n_qblk
     used, waves = _waves(tasks, spec.cube_cores)
-    task_us = (fill_cyc + k_blocks * block_cyc) / hz * 1e6
-    device_us = waves * task_us
-    # --- FLOPs and bytes ---
+    edge_cyc = FA_TASK_DISPATCH_CYCLES + br * d * e * (1 / spec.gm_read_bytes_per_cycle + 1 / spec.gm_write_bytes_per_cycle)
+    task_cyc = edge_cyc + blk["chain"] + (k_blocks - 1) * blk["steady"]
+    device_us = waves * task_cyc / hz * 1e6
     frac = 0.5 if causal else 1.0
     useful = 4.0 * batch * heads * seq_q * seq_k * head_dim * frac
     flops = 4.0 * batch * heads * (n_qblk * br) * _up(seq_k, 16) * d * frac
-    qo = 2 * batch * heads * seq_q * head_dim * e
-    kv_once = 2 * batch * heads * seq_k * head_dim * e
-    hbm = qo + kv_once * n_qblk * frac
-    kv_fits_l2 = kv_once <= spec.l2_bytes
-    hbm_time_bytes = qo + (kv_once if kv_fits_l2 else kv_once * n_qblk * frac)
-    hbm_us = _hbm_us(spec, hbm_time_bytes)
-    cube_total = waves * (k_blocks * cube_cyc) / hz * 1e6
-    vec_total = waves * (k_blocks * vec_cyc) / hz * 1e6
-    pipes = {"cube": cube_total, "vector": vec_total, "memory": hbm_us}
+    hbm, hbm_us = _fa_hbm(batch * heads, seq_q, seq_k, head_dim, e, n_qblk, frac, spec)
+    limits = {"cube": blk["cube"], "vector": blk["vector"], "memory": max(blk["gm_read"], blk["gm_write"])}
+    bound = "memory" if hbm_us >= device_us else max(limits, key=limits.get)  # type: ignore[arg-type]
     busy = max(device_us, hbm_us)
-    if hbm_us >= device_us:
-        bound = "memory"
-    else:
-        # which side sets the per-block time
-        side = "cube" if cube_side >= vec_side else "vector"
-        if side == "cube" and max(cube_rd, cube_wr) > cube_cyc:
-            side = "memory"
-        if side == "vector" and max(vec_rd, vec_wr) > vec_cyc:
-            side = "memory"
-        bound = side
     if spec.kernel_launch_us > busy:
         bound = "launch"
+    us = 1e6 / hz
     breakdown = {
         "block_q": br, "block_k": bc, "query_blocks": tasks, "cores_used": used, "waves": waves,
-        "key_blocks_per_task": k_blocks, "block_us": block_cyc / hz * 1e6, "fill_us": fill_cyc / hz * 1e6,
-        "cube_side_us_per_block": cube_side / hz * 1e6, "vector_side_us_per_block": vec_side / hz * 1e6,
-        "cube_us": pipes["cube"], "vector_us": pipes["vector"], "hbm_us": hbm_us,
-        "launch_us": spec.kernel_launch_us, "overlap": FA_CUBE_VECTOR_OVERLAP,
+        "key_blocks_per_task": k_blocks, "block_us": blk["steady"] * us, "chain_us": blk["chain"] * us,
+        "task_us": task_cyc * us, "cube_us": waves * k_blocks * blk["cube"] * us,
+        "vector_us": waves * k_blocks * blk["vector"] * us,
+        "gm_us": waves * k_blocks * max(blk["gm_read"], blk["gm_write"]) * us, "hbm_us": hbm_us,
+        "launch_us": spec.kernel_launch_us,
     }
     return KernelCost("flash_attention", spec.kernel_launch_us + busy, flops, useful, hbm, bound, breakdown)
 
@@ -524,9 +544,9 @@ def eager_time_us(cost: KernelCost, spec: NpuSpec = ascend910b) -> float:
 # ----------------------------------------------------------------------------------
 
 FA_910B_MEASURED_TFLOPS: dict[int, float] = {1024: 9.2, 4096: 72.6, 8192: 97.3, 32768: 150.8}
-"""FlashAttention forward on Ascend 910B, head dim 128, batch 1, 1 head, fp16, eager
-per-call timing, TFLOP/s with FLOPs = 4 S^2 d: the published measurements quoted in
-opencann issue 4."""
+"""FlashAttention forward on Ascend 910B2, head dim 128, batch 1, 1 head, fp16, torch_npu per-call
+timing, TFLOP/s with FLOPs = 4 S^2 d: the "910B2 Multi-Core Comparison" table of CANN pto-isa
+kernels/manual/common/flash_atten/README.md (hw-native-sys/pto-isa @ a977dd11), as quoted in issue 4."""
 
 
 def flash_attention_calibration_table(spec: NpuSpec = ascend910b, head_dim: int = 128

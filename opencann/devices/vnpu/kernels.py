@@ -50,6 +50,25 @@ def _out_dtype(dt: torch.dtype) -> torch.dtype:
     return dt if dt.is_floating_point else torch.int32
 
 
+def _check_conv_operands(x: torch.Tensor, w_fz: torch.Tensor, in_channels: int, out_channels: int,
+                         kh: int, kw: int, c0: int | None) -> None:
+    """Raise ValueError unless ``x`` is NC1HWC0 holding ``in_channels`` and ``w_fz`` the
+    FRACTAL_Z of an (out_channels, in_channels, kh, kw) weight at x's C0."""
+    if x.dim() != 5:
+        raise ValueError(f"conv2d_nc1hwc0: x must be NC1HWC0 (rank 5), got shape {tuple(x.shape)}")
+    if w_fz.dim() != 4:
+        raise ValueError(f"conv2d_nc1hwc0: w_fz must be FRACTAL_Z (rank 4), got shape {tuple(w_fz.shape)}")
+    _, c1, _, _, k = x.shape
+    k_expected = c0_for(x.dtype, c0)
+    if k != k_expected or c1 != -(-in_channels // k):
+        raise ValueError(f"conv2d_nc1hwc0: x shape {tuple(x.shape)} does not hold {in_channels} channels with "
+                         f"C0={k_expected} for {x.dtype}")
+    expected_w = format_shape((out_channels, in_channels, kh, kw), "FRACTAL_Z", w_fz.dtype, c0=k)
+    if tuple(w_fz.shape) != expected_w:
+        raise ValueError(f"conv2d_nc1hwc0: w_fz shape {tuple(w_fz.shape)} disagrees with weight "
+                         f"({out_channels}, {in_channels}, {kh}, {kw}); expected {expected_w}")
+
+
 def conv2d_nc1hwc0(x: torch.Tensor, w_fz: torch.Tensor, *, in_channels: int, out_channels: int,
                    kernel_size: int | Sequence[int], stride: int | Sequence[int] = 1,
                    padding: int | Sequence[int] = 0, dilation: int | Sequence[int] = 1,
@@ -67,23 +86,12 @@ def conv2d_nc1hwc0(x: torch.Tensor, w_fz: torch.Tensor, *, in_channels: int, out
         inputs), pad channels zero.
     Raises ValueError: ranks, C0/C1/N1 or kernel size that disagree with the shapes.
     """
-    if x.dim() != 5:
-        raise ValueError(f"conv2d_nc1hwc0: x must be NC1HWC0 (rank 5), got shape {tuple(x.shape)}")
-    if w_fz.dim() != 4:
-        raise ValueError(f"conv2d_nc1hwc0: w_fz must be FRACTAL_Z (rank 4), got shape {tuple(w_fz.shape)}")
     kh, kw = _pair(kernel_size, "kernel_size")
     sh, sw = _pair(stride, "stride")
     ph, pw = _pair(padding, "padding")
     dh, dw = _pair(dilation, "dilation")
+    _check_conv_operands(x, w_fz, in_channels, out_channels, kh, kw, c0)
     n, c1, h, wd, k = x.shape
-    k_expected = c0_for(x.dtype, c0)
-    if k != k_expected or c1 != -(-in_channels // k):
-        raise ValueError(f"conv2d_nc1hwc0: x shape {tuple(x.shape)} does not hold {in_channels} channels with "
-                         f"C0={k_expected} for {x.dtype}")
-    expected_w = format_shape((out_channels, in_channels, kh, kw), "FRACTAL_Z", w_fz.dtype, c0=k)
-    if tuple(w_fz.shape) != expected_w:
-        raise ValueError(f"conv2d_nc1hwc0: w_fz shape {tuple(w_fz.shape)} disagrees with weight "
-                         f"({out_channels}, {in_channels}, {kh}, {kw}); expected {expected_w}")
     acc = _acc_dtype(x.dtype)
     # spatial zero padding on the 5-D tensor: (C0 none, W, H)
     xp = F.pad(x, (0, 0, pw, pw, ph, ph))

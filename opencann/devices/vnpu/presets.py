@@ -344,21 +344,8 @@ def get_preset(name: str) -> NpuSpec:
                          f"or give a spec file to load_spec()") from None
 
 
-def load_spec(path: str | Path) -> NpuSpec:
-    """Read an `NpuSpec` from a JSON (``.json``) or TOML (``.toml``) file.
-
-    The file holds the `NpuSpec` fields at top level (see `FIELD_DOCS` for names and
-    units) and optionally ``base = "<preset>"`` to start from a preset and override only
-    some fields, and a ``[sources]`` table (field -> source string).  Fields given without
-    a source are recorded as ``"user spec file <path>"``.
-
-    Raises:
-        FileNotFoundError: the file does not exist.
-        ValueError: a directory, not UTF-8, unknown suffix, unreadable JSON/TOML, an
-            unknown key, a missing key, or a non-positive / non-numeric / implausible value
-            (outside `_RANGES`); the message names the file, the key and the fix.
-    """
-    p = Path(path)
+def _read_spec_file(p: Path) -> dict:
+    """The top-level table of the JSON/TOML spec file ``p`` (see `load_spec` for the errors)."""
     if not p.exists():
         raise FileNotFoundError(f"spec file {p} does not exist")
     if p.is_dir():
@@ -386,8 +373,25 @@ def load_spec(path: str | Path) -> NpuSpec:
         raise ValueError(f"{p}: cannot parse spec file: {e}") from e
     if not isinstance(data, dict):
         raise ValueError(f"{p}: the spec file must hold a table/object of fields at top level")
+    return data
 
-    data = dict(data)
+
+def load_spec(path: str | Path) -> NpuSpec:
+    """Read an `NpuSpec` from a JSON (``.json``) or TOML (``.toml``) file.
+
+    The file holds the `NpuSpec` fields at top level (see `FIELD_DOCS` for names and
+    units) and optionally ``base = "<preset>"`` to start from a preset and override only
+    some fields, and a ``[sources]`` table (field -> source string).  Fields given without
+    a source are recorded as ``"user spec file <path>"``.
+
+    Raises:
+        FileNotFoundError: the file does not exist.
+        ValueError: a directory, not UTF-8, unknown suffix, unreadable JSON/TOML, an
+            unknown key, a missing key, or a non-positive / non-numeric / implausible value
+            (outside `_RANGES`); the message names the file, the key and the fix.
+    """
+    p = Path(path)
+    data = dict(_read_spec_file(p))
     user_sources = data.pop("sources", {}) or {}
     if not isinstance(user_sources, dict):
         raise ValueError(f"{p}: key 'sources' must be a table mapping field names to source strings")

@@ -1,7 +1,7 @@
 """The ``FlashAttention`` graph op: its `OpDef` (cost without the S×S score matrix) and
 its bind-time CPU kernel factory (the OpDef's ``kernel_factories["cpu"]``).
 
-Node layout (made by ``opencann.passes.attention.FuseFlashAttention``): inputs
+Node layout (made by ``opencann.passes.fusion.attention.FuseFlashAttention``): inputs
 q (B, H, S_q, D), k and v (B, H_kv, S_k, D) in BNSD order, optionally a mask
 broadcastable to (B, H, S_q, S_k) (bool, True = keep, or float, added to the scores);
 attrs ``query``/``key``/``value``/``attn_mask`` (TensorRefs; ``attn_mask`` absent when

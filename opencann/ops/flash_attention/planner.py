@@ -108,6 +108,29 @@ def _ceil_to(x, quantum, pow2):
     return -(-x // quantum) * quantum
 
 
+def _fit_buffer(br: int, bc: int, head_dim: int, in_b: int, acc_b: int, buffer_bytes: int,
+                quantum: int, pow2: bool, steps: list) -> tuple:
+    """Halve the larger block (B_c first on a tie) until the working set fits
+    ``buffer_bytes``, logging each step in ``steps``. Returns (B_r, B_c, working set
+    bytes). Raises ValueError when quantum x quantum tiles do not fit."""
+    ws = working_set_bytes(br, bc, head_dim, in_b, acc_b)
+    while ws > buffer_bytes:
+        if bc >= br and bc > quantum:
+            nb = max(_round(bc // 2, quantum, pow2), quantum)
+            steps.append(f"working set {ws} B > {buffer_bytes} B: halve B_c {bc} -> {nb}")
+            bc = nb
+        elif br > quantum:
+            nb = max(_round(br // 2, quantum, pow2), quantum)
+            steps.append(f"working set {ws} B > {buffer_bytes} B: halve B_r {br} -> {nb}")
+            br = nb
+        else:
+            raise ValueError(
+                f"a buffer of {buffer_bytes} B cannot hold even {quantum}x{quantum} tiles "
+                f"at head_dim {head_dim} ({ws} B needed); use a larger buffer or smaller head_dim")
+        ws = working_set_bytes(br, bc, head_dim, in_b, acc_b)
+    return br, bc, ws
+
+
 def plan_tiles(buffer_bytes: int, head_dim: int, dtype=torch.float32, *, seq_q=None,
                seq_k=None, target: str = "cpu", acc_dtype=torch.float32) -> TilePlan:
     """Choose (B_r, B_c) for FlashAttention tiles.
@@ -153,21 +176,7 @@ def plan_tiles(buffer_bytes: int, head_dim: int, dtype=torch.float32, *, seq_q=N
                 br = cap
             else:
                 bc = cap
-    ws = working_set_bytes(br, bc, head_dim, in_b, acc_b)
-    while ws > buffer_bytes:
-        if bc >= br and bc > quantum:
-            nb = max(_round(bc // 2, quantum, pow2), quantum)
-            steps.append(f"working set {ws} B > {buffer_bytes} B: halve B_c {bc} -> {nb}")
-            bc = nb
-        elif br > quantum:
-            nb = max(_round(br // 2, quantum, pow2), quantum)
-            steps.append(f"working set {ws} B > {buffer_bytes} B: halve B_r {br} -> {nb}")
-            br = nb
-        else:
-            raise ValueError(
-                f"a buffer of {buffer_bytes} B cannot hold even {quantum}x{quantum} tiles "
-                f"at head_dim {head_dim} ({ws} B needed); use a larger buffer or smaller head_dim")
-        ws = working_set_bytes(br, bc, head_dim, in_b, acc_b)
+    br, bc, ws = _fit_buffer(br, bc, head_dim, in_b, acc_b, buffer_bytes, quantum, pow2, steps)
     steps.append(f"working set: Q {br}x{head_dim} + K,V 2x{bc}x{head_dim} at {in_b} B, "
                  f"S/P {br}x{bc} + O {br}x{head_dim} + m,l 2x{br} at {acc_b} B = {ws} B "
                  f"<= {buffer_bytes} B: fits")

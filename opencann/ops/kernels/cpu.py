@@ -49,7 +49,45 @@ def _conv_weight(node: Node, x: TensorDesc, w: torch.Tensor) -> torch.Tensor:
         return w
 
 
+def _conv_add_kernel(wp, conv_args: tuple, unary, post, inplace: bool) -> Callable:
+    """ConvAddAct's ``run(x, w[, bias], other)``: oneDNN's binary "add" post-op, written
+    into ``other`` when ``inplace``; ``wp``: the reordered constant weight or None;
+    ``conv_args``: (padding, stride, dilation, groups); ``post``: an in-place ReLU or None."""
+    pad, stride, dil, groups = conv_args
+    if inplace:
+        f = torch.ops.mkldnn._convolution_pointwise_.binary
+
+        def run(x, w, *rest):  # (x, w[, bias], other)
+            b, other = (rest[0], rest[1]) if len(rest) == 2 else (None, rest[0])
+            y = f(other, x, w if wp is None else wp, b, pad, stride, dil, groups, "add",
+                  None, unary, [], "")
+            return y if post is None else post(y)
+    else:
+        f = torch.ops.mkldnn._convolution_pointwise.binary
+
+        def run(x, w, *rest):  # (x, w[, bias], other)
+            b, other = (rest[0], rest[1]) if len(rest) == 2 else (None, rest[0])
+            y = f(x, other, w if wp is None else wp, b, pad, stride, dil, groups, "add",
+                  None, unary, [], "")
+            return y if post is None else post(y)
+    return run
+
+
 def make_conv_kernel(node: Node, in_descs: Sequence[TensorDesc], consts: Sequence) -> Callable:
+    """Bind-time kernel of a ConvBiasAct or ConvAddAct node: one oneDNN convolution
+    (``torch.ops.mkldnn._convolution_pointwise``) with the node's activation as a post-op.
+
+    ``node.attrs``: ``padding``, ``stride``, ``dilation`` (pairs), ``groups``, ``act`` (none,
+    relu, gelu (erf), tanh, sigmoid, silu) and, for ConvAddAct, ``inplace``. ``in_descs[0]``:
+    the NCHW input's description (sizes the weight reorder); ``consts[1]``: the weight
+    tensor (O, I/groups, KH, KW) when it is a constant, reordered once here to oneDNN's
+    blocked layout for that input size, else None (reordered by oneDNN on every call).
+    Returns ``run(x, w[, bias])`` for ConvBiasAct and ``run(x, w[, bias], other)`` for
+    ConvAddAct (the sum post-op adds ``other``; with ``inplace`` it writes into ``other``'s
+    memory and returns it); the result, in x's dtype, may be channels-last (the executor
+    restores eager's strides where they are observed). ReLU runs after the convolution
+    with ``torch.relu_`` (see the module docstring). Raises KeyError for an activation
+    without a oneDNN post-op (the fusion passes never make one)."""
     a = node.attrs
     w = consts[1]
     # a constant weight is reordered once; otherwise oneDNN reorders it on every call
@@ -67,25 +105,8 @@ def make_conv_kernel(node: Node, in_descs: Sequence[TensorDesc], consts: Sequenc
         act, post = "none", torch.relu_
 
     if node.op == "ConvAddAct":
-        unary = None if act == "none" else act
-        inplace = a.get("inplace", True)
-        if inplace:
-            f = torch.ops.mkldnn._convolution_pointwise_.binary
-
-            def run(x, w, *rest):  # (x, w[, bias], other)
-                b, other = (rest[0], rest[1]) if len(rest) == 2 else (None, rest[0])
-                y = f(other, x, w if wp is None else wp, b, pad, stride, dil, groups, "add",
-                      None, unary, [], "")
-                return y if post is None else post(y)
-        else:
-            f = torch.ops.mkldnn._convolution_pointwise.binary
-
-            def run(x, w, *rest):  # (x, w[, bias], other)
-                b, other = (rest[0], rest[1]) if len(rest) == 2 else (None, rest[0])
-                y = f(x, other, w if wp is None else wp, b, pad, stride, dil, groups, "add",
-                      None, unary, [], "")
-                return y if post is None else post(y)
-        return run
+        return _conv_add_kernel(wp, (pad, stride, dil, groups), None if act == "none" else act,
+                                post, a.get("inplace", True))
 
     if post is not None:
         def run(x, w, b=None):

@@ -1,7 +1,7 @@
 """vnpu kernels: bind-time factories ``f(node, in_descs, consts) -> callable(*inputs)``
 for nodes placed on the virtual NPU (an `OpDef`'s ``kernel_factories["vnpu"]``).
 
-A factory looks at the formats the layout pass (``passes/vnpu_layout.py``) gave the
+A factory looks at the formats the layout pass (``passes/layout/npu_layout.py``) gave the
 node's values; an op's ``npu_format`` column says which family it belongs to:
 
 - ``TransData``: `trans_data` between ND/NCHW and NC1HWC0 / FRACTAL_Z / FRACTAL_NZ.

@@ -160,3 +160,17 @@ def fallback(node: Node, spec: NpuSpec) -> Tuple[KernelCost, str]:
 
 __all__ = ["VnpuCost", "attention", "batchnorm", "combine", "conv", "copy", "create", "fallback",
            "flash_attention", "layernorm", "matmul", "reduction", "softmax", "trans_data", "vector"]
+
+
+def gated_mlp(node: Node, spec: NpuSpec) -> Tuple[KernelCost, str]:
+    """GatedMLP(x [M, K], w1, w3 [K, N]): two Cube GEMMs, the second with SiLU and the
+    product as Vector epilogue on its output (GE's post-processing), no HBM round trip."""
+    x, w = node.inputs[0].desc, node.inputs[1].desc
+    m, k, n = int(x.origin_shape[0]), int(x.origin_shape[1]), int(w.origin_shape[1])
+    dt = x.dtype.value
+    parts = [matmul_cost(m, n, k, 1, dt, spec),
+             matmul_cost(m, n, k, 1, dt, spec, epilogue=("silu", "mul"))]
+    return combine("gated_mlp", parts), "matmul_cost x2 (silu, mul epilogue)"
+
+
+__all__ += ["gated_mlp"]

@@ -1,11 +1,21 @@
 """Stage 2, fusion: one rewrite per module (batchnorm, conv_act, conv_add_act,
-linear_act, attention); each says why a match was not rewritten."""
+linear_act, attention; the patterns silu, gelu_tanh, gelu_erf, rms_norm,
+layer_norm, gated_mlp; user_rule: rules registered by users); each says why a match was not rewritten."""
 from .attention import FuseFlashAttention
 from .batchnorm import FoldBatchNorm
 from .common import CpuFusion
 from .conv_act import FuseConvAct
 from .conv_add_act import FuseConvAddAct
+from .gated_mlp import FuseGatedMLP
+from .gelu_erf import FuseGeluErf
+from .gelu_tanh import FuseGeluTanh
+from .layer_norm import FuseLayerNorm
 from .linear_act import FuseLinearAct
+from .rms_norm import FuseRMSNorm
+from .silu import FuseSiLU
+from .user_rule import FusionRule, UserFusion, register_rule, unregister_rule, user_passes
 
 __all__ = ["FoldBatchNorm", "FuseConvAct", "FuseConvAddAct", "FuseLinearAct",
-           "FuseFlashAttention", "CpuFusion"]
+           "FuseFlashAttention", "CpuFusion", "FuseSiLU", "FuseGeluTanh", "FuseGeluErf",
+           "FuseRMSNorm", "FuseLayerNorm", "FuseGatedMLP", "FusionRule", "UserFusion",
+           "register_rule", "unregister_rule", "user_passes"]

@@ -25,7 +25,7 @@ import torch
 from ...devices import parse_device
 from ...ir import Graph, Node, TensorRef, Value
 from ...ir.symbolic import dynamic_skip_reason
-from ...ops.flash_attention import cpu_l2, cuda_smem, plan_tiles
+from ...ops.flash_attention import cpu_l2, plan_tiles
 from ..base import PassContext, RewritePass, Skip
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -41,16 +41,13 @@ def _broadcasts(shape, target) -> bool:
 
 def _tile_check(device: str, d: int, sq: int, sk: int) -> Optional[str]:
     """None if the target's tile buffer holds 16×16 tiles at head dim ``d``."""
-    dtype = torch.float32
-    if device == "cuda":
-        buf, src = cuda_smem()
-        target = "triton"
-    elif parse_device(device).kind == "vnpu":
-        buf, src = parse_device(device).tile_buffer()
+    dev = parse_device(device)
+    if dev.kind == "vnpu":
+        buf, src = dev.tile_buffer()   # the vnpu's Unified Buffer
         target, dtype = "cube", torch.float16
     else:
         buf, src = cpu_l2()
-        target = "cpu"
+        target, dtype = "cpu", torch.float32
     try:
         plan_tiles(buf, d, dtype, seq_q=sq, seq_k=sk, target=target)
     except ValueError as e:
@@ -299,6 +296,12 @@ class FuseFlashAttention(RewritePass):
     default_enabled = False
 
     def match(self, node: Node, graph: Graph, ctx: PassContext):
+        """ScaledDotProductAttention: an `_Attention` match, or a `Skip` with the first
+        reason FlashAttention cannot take it (dropout, ranks, dtypes, head dims, shapes, heads,
+        mask, tile plan: `_check`). BatchMatMul: None unless its first operand is (through
+        no-op views) a SoftmaxV2, else the spelled-out softmax(scale·q kᵀ + mask)·v chain
+        (`_match_spelled_out`) or a `Skip` saying which part differs; a bool mask added to the
+        scores is refused (it adds 0/1)."""
         if node.op == "ScaledDotProductAttention":
             return self._match_sdpa(node, ctx)
         dynamic = dynamic_skip_reason(node, "matching spelled-out attention")
@@ -326,6 +329,8 @@ class FuseFlashAttention(RewritePass):
         return _Attention(q, k, v, mask, node.attrs.get("scale"), [node], node, sdpa=True)
 
     def rewrite(self, graph: Graph, m: _Attention, ctx: PassContext) -> int:
+        """Replace the SDPA node, or the whole spelled-out chain, by one FlashAttention
+        node (spelled-out: rows whose mask is all -inf give NaN, as softmax does); returns 1."""
         last = m.last
         if m.sdpa:
             fa = _make(graph, m.q, m.k, m.v, m.mask, last.attrs.get("is_causal", False), m.scale,

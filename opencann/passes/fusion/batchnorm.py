@@ -29,11 +29,18 @@ class FoldBatchNorm(RewritePass):
     switch_section, cann_names = "GraphFusion", ("ConvBatchnormFusionPass",)
 
     def run(self, graph: Graph, ctx: PassContext) -> int:
+        """The rule over every BatchNorm (and HostFallback) node, then drop the
+        constants the folds left unused; returns the number of folds."""
         n = super().run(graph, ctx)
         graph.prune_constants()
         return n
 
     def match(self, bn: Node, graph: Graph, ctx: PassContext):
+        """A `_BnMatch` for an inference BatchNorm whose input is a (non-transposed)
+        Conv2D read by it alone, with constant weight, bias and statistics and unused saved
+        mean/var outputs; otherwise a `Skip` naming the first condition that fails. A
+        HostFallback running ``batch_norm`` (training mode) is a `Skip` telling to call
+        ``model.eval()``; another HostFallback is None."""
         if bn.op == "HostFallback":
             if "batch_norm" in str(bn.meta.get("aten", "")):
                 return Skip("BatchNorm in training mode (batch statistics); call model.eval() "
@@ -57,6 +64,9 @@ class FoldBatchNorm(RewritePass):
         return _BnMatch(conv, bn, params, w, b)
 
     def rewrite(self, graph: Graph, m: _BnMatch, ctx: PassContext) -> int:
+        """Fold in float64 and cast back to the weight's dtype: scale = γ/√(var+eps),
+        W' = W·scale (per output channel), b' = (b − μ)·scale + β (b = 0 when the conv has no
+        bias; then the bias input is added); the BatchNorm node is erased. Returns 1."""
         conv, bn, w, b = m.conv, m.bn, m.w, m.b
         gamma, beta, mean, var = (p.const.double() for p in m.params)
         scale = gamma / torch.sqrt(var + bn.attrs["eps"])

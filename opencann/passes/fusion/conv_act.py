@@ -27,6 +27,10 @@ class FuseConvAct(CpuFusion):
     switch_section = "UBFusion"
 
     def match(self, conv: Node, graph: Graph, ctx: PassContext):
+        """A `Skip` when the Conv2D cannot be a oneDNN convolution (`_conv_check`),
+        else a `_ConvMatch` with the activation (Relu, Gelu (erf), Sigmoid, Tanh, Swish) that
+        is the output's sole user, or with none (and the reason when the output has several
+        users or the Gelu is the tanh approximation)."""
         why = _conv_check(conv)
         if why:
             return Skip(why)
@@ -42,6 +46,8 @@ class FuseConvAct(CpuFusion):
         return _ConvMatch(conv, user)
 
     def rewrite(self, graph: Graph, m: _ConvMatch, ctx: PassContext) -> int:
+        """Replace the conv (and its activation) by one ConvBiasAct node; the reason an
+        activation was not fused is recorded as a skip at the conv. Returns 1."""
         conv, user = m.conv, m.act
         if m.why_not_act:
             ctx.skipped(conv, m.why_not_act)

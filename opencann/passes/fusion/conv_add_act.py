@@ -28,6 +28,11 @@ class FuseConvAddAct(CpuFusion):
     switch_section = "UBFusion"
 
     def match(self, add: Node, graph: Graph, ctx: PassContext):
+        """None unless a Conv2D/ConvBiasAct feeds the Add; a `_AddMatch` when one
+        input is a ConvBiasAct(none) read only by this Add and the other (the addend) a
+        different value of the conv output's shape and dtype (with the Relu that is the Add's
+        sole user, if any); else a `Skip` (alpha ≠ 1, a scalar addend, a fused or shared
+        conv, a broadcast addend)."""
         if not any(v.producer is not None and v.producer.op in ("ConvBiasAct", "Conv2D")
                    for v in add.inputs):
             return None   # no convolution feeds it: not this pattern's root
@@ -53,6 +58,9 @@ class FuseConvAddAct(CpuFusion):
         return _AddMatch(conv, add, other, relu if relu is not None and relu.op == "Relu" else None)
 
     def rewrite(self, graph: Graph, m: _AddMatch, ctx: PassContext) -> int:
+        """Replace conv, Add (and Relu) by one ConvAddAct, in place into the addend
+        unless `_why_not_in_place` gives a reason (recorded as a skip, detail "in place", and
+        the out-of-place sum used). Returns 1."""
         conv, add, other, relu = m.conv, m.add, m.other, m.relu
         last = relu or add
         why = _why_not_in_place(graph, conv, add, other)

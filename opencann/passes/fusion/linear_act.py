@@ -31,6 +31,10 @@ class FuseLinearAct(CpuFusion):
     switch_section = "UBFusion"
 
     def match(self, mm: Node, graph: Graph, ctx: PassContext):
+        """A `_LinearMatch` for MatMulV2 (addmm) with alpha = beta = 1 and a 1-D bias
+        followed (through at most one Reshape, each the sole user) by an activation reading
+        it; without one, a match with act "none" when the weight is a constant fp32 tensor and
+        MKL's packed GEMM is available; else a `Skip` with the reason."""
         if mm.attrs.get("beta", 1) != 1 or mm.attrs.get("alpha", 1) != 1:
             return Skip("addmm with alpha/beta != 1")
         bias, x, w = mm.inputs
@@ -50,6 +54,9 @@ class FuseLinearAct(CpuFusion):
         return _LinearMatch(mm, None, None, "none")
 
     def rewrite(self, graph: Graph, m: _LinearMatch, ctx: PassContext) -> int:
+        """Replace the MatMulV2 (and the activation) by one LinearAct node (Gelu with
+        approximate="tanh" as act "gelu_tanh"); a Reshape in between is kept and reads the
+        activated result. Returns 1."""
         mm, u, act = m.mm, m.act_node, m.act
         bias, x, w = mm.inputs
         fused = graph.create_node("LinearAct", [bias, x, w],

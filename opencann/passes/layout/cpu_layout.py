@@ -19,6 +19,7 @@ class LayoutSelection(Pass):
     off_device_note = "no layout rules for device {device}"
 
     def run(self, graph: Graph, ctx: PassContext) -> int:
+        """Leave the graph as it is and note why; returns 0."""
         ctx.note("cpu keeps ND/NCHW; oneDNN reorders conv weights to its "
                  "blocked layout once at bind time, so no TransData is inserted")
         return 0

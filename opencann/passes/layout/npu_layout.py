@@ -171,9 +171,14 @@ class NpuLayoutSelection(Pass):
     devices = ("vnpu",)
 
     def run(self, graph: Graph, ctx: PassContext) -> int:
-        if parse_device(ctx.device).kind != "vnpu":   # also validates the preset early
+        """Place, select formats, insert and eliminate TransData (module docstring,
+        steps 1-4) for ``ctx.device`` (a ``vnpu[:<preset>]``; another kind: 0, unchanged).
+        Returns the number of nodes in NPU formats plus the TransData nodes kept. Raises
+        `DeviceError` for an unknown preset."""
+        dev = parse_device(ctx.device)   # also validates the preset early
+        if dev.kind != "vnpu":
             return 0
-        spec = parse_device(ctx.device).spec
+        spec = dev.spec
         casts = 0 if "float32" in spec.cube_dtypes else _cube_fp16_casts(graph, ctx)
         for n in graph.nodes:
             if n.op != "HostFallback":

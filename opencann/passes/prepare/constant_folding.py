@@ -20,6 +20,12 @@ class ConstantFolding(Pass):
     name, stage = "constant_folding", "prepare"
 
     def run(self, graph: Graph, ctx: PassContext) -> int:
+        """Fold, in graph order, every non-fused, non-random node whose inputs are all
+        constants and whose outputs total at most `FOLD_LIMIT_BYTES` (larger: a skip), by
+        calling the host kernel (a user's ``OpDef.kernels["cpu"]``, else the ATen overload)
+        under ``torch.no_grad``; then drop unused constants. Returns the number of nodes
+        folded. Raises ValueError naming the node and its source when the kernel fails on
+        its constant inputs (the model would fail on every input of these shapes)."""
         n = 0
         for node in list(graph.nodes):
             op = get_op(node.op)
@@ -34,7 +40,8 @@ class ConstantFolding(Pass):
             if sum(o.desc.nbytes for o in node.outputs) > FOLD_LIMIT_BYTES:
                 ctx.skipped(node, f"output larger than {FOLD_LIMIT_BYTES >> 20} MiB")
                 continue
-            target = op.aten or node.meta.get("aten")
+            # the host's kernel: a user's OpDef.kernels["cpu"], else the ATen overload
+            target = op.kernel("cpu") or node.meta.get("aten")
             args, kwargs = call_args(node, [v.const for v in node.inputs])
             try:
                 with torch.no_grad():

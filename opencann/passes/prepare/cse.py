@@ -27,6 +27,8 @@ class CommonSubexpressionElimination(Pass):
     name, stage = "cse", "prepare"
 
     def run(self, graph: Graph, ctx: PassContext) -> int:
+        """Merge each node into the first earlier one with the same op, input values,
+        attributes and ATen overload; returns the number of nodes removed."""
         seen: Dict[Tuple, Any] = {}
         n = 0
         for node in list(graph.nodes):

@@ -14,6 +14,8 @@ class DeadCodeElimination(Pass):
     name, stage = "dce", "prepare"
 
     def run(self, graph: Graph, ctx: PassContext) -> int:
+        """Erase, from the last node back, nodes with no used output, then unused
+        constants; returns the number of nodes erased."""
         outs = {id(v) for v in graph.outputs}
         n = 0
         for node in reversed(list(graph.nodes)):

@@ -29,6 +29,9 @@ class IdentityElimination(RewritePass):
     ops = ("Identity", "Alias")
 
     def match(self, node: Node, graph: Graph, ctx: PassContext):
+        """The Identity/Alias node itself when the copy can go; a `Skip` when it is a
+        graph output, or when it makes an input contiguous (``memory_format``) whose strides
+        are unknown or not contiguous."""
         src, dst = node.inputs[0], node.outputs[0]
         if any(o is dst for o in graph.outputs):
             return Skip("the copy is a graph output (results must not alias inputs or each other)")
@@ -44,6 +47,7 @@ class IdentityElimination(RewritePass):
         return node
 
     def rewrite(self, graph: Graph, node: Node, ctx: PassContext) -> int:
+        """Let the copy's users read its input and erase it; returns 1."""
         graph.replace_all_uses_with(node.outputs[0], node.inputs[0])
         graph.erase_node(node)
         return 1

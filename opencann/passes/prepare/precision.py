@@ -86,6 +86,13 @@ class MixedPrecision(Pass):
         self.keep_fp32 = set(default_keep_fp32() if keep_fp32 is None else keep_fp32)
 
     def run(self, graph: Graph, ctx: PassContext) -> int:
+        """Apply ``options["precision_mode"]`` (unset: unchanged). ``force_fp32``: every
+        float op in fp32; a mode whose `low_dtype` is None: unchanged (noted); ``force_fp16``:
+        every float op in fp16; the mixed modes lower MATMUL/CONV/ATTENTION ops not in
+        ``keep_fp32`` and let ELEMENTWISE/VIEW/DATA ops follow their non-constant float
+        inputs. Host fallbacks and creation ops take fp32; graph outputs are cast back to
+        their original dtypes. Returns the number of inputs redirected to casts plus the
+        output casts. Raises ValueError for an unknown mode (`low_dtype`)."""
         mode = ctx.options.get("precision_mode")
         if not mode:
             return 0

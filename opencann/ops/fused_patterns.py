@@ -1,0 +1,44 @@
+"""The ops the pattern fusions (``opencann.passes.fusion``: rms_norm, gated_mlp) make, as
+`OpDef` rows; the SiLU, GELU and LayerNorm fusions make the library's Swish, Gelu and
+LayerNorm (``ops/library.py``). CPU kernels: ``ops/kernels/cpu_patterns.py``; vnpu costs:
+``ops/kernels/vnpu_cost.py``.
+
+- ``RmsNorm``: ATen ``rms_norm(input, normalized_shape, weight, eps)`` (attrs as its
+  schema, plus ``upcast``: normalize in float32 and cast back, as transformers'
+  LlamaRMSNorm); shape and dtype are the input's.
+- ``GatedMLP``: silu(x·W1) * (x·W3), attrs ``x``, ``w1``, ``w3`` (tensor refs); output
+  [.., N] as the product it replaces (its shape is the node's, set by the fusion).
+
+Costs: the unfused ops' FLOPs (RMSNorm 4 per element; GatedMLP 2·M·N·K per GEMM plus 6
+per output element for SiLU and the product), bytes read + written once.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..ir import Node, numel
+from .kernels import vnpu_cost
+from .kernels.cpu_patterns import make_gated_mlp_kernel, make_rms_norm_kernel
+from .opdef import Cost, OpDef, OpKind, register
+
+
+def _bytes(node: Node) -> int:
+    return sum(numel(v.desc.shape) * v.desc.dtype.itemsize
+               for v in (*node.inputs, *node.outputs) if v.desc.is_static)
+
+
+def _gated_mlp_cost(node: Node) -> Cost:
+    """2 GEMMs of 2·M·N·K FLOPs + 6 FLOPs per output element (SiLU 5, product 1)."""
+    x, w = node.inputs[0].desc, node.inputs[1].desc
+    m, k, n = int(x.shape[0]), int(x.shape[1]), int(w.shape[1])
+    return Cost(4 * m * n * k + 6 * m * n, _bytes(node))
+
+
+register(OpDef("RmsNorm", OpKind.NORM, aten=torch.ops.aten.rms_norm.default, flops_per_elem=4,
+               kernel_factories={"cpu": make_rms_norm_kernel}, keep_fp32=True,
+               device_cost={"vnpu": vnpu_cost.layernorm},
+               doc="RMSNorm (Llama): x·rsqrt(mean(x², -1) + eps)·w"))
+register(OpDef("GatedMLP", OpKind.FUSED, aliases=((),), cost_fn=_gated_mlp_cost,
+               kernel_factories={"cpu": make_gated_mlp_kernel},
+               device_cost={"vnpu": vnpu_cost.gated_mlp},
+               doc="silu(x·W1) * (x·W3), the SwiGLU MLP's two GEMMs in one kernel"))

@@ -1,0 +1,122 @@
+"""What the pattern fusions (SiLU, GELU, RMSNorm, LayerNorm, gated MLP) share: reading
+a node as "tensor op scalar", the operands of a commutative product, the nodes of a
+matched subgraph that nothing outside reads, and replacing a matched subgraph by one
+node. Scalars arrive as literal attributes (``Mul(%x; other=0.5)``, make_fx keeps Python
+numbers) or as one-element constants; both read the same here."""
+from __future__ import annotations
+
+from typing import Iterable, List, Optional, Sequence, Tuple
+
+from ...ir import Graph, Node, Value, numel
+
+_NUMBER = (int, float)
+
+
+def producer(v: Optional[Value], *ops: str) -> Optional[Node]:
+    """The node producing ``v`` when its op is one of ``ops`` (any op when none), else None."""
+    p = v.producer if v is not None else None
+    return p if p is not None and (not ops or p.op in ops) else None
+
+
+def _const_scalar(v: Value) -> Optional[float]:
+    if v.is_const and numel(v.desc.shape) == 1 and v.desc.dtype.torch.is_floating_point:
+        return float(v.const.reshape(()).item())
+    return None
+
+
+def scalar_operand(node: Optional[Node], *ops: str) -> Optional[Tuple[Value, float]]:
+    """(tensor, number) when ``node`` (op in ``ops``) is ``tensor ∘ number``: a literal
+    ``other`` attribute, or a one-element float constant as either input (for Div/Sub
+    only as the second). None otherwise, or for an Add/Sub with ``alpha`` != 1."""
+    if node is None or node.op not in ops or node.attrs.get("alpha", 1) != 1:
+        return None
+    other = node.attrs.get("other")
+    if len(node.inputs) == 1 and isinstance(other, _NUMBER) and not isinstance(other, bool):
+        return node.inputs[0], float(other)
+    if len(node.inputs) == 2:
+        a, b = node.inputs
+        if _const_scalar(b) is not None:
+            return a, _const_scalar(b)
+        if node.op in ("Mul", "Add") and _const_scalar(a) is not None:
+            return b, _const_scalar(a)
+    return None
+
+
+def tensor_pair(node: Optional[Node], *ops: str) -> Optional[Tuple[Value, Value]]:
+    """The two tensor operands of a binary ``node`` (op in ``ops``) with no scalar among
+    them, else None."""
+    if node is None or node.op not in ops or len(node.inputs) != 2 \
+            or node.attrs.get("alpha", 1) != 1 or scalar_operand(node, *ops) is not None:
+        return None
+    return node.inputs[0], node.inputs[1]
+
+
+def factors(graph: Graph, root: Node, depth: int = 2) -> Tuple[List[Value], float, List[Node]]:
+    """Flatten a product tree under ``root`` (Mul nodes; an inner Mul only when ``root``'s
+    side is its sole reader, to ``depth`` levels): (tensor factors, product of the scalar
+    factors, the Mul nodes flattened, root first)."""
+    tensors: List[Value] = []
+    scale, nodes = 1.0, [root]
+    so = scalar_operand(root, "Mul", "Muls")
+    operands = [so[0]] if so else list(root.inputs)
+    scale = so[1] if so else 1.0
+    for v in operands:
+        inner = producer(v, "Mul", "Muls")
+        if depth > 1 and inner is not None and graph.sole_user(v) is root:
+            t, s, ns = factors(graph, inner, depth - 1)
+            tensors += t
+            scale *= s
+            nodes += ns
+        else:
+            tensors.append(v)
+    return tensors, scale, nodes
+
+
+def close(a: Optional[float], b: float, rel: float = 1e-6) -> bool:
+    """``a`` equals the constant ``b`` to ``rel`` (constants are written with few digits)."""
+    return a is not None and abs(a - b) <= rel * abs(b)
+
+
+def used_outside(graph: Graph, nodes: Sequence[Node], root: Node) -> Optional[Tuple[Node, Value]]:
+    """(node, value) of a matched node other than ``root`` whose output something outside
+    ``nodes`` reads (or the caller gets): fusing it would compute it twice. None if none."""
+    inside = set(nodes)
+    for n in nodes:
+        if n is root:
+            continue
+        for o in n.outputs:
+            if any(o is g for g in graph.outputs) or any(u not in inside for u in o.users):
+                return n, o
+    return None
+
+
+def contiguous_strides(shape: Sequence[int]) -> List[int]:
+    """Row-major strides of ``shape`` (elements)."""
+    out, step = [], 1
+    for s in reversed(list(shape)):
+        out.append(step)
+        step *= max(int(s), 1)
+    return out[::-1]
+
+
+def replace_with(graph: Graph, old_root: Node, new: Node, matched: Iterable[Node]) -> None:
+    """``new`` (already inserted before ``old_root``) takes over ``old_root``'s output;
+    the matched nodes, now unread, are erased (readers before producers). ``new`` keeps
+    the traced strides of the replaced output (``meta["strides"]``)."""
+    if old_root.meta.get("strides"):
+        new.meta["strides"] = old_root.meta["strides"][:1] + [
+            contiguous_strides(o.desc.shape) for o in new.outputs[1:]]
+    graph.replace_all_uses_with(old_root.outputs[0], new.outputs[0])
+    left = [n for n in dict.fromkeys(matched) if not n.erased]
+    while left:
+        dead = [n for n in left if not any(o.users or any(o is g for g in graph.outputs)
+                                           for o in n.outputs)]
+        if not dead:
+            break   # still read outside the match: kept (callers checked `used_outside`)
+        for n in dead:
+            graph.erase_node(n)
+        left = [n for n in left if not n.erased]
+
+
+__all__ = ["close", "contiguous_strides", "factors", "producer", "replace_with", "scalar_operand", "tensor_pair",
+           "used_outside"]

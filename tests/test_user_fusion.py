@@ -1,0 +1,123 @@
+"""User rules and user ops (issue #16 item 4): ``opencann.register_fusion`` traces a
+pattern and a replacement written as torch functions; ``opencann.register_op`` makes a
+torch custom op an opencann op with a kernel per device and a cost. The rule fires (in
+the report under its name), can be switched off (``disable``, fusion switch file), its
+custom kernel runs and matches eager; a rule whose replacement breaks the graph is
+stopped with one line naming it."""
+import json
+
+import pytest
+import torch
+
+import opencann
+from opencann.ir import GraphError
+from opencann.options import read_fusion_switch
+
+G = torch.Generator().manual_seed(0)
+CALLS = {"cpu": 0}
+
+
+@torch.library.custom_op("opencann_test::add_relu", mutates_args=())
+def add_relu(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return torch.relu(x + y)
+
+
+def _add_relu_cpu(x, y):
+    CALLS["cpu"] += 1
+    return torch.relu(x + y)
+
+
+opencann.register_op("TestAddRelu", add_relu, kernels={"cpu": _add_relu_cpu},
+                     infer=lambda x, y: torch.empty_like(x), flops_per_elem=2)
+
+
+class AddRelu(torch.nn.Module):
+    def forward(self, a, b):
+        return torch.relu(a + b) * 2.0
+
+
+def _pattern(x, y):
+    return torch.relu(x + y)
+
+
+@pytest.fixture
+def rule():
+    r = opencann.register_fusion("user_add_relu", _pattern,
+                                 lambda x, y: torch.ops.opencann_test.add_relu(x, y),
+                                 (torch.randn(4), torch.randn(4)), section="UBFusion")
+    yield r
+    opencann.extend.unregister_fusion("user_add_relu")
+
+
+def inputs():
+    a, b = torch.randn(2, 5, generator=G), torch.randn(2, 5, generator=G)
+    a[0, 0], b[1, 1] = float("nan"), float("inf")
+    return a, b
+
+
+def test_user_rule_fires_runs_the_custom_kernel_and_matches_eager(rule):
+    a, b = inputs()
+    cm = opencann.compile(AddRelu(), (a, b), options={"verify": True})
+    assert [x["pass"] for x in cm.report.applied] == ["user_add_relu"]
+    assert cm.report.op_counts_after.get("TestAddRelu") == 1
+    assert "user_add_relu" in [p.name for p in cm.report.passes]
+    before = CALLS["cpu"]
+    for _ in range(2):
+        torch.testing.assert_close(cm(a, b), AddRelu()(a, b), rtol=0, atol=0, equal_nan=True)
+    assert CALLS["cpu"] == before + 2
+
+
+def test_user_rule_is_switched_off_by_name_and_by_the_switch_file(rule, tmp_path):
+    a, b = inputs()
+    cm = opencann.compile(AddRelu(), (a, b), options={"disable": ["user_add_relu"]})
+    assert "TestAddRelu" not in cm.report.op_counts_after
+    sw = tmp_path / "sw.json"
+    sw.write_text(json.dumps({"Switch": {"UBFusion": {"user_add_relu": "off"}}}))
+    off, _ = read_fusion_switch(str(sw))
+    assert off == ["user_add_relu"]
+    sw.write_text(json.dumps({"Switch": {"UBFusion": {"ALL": "off"}}}))
+    assert "user_add_relu" in read_fusion_switch(str(sw))[0]
+
+
+def test_user_rule_does_not_apply_when_an_inner_value_is_read_elsewhere(rule):
+    class Shared(torch.nn.Module):
+        def forward(self, a, b):
+            s = a + b
+            return torch.relu(s), s * 3.0
+    a, b = inputs()
+    cm = opencann.compile(Shared(), (a, b))
+    assert [(s["pass"], s["reason"]) for s in cm.report.skipped if s["pass"] == "user_add_relu"] \
+        == [("user_add_relu", "%2 (Add) is read outside the pattern: fusing would compute it twice")]
+
+
+def test_a_rule_that_breaks_the_graph_is_stopped_with_its_name():
+    opencann.register_fusion("user_bad_dtype", _pattern, lambda x, y: torch.relu(x + y).half(),
+                             (torch.randn(4), torch.randn(4)))
+    try:
+        with pytest.raises(GraphError) as e:
+            opencann.compile(AddRelu(), inputs())
+        msg = str(e.value)
+        assert "\n" not in msg and "fusion rule 'user_bad_dtype'" in msg
+        assert "float16[2, 5] where the pattern gave float32[2, 5]" in msg
+    finally:
+        opencann.extend.unregister_fusion("user_bad_dtype")
+
+
+def test_a_rule_with_a_wrong_shape_is_stopped_with_its_name():
+    opencann.register_fusion("user_bad_shape", _pattern, lambda x, y: torch.relu(x + y).sum(-1),
+                             (torch.randn(4), torch.randn(4)))
+    try:
+        with pytest.raises(GraphError, match="fusion rule 'user_bad_shape' broke the graph"):
+            opencann.compile(AddRelu(), inputs())
+    finally:
+        opencann.extend.unregister_fusion("user_bad_shape")
+
+
+def test_register_fusion_refuses_bad_rules():
+    with pytest.raises(ValueError, match="taken by a pass"):
+        opencann.register_fusion("fuse_silu", _pattern, _pattern, (torch.randn(4), torch.randn(4)))
+    with pytest.raises(ValueError, match="does not use input"):
+        opencann.register_fusion("r", lambda x, y: torch.relu(x), _pattern,
+                                 (torch.randn(4), torch.randn(4)))
+    with pytest.raises(TypeError, match="not a torch op"):
+        opencann.register_op("NotAnOp", lambda x: x)
