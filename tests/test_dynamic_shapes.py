@@ -3,9 +3,11 @@ shape on its first call (bounded LRU), values matching eager within 1e-4 at ever
 shape (random non-zero inputs, NaN positions, a second call, output independence),
 and one clear error for a shape outside the declared range."""
 import logging
+import math
 import threading
 
 import pytest
+
 import torch
 import torch.utils._pytree as pytree
 
@@ -461,3 +463,37 @@ def test_vnpu_with_dynamic_dims_is_one_clear_error():
     with pytest.raises(ValueError, match="compiles for cpu"):
         opencann.compile(_seeded(ConvNet()), (torch.randn(2, 3, 10, 10),), device="vnpu",
                          dynamic_shapes={"x": {0: "batch"}})
+
+
+class _PatternBlock(torch.nn.Module):
+    """Hand-written RMSNorm, SiLU, tanh GELU, LayerNorm and erf GELU (the pattern fusions)."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.rand(16) + 0.5)
+        self.l1, self.l3 = torch.nn.Linear(16, 32), torch.nn.Linear(16, 32)
+        self.g, self.b = torch.nn.Parameter(torch.rand(32)), torch.nn.Parameter(torch.rand(32))
+
+    def forward(self, x):
+        h = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.w
+        a = self.l1(h)
+        y = a * torch.sigmoid(a) * self.l3(h)
+        y = 0.5 * y * (1 + torch.tanh(math.sqrt(2 / math.pi) * (y + 0.044715 * torch.pow(y, 3))))
+        mu = y.mean(-1, keepdim=True)
+        y = (y - mu) / torch.sqrt(((y - mu) ** 2).mean(-1, keepdim=True) + 1e-5) * self.g + self.b
+        return 0.5 * y * (1 + torch.erf(y / math.sqrt(2)))
+
+
+def test_pattern_fusions_on_symbolic_shapes():
+    torch.manual_seed(0)
+    m = _PatternBlock().eval()
+    cm = opencann.compile(m, (torch.randn(2, 8, 16),),
+                          dynamic_shapes={"x": {0: "batch", 1: "seq"}})
+    ops = cm.report.op_counts_after
+    assert ops.get("RmsNorm") == 1 and ops.get("LayerNorm") == 1 and ops.get("Gelu") == 2, ops
+    for shape in [(2, 8, 16), (1, 13, 16), (3, 5, 16), (1, 13, 16)]:
+        x = torch.randn(*shape)
+        x[0, 0, 0] = float("nan")
+        got, want = cm(x), m(x)
+        assert torch.equal(got.isnan(), want.isnan())
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, equal_nan=True)
