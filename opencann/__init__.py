@@ -16,7 +16,8 @@ from .version import __version__  # noqa: F401
 
 def compile(model, example_inputs=None, device: str = "cpu", options: Optional[Dict[str, Any]] = None,
             example_kwargs: Optional[Dict[str, Any]] = None,
-            input_shapes: Optional[Dict[str, Any]] = None):
+            input_shapes: Optional[Dict[str, Any]] = None, dynamic_shapes: Any = None,
+            dim_ranges: Optional[Dict[str, Any]] = None):
     """Compile ``model`` (a torch.nn.Module, in eval mode for inference) for ``device``.
 
     ``example_inputs``: a tensor or tuple of positional inputs fixing shapes and dtypes.
@@ -27,7 +28,17 @@ def compile(model, example_inputs=None, device: str = "cpu", options: Optional[D
     ``model`` may also be an ONNX model (a ``.onnx`` path or ``onnx.ModelProto``): its
     inputs come from the model's static shapes, or ``input_shapes`` (name -> sizes) for
     symbolic dims; the result is called with tensors in graph-input order (or by name)
-    and returns a tuple of outputs."""
+    and returns a tuple of outputs.
+
+    ``dynamic_shapes``: dims that vary between calls, as torch.export's spec
+    (``{"x": {0: torch.export.Dim("batch", min=1, max=64)}}``) or by name
+    (``{"input_ids": {0: "batch", 1: "seq"}}``, ranges in ``dim_ranges``:
+    ``{"seq": (16, 512)}``). The model is captured and optimised once; each new shape
+    gets its own memory plan on its first call (cached, option ``plan_cache_size``,
+    default 8). Returns a `DynamicCompiledModel` (see ``docs/dynamic_shapes.md``).
+    ATC-style gears: ``options={"dynamic_batch_size": [1, 2, 4, 8]}`` (or
+    ``dynamic_image_size``, ``dynamic_dims``) plan each gear at compile time and serve
+    exactly those shapes (`opencann.gears`)."""
     import os
     if isinstance(model, (str, os.PathLike)) or type(model).__name__ == "ModelProto":
         from .compiler import compile_onnx
@@ -35,6 +46,20 @@ def compile(model, example_inputs=None, device: str = "cpu", options: Optional[D
     if example_inputs is None:
         raise ValueError("example_inputs is required for a torch model: a tensor or tuple of "
                          "the model's positional inputs fixing shapes and dtypes")
+    gears = [k for k in ("dynamic_batch_size", "dynamic_image_size", "dynamic_dims")
+             if k in (options or {})]
+    if gears:
+        from .gears import compile_with_gears
+        return compile_with_gears(model, example_inputs, dict(options), dynamic_shapes,
+                                  device=device, example_kwargs=example_kwargs)
+    if dynamic_shapes is not None:
+        from .dynamic import compile_dynamic
+        return compile_dynamic(model, example_inputs, dynamic_shapes, device=device,
+                               options=options, example_kwargs=example_kwargs,
+                               dim_ranges=dim_ranges)
+    if dim_ranges is not None:
+        raise ValueError("dim_ranges gives the ranges of dims named in dynamic_shapes: pass "
+                         "dynamic_shapes={'input_ids': {1: 'seq'}} too")
     from .compiler import compile_module
     return compile_module(model, example_inputs, device=device, options=options,
                           example_kwargs=example_kwargs)

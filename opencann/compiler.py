@@ -17,6 +17,7 @@ import torch.utils._pytree as pytree
 from .devices import KINDS, parse_device
 from .frontend.torch import capture, check_layout, from_exported_program
 from .ir import Graph, MemoryPlan
+from .ir.symbolic import fits
 from .log import logger
 from .options import KNOWN_OPTIONS, check_options  # noqa: F401  (KNOWN_OPTIONS re-exported)
 from .ops import Cost, get_op, is_random
@@ -32,9 +33,12 @@ _COMPILE_LOCK = threading.RLock()
 
 
 def graph_cost(graph: Graph) -> Dict[str, int]:
-    """Total FLOPs and bytes moved (read + written) of the graph's nodes."""
+    """Total FLOPs and bytes moved (read + written) of the graph's nodes (nodes with
+    symbolic shapes left out: `opencann.dynamic` costs a specialised copy)."""
     total = Cost()
     for n in graph.nodes:
+        if not all(v.desc.is_static for v in (*n.inputs, *n.outputs)):
+            continue
         total = total + get_op(n.op).cost(n)
     return {"flops": int(total.flops), "bytes": int(total.bytes)}
 
@@ -301,8 +305,8 @@ class CompiledModel:
                     "inference model: its outputs carry no gradient. Pass x.detach() or call "
                     "it under torch.no_grad(); to train, use torch.compile(model, "
                     "backend='opencann')")
-            if tuple(t.shape) != v.desc.shape or t.dtype != v.desc.dtype.torch:
-                what = "shape" if tuple(t.shape) != v.desc.shape else "dtype"
+            if not fits(t.shape, v.desc.shape) or t.dtype != v.desc.dtype.torch:
+                what = "shape" if not fits(t.shape, v.desc.shape) else "dtype"
                 raise ValueError(
                     f"{name} is {str(t.dtype).replace('torch.', '')}{list(t.shape)} "
                     f"but the model was compiled for {v.desc}; the {what} differs: recompile with "
@@ -326,7 +330,7 @@ class CompiledModel:
         k = len(self._mutations)
         n = self.graph.meta.get("n_outputs", len(outs) + k) - k
         mine = self.graph.meta.get("returns_input", {}) if user is not None else {}
-        views = self.graph.meta.get("input_views", {}) if user is not None else {}
+        views = self._input_views(user) if user is not None else {}
         it = iter(outs)
         flat = []
         for i in range(n):
@@ -340,6 +344,11 @@ class CompiledModel:
         if self._out_spec is None:
             return flat[0] if len(flat) == 1 else tuple(flat)
         return pytree.tree_unflatten(flat, self._out_spec)
+
+    def _input_views(self, user) -> Dict[int, list]:
+        """``graph.meta["input_views"]`` for this call's inputs ``user`` (concrete here;
+        `opencann.dynamic` binds symbolic ones)."""
+        return self.graph.meta.get("input_views", {})
 
     def profile(self, *args, path: Optional[str] = None, **kwargs):
         """Run once recording per-op times; returns Chrome trace events, writes JSON to

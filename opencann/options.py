@@ -12,7 +12,8 @@ from .ops import get_op
 
 KNOWN_OPTIONS = {"disable", "enable", "verify", "alignment", "inplace", "copy_out",
                  "precision_mode", "keep_fp32", "host_fallback", "concurrent_calls",
-                 "check_aliasing", "fusion_switch_file", "dump_graph", "disable_rewrites"}
+                 "check_aliasing", "fusion_switch_file", "dump_graph", "plan_cache_size",
+                 "disable_rewrites"}
 
 _BOOL_OPTIONS = ("verify", "inplace", "copy_out", "host_fallback", "check_aliasing")
 _LIST_OPTIONS = ("disable", "enable", "keep_fp32", "disable_rewrites")
@@ -51,6 +52,10 @@ def check_options(options: Optional[Dict[str, Any]]) -> Dict[str, Any]:
     if c is not None and (isinstance(c, bool) or not isinstance(c, int) or c < 1):
         raise ValueError(f"option 'concurrent_calls' takes a positive int (the most calls "
                          f"run at once, each with its own arena; e.g. 4), got {c!r}")
+    c = options.get("plan_cache_size")
+    if c is not None and (isinstance(c, bool) or not isinstance(c, int) or c < 1):
+        raise ValueError(f"option 'plan_cache_size' takes a positive int (the most concrete "
+                         f"shapes a model with dynamic dims keeps plans for; e.g. 8), got {c!r}")
     d = options.get("dump_graph")
     if d is not None and (not isinstance(d, str) or os.path.isfile(d)):
         raise ValueError(f"option 'dump_graph' takes a directory path (created if missing) for "

@@ -66,6 +66,10 @@ class CompileReport:
     op_counts_before: Dict[str, int] = field(default_factory=dict)
     op_counts_after: Dict[str, int] = field(default_factory=dict)
     notes: List[str] = field(default_factory=list)
+    #: a model compiled with dynamic dims: "dims" (name -> symbol, min, max, sources),
+    #: "guards" (conditions each call's shapes must meet), "plan_cache_size" and "plans"
+    #: (one entry per concrete shape planned: dims, arena bytes, ratio, build ms)
+    dynamic: Dict[str, Any] = field(default_factory=dict)
 
     @property
     def opencann_seconds(self) -> float:
@@ -130,6 +134,21 @@ class CompileReport:
         lines += [f"  note: {n}" for n in self.notes]
         return "\n".join(lines)
 
+    def _dynamic_text(self) -> List[str]:
+        """The dynamic dims, their guards and the per-shape plans, as lines."""
+        d = self.dynamic
+        if not d:
+            return []
+        lines = ["dynamic dims:"]
+        lines += [f"  {n} ({v['symbol']}) in [{v['min']}, {v['max'] if v['max'] is not None else 'inf'}]"
+                  f" from {', '.join(v['sources'])}" for n, v in d.get("dims", {}).items()]
+        lines.append("  guards: " + "; ".join(d.get("guards", [])))
+        lines.append(f"  plans (at most {d.get('plan_cache_size')} kept):")
+        lines += [f"    {', '.join(f'{k}={v}' for k, v in p['dims'].items())}: arena "
+                  f"{fmt_bytes(p['arena_bytes'])} ({p['arena_over_lower_bound']:.3f}x lower bound), "
+                  f"built in {p['build_ms']:.1f} ms" for p in d.get("plans", [])]
+        return lines
+
     def to_text(self) -> str:
         """The full readable report: summary, every pass, every fusion and skip."""
         lines = [self.summary(), "", "passes:"]
@@ -148,6 +167,7 @@ class CompileReport:
             lines.append("host fallbacks (ATen ops with no opencann converter, run on the host):")
             for k, v in self.host_fallbacks.items():
                 lines.append(f"  {k} x{v['count']} at " + "; ".join(v["where"][:5]))
+        lines += self._dynamic_text()
         ka = (self.memory or {}).get("kernel_allocated") or {}
         if ka:
             lines.append("values outside the arena (allocated by their kernel), by reason:")

@@ -33,13 +33,18 @@ def opencann_backend(gm: torch.fx.GraphModule, example_inputs, **options):
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
     options = dict(options.pop("options", None) or {}, **options)
-    if _dynamic(example_inputs):
+    training = torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad
+                                               for t in example_inputs)
+    if _dynamic(example_inputs) and training:
         logger.warning(
-            "opencann: dynamo passed a graph with symbolic shapes (it recompiled for a new "
-            "input shape); opencann compiles static shapes, so this graph runs eagerly. Use "
-            "torch.compile(model, backend='opencann', dynamic=False) to get one static graph "
-            "per shape (gears)")
+            "opencann: dynamo passed a training graph with symbolic shapes (it recompiled for "
+            "a new input shape); opencann's training backend compiles static shapes, so this "
+            "graph runs eagerly. Use torch.compile(model, backend='opencann', dynamic=False) "
+            "to get one static graph per shape")
         return gm.forward
+    if _dynamic(example_inputs):
+        logger.info("opencann: dynamo passed a graph with symbolic shapes (a recompile for a "
+                    "new input shape): compiled once, memory planned per concrete shape")
     hops = sorted({n.target.name() for n in gm.graph.nodes if n.op == "call_function"
                    and isinstance(n.target, torch._ops.HigherOrderOperator)})
     if hops:
@@ -48,8 +53,7 @@ def opencann_backend(gm: torch.fx.GraphModule, example_inputs, **options):
             "opencann does not compile), so it runs eagerly; compute both branches and pick "
             "with torch.where(pred, a, b) to compile it", ", ".join(f"torch.{h}" for h in hops))
         return gm.forward
-    if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad
-                                       for t in example_inputs):
+    if training:
         from .training import opencann_training_backend
         return opencann_training_backend(gm, example_inputs, **options)
 

@@ -7,6 +7,9 @@ from typing import Any, Dict, List, Optional
 import torch
 
 from ..compiler import compile_graph
+from ..dynamic import compile_symbolic_fx
+from ..options import check_options
+from ..report import CompileReport
 from ..frontend.torch import from_fx_graph
 from ..runtime import DEFAULT_CONCURRENT_CALLS, Executor, ExecutorPool
 
@@ -21,20 +24,27 @@ def compile_fx(gm: torch.fx.GraphModule, example_inputs, options: Optional[Dict[
     first real call (compilation runs under fake mode); overlapping calls (threads) each
     get their own arena, up to the ``concurrent_calls`` option."""
     graph = from_fx_graph(gm, example_inputs, name=f"dynamo_graph_{len(COMPILED_GRAPHS)}")
-    graph, plan, report = compile_graph(graph, "cpu", options)
+    vals = [n.meta.get("val") for n in gm.graph.find_nodes(op="placeholder")]
+    idx = [i for i, v in enumerate(vals) if isinstance(v, torch.Tensor)]
+    if any(not v.desc.is_static for v in graph.inputs):   # dynamo's symbolic shapes
+        report = CompileReport(model=graph.name)
+        execute = compile_symbolic_fx(graph, vals, check_options(options), report)
+    else:
+        graph, plan, report = compile_graph(graph, "cpu", options)
+        opts = options or {}
+        pool = ExecutorPool(lambda: Executor(graph, plan, check_aliasing=opts.get("check_aliasing")),
+                            opts.get("concurrent_calls", DEFAULT_CONCURRENT_CALLS))
+
+        def execute(args):
+            return pool.run([args[i] for i in idx])
     COMPILED_GRAPHS.append(report)
-    opts = options or {}
-    pool = ExecutorPool(lambda: Executor(graph, plan, check_aliasing=opts.get("check_aliasing")),
-                        opts.get("concurrent_calls", DEFAULT_CONCURRENT_CALLS))
-    idx = [i for i, n in enumerate(gm.graph.find_nodes(op="placeholder"))
-           if isinstance(n.meta.get("val"), torch.Tensor)]
     lits = graph.meta.get("output_literals", {})
     n_out = graph.meta.get("n_outputs", len(graph.outputs))
 
     def run(*args):
         if len(args) == 1 and isinstance(args[0], list) and len(idx) != 1:
             args = tuple(args[0])
-        outs = pool.run([args[i] for i in idx])
+        outs = execute(args)
         it = iter(outs)
         return [lits[i] if i in lits else next(it) for i in range(n_out)]
 

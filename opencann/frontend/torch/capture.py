@@ -36,6 +36,7 @@ from typing import Any, Dict, Iterator, List, Tuple
 import torch
 
 from ...ir.types import DataType
+from .dynamic import constraint_violation
 
 # Kept whole: SDPA (torch.export's form) and the CPU flash kernel it lowers to under
 # dynamo/AOTAutograd. The latter's decomposition ends in permute → clone → permute and
@@ -64,9 +65,11 @@ def decomposition_table() -> Dict:
 
 
 def capture(model: torch.nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any] | None = None,
-            ) -> Tuple[torch.export.ExportedProgram, Dict[str, float]]:
+            dynamic_shapes: Any = None) -> Tuple[torch.export.ExportedProgram, Dict[str, float]]:
     """Export ``model`` on ``args``/``kwargs`` and decompose to core ATen.
 
+    ``dynamic_shapes``: torch.export's spec of dynamic dims (None: all static; see
+    `opencann.frontend.torch.dynamic`).
     Returns the ExportedProgram and timings in seconds (``export``, ``decompose``).
     transformers models may return their cache objects (``DynamicCache``): their pytree
     registration (transformers' own export utilities) is made before exporting.
@@ -86,7 +89,7 @@ def capture(model: torch.nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any
         DataType.from_torch(a.dtype)  # clear error for unsupported dtypes
     with _serialized_export():
         _register_transformers_caches(model)   # process-wide pytree registry: under the lock
-        return _capture(model, args, kwargs)
+        return _capture(model, args, kwargs, dynamic_shapes)
 
 
 @contextlib.contextmanager
@@ -114,13 +117,14 @@ def _dynamo_compile_lock():
     return compile_lock
 
 
-def _capture(model, args, kwargs):
+def _capture(model, args, kwargs, dynamic_shapes=None):
     t0 = time.perf_counter()
     try:
         with torch.no_grad(), warnings.catch_warnings(), _quiet_torch_logs():
             # torch-internal deprecation noise from export's own pytree use
             warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
-            ep = torch.export.export(model, args, kwargs or {}, strict=False)
+            ep = torch.export.export(model, args, kwargs or {}, strict=False,
+                                     dynamic_shapes=dynamic_shapes)
             t1 = time.perf_counter()
             # decomposing re-traces the program: it fails too (an input's metadata
             # changed in place: AOTAutograd's mutation-count assertion)
@@ -283,6 +287,9 @@ def _explain(model: torch.nn.Module, args, kwargs, e: BaseException) -> str:
     """One line: why torch.export failed on ``model`` and what to change."""
     name = type(model).__name__
     msg = str(e)
+    violation = constraint_violation(msg)
+    if violation:
+        return violation
     inputs = _describe_inputs(model, args, kwargs)
     shown = ", ".join(f"{k} {_shape(v)}" for k, v in inputs if isinstance(v, torch.Tensor))
     if "not a known type" in msg or "register a pytree" in msg:

@@ -17,6 +17,7 @@ import torch
 import torch.fx as fx
 
 from ...ir import DataType, Graph, TensorDesc, TensorRef, Value, is_dense
+from ...ir.symbolic import SymExpr
 from ...ops import infer, lookup_aten, storage_roots
 from ...ops.opdef import SKIPPED_OUTPUT
 
@@ -100,6 +101,8 @@ def _lift_args(node: fx.Node, schema, env: Dict[fx.Node, Any]) -> Tuple[List[Val
     def lift(x):
         if isinstance(x, fx.Node):
             v = env[x]
+            if isinstance(v, (SymExpr, int)):   # a size computed from symbolic dims
+                return v
             if not isinstance(v, Value):
                 raise ConversionError(f"{node.name}: argument {x.name} is not a single tensor")
             inputs.append(v)
@@ -124,6 +127,8 @@ def convert_node(graph: Graph, node: fx.Node, env: Dict[fx.Node, Any]) -> None:
     if target is operator.getitem:
         env[node] = env[node.args[0]][node.args[1]]
         return
+    if _shape_value(node, env):
+        return
     if target is torch.ops.higher_order.with_effects:
         _convert_effect(graph, node, env)
         return
@@ -131,6 +136,9 @@ def convert_node(graph: Graph, node: fx.Node, env: Dict[fx.Node, Any]) -> None:
     if not target._schema.returns:
         # shape/dtype assertions (e.g. _assert_tensor_metadata) were checked at export time
         graph.meta.setdefault("dropped_asserts", []).append(str(target))
+        cond = env.get(node.args[0]) if node.args and isinstance(node.args[0], fx.Node) else None
+        if isinstance(cond, SymExpr):   # a condition on dynamic dims: checked per shape
+            graph.meta.setdefault("shape_guards", []).append(cond.expr)
         env[node] = None
         return
     opdef = lookup_aten(target)
@@ -158,9 +166,54 @@ def convert_node(graph: Graph, node: fx.Node, env: Dict[fx.Node, Any]) -> None:
         ir.meta["origin"] = [node.name] if not is_seq else [f"{node.name}.{k}" for k in range(len(vals))]
     # strides of ATen's own result: views downstream depend on them, so planned buffers
     # reproduce them (e.g. SDPA returns a permuted-contiguous tensor)
-    ir.meta["strides"] = [tuple(int(s) for s in v.stride()) if isinstance(v, torch.Tensor)
-                          and all(isinstance(s, int) for s in v.stride()) else None for v in vals]
+    ir.meta["strides"] = [_strides(v) for v in vals]
     env[node] = list(ir.outputs) if is_seq else ir.outputs[0]
+
+
+def _strides(v: Any):
+    """ATen's strides of an FX value: ints, or symbolic dims' string forms (bound per
+    shape by `opencann.ir.specialise`); None for a non-tensor or data-dependent strides."""
+    if not isinstance(v, torch.Tensor):
+        return None
+    st = tuple(int(s) if not isinstance(s, torch.SymInt) else _backed_expr(s) for s in v.stride())
+    return None if any(s is None for s in st) else st
+
+
+def _backed_expr(s: "torch.SymInt") -> "str | None":
+    """The string form of a SymInt that depends on input shapes only (torch.export's
+    backed symbols ``s0``, ``s1``...), or None for a data-dependent one (``u0``: from
+    ``nonzero()``, ``.item()``)."""
+    expr = s.node.expr
+    if any(not str(f).startswith("s") for f in expr.free_symbols):
+        return None
+    return str(expr)
+
+
+def _size(s: Any) -> Any:
+    """An int, or a symbolic size's string form (bound per call by `opencann.dynamic`)."""
+    if isinstance(s, torch.SymInt):
+        e = _backed_expr(s)
+        return int(e) if e is not None and e.lstrip("-").isdigit() else e
+    return int(s)
+
+
+def _shape_value(node: fx.Node, env: Dict[fx.Node, Any]) -> bool:
+    """A node computing a size from symbolic input shapes (``sym_size``, ``s0 * s1``)
+    becomes a `SymExpr` in ``env`` (ops taking it as an argument hold it as an attr); a
+    SymBool (only read by export's range assertions, dropped) becomes None. Returns
+    False, changing nothing, for any other node (data-dependent sizes stay errors)."""
+    val = node.meta.get("val")
+    if isinstance(val, torch.SymBool) and not isinstance(node.target, torch._ops.OpOverload):
+        expr = _backed_expr(val)   # read by export's shape assertions only: kept as guards
+        env[node] = SymExpr(expr) if expr is not None else None
+        return True
+    if not isinstance(val, torch.SymInt):
+        return False
+    expr = _backed_expr(val)
+    if expr is None:
+        return False
+    env[node] = int(expr) if expr.lstrip("-").isdigit() else SymExpr(expr)
+    return True
 
 
 class _EffectNode:
@@ -201,8 +254,8 @@ def check_inference(graph: Graph) -> None:
     its source line on disagreement."""
     outs = {id(v) for v in graph.outputs}
     for ir in graph.nodes:
-        if ir.op == "HostFallback" or not all(o.desc.is_static for o in ir.outputs):
-            continue
+        if ir.op == "HostFallback" or not all(v.desc.is_static for v in (*ir.inputs, *ir.outputs)):
+            continue   # symbolic shapes (dynamic dims): FX's values are the reference
         ours = infer(ir)
         skip = META_DIVERGES.get(ir.op, set()) | set(ir.meta.get("none_outputs", ()))
         for k, (a, o) in enumerate(zip(ours, ir.outputs)):
@@ -404,8 +457,9 @@ def _views_of_mutated_inputs(outs, produced) -> Dict[int, list]:
         hit = bases.get(StorageWeakRef(v.untyped_storage()))
         if hit is not None and hit[1].dtype == v.dtype:
             i, base = hit
-            views[j] = [i, list(v.shape), list(v.stride()),
-                        int(v.storage_offset() - base.storage_offset()), list(base.stride())]
+            views[j] = [i, [_size(s) for s in v.shape], [_size(s) for s in v.stride()],
+                        _size(v.storage_offset() - base.storage_offset()),
+                        [_size(s) for s in base.stride()]]
     return views
 
 
@@ -421,7 +475,7 @@ def from_fx_graph(gm: fx.GraphModule, example_inputs, name: str = "graph",
             val = node.meta.get("val")
             if isinstance(val, torch.Tensor):
                 env[node] = graph.add_input(_desc(val, node.name), name=node.name)
-            else:
+            elif not _shape_value(node, env):   # a size input (dynamo's SymInt): a SymExpr
                 env[node] = val
         elif node.op == "get_attr":
             env[node] = graph.add_const(getattr(gm, node.target), name=node.target)

@@ -24,6 +24,7 @@ import torch
 
 from ...devices import parse_device
 from ...ir import Graph, Node, TensorRef, Value
+from ...ir.symbolic import dynamic_skip_reason
 from ...ops.flash_attention import cpu_l2, plan_tiles
 from ..base import PassContext, RewritePass, Skip
 
@@ -303,6 +304,9 @@ class FuseFlashAttention(RewritePass):
         scores is refused (it adds 0/1)."""
         if node.op == "ScaledDotProductAttention":
             return self._match_sdpa(node, ctx)
+        dynamic = dynamic_skip_reason(node, "matching spelled-out attention")
+        if dynamic:   # its shape checks compare sizes
+            return Skip(dynamic)
         m = _match_spelled_out(node, graph)
         if m is None or isinstance(m, Skip):
             return m

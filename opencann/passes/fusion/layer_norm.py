@@ -148,6 +148,9 @@ class FuseLayerNorm(RewritePass):
         if out is not None:
             return Skip(f"{out[1]} ({out[0].op}) is read outside the LayerNorm: fusing would "
                         "compute it twice")
+        if not all(isinstance(d, int) for d in x.desc.shape[-k:]):
+            return Skip(f"the normalized dims {list(x.desc.shape[-k:])} are dynamic: "
+                        "LayerNorm's normalized_shape must be static")
         _affine(graph, m)
         return m
 

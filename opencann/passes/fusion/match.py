@@ -5,9 +5,12 @@ node. Scalars arrive as literal attributes (``Mul(%x; other=0.5)``, make_fx keep
 numbers) or as one-element constants; both read the same here."""
 from __future__ import annotations
 
-from typing import Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Iterable, List, Optional, Sequence, Tuple
+
+import sympy
 
 from ...ir import Graph, Node, Value, numel
+from ...ir.symbolic import as_expr
 
 _NUMBER = (int, float)
 
@@ -90,12 +93,13 @@ def used_outside(graph: Graph, nodes: Sequence[Node], root: Node) -> Optional[Tu
     return None
 
 
-def contiguous_strides(shape: Sequence[int]) -> List[int]:
-    """Row-major strides of ``shape`` (elements)."""
-    out, step = [], 1
+def contiguous_strides(shape: Sequence[Any]) -> List[Any]:
+    """Row-major strides of ``shape`` (elements); a dynamic dim (a symbol's string form)
+    gives strides in the same string form (``16*s27``), bound per call like the shape."""
+    out, step = [], sympy.Integer(1)
     for s in reversed(list(shape)):
-        out.append(step)
-        step *= max(int(s), 1)
+        out.append(int(step) if step.is_Integer else str(step))
+        step = step * (as_expr(s) if not isinstance(s, int) else max(int(s), 1))
     return out[::-1]
 
 

@@ -91,6 +91,9 @@ class FuseRMSNorm(RewritePass):
         if out is not None:
             return Skip(f"{out[1]} ({out[0].op}) is read outside the RMSNorm: fusing would "
                         "compute it twice")
+        if not isinstance(m.x.desc.shape[-1], int):
+            return Skip(f"the normalized dim {m.x.desc.shape[-1]} is dynamic: RMSNorm's "
+                        "normalized_shape must be static")
         return m
 
     @staticmethod

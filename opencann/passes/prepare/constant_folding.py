@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 
 from ...ir import Graph
+from ...ir.symbolic import dynamic_skip_reason
 from ...ops import OpKind, call_args, get_op, is_random
 from ..base import Pass, PassContext
 
@@ -31,6 +32,10 @@ class ConstantFolding(Pass):
             if op.kind == OpKind.FUSED or is_random(node):
                 continue
             if not all(v.is_const for v in node.inputs):
+                continue
+            dynamic = dynamic_skip_reason(node, "folding at compile time")
+            if dynamic:
+                ctx.skipped(node, dynamic)
                 continue
             if sum(o.desc.nbytes for o in node.outputs) > FOLD_LIMIT_BYTES:
                 ctx.skipped(node, f"output larger than {FOLD_LIMIT_BYTES >> 20} MiB")

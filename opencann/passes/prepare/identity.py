@@ -1,18 +1,21 @@
 """Stage 1, prepare: identity (no-op copy) elimination."""
 from __future__ import annotations
 
+import sympy
 import torch
 
 from ...ir import Graph, Node
+from ...ir.symbolic import as_expr
 from ..base import PassContext, RewritePass, Skip
 
 
 def _contiguous(shape, strides) -> bool:
-    expect = 1
+    # symbolic sizes/strides (dynamic dims) compare as sympy expressions
+    expect = as_expr(1)
     for size, st in zip(reversed(shape), reversed(strides)):
-        if size != 1 and st != expect:
+        if size != 1 and as_expr(st) != expect:
             return False
-        expect *= size
+        expect = sympy.expand(expect * as_expr(size))
     return True
 
 

@@ -1,0 +1,357 @@
+"""Compiling with dynamic dims: capture once, optimise once, plan per concrete shape.
+
+``opencann.compile(model, inputs, dynamic_shapes={"input_ids": {0: "batch", 1: "seq"}})``
+exports the model once with torch.export's dynamic shapes, converts it to an IR whose
+shapes carry the shape environment's symbols (``float32[s0,s1,384]``), and runs the
+optimisation passes once on that symbolic graph (a pass whose condition depends on a
+dim skips with the guard it needs). The memory stage is deferred: on the first call
+with a new concrete shape the graph is specialised (`opencann.ir.specialise`: symbols
+bound, descs re-derived), its memory planned and its kernels bound (the compiler's own
+`MemoryPlanning` and `BindKernels` stages), and the resulting executor pool cached in a
+bounded LRU (`opencann.runtime.shape_cache`, option ``plan_cache_size``). No call
+re-captures or re-runs a pass. The example inputs' shape is planned at compile time.
+`compile_symbolic_fx` does the same for dynamo's symbolic graphs (``torch.compile``);
+`opencann.gears` builds ATC-style gears on top.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any, Dict, Mapping, Optional, Sequence, Tuple
+
+import torch
+import torch.utils._pytree as pytree
+
+from .compiler import BindKernels, CompiledModel, graph_cost, run_pipeline, snapshot_constants
+from .devices import parse_device
+from .frontend.torch import CaptureError, capture, from_exported_program
+from .frontend.torch.dynamic import dynamic_dims, export_dynamic_shapes, required_ranges
+from .ir import Graph, MemoryPlan
+from .ir.specialise import specialise
+from .ir.symbolic import bind, bind_tree, holds, is_symbol, parse, shape_symbols
+from .log import logger
+from .options import check_options
+from .passes import MemoryPlanning, Pass, PassContext, PassManager, default_pipeline
+from .report import CompileReport, PassRecord
+from .runtime import DEFAULT_CONCURRENT_CALLS, Executor, ExecutorPool
+from .runtime.call_binding import forward_arg_names
+from .runtime.shape_cache import DEFAULT_PLAN_CACHE_SIZE, ShapePlanCache
+
+
+class DeferredMemoryPlanning(Pass):
+    """The memory stage of a graph with dynamic dims: nothing to plan until the dims
+    have values; `DynamicCompiledModel` plans each concrete shape on first use."""
+
+    name, stage = "memory_plan", "memory"
+    required, observed = True, False
+
+    def run(self, graph: Graph, ctx: PassContext) -> int:
+        """Note the deferral; plans nothing (returns 0)."""
+        ctx.note("deferred: planned per concrete shape on its first call (dynamic dims)")
+        return 0
+
+
+def symbolic_pipeline() -> PassManager:
+    """The default pipeline with its memory stage deferred (`DeferredMemoryPlanning`)."""
+    return PassManager([p if not isinstance(p, MemoryPlanning) else DeferredMemoryPlanning()
+                        for p in default_pipeline().passes])
+
+
+def plan_shape(graph: Graph, values: Mapping[str, int], options: Dict[str, Any]
+               ) -> Tuple[Graph, MemoryPlan, Executor]:
+    """`specialise` ``graph`` to ``values`` (symbol -> int), then run the compiler's
+    memory and binding stages on it. Returns (concrete graph, plan, first executor)."""
+    g = specialise(graph, values)
+    # the pass switches named the optimisation passes, which ran once already
+    options = {k: v for k, v in options.items() if k not in ("disable", "enable")}
+    ctx = PassContext(options=options, report=CompileReport(model=graph.name),
+                      artifacts={"live_tensors": ()})
+    PassManager([MemoryPlanning(), BindKernels()]).run(g, ctx)
+    return g, ctx.artifacts["memory_plan"], ctx.artifacts["executor"]
+
+
+def pin_kernel_choices(graph: Graph, bound: Graph) -> int:
+    """Copy the kernel choices binding made on ``bound`` (a specialised copy of
+    ``graph``: ``node.meta["kernel"]``, the GEMM measured per shape) onto ``graph``'s
+    nodes, so every later specialisation binds the same kernels without measuring.
+    Returns how many nodes got a choice."""
+    chosen = {n.name: n.meta["kernel"] for n in bound.nodes if "kernel" in n.meta}
+    for n in graph.nodes:
+        if n.name in chosen:
+            n.meta["kernel"] = chosen[n.name]
+    return len(chosen)
+
+
+class ShapeBinder:
+    """Binds a call's input shapes to the graph's symbols and checks them: ranges,
+    dims shared between inputs, and the model's own shape conditions (``guards``).
+
+    ``dims``: symbol -> {"name", "min", "max", "sources"} (`dynamic_dims`);
+    ``names``: one label per graph input for messages."""
+
+    def __init__(self, graph: Graph, dims: Dict[str, Dict[str, Any]], guards: Sequence[str],
+                 names: Sequence[str], scalars: Sequence[str] = ()):
+        self.dims, self.guards, self.names = dims, list(guards), list(names)
+        self.shapes = [v.desc.shape for v in graph.inputs]
+        self.scalars = list(scalars)   # symbols passed as int arguments (dynamo's SymInts)
+        #: (option, dim names, gears, gear keys, why no padding) once `opencann.gears` set it
+        self.gears: Optional[tuple] = None
+        self.order = sorted(dims)
+        loose = shape_symbols(self.shapes) - {d for s in self.shapes for d in s if is_symbol(d)}
+        loose -= set(self.scalars)
+        if loose:
+            raise ValueError(f"input dims {sorted(loose)} are only known as expressions "
+                             "(e.g. 2*s0): declare each dynamic dim of the inputs on its own")
+
+    def bind(self, inputs: Sequence[torch.Tensor], scalars: Sequence[int] = ()) -> Tuple[int, ...]:
+        """The values of the symbols (in ``self.order``) for these inputs (and the int
+        arguments standing for ``self.scalars``). Raises ValueError naming the input, the
+        dim, its range and the fix."""
+        values: Dict[str, int] = dict(zip(self.scalars, (int(v) for v in scalars)))
+        where: Dict[str, str] = {s: "its size argument" for s in values}
+        for name, shape, t in zip(self.names, self.shapes, inputs):
+            for i, d in enumerate(shape):
+                if not isinstance(d, str):
+                    continue
+                n = int(t.shape[i])
+                if d in values and values[d] != n:
+                    raise ValueError(
+                        f"{name} dim {i} is {n} but {where[d]} is {values[d]}: both are the "
+                        f"dynamic dim {self.dims[d]['name']}, so they must be equal")
+                values[d], where[d] = n, f"{name} dim {i}"
+                if self.gears is None:   # with gears, the gear check names the gears
+                    self._check_range(d, n, f"{name} dim {i}")
+        for g in self.guards:
+            if not holds(g, values):
+                raise ValueError(f"the shapes {self.describe(values)} break the model's shape "
+                                 f"condition {self.readable(g)} (found by torch.export); call "
+                                 "it with shapes that satisfy it")
+        key = tuple(values[s] for s in self.order)
+        if self.gears is not None and key not in self.gears[3]:
+            opt, names, gears, _, why = self.gears
+            shown = [g[0] if len(g) == 1 else list(g) for g in gears]
+            raise ValueError(f"{self.describe(values)} is not one of the gears compiled with "
+                             f"{opt}={shown} ({', '.join(names)}); {why}: call with a gear's "
+                             f"shape, or recompile with a gear for it")
+        return key
+
+    def _check_range(self, sym: str, n: int, what: str) -> None:
+        d = self.dims[sym]
+        lo, hi = d["min"], d["max"]
+        if n < lo or (hi is not None and n > hi):
+            rng = f"[{lo}, {hi if hi is not None else 'inf'}]"
+            raise ValueError(
+                f"{what} ({d['name']}) is {n}, outside the compiled range {rng} of "
+                f"{d['name']}: call with {lo} <= {d['name']} <= {hi if hi is not None else 'inf'}, "
+                f"or recompile with a range that holds it (dim_ranges={{'{d['name']}': "
+                f"({min(lo, n)}, {max(hi or n, n)})}}) if the model allows it")
+
+    def describe(self, values: Mapping[str, int]) -> str:
+        """``batch=2, seq=40`` for symbol values."""
+        return ", ".join(f"{self.dims[s]['name']}={values[s]}" for s in self.order if s in values)
+
+    def readable(self, expr: str) -> str:
+        """``expr`` with the user's dim names for the symbols."""
+        import sympy
+        e = parse(expr)
+        return str(e.xreplace({s: sympy.Symbol(self.dims[str(s)]["name"]) for s in e.free_symbols
+                               if str(s) in self.dims}))
+
+
+class PlanBuilder:
+    """Builds the `ExecutorPool` of one concrete shape of a symbolic ``graph``
+    (`plan_shape`), records it in ``report.dynamic["plans"]`` and the log, and after the
+    first build pins its kernel choices on ``graph`` (`pin_kernel_choices`)."""
+
+    def __init__(self, graph: Graph, report: CompileReport, binder: "ShapeBinder",
+                 options: Dict[str, Any]):
+        self.graph, self.report, self.binder, self.options = graph, report, binder, options
+        self.concurrent = options.get("concurrent_calls", DEFAULT_CONCURRENT_CALLS)
+        self.pinned = None
+
+    def __call__(self, key: Tuple[int, ...]) -> ExecutorPool:
+        """The executor pool for symbol values ``key`` (in ``binder.order``)."""
+        t0 = time.perf_counter()
+        values = dict(zip(self.binder.order, key))
+        g, plan, ex = plan_shape(self.graph, values, self.options)
+        check = self.options.get("check_aliasing")
+        pool = ExecutorPool(lambda: Executor(g, plan, check_aliasing=check), self.concurrent,
+                            first=ex)
+        pool.plan, pool.graph = plan, g
+        dt = time.perf_counter() - t0
+        self.report.dynamic.setdefault("plans", []).append(
+            {"dims": {self.binder.dims[s]["name"]: v for s, v in values.items()},
+             "arena_bytes": plan.arena_bytes, "lower_bound_bytes": plan.lower_bound,
+             "arena_over_lower_bound": round(plan.ratio, 4), "build_ms": round(dt * 1e3, 2)})
+        logger.info("dynamic shapes: planned %s in %.1f ms (arena %d bytes, %.3fx its lower "
+                    "bound)", self.binder.describe(values), dt * 1e3, plan.arena_bytes, plan.ratio)
+        if self.pinned is None:
+            self.pinned = pin_kernel_choices(self.graph, g)
+            if self.pinned:
+                self.report.notes.append(
+                    f"kernel choices measured at the first shape planned ({self.pinned} GEMMs) "
+                    "are kept at every shape: a new shape costs no measurement")
+        return pool
+
+    def cache(self) -> ShapePlanCache:
+        """A `ShapePlanCache` building with this builder (capacity: ``plan_cache_size``)."""
+        return ShapePlanCache(self.binder.bind, self, self.options.get(
+            "plan_cache_size", DEFAULT_PLAN_CACHE_SIZE), self.concurrent)
+
+
+class DynamicCompiledModel(CompiledModel):
+    """A compiled model with dynamic dims: called like `CompiledModel` with any shape in
+    the declared ranges. ``graph`` is the optimised symbolic graph; each new concrete
+    shape is specialised, planned and bound on its first call and cached (at most
+    ``plan_cache_size`` shapes, least recently used dropped). ``plan``/``executor`` are
+    the example shape's. A shape outside a range raises ValueError naming the input,
+    the dim, its range and the fix. ``plans`` is the `ShapePlanCache` (its counters:
+    ``hits``, ``misses``, ``evictions``); ``report.dynamic`` lists the dims, their
+    ranges, the guards and each plan built. Thread-safe as `CompiledModel`. Saving
+    (`opencann.save`) is for static models (ValueError)."""
+
+    def __init__(self, graph: Graph, report: CompileReport, binder: ShapeBinder,
+                 options: Dict[str, Any], example_inputs: Sequence[torch.Tensor], **kw):
+        self.binder = binder
+        build = PlanBuilder(graph, report, binder, options)
+        key = binder.bind(example_inputs)
+        pool = build(key)
+        report.memory = pool.plan.summary()   # the example shape's plan
+        super().__init__(graph, pool.plan, report, concurrent_calls=build.concurrent,
+                         check_aliasing=options.get("check_aliasing"), executor=pool.first, **kw)
+        self.plans = build.cache()
+        self.plans.put(key, pool)
+        self.pool = self.plans
+
+    def _input_views(self, user) -> Dict[int, list]:
+        """The views of mutated inputs the outputs are, bound to this call's shapes."""
+        views = self.graph.meta.get("input_views", {})
+        if not views:
+            return views
+        values = dict(zip(self.binder.order, self.binder.bind(user)))
+        memo: Dict[str, int] = {}
+        return {j: [v[0]] + [bind_tree(x, values, memo) if not isinstance(x, (str, list))
+                             else [bind(d, values, memo) for d in x] if isinstance(x, list)
+                             else bind(x, values, memo) for x in v[1:]]
+                for j, v in views.items()}
+
+    def calling_convention(self) -> Dict[str, Any]:
+        """Refused: a model file stores one static plan (ValueError with the fix)."""
+        raise ValueError("opencann.save stores static models: compile without dynamic_shapes "
+                         "(example inputs of the shape to serve) to save one")
+
+
+def _report_dims(report: CompileReport, binder: ShapeBinder, capacity: int) -> None:
+    """``report.dynamic``: dims (name -> symbol, range, sources), guards and cache size."""
+    dims = {d["name"]: {"symbol": s, "min": d["min"], "max": d["max"], "sources": d["sources"]}
+            for s, d in binder.dims.items()}
+    guards = [f"{d['min']} <= {d['name']}" + (f" <= {d['max']}" if d["max"] is not None else "")
+              for d in binder.dims.values()]
+    guards += [f"{' == '.join(d['sources'])} ({d['name']})" for d in binder.dims.values()
+               if len(d["sources"]) > 1]
+    guards += [binder.readable(g) for g in binder.guards]
+    report.dynamic.update({"dims": dims, "guards": guards, "plan_cache_size": capacity})
+    report.notes.append("dynamic dims: " + ", ".join(
+        f"{n} in [{d['min']}, {d['max'] if d['max'] is not None else 'inf'}]"
+        for n, d in dims.items()) + f"; memory planned per shape (cache of {capacity})")
+
+
+def _capture(model, args, kwargs, dynamic_shapes, dim_ranges):
+    """`capture` with dynamic dims; a dim given no range whose default range holds sizes
+    the model rejects (a position table bounds ``seq``) is narrowed to torch.export's
+    requirement and captured again. Returns (ep, times, labels, the narrowed ranges)."""
+    spec, labels, free = export_dynamic_shapes(model, args, kwargs, dynamic_shapes, dim_ranges)
+    try:
+        return capture(model, args, kwargs, dynamic_shapes=spec) + (labels, {})
+    except CaptureError as e:
+        fix = required_ranges(str(e))
+        if not fix or not set(fix) <= free:
+            raise
+    ranges = {**dict(dim_ranges or {}), **fix}
+    logger.info("dynamic dims %s narrowed to what the model accepts: %s", sorted(fix), fix)
+    spec, labels, _ = export_dynamic_shapes(model, args, kwargs, dynamic_shapes, ranges)
+    return capture(model, args, kwargs, dynamic_shapes=spec) + (labels, fix)
+
+
+def compile_dynamic(model: torch.nn.Module, example_inputs, dynamic_shapes: Any,
+                    device: str = "cpu", options: Optional[Dict[str, Any]] = None,
+                    example_kwargs: Optional[Dict[str, Any]] = None,
+                    dim_ranges: Optional[Mapping[str, Tuple[int, int]]] = None
+                    ) -> DynamicCompiledModel:
+    """Capture ``model`` once with dynamic dims (``dynamic_shapes``, see
+    `opencann.frontend.torch.dynamic`), optimise the symbolic graph once, plan the
+    example's shape; returns a `DynamicCompiledModel`. Raises CaptureError (the model
+    cannot run with these dims: torch.export's reason), ValueError (bad spec, options,
+    device other than cpu)."""
+    dev = parse_device(device)
+    if dev.kind != "cpu":
+        raise ValueError(f"dynamic_shapes compiles for cpu; on {dev.name} the layout stage "
+                         "needs static storage shapes (NC1HWC0 blocks per dim): compile one "
+                         "model per shape for this device, or compile for 'cpu'")
+    device = dev.name
+    options = check_options(options)
+    if isinstance(example_inputs, list):
+        raise ValueError("example_inputs must be a tensor or a tuple of the model's positional "
+                         "inputs, got a list: pass tuple(example_inputs)")
+    args = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
+    ep, times, labels, narrowed = _capture(model, args, example_kwargs, dynamic_shapes, dim_ranges)
+    t0 = time.perf_counter()
+    graph = from_exported_program(ep, name=type(model).__name__)
+    report = CompileReport(model=type(model).__name__, device=device, capture_seconds=times)
+    report.passes.append(PassRecord("convert_and_infer", "construct", 0, len(graph.nodes),
+                                    time.perf_counter() - t0, len(graph.nodes),
+                                    note="FX → IR with symbolic dims"))
+    frozen = list(model.named_parameters()) + list(model.named_buffers())
+    live = [t for _, t in frozen] + list(ep.state_dict.values()) + list(ep.constants.values())
+    binder = ShapeBinder(graph, dynamic_dims(ep, labels), graph.meta.get("shape_guards", ()),
+                         [v.name for v in graph.inputs])
+    flat, in_spec = pytree.tree_flatten((args, example_kwargs or {}))
+    from torch.export.graph_signature import InputKind
+    user = [s for s in ep.graph_signature.input_specs if s.kind == InputKind.USER_INPUT]
+    positions = [i for i, s in enumerate(user) if isinstance(flat[i], torch.Tensor)]
+    tensors = [flat[i] for i in positions]
+    example = dict(zip(binder.order, binder.bind(tensors)))
+    before = graph_cost(specialise(graph, example))
+    run_pipeline(graph, device, options, report, symbolic_pipeline())
+    report.cost_before, report.cost_after = before, graph_cost(specialise(graph, example))
+    snapshot_constants(graph, live)
+    _report_dims(report, binder, options.get("plan_cache_size", DEFAULT_PLAN_CACHE_SIZE))
+    if narrowed:
+        report.notes.append(f"dims given no range narrowed to what the model accepts "
+                            f"(torch.export's guards): {narrowed}")
+    return DynamicCompiledModel(graph, report, binder, options, tensors, in_spec=in_spec,
+                                out_spec=ep.call_spec.out_spec, input_positions=positions,
+                                example_flat=flat, frozen=frozen,
+                                arg_names=forward_arg_names(model))
+
+
+def compile_symbolic_fx(graph: Graph, placeholders: Sequence[Any], options: Dict[str, Any],
+                        report: CompileReport):
+    """The torch.compile path for a graph with symbolic shapes (dynamo's ``dynamic``
+    graphs): optimise ``graph`` once, plan each concrete shape on first use (cached as
+    for `compile_dynamic`). ``placeholders``: the FX graph's placeholder values (tensors
+    and SymInts, in calling order). Returns ``run(args) -> flat outputs`` taking the
+    graph's call arguments (tensors and the ints dynamo passes for its SymInts).
+    dynamo's own guards keep calls within the shapes this graph is valid for."""
+    run_pipeline(graph, "cpu", options, report, symbolic_pipeline())
+    tensors = [i for i, v in enumerate(placeholders) if isinstance(v, torch.Tensor)]
+    sizes = [(i, str(v.node.expr)) for i, v in enumerate(placeholders)
+             if isinstance(v, torch.SymInt) and v.node.expr.is_Symbol]
+    dims: Dict[str, Dict[str, Any]] = {}
+    for name, shape in zip([v.name for v in graph.inputs], [v.desc.shape for v in graph.inputs]):
+        for k, d in enumerate(shape):
+            if is_symbol(d):
+                dims.setdefault(d, {"name": d, "min": 0, "max": None, "sources": []})[
+                    "sources"].append(f"{name}.shape[{k}]")
+    for _, s in sizes:
+        dims.setdefault(s, {"name": s, "min": 0, "max": None, "sources": ["a size argument"]})
+    binder = ShapeBinder(graph, dims, graph.meta.get("shape_guards", ()),
+                         [v.name for v in graph.inputs], scalars=[s for _, s in sizes])
+    _report_dims(report, binder, options.get("plan_cache_size", DEFAULT_PLAN_CACHE_SIZE))
+    plans = PlanBuilder(graph, report, binder, options).cache()
+
+    def run(args):
+        ts = [args[i] for i in tensors]
+        key = binder.bind(ts, [args[i] for i, _ in sizes])
+        return plans.pool_for_key(key).run(ts)
+    run.plans = plans
+    return run

@@ -1,0 +1,65 @@
+"""Specialise a graph with symbolic dims to one concrete shape.
+
+`specialise` copies the (optimised) graph with every symbolic dim bound: tensor
+descriptions (``shape``, ``origin_shape``), size arguments (`SymExpr` attrs such as
+``view``'s ``[s0*s1, 384]``) and the strides ATen gave each value
+(``node.meta["strides"]``). Node and value names and ids are kept, so a memory plan
+and a compile report read the same as the symbolic graph's. Constants share their
+tensors (weights are never copied); nothing is re-captured or re-optimised.
+"""
+from __future__ import annotations
+
+import itertools
+from typing import Dict
+
+from .graph import Graph, Node, Value
+from .symbolic import Bindings, bind, bind_tree
+from .types import TensorDesc
+
+
+def _desc(d: TensorDesc, values: Bindings, memo: Dict[str, int]) -> TensorDesc:
+    if d.is_static and all(isinstance(s, int) for s in d.origin_shape):
+        return d
+    return d.with_(shape=tuple(bind(s, values, memo) for s in d.shape),
+                   origin_shape=tuple(bind(s, values, memo) for s in d.origin_shape))
+
+
+def _node_meta(node: Node, values: Bindings, memo: Dict[str, int]) -> dict:
+    meta = dict(node.meta)
+    st = meta.get("strides")
+    if st:
+        meta["strides"] = [tuple(bind(s, values, memo) for s in t) if t is not None else None
+                           for t in st]
+    return meta
+
+
+def specialise(graph: Graph, values: Bindings) -> Graph:
+    """A copy of ``graph`` with its symbols bound to ``values`` (symbol -> int): every
+    desc, size argument and recorded stride concrete. ``graph`` is left as it is.
+    Raises KeyError naming a symbol without a value, ValueError for a dim that is not
+    an integer at these values."""
+    memo: Dict[str, int] = {}
+    g = Graph(graph.name)
+    g.meta = dict(graph.meta)
+    vmap: Dict[int, Value] = {}
+
+    def value(v: Value, producer=None) -> Value:
+        nv = Value(v.id, _desc(v.desc, values, memo), producer=producer, const=v.const,
+                   name=v.name)
+        vmap[v.id] = nv
+        return nv
+
+    g.inputs = [value(v) for v in graph.inputs]
+    g.constants = [value(v) for v in graph.constants]
+    for n in graph.nodes:
+        m = Node(n.op, [vmap[v.id] for v in n.inputs], bind_tree(n.attrs, values, memo),
+                 n.name, n.source, n.scope)
+        m.device, m.stream = n.device, n.stream
+        m.meta = _node_meta(n, values, memo)
+        m.outputs = [value(o, producer=m) for o in n.outputs]
+        g.add_node(m)
+    g.outputs = [vmap[v.id] for v in graph.outputs]
+    g._names = dict(graph._names)
+    top = max((v.id for v in vmap.values()), default=-1)
+    g._ids = itertools.count(top + 1)
+    return g

@@ -1,0 +1,187 @@
+"""Symbolic dimensions of the IR: `SymExpr`, ranges, and binding symbols to sizes.
+
+A dynamic dimension is written, in a `TensorDesc` shape, as the string form of the
+sympy expression torch.export's shape environment gives it (``"s43"``, ``"s43*s53"``,
+``"12*s53"``); a size computed from shapes that an op takes as an argument (``view``'s
+``[s43*s53, 384]``) is a `SymExpr` in the node's attrs. `bind` turns either into an int
+for concrete symbol values; `specialise` (``opencann.ir.specialise``) does it for a
+whole graph. Expressions are parsed once by sympy (torch's own symbolic-shape library)
+and evaluated by substitution, so ``FloorDiv``/``Mod`` from torch's shape functions
+work too.
+"""
+from __future__ import annotations
+
+import functools
+import re
+from dataclasses import dataclass
+from typing import Any, Dict, Iterable, Mapping, Set, Tuple
+
+import sympy
+
+Bindings = Mapping[str, int]
+
+
+@dataclass(frozen=True)
+class SymExpr:
+    """A size argument that depends on symbolic dims (``view(x, [SymExpr("s0*s1"), 384])``).
+
+    ``expr``: the sympy expression's string form over shape-environment symbols."""
+
+    expr: str
+
+    def __str__(self) -> str:
+        return self.expr
+
+    def __repr__(self) -> str:
+        return f"sym({self.expr})"
+
+
+def _sympy_locals() -> Dict[str, Any]:
+    """torch's sympy shape functions, so their string forms parse back."""
+    try:
+        import torch.utils._sympy.functions as f
+    except ImportError:  # pragma: no cover - very old torch
+        return {}
+    return {k: getattr(f, k) for k in dir(f) if isinstance(getattr(f, k), type)
+            and issubclass(getattr(f, k), sympy.Basic)}
+
+
+@functools.lru_cache(maxsize=4096)
+def parse(expr: str) -> sympy.Expr:
+    """The sympy expression of ``expr`` (a dim string such as ``"s0*s1"``); every name
+    is a symbol (never a sympy constant such as ``E`` or ``N``). Raises ValueError for a
+    string that is not an expression."""
+    try:
+        names = {s: sympy.Symbol(s, integer=True, positive=True)
+                 for s in _names(expr)}
+        return sympy.sympify(expr, locals={**_LOCALS, **names})
+    except (sympy.SympifyError, SyntaxError, TypeError) as e:
+        raise ValueError(f"symbolic dim {expr!r} is not an expression: {e}") from None
+
+
+def _names(expr: str) -> Set[str]:
+    """The names in ``expr`` that are not called (``Eq(s0, 2)``: only ``s0``)."""
+    return {m for m in re.findall(r"\b([A-Za-z_][A-Za-z_0-9]*)\b(?!\s*\()", expr)
+            if m not in ("True", "False")}
+
+
+_LOCALS = _sympy_locals()
+
+
+def symbols_of(dim: Any) -> Set[str]:
+    """Names of the symbols a dim (int, string or `SymExpr`) depends on (empty for ints)."""
+    if isinstance(dim, SymExpr):
+        dim = dim.expr
+    if not isinstance(dim, str):
+        return set()
+    return {str(s) for s in parse(dim).free_symbols}
+
+
+def is_symbol(dim: Any) -> bool:
+    """True when ``dim`` is a plain symbol (``"s43"``), not an int or a compound expression."""
+    return isinstance(dim, str) and parse(dim).is_Symbol
+
+
+def bind(dim: Any, values: Bindings, memo: Dict[str, int] | None = None) -> Any:
+    """``dim`` with its symbols replaced by ``values`` (symbol name -> int): an int for a
+    string dim or a `SymExpr`, ``dim`` itself otherwise. Raises KeyError naming a
+    symbol without a value, ValueError when the result is not an integer."""
+    if isinstance(dim, SymExpr):
+        dim = dim.expr
+    elif not isinstance(dim, str):
+        return dim
+    if memo is not None and dim in memo:
+        return memo[dim]
+    e = parse(dim)
+    missing = {str(s) for s in e.free_symbols} - set(values)
+    if missing:
+        raise KeyError(f"symbolic dim {dim!r} needs a value for {sorted(missing)}")
+    r = e.xreplace({s: sympy.Integer(values[str(s)]) for s in e.free_symbols})
+    if not r.is_Integer:
+        raise ValueError(f"symbolic dim {dim!r} is {r} for {dict(values)}, not an integer")
+    if memo is not None:
+        memo[dim] = int(r)
+    return int(r)
+
+
+def bind_tree(obj: Any, values: Bindings, memo: Dict[str, int] | None = None) -> Any:
+    """``obj`` (an attr: scalars, lists, tuples, dicts) with every `SymExpr` bound."""
+    if isinstance(obj, SymExpr):
+        return bind(obj, values, memo)
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(bind_tree(x, values, memo) for x in obj)
+    if isinstance(obj, dict):
+        return {k: bind_tree(v, values, memo) for k, v in obj.items()}
+    return obj
+
+
+def holds(guard: str, values: Bindings) -> bool:
+    """Whether the condition ``guard`` (a relation over symbols, ``"Eq(Mod(s0, 2), 0)"``)
+    is true for ``values``. Raises KeyError naming a symbol without a value."""
+    e = parse(guard)
+    missing = {str(s) for s in e.free_symbols} - set(values)
+    if missing:
+        raise KeyError(f"shape guard {guard!r} needs a value for {sorted(missing)}")
+    return bool(e.xreplace({s: sympy.Integer(values[str(s)]) for s in e.free_symbols}))
+
+
+def has_symbolic(obj: Any) -> bool:
+    """True when an attr value contains a `SymExpr` (or a string dim in a shape tuple)."""
+    if isinstance(obj, SymExpr):
+        return True
+    if isinstance(obj, (list, tuple)):
+        return any(has_symbolic(x) for x in obj)
+    if isinstance(obj, dict):
+        return any(has_symbolic(v) for v in obj.values())
+    return False
+
+
+def shape_symbols(shapes: Iterable[Tuple[Any, ...]]) -> Set[str]:
+    """All symbols the given shapes depend on."""
+    return {s for shape in shapes for d in shape for s in symbols_of(d)}
+
+
+def node_symbols(node) -> Set[str]:
+    """The symbols a node's output shapes or size arguments depend on (empty: static)."""
+    out = shape_symbols(o.desc.shape for o in node.outputs)
+    for v in node.attrs.values():
+        if has_symbolic(v):
+            out |= {s for x in _flat(v) for s in symbols_of(x)}
+    return out
+
+
+def _flat(obj: Any):
+    if isinstance(obj, (list, tuple)):
+        for x in obj:
+            yield from _flat(x)
+    elif isinstance(obj, dict):
+        for x in obj.values():
+            yield from _flat(x)
+    else:
+        yield obj
+
+
+def dynamic_skip_reason(node, what: str) -> "str | None":
+    """A Skip reason when ``node``'s shapes depend on dynamic dims (``what``: the rewrite
+    that needs static shapes, e.g. "folding at compile time"), else None."""
+    syms = node_symbols(node)
+    if not syms:
+        return None
+    return (f"shape depends on the dynamic dim(s) {', '.join(sorted(syms))}; {what} needs "
+            "static shapes (guard: every dim static); it runs per call")
+
+
+def fits(sizes: Iterable[int], shape: Tuple[Any, ...]) -> bool:
+    """True when concrete ``sizes`` can be ``shape``: same rank, equal static dims (a
+    symbolic dim takes any size; its range is checked where the symbols are bound)."""
+    sizes = tuple(sizes)
+    return len(sizes) == len(shape) and all(
+        not isinstance(d, int) or int(s) == d for s, d in zip(sizes, shape))
+
+
+def as_expr(dim: Any) -> sympy.Expr:
+    """A dim (int, string form or `SymExpr`) as an expanded sympy expression, for
+    comparing symbolic sizes (``384*s1`` equals ``s1*384``)."""
+    if isinstance(dim, SymExpr):
+        dim = dim.expr
+    return sympy.expand(parse(dim)) if isinstance(dim, str) else sympy.Integer(int(dim))
