@@ -193,3 +193,49 @@ def test_user_rule_literals_match_only_the_same_type_and_sign(pattern, replaceme
             assert torch.equal(got.signbit(), want.signbit())
     finally:
         opencann.extend.unregister_fusion("user_literal")
+
+
+def test_rules_registered_from_another_thread_while_compiling():
+    """The rule table is read (a compile's pipeline) while another thread registers and
+    unregisters rules: no 'dictionary changed size during iteration', one winner per name."""
+    import threading
+
+    from opencann.passes.fusion import user_rule
+    pat = opencann.extend._trace(lambda x: torch.relu(x) * 3.0, (torch.randn(4),), "pattern")
+    rules = [user_rule.FusionRule(f"user_thread_{i}", pat, pat) for i in range(40)]
+    stop, errors = threading.Event(), []
+
+    def churn():
+        while not stop.is_set():
+            for r in rules:
+                user_rule.register_rule(r)
+            for r in rules:
+                user_rule.unregister_rule(r.name)
+
+    t = threading.Thread(target=churn)
+    t.start()
+    try:
+        for _ in range(2000):
+            try:
+                user_rule.user_passes()
+            except RuntimeError as e:
+                errors.append(str(e))
+                break
+    finally:
+        stop.set()
+        t.join()
+    assert not errors
+    wins = []
+
+    def register_same():
+        try:
+            wins.append(user_rule.register_rule(rules[0]))
+        except ValueError:
+            pass
+    threads = [threading.Thread(target=register_same) for _ in range(8)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    user_rule.unregister_rule(rules[0].name)
+    assert len(wins) == 1

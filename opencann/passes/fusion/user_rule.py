@@ -13,6 +13,7 @@ dtype stops the compile with a `GraphError` naming the rule (`check_rule_rewrite
 from __future__ import annotations
 
 import math
+import threading
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
@@ -41,28 +42,35 @@ class FusionRule:
 
 
 _RULES: Dict[str, FusionRule] = {}
+#: registration from one thread while another compiles (reads the rules) or registers
+_LOCK = threading.Lock()
 
 
 def register_rule(rule: FusionRule) -> FusionRule:
     """Add ``rule`` (its pass runs first in the fusion stage, in registration order).
-    Raises ValueError when the name is taken."""
-    if rule.name in _RULES:
-        raise ValueError(f"fusion rule {rule.name!r} is registered already; "
-                         "unregister_fusion it first or choose another name")
-    _RULES[rule.name] = rule
+    Raises ValueError when the name is taken. Thread-safe."""
+    with _LOCK:
+        if rule.name in _RULES:
+            raise ValueError(f"fusion rule {rule.name!r} is registered already; "
+                             "unregister_fusion it first or choose another name")
+        _RULES[rule.name] = rule
     return rule
 
 
 def unregister_rule(name: str) -> None:
-    """Remove the rule ``name``; raises KeyError naming the registered rules."""
-    if name not in _RULES:
-        raise KeyError(f"no fusion rule {name!r}; registered: {sorted(_RULES)}")
-    del _RULES[name]
+    """Remove the rule ``name``; raises KeyError naming the registered rules. Thread-safe."""
+    with _LOCK:
+        if name not in _RULES:
+            raise KeyError(f"no fusion rule {name!r}; registered: {sorted(_RULES)}")
+        del _RULES[name]
 
 
 def user_passes() -> List["UserFusion"]:
-    """One `UserFusion` per registered rule, in registration order."""
-    return [UserFusion(r) for r in _RULES.values()]
+    """One `UserFusion` per registered rule, in registration order (the rules registered
+    when it is called, whatever other threads register meanwhile)."""
+    with _LOCK:
+        rules = list(_RULES.values())
+    return [UserFusion(r) for r in rules]
 
 
 def _exact(v: object) -> object:
