@@ -256,11 +256,7 @@ def cmd_compile(args) -> int:
     ``--report`` writes the JSON report, ``--dot`` the optimized graph. Returns 0. Raises
     CliError for ``--options`` that is not valid JSON."""
     zm = _load(args.model, args.batch, args.seq)
-    try:
-        options = json.loads(args.options) if args.options else None
-    except json.JSONDecodeError as e:
-        raise CliError(f"--options is not valid JSON ({e.msg} at column {e.colno}); e.g. "
-                       "--options '{\"disable\": [\"cse\"]}'") from None
+    options = _json_options(args.options) or None
     cm = _compile(zm, args.device, options)
     console.print(cm.report.to_text() if args.verbose else cm.report.summary())
     if args.report:
@@ -407,11 +403,17 @@ def cmd_fuzz(args) -> int:
 
 
 def _json_options(text):
+    """``--options`` as a dict ({} when not given). Raises CliError (one line) for text that
+    is not JSON or not a JSON object."""
     try:
-        return json.loads(text) if text else {}
+        options = json.loads(text) if text else {}
     except json.JSONDecodeError as e:
         raise CliError(f"--options is not valid JSON ({e.msg} at column {e.colno}); e.g. "
                        "--options '{\"disable\": [\"cse\"]}'") from None
+    if not isinstance(options, dict):
+        raise CliError(f"--options must be a JSON object, got {type(options).__name__} {text}; "
+                       "e.g. --options '{\"disable\": [\"cse\"]}'")
+    return options
 
 
 def cmd_doctor(args) -> int:

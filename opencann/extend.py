@@ -91,7 +91,8 @@ def register_op(name: str, op, kernels: Optional[Dict[str, Callable]] = None,
     or ``cost`` (``cost(node) -> Cost``: FLOPs, bytes) give its work in the report;
     ``device_cost``: device kind -> ``f(node, spec) -> (KernelCost, model name)`` (vnpu
     estimate). Returns the registered `OpDef`. Raises ValueError for a name or op
-    registered already, a device key that is not a device kind, or an unknown kind;
+    registered already, ``kernels``/``device_cost`` not a dict or with a key that is not a
+    device kind, or an unknown kind (nothing is registered then, not even ``infer``);
     TypeError when ``op`` is not a torch op."""
     overload = getattr(op, "_opoverload", op)
     if not isinstance(overload, torch._ops.OpOverload):
@@ -101,11 +102,16 @@ def register_op(name: str, op, kernels: Optional[Dict[str, Callable]] = None,
         opkind = OpKind(kind)
     except ValueError:
         raise ValueError(f"register_op: kind {kind!r}; kinds are {[k.value for k in OpKind]}") from None
-    if infer is not None:
+    for col, v in (("kernels", kernels), ("device_cost", device_cost)):
+        if v is not None and not isinstance(v, dict):
+            raise ValueError(f"register_op: {col} is a {type(v).__name__}; give a dict of "
+                             f"device kind -> function, e.g. {col}={{'cpu': fn}}")
+    opdef = register(OpDef(name, opkind, aten=overload, flops_per_elem=flops_per_elem,
+                           kernels=dict(kernels or {}), cost_fn=cost,
+                           device_cost=dict(device_cost or {}), doc=doc))
+    if infer is not None:   # after the checks: a refused registration leaves the op as it was
         torch.library.register_fake(overload)(infer)
-    return register(OpDef(name, opkind, aten=overload, flops_per_elem=flops_per_elem,
-                          kernels=dict(kernels or {}), cost_fn=cost,
-                          device_cost=dict(device_cost or {}), doc=doc))
+    return opdef
 
 
 __all__ = ["Cost", "FusionRule", "register_fusion", "register_op", "unregister_fusion"]

@@ -35,7 +35,8 @@ def check_options(options: Optional[Dict[str, Any]]) -> Dict[str, Any]:
     for k in _LIST_OPTIONS:
         v = options.get(k)
         if v is not None and (isinstance(v, str) or not all(isinstance(x, str) for x in v)):
-            raise ValueError(f"option {k!r} takes a list of names, e.g. [{v!r}], got {v!r}")
+            eg = repr([v]) if isinstance(v, str) else "['fuse_silu']"
+            raise ValueError(f"option {k!r} takes a list of names, e.g. {eg}, got {v!r}")
     for rid in options.get("disable_rewrites") or ():
         if not all(rid.partition("@")[::2]):
             raise ValueError(f"option 'disable_rewrites' takes rewrite ids '<pass>@<root node>' "

@@ -69,6 +69,10 @@ def test_factory_files(factories, capsys):
     _one_error(["compile", "f.py:wrong_shape"], capsys, "float32[2, 5]", "eager",
                "mat1 and mat2 shapes cannot be multiplied")
     _one_error(["compile", "f.py:ok", "--options", "{bad"], capsys, "--options is not valid JSON")
+    for cmd in ("compile", "compare"):   # valid JSON that is not an object: one line, exit 2
+        for text in ("[1]", "5", '"cse"'):
+            _one_error([cmd, "f.py:ok", "--options", text], capsys,
+                       "--options must be a JSON object", text)
 
 
 def test_seq_beyond_the_model_positions(capsys):

@@ -160,3 +160,83 @@ def test_gpt2_config_fuses_the_spelled_out_gelu_into_the_linear():
     assert "Tanh" not in cm.report.op_counts_after
     with torch.no_grad():
         torch.testing.assert_close(cm(ids)[0], m(ids).last_hidden_state, rtol=1e-4, atol=1e-5)
+
+
+class Near(torch.nn.Module):
+    """``f(self, x)`` with buffers ``bufs`` (constants of any shape and dtype)."""
+
+    def __init__(self, f, **bufs):
+        super().__init__()
+        self.f = f
+        for k, v in bufs.items():
+            self.register_buffer(k, v)
+
+    def forward(self, x):
+        return self.f(self, x)
+
+
+def _sqrt2(s, x):
+    return 0.5 * x * (1.0 + torch.erf(x / math.sqrt(2.0)))
+
+
+# Near misses whose fused op would give another shape, dtype or value than the matched
+# product (review of #16): an x of int dtype (GELU), one-element constants that broadcast
+# or promote (GELU's 0.5 or 1 or √2, RMSNorm's eps), γ/β of another dtype than x
+# (ATen's LayerNorm takes x's), and float16 without the float32 casts (eager's x² overflows
+# past 256 where ATen's norms accumulate in float32).
+NEAR = [
+    ("gelu_tanh_int", gelu_tanh, torch.randint(-3, 4, (2, 3, 8), generator=G), {}, "Gelu"),
+    ("gelu_erf_int", gelu_erf, torch.randint(-3, 4, (2, 3, 8), generator=G), {}, "Gelu"),
+    ("gelu_half_bcast", lambda s, x: s.h * x * (1.0 + torch.erf(x / math.sqrt(2.0))),
+     torch.randn(8, generator=G), {"h": torch.full((1, 1), 0.5)}, "Gelu"),
+    ("gelu_half_fp64", lambda s, x: s.h * x * (1.0 + torch.erf(x / math.sqrt(2.0))),
+     torch.randn(8, generator=G), {"h": torch.full((1,), 0.5, dtype=torch.float64)}, "Gelu"),
+    ("gelu_one_bcast", lambda s, x: 0.5 * x * (s.one + torch.tanh(math.sqrt(2.0 / math.pi) * (
+        x + 0.044715 * torch.pow(x, 3.0)))), torch.randn(8, generator=G), {"one": torch.ones(1, 1)}, "Gelu"),
+    ("gelu_sqrt2_bcast", lambda s, x: 0.5 * x * (1.0 + torch.erf(x / s.r)), torch.randn(8, generator=G),
+     {"r": torch.full((1, 1), math.sqrt(2.0))}, "Gelu"),
+    ("rms_eps_bcast", lambda s, x: x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + s.e),
+     torch.randn(8, generator=G), {"e": torch.full((1, 1), 1e-6)}, "RmsNorm"),
+    ("rms_fp16_no_casts", lambda s, x: x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6),
+     torch.randn(2, 3, 8, generator=G).half(), {}, "RmsNorm"),
+    ("ln_fp16", lambda s, x: layer_norm(s, x), torch.randn(2, 3, 8, generator=G).half(),
+     {"w": torch.randn(8, generator=G).half(), "b": torch.randn(8, generator=G).half()}, "LayerNorm"),
+    ("ln_gamma_int", lambda s, x: layer_norm(s, x), torch.randn(2, 3, 8, generator=G),
+     {"w": torch.randint(1, 4, (8,), generator=G), "b": torch.randn(8, generator=G)}, None),
+    ("ln_gamma_fp16", lambda s, x: layer_norm(s, x), torch.randn(2, 3, 8, generator=G),
+     {"w": torch.randn(8, generator=G).half(), "b": torch.randn(8, generator=G)}, None),
+    ("ln_beta_fp16", lambda s, x: layer_norm(s, x), torch.randn(2, 3, 8, generator=G),
+     {"w": torch.randn(8, generator=G), "b": torch.randn(8, generator=G).half()}, None),
+    ("ln_beta_bool", lambda s, x: layer_norm(s, x), torch.randn(2, 3, 8, generator=G),
+     {"w": torch.randn(8, generator=G), "b": torch.rand(8, generator=G) > 0.5}, None),
+]
+
+
+def _specials(x):
+    if not x.is_floating_point():
+        return [x]
+    y = x.clone().reshape(-1)
+    y[0], y[-1] = float("nan"), -float("inf")
+    big = x.clone().reshape(-1)
+    big[1] = 300.0            # past float16's √65504: eager's x² is inf
+    return [x * 3, y.reshape(x.shape), big.reshape(x.shape)]
+
+
+@pytest.mark.parametrize("name,f,x,bufs,op", NEAR, ids=[c[0] for c in NEAR])
+def test_near_miss_is_not_fused_into_another_result(name, f, x, bufs, op):
+    m = Near(f, **bufs).eval()
+    cm = opencann.compile(m, (x,), options={"verify": True})
+    if op is not None:
+        assert op not in cm.report.op_counts_after, cm.report.op_counts_after
+    with torch.no_grad():
+        for inp in _specials(x):
+            want = m(inp)
+            first = cm(inp)
+            keep = first.clone()
+            tol = 1e-2 if want.dtype == torch.float16 else 1e-6
+            assert first.shape == want.shape and first.dtype == want.dtype
+            assert torch.equal(first.isnan(), want.isnan()), "NaN positions differ"
+            torch.testing.assert_close(first, want, rtol=tol, atol=tol, equal_nan=True)
+            torch.testing.assert_close(cm(inp), want, rtol=tol, atol=tol, equal_nan=True)
+            torch.testing.assert_close(first, keep, rtol=0, atol=0, equal_nan=True,
+                                       msg="a later call changed an earlier result")

@@ -121,3 +121,121 @@ def test_register_fusion_refuses_bad_rules():
                                  (torch.randn(4), torch.randn(4)))
     with pytest.raises(TypeError, match="not a torch op"):
         opencann.register_op("NotAnOp", lambda x: x)
+
+
+class _MaxBoth(torch.nn.Module):
+    def forward(self, x):
+        v, i = torch.max(x, -1)
+        return v * 2.0, i + 1
+
+
+class _ArgMax(torch.nn.Module):
+    def forward(self, x):
+        return x.argmax(-1) + 1
+
+
+def _special_rows():
+    x = torch.randn(3, 5, generator=G)
+    x[1, 2] = float("inf")
+    return x
+
+
+@pytest.mark.parametrize("pattern,replacement,model", [
+    (lambda x: torch.max(x, -1)[1], lambda x: torch.argmax(x, -1), _MaxBoth()),   # pattern: output 1
+    (lambda x: x.argmax(-1), lambda x: torch.max(x, -1)[1], _ArgMax()),            # replacement: output 1
+], ids=["pattern_output_1", "replacement_output_1"])
+def test_user_rule_on_a_second_output_replaces_that_output(pattern, replacement, model):
+    """A rule whose pattern or replacement ends in output k > 0 of a multi-output op
+    replaces that output (not output 0): compiled equals eager, twice, independent."""
+    opencann.register_fusion("user_second_output", pattern, replacement, (torch.randn(3, 5),))
+    try:
+        x = _special_rows()
+        cm = opencann.compile(model, (x,), options={"verify": True})
+        assert [a for a in cm.report.applied if a["pass"] == "user_second_output"]
+        for inp in (x, torch.randn(3, 5, generator=G)):
+            first = cm(inp)
+            keep = [t.clone() for t in (first if isinstance(first, tuple) else (first,))]
+            want = model(inp)
+            for g, w in zip(keep, want if isinstance(want, tuple) else (want,)):
+                assert g.dtype == w.dtype and torch.equal(g, w)
+            again = cm(inp)
+            for g, k in zip(again if isinstance(again, tuple) else (again,), keep):
+                assert torch.equal(g, k)
+    finally:
+        opencann.extend.unregister_fusion("user_second_output")
+
+
+class _TimesTwoFloat(torch.nn.Module):
+    def forward(self, x):
+        return x * 2.0
+
+
+class _PlusNegZero(torch.nn.Module):
+    def forward(self, x):
+        return x + (-0.0)
+
+
+@pytest.mark.parametrize("pattern,replacement,model,x", [
+    (lambda x: x * 2, lambda x: x + x, _TimesTwoFloat(), torch.arange(1, 5)),
+    (lambda x: x + 0.0, lambda x: torch.relu(x) - torch.relu(-x) + 0.0, _PlusNegZero(),
+     torch.tensor([-0.0, 1.5, -2.0])),
+], ids=["int_literal_vs_float", "zero_vs_negative_zero"])
+def test_user_rule_literals_match_only_the_same_type_and_sign(pattern, replacement, model, x):
+    """Pattern literals equal graph literals only as the same type (2 ≠ 2.0: they promote
+    differently) and the same sign of zero (x + 0.0 turns -0.0 into 0.0, x + -0.0 not)."""
+    opencann.register_fusion("user_literal", pattern, replacement, (x,))
+    try:
+        cm = opencann.compile(model, (x,))
+        assert not [a for a in cm.report.applied if a["pass"] == "user_literal"]
+        for _ in range(2):
+            got, want = cm(x), model(x)
+            assert got.dtype == want.dtype and torch.equal(got, want)
+            assert torch.equal(got.signbit(), want.signbit())
+    finally:
+        opencann.extend.unregister_fusion("user_literal")
+
+
+def test_rules_registered_from_another_thread_while_compiling():
+    """The rule table is read (a compile's pipeline) while another thread registers and
+    unregisters rules: no 'dictionary changed size during iteration', one winner per name."""
+    import threading
+
+    from opencann.passes.fusion import user_rule
+    pat = opencann.extend._trace(lambda x: torch.relu(x) * 3.0, (torch.randn(4),), "pattern")
+    rules = [user_rule.FusionRule(f"user_thread_{i}", pat, pat) for i in range(40)]
+    stop, errors = threading.Event(), []
+
+    def churn():
+        while not stop.is_set():
+            for r in rules:
+                user_rule.register_rule(r)
+            for r in rules:
+                user_rule.unregister_rule(r.name)
+
+    t = threading.Thread(target=churn)
+    t.start()
+    try:
+        for _ in range(2000):
+            try:
+                user_rule.user_passes()
+            except RuntimeError as e:
+                errors.append(str(e))
+                break
+    finally:
+        stop.set()
+        t.join()
+    assert not errors
+    wins = []
+
+    def register_same():
+        try:
+            wins.append(user_rule.register_rule(rules[0]))
+        except ValueError:
+            pass
+    threads = [threading.Thread(target=register_same) for _ in range(8)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    user_rule.unregister_rule(rules[0].name)
+    assert len(wins) == 1

@@ -110,6 +110,29 @@ def test_user_kernel_for_unknown_device_is_refused():
         get_op("TestBad")                                  # not half-registered
 
 
+@torch.library.custom_op("opencann_test::triple", mutates_args=())
+def _triple(x: torch.Tensor) -> torch.Tensor:
+    return x * 3
+
+
+def test_refused_register_op_registers_nothing_and_can_be_retried():
+    """A register_op refused for a bad column (a device key that is not a device kind,
+    ``kernels`` not a dict) leaves no half-registration, not even the ``infer`` fake
+    implementation; the corrected call then registers."""
+    infer = lambda x: torch.empty_like(x)  # noqa: E731
+    with pytest.raises(ValueError, match="kernels has device 'gpu'"):
+        opencann.register_op("TestTriple", _triple, kernels={"gpu": lambda x: x * 3}, infer=infer)
+    with pytest.raises(ValueError, match=r"^register_op: kernels is a str; give a dict"):
+        opencann.register_op("TestTriple", _triple, kernels="cpu", infer=infer)
+    with pytest.raises(KeyError):
+        get_op("TestTriple")
+    with pytest.raises(Exception):        # no fake implementation was registered
+        _triple(torch.empty(3, device="meta"))
+    opencann.register_op("TestTriple", _triple, kernels={"cpu": lambda x: x * 3}, infer=infer)
+    assert _triple(torch.empty(3, device="meta")).shape == (3,)
+    assert get_op("TestTriple").name == "TestTriple"
+
+
 FOLD_CALLS = {"user": 0, "aten": 0}
 
 

@@ -50,6 +50,9 @@ def gelu_factors(graph: Graph, root: Node, fn: str):
     x = tensors[1] if tensors[0] is t else tensors[0]
     if scale != 0.5:
         return Skip(f"x·(1 + {fn.lower()}(…)) is scaled by {scale:g}, GELU by 0.5")
+    if root.outputs[0].desc != x.desc or not x.desc.dtype.torch.is_floating_point:
+        return Skip(f"the product {root.outputs[0].desc} broadcasts or promotes x "
+                    f"{x.desc}: Gelu(x) would give x's shape and dtype")
     return x, f, muls + [add, f]
 
 

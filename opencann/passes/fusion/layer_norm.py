@@ -18,6 +18,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import List, Optional, Tuple
 
+import torch
+
 from ...ir import Graph, Node, TensorDesc, TensorRef, Value
 from ..base import PassContext, RewritePass, Skip
 from .match import producer, replace_with, scalar_operand, tensor_pair, used_outside
@@ -143,6 +145,9 @@ class FuseLayerNorm(RewritePass):
             return Skip(vn)
         if root.outputs[0].desc != x.desc:
             return Skip(f"the result {root.outputs[0].desc} is not shaped like x {x.desc}")
+        if x.desc.dtype.torch == torch.float16:
+            return Skip("computed in float16: eager's (x − μ)² overflows past |x − μ| = 256, "
+                        "ATen's LayerNorm accumulates in float32 and does not")
         m = _LnMatch(root, x, k, eps, [root, *den_nodes, *vn, sub, mean])
         out = used_outside(graph, m.nodes, root)
         if out is not None:
@@ -185,10 +190,14 @@ def _affine(graph: Graph, m: _LnMatch) -> None:
         if pair is None:
             continue
         p = pair[1] if pair[0] is m.root.outputs[0] else pair[0]
+        what = 'γ' if attr == 'gamma' else 'β'
         if tuple(p.desc.shape) != shape or u.outputs[0].desc != m.root.outputs[0].desc:
-            m.notes.append(f"{'γ' if attr == 'gamma' else 'β'} {p} has shape "
-                           f"{list(p.desc.shape)}, LayerNorm's is {list(shape)}: kept as a "
-                           f"separate {op}")
+            m.notes.append(f"{what} {p} has shape {list(p.desc.shape)}, LayerNorm's is "
+                           f"{list(shape)}: kept as a separate {op}")
+            return
+        if p.desc.dtype != m.x.desc.dtype:
+            m.notes.append(f"{what} {p} is {p.desc.dtype.value}, x {m.x.desc.dtype.value} "
+                           f"(ATen's LayerNorm takes x's dtype): kept as a separate {op}")
             return
         setattr(m, attr, p)
         m.root = u

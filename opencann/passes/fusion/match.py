@@ -103,14 +103,17 @@ def contiguous_strides(shape: Sequence[Any]) -> List[Any]:
     return out[::-1]
 
 
-def replace_with(graph: Graph, old_root: Node, new: Node, matched: Iterable[Node]) -> None:
-    """``new`` (already inserted before ``old_root``) takes over ``old_root``'s output;
-    the matched nodes, now unread, are erased (readers before producers). ``new`` keeps
-    the traced strides of the replaced output (``meta["strides"]``)."""
-    if old_root.meta.get("strides"):
-        new.meta["strides"] = old_root.meta["strides"][:1] + [
-            contiguous_strides(o.desc.shape) for o in new.outputs[1:]]
-    graph.replace_all_uses_with(old_root.outputs[0], new.outputs[0])
+def replace_with(graph: Graph, old_root: Node, new: Node, matched: Iterable[Node],
+                 old_k: int = 0, new_k: int = 0) -> None:
+    """``new`` (already inserted before ``old_root``) takes over ``old_root``'s output
+    ``old_k`` with its output ``new_k`` (default: the first of each); the matched nodes,
+    now unread, are erased (readers before producers). ``new`` keeps the traced strides
+    of the replaced output (``meta["strides"]``)."""
+    strides = old_root.meta.get("strides")
+    if strides and len(strides) > old_k:
+        new.meta["strides"] = [strides[old_k] if j == new_k else contiguous_strides(o.desc.shape)
+                               for j, o in enumerate(new.outputs)]
+    graph.replace_all_uses_with(old_root.outputs[old_k], new.outputs[new_k])
     left = [n for n in dict.fromkeys(matched) if not n.erased]
     while left:
         dead = [n for n in left if not any(o.users or any(o is g for g in graph.outputs)

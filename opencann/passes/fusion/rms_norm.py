@@ -60,6 +60,20 @@ def _denominator(h: Value, r: Value) -> "tuple | Skip":
     return add[1], [rs, producer(rs.inputs[0]), mean, pw]
 
 
+def _exact(m: _RmsMatch) -> Optional[str]:
+    """Why RmsNorm(x) would not give the matched result (None when it does): a result of
+    another shape or dtype than x (an eps tensor that broadcasts), or float16 without the
+    float32 casts (eager's h² overflows to inf past |h| = 256 where ATen's kernel
+    accumulates in float32)."""
+    if m.root.outputs[0].desc != m.x.desc:
+        return (f"the result {m.root.outputs[0].desc} is not shaped and typed like x "
+                f"{m.x.desc}")
+    if not m.upcast and m.x.desc.dtype.torch == torch.float16:
+        return ("computed in float16 without casting to float32: eager's h² overflows past "
+                "|h| = 256, the fused kernel's float32 does not")
+    return None
+
+
 class FuseRMSNorm(RewritePass):
     """[Mul(w, ·)] [Cast] Mul(h, Rsqrt(Add(ReduceMean(Pow(h, 2), -1, keepdim), eps))),
     h = [Cast(float32)] x ⇒ RmsNorm(x, [D], w, eps)."""
@@ -84,7 +98,7 @@ class FuseRMSNorm(RewritePass):
             return den
         eps, nodes = den
         m = _RmsMatch(mul, h, None, eps, False, [mul] + nodes)
-        why = self._casts(graph, m) or self._weight(graph, m)
+        why = self._casts(graph, m) or self._weight(graph, m) or _exact(m)
         if why:
             return Skip(why)
         out = used_outside(graph, m.nodes, m.root)

@@ -12,6 +12,8 @@ inferred for the matched inputs; one that does not give the matched output's sha
 dtype stops the compile with a `GraphError` naming the rule (`check_rule_rewrite`)."""
 from __future__ import annotations
 
+import math
+import threading
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
@@ -40,32 +42,52 @@ class FusionRule:
 
 
 _RULES: Dict[str, FusionRule] = {}
+#: registration from one thread while another compiles (reads the rules) or registers
+_LOCK = threading.Lock()
 
 
 def register_rule(rule: FusionRule) -> FusionRule:
     """Add ``rule`` (its pass runs first in the fusion stage, in registration order).
-    Raises ValueError when the name is taken."""
-    if rule.name in _RULES:
-        raise ValueError(f"fusion rule {rule.name!r} is registered already; "
-                         "unregister_fusion it first or choose another name")
-    _RULES[rule.name] = rule
+    Raises ValueError when the name is taken. Thread-safe."""
+    with _LOCK:
+        if rule.name in _RULES:
+            raise ValueError(f"fusion rule {rule.name!r} is registered already; "
+                             "unregister_fusion it first or choose another name")
+        _RULES[rule.name] = rule
     return rule
 
 
 def unregister_rule(name: str) -> None:
-    """Remove the rule ``name``; raises KeyError naming the registered rules."""
-    if name not in _RULES:
-        raise KeyError(f"no fusion rule {name!r}; registered: {sorted(_RULES)}")
-    del _RULES[name]
+    """Remove the rule ``name``; raises KeyError naming the registered rules. Thread-safe."""
+    with _LOCK:
+        if name not in _RULES:
+            raise KeyError(f"no fusion rule {name!r}; registered: {sorted(_RULES)}")
+        del _RULES[name]
 
 
 def user_passes() -> List["UserFusion"]:
-    """One `UserFusion` per registered rule, in registration order."""
-    return [UserFusion(r) for r in _RULES.values()]
+    """One `UserFusion` per registered rule, in registration order (the rules registered
+    when it is called, whatever other threads register meanwhile)."""
+    with _LOCK:
+        rules = list(_RULES.values())
+    return [UserFusion(r) for r in rules]
+
+
+def _exact(v: object) -> object:
+    """A literal as a key that equals another only for the same value of the same type:
+    2 ≠ 2.0 ≠ True (they promote differently), 0.0 ≠ -0.0, NaN = NaN."""
+    if isinstance(v, (list, tuple)):
+        return (type(v).__name__, tuple(_exact(y) for y in v))
+    if isinstance(v, float):
+        return ("float", "nan" if math.isnan(v) else v, math.copysign(1.0, v))
+    if isinstance(v, dict):
+        return ("dict", tuple(sorted((k, _exact(y)) for k, y in v.items())))
+    return (type(v).__name__, v)
 
 
 def _literals(node: Node) -> Dict[str, object]:
-    return {k: v for k, v in node.attrs.items() if not isinstance(v, (TensorRef, TensorListRef))}
+    return {k: _exact(v) for k, v in node.attrs.items()
+            if not isinstance(v, (TensorRef, TensorListRef))}
 
 
 @dataclass
@@ -73,6 +95,7 @@ class _RuleMatch:
     root: Node
     binding: Dict[int, Value]      # pattern input index -> graph value
     nodes: List[Node]
+    out: Value                     # the root's output the pattern's result matched
 
 
 class _Matcher:
@@ -89,7 +112,8 @@ class _Matcher:
             bound = env.get(id(pv))
             return env if bound is gv else ({**env, id(pv): gv} if bound is None else None)
         if pv.is_const:
-            same = gv.is_const and gv.const.shape == pv.const.shape and torch.equal(gv.const, pv.const)
+            same = gv.is_const and gv.const.shape == pv.const.shape \
+                and gv.const.dtype == pv.const.dtype and _same_bits(gv.const, pv.const)
             return env if same else None
         pn, gn = pv.producer, gv.producer
         if pn is None or gn is None or pn.op != gn.op or len(pn.inputs) != len(gn.inputs) \
@@ -107,6 +131,13 @@ class _Matcher:
             if e is not None:
                 return e
         return None
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal values, NaN where NaN, and the same sign of zero (same dtype and shape)."""
+    if not torch.equal(a.isnan(), b.isnan()) or not torch.equal(a.nan_to_num(0.0), b.nan_to_num(0.0)):
+        return False
+    return not a.is_floating_point() or torch.equal(a.signbit(), b.signbit())
 
 
 class UserFusion(RewritePass):
@@ -136,23 +167,25 @@ class UserFusion(RewritePass):
             return Skip(f"{inner[1]} ({inner[0].op}) is read outside the pattern: fusing "
                         "would compute it twice")
         binding = {i: env[id(v)] for i, v in enumerate(self.rule.pattern.inputs)}
-        return _RuleMatch(node, binding, nodes)
+        return _RuleMatch(node, binding, nodes, out)
 
     def rewrite(self, graph: Graph, m: _RuleMatch, ctx: PassContext) -> int:
-        """Replace the matched nodes by the rule's traced replacement; returns the number of
-        rewrites (1)."""
+        """Replace the matched nodes by the rule's traced replacement (the matched output
+        of the root, which may be any of its outputs, by the replacement's result, any
+        output of its node); returns the number of rewrites (1)."""
         new = inline(graph, self.rule, m)
-        old = m.root.outputs[0]
-        check_rule_rewrite(self.rule.name, m.root, old, new.outputs[0])
-        replace_with(graph, m.root, new, m.nodes)
+        old = m.out
+        check_rule_rewrite(self.rule.name, m.root, old, new)
+        replace_with(graph, m.root, new.producer, m.nodes, m.root.outputs.index(old),
+                     new.producer.outputs.index(new))
         ctx.applied(m.nodes[::-1], f"user rule: {len(m.nodes)} → "
                     f"{len(self.rule.replacement.nodes)} nodes")
         return 1
 
 
-def inline(graph: Graph, rule: FusionRule, m: _RuleMatch) -> Node:
+def inline(graph: Graph, rule: FusionRule, m: _RuleMatch) -> Value:
     """Copy ``rule.replacement``'s nodes before ``m.root``, reading the matched inputs;
-    each output's shape and dtype inferred anew. Returns the node giving the result.
+    each output's shape and dtype inferred anew. Returns the value giving the result.
     Raises `GraphError` naming the rule when inference fails."""
     env: Dict[int, Value] = {id(v): m.binding[i] for i, v in enumerate(rule.replacement.inputs)}
     for c in rule.replacement.constants:
@@ -178,7 +211,7 @@ def inline(graph: Graph, rule: FusionRule, m: _RuleMatch) -> Node:
     if last is None or out.producer is None:
         raise GraphError(f"fusion rule {rule.name!r}: the replacement computes nothing "
                          "(it returns an input); return a new tensor")
-    return out.producer
+    return out
 
 
 def check_rule_rewrite(rule: str, root: Node, old: Value, new: Value) -> None:
