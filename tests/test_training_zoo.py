@@ -28,7 +28,13 @@ def test_zoo_gradients_match_eager(name, kw, budget):
         if isinstance(mod, torch.nn.Dropout):
             mod.p = 0.0
     ref = copy.deepcopy(model)
-    compiled = torch.compile(model, backend=make_training_backend(memory_budget=budget),
+    # GPT-2's spelled-out tanh GELU: fuse_gelu_tanh replaces it by ATen's kernel, which
+    # rounds differently (<= 2.4e-7 absolute); in eager alone that swap moves GPT-2's
+    # gradients by 2.9e-4 of their max (h.0.mlp.c_fc.weight), so this exactness check of
+    # the training machinery keeps eager's formula (the fusion is tested against eager in
+    # tests/test_pattern_fusions.py)
+    opts = {"disable": ["fuse_gelu_tanh"]} if name == "gpt2" else {}
+    compiled = torch.compile(model, backend=make_training_backend(memory_budget=budget, **opts),
                              dynamic=False)
     loss = _loss(compiled, zm.example_inputs)
     loss.backward()
