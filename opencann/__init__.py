@@ -117,6 +117,13 @@ def register_fusion(name, pattern, replacement, example_inputs, section="GraphFu
     return _register(name, pattern, replacement, example_inputs, section, cann_names)
 
 
+def unregister_fusion(name):
+    """Remove the user fusion rule ``name`` (`register_fusion`); raises KeyError naming
+    the registered rules."""
+    from .extend import unregister_fusion as _unregister
+    return _unregister(name)
+
+
 def register_op(name, op, **columns):
     """Make a torch custom op an opencann op with kernels per device, shape inference and
     cost; see `opencann.extend.register_op` (arguments, errors) and docs/fusion.md."""

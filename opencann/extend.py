@@ -20,7 +20,7 @@ import torch
 
 from .ops import OpDef, OpKind, register
 from .ops.opdef import Cost
-from .passes.fusion.user_rule import FusionRule, register_rule, unregister_rule
+from .passes.fusion.user_rule import FusionRule, register_rule, registered_rules, unregister_rule
 
 
 def _trace(fn: Callable, example_inputs: Sequence[torch.Tensor], what: str):
@@ -57,6 +57,9 @@ def register_fusion(name: str, pattern: Callable, replacement: Callable,
     from .passes import default_pipeline
     if section not in ("GraphFusion", "UBFusion"):
         raise ValueError(f"register_fusion: section {section!r}; use 'GraphFusion' or 'UBFusion'")
+    if name in registered_rules():
+        raise ValueError(f"register_fusion: {name!r} is a registered fusion rule already; call "
+                         "opencann.unregister_fusion(name) first or choose another name")
     if name in default_pipeline().names():
         raise ValueError(f"register_fusion: {name!r} is taken by a pass; choose another name")
     pat = _trace(pattern, example_inputs, "pattern")

@@ -239,3 +239,17 @@ def test_rules_registered_from_another_thread_while_compiling():
         th.join()
     user_rule.unregister_rule(rules[0].name)
     assert len(wins) == 1
+
+
+def test_a_rule_registered_twice_is_refused_and_unregistered_by_the_top_level_name():
+    xs = (torch.randn(4), torch.randn(4))
+    opencann.register_fusion("twice_rule", _pattern, _pattern, xs)
+    try:
+        with pytest.raises(ValueError, match=r"opencann.unregister_fusion\(name\)"):
+            opencann.register_fusion("twice_rule", _pattern, _pattern, xs)
+    finally:
+        opencann.unregister_fusion("twice_rule")
+    opencann.register_fusion("twice_rule", _pattern, _pattern, xs)   # the name is free again
+    opencann.unregister_fusion("twice_rule")
+    with pytest.raises(KeyError):
+        opencann.unregister_fusion("twice_rule")

@@ -52,7 +52,7 @@ def register_rule(rule: FusionRule) -> FusionRule:
     with _LOCK:
         if rule.name in _RULES:
             raise ValueError(f"fusion rule {rule.name!r} is registered already; "
-                             "unregister_fusion it first or choose another name")
+                             "call opencann.unregister_fusion(name) first or choose another name")
         _RULES[rule.name] = rule
     return rule
 
@@ -63,6 +63,12 @@ def unregister_rule(name: str) -> None:
         if name not in _RULES:
             raise KeyError(f"no fusion rule {name!r}; registered: {sorted(_RULES)}")
         del _RULES[name]
+
+
+def registered_rules() -> List[str]:
+    """Names of the registered user fusion rules, in registration order. Thread-safe."""
+    with _LOCK:
+        return list(_RULES)
 
 
 def user_passes() -> List["UserFusion"]:
