@@ -482,34 +482,37 @@ def estimate(model_or_zoo_name, example_inputs=None, device: str = "vnpu:ascend9
     inputs = sum(v.desc.nbytes for v in graph.inputs)
     _check_fits(name, batch, spec, weights, plan.arena_bytes, kalloc, inputs)
     rows, views = cost_graph(graph, spec, ub_epilogue and fused)
-    other, _, _ = _compile(ep, name, device, not fused)
-    other_rows, _ = cost_graph(other, spec, ub_epilogue and not fused)
-    t_here, b_here = sum(r.time_us for r in rows), sum(r.hbm_bytes for r in rows)
-    t_other, b_other = sum(r.time_us for r in other_rows), sum(r.hbm_bytes for r in other_rows)
+    t_here, b_here = _totals(rows)
+    t_other, b_other = _totals(cost_graph(_compile(ep, name, device, not fused)[0], spec,
+                                          ub_epilogue and not fused)[0])
     rep = EstimateReport(
         model=name, device=device, spec=spec, batch=batch, fused=fused, dtype=_weight_dtype(graph), rows=rows,
         time_us_fused=t_here if fused else t_other, time_us_unfused=t_other if fused else t_here,
         hbm_bytes_fused=b_here if fused else b_other, hbm_bytes_unfused=b_other if fused else b_here,
         weights_bytes=int(weights), arena_bytes=int(plan.arena_bytes), kernel_alloc_peak_bytes=int(kalloc),
         input_bytes=int(inputs), views=views)
-    td = [r for r in rows if r.op == "TransData"]
-    if td:
-        rep.notes.append(f"{len(td)} TransData kernels cost {sum(r.time_us for r in td):.1f} us "
-                         f"({sum(r.hbm_bytes for r in td) / 1e6:.1f} MB of HBM traffic)")
-    rep.notes += _epilogue_notes(rows)
+    rep.notes += _notes(rows)
     return rep
 
 
-def _epilogue_notes(rows: List[OpRow]) -> List[str]:
-    """One note on the ``vnpu_ub_epilogue`` rewrite: ops absorbed, Cube kernels that took
-    an epilogue, and the first few left unfused with their reason."""
+def _totals(rows: List[OpRow]) -> Tuple[float, float]:
+    """(time µs, HBM bytes) summed over ``rows``."""
+    return sum(r.time_us for r in rows), sum(r.hbm_bytes for r in rows)
+
+
+def _notes(rows: List[OpRow]) -> List[str]:
+    """Report notes: the TransData kernels' cost, and the ``vnpu_ub_epilogue`` rewrite (ops
+    absorbed, Cube kernels that took an epilogue, the first few left unfused and why)."""
+    td = [r for r in rows if r.op == "TransData"]
+    out = [f"{len(td)} TransData kernels cost {sum(r.time_us for r in td):.1f} us "
+           f"({sum(r.hbm_bytes for r in td) / 1e6:.1f} MB of HBM traffic)"] if td else []
     fused = [r for r in rows if r.bound == "fused"]
     kept = [r for r in rows if r.note]
     if not fused and not kept:
-        return []
+        return out
     cubes = {r.model.split(" ")[2] for r in fused}
     why = "; ".join(f"{r.name}: {r.note}" for r in kept[:3]) + (f"; ... ({len(kept)} in all)" if len(kept) > 3 else "")
-    return [f"{vnpu_cost.UB_EPILOGUE}: {len(fused)} bias Add / Relu / residual Add ops fused into the epilogue "
+    return out + [f"{vnpu_cost.UB_EPILOGUE}: {len(fused)} bias Add / Relu / residual Add ops fused into the epilogue "
             f"of {len(cubes)} Cube kernels (UB fusion)" + (f"; not fused: {why}" if kept else "")]
 
 
