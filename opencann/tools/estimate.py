@@ -52,8 +52,10 @@ MiB = float(1 << 20)
 @dataclass
 class OpRow:
     """One costed node: time in µs, HBM bytes read + written, FLOPs (fractal-padded),
-    ``bound`` (cube / vector / mte / memory / launch), ``model`` (the cost function used)
-    and ``fallback`` (True when no cost function fits and the memory-bound fallback is used)."""
+    ``bound`` (cube / vector / mte / memory / launch; "fused" for a node run in a Cube
+    kernel's epilogue, costed there), ``model`` (the cost function used), ``fallback``
+    (True when no cost function fits and the memory-bound fallback is used) and ``note``
+    (why a Cube node's epilogue was not fused, else "")."""
 
     name: str
     op: str
@@ -64,6 +66,7 @@ class OpRow:
     model: str
     fallback: bool = False
     format: str = "ND"
+    note: str = ""
 
     @property
     def intensity(self) -> float:
@@ -188,7 +191,7 @@ class EstimateReport:
             lines.append(f"  {r.name[:28]:28s} {r.op[:18]:18s} {r.time_us:10.2f} {100 * r.time_us / t:5.1f}% "
                          f"{r.bound:>7s} {r.hbm_bytes / 1e6:9.3f} {r.flops / 1e9:9.3f} {r.tflops:8.2f}"
                          + ("  (fallback)" if r.fallback else ""))
-        lines.append(f"  total: {t / 1e3:.3f} ms over {len(self.rows)} kernels ({self.views} views free), "
+        lines.append(f"  total: {t / 1e3:.3f} ms over {sum(r.bound != 'fused' for r in self.rows)} kernels ({self.views} views free), "
                      f"{self.total_flops / 1e9:.2f} GFLOP, {self.to_dict()['totals']['achieved_tflops']:.2f} TFLOP/s "
                      f"achieved of {self.spec.peak_cube_tflops(_bytes(self.dtype)):.1f} peak Cube")
         share = ", ".join(f"{k} {100 * v / t:.0f}%" for k, v in
@@ -274,16 +277,33 @@ def node_cost(node: Node, spec: NpuSpec) -> Tuple[Optional[KernelCost], str, boo
     return c, model, True
 
 
-def cost_graph(graph: Graph, spec: NpuSpec) -> Tuple[List[OpRow], int]:
-    """Per-node rows of ``graph`` on ``spec`` and the number of (free) views."""
+def cost_graph(graph: Graph, spec: NpuSpec, ub_epilogue: bool = True) -> Tuple[List[OpRow], int]:
+    """Per-node rows of ``graph`` on ``spec`` and the number of (free) views.
+
+    ``ub_epilogue`` (the virtual rewrite ``vnpu_ub_epilogue``): cost each Conv/MatMul
+    whose single consumer chain is bias Add / Relu / residual Add with that chain as its
+    Cube epilogue (`vnpu_cost.ub_epilogues`), the absorbed nodes as zero-cost rows
+    (bound "fused") noting the Cube node; a Cube node left unfused for a reason (its
+    output has several consumers, ...) says why in its row's ``note``."""
+    epi, absorbed, why_not = vnpu_cost.ub_epilogues(graph) if ub_epilogue else ({}, {}, {})
     rows, views = [], 0
     for n in graph.nodes:
-        c, model, fb = node_cost(n, spec)
+        fmt = n.outputs[0].desc.format.value
+        if n in absorbed:
+            rows.append(OpRow(n.name, n.op, 0.0, "fused", 0.0, 0.0,
+                              f"fused into {absorbed[n].name} epilogue (UB fusion)", False, fmt))
+            continue
+        if n in epi:
+            c, model = vnpu_cost.cube_with_epilogue(n, spec, epi[n])
+            fb = False
+        else:
+            c, model, fb = node_cost(n, spec)
         if c is None:
             views += 1
             continue
+        note = f"epilogue not fused: {why_not[n]}" if n in why_not else ""
         rows.append(OpRow(n.name, n.op, float(c.time_us), c.bound, float(c.hbm_bytes), float(c.flops), model,
-                          fb, n.outputs[0].desc.format.value))
+                          fb, fmt, note))
     return rows, views
 
 
@@ -416,7 +436,7 @@ def _weight_dtype(graph) -> str:
 
 def estimate(model_or_zoo_name, example_inputs=None, device: str = "vnpu:ascend910b",
              batch: Optional[int] = None, fused: bool = True, dtype: Optional[str] = None,
-             **zoo_kwargs) -> EstimateReport:
+             ub_epilogue: bool = True, **zoo_kwargs) -> EstimateReport:
     """Estimate time, HBM traffic and peak memory of a model on a virtual NPU.
 
     Args:
@@ -434,6 +454,10 @@ def estimate(model_or_zoo_name, example_inputs=None, device: str = "vnpu:ascend9
         dtype: cast the model and its floating inputs to this dtype first ('float16',
             'bfloat16', 'float32'); None keeps them. ``model_or_zoo_name`` may also be
             ``"file.py:factory"`` (factory() returns (model, example_inputs)).
+        ub_epilogue: with ``fused``, cost Conv/MatMul + bias Add / Relu / residual Add
+            as one Cube kernel with a Vector epilogue, as GE's UB fusion does (the virtual
+            rewrite ``vnpu_ub_epilogue``, see `cost_graph`); False costs each op as its
+            own kernel. The unfused comparison never uses it.
     Returns: `EstimateReport` (µs, bytes, FLOPs).
     Raises:
         ValueError: not a vnpu device, unknown preset, batch < 1, missing inputs, an
@@ -457,22 +481,39 @@ def estimate(model_or_zoo_name, example_inputs=None, device: str = "vnpu:ascend9
     kalloc = kernel_alloc_peak(graph, plan)
     inputs = sum(v.desc.nbytes for v in graph.inputs)
     _check_fits(name, batch, spec, weights, plan.arena_bytes, kalloc, inputs)
-    rows, views = cost_graph(graph, spec)
-    other, _, _ = _compile(ep, name, device, not fused)
-    other_rows, _ = cost_graph(other, spec)
-    t_here, b_here = sum(r.time_us for r in rows), sum(r.hbm_bytes for r in rows)
-    t_other, b_other = sum(r.time_us for r in other_rows), sum(r.hbm_bytes for r in other_rows)
+    rows, views = cost_graph(graph, spec, ub_epilogue and fused)
+    t_here, b_here = _totals(rows)
+    t_other, b_other = _totals(cost_graph(_compile(ep, name, device, not fused)[0], spec,
+                                          ub_epilogue and not fused)[0])
     rep = EstimateReport(
         model=name, device=device, spec=spec, batch=batch, fused=fused, dtype=_weight_dtype(graph), rows=rows,
         time_us_fused=t_here if fused else t_other, time_us_unfused=t_other if fused else t_here,
         hbm_bytes_fused=b_here if fused else b_other, hbm_bytes_unfused=b_other if fused else b_here,
         weights_bytes=int(weights), arena_bytes=int(plan.arena_bytes), kernel_alloc_peak_bytes=int(kalloc),
         input_bytes=int(inputs), views=views)
-    td = [r for r in rows if r.op == "TransData"]
-    if td:
-        rep.notes.append(f"{len(td)} TransData kernels cost {sum(r.time_us for r in td):.1f} us "
-                         f"({sum(r.hbm_bytes for r in td) / 1e6:.1f} MB of HBM traffic)")
+    rep.notes += _notes(rows)
     return rep
+
+
+def _totals(rows: List[OpRow]) -> Tuple[float, float]:
+    """(time µs, HBM bytes) summed over ``rows``."""
+    return sum(r.time_us for r in rows), sum(r.hbm_bytes for r in rows)
+
+
+def _notes(rows: List[OpRow]) -> List[str]:
+    """Report notes: the TransData kernels' cost, and the ``vnpu_ub_epilogue`` rewrite (ops
+    absorbed, Cube kernels that took an epilogue, the first few left unfused and why)."""
+    td = [r for r in rows if r.op == "TransData"]
+    out = [f"{len(td)} TransData kernels cost {sum(r.time_us for r in td):.1f} us "
+           f"({sum(r.hbm_bytes for r in td) / 1e6:.1f} MB of HBM traffic)"] if td else []
+    fused = [r for r in rows if r.bound == "fused"]
+    kept = [r for r in rows if r.note]
+    if not fused and not kept:
+        return out
+    cubes = {r.model.split(" ")[2] for r in fused}
+    why = "; ".join(f"{r.name}: {r.note}" for r in kept[:3]) + (f"; ... ({len(kept)} in all)" if len(kept) > 3 else "")
+    return out + [f"{vnpu_cost.UB_EPILOGUE}: {len(fused)} bias Add / Relu / residual Add ops fused into the epilogue "
+            f"of {len(cubes)} Cube kernels (UB fusion)" + (f"; not fused: {why}" if kept else "")]
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -487,6 +528,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
     ap.add_argument("--json", type=output_file, help="write the report as JSON here")
     ap.add_argument("--plot", type=output_file, help="write the roofline PNG here")
     ap.add_argument("--no-fusion", action="store_true", help="report the graph without the fusion passes")
+    ap.add_argument("--no-ub-epilogue", action="store_true",
+                    help="cost bias Add / Relu / residual Add after a Conv/MatMul as separate Vector kernels "
+                         "instead of the Cube epilogue (the vnpu_ub_epilogue rewrite)")
     ap.add_argument("--top", type=positive_int, default=15, help="ops listed by time")
     return ap
 
@@ -499,7 +543,8 @@ def run_args(args: argparse.Namespace) -> int:
     kw = {k: getattr(args, k) for k in ("size", "seq") if getattr(args, k, None) is not None}
     try:
         rep = estimate(args.model, device=args.device, batch=args.batch, fused=not args.no_fusion,
-                       dtype=getattr(args, "dtype", None), **kw)
+                       dtype=getattr(args, "dtype", None),
+                       ub_epilogue=not getattr(args, "no_ub_epilogue", False), **kw)
     except (ValueError, KeyError, RuntimeError, OSError) as e:
         msg = e.args[0] if isinstance(e, KeyError) and e.args else str(e)
         print(f"error: {(msg.strip().splitlines() or [type(e).__name__])[0]}", file=sys.stderr)
@@ -516,7 +561,7 @@ def run_args(args: argparse.Namespace) -> int:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """``opencann estimate --model resnet50 --device vnpu:ascend910b [--batch N]
-    [--json out.json] [--plot roofline.png] [--no-fusion] [--top K] [--size S] [--seq L]``."""
+    [--json out.json] [--plot roofline.png] [--no-fusion] [--no-ub-epilogue] [--top K] [--size S] [--seq L]``."""
     ap = argparse.ArgumentParser(prog="opencann estimate",
                                  description="estimate time, HBM traffic and memory on a virtual NPU")
     return run_args(add_arguments(ap).parse_args(argv))

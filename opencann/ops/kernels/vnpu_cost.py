@@ -52,8 +52,9 @@ def trans_data(node: Node, spec: NpuSpec) -> Tuple[KernelCost, str]:
                            spec=spec), "trans_data_cost"
 
 
-def conv(node: Node, spec: NpuSpec) -> Tuple[KernelCost, str]:
-    """Conv2D and its fusions (attrs stride, padding, dilation, groups)."""
+def conv(node: Node, spec: NpuSpec, epilogue: Tuple[str, ...] = ()) -> Tuple[KernelCost, str]:
+    """Conv2D and its fusions (attrs stride, padding, dilation, groups); ``epilogue``:
+    Vector ops fused after the Cube (`conv2d_cost`'s argument, see `ub_epilogues`)."""
     x, w = node.arg("input").desc, node.arg("weight").desc
     n, c, h, wd = (int(s) for s in x.origin_shape)
     cout, _, kh, kw = (int(s) for s in w.origin_shape)
@@ -62,18 +63,19 @@ def conv(node: Node, spec: NpuSpec) -> Tuple[KernelCost, str]:
     dil = list(a.get("dilation", [1, 1]))
     k = ((kh - 1) * dil[0] + 1, (kw - 1) * dil[-1] + 1)
     return conv2d_cost(n * g, c // g, h, wd, cout // g, k, tuple(a["stride"]), tuple(a["padding"]),
-                       x.dtype.value, spec), "conv2d_cost"
+                       x.dtype.value, spec, epilogue=epilogue), "conv2d_cost"
 
 
-def matmul(node: Node, spec: NpuSpec) -> Tuple[KernelCost, str]:
-    """mm / bmm (self, mat2) and addmm-style (mat1, mat2) products, on origin shapes."""
+def matmul(node: Node, spec: NpuSpec, epilogue: Tuple[str, ...] = ()) -> Tuple[KernelCost, str]:
+    """mm / bmm (self, mat2) and addmm-style (mat1, mat2) products, on origin shapes;
+    ``epilogue`` as in `conv`."""
     names = ("mat1", "mat2") if "mat1" in node.attrs else ("self", "mat2")
     a_d, b_d = node.arg(names[0]).desc, node.arg(names[1]).desc
     a_s, b_s = a_d.origin_shape, b_d.origin_shape
     m, kdim, nn = int(a_s[-2]), int(a_s[-1]), int(b_s[-1])
     out = node.outputs[0].desc
     batch = numel(out.origin_shape[:-2]) if len(a_s) > 2 else 1
-    return matmul_cost(m, nn, kdim, batch, a_d.dtype.value, spec), "matmul_cost"
+    return matmul_cost(m, nn, kdim, batch, a_d.dtype.value, spec, epilogue=epilogue), "matmul_cost"
 
 
 def _qk(node: Node):
@@ -174,3 +176,87 @@ def gated_mlp(node: Node, spec: NpuSpec) -> Tuple[KernelCost, str]:
 
 
 __all__ += ["gated_mlp"]
+
+
+# -- UB epilogue fusion (estimate only: no graph rewrite) -------------------------------------
+
+UB_EPILOGUE = "vnpu_ub_epilogue"
+"""Name of the virtual rewrite: GE's UB fusion of a Cube kernel with the elementwise ops
+after it (bias Add, Relu, residual Add), applied by the estimate's costing only."""
+
+
+def _cube_fn(node: Node):
+    from ..opdef import get_op
+    fn = get_op(node.op).device_cost.get("vnpu")
+    return fn if fn in (conv, matmul) else None
+
+
+def _epilogue_role(node: Node, prev: Value) -> Tuple[str, str]:
+    """(role, "") when ``node`` can run as the Cube epilogue on ``prev`` (role 'relu',
+    'bias' or 'add'), else ("", why not)."""
+    out = node.outputs[0].desc
+    if len(node.outputs) != 1 or tuple(out.shape) != tuple(prev.desc.shape) or out.dtype != prev.desc.dtype:
+        return "", f"{node.name} ({node.op}) changes the shape or dtype"
+    if node.op == "Relu":
+        return "relu", ""
+    if node.op == "Add" and node.attrs.get("alpha", 1) == 1 and len(node.inputs) == 2:
+        other = node.inputs[1] if node.inputs[0] is prev else node.inputs[0]
+        if other is prev:
+            return "", f"{node.name} adds the output to itself"
+        if tuple(other.desc.shape) == tuple(out.shape):
+            return "add", ""
+        if other.desc.is_static and numel(other.desc.shape) < numel(out.shape):
+            return "bias", ""
+    return "", f"{node.name} ({node.op}) is not a bias Add, Relu or residual Add"
+
+
+def _chain(node: Node, outputs: set, taken: dict) -> Tuple[List[Tuple[Node, str]], str]:
+    """The epilogue chain after Cube node ``node``: [(absorbed node, role)] and why it stops
+    at its first link ("" when a link was found or the consumer is not an epilogue op)."""
+    chain: List[Tuple[Node, str]] = []
+    prev = node.outputs[0]
+    while True:
+        if id(prev) in outputs:
+            return chain, "" if chain else "its output is a graph output"
+        users = list(dict.fromkeys(prev.users))
+        if len(users) != 1:
+            return chain, "" if chain or not users else f"its output has {len(users)} consumers " \
+                f"({', '.join(u.name for u in users)}), so it must be written to HBM"
+        nxt = users[0]
+        role, why = _epilogue_role(nxt, prev)
+        if not role or nxt in taken or len(chain) >= 3:
+            busy = (f"{nxt.name} is fused into {taken[nxt].name}'s epilogue, which reads this output as its "
+                    f"residual" if nxt in taken else "")
+            return chain, "" if chain or not (busy or nxt.op in ("Add", "Relu")) else (busy or why)
+        chain.append((nxt, role))
+        prev = nxt.outputs[0]
+
+
+def ub_epilogues(graph) -> Tuple[dict, dict, dict]:
+    """GE's UB fusion on a vnpu graph (after layout): each Conv/MatMul-family node (cost
+    `conv` / `matmul`) whose output has one consumer that is a bias Add (a smaller constant
+    broadcast), a Relu or a residual Add (same shape and dtype), each link with one
+    consumer, takes that chain (at most 3 ops) as its Cube epilogue. Returns
+    (cube node -> epilogue roles, absorbed node -> cube node, cube node -> why not fused)."""
+    outputs = {id(v) for v in graph.outputs}
+    epi, absorbed, why_not = {}, {}, {}
+    for n in graph.nodes:
+        if _cube_fn(n) is None or len(n.outputs) != 1:
+            continue
+        chain, why = _chain(n, outputs, absorbed)
+        if chain:
+            epi[n] = tuple(role for _, role in chain)
+            absorbed.update({a: n for a, _ in chain})
+        elif why:
+            why_not[n] = why
+    return epi, absorbed, why_not
+
+
+def cube_with_epilogue(node: Node, spec: NpuSpec, epilogue: Tuple[str, ...]) -> Tuple[KernelCost, str]:
+    """Cost of Cube node ``node`` with ``epilogue`` (roles 'bias', 'relu', 'add') fused:
+    `conv` / `matmul` with the cost model's ``epilogue`` argument."""
+    c, model = _cube_fn(node)(node, spec, epilogue)
+    return c, f"{model} + epilogue({', '.join(epilogue)})"
+
+
+__all__ += ["UB_EPILOGUE", "cube_with_epilogue", "ub_epilogues"]
