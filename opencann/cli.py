@@ -45,6 +45,16 @@ class _Parser(argparse.ArgumentParser):
     def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} -h)\n")
 
+    def parse_args(self, args=None, namespace=None):
+        """As argparse's, but arguments a subcommand does not take point at its own help."""
+        ns, extras = self.parse_known_args(args, namespace)
+        if extras:
+            cmd = getattr(ns, "cmd", None)
+            where = f"{self.prog} {cmd}" if cmd else self.prog
+            self.exit(2, f"{self.prog}: error: unrecognized arguments: {' '.join(extras)} "
+                         f"(see {where} -h)\n")
+        return ns
+
 
 def _user_error(path: str, what: str, e: BaseException) -> CliError:
     """One line for an exception raised by the user's file: its type, message and the

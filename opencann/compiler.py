@@ -356,6 +356,26 @@ class CompiledModel:
         return self.pool.profile(self._flat_inputs(args, kwargs), path)
 
 
+def convert_exported(model: torch.nn.Module, ep, capture_seconds: Dict[str, float],
+                     device: str, note: str) -> "tuple[Graph, CompileReport, list, list]":
+    """The construct stage after capture: ``ep`` (``model``'s ExportedProgram) as an IR
+    graph, a `CompileReport` for ``device`` that records the capture times and the
+    ``convert_and_infer`` stage (with ``note``), ``model``'s (name, tensor) parameters and
+    buffers (checked for in-place changes at call time), and the live tensors the compiled
+    model must not share memory with (those, ``ep``'s state dict and lifted constants; see
+    `snapshot_constants`). Raises what
+    `from_exported_program` raises (an op it cannot convert, named with its source)."""
+    t0 = time.perf_counter()
+    graph = from_exported_program(ep, name=type(model).__name__)
+    report = CompileReport(model=type(model).__name__, device=device,
+                           capture_seconds=capture_seconds)
+    report.passes.append(PassRecord("convert_and_infer", "construct", 0, len(graph.nodes),
+                                    time.perf_counter() - t0, len(graph.nodes), note=note))
+    frozen = list(model.named_parameters()) + list(model.named_buffers())
+    live = [t for _, t in frozen] + list(ep.state_dict.values()) + list(ep.constants.values())
+    return graph, report, frozen, live
+
+
 def compile_module(model: torch.nn.Module, example_inputs, device: str = "cpu",
                    options: Optional[Dict[str, Any]] = None, example_kwargs=None) -> CompiledModel:
     """Capture ``model`` with torch.export on ``example_inputs`` (a tensor or tuple) and
@@ -375,14 +395,8 @@ def _compile_module(model, example_inputs, device, options, example_kwargs) -> C
                          "the model takes one list argument")
     args = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
     ep, times = capture(model, args, example_kwargs)
-    t0 = time.perf_counter()
-    graph = from_exported_program(ep, name=type(model).__name__)
-    report = CompileReport(model=type(model).__name__, device=device, capture_seconds=times)
-    report.passes.append(PassRecord("convert_and_infer", "construct", 0, len(graph.nodes),
-                                    time.perf_counter() - t0, len(graph.nodes),
-                                    note="FX → IR, shape/dtype inference checked against FX"))
-    frozen = list(model.named_parameters()) + list(model.named_buffers())
-    live = [t for _, t in frozen] + list(ep.state_dict.values()) + list(ep.constants.values())
+    graph, report, frozen, live = convert_exported(model, ep, times, device,
+                                           "FX → IR, shape/dtype inference checked against FX")
     ctx = run_pipeline(graph, device, options, report, _bind_pipeline(),
                        artifacts={"live_tensors": live})
     flat, in_spec = pytree.tree_flatten((args, example_kwargs or {}))

@@ -21,9 +21,10 @@ from typing import Any, Dict, Mapping, Optional, Sequence, Tuple
 import torch
 import torch.utils._pytree as pytree
 
-from .compiler import BindKernels, CompiledModel, graph_cost, run_pipeline, snapshot_constants
+from .compiler import (BindKernels, CompiledModel, convert_exported, graph_cost, run_pipeline,
+                       snapshot_constants)
 from .devices import parse_device
-from .frontend.torch import CaptureError, capture, from_exported_program
+from .frontend.torch import CaptureError, capture
 from .frontend.torch.dynamic import dynamic_dims, export_dynamic_shapes, required_ranges
 from .ir import Graph, MemoryPlan
 from .ir.specialise import specialise
@@ -31,7 +32,7 @@ from .ir.symbolic import bind, bind_tree, holds, is_symbol, parse, shape_symbols
 from .log import logger
 from .options import check_options
 from .passes import MemoryPlanning, Pass, PassContext, PassManager, default_pipeline
-from .report import CompileReport, PassRecord
+from .report import CompileReport
 from .runtime import DEFAULT_CONCURRENT_CALLS, Executor, ExecutorPool
 from .runtime.call_binding import forward_arg_names
 from .runtime.shape_cache import DEFAULT_PLAN_CACHE_SIZE, ShapePlanCache
@@ -294,14 +295,7 @@ def compile_dynamic(model: torch.nn.Module, example_inputs, dynamic_shapes: Any,
                          "inputs, got a list: pass tuple(example_inputs)")
     args = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
     ep, times, labels, narrowed = _capture(model, args, example_kwargs, dynamic_shapes, dim_ranges)
-    t0 = time.perf_counter()
-    graph = from_exported_program(ep, name=type(model).__name__)
-    report = CompileReport(model=type(model).__name__, device=device, capture_seconds=times)
-    report.passes.append(PassRecord("convert_and_infer", "construct", 0, len(graph.nodes),
-                                    time.perf_counter() - t0, len(graph.nodes),
-                                    note="FX → IR with symbolic dims"))
-    frozen = list(model.named_parameters()) + list(model.named_buffers())
-    live = [t for _, t in frozen] + list(ep.state_dict.values()) + list(ep.constants.values())
+    graph, report, frozen, live = convert_exported(model, ep, times, device, "FX → IR with symbolic dims")
     binder = ShapeBinder(graph, dynamic_dims(ep, labels), graph.meta.get("shape_guards", ()),
                          [v.name for v in graph.inputs])
     flat, in_spec = pytree.tree_flatten((args, example_kwargs or {}))

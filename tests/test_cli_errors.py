@@ -56,6 +56,9 @@ def test_output_paths_and_counts(factories, capsys):
                "directory nowhere does not exist")
     _one_error(["bench", "f.py:ok", "--runs", "0"], capsys, "--runs", "at least 1, got 0")
     _one_error(["compile", "f.py:ok", "--batch", "two"], capsys, "--batch", "'two'")
+    # an argument the subcommand does not take points at that subcommand's help
+    _one_error(["compare", "f.py:ok", "--tol", "3"], capsys, "unrecognized arguments: --tol 3",
+               "see opencann compare -h")
 
 
 def test_factory_files(factories, capsys):
