@@ -13,7 +13,7 @@ from typing import List, Optional, Tuple
 from ...ir import Graph, Node, TensorRef, Value
 from ..base import PassContext, Skip
 from .common import CpuFusion
-from .match import producer, replace_with, tensor_pair, used_outside
+from .match import producer, read_outside, replace_with, tensor_pair
 
 
 @dataclass
@@ -64,9 +64,9 @@ class FuseGatedMLP(CpuFusion):
                 return Skip(f"W1 {mm1.inputs[1].desc} and W3 {mm3.inputs[1].desc} (or the "
                             "products) differ in shape or dtype")
             nodes = [mul, sw, *n1, *n3]
-            out = used_outside(graph, nodes, mul)
-            if out is not None:
-                return Skip(f"{out[1]} ({out[0].op}) is read outside the gated MLP")
+            skip = read_outside(graph, nodes, mul, "gated MLP")
+            if skip is not None:
+                return skip
             return _GatedMatch(mul, mm1.inputs[0], mm1.inputs[1], mm3.inputs[1], nodes)
         return None
 

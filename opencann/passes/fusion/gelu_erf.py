@@ -13,7 +13,7 @@ import math
 from ...ir import Graph, Node
 from ..base import PassContext, RewritePass, Skip
 from .gelu_tanh import _GeluMatch, gelu_factors, gelu_rewrite
-from .match import close, producer, scalar_operand, used_outside
+from .match import close, producer, read_outside, scalar_operand
 
 
 class FuseGeluErf(RewritePass):
@@ -41,11 +41,7 @@ class FuseGeluErf(RewritePass):
         else:
             return Skip(f"the erf's argument is not {x}/√2")
         nodes.append(arg)
-        out = used_outside(graph, nodes, root)
-        if out is not None:
-            return Skip(f"{out[1]} ({out[0].op}) is read outside the GELU: fusing would "
-                        "compute it twice")
-        return _GeluMatch(root, x, nodes)
+        return read_outside(graph, nodes, root, "GELU") or _GeluMatch(root, x, nodes)
 
     def rewrite(self, graph: Graph, m: _GeluMatch, ctx: PassContext) -> int:
         """Replace the matched nodes by one `Gelu` node (approximate='none'); returns the

@@ -16,7 +16,7 @@ from typing import List
 
 from ...ir import Graph, Node, TensorRef
 from ..base import PassContext, RewritePass, Skip
-from .match import close, factors, producer, replace_with, scalar_operand, used_outside
+from .match import close, factors, producer, read_outside, replace_with, scalar_operand
 
 SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 CUBIC = 0.044715
@@ -87,11 +87,7 @@ class FuseGeluTanh(RewritePass):
         if not close(c[1], CUBIC):
             return Skip(f"the cubic coefficient is {c[1]:g}, GELU's is 0.044715")
         nodes += [producer(tanh.inputs[0]), u, producer(cube_term), pw]
-        out = used_outside(graph, nodes, root)
-        if out is not None:
-            return Skip(f"{out[1]} ({out[0].op}) is read outside the GELU: fusing would "
-                        "compute it twice")
-        return _GeluMatch(root, x, nodes)
+        return read_outside(graph, nodes, root, "GELU") or _GeluMatch(root, x, nodes)
 
     def rewrite(self, graph: Graph, m: _GeluMatch, ctx: PassContext) -> int:
         """Replace the matched nodes by one `Gelu` node (approximate='tanh'); returns the

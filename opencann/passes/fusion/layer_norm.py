@@ -22,7 +22,7 @@ import torch
 
 from ...ir import Graph, Node, TensorDesc, TensorRef, Value
 from ..base import PassContext, RewritePass, Skip
-from .match import producer, replace_with, scalar_operand, tensor_pair, used_outside
+from .match import producer, read_outside, replace_with, scalar_operand, tensor_pair
 
 
 @dataclass
@@ -149,10 +149,9 @@ class FuseLayerNorm(RewritePass):
             return Skip("computed in float16: eager's (x − μ)² overflows past |x − μ| = 256, "
                         "ATen's LayerNorm accumulates in float32 and does not")
         m = _LnMatch(root, x, k, eps, [root, *den_nodes, *vn, sub, mean])
-        out = used_outside(graph, m.nodes, root)
-        if out is not None:
-            return Skip(f"{out[1]} ({out[0].op}) is read outside the LayerNorm: fusing would "
-                        "compute it twice")
+        skip = read_outside(graph, m.nodes, root, "LayerNorm")
+        if skip is not None:
+            return skip
         if not all(isinstance(d, int) for d in x.desc.shape[-k:]):
             return Skip(f"the normalized dims {list(x.desc.shape[-k:])} are dynamic: "
                         "LayerNorm's normalized_shape must be static")

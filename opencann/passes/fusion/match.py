@@ -11,6 +11,7 @@ import sympy
 
 from ...ir import Graph, Node, Value, numel
 from ...ir.symbolic import as_expr
+from ..base import Skip
 
 _NUMBER = (int, float)
 
@@ -93,6 +94,17 @@ def used_outside(graph: Graph, nodes: Sequence[Node], root: Node) -> Optional[Tu
     return None
 
 
+def read_outside(graph: Graph, nodes: Sequence[Node], root: Node, what: str) -> Optional[Skip]:
+    """A `Skip` naming the first matched value (other than ``root``'s) that something outside
+    ``nodes`` reads or the caller gets (`used_outside`): fusing the ``what`` would compute
+    it twice. None when the match is self-contained."""
+    out = used_outside(graph, nodes, root)
+    if out is None:
+        return None
+    return Skip(f"{out[1]} ({out[0].op}) is read outside the {what}: fusing would compute "
+                "it twice")
+
+
 def contiguous_strides(shape: Sequence[Any]) -> List[Any]:
     """Row-major strides of ``shape`` (elements); a dynamic dim (a symbol's string form)
     gives strides in the same string form (``16*s27``), bound per call like the shape."""
@@ -126,4 +138,4 @@ def replace_with(graph: Graph, old_root: Node, new: Node, matched: Iterable[Node
 
 
 __all__ = ["close", "contiguous_strides", "factors", "producer", "replace_with", "scalar_operand", "tensor_pair",
-           "used_outside"]
+           "used_outside", "read_outside"]

@@ -18,7 +18,7 @@ import torch
 
 from ...ir import Graph, Node, TensorRef, Value
 from ..base import PassContext, RewritePass, Skip
-from .match import producer, replace_with, scalar_operand, tensor_pair, used_outside
+from .match import producer, read_outside, replace_with, scalar_operand, tensor_pair
 
 
 @dataclass
@@ -101,10 +101,9 @@ class FuseRMSNorm(RewritePass):
         why = self._casts(graph, m) or self._weight(graph, m) or _exact(m)
         if why:
             return Skip(why)
-        out = used_outside(graph, m.nodes, m.root)
-        if out is not None:
-            return Skip(f"{out[1]} ({out[0].op}) is read outside the RMSNorm: fusing would "
-                        "compute it twice")
+        skip = read_outside(graph, m.nodes, m.root, "RMSNorm")
+        if skip is not None:
+            return skip
         if not isinstance(m.x.desc.shape[-1], int):
             return Skip(f"the normalized dim {m.x.desc.shape[-1]} is dynamic: RMSNorm's "
                         "normalized_shape must be static")

@@ -22,8 +22,8 @@ import torch
 from ...ir import Graph, Node, TensorListRef, TensorRef, Value
 from ...ir.verify import GraphError
 from ...ops import infer
-from ..base import PassContext, RewritePass, Skip
-from .match import replace_with, used_outside
+from ..base import PassContext, RewritePass
+from .match import read_outside, replace_with
 
 _SWAPPABLE = ("Add", "Mul")
 
@@ -168,10 +168,9 @@ class UserFusion(RewritePass):
         if env is None:
             return None
         nodes = [env[id(n)] for n in self.rule.pattern.nodes if id(n) in env]
-        inner = used_outside(graph, nodes, node)
-        if inner is not None:
-            return Skip(f"{inner[1]} ({inner[0].op}) is read outside the pattern: fusing "
-                        "would compute it twice")
+        skip = read_outside(graph, nodes, node, "pattern")
+        if skip is not None:
+            return skip
         binding = {i: env[id(v)] for i, v in enumerate(self.rule.pattern.inputs)}
         return _RuleMatch(node, binding, nodes, out)
 
