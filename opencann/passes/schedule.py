@@ -4,26 +4,49 @@ stages follow (`apply_schedule`)."""
 from __future__ import annotations
 
 from ..ir import Graph, Schedule
+from ..log import logger
+from ..report import fmt_bytes
 from .base import Pass, PassContext
 
 
 class SingleStreamSchedule(Pass):
     """The schedule stage: the graph's nodes in a stable topological order
-    (`Graph.topo_sort`: the capture order where it is valid), all on stream 0."""
+    (`Graph.topo_sort`: the capture order where it is valid), then, with the option
+    ``memory_aware_order`` (default True), the order of `memory_aware_order` when it
+    lowers the planned peak of live bytes; all on stream 0."""
 
     name, stage = "schedule", "schedule"
 
     def run(self, graph: Graph, ctx: PassContext) -> int:
         """Sort the nodes, set every ``node.stream`` to 0 and store the `Schedule` (node
         names in order, streams) as ``ctx.artifacts["schedule"]``; returns the number of
-        positions whose node changed. Raises ValueError if the graph has a cycle."""
+        positions whose node changed. The note (and the INFO log) gives the planned peak
+        of live bytes before and after. Raises ValueError if the graph has a cycle."""
         before = [n.name for n in graph.nodes]
         graph.topo_sort()
+        if ctx.options.get("memory_aware_order", True):
+            _memory_aware(graph, ctx)
         for n in graph.nodes:
             n.stream = 0
         ctx.artifacts["schedule"] = Schedule([n.name for n in graph.nodes],
                                              {n.name: 0 for n in graph.nodes})
         return sum(a != b for a, b in zip(before, [n.name for n in graph.nodes]))
+
+
+def _memory_aware(graph: Graph, ctx: PassContext) -> None:
+    """Put ``graph`` in `memory_aware_order`'s order; note and log the peak."""
+    from .schedule_order import memory_aware_order  # it plans memory, whose module imports this one
+    c = memory_aware_order(graph, ctx.options)
+    if c.note:
+        ctx.note(c.note)
+        return
+    if c.method != "capture":
+        graph.reorder(c.order)
+        ctx.applied(list(c.order[:1]), f"{c.method} order: planned peak {c.before} -> {c.after} B")
+    text = (f"planned peak {fmt_bytes(c.before)} -> {fmt_bytes(c.after)} ({c.before} -> "
+            f"{c.after} B, {c.method} order)")
+    ctx.note(text)
+    logger.info("schedule %s: %s", graph.name, text)
 
 
 def apply_schedule(graph: Graph, schedule: Schedule) -> int:
