@@ -31,7 +31,8 @@ from .ir.specialise import specialise
 from .ir.symbolic import bind, bind_tree, holds, is_symbol, parse, shape_symbols
 from .log import logger
 from .options import check_options
-from .passes import MemoryPlanning, Pass, PassContext, PassManager, default_pipeline
+from .passes import (MemoryPlanning, Pass, PassContext, PassManager, SingleStreamSchedule,
+                     default_pipeline)
 from .report import CompileReport
 from .runtime import DEFAULT_CONCURRENT_CALLS, Executor, ExecutorPool
 from .runtime.call_binding import forward_arg_names
@@ -60,13 +61,14 @@ def symbolic_pipeline() -> PassManager:
 def plan_shape(graph: Graph, values: Mapping[str, int], options: Dict[str, Any]
                ) -> Tuple[Graph, MemoryPlan, Executor]:
     """`specialise` ``graph`` to ``values`` (symbol -> int), then run the compiler's
-    memory and binding stages on it. Returns (concrete graph, plan, first executor)."""
+    schedule (the memory-aware order needs concrete sizes), memory and binding stages
+    on it. Returns (concrete graph, plan, first executor)."""
     g = specialise(graph, values)
     # the pass switches named the optimisation passes, which ran once already
     options = {k: v for k, v in options.items() if k not in ("disable", "enable")}
     ctx = PassContext(options=options, report=CompileReport(model=graph.name),
                       artifacts={"live_tensors": ()})
-    PassManager([MemoryPlanning(), BindKernels()]).run(g, ctx)
+    PassManager([SingleStreamSchedule(), MemoryPlanning(), BindKernels()]).run(g, ctx)
     return g, ctx.artifacts["memory_plan"], ctx.artifacts["executor"]
 
 

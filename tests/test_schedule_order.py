@@ -12,7 +12,7 @@ import opencann
 from opencann.ir import DataType, Graph, TensorDesc, TensorRef
 from opencann.passes import plan_memory
 from opencann.passes.schedule_order import (PeakModel, dfs_order, exact_order, list_order,
-                                            memory_aware_order)
+                                            memory_aware_order, order_edges)
 
 G = torch.Generator().manual_seed(0)
 SHAPES = [(4, 8), (16, 8), (64, 8)]
@@ -57,6 +57,21 @@ def test_branches_peak_strictly_lower_with_eager_values():
     torch.testing.assert_close(first, kept, equal_nan=True)   # results stay the caller's
 
 
+def test_dynamic_shapes_get_the_order_per_concrete_shape():
+    """The symbolic graph has no sizes: each shape's plan is ordered on its own."""
+    x = torch.randn(8, 64, generator=G)
+    kw = dict(dynamic_shapes={"x": {0: "batch"}}, dim_ranges={"batch": (1, 64)})
+    on = opencann.compile(Branches(), (x,), **kw)
+    off = opencann.compile(Branches(), (x,), options={"memory_aware_order": False}, **kw)
+    assert _schedule_note(on) == "symbolic shapes: capture order"
+    for b in (8, 16):                      # the example's plan and one built on a call
+        x = torch.randn(b, 64, generator=G)
+        torch.testing.assert_close(on(x), Branches()(x))
+        off(x)
+    peaks = [[p["lower_bound_bytes"] for p in cm.report.dynamic["plans"]] for cm in (on, off)]
+    assert peaks == [[2 * 8 * 256, 2 * 16 * 256], [3 * 8 * 256, 3 * 16 * 256]]
+
+
 def test_option_off_keeps_capture_order_and_is_validated():
     x = torch.randn(64, 64, generator=G)
     off = opencann.compile(Branches(), (x,), options={"memory_aware_order": False})
@@ -73,6 +88,31 @@ def test_nothing_better_keeps_capture_order():
                                               torch.nn.Linear(8, 8)), (x,))
     assert "capture order" in _schedule_note(cm)
     assert not [a for a in cm.report.applied if a["pass"] == "schedule"]
+
+
+class RandomBranches(torch.nn.Module):
+    """As `Branches`, with a random op in each branch: running the second branch first
+    lowers the peak, but its randn_like must still draw after rand_like."""
+
+    def forward(self, x):
+        a = torch.rand_like(x) + x
+        c = torch.sigmoid(x) * torch.tanh(x) * torch.randn_like(x)
+        return (a * c).sum(1)
+
+
+def test_random_nodes_keep_their_order_and_eagers_values():
+    x = torch.randn(64, 64, generator=G)
+    cm = opencann.compile(RandomBranches(), (x,))
+    names = [n.name for n in cm.graph.nodes]
+    assert names.index("rand_like") < names.index("randn_like")
+    assert names[0] != "rand_like"                         # reordered nonetheless
+    assert "-> 32768 B" in _schedule_note(cm)
+    for seed in (3, 4):                                    # a second call
+        x = torch.randn(64, 64, generator=G)
+        torch.manual_seed(seed)
+        got = cm(x)
+        torch.manual_seed(seed)
+        torch.testing.assert_close(got, RandomBranches()(x))
 
 
 class SmallNet(torch.nn.Module):
@@ -136,7 +176,35 @@ def dags(draw, max_nodes=7):
                                   f"n{i}").output)
     outs = draw(st.lists(st.sampled_from(vals[1:]), min_size=1, max_size=3, unique=True))
     g.outputs = outs
+    # some nodes write in place into input 0 (as ConvAddAct does), where they are its
+    # last reader in capture order: every other reader must stay ahead of them
+    nodes = list(g.nodes)
+    for k, n in enumerate(nodes):
+        x = n.inputs[0]
+        if (draw(st.booleans()) and x.producer is not None and x not in outs
+                and "inplace_input" not in x.producer.attrs
+                and x.desc.shape == n.output.desc.shape
+                and all(nodes.index(u) <= k for u in x.users)):
+            n.attrs["inplace_input"] = 0
     return g
+
+
+def test_in_place_writers_order_edges():
+    """x -> a = Relu(x); b = Neg(a); w = Sigmoid(a) writing into a; out = w * b: Neg
+    must run before the writer although it feeds the writer nothing."""
+    g = Graph("writer")
+    x = g.add_input(TensorDesc((4, 8), DataType.FLOAT), "x")
+    one = {"self": TensorRef(0)}
+    a = g.create_node("Relu", [x], one, [x.desc], "a").output
+    w = g.create_node("Sigmoid", [a], {**one, "inplace_input": 0}, [x.desc], "w")
+    b = g.create_node("Neg", [a], one, [x.desc], "b").output
+    g.reorder([a.producer, b.producer, w])
+    g.outputs = [g.create_node("Mul", [w.output, b], {**one, "other": TensorRef(1)},
+                               [x.desc], "out").output]
+    assert [(p.name, q.name) for p, q in order_edges(g)] == [("b", "w")]
+    m = PeakModel(g)
+    assert all(m.index[p] < m.index[w] for p in (a.producer, b.producer))
+    assert {tuple(o) for o in _topo_orders(m)} == {(0, 1, 2, 3)}
 
 
 def _topo_orders(m, done=(), seen=frozenset()):

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from ..ir import Graph, Node
-from ..ops import get_op, output_aliases, storage_roots
+from ..ops import get_op, is_random, output_aliases, storage_roots
 from .memory import DEFAULT_ALIGNMENT, _align, plan_memory, writes_into_buffer
 
 EXACT_MAX_NODES = 20
@@ -117,6 +117,9 @@ class PeakModel:
             self.preds.append(tuple(dict.fromkeys(self.index[x.producer] for x in n.inputs
                                                   if x.producer in self.index)))
             self.inplace.append(self._inplace_facts(n, mine, sroots, rid) if inplace else None)
+        for a, b in order_edges(graph):
+            if self.index[a] not in self.preds[self.index[b]]:
+                self.preds[self.index[b]] += (self.index[a],)
         for v in graph.outputs:
             for r in sroots.get(v.id, (v.id,)):
                 if r in rid:
@@ -186,6 +189,26 @@ class PeakModel:
             left[r] -= 1
         if into is not None:
             placed.add(self.inplace[i][0])
+
+
+def order_edges(graph: Graph) -> List[Tuple[Node, Node]]:
+    """Pairs (a, b): node a must run before node b although b reads nothing a makes.
+    Random nodes keep their capture order (each call draws torch's RNG in eager's
+    sequence); a node that writes in place into an input (``inplace_input``) runs after
+    every other reader of that memory's contents before the write (as `plan_memory`
+    requires). The graph must be in capture (topological) order."""
+    pos = {n: i for i, n in enumerate(graph.nodes)}
+    rnd = [n for n in graph.nodes if is_random(n)]
+    edges = list(zip(rnd, rnd[1:]))
+    writers = [n for n in graph.nodes if "inplace_input" in n.attrs]
+    if writers:
+        before = storage_roots(graph, writes_as_fresh=True)
+        for w in writers:
+            x = w.inputs[w.attrs["inplace_input"]]
+            mem = before.get(x.id, frozenset((x.id,)))
+            edges += [(u, w) for u in graph.nodes if pos[u] < pos[w] and any(
+                before.get(v.id, frozenset((v.id,))) & mem for v in u.inputs)]
+    return edges
 
 
 def list_order(m: PeakModel) -> List[int]:
