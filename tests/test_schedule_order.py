@@ -12,7 +12,7 @@ import opencann
 from opencann.ir import DataType, Graph, TensorDesc, TensorRef
 from opencann.passes import plan_memory
 from opencann.passes.schedule_order import (PeakModel, dfs_order, exact_order, list_order,
-                                            memory_aware_order, order_edges)
+                                            lower_bound, memory_aware_order, order_edges)
 
 G = torch.Generator().manual_seed(0)
 SHAPES = [(4, 8), (16, 8), (64, 8)]
@@ -227,15 +227,18 @@ def test_model_is_the_plans_lower_bound_in_any_order(g, rnd):
     g.reorder(m.nodes)
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=80, deadline=None)
 @given(dags())
 def test_exact_search_agrees_with_brute_force(g):
+    """The plan's own figure (`PeakModel.peak`, = `plan_memory`'s lower bound above),
+    minimised over every topological order, is what the exact search returns."""
     m = PeakModel(g)
-    best = min(m.peak(o, afterwards=False) for o in _topo_orders(m))
-    peak, order = exact_order(m)
-    assert peak == best == m.peak(order, afterwards=False)
+    best = min(m.peak(o) for o in _topo_orders(m))
+    peak, order = exact_order(m, budget=10 ** 6)
+    assert peak == best == m.peak(order)
     assert sorted(order) == list(range(len(m.nodes)))
-    assert exact_order(m, bound=best) is None        # nothing strictly below the optimum
+    assert exact_order(m, bound=best, budget=10 ** 6) is None   # nothing below the optimum
+    assert lower_bound(m) <= best
 
 
 @settings(max_examples=60, deadline=None)
@@ -248,5 +251,8 @@ def test_chosen_order_never_above_capture_order(g):
     g.reorder(c.order)
     after = plan_memory(g)
     assert after.lower_bound <= before.lower_bound and after.arena_bytes <= before.arena_bytes
-    assert (c.before, c.after) == (before.lower_bound, after.lower_bound)
     assert (c.method == "capture") == (c.order == capture)
+    if c.note:                                       # fewer than two nodes
+        assert len(capture) < 2 and c.order == capture
+    else:
+        assert (c.before, c.after) == (before.lower_bound, after.lower_bound)

@@ -23,19 +23,23 @@ schedulers and keeps the one with the least memory (xla/service/hlo_memory_sched
    JACM 1970, for trees);
 4. for graphs of at most ``EXACT_MAX_NODES`` nodes, an exact search: dynamic
    programming over the sets of scheduled nodes (each set's live bytes do not depend on
-   the order that reached it), keeping the lowest peak per set, bounded by the best
-   heuristic's peak and by a state budget (as SERENITY does: Ahn et al., "Ordering
-   Chaos: Memory-Aware Scheduling of Irregularly Wired Neural Networks for Edge
-   Devices", MLSys 2020).
+   the order that reached it), keeping the lowest peak per set, expanded best-first,
+   bounded by the best heuristic's peak and by a budget of moves (as SERENITY does: Ahn et
+   al., "Ordering Chaos: Memory-Aware Scheduling of Irregularly Wired Neural Networks
+   for Edge Devices", MLSys 2020).
 
-The searches (2-4) replay the plan forwards, step by step; one rule of the plan is
-known only afterwards: an input buffer overwritten in place by a node whose result is a
-graph output leaves the arena over its whole life. `PeakModel.peak` applies it, so the
-orders are compared by the plan's own figure, but the searches do not aim for it (the
-exact search is exact for the forward replay).
+No search runs when the capture order's peak already equals `lower_bound` (the bytes
+some node's own step needs in any order): the common case of chain-like graphs.
+
+The searches replay the plan forwards, step by step; one rule of the plan is known only
+afterwards: an input buffer overwritten in place by a node whose result is a graph
+output leaves the arena over its whole life. `PeakModel.peak` applies it, so orders are
+compared by the plan's own figure; the exact search guesses it when such a buffer is
+made and keeps the guess only if it comes true; the heuristics do not aim for it.
 """
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -45,8 +49,9 @@ from .memory import DEFAULT_ALIGNMENT, _align, plan_memory, writes_into_buffer
 
 EXACT_MAX_NODES = 20
 """Graphs with at most this many nodes also get the exact search."""
-EXACT_STATE_BUDGET = 20000
-"""Most (node set, in-place) states the exact search visits before giving up."""
+EXACT_BUDGET = 2000
+"""Most moves (a node run from a state) the exact search tries before giving up: it
+bounds the search's time (a few tens of ms) on wide graphs."""
 
 
 @dataclass
@@ -55,7 +60,8 @@ class OrderChoice:
     found it ("capture", "list", "dfs", "exact"), and the planned peak of live bytes
     (the plan's ``lower_bound``) of the capture order (``before``) and of ``order``
     (``after``); ``after == before`` and ``method == "capture"`` when nothing improved.
-    ``note``: why the search did not run (symbolic shapes), else ""."""
+    ``note``: why the search did not run (symbolic shapes, fewer than two nodes; the
+    capture order, ``before`` and ``after`` 0), else ""."""
 
     order: List[Node]
     method: str
@@ -259,55 +265,108 @@ def dfs_order(m: PeakModel) -> List[int]:
     return order
 
 
+def _droppable(m: PeakModel) -> frozenset:
+    """Roots a node whose result backs a graph output may overwrite in place: in an
+    order where it does, the root leaves the arena over its whole life."""
+    return frozenset(x for f in m.inplace if f and m.kept[f[0]] for x in f[1])
+
+
+def _moves(m: PeakModel, i: int, left, placed, dropped, droppable):
+    """The ways node ``i`` can run next in the exact search: (bytes at its step, change
+    of the live bytes, in-place root or None, roots of its outputs taken as leaving the
+    arena). A root is taken as leaving the arena when it is made (both guesses are
+    tried); a guess is kept only if it comes true (the node reading it last overwrites
+    it in place and backs a graph output) and made whenever that happens, so each
+    order is replayed once, with the plan's figure."""
+    fx, into = m.inplace[i], None
+    if fx is not None:
+        for x in fx[1]:
+            if left[x] == 1 and not m.kept[x] and x not in placed and m.size[x]:
+                into = x
+                break
+    drops = into is not None and m.kept[fx[0]]
+    for r in m.reads[i]:
+        if left[r] == 1 and (r in dropped) != (drops and r == into):
+            return   # a guess that does not come true (or a drop not guessed)
+    freed = sum(m.size[r] for r in m.reads[i]
+                if left[r] == 1 and not m.kept[r] and r not in dropped)
+    new = [r for r in m.allocs[i] if r in droppable]
+    for k in range(1 << len(new)):
+        guess = frozenset(r for j, r in enumerate(new) if k >> j & 1)
+        alloc = sum(m.size[r] for r in m.allocs[i] if r not in guess)
+        gone = sum(m.size[r] for r in m.allocs[i] if m.readers[r] == 0 and r not in guess)
+        at = alloc - (m.size[fx[0]] if into is not None else 0)
+        yield at, alloc - freed - gone, into, guess
+
+
 def exact_order(m: PeakModel, bound: Optional[int] = None,
-                budget: int = EXACT_STATE_BUDGET) -> Optional[Tuple[int, List[int]]]:
-    """The lowest-peak order by dynamic programming over scheduled-node sets (with the
-    set of in-place roots still read, which decides later in-place reuse): (peak, order
-    as node indices; among equal peaks, the first found, trying nodes in index order). Only orders with a peak
-    below ``bound`` are searched (None: all). Returns None when there is none below
-    ``bound`` or more than ``budget`` states would be visited."""
+                budget: int = EXACT_BUDGET) -> Optional[Tuple[int, List[int]]]:
+    """The lowest-peak order (``m.peak``, the plan's figure) by a best-first search over
+    states: the set of nodes run, the in-place roots still read (they decide later
+    in-place reuse) and the roots taken as leaving the arena (`_moves`); a state's live
+    bytes do not depend on the order that reached it. States are expanded in order of
+    the peak that reached them (a bottleneck Dijkstra), so the first complete one is
+    optimal. Returns (peak, order as node indices; among equal peaks, the first found),
+    or None when no order has a peak below ``bound`` (None: no bound) or more than
+    ``budget`` moves would be tried."""
     n = len(m.nodes)
+    if n == 0:
+        return None
+    full, droppable = (1 << n) - 1, _droppable(m)
     pred_mask = [sum(1 << p for p in ps) for ps in m.preds]
-    # state (done mask, placed roots) -> (peak so far, live bytes, parent state, node)
-    level = {(0, frozenset()): (0, 0, None, -1)}
-    parents: List[dict] = []
-    visited = 0
-    for _ in range(n):
-        nxt: dict = {}
-        for key, (pk, live, _, _) in level.items():
-            done, placed = key
-            left = m.readers[:]
-            for i in range(n):
-                if done >> i & 1:
-                    for r in m.reads[i]:
-                        left[r] -= 1
-            for i in range(n):
-                if done >> i & 1 or pred_mask[i] & ~done:
-                    continue
-                at, net, into = m.step(i, left, placed)
+    start = (0, frozenset(), frozenset())
+    best = {start: 0}
+    info = {start: (0, tuple(m.readers), None, -1)}   # live bytes, readers left, parent, node
+    heap, pushed, tried = [(0, 0, start)], 0, 0
+    while heap:
+        pk, _, key = heapq.heappop(heap)
+        if best[key] < pk:
+            continue   # reached more cheaply since
+        done, placed, dropped = key
+        if done == full:
+            order = []
+            while key != start:
+                _, _, key, i = info[key]
+                order.append(i)
+            return pk, order[::-1]
+        live, left, _, _ = info[key]
+        for i in range(n):
+            if done >> i & 1 or pred_mask[i] & ~done:
+                continue
+            for at, net, into, guess in _moves(m, i, left, placed, dropped, droppable):
+                tried += 1
+                if tried > budget:
+                    return None
                 p2 = max(pk, live + at)
                 if bound is not None and p2 >= bound:
                     continue
+                left2 = list(left)
+                for r in m.reads[i]:
+                    left2[r] -= 1
                 pl = placed | {m.inplace[i][0]} if into is not None else placed
-                pl = frozenset(r for r in pl if left[r] - (r in m.reads[i]) > 0)
-                k2 = (done | 1 << i, pl)
-                old = nxt.get(k2)
-                if old is None or p2 < old[0]:
-                    nxt[k2] = (p2, live + net, key, i)
-                    visited += old is None
-                    if visited > budget:
-                        return None
-        if not nxt:
-            return None
-        parents.append(level)
-        level = nxt
-    key, (pk, _, parent, i) = min(level.items(), key=lambda kv: kv[1][0])
-    order = [i]
-    for lv in reversed(parents[1:]):
-        key = parent
-        _, _, parent, i = lv[key]
-        order.append(i)
-    return pk, order[::-1]
+                k2 = (done | 1 << i, frozenset(r for r in pl if left2[r] > 0),
+                      frozenset(r for r in dropped | guess if left2[r] > 0))
+                if k2 not in best or p2 < best[k2]:
+                    best[k2] = p2
+                    info[k2] = (live + net, tuple(left2), key, i)
+                    pushed += 1
+                    heapq.heappush(heap, (p2, pushed, k2))
+    return None
+
+
+def lower_bound(m: PeakModel) -> int:
+    """A peak no order can go below: at each node's step its inputs' buffers and its
+    outputs are live (an in-place output sharing an input's; an input that a node
+    with a graph output may overwrite in place, so leaving the arena, not counted)."""
+    maybe_dropped = _droppable(m)
+    lb = 0
+    for i in range(len(m.nodes)):
+        held = sum(m.size[r] for r in m.reads[i] if r not in maybe_dropped)
+        alloc = sum(m.size[r] for r in m.allocs[i])
+        if m.inplace[i]:
+            alloc -= m.size[m.inplace[i][0]]
+        lb = max(lb, held + alloc)
+    return lb
 
 
 def memory_aware_order(graph: Graph, options: Optional[dict] = None) -> OrderChoice:
@@ -322,17 +381,23 @@ def memory_aware_order(graph: Graph, options: Optional[dict] = None) -> OrderCho
     kw = dict(alignment=o.get("alignment", DEFAULT_ALIGNMENT), inplace=o.get("inplace", True),
               copy_out=o.get("copy_out", False))
     capture = list(graph.nodes)
+    if len(capture) < 2:
+        return OrderChoice(capture, "capture", 0, 0, "one order only")
     try:
         m = PeakModel(graph, **kw)
     except ValueError:
         return OrderChoice(capture, "capture", 0, 0, "symbolic shapes: capture order")
     base = m.peak(range(len(capture)))
+    floor = lower_bound(m)
+    if base <= floor:   # capture order reaches the bound: nothing can be lower
+        return OrderChoice(capture, "capture", base, base)
     found = [("list", list_order(m)), ("dfs", dfs_order(m))]
     if len(capture) <= EXACT_MAX_NODES:
-        bound = min(m.peak(o, afterwards=False) for o in [range(len(capture))] + [f[1] for f in found])
-        ex = exact_order(m, bound=bound)
-        if ex is not None:
-            found.append(("exact", ex[1]))
+        bound = min(m.peak(o) for o in [range(len(capture))] + [f[1] for f in found])
+        if bound > floor:
+            ex = exact_order(m, bound=bound)
+            if ex is not None:
+                found.append(("exact", ex[1]))
     cands = [(m.peak(order), k, name, order) for k, (name, order) in enumerate(found)]
     better = sorted(c for c in cands if c[0] < base)
     if not better:
