@@ -44,6 +44,7 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from ..ir import Graph, Node
+from ..log import logger
 from ..ops import get_op, is_random, output_aliases, storage_roots
 from .memory import DEFAULT_ALIGNMENT, _align, plan_memory, writes_into_buffer
 
@@ -175,7 +176,7 @@ class PeakModel:
         ``nodes``, a topological order): the plan's ``lower_bound``. An input buffer
         overwritten in place by a node whose result backs a graph output leaves the arena
         with it, over its whole life (`plan_memory` drops buffers backing an output);
-        ``afterwards=False`` leaves that rule out (the forward replay the searches use)."""
+        ``afterwards=False`` leaves that rule out (the forward replay the heuristics use)."""
         left, placed, start, steps = list(self.readers), set(), {}, []
         live = 0
         for k, i in enumerate(order):
@@ -408,8 +409,11 @@ def memory_aware_order(graph: Graph, options: Optional[dict] = None) -> OrderCho
     try:
         graph.reorder(nodes)
         new = plan_memory(graph, **kw)
+    except ValueError as e:   # an ordering rule the model missed: keep capture order
+        logger.debug("memory-aware order of %s not kept: %s", graph.name, e)
+        new = None
     finally:
         graph.reorder(capture)
-    if new.lower_bound < ref.lower_bound and new.arena_bytes <= ref.arena_bytes:
+    if new is not None and new.lower_bound < ref.lower_bound and new.arena_bytes <= ref.arena_bytes:
         return OrderChoice(nodes, name, ref.lower_bound, new.lower_bound)
     return OrderChoice(capture, "capture", ref.lower_bound, ref.lower_bound)
