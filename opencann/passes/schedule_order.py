@@ -357,16 +357,16 @@ def exact_order(m: PeakModel, bound: Optional[int] = None,
 
 def lower_bound(m: PeakModel) -> int:
     """A peak no order can go below: at each node's step its inputs' buffers and its
-    outputs are live (an in-place output sharing an input's; an input that a node
+    outputs are live (an in-place output sharing an input's; a buffer that a node
     with a graph output may overwrite in place, so leaving the arena, not counted)."""
     maybe_dropped = _droppable(m)
     lb = 0
     for i in range(len(m.nodes)):
         held = sum(m.size[r] for r in m.reads[i] if r not in maybe_dropped)
-        alloc = sum(m.size[r] for r in m.allocs[i])
+        alloc = sum(m.size[r] for r in m.allocs[i] if r not in maybe_dropped)
         if m.inplace[i]:
             alloc -= m.size[m.inplace[i][0]]
-        lb = max(lb, held + alloc)
+        lb = max(lb, held + max(alloc, 0))
     return lb
 
 
