@@ -70,6 +70,10 @@ class CompileReport:
     #: "guards" (conditions each call's shapes must meet), "plan_cache_size" and "plans"
     #: (one entry per concrete shape planned: dims, arena bytes, ratio, build ms)
     dynamic: Dict[str, Any] = field(default_factory=dict)
+    #: with the option ``streams`` > 1: "streams", "events", "cross_stream_dependences",
+    #: "nodes_per_stream", "estimated_serial_us" (`opencann.passes.schedule.stream_summary`);
+    #: empty (and left out of `to_dict`) on one stream
+    streams: Dict[str, Any] = field(default_factory=dict)
 
     @property
     def opencann_seconds(self) -> float:
@@ -79,6 +83,8 @@ class CompileReport:
     def to_dict(self) -> Dict[str, Any]:
         """The report as plain data (``dataclasses.asdict``) plus ``opencann_seconds``."""
         d = asdict(self)
+        if not d["streams"]:
+            del d["streams"]
         d["opencann_seconds"] = self.opencann_seconds
         return d
 
@@ -113,6 +119,11 @@ class CompileReport:
                          f"naive {fmt_bytes(m['naive_bytes'])}"
                          + (f"; {m['kernel_allocated_values']} values kernel-allocated"
                             if m.get("kernel_allocated_values") else ""))
+        if self.streams:
+            st = self.streams
+            lines.append(f"  streams: {st['streams']} ({', '.join(map(str, st['nodes_per_stream']))} "
+                         f"nodes), {st['events']} events for {st['cross_stream_dependences']} "
+                         "cross-stream dependences")
         rec = m.get("recompute") if m else None
         if rec:
             bns = rec.get("batch_norm_outputs_recomputable") or []
