@@ -86,12 +86,8 @@ def plan_memory(graph: Graph, alignment: int = DEFAULT_ALIGNMENT, inplace: bool 
     # and the last read of each storage root through any alias (views, split outputs,
     # graph outputs): a buffer is overwritten in place only when none is read afterwards
     sroots = storage_roots(graph)
-    last_read = last_reads(graph, sroots, step)
+    last_read, streams = last_reads(graph, sroots, step), _stream_order(graph, sroots)
     _check_declared_writes(graph, step)
-    # several streams: a value's memory is free only once all its users are known
-    # finished from the next user's stream (happens-before, not the node order)
-    hb = graph_happens_before(graph) if any(n.stream for n in graph.nodes) else None
-    readers = _readers(graph, sroots) if hb is not None else None
 
     for node in graph.nodes:
         i = step[node]
@@ -114,12 +110,10 @@ def plan_memory(graph: Graph, alignment: int = DEFAULT_ALIGNMENT, inplace: bool 
                     bufs[r].aliases.append(o.id)
                 continue
             _own_buffer(node, o, i, root, holds, bufs, unplanned, inplace_log, copy_out,
-                        alignment, _inplace_candidate(node, o, root, bufs, last_read, sroots, i,
-                                                      hb, readers)
+                        alignment, _inplace_candidate(node, o, root, bufs, last_read, sroots, i, *streams)
                         if inplace else None)
 
-    _lifetimes(graph, step, holds, bufs, unplanned)
-    overlap = _concurrent(graph, step, holds, bufs, hb) if hb is not None else None
+    overlap = _lifetimes(graph, step, holds, bufs, unplanned, streams[0])
     plan = _placed(bufs, root, len(graph.nodes), alignment, inplace_log, unplanned, overlap)
     arena, lb, naive, strategy = plan.arena_bytes, plan.lower_bound, plan.naive_bytes, plan.strategy
     if log:
@@ -140,9 +134,10 @@ def _placed(bufs, root, nsteps: int, alignment: int, inplace_log, unplanned,
                       strategy=strategy, inplace=inplace_log, unplanned=unplanned)
 
 
-def _lifetimes(graph: Graph, step, holds, bufs, unplanned) -> None:
+def _lifetimes(graph: Graph, step, holds, bufs, unplanned, hb=None):
     """A buffer lives until the last read of its root or any alias; buffers backing a
-    graph output leave the arena (allocated fresh per call)."""
+    graph output leave the arena (allocated fresh per call). Returns the overlap rule
+    of `_concurrent` for ``hb`` (None: one stream)."""
     for node in graph.nodes:
         i = step[node]
         for x in node.inputs:
@@ -154,6 +149,7 @@ def _lifetimes(graph: Graph, step, holds, bufs, unplanned) -> None:
     for r in fresh_roots:
         unplanned[f"%{r}"] = "backs a graph output: allocated fresh per call so results survive the next call"
         del bufs[r]
+    return _concurrent(graph, step, holds, bufs, hb)
 
 
 class MemoryPlanning(Pass):
@@ -271,6 +267,15 @@ def _check_declared_writes(graph: Graph, step: Dict[Node, int]) -> None:
                              "in place must leave it out of place")
 
 
+def _stream_order(graph: Graph, sroots):
+    """(`HappensBefore`, `_readers`) when the graph runs on several streams, where a
+    value's memory is free only once all its users are known finished from the next
+    user's stream (happens-before, not the node order); (None, None) on one stream."""
+    if not any(n.stream for n in graph.nodes):
+        return None, None
+    return graph_happens_before(graph), _readers(graph, sroots)
+
+
 def _readers(graph: Graph, sroots) -> Dict[int, set]:
     """Storage root id -> steps of the nodes reading its memory through any alias."""
     out: Dict[int, set] = {}
@@ -286,7 +291,9 @@ def _concurrent(graph: Graph, step, holds, bufs, hb):
     when every user of one (its producer, in-place writers and readers through any
     alias) is known finished (`HappensBefore`) before the other's producer starts.
     A buffer's users are summed up as its frontier: per stream, the position of its
-    last user there (-1: none)."""
+    last user there (-1: none). None (the one-stream rule) when ``hb`` is None."""
+    if hb is None:
+        return None
     users: Dict[int, set] = {r: {b.start} for r, b in bufs.items()}
     for node in graph.nodes:
         for v in (*node.inputs, *node.outputs):

@@ -179,6 +179,20 @@ def _fast(node: Node, overload, out_names=()) -> Callable:
     return fast_callable(overload, args, kwargs)
 
 
+def _slots(g: Graph, made_on: Dict[int, int]) -> Dict[int, int]:
+    """Value id -> slot index for the values handed between streams: read on another
+    stream than the one making them, or graph outputs (returned by ``_run``)."""
+    slot: Dict[int, int] = {}
+    for n in g.nodes:
+        for x in n.inputs:
+            if made_on.get(x.id, n.stream) != n.stream:
+                slot.setdefault(x.id, len(slot))
+    for v in g.outputs:
+        if v.id in made_on:
+            slot.setdefault(v.id, len(slot))
+    return slot
+
+
 # -- the generator ------------------------------------------------------------------
 
 class CodeGen:
@@ -244,15 +258,8 @@ class CodeGen:
         for k, (p, c) in enumerate(hb.events):
             waits.setdefault(c, []).append(k)
             records.setdefault(p, []).append(k)
-        slot: Dict[int, int] = {}
         made_on = {o.id: n.stream for n in g.nodes for o in n.outputs}
-        for n in g.nodes:
-            for x in n.inputs:
-                if made_on.get(x.id, n.stream) != n.stream:
-                    slot.setdefault(x.id, len(slot))
-        for v in g.outputs:
-            if v.id in made_on:
-                slot.setdefault(v.id, len(slot))
+        slot = _slots(g, made_on)
         self.nslots = len(slot)
         unpack = (f"    {', '.join(self.names[v.id] for v in g.inputs)}, = inputs"
                   if g.inputs else None)
