@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Dict, Set
 
 from ..ir import Graph, MemoryPlan
-from ..ops import graph_happens_before, storage_roots
+from ..ops import graph_happens_before, output_aliases, storage_roots
 
 
 def buffer_users(graph: Graph, plan: MemoryPlan) -> Dict[int, Set[int]]:
@@ -33,7 +33,8 @@ def buffer_users(graph: Graph, plan: MemoryPlan) -> Dict[int, Set[int]]:
 
 def check_plan(graph: Graph, plan: MemoryPlan) -> int:
     """Check ``plan`` against ``graph`` as scheduled (node order, ``node.stream``):
-    every buffer lies within the arena and holds its values, and any two buffers whose
+    every buffer lies within the arena and holds its values, a node writing in place
+    into a buffer starts after its earlier users finished, and any two buffers whose
     byte ranges overlap are used one entirely before the other (every user of one
     happens-before every user of the other). Returns the number of overlapping pairs
     checked. Raises ValueError naming the first two buffers (values, nodes, bytes) that
@@ -51,6 +52,7 @@ def check_plan(graph: Graph, plan: MemoryPlan) -> int:
         if b.offset < 0 or b.offset + b.size > plan.arena_bytes:
             raise ValueError(f"memory plan: buffer %{b.root} [{b.offset}, {b.offset + b.size}) "
                              f"lies outside the arena of {plan.arena_bytes} B")
+    _check_overwrites(graph, plan, hb, users)
     checked = 0
     for k, a in enumerate(bufs):
         for b in bufs[k + 1:]:
@@ -70,3 +72,20 @@ def check_plan(graph: Graph, plan: MemoryPlan) -> int:
                 f"(streams {sorted({graph.nodes[i].stream for i in ua})} and "
                 f"{sorted({graph.nodes[i].stream for i in ub})}); the planner must keep them apart")
     return checked
+
+
+def _check_overwrites(graph: Graph, plan: MemoryPlan, hb, users: Dict[int, Set[int]]) -> None:
+    """A node writing a fresh result into a buffer that already holds a value (in place)
+    must start after every earlier user of that buffer is known finished. Raises
+    ValueError naming the writer and the user it may overwrite under."""
+    for i, node in enumerate(graph.nodes):
+        for o, al in zip(node.outputs, output_aliases(node)):
+            r = plan.value_buffer.get(o.id)
+            if al or r is None or r == o.id:
+                continue
+            early = [u for u in users[r] if u < i and not hb.before(u, i)]
+            if early:
+                u = graph.nodes[early[0]]
+                raise ValueError(f"memory plan: {node.name} (stream {node.stream}) writes in place "
+                                 f"into buffer %{r} while {u.name} (stream {u.stream}) may still "
+                                 "use it; the planner must not reuse it in place there")
