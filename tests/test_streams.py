@@ -323,3 +323,15 @@ def test_streams_with_an_executor_pool_and_concurrent_calls():
     for t in ts:
         t.join(60)
     assert not errors and pool.count <= 3
+
+
+def test_a_saved_multi_stream_model_loads_with_its_streams_and_events(tmp_path):
+    m = _branchy()
+    cm = opencann.compile(m, (_inputs(10),), options={"streams": 2})
+    opencann.save(cm, str(tmp_path / "m.ocm"))
+    lm = opencann.load(str(tmp_path / "m.ocm"))
+    assert [n.stream for n in lm.graph.nodes] == [n.stream for n in cm.graph.nodes]
+    assert graph_happens_before(lm.graph).events == graph_happens_before(cm.graph).events
+    assert "_go(inputs)" in lm.executor._src
+    check_plan(lm.graph, lm.plan)
+    _check_runs(lambda t: lm(t), m, 10)
