@@ -335,3 +335,15 @@ def test_a_saved_multi_stream_model_loads_with_its_streams_and_events(tmp_path):
     assert "_go(inputs)" in lm.executor._src
     check_plan(lm.graph, lm.plan)
     _check_runs(lambda t: lm(t), m, 10)
+
+
+def test_check_aliasing_and_observe_run_a_multi_stream_plan_in_order():
+    m = _branchy()
+    x = _inputs(11)
+    cm = opencann.compile(m, (x,), options={"streams": 2, "check_aliasing": True})
+    assert "_go" not in cm.executor._src
+    _check_runs(lambda t: cm(t), m, 11)
+    seen = []
+    cm2 = opencann.compile(m, (x,), options={"streams": 2})
+    cm2.executor.run_observed([x], lambda node, outs: seen.append(node.name))
+    assert seen == [n.name for n in cm2.graph.nodes]

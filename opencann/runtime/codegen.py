@@ -198,6 +198,11 @@ def _slots(g: Graph, made_on: Dict[int, int]) -> Dict[int, int]:
 class CodeGen:
     """Builds the source of ``_run(inputs)`` for ``graph`` and the globals it needs.
 
+    A graph on several streams (``node.stream``) gets one function per stream
+    (`_generate_streams`), except with ``check_aliasing`` or ``observe`` (debugging:
+    the checker's liveness and the observer's node order are those of one stream), which
+    run the nodes in their order on one thread; the memory plan is valid for that too
+    (it keeps apart all values that may be live at once on any interleaving).
     ``view(v)`` gives the arena view of a planned value (bound as ``B<id>``);
     ``check_aliasing`` adds `AliasChecker` calls after every kernel; ``profile`` adds a
     ``_rec(i)`` call after node i (the caller binds ``_rec``); ``observe`` an ``_obs(i,
@@ -229,7 +234,7 @@ class CodeGen:
         glb["_conform"] = _conform
         if self.check_aliasing:
             glb["_chk"] = AliasChecker(g, self.plan)
-        if any(n.stream for n in g.nodes):
+        if any(n.stream for n in g.nodes) and not (self.check_aliasing or self.observe):
             return self._generate_streams(layout_bound)
         for idx, node in enumerate(g.nodes):
             self._emit_node(idx, node, layout_bound)
