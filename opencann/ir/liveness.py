@@ -60,9 +60,11 @@ class HappensBefore:
     writes). A dependence between two streams becomes an *event* (record after the
     producer, wait before the consumer) unless the consumer's stream already knows the
     producer finished (through its own earlier steps and their waits, or through
-    another event of the same step): the transitive reduction over stream order, as
-    GE's stream allocator removes redundant send/recv events and as Nimble (Kwon et
-    al., NeurIPS 2020) synchronizes only the edges its stream assignment cuts.
+    another event of the same step): the transitive reduction over stream order. GE
+    does the same in two steps (``StreamAllocator::InsertSyncEvents``, an event per
+    cross-stream edge, then ``OptimizeSyncEvents``, which drops send/recv pairs
+    implied by others; graph/build/stream_allocator.cc); Nimble (Kwon et al., NeurIPS
+    2020) likewise synchronizes only the edges of the transitive reduction.
 
     ``clock[i][t]`` counts the steps of stream ``t`` known finished when step ``i``
     starts; ``pos[i]`` is step ``i``'s index in its stream; ``events`` the kept

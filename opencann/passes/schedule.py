@@ -96,9 +96,11 @@ def assign_streams(graph: Graph, nstreams: int) -> Dict[str, int]:
     node order, which each stream keeps. The CPOP list scheduler (Topcuoglu, Hariri and
     Wu, "Performance-effective and low-complexity task scheduling for heterogeneous
     computing", IEEE TPDS 2002): the critical path (the longest chain by `node_seconds`,
-    GE's and Nimble's first stream) goes on stream 0; every other node, in order, goes
+    CPOP's critical-path processor) goes on stream 0; every other node, in order, goes
     to the stream where it would finish earliest (HEFT's earliest-finish-time), a
-    dependence from another stream costing one event; ties keep it on its latest
+    dependence from another stream costing one event and stream 0 counting the
+    critical-path nodes still to come that may run beside it (the order is fixed: each
+    stream runs its nodes in it, which keeps waits deadlock-free); ties keep it on its latest
     producer's stream, then the lowest stream. Random ops stay on stream 0 in order (one
     generator, drawn in eager's order). Dependences are `ordering_deps`. Raises
     ValueError for ``nstreams < 1``."""

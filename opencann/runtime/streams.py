@@ -133,11 +133,18 @@ class StreamRunner:
         slots = [None] * self.nslots
         for q, fn in zip(self._jobs, self.fns):
             q.put((fn, inputs, slots, self._fail))
-        first = None
-        for _ in self.fns:
-            r = self._done.get()
-            if r is not None and first is None and not isinstance(r, StreamAborted):
-                first = r
+        first, left = None, len(self.fns)
+        try:
+            while left:
+                r = self._done.get()
+                left -= 1
+                if r is not None and first is None and not isinstance(r, StreamAborted):
+                    first = r
+        except BaseException:  # interrupted while waiting: stop the streams, then re-raise
+            self._fail()
+            for _ in range(left):
+                self._done.get()
+            raise
         if first is not None:
             raise first
         return slots
