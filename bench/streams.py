@@ -12,7 +12,8 @@ the table shows the median over rounds and the best round. Also printed: the are
 on 1 and S streams, streams/events from the compile report, and eager's time (same
 threads as the 1-stream run) and 1 stream x 1 thread (what each stream gets).
 
-Usage: python bench/streams.py [--rounds 5] [--calls 30] [--threads 2] [--json out.json]
+Usage: python bench/streams.py [--rounds 5] [--calls 30] [--threads 2] [--wait-policy passive]
+                               [--json out.json]
 """
 import argparse
 import json
@@ -88,9 +89,11 @@ def build(name):
     raise ValueError(f"unknown model {name!r}; use inception or two_tower")
 
 
-def run_cell(model, streams, threads, calls):
+def run_cell(model, streams, threads, calls, wait_policy=""):
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
+    if wait_policy:
+        env["OMP_WAIT_POLICY"] = wait_policy
     p = subprocess.run([sys.executable, "-c", CELL, model, str(streams), str(threads), str(calls)],
                        cwd=root, env=env, capture_output=True, text=True)
     for line in p.stdout.splitlines():
@@ -106,18 +109,22 @@ def main():
     ap.add_argument("--threads", type=int, default=2, help="total intra-op thread budget")
     ap.add_argument("--streams", type=int, default=2)
     ap.add_argument("--models", nargs="*", default=["inception", "two_tower"])
+    ap.add_argument("--wait-policy", default="", choices=["", "active", "passive"],
+                    help="OMP_WAIT_POLICY for every run (default: the OpenMP runtime's); "
+                         "passive: idle OpenMP threads sleep instead of spinning, which a "
+                         "loaded machine punishes less")
     ap.add_argument("--json", default="")
     a = ap.parse_args()
     # name -> (streams (0: eager), total intra-op threads)
     configs = {"eager": (0, a.threads), "1 stream": (1, a.threads), "1 stream x 1 thread": (1, 1),
                f"{a.streams} streams": (a.streams, a.threads)}
-    out = {"threads": a.threads, "rounds": a.rounds, "calls": a.calls, "load": os.getloadavg(),
+    out = {"threads": a.threads, "wait_policy": a.wait_policy or "default", "rounds": a.rounds, "calls": a.calls, "load": os.getloadavg(),
            "cpus": os.cpu_count(), "models": {}}
     for model in a.models:
         cells = {k: [] for k in configs}
         for _ in range(a.rounds):
             for k, (s, t) in configs.items():
-                cells[k].append(run_cell(model, s, t, a.calls))
+                cells[k].append(run_cell(model, s, t, a.calls, a.wait_policy))
         res = {}
         for k, rs in cells.items():
             ms = [r["ms"] for r in rs]
