@@ -347,3 +347,33 @@ def test_check_aliasing_and_observe_run_a_multi_stream_plan_in_order():
     cm2 = opencann.compile(m, (x,), options={"streams": 2})
     cm2.executor.run_observed([x], lambda node, outs: seen.append(node.name))
     assert seen == [n.name for n in cm2.graph.nodes]
+
+
+def test_a_write_in_place_waits_for_the_readers_of_the_old_contents():
+    """A node declared to write into its input (``inplace_input``, as ConvAddAct) must
+    come after every other reader of that memory: a dependence even without data flow."""
+    from opencann.ir import DataType, Graph, TensorDesc, TensorRef
+    from opencann.ops import ordering_deps
+    g = Graph("war")
+    x = g.add_input(TensorDesc((4,), DataType.FLOAT), "x")
+
+    def node(op, ins, name, **attrs):
+        return g.create_node(op, ins, {"self": TensorRef(0), **attrs}, [x.desc], name).output
+    a = node("Relu", [x], "a")
+    b = node("Sigmoid", [a], "b")            # reads a
+    c = node("Neg", [a], "c", inplace_input=0)  # overwrites a
+    g.outputs = [b, c]
+    assert ordering_deps(g) == [(0, 1), (0, 2), (1, 2)]
+    for n, s in zip(g.nodes, (0, 1, 0)):
+        n.stream = s
+    assert graph_happens_before(g).events == [(0, 1), (1, 2)]
+
+
+def test_the_report_says_why_fewer_streams_than_asked():
+    class Chain(torch.nn.Module):
+        def forward(self, x):
+            return torch.relu(torch.sin(x) * 2)
+    cm = opencann.compile(Chain(), (_inputs(12),), options={"streams": 3})
+    assert cm.report.streams["streams"] == 1 and cm.report.streams["events"] == 0
+    note = next(p.note for p in cm.report.passes if p.name == "schedule")
+    assert "1 streams of 3 asked: no more branches are worth a stream" in note

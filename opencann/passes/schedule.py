@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Dict, List
 
 from ..ir import Graph, Node, Schedule
+from ..log import logger
 from ..ops import get_op, graph_happens_before, is_random, ordering_deps
 from .base import Pass, PassContext
 
@@ -38,10 +39,16 @@ class SingleStreamSchedule(Pass):
 def _schedule_streams(graph: Graph, ctx: PassContext) -> None:
     """Option ``streams`` > 1: assign streams and events (`multi_stream_schedule`),
     store the schedule and its summary (compile report ``streams``)."""
-    sched = multi_stream_schedule(graph, ctx.options["streams"])
+    asked = ctx.options["streams"]
+    sched = multi_stream_schedule(graph, asked)
     ctx.artifacts["schedule"] = sched
-    ctx.report.streams = stream_summary(graph, sched)
-    ctx.note(f"{ctx.report.streams['streams']} streams, {len(sched.events)} events")
+    st = ctx.report.streams = stream_summary(graph, sched)
+    why = ("" if st["streams"] == asked else f" of {asked} asked: no more branches are worth a "
+           "stream and an event by the cost model (node_seconds)")
+    ctx.note(f"{st['streams']} streams{why}, {len(sched.events)} events")
+    logger.info("schedule: %d streams%s, nodes per stream %s, %d events for %d cross-stream "
+                "dependences", st["streams"], why, st["nodes_per_stream"], st["events"],
+                st["cross_stream_dependences"])
 
 
 def apply_schedule(graph: Graph, schedule: Schedule) -> int:
