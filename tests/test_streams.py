@@ -377,3 +377,15 @@ def test_the_report_says_why_fewer_streams_than_asked():
     assert cm.report.streams["streams"] == 1 and cm.report.streams["events"] == 0
     note = next(p.note for p in cm.report.passes if p.name == "schedule")
     assert "1 streams of 3 asked: no more branches are worth a stream" in note
+
+
+def test_dynamic_dims_on_two_streams_plan_each_shape_with_the_streams():
+    m = _branchy()
+    cm = opencann.compile(m, (torch.randn(4, D),), dynamic_shapes={"x": {0: "batch"}},
+                          options={"streams": 2, "verify": True})
+    assert cm.report.streams["streams"] == 2
+    for n in (3, 5):
+        x = torch.randn(n, D)
+        x[0, 1] = float("nan")
+        for g, w in zip(cm(x), m(x)):
+            torch.testing.assert_close(g, w, equal_nan=True)
