@@ -103,10 +103,12 @@ class ShapeBinder:
             raise ValueError(f"input dims {sorted(loose)} are only known as expressions "
                              "(e.g. 2*s0): declare each dynamic dim of the inputs on its own")
 
-    def bind(self, inputs: Sequence[torch.Tensor], scalars: Sequence[int] = ()) -> Tuple[int, ...]:
-        """The values of the symbols (in ``self.order``) for these inputs (and the int
-        arguments standing for ``self.scalars``). Raises ValueError naming the input, the
-        dim, its range and the fix."""
+    def values(self, inputs: Sequence[torch.Tensor], scalars: Sequence[int] = ()
+               ) -> Dict[str, int]:
+        """The symbols' values for these inputs (and the int arguments standing for
+        ``self.scalars``), checked for ranges (not with gears), shared dims and the
+        model's shape conditions. Raises ValueError naming the input, the dim, its range
+        and the fix."""
         values: Dict[str, int] = dict(zip(self.scalars, (int(v) for v in scalars)))
         where: Dict[str, str] = {s: "its size argument" for s in values}
         for name, shape, t in zip(self.names, self.shapes, inputs):
@@ -126,6 +128,16 @@ class ShapeBinder:
                 raise ValueError(f"the shapes {self.describe(values)} break the model's shape "
                                  f"condition {self.readable(g)} (found by torch.export); call "
                                  "it with shapes that satisfy it")
+        return values
+
+    def bind(self, inputs: Sequence[torch.Tensor], scalars: Sequence[int] = ()) -> Tuple[int, ...]:
+        """The values of the symbols (in ``self.order``) for these inputs (see `values`);
+        with gears, a shape that is not a gear raises ValueError naming the gears."""
+        return self.bind_key(self.values(inputs, scalars))
+
+    def bind_key(self, values: Mapping[str, int]) -> Tuple[int, ...]:
+        """The key (in ``self.order``) of symbol ``values``; with gears, values that are
+        not a gear raise ValueError naming the gears."""
         key = tuple(values[s] for s in self.order)
         if self.gears is not None and key not in self.gears[3]:
             opt, names, gears, _, why = self.gears
@@ -222,6 +234,20 @@ class DynamicCompiledModel(CompiledModel):
         self.plans = build.cache()
         self.plans.put(key, pool)
         self.pool = self.plans
+        #: set by `opencann.gears` when gear padding applies: ``padder(tensors) ->
+        #: (padded tensors, restore(outputs) -> outputs)``
+        self.padder = None
+        #: the gear option, dim names and gears (`opencann.gears`), None without gears
+        self.gear_spec: Optional[Dict[str, Any]] = None
+
+    def __call__(self, *args, **kwargs):
+        if self.padder is None:
+            return super().__call__(*args, **kwargs)
+        user = self._user_tensors(args, kwargs)
+        with torch.no_grad():
+            ins, restore = self.padder(self._contiguous(user))
+            outs = restore(self.pool.run(ins))
+        return self._structure(outs, user)
 
     def _input_views(self, user) -> Dict[int, list]:
         """The views of mutated inputs the outputs are, bound to this call's shapes."""

@@ -399,14 +399,14 @@ def test_batch_gears_serve_exact_gears_and_name_them_otherwise():
                           options={"dynamic_batch_size": [8, 1, 4, 2]})
     assert sorted(cm.plans.keys()) == [(1,), (2,), (4,), (8,)]   # every gear planned now
     assert cm.report.dynamic["gears"]["values"] == [[1], [2], [4], [8]]
-    assert "padding" in cm.report.dynamic["padding"]
+    assert cm.report.dynamic["padding"]["dims"]["batch"]["padded"]
     built = cm.plans.misses
-    for n in (1, 2, 4, 8):
+    for n in (1, 2, 3, 4, 8):                                    # 3: padded to 4
         x = torch.randn(n, 3, 10, 10)
         with torch.no_grad():
             _same(cm(x), m(x))
     assert cm.plans.misses == built                              # no plan built at call time
-    for n in (3, 9):                                             # between gears, above all
+    for n in (9, 100):                                           # above every gear
         with pytest.raises(ValueError, match=r"not one of the gears .*\[1, 2, 4, 8\]"):
             cm(torch.randn(n, 3, 10, 10))
 
