@@ -194,6 +194,7 @@ _CHANNELWISE = ("MaxPoolWithArgmax", "AvgPool", "AdaptiveAvgPool2d", "ReduceMean
 # OpDef.per_index: along which dims each op is independent per index (gear padding).
 # Elementwise rows (kind ELEMENTWISE) are independent along every dim; gradients have none
 _PER_INDEX = {
+    "Add": pi.offset, "Adds": pi.offset, "Sub": pi.offset, "Subs": pi.offset,
     "Identity": pi.ALL, "Triu": pi.ALL, "Tril": pi.ALL, "FillLike": pi.ALL,
     "ZerosLike": pi.ALL, "OnesLike": pi.ALL,
     **{n: pi.REDUCE for n in ("ReduceSum", "ReduceSumAll", "ReduceMean", "ReduceMeanAll",
@@ -204,7 +205,7 @@ _PER_INDEX = {
     "BNTrainingUpdate": pi.BATCH_NORM_TRAINING, "BNTrainingUpdateNoStats": pi.BATCH_NORM_TRAINING,
     "GroupNorm": pi.GROUP_NORM,
     **{n: pi.POOL for n in ("MaxPoolWithArgmax", "MaxPool", "AvgPool", "AdaptiveAvgPool2d")},
-    "Embedding": pi.embedding, "GatherElements": pi.gather, "IndexSelect": pi.index_select,
+    "Embedding": pi.embedding, "GatherElements": pi.gather, "Index": pi.index, "IndexSelect": pi.index_select,
     "ConcatD": pi.cat, "Pack": pi.stack, "PadV3": pi.constant_pad, "Tile": pi.repeat,
     "Range": pi.source, "RangeEnd": pi.source, "Fill2": pi.source, "ScalarTensor": pi.source,
     **{n: pi.reshape for n in ("Reshape", "UnsafeReshape", "ReshapeCopy")},

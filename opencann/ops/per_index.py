@@ -25,6 +25,7 @@ from __future__ import annotations
 from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 
 import sympy
+import torch
 
 from ..ir import Node, TensorRef
 from ..ir.symbolic import as_expr, parse
@@ -33,13 +34,16 @@ class Axis(int):
     """An axis that carries the padded dim, merged (by a reshape) with ``outer`` (a sympy
     expression) elements of other dims before it within that axis: its size is
     ``outer * sym * inner``. A plain int means ``outer`` 1. Rules that only move or keep
-    an axis return ints; the analysis keeps the input's ``outer``."""
+    an axis return ints; the analysis keeps the input's ``outer``. ``iota``: the value
+    at padded index i is i (``arange(sym)`` and views of it), so indexing a padded
+    tensor with it picks each row itself."""
 
     outer: sympy.Expr
+    iota: bool
 
-    def __new__(cls, value: int, outer: Any = 1):
+    def __new__(cls, value: int, outer: Any = 1, iota: bool = False):
         a = super().__new__(cls, value)
-        a.outer = sympy.sympify(outer)
+        a.outer, a.iota = sympy.sympify(outer), iota
         return a
 
 
@@ -97,11 +101,25 @@ def elementwise(node: Node, axes: Axes, sym: str) -> Result:
     rank = max((len(o.desc.shape) for o in node.outputs), default=0)
     pos = {p + rank - _rank(node, i) for i, p in axes.items()}
     if len(pos) > 1:
-        return "its inputs carry the padded dim at different positions"
+        return ("pairs every index of the padded dim with every other (its inputs carry it "
+                "at different positions, e.g. an S×S attention mask): padded indices would "
+                "meet real ones")
     return {k: next(iter(pos)) for k in range(len(node.outputs))} if pos else {}
 
 
 ALL: Rule = elementwise
+
+
+def offset(node: Node, axes: Axes, sym: str) -> Result:
+    """Elementwise; adding a literal 0 to ``arange(sym)`` keeps it "index i holds i"
+    (transformers' ``arange(kv_length) + kv_offset``)."""
+    res = elementwise(node, axes, sym)
+    other, alpha = node.attrs.get("other"), node.attrs.get("alpha", 1)
+    if isinstance(res, dict) and len(axes) == 1 and other == 0 and alpha == 1 and \
+            not isinstance(other, bool) and getattr(next(iter(axes.values())), "iota", False):
+        p = next(iter(axes.values()))
+        return {k: Axis(q, outer_of(p), True) for k, q in res.items()}
+    return res
 
 
 def except_dims(allowed: Callable[[Node, int], Sequence[int]], main: str = "self",
@@ -257,13 +275,49 @@ def embedding(node: Node, axes: Axes, sym: str) -> Result:
 
 
 def gather(node: Node, axes: Axes, sym: str) -> Result:
-    """Independent along the dims other than ``dim``."""
-    rank = _rank(node, 0)
-    d = _norm(int(node.attrs["dim"]), rank)
-    ps = set(axes.values())
-    if len(ps) != 1 or d in ps:
+    """``out[..i..] = self[..index[..i..]..]`` along ``dim``: independent along the dims
+    other than ``dim``, and along every dim of the indices when ``self`` does not carry
+    the padded dim."""
+    si, ii = _idx(node, "self"), _idx(node, "index")
+    d = _norm(int(node.attrs["dim"]), _rank(node, si))
+    if si not in axes:
+        return {0: axes[ii]}
+    if axes[si] == d or (ii in axes and axes[ii] != axes[si]):
         return f"gathers along the padded dim (axis {d})"
-    return {0: ps.pop()}
+    return {0: axes[si]}
+
+
+def index(node: Node, axes: Axes, sym: str) -> Result:
+    """Advanced indexing ``self[idx0, idx1, ...]`` (integer index tensors): ``self``
+    independent along the dims it does not index, the indices along all their dims
+    (when ``self`` does not carry the padded dim). Boolean masks are not followed."""
+    si = _idx(node, "self")
+    refs = list(node.attrs.get("indices") or [])
+    idx = [r.index if isinstance(r, TensorRef) else None for r in refs]
+    if any(i is not None and node.inputs[i].desc.dtype.torch == torch.bool for i in idx):
+        return "indexes with a boolean mask"
+    ks = [k for k, i in enumerate(idx) if i is not None]
+    width = max(_rank(node, i) for i in idx if i is not None)
+    adjacent = ks == list(range(ks[0], ks[-1] + 1))
+    start = ks[0] if adjacent else 0
+    tainted = [i for i in idx if i is not None and i in axes]
+    if si in axes:
+        p = axes[si]
+        if p in ks:   # self[arange(sym), ...]: each padded row picks itself
+            own = idx[p]
+            if own not in axes or not getattr(axes[own], "iota", False) or \
+                    any(i in axes for i in idx if i not in (None, own)):
+                return f"indexes the padded dim (axis {p})"
+            return {0: start + axes[own] + width - _rank(node, own)}
+        if tainted:
+            return "both the tensor and its indices carry the padded dim"
+        rest = sum(1 for k in range(p) if k not in ks)
+        q = p if adjacent and p < ks[0] else (rest + width if not adjacent else p - len(ks) + width)
+        return {0: q}
+    pos = {axes[i] + width - _rank(node, i) for i in tainted}
+    if len(pos) != 1:
+        return "its indices carry the padded dim at different positions"
+    return {0: start + pos.pop()}
 
 
 def index_select(node: Node, axes: Axes, sym: str) -> Result:
@@ -324,7 +378,10 @@ def source(node: Node, axes: Axes, sym: str) -> Result:
     where = _carries(node.outputs[0].desc.shape, sym)
     if len(where) != 1:
         return "makes a tensor whose shape uses the padded dim more than once"
-    return {0: where[0]}
+    a = node.attrs
+    iota = "end" in a and a.get("start", 0) == 0 and a.get("step", 1) == 1 and \
+        not isinstance(a["end"], (int, float)) and as_expr(a["end"]) == parse(sym)
+    return {0: Axis(where[0], 1, iota)}
 
 
 # -- views -----------------------------------------------------------------------------
@@ -413,7 +470,12 @@ def _whole(node: Node, p: int) -> bool:
 
 
 def slice_(node: Node, axes: Axes, sym: str) -> Result:
-    """Independent along the dims it does not slice (a whole-dim slice is free)."""
+    """Independent along the dims it does not slice (a whole-dim slice is free); a
+    constant sliced to the padded dim's size from 0 is a `source`."""
+    if 0 not in axes:
+        start, step = node.attrs.get("start"), node.attrs.get("step", 1)
+        return source(node, axes, sym) if start in (None, 0) and step == 1 \
+            else "slices by the padded dim's size from another start"
     p = axes[0]
     d = _norm(int(node.attrs.get("dim", 0)), _rank(node, 0))
     return {0: p} if d != p or _whole(node, p) else "slices the padded dim"
@@ -445,8 +507,8 @@ def describe(rule: Optional[Rule]) -> str:
     return (rule.__doc__ or rule.__name__).strip().splitlines()[0]
 
 
-__all__ = ["Axis", "outer_of", "ALL", "REDUCE", "SOFTMAX", "CUMULATIVE", "LAYER_NORM", "BATCH_NORM_INFERENCE",
+__all__ = ["Axis", "outer_of", "ALL", "offset", "REDUCE", "SOFTMAX", "CUMULATIVE", "LAYER_NORM", "BATCH_NORM_INFERENCE",
            "BATCH_NORM_TRAINING", "GROUP_NORM", "POOL", "CONV", "CONV_ADD", "mm", "addmm", "bmm",
-           "gated_mlp", "attention", "embedding", "gather", "index_select", "cat", "stack",
+           "gated_mlp", "attention", "embedding", "gather", "index", "index_select", "cat", "stack",
            "constant_pad", "repeat", "source", "reshape", "permute", "transpose", "unsqueeze",
            "squeeze", "expand", "slice_", "select", "split", "same", "describe"]

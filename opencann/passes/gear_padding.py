@@ -74,10 +74,6 @@ def follow_padded_dim(graph: Graph, sym: str) -> PaddingCheck:
     """Whether padding the dim ``sym`` (a symbol of ``graph``'s input shapes) can change
     any real entry of ``graph``'s outputs; see the module docstring. Reads ``graph``
     only."""
-    for key in ("input_mutations", "input_views", "returns_input"):
-        if graph.meta.get(key):
-            return _blocked(sym, None, "the model writes into or returns its inputs, which "
-                                       "padded copies cannot stand for")
     axes: Dict[int, int] = {}
     for v in graph.inputs:
         where = [k for k, d in enumerate(v.desc.shape) if d == sym]
@@ -105,6 +101,9 @@ def follow_padded_dim(graph: Graph, sym: str) -> PaddingCheck:
         if len(outers) > 1:
             return _blocked(sym, n, "its inputs carry the padded dim merged with different dims")
         outer = outers.pop() if outers else 1
+        # a view keeps the values: arange(sym) stays "index i holds i" through it
+        iota = op.kind == OpKind.VIEW and bool(ins) and all(
+            getattr(a, "iota", False) for a in ins.values())
         for k, o in enumerate(n.outputs):
             a = res.get(k)
             if a is None and _carries(o.desc.shape, sym):
@@ -113,7 +112,7 @@ def follow_padded_dim(graph: Graph, sym: str) -> PaddingCheck:
                 if not (0 <= a < len(o.desc.shape)) or sym not in symbols_of(o.desc.shape[a]):
                     return _blocked(sym, n, f"output {k} loses the padded dim (axis {a} of "
                                             f"{list(o.desc.shape)})")
-                axes[o.id] = a if isinstance(a, Axis) else Axis(a, outer)
+                axes[o.id] = a if isinstance(a, Axis) else Axis(a, outer, iota)
     outs: Dict[int, int] = {}
     for j, v in enumerate(graph.outputs):
         if v.id in axes and outer_of(axes[v.id]) != 1:
@@ -124,6 +123,10 @@ def follow_padded_dim(graph: Graph, sym: str) -> PaddingCheck:
         elif _carries(v.desc.shape, sym):
             return _blocked(sym, v.producer, f"output {j} has the dim in its shape but not "
                                              "on an axis that can be sliced back")
+    for key in ("input_mutations", "input_views", "returns_input"):
+        if graph.meta.get(key):
+            return _blocked(sym, None, "the model writes into or returns its inputs, which "
+                                       "padded copies cannot stand for")
     return PaddingCheck(sym, True, outputs=outs)
 
 
