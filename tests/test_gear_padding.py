@@ -1,0 +1,241 @@
+"""Gear padding with ATC's semantics (issue #12): a call is served by the smallest gear
+that holds it, padded only where `OpDef.per_index` proves padding cannot change the
+results; otherwise exact gears only, with the op that prevents padding named."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+import opencann
+from opencann import zoo
+from opencann.ops import all_ops, get_op
+from opencann.ops.opdef import OpKind
+
+
+def _seeded(model, seed=0):
+    torch.manual_seed(seed)
+    m = model.eval()
+    with torch.no_grad():
+        for p in m.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    return m
+
+
+class BasicBlock(nn.Module):
+    """torchvision's ResNet BasicBlock (conv-bn-relu ×2, identity or 1×1 downsample)."""
+
+    def __init__(self, cin, cout, stride=1):
+        super().__init__()
+        self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(cout)
+        self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(cout)
+        self.down = None if stride == 1 and cin == cout else nn.Sequential(
+            nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
+
+    def forward(self, x):
+        y = torch.relu(self.bn1(self.conv1(x)))
+        y = self.bn2(self.conv2(y))
+        return torch.relu(y + (x if self.down is None else self.down(x)))
+
+
+class TinyResNet(nn.Module):
+    """A ResNet-18-shaped CNN, small: stem, max pool, two stages, global pool, fc."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, 8, 3, 2, 1, bias=False), nn.BatchNorm2d(8),
+                                  nn.ReLU(), nn.MaxPool2d(3, 2, 1))
+        self.layers = nn.Sequential(BasicBlock(8, 8), BasicBlock(8, 16, 2))
+        self.pool, self.fc = nn.AdaptiveAvgPool2d(1), nn.Linear(16, 10)
+
+    def forward(self, x):
+        return self.fc(torch.flatten(self.pool(self.layers(self.stem(x))), 1))
+
+
+@pytest.fixture(scope="module")
+def resnet():
+    m = _seeded(TinyResNet())
+    cm = opencann.compile(m, (torch.randn(2, 3, 32, 32),),
+                          options={"dynamic_batch_size": [1, 2, 4, 8]})
+    return m, cm
+
+
+@pytest.mark.parametrize("batch,gear", [(3, 4), (5, 8), (7, 8)])
+def test_resnet_batch_padded_to_the_smallest_gear(resnet, batch, gear):
+    m, cm = resnet
+    built = cm.plans.misses
+    x = torch.randn(batch, 3, 32, 32)
+    x[0, 1, 5, 7] = float("nan")                 # NaN stays in its own sample
+    with torch.no_grad():
+        ref = m(x)
+    out = cm(x)
+    assert out.shape == ref.shape
+    assert torch.equal(out.isnan(), ref.isnan())
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5, equal_nan=True)
+    assert cm.plans.misses == built              # served by a gear planned at compile time
+    assert (gear,) in cm.plans.keys()
+    again = cm(x)                                # a second call: same values, own memory
+    torch.testing.assert_close(again, ref, rtol=1e-5, atol=1e-5, equal_nan=True)
+    assert again.data_ptr() != out.data_ptr()
+    out.fill_(0)
+    torch.testing.assert_close(cm(x), ref, rtol=1e-5, atol=1e-5, equal_nan=True)
+
+
+def test_resnet_report_lists_gears_and_padding(resnet):
+    _, cm = resnet
+    d = cm.report.dynamic
+    assert d["gears"] == {"option": "dynamic_batch_size", "dims": ["batch"],
+                          "values": [[1], [2], [4], [8]]}
+    assert d["padding"]["applies"] and d["padding"]["dims"]["batch"] == {
+        "padded": True, "blocked_by": None}
+    assert "replicate" in d["padding"]["fill"]
+    assert any("batch padded to the smallest gear" in n for n in cm.report.notes)
+    with pytest.raises(ValueError, match=r"batch=9 is not one of the gears .*\[1, 2, 4, 8\]"):
+        cm(torch.randn(9, 3, 32, 32))
+
+
+class MinusBatchMean(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(6, 4)
+
+    def forward(self, x):
+        return self.fc(x - x.mean(0))
+
+
+class BatchSum(nn.Module):
+    def forward(self, x):
+        return torch.relu(x) + x.sum(0, keepdim=True)
+
+
+class TrainBN(nn.Module):
+    """BatchNorm normalising with the batch's statistics (no running statistics)."""
+
+    def __init__(self):
+        super().__init__()
+        self.bn = nn.BatchNorm1d(6, track_running_stats=False)
+
+    def forward(self, x):
+        return self.bn(x) * 2
+
+
+@pytest.mark.parametrize("model,op", [(MinusBatchMean, "ReduceMean"), (BatchSum, "ReduceSum"),
+                                      (TrainBN, "BNTrainingUpdateNoStats")])
+def test_a_batch_mixing_op_means_exact_gears_only_and_is_named(model, op):
+    m = model().eval()
+    cm = opencann.compile(m, (torch.randn(2, 6),), options={"dynamic_batch_size": [2, 4]})
+    row = cm.report.dynamic["padding"]["dims"]["batch"]
+    assert not cm.report.dynamic["padding"]["applies"] and not row["padded"]
+    b = row["blocked_by"]
+    assert b["op"] == op and b["node"] and "test_gear_padding.py:" in b["source"], b
+    assert any(f"({op})" in n and "exact gears only" in n for n in cm.report.notes)
+    x = torch.randn(4, 6)
+    with torch.no_grad():
+        ref = m(x)
+    torch.testing.assert_close(cm(x), ref, rtol=1e-5, atol=1e-5)   # an exact gear runs
+    with pytest.raises(ValueError, match=r"not one of the gears .*\[2, 4\].*only exact gears"):
+        cm(torch.randn(3, 6))
+
+
+class NeedsFallback(nn.Module):
+    def forward(self, x):
+        return torch.special.bessel_j0(x) + 1
+
+
+def test_an_op_without_a_per_index_fact_blocks_padding():
+    cm = opencann.compile(NeedsFallback(), (torch.randn(2, 5),),
+                          options={"dynamic_batch_size": [2, 4]})
+    b = cm.report.dynamic["padding"]["dims"]["batch"]["blocked_by"]
+    assert b["op"] == "HostFallback" and "per-index" in b["reason"], b
+
+
+class PerRowScaled(nn.Module):
+    """Everything per row: LayerNorm, softmax over features, a reshape round trip."""
+
+    def __init__(self):
+        super().__init__()
+        self.ln, self.fc = nn.LayerNorm(8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        y = self.fc(self.ln(x)).reshape(b * t, d).softmax(-1)
+        return y.view(b, t, d).permute(1, 0, 2), x.amax(-1)
+
+
+def test_per_row_ops_and_a_permuted_output_are_sliced_back():
+    m = _seeded(PerRowScaled())
+    cm = opencann.compile(m, (torch.randn(2, 3, 8),), options={"dynamic_batch_size": [2, 4, 8]})
+    assert cm.report.dynamic["padding"]["applies"]
+    for b in (1, 3, 6):
+        x = torch.randn(b, 3, 8)
+        x[-1, 0, 0] = float("inf")
+        got, want = cm(x), m(x)
+        for g, w in zip(got, want):
+            assert g.shape == w.shape
+            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5, equal_nan=True)
+
+
+def test_per_index_is_an_opdef_column_for_the_library():
+    for op in all_ops():
+        if op.kind == OpKind.ELEMENTWISE and not op.random and not op.name.endswith("Grad"):
+            assert op.per_index is not None, op.name
+    for name in ("Conv2D", "ConvBiasAct", "MatMulV2", "LinearAct", "LayerNorm", "SoftmaxV2",
+                 "BatchNorm", "MaxPool", "Reshape", "ScaledDotProductAttention", "FlashAttention"):
+        assert get_op(name).per_index is not None, name
+    for name in ("HostFallback", "OnnxHostFallback", "AsStrided"):
+        assert get_op(name).per_index is None, name
+
+
+# -- MiniLM with its real weights --------------------------------------------------------
+def _text(batch, seq, seed):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1000, 20000, (batch, seq), generator=g)
+    mask = torch.ones(batch, seq, dtype=torch.int64)
+    mask[0, seq - seq // 4:] = 0
+    return ids, mask
+
+
+@pytest.mark.heavy
+def test_minilm_sequence_gears_are_exact_and_say_why():
+    zm = zoo.minilm(batch=1, seq=16)
+    cm = opencann.compile(zm.model, zm.example_inputs,
+                          dynamic_shapes={"input_ids": {1: "seq"}, "attention_mask": {1: "seq"}},
+                          options={"dynamic_dims": [[16], [32]]})
+    b = cm.report.dynamic["padding"]["dims"]["seq"]["blocked_by"]
+    assert b is not None and "modeling_bert.py:" in b["source"] and "padded indices" in b["reason"]
+    ids, mask = _text(1, 32, 1)
+    with torch.no_grad():
+        ref = zm.model(ids, mask)
+    torch.testing.assert_close(cm(ids, mask).last_hidden_state, ref.last_hidden_state,
+                               rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match=r"seq=20 is not one of the gears .*\[16, 32\]"):
+        cm(*_text(1, 20, 2))
+
+
+@pytest.mark.heavy
+def test_minilm_batch_gears_pad_the_batch():
+    zm = zoo.minilm(batch=2, seq=16)
+    cm = opencann.compile(zm.model, zm.example_inputs, options={"dynamic_batch_size": [1, 2, 4]})
+    assert cm.report.dynamic["padding"]["dims"]["batch"]["padded"]
+    ids, mask = _text(3, 16, 3)
+    with torch.no_grad():
+        ref = zm.model(ids, mask)
+    out = cm(ids, mask)
+    torch.testing.assert_close(out.last_hidden_state, ref.last_hidden_state, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out.pooler_output, ref.pooler_output, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.heavy
+def test_resnet50_batch_gears_pad():
+    zm = zoo.resnet50(batch=2, size=64)
+    cm = opencann.compile(zm.model, zm.example_inputs, options={"dynamic_batch_size": [1, 2, 4]})
+    assert cm.report.dynamic["padding"]["applies"]
+    x = torch.randn(3, 3, 64, 64)
+    with torch.no_grad():
+        ref = zm.model(x)
+    out = cm(x)
+    torch.testing.assert_close(out.logits if hasattr(out, "logits") else out[0],
+                               ref.logits if hasattr(ref, "logits") else ref[0],
+                               rtol=1e-4, atol=1e-4)
