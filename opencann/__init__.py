@@ -78,12 +78,21 @@ def load(path: str):
     model class, no torch.export, no pickled code. Outputs are bit-for-bit those of the
     saved model. Raises ModelFileError (a ValueError) with one line saying what is wrong
     (not a model file, truncated, corrupted or modified, newer format, unknown device or
-    op) and FileNotFoundError."""
+    op) and FileNotFoundError. A model compiled with dynamic dims or gears comes back as
+    such: the same shapes, gears and padding, and the same errors for other shapes."""
     from .compiler import CompiledModel
     from .runtime.model_file import read
     parts = read(path)
     parts.pop("metadata")
-    return CompiledModel.from_parts(**parts)
+    dynamic, gears = parts.pop("dynamic"), parts.pop("gears")
+    if dynamic is None:
+        return CompiledModel.from_parts(**parts)
+    from .dynamic import DynamicCompiledModel
+    cm = DynamicCompiledModel.from_parts(**parts, dynamic=dynamic)
+    if gears:
+        from .gears import setup_gears
+        setup_gears(cm, gears["option"], gears["dims"], [tuple(g) for g in gears["values"]])
+    return cm
 
 
 def __getattr__(name):

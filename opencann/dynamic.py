@@ -199,10 +199,10 @@ class PlanBuilder:
                     "bound)", self.binder.describe(values), dt * 1e3, plan.arena_bytes, plan.ratio)
         if self.pinned is None:
             self.pinned = pin_kernel_choices(self.graph, g)
-            if self.pinned:
-                self.report.notes.append(
-                    f"kernel choices measured at the first shape planned ({self.pinned} GEMMs) "
-                    "are kept at every shape: a new shape costs no measurement")
+            note = ("kernel choices measured at the first shape planned ({} GEMMs) are kept "
+                    "at every shape: a new shape costs no measurement").format(self.pinned)
+            if self.pinned and note not in self.report.notes:
+                self.report.notes.append(note)
         return pool
 
     def cache(self) -> ShapePlanCache:
@@ -219,14 +219,18 @@ class DynamicCompiledModel(CompiledModel):
     the example shape's. A shape outside a range raises ValueError naming the input,
     the dim, its range and the fix. ``plans`` is the `ShapePlanCache` (its counters:
     ``hits``, ``misses``, ``evictions``); ``report.dynamic`` lists the dims, their
-    ranges, the guards and each plan built. Thread-safe as `CompiledModel`. Saving
-    (`opencann.save`) is for static models (ValueError)."""
+    ranges, the guards and each plan built. Thread-safe as `CompiledModel`. Saved by
+    `opencann.save` with its symbolic graph, dims, guards and gears (`calling_convention`);
+    `from_parts` rebuilds it (`opencann.load`)."""
 
     def __init__(self, graph: Graph, report: CompileReport, binder: ShapeBinder,
                  options: Dict[str, Any], example_inputs: Sequence[torch.Tensor], **kw):
         self.binder = binder
         build = PlanBuilder(graph, report, binder, options)
         key = binder.bind(example_inputs)
+        self._example_key = key
+        self._dyn_options = {k: options[k] for k in ("plan_cache_size", "check_aliasing")
+                             if options.get(k) is not None}
         pool = build(key)
         report.memory = pool.plan.summary()   # the example shape's plan
         super().__init__(graph, pool.plan, report, concurrent_calls=build.concurrent,
@@ -262,9 +266,36 @@ class DynamicCompiledModel(CompiledModel):
                 for j, v in views.items()}
 
     def calling_convention(self) -> Dict[str, Any]:
-        """Refused: a model file stores one static plan (ValueError with the fix)."""
-        raise ValueError("opencann.save stores static models: compile without dynamic_shapes "
-                         "(example inputs of the shape to serve) to save one")
+        """`CompiledModel.calling_convention` plus ``dynamic`` (the dims: symbol -> name,
+        range, sources; the model's shape conditions; the example's dim values, planned
+        first; options ``plan_cache_size``/``check_aliasing``) and ``gears`` (the gear
+        spec or None), all JSON-able (symbols and conditions as sympy strings)."""
+        return {**super().calling_convention(), "gears": self.gear_spec, "dynamic": {
+            "dims": self.binder.dims, "guards": list(self.binder.guards),
+            "example": dict(zip(self.binder.order, self._example_key)),
+            "options": dict(self._dyn_options)}}
+
+    @classmethod
+    def from_parts(cls, graph: Graph, plan: MemoryPlan, report: CompileReport, in_spec, out_spec,
+                   input_positions: Optional[Sequence[int]], baked: Dict[int, Any],
+                   contiguous: Sequence[bool], concurrent_calls: int = DEFAULT_CONCURRENT_CALLS,
+                   arg_names: Optional[Sequence[Optional[str]]] = None,
+                   dynamic: Optional[Dict[str, Any]] = None) -> "DynamicCompiledModel":
+        """A dynamic model from saved parts (`opencann.load`): `calling_convention`'s
+        fields plus the symbolic ``graph`` and ``report``; the example's shape is planned
+        again (``plan`` is the saved summary's source only), with the kernel choices the
+        graph's nodes carry. Raises ValueError for a malformed ``dynamic``."""
+        binder = ShapeBinder(graph, dynamic["dims"], dynamic["guards"],
+                             [v.name for v in graph.inputs])
+        example = dynamic["example"]
+        tensors = [torch.empty([bind(d, example) for d in v.desc.shape], dtype=v.desc.dtype.torch)
+                   for v in graph.inputs]
+        options = {**dynamic.get("options", {}), "concurrent_calls": concurrent_calls}
+        report.dynamic["plans"] = []   # the plans built in this process
+        cm = cls(graph, report, binder, options, tensors, in_spec=in_spec, out_spec=out_spec,
+                 input_positions=input_positions, arg_names=arg_names)
+        cm._baked, cm._contig = dict(baked), list(contiguous)
+        return cm
 
 
 def _report_dims(report: CompileReport, binder: ShapeBinder, capacity: int) -> None:

@@ -201,7 +201,8 @@ def setup_gears(cm: DynamicCompiledModel, opt: str, names: Sequence[str],
         line = (f"{opt}={shown}: {n} padded to the smallest gear holding a call ({PAD_FILL})"
                 if c.safe else f"{opt}={shown}: padding not applied to {n}, exact gears only: "
                 f"{c.why()}")
-        cm.report.notes.append(line)
+        if line not in cm.report.notes:   # a loaded model's report has it already
+            cm.report.notes.append(line)
         logger.info("gears: %s", line)
 
 

@@ -437,11 +437,6 @@ def test_too_many_gears_is_one_clear_error():
                          options={"dynamic_dims": [[1, 2]]})
 
 
-def test_a_dynamic_model_is_not_saved(tmp_path, attention):
-    with pytest.raises(ValueError, match="static models"):
-        opencann.save(attention[1], str(tmp_path / "m.ocm"))
-
-
 class WritesInput(torch.nn.Module):
     def forward(self, x):
         return x.add_(1)[1:]

@@ -234,8 +234,10 @@ def test_resnet50_batch_gears_pad():
     assert cm.report.dynamic["padding"]["applies"]
     x = torch.randn(3, 3, 64, 64)
     with torch.no_grad():
-        ref = zm.model(x)
-    out = cm(x)
-    torch.testing.assert_close(out.logits if hasattr(out, "logits") else out[0],
-                               ref.logits if hasattr(ref, "logits") else ref[0],
-                               rtol=1e-4, atol=1e-4)
+        ref = zm.model(x).last_hidden_state
+    out = cm(x).last_hidden_state
+    # the padded call is the batch-4 gear on the padded input, bit for bit ...
+    gear = cm(torch.cat([x, x[-1:]])).last_hidden_state
+    assert torch.equal(out, gear[:3])
+    # ... and eager's value within the fused convolutions' rounding (BN folded, oneDNN)
+    assert ((out - ref).abs().max() / ref.abs().max()).item() < 1e-4
