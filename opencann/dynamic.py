@@ -344,7 +344,9 @@ def compile_dynamic(model: torch.nn.Module, example_inputs, dynamic_shapes: Any,
     if dev.kind != "cpu":
         raise ValueError(f"dynamic_shapes compiles for cpu; on {dev.name} the layout stage "
                          "needs static storage shapes (NC1HWC0 blocks per dim): compile one "
-                         "model per shape for this device, or compile for 'cpu'")
+                         f"static model per shape for {dev.name} (example inputs of that "
+                         f"shape, device={dev.name!r}; opencann estimate per shape), or "
+                         "compile for 'cpu'")
     device = dev.name
     options = check_options(options)
     if isinstance(example_inputs, list):

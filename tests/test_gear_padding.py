@@ -241,3 +241,14 @@ def test_resnet50_batch_gears_pad():
     assert torch.equal(out, gear[:3])
     # ... and eager's value within the fused convolutions' rounding (BN folded, oneDNN)
     assert ((out - ref).abs().max() / ref.abs().max()).item() < 1e-4
+
+
+@pytest.mark.parametrize("kw", [{"options": {"dynamic_batch_size": [1, 2, 4]}},
+                                {"dynamic_shapes": {"x": {0: "batch"}}}])
+@pytest.mark.parametrize("device", ["vnpu", "vnpu:ascend910"])
+def test_vnpu_with_gears_or_dynamic_dims_is_one_clear_error(kw, device):
+    with pytest.raises(ValueError) as e:
+        opencann.compile(_seeded(TinyResNet()), (torch.randn(2, 3, 32, 32),), device=device, **kw)
+    msg = str(e.value)
+    assert "\n" not in msg and "compiles for cpu" in msg and "static model per" in msg
+    assert "compile" in msg.split(":")[-1] and "'cpu'" in msg
