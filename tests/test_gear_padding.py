@@ -252,3 +252,76 @@ def test_vnpu_with_gears_or_dynamic_dims_is_one_clear_error(kw, device):
     msg = str(e.value)
     assert "\n" not in msg and "compiles for cpu" in msg and "static model per" in msg
     assert "compile" in msg.split(":")[-1] and "'cpu'" in msg
+
+
+class Flat(nn.Module):
+    def forward(self, x):
+        return torch.tanh(x).reshape(-1), (x * 2).transpose(0, 1)
+
+
+class FlatAcross(nn.Module):
+    def forward(self, x):
+        return x.transpose(0, 1).reshape(-1)
+
+
+class Gram(nn.Module):
+    def forward(self, x):
+        return x @ x.T
+
+
+class BySize(nn.Module):
+    def forward(self, x):
+        return x / x.shape[0]
+
+
+class Noisy(nn.Module):
+    def forward(self, x):
+        return x + torch.rand_like(x)
+
+
+@pytest.mark.parametrize("model,reason", [
+    (FlatAcross, "merged with other dims"), (Gram, "both operands carry the padded dim"),
+    (BySize, "size as a value"), (Noisy, "random")])
+def test_what_stops_padding_is_named(model, reason):
+    cm = opencann.compile(model(), (torch.randn(2, 4),), options={"dynamic_batch_size": [2, 4]})
+    b = cm.report.dynamic["padding"]["dims"]["batch"]["blocked_by"]
+    assert b is not None and reason in b["reason"], b
+
+
+def test_flattened_and_transposed_outputs_are_sliced_back():
+    m = Flat()
+    cm = opencann.compile(m, (torch.randn(2, 4),), options={"dynamic_batch_size": [2, 4, 8]})
+    assert cm.report.dynamic["padding"]["applies"]
+    for b in (1, 3, 5):
+        x = torch.randn(b, 4)
+        for g, w in zip(cm(x), m(x)):
+            assert g.shape == w.shape and torch.equal(g, w)
+
+
+class AttentionBT(nn.Module):
+    """Projection → per-head SDPA; batch and sequence merged for the Linear layers."""
+
+    def __init__(self, d=16, heads=4):
+        super().__init__()
+        self.heads, self.qkv, self.o = heads, nn.Linear(d, 3 * d), nn.Linear(d, d)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        a = nn.functional.scaled_dot_product_attention(q, k, v)
+        return self.o(a.transpose(1, 2).reshape(b, t, d)) + x
+
+
+def test_batch_pads_through_merged_views_and_the_sequence_stops_at_attention():
+    m = _seeded(AttentionBT())
+    cm = opencann.compile(m, (torch.randn(2, 8, 16),), dynamic_shapes={"x": {0: "b", 1: "t"}},
+                          options={"dynamic_dims": [[1, 16], [2, 40], [4, 40]]})
+    dims = cm.report.dynamic["padding"]["dims"]
+    assert dims["b"]["padded"] and not dims["t"]["padded"]
+    assert dims["t"]["blocked_by"]["op"] == "ScaledDotProductAttention"
+    assert "attended" in dims["t"]["blocked_by"]["reason"]
+    x = torch.randn(3, 40, 16)                      # b padded to 4, t exact
+    with torch.no_grad():
+        torch.testing.assert_close(cm(x), m(x), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match=r"t=30, b=3 is not one of the gears"):
+        cm(torch.randn(3, 30, 16))
