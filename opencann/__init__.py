@@ -39,8 +39,8 @@ def compile(model, example_inputs=None, device: str = "cpu", options: Optional[D
     ATC-style gears: ``options={"dynamic_batch_size": [1, 2, 4, 8]}`` (or
     ``dynamic_image_size``, ``dynamic_dims``) plan each gear at compile time and serve a
     call with the smallest gear that holds it, padding the call where no op can let a
-    padded row reach a real one (else exact gears only; `opencann.gears`). Dynamic dims
-    and gears compile for cpu only (ValueError with the fix for another device)."""
+    padded row reach a real one (else exact gears only; `opencann.gears`). On ``vnpu``
+    each concrete shape (each gear) is compiled whole, its layout needing static shapes."""
     import os
     if isinstance(model, (str, os.PathLike)) or type(model).__name__ == "ModelProto":
         from .compiler import compile_onnx

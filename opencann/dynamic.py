@@ -70,6 +70,22 @@ def plan_shape(graph: Graph, values: Mapping[str, int], options: Dict[str, Any]
     return g, ctx.artifacts["memory_plan"], ctx.artifacts["executor"]
 
 
+def compile_shape(graph: Graph, values: Mapping[str, int], device: str, options: Dict[str, Any],
+                  report: Optional[CompileReport] = None, live: Sequence[torch.Tensor] = ()
+                  ) -> Tuple[Graph, MemoryPlan, Executor]:
+    """`specialise` the unoptimised ``graph`` to ``values``, then run the whole pipeline
+    (optimisation, layout, memory, binding) for ``device`` on it: a device whose layout
+    stage needs static storage shapes (the vnpu's NC1HWC0 blocks) compiles each concrete
+    shape, as ATC compiles each gear. ``report`` (a fresh one if None) records the passes.
+    Returns (concrete graph, plan, first executor)."""
+    g = specialise(graph, values)
+    report = report or CompileReport(model=graph.name, device=device)
+    ctx = run_pipeline(g, device, options, report,
+                       PassManager(default_pipeline().passes + [BindKernels()]),
+                       artifacts={"live_tensors": list(live)})
+    return g, ctx.artifacts["memory_plan"], ctx.artifacts["executor"]
+
+
 def pin_kernel_choices(graph: Graph, bound: Graph) -> int:
     """Copy the kernel choices binding made on ``bound`` (a specialised copy of
     ``graph``: ``node.meta["kernel"]``, the GEMM measured per shape) onto ``graph``'s
@@ -172,20 +188,27 @@ class ShapeBinder:
 
 class PlanBuilder:
     """Builds the `ExecutorPool` of one concrete shape of a symbolic ``graph``
-    (`plan_shape`), records it in ``report.dynamic["plans"]`` and the log, and after the
-    first build pins its kernel choices on ``graph`` (`pin_kernel_choices`)."""
+    (`plan_shape`; on a device other than cpu `compile_shape`, ``graph`` being the
+    unoptimised one), records it in ``report.dynamic["plans"]`` and the log, and after
+    the first build pins its kernel choices on ``graph`` (`pin_kernel_choices`, cpu)."""
 
     def __init__(self, graph: Graph, report: CompileReport, binder: "ShapeBinder",
-                 options: Dict[str, Any]):
+                 options: Dict[str, Any], device: str = "cpu"):
         self.graph, self.report, self.binder, self.options = graph, report, binder, options
         self.concurrent = options.get("concurrent_calls", DEFAULT_CONCURRENT_CALLS)
-        self.pinned = None
+        self.device = device
+        self.pinned = None if device == "cpu" else 0
+        self.first_report: Optional[CompileReport] = report if device != "cpu" else None
 
     def __call__(self, key: Tuple[int, ...]) -> ExecutorPool:
         """The executor pool for symbol values ``key`` (in ``binder.order``)."""
         t0 = time.perf_counter()
         values = dict(zip(self.binder.order, key))
-        g, plan, ex = plan_shape(self.graph, values, self.options)
+        if self.device == "cpu":
+            g, plan, ex = plan_shape(self.graph, values, self.options)
+        else:   # the first shape's passes fill the model's report
+            rep, self.first_report = self.first_report, None
+            g, plan, ex = compile_shape(self.graph, values, self.device, self.options, rep)
         check = self.options.get("check_aliasing")
         pool = ExecutorPool(lambda: Executor(g, plan, check_aliasing=check), self.concurrent,
                             first=ex)
@@ -224,9 +247,10 @@ class DynamicCompiledModel(CompiledModel):
     `from_parts` rebuilds it (`opencann.load`)."""
 
     def __init__(self, graph: Graph, report: CompileReport, binder: ShapeBinder,
-                 options: Dict[str, Any], example_inputs: Sequence[torch.Tensor], **kw):
-        self.binder = binder
-        build = PlanBuilder(graph, report, binder, options)
+                 options: Dict[str, Any], example_inputs: Sequence[torch.Tensor],
+                 device: str = "cpu", **kw):
+        self.binder, self.device = binder, device
+        build = PlanBuilder(graph, report, binder, options, device)
         key = binder.bind(example_inputs)
         self._example_key = key
         self._dyn_options = {k: options[k] for k in ("plan_cache_size", "check_aliasing")
@@ -273,7 +297,7 @@ class DynamicCompiledModel(CompiledModel):
         return {**super().calling_convention(), "gears": self.gear_spec, "dynamic": {
             "dims": self.binder.dims, "guards": list(self.binder.guards),
             "example": dict(zip(self.binder.order, self._example_key)),
-            "options": dict(self._dyn_options)}}
+            "options": dict(self._dyn_options), "device": self.device}}
 
     @classmethod
     def from_parts(cls, graph: Graph, plan: MemoryPlan, report: CompileReport, in_spec, out_spec,
@@ -292,8 +316,9 @@ class DynamicCompiledModel(CompiledModel):
                    for v in graph.inputs]
         options = {**dynamic.get("options", {}), "concurrent_calls": concurrent_calls}
         report.dynamic["plans"] = []   # the plans built in this process
-        cm = cls(graph, report, binder, options, tensors, in_spec=in_spec, out_spec=out_spec,
-                 input_positions=input_positions, arg_names=arg_names)
+        cm = cls(graph, report, binder, options, tensors, device=dynamic.get("device", "cpu"),
+                 in_spec=in_spec, out_spec=out_spec, input_positions=input_positions,
+                 arg_names=arg_names)
         cm._baked, cm._contig = dict(baked), list(contiguous)
         return cm
 
@@ -337,17 +362,13 @@ def compile_dynamic(model: torch.nn.Module, example_inputs, dynamic_shapes: Any,
                     ) -> DynamicCompiledModel:
     """Capture ``model`` once with dynamic dims (``dynamic_shapes``, see
     `opencann.frontend.torch.dynamic`), optimise the symbolic graph once, plan the
-    example's shape; returns a `DynamicCompiledModel`. Raises CaptureError (the model
+    example's shape; returns a `DynamicCompiledModel`. On a device other than cpu (the
+    vnpu, whose layout stage needs static storage shapes) the graph is captured once and
+    each concrete shape is compiled whole on its first use (`compile_shape`, cached the
+    same way), its report and vnpu costs per shape. Raises CaptureError (the model
     cannot run with these dims: torch.export's reason), ValueError (bad spec, options,
-    device other than cpu)."""
-    dev = parse_device(device)
-    if dev.kind != "cpu":
-        raise ValueError(f"dynamic_shapes compiles for cpu; on {dev.name} the layout stage "
-                         "needs static storage shapes (NC1HWC0 blocks per dim): compile one "
-                         f"static model per shape for {dev.name} (example inputs of that "
-                         f"shape, device={dev.name!r}; opencann estimate per shape), or "
-                         "compile for 'cpu'")
-    device = dev.name
+    device)."""
+    device = parse_device(device).name
     options = check_options(options)
     if isinstance(example_inputs, list):
         raise ValueError("example_inputs must be a tensor or a tuple of the model's positional "
@@ -363,15 +384,22 @@ def compile_dynamic(model: torch.nn.Module, example_inputs, dynamic_shapes: Any,
     positions = [i for i, s in enumerate(user) if isinstance(flat[i], torch.Tensor)]
     tensors = [flat[i] for i in positions]
     example = dict(zip(binder.order, binder.bind(tensors)))
-    before = graph_cost(specialise(graph, example))
-    run_pipeline(graph, device, options, report, symbolic_pipeline())
-    report.cost_before, report.cost_after = before, graph_cost(specialise(graph, example))
+    if parse_device(device).kind == "cpu":
+        before = graph_cost(specialise(graph, example))
+        run_pipeline(graph, device, options, report, symbolic_pipeline())
+        report.cost_before, report.cost_after = before, graph_cost(specialise(graph, example))
+    else:
+        report.notes.append(f"dynamic dims on {device}: the layout stage needs static storage "
+                            "shapes, so each concrete shape is compiled whole (all passes) on "
+                            "its first use, as ATC compiles each gear; this report's passes "
+                            "and costs are the example shape's")
     snapshot_constants(graph, live)
     _report_dims(report, binder, options.get("plan_cache_size", DEFAULT_PLAN_CACHE_SIZE))
     if narrowed:
         report.notes.append(f"dims given no range narrowed to what the model accepts "
                             f"(torch.export's guards): {narrowed}")
-    return DynamicCompiledModel(graph, report, binder, options, tensors, in_spec=in_spec,
+    return DynamicCompiledModel(graph, report, binder, options, tensors, device=device,
+                                in_spec=in_spec,
                                 out_spec=ep.call_spec.out_spec, input_positions=positions,
                                 example_flat=flat, frozen=frozen,
                                 arg_names=forward_arg_names(model))

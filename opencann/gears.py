@@ -31,7 +31,6 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from .devices import parse_device
 from .dynamic import DynamicCompiledModel, compile_dynamic
 from .ir.symbolic import bind
 from .log import logger
@@ -218,13 +217,6 @@ def compile_with_gears(model, example_inputs, options: Dict[str, Any], dynamic_s
     is padded or which op prevents it."""
     args = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
     opt, spec, names, gears = gear_spec(model, args, example_kwargs, options, dynamic_shapes)
-    dev = parse_device(device)
-    if dev.kind != "cpu":
-        raise ValueError(f"{opt} compiles for cpu; on {dev.name} the layout stage needs static "
-                         "storage shapes (NC1HWC0 blocks per dim): compile one static model "
-                         f"per gear for {dev.name} (opencann.compile(model, inputs of that "
-                         f"gear's shape, device={dev.name!r}); opencann estimate per shape), "
-                         "or compile the gears for 'cpu'")
     rest = {k: v for k, v in options.items() if k not in GEAR_OPTIONS}
     rest["plan_cache_size"] = max(rest.get("plan_cache_size", 0), len(gears))
     seen = _example_values(spec, _tensor_args(model, args, example_kwargs))

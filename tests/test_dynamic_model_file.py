@@ -127,3 +127,18 @@ def test_a_static_model_is_still_format_1(tmp_path):
     assert meta["format_version"] == 1 and meta["dynamic"] is None
     x = torch.randn(2, 3, 10, 10)
     assert torch.equal(opencann.load(path)(x), cm(x))
+
+
+def test_vnpu_gear_model_roundtrip(tmp_path):
+    m = _seeded(ConvNet())
+    cm = opencann.compile(m, (torch.randn(2, 3, 10, 10),), device="vnpu",
+                          options={"dynamic_batch_size": [1, 4]})
+    path = str(tmp_path / "vnpu.ocm")
+    opencann.save(cm, path)
+    lm = opencann.load(path)
+    assert lm.device == "vnpu" and lm.report.device == "vnpu"
+    for n in (1, 3, 4):
+        x = torch.randn(n, 3, 10, 10)
+        assert torch.equal(lm(x), cm(x))
+    x = torch.randn(5, 3, 10, 10)
+    assert _error(lm, x) == _error(cm, x)
