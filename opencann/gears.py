@@ -132,8 +132,9 @@ class GearPadder:
     def choose(self, values: Dict[str, int]) -> Dict[str, int]:
         """The smallest gear (fewest elements, then lowest) holding ``values``; raises
         the gear error (ValueError) when none does."""
-        fits = [g for g in self.gears
-                if all(g[s] >= values[s] if s in self.padded else g[s] == values[s] for s in g)]
+        fits = [g for g in self.gears   # a padded dim needs a real index to replicate
+                if all(g[s] == values[s] or (s in self.padded and g[s] > values[s] >= 1)
+                       for s in g)]
         if not fits:
             self.binder.bind_key(values)   # raises the error naming the gears
         return min(fits, key=lambda g: (math.prod(g.values()), sorted(g.items())))

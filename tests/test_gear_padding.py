@@ -243,8 +243,7 @@ def test_resnet50_batch_gears_pad():
     assert ((out - ref).abs().max() / ref.abs().max()).item() < 1e-4
 
 
-@pytest.mark.parametrize("device", ["vnpu", "vnpu:ascend910"])
-def test_vnpu_gears_compile_each_gear_and_pad(device):
+def test_vnpu_gears_compile_each_gear_and_pad(device="vnpu"):
     m = _seeded(TinyResNet())
     cm = opencann.compile(m, (torch.randn(2, 3, 32, 32),), device=device,
                           options={"dynamic_batch_size": [1, 2, 4]})
@@ -259,9 +258,8 @@ def test_vnpu_gears_compile_each_gear_and_pad(device):
         # the padded call is the gear's plan on the padded input, bit for bit
         g = min(k for k in (1, 2, 4) if k >= n)
         assert torch.equal(out, cm(torch.cat([x, x[-1:].expand(g - n, -1, -1, -1)]))[:n])
-        if device == "vnpu":   # fp32 preset (ascend910 computes in its own precision)
-            with torch.no_grad():
-                torch.testing.assert_close(out, m(x), rtol=1e-5, atol=1e-5)
+        with torch.no_grad():
+            torch.testing.assert_close(out, m(x), rtol=1e-5, atol=1e-5)
     assert cm.plans.misses == built
     with pytest.raises(ValueError, match="not one of the gears"):
         cm(torch.randn(5, 3, 32, 32))
@@ -347,6 +345,10 @@ def test_batch_pads_through_merged_views_and_the_sequence_stops_at_attention():
     assert dims["b"]["padded"] and not dims["t"]["padded"]
     assert dims["t"]["blocked_by"]["op"] == "ScaledDotProductAttention"
     assert "attended" in dims["t"]["blocked_by"]["reason"]
+    text = cm.report.to_text()
+    assert "b: padded to the smallest gear" in text
+    assert "t: exact gears only, padding stopped by scaled_dot_product_attention " \
+           "(ScaledDotProductAttention) at (test_gear_padding.py:" in text
     x = torch.randn(3, 40, 16)                      # b padded to 4, t exact
     with torch.no_grad():
         torch.testing.assert_close(cm(x), m(x), rtol=1e-5, atol=1e-5)

@@ -28,7 +28,7 @@ import sympy
 import torch
 
 from ..ir import Node, TensorRef
-from ..ir.symbolic import as_expr, parse
+from ..ir.symbolic import SymExpr, as_expr, parse, symbols_of
 
 class Axis(int):
     """An axis that carries the padded dim, merged (by a reshape) with ``outer`` (a sympy
@@ -376,6 +376,10 @@ def source(node: Node, axes: Axes, sym: str) -> Result:
     """A tensor made from nothing (arange, full): its value at an index does not depend
     on the size it is made with; it carries the padded dim where its shape does."""
     where = _carries(node.outputs[0].desc.shape, sym)
+    sized = [k for k, v in node.attrs.items() if k not in ("size", "end", "self")
+             and isinstance(v, SymExpr) and sym in symbols_of(v)]
+    if sized or not where:
+        return f"makes a value from the padded dim's size ({', '.join(sized) or 'its value'})"
     if len(where) != 1:
         return "makes a tensor whose shape uses the padded dim more than once"
     a = node.attrs
