@@ -128,6 +128,7 @@ class GearPadder:
         by_name = {d["name"]: s for s, d in cm.binder.dims.items()}
         self.gears = [dict(zip((by_name[n] for n in names), g)) for g in gears]
         self.padded = [s for s, c in checks.items() if c.safe]
+        self._memo: Dict[tuple, List[Tuple[int, int, int]]] = {}   # call shape -> cuts
 
     def choose(self, values: Dict[str, int]) -> Dict[str, int]:
         """The smallest gear (fewest elements, then lowest) holding ``values``; raises
@@ -138,6 +139,18 @@ class GearPadder:
         if not fits:
             self.binder.bind_key(values)   # raises the error naming the gears
         return min(fits, key=lambda g: (math.prod(g.values()), sorted(g.items())))
+
+    def _cuts(self, real: Dict[str, int], gear: Dict[str, int]) -> List[Tuple[int, int, int]]:
+        """(output, axis, real size) of every slice back, bound once per call shape."""
+        key = tuple(sorted(real.items()))
+        cuts = self._memo.get(key)
+        if cuts is None:
+            cuts = [(j, axis, bind(self.graph.outputs[j].desc.shape[axis], real))
+                    for s in self.padded if gear[s] != real[s]
+                    for j, axis in self.checks[s].outputs.items()]
+            if len(self._memo) < 1024:
+                self._memo[key] = cuts
+        return cuts
 
     def __call__(self, tensors: Sequence[torch.Tensor]):
         """(the inputs padded to the chosen gear, ``restore(outputs)``)."""
@@ -153,16 +166,13 @@ class GearPadder:
                     t = t.index_select(i, idx)
             ins.append(t)
 
+        cuts = self._cuts(real, gear)
+
         def restore(outs):
             outs = list(outs)
-            for s in self.padded:
-                if gear[s] == real[s]:
-                    continue
-                for j, axis in self.checks[s].outputs.items():
-                    n = bind(self.graph.outputs[j].desc.shape[axis], real)
-                    o = outs[j].narrow(axis, 0, n)
-                    outs[j] = o if o.is_contiguous() or not outs[j].is_contiguous() \
-                        else o.contiguous()
+            for j, axis, n in cuts:
+                o = outs[j].narrow(axis, 0, n)
+                outs[j] = o if o.is_contiguous() or not outs[j].is_contiguous() else o.contiguous()
             return tuple(outs)
         return ins, restore
 
