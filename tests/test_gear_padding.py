@@ -354,3 +354,42 @@ def test_batch_pads_through_merged_views_and_the_sequence_stops_at_attention():
         torch.testing.assert_close(cm(x), m(x), rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match=r"t=30, b=3 is not one of the gears"):
         cm(torch.randn(3, 30, 16))
+
+
+@torch.library.custom_op("gearpad::twice", mutates_args=())
+def _twice(x: torch.Tensor) -> torch.Tensor:
+    return x * 2
+
+
+@torch.library.custom_op("gearpad::thrice", mutates_args=())
+def _thrice(x: torch.Tensor) -> torch.Tensor:
+    return x * 3
+
+
+for _op in (_twice, _thrice):
+    _op.register_fake(lambda x: torch.empty_like(x))
+
+
+class CustomOps(nn.Module):
+    def __init__(self, op):
+        super().__init__()
+        self.op = op
+
+    def forward(self, x):
+        return self.op(x) + 1
+
+
+def test_a_custom_op_declares_its_per_index_fact():
+    from opencann.extend import register_op
+    from opencann.ops import per_index
+    register_op("GearPadTwice", _twice, per_index=per_index.ALL)
+    register_op("GearPadThrice", _thrice)                       # unknown
+    cm = opencann.compile(CustomOps(_twice), (torch.randn(2, 3),),
+                          options={"dynamic_batch_size": [2, 4]})
+    assert cm.report.dynamic["padding"]["applies"]
+    x = torch.randn(3, 3)
+    assert torch.equal(cm(x), x * 2 + 1)
+    cm = opencann.compile(CustomOps(_thrice), (torch.randn(2, 3),),
+                          options={"dynamic_batch_size": [2, 4]})
+    b = cm.report.dynamic["padding"]["dims"]["batch"]["blocked_by"]
+    assert b["op"] == "GearPadThrice" and "per-index" in b["reason"]
