@@ -30,6 +30,7 @@ import torch
 from ..ir import Node, TensorRef
 from ..ir.symbolic import SymExpr, as_expr, parse, symbols_of
 
+
 class Axis(int):
     """An axis that carries the padded dim, merged (by a reshape) with ``outer`` (a sympy
     expression) elements of other dims before it within that axis: its size is
