@@ -28,8 +28,7 @@ def _traced_strides(v: Value) -> Optional[tuple]:
     """The strides ATen gave ``v`` when the graph was traced (``node.meta["strides"]``),
     canonicalized; None when unrecorded or not dense (then ``v`` is laid out
     contiguously)."""
-    strides = v.producer.meta.get("strides") if v.producer is not None else None
-    st = strides[v.producer.outputs.index(v)] if strides else None
+    st = v.traced_strides
     if st is None or not is_dense(v.desc.shape, st):
         return None
     return _canonical(v.desc.shape, st)
