@@ -6,7 +6,7 @@ memory-traffic estimates per kernel).
 """
 
 from .presets import NpuSpec, PRESETS, ascend310, ascend910, ascend910b, get_preset, load_spec
-from .formats import (c0_for, format_shape, from_fractal_nz, from_fractal_z, from_nc1hwc0, to_fractal_nz,
+from .formats import (c0_for, format_shape, from_fractal_nz, fz_groups, from_fractal_z, from_nc1hwc0, to_fractal_nz,
                       to_fractal_z, to_nc1hwc0, trans_data, valid_mask)
 from .kernels import conv2d_nc1hwc0, elementwise, matmul_nz
 from .calibration import calibration_table
@@ -17,7 +17,7 @@ from .cost_model import (KernelCost, conv2d_cost, eager_time_us, elementwise_cos
 __all__ = [
     "calibration_table",
     "NpuSpec", "PRESETS", "ascend310", "ascend910", "ascend910b", "get_preset", "load_spec",
-    "c0_for", "format_shape", "from_fractal_nz", "from_fractal_z", "from_nc1hwc0", "to_fractal_nz",
+    "c0_for", "format_shape", "from_fractal_nz", "fz_groups", "from_fractal_z", "from_nc1hwc0", "to_fractal_nz",
     "to_fractal_z", "to_nc1hwc0", "trans_data", "valid_mask",
     "conv2d_nc1hwc0", "elementwise", "matmul_nz", "KernelCost", "conv2d_cost", "eager_time_us",
     "elementwise_cost", "flash_attention_calibration_table", "flash_attention_cost", "layernorm_cost",

@@ -276,9 +276,22 @@ def _epilogue(epilogue: Sequence[str]) -> tuple[float, int]:
 
 def conv2d_cost(n: int, c_in: int, h: int, w: int, c_out: int, kernel: Sequence[int] | int,
                 stride: Sequence[int] | int = 1, padding: Sequence[int] | int = 0,
-                dtype: Any = "float16", spec: NpuSpec = ascend910b, epilogue: Sequence[str] = ()) -> KernelCost:
-    """Conv2d (groups=1) as the Cube runs it: img2col GEMM with M = N*Ho*Wo,
+                dtype: Any = "float16", spec: NpuSpec = ascend910b, epilogue: Sequence[str] = (),
+                groups: int = 1) -> KernelCost:
+    """Conv2d as the Cube runs it: img2col GEMM with M = N*Ho*Wo,
     K = C1*C0*KH*KW (input channels padded to the stored C0, `formats.c0_for`), N = Cout.
+
+    Grouped and depthwise convs (`groups` > 1; `c_in`, `c_out` are the totals): the Cube
+    runs GE's grouped FRACTAL_Z (`formats.fz_groups`): G = ceil(groups / e) block-diagonal
+    GEMMs of K = Cin_opt*KH*KW, N = Cout_opt (e groups packed per block), so the Cube
+    does the zeros of the block diagonal (``flops``) while ``useful_flops`` counts the
+    real products only; a depthwise 3x3 conv at C0 = 16 packs 16 channels per block and
+    uses 1/16 of the Cube's MACs. CANN runs depthwise convs this way, as a Conv2D with
+    groups = C on the Cube (ATC converts DepthwiseConv / ConvolutionDepthwise to
+    Convolution with group = num_output: CANN 9.0.0 operator list "Convolution
+    (DepthwiseConv, ConvolutionDepthwise)", hiascend.com canncommercial operatorlist_00110;
+    aclnnConvDepthwise2d takes a ``cubeMathType``: hicann/ops-nn
+    conv/convolution_forward/docs/aclnnConvDepthwise2d.md).
 
     Same tiler and pipelines as `matmul_cost`; img2col happens in L1 (Liao et al. Hot
     Chips 31), so a row of output tiles reads its input window (the NC1HWC0 input, not
@@ -296,6 +309,11 @@ def conv2d_cost(n: int, c_in: int, h: int, w: int, c_out: int, kernel: Sequence[
                          f"kernel={kh}x{kw} -> output {ho}x{wo}")
     e = dtype_bytes(dtype)
     c0 = 32 if e == 1 else 16                       # stored C0 (formats.c0_for)
+    if groups != 1:
+        if groups < 1 or c_in % groups or c_out % groups:
+            raise ValueError(f"conv2d_cost: groups={groups} must divide c_in={c_in} and c_out={c_out}")
+        return _grouped_conv_cost(n, c_in, h, w, c_out, (kh, kw), (ho, wo), (sh, sw), e, c0, groups,
+                                  spec, epilogue)
     m, kdim = n * ho * wo, _up(c_in, c0) * kh * kw
     # input bytes a row of tiles needs: the rows of the input its output rows come from
     x_b = n * _up(c_in, c0) * min(h, ho * sh + kh - 1) * min(w, wo * sw + kw - 1) * e
@@ -306,6 +324,25 @@ def conv2d_cost(n: int, c_in: int, h: int, w: int, c_out: int, kernel: Sequence[
               epilogue_inputs=extra_in, useful=useful)
     return KernelCost("conv2d", c.time_us, c.flops, c.useful_flops, c.hbm_bytes, c.bound,
                       {**c.breakdown, "gemm_mnk": (m, c_out, kdim)})
+
+
+def _grouped_conv_cost(n: int, c_in: int, h: int, w: int, c_out: int, k: tuple, hw_out: tuple,
+                       stride: tuple, e: int, c0: int, groups: int, spec: NpuSpec,
+                       epilogue: Sequence[str]) -> KernelCost:
+    """`conv2d_cost` for groups > 1: G block-diagonal GEMMs of GE's grouped FRACTAL_Z."""
+    from .formats import fz_groups
+    (kh, kw), (ho, wo), (sh, _) = k, hw_out, stride
+    ev, cin_opt, cout_opt, g_blocks = fz_groups(c_in // groups, c_out // groups, groups, c0)
+    m, kdim = n * ho * wo, cin_opt * kh * kw
+    x_b = g_blocks * n * cin_opt * min(h, ho * sh + kh - 1) * min(w, wo * stride[1] + kw - 1) * e
+    a_bytes = min(float(x_b), float(g_blocks * _up(m, 16) * _up(kdim, 32 // e) * e))
+    ops, extra_in = _epilogue(epilogue)
+    useful = 2.0 * n * ho * wo * c_out * (c_in // groups) * kh * kw
+    c = _gemm("conv2d", g_blocks, m, cout_opt, kdim, e, 4 if e == 1 else e, spec, a_bytes=a_bytes,
+              epilogue_ops=ops, epilogue_inputs=extra_in, useful=useful)
+    return KernelCost("conv2d", c.time_us, c.flops, c.useful_flops, c.hbm_bytes, c.bound,
+                      {**c.breakdown, "gemm_mnk": (m, cout_opt, kdim), "groups": groups,
+                       "fz_groups": {"e": ev, "cin_opt": cin_opt, "cout_opt": cout_opt, "blocks": g_blocks}})
 
 
 # ----------------------------------------------------------------------------------

@@ -6,7 +6,10 @@
   weight matrix (C1*KH*KW*C0) x (N1*16), as the Cube's img2col + matmul does (Liao et
   al., Hot Chips 31, 2019: img2col in the MTE, matmul in the Cube).  Padded input
   channels meet zero weight rows, padded output channels have zero weight columns, so
-  padding contributes zero.
+  padding contributes zero.  Grouped / depthwise (``groups`` > 1): GE's grouped FRACTAL_Z
+  (`formats.fz_groups`) holds G block-diagonal weights of e groups each; block b reads the
+  e*Cin_g input channels of its groups (zero-padded to Cin_opt) and writes their e*Cout_g
+  output channels: one GEMM per block, as the Cube runs it.
 * `matmul_nz`: FRACTAL_NZ x FRACTAL_NZ -> FRACTAL_NZ, a blocked matmul whose M and N stay
   in fractal blocks and whose K is contracted fractal by fractal (batch dims broadcast).
 * `elementwise`: any function on tensors in one storage format, re-zeroing the padding.
@@ -23,7 +26,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-from .formats import (NI, c0_for, format_name, format_shape, from_fractal_nz, to_fractal_nz,
+from .formats import (NI, c0_for, format_name, format_shape, from_fractal_nz, fz_groups, to_fractal_nz,
                       trans_data, valid_mask)
 
 __all__ = ["conv2d_nc1hwc0", "matmul_nz", "elementwise", "trans_data"]
@@ -51,7 +54,7 @@ def _out_dtype(dt: torch.dtype) -> torch.dtype:
 
 
 def _check_conv_operands(x: torch.Tensor, w_fz: torch.Tensor, in_channels: int, out_channels: int,
-                         kh: int, kw: int, c0: int | None) -> None:
+                         kh: int, kw: int, c0: int | None, groups: int = 1) -> None:
     """Raise ValueError unless ``x`` is NC1HWC0 holding ``in_channels`` and ``w_fz`` the
     FRACTAL_Z of an (out_channels, in_channels, kh, kw) weight at x's C0."""
     if x.dim() != 5:
@@ -63,7 +66,11 @@ def _check_conv_operands(x: torch.Tensor, w_fz: torch.Tensor, in_channels: int, 
     if k != k_expected or c1 != -(-in_channels // k):
         raise ValueError(f"conv2d_nc1hwc0: x shape {tuple(x.shape)} does not hold {in_channels} channels with "
                          f"C0={k_expected} for {x.dtype}")
-    expected_w = format_shape((out_channels, in_channels, kh, kw), "FRACTAL_Z", w_fz.dtype, c0=k)
+    if groups < 1 or in_channels % groups or out_channels % groups:
+        raise ValueError(f"conv2d_nc1hwc0: groups={groups} must divide in_channels={in_channels} and "
+                         f"out_channels={out_channels}")
+    expected_w = format_shape((out_channels, in_channels // groups, kh, kw), "FRACTAL_Z", w_fz.dtype, c0=k,
+                              groups=groups)
     if tuple(w_fz.shape) != expected_w:
         raise ValueError(f"conv2d_nc1hwc0: w_fz shape {tuple(w_fz.shape)} disagrees with weight "
                          f"({out_channels}, {in_channels}, {kh}, {kw}); expected {expected_w}")
@@ -72,8 +79,8 @@ def _check_conv_operands(x: torch.Tensor, w_fz: torch.Tensor, in_channels: int, 
 def conv2d_nc1hwc0(x: torch.Tensor, w_fz: torch.Tensor, *, in_channels: int, out_channels: int,
                    kernel_size: int | Sequence[int], stride: int | Sequence[int] = 1,
                    padding: int | Sequence[int] = 0, dilation: int | Sequence[int] = 1,
-                   bias: torch.Tensor | None = None, c0: int | None = None) -> torch.Tensor:
-    """2-D convolution (groups=1) with NC1HWC0 input, FRACTAL_Z weight, NC1HWC0 output.
+                   bias: torch.Tensor | None = None, c0: int | None = None, groups: int = 1) -> torch.Tensor:
+    """2-D convolution with NC1HWC0 input, FRACTAL_Z weight, NC1HWC0 output.
 
     Args:
         x: (N, C1, H, W, C0) activations, C1 = ceil(in_channels / C0), pad channels zero.
@@ -82,6 +89,8 @@ def conv2d_nc1hwc0(x: torch.Tensor, w_fz: torch.Tensor, *, in_channels: int, out
         kernel_size, stride, padding, dilation: as torch.nn.functional.conv2d.
         bias: optional (out_channels,) tensor.
         c0: override C0 (must match how x and w_fz were laid out).
+        groups: convolution groups; w_fz is then GE's grouped FRACTAL_Z of the
+            (out_channels, in_channels / groups, KH, KW) weight (`to_fractal_z(..., groups=)`).
     Returns: (N, ceil(out_channels / C0), Ho, Wo, C0) in x's dtype (int32 for integer
         inputs), pad channels zero.
     Raises ValueError: ranks, C0/C1/N1 or kernel size that disagree with the shapes.
@@ -90,9 +99,12 @@ def conv2d_nc1hwc0(x: torch.Tensor, w_fz: torch.Tensor, *, in_channels: int, out
     sh, sw = _pair(stride, "stride")
     ph, pw = _pair(padding, "padding")
     dh, dw = _pair(dilation, "dilation")
-    _check_conv_operands(x, w_fz, in_channels, out_channels, kh, kw, c0)
+    _check_conv_operands(x, w_fz, in_channels, out_channels, kh, kw, c0, groups)
     n, c1, h, wd, k = x.shape
     acc = _acc_dtype(x.dtype)
+    if groups != 1:
+        out = _grouped_conv(x, w_fz, in_channels, out_channels, groups, (kh, kw), (sh, sw), (ph, pw), (dh, dw), acc)
+        return _pack_out(out, bias, out_channels, n, x.dtype, acc, c0)
     # spatial zero padding on the 5-D tensor: (C0 none, W, H)
     xp = F.pad(x, (0, 0, pw, pw, ph, ph))
     eff_h, eff_w = (kh - 1) * dh + 1, (kw - 1) * dw + 1
@@ -108,14 +120,44 @@ def conv2d_nc1hwc0(x: torch.Tensor, w_fz: torch.Tensor, *, in_channels: int, out
     n1 = w_fz.shape[1]
     wmat = w_fz.permute(0, 3, 1, 2).reshape(c1 * kh * kw * k, n1 * NI)
     out = patches.to(acc) @ wmat.to(acc)                    # (N*Ho*Wo, N1*16)
+    return _pack_out(out.reshape(n, ho, wo, -1), bias, out_channels, n, x.dtype, acc, c0)
+
+
+def _grouped_conv(x: torch.Tensor, w_fz: torch.Tensor, cin: int, cout: int, groups: int, k: tuple,
+                  stride: tuple, padding: tuple, dilation: tuple, acc: torch.dtype) -> torch.Tensor:
+    """Grouped conv as G block-diagonal GEMMs over GE's grouped FRACTAL_Z; returns
+    (N, Ho, Wo, Cout) in ``acc``."""
+    n, c1, h, wd, c0 = x.shape
+    kh, kw = k
+    cin_g, cout_g = cin // groups, cout // groups
+    e, cin_opt, cout_opt, g_blocks = fz_groups(cin_g, cout_g, groups, c0)
+    x4 = x.permute(0, 1, 4, 2, 3).reshape(n, c1 * c0, h, wd)[:, :cin].to(acc)
+    x4 = F.pad(x4, (0, 0, 0, 0, 0, g_blocks * e * cin_g - cin))      # groups past `groups`: zero
+    # storage (G*C1b*KH*KW, Cout_opt/16, 16, C0) read as (G, C1b, KH, KW, Cout_opt, C0)
+    dense = w_fz.reshape(g_blocks, cin_opt // c0, kh, kw, cout_opt, c0).permute(0, 4, 1, 5, 2, 3)
+    dense = dense.reshape(g_blocks, cout_opt, cin_opt, kh, kw).to(acc)
+    outs = []
+    for b in range(g_blocks):   # one block-diagonal GEMM per block (the Cube's loop over G)
+        xb = x4[:, b * e * cin_g:(b + 1) * e * cin_g]
+        xb = F.pad(xb, (0, 0, 0, 0, 0, cin_opt - e * cin_g))
+        yb = F.conv2d(xb, dense[b], stride=stride, padding=padding, dilation=dilation)
+        outs.append(yb[:, :e * cout_g])
+    return torch.cat(outs, 1)[:, :cout].permute(0, 2, 3, 1)
+
+
+def _pack_out(out: torch.Tensor, bias: torch.Tensor | None, out_channels: int, n: int, in_dtype: torch.dtype,
+              acc: torch.dtype, c0: int | None) -> torch.Tensor:
+    """(N, Ho, Wo, >= Cout) accumulator + bias -> NC1HWC0 in the output dtype, pad zero."""
+    out = out.clone() if bias is not None else out
     if bias is not None:
         if bias.shape != (out_channels,):
             raise ValueError(f"conv2d_nc1hwc0: bias must have shape ({out_channels},), got {tuple(bias.shape)}")
-        out[:, :out_channels] += bias.to(acc)
-    od = _out_dtype(x.dtype)
+        out[..., :out_channels] += bias.to(acc)
+    od = _out_dtype(in_dtype)
     ko = c0_for(od, c0)
     c1o = -(-out_channels // ko)
-    out = out[:, :out_channels]
+    _, ho, wo, _ = out.shape
+    out = out[..., :out_channels]
     out = F.pad(out, (0, c1o * ko - out_channels))
     out = out.reshape(n, ho, wo, c1o, ko).permute(0, 3, 1, 2, 4)
     return out.to(od).contiguous()

@@ -65,9 +65,10 @@ def make_trans_data(node: Node, in_descs: Sequence[TensorDesc], consts: Sequence
     a = node.attrs
     src, dst = str(a["src_format"]), str(a["dst_format"])
     shape, of = tuple(a["origin_shape"]), str(a["origin_format"])
+    groups = int(a.get("groups", 1))
 
     def run(x):
-        r = trans_data(x, src, dst, origin_shape=shape, origin_format=of)
+        r = trans_data(x, src, dst, origin_shape=shape, origin_format=of, groups=groups)
         if r.untyped_storage().data_ptr() == x.untyped_storage().data_ptr():
             return r.clone(memory_format=torch.contiguous_format)
         return r
@@ -75,20 +76,23 @@ def make_trans_data(node: Node, in_descs: Sequence[TensorDesc], consts: Sequence
 
 
 def make_conv(node: Node, in_descs: Sequence[TensorDesc], consts: Sequence) -> Callable:
-    """Conv2D on NC1HWC0 × FRACTAL_Z (groups=1); the host kernel when the input is ND."""
+    """Conv2D on NC1HWC0 × FRACTAL_Z (grouped FRACTAL_Z when groups > 1); the host kernel
+    when the input is ND."""
     xi, wi, bi = _index(node, "input"), _index(node, "weight"), _index(node, "bias")
     if in_descs[xi].format != Format.NC1HWC0:
         return host_kernel(node)
     wd = in_descs[wi]
     if wd.format != Format.FRACTAL_Z:
         raise ValueError(f"{node.name}: NC1HWC0 convolution needs a FRACTAL_Z weight, got {wd}")
-    cout, cin, kh, kw = (int(s) for s in wd.origin_shape)
     a = node.attrs
+    groups = int(a.get("groups", 1))
+    cout, cin_g, kh, kw = (int(s) for s in wd.origin_shape)
+    cin = cin_g * groups
 
     def run(*ins):
         return conv2d_nc1hwc0(ins[xi], ins[wi], in_channels=cin, out_channels=cout, kernel_size=(kh, kw),
                               stride=a["stride"], padding=a["padding"], dilation=a["dilation"],
-                              bias=ins[bi] if bi is not None else None)
+                              bias=ins[bi] if bi is not None else None, groups=groups)
     return run
 
 

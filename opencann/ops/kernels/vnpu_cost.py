@@ -4,8 +4,8 @@ these, ``f(node, spec) -> (KernelCost, model)`` with ``model`` the cost function
 All on the op's storage sizes, in its dtype, from the vnpu cost model
 (``opencann.devices.vnpu.cost_model``):
 
-- `conv` (Conv2D, ConvBiasAct, ConvAddAct) → ``conv2d_cost`` (groups g as g·N convolutions
-  of C/g channels: same FLOPs and activation bytes); `matmul` (MatMul, BatchMatMul,
+- `conv` (Conv2D, ConvBiasAct, ConvAddAct) → ``conv2d_cost`` (groups g: GE's grouped
+  FRACTAL_Z, G block-diagonal GEMMs on the Cube, see ``conv2d_cost``); `matmul` (MatMul, BatchMatMul,
   MatMulV2, LinearAct) → ``matmul_cost``; `flash_attention` → ``flash_attention_cost``;
   `attention` (unfused ScaledDotProductAttention) → QKᵀ ``matmul_cost`` + ``softmax_cost``
   (+ mask add) + PV ``matmul_cost``, the S×S scores going through HBM;
@@ -62,8 +62,9 @@ def conv(node: Node, spec: NpuSpec, epilogue: Tuple[str, ...] = ()) -> Tuple[Ker
     g = int(a.get("groups", 1))
     dil = list(a.get("dilation", [1, 1]))
     k = ((kh - 1) * dil[0] + 1, (kw - 1) * dil[-1] + 1)
-    return conv2d_cost(n * g, c // g, h, wd, cout // g, k, tuple(a["stride"]), tuple(a["padding"]),
-                       x.dtype.value, spec, epilogue=epilogue), "conv2d_cost"
+    return conv2d_cost(n, c, h, wd, cout, k, tuple(a["stride"]), tuple(a["padding"]),
+                       x.dtype.value, spec, epilogue=epilogue, groups=g), \
+        "conv2d_cost" + (f" (groups={g}: grouped FRACTAL_Z blocks)" if g != 1 else "")
 
 
 def matmul(node: Node, spec: NpuSpec, epilogue: Tuple[str, ...] = ()) -> Tuple[KernelCost, str]:

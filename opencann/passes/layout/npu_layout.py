@@ -5,8 +5,11 @@ formats, insert TransData at format boundaries and remove inverse TransData pair
 
 1. placement: every node except host fallbacks gets ``node.device = ctx.device``;
 2. selection, in topological order (by each op's ``OpDef.npu_format`` column):
-   Conv2D (groups=1, float) takes NC1HWC0 activations and a FRACTAL_Z weight and gives
-   NC1HWC0; MatMul/BatchMatMul/MatMulV2 take and give FRACTAL_NZ; an elementwise op
+   Conv2D (float) takes NC1HWC0 activations and a FRACTAL_Z weight and gives NC1HWC0;
+   a grouped or depthwise Conv2D takes GE's grouped FRACTAL_Z (e groups packed per
+   block-diagonal block, `formats.fz_groups`) and runs on the Cube, as CANN does (ATC
+   converts DepthwiseConv to Convolution with group = num_output: CANN 9.0.0 operator list,
+   "Convolution (DepthwiseConv, ConvolutionDepthwise)"; the report says which packing); MatMul/BatchMatMul/MatMulV2 take and give FRACTAL_NZ; an elementwise op
    whose full-size operands are all in the same NPU format (same logical shape and
    dtype) stays in it; pooling, H/W reductions (keepdim) and inference BatchNorm on an
    NC1HWC0 input stay in NC1HWC0; everything else runs in ND;
@@ -38,7 +41,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from ...devices import parse_device
-from ...devices.vnpu import NpuSpec, format_shape, trans_data
+from ...devices.vnpu import NpuSpec, c0_for, format_shape, fz_groups, trans_data
 from ...ir import DataType, Format, Graph, Node, TensorDesc, TensorRef, Value
 from ...ops import get_op
 from ...ops.kernels.vnpu import origin_format_for
@@ -49,11 +52,12 @@ ND = Format.ND
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 
 
-def npu_desc(desc: TensorDesc, fmt: Format) -> TensorDesc:
+def npu_desc(desc: TensorDesc, fmt: Format, groups: int = 1) -> TensorDesc:
     """Desc of a plain tensor ``desc`` stored in ``fmt``: padded storage shape
-    (`format_shape`), ``origin_shape`` = the logical shape."""
+    (`format_shape`; ``groups``: a grouped conv weight's FRACTAL_Z), ``origin_shape`` =
+    the logical shape."""
     of = origin_format_for(fmt)
-    storage = format_shape(desc.shape, fmt.value, desc.dtype.torch, origin_format=of.value)
+    storage = format_shape(desc.shape, fmt.value, desc.dtype.torch, origin_format=of.value, groups=groups)
     return TensorDesc(storage, desc.dtype, fmt, origin_shape=tuple(desc.shape), origin_format=of)
 
 
@@ -63,10 +67,12 @@ def _pos(node: Node, name: str) -> Optional[int]:
 
 
 class _Choice:
-    """Per-input required formats and per-output formats of one node."""
+    """Per-input required formats and per-output formats of one node; ``groups``: the
+    convolution groups of a FRACTAL_Z input (GE's grouped packing); ``note``: the
+    format choice worth reporting (why this packing)."""
 
-    def __init__(self, ins: List[Format], outs: List[Format]):
-        self.ins, self.outs = ins, outs
+    def __init__(self, ins: List[Format], outs: List[Format], groups: int = 1, note: str = ""):
+        self.ins, self.outs, self.groups, self.note = ins, outs, groups, note
 
 
 def _conv(node: Node) -> Tuple[Optional[_Choice], str]:
@@ -74,8 +80,6 @@ def _conv(node: Node) -> Tuple[Optional[_Choice], str]:
     a = node.attrs
     if a.get("transposed"):
         return None, "transposed convolution has no NC1HWC0 kernel on the vnpu"
-    if a.get("groups", 1) != 1:
-        return None, f"grouped convolution (groups={a['groups']}): conv2d_nc1hwc0 supports groups=1 only"
     if x.desc.rank != 4 or node.outputs[0].desc.rank != 4:
         return None, "not a 2-D convolution"
     if x.desc.dtype.torch not in _FLOATS:
@@ -83,7 +87,18 @@ def _conv(node: Node) -> Tuple[Optional[_Choice], str]:
     ins = [ND] * len(node.inputs)
     ins[_pos(node, "input")] = Format.NC1HWC0
     ins[_pos(node, "weight")] = Format.FRACTAL_Z
-    return _Choice(ins, [Format.NC1HWC0]), ""
+    g = int(a.get("groups", 1))
+    if g == 1:
+        return _Choice(ins, [Format.NC1HWC0]), ""
+    w = node.arg("weight").desc
+    cout, cin_g = int(w.shape[0]), int(w.shape[1])
+    e, cin_opt, cout_opt, blocks = fz_groups(cin_g, cout // g, g, c0_for(x.desc.dtype.torch))
+    kind = "depthwise" if cin_g == 1 and cout == g else "grouped"
+    note = (f"{kind} conv (groups={g}) on the Cube: NC1HWC0 x grouped FRACTAL_Z, {e} groups per "
+            f"block-diagonal block, {blocks} blocks of {cin_opt}->{cout_opt} channels "
+            f"({e * cin_g * (cout // g)}/{cin_opt * cout_opt} of each block's MACs useful); "
+            f"GE packs groups this way (TransShapeToFzWithGroups)")
+    return _Choice(ins, [Format.NC1HWC0], groups=g, note=note), ""
 
 
 def _matmul(node: Node) -> Tuple[Optional[_Choice], str]:
@@ -193,6 +208,8 @@ class NpuLayoutSelection(Pass):
                     reasons[n] = why
                 continue
             choices[n] = ch
+            if ch.note:
+                ctx.applied([n], ch.note)
             for o, f in zip(n.outputs, ch.outs):
                 fmt[o.id] = f
         self._consts: Dict[Tuple[int, Format], Value] = {}
@@ -204,7 +221,7 @@ class NpuLayoutSelection(Pass):
                 continue
             for i, r in enumerate(ch.ins):
                 if r != ND:
-                    inserted += self._convert_input(graph, n, i, r)
+                    inserted += self._convert_input(graph, n, i, r, ch.groups if r == Format.FRACTAL_Z else 1)
             for j, f in enumerate(ch.outs):
                 if f != ND:
                     self._wrap_output(graph, n, j, f)
@@ -223,22 +240,23 @@ class NpuLayoutSelection(Pass):
         return len(choices) + left
 
     # -- surgery --------------------------------------------------------------------
-    def _convert_input(self, graph: Graph, node: Node, i: int, r: Format) -> int:
-        """Give input ``i`` of ``node`` in format ``r``; returns TransData nodes added."""
+    def _convert_input(self, graph: Graph, node: Node, i: int, r: Format, groups: int = 1) -> int:
+        """Give input ``i`` of ``node`` in format ``r`` (``groups``: grouped FRACTAL_Z);
+        returns TransData nodes added."""
         v = node.inputs[i]
-        key = (v.id, r)
+        key = (v.id, r, groups)
         if v.is_const:
             if key not in self._consts:
                 of = origin_format_for(r)
-                t = trans_data(v.const, of.value, r.value)
+                t = trans_data(v.const, of.value, r.value, groups=groups)
                 c = graph.add_const(t.contiguous(), f"{v.name or v.id}_{r.value.lower()}")
-                c.desc = npu_desc(v.desc, r)
+                c.desc = npu_desc(v.desc, r, groups)
                 self._consts[key] = c
             node.set_input(i, self._consts[key])
             return 0
         added = 0
         if key not in self._converted:
-            t = _trans(graph, v, ND, r, before=node, device=node.device)
+            t = _trans(graph, v, ND, r, before=node, device=node.device, groups=groups)
             self._converted[key] = t.outputs[0]
             added = 1
         node.set_input(i, self._converted[key])
@@ -324,14 +342,17 @@ def _cube_fp16_casts(graph: Graph, ctx: PassContext) -> int:
 
 
 def _trans(graph: Graph, v: Value, src: Format, dst: Format, before: Optional[Node],
-           out_desc: Optional[TensorDesc] = None, device: str = "vnpu") -> Node:
-    """A TransData node v(src) → dst, inserted before ``before`` (appended if None)."""
+           out_desc: Optional[TensorDesc] = None, device: str = "vnpu", groups: int = 1) -> Node:
+    """A TransData node v(src) → dst, inserted before ``before`` (appended if None);
+    ``groups`` > 1: to GE's grouped FRACTAL_Z (attr ``groups``)."""
     npu = dst if dst != ND else src
     origin = tuple(v.desc.origin_shape)
     if out_desc is None:
-        out_desc = npu_desc(v.desc, dst)
+        out_desc = npu_desc(v.desc, dst, groups)
     attrs = {"src_format": src.value, "dst_format": dst.value, "origin_shape": origin,
              "origin_format": origin_format_for(npu).value}
+    if groups != 1:
+        attrs["groups"] = groups
     base = v.producer.name if v.producer is not None else (v.name or f"v{v.id}")
     t = graph.create_node("TransData", [v], attrs, [out_desc], name=f"{base}_to_{dst.value.lower()}",
                           source=v.producer.source if v.producer is not None else "",
