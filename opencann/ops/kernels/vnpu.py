@@ -123,15 +123,37 @@ def make_matmul(node: Node, in_descs: Sequence[TensorDesc], consts: Sequence) ->
     return run
 
 
+def nz_row(t: torch.Tensor, c0: int) -> torch.Tensor:
+    """A last-axis broadcast operand ([N] or [1, ..., 1, N]) laid out to broadcast against
+    FRACTAL_NZ storage (..., N1, M1, 16, C0): shape (N1, 1, 1, C0), zero-padded to N1·C0
+    (what the Vector unit repeats over the M fractal rows in UB)."""
+    v = t.reshape(-1)
+    n1 = -(-v.shape[0] // c0)
+    return F.pad(v, (0, n1 * c0 - v.shape[0])).reshape(n1, 1, 1, c0)
+
+
 def make_elementwise(node: Node, in_descs: Sequence[TensorDesc], consts: Sequence) -> Callable:
     """Any elementwise op on NC1HWC0 / FRACTAL_NZ storage via `elementwise` (padding
-    re-zeroed); the host kernel in ND."""
+    re-zeroed); on FRACTAL_NZ an ND operand broadcast along the last axis (a bias [N]) is
+    laid out by `nz_row` (a constant once, at bind time); the host kernel in ND."""
     out = node.outputs[0].desc
     fn = host_kernel(node)
     if out.format not in NPU_FORMATS:
         return fn
     fmt, shape, of = out.format.value, tuple(out.origin_shape), out.origin_format.value
-    return lambda *ins: elementwise(fn, *ins, fmt=fmt, origin_shape=shape, origin_format=of)
+    c0 = int(out.shape[-1])
+    rows = [i for i, d in enumerate(in_descs) if out.format == Format.FRACTAL_NZ and d.format not in NPU_FORMATS
+            and d.is_static and d.numel > 1]
+    if not rows:
+        return lambda *ins: elementwise(fn, *ins, fmt=fmt, origin_shape=shape, origin_format=of)
+    fixed = {i: nz_row(consts[i], c0) for i in rows if consts[i] is not None}
+
+    def run(*ins):
+        args = list(ins)
+        for i in rows:
+            args[i] = fixed[i] if i in fixed else nz_row(ins[i], c0)
+        return elementwise(fn, *args, fmt=fmt, origin_shape=shape, origin_format=of)
+    return run
 
 
 def _to_4d(x: torch.Tensor) -> torch.Tensor:
@@ -186,4 +208,4 @@ FACTORIES = {"conv": make_conv, "matmul": make_matmul, "elementwise": make_eleme
              "channelwise": make_channelwise}
 
 __all__ = ["FACTORIES", "NPU_FORMATS", "host_kernel", "make_channelwise", "make_conv", "make_elementwise",
-           "make_matmul", "make_trans_data", "origin_format_for"]
+           "make_matmul", "make_trans_data", "nz_row", "origin_format_for"]

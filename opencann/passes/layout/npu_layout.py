@@ -115,29 +115,65 @@ def _matmul(node: Node) -> Tuple[Optional[_Choice], str]:
     return _Choice(ins, [Format.FRACTAL_NZ]), ""
 
 
+def _last_axis_bias(v: Value, out: TensorDesc) -> bool:
+    """True when ``v`` (plain ND) broadcasts to ``out`` along the last axis only: shape
+    [N] or [1, ..., 1, N] with N = out's last dim (a Linear bias)."""
+    s, o = tuple(v.desc.shape), tuple(out.shape)
+    return (len(o) >= 1 and 1 <= len(s) <= len(o) and s[-1] == o[-1] and o[-1] > 1
+            and all(d == 1 for d in s[:-1]))
+
+
+def _same_storage(v: Value, out: TensorDesc, f: Format) -> bool:
+    """``v`` (in ``f``) holds every element where ``out`` (in ``f``) does: same logical
+    shape and the same C0 (fp16/bf16/fp32 share C0 = 16, so a Cast between them keeps
+    the padding in place; int8's C0 is 32)."""
+    if tuple(v.desc.origin_shape) != tuple(out.shape):
+        return False
+    of = origin_format_for(f).value
+    return format_shape(out.shape, f.value, v.desc.dtype.torch, origin_format=of) == \
+        format_shape(out.shape, f.value, out.dtype.torch, origin_format=of)
+
+
 def _elementwise(node: Node, fmt: Dict[int, Format]) -> Tuple[Optional[_Choice], str]:
+    """Elementwise ops stay in the NPU format of their full-size operands (same logical
+    shape, same C0). On FRACTAL_NZ an ND operand that broadcasts along the last (N) axis
+    only (a bias [N]) stays too: the Vector unit reads it into UB and repeats it over the
+    M fractal rows, so no TransData is needed (CANN's elementwise ops take NZ with a
+    last-axis broadcast operand); a broadcast along any other axis sends the op to ND."""
     out = node.outputs[0].desc
     if len(node.outputs) != 1:
         return None, "multi-output elementwise op"
-    ins, formats = [], set()
+    ins, formats, biases = [], set(), []
     for v in node.inputs:
         if v.desc.is_static and v.desc.numel == 1:      # scalars broadcast in any layout
             ins.append(ND)
             continue
         f = fmt.get(v.id, ND)
+        if f == ND and _last_axis_bias(v, out) and tuple(v.desc.shape) != tuple(out.shape):
+            biases.append(v)
+            ins.append(ND)
+            continue
+        if f == ND and tuple(v.desc.shape) != tuple(out.shape):
+            return None, (f"operand {v} {list(v.desc.shape)} broadcasts to {list(out.shape)} along an axis other "
+                          f"than the last (N) one; FRACTAL_NZ keeps only a last-axis broadcast (a bias [N]) in "
+                          f"UB, so {node.op} runs in ND behind a TransData")
         if f == ND:
             where = f"produced by {v.producer.op}" if v.producer is not None else "a graph input or constant"
             return None, (f"operand {v} ({where}) is in ND; mixing layouts would need a TransData, "
                           f"so {node.op} runs in ND")
-        if tuple(v.desc.origin_shape) != tuple(out.shape) or v.desc.dtype != out.dtype:
+        if not _same_storage(v, out, f):
             return None, (f"operand {v} is {v.desc.dtype.value}{list(v.desc.origin_shape)} but the result is "
-                          f"{out.dtype.value}{list(out.shape)}: broadcasting or a dtype change moves the "
-                          f"padding, so {node.op} runs in ND")
+                          f"{out.dtype.value}{list(out.shape)}: broadcasting along an axis other than the last "
+                          f"(N) one, or a change of C0, moves the padding, so {node.op} runs in ND")
         formats.add(f)
         ins.append(f)
     if len(formats) != 1:
         return None, f"operands in different formats {sorted(f.value for f in formats)}"
-    return _Choice(ins, [formats.pop()]), ""
+    f = formats.pop()
+    if biases and f != Format.FRACTAL_NZ:
+        return None, (f"operand {biases[0]} {list(biases[0].desc.shape)} broadcasts along the last axis of a "
+                      f"{f.value} tensor; only FRACTAL_NZ keeps a last-axis (N) broadcast, so {node.op} runs in ND")
+    return _Choice(ins, [f]), ""
 
 
 def _channelwise(node: Node, fmt: Dict[int, Format]) -> Tuple[Optional[_Choice], str]:
