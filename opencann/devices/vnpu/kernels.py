@@ -9,7 +9,8 @@
   padding contributes zero.  Grouped / depthwise (``groups`` > 1): GE's grouped FRACTAL_Z
   (`formats.fz_groups`) holds G block-diagonal weights of e groups each; block b reads the
   e*Cin_g input channels of its groups (zero-padded to Cin_opt) and writes their e*Cout_g
-  output channels: one GEMM per block, as the Cube runs it.
+  output channels: one GEMM per block, as the Cube runs it (its zero off-diagonal entries
+  are skipped, so NaN/Inf stay in their group as in eager).
 * `matmul_nz`: FRACTAL_NZ x FRACTAL_NZ -> FRACTAL_NZ, a blocked matmul whose M and N stay
   in fractal blocks and whose K is contracted fractal by fractal (batch dims broadcast).
 * `elementwise`: any function on tensors in one storage format, re-zeroing the padding.
@@ -136,12 +137,14 @@ def _grouped_conv(x: torch.Tensor, w_fz: torch.Tensor, cin: int, cout: int, grou
     # storage (G*C1b*KH*KW, Cout_opt/16, 16, C0) read as (G, C1b, KH, KW, Cout_opt, C0)
     dense = w_fz.reshape(g_blocks, cin_opt // c0, kh, kw, cout_opt, c0).permute(0, 4, 1, 5, 2, 3)
     dense = dense.reshape(g_blocks, cout_opt, cin_opt, kh, kw).to(acc)
+    # the e diagonal (Cout_g, Cin_g) sub-blocks of each block, read from the storage
+    diag = torch.cat([dense[:, ev * cout_g:(ev + 1) * cout_g, ev * cin_g:(ev + 1) * cin_g] for ev in range(e)], 1)
     outs = []
     for b in range(g_blocks):   # one block-diagonal GEMM per block (the Cube's loop over G)
         xb = x4[:, b * e * cin_g:(b + 1) * e * cin_g]
-        xb = F.pad(xb, (0, 0, 0, 0, 0, cin_opt - e * cin_g))
-        yb = F.conv2d(xb, dense[b], stride=stride, padding=padding, dilation=dilation)
-        outs.append(yb[:, :e * cout_g])
+        # only the diagonal is contracted: a NaN/Inf in one group stays out of the others, as
+        # in eager (NaN * 0 of the zero off-diagonal fractal entries is not simulated)
+        outs.append(F.conv2d(xb, diag[b], stride=stride, padding=padding, dilation=dilation, groups=e))
     return torch.cat(outs, 1)[:, :cout].permute(0, 2, 3, 1)
 
 

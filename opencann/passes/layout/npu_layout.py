@@ -134,12 +134,16 @@ def _same_storage(v: Value, out: TensorDesc, f: Format) -> bool:
         format_shape(out.shape, f.value, out.dtype.torch, origin_format=of)
 
 
-def _elementwise(node: Node, fmt: Dict[int, Format]) -> Tuple[Optional[_Choice], str]:
+def _elementwise(node: Node, fmt: Dict[int, Format], wanted: Optional[Dict[int, Format]] = None
+                 ) -> Tuple[Optional[_Choice], str]:
     """Elementwise ops stay in the NPU format of their full-size operands (same logical
     shape, same C0). On FRACTAL_NZ an ND operand that broadcasts along the last (N) axis
     only (a bias [N]) stays too: the Vector unit reads it into UB and repeats it over the
     M fractal rows, so no TransData is needed (CANN's elementwise ops take NZ with a
-    last-axis broadcast operand); a broadcast along any other axis sends the op to ND."""
+    last-axis broadcast operand); a broadcast along any other axis sends the op to ND. An
+    ND operand that an earlier node already takes in an NPU format (``wanted``: value id ->
+    format, e.g. a block input both convolved and added as the residual) is read from that
+    shared TransData."""
     out = node.outputs[0].desc
     if len(node.outputs) != 1:
         return None, "multi-output elementwise op"
@@ -149,6 +153,8 @@ def _elementwise(node: Node, fmt: Dict[int, Format]) -> Tuple[Optional[_Choice],
             ins.append(ND)
             continue
         f = fmt.get(v.id, ND)
+        if f == ND and wanted and v.id in wanted and _same_storage(v, out, wanted[v.id]):
+            f = wanted[v.id]
         if f == ND and _last_axis_bias(v, out) and tuple(v.desc.shape) != tuple(out.shape):
             biases.append(v)
             ins.append(ND)
@@ -195,9 +201,11 @@ def _channelwise(node: Node, fmt: Dict[int, Format]) -> Tuple[Optional[_Choice],
     return _Choice(ins, [Format.NC1HWC0] + [ND] * (len(node.outputs) - 1)), ""
 
 
-def select(node: Node, fmt: Dict[int, Format], spec: Optional[NpuSpec] = None) -> Tuple[Optional[_Choice], str]:
-    """Formats for ``node`` given its operands' formats and the chip ``spec`` (None: no
-    per-preset rules), or (None, why it runs in ND)."""
+def select(node: Node, fmt: Dict[int, Format], spec: Optional[NpuSpec] = None,
+           wanted: Optional[Dict[int, Format]] = None) -> Tuple[Optional[_Choice], str]:
+    """Formats for ``node`` given its operands' formats, the chip ``spec`` (None: no
+    per-preset rules) and ``wanted`` (ND values earlier nodes take converted to an NPU
+    format), or (None, why it runs in ND)."""
     kind = get_op(node.op).npu_format
     if kind == "matmul" and spec is not None and spec.cube_nd_direct:
         return None, f"{spec.name} matmuls read ND directly (ND-direct Cube load): no TransData"
@@ -211,7 +219,7 @@ def select(node: Node, fmt: Dict[int, Format], spec: Optional[NpuSpec] = None) -
     if kind == "matmul":
         return _matmul(node)
     if kind == "elementwise":
-        return _elementwise(node, fmt)
+        return _elementwise(node, fmt, wanted)
     return _channelwise(node, fmt)
 
 
@@ -237,8 +245,9 @@ class NpuLayoutSelection(Pass):
         fmt: Dict[int, Format] = {}
         choices: Dict[Node, _Choice] = {}
         reasons: Dict[Node, str] = {}
+        wanted: Dict[int, Format] = {}
         for n in graph.nodes:
-            ch, why = select(n, fmt, spec)
+            ch, why = select(n, fmt, spec, wanted)
             if ch is None:
                 if any(fmt.get(v.id, ND) != ND for v in n.inputs):
                     reasons[n] = why
@@ -246,6 +255,9 @@ class NpuLayoutSelection(Pass):
             choices[n] = ch
             if ch.note:
                 ctx.applied([n], ch.note)
+            for v, r in zip(n.inputs, ch.ins):
+                if r in (Format.NC1HWC0, Format.FRACTAL_NZ) and fmt.get(v.id, ND) == ND and not v.is_const:
+                    wanted.setdefault(v.id, r)
             for o, f in zip(n.outputs, ch.outs):
                 fmt[o.id] = f
         self._consts: Dict[Tuple[int, Format], Value] = {}
