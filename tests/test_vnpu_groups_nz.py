@@ -91,8 +91,9 @@ class _InvertedResidual(torch.nn.Module):
         return x + self.body(x)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_mobilenet_block_end_to_end(dtype):
+@pytest.mark.parametrize("dtype,dev", [(torch.float32, "vnpu:ascend910b"), (torch.float16, "vnpu:ascend910b"),
+                                       (torch.float32, "vnpu:ascend910")])
+def test_mobilenet_block_end_to_end(dtype, dev):
     torch.manual_seed(0)
     m = torch.nn.Sequential(_InvertedResidual(), _InvertedResidual()).eval()
     for p in m.modules():
@@ -101,12 +102,19 @@ def test_mobilenet_block_end_to_end(dtype):
             p.running_var.uniform_(0.5, 2.0)
     m = m.to(dtype)
     x = torch.randn(2, 16, 12, 12).to(dtype)
-    cm = opencann.compile(m, (x,), device="vnpu:ascend910b")
+    cm = opencann.compile(m, (x,), device=dev)
     convs = [n for n in cm.graph.nodes if n.op == "Conv2D"]
     assert len(convs) == 6 and all(n.outputs[0].desc.format == Format.NC1HWC0 for n in convs)
-    assert cm.graph.op_counts()["TransData"] == 2        # in once, out once: no ND island at the depthwise
+    # in once, out once: no ND island at the depthwise conv nor at the residual Add (on ascend910
+    # the fp32 -> fp16 Cube cast of the block input runs in NC1HWC0 and shares its TransData)
+    assert cm.graph.op_counts()["TransData"] == 2
+    assert all(n.outputs[0].desc.format == Format.NC1HWC0 for n in cm.graph.nodes if n.op == "Add")
     with torch.no_grad():
-        _check(cm(x), m(x), dtype)
+        if dev == "vnpu:ascend910":        # fp32 Cube operands cast to fp16 (docs/vnpu.md)
+            ref = m(x)
+            assert (cm(x) - ref).abs().max() <= 2e-2 * ref.abs().max()
+        else:
+            _check(cm(x), m(x), dtype)
 
 
 class _MLP(torch.nn.Module):

@@ -134,8 +134,20 @@ def _same_storage(v: Value, out: TensorDesc, f: Format) -> bool:
         format_shape(out.shape, f.value, out.dtype.torch, origin_format=of)
 
 
-def _elementwise(node: Node, fmt: Dict[int, Format], wanted: Optional[Dict[int, Format]] = None
-                 ) -> Tuple[Optional[_Choice], str]:
+def _cube_demand(v: Value, spec: Optional[NpuSpec]) -> Format:
+    """The NPU format a Cube consumer of ``v`` takes it in (NC1HWC0 for a convolution's
+    input, FRACTAL_NZ for a matmul operand where the Cube does not read ND), else ND."""
+    for u in v.users:
+        kind = get_op(u.op).npu_format
+        if kind == "conv" and u.arg("input") is v and _conv(u)[0] is not None:
+            return Format.NC1HWC0
+        if kind == "matmul" and not (spec is not None and spec.cube_nd_direct) and _matmul(u)[0] is not None:
+            return Format.FRACTAL_NZ
+    return ND
+
+
+def _elementwise(node: Node, fmt: Dict[int, Format], wanted: Optional[Dict[int, Format]] = None,
+                 spec: Optional[NpuSpec] = None) -> Tuple[Optional[_Choice], str]:
     """Elementwise ops stay in the NPU format of their full-size operands (same logical
     shape, same C0). On FRACTAL_NZ an ND operand that broadcasts along the last (N) axis
     only (a bias [N]) stays too: the Vector unit reads it into UB and repeats it over the
@@ -143,10 +155,17 @@ def _elementwise(node: Node, fmt: Dict[int, Format], wanted: Optional[Dict[int, 
     last-axis broadcast operand); a broadcast along any other axis sends the op to ND. An
     ND operand that an earlier node already takes in an NPU format (``wanted``: value id ->
     format, e.g. a block input both convolved and added as the residual) is read from that
-    shared TransData."""
+    shared TransData. A precision Cast (fp32 -> fp16 before a Cube op, same C0) of an ND
+    value runs in the format its Cube consumer takes, so the TransData moves before it and
+    is shared with the value's other users (a residual Add)."""
     out = node.outputs[0].desc
     if len(node.outputs) != 1:
         return None, "multi-output elementwise op"
+    x = node.inputs[0]
+    if node.op == "Cast" and node.meta.get("precision") and not x.is_const and fmt.get(x.id, ND) == ND:
+        f = _cube_demand(node.outputs[0], spec)
+        if f != ND and _same_storage(x, out, f):
+            return _Choice([f] + [ND] * (len(node.inputs) - 1), [f]), ""
     ins, formats, biases = [], set(), []
     for v in node.inputs:
         if v.desc.is_static and v.desc.numel == 1:      # scalars broadcast in any layout
@@ -219,7 +238,7 @@ def select(node: Node, fmt: Dict[int, Format], spec: Optional[NpuSpec] = None,
     if kind == "matmul":
         return _matmul(node)
     if kind == "elementwise":
-        return _elementwise(node, fmt, wanted)
+        return _elementwise(node, fmt, wanted, spec)
     return _channelwise(node, fmt)
 
 
