@@ -174,3 +174,15 @@ def test_estimate_rows_have_no_transdata_between_the_matmuls():
     rep = estimate(_MLP().half().eval(), (torch.randn(24, 64).half(),), device="vnpu:ascend910")
     assert sum(r.op == "TransData" for r in rep.rows) == 2
     assert rep.total_time_us > 0
+
+
+def test_grouped_conv_runtime_weight_gets_grouped_transdata():
+    class M(torch.nn.Module):
+        def forward(self, x, w):
+            return torch.nn.functional.conv2d(x, w, padding=1, groups=4).sigmoid()
+
+    x, w = torch.randn(2, 8, 7, 7), torch.randn(12, 2, 3, 3)
+    cm = opencann.compile(M(), (x, w), device="vnpu:ascend910b")
+    assert [n.attrs.get("groups") for n in cm.graph.nodes if n.op == "TransData"].count(4) == 1
+    for args in ((x, w), (torch.randn_like(x), torch.randn_like(w))):
+        _check(cm(*args), M()(*args), torch.float32)
