@@ -9,9 +9,11 @@ formats, insert TransData at format boundaries and remove inverse TransData pair
    a grouped or depthwise Conv2D takes GE's grouped FRACTAL_Z (e groups packed per
    block-diagonal block, `formats.fz_groups`) and runs on the Cube, as CANN does (ATC
    converts DepthwiseConv to Convolution with group = num_output: CANN 9.0.0 operator list,
-   "Convolution (DepthwiseConv, ConvolutionDepthwise)"; the report says which packing); MatMul/BatchMatMul/MatMulV2 take and give FRACTAL_NZ; an elementwise op
-   whose full-size operands are all in the same NPU format (same logical shape and
-   dtype) stays in it; pooling, H/W reductions (keepdim) and inference BatchNorm on an
+   "Convolution (DepthwiseConv, ConvolutionDepthwise)"; the report says which packing);
+   MatMul/BatchMatMul/MatMulV2 take and give FRACTAL_NZ; an elementwise op whose
+   full-size operands are all in the same NPU format (same logical shape and C0, so
+   fp16 <-> fp32 Casts stay) stays in it, on FRACTAL_NZ also with an ND operand broadcast
+   along the last axis only (a bias [N], read into UB by the Vector unit; `_elementwise`); pooling, H/W reductions (keepdim) and inference BatchNorm on an
    NC1HWC0 input stay in NC1HWC0; everything else runs in ND;
 3. insertion (as GE does): each NPU-format node gets TransData ND→format on its inputs
    (constant weights are converted once, at compile time, into new constants) and
@@ -161,8 +163,9 @@ def _elementwise(node: Node, fmt: Dict[int, Format], wanted: Optional[Dict[int, 
     out = node.outputs[0].desc
     if len(node.outputs) != 1:
         return None, "multi-output elementwise op"
-    x = node.inputs[0]
-    if node.op == "Cast" and node.meta.get("precision") and not x.is_const and fmt.get(x.id, ND) == ND:
+    x = node.inputs[0] if node.inputs else None
+    if node.op == "Cast" and node.meta.get("precision") and x is not None and not x.is_const \
+            and fmt.get(x.id, ND) == ND:
         f = _cube_demand(node.outputs[0], spec)
         if f != ND and _same_storage(x, out, f):
             return _Choice([f] + [ND] * (len(node.inputs) - 1), [f]), ""
