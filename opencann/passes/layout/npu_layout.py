@@ -13,8 +13,9 @@ formats, insert TransData at format boundaries and remove inverse TransData pair
    MatMul/BatchMatMul/MatMulV2 take and give FRACTAL_NZ; an elementwise op whose
    full-size operands are all in the same NPU format (same logical shape and C0, so
    fp16 <-> fp32 Casts stay) stays in it, on FRACTAL_NZ also with an ND operand broadcast
-   along the last axis only (a bias [N], read into UB by the Vector unit; `_elementwise`); pooling, H/W reductions (keepdim) and inference BatchNorm on an
-   NC1HWC0 input stay in NC1HWC0; everything else runs in ND;
+   along the last axis only (a bias [N], read into UB by the Vector unit; `_elementwise`);
+   pooling, H/W reductions (keepdim) and inference BatchNorm on an NC1HWC0 input stay in
+   NC1HWC0; everything else runs in ND;
 3. insertion (as GE does): each NPU-format node gets TransData ND→format on its inputs
    (constant weights are converted once, at compile time, into new constants) and
    TransData format→ND on its outputs, so the graph is correct edge by edge;
