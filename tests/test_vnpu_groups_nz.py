@@ -186,3 +186,13 @@ def test_grouped_conv_runtime_weight_gets_grouped_transdata():
     assert [n.attrs.get("groups") for n in cm.graph.nodes if n.op == "TransData"].count(4) == 1
     for args in ((x, w), (torch.randn_like(x), torch.randn_like(w))):
         _check(cm(*args), M()(*args), torch.float32)
+
+
+@pytest.mark.parametrize("groups", [1, 4])
+def test_conv_batch_zero_on_vnpu(groups):
+    m = torch.nn.Conv2d(8, 12, 3, padding=1, groups=groups).eval()
+    x = torch.randn(0, 8, 7, 7)
+    cm = opencann.compile(m, (x,), device="vnpu:ascend910b")
+    with torch.no_grad():
+        out = cm(x)
+        assert out.shape == m(x).shape == (0, 12, 7, 7)

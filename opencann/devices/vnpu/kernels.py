@@ -121,7 +121,7 @@ def conv2d_nc1hwc0(x: torch.Tensor, w_fz: torch.Tensor, *, in_channels: int, out
     n1 = w_fz.shape[1]
     wmat = w_fz.permute(0, 3, 1, 2).reshape(c1 * kh * kw * k, n1 * NI)
     out = patches.to(acc) @ wmat.to(acc)                    # (N*Ho*Wo, N1*16)
-    return _pack_out(out.reshape(n, ho, wo, -1), bias, out_channels, n, x.dtype, acc, c0)
+    return _pack_out(out.reshape(n, ho, wo, n1 * NI), bias, out_channels, n, x.dtype, acc, c0)
 
 
 def _grouped_conv(x: torch.Tensor, w_fz: torch.Tensor, cin: int, cout: int, groups: int, k: tuple,
