@@ -18,8 +18,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Dict, Optional
 
+import sympy
+
 from ..ir import Graph, Node, TensorListRef, TensorRef
-from ..ir.symbolic import SymExpr, symbols_of
+from ..ir.symbolic import SymExpr, as_expr, parse, symbols_of
 from ..ops import OpKind, get_op, is_random
 from ..ops.per_index import Axis, outer_of
 
@@ -45,6 +47,23 @@ class PaddingCheck:
 
 def _carries(shape, sym: str) -> bool:
     return any(sym in symbols_of(d) for d in shape)
+
+
+def _stray(shape, a: int, sym: str) -> str:
+    """Why axis ``a`` of ``shape`` cannot stand for the padded dim: the dim's size
+    also sizes another axis (``x.expand(-1, x.shape[0])``: that axis grows with the
+    padding too), or axis ``a``'s size is not a whole multiple of it (``s - 1``,
+    ``Min(s, 6)``: its padded entries are not the trailing block). Empty when it can."""
+    other = [k for k, d in enumerate(shape) if k != a and sym in symbols_of(d)]
+    if other:
+        return (f"the padded dim's size also sizes axis {other[0]} of {list(shape)}, "
+                "which padding would grow too")
+    s = parse(sym)
+    q = sympy.cancel(as_expr(shape[a]) / s)
+    if s in q.free_symbols or sympy.fraction(q)[1] != 1:
+        return (f"axis {a} of {list(shape)} is not a whole multiple of the padded dim, so "
+                "its padded entries cannot be sliced off")
+    return ""
 
 
 def _attr_uses(node: Node, sym: str) -> bool:
@@ -112,6 +131,9 @@ def follow_padded_dim(graph: Graph, sym: str) -> PaddingCheck:
                 if not (0 <= a < len(o.desc.shape)) or sym not in symbols_of(o.desc.shape[a]):
                     return _blocked(sym, n, f"output {k} loses the padded dim (axis {a} of "
                                             f"{list(o.desc.shape)})")
+                why = _stray(o.desc.shape, a, sym)
+                if why:
+                    return _blocked(sym, n, f"output {k}: {why}")
                 axes[o.id] = a if isinstance(a, Axis) else Axis(a, outer, iota)
     outs: Dict[int, int] = {}
     for j, v in enumerate(graph.outputs):

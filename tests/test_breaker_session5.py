@@ -1,0 +1,65 @@
+"""Breaker session 5: inputs that gear padding, streams and dynamic shapes got wrong.
+Each test compares with eager PyTorch (random non-zero inputs, NaN positions, a second
+call, outputs independent of each other and of later calls)."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+import opencann
+
+GEARS = {"dynamic_batch_size": [1, 2, 4, 8]}
+
+
+class _Fn(nn.Module):
+    def __init__(self, fn):
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, x):
+        return self.fn(x)
+
+
+def _padded(cm) -> bool:
+    return any(v["padded"] for v in cm.report.dynamic["padding"]["dims"].values())
+
+
+def _check_calls(cm, model, make, sizes=(3, 5, 3)):
+    """Each size against eager, NaN rows included, outputs fresh on every call."""
+    kept = []
+    for n in sizes:
+        args = make(n)
+        ref, got = model(*args), cm(*args)
+        refs = ref if isinstance(ref, tuple) else (ref,)
+        gots = got if isinstance(got, tuple) else (got,)
+        for r, g in zip(refs, gots):
+            assert g.shape == r.shape
+            torch.testing.assert_close(g, r, equal_nan=True)
+        kept.append((gots, refs))
+    for gots, refs in kept:        # later calls did not overwrite earlier outputs
+        for r, g in zip(refs, gots):
+            torch.testing.assert_close(g, r, equal_nan=True)
+
+
+# -- gear padding: the padded dim's size used as another axis's size -------------------
+
+def _x(n, w=5):
+    torch.manual_seed(n)
+    x = torch.randn(n, w) + 0.5
+    x[n // 2, 1] = float("nan")
+    return (x,)
+
+
+@pytest.mark.parametrize("fn", [
+    lambda x: x[:, :1].expand(-1, x.shape[0]).sum(1),             # sums B copies
+    lambda x: (x[:, :1] + torch.zeros(x.shape[0], x.shape[0])).mean(1),
+    lambda x: x[:, :1].expand(-1, x.shape[0]) * 2,                 # output [B, B]
+], ids=["expand_sum", "square_mean", "square_out"])
+def test_gear_padding_blocked_where_the_batch_size_sizes_another_axis(fn):
+    m = _Fn(fn).eval()
+    cm = opencann.compile(m, _x(8), options=GEARS)
+    assert not _padded(cm)
+    with pytest.raises(ValueError, match="not one of the gears"):
+        cm(*_x(3))
+    _check_calls(cm, m, _x, sizes=(4, 2, 4))
