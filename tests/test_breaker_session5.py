@@ -44,7 +44,7 @@ def _check_calls(cm, model, make, sizes=(3, 5, 3)):
 
 # -- gear padding: the padded dim's size used as another axis's size -------------------
 
-def _x(n, w=5):
+def _x(n, w=10):
     torch.manual_seed(n)
     x = torch.randn(n, w) + 0.5
     x[n // 2, 1] = float("nan")
@@ -55,7 +55,12 @@ def _x(n, w=5):
     lambda x: x[:, :1].expand(-1, x.shape[0]).sum(1),             # sums B copies
     lambda x: (x[:, :1] + torch.zeros(x.shape[0], x.shape[0])).mean(1),
     lambda x: x[:, :1].expand(-1, x.shape[0]) * 2,                 # output [B, B]
-], ids=["expand_sum", "square_mean", "square_out"])
+    lambda x: x[:, x.shape[0] - 1],                                # select index B-1
+    lambda x: x[:, x.shape[0] - 1:x.shape[0]],                     # slice start B-1
+    lambda x: x.narrow(1, x.shape[0] - 1, 1) * 3,
+    lambda x: x * torch.full_like(x, x.shape[0]),                  # B as a fill value
+], ids=["expand_sum", "square_mean", "square_out", "select_index", "slice_start",
+        "narrow", "full_like"])
 def test_gear_padding_blocked_where_the_batch_size_sizes_another_axis(fn):
     m = _Fn(fn).eval()
     cm = opencann.compile(m, _x(8), options=GEARS)

@@ -66,19 +66,31 @@ def _stray(shape, a: int, sym: str) -> str:
     return ""
 
 
-def _attr_uses(node: Node, sym: str) -> bool:
-    """A non-tensor argument of ``node`` depends on ``sym`` (a size or a scalar)."""
-    vals = [v for v in node.attrs.values() if not isinstance(v, (TensorRef, TensorListRef))]
-    stack = list(vals)
-    while stack:
-        v = stack.pop()
-        if isinstance(v, (list, tuple)):
-            stack.extend(v)
-        elif isinstance(v, dict):
-            stack.extend(v.values())
-        elif isinstance(v, SymExpr) and sym in symbols_of(v):
-            return True
-    return False
+# the attributes of a view or creation op that only size its output (a size there that
+# depends on the padded dim shows in the output's shape, checked by `_stray`); any other
+# attribute is a value or picks data at a position (``select``'s ``index``, ``slice``'s
+# ``start``, ``full_like``'s ``fill_value``)
+_SIZE_ATTRS = frozenset({"size", "shape", "end", "split_size", "split_sizes"})
+
+
+def _attr_uses(node: Node, sym: str) -> set:
+    """The names of ``node``'s non-tensor arguments that depend on ``sym`` (a size or
+    a scalar)."""
+    used = set()
+    for name, val in node.attrs.items():
+        if isinstance(val, (TensorRef, TensorListRef)):
+            continue
+        stack = [val]
+        while stack:
+            v = stack.pop()
+            if isinstance(v, (list, tuple)):
+                stack.extend(v)
+            elif isinstance(v, dict):
+                stack.extend(v.values())
+            elif isinstance(v, SymExpr) and sym in symbols_of(v):
+                used.add(name)
+                break
+    return used
 
 
 def _blocked(sym: str, node: Optional[Node], reason: str) -> PaddingCheck:
@@ -110,6 +122,9 @@ def follow_padded_dim(graph: Graph, sym: str) -> PaddingCheck:
             return _blocked(sym, n, "draws random numbers, and the draws depend on the padded shape")
         if sized and op.kind not in (OpKind.VIEW, OpKind.CREATION):
             return _blocked(sym, n, "takes the padded dim's size as a value")
+        if sized - _SIZE_ATTRS:
+            return _blocked(sym, n, f"takes the padded dim's size as a value or position "
+                                    f"({', '.join(sorted(sized - _SIZE_ATTRS))}): padding moves it")
         if op.per_index is None:
             return _blocked(sym, n, f"{n.op} states no per-index independence (OpDef.per_index "
                                     "unknown: a host fallback or custom op)")
