@@ -68,3 +68,23 @@ def test_gear_padding_blocked_where_the_batch_size_sizes_another_axis(fn):
     with pytest.raises(ValueError, match="not one of the gears"):
         cm(*_x(3))
     _check_calls(cm, m, _x, sizes=(4, 2, 4))
+
+
+# -- gear options: inputs that do not all carry the gear dim ---------------------------
+
+class _XW(nn.Module):
+    def forward(self, x, w):
+        return x @ w
+
+
+def test_dynamic_batch_size_with_an_input_without_the_batch_is_one_clear_error():
+    with pytest.raises(ValueError, match=r"input 'w' has 5 there and 'x' has 8.*"
+                                         r"dynamic_shapes=\{'x': \{0: 'batch'\}\}"):
+        opencann.compile(_XW(), (torch.randn(8, 5), torch.randn(5, 5)), options=GEARS)
+    # the fix the message names works, padded, with eager's values
+    m = _XW()
+    cm = opencann.compile(m, (torch.randn(8, 5), torch.randn(5, 5)),
+                          dynamic_shapes={"x": {0: "batch"}}, options=GEARS)
+    assert _padded(cm)
+    w = torch.randn(5, 5)
+    _check_calls(cm, m, lambda n: (_x(n, 5)[0], w))
