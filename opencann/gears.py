@@ -188,12 +188,22 @@ class GearPadder:
             ins.append(t)
 
         cuts = self._cuts(real, gear)
+        # padded copies laid out like the caller's tensor (the batch, outermost): a view
+        # of one is re-based on the caller's tensor, as eager's output is a view of it
+        rebase = {p.untyped_storage().data_ptr(): (p, t) for p, t in zip(ins, tensors)
+                  if p is not t and p.stride() == t.stride()}
 
         def restore(outs):
             outs = list(outs)
             for j, axis, n in cuts:
                 o = outs[j].narrow(axis, 0, n)
                 outs[j] = o if o.is_contiguous() or not outs[j].is_contiguous() else o.contiguous()
+            for j, o in enumerate(outs):
+                hit = rebase.get(o.untyped_storage().data_ptr()) if rebase else None
+                if hit is not None:
+                    p, t = hit
+                    outs[j] = t.as_strided(o.shape, o.stride(), o.storage_offset() -
+                                           p.storage_offset() + t.storage_offset())
             return tuple(outs)
         return ins, restore
 

@@ -88,3 +88,25 @@ def test_dynamic_batch_size_with_an_input_without_the_batch_is_one_clear_error()
     assert _padded(cm)
     w = torch.randn(5, 5)
     _check_calls(cm, m, lambda n: (_x(n, 5)[0], w))
+
+
+# -- gear padding: outputs that are views of an input ----------------------------------
+
+class _Views(nn.Module):
+    def forward(self, x):
+        return x.t(), x[:, 1:], x * 2
+
+
+def test_padded_call_returns_views_of_the_callers_input_as_eager_does():
+    m = _Views()
+    cm = opencann.compile(m, _x(8), options=GEARS)
+    assert _padded(cm)
+    _check_calls(cm, m, _x)
+    for n in (3, 4, 1):        # padded (3), exact gear (4), gear 1
+        x = _x(n)[0]
+        got, ref = cm(x), m(x)
+        for g, r in zip(got[:2], ref[:2]):
+            assert g.stride() == r.stride()
+        x.mul_(-1)             # eager's views follow the caller's tensor
+        for g, r in zip(got, ref):
+            torch.testing.assert_close(g, r, equal_nan=True)
