@@ -309,12 +309,16 @@ class CompiledModel:
                 what = "shape" if not fits(t.shape, v.desc.shape) else "dtype"
                 raise ValueError(
                     f"{name} is {str(t.dtype).replace('torch.', '')}{list(t.shape)} "
-                    f"but the model was compiled for {v.desc}; the {what} differs: recompile with "
+                    f"but the model was compiled for {self._shown(v.desc)}; the {what} differs: recompile with "
                     f"example inputs of this {what}" + (" or cast the input" if what == "dtype" else ""))
             if t.device.type != "cpu":
                 raise ValueError(f"{name} is on {t.device}; the compiled model "
                                  "runs on the host (cpu): move the input with .cpu()")
         return tensors
+
+    def _shown(self, desc) -> str:
+        """``desc`` as input errors show it (`DynamicCompiledModel` names its dims)."""
+        return str(desc)
 
     def __call__(self, *args, **kwargs):
         user = self._user_tensors(args, kwargs)

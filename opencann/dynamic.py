@@ -279,6 +279,12 @@ class DynamicCompiledModel(CompiledModel):
             outs = restore(self.pool.run(ins))
         return self._structure(outs, user)
 
+    def _shown(self, desc) -> str:
+        """``desc`` with the user's dim names (``float32[batch,seq,16]``), not symbols."""
+        dims = ",".join(self.binder.readable(d) if isinstance(d, str) else str(d)
+                        for d in desc.shape)
+        return f"{desc.dtype.value}[{dims}]"
+
     def _input_views(self, user) -> Dict[int, list]:
         """The views of mutated inputs the outputs are, bound to this call's shapes."""
         views = self.graph.meta.get("input_views", {})

@@ -110,3 +110,16 @@ def test_padded_call_returns_views_of_the_callers_input_as_eager_does():
         x.mul_(-1)             # eager's views follow the caller's tensor
         for g, r in zip(got, ref):
             torch.testing.assert_close(g, r, equal_nan=True)
+
+
+# -- dynamic shapes: a static dim of another size names the dynamic dims, not symbols --
+
+def test_dynamic_shape_error_names_the_dims_not_internal_symbols(tmp_path):
+    m = nn.Linear(16, 4).eval()
+    cm = opencann.compile(m, (torch.randn(2, 5, 16),), dynamic_shapes={"input": {0: "b", 1: "s"}})
+    opencann.save(cm, tmp_path / "m.ocm")
+    for c in (cm, opencann.load(tmp_path / "m.ocm")):
+        with pytest.raises(ValueError, match=r"compiled for float32\[b,s,16\]; the shape differs"):
+            c(torch.randn(2, 5, 15))
+        x = torch.randn(3, 7, 16)
+        torch.testing.assert_close(c(x), m(x))
