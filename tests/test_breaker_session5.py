@@ -123,3 +123,36 @@ def test_dynamic_shape_error_names_the_dims_not_internal_symbols(tmp_path):
             c(torch.randn(2, 5, 15))
         x = torch.randn(3, 7, 16)
         torch.testing.assert_close(c(x), m(x))
+
+
+# -- capture: one tensor object given for two arguments --------------------------------
+
+class _AB(nn.Module):
+    def forward(self, a, b):
+        return a * 2 + b
+
+
+class _Star(nn.Module):
+    def forward(self, x, *rest):
+        return x * 2 + rest[0].sum(1, keepdim=True)
+
+
+@pytest.mark.parametrize("kw", [{}, {"dynamic_shapes": {"a": {0: "n"}, "b": {0: "n"}}},
+                                {"options": GEARS}], ids=["static", "dynamic", "gears"])
+def test_same_tensor_for_two_arguments_at_compile_time_keeps_them_apart(kw):
+    x = _x(8, 5)[0]
+    m = _AB()
+    cm = opencann.compile(m, (x, x), **kw)     # torch.export alone traces b for both
+    _check_calls(cm, m, lambda n: (_x(8 if not kw else n, 5)[0], torch.randn(8 if not kw else n, 5)))
+
+
+@pytest.mark.parametrize("kw", [{"dynamic_shapes": ({0: "b"}, {0: "b"})},
+                                {"dynamic_shapes": {"x": {0: "b"}, "arg1": {0: "b"}}},
+                                {"options": GEARS}], ids=["tuple", "dict", "gears"])
+def test_dynamic_dims_of_a_star_args_forward(kw):
+    m = _Star()
+    x = torch.randn(8, 5)
+    cm = opencann.compile(m, (x, torch.randn(8, 5)), **kw)
+    _check_calls(cm, m, lambda n: (_x(n, 5)[0], torch.randn(n, 5)))
+    if "options" in kw:
+        assert _padded(cm)
