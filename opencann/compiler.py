@@ -339,7 +339,7 @@ class CompiledModel:
         flat = []
         for i in range(n):
             if i + k in lits:
-                flat.append(lits[i + k])
+                flat.append(self._literal(lits[i + k], user))
                 continue
             o = next(it)
             # an output that is a mutated input is the caller's tensor itself, as in eager
@@ -348,6 +348,11 @@ class CompiledModel:
         if self._out_spec is None:
             return flat[0] if len(flat) == 1 else tuple(flat)
         return pytree.tree_unflatten(flat, self._out_spec)
+
+    def _literal(self, value, user):
+        """A non-tensor output (an int, ``x.shape[0]``) for this call (``value`` itself
+        here; `opencann.dynamic` binds symbolic sizes to the call's)."""
+        return value
 
     def _input_views(self, user) -> Dict[int, list]:
         """``graph.meta["input_views"]`` for this call's inputs ``user`` (concrete here;

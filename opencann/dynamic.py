@@ -28,7 +28,7 @@ from .frontend.torch import CaptureError, capture
 from .frontend.torch.dynamic import dynamic_dims, export_dynamic_shapes, required_ranges
 from .ir import Graph, MemoryPlan
 from .ir.specialise import specialise
-from .ir.symbolic import bind, bind_tree, holds, is_symbol, parse, shape_symbols
+from .ir.symbolic import SymExpr, bind, bind_tree, holds, is_symbol, parse, shape_symbols
 from .log import logger
 from .options import check_options
 from .passes import (MemoryPlanning, Pass, PassContext, PassManager, SingleStreamSchedule,
@@ -278,6 +278,13 @@ class DynamicCompiledModel(CompiledModel):
             ins, restore = self.padder(self._contiguous(user))
             outs = restore(self.pool.run(ins))
         return self._structure(outs, user)
+
+    def _literal(self, value, user):
+        """A non-tensor output depending on the dims (``x.shape[0]``, ``3*s0 + 1``)
+        bound to this call's real sizes (before any gear padding)."""
+        if user is None or not any(isinstance(v, SymExpr) for v in pytree.tree_leaves(value)):
+            return value
+        return bind_tree(value, self.binder.values(user))
 
     def _shown(self, desc) -> str:
         """``desc`` with the user's dim names (``float32[batch,seq,16]``), not symbols."""

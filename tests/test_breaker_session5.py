@@ -156,3 +156,24 @@ def test_dynamic_dims_of_a_star_args_forward(kw):
     _check_calls(cm, m, lambda n: (_x(n, 5)[0], torch.randn(n, 5)))
     if "options" in kw:
         assert _padded(cm)
+
+
+# -- dynamic shapes and gears: a size returned as a value ------------------------------
+
+class _Sizes(nn.Module):
+    def forward(self, x):
+        return x * 2, x.shape[0], [x.shape[0] * 3 + 1, x.shape[1]]
+
+
+@pytest.mark.parametrize("kw", [{"options": GEARS}, {"dynamic_shapes": {"x": {0: "b", 1: "s"}}}],
+                         ids=["gears", "dynamic"])
+def test_sizes_returned_as_values_are_the_calls_ints(kw, tmp_path):
+    m = _Sizes()
+    cm = opencann.compile(m, _x(8, 5), **kw)
+    opencann.save(cm, tmp_path / "m.ocm")
+    for c in (cm, opencann.load(tmp_path / "m.ocm")):
+        for n in (3, 4, 3):     # padded to gear 4, exact gear, again
+            x = _x(n, 5)[0]
+            got, ref = c(x), m(x)
+            torch.testing.assert_close(got[0], ref[0], equal_nan=True)
+            assert got[1:] == ref[1:] and type(got[1]) is int
