@@ -177,3 +177,14 @@ def test_sizes_returned_as_values_are_the_calls_ints(kw, tmp_path):
             got, ref = c(x), m(x)
             torch.testing.assert_close(got[0], ref[0], equal_nan=True)
             assert got[1:] == ref[1:] and type(got[1]) is int
+
+
+class _HalfSize(nn.Module):
+    def forward(self, x):
+        return x * 2, x.shape[0] / 2
+
+
+def test_float_arithmetic_on_a_dynamic_size_is_one_clear_error():
+    with pytest.raises(opencann.ConversionError if hasattr(opencann, "ConversionError")
+                       else Exception, match=r"x.shape\[0\] // 2"):
+        opencann.compile(_HalfSize(), _x(8, 5), dynamic_shapes={"x": {0: "b"}})

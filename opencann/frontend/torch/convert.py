@@ -87,6 +87,15 @@ def _check_target(node: fx.Node, target) -> None:
             "Fix: compute both branches and pick with torch.where(pred, a, b), or use "
             "torch.compile(model, backend='opencann'), which runs such graphs eagerly")
     if not isinstance(target, torch._ops.OpOverload):
+        if getattr(target, "__module__", None) in ("_operator", "operator", "math") or \
+                getattr(target, "__name__", "").startswith("sym_"):
+            src, scope = source_of(node)
+            where = src if src and not src.startswith("<") else (scope or "the model")
+            raise ConversionError(
+                f"{node.name} in {where}: Python arithmetic on a size "
+                f"({getattr(target, '__name__', target)}) that leaves the integers (e.g. "
+                "x.shape[0] / 2, a float) is not supported in a compiled graph. Fix: use integer "
+                "arithmetic (x.shape[0] // 2), or compute it outside the model")
         raise ConversionError(f"{node.name}: unsupported FX target {target!r}; only ATen "
                               "overloads are expected after decomposition")
 
