@@ -68,6 +68,19 @@ def make_fused_elementwise_kernel(node: Node, in_descs: Sequence[TensorDesc], co
     return run
 
 
+def make_fused_elementwise_vnpu(node: Node, in_descs: Sequence[TensorDesc], consts) -> Callable:
+    """On the vnpu: the host kernel, through `elementwise` on NC1HWC0 / FRACTAL_NZ storage
+    when layout selection put the node in one (same-shape operands, no reduction)."""
+    from ..devices.vnpu import elementwise
+    from .kernels.vnpu import NPU_FORMATS
+    fn = make_fused_elementwise_kernel(node, in_descs, consts)
+    out = node.outputs[0].desc
+    if out.format not in NPU_FORMATS:
+        return fn
+    fmt, shape, of = out.format.value, tuple(out.origin_shape), out.origin_format.value
+    return lambda *ins: elementwise(fn, *ins, fmt=fmt, origin_shape=shape, origin_format=of)
+
+
 def _cost(node: Node) -> Cost:
     """The member ops' FLOPs per element of the domain; inputs read and outputs written once."""
     n = numel(node.attrs["shape"]) if all(isinstance(s, int) for s in node.attrs["shape"]) else 0
@@ -76,7 +89,8 @@ def _cost(node: Node) -> Cost:
 
 
 register(OpDef("FusedElementwise", OpKind.FUSED, aliases=((),), cost_fn=_cost,
-               kernel_factories={"cpu": make_fused_elementwise_kernel},
+               kernel_factories={"cpu": make_fused_elementwise_kernel,
+                                 "vnpu": make_fused_elementwise_vnpu}, npu_format="elementwise",
                out_capable=lambda node: len(node.outputs) == 1,
                device_cost={"vnpu": vnpu_cost.fused_elementwise},
                doc="elementwise ops (+ a trailing reduction) as one generated kernel"))

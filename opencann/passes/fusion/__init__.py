@@ -1,11 +1,12 @@
 """Stage 2, fusion: one rewrite per module (batchnorm, conv_act, conv_add_act,
 linear_act, attention; the patterns silu, gelu_tanh, gelu_erf, rms_norm,
-layer_norm, gated_mlp; user_rule: rules registered by users); each says why a match was not rewritten."""
+layer_norm, gated_mlp; elementwise: generated kernels for elementwise groups; user_rule: rules registered by users); each says why a match was not rewritten."""
 from .attention import FuseFlashAttention
 from .batchnorm import FoldBatchNorm
 from .common import CpuFusion
 from .conv_act import FuseConvAct
 from .conv_add_act import FuseConvAddAct
+from .elementwise import FuseElementwise
 from .gated_mlp import FuseGatedMLP
 from .gelu_erf import FuseGeluErf
 from .gelu_tanh import FuseGeluTanh
@@ -17,5 +18,5 @@ from .user_rule import FusionRule, UserFusion, register_rule, unregister_rule, u
 
 __all__ = ["FoldBatchNorm", "FuseConvAct", "FuseConvAddAct", "FuseLinearAct",
            "FuseFlashAttention", "CpuFusion", "FuseSiLU", "FuseGeluTanh", "FuseGeluErf",
-           "FuseRMSNorm", "FuseLayerNorm", "FuseGatedMLP", "FusionRule", "UserFusion",
+           "FuseRMSNorm", "FuseLayerNorm", "FuseGatedMLP", "FuseElementwise", "FusionRule", "UserFusion",
            "register_rule", "unregister_rule", "user_passes"]
