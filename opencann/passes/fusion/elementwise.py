@@ -185,12 +185,14 @@ class FuseElementwise(Pass):
 
     @staticmethod
     def _report_edges(node: Node, why: str, ctx: PassContext, reported: Set[Node]) -> None:
-        """Report ``why`` at ``node`` when it touches a fusable op (a cut of a group)."""
+        """Report ``why`` at ``node`` when it is an elementwise op or touches one (a cut of
+        a group, or a group not formed)."""
         if not why or node in reported:
             return
         near = [v.producer for v in node.inputs if v.producer is not None] + \
             [u for o in node.outputs for u in o.users]
-        if any(why_not(n) is None for n in near):
+        ew = (OpKind.ELEMENTWISE, OpKind.REDUCTION)
+        if get_op(node.op).kind == OpKind.ELEMENTWISE or any(get_op(n.op).kind in ew for n in near):
             reported.add(node)
             ctx.skipped(node, why)
 
