@@ -255,11 +255,19 @@ o1, r1 = run_fused(p, [x, y, z], [torch.float32, torch.float32], backend="triton
 q = Program.from_attrs({"program": [["t0", "float32", "a0 * a1"]], "outputs": ["r"],
     "reduce": ["sum", "t0", "float32", True]})
 r2 = run_fused(q, [z, y], [torch.float32], backend="triton")
+i = torch.randint(-5, 5, (5, 37), generator=g, dtype=torch.int32)
+w = Program.from_attrs({"program": [
+    ["t0", "bool", "a0 > lit_float32(0.0)"],
+    ["t1", "float32", "where(t0, tanh(a0), erf(a1)) + cast_float32(a2 * lit_int32(3))"],
+    ["t2", "int32", "a2 * a2 - lit_int32(1)"]], "outputs": ["t1", "t2"], "reduce": None})
+o3, o4 = run_fused(w, [x, z, i], [torch.float32, torch.int32], backend="triton")
+e3 = torch.where(x > 0, torch.tanh(x), torch.erf(z)) + i * 3
 def err(a, b):
     ok = torch.equal(a.isnan(), b.isnan())
     f = ~b.isnan() & b.isfinite()
     return [ok, float((a[f] - b[f]).abs().max() / b[f].abs().max())]
-print(json.dumps({"ew": err(o1, e1), "amax": err(r1, e1.amax(-1)), "sum": err(r2, (z * y).sum(-1, keepdim=True))}))
+print(json.dumps({"ew": err(o1, e1), "amax": err(r1, e1.amax(-1)), "sum": err(r2, (z * y).sum(-1, keepdim=True)),
+                  "where_int": err(o3, e3), "int": [torch.equal(o4, i * i - 1), 0.0]}))
 """
 
 
