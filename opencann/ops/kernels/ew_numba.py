@@ -111,7 +111,7 @@ def source(prog: Program, in_dtypes: Sequence[str], classes: Sequence[str], para
     body = [f"def kern(m, n, oshape, outer, inner, {', '.join(arrs)}):",
             "    rank1 = oshape.shape[0]",
             f"    for o in {loop}(m):",
-            "        rem = o"]
+            "        rem = o * 1"]
     body += [f"        b{i} = 0" for i in range(ops)]
     body += ["        for d in range(rank1 - 1, -1, -1):",
              "            sz = oshape[d]",
