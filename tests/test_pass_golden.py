@@ -612,3 +612,45 @@ def test_fuse_gated_mlp_does_not_apply_to_gemms_of_different_inputs():
     g.outputs = [binary(g, "Mul", unary(g, "Swish", a), b)]
     _, rep, _ = run(FuseGatedMLP(), g)
     assert [r for _, r in skipped(rep)] == ["the two GEMMs read different inputs (%x, %y)"]
+
+
+# -- fuse_elementwise (issue #16 item 1) ---------------------------------------------------------
+
+from opencann.passes import FuseElementwise  # noqa: E402
+
+EW = {"enable": ["fuse_elementwise"]}
+
+
+def test_fuse_elementwise():
+    g = Graph()
+    x, y, b = g.add_input(d(4, 8), "x"), g.add_input(d(4, 8), "y"), g.add_input(d(8), "b")
+    s = binary(g, "Mul", x, unary(g, "Sigmoid", y))
+    t = binary(g, "Add", s, b)                          # b broadcasts
+    r = g.create_node("ReduceSum", [t], {"self": TensorRef(0), "dim": [-1], "keepdim": False},
+                      [d(4)]).output
+    g.outputs = [t, r]
+    text, rep, _ = run(FuseElementwise(), g, **EW)
+    assert text == """graph(%x: float32[4,8], %y: float32[4,8], %b: float32[8]):
+  %0: float32[4,8], %1: float32[4] = FusedElementwise(%y, %x, %b)
+  return %0, %1"""
+    (node,) = g.nodes
+    assert node.attrs["program"] == [
+        ["t0", "float32", "lit_float32(1.0) / (lit_float32(1.0) + exp(-(a0)))"],
+        ["t1", "float32", "a1 * t0"], ["t2", "float32", "t1 + a2"]]
+    assert node.attrs["outputs"] == ["t2", "r"] and node.attrs["reduce"] == ["sum", "t2", "float32", False]
+    assert [a["detail"] for a in rep.applied] == ["Sigmoid+Mul+Add+ReduceSum"]
+
+
+def test_fuse_elementwise_does_not_cross_a_view_or_fuse_one_op():
+    g = Graph()
+    x = g.add_input(d(4, 8), "x")
+    e = unary(g, "Exp", x, "exp")
+    v = g.create_node("Reshape", [e], {"self": TensorRef(0), "size": [8, 4]}, [d(8, 4)], "view").output
+    g.outputs = [unary(g, "Neg", v, "neg")]
+    _, rep, _ = run(FuseElementwise(), g, **EW)
+    assert [n.op for n in g.nodes] == ["Exp", "Reshape", "Neg"]
+    single = ("fuse_elementwise", "single fusable op: ATen's kernel writes the planned buffer itself; "
+                                  "a generated kernel pays off from 2 ops")
+    assert skipped(rep) == [
+        ("fuse_elementwise", "Reshape is a view (aliases its input): a group ends at views, the generated "
+                             "code does not follow their strides"), single, single]

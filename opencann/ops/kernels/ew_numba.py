@@ -49,6 +49,7 @@ _NP = {"float32": np.float32, "float64": np.float64, "int32": np.int32, "int64":
 
 @njit(inline="always")
 def maximum(a, b):
+    """torch.maximum of two scalars: NaN if either is NaN."""
     if a != a:
         return a
     if b != b:
@@ -58,6 +59,7 @@ def maximum(a, b):
 
 @njit(inline="always")
 def minimum(a, b):
+    """torch.minimum of two scalars: NaN if either is NaN."""
     if a != a:
         return a
     if b != b:
@@ -67,16 +69,19 @@ def minimum(a, b):
 
 @njit(inline="always")
 def where(c, a, b):
+    """``a`` if the bool ``c`` else ``b``."""
     return a if c else b
 
 
 @njit(inline="always")
 def truth(x):
+    """``x != 0`` (True for NaN), as torch's cast to bool."""
     return x != 0
 
 
 @njit(inline="always")
 def lnot(x):
+    """Logical not of a bool."""
     return not x
 
 

@@ -217,6 +217,7 @@ def run_triton(prog: Program, inputs: Sequence[torch.Tensor], outputs: List[torc
 
 
 def triton_cdiv(a: int, b: int) -> int:
+    """⌈a / b⌉ for positive ints (grid sizes)."""
     return (a + b - 1) // b
 
 
