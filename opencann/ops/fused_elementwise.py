@@ -78,7 +78,11 @@ def make_fused_elementwise_vnpu(node: Node, in_descs: Sequence[TensorDesc], cons
     if out.format not in NPU_FORMATS:
         return fn
     fmt, shape, of = out.format.value, tuple(out.origin_shape), out.origin_format.value
-    return lambda *ins: elementwise(fn, *ins, fmt=fmt, origin_shape=shape, origin_format=of)
+
+    def run(*ins, out=None):
+        r = elementwise(fn, *ins, fmt=fmt, origin_shape=shape, origin_format=of)
+        return r if out is None else out.copy_(r)
+    return run
 
 
 def _cost(node: Node) -> Cost:
