@@ -281,3 +281,21 @@ def test_triton_kernel_under_interpreter():
     res = json.loads(r.stdout.strip().splitlines()[-1])
     for name, (nan_ok, rel) in res.items():
         assert nan_ok and rel < 1e-6, (name, res)
+
+
+def test_parallel_rows_and_strided_inputs():
+    """A domain of ≥ PARALLEL_MIN elements runs rows in parallel (prange); a transposed
+    (strided) and a broadcast input are read in place."""
+    from opencann.ops.fused_elementwise import run_fused
+    from opencann.ops.kernels.ew_numba import PARALLEL_MIN
+    from opencann.ops.kernels.ew_program import Program
+    p = Program.from_attrs({"program": [["t0", "float32", "a0 * a1"], ["t1", "float32", "t0 + a2"]],
+                            "outputs": ["t1", "r"], "reduce": ["amax", "t1", "float32", True]})
+    x = torch.randn(300, 200, generator=G).t()             # strided: inner stride 200
+    y, z = torch.randn(300, generator=G), torch.randn(200, 1, generator=G)
+    assert x.numel() >= PARALLEL_MIN
+    x[3, 4] = float("nan")
+    out, red = run_fused(p, [x, y, z], [torch.float32, torch.float32])
+    ref = x * y + z
+    _check(out, ref)
+    _check(red, ref.amax(-1, keepdim=True))
