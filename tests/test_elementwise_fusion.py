@@ -313,3 +313,21 @@ def test_model_file_round_trip(tmp_path):
     assert any(n.op == "FusedElementwise" for n in lm.graph.nodes)
     for a, b in zip(lm(*xs), cm(*xs)):
         assert torch.equal(a.nan_to_num(7), b.nan_to_num(7))
+
+
+class Masked(torch.nn.Module):
+    def forward(self, x, y):
+        return torch.where(x > y, x * 2.0, y - 1.0) + (x != x).to(torch.float32)
+
+
+def test_dynamic_shapes():
+    """Symbolic dims: the kernel takes its sizes from the tensors of each call."""
+    import opencann
+    x, y = torch.randn(2, 8, generator=G), torch.randn(2, 8, generator=G)
+    cm = opencann.compile(Masked(), (x, y), dynamic_shapes={"x": {0: "b"}, "y": {0: "b"}},
+                          options={"enable": ["fuse_elementwise"]})
+    assert any(a["pass"] == "fuse_elementwise" for a in cm.report.applied)
+    for n in (2, 5):
+        a, b = torch.randn(n, 8, generator=G), torch.randn(n, 8, generator=G)
+        out = cm(a, b)
+        _check(out[0] if isinstance(out, tuple) else out, Masked()(a, b))

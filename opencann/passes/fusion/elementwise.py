@@ -245,7 +245,9 @@ def _compute_dtype(node: Node) -> str:
     for k, val in node.attrs.items():
         if isinstance(val, TensorRef) and k != "condition":
             d = node.inputs[val.index].desc
-            ops.append(torch.empty(tuple(d.shape), dtype=d.dtype.torch, device="meta"))
+            # rank is what promotion looks at (0-d tensors rank below dimensioned ones);
+            # sizes may be symbolic
+            ops.append(torch.empty([1] * d.rank, dtype=d.dtype.torch, device="meta"))
         elif k in ("other",) and isinstance(val, (int, float, bool)):
             ops.append(val)
     if not ops:
