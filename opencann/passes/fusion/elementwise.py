@@ -73,10 +73,13 @@ def why_not(node: Node) -> Optional[str]:
     if len(node.outputs) != 1:
         return f"{node.op} has {len(node.outputs)} outputs"
     for v in (*node.inputs, node.outputs[0]):
-        if _dtype(v) not in COMPUTE_DTYPES:
+        if _dtype(v) not in COMPUTE_DTYPES and v.desc.dtype.is_floating:
             return (f"dtype {_dtype(v)}: eager rounds each op's result to {_dtype(v)} (some "
                     "compute in float32 inside); the generated code does not reproduce that "
                     "per-op rounding, so it is not fused")
+        if _dtype(v) not in COMPUTE_DTYPES:
+            return (f"dtype {_dtype(v)}: the generated code handles {', '.join(COMPUTE_DTYPES)} "
+                    "(small-int promotion and wraparound not reproduced), so it is not fused")
     out = node.outputs[0].desc
     if node.op == "Cast" and node.inputs[0].desc.dtype.is_floating and not out.dtype.is_floating \
             and out.dtype.value != "bool":
