@@ -76,7 +76,7 @@ def _program(steps, reduce):
     return f
 
 
-@settings(max_examples=12, deadline=None, suppress_health_check=list(HealthCheck),
+@settings(max_examples=8, deadline=None, suppress_health_check=list(HealthCheck),
           phases=[Phase.explicit, Phase.reuse, Phase.generate])   # shrinking re-traces: slow
 @given(steps=st.lists(step, min_size=2, max_size=5), reduce=st.sampled_from([None, "sum", "amax"]),
        special=st.booleans())
