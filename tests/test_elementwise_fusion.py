@@ -331,3 +331,18 @@ def test_dynamic_shapes():
         a, b = torch.randn(n, 8, generator=G), torch.randn(n, 8, generator=G)
         out = cm(a, b)
         _check(out[0] if isinstance(out, tuple) else out, Masked()(a, b))
+
+
+def test_fastmath_is_an_option():
+    """``fuse_elementwise_fastmath`` compiles with fast-math (off by default); a non-bool
+    value is one clear error."""
+    import opencann
+    xs = tuple(torch.randn(4, 33, generator=G) for _ in range(4))
+    cm = opencann.compile(Chain(), xs, options={"enable": ["fuse_elementwise"],
+                                                "fuse_elementwise_fastmath": True})
+    nodes = [n for n in cm.graph.nodes if n.op == "FusedElementwise"]
+    assert nodes and all(n.attrs["fastmath"] is True for n in nodes)
+    for a, r in zip(cm(*xs), Chain()(*xs)):
+        torch.testing.assert_close(a, r, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="fuse_elementwise_fastmath"):
+        opencann.compile(Chain(), xs, options={"fuse_elementwise_fastmath": 1})
