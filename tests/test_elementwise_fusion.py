@@ -346,3 +346,14 @@ def test_fastmath_is_an_option():
         torch.testing.assert_close(a, r, rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="fuse_elementwise_fastmath"):
         opencann.compile(Chain(), xs, options={"fuse_elementwise_fastmath": 1})
+
+
+def test_int64_amax_and_amin_reach_the_extremes():
+    from opencann.ops.fused_elementwise import run_fused
+    from opencann.ops.kernels.ew_program import Program
+    lo, hi = torch.iinfo(torch.int64).min, torch.iinfo(torch.int64).max
+    x = torch.tensor([[lo, lo], [hi, hi], [3, -4]], dtype=torch.int64)
+    for kind, ref in (("amax", x.abs().amax(-1)), ("amin", x.abs().amin(-1))):
+        p = Program.from_attrs({"program": [["t0", "int64", "abs(a0)"]], "outputs": ["r"],
+                                "reduce": [kind, "t0", "int64", False]})
+        assert torch.equal(run_fused(p, [x], [torch.int64]), ref)

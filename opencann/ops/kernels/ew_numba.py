@@ -100,9 +100,12 @@ def _helpers() -> dict:
 def _acc_init(kind: str, dtype: str) -> str:
     if kind in ("sum", "mean"):
         return "np.float64(0.0)" if dtype.startswith("float") else "np.int64(0)"
-    big = "inf" if dtype.startswith("float") else str(np.iinfo(_NP[dtype]).max)
-    sign = "-" if kind == "amax" else ""
-    return f"np.{dtype}({sign}{big})"
+    if dtype.startswith("float"):
+        return f"np.{dtype}({'-' if kind == 'amax' else ''}inf)"
+    if dtype == "bool":
+        return f"np.bool_({kind != 'amax'})"
+    info = np.iinfo(_NP[dtype])
+    return f"np.{dtype}({info.min if kind == 'amax' else info.max})"
 
 
 def source(prog: Program, in_dtypes: Sequence[str], classes: Sequence[str], parallel: bool) -> str:

@@ -147,7 +147,13 @@ def source(prog: Program, in_dtypes: Sequence[str], rank: int) -> str:
         kind, src, rdt, _ = prog.reduce
         sdt = prog.dtype_of(src, in_dtypes)
         acc_t = ("tl.float64" if sdt.startswith("float") else "tl.int64") if kind in ("sum", "mean") else _TL[sdt]
-        init = "0" if kind in ("sum", "mean") else ("-INF" if kind == "amax" else "INF")
+        if kind in ("sum", "mean"):
+            init = "0"
+        elif sdt.startswith("float"):
+            init = "-INF" if kind == "amax" else "INF"
+        else:
+            info = torch.iinfo(getattr(torch, sdt))
+            init = str(info.min if kind == "amax" else info.max)
         b += [f"    acc = tl.full([BLOCK], {init}, {acc_t})", "    for start in range(0, n, BLOCK):"]
         ind = "        "
         b.append(f"{ind}j = start + tl.arange(0, BLOCK)")
@@ -170,7 +176,8 @@ def source(prog: Program, in_dtypes: Sequence[str], rank: int) -> str:
             b.append(f"{ind}acc = tl.where(mask, {'maximum' if kind == 'amax' else 'minimum'}(acc, {src}), acc)")
             red = "tl.max" if kind == "amax" else "tl.min"
             b += ["    nan = tl.max((acc != acc).to(tl.int32), axis=0)",
-                  f"    res = tl.where(nan > 0, NAN, {red}(acc, axis=0))"]
+                  f"    res = tl.where(nan > 0, NAN, {red}(acc, axis=0))" if sdt.startswith("float")
+                  else f"    res = {red}(acc, axis=0)"]
         b.append(f"    tl.store(p{r} + b{r}, res.to({_TL[rdt]}))")
     return _HEAD.replace("TANH_BODY", _tanh()) + _casts() + "\n".join(b) + "\n"
 

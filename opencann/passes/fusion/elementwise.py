@@ -176,8 +176,7 @@ class FuseElementwise(Pass):
                     ctx.skipped(node, f"joining the group of {v} would make the graph cyclic "
                                 "(a path leaves the group and comes back)")
                 else:
-                    g.nodes = [n for n in list(pg.nodes) + g.nodes]
-                    g.nodes.sort(key=pos.get)
+                    g.nodes = sorted(pg.nodes + g.nodes, key=pos.get)
                     for n in pg.nodes:
                         of[n] = g
                     groups.remove(pg)
