@@ -357,3 +357,16 @@ def test_int64_amax_and_amin_reach_the_extremes():
         p = Program.from_attrs({"program": [["t0", "int64", "abs(a0)"]], "outputs": ["r"],
                                 "reduce": [kind, "t0", "int64", False]})
         assert torch.equal(run_fused(p, [x], [torch.int64]), ref)
+
+
+def test_empty_domain():
+    """Batch 0 and empty rows: nothing computed; a sum over empty rows is 0, a mean NaN
+    (as eager)."""
+    def f(x, y):
+        a = torch.exp(x) * y
+        return a, a.sum(-1), (x * y).mean(-1)
+    for shape in ((0, 5), (3, 0)):
+        x, y = torch.randn(shape, generator=G), torch.randn(shape, generator=G)
+        outs, graph, _, _ = run_compiled(f, x, y, options=ON)
+        for o, r in zip(outs, f(x, y)):
+            _check(o, r)

@@ -13,6 +13,7 @@ outputs written once; vnpu: one Vector kernel (`vnpu_cost.fused_elementwise`).
 """
 from __future__ import annotations
 
+import math
 import os
 from typing import Callable, Optional, Sequence
 
@@ -45,6 +46,28 @@ def run_fused(prog: Program, inputs: Sequence[torch.Tensor], out_dtypes: Sequenc
             red = t
         else:
             full.append(t)
+    if math.prod(shape) == 0:                       # an empty domain (batch 0, or an empty row)
+        _empty(prog, red)
+    else:
+        _launch(prog, inputs, full, red, shape, dev, backend)
+    if out is not None and res[0] is not out:
+        out.copy_(res[0])
+        res[0] = out
+    return res[0] if len(res) == 1 else tuple(res)
+
+
+def _empty(prog: Program, red: Optional[torch.Tensor]) -> None:
+    """Nothing to compute; a reduction over empty rows gives eager's value: sum 0, mean
+    NaN; max/min raise as eager does."""
+    if red is None or red.numel() == 0:
+        return
+    kind = prog.reduce[0]
+    if kind in ("amax", "amin"):
+        raise RuntimeError(f"{kind}(): expected reduction dim -1 to have non-zero size")
+    red.fill_(0 if kind == "sum" else float("nan"))
+
+
+def _launch(prog, inputs, full, red, shape, dev, backend) -> None:
     backend = backend or os.environ.get("OPENCANN_EW_BACKEND") or \
         ("triton" if dev.type == "cuda" else "numba")
     if backend == "triton":
@@ -52,10 +75,6 @@ def run_fused(prog: Program, inputs: Sequence[torch.Tensor], out_dtypes: Sequenc
         run_triton(prog, inputs, full, red, shape)
     else:
         run_numba(prog, inputs, full, red)
-    if out is not None and res[0] is not out:
-        out.copy_(res[0])
-        res[0] = out
-    return res[0] if len(res) == 1 else tuple(res)
 
 
 def make_fused_elementwise_kernel(node: Node, in_descs: Sequence[TensorDesc], consts) -> Callable:
