@@ -2,7 +2,7 @@
 pass per module under ``prepare/``, ``fusion/`` and ``layout/``; the public names are
 re-exported here."""
 from .base import Pass, PassContext, PassManager, RewritePass, Skip
-from .fusion import FoldBatchNorm, FuseConvAct, FuseConvAddAct, FuseFlashAttention, FuseLinearAct
+from .fusion import FoldBatchNorm, FuseConvAct, FuseConvAddAct, FuseFlashAttention, FuseLinearAct, FuseQKVLinear
 from .fusion import (FuseGatedMLP, FuseGeluErf, FuseGeluTanh, FuseLayerNorm, FuseRMSNorm, FuseSiLU,
                      user_passes)
 from .layout import LayoutSelection, NpuLayoutSelection
@@ -21,7 +21,8 @@ def default_pipeline() -> PassManager:
         ConstantFolding(), DeadCodeElimination(), CommonSubexpressionElimination(),
         IdentityElimination(), DropUnusedOutputs(), MixedPrecision(),
         FoldBatchNorm(), *user_passes(), FuseSiLU(), FuseGeluTanh(), FuseGeluErf(), FuseRMSNorm(),
-        FuseLayerNorm(), FuseGatedMLP(), FuseConvAct(), FuseConvAddAct(), FuseLinearAct(), FuseFlashAttention(),
+        FuseLayerNorm(), FuseGatedMLP(), FuseConvAct(), FuseConvAddAct(), FuseLinearAct(), FuseQKVLinear(),
+        FuseFlashAttention(),
         DeadCodeElimination(), LayoutSelection(), NpuLayoutSelection(), SingleStreamSchedule(),
         MemoryPlanning(),
     ])
@@ -30,7 +31,7 @@ def default_pipeline() -> PassManager:
 __all__ = ["Pass", "PassContext", "PassManager", "RewritePass", "Skip", "default_pipeline",
            "plan_memory", "MemoryPlanning", "ConstantFolding", "DeadCodeElimination",
            "CommonSubexpressionElimination", "IdentityElimination", "MixedPrecision",
-           "FoldBatchNorm", "FuseConvAct", "FuseConvAddAct", "FuseLinearAct",
+           "FoldBatchNorm", "FuseConvAct", "FuseConvAddAct", "FuseLinearAct", "FuseQKVLinear",
            "FuseFlashAttention", "FuseSiLU", "FuseGeluTanh", "FuseGeluErf", "FuseRMSNorm",
            "FuseLayerNorm", "FuseGatedMLP", "LayoutSelection", "NpuLayoutSelection", "SingleStreamSchedule",
            "apply_schedule", "DropUnusedOutputs"]

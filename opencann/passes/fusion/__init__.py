@@ -1,5 +1,5 @@
 """Stage 2, fusion: one rewrite per module (batchnorm, conv_act, conv_add_act,
-linear_act, attention; the patterns silu, gelu_tanh, gelu_erf, rms_norm,
+linear_act, qkv_linear, attention; the patterns silu, gelu_tanh, gelu_erf, rms_norm,
 layer_norm, gated_mlp; user_rule: rules registered by users); each says why a match was not rewritten."""
 from .attention import FuseFlashAttention
 from .batchnorm import FoldBatchNorm
@@ -11,11 +11,12 @@ from .gelu_erf import FuseGeluErf
 from .gelu_tanh import FuseGeluTanh
 from .layer_norm import FuseLayerNorm
 from .linear_act import FuseLinearAct
+from .qkv_linear import FuseQKVLinear
 from .rms_norm import FuseRMSNorm
 from .silu import FuseSiLU
 from .user_rule import FusionRule, UserFusion, register_rule, unregister_rule, user_passes
 
 __all__ = ["FoldBatchNorm", "FuseConvAct", "FuseConvAddAct", "FuseLinearAct",
-           "FuseFlashAttention", "CpuFusion", "FuseSiLU", "FuseGeluTanh", "FuseGeluErf",
+           "FuseFlashAttention", "FuseQKVLinear", "CpuFusion", "FuseSiLU", "FuseGeluTanh", "FuseGeluErf",
            "FuseRMSNorm", "FuseLayerNorm", "FuseGatedMLP", "FusionRule", "UserFusion",
            "register_rule", "unregister_rule", "user_passes"]
