@@ -20,6 +20,7 @@ from typing import List
 import torch
 
 from ...ir import Graph, Node, TensorDesc, TensorRef
+from ...ops import storage_roots
 from ..base import PassContext, Skip
 from .common import CpuFusion
 
@@ -29,9 +30,19 @@ class _QKVMatch:
     nodes: List[Node]            # the sibling LinearActs, in graph order
 
 
-def _why_not(n: Node, act: str, dtype) -> str:
+def _returned(graph: Graph) -> set:
+    """Ids of the values whose storage a graph output may share (the output or a view of
+    them is returned)."""
+    roots = storage_roots(graph)
+    return {r for v in graph.outputs for r in roots.get(v.id, (v.id,))}
+
+
+def _why_not(n: Node, act: str, dtype, returned: set) -> str:
     """Why sibling LinearAct ``n`` cannot join the group, or "" when it can."""
     b, _, w = n.inputs
+    if n.outputs[0].id in returned:
+        return (f"{n.name}: its result (or a view of it) is a graph output; eager returns "
+                "memory of its own, contiguous, not a column slice of a shared buffer")
     if not (w.is_const and b.is_const):
         return f"{n.name}: its weight or bias is not a constant (the concatenation is made once, at compile time)"
     if n.attrs.get("act", "none") != act:
@@ -67,19 +78,28 @@ class FuseQKVLinear(CpuFusion):
             return None
         if x.desc.rank != 2:
             return Skip(f"the shared input {x} is {x.desc}, not a 2-D [m, k] matrix")
+        returned = _returned(graph)
+        if root.outputs[0].id in returned:   # the next sibling may lead a group
+            sibs = [n for n in sibs if n.outputs[0].id not in returned]
+            why = (f"{root.name}: its result (or a view of it) is a graph output; eager "
+                   "returns memory of its own, contiguous, not a column slice of a shared buffer")
+            if len(sibs) < 2:
+                return Skip(f"not merged with its sibling Linears on {x}: {why}")
+            ctx.skipped(root, f"left out of the merged GEMM: {why}", "sibling")
+            root = sibs[0]
         first = root.inputs[2].desc.dtype
-        why = _why_not(root, root.attrs.get("act", "none"), first)
+        why = _why_not(root, root.attrs.get("act", "none"), first, returned)
         if why:
             return Skip(f"the first of {len(sibs)} Linears reading {x}: {why}")
         group, reasons = [root], []
         for n in sibs[1:]:
-            why = _why_not(n, root.attrs.get("act", "none"), first)
+            why = _why_not(n, root.attrs.get("act", "none"), first, returned)
             (reasons.append(why) if why else group.append(n))
-        for why in reasons:
-            ctx.skipped(root, f"left out of the merged GEMM: {why}", "sibling")
         if len(group) < 2:
             return Skip(f"no sibling Linear of {root.name} on {x} can share its GEMM: "
                         + "; ".join(reasons))
+        for why in reasons:
+            ctx.skipped(root, f"left out of the merged GEMM: {why}", "sibling")
         return _QKVMatch(group)
 
     def rewrite(self, graph: Graph, m: _QKVMatch, ctx: PassContext) -> int:
