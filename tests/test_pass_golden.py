@@ -697,3 +697,54 @@ def test_fuse_qkv_linear_does_not_apply_to_different_inputs_dtypes_or_weights():
     assert skipped(rep) == [("fuse_qkv_linear", "not merged with its sibling Linears on %x: q: "
                              "its result (or a view of it) is a graph output; eager returns "
                              "memory of its own, contiguous, not a column slice of a shared buffer")]
+
+
+# -- fuse_add_layer_norm -----------------------------------------------------------------
+
+from opencann.passes import FuseAddLayerNorm  # noqa: E402
+
+
+def add_ln(g, a, b, stats_out=False, gamma=True, dtype=F):
+    s = binary(g, "Add", a, b, "add")
+    ins = [s] + ([g.add_const(rnd(8).to(dtype.torch), "g"), g.add_const(rnd(8), "b")] if gamma else [])
+    attrs = {"input": TensorRef(0), "normalized_shape": [8], "eps": 1e-5,
+             "weight": TensorRef(1) if gamma else None, "bias": TensorRef(2) if gamma else None}
+    ln = g.create_node("LayerNorm", ins, attrs, [d(2, 8), d(2, 1), d(2, 1)], "ln")
+    return s, ln
+
+
+def test_fuse_add_layer_norm():
+    g = Graph()
+    a, b = g.add_input(d(2, 8), "a"), g.add_input(d(2, 8), "b")
+    _, ln = add_ln(g, a, b)
+    g.outputs = [ln.outputs[0]]
+    text, rep, _ = run(FuseAddLayerNorm(), g, enable=["fuse_add_layer_norm"])
+    assert text == """graph(%a: float32[2,8], %b: float32[2,8]):
+  %c0: float32[8] = const
+  %c1: float32[8] = const
+  %0: float32[2,8] = AddLayerNorm(%a, %b, %c0, %c1)
+  return %0"""
+    assert [a["detail"] for a in rep.applied] == ["residual Add + LayerNorm"]
+
+
+@pytest.mark.parametrize("case,reason", [
+    ("sum_read", "the sum a + b is also read by neg; the fused kernel does not write it"),
+    ("stats_read", "the LayerNorm's mean or rstd is read (training): the fused kernel returns "
+                   "the normalized output only"),
+    ("no_affine", "LayerNorm without γ or β (elementwise_affine=False)"),
+    ("broadcast", "the Add broadcasts (float32[2,8] + float32[8]); the fused kernel adds two "
+                  "tensors of the result's shape"),
+])
+def test_fuse_add_layer_norm_near_misses(case, reason):
+    g = Graph()
+    a = g.add_input(d(2, 8), "a")
+    b = g.add_input(d(8) if case == "broadcast" else d(2, 8), "b")
+    s, ln = add_ln(g, a, b, gamma=case != "no_affine")
+    g.outputs = [ln.outputs[0]]
+    if case == "sum_read":
+        g.outputs.append(unary(g, "Neg", s, "neg"))
+    if case == "stats_read":
+        g.outputs.append(ln.outputs[1])
+    _, rep, _ = run(FuseAddLayerNorm(), g, enable=["fuse_add_layer_norm"])
+    assert skipped(rep) == [("fuse_add_layer_norm", reason)]
+    assert "AddLayerNorm" not in g.op_counts()

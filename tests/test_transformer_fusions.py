@@ -98,3 +98,49 @@ def test_qkv_with_q_on_another_input_merges_k_and_v_only():
 def test_qkv_switched_off_keeps_three_gemms():
     cm = _check(SelfAttention(), options={"disable": ["fuse_qkv_linear"]})
     assert cm.graph.op_counts()["LinearAct"] == 4 and "StridedSlice" not in cm.graph.op_counts()
+
+
+def test_add_layer_norm_fuses_the_residual_and_matches_eager():
+    cm = _check(SelfAttention(), options={"enable": ["fuse_add_layer_norm"]})
+    assert _applied(cm, "fuse_add_layer_norm") == ["residual Add + LayerNorm"]
+    assert "LayerNorm" not in cm.graph.op_counts()
+
+
+class Residual(nn.Module):
+    """LayerNorm(x + y) with x, y [B, S, H]."""
+
+    def __init__(self):
+        super().__init__()
+        self.ln = nn.LayerNorm(16)
+
+    def forward(self, x, y):
+        return self.ln(x + y)
+
+
+@pytest.mark.parametrize("special", [float("nan"), float("inf"), -float("inf"), 1e-40])
+def test_add_layer_norm_special_values_at_eager_positions(special):
+    m = Residual().eval()
+    x, y = _inputs(False)
+    cm = opencann.compile(m, (x, y), options={"enable": ["fuse_add_layer_norm"]})
+    assert _applied(cm, "fuse_add_layer_norm")
+    x = x.clone()
+    x[0, 2, 3] = special
+    with torch.no_grad():
+        ref = m(x, y)
+    got = cm(x, y)
+    assert torch.equal(torch.isnan(got), torch.isnan(ref))
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5, equal_nan=True)
+
+
+def test_add_layer_norm_on_strided_inputs_and_float64():
+    """A non-contiguous addend at run time takes ATen's add + layer_norm; float64 too."""
+    m = Residual().eval()
+    x, y = _inputs(False)
+    cm = opencann.compile(m, (x, y), options={"enable": ["fuse_add_layer_norm"]})
+    yt = y.transpose(0, 1).contiguous().transpose(0, 1)   # same values, other strides
+    with torch.no_grad():
+        torch.testing.assert_close(cm(x, yt), m(x, yt), rtol=1e-5, atol=1e-5)
+        md = Residual().double().eval()
+        cmd = opencann.compile(md, (x.double(), y.double()),
+                               options={"enable": ["fuse_add_layer_norm"]})
+        torch.testing.assert_close(cmd(x.double(), y.double()), md(x.double(), y.double()))

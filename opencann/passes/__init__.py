@@ -2,7 +2,8 @@
 pass per module under ``prepare/``, ``fusion/`` and ``layout/``; the public names are
 re-exported here."""
 from .base import Pass, PassContext, PassManager, RewritePass, Skip
-from .fusion import FoldBatchNorm, FuseConvAct, FuseConvAddAct, FuseFlashAttention, FuseLinearAct, FuseQKVLinear
+from .fusion import FoldBatchNorm, FuseConvAct, FuseConvAddAct, FuseFlashAttention, FuseLinearAct
+from .fusion import FuseAddLayerNorm, FuseQKVLinear
 from .fusion import (FuseGatedMLP, FuseGeluErf, FuseGeluTanh, FuseLayerNorm, FuseRMSNorm, FuseSiLU,
                      user_passes)
 from .layout import LayoutSelection, NpuLayoutSelection
@@ -22,7 +23,7 @@ def default_pipeline() -> PassManager:
         IdentityElimination(), DropUnusedOutputs(), MixedPrecision(),
         FoldBatchNorm(), *user_passes(), FuseSiLU(), FuseGeluTanh(), FuseGeluErf(), FuseRMSNorm(),
         FuseLayerNorm(), FuseGatedMLP(), FuseConvAct(), FuseConvAddAct(), FuseLinearAct(), FuseQKVLinear(),
-        FuseFlashAttention(),
+        FuseAddLayerNorm(), FuseFlashAttention(),
         DeadCodeElimination(), LayoutSelection(), NpuLayoutSelection(), SingleStreamSchedule(),
         MemoryPlanning(),
     ])
@@ -31,7 +32,8 @@ def default_pipeline() -> PassManager:
 __all__ = ["Pass", "PassContext", "PassManager", "RewritePass", "Skip", "default_pipeline",
            "plan_memory", "MemoryPlanning", "ConstantFolding", "DeadCodeElimination",
            "CommonSubexpressionElimination", "IdentityElimination", "MixedPrecision",
-           "FoldBatchNorm", "FuseConvAct", "FuseConvAddAct", "FuseLinearAct", "FuseQKVLinear",
-           "FuseFlashAttention", "FuseSiLU", "FuseGeluTanh", "FuseGeluErf", "FuseRMSNorm",
+           "FoldBatchNorm", "FuseConvAct", "FuseConvAddAct", "FuseLinearAct",
+           "FuseQKVLinear", "FuseAddLayerNorm", "FuseFlashAttention", "FuseSiLU", "FuseGeluTanh",
+           "FuseGeluErf", "FuseRMSNorm",
            "FuseLayerNorm", "FuseGatedMLP", "LayoutSelection", "NpuLayoutSelection", "SingleStreamSchedule",
            "apply_schedule", "DropUnusedOutputs"]
