@@ -164,6 +164,14 @@ def make_linear_kernel(node: Node, in_descs: Sequence[TensorDesc], consts: Seque
         return run_addmm
     m, k = (int(d) for d in x_desc.shape)
     n = int(wt.shape[1])
+    key = (m, k, n, str(wt.dtype))
+    # a choice already made for this node (an earlier bind, or a loaded model file) holds,
+    # so every executor of a model, saved or live, runs the same GEMM (same bits)
+    choice = node.meta.get("kernel") if node.meta.get("kernel") in ("addmm", "mkl_packed") \
+        else LINEAR_CHOICES.get(key)
+    if choice == "addmm":  # no packing: it copies the weight twice for nothing
+        node.meta["kernel"] = choice
+        return run_addmm
     w = wt.t().contiguous()  # (out_features, in_features)
     packed = torch.ops.mkl._mkl_reorder_linear_weight(w, m)
     lin = torch.ops.mkl._mkl_linear
@@ -177,11 +185,6 @@ def make_linear_kernel(node: Node, in_descs: Sequence[TensorDesc], consts: Seque
             post(r)
         return r
 
-    key = (m, k, n, str(wt.dtype))
-    # a choice already made for this node (an earlier bind, or a loaded model file) holds,
-    # so every executor of a model, saved or live, runs the same GEMM (same bits)
-    choice = node.meta.get("kernel") if node.meta.get("kernel") in ("addmm", "mkl_packed") \
-        else LINEAR_CHOICES.get(key)
     if choice is None:
         with _LINEAR_CHOICES_LOCK:
             choice = LINEAR_CHOICES.get(key)

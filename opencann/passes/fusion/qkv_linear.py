@@ -20,7 +20,7 @@ from typing import List
 import torch
 
 from ...ir import Graph, Node, TensorDesc, TensorRef
-from ...ops import storage_roots
+from ...ops import output_aliases
 from ..base import PassContext, Skip
 from .common import CpuFusion
 
@@ -30,11 +30,24 @@ class _QKVMatch:
     nodes: List[Node]            # the sibling LinearActs, in graph order
 
 
-def _returned(graph: Graph) -> set:
-    """Ids of the values whose storage a graph output may share (the output or a view of
-    them is returned)."""
-    roots = storage_roots(graph)
-    return {r for v in graph.outputs for r in roots.get(v.id, (v.id,))}
+def _returned(graph: Graph, nodes) -> set:
+    """Ids of the outputs of ``nodes`` that are returned, themselves or through ops whose
+    output may alias them (views): a local walk over their users."""
+    outs = {v.id for v in graph.outputs}
+    found = set()
+    for n in nodes:
+        todo, seen = [n.outputs[0]], set()
+        while todo:
+            v = todo.pop()
+            if v.id in outs:
+                found.add(n.outputs[0].id)
+                break
+            for u in v.users:
+                for o, idx in zip(u.outputs, output_aliases(u)):
+                    if any(u.inputs[i] is v for i in idx) and o.id not in seen:
+                        seen.add(o.id)
+                        todo.append(o)
+    return found
 
 
 def _why_not(n: Node, act: str, dtype, returned: set) -> str:
@@ -78,7 +91,7 @@ class FuseQKVLinear(CpuFusion):
             return None
         if x.desc.rank != 2:
             return Skip(f"the shared input {x} is {x.desc}, not a 2-D [m, k] matrix")
-        returned = _returned(graph)
+        returned = _returned(graph, sibs)
         if root.outputs[0].id in returned:   # the next sibling may lead a group
             sibs = [n for n in sibs if n.outputs[0].id not in returned]
             why = (f"{root.name}: its result (or a view of it) is a graph output; eager "
