@@ -19,11 +19,11 @@ class SelfAttention(nn.Module):
     output Linear, residual Add and LayerNorm. ``ret_q`` also returns q (a graph output
     read from the merged buffer, and a second user of q's Linear)."""
 
-    def __init__(self, h=16, heads=2, ret_q=False, q_input=False):
+    def __init__(self, h=16, heads=2, ret_q=False, q_input=False, scale_q=False):
         super().__init__()
         self.q, self.k, self.v, self.o = (nn.Linear(h, h) for _ in range(4))
         self.ln = nn.LayerNorm(h)
-        self.heads, self.ret_q, self.q_input = heads, ret_q, q_input
+        self.heads, self.ret_q, self.q_input, self.scale_q = heads, ret_q, q_input, scale_q
 
     def forward(self, x, y):
         b, s, h = x.shape
@@ -31,6 +31,8 @@ class SelfAttention(nn.Module):
         def split(t):
             return t.view(b, s, self.heads, h // self.heads).transpose(1, 2)
         q = self.q(y if self.q_input else x)
+        if self.scale_q:   # an elementwise op on one slice while the others are live
+            q = torch.tanh(q * 0.5) + q
         a = nn.functional.scaled_dot_product_attention(split(q), split(self.k(x)), split(self.v(x)))
         a = a.transpose(1, 2).reshape(b, s, h)
         out = self.ln(self.o(a) + x)
@@ -88,6 +90,11 @@ def test_qkv_linears_become_one_gemm_and_match_eager(ret_q):
     assert ops["LinearAct"] == 5 - n and ops["StridedSlice"] == n
     why = [s["reason"] for s in cm.report.skipped if s["pass"] == "fuse_qkv_linear"]
     assert len(why) == ret_q and all("is a graph output" in w for w in why)
+
+
+def test_qkv_elementwise_ops_on_a_slice_do_not_overwrite_the_others():
+    cm = _check(SelfAttention(scale_q=True))
+    assert _applied(cm, "fuse_qkv_linear") == ["3 Linears on one input as one GEMM [.., 48]"]
 
 
 def test_qkv_with_q_on_another_input_merges_k_and_v_only():
