@@ -97,6 +97,10 @@ class ShapeBinder:
         #: (option, dim names, gears, gear keys, why no padding) once `opencann.gears` set it
         self.gears: Optional[tuple] = None
         self.order = sorted(dims)
+        # per input: its plain-symbol dims (bound from the call) and compound ones
+        # ("s0*s1": a backward graph's saved view, checked once the symbols are bound)
+        self._dims = [[(i, d, is_symbol(d)) for i, d in enumerate(shape) if isinstance(d, str)]
+                      for shape in self.shapes]
         loose = shape_symbols(self.shapes) - {d for s in self.shapes for d in s if is_symbol(d)}
         loose -= set(self.scalars)
         if loose:
@@ -109,11 +113,13 @@ class ShapeBinder:
         dim, its range and the fix."""
         values: Dict[str, int] = dict(zip(self.scalars, (int(v) for v in scalars)))
         where: Dict[str, str] = {s: "its size argument" for s in values}
-        for name, shape, t in zip(self.names, self.shapes, inputs):
-            for i, d in enumerate(shape):
-                if not isinstance(d, str):
-                    continue
+        compound = []
+        for name, dims, t in zip(self.names, self._dims, inputs):
+            for i, d, plain in dims:
                 n = int(t.shape[i])
+                if not plain:
+                    compound.append((name, i, d, n))
+                    continue
                 if d in values and values[d] != n:
                     raise ValueError(
                         f"{name} dim {i} is {n} but {where[d]} is {values[d]}: both are the "
@@ -121,6 +127,11 @@ class ShapeBinder:
                 values[d], where[d] = n, f"{name} dim {i}"
                 if self.gears is None:   # with gears, the gear check names the gears
                     self._check_range(d, n, f"{name} dim {i}")
+        for name, i, d, n in compound:
+            if bind(d, values) != n:
+                raise ValueError(f"{name} dim {i} is {n} but the graph computes it as {d} = "
+                                 f"{bind(d, values)} ({self.describe(values)}): call with "
+                                 "consistent shapes")
         for g in self.guards:
             if not holds(g, values):
                 raise ValueError(f"the shapes {self.describe(values)} break the model's shape "
@@ -324,8 +335,9 @@ def compile_symbolic_fx(graph: Graph, placeholders: Sequence[Any], options: Dict
     graphs): optimise ``graph`` once, plan each concrete shape on first use (cached as
     for `compile_dynamic`). ``placeholders``: the FX graph's placeholder values (tensors
     and SymInts, in calling order). Returns ``run(args) -> flat outputs`` taking the
-    graph's call arguments (tensors and the ints dynamo passes for its SymInts).
-    dynamo's own guards keep calls within the shapes this graph is valid for."""
+    graph's call arguments (tensors and the ints dynamo passes for its SymInts), with
+    ``run.plans`` (the `ShapePlanCache`) and ``run.values(args)`` (symbol -> int, to bind
+    the sizes a training forward returns for its backward). dynamo's own guards keep calls within the shapes this graph is valid for."""
     run_pipeline(graph, "cpu", options, report, symbolic_pipeline())
     tensors = [i for i, v in enumerate(placeholders) if isinstance(v, torch.Tensor)]
     sizes = [(i, str(v.node.expr)) for i, v in enumerate(placeholders)
@@ -347,5 +359,10 @@ def compile_symbolic_fx(graph: Graph, placeholders: Sequence[Any], options: Dict
         ts = [args[i] for i in tensors]
         key = binder.bind(ts, [args[i] for i, _ in sizes])
         return plans.pool_for_key(key).run(ts)
-    run.plans = plans
+
+    def values(args) -> Dict[str, int]:
+        """The symbols' values for these call arguments (to bind size outputs)."""
+        ts = [args[i] for i in tensors]
+        return dict(zip(binder.order, binder.bind(ts, [args[i] for i, _ in sizes])))
+    run.plans, run.values = plans, values
     return run

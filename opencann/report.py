@@ -70,6 +70,11 @@ class CompileReport:
     #: "guards" (conditions each call's shapes must meet), "plan_cache_size" and "plans"
     #: (one entry per concrete shape planned: dims, arena bytes, ratio, build ms)
     dynamic: Dict[str, Any] = field(default_factory=dict)
+    #: a graph compiled under torch.compile: "code" (the function dynamo compiled),
+    #: "compile" (1 = its first compile), "compile_id" (dynamo's "frame/compile"),
+    #: "reason" (why dynamo recompiled: its guard failure) and "source" (the user's
+    #: line owning that guard); see `opencann.dynamo.recompiles`
+    torch_compile: Dict[str, Any] = field(default_factory=dict)
 
     @property
     def opencann_seconds(self) -> float:
@@ -107,7 +112,7 @@ class CompileReport:
         if self.host_fallbacks:
             lines.append("  host fallbacks: " + ", ".join(
                 f"{k} x{v['count']}" for k, v in self.host_fallbacks.items()))
-        if m:
+        if m.get("arena_bytes") is not None:
             lines.append(f"  memory: arena {fmt_bytes(m['arena_bytes'])}, lower bound "
                          f"{fmt_bytes(m['lower_bound_bytes'])} ({m['arena_over_lower_bound']:.3f}x), "
                          f"naive {fmt_bytes(m['naive_bytes'])}"
@@ -131,6 +136,12 @@ class CompileReport:
             cb, ca = self.cost_before, self.cost_after
             lines.append(f"  work {fmt_flops(cb['flops'])} -> {fmt_flops(ca['flops'])}; "
                          f"bytes moved {fmt_bytes(cb['bytes'])} -> {fmt_bytes(ca['bytes'])}")
+        tc = self.torch_compile
+        if tc:
+            lines.append(f"  torch.compile: {tc['code']}, compile {tc['compile']} "
+                         f"({tc['compile_id']})" + (f", recompiled because {tc['reason']} "
+                                                    f"(guard at {tc['source']})"
+                                                    if tc.get("reason") else ""))
         lines += [f"  note: {n}" for n in self.notes]
         return "\n".join(lines)
 
