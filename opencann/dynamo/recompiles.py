@@ -62,7 +62,6 @@ class CodeRecord:
     """The compiles of one code object (a model's ``forward`` or a function)."""
     code: types.CodeType
     compiles: List[Compile] = field(default_factory=list)
-    _seen_failures: int = 0
 
     @property
     def where(self) -> str:
@@ -80,14 +79,25 @@ EAGER_FALLBACKS: List[Dict[str, Any]] = []   # every graph the backend ran eager
 _lock = threading.Lock()
 
 
+_DYNAMO_DIR = _TORCH_DIR + "/_dynamo/"
+_SEEN: Dict[types.CodeType, int] = {}   # frame code -> guard failures already read
+
+
 def _current() -> tuple:
-    """(code object, compile id string, the compile's context) of the compile in progress;
-    (None, "?", None) outside dynamo (a backend called by hand)."""
+    """(frame code, owner code, compile id string, the compile's context) of the compile in
+    progress; (None, None, "?", None) outside dynamo (a backend called by hand). The owner
+    is the frame's code, or for a module dynamo enters through one of its own wrappers
+    (``external_utils.inner``: ``nn.Sequential`` and modules with hooks) the outermost
+    code it inlined (recorded last), the module's ``forward``."""
     from torch._guards import CompileContext, TracingContext
-    codes = TracingContext.get_traced_code() if TracingContext.try_get() else None
+    codes = (TracingContext.get_traced_code() or []) if TracingContext.try_get() else []
     cid = CompileContext.current_compile_id()
-    return (codes[0] if codes else None), (str(cid) if cid is not None else "?"), \
-        CompileContext.try_get()
+    frame = codes[0] if codes else None
+    owner = frame
+    if frame is not None and frame.co_filename.startswith(_DYNAMO_DIR):
+        owner = next((c for c in reversed(codes) if not c.co_filename.startswith(_DYNAMO_DIR)),
+                     frame)
+    return frame, owner, (str(cid) if cid is not None else "?"), CompileContext.try_get()
 
 
 def _resolve(short: str, files: List[str]) -> str:
@@ -128,7 +138,7 @@ def note_compile(dynamic: bool, training: bool) -> Compile:
     """Record one graph handed to the backend; returns its `Compile` (a new one for a new
     compile id, the same one for the next graph of a graph break). Logs a recompile at
     INFO with its reason and source line."""
-    code, cid, ctx = _current()
+    frame, code, cid, ctx = _current()
     with _lock:
         rec = RECORDS.setdefault(code, CodeRecord(code)) if code is not None else CodeRecord(None)
         last = rec.compiles[-1] if rec.compiles else None
@@ -138,7 +148,7 @@ def note_compile(dynamic: bool, training: bool) -> Compile:
             c = Compile(cid, len(rec.compiles) + 1)
             c._ctx = weakref.ref(ctx) if ctx is not None else (lambda: None)
             rec.compiles.append(c)
-            _read_reason(rec, c)
+            _read_reason(frame, rec.code, c)
         c.graphs += 1
         c.dynamic |= dynamic
         c.training |= training
@@ -148,19 +158,21 @@ def note_compile(dynamic: bool, training: bool) -> Compile:
     return c
 
 
-def _read_reason(rec: CodeRecord, c: Compile) -> None:
-    """Take the guard failures dynamo added for ``rec.code`` since its last compile."""
-    if rec.code is None:
+def _read_reason(frame: Optional[types.CodeType], code: Optional[types.CodeType],
+                 c: Compile) -> None:
+    """Take the guard failures dynamo added for ``frame`` since its last compile."""
+    if frame is None:
         return
     from torch._dynamo.utils import guard_failures
-    fails = guard_failures.get(rec.code, [])
-    if len(fails) < rec._seen_failures:   # torch._dynamo.reset() cleared them
-        rec._seen_failures = 0
-    new, rec._seen_failures = fails[rec._seen_failures:], len(fails)
+    fails = guard_failures.get(frame, [])
+    seen = _SEEN.get(frame, 0)
+    if len(fails) < seen:   # torch._dynamo.reset() cleared them
+        seen = 0
+    new, _SEEN[frame] = fails[seen:], len(fails)
     if not new:
         return
     c.reason = new[0].split("\nUser stack trace:")[0]
-    found = [s for r in new[:1] for s in guard_sources(r, rec.code)]
+    found = guard_sources(new[0], code)
     c.sources = [_fmt(s) for s in found]
     owner = next((s for s in found if not s["first_use"]), found[0] if found else None)
     c.source = _fmt(owner) if owner else None
