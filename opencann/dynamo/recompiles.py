@@ -124,9 +124,11 @@ def guard_sources(reason: str, code: Optional[types.CodeType]) -> List[Dict[str,
         out.append({"file": path, "line": line, "fn": m.group(3), "first_use": bool(m.group(4)),
                     "text": linecache.getline(path, line).strip()})
     if not out and code is not None:
-        out.append({"file": code.co_filename, "line": code.co_firstlineno, "fn": code.co_name,
-                    "first_use": False,
-                    "text": linecache.getline(code.co_filename, code.co_firstlineno).strip()})
+        line = code.co_firstlineno
+        while linecache.getline(code.co_filename, line).lstrip().startswith("@"):
+            line += 1                                   # past decorators, to the def
+        out.append({"file": code.co_filename, "line": line, "fn": code.co_name,
+                    "first_use": False, "text": linecache.getline(code.co_filename, line).strip()})
     return out
 
 
