@@ -70,16 +70,23 @@ def plan_shape(graph: Graph, values: Mapping[str, int], options: Dict[str, Any]
     return g, ctx.artifacts["memory_plan"], ctx.artifacts["executor"]
 
 
-def pin_kernel_choices(graph: Graph, bound: Graph) -> int:
+def pin_kernel_choices(graph: Graph, bound: Graph) -> Tuple[int, int]:
     """Copy the kernel choices binding made on ``bound`` (a specialised copy of
     ``graph``: ``node.meta["kernel"]``, the GEMM measured per shape) onto ``graph``'s
-    nodes, so every later specialisation binds the same kernels without measuring.
-    Returns how many nodes got a choice."""
+    nodes, so every later specialisation binds the same kernels without measuring. A
+    GEMM that chose MKL's packed weight (``mkl_packed``) gets ``addmm`` at the other
+    shapes: MKL packs an fp32 weight for one row count m (``cblas_sgemm_pack`` takes m;
+    ``torch.ops.mkl._mkl_linear`` runs unpacked when m differs), so each new shape would
+    repack every weight (BERT-base: 48 weights, ~340 MB, 0.3-1.5 s per shape measured)
+    and keep one more copy per cached shape; Inductor likewise packs fp32 weights for
+    static shapes only. Returns (nodes given a choice, packed GEMMs moved to addmm)."""
     chosen = {n.name: n.meta["kernel"] for n in bound.nodes if "kernel" in n.meta}
+    unpacked = 0
     for n in graph.nodes:
         if n.name in chosen:
-            n.meta["kernel"] = chosen[n.name]
-    return len(chosen)
+            n.meta["kernel"] = "addmm" if chosen[n.name] == "mkl_packed" else chosen[n.name]
+            unpacked += chosen[n.name] == "mkl_packed"
+    return len(chosen), unpacked
 
 
 class ShapeBinder:
@@ -197,11 +204,14 @@ class PlanBuilder:
         logger.info("dynamic shapes: planned %s in %.1f ms (arena %d bytes, %.3fx its lower "
                     "bound)", self.binder.describe(values), dt * 1e3, plan.arena_bytes, plan.ratio)
         if self.pinned is None:
-            self.pinned = pin_kernel_choices(self.graph, g)
+            self.pinned, unpacked = pin_kernel_choices(self.graph, g)
             if self.pinned:
                 self.report.notes.append(
                     f"kernel choices measured at the first shape planned ({self.pinned} GEMMs) "
-                    "are kept at every shape: a new shape costs no measurement")
+                    "are kept at every shape: a new shape costs no measurement"
+                    + (f"; {unpacked} GEMMs on MKL-packed weights there run addmm at the other "
+                       "shapes (a packed fp32 weight serves one row count: no repacking per "
+                       "shape)" if unpacked else ""))
         return pool
 
     def cache(self) -> ShapePlanCache:

@@ -134,9 +134,9 @@ def _torch_compile(model, cells, mask=True):
 
 def test_minilm_torch_compile_default_dynamic():
     model = zoo.minilm(batch=2, seq=16).model
-    reports, compiles, rec = _torch_compile(model, [(2, 16), (3, 40), (5, 200), (8, 128)])
+    reports, compiles, rec = _torch_compile(model, [(2, 16), (3, 40), (6, 200)])
     assert compiles == 2 and len(reports) == 2            # one static, one symbolic graph
-    assert not reports[0].dynamic and len(reports[1].dynamic["plans"]) == 3
+    assert not reports[0].dynamic and len(reports[1].dynamic["plans"]) == 2
     assert "size mismatch" in rec["recompiles"][-1]["reason"]
     assert rec["recompiles"][-1]["source"] and rec["eager_fallbacks"] == 0
 
