@@ -13,8 +13,9 @@ import torch
 
 from ..frontend.torch import decomposition_table
 from ..log import logger
-from .compile_fx import compile_fx
+from .compile_fx import COMPILED_GRAPHS, compile_fx
 from .recompiles import note_compile, note_eager, stamp
+
 
 def _dynamic(example_inputs) -> bool:
     for t in example_inputs:
@@ -36,8 +37,6 @@ def opencann_backend(gm: torch.fx.GraphModule, example_inputs, **options):
     (``report.torch_compile``); a graph run eagerly is counted with its reason
     (`opencann.dynamo.eager_fallbacks`). ``torch.compile(..., options={...})`` passes
     opencann's compile options."""
-    from .compile_fx import COMPILED_GRAPHS
-
     options = dict(options.pop("options", None) or {}, **options)
     training = torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad
                                                for t in example_inputs)
