@@ -68,13 +68,19 @@ class CompileReport:
     notes: List[str] = field(default_factory=list)
     #: a model compiled with dynamic dims: "dims" (name -> symbol, min, max, sources),
     #: "guards" (conditions each call's shapes must meet), "plan_cache_size" and "plans"
-    #: (one entry per concrete shape planned: dims, arena bytes, ratio, build ms)
+    #: (one entry per concrete shape planned: dims, arena bytes, ratio, build ms); with
+    #: gears also "gears" (option, dims, values) and "padding" ("applies", "fill", and per
+    #: dim "padded" and "blocked_by": node, op, source, where, reason)
     dynamic: Dict[str, Any] = field(default_factory=dict)
     #: a graph compiled under torch.compile: "code" (the function dynamo compiled),
     #: "compile" (1 = its first compile), "compile_id" (dynamo's "frame/compile"),
     #: "reason" (why dynamo recompiled: its guard failure) and "source" (the user's
     #: line owning that guard); see `opencann.dynamo.recompiles`
     torch_compile: Dict[str, Any] = field(default_factory=dict)
+    #: with the option ``streams`` > 1: "streams", "events", "cross_stream_dependences",
+    #: "nodes_per_stream", "estimated_serial_us" (`opencann.passes.schedule.stream_summary`);
+    #: empty (and left out of `to_dict`) on one stream
+    streams: Dict[str, Any] = field(default_factory=dict)
 
     @property
     def opencann_seconds(self) -> float:
@@ -84,6 +90,8 @@ class CompileReport:
     def to_dict(self) -> Dict[str, Any]:
         """The report as plain data (``dataclasses.asdict``) plus ``opencann_seconds``."""
         d = asdict(self)
+        if not d["streams"]:
+            del d["streams"]
         d["opencann_seconds"] = self.opencann_seconds
         return d
 
@@ -118,6 +126,11 @@ class CompileReport:
                          f"naive {fmt_bytes(m['naive_bytes'])}"
                          + (f"; {m['kernel_allocated_values']} values kernel-allocated"
                             if m.get("kernel_allocated_values") else ""))
+        if self.streams:
+            st = self.streams
+            lines.append(f"  streams: {st['streams']} ({', '.join(map(str, st['nodes_per_stream']))} "
+                         f"nodes), {st['events']} events for {st['cross_stream_dependences']} "
+                         "cross-stream dependences")
         rec = m.get("recompute") if m else None
         if rec:
             bns = rec.get("batch_norm_outputs_recomputable") or []
@@ -158,6 +171,15 @@ class CompileReport:
         lines += [f"    {', '.join(f'{k}={v}' for k, v in p['dims'].items())}: arena "
                   f"{fmt_bytes(p['arena_bytes'])} ({p['arena_over_lower_bound']:.3f}x lower bound), "
                   f"built in {p['build_ms']:.1f} ms" for p in d.get("plans", [])]
+        if d.get("gears"):
+            g = d["gears"]
+            lines.append(f"  gears ({g['option']}, {', '.join(g['dims'])}): "
+                         f"{[v[0] if len(v) == 1 else v for v in g['values']]}")
+            for name, row in d.get("padding", {}).get("dims", {}).items():
+                b = row["blocked_by"]
+                lines.append(f"    {name}: padded to the smallest gear holding a call" if row["padded"]
+                             else f"    {name}: exact gears only, padding stopped by {b['node']} "
+                             f"({b['op']}) at {b['where']}: {b['reason']}")
         return lines
 
     def to_text(self) -> str:
