@@ -22,6 +22,7 @@ from .kernels import vnpu_cost
 from .kernels.add_layer_norm import make_add_layer_norm_kernel
 from .kernels.cpu import make_conv_kernel, make_linear_kernel
 from .library import _conv_cost, _matmul_cost
+from . import per_index as pi
 from .opdef import Cost, OpDef, OpKind, all_ops, register
 
 def _act_op(act: str) -> Optional[OpDef]:
@@ -47,14 +48,14 @@ def _conv_act_cost(node: Node) -> Cost:
 
 register(OpDef("ConvBiasAct", OpKind.FUSED, aliases=((),), cost_fn=_conv_act_cost,
                kernel_factories={"cpu": make_conv_kernel}, device_cost={"vnpu": vnpu_cost.conv},
-               doc="Conv2D(+folded BN)+activation in one oneDNN primitive"))
+               per_index=pi.CONV, doc="Conv2D(+folded BN)+activation in one oneDNN primitive"))
 register(OpDef("ConvAddAct", OpKind.FUSED, aliases=((),),  # in place: the node's inplace_input
                cost_fn=_conv_act_cost, kernel_factories={"cpu": make_conv_kernel},
-               device_cost={"vnpu": vnpu_cost.conv},
+               device_cost={"vnpu": vnpu_cost.conv}, per_index=pi.CONV_ADD,
                doc="Conv2D+Add(+ReLU) through oneDNN's sum post-op, in place into the addend"))
 register(OpDef("LinearAct", OpKind.FUSED, aliases=((),), cost_fn=_linear_cost,
                kernel_factories={"cpu": make_linear_kernel}, out_capable=lambda node: True,
-               device_cost={"vnpu": vnpu_cost.matmul},
+               device_cost={"vnpu": vnpu_cost.matmul}, per_index=pi.addmm,
                doc="addmm + activation on a packed weight"))
 register(OpDef("AddLayerNorm", OpKind.FUSED, flops_per_elem=9, aliases=((),),
                kernel_factories={"cpu": make_add_layer_norm_kernel}, out_capable=lambda node: True,

@@ -92,6 +92,12 @@ class OpDef:
     exp/log/pow...; `MixedPrecision`'s default keep-list).
     ``activation``: the activation the op is, as the fused CPU kernels name it
     ("relu", "gelu", "tanh", "sigmoid", "silu"), or None.
+    ``per_index``: along which dims the op is independent per index, as a rule that
+    follows a padded dim through a node (`opencann.ops.per_index`: ``rule(node, axes,
+    sym) -> {output: axis}`` or the reason padding could change its results); None:
+    unknown, which blocks gear padding (host fallbacks, custom ops). Elementwise ops:
+    every dim; Linear/Conv/pooling: the batch; softmax/norms: the dims they do not
+    normalise; reductions: the dims they keep. Gear padding (`opencann.gears`) uses it.
     View-ness is ``kind == OpKind.VIEW`` (`is_view`).
     """
 
@@ -113,6 +119,7 @@ class OpDef:
     npu_format: Optional[str] = None
     keep_fp32: bool = False
     activation: Optional[str] = None
+    per_index: Optional[Callable] = None
     doc: str = ""
 
     @property
