@@ -37,8 +37,10 @@ def compile(model, example_inputs=None, device: str = "cpu", options: Optional[D
     gets its own memory plan on its first call (cached, option ``plan_cache_size``,
     default 8). Returns a `DynamicCompiledModel` (see ``docs/dynamic_shapes.md``).
     ATC-style gears: ``options={"dynamic_batch_size": [1, 2, 4, 8]}`` (or
-    ``dynamic_image_size``, ``dynamic_dims``) plan each gear at compile time and serve
-    exactly those shapes (`opencann.gears`)."""
+    ``dynamic_image_size``, ``dynamic_dims``) plan each gear at compile time and serve a
+    call with the smallest gear that holds it, padding the call where no op can let a
+    padded row reach a real one (else exact gears only; `opencann.gears`). On ``vnpu``
+    each concrete shape (each gear) is compiled whole, its layout needing static shapes."""
     import os
     if isinstance(model, (str, os.PathLike)) or type(model).__name__ == "ModelProto":
         from .compiler import compile_onnx
@@ -78,12 +80,21 @@ def load(path: str):
     model class, no torch.export, no pickled code. Outputs are bit-for-bit those of the
     saved model. Raises ModelFileError (a ValueError) with one line saying what is wrong
     (not a model file, truncated, corrupted or modified, newer format, unknown device or
-    op) and FileNotFoundError."""
+    op) and FileNotFoundError. A model compiled with dynamic dims or gears comes back as
+    such: the same shapes, gears and padding, and the same errors for other shapes."""
     from .compiler import CompiledModel
     from .runtime.model_file import read
     parts = read(path)
     parts.pop("metadata")
-    return CompiledModel.from_parts(**parts)
+    dynamic, gears = parts.pop("dynamic"), parts.pop("gears")
+    if dynamic is None:
+        return CompiledModel.from_parts(**parts)
+    from .dynamic import DynamicCompiledModel
+    cm = DynamicCompiledModel.from_parts(**parts, dynamic=dynamic)
+    if gears:
+        from .gears import setup_gears
+        setup_gears(cm, gears["option"], gears["dims"], [tuple(g) for g in gears["values"]])
+    return cm
 
 
 def __getattr__(name):

@@ -31,7 +31,8 @@ from .ir.specialise import specialise
 from .ir.symbolic import bind, bind_tree, holds, is_symbol, parse, shape_symbols
 from .log import logger
 from .options import check_options
-from .passes import MemoryPlanning, Pass, PassContext, PassManager, default_pipeline
+from .passes import (MemoryPlanning, Pass, PassContext, PassManager, SingleStreamSchedule,
+                     default_pipeline)
 from .report import CompileReport
 from .runtime import DEFAULT_CONCURRENT_CALLS, Executor, ExecutorPool
 from .runtime.call_binding import forward_arg_names
@@ -60,26 +61,50 @@ def symbolic_pipeline() -> PassManager:
 def plan_shape(graph: Graph, values: Mapping[str, int], options: Dict[str, Any]
                ) -> Tuple[Graph, MemoryPlan, Executor]:
     """`specialise` ``graph`` to ``values`` (symbol -> int), then run the compiler's
-    memory and binding stages on it. Returns (concrete graph, plan, first executor)."""
+    schedule (the memory-aware order needs concrete sizes), memory and binding stages
+    on it. Returns (concrete graph, plan, first executor)."""
     g = specialise(graph, values)
     # the pass switches named the optimisation passes, which ran once already
     options = {k: v for k, v in options.items() if k not in ("disable", "enable")}
     ctx = PassContext(options=options, report=CompileReport(model=graph.name),
                       artifacts={"live_tensors": ()})
-    PassManager([MemoryPlanning(), BindKernels()]).run(g, ctx)
+    PassManager([SingleStreamSchedule(), MemoryPlanning(), BindKernels()]).run(g, ctx)
     return g, ctx.artifacts["memory_plan"], ctx.artifacts["executor"]
 
 
-def pin_kernel_choices(graph: Graph, bound: Graph) -> int:
+def compile_shape(graph: Graph, values: Mapping[str, int], device: str, options: Dict[str, Any],
+                  report: Optional[CompileReport] = None, live: Sequence[torch.Tensor] = ()
+                  ) -> Tuple[Graph, MemoryPlan, Executor]:
+    """`specialise` the unoptimised ``graph`` to ``values``, then run the whole pipeline
+    (optimisation, layout, memory, binding) for ``device`` on it: a device whose layout
+    stage needs static storage shapes (the vnpu's NC1HWC0 blocks) compiles each concrete
+    shape, as ATC compiles each gear. ``report`` (a fresh one if None) records the passes.
+    Returns (concrete graph, plan, first executor)."""
+    g = specialise(graph, values)
+    report = report or CompileReport(model=graph.name, device=device)
+    ctx = run_pipeline(g, device, options, report,
+                       PassManager(default_pipeline().passes + [BindKernels()]),
+                       artifacts={"live_tensors": list(live)})
+    return g, ctx.artifacts["memory_plan"], ctx.artifacts["executor"]
+
+
+def pin_kernel_choices(graph: Graph, bound: Graph) -> Tuple[int, int]:
     """Copy the kernel choices binding made on ``bound`` (a specialised copy of
     ``graph``: ``node.meta["kernel"]``, the GEMM measured per shape) onto ``graph``'s
-    nodes, so every later specialisation binds the same kernels without measuring.
-    Returns how many nodes got a choice."""
+    nodes, so every later specialisation binds the same kernels without measuring. A
+    GEMM that chose MKL's packed weight (``mkl_packed``) gets ``addmm`` at the other
+    shapes: MKL packs an fp32 weight for one row count m (``cblas_sgemm_pack`` takes m;
+    ``torch.ops.mkl._mkl_linear`` runs unpacked when m differs), so each new shape would
+    repack every weight (BERT-base: 48 weights, ~340 MB, 0.3-1.5 s per shape measured)
+    and keep one more copy per cached shape; Inductor likewise packs fp32 weights for
+    static shapes only. Returns (nodes given a choice, packed GEMMs moved to addmm)."""
     chosen = {n.name: n.meta["kernel"] for n in bound.nodes if "kernel" in n.meta}
+    unpacked = 0
     for n in graph.nodes:
         if n.name in chosen:
-            n.meta["kernel"] = chosen[n.name]
-    return len(chosen)
+            n.meta["kernel"] = "addmm" if chosen[n.name] == "mkl_packed" else chosen[n.name]
+            unpacked += chosen[n.name] == "mkl_packed"
+    return len(chosen), unpacked
 
 
 class ShapeBinder:
@@ -97,23 +122,31 @@ class ShapeBinder:
         #: (option, dim names, gears, gear keys, why no padding) once `opencann.gears` set it
         self.gears: Optional[tuple] = None
         self.order = sorted(dims)
+        # per input: its plain-symbol dims (bound from the call) and compound ones
+        # ("s0*s1": a backward graph's saved view, checked once the symbols are bound)
+        self._dims = [[(i, d, is_symbol(d)) for i, d in enumerate(shape) if isinstance(d, str)]
+                      for shape in self.shapes]
         loose = shape_symbols(self.shapes) - {d for s in self.shapes for d in s if is_symbol(d)}
         loose -= set(self.scalars)
         if loose:
             raise ValueError(f"input dims {sorted(loose)} are only known as expressions "
                              "(e.g. 2*s0): declare each dynamic dim of the inputs on its own")
 
-    def bind(self, inputs: Sequence[torch.Tensor], scalars: Sequence[int] = ()) -> Tuple[int, ...]:
-        """The values of the symbols (in ``self.order``) for these inputs (and the int
-        arguments standing for ``self.scalars``). Raises ValueError naming the input, the
-        dim, its range and the fix."""
+    def values(self, inputs: Sequence[torch.Tensor], scalars: Sequence[int] = ()
+               ) -> Dict[str, int]:
+        """The symbols' values for these inputs (and the int arguments standing for
+        ``self.scalars``), checked for ranges (not with gears), shared dims and the
+        model's shape conditions. Raises ValueError naming the input, the dim, its range
+        and the fix."""
         values: Dict[str, int] = dict(zip(self.scalars, (int(v) for v in scalars)))
         where: Dict[str, str] = {s: "its size argument" for s in values}
-        for name, shape, t in zip(self.names, self.shapes, inputs):
-            for i, d in enumerate(shape):
-                if not isinstance(d, str):
-                    continue
+        compound = []
+        for name, dims, t in zip(self.names, self._dims, inputs):
+            for i, d, plain in dims:
                 n = int(t.shape[i])
+                if not plain:
+                    compound.append((name, i, d, n))
+                    continue
                 if d in values and values[d] != n:
                     raise ValueError(
                         f"{name} dim {i} is {n} but {where[d]} is {values[d]}: both are the "
@@ -121,11 +154,26 @@ class ShapeBinder:
                 values[d], where[d] = n, f"{name} dim {i}"
                 if self.gears is None:   # with gears, the gear check names the gears
                     self._check_range(d, n, f"{name} dim {i}")
+        for name, i, d, n in compound:
+            if bind(d, values) != n:
+                raise ValueError(f"{name} dim {i} is {n} but the graph computes it as {d} = "
+                                 f"{bind(d, values)} ({self.describe(values)}): call with "
+                                 "consistent shapes")
         for g in self.guards:
             if not holds(g, values):
                 raise ValueError(f"the shapes {self.describe(values)} break the model's shape "
                                  f"condition {self.readable(g)} (found by torch.export); call "
                                  "it with shapes that satisfy it")
+        return values
+
+    def bind(self, inputs: Sequence[torch.Tensor], scalars: Sequence[int] = ()) -> Tuple[int, ...]:
+        """The values of the symbols (in ``self.order``) for these inputs (see `values`);
+        with gears, a shape that is not a gear raises ValueError naming the gears."""
+        return self.bind_key(self.values(inputs, scalars))
+
+    def bind_key(self, values: Mapping[str, int]) -> Tuple[int, ...]:
+        """The key (in ``self.order``) of symbol ``values``; with gears, values that are
+        not a gear raise ValueError naming the gears."""
         key = tuple(values[s] for s in self.order)
         if self.gears is not None and key not in self.gears[3]:
             opt, names, gears, _, why = self.gears
@@ -160,20 +208,27 @@ class ShapeBinder:
 
 class PlanBuilder:
     """Builds the `ExecutorPool` of one concrete shape of a symbolic ``graph``
-    (`plan_shape`), records it in ``report.dynamic["plans"]`` and the log, and after the
-    first build pins its kernel choices on ``graph`` (`pin_kernel_choices`)."""
+    (`plan_shape`; on a device other than cpu `compile_shape`, ``graph`` being the
+    unoptimised one), records it in ``report.dynamic["plans"]`` and the log, and after
+    the first build pins its kernel choices on ``graph`` (`pin_kernel_choices`, cpu)."""
 
     def __init__(self, graph: Graph, report: CompileReport, binder: "ShapeBinder",
-                 options: Dict[str, Any]):
+                 options: Dict[str, Any], device: str = "cpu"):
         self.graph, self.report, self.binder, self.options = graph, report, binder, options
         self.concurrent = options.get("concurrent_calls", DEFAULT_CONCURRENT_CALLS)
-        self.pinned = None
+        self.device = device
+        self.pinned = None if device == "cpu" else 0
+        self.first_report: Optional[CompileReport] = report if device != "cpu" else None
 
     def __call__(self, key: Tuple[int, ...]) -> ExecutorPool:
         """The executor pool for symbol values ``key`` (in ``binder.order``)."""
         t0 = time.perf_counter()
         values = dict(zip(self.binder.order, key))
-        g, plan, ex = plan_shape(self.graph, values, self.options)
+        if self.device == "cpu":
+            g, plan, ex = plan_shape(self.graph, values, self.options)
+        else:   # the first shape's passes fill the model's report
+            rep, self.first_report = self.first_report, None
+            g, plan, ex = compile_shape(self.graph, values, self.device, self.options, rep)
         check = self.options.get("check_aliasing")
         pool = ExecutorPool(lambda: Executor(g, plan, check_aliasing=check), self.concurrent,
                             first=ex)
@@ -186,11 +241,15 @@ class PlanBuilder:
         logger.info("dynamic shapes: planned %s in %.1f ms (arena %d bytes, %.3fx its lower "
                     "bound)", self.binder.describe(values), dt * 1e3, plan.arena_bytes, plan.ratio)
         if self.pinned is None:
-            self.pinned = pin_kernel_choices(self.graph, g)
-            if self.pinned:
-                self.report.notes.append(
-                    f"kernel choices measured at the first shape planned ({self.pinned} GEMMs) "
-                    "are kept at every shape: a new shape costs no measurement")
+            self.pinned, unpacked = pin_kernel_choices(self.graph, g)
+            note = ("kernel choices measured at the first shape planned ({} GEMMs) are kept "
+                    "at every shape: a new shape costs no measurement").format(self.pinned)
+            if unpacked:
+                note += (f"; {unpacked} GEMMs on MKL-packed weights there run addmm at the other "
+                         "shapes (a packed fp32 weight serves one row count: no repacking per "
+                         "shape)")
+            if self.pinned and note not in self.report.notes:
+                self.report.notes.append(note)
         return pool
 
     def cache(self) -> ShapePlanCache:
@@ -207,14 +266,19 @@ class DynamicCompiledModel(CompiledModel):
     the example shape's. A shape outside a range raises ValueError naming the input,
     the dim, its range and the fix. ``plans`` is the `ShapePlanCache` (its counters:
     ``hits``, ``misses``, ``evictions``); ``report.dynamic`` lists the dims, their
-    ranges, the guards and each plan built. Thread-safe as `CompiledModel`. Saving
-    (`opencann.save`) is for static models (ValueError)."""
+    ranges, the guards and each plan built. Thread-safe as `CompiledModel`. Saved by
+    `opencann.save` with its symbolic graph, dims, guards and gears (`calling_convention`);
+    `from_parts` rebuilds it (`opencann.load`)."""
 
     def __init__(self, graph: Graph, report: CompileReport, binder: ShapeBinder,
-                 options: Dict[str, Any], example_inputs: Sequence[torch.Tensor], **kw):
-        self.binder = binder
-        build = PlanBuilder(graph, report, binder, options)
+                 options: Dict[str, Any], example_inputs: Sequence[torch.Tensor],
+                 device: str = "cpu", **kw):
+        self.binder, self.device = binder, device
+        build = PlanBuilder(graph, report, binder, options, device)
         key = binder.bind(example_inputs)
+        self._example_key = key
+        self._dyn_options = {k: options[k] for k in ("plan_cache_size", "check_aliasing")
+                             if options.get(k) is not None}
         pool = build(key)
         report.memory = pool.plan.summary()   # the example shape's plan
         super().__init__(graph, pool.plan, report, concurrent_calls=build.concurrent,
@@ -222,6 +286,20 @@ class DynamicCompiledModel(CompiledModel):
         self.plans = build.cache()
         self.plans.put(key, pool)
         self.pool = self.plans
+        #: set by `opencann.gears` when gear padding applies: ``padder(tensors) ->
+        #: (padded tensors, restore(outputs) -> outputs)``
+        self.padder = None
+        #: the gear option, dim names and gears (`opencann.gears`), None without gears
+        self.gear_spec: Optional[Dict[str, Any]] = None
+
+    def __call__(self, *args, **kwargs):
+        if self.padder is None:
+            return super().__call__(*args, **kwargs)
+        user = self._user_tensors(args, kwargs)
+        with torch.no_grad():
+            ins, restore = self.padder(self._contiguous(user))
+            outs = restore(self.pool.run(ins))
+        return self._structure(outs, user)
 
     def _input_views(self, user) -> Dict[int, list]:
         """The views of mutated inputs the outputs are, bound to this call's shapes."""
@@ -236,9 +314,37 @@ class DynamicCompiledModel(CompiledModel):
                 for j, v in views.items()}
 
     def calling_convention(self) -> Dict[str, Any]:
-        """Refused: a model file stores one static plan (ValueError with the fix)."""
-        raise ValueError("opencann.save stores static models: compile without dynamic_shapes "
-                         "(example inputs of the shape to serve) to save one")
+        """`CompiledModel.calling_convention` plus ``dynamic`` (the dims: symbol -> name,
+        range, sources; the model's shape conditions; the example's dim values, planned
+        first; options ``plan_cache_size``/``check_aliasing``) and ``gears`` (the gear
+        spec or None), all JSON-able (symbols and conditions as sympy strings)."""
+        return {**super().calling_convention(), "gears": self.gear_spec, "dynamic": {
+            "dims": self.binder.dims, "guards": list(self.binder.guards),
+            "example": dict(zip(self.binder.order, self._example_key)),
+            "options": dict(self._dyn_options), "device": self.device}}
+
+    @classmethod
+    def from_parts(cls, graph: Graph, plan: MemoryPlan, report: CompileReport, in_spec, out_spec,
+                   input_positions: Optional[Sequence[int]], baked: Dict[int, Any],
+                   contiguous: Sequence[bool], concurrent_calls: int = DEFAULT_CONCURRENT_CALLS,
+                   arg_names: Optional[Sequence[Optional[str]]] = None,
+                   dynamic: Optional[Dict[str, Any]] = None) -> "DynamicCompiledModel":
+        """A dynamic model from saved parts (`opencann.load`): `calling_convention`'s
+        fields plus the symbolic ``graph`` and ``report``; the example's shape is planned
+        again (``plan`` is the saved summary's source only), with the kernel choices the
+        graph's nodes carry. Raises ValueError for a malformed ``dynamic``."""
+        binder = ShapeBinder(graph, dynamic["dims"], dynamic["guards"],
+                             [v.name for v in graph.inputs])
+        example = dynamic["example"]
+        tensors = [torch.empty([bind(d, example) for d in v.desc.shape], dtype=v.desc.dtype.torch)
+                   for v in graph.inputs]
+        options = {**dynamic.get("options", {}), "concurrent_calls": concurrent_calls}
+        report.dynamic["plans"] = []   # the plans built in this process
+        cm = cls(graph, report, binder, options, tensors, device=dynamic.get("device", "cpu"),
+                 in_spec=in_spec, out_spec=out_spec, input_positions=input_positions,
+                 arg_names=arg_names)
+        cm._baked, cm._contig = dict(baked), list(contiguous)
+        return cm
 
 
 def _report_dims(report: CompileReport, binder: ShapeBinder, capacity: int) -> None:
@@ -280,15 +386,13 @@ def compile_dynamic(model: torch.nn.Module, example_inputs, dynamic_shapes: Any,
                     ) -> DynamicCompiledModel:
     """Capture ``model`` once with dynamic dims (``dynamic_shapes``, see
     `opencann.frontend.torch.dynamic`), optimise the symbolic graph once, plan the
-    example's shape; returns a `DynamicCompiledModel`. Raises CaptureError (the model
+    example's shape; returns a `DynamicCompiledModel`. On a device other than cpu (the
+    vnpu, whose layout stage needs static storage shapes) the graph is captured once and
+    each concrete shape is compiled whole on its first use (`compile_shape`, cached the
+    same way), its report and vnpu costs per shape. Raises CaptureError (the model
     cannot run with these dims: torch.export's reason), ValueError (bad spec, options,
-    device other than cpu)."""
-    dev = parse_device(device)
-    if dev.kind != "cpu":
-        raise ValueError(f"dynamic_shapes compiles for cpu; on {dev.name} the layout stage "
-                         "needs static storage shapes (NC1HWC0 blocks per dim): compile one "
-                         "model per shape for this device, or compile for 'cpu'")
-    device = dev.name
+    device)."""
+    device = parse_device(device).name
     options = check_options(options)
     if isinstance(example_inputs, list):
         raise ValueError("example_inputs must be a tensor or a tuple of the model's positional "
@@ -304,15 +408,22 @@ def compile_dynamic(model: torch.nn.Module, example_inputs, dynamic_shapes: Any,
     positions = [i for i, s in enumerate(user) if isinstance(flat[i], torch.Tensor)]
     tensors = [flat[i] for i in positions]
     example = dict(zip(binder.order, binder.bind(tensors)))
-    before = graph_cost(specialise(graph, example))
-    run_pipeline(graph, device, options, report, symbolic_pipeline())
-    report.cost_before, report.cost_after = before, graph_cost(specialise(graph, example))
+    if parse_device(device).kind == "cpu":
+        before = graph_cost(specialise(graph, example))
+        run_pipeline(graph, device, options, report, symbolic_pipeline())
+        report.cost_before, report.cost_after = before, graph_cost(specialise(graph, example))
+    else:
+        report.notes.append(f"dynamic dims on {device}: the layout stage needs static storage "
+                            "shapes, so each concrete shape is compiled whole (all passes) on "
+                            "its first use, as ATC compiles each gear; this report's passes "
+                            "and costs are the example shape's")
     snapshot_constants(graph, live)
     _report_dims(report, binder, options.get("plan_cache_size", DEFAULT_PLAN_CACHE_SIZE))
     if narrowed:
         report.notes.append(f"dims given no range narrowed to what the model accepts "
                             f"(torch.export's guards): {narrowed}")
-    return DynamicCompiledModel(graph, report, binder, options, tensors, in_spec=in_spec,
+    return DynamicCompiledModel(graph, report, binder, options, tensors, device=device,
+                                in_spec=in_spec,
                                 out_spec=ep.call_spec.out_spec, input_positions=positions,
                                 example_flat=flat, frozen=frozen,
                                 arg_names=forward_arg_names(model))
@@ -324,8 +435,9 @@ def compile_symbolic_fx(graph: Graph, placeholders: Sequence[Any], options: Dict
     graphs): optimise ``graph`` once, plan each concrete shape on first use (cached as
     for `compile_dynamic`). ``placeholders``: the FX graph's placeholder values (tensors
     and SymInts, in calling order). Returns ``run(args) -> flat outputs`` taking the
-    graph's call arguments (tensors and the ints dynamo passes for its SymInts).
-    dynamo's own guards keep calls within the shapes this graph is valid for."""
+    graph's call arguments (tensors and the ints dynamo passes for its SymInts), with
+    ``run.plans`` (the `ShapePlanCache`) and ``run.values(args)`` (symbol -> int, to bind
+    the sizes a training forward returns for its backward). dynamo's own guards keep calls within the shapes this graph is valid for."""
     run_pipeline(graph, "cpu", options, report, symbolic_pipeline())
     tensors = [i for i, v in enumerate(placeholders) if isinstance(v, torch.Tensor)]
     sizes = [(i, str(v.node.expr)) for i, v in enumerate(placeholders)
@@ -347,5 +459,10 @@ def compile_symbolic_fx(graph: Graph, placeholders: Sequence[Any], options: Dict
         ts = [args[i] for i in tensors]
         key = binder.bind(ts, [args[i] for i, _ in sizes])
         return plans.pool_for_key(key).run(ts)
-    run.plans = plans
+
+    def values(args) -> Dict[str, int]:
+        """The symbols' values for these call arguments (to bind size outputs)."""
+        ts = [args[i] for i in tensors]
+        return dict(zip(binder.order, binder.bind(ts, [args[i] for i, _ in sizes])))
+    run.plans, run.values = plans, values
     return run

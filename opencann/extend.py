@@ -82,7 +82,8 @@ def unregister_fusion(name: str) -> None:
 def register_op(name: str, op, kernels: Optional[Dict[str, Callable]] = None,
                 infer: Optional[Callable] = None, kind: str = "elementwise",
                 flops_per_elem: float = 1.0, cost: Optional[Callable] = None,
-                device_cost: Optional[Dict[str, Callable]] = None, doc: str = "") -> OpDef:
+                device_cost: Optional[Dict[str, Callable]] = None, doc: str = "",
+                per_index: Optional[Callable] = None) -> OpDef:
     """Make the torch custom op ``op`` (a ``torch.library.custom_op`` or its OpOverload)
     the opencann op ``name``.
 
@@ -93,7 +94,9 @@ def register_op(name: str, op, kernels: Optional[Dict[str, Callable]] = None,
     ``kind``: an `OpKind` value ("elementwise", "reduction", "fused"...); ``flops_per_elem``
     or ``cost`` (``cost(node) -> Cost``: FLOPs, bytes) give its work in the report;
     ``device_cost``: device kind -> ``f(node, spec) -> (KernelCost, model name)`` (vnpu
-    estimate). Returns the registered `OpDef`. Raises ValueError for a name or op
+    estimate). ``per_index``: along which dims the op is independent per index, a rule
+    of ``opencann.ops.per_index`` (``per_index.ALL`` for an elementwise op); None (unknown)
+    keeps ATC-style gear padding off for models using it. Returns the registered `OpDef`. Raises ValueError for a name or op
     registered already, ``kernels``/``device_cost`` not a dict or with a key that is not a
     device kind, or an unknown kind (nothing is registered then, not even ``infer``);
     TypeError when ``op`` is not a torch op."""
@@ -111,7 +114,7 @@ def register_op(name: str, op, kernels: Optional[Dict[str, Callable]] = None,
                              f"device kind -> function, e.g. {col}={{'cpu': fn}}")
     opdef = register(OpDef(name, opkind, aten=overload, flops_per_elem=flops_per_elem,
                            kernels=dict(kernels or {}), cost_fn=cost,
-                           device_cost=dict(device_cost or {}), doc=doc))
+                           device_cost=dict(device_cost or {}), doc=doc, per_index=per_index))
     if infer is not None:   # after the checks: a refused registration leaves the op as it was
         torch.library.register_fake(overload)(infer)
     return opdef

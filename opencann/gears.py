@@ -7,26 +7,40 @@ value per dim named in ``dynamic_shapes``, in the order they are first named) co
 the model once with those dims dynamic and plan every gear at compile time, as ATC puts
 every gear in its offline model. At most 100 gears (ATC's limit).
 
-A call is served by the gear equal to its shape. Padding a smaller batch up to the next
-gear (and slicing the outputs back) is only correct where every op treats samples
-independently; opencann does not prove that yet, so only exact gears are served and the
-report says so; any other shape (between gears, above every gear) is one error naming the
-gears. Source: CANN ATC documentation, "--dynamic_batch_size", "--dynamic_image_size",
-"--dynamic_dims".
+A call is served by the SMALLEST gear that holds it, as ATC does: a batch of 3 with
+gears [1, 2, 4, 8] runs the batch-4 plan on the inputs padded to 4 and the outputs are
+sliced back to 3. Padding a dim is only correct where no op lets a padded index reach
+a real one; `opencann.passes.gear_padding` proves that per dim on the optimised graph
+from each op's ``OpDef.per_index`` fact (elementwise ops, Linear, convolution,
+pooling, LayerNorm, softmax over other dims, inference BatchNorm: yes; a reduction or
+BatchNorm statistics over the batch, attention over padded keys, random or unknown
+ops: no). A dim it does not prove is served exactly only, and the report
+(``report.dynamic["padding"]``) and the log name the op that prevents padding, with
+its source line. Padded entries replicate the last real index of the dim (not zeros:
+a zero row can give Inf/NaN in a norm or a division; harmless for independence, but
+a real row keeps every intermediate finite where the real ones are). A shape no gear
+holds (above every gear, or between gears on a dim that is not padded) is one error
+naming the gears. Source: CANN ATC documentation, "--dynamic_batch_size",
+"--dynamic_image_size", "--dynamic_dims".
 """
 from __future__ import annotations
 
 import inspect
+import math
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from .dynamic import DynamicCompiledModel, compile_dynamic
+from .ir.symbolic import bind
+from .log import logger
+from .passes.gear_padding import PaddingCheck, follow_padded_dim, padding_summary
 
 GEAR_OPTIONS = ("dynamic_batch_size", "dynamic_image_size", "dynamic_dims")
 MAX_GEARS = 100
-NO_PADDING = ("padding to the next gear is not applied: opencann does not yet prove that "
-              "every op treats samples independently, so only exact gears are served")
+NO_PADDING = "no dim can be padded, so only exact gears are served"
+PAD_FILL = ("padded entries replicate the last real index of the dim; outputs are sliced "
+            "back to the call's sizes")
 
 
 def _tensor_args(model, args, kwargs) -> List[Tuple[str, torch.Tensor]]:
@@ -101,13 +115,117 @@ def _example_values(spec: Any, tensors: List[Tuple[str, torch.Tensor]]) -> Dict[
     return out
 
 
+class GearPadder:
+    """Serves a call with the smallest gear that holds it: pads the inputs' padded dims
+    by replicating their last real index, and slices the outputs back
+    (``DynamicCompiledModel.padder``). ``checks``: symbol -> `PaddingCheck` of every
+    gear dim; a dim not ``safe`` must match a gear exactly."""
+
+    def __init__(self, cm: DynamicCompiledModel, names: Sequence[str],
+                 gears: Sequence[Tuple[int, ...]], checks: Dict[str, PaddingCheck]):
+        self.binder, self.checks = cm.binder, checks
+        self.graph = cm.graph
+        by_name = {d["name"]: s for s, d in cm.binder.dims.items()}
+        self.gears = [dict(zip((by_name[n] for n in names), g)) for g in gears]
+        self.padded = [s for s, c in checks.items() if c.safe]
+        self._memo: Dict[tuple, List[Tuple[int, int, int]]] = {}   # call shape -> cuts
+
+    def choose(self, values: Dict[str, int]) -> Dict[str, int]:
+        """The smallest gear (fewest elements, then lowest) holding ``values``; raises
+        the gear error (ValueError) when none does."""
+        fits = [g for g in self.gears   # a padded dim needs a real index to replicate
+                if all(g[s] == values[s] or (s in self.padded and g[s] > values[s] >= 1)
+                       for s in g)]
+        if not fits:
+            self.binder.bind_key(values)   # raises the error naming the gears
+        return min(fits, key=lambda g: (math.prod(g.values()), sorted(g.items())))
+
+    def _cuts(self, real: Dict[str, int], gear: Dict[str, int]) -> List[Tuple[int, int, int]]:
+        """(output, axis, real size) of every slice back, bound once per call shape."""
+        key = tuple(sorted(real.items()))
+        cuts = self._memo.get(key)
+        if cuts is None:
+            cuts = [(j, axis, bind(self.graph.outputs[j].desc.shape[axis], real))
+                    for s in self.padded if gear[s] != real[s]
+                    for j, axis in self.checks[s].outputs.items()]
+            if len(self._memo) < 1024:
+                self._memo[key] = cuts
+        return cuts
+
+    def __call__(self, tensors: Sequence[torch.Tensor]):
+        """(the inputs padded to the chosen gear, ``restore(outputs)``)."""
+        real = self.binder.values(tensors)
+        gear = self.choose(real)
+        if gear == {s: real[s] for s in gear}:
+            return list(tensors), lambda outs: outs
+        ins = []
+        for t, v in zip(tensors, self.graph.inputs):
+            for i, d in enumerate(v.desc.shape):
+                if d in self.padded and gear[d] > real[d]:
+                    idx = torch.arange(gear[d]).clamp_(max=real[d] - 1)
+                    t = t.index_select(i, idx)
+            ins.append(t)
+
+        cuts = self._cuts(real, gear)
+
+        def restore(outs):
+            outs = list(outs)
+            for j, axis, n in cuts:
+                o = outs[j].narrow(axis, 0, n)
+                outs[j] = o if o.is_contiguous() or not outs[j].is_contiguous() else o.contiguous()
+            return tuple(outs)
+        return ins, restore
+
+
+def setup_gears(cm: DynamicCompiledModel, opt: str, names: Sequence[str],
+                gears: Sequence[Tuple[int, ...]], plan: bool = True) -> None:
+    """Make ``cm`` serve the ``gears`` of option ``opt`` (values of the dims ``names``):
+    the binder refuses other shapes, every gear is planned now (``plan``), each dim is
+    checked for padding (`follow_padded_dim`) and a `GearPadder` serves the shapes
+    between gears where padding applies; the report and the log say which dims are
+    padded, and for the others which op prevents it. Raises ValueError for a gear dim
+    the captured model does not have dynamic."""
+    by_name = {d["name"]: s for s, d in cm.binder.dims.items()}
+    missing = [n for n in names if n not in by_name]
+    if missing:
+        raise ValueError(f"{opt}: dims {missing} are not dynamic in the captured model")
+    keys = []
+    for g in gears:
+        values = dict(zip((by_name[n] for n in names), g))
+        keys.append(tuple(values[s] for s in cm.binder.order))
+    checks = {by_name[n]: follow_padded_dim(cm.graph, by_name[n]) for n in names}
+    safe = [n for n in names if checks[by_name[n]].safe]
+    why = (f"padding applies to {', '.join(safe)} (a call is served by the smallest gear that "
+           "holds it), and no gear holds this shape" if safe else NO_PADDING)
+    cm.binder.gears = (opt, list(names), list(gears), set(keys), why)
+    if plan:
+        for k in keys:
+            cm.plans.pool_for_key(k)
+    cm.gear_spec = {"option": opt, "dims": list(names), "values": [list(g) for g in gears]}
+    cm.padder = GearPadder(cm, names, gears, checks) if safe else None
+    cm.report.dynamic.update({"gears": dict(cm.gear_spec), "padding": {
+        "applies": bool(safe), "fill": PAD_FILL if safe else None,
+        "dims": padding_summary(checks, {s: n for n, s in by_name.items()})}})
+    shown = [g[0] if len(g) == 1 else list(g) for g in gears]
+    for n in names:
+        c = checks[by_name[n]]
+        line = (f"{opt}={shown}: {n} padded to the smallest gear holding a call ({PAD_FILL})"
+                if c.safe else f"{opt}={shown}: padding not applied to {n}, exact gears only: "
+                f"{c.why()}")
+        if line not in cm.report.notes:   # a loaded model's report has it already
+            cm.report.notes.append(line)
+        logger.info("gears: %s", line)
+
+
 def compile_with_gears(model, example_inputs, options: Dict[str, Any], dynamic_shapes: Any = None,
                        device: str = "cpu", example_kwargs: Optional[Dict[str, Any]] = None
                        ) -> DynamicCompiledModel:
     """Compile with one gear option (see the module docstring): one capture, one
     optimisation, a plan per gear built now. Returns a `DynamicCompiledModel` whose calls
-    must match a gear (ValueError naming the gears otherwise); ``report.dynamic["gears"]``
-    lists them and ``["padding"]`` says why padding is not applied."""
+    are served by the smallest gear that holds them, padded where padding cannot change
+    the results (`setup_gears`; ValueError naming the gears when none holds a call);
+    ``report.dynamic["gears"]`` lists them and ``["padding"]`` says, per dim, whether it
+    is padded or which op prevents it."""
     args = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
     opt, spec, names, gears = gear_spec(model, args, example_kwargs, options, dynamic_shapes)
     rest = {k: v for k, v in options.items() if k not in GEAR_OPTIONS}
@@ -118,19 +236,5 @@ def compile_with_gears(model, example_inputs, options: Dict[str, Any], dynamic_s
                   max([g[i] for g in gears] + seen.get(n, []))) for i, n in enumerate(names)}
     cm = compile_dynamic(model, example_inputs, spec, device=device, options=rest,
                          example_kwargs=example_kwargs, dim_ranges=ranges)
-    by_name = {d["name"]: s for s, d in cm.binder.dims.items()}
-    missing = [n for n in names if n not in by_name]
-    if missing:
-        raise ValueError(f"{opt}: dims {missing} are not dynamic in the captured model")
-    keys = []
-    for g in gears:
-        values = dict(zip((by_name[n] for n in names), g))
-        keys.append(tuple(values[s] for s in cm.binder.order))
-    cm.binder.gears = (opt, names, gears, set(keys), NO_PADDING)
-    for k in keys:
-        cm.plans.pool_for_key(k)
-    cm.report.dynamic.update({"gears": {"option": opt, "dims": names,
-                                        "values": [list(g) for g in gears]},
-                              "padding": NO_PADDING})
-    cm.report.notes.append(f"{opt}: {len(gears)} gears planned; {NO_PADDING}")
+    setup_gears(cm, opt, names, gears)
     return cm

@@ -13,10 +13,10 @@ from .ops import get_op
 KNOWN_OPTIONS = {"disable", "enable", "verify", "alignment", "inplace", "copy_out",
                  "precision_mode", "keep_fp32", "host_fallback", "concurrent_calls",
                  "check_aliasing", "fusion_switch_file", "dump_graph", "plan_cache_size",
-                 "disable_rewrites", "fuse_elementwise_fastmath"}
+                 "disable_rewrites", "memory_aware_order", "streams", "fuse_elementwise_fastmath"}
 
 _BOOL_OPTIONS = ("verify", "inplace", "copy_out", "host_fallback", "check_aliasing",
-                 "fuse_elementwise_fastmath")
+                 "memory_aware_order", "fuse_elementwise_fastmath")
 _LIST_OPTIONS = ("disable", "enable", "keep_fp32", "disable_rewrites")
 
 
@@ -54,6 +54,10 @@ def check_options(options: Optional[Dict[str, Any]]) -> Dict[str, Any]:
     if c is not None and (isinstance(c, bool) or not isinstance(c, int) or c < 1):
         raise ValueError(f"option 'concurrent_calls' takes a positive int (the most calls "
                          f"run at once, each with its own arena; e.g. 4), got {c!r}")
+    c = options.get("streams")
+    if c is not None and (isinstance(c, bool) or not isinstance(c, int) or c < 1):
+        raise ValueError(f"option 'streams' takes a positive int (the most logical streams "
+                         f"independent branches run on at once; 1 = one stream, e.g. 2), got {c!r}")
     c = options.get("plan_cache_size")
     if c is not None and (isinstance(c, bool) or not isinstance(c, int) or c < 1):
         raise ValueError(f"option 'plan_cache_size' takes a positive int (the most concrete "

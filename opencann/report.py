@@ -68,8 +68,19 @@ class CompileReport:
     notes: List[str] = field(default_factory=list)
     #: a model compiled with dynamic dims: "dims" (name -> symbol, min, max, sources),
     #: "guards" (conditions each call's shapes must meet), "plan_cache_size" and "plans"
-    #: (one entry per concrete shape planned: dims, arena bytes, ratio, build ms)
+    #: (one entry per concrete shape planned: dims, arena bytes, ratio, build ms); with
+    #: gears also "gears" (option, dims, values) and "padding" ("applies", "fill", and per
+    #: dim "padded" and "blocked_by": node, op, source, where, reason)
     dynamic: Dict[str, Any] = field(default_factory=dict)
+    #: a graph compiled under torch.compile: "code" (the function dynamo compiled),
+    #: "compile" (1 = its first compile), "compile_id" (dynamo's "frame/compile"),
+    #: "reason" (why dynamo recompiled: its guard failure) and "source" (the user's
+    #: line owning that guard); see `opencann.dynamo.recompiles`
+    torch_compile: Dict[str, Any] = field(default_factory=dict)
+    #: with the option ``streams`` > 1: "streams", "events", "cross_stream_dependences",
+    #: "nodes_per_stream", "estimated_serial_us" (`opencann.passes.schedule.stream_summary`);
+    #: empty (and left out of `to_dict`) on one stream
+    streams: Dict[str, Any] = field(default_factory=dict)
 
     @property
     def opencann_seconds(self) -> float:
@@ -79,6 +90,8 @@ class CompileReport:
     def to_dict(self) -> Dict[str, Any]:
         """The report as plain data (``dataclasses.asdict``) plus ``opencann_seconds``."""
         d = asdict(self)
+        if not d["streams"]:
+            del d["streams"]
         d["opencann_seconds"] = self.opencann_seconds
         return d
 
@@ -107,12 +120,17 @@ class CompileReport:
         if self.host_fallbacks:
             lines.append("  host fallbacks: " + ", ".join(
                 f"{k} x{v['count']}" for k, v in self.host_fallbacks.items()))
-        if m:
+        if m.get("arena_bytes") is not None:
             lines.append(f"  memory: arena {fmt_bytes(m['arena_bytes'])}, lower bound "
                          f"{fmt_bytes(m['lower_bound_bytes'])} ({m['arena_over_lower_bound']:.3f}x), "
                          f"naive {fmt_bytes(m['naive_bytes'])}"
                          + (f"; {m['kernel_allocated_values']} values kernel-allocated"
                             if m.get("kernel_allocated_values") else ""))
+        if self.streams:
+            st = self.streams
+            lines.append(f"  streams: {st['streams']} ({', '.join(map(str, st['nodes_per_stream']))} "
+                         f"nodes), {st['events']} events for {st['cross_stream_dependences']} "
+                         "cross-stream dependences")
         rec = m.get("recompute") if m else None
         if rec:
             bns = rec.get("batch_norm_outputs_recomputable") or []
@@ -131,6 +149,12 @@ class CompileReport:
             cb, ca = self.cost_before, self.cost_after
             lines.append(f"  work {fmt_flops(cb['flops'])} -> {fmt_flops(ca['flops'])}; "
                          f"bytes moved {fmt_bytes(cb['bytes'])} -> {fmt_bytes(ca['bytes'])}")
+        tc = self.torch_compile
+        if tc:
+            lines.append(f"  torch.compile: {tc['code']}, compile {tc['compile']} "
+                         f"({tc['compile_id']})" + (f", recompiled because {tc['reason']} "
+                                                    f"(guard at {tc['source']})"
+                                                    if tc.get("reason") else ""))
         lines += [f"  note: {n}" for n in self.notes]
         return "\n".join(lines)
 
@@ -147,6 +171,15 @@ class CompileReport:
         lines += [f"    {', '.join(f'{k}={v}' for k, v in p['dims'].items())}: arena "
                   f"{fmt_bytes(p['arena_bytes'])} ({p['arena_over_lower_bound']:.3f}x lower bound), "
                   f"built in {p['build_ms']:.1f} ms" for p in d.get("plans", [])]
+        if d.get("gears"):
+            g = d["gears"]
+            lines.append(f"  gears ({g['option']}, {', '.join(g['dims'])}): "
+                         f"{[v[0] if len(v) == 1 else v for v in g['values']]}")
+            for name, row in d.get("padding", {}).get("dims", {}).items():
+                b = row["blocked_by"]
+                lines.append(f"    {name}: padded to the smallest gear holding a call" if row["padded"]
+                             else f"    {name}: exact gears only, padding stopped by {b['node']} "
+                             f"({b['op']}) at {b['where']}: {b['reason']}")
         return lines
 
     def to_text(self) -> str:

@@ -345,3 +345,74 @@ def test_rss_bounded_over_repeated_compiles():
     grown = _rss_mib() - before
     assert not [r for r in refs if r() is not None], "a dropped compiled model is still alive"
     assert grown < 8, f"RSS grew {grown:.1f} MiB over 5 compiles"
+
+
+# ---- race tests (#15): 4 threads x 200 calls, every result checked against eager ----
+
+RACE_THREADS, RACE_CALLS = 4, 200
+
+
+@pytest.fixture
+def one_intra_op_thread():
+    """One intra-op thread per call, as a server with as many callers as cores sets it:
+    on a loaded machine OpenMP's spinning teams make each tiny op wait (seconds per
+    hundred calls), which would hide nothing but slow the test."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+class Branchy(nn.Module):
+    """Small, with independent branches (the schedule stage may reorder them) and an
+    in-place-able tail: overlapping calls on one arena would mix their values."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(16, 24), nn.Linear(16, 24), nn.Linear(24, 8)
+
+    def forward(self, x):
+        h = torch.relu(self.a(x)) * torch.sigmoid(self.b(x)) + torch.tanh(self.b(x))
+        return self.c(h), h.sum(-1)
+
+
+def test_race_compiled_model_4x200_calls(one_intra_op_thread):
+    torch.manual_seed(6)
+    m = Branchy().eval()
+    cm = opencann.compile(m, (torch.randn(3, 16),))
+    results = _hammer(cm, lambda g: torch.randn(3, 16, generator=g),
+                      threads=RACE_THREADS, calls=RACE_CALLS)
+    _check(results, m)
+    assert len({r[1][0].data_ptr() for r in results}) == len(results)
+
+
+def test_race_torch_compile_4x200_calls(one_intra_op_thread):
+    torch.manual_seed(7)
+    m = Branchy().eval()
+    fast = torch.compile(m, backend="opencann", dynamic=False)
+
+    def call(x):
+        with torch.no_grad():
+            return fast(x)
+    call(torch.randn(3, 16))  # compiled once; the threads race on the calls
+    _check(_hammer(call, lambda g: torch.randn(3, 16, generator=g),
+                   threads=RACE_THREADS, calls=RACE_CALLS), m)
+
+
+def test_race_dynamic_shapes_4x200_calls_a_shape_per_thread_with_evictions(one_intra_op_thread):
+    """Each thread its own batch size; a plan cache of 2 for 4 shapes, so plans are
+    evicted and rebuilt while other threads run on theirs."""
+    torch.manual_seed(8)
+    m = Branchy().eval()
+    cm = opencann.compile(m, (torch.randn(2, 16),), dynamic_shapes={"x": {0: "batch"}},
+                          dim_ranges={"batch": (1, 8)}, options={"plan_cache_size": 2})
+    shapes = {}
+
+    def make(g):
+        tid = g.initial_seed() - 1000     # _hammer seeds thread t's generator with 1000 + t
+        x = torch.randn(1 + tid, 16, generator=g)
+        shapes.setdefault(tid, set()).add(x.shape[0])
+        return x
+    _check(_hammer(cm, make, threads=RACE_THREADS, calls=RACE_CALLS), m)
+    assert {t: s for t, s in shapes.items()} == {t: {1 + t} for t in range(RACE_THREADS)}
+    assert len(cm.plans.keys()) <= 2

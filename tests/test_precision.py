@@ -139,3 +139,49 @@ def test_low_precision_model_under_another_low_mode(dt, mode):
         m, x = m.eval().to(dt), x.to(dt)
         out = opencann.compile(m, (x,), options={"precision_mode": mode})(x)
         assert out.dtype == dt and torch.allclose(out.float(), m(x).float(), atol=3e-2)
+
+
+class _SdpaHeads(torch.nn.Module):
+    """Multi-head attention as transformers writes it: SDPA's output (whose traced strides
+    are the flash kernel's [B, S, H, D] layout) transposed and viewed back to [B, S, H*D]."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv = torch.nn.Linear(32, 96)
+        self.out = torch.nn.Linear(32, 32)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, 4, 8).permute(2, 0, 3, 1, 4)
+        a = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+        return self.out(a.transpose(1, 2).reshape(b, s, 32)), a.transpose(1, 2)
+
+
+@pytest.mark.parametrize("mode", ["allow_mix_precision_bf16", "allow_mix_precision_fp16",
+                                  "force_fp32"])
+@pytest.mark.parametrize("keep", [["Reshape"], ["Reshape", "Transpose"], []])
+def test_casts_keep_the_traced_layout_views_rely_on(mode, keep):
+    """A Cast a precision mode inserts stands for its input: it keeps that value's traced
+    strides, so a view after it (kept in fp32) can still be taken and a returned view has
+    eager's strides. Regression: MiniLM under bf16 with keep_fp32=["Reshape"] failed with
+    "view size is not compatible with input tensor's size and stride"."""
+    import opencann
+    torch.manual_seed(0)
+    model = _SdpaHeads().eval()
+    x = torch.randn(2, 6, 32)
+    with torch.no_grad():
+        ref = model(x)
+    c = opencann.compile(model, (x,), options={"precision_mode": mode, "keep_fp32": keep})
+    for _ in range(2):
+        out = c(x)
+        for o, r in zip(out, ref):
+            assert o.dtype == r.dtype and o.shape == r.shape
+            assert o.stride() == r.stride()
+            assert (o - r).abs().max() / r.abs().max() < 3e-2
+    x2 = x.clone()
+    x2[0, 1, 3] = float("nan")
+    with torch.no_grad():
+        ref2 = model(x2)
+    out2 = c(x2)
+    for o, r in zip(out2, ref2):
+        assert torch.equal(o.isnan(), r.isnan())

@@ -58,6 +58,19 @@ class Value:
         """True when the value is a graph constant (``const`` holds its tensor)."""
         return self.const is not None
 
+    @property
+    def traced_strides(self) -> "Tuple | None":
+        """The strides (elements) ATen gave this value when the graph was traced, as
+        recorded in its producer's ``meta["strides"]``; None for graph inputs, constants
+        and values of nodes a pass created without recording any (contiguous). A node a
+        pass inserts to stand for this value (a Cast, a kernel swap) must carry them:
+        views after it, and the caller, rely on eager's layout."""
+        if self.producer is None:
+            return None
+        strides = self.producer.meta.get("strides")
+        k = self.producer.outputs.index(self)
+        return strides[k] if strides and k < len(strides) else None
+
     def __repr__(self) -> str:
         return f"%{self.name or self.id}"
 

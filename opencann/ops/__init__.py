@@ -2,7 +2,7 @@
 op table, fused ops, and the kernels per device (``ops/kernels/{cpu,vnpu}.py``)."""
 from .opdef import (Cost, OpDef, OpKind, all_ops, call_args, get_op, infer, is_random,
                     is_random_call, lookup_aten, output_aliases, register)
-from .aliasing import aliases_of, last_reads, storage_roots
+from .aliasing import aliases_of, graph_happens_before, last_reads, ordering_deps, storage_roots
 from . import library  # noqa: F401  (registers the table)
 from . import fused  # noqa: F401  (registers opencann's fused ops)
 from . import fused_patterns  # noqa: F401  (RmsNorm, GatedMLP: the pattern fusions' ops)
@@ -10,7 +10,7 @@ from . import fused_elementwise  # noqa: F401  (FusedElementwise: fuse_elementwi
 from .flash_attention import opdef as _flash_attention_opdef  # noqa: F401  (FlashAttention op)
 from . import onnx_fallback  # noqa: F401  (OnnxHostFallback: ONNX nodes run by onnx's evaluator)
 
-__all__ = ["Cost", "OpDef", "OpKind", "aliases_of", "all_ops", "call_args", "get_op", "infer",
+__all__ = ["Cost", "OpDef", "OpKind", "aliases_of", "graph_happens_before", "ordering_deps", "all_ops", "call_args", "get_op", "infer",
            "is_random", "is_random_call", "last_reads", "lookup_aten", "output_aliases", "register",
            "storage_roots"]
 

@@ -9,9 +9,10 @@ the runtime read this one analysis.
 """
 from __future__ import annotations
 
-from typing import Dict, FrozenSet, Iterable, List
+from typing import Dict, FrozenSet, Iterable, List, Tuple
 
 from ..ir import Graph, Node, Value
+from ..ir.liveness import HappensBefore
 from .opdef import output_aliases
 
 
@@ -66,3 +67,33 @@ def last_reads(graph: Graph, roots: Dict[int, FrozenSet[int]],
         for r in roots.get(v.id, (v.id,)):
             last[r] = len(graph.nodes)
     return last
+
+
+def ordering_deps(graph: Graph) -> List[Tuple[int, int]]:
+    """(earlier step, later step) pairs the node order must keep when nodes run on
+    several streams (steps: indices in ``graph.nodes``, a valid order): every data edge
+    (producer -> consumer) and, for a node that writes into an input (``inplace_input``),
+    every other reader of that memory's old contents (through any alias) -> the writer
+    (write after read). Sorted, without duplicates."""
+    step = {n: i for i, n in enumerate(graph.nodes)}
+    deps = set()
+    for node in graph.nodes:
+        for x in node.inputs:
+            if x.producer is not None and x.producer in step:
+                deps.add((step[x.producer], step[node]))
+    writers = [n for n in graph.nodes if "inplace_input" in n.attrs]
+    if writers:
+        before = storage_roots(graph, writes_as_fresh=True)
+        for w in writers:
+            mine = before.get(w.inputs[w.attrs["inplace_input"]].id, frozenset())
+            for r in graph.nodes:
+                if step[r] < step[w] and any(before.get(x.id, frozenset()) & mine
+                                             for x in r.inputs):
+                    deps.add((step[r], step[w]))
+    return sorted(deps)
+
+
+def graph_happens_before(graph: Graph) -> HappensBefore:
+    """The happens-before order of ``graph``'s nodes as scheduled: their order, their
+    ``stream`` and `ordering_deps` (`opencann.ir.liveness.HappensBefore`)."""
+    return HappensBefore([n.stream for n in graph.nodes], ordering_deps(graph))

@@ -19,6 +19,7 @@ import torch
 from ..ir import Node, numel
 from .kernels import vnpu_cost
 from .kernels.cpu_patterns import make_gated_mlp_kernel, make_rms_norm_kernel
+from . import per_index as pi
 from .opdef import Cost, OpDef, OpKind, register
 
 
@@ -36,9 +37,9 @@ def _gated_mlp_cost(node: Node) -> Cost:
 
 register(OpDef("RmsNorm", OpKind.NORM, aten=torch.ops.aten.rms_norm.default, flops_per_elem=4,
                kernel_factories={"cpu": make_rms_norm_kernel}, keep_fp32=True,
-               device_cost={"vnpu": vnpu_cost.layernorm},
+               device_cost={"vnpu": vnpu_cost.layernorm}, per_index=pi.LAYER_NORM,
                doc="RMSNorm (Llama): x·rsqrt(mean(x², -1) + eps)·w"))
 register(OpDef("GatedMLP", OpKind.FUSED, aliases=((),), cost_fn=_gated_mlp_cost,
                kernel_factories={"cpu": make_gated_mlp_kernel},
-               device_cost={"vnpu": vnpu_cost.gated_mlp},
+               device_cost={"vnpu": vnpu_cost.gated_mlp}, per_index=pi.gated_mlp,
                doc="silu(x·W1) * (x·W3), the SwiGLU MLP's two GEMMs in one kernel"))

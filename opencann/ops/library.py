@@ -15,6 +15,7 @@ from ..devices.vnpu import trans_data_cost
 from ..ir import Node, numel
 from .kernels import vnpu as vnpu_kernels
 from .kernels import vnpu_cost
+from . import per_index as pi
 from .opdef import Cost, OpDef, OpKind, _nbytes, register
 
 aten = torch.ops.aten
@@ -240,6 +241,31 @@ _CHANNELWISE = ("MaxPoolWithArgmax", "AvgPool", "AdaptiveAvgPool2d", "ReduceMean
                 "ReduceMax", "ReduceMin", "BatchNorm")
 
 
+# OpDef.per_index: along which dims each op is independent per index (gear padding).
+# Elementwise rows (kind ELEMENTWISE) are independent along every dim; gradients have none
+_PER_INDEX = {
+    "Add": pi.offset, "Adds": pi.offset, "Sub": pi.offset, "Subs": pi.offset,
+    "Identity": pi.ALL, "Triu": pi.ALL, "Tril": pi.ALL, "FillLike": pi.ALL,
+    "ZerosLike": pi.ALL, "OnesLike": pi.ALL,
+    **{n: pi.REDUCE for n in ("ReduceSum", "ReduceSumAll", "ReduceMean", "ReduceMeanAll",
+                              "ReduceMax", "ReduceMin", "ReduceAny", "ReduceAll", "ArgMaxD",
+                              "ArgMinD", "ReduceMaxD", "ReduceVar")},
+    "Cumsum": pi.CUMULATIVE, "SoftmaxV2": pi.SOFTMAX, "LogSoftmaxV2": pi.SOFTMAX,
+    "LayerNorm": pi.LAYER_NORM, "BatchNorm": pi.BATCH_NORM_INFERENCE,
+    "BNTrainingUpdate": pi.BATCH_NORM_TRAINING, "BNTrainingUpdateNoStats": pi.BATCH_NORM_TRAINING,
+    "GroupNorm": pi.GROUP_NORM,
+    **{n: pi.POOL for n in ("MaxPoolWithArgmax", "MaxPool", "AvgPool", "AdaptiveAvgPool2d")},
+    "Embedding": pi.embedding, "GatherElements": pi.gather, "Index": pi.index, "IndexSelect": pi.index_select,
+    "ConcatD": pi.cat, "Pack": pi.stack, "PadV3": pi.constant_pad, "Tile": pi.repeat,
+    "Range": pi.source, "RangeEnd": pi.source, "Fill2": pi.source, "ScalarTensor": pi.source,
+    **{n: pi.reshape for n in ("Reshape", "UnsafeReshape", "ReshapeCopy")},
+    "Transpose": pi.permute, "TransposeD": pi.transpose, "Swapaxes": pi.transpose,
+    "Unsqueeze": pi.unsqueeze, "Squeeze": pi.squeeze, "SqueezeDim": pi.squeeze,
+    "BroadcastTo": pi.expand, "StridedSlice": pi.slice_, "SelectInt": pi.select,
+    "SplitWithSize": pi.split, "SplitV": pi.split, "Alias": pi.same,
+}
+
+
 def _npu(family: str) -> dict:
     """The OpDef columns of an op that runs in NPU formats as ``family``."""
     return {"npu_format": family, "kernel_factories": {"vnpu": vnpu_kernels.FACTORIES[family]}}
@@ -248,7 +274,9 @@ def _npu(family: str) -> dict:
 def _columns(name: str, kind: OpKind) -> dict:
     """Activation, keep-fp32, vnpu cost and NPU-format columns of table row ``name``."""
     cols = {"activation": _ACTIVATION.get(name), "keep_fp32": name in _KEEP_FP32,
-            "fuse_expr": _FUSE_EXPR.get(name)}
+            "fuse_expr": _FUSE_EXPR.get(name),
+            "per_index": _PER_INDEX.get(name, pi.ALL if kind == OpKind.ELEMENTWISE and
+                                        not name.endswith("Grad") else None)}
     if name in _VNPU_COST:
         cols["device_cost"] = {"vnpu": _VNPU_COST[name]}
     if kind == OpKind.ELEMENTWISE:
@@ -328,21 +356,22 @@ def _register_all() -> None:
                        aliases=_DECLARED_ALIASES.get(name), primary_only=_PRIMARY_ONLY.get(name),
                        **_columns(name, kind)))
     mm = {"cost_fn": _matmul_cost, "device_cost": {"vnpu": vnpu_cost.matmul}, **_npu("matmul")}
-    register(OpDef("MatMul", OpKind.MATMUL, aten=aten.mm.default, **mm))
-    register(OpDef("BatchMatMul", OpKind.MATMUL, aten=aten.bmm.default, **mm))
-    register(OpDef("MatMulV2", OpKind.MATMUL, aten=aten.addmm.default, **mm,
+    register(OpDef("MatMul", OpKind.MATMUL, aten=aten.mm.default, per_index=pi.mm, **mm))
+    register(OpDef("BatchMatMul", OpKind.MATMUL, aten=aten.bmm.default, per_index=pi.bmm, **mm))
+    register(OpDef("MatMulV2", OpKind.MATMUL, aten=aten.addmm.default, per_index=pi.addmm, **mm,
                    doc="addmm(bias, x, w): a Linear layer after decomposition"))
     register(OpDef("Conv2D", OpKind.CONV, aten=aten.convolution.default, cost_fn=_conv_cost,
-                   device_cost={"vnpu": vnpu_cost.conv}, **_npu("conv")))
+                   device_cost={"vnpu": vnpu_cost.conv}, per_index=pi.CONV, **_npu("conv")))
     register(OpDef("ScaledDotProductAttention", OpKind.ATTENTION,
                    aten=aten.scaled_dot_product_attention.default, cost_fn=_attention_cost,
-                   device_cost={"vnpu": vnpu_cost.attention}))
+                   device_cost={"vnpu": vnpu_cost.attention}, per_index=pi.attention))
     register(OpDef("Conv2DBackprop", OpKind.CONV, aten=aten.convolution_backward.default,
                    cost_fn=_conv_grad_cost,
                    doc="input, weight and bias gradients: CANN's Conv2DBackpropInput + Filter"))
     register(OpDef("FlashAttentionScore", OpKind.ATTENTION,
                    aten=aten._scaled_dot_product_flash_attention_for_cpu.default,
-                   cost_fn=_attention_cost, keep_fp32=True, doc="fused attention forward kept for training "
+                   cost_fn=_attention_cost, keep_fp32=True, per_index=pi.attention,
+                   doc="fused attention forward kept for training "
                    "(returns the output and the logsumexp its backward reads)"))
     register(OpDef("FlashAttentionScoreGrad", OpKind.ATTENTION,
                    aten=aten._scaled_dot_product_flash_attention_for_cpu_backward.default,

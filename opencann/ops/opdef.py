@@ -98,6 +98,12 @@ class OpDef:
     or a function of the node's attrs giving that text (None: not fusable with those
     attrs); None for ops the elementwise fusion must not take (rounding, NaN handling or
     randomness it would change).
+    ``per_index``: along which dims the op is independent per index, as a rule that
+    follows a padded dim through a node (`opencann.ops.per_index`: ``rule(node, axes,
+    sym) -> {output: axis}`` or the reason padding could change its results); None:
+    unknown, which blocks gear padding (host fallbacks, custom ops). Elementwise ops:
+    every dim; Linear/Conv/pooling: the batch; softmax/norms: the dims they do not
+    normalise; reductions: the dims they keep. Gear padding (`opencann.gears`) uses it.
     View-ness is ``kind == OpKind.VIEW`` (`is_view`).
     """
 
@@ -120,6 +126,7 @@ class OpDef:
     keep_fp32: bool = False
     activation: Optional[str] = None
     fuse_expr: Any = None
+    per_index: Optional[Callable] = None
     doc: str = ""
 
     @property

@@ -17,8 +17,9 @@ from typing import Dict, FrozenSet, List, Tuple
 from ..ir import Buffer, Graph, MemoryPlan, Node
 from ..ir.liveness import peak_live_bytes
 from ..log import logger
-from ..ops import get_op, last_reads, output_aliases, storage_roots
+from ..ops import get_op, graph_happens_before, last_reads, output_aliases, storage_roots
 from .base import Pass, PassContext
+from .memory_check import check_plan
 from .schedule import apply_schedule
 
 DEFAULT_ALIGNMENT = 64  # bytes: one cache line, and AVX-512 / oneDNN friendly
@@ -28,13 +29,16 @@ def _align(n: int, a: int) -> int:
     return (n + a - 1) // a * a
 
 
-def _place(bufs: List[Buffer], order: List[Buffer]) -> int:
-    """Best-fit offset assignment in the given order; returns the arena size."""
+def _place(bufs: List[Buffer], order: List[Buffer], overlap=None) -> int:
+    """Best-fit offset assignment in the given order; returns the arena size. Two
+    buffers may share bytes unless ``overlap(a, b)`` (default: their step intervals
+    meet, the rule on one stream)."""
     placed: List[Buffer] = []
     arena = 0
     for b in order:
         busy = sorted((p.offset, p.offset + p.size) for p in placed
-                      if p.start <= b.end and b.start <= p.end)
+                      if (overlap(p, b) if overlap is not None
+                          else p.start <= b.end and b.start <= p.end))
         best, best_gap, cur = None, None, 0
         for lo, hi in busy:
             gap = lo - cur
@@ -82,7 +86,7 @@ def plan_memory(graph: Graph, alignment: int = DEFAULT_ALIGNMENT, inplace: bool 
     # and the last read of each storage root through any alias (views, split outputs,
     # graph outputs): a buffer is overwritten in place only when none is read afterwards
     sroots = storage_roots(graph)
-    last_read = last_reads(graph, sroots, step)
+    last_read, streams = last_reads(graph, sroots, step), _stream_order(graph, sroots)
     _check_declared_writes(graph, step)
 
     for node in graph.nodes:
@@ -106,11 +110,11 @@ def plan_memory(graph: Graph, alignment: int = DEFAULT_ALIGNMENT, inplace: bool 
                     bufs[r].aliases.append(o.id)
                 continue
             _own_buffer(node, o, i, root, holds, bufs, unplanned, inplace_log, copy_out,
-                        alignment, _inplace_candidate(node, o, root, bufs, last_read, sroots, i)
+                        alignment, _inplace_candidate(node, o, root, bufs, last_read, sroots, i, *streams)
                         if inplace else None)
 
-    _lifetimes(graph, step, holds, bufs, unplanned)
-    plan = _placed(bufs, root, len(graph.nodes), alignment, inplace_log, unplanned)
+    overlap = _lifetimes(graph, step, holds, bufs, unplanned, streams[0])
+    plan = _placed(bufs, root, len(graph.nodes), alignment, inplace_log, unplanned, overlap)
     arena, lb, naive, strategy = plan.arena_bytes, plan.lower_bound, plan.naive_bytes, plan.strategy
     if log:
         log(f"memory plan: arena {arena} B, lower bound {lb} B ({plan.ratio:.3f}x), "
@@ -118,20 +122,22 @@ def plan_memory(graph: Graph, alignment: int = DEFAULT_ALIGNMENT, inplace: bool 
     return plan
 
 
-def _placed(bufs, root, nsteps: int, alignment: int, inplace_log, unplanned) -> MemoryPlan:
+def _placed(bufs, root, nsteps: int, alignment: int, inplace_log, unplanned,
+            overlap=None) -> MemoryPlan:
     """Offsets for ``bufs`` (the best of `_ORDERS`) and the resulting `MemoryPlan`."""
     naive = sum(b.size for b in bufs.values())
     lb = _lower_bound(list(bufs.values()), nsteps)
-    arena, strategy = _best_placement(list(bufs.values()))
+    arena, strategy = _best_placement(list(bufs.values()), overlap)
     value_buffer = {vid: r for vid, r in root.items() if r in bufs}
     return MemoryPlan(buffers=bufs, value_buffer=value_buffer, arena_bytes=arena,
                       lower_bound=lb, naive_bytes=naive, alignment=alignment,
                       strategy=strategy, inplace=inplace_log, unplanned=unplanned)
 
 
-def _lifetimes(graph: Graph, step, holds, bufs, unplanned) -> None:
+def _lifetimes(graph: Graph, step, holds, bufs, unplanned, hb=None):
     """A buffer lives until the last read of its root or any alias; buffers backing a
-    graph output leave the arena (allocated fresh per call)."""
+    graph output leave the arena (allocated fresh per call). Returns the overlap rule
+    of `_concurrent` for ``hb`` (None: one stream)."""
     for node in graph.nodes:
         i = step[node]
         for x in node.inputs:
@@ -143,6 +149,7 @@ def _lifetimes(graph: Graph, step, holds, bufs, unplanned) -> None:
     for r in fresh_roots:
         unplanned[f"%{r}"] = "backs a graph output: allocated fresh per call so results survive the next call"
         del bufs[r]
+    return _concurrent(graph, step, holds, bufs, hb)
 
 
 class MemoryPlanning(Pass):
@@ -166,6 +173,8 @@ class MemoryPlanning(Pass):
                            inplace=o.get("inplace", True), copy_out=o.get("copy_out", False),
                            log=logger.debug)
         ctx.artifacts["memory_plan"] = plan
+        if o.get("verify", False):
+            check_plan(graph, plan)
         ctx.report.memory = plan.summary()
         ctx.note(plan.strategy)
         return len(plan.inplace)
@@ -204,12 +213,13 @@ _ORDERS = {
 }
 
 
-def _best_placement(blist: List[Buffer]) -> Tuple[int, str]:
+def _best_placement(blist: List[Buffer], overlap=None) -> Tuple[int, str]:
     """Try each order of `_ORDERS`; keep the smallest arena (ties: the first order).
-    Sets every buffer's offset; returns (arena bytes, strategy name)."""
+    Sets every buffer's offset; returns (arena bytes, strategy name). ``overlap`` as
+    in `_place`."""
     best = None
     for name, key in _ORDERS.items():
-        arena = _place(blist, sorted(blist, key=key))
+        arena = _place(blist, sorted(blist, key=key), overlap)
         if best is None or arena < best[0]:
             best = (arena, name, {b.root: b.offset for b in blist})
         if arena == _lower_bound(blist, max((b.end for b in blist), default=0) + 1):
@@ -219,18 +229,20 @@ def _best_placement(blist: List[Buffer]) -> Tuple[int, str]:
     return best[0], best[1]
 
 
-def _inplace_candidate(node: Node, o, root, bufs, last_read, sroots, i):
+def _inplace_candidate(node: Node, o, root, bufs, last_read, sroots, i, hb=None, readers=None):
     """An input of an in-place-able op that is a planned root, has the output's shape
     and dtype, is read for the last time here through every value that may share its
     storage (views, views of views, split outputs, graph outputs) and whose storage no
-    other input of the node may share."""
+    other input of the node may share. On several streams (``hb``, a `HappensBefore`),
+    every other reader must also be known finished when the node starts."""
     if not get_op(node.op).inplace_ok or len(node.outputs) != 1:
         return None
     for x in node.inputs:
         if (root.get(x.id, -1) == x.id and x.id in bufs and x.desc.shape == o.desc.shape
                 and x.desc.dtype == o.desc.dtype and last_read.get(x.id, -1) == i
                 and not any(y is not x and x.id in sroots.get(y.id, ()) for y in node.inputs)
-                and node.inputs.count(x) == 1):
+                and node.inputs.count(x) == 1
+                and (hb is None or hb.all_before(readers.get(x.id, set()) - {i}, i))):
             return x
     return None
 
@@ -253,6 +265,53 @@ def _check_declared_writes(graph: Graph, step: Dict[Node, int]) -> None:
                              "whose memory is still read afterwards (through it or a view) or "
                              "is a graph input, constant or output; the pass that made it "
                              "in place must leave it out of place")
+
+
+def _stream_order(graph: Graph, sroots):
+    """(`HappensBefore`, `_readers`) when the graph runs on several streams, where a
+    value's memory is free only once all its users are known finished from the next
+    user's stream (happens-before, not the node order); (None, None) on one stream."""
+    if not any(n.stream for n in graph.nodes):
+        return None, None
+    return graph_happens_before(graph), _readers(graph, sroots)
+
+
+def _readers(graph: Graph, sroots) -> Dict[int, set]:
+    """Storage root id -> steps of the nodes reading its memory through any alias."""
+    out: Dict[int, set] = {}
+    for i, node in enumerate(graph.nodes):
+        for x in node.inputs:
+            for r in sroots.get(x.id, (x.id,)):
+                out.setdefault(r, set()).add(i)
+    return out
+
+
+def _concurrent(graph: Graph, step, holds, bufs, hb):
+    """The overlap rule on several streams: buffers ``a`` and ``b`` may share bytes only
+    when every user of one (its producer, in-place writers and readers through any
+    alias) is known finished (`HappensBefore`) before the other's producer starts.
+    A buffer's users are summed up as its frontier: per stream, the position of its
+    last user there (-1: none). None (the one-stream rule) when ``hb`` is None."""
+    if hb is None:
+        return None
+    users: Dict[int, set] = {r: {b.start} for r, b in bufs.items()}
+    for node in graph.nodes:
+        for v in (*node.inputs, *node.outputs):
+            for r in holds.get(v.id, ()):
+                if r in users:
+                    users[r].add(step[node])
+    front = {}
+    for r, us in users.items():
+        f = [-1] * hb.nstreams
+        for u in us:
+            f[hb.streams[u]] = max(f[hb.streams[u]], hb.pos[u])
+        front[r] = f
+
+    def before(a: Buffer, b: Buffer) -> bool:
+        c = hb.clock[b.start]
+        return all(x < y for x, y in zip(front[a.root], c))
+
+    return lambda a, b: not (before(a, b) or before(b, a))
 
 
 def _lower_bound(bufs: List[Buffer], nsteps: int) -> int:

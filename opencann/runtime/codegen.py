@@ -17,7 +17,7 @@ from typing import Any, Callable, Dict, List, Optional
 import torch
 
 from ..ir import Graph, MemoryPlan, Node, TensorListRef, TensorRef, Value, is_dense
-from ..ops import call_args, get_op, output_aliases, storage_roots
+from ..ops import call_args, get_op, graph_happens_before, output_aliases, storage_roots
 from .alias_check import AliasChecker
 from .fast_call import fast_callable
 
@@ -28,8 +28,7 @@ def _traced_strides(v: Value) -> Optional[tuple]:
     """The strides ATen gave ``v`` when the graph was traced (``node.meta["strides"]``),
     canonicalized; None when unrecorded or not dense (then ``v`` is laid out
     contiguously)."""
-    strides = v.producer.meta.get("strides") if v.producer is not None else None
-    st = strides[v.producer.outputs.index(v)] if strides else None
+    st = v.traced_strides
     if st is None or not is_dense(v.desc.shape, st):
         return None
     return _canonical(v.desc.shape, st)
@@ -179,11 +178,30 @@ def _fast(node: Node, overload, out_names=()) -> Callable:
     return fast_callable(overload, args, kwargs)
 
 
+def _slots(g: Graph, made_on: Dict[int, int]) -> Dict[int, int]:
+    """Value id -> slot index for the values handed between streams: read on another
+    stream than the one making them, or graph outputs (returned by ``_run``)."""
+    slot: Dict[int, int] = {}
+    for n in g.nodes:
+        for x in n.inputs:
+            if made_on.get(x.id, n.stream) != n.stream:
+                slot.setdefault(x.id, len(slot))
+    for v in g.outputs:
+        if v.id in made_on:
+            slot.setdefault(v.id, len(slot))
+    return slot
+
+
 # -- the generator ------------------------------------------------------------------
 
 class CodeGen:
     """Builds the source of ``_run(inputs)`` for ``graph`` and the globals it needs.
 
+    A graph on several streams (``node.stream``) gets one function per stream
+    (`_generate_streams`), except with ``check_aliasing`` or ``observe`` (debugging:
+    the checker's liveness and the observer's node order are those of one stream), which
+    run the nodes in their order on one thread; the memory plan is valid for that too
+    (it keeps apart all values that may be live at once on any interleaving).
     ``view(v)`` gives the arena view of a planned value (bound as ``B<id>``);
     ``check_aliasing`` adds `AliasChecker` calls after every kernel; ``profile`` adds a
     ``_rec(i)`` call after node i (the caller binds ``_rec``); ``observe`` an ``_obs(i,
@@ -201,6 +219,7 @@ class CodeGen:
         self.bound: List[tuple] = []
         self.copy_out_nodes: List[str] = []
         self._lit = 0
+        self.nstreams, self.nevents, self.nslots = 1, 0, 0
 
     def generate(self) -> tuple:
         """(source, globals) of ``_run``; the source defines it, the globals bind it."""
@@ -214,6 +233,8 @@ class CodeGen:
         glb["_conform"] = _conform
         if self.check_aliasing:
             glb["_chk"] = AliasChecker(g, self.plan)
+        if any(n.stream for n in g.nodes) and not (self.check_aliasing or self.observe):
+            return self._generate_streams(layout_bound)
         for idx, node in enumerate(g.nodes):
             self._emit_node(idx, node, layout_bound)
         glb["_own"] = _own
@@ -226,10 +247,73 @@ class CodeGen:
         tail = [f"    return ({ret}{',' if len(g.outputs) == 1 else ''})"]
         return "\n".join(head + self.lines + tail), glb
 
+    def _generate_streams(self, layout_bound: set) -> tuple:
+        """(source, globals) on several streams: one ``_s<k>(inputs, _V)`` per stream
+        (`opencann.runtime.streams`) with a wait ``_W(e)`` before and a record
+        ``_E[e].set()`` after each event of `graph_happens_before`, values crossing
+        streams (and graph outputs) handed over in the slots ``_V``; ``_run`` calls
+        ``_go(inputs)`` (the runner, bound by the executor) and returns from the slots.
+        Sets ``nstreams``, ``nevents`` and ``nslots``."""
+        g = self.graph
+        hb = graph_happens_before(g)
+        self.nstreams, self.nevents = hb.nstreams, len(hb.events)
+        waits: Dict[int, List[int]] = {}
+        records: Dict[int, List[int]] = {}
+        for k, (p, c) in enumerate(hb.events):
+            waits.setdefault(c, []).append(k)
+            records.setdefault(p, []).append(k)
+        made_on = {o.id: n.stream for n in g.nodes for o in n.outputs}
+        slot = _slots(g, made_on)
+        self.nslots = len(slot)
+        unpack = (f"    {', '.join(self.names[v.id] for v in g.inputs)}, = inputs"
+                  if g.inputs else None)
+        body: List[List[str]] = [[f"def _s{k}(inputs, _V):"] + ([unpack] if unpack else [])
+                                 for k in range(self.nstreams)]
+        if self.profile:
+            for k in range(self.nstreams):
+                body[k].append(f"    _rec({~k})")
+        loaded = [set() for _ in range(self.nstreams)]
+        for idx, node in enumerate(g.nodes):
+            self.lines = body[node.stream]
+            for k in waits.get(idx, ()):
+                self.lines.append(f"    _W({k})")
+            if self.profile and idx in waits:
+                self.lines.append(f"    _rec({~node.stream})")
+            for x in node.inputs:
+                if x.id in slot and made_on[x.id] != node.stream and x.id not in loaded[node.stream]:
+                    loaded[node.stream].add(x.id)
+                    self.lines.append(f"    {self.names[x.id]} = _V[{slot[x.id]}]")
+            self._emit_node(idx, node, layout_bound)
+            for o in node.outputs:
+                if o.id in slot:
+                    self.lines.append(f"    _V[{slot[o.id]}] = {self.names[o.id]}")
+            for k in records.get(idx, ()):
+                self.lines.append(f"    _E[{k}].set()")
+        self.lines = []
+        head = ["def _run(inputs):"]
+        if self.check_aliasing:
+            head.append("    _chk.begin(inputs)")
+        if unpack:
+            head.append(unpack)
+        head.append("    _V = _go(inputs)")
+        for v in g.outputs:
+            if v.id in slot:
+                head.append(f"    {self.names[v.id]} = _V[{slot[v.id]}]")
+        self.glb["_own"] = _own
+        ret = self._emit_returns()
+        tail = [f"    return ({ret}{',' if len(g.outputs) == 1 else ''})"]
+        src = "\n\n".join("\n".join(b + (["    pass"] if len(b) == 1 else [])) for b in body)
+        return src + "\n\n" + "\n".join(head + self.lines + tail), self.glb
+
     # -- arguments ------------------------------------------------------------------
     def literal(self, x) -> str:
-        """Inline plain literals; bind everything else (lists, dtypes, inf/nan) as a global."""
-        if (x is None or isinstance(x, (bool, int, str))
+        """Inline plain literals; bind everything else (lists, dtypes, inf/nan) as a global.
+        In a graph specialised from symbolic dims (``meta["specialised"]``) ints are bound
+        too: they may be sizes, so every shape then generates the same source text (and
+        `Executor` compiles it once)."""
+        if isinstance(x, int) and not isinstance(x, bool) and self.graph.meta.get("specialised"):
+            pass
+        elif (x is None or isinstance(x, (bool, int, str))
                 or (isinstance(x, float) and math.isfinite(x))):
             return repr(x)
         k = f"L{self._lit}"

@@ -10,6 +10,10 @@ intermediates. Per-op times can be recorded as a Chrome trace (Trace Event Forma
 viewable in chrome://tracing or ui.perfetto.dev). This module runs; the code is generated
 by `opencann.runtime.codegen` and the trace built by `opencann.runtime.trace`.
 
+A graph scheduled on several streams (``node.stream``, compile option ``streams``) runs
+each stream's nodes on a worker thread of its own, joined by events
+(`opencann.runtime.streams`); the memory plan keeps values of concurrent nodes apart.
+
 An executor runs one call at a time (its arena is the call's scratch); concurrent calls
 each borrow their own from an `ExecutorPool` (``opencann.runtime.pool``), whose further
 executors are `Executor.clone`s: bound kernels, constants and code are shared (kernels
@@ -17,7 +21,9 @@ keep no per-call state), only the arena and its views are new.
 """
 from __future__ import annotations
 
+import threading
 import time
+from collections import OrderedDict
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
@@ -25,11 +31,43 @@ import torch
 from ..ir import Graph, MemoryPlan, Value
 from .alias_check import AliasChecker, AliasingError, enabled_by_env
 from .codegen import CodeGen, arena_view, independent_outputs, output_copies  # noqa: F401
-from .trace import Stamps, chrome_trace_events, write_chrome_trace
+from .streams import StreamRunner
+from .trace import Stamps, chrome_trace_events, stream_trace_events, write_chrome_trace
+
+
+def _bind_runner(glb: Dict[str, Any], runner: StreamRunner) -> None:
+    """Bind the names the multi-stream code calls: ``_go`` (run all streams), ``_W``
+    (wait on an event) and ``_E`` (the events, recorded with ``.set()``)."""
+    glb["_go"], glb["_W"], glb["_E"] = runner.run, runner.wait, runner.events
 
 
 class ExecutionError(RuntimeError):
     """A kernel failed at run time; the message names the node and its source."""
+
+
+_CODE_CACHE: "OrderedDict[tuple, Any]" = OrderedDict()
+_CODE_CACHE_SIZE = 64
+_CODE_LOCK = threading.Lock()
+
+
+def _compiled(src: str, filename: str):
+    """``compile(src)``, cached by source text (at most 64 code objects, least recently
+    used dropped): an executor pool's further arenas, and a dynamic model's plans for
+    other shapes, generate the same source (sizes are bound as globals, not inlined), so
+    they skip Python's compiler (10-60 ms for BERT-base's ~1000 lines). Code objects are
+    immutable; each executor execs one into its own globals."""
+    key = (src, filename)
+    with _CODE_LOCK:
+        code = _CODE_CACHE.get(key)
+        if code is not None:
+            _CODE_CACHE.move_to_end(key)
+            return code
+    code = compile(src, filename, "exec")
+    with _CODE_LOCK:
+        _CODE_CACHE[key] = code
+        while len(_CODE_CACHE) > _CODE_CACHE_SIZE:
+            _CODE_CACHE.popitem(last=False)
+    return code
 
 
 class Executor:
@@ -66,8 +104,13 @@ class Executor:
             glb["_chk"] = AliasChecker(self.graph, self.plan)
         for name, v in self._bound:
             glb[name] = ex._view(v)
+        if self._runner is not None:  # its own events, slots and stream threads
+            ex._runner = self._runner.copy()
+            _bind_runner(glb, ex._runner)
         exec(self._code, glb)  # noqa: S102 - our codegen, compiled once in _build
         ex._glb, ex._fn = glb, glb["_run"]
+        if ex._runner is not None:
+            ex._runner.fns = [glb[f"_s{k}"] for k in range(ex._runner.nstreams)]
         return ex
 
     # -- binding ------------------------------------------------------------------
@@ -83,13 +126,19 @@ class Executor:
         self._bound.extend(gen.bound)
         self.copy_out_nodes.extend(gen.copy_out_nodes)
         self._src = src
+        self._runner = None
+        if gen.nstreams > 1:  # one function per stream, run at once (`StreamRunner`)
+            self._runner = StreamRunner(gen.nstreams, gen.nevents, gen.nslots)
+            _bind_runner(glb, self._runner)
         if profile:
             glb["_rec"] = self._stamps = Stamps()
         if observe is not None:
             glb["_obs"] = lambda i, outs, _g=self.graph: observe(_g.nodes[i], outs)
-        self._code = compile(src, f"<opencann:{self.graph.name}>", "exec")
+        self._code = _compiled(src, f"<opencann:{self.graph.name}>")
         exec(self._code, glb)  # noqa: S102 - our codegen
         self._glb = glb
+        if self._runner is not None:
+            self._runner.fns = [glb[f"_s{k}"] for k in range(self._runner.nstreams)]
         return glb["_run"]
 
     # -- running ------------------------------------------------------------------
@@ -145,5 +194,7 @@ class Executor:
         t0 = time.perf_counter_ns()
         fn(inputs)
         events = chrome_trace_events(self.graph, prof._stamps, t0)
+        if prof._runner is not None:
+            events += stream_trace_events(self.graph, events)
         write_chrome_trace(events, path)
         return events

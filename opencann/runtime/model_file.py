@@ -24,6 +24,15 @@ tensor format with a documented header; weights keep their dtype and (via the st
 stored in ``graph``) their layout, so a loaded model runs the same kernels on the same
 bytes as the live one.
 
+Format versions: 1 is a static model; 2 adds models compiled with dynamic dims
+(``opencann.compile(dynamic_shapes=...)``) and ATC-style gears: the ``graph`` is the
+symbolic one (shapes such as ``float32[s0,384]``, size arguments as ``{"$sym":
+"s0*s1"}``: sympy's string form, read back by `opencann.ir.symbolic.parse`, never
+pickled), and ``metadata`` holds ``dynamic`` (dims with names, ranges and sources; the
+model's shape conditions; the example's dim values; plan options) and ``gears`` (the
+option, dim names and gear values). A static model is still written as version 1, so
+older opencann reads it; a version-2 file asks for an opencann that knows dynamic dims.
+
 Every problem with a file raises `ModelFileError` (a ValueError) with one line saying
 what is wrong: not an opencann model file, truncated, a section or the header failing
 its checksum, a newer format version, a device or preset this opencann lacks, or an
@@ -44,11 +53,13 @@ import torch.utils._pytree as pytree
 
 from ..ir import Graph, MemoryPlan, Node, TensorListRef, TensorRef, Value
 from ..ir.plan import Buffer
+from ..ir.symbolic import SymExpr
 from ..ir.types import DataType, Format, TensorDesc
 from ..ops import get_op
 from ..report import CompileReport, PassRecord, fmt_bytes
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+STATIC_FORMAT_VERSION = 1   # what a model without dynamic dims is written as
 MAGIC = b"OPENCANN"
 _PREFIX = struct.Struct("<8sIQ32s")  # magic, format version, header length, header sha256
 _ALIGN = 64  # bytes: every weight starts this aligned in the file and in memory (as torch's
@@ -79,6 +90,8 @@ def _enc(x: Any, where: str) -> Any:
         return {"$frozenset": [_enc(v, where) for v in sorted(x, key=repr)]}
     if isinstance(x, dict):
         return {"$dict": [[_enc(k, where), _enc(v, where)] for k, v in x.items()]}
+    if isinstance(x, SymExpr):
+        return {"$sym": x.expr}
     if isinstance(x, TensorRef):
         return {"$ref": x.index}
     if isinstance(x, TensorListRef):
@@ -130,6 +143,8 @@ def _dec(x: Any) -> Any:
         return frozenset(_dec(v) for v in p)
     if kind == "$dict":
         return {_dec(k): _dec(v) for k, v in p}
+    if kind == "$sym":
+        return SymExpr(str(p))
     if kind == "$ref":
         return TensorRef(p)
     if kind == "$refs":
@@ -403,23 +418,25 @@ def _json_bytes(obj: Any) -> bytes:
     return json.dumps(obj, allow_nan=False, separators=(",", ":")).encode()
 
 
-def _metadata(g, report, conv: Dict[str, Any], description: str) -> Dict[str, Any]:
+def _metadata(g, report, conv: Dict[str, Any], description: str, version: int) -> Dict[str, Any]:
     """The ``metadata`` section: versions, model, device, inputs and outputs (names and
-    descs), the calling convention (structures, positions, baked non-tensor inputs)."""
+    descs), the calling convention (structures, positions, baked non-tensor inputs),
+    and for a dynamic model its dims and gears."""
     from ..version import __version__
     n_out = g.meta.get("n_outputs", len(g.outputs))
     out_names = _output_names(conv["out_spec"], n_out)
     lits = g.meta.get("output_literals", {})
     tensor_out_names = [nm for i, nm in enumerate(out_names) if i not in lits]
     return {
-        "format_version": FORMAT_VERSION, "opencann_version": __version__,
+        "format_version": version, "opencann_version": __version__,
         "torch_version": torch.__version__, "created_unix": int(time.time()),
         "model": report.model or g.name, "device": report.device, "description": description,
         "inputs": [{"name": v.name or f"input{i}", "desc": str(v.desc), **_enc_desc(v.desc)}
                    for i, v in enumerate(g.inputs)],
         "outputs": [{"name": nm, "desc": str(v.desc), **_enc_desc(v.desc)}
                     for nm, v in zip(tensor_out_names, g.outputs)],
-        "gears": [],   # dynamic-shape gears: none yet, every model is static
+        "gears": conv.get("gears") or [],   # ATC-style gears: {"option", "dims", "values"}
+        "dynamic": _enc(conv.get("dynamic"), "dynamic dims"),
         "in_spec": _spec_to_json(conv["in_spec"], "input structure"),
         "out_spec": _spec_to_json(conv["out_spec"], "output structure"),
         "input_positions": conv["input_positions"],
@@ -463,10 +480,11 @@ def save(compiled, path: str, description: str = "") -> Dict[str, Any]:
 
     g, plan, report = compiled.graph, compiled.plan, compiled.report
     conv = compiled.calling_convention()
+    version = FORMAT_VERSION if conv.get("dynamic") else STATIC_FORMAT_VERSION
     graph_j = _graph_to_json(g)
     tensors, layouts = _pack_constants(g)
     graph_j["constant_layouts"] = layouts
-    meta = _metadata(g, report, conv, description)
+    meta = _metadata(g, report, conv, description, version)
     schedule = {"order": [n.name for n in g.nodes], "streams": {n.name: n.stream for n in g.nodes}}
     report_j = json.loads(report.to_json())
     blobs = {"metadata": _json_bytes(meta), "graph": _json_bytes(graph_j),
@@ -476,13 +494,13 @@ def save(compiled, path: str, description: str = "") -> Dict[str, Any]:
     header, sections, pads = _layout(blobs)
     tmp = f"{path}.tmp{os.getpid()}"
     with open(tmp, "wb") as f:
-        f.write(_PREFIX.pack(MAGIC, FORMAT_VERSION, len(header), hashlib.sha256(header).digest()))
+        f.write(_PREFIX.pack(MAGIC, version, len(header), hashlib.sha256(header).digest()))
         f.write(header)
         for name in SECTIONS:
             f.write(b"\0" * pads.get(name, 0))
             f.write(blobs[name])
     os.replace(tmp, path)   # never leave a half-written model file under the final name
-    return {"format_version": FORMAT_VERSION, "sections": sections}
+    return {"format_version": version, "sections": sections}
 
 
 # -- read ----------------------------------------------------------------------------------
@@ -559,7 +577,7 @@ def check_device(device: str, where: str = "model file") -> None:
 def read(path: str) -> Dict[str, Any]:
     """Parse the model file at ``path`` into the keyword arguments of
     `CompiledModel.from_parts` (graph, plan, report, calling convention), plus
-    ``metadata``. Raises ModelFileError (one line, what is wrong) or FileNotFoundError."""
+    ``metadata``, ``dynamic`` and ``gears`` (None for a static model). Raises ModelFileError (one line, what is wrong) or FileNotFoundError."""
     where = os.path.basename(path)
     _, secs = read_sections(path)
     meta = _json_section(secs, "metadata", where)
@@ -576,6 +594,8 @@ def read(path: str) -> Dict[str, Any]:
         parts = dict(input_positions=meta["input_positions"], contiguous=meta["contiguous"],
                      concurrent_calls=meta["concurrent_calls"],
                      arg_names=meta.get("arg_names"))   # absent in older files: bound by position
+        dynamic = _dec(meta.get("dynamic"))   # absent in version 1: static
+        gears = meta.get("gears") or None
     except ModelFileError:
         raise
     except (KeyError, TypeError, IndexError, AttributeError, ValueError) as e:
@@ -588,7 +608,7 @@ def read(path: str) -> Dict[str, Any]:
         report.notes.append(f"output classes rebuilt as plain containers ({note}): import the "
                             "model's library (e.g. transformers) before opencann.load to get them back")
     return dict(graph=graph, plan=plan, report=report, in_spec=in_spec, out_spec=out_spec,
-                baked=baked, metadata=meta, **parts)
+                baked=baked, metadata=meta, dynamic=dynamic, gears=gears, **parts)
 
 
 def describe(path: str) -> Dict[str, Any]:
@@ -617,7 +637,14 @@ def describe_text(info: Dict[str, Any]) -> str:
     lines += [f"  {x['name']}: {x['desc']}" for x in m["inputs"]]
     lines.append("outputs:")
     lines += [f"  {x['name']}: {x['desc']}" for x in m["outputs"]]
-    lines.append(f"gears: {m['gears'] or 'none (static shapes)'}")
+    lines.append(f"gears: {m['gears'] or 'none'}")
+    dyn = m.get("dynamic")
+    if dyn:
+        lines.append("dynamic dims: " + ", ".join(
+            f"{d['name']} in [{d['min']}, {d['max'] if d['max'] is not None else 'inf'}]"
+            for d in _dec(dyn)["dims"].values()))
+    else:
+        lines.append("dynamic dims: none (static shapes)")
     lines.append(f"ops ({info['nodes']} nodes, {info['constants']} constants, "
                  f"{fmt_bytes(info['constant_bytes'])} of weights):")
     lines += [f"  {k:28s} {v}" for k, v in sorted(info["op_counts"].items(), key=lambda kv: -kv[1])]

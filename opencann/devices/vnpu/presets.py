@@ -23,8 +23,9 @@ Sources used below (short keys in the per-field strings):
   (fp16 98 / 251 / 315 / 305 / 275 TFLOPS at M=N=K=1024 / 2048 / 4096 / 8192 / 10240; fp32 ~1/4).
 * [GE-310-STUB] the Ascend310 platform-info stub in GE's public unit tests (ai_core freq 680 MHz,
   l2 read/write rates 128/64 B/cycle), as quoted in opencann issue 17.
-* [PTO-FA] CANN pto-isa "torch_jit/flash_atten" demo, benchmark table on 910B2
-  (https://pto-isa.gitcode.com/demos/torch_jit/flash_atten).
+* [PTO-JIT] CANN pto-isa demos/torch_jit/flash_atten/README.md (cannmirror/pto-isa @ defdb75f,
+  2026-03-07), warm per-call benchmark table on 910B2 (S0=128, one core, aarch64 host); the
+  same tag as in ``opencann.devices.vnpu.calibration``.
 
 No dependency beyond the standard library: ``tomllib`` (Python >= 3.11) reads TOML.
 """
@@ -282,10 +283,10 @@ ascend910b = NpuSpec(
                     "gives 1.38 TB/s of the same order",
         "gm_read_bytes_per_cycle": f"{_INI} [AICoreMemoryRates] l2_read_rate=110 (quoted for 910B1, assumed for B2)",
         "gm_write_bytes_per_cycle": f"{_INI} [AICoreMemoryRates] l2_write_rate=86 (quoted for 910B1, assumed for B2)",
-        "kernel_launch_us": "estimate: [PTO-FA] single-core FlashAttention times 38.3 us (S1=4096) and 68.8 us "
+        "kernel_launch_us": "estimate: [PTO-JIT] single-core FlashAttention times 38.3 us (S1=4096) and 68.8 us "
                             "(S1=8192) extrapolate to ~7.8 us at S1=0, which includes pipeline fill; ~5 us left "
                             "for the launch itself",
-        "op_dispatch_us": "estimate: [PTO-FA] torch_npu npu_fused_attention takes a flat 70-76 us for S0=128, "
+        "op_dispatch_us": "estimate: [PTO-JIT] torch_npu npu_fused_attention takes a flat 70-76 us for S0=128, "
                           "S1=1K..8K on 910B2, i.e. host-side per-op cost when the device work is small",
     },
 )

@@ -25,6 +25,7 @@ import torch
 
 from ...ir import Node, TensorDesc, numel
 from ..kernels import vnpu_cost
+from .. import per_index as pi
 from ..opdef import Cost, OpDef, OpKind, register
 from .api import flash_attention_forward
 from .planner import cpu_l2, plan_tiles
@@ -83,6 +84,6 @@ def make_flash_attention_kernel(node: Node, in_descs: Sequence[TensorDesc], cons
 
 register(OpDef("FlashAttention", OpKind.ATTENTION, aliases=((),), cost_fn=flash_attention_cost,
                kernel_factories={"cpu": make_flash_attention_kernel},
-               device_cost={"vnpu": vnpu_cost.flash_attention},
+               device_cost={"vnpu": vnpu_cost.flash_attention}, per_index=pi.attention,
                doc="exact attention softmax(scale·QKᵀ + mask)·V without the S×S matrix "
                    "(FlashAttention-2, numba CPU kernel)"))

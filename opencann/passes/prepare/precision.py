@@ -68,6 +68,8 @@ def _cast(graph: Graph, v: Value, dt: DataType, before: Node, cache: Dict) -> Va
                                  [v.desc.with_(dtype=dt)], name=f"cast_{dt.value}",
                                  source=before.source, scope=before.scope, before=before)
         node.meta["precision"] = True
+        if v.traced_strides is not None:  # Cast keeps its input's layout, as eager's .to()
+            node.meta["strides"] = [v.traced_strides]
         out = node.output
     cache[key] = out
     return out
@@ -146,6 +148,8 @@ class MixedPrecision(Pass):
                 tail = graph.create_node("Cast", [v], {"self": TensorRef(0),
                                                        "dtype": origin[id(v)].torch},
                                          [v.desc.with_(dtype=origin[id(v)])], name="cast_out")
+                if v.traced_strides is not None:  # the caller gets eager's strides
+                    tail.meta["strides"] = [v.traced_strides]
                 graph.outputs[i] = tail.output
                 changed += 1
         graph.prune_constants()

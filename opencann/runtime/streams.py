@@ -1,0 +1,150 @@
+"""Running the streams of a multi-stream schedule at once, on threads of their own.
+
+The code generator (`opencann.runtime.codegen`) writes one function per stream,
+``_s<k>(inputs, _V)``: its nodes in order, a wait ``_W(e)`` before a node that needs a
+value made on another stream, the value handed over in the per-call slot list ``_V``,
+and a record ``_E[e].set()`` after the producer. `StreamRunner.run` runs every stream
+function of one call on its own worker thread (ATen kernels release the GIL, so
+kernels of different streams overlap) and waits for all of them.
+
+Events are `threading.Event`s made once per runner and cleared at the start of each
+call: an executor runs one call at a time (`ExecutorPool` gives concurrent calls an
+executor, hence a runner and worker threads, each), and a call returns only after all
+its streams have ended, so nothing still waits on an event when it is cleared.
+
+A failing stream sets the abort flag and every event before it reports; a stream
+waiting on an event then stops with `StreamAborted` instead of waiting forever, and
+`run` raises the first real error (the caller names the node, as on one stream).
+
+Intra-op threads: ``torch.set_num_threads`` sets the process-wide default *and* the
+calling thread's OpenMP team size (an OpenMP ICV is per thread), and ATen's lazy
+per-thread initialisation copies the process default into a thread on its first
+parallel region. So each worker first initialises (``torch.get_num_threads()``), then
+sets its own count, ``threads_per_stream`` (default: the caller's
+``torch.get_num_threads()`` divided by the number of streams, at least 1), and the
+starting thread restores the process default afterwards: the caller's own thread and
+threads made later keep their count. Measured on torch 2.x with OpenMP (see
+docs/performance.md, "Streams"); with a non-OpenMP ATen build the count may be
+process-wide.
+"""
+from __future__ import annotations
+
+import queue
+import threading
+import weakref
+from typing import Callable, List, Optional, Sequence
+
+import torch
+
+_START_LOCK = threading.Lock()  # set_num_threads' process default is restored under it
+
+
+class StreamAborted(Exception):
+    """Raised in a stream waiting on an event when another stream of the call failed."""
+
+
+def _worker(jobs: "queue.SimpleQueue", done: "queue.SimpleQueue", nthreads: int,
+            ready: "queue.SimpleQueue") -> None:
+    torch.get_num_threads()          # ATen's per-thread init first (it copies the default)
+    torch.set_num_threads(nthreads)  # then this thread's OpenMP team size
+    ready.put(None)
+    while True:
+        job = jobs.get()
+        if job is None:
+            return
+        fn, inputs, slots, fail = job
+        job = None
+        try:
+            fn(inputs, slots)
+        except BaseException as e:  # noqa: BLE001 - handed to the caller's thread
+            fail()
+            done.put(e)
+        else:
+            done.put(None)
+        fn = inputs = slots = fail = None
+
+
+def _stop(jobs: List["queue.SimpleQueue"]) -> None:
+    for q in jobs:
+        q.put(None)
+
+
+class StreamRunner:
+    """Worker threads and events for the ``nstreams`` stream functions of one executor.
+
+    ``nevents`` events, ``nslots`` value slots per call; ``fns`` (the stream functions,
+    set after the generated code is compiled) take ``(inputs, slots)``. Workers start on
+    the first `run` and end when the runner is garbage-collected."""
+
+    def __init__(self, nstreams: int, nevents: int, nslots: int,
+                 threads_per_stream: Optional[int] = None):
+        self.nstreams, self.nslots = nstreams, nslots
+        self.events = [threading.Event() for _ in range(nevents)]
+        self.fns: List[Callable] = []
+        self.threads_per_stream = threads_per_stream
+        self._aborted = False
+        self._jobs = [queue.SimpleQueue() for _ in range(nstreams)]
+        self._done: "queue.SimpleQueue" = queue.SimpleQueue()
+        self._started = False
+
+    def copy(self) -> "StreamRunner":
+        """A runner of the same shape with its own events, slots and threads (for
+        `Executor.clone`); ``fns`` is left empty for the caller to set."""
+        return StreamRunner(self.nstreams, len(self.events), self.nslots, self.threads_per_stream)
+
+    def _start(self) -> None:
+        with _START_LOCK:
+            if self._started:
+                return
+            default = torch.get_num_threads()
+            n = self.threads_per_stream or max(1, default // self.nstreams)
+            ready: "queue.SimpleQueue" = queue.SimpleQueue()
+            for s in range(self.nstreams):
+                threading.Thread(target=_worker, args=(self._jobs[s], self._done, n, ready),
+                                 name=f"opencann-stream-{s}", daemon=True).start()
+            for _ in range(self.nstreams):
+                ready.get()
+            torch.set_num_threads(default)  # the process default, as the caller had it
+            self.threads_per_stream = n
+            self._started = True
+            weakref.finalize(self, _stop, list(self._jobs))
+
+    def wait(self, k: int) -> None:
+        """Block until event ``k`` is recorded; raises `StreamAborted` when another
+        stream failed instead."""
+        self.events[k].wait()
+        if self._aborted:
+            raise StreamAborted("another stream of this call failed")
+
+    def _fail(self) -> None:
+        self._aborted = True
+        for e in self.events:
+            e.set()
+
+    def run(self, inputs: Sequence[torch.Tensor]) -> list:
+        """Run every stream function on ``inputs`` at once; returns the call's value
+        slots. Raises the first error a stream raised (not `StreamAborted`) after all
+        streams have ended."""
+        if not self._started:
+            self._start()
+        for e in self.events:
+            e.clear()
+        self._aborted = False
+        slots = [None] * self.nslots
+        for q, fn in zip(self._jobs, self.fns):
+            q.put((fn, inputs, slots, self._fail))
+        first, left = None, len(self.fns)
+        try:
+            while left:
+                r = self._done.get()
+                left -= 1
+                if r is not None and first is None and not isinstance(r, StreamAborted):
+                    first = r
+        except BaseException:  # interrupted while waiting: stop the streams, then re-raise
+            self._fail()
+            for _ in range(left):
+                self._done.get()
+            raise
+        if first is not None:
+            raise first
+        return slots
