@@ -55,7 +55,7 @@ def _desc(val: Any, where: str) -> TensorDesc:
             "or use torch.compile(model, backend='opencann'), which runs such parts eagerly")
     if not isinstance(val, torch.Tensor):
         raise ConversionError(f"{where}: expected a tensor meta value, got {type(val).__name__}")
-    shape = tuple(int(s) if not isinstance(s, torch.SymInt) else str(s) for s in val.shape)
+    shape = tuple(_dim(s) for s in val.shape)
     return TensorDesc(shape, DataType.from_torch(val.dtype))
 
 
@@ -196,6 +196,15 @@ def _backed_expr(s: "torch.SymInt") -> "str | None":
     if any(not str(f).startswith("s") for f in expr.free_symbols):
         return None
     return str(expr)
+
+
+def _dim(s: Any) -> Any:
+    """A shape entry: an int (a SymInt the shape environment has specialised to a constant,
+    as in AOTAutograd's backward graphs, included), else the SymInt's string form."""
+    if isinstance(s, torch.SymInt):
+        e = str(s.node.expr)
+        return int(e) if e.lstrip("-").isdigit() else e
+    return int(s)
 
 
 def _size(s: Any) -> Any:
