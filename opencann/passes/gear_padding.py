@@ -101,6 +101,24 @@ def _blocked(sym: str, node: Optional[Node], reason: str) -> PaddingCheck:
         "reason": reason})
 
 
+def _node_rule(n: Node, ins: Dict[int, int], sym: str, sized: set):
+    """Node ``n``'s `OpDef.per_index` result for inputs ``ins`` (input index -> padded
+    axis), or the reason padding could change its results: random draws, the dim's size
+    taken as a value or position (``sized``: the attrs that use it), no rule known."""
+    op = get_op(n.op)
+    if is_random(n):
+        return "draws random numbers, and the draws depend on the padded shape"
+    if sized and op.kind not in (OpKind.VIEW, OpKind.CREATION):
+        return "takes the padded dim's size as a value"
+    if sized - _SIZE_ATTRS:
+        return (f"takes the padded dim's size as a value or position "
+                f"({', '.join(sorted(sized - _SIZE_ATTRS))}): padding moves it")
+    if op.per_index is None:
+        return (f"{n.op} states no per-index independence (OpDef.per_index "
+                "unknown: a host fallback or custom op)")
+    return op.per_index(n, ins, sym)
+
+
 def follow_padded_dim(graph: Graph, sym: str) -> PaddingCheck:
     """Whether padding the dim ``sym`` (a symbol of ``graph``'s input shapes) can change
     any real entry of ``graph``'s outputs; see the module docstring. Reads ``graph``
@@ -118,17 +136,7 @@ def follow_padded_dim(graph: Graph, sym: str) -> PaddingCheck:
         if not ins and not sized:
             continue
         op = get_op(n.op)
-        if is_random(n):
-            return _blocked(sym, n, "draws random numbers, and the draws depend on the padded shape")
-        if sized and op.kind not in (OpKind.VIEW, OpKind.CREATION):
-            return _blocked(sym, n, "takes the padded dim's size as a value")
-        if sized - _SIZE_ATTRS:
-            return _blocked(sym, n, f"takes the padded dim's size as a value or position "
-                                    f"({', '.join(sorted(sized - _SIZE_ATTRS))}): padding moves it")
-        if op.per_index is None:
-            return _blocked(sym, n, f"{n.op} states no per-index independence (OpDef.per_index "
-                                    "unknown: a host fallback or custom op)")
-        res = op.per_index(n, ins, sym)
+        res = _node_rule(n, ins, sym, sized)
         if isinstance(res, str):
             return _blocked(sym, n, res)
         outers = {outer_of(a) for a in ins.values()}
