@@ -3,7 +3,7 @@ it disabled (``options={"disable": [name]}``; ``enable`` for a pass off by defau
 timed in one process with rounds interleaved (the order alternating), median and min.
 
     .venv/bin/python bench/pass_gain.py drop_unused_outputs --model resnet50 --batch 1
-    .venv/bin/python bench/pass_gain.py fuse_add_layernorm --model bert-base --rounds 8
+    .venv/bin/python bench/pass_gain.py fuse_add_layer_norm --model bert-base --rounds 8
 
 Prints one line per variant and the ratio off/on (> 1: the pass makes it faster).
 """

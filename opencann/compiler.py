@@ -309,12 +309,16 @@ class CompiledModel:
                 what = "shape" if not fits(t.shape, v.desc.shape) else "dtype"
                 raise ValueError(
                     f"{name} is {str(t.dtype).replace('torch.', '')}{list(t.shape)} "
-                    f"but the model was compiled for {v.desc}; the {what} differs: recompile with "
+                    f"but the model was compiled for {self._shown(v.desc)}; the {what} differs: recompile with "
                     f"example inputs of this {what}" + (" or cast the input" if what == "dtype" else ""))
             if t.device.type != "cpu":
                 raise ValueError(f"{name} is on {t.device}; the compiled model "
                                  "runs on the host (cpu): move the input with .cpu()")
         return tensors
+
+    def _shown(self, desc) -> str:
+        """``desc`` as input errors show it (`DynamicCompiledModel` names its dims)."""
+        return str(desc)
 
     def __call__(self, *args, **kwargs):
         user = self._user_tensors(args, kwargs)
@@ -335,7 +339,7 @@ class CompiledModel:
         flat = []
         for i in range(n):
             if i + k in lits:
-                flat.append(lits[i + k])
+                flat.append(self._literal(lits[i + k], user))
                 continue
             o = next(it)
             # an output that is a mutated input is the caller's tensor itself, as in eager
@@ -344,6 +348,11 @@ class CompiledModel:
         if self._out_spec is None:
             return flat[0] if len(flat) == 1 else tuple(flat)
         return pytree.tree_unflatten(flat, self._out_spec)
+
+    def _literal(self, value, user):
+        """A non-tensor output (an int, ``x.shape[0]``) for this call (``value`` itself
+        here; `opencann.dynamic` binds symbolic sizes to the call's)."""
+        return value
 
     def _input_views(self, user) -> Dict[int, list]:
         """``graph.meta["input_views"]`` for this call's inputs ``user`` (concrete here;

@@ -28,7 +28,7 @@ from .frontend.torch import CaptureError, capture
 from .frontend.torch.dynamic import dynamic_dims, export_dynamic_shapes, required_ranges
 from .ir import Graph, MemoryPlan
 from .ir.specialise import specialise
-from .ir.symbolic import bind, bind_tree, holds, is_symbol, parse, shape_symbols
+from .ir.symbolic import SymExpr, bind, bind_tree, holds, is_symbol, parse, shape_symbols
 from .log import logger
 from .options import check_options
 from .passes import (MemoryPlanning, Pass, PassContext, PassManager, SingleStreamSchedule,
@@ -88,16 +88,23 @@ def compile_shape(graph: Graph, values: Mapping[str, int], device: str, options:
     return g, ctx.artifacts["memory_plan"], ctx.artifacts["executor"]
 
 
-def pin_kernel_choices(graph: Graph, bound: Graph) -> int:
+def pin_kernel_choices(graph: Graph, bound: Graph) -> Tuple[int, int]:
     """Copy the kernel choices binding made on ``bound`` (a specialised copy of
     ``graph``: ``node.meta["kernel"]``, the GEMM measured per shape) onto ``graph``'s
-    nodes, so every later specialisation binds the same kernels without measuring.
-    Returns how many nodes got a choice."""
+    nodes, so every later specialisation binds the same kernels without measuring. A
+    GEMM that chose MKL's packed weight (``mkl_packed``) gets ``addmm`` at the other
+    shapes: MKL packs an fp32 weight for one row count m (``cblas_sgemm_pack`` takes m;
+    ``torch.ops.mkl._mkl_linear`` runs unpacked when m differs), so each new shape would
+    repack every weight (BERT-base: 48 weights, ~340 MB, 0.3-1.5 s per shape measured)
+    and keep one more copy per cached shape; Inductor likewise packs fp32 weights for
+    static shapes only. Returns (nodes given a choice, packed GEMMs moved to addmm)."""
     chosen = {n.name: n.meta["kernel"] for n in bound.nodes if "kernel" in n.meta}
+    unpacked = 0
     for n in graph.nodes:
         if n.name in chosen:
-            n.meta["kernel"] = chosen[n.name]
-    return len(chosen)
+            n.meta["kernel"] = "addmm" if chosen[n.name] == "mkl_packed" else chosen[n.name]
+            unpacked += chosen[n.name] == "mkl_packed"
+    return len(chosen), unpacked
 
 
 class ShapeBinder:
@@ -115,6 +122,10 @@ class ShapeBinder:
         #: (option, dim names, gears, gear keys, why no padding) once `opencann.gears` set it
         self.gears: Optional[tuple] = None
         self.order = sorted(dims)
+        # per input: its plain-symbol dims (bound from the call) and compound ones
+        # ("s0*s1": a backward graph's saved view, checked once the symbols are bound)
+        self._dims = [[(i, d, is_symbol(d)) for i, d in enumerate(shape) if isinstance(d, str)]
+                      for shape in self.shapes]
         loose = shape_symbols(self.shapes) - {d for s in self.shapes for d in s if is_symbol(d)}
         loose -= set(self.scalars)
         if loose:
@@ -129,11 +140,13 @@ class ShapeBinder:
         and the fix."""
         values: Dict[str, int] = dict(zip(self.scalars, (int(v) for v in scalars)))
         where: Dict[str, str] = {s: "its size argument" for s in values}
-        for name, shape, t in zip(self.names, self.shapes, inputs):
-            for i, d in enumerate(shape):
-                if not isinstance(d, str):
-                    continue
+        compound = []
+        for name, dims, t in zip(self.names, self._dims, inputs):
+            for i, d, plain in dims:
                 n = int(t.shape[i])
+                if not plain:
+                    compound.append((name, i, d, n))
+                    continue
                 if d in values and values[d] != n:
                     raise ValueError(
                         f"{name} dim {i} is {n} but {where[d]} is {values[d]}: both are the "
@@ -141,6 +154,11 @@ class ShapeBinder:
                 values[d], where[d] = n, f"{name} dim {i}"
                 if self.gears is None:   # with gears, the gear check names the gears
                     self._check_range(d, n, f"{name} dim {i}")
+        for name, i, d, n in compound:
+            if bind(d, values) != n:
+                raise ValueError(f"{name} dim {i} is {n} but the graph computes it as {d} = "
+                                 f"{bind(d, values)} ({self.describe(values)}): call with "
+                                 "consistent shapes")
         for g in self.guards:
             if not holds(g, values):
                 raise ValueError(f"the shapes {self.describe(values)} break the model's shape "
@@ -223,9 +241,13 @@ class PlanBuilder:
         logger.info("dynamic shapes: planned %s in %.1f ms (arena %d bytes, %.3fx its lower "
                     "bound)", self.binder.describe(values), dt * 1e3, plan.arena_bytes, plan.ratio)
         if self.pinned is None:
-            self.pinned = pin_kernel_choices(self.graph, g)
+            self.pinned, unpacked = pin_kernel_choices(self.graph, g)
             note = ("kernel choices measured at the first shape planned ({} GEMMs) are kept "
                     "at every shape: a new shape costs no measurement").format(self.pinned)
+            if unpacked:
+                note += (f"; {unpacked} GEMMs on MKL-packed weights there run addmm at the other "
+                         "shapes (a packed fp32 weight serves one row count: no repacking per "
+                         "shape)")
             if self.pinned and note not in self.report.notes:
                 self.report.notes.append(note)
         return pool
@@ -278,6 +300,19 @@ class DynamicCompiledModel(CompiledModel):
             ins, restore = self.padder(self._contiguous(user))
             outs = restore(self.pool.run(ins))
         return self._structure(outs, user)
+
+    def _literal(self, value, user):
+        """A non-tensor output depending on the dims (``x.shape[0]``, ``3*s0 + 1``)
+        bound to this call's real sizes (before any gear padding)."""
+        if user is None or not any(isinstance(v, SymExpr) for v in pytree.tree_leaves(value)):
+            return value
+        return bind_tree(value, self.binder.values(user))
+
+    def _shown(self, desc) -> str:
+        """``desc`` with the user's dim names (``float32[batch,seq,16]``), not symbols."""
+        dims = ",".join(self.binder.readable(d) if isinstance(d, str) else str(d)
+                        for d in desc.shape)
+        return f"{desc.dtype.value}[{dims}]"
 
     def _input_views(self, user) -> Dict[int, list]:
         """The views of mutated inputs the outputs are, bound to this call's shapes."""
@@ -413,8 +448,9 @@ def compile_symbolic_fx(graph: Graph, placeholders: Sequence[Any], options: Dict
     graphs): optimise ``graph`` once, plan each concrete shape on first use (cached as
     for `compile_dynamic`). ``placeholders``: the FX graph's placeholder values (tensors
     and SymInts, in calling order). Returns ``run(args) -> flat outputs`` taking the
-    graph's call arguments (tensors and the ints dynamo passes for its SymInts).
-    dynamo's own guards keep calls within the shapes this graph is valid for."""
+    graph's call arguments (tensors and the ints dynamo passes for its SymInts), with
+    ``run.plans`` (the `ShapePlanCache`) and ``run.values(args)`` (symbol -> int, to bind
+    the sizes a training forward returns for its backward). dynamo's own guards keep calls within the shapes this graph is valid for."""
     run_pipeline(graph, "cpu", options, report, symbolic_pipeline())
     tensors = [i for i, v in enumerate(placeholders) if isinstance(v, torch.Tensor)]
     sizes = [(i, str(v.node.expr)) for i, v in enumerate(placeholders)
@@ -436,5 +472,10 @@ def compile_symbolic_fx(graph: Graph, placeholders: Sequence[Any], options: Dict
         ts = [args[i] for i in tensors]
         key = binder.bind(ts, [args[i] for i, _ in sizes])
         return plans.pool_for_key(key).run(ts)
-    run.plans = plans
+
+    def values(args) -> Dict[str, int]:
+        """The symbols' values for these call arguments (to bind size outputs)."""
+        ts = [args[i] for i in tensors]
+        return dict(zip(binder.order, binder.bind(ts, [args[i] for i, _ in sizes])))
+    run.plans, run.values = plans, values
     return run

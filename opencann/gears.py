@@ -75,6 +75,25 @@ def _values(name: str, gears: Any, width: int) -> List[Tuple[int, ...]]:
     return sorted(set(out))
 
 
+def _same_sizes(opt: str, spec: Dict[str, Dict[int, str]],
+                tensors: List[Tuple[str, torch.Tensor]]) -> Dict[str, Dict[int, str]]:
+    """``spec`` (the option's default: the dims of every tensor input) when the example
+    inputs agree on each dim's size; else ValueError naming two inputs that differ and
+    the fix (name the inputs that carry the dim)."""
+    by_name, seen = dict(tensors), {}
+    for arg, dims in spec.items():
+        for i, d in dims.items():
+            size = int(by_name[arg].shape[i])
+            first = seen.setdefault(d, (arg, i, size))
+            if first[2] != size:
+                raise ValueError(
+                    f"{opt} makes dim {i} of every tensor input the dim {d!r}, but input "
+                    f"{arg!r} has {size} there and {first[0]!r} has {first[2]}: name the "
+                    f"inputs that carry it, e.g. dynamic_shapes={{{first[0]!r}: {{{first[1]}: "
+                    f"{d!r}}}}} with the option")
+    return spec
+
+
 def gear_spec(model, args, kwargs, options: Dict[str, Any], dynamic_shapes: Any
               ) -> Tuple[str, Any, List[str], List[Tuple[int, ...]]]:
     """(the gear option used, the ``dynamic_shapes`` spec, the dim names in gear order,
@@ -86,10 +105,12 @@ def gear_spec(model, args, kwargs, options: Dict[str, Any], dynamic_shapes: Any
     opt = used[0]
     tensors = _tensor_args(model, args, kwargs)
     if opt == "dynamic_batch_size":
-        spec = dynamic_shapes or {n: {0: "batch"} for n, _ in tensors}
+        spec = dynamic_shapes or _same_sizes(opt, {n: {0: "batch"} for n, t in tensors
+                                                   if t.dim() >= 1}, tensors)
         return opt, spec, ["batch"], _values(opt, options[opt], 1)
     if opt == "dynamic_image_size":
-        spec = dynamic_shapes or {n: {2: "height", 3: "width"} for n, t in tensors if t.dim() == 4}
+        spec = dynamic_shapes or _same_sizes(opt, {n: {2: "height", 3: "width"}
+                                                   for n, t in tensors if t.dim() == 4}, tensors)
         if not spec:
             raise ValueError("dynamic_image_size needs a 4-D (N, C, H, W) tensor input")
         return opt, spec, ["height", "width"], _values(opt, options[opt], 2)
@@ -167,12 +188,22 @@ class GearPadder:
             ins.append(t)
 
         cuts = self._cuts(real, gear)
+        # padded copies laid out like the caller's tensor (the batch, outermost): a view
+        # of one is re-based on the caller's tensor, as eager's output is a view of it
+        rebase = {p.untyped_storage().data_ptr(): (p, t) for p, t in zip(ins, tensors)
+                  if p is not t and p.stride() == t.stride()}
 
         def restore(outs):
             outs = list(outs)
             for j, axis, n in cuts:
                 o = outs[j].narrow(axis, 0, n)
                 outs[j] = o if o.is_contiguous() or not outs[j].is_contiguous() else o.contiguous()
+            for j, o in enumerate(outs):
+                hit = rebase.get(o.untyped_storage().data_ptr()) if rebase else None
+                if hit is not None:
+                    p, t = hit
+                    outs[j] = t.as_strided(o.shape, o.stride(), o.storage_offset() -
+                                           p.storage_offset() + t.storage_offset())
             return tuple(outs)
         return ins, restore
 

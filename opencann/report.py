@@ -72,6 +72,11 @@ class CompileReport:
     #: gears also "gears" (option, dims, values) and "padding" ("applies", "fill", and per
     #: dim "padded" and "blocked_by": node, op, source, where, reason)
     dynamic: Dict[str, Any] = field(default_factory=dict)
+    #: a graph compiled under torch.compile: "code" (the function dynamo compiled),
+    #: "compile" (1 = its first compile), "compile_id" (dynamo's "frame/compile"),
+    #: "reason" (why dynamo recompiled: its guard failure) and "source" (the user's
+    #: line owning that guard); see `opencann.dynamo.recompiles`
+    torch_compile: Dict[str, Any] = field(default_factory=dict)
     #: with the option ``streams`` > 1: "streams", "events", "cross_stream_dependences",
     #: "nodes_per_stream", "estimated_serial_us" (`opencann.passes.schedule.stream_summary`);
     #: empty (and left out of `to_dict`) on one stream
@@ -115,7 +120,7 @@ class CompileReport:
         if self.host_fallbacks:
             lines.append("  host fallbacks: " + ", ".join(
                 f"{k} x{v['count']}" for k, v in self.host_fallbacks.items()))
-        if m:
+        if m.get("arena_bytes") is not None:
             lines.append(f"  memory: arena {fmt_bytes(m['arena_bytes'])}, lower bound "
                          f"{fmt_bytes(m['lower_bound_bytes'])} ({m['arena_over_lower_bound']:.3f}x), "
                          f"naive {fmt_bytes(m['naive_bytes'])}"
@@ -144,6 +149,12 @@ class CompileReport:
             cb, ca = self.cost_before, self.cost_after
             lines.append(f"  work {fmt_flops(cb['flops'])} -> {fmt_flops(ca['flops'])}; "
                          f"bytes moved {fmt_bytes(cb['bytes'])} -> {fmt_bytes(ca['bytes'])}")
+        tc = self.torch_compile
+        if tc:
+            lines.append(f"  torch.compile: {tc['code']}, compile {tc['compile']} "
+                         f"({tc['compile_id']})" + (f", recompiled because {tc['reason']} "
+                                                    f"(guard at {tc['source']})"
+                                                    if tc.get("reason") else ""))
         lines += [f"  note: {n}" for n in self.notes]
         return "\n".join(lines)
 

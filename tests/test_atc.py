@@ -166,7 +166,8 @@ def test_fusion_switch_all_and_overrides(tmp_path):
     assert "fuse_conv_act" not in off and "fold_batchnorm" not in off
     off, on = read_fusion_switch(_switch(tmp_path, {"Switch": {"GraphFusion": {"ALL": "off"}}}))
     assert off == ["fold_batchnorm", "fuse_silu", "fuse_gelu_tanh", "fuse_gelu_erf",
-                   "fuse_rms_norm", "fuse_layer_norm", "fuse_gated_mlp"] and on == []
+                   "fuse_rms_norm", "fuse_layer_norm", "fuse_gated_mlp", "fuse_qkv_linear",
+                   "fuse_add_layer_norm"] and on == []
     # merged with the given disable list
     from opencann.options import check_options
     o = check_options({"disable": ["cse"], "fusion_switch_file": _switch(

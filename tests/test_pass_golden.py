@@ -612,3 +612,179 @@ def test_fuse_gated_mlp_does_not_apply_to_gemms_of_different_inputs():
     g.outputs = [binary(g, "Mul", unary(g, "Swish", a), b)]
     _, rep, _ = run(FuseGatedMLP(), g)
     assert [r for _, r in skipped(rep)] == ["the two GEMMs read different inputs (%x, %y)"]
+
+
+# -- fuse_elementwise (issue #16 item 1) ---------------------------------------------------------
+
+from opencann.passes import FuseElementwise  # noqa: E402
+
+EW = {"enable": ["fuse_elementwise"]}
+
+
+def test_fuse_elementwise():
+    g = Graph()
+    x, y, b = g.add_input(d(4, 8), "x"), g.add_input(d(4, 8), "y"), g.add_input(d(8), "b")
+    s = binary(g, "Mul", x, unary(g, "Sigmoid", y))
+    t = binary(g, "Add", s, b)                          # b broadcasts
+    r = g.create_node("ReduceSum", [t], {"self": TensorRef(0), "dim": [-1], "keepdim": False},
+                      [d(4)]).output
+    g.outputs = [t, r]
+    text, rep, _ = run(FuseElementwise(), g, **EW)
+    assert text == """graph(%x: float32[4,8], %y: float32[4,8], %b: float32[8]):
+  %0: float32[4,8], %1: float32[4] = FusedElementwise(%y, %x, %b)
+  return %0, %1"""
+    (node,) = g.nodes
+    assert node.attrs["program"] == [
+        ["t0", "float32", "lit_float32(1.0) / (lit_float32(1.0) + exp(-(a0)))"],
+        ["t1", "float32", "a1 * t0"], ["t2", "float32", "t1 + a2"]]
+    assert node.attrs["outputs"] == ["t2", "r"] and node.attrs["reduce"] == ["sum", "t2", "float32", False]
+    assert [a["detail"] for a in rep.applied] == ["Sigmoid+Mul+Add+ReduceSum"]
+
+
+def test_fuse_elementwise_does_not_cross_a_view_or_fuse_one_op():
+    g = Graph()
+    x = g.add_input(d(4, 8), "x")
+    e = unary(g, "Exp", x, "exp")
+    v = g.create_node("Reshape", [e], {"self": TensorRef(0), "size": [8, 4]}, [d(8, 4)], "view").output
+    g.outputs = [unary(g, "Neg", v, "neg")]
+    _, rep, _ = run(FuseElementwise(), g, **EW)
+    assert [n.op for n in g.nodes] == ["Exp", "Reshape", "Neg"]
+    single = ("fuse_elementwise", "single fusable op: ATen's kernel writes the planned buffer itself; "
+                                  "a generated kernel pays off from 2 ops")
+    assert skipped(rep) == [
+        ("fuse_elementwise", "Reshape is a view (aliases its input): a group ends at views, the generated "
+                             "code does not follow their strides"), single, single]
+# -- fuse_qkv_linear ---------------------------------------------------------------------
+
+from opencann.passes import FuseQKVLinear  # noqa: E402
+
+
+def linear_act(g, x, nout, name, act="none", w=None, dtype=F):
+    b = g.add_const(rnd(nout).to(dtype.torch), f"{name}_b")
+    w = w if w is not None else g.add_const(rnd(nout, x.desc.shape[1]).to(dtype.torch).t(), f"{name}_w")
+    a = {"self": TensorRef(0), "mat1": TensorRef(1), "mat2": TensorRef(2), "act": act}
+    return g.create_node("LinearAct", [b, x, w], a, [d(x.desc.shape[0], nout, dtype=dtype)], name).output
+
+
+def test_fuse_qkv_linear():
+    g = Graph()
+    x = g.add_input(d(2, 4), "x")
+    q, k, v = (linear_act(g, x, n, name) for n, name in ((4, "q"), (4, "k"), (6, "v")))
+    g.outputs = [binary(g, "Add", q, k), unary(g, "Neg", v)]
+    wq, wk, wv = (g.constants[i].const for i in (1, 3, 5))
+    bq, bk, bv = (g.constants[i].const for i in (0, 2, 4))
+    text, rep, _ = run(FuseQKVLinear(), g)
+    assert text == """graph(%x: float32[2,4]):
+  %c0: float32[4,14] = const
+  %c1: float32[14] = const
+  %0: float32[2,14] = LinearAct(%c1, %x, %c0; act='none')
+  %1: float32[2,4] = StridedSlice(%0)
+  %2: float32[2,4] = StridedSlice(%0)
+  %3: float32[2,6] = StridedSlice(%0)
+  %4: float32[2,4] = Add(%1, %2)
+  %5: float32[2,6] = Neg(%3)
+  return %4, %5"""
+    assert torch.equal(g.constants[0].const, torch.cat([wq, wk, wv], dim=1))
+    assert torch.equal(g.constants[1].const, torch.cat([bq, bk, bv]))
+    assert g.constants[0].const.t().is_contiguous()   # the layout of the weights it replaces
+    assert [(n.attrs["start"], n.attrs["end"]) for n in g.nodes if n.op == "StridedSlice"] == \
+        [(0, 4), (4, 8), (8, 14)]
+    assert [a["detail"] for a in rep.applied] == ["3 Linears on one input as one GEMM [.., 14]"]
+
+
+def test_fuse_qkv_linear_leaves_out_a_sibling_with_another_activation():
+    g = Graph()
+    x = g.add_input(d(2, 4), "x")
+    outs = [linear_act(g, x, 4, "q"), linear_act(g, x, 4, "k"), linear_act(g, x, 4, "v", act="relu")]
+    g.outputs = [unary(g, "Neg", o) for o in outs]
+    _, rep, _ = run(FuseQKVLinear(), g)
+    assert [n.op for n in g.nodes] == ["LinearAct", "StridedSlice", "StridedSlice", "LinearAct",
+                                       "Neg", "Neg", "Neg"]
+    assert skipped(rep) == [("fuse_qkv_linear", "left out of the merged GEMM: v: activation "
+                             "'relu', the first sibling's is 'none'")]
+
+
+def test_fuse_qkv_linear_does_not_apply_to_different_inputs_dtypes_or_weights():
+    g = Graph()
+    x, y = g.add_input(d(2, 4), "x"), g.add_input(d(2, 4), "y")
+    g.outputs = [unary(g, "Neg", linear_act(g, x, 4, "q")),
+                 unary(g, "Neg", linear_act(g, y, 4, "k"))]   # different inputs
+    before = to_text(g)
+    _, rep, _ = run(FuseQKVLinear(), g)
+    assert to_text(g) == before and skipped(rep) == []
+    g = Graph()
+    x = g.add_input(d(2, 4), "x")
+    g.outputs = [unary(g, "Neg", linear_act(g, x, 4, "q")),
+                 unary(g, "Neg", linear_act(g, x, 4, "k", dtype=DataType.DOUBLE))]
+    _, rep, _ = run(FuseQKVLinear(), g)
+    assert skipped(rep) == [
+        ("fuse_qkv_linear", "no sibling Linear of q on %x can share its GEMM: k: weight dtype "
+                            "float64, the first sibling's is float32")]
+    g = Graph()
+    x, w = g.add_input(d(2, 4), "x"), g.add_input(d(4, 4), "w")
+    g.outputs = [unary(g, "Neg", linear_act(g, x, 4, "q")),
+                 unary(g, "Neg", linear_act(g, x, 4, "k", w=w))]   # a weight input
+    _, rep, _ = run(FuseQKVLinear(), g)
+    assert [n.op for n in g.nodes] == ["LinearAct", "Neg", "LinearAct", "Neg"]
+    assert skipped(rep)[-1] == ("fuse_qkv_linear", "no sibling Linear of q on %x can share its "
+                                "GEMM: k: its weight or bias is not a constant (the "
+                                "concatenation is made once, at compile time)")
+    g = Graph()
+    x = g.add_input(d(2, 4), "x")
+    g.outputs = [linear_act(g, x, 4, "q"), unary(g, "Neg", linear_act(g, x, 4, "k"))]
+    _, rep, _ = run(FuseQKVLinear(), g)   # q is returned: eager gives it memory of its own
+    assert [n.op for n in g.nodes] == ["LinearAct", "LinearAct", "Neg"]
+    assert skipped(rep) == [("fuse_qkv_linear", "not merged with its sibling Linears on %x: q: "
+                             "its result (or a view of it) is a graph output; eager returns "
+                             "memory of its own, contiguous, not a column slice of a shared buffer")]
+
+
+# -- fuse_add_layer_norm -----------------------------------------------------------------
+
+from opencann.passes import FuseAddLayerNorm  # noqa: E402
+
+
+def add_ln(g, a, b, stats_out=False, gamma=True, dtype=F):
+    s = binary(g, "Add", a, b, "add")
+    ins = [s] + ([g.add_const(rnd(8).to(dtype.torch), "g"), g.add_const(rnd(8), "b")] if gamma else [])
+    attrs = {"input": TensorRef(0), "normalized_shape": [8], "eps": 1e-5,
+             "weight": TensorRef(1) if gamma else None, "bias": TensorRef(2) if gamma else None}
+    ln = g.create_node("LayerNorm", ins, attrs, [d(2, 8), d(2, 1), d(2, 1)], "ln")
+    return s, ln
+
+
+def test_fuse_add_layer_norm():
+    g = Graph()
+    a, b = g.add_input(d(2, 8), "a"), g.add_input(d(2, 8), "b")
+    _, ln = add_ln(g, a, b)
+    g.outputs = [ln.outputs[0]]
+    text, rep, _ = run(FuseAddLayerNorm(), g, enable=["fuse_add_layer_norm"])
+    assert text == """graph(%a: float32[2,8], %b: float32[2,8]):
+  %c0: float32[8] = const
+  %c1: float32[8] = const
+  %0: float32[2,8] = AddLayerNorm(%a, %b, %c0, %c1)
+  return %0"""
+    assert [a["detail"] for a in rep.applied] == ["residual Add + LayerNorm"]
+
+
+@pytest.mark.parametrize("case,reason", [
+    ("sum_read", "the sum a + b is also read by neg; the fused kernel does not write it"),
+    ("stats_read", "the LayerNorm's mean or rstd is read (training): the fused kernel returns "
+                   "the normalized output only"),
+    ("no_affine", "LayerNorm without γ or β (elementwise_affine=False)"),
+    ("broadcast", "the Add broadcasts (float32[2,8] + float32[8]); the fused kernel adds two "
+                  "tensors of the result's shape"),
+])
+def test_fuse_add_layer_norm_near_misses(case, reason):
+    g = Graph()
+    a = g.add_input(d(2, 8), "a")
+    b = g.add_input(d(8) if case == "broadcast" else d(2, 8), "b")
+    s, ln = add_ln(g, a, b, gamma=case != "no_affine")
+    g.outputs = [ln.outputs[0]]
+    if case == "sum_read":
+        g.outputs.append(unary(g, "Neg", s, "neg"))
+    if case == "stats_read":
+        g.outputs.append(ln.outputs[1])
+    _, rep, _ = run(FuseAddLayerNorm(), g, enable=["fuse_add_layer_norm"])
+    assert skipped(rep) == [("fuse_add_layer_norm", reason)]
+    assert "AddLayerNorm" not in g.op_counts()

@@ -389,3 +389,26 @@ def test_dynamic_dims_on_two_streams_plan_each_shape_with_the_streams():
         x[0, 1] = float("nan")
         for g, w in zip(cm(x), m(x)):
             torch.testing.assert_close(g, w, equal_nan=True)
+
+
+@pytest.mark.parametrize("streams", [1, 2])
+def test_verifier_accepts_views_wider_than_their_buffer(streams):
+    """An expanded view spans more elements than its base's bytes (stride 0): it lives in
+    its base's buffer and is not checked against that buffer's size (regression: a Llama
+    config's repeat_kv failed `verify` with "%101 (1024 B) does not fit its buffer")."""
+    class Expand(torch.nn.Module):
+        def forward(self, x):
+            y = torch.sigmoid(x)
+            return y[:, None].expand(2, 4, 3, 5).clone() * 2, torch.tanh(x)
+
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 5)
+    x[0, 1, 2] = float("nan")
+    cm = opencann.compile(Expand(), (x,), options={"verify": True, "streams": streams,
+                                                   "copy_out": True})
+    check_plan(cm.graph, cm.plan)
+    ref = Expand()(x)
+    for _ in range(2):
+        out = cm(x)
+        for o, r in zip(out, ref):
+            torch.testing.assert_close(o, r, equal_nan=True)

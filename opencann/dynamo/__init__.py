@@ -6,12 +6,16 @@
   a memory budget (`make_training_backend`);
 - `partition`: the joint-graph partition (min cut, Chen checkpoints) and
   `recompute_bn`: BatchNorm outputs rebuilt from their saved statistics;
+- `recompiles`: every compile per code object with dynamo's recompile reason and its
+  source line, and the graphs run eagerly (`recompiles`, `eager_fallbacks`);
 - `compile_fx`: the one FX → IR → `compile_graph` → executor path both backends share.
 """
 from .backend import opencann_backend, register
 from .compile_fx import COMPILED_GRAPHS, compile_fx
 from .partition import MemoryBudgetError, last_partition_report
+from .recompiles import eager_fallbacks, recompiles
 from .training import make_training_backend, opencann_training_backend
 
-__all__ = ["COMPILED_GRAPHS", "MemoryBudgetError", "compile_fx", "last_partition_report",
-           "make_training_backend", "opencann_backend", "opencann_training_backend", "register"]
+__all__ = ["COMPILED_GRAPHS", "MemoryBudgetError", "compile_fx", "eager_fallbacks",
+           "last_partition_report", "make_training_backend", "opencann_backend",
+           "opencann_training_backend", "recompiles", "register"]

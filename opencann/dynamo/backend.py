@@ -13,7 +13,9 @@ import torch
 
 from ..frontend.torch import decomposition_table
 from ..log import logger
-from .compile_fx import compile_fx
+from .compile_fx import COMPILED_GRAPHS, compile_fx
+from .recompiles import note_compile, note_eager, stamp
+
 
 def _dynamic(example_inputs) -> bool:
     for t in example_inputs:
@@ -27,35 +29,45 @@ def _dynamic(example_inputs) -> bool:
 def opencann_backend(gm: torch.fx.GraphModule, example_inputs, **options):
     """The dynamo backend: AOTAutograd → opencann passes → runtime. Inference graphs get
     the forward compiler only; when gradients are needed (a parameter or input requires
-    grad and grad mode is on) the training backend compiles forward and backward.
-    ``torch.compile(..., options={...})`` passes opencann's compile options."""
-    from torch._dynamo.backends.common import aot_autograd
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
-
+    grad and grad mode is on) the training backend compiles forward and backward. Graphs
+    with symbolic shapes (dynamo's recompile for a new shape, or ``dynamic=True``) are
+    optimised once and planned per concrete shape, for inference and training alike.
+    Every compile is counted per code object with dynamo's recompile reason
+    (`opencann.dynamo.recompiles`) and stamped on the graphs' reports
+    (``report.torch_compile``); a graph run eagerly is counted with its reason
+    (`opencann.dynamo.eager_fallbacks`). ``torch.compile(..., options={...})`` passes
+    opencann's compile options."""
     options = dict(options.pop("options", None) or {}, **options)
     training = torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad
                                                for t in example_inputs)
-    if _dynamic(example_inputs) and training:
-        logger.warning(
-            "opencann: dynamo passed a training graph with symbolic shapes (it recompiled for "
-            "a new input shape); opencann's training backend compiles static shapes, so this "
-            "graph runs eagerly. Use torch.compile(model, backend='opencann', dynamic=False) "
-            "to get one static graph per shape")
-        return gm.forward
-    if _dynamic(example_inputs):
-        logger.info("opencann: dynamo passed a graph with symbolic shapes (a recompile for a "
-                    "new input shape): compiled once, memory planned per concrete shape")
+    dynamic = _dynamic(example_inputs)
+    entry = note_compile(dynamic, training)
+    if dynamic:
+        logger.info("opencann: dynamo passed a %s graph with symbolic shapes (a recompile for "
+                    "a new input shape): compiled once, memory planned per concrete shape",
+                    "training" if training else "inference")
     hops = sorted({n.target.name() for n in gm.graph.nodes if n.op == "call_function"
                    and isinstance(n.target, torch._ops.HigherOrderOperator)})
     if hops:
-        logger.warning(
-            "opencann: this graph holds %s (control flow or a subgraph, a higher-order op "
-            "opencann does not compile), so it runs eagerly; compute both branches and pick "
-            "with torch.where(pred, a, b) to compile it", ", ".join(f"torch.{h}" for h in hops))
+        why = (f"this graph holds {', '.join(f'torch.{h}' for h in hops)} (control flow or a "
+               "subgraph, a higher-order op opencann does not compile)")
+        logger.warning("opencann: %s, so it runs eagerly; compute both branches and pick with "
+                       "torch.where(pred, a, b) to compile it", why)
+        note_eager(entry, gm.__class__.__name__, why)
         return gm.forward
+    n0 = len(COMPILED_GRAPHS)
     if training:
         from .training import opencann_training_backend
-        return opencann_training_backend(gm, example_inputs, **options)
+        compiled = opencann_training_backend(gm, example_inputs, **options)
+    else:
+        compiled = _inference(gm, example_inputs, options)
+    stamp(entry, COMPILED_GRAPHS[n0:])
+    return compiled
+
+
+def _inference(gm, example_inputs, options):
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
 
     def fw(g, inputs):
         with unset_fake_temporarily():  # constant folding must make real tensors

@@ -11,6 +11,7 @@ from ..dynamic import compile_symbolic_fx
 from ..options import check_options
 from ..report import CompileReport
 from ..frontend.torch import from_fx_graph
+from ..ir.symbolic import SymExpr, bind
 from ..runtime import DEFAULT_CONCURRENT_CALLS, Executor, ExecutorPool
 
 COMPILED_GRAPHS: List[Any] = []  # reports of the graphs compiled in this process
@@ -41,11 +42,17 @@ def compile_fx(gm: torch.fx.GraphModule, example_inputs, options: Optional[Dict[
     lits = graph.meta.get("output_literals", {})
     n_out = graph.meta.get("n_outputs", len(graph.outputs))
 
+    sym_lits = {i for i, v in lits.items() if isinstance(v, SymExpr)}
+
     def run(*args):
         if len(args) == 1 and isinstance(args[0], list) and len(idx) != 1:
             args = tuple(args[0])
         outs = execute(args)
         it = iter(outs)
+        if sym_lits:   # sizes a training forward saves for its backward, bound per call
+            values, memo = execute.values(args), {}
+            return [bind(lits[i], values, memo) if i in sym_lits else lits[i] if i in lits
+                    else next(it) for i in range(n_out)]
         return [lits[i] if i in lits else next(it) for i in range(n_out)]
 
     run._boxed_call = False

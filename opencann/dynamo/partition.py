@@ -108,9 +108,19 @@ def _is_view(node: fx.Node) -> bool:
 
 # -- cost model --------------------------------------------------------------------
 
+def _hint(n: Any) -> int:
+    """An int size; a symbolic one (dynamo's dynamic shapes) at its example value, read
+    from its hint so that no guard is added to the shape environment (``int(s)`` would
+    specialise the graph to this size)."""
+    if isinstance(n, torch.SymInt):
+        h = n.node.hint
+        return int(h) if h is not None else 0
+    return int(n)
+
+
 def _nbytes(val: Any) -> int:
     if isinstance(val, torch.Tensor):
-        return val.numel() * val.element_size()
+        return _hint(val.numel()) * val.element_size()
     if isinstance(val, (list, tuple)):
         return sum(_nbytes(v) for v in val)
     return 0
@@ -127,16 +137,16 @@ def node_flops(node: fx.Node) -> int:
     od = lookup_aten(t)
     outs = [v for v in (val if isinstance(val, (list, tuple)) else [val]) if isinstance(v, torch.Tensor)]
     if od is None:
-        return sum(o.numel() for o in outs)
+        return sum(_hint(o.numel()) for o in outs)
     try:
         ins = [a.meta["val"] for a in node.all_input_nodes
                if isinstance(a.meta.get("val"), torch.Tensor)]
-        mk = lambda i, x: Value(i, TensorDesc(tuple(int(s) for s in x.shape), DataType.from_torch(x.dtype)))  # noqa: E731
+        mk = lambda i, x: Value(i, TensorDesc(tuple(_hint(s) for s in x.shape), DataType.from_torch(x.dtype)))  # noqa: E731
         n = Node(od.name, [mk(i, x) for i, x in enumerate(ins)], {}, node.name)
         n.outputs = [mk(100 + i, o) for i, o in enumerate(outs)]
         return int(od.cost(n).flops)
     except Exception:  # noqa: BLE001 - symbolic or unusual shapes: a coarse estimate
-        return sum(o.numel() for o in outs)
+        return sum(_hint(o.numel()) for o in outs)
 
 
 def _liveness_peak(gm: fx.GraphModule, count_outputs: bool = True) -> int:

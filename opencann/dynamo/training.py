@@ -99,17 +99,21 @@ def opencann_training_backend(gm: fx.GraphModule, example_inputs, **options):
     budget = opts.pop("memory_budget", None)
     compile_opts = opts or None
     n_parts = len(PARTITION_REPORTS)
+    forward = []
 
     def fw(g, inputs):
         with unset_fake_temporarily():  # constant folding must make real tensors
             run = compile_fx(g, inputs, compile_opts)
         _attach(run.report, "forward", n_parts)
+        forward.append(run.report)
         return _boxed(run)
 
     def bw(g, inputs):
         with unset_fake_temporarily():
             run = compile_fx(g, inputs, compile_opts)
         _attach(run.report, "backward", n_parts)
+        if forward:   # compiled at the first backward: the forward's torch.compile stamp
+            run.report.torch_compile = dict(forward[-1].torch_compile)
         return _boxed(run)
 
     return aot_autograd(fw_compiler=fw, bw_compiler=bw, inference_compiler=fw,
@@ -120,6 +124,9 @@ def opencann_training_backend(gm: fx.GraphModule, example_inputs, **options):
 def _attach(report, role: str, n_parts: int) -> None:
     """Record the graph's role and the partition report (if this compile made one)."""
     report.notes.append(f"training graph: {role}")
+    if report.dynamic:
+        report.notes.append("symbolic shapes: the partition (what is saved, what recomputed) "
+                            "was decided at the sizes dynamo traced with and serves every shape")
     if len(PARTITION_REPORTS) > n_parts:
         rec = PARTITION_REPORTS[-1]
         report.memory["recompute"] = {k: v for k, v in rec.items() if k not in ("saved",)}

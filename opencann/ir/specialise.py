@@ -5,7 +5,9 @@ descriptions (``shape``, ``origin_shape``), size arguments (`SymExpr` attrs such
 ``view``'s ``[s0*s1, 384]``) and the strides ATen gave each value
 (``node.meta["strides"]``). Node and value names and ids are kept, so a memory plan
 and a compile report read the same as the symbolic graph's. Constants share their
-tensors (weights are never copied); nothing is re-captured or re-optimised.
+tensors (weights are never copied); nothing is re-captured or re-optimised. The copy's
+``meta["specialised"]`` is True (code generation then binds ints as globals, so every
+shape's source is the same text and compiles once).
 """
 from __future__ import annotations
 
@@ -40,7 +42,7 @@ def specialise(graph: Graph, values: Bindings) -> Graph:
     an integer at these values."""
     memo: Dict[str, int] = {}
     g = Graph(graph.name)
-    g.meta = dict(graph.meta)
+    g.meta = dict(graph.meta, specialised=True)
     vmap: Dict[int, Value] = {}
 
     def value(v: Value, producer=None) -> Value:

@@ -7,6 +7,8 @@ out-capable, cost); the kernels themselves are in ``ops/kernels/cpu.py``.
   place into the addend's buffer.
 - ``LinearAct``: MatMulV2 (addmm) [+ activation] into the planned buffer, by addmm or
   MKL's packed GEMM; the activation runs in place on the result.
+- ``AddLayerNorm``: LayerNorm(a + b) over the last axis (ONNX Runtime's
+  SkipLayerNormalization), one pass per row (``ops/kernels/add_layer_norm.py``).
 
 Costs: the unfused ops' FLOPs (convolution / GEMM + the activation's per-element FLOPs)
 so fusing does not change the work the report shows.
@@ -17,6 +19,7 @@ from typing import Optional
 
 from ..ir import Node
 from .kernels import vnpu_cost
+from .kernels.add_layer_norm import make_add_layer_norm_kernel
 from .kernels.cpu import make_conv_kernel, make_linear_kernel
 from .library import _conv_cost, _matmul_cost
 from . import per_index as pi
@@ -54,3 +57,6 @@ register(OpDef("LinearAct", OpKind.FUSED, aliases=((),), cost_fn=_linear_cost,
                kernel_factories={"cpu": make_linear_kernel}, out_capable=lambda node: True,
                device_cost={"vnpu": vnpu_cost.matmul}, per_index=pi.addmm,
                doc="addmm + activation on a packed weight"))
+register(OpDef("AddLayerNorm", OpKind.FUSED, flops_per_elem=9, aliases=((),),
+               kernel_factories={"cpu": make_add_layer_norm_kernel}, out_capable=lambda node: True,
+               keep_fp32=True, doc="LayerNorm(a + b) over the last axis with γ, β in one pass"))

@@ -185,6 +185,56 @@ _VNPU_COST = {"SoftmaxV2": vnpu_cost.softmax, "LogSoftmaxV2": vnpu_cost.softmax,
               **{n: vnpu_cost.vector(k) for n, k in _VNPU_VECTOR.items()},
               **{n: vnpu_cost.reduction(k) for n, k in _VNPU_REDUCE.items()}}
 
+# OpDef.fuse_expr: the op per element in FusedElementwise's neutral syntax
+# (ops/kernels/ew_program.py), only where the compiled code rounds as ATen does: IEEE
+# +, -, *, /, sqrt are exact in every order-preserving code; exp, log, tanh, erf, sin,
+# cos are libm calls (≤ 1 ulp from ATen's SLEEF, see docs/fusion.md); NaN-propagating
+# maximum/minimum as torch's. Reductions name their combine (trailing dim only).
+def _alpha1(expr: str):
+    return lambda a: expr if a.get("alpha", 1) == 1 else None
+
+
+def _clamp(lo: str, hi: str):
+    def expr(a):
+        e = "{self}"
+        if a.get(lo) is not None:
+            e = f"maximum({e}, {{{lo}}})"
+        if a.get(hi) is not None:
+            e = f"minimum({e}, {{{hi}}})"
+        return e if e != "{self}" else None
+    return expr
+
+
+_FUSE_EXPR = {
+    "Add": _alpha1("{self} + {other}"), "Adds": _alpha1("{self} + {other}"),
+    "Sub": _alpha1("{self} - {other}"), "Subs": _alpha1("{self} - {other}"),
+    "RSub": _alpha1("{other} - {self}"),
+    "Mul": "{self} * {other}", "Muls": "{self} * {other}",
+    "Div": "{self} / {other}", "Divs": "{self} / {other}",
+    "Pow": lambda a: {2: "{self} * {self}", 3: "{self} * {self} * {self}"}.get(a.get("exponent")),
+    "Neg": "-({self})", "Abs": "abs({self})",
+    "Exp": "exp({self})", "Log": "log({self})", "Sqrt": "sqrt({self})",
+    "Rsqrt": "#1 / sqrt({self})", "Reciprocal": "#1 / {self}",
+    "Sin": "sin({self})", "Cos": "cos({self})", "Tanh": "tanh({self})", "Erf": "erf({self})",
+    "Maximum": "maximum({self}, {other})", "Minimum": "minimum({self}, {other})",
+    "ClipByValue": _clamp("min", "max"), "HardTanh": _clamp("min_val", "max_val"),
+    "Select": "where({condition}, {self}, {other})",
+    "Relu": "maximum({self}, #0)", "Sigmoid": "#1 / (#1 + exp(-({self})))",
+    "Swish": "{self} / (#1 + exp(-({self})))",
+    "LeakyRelu": "where({self} > #0, {self}, {self} * {negative_slope})",
+    "Equal": "{self} == {other}", "Equals": "{self} == {other}",
+    "NotEqual": "{self} != {other}", "NotEquals": "{self} != {other}",
+    "Less": "{self} < {other}", "Lesss": "{self} < {other}",
+    "LessEqual": "{self} <= {other}", "LessEquals": "{self} <= {other}",
+    "Greater": "{self} > {other}", "Greaters": "{self} > {other}",
+    "GreaterEqual": "{self} >= {other}", "GreaterEquals": "{self} >= {other}",
+    "IsNan": "{self} != {self}", "LogicalNot": "lnot(truth({self}))",
+    "LogicalAnd": "truth({self}) & truth({other})", "LogicalOr": "truth({self}) | truth({other})",
+    "Cast": lambda a: "{self}" if a.get("memory_format") in (None, torch.preserve_format,
+                                                          torch.contiguous_format) else None,
+    "ReduceSum": "sum", "ReduceMean": "mean", "ReduceMax": "amax", "ReduceMin": "amin",
+}
+
 # OpDef.npu_format "channelwise": run on NC1HWC0 storage per channel (pooling, H/W
 # reductions, inference BatchNorm); every non-random elementwise op is "elementwise"
 _CHANNELWISE = ("MaxPoolWithArgmax", "AvgPool", "AdaptiveAvgPool2d", "ReduceMean", "ReduceSum",
@@ -224,6 +274,7 @@ def _npu(family: str) -> dict:
 def _columns(name: str, kind: OpKind) -> dict:
     """Activation, keep-fp32, vnpu cost and NPU-format columns of table row ``name``."""
     cols = {"activation": _ACTIVATION.get(name), "keep_fp32": name in _KEEP_FP32,
+            "fuse_expr": _FUSE_EXPR.get(name),
             "per_index": _PER_INDEX.get(name, pi.ALL if kind == OpKind.ELEMENTWISE and
                                         not name.endswith("Grad") else None)}
     if name in _VNPU_COST:

@@ -92,6 +92,12 @@ class OpDef:
     exp/log/pow...; `MixedPrecision`'s default keep-list).
     ``activation``: the activation the op is, as the fused CPU kernels name it
     ("relu", "gelu", "tanh", "sigmoid", "silu"), or None.
+    ``fuse_expr``: how `FusedElementwise` computes the op per element, in its neutral
+    expression syntax (``"maximum({self}, {other})"``: schema argument names in braces,
+    ``#1`` the number 1 in the op's compute dtype; `opencann.ops.kernels.ew_program`),
+    or a function of the node's attrs giving that text (None: not fusable with those
+    attrs); None for ops the elementwise fusion must not take (rounding, NaN handling or
+    randomness it would change).
     ``per_index``: along which dims the op is independent per index, as a rule that
     follows a padded dim through a node (`opencann.ops.per_index`: ``rule(node, axes,
     sym) -> {output: axis}`` or the reason padding could change its results); None:
@@ -119,6 +125,7 @@ class OpDef:
     npu_format: Optional[str] = None
     keep_fp32: bool = False
     activation: Optional[str] = None
+    fuse_expr: Any = None
     per_index: Optional[Callable] = None
     doc: str = ""
 

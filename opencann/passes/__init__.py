@@ -3,7 +3,8 @@ pass per module under ``prepare/``, ``fusion/`` and ``layout/``; the public name
 re-exported here."""
 from .base import Pass, PassContext, PassManager, RewritePass, Skip
 from .fusion import FoldBatchNorm, FuseConvAct, FuseConvAddAct, FuseFlashAttention, FuseLinearAct
-from .fusion import (FuseGatedMLP, FuseGeluErf, FuseGeluTanh, FuseLayerNorm, FuseRMSNorm, FuseSiLU,
+from .fusion import FuseAddLayerNorm, FuseQKVLinear
+from .fusion import (FuseElementwise, FuseGatedMLP, FuseGeluErf, FuseGeluTanh, FuseLayerNorm, FuseRMSNorm, FuseSiLU,
                      user_passes)
 from .layout import LayoutSelection, NpuLayoutSelection
 from .memory import MemoryPlanning, plan_memory
@@ -21,8 +22,9 @@ def default_pipeline() -> PassManager:
         ConstantFolding(), DeadCodeElimination(), CommonSubexpressionElimination(),
         IdentityElimination(), DropUnusedOutputs(), MixedPrecision(),
         FoldBatchNorm(), *user_passes(), FuseSiLU(), FuseGeluTanh(), FuseGeluErf(), FuseRMSNorm(),
-        FuseLayerNorm(), FuseGatedMLP(), FuseConvAct(), FuseConvAddAct(), FuseLinearAct(), FuseFlashAttention(),
-        DeadCodeElimination(), LayoutSelection(), NpuLayoutSelection(), SingleStreamSchedule(),
+        FuseLayerNorm(), FuseGatedMLP(), FuseConvAct(), FuseConvAddAct(), FuseLinearAct(), FuseQKVLinear(),
+        FuseAddLayerNorm(), FuseFlashAttention(),
+        FuseElementwise(), DeadCodeElimination(), LayoutSelection(), NpuLayoutSelection(), SingleStreamSchedule(),
         MemoryPlanning(),
     ])
 
@@ -31,6 +33,7 @@ __all__ = ["Pass", "PassContext", "PassManager", "RewritePass", "Skip", "default
            "plan_memory", "MemoryPlanning", "ConstantFolding", "DeadCodeElimination",
            "CommonSubexpressionElimination", "IdentityElimination", "MixedPrecision",
            "FoldBatchNorm", "FuseConvAct", "FuseConvAddAct", "FuseLinearAct",
-           "FuseFlashAttention", "FuseSiLU", "FuseGeluTanh", "FuseGeluErf", "FuseRMSNorm",
-           "FuseLayerNorm", "FuseGatedMLP", "LayoutSelection", "NpuLayoutSelection", "SingleStreamSchedule",
+           "FuseQKVLinear", "FuseAddLayerNorm", "FuseFlashAttention", "FuseSiLU", "FuseGeluTanh",
+           "FuseGeluErf", "FuseRMSNorm",
+           "FuseLayerNorm", "FuseGatedMLP", "FuseElementwise", "LayoutSelection", "NpuLayoutSelection", "SingleStreamSchedule",
            "apply_schedule", "DropUnusedOutputs"]

@@ -18,8 +18,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Dict, Optional
 
+import sympy
+
 from ..ir import Graph, Node, TensorListRef, TensorRef
-from ..ir.symbolic import SymExpr, symbols_of
+from ..ir.symbolic import SymExpr, as_expr, parse, symbols_of
 from ..ops import OpKind, get_op, is_random
 from ..ops.per_index import Axis, outer_of
 
@@ -47,19 +49,48 @@ def _carries(shape, sym: str) -> bool:
     return any(sym in symbols_of(d) for d in shape)
 
 
-def _attr_uses(node: Node, sym: str) -> bool:
-    """A non-tensor argument of ``node`` depends on ``sym`` (a size or a scalar)."""
-    vals = [v for v in node.attrs.values() if not isinstance(v, (TensorRef, TensorListRef))]
-    stack = list(vals)
-    while stack:
-        v = stack.pop()
-        if isinstance(v, (list, tuple)):
-            stack.extend(v)
-        elif isinstance(v, dict):
-            stack.extend(v.values())
-        elif isinstance(v, SymExpr) and sym in symbols_of(v):
-            return True
-    return False
+def _stray(shape, a: int, sym: str) -> str:
+    """Why axis ``a`` of ``shape`` cannot stand for the padded dim: the dim's size
+    also sizes another axis (``x.expand(-1, x.shape[0])``: that axis grows with the
+    padding too), or axis ``a``'s size is not a whole multiple of it (``s - 1``,
+    ``Min(s, 6)``: its padded entries are not the trailing block). Empty when it can."""
+    other = [k for k, d in enumerate(shape) if k != a and sym in symbols_of(d)]
+    if other:
+        return (f"the padded dim's size also sizes axis {other[0]} of {list(shape)}, "
+                "which padding would grow too")
+    s = parse(sym)
+    q = sympy.cancel(as_expr(shape[a]) / s)
+    if s in q.free_symbols or sympy.fraction(q)[1] != 1:
+        return (f"axis {a} of {list(shape)} is not a whole multiple of the padded dim, so "
+                "its padded entries cannot be sliced off")
+    return ""
+
+
+# the attributes of a view or creation op that only size its output (a size there that
+# depends on the padded dim shows in the output's shape, checked by `_stray`); any other
+# attribute is a value or picks data at a position (``select``'s ``index``, ``slice``'s
+# ``start``, ``full_like``'s ``fill_value``)
+_SIZE_ATTRS = frozenset({"size", "shape", "end", "split_size", "split_sizes"})
+
+
+def _attr_uses(node: Node, sym: str) -> set:
+    """The names of ``node``'s non-tensor arguments that depend on ``sym`` (a size or
+    a scalar)."""
+    used = set()
+    for name, val in node.attrs.items():
+        if isinstance(val, (TensorRef, TensorListRef)):
+            continue
+        stack = [val]
+        while stack:
+            v = stack.pop()
+            if isinstance(v, (list, tuple)):
+                stack.extend(v)
+            elif isinstance(v, dict):
+                stack.extend(v.values())
+            elif isinstance(v, SymExpr) and sym in symbols_of(v):
+                used.add(name)
+                break
+    return used
 
 
 def _blocked(sym: str, node: Optional[Node], reason: str) -> PaddingCheck:
@@ -68,6 +99,24 @@ def _blocked(sym: str, node: Optional[Node], reason: str) -> PaddingCheck:
         "node": node.name if node is not None else "-", "op": node.op if node is not None else "-",
         "source": (node.source or "") if node is not None else "", "where": where,
         "reason": reason})
+
+
+def _node_rule(n: Node, ins: Dict[int, int], sym: str, sized: set):
+    """Node ``n``'s `OpDef.per_index` result for inputs ``ins`` (input index -> padded
+    axis), or the reason padding could change its results: random draws, the dim's size
+    taken as a value or position (``sized``: the attrs that use it), no rule known."""
+    op = get_op(n.op)
+    if is_random(n):
+        return "draws random numbers, and the draws depend on the padded shape"
+    if sized and op.kind not in (OpKind.VIEW, OpKind.CREATION):
+        return "takes the padded dim's size as a value"
+    if sized - _SIZE_ATTRS:
+        return (f"takes the padded dim's size as a value or position "
+                f"({', '.join(sorted(sized - _SIZE_ATTRS))}): padding moves it")
+    if op.per_index is None:
+        return (f"{n.op} states no per-index independence (OpDef.per_index "
+                "unknown: a host fallback or custom op)")
+    return op.per_index(n, ins, sym)
 
 
 def follow_padded_dim(graph: Graph, sym: str) -> PaddingCheck:
@@ -87,14 +136,7 @@ def follow_padded_dim(graph: Graph, sym: str) -> PaddingCheck:
         if not ins and not sized:
             continue
         op = get_op(n.op)
-        if is_random(n):
-            return _blocked(sym, n, "draws random numbers, and the draws depend on the padded shape")
-        if sized and op.kind not in (OpKind.VIEW, OpKind.CREATION):
-            return _blocked(sym, n, "takes the padded dim's size as a value")
-        if op.per_index is None:
-            return _blocked(sym, n, f"{n.op} states no per-index independence (OpDef.per_index "
-                                    "unknown: a host fallback or custom op)")
-        res = op.per_index(n, ins, sym)
+        res = _node_rule(n, ins, sym, sized)
         if isinstance(res, str):
             return _blocked(sym, n, res)
         outers = {outer_of(a) for a in ins.values()}
@@ -112,6 +154,9 @@ def follow_padded_dim(graph: Graph, sym: str) -> PaddingCheck:
                 if not (0 <= a < len(o.desc.shape)) or sym not in symbols_of(o.desc.shape[a]):
                     return _blocked(sym, n, f"output {k} loses the padded dim (axis {a} of "
                                             f"{list(o.desc.shape)})")
+                why = _stray(o.desc.shape, a, sym)
+                if why:
+                    return _blocked(sym, n, f"output {k}: {why}")
                 axes[o.id] = a if isinstance(a, Axis) else Axis(a, outer, iota)
     outs: Dict[int, int] = {}
     for j, v in enumerate(graph.outputs):

@@ -41,7 +41,10 @@ def check_plan(graph: Graph, plan: MemoryPlan) -> int:
     may be live at the same time in the same bytes."""
     hb = graph_happens_before(graph)
     users = buffer_users(graph, plan)
-    values = {v.id: v for n in graph.nodes for v in n.outputs}
+    # values with storage of their own; a view (expand, slice) may span more or fewer
+    # bytes than its shape says and lies within its base's buffer, checked with the base
+    values = {v.id: v for n in graph.nodes
+              for v, al in zip(n.outputs, output_aliases(n)) if not al}
     for vid, r in plan.value_buffer.items():
         b = plan.buffers[r]
         if vid in values and values[vid].desc.nbytes > b.size:

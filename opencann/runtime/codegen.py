@@ -307,8 +307,13 @@ class CodeGen:
 
     # -- arguments ------------------------------------------------------------------
     def literal(self, x) -> str:
-        """Inline plain literals; bind everything else (lists, dtypes, inf/nan) as a global."""
-        if (x is None or isinstance(x, (bool, int, str))
+        """Inline plain literals; bind everything else (lists, dtypes, inf/nan) as a global.
+        In a graph specialised from symbolic dims (``meta["specialised"]``) ints are bound
+        too: they may be sizes, so every shape then generates the same source text (and
+        `Executor` compiles it once)."""
+        if isinstance(x, int) and not isinstance(x, bool) and self.graph.meta.get("specialised"):
+            pass
+        elif (x is None or isinstance(x, (bool, int, str))
                 or (isinstance(x, float) and math.isfinite(x))):
             return repr(x)
         k = f"L{self._lit}"

@@ -21,7 +21,9 @@ keep no per-call state), only the arena and its views are new.
 """
 from __future__ import annotations
 
+import threading
 import time
+from collections import OrderedDict
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
@@ -41,6 +43,31 @@ def _bind_runner(glb: Dict[str, Any], runner: StreamRunner) -> None:
 
 class ExecutionError(RuntimeError):
     """A kernel failed at run time; the message names the node and its source."""
+
+
+_CODE_CACHE: "OrderedDict[tuple, Any]" = OrderedDict()
+_CODE_CACHE_SIZE = 64
+_CODE_LOCK = threading.Lock()
+
+
+def _compiled(src: str, filename: str):
+    """``compile(src)``, cached by source text (at most 64 code objects, least recently
+    used dropped): an executor pool's further arenas, and a dynamic model's plans for
+    other shapes, generate the same source (sizes are bound as globals, not inlined), so
+    they skip Python's compiler (10-60 ms for BERT-base's ~1000 lines). Code objects are
+    immutable; each executor execs one into its own globals."""
+    key = (src, filename)
+    with _CODE_LOCK:
+        code = _CODE_CACHE.get(key)
+        if code is not None:
+            _CODE_CACHE.move_to_end(key)
+            return code
+    code = compile(src, filename, "exec")
+    with _CODE_LOCK:
+        _CODE_CACHE[key] = code
+        while len(_CODE_CACHE) > _CODE_CACHE_SIZE:
+            _CODE_CACHE.popitem(last=False)
+    return code
 
 
 class Executor:
@@ -107,7 +134,7 @@ class Executor:
             glb["_rec"] = self._stamps = Stamps()
         if observe is not None:
             glb["_obs"] = lambda i, outs, _g=self.graph: observe(_g.nodes[i], outs)
-        self._code = compile(src, f"<opencann:{self.graph.name}>", "exec")
+        self._code = _compiled(src, f"<opencann:{self.graph.name}>")
         exec(self._code, glb)  # noqa: S102 - our codegen
         self._glb = glb
         if self._runner is not None:

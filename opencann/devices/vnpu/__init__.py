@@ -11,7 +11,7 @@ from .formats import (c0_for, format_shape, from_fractal_nz, fz_groups, from_fra
 from .kernels import conv2d_nc1hwc0, elementwise, matmul_nz
 from .calibration import calibration_table
 from .cost_model import (KernelCost, conv2d_cost, eager_time_us, elementwise_cost, flash_attention_calibration_table,
-                         flash_attention_cost, layernorm_cost, matmul_cost, reduction_cost, softmax_cost,
+                         flash_attention_cost, fused_vector_cost, layernorm_cost, matmul_cost, reduction_cost, softmax_cost,
                          trans_data_cost)
 
 __all__ = [
@@ -20,6 +20,6 @@ __all__ = [
     "c0_for", "format_shape", "from_fractal_nz", "fz_groups", "from_fractal_z", "from_nc1hwc0", "to_fractal_nz",
     "to_fractal_z", "to_nc1hwc0", "trans_data", "valid_mask",
     "conv2d_nc1hwc0", "elementwise", "matmul_nz", "KernelCost", "conv2d_cost", "eager_time_us",
-    "elementwise_cost", "flash_attention_calibration_table", "flash_attention_cost", "layernorm_cost",
+    "elementwise_cost", "flash_attention_calibration_table", "flash_attention_cost", "fused_vector_cost", "layernorm_cost",
     "matmul_cost", "reduction_cost", "softmax_cost", "trans_data_cost",
 ]

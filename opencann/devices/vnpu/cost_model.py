@@ -29,7 +29,7 @@ from .presets import NpuSpec, ascend910b
 
 __all__ = [
     "KernelCost", "VECTOR_OP_COST", "DISPATCH_SCALE", "HBM_EFFICIENCY", "CUBE_EFFICIENCY", "cube_k0",
-    "dispatch_us", "dtype_bytes", "matmul_cost", "conv2d_cost", "elementwise_cost",
+    "dispatch_us", "dtype_bytes", "matmul_cost", "conv2d_cost", "elementwise_cost", "fused_vector_cost",
     "reduction_cost", "softmax_cost", "layernorm_cost", "trans_data_cost", "flash_attention_cost",
     "flash_attention_blocks", "eager_time_us", "FA_910B_MEASURED_TFLOPS", "flash_attention_calibration_table",
 ]
@@ -374,6 +374,17 @@ def elementwise_cost(op: str, numel: int, dtype: Any = "float16", n_inputs: int 
     e = dtype_bytes(dtype)
     return _vector_kernel(f"elementwise.{op}", spec, numel, VECTOR_OP_COST[op], n_inputs * numel * e, numel * e,
                           e, VECTOR_OP_COST[op])
+
+
+def fused_vector_cost(numel: int, ops_per_elem: float, read_bytes: float, write_bytes: float,
+                      dtype: Any = "float16", spec: NpuSpec = ascend910b) -> KernelCost:
+    """One Vector kernel running several elementwise ops (and a trailing reduction) over
+    `numel` elements at `ops_per_elem` VECTOR_OP_COST units per element, reading its
+    inputs (`read_bytes`) and writing its outputs (`write_bytes`) to HBM once: the
+    intermediate values stay in the Unified Buffer (GE's UB fusion of Vector ops).
+    Raises ValueError on numel < 1."""
+    return _vector_kernel("fused_elementwise", spec, numel, ops_per_elem, read_bytes, write_bytes,
+                          dtype_bytes(dtype), ops_per_elem)
 
 
 def reduction_cost(numel_in: int, numel_out: int, dtype: Any = "float16", op: str = "add",

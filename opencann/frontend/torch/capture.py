@@ -87,9 +87,27 @@ def capture(model: torch.nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any
                           if isinstance(t, torch.Tensor)):
         check_layout(a, f"tensor input {i}")
         DataType.from_torch(a.dtype)  # clear error for unsupported dtypes
+    args, kwargs = _distinct_inputs(args, kwargs)
     with _serialized_export():
         _register_transformers_caches(model)   # process-wide pytree registry: under the lock
         return _capture(model, args, kwargs, dynamic_shapes)
+
+
+def _distinct_inputs(args: Tuple[Any, ...], kwargs: Dict[str, Any] | None):
+    """``(args, kwargs)`` with every repeat of one tensor object (``compile(m, (x, x))``)
+    replaced by a copy: torch.export traces a tensor passed twice as one input, so the
+    graph would read the first argument's values for both at every later call."""
+    seen: set = set()
+
+    def fresh(t):
+        if not isinstance(t, torch.Tensor):
+            return t
+        if id(t) in seen:
+            return t.clone()
+        seen.add(id(t))
+        return t
+    args, kwargs = torch.utils._pytree.tree_map(fresh, (args, kwargs or {}))
+    return args, kwargs
 
 
 @contextlib.contextmanager

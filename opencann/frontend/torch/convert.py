@@ -55,7 +55,7 @@ def _desc(val: Any, where: str) -> TensorDesc:
             "or use torch.compile(model, backend='opencann'), which runs such parts eagerly")
     if not isinstance(val, torch.Tensor):
         raise ConversionError(f"{where}: expected a tensor meta value, got {type(val).__name__}")
-    shape = tuple(int(s) if not isinstance(s, torch.SymInt) else str(s) for s in val.shape)
+    shape = tuple(_dim(s) for s in val.shape)
     return TensorDesc(shape, DataType.from_torch(val.dtype))
 
 
@@ -87,6 +87,15 @@ def _check_target(node: fx.Node, target) -> None:
             "Fix: compute both branches and pick with torch.where(pred, a, b), or use "
             "torch.compile(model, backend='opencann'), which runs such graphs eagerly")
     if not isinstance(target, torch._ops.OpOverload):
+        if getattr(target, "__module__", None) in ("_operator", "operator", "math") or \
+                getattr(target, "__name__", "").startswith("sym_"):
+            src, scope = source_of(node)
+            where = src if src and not src.startswith("<") else (scope or "the model")
+            raise ConversionError(
+                f"{node.name} in {where}: Python arithmetic on a size "
+                f"({getattr(target, '__name__', target)}) that leaves the integers (e.g. "
+                "x.shape[0] / 2, a float) is not supported in a compiled graph. Fix: use integer "
+                "arithmetic (x.shape[0] // 2), or compute it outside the model")
         raise ConversionError(f"{node.name}: unsupported FX target {target!r}; only ATen "
                               "overloads are expected after decomposition")
 
@@ -187,6 +196,15 @@ def _backed_expr(s: "torch.SymInt") -> "str | None":
     if any(not str(f).startswith("s") for f in expr.free_symbols):
         return None
     return str(expr)
+
+
+def _dim(s: Any) -> Any:
+    """A shape entry: an int (a SymInt the shape environment has specialised to a constant,
+    as in AOTAutograd's backward graphs, included), else the SymInt's string form."""
+    if isinstance(s, torch.SymInt):
+        e = str(s.node.expr)
+        return int(e) if e.lstrip("-").isdigit() else e
+    return int(s)
 
 
 def _size(s: Any) -> Any:

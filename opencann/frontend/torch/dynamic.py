@@ -123,9 +123,33 @@ def export_dynamic_shapes(model: torch.nn.Module, args: Tuple[Any, ...],
     labels.update({(n, i): getattr(d, "__name__", f"{n}.shape[{i}]")
                    for n, s in by_name.items() if isinstance(s, (list, tuple))
                    for i, d in enumerate(s) if d is not None and not isinstance(d, (list, tuple, dict))})
+    fixed, star = _varargs(model)
+    n_pos = len(args)
+    if star is not None and n_pos > fixed:   # forward(self, x, *rest): torch.export takes
+        pos = names[:n_pos]                  # the extra arguments as one tuple, ``rest``'s
+        grouped = [by_name[n] for n in pos[:fixed]] + [tuple(by_name[n] for n in pos[fixed:])]
+        place = {n: f"{star}_{k}" for k, n in enumerate(pos[fixed:])}   # export's input names
+        labels = {(place.get(n, n), i): v for (n, i), v in labels.items()}
+        if kwargs:
+            out = dict(zip(pos[:fixed] + [star], grouped))
+            out.update({n: by_name[n] for n in names[n_pos:]})
+            return out, labels, dims.free
+        return tuple(grouped), labels, dims.free
     if kwargs:   # keyed by name, as torch.export takes it with keyword inputs
         return {n: by_name[n] for n in names}, labels, dims.free
     return tuple(by_name[n] for n in names), labels, dims.free
+
+
+def _varargs(model: torch.nn.Module) -> Tuple[int, Optional[str]]:
+    """(the number of ``forward``'s positional parameters before ``*args``, the name of
+    ``*args`` or None)."""
+    try:
+        params = list(inspect.signature(model.forward).parameters.values())
+    except (TypeError, ValueError):
+        return 0, None
+    fixed = sum(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in params)
+    star = next((p.name for p in params if p.kind == p.VAR_POSITIONAL), None)
+    return fixed, star
 
 
 def _arg_names(model: torch.nn.Module, args, kwargs) -> List[str]:

@@ -25,7 +25,7 @@ from __future__ import annotations
 from typing import Callable, List, Tuple
 
 from ...devices.vnpu import (KernelCost, NpuSpec, c0_for, conv2d_cost, elementwise_cost, flash_attention_cost,
-                             layernorm_cost, matmul_cost, reduction_cost, softmax_cost, trans_data_cost)
+                             fused_vector_cost, layernorm_cost, matmul_cost, reduction_cost, softmax_cost, trans_data_cost)
 from ...ir import Node, Value, numel
 
 VnpuCost = Callable[[Node, NpuSpec], Tuple[KernelCost, str]]
@@ -130,6 +130,7 @@ def vector(key: str) -> VnpuCost:
         out = node.outputs[0].desc
         n_in = max(1, len(_big_inputs(node)))
         return elementwise_cost(key, max(1, numel(out.shape)), out.dtype.value, n_in, spec), "elementwise_cost"
+    cost.vector_key = key
     return cost
 
 
@@ -139,6 +140,7 @@ def reduction(key: str) -> VnpuCost:
         x, out = node.inputs[0].desc, node.outputs[0].desc
         n_in, n_out = max(1, numel(x.shape)), max(1, numel(out.shape))
         return reduction_cost(n_in, min(n_in, n_out), x.dtype.value, key, spec), "reduction_cost"
+    cost.vector_key = key
     return cost
 
 
@@ -261,3 +263,28 @@ def cube_with_epilogue(node: Node, spec: NpuSpec, epilogue: Tuple[str, ...]) -> 
 
 
 __all__ += ["UB_EPILOGUE", "cube_with_epilogue", "ub_epilogues"]
+
+
+def fused_elementwise(node: Node, spec: NpuSpec) -> Tuple[KernelCost, str]:
+    """FusedElementwise: ONE Vector kernel over the group's domain (attr ``shape``), the
+    member ops' vector costs per element added (attr ``ops``: their op names; each op's
+    ``vector(key)`` / ``reduction(key)`` cost names its key), reading each input and
+    writing each output to HBM once (`fused_vector_cost`)."""
+    from ...devices.vnpu.cost_model import VECTOR_OP_COST
+    from ..opdef import get_op
+    dom = max(1, numel(node.attrs["shape"]))
+    ops = 0.0
+    for name in node.attrs["ops"]:
+        key = getattr(get_op(name).device_cost.get("vnpu"), "vector_key", "copy")
+        ops += VECTOR_OP_COST[key]
+
+    def nbytes(v: Value) -> int:
+        return max(1, numel(v.desc.shape)) * v.desc.dtype.itemsize
+    read = sum(nbytes(v) for v in node.inputs)
+    write = sum(nbytes(o) for o in node.outputs)
+    dt = max((o.desc.dtype for o in node.outputs), key=lambda d: d.itemsize).value
+    return fused_vector_cost(dom, max(ops, 1.0), read, write, dt, spec), \
+        "fused_vector_cost (one Vector kernel, HBM once)"
+
+
+__all__ += ["fused_elementwise"]
