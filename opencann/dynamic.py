@@ -26,10 +26,11 @@ from .compiler import (BindKernels, CompiledModel, convert_exported, graph_cost,
 from .devices import parse_device
 from .frontend.torch import CaptureError, capture
 from .frontend.torch.dynamic import dynamic_dims, export_dynamic_shapes, required_ranges
-from .ir import Graph, MemoryPlan
+from .ir import Graph, MemoryPlan, Schedule
 from .ir.specialise import specialise
 from .ir.symbolic import SymExpr, bind, bind_tree, holds, is_symbol, parse, shape_symbols
 from .log import logger
+from .ops import frozen_graph
 from .options import check_options
 from .passes import (MemoryPlanning, Pass, PassContext, PassManager, SingleStreamSchedule,
                      default_pipeline)
@@ -58,17 +59,23 @@ def symbolic_pipeline() -> PassManager:
                         for p in default_pipeline().passes])
 
 
-def plan_shape(graph: Graph, values: Mapping[str, int], options: Dict[str, Any]
-               ) -> Tuple[Graph, MemoryPlan, Executor]:
+def plan_shape(graph: Graph, values: Mapping[str, int], options: Dict[str, Any],
+               schedule: Optional[Schedule] = None) -> Tuple[Graph, MemoryPlan, Executor]:
     """`specialise` ``graph`` to ``values`` (symbol -> int), then run the compiler's
     schedule (the memory-aware order needs concrete sizes), memory and binding stages
-    on it. Returns (concrete graph, plan, first executor)."""
+    on it. With ``schedule`` (an earlier shape's, the graph being the same) the nodes
+    take that order (and streams) and the schedule stage does not run: the order is valid
+    at every shape, and the plan's lower bound is that order's own. Returns (concrete
+    graph, plan, first executor); the concrete graph's nodes are in the order used."""
     g = specialise(graph, values)
     # the pass switches named the optimisation passes, which ran once already
     options = {k: v for k, v in options.items() if k not in ("disable", "enable")}
     ctx = PassContext(options=options, report=CompileReport(model=graph.name),
-                      artifacts={"live_tensors": ()})
-    PassManager([SingleStreamSchedule(), MemoryPlanning(), BindKernels()]).run(g, ctx)
+                      artifacts={"live_tensors": (), "schedule": schedule})
+    stages = [MemoryPlanning(), BindKernels()]
+    with frozen_graph():   # no pass changes the nodes from here: each node's aliases once
+        PassManager(stages if schedule is not None else [SingleStreamSchedule()] + stages
+                    ).run(g, ctx)
     return g, ctx.artifacts["memory_plan"], ctx.artifacts["executor"]
 
 
@@ -219,13 +226,17 @@ class PlanBuilder:
         self.device = device
         self.pinned = None if device == "cpu" else 0
         self.first_report: Optional[CompileReport] = report if device != "cpu" else None
+        #: the node order (and streams) of the first shape planned, kept for the others
+        self.schedule: Optional[Schedule] = None
 
     def __call__(self, key: Tuple[int, ...]) -> ExecutorPool:
         """The executor pool for symbol values ``key`` (in ``binder.order``)."""
         t0 = time.perf_counter()
         values = dict(zip(self.binder.order, key))
         if self.device == "cpu":
-            g, plan, ex = plan_shape(self.graph, values, self.options)
+            g, plan, ex = plan_shape(self.graph, values, self.options, self.schedule)
+            self.schedule = self.schedule or Schedule([n.name for n in g.nodes],
+                                                      {n.name: n.stream for n in g.nodes})
         else:   # the first shape's passes fill the model's report
             rep, self.first_report = self.first_report, None
             g, plan, ex = compile_shape(self.graph, values, self.device, self.options, rep)

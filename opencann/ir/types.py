@@ -46,7 +46,7 @@ class DataType(enum.Enum):
     @property
     def itemsize(self) -> int:
         """Bytes per element (torch's ``element_size``: 4 for float32, 1 for bool)."""
-        return torch.empty((), dtype=self.torch).element_size()
+        return self.torch.itemsize
 
     @property
     def is_floating(self) -> bool:

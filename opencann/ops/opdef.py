@@ -9,6 +9,8 @@ and its kernels per device. Kernels of aten-backed ops call the ATen overload; w
 from __future__ import annotations
 
 import enum
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -316,13 +318,41 @@ def _ref_indices(val: Any) -> List[int]:
     return []
 
 
+_FROZEN: ContextVar[Optional[Dict[Node, List[Tuple[int, ...]]]]] = ContextVar(
+    "opencann_frozen_aliases", default=None)
+
+
+@contextmanager
+def frozen_graph():
+    """Within it, `output_aliases` is computed once per node (in this thread/context):
+    for a caller that promises no node's op, attributes or meta change meanwhile (a
+    specialised graph being planned and bound, which asks each node's aliases about
+    five times). Yields nothing."""
+    token = _FROZEN.set({})
+    try:
+        yield
+    finally:
+        _FROZEN.reset(token)
+
+
 def output_aliases(node: Node) -> List[Tuple[int, ...]]:
     """For each output of ``node``, the indices of the inputs whose storage it may share.
 
     Sources, first match wins: the node's ``inplace_input`` attribute (a kernel that
     writes into that input and returns it, e.g. ConvAddAct in place); the OpDef's
     ``aliases``; for a HostFallback node, the schema of its ``meta["aten"]`` overload.
-    Unknown (no declaration, no schema) means every output may alias every input."""
+    Unknown (no declaration, no schema) means every output may alias every input.
+    The list is shared within `frozen_graph`: do not change it."""
+    memo = _FROZEN.get()
+    if memo is None:
+        return _output_aliases(node)
+    found = memo.get(node)
+    if found is None:
+        found = memo[node] = _output_aliases(node)
+    return found
+
+
+def _output_aliases(node: Node) -> List[Tuple[int, ...]]:
     if "inplace_input" in node.attrs:
         return [(node.attrs["inplace_input"],)] * len(node.outputs)
     op = get_op(node.op)

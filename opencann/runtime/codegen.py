@@ -19,7 +19,7 @@ import torch
 from ..ir import Graph, MemoryPlan, Node, TensorListRef, TensorRef, Value, is_dense
 from ..ops import call_args, get_op, graph_happens_before, output_aliases, storage_roots
 from .alias_check import AliasChecker
-from .fast_call import fast_callable
+from .fast_call import fast_callable_keyed, value_free
 
 
 # -- strides ------------------------------------------------------------------------
@@ -65,15 +65,24 @@ def _own(t: torch.Tensor) -> torch.Tensor:
     return flat.as_strided(t.shape, t.stride())
 
 
-def arena_view(arena: torch.Tensor, plan: MemoryPlan, v: Value) -> torch.Tensor:
+def arena_view(arena: torch.Tensor, plan: MemoryPlan, v: Value,
+               typed: Optional[Dict[torch.dtype, torch.Tensor]] = None) -> torch.Tensor:
     """The view of planned value ``v`` in ``arena`` (uint8, ``plan.arena_bytes``): its
     buffer's bytes at ``plan.buffers[...].offset``, viewed as ``v``'s dtype and shape with
-    its traced strides when dense, else contiguous. Raises KeyError when ``v`` is not
-    planned."""
+    its traced strides when dense, else contiguous. ``typed`` (a dict kept with this
+    arena) memoises the whole arena viewed per dtype, so each view is one ``as_strided``
+    (same storage, offset, sizes and strides). Raises KeyError when ``v`` is not planned."""
     b = plan.buffers[plan.value_buffer[v.id]]
     d = v.desc
-    t = arena[b.offset:b.offset + d.nbytes].view(d.dtype.torch)
+    dt = d.dtype.torch
     st = _traced_strides(v)
+    size = d.dtype.itemsize
+    if typed is not None and b.offset % size == 0 and arena.numel() % size == 0:
+        base = typed.get(dt)
+        if base is None:
+            base = typed[dt] = arena.view(dt)
+        return base.as_strided(d.shape, st or _contiguous(d.shape), b.offset // size)
+    t = arena[b.offset:b.offset + d.nbytes].view(dt)
     return t.view(d.shape) if st is None else t.as_strided(d.shape, st)
 
 
@@ -168,14 +177,52 @@ def _out_capable(node: Node) -> bool:
 
 def _fast(node: Node, overload, out_names=()) -> Callable:
     """``overload`` or the public torch function proven to reach it (`fast_callable`),
-    checked with the node's arguments on meta tensors."""
-    metas = [torch.empty(v.desc.shape, dtype=v.desc.dtype.torch, device="meta")
-             for v in node.inputs]
-    args, kwargs = call_args(node, metas)
+    checked with the node's arguments on meta tensors, once per `_proof_key` (so a
+    graph specialised to another shape reuses the proof)."""
+    def make_args():
+        metas = [torch.empty(v.desc.shape, dtype=v.desc.dtype.torch, device="meta")
+                 for v in node.inputs]
+        args, kwargs = call_args(node, metas)
+        for name, o in zip(out_names, node.outputs):
+            shape, strides, dtype = _fresh_args(o)
+            kwargs[name] = torch.empty_strided(shape, strides, dtype=dtype, device="meta")
+        return args, kwargs
+    return fast_callable_keyed(overload, _proof_key(node, overload, out_names), make_args)
+
+
+def _proof_key(node: Node, overload, out_names) -> tuple:
+    """What `fast_callable`'s proof for ``node`` depends on: the overload, the inputs'
+    dtypes and ranks (their metas are contiguous), each out tensor's dtype, rank and
+    contiguity, and the attributes, with ints by type alone when the overload is
+    `value_free` (a size bound at another shape gives the same key)."""
+    free = value_free(overload)
+
+    def lit(a):
+        if isinstance(a, TensorRef):
+            return ("T", a.index)
+        if isinstance(a, TensorListRef):
+            return ("TL", a.start, a.length)
+        if isinstance(a, (list, tuple)):
+            return (type(a).__name__,) + tuple(lit(y) for y in a)
+        if free and isinstance(a, int) and not isinstance(a, bool):
+            return int
+        return (type(a).__name__, repr(a))
+    outs = []
     for name, o in zip(out_names, node.outputs):
-        shape, strides, dtype = _fresh_args(o)
-        kwargs[name] = torch.empty_strided(shape, strides, dtype=dtype, device="meta")
-    return fast_callable(overload, args, kwargs)
+        st = _traced_strides(o)
+        outs.append((name, o.desc.dtype, len(o.desc.shape),
+                     st is None or st == _contiguous(o.desc.shape)))
+    return (overload, tuple((v.desc.dtype, len(v.desc.shape)) for v in node.inputs),
+            tuple(outs), tuple((k, lit(v)) for k, v in sorted(node.attrs.items())))
+
+
+def _contiguous(shape) -> tuple:
+    """Row-major strides of ``shape`` (elements), as ``torch.empty(shape).stride()``."""
+    out, acc = [], 1
+    for d in reversed(shape):
+        out.append(acc)
+        acc *= max(int(d), 1)
+    return tuple(reversed(out))
 
 
 def _slots(g: Graph, made_on: Dict[int, int]) -> Dict[int, int]:

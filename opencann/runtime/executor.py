@@ -115,7 +115,10 @@ class Executor:
 
     # -- binding ------------------------------------------------------------------
     def _view(self, v: Value) -> torch.Tensor:
-        return arena_view(self.arena, self.plan, v)
+        typed = self.__dict__.get("_typed")
+        if typed is None or typed[0] is not self.arena:   # the arena's per-dtype views
+            typed = self._typed = (self.arena, {})
+        return arena_view(self.arena, self.plan, v, typed[1])
 
     def _build(self, profile: bool, observe: Optional[Callable] = None) -> Callable:
         """Generate, compile and bind ``_run`` (`CodeGen`); ``profile`` adds stamps;

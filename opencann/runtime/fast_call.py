@@ -16,13 +16,15 @@ or an error, and the overload itself is kept.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, Hashable, List, Optional, Sequence, Tuple
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 _CANDIDATE_HOMES = (torch._C._VariableFunctions, torch._C.TensorBase)
 _CACHE: Dict[tuple, bool] = {}
+_KEYED: Dict[tuple, Callable] = {}
+_VALUE_FREE: Dict[Any, bool] = {}
 #: False binds every overload as is (bench/overhead.py measures both)
 ENABLED = True
 
@@ -74,6 +76,47 @@ def fast_callable(overload: torch._ops.OpOverload, args: Sequence[Any],
         if ok:
             return fn
     return overload
+
+
+def value_free(overload: torch._ops.OpOverload) -> bool:
+    """True when no overload of ``overload``'s packet is CompositeImplicitAutograd. Then
+    which overload a public binding reaches cannot depend on the values of its int
+    arguments: torch's argument parser picks an overload by the arguments' types (an int
+    is an int whatever its value) and that overload reaches the dispatcher (and the
+    recording mode) undecomposed; only a composite decomposes by value (``reshape``: a
+    view or a copy). A proof made at one set of sizes then holds at every other."""
+    free = _VALUE_FREE.get(overload)
+    if free is None:
+        packet = overload.overloadpacket
+        free = not any(_composite(getattr(packet, o)) for o in packet.overloads())
+        _VALUE_FREE[overload] = free
+    return free
+
+
+def _composite(overload: torch._ops.OpOverload) -> bool:
+    """Whether ``overload`` decomposes (CompositeImplicitAutograd); False for a name the
+    dispatcher does not have (TorchScript's list ops such as ``slice.t``: no binding
+    reaches them)."""
+    try:
+        return overload.has_kernel_for_dispatch_key(torch._C.DispatchKey.CompositeImplicitAutograd)
+    except RuntimeError:
+        return False
+
+
+def fast_callable_keyed(overload: torch._ops.OpOverload, key: Hashable,
+                        make_args: Callable[[], Tuple[Sequence[Any], Dict[str, Any]]]
+                        ) -> Callable:
+    """`fast_callable` for a call described by ``key`` (hashable: the overload, the
+    tensors' dtypes, ranks and contiguity, the other arguments; ints by type alone where
+    `value_free` says the proof does not depend on them); ``make_args()`` gives the
+    call's (args, kwargs) when ``key`` was not proven before. A graph specialised to a
+    new shape then binds its kernels without a dispatch per node. Never raises."""
+    key = (ENABLED, key)
+    fn = _KEYED.get(key)
+    if fn is None:
+        args, kwargs = make_args()
+        fn = _KEYED[key] = fast_callable(overload, args, kwargs)
+    return fn
 
 
 def _signature(args, kwargs) -> tuple:
