@@ -15,6 +15,7 @@ re-captures or re-runs a pass. The example inputs' shape is planned at compile t
 """
 from __future__ import annotations
 
+import threading
 import time
 from typing import Any, Dict, Mapping, Optional, Sequence, Tuple
 
@@ -216,8 +217,10 @@ class ShapeBinder:
 class PlanBuilder:
     """Builds the `ExecutorPool` of one concrete shape of a symbolic ``graph``
     (`plan_shape`; on a device other than cpu `compile_shape`, ``graph`` being the
-    unoptimised one), records it in ``report.dynamic["plans"]`` and the log, and after
-    the first build pins its kernel choices on ``graph`` (`pin_kernel_choices`, cpu)."""
+    unoptimised one), records it in ``report.dynamic["plans"]`` (the cached plans only:
+    an evicted plan's entry is dropped; ``report.dynamic["plan_counts"]`` counts the
+    plans ``built`` and ``evicted``) and the log, and after the first build pins its
+    kernel choices on ``graph`` (`pin_kernel_choices`, cpu)."""
 
     def __init__(self, graph: Graph, report: CompileReport, binder: "ShapeBinder",
                  options: Dict[str, Any], device: str = "cpu"):
@@ -228,6 +231,8 @@ class PlanBuilder:
         self.first_report: Optional[CompileReport] = report if device != "cpu" else None
         #: the node order (and streams) of the first shape planned, kept for the others
         self.schedule: Optional[Schedule] = None
+        self._entries: Dict[Tuple[int, ...], Dict[str, Any]] = {}   # key -> its plans entry
+        self._lock = threading.Lock()
 
     def __call__(self, key: Tuple[int, ...]) -> ExecutorPool:
         """The executor pool for symbol values ``key`` (in ``binder.order``)."""
@@ -245,10 +250,10 @@ class PlanBuilder:
                             first=ex)
         pool.plan, pool.graph = plan, g
         dt = time.perf_counter() - t0
-        self.report.dynamic.setdefault("plans", []).append(
-            {"dims": {self.binder.dims[s]["name"]: v for s, v in values.items()},
-             "arena_bytes": plan.arena_bytes, "lower_bound_bytes": plan.lower_bound,
-             "arena_over_lower_bound": round(plan.ratio, 4), "build_ms": round(dt * 1e3, 2)})
+        self._record(key, {"dims": {self.binder.dims[s]["name"]: v for s, v in values.items()},
+                           "arena_bytes": plan.arena_bytes, "lower_bound_bytes": plan.lower_bound,
+                           "arena_over_lower_bound": round(plan.ratio, 4),
+                           "build_ms": round(dt * 1e3, 2)})
         logger.info("dynamic shapes: planned %s in %.1f ms (arena %d bytes, %.3fx its lower "
                     "bound)", self.binder.describe(values), dt * 1e3, plan.arena_bytes, plan.ratio)
         if self.pinned is None:
@@ -263,10 +268,31 @@ class PlanBuilder:
                 self.report.notes.append(note)
         return pool
 
+    def _record(self, key: Tuple[int, ...], entry: Dict[str, Any]) -> None:
+        """Add ``entry`` to ``report.dynamic["plans"]`` and count the build."""
+        with self._lock:
+            dyn = self.report.dynamic
+            dyn.setdefault("plans", []).append(entry)
+            counts = dyn.setdefault("plan_counts", {"built": 0, "evicted": 0})
+            counts["built"] += 1
+            self._entries[key] = entry
+
+    def evicted(self, key: Tuple[int, ...]) -> None:
+        """The cache dropped ``key``'s plan: drop its entry from ``report.dynamic["plans"]``
+        (which lists the cached plans, so it stays bounded) and count the eviction."""
+        with self._lock:
+            dyn = self.report.dynamic
+            entry = self._entries.pop(key, None)
+            plans = dyn.get("plans", [])
+            if entry is not None and any(e is entry for e in plans):
+                plans[:] = [e for e in plans if e is not entry]
+            counts = dyn.setdefault("plan_counts", {"built": 0, "evicted": 0})
+            counts["evicted"] += 1
+
     def cache(self) -> ShapePlanCache:
         """A `ShapePlanCache` building with this builder (capacity: ``plan_cache_size``)."""
         return ShapePlanCache(self.binder.bind, self, self.options.get(
-            "plan_cache_size", DEFAULT_PLAN_CACHE_SIZE), self.concurrent)
+            "plan_cache_size", DEFAULT_PLAN_CACHE_SIZE), self.concurrent, on_evict=self.evicted)
 
 
 class DynamicCompiledModel(CompiledModel):
@@ -364,6 +390,7 @@ class DynamicCompiledModel(CompiledModel):
                    for v in graph.inputs]
         options = {**dynamic.get("options", {}), "concurrent_calls": concurrent_calls}
         report.dynamic["plans"] = []   # the plans built in this process
+        report.dynamic.pop("plan_counts", None)
         cm = cls(graph, report, binder, options, tensors, device=dynamic.get("device", "cpu"),
                  in_spec=in_spec, out_spec=out_spec, input_positions=input_positions,
                  arg_names=arg_names)

@@ -168,7 +168,9 @@ def test_plan_cache_is_a_bounded_lru_and_passes_do_not_rerun(monkeypatch):
     # calls 8 (example), 5, 9 (evicts 8), 8 (evicts 5), 5 (evicts 9), 12 (evicts 8)
     assert cm.plans.keys() == [(5,), (12,)]
     assert cm.plans.evictions == 4 and cm.plans.misses == 5
-    assert len(cm.report.dynamic["plans"]) == 6          # the example's plan + 5 built
+    # the report lists the cached plans (bounded), and counts every build and eviction
+    assert [p["dims"]["seq"] for p in cm.report.dynamic["plans"]] == [5, 12]
+    assert cm.report.dynamic["plan_counts"] == {"built": 6, "evicted": 4}
 
 
 def test_same_outputs_as_a_static_compile():

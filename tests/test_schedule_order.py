@@ -58,7 +58,8 @@ def test_branches_peak_strictly_lower_with_eager_values():
 
 
 def test_dynamic_shapes_get_the_order_per_concrete_shape():
-    """The symbolic graph has no sizes: each shape's plan is ordered on its own."""
+    """The symbolic graph has no sizes: the order is searched at the first concrete shape
+    planned (the example's) and kept for the others, whose lower bound is that order's."""
     x = torch.randn(8, 64, generator=G)
     kw = dict(dynamic_shapes={"x": {0: "batch"}}, dim_ranges={"batch": (1, 64)})
     on = opencann.compile(Branches(), (x,), **kw)

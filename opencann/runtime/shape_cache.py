@@ -32,15 +32,16 @@ class ShapePlanCache:
     dropped first. ``key_of(inputs)`` gives a call's key (raising ValueError for inputs
     out of range); ``build(key)`` makes the pool for a new key; ``size`` is each pool's
     bound on concurrent calls. ``capacity`` must be a positive int (ValueError).
-    Counters: ``hits``, ``misses`` (plans built), ``evictions``."""
+    ``on_evict(key)`` (optional) is called after a key is dropped, outside the map's
+    lock. Counters: ``hits``, ``misses`` (plans built), ``evictions``."""
 
     def __init__(self, key_of: Callable[[Sequence[torch.Tensor]], Hashable],
                  build: Callable[[Hashable], ExecutorPool], capacity: int = DEFAULT_PLAN_CACHE_SIZE,
-                 size: int = 1):
+                 size: int = 1, on_evict: Optional[Callable[[Hashable], None]] = None):
         if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
             raise ValueError(f"plan_cache_size must be a positive int, got {capacity!r}")
         self.capacity, self.size = capacity, size
-        self._key_of, self._build = key_of, build
+        self._key_of, self._build, self._on_evict = key_of, build, on_evict
         self._pools: "OrderedDict[Hashable, ExecutorPool]" = OrderedDict()
         self._lock = threading.Lock()
         self._build_lock = threading.Lock()
@@ -53,12 +54,15 @@ class ShapePlanCache:
 
     def put(self, key: Hashable, pool: ExecutorPool) -> None:
         """Cache ``pool`` under ``key`` (most recently used), evicting beyond ``capacity``."""
+        dropped = []
         with self._lock:
             self._pools[key] = pool
             self._pools.move_to_end(key)
             while len(self._pools) > self.capacity:
-                self._pools.popitem(last=False)
+                dropped.append(self._pools.popitem(last=False)[0])
                 self.evictions += 1
+        for k in dropped if self._on_evict is not None else ():
+            self._on_evict(k)
 
     def _cached(self, key: Hashable) -> Optional[ExecutorPool]:
         with self._lock:
