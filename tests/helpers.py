@@ -63,3 +63,23 @@ def run_op_direct(op_name, *args):
     ref = op.aten(*pos_args, **kw)
     refs = list(ref) if isinstance(ref, (tuple, list)) else [ref]
     return list(outs), refs
+
+
+def seeded(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
+    """``model`` in eval mode with its parameters moved by seeded noise (std 0.05), so
+    no weight is a round initial value (a test then compares non-trivial numbers)."""
+    torch.manual_seed(seed)
+    m = model.eval()
+    with torch.no_grad():
+        for p in m.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    return m
+
+
+def save_and_load(cm, tmp_path, name: str = "model.ocm"):
+    """``opencann.save`` the compiled model ``cm`` under pytest's ``tmp_path`` and load it
+    back; returns (the loaded model, the file's path as a str)."""
+    import opencann
+    path = str(tmp_path / name)
+    opencann.save(cm, path)
+    return opencann.load(path), path

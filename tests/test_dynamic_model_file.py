@@ -12,14 +12,7 @@ import torch.nn as nn
 import opencann
 from opencann.runtime.model_file import describe, describe_text, read_sections
 
-
-def _seeded(model):
-    torch.manual_seed(0)
-    m = model.eval()
-    with torch.no_grad():
-        for p in m.parameters():
-            p.add_(torch.randn_like(p) * 0.05)
-    return m
+from helpers import save_and_load, seeded as _seeded
 
 
 class Attention(nn.Module):
@@ -56,13 +49,11 @@ def test_dynamic_model_roundtrip(tmp_path):
     m = _seeded(Attention())
     cm = opencann.compile(m, (torch.randn(2, 8, 16),), dynamic_shapes={"x": {0: "b", 1: "t"}},
                           dim_ranges={"t": (2, 64), "b": (1, 4)})
-    path = str(tmp_path / "dyn.ocm")
-    opencann.save(cm, path)
+    lm, path = save_and_load(cm, tmp_path, "dyn.ocm")
     header, secs = read_sections(path)
     meta = json.loads(bytes(secs["metadata"]))
     assert meta["format_version"] == 2 and meta["dynamic"] and meta["gears"] == []
     assert b"pickle" not in bytes(secs["graph"])
-    lm = opencann.load(path)
     assert type(lm).__name__ == "DynamicCompiledModel"
     for shape in [(2, 8, 16), (3, 17, 16), (1, 64, 16), (3, 17, 16)]:
         x = torch.randn(*shape)
@@ -84,9 +75,7 @@ def test_gear_model_roundtrip_keeps_gears_and_padding(tmp_path):
     m = _seeded(ConvNet())
     cm = opencann.compile(m, (torch.randn(2, 3, 10, 10),),
                           options={"dynamic_batch_size": [1, 2, 4, 8]})
-    path = str(tmp_path / "gears.ocm")
-    opencann.save(cm, path)
-    lm = opencann.load(path)
+    lm, path = save_and_load(cm, tmp_path, "gears.ocm")
     assert lm.report.dynamic["gears"] == cm.report.dynamic["gears"]
     assert lm.report.dynamic["padding"] == cm.report.dynamic["padding"]
     assert sorted(lm.plans.keys()) == [(1,), (2,), (4,), (8,)]        # every gear planned
@@ -109,9 +98,7 @@ class BatchMean(nn.Module):
 def test_exact_gear_model_roundtrip(tmp_path):
     m = BatchMean()
     cm = opencann.compile(m, (torch.randn(2, 6),), options={"dynamic_batch_size": [2, 4]})
-    path = str(tmp_path / "exact.ocm")
-    opencann.save(cm, path)
-    lm = opencann.load(path)
+    lm, path = save_and_load(cm, tmp_path, "exact.ocm")
     assert lm.report.dynamic["padding"]["dims"]["batch"]["blocked_by"]["op"] == "ReduceMean"
     x = torch.randn(4, 6)
     assert torch.equal(lm(x), cm(x))
@@ -133,9 +120,7 @@ def test_vnpu_gear_model_roundtrip(tmp_path):
     m = _seeded(ConvNet())
     cm = opencann.compile(m, (torch.randn(2, 3, 10, 10),), device="vnpu",
                           options={"dynamic_batch_size": [1, 4]})
-    path = str(tmp_path / "vnpu.ocm")
-    opencann.save(cm, path)
-    lm = opencann.load(path)
+    lm, path = save_and_load(cm, tmp_path, "vnpu.ocm")
     assert lm.device == "vnpu" and lm.report.device == "vnpu"
     for n in (1, 3, 4):
         x = torch.randn(n, 3, 10, 10)

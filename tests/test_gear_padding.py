@@ -10,14 +10,7 @@ import torch.nn as nn
 import opencann
 from opencann import zoo
 
-
-def _seeded(model, seed=0):
-    torch.manual_seed(seed)
-    m = model.eval()
-    with torch.no_grad():
-        for p in m.parameters():
-            p.add_(torch.randn_like(p) * 0.05)
-    return m
+from helpers import seeded as _seeded
 
 
 class BasicBlock(nn.Module):
@@ -400,3 +393,75 @@ def test_a_custom_op_declares_its_per_index_fact():
                           options={"dynamic_batch_size": [2, 4]})
     b = cm.report.dynamic["padding"]["dims"]["batch"]["blocked_by"]
     assert b["op"] == "GearPadThrice" and "per-index" in b["reason"]
+
+
+class EwChain(nn.Module):
+    """An elementwise chain with a last-dim reduction: one FusedElementwise node (with
+    fuse_elementwise, off on cpu by default)."""
+
+    def forward(self, x):
+        y = torch.sigmoid(x) * x + 1.5
+        return y, (y * y).sum(-1)
+
+
+class ResidualNorm(nn.Module):
+    """LayerNorm(fc(x) + x): one AddLayerNorm node with fuse_add_layer_norm."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc, self.ln = nn.Linear(8, 8), nn.LayerNorm(8)
+
+    def forward(self, x):
+        return self.ln(self.fc(x) + x)
+
+
+def _padded_like_eager(m, cm, batches, shape=(3, 8)):
+    """Each batch (a NaN in the last real row): eager's values, twice."""
+    for b in batches:
+        x = torch.randn(b, *shape)
+        x[b - 1, 1, 2] = float("nan")
+        with torch.no_grad():
+            want = m(x)
+        want = (want,) if isinstance(want, torch.Tensor) else want
+        for _ in range(2):                                  # a second call too
+            got = cm(x)
+            got = (got,) if isinstance(got, torch.Tensor) else got
+            assert len(got) == len(want)
+            for g, w in zip(got, want):
+                assert g.shape == w.shape
+                torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5, equal_nan=True)
+
+
+@pytest.mark.parametrize("model,op,options", [
+    (EwChain, "FusedElementwise", {"enable": ["fuse_elementwise"]}),
+    (ResidualNorm, "AddLayerNorm", {"enable": ["fuse_add_layer_norm"]}),
+])
+def test_fused_ops_pad_the_batch_with_eager_values(model, op, options):
+    m = _seeded(model())
+    cm = opencann.compile(m, (torch.randn(2, 3, 8),),
+                          options={"dynamic_batch_size": [2, 4, 8], **options})
+    assert op in cm.graph.op_counts()
+    assert cm.report.dynamic["padding"]["applies"], cm.report.dynamic["padding"]
+    built = cm.plans.misses
+    _padded_like_eager(m, cm, (1, 3, 5, 8))
+    assert cm.plans.misses == built                         # served by the gears' plans
+
+
+def _fused_node(model, shape, options=None):
+    cm = opencann.compile(model, (torch.randn(*shape),), dynamic_shapes={"x": {0: "b", 1: "t"}},
+                          options=options)
+    return next(n for n in cm.graph.nodes if n.op in ("FusedElementwise", "AddLayerNorm"))
+
+
+def test_fused_rules_refuse_the_normalized_and_reduced_dim():
+    from opencann.ops import get_op
+    n = _fused_node(EwChain(), (2, 3, 8), {"enable": ["fuse_elementwise"]})
+    rule = get_op(n.op).per_index
+    assert rule(n, {0: 0}, "b") == {k: 0 for k in range(len(n.outputs))}
+    assert "reduces over the padded dim" in rule(n, {0: 2}, "b")
+    ln = _fused_node(_seeded(ResidualNorm()), (2, 3, 8), {"enable": ["fuse_add_layer_norm"]})
+    rule = get_op(ln.op).per_index
+    a, w = ln.attrs["self"].index, ln.attrs["weight"].index
+    assert rule(ln, {a: 1}, "t") == {0: 1}
+    assert "mixes entries" in rule(ln, {a: 2}, "t")
+    assert "weight" in rule(ln, {w: 0}, "t")

@@ -59,4 +59,5 @@ register(OpDef("LinearAct", OpKind.FUSED, aliases=((),), cost_fn=_linear_cost,
                doc="addmm + activation on a packed weight"))
 register(OpDef("AddLayerNorm", OpKind.FUSED, flops_per_elem=9, aliases=((),),
                kernel_factories={"cpu": make_add_layer_norm_kernel}, out_capable=lambda node: True,
-               keep_fp32=True, doc="LayerNorm(a + b) over the last axis with γ, β in one pass"))
+               keep_fp32=True, per_index=pi.add_layer_norm,
+               doc="LayerNorm(a + b) over the last axis with γ, β in one pass"))

@@ -23,6 +23,7 @@ from ..ir import Node, TensorDesc, numel
 from .kernels import vnpu_cost
 from .kernels.ew_numba import run_numba
 from .kernels.ew_program import Program
+from . import per_index
 from .opdef import Cost, OpDef, OpKind, _nbytes, get_op, register
 
 
@@ -116,6 +117,7 @@ register(OpDef("FusedElementwise", OpKind.FUSED, aliases=((),), cost_fn=_cost,
                                  "vnpu": make_fused_elementwise_vnpu}, npu_format="elementwise",
                out_capable=lambda node: len(node.outputs) == 1,
                device_cost={"vnpu": vnpu_cost.fused_elementwise},
+               per_index=per_index.fused_elementwise,
                doc="elementwise ops (+ a trailing reduction) as one generated kernel"))
 
 __all__ = ["make_fused_elementwise_kernel", "run_fused"]

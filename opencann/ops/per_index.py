@@ -5,7 +5,9 @@ is only correct when every op computes the entries at a real index of that dim f
 entries at the same index alone, so the padded rows cannot reach the real ones. A rule
 answers that for one node and follows the padded dim through it:
 
-``rule(node, axes, sym) -> Dict[int, int] | str``. ``axes`` maps the index of each input
+``rule(node, axes, sym) -> Dict[int, int] | str`` (a rule may name, in its
+``shape_attrs``, attributes that are only the node's own output shape: a padded size
+there is not the size taken as a value). ``axes`` maps the index of each input
 that depends on padded data to the axis of that input along which the padded dim runs
 (its size there is ``sym`` times a factor free of ``sym``; the padded rows are the
 trailing block). The result maps each output that carries the padded dim to its axis
@@ -121,6 +123,48 @@ def offset(node: Node, axes: Axes, sym: str) -> Result:
         p = next(iter(axes.values()))
         return {k: Axis(q, outer_of(p), True) for k, q in res.items()}
     return res
+
+
+def fused_elementwise(node: Node, axes: Axes, sym: str) -> Result:
+    """Every dim independent (broadcasting aligns the trailing dims, as for one
+    elementwise op), but the last when the program ends in a reduction over it: the
+    reduction's output ``r`` drops that dim (keeps it as 1 with keepdim)."""
+    rank = len(node.attrs.get("shape", ())) or max(len(o.desc.shape) for o in node.outputs)
+    pos = {p + rank - _rank(node, i) for i, p in axes.items()}
+    if len(pos) > 1:
+        return ("pairs every index of the padded dim with every other (its inputs carry it "
+                "at different positions): padded indices would meet real ones")
+    if not pos:
+        return {}
+    p = next(iter(pos))
+    if node.attrs.get("reduce") and p == rank - 1:
+        return f"reduces over the padded dim (axis {p}, the program's last-dim reduction)"
+    return {k: p for k in range(len(node.outputs))}
+
+
+#: attributes that are the node's own broadcast domain (the kernel takes its sizes from
+#: the inputs): they follow the padded data, they are not a value of the dim's size
+fused_elementwise.shape_attrs = ("shape",)
+
+
+def add_layer_norm(node: Node, axes: Axes, sym: str) -> Result:
+    """LayerNorm(self + other) over the last dim: every dim but the last independent;
+    either addend may carry the padded dim (at the same axis), γ and β may not."""
+    addends = {_idx(node, "self"), _idx(node, "other")}
+    rank = len(node.outputs[0].desc.shape)
+    pos = set()
+    for i, p in axes.items():
+        if i not in addends:
+            return "the padded dim reaches a weight or parameter input"
+        pos.add(p + rank - _rank(node, i))
+    if len(pos) > 1:
+        return "the addends carry the padded dim at different positions"
+    p = next(iter(pos), None)
+    if p is None:
+        return {}
+    if p >= rank - 1:
+        return f"mixes entries along the padded dim (axis {p})"
+    return {0: p}
 
 
 def except_dims(allowed: Callable[[Node, int], Sequence[int]], main: str = "self",

@@ -108,6 +108,7 @@ def _node_rule(n: Node, ins: Dict[int, int], sym: str, sized: set):
     op = get_op(n.op)
     if is_random(n):
         return "draws random numbers, and the draws depend on the padded shape"
+    sized = sized - set(getattr(op.per_index, "shape_attrs", ()))   # the node's own domain
     if sized and op.kind not in (OpKind.VIEW, OpKind.CREATION):
         return "takes the padded dim's size as a value"
     if sized - _SIZE_ATTRS:
