@@ -15,7 +15,7 @@ import itertools
 from typing import Dict
 
 from .graph import Graph, Node, Value
-from .symbolic import Bindings, bind, bind_tree
+from .symbolic import Bindings, SymExpr, bind, bind_tree
 from .types import TensorDesc
 
 
@@ -43,6 +43,19 @@ def _node_meta(node: Node, values: Bindings, memo: Dict[str, int]) -> dict:
     return meta
 
 
+_NESTED = (list, tuple, dict, SymExpr)
+
+
+def _attrs(attrs: dict, values: Bindings, memo: Dict[str, int]) -> dict:
+    """A copy of a node's ``attrs`` with every `SymExpr` bound (`bind_tree`), walking
+    only the entries that can hold one (scalars and tensor refs are kept as they are)."""
+    out = dict(attrs)
+    for k, v in attrs.items():
+        if isinstance(v, _NESTED):
+            out[k] = bind_tree(v, values, memo)
+    return out
+
+
 def specialise(graph: Graph, values: Bindings) -> Graph:
     """A copy of ``graph`` with its symbols bound to ``values`` (symbol -> int): every
     desc, size argument and recorded stride concrete. ``graph`` is left as it is.
@@ -63,7 +76,7 @@ def specialise(graph: Graph, values: Bindings) -> Graph:
     g.inputs = [value(v) for v in graph.inputs]
     g.constants = [value(v) for v in graph.constants]
     for n in graph.nodes:
-        m = Node(n.op, [vmap[v.id] for v in n.inputs], bind_tree(n.attrs, values, memo),
+        m = Node(n.op, [vmap[v.id] for v in n.inputs], _attrs(n.attrs, values, memo),
                  n.name, n.source, n.scope)
         m.device, m.stream = n.device, n.stream
         m.meta = _node_meta(n, values, memo)

@@ -216,6 +216,19 @@ def _proof_key(node: Node, overload, out_names) -> tuple:
             tuple(outs), tuple((k, lit(v)) for k, v in sorted(node.attrs.items())))
 
 
+_SCHEMA_ARGS: Dict[Any, tuple] = {}
+
+
+def _schema_args(overload) -> tuple:
+    """(name, kwarg_only) of each argument of ``overload``'s schema, memoised (read once
+    per node at every binding)."""
+    args = _SCHEMA_ARGS.get(overload)
+    if args is None:
+        args = _SCHEMA_ARGS[overload] = tuple((a.name, a.kwarg_only)
+                                              for a in overload._schema.arguments)
+    return args
+
+
 def _contiguous(shape) -> tuple:
     """Row-major strides of ``shape`` (elements), as ``torch.empty(shape).stride()``."""
     out, acc = [], 1
@@ -432,11 +445,11 @@ class CodeGen:
         aten = op.aten or node.meta["aten"]
         kernel = op.kernel(node.device) or aten   # a user's OpDef.kernels entry, or ATen
         pos, kw = [], []
-        for a in aten._schema.arguments:
-            if a.name not in node.attrs:
+        for name, kwarg_only in _schema_args(aten):
+            if name not in node.attrs:
                 continue
-            s = self.render(node.attrs[a.name], node)
-            (kw.append(f"{a.name}={s}") if a.kwarg_only else pos.append(s))
+            s = self.render(node.attrs[name], node)
+            (kw.append(f"{name}={s}") if kwarg_only else pos.append(s))
         args = ", ".join(pos + kw)
         use_out = (kernel is aten and op.out_kernel is not None and not any(aliased)
                    and len(bufnames) == len(op.out_names)
