@@ -1,0 +1,56 @@
+"""What the first call at a new sequence length costs over a steady-state call (#12):
+one dynamic compile of BERT-base (seeded weights, example 2x16), then per new length
+the first call through the model (plan build + first run), the plan build alone
+(``report.dynamic["plans"]``) and the steady state (median of ``--reps`` later calls).
+Wall time and process CPU time (all threads); with ``--threads 1`` (default) the CPU
+times are steady even on a loaded machine, which is why they are reported.
+
+Usage: python bench/dynamic_first_call.py [--lengths 41 78 ...] [--reps 5] [--threads 1]
+"""
+import argparse
+import os
+import statistics
+import time
+
+import torch
+
+import opencann
+from opencann import zoo
+
+
+def _timed(fn):
+    w, c = time.perf_counter(), time.process_time()
+    fn()
+    return (time.perf_counter() - w) * 1e3, (time.process_time() - c) * 1e3
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--lengths", nargs="+", type=int, default=[41, 78, 57, 99, 23, 66, 35, 88])
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=1)
+    a = ap.parse_args()
+    torch.set_num_threads(a.threads)
+    zm = zoo.bert_base(batch=2, seq=16)
+    cm = opencann.compile(zm.model, zm.example_inputs,
+                          dynamic_shapes={"input_ids": {0: "batch", 1: "seq"}})
+    cm(torch.randint(1000, 20000, (1, 20)))     # a first new shape: the kernel choices pinned
+    print(f"{'length':>6s} {'first wall':>10s} {'first cpu':>9s} {'steady wall':>11s} "
+          f"{'steady cpu':>10s} {'over: wall':>10s} {'over: cpu':>9s} {'plan build':>10s} {'load':>5s}")
+    over = []
+    for n in a.lengths:
+        ids = torch.randint(1000, 20000, (1, n))
+        fw, fc = _timed(lambda: cm(ids))
+        build = cm.report.dynamic["plans"][-1]["build_ms"]
+        st = [_timed(lambda: cm(ids)) for _ in range(a.reps)]
+        sw, sc = statistics.median(s[0] for s in st), statistics.median(s[1] for s in st)
+        over.append((fw - sw, fc - sc, build))
+        print(f"{n:6d} {fw:10.1f} {fc:9.1f} {sw:11.1f} {sc:10.1f} {fw - sw:+10.1f} {fc - sc:+9.1f} "
+              f"{build:10.1f} {os.getloadavg()[0]:5.1f}", flush=True)
+    med = [statistics.median(c) for c in zip(*over)]
+    print(f"median over steady: wall {med[0]:+.1f} ms, cpu {med[1]:+.1f} ms; plan build "
+          f"{med[2]:.1f} ms (wall); {a.threads} torch thread(s)")
+
+
+if __name__ == "__main__":
+    main()
