@@ -11,7 +11,11 @@ hits them alike. ``plan ms`` is the plan build alone (``report.dynamic["plans"]`
 ``static 1st`` is the static compile's first call (torch's kernels meet a new shape
 there too: oneDNN/MKL set up per shape).
 
+``--cpu`` times process CPU (all threads) instead of wall time: with ``--threads 1`` it is
+steady on a loaded machine, where wall times vary by ±50%.
+
 Usage: python bench/dynamic.py [--models minilm bert] [--cells 1x128 4x40] [--reps 15]
+       [--threads 2] [--cpu]
 """
 import argparse
 import statistics
@@ -36,18 +40,21 @@ def _model(name):
     return zm.model, zm.example_inputs, spec
 
 
+CLOCK = time.perf_counter   # --cpu: time.process_time (all threads; steadier under load)
+
+
 def _timed(fn, *args):
-    t0 = time.perf_counter()
+    t0 = CLOCK()
     fn(*args)
-    return (time.perf_counter() - t0) * 1e3
+    return (CLOCK() - t0) * 1e3
 
 
 def cell(model, dyn, name, batch, seq, reps):
     """One row: first call, steady state (dynamic, static, eager), plan build."""
     x = _inputs(name, batch, seq)
-    t0 = time.perf_counter()
+    t0 = CLOCK()
     out = dyn(*x)
-    first = (time.perf_counter() - t0) * 1e3
+    first = (CLOCK() - t0) * 1e3
     with torch.no_grad():
         ref = model(*x).last_hidden_state
     err = ((out.last_hidden_state - ref).abs().max() / ref.abs().max()).item()
@@ -72,8 +79,14 @@ def main():
     ap.add_argument("--models", nargs="+", default=["minilm", "bert"])
     ap.add_argument("--cells", nargs="+", default=["1x128", "4x40", "1x16"])
     ap.add_argument("--reps", type=int, default=15)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--cpu", action="store_true",
+                    help="time process CPU (all threads) instead of wall time")
     a = ap.parse_args()
-    torch.set_num_threads(2)
+    torch.set_num_threads(a.threads)
+    if a.cpu:
+        global CLOCK
+        CLOCK = time.process_time
     print(f"{'model':7s} {'shape':>7s} {'first':>8s} {'plan':>7s} {'steady':>8s} "
           f"{'static 1st':>10s} {'static':>8s} {'eager':>8s} {'first-steady':>13s} "
           f"{'steady/static':>14s} {'err vs eager':>12s}")
