@@ -12,7 +12,9 @@ Proof, per node at bind time: the candidate is called once on meta tensors with 
 node's exact arguments under a dispatch mode that records the ATen calls; it is used
 only when the record is exactly ``[overload]``. A composite function that decomposes,
 a parser that picks another overload, or another argument name gives another record
-or an error, and the overload itself is kept.
+or an error, and the overload itself is kept. `fast_callable_keyed` proves once per
+call description, with int arguments by type alone where `value_free` shows the answer
+cannot depend on their values, so a graph specialised to a new shape reuses the proofs.
 """
 from __future__ import annotations
 
@@ -87,8 +89,11 @@ def value_free(overload: torch._ops.OpOverload) -> bool:
     view or a copy). A proof made at one set of sizes then holds at every other."""
     free = _VALUE_FREE.get(overload)
     if free is None:
-        packet = overload.overloadpacket
-        free = not any(_composite(getattr(packet, o)) for o in packet.overloads())
+        try:
+            packet = overload.overloadpacket
+            free = not any(_composite(getattr(packet, o)) for o in packet.overloads())
+        except Exception:  # noqa: BLE001 - cannot tell: keep the values in the key
+            free = False
         _VALUE_FREE[overload] = free
     return free
 
