@@ -25,6 +25,7 @@ from .passes import Pass, PassContext, PassManager, apply_schedule, default_pipe
 from .report import CompileReport, PassRecord
 from .runtime import DEFAULT_CONCURRENT_CALLS, Executor, ExecutorPool
 from .runtime.call_binding import bind_call, forward_arg_names, input_labels
+from .runtime.input_overlap import check_written_inputs
 
 SUPPORTED_DEVICES = KINDS
 # opencann.compile runs one at a time: torch.export is not thread-safe (concurrent exports
@@ -294,8 +295,7 @@ class CompiledModel:
         if len(tensors) != len(self.graph.inputs):
             raise ValueError(f"expected {len(self.graph.inputs)} tensor inputs, got {len(tensors)}")
         for i, (t, v) in enumerate(zip(tensors, self.graph.inputs)):
-            name = (f"input {self._labels[self._positions[i]]}" if self._labels and
-                    self._positions is not None else f"input {i} ({v.name})")
+            name = self._input_label(i)
             if not isinstance(t, torch.Tensor):
                 raise ValueError(f"{name} must be a tensor, got {type(t).__name__}")
             check_layout(t, f"{name}")
@@ -314,7 +314,14 @@ class CompiledModel:
             if t.device.type != "cpu":
                 raise ValueError(f"{name} is on {t.device}; the compiled model "
                                  "runs on the host (cpu): move the input with .cpu()")
+        check_written_inputs(tensors, self._mutations, self._input_label)
         return tensors
+
+    def _input_label(self, i: int) -> str:
+        """Tensor input ``i`` as errors name it (``input 'x' (argument #0)``)."""
+        if self._labels and self._positions is not None:
+            return f"input {self._labels[self._positions[i]]}"
+        return f"input {i} ({self.graph.inputs[i].name})"
 
     def _shown(self, desc) -> str:
         """``desc`` as input errors show it (`DynamicCompiledModel` names its dims)."""

@@ -1,0 +1,180 @@
+"""Breaker session 6: calls and graphs that gave wrong values or failed where eager works.
+Each test compares with eager PyTorch (random non-zero inputs, NaN positions, a second
+call, outputs independent of each other and of later calls)."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+
+import opencann
+from opencann.runtime.input_overlap import overlaps
+
+
+class _Fn(nn.Module):
+    def __init__(self, fn):
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, x):
+        return self.fn(x)
+
+
+class _AB(nn.Module):
+    def __init__(self, fn):
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, a, b):
+        return self.fn(a, b)
+
+
+def _x(*shape, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(*shape, generator=g) + 0.5
+    x.view(-1)[1] = float("nan")
+    return x
+
+
+def _same(n=4):
+    x = _x(n, 6, seed=1)
+    return x, x
+
+
+def _overlapping(n=4):
+    b = _x(n + 1, 6, seed=1)
+    return b[:n], b[1:]
+
+
+def _interleaved(n=4):
+    b = _x(n, 12, seed=1)
+    return b[:, ::2], b[:, 1::2]
+
+
+# -- inputs that share memory, where the model writes into one of them -----------------
+# The graph reads its inputs as separate tensors; eager's b sees a.add_(1) at once.
+
+_WRITERS = {
+    "add_then_read": lambda a, b: (a.add_(1), b * 2),
+    "both_written": lambda a, b: (a.mul_(2), b.add_(1)),
+    "setitem": lambda a, b: (a.__setitem__(0, 1.0), a + b)[1],
+    "copy_into": lambda a, b: a.copy_(b * 3),
+}
+
+
+@pytest.mark.parametrize("calls", [_same, _overlapping], ids=["same_tensor", "overlapping_views"])
+@pytest.mark.parametrize("fn", list(_WRITERS.values()), ids=list(_WRITERS))
+@pytest.mark.parametrize("kw", [{}, {"dynamic_shapes": {"a": {0: "n"}, "b": {0: "n"}}}],
+                         ids=["static", "dynamic"])
+def test_aliased_inputs_of_a_model_writing_into_one_are_refused(calls, fn, kw, tmp_path):
+    m = _AB(fn)
+    cm = opencann.compile(m, (_x(4, 6), _x(4, 6, seed=2)), **kw)
+    opencann.save(cm, tmp_path / "m.ocm")
+    for c in (cm, opencann.load(tmp_path / "m.ocm")):
+        a, b = calls()
+        before = a.clone()
+        with pytest.raises(ValueError, match=r"input 'a' \(argument #0\) and input 'b' "
+                                             r"\(argument #1\) .*writes into input 'a'"):
+            c(a, b)
+        torch.testing.assert_close(a, before, equal_nan=True)   # nothing written
+        # separate tensors (the fix the message names) give eager's values and writes
+        ra, rb = (t.clone() for t in calls())
+        ga, gb = ra.clone(), rb.clone()
+        ref, got = m(ra, rb), c(ga, gb)
+        for r, g in zip(ref if isinstance(ref, tuple) else (ref,),
+                        got if isinstance(got, tuple) else (got,)):
+            torch.testing.assert_close(g, r, equal_nan=True)
+        torch.testing.assert_close((ga, gb), (ra, rb), equal_nan=True)
+
+
+@pytest.mark.parametrize("fn", list(_WRITERS.values()), ids=list(_WRITERS))
+def test_disjoint_views_of_one_buffer_run_with_eagers_values(fn):
+    """Views that interleave (b[:, ::2], b[:, 1::2]) share a storage but no element:
+    not refused, eager's values and writes."""
+    m = _AB(fn)
+    cm = opencann.compile(m, tuple(t.clone() for t in _interleaved()))
+    for _ in range(2):
+        ra, rb = _interleaved()
+        ga, gb = _interleaved()
+        ref, got = m(ra, rb), cm(ga, gb)
+        for r, g in zip(ref if isinstance(ref, tuple) else (ref,),
+                        got if isinstance(got, tuple) else (got,)):
+            torch.testing.assert_close(g, r, equal_nan=True)
+        torch.testing.assert_close(ga._base, ra._base, equal_nan=True)
+
+
+def test_aliased_inputs_of_a_model_that_writes_nothing_still_run():
+    m = _AB(lambda a, b: (a * 2 + b, b.sin()))
+    cm = opencann.compile(m, (_x(4, 6), _x(4, 6, seed=2)))
+    for calls in (_same, _overlapping):
+        a, b = calls()
+        ref, got = m(a, b), cm(a, b)
+        torch.testing.assert_close(got, ref, equal_nan=True)
+
+
+def test_torch_compile_follows_eager_on_aliased_written_inputs():
+    def fn(a, b):
+        a.add_(1)
+        return b * 2
+
+    torch._dynamo.reset()
+    cf = torch.compile(fn, backend="opencann")
+    for calls in (_same, _overlapping):
+        ra, rb = calls()
+        ga, gb = calls()
+        torch.testing.assert_close(cf(ga, gb), fn(ra, rb), equal_nan=True)
+        torch.testing.assert_close(ga, ra, equal_nan=True)
+
+
+def test_overlaps_is_exact():
+    b = torch.arange(60.).reshape(5, 12)
+    assert overlaps(b[:4], b[1:]) and overlaps(b, b) and overlaps(b.t(), b[0])
+    assert not overlaps(b[:2], b[2:]) and not overlaps(b, b.clone())
+    assert not overlaps(b[:, ::2], b[:, 1::2]) and not overlaps(b[:, 0], b[:, 1])
+    assert overlaps(b.view(torch.int16)[:, 1::2], b[:, 1])      # other dtype, same bytes
+    x = torch.arange(100.)
+    assert overlaps(x[::3], x[44:46]) and not overlaps(x[::3], x[46:48])
+    assert not overlaps(x[:0], x)
+
+
+# -- a size of a dynamic dim used as a value next to tensors of static shape -----------
+# x.sum(0) + x.shape[0]: the Add's inputs are static, its scalar is symbolic; the
+# inference check ran the op on meta tensors with the symbol in it and failed.
+
+_SIZES = {
+    "static_plus_size": lambda x: x.sum(0) + x.shape[0],
+    "mean_times_numel": lambda x: x.mean() * x.numel(),
+    "full_of_size": lambda x: x + torch.full((1,), x.shape[0]),
+    "where_size": lambda x: torch.where(x > 0, x, x.shape[0]),
+    "new_full": lambda x: x.new_full((2,), x.shape[0] * 2),
+    "amax_times_size": lambda x: x.amax(0) * x.shape[0],
+    "static_dim_sqrt": lambda x: x.sum(0) / math.sqrt(x.shape[1]) + x.shape[0],
+}
+
+
+@pytest.mark.parametrize("fn", list(_SIZES.values()), ids=list(_SIZES))
+def test_dynamic_size_as_a_value_with_static_tensors(fn, tmp_path):
+    m = _Fn(fn)
+    cm = opencann.compile(m, (_x(4, 3),), dynamic_shapes={"x": {0: "b"}})
+    opencann.save(cm, tmp_path / "m.ocm")
+    for c in (cm, opencann.load(tmp_path / "m.ocm")):
+        kept = []
+        for n in (3, 5, 4):
+            x = _x(n, 3, seed=n)
+            ref, got = m(x), c(x)
+            torch.testing.assert_close(got, ref, equal_nan=True)
+            kept.append((got, ref))
+        for got, ref in kept:
+            torch.testing.assert_close(got, ref, equal_nan=True)
+
+
+@pytest.mark.parametrize("fn", list(_SIZES.values()), ids=list(_SIZES))
+def test_torch_compile_dynamic_size_as_a_value_with_static_tensors(fn):
+    torch._dynamo.reset()
+    cf = torch.compile(fn, backend="opencann", dynamic=True)
+    for n in (3, 5, 7):
+        x = _x(n, 3, seed=n)
+        torch.testing.assert_close(cf(x), fn(x), equal_nan=True)
+    assert opencann.dynamo.eager_fallbacks() == []
