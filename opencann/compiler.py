@@ -20,7 +20,7 @@ from .ir import Graph, MemoryPlan
 from .ir.symbolic import fits
 from .log import logger
 from .options import KNOWN_OPTIONS, check_options  # noqa: F401  (KNOWN_OPTIONS re-exported)
-from .ops import Cost, get_op, is_random
+from .ops import Cost, get_op, is_random, layout_read_inputs
 from .passes import Pass, PassContext, PassManager, apply_schedule, default_pipeline
 from .report import CompileReport, PassRecord
 from .runtime import DEFAULT_CONCURRENT_CALLS, Executor, ExecutorPool
@@ -219,6 +219,8 @@ class CompiledModel:
         self._baked = {i: v for i, v in enumerate(flat) if not isinstance(v, torch.Tensor)}
         self._mutations = list(graph.meta.get("input_mutations", ()))
         self._contig = [t.is_contiguous() for t in flat if isinstance(t, torch.Tensor)]
+        # inputs an as_strided reads: a contiguous copy would be read at other places
+        self._layout_read = layout_read_inputs(graph)
         # weights are a snapshot (folded, prepacked, copied): detect in-place changes of
         # the module's tensors (weak references: the compiled model never keeps them alive)
         self._frozen = [(n, weakref.ref(t), t._version) for n, t in (frozen or [])]
@@ -265,8 +267,16 @@ class CompiledModel:
 
     def _contiguous(self, tensors: list) -> list:
         # the graph was traced on contiguous examples: its views assume those strides
-        return [t.contiguous() if i < len(self._contig) and self._contig[i] else t
+        made = [t.contiguous() if i < len(self._contig) and self._contig[i] else t
                 for i, t in enumerate(tensors)]
+        for i in self._layout_read:
+            if made[i] is not tensors[i]:
+                raise ValueError(
+                    f"{self._input_label(i)} has strides {tuple(tensors[i].stride())} and the model "
+                    "reads its memory layout (as_strided): the graph, compiled on a contiguous "
+                    "example, would read other elements than eager does. Compile with an example "
+                    "of this layout, or pass .contiguous() if that layout's result is meant")
+        return made
 
     def _user_tensors(self, args, kwargs) -> list:
         """The caller's tensors, in graph-input order, after checking them."""

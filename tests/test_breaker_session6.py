@@ -178,3 +178,58 @@ def test_torch_compile_dynamic_size_as_a_value_with_static_tensors(fn):
         x = _x(n, 3, seed=n)
         torch.testing.assert_close(cf(x), fn(x), equal_nan=True)
     assert opencann.dynamo.eager_fallbacks() == []
+
+
+# -- as_strided reads the memory layout: a caller's transposed tensor made contiguous --
+# was read at other places than eager reads it (x.as_strided((2, 2), (1, 2)) of x.t()).
+
+_LAYOUT = {
+    "as_strided": lambda x: x.as_strided((2, 2), (1, 2)) * 2,
+    "as_strided_of_view": lambda x: x[1:].as_strided((3,), (2,)) + 1,
+    "as_strided_write": lambda x: (x.as_strided((2,), (3,)).add_(5), x * 1)[1],
+}
+
+
+def _transposed():
+    return _x(6, 4, seed=3).t()
+
+
+def _strided():
+    return _x(4, 12, seed=4)[:, ::2]
+
+
+@pytest.mark.parametrize("fn", list(_LAYOUT.values()), ids=list(_LAYOUT))
+def test_as_strided_of_an_input_in_another_layout_is_refused(fn, tmp_path):
+    m = _Fn(fn)
+    cm = opencann.compile(m, (_x(4, 6),))
+    opencann.save(cm, tmp_path / "m.ocm")
+    for c in (cm, opencann.load(tmp_path / "m.ocm")):
+        for make in (_transposed, _strided):
+            with pytest.raises(ValueError, match=r"input 'x' \(argument #0\) has strides .* "
+                                                 r"reads its memory layout \(as_strided\)"):
+                c(make())
+        for n in range(2):                       # contiguous calls: eager's values and writes
+            rx, gx = _x(4, 6, seed=n), _x(4, 6, seed=n)
+            ref, got = m(rx), c(gx)
+            torch.testing.assert_close(got, ref, equal_nan=True)
+            torch.testing.assert_close(gx, rx, equal_nan=True)
+
+
+@pytest.mark.parametrize("fn", list(_LAYOUT.values()), ids=list(_LAYOUT))
+def test_as_strided_compiled_on_the_callers_layout_matches_eager(fn):
+    m = _Fn(fn)
+    cm = opencann.compile(m, (_transposed(),))
+    for _ in range(2):
+        rx, gx = _transposed(), _transposed()
+        ref, got = m(rx), cm(gx)
+        torch.testing.assert_close(got, ref, equal_nan=True)
+        torch.testing.assert_close(gx, rx, equal_nan=True)
+
+
+def test_layout_free_models_still_take_any_layout():
+    m = _Fn(lambda x: (x.t() * 2, x.reshape(-1) + 1, x[::2].sum(0)))
+    cm = opencann.compile(m, (_x(4, 6),))
+    for make in (_transposed, _strided):
+        x = make()
+        for g, r in zip(cm(x), m(x)):
+            torch.testing.assert_close(g, r, equal_nan=True)

@@ -274,7 +274,7 @@ def _npu(family: str) -> dict:
 def _columns(name: str, kind: OpKind) -> dict:
     """Activation, keep-fp32, vnpu cost and NPU-format columns of table row ``name``."""
     cols = {"activation": _ACTIVATION.get(name), "keep_fp32": name in _KEEP_FP32,
-            "fuse_expr": _FUSE_EXPR.get(name),
+            "fuse_expr": _FUSE_EXPR.get(name), "reads_layout": name == "AsStrided",
             "per_index": _PER_INDEX.get(name, pi.ALL if kind == OpKind.ELEMENTWISE and
                                         not name.endswith("Grad") else None)}
     if name in _VNPU_COST:
