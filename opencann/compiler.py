@@ -6,6 +6,7 @@ schedule, bound kernels and the compile report.
 """
 from __future__ import annotations
 
+import math
 import threading
 import time
 import weakref
@@ -513,8 +514,11 @@ def _nest(o: Any) -> str:
 
 
 def _same_value(a: Any, b: Any) -> bool:
-    """Equality for baked non-tensor arguments (NaN equals NaN; never raises)."""
+    """Equality for baked non-tensor arguments (NaN equals NaN, 0.0 is not -0.0: the
+    sign of a zero changes results such as ``1 / s``; never raises)."""
+    if isinstance(a, float) and isinstance(b, float):
+        return (a == b and math.copysign(1.0, a) == math.copysign(1.0, b)) or (a != a and b != b)
     try:
-        return bool(a == b) or (isinstance(a, float) and a != a and b != b)
+        return bool(a == b)
     except Exception:  # noqa: BLE001 - exotic objects: identity only
         return a is b
