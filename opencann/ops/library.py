@@ -194,13 +194,23 @@ def _alpha1(expr: str):
     return lambda a: expr if a.get("alpha", 1) == 1 else None
 
 
+def _bound(e: str, a: dict, b: str, cmp: str, nan_form: str) -> str:
+    v = a[b]
+    if isinstance(v, float) and v != v:
+        return f"{nan_form}({e}, {{{b}}})"
+    return f"where({e} {cmp} {{{b}}}, {{{b}}}, {e})"
+
+
 def _clamp(lo: str, hi: str):
+    """clamp as ATen's kernel: a value equal to a bound is kept (clamp(-0.0, min=0.0)
+    is -0.0, where ``maximum`` may give either zero), NaN stays NaN, a NaN bound gives
+    NaN (``maximum``/``minimum`` propagate it)."""
     def expr(a):
         e = "{self}"
         if a.get(lo) is not None:
-            e = f"maximum({e}, {{{lo}}})"
+            e = _bound(e, a, lo, "<", "maximum")
         if a.get(hi) is not None:
-            e = f"minimum({e}, {{{hi}}})"
+            e = _bound(e, a, hi, ">", "minimum")
         return e if e != "{self}" else None
     return expr
 
@@ -219,7 +229,7 @@ _FUSE_EXPR = {
     "Maximum": "maximum({self}, {other})", "Minimum": "minimum({self}, {other})",
     "ClipByValue": _clamp("min", "max"), "HardTanh": _clamp("min_val", "max_val"),
     "Select": "where({condition}, {self}, {other})",
-    "Relu": "maximum({self}, #0)", "Sigmoid": "#1 / (#1 + exp(-({self})))",
+    "Relu": "where({self} < #0, #0, {self})", "Sigmoid": "#1 / (#1 + exp(-({self})))",
     "Swish": "{self} / (#1 + exp(-({self})))",
     "LeakyRelu": "where({self} > #0, {self}, {self} * {negative_slope})",
     "Equal": "{self} == {other}", "Equals": "{self} == {other}",
