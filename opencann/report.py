@@ -78,7 +78,9 @@ class CompileReport:
     #: line owning that guard); see `opencann.dynamo.recompiles`
     torch_compile: Dict[str, Any] = field(default_factory=dict)
     #: with the option ``streams`` > 1: "streams", "events", "cross_stream_dependences",
-    #: "nodes_per_stream", "estimated_serial_us" (`opencann.passes.schedule.stream_summary`);
+    #: "nodes_per_stream", "costs" ("measured" or "model"), "estimated_serial_us",
+    #: "predicted_busy_us" (per stream), "predicted_call_us"
+    #: (`opencann.passes.schedule.stream_summary`);
     #: empty (and left out of `to_dict`) on one stream
     streams: Dict[str, Any] = field(default_factory=dict)
 
@@ -130,7 +132,11 @@ class CompileReport:
             st = self.streams
             lines.append(f"  streams: {st['streams']} ({', '.join(map(str, st['nodes_per_stream']))} "
                          f"nodes), {st['events']} events for {st['cross_stream_dependences']} "
-                         "cross-stream dependences")
+                         "cross-stream dependences"
+                         + (f"; {st['costs']} busy "
+                            f"{' + '.join(f'{b / 1e3:.2f}' for b in st['predicted_busy_us'])} ms, "
+                            f"predicted call {st['predicted_call_us'] / 1e3:.2f} ms"
+                            if st.get("predicted_busy_us") else ""))
         rec = m.get("recompute") if m else None
         if rec:
             bns = rec.get("batch_norm_outputs_recomputable") or []

@@ -39,6 +39,12 @@ import torch
 _START_LOCK = threading.Lock()  # set_num_threads' process default is restored under it
 
 
+def threads_per_stream(nstreams: int, total: Optional[int] = None) -> int:
+    """Intra-op threads each of ``nstreams`` stream workers gets: ``total`` (default the
+    calling thread's ``torch.get_num_threads()``) // ``nstreams``, at least 1."""
+    return max(1, (total or torch.get_num_threads()) // max(1, nstreams))
+
+
 class StreamAborted(Exception):
     """Raised in a stream waiting on an event when another stream of the call failed."""
 
@@ -97,7 +103,7 @@ class StreamRunner:
             if self._started:
                 return
             default = torch.get_num_threads()
-            n = self.threads_per_stream or max(1, default // self.nstreams)
+            n = self.threads_per_stream or threads_per_stream(self.nstreams, default)
             ready: "queue.SimpleQueue" = queue.SimpleQueue()
             for s in range(self.nstreams):
                 threading.Thread(target=_worker, args=(self._jobs[s], self._done, n, ready),
