@@ -98,7 +98,9 @@ class StreamRunner:
         `Executor.clone`); ``fns`` is left empty for the caller to set."""
         return StreamRunner(self.nstreams, len(self.events), self.nslots, self.threads_per_stream)
 
-    def _start(self) -> None:
+    def start(self) -> None:
+        """Start the worker threads (once; `run` does it on its first call), each with
+        its intra-op thread count."""
         with _START_LOCK:
             if self._started:
                 return
@@ -132,7 +134,7 @@ class StreamRunner:
         slots. Raises the first error a stream raised (not `StreamAborted`) after all
         streams have ended."""
         if not self._started:
-            self._start()
+            self.start()
         for e in self.events:
             e.clear()
         self._aborted = False
