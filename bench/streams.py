@@ -304,9 +304,16 @@ def main():
                     help="OMP_WAIT_POLICY for every run (default: the OpenMP runtime's); "
                          "passive: idle OpenMP threads sleep instead of spinning, which a "
                          "loaded machine punishes less")
+    ap.add_argument("--why-only", action="store_true",
+                    help="only the why lines (node times, critical path, busy/overlap, concurrency)")
     ap.add_argument("--json", default="")
     a = ap.parse_args()
     S = a.streams
+    if a.why_only:
+        for model in a.models:
+            w = run_cell(model, S, a.threads, a.calls, a.wait_policy, code=WHY, tag="WHY")
+            print(model, json.dumps(w), flush=True)
+        return
     # name -> (streams (0: eager), total intra-op threads, stream costs)
     configs = {"eager": (0, a.threads, "measured"), "1 stream": (1, a.threads, "measured"),
                "1 stream x 1 thread": (1, 1, "measured"),

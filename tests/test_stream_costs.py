@@ -116,3 +116,36 @@ def test_option_stream_costs_takes_measured_or_model():
                           options={"streams": 2, "stream_costs": "model"})
     assert cm.report.streams["costs"] == "model"
     assert "measured" not in next(p.note for p in cm.report.passes if p.name == "bind_kernels")
+
+
+def test_the_calling_thread_runs_stream_0_and_gets_its_thread_count_back():
+    """Stream 0 runs on the caller (one thread wake-up fewer per call) with the streams'
+    intra-op thread count; an error there releases a stream waiting on its event, is the
+    one raised, and the next call works."""
+    import threading
+    from opencann.runtime.streams import StreamRunner
+
+    r = StreamRunner(2, nevents=1, nslots=2, threads_per_stream=1)
+    seen, fail = {}, [True]
+
+    def s0(inputs, slots):
+        seen[0] = (threading.get_ident(), torch.get_num_threads())
+        if fail[0]:
+            raise ValueError("stream 0 failed")
+        slots[0] = inputs[0] + 1
+        r.events[0].set()
+
+    def s1(inputs, slots):
+        seen[1] = threading.get_ident()
+        r.wait(0)
+        slots[1] = slots[0] * 2
+
+    r.fns = [s0, s1]
+    before = torch.get_num_threads()
+    with pytest.raises(ValueError, match="stream 0 failed"):
+        r.run([torch.ones(2)])
+    fail[0] = False
+    slots = r.run([torch.ones(2)])
+    torch.testing.assert_close(slots[1], torch.full((2,), 4.0))
+    assert seen[0] == (threading.get_ident(), 1) and seen[1] != threading.get_ident()
+    assert torch.get_num_threads() == before
