@@ -161,7 +161,7 @@ def build(name: str, batch: int, seq: Optional[int], threads: int, backends: Lis
                 cm = opencann.compile(model, inputs)
                 runners[b] = lambda cm=cm, x=inputs: cm(*x)
                 note(b, t0, lambda: first_tensor(cm(*inputs)),
-                     opencann_s=cm.report.opencann_seconds)
+                     opencann_s=cm.report.opencann_seconds, rewrites_applied=len(cm.report.applied))
             elif b.startswith("torch.compile"):
                 torch._dynamo.reset()
                 n0 = len(opencann.dynamo.COMPILED_GRAPHS)
