@@ -287,8 +287,8 @@ def test_graph_break_freezes_each_graph():
         torch.testing.assert_close(f(x), m(x), atol=1e-5, rtol=1e-5)
 
 
-def test_weight_changing_every_call_is_unfrozen_after_the_limit(monkeypatch, logs):
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 2)
+@torch._dynamo.config.patch(recompile_limit=2)
+def test_weight_changing_every_call_is_unfrozen_after_the_limit(logs):
     m = torch.nn.Linear(4, 4)
     f = torch.compile(m, backend="opencann")
     x = torch.randn(2, 4)
