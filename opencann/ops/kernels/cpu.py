@@ -121,6 +121,25 @@ def make_conv_kernel(node: Node, in_descs: Sequence[TensorDesc], consts: Sequenc
     return run
 
 
+def make_trans_data(node: Node, in_descs: Sequence[TensorDesc], consts: Sequence) -> Callable:
+    """CPU TransData between NHWC (channels-last strides) and NCHW of one logical 4-D
+    tensor (``opencann.passes.layout.cpu_layout``): ``run(x, out=None)`` copies ``x`` into
+    ``out`` (its planned buffer, laid out as the node's ``meta["strides"]``) or into a
+    fresh tensor with those strides (contiguous when none are recorded). The logical
+    shape and dtype do not change; only the element order in memory does."""
+    d = node.outputs[0].desc
+    shape = tuple(int(s) for s in d.shape)
+    st = (node.meta.get("strides") or [None])[0]
+    strides = tuple(st) if st is not None else torch.empty(shape, device="meta").stride()
+    dtype = d.dtype.torch
+
+    def run(x, out=None):
+        if out is None:
+            out = torch.empty_strided(shape, strides, dtype=dtype)
+        return out.copy_(x)
+    return run
+
+
 # (m, k, n, dtype) -> "mkl_packed" | "addmm": bind-time choice, measured once per shape
 LINEAR_CHOICES: Dict[tuple, str] = {}
 _LINEAR_CHOICES_LOCK = threading.Lock()  # one measurement per shape, even when binding races
@@ -210,4 +229,4 @@ def make_linear_kernel(node: Node, in_descs: Sequence[TensorDesc], consts: Seque
     return run_packed if choice == "mkl_packed" else run_addmm
 
 
-__all__ = ["LINEAR_CHOICES", "make_conv_kernel", "make_linear_kernel"]
+__all__ = ["LINEAR_CHOICES", "make_conv_kernel", "make_linear_kernel", "make_trans_data"]
