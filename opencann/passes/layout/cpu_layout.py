@@ -30,9 +30,10 @@ non-constant weight (not prepacked: oneDNN keeps the input's layout).
 
 Why NHWC and not NC1HWC0 (nChw8c, C0 = 8 on AVX2): measured on this 2-core AVX2 host
 (docs/performance.md, "CPU layout"), ResNet-50's convolutions on opaque oneDNN tensors
-(``to_mkldnn``, ``torch.mkldnn_convolution``) took 26% longer than the same
-convolutions on NHWC, and torch's bindings have no fused post-ops (bias+ReLU, the
-residual sum) for opaque tensors. Source: oneDNN developer guide, "Understanding Memory
+(``to_mkldnn``, ``torch.mkldnn_convolution``) took 27% longer than the same
+convolutions on NHWC at batch 1 and 6% at batch 8 (1 thread; `bench/cpu_layout.py`),
+and torch's bindings have no fused post-ops (bias+ReLU, the residual sum) for opaque
+tensors. Source: oneDNN developer guide, "Understanding Memory
 Formats" (nhwc is a first-class activation format of its fp32 convolutions); PyTorch's
 channels-last tutorial.
 """
