@@ -238,3 +238,24 @@ def test_no_in_place_reuse_across_layouts():
             and n.meta["strides"][0][1] == 1]
     assert adds, "the residual Add runs NHWC"
     assert not any(name == adds[0].name for name, _ in cm.plan.inplace)
+
+
+class UserChannelsLast(nn.Module):
+    """A model that asks for channels-last itself: eager's own result is NHWC, so no
+    TransData is needed, and the output keeps eager's channels-last strides."""
+
+    def __init__(self):
+        super().__init__()
+        self.c, self.c2 = nn.Conv2d(4, 8, 3, 1, 1), nn.Conv2d(8, 8, 3, 1, 1)
+
+    def forward(self, x):
+        y = torch.relu(self.c(x)).contiguous(memory_format=torch.channels_last)
+        return self.c2(y) + y
+
+
+def test_model_already_channels_last_needs_no_transdata():
+    model, x = UserChannelsLast().eval(), torch.randn(2, 4, 6, 6)
+    cm = _check_model(model, x)
+    with torch.no_grad():
+        assert model(x).is_contiguous(memory_format=torch.channels_last)
+    assert not any(n.op == "TransData" for n in cm.graph.nodes)

@@ -19,7 +19,9 @@ activations between oneDNN convolutions, TransData (NHWC→NCHW) only at the bou
 2. insertion: one TransData NHWC→NCHW per NHWC value, before the first consumer that
    needs eager's layout: a view (flatten, reshape, permute read the strides), an op
    outside the families above, and the graph outputs (the caller gets eager's strides);
-   the TransData's result carries the value's traced (eager) strides.
+   the TransData's result carries the value's traced (eager) strides. None where eager
+   itself had the value channels-last (a model's ``.contiguous(memory_format=
+   torch.channels_last)``): its consumers expect NHWC.
 3. elimination: inverse TransData pairs are removed and unused ones dropped (the vnpu's
    `NpuLayoutSelection` rules, shared).
 
@@ -121,6 +123,19 @@ def _select(graph: Graph) -> Dict[int, Format]:
     return fmt
 
 
+def _eager_nhwc(v: Value) -> bool:
+    """Whether eager already laid ``v`` out channels-last (a model calling
+    ``.contiguous(memory_format=torch.channels_last)``): then nothing needs converting."""
+    p = v.producer
+    k = p.outputs.index(v)
+    st = (p.meta.get("eager_strides") or p.meta.get("strides") or [None] * len(p.outputs))[k]
+    if st is None:
+        return False
+    shape = [int(n) for n in v.desc.shape]
+    cl = channels_last_strides(shape)
+    return all(a == b for a, b, n in zip(st, cl, shape) if n != 1)
+
+
 def _needs_nchw(u: Node, v: Value, fmt: Dict[int, Format]) -> str:
     """Why consumer ``u`` needs ``v`` (NHWC) in eager's layout; "" when it reads NHWC."""
     if u.op in _SEEDS and _conv_out(u, fmt) is not None and u.inputs[1] is not v:
@@ -204,14 +219,14 @@ class LayoutSelection(Pass):
         made: Dict[int, Value] = {}
         for n in list(graph.nodes):
             for v in list(n.inputs):
-                why = _needs_nchw(n, v, fmt) if fmt.get(v.id) == NHWC else ""
+                why = _needs_nchw(n, v, fmt) if fmt.get(v.id) == NHWC and not _eager_nhwc(v) else ""
                 if why:
                     if v.id not in made:
                         made[v.id] = _trans_to_nchw(graph, v, before=n)
                         ctx.applied([made[v.id].producer, n], f"TransData NHWC→NCHW: {why}")
                     n.replace_input(v, made[v.id])
         for i, v in enumerate(graph.outputs):
-            if fmt.get(v.id) == NHWC:
+            if fmt.get(v.id) == NHWC and not _eager_nhwc(v):
                 if v.id not in made:
                     made[v.id] = _trans_to_nchw(graph, v, before=None)
                     ctx.applied([made[v.id].producer], "TransData NHWC→NCHW: a graph output, "
