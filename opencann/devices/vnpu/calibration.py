@@ -26,7 +26,9 @@ Sources (keys used in ``source``):
   @ defdb75f, 2026-03-07), warm per-call times (10 warm-up + 50 timed calls in a stream), S0=128, one
   core: 19.200 / 23.420 / 38.317 / 68.778 us (aarch64 host) and 16.54 / 23.98 / 40.94 / 72.14 us (x86_64)
   at S1 = 1K..8K.  The single-core table of kernels/manual/common/flash_atten/README.md (42.08 / 51.44 /
-  43.80 / 74.54 us) is one cold launch timed by in-kernel counters (main.cpp) and is not used;
+  43.80 / 74.54 us) is one cold launch timed by in-kernel counters (main.cpp) and is not used; nor are
+  [PTO-JIT]'s multi-core rows (S0 = 256..2048): its benchmark then allocated the whole S, P and P-fp32
+  matrices in GM (fa_benchmark.py @ 1fb190ca), which makes them HBM write-back bound, not FIFO work;
 [MZ-310] Ascend ModelZoo ResNet-101 / ResNet-152 ONNX -> om inference guides, one Ascend 310.
 """
 from __future__ import annotations
@@ -128,7 +130,8 @@ def handwritten_all_core_estimate_us(s: int, spec: NpuSpec = ascend910b) -> floa
 
 def calibration_table() -> List[Dict[str, Any]]:
     """One dict per anchor (see the module docstring); rows with ``known_miss`` are out of
-    band for a stated reason (``note``)."""
+    band for a stated reason (``note``); rows with ``fitted`` set a fitted constant (the GEMM fp32
+    row sets ``cube_fp32_fraction``, the all-core FlashAttention S=8K row ``FA_L2_CONTENTION``)."""
     rows: List[Dict[str, Any]] = []
     for n, pub in _GEMM_FP16.items():
         rows.append(_row(f"GEMM fp16 M=N=K={n}, torch.mm loop", "ascend910b", "[MM-910B]", "TFLOP/s", pub,
