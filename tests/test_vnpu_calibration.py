@@ -67,6 +67,7 @@ def test_every_issue_anchor_is_present(table):
     for n in (1024, 2048, 4096, 8192, 10240):
         assert f"GEMM fp16 M=N=K={n}" in names
     assert "GEMM fp32" in names
+    assert names.count("GEMM bf16") == 4                  # [MAMF-910B], out of sample
     for s in (1024, 2048, 4096, 8192, 16384, 32768):
         assert f"FlashAttention fwd S={s} d=128 fp16" in names
         assert f"FlashAttention fwd S={s} d=128, all cores (hand-written PTO kernel)" in names

@@ -29,7 +29,11 @@ Sources (keys used in ``source``):
   43.80 / 74.54 us) is one cold launch timed by in-kernel counters (main.cpp) and is not used; nor are
   [PTO-JIT]'s multi-core rows (S0 = 256..2048): its benchmark then allocated the whole S, P and P-fp32
   matrices in GM (fa_benchmark.py @ 1fb190ca), which makes them HBM write-back bound, not FIFO work;
-[MZ-310] Ascend ModelZoo ResNet-101 / ResNet-152 ONNX -> om inference guides, one Ascend 310.
+[MZ-310] Ascend ModelZoo ResNet-101 / ResNet-152 ONNX -> om inference guides, one Ascend 310;
+[MAMF-910B] torch_npu bf16 matmul TFLOP/s of four trials of a maximum-achievable-matmul-FLOPS search on an
+  Ascend910B2C (gameofdimension/gpu_benchmark @ 1103b99a, README sample output; torch 2.4, one trial each,
+  so marked weak): 291.58 / 272.60 / 301.26 / 317.32 at MxNxK = 6912x16384x2048, 2304x5120x1536,
+  6144x17920x2816, 14336x4096x4096 (best of the search 322.5, shape not given).
 """
 from __future__ import annotations
 
@@ -78,8 +82,8 @@ def resnet_inference_us(depths: Sequence[int], batch: int, spec: NpuSpec = ascen
     return total
 
 
-def _gemm_tflops(n: int, dtype: str, spec: NpuSpec) -> float:
-    c = matmul_cost(n, n, n, 1, dtype, spec)
+def _gemm_tflops(n: int, dtype: str, spec: NpuSpec, mnk: tuple | None = None) -> float:
+    c = matmul_cost(*(mnk or (n, n, n)), 1, dtype, spec)
     return c.useful_flops / eager_time_us(c, spec) / 1e6
 
 
@@ -89,6 +93,8 @@ def _fa_tflops(s: int, spec: NpuSpec) -> float:
 
 
 _GEMM_FP16 = {1024: 98.0, 2048: 251.0, 4096: 315.0, 8192: 305.0, 10240: 275.0}
+_GEMM_BF16_MAMF = {(6912, 16384, 2048): 291.58, (2304, 5120, 1536): 272.60, (6144, 17920, 2816): 301.26,
+                   (14336, 4096, 4096): 317.32}
 _FA = {1024: 58.461, 2048: 70.801, 4096: 118.302, 8192: 353.147, 16384: 1118.462, 32768: 3646.173}   # us
 _PTO_FULL_US = {1024: 20.960, 2048: 32.461, 4096: 88.902, 8192: 292.626, 16384: 909.058, 32768: 3262.645}
 PTO_SINGLE_CORE_US = {1024: 19.200, 2048: 23.420, 4096: 38.317, 8192: 68.778}
@@ -140,6 +146,10 @@ def calibration_table() -> List[Dict[str, Any]]:
     rows.append(_row("GEMM fp32 M=N=K=4096, torch.mm loop", "ascend910b", "[MM-910B] (fp32 ~1/4 of fp16)",
                      "TFLOP/s", _GEMM_FP16[4096] / 4, _gemm_tflops(4096, "float32", ascend910b), weak=True,
                      note="fitted, not checked: this figure sets cube_fp32_fraction = 1/4", fitted=True))
+    for (m, n, k), pub in _GEMM_BF16_MAMF.items():
+        rows.append(_row(f"GEMM bf16 M={m} N={n} K={k}, torch matmul (one search trial)", "ascend910b",
+                         "[MAMF-910B]", "TFLOP/s", pub, _gemm_tflops(0, "bfloat16", ascend910b, (m, n, k)),
+                         weak=True, note="910B2C; out of sample (non-square shapes, bf16)"))
     for s, pub_us in _FA.items():
         pub = 4.0 * s * s * 128 / pub_us / 1e6
         est = _fa_tflops(s, ascend910b)
