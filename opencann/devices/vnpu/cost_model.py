@@ -77,8 +77,8 @@ FA_L2_CONTENTION = 0.012
 core streaming at the same time.  A FlashAttention wave with n busy cores moves its GM traffic
 (K/V reads and the S/P/PV hand-offs) at the platform file's per-core rates divided by
 ``1 + FA_L2_CONTENTION * (n - 1)`` (1.28 with all 24 cores of 910B busy; 1 on one core).
-Form: the platform file's per-core l2_read_rate / l2_write_rate are taken as what one core gets
-alone; [PTO-FA] (README "Summary") finds multi-core runs of the hand-written kernel "approaching
+Form (an assumption with support): the platform file's per-core l2_read_rate / l2_write_rate are
+taken as what one core gets alone (the file does not say); [PTO-FA] (README "Summary") finds multi-core runs of the hand-written kernel "approaching
 a bandwidth/synchronization limit rather than scaling linearly with core count", and its 1/2/4/8-core
 table (same work per core, one cold launch each) loses normalized throughput as cores are added
 (S1 = 8192: 172.9 / 171.4 / 149.3 / 120.0 TFLOPS).  No public figure gives the 910B L2 bandwidth
