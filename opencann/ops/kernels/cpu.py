@@ -27,7 +27,7 @@ from typing import Callable, Dict, Sequence
 
 import torch
 
-from ...devices.cpu import mkl_packed_available
+from ...devices.cpu import best_time_us, mkl_packed_available
 from ...ir import Node, TensorDesc
 
 _ACT_FN: Dict[str, Callable] = {  # in-place activations
@@ -145,17 +145,6 @@ LINEAR_CHOICES: Dict[tuple, str] = {}
 _LINEAR_CHOICES_LOCK = threading.Lock()  # one measurement per shape, even when binding races
 
 
-def _time_us(fn, reps: int = 5) -> float:
-    import time
-    fn()
-    best = float("inf")
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best * 1e6
-
-
 def _measure_choice(key: tuple, run_addmm: Callable, run_packed: Callable, bias, wt) -> str:
     """"mkl_packed" or "addmm" for GEMM shape ``key`` = (m, k, n, dtype): both kernels
     timed on random data (best of 5), packed chosen when 3% faster; cached in
@@ -168,8 +157,8 @@ def _measure_choice(key: tuple, run_addmm: Callable, run_packed: Callable, bias,
             x = torch.randn(m, k, generator=g)
             b = bias if bias is not None else torch.zeros(n)
             out = torch.empty(m, n)
-            t_addmm = _time_us(lambda: run_addmm(b, x, wt, out))
-            t_packed = _time_us(lambda: run_packed(b, x, wt, out))
+            t_addmm = best_time_us(lambda: run_addmm(b, x, wt, out))
+            t_packed = best_time_us(lambda: run_packed(b, x, wt, out))
             choice = "mkl_packed" if t_packed < 0.97 * t_addmm else "addmm"
             LINEAR_CHOICES[key] = choice
     return choice
