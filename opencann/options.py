@@ -14,10 +14,10 @@ KNOWN_OPTIONS = {"disable", "enable", "verify", "alignment", "inplace", "copy_ou
                  "precision_mode", "keep_fp32", "host_fallback", "concurrent_calls",
                  "check_aliasing", "fusion_switch_file", "dump_graph", "plan_cache_size",
                  "disable_rewrites", "memory_aware_order", "streams", "fuse_elementwise_fastmath",
-                 "stream_costs"}
+                 "stream_costs", "freezing"}
 
 _BOOL_OPTIONS = ("verify", "inplace", "copy_out", "host_fallback", "check_aliasing",
-                 "memory_aware_order", "fuse_elementwise_fastmath")
+                 "memory_aware_order", "fuse_elementwise_fastmath", "freezing")
 _LIST_OPTIONS = ("disable", "enable", "keep_fp32", "disable_rewrites")
 
 
