@@ -14,6 +14,7 @@ import torch
 from ..devices.vnpu import trans_data_cost
 from ..ir import Node, numel
 from .kernels import vnpu as vnpu_kernels
+from .kernels import cpu as cpu_kernels
 from .kernels import vnpu_cost
 from . import per_index as pi
 from .opdef import Cost, OpDef, OpKind, _nbytes, register
@@ -249,6 +250,8 @@ _FUSE_EXPR = {
 # reductions, inference BatchNorm); every non-random elementwise op is "elementwise"
 _CHANNELWISE = ("MaxPoolWithArgmax", "AvgPool", "AdaptiveAvgPool2d", "ReduceMean", "ReduceSum",
                 "ReduceMax", "ReduceMin", "BatchNorm")
+# OpDef.channels_last: ATen's CPU kernel follows an NHWC input (the CPU layout stage)
+_CHANNELS_LAST = _CHANNELWISE + ("MaxPool",)
 
 
 # OpDef.per_index: along which dims each op is independent per index (gear padding).
@@ -289,6 +292,7 @@ def _columns(name: str, kind: OpKind) -> dict:
                                         not name.endswith("Grad") else None)}
     if name in _VNPU_COST:
         cols["device_cost"] = {"vnpu": _VNPU_COST[name]}
+    cols["channels_last"] = kind == OpKind.ELEMENTWISE or name in _CHANNELS_LAST
     if kind == OpKind.ELEMENTWISE:
         cols.update(_npu("elementwise"))
     elif name in _CHANNELWISE:
@@ -371,7 +375,8 @@ def _register_all() -> None:
     register(OpDef("MatMulV2", OpKind.MATMUL, aten=aten.addmm.default, per_index=pi.addmm, **mm,
                    doc="addmm(bias, x, w): a Linear layer after decomposition"))
     register(OpDef("Conv2D", OpKind.CONV, aten=aten.convolution.default, cost_fn=_conv_cost,
-                   device_cost={"vnpu": vnpu_cost.conv}, per_index=pi.CONV, **_npu("conv")))
+                   device_cost={"vnpu": vnpu_cost.conv}, per_index=pi.CONV, channels_last=True,
+                   **_npu("conv")))
     register(OpDef("ScaledDotProductAttention", OpKind.ATTENTION,
                    aten=aten.scaled_dot_product_attention.default, cost_fn=_attention_cost,
                    device_cost={"vnpu": vnpu_cost.attention}, per_index=pi.attention))
@@ -391,7 +396,9 @@ def _register_all() -> None:
     register(OpDef("HostFallback", OpKind.FALLBACK,
                    doc="an ATen op with no opencann converter, run on the host as is"))
     register(OpDef("TransData", OpKind.DATA, aliases=((),), cost_fn=_trans_data_cost,
-                   kernel_factories={"vnpu": vnpu_kernels.make_trans_data},
+                   kernel_factories={"vnpu": vnpu_kernels.make_trans_data,
+                                     "cpu": cpu_kernels.make_trans_data},
+                   out_capable=lambda node: node.device == "cpu",
                    device_cost={"vnpu": vnpu_cost.trans_data},
                    doc="format conversion (CANN TransData); attrs src_format, dst_format (format names, "
                        "e.g. 'ND', 'NC1HWC0'), origin_shape, origin_format: the logical shape and its plain "

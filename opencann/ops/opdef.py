@@ -88,6 +88,10 @@ class OpDef:
     spec) -> (KernelCost, cost-function name)`` (vnpu: ``ops/kernels/vnpu_cost.py``).
     ``npu_format``: how the op runs in NPU storage formats on the vnpu: "conv",
     "matmul", "elementwise", "channelwise", or None (ND only).
+    ``channels_last``: the op's ATen CPU kernel follows a channels-last (NHWC) input,
+    writing its 4-D result channels-last too (elementwise ops, pooling, H/W reductions,
+    inference BatchNorm, ATen convolution); the CPU layout stage keeps NHWC through
+    it (`opencann.passes.layout.cpu_layout`).
     ``keep_fp32``: mixed precision keeps it in fp32 (softmax, norms, reductions,
     exp/log/pow...; `MixedPrecision`'s default keep-list).
     ``activation``: the activation the op is, as the fused CPU kernels name it
@@ -126,6 +130,7 @@ class OpDef:
     primary_only: Optional[str] = None
     device_cost: Dict[str, Callable] = field(default_factory=dict)
     npu_format: Optional[str] = None
+    channels_last: bool = False
     keep_fp32: bool = False
     activation: Optional[str] = None
     fuse_expr: Any = None

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import operator
 import os
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.fx as fx
@@ -483,14 +483,20 @@ def _views_of_mutated_inputs(outs, produced) -> Dict[int, list]:
 
 
 def from_fx_graph(gm: fx.GraphModule, example_inputs, name: str = "graph",
-                  check: bool = True) -> Graph:
+                  check: bool = True, constants: Optional[Dict[str, torch.Tensor]] = None) -> Graph:
     """Convert an ATen-level FX GraphModule (from AOTAutograd / dynamo backends).
 
-    get_attr nodes become constants; placeholders become inputs."""
+    get_attr nodes become constants; placeholders become inputs, except those named in
+    ``constants`` (placeholder name -> real tensor, same shape and dtype as the
+    placeholder's value: the frozen weights of `opencann.dynamo.freezing`), which become
+    constants holding that tensor (not copied)."""
     graph = Graph(name)
     env: Dict[fx.Node, Any] = {}
+    constants = constants or {}
     for node in gm.graph.nodes:
-        if node.op == "placeholder":
+        if node.op == "placeholder" and node.name in constants:
+            env[node] = graph.add_const(constants[node.name], name=node.name)
+        elif node.op == "placeholder":
             val = node.meta.get("val")
             if isinstance(val, torch.Tensor):
                 env[node] = graph.add_input(_desc(val, node.name), name=node.name)
