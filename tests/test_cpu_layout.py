@@ -259,3 +259,28 @@ def test_model_already_channels_last_needs_no_transdata():
     with torch.no_grad():
         assert model(x).is_contiguous(memory_format=torch.channels_last)
     assert not any(n.op == "TransData" for n in cm.graph.nodes)
+
+
+class Concats(nn.Module):
+    """cat of NHWC convolution outputs with an NCHW graph input along C, H and W, then a
+    pool, a view and the concatenations themselves returned (Inception's join)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Conv2d(4, 8, 3, padding=1), nn.Conv2d(4, 6, 1)
+
+    def forward(self, x):
+        u, v = self.a(x), self.b(x)
+        c = torch.cat([u, v, x], 1)
+        h = torch.cat([u, u.relu()], 2)
+        w = torch.cat([u, v[:, :4].repeat(1, 2, 1, 1)], 3)
+        return F.max_pool2d(c, 3, 1, 1), h.flatten(1), w, c
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_concat_keeps_nhwc(batch):
+    """ConcatD writes into its NHWC planned buffer (an .out kernel keeps the buffer's
+    strides), so the pool after Inception's join reads NHWC; values and strides as eager's."""
+    cm = _check_model(Concats(), torch.randn(batch, 4, 7, 9))
+    regions = " ".join(e["detail"] for e in _entries(cm) if "NHWC for" in e["detail"])
+    assert "ConcatD" in regions and "MaxPool" in regions

@@ -250,8 +250,9 @@ _FUSE_EXPR = {
 # reductions, inference BatchNorm); every non-random elementwise op is "elementwise"
 _CHANNELWISE = ("MaxPoolWithArgmax", "AvgPool", "AdaptiveAvgPool2d", "ReduceMean", "ReduceSum",
                 "ReduceMax", "ReduceMin", "BatchNorm")
-# OpDef.channels_last: ATen's CPU kernel follows an NHWC input (the CPU layout stage)
-_CHANNELS_LAST = _CHANNELWISE + ("MaxPool",)
+# OpDef.channels_last: ATen's CPU kernel follows an NHWC input (the CPU layout stage); cat
+# writes into its planned buffer's strides (an .out kernel keeps a preexisting layout)
+_CHANNELS_LAST = _CHANNELWISE + ("MaxPool", "ConcatD")
 
 
 # OpDef.per_index: along which dims each op is independent per index (gear padding).
