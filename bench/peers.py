@@ -3,7 +3,12 @@
 Backends, all at the same thread count, fp32:
   eager          the PyTorch module itself (``torch.no_grad``)
   opencann       ``opencann.compile(model, example_inputs)``
-  torch.compile  ``torch.compile(model, backend="opencann")`` (``--no-dynamo`` skips it)
+  torch.compile  ``torch.compile(model, backend="opencann")`` under ``torch.no_grad``:
+                 weights frozen into constants (the option ``freezing``, on by default;
+                 the JSON records how many tensors and bytes were frozen and the rewrites
+                 applied); ``--no-dynamo`` skips it
+  torch.compile-nofreeze  the same with ``options={"freezing": False}`` (not in the
+                 default set: ``--backends eager torch.compile torch.compile-nofreeze``)
   onnxruntime    the model exported with ``torch.onnx.export``, ``ORT_ENABLE_ALL``,
                  ``intra_op_num_threads`` = threads
   openvino       the same ONNX file, ``INFERENCE_PRECISION_HINT=f32``,
@@ -47,6 +52,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROWS = [("resnet50", 1, None), ("resnet50", 8, None), ("bert-base", 1, 128),
         ("bert-base", 8, 128), ("minilm", 1, 128)]
 BACKENDS = ("eager", "opencann", "torch.compile", "onnxruntime", "openvino")
+EXTRA_BACKENDS = ("torch.compile-nofreeze",)
 INSTALL = "pip install -e .[bench]"
 
 
@@ -155,16 +161,19 @@ def build(name: str, batch: int, seq: Optional[int], threads: int, backends: Lis
                 cm = opencann.compile(model, inputs)
                 runners[b] = lambda cm=cm, x=inputs: cm(*x)
                 note(b, t0, lambda: first_tensor(cm(*inputs)),
-                     opencann_s=cm.report.opencann_seconds)
-            elif b == "torch.compile":
+                     opencann_s=cm.report.opencann_seconds, rewrites_applied=len(cm.report.applied))
+            elif b.startswith("torch.compile"):
                 torch._dynamo.reset()
-                cmod = torch.compile(model, backend="opencann")
+                n0 = len(opencann.dynamo.COMPILED_GRAPHS)
+                cmod = torch.compile(model, backend="opencann",
+                                     options={"freezing": b == "torch.compile"})
 
                 def run_tc(m=cmod, x=inputs):
                     with torch.no_grad():
                         return m(*x)
                 runners[b] = run_tc
                 note(b, t0, lambda: first_tensor(run_tc()))
+                info[b].update(dynamo_graphs(opencann.dynamo.COMPILED_GRAPHS[n0:]))
             elif b in ("onnxruntime", "openvino"):
                 if onnx_path is None:
                     onnx_path = os.path.join(workdir, f"{name}_b{batch}.onnx")
@@ -185,6 +194,14 @@ def build(name: str, batch: int, seq: Optional[int], threads: int, backends: Lis
             runners.pop(b, None)
             log(f"  {b}: FAILED ({info[b]['error']})")
     return runners, info, ref
+
+
+def dynamo_graphs(reports) -> dict:
+    """What the torch.compile row compiled: graphs, frozen tensors and bytes, rewrites applied."""
+    frozen = [r.torch_compile.get("frozen", {}) for r in reports]
+    return dict(graphs=len(reports), frozen_tensors=sum(f.get("tensors", 0) for f in frozen),
+                frozen_bytes=sum(f.get("bytes", 0) for f in frozen),
+                rewrites_applied=sum(len(r.applied) for r in reports))
 
 
 def interleaved(runners: Dict[str, Callable], rounds: int, runs: int, warmup: int = 2
@@ -221,7 +238,8 @@ def main(argv=None) -> None:
     ap.add_argument("--runs", type=int, default=4,
                     help="calls per backend per round (default 4; halved, at least 1, for batch 8)")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--backends", nargs="*", choices=BACKENDS, default=list(BACKENDS))
+    ap.add_argument("--backends", nargs="*", choices=BACKENDS + EXTRA_BACKENDS,
+                    default=list(BACKENDS))
     ap.add_argument("--no-dynamo", action="store_true", help="skip the torch.compile row")
     ap.add_argument("--out", default=os.path.join(HERE, "results", "peers.json"))
     args = ap.parse_args(argv)

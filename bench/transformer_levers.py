@@ -17,25 +17,15 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import opencann  # noqa: E402
+from opencann.devices.cpu import best_time_us  # noqa: E402
 
 SHAPES = [(128, 768, 768), (128, 768, 2304), (128, 768, 3072), (128, 3072, 768),
           (1024, 768, 768), (1024, 768, 3072), (128, 384, 1536)]
-
-
-def best_us(fn, reps: int = 5) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best * 1e6
 
 
 def race(fns: dict, rounds: int) -> dict:
@@ -43,7 +33,7 @@ def race(fns: dict, rounds: int) -> dict:
     res = {k: float("inf") for k in fns}
     for r in range(rounds):
         for k in (list(fns) if r % 2 == 0 else list(fns)[::-1]):
-            res[k] = min(res[k], best_us(fns[k]))
+            res[k] = min(res[k], best_time_us(fns[k]))
     return res
 
 

@@ -6,6 +6,7 @@ schedule, bound kernels and the compile report.
 """
 from __future__ import annotations
 
+import math
 import threading
 import time
 import weakref
@@ -20,11 +21,14 @@ from .ir import Graph, MemoryPlan
 from .ir.symbolic import fits
 from .log import logger
 from .options import KNOWN_OPTIONS, check_options  # noqa: F401  (KNOWN_OPTIONS re-exported)
-from .ops import Cost, get_op, is_random
-from .passes import Pass, PassContext, PassManager, apply_schedule, default_pipeline
+from .ops import Cost, get_op, is_random, layout_read_inputs
+from .passes import MemoryPlanning, Pass, PassContext, PassManager, apply_schedule, default_pipeline
+from .passes.schedule import multi_stream_schedule, stream_summary
 from .report import CompileReport, PassRecord
 from .runtime import DEFAULT_CONCURRENT_CALLS, Executor, ExecutorPool
 from .runtime.call_binding import bind_call, forward_arg_names, input_labels
+from .runtime.input_overlap import check_written_inputs
+from .runtime.streams import threads_per_stream
 
 SUPPORTED_DEVICES = KINDS
 # opencann.compile runs one at a time: torch.export is not thread-safe (concurrent exports
@@ -83,9 +87,57 @@ def _check_device(device: str) -> str:
     return parse_device(device).name
 
 
+def _sample_inputs(graph: Graph) -> list:
+    """Inputs of ``graph``'s shapes and dtypes for timing: normal floats, zero ints
+    (valid as indices), on the cpu."""
+    return [torch.randn(v.desc.shape, dtype=v.desc.dtype.torch)
+            if v.desc.dtype.torch.is_floating_point or v.desc.dtype.torch.is_complex
+            else torch.zeros(v.desc.shape, dtype=v.desc.dtype.torch) for v in graph.inputs]
+
+
+def measured_streams(graph: Graph, ctx: PassContext) -> str:
+    """With the option ``streams`` N > 1 and ``stream_costs`` "measured" (the default)
+    on the cpu: time every node (`Executor.node_seconds`: one warm-up and the least of
+    5 calls on sample inputs, on the calling thread with the intra-op threads a stream's
+    worker gets, `threads_per_stream`), assign the streams again with those times
+    (`multi_stream_schedule`), replan memory for them (`MemoryPlanning`) and store the
+    report's ``streams`` entry with the predicted busy time per stream. The cost model
+    (FLOPs and bytes) misjudges host kernels by 10x and more (a max-pool on an NCHW
+    input: ~2.4 ms measured vs ~20 µs modelled), and unbalanced streams overlap little.
+    Returns a note ("" when the option is off or N is 1); a graph with symbolic
+    shapes, another device, or a kernel failing on the sample inputs keeps the cost
+    model's streams and the note says why. The global RNG state is restored."""
+    n, how = ctx.options.get("streams", 1), ctx.options.get("stream_costs", "measured")
+    if n <= 1 or how != "measured":
+        return ""
+    why = ("" if parse_device(ctx.device).kind == "cpu" else f"measured only on the cpu, not {ctx.device}")
+    if not why and not all(v.desc.is_static for v in graph.inputs):
+        why = "symbolic input shapes"
+    if not why:
+        try:
+            with torch.random.fork_rng(devices=[]):
+                secs = Executor(graph, ctx.artifacts["memory_plan"]).node_seconds(
+                    _sample_inputs(graph), threads=threads_per_stream(n))
+        except (RuntimeError, ValueError, TypeError, IndexError) as e:
+            why = f"timing on sample inputs failed ({str(e).splitlines()[0][:120]})"
+    if why:
+        logger.info("streams of %s by the cost model: %s", graph.name, why)
+        return f"streams by the cost model: {why}"
+    sched = ctx.artifacts["schedule"] = multi_stream_schedule(graph, n, secs)
+    st = ctx.report.streams = stream_summary(graph, sched, secs)
+    MemoryPlanning().run(graph, ctx)  # the plan for these streams
+    text = (f"{st['streams']} streams by measured node times: busy "
+            f"{' + '.join(f'{b / 1e3:.2f}' for b in st['predicted_busy_us'])} ms, predicted call "
+            f"{st['predicted_call_us'] / 1e3:.2f} ms (one stream {st['estimated_serial_us'] / 1e3:.2f} ms)")
+    logger.info("schedule %s: %s, nodes per stream %s, %d events", graph.name, text,
+                st["nodes_per_stream"], st["events"])
+    return text
+
+
 class BindKernels(Pass):
     """The last stage, in the runtime: make the graph's constants its own
-    (`snapshot_constants` of ``ctx.artifacts["live_tensors"]``), then bind every kernel
+    (`snapshot_constants` of ``ctx.artifacts["live_tensors"]``), on several streams
+    assign them again by measured node times (`measured_streams`), then bind every kernel
     to the memory plan (``ctx.artifacts["memory_plan"]``) in an `Executor`, stored as
     ``ctx.artifacts["executor"]``; returns the number of results copied out."""
 
@@ -99,10 +151,11 @@ class BindKernels(Pass):
         if ctx.artifacts.get("schedule") is not None:
             apply_schedule(graph, ctx.artifacts["schedule"])
         snapshot_constants(graph, ctx.artifacts.get("live_tensors", ()))
+        streams = measured_streams(graph, ctx)
         ex = Executor(graph, ctx.artifacts["memory_plan"],
                       check_aliasing=ctx.options.get("check_aliasing"))
         ctx.artifacts["executor"] = ex
-        ctx.note("arena allocated once; kernels pre-bound")
+        ctx.note("arena allocated once; kernels pre-bound" + (f"; {streams}" if streams else ""))
         return len(ex.copy_out_nodes)
 
 
@@ -218,6 +271,8 @@ class CompiledModel:
         self._baked = {i: v for i, v in enumerate(flat) if not isinstance(v, torch.Tensor)}
         self._mutations = list(graph.meta.get("input_mutations", ()))
         self._contig = [t.is_contiguous() for t in flat if isinstance(t, torch.Tensor)]
+        # inputs an as_strided reads: a contiguous copy would be read at other places
+        self._layout_read = layout_read_inputs(graph)
         # weights are a snapshot (folded, prepacked, copied): detect in-place changes of
         # the module's tensors (weak references: the compiled model never keeps them alive)
         self._frozen = [(n, weakref.ref(t), t._version) for n, t in (frozen or [])]
@@ -264,8 +319,16 @@ class CompiledModel:
 
     def _contiguous(self, tensors: list) -> list:
         # the graph was traced on contiguous examples: its views assume those strides
-        return [t.contiguous() if i < len(self._contig) and self._contig[i] else t
+        made = [t.contiguous() if i < len(self._contig) and self._contig[i] else t
                 for i, t in enumerate(tensors)]
+        for i in self._layout_read:
+            if made[i] is not tensors[i]:
+                raise ValueError(
+                    f"{self._input_label(i)} has strides {tuple(tensors[i].stride())} and the model "
+                    "reads its memory layout (as_strided): the graph, compiled on a contiguous "
+                    "example, would read other elements than eager does. Compile with an example "
+                    "of this layout, or pass .contiguous() if that layout's result is meant")
+        return made
 
     def _user_tensors(self, args, kwargs) -> list:
         """The caller's tensors, in graph-input order, after checking them."""
@@ -294,8 +357,7 @@ class CompiledModel:
         if len(tensors) != len(self.graph.inputs):
             raise ValueError(f"expected {len(self.graph.inputs)} tensor inputs, got {len(tensors)}")
         for i, (t, v) in enumerate(zip(tensors, self.graph.inputs)):
-            name = (f"input {self._labels[self._positions[i]]}" if self._labels and
-                    self._positions is not None else f"input {i} ({v.name})")
+            name = self._input_label(i)
             if not isinstance(t, torch.Tensor):
                 raise ValueError(f"{name} must be a tensor, got {type(t).__name__}")
             check_layout(t, f"{name}")
@@ -314,7 +376,14 @@ class CompiledModel:
             if t.device.type != "cpu":
                 raise ValueError(f"{name} is on {t.device}; the compiled model "
                                  "runs on the host (cpu): move the input with .cpu()")
+        check_written_inputs(tensors, self._mutations, self._input_label)
         return tensors
+
+    def _input_label(self, i: int) -> str:
+        """Tensor input ``i`` as errors name it (``input 'x' (argument #0)``)."""
+        if self._labels and self._positions is not None:
+            return f"input {self._labels[self._positions[i]]}"
+        return f"input {i} ({self.graph.inputs[i].name})"
 
     def _shown(self, desc) -> str:
         """``desc`` as input errors show it (`DynamicCompiledModel` names its dims)."""
@@ -496,8 +565,11 @@ def _nest(o: Any) -> str:
 
 
 def _same_value(a: Any, b: Any) -> bool:
-    """Equality for baked non-tensor arguments (NaN equals NaN; never raises)."""
+    """Equality for baked non-tensor arguments (NaN equals NaN, 0.0 is not -0.0: the
+    sign of a zero changes results such as ``1 / s``; never raises)."""
+    if isinstance(a, float) and isinstance(b, float):
+        return (a == b and math.copysign(1.0, a) == math.copysign(1.0, b)) or (a != a and b != b)
     try:
-        return bool(a == b) or (isinstance(a, float) and a != a and b != b)
+        return bool(a == b)
     except Exception:  # noqa: BLE001 - exotic objects: identity only
         return a is b

@@ -13,10 +13,11 @@ from .ops import get_op
 KNOWN_OPTIONS = {"disable", "enable", "verify", "alignment", "inplace", "copy_out",
                  "precision_mode", "keep_fp32", "host_fallback", "concurrent_calls",
                  "check_aliasing", "fusion_switch_file", "dump_graph", "plan_cache_size",
-                 "disable_rewrites", "memory_aware_order", "streams", "fuse_elementwise_fastmath"}
+                 "disable_rewrites", "memory_aware_order", "streams", "fuse_elementwise_fastmath",
+                 "stream_costs", "freezing"}
 
 _BOOL_OPTIONS = ("verify", "inplace", "copy_out", "host_fallback", "check_aliasing",
-                 "memory_aware_order", "fuse_elementwise_fastmath")
+                 "memory_aware_order", "fuse_elementwise_fastmath", "freezing")
 _LIST_OPTIONS = ("disable", "enable", "keep_fp32", "disable_rewrites")
 
 
@@ -58,6 +59,10 @@ def check_options(options: Optional[Dict[str, Any]]) -> Dict[str, Any]:
     if c is not None and (isinstance(c, bool) or not isinstance(c, int) or c < 1):
         raise ValueError(f"option 'streams' takes a positive int (the most logical streams "
                          f"independent branches run on at once; 1 = one stream, e.g. 2), got {c!r}")
+    c = options.get("stream_costs")
+    if c is not None and c not in ("measured", "model"):
+        raise ValueError(f"option 'stream_costs' takes 'measured' (time each node at binding, "
+                         f"the default) or 'model' (FLOPs and bytes by OpDef.cost), got {c!r}")
     c = options.get("plan_cache_size")
     if c is not None and (isinstance(c, bool) or not isinstance(c, int) or c < 1):
         raise ValueError(f"option 'plan_cache_size' takes a positive int (the most concrete "

@@ -30,6 +30,16 @@ def _rewrite(entry: Dict[str, str]) -> str:
     return entry["pass"] + (f" ({entry['detail']})" if entry.get("detail") else "")
 
 
+def _streams_line(st: Dict[str, Any]) -> str:
+    """The summary's line for the report's ``streams`` entry."""
+    busy = st.get("predicted_busy_us")
+    return (f"  streams: {st['streams']} ({', '.join(map(str, st['nodes_per_stream']))} "
+            f"nodes), {st['events']} events for {st['cross_stream_dependences']} "
+            "cross-stream dependences"
+            + (f"; {st['costs']} busy {' + '.join(f'{b / 1e3:.2f}' for b in busy)} ms, "
+               f"predicted call {st['predicted_call_us'] / 1e3:.2f} ms" if busy else ""))
+
+
 @dataclass
 class PassRecord:
     """One pass run of a compile: its name and stage, node counts before and after, wall time in
@@ -78,7 +88,9 @@ class CompileReport:
     #: line owning that guard); see `opencann.dynamo.recompiles`
     torch_compile: Dict[str, Any] = field(default_factory=dict)
     #: with the option ``streams`` > 1: "streams", "events", "cross_stream_dependences",
-    #: "nodes_per_stream", "estimated_serial_us" (`opencann.passes.schedule.stream_summary`);
+    #: "nodes_per_stream", "costs" ("measured" or "model"), "estimated_serial_us",
+    #: "predicted_busy_us" (per stream), "predicted_call_us"
+    #: (`opencann.passes.schedule.stream_summary`);
     #: empty (and left out of `to_dict`) on one stream
     streams: Dict[str, Any] = field(default_factory=dict)
 
@@ -127,10 +139,7 @@ class CompileReport:
                          + (f"; {m['kernel_allocated_values']} values kernel-allocated"
                             if m.get("kernel_allocated_values") else ""))
         if self.streams:
-            st = self.streams
-            lines.append(f"  streams: {st['streams']} ({', '.join(map(str, st['nodes_per_stream']))} "
-                         f"nodes), {st['events']} events for {st['cross_stream_dependences']} "
-                         "cross-stream dependences")
+            lines.append(_streams_line(self.streams))
         rec = m.get("recompute") if m else None
         if rec:
             bns = rec.get("batch_norm_outputs_recomputable") or []

@@ -64,10 +64,20 @@ def test_snapshot_shares_one_copy_between_views_of_a_weight():
 
 
 def test_torch_compile_backend_follows_live_weights():
-    """Through dynamo, parameters are graph inputs: results follow the module, never a mix."""
+    """Through dynamo, results follow the module, never a mix: frozen weights (the default)
+    are re-frozen after a change torch records (in place under no_grad); with the option
+    ``freezing`` off parameters are graph inputs and even writes through ``p.data`` (which
+    torch does not record, so freezing cannot see them) are followed."""
     m = _conv_bn_linear()
     x = torch.randn(2, 3, 6, 6)
     cm = torch.compile(m, backend="opencann")
+    with torch.no_grad():
+        cm(x)
+        for p in m.parameters():
+            p.mul_(1.5)
+        torch.testing.assert_close(cm(x), m(x), atol=1e-5, rtol=1e-5)
+    torch._dynamo.reset()
+    cm = torch.compile(m, backend="opencann", options={"freezing": False})
     with torch.no_grad():
         cm(x)
         for p in m.parameters():

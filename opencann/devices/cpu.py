@@ -20,7 +20,8 @@ from __future__ import annotations
 import functools
 import glob
 import os
-from typing import Tuple
+import time
+from typing import Callable, Tuple
 
 import torch
 
@@ -78,3 +79,16 @@ def memory_bytes() -> int:
 
 __all__ = ["CPU_L2_FALLBACK", "FORMATS", "cpu_l2", "isa", "memory_bytes", "mkl_packed_available",
            "mkldnn_available"]
+
+
+def best_time_us(fn: Callable[[], object], reps: int = 5) -> float:
+    """The best of ``reps`` timed calls of ``fn()`` in µs, after one untimed warm-up call
+    (the minimum is the figure least disturbed by other processes on a shared machine).
+    Used by bind-time kernel choices that race two implementations and by the benches."""
+    fn()
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best * 1e6

@@ -8,7 +8,9 @@
   `recompute_bn`: BatchNorm outputs rebuilt from their saved statistics;
 - `recompiles`: every compile per code object with dynamo's recompile reason and its
   source line, and the graphs run eagerly (`recompiles`, `eager_fallbacks`);
-- `compile_fx`: the one FX → IR → `compile_graph` → executor path both backends share.
+- `compile_fx`: the one FX → IR → `compile_graph` → executor path both backends share;
+- `freezing`: inference graphs get the module's parameters and buffers as constants
+  (option ``freezing``), guarded per call and re-frozen when one changes.
 """
 from .backend import opencann_backend, register
 from .compile_fx import COMPILED_GRAPHS, compile_fx

@@ -3,9 +3,11 @@
 Dynamo hands us each graph between graph breaks; AOTAutograd lowers it to ATen with our
 decomposition table; each ATen graph goes through the same passes and runtime as
 ``opencann.compile``. A graph break therefore simply yields several compiled graphs.
-Parameters arrive as graph inputs (not constants), so constant-only rewrites (Conv+BN
-folding, weight prepacking) report "not constants" there; use ``opencann.compile`` for
-frozen inference graphs. Source: PyTorch "Custom Backends" (torch.compiler docs).
+Parameters arrive as graph inputs; in inference graphs they are frozen into constants
+(`opencann.dynamo.freezing`, the option ``freezing``, on by default), so Conv+BN folding,
+fused post-ops, weight prepacking and QKV merging apply as in ``opencann.compile``,
+guarded per call against weight changes. Source: PyTorch "Custom Backends"
+(torch.compiler docs).
 """
 from __future__ import annotations
 
@@ -13,7 +15,9 @@ import torch
 
 from ..frontend.torch import decomposition_table
 from ..log import logger
-from .compile_fx import COMPILED_GRAPHS, compile_fx
+from ..options import check_options
+from .compile_fx import COMPILED_GRAPHS
+from .freezing import freezing_compiler, weight_inputs
 from .recompiles import note_compile, note_eager, stamp
 
 
@@ -60,18 +64,22 @@ def opencann_backend(gm: torch.fx.GraphModule, example_inputs, **options):
         from .training import opencann_training_backend
         compiled = opencann_training_backend(gm, example_inputs, **options)
     else:
-        compiled = _inference(gm, example_inputs, options)
+        compiled = _inference(gm, example_inputs, options, entry)
     stamp(entry, COMPILED_GRAPHS[n0:])
     return compiled
 
 
-def _inference(gm, example_inputs, options):
+def _inference(gm, example_inputs, options, entry):
     from torch._dynamo.backends.common import aot_autograd
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
+    check_options(options)
+    weights = weight_inputs(gm, example_inputs) if options.get("freezing", True) else {}
+    compiler = freezing_compiler(weights, example_inputs, options, entry)
+
     def fw(g, inputs):
         with unset_fake_temporarily():  # constant folding must make real tensors
-            return compile_fx(g, inputs, options or None)
+            return compiler(g, inputs)
 
     return aot_autograd(fw_compiler=fw, decompositions=decomposition_table())(gm, example_inputs)
 

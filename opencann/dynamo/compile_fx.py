@@ -17,15 +17,22 @@ from ..runtime import DEFAULT_CONCURRENT_CALLS, Executor, ExecutorPool
 COMPILED_GRAPHS: List[Any] = []  # reports of the graphs compiled in this process
 
 
-def compile_fx(gm: torch.fx.GraphModule, example_inputs, options: Optional[Dict[str, Any]] = None):
+def compile_fx(gm: torch.fx.GraphModule, example_inputs, options: Optional[Dict[str, Any]] = None,
+               constants: Optional[Dict[int, torch.Tensor]] = None):
     """Compile one ATen-level FX graph (from AOTAutograd: an inference graph, or one half
     of a partitioned training graph) with opencann's passes; returns the callable that
     runs it (``run(*tensors) -> list``, not boxed), with its compile report as
     ``run.report`` (also appended to `COMPILED_GRAPHS`). Executors are built on the
     first real call (compilation runs under fake mode); overlapping calls (threads) each
-    get their own arena, up to the ``concurrent_calls`` option."""
-    graph = from_fx_graph(gm, example_inputs, name=f"dynamo_graph_{len(COMPILED_GRAPHS)}")
-    vals = [n.meta.get("val") for n in gm.graph.find_nodes(op="placeholder")]
+    get their own arena, up to the ``concurrent_calls`` option. ``constants``:
+    placeholder position -> real tensor made a graph constant (frozen weights,
+    `opencann.dynamo.freezing`); ``run`` is still called with every argument and ignores
+    those positions."""
+    constants = constants or {}
+    holders = gm.graph.find_nodes(op="placeholder")
+    graph = from_fx_graph(gm, example_inputs, name=f"dynamo_graph_{len(COMPILED_GRAPHS)}",
+                          constants={holders[i].name: t for i, t in constants.items()})
+    vals = [None if i in constants else n.meta.get("val") for i, n in enumerate(holders)]
     idx = [i for i, v in enumerate(vals) if isinstance(v, torch.Tensor)]
     if any(not v.desc.is_static for v in graph.inputs):   # dynamo's symbolic shapes
         report = CompileReport(model=graph.name)

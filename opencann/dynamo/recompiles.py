@@ -236,5 +236,22 @@ def stamp(c: Compile, reports: List[Any]) -> None:
     info = {"code": rec.where if rec else "?", "compile": c.number, "compile_id": c.compile_id,
             "reason": c.reason, "source": c.source, "sources": c.sources}
     for r in reports:
-        r.torch_compile = dict(info)
+        r.torch_compile = {**r.torch_compile, **info}
         c.reports.append(r)
+
+
+def note_refreeze(c: Optional[Compile], reason: str, reports: List[Any]) -> None:
+    """Count one re-freeze of a graph compiled under ``c`` (a frozen weight changed:
+    `opencann.dynamo.freezing`) as a compile of the same code, with ``reason``; logged at
+    INFO and stamped on the new ``reports``."""
+    with _lock:
+        rec = next((r for r in RECORDS.values() if c is not None and c in r.compiles), None)
+        n = Compile(f"{c.compile_id if c else '?'} refreeze",
+                    len(rec.compiles) + 1 if rec else (c.number + 1 if c else 1), reason=reason,
+                    graphs=1, dynamic=bool(c and c.dynamic))
+        n._ctx = lambda: None
+        if rec is not None:
+            rec.compiles.append(n)
+    logger.info("torch.compile graph of %s re-frozen (compile %d): %s",
+                rec.where if rec else "?", n.number, reason)
+    stamp(n, reports)

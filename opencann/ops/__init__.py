@@ -1,8 +1,9 @@
 """Operator library: `OpDef` registry (one row per op, every per-op fact a column), the
 op table, fused ops, and the kernels per device (``ops/kernels/{cpu,vnpu}.py``)."""
 from .opdef import (Cost, OpDef, OpKind, all_ops, call_args, frozen_graph, get_op, infer, is_random,
-                    is_random_call, lookup_aten, output_aliases, register)
-from .aliasing import aliases_of, graph_happens_before, last_reads, ordering_deps, storage_roots
+                    is_random_call, lookup_aten, output_aliases, reads_layout, register)
+from .aliasing import (aliases_of, graph_happens_before, last_reads, layout_read_inputs,
+                       ordering_deps, storage_roots)
 from . import library  # noqa: F401  (registers the table)
 from . import fused  # noqa: F401  (registers opencann's fused ops)
 from . import fused_patterns  # noqa: F401  (RmsNorm, GatedMLP: the pattern fusions' ops)
@@ -11,8 +12,8 @@ from .flash_attention import opdef as _flash_attention_opdef  # noqa: F401  (Fla
 from . import onnx_fallback  # noqa: F401  (OnnxHostFallback: ONNX nodes run by onnx's evaluator)
 
 __all__ = ["Cost", "OpDef", "OpKind", "aliases_of", "graph_happens_before", "ordering_deps", "all_ops", "call_args", "get_op", "infer",
-           "frozen_graph", "is_random", "is_random_call", "last_reads", "lookup_aten", "output_aliases", "register",
-           "storage_roots"]
+           "frozen_graph", "is_random", "is_random_call", "last_reads", "layout_read_inputs",
+           "lookup_aten", "output_aliases", "reads_layout", "register", "storage_roots"]
 
 # ``opencann.ops.flash_attention(q, k, v, ...)`` is the eager API (the issue's spelling);
 # the subpackage stays importable as ``opencann.ops.flash_attention.<module>``.

@@ -13,7 +13,7 @@ from typing import Dict, FrozenSet, Iterable, List, Tuple
 
 from ..ir import Graph, Node, Value
 from ..ir.liveness import HappensBefore
-from .opdef import output_aliases
+from .opdef import output_aliases, reads_layout
 
 
 def storage_roots(graph: Graph, writes_as_fresh: bool = False) -> Dict[int, FrozenSet[int]]:
@@ -97,3 +97,18 @@ def graph_happens_before(graph: Graph) -> HappensBefore:
     """The happens-before order of ``graph``'s nodes as scheduled: their order, their
     ``stream`` and `ordering_deps` (`opencann.ir.liveness.HappensBefore`)."""
     return HappensBefore([n.stream for n in graph.nodes], ordering_deps(graph))
+
+
+def layout_read_inputs(graph: Graph) -> FrozenSet[int]:
+    """Indices of ``graph``'s inputs whose memory layout some node's results depend on:
+    a node that `reads_layout` (``as_strided``) reading the input or a value that may
+    share its storage (a view of it). Such an input must reach the graph with the
+    example's strides: a contiguous copy would be read at other places than eager reads."""
+    roots = storage_roots(graph)
+    index = {v.id: i for i, v in enumerate(graph.inputs)}
+    out = set()
+    for node in graph.nodes:
+        if reads_layout(node):
+            for v in node.inputs:
+                out |= {index[r] for r in roots.get(v.id, ()) if r in index}
+    return frozenset(out)

@@ -14,6 +14,7 @@ import torch
 from ..devices.vnpu import trans_data_cost
 from ..ir import Node, numel
 from .kernels import vnpu as vnpu_kernels
+from .kernels import cpu as cpu_kernels
 from .kernels import vnpu_cost
 from . import per_index as pi
 from .opdef import Cost, OpDef, OpKind, _nbytes, register
@@ -194,13 +195,23 @@ def _alpha1(expr: str):
     return lambda a: expr if a.get("alpha", 1) == 1 else None
 
 
+def _bound(e: str, a: dict, b: str, cmp: str, nan_form: str) -> str:
+    v = a[b]
+    if isinstance(v, float) and v != v:
+        return f"{nan_form}({e}, {{{b}}})"
+    return f"where({e} {cmp} {{{b}}}, {{{b}}}, {e})"
+
+
 def _clamp(lo: str, hi: str):
+    """clamp as ATen's kernel: a value equal to a bound is kept (clamp(-0.0, min=0.0)
+    is -0.0, where ``maximum`` may give either zero), NaN stays NaN, a NaN bound gives
+    NaN (``maximum``/``minimum`` propagate it)."""
     def expr(a):
         e = "{self}"
         if a.get(lo) is not None:
-            e = f"maximum({e}, {{{lo}}})"
+            e = _bound(e, a, lo, "<", "maximum")
         if a.get(hi) is not None:
-            e = f"minimum({e}, {{{hi}}})"
+            e = _bound(e, a, hi, ">", "minimum")
         return e if e != "{self}" else None
     return expr
 
@@ -219,7 +230,7 @@ _FUSE_EXPR = {
     "Maximum": "maximum({self}, {other})", "Minimum": "minimum({self}, {other})",
     "ClipByValue": _clamp("min", "max"), "HardTanh": _clamp("min_val", "max_val"),
     "Select": "where({condition}, {self}, {other})",
-    "Relu": "maximum({self}, #0)", "Sigmoid": "#1 / (#1 + exp(-({self})))",
+    "Relu": "where({self} < #0, #0, {self})", "Sigmoid": "#1 / (#1 + exp(-({self})))",
     "Swish": "{self} / (#1 + exp(-({self})))",
     "LeakyRelu": "where({self} > #0, {self}, {self} * {negative_slope})",
     "Equal": "{self} == {other}", "Equals": "{self} == {other}",
@@ -239,6 +250,9 @@ _FUSE_EXPR = {
 # reductions, inference BatchNorm); every non-random elementwise op is "elementwise"
 _CHANNELWISE = ("MaxPoolWithArgmax", "AvgPool", "AdaptiveAvgPool2d", "ReduceMean", "ReduceSum",
                 "ReduceMax", "ReduceMin", "BatchNorm")
+# OpDef.channels_last: ATen's CPU kernel follows an NHWC input (the CPU layout stage); cat
+# writes into its planned buffer's strides (an .out kernel keeps a preexisting layout)
+_CHANNELS_LAST = _CHANNELWISE + ("MaxPool", "ConcatD")
 
 
 # OpDef.per_index: along which dims each op is independent per index (gear padding).
@@ -274,11 +288,12 @@ def _npu(family: str) -> dict:
 def _columns(name: str, kind: OpKind) -> dict:
     """Activation, keep-fp32, vnpu cost and NPU-format columns of table row ``name``."""
     cols = {"activation": _ACTIVATION.get(name), "keep_fp32": name in _KEEP_FP32,
-            "fuse_expr": _FUSE_EXPR.get(name),
+            "fuse_expr": _FUSE_EXPR.get(name), "reads_layout": name == "AsStrided",
             "per_index": _PER_INDEX.get(name, pi.ALL if kind == OpKind.ELEMENTWISE and
                                         not name.endswith("Grad") else None)}
     if name in _VNPU_COST:
         cols["device_cost"] = {"vnpu": _VNPU_COST[name]}
+    cols["channels_last"] = kind == OpKind.ELEMENTWISE or name in _CHANNELS_LAST
     if kind == OpKind.ELEMENTWISE:
         cols.update(_npu("elementwise"))
     elif name in _CHANNELWISE:
@@ -361,7 +376,8 @@ def _register_all() -> None:
     register(OpDef("MatMulV2", OpKind.MATMUL, aten=aten.addmm.default, per_index=pi.addmm, **mm,
                    doc="addmm(bias, x, w): a Linear layer after decomposition"))
     register(OpDef("Conv2D", OpKind.CONV, aten=aten.convolution.default, cost_fn=_conv_cost,
-                   device_cost={"vnpu": vnpu_cost.conv}, per_index=pi.CONV, **_npu("conv")))
+                   device_cost={"vnpu": vnpu_cost.conv}, per_index=pi.CONV, channels_last=True,
+                   **_npu("conv")))
     register(OpDef("ScaledDotProductAttention", OpKind.ATTENTION,
                    aten=aten.scaled_dot_product_attention.default, cost_fn=_attention_cost,
                    device_cost={"vnpu": vnpu_cost.attention}, per_index=pi.attention))
@@ -381,7 +397,9 @@ def _register_all() -> None:
     register(OpDef("HostFallback", OpKind.FALLBACK,
                    doc="an ATen op with no opencann converter, run on the host as is"))
     register(OpDef("TransData", OpKind.DATA, aliases=((),), cost_fn=_trans_data_cost,
-                   kernel_factories={"vnpu": vnpu_kernels.make_trans_data},
+                   kernel_factories={"vnpu": vnpu_kernels.make_trans_data,
+                                     "cpu": cpu_kernels.make_trans_data},
+                   out_capable=lambda node: node.device == "cpu",
                    device_cost={"vnpu": vnpu_cost.trans_data},
                    doc="format conversion (CANN TransData); attrs src_format, dst_format (format names, "
                        "e.g. 'ND', 'NC1HWC0'), origin_shape, origin_format: the logical shape and its plain "

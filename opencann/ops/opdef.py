@@ -90,6 +90,10 @@ class OpDef:
     spec) -> (KernelCost, cost-function name)`` (vnpu: ``ops/kernels/vnpu_cost.py``).
     ``npu_format``: how the op runs in NPU storage formats on the vnpu: "conv",
     "matmul", "elementwise", "channelwise", or None (ND only).
+    ``channels_last``: the op's ATen CPU kernel follows a channels-last (NHWC) input,
+    writing its 4-D result channels-last too (elementwise ops, pooling, H/W reductions,
+    inference BatchNorm, ATen convolution); the CPU layout stage keeps NHWC through
+    it (`opencann.passes.layout.cpu_layout`).
     ``keep_fp32``: mixed precision keeps it in fp32 (softmax, norms, reductions,
     exp/log/pow...; `MixedPrecision`'s default keep-list).
     ``activation``: the activation the op is, as the fused CPU kernels name it
@@ -100,6 +104,9 @@ class OpDef:
     or a function of the node's attrs giving that text (None: not fusable with those
     attrs); None for ops the elementwise fusion must not take (rounding, NaN handling or
     randomness it would change).
+    ``reads_layout``: the result depends on the input's memory layout (strides, storage
+    offset), not only on its values (``as_strided``); see `reads_layout` for the per-node
+    fact. A call whose input is made contiguous must not reach such an op.
     ``per_index``: along which dims the op is independent per index, as a rule that
     follows a padded dim through a node (`opencann.ops.per_index`: ``rule(node, axes,
     sym) -> {output: axis}`` or the reason padding could change its results); None:
@@ -125,10 +132,12 @@ class OpDef:
     primary_only: Optional[str] = None
     device_cost: Dict[str, Callable] = field(default_factory=dict)
     npu_format: Optional[str] = None
+    channels_last: bool = False
     keep_fp32: bool = False
     activation: Optional[str] = None
     fuse_expr: Any = None
     per_index: Optional[Callable] = None
+    reads_layout: bool = False
     doc: str = ""
 
     @property
@@ -272,6 +281,16 @@ def is_random(node: Node) -> bool:
     duplicated or recomputed; their results differ per call and advance the RNG."""
     op = get_op(node.op)
     return is_random_call(op.aten or node.meta.get("aten"), node.attrs, op.random)
+
+
+def reads_layout(node: Node) -> bool:
+    """The per-node fact "reads the memory layout": ``node``'s results depend on the
+    strides and storage offset of its tensor inputs (its OpDef's ``reads_layout``, or a
+    HostFallback of an ``as_strided*`` overload such as ``as_strided_scatter``)."""
+    op = get_op(node.op)
+    target = op.aten or node.meta.get("aten")
+    return op.reads_layout or (
+        target is not None and target._schema.name.startswith("aten::as_strided"))
 
 
 def get_op(name: str) -> OpDef:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Dict, FrozenSet, List, Tuple
 
-from ..ir import Buffer, Graph, MemoryPlan, Node
+from ..ir import Buffer, Graph, MemoryPlan, Node, Value, is_dense
 from ..ir.liveness import peak_live_bytes
 from ..log import logger
 from ..ops import get_op, graph_happens_before, last_reads, output_aliases, storage_roots
@@ -229,17 +229,35 @@ def _best_placement(blist: List[Buffer], overlap=None) -> Tuple[int, str]:
     return best[0], best[1]
 
 
+def _layout_key(v: Value) -> tuple:
+    """How ``v`` lays out its elements in its buffer (the executor's arena view): its
+    traced strides when dense, else contiguous; size-1 dims left out (they address
+    nothing). Two values share a buffer in place only with the same key: an NHWC output
+    written over an NCHW input would overwrite elements not read yet."""
+    d = v.desc
+    st = v.traced_strides
+    if not d.is_static:
+        return ("dynamic", None if st is None else tuple(st))
+    shape = [int(s) for s in d.shape]
+    if st is None or not is_dense(shape, st):
+        st, acc = [0] * len(shape), 1
+        for k in range(len(shape) - 1, -1, -1):
+            st[k], acc = acc, acc * shape[k]
+    return tuple(s for s, n in zip(st, shape) if n != 1)
+
+
 def _inplace_candidate(node: Node, o, root, bufs, last_read, sroots, i, hb=None, readers=None):
-    """An input of an in-place-able op that is a planned root, has the output's shape
-    and dtype, is read for the last time here through every value that may share its
-    storage (views, views of views, split outputs, graph outputs) and whose storage no
-    other input of the node may share. On several streams (``hb``, a `HappensBefore`),
+    """An input of an in-place-able op that is a planned root, has the output's shape,
+    dtype and layout (`_layout_key`), is read for the last time here through every
+    value that may share its storage (views, views of views, split outputs, graph
+    outputs) and whose storage no other input of the node may share. On several streams (``hb``, a `HappensBefore`),
     every other reader must also be known finished when the node starts."""
     if not get_op(node.op).inplace_ok or len(node.outputs) != 1:
         return None
     for x in node.inputs:
         if (root.get(x.id, -1) == x.id and x.id in bufs and x.desc.shape == o.desc.shape
                 and x.desc.dtype == o.desc.dtype and last_read.get(x.id, -1) == i
+                and _layout_key(x) == _layout_key(o)
                 and not any(y is not x and x.id in sroots.get(y.id, ()) for y in node.inputs)
                 and node.inputs.count(x) == 1
                 and (hb is None or hb.all_before(readers.get(x.id, set()) - {i}, i))):

@@ -7,7 +7,7 @@ cross-stream dependence not already implied by stream order and other events
 (`opencann.ir.liveness.HappensBefore`)."""
 from __future__ import annotations
 
-from typing import Dict, List
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 from ..ir import Graph, Node, Schedule
 from ..log import logger
@@ -120,31 +120,31 @@ def node_seconds(node: Node) -> float:
     return _CALL_S + c.flops / _FLOPS_PER_S + c.bytes / _BYTES_PER_S
 
 
-def assign_streams(graph: Graph, nstreams: int) -> Dict[str, int]:
+def assign_streams(graph: Graph, nstreams: int,
+                   seconds: Optional[Mapping[str, float]] = None) -> Dict[str, int]:
     """Node name -> stream (0 .. ``nstreams - 1``) for ``graph`` in its current (valid)
     node order, which each stream keeps. The CPOP list scheduler (Topcuoglu, Hariri and
     Wu, "Performance-effective and low-complexity task scheduling for heterogeneous
-    computing", IEEE TPDS 2002): the critical path (the longest chain by `node_seconds`,
+    computing", IEEE TPDS 2002): the critical path (the longest chain by the node times,
     CPOP's critical-path processor) goes on stream 0; every other node, in order, goes
     to the stream where it would finish earliest (HEFT's earliest-finish-time), a
     dependence from another stream costing one event and stream 0 counting the
     critical-path nodes still to come that may run beside it (the order is fixed: each
     stream runs its nodes in it, which keeps waits deadlock-free); ties keep it on its latest
     producer's stream, then the lowest stream. Random ops stay on stream 0 in order (one
-    generator, drawn in eager's order). Dependences are `ordering_deps`. Raises
-    ValueError for ``nstreams < 1``."""
+    generator, drawn in eager's order). Dependences are `ordering_deps`. Node times:
+    ``seconds`` (node name -> s, e.g. measured at binding by `Executor.node_seconds`;
+    a node it lacks, and every node without it, by `node_seconds`' cost model). The
+    same graph, order and times always give the same streams. Raises ValueError for
+    ``nstreams < 1``."""
     if nstreams < 1:
         raise ValueError(f"streams must be >= 1, got {nstreams}")
     nodes = list(graph.nodes)
     n = len(nodes)
     if nstreams == 1 or n == 0:
         return {x.name: 0 for x in nodes}
-    cost = [node_seconds(x) for x in nodes]
-    preds: List[List[int]] = [[] for _ in range(n)]
-    succs: List[List[int]] = [[] for _ in range(n)]
-    for p, c in ordering_deps(graph):
-        preds[c].append(p)
-        succs[p].append(c)
+    cost = node_costs(graph, seconds)
+    preds, succs = _deps(graph)
     pinned = _critical_path(cost, preds, succs) | {i for i, x in enumerate(nodes) if is_random(x)}
     stream, finish = [0] * n, [0.0] * n
     avail = [0.0] * nstreams
@@ -166,6 +166,44 @@ def assign_streams(graph: Graph, nstreams: int) -> Dict[str, int]:
         stream[i], finish[i] = s, best[0][0]
         avail[s] = finish[i]
     return {x.name: stream[i] for i, x in enumerate(nodes)}
+
+
+def node_costs(graph: Graph, seconds: Optional[Mapping[str, float]] = None) -> List[float]:
+    """Per node of ``graph`` in order: its time in seconds, from ``seconds`` (node name
+    -> s) where given, else `node_seconds` (the cost model)."""
+    seconds = seconds or {}
+    return [seconds[x.name] if x.name in seconds else node_seconds(x) for x in graph.nodes]
+
+
+def _deps(graph: Graph) -> Tuple[List[List[int]], List[List[int]]]:
+    """(predecessors, successors) of each step by `ordering_deps`."""
+    n = len(graph.nodes)
+    preds: List[List[int]] = [[] for _ in range(n)]
+    succs: List[List[int]] = [[] for _ in range(n)]
+    for p, c in ordering_deps(graph):
+        preds[c].append(p)
+        succs[p].append(c)
+    return preds, succs
+
+
+def predict_streams(graph: Graph, streams: Sequence[int], cost: Sequence[float]
+                    ) -> Tuple[List[float], float]:
+    """(busy seconds per stream, predicted call seconds) of ``graph`` run with node i on
+    ``streams[i]`` and taking ``cost[i]`` seconds: each stream runs its nodes in graph
+    order, a node starts when its stream is free and its producers have finished (one
+    event, `_EVENT_S`, later for a producer on another stream). The predicted call time
+    is the schedule's critical path: the longest chain of node times, stream order and
+    waits (a lower bound when streams really overlap; ``sum(busy)`` is one stream's)."""
+    preds, _ = _deps(graph)
+    k = max(streams, default=0) + 1
+    busy, avail = [0.0] * k, [0.0] * k
+    finish = [0.0] * len(cost)
+    for i, s in enumerate(streams):
+        ready = max((finish[p] + (_EVENT_S if streams[p] != s else 0.0) for p in preds[i]),
+                    default=0.0)
+        finish[i] = avail[s] = max(ready, avail[s]) + cost[i]
+        busy[s] += cost[i]
+    return busy, max(finish, default=0.0)
 
 
 def _later_pinned_cost(cost: List[float], succs, pinned: List[int]) -> List[float]:
@@ -196,28 +234,38 @@ def _critical_path(cost: List[float], preds, succs) -> set:
     return path
 
 
-def stream_summary(graph: Graph, schedule: Schedule) -> Dict[str, object]:
+def stream_summary(graph: Graph, schedule: Schedule,
+                   seconds: Optional[Mapping[str, float]] = None) -> Dict[str, object]:
     """The compile report's ``streams`` entry: number of streams, events (kept, and the
-    cross-stream dependences they cover), nodes per stream, and the estimated time of
-    the critical path vs the single-stream sum (`node_seconds`)."""
+    cross-stream dependences they cover), nodes per stream, ``costs`` ("measured" when
+    ``seconds``, node name -> s, is given, else "model": `node_seconds`), and from those
+    times (`predict_streams`, µs): ``estimated_serial_us`` (one stream),
+    ``predicted_busy_us`` per stream and ``predicted_call_us`` (the critical path with
+    stream order and events)."""
     per: Dict[int, int] = {}
     for name in schedule.order:
         s = schedule.streams.get(name, 0)
         per[s] = per.get(s, 0) + 1
-    by_name = {x.name: x for x in graph.nodes}
     cross = sum(1 for p, c in ordering_deps(graph)
                 if graph.nodes[p].stream != graph.nodes[c].stream)
+    cost = node_costs(graph, seconds)
+    busy, call = predict_streams(graph, [x.stream for x in graph.nodes], cost)
     return {"streams": max(per, default=0) + 1, "events": len(schedule.events),
             "cross_stream_dependences": cross,
             "nodes_per_stream": [per.get(s, 0) for s in range(max(per, default=0) + 1)],
-            "estimated_serial_us": round(1e6 * sum(node_seconds(x) for x in by_name.values()), 1)}
+            "costs": "measured" if seconds else "model",
+            "estimated_serial_us": round(1e6 * sum(cost), 1),
+            "predicted_busy_us": [round(1e6 * b, 1) for b in busy],
+            "predicted_call_us": round(1e6 * call, 1)}
 
 
-def multi_stream_schedule(graph: Graph, nstreams: int) -> Schedule:
-    """The `Schedule` of ``graph`` in its current order with `assign_streams` and the
-    events of `HappensBefore` (cross-stream dependences, redundant waits removed); sets
-    every ``node.stream``."""
-    streams = assign_streams(graph, nstreams)
+def multi_stream_schedule(graph: Graph, nstreams: int,
+                          seconds: Optional[Mapping[str, float]] = None) -> Schedule:
+    """The `Schedule` of ``graph`` in its current order with `assign_streams` (node
+    times ``seconds`` where given, else the cost model) and the events of
+    `HappensBefore` (cross-stream dependences, redundant waits removed); sets every
+    ``node.stream``."""
+    streams = assign_streams(graph, nstreams, seconds)
     for x in graph.nodes:
         x.stream = streams[x.name]
     hb = graph_happens_before(graph)

@@ -259,7 +259,8 @@ class CodeGen:
 
     A graph on several streams (``node.stream``) gets one function per stream
     (`_generate_streams`), except with ``check_aliasing`` or ``observe`` (debugging:
-    the checker's liveness and the observer's node order are those of one stream), which
+    the checker's liveness and the observer's node order are those of one stream) or
+    ``serial`` (timing each node alone: `Executor.node_seconds`), which
     run the nodes in their order on one thread; the memory plan is valid for that too
     (it keeps apart all values that may be live at once on any interleaving).
     ``view(v)`` gives the arena view of a planned value (bound as ``B<id>``);
@@ -270,9 +271,11 @@ class CodeGen:
     nodes whose result is copied into its buffer."""
 
     def __init__(self, graph: Graph, plan: MemoryPlan, view: Callable[[Value], torch.Tensor],
-                 check_aliasing: bool = False, profile: bool = False, observe: bool = False):
+                 check_aliasing: bool = False, profile: bool = False, observe: bool = False,
+                 serial: bool = False):
         self.graph, self.plan, self.view = graph, plan, view
         self.check_aliasing, self.profile, self.observe = check_aliasing, profile, observe
+        self.serial = serial
         self.glb: Dict[str, Any] = {}
         self.names: Dict[int, str] = {}
         self.lines: List[str] = []
@@ -293,7 +296,8 @@ class CodeGen:
         glb["_conform"] = _conform
         if self.check_aliasing:
             glb["_chk"] = AliasChecker(g, self.plan)
-        if any(n.stream for n in g.nodes) and not (self.check_aliasing or self.observe):
+        if any(n.stream for n in g.nodes) and not (self.check_aliasing or self.observe
+                                                   or self.serial):
             return self._generate_streams(layout_bound)
         for idx, node in enumerate(g.nodes):
             self._emit_node(idx, node, layout_bound)

@@ -120,11 +120,13 @@ class Executor:
             typed = self._typed = (self.arena, {})
         return arena_view(self.arena, self.plan, v, typed[1])
 
-    def _build(self, profile: bool, observe: Optional[Callable] = None) -> Callable:
+    def _build(self, profile: bool, observe: Optional[Callable] = None,
+               serial: bool = False) -> Callable:
         """Generate, compile and bind ``_run`` (`CodeGen`); ``profile`` adds stamps;
-        ``observe(node, outputs)`` is called after every kernel (`run_observed`)."""
+        ``observe(node, outputs)`` is called after every kernel (`run_observed`);
+        ``serial`` runs every stream's nodes in order on the calling thread."""
         gen = CodeGen(self.graph, self.plan, self._view, self.check_aliasing, profile,
-                      observe=observe is not None)
+                      observe=observe is not None, serial=serial)
         src, glb = gen.generate()
         self._bound.extend(gen.bound)
         self.copy_out_nodes.extend(gen.copy_out_nodes)
@@ -185,14 +187,53 @@ class Executor:
                         return f"{node.name} ({node.op}) at {node.where()} failed: {e}"
         return str(e)
 
+    def node_seconds(self, inputs: Sequence[torch.Tensor], reps: int = 5,
+                     threads: Optional[int] = None) -> Dict[str, float]:
+        """Node name -> seconds its step takes (its kernel, copy-out and the generated
+        code's Python between the previous node's end and its own), measured on the
+        calling thread with ``threads`` intra-op threads (default: as set) in a timed
+        variant that runs every stream's nodes in order, on an arena of its own (this
+        executor is left as it is): one warm-up call, then the least of ``reps`` calls
+        per node (the call least disturbed by other processes, as `timeit` advises).
+        ``inputs`` flat, in graph-input order, of the graph's shapes and dtypes. The
+        stream assignment weighs nodes by these (`opencann.passes.schedule`). Changes
+        ``torch.set_num_threads`` for the duration and restores it; raises what the
+        kernels raise (ExecutionError naming the node) and ValueError for ``reps < 1``."""
+        if reps < 1:
+            raise ValueError(f"reps must be >= 1, got {reps}")
+        prof = Executor.__new__(Executor)
+        prof.__dict__.update(self.__dict__)
+        prof.arena = torch.empty_like(self.arena)
+        prof.copy_out_nodes, prof._bound = [], []
+        prof._fn = prof._build(profile=True, serial=True)
+        best: Dict[int, int] = {}
+        before = torch.get_num_threads()
+        try:
+            torch.set_num_threads(threads or before)
+            with torch.no_grad():
+                for r in range(reps + 1):
+                    prof._stamps.clear()
+                    prev = time.perf_counter_ns()
+                    prof.run(inputs)
+                    for i, t in (prof._stamps if r else ()):
+                        best[i] = min(best.get(i, t - prev), t - prev)
+                        prev = t
+        finally:
+            torch.set_num_threads(before)
+        return {n.name: best.get(i, 0) / 1e9 for i, n in enumerate(self.graph.nodes)}
+
     def profile(self, inputs: Sequence[torch.Tensor], path: Optional[str] = None) -> List[Dict[str, Any]]:
         """Run once with per-op timing; returns Chrome trace events (µs) and writes them
-        to ``path`` as Trace Event Format JSON when given."""
+        to ``path`` as Trace Event Format JSON when given. On several streams the timed
+        variant's worker threads are new: they are started before the timed call (their
+        start would otherwise show as a late first kernel)."""
         prof = Executor.__new__(Executor)
         prof.__dict__.update(self.__dict__)
         prof.copy_out_nodes = []  # rebuilt below; keep this executor's list as it is
         prof._bound = []
         fn = prof._build(profile=True)
+        if prof._runner is not None:  # start its stream threads outside the timed call
+            prof._runner.start()
         prof._stamps.clear()
         t0 = time.perf_counter_ns()
         fn(inputs)

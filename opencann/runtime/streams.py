@@ -3,9 +3,14 @@
 The code generator (`opencann.runtime.codegen`) writes one function per stream,
 ``_s<k>(inputs, _V)``: its nodes in order, a wait ``_W(e)`` before a node that needs a
 value made on another stream, the value handed over in the per-call slot list ``_V``,
-and a record ``_E[e].set()`` after the producer. `StreamRunner.run` runs every stream
-function of one call on its own worker thread (ATen kernels release the GIL, so
-kernels of different streams overlap) and waits for all of them.
+and a record ``_E[e].set()`` after the producer. `StreamRunner.run` runs stream 0 of a
+call on the calling thread and every other stream function on a worker thread of its
+own (ATen kernels release the GIL, so kernels of different streams overlap), and waits
+for all of them. The caller running stream 0 itself saves a thread wake-up at the start
+of each call and, when stream 0 ends last (it holds the critical path), one at the end:
+each costs tens of µs on an idle core and milliseconds on a loaded machine (measured
+under load 8 on 2 cores: a woken worker started its stream ~3 ms late, after the other
+stream had ended; docs/performance.md, "Streams").
 
 Events are `threading.Event`s made once per runner and cleared at the start of each
 call: an executor runs one call at a time (`ExecutorPool` gives concurrent calls an
@@ -23,7 +28,8 @@ parallel region. So each worker first initialises (``torch.get_num_threads()``),
 sets its own count, ``threads_per_stream`` (default: the caller's
 ``torch.get_num_threads()`` divided by the number of streams, at least 1), and the
 starting thread restores the process default afterwards: the caller's own thread and
-threads made later keep their count. Measured on torch 2.x with OpenMP (see
+threads made later keep their count. The calling thread runs stream 0 with that count
+and gets its own back when stream 0 ends. Measured on torch 2.x with OpenMP (see
 docs/performance.md, "Streams"); with a non-OpenMP ATen build the count may be
 process-wide.
 """
@@ -37,6 +43,12 @@ from typing import Callable, List, Optional, Sequence
 import torch
 
 _START_LOCK = threading.Lock()  # set_num_threads' process default is restored under it
+
+
+def threads_per_stream(nstreams: int, total: Optional[int] = None) -> int:
+    """Intra-op threads each of ``nstreams`` stream workers gets: ``total`` (default the
+    calling thread's ``torch.get_num_threads()``) // ``nstreams``, at least 1."""
+    return max(1, (total or torch.get_num_threads()) // max(1, nstreams))
 
 
 class StreamAborted(Exception):
@@ -83,7 +95,7 @@ class StreamRunner:
         self.fns: List[Callable] = []
         self.threads_per_stream = threads_per_stream
         self._aborted = False
-        self._jobs = [queue.SimpleQueue() for _ in range(nstreams)]
+        self._jobs = [queue.SimpleQueue() for _ in range(nstreams - 1)]  # streams 1..
         self._done: "queue.SimpleQueue" = queue.SimpleQueue()
         self._started = False
 
@@ -92,17 +104,19 @@ class StreamRunner:
         `Executor.clone`); ``fns`` is left empty for the caller to set."""
         return StreamRunner(self.nstreams, len(self.events), self.nslots, self.threads_per_stream)
 
-    def _start(self) -> None:
+    def start(self) -> None:
+        """Start the worker threads of streams 1.. (once; `run` does it on its first
+        call), each with its intra-op thread count."""
         with _START_LOCK:
             if self._started:
                 return
             default = torch.get_num_threads()
-            n = self.threads_per_stream or max(1, default // self.nstreams)
+            n = self.threads_per_stream or threads_per_stream(self.nstreams, default)
             ready: "queue.SimpleQueue" = queue.SimpleQueue()
-            for s in range(self.nstreams):
-                threading.Thread(target=_worker, args=(self._jobs[s], self._done, n, ready),
+            for s, jobs in enumerate(self._jobs, 1):
+                threading.Thread(target=_worker, args=(jobs, self._done, n, ready),
                                  name=f"opencann-stream-{s}", daemon=True).start()
-            for _ in range(self.nstreams):
+            for _ in self._jobs:
                 ready.get()
             torch.set_num_threads(default)  # the process default, as the caller had it
             self.threads_per_stream = n
@@ -122,18 +136,45 @@ class StreamRunner:
             e.set()
 
     def run(self, inputs: Sequence[torch.Tensor]) -> list:
-        """Run every stream function on ``inputs`` at once; returns the call's value
-        slots. Raises the first error a stream raised (not `StreamAborted`) after all
-        streams have ended."""
+        """Run every stream function on ``inputs`` at once (stream 0 on this thread);
+        returns the call's value slots. Raises the first error a stream raised (not
+        `StreamAborted`) after all streams have ended."""
         if not self._started:
-            self._start()
+            self.start()
         for e in self.events:
             e.clear()
         self._aborted = False
         slots = [None] * self.nslots
-        for q, fn in zip(self._jobs, self.fns):
+        for q, fn in zip(self._jobs, self.fns[1:]):
             q.put((fn, inputs, slots, self._fail))
-        first, left = None, len(self.fns)
+        own = self._run_here(inputs, slots)
+        first = self._collect(len(self.fns) - 1)
+        if own is not None and (first is None or not isinstance(own, StreamAborted)):
+            first = own
+        if first is not None:
+            raise first
+        return slots
+
+    def _run_here(self, inputs: Sequence[torch.Tensor], slots: list) -> Optional[BaseException]:
+        """Stream 0 on the calling thread with the streams' intra-op thread count (the
+        caller's restored after); returns what it raised, or None."""
+        n, before = self.threads_per_stream, torch.get_num_threads()
+        try:
+            if n != before:
+                torch.set_num_threads(n)
+            self.fns[0](inputs, slots)
+        except BaseException as e:  # noqa: BLE001 - raised once the other streams end
+            self._fail()
+            return e
+        finally:
+            if n != before:
+                torch.set_num_threads(before)
+        return None
+
+    def _collect(self, left: int) -> Optional[BaseException]:
+        """Wait for ``left`` worker streams to end; the first error one raised that is
+        not `StreamAborted`, or None."""
+        first = None
         try:
             while left:
                 r = self._done.get()
@@ -145,6 +186,4 @@ class StreamRunner:
             for _ in range(left):
                 self._done.get()
             raise
-        if first is not None:
-            raise first
-        return slots
+        return first

@@ -72,6 +72,21 @@ the QK preload hides it."""
 FA_TASK_DISPATCH_CYCLES = 2000
 """Cycles to start one (batch, head, query-block) task on a core: [PTO-FA-CM]
 NPU_BLOCK_DISPATCH_CYCLES = 2000 (fitted by the kernel's authors to on-board 910B3 runs)."""
+FA_L2_CONTENTION = 0.012
+"""FITTED, not sourced: the fraction of one core's GM (L2) read and write rate lost per additional
+core streaming at the same time.  A FlashAttention wave with n busy cores moves its GM traffic
+(K/V reads and the S/P/PV hand-offs) at the platform file's per-core rates divided by
+``1 + FA_L2_CONTENTION * (n - 1)`` (1.28 with all 24 cores of 910B busy; 1 on one core).
+Form (an assumption with support): the platform file's per-core l2_read_rate / l2_write_rate are
+taken as what one core gets alone (the file does not say); [PTO-FA] (README "Summary") finds multi-core runs of the hand-written kernel "approaching
+a bandwidth/synchronization limit rather than scaling linearly with core count", and its 1/2/4/8-core
+table (same work per core, one cold launch each) loses normalized throughput as cores are added
+(S1 = 8192: 172.9 / 171.4 / 149.3 / 120.0 TFLOPS).  No public figure gives the 910B L2 bandwidth
+under load, so the magnitude is fitted to ONE anchor: the all-core [PTO-FA] time at S = 8K (0.0116
+makes it exact; rounded up so the estimate is not faster).  Checked out of sample against the other
+all-core times (S = 1K..32K: estimate / published throughput 0.78-0.94), torch_npu per call (0.84-1.22)
+and one core (unchanged).  Applied to FlashAttention only; the GEMM model's rates are checked by the
+GEMM anchors."""
 
 
 _DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4, "float": 4, "half": 2, "int8": 1, "uint8": 1,
@@ -463,7 +478,7 @@ def flash_attention_blocks(head_dim: int, dtype: Any = "float16", spec: NpuSpec 
     return br, max(16, bc // 16 * 16)
 
 
-def _fa_block_cycles(br: int, bc: int, d: int, e: int, spec: NpuSpec) -> dict[str, float]:
+def _fa_block_cycles(br: int, bc: int, d: int, e: int, spec: NpuSpec, busy: int = 1) -> dict[str, float]:
     """Cycles of one key block of one FlashAttention task on one AI core cluster (1 AIC + its AIVs).
 
     Stages [PTO-FA-K]: QK (Cube: S = Q K_j^T, read K_j, write S fp32 to GM), P (Vector: read S,
@@ -476,7 +491,7 @@ def _fa_block_cycles(br: int, bc: int, d: int, e: int, spec: NpuSpec) -> dict[st
     `chain` is one block through the four stages in sequence plus three hand-offs."""
     cube = _cube_rate_per_core(spec, e) * CUBE_EFFICIENCY / (spec.clock_ghz * 1e9)   # FLOP per cycle
     vec = spec.vector_elems_per_cycle(4) * spec.aiv_per_aic
-    rd, wr = spec.gm_read_bytes_per_cycle, spec.gm_write_bytes_per_cycle
+    rd, wr = (r / _fa_l2_contention(busy) for r in (spec.gm_read_bytes_per_cycle, spec.gm_write_bytes_per_cycle))
     s_b, p_b, kv_b, pv_b = br * bc * 4, br * bc * e, bc * d * e, br * d * 4
     qk = max(2.0 * br * bc * d / cube, kv_b / rd, s_b / wr)
     p = max(br * bc * FA_SOFTMAX_OPS_PER_SCORE / vec, s_b / rd, p_b / wr)
@@ -486,8 +501,29 @@ def _fa_block_cycles(br: int, bc: int, d: int, e: int, spec: NpuSpec) -> dict[st
     vec_cyc = (br * bc * FA_SOFTMAX_OPS_PER_SCORE + br * d * FA_OUTPUT_OPS_PER_ELEM) / vec
     rd_cyc = (2 * kv_b + p_b + s_b + pv_b) / rd
     wr_cyc = (s_b + p_b + pv_b) / wr
-    return {"cube": cube_cyc, "vector": vec_cyc, "gm_read": rd_cyc, "gm_write": wr_cyc,
+    edge = FA_TASK_DISPATCH_CYCLES + br * d * e * (1 / rd + 1 / wr)
+    return {"cube": cube_cyc, "vector": vec_cyc, "gm_read": rd_cyc, "gm_write": wr_cyc, "edge": edge,
             "steady": max(cube_cyc, vec_cyc, rd_cyc, wr_cyc), "chain": qk + p + pv + gu + 3 * FA_SYNC_CYCLES}
+
+
+def _fa_l2_contention(busy: int) -> float:
+    """Slowdown of one core's GM (L2) traffic while `busy` cores stream at once (FA_L2_CONTENTION)."""
+    return 1.0 + FA_L2_CONTENTION * (max(1, busy) - 1)
+
+
+def _fa_device_cycles(tasks: int, used: int, k_blocks: float, shape: tuple, spec: NpuSpec) -> tuple:
+    """(device cycles, task cycles and per-block cycles of a full wave) for `tasks` FlashAttention tasks on `used`
+    cores: full waves with `used` busy cores, then a last wave with the remaining tasks' cores, each
+    task ``edge + chain + (k_blocks - 1) * steady`` at the GM rates of its wave's busy cores.
+    Non-decreasing in tasks and k_blocks."""
+    full, rest = divmod(tasks, used)
+
+    def task(busy: int) -> tuple:
+        blk = _fa_block_cycles(*shape, spec, busy=busy)
+        return blk["edge"] + blk["chain"] + (k_blocks - 1) * blk["steady"], blk
+
+    cyc, blk = task(used)
+    return full * cyc + (task(rest)[0] if rest else 0.0), cyc, blk
 
 
 def _fa_hbm(bh: int, seq_q: int, seq_k: int, head_dim: int, e: int, n_qblk: int,
@@ -517,7 +553,9 @@ def flash_attention_cost(batch: int, heads: int, seq_q: int, seq_k: int, head_di
     ``dispatch + Q load + chain + (n_blocks - 1) * steady + O store`` cycles: the first block's
     dependency chain (four stages in sequence plus three cross-core hand-offs, FA_SYNC_CYCLES) and
     then one block per `steady` (the slowest of Cube, Vector, GM reads, GM writes of the cluster).
-    Device time = launch + waves x task.  Cube at CUBE_EFFICIENCY x peak; Vector in fp32.
+    Device time = launch + the waves' tasks; a wave's GM traffic runs at the per-core rates slowed by
+    L2 contention between its busy cores (FA_L2_CONTENTION, fitted: a full 910B wave 1.28x, one core
+    1x).  Cube at CUBE_EFFICIENCY x peak; Vector in fp32.
 
     FLOPs: 4 * S_q * S_k * d per (batch, head) (halved for causal).  HBM bytes: Q and O once, K and
     V re-read once per query block (GM traffic; when K and V fit the L2 the time counts them once;
@@ -532,16 +570,14 @@ def flash_attention_cost(batch: int, heads: int, seq_q: int, seq_k: int, head_di
         raise ValueError(f"flash_attention_cost: block_q={br}, block_k={bc} must be positive multiples of 16 "
                          f"(the Cube fractal size)")
     e, hz, d = dtype_bytes(dtype), spec.clock_ghz * 1e9, _up(head_dim, 16)
-    blk = _fa_block_cycles(br, bc, d, e, spec)
     n_qblk = _ceil(seq_q, br)
     k_blocks = max(1.0, _up(seq_k, 16) / bc)        # a partial last block costs its fractal-padded share
     if causal:
         k_blocks = max(1.0, k_blocks * (n_qblk + 1) / (2 * n_qblk))
     tasks = batch * heads * n_qblk
     used, waves = _waves(tasks, spec.cube_cores)
-    edge_cyc = FA_TASK_DISPATCH_CYCLES + br * d * e * (1 / spec.gm_read_bytes_per_cycle + 1 / spec.gm_write_bytes_per_cycle)
-    task_cyc = edge_cyc + blk["chain"] + (k_blocks - 1) * blk["steady"]
-    device_us = waves * task_cyc / hz * 1e6
+    device_cyc, task_cyc, blk = _fa_device_cycles(tasks, used, k_blocks, (br, bc, d, e), spec)
+    device_us = device_cyc / hz * 1e6
     frac = 0.5 if causal else 1.0
     useful = 4.0 * batch * heads * seq_q * seq_k * head_dim * frac
     flops = 4.0 * batch * heads * (n_qblk * br) * _up(seq_k, 16) * d * frac
@@ -558,7 +594,7 @@ def flash_attention_cost(batch: int, heads: int, seq_q: int, seq_k: int, head_di
         "task_us": task_cyc * us, "cube_us": waves * k_blocks * blk["cube"] * us,
         "vector_us": waves * k_blocks * blk["vector"] * us,
         "gm_us": waves * k_blocks * max(blk["gm_read"], blk["gm_write"]) * us, "hbm_us": hbm_us,
-        "launch_us": spec.kernel_launch_us,
+        "launch_us": spec.kernel_launch_us, "l2_contention": _fa_l2_contention(used),
     }
     return KernelCost("flash_attention", spec.kernel_launch_us + busy, flops, useful, hbm, bound, breakdown)
 

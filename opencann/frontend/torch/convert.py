@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import operator
 import os
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.fx as fx
 
 from ...ir import DataType, Graph, TensorDesc, TensorRef, Value, is_dense
-from ...ir.symbolic import SymExpr
+from ...ir.symbolic import SymExpr, has_symbolic
 from ...ops import infer, lookup_aten, storage_roots
 from ...ops.opdef import SKIPPED_OUTPUT
 
@@ -272,8 +272,9 @@ def check_inference(graph: Graph) -> None:
     its source line on disagreement."""
     outs = {id(v) for v in graph.outputs}
     for ir in graph.nodes:
-        if ir.op == "HostFallback" or not all(v.desc.is_static for v in (*ir.inputs, *ir.outputs)):
-            continue   # symbolic shapes (dynamic dims): FX's values are the reference
+        if ir.op == "HostFallback" or not all(v.desc.is_static for v in (*ir.inputs, *ir.outputs)) \
+                or has_symbolic(ir.attrs):
+            continue   # symbolic shapes or sizes (dynamic dims): FX's values are the reference
         ours = infer(ir)
         skip = META_DIVERGES.get(ir.op, set()) | set(ir.meta.get("none_outputs", ()))
         for k, (a, o) in enumerate(zip(ours, ir.outputs)):
@@ -482,14 +483,20 @@ def _views_of_mutated_inputs(outs, produced) -> Dict[int, list]:
 
 
 def from_fx_graph(gm: fx.GraphModule, example_inputs, name: str = "graph",
-                  check: bool = True) -> Graph:
+                  check: bool = True, constants: Optional[Dict[str, torch.Tensor]] = None) -> Graph:
     """Convert an ATen-level FX GraphModule (from AOTAutograd / dynamo backends).
 
-    get_attr nodes become constants; placeholders become inputs."""
+    get_attr nodes become constants; placeholders become inputs, except those named in
+    ``constants`` (placeholder name -> real tensor, same shape and dtype as the
+    placeholder's value: the frozen weights of `opencann.dynamo.freezing`), which become
+    constants holding that tensor (not copied)."""
     graph = Graph(name)
     env: Dict[fx.Node, Any] = {}
+    constants = constants or {}
     for node in gm.graph.nodes:
-        if node.op == "placeholder":
+        if node.op == "placeholder" and node.name in constants:
+            env[node] = graph.add_const(constants[node.name], name=node.name)
+        elif node.op == "placeholder":
             val = node.meta.get("val")
             if isinstance(val, torch.Tensor):
                 env[node] = graph.add_input(_desc(val, node.name), name=node.name)

@@ -27,7 +27,7 @@ from typing import Callable, Dict, Sequence
 
 import torch
 
-from ...devices.cpu import mkl_packed_available
+from ...devices.cpu import best_time_us, mkl_packed_available
 from ...ir import Node, TensorDesc
 
 _ACT_FN: Dict[str, Callable] = {  # in-place activations
@@ -121,20 +121,28 @@ def make_conv_kernel(node: Node, in_descs: Sequence[TensorDesc], consts: Sequenc
     return run
 
 
+def make_trans_data(node: Node, in_descs: Sequence[TensorDesc], consts: Sequence) -> Callable:
+    """CPU TransData between NHWC (channels-last strides) and NCHW of one logical 4-D
+    tensor (``opencann.passes.layout.cpu_layout``): ``run(x, out=None)`` copies ``x`` into
+    ``out`` (its planned buffer, laid out as the node's ``meta["strides"]``) or into a
+    fresh tensor with those strides (contiguous when none are recorded). The logical
+    shape and dtype do not change; only the element order in memory does."""
+    d = node.outputs[0].desc
+    shape = tuple(int(s) for s in d.shape)
+    st = (node.meta.get("strides") or [None])[0]
+    strides = tuple(st) if st is not None else torch.empty(shape, device="meta").stride()
+    dtype = d.dtype.torch
+
+    def run(x, out=None):
+        if out is None:
+            out = torch.empty_strided(shape, strides, dtype=dtype)
+        return out.copy_(x)
+    return run
+
+
 # (m, k, n, dtype) -> "mkl_packed" | "addmm": bind-time choice, measured once per shape
 LINEAR_CHOICES: Dict[tuple, str] = {}
 _LINEAR_CHOICES_LOCK = threading.Lock()  # one measurement per shape, even when binding races
-
-
-def _time_us(fn, reps: int = 5) -> float:
-    import time
-    fn()
-    best = float("inf")
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best * 1e6
 
 
 def _measure_choice(key: tuple, run_addmm: Callable, run_packed: Callable, bias, wt) -> str:
@@ -149,8 +157,8 @@ def _measure_choice(key: tuple, run_addmm: Callable, run_packed: Callable, bias,
             x = torch.randn(m, k, generator=g)
             b = bias if bias is not None else torch.zeros(n)
             out = torch.empty(m, n)
-            t_addmm = _time_us(lambda: run_addmm(b, x, wt, out))
-            t_packed = _time_us(lambda: run_packed(b, x, wt, out))
+            t_addmm = best_time_us(lambda: run_addmm(b, x, wt, out))
+            t_packed = best_time_us(lambda: run_packed(b, x, wt, out))
             choice = "mkl_packed" if t_packed < 0.97 * t_addmm else "addmm"
             LINEAR_CHOICES[key] = choice
     return choice
@@ -210,4 +218,4 @@ def make_linear_kernel(node: Node, in_descs: Sequence[TensorDesc], consts: Seque
     return run_packed if choice == "mkl_packed" else run_addmm
 
 
-__all__ = ["LINEAR_CHOICES", "make_conv_kernel", "make_linear_kernel"]
+__all__ = ["LINEAR_CHOICES", "make_conv_kernel", "make_linear_kernel", "make_trans_data"]
