@@ -87,10 +87,14 @@ def load(path: str):
     parts = read(path)
     parts.pop("metadata")
     dynamic, gears = parts.pop("dynamic"), parts.pop("gears")
+    offsets = parts.pop("storage_offsets") or []
     if dynamic is None:
-        return CompiledModel.from_parts(**parts)
+        cm = CompiledModel.from_parts(**parts)
+        cm._offsets = list(offsets)
+        return cm
     from .dynamic import DynamicCompiledModel
     cm = DynamicCompiledModel.from_parts(**parts, dynamic=dynamic)
+    cm._offsets = list(offsets)
     if gears:
         from .gears import setup_gears
         setup_gears(cm, gears["option"], gears["dims"], [tuple(g) for g in gears["values"]])

@@ -271,8 +271,11 @@ class CompiledModel:
         self._baked = {i: v for i, v in enumerate(flat) if not isinstance(v, torch.Tensor)}
         self._mutations = list(graph.meta.get("input_mutations", ()))
         self._contig = [t.is_contiguous() for t in flat if isinstance(t, torch.Tensor)]
+        # as_strided offsets are absolute: the examples' storage offsets were traced in
+        self._offsets = [t.storage_offset() for t in flat if isinstance(t, torch.Tensor)]
         # inputs an as_strided reads: a contiguous copy would be read at other places
         self._layout_read = layout_read_inputs(graph)
+        self._offset_read = layout_read_inputs(graph, absolute_offset=True)
         # weights are a snapshot (folded, prepacked, copied): detect in-place changes of
         # the module's tensors (weak references: the compiled model never keeps them alive)
         self._frozen = [(n, weakref.ref(t), t._version) for n, t in (frozen or [])]
@@ -290,12 +293,14 @@ class CompiledModel:
         (pytree TreeSpecs or None), ``input_positions`` (flat indices of the tensor
         inputs), ``baked`` (flat index -> non-tensor value fixed at compile time),
         ``contiguous`` (per tensor input: was the example contiguous),
+        ``storage_offsets`` (per tensor input: the example's storage offset),
         ``concurrent_calls`` (the executor pool's size) and ``arg_names`` (names of
         ``forward``'s positional parameters, None per positional-only one; None if
         unknown), by which calls are bound."""
         return {"in_spec": self._in_spec, "out_spec": self._out_spec,
                 "input_positions": self._positions, "baked": dict(self._baked),
-                "contiguous": list(self._contig), "concurrent_calls": self.pool.size,
+                "contiguous": list(self._contig), "storage_offsets": list(self._offsets),
+                "concurrent_calls": self.pool.size,
                 "arg_names": self._arg_names}
 
     @classmethod
@@ -328,6 +333,14 @@ class CompiledModel:
                     "reads its memory layout (as_strided): the graph, compiled on a contiguous "
                     "example, would read other elements than eager does. Compile with an example "
                     "of this layout, or pass .contiguous() if that layout's result is meant")
+            want = self._offsets[i] if i < len(self._offsets) else 0
+            if i in self._offset_read and tensors[i].storage_offset() != want:
+                raise ValueError(
+                    f"{self._input_label(i)} starts at storage offset {tensors[i].storage_offset()} "
+                    f"(the example's: {want}) and the model reads its memory layout (as_strided, "
+                    "whose offsets are absolute and were traced from the example's): the graph "
+                    "would read other elements than eager does. Pass x.clone(), or compile with "
+                    "an example at this offset")
         return made
 
     def _user_tensors(self, args, kwargs) -> list:

@@ -191,3 +191,62 @@ def test_streams_concurrent_callers_keep_thread_counts(streams, costs):
         t.join()
     assert not bad
     assert torch.get_num_threads() == mine and _count_in_new_thread() == fresh
+
+
+# -- as_strided with an explicit storage offset: absolute, traced from the example's ----
+# A model computing x.as_strided(size, stride, x.storage_offset() + 1) was traced with the
+# example's offset (0): the graph's offset 1 is absolute, so a call with a view starting
+# at offset 5 read base[1:] where eager reads base[6:] (silently wrong before).
+
+class _AsStrided(nn.Module):
+    def __init__(self, relative=False):
+        super().__init__()
+        self.relative = relative
+
+    def forward(self, x):
+        if self.relative:
+            return x.as_strided((2, 2), (1, 2)) * 2
+        return x.as_strided((2, 2), (1, 2), x.storage_offset() + 1) * 2
+
+
+def _base():
+    b = torch.arange(20.0) + 0.5
+    b[7] = float("nan")
+    return b
+
+
+@pytest.mark.parametrize("how", ["static", "dynamic", "loaded"])
+def test_as_strided_absolute_offset_refuses_other_offsets(how, tmp_path):
+    m = _AsStrided()
+    ex = _base()[:6].clone()
+    if how == "dynamic":
+        cm = opencann.compile(m, (ex,), dynamic_shapes={"x": {0: "n"}})
+    else:
+        cm = opencann.compile(m, (ex,))
+    if how == "loaded":
+        opencann.save(cm, str(tmp_path / "m.ocm"))
+        cm = opencann.load(str(tmp_path / "m.ocm"))
+    for x in (_base()[:6], _base().clone()[:6].clone()):   # the example's offset: eager's value
+        torch.testing.assert_close(cm(x), m(x), equal_nan=True)
+        torch.testing.assert_close(cm(x), m(x), equal_nan=True)
+    with pytest.raises(ValueError, match="storage offset 5 .the example's: 0."):
+        cm(_base()[5:11])
+
+
+def test_as_strided_example_at_offset_refuses_fresh_input():
+    m = _AsStrided()
+    cm = opencann.compile(m, (_base()[3:9],))
+    x = _base()[3:9]
+    torch.testing.assert_close(cm(x), m(x), equal_nan=True)
+    with pytest.raises(ValueError, match="storage offset 0 .the example's: 3."):
+        cm(_base()[:6].clone())
+
+
+def test_as_strided_relative_offset_takes_any_offset():
+    """No explicit offset: as_strided starts at the input's own offset, as in eager."""
+    m = _AsStrided(relative=True)
+    cm = opencann.compile(m, (_base()[:6].clone(),))
+    for x in (_base()[5:11], _base()[:6].clone(), _base()[1:7]):
+        out = cm(x)
+        torch.testing.assert_close(out, m(x), equal_nan=True)
+        assert out.data_ptr() != x.data_ptr()

@@ -99,16 +99,20 @@ def graph_happens_before(graph: Graph) -> HappensBefore:
     return HappensBefore([n.stream for n in graph.nodes], ordering_deps(graph))
 
 
-def layout_read_inputs(graph: Graph) -> FrozenSet[int]:
+def layout_read_inputs(graph: Graph, absolute_offset: bool = False) -> FrozenSet[int]:
     """Indices of ``graph``'s inputs whose memory layout some node's results depend on:
     a node that `reads_layout` (``as_strided``) reading the input or a value that may
     share its storage (a view of it). Such an input must reach the graph with the
-    example's strides: a contiguous copy would be read at other places than eager reads."""
+    example's strides: a contiguous copy would be read at other places than eager reads.
+    ``absolute_offset``: only those read by a node with an explicit ``storage_offset``
+    (absolute in the storage, traced from the example's offset; any ``as_strided*``
+    host fallback counts), whose input must also start at the example's offset."""
     roots = storage_roots(graph)
     index = {v.id: i for i, v in enumerate(graph.inputs)}
     out = set()
     for node in graph.nodes:
-        if reads_layout(node):
+        if reads_layout(node) and not (absolute_offset and node.op == "AsStrided"
+                                       and node.attrs.get("storage_offset") is None):
             for v in node.inputs:
                 out |= {index[r] for r in roots.get(v.id, ()) if r in index}
     return frozenset(out)

@@ -442,6 +442,7 @@ def _metadata(g, report, conv: Dict[str, Any], description: str, version: int) -
         "input_positions": conv["input_positions"],
         "baked": [[i, _enc(v, f"non-tensor input #{i}")] for i, v in conv["baked"].items()],
         "contiguous": conv["contiguous"], "concurrent_calls": conv["concurrent_calls"],
+        "storage_offsets": conv.get("storage_offsets"),
         "arg_names": conv.get("arg_names"),
     }
 
@@ -593,6 +594,7 @@ def read(path: str) -> Dict[str, Any]:
         baked = {i: _dec(v) for i, v in meta["baked"]}
         parts = dict(input_positions=meta["input_positions"], contiguous=meta["contiguous"],
                      concurrent_calls=meta["concurrent_calls"],
+                     storage_offsets=meta.get("storage_offsets"),   # absent in older files: 0
                      arg_names=meta.get("arg_names"))   # absent in older files: bound by position
         dynamic = _dec(meta.get("dynamic"))   # absent in version 1: static
         gears = meta.get("gears") or None
