@@ -87,14 +87,15 @@ def load(path: str):
     parts = read(path)
     parts.pop("metadata")
     dynamic, gears = parts.pop("dynamic"), parts.pop("gears")
-    offsets = parts.pop("storage_offsets") or []
+    offsets, strides = parts.pop("storage_offsets") or [], parts.pop("strides") or []
     if dynamic is None:
         cm = CompiledModel.from_parts(**parts)
-        cm._offsets = list(offsets)
+    else:
+        from .dynamic import DynamicCompiledModel
+        cm = DynamicCompiledModel.from_parts(**parts, dynamic=dynamic)
+    cm._offsets, cm._strides = list(offsets), [tuple(st) for st in strides]
+    if dynamic is None:
         return cm
-    from .dynamic import DynamicCompiledModel
-    cm = DynamicCompiledModel.from_parts(**parts, dynamic=dynamic)
-    cm._offsets = list(offsets)
     if gears:
         from .gears import setup_gears
         setup_gears(cm, gears["option"], gears["dims"], [tuple(g) for g in gears["values"]])

@@ -273,6 +273,7 @@ class CompiledModel:
         self._contig = [t.is_contiguous() for t in flat if isinstance(t, torch.Tensor)]
         # as_strided offsets are absolute: the examples' storage offsets were traced in
         self._offsets = [t.storage_offset() for t in flat if isinstance(t, torch.Tensor)]
+        self._strides = [tuple(t.stride()) for t in flat if isinstance(t, torch.Tensor)]
         # inputs an as_strided reads: a contiguous copy would be read at other places
         self._layout_read = layout_read_inputs(graph)
         self._offset_read = layout_read_inputs(graph, absolute_offset=True)
@@ -293,13 +294,14 @@ class CompiledModel:
         (pytree TreeSpecs or None), ``input_positions`` (flat indices of the tensor
         inputs), ``baked`` (flat index -> non-tensor value fixed at compile time),
         ``contiguous`` (per tensor input: was the example contiguous),
-        ``storage_offsets`` (per tensor input: the example's storage offset),
+        ``storage_offsets`` and ``strides`` (per tensor input: the example's),
         ``concurrent_calls`` (the executor pool's size) and ``arg_names`` (names of
         ``forward``'s positional parameters, None per positional-only one; None if
         unknown), by which calls are bound."""
         return {"in_spec": self._in_spec, "out_spec": self._out_spec,
                 "input_positions": self._positions, "baked": dict(self._baked),
                 "contiguous": list(self._contig), "storage_offsets": list(self._offsets),
+                "strides": [list(st) for st in self._strides],
                 "concurrent_calls": self.pool.size,
                 "arg_names": self._arg_names}
 
@@ -333,6 +335,13 @@ class CompiledModel:
                     "reads its memory layout (as_strided): the graph, compiled on a contiguous "
                     "example, would read other elements than eager does. Compile with an example "
                     "of this layout, or pass .contiguous() if that layout's result is meant")
+            st = self._strides[i] if i < len(self._strides) else None
+            if st is not None and not self._contig[i] and tuple(tensors[i].stride()) != tuple(st):
+                raise ValueError(
+                    f"{self._input_label(i)} has strides {tuple(tensors[i].stride())} (the "
+                    f"example's: {tuple(st)}) and the model reads its memory layout (as_strided): "
+                    "the graph would read other elements than eager does. Pass a tensor of the "
+                    "example's layout, or compile with an example of this one")
             want = self._offsets[i] if i < len(self._offsets) else 0
             if i in self._offset_read and tensors[i].storage_offset() != want:
                 raise ValueError(

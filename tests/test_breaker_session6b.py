@@ -250,3 +250,25 @@ def test_as_strided_relative_offset_takes_any_offset():
         out = cm(x)
         torch.testing.assert_close(out, m(x), equal_nan=True)
         assert out.data_ptr() != x.data_ptr()
+
+
+class _AsStridedOwnStrides(nn.Module):
+    def forward(self, x):
+        return x.as_strided((3, 4), x.stride()) * 2
+
+
+@pytest.mark.parametrize("how", ["static", "loaded"])
+def test_as_strided_transposed_example_refuses_other_strides(how, tmp_path):
+    """The example was transposed (strides (1, 3)): x.stride() was traced in. A contiguous
+    call read other elements than eager (silently wrong before); now refused."""
+    m = _AsStridedOwnStrides()
+    cm = opencann.compile(m, (torch.randn(4, 3).t(),))
+    if how == "loaded":
+        opencann.save(cm, str(tmp_path / "m.ocm"))
+        cm = opencann.load(str(tmp_path / "m.ocm"))
+    x = (torch.arange(12.0).reshape(4, 3) + 0.5).t()
+    x[0, 1] = float("nan")
+    torch.testing.assert_close(cm(x), m(x), equal_nan=True)
+    torch.testing.assert_close(cm(x), m(x), equal_nan=True)
+    with pytest.raises(ValueError, match=r"strides \(4, 1\) \(the example's: \(1, 3\)\)"):
+        cm(x.contiguous())

@@ -442,7 +442,7 @@ def _metadata(g, report, conv: Dict[str, Any], description: str, version: int) -
         "input_positions": conv["input_positions"],
         "baked": [[i, _enc(v, f"non-tensor input #{i}")] for i, v in conv["baked"].items()],
         "contiguous": conv["contiguous"], "concurrent_calls": conv["concurrent_calls"],
-        "storage_offsets": conv.get("storage_offsets"),
+        "storage_offsets": conv.get("storage_offsets"), "strides": conv.get("strides"),
         "arg_names": conv.get("arg_names"),
     }
 
@@ -595,6 +595,7 @@ def read(path: str) -> Dict[str, Any]:
         parts = dict(input_positions=meta["input_positions"], contiguous=meta["contiguous"],
                      concurrent_calls=meta["concurrent_calls"],
                      storage_offsets=meta.get("storage_offsets"),   # absent in older files: 0
+                     strides=meta.get("strides"),   # absent in older files: not checked
                      arg_names=meta.get("arg_names"))   # absent in older files: bound by position
         dynamic = _dec(meta.get("dynamic"))   # absent in version 1: static
         gears = meta.get("gears") or None
