@@ -41,7 +41,8 @@ channels-last tutorial.
 """
 from __future__ import annotations
 
-from typing import Dict, List, Optional
+from types import SimpleNamespace
+from typing import Dict, List, Optional, Set
 
 import torch
 
@@ -136,6 +137,23 @@ def _eager_nhwc(v: Value) -> bool:
     return all(a == b for a, b, n in zip(st, cl, shape) if n != 1)
 
 
+def _record(ctx: PassContext, nodes: List[Node], candidates: List[Node], used: Set[str],
+            detail: str) -> None:
+    """``ctx.applied(nodes, detail)`` with the rewrite's id rooted at a traced node: the
+    first label of the traced program (``meta["origin"]``) among ``candidates`` not yet
+    used by this pass (ids are unique and name nodes of the traced graph, as bisection
+    and ``disable_rewrites`` expect); the first of ``nodes`` when none is left."""
+    labels = [lab.partition(".")[0] for c in candidates for lab in (c.meta.get("origin") or ()) if lab]
+    label = next((lab for lab in labels if lab not in used), None)
+    if label is not None:
+        used.add(label)
+        ctx.root = SimpleNamespace(name=label)
+    try:
+        ctx.applied(nodes, detail)
+    finally:
+        ctx.root = None
+
+
 def _needs_nchw(u: Node, v: Value, fmt: Dict[int, Format]) -> str:
     """Why consumer ``u`` needs ``v`` (NHWC) in eager's layout; "" when it reads NHWC."""
     if u.op in _SEEDS and _conv_out(u, fmt) is not None and u.inputs[1] is not v:
@@ -167,8 +185,9 @@ class LayoutSelection(Pass):
                     n.meta["strides"] = list(st) + [None] * (len(n.outputs) - len(st))
                     n.meta.setdefault("eager_strides", list(n.meta["strides"]))
                     n.meta["strides"][k] = channels_last_strides(o.desc.shape)
-        regions = self._report_regions(graph, fmt, ctx)
-        inserted = self._insert(graph, fmt, ctx)
+        used: Set[str] = set()
+        regions = self._report_regions(graph, fmt, ctx, used)
+        inserted = self._insert(graph, fmt, ctx, used)
         eliminated = NpuLayoutSelection._eliminate(graph, ctx)
         dropped = NpuLayoutSelection._drop_dead(graph)
         kept = sum(1 for n in graph.nodes if n.op == "TransData")
@@ -187,7 +206,8 @@ class LayoutSelection(Pass):
                             "input TransData")
 
     @staticmethod
-    def _report_regions(graph: Graph, fmt: Dict[int, Format], ctx: PassContext) -> int:
+    def _report_regions(graph: Graph, fmt: Dict[int, Format], ctx: PassContext,
+                        used: Set[str]) -> int:
         """One report entry per connected NHWC region (its nodes); returns the count."""
         region: Dict[int, int] = {}
         members: Dict[int, List[Node]] = {}
@@ -208,12 +228,12 @@ class LayoutSelection(Pass):
                 region[o.id] = r
         for nodes in members.values():
             ops = sorted({m.op for m in nodes})
-            ctx.applied(nodes, f"NHWC for {len(nodes)} nodes ({', '.join(ops)}): oneDNN "
-                        "convolutions read and write it without reorders")
+            _record(ctx, nodes, nodes, used, f"NHWC for {len(nodes)} nodes ({', '.join(ops)}): "
+                    "oneDNN convolutions read and write it without reorders")
         return len(members)
 
     @staticmethod
-    def _insert(graph: Graph, fmt: Dict[int, Format], ctx: PassContext) -> int:
+    def _insert(graph: Graph, fmt: Dict[int, Format], ctx: PassContext, used: Set[str]) -> int:
         """TransData NHWC→NCHW before each consumer needing eager's layout (one per
         value, shared) and before NHWC graph outputs; returns the number inserted."""
         made: Dict[int, Value] = {}
@@ -223,14 +243,16 @@ class LayoutSelection(Pass):
                 if why:
                     if v.id not in made:
                         made[v.id] = _trans_to_nchw(graph, v, before=n)
-                        ctx.applied([made[v.id].producer, n], f"TransData NHWC→NCHW: {why}")
+                        t = made[v.id].producer
+                        _record(ctx, [t, n], [t, n], used, f"TransData NHWC→NCHW: {why}")
                     n.replace_input(v, made[v.id])
         for i, v in enumerate(graph.outputs):
             if fmt.get(v.id) == NHWC and not _eager_nhwc(v):
                 if v.id not in made:
                     made[v.id] = _trans_to_nchw(graph, v, before=None)
-                    ctx.applied([made[v.id].producer], "TransData NHWC→NCHW: a graph output, "
-                                "returned in eager's layout")
+                    t = made[v.id].producer
+                    _record(ctx, [t], [t, v.producer] + [u for u in v.users if u is not t], used,
+                            "TransData NHWC→NCHW: a graph output, returned in eager's layout")
                 graph.outputs[i] = made[v.id]
         return len(made)
 
