@@ -17,7 +17,8 @@ attributes: sources under ``L['self']``), found through each AOTAutograd placeho
 ``fw_metadata`` says the graph mutates (BatchNorm running statistics in train mode) or
 returns an alias of, as Inductor's ``replace_params_with_constants``
 (torch/_inductor/freezing.py) does, and minus inference tensors (no version counter)
-and tensor subclasses. Constants alias the module's memory (no copy).
+and tensor subclasses. Constants are snapshots (copies) of the module's tensors, as
+`opencann.compile`'s weights are.
 
 Guard (per call, on the tensors dynamo passes for the frozen inputs anyway): the tuple of
 their ``id``s, ``_version`` counters and ``data_ptr``s equals the one recorded at freezing,
@@ -30,7 +31,8 @@ After ``torch._dynamo.config.recompile_limit`` re-freezes of one graph, the tens
 changed again are kept as graph inputs (a WARNING says which). A write through ``.data``
 (``p.data.copy_(t)``) is the one change torch does not record (``.data`` has its own
 version counter, which is why autograd cannot see it either): it is not seen, as with
-Inductor's freezing; write under ``torch.no_grad()`` (``p.copy_(t)``) or compile with
+Inductor's freezing: every output then keeps the old weights' value (the snapshot, never a
+mix); write under ``torch.no_grad()`` (``p.copy_(t)``) or compile with
 ``options={"freezing": False}``.
 """
 from __future__ import annotations
@@ -162,8 +164,12 @@ class FrozenGraph:
 
     def _build(self, tensors: List[torch.Tensor]) -> _Frozen:
         """Compile with ``tensors`` frozen at ``self._positions``; cache and return it."""
+        # snapshots, as `opencann.compile`'s weights: a write the guard cannot see (through
+        # ``.data``) then leaves every output at the old weights' value, never a mix of
+        # folded-stale and live-aliased weights
+        snap = [t.detach().clone() for t in tensors]
         run = compile_fx(self._g, self._inputs, self._options or None,
-                         constants=dict(zip(self._positions, tensors)))
+                         constants=dict(zip(self._positions, snap)))
         state = _Frozen(tensors, run)
         seen = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
         run.report.torch_compile["frozen"] = {
