@@ -275,8 +275,12 @@ class CompiledModel:
         self._offsets = [t.storage_offset() for t in flat if isinstance(t, torch.Tensor)]
         self._strides = [tuple(t.stride()) for t in flat if isinstance(t, torch.Tensor)]
         # inputs an as_strided reads: a contiguous copy would be read at other places
-        self._layout_read = layout_read_inputs(graph)
-        self._offset_read = layout_read_inputs(graph, absolute_offset=True)
+        # ... and inputs whose layout the model's own code queried while it was captured
+        queried = graph.meta.get("layout_queries") or {}
+        self._layout_read = (layout_read_inputs(graph) | frozenset(queried.get("layout", ()))
+                             | frozenset(queried.get("offset", ())))
+        self._offset_read = (layout_read_inputs(graph, absolute_offset=True)
+                             | frozenset(queried.get("offset", ())))
         # weights are a snapshot (folded, prepacked, copied): detect in-place changes of
         # the module's tensors (weak references: the compiled model never keeps them alive)
         self._frozen = [(n, weakref.ref(t), t._version) for n, t in (frozen or [])]
@@ -332,22 +336,25 @@ class CompiledModel:
             if made[i] is not tensors[i]:
                 raise ValueError(
                     f"{self._input_label(i)} has strides {tuple(tensors[i].stride())} and the model "
-                    "reads its memory layout (as_strided): the graph, compiled on a contiguous "
+                    "reads its memory layout (as_strided, or x.stride()/x.is_contiguous() in its code): "
+                    "the graph, compiled on a contiguous "
                     "example, would read other elements than eager does. Compile with an example "
                     "of this layout, or pass .contiguous() if that layout's result is meant")
             st = self._strides[i] if i < len(self._strides) else None
             if st is not None and not self._contig[i] and tuple(tensors[i].stride()) != tuple(st):
                 raise ValueError(
                     f"{self._input_label(i)} has strides {tuple(tensors[i].stride())} (the "
-                    f"example's: {tuple(st)}) and the model reads its memory layout (as_strided): "
+                    f"example's: {tuple(st)}) and the model reads its memory layout (as_strided, or "
+                    "x.stride()/x.is_contiguous() in its code): "
                     "the graph would read other elements than eager does. Pass a tensor of the "
                     "example's layout, or compile with an example of this one")
             want = self._offsets[i] if i < len(self._offsets) else 0
             if i in self._offset_read and tensors[i].storage_offset() != want:
                 raise ValueError(
                     f"{self._input_label(i)} starts at storage offset {tensors[i].storage_offset()} "
-                    f"(the example's: {want}) and the model reads its memory layout (as_strided, "
-                    "whose offsets are absolute and were traced from the example's): the graph "
+                    f"(the example's: {want}) and the model reads its memory layout (as_strided "
+                    "with an absolute offset, or x.storage_offset() in its code: traced from the "
+                    "example's): the graph "
                     "would read other elements than eager does. Pass x.clone(), or compile with "
                     "an example at this offset")
         return made

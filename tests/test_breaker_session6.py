@@ -173,11 +173,12 @@ def test_dynamic_size_as_a_value_with_static_tensors(fn, tmp_path):
 @pytest.mark.parametrize("fn", list(_SIZES.values()), ids=list(_SIZES))
 def test_torch_compile_dynamic_size_as_a_value_with_static_tensors(fn):
     torch._dynamo.reset()
+    before = len(opencann.dynamo.eager_fallbacks())   # other tests' fallbacks stay listed
     cf = torch.compile(fn, backend="opencann", dynamic=True)
     for n in (3, 5, 7):
         x = _x(n, 3, seed=n)
         torch.testing.assert_close(cf(x), fn(x), equal_nan=True)
-    assert opencann.dynamo.eager_fallbacks() == []
+    assert opencann.dynamo.eager_fallbacks()[before:] == []
 
 
 # -- as_strided reads the memory layout: a caller's transposed tensor made contiguous --
@@ -206,7 +207,7 @@ def test_as_strided_of_an_input_in_another_layout_is_refused(fn, tmp_path):
     for c in (cm, opencann.load(tmp_path / "m.ocm")):
         for make in (_transposed, _strided):
             with pytest.raises(ValueError, match=r"input 'x' \(argument #0\) has strides .* "
-                                                 r"reads its memory layout \(as_strided\)"):
+                                                 r"reads its memory layout \(as_strided"):
                 c(make())
         for n in range(2):                       # contiguous calls: eager's values and writes
             rx, gx = _x(4, 6, seed=n), _x(4, 6, seed=n)

@@ -272,3 +272,59 @@ def test_as_strided_transposed_example_refuses_other_strides(how, tmp_path):
     torch.testing.assert_close(cm(x), m(x), equal_nan=True)
     with pytest.raises(ValueError, match=r"strides \(4, 1\) \(the example's: \(1, 3\)\)"):
         cm(x.contiguous())
+
+
+# -- the model's own code asks an input's layout (is_contiguous, stride, storage_offset) ----
+# torch.export bakes the answer for the example's layout; a call in another layout would get
+# the example layout's branch / number silently. Such inputs must come in the example's layout.
+
+class _Branch(nn.Module):
+    def forward(self, x):
+        return x * 2 if x.is_contiguous() else x * 3
+
+
+class _Stride(nn.Module):
+    def forward(self, x):
+        return x * x.stride(0)
+
+
+class _ViewStride(nn.Module):      # the query on a view of the input
+    def forward(self, x):
+        return x + 1 if x[:, :2].t().is_contiguous() else x - 1
+
+
+class _Offset(nn.Module):
+    def forward(self, x):
+        return x + x.storage_offset()
+
+
+class _Plain(nn.Module):           # no query: any layout is accepted and matches eager
+    def forward(self, x):
+        return torch.relu(x) * 2
+
+
+@pytest.mark.parametrize("m", [_Branch(), _Stride(), _ViewStride(), _Offset()],
+                         ids=["is_contiguous", "stride", "view_query", "storage_offset"])
+def test_layout_queried_in_model_code_needs_the_examples_layout(m, tmp_path):
+    x = torch.randn(3, 4)
+    x[0, 1] = float("nan")
+    cm = opencann.compile(m, (x,))
+    opencann.save(cm, tmp_path / "m.ocm")
+    for c in (cm, opencann.load(tmp_path / "m.ocm")):
+        for _ in range(2):                                   # example layout: eager's values
+            y = torch.randn(3, 4)
+            torch.testing.assert_close(c(y), m(y), equal_nan=True)
+        bad = [torch.randn(4, 3).t()] + ([torch.randn(5, 4)[1:4]] if isinstance(m, _Offset) else [])
+        for b in bad:
+            with pytest.raises(ValueError, match=r"reads its memory layout"):
+                c(b)
+
+
+def test_no_layout_query_accepts_any_layout():
+    m = _Plain()
+    cm = opencann.compile(m, (torch.randn(3, 4),))
+    for b in (torch.randn(4, 3).t(), torch.randn(5, 4)[1:4], torch.randn(3, 8)[:, ::2]):
+        out = cm(b)
+        torch.testing.assert_close(out, m(b))
+        out.add_(1)                                          # independent of the input
+        torch.testing.assert_close(cm(b), m(b))

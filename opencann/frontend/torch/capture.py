@@ -37,6 +37,7 @@ import torch
 
 from ...ir.types import DataType
 from .dynamic import constraint_violation
+from .layout_queries import LayoutQueries
 
 # Kept whole: SDPA (torch.export's form) and the CPU flash kernel it lowers to under
 # dynamo/AOTAutograd. The latter's decomposition ends in permute → clone → permute and
@@ -141,8 +142,11 @@ def _capture(model, args, kwargs, dynamic_shapes=None):
         with torch.no_grad(), warnings.catch_warnings(), _quiet_torch_logs():
             # torch-internal deprecation noise from export's own pytree use
             warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
-            ep = torch.export.export(model, args, kwargs or {}, strict=False,
-                                     dynamic_shapes=dynamic_shapes)
+            queries = LayoutQueries()   # the model's own layout queries on its inputs
+            with queries:
+                ep = torch.export.export(model, args, kwargs or {}, strict=False,
+                                         dynamic_shapes=dynamic_shapes)
+            read = queries.user_inputs(ep)
             t1 = time.perf_counter()
             # decomposing re-traces the program: it fails too (an input's metadata
             # changed in place: AOTAutograd's mutation-count assertion)
@@ -150,7 +154,8 @@ def _capture(model, args, kwargs, dynamic_shapes=None):
             # can re-derive a value with others (see convert._record_eager_strides)
             eager = _user_output_strides(ep)
             ep = ep.run_decompositions(decomposition_table())
-            next(n for n in ep.graph.nodes if n.op == "output").meta["eager_strides"] = eager
+            out = next(n for n in ep.graph.nodes if n.op == "output")
+            out.meta["eager_strides"], out.meta["layout_queries"] = eager, read
     except Exception as e:  # noqa: BLE001 - re-raised with advice
         raise CaptureError(_explain(model, args, kwargs or {}, e)) from None
     t2 = time.perf_counter()

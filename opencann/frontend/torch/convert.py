@@ -327,6 +327,17 @@ def _custom_object_error(node: fx.Node, spec) -> str:
             "backend='opencann'), which runs such parts eagerly")
 
 
+def _note_layout_query(graph: Graph, ep: torch.export.ExportedProgram, name: str) -> None:
+    """Before input ``name`` is added: record its index in ``graph.meta["layout_queries"]``
+    ("layout" / "offset" -> list of input indices; saved with the graph in model files) when the model's code asked its layout
+    during capture (`opencann.frontend.torch.layout_queries`)."""
+    read = next(n for n in ep.graph.nodes if n.op == "output").meta.get("layout_queries") or {}
+    q = graph.meta.setdefault("layout_queries", {"layout": [], "offset": []})
+    for kind, names in read.items():
+        if name in names:
+            q.setdefault(kind, []).append(len(graph.inputs))
+
+
 def from_exported_program(ep: torch.export.ExportedProgram, name: str = "model",
                           check: bool = True) -> Graph:
     """Convert a (decomposed) ExportedProgram into an IR Graph.
@@ -367,6 +378,7 @@ def from_exported_program(ep: torch.export.ExportedProgram, name: str = "model",
                 t = _resolve_const(ep, spec.target)
                 env[node] = graph.add_const(t, name=spec.target)
             elif isinstance(node.meta.get("val"), torch.Tensor):
+                _note_layout_query(graph, ep, node.name)
                 env[node] = graph.add_input(_desc(node.meta["val"], node.name), name=node.name)
             else:
                 env[node] = node.meta.get("val")
