@@ -30,6 +30,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import opencann  # noqa: E402
 from opencann import zoo  # noqa: E402
+from opencann.devices.cpu import best_time_us  # noqa: E402
 
 _RESNET50 = [(64, 256, 3, 1), (128, 512, 4, 2), (256, 1024, 6, 2), (512, 2048, 3, 2)]
 
@@ -48,13 +49,7 @@ def resnet50_convs():
 
 
 def _best_ms(fn, reps=7):
-    fn()
-    best = float("inf")
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best * 1e3
+    return best_time_us(fn, reps) / 1e3
 
 
 def convs(batch: int) -> None:
