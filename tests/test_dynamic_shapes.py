@@ -13,6 +13,7 @@ import torch.utils._pytree as pytree
 
 import opencann
 from opencann import zoo
+from opencann.devices.cpu_special_values import special_values_differ
 from opencann.ir.specialise import specialise
 from opencann.ir.symbolic import SymExpr, bind, holds, symbols_of
 from opencann.passes import ConstantFolding
@@ -491,7 +492,9 @@ def test_pattern_fusions_on_symbolic_shapes():
     cm = opencann.compile(m, (torch.randn(2, 8, 16),),
                           dynamic_shapes={"x": {0: "batch", 1: "seq"}})
     ops = cm.report.op_counts_after
-    assert ops.get("RmsNorm") == 1 and ops.get("LayerNorm") == 1 and ops.get("Gelu") == 2, ops
+    # a GELU form stays spelled out on a CPU whose kernel misplaces NaN/±inf (AVX-512's +inf)
+    gelus = sum(special_values_differ(a, torch.float32) is None for a in ("gelu", "gelu_tanh"))
+    assert ops.get("RmsNorm") == 1 and ops.get("LayerNorm") == 1 and ops.get("Gelu") == gelus, ops
     for shape in [(2, 8, 16), (1, 13, 16), (3, 5, 16), (1, 13, 16)]:
         x = torch.randn(*shape)
         x[0, 0, 0] = float("nan")

@@ -10,8 +10,17 @@ import pytest
 import torch
 
 import opencann
+from opencann.devices.cpu_special_values import special_values_differ
 
 G = torch.Generator().manual_seed(0)
+# the activation each formula fusion rewrites to: skipped (with the probe's reason) on a
+# CPU whose kernels of it put NaN/±inf elsewhere than the formula (oneDNN's AVX-512 GELU)
+ACT_OF = {"fuse_silu": "silu", "fuse_gelu_tanh": "gelu_tanh", "fuse_gelu_erf": "gelu"}
+
+
+def kernel_differs(pass_name, dtype=torch.float32):
+    """The probe's reason when ``pass_name`` must not fire on this CPU, else None."""
+    return special_values_differ(ACT_OF[pass_name], dtype) if pass_name in ACT_OF else None
 
 
 class Fn(torch.nn.Module):
@@ -93,8 +102,12 @@ def test_pattern_fires_and_matches_eager(f, pass_name):
     x = torch.randn(2, 3, 8, generator=G) * 3
     cm = opencann.compile(m, (x,), options={"verify": True})
     applied = [a for a in cm.report.applied if a["pass"] == pass_name]
-    assert applied, [(a["pass"], a["detail"]) for a in cm.report.applied]
-    if f is linear_silu:
+    why = kernel_differs("fuse_silu" if f is linear_silu else pass_name)
+    if why:
+        assert not applied and why in [s["reason"] for s in cm.report.skipped]
+    else:
+        assert applied, [(a["pass"], a["detail"]) for a in cm.report.applied]
+    if f is linear_silu and not why:
         assert applied[0]["detail"] == "Linear+bias+silu"
     with torch.no_grad():
         for inp in (x, special(x), torch.randn(2, 3, 8, generator=G)):
@@ -143,7 +156,8 @@ def test_llama_config_compiles_with_the_fusions_and_matches_eager():
     ids = torch.randint(0, 50, (1, 8), generator=G)
     cm = opencann.compile(m, (ids,), options={"verify": True})
     fired = {a["pass"] for a in cm.report.applied}
-    assert {"fuse_silu", "fuse_rms_norm", "fuse_gated_mlp"} <= fired
+    assert {"fuse_rms_norm", "fuse_gated_mlp"} <= fired
+    assert ("fuse_silu" in fired) is not bool(kernel_differs("fuse_silu"))
     with torch.no_grad():
         torch.testing.assert_close(cm(ids)[0], m(ids).logits, rtol=1e-4, atol=1e-5)
 
@@ -155,9 +169,10 @@ def test_gpt2_config_fuses_the_spelled_out_gelu_into_the_linear():
                                                        vocab_size=50, use_cache=False)).eval()
     ids = torch.randint(0, 50, (1, 8), generator=G)
     cm = opencann.compile(m, (ids,), options={"verify": True})
-    assert [a["detail"] for a in cm.report.applied if a["pass"] == "fuse_gelu_tanh"]
-    assert any(a["detail"] == "Linear+bias+gelu_tanh" for a in cm.report.applied)
-    assert "Tanh" not in cm.report.op_counts_after
+    if not kernel_differs("fuse_gelu_tanh"):
+        assert [a["detail"] for a in cm.report.applied if a["pass"] == "fuse_gelu_tanh"]
+        assert any(a["detail"] == "Linear+bias+gelu_tanh" for a in cm.report.applied)
+        assert "Tanh" not in cm.report.op_counts_after
     with torch.no_grad():
         torch.testing.assert_close(cm(ids)[0], m(ids).last_hidden_state, rtol=1e-4, atol=1e-5)
 

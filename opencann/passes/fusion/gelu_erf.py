@@ -5,7 +5,9 @@ Hendrycks & Gimpel 2016, "Gaussian Error Linear Units" (arXiv:1606.08415).
 Rounding: ATen multiplies by 1/√2 where the spelled-out form divides by √2; the two differ
 by at most 4.8e-7 absolute in fp32 (randn·3), largest in the negative tail where eager's
 1 + erf(z) cancels; the fused value is the closer one to the fp64 formula. NaN and ±inf
-positions are eager's (a -0.0 of eager's may come out +0.0)."""
+positions are eager's (a -0.0 of eager's may come out +0.0): on a CPU whose exact GELU
+kernels map +inf to NaN (oneDNN's AVX-512 code, pytorch/pytorch#185770) the spelled-out
+form is kept, with the reason in the report (`special_values_differ`)."""
 from __future__ import annotations
 
 import math
@@ -13,7 +15,7 @@ import math
 from ...ir import Graph, Node
 from ..base import PassContext, RewritePass, Skip
 from .gelu_tanh import _GeluMatch, gelu_factors, gelu_rewrite
-from .match import close, producer, read_outside, scalar_operand
+from .match import close, producer, read_outside, scalar_operand, special_values_differ
 
 
 class FuseGeluErf(RewritePass):
@@ -41,7 +43,8 @@ class FuseGeluErf(RewritePass):
         else:
             return Skip(f"the erf's argument is not {x}/√2")
         nodes.append(arg)
-        return read_outside(graph, nodes, root, "GELU") or _GeluMatch(root, x, nodes)
+        return read_outside(graph, nodes, root, "GELU") or special_values_differ(x, "gelu") \
+            or _GeluMatch(root, x, nodes)
 
     def rewrite(self, graph: Graph, m: _GeluMatch, ctx: PassContext) -> int:
         """Replace the matched nodes by one `Gelu` node (approximate='none'); returns the

@@ -7,7 +7,8 @@ Linear+GELU for `FuseLinearAct` after it. Source of the formula: Hendrycks & Gim
 Rounding: eager's spelled-out form loses digits where 1 + tanh(z) cancels (x < -3); ATen's
 kernel evaluates the same formula in one pass. The two differ by at most 2.4e-7 absolute
 in fp32 (measured on randn·3); the fused value is the closer one to the fp64 formula
-(tests/test_pattern_fusions.py). NaN and ±inf positions are eager's."""
+(tests/test_pattern_fusions.py). NaN and ±inf positions are eager's: the rewrite is skipped
+on a CPU whose GELU kernels place them elsewhere (`special_values_differ`)."""
 from __future__ import annotations
 
 import math
@@ -16,7 +17,8 @@ from typing import List
 
 from ...ir import Graph, Node, TensorRef
 from ..base import PassContext, RewritePass, Skip
-from .match import close, factors, producer, read_outside, replace_with, scalar_operand
+from .match import (close, factors, producer, read_outside, replace_with, scalar_operand,
+                    special_values_differ)
 
 SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 CUBIC = 0.044715
@@ -87,7 +89,8 @@ class FuseGeluTanh(RewritePass):
         if not close(c[1], CUBIC):
             return Skip(f"the cubic coefficient is {c[1]:g}, GELU's is 0.044715")
         nodes += [producer(tanh.inputs[0]), u, producer(cube_term), pw]
-        return read_outside(graph, nodes, root, "GELU") or _GeluMatch(root, x, nodes)
+        return read_outside(graph, nodes, root, "GELU") or special_values_differ(x, "gelu_tanh") \
+            or _GeluMatch(root, x, nodes)
 
     def rewrite(self, graph: Graph, m: _GeluMatch, ctx: PassContext) -> int:
         """Replace the matched nodes by one `Gelu` node (approximate='tanh'); returns the

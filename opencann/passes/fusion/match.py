@@ -1,14 +1,16 @@
 """What the pattern fusions (SiLU, GELU, RMSNorm, LayerNorm, gated MLP) share: reading
 a node as "tensor op scalar", the operands of a commutative product, the nodes of a
-matched subgraph that nothing outside reads, and replacing a matched subgraph by one
-node. Scalars arrive as literal attributes (``Mul(%x; other=0.5)``, make_fx keeps Python
-numbers) or as one-element constants; both read the same here."""
+matched subgraph that nothing outside reads, whether this CPU's kernel keeps the
+formula's NaN and ±inf, and replacing a matched subgraph by one node. Scalars arrive as
+literal attributes (``Mul(%x; other=0.5)``, make_fx keeps Python numbers) or as
+one-element constants; both read the same here."""
 from __future__ import annotations
 
 from typing import Any, Iterable, List, Optional, Sequence, Tuple
 
 import sympy
 
+from ...devices.cpu_special_values import special_values_differ as _differ
 from ...ir import Graph, Node, Value, numel
 from ...ir.symbolic import as_expr
 from ..base import Skip
@@ -103,6 +105,15 @@ def read_outside(graph: Graph, nodes: Sequence[Node], root: Node, what: str) -> 
         return None
     return Skip(f"{out[1]} ({out[0].op}) is read outside the {what}: fusing would compute "
                 "it twice")
+
+
+def special_values_differ(x, act: str):
+    """A `Skip` when this CPU's kernels of ``act`` ("gelu", "gelu_tanh", "silu") give NaN
+    or ±inf elsewhere than the spelled-out formula for ``x``'s dtype
+    (`opencann.devices.cpu_special_values`: oneDNN's AVX-512 exact GELU maps +inf to NaN),
+    else None: the rewrite would change eager's special values."""
+    why = _differ(act, x.desc.dtype.torch)
+    return Skip(why) if why else None
 
 
 def contiguous_strides(shape: Sequence[Any]) -> List[Any]:

@@ -1,0 +1,194 @@
+"""The formula fusions (spelled-out GELU in erf and tanh form, x·sigmoid(x)) keep eager's
+NaN and ±inf on every CPU: they rewrite only where this CPU's kernels of the fused op
+place NaN and ±inf as the formula does (`opencann.devices.cpu_special_values`).
+
+CI found the fault this guards: on an AVX-512 machine oneDNN's exact GELU, which ATen uses
+for contiguous fp32 tensors, returns NaN for +inf (pytorch/pytorch#185770), so the fused
+``0.5·x·(1 + erf(x/√2))`` gave NaN where eager gave +inf. This machine (AVX2) does not
+show it, so a simulated kernel with that fault stands in for it here (`_with_kernel`); the
+end-to-end tests at the bottom run on whatever CPU runs them and compare with eager."""
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import opencann
+from opencann.devices import cpu_special_values as csv
+
+NAN, INF = float("nan"), float("inf")
+
+
+def gelu_erf(x):
+    return 0.5 * x * (1.0 + torch.erf(x / math.sqrt(2.0)))
+
+
+def gelu_tanh(x):
+    return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(x, 3.0))))
+
+
+def silu(x):
+    return x * torch.sigmoid(x)
+
+
+FORMS = {"gelu": (gelu_erf, "fuse_gelu_erf"), "gelu_tanh": (gelu_tanh, "fuse_gelu_tanh"),
+         "silu": (silu, "fuse_silu")}
+
+
+@pytest.fixture
+def fresh_probe():
+    csv.special_values_differ.cache_clear()
+    yield
+    csv.special_values_differ.cache_clear()
+
+
+def _with_kernel(monkeypatch, act, name, fn):
+    """Make the probe also see kernel ``fn`` (named ``name``) for ``act``."""
+    real = csv._kernels
+
+    def kernels(a, dtype):
+        yield from real(a, dtype)
+        if a == act:
+            yield name, fn
+    monkeypatch.setattr(csv, "_kernels", kernels)
+
+
+def _nan_at_posinf(x):  # oneDNN's AVX-512 exact GELU (pytorch/pytorch#185770)
+    return torch.where(torch.isposinf(x), torch.full_like(x, NAN), F.gelu(x))
+
+
+def _zero_at_neginf(x):  # ATen's GELU after the fix proposed in pytorch/pytorch#192318
+    return torch.where(torch.isneginf(x), torch.zeros_like(x), F.gelu(x))
+
+
+# -- the probe ----------------------------------------------------------------------
+
+def test_probe_names_a_kernel_that_turns_posinf_into_nan(monkeypatch, fresh_probe):
+    _with_kernel(monkeypatch, "gelu", "simulated AVX-512 gelu", _nan_at_posinf)
+    why = csv.special_values_differ("gelu", torch.float32)
+    assert why.startswith("simulated AVX-512 gelu gives gelu(inf) = nan on this CPU where "
+                          "the spelled-out formula gives inf"), why
+    assert csv.special_values_differ("gelu_tanh", torch.float32) is None or "gelu_tanh" in \
+        csv.special_values_differ("gelu_tanh", torch.float32)
+
+
+def test_probe_names_a_kernel_that_gives_zero_for_neginf(monkeypatch, fresh_probe):
+    _with_kernel(monkeypatch, "gelu", "fixed gelu", _zero_at_neginf)
+    why = csv.special_values_differ("gelu", torch.float32)
+    assert why.startswith("fixed gelu gives gelu(-inf) = 0 on this CPU where the spelled-out "
+                          "formula gives nan"), why
+
+
+def test_probe_reports_a_kernel_that_raises(monkeypatch, fresh_probe):
+    def raises(x):
+        raise RuntimeError("no kernel for this dtype\nsecond line")
+    _with_kernel(monkeypatch, "silu", "broken silu", raises)
+    assert csv.special_values_differ("silu", torch.bfloat16) == \
+        "broken silu fails for torch.bfloat16 on this CPU (no kernel for this dtype)"
+
+
+def test_probe_agrees_with_atens_gelu_on_this_cpu(fresh_probe):
+    """When the probe finds no difference, ATen's GELU on a contiguous tensor gives +inf for
+    +inf and NaN for -inf and NaN here, as the formula does."""
+    x = torch.randn(1000)
+    x[[0, 500, 999]] = torch.tensor([INF, -INF, NAN])
+    for act, approximate in (("gelu", "none"), ("gelu_tanh", "tanh")):
+        if csv.special_values_differ(act, torch.float32) is None:
+            y = F.gelu(x, approximate=approximate)
+            assert y[0] == INF and y[500].isnan() and y[999].isnan()
+
+
+def test_formula_is_the_spelled_out_form():
+    x = torch.tensor([-3.0, -0.5, 0.0, 0.7, 2.0, INF, -INF, NAN])
+    for act, (f, _) in FORMS.items():
+        torch.testing.assert_close(csv.formula(x, act), f(x), rtol=0, atol=0, equal_nan=True)
+    with pytest.raises(KeyError):
+        csv.formula(x, "relu6")
+
+
+# -- the fusions on a CPU whose kernel differs (simulated) --------------------------
+
+class After(torch.nn.Module):
+    """``form(layer(x))``: the spelled-out activation after a Linear, a Conv2d or nothing."""
+
+    def __init__(self, form, layer=None):
+        super().__init__()
+        torch.manual_seed(0)
+        self.form, self.layer = form, layer or torch.nn.Identity()
+
+    def forward(self, x):
+        return self.form(self.layer(x))
+
+
+def _specials(shape, seed=0):
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(seed)) * 3
+    flat = x.view(-1)
+    flat[:3] = torch.tensor([NAN, INF, -INF])
+    flat[-1] = 1e-40
+    return x
+
+
+def check(got, want):
+    """Eager's NaN positions and infinities exactly; values within 1e-5 (fp32) or two bf16
+    ulps (the fused op rounds once where eager rounds after every op)."""
+    assert torch.equal(got.isnan(), want.isnan()), "NaN positions differ"
+    inf = want.isinf()
+    assert torch.equal(got.isinf(), inf) and torch.equal(got[inf], want[inf]), "inf differs"
+    tol = 1e-5 if got.dtype == torch.float32 else 1.6e-2
+    torch.testing.assert_close(got, want, rtol=tol, atol=tol, equal_nan=True)
+
+
+def _compile_and_check(m, x, dtype=torch.float32):
+    m = m.to(dtype).eval()
+    x = x.to(dtype)
+    cm = opencann.compile(m, (x,), options={"verify": True})
+    with torch.no_grad():
+        for inp in (x, _specials(x.shape, seed=1).to(dtype)):
+            first = cm(inp)
+            keep = first.clone()
+            check(first, m(inp))
+            check(cm(inp), m(inp))
+            torch.testing.assert_close(first, keep, rtol=0, atol=0, equal_nan=True)
+    return cm
+
+
+LAYERS = {"alone": lambda: None, "linear": lambda: torch.nn.Linear(8, 8),
+          "conv": lambda: torch.nn.Conv2d(2, 2, 1)}
+SHAPES = {"alone": (2, 3, 8), "linear": (4, 8), "conv": (1, 2, 4, 5)}
+
+
+@pytest.mark.parametrize("where", list(LAYERS))
+def test_spelled_out_gelu_is_kept_where_the_kernel_turns_inf_into_nan(where, monkeypatch,
+                                                                      fresh_probe):
+    _with_kernel(monkeypatch, "gelu", "simulated AVX-512 gelu", _nan_at_posinf)
+    cm = _compile_and_check(After(gelu_erf, LAYERS[where]()), _specials(SHAPES[where]))
+    assert not [a for a in cm.report.applied if a["pass"] == "fuse_gelu_erf"]
+    reasons = [s["reason"] for s in cm.report.skipped if s["pass"] == "fuse_gelu_erf"]
+    assert reasons and reasons[0].startswith("simulated AVX-512 gelu gives gelu(inf) = nan")
+    assert "Erf" in cm.report.op_counts_after and "Gelu" not in cm.report.op_counts_after
+    assert not any(n.attrs.get("act") == "gelu" for n in cm.graph.nodes)
+
+
+@pytest.mark.parametrize("act", ["gelu_tanh", "silu"])
+def test_other_formula_fusions_are_kept_where_their_kernel_differs(act, monkeypatch, fresh_probe):
+    _with_kernel(monkeypatch, act, f"simulated {act}",
+                 lambda x: torch.where(torch.isposinf(x), torch.full_like(x, NAN), csv.formula(x, act)))
+    form, pass_name = FORMS[act]
+    cm = _compile_and_check(After(form, torch.nn.Linear(8, 8)), _specials((4, 8)))
+    assert not [a for a in cm.report.applied if a["pass"] == pass_name]
+    assert [s for s in cm.report.skipped if s["pass"] == pass_name and
+            s["reason"].startswith(f"simulated {act} gives {act}(inf) = nan")]
+
+
+# -- on this CPU, whatever it is ----------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("where", list(LAYERS))
+@pytest.mark.parametrize("act", list(FORMS))
+def test_formula_fusions_match_eager_at_nan_and_inf_here(act, where, dtype, fresh_probe):
+    """Each spelled-out form after nothing, a Linear and a Conv2d: eager's NaN and ±inf,
+    fused where this CPU's kernels allow it (the report says which), kept otherwise."""
+    form, pass_name = FORMS[act]
+    cm = _compile_and_check(After(form, LAYERS[where]()), _specials(SHAPES[where]), dtype)
+    fired = [a for a in cm.report.applied if a["pass"] == pass_name]
+    assert bool(fired) is (csv.special_values_differ(act, dtype) is None)
