@@ -43,13 +43,14 @@ def fresh_probe():
 
 
 def _with_kernel(monkeypatch, act, name, fn):
-    """Make the probe also see kernel ``fn`` (named ``name``) for ``act``."""
+    """Make the probe see kernel ``fn`` (named ``name``) for ``act`` before this CPU's
+    own (so its reason is the one reported on any CPU)."""
     real = csv._kernels
 
     def kernels(a, dtype):
-        yield from real(a, dtype)
         if a == act:
             yield name, fn
+        yield from real(a, dtype)
     monkeypatch.setattr(csv, "_kernels", kernels)
 
 
@@ -67,9 +68,7 @@ def test_probe_names_a_kernel_that_turns_posinf_into_nan(monkeypatch, fresh_prob
     _with_kernel(monkeypatch, "gelu", "simulated AVX-512 gelu", _nan_at_posinf)
     why = csv.special_values_differ("gelu", torch.float32)
     assert why.startswith("simulated AVX-512 gelu gives gelu(inf) = nan on this CPU where "
-                          "the spelled-out formula gives inf"), why
-    assert csv.special_values_differ("gelu_tanh", torch.float32) is None or "gelu_tanh" in \
-        csv.special_values_differ("gelu_tanh", torch.float32)
+                          "the spelled-out formula gives inf (pytorch/pytorch#185770)"), why
 
 
 def test_probe_names_a_kernel_that_gives_zero_for_neginf(monkeypatch, fresh_probe):
@@ -165,6 +164,7 @@ def test_spelled_out_gelu_is_kept_where_the_kernel_turns_inf_into_nan(where, mon
     assert not [a for a in cm.report.applied if a["pass"] == "fuse_gelu_erf"]
     reasons = [s["reason"] for s in cm.report.skipped if s["pass"] == "fuse_gelu_erf"]
     assert reasons and reasons[0].startswith("simulated AVX-512 gelu gives gelu(inf) = nan")
+    assert reasons[0].endswith("(pytorch/pytorch#185770): the spelled-out form is kept")
     assert "Erf" in cm.report.op_counts_after and "Gelu" not in cm.report.op_counts_after
     assert not any(n.attrs.get("act") == "gelu" for n in cm.graph.nodes)
 
@@ -192,3 +192,42 @@ def test_formula_fusions_match_eager_at_nan_and_inf_here(act, where, dtype, fres
     cm = _compile_and_check(After(form, LAYERS[where]()), _specials(SHAPES[where]), dtype)
     fired = [a for a in cm.report.applied if a["pass"] == pass_name]
     assert bool(fired) is (csv.special_values_differ(act, dtype) is None)
+
+
+# -- model files: a fusion made on one CPU is not run where its kernel differs -----
+
+@pytest.mark.parametrize("act", list(FORMS))
+def test_model_file_with_a_formula_fusion_is_refused_where_the_kernel_differs(
+        act, tmp_path, monkeypatch, fresh_probe):
+    form, pass_name = FORMS[act]
+    m = After(form, torch.nn.Linear(8, 8)).eval()
+    x = _specials((4, 8))
+    cm = opencann.compile(m, (x,))
+    if csv.special_values_differ(act, torch.float32) is not None:
+        pytest.skip(f"{act} is not fused on this CPU")
+    assert [act, "float32"] in cm.graph.meta["formula_kernels"]
+    path = str(tmp_path / "m.ocm")
+    opencann.save(cm, path)
+    with torch.no_grad():
+        check(opencann.load(path)(x), m(x))          # the same CPU: loads and runs
+    csv.special_values_differ.cache_clear()
+    _with_kernel(monkeypatch, act, f"simulated {act}",
+                 lambda t: torch.where(torch.isposinf(t), torch.full_like(t, NAN), csv.formula(t, act)))
+    with pytest.raises(opencann.ModelFileError) as e:
+        opencann.load(path)
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith(f"m.ocm runs a spelled-out {act} (float32) as one "
+                                               f"kernel, but simulated {act} gives {act}(inf) = nan")
+    assert msg.endswith("recompile the model on this machine")
+
+
+def test_model_file_without_formula_fusions_loads_anywhere(tmp_path, monkeypatch, fresh_probe):
+    m = After(torch.nn.functional.gelu, torch.nn.Linear(8, 8)).eval()   # ATen's GELU, as eager
+    x = _specials((4, 8))
+    cm = opencann.compile(m, (x,))
+    assert "formula_kernels" not in cm.graph.meta
+    path = str(tmp_path / "m.ocm")
+    opencann.save(cm, path)
+    _with_kernel(monkeypatch, "gelu", "simulated gelu", _nan_at_posinf)
+    with torch.no_grad():
+        check(opencann.load(path)(x), m(x))

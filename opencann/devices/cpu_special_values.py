@@ -10,7 +10,8 @@ written-out ``0.5·x·(1 + erf(x/√2))`` return +inf (pytorch/pytorch#185770, #
 proposed in pytorch/pytorch#192318 would also turn gelu(-inf) from NaN into 0, which the
 formula does not give either). So the GELU and SiLU fusions ask `special_values_differ`
 before they rewrite, and keep the spelled-out form (a Skip with this module's reason)
-where the kernels differ.
+where the kernels differ; a model file records the fusions it holds (graph meta
+``formula_kernels``) and is refused with that reason on a CPU where they would differ.
 
 `special_values_differ(act, dtype)` runs every CPU kernel a fused activation node can be
 bound to (`_kernels`: ATen's functional, ``.out`` and in-place op on contiguous, strided
@@ -117,7 +118,8 @@ def _classes_differ(got: torch.Tensor, want: torch.Tensor) -> Optional[int]:
 def special_values_differ(act: str, dtype: torch.dtype) -> Optional[str]:
     """None when every CPU kernel a fused ``act`` node can run as gives NaN and ±inf
     exactly where the spelled-out formula (`formula`) does for ``dtype`` inputs; else one
-    line naming the kernel, the input and both results (the fusion's Skip reason).
+    line naming the kernel, the input and both results (the fusion's Skip reason, and the
+    reason a model file fused that way is refused on this CPU).
 
     ``act``: one of `ACTS` ("gelu" (erf), "gelu_tanh", "silu"); ``dtype``: a floating
     torch dtype. A kernel that raises for this dtype is reported as a difference (the
@@ -135,7 +137,7 @@ def special_values_differ(act: str, dtype: torch.dtype) -> Optional[str]:
         if i is not None:
             return (f"{name} gives {act}({x[i].item():g}) = {got[i].item():g} on this CPU "
                     f"where the spelled-out formula gives {want[i].item():g} "
-                    f"(pytorch/pytorch#185770): the spelled-out form is kept")
+                    f"(pytorch/pytorch#185770)")
     return None
 
 

@@ -35,8 +35,10 @@ older opencann reads it; a version-2 file asks for an opencann that knows dynami
 
 Every problem with a file raises `ModelFileError` (a ValueError) with one line saying
 what is wrong: not an opencann model file, truncated, a section or the header failing
-its checksum, a newer format version, a device or preset this opencann lacks, or an
-op / ATen operator it does not know.
+its checksum, a newer format version, a device or preset this opencann lacks, an
+op / ATen operator it does not know, or a formula fusion (spelled-out GELU / SiLU run as
+one kernel) whose kernel would place NaN/±inf elsewhere on this CPU than where it was
+compiled (`opencann.devices.cpu_special_values`).
 """
 from __future__ import annotations
 
@@ -51,6 +53,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 import torch.utils._pytree as pytree
 
+from ..devices.cpu_special_values import special_values_differ
 from ..ir import Graph, MemoryPlan, Node, TensorListRef, TensorRef, Value
 from ..ir.plan import Buffer
 from ..ir.symbolic import SymExpr
@@ -575,6 +578,18 @@ def check_device(device: str, where: str = "model file") -> None:
                                  "upgrade opencann or recompile") from None
 
 
+def _check_formula_kernels(graph, where: str) -> None:
+    """Refuse a graph whose formula fusions (``graph.meta["formula_kernels"]``, set by
+    ``passes.fusion.match.record_formula``) run a kernel that places NaN/±inf elsewhere
+    than the spelled-out formula on this CPU (`devices.cpu_special_values`): compiled on
+    an AVX2 machine, a fused exact GELU would return NaN for +inf on an AVX-512 one."""
+    for act, dtype in graph.meta.get("formula_kernels", []):
+        why = special_values_differ(act, getattr(torch, dtype))
+        if why:
+            raise ModelFileError(f"{where} runs a spelled-out {act} ({dtype}) as one kernel, "
+                                 f"but {why}: recompile the model on this machine")
+
+
 def read(path: str) -> Dict[str, Any]:
     """Parse the model file at ``path`` into the keyword arguments of
     `CompiledModel.from_parts` (graph, plan, report, calling convention), plus
@@ -587,6 +602,7 @@ def read(path: str) -> Dict[str, Any]:
     gj = _json_section(secs, "graph", where)
     try:
         graph = _graph_from_json(gj, _unpack_constants(consts, gj["constant_layouts"]))
+        _check_formula_kernels(graph, where)
         plan = _plan_from_json(_json_section(secs, "plan", where))
         report = _report_from_json(_json_section(secs, "report", where))
         in_spec, _ = _spec_from_json(meta["in_spec"])

@@ -17,8 +17,8 @@ from typing import List
 
 from ...ir import Graph, Node, TensorRef
 from ..base import PassContext, RewritePass, Skip
-from .match import (close, factors, producer, read_outside, replace_with, scalar_operand,
-                    special_values_differ)
+from .match import (close, factors, producer, read_outside, record_formula, replace_with,
+                    scalar_operand, special_values_differ)
 
 SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 CUBIC = 0.044715
@@ -104,5 +104,6 @@ def gelu_rewrite(graph: Graph, m: _GeluMatch, ctx: PassContext, approximate: str
                             [m.root.outputs[0].desc], name=f"{m.root.name}_gelu",
                             source=m.root.source, scope=m.root.scope, before=m.root)
     replace_with(graph, m.root, new, m.nodes)
+    record_formula(graph, "gelu_tanh" if approximate == "tanh" else "gelu", m.x)
     ctx.applied(m.nodes[::-1], f"spelled-out GELU ({approximate})")
     return 1

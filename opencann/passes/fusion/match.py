@@ -113,7 +113,17 @@ def special_values_differ(x, act: str):
     (`opencann.devices.cpu_special_values`: oneDNN's AVX-512 exact GELU maps +inf to NaN),
     else None: the rewrite would change eager's special values."""
     why = _differ(act, x.desc.dtype.torch)
-    return Skip(why) if why else None
+    return Skip(f"{why}: the spelled-out form is kept") if why else None
+
+
+def record_formula(graph: Graph, act: str, x: Value) -> None:
+    """Note in ``graph.meta["formula_kernels"]`` ([act, dtype name] pairs) that a spelled-out
+    ``act`` on ``x``'s dtype now runs as this CPU's kernel: a model file holding it is
+    refused where that kernel would place NaN/±inf elsewhere (`runtime.model_file`)."""
+    entry = [act, str(x.desc.dtype.torch).replace("torch.", "")]
+    kept = graph.meta.setdefault("formula_kernels", [])
+    if entry not in kept:
+        kept.append(entry)
 
 
 def contiguous_strides(shape: Sequence[Any]) -> List[Any]:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from ...ir import Graph, Node, TensorRef
 from ..base import PassContext, RewritePass, Skip
-from .match import producer, replace_with, special_values_differ, tensor_pair
+from .match import producer, record_formula, replace_with, special_values_differ, tensor_pair
 
 
 @dataclass
@@ -59,5 +59,6 @@ class FuseSiLU(RewritePass):
                                 name=f"{m.mul.name}_silu", source=m.mul.source,
                                 scope=m.mul.scope, before=m.mul)
         replace_with(graph, m.mul, new, [m.mul, m.sigmoid])
+        record_formula(graph, "silu", x)
         ctx.applied([m.sigmoid, m.mul], "Sigmoid+Mul")
         return 1
