@@ -128,12 +128,13 @@ def _specials(shape, seed=0):
 
 
 def check(got, want):
-    """Eager's NaN positions and infinities exactly; values within 1e-5 (fp32) or two bf16
-    ulps (the fused op rounds once where eager rounds after every op)."""
+    """Eager's NaN positions and infinities exactly; values within 1e-5 (fp32) or a few bf16
+    ulps (the fused op rounds once where eager rounds after every op, and a bf16 GEMM's
+    accumulation order may differ by one ulp before it)."""
     assert torch.equal(got.isnan(), want.isnan()), "NaN positions differ"
     inf = want.isinf()
     assert torch.equal(got.isinf(), inf) and torch.equal(got[inf], want[inf]), "inf differs"
-    tol = 1e-5 if got.dtype == torch.float32 else 1.6e-2
+    tol = 1e-5 if got.dtype == torch.float32 else 4e-2
     torch.testing.assert_close(got, want, rtol=tol, atol=tol, equal_nan=True)
 
 
