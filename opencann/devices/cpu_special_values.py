@@ -52,7 +52,9 @@ def formula(x: torch.Tensor, act: str) -> torch.Tensor:
         return 0.5 * x * (1.0 + torch.tanh(inner))
     if act == "gelu":
         return 0.5 * x * (1.0 + torch.erf(x / math.sqrt(2.0)))
-    return {"silu": lambda t: t * torch.sigmoid(t)}[act](x)
+    if act == "silu":
+        return x * torch.sigmoid(x)
+    raise KeyError(act)
 
 
 def _probe_input(dtype: torch.dtype) -> torch.Tensor:
@@ -78,11 +80,11 @@ def _kernels(act: str, dtype: torch.dtype) -> Iterator[Tuple[str, Callable]]:
     """(name, f) of each CPU kernel a fused ``act`` node may run as; ``f(x) -> act(x)`` on
     a contiguous 1-D ``x``, the same layout out."""
     name, kw, (post_op, algorithm) = _OPS[act]
-    fn, out_fn, inplace = (getattr(torch.ops.aten, n) for n in (name, name, name + "_"))
+    fn, inplace = getattr(torch.ops.aten, name), getattr(torch.ops.aten, name + "_")
 
     def out_variant(x):
         out = torch.empty_like(x)
-        out_fn.out(x, **kw, out=out)
+        fn.out(x, **kw, out=out)
         return out
 
     def strided(x):  # every other element of a buffer twice as long
