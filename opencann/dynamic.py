@@ -99,7 +99,8 @@ def compile_shape(graph: Graph, values: Mapping[str, int], device: str, options:
 def pin_kernel_choices(graph: Graph, bound: Graph) -> Tuple[int, int]:
     """Copy the kernel choices binding made on ``bound`` (a specialised copy of
     ``graph``: ``node.meta["kernel"]``, the GEMM measured per shape) onto ``graph``'s
-    nodes, so every later specialisation binds the same kernels without measuring. A
+    nodes, so every later specialisation binds the same kernels without measuring. oneDNN's
+    prepacked weight (``onednn_packed``) serves every row count and is kept. A
     GEMM that chose MKL's packed weight (``mkl_packed``) gets ``addmm`` at the other
     shapes: MKL packs an fp32 weight for one row count m (``cblas_sgemm_pack`` takes m;
     ``torch.ops.mkl._mkl_linear`` runs unpacked when m differs), so each new shape would

@@ -139,20 +139,34 @@ def test_conv_add_relu_keeps_nan_and_inf(inplace_addend):
 
 # -- linear + activation (GEMM, activation in place) --------------------------------
 
-@pytest.mark.parametrize("kernel", ["addmm", "mkl_packed"])
+class _Forced(dict):
+    """A LINEAR_CHOICES stand-in that answers ``kernel`` for every GEMM shape."""
+
+    def __init__(self, kernel):
+        super().__init__()
+        self.kernel = kernel
+
+    def get(self, key, default=None):
+        return self.kernel
+
+
+@pytest.mark.parametrize("kernel", ["addmm", "mkl_packed", "onednn_packed"])
 @pytest.mark.parametrize("act", ["relu", "gelu", "gelu_tanh", "silu", "sigmoid", "tanh"])
 def test_linear_activation_keeps_nan_and_inf(act, kernel, monkeypatch):
     if kernel == "mkl_packed" and not cpu_device.mkl_packed_available():
         pytest.skip("MKL packed GEMM not in this torch build")
+    if kernel == "onednn_packed" and not cpu_device.onednn_linear_available():
+        pytest.skip("oneDNN prepacked inner product not in this torch build")
     fn = {"relu": torch.relu, "gelu": F.gelu, "gelu_tanh": lambda t: F.gelu(t, approximate="tanh"),
           "silu": F.silu, "sigmoid": torch.sigmoid, "tanh": torch.tanh}[act]
     torch.manual_seed(0)
     lin = torch.nn.Linear(16, 24)
     model = torch.nn.Sequential(lin, type("Act", (torch.nn.Module,), {"forward": lambda s, t: fn(t)})())
-    monkeypatch.setitem(cpu_kernels.LINEAR_CHOICES, (5, 16, 24, str(torch.float32)), kernel)
+    monkeypatch.setattr(cpu_kernels, "LINEAR_CHOICES", _Forced(kernel))
     inputs = [(with_special((5, 16), (2, 7), v, seed=i),) for i, v in enumerate(SPECIALS.values())]
     cm = run_compiled(model, inputs)
     assert "LinearAct" in cm.graph.op_counts()
+    assert [n.meta["kernel"] for n in cm.graph.nodes if n.op == "LinearAct"] == [kernel]
 
 
 # -- FlashAttention -----------------------------------------------------------------

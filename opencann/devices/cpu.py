@@ -7,7 +7,9 @@ Facts are probed when asked (cheap; the L2 read is cached):
 - `mkldnn_available`: oneDNN convolutions with fused post-ops exist in this torch build
   (``torch.ops.mkldnn._convolution_pointwise``), the kernels of ConvBiasAct/ConvAddAct.
 - `mkl_packed_available`: MKL's packed GEMM (``torch.ops.mkl._mkl_linear``) exists, one
-  of LinearAct's two GEMMs.
+  of LinearAct's GEMMs.
+- `onednn_linear_available`: oneDNN's inner product on a weight reordered once
+  (``torch.ops.mkldnn._linear_pointwise`` on ``_reorder_linear_weight``) exists, another.
 - `cpu_l2`: (bytes, source) of cpu0's L2 cache, read from
   ``/sys/devices/system/cpu/cpu0/cache/index*/{level,size}``; falls back to 1 MiB
   (a common per-core L2 of current x86 server cores) when unreadable. The
@@ -49,6 +51,13 @@ def mkl_packed_available() -> bool:
         and torch.backends.mkl.is_available()
 
 
+def onednn_linear_available() -> bool:
+    """True when oneDNN's prepacked inner product (``torch.ops.mkldnn._linear_pointwise``
+    on a weight from ``torch.ops.mkldnn._reorder_linear_weight``) is available."""
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise") \
+        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+
+
 @functools.lru_cache(maxsize=None)
 def _read_l2() -> Tuple[int, str]:
     for d in sorted(glob.glob("/sys/devices/system/cpu/cpu0/cache/index*")):
@@ -78,14 +87,16 @@ def memory_bytes() -> int:
 
 
 __all__ = ["CPU_L2_FALLBACK", "FORMATS", "cpu_l2", "isa", "memory_bytes", "mkl_packed_available",
-           "mkldnn_available"]
+           "mkldnn_available", "onednn_linear_available"]
 
 
-def best_time_us(fn: Callable[[], object], reps: int = 5) -> float:
+def best_time_us(fn: Callable[[], object], reps: int = 5, warmup: bool = True) -> float:
     """The best of ``reps`` timed calls of ``fn()`` in µs, after one untimed warm-up call
-    (the minimum is the figure least disturbed by other processes on a shared machine).
-    Used by bind-time kernel choices that race two implementations and by the benches."""
-    fn()
+    unless ``warmup`` is False (the minimum is the figure least disturbed by other
+    processes on a shared machine). Used by bind-time kernel choices that race two
+    implementations and by the benches."""
+    if warmup:
+        fn()
     best = float("inf")
     for _ in range(reps):
         t0 = time.perf_counter()

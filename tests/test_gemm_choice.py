@@ -1,0 +1,160 @@
+"""LinearAct's GEMM kernels (`opencann.ops.kernels.cpu.make_linear_kernel`): addmm, oneDNN's
+inner product on a prepacked weight (``onednn_packed``) and MKL's packed GEMM, raced per
+shape at bind time. Each kernel matches eager (values, NaN/Inf, a second call, output
+independence); the race picks the faster one; oneDNN's prepacked weight serves every
+shape of a dynamic model; model files keep the choice and fall back to addmm where the
+kernel is missing."""
+import pytest
+import torch
+
+import opencann
+from opencann.devices import cpu as cpu_device
+from opencann.dynamic import pin_kernel_choices
+from opencann.ir.specialise import specialise
+from opencann.ops.kernels import cpu as cpu_kernels
+
+needs_onednn = pytest.mark.skipif(not cpu_device.onednn_linear_available(),
+                                  reason="oneDNN prepacked inner product not in this torch build")
+
+
+class _Forced(dict):
+    """A LINEAR_CHOICES stand-in that answers ``kernel`` for every GEMM shape."""
+
+    def __init__(self, kernel):
+        super().__init__()
+        self.kernel = kernel
+
+    def get(self, key, default=None):
+        return self.kernel
+
+
+class MLP(torch.nn.Module):
+    def __init__(self, d=48, h=96):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(d, h), torch.nn.Linear(h, d)
+
+    def forward(self, x):
+        return self.b(torch.nn.functional.gelu(self.a(x))) + x
+
+
+def _kernels(cm):
+    return sorted(n.meta.get("kernel") for n in cm.graph.nodes if n.op == "LinearAct")
+
+
+def _close(out, ref, tol=1e-5):
+    assert torch.equal(torch.isnan(out), torch.isnan(ref))
+    assert torch.equal(torch.isinf(out), torch.isinf(ref))
+    fin = torch.isfinite(ref)
+    assert fin.any()
+    assert ((out[fin] - ref[fin]).abs().max() / ref[fin].abs().max()).item() < tol
+
+
+@pytest.mark.parametrize("kernel", ["addmm", "mkl_packed", "onednn_packed"])
+@pytest.mark.parametrize("rows", [1, 7, 64])
+def test_each_kernel_matches_eager(kernel, rows, monkeypatch):
+    if kernel == "mkl_packed" and not cpu_device.mkl_packed_available():
+        pytest.skip("MKL packed GEMM not in this torch build")
+    if kernel == "onednn_packed" and not cpu_device.onednn_linear_available():
+        pytest.skip("oneDNN prepacked inner product not in this torch build")
+    monkeypatch.setattr(cpu_kernels, "LINEAR_CHOICES", _Forced(kernel))
+    torch.manual_seed(0)
+    m = MLP().eval()
+    x = torch.randn(rows, 48)
+    cm = opencann.compile(m, (x,))
+    assert _kernels(cm) == [kernel, kernel]
+    for k in range(2):
+        x = torch.randn(rows, 48)
+        if rows > 2:                    # NaN and inf rows beside finite ones
+            x[0, 3] = float("nan")
+            x[1, 5] = float("inf")
+        with torch.no_grad():
+            ref = m(x)
+        out = cm(x)
+        _close(out, ref)
+        again = cm(x)
+        assert torch.equal(torch.isnan(again), torch.isnan(out))
+        assert torch.equal(again.nan_to_num(), out.nan_to_num())   # same bits on a second call
+        out.add_(1)                                                  # outputs are the caller's
+        assert not torch.equal(again.nan_to_num(), out.nan_to_num())
+
+
+def test_the_race_picks_the_faster_kernel_and_prefers_addmm_on_a_tie(monkeypatch):
+    import time
+    monkeypatch.setattr(cpu_kernels, "LINEAR_CHOICES", {})
+
+    def slow(b, x, w, out):
+        time.sleep(0.002)
+
+    def fast(b, x, w, out):
+        pass
+    w = torch.randn(8, 4)
+    assert cpu_kernels._measure_choice((2, 8, 4, "f", ("addmm", "p")), {"addmm": slow, "p": fast},
+                                       None, w) == "p"
+    assert cpu_kernels._measure_choice((2, 8, 4, "f", ("addmm", "q")), {"addmm": fast, "q": slow},
+                                       None, w) == "addmm"
+    assert cpu_kernels._measure_choice((2, 8, 4, "f", ("addmm",)), {"addmm": fast}, None, w) == "addmm"
+
+
+@needs_onednn
+def test_onednn_prepacked_weight_is_kept_at_every_shape_of_a_dynamic_model(monkeypatch):
+    monkeypatch.setattr(cpu_kernels, "LINEAR_CHOICES", _Forced("onednn_packed"))
+    torch.manual_seed(0)
+    m = MLP().eval()
+    cm = opencann.compile(m, (torch.randn(2, 5, 48),),
+                          dynamic_shapes={"x": {0: "batch", 1: "seq"}},
+                          dim_ranges={"batch": (1, 8), "seq": (2, 64)})
+    for b, t in ((1, 9), (4, 33), (2, 5)):
+        x = torch.randn(b, t, 48)
+        with torch.no_grad():
+            ref = m(x)
+        _close(cm(x), ref)
+    bound = specialise(cm.graph, dict(zip(cm.binder.order, (3, 7))))
+    for n in bound.nodes:
+        if n.op == "LinearAct":
+            n.meta["kernel"] = "onednn_packed"
+    count, unpacked = pin_kernel_choices(cm.graph, bound)
+    assert count >= 2 and unpacked == 0
+    assert {n.meta["kernel"] for n in cm.graph.nodes if n.op == "LinearAct"} == {"onednn_packed"}
+
+
+@needs_onednn
+def test_model_file_keeps_the_choice_and_falls_back_where_the_kernel_is_missing(tmp_path, monkeypatch):
+    monkeypatch.setattr(cpu_kernels, "LINEAR_CHOICES", _Forced("onednn_packed"))
+    torch.manual_seed(0)
+    m = MLP().eval()
+    x = torch.randn(6, 48)
+    cm = opencann.compile(m, (x,))
+    path = str(tmp_path / "mlp.ocm")
+    opencann.save(cm, path)
+    monkeypatch.setattr(cpu_kernels, "LINEAR_CHOICES", {})
+    loaded = opencann.load(path)
+    assert _kernels(loaded) == ["onednn_packed", "onednn_packed"]
+    assert torch.equal(loaded(x), cm(x))
+    # on a build without oneDNN's inner product the saved choice becomes addmm, not an error
+    monkeypatch.setattr(cpu_kernels, "onednn_linear_available", lambda: False)
+    plain = opencann.load(path)
+    assert _kernels(plain) == ["addmm", "addmm"]
+    with torch.no_grad():
+        _close(plain(x), m(x))
+
+
+@needs_onednn
+def test_a_broadcast_bias_never_goes_to_onednn(monkeypatch):
+    """oneDNN's inner product takes a full [n] bias only: a [1] bias stays on addmm."""
+    monkeypatch.setattr(cpu_kernels, "LINEAR_CHOICES", _Forced("onednn_packed"))
+
+    class M(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.randn(16, 24))
+            self.b = torch.nn.Parameter(torch.randn(1))
+
+        def forward(self, x):
+            return torch.relu(torch.addmm(self.b, x, self.w))
+
+    m = M().eval()
+    x = torch.randn(5, 16)
+    cm = opencann.compile(m, (x,))
+    assert all(k == "addmm" for k in _kernels(cm))
+    with torch.no_grad():
+        _close(cm(x), m(x))
