@@ -59,7 +59,10 @@ def _nan_at_posinf(x):  # oneDNN's AVX-512 exact GELU (pytorch/pytorch#185770)
 
 
 def _zero_at_neginf(x):  # ATen's GELU after the fix proposed in pytorch/pytorch#192318
-    return torch.where(torch.isneginf(x), torch.zeros_like(x), F.gelu(x))
+    # built on the spelled-out formula, not F.gelu: on an AVX-512 host F.gelu itself maps
+    # +inf to NaN (pytorch#185770), which the probe would report first
+    formula = 0.5 * x * (1 + torch.erf(x * 0.7071067811865476))
+    return torch.where(torch.isneginf(x), torch.zeros_like(x), formula)
 
 
 # -- the probe ----------------------------------------------------------------------

@@ -235,10 +235,11 @@ def make_linear_kernel(node: Node, in_descs: Sequence[TensorDesc], consts: Seque
 
     A choice already in ``node.meta["kernel"]`` (an earlier bind, a model file) holds
     where its kernel exists here (else addmm), so every executor of a model, saved or
-    live, runs the same GEMM (same bits). Measured on this 2-core AVX2 machine
-    (docs/performance.md, "GEMM choice"): the oneDNN kernel is 1.04-2.5x faster than
-    addmm on BERT's and MiniLM's shapes at m = 16…1024, 1 and 2 threads, within 1.5e-6
-    relative of addmm's results. The activation runs in place on the result with
+    live, runs the same GEMM (same bits). Which kernel wins depends on the CPU
+    (docs/performance.md, "GEMM choice"): on a 2-core AMD EPYC with AVX-512 the oneDNN
+    kernel measured 1.01-2.5x faster than addmm on BERT's and MiniLM's shapes at
+    m = 16…1024, 1 and 2 threads, within 1.5e-6 relative of addmm's results; on an AVX2
+    host 2-6% slower, where the race keeps addmm. The activation runs in place on the result with
     eager's kernel (eager's NaN/Inf)."""
     post = _ACT_FN.get(node.attrs["act"])
     addmm, addmm_out = torch.ops.aten.addmm.default, torch.ops.aten.addmm.out
