@@ -160,6 +160,17 @@ def test_add_layer_norm_matches_eager_at_nan_inf_and_overflow(linear):
     assert fired(cm, "fuse_add_layer_norm")
 
 
+def test_add_layer_norm_with_a_gamma_holding_inf_matches_eager():
+    """(s − μ)·rstd·γ and ATen's (x·rstd − μ·rstd)·γ meet 0·inf at different elements; the
+    kernel runs ATen's add + layer_norm (eager's kernels) for such a γ."""
+    m = AddLN()
+    with torch.no_grad():
+        m.ln.weight[3] = INF
+        m.ln.weight[5] = -INF
+    cm = compile_and_check(m, options={"enable": ["fuse_add_layer_norm"]})
+    assert fired(cm, "fuse_add_layer_norm")
+
+
 def test_layer_norm_fusion_runs_atens_kernel_on_ordinary_rows_and_the_formula_on_huge_ones(
         monkeypatch):
     calls = []

@@ -74,6 +74,14 @@ def row_bound(d: int, dtype: torch.dtype) -> float:
     return math.sqrt(torch.finfo(dtype).max / (128.0 * max(int(d), 1)))
 
 
+def layer_norm_limits(d: int, dtype: torch.dtype) -> Tuple[float, float]:
+    """(bound, rstd_max) of `layer_norm_in_range` for rows of d elements in ``dtype``: a
+    row is in range when |μ| + √d/rstd ≤ bound (`row_bound`) and 0 < rstd ≤ rstd_max =
+    max/(16·bound). For kernels that check their own statistics in their loop."""
+    bound = row_bound(d, dtype)
+    return bound, torch.finfo(dtype).max / (16.0 * bound)
+
+
 def layer_norm_in_range(mean: torch.Tensor, rstd: torch.Tensor, d: int,
                         dtype: torch.dtype) -> bool:
     """True when ATen's LayerNorm result (its ``mean`` and ``rstd`` per row, d elements a
@@ -81,10 +89,10 @@ def layer_norm_in_range(mean: torch.Tensor, rstd: torch.Tensor, d: int,
     most √d/rstd, so every |x| ≤ max|μ| + √d/min(rstd), which must be under `row_bound`;
     and rstd under max/(16·bound), so x·rstd does not overflow. NaN or inf statistics
     (a NaN, an inf, an overflowing row) give False: the caller then runs the formula."""
-    bound = row_bound(d, dtype)
+    bound, rstd_max = layer_norm_limits(d, dtype)
     lo_hi = torch.stack([*torch.aminmax(mean), *torch.aminmax(rstd)]).tolist()
     m_lo, m_hi, r_lo, r_hi = lo_hi
-    if not (r_lo > 0.0 and r_hi <= torch.finfo(dtype).max / (16.0 * bound)):
+    if not (r_lo > 0.0 and r_hi <= rstd_max):
         return False
     return max(-m_lo, m_hi) + math.sqrt(d) / r_lo <= bound
 
@@ -202,4 +210,5 @@ def norm_differs(kind: str, dtype: torch.dtype) -> Optional[str]:
 
 
 __all__ = ["NORMS", "affine_in_range", "layer_norm_formula", "layer_norm_in_range",
+           "layer_norm_limits",
            "norm_differs", "rms_norm_formula", "row_bound"]

@@ -15,8 +15,8 @@ float64; ATen: one Welford pass in float32), within 2e-7 relative of eager. Spec
 values: where they part (a row holding NaN or ±inf, a + b overflowing, |x| near 1e19
 where ATen's float32 sum of squares overflows and it returns β while float64 does not),
 the kernel's per-row mean and rstd leave the range `devices.cpu_norm_values.
-layer_norm_in_range` allows, and the call runs eager's ATen ``add`` + ``layer_norm``
-instead: eager's NaN, inf and β exactly. Likewise for a γ or β holding inf, NaN or huge
+layer_norm_in_range` allows (tested in the row loop with `layer_norm_limits`), and the
+call runs eager's ATen ``add`` + ``layer_norm`` instead: eager's NaN, inf and β exactly. Likewise for a γ or β holding inf, NaN or huge
 values (`affine_in_range`).
 """
 from __future__ import annotations
@@ -28,7 +28,7 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
-from ...devices.cpu_norm_values import affine_in_range, layer_norm_in_range
+from ...devices.cpu_norm_values import affine_in_range, layer_norm_limits
 from ...ir import Node, TensorDesc
 
 _FM = {"reassoc", "contract"}
@@ -43,8 +43,10 @@ def _compiled():
         from numba import njit, prange
 
         @njit(parallel=True, fastmath=_FM, cache=True)
-        def add_ln(a, b, g, be, eps, out, mean, rstd):  # pragma: no cover - compiled
+        def add_ln(a, b, g, be, eps, out, bound, rstd_max):  # pragma: no cover - compiled
             rows, d = a.shape
+            root_d = np.sqrt(np.float64(d))
+            outside = 0
             for r in prange(rows):
                 s = np.empty(d, np.float32)
                 m = np.float32(0.0)
@@ -59,10 +61,12 @@ def _compiled():
                     var += c * c
                 var /= d
                 rs = np.float32(1.0) / np.sqrt(var + eps)
-                mean[r] = m
-                rstd[r] = rs
+                # layer_norm_in_range's test of this row (False for NaN statistics)
+                if not (rs > 0.0 and rs <= rstd_max and abs(m) + root_d / rs <= bound):
+                    outside += 1
                 for j in range(d):
                     out[r, j] = (s[j] - m) * rs * g[j] + be[j]
+            return outside
         _KERNEL = add_ln
     return _KERNEL
 
@@ -96,6 +100,7 @@ def make_add_layer_norm_kernel(node: Node, in_descs: Sequence[TensorDesc],
         return run_aten
     kernel = _compiled()
     e32 = np.float32(eps)
+    bound, rstd_max = layer_norm_limits(d, torch.float32)
     static = consts[2] is not None and consts[3] is not None
     affine_ok = affine_in_range(consts[2], consts[3], d, torch.float32) if static else None
 
@@ -105,16 +110,11 @@ def make_add_layer_norm_kernel(node: Node, in_descs: Sequence[TensorDesc],
                 and (out is None or out.is_contiguous())):
             return run_aten(a, b, g, be, out)
         y = torch.empty_like(a) if out is None else out
-        rows = a.numel() // d if d else 0
-        mean, rstd = np.empty(rows, np.float64), np.empty(rows, np.float64)
         with _guard():
-            kernel(a.detach().view(-1, d).numpy(), b.detach().view(-1, d).numpy(),
-                   g.detach().numpy(), be.detach().numpy(), e32, y.view(-1, d).numpy(),
-                   mean, rstd)
-        if rows and not layer_norm_in_range(torch.from_numpy(mean), torch.from_numpy(rstd),
-                                            d, torch.float32):
-            return run_aten(a, b, g, be, out)
-        return y
+            outside = kernel(a.detach().view(-1, d).numpy(), b.detach().view(-1, d).numpy(),
+                             g.detach().numpy(), be.detach().numpy(), e32,
+                             y.view(-1, d).numpy(), bound, rstd_max)
+        return run_aten(a, b, g, be, out) if outside else y
     return run
 
 
