@@ -216,6 +216,24 @@ def _packed_kernel(kernel: str, wt: torch.Tensor, m: int, post) -> Callable:
     return run_mkl
 
 
+def _known_choice(made, m: int, k: int, n: int, dtype, bias: TensorDesc) -> tuple:
+    """(cache key, choice) for a GEMM of shape (m, k, n): the kernels raced here (oneDNN's
+    prepacked where it exists, else MKL's packed, and addmm) are the key's last item; the
+    choice is ``made`` (a node's earlier choice, or a model file's) where its kernel
+    exists here, else addmm; with nothing made, the cached choice for the key, "addmm"
+    when nothing else can race, or None (to be measured)."""
+    raced = tuple(c for c in GEMM_KERNELS if _available(c, n, bias))
+    if "onednn_packed" in raced:  # MKL's packing serves one m and measured no faster
+        raced = tuple(c for c in raced if c != "mkl_packed")
+    key = (m, k, n, str(dtype), raced)
+    if made in GEMM_KERNELS:
+        return key, (made if _available(made, n, bias) else "addmm")
+    cached = LINEAR_CHOICES.get(key)
+    if cached in GEMM_KERNELS and _available(cached, n, bias):
+        return key, cached
+    return key, ("addmm" if len(raced) == 1 else None)
+
+
 def make_linear_kernel(node: Node, in_descs: Sequence[TensorDesc], consts: Sequence) -> Callable:
     """LinearAct(bias, x, w_t, out=buffer) = act(x @ w_t + bias), written into ``out``.
 
@@ -257,17 +275,8 @@ def make_linear_kernel(node: Node, in_descs: Sequence[TensorDesc], consts: Seque
         return run_addmm
     m, k = (int(d) for d in x_desc.shape)
     n = int(wt.shape[1])
-    raced = tuple(c for c in GEMM_KERNELS if _available(c, n, b_desc))
-    if "onednn_packed" in raced:  # MKL's packing serves one m and measured no faster
-        raced = tuple(c for c in raced if c != "mkl_packed")
-    key = (m, k, n, str(wt.dtype), raced)
-    made = node.meta.get("kernel")
-    if made in GEMM_KERNELS:
-        choice = made if _available(made, n, b_desc) else "addmm"
-    else:
-        cached = LINEAR_CHOICES.get(key)
-        choice = cached if cached in GEMM_KERNELS and _available(cached, n, b_desc) \
-            else ("addmm" if len(raced) == 1 else None)
+    key, choice = _known_choice(node.meta.get("kernel"), m, k, n, wt.dtype, b_desc)
+    raced = key[-1]
     if choice == "addmm":  # no packing: it copies the weight twice for nothing
         node.meta["kernel"] = "addmm"
         return run_addmm
