@@ -208,3 +208,28 @@ def test_torch_compile_follows_autocast_per_call():
         with torch.autocast("cpu", dtype=torch.bfloat16):
             _check(m(x), tm(x), rtol=2e-2, atol=2e-2, strides=False)
         _check(m(x), tm(x))
+
+
+# == B7-5: a loaded model file loses the strides of a strided view of a constant ===========
+
+class _ConstViews(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("b", torch.arange(12.0).view(3, 4))
+        self.w = nn.Parameter(torch.randn(4, 3))
+
+    def forward(self, x):
+        return x * 2, self.b.t(), self.b[:1].expand(2, 4), self.b[:, ::2], self.w[::2]
+
+
+@pytest.mark.xfail(strict=True, reason="B7-5")
+def test_loaded_model_keeps_strides_of_gapped_constant_views(tmp_path):
+    m = _ConstViews().eval()
+    x = _x(3, 4)
+    cm = opencann.compile(m, (x,))
+    opencann.save(cm, tmp_path / "m.ocm")
+    lm = opencann.load(tmp_path / "m.ocm")
+    with torch.no_grad():
+        ref = m(x)
+    _check(ref, cm(x))          # the live model has eager's strides
+    _check(ref, lm(x))          # the loaded one: b[:, ::2] and w[::2] come back contiguous
