@@ -275,7 +275,6 @@ _WRITES = {
     "diagonal_zero": lambda x: (x.diagonal().zero_(), x.triu())[1],
     "index_add_": lambda x: x.index_add_(0, torch.tensor([0, 0, 3]), torch.ones(3, 6)),
     "as_strided_write": lambda x: (x.as_strided((2, 2), (1, 6)).mul_(3), x)[1],
-    "unfold_write": lambda x: (x.unfold(1, 2, 2).mul_(2), x)[1],
     "flat_step_fill": lambda x: (x.view(-1)[::5].fill_(7.0), x)[1],
     "chain_inplace": lambda x: (x.relu_().sigmoid_(), x[::2])[1],
 }
@@ -298,3 +297,33 @@ def test_writes_into_inputs_through_views_match_eager(case, backend):
             r.add_(100.0)
             g.add_(100.0)
         _check(a, b)
+
+
+# == B7-7: writes through an unfold view zero the elements no window covers ===============
+# torch's functionalization inverts ``unfold`` with ``unfold_backward`` (zeros, then an
+# accumulating index_put): every element outside the windows becomes 0 and a -0.0 inside
+# them becomes +0.0 (pytorch/pytorch#198102, open). Eager leaves them alone.
+
+_UNFOLD_WRITES = {
+    "gaps_input": lambda x: (x.unfold(1, 2, 3).mul_(2), x)[1],
+    "tail_input": lambda x: (x.unfold(1, 4, 4).add_(1), x)[1],
+    "dim0_input": lambda x: (x.unfold(0, 1, 3).mul_(2), x)[1],
+    "gaps_intermediate": lambda x: (lambda y: (y.unfold(1, 2, 3).mul_(2), y)[1])(x * 1),
+    "exact_cover_negative_zero": lambda x: (x.unfold(1, 2, 2).mul_(2), x)[1],
+}
+
+
+@pytest.mark.xfail(strict=True, reason="B7-7")
+@pytest.mark.parametrize("backend", ["opencann.compile", "torch.compile"])
+@pytest.mark.parametrize("case", sorted(_UNFOLD_WRITES))
+def test_writes_through_unfold_views_keep_the_other_elements(case, backend):
+    m = _Fn(_UNFOLD_WRITES[case])
+    x = _x(4, 6)
+    x[1, 1] = x[2, 4] = -0.0
+    cm = opencann.compile(m, (x.clone(),)) if backend == "opencann.compile" \
+        else torch.compile(m, backend="opencann")
+    a, b = x.clone(), x.clone()
+    with torch.no_grad():
+        ref, got = m(a), cm(b)
+    _check(a, b)
+    _check(ref, got)
