@@ -327,3 +327,57 @@ def test_writes_through_unfold_views_keep_the_other_elements(case, backend):
         ref, got = m(a), cm(b)
     _check(a, b)
     _check(ref, got)
+
+
+# == B7-8: a model that writes into a parameter in forward compiles, then every call fails
+# with an internal pytree error (`leaves` has length 2 ...) instead of one clear error.
+# Buffers get "the model mutates its buffer ..." at compile time; parameters do not
+# (Embedding(max_norm=...) renorms its weight in forward; EMA-style `p.mul_` under
+# no_grad). torch.compile follows eager.
+
+class _ParamWrite(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(4))
+
+    def forward(self, x):
+        with torch.no_grad():
+            self.w.mul_(0.5)
+        return x * self.w
+
+
+def _param_writers():
+    torch.manual_seed(0)
+    return {"mul_under_no_grad": (_ParamWrite(), (torch.randn(3, 4),)),
+            "embedding_max_norm": (nn.Embedding(10, 4, max_norm=1.0),
+                                   (torch.randint(0, 10, (3, 4)),))}
+
+
+@pytest.mark.xfail(strict=True, reason="B7-8")
+@pytest.mark.parametrize("case", ["mul_under_no_grad", "embedding_max_norm"])
+def test_parameter_written_in_forward_is_one_clear_error_or_follows_eager(case):
+    m, ins = _param_writers()[case]
+    em = copy.deepcopy(m)
+    try:
+        cm = opencann.compile(m, ins)
+        with torch.no_grad():
+            got = [cm(*ins) for _ in range(2)]
+    except Exception as e:  # noqa: BLE001 - a refusal must name the parameter and the fix
+        msg = str(e)
+        assert len(msg.splitlines()) == 1 and "parameter" in msg and "torch.compile" in msg, msg
+        return
+    with torch.no_grad():
+        ref = [em(*ins) for _ in range(2)]
+    _check(ref, got)
+    _check(list(em.parameters()), list(m.parameters()))
+
+
+@pytest.mark.parametrize("case", ["mul_under_no_grad", "embedding_max_norm"])
+def test_torch_compile_follows_a_parameter_written_in_forward(case):
+    m, ins = _param_writers()[case]
+    em = copy.deepcopy(m)
+    tm = torch.compile(m, backend="opencann")
+    with torch.no_grad():
+        for _ in range(2):
+            _check(em(*ins), tm(*ins))
+    _check(list(em.parameters()), list(m.parameters()))
