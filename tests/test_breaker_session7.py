@@ -102,6 +102,34 @@ def test_frozen_weights_follow_a_fused_optimizer_step(opt):
         _check(m(x), tm(x))
 
 
+@pytest.mark.xfail(strict=True, reason="B7-1")
+@pytest.mark.parametrize("opt", sorted(_OPTIMIZERS))
+def test_opencann_compile_refuses_weights_changed_by_a_fused_optimizer_step(opt):
+    """README: weights modified in place after compiling (an optimizer step) are one
+    error naming the fix (recompile); a plain Adam step gets it, a fused one does not."""
+    m = _mlp()
+    x = _x(5, 6).nan_to_num()
+    cm = opencann.compile(m, (x,))
+    o = _OPTIMIZERS[opt](m.parameters())
+    m(x).sum().backward()
+    o.step()
+    with pytest.raises(ValueError, match="modified in place after compiling"):
+        with torch.no_grad():
+            cm(x)
+
+
+def test_opencann_compile_refuses_weights_changed_by_an_optimizer_step():
+    m = _mlp()
+    x = _x(5, 6).nan_to_num()
+    cm = opencann.compile(m, (x,))
+    o = torch.optim.Adam(m.parameters(), lr=0.1)
+    m(x).sum().backward()
+    o.step()
+    with pytest.raises(ValueError, match="modified in place after compiling"):
+        with torch.no_grad():
+            cm(x)
+
+
 @pytest.mark.parametrize("opt", ["adam", "sgd_foreach"])
 def test_frozen_weights_follow_an_unfused_optimizer_step(opt):
     m = _mlp()
