@@ -460,3 +460,53 @@ def test_decomposed_ops_keep_eagers_special_values(name):
         ref = m(*ins)
         _check(ref, cm(*ins))
         _check(ref, cm(*ins))
+
+
+# == B7-9: Python attributes of the module changed after opencann.compile are ignored ======
+# A non-tensor *argument* with another value than at compile time is one clear error, and so
+# is a weight written in place; a plain attribute that forward reads (a temperature, a flag,
+# the `training` mode) keeps its compile-time value without a word.
+
+class _Attrs(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.scale, self.negate = 2.0, False
+        self.drop = nn.Dropout(0.5)
+
+    def forward(self, x):
+        y = self.drop(x * self.scale)
+        return -y if self.negate else y
+
+
+_ATTR_CHANGES = {
+    "float_attribute": lambda m: setattr(m, "scale", 3.0),
+    "bool_attribute": lambda m: setattr(m, "negate", True),
+}
+
+
+@pytest.mark.xfail(strict=True, reason="B7-9")
+@pytest.mark.parametrize("change", sorted(_ATTR_CHANGES))
+def test_module_attribute_changed_after_compile_follows_eager_or_refuses(change):
+    m = _Attrs().eval()
+    x = _x(3, 4)
+    cm = opencann.compile(m, (x,))
+    _ATTR_CHANGES[change](m)
+    try:
+        with torch.no_grad():
+            got = cm(x)
+    except Exception as e:  # noqa: BLE001 - a refusal must say what changed, in one line
+        assert len(str(e).splitlines()) == 1 and ("scale" in str(e) or "negate" in str(e)), str(e)
+        return
+    with torch.no_grad():
+        _check(m(x), got)
+
+
+def test_torch_compile_follows_module_attributes():
+    m = _Attrs().eval()
+    x = _x(3, 4)
+    tm = torch.compile(m, backend="opencann")
+    with torch.no_grad():
+        _check(m(x), tm(x))
+        for change in _ATTR_CHANGES.values():
+            change(m)
+            _check(m(x), tm(x))
