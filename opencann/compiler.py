@@ -16,7 +16,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from .devices import KINDS, parse_device
-from .frontend.torch import capture, check_layout, from_exported_program
+from .frontend.torch import AttributeGuard, capture, check_layout, from_exported_program
 from .ir import Graph, MemoryPlan
 from .ir.symbolic import fits
 from .log import logger
@@ -233,7 +233,9 @@ class CompiledModel:
     at compile time (it is baked into the graph), an input not on the cpu, a sparse
     input, an input that requires grad while grad mode is on (the compiled model is
     inference-only: outputs never carry a gradient), and a
-    parameter or buffer modified in place since compiling (weights are frozen).
+    parameter or buffer modified in place since compiling (weights are frozen), and a
+    plain Python attribute of the module (``self.scale``, a flag, ``training``) changed
+    since compiling (export baked its value in: `AttributeGuard`).
     Non-contiguous inputs are made contiguous. Outputs have eager's strides and share
     memory only where eager's do (views of an input); constant outputs are fresh per call.
     ``check_aliasing`` (the compile option; None: the ``OPENCANN_CHECK_ALIASING``
@@ -259,7 +261,8 @@ class CompiledModel:
                  concurrent_calls: int = DEFAULT_CONCURRENT_CALLS,
                  check_aliasing: Optional[bool] = None,
                  arg_names: Optional[Sequence[Optional[str]]] = None,
-                 executor: Optional[Executor] = None):
+                 executor: Optional[Executor] = None,
+                 attributes: Optional[AttributeGuard] = None):
         self.graph, self.plan, self.report = graph, plan, report
         self._in_spec, self._out_spec = in_spec, out_spec
         # forward's positional parameter names: calls are bound by name (call_binding)
@@ -284,6 +287,8 @@ class CompiledModel:
         # weights are a snapshot (folded, prepacked, copied): detect in-place changes of
         # the module's tensors (weak references: the compiled model never keeps them alive)
         self._frozen = [(n, weakref.ref(t), t._version) for n, t in (frozen or [])]
+        # the module's plain Python attributes export baked in (a loaded model: none)
+        self._attributes = attributes
         if executor is None:   # a loaded model: run the binding stage alone
             ctx = PassContext(options={"check_aliasing": check_aliasing}, report=report,
                               artifacts={"memory_plan": plan})
@@ -382,6 +387,8 @@ class CompiledModel:
                     f"parameter or buffer {name!r} was modified in place after compiling: the "
                     "compiled model holds a snapshot of the weights it was compiled with. "
                     "Recompile after changing weights")
+        if self._attributes is not None:
+            self._attributes.check()
         tensors = [flat[i] for i in self._positions] if self._positions is not None else flat
         if len(tensors) != len(self.graph.inputs):
             raise ValueError(f"expected {len(self.graph.inputs)} tensor inputs, got {len(tensors)}")
@@ -516,7 +523,7 @@ def _compile_module(model, example_inputs, device, options, example_kwargs) -> C
                          example_flat=flat, frozen=frozen,
                          concurrent_calls=options.get("concurrent_calls", DEFAULT_CONCURRENT_CALLS),
                          check_aliasing=options.get("check_aliasing"), arg_names=arg_names,
-                         executor=ctx.artifacts["executor"])
+                         executor=ctx.artifacts["executor"], attributes=AttributeGuard(model))
 
 
 class OnnxCompiledModel(CompiledModel):

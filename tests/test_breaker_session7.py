@@ -482,20 +482,31 @@ _ATTR_CHANGES = {
     "float_attribute": lambda m: setattr(m, "scale", 3.0),
     "bool_attribute": lambda m: setattr(m, "negate", True),
 }
+# changes eager follows too, where only a refusal is right for a compiled graph
+_REFUSED_CHANGES = {
+    "train_mode": lambda m: m.train(),
+    "submodule_attribute": lambda m: setattr(m.drop, "p", 0.25),
+    "deleted_attribute": lambda m: delattr(m, "negate"),
+}
 
 
-@pytest.mark.xfail(strict=True, reason="B7-9")
-@pytest.mark.parametrize("change", sorted(_ATTR_CHANGES))
+@pytest.mark.parametrize("change", sorted(_ATTR_CHANGES) + sorted(_REFUSED_CHANGES))
 def test_module_attribute_changed_after_compile_follows_eager_or_refuses(change):
     m = _Attrs().eval()
     x = _x(3, 4)
     cm = opencann.compile(m, (x,))
-    _ATTR_CHANGES[change](m)
+    _check(m(x), cm(x))
+    {**_ATTR_CHANGES, **_REFUSED_CHANGES}[change](m)
+    if change in _REFUSED_CHANGES:
+        with pytest.raises(ValueError, match="recompile"):
+            cm(x)
+        return
     try:
         with torch.no_grad():
             got = cm(x)
     except Exception as e:  # noqa: BLE001 - a refusal must say what changed, in one line
-        assert len(str(e).splitlines()) == 1 and ("scale" in str(e) or "negate" in str(e)), str(e)
+        assert len(str(e).splitlines()) == 1 and "recompile" in str(e).lower(), str(e)
+        assert any(a in str(e) for a in ("scale", "negate", "training", "drop.p")), str(e)
         return
     with torch.no_grad():
         _check(m(x), got)
@@ -510,3 +521,31 @@ def test_torch_compile_follows_module_attributes():
         for change in _ATTR_CHANGES.values():
             change(m)
             _check(m(x), tm(x))
+
+
+def test_module_attribute_restored_is_accepted_again_and_nan_attributes_are_stable():
+    m = _Attrs().eval()
+    m.scale = float("nan")          # a NaN attribute equals its own snapshot (identity)
+    x = _x(3, 4)
+    cm = opencann.compile(m, (x,))
+    cm(x)
+    m.scale = 2.0
+    with pytest.raises(ValueError, match="'scale' was nan"):
+        cm(x)
+    m2 = _Attrs().eval()
+    cm2 = opencann.compile(m2, (x,))
+    m2.negate = True
+    with pytest.raises(ValueError, match="negate"):
+        cm2(x)
+    m2.negate = False               # back to the compiled value: calls run again
+    with torch.no_grad():
+        _check(m2(x), cm2(x))
+
+
+def test_dynamic_model_refuses_a_changed_attribute_too():
+    m = _Attrs().eval()
+    cm = opencann.compile(m, (_x(3, 4),), dynamic_shapes={"x": {0: "batch"}},
+                          dim_ranges={"batch": (1, 8)})
+    m.scale = 5.0
+    with pytest.raises(ValueError, match="'scale' was 2.0"):
+        cm(_x(5, 4))

@@ -1,6 +1,7 @@
 """PyTorch frontend: capture (torch.export + core-ATen decomposition) and FX → IR."""
 from .capture import CaptureError, capture, check_layout, decomposition_table
 from .convert import ConversionError, from_exported_program, from_fx_graph
+from .module_attrs import AttributeGuard
 
-__all__ = ["CaptureError", "capture", "check_layout", "decomposition_table", "ConversionError",
+__all__ = ["AttributeGuard", "CaptureError", "capture", "check_layout", "decomposition_table", "ConversionError",
            "from_exported_program", "from_fx_graph"]
