@@ -1,0 +1,411 @@
+"""Breaker session 7: calls where a compiled result differed from eager PyTorch without an
+error. Each finding (FINDINGS.md, ids B7-n) is one xfail(strict) test asserting eager's
+behaviour; the other tests cover attacked ground that already matches eager (random
+non-zero inputs, NaN/inf/-0.0 positions, a second call, outputs independent of each
+other and of later calls)."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import opencann
+
+
+class _Fn(nn.Module):
+    def __init__(self, fn):
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, *args):
+        return self.fn(*args)
+
+
+def _tuple(o):
+    return o if isinstance(o, (tuple, list)) else (o,)
+
+
+def _flat(o):
+    if isinstance(o, torch.Tensor):
+        return [o]
+    if isinstance(o, (tuple, list)):
+        return [t for x in o for t in _flat(x)]
+    if isinstance(o, dict):
+        return [t for x in o.values() for t in _flat(x)]
+    return [o]
+
+
+def _check(ref, got, rtol=1e-5, atol=1e-5, strides=True):
+    """Same structure, dtypes, shapes, values (NaN where eager has NaN, the sign of
+    zeros) and, where ``strides``, eager's strides."""
+    ref, got = _flat(ref), _flat(got)
+    assert len(ref) == len(got)
+    for r, g in zip(ref, got):
+        if not isinstance(r, torch.Tensor):
+            assert r == g
+            continue
+        assert (g.dtype, g.shape) == (r.dtype, r.shape)
+        if strides and r.numel() > 1:
+            assert g.stride() == r.stride()
+        if r.dtype.is_floating_point:
+            torch.testing.assert_close(g, r, rtol=rtol, atol=atol, equal_nan=True)
+            zero = r == 0
+            assert torch.equal(torch.signbit(g[zero]), torch.signbit(r[zero]))
+        else:
+            assert torch.equal(g, r)
+
+
+def _x(*shape, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(*shape, generator=g) + 0.5
+    flat = x.view(-1)
+    flat[1] = float("nan")
+    if flat.numel() > 5:
+        flat[3], flat[5] = float("inf"), -0.0
+    return x
+
+
+# == B7-1 / B7-2: frozen weights that torch changes without bumping a version counter =====
+# torch.compile(backend="opencann") freezes parameters and buffers of inference graphs and
+# re-freezes when a tensor's version counter moves. Two everyday writes do not move it:
+# fused optimizer kernels (_fused_adam_/_fused_sgd_ on CPU) and BatchNorm's running
+# statistics updated by an eager train-mode forward (native_batch_norm's schema does not
+# mark running_mean/var as written). The compiled model then keeps the old values.
+
+def _mlp():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3))
+
+
+_OPTIMIZERS = {
+    "adam_fused": lambda p: torch.optim.Adam(p, lr=0.1, fused=True),
+    "adamw_fused": lambda p: torch.optim.AdamW(p, lr=0.1, fused=True),
+    "sgd_fused": lambda p: torch.optim.SGD(p, lr=0.1, fused=True),
+}
+
+
+@pytest.mark.xfail(strict=True, reason="B7-1")
+@pytest.mark.parametrize("opt", sorted(_OPTIMIZERS))
+def test_frozen_weights_follow_a_fused_optimizer_step(opt):
+    m = _mlp()
+    x = _x(5, 6).nan_to_num()
+    tm = torch.compile(m, backend="opencann")
+    with torch.no_grad():
+        tm(x)                                   # frozen inference graph
+    o = _OPTIMIZERS[opt](m.parameters())
+    m(x).sum().backward()
+    o.step()
+    with torch.no_grad():
+        _check(m(x), tm(x))
+
+
+@pytest.mark.xfail(strict=True, reason="B7-1")
+@pytest.mark.parametrize("opt", sorted(_OPTIMIZERS))
+def test_opencann_compile_refuses_weights_changed_by_a_fused_optimizer_step(opt):
+    """README: weights modified in place after compiling (an optimizer step) are one
+    error naming the fix (recompile); a plain Adam step gets it, a fused one does not."""
+    m = _mlp()
+    x = _x(5, 6).nan_to_num()
+    cm = opencann.compile(m, (x,))
+    o = _OPTIMIZERS[opt](m.parameters())
+    m(x).sum().backward()
+    o.step()
+    with pytest.raises(ValueError, match="modified in place after compiling"):
+        with torch.no_grad():
+            cm(x)
+
+
+def test_opencann_compile_refuses_weights_changed_by_an_optimizer_step():
+    m = _mlp()
+    x = _x(5, 6).nan_to_num()
+    cm = opencann.compile(m, (x,))
+    o = torch.optim.Adam(m.parameters(), lr=0.1)
+    m(x).sum().backward()
+    o.step()
+    with pytest.raises(ValueError, match="modified in place after compiling"):
+        with torch.no_grad():
+            cm(x)
+
+
+@pytest.mark.parametrize("opt", ["adam", "sgd_foreach"])
+def test_frozen_weights_follow_an_unfused_optimizer_step(opt):
+    m = _mlp()
+    x = _x(5, 6).nan_to_num()
+    tm = torch.compile(m, backend="opencann")
+    with torch.no_grad():
+        tm(x)
+    o = (torch.optim.Adam(m.parameters(), lr=0.1) if opt == "adam"
+         else torch.optim.SGD(m.parameters(), lr=0.1, foreach=True))
+    m(x).sum().backward()
+    o.step()
+    with torch.no_grad():
+        _check(m(x), tm(x))
+
+
+def _bn_model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 3)).eval()
+
+
+@pytest.mark.xfail(strict=True, reason="B7-2")
+@pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "grad"])
+def test_frozen_batchnorm_follows_an_eager_train_mode_forward(grad):
+    """Train (or recalibrate BatchNorm) with the eager module, evaluate with the compiled
+    one: eager's eval output uses the updated running statistics."""
+    m = _bn_model()
+    x, xt = _x(5, 6).nan_to_num(), torch.randn(16, 6) * 3 + 1
+    tm = torch.compile(m, backend="opencann")
+    with torch.no_grad():
+        tm(x)
+    m.train()
+    with torch.set_grad_enabled(grad):
+        m(xt)                                    # updates running_mean / running_var
+    m.eval()
+    with torch.no_grad():
+        _check(m(x), tm(x))
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "grad"])
+def test_frozen_batchnorm_follows_a_compiled_train_mode_forward(grad):
+    m = _bn_model()
+    x, xt = _x(5, 6).nan_to_num(), torch.randn(16, 6) * 3 + 1
+    tm = torch.compile(m, backend="opencann")
+    with torch.no_grad():
+        tm(x)
+    m.train()
+    with torch.set_grad_enabled(grad):
+        tm(xt)
+    m.eval()
+    with torch.no_grad():
+        _check(m(x), tm(x))
+
+
+# == B7-3 / B7-4: autocast ==================================================================
+# opencann.compile's graph is captured once; torch.autocast around a call (B7-3) is neither
+# followed nor refused: the outputs keep the graph's float32 where eager's are bfloat16
+# (and some fused kernels still dispatch through autocast, so the dtype depends on which
+# kernel ran). A model compiled inside autocast (B7-4) keeps autocast's casts when called
+# outside it. Either eager's dtypes and values, or one clear error naming autocast.
+
+class _MM(nn.Module):
+    def forward(self, a, b):
+        return (a @ b).exp().sum(-1), torch.bmm(a.unsqueeze(0), b.unsqueeze(0))
+
+
+def _eager_or_clear_error(call, ref, tol):
+    try:
+        got = call()
+    except Exception as e:  # noqa: BLE001 - a refusal is fine if it says why in one line
+        assert "autocast" in str(e) and len(str(e).splitlines()) == 1, str(e)
+        return
+    _check(ref, got, rtol=tol, atol=tol, strides=False)
+
+
+@pytest.mark.xfail(strict=True, reason="B7-3")
+def test_call_under_autocast_follows_eager_or_refuses():
+    m = _MM()
+    a, b = torch.randn(4, 4), torch.randn(4, 4)
+    with torch.no_grad():
+        cm = opencann.compile(m, (a, b))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            ref = m(a, b)
+            _eager_or_clear_error(lambda: cm(a, b), ref, 2e-2)
+
+
+@pytest.mark.xfail(strict=True, reason="B7-4")
+def test_compiled_under_autocast_called_outside_follows_eager_or_refuses():
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4)).eval()
+    x = torch.randn(3, 8)
+    with torch.no_grad():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            cm = opencann.compile(m, (x,))
+        _eager_or_clear_error(lambda: cm(x), m(x), 1e-5)
+
+
+def test_torch_compile_follows_autocast_per_call():
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4)).eval()
+    x = torch.randn(3, 8)
+    tm = torch.compile(m, backend="opencann")
+    with torch.no_grad():
+        _check(m(x), tm(x))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            _check(m(x), tm(x), rtol=2e-2, atol=2e-2, strides=False)
+        _check(m(x), tm(x))
+
+
+# == B7-5: a loaded model file loses the strides of a strided view of a constant ===========
+
+class _ConstViews(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("b", torch.arange(12.0).view(3, 4))
+        self.w = nn.Parameter(torch.randn(4, 3))
+
+    def forward(self, x):
+        return x * 2, self.b.t(), self.b[:1].expand(2, 4), self.b[:, ::2], self.w[::2]
+
+
+@pytest.mark.xfail(strict=True, reason="B7-5")
+def test_loaded_model_keeps_strides_of_gapped_constant_views(tmp_path):
+    m = _ConstViews().eval()
+    x = _x(3, 4)
+    cm = opencann.compile(m, (x,))
+    opencann.save(cm, tmp_path / "m.ocm")
+    lm = opencann.load(tmp_path / "m.ocm")
+    with torch.no_grad():
+        ref = m(x)
+    _check(ref, cm(x))          # the live model has eager's strides
+    _check(ref, lm(x))          # the loaded one: b[:, ::2] and w[::2] come back contiguous
+
+
+# == B7-6: opt-in FlashAttention vs eager's SDPA on a NaN query row with short keys =======
+# Eager's CPU SDPA returns 0 for a query row holding a NaN when there are few keys
+# (S = 4, 5, 8 here; NaN from S = 16 on); the fused FlashAttention gives NaN at every S.
+
+@pytest.mark.xfail(strict=True, reason="B7-6")
+@pytest.mark.parametrize("L,S,D", [(3, 4, 8), (64, 5, 16)])
+def test_flash_attention_nan_query_row_with_few_keys_matches_sdpa(L, S, D):
+    m = _Fn(lambda q, k, v: F.scaled_dot_product_attention(q, k, v))
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, n, D, generator=g) for n in (L, S, S))
+    q[0, 0, 1, 2] = float("nan")
+    cm = opencann.compile(m, (q, k, v), options={"enable": ["fuse_flash_attention"]})
+    assert "FlashAttention" in cm.graph.op_counts()
+    with torch.no_grad():
+        _check(m(q, k, v), cm(q, k, v))
+
+
+@pytest.mark.parametrize("L,S,D", [(16, 16, 16), (5, 64, 16)])
+def test_flash_attention_nan_query_row_matches_sdpa(L, S, D):
+    m = _Fn(lambda q, k, v: F.scaled_dot_product_attention(q, k, v))
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, n, D, generator=g) for n in (L, S, S))
+    q[0, 0, 1, 2] = float("nan")
+    cm = opencann.compile(m, (q, k, v), options={"enable": ["fuse_flash_attention"]})
+    with torch.no_grad():
+        _check(m(q, k, v), cm(q, k, v))
+
+
+# == covered, already matching eager: writes into inputs through views ======================
+
+_WRITES = {
+    "view_then_write": lambda x: (lambda v: (x.mul_(2), v)[1])(x[0]),
+    "clone_then_write": lambda x: (lambda a: (x.add_(1), a, x)[1:])(x.clone()),
+    "transposed_write": lambda x: (lambda t: (t.add_(1), x.sum(0), t)[1:])(x.t()),
+    "bool_mask_setitem": lambda x: (x.__setitem__(x > 0.5, -1.0), x)[1],
+    "interleaved_copy": lambda x: (x[:, ::2].copy_(x[:, 1::2]), x)[1],
+    "swapaxes_select_write": lambda x: (x.swapaxes(0, 1)[1].mul_(5), x)[1],
+    "diagonal_zero": lambda x: (x.diagonal().zero_(), x.triu())[1],
+    "index_add_": lambda x: x.index_add_(0, torch.tensor([0, 0, 3]), torch.ones(3, 6)),
+    "as_strided_write": lambda x: (x.as_strided((2, 2), (1, 6)).mul_(3), x)[1],
+    "flat_step_fill": lambda x: (x.view(-1)[::5].fill_(7.0), x)[1],
+    "chain_inplace": lambda x: (x.relu_().sigmoid_(), x[::2])[1],
+}
+
+
+@pytest.mark.parametrize("backend", ["opencann.compile", "torch.compile"])
+@pytest.mark.parametrize("case", sorted(_WRITES))
+def test_writes_into_inputs_through_views_match_eager(case, backend):
+    m = _Fn(_WRITES[case])
+    x = _x(4, 6)
+    cm = opencann.compile(m, (x.clone(),)) if backend == "opencann.compile" \
+        else torch.compile(m, backend="opencann")
+    for seed in (0, 1):
+        a, b = _x(4, 6, seed=seed), _x(4, 6, seed=seed)
+        with torch.no_grad():
+            ref, got = m(a), cm(b)
+        _check(ref, got)
+        _check(a, b)                             # the caller's tensor holds eager's values
+        for r, g in zip(_flat(ref), _flat(got)):     # outputs alias the input as eager's do
+            r.add_(100.0)
+            g.add_(100.0)
+        _check(a, b)
+
+
+# == B7-7: writes through an unfold view zero the elements no window covers ===============
+# torch's functionalization inverts ``unfold`` with ``unfold_backward`` (zeros, then an
+# accumulating index_put): every element outside the windows becomes 0 and a -0.0 inside
+# them becomes +0.0 (pytorch/pytorch#198102, open). Eager leaves them alone.
+
+_UNFOLD_WRITES = {
+    "gaps_input": lambda x: (x.unfold(1, 2, 3).mul_(2), x)[1],
+    "tail_input": lambda x: (x.unfold(1, 4, 4).add_(1), x)[1],
+    "dim0_input": lambda x: (x.unfold(0, 1, 3).mul_(2), x)[1],
+    "gaps_intermediate": lambda x: (lambda y: (y.unfold(1, 2, 3).mul_(2), y)[1])(x * 1),
+    "exact_cover_negative_zero": lambda x: (x.unfold(1, 2, 2).mul_(2), x)[1],
+}
+
+
+@pytest.mark.xfail(strict=True, reason="B7-7")
+@pytest.mark.parametrize("backend", ["opencann.compile", "torch.compile"])
+@pytest.mark.parametrize("case", sorted(_UNFOLD_WRITES))
+def test_writes_through_unfold_views_keep_the_other_elements(case, backend):
+    m = _Fn(_UNFOLD_WRITES[case])
+    x = _x(4, 6)
+    x[1, 1] = x[2, 4] = -0.0
+    cm = opencann.compile(m, (x.clone(),)) if backend == "opencann.compile" \
+        else torch.compile(m, backend="opencann")
+    a, b = x.clone(), x.clone()
+    with torch.no_grad():
+        ref, got = m(a), cm(b)
+    _check(a, b)
+    _check(ref, got)
+
+
+# == B7-8: a model that writes into a parameter in forward compiles, then every call fails
+# with an internal pytree error (`leaves` has length 2 ...) instead of one clear error.
+# Buffers get "the model mutates its buffer ..." at compile time; parameters do not
+# (Embedding(max_norm=...) renorms its weight in forward; EMA-style `p.mul_` under
+# no_grad). torch.compile follows eager.
+
+class _ParamWrite(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(4))
+
+    def forward(self, x):
+        with torch.no_grad():
+            self.w.mul_(0.5)
+        return x * self.w
+
+
+def _param_writers():
+    torch.manual_seed(0)
+    return {"mul_under_no_grad": (_ParamWrite(), (torch.randn(3, 4),)),
+            "embedding_max_norm": (nn.Embedding(10, 4, max_norm=1.0),
+                                   (torch.randint(0, 10, (3, 4)),))}
+
+
+@pytest.mark.xfail(strict=True, reason="B7-8")
+@pytest.mark.parametrize("case", ["mul_under_no_grad", "embedding_max_norm"])
+def test_parameter_written_in_forward_is_one_clear_error_or_follows_eager(case):
+    m, ins = _param_writers()[case]
+    em = copy.deepcopy(m)
+    try:
+        cm = opencann.compile(m, ins)
+        with torch.no_grad():
+            got = [cm(*ins) for _ in range(2)]
+    except Exception as e:  # noqa: BLE001 - a refusal must name the parameter and the fix
+        msg = str(e)
+        assert len(msg.splitlines()) == 1 and "parameter" in msg and "torch.compile" in msg, msg
+        return
+    with torch.no_grad():
+        ref = [em(*ins) for _ in range(2)]
+    _check(ref, got)
+    _check(list(em.parameters()), list(m.parameters()))
+
+
+@pytest.mark.parametrize("case", ["mul_under_no_grad", "embedding_max_norm"])
+def test_torch_compile_follows_a_parameter_written_in_forward(case):
+    m, ins = _param_writers()[case]
+    em = copy.deepcopy(m)
+    tm = torch.compile(m, backend="opencann")
+    with torch.no_grad():
+        for _ in range(2):
+            _check(em(*ins), tm(*ins))
+    _check(list(em.parameters()), list(m.parameters()))
