@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from ..frontend.torch import decomposition_table
+from ..frontend.torch import decomposition_table, rewrite_written_unfolds
 from ..log import logger
 from ..options import check_options
 from .compile_fx import COMPILED_GRAPHS
@@ -59,6 +59,7 @@ def opencann_backend(gm: torch.fx.GraphModule, example_inputs, **options):
                        "torch.where(pred, a, b) to compile it", why)
         note_eager(entry, gm.__class__.__name__, why)
         return gm.forward
+    rewrite_written_unfolds(gm)   # functionalization would zero what no window covers
     n0 = len(COMPILED_GRAPHS)
     if training:
         from .training import opencann_training_backend

@@ -1,6 +1,7 @@
 """PyTorch frontend: capture (torch.export + core-ATen decomposition) and FX → IR."""
 from .capture import CaptureError, capture, check_layout, decomposition_table
 from .convert import ConversionError, from_exported_program, from_fx_graph
+from .unfold_writes import rewrite_written_unfolds
 
 __all__ = ["CaptureError", "capture", "check_layout", "decomposition_table", "ConversionError",
-           "from_exported_program", "from_fx_graph"]
+           "from_exported_program", "from_fx_graph", "rewrite_written_unfolds"]

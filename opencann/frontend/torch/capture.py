@@ -38,6 +38,7 @@ import torch
 from ...ir.types import DataType
 from .dynamic import constraint_violation
 from .layout_queries import LayoutQueries
+from .unfold_writes import rewrite_written_unfolds
 
 # Kept whole: SDPA (torch.export's form) and the CPU flash kernel it lowers to under
 # dynamo/AOTAutograd. The latter's decomposition ends in permute → clone → permute and
@@ -147,6 +148,7 @@ def _capture(model, args, kwargs, dynamic_shapes=None):
                 ep = torch.export.export(model, args, kwargs or {}, strict=False,
                                          dynamic_shapes=dynamic_shapes)
             read = queries.user_inputs(ep)
+            rewrite_written_unfolds(ep.graph_module)   # keep what no window covers
             t1 = time.perf_counter()
             # decomposing re-traces the program: it fails too (an input's metadata
             # changed in place: AOTAutograd's mutation-count assertion)
