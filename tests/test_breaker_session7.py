@@ -403,6 +403,58 @@ def test_writes_through_overlapping_unfold_windows_are_refused_loudly(backend):
         cm(_x(4, 7))
 
 
+
+# == the same kind: a write through an ``expand`` view that repeats elements ===============
+# functionalization inverts expand by adding every copy's change (base + sum_to(new - old)):
+# ``x[:, :1].expand(4, 3).fill_(2)`` gave 4 * 2 - 3 * x. opencann.compile refuses it with
+# one line; torch.compile runs that graph eagerly. A non-repeating expand compiles.
+
+_EXPAND_WRITES = {
+    "fill_slice_expand": lambda x: (x[:, :1].expand(4, 3).fill_(2.0), x)[1],
+    "zero_intermediate_slice": lambda x: (lambda y: (
+        y.unsqueeze(0).expand(2, 4, 6)[:, 1:3].zero_(), y * 1)[1])(x * 2),
+    "masked_fill_broadcast_to": lambda x: (torch.broadcast_to(x[:1], (4, 6)).masked_fill_(
+        torch.ones(4, 6, dtype=torch.bool), -0.0), x)[1],
+    "through_a_written_unfold": lambda x: (x[:1].expand(4, 6).unfold(1, 2, 3).fill_(1.5), x)[1],
+}
+
+
+@pytest.mark.filterwarnings("ignore:Use of masked_fill_ on expanded tensors")
+@pytest.mark.parametrize("backend", ["opencann.compile", "torch.compile"])
+@pytest.mark.parametrize("case", sorted(_EXPAND_WRITES))
+def test_writes_through_repeating_expand_views_follow_eager_or_refuse(case, backend):
+    m = _Fn(_EXPAND_WRITES[case])
+    x = _x(4, 6)
+    if backend == "opencann.compile":
+        with pytest.raises(opencann.frontend.torch.CaptureError) as e:
+            opencann.compile(m, (x.clone(),))
+        msg = str(e.value)
+        assert len(msg.splitlines()) == 1 and "expanded view" in msg and "Fix" in msg, msg
+        return
+    torch._dynamo.reset()
+    cm = torch.compile(m, backend="opencann")
+    for k in (1, 3):
+        a, b = x.clone() * k, x.clone() * k
+        with torch.no_grad():
+            ref, got = m(a), cm(b)
+        _check(a, b)
+        _check(ref, got)
+
+
+@pytest.mark.parametrize("backend", ["opencann.compile", "torch.compile"])
+def test_writes_through_a_non_repeating_expand_compile(backend):
+    m = _Fn(lambda x: (x.expand(4, 6).mul_(2), x[:, None].expand(4, 1, 6)[:, 0].add_(1), x)[2])
+    x = _x(4, 6)
+    cm = opencann.compile(m, (x.clone(),)) if backend == "opencann.compile" \
+        else torch.compile(m, backend="opencann")
+    for k in (1, 3):
+        a, b = x.clone() * k, x.clone() * k
+        with torch.no_grad():
+            ref, got = m(a), cm(b)
+        _check(a, b)
+        _check(ref, got)
+
+
 # == B7-8: a model that writes into a parameter in forward compiles, then every call fails
 # with an internal pytree error (`leaves` has length 2 ...) instead of one clear error.
 # Buffers get "the model mutates its buffer ..." at compile time; parameters do not

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from ..frontend.torch import decomposition_table, rewrite_written_unfolds
+from ..frontend.torch import decomposition_table, rewrite_written_unfolds, written_expand
 from ..log import logger
 from ..options import check_options
 from .compile_fx import COMPILED_GRAPHS
@@ -57,6 +57,13 @@ def opencann_backend(gm: torch.fx.GraphModule, example_inputs, **options):
                "subgraph, a higher-order op opencann does not compile)")
         logger.warning("opencann: %s, so it runs eagerly; compute both branches and pick with "
                        "torch.where(pred, a, b) to compile it", why)
+        note_eager(entry, gm.__class__.__name__, why)
+        return gm.forward
+    where = written_expand(gm)
+    if where:   # functionalization would add up the copies' changes
+        why = f"this graph writes through an expanded view that repeats elements (at {where})"
+        logger.warning("opencann: %s, so it runs eagerly; write into the tensor before "
+                       "expanding it to compile it", why)
         note_eager(entry, gm.__class__.__name__, why)
         return gm.forward
     rewrite_written_unfolds(gm)   # functionalization would zero what no window covers

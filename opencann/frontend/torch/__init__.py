@@ -1,7 +1,8 @@
 """PyTorch frontend: capture (torch.export + core-ATen decomposition) and FX → IR."""
 from .capture import CaptureError, capture, check_layout, decomposition_table
 from .convert import ConversionError, from_exported_program, from_fx_graph
-from .unfold_writes import rewrite_written_unfolds
+from .view_writes import rewrite_written_unfolds, written_expand
 
 __all__ = ["CaptureError", "capture", "check_layout", "decomposition_table", "ConversionError",
-           "from_exported_program", "from_fx_graph", "rewrite_written_unfolds"]
+           "from_exported_program", "from_fx_graph", "rewrite_written_unfolds",
+           "written_expand"]

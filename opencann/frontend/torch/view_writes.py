@@ -1,4 +1,5 @@
-"""Writes through ``Tensor.unfold`` views, made to keep the elements no window covers.
+"""Writes through views whose functionalization inverse is not a scatter: ``unfold``
+(made right here) and ``expand`` (refused here).
 
 Functionalization (torch.export's decomposition, AOTAutograd under torch.compile) turns a
 write through a view into a write of the whole base: ``base = inverse(base, new_view)``.
@@ -16,6 +17,15 @@ but ``as_strided`` give strides (3, 1) there) or its length is symbolic, ``as_st
 the root of the view chain (inverse: ``as_strided_scatter``). Overlapping windows (``size > step``) are left alone:
 torch refuses writes through them with its own error ("functionalization encountered a
 tensor being mutated that has internal overlap").
+
+``expand`` is inverted by summing the copies' changes (``base + sum_to(new_view - view)``):
+a write that eager allows through a view that repeats elements
+(``x[:, :1].expand(4, 3).fill_(2)``, ``zero_``, ``masked_fill_``) adds each copy's change,
+so 2.0 becomes ``4 * 2 - 3 * x``; even without repeats ``x + (new - x)`` turns an inf into
+NaN and -0.0 into +0.0. A written expand that repeats nothing (new size-1 dims only) is
+respelled as ``view`` (`expand_as_view`); no view spells a repeat with a scatter inverse,
+so `written_expand` finds those writes for the callers to refuse (``opencann.compile``) or
+run eagerly (torch.compile).
 """
 from __future__ import annotations
 
@@ -25,6 +35,10 @@ import torch
 import torch.fx as fx
 
 _ATEN_UNFOLD = torch.ops.aten.unfold.default
+_EXPANDS = (torch.ops.aten.expand.default, torch.ops.aten.expand_as.default,
+            torch.ops.aten.broadcast_to.default, torch.Tensor.expand, torch.Tensor.expand_as,
+            torch.broadcast_to, torch.Tensor.broadcast_to)
+_EXPAND_METHODS = ("expand", "expand_as", "broadcast_to")
 # torch-level (dynamo) view functions/methods through which a write reaches the unfold
 _VIEW_METHODS = {"view", "view_as", "reshape", "reshape_as", "select", "narrow", "t", "transpose",
                  "swapaxes", "swapdims", "permute", "movedim", "moveaxis", "unflatten", "flatten",
@@ -79,8 +93,10 @@ def _view_of(user: fx.Node, src: fx.Node) -> bool:
     if user.op != "call_function":
         return False
     t = user.target
-    if t is operator.getitem:
+    if t is operator.getitem or t is unfold_as_views:
         return user.args[0] is src
+    if t is expand_as_view:
+        return user.args[1] is src
     if isinstance(t, torch._ops.OpOverload):
         rets = t._schema.returns
         return any(r.alias_info is not None and not r.alias_info.is_write for r in rets) \
@@ -125,13 +141,55 @@ def _written_through(node: fx.Node) -> bool:
     return False
 
 
+def expand_as_view(expand, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    """``expand(x, *args, **kwargs)`` (``Tensor.expand``, ``expand_as``, ``broadcast_to``)
+    spelled as ``x.view`` of its shape, for an expand that repeats no element (its inverse
+    is then ``view``, not a sum)."""
+    return x.view(expand(x, *args, **kwargs).shape)
+
+
+def _is_expand(n: fx.Node) -> bool:
+    return (n.op == "call_function" and n.target in _EXPANDS) or \
+        (n.op == "call_method" and n.target in _EXPAND_METHODS)
+
+
 def rewrite_written_unfolds(gm: fx.GraphModule) -> int:
     """Replace each ``unfold`` in ``gm`` (an ATen graph before functionalization, or a
     dynamo graph) that is written through by a call of `unfold_as_views` with the same
-    arguments; recompiles ``gm`` when one changed. Returns how many were replaced."""
-    hits = [n for n in gm.graph.nodes if _is_unfold(n) and _written_through(n)]
-    for n in hits:
-        n.op, n.target = "call_function", unfold_as_views
+    arguments, and each written-through expand that repeats no element by
+    `expand_as_view`; recompiles ``gm`` when one changed. Returns how many were replaced."""
+    hits = 0
+    for n in list(gm.graph.nodes):
+        if _is_unfold(n) and _written_through(n):
+            n.op, n.target = "call_function", unfold_as_views
+            hits += 1
+        elif _is_expand(n) and not _repeats(n) and _written_through(n):
+            fn = getattr(torch.Tensor, n.target) if n.op == "call_method" else n.target
+            n.op, n.target, n.args = "call_function", expand_as_view, (fn,) + tuple(n.args)
+            hits += 1
     if hits:
         gm.recompile()
-    return len(hits)
+    return hits
+
+
+def _val(n) -> object:
+    return n.meta.get("val", n.meta.get("example_value")) if isinstance(n, fx.Node) else None
+
+
+def _repeats(n: fx.Node) -> bool:
+    """Whether expand node ``n`` repeats elements (unknown sizes: assumed to)."""
+    out, src = _val(n), _val(n.args[0] if n.args else None)
+    if not isinstance(out, torch.Tensor) or not isinstance(src, torch.Tensor):
+        return True
+    return str(out.numel()) != str(src.numel())
+
+
+def written_expand(gm: fx.GraphModule) -> str | None:
+    """Where (``file:line`` of the model's code, or the node's name) ``gm`` writes through an
+    ``expand`` (``expand_as``, ``broadcast_to``) view that repeats elements; None if it does
+    not. Functionalization would add up the copies' changes (module docstring)."""
+    from .convert import source_of
+    for n in gm.graph.nodes:
+        if _is_expand(n) and _repeats(n) and _written_through(n):
+            return source_of(n)[0] or n.name
+    return None
