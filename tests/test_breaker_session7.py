@@ -397,6 +397,28 @@ def test_writes_through_unfold_views_with_a_dynamic_dim():
         _check(ref, got)
 
 
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_writes_through_unfold_views_in_a_torch_compile_training_graph(dynamic):
+    def f(x, w):
+        y = x * w
+        y.unfold(1, 2, 3).mul_(2)
+        z = y[:, 1:] * 1
+        z.unfold(1, 2, 4).mul_(3)                     # windows that do not tile: as_strided
+        return (y * z[:, :1]).sum(), y, z
+
+    torch._dynamo.reset()
+    tf = torch.compile(f, backend="opencann", dynamic=dynamic)
+    for n in (7, 9):
+        x = _x(3, n, seed=n)
+        w1 = torch.randn(n, generator=torch.Generator().manual_seed(n)).requires_grad_()
+        w2 = w1.detach().clone().requires_grad_()
+        ref, got = f(x, w1), tf(x, w2)
+        ref[0].backward()
+        got[0].backward()
+        _check([r.detach() for r in ref], [g.detach() for g in got])
+        _check(w1.grad, w2.grad)
+
+
 @pytest.mark.parametrize("backend", ["opencann.compile", "torch.compile"])
 def test_writes_through_overlapping_unfold_windows_are_refused_loudly(backend):
     # eager applies the op once per window, so shared elements are written twice (its
