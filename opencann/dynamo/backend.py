@@ -39,7 +39,9 @@ def opencann_backend(gm: torch.fx.GraphModule, example_inputs, **options):
     Every compile is counted per code object with dynamo's recompile reason
     (`opencann.dynamo.recompiles`) and stamped on the graphs' reports
     (``report.torch_compile``); a graph run eagerly is counted with its reason
-    (`opencann.dynamo.eager_fallbacks`). ``torch.compile(..., options={...})`` passes
+    (`opencann.dynamo.eager_fallbacks`), as is a graph that writes through an ``expand``
+    view repeating elements; writes through ``unfold`` views are respelled first
+    (`opencann.frontend.torch.view_writes`). ``torch.compile(..., options={...})`` passes
     opencann's compile options."""
     options = dict(options.pop("options", None) or {}, **options)
     training = torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad

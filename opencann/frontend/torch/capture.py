@@ -80,7 +80,9 @@ def capture(model: torch.nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any
     why: example inputs the model rejects in eager PyTorch too (shapes, positions beyond
     the model's), an output type export cannot flatten, data-dependent control flow
     (then suggesting ``torch.compile(model, backend="opencann")``, which splits the
-    model at graph breaks)."""
+    model at graph breaks), a write through an ``expand`` view that repeats elements.
+    Writes through ``unfold`` views are respelled before decomposition so that the
+    elements no window covers keep their values (`opencann.frontend.torch.view_writes`)."""
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"opencann.compile expects a torch.nn.Module, got {type(model).__name__}")
     if not isinstance(args, tuple):
