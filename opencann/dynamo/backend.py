@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from ..frontend.torch import decomposition_table
+from ..frontend.torch import decomposition_table, rewrite_written_unfolds, written_expand
 from ..log import logger
 from ..options import check_options
 from .compile_fx import COMPILED_GRAPHS
@@ -39,7 +39,9 @@ def opencann_backend(gm: torch.fx.GraphModule, example_inputs, **options):
     Every compile is counted per code object with dynamo's recompile reason
     (`opencann.dynamo.recompiles`) and stamped on the graphs' reports
     (``report.torch_compile``); a graph run eagerly is counted with its reason
-    (`opencann.dynamo.eager_fallbacks`). ``torch.compile(..., options={...})`` passes
+    (`opencann.dynamo.eager_fallbacks`), as is a graph that writes through an ``expand``
+    view repeating elements; writes through ``unfold`` views are respelled first
+    (`opencann.frontend.torch.view_writes`). ``torch.compile(..., options={...})`` passes
     opencann's compile options."""
     options = dict(options.pop("options", None) or {}, **options)
     training = torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad
@@ -59,6 +61,14 @@ def opencann_backend(gm: torch.fx.GraphModule, example_inputs, **options):
                        "torch.where(pred, a, b) to compile it", why)
         note_eager(entry, gm.__class__.__name__, why)
         return gm.forward
+    where = written_expand(gm)
+    if where:   # functionalization would add up the copies' changes
+        why = f"this graph writes through an expanded view that repeats elements (at {where})"
+        logger.warning("opencann: %s, so it runs eagerly; write into the tensor before "
+                       "expanding it to compile it", why)
+        note_eager(entry, gm.__class__.__name__, why)
+        return gm.forward
+    rewrite_written_unfolds(gm)   # functionalization would zero what no window covers
     n0 = len(COMPILED_GRAPHS)
     if training:
         from .training import opencann_training_backend

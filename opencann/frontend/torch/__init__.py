@@ -2,6 +2,8 @@
 from .capture import CaptureError, capture, check_layout, decomposition_table
 from .convert import ConversionError, from_exported_program, from_fx_graph
 from .module_attrs import AttributeGuard
+from .view_writes import rewrite_written_unfolds, written_expand
 
-__all__ = ["AttributeGuard", "CaptureError", "capture", "check_layout", "decomposition_table", "ConversionError",
-           "from_exported_program", "from_fx_graph"]
+__all__ = ["AttributeGuard", "CaptureError", "capture", "check_layout", "decomposition_table",
+           "ConversionError", "from_exported_program", "from_fx_graph", "rewrite_written_unfolds",
+           "written_expand"]

@@ -38,6 +38,7 @@ import torch
 from ...ir.types import DataType
 from .dynamic import constraint_violation
 from .layout_queries import LayoutQueries
+from .view_writes import rewrite_written_unfolds, written_expand
 
 # Kept whole: SDPA (torch.export's form) and the CPU flash kernel it lowers to under
 # dynamo/AOTAutograd. The latter's decomposition ends in permute → clone → permute and
@@ -79,7 +80,9 @@ def capture(model: torch.nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any
     why: example inputs the model rejects in eager PyTorch too (shapes, positions beyond
     the model's), an output type export cannot flatten, data-dependent control flow
     (then suggesting ``torch.compile(model, backend="opencann")``, which splits the
-    model at graph breaks)."""
+    model at graph breaks), a write through an ``expand`` view that repeats elements.
+    Writes through ``unfold`` views are respelled before decomposition so that the
+    elements no window covers keep their values (`opencann.frontend.torch.view_writes`)."""
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"opencann.compile expects a torch.nn.Module, got {type(model).__name__}")
     if not isinstance(args, tuple):
@@ -147,6 +150,14 @@ def _capture(model, args, kwargs, dynamic_shapes=None):
                 ep = torch.export.export(model, args, kwargs or {}, strict=False,
                                          dynamic_shapes=dynamic_shapes)
             read = queries.user_inputs(ep)
+            rewrite_written_unfolds(ep.graph_module)   # keep what no window covers
+            where = written_expand(ep.graph_module)
+            if where:
+                raise CaptureError(
+                    f"the model writes through an expanded view (expand/broadcast_to at {where}) "
+                    "that repeats elements; a compiled graph would add up every copy's change. "
+                    "Fix: write into the tensor before expanding it, or use "
+                    "torch.compile(model, backend='opencann'), which runs that graph eagerly")
             t1 = time.perf_counter()
             # decomposing re-traces the program: it fails too (an input's metadata
             # changed in place: AOTAutograd's mutation-count assertion)
@@ -156,6 +167,8 @@ def _capture(model, args, kwargs, dynamic_shapes=None):
             ep = ep.run_decompositions(decomposition_table())
             out = next(n for n in ep.graph.nodes if n.op == "output")
             out.meta["eager_strides"], out.meta["layout_queries"] = eager, read
+    except CaptureError:
+        raise
     except Exception as e:  # noqa: BLE001 - re-raised with advice
         raise CaptureError(_explain(model, args, kwargs or {}, e)) from None
     t2 = time.perf_counter()

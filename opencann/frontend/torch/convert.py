@@ -348,7 +348,7 @@ def from_exported_program(ep: torch.export.ExportedProgram, name: str = "model",
     these leading outputs, the graph input it updates, and ``meta["returns_input"]`` maps
     a user output (index among the outputs after them) that is the mutated input itself
     to that graph input. Raises ConversionError for mutated buffers (training-mode
-    BatchNorm statistics), object inputs (an explicit ``generator=``) and unsupported
+    BatchNorm statistics) and parameters (``nn.Embedding(max_norm=...)``), object inputs (an explicit ``generator=``) and unsupported
     targets."""
     from torch.export.graph_signature import InputKind, OutputKind
 
@@ -367,6 +367,13 @@ def from_exported_program(ep: torch.export.ExportedProgram, name: str = "model",
                    " (e.g. a counter or cache updated in forward); a compiled graph keeps "
                    "its buffers fixed: move the update out of forward")
                 + ", or use torch.compile(model, backend='opencann'), which keeps mutations")
+        if out.kind == OutputKind.PARAMETER_MUTATION:
+            raise ConversionError(
+                f"the model writes into its parameter '{out.target}' during the forward pass "
+                "(e.g. nn.Embedding(max_norm=...) renorming its weight, or an in-place update "
+                "under torch.no_grad()); a compiled graph keeps its parameters fixed: move the "
+                "update out of forward, or use torch.compile(model, backend='opencann'), "
+                "which keeps mutations")
     for node in ep.graph.nodes:
         if node.op == "placeholder":
             spec = specs.get(node.name)
