@@ -29,6 +29,7 @@ from .runtime import DEFAULT_CONCURRENT_CALLS, Executor, ExecutorPool
 from .runtime.call_binding import bind_call, forward_arg_names, input_labels
 from .runtime.input_overlap import check_written_inputs
 from .runtime.streams import threads_per_stream
+from .runtime.weight_watch import WeightWatch
 
 SUPPORTED_DEVICES = KINDS
 # opencann.compile runs one at a time: torch.export is not thread-safe (concurrent exports
@@ -283,7 +284,11 @@ class CompiledModel:
                              | frozenset(queried.get("offset", ())))
         # weights are a snapshot (folded, prepacked, copied): detect in-place changes of
         # the module's tensors (weak references: the compiled model never keeps them alive)
-        self._frozen = [(n, weakref.ref(t), t._version) for n, t in (frozen or [])]
+        self._frozen = [(n, weakref.ref(t), t._version, t.data_ptr()) for n, t in (frozen or [])]
+        # ... and the writes torch does not count in ``_version`` (fused optimizer steps,
+        # BatchNorm statistics in a train-mode forward, ``.data``): runtime.weight_watch
+        self._watch = (WeightWatch([t for _, t in frozen], [n for n, _ in frozen])
+                       if frozen else None)
         if executor is None:   # a loaded model: run the binding stage alone
             ctx = PassContext(options={"check_aliasing": check_aliasing}, report=report,
                               artifacts={"memory_plan": plan})
@@ -375,11 +380,19 @@ class CompiledModel:
                     f"{got if not isinstance(got, torch.Tensor) else 'a tensor'!r} now: non-tensor "
                     "arguments are baked into the compiled graph. Recompile with this value, or "
                     "make it a tensor input")
-        for name, ref, version in self._frozen:
+        for name, ref, version, ptr in self._frozen:
             t = ref()
-            if t is not None and t._version != version:
+            if t is not None and (t._version != version or t.data_ptr() != ptr):
+                how = "modified in place" if t._version != version else "given new storage (p.data = ...)"
                 raise ValueError(
-                    f"parameter or buffer {name!r} was modified in place after compiling: the "
+                    f"parameter or buffer {name!r} was {how} after compiling: the "
+                    "compiled model holds a snapshot of the weights it was compiled with. "
+                    "Recompile after changing weights")
+        if self._watch is not None and self._watch.changed():
+            i, how = next(iter(self._watch.changes().items()), (None, None))
+            if i is not None:
+                raise ValueError(
+                    f"parameter or buffer {self._watch.names[i]!r} {how} after compiling: the "
                     "compiled model holds a snapshot of the weights it was compiled with. "
                     "Recompile after changing weights")
         tensors = [flat[i] for i in self._positions] if self._positions is not None else flat
