@@ -87,7 +87,6 @@ _OPTIMIZERS = {
 }
 
 
-@pytest.mark.xfail(strict=True, reason="B7-1")
 @pytest.mark.parametrize("opt", sorted(_OPTIMIZERS))
 def test_frozen_weights_follow_a_fused_optimizer_step(opt):
     m = _mlp()
@@ -122,7 +121,6 @@ def _bn_model():
     return nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 3)).eval()
 
 
-@pytest.mark.xfail(strict=True, reason="B7-2")
 @pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "grad"])
 def test_frozen_batchnorm_follows_an_eager_train_mode_forward(grad):
     """Train (or recalibrate BatchNorm) with the eager module, evaluate with the compiled
@@ -153,6 +151,93 @@ def test_frozen_batchnorm_follows_a_compiled_train_mode_forward(grad):
     m.eval()
     with torch.no_grad():
         _check(m(x), tm(x))
+
+
+# B7-1 / B7-2 siblings: every write torch does not count in ``_version`` is followed by
+# torch.compile (re-frozen) and refused by opencann.compile (one line naming the tensor).
+
+class _BigBn(nn.Module):
+    """A weight over the watch's whole-compare size (64x128 float32 = 32 KiB) and
+    functional BatchNorm statistics (no num_batches_tracked to bump)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(128, 64)
+        self.register_buffer("rm", torch.randn(64) * 0.1)
+        self.register_buffer("rv", torch.rand(64) + 0.5)
+
+    def forward(self, x):
+        return F.batch_norm(self.lin(x), self.rm, self.rv, training=self.training)
+
+
+def _functional_bn_train_forward(m):
+    m.train()
+    m(torch.randn(16, 128) * 2 + 1)
+    m.eval()
+
+
+_UNSEEN_WRITES = {
+    "data_copy_big_weight": lambda m: m.lin.weight.data.copy_(torch.randn(64, 128)),
+    "data_mul_small_bias": lambda m: m.lin.bias.data.mul_(-3),
+    "data_normal_big_weight": lambda m: m.lin.weight.data.normal_(),
+    "numpy_write_buffer": lambda m: m.rv.numpy().__setitem__(slice(None), 2.5),
+    "functional_batch_norm_train_forward": _functional_bn_train_forward,
+    "fused_sgd_step": lambda m: (m(torch.randn(4, 128)).sum().backward(),
+                                 torch.optim.SGD(m.parameters(), lr=0.5, fused=True).step()),
+    "fused_adamw_step_on_bias_only": lambda m: (
+        m(torch.randn(4, 128)).sum().backward(),
+        torch.optim.AdamW([m.lin.bias], lr=0.5, fused=True).step()),
+}
+
+
+@pytest.mark.parametrize("write", sorted(_UNSEEN_WRITES))
+def test_torch_compile_follows_writes_without_version_bump(write):
+    m = _BigBn().eval()
+    x = torch.randn(5, 128)
+    tm = torch.compile(m, backend="opencann")
+    with torch.no_grad():
+        _check(m(x), tm(x))
+    _UNSEEN_WRITES[write](m)
+    with torch.no_grad():
+        ref = m(x)
+        _check(ref, tm(x))
+        _check(ref, tm(x))                       # and stays right (frozen again)
+
+
+@pytest.mark.parametrize("write", sorted(_UNSEEN_WRITES))
+def test_opencann_compile_refuses_after_writes_without_version_bump(write):
+    m = _BigBn().eval()
+    x = torch.randn(5, 128)
+    with torch.no_grad():
+        cm = opencann.compile(m, (x,))
+        _check(m(x), cm(x))
+    _UNSEEN_WRITES[write](m)
+    with torch.no_grad(), pytest.raises(ValueError, match=r"^parameter or buffer '(lin\.|r[mv])"
+                                                          r".*Recompile after changing weights$"):
+        cm(x)
+
+
+def test_opencann_compile_refuses_after_data_rebinding():
+    m = _BigBn().eval()
+    x = torch.randn(5, 128)
+    with torch.no_grad():
+        cm = opencann.compile(m, (x,))
+        m.lin.weight.data = torch.randn(64, 128)
+        with pytest.raises(ValueError, match="'lin.weight' was given new storage"):
+            cm(x)
+
+
+def test_an_unrelated_optimizer_step_leaves_compiled_models_alone():
+    m, other = _BigBn().eval(), nn.Linear(3, 3)
+    x = torch.randn(5, 128)
+    with torch.no_grad():
+        cm = opencann.compile(m, (x,))
+    other(torch.randn(2, 3)).sum().backward()
+    torch.optim.Adam(other.parameters(), fused=True).step()
+    torch.optim.Adam(m.parameters(), fused=True).step()     # no gradients: writes nothing
+    with torch.no_grad():
+        _check(m(x), cm(x))
 
 
 # == B7-3 / B7-4: autocast ==================================================================

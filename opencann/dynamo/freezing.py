@@ -38,7 +38,7 @@ The one write not seen: through ``.data`` (or NumPy) into a tensor over 16 KiB t
 its first and last 32 elements unchanged (``p.data[5:9] = t``): every output then keeps
 the old weights' value (the snapshot, never a mix); write under ``torch.no_grad()``
 (``p[5:9] = t``, which torch records) or compile with ``options={"freezing": False}``.
-Cost of the guard: measured in tests/test_weight_watch.py's docstring.
+Cost of the value probes on ResNet-50's state: about 65 µs per call (bench/weight_watch.py).
 """
 from __future__ import annotations
 
