@@ -29,6 +29,7 @@ from .runtime import DEFAULT_CONCURRENT_CALLS, Executor, ExecutorPool
 from .runtime.call_binding import bind_call, forward_arg_names, input_labels
 from .runtime.input_overlap import check_written_inputs
 from .runtime.streams import threads_per_stream
+from .runtime import autocast_state
 from .runtime.weight_watch import WeightWatch
 
 SUPPORTED_DEVICES = KINDS
@@ -287,6 +288,9 @@ class CompiledModel:
         self._frozen = [(n, weakref.ref(t), t._version, t.data_ptr()) for n, t in (frozen or [])]
         # ... and the writes torch does not count in ``_version`` (fused optimizer steps,
         # BatchNorm statistics in a train-mode forward, ``.data``): runtime.weight_watch
+        # the host autocast state of the capture (torch.export) must be the call's; ONNX
+        # graphs and torch.compile's have no such state
+        self._checks_autocast = not graph.meta.get("input_names")
         self._watch = (WeightWatch([t for _, t in frozen], [n for n, _ in frozen])
                        if frozen else None)
         if executor is None:   # a loaded model: run the binding stage alone
@@ -388,6 +392,8 @@ class CompiledModel:
                     f"parameter or buffer {name!r} was {how} after compiling: the "
                     "compiled model holds a snapshot of the weights it was compiled with. "
                     "Recompile after changing weights")
+        if self._checks_autocast:
+            autocast_state.check(self.graph.meta.get("autocast"))   # absent: compiled outside
         if self._watch is not None and self._watch.changed():
             i, how = next(iter(self._watch.changes().items()), (None, None))
             if i is not None:
@@ -491,6 +497,7 @@ def convert_exported(model: torch.nn.Module, ep, capture_seconds: Dict[str, floa
                            capture_seconds=capture_seconds)
     report.passes.append(PassRecord("convert_and_infer", "construct", 0, len(graph.nodes),
                                     time.perf_counter() - t0, len(graph.nodes), note=note))
+    graph.meta["autocast"] = autocast_state.current()   # checked per call; kept in model files
     frozen = list(model.named_parameters()) + list(model.named_buffers())
     live = [t for _, t in frozen] + list(ep.state_dict.values()) + list(ep.constants.values())
     return graph, report, frozen, live
