@@ -247,9 +247,13 @@ class CompiledModel:
     the new values are copied into the caller's tensors, and an output that is the
     mutated input (``return x.add_(1)``) is the caller's tensor object.
     Weights are a snapshot taken at compile time (the model holds its own copies):
-    changing the module afterwards never changes results; an in-place change that torch
-    records (``p.mul_(2)`` under no_grad, an optimizer step) raises ValueError on the next
-    call, saying to recompile.
+    changing the module afterwards never changes results; a change raises ValueError on
+    the next call naming the tensor and saying to recompile: one torch records (``p.mul_(2)``
+    under no_grad, an optimizer step), ``p.data = t``, and those it does not
+    (`opencann.runtime.weight_watch`: fused optimizer steps, BatchNorm statistics from a
+    train-mode forward, writes through ``.data``). A call under another host
+    ``torch.autocast`` state than the compile's raises ValueError naming both
+    (`opencann.runtime.autocast_state`).
     Attributes: ``graph``, ``plan`` (MemoryPlan), ``report`` (CompileReport),
     ``executor`` (the first executor), ``pool`` (ExecutorPool).
     """
