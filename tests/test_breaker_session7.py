@@ -421,3 +421,151 @@ def test_loaded_model_keeps_strides_of_every_kind_of_constant_view(tmp_path, dyn
     _check(ref, cm(x))
     _check(ref, lm(x))
     _check(ref, lm(x))                           # a second call: constants unchanged
+
+
+# == B7-6: opt-in FlashAttention vs eager's SDPA on a NaN query row with short keys =======
+# Eager's CPU SDPA returns 0 for a query row holding a NaN when there are few keys
+# (S = 4, 5, 8 here; NaN from S = 16 on); the fused FlashAttention gives NaN at every S.
+
+@pytest.mark.xfail(strict=True, reason="B7-6")
+@pytest.mark.parametrize("L,S,D", [(3, 4, 8), (64, 5, 16)])
+def test_flash_attention_nan_query_row_with_few_keys_matches_sdpa(L, S, D):
+    m = _Fn(lambda q, k, v: F.scaled_dot_product_attention(q, k, v))
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, n, D, generator=g) for n in (L, S, S))
+    q[0, 0, 1, 2] = float("nan")
+    cm = opencann.compile(m, (q, k, v), options={"enable": ["fuse_flash_attention"]})
+    assert "FlashAttention" in cm.graph.op_counts()
+    with torch.no_grad():
+        _check(m(q, k, v), cm(q, k, v))
+
+
+@pytest.mark.parametrize("L,S,D", [(16, 16, 16), (5, 64, 16)])
+def test_flash_attention_nan_query_row_matches_sdpa(L, S, D):
+    m = _Fn(lambda q, k, v: F.scaled_dot_product_attention(q, k, v))
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, n, D, generator=g) for n in (L, S, S))
+    q[0, 0, 1, 2] = float("nan")
+    cm = opencann.compile(m, (q, k, v), options={"enable": ["fuse_flash_attention"]})
+    with torch.no_grad():
+        _check(m(q, k, v), cm(q, k, v))
+
+
+# == covered, already matching eager: writes into inputs through views ======================
+
+_WRITES = {
+    "view_then_write": lambda x: (lambda v: (x.mul_(2), v)[1])(x[0]),
+    "clone_then_write": lambda x: (lambda a: (x.add_(1), a, x)[1:])(x.clone()),
+    "transposed_write": lambda x: (lambda t: (t.add_(1), x.sum(0), t)[1:])(x.t()),
+    "bool_mask_setitem": lambda x: (x.__setitem__(x > 0.5, -1.0), x)[1],
+    "interleaved_copy": lambda x: (x[:, ::2].copy_(x[:, 1::2]), x)[1],
+    "swapaxes_select_write": lambda x: (x.swapaxes(0, 1)[1].mul_(5), x)[1],
+    "diagonal_zero": lambda x: (x.diagonal().zero_(), x.triu())[1],
+    "index_add_": lambda x: x.index_add_(0, torch.tensor([0, 0, 3]), torch.ones(3, 6)),
+    "as_strided_write": lambda x: (x.as_strided((2, 2), (1, 6)).mul_(3), x)[1],
+    "flat_step_fill": lambda x: (x.view(-1)[::5].fill_(7.0), x)[1],
+    "chain_inplace": lambda x: (x.relu_().sigmoid_(), x[::2])[1],
+}
+
+
+@pytest.mark.parametrize("backend", ["opencann.compile", "torch.compile"])
+@pytest.mark.parametrize("case", sorted(_WRITES))
+def test_writes_into_inputs_through_views_match_eager(case, backend):
+    m = _Fn(_WRITES[case])
+    x = _x(4, 6)
+    cm = opencann.compile(m, (x.clone(),)) if backend == "opencann.compile" \
+        else torch.compile(m, backend="opencann")
+    for seed in (0, 1):
+        a, b = _x(4, 6, seed=seed), _x(4, 6, seed=seed)
+        with torch.no_grad():
+            ref, got = m(a), cm(b)
+        _check(ref, got)
+        _check(a, b)                             # the caller's tensor holds eager's values
+        for r, g in zip(_flat(ref), _flat(got)):     # outputs alias the input as eager's do
+            r.add_(100.0)
+            g.add_(100.0)
+        _check(a, b)
+
+
+# == B7-7: writes through an unfold view zero the elements no window covers ===============
+# torch's functionalization inverts ``unfold`` with ``unfold_backward`` (zeros, then an
+# accumulating index_put): every element outside the windows becomes 0 and a -0.0 inside
+# them becomes +0.0 (pytorch/pytorch#198102, open). Eager leaves them alone.
+
+_UNFOLD_WRITES = {
+    "gaps_input": lambda x: (x.unfold(1, 2, 3).mul_(2), x)[1],
+    "tail_input": lambda x: (x.unfold(1, 4, 4).add_(1), x)[1],
+    "dim0_input": lambda x: (x.unfold(0, 1, 3).mul_(2), x)[1],
+    "gaps_intermediate": lambda x: (lambda y: (y.unfold(1, 2, 3).mul_(2), y)[1])(x * 1),
+    "exact_cover_negative_zero": lambda x: (x.unfold(1, 2, 2).mul_(2), x)[1],
+}
+
+
+@pytest.mark.xfail(strict=True, reason="B7-7")
+@pytest.mark.parametrize("backend", ["opencann.compile", "torch.compile"])
+@pytest.mark.parametrize("case", sorted(_UNFOLD_WRITES))
+def test_writes_through_unfold_views_keep_the_other_elements(case, backend):
+    m = _Fn(_UNFOLD_WRITES[case])
+    x = _x(4, 6)
+    x[1, 1] = x[2, 4] = -0.0
+    cm = opencann.compile(m, (x.clone(),)) if backend == "opencann.compile" \
+        else torch.compile(m, backend="opencann")
+    a, b = x.clone(), x.clone()
+    with torch.no_grad():
+        ref, got = m(a), cm(b)
+    _check(a, b)
+    _check(ref, got)
+
+
+# == B7-8: a model that writes into a parameter in forward compiles, then every call fails
+# with an internal pytree error (`leaves` has length 2 ...) instead of one clear error.
+# Buffers get "the model mutates its buffer ..." at compile time; parameters do not
+# (Embedding(max_norm=...) renorms its weight in forward; EMA-style `p.mul_` under
+# no_grad). torch.compile follows eager.
+
+class _ParamWrite(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(4))
+
+    def forward(self, x):
+        with torch.no_grad():
+            self.w.mul_(0.5)
+        return x * self.w
+
+
+def _param_writers():
+    torch.manual_seed(0)
+    return {"mul_under_no_grad": (_ParamWrite(), (torch.randn(3, 4),)),
+            "embedding_max_norm": (nn.Embedding(10, 4, max_norm=1.0),
+                                   (torch.randint(0, 10, (3, 4)),))}
+
+
+@pytest.mark.xfail(strict=True, reason="B7-8")
+@pytest.mark.parametrize("case", ["mul_under_no_grad", "embedding_max_norm"])
+def test_parameter_written_in_forward_is_one_clear_error_or_follows_eager(case):
+    m, ins = _param_writers()[case]
+    em = copy.deepcopy(m)
+    try:
+        cm = opencann.compile(m, ins)
+        with torch.no_grad():
+            got = [cm(*ins) for _ in range(2)]
+    except Exception as e:  # noqa: BLE001 - a refusal must name the parameter and the fix
+        msg = str(e)
+        assert len(msg.splitlines()) == 1 and "parameter" in msg and "torch.compile" in msg, msg
+        return
+    with torch.no_grad():
+        ref = [em(*ins) for _ in range(2)]
+    _check(ref, got)
+    _check(list(em.parameters()), list(m.parameters()))
+
+
+@pytest.mark.parametrize("case", ["mul_under_no_grad", "embedding_max_norm"])
+def test_torch_compile_follows_a_parameter_written_in_forward(case):
+    m, ins = _param_writers()[case]
+    em = copy.deepcopy(m)
+    tm = torch.compile(m, backend="opencann")
+    with torch.no_grad():
+        for _ in range(2):
+            _check(em(*ins), tm(*ins))
+    _check(list(em.parameters()), list(m.parameters()))
