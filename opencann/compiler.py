@@ -502,6 +502,9 @@ def convert_exported(model: torch.nn.Module, ep, capture_seconds: Dict[str, floa
     report.passes.append(PassRecord("convert_and_infer", "construct", 0, len(graph.nodes),
                                     time.perf_counter() - t0, len(graph.nodes), note=note))
     graph.meta["autocast"] = autocast_state.current()   # checked per call; kept in model files
+    if graph.meta["autocast"] is not None:
+        report.notes.append(f"captured inside autocast(cpu, {graph.meta['autocast']}): the graph "
+                            "holds its casts, and calls must be made inside the same autocast")
     frozen = list(model.named_parameters()) + list(model.named_buffers())
     live = [t for _, t in frozen] + list(ep.state_dict.values()) + list(ep.constants.values())
     return graph, report, frozen, live

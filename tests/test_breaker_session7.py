@@ -297,6 +297,7 @@ def test_compiled_and_called_inside_the_same_autocast_follows_eager():
         ref = m(x)
         _check(ref, cm(x), rtol=2e-2, atol=2e-2)
         _check(ref, cm(x), rtol=2e-2, atol=2e-2)
+    assert any("captured inside autocast(cpu, bfloat16)" in n for n in cm.report.notes)
 
 
 def _refuses(call, compiled, called):
