@@ -69,6 +69,17 @@ def _install_hook() -> None:
         _HOOK = register_optimizer_step_post_hook(_after_step)
 
 
+def _dense(t: torch.Tensor) -> bool:
+    """Whether ``t``'s elements fill ``numel`` consecutive storage elements (a permutation
+    of a contiguous tensor: transposed, channels-last)."""
+    expect = 1
+    for st, n in sorted((st, n) for n, st in zip(t.shape, t.stride()) if n > 1):
+        if st != expect:
+            return False
+        expect *= n
+    return True
+
+
 def _probes(t: torch.Tensor) -> List[torch.Tensor]:
     """1-D views of ``t``'s storage to compare (no autograd history, no reference to ``t``)."""
     n = t.numel()
@@ -79,7 +90,7 @@ def _probes(t: torch.Tensor) -> List[torch.Tensor]:
 
     def view(start: int, size: int, step: int) -> torch.Tensor:
         return torch.empty(0, dtype=t.dtype).set_(st, start, (size,), (step,))
-    if t.is_contiguous() or t.is_non_overlapping_and_dense():
+    if t.is_contiguous() or _dense(t):
         if n * t.element_size() <= SMALL_BYTES or n <= 2 * SAMPLE:
             return [view(off, n, 1)]
         return [view(off, SAMPLE, 1), view(off + n - SAMPLE, SAMPLE, 1)]
