@@ -32,6 +32,12 @@ pickled), and ``metadata`` holds ``dynamic`` (dims with names, ranges and source
 model's shape conditions; the example's dim values; plan options) and ``gears`` (the
 option, dim names and gear values). A static model is still written as version 1, so
 older opencann reads it; a version-2 file asks for an opencann that knows dynamic dims.
+Both keep, in the graph's meta, ``autocast``: the host autocast dtype the model was
+captured under (None: outside autocast; absent in files written before it was recorded:
+read as outside), which a loaded model checks per call as the live one does
+(`opencann.runtime.autocast_state`). Constants keep their strides for every kind of view
+(`_pack_constants`; gapped views saved as values carry ``fill_strides``, which older
+readers ignore, reading them contiguous as before).
 
 Every problem with a file raises `ModelFileError` (a ValueError) with one line saying
 what is wrong: not an opencann model file, truncated, a section or the header failing
