@@ -251,7 +251,8 @@ class CompiledModel:
     the next call naming the tensor and saying to recompile: one torch records (``p.mul_(2)``
     under no_grad, an optimizer step), ``p.data = t``, and those it does not
     (`opencann.runtime.weight_watch`: fused optimizer steps, BatchNorm statistics from a
-    train-mode forward, writes through ``.data``). A call under another host
+    train-mode forward, writes through ``.data``; a parameter, buffer or submodule of
+    ``module`` replaced). A call under another host
     ``torch.autocast`` state than the compile's raises ValueError naming both
     (`opencann.runtime.autocast_state`).
     Attributes: ``graph``, ``plan`` (MemoryPlan), ``report`` (CompileReport),
@@ -265,7 +266,8 @@ class CompiledModel:
                  concurrent_calls: int = DEFAULT_CONCURRENT_CALLS,
                  check_aliasing: Optional[bool] = None,
                  arg_names: Optional[Sequence[Optional[str]]] = None,
-                 executor: Optional[Executor] = None):
+                 executor: Optional[Executor] = None,
+                 module: Optional[torch.nn.Module] = None):
         self.graph, self.plan, self.report = graph, plan, report
         self._in_spec, self._out_spec = in_spec, out_spec
         # forward's positional parameter names: calls are bound by name (call_binding)
@@ -295,7 +297,7 @@ class CompiledModel:
         # the host autocast state of the capture (torch.export) must be the call's; ONNX
         # graphs and torch.compile's have no such state
         self._checks_autocast = not graph.meta.get("input_names")
-        self._watch = (WeightWatch([t for _, t in frozen], [n for n, _ in frozen])
+        self._watch = (WeightWatch([t for _, t in frozen], [n for n, _ in frozen], module)
                        if frozen else None)
         if executor is None:   # a loaded model: run the binding stage alone
             ctx = PassContext(options={"check_aliasing": check_aliasing}, report=report,
@@ -540,7 +542,7 @@ def _compile_module(model, example_inputs, device, options, example_kwargs) -> C
     positions = [i for i, s in enumerate(user) if isinstance(flat[i], torch.Tensor)]
     return CompiledModel(graph, ctx.artifacts["memory_plan"], report, in_spec=in_spec,
                          out_spec=ep.call_spec.out_spec, input_positions=positions,
-                         example_flat=flat, frozen=frozen,
+                         example_flat=flat, frozen=frozen, module=model,
                          concurrent_calls=options.get("concurrent_calls", DEFAULT_CONCURRENT_CALLS),
                          check_aliasing=options.get("check_aliasing"), arg_names=arg_names,
                          executor=ctx.artifacts["executor"])

@@ -477,7 +477,7 @@ def compile_dynamic(model: torch.nn.Module, example_inputs, dynamic_shapes: Any,
     return DynamicCompiledModel(graph, report, binder, options, tensors, device=device,
                                 in_spec=in_spec,
                                 out_spec=ep.call_spec.out_spec, input_positions=positions,
-                                example_flat=flat, frozen=frozen,
+                                example_flat=flat, frozen=frozen, module=model,
                                 arg_names=forward_arg_names(model))
 
 

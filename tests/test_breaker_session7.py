@@ -228,6 +228,34 @@ def test_opencann_compile_refuses_after_data_rebinding():
             cm(x)
 
 
+@pytest.mark.parametrize("how", ["new_parameter", "load_state_dict_assign", "new_submodule"])
+def test_opencann_compile_refuses_after_a_frozen_tensor_was_replaced(how):
+    m = _BigBn().eval()
+    x = torch.randn(5, 128)
+    with torch.no_grad():
+        cm = opencann.compile(m, (x,))
+        if how == "new_parameter":
+            m.lin.weight = nn.Parameter(torch.randn(64, 128))
+        elif how == "load_state_dict_assign":
+            m.load_state_dict({k: v.clone() for k, v in m.state_dict().items()}, assign=True)
+        else:
+            m.lin = nn.Linear(128, 64)
+        with pytest.raises(ValueError, match=r"^parameter or buffer '(lin\.|r[mv]).*' was "
+                                             r"replaced \(.*after compiling"):
+            cm(x)
+
+
+def test_opencann_compile_keeps_working_after_the_module_is_deleted():
+    m = _BigBn().eval()
+    x = torch.randn(5, 128)
+    with torch.no_grad():
+        cm, ref = opencann.compile(m, (x,)), m(x)
+    del m
+    import gc
+    gc.collect()
+    _check(ref, cm(x))
+
+
 def test_an_unrelated_optimizer_step_leaves_compiled_models_alone():
     m, other = _BigBn().eval(), nn.Linear(3, 3)
     x = torch.randn(5, 128)
@@ -570,3 +598,16 @@ def test_torch_compile_follows_a_parameter_written_in_forward(case):
         for _ in range(2):
             _check(em(*ins), tm(*ins))
     _check(list(em.parameters()), list(m.parameters()))
+
+
+def test_swaps_that_are_undone_do_not_count_as_replacing_weights():
+    """torch.func.functional_call, a second opencann.compile and torch.compile of the same
+    module swap its tensors and put them back: the first compiled model keeps working."""
+    m = _BigBn().eval()
+    x = torch.randn(5, 128)
+    with torch.no_grad():
+        cm, ref = opencann.compile(m, (x,)), m(x)
+        torch.func.functional_call(m, {k: v * 2 for k, v in m.state_dict().items()}, (x,))
+        opencann.compile(m, (x,))
+        torch.compile(m, backend="opencann")(x)
+        _check(ref, cm(x))

@@ -36,7 +36,7 @@ until the watch is released (`release`, or the tensor's death).
 from __future__ import annotations
 
 import weakref
-from typing import Dict, List, Sequence
+from typing import Dict, List, Optional, Sequence
 
 import torch
 
@@ -47,6 +47,9 @@ SAMPLE = 32
 
 _WATCHES: "weakref.WeakSet[WeightWatch]" = weakref.WeakSet()
 _HOOK = None
+_REGISTRATION_HOOKS: list = []
+REPLACED = ("was replaced (a new Parameter, buffer or submodule assigned, or "
+            "load_state_dict(assign=True))")
 
 
 def _after_step(optimizer, args, kwargs) -> None:
@@ -80,6 +83,40 @@ def _dense(t: torch.Tensor) -> bool:
     return True
 
 
+def _registered(module, name, value) -> None:
+    """Global parameter/buffer/submodule registration hook (``m.w = nn.Parameter(t)``,
+    ``load_state_dict(assign=True)``, ``m.lin = nn.Linear(...)``): mark the watches that
+    hold a tensor under that attribute of that module."""
+    for w in list(_WATCHES):
+        hit = w.slots.get((id(module), name))
+        if hit is not None and hit[0]() is module and not w.replaced:
+            w.replaced = hit[1]
+
+
+def _install_registration_hooks() -> None:
+    if not _REGISTRATION_HOOKS:
+        from torch.nn.modules import module as nn_module
+        _REGISTRATION_HOOKS.extend(
+            reg(_registered) for reg in (nn_module.register_module_parameter_registration_hook,
+                                         nn_module.register_module_buffer_registration_hook,
+                                         nn_module.register_module_module_registration_hook))
+
+
+def _slots(module: torch.nn.Module, names: Sequence[str]) -> Dict[tuple, tuple]:
+    """(id(owner module), attribute) -> (weakref to the owner, tensor name) for every step
+    of every dotted ``names`` path under ``module``."""
+    out: Dict[tuple, tuple] = {}
+    for name in names:
+        parts, owner = name.split("."), module
+        for i, part in enumerate(parts):
+            out.setdefault((id(owner), part), (weakref.ref(owner), name))
+            if i + 1 < len(parts):
+                owner = owner._modules.get(part) if isinstance(owner, torch.nn.Module) else None
+                if owner is None:
+                    break
+    return out
+
+
 def _probes(t: torch.Tensor) -> List[torch.Tensor]:
     """1-D views of ``t``'s storage to compare (no autograd history, no reference to ``t``)."""
     n = t.numel()
@@ -110,8 +147,13 @@ class WeightWatch:
     bytes differ from its snapshot. ``changes()`` (after ``changed()``): index -> how it
     changed. Thread-safe (no shared buffers)."""
 
-    def __init__(self, tensors: Sequence[torch.Tensor], names: Sequence[str]):
+    def __init__(self, tensors: Sequence[torch.Tensor], names: Sequence[str],
+                 module: Optional[torch.nn.Module] = None):
         self.names = list(names)
+        # with ``module`` (the owner of the dotted ``names``): replacing one of them is seen
+        self.slots = _slots(module, names) if module is not None else {}
+        self._module = weakref.ref(module) if module is not None else None
+        self.replaced = ""   # set by the registration hook; confirmed by `_replaced`
         self.ids = frozenset(map(id, tensors))
         self._index = {id(t): i for i, t in enumerate(tensors)}
         self.stepped: set = set()
@@ -143,6 +185,8 @@ class WeightWatch:
                 w.release()
         self._refs = [weakref.ref(t, died) for t in tensors]
         _install_hook()
+        if self.slots:
+            _install_registration_hooks()
         _WATCHES.add(self)
 
     def _gather(self) -> bytes:
@@ -152,16 +196,35 @@ class WeightWatch:
         """Stop watching (frees the probes' hold on the storages)."""
         self._views, self._strided, self._all, self._owners = [], [], [], []
         self._want = b""
-        self.stepped = set()
+        self.stepped, self.slots, self.replaced = set(), {}, ""
         _WATCHES.discard(self)
 
     def changed(self) -> bool:
         """Whether a watched tensor was written since the snapshot (per call)."""
-        return bool(self.stepped) or self._gather() != self._want
+        return (bool(self.stepped) or bool(self.replaced and self._replaced())
+                or self._gather() != self._want)
+
+    def _replaced(self) -> bool:
+        """After a registration under a watched name: whether a watched tensor is no longer
+        the module's (a swap that was undone, as ``torch.func.functional_call`` and
+        torch.export do, is not a change)."""
+        module = self._module() if self._module is not None else None
+        for i, (name, ref) in enumerate(zip(self.names, self._refs)):
+            owner, *path, leaf = [module] + name.split(".")
+            for part in path:
+                owner = owner._modules.get(part) if owner is not None else None
+            now = None if owner is None else owner._parameters.get(leaf, owner._buffers.get(leaf))
+            if module is not None and now is not ref():
+                self.replaced = name
+                return True
+        self.replaced = ""
+        return False
 
     def changes(self) -> Dict[int, str]:
         """Tensor index -> how it changed without a version bump (slow; for messages)."""
         out = {self._index[i]: self.how for i in self.stepped if i in self._index}
+        if self.replaced in self.names:
+            out.setdefault(self.names.index(self.replaced), REPLACED)
         k = 0
         for i, v, old in zip(self._owners, self._all, self._snap):
             if v is None:
