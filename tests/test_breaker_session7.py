@@ -101,6 +101,33 @@ def test_frozen_weights_follow_a_fused_optimizer_step(opt):
         _check(m(x), tm(x))
 
 
+@pytest.mark.parametrize("opt", sorted(_OPTIMIZERS))
+def test_opencann_compile_refuses_weights_changed_by_a_fused_optimizer_step(opt):
+    """README: weights modified in place after compiling (an optimizer step) are one
+    error naming the fix (recompile); a plain Adam step gets it, a fused one does not."""
+    m = _mlp()
+    x = _x(5, 6).nan_to_num()
+    cm = opencann.compile(m, (x,))
+    o = _OPTIMIZERS[opt](m.parameters())
+    m(x).sum().backward()
+    o.step()
+    with pytest.raises(ValueError, match="modified in place after compiling"):
+        with torch.no_grad():
+            cm(x)
+
+
+def test_opencann_compile_refuses_weights_changed_by_an_optimizer_step():
+    m = _mlp()
+    x = _x(5, 6).nan_to_num()
+    cm = opencann.compile(m, (x,))
+    o = torch.optim.Adam(m.parameters(), lr=0.1)
+    m(x).sum().backward()
+    o.step()
+    with pytest.raises(ValueError, match="modified in place after compiling"):
+        with torch.no_grad():
+            cm(x)
+
+
 @pytest.mark.parametrize("opt", ["adam", "sgd_foreach"])
 def test_frozen_weights_follow_an_unfused_optimizer_step(opt):
     m = _mlp()
@@ -611,3 +638,104 @@ def test_swaps_that_are_undone_do_not_count_as_replacing_weights():
         opencann.compile(m, (x,))
         torch.compile(m, backend="opencann")(x)
         _check(ref, cm(x))
+
+
+# == covered, already matching eager: decompositions at special values ====================
+# Core-ATen decompositions rewrite these ops as chains of other ops; at NaN, ±inf, ±0,
+# denormals and overflow edges the chain must land where eager's own kernel does.
+
+_SPECIALS = torch.tensor([float("nan"), float("inf"), float("-inf"), -0.0, 0.0, 1e-40, -1e-40,
+                          -100.0, 100.0, 88.8, -88.8, 3.4e38, -3.4e38, 1.0, -1.0, 0.5, -3.0,
+                          3.0, 20.0, -20.0, 1e-8, -1e-8, 0.999, -0.999, 2.5, -2.5]).view(2, 13)
+
+_UNARY = {
+    "hardswish": F.hardswish, "hardsigmoid": F.hardsigmoid, "mish": F.mish,
+    "softplus_beta": lambda x: F.softplus(x, beta=2, threshold=5), "selu": F.selu,
+    "celu": lambda x: F.celu(x, 0.5), "logsigmoid": F.logsigmoid, "log1p": torch.log1p,
+    "expm1": torch.expm1, "logit_eps": lambda x: torch.logit(x, eps=1e-6), "sinc": torch.sinc,
+    "hardshrink": F.hardshrink, "threshold": lambda x: F.threshold(x, 0.5, -7.0),
+    "frac": torch.frac, "round_decimals": lambda x: torch.round(x, decimals=2),
+    "xlogy_self": lambda x: torch.xlogy(x, x), "special_entr": torch.special.entr,
+    "log_ndtr": torch.special.log_ndtr, "logcumsumexp": lambda x: x.logcumsumexp(-1),
+    "cummax": lambda x: x.cummax(-1), "nanmean": lambda x: x.nanmean(-1),
+    "var_mean": lambda x: torch.var_mean(x, -1, correction=0),
+    "norm_inf": lambda x: x.norm(p=float("inf"), dim=-1), "normalize": lambda x: F.normalize(x, dim=-1),
+    "aminmax": lambda x: torch.aminmax(x, dim=-1), "kthvalue": lambda x: x.kthvalue(3, -1),
+    "pow_neg2": lambda x: x.pow(-2), "rpow_neg_base": lambda x: (-2.0) ** x, "rpow_zero": lambda x: 0.0 ** x,
+}
+_BINARY = {
+    "atan2": torch.atan2, "hypot": torch.hypot, "heaviside": torch.heaviside,
+    "nextafter": torch.nextafter, "remainder": torch.remainder, "fmod": torch.fmod,
+    "div_floor": lambda a, b: torch.div(a, b, rounding_mode="floor"), "xlogy": torch.xlogy,
+    "logaddexp": torch.logaddexp, "lerp_tensor": lambda a, b: torch.lerp(a, b, b.sigmoid()),
+    "addcdiv": lambda a, b: torch.addcdiv(a, a, b, value=0.5), "pow": torch.pow,
+    "fmin": torch.fmin, "smooth_l1": lambda a, b: F.smooth_l1_loss(a, b, reduction="none"),
+    "huber": lambda a, b: F.huber_loss(a, b, reduction="none", delta=2.0),
+    "bce_logits": lambda a, b: F.binary_cross_entropy_with_logits(a, b.sigmoid(), reduction="none"),
+    "kl_div_log": lambda a, b: F.kl_div(a, b, reduction="none", log_target=True),
+    "cosine_similarity": lambda a, b: F.cosine_similarity(a, b, dim=-1),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_UNARY) + sorted(_BINARY))
+def test_decomposed_ops_keep_eagers_special_values(name):
+    if name in _UNARY:
+        fn, ins = _UNARY[name], (_SPECIALS,)
+    else:
+        fn, ins = _BINARY[name], (_SPECIALS, _SPECIALS.flip(1))
+    m = _Fn(fn)
+    cm = opencann.compile(m, tuple(t.clone() for t in ins))
+    with torch.no_grad():
+        ref = m(*ins)
+        _check(ref, cm(*ins))
+        _check(ref, cm(*ins))
+
+
+# == B7-9: Python attributes of the module changed after opencann.compile are ignored ======
+# A non-tensor *argument* with another value than at compile time is one clear error, and so
+# is a weight written in place; a plain attribute that forward reads (a temperature, a flag,
+# the `training` mode) keeps its compile-time value without a word.
+
+class _Attrs(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.scale, self.negate = 2.0, False
+        self.drop = nn.Dropout(0.5)
+
+    def forward(self, x):
+        y = self.drop(x * self.scale)
+        return -y if self.negate else y
+
+
+_ATTR_CHANGES = {
+    "float_attribute": lambda m: setattr(m, "scale", 3.0),
+    "bool_attribute": lambda m: setattr(m, "negate", True),
+}
+
+
+@pytest.mark.xfail(strict=True, reason="B7-9")
+@pytest.mark.parametrize("change", sorted(_ATTR_CHANGES))
+def test_module_attribute_changed_after_compile_follows_eager_or_refuses(change):
+    m = _Attrs().eval()
+    x = _x(3, 4)
+    cm = opencann.compile(m, (x,))
+    _ATTR_CHANGES[change](m)
+    try:
+        with torch.no_grad():
+            got = cm(x)
+    except Exception as e:  # noqa: BLE001 - a refusal must say what changed, in one line
+        assert len(str(e).splitlines()) == 1 and ("scale" in str(e) or "negate" in str(e)), str(e)
+        return
+    with torch.no_grad():
+        _check(m(x), got)
+
+
+def test_torch_compile_follows_module_attributes():
+    m = _Attrs().eval()
+    x = _x(3, 4)
+    tm = torch.compile(m, backend="opencann")
+    with torch.no_grad():
+        _check(m(x), tm(x))
+        for change in _ATTR_CHANGES.values():
+            change(m)
+            _check(m(x), tm(x))

@@ -4,9 +4,10 @@ place NaN and ±inf as the formula does (`opencann.devices.cpu_special_values`).
 
 CI found the fault this guards: on an AVX-512 machine oneDNN's exact GELU, which ATen uses
 for contiguous fp32 tensors, returns NaN for +inf (pytorch/pytorch#185770), so the fused
-``0.5·x·(1 + erf(x/√2))`` gave NaN where eager gave +inf. This machine (AVX2) does not
-show it, so a simulated kernel with that fault stands in for it here (`_with_kernel`); the
-end-to-end tests at the bottom run on whatever CPU runs them and compare with eager."""
+``0.5·x·(1 + erf(x/√2))`` gave NaN where eager gave +inf. An AVX2 machine does not show
+it, so a simulated kernel with that fault stands in for it here (`_with_kernel`); the
+end-to-end tests at the bottom run on whatever CPU runs them and compare with eager.
+The norm formulas (RMSNorm, LayerNorm) are in tests/test_norm_special_values.py."""
 import math
 
 import pytest
@@ -54,12 +55,14 @@ def _with_kernel(monkeypatch, act, name, fn):
     monkeypatch.setattr(csv, "_kernels", kernels)
 
 
+# the simulated kernels start from the formula, not from this CPU's F.gelu (which on an
+# AVX-512 machine already maps +inf to NaN and would be reported first)
 def _nan_at_posinf(x):  # oneDNN's AVX-512 exact GELU (pytorch/pytorch#185770)
-    return torch.where(torch.isposinf(x), torch.full_like(x, NAN), F.gelu(x))
+    return torch.where(torch.isposinf(x), torch.full_like(x, NAN), csv.formula(x, "gelu"))
 
 
 def _zero_at_neginf(x):  # ATen's GELU after the fix proposed in pytorch/pytorch#192318
-    return torch.where(torch.isneginf(x), torch.zeros_like(x), F.gelu(x))
+    return torch.where(torch.isneginf(x), torch.zeros_like(x), csv.formula(x, "gelu"))
 
 
 # -- the probe ----------------------------------------------------------------------

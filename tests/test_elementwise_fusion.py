@@ -162,6 +162,24 @@ def test_mean_and_float64():
     _check(outs[0], f(x, y))
 
 
+def test_mean_overflows_where_eager_does():
+    """ATen's float32 mean is sum (float32: a row of 1e38 sums to inf), then ÷ n; the fused
+    mean sums in float64 but rounds that sum to float32 before dividing, so the row is inf
+    as in eager, not 1e38 (bench/special_values_audit.py found it)."""
+    def f(x):
+        return (x * 0.5 + x * 0.5).mean(-1)
+    x = torch.randn(4, 40, generator=torch.Generator().manual_seed(7))
+    x[1] = 1e38
+    x[2, 7] = 3e38
+    x[3, :] = -1e37
+    outs, graph, _, _ = run_compiled(f, x, options=ON)
+    assert _fused(graph)
+    want = f(x)
+    assert want[1] == float("inf") and want[3] == float("-inf") and want[2].isfinite()
+    assert torch.equal(outs[0].isinf(), want.isinf()) and outs[0][1] == want[1]
+    _check(outs[0], want)
+
+
 # -- near misses ---------------------------------------------------------------------------
 
 def _near(fn, *xs, options=ON, check=True):

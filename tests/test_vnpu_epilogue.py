@@ -62,10 +62,12 @@ def test_resnet_epilogue_cuts_hbm_and_time(resnet):
 
 def test_estimate_without_epilogue_is_unchanged(resnet):
     off = estimate(*resnet, device=DEV, ub_epilogue=False)
-    # the estimate before vnpu_ub_epilogue existed (commit 57b661c), same model and inputs
-    assert off.total_time_us == pytest.approx(225.0219642775221, rel=1e-9)
-    assert off.total_hbm_bytes == 34883584.0
-    assert off.time_us_unfused == pytest.approx(312.0726102723544, rel=1e-9)
+    # the estimate without the epilogue pass, same model and inputs: 225.02 us / 34883584 B / 312.07 us
+    # before vnpu_ub_epilogue existed (commit 57b661c); re-pinned when the GEMM model gained the L2
+    # contention, L0C drain, HBM operand misses and pipeline ends (issue 17: +0.5% here)
+    assert off.total_time_us == pytest.approx(226.19489324667865, rel=1e-9)
+    assert off.total_hbm_bytes == 34981888.0
+    assert off.time_us_unfused == pytest.approx(313.2455392415109, rel=1e-9)
 
 
 def test_conv_with_two_consumers_is_not_fused():
@@ -88,7 +90,7 @@ def test_matmul_bias_relu_and_residual_epilogue():
     models = [r.model for r in on.rows if r.bound != "fused"]
     assert models == ["matmul_cost + epilogue(relu)", "matmul_cost + epilogue(add)"]
     assert on.total_hbm_bytes < off.total_hbm_bytes and on.total_time_us < off.total_time_us
-    assert off.total_time_us == pytest.approx(20.297010797440894, rel=1e-9)
+    assert off.total_time_us == pytest.approx(20.344411580035036, rel=1e-9)   # 20.297 before issue 17's GEMM terms
 
 
 def test_fused_row_costs_the_cost_models_epilogue():

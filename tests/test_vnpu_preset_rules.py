@@ -85,15 +85,17 @@ def test_conv_rules_per_preset(preset):
     convs = [n for n in cm.graph.nodes if n.op == "Conv2D"]
     assert convs and all(n.outputs[0].desc.format.value == "NC1HWC0" for n in convs)
     casts = [n for n in cm.graph.nodes if n.op == "Cast"]
+    reported = [a for a in cm.report.applied if a["detail"] == "fp32 to fp16 for the Cube"]
     with torch.no_grad():
         ref = m(x)
     out = cm(x)
     if preset == "ascend310":
         assert all(n.outputs[0].desc.dtype.value == "float16" for n in convs)
         assert casts   # one in, one out, none between the two convs' exact fp16 -> fp32 -> fp16
+        assert len(reported) == len(convs) == 2                  # each cast Cube op is in the report
         assert torch.allclose(out, ref, rtol=2e-2, atol=2e-2)
     else:
-        assert not casts
+        assert not casts and not reported
         assert torch.allclose(out, ref, rtol=1e-4, atol=1e-4)
     assert out.dtype == torch.float32
 

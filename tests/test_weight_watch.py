@@ -61,8 +61,8 @@ def test_optimizer_hook_marks_only_stepped_parameters():
     a(torch.randn(2, 3)).sum().backward()
     torch.optim.Adam(a.parameters(), lr=0.1, fused=True).step()
     assert w.changed()
-    assert w.changes() == {0: "was written by an optimizer step (Adam)",
-                           1: "was written by an optimizer step (Adam)"}
+    assert w.changes() == {0: "was modified in place by an optimizer step (Adam)",
+                           1: "was modified in place by an optimizer step (Adam)"}
 
 
 def test_watch_released_when_a_tensor_dies():
@@ -101,5 +101,5 @@ def test_channels_last_and_gapped_module_state_through_both_compilers():
         m.conv.weight.data.mul_(-2)
         m.g.data[0, 0] = 5.0
         torch.testing.assert_close(tm(x), m(x))
-        with pytest.raises(ValueError, match="was changed without a version bump"):
+        with pytest.raises(ValueError, match="was modified in place without a version bump"):
             cm(x)

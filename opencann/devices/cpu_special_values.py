@@ -21,6 +21,10 @@ and ±1e13 (whose cube overflows in GELU's tanh form) placed at the head, the ve
 and the tail of a 1000-element tensor, and compares each result's NaN positions, inf
 positions and inf values with the spelled-out formula evaluated by eager's own ops. The
 answer is cached per (act, dtype): the probe costs a few ms once per process.
+
+The norm formulas ("rms_norm", "layer_norm": `cpu_norm_values.NORMS`) are probed by
+`cpu_norm_values.norm_differs` through the same entry point (and cache), so the fusions,
+the compile report and `opencann.load` treat them as the activations.
 """
 from __future__ import annotations
 
@@ -30,12 +34,15 @@ from typing import Callable, Iterator, Optional, Tuple
 
 import torch
 
+from .cpu_norm_values import NORMS, norm_differs
+
 _SPECIALS = (float("nan"), float("inf"), -float("inf"), 3e38, -3e38, 1e13, -1e13)
 _N = 1000                      # a length with a vector body and a scalar tail
 _AT = (0, 1, 2, 3, 4, 5, 6, 497, 498, 499, 500, 501, 502, 503, 993, 994, 995, 996, 997, 998, 999)
 
 
 ACTS = ("gelu", "gelu_tanh", "silu")
+FORMULAS = ACTS + NORMS
 # act -> (ATen op, its keyword arguments, oneDNN post-op name and algorithm)
 _OPS = {"gelu": ("gelu", {"approximate": "none"}, ("gelu", "none")),
         "gelu_tanh": ("gelu", {"approximate": "tanh"}, ("gelu", "tanh")),
@@ -123,11 +130,14 @@ def special_values_differ(act: str, dtype: torch.dtype) -> Optional[str]:
     line naming the kernel, the input and both results (the fusion's Skip reason, and the
     reason a model file fused that way is refused on this CPU).
 
-    ``act``: one of `ACTS` ("gelu" (erf), "gelu_tanh", "silu"); ``dtype``: a floating
-    torch dtype. A kernel that raises for this dtype is reported as a difference (the
-    fusion must not rely on it). Cached per (act, dtype). Raises KeyError for another
+    ``act``: one of `FORMULAS` ("gelu" (erf), "gelu_tanh", "silu", and the norms
+    "rms_norm", "layer_norm", probed by `cpu_norm_values.norm_differs`); ``dtype``: a
+    floating torch dtype. A kernel that raises for this dtype is reported as a difference
+    (the fusion must not rely on it). Cached per (act, dtype). Raises KeyError for another
     ``act``. Source of the fault it guards against: pytorch/pytorch#185770 (oneDNN's
     AVX-512 exact GELU returns NaN for +inf)."""
+    if act in NORMS:
+        return norm_differs(act, dtype)
     x = _probe_input(dtype)
     want = formula(x, act)
     for name, f in _kernels(act, dtype):
@@ -143,4 +153,4 @@ def special_values_differ(act: str, dtype: torch.dtype) -> Optional[str]:
     return None
 
 
-__all__ = ["ACTS", "formula", "special_values_differ"]
+__all__ = ["ACTS", "FORMULAS", "formula", "special_values_differ"]

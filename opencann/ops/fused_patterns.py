@@ -1,11 +1,16 @@
-"""The ops the pattern fusions (``opencann.passes.fusion``: rms_norm, gated_mlp) make, as
-`OpDef` rows; the SiLU, GELU and LayerNorm fusions make the library's Swish, Gelu and
-LayerNorm (``ops/library.py``). CPU kernels: ``ops/kernels/cpu_patterns.py``; vnpu costs:
+"""The ops the pattern fusions (``opencann.passes.fusion``: rms_norm, layer_norm,
+gated_mlp) make, as `OpDef` rows; the SiLU and GELU fusions make the library's Swish and
+Gelu (``ops/library.py``). CPU kernels: ``ops/kernels/cpu_patterns.py``; vnpu costs:
 ``ops/kernels/vnpu_cost.py``.
 
 - ``RmsNorm``: ATen ``rms_norm(input, normalized_shape, weight, eps)`` (attrs as its
   schema, plus ``upcast``: normalize in float32 and cast back, as transformers'
   LlamaRMSNorm); shape and dtype are the input's.
+- ``LayerNormFormula``: a spelled-out LayerNorm, (x − μ)/√(σ² + ε) [· γ] [+ β], attrs as
+  ATen ``layer_norm``'s schema (input, normalized_shape, weight, bias, eps) plus how σ²
+  and the root were written (``variance`` "pow" | "var", ``root`` "sqrt" | "rsqrt"): ATen's
+  LayerNorm kernel where that is the formula's value, the formula's own ops where a NaN,
+  an inf or a huge value makes them differ (``cpu_patterns.make_layer_norm_formula_kernel``).
 - ``GatedMLP``: silu(x·W1) * (x·W3), attrs ``x``, ``w1``, ``w3`` (tensor refs); output
   [.., N] as the product it replaces (its shape is the node's, set by the fusion).
 
@@ -18,7 +23,8 @@ import torch
 
 from ..ir import Node, numel
 from .kernels import vnpu_cost
-from .kernels.cpu_patterns import make_gated_mlp_kernel, make_rms_norm_kernel
+from .kernels.cpu_patterns import (make_gated_mlp_kernel, make_layer_norm_formula_kernel,
+                                   make_rms_norm_kernel)
 from . import per_index as pi
 from .opdef import Cost, OpDef, OpKind, register
 
@@ -39,6 +45,11 @@ register(OpDef("RmsNorm", OpKind.NORM, aten=torch.ops.aten.rms_norm.default, flo
                kernel_factories={"cpu": make_rms_norm_kernel}, keep_fp32=True,
                device_cost={"vnpu": vnpu_cost.layernorm}, per_index=pi.LAYER_NORM,
                doc="RMSNorm (Llama): x·rsqrt(mean(x², -1) + eps)·w"))
+register(OpDef("LayerNormFormula", OpKind.NORM, aten=torch.ops.aten.layer_norm.default,
+               flops_per_elem=8, kernel_factories={"cpu": make_layer_norm_formula_kernel},
+               keep_fp32=True, device_cost={"vnpu": vnpu_cost.layernorm},
+               per_index=pi.LAYER_NORM,
+               doc="spelled-out LayerNorm: ATen's kernel where exact, else the formula's ops"))
 register(OpDef("GatedMLP", OpKind.FUSED, aliases=((),), cost_fn=_gated_mlp_cost,
                kernel_factories={"cpu": make_gated_mlp_kernel},
                device_cost={"vnpu": vnpu_cost.gated_mlp}, per_index=pi.gated_mlp,

@@ -42,9 +42,9 @@ readers ignore, reading them contiguous as before).
 Every problem with a file raises `ModelFileError` (a ValueError) with one line saying
 what is wrong: not an opencann model file, truncated, a section or the header failing
 its checksum, a newer format version, a device or preset this opencann lacks, an
-op / ATen operator it does not know, or a formula fusion (spelled-out GELU / SiLU run as
-one kernel) whose kernel would place NaN/±inf elsewhere on this CPU than where it was
-compiled (`opencann.devices.cpu_special_values`).
+op / ATen operator it does not know, or a formula fusion (spelled-out GELU / SiLU /
+RMSNorm / LayerNorm run as one kernel) whose kernel would place NaN/±inf (or overflow)
+elsewhere on this CPU than where it was compiled (`opencann.devices.cpu_special_values`).
 """
 from __future__ import annotations
 

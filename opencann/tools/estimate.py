@@ -379,7 +379,10 @@ def _load_factory(spec: str):
     """``file.py:factory`` -> (model, example_inputs) from ``factory()``. Raises ValueError."""
     import importlib.util
     import os
-    path, fn = spec.rsplit(":", 1)
+    path, sep, fn = spec.rpartition(":")
+    if not sep or not path.endswith(".py") or not fn.isidentifier():
+        raise ValueError(f"{spec!r}: give file.py:factory, a .py file and the name of a function in it that "
+                         f"returns (model, example_inputs), e.g. {spec.rsplit(':', 1)[0]}:make")
     if not os.path.isfile(path):
         raise ValueError(f"{path} does not exist; give file.py:factory")
     mod_spec = importlib.util.spec_from_file_location("user_model", path)
@@ -476,7 +479,7 @@ def estimate(model_or_zoo_name, example_inputs=None, device: str = "vnpu:ascend9
     name, model, args = _load(model_or_zoo_name, example_inputs, batch, zoo_kwargs)
     model, args = _as_dtype(model, args, dtype)
     ep, _ = capture(model, args)
-    graph, plan, _ = _compile(ep, name, device, fused)
+    graph, plan, creport = _compile(ep, name, device, fused)
     weights = sum(c.desc.nbytes for c in graph.constants)
     kalloc = kernel_alloc_peak(graph, plan)
     inputs = sum(v.desc.nbytes for v in graph.inputs)
@@ -491,8 +494,20 @@ def estimate(model_or_zoo_name, example_inputs=None, device: str = "vnpu:ascend9
         hbm_bytes_fused=b_here if fused else b_other, hbm_bytes_unfused=b_other if fused else b_here,
         weights_bytes=int(weights), arena_bytes=int(plan.arena_bytes), kernel_alloc_peak_bytes=int(kalloc),
         input_bytes=int(inputs), views=views)
-    rep.notes += _notes(rows)
+    rep.notes += _notes(rows) + _cast_notes(creport, spec)
     return rep
+
+
+def _cast_notes(compile_report, spec) -> List[str]:
+    """A note naming the Cube ops whose fp32 operands the compile cast to fp16 (presets without an
+    fp32 Cube), or none."""
+    cast = [a["nodes"] for a in compile_report.applied if a["detail"] == "fp32 to fp16 for the Cube"]
+    if not cast:
+        return []
+    return [f"fp32 to fp16 for the Cube: {len(cast)} Conv/MatMul ops run with float16 operands "
+            f"({spec.name} has no fp32 Cube; values beyond float16's range become inf): "
+            + ", ".join(cast[:5]) + (f", ... ({len(cast)} in all)" if len(cast) > 5 else "")
+            + "; use vnpu:ascend910b to keep float32"]
 
 
 def _totals(rows: List[OpRow]) -> Tuple[float, float]:

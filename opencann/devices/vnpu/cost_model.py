@@ -8,10 +8,14 @@ Model (one kernel):
 * **Vector**: element operations x an op-specific cost multiplier, at
   `vector_bytes_per_cycle / element size` elements per cycle per vector unit.
 * **MTE** (GM <-> L1/UB data movement): bytes each core moves at the per-core
-  `gm_read/write_bytes_per_cycle` rates (the L2 serves re-reads).
-* **HBM**: bytes that must come from / go to device memory at `hbm_gbps`.
+  `gm_read/write_bytes_per_cycle` rates (the L2 serves re-reads), shared by the busy cores
+  (`L2_CONTENTION`) in the Cube kernels and FlashAttention.
+* **HBM**: bytes that must come from / go to device memory at `hbm_gbps` x `HBM_EFFICIENCY`.
 * Double buffering overlaps the pipelines: ``time = launch + max(cube, vector, mte, hbm)``
-  and ``bound`` names the slowest (``"launch"`` when the launch exceeds all of them).
+  and ``bound`` names the slowest (``"launch"`` when the launch exceeds all of them).  The Cube
+  GEMM adds what double buffering cannot hide (see `matmul_cost`): the L0C write-back of a tile
+  too big to ping-pong, operand bytes arriving from HBM instead of the L2, and the pipeline's
+  first and last operand block.
 
 `eager_time_us` adds the host: in an eager framework the host enqueues ops
 asynchronously, so one op costs ``max(op_dispatch_us, device time)`` per call in a loop.
@@ -72,21 +76,27 @@ the QK preload hides it."""
 FA_TASK_DISPATCH_CYCLES = 2000
 """Cycles to start one (batch, head, query-block) task on a core: [PTO-FA-CM]
 NPU_BLOCK_DISPATCH_CYCLES = 2000 (fitted by the kernel's authors to on-board 910B3 runs)."""
-FA_L2_CONTENTION = 0.012
+L2_CONTENTION = 0.012
 """FITTED, not sourced: the fraction of one core's GM (L2) read and write rate lost per additional
-core streaming at the same time.  A FlashAttention wave with n busy cores moves its GM traffic
-(K/V reads and the S/P/PV hand-offs) at the platform file's per-core rates divided by
-``1 + FA_L2_CONTENTION * (n - 1)`` (1.28 with all 24 cores of 910B busy; 1 on one core).
+core streaming at the same time.  A kernel with n busy cores (a FlashAttention wave; a GEMM's
+tiles) moves its GM traffic at the platform file's per-core rates divided by
+``1 + L2_CONTENTION * (n - 1)`` (1.28 with all 24 cores of 910B busy: 110 -> 86 B/cycle read;
+1 on one core).
 Form (an assumption with support): the platform file's per-core l2_read_rate / l2_write_rate are
-taken as what one core gets alone (the file does not say); [PTO-FA] (README "Summary") finds multi-core runs of the hand-written kernel "approaching
-a bandwidth/synchronization limit rather than scaling linearly with core count", and its 1/2/4/8-core
-table (same work per core, one cold launch each) loses normalized throughput as cores are added
-(S1 = 8192: 172.9 / 171.4 / 149.3 / 120.0 TFLOPS).  No public figure gives the 910B L2 bandwidth
-under load, so the magnitude is fitted to ONE anchor: the all-core [PTO-FA] time at S = 8K (0.0116
-makes it exact; rounded up so the estimate is not faster).  Checked out of sample against the other
-all-core times (S = 1K..32K: estimate / published throughput 0.78-0.94), torch_npu per call (0.84-1.22)
-and one core (unchanged).  Applied to FlashAttention only; the GEMM model's rates are checked by the
-GEMM anchors."""
+taken as what one core gets alone (the file does not say); [PTO-FA] (README "Summary") finds
+multi-core runs of the hand-written kernel "approaching a bandwidth/synchronization limit rather
+than scaling linearly with core count", and its 1/2/4/8-core table (same work per core, one cold
+launch each) loses normalized throughput as cores are added (S1 = 8192: 172.9 / 171.4 / 149.3 /
+120.0 TFLOPS).  No public figure gives the 910B L2 bandwidth under load, so the magnitude is fitted
+to ONE anchor: the all-core [PTO-FA] time at S = 8K (0.0116 makes it exact; rounded up so the
+estimate is not faster).  Checked out of sample against the other all-core times (S = 1K..32K:
+estimate / published throughput 0.78-0.94), torch_npu per call (0.84-1.22), one core (unchanged),
+and independently by the hand-written GEMM's pipe profile ([PTO-GEMM-A3]: 24 cores loading
+(128 + 256) x K fp16 per 128 x 256 tile, its GM -> L1 pipe busy 90.9% / 95.2% of 206.7 / 1506 us
+at 3072^3 / 6144^3, i.e. 84 / 88 B/cycle per core while busy, against the model's 86).  Applied to
+FlashAttention and to the Cube GEMM (matmul, conv)."""
+FA_L2_CONTENTION = L2_CONTENTION
+"""`L2_CONTENTION` under its first name (it was fitted for FlashAttention)."""
 
 
 _DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4, "float": 4, "half": 2, "int8": 1, "uint8": 1,
@@ -184,18 +194,31 @@ def cube_k0(dtype: Any) -> int:
     return max(1, 32 // dtype_bytes(dtype))
 
 
+# GEMM sources: [PTO-GEMM-A3] CANN pto-isa kernels/manual/a2a3/gemm_performance (README.md and
+# gemm_performance_kernel.cpp, hw-native-sys/pto-isa @ 3186c381): the hand-written A2/A3 GEMM (base tile
+# 128 x 256 x 64, L1 and L0A/L0B double-buffered, ONE fp32 accumulator tile in L0C stored between its MMADs
+# with M <-> FIX pipe syncs) and its measured per-pipe busy ratios on a 24-core Atlas A3 (1536^3 .. 7680^3).
+# [PTO-GEMM] the same repository @ d9ef6d02: torch.matmul and PTO-DSL GEMM times on 910B2 (calibration.py).
 # Tiler candidates (estimate: Ascend C Matmul tilings use base blocks of 16..256 rows/columns
 # within L0C, and split K across cores ("multi-core K split") when M x N tiles cannot fill them).
 TILE_SIZES = (16, 32, 64, 128, 256)
 K_SPLITS = (1, 2, 4, 8)
+GEMM_BLOCK_K_BYTES = 128
+"""Bytes of K per row in one Cube operand block: baseK = 64 fp16 elements, so a 128 x 64 A block and
+a 64 x 256 B block fill the 32 KiB ping-pong halves of L0A / L0B in CANN pto-isa's hand-written A2/A3
+GEMM ([PTO-GEMM-A3]: kernels/manual/a2a3/gemm_performance, baseK = 64, hw-native-sys/pto-isa @
+3186c381).  The pipeline's ends: the Cube cannot start before the first such block has arrived,
+and the kernel cannot end before the last block's MMAD and its write-back."""
 HBM_EFFICIENCY = 0.85
 """estimate (derating): fraction of nominal HBM bandwidth a streaming kernel reaches.  No
 public Ascend STREAM figure; HBM2/HBM2e devices measure 0.8-0.9 of nominal (BabelStream on
 A100 40GB: ~1.4 of 1.56 TB/s).  Applied to `NpuSpec.hbm_gbps`."""
 CUBE_EFFICIENCY = 0.9
 """estimate: fraction of the Cube's peak a large, cube-bound tile sequence sustains (L0A/L0B
-ping-pong bubbles and per-tile fixpipe drains).  Checked against [MM-910B]: torch.mm fp16
-at M=N=K=4096 reaches 315 of 354 TFLOPS (0.89)."""
+ping-pong bubbles; a GEMM tile's L0C write-back is costed separately).  Checked against [MM-910B]:
+torch.mm fp16 at M=N=K=4096 reaches 315 of 354 TFLOPS (0.89).  With 24 busy cores a fp16 GEMM's
+GM loads (96 B/cycle per core at the full Cube rate for a 128 x 256 tile, against 86 available)
+bind at about the same fraction, so the fp16 GEMM anchors do not separate the two."""
 
 
 def _hbm_us(spec: NpuSpec, nbytes: float) -> float:
@@ -208,48 +231,74 @@ def _gemm(op: str, batch: int, m: int, n: int, k: int, e: int, eo: int, spec: Np
     """The Cube GEMM model shared by matmul and conv (see `matmul_cost`).
 
     For every candidate tiling (base bm x bn output tile within L0C, K split ks) the time is
-    a max of pipelines each non-decreasing in M, N, K and batch (waves x per-tile work); the
-    kernel takes the fastest candidate, so time is monotone in every dimension."""
+    a max of pipelines each non-decreasing in M, N, K and batch (waves x per-tile work, plus
+    the pipeline's two ends, `_gemm_candidate`); the kernel takes the fastest candidate, so
+    time is monotone in every dimension."""
     k0 = 32 // e
     mp, np_, kp = _up(m, 16), _up(n, 16), _up(k, k0)
     flops = 2.0 * batch * mp * np_ * kp
     useful = 2.0 * batch * m * n * k if useful is None else useful
-    rate = _cube_rate_per_core(spec, e) * CUBE_EFFICIENCY / 1e6          # FLOP per µs per core
-    hz = spec.clock_ghz * 1e9
     a_total = batch * mp * kp * e if a_bytes is None else a_bytes
-    b_total, c_total = batch * kp * np_ * e, batch * mp * np_ * eo
-    vec_rate = _vector_rate_total(spec, 4, spec.vector_cores) / 1e6       # fp32 elem-ops per µs, all units
-    gm_, gn_ = max(1, math.isqrt(spec.cube_cores)), max(1, spec.cube_cores // max(1, math.isqrt(spec.cube_cores)))
+    g = {"batch": batch, "mp": mp, "np": np_, "kp": kp, "k0": k0, "e": e, "eo": eo, "a_bytes": a_bytes,
+         "a_total": a_total, "b_total": batch * kp * np_ * e, "c_total": batch * mp * np_ * eo,
+         "rate": _cube_rate_per_core(spec, e) * CUBE_EFFICIENCY / 1e6,          # FLOP per µs per core
+         "vec_rate": _vector_rate_total(spec, 4, spec.vector_cores) / 1e6,       # fp32 elem-ops per µs
+         "epi_ops": epilogue_ops, "epi_in": epilogue_inputs}
     best = None
     for bm in TILE_SIZES:
         for bn in TILE_SIZES:
             if bm * bn * 4 > spec.l0c_bytes:
                 continue
-            tm, tn = _ceil(mp, bm), _ceil(np_, bn)
             for ks in K_SPLITS:    # one fixed candidate set for every size: min stays monotone
-                kper = _up(_ceil(kp, ks), k0)
-                tiles = batch * tm * tn * ks
-                waves = _ceil(tiles, spec.cube_cores)
-                cube = waves * 2.0 * bm * bn * kper / rate
-                # a tile reads its bm rows of A over its K slice (the whole padded A when
-                # it has fewer rows); a conv's A (`a_bytes`, its input window) pro rata
-                a_tile = (min(bm, mp) * kper * e if a_bytes is None
-                          else a_total / batch * min(bm, mp) / mp / ks)
-                rd = waves * (a_tile + bn * kper * e) / (spec.gm_read_bytes_per_cycle * hz) * 1e6
-                wr_b = bm * bn * (4 if ks > 1 else eo)
-                wr = waves * wr_b / (spec.gm_write_bytes_per_cycle * hz) * 1e6
-                mte = max(rd, wr)
-                vec = (batch * mp * np_ * (ks - 1 + epilogue_ops)) / vec_rate if (ks > 1 or epilogue_ops) else 0.0
-                fits = a_total + b_total <= spec.l2_bytes
-                stream = a_total + b_total if fits else a_total * _ceil(tn, gn_) + b_total * _ceil(tm, gm_)
-                hbm = stream + c_total * (1 + epilogue_inputs) + (2 * ks * batch * mp * np_ * 4 if ks > 1 else 0)
-                t = max(cube, vec, mte, _hbm_us(spec, hbm))
-                if best is None or t < best[0]:
-                    best = (t, cube, vec, mte, hbm, bm, bn, ks, min(tiles, spec.cube_cores), waves)
-    t, cube, vec, mte, hbm, bm, bn, ks, used, waves = best
+                cand = _gemm_candidate(g, bm, bn, ks, spec)
+                if best is None or cand[0] < best[0]:
+                    best = cand
+    t, cube, vec, mte, hbm, bm, bn, ks, used, waves, parts = best
     return _finish(op, spec, cube_us=cube, vector_us=vec, mte_us=mte, hbm_bytes=hbm, flops=flops, useful=useful,
                    extra={"cores_used": used, "waves": waves, "tile": (bm, bn), "k_split": ks,
-                          "padded_mnk": (mp, np_, kp), "padding_waste": 1 - useful / flops})
+                          "padded_mnk": (mp, np_, kp), "padding_waste": 1 - useful / flops, **parts})
+
+
+def _gemm_candidate(g: Mapping[str, Any], bm: int, bn: int, ks: int, spec: NpuSpec) -> tuple:
+    """(time, cube, vector, mte, hbm bytes, bm, bn, ks, busy cores, waves, breakdown parts) of one
+    tiling of the GEMM described by `g` (see `_gemm`); µs and bytes."""
+    e, hz, batch, mp, np_ = g["e"], spec.clock_ghz * 1e9, g["batch"], g["mp"], g["np"]
+    tm, tn = _ceil(mp, bm), _ceil(np_, bn)
+    kper = _up(_ceil(g["kp"], ks), g["k0"])
+    tiles = batch * tm * tn * ks
+    waves, busy = _ceil(tiles, spec.cube_cores), min(tiles, spec.cube_cores)
+    # one core's GM (L2) rates, B per µs, while `busy` cores stream (L2_CONTENTION)
+    rd_rate, wr_rate = (r * hz / 1e6 / _l2_contention(busy) for r in
+                        (spec.gm_read_bytes_per_cycle, spec.gm_write_bytes_per_cycle))
+    wr_b = bm * bn * (4 if ks > 1 else g["eo"])
+    # an fp32 accumulator tile too big to ping-pong in L0C: its write-back (fixpipe, L0C -> GM)
+    # stalls the Cube before the next tile starts
+    drain = wr_b / wr_rate if 2 * bm * bn * 4 > spec.l0c_bytes else 0.0
+    cube = waves * (2.0 * bm * bn * kper / g["rate"] + drain)
+    # a tile reads its bm rows of A over its K slice (the whole padded A when it has fewer rows);
+    # a conv's A (`a_bytes`, its input window) pro rata
+    a_tile = (min(bm, mp) * kper * e if g["a_bytes"] is None
+              else g["a_total"] / batch * min(bm, mp) / mp / ks)
+    # operand bytes from HBM: A and B once, plus the re-reads of a wave-by-wave walk (A once per
+    # gn column tiles, B once per gm row tiles) that miss an L2 holding an L2 / (A + B) share of
+    # the operands; they reach the cores at the HBM rate, not the L2 rate, and the loads wait
+    gm_ = max(1, math.isqrt(spec.cube_cores))
+    once = g["a_total"] + g["b_total"]
+    rereads = g["a_total"] * _ceil(tn, spec.cube_cores // gm_) + g["b_total"] * _ceil(tm, gm_) - once
+    stream = once + rereads * max(0.0, 1.0 - spec.l2_bytes / once)
+    miss = max(0.0, _hbm_us(spec, stream) - stream / (rd_rate * busy))
+    mte = max(waves * (a_tile + bn * kper * e) / rd_rate + miss, waves * wr_b / wr_rate)
+    vec = ((batch * mp * np_ * (ks - 1 + g["epi_ops"])) / g["vec_rate"] if (ks > 1 or g["epi_ops"]) else 0.0)
+    hbm = stream + g["c_total"] * (1 + g["epi_in"]) + (2 * ks * batch * mp * np_ * 4 if ks > 1 else 0)
+    # the double-buffered pipeline's ends: the Cube waits for the first operand block, and the
+    # last block's MMAD and write-back follow the last load (GEMM_BLOCK_K_BYTES)
+    kb = min(kper, GEMM_BLOCK_K_BYTES // e)
+    first = (min(bm, mp) + bn) * kb * e / rd_rate
+    last = 2.0 * bm * bn * kb / g["rate"] + wr_b / wr_rate
+    parts = {"drain_us": waves * drain, "first_block_us": first, "last_block_us": last, "hbm_miss_us": miss,
+             "operand_hbm_bytes": stream, "l2_contention": _l2_contention(busy)}
+    return (max(cube + first, vec, mte + last, _hbm_us(spec, hbm)), cube + first, vec, mte + last, hbm,
+            bm, bn, ks, busy, waves, parts)
 
 
 def matmul_cost(m: int, n: int, k: int, batch: int = 1, dtype: Any = "float16",
@@ -260,11 +309,24 @@ def matmul_cost(m: int, n: int, k: int, batch: int = 1, dtype: Any = "float16",
     `cube_k0` = 32 B / element (the Cube fractal, Liao et al. Hot Chips 31).  A tiler picks,
     among base tiles bm x bn (16..256, fitting L0C in fp32) and K splits (1..8; partial sums
     in fp32 through GM, added by the Vector units), the fastest; per candidate, tiles run in
-    waves over the Cube cores and each pipeline is (waves x per-tile work): Cube at
-    CUBE_EFFICIENCY x peak, GM reads (each tile reads its rows of A and its B columns) and
-    writes at the per-core rates, HBM at HBM_EFFICIENCY x nominal for A + B + C once when
-    A and B fit in L2 (else A once per group of column tiles, B once per group of row
-    tiles).  Time is monotone in M, N, K and batch.
+    waves over the Cube cores and each pipeline is (waves x per-tile work):
+
+    * Cube at CUBE_EFFICIENCY x peak, plus, per tile, the write-back of its fp32 accumulator
+      from L0C (fixpipe) when the tile cannot ping-pong in L0C (2 x bm x bn x 4 B > l0c_bytes;
+      on 910B a 128 x 256 tile fills the 128 KiB L0C, as in CANN pto-isa's hand-written GEMM,
+      which stores each tile between its MMADs): the Cube waits for it;
+    * GM reads (each tile reads its rows of A and its B columns) and writes at the per-core
+      L2 rates divided by the contention of the busy cores (`L2_CONTENTION`); the operand
+      bytes that come from HBM (A and B once; past the L2, the re-reads of a wave-by-wave walk,
+      A once per group of column tiles and B once per group of row tiles, in the share
+      1 - L2 / (A + B) that the L2 cannot hold) arrive at the HBM rate instead of the L2 rate,
+      and the loads wait for them (``hbm_miss_us``);
+    * HBM at HBM_EFFICIENCY x nominal for those operand bytes + C (+ K-split partial sums);
+    * the pipeline's ends: the Cube waits for the first operand block (GEMM_BLOCK_K_BYTES of K
+      per row of A and B), and the last block's MMAD and write-back follow the last load.
+
+    Breakdown keys add ``drain_us``, ``hbm_miss_us``, ``first_block_us``, ``last_block_us``,
+    ``operand_hbm_bytes``, ``l2_contention``.  Time is monotone in M, N, K and batch.
     `epilogue`: Vector ops fused after the Cube as GE fuses them ('bias', 'relu', 'add',
     ... keys of VECTOR_OP_COST; 'add' of a residual reads one more C-sized tensor), costed
     on the output with no extra kernel.  fp32: the Cube rate is `NpuSpec.peak_cube_tflops(4)`.
@@ -506,9 +568,12 @@ def _fa_block_cycles(br: int, bc: int, d: int, e: int, spec: NpuSpec, busy: int 
             "steady": max(cube_cyc, vec_cyc, rd_cyc, wr_cyc), "chain": qk + p + pv + gu + 3 * FA_SYNC_CYCLES}
 
 
-def _fa_l2_contention(busy: int) -> float:
-    """Slowdown of one core's GM (L2) traffic while `busy` cores stream at once (FA_L2_CONTENTION)."""
-    return 1.0 + FA_L2_CONTENTION * (max(1, busy) - 1)
+def _l2_contention(busy: int) -> float:
+    """Slowdown of one core's GM (L2) traffic while `busy` cores stream at once (L2_CONTENTION)."""
+    return 1.0 + L2_CONTENTION * (max(1, busy) - 1)
+
+
+_fa_l2_contention = _l2_contention
 
 
 def _fa_device_cycles(tasks: int, used: int, k_blocks: float, shape: tuple, spec: NpuSpec) -> tuple:

@@ -10,9 +10,14 @@ minimum of 50 calls, interleaved): ATen add + native_layer_norm 44 µs, this ker
 35 µs; at [1024, 768] 248 µs and 242 µs (docs/performance.md). The sum is kept in a
 row-sized scratch array, never written to memory of the graph.
 
-Numerics: the mean and the biased variance in two passes over the row in fp32 (ATen:
-one Welford pass), within 2e-7 relative of eager. NaN or ±inf anywhere in a row of
-a + b makes that row NaN, as in eager (inf − inf in the centring).
+Numerics: the mean and the biased variance in two passes over the row (the sums in
+float64; ATen: one Welford pass in float32), within 2e-7 relative of eager. Special
+values: where they part (a row holding NaN or ±inf, a + b overflowing, |x| near 1e19
+where ATen's float32 sum of squares overflows and it returns β while float64 does not),
+the kernel's per-row mean and rstd leave the range `devices.cpu_norm_values.
+layer_norm_in_range` allows (tested in the row loop with `layer_norm_limits`), and the
+call runs eager's ATen ``add`` + ``layer_norm`` instead: eager's NaN, inf and β exactly. Likewise for a γ or β holding inf, NaN or huge
+values (`affine_in_range`).
 """
 from __future__ import annotations
 
@@ -23,6 +28,7 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
+from ...devices.cpu_norm_values import affine_in_range, layer_norm_limits
 from ...ir import Node, TensorDesc
 
 _FM = {"reassoc", "contract"}
@@ -37,8 +43,10 @@ def _compiled():
         from numba import njit, prange
 
         @njit(parallel=True, fastmath=_FM, cache=True)
-        def add_ln(a, b, g, be, eps, out):  # pragma: no cover - compiled
+        def add_ln(a, b, g, be, eps, out, bound, rstd_max):  # pragma: no cover - compiled
             rows, d = a.shape
+            root_d = np.sqrt(np.float64(d))
+            outside = 0
             for r in prange(rows):
                 s = np.empty(d, np.float32)
                 m = np.float32(0.0)
@@ -53,8 +61,12 @@ def _compiled():
                     var += c * c
                 var /= d
                 rs = np.float32(1.0) / np.sqrt(var + eps)
+                # layer_norm_in_range's test of this row (False for NaN statistics)
+                if not (rs > 0.0 and rs <= rstd_max and abs(m) + root_d / rs <= bound):
+                    outside += 1
                 for j in range(d):
                     out[r, j] = (s[j] - m) * rs * g[j] + be[j]
+            return outside
         _KERNEL = add_ln
     return _KERNEL
 
@@ -72,8 +84,10 @@ def make_add_layer_norm_kernel(node: Node, in_descs: Sequence[TensorDesc],
     """AddLayerNorm(a [..., D], b [..., D], γ [D], β [D]; attrs eps) -> LayerNorm(a + b)
     [..., D] in a's dtype, written into ``out`` when given (the planned buffer).
 
-    fp32 with a, b, out contiguous: the numba kernel; otherwise (another dtype, strided
-    inputs) ATen's ``add`` + ``layer_norm``, eager's own kernels."""
+    fp32 with a, b, out contiguous: the numba kernel, unless its row statistics or γ, β
+    leave the range where it gives eager's special values (module docstring); otherwise
+    (another dtype, strided inputs, those rows) ATen's ``add`` + ``layer_norm``, eager's
+    own kernels."""
     eps = float(node.attrs["eps"])
     d = int(in_descs[0].shape[-1])
     fp32 = all(t.dtype.torch == torch.float32 for t in in_descs)
@@ -86,16 +100,21 @@ def make_add_layer_norm_kernel(node: Node, in_descs: Sequence[TensorDesc],
         return run_aten
     kernel = _compiled()
     e32 = np.float32(eps)
+    bound, rstd_max = layer_norm_limits(d, torch.float32)
+    static = consts[2] is not None and consts[3] is not None
+    affine_ok = affine_in_range(consts[2], consts[3], d, torch.float32) if static else None
 
     def run(a, b, g, be, out=None):
-        if not (a.is_contiguous() and b.is_contiguous()
+        ok = affine_ok if affine_ok is not None else affine_in_range(g, be, d, torch.float32)
+        if not (ok and a.is_contiguous() and b.is_contiguous()
                 and (out is None or out.is_contiguous())):
             return run_aten(a, b, g, be, out)
         y = torch.empty_like(a) if out is None else out
         with _guard():
-            kernel(a.detach().view(-1, d).numpy(), b.detach().view(-1, d).numpy(),
-                   g.detach().numpy(), be.detach().numpy(), e32, y.view(-1, d).numpy())
-        return y
+            outside = kernel(a.detach().view(-1, d).numpy(), b.detach().view(-1, d).numpy(),
+                             g.detach().numpy(), be.detach().numpy(), e32,
+                             y.view(-1, d).numpy(), bound, rstd_max)
+        return run_aten(a, b, g, be, out) if outside else y
     return run
 
 

@@ -216,6 +216,24 @@ def _packed_kernel(kernel: str, wt: torch.Tensor, m: int, post) -> Callable:
     return run_mkl
 
 
+def _known_choice(made, m: int, k: int, n: int, dtype, bias: TensorDesc) -> tuple:
+    """(cache key, choice) for a GEMM of shape (m, k, n): the kernels raced here (oneDNN's
+    prepacked where it exists, else MKL's packed, and addmm) are the key's last item; the
+    choice is ``made`` (a node's earlier choice, or a model file's) where its kernel
+    exists here, else addmm; with nothing made, the cached choice for the key, "addmm"
+    when nothing else can race, or None (to be measured)."""
+    raced = tuple(c for c in GEMM_KERNELS if _available(c, n, bias))
+    if "onednn_packed" in raced:  # MKL's packing serves one m and measured no faster
+        raced = tuple(c for c in raced if c != "mkl_packed")
+    key = (m, k, n, str(dtype), raced)
+    if made in GEMM_KERNELS:
+        return key, (made if _available(made, n, bias) else "addmm")
+    cached = LINEAR_CHOICES.get(key)
+    if cached in GEMM_KERNELS and _available(cached, n, bias):
+        return key, cached
+    return key, ("addmm" if len(raced) == 1 else None)
+
+
 def make_linear_kernel(node: Node, in_descs: Sequence[TensorDesc], consts: Sequence) -> Callable:
     """LinearAct(bias, x, w_t, out=buffer) = act(x @ w_t + bias), written into ``out``.
 
@@ -235,10 +253,11 @@ def make_linear_kernel(node: Node, in_descs: Sequence[TensorDesc], consts: Seque
 
     A choice already in ``node.meta["kernel"]`` (an earlier bind, a model file) holds
     where its kernel exists here (else addmm), so every executor of a model, saved or
-    live, runs the same GEMM (same bits). Measured on this 2-core AVX2 machine
-    (docs/performance.md, "GEMM choice"): the oneDNN kernel is 1.04-2.5x faster than
-    addmm on BERT's and MiniLM's shapes at m = 16…1024, 1 and 2 threads, within 1.5e-6
-    relative of addmm's results. The activation runs in place on the result with
+    live, runs the same GEMM (same bits). Which kernel wins depends on the CPU
+    (docs/performance.md, "GEMM choice"): on a 2-core AMD EPYC with AVX-512 the oneDNN
+    kernel measured 1.01-2.5x faster than addmm on BERT's and MiniLM's shapes at
+    m = 16…1024, 1 and 2 threads, within 1.5e-6 relative of addmm's results; on an AVX2
+    host 2-6% slower, where the race keeps addmm. The activation runs in place on the result with
     eager's kernel (eager's NaN/Inf)."""
     post = _ACT_FN.get(node.attrs["act"])
     addmm, addmm_out = torch.ops.aten.addmm.default, torch.ops.aten.addmm.out
@@ -256,17 +275,8 @@ def make_linear_kernel(node: Node, in_descs: Sequence[TensorDesc], consts: Seque
         return run_addmm
     m, k = (int(d) for d in x_desc.shape)
     n = int(wt.shape[1])
-    raced = tuple(c for c in GEMM_KERNELS if _available(c, n, b_desc))
-    if "onednn_packed" in raced:  # MKL's packing serves one m and measured no faster
-        raced = tuple(c for c in raced if c != "mkl_packed")
-    key = (m, k, n, str(wt.dtype), raced)
-    made = node.meta.get("kernel")
-    if made in GEMM_KERNELS:
-        choice = made if _available(made, n, b_desc) else "addmm"
-    else:
-        cached = LINEAR_CHOICES.get(key)
-        choice = cached if cached in GEMM_KERNELS and _available(cached, n, b_desc) \
-            else ("addmm" if len(raced) == 1 else None)
+    key, choice = _known_choice(node.meta.get("kernel"), m, k, n, wt.dtype, b_desc)
+    raced = key[-1]
     if choice == "addmm":  # no packing: it copies the weight twice for nothing
         node.meta["kernel"] = "addmm"
         return run_addmm

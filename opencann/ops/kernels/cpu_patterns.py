@@ -6,6 +6,11 @@ outputs match eager (bit-for-bit where noted).
 - `make_rms_norm_kernel` (RmsNorm): ATen ``rms_norm`` (bit-for-bit the spelled-out fp32
   form: x·rsqrt(mean(x²) + eps)·w); with ``upcast`` as transformers' LlamaRMSNorm:
   normalize in float32, cast back, then multiply by the weight in the input's dtype.
+- `make_layer_norm_formula_kernel` (LayerNormFormula, a spelled-out LayerNorm): ATen's
+  ``native_layer_norm`` where its statistics prove it gives the formula's result up to
+  rounding (`devices.cpu_norm_values.layer_norm_in_range`: every |x| far from overflow,
+  γ and β finite and moderate), else the formula itself, op by op as eager: a NaN, an inf
+  or a huge value then gives eager's NaN / inf / β exactly.
 - `make_gated_mlp_kernel` (GatedMLP): silu(x·W1) * (x·W3) as two ``mm`` calls (eager's
   GEMMs, same bits), ATen's SiLU and the product in place: one output tensor.
 """
@@ -13,8 +18,11 @@ from __future__ import annotations
 
 from typing import Callable, Sequence
 
+import math
+
 import torch
 
+from ...devices.cpu_norm_values import affine_in_range, layer_norm_formula, layer_norm_in_range
 from ...ir import Node, TensorDesc
 
 
@@ -33,6 +41,35 @@ def make_rms_norm_kernel(node: Node, in_descs: Sequence[TensorDesc], consts: Seq
     return run_upcast
 
 
+def make_layer_norm_formula_kernel(node: Node, in_descs: Sequence[TensorDesc],
+                                   consts: Sequence) -> Callable:
+    """LayerNormFormula(input [..., *normalized_shape], weight and bias of
+    normalized_shape or absent; attrs normalized_shape, eps, variance "pow"/"var", root
+    "sqrt"/"rsqrt") -> the input's shape and dtype: ATen's ``native_layer_norm`` when
+    `layer_norm_in_range` holds for its mean and rstd (and γ, β are in range), else the
+    spelled-out formula (`layer_norm_formula`) on the whole input, eager's ops. Constant
+    γ and β are checked once, here."""
+    a = node.attrs
+    shape, eps = [int(s) for s in a["normalized_shape"]], float(a["eps"])
+    d, dtype = math.prod(shape), in_descs[0].dtype.torch
+    wi = a["weight"].index if a.get("weight") is not None else None
+    bi = a["bias"].index if a.get("bias") is not None else None
+    form = (len(shape), a.get("variance", "pow"), a.get("root", "sqrt"))
+    static = all(i is None or consts[i] is not None for i in (wi, bi))
+    affine_ok = affine_in_range(*(consts[i] if i is not None else None for i in (wi, bi)),
+                                d, dtype) if static else None
+
+    def run(*ins):
+        x = ins[0]
+        w, b = (ins[i] if i is not None else None for i in (wi, bi))
+        y, mean, rstd = torch.native_layer_norm(x, shape, w, b, eps)
+        ok = affine_ok if affine_ok is not None else affine_in_range(w, b, d, dtype)
+        if ok and layer_norm_in_range(mean, rstd, d, dtype):
+            return y
+        return layer_norm_formula(x, form[0], w, b, eps, form[1], form[2])
+    return run
+
+
 def make_gated_mlp_kernel(node: Node, in_descs: Sequence[TensorDesc], consts: Sequence) -> Callable:
     """GatedMLP(x [M, K], w1 [K, N], w3 [K, N]) -> silu(x @ w1) * (x @ w3), viewed as the
     node's output shape (e.g. [B, S, N] with B·S = M); float dtypes."""
@@ -46,4 +83,4 @@ def make_gated_mlp_kernel(node: Node, in_descs: Sequence[TensorDesc], consts: Se
     return run
 
 
-__all__ = ["make_gated_mlp_kernel", "make_rms_norm_kernel"]
+__all__ = ["make_gated_mlp_kernel", "make_layer_norm_formula_kernel", "make_rms_norm_kernel"]

@@ -8,7 +8,9 @@ them when the domain is large) × the last dim (the inner loop, unit-stride load
 operand is contiguous, so LLVM vectorises it). Each operand's storage is passed as a flat
 array with its strides, so broadcasting and strided inputs are read in place. A trailing
 reduction accumulates per row (sums in float64 for float inputs, then rounded once: closer
-to the exact sum than ATen's float32 cascade; max/min exact, NaN-propagating).
+to the exact sum than ATen's float32 cascade; a mean rounds that sum to its dtype and then
+divides, as ATen does, so a sum past the dtype's range is inf as in eager; max/min exact,
+NaN-propagating).
 
 Rounding: compiled with numba's defaults (no fast-math: no reassociation, no FMA
 contraction) and ``error_model="numpy"`` (1/0 = inf, no exceptions), every op's result cast
@@ -152,7 +154,9 @@ def source(prog: Program, in_dtypes: Sequence[str], classes: Sequence[str], para
             cmp = ">" if kind == "amax" else "<"
             body += [f"{ind}if {src} != {src} or {src} {cmp} acc:", f"{ind}    acc = {src}"]
         r = ops - 1
-        val = "acc / n" if kind == "mean" else "acc"
+        # a mean rounds its sum to the result dtype before dividing, as ATen's CPU mean
+        # (sum, then div_): a float32 sum past 3.4e38 is inf there, the mean too
+        val = f"cast_{rdt}(acc) / n" if kind == "mean" else "acc"
         body.append(f"        p{r}[b{r}] = cast_{rdt}({val})")
     return "\n".join(body) + "\n"
 

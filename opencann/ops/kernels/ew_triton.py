@@ -171,7 +171,7 @@ def source(prog: Program, in_dtypes: Sequence[str], rank: int) -> str:
         r = ops - 1
         if kind in ("sum", "mean"):
             b.append(f"{ind}acc += tl.where(mask, {src}.to({acc_t}), 0)")
-            b.append("    res = tl.sum(acc, axis=0)" + (" / n" if kind == "mean" else ""))
+            b.append("    res = tl.sum(acc, axis=0)" + (f".to({_TL[rdt]}) / n" if kind == "mean" else ""))
         else:
             b.append(f"{ind}acc = tl.where(mask, {'maximum' if kind == 'amax' else 'minimum'}(acc, {src}), acc)")
             red = "tl.max" if kind == "amax" else "tl.min"

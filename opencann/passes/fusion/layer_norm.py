@@ -1,14 +1,22 @@
 """Stage 2, fusion: `FuseLayerNorm`, LayerNorm written out by hand, (x − μ) / √(σ² + ε)
-[· γ] [+ β] with μ, σ² the mean and biased variance over the trailing axes ⇒ LayerNorm (ATen
-``native_layer_norm``): one kernel instead of seven passes. Source: Ba, Kiros & Hinton
-2016, "Layer Normalization" (arXiv:1607.06450); ATen's kernel is
-``aten/src/ATen/native/cpu/layer_norm_kernel.cpp``.
+[· γ] [+ β] with μ, σ² the mean and biased variance over the trailing axes ⇒
+LayerNormFormula: ATen's ``native_layer_norm``, one kernel instead of seven passes, where
+that gives the formula's value. Source: Ba, Kiros & Hinton 2016, "Layer Normalization"
+(arXiv:1607.06450); ATen's kernel is ``aten/src/ATen/native/cpu/layer_norm_kernel.cpp``.
 
 Only when it is exactly LayerNorm: μ and σ² reduce the same trailing axes with keepdim;
 σ² is mean((x − μ)²) (or ``var(correction=0)``) of the same x; ε is a constant added
 under the root (√(σ² + ε) or rsqrt(σ² + ε)); γ and β have the normalized shape. Every near
 miss is skipped with its reason (an unbiased variance, ε outside the root, another axis,
 keepdim=False...); a γ or β of another shape stays a separate op (reason recorded).
+
+Special values: eager's ops overflow where ATen's one-pass kernel does not (a row of 3e38
+sums to inf in ``mean`` and gives NaN; ``(x − μ)²`` overflows past 1.8e19 and gives β;
+``var()`` accumulates in float64 and does not), so the node keeps how σ² and the root were
+written and its kernel falls back to those ops whenever ATen's statistics leave the range
+where both agree (``devices.cpu_norm_values``); the probe of this CPU
+(`special_values_differ`, "layer_norm") must find no difference, else the spelled-out form
+is kept with its reason, and a model file holding the fusion is re-checked at load.
 
 Rounding: ATen computes the statistics in one pass (Welford) where the spelled-out form
 takes two; they differ by at most 4.8e-7 absolute in fp32 (randn, D = 64) and by more
@@ -20,9 +28,10 @@ from typing import List, Optional, Tuple
 
 import torch
 
-from ...ir import Graph, Node, TensorDesc, TensorRef, Value
+from ...ir import Graph, Node, TensorRef, Value
 from ..base import PassContext, RewritePass, Skip
-from .match import producer, read_outside, replace_with, scalar_operand, tensor_pair
+from .match import (producer, read_outside, record_formula, replace_with, scalar_operand,
+                    special_values_differ, tensor_pair)
 
 
 @dataclass
@@ -32,6 +41,8 @@ class _LnMatch:
     dims: int                     # number of trailing axes normalized
     eps: float
     nodes: List[Node]
+    variance: str = "pow"         # σ² as mean((x − μ)²) ("pow") or var(x, correction=0)
+    root_form: str = "sqrt"       # ÷ √(σ² + ε) ("sqrt") or · rsqrt(σ² + ε)
     gamma: Optional[Value] = None
     beta: Optional[Value] = None
     notes: List[str] = field(default_factory=list)
@@ -148,8 +159,11 @@ class FuseLayerNorm(RewritePass):
         if x.desc.dtype.torch == torch.float16:
             return Skip("computed in float16: eager's (x − μ)² overflows past |x − μ| = 256, "
                         "ATen's LayerNorm accumulates in float32 and does not")
-        m = _LnMatch(root, x, k, eps, [root, *den_nodes, *vn, sub, mean])
-        skip = read_outside(graph, m.nodes, root, "LayerNorm")
+        m = _LnMatch(root, x, k, eps, [root, *den_nodes, *vn, sub, mean],
+                     "var" if vn[0].op == "ReduceVar" else "pow",
+                     "sqrt" if den_nodes[0].op == "Sqrt" else "rsqrt")
+        skip = read_outside(graph, m.nodes, root, "LayerNorm") \
+            or special_values_differ(x, "layer_norm")
         if skip is not None:
             return skip
         if not all(isinstance(d, int) for d in x.desc.shape[-k:]):
@@ -159,19 +173,20 @@ class FuseLayerNorm(RewritePass):
         return m
 
     def rewrite(self, graph: Graph, m: _LnMatch, ctx: PassContext) -> int:
-        """Replace the matched nodes by one `LayerNorm` node; returns the number of rewrites
-        (1)."""
+        """Replace the matched nodes by one `LayerNormFormula` node (which keeps how σ² and
+        the root were written); returns the number of rewrites (1)."""
         x = m.x
         ins = [x] + [v for v in (m.gamma, m.beta) if v is not None]
         ref = iter(range(1, 3))
         attrs = {"input": TensorRef(0), "normalized_shape": [int(s) for s in x.desc.shape[-m.dims:]],
                  "weight": TensorRef(next(ref)) if m.gamma is not None else None,
-                 "bias": TensorRef(next(ref)) if m.beta is not None else None, "eps": m.eps}
-        stat = TensorDesc(tuple(x.desc.shape[:-m.dims]) + (1,) * m.dims, x.desc.dtype)
-        new = graph.create_node("LayerNorm", ins, attrs, [m.root.outputs[0].desc, stat, stat],
+                 "bias": TensorRef(next(ref)) if m.beta is not None else None, "eps": m.eps,
+                 "variance": m.variance, "root": m.root_form}
+        new = graph.create_node("LayerNormFormula", ins, attrs, [m.root.outputs[0].desc],
                                 name=f"{m.root.name}_layer_norm", source=m.root.source,
                                 scope=m.root.scope, before=m.root)
         replace_with(graph, m.root, new, m.nodes)
+        record_formula(graph, "layer_norm", x)
         ctx.applied(m.nodes[::-1], "spelled-out LayerNorm" + (" + γ" if m.gamma else "")
                     + (" + β" if m.beta else ""))
         for why in m.notes:

@@ -108,17 +108,19 @@ def read_outside(graph: Graph, nodes: Sequence[Node], root: Node, what: str) -> 
 
 
 def special_values_differ(x, act: str):
-    """A `Skip` when this CPU's kernels of ``act`` ("gelu", "gelu_tanh", "silu") give NaN
-    or ±inf elsewhere than the spelled-out formula for ``x``'s dtype
-    (`opencann.devices.cpu_special_values`: oneDNN's AVX-512 exact GELU maps +inf to NaN),
-    else None: the rewrite would change eager's special values."""
+    """A `Skip` when this CPU's kernels of ``act`` ("gelu", "gelu_tanh", "silu",
+    "rms_norm", "layer_norm") give NaN or ±inf (or, for the norms, an overflow) elsewhere
+    than the spelled-out formula for ``x``'s dtype (`opencann.devices.cpu_special_values`:
+    oneDNN's AVX-512 exact GELU maps +inf to NaN), else None: the rewrite would change
+    eager's special values."""
     why = _differ(act, x.desc.dtype.torch)
     return Skip(f"{why}: the spelled-out form is kept") if why else None
 
 
 def record_formula(graph: Graph, act: str, x: Value) -> None:
     """Note in ``graph.meta["formula_kernels"]`` ([act, dtype name] pairs) that a spelled-out
-    ``act`` on ``x``'s dtype now runs as this CPU's kernel: a model file holding it is
+    ``act`` (an activation or a norm, `special_values_differ`) on ``x``'s dtype now runs as
+    this CPU's kernel: a model file holding it is
     refused where that kernel would place NaN/±inf elsewhere (`runtime.model_file`)."""
     entry = [act, str(x.desc.dtype.torch).replace("torch.", "")]
     kept = graph.meta.setdefault("formula_kernels", [])

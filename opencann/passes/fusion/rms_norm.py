@@ -8,7 +8,14 @@ Matched exactly or not at all: the mean over the last axis with keepdim, exponen
 added before the rsqrt, the same tensor squared and scaled, a weight of shape [D]; casts
 only as the pair float32-in / back-to-the-input's-dtype. In fp32 the fused kernel is
 bit-for-bit eager's; with the casts it repeats them (the weight multiplies after the cast
-back, as transformers does)."""
+back, as transformers does).
+
+Special values: ATen's ``rms_norm`` is today the same ops as the spelled-out form, so it
+overflows where eager does (|x| ≈ 1e20 gives a row of zeros). A fused kernel that
+accumulated differently would not; the rewrite asks the probe of this CPU and torch
+(`special_values_differ`, "rms_norm", in the dtype the norm computes in) first, keeps the
+spelled-out form with its reason otherwise, and a model file holding the fusion is
+re-checked at load."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -18,7 +25,8 @@ import torch
 
 from ...ir import Graph, Node, TensorRef, Value
 from ..base import PassContext, RewritePass, Skip
-from .match import producer, read_outside, replace_with, scalar_operand, tensor_pair
+from .match import (producer, read_outside, record_formula, replace_with, scalar_operand,
+                    special_values_differ, tensor_pair)
 
 
 @dataclass
@@ -29,6 +37,7 @@ class _RmsMatch:
     eps: float
     upcast: bool
     nodes: List[Node] = field(default_factory=list)
+    h: Optional[Value] = None   # the normalized tensor (float32 after an upcast)
 
 
 def _last_axis(mean: Node, rank: int) -> Optional[str]:
@@ -97,11 +106,12 @@ class FuseRMSNorm(RewritePass):
         if isinstance(den, Skip):
             return den
         eps, nodes = den
-        m = _RmsMatch(mul, h, None, eps, False, [mul] + nodes)
+        m = _RmsMatch(mul, h, None, eps, False, [mul] + nodes, h)
         why = self._casts(graph, m) or self._weight(graph, m) or _exact(m)
         if why:
             return Skip(why)
-        skip = read_outside(graph, m.nodes, m.root, "RMSNorm")
+        skip = read_outside(graph, m.nodes, m.root, "RMSNorm") \
+            or special_values_differ(h, "rms_norm")     # h: the dtype the norm computes in
         if skip is not None:
             return skip
         if not isinstance(m.x.desc.shape[-1], int):
@@ -149,5 +159,6 @@ class FuseRMSNorm(RewritePass):
                                 name=f"{m.root.name}_rms_norm", source=m.root.source,
                                 scope=m.root.scope, before=m.root)
         replace_with(graph, m.root, new, m.nodes)
+        record_formula(graph, "rms_norm", m.h)
         ctx.applied(m.nodes, "Llama RMSNorm" + (" (float32 casts)" if m.upcast else ""))
         return 1
