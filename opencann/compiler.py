@@ -390,23 +390,7 @@ class CompiledModel:
                     f"{got if not isinstance(got, torch.Tensor) else 'a tensor'!r} now: non-tensor "
                     "arguments are baked into the compiled graph. Recompile with this value, or "
                     "make it a tensor input")
-        for name, ref, version, ptr in self._frozen:
-            t = ref()
-            if t is not None and (t._version != version or t.data_ptr() != ptr):
-                how = "modified in place" if t._version != version else "given new storage (p.data = ...)"
-                raise ValueError(
-                    f"parameter or buffer {name!r} was {how} after compiling: the "
-                    "compiled model holds a snapshot of the weights it was compiled with. "
-                    "Recompile after changing weights")
-        if self._checks_autocast:
-            autocast_state.check(self.graph.meta.get("autocast"))   # absent: compiled outside
-        if self._watch is not None and self._watch.changed():
-            i, how = next(iter(self._watch.changes().items()), (None, None))
-            if i is not None:
-                raise ValueError(
-                    f"parameter or buffer {self._watch.names[i]!r} {how} after compiling: the "
-                    "compiled model holds a snapshot of the weights it was compiled with. "
-                    "Recompile after changing weights")
+        self._check_weights()
         tensors = [flat[i] for i in self._positions] if self._positions is not None else flat
         if len(tensors) != len(self.graph.inputs):
             raise ValueError(f"expected {len(self.graph.inputs)} tensor inputs, got {len(tensors)}")
@@ -432,6 +416,31 @@ class CompiledModel:
                                  "runs on the host (cpu): move the input with .cpu()")
         check_written_inputs(tensors, self._mutations, self._input_label)
         return tensors
+
+    def _check_weights(self) -> None:
+        """Raise ValueError (one line naming the tensor) if the module's weights changed
+        since compiling, or if the host autocast state differs from the capture's."""
+        for name, ref, version, ptr in self._frozen:
+            t = ref()
+            if t is not None and (t._version != version or t.data_ptr() != ptr):
+                how = ("modified in place" if t._version != version
+                       else "given new storage (p.data = ...)")
+                raise ValueError(
+                    f"parameter or buffer {name!r} was {how} after compiling: the "
+                    "compiled model holds a snapshot of the weights it was compiled with. "
+                    "Recompile after changing weights")
+        if self._checks_autocast:
+            autocast_state.check(self.graph.meta.get("autocast"))   # absent: compiled outside
+        if self._watch is not None and self._watch.changed():
+            i, how = next(iter(self._watch.changes().items()), (None, None))
+            if i is not None:
+                what = (f"{how} after compiling" if how.startswith("was replaced") else
+                        f"was modified in place after compiling ("
+                        f"{how.replace('was modified in place ', '', 1)})")
+                raise ValueError(
+                    f"parameter or buffer {self._watch.names[i]!r} {what}: the "
+                    "compiled model holds a snapshot of the weights it was compiled with. "
+                    "Recompile after changing weights")
 
     def _input_label(self, i: int) -> str:
         """Tensor input ``i`` as errors name it (``input 'x' (argument #0)``)."""
