@@ -29,6 +29,8 @@ from .runtime import DEFAULT_CONCURRENT_CALLS, Executor, ExecutorPool
 from .runtime.call_binding import bind_call, forward_arg_names, input_labels
 from .runtime.input_overlap import check_written_inputs
 from .runtime.streams import threads_per_stream
+from .runtime import autocast_state
+from .runtime.weight_watch import WeightWatch
 
 SUPPORTED_DEVICES = KINDS
 # opencann.compile runs one at a time: torch.export is not thread-safe (concurrent exports
@@ -247,9 +249,14 @@ class CompiledModel:
     the new values are copied into the caller's tensors, and an output that is the
     mutated input (``return x.add_(1)``) is the caller's tensor object.
     Weights are a snapshot taken at compile time (the model holds its own copies):
-    changing the module afterwards never changes results; an in-place change that torch
-    records (``p.mul_(2)`` under no_grad, an optimizer step) raises ValueError on the next
-    call, saying to recompile.
+    changing the module afterwards never changes results; a change raises ValueError on
+    the next call naming the tensor and saying to recompile: one torch records (``p.mul_(2)``
+    under no_grad, an optimizer step), ``p.data = t``, and those it does not
+    (`opencann.runtime.weight_watch`: fused optimizer steps, BatchNorm statistics from a
+    train-mode forward, writes through ``.data``; a parameter, buffer or submodule of
+    ``module`` replaced). A call under another host
+    ``torch.autocast`` state than the compile's raises ValueError naming both
+    (`opencann.runtime.autocast_state`).
     Attributes: ``graph``, ``plan`` (MemoryPlan), ``report`` (CompileReport),
     ``executor`` (the first executor), ``pool`` (ExecutorPool).
     """
@@ -262,7 +269,7 @@ class CompiledModel:
                  check_aliasing: Optional[bool] = None,
                  arg_names: Optional[Sequence[Optional[str]]] = None,
                  executor: Optional[Executor] = None,
-                 attributes: Optional[AttributeGuard] = None):
+                 module: Optional[torch.nn.Module] = None):
         self.graph, self.plan, self.report = graph, plan, report
         self._in_spec, self._out_spec = in_spec, out_spec
         # forward's positional parameter names: calls are bound by name (call_binding)
@@ -286,9 +293,16 @@ class CompiledModel:
                              | frozenset(queried.get("offset", ())))
         # weights are a snapshot (folded, prepacked, copied): detect in-place changes of
         # the module's tensors (weak references: the compiled model never keeps them alive)
-        self._frozen = [(n, weakref.ref(t), t._version) for n, t in (frozen or [])]
+        self._frozen = [(n, weakref.ref(t), t._version, t.data_ptr()) for n, t in (frozen or [])]
+        # ... and the writes torch does not count in ``_version`` (fused optimizer steps,
+        # BatchNorm statistics in a train-mode forward, ``.data``): runtime.weight_watch
+        # the host autocast state of the capture (torch.export) must be the call's; ONNX
+        # graphs and torch.compile's have no such state
+        self._checks_autocast = not graph.meta.get("input_names")
+        self._watch = (WeightWatch([t for _, t in frozen], [n for n, _ in frozen], module)
+                       if frozen else None)
         # the module's plain Python attributes export baked in (a loaded model: none)
-        self._attributes = attributes
+        self._attributes = AttributeGuard(module) if module is not None else None
         if executor is None:   # a loaded model: run the binding stage alone
             ctx = PassContext(options={"check_aliasing": check_aliasing}, report=report,
                               artifacts={"memory_plan": plan})
@@ -380,13 +394,7 @@ class CompiledModel:
                     f"{got if not isinstance(got, torch.Tensor) else 'a tensor'!r} now: non-tensor "
                     "arguments are baked into the compiled graph. Recompile with this value, or "
                     "make it a tensor input")
-        for name, ref, version in self._frozen:
-            t = ref()
-            if t is not None and t._version != version:
-                raise ValueError(
-                    f"parameter or buffer {name!r} was modified in place after compiling: the "
-                    "compiled model holds a snapshot of the weights it was compiled with. "
-                    "Recompile after changing weights")
+        self._check_weights()
         if self._attributes is not None:
             self._attributes.check()
         tensors = [flat[i] for i in self._positions] if self._positions is not None else flat
@@ -414,6 +422,31 @@ class CompiledModel:
                                  "runs on the host (cpu): move the input with .cpu()")
         check_written_inputs(tensors, self._mutations, self._input_label)
         return tensors
+
+    def _check_weights(self) -> None:
+        """Raise ValueError (one line naming the tensor) if the module's weights changed
+        since compiling, or if the host autocast state differs from the capture's."""
+        for name, ref, version, ptr in self._frozen:
+            t = ref()
+            if t is not None and (t._version != version or t.data_ptr() != ptr):
+                how = ("modified in place" if t._version != version
+                       else "given new storage (p.data = ...)")
+                raise ValueError(
+                    f"parameter or buffer {name!r} was {how} after compiling: the "
+                    "compiled model holds a snapshot of the weights it was compiled with. "
+                    "Recompile after changing weights")
+        if self._checks_autocast:
+            autocast_state.check(self.graph.meta.get("autocast"))   # absent: compiled outside
+        if self._watch is not None and self._watch.changed():
+            i, how = next(iter(self._watch.changes().items()), (None, None))
+            if i is not None:
+                what = (f"{how} after compiling" if how.startswith("was replaced") else
+                        f"was modified in place after compiling ("
+                        f"{how.replace('was modified in place ', '', 1)})")
+                raise ValueError(
+                    f"parameter or buffer {self._watch.names[i]!r} {what}: the "
+                    "compiled model holds a snapshot of the weights it was compiled with. "
+                    "Recompile after changing weights")
 
     def _input_label(self, i: int) -> str:
         """Tensor input ``i`` as errors name it (``input 'x' (argument #0)``)."""
@@ -485,6 +518,10 @@ def convert_exported(model: torch.nn.Module, ep, capture_seconds: Dict[str, floa
                            capture_seconds=capture_seconds)
     report.passes.append(PassRecord("convert_and_infer", "construct", 0, len(graph.nodes),
                                     time.perf_counter() - t0, len(graph.nodes), note=note))
+    graph.meta["autocast"] = autocast_state.current()   # checked per call; kept in model files
+    if graph.meta["autocast"] is not None:
+        report.notes.append(f"captured inside autocast(cpu, {graph.meta['autocast']}): the graph "
+                            "holds its casts, and calls must be made inside the same autocast")
     frozen = list(model.named_parameters()) + list(model.named_buffers())
     live = [t for _, t in frozen] + list(ep.state_dict.values()) + list(ep.constants.values())
     return graph, report, frozen, live
@@ -520,10 +557,10 @@ def _compile_module(model, example_inputs, device, options, example_kwargs) -> C
     positions = [i for i, s in enumerate(user) if isinstance(flat[i], torch.Tensor)]
     return CompiledModel(graph, ctx.artifacts["memory_plan"], report, in_spec=in_spec,
                          out_spec=ep.call_spec.out_spec, input_positions=positions,
-                         example_flat=flat, frozen=frozen,
+                         example_flat=flat, frozen=frozen, module=model,
                          concurrent_calls=options.get("concurrent_calls", DEFAULT_CONCURRENT_CALLS),
                          check_aliasing=options.get("check_aliasing"), arg_names=arg_names,
-                         executor=ctx.artifacts["executor"], attributes=AttributeGuard(model))
+                         executor=ctx.artifacts["executor"])
 
 
 class OnnxCompiledModel(CompiledModel):

@@ -25,7 +25,7 @@ import torch.utils._pytree as pytree
 from .compiler import (BindKernels, CompiledModel, convert_exported, graph_cost, run_pipeline,
                        snapshot_constants)
 from .devices import parse_device
-from .frontend.torch import AttributeGuard, CaptureError, capture
+from .frontend.torch import CaptureError, capture
 from .frontend.torch.dynamic import dynamic_dims, export_dynamic_shapes, required_ranges
 from .ir import Graph, MemoryPlan, Schedule
 from .ir.specialise import specialise
@@ -477,9 +477,8 @@ def compile_dynamic(model: torch.nn.Module, example_inputs, dynamic_shapes: Any,
     return DynamicCompiledModel(graph, report, binder, options, tensors, device=device,
                                 in_spec=in_spec,
                                 out_spec=ep.call_spec.out_spec, input_positions=positions,
-                                example_flat=flat, frozen=frozen,
-                                arg_names=forward_arg_names(model),
-                                attributes=AttributeGuard(model))
+                                example_flat=flat, frozen=frozen, module=model,
+                                arg_names=forward_arg_names(model))
 
 
 def compile_symbolic_fx(graph: Graph, placeholders: Sequence[Any], options: Dict[str, Any],

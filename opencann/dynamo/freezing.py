@@ -22,18 +22,23 @@ and tensor subclasses. Constants are snapshots (copies) of the module's tensors,
 
 Guard (per call, on the tensors dynamo passes for the frozen inputs anyway): the tuple of
 their ``id``s, ``_version`` counters and ``data_ptr``s equals the one recorded at freezing,
-and none of them was freed (a weakref callback). An in-place change torch records
-(``p.copy_`` under no_grad, ``load_state_dict``, an optimizer step, ``p.mul_``), a new
-Parameter object (``load_state_dict(assign=True)``, ``m.w = nn.Parameter(...)``) or a
-rebound storage (``p.data = t``) re-freezes the graph: compiled again with the current
-tensors, logged at INFO with the reason and counted in `opencann.dynamo.recompiles`.
-After ``torch._dynamo.config.recompile_limit`` re-freezes of one graph, the tensors that
-changed again are kept as graph inputs (a WARNING says which). A write through ``.data``
-(``p.data.copy_(t)``) is the one change torch does not record (``.data`` has its own
-version counter, which is why autograd cannot see it either): it is not seen, as with
-Inductor's freezing: every output then keeps the old weights' value (the snapshot, never a
-mix); write under ``torch.no_grad()`` (``p.copy_(t)``) or compile with
-``options={"freezing": False}``.
+none of them was freed (a weakref callback), and none was written in a way torch does not
+count in ``_version`` (`opencann.runtime.weight_watch`: a global optimizer step post-hook
+for fused optimizer steps, and per-call value probes — whole for tensors up to 16 KiB such
+as BatchNorm's running statistics updated by an eager train-mode forward, the first and
+last 32 elements of larger ones — for writes through ``.data`` or NumPy). An in-place
+change torch records (``p.copy_`` under no_grad, ``load_state_dict``, an optimizer step,
+``p.mul_``), one it does not (``Adam(..., fused=True)``, ``_fused_sgd_``, BatchNorm
+statistics, ``p.data.copy_(t)``), a new Parameter object (``load_state_dict(assign=True)``,
+``m.w = nn.Parameter(...)``) or a rebound storage (``p.data = t``) re-freezes the graph:
+compiled again with the current tensors, logged at INFO with the reason and counted in
+`opencann.dynamo.recompiles`. After ``torch._dynamo.config.recompile_limit`` re-freezes of
+one graph, the tensors that changed again are kept as graph inputs (a WARNING says which).
+The one write not seen: through ``.data`` (or NumPy) into a tensor over 16 KiB that leaves
+its first and last 32 elements unchanged (``p.data[5:9] = t``): every output then keeps
+the old weights' value (the snapshot, never a mix); write under ``torch.no_grad()``
+(``p[5:9] = t``, which torch records) or compile with ``options={"freezing": False}``.
+Cost of the value probes on ResNet-50's state: about 65 µs per call (bench/weight_watch.py).
 """
 from __future__ import annotations
 
@@ -47,6 +52,7 @@ import torch
 
 from ..log import logger
 from ..report import fmt_bytes
+from ..runtime.weight_watch import WeightWatch
 from .compile_fx import compile_fx
 from .recompiles import Compile, note_refreeze
 
@@ -112,8 +118,11 @@ class _Frozen:
     """One frozen compile: its runner and the guard on the tensors it froze (their ids,
     versions and data pointers at freezing; ``stale`` once one of them is freed)."""
 
-    def __init__(self, tensors: List[torch.Tensor], run: Callable):
+    def __init__(self, tensors: List[torch.Tensor], run: Callable, names: List[str]):
         self.run, self.report, self.stale = run, run.report, False
+        # writes torch does not count in ``_version`` (fused optimizer steps, BatchNorm
+        # statistics, ``.data``): an optimizer post-hook and per-call value probes
+        self.watch = WeightWatch(tensors, names)
 
         def died(_ref, self_ref=weakref.ref(self)):
             me = self_ref()
@@ -128,7 +137,8 @@ class _Frozen:
         """Whether ``ws`` (the tensors passed at the frozen positions) are the frozen ones,
         unchanged: the per-call guard."""
         return (not self.stale and tuple(map(id, ws)) == self.ids
-                and tuple(map(_VERSION, ws)) == self.versions and tuple(map(_PTR, ws)) == self.ptrs)
+                and tuple(map(_VERSION, ws)) == self.versions and tuple(map(_PTR, ws)) == self.ptrs
+                and not self.watch.changed())
 
 
 class FrozenGraph:
@@ -170,7 +180,7 @@ class FrozenGraph:
         snap = [t.detach().clone() for t in tensors]
         run = compile_fx(self._g, self._inputs, self._options or None,
                          constants=dict(zip(self._positions, snap)))
-        state = _Frozen(tensors, run)
+        state = _Frozen(tensors, run, [self._names[p] for p in self._positions])
         seen = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
         run.report.torch_compile["frozen"] = {
             "tensors": len(tensors), "bytes": sum(seen.values()),
@@ -180,7 +190,10 @@ class FrozenGraph:
             "constants, guarded per call" + (f"; kept as inputs: {', '.join(self._kept)}"
                                              if self._kept else ""))
         if len(self._states) >= torch._dynamo.config.recompile_limit:
-            self._states.pop(next(iter(self._states)))
+            self._states.pop(next(iter(self._states))).watch.release()
+        old = self._states.pop(state.ids, None)
+        if old is not None:
+            old.watch.release()
         self._states[state.ids] = state
         return state
 
@@ -212,6 +225,8 @@ class FrozenGraph:
                            "inputs from now on", ", ".join(self._names[p] for p in changed),
                            limit, self._cur.report.model)
             self._set_positions([p for p in self._positions if p not in changed])
+            for old in self._states.values():
+                old.watch.release()
             self._states.clear()
         reason = "; ".join(f"frozen {self._names[p]} {why}" for p, why in changed.items()) \
             or "a frozen tensor was freed"
@@ -224,6 +239,7 @@ class FrozenGraph:
 def _changes(state: _Frozen, ws: Tuple[torch.Tensor, ...], positions: List[int]) -> Dict[int, str]:
     """AOT position -> how the tensor there differs from the one ``state`` froze."""
     out = {}
+    unseen = state.watch.changes() if not state.stale else {}
     for k, (pos, t) in enumerate(zip(positions, ws)):
         old = state.refs[k]()
         if old is None or t is not old:
@@ -232,6 +248,8 @@ def _changes(state: _Frozen, ws: Tuple[torch.Tensor, ...], positions: List[int])
             out[pos] = f"was modified in place (version {state.versions[k]} -> {t._version})"
         elif t.data_ptr() != state.ptrs[k]:
             out[pos] = "has new storage (p.data = ...)"
+        elif k in unseen:
+            out[pos] = unseen[k]
     return out
 
 

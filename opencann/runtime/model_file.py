@@ -32,6 +32,12 @@ pickled), and ``metadata`` holds ``dynamic`` (dims with names, ranges and source
 model's shape conditions; the example's dim values; plan options) and ``gears`` (the
 option, dim names and gear values). A static model is still written as version 1, so
 older opencann reads it; a version-2 file asks for an opencann that knows dynamic dims.
+Both keep, in the graph's meta, ``autocast``: the host autocast dtype the model was
+captured under (None: outside autocast; absent in files written before it was recorded:
+read as outside), which a loaded model checks per call as the live one does
+(`opencann.runtime.autocast_state`). Constants keep their strides for every kind of view
+(`_pack_constants`; gapped views saved as values carry ``fill_strides``, which older
+readers ignore, reading them contiguous as before).
 
 Every problem with a file raises `ModelFileError` (a ValueError) with one line saying
 what is wrong: not an opencann model file, truncated, a section or the header failing
@@ -246,9 +252,33 @@ def _storage_order(t: torch.Tensor) -> Optional[List[int]]:
     return dims
 
 
+_SPAN_FACTOR = 4  # a gapped constant view is saved with its gaps up to 4x its size
+
+
+def _overlaps(t: torch.Tensor) -> bool:
+    """Whether two elements of ``t`` share memory (a nonzero-stride overlap or a stride 0)."""
+    reach = 0
+    dims = sorted(((st, n) for n, st in zip(t.shape, t.stride()) if n > 1))
+    for st, n in dims:
+        if st <= reach:
+            return True
+        reach += (n - 1) * st
+    return False
+
+
+def _span(t: torch.Tensor) -> int:
+    """Elements of storage ``t`` reaches from its first element (strides >= 0)."""
+    return 0 if t.numel() == 0 else 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride()))
+
+
 def _pack_constants(g: Graph) -> Tuple[Dict[str, torch.Tensor], Dict[str, Any]]:
-    """Each constant as one flat tensor in storage order, plus its shape and strides so
-    the loader rebuilds the same layout (expanded dims stay expanded, not materialized)."""
+    """Each constant as one flat tensor plus its shape and strides, so the loader rebuilds
+    the same layout for every kind of view: dense ones (transposed, offset, expanded dims
+    stay expanded, not materialized) in storage order; gapped or overlapping ones
+    (``b[:, ::2]``, ``w[::2]``, ``as_strided``) as the storage span they reach (gaps
+    included) when it is at most `_SPAN_FACTOR` times their size, else their values alone
+    (``fill_strides``: the loader copies them into ``empty_strided``). An overlapping view whose
+    span is larger is saved dense (its strides are not kept)."""
     tensors: Dict[str, torch.Tensor] = {}
     layouts: Dict[str, Any] = {}
     for v in g.constants:
@@ -257,19 +287,27 @@ def _pack_constants(g: Graph) -> Tuple[Dict[str, torch.Tensor], Dict[str, Any]]:
             t = t.cpu()
         order = _storage_order(t)
         key = f"v{v.id}"
-        if order is None or t.storage_offset() < 0:
-            flat, strides = t.contiguous().reshape(-1), None   # overlapping view: dense copy
-        else:
+        fill, strides = False, list(t.stride())
+        if order is not None and t.storage_offset() >= 0:
             compact = t
             for d in range(t.dim()):
                 if t.stride(d) == 0:
                     compact = compact.narrow(d, 0, min(1, t.shape[d]))
             flat = compact.permute(order + [d for d in range(t.dim()) if d not in order]).reshape(-1)
-            strides = list(t.stride())
+        elif _span(t) <= _SPAN_FACTOR * t.numel() + 64:
+            flat = torch.as_strided(t, (_span(t),), (1,), t.storage_offset())   # gaps included
+        elif not _overlaps(t):
+            # values; strides rebuilt on load (``strides`` None: an older loader keeps its
+            # contiguous reading instead of misreading them)
+            flat, fill, strides = t.contiguous().reshape(-1), True, None
+        else:
+            flat, strides = t.contiguous().reshape(-1), None   # large overlapping view: dense copy
         # own storage (no two entries share memory), padded to whole _ALIGN blocks
         pad = -flat.numel() % max(_ALIGN // flat.element_size(), 1)
         tensors[key] = torch.cat([flat, flat.new_zeros(pad)]) if pad else flat.clone()
         layouts[key] = {"shape": list(t.shape), "strides": strides, "numel": flat.numel()}
+        if fill:
+            layouts[key]["fill_strides"] = list(t.stride())
     return tensors, layouts
 
 
@@ -277,7 +315,10 @@ def _unpack_constants(raw: Dict[str, torch.Tensor], layouts: Dict[str, Any]) -> 
     out = {}
     for key, lay in layouts.items():
         flat = raw[key][:lay["numel"]]
-        if lay["strides"] is None:
+        if lay.get("fill_strides") is not None:
+            out[key] = torch.empty_strided(lay["shape"], lay["fill_strides"], dtype=flat.dtype)
+            out[key].copy_(flat.reshape(lay["shape"]))
+        elif lay["strides"] is None:
             out[key] = flat.reshape(lay["shape"])
         elif flat.numel() == 0:
             out[key] = torch.empty_strided(lay["shape"], lay["strides"], dtype=flat.dtype)

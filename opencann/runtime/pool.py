@@ -21,6 +21,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 
+from .autocast_state import kernels_without_autocast
 from .executor import Executor
 
 DEFAULT_CONCURRENT_CALLS = min(8, os.cpu_count() or 1)
@@ -90,7 +91,8 @@ class ExecutorPool:
         tensors, never views of an arena). Raises what `Executor.run` raises."""
         ex = self._borrow()
         try:
-            return ex.run(inputs)
+            with kernels_without_autocast():   # the graph's dtypes are explicit
+                return ex.run(inputs)
         finally:
             self._idle.put(ex)
 
@@ -99,6 +101,7 @@ class ExecutorPool:
         """`Executor.profile` on a borrowed executor (it uses that executor's arena)."""
         ex = self._borrow()
         try:
-            return ex.profile(inputs, path)
+            with kernels_without_autocast():
+                return ex.profile(inputs, path)
         finally:
             self._idle.put(ex)
