@@ -177,3 +177,19 @@ def test_probe_agrees_with_atens_gelu_on_this_cpu(dtype):
     assert layout_differs(aten.relu.default, (Operand(dtype),), ()) is None
     assert layout_differs(aten.add.Tensor, (Operand(dtype), Operand(dtype, (1, 20, 1, 1))), ()) is None
     assert set(LAYOUTS) == {"contiguous", "channels_last", "strided"}
+
+
+def test_model_file_refused_where_a_moved_kernel_is_layout_dependent(tmp_path, monkeypatch):
+    """Compiled where Sigmoid is layout-independent (moved to NHWC), loaded where it is
+    not: refused in one line naming the node; loaded where it is: same values."""
+    model, x = ConvMulSigmoid().eval(), torch.randn(2, 4, 6, 6)
+    cm = opencann.compile(model, (x,))
+    path = str(tmp_path / "m.ocm")
+    opencann.save(cm, path)
+    with torch.no_grad():
+        _same([opencann.load(path)(x)], [model(x)], torch.float32)
+    real = layout_differs
+    monkeypatch.setattr(layout_values, "layout_differs", lambda ov, a, k=(): (
+        "simulated sigmoid difference" if ov == aten.sigmoid.default else real(ov, a, k)))
+    with pytest.raises(opencann.ModelFileError, match="simulated sigmoid difference.*recompile"):
+        opencann.load(path)

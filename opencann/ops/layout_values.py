@@ -14,7 +14,8 @@ from __future__ import annotations
 
 from typing import Any, Optional, Sequence
 
-from ..devices.cpu_layout_values import PROBE_SHAPE, Operand, layout_differs
+from ..devices.cpu_layout_values import (PROBE_SHAPE, Operand, conv_post_op_differs,
+                                         conv_sum_differs, layout_differs)
 from ..ir import Node, TensorListRef, TensorRef, Value
 from .opdef import OpKind, get_op
 
@@ -113,4 +114,33 @@ def strides_layout(shape: Sequence[int], strides: Sequence[int]) -> str:
     return "channels_last" if same(cl) else "strided"
 
 
-__all__ = ["eager_layout", "layout_dependent", "strides_layout"]
+def _layout_of_strides(node: Node, key: str) -> Optional[str]:
+    st = (node.meta.get(key) or [None])[0]
+    out = node.outputs[0].desc
+    if st is None or out.rank != 4 or not out.is_static:
+        return None
+    return strides_layout([int(s) for s in out.shape], st)
+
+
+def kernel_layout_differs(node: Node) -> str:
+    """Why a compiled ``node`` would not give eager's values on this CPU ("" when it
+    would): an elementwise op the CPU layout stage moved off eager's layout (its
+    ``meta["strides"]`` vs ``meta["eager_strides"]``) whose kernel is `layout_dependent`
+    here, a ``ConvBiasAct`` whose post-op differs from eager's activation at eager's
+    layout (`conv_post_op_differs`), a ``ConvAddAct`` whose sum [+ ReLU] differs
+    (`conv_sum_differs`). A model file compiled on one CPU is checked with it on the
+    CPU that loads it (AVX2's GELU is layout-independent, AVX-512's is not)."""
+    if node.op == "ConvBiasAct" and node.attrs.get("act", "none") != "none":
+        out = node.outputs[0]
+        return conv_post_op_differs(node.attrs["act"], out.desc.dtype.torch, eager_layout(out)) or ""
+    if node.op == "ConvAddAct":
+        out, other = node.outputs[0], node.inputs[node.attrs["other"].index]
+        return conv_sum_differs(node.attrs.get("act") == "relu", out.desc.dtype.torch,
+                                eager_layout(out), eager_layout(other)) or ""
+    moved = _layout_of_strides(node, "strides")
+    if moved is not None and "eager_strides" in node.meta and moved != _layout_of_strides(node, "eager_strides"):
+        return layout_dependent(node)
+    return ""
+
+
+__all__ = ["eager_layout", "kernel_layout_differs", "layout_dependent", "strides_layout"]
