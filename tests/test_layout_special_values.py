@@ -122,10 +122,10 @@ class ConvMulSigmoid(nn.Module):
 def test_simulated_layout_dependent_kernel_stays_at_eagers_layout(monkeypatch):
     real = layout_differs
 
-    def fake(overload, args, kwargs=()):
+    def fake(overload, args, kwargs=(), layouts=None):
         if overload == aten.sigmoid.default:
             return "simulated: sigmoid differs at channels-last"
-        return real(overload, args, kwargs)
+        return real(overload, args, kwargs, layouts)
     monkeypatch.setattr(layout_values, "layout_differs", fake)
     model, x = ConvMulSigmoid().eval(), torch.randn(2, 4, 6, 6)
     cm = opencann.compile(model, (x,))
@@ -189,7 +189,38 @@ def test_model_file_refused_where_a_moved_kernel_is_layout_dependent(tmp_path, m
     with torch.no_grad():
         _same([opencann.load(path)(x)], [model(x)], torch.float32)
     real = layout_differs
-    monkeypatch.setattr(layout_values, "layout_differs", lambda ov, a, k=(): (
-        "simulated sigmoid difference" if ov == aten.sigmoid.default else real(ov, a, k)))
+    monkeypatch.setattr(layout_values, "layout_differs", lambda ov, a, k=(), lays=None: (
+        "simulated sigmoid difference" if ov == aten.sigmoid.default else real(ov, a, k, lays)))
     with pytest.raises(opencann.ModelFileError, match="simulated sigmoid difference.*recompile"):
         opencann.load(path)
+
+
+class ConvMean(nn.Module):
+    """conv → global mean over H·W (ResNet's pool) and an H/W sum: ATen's sum over a
+    plane of 1.7e38/3e38 overflows in one layout's order and not in another's."""
+
+    def __init__(self, c=32):
+        super().__init__()
+        self.id = nn.Conv2d(c, c, 1, groups=c, bias=False)
+        self.id.weight.data.fill_(1.0)
+
+    def forward(self, x):
+        y = self.id(x)
+        return F.adaptive_avg_pool2d(y, 1), y.sum((2, 3)), F.max_pool2d(y, 3, 2, 1)
+
+
+@pytest.mark.parametrize("hw", [(7, 7), (9, 11)])
+def test_reductions_keep_eagers_overflow(hw):
+    """On this AVX-512 CPU a [9, 11] plane of columns of ±1.7e38 sums to -inf contiguous
+    and stays finite channels-last: the pool and the sums stay at eager's layout there."""
+    model = ConvMean().eval()
+    x = torch.randn(2, 32, *hw)
+    cm = opencann.compile(model, (x,))
+    with torch.no_grad():
+        for plane in (3, 17):                     # a second call, another plane
+            y = _specials(torch.randn_like(x), plane)
+            y[1, plane] = -1.7e38
+            y[0, plane + 1] = 3e38
+            y[0, plane + 2] = -1.7e38
+            y[0, plane + 2, ..., ::2] = 1.7e38    # columns of ±1.7e38: cancels in one order
+            _same(cm(y), model(y), torch.float32)

@@ -55,12 +55,17 @@ class Operand:
 
     dtype: torch.dtype
     shape: Tuple[int, ...] = PROBE_SHAPE
+    sparse: bool = False      # `probe_tensor`'s pattern for window and reduction ops
 
 
-def probe_tensor(dtype: torch.dtype, shape: Sequence[int], shift: int = 0) -> torch.Tensor:
+def probe_tensor(dtype: torch.dtype, shape: Sequence[int], shift: int = 0,
+                 sparse: bool = False) -> torch.Tensor:
     """A contiguous probe operand of ``shape``: floats linspace(-4, 4) with every third
     element (from ``shift``) one of NaN, ±inf, ±1.7e38, ±3e38, ±1e13, ±0.0; integers
-    0..6 − 3; bools True every third element."""
+    0..6 − 3; bools True every third element. ``sparse`` (for pooling, reductions,
+    BatchNorm, whose windows would all hold a NaN): seeded randn with every 37th element
+    special and, for 4-D shapes with C > 5, channel planes 3 and 5 of ±1.7e38/3e38 (their
+    sums overflow in one order and not in another)."""
     n = 1
     for s in shape:
         n *= int(s)
@@ -69,10 +74,25 @@ def probe_tensor(dtype: torch.dtype, shape: Sequence[int], shift: int = 0) -> to
         return ((idx + shift) % 3 == 0).reshape(shape)
     if not dtype.is_floating_point:
         return ((idx + shift) % 7 - 3).to(dtype).reshape(shape)
+    if sparse:
+        x = torch.randn(n, dtype=torch.float64, generator=torch.Generator().manual_seed(shift))
+        _scatter_specials(x, shift % 37, 37, shift)
+        x = x.reshape(shape)
+        if len(shape) == 4 and shape[1] > 5:
+            x[:, 3] = 3e38
+            x[:, 5] = -1.7e38
+            x[:, 5, ..., ::2] = 1.7e38
+        return x.to(dtype)
     x = torch.linspace(-4.0, 4.0, n, dtype=torch.float64)
-    for k, i in enumerate(range(shift % 3, n, 3)):
-        x[i] = _SPECIALS[(k + shift) % len(_SPECIALS)]
+    _scatter_specials(x, shift % 3, 3, shift)
     return x.to(dtype).reshape(shape)
+
+
+def _scatter_specials(x: torch.Tensor, start: int, step: int, shift: int) -> None:
+    """x[start::step] = the k-th special value (from ``shift``, cycling), in place."""
+    slots = x[start::step]
+    k = (torch.arange(slots.numel()) + shift) % len(_SPECIALS)
+    slots.copy_(torch.tensor(_SPECIALS, dtype=x.dtype)[k])
 
 
 def at_layout(t: torch.Tensor, layout: str) -> torch.Tensor:
@@ -90,35 +110,44 @@ def at_layout(t: torch.Tensor, layout: str) -> torch.Tensor:
     raise KeyError(layout)
 
 
-def values_differ(got: torch.Tensor, want: torch.Tensor) -> Optional[int]:
+def values_differ(got: torch.Tensor, want: torch.Tensor, finite: bool = True) -> Optional[int]:
     """The first flat index (of the contiguous order) where ``got`` and ``want`` differ:
     NaN-ness, the sign of a zero or an inf, inf vs finite, a finite value beyond rounding
-    (|Δ| > tol·(1 + |want|), tol from `_RTOL`), a special value's difference named before
-    a finite one; exact equality for integer and bool results. None when they agree."""
+    (|Δ| > tol·(1 + |want|), tol from `_RTOL`; not checked when ``finite`` is False: a
+    sum in another order rounds a cancelling row differently), a special value's
+    difference named before a finite one; exact equality for integer and bool results.
+    None when they agree."""
     got, want = got.contiguous().reshape(-1), want.contiguous().reshape(-1)
     if got.dtype != want.dtype:
         return 0
+    bits = {2: torch.int16, 4: torch.int32, 8: torch.int64}.get(want.element_size())
+    if want.dtype.is_floating_point and bits is not None and torch.equal(got.view(bits), want.view(bits)):
+        return None                                 # bit for bit: the common case, one pass
     if not want.dtype.is_floating_point:
         bad = got != want
     else:
-        g, w = got.double(), want.double()
-        nan = torch.isnan(w)
-        bad = torch.isnan(g) != nan
-        exact = (torch.isinf(w) | (w == 0) | torch.isinf(g) | (g == 0)) & ~nan
-        bad |= exact & ((g != w) | (torch.signbit(g) != torch.signbit(w)))
-        tol = _RTOL.get(want.dtype, 4e-6)
-        bad |= ~exact & ~nan & ((g - w).abs() > tol * (1.0 + w.abs()))
-        special = bad & (torch.isnan(g) | torch.isnan(w) | torch.isinf(g) | torch.isinf(w))
-        bad = special if special.any() else bad      # name a special value first
+        nan, gnan = torch.isnan(want), torch.isnan(got)
+        winf, ginf = torch.isinf(want), torch.isinf(got)
+        exact = (winf | ginf | (want == 0) | (got == 0)) & ~nan
+        bad = (gnan != nan) | (exact & ((got != want) | (torch.signbit(got) != torch.signbit(want))))
+        special = bad & (gnan | nan | ginf | winf)
+        if finite and not special.any():
+            g, w = got.double(), want.double()
+            bad |= ~exact & ~nan & ((g - w).abs() > _RTOL.get(want.dtype, 4e-6) * (1.0 + w.abs()))
+        else:
+            bad = special                           # name a special value first
     idx = torch.nonzero(bad)
     return int(idx[0]) if idx.numel() else None
 
 
-def _layouts(n_operands: int) -> Iterator[Tuple[str, Tuple[str, ...]]]:
-    """(description, layout per operand) of every arrangement probed besides all contiguous."""
-    for lay in LAYOUTS[1:]:
-        yield f"{lay} operands", (lay,) * n_operands
-    if n_operands > 1:
+def _layouts(n_operands: int, layouts: Sequence[str]) -> Iterator[Tuple[str, Tuple[str, ...]]]:
+    """(description, layout per operand) of every arrangement probed besides all
+    contiguous: each of ``layouts`` for all operands, and mixed when "channels_last" is
+    among them."""
+    for lay in layouts:
+        if lay != "contiguous":
+            yield f"{lay} operands", (lay,) * n_operands
+    if n_operands > 1 and "channels_last" in layouts:
         for k in range(n_operands):
             yield (f"operand {k} channels-last, the others contiguous",
                    tuple("channels_last" if j == k else "contiguous" for j in range(n_operands)))
@@ -143,35 +172,38 @@ def _show(t: torch.Tensor, i: int) -> str:
 
 
 @functools.lru_cache(maxsize=None)
-def layout_differs(overload: Any, args: tuple, kwargs: tuple = ()) -> Optional[str]:
+def layout_differs(overload: Any, args: tuple, kwargs: tuple = (),
+                   layouts: Tuple[str, ...] = LAYOUTS) -> Optional[str]:
     """None when ``overload`` gives the same values (module docstring: NaN, ±inf, ±0.0,
-    overflow, finite values within rounding) with its `Operand` arguments contiguous,
-    channels-last, strided and mixed on this CPU; else one line naming the layout, the
-    input and both results (the reason a rewrite keeps the op at eager's layout).
+    overflow, finite values within rounding) with its `Operand` arguments laid out as
+    each of ``layouts`` (default contiguous, channels-last, strided; mixed too when
+    channels-last is among them) as with all contiguous, on this CPU; else one line
+    naming the layout, the input and both results (the reason a rewrite keeps the op at
+    eager's layout).
 
     ``args``: the positional arguments, an `Operand` for each tensor (4-D shapes), tuples
     for lists; ``kwargs``: (name, value) pairs, likewise. A call that raises at some layout
-    is reported as a difference. Cached per (overload, args, kwargs). Source:
+    is reported as a difference. Cached per (overload, args, kwargs, layouts). Source:
     pytorch/pytorch#185770 (oneDNN's AVX-512 GELU, used for contiguous tensors only)."""
     ops = [a for a in args if isinstance(a, Operand)] + [v for _, v in kwargs if isinstance(v, Operand)]
-    base = [probe_tensor(o.dtype, o.shape, shift=k) for k, o in enumerate(ops)]
+    base = [probe_tensor(o.dtype, o.shape, shift=k, sparse=o.sparse) for k, o in enumerate(ops)]
     name = str(overload)
     try:
         a, kw = _bind(args, kwargs, base)
         want = _first(overload(*a, **kw))
     except (RuntimeError, TypeError, ValueError) as e:
         return f"{name} fails on the probe ({str(e).splitlines()[0]})"
-    for desc, lays in _layouts(len(ops)):
+    for desc, lays in _layouts(len(ops), layouts):
         try:
             a, kw = _bind(args, kwargs, [at_layout(t, lay) for t, lay in zip(base, lays)])
             got = _first(overload(*a, **kw))
         except (RuntimeError, TypeError, ValueError) as e:
             return f"{name} fails with {desc} on this CPU ({str(e).splitlines()[0]})"
-        i = values_differ(got, want)
+        i = values_differ(got, want, finite=not any(o.sparse for o in ops))
         if i is not None:
-            x = ", ".join(_show(t, i) if t.numel() == want.numel() else "…" for t in base)
+            x = ", ".join(_show(t, i) if t.shape == want.shape else "…" for t in base)
             return (f"{name} gives {_show(got, i)} for ({x}) with {desc} on this CPU but "
-                    f"{_show(want, i)} with contiguous operands (pytorch/pytorch#185770)")
+                    f"{_show(want, i)} with contiguous operands")
     return None
 
 

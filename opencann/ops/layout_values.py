@@ -37,15 +37,41 @@ def _operand(node: Node, v: Value) -> Operand:
     return Operand(v.desc.dtype.torch, (1,) * lead + dims)   # 4-D: laid out as the others
 
 
+# the layouts a rewrite may run an op at instead of eager's contiguous or channels-last
+# one (the layout stage's NHWC, oneDNN's channels-last output; mixed operands included):
+# none makes an eager value strided, that is a view, which keeps eager's layout
+_MOVED_TO = ("contiguous", "channels_last")
+_MAX_C = 40   # probe channels of a window op: 2.5 AVX-512 fp32 vectors (a body and a tail)
+
+
+def _window_operand(v: Value, c: int) -> Operand:
+    """``v`` as a probe `Operand` of a pooling, reduction or BatchNorm node whose data
+    has ``c`` channels: its own shape with batch 1 and at most `_MAX_C` channels (4-D),
+    a per-channel [c] operand cut likewise, other shapes as is; the sparse pattern."""
+    shape = tuple(int(s) for s in v.desc.shape)
+    if len(shape) == 4:
+        shape = (1, min(shape[1], _MAX_C)) + shape[2:]
+    elif shape == (c,):
+        shape = (min(c, _MAX_C),)
+    return Operand(v.desc.dtype.torch, shape, True)
+
+
 def _probe_signature(node: Node) -> Optional[tuple]:
     """(overload, args, kwargs) of ``node``'s call with `Operand` placeholders, or None
-    when the node is not probed (not an ATen elementwise op with a static 4-D output)."""
+    when the node is not probed (not an ATen op the CPU layout stage may move, with
+    static shapes and a 4-D input or output)."""
     op = get_op(node.op)
-    if op.kind != OpKind.ELEMENTWISE or op.aten is None or op.random or not node.outputs:
+    if not op.channels_last or op.aten is None or op.random or not node.outputs \
+            or op.kind not in (OpKind.ELEMENTWISE, OpKind.POOL, OpKind.REDUCTION, OpKind.NORM):
         return None
     out = node.outputs[0].desc
-    if out.rank != 4 or not out.is_static or any(not v.desc.is_static for v in node.inputs):
+    if any(not v.desc.is_static for v in node.inputs) or not out.is_static:
         return None
+    window = op.kind != OpKind.ELEMENTWISE
+    data = [v for v in node.inputs if v.desc.rank == 4]
+    if (out.rank != 4 and not window) or (window and not data):
+        return None
+    c = int(data[0].desc.shape[1]) if data else 0
     args, kwargs = [], []
     for a in op.aten._schema.arguments:
         if a.name not in node.attrs:
@@ -57,7 +83,7 @@ def _probe_signature(node: Node) -> Optional[tuple]:
             v = node.inputs[val.index]
             if v.desc.rank > 4:
                 return None
-            val = _operand(node, v)
+            val = _window_operand(v, c) if window else _operand(node, v)
         else:
             val = _hashable(val)
         if a.kwarg_only:
@@ -71,16 +97,20 @@ def layout_dependent(node: Node) -> str:
     """Why ``node``'s ATen kernel must run at eager's layout: its probe
     (`devices.cpu_layout_values.layout_differs`, run on this CPU once per signature: op,
     operand dtypes and broadcast shapes, literals) gives other values (NaN, ±inf, ±0.0,
-    overflow) with channels-last, strided or mixed operands than with contiguous ones;
-    "" when it gives the same, or when the node is not an ATen elementwise op with a
-    static 4-D output (nothing else is moved between layouts)."""
+    overflow) with channels-last or mixed operands than with contiguous ones (the
+    layouts a rewrite moves an op between: `_MOVED_TO`);
+    "" when it gives the same, or when the node is not an ATen op the layout stage may
+    move (``OpDef.channels_last``: elementwise with a static 4-D output; pooling, H/W
+    reductions, BatchNorm on a static 4-D input, probed at the node's H, W with batch 1
+    and at most 40 channels: a sum over H·W may overflow in one order and not in
+    another)."""
     sig = _probe_signature(node)
     if sig is None:
         return ""
     try:
-        why = layout_differs(*sig)
+        why = layout_differs(*sig, _MOVED_TO)
     except TypeError:        # an unhashable literal: probe uncached
-        why = layout_differs.__wrapped__(*sig)
+        why = layout_differs.__wrapped__(*sig, _MOVED_TO)
     return why or ""
 
 
