@@ -18,6 +18,7 @@ import torch
 
 from ..ir import Graph, MemoryPlan, Node, TensorListRef, TensorRef, Value, is_dense
 from ..ops import call_args, get_op, graph_happens_before, output_aliases, storage_roots
+from ..ops.layout_values import layout_dependent
 from .alias_check import AliasChecker
 from .fast_call import fast_callable_keyed, value_free
 
@@ -88,16 +89,20 @@ def arena_view(arena: torch.Tensor, plan: MemoryPlan, v: Value,
 
 def _layout_sensitive(g: Graph) -> set:
     """Ids of values whose strides must be the traced ones: graph outputs (the caller
-    sees eager's strides) and inputs of ops whose output may alias them (a view's
-    result, and whether it can be taken at all, depends on its input's strides). A
-    kernel writing in place into an input (ConvAddAct) leaves that input in whatever
-    layout it has; its own output is then conformed where needed."""
+    sees eager's strides), inputs of ops whose output may alias them (a view's
+    result, and whether it can be taken at all, depends on its input's strides) and
+    inputs of cpu elementwise ops whose kernel gives other values at another layout
+    (`layout_dependent`: AVX-512's exact GELU on oneDNN's channels-last convolution
+    output). A kernel writing in place into an input (ConvAddAct) leaves that input in
+    whatever layout it has; its own output is then conformed where needed."""
     need = {v.id for v in g.outputs}
     for n in g.nodes:
         if "inplace_input" in n.attrs:  # its output is conformed itself, if need be
             continue
         for idx in output_aliases(n):
             need.update(n.inputs[i].id for i in idx)
+        if n.device == "cpu" and layout_dependent(n):
+            need.update(v.id for v in n.inputs)
     return need
 
 

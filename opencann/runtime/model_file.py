@@ -65,6 +65,7 @@ from ..ir.plan import Buffer
 from ..ir.symbolic import SymExpr
 from ..ir.types import DataType, Format, TensorDesc
 from ..ops import get_op
+from ..ops.layout_values import kernel_layout_differs
 from ..report import CompileReport, PassRecord, fmt_bytes
 
 FORMAT_VERSION = 2
@@ -631,6 +632,17 @@ def _check_formula_kernels(graph, where: str) -> None:
                                  f"but {why}: recompile the model on this machine")
 
 
+def _check_layout_kernels(graph, where: str) -> None:
+    """Refuse a graph holding a kernel that runs at another layout, or another kernel,
+    than eager's and gives other values on this CPU (`ops.layout_values.
+    kernel_layout_differs`: compiled where GELU is layout-independent, loaded on AVX-512)."""
+    for n in graph.nodes:
+        why = kernel_layout_differs(n) if n.device == "cpu" else ""
+        if why:
+            raise ModelFileError(f"{where}: {n.name} ({n.op}) runs off eager's layout or kernel, "
+                                 f"but {why}: recompile the model on this machine")
+
+
 def read(path: str) -> Dict[str, Any]:
     """Parse the model file at ``path`` into the keyword arguments of
     `CompiledModel.from_parts` (graph, plan, report, calling convention), plus
@@ -644,6 +656,7 @@ def read(path: str) -> Dict[str, Any]:
     try:
         graph = _graph_from_json(gj, _unpack_constants(consts, gj["constant_layouts"]))
         _check_formula_kernels(graph, where)
+        _check_layout_kernels(graph, where)
         plan = _plan_from_json(_json_section(secs, "plan", where))
         report = _report_from_json(_json_section(secs, "report", where))
         in_spec, _ = _spec_from_json(meta["in_spec"])

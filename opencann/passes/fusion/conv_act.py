@@ -1,12 +1,17 @@
 """Stage 2, fusion: `FuseConvAct`, Conv2D(+bias) → Relu/Gelu/Sigmoid/Tanh/Swish ⇒
 ConvBiasAct (a oneDNN convolution with a fused post-op); a lone Conv2D ⇒
-ConvBiasAct(none), which gets oneDNN's prepacked weight."""
+ConvBiasAct(none), which gets oneDNN's prepacked weight. The activation is fused only
+where the fused kernel gives eager's values: eager's activation kernel at eager's layout
+of the conv output (its traced strides), probed on this CPU
+(`devices.cpu_layout_values.conv_post_op_differs`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Optional
 
+from ...devices.cpu_layout_values import conv_post_op_differs
 from ...ir import Graph, Node
+from ...ops.layout_values import eager_layout
 from ..base import PassContext, Skip
 from .common import CpuFusion, _act, _conv_check, _make_conv
 
@@ -30,7 +35,9 @@ class FuseConvAct(CpuFusion):
         """A `Skip` when the Conv2D cannot be a oneDNN convolution (`_conv_check`),
         else a `_ConvMatch` with the activation (Relu, Gelu (erf), Sigmoid, Tanh, Swish) that
         is the output's sole user, or with none (and the reason when the output has several
-        users or the Gelu is the tanh approximation)."""
+        users, the Gelu is the tanh approximation, or the fused kernel gives other values
+        than eager's activation at eager's layout of the conv output on this CPU:
+        `conv_post_op_differs`, e.g. AVX-512's oneDNN GELU vs ATen's on channels-last)."""
         why = _conv_check(conv)
         if why:
             return Skip(why)
@@ -43,6 +50,10 @@ class FuseConvAct(CpuFusion):
         if user.op == "Gelu" and user.attrs.get("approximate", "none") != "none":
             return _ConvMatch(conv, None, f"Gelu(approximate={user.attrs['approximate']!r}): the "
                               "fused oneDNN convolution here applies only the exact (erf) GELU")
+        out = conv.outputs[0]
+        why = conv_post_op_differs(_act(user), out.desc.dtype.torch, eager_layout(out))
+        if why:
+            return _ConvMatch(conv, None, f"{user.op} stays eager's op at eager's layout: {why}")
         return _ConvMatch(conv, user)
 
     def rewrite(self, graph: Graph, m: _ConvMatch, ctx: PassContext) -> int:

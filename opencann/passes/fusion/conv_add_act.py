@@ -6,8 +6,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+from ...devices.cpu_layout_values import conv_sum_differs
 from ...ir import Graph, Node, TensorRef, Value
 from ...ops import aliases_of, storage_roots
+from ...ops.layout_values import eager_layout
 from ..base import PassContext, Skip
 from .common import CpuFusion, _stands_for
 
@@ -32,7 +34,8 @@ class FuseConvAddAct(CpuFusion):
         input is a ConvBiasAct(none) read only by this Add and the other (the addend) a
         different value of the conv output's shape and dtype (with the Relu that is the Add's
         sole user, if any); else a `Skip` (alpha ≠ 1, a scalar addend, a fused or shared
-        conv, a broadcast addend)."""
+        conv, a broadcast addend, or a fused kernel giving other values than eager's add
+        [+ relu] at eager's layouts on this CPU: `conv_sum_differs`)."""
         if not any(v.producer is not None and v.producer.op in ("ConvBiasAct", "Conv2D")
                    for v in add.inputs):
             return None   # no convolution feeds it: not this pattern's root
@@ -55,7 +58,13 @@ class FuseConvAddAct(CpuFusion):
             return Skip(f"addend {other.desc} is broadcast (not the conv's full output {out}); "
                         "oneDNN's sum post-op needs equal shapes")
         relu = graph.sole_user(add.outputs[0])
-        return _AddMatch(conv, add, other, relu if relu is not None and relu.op == "Relu" else None)
+        relu = relu if relu is not None and relu.op == "Relu" else None
+        out = conv.outputs[0]
+        why = conv_sum_differs(relu is not None, out.desc.dtype.torch, eager_layout(out),
+                               eager_layout(other))
+        if why:
+            return Skip(f"the Add stays eager's op at eager's layout: {why}")
+        return _AddMatch(conv, add, other, relu)
 
     def rewrite(self, graph: Graph, m: _AddMatch, ctx: PassContext) -> int:
         """Replace conv, Add (and Relu) by one ConvAddAct, in place into the addend

@@ -11,7 +11,11 @@ activations between oneDNN convolutions, TransData (NHWC→NCHW) only at the bou
    whose ATen kernel follows its input's layout (``OpDef.channels_last``: elementwise
    ops, pooling, H/W reductions, inference BatchNorm, ATen convolution; not
    random ones, not views, not a ``Cast`` that asks for a memory format, not ops with
-   their own CPU kernel, e.g. ``FusedElementwise`` writes contiguous): a 4-D result the
+   their own CPU kernel, e.g. ``FusedElementwise`` writes contiguous, not an
+   elementwise op whose kernel gives other values (NaN, ±inf, overflow) at another
+   layout on this CPU, which stays at eager's layout with the probe's reason in the
+   report: `opencann.ops.layout_values.layout_dependent`; AVX-512's exact GELU,
+   pytorch/pytorch#185770): a 4-D result the
    size of an NHWC operand (any 4-D result for pooling) is NHWC too. An NHWC value
    carries channels-last strides in ``node.meta["strides"]`` (what the memory plan's
    arena views and the executor's fresh outputs follow), so ``.out`` kernels write it
@@ -48,6 +52,7 @@ import torch
 
 from ...ir import Format, Graph, Node, Value
 from ...ops import OpKind, get_op, output_aliases
+from ...ops.layout_values import layout_dependent
 from ..base import Pass, PassContext
 from .npu_layout import NpuLayoutSelection
 
@@ -87,7 +92,9 @@ def _conv_out(node: Node, fmt: Dict[int, Format]) -> Optional[Format]:
 
 def follows_input(node: Node) -> str:
     """Why ``node``'s kernel cannot take NHWC operands as they are ("" when it can: an ATen
-    elementwise, pooling or reduction op that follows its input's layout)."""
+    elementwise, pooling or reduction op that follows its input's layout and, for an
+    elementwise op, gives the same values at every layout on this CPU:
+    `ops.layout_values.layout_dependent`, e.g. not AVX-512's exact GELU)."""
     op = get_op(node.op)
     if any(output_aliases(node)):
         return f"{node.op} is a view of its input: it reads eager's strides"
@@ -100,7 +107,8 @@ def follows_input(node: Node) -> str:
     mf = node.attrs.get("memory_format")
     if node.op == "Cast" and mf not in (None, torch.preserve_format):
         return f"Cast to memory format {mf}"
-    return ""
+    why = layout_dependent(node)
+    return f"{node.op} runs at eager's layout: {why}" if why else ""
 
 
 def _select(graph: Graph) -> Dict[int, Format]:
