@@ -103,11 +103,14 @@ def test_onednn_prepacked_weight_is_kept_at_every_shape_of_a_dynamic_model(monke
     cm = opencann.compile(m, (torch.randn(2, 5, 48),),
                           dynamic_shapes={"x": {0: "batch", 1: "seq"}},
                           dim_ranges={"batch": (1, 8), "seq": (2, 64)})
+    packed = len(cpu_kernels._ONEDNN_PACKED)
     for b, t in ((1, 9), (4, 33), (2, 5)):
         x = torch.randn(b, t, 48)
         with torch.no_grad():
             ref = m(x)
         _close(cm(x), ref)
+    # the blocked weights were reordered once, at compile: new shapes reuse them
+    assert len(cpu_kernels._ONEDNN_PACKED) == packed
     bound = specialise(cm.graph, dict(zip(cm.binder.order, (3, 7))))
     for n in bound.nodes:
         if n.op == "LinearAct":

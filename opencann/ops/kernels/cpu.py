@@ -27,6 +27,7 @@ import threading
 from typing import Callable, Dict, Sequence
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from ...devices.cpu import best_time_us, mkl_packed_available, onednn_linear_available
 from ...ir import Node, TensorDesc
@@ -199,16 +200,35 @@ def _available(kernel: str, n: int, bias: TensorDesc) -> bool:
     return kernel == "addmm"
 
 
+# constant weight -> oneDNN's blocked copy of it: one reorder serves every row count, so the
+# specialisations of a dynamic model (which share their constants) and every executor reuse it
+# (torch's WeakIdKeyDictionary: keys by identity; tensors' == is elementwise)
+_ONEDNN_PACKED = WeakIdKeyDictionary()
+_ONEDNN_PACKED_LOCK = threading.Lock()
+
+
+def _onednn_weight(wt: torch.Tensor, m: int) -> torch.Tensor:
+    """oneDNN's blocked copy of the constant weight ``wt`` [k, n], reordered once per
+    weight (``m``: the row count of the first shape, a layout hint only) and cached while
+    ``wt`` lives (a dynamic model's new shape binds without reordering again)."""
+    with _ONEDNN_PACKED_LOCK:
+        packed = _ONEDNN_PACKED.get(wt)
+        if packed is None:
+            packed = torch.ops.mkldnn._reorder_linear_weight(wt.t().contiguous(), m)
+            _ONEDNN_PACKED[wt] = packed
+    return packed
+
+
 def _packed_kernel(kernel: str, wt: torch.Tensor, m: int, post) -> Callable:
     """``run(b, x, _w, out=None)`` of prepacked GEMM ``kernel`` on the constant weight
-    ``wt`` [k, n] (packed once here; ``m`` is the row count it is packed for)."""
-    w = wt.t().contiguous()  # (out_features, in_features)
+    ``wt`` [k, n] (packed once; ``m`` is the row count it is packed for)."""
     if kernel == "onednn_packed":
-        packed, lin = torch.ops.mkldnn._reorder_linear_weight(w, m), torch.ops.mkldnn._linear_pointwise
+        packed, lin = _onednn_weight(wt, m), torch.ops.mkldnn._linear_pointwise
 
         def run_onednn(b, x, _w, out=None):
             return _copy_act(lin(x, packed, b, "none", [], ""), out, post)
         return run_onednn
+    w = wt.t().contiguous()  # (out_features, in_features)
     packed, lin = torch.ops.mkl._mkl_reorder_linear_weight(w, m), torch.ops.mkl._mkl_linear
 
     def run_mkl(b, x, _w, out=None):
