@@ -83,3 +83,15 @@ def save_and_load(cm, tmp_path, name: str = "model.ocm"):
     path = str(tmp_path / name)
     opencann.save(cm, path)
     return opencann.load(path), path
+
+
+class ForcedGemmChoice(dict):
+    """A stand-in for ``opencann.ops.kernels.cpu.LINEAR_CHOICES`` that answers ``kernel``
+    for every GEMM shape (monkeypatch it in to bind that kernel where it exists)."""
+
+    def __init__(self, kernel):
+        super().__init__()
+        self.kernel = kernel
+
+    def get(self, key, default=None):
+        return self.kernel

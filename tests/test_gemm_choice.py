@@ -12,20 +12,10 @@ from opencann.devices import cpu as cpu_device
 from opencann.dynamic import pin_kernel_choices
 from opencann.ir.specialise import specialise
 from opencann.ops.kernels import cpu as cpu_kernels
+from helpers import ForcedGemmChoice
 
 needs_onednn = pytest.mark.skipif(not cpu_device.onednn_linear_available(),
                                   reason="oneDNN prepacked inner product not in this torch build")
-
-
-class _Forced(dict):
-    """A LINEAR_CHOICES stand-in that answers ``kernel`` for every GEMM shape."""
-
-    def __init__(self, kernel):
-        super().__init__()
-        self.kernel = kernel
-
-    def get(self, key, default=None):
-        return self.kernel
 
 
 class MLP(torch.nn.Module):
@@ -56,7 +46,7 @@ def test_each_kernel_matches_eager(kernel, rows, monkeypatch):
         pytest.skip("MKL packed GEMM not in this torch build")
     if kernel == "onednn_packed" and not cpu_device.onednn_linear_available():
         pytest.skip("oneDNN prepacked inner product not in this torch build")
-    monkeypatch.setattr(cpu_kernels, "LINEAR_CHOICES", _Forced(kernel))
+    monkeypatch.setattr(cpu_kernels, "LINEAR_CHOICES", ForcedGemmChoice(kernel))
     torch.manual_seed(0)
     m = MLP().eval()
     x = torch.randn(rows, 48)
@@ -97,7 +87,7 @@ def test_the_race_picks_the_faster_kernel_and_prefers_addmm_on_a_tie(monkeypatch
 
 @needs_onednn
 def test_onednn_prepacked_weight_is_kept_at_every_shape_of_a_dynamic_model(monkeypatch):
-    monkeypatch.setattr(cpu_kernels, "LINEAR_CHOICES", _Forced("onednn_packed"))
+    monkeypatch.setattr(cpu_kernels, "LINEAR_CHOICES", ForcedGemmChoice("onednn_packed"))
     torch.manual_seed(0)
     m = MLP().eval()
     cm = opencann.compile(m, (torch.randn(2, 5, 48),),
@@ -122,7 +112,7 @@ def test_onednn_prepacked_weight_is_kept_at_every_shape_of_a_dynamic_model(monke
 
 @needs_onednn
 def test_model_file_keeps_the_choice_and_falls_back_where_the_kernel_is_missing(tmp_path, monkeypatch):
-    monkeypatch.setattr(cpu_kernels, "LINEAR_CHOICES", _Forced("onednn_packed"))
+    monkeypatch.setattr(cpu_kernels, "LINEAR_CHOICES", ForcedGemmChoice("onednn_packed"))
     torch.manual_seed(0)
     m = MLP().eval()
     x = torch.randn(6, 48)
@@ -144,7 +134,7 @@ def test_model_file_keeps_the_choice_and_falls_back_where_the_kernel_is_missing(
 @needs_onednn
 def test_a_broadcast_bias_never_goes_to_onednn(monkeypatch):
     """oneDNN's inner product takes a full [n] bias only: a [1] bias stays on addmm."""
-    monkeypatch.setattr(cpu_kernels, "LINEAR_CHOICES", _Forced("onednn_packed"))
+    monkeypatch.setattr(cpu_kernels, "LINEAR_CHOICES", ForcedGemmChoice("onednn_packed"))
 
     class M(torch.nn.Module):
         def __init__(self):

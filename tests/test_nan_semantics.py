@@ -29,6 +29,7 @@ import torch.nn.functional as F
 import opencann
 from opencann.devices import cpu as cpu_device
 from opencann.ops.kernels import cpu as cpu_kernels
+from helpers import ForcedGemmChoice
 from opencann.ops.flash_attention import flash_attention, flash_attention_forward
 
 NAN, INF = float("nan"), float("inf")
@@ -139,17 +140,6 @@ def test_conv_add_relu_keeps_nan_and_inf(inplace_addend):
 
 # -- linear + activation (GEMM, activation in place) --------------------------------
 
-class _Forced(dict):
-    """A LINEAR_CHOICES stand-in that answers ``kernel`` for every GEMM shape."""
-
-    def __init__(self, kernel):
-        super().__init__()
-        self.kernel = kernel
-
-    def get(self, key, default=None):
-        return self.kernel
-
-
 @pytest.mark.parametrize("kernel", ["addmm", "mkl_packed", "onednn_packed"])
 @pytest.mark.parametrize("act", ["relu", "gelu", "gelu_tanh", "silu", "sigmoid", "tanh"])
 def test_linear_activation_keeps_nan_and_inf(act, kernel, monkeypatch):
@@ -162,7 +152,7 @@ def test_linear_activation_keeps_nan_and_inf(act, kernel, monkeypatch):
     torch.manual_seed(0)
     lin = torch.nn.Linear(16, 24)
     model = torch.nn.Sequential(lin, type("Act", (torch.nn.Module,), {"forward": lambda s, t: fn(t)})())
-    monkeypatch.setattr(cpu_kernels, "LINEAR_CHOICES", _Forced(kernel))
+    monkeypatch.setattr(cpu_kernels, "LINEAR_CHOICES", ForcedGemmChoice(kernel))
     inputs = [(with_special((5, 16), (2, 7), v, seed=i),) for i, v in enumerate(SPECIALS.values())]
     cm = run_compiled(model, inputs)
     assert "LinearAct" in cm.graph.op_counts()
