@@ -1,5 +1,5 @@
 """Breaker session 7: calls where a compiled result differed from eager PyTorch without an
-error. Each finding (FINDINGS.md, ids B7-n) is one xfail(strict) test asserting eager's
+error. Each finding (docs/breaker_session7.md, ids B7-n) is one test asserting eager's
 behaviour; the other tests cover attacked ground that already matches eager (random
 non-zero inputs, NaN/inf/-0.0 positions, a second call, outputs independent of each
 other and of later calls)."""
