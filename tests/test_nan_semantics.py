@@ -29,7 +29,6 @@ import torch.nn.functional as F
 import opencann
 from opencann.devices import cpu as cpu_device
 from opencann.ops.kernels import cpu as cpu_kernels
-from helpers import ForcedGemmChoice
 from opencann.ops.flash_attention import flash_attention, flash_attention_forward
 
 NAN, INF = float("nan"), float("inf")
@@ -152,6 +151,7 @@ def test_linear_activation_keeps_nan_and_inf(act, kernel, monkeypatch):
     torch.manual_seed(0)
     lin = torch.nn.Linear(16, 24)
     model = torch.nn.Sequential(lin, type("Act", (torch.nn.Module,), {"forward": lambda s, t: fn(t)})())
+    from helpers import ForcedGemmChoice   # here: a subprocess test imports this module alone
     monkeypatch.setattr(cpu_kernels, "LINEAR_CHOICES", ForcedGemmChoice(kernel))
     inputs = [(with_special((5, 16), (2, 7), v, seed=i),) for i, v in enumerate(SPECIALS.values())]
     cm = run_compiled(model, inputs)
