@@ -69,12 +69,16 @@ def request_inputs(name: str, example, threads: int) -> List[List[tuple]]:
 
 
 def serve(call: Callable, per_thread: List[List[tuple]], requests: int, intra: int,
-          warmup: int = 2) -> Dict[str, float]:
+          warmup: int = 2, release_main_pool: bool = True) -> Dict[str, float]:
     """``len(per_thread)`` threads, each calling ``call(*inputs)`` ``requests`` times
     (cycling through its inputs) after ``warmup`` untimed calls, all starting together.
+    With ``release_main_pool`` the calling thread's OpenMP pool (left by the eager check
+    just run here) is released first, as a server should (`opencann.release_openmp_pool`).
     Returns requests/s, p50/p99/mean latency (ms) and the wall time (s). Re-raises the
     first error a thread hit."""
     n = len(per_thread)
+    if release_main_pool:
+        opencann.release_openmp_pool()
     start, lat, errors = threading.Barrier(n + 1), [[] for _ in range(n)], []
     done = [0.0] * n
 
@@ -135,7 +139,7 @@ def rel_err(out, ref: torch.Tensor) -> float:
 
 
 def run_model(name: str, threads: List[int], requests: int, intra_arg, backends: List[str],
-              workdir: str) -> List[dict]:
+              workdir: str, release_main_pool: bool = True) -> List[dict]:
     """The rows of one model: each thread count × backend."""
     zm = zoo.get(name, **MODELS[name])
     model, example = zm.model, zm.example_inputs
@@ -154,7 +158,7 @@ def run_model(name: str, threads: List[int], requests: int, intra_arg, backends:
         for b in order:
             call = (lambda *x: cm(*x)) if b == "opencann" else ort_call(onnx_path, intra)
             err = rel_err(call(*example), ref)
-            r = serve(call, per_thread, requests, intra)
+            r = serve(call, per_thread, requests, intra, release_main_pool=release_main_pool)
             rows.append(dict(model=name, threads=n, intra_op_threads=intra, backend=b,
                              max_rel_err=err, **r))
             print(f"  {label(name, MODELS[name].get('seq'))}, {n} threads × {requests}, "
@@ -181,6 +185,9 @@ def main(argv=None) -> None:
     ap.add_argument("--intra", type=int, default=None,
                     help="intra-op threads per call (default: CPU count // N, at least 1)")
     ap.add_argument("--backends", nargs="*", choices=BACKENDS, default=list(BACKENDS))
+    ap.add_argument("--keep-main-pool", action="store_true",
+                    help="do not release the main thread's OpenMP pool before serving (shows "
+                         "what libgomp's throttling costs: docs/performance.md)")
     ap.add_argument("--out", default=os.path.join(HERE, "results", "serving.json"))
     args = ap.parse_args(argv)
     if min(args.threads) < 1 or args.requests < 1 or (args.intra is not None and args.intra < 1):
@@ -199,12 +206,14 @@ def main(argv=None) -> None:
     rows: List[dict] = []
     with tempfile.TemporaryDirectory(prefix="opencann-serving-") as work:
         for name in args.models:
-            rows += run_model(name, args.threads, args.requests, args.intra, backends, work)
+            rows += run_model(name, args.threads, args.requests, args.intra, backends, work,
+                              release_main_pool=not args.keep_main_pool)
     print_table(rows)
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     doc = dict(date=datetime.date.today().isoformat(), cpu_count=os.cpu_count(),
                load_average_start=load, load_average_end=os.getloadavg(), versions=vers,
                requests_per_thread=args.requests, missing=missing,
+               main_pool_released=not args.keep_main_pool,
                command="bench/serving.py " + " ".join(argv if argv is not None else sys.argv[1:]),
                rows=rows)
     with open(args.out, "w") as f:

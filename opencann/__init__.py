@@ -40,7 +40,18 @@ def compile(model, example_inputs=None, device: str = "cpu", options: Optional[D
     ``dynamic_image_size``, ``dynamic_dims``) plan each gear at compile time and serve a
     call with the smallest gear that holds it, padding the call where no op can let a
     padded row reach a real one (else exact gears only; `opencann.gears`). On ``vnpu``
-    each concrete shape (each gear) is compiled whole, its layout needing static shapes."""
+    each concrete shape (each gear) is compiled whole, its layout needing static shapes.
+
+    When it returns, the calling thread's OpenMP worker pool is released
+    (`release_openmp_pool`), so calls from other threads are not slowed by it."""
+    cm = _compile(model, example_inputs, device, options, example_kwargs, input_shapes,
+                  dynamic_shapes, dim_ranges)
+    release_openmp_pool()
+    return cm
+
+
+def _compile(model, example_inputs, device, options, example_kwargs, input_shapes,
+             dynamic_shapes, dim_ranges):
     import os
     if isinstance(model, (str, os.PathLike)) or type(model).__name__ == "ModelProto":
         from .compiler import compile_onnx
@@ -81,7 +92,8 @@ def load(path: str):
     saved model. Raises ModelFileError (a ValueError) with one line saying what is wrong
     (not a model file, truncated, corrupted or modified, newer format, unknown device or
     op) and FileNotFoundError. A model compiled with dynamic dims or gears comes back as
-    such: the same shapes, gears and padding, and the same errors for other shapes."""
+    such: the same shapes, gears and padding, and the same errors for other shapes.
+    Releases the calling thread's OpenMP pool on return, as `compile` does."""
     from .compiler import CompiledModel
     from .runtime.model_file import read
     parts = read(path)
@@ -94,12 +106,21 @@ def load(path: str):
         from .dynamic import DynamicCompiledModel
         cm = DynamicCompiledModel.from_parts(**parts, dynamic=dynamic)
     cm._offsets, cm._strides = list(offsets), [tuple(st) for st in strides]
-    if dynamic is None:
-        return cm
-    if gears:
+    if dynamic is not None and gears:
         from .gears import setup_gears
         setup_gears(cm, gears["option"], gears["dims"], [tuple(g) for g in gears["values"]])
+    release_openmp_pool()
     return cm
+
+
+def release_openmp_pool() -> bool:
+    """Free the calling thread's OpenMP worker pool (torch's intra-op threads) so that
+    threads serving calls run unthrottled; `opencann.compile` and `load` do it on return.
+    Call it on a thread that ran torch's parallel kernels since (an eager check) before
+    other threads serve. Returns whether a pool was released; never raises
+    (`opencann.devices.cpu_threads`, docs/performance.md "OpenMP pools")."""
+    from .devices.cpu_threads import release_openmp_pool as _release
+    return _release()
 
 
 def __getattr__(name):

@@ -119,7 +119,21 @@ def _cpu_checks() -> List[Check]:
     out.append(Check("threads", "ok" if n <= cores else "warning", f"{n} intra-op threads, {cores} CPUs",
                      "" if n <= cores else f"more threads than CPUs: set OMP_NUM_THREADS={cores} "
                      "or torch.set_num_threads"))
+    out.append(_openmp_check())
     return out
+
+
+def _openmp_check() -> Check:
+    from ..devices.cpu_threads import openmp_library, pause_available
+    lib = openmp_library()
+    if lib is None:
+        return Check("openmp", "ok", "no GNU OpenMP runtime loaded (nothing to release)")
+    if not pause_available():
+        return Check("openmp", "warning", f"{lib} without omp_pause_resource_all",
+                     "an idle thread's OpenMP pool cannot be released: serve from the thread "
+                     "that compiled the model, or upgrade torch (GCC >= 9 libgomp)")
+    return Check("openmp", "ok", f"{os.path.basename(lib)}; idle pools released by "
+                 "opencann.release_openmp_pool (compile and load do it)")
 
 
 def _device_checks() -> List[Check]:

@@ -1,0 +1,97 @@
+"""The host's OpenMP thread pools: the intra-op threads of torch's CPU kernels.
+
+torch's CPU build runs its parallel kernels (ATen's ``parallel_for``, oneDNN, MKL) on
+GNU OpenMP (libgomp). libgomp keeps one pool of worker threads per OS thread that ever
+started a parallel region, for that thread's whole life, and counts all of them
+(``gomp_managed_threads``). While that count exceeds the CPUs available, libgomp
+*throttles* every team's spin-wait at its barriers (``gomp_throttled_spin_count_var``:
+100 spins instead of 300 000 without ``OMP_WAIT_POLICY``; libgomp ``env.c``,
+``config/linux/wait.h``), so worker threads sleep on a futex between parallel regions
+and every region pays a wake-up. The common way to get there: the main thread loads
+and compiles a model (its pool: N − 1 workers), then a server's request thread calls it
+with N intra-op threads (a second pool). Measured on this project's 2-core host
+(docs/performance.md, "OpenMP pools"): ResNet-50 batch 1, 2 intra-op threads, a call
+from a non-main thread took 59–64 ms (median) with the main thread's pool alive and
+50–51 ms after the main thread released it, as fast as on the main thread.
+
+`release_openmp_pool` frees the calling thread's pool with the OpenMP 5.0 routine
+``omp_pause_resource_all(omp_pause_soft)`` (OpenMP 5.0 spec §3.2.44; libgomp's
+``gomp_pause_host`` ends the pool's threads and lowers the count). The thread keeps
+working: its next parallel region starts a new pool (one ``pthread_create`` per worker,
+tens of µs). `opencann.compile` and `opencann.load` call it on the calling thread when
+they return, so "load and compile on the main thread, serve from others" does not
+throttle; a thread that runs torch's parallel kernels later (an eager reference check,
+a preprocessing step) can call `opencann.release_openmp_pool()` before the serving
+threads start.
+"""
+from __future__ import annotations
+
+import ctypes
+from typing import Optional
+
+OMP_PAUSE_SOFT = 1  # omp_pause_resource_t: omp_pause_soft (OpenMP 5.0 §3.2.43)
+
+
+def openmp_library() -> Optional[str]:
+    """The path of the GNU OpenMP runtime (libgomp) loaded in this process (torch's
+    own copy), read from ``/proc/self/maps`` (torch loads it on import); None where
+    there is none (another OpenMP runtime, a torch built without OpenMP, no procfs)."""
+    global _LIBRARY
+    if _LIBRARY is None:
+        _LIBRARY = _find_libgomp()
+    return _LIBRARY
+
+
+_LIBRARY: Optional[str] = None
+
+
+def _find_libgomp() -> Optional[str]:
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                path = line.rstrip("\n").split(maxsplit=5)[-1]
+                if "libgomp" in path.rsplit("/", 1)[-1]:
+                    return path
+    except OSError:
+        return None
+    return None
+
+
+def _pause_all():
+    global _PAUSE
+    path = openmp_library()
+    if _PAUSE is None and path is not None:
+        _PAUSE = _pause_routine(path)
+    return _PAUSE or None
+
+
+_PAUSE = None  # the routine, False where libgomp lacks it (None: not looked up yet)
+
+
+def _pause_routine(path: str):
+    try:
+        fn = ctypes.CDLL(path).omp_pause_resource_all  # the already-loaded library
+    except (OSError, AttributeError):  # pre-OpenMP-5.0 libgomp (GCC < 9)
+        return False
+    fn.argtypes, fn.restype = [ctypes.c_int], ctypes.c_int
+    return fn
+
+
+def pause_available() -> bool:
+    """Whether `release_openmp_pool` can act here: libgomp is loaded and has OpenMP 5.0's
+    ``omp_pause_resource_all``."""
+    return _pause_all() is not None
+
+
+def release_openmp_pool() -> bool:
+    """Free the calling thread's OpenMP worker pool (``omp_pause_resource_all``, soft),
+    so that pools of other threads are not throttled by an idle one (module docstring).
+    Safe at any time outside a parallel region and from any thread; the thread's next
+    parallel kernel starts a new pool. Returns True when libgomp released it, False
+    where there is nothing to call (no libgomp, an older one without OpenMP 5.0's pause
+    routines) or it refused (called inside a parallel region). Never raises."""
+    fn = _pause_all()
+    return fn is not None and fn(OMP_PAUSE_SOFT) == 0
+
+
+__all__ = ["OMP_PAUSE_SOFT", "openmp_library", "pause_available", "release_openmp_pool"]
