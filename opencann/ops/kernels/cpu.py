@@ -42,7 +42,8 @@ _ONEDNN_ACT = {"none": "none", "relu": "relu", "gelu": "gelu", "tanh": "tanh",
 
 
 def _conv_weight(node: Node, x: TensorDesc, w: torch.Tensor) -> torch.Tensor:
-    """Reorder the conv weight once into oneDNN's blocked layout for this input size."""
+    """Reorder the conv weight into oneDNN's blocked layout for this input size, as the
+    primitive at the calling thread's intra-op thread count wants it."""
     a = node.attrs
     try:
         return torch.ops.mkldnn._reorder_convolution_weight(
@@ -51,27 +52,55 @@ def _conv_weight(node: Node, x: TensorDesc, w: torch.Tensor) -> torch.Tensor:
         return w
 
 
-def _conv_add_kernel(wp, conv_args: tuple, unary, post, inplace: bool) -> Callable:
+class ConvWeightPacks:
+    """A constant conv weight reordered to oneDNN's blocked layout, once per intra-op
+    thread count it is run at. oneDNN's brgemm convolutions choose their weight blocking
+    by thread count (ResNet-50's 256→1024 1×1 convolutions at 14×14: ``Acdb64a`` at 2
+    threads, ``Acdb48a`` at 1), and a weight packed for another count is reordered again
+    on *every* call (``reorder simple:any``, 13–19 ms each there: a model compiled at 2
+    threads and served at 1 ran 1.9× slower, 160 vs 86 ms). `get` returns the copy for
+    ``torch.get_num_threads()`` of the calling thread, made on first use (under a lock;
+    one copy per count in use). Source: oneDNN verbose logs (``ONEDNN_VERBOSE=1``),
+    docs/performance.md "Weights packed per thread count"."""
+
+    def __init__(self, node: Node, x: TensorDesc, w: torch.Tensor):
+        self._node, self._x, self._w = node, x, w
+        self._packs: Dict[int, torch.Tensor] = {torch.get_num_threads(): _conv_weight(node, x, w)}
+        self._lock = threading.Lock()
+
+    def get(self) -> torch.Tensor:
+        """The packed weight for the calling thread's ``torch.get_num_threads()`` (an
+        opaque oneDNN tensor, or the plain weight where the reorder is unavailable);
+        reorders on the first call at a new count. Never raises for a thread count."""
+        n = torch.get_num_threads()
+        p = self._packs.get(n)
+        if p is None:
+            with self._lock:
+                p = self._packs.get(n)
+                if p is None:
+                    p = self._packs[n] = _conv_weight(self._node, self._x, self._w)
+        return p
+
+    def counts(self) -> list:
+        """The thread counts packed so far."""
+        return sorted(self._packs)
+
+
+def _conv_add_kernel(packs, conv_args: tuple, unary, post, inplace: bool) -> Callable:
     """ConvAddAct's ``run(x, w[, bias], other)``: oneDNN's binary "add" post-op, written
-    into ``other`` when ``inplace``; ``wp``: the reordered constant weight or None;
-    ``conv_args``: (padding, stride, dilation, groups); ``post``: an in-place ReLU or None."""
+    into ``other`` when ``inplace``; ``packs``: the constant weight's `ConvWeightPacks`
+    or None; ``conv_args``: (padding, stride, dilation, groups); ``post``: an in-place
+    ReLU or None."""
     pad, stride, dil, groups = conv_args
-    if inplace:
-        f = torch.ops.mkldnn._convolution_pointwise_.binary
+    f = (torch.ops.mkldnn._convolution_pointwise_.binary if inplace
+         else torch.ops.mkldnn._convolution_pointwise.binary)
 
-        def run(x, w, *rest):  # (x, w[, bias], other)
-            b, other = (rest[0], rest[1]) if len(rest) == 2 else (None, rest[0])
-            y = f(other, x, w if wp is None else wp, b, pad, stride, dil, groups, "add",
-                  None, unary, [], "")
-            return y if post is None else post(y)
-    else:
-        f = torch.ops.mkldnn._convolution_pointwise.binary
-
-        def run(x, w, *rest):  # (x, w[, bias], other)
-            b, other = (rest[0], rest[1]) if len(rest) == 2 else (None, rest[0])
-            y = f(x, other, w if wp is None else wp, b, pad, stride, dil, groups, "add",
-                  None, unary, [], "")
-            return y if post is None else post(y)
+    def run(x, w, *rest):  # (x, w[, bias], other)
+        b, other = (rest[0], rest[1]) if len(rest) == 2 else (None, rest[0])
+        wp = w if packs is None else packs.get()
+        a, c = (other, x) if inplace else (x, other)
+        y = f(a, c, wp, b, pad, stride, dil, groups, "add", None, unary, [], "")
+        return y if post is None else post(y)
     return run
 
 
@@ -82,8 +111,9 @@ def make_conv_kernel(node: Node, in_descs: Sequence[TensorDesc], consts: Sequenc
     ``node.attrs``: ``padding``, ``stride``, ``dilation`` (pairs), ``groups``, ``act`` (none,
     relu, gelu (erf), tanh, sigmoid, silu) and, for ConvAddAct, ``inplace``. ``in_descs[0]``:
     the NCHW input's description (sizes the weight reorder); ``consts[1]``: the weight
-    tensor (O, I/groups, KH, KW) when it is a constant, reordered once here to oneDNN's
-    blocked layout for that input size, else None (reordered by oneDNN on every call).
+    tensor (O, I/groups, KH, KW) when it is a constant, reordered to oneDNN's blocked
+    layout for that input size once per intra-op thread count (`ConvWeightPacks`), else
+    None (reordered by oneDNN on every call).
     Returns ``run(x, w[, bias])`` for ConvBiasAct and ``run(x, w[, bias], other)`` for
     ConvAddAct (the sum post-op adds ``other``; with ``inplace`` it writes into ``other``'s
     memory and returns it); the result, in x's dtype, may be channels-last (the executor
@@ -92,8 +122,8 @@ def make_conv_kernel(node: Node, in_descs: Sequence[TensorDesc], consts: Sequenc
     without a oneDNN post-op (the fusion passes never make one)."""
     a = node.attrs
     w = consts[1]
-    # a constant weight is reordered once; otherwise oneDNN reorders it on every call
-    wp = _conv_weight(node, in_descs[0], w) if w is not None else None
+    # a constant weight is reordered once per thread count; otherwise on every call
+    packs = ConvWeightPacks(node, in_descs[0], w) if w is not None else None
     pad, stride, dil, groups = a["padding"], a["stride"], a["dilation"], a["groups"]
     act = _ONEDNN_ACT[a["act"]]
     algorithm = "none" if act == "gelu" else ""   # oneDNN's exact (erf) GELU
@@ -107,19 +137,20 @@ def make_conv_kernel(node: Node, in_descs: Sequence[TensorDesc], consts: Sequenc
         act, post = "none", torch.relu_
 
     if node.op == "ConvAddAct":
-        return _conv_add_kernel(wp, (pad, stride, dil, groups), None if act == "none" else act,
+        return _conv_add_kernel(packs, (pad, stride, dil, groups), None if act == "none" else act,
                                 post, a.get("inplace", True))
 
     if post is not None:
         def run(x, w, b=None):
-            return post(conv(x, w if wp is None else wp, b, pad, stride, dil, groups, act, [],
-                             algorithm))
+            return post(conv(x, w if packs is None else packs.get(), b, pad, stride, dil,
+                             groups, act, [], algorithm))
         return run
 
     # oneDNN returns channels-last; where a view reads the result or the caller gets it,
     # the executor brings it back to the traced (eager) strides
     def run(x, w, b=None):
-        return conv(x, w if wp is None else wp, b, pad, stride, dil, groups, act, [], algorithm)
+        return conv(x, w if packs is None else packs.get(), b, pad, stride, dil, groups, act,
+                    [], algorithm)
     return run
 
 
