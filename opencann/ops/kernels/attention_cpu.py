@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import math
 import threading
+import time
 from typing import Callable, Dict, Optional, Sequence
 
 import torch
@@ -45,6 +46,7 @@ ATTENTION_CHOICES: Dict[tuple, str] = {}
 _CHOICES_LOCK = threading.Lock()
 _MARGIN = 0.97        # bmm_softmax must be 3% faster than SDPA to be chosen (noise guard)
 _ROUNDS = 6
+_BUDGET_MS = 30.0   # timed race calls per shape after 2 rounds (compile time)
 # the scores scratch of one batch item, per thread: beyond this the flash kernel's tiles
 # (no S_q x S_k matrix) are the only sensible path; 32 MiB = 12 heads at S = 820
 SCORES_BOUND_BYTES = 32 << 20
@@ -177,15 +179,21 @@ def _sample(desc: TensorDesc, strides, g: torch.Generator) -> torch.Tensor:
 
 
 def race(calls: Dict[str, Callable], default: str, rounds: int = _ROUNDS,
-         margin: float = _MARGIN) -> str:
+         margin: float = _MARGIN, budget_ms: float = _BUDGET_MS) -> str:
     """The fastest of ``calls`` (name -> zero-argument call): one warm-up call each,
-    then ``rounds`` rounds in which every call runs once in turn (interleaved, so a
+    then up to ``rounds`` rounds in which every call runs once in turn (interleaved, so a
     burst of load on a shared machine hits them all), the least time per call kept;
-    another call wins over ``default`` only when faster than ``margin`` x its time."""
+    after 2 rounds the race stops once ``budget_ms`` of timed calls have passed (large
+    shapes, or a loaded machine where one 2-thread call can take 100x its quiet time,
+    must not stall compiling). Another call wins over ``default`` only when faster than
+    ``margin`` x its time."""
     times = {name: float("inf") for name in calls}
     for call in calls.values():
         call()
-    for _ in range(rounds):
+    t0 = time.perf_counter()
+    for r in range(rounds):
+        if r >= 2 and (time.perf_counter() - t0) * 1e3 > budget_ms:
+            break
         for name, call in calls.items():
             times[name] = min(times[name], best_time_us(call, reps=1, warmup=False))
     others = [(t, name) for name, t in times.items() if name != default]
