@@ -182,6 +182,16 @@ def test_the_race_picks_the_faster_kernel_and_prefers_sdpa_on_a_tie():
     assert attention_cpu.race({"sdpa": fast, "bmm_softmax": slow}, "sdpa") == "sdpa"
     assert attention_cpu.race({"sdpa": fast, "bmm_softmax": fast}, "sdpa", margin=0.0) == "sdpa"
     assert attention_cpu.race({"sdpa": fast}, "sdpa") == "sdpa"
+    calls = []
+
+    def lucky():            # fastest once (a burst of load on the other), slow otherwise
+        calls.append(1)
+        if len(calls) != 2:
+            time.sleep(0.003)
+
+    def steady():
+        time.sleep(0.001)
+    assert attention_cpu.race({"sdpa": steady, "bmm_softmax": lucky}, "sdpa") == "sdpa"
 
 
 def test_a_real_race_records_a_kernel_once_per_shape(monkeypatch):

@@ -182,25 +182,29 @@ def race(calls: Dict[str, Callable], default: str, rounds: int = _ROUNDS,
          margin: float = _MARGIN, budget_ms: float = _BUDGET_MS) -> str:
     """The fastest of ``calls`` (name -> zero-argument call): one warm-up call each,
     then up to ``rounds`` rounds in which every call runs once in turn (interleaved, so a
-    burst of load on a shared machine hits them all), the least time per call kept;
-    after 2 rounds the race stops once ``budget_ms`` of timed calls have passed (large
-    shapes, or a loaded machine where one 2-thread call can take 100x its quiet time,
-    must not stall compiling). Another call wins over ``default`` only when faster than
-    ``margin`` x its time."""
-    times = {name: float("inf") for name in calls}
+    burst of load on a shared machine hits them all); after 3 rounds the race stops once
+    ``budget_ms`` of timed calls have passed (large shapes, or a loaded machine where one
+    2-thread call can take 100x its quiet time, must not stall compiling). Another call
+    wins over ``default`` only when its least time is below ``margin`` x the default's
+    AND it was faster than the default in more than half of the rounds (paired per
+    round: one lucky call under load must not pick a kernel 25% slower)."""
+    times = {name: [] for name in calls}
     for call in calls.values():
         call()
     t0 = time.perf_counter()
     for r in range(rounds):
-        if r >= 2 and (time.perf_counter() - t0) * 1e3 > budget_ms:
+        if r >= 3 and (time.perf_counter() - t0) * 1e3 > budget_ms:
             break
         for name, call in calls.items():
-            times[name] = min(times[name], best_time_us(call, reps=1, warmup=False))
-    others = [(t, name) for name, t in times.items() if name != default]
-    if not others:
-        return default
-    t, best = min(others)
-    return best if t < margin * times[default] else default
+            times[name].append(best_time_us(call, reps=1, warmup=False))
+    ref = times[default]
+    best, best_t = default, min(ref)
+    for name, ts in times.items():
+        wins = sum(t < r for t, r in zip(ts, ref))
+        if name != default and min(ts) < margin * min(ref) and 2 * wins > len(ref) \
+                and min(ts) < best_t:
+            best, best_t = name, min(ts)
+    return best
 
 
 def _key(node: Node, in_descs: Sequence[TensorDesc]) -> tuple:
