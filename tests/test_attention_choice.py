@@ -241,3 +241,25 @@ def test_a_dynamic_model_chooses_per_shape(monkeypatch):
             n.meta["kernel"] = "bmm_softmax"
     pin_kernel_choices(cm.graph, bound)
     assert all("kernel" not in n.meta for n in cm.graph.nodes if n.op == "ScaledDotProductAttention")
+
+
+@pytest.mark.parametrize("kernel", attention_cpu.ATTENTION_KERNELS)
+def test_minilm_with_padding_matches_eager(kernel, monkeypatch):
+    """The real all-MiniLM-L6-v2 (bool [B, 1, S, S] masks from transformers' SDPA path,
+    transposed heads) with every attention node on ``kernel``."""
+    zoo = pytest.importorskip("opencann.zoo")
+    try:
+        zm = zoo.minilm(2, 24)
+    except (RuntimeError, OSError) as e:
+        pytest.skip(str(e))
+    monkeypatch.setattr(attention_cpu, "ATTENTION_CHOICES", ForcedGemmChoice(kernel))
+    ids, mask = zm.example_inputs
+    mask = mask.clone()
+    mask[1, 15:] = 0                                     # a padded sequence
+    cm = opencann.compile(zm.model, (ids, mask))
+    assert set(_kernels(cm)) == {kernel} and len(_kernels(cm)) == 6
+    with torch.no_grad():
+        ref = zm.model(ids, mask)[0]
+    out = cm(ids, mask)
+    out = out[0] if not torch.is_tensor(out) else out
+    _same(out, ref, tol=1e-4)
