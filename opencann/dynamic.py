@@ -31,7 +31,7 @@ from .ir import Graph, MemoryPlan, Schedule
 from .ir.specialise import specialise
 from .ir.symbolic import SymExpr, bind, bind_tree, holds, is_symbol, parse, shape_symbols
 from .log import logger
-from .ops import frozen_graph
+from .ops import frozen_graph, get_op
 from .options import check_options
 from .passes import (MemoryPlanning, Pass, PassContext, PassManager, SingleStreamSchedule,
                      default_pipeline)
@@ -106,8 +106,11 @@ def pin_kernel_choices(graph: Graph, bound: Graph) -> Tuple[int, int]:
     ``torch.ops.mkl._mkl_linear`` runs unpacked when m differs), so each new shape would
     repack every weight (BERT-base: 48 weights, ~340 MB, 0.3-1.5 s per shape measured)
     and keep one more copy per cached shape; Inductor likewise packs fp32 weights for
-    static shapes only. Returns (nodes given a choice, packed GEMMs moved to addmm)."""
-    chosen = {n.name: n.meta["kernel"] for n in bound.nodes if "kernel" in n.meta}
+    static shapes only. An op whose choice holds for one shape only (``OpDef.kernel_per_shape``:
+    attention's SDPA or bmm + softmax) is not pinned: each shape measures its own.
+    Returns (nodes given a choice, packed GEMMs moved to addmm)."""
+    chosen = {n.name: n.meta["kernel"] for n in bound.nodes
+              if "kernel" in n.meta and not get_op(n.op).kernel_per_shape}
     unpacked = 0
     for n in graph.nodes:
         if n.name in chosen:

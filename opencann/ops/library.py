@@ -14,6 +14,7 @@ import torch
 from ..devices.vnpu import trans_data_cost
 from ..ir import Node, numel
 from .kernels import vnpu as vnpu_kernels
+from .kernels import attention_cpu
 from .kernels import cpu as cpu_kernels
 from .kernels import vnpu_cost
 from . import per_index as pi
@@ -380,6 +381,8 @@ def _register_all() -> None:
                    **_npu("conv")))
     register(OpDef("ScaledDotProductAttention", OpKind.ATTENTION,
                    aten=aten.scaled_dot_product_attention.default, cost_fn=_attention_cost,
+                   kernel_factories={"cpu": attention_cpu.make_attention_kernel},
+                   out_capable=attention_cpu.attention_writes_out, kernel_per_shape=True,
                    device_cost={"vnpu": vnpu_cost.attention}, per_index=pi.attention))
     register(OpDef("Conv2DBackprop", OpKind.CONV, aten=aten.convolution_backward.default,
                    cost_fn=_conv_grad_cost,

@@ -73,6 +73,9 @@ class OpDef:
     calls (threads). Kernels live in ``ops/kernels/{cpu,vnpu}.py``.
     ``out_capable``: predicate on a node, True when the factory's kernel accepts
     ``out=`` (the planned arena buffer).
+    ``kernel_per_shape``: the kernel the factory chooses (``node.meta["kernel"]``) holds
+    for the node's shape only (attention: `opencann.ops.kernels.attention_cpu`); a dynamic
+    model chooses it again per shape (`opencann.dynamic.pin_kernel_choices` skips it).
     ``out_kernel``: the ``.out`` overload, when one exists, for arena binding.
     ``aliases``: per return of the op, the names of the arguments whose storage that
     return may share (a view, or an input handed back as is); ``()`` for a return that
@@ -125,6 +128,7 @@ class OpDef:
     kernels: Dict[str, Callable] = field(default_factory=dict)
     kernel_factories: Dict[str, Callable] = field(default_factory=dict)
     out_capable: Optional[Callable[[Node], bool]] = None
+    kernel_per_shape: bool = False
     out_kernel: Optional[torch._ops.OpOverload] = None
     out_names: Tuple[str, ...] = ()
     aliases: Optional[Tuple[Tuple[str, ...], ...]] = None
