@@ -33,6 +33,25 @@ class Attn(torch.nn.Module):
 def _kernels(cm):
     return [n.meta.get("kernel") for n in cm.graph.nodes if n.op == "ScaledDotProductAttention"]
 
+RACE_ON = {"enable": ["attention_kernel_choice"]}
+
+
+def _compile(model, args, **kw):
+    """opencann.compile with the (off by default) attention kernel race switched on."""
+    return opencann.compile(model, args, options=dict(RACE_ON), **kw)
+
+
+def test_the_race_is_off_by_default(monkeypatch):
+    monkeypatch.setattr(attention_cpu, "ATTENTION_CHOICES", {})
+    g = torch.Generator().manual_seed(11)
+    q, k, v = _qkv(g)
+    cm = opencann.compile(Attn(), (q, k, v))
+    assert _kernels(cm) == ["sdpa"] and attention_cpu.ATTENTION_CHOICES == {}
+    entry = [p for p in cm.report.passes if p.name == "attention_kernel_choice"]
+    assert entry and not entry[0].enabled
+    _check_calls(cm, Attn(), [(q, k, v)])
+
+
 
 def _same(out, ref, tol=1e-5):
     assert out.shape == ref.shape and out.dtype == ref.dtype
@@ -121,7 +140,7 @@ def test_each_kernel_matches_eager_sdpa(kernel, case, monkeypatch):
     q, k, v, mask = _case(case, g)
     args = (q, k, v) if mask is None else (q, k, v, mask)
     model = Attn()
-    cm = opencann.compile(model, args)
+    cm = _compile(model, args)
     assert _kernels(cm) == [kernel]
     _check_calls(cm, model, [args, tuple(a.clone() for a in args)])
 
@@ -134,7 +153,7 @@ def test_contiguous_heads_explicit_scale_and_longer_keys(kernel, monkeypatch):
     k, v = torch.randn(B, H, 20, D, generator=g), torch.randn(B, H, 20, 5, generator=g)
     mask = torch.randn(1, H, S, 20, generator=g)
     model = Attn(transposed=False, scale=0.3)
-    cm = opencann.compile(model, (q, k, v, mask))
+    cm = _compile(model, (q, k, v, mask))
     assert _kernels(cm) == [kernel]
     _check_calls(cm, model, [(q, k, v, mask)])
 
@@ -151,7 +170,7 @@ def test_uncovered_calls_stay_on_sdpa(kw, dtype, why, monkeypatch):
     g = torch.Generator().manual_seed(3)
     q, k, v = (t.to(dtype) for t in _qkv(g))
     model = Attn(**kw)
-    cm = opencann.compile(model, (q, k, v))
+    cm = _compile(model, (q, k, v))
     assert _kernels(cm) == ["sdpa"]
     node = next(n for n in cm.graph.nodes if n.op == "ScaledDotProductAttention")
     assert why in attention_cpu.uncovered(node, [v.desc for v in node.inputs])
@@ -165,7 +184,7 @@ def test_scores_over_the_bound_stay_on_sdpa(monkeypatch):
     monkeypatch.setattr(attention_cpu, "SCORES_BOUND_BYTES", H * S * S * 4 - 1)
     g = torch.Generator().manual_seed(4)
     q, k, v = _qkv(g)
-    cm = opencann.compile(Attn(), (q, k, v))
+    cm = _compile(Attn(), (q, k, v))
     assert _kernels(cm) == ["sdpa"]
     _check_calls(cm, Attn(), [(q, k, v)])
 
@@ -198,10 +217,10 @@ def test_a_real_race_records_a_kernel_once_per_shape(monkeypatch):
     monkeypatch.setattr(attention_cpu, "ATTENTION_CHOICES", {})
     g = torch.Generator().manual_seed(5)
     q, k, v = _qkv(g)
-    cm = opencann.compile(Attn(), (q, k, v))
+    cm = _compile(Attn(), (q, k, v))
     assert _kernels(cm)[0] in attention_cpu.ATTENTION_KERNELS
     assert len(attention_cpu.ATTENTION_CHOICES) == 1
-    opencann.compile(Attn(), (q, k, v))
+    _compile(Attn(), (q, k, v))
     assert len(attention_cpu.ATTENTION_CHOICES) == 1          # cached, not measured again
     _check_calls(cm, Attn(), [(q, k, v)])
 
@@ -210,7 +229,7 @@ def test_model_file_keeps_the_choice_and_falls_back_where_it_is_missing(tmp_path
     monkeypatch.setattr(attention_cpu, "ATTENTION_CHOICES", ForcedGemmChoice("bmm_softmax"))
     g = torch.Generator().manual_seed(6)
     q, k, v, mask = _case("bool_key_mask", g)
-    cm = opencann.compile(Attn(), (q, k, v, mask))
+    cm = _compile(Attn(), (q, k, v, mask))
     path = str(tmp_path / "attn.ocm")
     opencann.save(cm, path)
     monkeypatch.setattr(attention_cpu, "ATTENTION_CHOICES", ForcedGemmChoice("sdpa"))
@@ -229,7 +248,7 @@ def test_a_dynamic_model_chooses_per_shape(monkeypatch):
     q, k, v = _qkv(g)
     model = Attn()
     spec = {0: "batch", 1: "seq"}
-    cm = opencann.compile(model, (q, k, v), dynamic_shapes={"q": spec, "k": spec, "v": spec},
+    cm = _compile(model, (q, k, v), dynamic_shapes={"q": spec, "k": spec, "v": spec},
                           dim_ranges={"batch": (1, 4), "seq": (2, 64)})
     for b, s in ((1, 9), (3, 33), (2, 5)):
         args = tuple(torch.randn(b, s, H, D, generator=g) for _ in range(3))
@@ -256,7 +275,7 @@ def test_minilm_with_padding_matches_eager(kernel, monkeypatch):
     ids, mask = zm.example_inputs
     mask = mask.clone()
     mask[1, 15:] = 0                                     # a padded sequence
-    cm = opencann.compile(zm.model, (ids, mask))
+    cm = _compile(zm.model, (ids, mask))
     assert set(_kernels(cm)) == {kernel} and len(_kernels(cm)) == 6
     with torch.no_grad():
         ref = zm.model(ids, mask)[0]

@@ -3,7 +3,7 @@ pass per module under ``prepare/``, ``fusion/`` and ``layout/``; the public name
 re-exported here."""
 from .base import Pass, PassContext, PassManager, RewritePass, Skip
 from .fusion import FoldBatchNorm, FuseConvAct, FuseConvAddAct, FuseFlashAttention, FuseLinearAct
-from .fusion import FuseAddLayerNorm, FuseQKVLinear
+from .fusion import ChooseAttentionKernel, FuseAddLayerNorm, FuseQKVLinear
 from .fusion import (FuseElementwise, FuseGatedMLP, FuseGeluErf, FuseGeluTanh, FuseLayerNorm, FuseRMSNorm, FuseSiLU,
                      user_passes)
 from .layout import LayoutSelection, NpuLayoutSelection
@@ -23,7 +23,7 @@ def default_pipeline() -> PassManager:
         IdentityElimination(), DropUnusedOutputs(), MixedPrecision(),
         FoldBatchNorm(), *user_passes(), FuseSiLU(), FuseGeluTanh(), FuseGeluErf(), FuseRMSNorm(),
         FuseLayerNorm(), FuseGatedMLP(), FuseConvAct(), FuseConvAddAct(), FuseLinearAct(), FuseQKVLinear(),
-        FuseAddLayerNorm(), FuseFlashAttention(),
+        FuseAddLayerNorm(), FuseFlashAttention(), ChooseAttentionKernel(),
         FuseElementwise(), DeadCodeElimination(), LayoutSelection(), NpuLayoutSelection(), SingleStreamSchedule(),
         MemoryPlanning(),
     ])
@@ -33,7 +33,7 @@ __all__ = ["Pass", "PassContext", "PassManager", "RewritePass", "Skip", "default
            "plan_memory", "MemoryPlanning", "ConstantFolding", "DeadCodeElimination",
            "CommonSubexpressionElimination", "IdentityElimination", "MixedPrecision",
            "FoldBatchNorm", "FuseConvAct", "FuseConvAddAct", "FuseLinearAct",
-           "FuseQKVLinear", "FuseAddLayerNorm", "FuseFlashAttention", "FuseSiLU", "FuseGeluTanh",
+           "FuseQKVLinear", "FuseAddLayerNorm", "FuseFlashAttention", "ChooseAttentionKernel", "FuseSiLU", "FuseGeluTanh",
            "FuseGeluErf", "FuseRMSNorm",
            "FuseLayerNorm", "FuseGatedMLP", "FuseElementwise", "LayoutSelection", "NpuLayoutSelection", "SingleStreamSchedule",
            "apply_schedule", "DropUnusedOutputs"]

@@ -69,6 +69,8 @@ def _args(node: Node) -> Dict[str, object]:
 def uncovered(node: Node, in_descs: Sequence[TensorDesc]) -> str:
     """Why ``node`` cannot run ``bmm_softmax`` ("" when it can; module docstring)."""
     a = _args(node)
+    if not node.meta.get("attention_choice") and node.meta.get("kernel") != "bmm_softmax":
+        return "the race is off (enable the pass attention_kernel_choice)"
     if parse_device(node.device, load=False).kind != "cpu":
         return f"device {node.device}"
     if not bmm_softmax_available():

@@ -2,6 +2,7 @@
 linear_act, qkv_linear, add_layer_norm, attention; the patterns silu, gelu_tanh, gelu_erf, rms_norm,
 layer_norm, gated_mlp; elementwise: generated kernels for elementwise groups; user_rule: rules registered by users); each says why a match was not rewritten."""
 from .add_layer_norm import FuseAddLayerNorm
+from .attention_kernel import ChooseAttentionKernel
 from .attention import FuseFlashAttention
 from .batchnorm import FoldBatchNorm
 from .common import CpuFusion
@@ -19,6 +20,6 @@ from .silu import FuseSiLU
 from .user_rule import FusionRule, UserFusion, register_rule, unregister_rule, user_passes
 
 __all__ = ["FoldBatchNorm", "FuseConvAct", "FuseConvAddAct", "FuseLinearAct",
-           "FuseFlashAttention", "FuseQKVLinear", "FuseAddLayerNorm", "CpuFusion", "FuseSiLU", "FuseGeluTanh", "FuseGeluErf",
+           "FuseFlashAttention", "ChooseAttentionKernel", "FuseQKVLinear", "FuseAddLayerNorm", "CpuFusion", "FuseSiLU", "FuseGeluTanh", "FuseGeluErf",
            "FuseRMSNorm", "FuseLayerNorm", "FuseGatedMLP", "FuseElementwise", "FusionRule", "UserFusion",
            "register_rule", "unregister_rule", "user_passes"]
