@@ -1,5 +1,6 @@
 """``FusedElementwise``: a group of elementwise ops (broadcasting, casts, at most one
-trailing reduction over the last dim) as one kernel generated from the node's program
+trailing reduction over the last dim; the pass fuses max/min and integer sums only: a float
+sum would not round as eager's cascade) as one kernel generated from the node's program
 (``ops/kernels/ew_program.py``), made by the pass ``fuse_elementwise``
 (``passes/fusion/elementwise.py``).
 

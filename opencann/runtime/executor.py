@@ -32,6 +32,7 @@ from ..ir import Graph, MemoryPlan, Value
 from .alias_check import AliasChecker, AliasingError, enabled_by_env
 from .codegen import CodeGen, arena_view, independent_outputs, output_copies  # noqa: F401
 from .streams import StreamRunner
+from .thread_count import restore_this_thread, set_this_thread
 from .trace import Stamps, chrome_trace_events, stream_trace_events, write_chrome_trace
 
 
@@ -197,7 +198,8 @@ class Executor:
         per node (the call least disturbed by other processes, as `timeit` advises).
         ``inputs`` flat, in graph-input order, of the graph's shapes and dtypes. The
         stream assignment weighs nodes by these (`opencann.passes.schedule`). Changes
-        ``torch.set_num_threads`` for the duration and restores it; raises what the
+        the calling thread's count only for the duration (`thread_count.set_this_thread`;
+        the process default and other threads keep theirs) and restores it; raises what the
         kernels raise (ExecutionError naming the node) and ValueError for ``reps < 1``."""
         if reps < 1:
             raise ValueError(f"reps must be >= 1, got {reps}")
@@ -207,9 +209,8 @@ class Executor:
         prof.copy_out_nodes, prof._bound = [], []
         prof._fn = prof._build(profile=True, serial=True)
         best: Dict[int, int] = {}
-        before = torch.get_num_threads()
+        saved = set_this_thread(threads) if threads else None
         try:
-            torch.set_num_threads(threads or before)
             with torch.no_grad():
                 for r in range(reps + 1):
                     prof._stamps.clear()
@@ -219,7 +220,7 @@ class Executor:
                         best[i] = min(best.get(i, t - prev), t - prev)
                         prev = t
         finally:
-            torch.set_num_threads(before)
+            restore_this_thread(saved)
         return {n.name: best.get(i, 0) / 1e9 for i, n in enumerate(self.graph.nodes)}
 
     def profile(self, inputs: Sequence[torch.Tensor], path: Optional[str] = None) -> List[Dict[str, Any]]:

@@ -21,17 +21,15 @@ A failing stream sets the abort flag and every event before it reports; a stream
 waiting on an event then stops with `StreamAborted` instead of waiting forever, and
 `run` raises the first real error (the caller names the node, as on one stream).
 
-Intra-op threads: ``torch.set_num_threads`` sets the process-wide default *and* the
-calling thread's OpenMP team size (an OpenMP ICV is per thread), and ATen's lazy
-per-thread initialisation copies the process default into a thread on its first
-parallel region. So each worker first initialises (``torch.get_num_threads()``), then
-sets its own count, ``threads_per_stream`` (default: the caller's
-``torch.get_num_threads()`` divided by the number of streams, at least 1), and the
-starting thread restores the process default afterwards: the caller's own thread and
-threads made later keep their count. The calling thread runs stream 0 with that count
-and gets its own back when stream 0 ends. Measured on torch 2.x with OpenMP (see
-docs/performance.md, "Streams"); with a non-OpenMP ATen build the count may be
-process-wide.
+Intra-op threads: each worker sets its own count, ``threads_per_stream`` (default: the
+starting caller's ``torch.get_num_threads()`` divided by the number of streams, at least
+1), and the calling thread runs stream 0 with that count and gets its own back when
+stream 0 ends, all through `opencann.runtime.thread_count.set_this_thread`, which sets
+the calling thread's OpenMP and MKL counts only. Never ``torch.set_num_threads``: it also
+sets ATen's process default, which every thread copies on its first parallel region, so a
+caller thread that started during another call's stream 0 kept 1 intra-op thread for good
+(measured: tests/test_stream_threads.py). With no OpenMP runtime found
+(`thread_count.available` False) the counts stay as they are.
 """
 from __future__ import annotations
 
@@ -42,7 +40,9 @@ from typing import Callable, List, Optional, Sequence
 
 import torch
 
-_START_LOCK = threading.Lock()  # set_num_threads' process default is restored under it
+from .thread_count import restore_this_thread, set_this_thread
+
+_START_LOCK = threading.Lock()  # a runner's workers start once
 
 
 def threads_per_stream(nstreams: int, total: Optional[int] = None) -> int:
@@ -57,8 +57,7 @@ class StreamAborted(Exception):
 
 def _worker(jobs: "queue.SimpleQueue", done: "queue.SimpleQueue", nthreads: int,
             ready: "queue.SimpleQueue") -> None:
-    torch.get_num_threads()          # ATen's per-thread init first (it copies the default)
-    torch.set_num_threads(nthreads)  # then this thread's OpenMP team size
+    set_this_thread(nthreads)  # this worker's count only (never restored: it owns the thread)
     ready.put(None)
     while True:
         job = jobs.get()
@@ -110,15 +109,13 @@ class StreamRunner:
         with _START_LOCK:
             if self._started:
                 return
-            default = torch.get_num_threads()
-            n = self.threads_per_stream or threads_per_stream(self.nstreams, default)
+            n = self.threads_per_stream or threads_per_stream(self.nstreams)
             ready: "queue.SimpleQueue" = queue.SimpleQueue()
             for s, jobs in enumerate(self._jobs, 1):
                 threading.Thread(target=_worker, args=(jobs, self._done, n, ready),
                                  name=f"opencann-stream-{s}", daemon=True).start()
             for _ in self._jobs:
                 ready.get()
-            torch.set_num_threads(default)  # the process default, as the caller had it
             self.threads_per_stream = n
             self._started = True
             weakref.finalize(self, _stop, list(self._jobs))
@@ -158,17 +155,14 @@ class StreamRunner:
     def _run_here(self, inputs: Sequence[torch.Tensor], slots: list) -> Optional[BaseException]:
         """Stream 0 on the calling thread with the streams' intra-op thread count (the
         caller's restored after); returns what it raised, or None."""
-        n, before = self.threads_per_stream, torch.get_num_threads()
+        saved = set_this_thread(self.threads_per_stream)
         try:
-            if n != before:
-                torch.set_num_threads(n)
             self.fns[0](inputs, slots)
         except BaseException as e:  # noqa: BLE001 - raised once the other streams end
             self._fail()
             return e
         finally:
-            if n != before:
-                torch.set_num_threads(before)
+            restore_this_thread(saved)
         return None
 
     def _collect(self, left: int) -> Optional[BaseException]:

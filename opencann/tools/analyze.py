@@ -12,7 +12,13 @@ converted to IR; each op is then one of:
 - ``data_dependent``: a shape or branch that depends on tensor values (``if x.sum() > 0``,
   ``nonzero``): torch.export cannot capture it; the model is then traced by dynamo
   (``torch._dynamo.explain``), which names each graph break, and the graphs between breaks
-  are audited as above (they are what ``torch.compile(backend="opencann")`` compiles).
+  are audited as above (they are what ``torch.compile(backend="opencann")`` compiles);
+  a captured graph whose conversion stops on a data-dependent value is one finding too;
+- ``conversion_error``: the captured graph cannot be converted for another reason, by the
+  error's kind (``ConversionError.kind``, `opencann.frontend.errors.KINDS`): a parameter
+  or buffer written in forward, control flow, arithmetic on sizes, a generator object, an
+  op or ONNX opset without a converter...; the finding's op is the kind's title, its
+  detail the kind's fix, its message the error's own line (node, source, name).
 
 Every finding carries its count, source lines and module paths. ONNX files are audited
 through the ONNX frontend (``OnnxHostFallback``: no converter).
@@ -28,9 +34,11 @@ from ..devices import parse_device
 from ..ops import get_op
 
 KINDS = ("converted", "host_fallback", "custom_op", "no_device_kernel", "dynamic_shape",
-         "data_dependent")
+         "data_dependent", "conversion_error")
 # kinds that keep a model from compiling into one device graph: exit code 1 in CI
-BLOCKING = ("host_fallback", "custom_op", "data_dependent", "dynamic_shape")
+BLOCKING = ("host_fallback", "custom_op", "data_dependent", "dynamic_shape", "conversion_error")
+# ConversionError kinds that are mistakes in the call, not findings about the model: raised
+_CALL_ERRORS = ("bad_argument",)
 _CORE_NAMESPACES = ("aten", "prims")
 
 
@@ -45,6 +53,7 @@ class OpFinding:
     sources: List[str] = field(default_factory=list)
     modules: List[str] = field(default_factory=list)
     detail: str = ""
+    message: str = ""
 
     def add(self, source: str, module: str) -> None:
         """Count one more occurrence at ``source`` (``file:line``) in ``module`` (module path)."""
@@ -66,10 +75,22 @@ class Analysis:
     graphs: int = 1
     capture: str = "torch.export"
 
-    def note(self, op: str, kind: str, source: str = "", module: str = "", detail: str = "") -> None:
+    def note(self, op: str, kind: str, source: str = "", module: str = "", detail: str = "",
+             message: str = "") -> None:
         """Record one occurrence of ``op`` classified as ``kind`` (one of `KINDS`)."""
-        f = self.findings.setdefault(f"{kind}:{op}", OpFinding(op, kind, detail=detail))
+        f = self.findings.setdefault(f"{kind}:{op}", OpFinding(op, kind, detail=detail,
+                                                               message=message))
         f.add(source, module)
+
+    def note_conversion_error(self, e) -> None:
+        """Record a `ConversionError` by its ``kind``: data-dependent ones as
+        ``data_dependent``, the others as ``conversion_error``; op = the kind's title,
+        detail = its fix, message = the error's text. Re-raises errors in the call's own
+        arguments (``bad_argument``)."""
+        if e.kind in _CALL_ERRORS:
+            raise e
+        kind = "data_dependent" if e.kind == "data_dependent" else "conversion_error"
+        self.note(e.title, kind, detail=f"fix: {e.fix}", message=str(e))
 
     def by_kind(self, kind: str) -> List[OpFinding]:
         """The findings of ``kind``, most frequent first."""
@@ -81,9 +102,10 @@ class Analysis:
 
     @property
     def readiness(self) -> str:
-        """"ready", "ready with host fallbacks" or "not ready" (dynamic or data-dependent ops)."""
+        """"ready", "ready with host fallbacks" or "not ready" (dynamic or data-dependent
+        ops, or a graph that does not convert)."""
         c = self.counts()
-        if c["data_dependent"] or c["dynamic_shape"]:
+        if c["data_dependent"] or c["dynamic_shape"] or c["conversion_error"]:
             return "not ready"
         if c["host_fallback"] or c["custom_op"] or c["no_device_kernel"]:
             return "ready with host fallbacks"
@@ -112,16 +134,20 @@ class Analysis:
                 mods = ", ".join(f.modules[:3])
                 lines.append(f"  {kind.replace('_', ' ')}: {f.op} x{f.count} at {where}"
                              + (f" in {mods}" if mods else "") + (f" ({f.detail})" if f.detail else ""))
+                if f.message:
+                    lines.append(f"    {f.message}")
         return "\n".join(lines)
 
 
 def analyze(model: torch.nn.Module, example_inputs, device: str = "cpu",
             example_kwargs=None, name: Optional[str] = None) -> Analysis:
     """Audit ``model`` on ``example_inputs`` (tensor or tuple) for ``device`` ("cpu" or
-    "vnpu[:preset]"). Returns an `Analysis`. Raises TypeError (not a module) and
-    ValueError (unknown device); capture failures other than data-dependent control flow
-    raise CaptureError as ``opencann.compile`` does."""
-    from ..frontend.torch import CaptureError, ConversionError, capture, from_exported_program
+    "vnpu[:preset]"). Returns an `Analysis`; a graph that does not convert is a finding
+    of its error's kind (`Analysis.note_conversion_error`). Raises TypeError (not a
+    module) and ValueError (unknown device); capture failures other than data-dependent
+    control flow raise CaptureError as ``opencann.compile`` does."""
+    from ..frontend.errors import ConversionError
+    from ..frontend.torch import CaptureError, capture, from_exported_program
     _check_device(device)
     args = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
     res = Analysis(name or type(model).__name__, device)
@@ -134,18 +160,27 @@ def analyze(model: torch.nn.Module, example_inputs, device: str = "cpu",
     try:
         graph = from_exported_program(ep, name=res.model, check=False)
     except ConversionError as e:
-        res.note("data-dependent shape", "data_dependent", detail=str(e).split(":")[0])
+        res.note_conversion_error(e)
         return res
     audit_graph(graph, res)
     return res
 
 
 def analyze_onnx(path: str, device: str = "cpu", input_shapes=None) -> Analysis:
-    """Audit an ONNX file (converted, not run). Raises OnnxLoadError / ConversionError."""
+    """Audit an ONNX file (converted, not run); a graph that does not convert is a
+    finding of its error's kind. Raises OnnxLoadError (unreadable file, old opset) and
+    ConversionError of kind ``bad_argument`` (``input_shapes`` wrong)."""
+    from ..frontend.errors import ConversionError
     from ..frontend.onnx import from_onnx, load_model
     _check_device(device)
     res = Analysis(path, device, capture="ONNX")
-    audit_graph(from_onnx(load_model(path), input_shapes), res)
+    model = load_model(path)
+    try:
+        graph = from_onnx(model, input_shapes)
+    except ConversionError as e:
+        res.note_conversion_error(e)
+        return res
+    audit_graph(graph, res)
     return res
 
 

@@ -22,6 +22,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
+from .. import errors
 from ...ir import DataType, Graph, Node, TensorDesc, TensorRef, Value
 from ...ops import lookup_aten
 from ...ops.onnx_fallback import make_onnx_kernel
@@ -36,8 +37,9 @@ RANDOM_OPS = {"RandomNormal", "RandomNormalLike", "RandomUniform", "RandomUnifor
               "Bernoulli", "Multinomial"}
 
 
-class ConversionError(ValueError):
-    """The ONNX graph could not be converted; the message names the node."""
+class ConversionError(errors.ConversionError):
+    """The ONNX graph could not be converted; the message names the node, ``kind`` the
+    obstacle (`opencann.frontend.errors.KINDS`)."""
 
 
 class NotConverted(Exception):
@@ -52,7 +54,7 @@ def torch_dtype(elem: int, where: str) -> torch.dtype:
         name = onnx.TensorProto.DataType.Name(elem) if elem else "undefined"
         raise ConversionError(f"{where}: element type {name} is not supported (opencann models "
                               "float32/16, bfloat16, float64, int8/16/32/64, uint8, bool); "
-                              "cast it in the model")
+                              "cast it in the model", kind="unsupported_dtype")
     return ONNX_DTYPES[elem]
 
 
@@ -201,7 +203,7 @@ class Converter:
             res = target(*margs, **mkw)
         except Exception as e:  # noqa: BLE001 - re-raised with the node's name
             raise ConversionError(f"ONNX node {self.where()}: {target} rejects its arguments: "
-                                  f"{str(e).splitlines()[0]}") from None
+                                  f"{str(e).splitlines()[0]}", kind="unsupported_op") from None
         mouts = list(res) if multi else [res]
         descs = [TensorDesc(tuple(int(s) for s in m.shape), DataType.from_torch(m.dtype))
                  for m in mouts]
@@ -233,7 +235,7 @@ class Converter:
             raise ConversionError(
                 f"ONNX node {self.where()} ({n.op_type}) has no converter ({reason}) and its "
                 "output shape depends on the data (onnx shape inference gives no static shape); "
-                "opencann compiles static graphs")
+                "opencann compiles static graphs", kind="data_dependent")
         attrs = {"op_type": n.op_type, "domain": n.proto.domain, "onnx_node": raw,
                  "opsets": opsets, "reason": reason}
         ir = self.graph.create_node("OnnxHostFallback", ins, attrs, list(descs[:n_out]),
@@ -261,7 +263,7 @@ class Converter:
             else:
                 tail = f"onnx's reference evaluator cannot run it ({msg}): it is not supported yet"
             raise ConversionError(f"ONNX node {self.where()}: {n.op_type} ({domain} opset {version}) "
-                                  f"{ours}, and {tail}") from None
+                                  f"{ours}, and {tail}", kind="unsupported_op") from None
 
     # -- locations ----------------------------------------------------------------------
     def where(self) -> str:
@@ -319,20 +321,20 @@ def _input_shapes(model, input_shapes: Optional[Dict[str, Sequence[int]]]) -> Di
     unknown = set(given) - set(names)
     if unknown:
         raise ConversionError(f"input_shapes names {sorted(unknown)}, which are not inputs of the "
-                              f"model; its inputs are {names}")
+                              f"model; its inputs are {names}", kind="bad_argument")
     for vi in model.graph.input:
         if vi.name in inits:
             continue
         if not vi.type.HasField("tensor_type"):
             raise ConversionError(f"input {vi.name} is not a tensor (sequence, map or optional "
-                                  "inputs are not supported)")
+                                  "inputs are not supported)", kind="object_input")
         dims = [d.dim_value if d.HasField("dim_value") else (d.dim_param or "?")
                 for d in vi.type.tensor_type.shape.dim]
         if vi.name in given:
             shp = tuple(int(s) for s in given[vi.name])
             if len(shp) != len(dims) or any(isinstance(d, int) and d != s for d, s in zip(dims, shp)):
                 raise ConversionError(f"input_shapes[{vi.name!r}] = {shp} does not match the "
-                                      f"model's declared shape {tuple(dims)}")
+                                      f"model's declared shape {tuple(dims)}", kind="bad_argument")
             shapes[vi.name] = shp
         elif all(isinstance(d, int) for d in dims):
             shapes[vi.name] = tuple(dims)
@@ -340,7 +342,7 @@ def _input_shapes(model, input_shapes: Optional[Dict[str, Sequence[int]]]) -> Di
             example = tuple(d if isinstance(d, int) else 1 for d in dims)
             raise ConversionError(f"input {vi.name} has symbolic dims {tuple(dims)}; opencann "
                                   f"compiles static shapes: pass input_shapes={{{vi.name!r}: "
-                                  f"{example}}} (your sizes)")
+                                  f"{example}}} (your sizes)", kind="dynamic_shape")
     return shapes
 
 
@@ -394,14 +396,16 @@ def convert_node(cv: Converter, proto, infos: Dict[str, TensorDesc], check: bool
     for x in n.inputs:
         if x and x not in cv.env:
             raise ConversionError(f"ONNX node {cv.where()}: input {x!r} is produced by no earlier "
-                                  "node (the graph is not topologically sorted or is truncated)")
+                                  "node (the graph is not topologically sorted or is truncated)",
+                                  kind="malformed_model")
     if n.op_type in ("If", "Loop", "Scan", "SequenceMap") and not all(
             n.x(i) is None or n.x(i).is_const for i in range(len(n.inputs))):
         raise ConversionError(f"ONNX node {cv.where()}: control flow ({n.op_type}) on run-time "
-                              "values is not supported; opencann compiles static graphs")
+                              "values is not supported; opencann compiles static graphs",
+                              kind="control_flow")
     if n.op_type in RANDOM_OPS:
         raise ConversionError(f"ONNX node {cv.where()}: random op {n.op_type} is not supported "
-                              "(it would draw from numpy's RNG on the host)")
+                              "(it would draw from numpy's RNG on the host)", kind="random_op")
     fn = CONVERTERS.get(n.op_type) if proto.domain in ("", "ai.onnx") else None
     outs: Optional[List[Value]] = None
     reason = "no converter" if fn is None else ""
@@ -418,14 +422,15 @@ def convert_node(cv: Converter, proto, infos: Dict[str, TensorDesc], check: bool
             continue
         if k >= len(outs) or outs[k] is None:
             raise ConversionError(f"ONNX node {cv.where()}: output {k} ({y}) is not produced by "
-                                  "its converter")
+                                  "its converter", kind="internal")
         cv.env[y] = outs[k]
         want = infos.get(y)
         got = outs[k].desc
         if check and want is not None and (tuple(want.shape) != tuple(got.shape)
                                            or want.dtype != got.dtype):
             raise ConversionError(f"shape inference disagrees for ONNX node {cv.where()} output "
-                                  f"{y}: opencann {got}, onnx.shape_inference {want}")
+                                  f"{y}: opencann {got}, onnx.shape_inference {want}",
+                                  kind="internal")
     del present
     cv.node = None
 

@@ -16,6 +16,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 import torch.fx as fx
 
+from .. import errors
 from ...ir import DataType, Graph, TensorDesc, TensorRef, Value, is_dense
 from ...ir.symbolic import SymExpr, has_symbolic
 from ...ops import infer, lookup_aten, storage_roots
@@ -24,8 +25,9 @@ from ...ops.opdef import SKIPPED_OUTPUT
 _TORCH_DIR = os.path.dirname(torch.__file__)
 
 
-class ConversionError(ValueError):
-    """The FX graph could not be converted; the message names the node and source."""
+class ConversionError(errors.ConversionError):
+    """The FX graph could not be converted; the message names the node and source,
+    ``kind`` the obstacle (`opencann.frontend.errors.KINDS`)."""
 
 
 def source_of(node: fx.Node) -> Tuple[str, str]:
@@ -52,9 +54,11 @@ def _desc(val: Any, where: str) -> TensorDesc:
             f"{where}: the model computes a data-dependent value ({type(val).__name__}: a "
             "shape or scalar that depends on tensor values, e.g. x[x > 0], nonzero() or "
             ".item()). opencann compiles static graphs: keep shapes independent of the data, "
-            "or use torch.compile(model, backend='opencann'), which runs such parts eagerly")
+            "or use torch.compile(model, backend='opencann'), which runs such parts eagerly",
+            kind="data_dependent")
     if not isinstance(val, torch.Tensor):
-        raise ConversionError(f"{where}: expected a tensor meta value, got {type(val).__name__}")
+        raise ConversionError(f"{where}: expected a tensor meta value, got {type(val).__name__}",
+                              kind="unsupported_op")
     shape = tuple(_dim(s) for s in val.shape)
     return TensorDesc(shape, DataType.from_torch(val.dtype))
 
@@ -85,7 +89,8 @@ def _check_target(node: fx.Node, target) -> None:
             f"{node.name} in {where}: torch.{target.name()} (a higher-order op: "
             "control flow or a subgraph inside the graph) is not supported by opencann.compile. "
             "Fix: compute both branches and pick with torch.where(pred, a, b), or use "
-            "torch.compile(model, backend='opencann'), which runs such graphs eagerly")
+            "torch.compile(model, backend='opencann'), which runs such graphs eagerly",
+            kind="control_flow")
     if not isinstance(target, torch._ops.OpOverload):
         if getattr(target, "__module__", None) in ("_operator", "operator", "math") or \
                 getattr(target, "__name__", "").startswith("sym_"):
@@ -95,9 +100,10 @@ def _check_target(node: fx.Node, target) -> None:
                 f"{node.name} in {where}: Python arithmetic on a size "
                 f"({getattr(target, '__name__', target)}) that leaves the integers (e.g. "
                 "x.shape[0] / 2, a float) is not supported in a compiled graph. Fix: use integer "
-                "arithmetic (x.shape[0] // 2), or compute it outside the model")
+                "arithmetic (x.shape[0] // 2), or compute it outside the model",
+                kind="size_arithmetic")
         raise ConversionError(f"{node.name}: unsupported FX target {target!r}; only ATen "
-                              "overloads are expected after decomposition")
+                              "overloads are expected after decomposition", kind="unsupported_op")
 
 
 def _lift_args(node: fx.Node, schema, env: Dict[fx.Node, Any]) -> Tuple[List[Value], Dict[str, Any]]:
@@ -113,7 +119,8 @@ def _lift_args(node: fx.Node, schema, env: Dict[fx.Node, Any]) -> Tuple[List[Val
             if isinstance(v, (SymExpr, int)):   # a size computed from symbolic dims
                 return v
             if not isinstance(v, Value):
-                raise ConversionError(f"{node.name}: argument {x.name} is not a single tensor")
+                raise ConversionError(f"{node.name}: argument {x.name} is not a single tensor",
+                                      kind="unsupported_op")
             inputs.append(v)
             return TensorRef(len(inputs) - 1)
         if isinstance(x, (list, tuple)):
@@ -252,7 +259,8 @@ def _convert_effect(graph: Graph, node: fx.Node, env: Dict[fx.Node, Any]) -> Non
     op = node.args[1]
     vals = list(node.meta.get("val") or ())
     if not isinstance(op, torch._ops.OpOverload):
-        raise ConversionError(f"{node.name}: side-effect op {op!r} is not an ATen overload")
+        raise ConversionError(f"{node.name}: side-effect op {op!r} is not an ATen overload",
+                              kind="unsupported_op")
     if not op._schema.returns:
         graph.meta.setdefault("dropped_asserts", []).append(str(op))
         graph.meta.setdefault("dropped_effects", []).append(str(op))
@@ -284,7 +292,7 @@ def check_inference(graph: Graph) -> None:
             if (o.users or id(o) in outs) and (a.shape != b.shape or a.dtype != b.dtype):
                 raise ConversionError(
                     f"shape inference disagrees with FX for {ir.name} ({ir.op}, output {k}) "
-                    f"at {ir.where()}: opencann {a}, FX {b}")
+                    f"at {ir.where()}: opencann {a}, FX {b}", kind="internal")
 
 
 def _set_outputs(graph: Graph, node: fx.Node, env: Dict[fx.Node, Any], sig=None) -> None:
@@ -338,6 +346,31 @@ def _note_layout_query(graph: Graph, ep: torch.export.ExportedProgram, name: str
             q.setdefault(kind, []).append(len(graph.inputs))
 
 
+def _refuse_written_state(sig) -> None:
+    """Raise ConversionError (kind ``buffer_written`` / ``parameter_written``) when the
+    exported program writes a buffer or a parameter in forward."""
+    from torch.export.graph_signature import OutputKind
+    for out in sig.output_specs:
+        if out.kind == OutputKind.BUFFER_MUTATION:
+            bn = any(w in str(out.target) for w in ("running_mean", "running_var",
+                                                   "num_batches_tracked"))
+            raise ConversionError(
+                f"the model mutates its buffer {out.target} during the forward pass"
+                + ("; BatchNorm in training mode updates its running statistics: call "
+                   "model.eval() for inference" if bn else
+                   " (e.g. a counter or cache updated in forward); a compiled graph keeps "
+                   "its buffers fixed: move the update out of forward")
+                + ", or use torch.compile(model, backend='opencann'), which keeps mutations",
+                kind="buffer_written")
+        if out.kind == OutputKind.PARAMETER_MUTATION:
+            raise ConversionError(
+                f"the model writes into its parameter '{out.target}' during the forward pass "
+                "(e.g. nn.Embedding(max_norm=...) renorming its weight, or an in-place update "
+                "under torch.no_grad()); a compiled graph keeps its parameters fixed: move the "
+                "update out of forward, or use torch.compile(model, backend='opencann'), "
+                "which keeps mutations", kind="parameter_written")
+
+
 def from_exported_program(ep: torch.export.ExportedProgram, name: str = "model",
                           check: bool = True) -> Graph:
     """Convert a (decomposed) ExportedProgram into an IR Graph.
@@ -350,35 +383,18 @@ def from_exported_program(ep: torch.export.ExportedProgram, name: str = "model",
     to that graph input. Raises ConversionError for mutated buffers (training-mode
     BatchNorm statistics) and parameters (``nn.Embedding(max_norm=...)``), object inputs (an explicit ``generator=``) and unsupported
     targets."""
-    from torch.export.graph_signature import InputKind, OutputKind
+    from torch.export.graph_signature import InputKind
 
     graph = Graph(name)
     env: Dict[fx.Node, Any] = {}
     sig = ep.graph_signature
     specs = {s.arg.name: s for s in sig.input_specs if hasattr(s.arg, "name")}
-    for out in sig.output_specs:
-        if out.kind == OutputKind.BUFFER_MUTATION:
-            bn = any(w in str(out.target) for w in ("running_mean", "running_var",
-                                                   "num_batches_tracked"))
-            raise ConversionError(
-                f"the model mutates its buffer {out.target} during the forward pass"
-                + ("; BatchNorm in training mode updates its running statistics: call "
-                   "model.eval() for inference" if bn else
-                   " (e.g. a counter or cache updated in forward); a compiled graph keeps "
-                   "its buffers fixed: move the update out of forward")
-                + ", or use torch.compile(model, backend='opencann'), which keeps mutations")
-        if out.kind == OutputKind.PARAMETER_MUTATION:
-            raise ConversionError(
-                f"the model writes into its parameter '{out.target}' during the forward pass "
-                "(e.g. nn.Embedding(max_norm=...) renorming its weight, or an in-place update "
-                "under torch.no_grad()); a compiled graph keeps its parameters fixed: move the "
-                "update out of forward, or use torch.compile(model, backend='opencann'), "
-                "which keeps mutations")
+    _refuse_written_state(sig)
     for node in ep.graph.nodes:
         if node.op == "placeholder":
             spec = specs.get(node.name)
             if spec is not None and spec.kind == InputKind.CUSTOM_OBJ:
-                raise ConversionError(_custom_object_error(node, spec))
+                raise ConversionError(_custom_object_error(node, spec), kind="object_input")
             elif spec is not None and spec.kind == InputKind.TOKEN:
                 env[node] = None   # side-effect ordering token: see _convert_effect
             elif spec is not None and spec.kind != InputKind.USER_INPUT:
@@ -453,7 +469,7 @@ def _input_mutations(graph: Graph, sig, out_node: fx.Node) -> None:
         return
     if kinds[:k] != [OutputKind.USER_INPUT_MUTATION] * k:
         raise ConversionError("torch.export listed input mutations after other outputs; "
-                              "opencann expects them first (report this as a bug)")
+                              "opencann expects them first (report this as a bug)", kind="internal")
     names = [v.name for v in graph.inputs]
     args = [a for a, s in zip(out_node.args[0], _output_specs(sig, all_kinds=True))
             if s is not None]
@@ -461,7 +477,8 @@ def _input_mutations(graph: Graph, sig, out_node: fx.Node) -> None:
     for i, spec in enumerate(specs[:k]):
         if spec.target not in names:
             raise ConversionError(f"the model writes into its input {spec.target}, which is "
-                                  "not a tensor input of the graph (report this as a bug)")
+                                  "not a tensor input of the graph (report this as a bug)",
+                                  kind="internal")
         mutations.append(names.index(spec.target))
         produced[args[i]] = mutations[-1]
     graph.meta["input_mutations"] = mutations

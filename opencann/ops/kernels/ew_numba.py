@@ -7,10 +7,11 @@ The kernel walks the broadcast domain as rows (all dims but the last, ``prange``
 them when the domain is large) × the last dim (the inner loop, unit-stride loads where the
 operand is contiguous, so LLVM vectorises it). Each operand's storage is passed as a flat
 array with its strides, so broadcasting and strided inputs are read in place. A trailing
-reduction accumulates per row (sums in float64 for float inputs, then rounded once: closer
-to the exact sum than ATen's float32 cascade; a mean rounds that sum to its dtype and then
-divides, as ATen does, so a sum past the dtype's range is inf as in eager; max/min exact,
-NaN-propagating).
+reduction accumulates per row (max/min exact, NaN-propagating; integer sums in int64, as
+ATen's; float sums in float64, then rounded once, which is not eager's float32 cascade:
+the pass ``fuse_elementwise`` never gives a float sum or mean to this kernel (it rounds
+and overflows elsewhere than eager), only programs built by hand have one; a mean rounds
+that sum to its dtype and divides by n in that dtype, as ATen does).
 
 Rounding: compiled with numba's defaults (no fast-math: no reassociation, no FMA
 contraction) and ``error_model="numpy"`` (1/0 = inf, no exceptions), every op's result cast
@@ -156,7 +157,7 @@ def source(prog: Program, in_dtypes: Sequence[str], classes: Sequence[str], para
         r = ops - 1
         # a mean rounds its sum to the result dtype before dividing, as ATen's CPU mean
         # (sum, then div_): a float32 sum past 3.4e38 is inf there, the mean too
-        val = f"cast_{rdt}(acc) / n" if kind == "mean" else "acc"
+        val = f"cast_{rdt}(acc) / cast_{rdt}(n)" if kind == "mean" else "acc"
         body.append(f"        p{r}[b{r}] = cast_{rdt}({val})")
     return "\n".join(body) + "\n"
 

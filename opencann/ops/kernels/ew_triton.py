@@ -4,10 +4,12 @@ Checked on CPU under the Triton interpreter (``TRITON_INTERPRET=1`` set before t
 imported; tests/test_elementwise_fusion.py).
 
 Grid: one program per (row, block of the last dim); with a trailing reduction one program
-per row, looping over the row in blocks (sums accumulate in float64 for float inputs;
-max/min keep NaN). Operands are read in place through their (broadcast) strides. The
-generated source is written to a per-process temporary file (``triton.jit`` reads a
-function's source from its file) and cached per program, input dtypes and rank.
+per row, looping over the row in blocks (sums accumulate in float64 for float inputs,
+which is not eager's float32 cascade: the pass ``fuse_elementwise`` never fuses a float
+sum or mean, only hand-built programs have one; max/min keep NaN). Operands are read in
+place through their (broadcast) strides. The generated source is written to a per-process
+temporary file (``triton.jit`` reads a function's source from its file) and cached per
+program, input dtypes and rank.
 
 Rounding: +, -, *, sqrt are Triton's IEEE ones; ``/``, exp, log, tanh, erf, sin, cos are
 Triton's / libdevice's and are not checked against eager on a GPU here (no GPU in CI). The

@@ -1,15 +1,16 @@
-"""Stage 2, fusion: `FoldBatchNorm`, Conv2D → BatchNorm(eval) ⇒ Conv2D with W·γ/σ and
-(b−μ)·γ/σ+β (Ioffe & Szegedy 2015; the standard inference-time fold, as in torch.fx's
-``fuse_conv_bn_eval``). Changes rounding: within 1e-5 relative in fp32."""
+"""Stage 2, fusion: `FoldBatchNorm`, Conv2D → BatchNorm(eval) ⇒ Conv2D with W·α and b·α+β'
+(α = γ/√(var+eps), β' = β−μ·α as eager's BatchNorm computes them; Ioffe & Szegedy 2015,
+the standard inference-time fold, as in torch.fx's ``fuse_conv_bn_eval``). Changes
+rounding: within 1e-5 relative in fp32. Not applied (Skip with the reason) where the fold
+could move inf/NaN positions near the dtype's limit (`batchnorm_values.fold_values`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import List, Optional
 
-import torch
-
 from ...ir import Graph, Node, TensorRef, Value
 from ..base import PassContext, RewritePass, Skip
+from .batchnorm_values import fold_values
 
 
 @dataclass
@@ -19,6 +20,7 @@ class _BnMatch:
     params: List[Value]      # weight, bias, running_mean, running_var (constants)
     w: Value
     b: Optional[Value]
+    folded: tuple            # (W', b') tensors
 
 
 class FoldBatchNorm(RewritePass):
@@ -38,7 +40,8 @@ class FoldBatchNorm(RewritePass):
     def match(self, bn: Node, graph: Graph, ctx: PassContext):
         """A `_BnMatch` for an inference BatchNorm whose input is a (non-transposed)
         Conv2D read by it alone, with constant weight, bias and statistics and unused saved
-        mean/var outputs; otherwise a `Skip` naming the first condition that fails. A
+        mean/var outputs, whose fold keeps eager's values (`fold_values`); otherwise a
+        `Skip` naming the first condition that fails. A
         HostFallback running ``batch_norm`` (training mode) is a `Skip` telling to call
         ``model.eval()``; another HostFallback is None."""
         if bn.op == "HostFallback":
@@ -61,18 +64,18 @@ class FoldBatchNorm(RewritePass):
             return Skip("weights or statistics are not constants")
         if any(o.users or o in graph.outputs for o in bn.outputs[1:]):
             return Skip("the saved mean/variance outputs are used")
-        return _BnMatch(conv, bn, params, w, b)
+        folded = fold_values(w.const, b.const if b is not None else None,
+                             *(p.const for p in params), bn.attrs["eps"])
+        if isinstance(folded, str):
+            return Skip(f"{folded}; BatchNorm kept unfused")
+        return _BnMatch(conv, bn, params, w, b, folded)
 
     def rewrite(self, graph: Graph, m: _BnMatch, ctx: PassContext) -> int:
-        """Fold in float64 and cast back to the weight's dtype: scale = γ/√(var+eps),
-        W' = W·scale (per output channel), b' = (b − μ)·scale + β (b = 0 when the conv has no
-        bias; then the bias input is added); the BatchNorm node is erased. Returns 1."""
+        """Put the folded weight and bias computed by the match in (W' = W·α per output
+        channel, b' = b·α + β', b = 0 when the conv has no bias; then the bias input is
+        added); the BatchNorm node is erased. Returns 1."""
         conv, bn, w, b = m.conv, m.bn, m.w, m.b
-        gamma, beta, mean, var = (p.const.double() for p in m.params)
-        scale = gamma / torch.sqrt(var + bn.attrs["eps"])
-        wf = (w.const.double() * scale.reshape(-1, 1, 1, 1)).to(w.const.dtype)
-        b0 = b.const.double() if b is not None else torch.zeros_like(mean)
-        bf = ((b0 - mean) * scale + beta).to(w.const.dtype)
+        wf, bf = m.folded
         wv, bv = graph.add_const(wf, f"{conv.name}_w_bnfolded"), graph.add_const(bf, f"{conv.name}_b_bnfolded")
         conv.replace_input(w, wv)
         if b is not None:

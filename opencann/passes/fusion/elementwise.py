@@ -1,5 +1,6 @@
 """Stage 2, fusion: `FuseElementwise` (``fuse_elementwise``), maximal groups of elementwise
-ops (broadcasting inputs, casts, at most one trailing reduction over the last dim) ⇒ one
+ops (broadcasting inputs, casts, at most one trailing max/min, or integer sum, over the
+last dim) ⇒ one
 `FusedElementwise` node whose kernel is generated from the group (numba on the CPU, Triton
 on CUDA; ``ops/fused_elementwise.py``). Runs after the pattern fusions, so patterns win.
 
@@ -8,8 +9,11 @@ ATen does, all of one domain (the broadcast output shape), in float32, float64, 
 int64 or bool. It ends at: views (reshape, expand, transpose: strides not followed), random
 ops, ops without a fused form (Gelu, Pow with other exponents...), float16/bfloat16 (eager
 rounds each op's float32 result to 16 bits; not reproduced), a broadcast of an intermediate
-(a group keeps one domain), a reduction (the group's last op), and a merge that would make
-the graph cyclic. Values read outside the group stay its outputs. Groups of one op are not
+(a group keeps one domain), a reduction (the group's last op), a float sum or mean (eager
+rounds every partial sum to the dtype in ATen's cascade order, which depends on the CPU's
+vector width; a float64 or differently ordered sum rounds and overflows elsewhere: [3e38,
+3e38, -3e38, -3e38] is inf or NaN in eager, 0 in float64), and a merge that would make the
+graph cyclic. Every fused op's result is rounded to its dtype, as eager's kernel rounds it. Values read outside the group stay its outputs. Groups of one op are not
 fused (ATen's kernel writes the planned buffer itself). Every cut and every group not formed
 is reported with its reason.
 
@@ -104,6 +108,10 @@ def _reduction_why(node: Node, kind: str) -> Optional[str]:
         return f"{node.op} with dtype=: not fused"
     if kind == "mean" and not x.dtype.is_floating:
         return "mean of an integer tensor"
+    if kind in ("sum", "mean") and x.dtype.is_floating:
+        return (f"{node.op} of {x.dtype.value}: eager adds in {x.dtype.value} in ATen's cascade "
+                "order (set by the CPU's vector width), rounding every partial sum; a fused sum "
+                "would round and overflow elsewhere, so it runs in ATen on the group's output")
     if x.rank == 1 and not node.attrs.get("keepdim"):
         return "reduction to a 0-d tensor: not fused"
     return None
