@@ -27,7 +27,8 @@ threads start.
 from __future__ import annotations
 
 import ctypes
-from typing import Optional
+import os
+from typing import List, Optional, Tuple
 
 OMP_PAUSE_SOFT = 1  # omp_pause_resource_t: omp_pause_soft (OpenMP 5.0 §3.2.43)
 
@@ -46,14 +47,35 @@ _LIBRARY: Optional[str] = None
 
 
 def _find_libgomp() -> Optional[str]:
+    for path in loaded_libraries():
+        if "libgomp" in path.rsplit("/", 1)[-1]:
+            return path
+    return None
+
+
+def loaded_libraries() -> List[str]:
+    """Absolute paths of the shared libraries mapped into this process, sorted (from
+    ``/proc/self/maps``; empty where procfs is missing)."""
     try:
         with open("/proc/self/maps") as f:
-            for line in f:
-                path = line.rstrip("\n").split(maxsplit=5)[-1]
-                if "libgomp" in path.rsplit("/", 1)[-1]:
-                    return path
+            paths = {line.split()[-1] for line in f if ".so" in line}
     except OSError:
-        return None
+        return []
+    return sorted(p for p in paths if os.path.isabs(p))
+
+
+def loaded_library(prefixes: Tuple[str, ...], symbol: str) -> Optional[ctypes.CDLL]:
+    """The first library already loaded here whose file name starts with one of
+    ``prefixes`` and that exports ``symbol``, opened with ctypes (the same copy torch
+    uses, not a second one from the system); None where there is none."""
+    for path in loaded_libraries():
+        if os.path.basename(path).startswith(prefixes):
+            try:
+                lib = ctypes.CDLL(path)
+            except OSError:
+                continue
+            if hasattr(lib, symbol):
+                return lib
     return None
 
 
@@ -94,4 +116,5 @@ def release_openmp_pool() -> bool:
     return fn is not None and fn(OMP_PAUSE_SOFT) == 0
 
 
-__all__ = ["OMP_PAUSE_SOFT", "openmp_library", "pause_available", "release_openmp_pool"]
+__all__ = ["OMP_PAUSE_SOFT", "loaded_libraries", "loaded_library", "openmp_library", "pause_available",
+           "release_openmp_pool"]

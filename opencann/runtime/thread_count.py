@@ -26,38 +26,18 @@ primitives keep the thread count they were made with (a speed matter, not values
 from __future__ import annotations
 
 import ctypes
-import os
 from typing import Optional, Tuple
 
 import torch
 
+from ..devices.cpu_threads import loaded_library
+
 _OMP_NAMES = ("libgomp", "libiomp", "libomp")
 
 
-def _loaded_libraries() -> list:
-    try:
-        with open("/proc/self/maps") as f:
-            paths = {line.split()[-1] for line in f if ".so" in line}
-    except OSError:
-        return []
-    return sorted(p for p in paths if os.path.isabs(p))
-
-
-def _find(names: Tuple[str, ...], symbol: str) -> Optional[ctypes.CDLL]:
-    for path in _loaded_libraries():
-        if os.path.basename(path).startswith(names):
-            try:
-                lib = ctypes.CDLL(path)
-            except OSError:
-                continue
-            if hasattr(lib, symbol):
-                return lib
-    return None
-
-
 torch.get_num_threads()  # ATen (and its OpenMP runtime) loaded and initialised here
-_OMP = _find(_OMP_NAMES, "omp_set_num_threads") if "OpenMP" in torch.__config__.parallel_info() else None
-_MKL = _find(("libtorch_cpu", "libmkl"), "MKL_Set_Num_Threads_Local") if _OMP else None
+_OMP = loaded_library(_OMP_NAMES, "omp_set_num_threads") if "OpenMP" in torch.__config__.parallel_info() else None
+_MKL = loaded_library(("libtorch_cpu", "libmkl"), "MKL_Set_Num_Threads_Local") if _OMP else None
 available = _OMP is not None
 if _MKL is not None:
     _MKL.MKL_Set_Num_Threads_Local.restype = ctypes.c_int
