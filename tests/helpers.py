@@ -95,3 +95,14 @@ class ForcedGemmChoice(dict):
 
     def get(self, key, default=None):
         return self.kernel
+
+
+def count_in_new_thread() -> int:
+    """``torch.get_num_threads()`` as seen by a thread started now: the intra-op count a
+    fresh thread inherits from ATen's process default."""
+    import threading
+    got = []
+    t = threading.Thread(target=lambda: got.append(torch.get_num_threads()))
+    t.start()
+    t.join()
+    return got[0]

@@ -13,6 +13,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import opencann
+from helpers import count_in_new_thread
 
 
 class _Convs(nn.Module):
@@ -158,14 +159,6 @@ class _Branches(nn.Module):
         return self.d(p + q) * r, (p - q).sum(1)
 
 
-def _count_in_new_thread():
-    got = []
-    t = threading.Thread(target=lambda: got.append(torch.get_num_threads()))
-    t.start()
-    t.join()
-    return got[0]
-
-
 @pytest.mark.parametrize("streams,costs", [(2, "measured"), (3, "model")])
 def test_streams_concurrent_callers_keep_thread_counts(streams, costs):
     """Four threads calling one multi-stream model at once get eager's values; the
@@ -173,7 +166,7 @@ def test_streams_concurrent_callers_keep_thread_counts(streams, costs):
     torch.manual_seed(0)
     m = _Branches().eval()
     cm = opencann.compile(m, (_x(8, 32),), options={"streams": streams, "stream_costs": costs})
-    mine, fresh = torch.get_num_threads(), _count_in_new_thread()
+    mine, fresh = torch.get_num_threads(), count_in_new_thread()
     bad = []
 
     def caller(seed):
@@ -190,7 +183,7 @@ def test_streams_concurrent_callers_keep_thread_counts(streams, costs):
     for t in threads:
         t.join()
     assert not bad
-    assert torch.get_num_threads() == mine and _count_in_new_thread() == fresh
+    assert torch.get_num_threads() == mine and count_in_new_thread() == fresh
 
 
 # -- as_strided with an explicit storage offset: absolute, traced from the example's ----

@@ -12,21 +12,14 @@ import torch
 import opencann
 from opencann.runtime import thread_count
 from opencann.runtime.streams import StreamRunner
+from helpers import count_in_new_thread
 
 pytestmark = pytest.mark.skipif(not thread_count.available,
                                 reason="no per-thread OpenMP count in this torch build")
 
 
-def _count_in_new_thread():
-    got = []
-    t = threading.Thread(target=lambda: got.append(torch.get_num_threads()))
-    t.start()
-    t.join()
-    return got[0]
-
-
 def _fresh_count_or_skip():
-    fresh = _count_in_new_thread()
+    fresh = count_in_new_thread()
     if fresh < 2:
         pytest.skip("the process default is 1 thread: a leaked 1 could not be seen")
     return fresh
@@ -37,7 +30,7 @@ def test_set_this_thread_changes_only_the_calling_thread():
     saved = thread_count.set_this_thread(1)
     try:
         assert torch.get_num_threads() == 1
-        assert _count_in_new_thread() == fresh  # the process default is untouched
+        assert count_in_new_thread() == fresh  # the process default is untouched
     finally:
         thread_count.restore_this_thread(saved)
     assert torch.get_num_threads() == mine
@@ -81,7 +74,7 @@ def test_a_thread_starting_during_stream_0_keeps_the_process_default():
     torch.testing.assert_close(slots[1], torch.full((2,), 4.0))
     assert seen["s0"] == seen["s1"] == 1
     assert seen["during"] == seen["after"] == fresh
-    assert torch.get_num_threads() == mine and _count_in_new_thread() == fresh
+    assert torch.get_num_threads() == mine and count_in_new_thread() == fresh
 
 
 class _Branches(torch.nn.Module):
@@ -111,7 +104,7 @@ def test_streams_never_call_the_process_wide_setter(monkeypatch, streams, costs)
     outputs stay independent, and the caller's and new threads' counts are unchanged."""
     calls = []
     monkeypatch.setattr(torch, "set_num_threads", lambda n: calls.append(n))
-    fresh, mine = _count_in_new_thread(), torch.get_num_threads()
+    fresh, mine = count_in_new_thread(), torch.get_num_threads()
     m = _Branches().eval()
     cm = opencann.compile(m, (_inputs(0),), options={"streams": streams, "stream_costs": costs})
     kept = []
@@ -127,4 +120,4 @@ def test_streams_never_call_the_process_wide_setter(monkeypatch, streams, costs)
         torch.testing.assert_close(g, c, rtol=0, atol=0, equal_nan=True)
     assert kept[0][0][0].data_ptr() != kept[0][0][1].data_ptr()
     assert calls == []
-    assert torch.get_num_threads() == mine and _count_in_new_thread() == fresh
+    assert torch.get_num_threads() == mine and count_in_new_thread() == fresh
