@@ -19,8 +19,9 @@ import time
 import torch
 
 import opencann
-from opencann import dynamic, zoo
-from opencann.compiler import BindKernels
+from opencann import zoo
+from opencann.engine import dynamic
+from opencann.engine import BindKernels
 from opencann.passes import MemoryPlanning, SingleStreamSchedule
 
 PHASES = {}

@@ -8,7 +8,7 @@ then ``opencann compare examples/migration_cnn.py:net --bisect`` runs.
 The bug is injected for the demonstration only: nothing here is part of opencann."""
 import sys
 
-import opencann.compiler as compiler
+import opencann.engine.pipeline as compiler
 from opencann import cli
 from opencann.passes import FuseConvAct, default_pipeline
 

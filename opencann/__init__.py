@@ -39,7 +39,7 @@ def compile(model, example_inputs=None, device: str = "cpu", options: Optional[D
     ATC-style gears: ``options={"dynamic_batch_size": [1, 2, 4, 8]}`` (or
     ``dynamic_image_size``, ``dynamic_dims``) plan each gear at compile time and serve a
     call with the smallest gear that holds it, padding the call where no op can let a
-    padded row reach a real one (else exact gears only; `opencann.gears`). On ``vnpu``
+    padded row reach a real one (else exact gears only; `opencann.engine.gears`). On ``vnpu``
     each concrete shape (each gear) is compiled whole, its layout needing static shapes.
 
     When it returns, the calling thread's OpenMP worker pool is released
@@ -54,7 +54,7 @@ def _compile(model, example_inputs, device, options, example_kwargs, input_shape
              dynamic_shapes, dim_ranges):
     import os
     if isinstance(model, (str, os.PathLike)) or type(model).__name__ == "ModelProto":
-        from .compiler import compile_onnx
+        from .engine import compile_onnx
         return compile_onnx(model, device=device, options=options, input_shapes=input_shapes)
     if example_inputs is None:
         raise ValueError("example_inputs is required for a torch model: a tensor or tuple of "
@@ -62,18 +62,18 @@ def _compile(model, example_inputs, device, options, example_kwargs, input_shape
     gears = [k for k in ("dynamic_batch_size", "dynamic_image_size", "dynamic_dims")
              if k in (options or {})]
     if gears:
-        from .gears import compile_with_gears
+        from .engine.gears import compile_with_gears
         return compile_with_gears(model, example_inputs, dict(options), dynamic_shapes,
                                   device=device, example_kwargs=example_kwargs)
     if dynamic_shapes is not None:
-        from .dynamic import compile_dynamic
+        from .engine.dynamic import compile_dynamic
         return compile_dynamic(model, example_inputs, dynamic_shapes, device=device,
                                options=options, example_kwargs=example_kwargs,
                                dim_ranges=dim_ranges)
     if dim_ranges is not None:
         raise ValueError("dim_ranges gives the ranges of dims named in dynamic_shapes: pass "
                          "dynamic_shapes={'input_ids': {1: 'seq'}} too")
-    from .compiler import compile_module
+    from .engine import compile_module
     return compile_module(model, example_inputs, device=device, options=options,
                           example_kwargs=example_kwargs)
 
@@ -94,7 +94,7 @@ def load(path: str):
     op) and FileNotFoundError. A model compiled with dynamic dims or gears comes back as
     such: the same shapes, gears and padding, and the same errors for other shapes.
     Releases the calling thread's OpenMP pool on return, as `compile` does."""
-    from .compiler import CompiledModel
+    from .engine import CompiledModel
     from .runtime.model_file import read
     parts = read(path)
     parts.pop("metadata")
@@ -103,11 +103,11 @@ def load(path: str):
     if dynamic is None:
         cm = CompiledModel.from_parts(**parts)
     else:
-        from .dynamic import DynamicCompiledModel
+        from .engine.dynamic import DynamicCompiledModel
         cm = DynamicCompiledModel.from_parts(**parts, dynamic=dynamic)
     cm._offsets, cm._strides = list(offsets), [tuple(st) for st in strides]
     if dynamic is not None and gears:
-        from .gears import setup_gears
+        from .engine.gears import setup_gears
         setup_gears(cm, gears["option"], gears["dims"], [tuple(g) for g in gears["values"]])
     release_openmp_pool()
     return cm
@@ -128,8 +128,9 @@ def __getattr__(name):
         from .runtime.model_file import ModelFileError
         return ModelFileError
     if name in ("CompiledModel", "CompileReport"):
-        from . import compiler, report
-        return getattr(compiler if name == "CompiledModel" else report, name)
+        from . import report
+        from .engine import compiled_model
+        return getattr(compiled_model if name == "CompiledModel" else report, name)
     raise AttributeError(name)
 
 

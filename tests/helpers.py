@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from opencann.compiler import compile_graph
+from opencann.engine import compile_graph
 from opencann.frontend.torch import decomposition_table, from_fx_graph
 from opencann.runtime import Executor
 

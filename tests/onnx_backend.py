@@ -12,7 +12,7 @@ import onnx
 import torch
 from onnx.backend.base import Backend, BackendRep
 
-from opencann.compiler import compile_onnx
+from opencann.engine import compile_onnx
 from opencann.frontend.onnx.load import MIN_OPSET
 
 

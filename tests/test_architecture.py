@@ -41,10 +41,10 @@ def test_import_contract_fails_on_an_upward_import(tmp_path):
                     ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copy(REPO / ".importlinter", tmp_path / ".importlinter")
     opdef = tmp_path / "opencann" / "ops" / "opdef.py"
-    opdef.write_text(opdef.read_text() + "\nfrom ..compiler import compile_graph  # noqa\n")
+    opdef.write_text(opdef.read_text() + "\nfrom ..engine import compile_graph  # noqa\n")
     r = _lint(tmp_path)
     assert r.returncode != 0
-    assert "opencann.ops is not allowed to import opencann.compiler" in r.stdout
+    assert "opencann.ops is not allowed to import opencann.engine" in r.stdout
 
 
 def _private_imports_across_packages(root: pathlib.Path):

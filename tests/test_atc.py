@@ -15,7 +15,7 @@ ort = pytest.importorskip("onnxruntime")
 
 import opencann  # noqa: E402
 from opencann import cli  # noqa: E402
-from opencann.options import read_fusion_switch  # noqa: E402
+from opencann.engine.options import read_fusion_switch  # noqa: E402
 from opencann.runtime.model_file import describe  # noqa: E402
 
 
@@ -169,7 +169,7 @@ def test_fusion_switch_all_and_overrides(tmp_path):
                    "fuse_rms_norm", "fuse_layer_norm", "fuse_gated_mlp", "fuse_qkv_linear",
                    "fuse_add_layer_norm"] and on == []
     # merged with the given disable list
-    from opencann.options import check_options
+    from opencann.engine.options import check_options
     o = check_options({"disable": ["cse"], "fusion_switch_file": _switch(
         tmp_path, {"Switch": {"GraphFusion": {"ConvBatchnormFusionPass": "off"}}})})
     assert o["disable"] == ["cse", "fold_batchnorm"] and "fusion_switch_file" not in o

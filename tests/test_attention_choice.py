@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import opencann
-from opencann.dynamic import pin_kernel_choices
+from opencann.engine.dynamic import pin_kernel_choices
 from opencann.ir.specialise import specialise
 from opencann.ops.kernels import attention_cpu
 from helpers import ForcedGemmChoice

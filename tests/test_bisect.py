@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import opencann
-import opencann.compiler as compiler_mod
+import opencann.engine.pipeline as compiler_mod
 from opencann import cli
 from opencann.devices.cpu import mkldnn_available
 from opencann.passes import FuseConvAct, default_pipeline

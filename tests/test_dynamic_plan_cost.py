@@ -4,7 +4,7 @@ for every shape (compiled once), values still matching eager."""
 import torch
 
 import opencann
-from opencann.dynamic import pin_kernel_choices
+from opencann.engine.dynamic import pin_kernel_choices
 from opencann.ir.specialise import specialise
 
 

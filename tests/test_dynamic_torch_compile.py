@@ -184,7 +184,7 @@ def test_training_with_symbolic_shapes_matches_eager_grads(make, shapes):
 def test_a_backward_input_with_a_computed_dim_is_checked():
     """A backward graph receives views saved as [s0*s1, d]: their size is checked against
     the symbols' values instead of being bound (one clear error when inconsistent)."""
-    from opencann.dynamic import ShapeBinder
+    from opencann.engine.dynamic import ShapeBinder
     from opencann.ir import DataType, Graph, TensorDesc
     g = Graph("g")
     g.add_input(TensorDesc(("s0*s1", 4), DataType.FLOAT), "x")

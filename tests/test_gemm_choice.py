@@ -9,7 +9,7 @@ import torch
 
 import opencann
 from opencann.devices import cpu as cpu_device
-from opencann.dynamic import pin_kernel_choices
+from opencann.engine.dynamic import pin_kernel_choices
 from opencann.ir.specialise import specialise
 from opencann.ops.kernels import cpu as cpu_kernels
 from helpers import ForcedGemmChoice

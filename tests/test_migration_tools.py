@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-import opencann.compiler as compiler_mod
+import opencann.engine.pipeline as compiler_mod
 from opencann import cli
 from opencann.passes import Pass, default_pipeline
 from opencann.tools.analyze import analyze

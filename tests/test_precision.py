@@ -7,7 +7,7 @@ layers, so we allow 3% (bf16) and 0.5% (fp16) for these two- and three-layer mod
 import pytest
 import torch
 
-from opencann.compiler import compile_graph
+from opencann.engine import compile_graph
 from opencann.frontend.torch import capture, from_exported_program
 from opencann.passes.base import PassContext
 from opencann.passes.prepare.precision import MixedPrecision, default_keep_fp32, low_dtype, precision_summary

@@ -5,7 +5,7 @@ order, with eager's values; a schedule that does not fit the graph is one clear 
 import pytest
 import torch
 
-from opencann.compiler import BindKernels, run_pipeline
+from opencann.engine import BindKernels, run_pipeline
 from opencann.ir import DataType, Graph, Schedule, TensorDesc, TensorRef
 from opencann.passes import MemoryPlanning, Pass, PassManager, SingleStreamSchedule
 

@@ -11,7 +11,7 @@ import torch
 
 import opencann
 from opencann.ir import GraphError
-from opencann.options import read_fusion_switch
+from opencann.engine.options import read_fusion_switch
 
 G = torch.Generator().manual_seed(0)
 CALLS = {"cpu": 0}

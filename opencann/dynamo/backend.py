@@ -15,7 +15,7 @@ import torch
 
 from ..frontend.torch import decomposition_table, rewrite_written_unfolds, written_expand
 from ..log import logger
-from ..options import check_options
+from ..engine.options import check_options
 from .compile_fx import COMPILED_GRAPHS
 from .freezing import freezing_compiler, weight_inputs
 from .recompiles import note_compile, note_eager, stamp

@@ -6,9 +6,9 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-from ..compiler import compile_graph
-from ..dynamic import compile_symbolic_fx
-from ..options import check_options
+from ..engine import compile_graph
+from ..engine.dynamic import compile_symbolic_fx
+from ..engine.options import check_options
 from ..report import CompileReport
 from ..frontend.torch import from_fx_graph
 from ..ir.symbolic import SymExpr, bind

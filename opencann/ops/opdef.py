@@ -75,7 +75,7 @@ class OpDef:
     ``out=`` (the planned arena buffer).
     ``kernel_per_shape``: the kernel the factory chooses (``node.meta["kernel"]``) holds
     for the node's shape only (attention: `opencann.ops.kernels.attention_cpu`); a dynamic
-    model chooses it again per shape (`opencann.dynamic.pin_kernel_choices` skips it).
+    model chooses it again per shape (`opencann.engine.dynamic.pin_kernel_choices` skips it).
     ``out_kernel``: the ``.out`` overload, when one exists, for arena binding.
     ``aliases``: per return of the op, the names of the arguments whose storage that
     return may share (a view, or an input handed back as is); ``()`` for a return that
@@ -115,7 +115,7 @@ class OpDef:
     sym) -> {output: axis}`` or the reason padding could change its results); None:
     unknown, which blocks gear padding (host fallbacks, custom ops). Elementwise ops:
     every dim; Linear/Conv/pooling: the batch; softmax/norms: the dims they do not
-    normalise; reductions: the dims they keep. Gear padding (`opencann.gears`) uses it.
+    normalise; reductions: the dims they keep. Gear padding (`opencann.engine.gears`) uses it.
     View-ness is ``kind == OpKind.VIEW`` (`is_view`).
     """
 

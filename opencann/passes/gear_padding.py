@@ -4,7 +4,7 @@ ATC serves a call whose batch is between two gears with the larger gear, padding
 batch and dropping the padded rows of the outputs (CANN ATC documentation,
 "--dynamic_batch_size"). That is only correct when no op lets a padded row reach a real
 one. `follow_padded_dim` proves it for one dim of a graph with symbolic shapes
-(`opencann.dynamic`): starting at the graph inputs whose dim is the symbol, it asks each
+(`opencann.engine.dynamic`): starting at the graph inputs whose dim is the symbol, it asks each
 node's `OpDef.per_index` rule (``opencann.ops.per_index``) where the padded dim goes,
 and stops at the first node that mixes entries along it (a reduction over the batch,
 attention over padded keys, BatchNorm with batch statistics), at an op without a rule

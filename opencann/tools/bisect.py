@@ -184,7 +184,7 @@ def _blame(t: _Trial, base: CompareResult, res: BisectResult) -> None:
 
 def _site_switchable() -> set:
     """Names of the passes whose rewrites ``disable_rewrites`` switches one by one."""
-    from .. import compiler
+    from ..engine import pipeline as compiler
     return {p.name for p in compiler.default_pipeline().passes if p.site_switchable}
 
 

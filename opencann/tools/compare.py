@@ -195,7 +195,7 @@ class Session:
         ``layers``, else the outputs only). Under a ``precision_mode`` that lowers to
         fp16/bf16, every float value is judged by that dtype's thresholds (what the mode
         allows), unless ``strict`` (each value by its own dtype's)."""
-        from ..compiler import compile_graph
+        from ..engine import compile_graph
         from ..devices import parse_device
         from ..frontend.torch import from_exported_program
         from ..runtime import Executor

@@ -368,7 +368,7 @@ def _fusion_options(fused: bool) -> Dict[str, Any]:
 
 
 def _compile(ep, name: str, device: str, fused: bool):
-    from ..compiler import compile_graph
+    from ..engine import compile_graph
     from ..frontend.torch import from_exported_program
     graph = from_exported_program(ep, name=name)
     graph, plan, report = compile_graph(graph, device, _fusion_options(fused))

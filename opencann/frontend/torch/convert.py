@@ -215,7 +215,7 @@ def _dim(s: Any) -> Any:
 
 
 def _size(s: Any) -> Any:
-    """An int, or a symbolic size's string form (bound per call by `opencann.dynamic`)."""
+    """An int, or a symbolic size's string form (bound per call by `opencann.engine.dynamic`)."""
     if isinstance(s, torch.SymInt):
         e = _backed_expr(s)
         return int(e) if e is not None and e.lstrip("-").isdigit() else e

@@ -24,7 +24,7 @@ shapes; q, k, v float32, rank 4, same batch and heads (no GQA); mask float32 or 
 broadcastable to [B, H, S_q, S_k]; ``dropout_p`` 0, not ``is_causal``, not
 ``enable_gqa``; the scores [H, S_q, S_k] fit `SCORES_BOUND_BYTES` (per thread).
 The choice depends on the shape, so a dynamic model measures it per shape
-(``OpDef.kernel_per_shape``; `opencann.dynamic.pin_kernel_choices` does not pin it).
+(``OpDef.kernel_per_shape``; `opencann.engine.dynamic.pin_kernel_choices` does not pin it).
 """
 from __future__ import annotations
 

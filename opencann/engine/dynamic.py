@@ -22,23 +22,43 @@ from typing import Any, Dict, Mapping, Optional, Sequence, Tuple
 import torch
 import torch.utils._pytree as pytree
 
-from .compiler import (BindKernels, CompiledModel, convert_exported, graph_cost, run_pipeline,
-                       snapshot_constants)
-from .devices import parse_device
-from .frontend.torch import CaptureError, capture
-from .frontend.torch.dynamic import dynamic_dims, export_dynamic_shapes, required_ranges
-from .ir import Graph, MemoryPlan, Schedule
-from .ir.specialise import specialise
-from .ir.symbolic import SymExpr, bind, bind_tree, holds, is_symbol, parse, shape_symbols
-from .log import logger
-from .ops import frozen_graph, get_op
+from ..devices import parse_device
+from ..frontend.torch import CaptureError, capture
+from ..frontend.torch.dynamic import (
+    dynamic_dims,
+    export_dynamic_shapes,
+    required_ranges,
+)
+from ..ir import Graph, MemoryPlan, Schedule
+from ..ir.specialise import specialise
+from ..ir.symbolic import (
+    SymExpr,
+    bind,
+    bind_tree,
+    holds,
+    is_symbol,
+    parse,
+    shape_symbols,
+)
+from ..log import logger
+from ..ops import frozen_graph, get_op
+from ..passes import (
+    MemoryPlanning,
+    Pass,
+    PassContext,
+    PassManager,
+    SingleStreamSchedule,
+    default_pipeline,
+)
+from ..report import CompileReport
+from ..runtime import DEFAULT_CONCURRENT_CALLS, Executor, ExecutorPool
+from ..runtime.call_binding import forward_arg_names
+from ..runtime.shape_cache import DEFAULT_PLAN_CACHE_SIZE, ShapePlanCache
+from .binding import BindKernels, snapshot_constants
+from .compiled_model import CompiledModel
+from .entry import convert_exported
 from .options import check_options
-from .passes import (MemoryPlanning, Pass, PassContext, PassManager, SingleStreamSchedule,
-                     default_pipeline)
-from .report import CompileReport
-from .runtime import DEFAULT_CONCURRENT_CALLS, Executor, ExecutorPool
-from .runtime.call_binding import forward_arg_names
-from .runtime.shape_cache import DEFAULT_PLAN_CACHE_SIZE, ShapePlanCache
+from .pipeline import graph_cost, run_pipeline
 
 
 class DeferredMemoryPlanning(Pass):

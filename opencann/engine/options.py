@@ -8,7 +8,7 @@ import json
 import os
 from typing import Any, Dict, List, Optional, Tuple
 
-from .ops import get_op
+from ..ops import get_op
 
 KNOWN_OPTIONS = {"disable", "enable", "verify", "alignment", "inplace", "copy_out",
                  "precision_mode", "keep_fp32", "host_fallback", "concurrent_calls",
@@ -97,7 +97,7 @@ def read_fusion_switch(path: str) -> Tuple[List[str], List[str]]:
     Returns (passes switched off, passes switched on), opencann names. Raises
     ValueError (one line) for a missing or non-JSON file, another structure, another
     value, or an unknown pass name (listing the known ones)."""
-    from .passes import default_pipeline  # the pass list; passes never import options
+    from ..passes import default_pipeline  # the pass list; passes never import options
     if not isinstance(path, (str, os.PathLike)) or not os.path.isfile(path):
         raise ValueError(f"option 'fusion_switch_file': {path!r} is not a file; give the path "
                          "of a JSON file such as {\"Switch\": {\"GraphFusion\": "

@@ -1,229 +1,25 @@
-"""The graph engine's front door: capture → passes → memory plan → `CompiledModel`.
-
-`compile_module` is what ``opencann.compile`` calls; `compile_graph` takes an IR graph
-(used by the ``torch.compile`` backend). The artifact keeps the graph, memory plan,
-schedule, bound kernels and the compile report.
-"""
+"""`CompiledModel`: a compiled graph called like the original module (calling convention,
+call-time checks, executor pool); `OnnxCompiledModel` for ONNX graphs."""
 from __future__ import annotations
 
 import math
-import threading
-import time
 import weakref
 from typing import Any, Dict, Optional, Sequence, Tuple
 
 import torch
 import torch.utils._pytree as pytree
 
-from .devices import KINDS, parse_device
-from .frontend.torch import AttributeGuard, capture, check_layout, from_exported_program
-from .ir import Graph, MemoryPlan
-from .ir.symbolic import fits
-from .log import logger
-from .options import KNOWN_OPTIONS, check_options  # noqa: F401  (KNOWN_OPTIONS re-exported)
-from .ops import Cost, get_op, is_random, layout_read_inputs
-from .passes import MemoryPlanning, Pass, PassContext, PassManager, apply_schedule, default_pipeline
-from .passes.schedule import multi_stream_schedule, stream_summary
-from .report import CompileReport, PassRecord
-from .runtime import DEFAULT_CONCURRENT_CALLS, Executor, ExecutorPool
-from .runtime.call_binding import bind_call, forward_arg_names, input_labels
-from .runtime.input_overlap import check_written_inputs
-from .runtime.streams import threads_per_stream
-from .runtime import autocast_state
-from .runtime.weight_watch import WeightWatch
-
-SUPPORTED_DEVICES = KINDS
-# opencann.compile runs one at a time: torch.export is not thread-safe (concurrent exports
-# corrupt its mode stack and leave builtins patched), and compiling is CPU-bound anyway
-_COMPILE_LOCK = threading.RLock()
-
-
-def graph_cost(graph: Graph) -> Dict[str, int]:
-    """Total FLOPs and bytes moved (read + written) of the graph's nodes (nodes with
-    symbolic shapes left out: `opencann.dynamic` costs a specialised copy)."""
-    total = Cost()
-    for n in graph.nodes:
-        if not all(v.desc.is_static for v in (*n.inputs, *n.outputs)):
-            continue
-        total = total + get_op(n.op).cost(n)
-    return {"flops": int(total.flops), "bytes": int(total.bytes)}
-
-
-def snapshot_constants(graph: Graph, live: Sequence[torch.Tensor]) -> int:
-    """Make the graph's constants its own: each constant that shares memory with one of
-    the ``live`` tensors (the module's parameters and buffers, export's lifted constants)
-    is re-pointed at a copy of that memory, so nothing done to the module later
-    (``p.data.mul_``, an optimizer step) changes the compiled model's results. Constants
-    sharing one storage (a weight and its folded transpose, tied weights) share one copy;
-    derived constants (folded, cast, prepacked) are copies already and stay as they are.
-    Returns the number of storages copied."""
-    storages = {t.untyped_storage().data_ptr() for t in live
-                if isinstance(t, torch.Tensor) and t.device.type != "meta" and t.numel()}
-    copies: Dict[int, Any] = {}
-    for c in graph.constants:
-        t = c.const
-        if not isinstance(t, torch.Tensor) or not t.numel():
-            continue
-        ptr = t.untyped_storage().data_ptr()
-        if ptr in storages:
-            if ptr not in copies:
-                copies[ptr] = t.untyped_storage().clone()
-            c.const = torch.empty(0, dtype=t.dtype).set_(copies[ptr], t.storage_offset(),
-                                                         t.size(), t.stride())
-    return len(copies)
-
-
-def _fallbacks(graph: Graph) -> Dict[str, Dict[str, Any]]:
-    out: Dict[str, Dict[str, Any]] = {}
-    for n in graph.nodes:
-        if n.op in ("HostFallback", "OnnxHostFallback"):
-            k = str(n.meta["aten"]) if n.op == "HostFallback" else f"onnx::{n.attrs['op_type']}"
-            e = out.setdefault(k, {"count": 0, "where": []})
-            e["count"] += 1
-            e["where"].append(n.where())
-    return out
-
-
-def _check_device(device: str) -> str:
-    """``device`` checked by `devices.parse_device` (ValueError naming what to write)."""
-    return parse_device(device).name
-
-
-def _sample_inputs(graph: Graph) -> list:
-    """Inputs of ``graph``'s shapes and dtypes for timing: normal floats, zero ints
-    (valid as indices), on the cpu."""
-    return [torch.randn(v.desc.shape, dtype=v.desc.dtype.torch)
-            if v.desc.dtype.torch.is_floating_point or v.desc.dtype.torch.is_complex
-            else torch.zeros(v.desc.shape, dtype=v.desc.dtype.torch) for v in graph.inputs]
-
-
-def measured_streams(graph: Graph, ctx: PassContext) -> str:
-    """With the option ``streams`` N > 1 and ``stream_costs`` "measured" (the default)
-    on the cpu: time every node (`Executor.node_seconds`: one warm-up and the least of
-    5 calls on sample inputs, on the calling thread with the intra-op threads a stream's
-    worker gets, `threads_per_stream`), assign the streams again with those times
-    (`multi_stream_schedule`), replan memory for them (`MemoryPlanning`) and store the
-    report's ``streams`` entry with the predicted busy time per stream. The cost model
-    (FLOPs and bytes) misjudges host kernels by 10x and more (a max-pool on an NCHW
-    input: ~2.4 ms measured vs ~20 µs modelled), and unbalanced streams overlap little.
-    Returns a note ("" when the option is off or N is 1); a graph with symbolic
-    shapes, another device, or a kernel failing on the sample inputs keeps the cost
-    model's streams and the note says why. The global RNG state is restored."""
-    n, how = ctx.options.get("streams", 1), ctx.options.get("stream_costs", "measured")
-    if n <= 1 or how != "measured":
-        return ""
-    why = ("" if parse_device(ctx.device).kind == "cpu" else f"measured only on the cpu, not {ctx.device}")
-    if not why and not all(v.desc.is_static for v in graph.inputs):
-        why = "symbolic input shapes"
-    if not why:
-        try:
-            with torch.random.fork_rng(devices=[]):
-                secs = Executor(graph, ctx.artifacts["memory_plan"]).node_seconds(
-                    _sample_inputs(graph), threads=threads_per_stream(n))
-        except (RuntimeError, ValueError, TypeError, IndexError) as e:
-            why = f"timing on sample inputs failed ({str(e).splitlines()[0][:120]})"
-    if why:
-        logger.info("streams of %s by the cost model: %s", graph.name, why)
-        return f"streams by the cost model: {why}"
-    sched = ctx.artifacts["schedule"] = multi_stream_schedule(graph, n, secs)
-    st = ctx.report.streams = stream_summary(graph, sched, secs)
-    MemoryPlanning().run(graph, ctx)  # the plan for these streams
-    text = (f"{st['streams']} streams by measured node times: busy "
-            f"{' + '.join(f'{b / 1e3:.2f}' for b in st['predicted_busy_us'])} ms, predicted call "
-            f"{st['predicted_call_us'] / 1e3:.2f} ms (one stream {st['estimated_serial_us'] / 1e3:.2f} ms)")
-    logger.info("schedule %s: %s, nodes per stream %s, %d events", graph.name, text,
-                st["nodes_per_stream"], st["events"])
-    return text
-
-
-class BindKernels(Pass):
-    """The last stage, in the runtime: make the graph's constants its own
-    (`snapshot_constants` of ``ctx.artifacts["live_tensors"]``), on several streams
-    assign them again by measured node times (`measured_streams`), then bind every kernel
-    to the memory plan (``ctx.artifacts["memory_plan"]``) in an `Executor`, stored as
-    ``ctx.artifacts["executor"]``; returns the number of results copied out."""
-
-    name, stage = "bind_kernels", "runtime"
-    required, observed = True, False
-
-    def run(self, graph: Graph, ctx: PassContext) -> int:
-        """Snapshot the constants and build the `Executor` on the scheduled order
-        (``ctx.artifacts["schedule"]``, as memory planning used it); returns its
-        copy-out count."""
-        if ctx.artifacts.get("schedule") is not None:
-            apply_schedule(graph, ctx.artifacts["schedule"])
-        snapshot_constants(graph, ctx.artifacts.get("live_tensors", ()))
-        streams = measured_streams(graph, ctx)
-        ex = Executor(graph, ctx.artifacts["memory_plan"],
-                      check_aliasing=ctx.options.get("check_aliasing"))
-        ctx.artifacts["executor"] = ex
-        ctx.note("arena allocated once; kernels pre-bound" + (f"; {streams}" if streams else ""))
-        return len(ex.copy_out_nodes)
-
-
-def compile_graph(graph: Graph, device: str = "cpu", options: Optional[Dict[str, Any]] = None,
-                  report: Optional[CompileReport] = None,
-                  pipeline: Optional[PassManager] = None) -> "tuple[Graph, MemoryPlan, CompileReport]":
-    """Optimize ``graph`` in place and plan its memory. Returns (graph, plan, report).
-
-    ``pipeline``: the passes to run (default `default_pipeline`); it must end with the
-    memory stage (`MemoryPlanning`), else ValueError."""
-    ctx = run_pipeline(graph, device, options, report, pipeline or default_pipeline())
-    return graph, ctx.artifacts["memory_plan"], ctx.report
-
-
-def run_pipeline(graph: Graph, device: str, options: Optional[Dict[str, Any]],
-                 report: Optional[CompileReport], pipeline: PassManager,
-                 artifacts: Optional[Dict[str, Any]] = None) -> PassContext:
-    """Run ``pipeline`` on ``graph`` (in place) for ``device``; returns the pass context,
-    whose ``artifacts`` hold what the stages made (``memory_plan``, ``executor``...).
-    Raises ValueError for bad options, host fallbacks when they are off, or a pipeline
-    without a memory stage."""
-    if "memory" not in pipeline.stages():
-        raise ValueError(f"pipeline {pipeline.names()} has no memory stage; end it with "
-                         "opencann.passes.MemoryPlanning()")
-    options = check_options(options)
-    report = report or CompileReport(model=graph.name, device=device)
-    report.op_counts_before = graph.op_counts()
-    report.cost_before = graph_cost(graph)
-    report.host_fallbacks = _fallbacks(graph)
-    if report.host_fallbacks and not options.get("host_fallback", True):
-        listed = "; ".join(f"{k} x{v['count']} at {v['where'][0]}" for k, v in report.host_fallbacks.items())
-        raise ValueError(f"ops without an opencann converter: {listed}. With "
-                         "options={'host_fallback': True} (the default) they run on the host")
-    for k, v in report.host_fallbacks.items():
-        logger.warning("host fallback: %s x%d (no opencann converter) at %s", k, v["count"],
-                       "; ".join(v["where"][:3]))
-    ctx = PassContext(options=options, report=report, device=device,
-                      artifacts=dict(artifacts or {}))
-    if options.get("dump_graph"):
-        from .ir.dump import write_stage
-        stages = [0]
-
-        def dump(stage: str, g: Graph) -> None:
-            write_stage(options["dump_graph"], stages[0], stage, g)
-            stages[0] += 1
-        dump("input", graph)
-        ctx.observe = dump
-    pipeline.run(graph, ctx)
-    effects = sorted(set(graph.meta.get("dropped_effects", ())))
-    if effects:
-        report.notes.append(f"side-effect checks dropped ({', '.join(effects)}): e.g. linalg.inv "
-                            "of a singular matrix gives inf/NaN instead of eager's error")
-    randoms = sorted({str(n.meta["aten"]) if n.op == "HostFallback" else n.op
-                      for n in graph.nodes if is_random(n)})
-    if randoms:
-        report.notes.append(f"random ops drawn anew on every call ({', '.join(randoms)}); they "
-                            "are never folded, merged or recomputed")
-    report.op_counts_after = graph.op_counts()
-    report.cost_after = graph_cost(graph)
-    logger.info("%s", report.summary())
-    return ctx
-
-
-def _bind_pipeline() -> PassManager:
-    """The default pipeline with kernel binding as its last stage."""
-    return PassManager(default_pipeline().passes + [BindKernels()])
+from ..frontend.torch import AttributeGuard, check_layout
+from ..ir import Graph, MemoryPlan
+from ..ir.symbolic import fits
+from ..ops import layout_read_inputs
+from ..passes import PassContext, PassManager
+from ..report import CompileReport
+from ..runtime import DEFAULT_CONCURRENT_CALLS, Executor, ExecutorPool, autocast_state
+from ..runtime.call_binding import bind_call, input_labels
+from ..runtime.input_overlap import check_written_inputs
+from ..runtime.weight_watch import WeightWatch
+from .binding import BindKernels
 
 
 class CompiledModel:
@@ -503,65 +299,6 @@ class CompiledModel:
         return self.pool.profile(self._flat_inputs(args, kwargs), path)
 
 
-def convert_exported(model: torch.nn.Module, ep, capture_seconds: Dict[str, float],
-                     device: str, note: str) -> "tuple[Graph, CompileReport, list, list]":
-    """The construct stage after capture: ``ep`` (``model``'s ExportedProgram) as an IR
-    graph, a `CompileReport` for ``device`` that records the capture times and the
-    ``convert_and_infer`` stage (with ``note``), ``model``'s (name, tensor) parameters and
-    buffers (checked for in-place changes at call time), and the live tensors the compiled
-    model must not share memory with (those, ``ep``'s state dict and lifted constants; see
-    `snapshot_constants`). Raises what
-    `from_exported_program` raises (an op it cannot convert, named with its source)."""
-    t0 = time.perf_counter()
-    graph = from_exported_program(ep, name=type(model).__name__)
-    report = CompileReport(model=type(model).__name__, device=device,
-                           capture_seconds=capture_seconds)
-    report.passes.append(PassRecord("convert_and_infer", "construct", 0, len(graph.nodes),
-                                    time.perf_counter() - t0, len(graph.nodes), note=note))
-    graph.meta["autocast"] = autocast_state.current()   # checked per call; kept in model files
-    if graph.meta["autocast"] is not None:
-        report.notes.append(f"captured inside autocast(cpu, {graph.meta['autocast']}): the graph "
-                            "holds its casts, and calls must be made inside the same autocast")
-    frozen = list(model.named_parameters()) + list(model.named_buffers())
-    live = [t for _, t in frozen] + list(ep.state_dict.values()) + list(ep.constants.values())
-    return graph, report, frozen, live
-
-
-def compile_module(model: torch.nn.Module, example_inputs, device: str = "cpu",
-                   options: Optional[Dict[str, Any]] = None, example_kwargs=None) -> CompiledModel:
-    """Capture ``model`` with torch.export on ``example_inputs`` (a tensor or tuple) and
-    compile it for ``device``. Raises CaptureError (capture), ValueError (bad options,
-    device or dtype) with what to change. Thread-safe: concurrent calls run one at a
-    time (torch.export is not thread-safe)."""
-    with _COMPILE_LOCK:
-        return _compile_module(model, example_inputs, device, options, example_kwargs)
-
-
-def _compile_module(model, example_inputs, device, options, example_kwargs) -> CompiledModel:
-    device = _check_device(device)
-    options = check_options(options)
-    if isinstance(example_inputs, list):
-        raise ValueError("example_inputs must be a tensor or a tuple of the model's positional "
-                         "inputs, got a list: pass tuple(example_inputs), or (my_list,) when "
-                         "the model takes one list argument")
-    args = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
-    ep, times = capture(model, args, example_kwargs)
-    graph, report, frozen, live = convert_exported(model, ep, times, device,
-                                           "FX → IR, shape/dtype inference checked against FX")
-    ctx = run_pipeline(graph, device, options, report, _bind_pipeline(),
-                       artifacts={"live_tensors": live})
-    flat, in_spec = pytree.tree_flatten((args, example_kwargs or {}))
-    arg_names = forward_arg_names(model)
-    from torch.export.graph_signature import InputKind
-    user = [s for s in ep.graph_signature.input_specs if s.kind == InputKind.USER_INPUT]
-    positions = [i for i, s in enumerate(user) if isinstance(flat[i], torch.Tensor)]
-    return CompiledModel(graph, ctx.artifacts["memory_plan"], report, in_spec=in_spec,
-                         out_spec=ep.call_spec.out_spec, input_positions=positions,
-                         example_flat=flat, frozen=frozen, module=model,
-                         concurrent_calls=options.get("concurrent_calls", DEFAULT_CONCURRENT_CALLS),
-                         check_aliasing=options.get("check_aliasing"), arg_names=arg_names,
-                         executor=ctx.artifacts["executor"])
-
 
 class OnnxCompiledModel(CompiledModel):
     """A compiled ONNX model: call it with tensors in graph-input order (or by input
@@ -576,29 +313,6 @@ class OnnxCompiledModel(CompiledModel):
         ordered = list(args) + [kwargs[k] for k in names[len(args):]]
         return tuple(super().__call__(*ordered))
 
-
-def compile_onnx(model, device: str = "cpu", options: Optional[Dict[str, Any]] = None,
-                 input_shapes: Optional[Dict[str, Sequence[int]]] = None) -> CompiledModel:
-    """Compile an ONNX model (a ``.onnx`` path or ``onnx.ModelProto``, opset >= 13) for
-    ``device``. ``input_shapes``: sizes for inputs with symbolic dims. Raises
-    OnnxLoadError (bad file, old opset) or ConversionError (unsupported graph), both
-    ValueError, with the fix."""
-    from .frontend.onnx import from_onnx, load_model
-    device, options = _check_device(device), check_options(options)
-    t0 = time.perf_counter()
-    proto = load_model(model)
-    graph = from_onnx(proto, input_shapes)
-    report = CompileReport(model=graph.name, device=device)
-    report.passes.append(PassRecord("convert_and_infer", "construct", 0, len(graph.nodes),
-                                    time.perf_counter() - t0, len(graph.nodes),
-                                    note="ONNX → IR, shapes checked against onnx.shape_inference"))
-    ctx = run_pipeline(graph, device, options, report, _bind_pipeline())
-    n = len(graph.outputs)
-    return OnnxCompiledModel(graph, ctx.artifacts["memory_plan"], report,
-                             out_spec=pytree.tree_flatten(tuple(range(n)))[1],
-                             example_flat=[torch.empty(0) for _ in graph.inputs],
-                             check_aliasing=options.get("check_aliasing"),
-                             executor=ctx.artifacts["executor"])
 
 
 def _nesting_error(args, kwargs, in_spec, arg_names) -> str:

@@ -31,10 +31,10 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from ..ir.symbolic import bind
+from ..log import logger
+from ..passes.gear_padding import PaddingCheck, follow_padded_dim, padding_summary
 from .dynamic import DynamicCompiledModel, compile_dynamic
-from .ir.symbolic import bind
-from .log import logger
-from .passes.gear_padding import PaddingCheck, follow_padded_dim, padding_summary
 
 GEAR_OPTIONS = ("dynamic_batch_size", "dynamic_image_size", "dynamic_dims")
 MAX_GEARS = 100

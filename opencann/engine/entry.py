@@ -1,0 +1,108 @@
+"""Capture entry points: `compile_module` (``opencann.compile`` of an ``nn.Module`` through
+torch.export) and `compile_onnx` (an ONNX model), each ending in a `CompiledModel`."""
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any, Dict, Optional, Sequence
+
+import torch
+import torch.utils._pytree as pytree
+
+from ..frontend.torch import capture, from_exported_program
+from ..ir import Graph
+from ..report import CompileReport, PassRecord
+from ..runtime import DEFAULT_CONCURRENT_CALLS, autocast_state
+from ..runtime.call_binding import forward_arg_names
+from .compiled_model import CompiledModel, OnnxCompiledModel
+from .options import check_options
+from .pipeline import _bind_pipeline, _check_device, run_pipeline
+
+# opencann.compile runs one at a time: torch.export is not thread-safe (concurrent exports
+# corrupt its mode stack and leave builtins patched), and compiling is CPU-bound anyway
+_COMPILE_LOCK = threading.RLock()
+
+
+def convert_exported(model: torch.nn.Module, ep, capture_seconds: Dict[str, float],
+                     device: str, note: str) -> "tuple[Graph, CompileReport, list, list]":
+    """The construct stage after capture: ``ep`` (``model``'s ExportedProgram) as an IR
+    graph, a `CompileReport` for ``device`` that records the capture times and the
+    ``convert_and_infer`` stage (with ``note``), ``model``'s (name, tensor) parameters and
+    buffers (checked for in-place changes at call time), and the live tensors the compiled
+    model must not share memory with (those, ``ep``'s state dict and lifted constants; see
+    `snapshot_constants`). Raises what
+    `from_exported_program` raises (an op it cannot convert, named with its source)."""
+    t0 = time.perf_counter()
+    graph = from_exported_program(ep, name=type(model).__name__)
+    report = CompileReport(model=type(model).__name__, device=device,
+                           capture_seconds=capture_seconds)
+    report.passes.append(PassRecord("convert_and_infer", "construct", 0, len(graph.nodes),
+                                    time.perf_counter() - t0, len(graph.nodes), note=note))
+    graph.meta["autocast"] = autocast_state.current()   # checked per call; kept in model files
+    if graph.meta["autocast"] is not None:
+        report.notes.append(f"captured inside autocast(cpu, {graph.meta['autocast']}): the graph "
+                            "holds its casts, and calls must be made inside the same autocast")
+    frozen = list(model.named_parameters()) + list(model.named_buffers())
+    live = [t for _, t in frozen] + list(ep.state_dict.values()) + list(ep.constants.values())
+    return graph, report, frozen, live
+
+
+def compile_module(model: torch.nn.Module, example_inputs, device: str = "cpu",
+                   options: Optional[Dict[str, Any]] = None, example_kwargs=None) -> CompiledModel:
+    """Capture ``model`` with torch.export on ``example_inputs`` (a tensor or tuple) and
+    compile it for ``device``. Raises CaptureError (capture), ValueError (bad options,
+    device or dtype) with what to change. Thread-safe: concurrent calls run one at a
+    time (torch.export is not thread-safe)."""
+    with _COMPILE_LOCK:
+        return _compile_module(model, example_inputs, device, options, example_kwargs)
+
+
+def _compile_module(model, example_inputs, device, options, example_kwargs) -> CompiledModel:
+    device = _check_device(device)
+    options = check_options(options)
+    if isinstance(example_inputs, list):
+        raise ValueError("example_inputs must be a tensor or a tuple of the model's positional "
+                         "inputs, got a list: pass tuple(example_inputs), or (my_list,) when "
+                         "the model takes one list argument")
+    args = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
+    ep, times = capture(model, args, example_kwargs)
+    graph, report, frozen, live = convert_exported(model, ep, times, device,
+                                           "FX → IR, shape/dtype inference checked against FX")
+    ctx = run_pipeline(graph, device, options, report, _bind_pipeline(),
+                       artifacts={"live_tensors": live})
+    flat, in_spec = pytree.tree_flatten((args, example_kwargs or {}))
+    arg_names = forward_arg_names(model)
+    from torch.export.graph_signature import InputKind
+    user = [s for s in ep.graph_signature.input_specs if s.kind == InputKind.USER_INPUT]
+    positions = [i for i, s in enumerate(user) if isinstance(flat[i], torch.Tensor)]
+    return CompiledModel(graph, ctx.artifacts["memory_plan"], report, in_spec=in_spec,
+                         out_spec=ep.call_spec.out_spec, input_positions=positions,
+                         example_flat=flat, frozen=frozen, module=model,
+                         concurrent_calls=options.get("concurrent_calls", DEFAULT_CONCURRENT_CALLS),
+                         check_aliasing=options.get("check_aliasing"), arg_names=arg_names,
+                         executor=ctx.artifacts["executor"])
+
+
+
+def compile_onnx(model, device: str = "cpu", options: Optional[Dict[str, Any]] = None,
+                 input_shapes: Optional[Dict[str, Sequence[int]]] = None) -> CompiledModel:
+    """Compile an ONNX model (a ``.onnx`` path or ``onnx.ModelProto``, opset >= 13) for
+    ``device``. ``input_shapes``: sizes for inputs with symbolic dims. Raises
+    OnnxLoadError (bad file, old opset) or ConversionError (unsupported graph), both
+    ValueError, with the fix."""
+    from ..frontend.onnx import from_onnx, load_model
+    device, options = _check_device(device), check_options(options)
+    t0 = time.perf_counter()
+    proto = load_model(model)
+    graph = from_onnx(proto, input_shapes)
+    report = CompileReport(model=graph.name, device=device)
+    report.passes.append(PassRecord("convert_and_infer", "construct", 0, len(graph.nodes),
+                                    time.perf_counter() - t0, len(graph.nodes),
+                                    note="ONNX → IR, shapes checked against onnx.shape_inference"))
+    ctx = run_pipeline(graph, device, options, report, _bind_pipeline())
+    n = len(graph.outputs)
+    return OnnxCompiledModel(graph, ctx.artifacts["memory_plan"], report,
+                             out_spec=pytree.tree_flatten(tuple(range(n)))[1],
+                             example_flat=[torch.empty(0) for _ in graph.inputs],
+                             check_aliasing=options.get("check_aliasing"),
+                             executor=ctx.artifacts["executor"])
