@@ -147,4 +147,39 @@ def destroy_tensor_desc(desc: int) -> int:
     return ACL_SUCCESS
 
 
+def _tensor_desc(desc: int, api: str):
+    d = S.tensor_descs.get(desc)
+    if d is None:
+        fail(ACL_ERROR_INVALID_PARAM, api, f"{desc!r} is not a live tensor description")
+    return d
+
+
+def get_tensor_desc_type(desc: int) -> int:
+    """aclGetTensorDescType: the ACL data type of ``desc`` (ACL_DT_UNDEFINED if not live)."""
+    d = _tensor_desc(desc, "acl.get_tensor_desc_type")
+    return ACL_DT_UNDEFINED if d is None else d[0]
+
+
+def get_tensor_desc_num_dims(desc: int) -> int:
+    """aclGetTensorDescNumDims: the number of dims of ``desc`` (0 if not live)."""
+    d = _tensor_desc(desc, "acl.get_tensor_desc_num_dims")
+    return 0 if d is None else len(d[1])
+
+
+def get_tensor_desc_dim_v2(desc: int, index: int):
+    """aclGetTensorDescDimV2: (dim ``index`` of ``desc``, ret)."""
+    d = _tensor_desc(desc, "acl.get_tensor_desc_dim_v2")
+    if d is None or not isinstance(index, int) or not 0 <= index < len(d[1]):
+        if d is not None:
+            fail(ACL_ERROR_INVALID_PARAM, "acl.get_tensor_desc_dim_v2", f"index {index!r} out of "
+                 f"range 0..{len(d[1]) - 1}")
+        return -1, ACL_ERROR_INVALID_PARAM
+    return int(d[1][index]), ACL_SUCCESS
+
+
 from . import rt, mdl, op, util  # noqa: E402,F401
+from .guard import guard_module as _guard_module  # noqa: E402
+
+for _m, _p in ((rt, "acl.rt"), (mdl, "acl.mdl"), (op, "acl.op"), (util, "acl.util")):
+    _guard_module(_m, _p)
+_guard_module(__import__(__name__, fromlist=["_"]), "acl")

@@ -26,6 +26,10 @@ datasets: Dict[int, List[int]] = {}  # handle -> data buffer handles
 models: Dict[int, Any] = {}          # model id -> CompiledModel
 model_mem: Dict[int, tuple] = {}     # model id -> (device id, bytes counted)
 model_descs: Dict[int, Optional[int]] = {}  # desc handle -> model id (None before get_desc)
+model_shapes: Dict[int, Any] = {}    # model id -> acl.model_shapes.ModelShapes
+dataset_values: Dict[int, Dict[str, int]] = {}   # input dataset -> gear set by set_dynamic_*
+dataset_descs: Dict[int, Dict[int, int]] = {}    # dataset -> {index: tensor desc} (dynamic shapes)
+model_values: Dict[int, Dict[str, int]] = {}     # model id -> the last execution's dim values
 tensor_descs: Dict[int, tuple] = {}  # handle -> (acl dtype, dims, format)
 attrs: Dict[int, Dict[str, Any]] = {}
 _handles = itertools.count(0x10000)
@@ -91,7 +95,8 @@ def reset() -> None:
     """Drop every allocation and handle (`acl.finalize`)."""
     global current_device
     for d in (device_used, contexts, streams, data_buffers, datasets, models, model_mem, model_descs,
-              tensor_descs, attrs, regions):
+              model_shapes, dataset_values, dataset_descs, model_values, tensor_descs, attrs,
+              regions):
         d.clear()
     _bases.clear()
     current_device = None

@@ -19,7 +19,8 @@ from .errors import (ACL_ERROR_DESERIALIZE_MODEL, ACL_ERROR_FAILURE,
                      ACL_ERROR_MODEL_INPUT_NOT_MATCH, ACL_ERROR_MODEL_OUTPUT_NOT_MATCH,
                      ACL_ERROR_RT_CONTEXT_NULL, ACL_ERROR_RT_MEMORY_ALLOCATION,
                      ACL_ERROR_RT_PARAM_INVALID, ACL_SUCCESS, fail)
-from .types import dtype_to_acl
+from .model_shapes import ACL_DYNAMIC_TENSOR_NAME, GEAR_SETTERS, ModelShapes, described
+from .types import ACL_FORMAT_ND, dtype_to_acl
 
 
 def _init(api):
@@ -55,6 +56,7 @@ def load_from_file(model_path: str):
         S.device_used[dev] = used + need
         mid = S.new_handle()
         S.models[mid] = cm
+        S.model_shapes[mid] = ModelShapes(cm)
         S.model_mem[mid] = (dev, need)
     return mid, ACL_SUCCESS
 
@@ -70,6 +72,8 @@ def unload(model_id: int) -> int:
     """aclmdlUnload: unload model ``model_id`` and give its device memory back. Returns
     ACL_SUCCESS, or ACL_ERROR_INVALID_MODEL_ID (logged) when it is not loaded."""
     with S.lock:
+        S.model_shapes.pop(model_id, None)
+        S.model_values.pop(model_id, None)
         if S.models.pop(model_id, None) is None:
             return fail(ACL_ERROR_INVALID_MODEL_ID, "acl.mdl.unload", f"model id {model_id!r} is not "
                         "loaded (unloaded twice?)")
@@ -109,103 +113,136 @@ def destroy_desc(model_desc: int) -> int:
     return ACL_SUCCESS
 
 
-def _io(cm, outputs: bool):
-    g = cm.graph
-    if not outputs:
-        return list(g.inputs)
-    k = len(g.meta.get("input_mutations", ()))
-    return list(g.outputs)[k:]
+def _count(shapes: ModelShapes, outputs: bool) -> int:
+    return len(shapes.outputs) if outputs else shapes.num_inputs()
 
 
-def _values(model_desc, outputs: bool, api: str):
-    mid = S.model_descs.get(model_desc)
-    if mid is None or mid not in S.models:
-        fail(ACL_ERROR_INVALID_PARAM, api, f"{model_desc!r} is not a model description filled "
-             "by acl.mdl.get_desc (of a loaded model)")
-        return None
-    return _io(S.models[mid], outputs)
-
-
-def _nbytes(desc) -> int:
-    n = 1
-    for s in desc.shape:
-        n *= int(s)
-    return n * torch.empty((), dtype=desc.dtype.torch).element_size()
+def _index_ok(shapes, index, outputs: bool, api: str) -> bool:
+    """Whether ``index`` names an input/output (else logged)."""
+    if shapes is None:
+        return False
+    n = _count(shapes, outputs)
+    if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < n:
+        fail(ACL_ERROR_INVALID_PARAM, api, f"index {index!r} out of range 0..{n - 1}")
+        return False
+    return True
 
 
 def get_num_inputs(model_desc: int) -> int:
-    """aclmdlGetNumInputs: the model's number of inputs (0 on a bad description, logged)."""
-    v = _values(model_desc, False, "acl.mdl.get_num_inputs")
-    return 0 if v is None else len(v)
+    """aclmdlGetNumInputs: the model's number of inputs, the dynamic-index input of a model
+    with gears included (0 on a bad description, logged)."""
+    v = described(model_desc, "acl.mdl.get_num_inputs")
+    return 0 if v is None else v.num_inputs()
 
 
 def get_num_outputs(model_desc: int) -> int:
     """aclmdlGetNumOutputs: the model's number of outputs (0 on a bad description, logged)."""
-    v = _values(model_desc, True, "acl.mdl.get_num_outputs")
-    return 0 if v is None else len(v)
+    v = described(model_desc, "acl.mdl.get_num_outputs")
+    return 0 if v is None else len(v.outputs)
 
 
 def _size(model_desc, index, outputs, api) -> int:
-    v = _values(model_desc, outputs, api)
-    if v is None or not isinstance(index, int) or not 0 <= index < len(v):
-        if v is not None:
-            fail(ACL_ERROR_INVALID_PARAM, api, f"index {index!r} out of range 0..{len(v) - 1}")
-        return 0
-    return _nbytes(v[index].desc)
+    v = described(model_desc, api)
+    return v.nbytes(index, outputs) if _index_ok(v, index, outputs, api) else 0
 
 
 def get_input_size_by_index(model_desc: int, index: int) -> int:
-    """Byte size of input ``index`` (0 on a bad description or index)."""
+    """aclmdlGetInputSizeByIndex: byte size of input ``index`` — with dynamic dims at the
+    largest gear (or the top of the dims' ranges; 0 when a range is unbounded); 0 on a bad
+    description or index."""
     return _size(model_desc, index, False, "acl.mdl.get_input_size_by_index")
 
 
 def get_output_size_by_index(model_desc: int, index: int) -> int:
-    """aclmdlGetOutputSizeByIndex: byte size of output ``index`` (0 on a bad description or index)."""
+    """aclmdlGetOutputSizeByIndex: byte size of output ``index`` (at the largest gear with
+    dynamic dims; 0 on a bad description or index)."""
     return _size(model_desc, index, True, "acl.mdl.get_output_size_by_index")
 
 
 def _dims(model_desc, index, outputs, api):
-    v = _values(model_desc, outputs, api)
-    if v is None or not isinstance(index, int) or not 0 <= index < len(v):
-        return {}, ACL_ERROR_INVALID_PARAM if v is None else fail(
-            ACL_ERROR_INVALID_PARAM, api, f"index {index!r} out of range 0..{len(v) - 1}")
-    shape = [int(s) for s in v[index].desc.shape]
-    return {"name": v[index].name, "dimCount": len(shape), "dims": shape}, ACL_SUCCESS
+    v = described(model_desc, api)
+    if not _index_ok(v, index, outputs, api):
+        return {}, ACL_ERROR_INVALID_PARAM
+    shape = v.described_dims(index, outputs)
+    return {"name": v.name(index, outputs), "dimCount": len(shape), "dims": shape}, ACL_SUCCESS
 
 
 def get_input_dims(model_desc: int, index: int):
-    """({"name", "dimCount", "dims"}, ret) of input ``index``."""
+    """aclmdlGetInputDims: ({"name", "dimCount", "dims"}, ret) of input ``index``; a
+    dynamic dim is -1."""
     return _dims(model_desc, index, False, "acl.mdl.get_input_dims")
 
 
 def get_output_dims(model_desc: int, index: int):
-    """aclmdlGetOutputDims: ({"name", "dimCount", "dims"}, ret) of output ``index``."""
+    """aclmdlGetOutputDims: ({"name", "dimCount", "dims"}, ret) of output ``index``; a
+    dynamic dim is -1 (`get_cur_output_dims` gives the last execution's)."""
     return _dims(model_desc, index, True, "acl.mdl.get_output_dims")
 
 
+def get_cur_output_dims(model_desc: int, index: int):
+    """aclmdlGetCurOutputDims: ({"name", "dimCount", "dims"}, ret) of output ``index`` at
+    the dims of the model's last execution (the largest gear before any)."""
+    api = "acl.mdl.get_cur_output_dims"
+    v = described(model_desc, api)
+    if not _index_ok(v, index, True, api):
+        return {}, ACL_ERROR_INVALID_PARAM
+    values = S.model_values.get(S.model_descs[model_desc]) or v.max_values()
+    if values is None:
+        return {}, fail(ACL_ERROR_INVALID_PARAM, api, "the model has unbounded dynamic dims and "
+                        "has not run yet")
+    shape = list(v.shape(index, True, values))
+    return {"name": v.name(index, True), "dimCount": len(shape), "dims": shape}, ACL_SUCCESS
+
+
+def _dtype(model_desc, index, outputs, api) -> int:
+    v = described(model_desc, api)
+    return dtype_to_acl(v.dtype(index, outputs)) if _index_ok(v, index, outputs, api) else -1
+
+
 def get_input_data_type(model_desc: int, index: int) -> int:
-    """ACL data type (ACL_FLOAT...) of input ``index``; ACL_DT_UNDEFINED on a bad index."""
-    v = _values(model_desc, False, "acl.mdl.get_input_data_type")
-    return dtype_to_acl(v[index].desc.dtype.torch) if v and 0 <= index < len(v) else -1
+    """aclmdlGetInputDataType: ACL data type (ACL_FLOAT...) of input ``index`` (ACL_INT64
+    for the dynamic-index input); ACL_DT_UNDEFINED (-1) on a bad description or index."""
+    return _dtype(model_desc, index, False, "acl.mdl.get_input_data_type")
 
 
 def get_output_data_type(model_desc: int, index: int) -> int:
     """aclmdlGetOutputDataType: ACL data type (ACL_FLOAT...) of output ``index``; ACL_DT_UNDEFINED
     (-1) on a bad description or index."""
-    v = _values(model_desc, True, "acl.mdl.get_output_data_type")
-    return dtype_to_acl(v[index].desc.dtype.torch) if v and 0 <= index < len(v) else -1
+    return _dtype(model_desc, index, True, "acl.mdl.get_output_data_type")
 
 
 def get_input_name_by_index(model_desc: int, index: int) -> str:
     """aclmdlGetInputNameByIndex: the name of input ``index`` ('' on a bad description or index)."""
-    v = _values(model_desc, False, "acl.mdl.get_input_name_by_index")
-    return v[index].name if v and 0 <= index < len(v) else ""
+    v = described(model_desc, "acl.mdl.get_input_name_by_index")
+    return v.name(index, False) if _index_ok(v, index, False, "acl.mdl.get_input_name_by_index") else ""
 
 
 def get_output_name_by_index(model_desc: int, index: int) -> str:
     """aclmdlGetOutputNameByIndex: the name of output ``index`` ('' on a bad description or index)."""
-    v = _values(model_desc, True, "acl.mdl.get_output_name_by_index")
-    return v[index].name if v and 0 <= index < len(v) else ""
+    v = described(model_desc, "acl.mdl.get_output_name_by_index")
+    return v.name(index, True) if _index_ok(v, index, True, "acl.mdl.get_output_name_by_index") else ""
+
+
+def _index_by_name(model_desc, name, outputs: bool, api: str):
+    v = described(model_desc, api)
+    if v is None:
+        return -1, ACL_ERROR_INVALID_PARAM
+    names = [v.name(i, outputs) for i in range(_count(v, outputs))]
+    if name not in names:
+        return -1, fail(ACL_ERROR_INVALID_PARAM, api, f"the model has no {'output' if outputs else 'input'} "
+                        f"named {name!r} (it has {names})")
+    return names.index(name), ACL_SUCCESS
+
+
+def get_input_index_by_name(model_desc: int, name: str):
+    """aclmdlGetInputIndexByName: (index, ret) of the input named ``name`` — the dynamic-index
+    input of a model with gears is `ACL_DYNAMIC_TENSOR_NAME` ("ascend_mbatch_shape_data")."""
+    return _index_by_name(model_desc, name, False, "acl.mdl.get_input_index_by_name")
+
+
+def get_output_index_by_name(model_desc: int, name: str):
+    """aclmdlGetOutputIndexByName: (index, ret) of the output named ``name``."""
+    return _index_by_name(model_desc, name, True, "acl.mdl.get_output_index_by_name")
 
 
 # -- datasets -----------------------------------------------------------------------------
@@ -239,31 +276,32 @@ def get_dataset_buffer(dataset: int, index: int) -> int:
 
 def destroy_dataset(dataset: int) -> int:
     """Destroy a dataset (not its data buffers)."""
+    S.dataset_values.pop(dataset, None)
+    S.dataset_descs.pop(dataset, None)
     if S.datasets.pop(dataset, None) is None:
         return fail(ACL_ERROR_INVALID_PARAM, "acl.mdl.destroy_dataset", f"{dataset!r} is not a "
                     "live dataset (destroyed twice?)")
     return ACL_SUCCESS
 
 
-def _buffers(dataset, values, exact: bool, api: str, mismatch: int):
-    """uint8 views per value, or an error code."""
+def _buffers(dataset, needs, exact: bool, api: str, mismatch: int):
+    """uint8 views of ``needs`` ((label, bytes) per buffer) at the dataset's buffers, or an
+    error code. ``exact``: a buffer must have exactly its bytes (else at least)."""
     if dataset not in S.datasets:
         return fail(ACL_ERROR_INVALID_PARAM, api, f"{dataset!r} is not a live dataset")
     bufs = S.datasets[dataset]
     what = "output" if mismatch == ACL_ERROR_MODEL_OUTPUT_NOT_MATCH else "input"
-    if len(bufs) != len(values):
+    if len(bufs) != len(needs):
         return fail(mismatch, api, f"the {what} dataset has {len(bufs)} buffers, the model "
-                    f"{len(values)} {what}s")
+                    f"{len(needs)} {what}s")
     views = []
-    for i, (b, v) in enumerate(zip(bufs, values)):
+    for i, (b, (label, need)) in enumerate(zip(bufs, needs)):
         if b not in S.data_buffers:
             return fail(ACL_ERROR_INVALID_PARAM, api, f"{what} {i}: data buffer {b!r} was destroyed")
         ptr, size = S.data_buffers[b]
-        need = _nbytes(v.desc)
         if size != need if exact else size < need:
             return fail(ACL_ERROR_GE_EXEC_MODEL_DATA_SIZE_INVALID, api,
-                        f"{what} {i} ({v.name}, {v.desc}) needs {need} bytes, its data buffer "
-                        f"has {size}")
+                        f"{what} {i} ({label}) needs {need} bytes, its data buffer has {size}")
         hit = S.find(ptr, need)
         if hit is None:
             return fail(ACL_ERROR_RT_PARAM_INVALID, api, f"{what} {i}: {need} bytes at {ptr!r} "
@@ -272,8 +310,63 @@ def _buffers(dataset, values, exact: bool, api: str, mismatch: int):
     return views
 
 
+def _dim_values(shapes: ModelShapes, dataset: int, api: str):
+    """The dynamic dims' values for an execution on input ``dataset``: the gear set by
+    ``acl.mdl.set_dynamic_*``, or (no gears) the shapes ``set_dataset_tensor_desc`` gave;
+    an error code when they are missing or inconsistent."""
+    if not shapes.dynamic:
+        return {}
+    if shapes.gears:
+        values = S.dataset_values.get(dataset)
+        if values is None:
+            return fail(ACL_ERROR_INVALID_PARAM, api, f"the model has {shapes.option} gears "
+                        f"{shapes.gear_list()}: call {GEAR_SETTERS[shapes.option]} on the input "
+                        "dataset before executing")
+        return values
+    descs = S.dataset_descs.get(dataset, {})
+    values = {}
+    for i, v in enumerate(shapes.inputs):
+        dyn = [(j, d) for j, d in enumerate(v.desc.shape) if isinstance(d, str)]
+        if not dyn:
+            continue
+        if i not in descs or descs[i] not in S.tensor_descs:
+            return fail(ACL_ERROR_INVALID_PARAM, api, f"input {i} ({v.name}) has dynamic dims "
+                        f"{list(shapes.described_dims(i, False))}: give its shape with "
+                        "acl.mdl.set_dataset_tensor_desc before executing")
+        dims = S.tensor_descs[descs[i]][1]
+        if len(dims) != len(v.desc.shape):
+            return fail(ACL_ERROR_MODEL_INPUT_NOT_MATCH, api, f"input {i} ({v.name}): the tensor "
+                        f"description has {len(dims)} dims, the input {len(v.desc.shape)}")
+        for j, d in dyn:
+            if values.setdefault(d, int(dims[j])) != int(dims[j]):
+                return fail(ACL_ERROR_MODEL_INPUT_NOT_MATCH, api, f"input {i} ({v.name}) dim {j} "
+                            f"is {dims[j]} but another input gives the same dynamic dim "
+                            f"{values[d]}")
+    return values
+
+
+def _call(cm, xs):
+    """Call ``cm`` with its graph inputs ``xs`` bound as at compile time: positional and
+    keyword arguments rebuilt from its calling convention (baked non-tensor values too)."""
+    cc = cm.calling_convention()
+    spec = cc.get("in_spec")
+    if spec is None:
+        return cm(*xs)
+    flat = [None] * spec.num_leaves
+    for i, value in (cc.get("baked") or {}).items():
+        flat[int(i)] = value
+    for x, pos in zip(xs, cc.get("input_positions") or range(len(xs))):
+        flat[pos] = x
+    args, kwargs = pytree.tree_unflatten(flat, spec)
+    return cm(*args, **kwargs)
+
+
 def execute(model_id: int, input: int, output: int) -> int:
-    """Run model ``model_id`` on the input dataset, writing the output dataset's buffers."""
+    """aclmdlExecute: run model ``model_id`` on the input dataset, writing the output
+    dataset's buffers. A model with gears runs the gear set by ``acl.mdl.set_dynamic_*``
+    (its inputs read from the leading bytes of the buffers, outputs written likewise); one
+    with dynamic ranges takes its input shapes from ``set_dataset_tensor_desc``.
+    Returns ACL_SUCCESS or an ACL error code (logged); never raises."""
     api = "acl.mdl.execute"
     if _init(api):
         return _init(api)
@@ -281,28 +374,45 @@ def execute(model_id: int, input: int, output: int) -> int:
     if cm is None:
         return fail(ACL_ERROR_INVALID_MODEL_ID, api, f"model id {model_id!r} is not loaded "
                     "(call acl.mdl.load_from_file first)")
-    ins, outs = _io(cm, False), _io(cm, True)
-    src = _buffers(input, ins, True, api, ACL_ERROR_MODEL_INPUT_NOT_MATCH)
+    shapes = S.model_shapes[model_id]
+    values = _dim_values(shapes, input, api)
+    if isinstance(values, int):
+        return values
+    label = lambda v, i, o: f"{v.name}, {v.desc.dtype.value}{list(shapes.shape(i, o, values))}"  # noqa: E731
+    needs = [(label(v, i, False), shapes.nbytes(i, False, values)) for i, v in enumerate(shapes.inputs)]
+    if shapes.gears:
+        needs.append((ACL_DYNAMIC_TENSOR_NAME, shapes.nbytes(shapes.index_input, False)))
+    src = _buffers(input, needs, not shapes.dynamic, api, ACL_ERROR_MODEL_INPUT_NOT_MATCH)
     if isinstance(src, int):
         return src
-    dst = _buffers(output, outs, False, api, ACL_ERROR_MODEL_OUTPUT_NOT_MATCH)
+    dst = _buffers(output, [(label(v, i, True), shapes.nbytes(i, True, values))
+                            for i, v in enumerate(shapes.outputs)], False, api,
+                   ACL_ERROR_MODEL_OUTPUT_NOT_MATCH)
     if isinstance(dst, int):
         return dst
     xs = []
-    for raw, v in zip(src, ins):
+    for i, (raw, v) in enumerate(zip(src, shapes.inputs)):
         raw = raw if raw.data_ptr() % 64 == 0 else raw.clone()
-        xs.append(raw.view(v.desc.dtype.torch).reshape(tuple(int(s) for s in v.desc.shape)))
+        xs.append(raw.view(v.desc.dtype.torch).reshape(shapes.shape(i, False, values)))
     try:
         with torch.no_grad():
-            result = cm(*xs)
-    except Exception as e:  # the model's own one-line error
+            result = _call(cm, xs)
+    except Exception as e:  # noqa: BLE001 - the model's own one-line error, as a code
         return fail(ACL_ERROR_FAILURE, api, f"model {model_id}: {e}")
     ys = [t for t in pytree.tree_leaves(result) if isinstance(t, torch.Tensor)]
     if len(ys) != len(dst):
         return fail(ACL_ERROR_FAILURE, api, f"model {model_id} returned {len(ys)} tensors, its "
                     f"description {len(dst)} outputs")
     for raw, y in zip(dst, ys):
-        raw.copy_(y.contiguous().reshape(-1).view(torch.uint8))
+        raw[:y.numel() * y.element_size()].copy_(y.contiguous().reshape(-1).view(torch.uint8))
+    with S.lock:
+        S.model_values[model_id] = dict(values)
+        if shapes.dynamic:   # the output dataset's tensor descriptions: this run's shapes
+            descs = S.dataset_descs.setdefault(output, {})
+            for i, y in enumerate(ys):
+                h = descs.get(i)
+                descs[i] = h = h if h in S.tensor_descs else S.new_handle()
+                S.tensor_descs[h] = (dtype_to_acl(y.dtype), tuple(y.shape), ACL_FORMAT_ND)
     return ACL_SUCCESS
 
 
@@ -311,3 +421,9 @@ def execute_async(model_id: int, input: int, output: int, stream: int) -> int:
     if stream not in S.streams and stream != 0:
         return fail(ACL_ERROR_INVALID_PARAM, "acl.mdl.execute_async", f"{stream!r} is not a live stream")
     return execute(model_id, input, output)
+
+
+from .mdl_dynamic import (get_dataset_tensor_desc, get_dynamic_batch, get_dynamic_hw,  # noqa: E402,F401
+                          get_input_dynamic_dims, get_input_dynamic_gear_count,
+                          set_dataset_tensor_desc, set_dynamic_batch_size, set_dynamic_hw_size,
+                          set_input_dynamic_dims)

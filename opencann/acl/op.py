@@ -107,8 +107,9 @@ def execute_v2(op_type: str, input_desc, inputs, output_desc, outputs, attr: int
     try:
         with torch.no_grad():
             res = fn(*xs, **S.attrs.get(attr, {}))
-    except (TypeError, RuntimeError) as e:
-        return fail(ACL_ERROR_OP_ATTR_NOT_MATCH, api, f"{op_type}: {str(e).splitlines()[0]}")
+    except Exception as e:  # noqa: BLE001 - a kernel's refusal of these inputs/attrs, as a code
+        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+        return fail(ACL_ERROR_OP_ATTR_NOT_MATCH, api, f"{op_type}: {msg}")
     res = list(res) if isinstance(res, (tuple, list)) else [res]
     if len(res) != len(outs):
         return fail(ACL_ERROR_OP_OUTPUT_NOT_MATCH, api, f"{op_type} returns {len(res)} outputs, "

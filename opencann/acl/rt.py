@@ -234,12 +234,20 @@ def memcpy(dst: int, dest_max: int, src: int, count: int, kind: int) -> int:
         where = lambda r: "host" if r.device is None else "device"  # noqa: E731
         return fail(ACL_ERROR_INVALID_PARAM, api, f"kind {kind} does not match: src is {where(s[0])}"
                     f" memory, dst is {where(d[0])} memory")
-    d[1].copy_(s[1])
+    # overlapping ranges are copied as memmove does (through a temporary)
+    same = s[0] is d[0] and abs(src - dst) < count
+    d[1].copy_(s[1].clone() if same else s[1])
     return ACL_SUCCESS
 
 
 def memset(dev_ptr: int, max_size: int, value: int, count: int) -> int:
-    """Set ``count`` bytes at ``dev_ptr`` to ``value``."""
+    """aclrtMemset: set ``count`` bytes at ``dev_ptr`` to ``value`` (a byte, 0..255).
+    ACL_ERROR_INVALID_PARAM (logged) for another value or a range outside one allocation."""
+    api = "acl.rt.memset"
+    if _init(api):
+        return _init(api)
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 255:
+        return fail(ACL_ERROR_INVALID_PARAM, api, f"value {value!r} is not a byte (0..255)")
     hit = S.find(dev_ptr, count) if isinstance(count, int) and count <= max_size else None
     if hit is None:
         return fail(ACL_ERROR_INVALID_PARAM, "acl.rt.memset", f"{count!r} bytes at {dev_ptr!r} are "

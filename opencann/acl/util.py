@@ -1,9 +1,14 @@
 """``acl.util``: numpy arrays and bytes as pointers, and back (pyACL's helpers).
 
-`numpy_to_ptr` / `bytes_to_ptr` return the object's own address and register it as
-host memory (the facade keeps a reference, so the pointer stays valid until
-`acl.finalize`); `ptr_to_numpy` returns an array sharing the memory at a pointer."""
+`numpy_to_ptr` returns the array's own address and registers it as host memory for as
+long as the array lives: as in pyACL, the caller keeps the array alive while the pointer
+is used, and the facade holds no reference (a served request's arrays are freed with it).
+`bytes_to_ptr` copies immutable ``bytes`` once into a buffer the pointer addresses (kept
+until `acl.finalize`; a ``bytearray`` is addressed in place for as long as the facade
+runs). `ptr_to_numpy` returns an array sharing the memory at a pointer."""
 from __future__ import annotations
+
+import weakref
 
 import numpy as np
 import torch
@@ -29,21 +34,63 @@ def _register(base: int, mem: torch.Tensor, keep) -> int:
     return base
 
 
+class _Borrowed(S.Region):
+    """A numpy array's memory, addressable while the array lives: a weak reference, and
+    the region is dropped when the array is freed. A read-only array is addressed through
+    a copy, dropped with the array too."""
+
+    def __init__(self, base: int, array: np.ndarray):
+        super().__init__(base, torch.empty(0, dtype=torch.uint8), None, owned=False)
+        self._ref = weakref.ref(array)
+        flat = array.reshape(-1).view(np.uint8)
+        self._copy = None if array.flags.writeable else torch.from_numpy(flat.copy())
+        weakref.finalize(array, _drop, base, id(self))
+
+    @property
+    def mem(self) -> torch.Tensor:
+        if self._copy is not None:
+            return self._copy
+        a = self._ref()
+        if a is None:
+            return torch.empty(0, dtype=torch.uint8)
+        return torch.from_numpy(a.reshape(-1).view(np.uint8))
+
+    @mem.setter
+    def mem(self, value) -> None:   # the dataclass __init__ assigns it
+        pass
+
+
+def _drop(base: int, token: int) -> None:
+    with S.lock:
+        r = S.regions.get(base)
+        if r is not None and id(r) == token:
+            S.del_region(base)
+
+
 def numpy_to_ptr(array: np.ndarray) -> int:
     """The address of a C-contiguous numpy array's data, usable as a host pointer."""
     if not isinstance(array, np.ndarray) or not array.flags.c_contiguous:
         fail(ACL_ERROR_INVALID_PARAM, "acl.util.numpy_to_ptr", "needs a C-contiguous numpy array "
              "(np.ascontiguousarray)")
         return 0
-    flat = array.reshape(-1).view(np.uint8)
-    if not flat.flags.writeable:
-        flat = flat.copy()
-    return _register(array.ctypes.data, torch.from_numpy(flat), array)
+    base = array.ctypes.data
+    if array.nbytes == 0:
+        return base
+    with S.lock:
+        r = S.regions.get(base)
+        if r is not None and r.owned and r.keep is None:
+            return base   # already an acl allocation (e.g. ptr_to_numpy's array)
+        S.add_region(_Borrowed(base, array))
+    return base
 
 
 def bytes_to_ptr(data) -> int:
     """The address of a ``bytes``/``bytearray``'s data (bytes are copied once to a
     writable buffer, since pyACL's writes into bytes would be undefined)."""
+    if not isinstance(data, (bytes, bytearray)):
+        fail(ACL_ERROR_INVALID_PARAM, "acl.util.bytes_to_ptr", f"needs bytes or a bytearray, got "
+             f"{type(data).__name__}")
+        return 0
     arr = np.frombuffer(data if isinstance(data, bytearray) else bytearray(data), dtype=np.uint8)
     return _register(arr.ctypes.data, torch.from_numpy(arr), arr)
 
