@@ -81,7 +81,16 @@ def _compile(model, example_inputs, device, options, example_kwargs, input_shape
 def save(compiled, path: str, description: str = "") -> None:
     """Write a `CompiledModel` to ``path`` (an ``.ocm`` model file: optimized graph, memory
     plan, schedule, report, metadata as JSON; weights as safetensors; sha256 per
-    section; no pickle). Raises ModelFileError if part of the graph cannot be stored."""
+    section; no pickle). Raises ModelFileError if part of the graph cannot be stored,
+    TypeError for anything but an `opencann.compile` result (a module, a torch.compile
+    result)."""
+    from .engine import CompiledModel
+    if not isinstance(compiled, CompiledModel):
+        what = ("a torch.compile result" if hasattr(compiled, "_torchdynamo_orig_callable")
+                or type(compiled).__name__ == "OptimizedModule" else type(compiled).__name__)
+        raise TypeError(f"opencann.save takes what opencann.compile returns (a CompiledModel), "
+                        f"got {what}: compile with opencann.compile(model, example_inputs) and "
+                        "save that")
     from .runtime.model_file import save as _save
     _save(compiled, path, description=description)
 

@@ -644,6 +644,8 @@ def main(argv=None) -> int:
     errors exit through argparse (status 2)."""
     args = _parser().parse_args(argv)
     if args.cmd == "atc":
+        from .tools.atc import output_in
+        args.output = output_in(args.output, args.model)
         args.output_dir = os.path.dirname(args.output)
     try:
         return args.fn(args)

@@ -553,6 +553,9 @@ def save(compiled, path: str, description: str = "") -> Dict[str, Any]:
 def read_sections(path: str, verify: bool = True) -> Tuple[Dict[str, Any], Dict[str, memoryview]]:
     """(header, section name -> bytes) of the file at ``path``, every checksum checked.
     Raises ModelFileError (what is wrong, one line) or FileNotFoundError."""
+    if os.path.isdir(path):
+        raise ModelFileError(f"{path} is a directory, not a model file: pass the .ocm file "
+                             "(written by opencann.save or opencann atc)")
     with open(path, "rb") as f:   # one copy of the file, 64-byte aligned; sections are views
         data = memoryview(torch.empty(os.fstat(f.fileno()).st_size, dtype=torch.uint8).numpy())
         f.readinto(data)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import re
 from typing import Dict, Tuple
 
@@ -66,5 +67,19 @@ def input_shape(text: str) -> Dict[str, Tuple[int, ...]]:
 
 
 def output_path(text: str) -> str:
-    """``--output r50`` -> "r50.ocm" (ATC appends .om; we append .ocm unless given)."""
+    """``--output r50`` -> "r50.ocm" (ATC appends .om; we append .ocm unless given); a
+    directory (``out/``, or one that exists) is kept as it is: `output_in` names the file
+    in it after the model."""
+    if text.endswith(("/", os.sep)) or os.path.isdir(text):
+        return text
     return text if text.endswith(".ocm") else text + ".ocm"
+
+
+def output_in(output: str, model: str) -> str:
+    """The model file ``--output`` names: ``output`` itself, or for a directory
+    ``<dir>/<model's file stem>.ocm`` (``--model resnet50.onnx --output out/`` ->
+    ``out/resnet50.ocm``), never a hidden ``out/.ocm``."""
+    if not (output.endswith(("/", os.sep)) or os.path.isdir(output)):
+        return output
+    stem = os.path.splitext(os.path.basename(str(model).split(":")[0].rstrip("/" + os.sep)))[0]
+    return os.path.join(output, (stem or "model") + ".ocm")
