@@ -34,6 +34,7 @@ import torch
 from ..ir.symbolic import bind
 from ..log import logger
 from ..passes.gear_padding import PaddingCheck, follow_padded_dim, padding_summary
+from ..frontend.torch import CaptureError
 from .dynamic import DynamicCompiledModel, compile_dynamic
 
 GEAR_OPTIONS = ("dynamic_batch_size", "dynamic_image_size", "dynamic_dims")
@@ -248,6 +249,32 @@ def setup_gears(cm: DynamicCompiledModel, opt: str, names: Sequence[str],
         logger.info("gears: %s", line)
 
 
+def _name_the_input(model, args, kwargs, opt: str, spec: Dict[str, Dict[int, str]],
+                    ranges, error: Exception) -> None:
+    """``opt``'s default spec (the dims of EVERY tensor input) made a dim the model fixes:
+    find the input that does not carry it (capturing without each input's entry, at most
+    4 tries) and raise ValueError naming it, the rule and the fix; return when none alone
+    is the cause (the caller re-raises ``error``)."""
+    from .dynamic import _capture   # the engine's own capture with dynamic dims
+    if len(spec) < 2 or len(spec) > 4:
+        return
+    tensors = dict(_tensor_args(model, args, kwargs))
+    for name in spec:
+        rest = {k: v for k, v in spec.items() if k != name}
+        try:
+            _capture(model, args, kwargs, rest, ranges)
+        except (CaptureError, ValueError):
+            continue
+        t = tensors.get(name)
+        shown = f"{str(t.dtype).replace('torch.', '')}{list(t.shape)}" if t is not None else ""
+        rule = ("dim 0" if opt == "dynamic_batch_size" else "dims 2 and 3")
+        raise ValueError(
+            f"{opt} makes {rule} of every tensor input dynamic (ATC: the dims given -1 in "
+            f"--input_shape), but input {name!r} {shown} does not carry them: the model uses that "
+            f"size as a constant; name the inputs that do, e.g. dynamic_shapes={rest!r} with the "
+            "option") from None
+
+
 def compile_with_gears(model, example_inputs, options: Dict[str, Any], dynamic_shapes: Any = None,
                        device: str = "cpu", example_kwargs: Optional[Dict[str, Any]] = None
                        ) -> DynamicCompiledModel:
@@ -265,7 +292,15 @@ def compile_with_gears(model, example_inputs, options: Dict[str, Any], dynamic_s
     # the example's own size may lie outside the gears: export needs it in range
     ranges = {n: (min([g[i] for g in gears] + seen.get(n, [])),
                   max([g[i] for g in gears] + seen.get(n, []))) for i, n in enumerate(names)}
-    cm = compile_dynamic(model, example_inputs, spec, device=device, options=rest,
-                         example_kwargs=example_kwargs, dim_ranges=ranges)
+    # a dim with one value in every gear and the example (one gear, [4, 4]) is still
+    # captured dynamic, over [v, v + 1] (torch.export needs min < max); only v is planned
+    ranges = {n: (lo, hi if hi > lo else lo + 1) for n, (lo, hi) in ranges.items()}
+    try:
+        cm = compile_dynamic(model, example_inputs, spec, device=device, options=rest,
+                             example_kwargs=example_kwargs, dim_ranges=ranges)
+    except CaptureError as e:
+        if dynamic_shapes is None and "cannot be dynamic" in str(e):
+            _name_the_input(model, args, example_kwargs, opt, spec, ranges, e)
+        raise
     setup_gears(cm, opt, names, gears)
     return cm

@@ -31,12 +31,12 @@ import sys
 import threading
 import time
 import warnings
-from typing import Any, Dict, Iterator, List, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
 from ...ir.types import DataType
-from .dynamic import constraint_violation
+from .dynamic import constraint_violation, declared_ranges
 from .layout_queries import LayoutQueries
 from .view_writes import rewrite_written_unfolds, written_expand
 
@@ -170,7 +170,7 @@ def _capture(model, args, kwargs, dynamic_shapes=None):
     except CaptureError:
         raise
     except Exception as e:  # noqa: BLE001 - re-raised with advice
-        raise CaptureError(_explain(model, args, kwargs or {}, e)) from None
+        raise CaptureError(_explain(model, args, kwargs or {}, e, declared_ranges(dynamic_shapes))) from None
     t2 = time.perf_counter()
     return ep, {"export": t1 - t0, "decompose": t2 - t1}
 
@@ -319,11 +319,13 @@ def _inputs_changed_in_place(model: torch.nn.Module, args, kwargs,
     return None
 
 
-def _explain(model: torch.nn.Module, args, kwargs, e: BaseException) -> str:
-    """One line: why torch.export failed on ``model`` and what to change."""
+def _explain(model: torch.nn.Module, args, kwargs, e: BaseException,
+             ranges: Optional[Dict[str, Tuple[int, Optional[int]]]] = None) -> str:
+    """One line: why torch.export failed on ``model`` and what to change (``ranges``: the
+    dynamic dims' declared ranges, see `declared_ranges`)."""
     name = type(model).__name__
     msg = str(e)
-    violation = constraint_violation(msg)
+    violation = constraint_violation(msg, ranges)
     if violation:
         return violation
     inputs = _describe_inputs(model, args, kwargs)

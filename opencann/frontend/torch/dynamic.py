@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import ast
 import inspect
+import math
 import re
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
@@ -45,8 +46,10 @@ def _range_of(name: str, entry: Any, ranges: Mapping[str, Tuple[int, int]]):
         lo, hi = entry[1], entry[2]
     if name in ranges:
         r = ranges[name]
-        if not (isinstance(r, (tuple, list)) and len(r) == 2 and all(isinstance(v, int) for v in r)):
-            raise ValueError(f"dim_ranges[{name!r}] is {r!r}; give (min, max) ints, e.g. (16, 512)")
+        if not (isinstance(r, (tuple, list)) and len(r) == 2 and isinstance(r[0], int)
+                and (r[1] is None or isinstance(r[1], int))):
+            raise ValueError(f"dim_ranges[{name!r}] is {r!r}; give (min, max) ints, e.g. (16, 512) "
+                             "(max None: unbounded)")
         lo, hi = r
     if lo < 0 or (hi is not None and hi < lo):
         raise ValueError(f"dynamic dim {name!r} has range [{lo}, {hi}]; give 0 <= min <= max")
@@ -123,6 +126,7 @@ def export_dynamic_shapes(model: torch.nn.Module, args: Tuple[Any, ...],
     labels.update({(n, i): getattr(d, "__name__", f"{n}.shape[{i}]")
                    for n, s in by_name.items() if isinstance(s, (list, tuple))
                    for i, d in enumerate(s) if d is not None and not isinstance(d, (list, tuple, dict))})
+    _check_example_sizes(names, list(args) + [kwargs[k] for k in (kwargs or {})], labels)
     fixed, star = _varargs(model)
     n_pos = len(args)
     if star is not None and n_pos > fixed:   # forward(self, x, *rest): torch.export takes
@@ -138,6 +142,22 @@ def export_dynamic_shapes(model: torch.nn.Module, args: Tuple[Any, ...],
     if kwargs:   # keyed by name, as torch.export takes it with keyword inputs
         return {n: by_name[n] for n in names}, labels, dims.free
     return tuple(by_name[n] for n in names), labels, dims.free
+
+
+def _check_example_sizes(names: List[str], values: List[Any],
+                         labels: Mapping[Tuple[str, int], str]) -> None:
+    """Raise ValueError (one line) when a dim declared dynamic has size 0 or 1 in the
+    example: torch.export specialises those sizes to constants ("0/1 specialization",
+    torch.export docs), so the dim cannot be captured dynamic from that example."""
+    by_name = dict(zip(names, values))
+    for (n, i), label in labels.items():
+        t = by_name.get(n)
+        if isinstance(t, torch.Tensor) and isinstance(i, int) and i < t.dim() and t.shape[i] < 2:
+            raise ValueError(
+                f"input {n!r} dim {i} ({label}) is {t.shape[i]} in the example, and torch.export "
+                f"specialises a size of 0 or 1 to a constant, so that dim cannot be dynamic: give "
+                f"an example whose {label} is at least 2 (calls with {label} = 1 are still served "
+                "when its range includes 1)")
 
 
 def _varargs(model: torch.nn.Module) -> Tuple[int, Optional[str]]:
@@ -201,30 +221,118 @@ def _vr(ep, expr) -> Dict[str, Optional[int]]:
 
 
 _VIOLATION = re.compile(r"Not all values of (\w+) = .*? satisfy the generated guard (.*)")
+_SPECIALIZED = re.compile(r"You marked (\w+) as dynamic but your code specialized it to be a "
+                          r"constant \((\d+)\)")
 _SIZE = re.compile(r"L\['[^']+'\]\.size\(\)\[\d+\]")
 
 
-def constraint_violation(message: str) -> Optional[str]:
+#: names torch's guard strings may call (sympy's printing of its size functions)
+_GUARD_NAMESPACE = {"__builtins__": {}, "Max": max, "Min": min, "Abs": abs,
+                    "Mod": lambda a, b: a % b, "FloorDiv": lambda a, b: a // b,
+                    "floor": math.floor, "ceiling": math.ceil, "Eq": lambda a, b: a == b,
+                    "Ne": lambda a, b: a != b, "True": True, "False": False}
+#: how many sizes above a dim's minimum a guard is evaluated at
+_GUARD_WINDOW = 4096
+
+
+def _failing(guard: str, name: str, lo: int, hi: Optional[int]) -> Optional[List[int]]:
+    """The sizes of dim ``name`` in [lo, hi] (at most `_GUARD_WINDOW` of them) at which
+    ``guard`` (a Python expression over ``name``) is false; None when it cannot be
+    evaluated (another dim in it, a function not in `_GUARD_NAMESPACE`)."""
+    top = lo + _GUARD_WINDOW if hi is None else min(hi, lo + _GUARD_WINDOW)
+    try:
+        code = compile(guard, "<guard>", "eval")
+        return [v for v in range(lo, top + 1) if not eval(code, _GUARD_NAMESPACE, {name: v})]
+    except Exception:  # noqa: BLE001 - an expression this evaluator does not know
+        return None
+
+
+def _fixed_range(failing: List[int], lo: int, hi: Optional[int]) -> Optional[Tuple[int, Optional[int]]]:
+    """The widest run of sizes in [lo, hi] without a failing one (its top open when it
+    reaches the end of the evaluated window), or None when passing sizes are scattered
+    (more than 4 runs: a parity or divisibility guard, which no range fixes)."""
+    top = lo + _GUARD_WINDOW if hi is None else min(hi, lo + _GUARD_WINDOW)
+    edges = [lo - 1] + sorted(set(failing)) + [top + 1]
+    runs = [(a + 1, b - 1) for a, b in zip(edges, edges[1:]) if b - a > 1]
+    if not runs or len(runs) > 4:
+        return None
+    start, end = max(runs, key=lambda r: (r[1] - r[0], r[0]))
+    return start, (hi if end == top else end)
+
+
+def constraint_violation(message: str, ranges: Optional[Mapping[str, Tuple[int, Optional[int]]]] = None
+                         ) -> Optional[str]:
     """One line for torch.export's "Constraints violated" error (a dynamic dim whose
     declared range holds sizes the model rejects): what the model requires of each dim
-    and the fix, ``dim_ranges={'seq': (2, 512)}`` when the requirement is a range; None
-    for any other message."""
+    and the fix, ``dim_ranges={'seq': (2, 512)}`` when a range fixes it; None for any
+    other message. Each guard is evaluated over the dim's declared range (``ranges``:
+    name -> (min, max or None); default [1, inf)): guards true throughout the range are
+    left out, the others are shown with the sizes that break them, and the fix is the
+    widest range where every guard holds. A guard no range satisfies (the sizes must be
+    even) is said so, with torch.export's own suggested fix."""
+    fixed_to = dict(_SPECIALIZED.findall(message))
+    if "Constraints violated" in message and fixed_to:
+        shown = ", ".join(f"{n} to {v}" for n, v in fixed_to.items())
+        return (f"the model fixes the dynamic dim {shown} (its code uses that size as a constant, "
+                f"e.g. against a fixed-size weight or input), so it cannot be dynamic; fix: leave "
+                f"{'that dim' if len(fixed_to) == 1 else 'those dims'} out of dynamic_shapes "
+                "(a static size)")
     found = _VIOLATION.findall(message)
     if "Constraints violated" not in message or not found:
         return None
-    needs, fixes = [], {}
+    ranges = dict(ranges or {})
+    needs, fixes, unfixable = [], {}, []
     for name, guard in found:
-        guard = _SIZE.sub(name, guard.strip())
-        needs.append(guard.replace(" and ", ", "))
-        lo = re.search(rf"(\d+) <= {name}\b", guard)
-        hi = re.search(rf"\b{name} <= (\d+)", guard)
-        if lo or hi:
-            fixes[name] = (int(lo.group(1)) if lo else DEFAULT_MIN, int(hi.group(1)) if hi else None)
-    fix = (f"dim_ranges={fixes!r}" if fixes and all(h is not None for _, h in fixes.values())
-           else "narrow the dims' ranges to what the model accepts")
-    return (f"the model does not accept every size in the declared range of "
-            f"{', '.join(n for n, _ in found)}: it requires {'; '.join(needs)} (torch.export's "
-            f"guards); fix: {fix}")
+        guard = _SIZE.sub(name, guard.strip()).rstrip(".").strip()
+        lo, hi = ranges.get(name, (DEFAULT_MIN, None))
+        failing = _failing(guard, name, lo, hi)
+        if failing is None:   # not evaluable: the guard as torch states it, bounds by pattern
+            needs.append(guard.replace(" and ", ", "))
+            lo_m = re.search(rf"(\d+) <= {name}\b", guard)
+            hi_m = re.search(rf"\b{name} <= (\d+)", guard)
+            if lo_m or hi_m:
+                fixes[name] = (int(lo_m.group(1)) if lo_m else lo, int(hi_m.group(1)) if hi_m else hi)
+            continue
+        if not failing:
+            continue          # true for every size in the range
+        shown = ", ".join(map(str, failing[:4])) + (", ..." if len(failing) > 4 else "")
+        needs.append(f"{guard} (false at {name} = {shown})")
+        fixed = _fixed_range(failing, lo, hi)
+        if fixed is None:
+            unfixable.append(name)
+            continue
+        old = fixes.get(name, (lo, hi))
+        fixes[name] = (max(old[0], fixed[0]),
+                       fixed[1] if old[1] is None else old[1] if fixed[1] is None else min(old[1], fixed[1]))
+    names = ", ".join(dict.fromkeys(n for n, _ in found))
+    hint = re.search(r"Suggested fixes:\s*\n(.*?)(?:\n\s*\n|$)", message, re.S)
+    sugg = "; ".join(x.strip() for x in hint.group(1).splitlines() if x.strip()) if hint else ""
+    instead = (f"declare the dim as torch.export suggests ({sugg}; only those sizes are then "
+               "served), or " if sugg else "") + ("compile with torch.compile(model, "
+                                                   "backend='opencann'), which specialises per shape")
+    if not needs:
+        shown = "; ".join(dict.fromkeys(_SIZE.sub(n, g.strip()).rstrip(".").strip() for n, g in found))
+        return (f"torch.export cannot prove guards that hold for every size of {names} in the "
+                f"declared range ({shown}), so no range fixes it; fix: {instead}")
+    if unfixable:
+        fix = f"no range of {', '.join(unfixable)} satisfies it; {instead}"
+    elif fixes:
+        fix = f"dim_ranges={fixes!r}"
+    else:
+        fix = "narrow the dims' ranges to what the model accepts"
+    return (f"the model does not accept every size in the declared range of {names}: it "
+            f"requires {'; '.join(needs)} (torch.export's guards); fix: {fix}")
+
+
+def declared_ranges(dynamic_shapes: Any) -> Dict[str, Tuple[int, Optional[int]]]:
+    """name -> (min, max or None) of the torch.export ``Dim`` objects in
+    ``dynamic_shapes`` (a max of torch's "infinity" is None)."""
+    out = {}
+    for d in torch.utils._pytree.tree_leaves(dynamic_shapes, is_leaf=_is_dim):
+        if _is_dim(d) and hasattr(d, "min"):
+            hi = getattr(d, "max", None)
+            out[d.__name__] = (int(d.min), int(hi) if isinstance(hi, int) and hi < 2 ** 62 else None)
+    return out
 
 
 def required_ranges(message: str) -> Dict[str, Tuple[int, int]]:

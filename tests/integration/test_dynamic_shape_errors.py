@@ -1,0 +1,151 @@
+"""Dynamic dims and gears: what cannot be compiled is one line naming the problem and a
+fix that works; what can (one gear, repeated gears, a range torch.export narrows) is
+compiled and matches eager."""
+import pytest
+import torch
+
+import opencann
+from opencann.frontend.torch import CaptureError
+from opencann.frontend.torch.dynamic import constraint_violation
+
+
+class Lin(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.l = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.l(x).relu()
+
+
+class Two(torch.nn.Module):
+    """``b`` has no batch dim: it broadcasts over the features."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.l = torch.nn.Linear(4, 4)
+
+    def forward(self, x, b):
+        return self.l(x) + b
+
+
+class Half(torch.nn.Module):
+    def forward(self, x):
+        return x[:, : x.shape[1] // 2] * 2
+
+
+class PosTable(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.p = torch.nn.Parameter(torch.randn(16, 4))
+
+    def forward(self, x):
+        return x + self.p[: x.shape[1]]
+
+
+def _x(*shape, seed=0):
+    t = torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+    t.view(-1)[1] = float("nan")
+    return t
+
+
+def _one_line(e):
+    assert "\n" not in str(e.value), str(e.value)
+    return str(e.value)
+
+
+@pytest.mark.parametrize("gears", [[8], [8, 8]])
+def test_one_gear_compiles_and_serves_only_it(gears):
+    m = Lin().eval()
+    cm = opencann.compile(m, (_x(8, 4),), options={"dynamic_batch_size": gears})
+    for _ in range(2):
+        x = _x(8, 4, seed=1)
+        torch.testing.assert_close(cm(x), m(x), equal_nan=True, rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match=r"not one of the gears compiled with dynamic_batch_size=\[8\]"):
+        cm(_x(9, 4))
+
+
+def test_dynamic_dims_gear_with_a_dim_constant_across_gears():
+    m = Lin().eval()
+    cm = opencann.compile(m, (_x(2, 3, 4),), dynamic_shapes={"x": {0: "b", 1: "s"}},
+                          options={"dynamic_dims": [[2, 3], [2, 5]]})
+    for s in (3, 5):
+        x = _x(2, s, 4, seed=s)
+        torch.testing.assert_close(cm(x), m(x), equal_nan=True, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("how", ["dynamic_shapes", "gears"])
+def test_size_one_example_of_a_dynamic_dim_is_one_line(how):
+    kw = ({"dynamic_shapes": {"x": {0: "batch"}}} if how == "dynamic_shapes"
+          else {"options": {"dynamic_batch_size": [1, 2, 4]}})
+    with pytest.raises(ValueError) as e:
+        opencann.compile(Lin().eval(), (_x(1, 4),), **kw)
+    msg = _one_line(e)
+    assert "is 1 in the example" in msg and "at least 2" in msg and "specialises" in msg
+
+
+def test_size_two_example_still_serves_size_one():
+    m = Lin().eval()
+    cm = opencann.compile(m, (_x(2, 4),), dynamic_shapes={"x": {0: "batch"}})
+    x = _x(1, 4, seed=3)
+    torch.testing.assert_close(cm(x), m(x), equal_nan=True, rtol=1e-6, atol=1e-6)
+
+
+def test_gear_input_without_the_batch_dim_is_named():
+    with pytest.raises(ValueError) as e:
+        opencann.compile(Two().eval(), (_x(4, 4), _x(4)), options={"dynamic_batch_size": [2, 4]})
+    msg = _one_line(e)
+    assert "input 'b' float32[4] does not carry them" in msg
+    assert "dynamic_shapes={'x': {0: 'batch'}}" in msg
+    # the fix the message names works
+    m = Two().eval()
+    cm = opencann.compile(m, (_x(4, 4), _x(4)), dynamic_shapes={"x": {0: "batch"}},
+                          options={"dynamic_batch_size": [2, 4]})
+    x, b = _x(2, 4, seed=5), _x(4, seed=6)
+    torch.testing.assert_close(cm(x, b), m(x, b), equal_nan=True, rtol=1e-6, atol=1e-6)
+
+
+def test_dim_the_model_fixes_is_one_line():
+    with pytest.raises(CaptureError) as e:
+        opencann.compile(Two().eval(), (_x(4, 4), _x(4)),
+                         dynamic_shapes={"x": {0: "batch"}, "b": {0: "batch"}})
+    msg = _one_line(e)
+    assert "fixes the dynamic dim batch to 4" in msg and "leave that dim out of dynamic_shapes" in msg
+
+
+def test_guards_true_in_the_range_are_not_blamed_on_the_range():
+    with pytest.raises(CaptureError) as e:
+        opencann.compile(Half(), (_x(2, 8),), dynamic_shapes={"x": {1: "s"}})
+    msg = _one_line(e)
+    assert "cannot prove guards that hold for every size of s" in msg
+    assert "no range fixes it" in msg and "torch.compile" in msg
+    assert "narrow the dims' ranges" not in msg
+
+
+def test_a_bound_the_model_needs_is_applied_or_named():
+    m = PosTable()
+    cm = opencann.compile(m, (_x(2, 8, 4),), dynamic_shapes={"x": {1: "s"}})   # narrowed to [.., 16]
+    for s in (2, 16):
+        x = _x(2, s, 4, seed=s)
+        torch.testing.assert_close(cm(x), m(x), equal_nan=True)
+    with pytest.raises(ValueError, match="16"):
+        cm(_x(2, 17, 4))
+    with pytest.raises(CaptureError) as e:                     # a declared range too wide
+        opencann.compile(m, (_x(2, 8, 4),), dynamic_shapes={"x": {1: ("s", 2, 64)}})
+    assert "fix: dim_ranges={'s': (2, 16)}" in _one_line(e)
+
+
+def test_constraint_messages_drop_tautologies_and_find_the_range():
+    msg = ("Constraints violated (s)!\n"
+           "  - Not all values of s = L['x'].size()[1] in the specified range satisfy the generated "
+           "guard (L['x'].size()[1] // 2) <= L['x'].size()[1].\n"
+           "  - Not all values of s = L['x'].size()[1] in the specified range satisfy the generated "
+           "guard (L['x'].size()[1] // 2) != 1.\n")
+    line = constraint_violation(msg, {"s": (1, None)})
+    assert "(s // 2) != 1 (false at s = 2, 3)" in line and "(s // 2) <= s" not in line
+    assert line.endswith("fix: dim_ranges={'s': (4, None)}")
+    parity = msg.replace("(L['x'].size()[1] // 2) != 1", "L['x'].size()[1] % 2 == 0")
+    assert "no range of s satisfies it" in constraint_violation(parity, {"s": (1, None)})
