@@ -145,6 +145,8 @@ def _first(result: Any) -> torch.Tensor:
 
 
 def show_element(t: torch.Tensor, i: int) -> str:
+    """Element ``i`` of ``t`` in row-major order (of its logical shape), as ``%g`` text:
+    how the probe reasons quote a value."""
     return "%g" % t.contiguous().reshape(-1)[i].item()
 
 
