@@ -158,3 +158,17 @@ def test_every_probe_is_declared_with_what_it_guards():
     assert set(parity.FORMULAS) | {"layout", "conv_post_op", "conv_sum"} <= set(parity.PROBES)
     for p in parity.PROBES.values():
         assert p.guards and p.kernel and p.inputs, p.name
+
+
+def test_doctor_reports_the_cache_and_warns_when_it_cannot_be_written(counted, tmp_path,
+                                                                        monkeypatch):
+    from opencann.tools.doctor import _parity_check
+    probe, _ = counted
+    probe(-1)
+    check = _parity_check()
+    assert check.status == "ok" and check.value.startswith("1 probe answers for this CPU")
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    monkeypatch.setenv("OPENCANN_CACHE_DIR", str(blocker / "sub"))
+    check = _parity_check()
+    assert check.status == "warning" and "OPENCANN_CACHE_DIR" in check.advice

@@ -120,6 +120,18 @@ def store(entry: str, result: Optional[str]) -> None:
         logger.debug("eager-parity cache %s not written: %s", path, e)
 
 
+def status() -> Tuple[str, int, bool]:
+    """(this machine's results file, how many answers it holds, whether its directory is
+    writable or can be created): for ``opencann doctor``."""
+    key = machine_key()
+    path = cache_file(key)
+    probe_dir = os.path.dirname(path)
+    while not os.path.exists(probe_dir) and os.path.dirname(probe_dir) != probe_dir:
+        probe_dir = os.path.dirname(probe_dir)
+    writable = os.path.isdir(probe_dir) and os.access(probe_dir, os.W_OK | os.X_OK)
+    return path, len(_read(path, key)), writable
+
+
 def forget() -> None:
     """Drop what this process read from the cache files (the files stay)."""
     _loaded.clear()
@@ -128,4 +140,4 @@ def forget() -> None:
 MISSING = _MISSING
 
 __all__ = ["MISSING", "PROBE_VERSION", "cache_dir", "cache_file", "forget", "lookup",
-           "machine_key", "store"]
+           "machine_key", "status", "store"]
