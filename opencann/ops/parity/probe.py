@@ -6,7 +6,8 @@ compares with eager, and its inputs, and its ``run(*args)`` returns None (same v
 or one line saying where they differ. `Probe.__call__` looks the answer up per argument
 tuple, first in this process, then in the disk cache (`cache`: per CPU flags, torch
 version and `cache.PROBE_VERSION`), and runs the probe only when both miss. Every run is
-counted in `RUNS` and logged at debug level ("eager-parity probe ... ran").
+counted in `RUNS` (its seconds in `SECONDS`) and logged at debug level ("eager-parity
+probe ... ran").
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from ...log import logger
 from . import cache
 
 RUNS: "collections.Counter[str]" = collections.Counter()   # probe name -> runs in this process
+SECONDS: "collections.Counter[str]" = collections.Counter()  # probe name -> seconds they took
 PROBES: Dict[str, "Probe"] = {}                             # name -> declaration
 _memo: Dict[str, Optional[str]] = {}
 
@@ -66,8 +68,10 @@ class Probe:
             return hit
         t0 = time.perf_counter()
         result = self.run(*args)
+        took = time.perf_counter() - t0
         RUNS[self.name] += 1
-        logger.debug("eager-parity probe %s ran in %.3f s: %s", entry, time.perf_counter() - t0,
+        SECONDS[self.name] += took
+        logger.debug("eager-parity probe %s ran in %.3f s: %s", entry, took,
                      result or "same values as eager")
         _memo[entry] = result
         cache.store(entry, result)
@@ -91,4 +95,4 @@ def clear_memory() -> None:
     cache.forget()
 
 
-__all__ = ["PROBES", "Probe", "RUNS", "clear_memory", "register"]
+__all__ = ["PROBES", "Probe", "RUNS", "SECONDS", "clear_memory", "register"]
