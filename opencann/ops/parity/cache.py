@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import tempfile
 from typing import Any, Dict, Optional, Tuple
@@ -26,8 +27,9 @@ from typing import Any, Dict, Optional, Tuple
 import torch
 
 from ...devices.cpu import cpu_flags, mkldnn_available
-from ...log import logger
 
+# a child of the "opencann" logger (opencann/log.py: OPENCANN_LOG_LEVEL)
+logger = logging.getLogger("opencann.parity")
 # bump when a probe's inputs, kernels or comparison change: every cached result is dropped
 PROBE_VERSION = 1
 _FORMAT = 1

@@ -12,15 +12,17 @@ probe ... ran").
 from __future__ import annotations
 
 import collections
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Optional
 
 import torch
 
-from ...log import logger
 from . import cache
 
+# a child of the "opencann" logger (opencann/log.py: OPENCANN_LOG_LEVEL)
+logger = logging.getLogger("opencann.parity")
 RUNS: "collections.Counter[str]" = collections.Counter()   # probe name -> runs in this process
 SECONDS: "collections.Counter[str]" = collections.Counter()  # probe name -> seconds they took
 PROBES: Dict[str, "Probe"] = {}                             # name -> declaration
