@@ -1,6 +1,6 @@
 """The formula fusions (spelled-out GELU in erf and tanh form, x·sigmoid(x)) keep eager's
 NaN and ±inf on every CPU: they rewrite only where this CPU's kernels of the fused op
-place NaN and ±inf as the formula does (`opencann.devices.cpu_special_values`).
+place NaN and ±inf as the formula does (`opencann.ops.parity`).
 
 CI found the fault this guards: on an AVX-512 machine oneDNN's exact GELU, which ATen uses
 for contiguous fp32 tensors, returns NaN for +inf (pytorch/pytorch#185770), so the fused
@@ -15,7 +15,9 @@ import torch
 import torch.nn.functional as F
 
 import opencann
-from opencann.devices import cpu_special_values as csv
+from opencann.ops import parity
+from opencann.ops.parity import activations
+from opencann.ops.parity.formulas import formula
 
 NAN, INF = float("nan"), float("inf")
 
@@ -37,46 +39,54 @@ FORMS = {"gelu": (gelu_erf, "fuse_gelu_erf"), "gelu_tanh": (gelu_tanh, "fuse_gel
 
 
 @pytest.fixture
-def fresh_probe():
-    csv.special_values_differ.cache_clear()
-    yield
-    csv.special_values_differ.cache_clear()
+def fresh_probe(tmp_path, monkeypatch):
+    """Probe answers from this test alone: nothing in memory and an empty disk cache;
+    calling the fixture's value starts afresh again (after a kernel is simulated)."""
+    n = [0]
+
+    def reset():
+        n[0] += 1
+        monkeypatch.setenv("OPENCANN_CACHE_DIR", str(tmp_path / f"probe-cache-{n[0]}"))
+        parity.clear_memory()
+    reset()
+    yield reset
+    parity.clear_memory()
 
 
 def _with_kernel(monkeypatch, act, name, fn):
     """Make the probe see kernel ``fn`` (named ``name``) for ``act`` before this CPU's
     own (so its reason is the one reported on any CPU)."""
-    real = csv._kernels
+    real = activations.kernels
 
     def kernels(a, dtype):
         if a == act:
             yield name, fn
         yield from real(a, dtype)
-    monkeypatch.setattr(csv, "_kernels", kernels)
+    monkeypatch.setattr(activations, "kernels", kernels)
 
 
 # the simulated kernels start from the formula, not from this CPU's F.gelu (which on an
 # AVX-512 machine already maps +inf to NaN and would be reported first)
 def _nan_at_posinf(x):  # oneDNN's AVX-512 exact GELU (pytorch/pytorch#185770)
-    return torch.where(torch.isposinf(x), torch.full_like(x, NAN), csv.formula(x, "gelu"))
+    return torch.where(torch.isposinf(x), torch.full_like(x, NAN), formula(x, "gelu"))
 
 
 def _zero_at_neginf(x):  # ATen's GELU after the fix proposed in pytorch/pytorch#192318
-    return torch.where(torch.isneginf(x), torch.zeros_like(x), csv.formula(x, "gelu"))
+    return torch.where(torch.isneginf(x), torch.zeros_like(x), formula(x, "gelu"))
 
 
 # -- the probe ----------------------------------------------------------------------
 
 def test_probe_names_a_kernel_that_turns_posinf_into_nan(monkeypatch, fresh_probe):
     _with_kernel(monkeypatch, "gelu", "simulated AVX-512 gelu", _nan_at_posinf)
-    why = csv.special_values_differ("gelu", torch.float32)
+    why = parity.special_values_differ("gelu", torch.float32)
     assert why.startswith("simulated AVX-512 gelu gives gelu(inf) = nan on this CPU where "
                           "the spelled-out formula gives inf (pytorch/pytorch#185770)"), why
 
 
 def test_probe_names_a_kernel_that_gives_zero_for_neginf(monkeypatch, fresh_probe):
     _with_kernel(monkeypatch, "gelu", "fixed gelu", _zero_at_neginf)
-    why = csv.special_values_differ("gelu", torch.float32)
+    why = parity.special_values_differ("gelu", torch.float32)
     assert why.startswith("fixed gelu gives gelu(-inf) = 0 on this CPU where the spelled-out "
                           "formula gives nan"), why
 
@@ -85,7 +95,7 @@ def test_probe_reports_a_kernel_that_raises(monkeypatch, fresh_probe):
     def raises(x):
         raise RuntimeError("no kernel for this dtype\nsecond line")
     _with_kernel(monkeypatch, "silu", "broken silu", raises)
-    assert csv.special_values_differ("silu", torch.bfloat16) == \
+    assert parity.special_values_differ("silu", torch.bfloat16) == \
         "broken silu fails for torch.bfloat16 on this CPU (no kernel for this dtype)"
 
 
@@ -95,7 +105,7 @@ def test_probe_agrees_with_atens_gelu_on_this_cpu(fresh_probe):
     x = torch.randn(1000)
     x[[0, 500, 999]] = torch.tensor([INF, -INF, NAN])
     for act, approximate in (("gelu", "none"), ("gelu_tanh", "tanh")):
-        if csv.special_values_differ(act, torch.float32) is None:
+        if parity.special_values_differ(act, torch.float32) is None:
             y = F.gelu(x, approximate=approximate)
             assert y[0] == INF and y[500].isnan() and y[999].isnan()
 
@@ -103,9 +113,9 @@ def test_probe_agrees_with_atens_gelu_on_this_cpu(fresh_probe):
 def test_formula_is_the_spelled_out_form():
     x = torch.tensor([-3.0, -0.5, 0.0, 0.7, 2.0, INF, -INF, NAN])
     for act, (f, _) in FORMS.items():
-        torch.testing.assert_close(csv.formula(x, act), f(x), rtol=0, atol=0, equal_nan=True)
+        torch.testing.assert_close(formula(x, act), f(x), rtol=0, atol=0, equal_nan=True)
     with pytest.raises(KeyError):
-        csv.formula(x, "relu6")
+        formula(x, "relu6")
 
 
 # -- the fusions on a CPU whose kernel differs (simulated) --------------------------
@@ -176,7 +186,7 @@ def test_spelled_out_gelu_is_kept_where_the_kernel_turns_inf_into_nan(where, mon
 @pytest.mark.parametrize("act", ["gelu_tanh", "silu"])
 def test_other_formula_fusions_are_kept_where_their_kernel_differs(act, monkeypatch, fresh_probe):
     _with_kernel(monkeypatch, act, f"simulated {act}",
-                 lambda x: torch.where(torch.isposinf(x), torch.full_like(x, NAN), csv.formula(x, act)))
+                 lambda x: torch.where(torch.isposinf(x), torch.full_like(x, NAN), formula(x, act)))
     form, pass_name = FORMS[act]
     cm = _compile_and_check(After(form, torch.nn.Linear(8, 8)), _specials((4, 8)))
     assert not [a for a in cm.report.applied if a["pass"] == pass_name]
@@ -195,7 +205,7 @@ def test_formula_fusions_match_eager_at_nan_and_inf_here(act, where, dtype, fres
     form, pass_name = FORMS[act]
     cm = _compile_and_check(After(form, LAYERS[where]()), _specials(SHAPES[where]), dtype)
     fired = [a for a in cm.report.applied if a["pass"] == pass_name]
-    assert bool(fired) is (csv.special_values_differ(act, dtype) is None)
+    assert bool(fired) is (parity.special_values_differ(act, dtype) is None)
 
 
 # -- model files: a fusion made on one CPU is not run where its kernel differs -----
@@ -207,16 +217,16 @@ def test_model_file_with_a_formula_fusion_is_refused_where_the_kernel_differs(
     m = After(form, torch.nn.Linear(8, 8)).eval()
     x = _specials((4, 8))
     cm = opencann.compile(m, (x,))
-    if csv.special_values_differ(act, torch.float32) is not None:
+    if parity.special_values_differ(act, torch.float32) is not None:
         pytest.skip(f"{act} is not fused on this CPU")
     assert [act, "float32"] in cm.graph.meta["formula_kernels"]
     path = str(tmp_path / "m.ocm")
     opencann.save(cm, path)
     with torch.no_grad():
         check(opencann.load(path)(x), m(x))          # the same CPU: loads and runs
-    csv.special_values_differ.cache_clear()
+    fresh_probe()
     _with_kernel(monkeypatch, act, f"simulated {act}",
-                 lambda t: torch.where(torch.isposinf(t), torch.full_like(t, NAN), csv.formula(t, act)))
+                 lambda t: torch.where(torch.isposinf(t), torch.full_like(t, NAN), formula(t, act)))
     with pytest.raises(opencann.ModelFileError) as e:
         opencann.load(path)
     msg = str(e.value)

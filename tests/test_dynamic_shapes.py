@@ -13,7 +13,7 @@ import torch.utils._pytree as pytree
 
 import opencann
 from opencann import zoo
-from opencann.devices.cpu_special_values import special_values_differ
+from opencann.ops.parity import special_values_differ
 from opencann.ir.specialise import specialise
 from opencann.ir.symbolic import SymExpr, bind, holds, symbols_of
 from opencann.passes import ConstantFolding

@@ -1,4 +1,4 @@
-"""`fold_batchnorm` near the dtype's limit (`opencann.passes.fusion.batchnorm_values`).
+"""`fold_batchnorm` near the dtype's limit (`opencann.ops.parity.batchnorm_fold`).
 
 Folding BatchNorm into the conv's weights moves where values overflow: eager's conv output
 overflows before a scale < 1 would bring it back, a float64 γ/√(var+eps) stays finite where
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import opencann
-from opencann.passes.fusion.batchnorm_values import fold_values, input_bound
+from opencann.ops.parity.batchnorm_fold import fold_values, input_bound
 
 
 class ConvBN(torch.nn.Module):

@@ -1,6 +1,6 @@
 """Rewrites that change the layout or the kernel an elementwise op runs at keep eager's
-result, which is eager's kernel at eager's layout (`opencann.devices.cpu_layout_values`,
-`opencann.ops.layout_values`): on AVX-512, ATen's exact GELU gives NaN for +inf on a
+result, which is eager's kernel at eager's layout (`opencann.ops.parity.layout_probe`,
+`opencann.ops.parity.layout_node`): on AVX-512, ATen's exact GELU gives NaN for +inf on a
 contiguous tensor (oneDNN, pytorch/pytorch#185770) and +inf on a channels-last one, so
 the CPU layout stage must not move it to NHWC, the executor must not hand it oneDNN's
 channels-last convolution output, and `fuse_conv_act` must not fuse it as a oneDNN
@@ -14,8 +14,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import opencann
-from opencann.devices.cpu_layout_values import LAYOUTS, Operand, at_layout, layout_differs, probe_tensor
-import opencann.ops.layout_values as layout_values
+from opencann.ops.parity.layout_probe import LAYOUTS, Operand, at_layout, layout_differs, probe_tensor
+import opencann.ops.parity.layout_node as layout_values
 import opencann.passes.fusion.conv_add_act as conv_add_act
 
 torch.manual_seed(0)
@@ -95,7 +95,7 @@ def test_fuse_conv_act_keeps_eager_gelu_where_the_post_op_differs():
     model = ConvGelu().eval()
     x = torch.randn(2, 16, 6, 7).contiguous(memory_format=torch.channels_last)
     cm = opencann.compile(model, (x,))
-    from opencann.devices.cpu_layout_values import conv_post_op_differs
+    from opencann.ops.parity import conv_post_op_differs
     why = conv_post_op_differs("gelu", torch.float32, "channels_last")
     fused = [n for n in cm.graph.nodes if n.op == "ConvBiasAct" and n.attrs["act"] == "gelu"]
     if why:

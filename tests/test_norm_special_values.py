@@ -7,15 +7,15 @@ the spelled-out LayerNorm gives NaN there, ATen's ``native_layer_norm`` (Welford
 finite values; ``x.var()`` accumulates in float64 where ATen's LayerNorm overflows past
 |x| ≈ 1e19 and gives β (eager 9.95, fused 0); the AddLayerNorm kernel summed in float64
 (eager β, fused 8.9). The LayerNorm fusion now falls back to the formula's ops wherever
-ATen's statistics leave the range where both agree (`devices.cpu_norm_values`), the
+ATen's statistics leave the range where both agree (`ops.parity.norm_range`), the
 AddLayerNorm kernel to ATen's add + layer_norm, and both norm fusions ask the probe of
 this CPU first (a simulated faulty kernel stands in for a CPU whose kernel differs)."""
 import pytest
 import torch
 
 import opencann
-from opencann.devices import cpu_norm_values as cnv
-from opencann.devices import cpu_special_values as csv
+from opencann.ops import parity
+from opencann.ops.parity import formulas, norm_range, norms
 from opencann.ops.kernels import cpu_patterns
 
 NAN, INF = float("nan"), float("inf")
@@ -100,10 +100,18 @@ class AddLN(torch.nn.Module):
 
 
 @pytest.fixture
-def fresh_probe():
-    csv.special_values_differ.cache_clear()
-    yield
-    csv.special_values_differ.cache_clear()
+def fresh_probe(tmp_path, monkeypatch):
+    """Probe answers from this test alone: nothing in memory and an empty disk cache;
+    calling the fixture's value starts afresh again (after a kernel is simulated)."""
+    n = [0]
+
+    def reset():
+        n[0] += 1
+        monkeypatch.setenv("OPENCANN_CACHE_DIR", str(tmp_path / f"probe-cache-{n[0]}"))
+        parity.clear_memory()
+    reset()
+    yield reset
+    parity.clear_memory()
 
 
 def check(got, want):
@@ -149,7 +157,7 @@ def test_norm_fusions_match_eager_at_nan_inf_and_overflow(form, linear, dtype, f
     f, pass_name, kind = FORMS[form]
     cm = compile_and_check(Norm(f, linear), dtype)
     computes_in = torch.float32 if form == "rms_casts" else dtype
-    assert bool(fired(cm, pass_name)) is (csv.special_values_differ(kind, computes_in) is None)
+    assert bool(fired(cm, pass_name)) is (parity.special_values_differ(kind, computes_in) is None)
 
 
 @pytest.mark.parametrize("linear", [False, True], ids=["alone", "after_linear"])
@@ -181,7 +189,7 @@ def test_layer_norm_fusion_runs_atens_kernel_on_ordinary_rows_and_the_formula_on
     x = torch.randn(6, D, generator=torch.Generator().manual_seed(2)) * 100 + 1e4
     cm = opencann.compile(m, (x,))
     if not fired(cm, "fuse_layer_norm"):
-        pytest.skip(csv.special_values_differ("layer_norm", torch.float32))
+        pytest.skip(parity.special_values_differ("layer_norm", torch.float32))
     with torch.no_grad():
         check(cm(x), m(x))
         assert calls == []                       # ATen's kernel: no overflow anywhere
@@ -204,7 +212,7 @@ def test_a_gamma_holding_inf_runs_the_formula(monkeypatch):
     x[2, 3] = x[2].mean()
     cm = opencann.compile(m, (x,))
     if not fired(cm, "fuse_layer_norm"):
-        pytest.skip(csv.special_values_differ("layer_norm", torch.float32))
+        pytest.skip(parity.special_values_differ("layer_norm", torch.float32))
     with torch.no_grad():
         check(cm(x), m(x))
     assert calls
@@ -213,17 +221,17 @@ def test_a_gamma_holding_inf_runs_the_formula(monkeypatch):
 def test_guard_bounds():
     """The guard's range: ordinary statistics pass, huge ones, NaN, inf, rstd = 0 do not."""
     t = torch.tensor
-    assert cnv.layer_norm_in_range(t([0.5, -3.0]), t([1.0, 0.2]), 768, torch.float32)
-    assert cnv.layer_norm_in_range(t([1e10]), t([1e-8]), 768, torch.float32)
-    bound = cnv.row_bound(768, torch.float32)
+    assert norm_range.layer_norm_in_range(t([0.5, -3.0]), t([1.0, 0.2]), 768, torch.float32)
+    assert norm_range.layer_norm_in_range(t([1e10]), t([1e-8]), 768, torch.float32)
+    bound = norm_range.row_bound(768, torch.float32)
     assert 1e16 < bound < 1e18
     for mean, rstd in (([2 * bound], [1.0]), ([0.0], [0.0]), ([NAN], [1.0]), ([0.0], [NAN]),
                        ([INF], [1.0]), ([0.0], [INF]), ([0.0], [1e-17])):
-        assert not cnv.layer_norm_in_range(t(mean), t(rstd), 768, torch.float32), (mean, rstd)
-    assert cnv.affine_in_range(t([1.0, 2.0]), t([0.5, 0.0]), 768, torch.float32)
-    assert cnv.affine_in_range(None, None, 768, torch.float32)
+        assert not norm_range.layer_norm_in_range(t(mean), t(rstd), 768, torch.float32), (mean, rstd)
+    assert norm_range.affine_in_range(t([1.0, 2.0]), t([0.5, 0.0]), 768, torch.float32)
+    assert norm_range.affine_in_range(None, None, 768, torch.float32)
     for w, b in (([INF], [0.0]), ([NAN], [0.0]), ([1.0], [NAN]), ([1e37], [0.0]), ([1.0], [1e38])):
-        assert not cnv.affine_in_range(t(w), t(b), 768, torch.float32), (w, b)
+        assert not norm_range.affine_in_range(t(w), t(b), 768, torch.float32), (w, b)
 
 
 # -- on a CPU whose kernel differs (simulated) ----------------------------------------
@@ -231,27 +239,27 @@ def test_guard_bounds():
 def _with_kernel(monkeypatch, kind, name, fn, form):
     """Make the probe see kernel ``fn`` (named ``name``, no guard) for ``kind`` before this
     CPU's own, compared with ``form``."""
-    real = cnv._kernels
+    real = norms.kernels
 
     def kernels(k, dtype):
         if k == kind:
             yield name, lambda x: (fn(x), None), form
         yield from real(k, dtype)
-    monkeypatch.setattr(cnv, "_kernels", kernels)
+    monkeypatch.setattr(norms, "kernels", kernels)
 
 
 def _rms_in_float64(monkeypatch):
     """An RMSNorm kernel that accumulates in float64: no overflow at |x| ≈ 1e20."""
     _with_kernel(monkeypatch, "rms_norm", "simulated rms_norm",
                  lambda x: torch.rms_norm(x.double(), [x.shape[-1]], None, 1e-5).to(x.dtype),
-                 lambda x: cnv.rms_norm_formula(x, None, 1e-5))
+                 lambda x: formulas.rms_norm_formula(x, None, 1e-5))
 
 
 def _ln_unguarded(monkeypatch):
     """ATen's LayerNorm without the guard: finite where eager's row sum overflows."""
     _with_kernel(monkeypatch, "layer_norm", "simulated layer_norm",
                  lambda x: torch.native_layer_norm(x, [x.shape[-1]], None, None, 1e-5)[0],
-                 lambda x: cnv.layer_norm_formula(x, 1, None, None, 1e-5))
+                 lambda x: formulas.layer_norm_formula(x, 1, None, None, 1e-5))
 
 
 SIMULATED = {"rms_norm": _rms_in_float64, "layer_norm": _ln_unguarded}
@@ -260,9 +268,9 @@ SIMULATED = {"rms_norm": _rms_in_float64, "layer_norm": _ln_unguarded}
 @pytest.mark.parametrize("kind", list(SIMULATED))
 def test_probe_names_a_kernel_that_overflows_elsewhere(kind, monkeypatch, fresh_probe):
     SIMULATED[kind](monkeypatch)
-    why = csv.special_values_differ(kind, torch.float32)
+    why = parity.special_values_differ(kind, torch.float32)
     assert why.startswith(f"simulated {kind} gives {kind}(a row with 3e+38 at 0)[0] = "), why
-    why = csv.special_values_differ(kind, torch.bfloat16)    # a row of huge values, at least
+    why = parity.special_values_differ(kind, torch.bfloat16)    # a row of huge values, at least
     assert why.startswith(f"simulated {kind} gives {kind}(a row ") and "3e+38" in why, why
     assert "on this CPU where the spelled-out formula gives" in why and "\n" not in why
 
@@ -271,10 +279,10 @@ def test_probe_reports_a_norm_kernel_that_raises(monkeypatch, fresh_probe):
     def raises(x):
         raise RuntimeError("no kernel for this dtype\nsecond line")
     _with_kernel(monkeypatch, "rms_norm", "broken rms_norm", raises, None)
-    assert csv.special_values_differ("rms_norm", torch.bfloat16) == \
+    assert parity.special_values_differ("rms_norm", torch.bfloat16) == \
         "broken rms_norm fails for torch.bfloat16 on this CPU (no kernel for this dtype)"
     with pytest.raises(KeyError):
-        cnv.norm_differs("group_norm", torch.float32)
+        norms.norm_differs("group_norm", torch.float32)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -311,7 +319,7 @@ def test_model_file_with_a_norm_fusion_is_refused_where_the_kernel_differs(
     opencann.save(cm, path)
     with torch.no_grad():
         check(opencann.load(path)(x), m(x))           # the same CPU: loads and runs
-    csv.special_values_differ.cache_clear()
+    fresh_probe()
     SIMULATED[kind](monkeypatch)
     with pytest.raises(opencann.ModelFileError) as e:
         opencann.load(path)

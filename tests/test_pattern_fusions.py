@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import opencann
-from opencann.devices.cpu_special_values import special_values_differ
+from opencann.ops.parity import special_values_differ
 
 G = torch.Generator().manual_seed(0)
 # the formula each fusion rewrites to a kernel: skipped (with the probe's reason) on a CPU

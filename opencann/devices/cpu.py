@@ -16,12 +16,17 @@ Facts are probed when asked (cheap; the L2 read is cached):
   FlashAttention tile planner sizes its CPU tiles from it.
 - `memory_bytes`: host RAM in bytes (``psutil.virtual_memory().total``, else
   ``sysconf(SC_PAGE_SIZE · SC_PHYS_PAGES)``).
+- `cpu_flags`: the instruction-set flags of cpu0 (``/proc/cpuinfo``'s ``flags`` line,
+  sorted; ``platform.processor()`` where there is none), with the ISA overrides oneDNN
+  and ATen read from the environment: what decides which kernel variant runs, so the
+  eager-parity probe results (`opencann.ops.parity`) are cached per it.
 """
 from __future__ import annotations
 
 import functools
 import glob
 import os
+import platform
 import time
 from typing import Callable, Tuple
 
@@ -86,7 +91,34 @@ def memory_bytes() -> int:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-__all__ = ["CPU_L2_FALLBACK", "FORMATS", "cpu_l2", "isa", "memory_bytes", "mkl_packed_available",
+# environment variables that change which vector kernels oneDNN and ATen dispatch to
+ISA_ENV = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "ONEDNN_CPU_ISA_HINTS")
+
+
+@functools.lru_cache(maxsize=None)
+def _proc_flags() -> Tuple[str, ...]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, val = line.partition(":")
+                if key.strip() in ("flags", "Features"):      # x86, arm64
+                    return tuple(sorted(set(val.split())))
+    except OSError:
+        pass
+    return (platform.machine(), platform.processor())
+
+
+def cpu_flags() -> Tuple[str, ...]:
+    """cpu0's instruction-set flags (``/proc/cpuinfo`` "flags" on x86, "Features" on
+    arm64; sorted), then ``platform.machine()`` and each set variable of `ISA_ENV` as
+    ``NAME=value``: the facts that decide which kernel variant ATen and oneDNN run. The
+    file is read once per process; the environment every call."""
+    env = tuple(f"{k}={os.environ[k]}" for k in ISA_ENV if k in os.environ)
+    return _proc_flags() + (platform.machine(),) + env
+
+
+__all__ = ["CPU_L2_FALLBACK", "FORMATS", "ISA_ENV", "cpu_flags", "cpu_l2", "isa", "memory_bytes",
+           "mkl_packed_available",
            "mkldnn_available", "onednn_linear_available"]
 
 

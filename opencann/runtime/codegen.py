@@ -18,7 +18,7 @@ import torch
 
 from ..ir import Graph, MemoryPlan, Node, TensorListRef, TensorRef, Value, is_dense
 from ..ops import call_args, get_op, graph_happens_before, output_aliases, storage_roots
-from ..ops.layout_values import layout_dependent
+from ..ops.parity import layout_dependent
 from .alias_check import AliasChecker
 from .fast_call import fast_callable_keyed, value_free
 

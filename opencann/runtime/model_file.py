@@ -44,7 +44,7 @@ what is wrong: not an opencann model file, truncated, a section or the header fa
 its checksum, a newer format version, a device or preset this opencann lacks, an
 op / ATen operator it does not know, or a formula fusion (spelled-out GELU / SiLU /
 RMSNorm / LayerNorm run as one kernel) whose kernel would place NaN/±inf (or overflow)
-elsewhere on this CPU than where it was compiled (`opencann.devices.cpu_special_values`).
+elsewhere on this CPU than where it was compiled (`opencann.ops.parity`).
 """
 from __future__ import annotations
 
@@ -59,13 +59,12 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 import torch.utils._pytree as pytree
 
-from ..devices.cpu_special_values import special_values_differ
 from ..ir import Graph, MemoryPlan, Node, TensorListRef, TensorRef, Value
 from ..ir.plan import Buffer
 from ..ir.symbolic import SymExpr
 from ..ir.types import DataType, Format, TensorDesc
 from ..ops import get_op
-from ..ops.layout_values import kernel_layout_differs
+from ..ops.parity import kernel_layout_differs, special_values_differ
 from ..report import CompileReport, PassRecord, fmt_bytes
 
 FORMAT_VERSION = 2
@@ -626,7 +625,7 @@ def check_device(device: str, where: str = "model file") -> None:
 def _check_formula_kernels(graph, where: str) -> None:
     """Refuse a graph whose formula fusions (``graph.meta["formula_kernels"]``, set by
     ``passes.fusion.match.record_formula``) run a kernel that places NaN/±inf elsewhere
-    than the spelled-out formula on this CPU (`devices.cpu_special_values`): compiled on
+    than the spelled-out formula on this CPU (`ops.parity.special_values`): compiled on
     an AVX2 machine, a fused exact GELU would return NaN for +inf on an AVX-512 one."""
     for act, dtype in graph.meta.get("formula_kernels", []):
         why = special_values_differ(act, getattr(torch, dtype))
@@ -637,7 +636,7 @@ def _check_formula_kernels(graph, where: str) -> None:
 
 def _check_layout_kernels(graph, where: str) -> None:
     """Refuse a graph holding a kernel that runs at another layout, or another kernel,
-    than eager's and gives other values on this CPU (`ops.layout_values.
+    than eager's and gives other values on this CPU (`ops.parity.layout_node.
     kernel_layout_differs`: compiled where GELU is layout-independent, loaded on AVX-512)."""
     for n in graph.nodes:
         why = kernel_layout_differs(n) if n.device == "cpu" else ""

@@ -1,6 +1,6 @@
 """Environment doctor (``opencann doctor``): versions against `SUPPORTED`, the CPU (model,
 AVX2 / AVX-512 / AMX from /proc/cpuinfo, torch's CPU capability), oneDNN and MKL, intra-op
-threads, CUDA, and the vnpu presets. Each check is ok / warning / error with the advice
+threads, the eager-parity probe cache, CUDA, and the vnpu presets. Each check is ok / warning / error with the advice
 that fixes it; ``opencann doctor`` exits 1 when any check is an error.
 """
 from __future__ import annotations
@@ -136,6 +136,21 @@ def _openmp_check() -> Check:
                  "opencann.release_openmp_pool (compile and load do it)")
 
 
+def _parity_check() -> Check:
+    """Where this machine's eager-parity probe answers are cached (`opencann.ops.parity.
+    cache`), how many there are, and a warning when the cache cannot be written."""
+    from ..ops.parity import cache
+    try:
+        path, n, writable = cache.status()
+    except Exception as e:  # noqa: BLE001 - a broken install: say what failed
+        return Check("parity-cache", "error", f"{type(e).__name__}: {e}", "reinstall opencann")
+    if not writable:
+        return Check("parity-cache", "warning", f"{path} cannot be written",
+                     "every process probes this CPU's kernels again (seconds on its first "
+                     "compile): set OPENCANN_CACHE_DIR to a writable directory")
+    return Check("parity-cache", "ok", f"{n} probe answers for this CPU and torch in {path}")
+
+
 def _device_checks() -> List[Check]:
     import torch
     cuda = torch.cuda.is_available()
@@ -153,11 +168,11 @@ def _device_checks() -> List[Check]:
 def doctor(installed: Callable[[str], Optional[str]] = _installed) -> List[Check]:
     """Every check, in order: the `SUPPORTED` versions (``installed(name)`` gives the
     version found, None when missing; a test passes its own), CPU, oneDNN, MKL,
-    threads, CUDA, vnpu."""
+    threads, the eager-parity probe cache, CUDA, vnpu."""
     checks = [version_check(name, installed(name)) for name in SUPPORTED]
     if any(c.name == "torch" and c.status == "error" for c in checks):
         return checks
-    return checks + _cpu_checks() + _device_checks()
+    return checks + _cpu_checks() + [_parity_check()] + _device_checks()
 
 
 def to_json(checks: List[Check]) -> Dict[str, object]:

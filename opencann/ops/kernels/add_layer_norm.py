@@ -14,7 +14,7 @@ Numerics: the mean and the biased variance in two passes over the row (the sums 
 float64; ATen: one Welford pass in float32), within 2e-7 relative of eager. Special
 values: where they part (a row holding NaN or ±inf, a + b overflowing, |x| near 1e19
 where ATen's float32 sum of squares overflows and it returns β while float64 does not),
-the kernel's per-row mean and rstd leave the range `devices.cpu_norm_values.
+the kernel's per-row mean and rstd leave the range `ops.parity.norm_range.
 layer_norm_in_range` allows (tested in the row loop with `layer_norm_limits`), and the
 call runs eager's ATen ``add`` + ``layer_norm`` instead: eager's NaN, inf and β exactly. Likewise for a γ or β holding inf, NaN or huge
 values (`affine_in_range`).
@@ -28,7 +28,7 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
-from ...devices.cpu_norm_values import affine_in_range, layer_norm_limits
+from ..parity.norm_range import affine_in_range, layer_norm_limits
 from ...ir import Node, TensorDesc
 
 _FM = {"reassoc", "contract"}

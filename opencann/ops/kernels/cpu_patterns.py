@@ -8,7 +8,7 @@ outputs match eager (bit-for-bit where noted).
   normalize in float32, cast back, then multiply by the weight in the input's dtype.
 - `make_layer_norm_formula_kernel` (LayerNormFormula, a spelled-out LayerNorm): ATen's
   ``native_layer_norm`` where its statistics prove it gives the formula's result up to
-  rounding (`devices.cpu_norm_values.layer_norm_in_range`: every |x| far from overflow,
+  rounding (`ops.parity.norm_range.layer_norm_in_range`: every |x| far from overflow,
   γ and β finite and moderate), else the formula itself, op by op as eager: a NaN, an inf
   or a huge value then gives eager's NaN / inf / β exactly.
 - `make_gated_mlp_kernel` (GatedMLP): silu(x·W1) * (x·W3) as two ``mm`` calls (eager's
@@ -22,7 +22,8 @@ import math
 
 import torch
 
-from ...devices.cpu_norm_values import affine_in_range, layer_norm_formula, layer_norm_in_range
+from ..parity.formulas import layer_norm_formula
+from ..parity.norm_range import affine_in_range, layer_norm_in_range
 from ...ir import Node, TensorDesc
 
 

@@ -2,7 +2,7 @@
 (α = γ/√(var+eps), β' = β−μ·α as eager's BatchNorm computes them; Ioffe & Szegedy 2015,
 the standard inference-time fold, as in torch.fx's ``fuse_conv_bn_eval``). Changes
 rounding: within 1e-5 relative in fp32. Not applied (Skip with the reason) where the fold
-could move inf/NaN positions near the dtype's limit (`batchnorm_values.fold_values`)."""
+could move inf/NaN positions near the dtype's limit (`ops.parity.batchnorm_fold.fold_values`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -10,7 +10,7 @@ from typing import List, Optional
 
 from ...ir import Graph, Node, TensorRef, Value
 from ..base import PassContext, RewritePass, Skip
-from .batchnorm_values import fold_values
+from ...ops.parity import fold_values
 
 
 @dataclass

@@ -3,15 +3,14 @@ ConvBiasAct (a oneDNN convolution with a fused post-op); a lone Conv2D ⇒
 ConvBiasAct(none), which gets oneDNN's prepacked weight. The activation is fused only
 where the fused kernel gives eager's values: eager's activation kernel at eager's layout
 of the conv output (its traced strides), probed on this CPU
-(`devices.cpu_layout_values.conv_post_op_differs`)."""
+(`ops.parity.conv_probes.conv_post_op_differs`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Optional
 
-from ...devices.cpu_layout_values import conv_post_op_differs
 from ...ir import Graph, Node
-from ...ops.layout_values import eager_layout
+from ...ops.parity import conv_post_op_differs, eager_layout
 from ..base import PassContext, Skip
 from .common import CpuFusion, _act, _conv_check, _make_conv
 

@@ -6,10 +6,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from ...devices.cpu_layout_values import conv_sum_differs
 from ...ir import Graph, Node, TensorRef, Value
 from ...ops import aliases_of, storage_roots
-from ...ops.layout_values import eager_layout
+from ...ops.parity import conv_sum_differs, eager_layout
 from ..base import PassContext, Skip
 from .common import CpuFusion, _stands_for
 

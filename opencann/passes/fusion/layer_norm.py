@@ -14,7 +14,7 @@ Special values: eager's ops overflow where ATen's one-pass kernel does not (a ro
 sums to inf in ``mean`` and gives NaN; ``(x − μ)²`` overflows past 1.8e19 and gives β;
 ``var()`` accumulates in float64 and does not), so the node keeps how σ² and the root were
 written and its kernel falls back to those ops whenever ATen's statistics leave the range
-where both agree (``devices.cpu_norm_values``); the probe of this CPU
+where both agree (``ops.parity.norm_range``); the probe of this CPU
 (`special_values_differ`, "layer_norm") must find no difference, else the spelled-out form
 is kept with its reason, and a model file holding the fusion is re-checked at load.
 

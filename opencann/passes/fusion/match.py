@@ -10,7 +10,7 @@ from typing import Any, Iterable, List, Optional, Sequence, Tuple
 
 import sympy
 
-from ...devices.cpu_special_values import special_values_differ as _differ
+from ...ops.parity import special_values_differ as _differ
 from ...ir import Graph, Node, Value, numel
 from ...ir.symbolic import as_expr
 from ..base import Skip
@@ -110,7 +110,7 @@ def read_outside(graph: Graph, nodes: Sequence[Node], root: Node, what: str) -> 
 def special_values_differ(x, act: str):
     """A `Skip` when this CPU's kernels of ``act`` ("gelu", "gelu_tanh", "silu",
     "rms_norm", "layer_norm") give NaN or ±inf (or, for the norms, an overflow) elsewhere
-    than the spelled-out formula for ``x``'s dtype (`opencann.devices.cpu_special_values`:
+    than the spelled-out formula for ``x``'s dtype (`opencann.ops.parity.special_values`:
     oneDNN's AVX-512 exact GELU maps +inf to NaN), else None: the rewrite would change
     eager's special values."""
     why = _differ(act, x.desc.dtype.torch)

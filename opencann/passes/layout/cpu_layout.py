@@ -14,7 +14,7 @@ activations between oneDNN convolutions, TransData (NHWC→NCHW) only at the bou
    their own CPU kernel, e.g. ``FusedElementwise`` writes contiguous, not an
    elementwise op whose kernel gives other values (NaN, ±inf, overflow) at another
    layout on this CPU, which stays at eager's layout with the probe's reason in the
-   report: `opencann.ops.layout_values.layout_dependent`; AVX-512's exact GELU,
+   report: `opencann.ops.parity.layout_dependent`; AVX-512's exact GELU,
    pytorch/pytorch#185770): a 4-D result the
    size of an NHWC operand (any 4-D result for pooling) is NHWC too. An NHWC value
    carries channels-last strides in ``node.meta["strides"]`` (what the memory plan's
@@ -52,7 +52,7 @@ import torch
 
 from ...ir import Format, Graph, Node, Value
 from ...ops import OpKind, get_op, output_aliases
-from ...ops.layout_values import layout_dependent
+from ...ops.parity import layout_dependent
 from ..base import Pass, PassContext
 from .npu_layout import NpuLayoutSelection
 
@@ -94,7 +94,7 @@ def follows_input(node: Node) -> str:
     """Why ``node``'s kernel cannot take NHWC operands as they are ("" when it can: an ATen
     elementwise, pooling or reduction op that follows its input's layout and, for an
     elementwise op, gives the same values at every layout on this CPU:
-    `ops.layout_values.layout_dependent`, e.g. not AVX-512's exact GELU)."""
+    `ops.parity.layout_dependent`, e.g. not AVX-512's exact GELU)."""
     op = get_op(node.op)
     if any(output_aliases(node)):
         return f"{node.op} is a view of its input: it reads eager's strides"

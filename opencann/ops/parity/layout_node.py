@@ -5,8 +5,8 @@ Eager's result is eager's kernel at eager's layout (the traced strides). A rewri
 moves an elementwise op to another layout (the CPU layout stage's NHWC regions, an
 elementwise op reading a oneDNN convolution's channels-last output as is) keeps eager's
 result only when the op's kernel is layout-independent; `layout_dependent` asks
-`opencann.devices.cpu_layout_values.layout_differs` with the node's operand dtypes and
-broadcast shapes and its literal arguments (cached there per signature). On AVX-512,
+`layout_probe.layout_differs` with the node's operand dtypes and broadcast shapes and
+its literal arguments (cached there per signature, in memory and on disk). On AVX-512,
 ATen's exact GELU is layout-dependent (oneDNN's kernel for contiguous tensors gives
 gelu(+inf) = NaN, the channels-last/strided loop +inf: pytorch/pytorch#185770).
 """
@@ -14,10 +14,10 @@ from __future__ import annotations
 
 from typing import Any, Optional, Sequence
 
-from ..devices.cpu_layout_values import (PROBE_SHAPE, Operand, conv_post_op_differs,
-                                         conv_sum_differs, layout_differs)
-from ..ir import Node, TensorListRef, TensorRef, Value
-from .opdef import OpKind, get_op
+from ...ir import Node, TensorListRef, TensorRef, Value
+from ..opdef import OpKind, get_op
+from .conv_probes import conv_post_op_differs, conv_sum_differs
+from .layout_probe import PROBE_SHAPE, Operand, layout_differs
 
 
 def _hashable(a: Any) -> Any:
@@ -95,7 +95,7 @@ def _probe_signature(node: Node) -> Optional[tuple]:
 
 def layout_dependent(node: Node) -> str:
     """Why ``node``'s ATen kernel must run at eager's layout: its probe
-    (`devices.cpu_layout_values.layout_differs`, run on this CPU once per signature: op,
+    (`layout_probe.layout_differs`, run on this CPU once per signature: op,
     operand dtypes and broadcast shapes, literals) gives other values (NaN, ±inf, ±0.0,
     overflow) with channels-last or mixed operands than with contiguous ones (the
     layouts a rewrite moves an op between: `_MOVED_TO`);
@@ -107,11 +107,7 @@ def layout_dependent(node: Node) -> str:
     sig = _probe_signature(node)
     if sig is None:
         return ""
-    try:
-        why = layout_differs(*sig, _MOVED_TO)
-    except TypeError:        # an unhashable literal: probe uncached
-        why = layout_differs.__wrapped__(*sig, _MOVED_TO)
-    return why or ""
+    return layout_differs(*sig, _MOVED_TO) or ""
 
 
 def eager_layout(v: Value) -> str:

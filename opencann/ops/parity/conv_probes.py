@@ -1,0 +1,135 @@
+"""The convolution post-op probes: does oneDNN's convolution with a fused activation (or
+sum) give eager's convolution-then-op at eager's layout of the convolution's output?
+
+On AVX-512, ATen sends contiguous fp32/bf16 GELU to oneDNN's ``eltwise_gelu_erf``
+(gelu(+inf) = NaN) and channels-last or strided tensors to its own loop (gelu(+inf) =
++inf; pytorch/pytorch#185770), so a oneDNN convolution with GELU as its post-op may or
+may not be eager's GELU depending on the layout eager ran it at. `conv_post_op_differs`
+(``FuseConvAct``) and `conv_sum_differs` (``FuseConvAddAct``) probe on this CPU with
+`layout_probe.probe_tensor` inputs and compare with `layout_probe.values_differ`; each
+answer is cached per argument tuple in memory and on disk (`probe.Probe`): 0.1-0.3 s
+once per machine (oneDNN creates its primitives).
+"""
+from __future__ import annotations
+
+from typing import Callable, Dict, Optional
+
+import torch
+
+from ...devices.cpu import mkldnn_available
+from .layout_probe import PROBE_SHAPE, at_layout, probe_tensor, values_differ, show_element
+from .probe import Probe, register
+
+
+# oneDNN post-op (name, algorithm) of each activation opencann fuses into a convolution
+_POST_OPS = {"gelu": ("gelu", "none"), "tanh": ("tanh", ""), "sigmoid": ("sigmoid", ""),
+             "silu": ("swish", "")}
+_EAGER_ACT: Dict[str, Callable] = {
+    "gelu": lambda t: torch.ops.aten.gelu(t), "tanh": torch.tanh, "sigmoid": torch.sigmoid,
+    "silu": torch.nn.functional.silu, "relu": torch.relu}
+
+
+def _identity_conv(x: torch.Tensor, post_op: str = "none", algorithm: str = "",
+                   other: Optional[torch.Tensor] = None, inplace: bool = False) -> torch.Tensor:
+    """oneDNN's convolution (``mkldnn._convolution_pointwise``, ConvBiasAct/ConvAddAct's
+    kernel) as an identity: depthwise 1×1, weight 1, no bias; with ``other`` its binary
+    "add" post-op (in place into ``other`` when ``inplace``)."""
+    c = x.shape[1]
+    w = torch.ones(c, 1, 1, 1, dtype=x.dtype)
+    conv = (0, 0), (1, 1), (1, 1), c
+    if other is None:
+        return torch.ops.mkldnn._convolution_pointwise(x, w, None, *conv, post_op, [], algorithm)
+    if inplace:
+        return torch.ops.mkldnn._convolution_pointwise_.binary(other, x, w, None, *conv, "add",
+                                                               None, None, [], "")
+    return torch.ops.mkldnn._convolution_pointwise.binary(x, other, w, None, *conv, "add",
+                                                          None, None, [], "")
+
+
+def _conv_post_op_differs(act: str, dtype: torch.dtype, layout: str) -> Optional[str]:
+    """None when a oneDNN convolution with ``act`` fused ("gelu" (erf), "tanh", "sigmoid",
+    "silu" as its post-op; "relu" as eager's in-place ReLU on oneDNN's output, as
+    ``ConvBiasAct`` runs it) gives the values of the convolution alone followed by
+    eager's ``act`` on its output laid out as ``layout`` (eager's layout of the conv's
+    output: one of `LAYOUTS`), on this CPU, for inputs of ``dtype``; else one line naming
+    the input and both results (`FuseConvAct`'s Skip reason). Probed with the input both
+    contiguous and channels-last; a kernel that raises is a difference. Raises KeyError for another ``act``."""
+    eager = _EAGER_ACT[act]
+    post_op, algorithm = _POST_OPS.get(act, ("none", ""))
+    if not mkldnn_available():
+        return "oneDNN (mkldnn) is not available in this torch build"
+    x = probe_tensor(dtype, PROBE_SHAPE)
+    for in_lay in ("contiguous", "channels_last"):
+        xi = at_layout(x, in_lay)
+        try:
+            fused = _identity_conv(xi, post_op, algorithm)
+            if act == "relu":
+                fused = torch.relu_(fused)
+            want = eager(at_layout(_identity_conv(xi), layout))
+        except (RuntimeError, TypeError, ValueError) as e:
+            return f"oneDNN's convolution with {act} fails for {dtype} ({str(e).splitlines()[0]})"
+        i = values_differ(fused, want)
+        if i is not None:
+            return (f"oneDNN's convolution with the {act} post-op gives {act}({show_element(x, i)}) = "
+                    f"{show_element(fused, i)} on this CPU where eager's {act} on the {layout} "
+                    f"convolution output gives {show_element(want, i)} (pytorch/pytorch#185770)")
+    return None
+
+
+def _conv_sum_differs(relu: bool, dtype: torch.dtype, layout: str, other_layout: str) -> Optional[str]:
+    """None when oneDNN's convolution with the binary "add" post-op (in and out of place,
+    then eager's in-place ReLU when ``relu``: ``ConvAddAct``'s kernel) gives the values of
+    the convolution alone laid out as ``layout``, plus the addend laid out as
+    ``other_layout`` with eager's ``add`` (then ``relu``), on this CPU for ``dtype``; else
+    one line naming the inputs and both results (`FuseConvAddAct`'s Skip reason)."""
+    if not mkldnn_available():
+        return "oneDNN (mkldnn) is not available in this torch build"
+    x = probe_tensor(dtype, PROBE_SHAPE)
+    other = probe_tensor(dtype, PROBE_SHAPE, shift=1)
+    for in_lay in ("contiguous", "channels_last"):
+        xi = at_layout(x, in_lay)
+        conv = _identity_conv(xi)
+        want = torch.add(at_layout(conv, layout), at_layout(other, other_layout))
+        want = torch.relu(want) if relu else want
+        for inplace in (False, True) if other_layout != "strided" else (False,):
+            try:
+                o = at_layout(other, other_layout).clone(memory_format=torch.preserve_format)
+                fused = _identity_conv(xi, other=o, inplace=inplace)
+                fused = torch.relu_(fused) if relu else fused
+            except (RuntimeError, TypeError, ValueError) as e:
+                return f"oneDNN's convolution with the sum post-op fails for {dtype} ({e})"
+            i = values_differ(fused, want)
+            if i is not None:
+                what = "sum + ReLU" if relu else "sum"
+                return (f"oneDNN's convolution with the {what} post-op gives {show_element(fused, i)} "
+                        f"for ({show_element(x, i)}, {show_element(other, i)}) on this CPU where eager's add"
+                        f"{' + relu' if relu else ''} at the {layout} layout gives "
+                        f"{show_element(want, i)}")
+    return None
+
+
+CONV_POST_OP_PROBE = register(Probe(
+    "conv_post_op", guards="FuseConvAct (passes/fusion/conv_act.py): ConvBiasAct's post-op",
+    kernel="oneDNN's convolution with the activation as its post-op "
+    "(mkldnn._convolution_pointwise)",
+    inputs="a depthwise identity 1×1 convolution of a `probe_tensor`, contiguous and channels-last",
+    run=_conv_post_op_differs))
+CONV_SUM_PROBE = register(Probe(
+    "conv_sum", guards="FuseConvAddAct (passes/fusion/conv_add_act.py): ConvAddAct's sum [+ ReLU]",
+    kernel="oneDNN's convolution with the binary add post-op, in and out of place",
+    inputs="a depthwise identity 1×1 convolution of a `probe_tensor` and a second one as the addend",
+    run=_conv_sum_differs))
+
+
+def conv_post_op_differs(act: str, dtype: torch.dtype, layout: str) -> Optional[str]:
+    """`_conv_post_op_differs`, cached per (act, dtype, layout) in memory and on disk."""
+    return CONV_POST_OP_PROBE(act, dtype, layout)
+
+
+def conv_sum_differs(relu: bool, dtype: torch.dtype, layout: str, other_layout: str) -> Optional[str]:
+    """`_conv_sum_differs`, cached per (relu, dtype, layout, other_layout) in memory and
+    on disk."""
+    return CONV_SUM_PROBE(bool(relu), dtype, layout, other_layout)
+
+
+__all__ = ["CONV_POST_OP_PROBE", "CONV_SUM_PROBE", "conv_post_op_differs", "conv_sum_differs"]
