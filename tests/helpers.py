@@ -1,12 +1,17 @@
 """Shared test helpers: run a function through opencann's graph engine via make_fx."""
 from __future__ import annotations
 
+import pathlib
+
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from opencann.engine import compile_graph
 from opencann.frontend.torch import decomposition_table, from_fx_graph
 from opencann.runtime import Executor
+
+# the repository's root (this file is tests/helpers.py): examples/, docs/, bench/ hang off it
+REPO = pathlib.Path(__file__).resolve().parent.parent
 
 
 def run_compiled(fn, *inputs, options=None):

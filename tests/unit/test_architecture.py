@@ -3,7 +3,7 @@ imports run one way, top to bottom (an import-linter layers contract, `.importli
 no private name is imported across packages, no function is over 60 lines (numba and
 Triton kernels aside) and every public function, class and method has a docstring.
 
-Run as a script (``python tests/test_architecture.py``) to list the long functions and
+Run as a script (``python tests/unit/test_architecture.py``) to list the long functions and
 the public callables without a docstring."""
 import ast
 import os
@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-REPO = pathlib.Path(__file__).resolve().parent.parent
+REPO = pathlib.Path(__file__).resolve().parents[2]
 LINT = shutil.which("lint-imports") or os.path.join(os.path.dirname(sys.executable), "lint-imports")
 
 needs_lint = pytest.mark.skipif(not os.path.exists(LINT), reason="import-linter not installed "

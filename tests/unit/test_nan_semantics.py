@@ -30,6 +30,7 @@ import opencann
 from opencann.devices import cpu as cpu_device
 from opencann.ops.kernels import cpu as cpu_kernels
 from opencann.ops.flash_attention import flash_attention, flash_attention_forward
+from helpers import REPO
 
 NAN, INF = float("nan"), float("inf")
 FMIN = torch.finfo(torch.float32).min
@@ -317,7 +318,7 @@ TRITON_CASES = ["nan_q_row0_causal", "nan_k_hidden_by_causal", "mask_entry_nan",
 
 def test_triton_flash_attention_matches_sdpa_interpreted():
     pytest.importorskip("triton")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = str(REPO)
     p = subprocess.run([sys.executable, "-c", TRITON_SCRIPT, ",".join(TRITON_CASES)],
                        env=dict(os.environ, TRITON_INTERPRET="1"), cwd=root,
                        capture_output=True, text=True, timeout=600)

@@ -18,8 +18,9 @@ from torch import nn
 import opencann
 from opencann.ir import Format
 from opencann.runtime.model_file import _PREFIX, SECTIONS, ModelFileError, read_sections
+from helpers import REPO
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = str(REPO)
 
 
 def _conv_bn_linear():

@@ -302,7 +302,7 @@ def test_example_runs_on_a_saved_model(saved, capsys):
     """examples/acl_resnet50.py's flow (on the small model, to stay fast)."""
     import importlib.util
     import pathlib
-    p = pathlib.Path(__file__).resolve().parent.parent / "examples" / "acl_resnet50.py"
+    p = pathlib.Path(__file__).resolve().parents[2] / "examples" / "acl_resnet50.py"
     spec = importlib.util.spec_from_file_location("acl_resnet50", p)
     ex = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(ex)

@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from opencann.tools.distributed import backend_for, init_process_group
+from helpers import REPO
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = str(REPO)
 sys.path.insert(0, os.path.join(ROOT, "examples"))
 from ddp_train import STEPS, model_and_data  # noqa: E402
 

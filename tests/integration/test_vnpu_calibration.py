@@ -8,6 +8,7 @@ import pytest
 
 import opencann.devices.vnpu as vnpu
 from opencann.devices.vnpu.calibration import render_markdown
+from helpers import REPO
 
 KEYS = {"workload", "preset", "source", "published", "estimate", "ratio", "band", "within_band"}
 # anchors out of band today, each with a note saying why (none since the FlashAttention L2
@@ -114,7 +115,7 @@ def test_every_issue_anchor_is_present(table):
 
 
 def test_docs_render_the_current_table():
-    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    here = str(REPO)
     with open(os.path.join(here, "docs", "vnpu.md"), encoding="utf-8") as f:
         assert render_markdown() in f.read(), "regenerate docs/vnpu.md's table (render_markdown())"
 
@@ -126,7 +127,7 @@ def test_estimate_cli_takes_dtype_and_factory(tmp_path):
                  "    return torch.nn.Sequential(torch.nn.Linear(32, 48), torch.nn.ReLU()), (torch.randn(2, 32),)\n")
     r = subprocess.run([sys.executable, "-m", "opencann.cli", "estimate", "--model", f"{f}:make", "--dtype",
                         "float16", "--device", "vnpu:ascend910b"], capture_output=True, text=True, timeout=300,
-                       cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+                       cwd=str(REPO))
     assert r.returncode == 0, r.stderr
     assert "float16" in r.stdout and "Sequential" in r.stdout and "MatMulV2" in r.stdout
     assert "TransData" not in r.stdout            # 910B matmuls are ND-direct
@@ -136,7 +137,7 @@ def test_estimate_cli_factory_errors_are_one_line(tmp_path):
     f = tmp_path / "m.py"
     f.write_text("def make():\n    raise SystemExit('not called')\n")
     r = subprocess.run([sys.executable, "-m", "opencann.cli", "estimate", "--model", str(f)], capture_output=True,
-                       text=True, timeout=300, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+                       text=True, timeout=300, cwd=str(REPO))
     err = [ln for ln in r.stderr.splitlines() + r.stdout.splitlines() if ln.startswith("error")]
     assert r.returncode != 0 and len(err) == 1, (r.stdout, r.stderr)
     assert "give file.py:factory" in err[0] and f"{f}:make" in err[0]

@@ -14,6 +14,8 @@ import sys
 
 import pytest
 
+from helpers import REPO
+
 pytest.importorskip("triton")
 
 CASES = [
@@ -61,7 +63,7 @@ print("RESULT" + json.dumps(res))
 @pytest.fixture(scope="module")
 def results():
     env = dict(os.environ, TRITON_INTERPRET="1")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = str(REPO)
     p = subprocess.run([sys.executable, "-c", SCRIPT, json.dumps(CASES)], env=env, cwd=root,
                        capture_output=True, text=True, timeout=600)
     lines = [l for l in p.stdout.splitlines() if l.startswith("RESULT")]

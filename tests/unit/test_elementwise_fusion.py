@@ -17,7 +17,7 @@ import torch
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from helpers import run_compiled
+from helpers import REPO, run_compiled
 
 ON = {"verify": True, "enable": ["fuse_elementwise"]}
 G = torch.Generator().manual_seed(0)
@@ -292,7 +292,7 @@ print(json.dumps({"ew": err(o1, e1), "amax": err(r1, e1.amax(-1)), "sum": err(r2
 def test_triton_kernel_under_interpreter():
     pytest.importorskip("triton")
     env = dict(os.environ, TRITON_INTERPRET="1")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = str(REPO)
     r = subprocess.run([sys.executable, "-c", TRITON_SCRIPT], env=env, cwd=root, capture_output=True,
                        text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
