@@ -113,7 +113,7 @@ def _io(cm, outputs: bool):
     g = cm.graph
     if not outputs:
         return list(g.inputs)
-    k = len(g.meta.get("input_mutations", ()))
+    k = len(g.signature.input_mutations)
     return list(g.outputs)[k:]
 
 
