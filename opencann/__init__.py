@@ -59,8 +59,8 @@ def _compile(model, example_inputs, device, options, example_kwargs, input_shape
     if example_inputs is None:
         raise ValueError("example_inputs is required for a torch model: a tensor or tuple of "
                          "the model's positional inputs fixing shapes and dtypes")
-    gears = [k for k in ("dynamic_batch_size", "dynamic_image_size", "dynamic_dims")
-             if k in (options or {})]
+    from .engine.options import GEAR_OPTIONS
+    gears = [k for k in GEAR_OPTIONS if k in (options or {})]
     if gears:
         from .engine.gears import compile_with_gears
         return compile_with_gears(model, example_inputs, dict(options), dynamic_shapes,

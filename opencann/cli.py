@@ -178,7 +178,7 @@ def _onnx_reference(path: str, cm, inputs):
     except ImportError:
         return None
     s = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
-    feeds = {n: x.numpy() for n, x in zip(cm.graph.meta["input_names"], inputs)}
+    feeds = {n: x.numpy() for n, x in zip(cm.graph.signature.input_names, inputs)}
     return tuple(torch.from_numpy(r) for r in s.run(None, feeds))
 
 

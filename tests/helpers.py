@@ -24,8 +24,8 @@ def run_compiled(fn, *inputs, options=None):
     ex = Executor(graph, plan)
     tensors = [x for x in inputs if isinstance(x, torch.Tensor)]
     outs = ex.run(tensors)
-    lits = graph.meta.get("output_literals", {})
-    n = graph.meta.get("n_outputs", len(outs))
+    lits = graph.signature.output_literals
+    n = graph.signature.n_flat(len(outs))
     it = iter(outs)
     return [lits[i] if i in lits else next(it) for i in range(n)], graph, plan, report
 

@@ -42,7 +42,7 @@ class ModelShapes:
         self.cm = cm
         g = cm.graph
         self.inputs = list(g.inputs)
-        k = len(g.meta.get("input_mutations", ()))
+        k = len(g.signature.input_mutations)
         self.outputs = list(g.outputs)[k:]
         binder = getattr(cm, "binder", None)
         self.dims: Dict[str, dict] = dict(binder.dims) if binder is not None else {}

@@ -15,7 +15,7 @@ import torch
 
 from ..frontend.torch import decomposition_table, rewrite_written_unfolds, written_expand
 from ..log import logger
-from ..engine.options import check_options
+from ..engine.options import check_options, option
 from .compile_fx import COMPILED_GRAPHS
 from .freezing import freezing_compiler, weight_inputs
 from .recompiles import note_compile, note_eager, stamp
@@ -84,7 +84,7 @@ def _inference(gm, example_inputs, options, entry):
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
     check_options(options)
-    weights = weight_inputs(gm, example_inputs) if options.get("freezing", True) else {}
+    weights = weight_inputs(gm, example_inputs) if option(options, "freezing") else {}
     compiler = freezing_compiler(weights, example_inputs, options, entry)
 
     def fw(g, inputs):

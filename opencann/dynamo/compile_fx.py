@@ -8,11 +8,11 @@ import torch
 
 from ..engine import compile_graph
 from ..engine.dynamic import compile_symbolic_fx
-from ..engine.options import check_options
+from ..engine.options import check_options, option
 from ..report import CompileReport
 from ..frontend.torch import from_fx_graph
 from ..ir.symbolic import SymExpr, bind
-from ..runtime import DEFAULT_CONCURRENT_CALLS, Executor, ExecutorPool
+from ..runtime import Executor, ExecutorPool
 
 COMPILED_GRAPHS: List[Any] = []  # reports of the graphs compiled in this process
 
@@ -39,15 +39,15 @@ def compile_fx(gm: torch.fx.GraphModule, example_inputs, options: Optional[Dict[
         execute = compile_symbolic_fx(graph, vals, check_options(options), report)
     else:
         graph, plan, report = compile_graph(graph, "cpu", options)
-        opts = options or {}
-        pool = ExecutorPool(lambda: Executor(graph, plan, check_aliasing=opts.get("check_aliasing")),
-                            opts.get("concurrent_calls", DEFAULT_CONCURRENT_CALLS))
+        pool = ExecutorPool(lambda: Executor(graph, plan,
+                                             check_aliasing=option(options, "check_aliasing")),
+                            option(options, "concurrent_calls"))
 
         def execute(args):
             return pool.run([args[i] for i in idx])
     COMPILED_GRAPHS.append(report)
-    lits = graph.meta.get("output_literals", {})
-    n_out = graph.meta.get("n_outputs", len(graph.outputs))
+    lits = graph.signature.output_literals
+    n_out = graph.signature.n_flat(len(graph.outputs))
 
     sym_lits = {i for i, v in lits.items() if isinstance(v, SymExpr)}
 

@@ -23,11 +23,10 @@ import torch.fx as fx
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from ..frontend.torch import decomposition_table
-from ..engine.options import KNOWN_OPTIONS
+from ..engine.options import KNOWN_OPTIONS, TRAINING_OPTIONS
 from .compile_fx import compile_fx
 from .partition import PARTITION_REPORTS, make_partition_fn, resolve_budget
 
-TRAINING_OPTIONS = {"memory_budget"}
 
 
 # Fused-attention forwards whose decomposition is only valid for inference: the math

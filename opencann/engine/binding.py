@@ -13,6 +13,7 @@ from ..passes import MemoryPlanning, Pass, PassContext, apply_schedule
 from ..passes.schedule import multi_stream_schedule, stream_summary
 from ..runtime import Executor
 from ..runtime.streams import threads_per_stream
+from .options import option
 
 
 def snapshot_constants(graph: Graph, live: Sequence[torch.Tensor]) -> int:
@@ -60,7 +61,7 @@ def measured_streams(graph: Graph, ctx: PassContext) -> str:
     Returns a note ("" when the option is off or N is 1); a graph with symbolic
     shapes, another device, or a kernel failing on the sample inputs keeps the cost
     model's streams and the note says why. The global RNG state is restored."""
-    n, how = ctx.options.get("streams", 1), ctx.options.get("stream_costs", "measured")
+    n, how = option(ctx.options, "streams"), option(ctx.options, "stream_costs")
     if n <= 1 or how != "measured":
         return ""
     why = ("" if parse_device(ctx.device).kind == "cpu" else f"measured only on the cpu, not {ctx.device}")
@@ -106,7 +107,7 @@ class BindKernels(Pass):
         snapshot_constants(graph, ctx.artifacts.get("live_tensors", ()))
         streams = measured_streams(graph, ctx)
         ex = Executor(graph, ctx.artifacts["memory_plan"],
-                      check_aliasing=ctx.options.get("check_aliasing"))
+                      check_aliasing=option(ctx.options, "check_aliasing"))
         ctx.artifacts["executor"] = ex
         ctx.note("arena allocated once; kernels pre-bound" + (f"; {streams}" if streams else ""))
         return len(ex.copy_out_nodes)

@@ -75,14 +75,14 @@ class CompiledModel:
         flat = list(example_flat or [])
         # non-tensor arguments are baked into the graph: calls must repeat them
         self._baked = {i: v for i, v in enumerate(flat) if not isinstance(v, torch.Tensor)}
-        self._mutations = list(graph.meta.get("input_mutations", ()))
+        self._mutations = list(graph.signature.input_mutations)
         self._contig = [t.is_contiguous() for t in flat if isinstance(t, torch.Tensor)]
         # as_strided offsets are absolute: the examples' storage offsets were traced in
         self._offsets = [t.storage_offset() for t in flat if isinstance(t, torch.Tensor)]
         self._strides = [tuple(t.stride()) for t in flat if isinstance(t, torch.Tensor)]
         # inputs an as_strided reads: a contiguous copy would be read at other places
         # ... and inputs whose layout the model's own code queried while it was captured
-        queried = graph.meta.get("layout_queries") or {}
+        queried = graph.signature.layout_queries
         self._layout_read = (layout_read_inputs(graph) | frozenset(queried.get("layout", ()))
                              | frozenset(queried.get("offset", ())))
         self._offset_read = (layout_read_inputs(graph, absolute_offset=True)
@@ -94,7 +94,7 @@ class CompiledModel:
         # BatchNorm statistics in a train-mode forward, ``.data``): runtime.weight_watch
         # the host autocast state of the capture (torch.export) must be the call's; ONNX
         # graphs and torch.compile's have no such state
-        self._checks_autocast = not graph.meta.get("input_names")
+        self._checks_autocast = not graph.signature.input_names
         self._watch = (WeightWatch([t for _, t in frozen], [n for n, _ in frozen], module)
                        if frozen else None)
         # the module's plain Python attributes export baked in (a loaded model: none)
@@ -232,7 +232,7 @@ class CompiledModel:
                     "compiled model holds a snapshot of the weights it was compiled with. "
                     "Recompile after changing weights")
         if self._checks_autocast:
-            autocast_state.check(self.graph.meta.get("autocast"))   # absent: compiled outside
+            autocast_state.check(self.graph.signature.autocast)   # None: compiled outside
         if self._watch is not None and self._watch.changed():
             i, how = next(iter(self._watch.changes().items()), (None, None))
             if i is not None:
@@ -264,10 +264,11 @@ class CompiledModel:
         return self._structure(outs[len(self._mutations):], user)
 
     def _structure(self, outs, user=None):
-        lits = self.graph.meta.get("output_literals", {})
+        sig = self.graph.signature
+        lits = sig.output_literals
         k = len(self._mutations)
-        n = self.graph.meta.get("n_outputs", len(outs) + k) - k
-        mine = self.graph.meta.get("returns_input", {}) if user is not None else {}
+        n = sig.n_flat(len(outs) + k) - k
+        mine = sig.returns_input if user is not None else {}
         views = self._input_views(user) if user is not None else {}
         it = iter(outs)
         flat = []
@@ -289,9 +290,9 @@ class CompiledModel:
         return value
 
     def _input_views(self, user) -> Dict[int, list]:
-        """``graph.meta["input_views"]`` for this call's inputs ``user`` (concrete here;
+        """``graph.signature.input_views`` for this call's inputs ``user`` (concrete here;
         `opencann.dynamic` binds symbolic ones)."""
-        return self.graph.meta.get("input_views", {})
+        return self.graph.signature.input_views
 
     def profile(self, *args, path: Optional[str] = None, **kwargs):
         """Run once recording per-op times; returns Chrome trace events, writes JSON to
@@ -305,7 +306,7 @@ class OnnxCompiledModel(CompiledModel):
     name as keywords); returns a tuple of the graph's outputs."""
 
     def __call__(self, *args, **kwargs):
-        names = self.graph.meta["input_names"]
+        names = list(self.graph.signature.input_names)
         unknown = set(kwargs) - set(names)
         if unknown or len(args) + len(kwargs) != len(names) or set(names[:len(args)]) & set(kwargs):
             raise ValueError(f"the ONNX model takes inputs {names} (positionally or by name); "
@@ -335,7 +336,7 @@ def _nesting_error(args, kwargs, in_spec, arg_names) -> str:
 
 def _view_of(user, view) -> Optional[torch.Tensor]:
     """The view of the caller's mutated input that an output is in eager
-    (``graph.meta["input_views"]``), or None when the caller's tensor is laid out
+    (``graph.signature.input_views``), or None when the caller's tensor is laid out
     otherwise than the traced one (then the output is a copy)."""
     if view is None:
         return None

@@ -53,11 +53,11 @@ from ..passes import (
 from ..report import CompileReport
 from ..runtime import DEFAULT_CONCURRENT_CALLS, Executor, ExecutorPool
 from ..runtime.call_binding import forward_arg_names
-from ..runtime.shape_cache import DEFAULT_PLAN_CACHE_SIZE, ShapePlanCache
+from ..runtime.shape_cache import ShapePlanCache
 from .binding import BindKernels, snapshot_constants
 from .compiled_model import CompiledModel
 from .entry import convert_exported
-from .options import check_options
+from .options import check_options, complete, option
 from .pipeline import graph_cost, run_pipeline
 
 
@@ -91,7 +91,7 @@ def plan_shape(graph: Graph, values: Mapping[str, int], options: Dict[str, Any],
     g = specialise(graph, values)
     # the pass switches named the optimisation passes, which ran once already
     options = {k: v for k, v in options.items() if k not in ("disable", "enable")}
-    ctx = PassContext(options=options, report=CompileReport(model=graph.name),
+    ctx = PassContext(options=complete(options), report=CompileReport(model=graph.name),
                       artifacts={"live_tensors": (), "schedule": schedule})
     stages = [MemoryPlanning(), BindKernels()]
     with frozen_graph():   # no pass changes the nodes from here: each node's aliases once
@@ -249,7 +249,7 @@ class PlanBuilder:
     def __init__(self, graph: Graph, report: CompileReport, binder: "ShapeBinder",
                  options: Dict[str, Any], device: str = "cpu"):
         self.graph, self.report, self.binder, self.options = graph, report, binder, options
-        self.concurrent = options.get("concurrent_calls", DEFAULT_CONCURRENT_CALLS)
+        self.concurrent = option(options, "concurrent_calls")
         self.device = device
         self.pinned = None if device == "cpu" else 0
         self.first_report: Optional[CompileReport] = report if device != "cpu" else None
@@ -269,7 +269,7 @@ class PlanBuilder:
         else:   # the first shape's passes fill the model's report
             rep, self.first_report = self.first_report, None
             g, plan, ex = compile_shape(self.graph, values, self.device, self.options, rep)
-        check = self.options.get("check_aliasing")
+        check = option(self.options, "check_aliasing")
         pool = ExecutorPool(lambda: Executor(g, plan, check_aliasing=check), self.concurrent,
                             first=ex)
         pool.plan, pool.graph = plan, g
@@ -315,8 +315,8 @@ class PlanBuilder:
 
     def cache(self) -> ShapePlanCache:
         """A `ShapePlanCache` building with this builder (capacity: ``plan_cache_size``)."""
-        return ShapePlanCache(self.binder.bind, self, self.options.get(
-            "plan_cache_size", DEFAULT_PLAN_CACHE_SIZE), self.concurrent, on_evict=self.evicted)
+        return ShapePlanCache(self.binder.bind, self, option(
+            self.options, "plan_cache_size"), self.concurrent, on_evict=self.evicted)
 
 
 class DynamicCompiledModel(CompiledModel):
@@ -343,7 +343,7 @@ class DynamicCompiledModel(CompiledModel):
         pool = build(key)
         report.memory = pool.plan.summary()   # the example shape's plan
         super().__init__(graph, pool.plan, report, concurrent_calls=build.concurrent,
-                         check_aliasing=options.get("check_aliasing"), executor=pool.first, **kw)
+                         check_aliasing=option(options, "check_aliasing"), executor=pool.first, **kw)
         self.plans = build.cache()
         self.plans.put(key, pool)
         self.pool = self.plans
@@ -377,7 +377,7 @@ class DynamicCompiledModel(CompiledModel):
 
     def _input_views(self, user) -> Dict[int, list]:
         """The views of mutated inputs the outputs are, bound to this call's shapes."""
-        views = self.graph.meta.get("input_views", {})
+        views = self.graph.signature.input_views
         if not views:
             return views
         values = dict(zip(self.binder.order, self.binder.bind(user)))
@@ -475,7 +475,7 @@ def compile_dynamic(model: torch.nn.Module, example_inputs, dynamic_shapes: Any,
     args = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
     ep, times, labels, narrowed = _capture(model, args, example_kwargs, dynamic_shapes, dim_ranges)
     graph, report, frozen, live = convert_exported(model, ep, times, device, "FX → IR with symbolic dims")
-    binder = ShapeBinder(graph, dynamic_dims(ep, labels), graph.meta.get("shape_guards", ()),
+    binder = ShapeBinder(graph, dynamic_dims(ep, labels), graph.signature.shape_guards,
                          [v.name for v in graph.inputs])
     flat, in_spec = pytree.tree_flatten((args, example_kwargs or {}))
     from torch.export.graph_signature import InputKind
@@ -493,7 +493,7 @@ def compile_dynamic(model: torch.nn.Module, example_inputs, dynamic_shapes: Any,
                             "its first use, as ATC compiles each gear; this report's passes "
                             "and costs are the example shape's")
     snapshot_constants(graph, live)
-    _report_dims(report, binder, options.get("plan_cache_size", DEFAULT_PLAN_CACHE_SIZE))
+    _report_dims(report, binder, option(options, "plan_cache_size"))
     if narrowed:
         report.notes.append(f"dims given no range narrowed to what the model accepts "
                             f"(torch.export's guards): {narrowed}")
@@ -525,9 +525,9 @@ def compile_symbolic_fx(graph: Graph, placeholders: Sequence[Any], options: Dict
                     "sources"].append(f"{name}.shape[{k}]")
     for _, s in sizes:
         dims.setdefault(s, {"name": s, "min": 0, "max": None, "sources": ["a size argument"]})
-    binder = ShapeBinder(graph, dims, graph.meta.get("shape_guards", ()),
+    binder = ShapeBinder(graph, dims, graph.signature.shape_guards,
                          [v.name for v in graph.inputs], scalars=[s for _, s in sizes])
-    _report_dims(report, binder, options.get("plan_cache_size", DEFAULT_PLAN_CACHE_SIZE))
+    _report_dims(report, binder, option(options, "plan_cache_size"))
     plans = PlanBuilder(graph, report, binder, options).cache()
 
     def run(args):

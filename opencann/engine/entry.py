@@ -12,10 +12,10 @@ import torch.utils._pytree as pytree
 from ..frontend.torch import capture, from_exported_program
 from ..ir import Graph
 from ..report import CompileReport, PassRecord
-from ..runtime import DEFAULT_CONCURRENT_CALLS, autocast_state
+from ..runtime import autocast_state
 from ..runtime.call_binding import forward_arg_names
 from .compiled_model import CompiledModel, OnnxCompiledModel
-from .options import check_options
+from .options import check_options, option
 from .pipeline import _bind_pipeline, _check_device, run_pipeline
 
 # opencann.compile runs one at a time: torch.export is not thread-safe (concurrent exports
@@ -38,9 +38,10 @@ def convert_exported(model: torch.nn.Module, ep, capture_seconds: Dict[str, floa
                            capture_seconds=capture_seconds)
     report.passes.append(PassRecord("convert_and_infer", "construct", 0, len(graph.nodes),
                                     time.perf_counter() - t0, len(graph.nodes), note=note))
-    graph.meta["autocast"] = autocast_state.current()   # checked per call; kept in model files
-    if graph.meta["autocast"] is not None:
-        report.notes.append(f"captured inside autocast(cpu, {graph.meta['autocast']}): the graph "
+    # checked per call; kept in model files
+    graph.signature = graph.signature.replace(autocast=autocast_state.current())
+    if graph.signature.autocast is not None:
+        report.notes.append(f"captured inside autocast(cpu, {graph.signature.autocast}): the graph "
                             "holds its casts, and calls must be made inside the same autocast")
     frozen = list(model.named_parameters()) + list(model.named_buffers())
     live = [t for _, t in frozen] + list(ep.state_dict.values()) + list(ep.constants.values())
@@ -78,8 +79,8 @@ def _compile_module(model, example_inputs, device, options, example_kwargs) -> C
     return CompiledModel(graph, ctx.artifacts["memory_plan"], report, in_spec=in_spec,
                          out_spec=ep.call_spec.out_spec, input_positions=positions,
                          example_flat=flat, frozen=frozen, module=model,
-                         concurrent_calls=options.get("concurrent_calls", DEFAULT_CONCURRENT_CALLS),
-                         check_aliasing=options.get("check_aliasing"), arg_names=arg_names,
+                         concurrent_calls=option(options, "concurrent_calls"),
+                         check_aliasing=option(options, "check_aliasing"), arg_names=arg_names,
                          executor=ctx.artifacts["executor"])
 
 
@@ -104,5 +105,5 @@ def compile_onnx(model, device: str = "cpu", options: Optional[Dict[str, Any]] =
     return OnnxCompiledModel(graph, ctx.artifacts["memory_plan"], report,
                              out_spec=pytree.tree_flatten(tuple(range(n)))[1],
                              example_flat=[torch.empty(0) for _ in graph.inputs],
-                             check_aliasing=options.get("check_aliasing"),
+                             check_aliasing=option(options, "check_aliasing"),
                              executor=ctx.artifacts["executor"])

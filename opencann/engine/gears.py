@@ -36,8 +36,8 @@ from ..log import logger
 from ..passes.gear_padding import PaddingCheck, follow_padded_dim, padding_summary
 from ..frontend.torch import CaptureError
 from .dynamic import DynamicCompiledModel, compile_dynamic
+from .options import GEAR_OPTIONS
 
-GEAR_OPTIONS = ("dynamic_batch_size", "dynamic_image_size", "dynamic_dims")
 MAX_GEARS = 100
 NO_PADDING = "no dim can be padded, so only exact gears are served"
 PAD_FILL = ("padded entries replicate the last real index of the dim; outputs are sliced "

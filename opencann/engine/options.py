@@ -1,20 +1,151 @@
-"""Compile options: the names `opencann.compile`, ``torch.compile(backend="opencann",
-options=...)`` and the training backend accept, and their validation (one ValueError
-line naming the option and what it takes). Kept apart from the compiler so that every
-entry point validates the same way without importing it."""
+"""Compile options: `CompileOptions`, every option `opencann.compile`, ``torch.compile(
+backend="opencann", options=...)``, the training backend and ATC-style gears accept, with
+its type, default, validation and meaning. Users pass a dict (``options={"streams": 2}``);
+`CompileOptions.from_dict` validates it (one ValueError line naming the option and what
+it takes) and readers take defaults from here (`option`), never spell their own. The
+option table of the docs (``docs/guide/options.md``) is generated from the fields
+(`opencann.engine.options_doc`) and a test keeps it current.
+Kept apart from the pipeline so that every entry point validates the same way."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
-from typing import Any, Dict, List, Optional, Tuple
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 from ..ops import get_op
+from ..passes.memory import DEFAULT_ALIGNMENT
+from ..runtime.pool import DEFAULT_CONCURRENT_CALLS
+from ..runtime.shape_cache import DEFAULT_PLAN_CACHE_SIZE
 
-KNOWN_OPTIONS = {"disable", "enable", "verify", "alignment", "inplace", "copy_out",
-                 "precision_mode", "keep_fp32", "host_fallback", "concurrent_calls",
-                 "check_aliasing", "fusion_switch_file", "dump_graph", "plan_cache_size",
-                 "disable_rewrites", "memory_aware_order", "streams", "fuse_elementwise_fastmath",
-                 "stream_costs", "freezing"}
+#: option groups: "compile" options reach the pipeline (`check_options`); "gears" are
+#: taken by `opencann.compile` (`opencann.engine.gears`); "training" by the training backend
+GROUPS = ("compile", "gears", "training")
+
+
+def _opt(default: Any, kind: str, doc: str, group: str = "compile", shown: str = "") -> Any:
+    """A `CompileOptions` field: ``kind`` (the type as the docs name it), ``doc`` (one
+    sentence), ``group`` (`GROUPS`), ``shown`` (the default as the docs show it, when it
+    depends on the machine)."""
+    meta = {"kind": kind, "doc": doc, "group": group, "shown": shown}
+    if isinstance(default, (list, dict)):
+        raise TypeError("mutable defaults are not allowed; use a tuple")
+    return field(default=default, metadata=meta)
+
+
+@dataclass(frozen=True)
+class CompileOptions:
+    """Every compile option, typed, with its default. Build it with `from_dict` (which
+    validates); read a plain options dict through `option`."""
+
+    disable: Tuple[str, ...] = _opt(
+        (), "list of pass names", "Passes switched off, by name (`default_pipeline().names()`).")
+    enable: Tuple[str, ...] = _opt(
+        (), "list of pass names", "Passes switched on that are off by default.")
+    verify: bool = _opt(False, "bool", "Run the IR verifier after each pass and check the memory plan.")
+    alignment: int = _opt(DEFAULT_ALIGNMENT, "power of two (bytes)",
+                          "Alignment of every buffer in the arena.")
+    inplace: bool = _opt(True, "bool", "Let outputs reuse a dead input's buffer (in-place planning).")
+    copy_out: bool = _opt(False, "bool", "Plan outputs out of the arena (copied out) instead of "
+                                         "handing out arena-backed tensors.")
+    precision_mode: Optional[str] = _opt(
+        None, "CANN precision mode", "CANN precision mode (`opencann.passes.prepare.precision.MODES`, "
+        "e.g. 'allow_mix_precision_bf16'); unset: dtypes unchanged.")
+    keep_fp32: Tuple[str, ...] = _opt(
+        (), "list of op names", "Ops kept in fp32 under a lowering precision_mode (e.g. 'SoftmaxV2').")
+    host_fallback: bool = _opt(True, "bool", "Run ops without a converter on the host; False: "
+                                             "refuse to compile them.")
+    concurrent_calls: int = _opt(
+        DEFAULT_CONCURRENT_CALLS, "positive int", "The most calls run at once, each with its own arena.",
+        shown="min(8, CPU count)")
+    check_aliasing: Optional[bool] = _opt(
+        None, "bool", "Check at run time that no kernel writes memory another value still "
+        "needs; unset: the OPENCANN_CHECK_ALIASING environment variable decides.")
+    fusion_switch_file: Optional[str] = _opt(
+        None, "path", "A CANN fusion switch file (JSON) turning passes on or off; merged into "
+        "disable / enable.")
+    dump_graph: Optional[str] = _opt(
+        None, "directory path", "Write the graph after each stage as DOT and JSON into this "
+        "directory (created if missing).")
+    plan_cache_size: int = _opt(
+        DEFAULT_PLAN_CACHE_SIZE, "positive int", "The most concrete shapes a model with "
+        "dynamic dims keeps memory plans for.")
+    disable_rewrites: Tuple[str, ...] = _opt(
+        (), "list of rewrite ids", "Single rewrites switched off, as '<pass>@<root node>' ids "
+        "from the compile report (e.g. 'fuse_conv_act@convolution_1').")
+    memory_aware_order: bool = _opt(True, "bool", "Order nodes to lower the arena's peak.")
+    streams: int = _opt(1, "positive int", "The most logical streams independent branches run "
+                                           "on at once (1: one stream).")
+    fuse_elementwise_fastmath: bool = _opt(
+        False, "bool", "Compile fused elementwise kernels with fastmath (may change rounding).")
+    stream_costs: str = _opt(
+        "measured", "'measured' or 'model'", "How streams are balanced: node times measured "
+        "at binding, or the cost model's FLOPs and bytes.")
+    freezing: bool = _opt(True, "bool", "torch.compile backend: treat parameters and buffers "
+                                        "as constants (folded, prepacked).")
+    dynamic_batch_size: Optional[Tuple[int, ...]] = _opt(
+        None, "list of ints", "ATC-style gears: the batch sizes (dim 0 of every input) to "
+        "compile plans for.", group="gears")
+    dynamic_image_size: Optional[Tuple[Tuple[int, int], ...]] = _opt(
+        None, "list of (height, width)", "ATC-style gears: the image sizes of 4-D (N, C, H, W) "
+        "inputs to compile plans for.", group="gears")
+    dynamic_dims: Optional[Tuple[Tuple[int, ...], ...]] = _opt(
+        None, "list of int tuples", "ATC-style gears: values of the dims named in "
+        "dynamic_shapes, one tuple per gear.", group="gears")
+    memory_budget: Optional[float] = _opt(
+        None, "fraction in (0, 1] or int bytes", "Training backend: the planned peak allowed "
+        "(recomputation keeps under it); unset: no budget.", group="training")
+
+    @classmethod
+    def names(cls, group: str = "compile") -> Tuple[str, ...]:
+        """The option names of ``group`` (`GROUPS`), in declaration order."""
+        return tuple(f.name for f in dataclasses.fields(cls) if f.metadata["group"] == group)
+
+    @classmethod
+    def default(cls, name: str) -> Any:
+        """The default of option ``name``; KeyError for an unknown name."""
+        for f in dataclasses.fields(cls):
+            if f.name == name:
+                return f.default
+        raise KeyError(f"no compile option {name!r}")
+
+    @classmethod
+    def from_dict(cls, options: Optional[Mapping[str, Any]]) -> "CompileOptions":
+        """Validate the compile options ``options`` (a dict; None: all defaults) and return
+        them typed; lists become tuples, a ``fusion_switch_file`` is read and merged into
+        ``disable`` / ``enable``. Raises ValueError (one line naming the option and what it
+        takes) for an unknown option or a bad value."""
+        given = check_options(options)
+        return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in given.items()})
+
+    def to_dict(self) -> Dict[str, Any]:
+        """Every option with its value (default when not given), lists as lists."""
+        return {f.name: list(v) if isinstance(v := getattr(self, f.name), tuple) else v
+                for f in dataclasses.fields(self)}
+
+
+#: compile options: what `check_options` accepts
+KNOWN_OPTIONS = frozenset(CompileOptions.names("compile"))
+#: ATC-style gear options (`opencann.engine.gears`)
+GEAR_OPTIONS = CompileOptions.names("gears")
+#: options of the training backend only (`opencann.dynamo.training`)
+TRAINING_OPTIONS = frozenset(CompileOptions.names("training"))
+
+
+def option(options: Optional[Mapping[str, Any]], name: str) -> Any:
+    """Option ``name`` of a (validated) options dict: its value, or `CompileOptions`'s
+    default when it is not given or None. KeyError for an unknown name."""
+    v = (options or {}).get(name)
+    return CompileOptions.default(name) if v is None else v
+
+
+def complete(options: Optional[Mapping[str, Any]]) -> Dict[str, Any]:
+    """A validated options dict with every compile option set (given value or default):
+    what the passes read, so none of them needs a default of its own."""
+    full = CompileOptions.from_dict(options).to_dict()
+    return {k: full[k] for k in KNOWN_OPTIONS}
+
 
 _BOOL_OPTIONS = ("verify", "inplace", "copy_out", "host_fallback", "check_aliasing",
                  "memory_aware_order", "fuse_elementwise_fastmath", "freezing")
@@ -22,7 +153,8 @@ _LIST_OPTIONS = ("disable", "enable", "keep_fp32", "disable_rewrites")
 
 
 def check_options(options: Optional[Dict[str, Any]]) -> Dict[str, Any]:
-    """Validate compile options; raises ValueError naming the option and what it takes."""
+    """Validate compile options; returns the given ones (a new dict, ``fusion_switch_file``
+    merged into ``disable`` / ``enable``). Raises ValueError naming the option and fix."""
     if options is not None and not isinstance(options, dict):
         raise ValueError(f"options must be a dict such as {{'verify': True}}, got "
                          f"{type(options).__name__} {options!r}")
@@ -139,3 +271,4 @@ def read_fusion_switch(path: str) -> Tuple[List[str], List[str]]:
                 if n not in target:
                     target.append(n)
     return off, on
+

@@ -11,7 +11,7 @@ from ..ops import Cost, get_op, is_random
 from ..passes import PassContext, PassManager, default_pipeline
 from ..report import CompileReport
 from .binding import BindKernels
-from .options import check_options
+from .options import check_options, complete, option
 
 
 def graph_cost(graph: Graph) -> Dict[str, int]:
@@ -69,16 +69,16 @@ def run_pipeline(graph: Graph, device: str, options: Optional[Dict[str, Any]],
     report.op_counts_before = graph.op_counts()
     report.cost_before = graph_cost(graph)
     report.host_fallbacks = _fallbacks(graph)
-    if report.host_fallbacks and not options.get("host_fallback", True):
+    if report.host_fallbacks and not option(options, "host_fallback"):
         listed = "; ".join(f"{k} x{v['count']} at {v['where'][0]}" for k, v in report.host_fallbacks.items())
         raise ValueError(f"ops without an opencann converter: {listed}. With "
                          "options={'host_fallback': True} (the default) they run on the host")
     for k, v in report.host_fallbacks.items():
         logger.warning("host fallback: %s x%d (no opencann converter) at %s", k, v["count"],
                        "; ".join(v["where"][:3]))
-    ctx = PassContext(options=options, report=report, device=device,
+    ctx = PassContext(options=complete(options), report=report, device=device,
                       artifacts=dict(artifacts or {}))
-    if options.get("dump_graph"):
+    if option(options, "dump_graph"):
         from ..ir.dump import write_stage
         stages = [0]
 

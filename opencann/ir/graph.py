@@ -13,6 +13,7 @@ from typing import Any, Dict, Iterable, Iterator, KeysView, List, Optional, Sequ
 
 import torch
 
+from .signature import CallSignature
 from .types import TensorDesc
 
 
@@ -270,6 +271,9 @@ class Graph:
         self._nodes = NodeList()
         self._ids = itertools.count()
         self._names: Dict[str, int] = {}
+        # the calling convention (outputs, written inputs, eager's aliasing and layouts),
+        # written by the frontends; ``meta``: per-stage notes (`opencann.ir.signature`)
+        self.signature = CallSignature()
         self.meta: Dict[str, Any] = {}
 
     @property

@@ -65,6 +65,7 @@ def specialise(graph: Graph, values: Bindings) -> Graph:
     descs: Dict[TensorDesc, TensorDesc] = {}
     g = Graph(graph.name)
     g.meta = dict(graph.meta, specialised=True)
+    g.signature = graph.signature
     vmap: Dict[int, Value] = {}
 
     def value(v: Value, producer=None) -> Value:

@@ -169,10 +169,9 @@ def follow_padded_dim(graph: Graph, sym: str) -> PaddingCheck:
         elif _carries(v.desc.shape, sym):
             return _blocked(sym, v.producer, f"output {j} has the dim in its shape but not "
                                              "on an axis that can be sliced back")
-    for key in ("input_mutations", "input_views", "returns_input"):
-        if graph.meta.get(key):
-            return _blocked(sym, None, "the model writes into or returns its inputs, which "
-                                       "padded copies cannot stand for")
+    if graph.signature.writes_inputs:
+        return _blocked(sym, None, "the model writes into or returns its inputs, which "
+                                   "padded copies cannot stand for")
     return PaddingCheck(sym, True, outputs=outs)
 
 

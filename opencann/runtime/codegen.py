@@ -142,10 +142,10 @@ def output_copies(graph: Graph) -> Dict[int, Optional[int]]:
     is backed by a constant (the compiled model's own weights: a caller must not be able
     to change them), by a graph input eager did not return a view of, or shares memory
     with an earlier kept output where eager's did not (CSE merged ``x + 1, x + 1``).
-    Eager's aliasing comes from ``graph.meta["output_storage"]``, recorded at conversion;
+    Eager's aliasing comes from ``graph.signature.output_storage``, recorded at conversion;
     without it, outputs are assumed distinct unless they are the same value."""
     roots = storage_roots(graph)
-    eager = graph.meta.get("output_storage")
+    eager = graph.signature.output_storage
     consts = {c.id for c in graph.constants}
     inputs = {v.id for v in graph.inputs}
 
@@ -524,7 +524,7 @@ class CodeGen:
             rets[i] = f"_o{i if shared is None else shared}"
         # outputs whose exported strides differ from eager's (torch.export's
         # functionalization can re-derive a value as a permute of a contiguous clone)
-        for i, st in g.meta.get("eager_output_strides", {}).items():
+        for i, st in g.signature.eager_output_strides.items():
             self.glb[f"E{i}"] = tuple(st)
             self.lines.append(f"    _o{i}e = _conform({rets[i]}, E{i})")
             rets[i] = f"_o{i}e"

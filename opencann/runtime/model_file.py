@@ -30,12 +30,15 @@ symbolic one (shapes such as ``float32[s0,384]``, size arguments as ``{"$sym":
 "s0*s1"}``: sympy's string form, read back by `opencann.ir.symbolic.parse`, never
 pickled), and ``metadata`` holds ``dynamic`` (dims with names, ranges and sources; the
 model's shape conditions; the example's dim values; plan options) and ``gears`` (the
-option, dim names and gear values). A static model is still written as version 1, so
-older opencann reads it; a version-2 file asks for an opencann that knows dynamic dims.
-Both keep, in the graph's meta, ``autocast``: the host autocast dtype the model was
-captured under (None: outside autocast; absent in files written before it was recorded:
-read as outside), which a loaded model checks per call as the live one does
-(`opencann.runtime.autocast_state`). Constants keep their strides for every kind of view
+option, dim names and gear values). Version 3 (every model written now) moves the
+calling convention out of the graph's ``meta`` into its own field ``signature`` of the
+``graph`` section (`opencann.ir.CallSignature`: output literals and count, eager's output
+aliasing and strides, mutated inputs, layout queries, shape guards, ``autocast``, ONNX
+input/output names); files of versions 1 and 2 keep those under the same names in
+``meta`` and are converted on load (`CallSignature.from_legacy_meta`). ``autocast`` is
+the host autocast dtype the model was captured under (None: outside autocast; absent in
+files written before it was recorded: read as outside), which a loaded model checks per
+call as the live one does (`opencann.runtime.autocast_state`). Constants keep their strides for every kind of view
 (`_pack_constants`; gapped views saved as values carry ``fill_strides``, which older
 readers ignore, reading them contiguous as before).
 
@@ -59,7 +62,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 import torch.utils._pytree as pytree
 
-from ..ir import Graph, MemoryPlan, Node, TensorListRef, TensorRef, Value
+from ..ir import CallSignature, Graph, MemoryPlan, Node, TensorListRef, TensorRef, Value
 from ..ir.plan import Buffer
 from ..ir.symbolic import SymExpr
 from ..ir.types import DataType, Format, TensorDesc
@@ -67,8 +70,7 @@ from ..ops import get_op
 from ..ops.parity import kernel_layout_differs, special_values_differ
 from ..report import CompileReport, PassRecord, fmt_bytes
 
-FORMAT_VERSION = 2
-STATIC_FORMAT_VERSION = 1   # what a model without dynamic dims is written as
+FORMAT_VERSION = 3   # 3: graph.signature; 2: dynamic dims and gears; 1: static
 MAGIC = b"OPENCANN"
 _PREFIX = struct.Struct("<8sIQ32s")  # magic, format version, header length, header sha256
 _ALIGN = 64  # bytes: every weight starts this aligned in the file and in memory (as torch's
@@ -95,7 +97,7 @@ def _enc(x: Any, where: str) -> Any:
         return [_enc(v, where) for v in x]
     if isinstance(x, tuple):
         return {"$tuple": [_enc(v, where) for v in x]}
-    if isinstance(x, frozenset):   # e.g. graph.meta["output_storage"]: sets of value ids
+    if isinstance(x, frozenset):   # e.g. signature.output_storage: sets of value ids
         return {"$frozenset": [_enc(v, where) for v in sorted(x, key=repr)]}
     if isinstance(x, dict):
         return {"$dict": [[_enc(k, where), _enc(v, where)] for k, v in x.items()]}
@@ -202,7 +204,9 @@ def _graph_to_json(g: Graph) -> Dict[str, Any]:
              for n in g.nodes]
     return {"name": g.name, "values": values, "inputs": [v.id for v in g.inputs],
             "constants": [v.id for v in g.constants], "nodes": nodes,
-            "outputs": [v.id for v in g.outputs], "meta": _enc(g.meta, "graph.meta")}
+            "outputs": [v.id for v in g.outputs], "meta": _enc(g.meta, "graph.meta"),
+            "signature": {k: _enc(v, f"graph.signature.{k}")
+                          for k, v in g.signature.to_dict().items()}}
 
 
 def _graph_from_json(j: Dict[str, Any], consts: Dict[str, torch.Tensor]) -> Graph:
@@ -233,7 +237,11 @@ def _graph_from_json(j: Dict[str, Any], consts: Dict[str, torch.Tensor]) -> Grap
         n.outputs = [mk(i, producer=n) for i in nj["outputs"]]
         g.add_node(n)   # wires its uses and registers its name
     g.outputs = [vals[i] for i in j["outputs"]]
-    g.meta = _dec(j["meta"])
+    if "signature" in j:
+        g.signature = CallSignature.from_dict({k: _dec(v) for k, v in j["signature"].items()})
+        g.meta = _dec(j["meta"])
+    else:   # format 1 or 2: the calling convention is in meta under the field names
+        g.signature, g.meta = CallSignature.from_legacy_meta(_dec(j["meta"]))
     g._ids = iter(range(max(descs, default=-1) + 1, 1 << 62))  # new values get fresh ids
     return g
 
@@ -467,9 +475,9 @@ def _metadata(g, report, conv: Dict[str, Any], description: str, version: int) -
     descs), the calling convention (structures, positions, baked non-tensor inputs),
     and for a dynamic model its dims and gears."""
     from ..version import __version__
-    n_out = g.meta.get("n_outputs", len(g.outputs))
+    n_out = g.signature.n_flat(len(g.outputs))
     out_names = _output_names(conv["out_spec"], n_out)
-    lits = g.meta.get("output_literals", {})
+    lits = g.signature.output_literals
     tensor_out_names = [nm for i, nm in enumerate(out_names) if i not in lits]
     return {
         "format_version": version, "opencann_version": __version__,
@@ -525,7 +533,7 @@ def save(compiled, path: str, description: str = "") -> Dict[str, Any]:
 
     g, plan, report = compiled.graph, compiled.plan, compiled.report
     conv = compiled.calling_convention()
-    version = FORMAT_VERSION if conv.get("dynamic") else STATIC_FORMAT_VERSION
+    version = FORMAT_VERSION
     graph_j = _graph_to_json(g)
     tensors, layouts = _pack_constants(g)
     graph_j["constant_layouts"] = layouts

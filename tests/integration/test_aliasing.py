@@ -377,8 +377,8 @@ def test_outputs_merged_with_an_input_or_each_other_are_copied():
     g.outputs = [x, y, y, z, z]
     # eager: output 0 was fresh (say, a clone a pass removed), 1 and 2 distinct tensors,
     # 3 and 4 one tensor returned twice
-    g.meta["output_storage"] = [frozenset({-1}), frozenset({-2}), frozenset({-3}),
-                                frozenset({z.id}), frozenset({z.id})]
+    g.signature = g.signature.replace(output_storage=(
+        frozenset({-1}), frozenset({-2}), frozenset({-3}), frozenset({z.id}), frozenset({z.id})))
     assert independent_outputs(g) == [0, 2]
 
 

@@ -52,7 +52,7 @@ def test_dynamic_model_roundtrip(tmp_path):
     lm, path = save_and_load(cm, tmp_path, "dyn.ocm")
     header, secs = read_sections(path)
     meta = json.loads(bytes(secs["metadata"]))
-    assert meta["format_version"] == 2 and meta["dynamic"] and meta["gears"] == []
+    assert meta["format_version"] == 3 and meta["dynamic"] and meta["gears"] == []
     assert b"pickle" not in bytes(secs["graph"])
     assert type(lm).__name__ == "DynamicCompiledModel"
     for shape in [(2, 8, 16), (3, 17, 16), (1, 64, 16), (3, 17, 16)]:
@@ -106,12 +106,12 @@ def test_exact_gear_model_roundtrip(tmp_path):
     assert "only exact gears" in _error(lm, x) and _error(lm, x) == _error(cm, x)
 
 
-def test_a_static_model_is_still_format_1(tmp_path):
+def test_a_static_model_is_written_in_format_3_which_older_readers_refuse(tmp_path):
     cm = opencann.compile(_seeded(ConvNet()), (torch.randn(2, 3, 10, 10),))
     path = str(tmp_path / "static.ocm")
     assert opencann.save(cm, path) is None
     meta = json.loads(bytes(read_sections(path)[1]["metadata"]))
-    assert meta["format_version"] == 1 and meta["dynamic"] is None
+    assert meta["format_version"] == 3 and meta["dynamic"] is None
     x = torch.randn(2, 3, 10, 10)
     assert torch.equal(opencann.load(path)(x), cm(x))
 

@@ -454,6 +454,7 @@ def _set_outputs(cv: Converter, model) -> None:
                 v = cv.const(v.const.clone())
         outs.append(v)
     cv.graph.outputs = outs
-    cv.graph.meta["output_storage"] = [frozenset((v.id,)) for v in outs]
-    cv.graph.meta["output_names"] = [o.name for o in model.graph.output]
-    cv.graph.meta["input_names"] = [v.name for v in cv.graph.inputs]
+    cv.graph.signature = cv.graph.signature.replace(
+        output_storage=tuple(frozenset((v.id,)) for v in outs),
+        output_names=tuple(o.name for o in model.graph.output),
+        input_names=tuple(v.name for v in cv.graph.inputs))

@@ -154,7 +154,8 @@ def convert_node(graph: Graph, node: fx.Node, env: Dict[fx.Node, Any]) -> None:
         graph.meta.setdefault("dropped_asserts", []).append(str(target))
         cond = env.get(node.args[0]) if node.args and isinstance(node.args[0], fx.Node) else None
         if isinstance(cond, SymExpr):   # a condition on dynamic dims: checked per shape
-            graph.meta.setdefault("shape_guards", []).append(cond.expr)
+            graph.signature = graph.signature.replace(
+                shape_guards=graph.signature.shape_guards + (cond.expr,))
         env[node] = None
         return
     opdef = lookup_aten(target)
@@ -303,13 +304,13 @@ def _set_outputs(graph: Graph, node: fx.Node, env: Dict[fx.Node, Any], sig=None)
     if sig is not None:
         outs = [o for o, s in zip(outs, _output_specs(sig, all_kinds=True)) if s is not None]
     flat = [env[o] if isinstance(o, fx.Node) else o for o in outs]
-    graph.meta["output_literals"] = {i: o for i, o in enumerate(flat) if not isinstance(o, Value)}
     graph.outputs = [o for o in flat if isinstance(o, Value)]
-    graph.meta["n_outputs"] = len(flat)
     # which outputs share memory in eager (views of one tensor, one tensor returned twice):
     # passes may merge values (CSE), the runtime then keeps outputs eager kept apart apart
     roots = storage_roots(graph)
-    graph.meta["output_storage"] = [roots[o.id] for o in graph.outputs]
+    graph.signature = graph.signature.replace(
+        output_literals={i: o for i, o in enumerate(flat) if not isinstance(o, Value)},
+        n_outputs=len(flat), output_storage=tuple(roots[o.id] for o in graph.outputs))
 
 
 def _resolve_const(ep: torch.export.ExportedProgram, name: str) -> torch.Tensor:
@@ -336,14 +337,16 @@ def _custom_object_error(node: fx.Node, spec) -> str:
 
 
 def _note_layout_query(graph: Graph, ep: torch.export.ExportedProgram, name: str) -> None:
-    """Before input ``name`` is added: record its index in ``graph.meta["layout_queries"]``
-    ("layout" / "offset" -> list of input indices; saved with the graph in model files) when the model's code asked its layout
-    during capture (`opencann.frontend.torch.layout_queries`)."""
+    """Before input ``name`` is added: record its index in ``graph.signature.layout_queries``
+    ("layout" / "offset" -> list of input indices; saved with the graph in model files)
+    when the model's code asked its layout during capture
+    (`opencann.frontend.torch.layout_queries`)."""
     read = next(n for n in ep.graph.nodes if n.op == "output").meta.get("layout_queries") or {}
-    q = graph.meta.setdefault("layout_queries", {"layout": [], "offset": []})
+    q = {k: list(v) for k, v in graph.signature.layout_queries.items()} or {"layout": [], "offset": []}
     for kind, names in read.items():
         if name in names:
             q.setdefault(kind, []).append(len(graph.inputs))
+    graph.signature = graph.signature.replace(layout_queries=q)
 
 
 def _refuse_written_state(sig) -> None:
@@ -377,8 +380,8 @@ def from_exported_program(ep: torch.export.ExportedProgram, name: str = "model",
 
     Parameters, buffers and lifted constants become graph constants; user inputs become
     graph inputs in flattened order. A model that writes into its inputs (``x.add_(1)``)
-    returns the new values first: ``graph.meta["input_mutations"]`` lists, for each of
-    these leading outputs, the graph input it updates, and ``meta["returns_input"]`` maps
+    returns the new values first: ``graph.signature.input_mutations`` lists, for each of
+    these leading outputs, the graph input it updates, and ``returns_input`` maps
     a user output (index among the outputs after them) that is the mutated input itself
     to that graph input. Raises ConversionError for mutated buffers (training-mode
     BatchNorm statistics) and parameters (``nn.Embedding(max_norm=...)``), object inputs (an explicit ``generator=``) and unsupported
@@ -425,7 +428,7 @@ def _output_specs(sig, all_kinds: bool = False) -> list:
 
 
 def _record_eager_strides(graph: Graph, eager) -> None:
-    """``graph.meta["eager_output_strides"]``: graph output index -> eager's strides, for
+    """``graph.signature.eager_output_strides``: graph output index -> eager's strides, for
     the user outputs whose decomposed strides differ from eager's. ``eager``: the user
     outputs' strides before decomposition (recorded by `capture`; None for a non-tensor
     output). Decomposition functionalizes the program and can re-derive a value with other
@@ -435,12 +438,13 @@ def _record_eager_strides(graph: Graph, eager) -> None:
     that do not match up one to one are left alone."""
     if not eager:
         return
-    k = len(graph.meta.get("input_mutations", ()))
-    lits = graph.meta.get("output_literals", {})
-    n_user = graph.meta.get("n_outputs", len(graph.outputs)) - k
+    sig = graph.signature
+    k = len(sig.input_mutations)
+    lits = sig.output_literals
+    n_user = sig.n_flat(len(graph.outputs)) - k
     if len(eager) != n_user:
         return
-    mine = set(graph.meta.get("returns_input", {})) | set(graph.meta.get("input_views", {}))
+    mine = set(sig.returns_input) | set(sig.input_views)
     fixes: Dict[int, tuple] = {}
     g = k
     for i in range(n_user):
@@ -455,7 +459,7 @@ def _record_eager_strides(graph: Graph, eager) -> None:
         if traced is not None and tuple(traced) != tuple(st) and is_dense(v.desc.shape, st):
             fixes[g - 1] = tuple(st)
     if fixes:
-        graph.meta["eager_output_strides"] = fixes
+        graph.signature = sig.replace(eager_output_strides=fixes)
 
 
 def _input_mutations(graph: Graph, sig, out_node: fx.Node) -> None:
@@ -481,12 +485,11 @@ def _input_mutations(graph: Graph, sig, out_node: fx.Node) -> None:
                                   kind="internal")
         mutations.append(names.index(spec.target))
         produced[args[i]] = mutations[-1]
-    graph.meta["input_mutations"] = mutations
-    graph.meta["returns_input"] = {j: produced[a] for j, a in enumerate(args[k:])
-                                   if isinstance(a, fx.Node) and a in produced}
     views = _views_of_mutated_inputs(args[k:], produced)
-    if views:
-        graph.meta["input_views"] = views
+    graph.signature = graph.signature.replace(
+        input_mutations=tuple(mutations), input_views=views,
+        returns_input={j: produced[a] for j, a in enumerate(args[k:])
+                       if isinstance(a, fx.Node) and a in produced})
 
 
 def _views_of_mutated_inputs(outs, produced) -> Dict[int, list]:
