@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import math
+from fractions import Fraction
 import operator
 import re
 from dataclasses import dataclass
@@ -110,6 +111,8 @@ def bind(dim: Any, values: Bindings, memo: Dict[str, Any] | None = None) -> Any:
     r = evaluate(e, values)
     if isinstance(r, bool):
         r = int(r)
+    elif isinstance(r, Fraction):
+        r = int(r) if r.denominator == 1 else float(r)
     if memo is not None:
         memo[dim] = r
     return r
@@ -151,11 +154,12 @@ _PY_FUNCS: Dict[str, Callable[..., Any]] = {
 }
 
 
-def evaluate(expr: sympy.Basic, values: Bindings) -> Number:
+def evaluate(expr: sympy.Basic, values: Bindings) -> "Number | Fraction":
     """The value of ``expr`` (a parsed dim, size computation or guard) for ``values``
     (symbol name -> int) with Python's int/float/bool arithmetic, the arithmetic eager
     Python runs on sizes: ints stay exact, ``IntTrueDiv(12, 8)`` is ``12 / 8``, a float
-    constant is its double. Raises KeyError for a symbol without a value, ValueError
+    constant is its double; sympy's own rationals (``floor(s0/4 - 1/4)``, how ``//``
+    parses) are exact `Fraction` values. Raises KeyError for a symbol without a value, ValueError
     naming a function it does not know."""
     if expr.is_Symbol:
         return int(values[str(expr)])
@@ -163,8 +167,8 @@ def evaluate(expr: sympy.Basic, values: Bindings) -> Number:
         return int(expr)
     if expr.is_Float:
         return float(expr)
-    if expr.is_Rational:
-        return int(expr.p) / int(expr.q)
+    if expr.is_Rational:   # sympy's own a / b (``//`` parses as floor(a/b)): exact
+        return Fraction(int(expr.p), int(expr.q))
     if expr is sympy.true or expr is sympy.false:
         return bool(expr)
     if isinstance(expr, sympy.Piecewise):
@@ -176,8 +180,8 @@ def evaluate(expr: sympy.Basic, values: Bindings) -> Number:
         return functools.reduce(operator.mul, args)
     if expr.is_Pow:
         base, exp = args
-        if isinstance(exp, int) and exp < 0 and isinstance(base, int):
-            return 1 / base ** -exp   # sympy spells a / b as a * b**-1
+        if isinstance(exp, int) and exp < 0 and isinstance(base, (int, Fraction)):
+            return Fraction(1) / base ** -exp   # sympy spells a / b as a * b**-1: exact
         return base ** exp
     name = type(expr).__name__
     fn = _PY_FUNCS.get(name)

@@ -58,3 +58,12 @@ def test_unknown_function_and_missing_symbol_are_named():
         bind("s0*s1", {"s0": 2})
     with pytest.raises(ValueError, match="cannot evaluate"):
         evaluate(sympy.Function("Mystery")(s0), {"s0": 2})
+
+
+def test_floor_division_strings_evaluate_exactly():
+    # ceil-mode pooling twice then narrow by a third: sympy parses // as floor(a/b) with
+    # rationals; float arithmetic gave floor(5/3 + 1/3) = floor(1.9999999999999998) = 1
+    e = "Max(1, (((((s0 - 1)//4)) + 1)//3))"
+    for s in range(1, 200):
+        assert bind(e, {"s0": s}) == max(1, (((s - 1) // 4) + 1) // 3), s
+    assert bind("s0/4", {"s0": 6}) == 1.5 and bind("s0/2", {"s0": 6}) == 3
