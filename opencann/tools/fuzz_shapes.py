@@ -95,6 +95,7 @@ class ShapeProgram:
         return list(self.steps)
 
     def namespace(self) -> dict:
+        """The globals of `source` executed (``M``, ``make_inputs``, ``SIZES``)."""
         ns: dict = {}
         exec(compile(self.source(), f"<shape program {self.seed}>", "exec"), ns)  # noqa: S102
         return ns
