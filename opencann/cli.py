@@ -399,8 +399,17 @@ def cmd_fuzz(args) -> int:
     """``opencann fuzz``: differential fuzzing (`opencann.tools.fuzz.run_fuzz`) with the command's
     options; prints progress and the summary. Returns 1 when a check failed, else 0."""
     from .tools.fuzz import BACKENDS, run_fuzz
-    backends = list(BACKENDS) if args.backend == "all" else _csv(args.backend)
+    from .tools.fuzz_shapes import BACKEND as SHAPES, run_shape_fuzz
+    backends = list(BACKENDS) + [SHAPES] if args.backend == "all" else _csv(args.backend)
     every = {"dynamo": args.dynamo_every} if args.dynamo_every > 1 else None
+    shapes = SHAPES in backends
+    backends = [b for b in backends if b != SHAPES]
+    if shapes:   # torch.compile at three input sizes (opencann.tools.fuzz_shapes)
+        sres = run_shape_fuzz(cases=args.cases, seed=args.seed,
+                              progress=lambda m: console.print(m, markup=False, highlight=False))
+        console.print(sres.summary(), markup=False, highlight=False)
+        if not backends:
+            return 1 if sres.failures else 0
     res = run_fuzz(cases=args.cases, seed=args.seed, backends=backends, ops=_csv(args.op),
                    kinds=_csv(args.kinds), checks=_csv(args.checks), out_dir=args.out,
                    max_steps=args.max_steps, shrink_budget=args.shrink_budget,
@@ -409,7 +418,7 @@ def cmd_fuzz(args) -> int:
     console.print(res.summary(), markup=False, highlight=False)
     if res.failures and args.out:
         console.print(f"minimal repros written to {args.out}/ (run one with python)")
-    return 1 if res.failures else 0
+    return 1 if res.failures or (shapes and sres.failures) else 0
 
 
 def _json_options(text):
@@ -610,7 +619,8 @@ def _add_fuzz_command(sub) -> None:
     f.add_argument("--cases", type=positive_int, default=200, help="number of programs")
     f.add_argument("--seed", type=int, default=0, help="first seed (case i uses seed+i)")
     f.add_argument("--backend", default="opencann",
-                   help="all, or a comma list of opencann, vnpu, dynamo, flash")
+                   help="all, or a comma list of opencann, vnpu, dynamo, flash, dynamo_shapes "
+                   "(torch.compile called at three input sizes: interpolate, computed slices)")
     f.add_argument("--out", help="write each failure's minimal repro script here")
     f.add_argument("--op", help="only these ops or op groups (comma list; see opencann/tools/fuzz_ops.py)")
     f.add_argument("--kinds", help="only these op groups and input features (special, lowp, ints, multi_out)")

@@ -6,19 +6,29 @@ sympy expression torch.export's shape environment gives it (``"s43"``, ``"s43*s5
 ``[s43*s53, 384]``) is a `SymExpr` in the node's attrs. `bind` turns either into an int
 for concrete symbol values; `specialise` (``opencann.ir.specialise``) does it for a
 whole graph. Expressions are parsed once by sympy (torch's own symbolic-shape library)
-and evaluated by substitution, so ``FloorDiv``/``Mod`` from torch's shape functions
-work too.
+and evaluated by `evaluate` with Python's own int and float arithmetic, the arithmetic
+torch.compile's Python code runs eagerly, so torch's shape functions (``FloorDiv``,
+``Mod``, ``IntTrueDiv``, ``ToFloat``, ``TruncToInt``, ``FloorToInt``, ``FloatPow``,
+``Min``/``Max``...) give eager's exact values. Float arithmetic on sizes
+(``F.interpolate(scale_factor=1.5)``: ``TruncToInt(1.5*ToFloat(s0))``; a scale
+``IntTrueDiv(s1, s0)`` passed to an op) is written with each float constant's shortest
+round-trip form (`expr_string`), so the parsed constant is the same double.
 """
 from __future__ import annotations
 
 import functools
+import math
+from fractions import Fraction
+import operator
 import re
 from dataclasses import dataclass
-from typing import Any, Dict, Iterable, Mapping, Set, Tuple
+from typing import Any, Callable, Dict, Iterable, Mapping, Set, Tuple, Union
 
 import sympy
+from sympy.printing.str import StrPrinter
 
 Bindings = Mapping[str, int]
+Number = Union[int, float, bool]
 
 
 @dataclass(frozen=True)
@@ -82,10 +92,12 @@ def is_symbol(dim: Any) -> bool:
     return isinstance(dim, str) and parse(dim).is_Symbol
 
 
-def bind(dim: Any, values: Bindings, memo: Dict[str, int] | None = None) -> Any:
-    """``dim`` with its symbols replaced by ``values`` (symbol name -> int): an int for a
-    string dim or a `SymExpr`, ``dim`` itself otherwise. Raises KeyError naming a
-    symbol without a value, ValueError when the result is not an integer."""
+def bind(dim: Any, values: Bindings, memo: Dict[str, Any] | None = None) -> Any:
+    """``dim`` with its symbols replaced by ``values`` (symbol name -> int): a number for
+    a string dim or a `SymExpr` (an int for sizes; a float for a float-valued size
+    computation passed to an op, such as a resize scale ``IntTrueDiv(s1, s0)``), ``dim``
+    itself otherwise. Raises KeyError naming a symbol without a value, ValueError when
+    the expression cannot be evaluated (a function `evaluate` does not know)."""
     if isinstance(dim, SymExpr):
         dim = dim.expr
     elif not isinstance(dim, str):
@@ -96,12 +108,102 @@ def bind(dim: Any, values: Bindings, memo: Dict[str, int] | None = None) -> Any:
     missing = {str(s) for s in e.free_symbols} - set(values)
     if missing:
         raise KeyError(f"symbolic dim {dim!r} needs a value for {sorted(missing)}")
-    r = e.xreplace({s: sympy.Integer(values[str(s)]) for s in e.free_symbols})
-    if not r.is_Integer:
-        raise ValueError(f"symbolic dim {dim!r} is {r} for {dict(values)}, not an integer")
+    r = evaluate(e, values)
+    if isinstance(r, bool):
+        r = int(r)
+    elif isinstance(r, Fraction):
+        r = int(r) if r.denominator == 1 else float(r)
     if memo is not None:
-        memo[dim] = int(r)
-    return int(r)
+        memo[dim] = r
+    return r
+
+
+def _pow(a, b):
+    """Python's ``**`` (``PowByNatural``: ints; ``FloatPow``: floats)."""
+    return a ** b
+
+
+def _round_decimal(x, n):
+    return round(x, int(n))
+
+
+# torch's sympy shape functions (torch/utils/_sympy/functions.py) and sympy's own heads,
+# each with the Python operation torch.compile's generated code runs for it (the
+# reference: torch/utils/_sympy/reference.py, PythonReferenceAnalysis)
+_PY_FUNCS: Dict[str, Callable[..., Any]] = {
+    "FloorDiv": operator.floordiv, "CleanDiv": operator.floordiv,
+    "CeilDiv": lambda a, b: -(-a // b),
+    "ModularIndexing": lambda x, d, m: (x // d) % m,
+    "Mod": operator.mod, "PythonMod": operator.mod,
+    "IntTrueDiv": operator.truediv, "FloatTrueDiv": operator.truediv,
+    "ToFloat": float, "Identity": lambda x: x,
+    "TruncToInt": math.trunc, "TruncToFloat": lambda x: float(math.trunc(x)),
+    "FloorToInt": math.floor, "CeilToInt": math.ceil, "RoundToInt": round,
+    "RoundDecimal": _round_decimal,
+    "floor": math.floor, "ceiling": math.ceil,
+    "PowByNatural": _pow, "FloatPow": _pow,
+    "Min": min, "Max": max, "Abs": abs,
+    "LShift": operator.lshift, "RShift": operator.rshift,
+    "BitwiseFn_bitwise_and": operator.and_, "BitwiseFn_bitwise_or": operator.or_,
+    "BitwiseFn_bitwise_xor": operator.xor,
+    "Where": lambda c, a, b: a if c else b,
+    "Equality": operator.eq, "Unequality": operator.ne,
+    "StrictLessThan": operator.lt, "LessThan": operator.le,
+    "StrictGreaterThan": operator.gt, "GreaterThan": operator.ge,
+    "And": lambda *a: all(a), "Or": lambda *a: any(a), "Not": operator.not_,
+}
+
+
+def evaluate(expr: sympy.Basic, values: Bindings) -> "Number | Fraction":
+    """The value of ``expr`` (a parsed dim, size computation or guard) for ``values``
+    (symbol name -> int) with Python's int/float/bool arithmetic, the arithmetic eager
+    Python runs on sizes: ints stay exact, ``IntTrueDiv(12, 8)`` is ``12 / 8``, a float
+    constant is its double; sympy's own rationals (``floor(s0/4 - 1/4)``, how ``//``
+    parses) are exact `Fraction` values. Raises KeyError for a symbol without a value, ValueError
+    naming a function it does not know."""
+    if expr.is_Symbol:
+        return int(values[str(expr)])
+    if expr.is_Integer:
+        return int(expr)
+    if expr.is_Float:
+        return float(expr)
+    if expr.is_Rational:   # sympy's own a / b (``//`` parses as floor(a/b)): exact
+        return Fraction(int(expr.p), int(expr.q))
+    if expr is sympy.true or expr is sympy.false:
+        return bool(expr)
+    if isinstance(expr, sympy.Piecewise):
+        return next(evaluate(e, values) for e, c in expr.args if evaluate(c, values))
+    args = [evaluate(a, values) for a in expr.args]
+    if expr.is_Add:
+        return functools.reduce(operator.add, args)
+    if expr.is_Mul:
+        return functools.reduce(operator.mul, args)
+    if expr.is_Pow:
+        base, exp = args
+        if isinstance(exp, int) and exp < 0 and isinstance(base, (int, Fraction)):
+            return Fraction(1) / base ** -exp   # sympy spells a / b as a * b**-1: exact
+        return base ** exp
+    name = type(expr).__name__
+    fn = _PY_FUNCS.get(name)
+    if fn is None and name.startswith("OpaqueUnaryFn_"):
+        fn = getattr(math, name[len("OpaqueUnaryFn_"):], None)
+    if fn is None:
+        raise ValueError(f"symbolic size {expr} uses {name}, which opencann cannot evaluate "
+                         "per call")
+    return fn(*args)
+
+
+class _ExactFloats(StrPrinter):
+    """sympy's printer with each Float as its shortest round-trip form (``repr``)."""
+
+    def _print_Float(self, expr):
+        return repr(float(expr))
+
+
+def expr_string(expr: sympy.Basic) -> str:
+    """The string form of a shape-environment expression that parses back to the same
+    expression (float constants exact: ``str`` keeps 15 digits, which changes 2/3)."""
+    return _ExactFloats().doprint(expr)
 
 
 def bind_tree(obj: Any, values: Bindings, memo: Dict[str, int] | None = None) -> Any:
@@ -122,7 +224,7 @@ def holds(guard: str, values: Bindings) -> bool:
     missing = {str(s) for s in e.free_symbols} - set(values)
     if missing:
         raise KeyError(f"shape guard {guard!r} needs a value for {sorted(missing)}")
-    return bool(e.xreplace({s: sympy.Integer(values[str(s)]) for s in e.free_symbols}))
+    return bool(evaluate(e, values))
 
 
 def has_symbolic(obj: Any) -> bool:

@@ -383,7 +383,8 @@ def _register_all() -> None:
                    aten=aten.scaled_dot_product_attention.default, cost_fn=_attention_cost,
                    kernel_factories={"cpu": attention_cpu.make_attention_kernel},
                    out_capable=attention_cpu.attention_writes_out, kernel_per_shape=True,
-                   device_cost={"vnpu": vnpu_cost.attention}, per_index=pi.attention))
+                   device_cost={"vnpu": vnpu_cost.attention}, per_index=pi.attention,
+                   precision_keeps=("attn_mask",)))
     register(OpDef("Conv2DBackprop", OpKind.CONV, aten=aten.convolution_backward.default,
                    cost_fn=_conv_grad_cost,
                    doc="input, weight and bias gradients: CANN's Conv2DBackpropInput + Filter"))

@@ -99,6 +99,11 @@ class OpDef:
     it (`opencann.passes.layout.cpu_layout`).
     ``keep_fp32``: mixed precision keeps it in fp32 (softmax, norms, reductions,
     exp/log/pow...; `MixedPrecision`'s default keep-list).
+    ``precision_keeps``: inputs (schema argument names) mixed precision never casts to
+    fp16/bf16 when it lowers the op, because the op takes them in fp32 and a cast would
+    change their meaning (SDPA's additive ``attn_mask``: transformers fills it with
+    ``finfo(float32).min``, -inf in fp16/bf16; ATen adds a float mask to low-precision
+    scores in fp32).
     ``activation``: the activation the op is, as the fused CPU kernels name it
     ("relu", "gelu", "tanh", "sigmoid", "silu"), or None.
     ``fuse_expr``: how `FusedElementwise` computes the op per element, in its neutral
@@ -138,6 +143,7 @@ class OpDef:
     npu_format: Optional[str] = None
     channels_last: bool = False
     keep_fp32: bool = False
+    precision_keeps: Tuple[str, ...] = ()
     activation: Optional[str] = None
     fuse_expr: Any = None
     per_index: Optional[Callable] = None

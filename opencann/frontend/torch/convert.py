@@ -18,7 +18,7 @@ import torch.fx as fx
 
 from .. import errors
 from ...ir import DataType, Graph, TensorDesc, TensorRef, Value, is_dense
-from ...ir.symbolic import SymExpr, has_symbolic
+from ...ir.symbolic import SymExpr, expr_string, has_symbolic
 from ...ops import infer, lookup_aten, storage_roots
 from ...ops.opdef import SKIPPED_OUTPUT
 
@@ -116,7 +116,7 @@ def _lift_args(node: fx.Node, schema, env: Dict[fx.Node, Any]) -> Tuple[List[Val
     def lift(x):
         if isinstance(x, fx.Node):
             v = env[x]
-            if isinstance(v, (SymExpr, int)):   # a size computed from symbolic dims
+            if isinstance(v, (SymExpr, int, float)):   # a number computed from symbolic dims
                 return v
             if not isinstance(v, Value):
                 raise ConversionError(f"{node.name}: argument {x.name} is not a single tensor",
@@ -196,21 +196,22 @@ def _strides(v: Any):
     return None if any(s is None for s in st) else st
 
 
-def _backed_expr(s: "torch.SymInt") -> "str | None":
-    """The string form of a SymInt that depends on input shapes only (torch.export's
-    backed symbols ``s0``, ``s1``...), or None for a data-dependent one (``u0``: from
-    ``nonzero()``, ``.item()``)."""
+def _backed_expr(s: "torch.SymInt | torch.SymFloat | torch.SymBool") -> "str | None":
+    """The string form (`expr_string`: float constants exact) of a SymInt, SymFloat or
+    SymBool that depends on input shapes only (torch.export's backed symbols ``s0``,
+    ``s1``...), or None for a data-dependent one (``u0``: from ``nonzero()``,
+    ``.item()``)."""
     expr = s.node.expr
     if any(not str(f).startswith("s") for f in expr.free_symbols):
         return None
-    return str(expr)
+    return expr_string(expr)
 
 
 def _dim(s: Any) -> Any:
     """A shape entry: an int (a SymInt the shape environment has specialised to a constant,
     as in AOTAutograd's backward graphs, included), else the SymInt's string form."""
     if isinstance(s, torch.SymInt):
-        e = str(s.node.expr)
+        e = expr_string(s.node.expr)
         return int(e) if e.lstrip("-").isdigit() else e
     return int(s)
 
@@ -224,21 +225,29 @@ def _size(s: Any) -> Any:
 
 
 def _shape_value(node: fx.Node, env: Dict[fx.Node, Any]) -> bool:
-    """A node computing a size from symbolic input shapes (``sym_size``, ``s0 * s1``)
-    becomes a `SymExpr` in ``env`` (ops taking it as an argument hold it as an attr); a
-    SymBool (only read by export's range assertions, dropped) becomes None. Returns
-    False, changing nothing, for any other node (data-dependent sizes stay errors)."""
+    """A node computing a number from symbolic input shapes becomes a `SymExpr` in
+    ``env`` (ops taking it as an argument hold it as an attr, bound per call): integer
+    sizes (``sym_size``, ``s0 * s1``, ``s0 // 2``) and float arithmetic on sizes alike
+    (``sym_float``, ``s1 / s0``, ``1.5 * s0``, ``math.trunc``, ``math.floor``: what
+    ``F.interpolate`` computes for ``size=`` or ``scale_factor=``); a SymBool (only read
+    by export's range assertions) becomes a guard. A number the shape environment has
+    folded to a constant becomes that int or float. Returns False, changing nothing, for
+    any other node (data-dependent sizes stay errors)."""
     val = node.meta.get("val")
     if isinstance(val, torch.SymBool) and not isinstance(node.target, torch._ops.OpOverload):
         expr = _backed_expr(val)   # read by export's shape assertions only: kept as guards
         env[node] = SymExpr(expr) if expr is not None else None
         return True
-    if not isinstance(val, torch.SymInt):
+    if not isinstance(val, (torch.SymInt, torch.SymFloat)):
         return False
     expr = _backed_expr(val)
     if expr is None:
         return False
-    env[node] = int(expr) if expr.lstrip("-").isdigit() else SymExpr(expr)
+    num = val.node.expr
+    if num.is_number:
+        env[node] = int(num) if isinstance(val, torch.SymInt) else float(num)
+    else:
+        env[node] = SymExpr(expr)
     return True
 
 

@@ -28,7 +28,10 @@ Cube converts ND to fractals while loading); where float32 is not in ``spec.cube
 (910, 310) the float32 operands of Conv2D and the matmuls are cast to float16 before the
 Cube and the result back to float32 (reported as "fp32 to fp16 for the Cube"; a
 fp16→fp32→fp16 pair between two Cube ops is exact and skipped), as GE's default
-precision mode does on those chips.
+precision mode does on those chips. Under ``precision_mode`` ``must_keep_origin_dtype``
+or ``force_fp32`` an fp32 Cube op cannot keep its dtype there: as CANN does, the compile
+fails (`CubeDtypeError`) naming the op, its source line, the mode, the preset and what to
+use instead, rather than computing it in fp16.
 
 Formatted values carry ``format``, the padded storage ``shape`` (`format_shape`) and
 their ``origin_shape``/``origin_format``, so the memory planner sizes storage correctly;
@@ -377,15 +380,39 @@ class NpuLayoutSelection(Pass):
         return n
 
 
+class CubeDtypeError(ValueError):
+    """A Cube op (conv, matmul) must keep float32 (``precision_mode``
+    ``must_keep_origin_dtype`` / ``force_fp32``) on a vnpu preset whose Cube has no fp32."""
+
+
+KEEP_DTYPE_MODES = ("must_keep_origin_dtype", "force_fp32")
+
+
+def _refuse_fp16(n: Node, mode: str, spec: NpuSpec) -> CubeDtypeError:
+    from ...devices.vnpu import PRESETS
+    fp32 = [p for p, s in PRESETS.items() if "float32" in s.cube_dtypes]
+    return CubeDtypeError(
+        f"{n.name} ({n.op}) at {n.where()}: precision_mode {mode!r} keeps it in float32, but "
+        f"the Cube unit of vnpu preset {spec.name!r} takes {'/'.join(spec.cube_dtypes)} only "
+        f"(no fp32), so it cannot keep its dtype. Fix: use precision_mode "
+        f"'allow_fp32_to_fp16' (fp16 where the Cube needs it) or 'allow_mix_precision', or a "
+        f"preset with an fp32 Cube ({', '.join('vnpu:' + p for p in fp32) or 'none built in'})")
+
+
 def _cube_fp16_casts(graph: Graph, ctx: PassContext) -> int:
     """Cast the float32 operands of Cube ops (conv, matmul) to float16 and their float32
-    results back (chips whose Cube has no fp32). Returns the number of Cube ops changed."""
+    results back (chips whose Cube has no fp32). Returns the number of Cube ops changed.
+    Raises `CubeDtypeError` for the first such op when ``precision_mode`` is
+    ``must_keep_origin_dtype`` or ``force_fp32`` (CANN fails such a compile)."""
     cache: Dict = {}
     changed = 0
+    mode = ctx.options.get("precision_mode")
     for n in list(graph.nodes):
         if get_op(n.op).npu_format not in ("conv", "matmul") or len(n.outputs) != 1 \
                 or n.outputs[0].desc.dtype != DataType.FLOAT:
             continue
+        if mode in KEEP_DTYPE_MODES:
+            raise _refuse_fp16(n, mode, parse_device(ctx.device).spec)
         for i, v in enumerate(n.inputs):
             if v.desc.dtype == DataType.FLOAT:
                 n.set_input(i, _cast(graph, v, DataType.FLOAT16, n, cache))

@@ -17,6 +17,14 @@ parameters: --precision_mode" and torch_npu "precision_mode" documentation):
 
 Casts of weights (graph constants) are done once at compile time. A Cast pair
 low→fp32→low of the same tensor is exact and folded away.
+
+Values keep their eager meaning (CANN reports, not changes, what a mode cannot do): an
+op that would be lowered while one of its float scalar arguments or constant inputs
+does not survive the cast (``finfo(float32).min`` in a ``masked_fill`` or an additive
+mask becomes -inf; an epsilon of 1e-12 becomes 0 in fp16; `precision_values`) stays
+in fp32, named in the log (INFO) and in the pass's note; an op's ``OpDef.precision_keeps``
+inputs (SDPA's ``attn_mask``) are never cast down: ATen adds a float mask to
+low-precision scores in fp32, as eager does with an fp32 mask.
 """
 from __future__ import annotations
 
@@ -24,8 +32,10 @@ from typing import Dict, Iterable, Optional, Set
 
 
 from ...ir import DataType, Graph, Node, TensorRef, Value
+from ...log import logger
 from ...ops import OpKind, all_ops, get_op
 from ..base import Pass, PassContext
+from .precision_values import lost_in_cast
 
 MODES = ("force_fp32", "must_keep_origin_dtype", "allow_fp32_to_fp16", "allow_mix_precision",
          "allow_mix_precision_fp16", "allow_mix_precision_bf16", "force_fp16")
@@ -114,6 +124,7 @@ class MixedPrecision(Pass):
         cache: Dict = {}
         origin = {id(v): v.desc.dtype for v in graph.values()}
         changed = 0
+        kept = []
         for node in list(graph.nodes):
             kind = get_op(node.op).kind
             if node.op in ("Cast", "HostFallback") or kind in (OpKind.CREATION, OpKind.FALLBACK):
@@ -129,7 +140,14 @@ class MixedPrecision(Pass):
                 want = FP32
             if want is None:
                 continue
-            fl = [v for v in dict.fromkeys(node.inputs) if v.desc.dtype in floats]
+            if want != FP32:
+                why = lost_in_cast(node, want)
+                if why:   # lowering would change what a value means: keep eager's
+                    want = FP32
+                    kept.append(f"{node.name} ({node.op}) at {node.where()}: {why}")
+            held = _held_inputs(node) if want != FP32 else set()
+            fl = [v for v in dict.fromkeys(node.inputs) if v.desc.dtype in floats
+                  and id(v) not in held]
             # up to fp32 only what an earlier rewrite lowered (a bf16/fp16 model keeps its
             # own precision) -- but then every float input, as ATen's kernels want one dtype
             lift = want != FP32 or mode == "force_fp32" or any(
@@ -154,7 +172,20 @@ class MixedPrecision(Pass):
                 changed += 1
         graph.prune_constants()
         ctx.artifacts["note"] = f"{mode}: {changed} casts; low precision {target.value}"
+        if kept:
+            ctx.artifacts["note"] += ("; kept in fp32 because a value would not survive the "
+                                      "cast: " + "; ".join(kept))
+            for k in kept:
+                logger.info("opencann: precision %s: %s kept in fp32 (the value would not "
+                            "survive the cast)", mode, k)
         return changed
+
+
+def _held_inputs(node: Node) -> Set[int]:
+    """ids of ``node``'s inputs its OpDef's ``precision_keeps`` names (never cast down)."""
+    names = get_op(node.op).precision_keeps
+    refs = [node.attrs.get(n) for n in names]
+    return {id(node.inputs[r.index]) for r in refs if isinstance(r, TensorRef)}
 
 
 def precision_summary(graph: Graph) -> Dict[str, Dict[str, int]]:
