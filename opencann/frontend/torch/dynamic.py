@@ -260,27 +260,10 @@ def _fixed_range(failing: List[int], lo: int, hi: Optional[int]) -> Optional[Tup
     return start, (hi if end == top else end)
 
 
-def constraint_violation(message: str, ranges: Optional[Mapping[str, Tuple[int, Optional[int]]]] = None
-                         ) -> Optional[str]:
-    """One line for torch.export's "Constraints violated" error (a dynamic dim whose
-    declared range holds sizes the model rejects): what the model requires of each dim
-    and the fix, ``dim_ranges={'seq': (2, 512)}`` when a range fixes it; None for any
-    other message. Each guard is evaluated over the dim's declared range (``ranges``:
-    name -> (min, max or None); default [1, inf)): guards true throughout the range are
-    left out, the others are shown with the sizes that break them, and the fix is the
-    widest range where every guard holds. A guard no range satisfies (the sizes must be
-    even) is said so, with torch.export's own suggested fix."""
-    fixed_to = dict(_SPECIALIZED.findall(message))
-    if "Constraints violated" in message and fixed_to:
-        shown = ", ".join(f"{n} to {v}" for n, v in fixed_to.items())
-        return (f"the model fixes the dynamic dim {shown} (its code uses that size as a constant, "
-                f"e.g. against a fixed-size weight or input), so it cannot be dynamic; fix: leave "
-                f"{'that dim' if len(fixed_to) == 1 else 'those dims'} out of dynamic_shapes "
-                "(a static size)")
-    found = _VIOLATION.findall(message)
-    if "Constraints violated" not in message or not found:
-        return None
-    ranges = dict(ranges or {})
+def _weigh_guards(found, ranges) -> Tuple[List[str], Dict[str, tuple], List[str]]:
+    """For `constraint_violation`: (each guard that fails somewhere in its dim's range,
+    with the sizes that break it; the widest range per dim where all hold; the dims no
+    range fixes)."""
     needs, fixes, unfixable = [], {}, []
     for name, guard in found:
         guard = _SIZE.sub(name, guard.strip()).rstrip(".").strip()
@@ -304,6 +287,30 @@ def constraint_violation(message: str, ranges: Optional[Mapping[str, Tuple[int, 
         old = fixes.get(name, (lo, hi))
         fixes[name] = (max(old[0], fixed[0]),
                        fixed[1] if old[1] is None else old[1] if fixed[1] is None else min(old[1], fixed[1]))
+    return needs, fixes, unfixable
+
+
+def constraint_violation(message: str, ranges: Optional[Mapping[str, Tuple[int, Optional[int]]]] = None
+                         ) -> Optional[str]:
+    """One line for torch.export's "Constraints violated" error (a dynamic dim whose
+    declared range holds sizes the model rejects): what the model requires of each dim
+    and the fix, ``dim_ranges={'seq': (2, 512)}`` when a range fixes it; None for any
+    other message. Each guard is evaluated over the dim's declared range (``ranges``:
+    name -> (min, max or None); default [1, inf)): guards true throughout the range are
+    left out, the others are shown with the sizes that break them, and the fix is the
+    widest range where every guard holds. A guard no range satisfies (the sizes must be
+    even) is said so, with torch.export's own suggested fix."""
+    fixed_to = dict(_SPECIALIZED.findall(message))
+    if "Constraints violated" in message and fixed_to:
+        shown = ", ".join(f"{n} to {v}" for n, v in fixed_to.items())
+        return (f"the model fixes the dynamic dim {shown} (its code uses that size as a constant, "
+                f"e.g. against a fixed-size weight or input), so it cannot be dynamic; fix: leave "
+                f"{'that dim' if len(fixed_to) == 1 else 'those dims'} out of dynamic_shapes "
+                "(a static size)")
+    found = _VIOLATION.findall(message)
+    if "Constraints violated" not in message or not found:
+        return None
+    needs, fixes, unfixable = _weigh_guards(found, dict(ranges or {}))
     names = ", ".join(dict.fromkeys(n for n, _ in found))
     hint = re.search(r"Suggested fixes:\s*\n(.*?)(?:\n\s*\n|$)", message, re.S)
     sugg = "; ".join(x.strip() for x in hint.group(1).splitlines() if x.strip()) if hint else ""
