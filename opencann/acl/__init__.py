@@ -26,7 +26,8 @@ import os
 from . import _state as S
 from .errors import *  # noqa: F401,F403  (the ACL_* codes)
 from .errors import (ACL_ERROR_INVALID_PARAM, ACL_ERROR_REPEAT_FINALIZE,
-                     ACL_ERROR_REPEAT_INITIALIZE, ACL_ERROR_UNINITIALIZE, ACL_SUCCESS, fail)
+                     ACL_ERROR_REPEAT_INITIALIZE, ACL_ERROR_UNINITIALIZE, ACL_SUCCESS, check_init,
+                     fail)
 from .types import *  # noqa: F401,F403  (memory, memcpy, data type and format constants)
 from .types import ACL_FORMAT_ND, ACL_DT_UNDEFINED, dtype_to_acl, acl_to_dtype  # noqa: F401
 
@@ -81,13 +82,6 @@ def finalize() -> int:
         S.reset()
         S.initialized, S.finalized_once = False, True
         return ACL_SUCCESS
-
-
-def check_init(api: str) -> int:
-    """ACL_SUCCESS when ``acl.init`` has been called (and not finalized), else
-    ACL_ERROR_UNINITIALIZE, logged as a failure of ``api`` (the caller's API name)."""
-    return ACL_SUCCESS if S.initialized else fail(
-        ACL_ERROR_UNINITIALIZE, api, "acl.init was not called (or acl.finalize was)")
 
 
 # -- data buffers -------------------------------------------------------------------------
