@@ -59,14 +59,15 @@ def init(config_path: str = "") -> int:
                             f"JSON: {e}")
             devices = list(cfg.get("devices", devices)) if isinstance(cfg, dict) else devices
         from ..devices import parse_device
+        parsed = []
         for d in devices:
-            try:
-                if d != "cpu":
-                    parse_device(d, kind="vnpu")   # ValueError naming the presets
+            try:   # ValueError naming the presets
+                parsed.append(parse_device(d) if d == "cpu" else parse_device(d, kind="vnpu"))
             except ValueError as e:
                 return fail(ACL_ERROR_INVALID_PARAM, "acl.init", f"device {d!r}: {e} (or 'cpu')")
         S.reset()
         S.device_names[:] = devices
+        S.devices[:] = parsed
         S.initialized = True
         return ACL_SUCCESS
 
