@@ -136,7 +136,17 @@ def release_openmp_pool() -> bool:
     return _release()
 
 
+# subpackages and modules reachable as attributes (``opencann.ops.get_op``) after a bare
+# ``import opencann``, imported on first access (PEP 562) so the import stays light
+_SUBMODULES = frozenset({"acl", "cli", "devices", "dynamo", "engine", "extend", "frontend", "ir",
+                         "log", "ops", "passes", "report", "runtime", "timing", "tools",
+                         "zoo"})
+
+
 def __getattr__(name):
+    if name in _SUBMODULES:
+        import importlib
+        return importlib.import_module(f"{__name__}.{name}")
     if name == "ModelFileError":
         from .runtime.model_file import ModelFileError
         return ModelFileError
