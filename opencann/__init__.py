@@ -5,7 +5,11 @@
     y = cm(x)                               # run
     print(cm.report.summary())              # what was optimized, what was not, and why
 
-``torch.compile(model, backend="opencann")`` works too (registered on import).
+``torch.compile(model, backend="opencann")`` works too, without importing opencann first:
+the backend is torch's entry point ``torch_dynamo_backends: opencann`` (pyproject.toml),
+loaded by torch._dynamo on first use. ``import opencann`` imports neither torch._dynamo
+nor the engine (they load on the first call that needs them); only in a source checkout
+without the installed entry point does it register the backend itself, as it used to.
 """
 from __future__ import annotations
 
@@ -132,7 +136,17 @@ def release_openmp_pool() -> bool:
     return _release()
 
 
+# subpackages and modules reachable as attributes (``opencann.ops.get_op``) after a bare
+# ``import opencann``, imported on first access (PEP 562) so the import stays light
+_SUBMODULES = frozenset({"acl", "cli", "devices", "dynamo", "engine", "extend", "frontend", "ir",
+                         "log", "ops", "passes", "report", "runtime", "timing", "tools",
+                         "zoo"})
+
+
 def __getattr__(name):
+    if name in _SUBMODULES:
+        import importlib
+        return importlib.import_module(f"{__name__}.{name}")
     if name == "ModelFileError":
         from .runtime.model_file import ModelFileError
         return ModelFileError
@@ -143,7 +157,26 @@ def __getattr__(name):
     raise AttributeError(name)
 
 
+def _backend_entry_point_installed() -> bool:
+    """Whether the installed opencann distribution declares the ``torch_dynamo_backends``
+    entry point ``opencann`` (pyproject.toml), through which torch._dynamo finds the
+    backend by name without ``import opencann``. False in a source checkout never
+    installed, or installed before the entry point existed (run ``pip install -e .``)."""
+    from importlib.metadata import PackageNotFoundError, distribution
+    try:
+        eps = distribution("opencann").entry_points
+    except PackageNotFoundError:
+        return False
+    return any(e.group == "torch_dynamo_backends" and e.name == "opencann" for e in eps)
+
+
 def _register_backend() -> None:
+    """Register the torch.compile backend now only where torch cannot find it by itself
+    (no entry point installed) or torch._dynamo is loaded already (registration is then
+    cheap); otherwise leave it to the entry point, so import stays light."""
+    import sys
+    if "torch._dynamo" not in sys.modules and _backend_entry_point_installed():
+        return
     try:
         from .dynamo import register
         register()

@@ -572,7 +572,7 @@ def _add_model_commands(sub) -> None:
 
 def _add_tool_commands(sub) -> None:
     """estimate and train-demo (their arguments come from their tools' modules)."""
-    from .tools.estimate import add_arguments as _est_args, run_args as _est_run
+    from .tools.estimate_cli import add_arguments as _est_args, run_args as _est_run
     e = sub.add_parser("estimate", help="time, HBM traffic and memory on a virtual NPU")
     _est_args(e)
     e.set_defaults(fn=_est_run)

@@ -61,7 +61,7 @@ class CompileReport:
     graph's cost (FLOPs, bytes) and op counts before and after, and notes. Serialized by
     `to_json`; printed by `summary` and `to_text`."""
     model: str = ""
-    device: str = "cpu"
+    device: str = "cpu"   # the device string (a `Device` given is kept as its string)
     capture_seconds: Dict[str, float] = field(default_factory=dict)
     passes: List[PassRecord] = field(default_factory=list)
     #: rewrites made and matches not rewritten: {"pass": the pass's one name, "detail":
@@ -93,6 +93,9 @@ class CompileReport:
     #: (`opencann.passes.schedule.stream_summary`);
     #: empty (and left out of `to_dict`) on one stream
     streams: Dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.device = str(self.device)
 
     @property
     def opencann_seconds(self) -> float:

@@ -26,7 +26,8 @@ import os
 from . import _state as S
 from .errors import *  # noqa: F401,F403  (the ACL_* codes)
 from .errors import (ACL_ERROR_INVALID_PARAM, ACL_ERROR_REPEAT_FINALIZE,
-                     ACL_ERROR_REPEAT_INITIALIZE, ACL_ERROR_UNINITIALIZE, ACL_SUCCESS, fail)
+                     ACL_ERROR_REPEAT_INITIALIZE, ACL_ERROR_UNINITIALIZE, ACL_SUCCESS, check_init,
+                     fail)
 from .types import *  # noqa: F401,F403  (memory, memcpy, data type and format constants)
 from .types import ACL_FORMAT_ND, ACL_DT_UNDEFINED, dtype_to_acl, acl_to_dtype  # noqa: F401
 
@@ -58,14 +59,15 @@ def init(config_path: str = "") -> int:
                             f"JSON: {e}")
             devices = list(cfg.get("devices", devices)) if isinstance(cfg, dict) else devices
         from ..devices import parse_device
+        parsed = []
         for d in devices:
-            try:
-                if d != "cpu":
-                    parse_device(d, kind="vnpu")   # ValueError naming the presets
+            try:   # ValueError naming the presets
+                parsed.append(parse_device(d) if d == "cpu" else parse_device(d, kind="vnpu"))
             except ValueError as e:
                 return fail(ACL_ERROR_INVALID_PARAM, "acl.init", f"device {d!r}: {e} (or 'cpu')")
         S.reset()
         S.device_names[:] = devices
+        S.devices[:] = parsed
         S.initialized = True
         return ACL_SUCCESS
 
@@ -81,13 +83,6 @@ def finalize() -> int:
         S.reset()
         S.initialized, S.finalized_once = False, True
         return ACL_SUCCESS
-
-
-def check_init(api: str) -> int:
-    """ACL_SUCCESS when ``acl.init`` has been called (and not finalized), else
-    ACL_ERROR_UNINITIALIZE, logged as a failure of ``api`` (the caller's API name)."""
-    return ACL_SUCCESS if S.initialized else fail(
-        ACL_ERROR_UNINITIALIZE, api, "acl.init was not called (or acl.finalize was)")
 
 
 # -- data buffers -------------------------------------------------------------------------

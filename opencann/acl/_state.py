@@ -13,10 +13,13 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
+from ..devices import Device
+
 lock = threading.RLock()
 initialized = False
 finalized_once = False
 device_names: List[str] = []        # device id -> opencann device ("cpu", "vnpu:ascend310")
+devices: List[Device] = []          # device id -> its `Device` (parsed once, by acl.init)
 device_used: Dict[int, int] = {}     # device id -> bytes malloc'ed
 current_device: Optional[int] = None
 contexts: Dict[int, int] = {}        # context handle -> device id
@@ -87,8 +90,7 @@ def find(ptr: int, nbytes: int) -> Optional[tuple]:
 
 def device_capacity(dev: int) -> int:
     """Memory size of device ``dev`` in bytes: the vnpu preset's HBM, or host RAM."""
-    from ..devices import parse_device
-    return parse_device(device_names[dev]).memory_bytes
+    return devices[dev].memory_bytes
 
 
 def reset() -> None:

@@ -1,11 +1,13 @@
 """AscendCL return codes (CANN's ``acl_base.h``, ``rt_error_codes.h``, ``ge_error_codes.h``)
-and `fail`, which logs why a call failed and returns its code, as pyACL does.
+and `fail`, which logs why a call failed and returns its code, as pyACL does, and
+`check_init`, the initialisation check every API call starts with.
 
 Every `opencann.acl` function returns an ``int`` code (``ACL_SUCCESS == 0``) or a
 ``(value, code)`` tuple where pyACL does; none raises for misuse."""
 from __future__ import annotations
 
 from ..log import logger
+from . import _state as S
 
 ACL_SUCCESS = 0
 # acl_base.h: parameter / initialization / file / model / op errors (1000xx)
@@ -53,6 +55,13 @@ def fail(code: int, api: str, why: str) -> int:
     """Log ``why`` ``api`` failed (with the code's name) at ERROR and return ``code``."""
     logger.error("%s failed: %s [%s=%d]", api, why, NAMES.get(code, "ACL_ERROR"), code)
     return code
+
+
+def check_init(api: str) -> int:
+    """ACL_SUCCESS when ``acl.init`` has been called (and not finalized), else
+    ACL_ERROR_UNINITIALIZE, logged as a failure of ``api`` (the caller's API name)."""
+    return ACL_SUCCESS if S.initialized else fail(
+        ACL_ERROR_UNINITIALIZE, api, "acl.init was not called (or acl.finalize was)")
 
 
 __all__ = sorted(NAMES.values())

@@ -18,13 +18,12 @@ from .errors import (ACL_ERROR_DESERIALIZE_MODEL, ACL_ERROR_FAILURE,
                      ACL_ERROR_INVALID_MODEL_ID, ACL_ERROR_INVALID_PARAM,
                      ACL_ERROR_MODEL_INPUT_NOT_MATCH, ACL_ERROR_MODEL_OUTPUT_NOT_MATCH,
                      ACL_ERROR_RT_CONTEXT_NULL, ACL_ERROR_RT_MEMORY_ALLOCATION,
-                     ACL_ERROR_RT_PARAM_INVALID, ACL_SUCCESS, fail)
+                     ACL_ERROR_RT_PARAM_INVALID, ACL_SUCCESS, check_init, fail)
 from .model_shapes import ACL_DYNAMIC_TENSOR_NAME, GEAR_SETTERS, ModelShapes, described
 from .types import ACL_FORMAT_ND, dtype_to_acl
 
 
 def _init(api):
-    from . import check_init
     return check_init(api)
 
 

@@ -64,9 +64,11 @@ class ModelShapes:
         return len(self.inputs) if self.gears else None
 
     def num_inputs(self) -> int:
+        """The described inputs: the graph's, plus the dynamic-index input with gears."""
         return len(self.inputs) + (1 if self.gears else 0)
 
     def name(self, index: int, outputs: bool) -> str:
+        """The name of input/output ``index`` (`ACL_DYNAMIC_TENSOR_NAME` for the index input)."""
         if not outputs and index == self.index_input:
             return ACL_DYNAMIC_TENSOR_NAME
         return (self.outputs if outputs else self.inputs)[index].name
@@ -79,6 +81,7 @@ class ModelShapes:
                 for d in (self.outputs if outputs else self.inputs)[index].desc.shape]
 
     def dtype(self, index: int, outputs: bool) -> torch.dtype:
+        """The torch dtype of input/output ``index`` (int64 for the dynamic-index input)."""
         if not outputs and index == self.index_input:
             return torch.int64
         return (self.outputs if outputs else self.inputs)[index].desc.dtype.torch
@@ -132,6 +135,7 @@ class ModelShapes:
         return dict(zip(self.gear_symbols, key))
 
     def gear_list(self) -> list:
+        """The gears as the user wrote them (ints for one dim, lists for several)."""
         return [g[0] if len(g) == 1 else list(g) for g in self.gears]
 
     def dims_gear(self, dims: Sequence[int]) -> Tuple[int, ...]:

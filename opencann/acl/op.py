@@ -10,7 +10,8 @@ import torch
 from . import _state as S
 from .errors import (ACL_ERROR_INVALID_PARAM, ACL_ERROR_OP_ATTR_NOT_MATCH,
                      ACL_ERROR_OP_INPUT_NOT_MATCH, ACL_ERROR_OP_NOT_FOUND,
-                     ACL_ERROR_OP_OUTPUT_NOT_MATCH, ACL_ERROR_RT_PARAM_INVALID, ACL_SUCCESS, fail)
+                     ACL_ERROR_OP_OUTPUT_NOT_MATCH, ACL_ERROR_RT_PARAM_INVALID, ACL_SUCCESS, check_init,
+                     fail)
 from .types import acl_to_dtype
 
 
@@ -81,7 +82,6 @@ def execute_v2(op_type: str, input_desc, inputs, output_desc, outputs, attr: int
     (unknown op), ACL_ERROR_OP_INPUT_NOT_MATCH / _OUTPUT_NOT_MATCH (counts, sizes, or the
     result's shape/dtype differ from the output description), ACL_ERROR_OP_ATTR_NOT_MATCH."""
     api = "acl.op.execute_v2"
-    from . import check_init
     if check_init(api):
         return check_init(api)
     from ..ops import get_op

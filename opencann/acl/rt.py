@@ -10,13 +10,12 @@ import torch
 from . import _state as S
 from .errors import (ACL_ERROR_BAD_ALLOC, ACL_ERROR_INVALID_PARAM, ACL_ERROR_RT_CONTEXT_NULL,
                      ACL_ERROR_RT_INVALID_DEVICEID, ACL_ERROR_RT_MEMORY_ALLOCATION,
-                     ACL_ERROR_RT_PARAM_INVALID, ACL_SUCCESS, fail)
+                     ACL_ERROR_RT_PARAM_INVALID, ACL_SUCCESS, check_init, fail)
 from .types import (ACL_HOST, ACL_MEMCPY_DEVICE_TO_DEVICE, ACL_MEMCPY_DEVICE_TO_HOST,
                     ACL_MEMCPY_HOST_TO_DEVICE, ACL_MEMCPY_HOST_TO_HOST)
 
 
 def _init(api: str) -> int:
-    from . import check_init
     return check_init(api)
 
 

@@ -1,9 +1,12 @@
 """Devices opencann compiles for: the host ``cpu`` and the virtual NPU ``vnpu``.
 
 `parse_device` is the one reader of device strings; everything that takes a device
-string (the compiler, the passes, the runtime, acl, estimate) goes through it and gets a
-`Device`: its ``kind``, the string as given, the `NpuSpec` of a vnpu, and capabilities
-(storage formats, memory size in bytes, on-chip tile buffer). Device strings:
+string (the compiler, the passes, the runtime, acl, estimate) goes through it once, at
+its entry point, and carries the `Device` from there on (`PassContext.device`,
+``Node.device``): its ``kind``, the string as given, the `NpuSpec` of a vnpu, and
+capabilities (storage formats, memory size in bytes, on-chip tile buffer). A `Device`
+prints, hashes and compares equal as the string it was parsed from, so reports, logs,
+generated code and model files (which store the string) read as before. Device strings:
 
 - ``cpu`` (or ``cpu:0``): the host (`cpu` module: ISA, oneDNN / MKL availability, L2).
 - ``vnpu``: the ascend910b preset; ``vnpu:<preset>`` (ascend910, ascend910b, ascend310);
@@ -14,7 +17,7 @@ This package is the bottom layer: it imports neither the IR nor the op library.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional, Tuple
 
 from . import cpu
@@ -48,10 +51,26 @@ class Device:
     kind: str
     name: str
     preset: str = ""
-    spec: Optional[NpuSpec] = None
+    spec: Optional[NpuSpec] = field(default=None, compare=False)
 
     def __str__(self) -> str:
         return self.name
+
+    def __eq__(self, other) -> bool:
+        if isinstance(other, Device):
+            return self.name == other.name
+        if isinstance(other, str):
+            return self.name == other
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(self.name)
+
+    def __copy__(self) -> "Device":
+        return self
+
+    def __deepcopy__(self, memo) -> "Device":
+        return self   # immutable: graph copies share it
 
     @property
     def formats(self) -> Tuple[str, ...]:
@@ -74,13 +93,18 @@ class Device:
 
 
 def parse_device(device, kind: Optional[str] = None, load: bool = True) -> Device:
-    """The `Device` of the string ``device`` (see the module docstring for the forms).
+    """The `Device` of the string ``device`` (see the module docstring for the forms); a
+    `Device` is returned as it is (checked against ``kind``; re-read when ``load`` asks
+    for a spec file it was parsed without).
 
     ``kind``: require this kind ("vnpu"), so a cpu (or unknown) device is an error that
     says how to write one; ``load=False`` does not read ``vnpu:<spec file>`` (spec None).
     Raises `DeviceError` (a ValueError), one line naming what to write instead: an
     unknown kind lists the supported ones, ``vnpu:<unknown>`` lists the presets,
     ``cpu:1`` says the host is one device."""
+    if isinstance(device, Device) and (kind is None or device.kind == kind) and \
+            (device.spec is not None or device.kind == "cpu" or not load):
+        return device
     text = str(device)
     k, _, rest = text.partition(":")
     if kind is not None and k != kind:
@@ -92,8 +116,11 @@ def parse_device(device, kind: Optional[str] = None, load: bool = True) -> Devic
     if k == "cpu":
         if text not in ("cpu", "cpu:0"):
             raise DeviceError(f"device {text!r}: the host is one device, 'cpu'", "index", k, rest)
-        return Device("cpu", text)
+        return CPU if text == "cpu" else Device("cpu", text)
     return Device("vnpu", text, rest, _npu_spec(text, rest, load))
+
+
+CPU = Device("cpu", "cpu")   # the host: the default device of nodes and compiles
 
 
 def _npu_spec(text: str, name: str, load: bool) -> Optional[NpuSpec]:
@@ -110,4 +137,4 @@ def _npu_spec(text: str, name: str, load: bool) -> Optional[NpuSpec]:
                           "'vnpu:<spec.json|spec.toml>'", "preset", "vnpu", name) from None
 
 
-__all__ = ["Device", "DeviceError", "KINDS", "NPU_FORMATS", "PRESETS", "cpu", "parse_device"]
+__all__ = ["CPU", "Device", "DeviceError", "KINDS", "NPU_FORMATS", "PRESETS", "cpu", "parse_device"]

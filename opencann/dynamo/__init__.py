@@ -1,7 +1,8 @@
 """``torch.compile`` backends: applications of the graph engine, above the compiler.
 
 - `backend`: ``torch.compile(model, backend="opencann")`` (inference, and training when
-  gradients are needed), registered by name on ``import opencann``;
+  gradients are needed), found by name through the ``torch_dynamo_backends`` entry
+  point (pyproject.toml), or registered by `register`;
 - `training`: forward and backward graphs through AOTAutograd, with recomputation under
   a memory budget (`make_training_backend`);
 - `partition`: the joint-graph partition (min cut, Chen checkpoints) and

@@ -6,7 +6,6 @@ from typing import Any, Dict, Sequence
 
 import torch
 
-from ..devices import parse_device
 from ..ir import Graph
 from ..log import logger
 from ..passes import MemoryPlanning, Pass, PassContext, apply_schedule
@@ -64,7 +63,7 @@ def measured_streams(graph: Graph, ctx: PassContext) -> str:
     n, how = option(ctx.options, "streams"), option(ctx.options, "stream_costs")
     if n <= 1 or how != "measured":
         return ""
-    why = ("" if parse_device(ctx.device).kind == "cpu" else f"measured only on the cpu, not {ctx.device}")
+    why = ("" if ctx.device.kind == "cpu" else f"measured only on the cpu, not {ctx.device}")
     if not why and not all(v.desc.is_static for v in graph.inputs):
         why = "symbolic input shapes"
     if not why:

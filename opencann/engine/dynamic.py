@@ -334,7 +334,7 @@ class DynamicCompiledModel(CompiledModel):
     def __init__(self, graph: Graph, report: CompileReport, binder: ShapeBinder,
                  options: Dict[str, Any], example_inputs: Sequence[torch.Tensor],
                  device: str = "cpu", **kw):
-        self.binder, self.device = binder, device
+        self.binder, self.device = binder, parse_device(device)
         build = PlanBuilder(graph, report, binder, options, device)
         key = binder.bind(example_inputs)
         self._example_key = key
@@ -395,7 +395,7 @@ class DynamicCompiledModel(CompiledModel):
         return {**super().calling_convention(), "gears": self.gear_spec, "dynamic": {
             "dims": self.binder.dims, "guards": list(self.binder.guards),
             "example": dict(zip(self.binder.order, self._example_key)),
-            "options": dict(self._dyn_options), "device": self.device}}
+            "options": dict(self._dyn_options), "device": str(self.device)}}
 
     @classmethod
     def from_parts(cls, graph: Graph, plan: MemoryPlan, report: CompileReport, in_spec, out_spec,
@@ -467,7 +467,7 @@ def compile_dynamic(model: torch.nn.Module, example_inputs, dynamic_shapes: Any,
     same way), its report and vnpu costs per shape. Raises CaptureError (the model
     cannot run with these dims: torch.export's reason), ValueError (bad spec, options,
     device)."""
-    device = parse_device(device).name
+    device = parse_device(device)
     options = check_options(options)
     if isinstance(example_inputs, list):
         raise ValueError("example_inputs must be a tensor or a tuple of the model's positional "
@@ -483,7 +483,7 @@ def compile_dynamic(model: torch.nn.Module, example_inputs, dynamic_shapes: Any,
     positions = [i for i, s in enumerate(user) if isinstance(flat[i], torch.Tensor)]
     tensors = [flat[i] for i in positions]
     example = dict(zip(binder.order, binder.bind(tensors)))
-    if parse_device(device).kind == "cpu":
+    if device.kind == "cpu":
         before = graph_cost(specialise(graph, example))
         run_pipeline(graph, device, options, report, symbolic_pipeline())
         report.cost_before, report.cost_after = before, graph_cost(specialise(graph, example))

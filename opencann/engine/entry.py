@@ -34,7 +34,7 @@ def convert_exported(model: torch.nn.Module, ep, capture_seconds: Dict[str, floa
     `from_exported_program` raises (an op it cannot convert, named with its source)."""
     t0 = time.perf_counter()
     graph = from_exported_program(ep, name=type(model).__name__)
-    report = CompileReport(model=type(model).__name__, device=device,
+    report = CompileReport(model=type(model).__name__, device=str(device),
                            capture_seconds=capture_seconds)
     report.passes.append(PassRecord("convert_and_infer", "construct", 0, len(graph.nodes),
                                     time.perf_counter() - t0, len(graph.nodes), note=note))
@@ -96,7 +96,7 @@ def compile_onnx(model, device: str = "cpu", options: Optional[Dict[str, Any]] =
     t0 = time.perf_counter()
     proto = load_model(model)
     graph = from_onnx(proto, input_shapes)
-    report = CompileReport(model=graph.name, device=device)
+    report = CompileReport(model=graph.name, device=str(device))
     report.passes.append(PassRecord("convert_and_infer", "construct", 0, len(graph.nodes),
                                     time.perf_counter() - t0, len(graph.nodes),
                                     note="ONNX → IR, shapes checked against onnx.shape_inference"))

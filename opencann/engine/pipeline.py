@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, Optional
 
-from ..devices import parse_device
+from ..devices import Device, parse_device
 from ..ir import Graph, MemoryPlan
 from ..log import logger
 from ..ops import Cost, get_op, is_random
@@ -37,9 +37,10 @@ def _fallbacks(graph: Graph) -> Dict[str, Dict[str, Any]]:
     return out
 
 
-def _check_device(device: str) -> str:
-    """``device`` checked by `devices.parse_device` (ValueError naming what to write)."""
-    return parse_device(device).name
+def _check_device(device) -> Device:
+    """The `Device` of ``device`` (a device string, parsed once here by
+    `devices.parse_device`: ValueError naming what to write; or a `Device`)."""
+    return parse_device(device)
 
 
 
@@ -64,8 +65,8 @@ def run_pipeline(graph: Graph, device: str, options: Optional[Dict[str, Any]],
     if "memory" not in pipeline.stages():
         raise ValueError(f"pipeline {pipeline.names()} has no memory stage; end it with "
                          "opencann.passes.MemoryPlanning()")
-    options = check_options(options)
-    report = report or CompileReport(model=graph.name, device=device)
+    options, device = check_options(options), _check_device(device)
+    report = report or CompileReport(model=graph.name, device=str(device))
     report.op_counts_before = graph.op_counts()
     report.cost_before = graph_cost(graph)
     report.host_fallbacks = _fallbacks(graph)

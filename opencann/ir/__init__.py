@@ -7,6 +7,6 @@ from .dot import to_dot
 
 __all__ = ["DataType", "Dim", "Format", "TensorDesc", "Graph", "Node", "Value",
            "TensorRef", "TensorListRef", "CallSignature", "GraphError", "verify", "to_dot", "is_dense", "numel"]
-from .plan import Buffer, MemoryPlan, Schedule  # noqa: E402
+from .plan import Buffer, MemoryPlan, Schedule, apply_schedule  # noqa: E402
 
-__all__ += ["Buffer", "MemoryPlan", "Schedule"]
+__all__ += ["Buffer", "MemoryPlan", "Schedule", "apply_schedule"]

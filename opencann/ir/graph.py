@@ -13,6 +13,7 @@ from typing import Any, Dict, Iterable, Iterator, KeysView, List, Optional, Sequ
 
 import torch
 
+from ..devices import CPU, Device
 from .signature import CallSignature
 from .types import TensorDesc
 
@@ -99,7 +100,7 @@ class Node:
         self.name = name
         self.source = source
         self.scope = scope
-        self.device = "cpu"
+        self.device: Device = CPU
         self.stream = 0
         self.meta: Dict[str, Any] = {}
         self.erased = False

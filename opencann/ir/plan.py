@@ -1,4 +1,5 @@
-"""Artifacts of the memory and schedule stages, consumed by the runtime.
+"""Artifacts of the memory and schedule stages, consumed by the runtime, and
+`apply_schedule`, which puts a graph in a `Schedule`'s order.
 
 A `MemoryPlan` maps each planned buffer to an offset in one arena. Sizes are bytes,
 rounded up to ``alignment``. ``lower_bound`` is the largest number of bytes live at any
@@ -9,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Dict, List, Tuple
+
+from .graph import Graph
 
 
 @dataclass
@@ -76,3 +79,28 @@ class Schedule:
     order: List[str]
     streams: Dict[str, int]
     events: List[Tuple[str, str]] = field(default_factory=list)  # (producer, consumer)
+
+
+def apply_schedule(graph: Graph, schedule: Schedule) -> int:
+    """Put ``graph``'s nodes in ``schedule.order`` (node names) and give each its stream
+    (``schedule.streams``, default 0), so that what follows (memory planning, binding,
+    the model file) runs in the scheduled order. Returns the number of positions whose
+    node changed (0: the graph was in that order). Raises ValueError when the schedule
+    does not fit the graph: a name that is not one of its nodes, or a node missing or
+    ahead of a producer (a pass changed the graph after the schedule stage)."""
+    by_name = {n.name: n for n in graph.nodes}
+    unknown = [name for name in schedule.order if name not in by_name]
+    if unknown or len(by_name) != len(graph.nodes):
+        raise ValueError(f"the schedule names {unknown[:3] or 'nodes'} that graph {graph.name} "
+                         "does not have (once); run the schedule stage after the last pass "
+                         "that changes the graph")
+    before = list(graph.nodes)
+    order = [by_name[name] for name in schedule.order]
+    if order != before:
+        try:
+            graph.reorder(order)
+        except ValueError as e:
+            raise ValueError(f"the schedule does not fit graph {graph.name}: {e}") from None
+    for n in graph.nodes:
+        n.stream = schedule.streams.get(n.name, 0)
+    return sum(a is not b for a, b in zip(before, order))

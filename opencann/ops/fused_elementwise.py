@@ -22,7 +22,6 @@ import torch
 
 from ..ir import Node, TensorDesc, numel
 from .kernels import vnpu_cost
-from .kernels.ew_numba import run_numba
 from .kernels.ew_program import Program
 from . import per_index
 from .opdef import Cost, OpDef, OpKind, _nbytes, get_op, register
@@ -69,6 +68,18 @@ def _empty(prog: Program, red: Optional[torch.Tensor]) -> None:
     red.fill_(0 if kind == "sum" else float("nan"))
 
 
+_RUN_NUMBA = None
+
+
+def _load_numba():
+    """`ew_numba.run_numba`, imported on the first numba launch (numba takes ~1 s to
+    import: not paid by compiles and models that never run a fused elementwise kernel)."""
+    global _RUN_NUMBA
+    from .kernels.ew_numba import run_numba
+    _RUN_NUMBA = run_numba
+    return run_numba
+
+
 def _launch(prog, inputs, full, red, shape, dev, backend) -> None:
     backend = backend or os.environ.get("OPENCANN_EW_BACKEND") or \
         ("triton" if dev.type == "cuda" else "numba")
@@ -76,7 +87,7 @@ def _launch(prog, inputs, full, red, shape, dev, backend) -> None:
         from .kernels.ew_triton import run_triton
         run_triton(prog, inputs, full, red, shape)
     else:
-        run_numba(prog, inputs, full, red)
+        (_RUN_NUMBA or _load_numba())(prog, inputs, full, red)
 
 
 def make_fused_elementwise_kernel(node: Node, in_descs: Sequence[TensorDesc], consts) -> Callable:

@@ -403,7 +403,7 @@ def _register_all() -> None:
     register(OpDef("TransData", OpKind.DATA, aliases=((),), cost_fn=_trans_data_cost,
                    kernel_factories={"vnpu": vnpu_kernels.make_trans_data,
                                      "cpu": cpu_kernels.make_trans_data},
-                   out_capable=lambda node: node.device == "cpu",
+                   out_capable=lambda node: node.device.kind == "cpu",
                    device_cost={"vnpu": vnpu_cost.trans_data},
                    doc="format conversion (CANN TransData); attrs src_format, dst_format (format names, "
                        "e.g. 'ND', 'NC1HWC0'), origin_shape, origin_format: the logical shape and its plain "

@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from ..devices import parse_device
+from ..devices import CPU, Device, parse_device
 from ..ir import Graph, Node, verify
 from ..log import logger
 from ..report import CompileReport, PassRecord
@@ -51,7 +51,8 @@ class PassContext:
 
     options: Dict[str, Any]
     report: CompileReport
-    device: str = "cpu"
+    #: the target (`opencann.devices.Device`; a device string is parsed once, here)
+    device: Device = CPU
     artifacts: Dict[str, Any] = field(default_factory=dict)
     #: called as ``observe(stage, graph)`` after the last pass of each run of same-stage
     #: passes (``--dump_graph``); it must not change the graph
@@ -63,11 +64,13 @@ class PassContext:
     #: "<pass>@<node>" ids of the sites the running passes could switch off (validation)
     sites_seen: set = field(default_factory=set)
 
+    def __post_init__(self) -> None:
+        self.device = parse_device(self.device)   # DeviceError naming what to write
+
     @property
     def device_kind(self) -> str:
-        """``vnpu`` for ``vnpu:ascend910b``, ``cpu`` for ``cpu`` (`parse_device`; raises
-        `DeviceError` for a device string it does not know)."""
-        return parse_device(self.device, load=False).kind
+        """``vnpu`` for ``vnpu:ascend910b``, ``cpu`` for ``cpu`` (``device.kind``)."""
+        return self.device.kind
 
     def applied(self, nodes: List[Node], detail: str = "") -> None:
         """Record a rewrite of ``nodes`` (``detail``: the variant, e.g. "Conv+Relu")."""
@@ -122,9 +125,9 @@ class Pass:
     switch_section: Optional[str] = None
     cann_names: tuple = ()
 
-    def runs_on(self, device: str) -> bool:
-        """True when ``devices`` is empty or holds the kind of ``device`` (a device
-        string, read by `parse_device`; raises `DeviceError` for an unknown one)."""
+    def runs_on(self, device) -> bool:
+        """True when ``devices`` is empty or holds the kind of ``device`` (a `Device`, or a
+        device string read by `parse_device`: `DeviceError` for an unknown one)."""
         return not self.devices or parse_device(device, load=False).kind in self.devices
 
     def run(self, graph: Graph, ctx: PassContext) -> int:  # pragma: no cover - abstract

@@ -14,13 +14,12 @@ from __future__ import annotations
 
 from typing import Dict, FrozenSet, List, Tuple
 
-from ..ir import Buffer, Graph, MemoryPlan, Node, Value, is_dense
+from ..ir import Buffer, Graph, MemoryPlan, Node, Value, apply_schedule, is_dense
 from ..ir.liveness import peak_live_bytes
 from ..log import logger
 from ..ops import get_op, graph_happens_before, last_reads, output_aliases, storage_roots
 from .base import Pass, PassContext
 from .memory_check import check_plan
-from .schedule import apply_schedule
 
 DEFAULT_ALIGNMENT = 64  # bytes: one cache line, and AVX-512 / oneDNN friendly
 

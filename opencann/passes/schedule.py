@@ -9,11 +9,15 @@ from __future__ import annotations
 
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
-from ..ir import Graph, Node, Schedule
+from ..ir import Graph, Node, Schedule, apply_schedule
 from ..log import logger
 from ..ops import get_op, graph_happens_before, is_random, ordering_deps
 from ..report import fmt_bytes
 from .base import Pass, PassContext
+from .schedule_order import memory_aware_order
+
+__all__ = ["SingleStreamSchedule", "apply_schedule", "assign_streams", "multi_stream_schedule",
+           "node_costs", "node_seconds", "predict_streams", "stream_summary"]
 
 
 class SingleStreamSchedule(Pass):
@@ -44,7 +48,6 @@ class SingleStreamSchedule(Pass):
 
 def _memory_aware(graph: Graph, ctx: PassContext) -> None:
     """Put ``graph`` in `memory_aware_order`'s order; note and log the peak."""
-    from .schedule_order import memory_aware_order  # it plans memory, whose module imports this one
     c = memory_aware_order(graph, ctx.options)
     if c.note:
         ctx.note(c.note)
@@ -71,31 +74,6 @@ def _schedule_streams(graph: Graph, ctx: PassContext) -> None:
     logger.info("schedule: %d streams%s, nodes per stream %s, %d events for %d cross-stream "
                 "dependences", st["streams"], why, st["nodes_per_stream"], st["events"],
                 st["cross_stream_dependences"])
-
-
-def apply_schedule(graph: Graph, schedule: Schedule) -> int:
-    """Put ``graph``'s nodes in ``schedule.order`` (node names) and give each its stream
-    (``schedule.streams``, default 0), so that what follows (memory planning, binding,
-    the model file) runs in the scheduled order. Returns the number of positions whose
-    node changed (0: the graph was in that order). Raises ValueError when the schedule
-    does not fit the graph: a name that is not one of its nodes, or a node missing or
-    ahead of a producer (a pass changed the graph after the schedule stage)."""
-    by_name = {n.name: n for n in graph.nodes}
-    unknown = [name for name in schedule.order if name not in by_name]
-    if unknown or len(by_name) != len(graph.nodes):
-        raise ValueError(f"the schedule names {unknown[:3] or 'nodes'} that graph {graph.name} "
-                         "does not have (once); run the schedule stage after the last pass "
-                         "that changes the graph")
-    before = list(graph.nodes)
-    order = [by_name[name] for name in schedule.order]
-    if order != before:
-        try:
-            graph.reorder(order)
-        except ValueError as e:
-            raise ValueError(f"the schedule does not fit graph {graph.name}: {e}") from None
-    for n in graph.nodes:
-        n.stream = schedule.streams.get(n.name, 0)
-    return sum(a is not b for a, b in zip(before, order))
 
 
 # -- several streams ------------------------------------------------------------------

@@ -101,7 +101,7 @@ def _layout_sensitive(g: Graph) -> set:
             continue
         for idx in output_aliases(n):
             need.update(n.inputs[i].id for i in idx)
-        if n.device == "cpu" and layout_dependent(n):
+        if n.device.kind == "cpu" and layout_dependent(n):
             need.update(v.id for v in n.inputs)
     return need
 

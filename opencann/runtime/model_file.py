@@ -62,6 +62,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 import torch.utils._pytree as pytree
 
+from ..devices import Device, parse_device
 from ..ir import CallSignature, Graph, MemoryPlan, Node, TensorListRef, TensorRef, Value
 from ..ir.plan import Buffer
 from ..ir.symbolic import SymExpr
@@ -197,7 +198,8 @@ def _graph_to_json(g: Graph) -> Dict[str, Any]:
     missing = [v for v in g.outputs if v.id not in known]
     if missing:
         raise ModelFileError(f"cannot save graph {g.name}: output {missing[0]} is not produced in it")
-    nodes = [{"op": n.op, "name": n.name, "source": n.source, "scope": n.scope, "device": n.device,
+    nodes = [{"op": n.op, "name": n.name, "source": n.source, "scope": n.scope,
+              "device": str(n.device),
               "stream": n.stream, "inputs": [v.id for v in n.inputs], "outputs": [v.id for v in n.outputs],
               "attrs": {k: _enc(a, f"{n.name}.attrs[{k!r}]") for k, a in n.attrs.items()},
               "meta": {k: _enc(a, f"{n.name}.meta[{k!r}]") for k, a in n.meta.items()}}
@@ -213,6 +215,7 @@ def _graph_from_json(j: Dict[str, Any], consts: Dict[str, torch.Tensor]) -> Grap
     g = Graph(j["name"])
     descs = {vid: (name, _dec_desc(d)) for vid, name, d in j["values"]}
     vals: Dict[int, Value] = {}
+    devices: Dict[str, Device] = {}   # each device string parsed once
 
     def mk(vid: int, producer: Optional[Node] = None, const=None) -> Value:
         name, desc = descs[vid]
@@ -232,7 +235,9 @@ def _graph_from_json(j: Dict[str, Any], consts: Dict[str, torch.Tensor]) -> Grap
                                  "was made by a newer opencann; upgrade opencann") from None
         n = Node(nj["op"], [vals[i] for i in nj["inputs"]], {k: _dec(a) for k, a in nj["attrs"].items()},
                  nj["name"], nj["source"], nj["scope"])
-        n.device, n.stream = nj["device"], nj["stream"]
+        d = nj["device"]
+        n.device = devices.get(d) or devices.setdefault(d, parse_device(d, load=False))
+        n.stream = nj["stream"]
         n.meta = {k: _dec(a) for k, a in nj["meta"].items()}
         n.outputs = [mk(i, producer=n) for i in nj["outputs"]]
         g.add_node(n)   # wires its uses and registers its name
@@ -647,7 +652,7 @@ def _check_layout_kernels(graph, where: str) -> None:
     than eager's and gives other values on this CPU (`ops.parity.layout_node.
     kernel_layout_differs`: compiled where GELU is layout-independent, loaded on AVX-512)."""
     for n in graph.nodes:
-        why = kernel_layout_differs(n) if n.device == "cpu" else ""
+        why = kernel_layout_differs(n) if n.device.kind == "cpu" else ""
         if why:
             raise ModelFileError(f"{where}: {n.name} ({n.op}) runs off eager's layout or kernel, "
                                  f"but {why}: recompile the model on this machine")

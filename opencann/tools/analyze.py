@@ -30,7 +30,7 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-from ..devices import parse_device
+from ..devices import Device, parse_device
 from ..ops import get_op
 
 KINDS = ("converted", "host_fallback", "custom_op", "no_device_kernel", "dynamic_shape",
@@ -70,7 +70,7 @@ class Analysis:
     breaks); ``readiness``: "ready", "ready with host fallbacks" or "not ready"."""
 
     model: str
-    device: str
+    device: Device   # prints as the device string
     findings: Dict[str, OpFinding] = field(default_factory=dict)
     graphs: int = 1
     capture: str = "torch.export"
@@ -118,7 +118,7 @@ class Analysis:
 
     def to_dict(self) -> Dict[str, Any]:
         """JSON-ready form (``opencann analyze --json``)."""
-        return {"model": self.model, "device": self.device, "capture": self.capture,
+        return {"model": self.model, "device": str(self.device), "capture": self.capture,
                 "graphs": self.graphs, "readiness": self.readiness, "counts": self.counts(),
                 "findings": [vars(f) for k in KINDS for f in self.by_kind(k)]}
 
@@ -148,9 +148,8 @@ def analyze(model: torch.nn.Module, example_inputs, device: str = "cpu",
     control flow raise CaptureError as ``opencann.compile`` does."""
     from ..frontend.errors import ConversionError
     from ..frontend.torch import CaptureError, capture, from_exported_program
-    _check_device(device)
     args = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
-    res = Analysis(name or type(model).__name__, device)
+    res = Analysis(name or type(model).__name__, _check_device(device))
     try:
         ep, _ = capture(model, args, example_kwargs)
     except CaptureError as e:
@@ -172,8 +171,7 @@ def analyze_onnx(path: str, device: str = "cpu", input_shapes=None) -> Analysis:
     ConversionError of kind ``bad_argument`` (``input_shapes`` wrong)."""
     from ..frontend.errors import ConversionError
     from ..frontend.onnx import from_onnx, load_model
-    _check_device(device)
-    res = Analysis(path, device, capture="ONNX")
+    res = Analysis(path, _check_device(device), capture="ONNX")
     model = load_model(path)
     try:
         graph = from_onnx(model, input_shapes)
@@ -184,13 +182,13 @@ def analyze_onnx(path: str, device: str = "cpu", input_shapes=None) -> Analysis:
     return res
 
 
-def _check_device(device: str) -> None:
-    parse_device(device)   # one ValueError line: unknown device, or the vnpu presets
+def _check_device(device) -> Device:
+    return parse_device(device)   # one ValueError line: unknown device, or the vnpu presets
 
 
 def audit_graph(graph, res: Analysis) -> None:
     """Classify every node of an IR ``graph`` into ``res``."""
-    on_npu = parse_device(res.device, load=False).kind == "vnpu"
+    on_npu = res.device.kind == "vnpu"
     for n in graph.nodes:
         src, mod = n.source, n.scope
         if any(isinstance(d, str) for o in n.outputs for d in o.desc.shape):

@@ -31,10 +31,9 @@ matplotlib (Agg backend) draws the roofline: the de-facto standard plotting libr
 """
 from __future__ import annotations
 
-import argparse
 import json
 from dataclasses import asdict, dataclass, field
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
@@ -44,7 +43,6 @@ from ..ir import Graph, MemoryPlan, Node
 from ..ir.liveness import peak_live_bytes
 from ..ops import OpKind, get_op, output_aliases
 from ..ops.kernels import vnpu_cost
-from .argtypes import output_file, positive_int
 
 GiB = float(1 << 30)
 MiB = float(1 << 20)
@@ -531,55 +529,4 @@ def _notes(rows: List[OpRow]) -> List[str]:
             f"of {len(cubes)} Cube kernels (UB fusion)" + (f"; not fused: {why}" if kept else "")]
 
 
-def add_arguments(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add the ``estimate`` options to ``ap`` (a parser or a CLI subparser)."""
-    ap.add_argument("--model", required=True, help="zoo name (resnet50, bert-base, gpt2, minilm) or file.py:factory")
-    ap.add_argument("--dtype", choices=("float16", "bfloat16", "float32"),
-                    help="cast the model and inputs to this dtype first (default: as given)")
-    ap.add_argument("--device", default="vnpu:ascend910b", help="vnpu:<preset> or vnpu:<spec.json|.toml>")
-    ap.add_argument("--batch", type=positive_int, default=1)
-    ap.add_argument("--size", type=positive_int, help="image size (resnet50)")
-    ap.add_argument("--seq", type=positive_int, help="sequence length (bert-base, gpt2, minilm)")
-    ap.add_argument("--json", type=output_file, help="write the report as JSON here")
-    ap.add_argument("--plot", type=output_file, help="write the roofline PNG here")
-    ap.add_argument("--no-fusion", action="store_true", help="report the graph without the fusion passes")
-    ap.add_argument("--no-ub-epilogue", action="store_true",
-                    help="cost bias Add / Relu / residual Add after a Conv/MatMul as separate Vector kernels "
-                         "instead of the Cube epilogue (the vnpu_ub_epilogue rewrite)")
-    ap.add_argument("--top", type=positive_int, default=15, help="ops listed by time")
-    return ap
-
-
-def run_args(args: argparse.Namespace) -> int:
-    """Run an estimate from parsed ``add_arguments`` options; prints the text report and
-    writes --json / --plot. Returns 0, or 2 (one line on stderr) when the plan does not
-    fit, the device is not a vnpu, the spec file or model is wrong, or capture fails."""
-    import sys
-    kw = {k: getattr(args, k) for k in ("size", "seq") if getattr(args, k, None) is not None}
-    try:
-        rep = estimate(args.model, device=args.device, batch=args.batch, fused=not args.no_fusion,
-                       dtype=getattr(args, "dtype", None),
-                       ub_epilogue=not getattr(args, "no_ub_epilogue", False), **kw)
-    except (ValueError, KeyError, RuntimeError, OSError) as e:
-        msg = e.args[0] if isinstance(e, KeyError) and e.args else str(e)
-        print(f"error: {(msg.strip().splitlines() or [type(e).__name__])[0]}", file=sys.stderr)
-        return 2
-    print(rep.to_text(top=args.top))
-    if args.json:
-        rep.to_json(args.json)
-        print(f"wrote {args.json}")
-    if args.plot:
-        rep.roofline_plot(args.plot)
-        print(f"wrote {args.plot}")
-    return 0
-
-
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    """``opencann estimate --model resnet50 --device vnpu:ascend910b [--batch N]
-    [--json out.json] [--plot roofline.png] [--no-fusion] [--no-ub-epilogue] [--top K] [--size S] [--seq L]``."""
-    ap = argparse.ArgumentParser(prog="opencann estimate",
-                                 description="estimate time, HBM traffic and memory on a virtual NPU")
-    return run_args(add_arguments(ap).parse_args(argv))
-
-
-__all__ = ["EstimateReport", "OpRow", "estimate", "node_cost", "cost_graph", "kernel_alloc_peak", "add_arguments", "run_args", "main"]
+__all__ = ["EstimateReport", "OpRow", "estimate", "node_cost", "cost_graph", "kernel_alloc_peak"]

@@ -1,6 +1,7 @@
 """The house rules that code review alone does not keep (DESIGN.md, "Rules of the house"):
 imports run one way, top to bottom (an import-linter layers contract, `.importlinter`),
-no private name is imported across packages, no function is over 60 lines (numba and
+no import cycle among opencann's modules (inside packages too), no private name is
+imported across packages, no function is over 60 lines (numba and
 Triton kernels aside) and every public function, class and method has a docstring.
 
 Run as a script (``python tests/unit/test_architecture.py``) to list the long functions and
@@ -80,6 +81,168 @@ def test_private_import_check_finds_one(tmp_path):
     (tmp_path / "opencann" / "passes" / "x.py").write_text("from ..ops.opdef import _nbytes\n")
     found = _private_imports_across_packages(tmp_path)
     assert [(n, m) for _, n, m in found] == [("_nbytes", "opencann.ops.opdef")]
+
+
+# -- import cycles --------------------------------------------------------------------
+# import-linter's layers contract sees packages, not the modules inside one: a cycle
+# between two modules of one layer (a converter registry and its converters, a planner
+# and the scheduler it calls) passes it. This check builds the module import graph from
+# the sources with `ast`: every ``import``/``from ... import`` counts, at module level
+# and inside functions alike (a deferred import is still a dependency, and deferring one
+# is how cycles hide), except under ``if TYPE_CHECKING:`` (never run). ``from pkg import
+# name`` is an edge to ``pkg.name`` when that is a module, else to ``pkg`` (its
+# ``__init__``). The implicit import of a module's parent packages is not an edge: that
+# would make every package that re-exports its children a cycle.
+
+
+def _module_names(root: pathlib.Path):
+    """{dotted module name: path} of every module under ``root/opencann``."""
+    out = {}
+    for p in sorted((root / "opencann").rglob("*.py")):
+        parts = p.relative_to(root).with_suffix("").parts
+        out[".".join(parts[:-1] if p.name == "__init__.py" else parts)] = p
+    return out
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or \
+        (isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def _imports(tree: ast.AST):
+    """Import nodes of ``tree``, at any depth, outside ``if TYPE_CHECKING:`` blocks."""
+    for c in ast.iter_child_nodes(tree):
+        if isinstance(c, (ast.Import, ast.ImportFrom)):
+            yield c
+        elif isinstance(c, ast.If) and _is_type_checking(c.test):
+            yield from (n for b in c.orelse for n in _imports_in(b))
+        else:
+            yield from _imports(c)
+
+
+def _imports_in(node: ast.AST):
+    if isinstance(node, (ast.Import, ast.ImportFrom)):
+        yield node
+    else:
+        yield from _imports(node)
+
+
+def import_graph(root: pathlib.Path = REPO):
+    """{module: {imported opencann module: first line}} over ``root/opencann``."""
+    mods = _module_names(root)
+
+    def known(name: str) -> str:
+        while name and name not in mods:
+            name = name.rpartition(".")[0]
+        return name
+
+    graph = {m: {} for m in mods}
+    for m, p in mods.items():
+        pkg = m.split(".") if p.name == "__init__.py" else m.split(".")[:-1]
+        for node in _imports(ast.parse(p.read_text())):
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            else:
+                base = pkg[:len(pkg) - (node.level - 1)] if node.level else []
+                mod = ".".join(base + (node.module.split(".") if node.module else []))
+                targets = [f"{mod}.{a.name}" if f"{mod}.{a.name}" in mods else mod
+                           for a in node.names]
+            for t in map(known, targets):
+                if t and t != m:
+                    graph[m].setdefault(t, node.lineno)
+    return graph
+
+
+def import_cycles(root: pathlib.Path = REPO):
+    """One cycle per strongly connected component of the import graph, as a list of
+    ``"module:line"`` steps that returns to its start (Tarjan's algorithm, iterative)."""
+    graph = import_graph(root)
+    index, low, stack, on, comps = {}, {}, [], set(), []
+    for start in sorted(graph):
+        if start in index:
+            continue
+        work = [(start, iter(sorted(graph[start])))]
+        index[start] = low[start] = len(index)
+        stack.append(start)
+        on.add(start)
+        while work:
+            v, it = work[-1]
+            w = next(it, None)
+            if w is not None:
+                if w not in index:
+                    index[w] = low[w] = len(index)
+                    stack.append(w)
+                    on.add(w)
+                    work.append((w, iter(sorted(graph[w]))))
+                elif w in on:
+                    low[v] = min(low[v], index[w])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[v])
+            if low[v] == index[v]:
+                comp = set()
+                while True:
+                    w = stack.pop()
+                    on.discard(w)
+                    comp.add(w)
+                    if w == v:
+                        break
+                if len(comp) > 1:
+                    comps.append(comp)
+    return [_cycle_in(graph, comp) for comp in comps]
+
+
+def _cycle_in(graph, comp):
+    """A shortest cycle through the first module of strongly connected ``comp``."""
+    first = min(comp)
+    prev, frontier = {first: None}, [first]
+    while frontier:
+        nxt = []
+        for v in frontier:
+            for w in sorted(graph[v]):
+                if w == first:
+                    path = [v]
+                    while prev[path[-1]] is not None:
+                        path.append(prev[path[-1]])
+                    path.reverse()
+                    return [f"{a}:{graph[a][b]}" for a, b in zip(path, path[1:] + [first])] + [first]
+                if w in comp and w not in prev:
+                    prev[w] = v
+                    nxt.append(w)
+        frontier = nxt
+    raise AssertionError(f"no cycle through {first}")
+
+
+def test_no_import_cycles():
+    cycles = import_cycles()
+    assert cycles == [], "break these import cycles (module:line of the import -> ...): " + \
+        "; ".join(" -> ".join(c) for c in cycles)
+
+
+def test_cycle_check_finds_an_injected_cycle(tmp_path):
+    """The check has teeth: a function-level import of the scheduler from ``ir/plan.py``
+    (which the scheduler imports through ``opencann.ir``) closes a cycle, named in order."""
+    shutil.copytree(REPO / "opencann", tmp_path / "opencann",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    assert import_cycles(tmp_path) == []
+    plan = tmp_path / "opencann" / "ir" / "plan.py"
+    plan.write_text(plan.read_text() + "\n\ndef _late():\n    from ..passes import schedule  # noqa\n")
+    cycles = import_cycles(tmp_path)
+    assert len(cycles) == 1
+    assert any(step.startswith("opencann.ir.plan:") for step in cycles[0])
+    assert any(step.startswith("opencann.passes.schedule:") for step in cycles[0])
+    assert cycles[0][-1] == cycles[0][0].split(":")[0]
+
+
+def test_cycle_check_skips_type_checking_imports(tmp_path):
+    (tmp_path / "opencann").mkdir()
+    (tmp_path / "opencann" / "a.py").write_text("from . import b\n")
+    (tmp_path / "opencann" / "b.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from . import a\n")
+    assert import_cycles(tmp_path) == []
+    (tmp_path / "opencann" / "b.py").write_text("def f():\n    from .a import x\n")
+    assert import_cycles(tmp_path) == [["opencann.a:1", "opencann.b:2", "opencann.a"]]
 
 
 # -- size and documentation ------------------------------------------------------------

@@ -50,3 +50,37 @@ def test_cpu_facts():
     assert isinstance(cpu_device.isa(), str) and cpu_device.isa()
     assert isinstance(cpu_device.mkldnn_available(), bool)
     assert isinstance(cpu_device.mkl_packed_available(), bool)
+
+
+def test_device_is_a_hashable_value_that_prints_as_its_string():
+    import copy
+    d = parse_device("vnpu:ascend910")
+    assert str(d) == f"{d}" == "vnpu:ascend910"
+    assert d == parse_device("vnpu:ascend910") == "vnpu:ascend910" and d != "vnpu:ascend310"
+    assert {d: 1}["vnpu:ascend910"] == 1 and len({d, parse_device("vnpu:ascend910")}) == 1
+    assert parse_device(d) is d and copy.deepcopy(d) is d
+    with pytest.raises(DeviceError, match="is not a vnpu device"):
+        parse_device(parse_device("cpu"), kind="vnpu")
+
+
+def test_device_parsed_once_and_carried_by_context_nodes_and_model_files(tmp_path):
+    """The compile entry parses the device string; PassContext, every node and a loaded
+    model file carry `Device` objects, while the report and the file keep the string."""
+    import json
+    from helpers import save_and_load
+    from opencann.devices import Device
+    from opencann.passes import PassContext
+    from opencann.report import CompileReport
+    ctx = PassContext(options={}, report=CompileReport(), device="vnpu:ascend310")
+    assert isinstance(ctx.device, Device) and ctx.device_kind == "vnpu"
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.ReLU()).eval()
+    x = torch.randn(1, 3, 8, 8)
+    for name in ("cpu", "vnpu:ascend910b"):
+        cm = opencann.compile(model, x, device=name)
+        assert all(isinstance(n.device, Device) for n in cm.graph.nodes)
+        assert cm.report.device == name and json.loads(cm.report.to_json())["device"] == name
+        loaded, _ = save_and_load(cm, tmp_path, name.replace(':', '_') + '.ocm')
+        assert [n.device for n in loaded.graph.nodes] == [n.device for n in cm.graph.nodes]
+        assert all(isinstance(n.device, Device) for n in loaded.graph.nodes)
+        torch.testing.assert_close(loaded(x), model(x))
+    assert {n.device.kind for n in cm.graph.nodes} == {"vnpu"}

@@ -27,7 +27,8 @@ from typing import List, Optional
 import torch
 
 from ...ir import Value
-from .convert import Converter, NotConverted, OnnxNode, converts
+from .converter import Converter, NotConverted, OnnxNode
+from .registry import converts
 from .tensor import norm_axis, reshape, shape
 
 aten = torch.ops.aten

@@ -19,7 +19,8 @@ from __future__ import annotations
 import torch
 
 from ...ir import Value
-from .convert import Converter, NotConverted, OnnxNode, converts, torch_dtype
+from .converter import Converter, NotConverted, OnnxNode, torch_dtype
+from .registry import converts
 from .tensor import norm_axis, reshape, shape
 
 aten = torch.ops.aten

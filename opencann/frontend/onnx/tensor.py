@@ -10,7 +10,8 @@ import numpy as np
 import torch
 
 from ...ir import Value
-from .convert import Converter, NotConverted, OnnxNode, converts, torch_dtype
+from .converter import Converter, NotConverted, OnnxNode, torch_dtype
+from .registry import converts
 
 aten = torch.ops.aten
 

@@ -58,9 +58,11 @@ import numba
 import numpy as np
 import llvmlite.binding as llvm
 from llvmlite import ir
-from numba import njit, prange, types
+from numba import prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
+
+from ..kernels.numba_cache import njit
 
 _FM = {"reassoc", "contract"}
 _LOG2E = 1.4426950408889634

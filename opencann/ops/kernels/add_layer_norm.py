@@ -40,7 +40,9 @@ def _compiled():
     """The numba kernel, compiled (or loaded from numba's cache) on first use."""
     global _KERNEL
     if _KERNEL is None:
-        from numba import njit, prange
+        from numba import prange
+
+        from .numba_cache import njit
 
         @njit(parallel=True, fastmath=_FM, cache=True)
         def add_ln(a, b, g, be, eps, out, bound, rstd_max):  # pragma: no cover - compiled

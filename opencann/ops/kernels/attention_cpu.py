@@ -35,7 +35,6 @@ from typing import Callable, Dict, Optional, Sequence
 
 import torch
 
-from ...devices import parse_device
 from ...devices.cpu import best_time_us
 from ...ir import Node, TensorDesc, TensorRef, is_dense, numel
 
@@ -71,7 +70,7 @@ def uncovered(node: Node, in_descs: Sequence[TensorDesc]) -> str:
     a = _args(node)
     if not node.meta.get("attention_choice") and node.meta.get("kernel") != "bmm_softmax":
         return "the race is off (enable the pass attention_kernel_choice)"
-    if parse_device(node.device, load=False).kind != "cpu":
+    if node.device.kind != "cpu":
         return f"device {node.device}"
     if not bmm_softmax_available():
         return "torch lacks _softmax.out"

@@ -22,7 +22,7 @@ from typing import List, Optional, Tuple
 
 import torch
 
-from ...devices import parse_device
+from ...devices import Device
 from ...ir import Graph, Node, TensorRef, Value
 from ...ir.symbolic import dynamic_skip_reason
 from ...ops.flash_attention import cpu_l2, plan_tiles
@@ -39,9 +39,8 @@ def _broadcasts(shape, target) -> bool:
     return all(h in (1, w) for h, w in zip(shape, target))
 
 
-def _tile_check(device: str, d: int, sq: int, sk: int) -> Optional[str]:
+def _tile_check(dev: Device, d: int, sq: int, sk: int) -> Optional[str]:
     """None if the target's tile buffer holds 16×16 tiles at head dim ``d``."""
-    dev = parse_device(device)
     if dev.kind == "vnpu":
         buf, src = dev.tile_buffer()   # the vnpu's Unified Buffer
         target, dtype = "cube", torch.float16
@@ -56,7 +55,7 @@ def _tile_check(device: str, d: int, sq: int, sk: int) -> Optional[str]:
 
 
 def _check(q: Value, k: Value, v: Value, mask: Optional[Value], dropout_p: float,
-           enable_gqa: bool, device: str) -> Optional[str]:
+           enable_gqa: bool, device: Device) -> Optional[str]:
     """Why (q, k, v, mask) cannot run as FlashAttention, or None."""
     if dropout_p and dropout_p > 0:
         return (f"dropout_p={dropout_p} > 0 (dropout in training): FlashAttention here has no "

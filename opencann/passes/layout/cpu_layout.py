@@ -83,7 +83,7 @@ def _conv_out(node: Node, fmt: Dict[int, Format]) -> Optional[Format]:
     """A CPU convolution's result layout: NHWC (oneDNN's) with a constant weight, the
     addend's layout when it writes in place into it; None when it is not a seed."""
     x, w = node.inputs[0], node.inputs[1]
-    if node.device != "cpu" or not w.is_const or not _four_d(x) or not _four_d(node.outputs[0]):
+    if node.device.kind != "cpu" or not w.is_const or not _four_d(x) or not _four_d(node.outputs[0]):
         return None
     if node.op == "ConvAddAct" and "inplace_input" in node.attrs:
         return fmt.get(node.inputs[node.attrs["inplace_input"]].id, NCHW)

@@ -46,7 +46,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from ...devices import parse_device
+from ...devices import Device
 from ...devices.vnpu import NpuSpec, c0_for, format_shape, fz_groups, trans_data
 from ...ir import DataType, Format, Graph, Node, TensorDesc, TensorRef, Value
 from ...ops import get_op
@@ -260,7 +260,7 @@ class NpuLayoutSelection(Pass):
         steps 1-4) for ``ctx.device`` (a ``vnpu[:<preset>]``; another kind: 0, unchanged).
         Returns the number of nodes in NPU formats plus the TransData nodes kept. Raises
         `DeviceError` for an unknown preset."""
-        dev = parse_device(ctx.device)   # also validates the preset early
+        dev = ctx.device
         if dev.kind != "vnpu":
             return 0
         spec = dev.spec
@@ -440,9 +440,9 @@ def _cube_fp16_casts(graph: Graph, ctx: PassContext) -> int:
 
 
 def _trans(graph: Graph, v: Value, src: Format, dst: Format, before: Optional[Node],
-           out_desc: Optional[TensorDesc] = None, device: str = "vnpu", groups: int = 1) -> Node:
+           device: Device, out_desc: Optional[TensorDesc] = None, groups: int = 1) -> Node:
     """A TransData node v(src) → dst, inserted before ``before`` (appended if None);
-    ``groups`` > 1: to GE's grouped FRACTAL_Z (attr ``groups``)."""
+    ``groups`` > 1: to GE's grouped FRACTAL_Z (attr ``groups``); ``device``: its placement."""
     npu = dst if dst != ND else src
     origin = tuple(v.desc.origin_shape)
     if out_desc is None:

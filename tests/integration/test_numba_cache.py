@@ -1,0 +1,89 @@
+"""numba caches opencann's kernels (FlashAttention's, AddLayerNorm's: ``cache=True``) in
+the user cache directory, never in the package (`opencann.ops.kernels.numba_cache`), so a
+read-only install works: a FlashAttention call in a fresh process on a copy of the
+package made unwritable, its result checked against eager attention."""
+import os
+import pathlib
+import shutil
+import stat
+import subprocess
+import sys
+
+import pytest
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+
+SCRIPT = r"""
+import torch
+from opencann.ops import flash_attention
+g = torch.Generator().manual_seed(0)
+q, k, v = (torch.randn(1, 2, 40, 16, generator=g) for _ in range(3))
+q[0, 1, 3, 5] = float("nan")
+for _ in range(2):
+    out = flash_attention(q, k, v, causal=True)
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5, equal_nan=True)
+print("ok")
+"""
+
+
+def _read_only(root: pathlib.Path) -> None:
+    for p in [root, *root.rglob("*")]:
+        mode = p.stat().st_mode
+        p.chmod(mode & ~(stat.S_IWUSR | stat.S_IWGRP | stat.S_IWOTH))
+
+
+def _writable(root: pathlib.Path) -> None:
+    for p in [root, *root.rglob("*")]:
+        p.chmod(p.stat().st_mode | stat.S_IWUSR)
+
+
+@pytest.mark.heavy   # compiles FlashAttention's kernels from scratch in a fresh process (~1 min)
+def test_flash_attention_caches_in_the_user_cache_dir_on_a_read_only_install(tmp_path):
+    pkg = tmp_path / "site" / "opencann"
+    shutil.copytree(REPO / "opencann", pkg, ignore=shutil.ignore_patterns("__pycache__"))
+    _read_only(pkg)
+    cache = tmp_path / "cache"
+    env = {k: v for k, v in os.environ.items() if k not in ("NUMBA_CACHE_DIR", "XDG_CACHE_HOME")}
+    env.update(PYTHONPATH=str(tmp_path / "site"), OPENCANN_CACHE_DIR=str(cache),
+               PYTHONDONTWRITEBYTECODE="1")
+    try:
+        r = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True,
+                           text=True, timeout=900, cwd=tmp_path)
+        assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
+        cached = sorted(p.name for p in (cache / "numba").rglob("*.nbi"))
+        assert any(n.startswith("cpu.") for n in cached), cached   # flash_attention/cpu.py
+        in_package = [str(p) for p in pkg.rglob("*") if p.suffix in (".nbi", ".nbc")]
+        assert in_package == []
+    finally:
+        _writable(pkg)
+
+
+def test_cache_dir_follows_the_environment(monkeypatch, tmp_path):
+    from opencann.ops.kernels.numba_cache import cache_dir
+    monkeypatch.setenv("OPENCANN_CACHE_DIR", str(tmp_path / "oc"))
+    assert cache_dir() == str(tmp_path / "oc" / "numba")
+    monkeypatch.delenv("OPENCANN_CACHE_DIR")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert cache_dir() == str(tmp_path / "xdg" / "opencann" / "numba")
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    assert cache_dir() == os.path.join(os.path.expanduser("~"), ".cache", "opencann", "numba")
+
+
+def test_every_cached_kernel_uses_the_user_cache_dir():
+    """Every numba dispatcher of opencann's that caches (FlashAttention's module-level
+    kernels, AddLayerNorm's built on first use) locates its cache under `cache_dir` (or
+    under ``NUMBA_CACHE_DIR`` when the user set it), not in the package."""
+    from numba.core.caching import NullCache
+    from numba.core.registry import CPUDispatcher
+    from opencann.ops.flash_attention import cpu as fa
+    from opencann.ops.kernels import add_layer_norm
+    from opencann.ops.kernels.numba_cache import cache_dir
+    kernels = [d for d in vars(fa).values() if isinstance(d, CPUDispatcher)]
+    kernels.append(add_layer_norm._compiled())
+    cached = [d for d in kernels if not isinstance(d._cache, NullCache)]
+    assert len(cached) >= 8, [d.__name__ for d in kernels]
+    root = os.environ.get("NUMBA_CACHE_DIR") or cache_dir()
+    for d in cached:
+        assert d._cache.cache_path.startswith(root), (d.__name__, d._cache.cache_path)
+        assert not d._cache.cache_path.startswith(str(REPO / "opencann")), d.__name__
