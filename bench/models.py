@@ -2,9 +2,11 @@
 and compile time split into capture (torch.export + decomposition) and opencann's own
 part (conversion with inference checks, passes, memory planning, kernel binding).
 
-    .venv/bin/python bench/models.py [--runs 10] [--threads 2] [--only resnet50]
+    .venv/bin/python bench/models.py [--runs 10] [--rounds 3] [--threads 2] [--only resnet50] [--batches 1]
 
-Prints a Markdown table (the README's) and writes bench/results/models.json.
+Eager and compiled take turns for ``--rounds`` rounds of ``--runs`` calls each (so a load
+change hits both); each latency is the median of the rounds' medians. Prints a Markdown
+table (the README's) and writes bench/results/models.json.
 """
 from __future__ import annotations
 
@@ -30,25 +32,34 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=10)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--only", nargs="*")
+    ap.add_argument("--batches", nargs="*", type=int, help="only these batch sizes")
+    ap.add_argument("--rounds", type=int, default=3, help="interleaved eager/compiled rounds")
     ap.add_argument("--options", default=None, help="compile options as JSON")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     options = json.loads(args.options) if args.options else None
     results = []
-    print(f"torch {torch.__version__}, {args.threads} threads, median of {args.runs} runs\n")
+    print(f"torch {torch.__version__}, {args.threads} threads, median of {args.rounds} interleaved "
+          f"rounds of {args.runs} runs\n")
     print("| model | batch | eager ms | opencann ms | opencann/eager | capture s | opencann s "
           "| arena MiB | lower bound MiB | naive MiB |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for name, batch, seq in ROWS:
         if args.only and name not in args.only:
             continue
+        if args.batches and batch not in args.batches:
+            continue
         zm = zoo.get(name, batch=batch, **({"seq": seq} if seq else {}))
         t0 = time.perf_counter()
         cm = opencann.compile(zm.model, zm.example_inputs, options=options)
         total = time.perf_counter() - t0
         runs = max(3, args.runs // (4 if batch > 1 else 1))
-        e = median_ms(zm.model, *zm.example_inputs, runs=runs)
-        c = median_ms(cm, *zm.example_inputs, runs=runs)
+        eager_rounds, compiled_rounds = [], []
+        for _ in range(max(1, args.rounds)):
+            eager_rounds.append(median_ms(zm.model, *zm.example_inputs, runs=runs))
+            compiled_rounds.append(median_ms(cm, *zm.example_inputs, runs=runs))
+        e = sorted(eager_rounds)[len(eager_rounds) // 2]
+        c = sorted(compiled_rounds)[len(compiled_rounds) // 2]
         r = cm.report
         cap = sum(r.capture_seconds.values())
         m = r.memory

@@ -1,5 +1,5 @@
 """Bisection down to the rewrite site, shown on a deliberately wrong rewrite
-(docs/migration.md): fuse_conv_act is replaced by a copy that writes a wrong bias
+(docs/guide/migration.md): fuse_conv_act is replaced by a copy that writes a wrong bias
 (+0.5) into the convolutions of the modules named on the command line (default: c2),
 then ``opencann compare examples/migration_cnn.py:net --bisect`` runs.
 

@@ -1,4 +1,4 @@
-"""A small CNN for the migration walk-through (docs/migration.md): conv+BN+ReLU, a
+"""A small CNN for the migration walk-through (docs/guide/migration.md): conv+BN+ReLU, a
 residual conv, pooling and two linears. ``opencann compare examples/migration_cnn.py:net``."""
 import torch
 

@@ -39,7 +39,7 @@ def compile(model, example_inputs=None, device: str = "cpu", options: Optional[D
     (``{"input_ids": {0: "batch", 1: "seq"}}``, ranges in ``dim_ranges``:
     ``{"seq": (16, 512)}``). The model is captured and optimised once; each new shape
     gets its own memory plan on its first call (cached, option ``plan_cache_size``,
-    default 8). Returns a `DynamicCompiledModel` (see ``docs/dynamic_shapes.md``).
+    default 8). Returns a `DynamicCompiledModel` (see ``docs/guide/dynamic_shapes.md``).
     ATC-style gears: ``options={"dynamic_batch_size": [1, 2, 4, 8]}`` (or
     ``dynamic_image_size``, ``dynamic_dims``) plan each gear at compile time and serve a
     call with the smallest gear that holds it, padding the call where no op can let a
@@ -192,7 +192,7 @@ def register_fusion(name, pattern, replacement, example_inputs, section="GraphFu
                     cann_names=()):
     """Register a user fusion rule ``pattern(*xs) ⇒ replacement(*xs)`` (torch functions
     traced with ``example_inputs``) as the fusion pass ``name``; see
-    `opencann.extend.register_fusion` (arguments, errors) and docs/fusion.md."""
+    `opencann.extend.register_fusion` (arguments, errors) and docs/design/passes.md."""
     from .extend import register_fusion as _register
     return _register(name, pattern, replacement, example_inputs, section, cann_names)
 
@@ -206,6 +206,6 @@ def unregister_fusion(name):
 
 def register_op(name, op, **columns):
     """Make a torch custom op an opencann op with kernels per device, shape inference and
-    cost; see `opencann.extend.register_op` (arguments, errors) and docs/fusion.md."""
+    cost; see `opencann.extend.register_op` (arguments, errors) and docs/design/passes.md."""
     from .extend import register_op as _register
     return _register(name, op, **columns)

@@ -511,7 +511,7 @@ def cmd_compare(args) -> int:
 
 
 def _add_migration_commands(sub) -> None:
-    """doctor, analyze, compare: the migration toolkit (docs/migration.md)."""
+    """doctor, analyze, compare: the migration toolkit (docs/guide/migration.md)."""
     d = sub.add_parser("doctor", help="check versions, CPU, oneDNN/MKL, threads, GPU, vnpu presets")
     d.add_argument("--json", action="store_true", help="print JSON instead of text")
     d.set_defaults(fn=cmd_doctor)

@@ -190,7 +190,7 @@ _VNPU_COST = {"SoftmaxV2": vnpu_cost.softmax, "LogSoftmaxV2": vnpu_cost.softmax,
 # OpDef.fuse_expr: the op per element in FusedElementwise's neutral syntax
 # (ops/kernels/ew_program.py), only where the compiled code rounds as ATen does: IEEE
 # +, -, *, /, sqrt are exact in every order-preserving code; exp, log, tanh, erf, sin,
-# cos are libm calls (≤ 1 ulp from ATen's SLEEF, see docs/fusion.md); NaN-propagating
+# cos are libm calls (≤ 1 ulp from ATen's SLEEF, see docs/guide/precision.md); NaN-propagating
 # maximum/minimum as torch's. Reductions name their combine (trailing dim only).
 def _alpha1(expr: str):
     return lambda a: expr if a.get("alpha", 1) == 1 else None

@@ -578,7 +578,7 @@ def _reference_attention(backend: str):
     """For the ``flash`` backend, eager's SDPA runs its math backend (the definition):
     torch's CPU flash kernel drops a NaN query's NaN from the row max when the key length
     is not a multiple of its vector width (0 where the math backend gives NaN), and
-    opencann's FlashAttention follows the math backend (docs/flash_attention.md)."""
+    opencann's FlashAttention follows the math backend (docs/guide/flash_attention.md)."""
     if backend != "flash":
         return contextlib.nullcontext()
     from torch.nn.attention import SDPBackend, sdpa_kernel

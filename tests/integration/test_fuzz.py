@@ -4,7 +4,7 @@ vnpu and torch.compile, each checked against eager (values, NaN positions, metad
 input mutation, second-call integrity, output independence, threads, weights).
 
 Fixed seeds; a failure prints its minimal repro. The long run: ``opencann fuzz --cases
-10000 --backend all --out fuzz_failures/`` (docs/fuzzing.md)."""
+10000 --backend all --out fuzz_failures/`` (docs/guide/migration.md)."""
 import pytest
 import torch
 

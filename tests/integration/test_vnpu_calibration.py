@@ -1,5 +1,5 @@
 """The vnpu calibration table (issue 17) is pinned: an anchor leaving its band fails, the
-known misses stay listed with a reason, and docs/vnpu.md shows the current table."""
+known misses stay listed with a reason, and docs/guide/vnpu.md shows the current table."""
 import os
 import subprocess
 import sys
@@ -12,7 +12,7 @@ from helpers import REPO
 
 KEYS = {"workload", "preset", "source", "published", "estimate", "ratio", "band", "within_band"}
 # anchors out of band today, each with a note saying why (none since the FlashAttention L2
-# contention term brought torch_npu at S=4K/8K in band; see docs/vnpu.md)
+# contention term brought torch_npu at S=4K/8K in band; see docs/guide/vnpu.md)
 KNOWN_MISSES: set = set()
 # anchors that set a fitted constant: their ratio checks nothing, so the set is pinned too
 FITTED = {
@@ -116,8 +116,8 @@ def test_every_issue_anchor_is_present(table):
 
 def test_docs_render_the_current_table():
     here = str(REPO)
-    with open(os.path.join(here, "docs", "vnpu.md"), encoding="utf-8") as f:
-        assert render_markdown() in f.read(), "regenerate docs/vnpu.md's table (render_markdown())"
+    with open(os.path.join(here, "docs", "guide", "vnpu.md"), encoding="utf-8") as f:
+        assert render_markdown() in f.read(), "regenerate docs/guide/vnpu.md's table (render_markdown())"
 
 
 def test_estimate_cli_takes_dtype_and_factory(tmp_path):

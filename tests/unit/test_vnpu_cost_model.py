@@ -228,7 +228,7 @@ def test_matmul_time_monotone_regressions(args):
 
 
 def test_gemm_pipeline_terms():
-    """The GEMM's GM rates, L0C drain, operand misses and pipeline ends (issue 17, docs/vnpu.md)."""
+    """The GEMM's GM rates, L0C drain, operand misses and pipeline ends (issue 17, docs/guide/vnpu.md)."""
     from opencann.devices.vnpu.cost_model import GEMM_BLOCK_K_BYTES, L2_CONTENTION, _hbm_us
     c = matmul_cost(4096, 4096, 4096)
     b = c.breakdown

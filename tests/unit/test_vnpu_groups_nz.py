@@ -110,7 +110,7 @@ def test_mobilenet_block_end_to_end(dtype, dev):
     assert cm.graph.op_counts()["TransData"] == 2
     assert all(n.outputs[0].desc.format == Format.NC1HWC0 for n in cm.graph.nodes if n.op == "Add")
     with torch.no_grad():
-        if dev == "vnpu:ascend910":        # fp32 Cube operands cast to fp16 (docs/vnpu.md)
+        if dev == "vnpu:ascend910":        # fp32 Cube operands cast to fp16 (docs/guide/vnpu.md)
             ref = m(x)
             assert (cm(x) - ref).abs().max() <= 2e-2 * ref.abs().max()
         else:
@@ -146,7 +146,7 @@ def test_nz_kept_through_bias_add_and_gelu(dtype):
     assert not [s for s in cm.report.skipped if s["pass"] == "npu_layout"]
     with torch.no_grad():
         ref = m(x)
-        tol = 2e-2        # ascend910: fp32 Cube operands are cast to fp16 (docs/vnpu.md), fp16 tolerance
+        tol = 2e-2        # ascend910: fp32 Cube operands are cast to fp16 (docs/guide/vnpu.md), fp16 tolerance
         out = cm(x)
         assert torch.equal(torch.isnan(out), torch.isnan(ref))
         ok = ~torch.isnan(ref)

@@ -219,7 +219,7 @@ def calibration_table() -> List[Dict[str, Any]]:
 
 
 def render_markdown(rows: List[Dict[str, Any]] | None = None) -> str:
-    """The table as Markdown (the body of docs/vnpu.md's calibration section)."""
+    """The table as Markdown (the body of docs/guide/vnpu.md's calibration section)."""
     rows = calibration_table() if rows is None else rows
     out = ["| workload | preset | source | unit | published | estimate | ratio | band | within |",
            "|---|---|---|---|---:|---:|---:|---:|:---:|"]

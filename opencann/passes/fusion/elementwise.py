@@ -18,7 +18,7 @@ fused (ATen's kernel writes the planned buffer itself). Every cut and every grou
 is reported with its reason.
 
 On cpu the pass runs only when asked (``options={"enable": ["fuse_elementwise"]}``): it
-was not faster than ATen here (docs/fusion.md, bench/elementwise_fusion.py). On vnpu it
+was not faster than ATen here (docs/design/passes.md, bench/elementwise_fusion.py). On vnpu it
 runs by default: the estimate costs each group as one Vector kernel that reads its inputs
 and writes its outputs to HBM once. ``options["fuse_elementwise_fastmath"]``: compile with
 fast-math (changes rounding).
@@ -123,7 +123,7 @@ class FuseElementwise(Pass):
     name, stage = "fuse_elementwise", "fusion"
     switch_section = "UBFusion"
     site_switchable = True
-    #: runs on cpu by default (it did not beat ATen there: docs/fusion.md)
+    #: runs on cpu by default (it did not beat ATen there: docs/design/passes.md)
     cpu_default = False
 
     def run(self, graph: Graph, ctx: PassContext) -> int:
@@ -131,7 +131,7 @@ class FuseElementwise(Pass):
         ops; returns the number of groups fused."""
         if ctx.device_kind == "cpu" and not self.cpu_default and \
                 self.name not in ctx.options.get("enable", ()):
-            ctx.note("off on cpu by default (not faster than ATen here, docs/fusion.md); "
+            ctx.note("off on cpu by default (not faster than ATen here, docs/design/passes.md); "
                      "options={'enable': ['fuse_elementwise']} runs it")
             return 0
         epilogue = ub_epilogues(graph)[1] if ctx.device_kind == "vnpu" else {}
