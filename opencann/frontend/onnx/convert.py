@@ -8,8 +8,9 @@ static: output descriptions come from running the ATen op on meta tensors (with 
 strides, as FX fake tensors would), and any node whose inputs are all known at
 conversion (initializers, Shape/Constant/Range subgraphs) is evaluated right away into
 a constant. A node with no converter (or a configuration its converter does not take)
-becomes an ``OnnxHostFallback`` run by ``onnx.reference.ReferenceEvaluator``, reported
-like the torch frontend's ATen host fallbacks.
+becomes an ``OnnxHostFallback`` run by ONNX Runtime (``opencann.ops.onnx_fallback``),
+reported like the torch frontend's ATen host fallbacks; its output shapes come from onnx
+shape inference on the node alone with its exact input shapes and constants.
 
 Every output is checked against ``onnx.shape_inference`` (with data propagation) where
 that gives a static shape; a disagreement is a ConversionError naming the node.
@@ -25,7 +26,7 @@ import torch
 from .. import errors
 from ...ir import DataType, Graph, Node, TensorDesc, TensorRef, Value
 from ...ops import lookup_aten
-from ...ops.onnx_fallback import make_onnx_kernel
+from ...ops.onnx_fallback import encode_node, infer_outputs, make_onnx_kernel
 from ..torch.convert import LOW_PRECISION, META_DIVERGES
 
 # onnx TensorProto element type -> torch dtype (types the IR models)
@@ -222,13 +223,19 @@ class Converter:
 
     # -- host fallback ----------------------------------------------------------------
     def fallback(self, n: OnnxNode, reason: str, descs: Sequence[Optional[TensorDesc]]) -> List[Value]:
-        """The node as an OnnxHostFallback (or evaluated now when its inputs are all
-        known). ``descs``: onnx shape inference's descriptions of its outputs."""
+        """The node as an OnnxHostFallback run by ONNX Runtime (or evaluated now when its
+        inputs are all known). ``descs``: the whole model's shape inference of its outputs;
+        the node's own inference on its exact input shapes and constants is preferred."""
         ins = [n.x(i) for i in range(len(n.inputs)) if n.has(i)]
         opsets = tuple(sorted(self.opsets.items()))
-        raw = n.proto.SerializeToString()
+        raw = encode_node(n.proto.SerializeToString())
         n_out = len([y for y in n.outputs if y])
-        run = self._reference_kernel(n, reason, raw, opsets, [v.desc.dtype.torch for v in ins], n_out)
+        own = infer_outputs(raw, opsets, [v.desc for v in ins],
+                            [v.const if v.is_const else None for v in ins])
+        descs = [TensorDesc(o[0], DataType.from_torch(o[1])) if o is not None else
+                 (descs[k] if k < len(descs) else None) for k, o in enumerate(own[:n_out])]
+        run, engine = self._host_kernel(n, reason, raw, opsets, [v.desc.dtype.torch for v in ins],
+                                        n_out, descs)
         if all(v.is_const for v in ins) and n.op_type not in RANDOM_OPS:
             return [self.const(t) for t in run(*[v.const for v in ins])]
         if any(d is None for d in descs[:n_out]):
@@ -237,17 +244,18 @@ class Converter:
                 "output shape depends on the data (onnx shape inference gives no static shape); "
                 "opencann compiles static graphs", kind="data_dependent")
         attrs = {"op_type": n.op_type, "domain": n.proto.domain, "onnx_node": raw,
-                 "opsets": opsets, "reason": reason}
+                 "opsets": opsets, "engine": engine, "reason": reason}
         ir = self.graph.create_node("OnnxHostFallback", ins, attrs, list(descs[:n_out]),
                                     name=n.name, source=self.source(), scope=self.scope())
         return list(ir.outputs)
 
-    def _reference_kernel(self, n: OnnxNode, reason: str, raw: bytes, opsets, dtypes, n_out: int):
-        """The host kernel of ``n`` (built now, so an op onnx's reference evaluator cannot
-        run is a ConversionError at compile time naming the op, its opset and the fix)."""
+    def _host_kernel(self, n: OnnxNode, reason: str, raw: str, opsets, dtypes, n_out: int, descs):
+        """(run, engine) of ``n``'s host kernel (built now, so an op neither ONNX Runtime nor
+        onnx's reference evaluator can run is a ConversionError at compile time naming the
+        op, its opset and the fix)."""
         try:
-            return make_onnx_kernel(raw, opsets, dtypes, n_out)
-        except Exception as e:  # noqa: BLE001 - RuntimeError / NotImplementedError from onnx
+            return make_onnx_kernel(raw, opsets, dtypes, n_out, descs)
+        except Exception as e:  # noqa: BLE001 - onnxruntime / onnx.reference errors
             msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             domain = n.proto.domain or "ai.onnx"
             version = self.opsets.get(n.proto.domain if n.proto.domain != "ai.onnx" else "", 0)
@@ -261,7 +269,8 @@ class Converter:
                         f"{', '.join(map(str, have))}: convert the model first with "
                         f"onnx.version_converter.convert_version(model, {newer[0]})")
             else:
-                tail = f"onnx's reference evaluator cannot run it ({msg}): it is not supported yet"
+                tail = (f"neither ONNX Runtime nor onnx's reference evaluator can run it ({msg}): "
+                        "it is not supported yet")
             raise ConversionError(f"ONNX node {self.where()}: {n.op_type} ({domain} opset {version}) "
                                   f"{ours}, and {tail}", kind="unsupported_op") from None
 
@@ -368,6 +377,13 @@ def from_onnx(model, input_shapes: Optional[Dict[str, Sequence[int]]] = None,
             for d, s in zip(dims, shapes[vi.name]):
                 d.Clear()
                 d.dim_value = s
+    # an exporter's value_info / output shapes hold its symbolic dims ("batch"), which would
+    # keep inference from giving the now-static shapes: those dims are inferred afresh
+    for vi in list(fixed.graph.value_info) + list(fixed.graph.output):
+        if vi.type.HasField("tensor_type") and vi.type.tensor_type.HasField("shape"):
+            for d in vi.type.tensor_type.shape.dim:
+                if not d.HasField("dim_value"):
+                    d.Clear()
     infos = _value_infos(fixed, onnx)
     opsets = {o.domain if o.domain != "ai.onnx" else "": o.version for o in model.opset_import}
     graph = Graph(model.graph.name or "onnx_model")
@@ -382,7 +398,7 @@ def from_onnx(model, input_shapes: Optional[Dict[str, Sequence[int]]] = None,
             dt = torch_dtype(vi.type.tensor_type.elem_type, f"input {vi.name}")
             cv.env[vi.name] = graph.add_input(TensorDesc(shapes[vi.name], DataType.from_torch(dt)),
                                               name=vi.name)
-    from . import nn, quant, tensor  # noqa: F401  (register the converters)
+    from . import control, nn, quant, resize, spatial, tensor  # noqa: F401  (register the converters)
     for proto in model.graph.node:
         convert_node(cv, proto, infos, check)
     _set_outputs(cv, model)
