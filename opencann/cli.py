@@ -399,6 +399,11 @@ def cmd_fuzz(args) -> int:
     """``opencann fuzz``: differential fuzzing (`opencann.tools.fuzz.run_fuzz`) with the command's
     options; prints progress and the summary. Returns 1 when a check failed, else 0."""
     from .tools.fuzz import BACKENDS, run_fuzz
+    if args.backend == "onnx":       # random ONNX graphs checked against ONNX Runtime
+        from .tools.fuzz_onnx import run_onnx_fuzz
+        res = run_onnx_fuzz(cases=args.cases, seed=args.seed, ops=_csv(args.op))
+        console.print(res.summary(), markup=False, highlight=False)
+        return 1 if res.failures else 0
     backends = list(BACKENDS) if args.backend == "all" else _csv(args.backend)
     every = {"dynamo": args.dynamo_every} if args.dynamo_every > 1 else None
     res = run_fuzz(cases=args.cases, seed=args.seed, backends=backends, ops=_csv(args.op),
@@ -610,7 +615,8 @@ def _add_fuzz_command(sub) -> None:
     f.add_argument("--cases", type=positive_int, default=200, help="number of programs")
     f.add_argument("--seed", type=int, default=0, help="first seed (case i uses seed+i)")
     f.add_argument("--backend", default="opencann",
-                   help="all, or a comma list of opencann, vnpu, dynamo, flash")
+                   help="all, or a comma list of opencann, vnpu, dynamo, flash; or onnx: random "
+                        "ONNX graphs checked against ONNX Runtime (opencann/tools/fuzz_onnx.py)")
     f.add_argument("--out", help="write each failure's minimal repro script here")
     f.add_argument("--op", help="only these ops or op groups (comma list; see opencann/tools/fuzz_ops.py)")
     f.add_argument("--kinds", help="only these op groups and input features (special, lowp, ints, multi_out)")

@@ -146,6 +146,13 @@ def _meta_diverges(ir: Node) -> None:
         ir.meta["no_out_kernel"] = True
 
 
+def _by_position(n: "OnnxNode", present: List[Value]) -> List[Optional[Value]]:
+    """The values of a node's present outputs placed at their ONNX output positions (None
+    where an optional output is omitted, e.g. LSTM's ``Y`` when only ``Y_h`` is used)."""
+    it = iter(present)
+    return [next(it) if y else None for y in n.outputs]
+
+
 class Converter:
     """Builds the IR graph; `call` maps one ATen call to one IR node (or a constant)."""
 
@@ -237,7 +244,7 @@ class Converter:
         run, engine = self._host_kernel(n, reason, raw, opsets, [v.desc.dtype.torch for v in ins],
                                         n_out, descs)
         if all(v.is_const for v in ins) and n.op_type not in RANDOM_OPS:
-            return [self.const(t) for t in run(*[v.const for v in ins])]
+            return _by_position(n, [self.const(t) for t in run(*[v.const for v in ins])])
         if any(d is None for d in descs[:n_out]):
             raise ConversionError(
                 f"ONNX node {self.where()} ({n.op_type}) has no converter ({reason}) and its "
@@ -247,7 +254,7 @@ class Converter:
                  "opsets": opsets, "engine": engine, "reason": reason}
         ir = self.graph.create_node("OnnxHostFallback", ins, attrs, list(descs[:n_out]),
                                     name=n.name, source=self.source(), scope=self.scope())
-        return list(ir.outputs)
+        return _by_position(n, list(ir.outputs))
 
     def _host_kernel(self, n: OnnxNode, reason: str, raw: str, opsets, dtypes, n_out: int, descs):
         """(run, engine) of ``n``'s host kernel (built now, so an op neither ONNX Runtime nor
