@@ -160,7 +160,6 @@ def main(argv=None) -> int:
     warnings.filterwarnings("ignore")
     import logging
     logging.getLogger("opencann").setLevel(logging.ERROR)
-    torch.set_num_threads(1)
     results: Dict[str, Tuple[str, str]] = {}
     t0 = time.perf_counter()
     cases = list(node_cases(a.match))

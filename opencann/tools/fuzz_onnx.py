@@ -14,9 +14,9 @@ generated graph is valid by ONNX Runtime's reading). Shapes of intermediate valu
 from ONNX Runtime itself. The checks (`ONNX_CHECKS`): compile/run errors, output shapes
 (rank 0 included) and dtypes, NaN/±inf positions, values (relative to the output's
 scale), a second call with other inputs, and the model saved and loaded back giving the
-same bits. Ops whose NaN handling ONNX Runtime documents differently from the
-specification (MaxPool, ReduceMax/Min, ArgMax, Clip with NaN bounds; see
-``opencann.frontend.onnx.nn``) are fed NaN-free inputs. ONNX Runtime and onnx are
+same bits. Graphs with an op whose NaN handling in ONNX Runtime differs from the
+specification (MaxPool, ReduceMax/Min, ArgMax, ReduceLogSumExp, LRN; see
+``opencann.frontend.onnx.nn``) get NaN-free inputs and no NaN-making op (Sqrt) before it. ONNX Runtime and onnx are
 imported when used; a seed is a repro.
 """
 from __future__ import annotations
@@ -38,7 +38,9 @@ ONNX_CHECKS = {
     "saved": "the saved and loaded model does not give the live model's bits",
 }
 _SPECIAL = [np.nan, np.inf, -np.inf, 0.0, -0.0, 0.5, -2.5]
-NAN_SENSITIVE = {"MaxPool", "ReduceMax", "ReduceMin", "ArgMax", "LRN", "Resize", "GridSample"}
+NAN_SENSITIVE = {"MaxPool", "ReduceMax", "ReduceMin", "ArgMax", "LRN", "Resize", "GridSample",
+                 "ReduceLogSumExp"}
+NAN_MAKERS = {"Sqrt"}      # NaN from ordinary inputs: no NaN-sensitive op may follow them
 
 
 def _i64(name, vals):
@@ -259,7 +261,7 @@ def generate_onnx(seed: int, ops: Optional[List[str]] = None):
         return f"c{next(counter)}"
     nodes, inits = [], []
     cur, cur_shape, cur_elem = "x", list(shape), 1
-    nan_free = False
+    nan_free = may_nan = False
     feeds0 = {"x": _inputs(rng, shape, False)}
     for k in range(rng.randint(1, 6)):
         for _ in range(8):
@@ -268,7 +270,7 @@ def generate_onnx(seed: int, ops: Optional[List[str]] = None):
                 made = table[op](rng, cur_shape, nm) if cur_shape or op in _ANY_RANK else None
             except (ValueError, IndexError):   # no valid attributes for this shape
                 made = None
-            if made is None or cur_elem != 1:
+            if made is None or cur_elem != 1 or (op in NAN_SENSITIVE and may_nan):
                 continue
             op_type, extra, attrs = made
             names = [cur] + [("" if t is None else t.name) for t in extra]
@@ -287,6 +289,7 @@ def generate_onnx(seed: int, ops: Optional[List[str]] = None):
             inits += [t for t in extra if t is not None]
             cur, cur_shape = out, list(res.shape)
             nan_free |= op_type in NAN_SENSITIVE
+            may_nan |= op_type in NAN_MAKERS
             break
     if not nodes:
         return None

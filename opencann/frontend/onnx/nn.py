@@ -16,6 +16,9 @@ where the quotient overflows), float→int ``Cast`` of NaN/±inf is undefined in
 matches ONNX Runtime on x86). Where ONNX Runtime itself deviates from the specification
 and numpy, we follow the specification / numpy: ``ReduceMax``/``ReduceMin`` with a NaN
 give NaN and ``ArgMax``/``ArgMin`` the index of the first NaN (ONNX Runtime skips NaN);
+``ReduceLogSumExp`` over a NaN and +inf is NaN (ONNX Runtime gives inf when the +inf comes
+first; found by
+``opencann fuzz --backend onnx``, seed 20028);
 ``MaxPool`` keeps NaN (ONNX Runtime drops some, by position); a NaN ``Clip`` bound
 makes the result NaN (numpy, ATen; ONNX Runtime ignores the bound, the specification
 does not say). ``Selu``/``Celu`` of ``-0.0`` give ``-0.0`` (ONNX Runtime ``+0.0``)."""
