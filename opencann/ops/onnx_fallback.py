@@ -77,7 +77,7 @@ def _ort_session(model, node, opsets):
     so = ort.SessionOptions()
     so.intra_op_num_threads = 1
     so.inter_op_num_threads = 1
-    so.log_severity_level = 3
+    so.log_severity_level = 4      # failures are raised (with their message), not logged
     so.add_session_config_entry("session.intra_op.allow_spinning", "0")
     try:
         return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
@@ -98,17 +98,38 @@ def _ort_session(model, node, opsets):
         return ort.InferenceSession(m.SerializeToString(), so, providers=["CPUExecutionProvider"])
 
 
+def _trial_ok(evaluate, present, in_shapes, in_dtypes) -> bool:
+    """Whether ``evaluate`` runs on inputs of the node's shapes (floats: a seeded normal
+    draw; integers: zeros, a valid index; booleans: False). Skipped (True) without shapes."""
+    if in_shapes is None:
+        return True
+    g = np.random.default_rng(0)
+    feeds = {}
+    for x, s, d in zip(present, in_shapes, in_dtypes):
+        a = torch.empty(0, dtype=d).numpy().dtype
+        feeds[x] = (g.standard_normal(s).astype(a) if d.is_floating_point or d.is_complex
+                    else np.zeros(s, a))
+    try:
+        evaluate(feeds)
+        return True
+    except Exception:  # noqa: BLE001 - the engine's own run-time failure
+        return False
+
+
 def make_onnx_kernel(onnx_node, opsets: Sequence[tuple], in_dtypes: Sequence[torch.dtype],
                      n_out: int, out_descs: Optional[Sequence[Optional[TensorDesc]]] = None,
-                     engine: Optional[str] = None) -> Tuple[Callable, str]:
+                     engine: Optional[str] = None, in_shapes=None) -> Tuple[Callable, str]:
     """``(run, engine)``: ``run(*tensors) -> tuple of tensors`` evaluates the serialized ONNX
     node (bytes or base64 text) by ONNX Runtime's CPU provider (``engine`` "onnxruntime"),
     or, when ONNX Runtime cannot build it and ``engine`` is not forced, by
     ``onnx.reference.ReferenceEvaluator`` ("onnx.reference"). ``out_descs``: the declared
     output descriptions; each result must have that dtype and that many elements and is
     given that shape (so a rank-0 output stays rank 0); a mismatch raises RuntimeError
-    naming the node. Raises ValueError for an input dtype with no numpy type (bfloat16),
-    and the engine's own error when neither can run the node."""
+    naming the node. ``in_shapes`` (the inputs' static shapes, given when the engine is
+    being chosen): ONNX Runtime is also tried once on inputs of those shapes, and a node it
+    builds but cannot run goes to the reference evaluator when that runs it. Raises
+    ValueError for an input dtype with no numpy type (bfloat16), and the engine's own
+    error when neither can run the node."""
     import onnx
     node = onnx.NodeProto()
     node.ParseFromString(decode_node(onnx_node))
@@ -135,6 +156,21 @@ def make_onnx_kernel(onnx_node, opsets: Sequence[tuple], in_dtypes: Sequence[tor
 
         def evaluate(feeds):
             return ev.run(names, feeds)
+
+    if engine == "onnxruntime" and descs and all(d is not None for d in descs) and \
+            not _trial_ok(evaluate, present, in_shapes, in_dtypes):
+        # ONNX Runtime builds the node but cannot run it (a kernel limit it checks only when
+        # running, e.g. Scan bodies, empty boolean reductions): the reference runs it if it can
+        from onnx.reference import ReferenceEvaluator
+        try:
+            ref = ReferenceEvaluator(model)
+            if _trial_ok(lambda f: ref.run(names, f), present, in_shapes, in_dtypes):
+                engine = "onnx.reference"
+
+                def evaluate(feeds):
+                    return ref.run(names, feeds)
+        except Exception:  # noqa: BLE001 - keep ONNX Runtime; its error shows when called
+            pass
 
     def run(*tensors):
         feeds = {x: t.detach().cpu().numpy() for x, t in zip(present, tensors)}

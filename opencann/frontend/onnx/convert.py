@@ -242,7 +242,7 @@ class Converter:
         descs = [TensorDesc(o[0], DataType.from_torch(o[1])) if o is not None else
                  (descs[k] if k < len(descs) else None) for k, o in enumerate(own[:n_out])]
         run, engine = self._host_kernel(n, reason, raw, opsets, [v.desc.dtype.torch for v in ins],
-                                        n_out, descs)
+                                        n_out, descs, [tuple(v.desc.shape) for v in ins])
         if all(v.is_const for v in ins) and n.op_type not in RANDOM_OPS:
             return _by_position(n, [self.const(t) for t in run(*[v.const for v in ins])])
         if any(d is None for d in descs[:n_out]):
@@ -256,12 +256,13 @@ class Converter:
                                     name=n.name, source=self.source(), scope=self.scope())
         return _by_position(n, list(ir.outputs))
 
-    def _host_kernel(self, n: OnnxNode, reason: str, raw: str, opsets, dtypes, n_out: int, descs):
+    def _host_kernel(self, n: OnnxNode, reason: str, raw: str, opsets, dtypes, n_out: int, descs,
+                     shapes=None):
         """(run, engine) of ``n``'s host kernel (built now, so an op neither ONNX Runtime nor
         onnx's reference evaluator can run is a ConversionError at compile time naming the
         op, its opset and the fix)."""
         try:
-            return make_onnx_kernel(raw, opsets, dtypes, n_out, descs)
+            return make_onnx_kernel(raw, opsets, dtypes, n_out, descs, in_shapes=shapes)
         except Exception as e:  # noqa: BLE001 - onnxruntime / onnx.reference errors
             msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             domain = n.proto.domain or "ai.onnx"

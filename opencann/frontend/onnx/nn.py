@@ -326,8 +326,7 @@ def _reduce(cv: Converter, x: Value, axes, keep: bool, how: str) -> Value:
 def reduce(cv: Converter, n: OnnxNode):
     """ONNX Reduce* ops (Sum, Mean, Max, Min, Prod, L1, L2, SumSquare, LogSum, LogSumExp) over
     ``axes`` (attribute or input; ``keepdims`` default 1) → ATen reductions; no axes reduce all
-    dims, or copy the input with ``noop_with_empty_axes``. Raises NotConverted for boolean
-    Max/Min. Returns the node's outputs (a list of Values)."""
+    dims, or copy the input with ``noop_with_empty_axes``; boolean Max/Min are any/all. Returns the node's outputs (a list of Values)."""
     x = n.x(0)
     axes = _axes(cv, n, x.desc.rank)
     keep = bool(n.attr("keepdims", 1))
@@ -335,7 +334,9 @@ def reduce(cv: Converter, n: OnnxNode):
         return [cv.call(aten.clone.default, x)]
     op = n.op_type
     if op in ("ReduceMax", "ReduceMin") and x.desc.dtype.torch == torch.bool:
-        raise NotConverted("boolean max/min")
+        # max of booleans is any (False over an empty set), min is all (True)
+        fn = aten.any.dims if op == "ReduceMax" else aten.all.dims
+        return [cv.call(fn, x, list(range(x.desc.rank)) if axes is None else axes, keep)]
     how = {"ReduceSum": "sum", "ReduceMean": "mean", "ReduceMax": "max", "ReduceMin": "min",
            "ReduceProd": "prod", "ReduceLogSumExp": "logsumexp"}.get(op)
     if how is not None:
