@@ -41,10 +41,6 @@ EXCLUDED = {
     r"^test_attention_4d_causal_fp16_expanded_cpu$":
         "fp16 chain: one fp16 ULP (4.9e-4) from the numpy reference at rtol 1e-3 (torch's "
         "fp16 softmax accumulates in fp32, numpy in fp16)",
-    r"^test_reduce_max_empty_set_bool_cpu$":
-        "axes are a graph input, so the node is a host fallback on ONNX Runtime, which raises "
-        "for ReduceMax over an empty set of booleans (with constant axes it is converted to "
-        "aten.any: the frozen-input test of the same case)",
     r"^test_PReLU_\dd_multiparam_cpu$":
         "onnx.version_converter keeps the opset-6 per-channel slope shape [C], which opset 13 "
         "PRelu cannot broadcast against (N, C, ...); the converted model is invalid",

@@ -98,22 +98,45 @@ def _ort_session(model, node, opsets):
         return ort.InferenceSession(m.SerializeToString(), so, providers=["CPUExecutionProvider"])
 
 
-def _trial_ok(evaluate, present, in_shapes, in_dtypes) -> bool:
-    """Whether ``evaluate`` runs on inputs of the node's shapes (floats: a seeded normal
-    draw; integers: zeros, a valid index; booleans: False). Skipped (True) without shapes."""
-    if in_shapes is None:
-        return True
-    g = np.random.default_rng(0)
-    feeds = {}
-    for x, s, d in zip(present, in_shapes, in_dtypes):
-        a = torch.empty(0, dtype=d).numpy().dtype
-        feeds[x] = (g.standard_normal(s).astype(a) if d.is_floating_point or d.is_complex
-                    else np.zeros(s, a))
-    try:
-        evaluate(feeds)
-        return True
-    except Exception:  # noqa: BLE001 - the engine's own run-time failure
-        return False
+def _as_declared(r, d: Optional[TensorDesc], k: int, what: str) -> torch.Tensor:
+    """Result ``r`` of output ``k`` as a fresh tensor with the declared shape of ``d`` (a
+    rank-0 output stays rank 0); RuntimeError naming ``what`` when its element count or
+    dtype differs from the declaration."""
+    t = torch.from_numpy(np.array(r, copy=True, order="C"))
+    if d is None:
+        return t
+    shape = tuple(int(s) for s in d.shape)
+    if tuple(t.shape) != shape:
+        if t.numel() != int(np.prod(shape)):
+            raise RuntimeError(f"{what}: output {k} has shape {tuple(t.shape)}, declared {shape}; "
+                               "the model's shapes are inconsistent")
+        t = t.reshape(shape)
+    if t.dtype != d.dtype.torch:
+        raise RuntimeError(f"{what}: output {k} is {t.dtype}, declared {d.dtype.torch}")
+    return t
+
+
+def _with_backstop(evaluate, model, names):
+    """``evaluate`` (ONNX Runtime), with ``onnx.reference`` taking over from the first call
+    ONNX Runtime raises on (a kernel limit it checks only when running); when the reference
+    fails too, ONNX Runtime's error is raised."""
+    backstop = []
+
+    def run(feeds):
+        if backstop:
+            return backstop[0](feeds)
+        try:
+            return evaluate(feeds)
+        except Exception as e:  # noqa: BLE001 - onnxruntime's Fail / RuntimeException
+            from onnx.reference import ReferenceEvaluator
+            try:
+                ref = ReferenceEvaluator(model)
+                out = ref.run(names, feeds)
+            except Exception:  # noqa: BLE001 - neither runs it: ONNX Runtime's error
+                raise e from None
+            backstop.append(lambda f: ref.run(names, f))
+            return out
+    return run
 
 
 def make_onnx_kernel(onnx_node, opsets: Sequence[tuple], in_dtypes: Sequence[torch.dtype],
@@ -125,9 +148,10 @@ def make_onnx_kernel(onnx_node, opsets: Sequence[tuple], in_dtypes: Sequence[tor
     ``onnx.reference.ReferenceEvaluator`` ("onnx.reference"). ``out_descs``: the declared
     output descriptions; each result must have that dtype and that many elements and is
     given that shape (so a rank-0 output stays rank 0); a mismatch raises RuntimeError
-    naming the node. ``in_shapes`` (the inputs' static shapes, given when the engine is
-    being chosen): ONNX Runtime is also tried once on inputs of those shapes, and a node it
-    builds but cannot run goes to the reference evaluator when that runs it. Raises
+    naming the node. A call ONNX Runtime raises on (a kernel limit it checks only when
+    running: Scan bodies of new function ops, some padded attention) is run by the
+    reference evaluator instead, and so are the later calls; when that fails too, ONNX
+    Runtime's error is raised. ``in_shapes`` is accepted for callers and unused. Raises
     ValueError for an input dtype with no numpy type (bfloat16), and the engine's own
     error when neither can run the node."""
     import onnx
@@ -157,41 +181,15 @@ def make_onnx_kernel(onnx_node, opsets: Sequence[tuple], in_dtypes: Sequence[tor
         def evaluate(feeds):
             return ev.run(names, feeds)
 
-    if engine == "onnxruntime" and descs and all(d is not None for d in descs) and \
-            not _trial_ok(evaluate, present, in_shapes, in_dtypes):
-        # ONNX Runtime builds the node but cannot run it (a kernel limit it checks only when
-        # running, e.g. Scan bodies, empty boolean reductions): the reference runs it if it can
-        from onnx.reference import ReferenceEvaluator
-        try:
-            ref = ReferenceEvaluator(model)
-            if _trial_ok(lambda f: ref.run(names, f), present, in_shapes, in_dtypes):
-                engine = "onnx.reference"
-
-                def evaluate(feeds):
-                    return ref.run(names, feeds)
-        except Exception:  # noqa: BLE001 - keep ONNX Runtime; its error shows when called
-            pass
+    evaluate_or_reference = _with_backstop(evaluate, model, names) \
+        if engine == "onnxruntime" else evaluate
 
     def run(*tensors):
         feeds = {x: t.detach().cpu().numpy() for x, t in zip(present, tensors)}
-        res = evaluate(feeds)
-        outs = []
-        for k, r in enumerate(res[:n_out]):
-            a = np.array(r, copy=True, order="C")
-            t = torch.from_numpy(a)
-            d = descs[k] if k < len(descs) else None
-            if d is not None:
-                shape = tuple(int(s) for s in d.shape)
-                if all(isinstance(s, int) for s in d.shape) and tuple(t.shape) != shape:
-                    if t.numel() != int(np.prod(shape)):
-                        raise RuntimeError(f"ONNX host fallback {where} ({node.op_type}, {engine}): "
-                                           f"output {k} has shape {tuple(t.shape)}, declared "
-                                           f"{shape}; the model's shapes are inconsistent")
-                    t = t.reshape(shape)
-                if t.dtype != d.dtype.torch:
-                    raise RuntimeError(f"ONNX host fallback {where} ({node.op_type}, {engine}): "
-                                       f"output {k} is {t.dtype}, declared {d.dtype.torch}")
-            outs.append(t)
+        res = evaluate_or_reference(feeds)
+        what = f"ONNX host fallback {where} ({node.op_type}, {engine})"
+        outs = [_as_declared(r, descs[k] if k < len(descs) else None, k, what)
+                for k, r in enumerate(res[:n_out])]
         return tuple(outs)
     return run, engine
 
