@@ -400,6 +400,11 @@ def cmd_fuzz(args) -> int:
     options; prints progress and the summary. Returns 1 when a check failed, else 0."""
     from .tools.fuzz import BACKENDS, run_fuzz
     from .tools.fuzz_shapes import BACKEND as SHAPES, run_shape_fuzz
+    if args.backend == "onnx":       # random ONNX graphs checked against ONNX Runtime
+        from .tools.fuzz_onnx import run_onnx_fuzz
+        res = run_onnx_fuzz(cases=args.cases, seed=args.seed, ops=_csv(args.op))
+        console.print(res.summary(), markup=False, highlight=False)
+        return 1 if res.failures else 0
     backends = list(BACKENDS) + [SHAPES] if args.backend == "all" else _csv(args.backend)
     every = {"dynamo": args.dynamo_every} if args.dynamo_every > 1 else None
     shapes = SHAPES in backends
@@ -620,7 +625,8 @@ def _add_fuzz_command(sub) -> None:
     f.add_argument("--seed", type=int, default=0, help="first seed (case i uses seed+i)")
     f.add_argument("--backend", default="opencann",
                    help="all, or a comma list of opencann, vnpu, dynamo, flash, dynamo_shapes "
-                   "(torch.compile called at three input sizes: interpolate, computed slices)")
+                   "(torch.compile called at three input sizes: interpolate, computed slices); "
+                   "or onnx: random ONNX graphs checked against ONNX Runtime")
     f.add_argument("--out", help="write each failure's minimal repro script here")
     f.add_argument("--op", help="only these ops or op groups (comma list; see opencann/tools/fuzz_ops.py)")
     f.add_argument("--kinds", help="only these op groups and input features (special, lowp, ints, multi_out)")

@@ -8,8 +8,9 @@ static: output descriptions come from running the ATen op on meta tensors (with 
 strides, as FX fake tensors would), and any node whose inputs are all known at
 conversion (initializers, Shape/Constant/Range subgraphs) is evaluated right away into
 a constant. A node with no converter (or a configuration its converter does not take)
-becomes an ``OnnxHostFallback`` run by ``onnx.reference.ReferenceEvaluator``, reported
-like the torch frontend's ATen host fallbacks.
+becomes an ``OnnxHostFallback`` run by ONNX Runtime (``opencann.ops.onnx_fallback``),
+reported like the torch frontend's ATen host fallbacks; its output shapes come from onnx
+shape inference on the node alone with its exact input shapes and constants.
 
 Every output is checked against ``onnx.shape_inference`` (with data propagation) where
 that gives a static shape; a disagreement is a ConversionError naming the node.
@@ -22,7 +23,7 @@ import numpy as np
 import torch
 
 from ...ir import DataType, Graph, TensorDesc, Value
-from . import nn, quant, tensor  # noqa: F401  (register the converters)
+from . import control, nn, quant, resize, spatial, tensor  # noqa: F401  (register the converters)
 from .converter import (ONNX_DTYPES, RANDOM_OPS, ConversionError, Converter, NotConverted, OnnxNode,
                         torch_dtype)
 from .registry import CONVERTERS
@@ -106,11 +107,18 @@ def from_onnx(model, input_shapes: Optional[Dict[str, Sequence[int]]] = None,
             for d, s in zip(dims, shapes[vi.name]):
                 d.Clear()
                 d.dim_value = s
+    # an exporter's value_info / output shapes hold its symbolic dims ("batch"), which would
+    # keep inference from giving the now-static shapes: those dims are inferred afresh
+    for vi in list(fixed.graph.value_info) + list(fixed.graph.output):
+        if vi.type.HasField("tensor_type") and vi.type.tensor_type.HasField("shape"):
+            for d in vi.type.tensor_type.shape.dim:
+                if not d.HasField("dim_value"):
+                    d.Clear()
     infos = _value_infos(fixed, onnx)
     opsets = {o.domain if o.domain != "ai.onnx" else "": o.version for o in model.opset_import}
     graph = Graph(model.graph.name or "onnx_model")
     graph.meta["frontend"] = "onnx"
-    cv = Converter(graph, opsets)
+    cv = Converter(graph, opsets, convert_node)
     for t in model.graph.initializer:
         arr = numpy_helper.to_array(t)
         dt = torch_dtype(t.data_type, f"initializer {t.name}")

@@ -17,7 +17,7 @@ import torch
 from .. import errors
 from ...ir import DataType, Graph, Node, TensorDesc, TensorRef, Value
 from ...ops import lookup_aten
-from ...ops.onnx_fallback import make_onnx_kernel
+from ...ops.onnx_fallback import encode_node, infer_outputs, make_onnx_kernel
 from ..torch.convert import LOW_PRECISION, META_DIVERGES
 
 # onnx TensorProto element type -> torch dtype (types the IR models)
@@ -137,16 +137,32 @@ def _meta_diverges(ir: Node) -> None:
         ir.meta["no_out_kernel"] = True
 
 
+def _by_position(n: "OnnxNode", present: List[Value]) -> List[Optional[Value]]:
+    """The values of a node's present outputs placed at their ONNX output positions (None
+    where an optional output is omitted, e.g. LSTM's ``Y`` when only ``Y_h`` is used)."""
+    it = iter(present)
+    return [next(it) if y else None for y in n.outputs]
+
+
 class Converter:
     """Builds the IR graph; `call` maps one ATen call to one IR node (or a constant)."""
 
-    def __init__(self, graph: Graph, opsets: Dict[str, int]):
+    def __init__(self, graph: Graph, opsets: Dict[str, int], convert_node=None):
         self.graph = graph
         self.opsets = opsets
         self.opset = opsets.get("", 0)
         self.env: Dict[str, Value] = {}
         self.metas: Dict[int, torch.Tensor] = {}
         self.node: Optional[OnnxNode] = None
+        # the driver's per-node conversion (convert.convert_node), for converters that
+        # convert a subgraph's nodes inline (If with a constant condition); passed in so
+        # that converter modules never import the driver
+        self._convert_node = convert_node
+
+    def convert_inline(self, proto) -> None:
+        """Convert ONNX node ``proto`` (of a subgraph being inlined) into the graph, as
+        the driver converts a top-level node (no shape-inference check)."""
+        self._convert_node(self, proto, {}, False)
 
     # -- values -----------------------------------------------------------------------
     def meta(self, v: Value) -> torch.Tensor:
@@ -214,32 +230,40 @@ class Converter:
 
     # -- host fallback ----------------------------------------------------------------
     def fallback(self, n: OnnxNode, reason: str, descs: Sequence[Optional[TensorDesc]]) -> List[Value]:
-        """The node as an OnnxHostFallback (or evaluated now when its inputs are all
-        known). ``descs``: onnx shape inference's descriptions of its outputs."""
+        """The node as an OnnxHostFallback run by ONNX Runtime (or evaluated now when its
+        inputs are all known). ``descs``: the whole model's shape inference of its outputs;
+        the node's own inference on its exact input shapes and constants is preferred."""
         ins = [n.x(i) for i in range(len(n.inputs)) if n.has(i)]
         opsets = tuple(sorted(self.opsets.items()))
-        raw = n.proto.SerializeToString()
+        raw = encode_node(n.proto.SerializeToString())
         n_out = len([y for y in n.outputs if y])
-        run = self._reference_kernel(n, reason, raw, opsets, [v.desc.dtype.torch for v in ins], n_out)
+        own = infer_outputs(raw, opsets, [v.desc for v in ins],
+                            [v.const if v.is_const else None for v in ins])
+        descs = [TensorDesc(o[0], DataType.from_torch(o[1])) if o is not None else
+                 (descs[k] if k < len(descs) else None) for k, o in enumerate(own[:n_out])]
+        run, engine = self._host_kernel(n, reason, raw, opsets, [v.desc.dtype.torch for v in ins],
+                                        n_out, descs, [tuple(v.desc.shape) for v in ins])
         if all(v.is_const for v in ins) and n.op_type not in RANDOM_OPS:
-            return [self.const(t) for t in run(*[v.const for v in ins])]
+            return _by_position(n, [self.const(t) for t in run(*[v.const for v in ins])])
         if any(d is None for d in descs[:n_out]):
             raise ConversionError(
                 f"ONNX node {self.where()} ({n.op_type}) has no converter ({reason}) and its "
                 "output shape depends on the data (onnx shape inference gives no static shape); "
                 "opencann compiles static graphs", kind="data_dependent")
         attrs = {"op_type": n.op_type, "domain": n.proto.domain, "onnx_node": raw,
-                 "opsets": opsets, "reason": reason}
+                 "opsets": opsets, "engine": engine, "reason": reason}
         ir = self.graph.create_node("OnnxHostFallback", ins, attrs, list(descs[:n_out]),
                                     name=n.name, source=self.source(), scope=self.scope())
-        return list(ir.outputs)
+        return _by_position(n, list(ir.outputs))
 
-    def _reference_kernel(self, n: OnnxNode, reason: str, raw: bytes, opsets, dtypes, n_out: int):
-        """The host kernel of ``n`` (built now, so an op onnx's reference evaluator cannot
-        run is a ConversionError at compile time naming the op, its opset and the fix)."""
+    def _host_kernel(self, n: OnnxNode, reason: str, raw: str, opsets, dtypes, n_out: int, descs,
+                     shapes=None):
+        """(run, engine) of ``n``'s host kernel (built now, so an op neither ONNX Runtime nor
+        onnx's reference evaluator can run is a ConversionError at compile time naming the
+        op, its opset and the fix)."""
         try:
-            return make_onnx_kernel(raw, opsets, dtypes, n_out)
-        except Exception as e:  # noqa: BLE001 - RuntimeError / NotImplementedError from onnx
+            return make_onnx_kernel(raw, opsets, dtypes, n_out, descs, in_shapes=shapes)
+        except Exception as e:  # noqa: BLE001 - onnxruntime / onnx.reference errors
             msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             domain = n.proto.domain or "ai.onnx"
             version = self.opsets.get(n.proto.domain if n.proto.domain != "ai.onnx" else "", 0)
@@ -253,7 +277,8 @@ class Converter:
                         f"{', '.join(map(str, have))}: convert the model first with "
                         f"onnx.version_converter.convert_version(model, {newer[0]})")
             else:
-                tail = f"onnx's reference evaluator cannot run it ({msg}): it is not supported yet"
+                tail = (f"neither ONNX Runtime nor onnx's reference evaluator can run it ({msg}): "
+                        "it is not supported yet")
             raise ConversionError(f"ONNX node {self.where()}: {n.op_type} ({domain} opset {version}) "
                                   f"{ours}, and {tail}", kind="unsupported_op") from None
 

@@ -14,6 +14,27 @@ from typing import Any
 MIN_OPSET = 13
 
 
+def upgrade_opset(model, opset: int, where: str):
+    """``model`` (default-domain opset ``opset`` < 13) upgraded to opset 13 by
+    ``onnx.version_converter`` (the onnx project's own adapters; ATC likewise accepts old
+    opsets), logged at WARNING. The IR version is raised to at least 7, since the converter
+    adds initializers that are not graph inputs, which IR version 3 forbids. Raises
+    OnnxLoadError naming the converter's failure when it cannot convert the model."""
+    from onnx import version_converter
+    from ...log import logger
+    try:
+        new = version_converter.convert_version(model, MIN_OPSET)
+    except Exception as e:  # noqa: BLE001 - the converter raises RuntimeError/ValueError/...
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise OnnxLoadError(f"{where} uses opset {opset}; opencann reads opset {MIN_OPSET} and "
+                            f"newer, and onnx.version_converter could not upgrade it ({first}): "
+                            "re-export the model at opset 13 or newer") from None
+    new.ir_version = max(new.ir_version, 7)
+    logger.warning("%s uses opset %d: upgraded to opset %d with onnx.version_converter",
+                   where, opset, MIN_OPSET)
+    return new
+
+
 class OnnxLoadError(ValueError):
     """The ONNX model cannot be loaded: the message names the problem and the fix."""
 
@@ -61,8 +82,9 @@ def load_model(source: Any):
 
     Raises OnnxLoadError: missing, empty, truncated or corrupt file; external data
     missing; a ModelProto whose external data was not loaded; a model ``onnx.checker``
-    rejects (the message says so, with the checker's first line); a default-domain opset below 13 (convert it with
-    ``onnx.version_converter.convert_version(model, 17)``)."""
+    rejects (the message says so, with the checker's first line); a default-domain opset below 13
+    that ``onnx.version_converter`` cannot upgrade (such models are upgraded to opset 13 and
+    the log says so, as ATC accepts them)."""
     onnx = _onnx()
     if isinstance(source, (str, os.PathLike)):
         where = os.fspath(source)
@@ -84,9 +106,7 @@ def load_model(source: Any):
     if opset is None:
         raise OnnxLoadError(f"{where}: the model imports no default-domain (ai.onnx) opset")
     if opset < MIN_OPSET:
-        raise OnnxLoadError(f"{where} uses opset {opset}; opencann reads opset {MIN_OPSET} and "
-                            "newer: convert it first with onnx.version_converter.convert_version("
-                            "model, 17)")
+        model = upgrade_opset(model, opset, where)
     try:
         onnx.checker.check_model(model)
     except (onnx.checker.ValidationError, ValueError) as e:

@@ -1,6 +1,6 @@
 """ONNX converters, arithmetic and neural-network ops: elementwise math, activations,
 reductions, MatMul/Gemm, Conv/ConvTranspose, Batch/Layer/Group/InstanceNormalization,
-Softmax, pooling, Resize. Each maps to the ATen overloads the torch frontend produces
+Softmax, pooling (Resize: ``resize.py``). Each maps to the ATen overloads the torch frontend produces
 (Gemm → ``aten.addmm``, Conv → ``aten.convolution``, inference BatchNormalization →
 ``aten._native_batch_norm_legit_no_training``...) so the fusion passes apply as they
 do to captured PyTorch models. Semantics: the ONNX operator specification
@@ -16,6 +16,9 @@ where the quotient overflows), float→int ``Cast`` of NaN/±inf is undefined in
 matches ONNX Runtime on x86). Where ONNX Runtime itself deviates from the specification
 and numpy, we follow the specification / numpy: ``ReduceMax``/``ReduceMin`` with a NaN
 give NaN and ``ArgMax``/``ArgMin`` the index of the first NaN (ONNX Runtime skips NaN);
+``ReduceLogSumExp`` over a NaN and +inf is NaN (ONNX Runtime gives inf when the +inf comes
+first; found by
+``opencann fuzz --backend onnx``, seed 20028);
 ``MaxPool`` keeps NaN (ONNX Runtime drops some, by position); a NaN ``Clip`` bound
 makes the result NaN (numpy, ATen; ONNX Runtime ignores the bound, the specification
 does not say). ``Selu``/``Celu`` of ``-0.0`` give ``-0.0`` (ONNX Runtime ``+0.0``)."""
@@ -288,11 +291,23 @@ def _axes(cv: Converter, n: OnnxNode, rank: int) -> Optional[List[int]]:
 
 
 def _reduce(cv: Converter, x: Value, axes, keep: bool, how: str) -> Value:
+    """``x`` reduced over ``axes`` (None: all) by ``how``. Integer Sum/Prod stay in the
+    input's dtype (wrapping, as ONNX Runtime; ATen would widen to int64) and integer Mean
+    is the integer sum divided with truncation toward zero (ONNX Runtime's)."""
     rank = x.desc.rank
     dims = list(range(rank)) if axes is None else axes
+    dt = x.desc.dtype.torch
+    integer = not (dt.is_floating_point or dt.is_complex) and dt != torch.bool
     if how == "sum":
-        return cv.call(aten.sum.dim_IntList, x, dims, keep)
+        return cv.call(aten.sum.dim_IntList, x, dims, keep, dtype=dt if integer else None)
     if how == "mean":
+        if integer:
+            count = 1
+            for d in dims:
+                count *= shape(x)[d]
+            total = cv.call(aten.sum.dim_IntList, x, dims, keep, dtype=dt)
+            return cv.call(aten.div.Tensor_mode, total, cv.scalar(max(count, 1), dt),
+                           rounding_mode="trunc")
         return cv.call(aten.mean.dim, x, dims, keep)
     if how in ("max", "min"):
         if any(shape(x)[d] == 0 for d in dims):
@@ -300,7 +315,7 @@ def _reduce(cv: Converter, x: Value, axes, keep: bool, how: str) -> Value:
         return cv.call(aten.amax.default if how == "max" else aten.amin.default, x, dims, keep)
     if how == "prod":
         for d in sorted(dims, reverse=True):
-            x = cv.call(aten.prod.dim_int, x, d, keep)
+            x = cv.call(aten.prod.dim_int, x, d, keep, dtype=dt if integer else None)
         return x
     if how == "logsumexp":
         return cv.call(aten.logsumexp.default, x, dims, keep)
@@ -312,8 +327,7 @@ def _reduce(cv: Converter, x: Value, axes, keep: bool, how: str) -> Value:
 def reduce(cv: Converter, n: OnnxNode):
     """ONNX Reduce* ops (Sum, Mean, Max, Min, Prod, L1, L2, SumSquare, LogSum, LogSumExp) over
     ``axes`` (attribute or input; ``keepdims`` default 1) → ATen reductions; no axes reduce all
-    dims, or copy the input with ``noop_with_empty_axes``. Raises NotConverted for boolean
-    Max/Min. Returns the node's outputs (a list of Values)."""
+    dims, or copy the input with ``noop_with_empty_axes``; boolean Max/Min are any/all. Returns the node's outputs (a list of Values)."""
     x = n.x(0)
     axes = _axes(cv, n, x.desc.rank)
     keep = bool(n.attr("keepdims", 1))
@@ -321,7 +335,9 @@ def reduce(cv: Converter, n: OnnxNode):
         return [cv.call(aten.clone.default, x)]
     op = n.op_type
     if op in ("ReduceMax", "ReduceMin") and x.desc.dtype.torch == torch.bool:
-        raise NotConverted("boolean max/min")
+        # max of booleans is any (False over an empty set), min is all (True)
+        fn = aten.any.dims if op == "ReduceMax" else aten.all.dims
+        return [cv.call(fn, x, list(range(x.desc.rank)) if axes is None else axes, keep)]
     how = {"ReduceSum": "sum", "ReduceMean": "mean", "ReduceMax": "max", "ReduceMin": "min",
            "ReduceProd": "prod", "ReduceLogSumExp": "logsumexp"}.get(op)
     if how is not None:
@@ -574,15 +590,15 @@ def _to_2d(cv: Converter, x: Value):
 
 @converts("MaxPool", "AveragePool")
 def pool(cv: Converter, n: OnnxNode):
-    """ONNX MaxPool and AveragePool, 1-D (run as 2-D) or 2-D, with strides, dilations, pads or
+    """ONNX MaxPool and AveragePool, 1-D (run as 2-D), 2-D or 3-D, with strides, dilations, pads or
     ``auto_pad``, ``ceil_mode`` and ``count_include_pad`` →
-    ``aten.max_pool2d_with_indices``/``avg_pool2d``; MaxPool keeps NaN. Raises NotConverted for
+    ``aten.max_pool{2,3}d_with_indices``/``avg_pool{2,3}d``; MaxPool keeps NaN. Raises NotConverted for
     other ranks, the Indices output, integer MaxPool, and pads ATen cannot express. Returns the
     node's outputs (a list of Values)."""
     x = n.x(0)
     sp = shape(x)[2:]
     r = len(sp)
-    if r not in (1, 2):
+    if r not in (1, 2, 3):
         raise NotConverted(f"{r}-D pooling")
     if n.op_type == "MaxPool" and (len(n.outputs) > 1 and n.outputs[1]):
         raise NotConverted("MaxPool Indices output")
@@ -608,6 +624,12 @@ def pool(cv: Converter, n: OnnxNode):
             x, padding = _pad_input(cv, x, pads)
         else:
             padding = pads[:r]
+    if r == 3:
+        if n.op_type == "MaxPool":
+            return [cv.call(aten.max_pool3d_with_indices.default, x, k, strides, padding, dil,
+                            ceil)[0]]
+        return [cv.call(aten.avg_pool3d.default, x, k, strides, padding, ceil,
+                        bool(n.attr("count_include_pad", 0)))]
     x, undo = _to_2d(cv, x)
     if r == 1:
         k, strides, dil, padding = [1] + k, [1] + strides, [1] + dil, [0] + list(padding)
@@ -628,58 +650,3 @@ def global_pool(cv: Converter, n: OnnxNode):
     if n.op_type == "GlobalAveragePool":
         return [cv.call(aten.mean.dim, x, dims, True)]
     return [cv.call(aten.amax.default, x, dims, True)]
-
-
-# -- resize -----------------------------------------------------------------------------
-
-@converts("Resize")
-def resize(cv: Converter, n: OnnxNode):
-    """ONNX Resize of a 4-D tensor over H and W (constant ``scales`` or ``sizes``): nearest with
-    asymmetric/floor → ``aten.upsample_nearest2d``; linear with align_corners or
-    (pytorch_)half_pixel → ``aten.upsample_bilinear2d``. Raises NotConverted for other modes and
-    coordinate transformations, antialias, ``axes``, keep-aspect-ratio policies, run-time
-    scales, or resizing batch or channels. Returns the node's outputs (a list of Values)."""
-    x = n.x(0)
-    s = shape(x)
-    if len(s) != 4:
-        raise NotConverted("Resize of a non-4-D tensor")
-    mode = n.attr("mode", "nearest")
-    ctm = n.attr("coordinate_transformation_mode", "half_pixel")
-    if n.attr("antialias", 0) or n.attr("axes") is not None or \
-            n.attr("keep_aspect_ratio_policy", "stretch") != "stretch":
-        raise NotConverted("antialias, axes or keep_aspect_ratio_policy")
-    if n.has(1) and ctm == "tf_crop_and_resize":
-        raise NotConverted("tf_crop_and_resize")
-    scales = n.c(2) if n.has(2) else None
-    sizes = n.ints(3) if n.has(3) else None
-    if scales is not None and scales.numel() == 0:
-        scales = None
-    if scales is None and sizes is None:
-        raise NotConverted("run-time scales")
-    if scales is not None:
-        sc = [float(v) for v in scales.tolist()]
-        if sc[:2] != [1.0, 1.0]:
-            raise NotConverted("Resize over batch or channels")
-        out = [int(math.floor(d * f)) for d, f in zip(s, sc)]
-        factors = sc[2:]
-    else:
-        if sizes[:2] != s[:2]:
-            raise NotConverted("Resize over batch or channels")
-        out, factors = list(sizes), None
-    if mode == "nearest":
-        nm = n.attr("nearest_mode", "round_prefer_floor")
-        if ctm == "asymmetric" and nm == "floor":
-            return [cv.call(aten.upsample_nearest2d.vec, x, None if factors else out[2:], factors)]
-        raise NotConverted(f"nearest Resize with {ctm}/{nm}")
-    if mode == "linear":
-        if ctm == "align_corners":
-            if factors and any(d * f != o for d, f, o in zip(s[2:], factors, out[2:])):
-                # ONNX divides by the fractional resized length (in·scale - 1)
-                raise NotConverted("align_corners Resize with a fractional output length")
-            ac = True
-        elif ctm in ("half_pixel", "pytorch_half_pixel") and all(o > 1 for o in out[2:]):
-            ac = False
-        else:
-            raise NotConverted(f"linear Resize with {ctm}")
-        return [cv.call(aten.upsample_bilinear2d.vec, x, None if factors else out[2:], ac, factors)]
-    raise NotConverted(f"{mode} Resize")

@@ -266,7 +266,7 @@ def slice_op(cv: Converter, n: OnnxNode):
         d = s[ax]
         if sp == 0:
             raise NotConverted("zero step")
-        # clamp as the ONNX spec: [0, d] for positive steps, [-1, d-1] for negative
+        # clamp as the ONNX spec: [0, d] for positive steps
         st = st + d if st < 0 else st
         en = en + d if en < 0 else en
         if sp > 0:
@@ -274,8 +274,8 @@ def slice_op(cv: Converter, n: OnnxNode):
             if st == 0 and en == d and sp == 1:
                 continue
             x = cv.call(aten.slice.Tensor, x, ax, st, max(en, st), sp)
-        else:
-            st, en = min(max(st, -1), d - 1), min(max(en, -1), d - 1)
+        else:   # the spec: starts into [0, d-1], ends into [-1, d-1] for negative steps
+            st, en = min(max(st, 0), d - 1), min(max(en, -1), d - 1)
             idx = list(range(st, en, sp))
             x = cv.call(aten.index_select.default, x, ax, cv.const(torch.tensor(idx, dtype=torch.int64)))
         s = shape(x)
@@ -336,17 +336,54 @@ def tile(cv: Converter, n: OnnxNode):
     return [cv.call(aten.repeat.default, n.x(0), n.ints(1))]
 
 
+def _pad_by_index(cv: Converter, x: Value, axis: int, before: int, after: int, mode: str) -> Value:
+    """``x`` padded (negative: cropped) along ``axis`` in ``mode`` reflect (mirror without
+    the edge), edge (repeat the edge) or wrap (periodic), as one ``index_select`` of a
+    constant index list (ONNX Pad, onnx/docs/Operators.md; the same indices as numpy.pad's
+    reflect / edge / wrap modes). Raises NotConverted for an empty axis and a reflect pad
+    longer than the axis minus one (ONNX Runtime refuses it)."""
+    if before < 0 or after < 0:      # crop first; the padding then refers to what is left
+        d = shape(x)[axis]
+        x = cv.call(aten.slice.Tensor, x, axis, max(-before, 0), max(d - max(-after, 0),
+                                                                     max(-before, 0)), 1)
+        before, after = max(before, 0), max(after, 0)
+    d = shape(x)[axis]
+    if before == 0 and after == 0:
+        return x
+    if d == 0:
+        raise NotConverted(f"{mode} Pad of an empty axis")
+    if mode == "reflect" and max(before, after) > d - 1:
+        raise NotConverted("reflect Pad longer than the axis minus one")
+    idx = []
+    for i in range(-before, d + after):
+        if mode == "edge":
+            j = min(max(i, 0), d - 1)
+        elif mode == "wrap":
+            j = i % d
+        else:
+            j = -i if i < 0 else (2 * (d - 1) - i if i >= d else i)
+        idx.append(j)
+    return cv.call(aten.index_select.default, x, axis, cv.const(torch.tensor(idx, dtype=torch.int64)))
+
+
 @converts("Pad")
 def pad(cv: Converter, n: OnnxNode):
-    """ONNX Pad, constant mode, with constant pads (and ``axes``) and pad value →
-    ``aten.constant_pad_nd``; the input itself when all pads are 0. Raises NotConverted for
-    other modes or a run-time value. Returns the node's outputs (a list of Values)."""
+    """ONNX Pad with constant pads (and ``axes``): constant mode (constant pad value) →
+    ``aten.constant_pad_nd``; reflect, edge and wrap → one ``index_select`` per padded axis
+    (`_pad_by_index`); the input itself when all pads are 0. Raises NotConverted for a
+    run-time pad value. Returns the node's outputs (a list of Values)."""
     x = n.x(0)
     r = x.desc.rank
     mode = n.attr("mode", "constant")
-    if mode != "constant":
+    if mode not in ("constant", "reflect", "edge", "wrap"):
         raise NotConverted(f"Pad mode {mode}")
     pads = n.ints(1)
+    if mode != "constant":
+        axes = [norm_axis(a, r) for a in n.ints(3, list(range(r)))]
+        k = len(axes)
+        for i, a in enumerate(axes):
+            x = _pad_by_index(cv, x, a, pads[i], pads[k + i], mode)
+        return [x]
     value = 0.0
     if n.has(2):
         c = n.c(2)

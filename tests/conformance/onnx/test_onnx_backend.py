@@ -41,6 +41,9 @@ EXCLUDED = {
     r"^test_attention_4d_causal_fp16_expanded_cpu$":
         "fp16 chain: one fp16 ULP (4.9e-4) from the numpy reference at rtol 1e-3 (torch's "
         "fp16 softmax accumulates in fp32, numpy in fp16)",
+    r"^test_training_dropout.*_cpu$":
+        "training-mode Dropout draws a random mask: the host fallback runs ONNX Runtime, whose "
+        "generator is not the numpy one that made the expected outputs",
     r"^test_PReLU_\dd_multiparam_cpu$":
         "onnx.version_converter keeps the opset-6 per-channel slope shape [C], which opset 13 "
         "PRelu cannot broadcast against (N, C, ...); the converted model is invalid",
