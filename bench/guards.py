@@ -2,15 +2,15 @@
 the whole call, against eager, on a two-conv CNN (1x3x32x32) and BERT-base (zoo
 ``bert-base``).
 
-    PYTHONPATH=. .venv/bin/python bench/guards.py [--seq 128] [--reps 2000] [--rounds 7]
+    PYTHONPATH=. .venv/bin/python bench/guards.py [--seq 128] [--reps 20] [--rounds 300]
                                                    [--threads 1] [--skip-bert]
 
 Per model: µs per call of each guard the model holds (``check`` on a prepared call;
 the argument binding too), then the call time compiled and eager in the same process
 and their ratio, and the compiled call's overhead (the call minus the executor's run
 on the same inputs). Times are the minimum over ``--rounds`` rounds of the mean of
-``--reps`` calls (variants interleaved per round): the least disturbed estimate on a
-shared machine. Figures are noisy on a loaded machine: compare ratios, not µs.
+``--reps`` calls (variants interleaved per round; guards 10x the calls per round):
+many short rounds give the least disturbed estimate on a shared machine. Figures are noisy on a loaded machine: compare ratios, not µs.
 """
 from __future__ import annotations
 
@@ -47,6 +47,7 @@ def timed(fns: Dict[str, Callable[[], object]], reps: int, rounds: int) -> Dict[
             fn()
     for _ in range(rounds):
         for k, fn in fns.items():
+            fn()   # untimed: the previous variant left other data in the caches
             t0 = time.perf_counter()
             for _ in range(reps):
                 fn()
@@ -62,10 +63,9 @@ def report(name: str, model: torch.nn.Module, args: tuple, reps: int, rounds: in
         inputs = cm._contiguous(list(tensors))
         fns = {f"guard {g.name}": (lambda g=g: g.check(call)) for g in cm.guards}
         fns["binding"] = lambda: cm._bind(args, {})
-        per = timed(fns, reps, rounds)
+        per = timed(fns, reps * 10, max(1, rounds // 10))
         calls = timed({"eager": lambda: model(*args), "compiled": lambda: cm(*args),
-                       "executor run": lambda: cm.shapes.run(inputs)},
-                      max(1, reps // 4), rounds)
+                       "executor run": lambda: cm.shapes.run(inputs)}, reps, rounds)
     print(f"{name}: {len(cm.guards)} guards")
     for k, us in per.items():
         print(f"  {k:28s} {us:8.2f} µs/call")
@@ -78,8 +78,8 @@ def report(name: str, model: torch.nn.Module, args: tuple, reps: int, rounds: in
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seq", type=int, default=128, help="BERT-base sequence length")
-    ap.add_argument("--reps", type=int, default=2000, help="calls per round (guards)")
-    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--reps", type=int, default=20, help="calls per round")
+    ap.add_argument("--rounds", type=int, default=300)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--skip-bert", action="store_true")
     a = ap.parse_args(argv)
@@ -91,7 +91,7 @@ def main(argv=None) -> None:
         from opencann import zoo
         zm = zoo.get("bert-base", seq=a.seq)
         report(f"bert-base seq {a.seq}", zm.model, tuple(zm.example_inputs),
-               max(1, a.reps // 10), a.rounds)
+               max(1, a.reps // 10), max(3, a.rounds // 10))
 
 
 if __name__ == "__main__":

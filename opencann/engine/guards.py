@@ -124,9 +124,12 @@ class FrozenWeights(Guard):
     def check(self, call: Call) -> None:
         if not self.freed:
             ts = [r() for r in self.refs]
-            if (tuple(map(_VERSION, ts)) == self.versions
-                    and tuple(map(_PTR, ts)) == self.ptrs):
-                return
+            try:
+                if (tuple(map(_VERSION, ts)) == self.versions
+                        and tuple(map(_PTR, ts)) == self.ptrs):
+                    return
+            except (AttributeError, TypeError):   # freed meanwhile (another thread)
+                pass
         for name, ref, version, ptr in zip(self.names, self.refs, self.versions, self.ptrs):
             t = ref()
             if t is not None and (t._version != version or t.data_ptr() != ptr):
