@@ -62,7 +62,8 @@ class Guard:
     name = "guard"
 
     def check(self, call: Call) -> None:
-        raise NotImplementedError
+        """None when ``call`` holds; else ValueError (one line, the problem and the fix)."""
+        raise NotImplementedError(f"{type(self).__name__} defines no check")
 
     def __repr__(self) -> str:
         return f"<guard {self.name}>"
@@ -79,6 +80,7 @@ class BakedValues(Guard):
         self.baked, self.label = dict(baked), label
 
     def check(self, call: Call) -> None:
+        """ValueError naming the first non-tensor argument whose value differs."""
         flat = call.flat
         for i, want in self.baked.items():
             got = flat[i]
@@ -122,6 +124,7 @@ class FrozenWeights(Guard):
                 and tuple(map(_PTR, tensors)) == self.ptrs)
 
     def check(self, call: Call) -> None:
+        """ValueError naming the first weight modified in place or given new storage."""
         if not self.freed:
             ts = [r() for r in self.refs]
             try:
@@ -166,6 +169,7 @@ class AutocastState(Guard):
         self.recorded = recorded
 
     def check(self, call: Call) -> None:
+        """ValueError naming both autocast states when the host's differs."""
         if self.recorded is None and not torch.is_autocast_enabled(autocast_state.HOST):
             return
         autocast_state.check(self.recorded)
@@ -188,6 +192,7 @@ class UnrecordedWrites(Guard):
         return self.watch.changed()
 
     def check(self, call: Call) -> None:
+        """ValueError naming the weight written without a version bump, and how."""
         watch = self.watch
         if not watch.changed():
             return
@@ -212,6 +217,7 @@ class ModuleAttributes(Guard):
         self.attributes = attributes
 
     def check(self, call: Call) -> None:
+        """ValueError naming the attribute, both values and the fix (`AttributeGuard.check`)."""
         self.attributes.check()
 
 
@@ -233,6 +239,8 @@ class InputTensors(Guard):
                       else None, tuple(v.desc.shape), v.desc.dtype.torch) for v in self.inputs]
 
     def check(self, call: Call) -> None:
+        """ValueError naming the input and what differs (count, type, layout, grad,
+        shape or dtype, device); a fast path first, the full check only when it fails."""
         ts = call.tensors
         if len(ts) == self.n:
             grad = torch.is_grad_enabled()
@@ -284,6 +292,7 @@ class InputOverlap(Guard):
         self.written, self.label = list(written), label
 
     def check(self, call: Call) -> None:
+        """ValueError naming the written input and the input sharing its memory."""
         check_written_inputs(call.tensors, self.written, self.label)
 
 
@@ -305,6 +314,7 @@ class InputLayout(Guard):
         self.offsets = list(offsets)
 
     def check(self, call: Call) -> None:
+        """ValueError naming the input, its strides or offset, and the example's."""
         tensors = call.tensors
         for i in self.read:
             t = tensors[i]
