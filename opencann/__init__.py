@@ -39,7 +39,8 @@ def compile(model, example_inputs=None, device: str = "cpu", options: Optional[D
     (``{"input_ids": {0: "batch", 1: "seq"}}``, ranges in ``dim_ranges``:
     ``{"seq": (16, 512)}``). The model is captured and optimised once; each new shape
     gets its own memory plan on its first call (cached, option ``plan_cache_size``,
-    default 8). Returns a `DynamicCompiledModel` (see ``docs/guide/dynamic_shapes.md``).
+    default 8). The `CompiledModel` returned holds the `DynamicShapes` policy (see
+    ``docs/guide/dynamic_shapes.md``).
     ATC-style gears: ``options={"dynamic_batch_size": [1, 2, 4, 8]}`` (or
     ``dynamic_image_size``, ``dynamic_dims``) plan each gear at compile time and serve a
     call with the smallest gear that holds it, padding the call where no op can let a
@@ -107,21 +108,11 @@ def load(path: str):
     op) and FileNotFoundError. A model compiled with dynamic dims or gears comes back as
     such: the same shapes, gears and padding, and the same errors for other shapes.
     Releases the calling thread's OpenMP pool on return, as `compile` does."""
-    from .engine import CompiledModel
+    from .engine.loading import model_from_parts
     from .runtime.model_file import read
     parts = read(path)
     parts.pop("metadata")
-    dynamic, gears = parts.pop("dynamic"), parts.pop("gears")
-    offsets, strides = parts.pop("storage_offsets") or [], parts.pop("strides") or []
-    if dynamic is None:
-        cm = CompiledModel.from_parts(**parts)
-    else:
-        from .engine.dynamic import DynamicCompiledModel
-        cm = DynamicCompiledModel.from_parts(**parts, dynamic=dynamic)
-    cm._offsets, cm._strides = list(offsets), [tuple(st) for st in strides]
-    if dynamic is not None and gears:
-        from .engine.gears import setup_gears
-        setup_gears(cm, gears["option"], gears["dims"], [tuple(g) for g in gears["values"]])
+    cm = model_from_parts(**parts)
     release_openmp_pool()
     return cm
 

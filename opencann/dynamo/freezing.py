@@ -45,20 +45,16 @@ from __future__ import annotations
 import operator
 import re
 import threading
-import weakref
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from ..log import logger
 from ..report import fmt_bytes
+from ..engine.guards import FrozenWeights, UnrecordedWrites
 from ..runtime.weight_watch import WeightWatch
 from .compile_fx import compile_fx
 from .recompiles import Compile, note_refreeze
-
-_VERSION = operator.attrgetter("_version")
-_PTR = torch.Tensor.data_ptr
-
 
 def module_name(source: Any) -> str:
     """A readable name for a dynamo source: ``L['self']._modules['c']._parameters['weight']``
@@ -115,30 +111,29 @@ def _plan(g: torch.fx.GraphModule, weights: Dict[int, str]) -> Tuple[Dict[int, i
 
 
 class _Frozen:
-    """One frozen compile: its runner and the guard on the tensors it froze (their ids,
-    versions and data pointers at freezing; ``stale`` once one of them is freed)."""
+    """One frozen compile: its runner and the guards on the tensors it froze
+    (`opencann.engine.guards`: `FrozenWeights`, their ids, versions and data pointers
+    at freezing, ``stale`` once one of them is freed; `UnrecordedWrites`, the writes
+    torch does not count in ``_version``)."""
 
     def __init__(self, tensors: List[torch.Tensor], run: Callable, names: List[str]):
-        self.run, self.report, self.stale = run, run.report, False
+        self.run, self.report = run, run.report
+        self.weights = FrozenWeights(list(zip(names, tensors)))
         # writes torch does not count in ``_version`` (fused optimizer steps, BatchNorm
         # statistics, ``.data``): an optimizer post-hook and per-call value probes
-        self.watch = WeightWatch(tensors, names)
+        self.writes = UnrecordedWrites(WeightWatch(tensors, names))
+        self.watch = self.writes.watch
+        self.ids = self.weights.ids
 
-        def died(_ref, self_ref=weakref.ref(self)):
-            me = self_ref()
-            if me is not None:
-                me.stale = True
-        self.refs = [weakref.ref(t, died) for t in tensors]
-        self.ids = tuple(map(id, tensors))
-        self.versions = tuple(map(_VERSION, tensors))
-        self.ptrs = tuple(map(_PTR, tensors))
+    @property
+    def stale(self) -> bool:
+        """Whether one of the frozen tensors was freed."""
+        return self.weights.freed
 
     def holds(self, ws: Tuple[torch.Tensor, ...]) -> bool:
         """Whether ``ws`` (the tensors passed at the frozen positions) are the frozen ones,
         unchanged: the per-call guard."""
-        return (not self.stale and tuple(map(id, ws)) == self.ids
-                and tuple(map(_VERSION, ws)) == self.versions and tuple(map(_PTR, ws)) == self.ptrs
-                and not self.watch.changed())
+        return self.weights.holds(ws) and not self.writes.changed()
 
 
 class FrozenGraph:
@@ -238,18 +233,13 @@ class FrozenGraph:
 
 def _changes(state: _Frozen, ws: Tuple[torch.Tensor, ...], positions: List[int]) -> Dict[int, str]:
     """AOT position -> how the tensor there differs from the one ``state`` froze."""
-    out = {}
     unseen = state.watch.changes() if not state.stale else {}
-    for k, (pos, t) in enumerate(zip(positions, ws)):
-        old = state.refs[k]()
-        if old is None or t is not old:
-            out[pos] = "was replaced by another tensor object"
-        elif t._version != state.versions[k]:
-            out[pos] = f"was modified in place (version {state.versions[k]} -> {t._version})"
-        elif t.data_ptr() != state.ptrs[k]:
-            out[pos] = "has new storage (p.data = ...)"
-        elif k in unseen:
-            out[pos] = unseen[k]
+    seen = state.weights.changes(ws)
+    out = {}
+    for k, pos in enumerate(positions[:len(ws)]):
+        why = seen.get(k) or unseen.get(k)
+        if why:
+            out[pos] = why
     return out
 
 

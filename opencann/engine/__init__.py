@@ -3,15 +3,20 @@ compiled model with its shape behaviour (static, dynamic dims, gears).
 
 Layer (DESIGN.md): above ``frontend | passes | runtime``, below the applications
 (``dynamo``, ``llm``) and ``tools | acl``. Modules: `pipeline` (run the passes),
-`binding` (the runtime stage), `compiled_model`, `entry` (``opencann.compile`` of a
-module or an ONNX model), `dynamic` (dynamic dims), `gears` (ATC-style gears),
-`options` (compile options).
+`binding` (the runtime stage), `compiled_model` (the one `CompiledModel`), `shapes`
+(its shape policy; `StaticShapes`), `guards` (its call-time checks), `entry`
+(``opencann.compile`` of a module or an ONNX model), `dynamic` (dynamic dims:
+`DynamicShapes`), `gears` (ATC-style gears: `Gears`), `loading` (a model from a model
+file's parts), `options` (compile options).
 """
 from .binding import BindKernels, measured_streams, snapshot_constants
 from .compiled_model import CompiledModel, OnnxCompiledModel
 from .entry import compile_module, compile_onnx, convert_exported
+from .guards import Guard
 from .pipeline import compile_graph, graph_cost, run_pipeline
+from .shapes import ShapePolicy, StaticShapes
 
-__all__ = ["BindKernels", "CompiledModel", "OnnxCompiledModel", "compile_graph",
-           "compile_module", "compile_onnx", "convert_exported", "graph_cost",
-           "measured_streams", "run_pipeline", "snapshot_constants"]
+__all__ = ["BindKernels", "CompiledModel", "Guard", "OnnxCompiledModel", "ShapePolicy",
+           "StaticShapes", "compile_graph", "compile_module", "compile_onnx",
+           "convert_exported", "graph_cost", "measured_streams", "run_pipeline",
+           "snapshot_constants"]

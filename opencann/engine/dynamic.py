@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any, Dict, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Tuple
 
 import torch
 import torch.utils._pytree as pytree
@@ -55,15 +55,16 @@ from ..runtime import DEFAULT_CONCURRENT_CALLS, Executor, ExecutorPool
 from ..runtime.call_binding import forward_arg_names
 from ..runtime.shape_cache import ShapePlanCache
 from .binding import BindKernels, snapshot_constants
-from .compiled_model import CompiledModel
+from .compiled_model import CompiledModel, example_convention
 from .entry import convert_exported
 from .options import check_options, complete, option
 from .pipeline import graph_cost, run_pipeline
+from .shapes import ShapePolicy
 
 
 class DeferredMemoryPlanning(Pass):
     """The memory stage of a graph with dynamic dims: nothing to plan until the dims
-    have values; `DynamicCompiledModel` plans each concrete shape on first use."""
+    have values; `DynamicShapes` plans each concrete shape on first use."""
 
     name, stage = "memory_plan", "memory"
     required, observed = True, False
@@ -319,65 +320,56 @@ class PlanBuilder:
             self.options, "plan_cache_size"), self.concurrent, on_evict=self.evicted)
 
 
-class DynamicCompiledModel(CompiledModel):
-    """A compiled model with dynamic dims: called like `CompiledModel` with any shape in
-    the declared ranges. ``graph`` is the optimised symbolic graph; each new concrete
-    shape is specialised, planned and bound on its first call and cached (at most
-    ``plan_cache_size`` shapes, least recently used dropped). ``plan``/``executor`` are
-    the example shape's. A shape outside a range raises ValueError naming the input,
-    the dim, its range and the fix. ``plans`` is the `ShapePlanCache` (its counters:
-    ``hits``, ``misses``, ``evictions``); ``report.dynamic`` lists the dims, their
-    ranges, the guards and each plan built. Thread-safe as `CompiledModel`. Saved by
-    `opencann.save` with its symbolic graph, dims, guards and gears (`calling_convention`);
-    `from_parts` rebuilds it (`opencann.load`)."""
+class DynamicShapes(ShapePolicy):
+    """The shape policy of a model with dynamic dims: called like any `CompiledModel`
+    with any shape in the declared ranges. ``graph`` is the optimised symbolic graph;
+    each new concrete shape is specialised, planned and bound on its first call and
+    cached (at most ``plan_cache_size`` shapes, least recently used dropped).
+    ``plan``/``executor`` are the example shape's (``example_inputs``, planned now). A
+    shape outside a range raises ValueError naming the input, the dim, its range and the
+    fix. ``plans`` (also ``pool``) is the `ShapePlanCache` (its counters: ``hits``,
+    ``misses``, ``evictions``); ``binder`` the `ShapeBinder`; ``report.dynamic`` lists
+    the dims, their ranges, the guards and each plan built. Thread-safe. Saved by
+    `opencann.save` with its symbolic graph, dims and guards (`saved`); `from_saved`
+    rebuilds it (`opencann.load`)."""
+
+    name = "dynamic"
 
     def __init__(self, graph: Graph, report: CompileReport, binder: ShapeBinder,
                  options: Dict[str, Any], example_inputs: Sequence[torch.Tensor],
-                 device: str = "cpu", **kw):
-        self.binder, self.device = binder, parse_device(device)
+                 device: str = "cpu"):
+        self.graph, self.binder, self.device = graph, binder, parse_device(device)
         build = PlanBuilder(graph, report, binder, options, device)
         key = binder.bind(example_inputs)
-        self._example_key = key
-        self._dyn_options = {k: options[k] for k in ("plan_cache_size", "check_aliasing")
-                             if options.get(k) is not None}
+        self.example_key = key
+        self.options = {k: options[k] for k in ("plan_cache_size", "check_aliasing")
+                        if options.get(k) is not None}
         pool = build(key)
         report.memory = pool.plan.summary()   # the example shape's plan
-        super().__init__(graph, pool.plan, report, concurrent_calls=build.concurrent,
-                         check_aliasing=option(options, "check_aliasing"), executor=pool.first, **kw)
+        self.plan, self.executor = pool.plan, pool.first
         self.plans = build.cache()
         self.plans.put(key, pool)
         self.pool = self.plans
-        #: set by `opencann.gears` when gear padding applies: ``padder(tensors) ->
-        #: (padded tensors, restore(outputs) -> outputs)``
+        #: gear padding (`opencann.engine.gears.Gears`): None here
         self.padder = None
-        #: the gear option, dim names and gears (`opencann.gears`), None without gears
+        #: the gear option, dim names and gears (`Gears`), None without gears
         self.gear_spec: Optional[Dict[str, Any]] = None
 
-    def __call__(self, *args, **kwargs):
-        if self.padder is None:
-            return super().__call__(*args, **kwargs)
-        user = self._user_tensors(args, kwargs)
-        with torch.no_grad():
-            ins, restore = self.padder(self._contiguous(user))
-            outs = restore(self.pool.run(ins))
-        return self._structure(outs, user)
-
-    def _literal(self, value, user):
+    def literal(self, value, user):
         """A non-tensor output depending on the dims (``x.shape[0]``, ``3*s0 + 1``)
         bound to this call's real sizes (before any gear padding)."""
         if user is None or not any(isinstance(v, SymExpr) for v in pytree.tree_leaves(value)):
             return value
         return bind_tree(value, self.binder.values(user))
 
-    def _shown(self, desc) -> str:
+    def shown(self, desc) -> str:
         """``desc`` with the user's dim names (``float32[batch,seq,16]``), not symbols."""
         dims = ",".join(self.binder.readable(d) if isinstance(d, str) else str(d)
                         for d in desc.shape)
         return f"{desc.dtype.value}[{dims}]"
 
-    def _input_views(self, user) -> Dict[int, list]:
+    def views(self, views, user) -> Dict[int, list]:
         """The views of mutated inputs the outputs are, bound to this call's shapes."""
-        views = self.graph.signature.input_views
         if not views:
             return views
         values = dict(zip(self.binder.order, self.binder.bind(user)))
@@ -387,26 +379,24 @@ class DynamicCompiledModel(CompiledModel):
                              else bind(x, values, memo) for x in v[1:]]
                 for j, v in views.items()}
 
-    def calling_convention(self) -> Dict[str, Any]:
-        """`CompiledModel.calling_convention` plus ``dynamic`` (the dims: symbol -> name,
-        range, sources; the model's shape conditions; the example's dim values, planned
-        first; options ``plan_cache_size``/``check_aliasing``) and ``gears`` (the gear
-        spec or None), all JSON-able (symbols and conditions as sympy strings)."""
-        return {**super().calling_convention(), "gears": self.gear_spec, "dynamic": {
+    def saved(self) -> Dict[str, Any]:
+        """``dynamic`` (the dims: symbol -> name, range, sources; the model's shape
+        conditions; the example's dim values, planned first; options
+        ``plan_cache_size``/``check_aliasing``; the device) and ``gears`` (the gear spec
+        or None), all JSON-able (symbols and conditions as sympy strings)."""
+        return {"gears": self.gear_spec, "dynamic": {
             "dims": self.binder.dims, "guards": list(self.binder.guards),
-            "example": dict(zip(self.binder.order, self._example_key)),
-            "options": dict(self._dyn_options), "device": str(self.device)}}
+            "example": dict(zip(self.binder.order, self.example_key)),
+            "options": dict(self.options), "device": str(self.device)}}
 
     @classmethod
-    def from_parts(cls, graph: Graph, plan: MemoryPlan, report: CompileReport, in_spec, out_spec,
-                   input_positions: Optional[Sequence[int]], baked: Dict[int, Any],
-                   contiguous: Sequence[bool], concurrent_calls: int = DEFAULT_CONCURRENT_CALLS,
-                   arg_names: Optional[Sequence[Optional[str]]] = None,
-                   dynamic: Optional[Dict[str, Any]] = None) -> "DynamicCompiledModel":
-        """A dynamic model from saved parts (`opencann.load`): `calling_convention`'s
-        fields plus the symbolic ``graph`` and ``report``; the example's shape is planned
-        again (``plan`` is the saved summary's source only), with the kernel choices the
-        graph's nodes carry. Raises ValueError for a malformed ``dynamic``."""
+    def saved_args(cls, graph: Graph, report: CompileReport, dynamic: Dict[str, Any],
+                   concurrent_calls: int = DEFAULT_CONCURRENT_CALLS) -> Dict[str, Any]:
+        """The constructor's arguments from a model file's ``dynamic`` field (`saved`) and
+        its symbolic ``graph`` and ``report`` (`opencann.load`): the example's shape is
+        planned again, with the kernel choices the graph's nodes carry. Resets the
+        report's per-process plan records. Raises KeyError/TypeError for a malformed
+        ``dynamic``."""
         binder = ShapeBinder(graph, dynamic["dims"], dynamic["guards"],
                              [v.name for v in graph.inputs])
         example = dynamic["example"]
@@ -415,11 +405,8 @@ class DynamicCompiledModel(CompiledModel):
         options = {**dynamic.get("options", {}), "concurrent_calls": concurrent_calls}
         report.dynamic["plans"] = []   # the plans built in this process
         report.dynamic.pop("plan_counts", None)
-        cm = cls(graph, report, binder, options, tensors, device=dynamic.get("device", "cpu"),
-                 in_spec=in_spec, out_spec=out_spec, input_positions=input_positions,
-                 arg_names=arg_names)
-        cm._baked, cm._contig = dict(baked), list(contiguous)
-        return cm
+        return dict(graph=graph, report=report, binder=binder, options=options,
+                    example_inputs=tensors, device=dynamic.get("device", "cpu"))
 
 
 def _report_dims(report: CompileReport, binder: ShapeBinder, capacity: int) -> None:
@@ -457,11 +444,13 @@ def _capture(model, args, kwargs, dynamic_shapes, dim_ranges):
 def compile_dynamic(model: torch.nn.Module, example_inputs, dynamic_shapes: Any,
                     device: str = "cpu", options: Optional[Dict[str, Any]] = None,
                     example_kwargs: Optional[Dict[str, Any]] = None,
-                    dim_ranges: Optional[Mapping[str, Tuple[int, int]]] = None
-                    ) -> DynamicCompiledModel:
+                    dim_ranges: Optional[Mapping[str, Tuple[int, int]]] = None,
+                    policy: Callable[..., DynamicShapes] = DynamicShapes) -> CompiledModel:
     """Capture ``model`` once with dynamic dims (``dynamic_shapes``, see
     `opencann.frontend.torch.dynamic`), optimise the symbolic graph once, plan the
-    example's shape; returns a `DynamicCompiledModel`. On a device other than cpu (the
+    example's shape; returns a `CompiledModel` whose shape policy is ``policy(graph,
+    report, binder, options, example_inputs, device)`` (`DynamicShapes`; `opencann.gears`
+    passes its `Gears`). On a device other than cpu (the
     vnpu, whose layout stage needs static storage shapes) the graph is captured once and
     each concrete shape is compiled whole on its first use (`compile_shape`, cached the
     same way), its report and vnpu costs per shape. Raises CaptureError (the model
@@ -497,11 +486,10 @@ def compile_dynamic(model: torch.nn.Module, example_inputs, dynamic_shapes: Any,
     if narrowed:
         report.notes.append(f"dims given no range narrowed to what the model accepts "
                             f"(torch.export's guards): {narrowed}")
-    return DynamicCompiledModel(graph, report, binder, options, tensors, device=device,
-                                in_spec=in_spec,
-                                out_spec=ep.call_spec.out_spec, input_positions=positions,
-                                example_flat=flat, frozen=frozen, module=model,
-                                arg_names=forward_arg_names(model))
+    shapes = policy(graph, report, binder, options, tensors, device)
+    return CompiledModel(graph, report, shapes, in_spec=in_spec, out_spec=ep.call_spec.out_spec,
+                         input_positions=positions, frozen=frozen, module=model,
+                         arg_names=forward_arg_names(model), **example_convention(flat))
 
 
 def compile_symbolic_fx(graph: Graph, placeholders: Sequence[Any], options: Dict[str, Any],

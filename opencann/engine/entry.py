@@ -14,9 +14,10 @@ from ..ir import Graph
 from ..report import CompileReport, PassRecord
 from ..runtime import autocast_state
 from ..runtime.call_binding import forward_arg_names
-from .compiled_model import CompiledModel, OnnxCompiledModel
+from .compiled_model import CompiledModel, OnnxCompiledModel, example_convention
 from .options import check_options, option
 from .pipeline import _bind_pipeline, _check_device, run_pipeline
+from .shapes import StaticShapes
 
 # opencann.compile runs one at a time: torch.export is not thread-safe (concurrent exports
 # corrupt its mode stack and leave builtins patched), and compiling is CPU-bound anyway
@@ -76,12 +77,12 @@ def _compile_module(model, example_inputs, device, options, example_kwargs) -> C
     from torch.export.graph_signature import InputKind
     user = [s for s in ep.graph_signature.input_specs if s.kind == InputKind.USER_INPUT]
     positions = [i for i, s in enumerate(user) if isinstance(flat[i], torch.Tensor)]
-    return CompiledModel(graph, ctx.artifacts["memory_plan"], report, in_spec=in_spec,
-                         out_spec=ep.call_spec.out_spec, input_positions=positions,
-                         example_flat=flat, frozen=frozen, module=model,
-                         concurrent_calls=option(options, "concurrent_calls"),
-                         check_aliasing=option(options, "check_aliasing"), arg_names=arg_names,
-                         executor=ctx.artifacts["executor"])
+    shapes = StaticShapes(graph, ctx.artifacts["memory_plan"], report,
+                          option(options, "concurrent_calls"),
+                          option(options, "check_aliasing"), executor=ctx.artifacts["executor"])
+    return CompiledModel(graph, report, shapes, in_spec=in_spec, out_spec=ep.call_spec.out_spec,
+                         input_positions=positions, frozen=frozen, module=model,
+                         arg_names=arg_names, **example_convention(flat))
 
 
 
@@ -101,9 +102,7 @@ def compile_onnx(model, device: str = "cpu", options: Optional[Dict[str, Any]] =
                                     time.perf_counter() - t0, len(graph.nodes),
                                     note="ONNX → IR, shapes checked against onnx.shape_inference"))
     ctx = run_pipeline(graph, device, options, report, _bind_pipeline())
-    n = len(graph.outputs)
-    return OnnxCompiledModel(graph, ctx.artifacts["memory_plan"], report,
-                             out_spec=pytree.tree_flatten(tuple(range(n)))[1],
-                             example_flat=[torch.empty(0) for _ in graph.inputs],
-                             check_aliasing=option(options, "check_aliasing"),
-                             executor=ctx.artifacts["executor"])
+    shapes = StaticShapes(graph, ctx.artifacts["memory_plan"], report,
+                          check_aliasing=option(options, "check_aliasing"),
+                          executor=ctx.artifacts["executor"])
+    return OnnxCompiledModel(graph, report, shapes)

@@ -25,17 +25,22 @@ naming the gears. Source: CANN ATC documentation, "--dynamic_batch_size",
 """
 from __future__ import annotations
 
+import functools
 import inspect
 import math
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from ..ir import Graph
 from ..ir.symbolic import bind
 from ..log import logger
 from ..passes.gear_padding import PaddingCheck, follow_padded_dim, padding_summary
 from ..frontend.torch import CaptureError
-from .dynamic import DynamicCompiledModel, compile_dynamic
+from ..report import CompileReport
+from ..runtime import DEFAULT_CONCURRENT_CALLS
+from .compiled_model import CompiledModel
+from .dynamic import DynamicShapes, ShapeBinder, compile_dynamic
 from .options import GEAR_OPTIONS
 
 MAX_GEARS = 100
@@ -140,14 +145,15 @@ def _example_values(spec: Any, tensors: List[Tuple[str, torch.Tensor]]) -> Dict[
 class GearPadder:
     """Serves a call with the smallest gear that holds it: pads the inputs' padded dims
     by replicating their last real index, and slices the outputs back
-    (``DynamicCompiledModel.padder``). ``checks``: symbol -> `PaddingCheck` of every
-    gear dim; a dim not ``safe`` must match a gear exactly."""
+    (``Gears.padder``) for the symbolic ``graph`` and its ``binder``. ``checks``:
+    symbol -> `PaddingCheck` of every gear dim; a dim not ``safe`` must match a gear
+    exactly."""
 
-    def __init__(self, cm: DynamicCompiledModel, names: Sequence[str],
+    def __init__(self, graph: Graph, binder: ShapeBinder, names: Sequence[str],
                  gears: Sequence[Tuple[int, ...]], checks: Dict[str, PaddingCheck]):
-        self.binder, self.checks = cm.binder, checks
-        self.graph = cm.graph
-        by_name = {d["name"]: s for s, d in cm.binder.dims.items()}
+        self.binder, self.checks = binder, checks
+        self.graph = graph
+        by_name = {d["name"]: s for s, d in binder.dims.items()}
         self.gears = [dict(zip((by_name[n] for n in names), g)) for g in gears]
         self.padded = [s for s, c in checks.items() if c.safe]
         self._memo: Dict[tuple, List[Tuple[int, int, int]]] = {}   # call shape -> cuts
@@ -209,44 +215,71 @@ class GearPadder:
         return ins, restore
 
 
-def setup_gears(cm: DynamicCompiledModel, opt: str, names: Sequence[str],
-                gears: Sequence[Tuple[int, ...]], plan: bool = True) -> None:
-    """Make ``cm`` serve the ``gears`` of option ``opt`` (values of the dims ``names``):
-    the binder refuses other shapes, every gear is planned now (``plan``), each dim is
-    checked for padding (`follow_padded_dim`) and a `GearPadder` serves the shapes
-    between gears where padding applies; the report and the log say which dims are
-    padded, and for the others which op prevents it. Raises ValueError for a gear dim
-    the captured model does not have dynamic."""
-    by_name = {d["name"]: s for s, d in cm.binder.dims.items()}
-    missing = [n for n in names if n not in by_name]
-    if missing:
-        raise ValueError(f"{opt}: dims {missing} are not dynamic in the captured model")
-    keys = []
-    for g in gears:
-        values = dict(zip((by_name[n] for n in names), g))
-        keys.append(tuple(values[s] for s in cm.binder.order))
-    checks = {by_name[n]: follow_padded_dim(cm.graph, by_name[n]) for n in names}
-    safe = [n for n in names if checks[by_name[n]].safe]
-    why = (f"padding applies to {', '.join(safe)} (a call is served by the smallest gear that "
-           "holds it), and no gear holds this shape" if safe else NO_PADDING)
-    cm.binder.gears = (opt, list(names), list(gears), set(keys), why)
-    if plan:
-        for k in keys:
-            cm.plans.pool_for_key(k)
-    cm.gear_spec = {"option": opt, "dims": list(names), "values": [list(g) for g in gears]}
-    cm.padder = GearPadder(cm, names, gears, checks) if safe else None
-    cm.report.dynamic.update({"gears": dict(cm.gear_spec), "padding": {
-        "applies": bool(safe), "fill": PAD_FILL if safe else None,
-        "dims": padding_summary(checks, {s: n for n, s in by_name.items()})}})
-    shown = [g[0] if len(g) == 1 else list(g) for g in gears]
-    for n in names:
-        c = checks[by_name[n]]
-        line = (f"{opt}={shown}: {n} padded to the smallest gear holding a call ({PAD_FILL})"
-                if c.safe else f"{opt}={shown}: padding not applied to {n}, exact gears only: "
-                f"{c.why()}")
-        if line not in cm.report.notes:   # a loaded model's report has it already
-            cm.report.notes.append(line)
-        logger.info("gears: %s", line)
+class Gears(DynamicShapes):
+    """The shape policy of a model compiled with gears: `DynamicShapes` serving the
+    ``gears`` of option ``option`` (values of the dims ``names``) only. The binder
+    refuses other shapes, every gear is planned now (``plan``), each dim is checked for
+    padding (`follow_padded_dim`) and a `GearPadder` (``padder``; None when no dim can
+    be padded) serves the shapes between gears where padding applies; the report and the
+    log say which dims are padded, and for the others which op prevents it.
+    ``gear_spec``: {"option", "dims", "values"} (saved in the model file). Raises
+    ValueError for a gear dim the captured model does not have dynamic."""
+
+    name = "gears"
+
+    def __init__(self, graph: Graph, report: CompileReport, binder: ShapeBinder,
+                 options: Dict[str, Any], example_inputs: Sequence[torch.Tensor],
+                 device: str = "cpu", *, option: str, names: Sequence[str],
+                 gears: Sequence[Tuple[int, ...]], plan: bool = True):
+        super().__init__(graph, report, binder, options, example_inputs, device)
+        opt = option
+        by_name = {d["name"]: s for s, d in binder.dims.items()}
+        missing = [n for n in names if n not in by_name]
+        if missing:
+            raise ValueError(f"{opt}: dims {missing} are not dynamic in the captured model")
+        keys = []
+        for g in gears:
+            values = dict(zip((by_name[n] for n in names), g))
+            keys.append(tuple(values[s] for s in binder.order))
+        checks = {by_name[n]: follow_padded_dim(graph, by_name[n]) for n in names}
+        safe = [n for n in names if checks[by_name[n]].safe]
+        why = (f"padding applies to {', '.join(safe)} (a call is served by the smallest gear "
+               "that holds it), and no gear holds this shape" if safe else NO_PADDING)
+        binder.gears = (opt, list(names), list(gears), set(keys), why)
+        if plan:
+            for k in keys:
+                self.plans.pool_for_key(k)
+        self.gear_spec = {"option": opt, "dims": list(names), "values": [list(g) for g in gears]}
+        self.padder = GearPadder(graph, binder, names, gears, checks) if safe else None
+        report.dynamic.update({"gears": dict(self.gear_spec), "padding": {
+            "applies": bool(safe), "fill": PAD_FILL if safe else None,
+            "dims": padding_summary(checks, {s: n for n, s in by_name.items()})}})
+        shown = [g[0] if len(g) == 1 else list(g) for g in gears]
+        for n in names:
+            c = checks[by_name[n]]
+            line = (f"{opt}={shown}: {n} padded to the smallest gear holding a call ({PAD_FILL})"
+                    if c.safe else f"{opt}={shown}: padding not applied to {n}, exact gears "
+                    f"only: {c.why()}")
+            if line not in report.notes:   # a loaded model's report has it already
+                report.notes.append(line)
+            logger.info("gears: %s", line)
+
+    def run(self, inputs: Sequence[torch.Tensor]) -> tuple:
+        """Flat outputs, the call padded to the smallest gear holding it (see `GearPadder`)."""
+        if self.padder is None:
+            return self.plans.run(inputs)
+        ins, restore = self.padder(inputs)
+        return restore(self.plans.run(ins))
+
+    @classmethod
+    def saved_args(cls, graph: Graph, report: CompileReport, dynamic: Dict[str, Any],
+                   concurrent_calls: int = DEFAULT_CONCURRENT_CALLS,
+                   gears: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+        """`DynamicShapes.saved_args` plus the model file's ``gears`` field
+        ({"option", "dims", "values"})."""
+        return {**super().saved_args(graph, report, dynamic, concurrent_calls),
+                "option": gears["option"], "names": gears["dims"],
+                "gears": [tuple(g) for g in gears["values"]]}
 
 
 def _name_the_input(model, args, kwargs, opt: str, spec: Dict[str, Dict[int, str]],
@@ -277,11 +310,11 @@ def _name_the_input(model, args, kwargs, opt: str, spec: Dict[str, Dict[int, str
 
 def compile_with_gears(model, example_inputs, options: Dict[str, Any], dynamic_shapes: Any = None,
                        device: str = "cpu", example_kwargs: Optional[Dict[str, Any]] = None
-                       ) -> DynamicCompiledModel:
+                       ) -> CompiledModel:
     """Compile with one gear option (see the module docstring): one capture, one
-    optimisation, a plan per gear built now. Returns a `DynamicCompiledModel` whose calls
-    are served by the smallest gear that holds them, padded where padding cannot change
-    the results (`setup_gears`; ValueError naming the gears when none holds a call);
+    optimisation, a plan per gear built now. Returns a `CompiledModel` with the `Gears`
+    policy: calls are served by the smallest gear that holds them, padded where padding
+    cannot change the results ( ValueError naming the gears when none holds a call);
     ``report.dynamic["gears"]`` lists them and ``["padding"]`` says, per dim, whether it
     is padded or which op prevents it."""
     args = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
@@ -296,11 +329,10 @@ def compile_with_gears(model, example_inputs, options: Dict[str, Any], dynamic_s
     # captured dynamic, over [v, v + 1] (torch.export needs min < max); only v is planned
     ranges = {n: (lo, hi if hi > lo else lo + 1) for n, (lo, hi) in ranges.items()}
     try:
-        cm = compile_dynamic(model, example_inputs, spec, device=device, options=rest,
-                             example_kwargs=example_kwargs, dim_ranges=ranges)
+        return compile_dynamic(model, example_inputs, spec, device=device, options=rest,
+                               example_kwargs=example_kwargs, dim_ranges=ranges,
+                               policy=functools.partial(Gears, option=opt, names=names, gears=gears))
     except CaptureError as e:
         if dynamic_shapes is None and "cannot be dynamic" in str(e):
             _name_the_input(model, args, example_kwargs, opt, spec, ranges, e)
         raise
-    setup_gears(cm, opt, names, gears)
-    return cm

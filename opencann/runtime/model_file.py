@@ -660,7 +660,7 @@ def _check_layout_kernels(graph, where: str) -> None:
 
 def read(path: str) -> Dict[str, Any]:
     """Parse the model file at ``path`` into the keyword arguments of
-    `CompiledModel.from_parts` (graph, plan, report, calling convention), plus
+    `opencann.engine.loading.model_from_parts` (graph, plan, report, calling convention), plus
     ``metadata``, ``dynamic`` and ``gears`` (None for a static model). Raises ModelFileError (one line, what is wrong) or FileNotFoundError."""
     where = os.path.basename(path)
     _, secs = read_sections(path)
