@@ -342,8 +342,10 @@ class DynamicShapes(ShapePolicy):
         build = PlanBuilder(graph, report, binder, options, device)
         key = binder.bind(example_inputs)
         self.example_key = key
-        self.options = {k: options[k] for k in ("plan_cache_size", "check_aliasing")
-                        if options.get(k) is not None}
+        # every option the model was compiled with (saved in model files: a loaded model
+        # plans and, on a vnpu, compiles each new shape with them), but the graph dump
+        self.options = {k: v for k, v in options.items()
+                        if v is not None and k not in ("dump_graph", "concurrent_calls")}
         pool = build(key)
         report.memory = pool.plan.summary()   # the example shape's plan
         self.plan, self.executor = pool.plan, pool.first
@@ -381,8 +383,8 @@ class DynamicShapes(ShapePolicy):
 
     def saved(self) -> Dict[str, Any]:
         """``dynamic`` (the dims: symbol -> name, range, sources; the model's shape
-        conditions; the example's dim values, planned first; options
-        ``plan_cache_size``/``check_aliasing``; the device) and ``gears`` (the gear spec
+        conditions; the example's dim values, planned first; the compile options but
+        ``dump_graph``; the device) and ``gears`` (the gear spec
         or None), all JSON-able (symbols and conditions as sympy strings)."""
         return {"gears": self.gear_spec, "dynamic": {
             "dims": self.binder.dims, "guards": list(self.binder.guards),

@@ -271,6 +271,14 @@ class Gears(DynamicShapes):
         ins, restore = self.padder(inputs)
         return restore(self.plans.run(ins))
 
+    def profile(self, inputs: Sequence[torch.Tensor], path: Optional[str] = None
+                ) -> List[Dict[str, Any]]:
+        """Run once recording per-op times on the gear that serves the call (padded as
+        `run` pads it), so a shape a call is served at can be profiled too."""
+        if self.padder is not None:
+            inputs, _ = self.padder(inputs)
+        return self.plans.profile(inputs, path)
+
     @classmethod
     def saved_args(cls, graph: Graph, report: CompileReport, dynamic: Dict[str, Any],
                    concurrent_calls: int = DEFAULT_CONCURRENT_CALLS,

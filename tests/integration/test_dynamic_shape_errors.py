@@ -149,3 +149,15 @@ def test_constraint_messages_drop_tautologies_and_find_the_range():
     assert line.endswith("fix: dim_ranges={'s': (4, None)}")
     parity = msg.replace("(L['x'].size()[1] // 2) != 1", "L['x'].size()[1] % 2 == 0")
     assert "no range of s satisfies it" in constraint_violation(parity, {"s": (1, None)})
+
+
+def test_profile_serves_what_a_call_serves():
+    """A batch between gears that a call serves through padding can be profiled too."""
+    m = Lin().eval()
+    cm = opencann.compile(m, (_x(2, 4),), options={"dynamic_batch_size": [2, 4]})
+    x = _x(3, 4, seed=9)
+    torch.testing.assert_close(cm(x), m(x), equal_nan=True, rtol=1e-6, atol=1e-6)
+    events = cm.profile(x)
+    assert events and all("name" in e for e in events)
+    with pytest.raises(ValueError, match="not one of the gears"):
+        cm.profile(_x(5, 4))
