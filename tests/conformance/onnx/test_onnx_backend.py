@@ -1,4 +1,4 @@
-"""The ONNX package's own backend tests, run on opencann (``tests/onnx_backend.py``).
+"""The ONNX package's own backend tests, run on opencann (``tests/conformance/onnx/onnx_backend.py``).
 
 Which cases: every ``node`` case shipped in the onnx wheel whose nodes are all ONNX ops
 opencann converts (``CONVERTERS``; the ``*_expanded`` function-body variants included),
