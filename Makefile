@@ -10,7 +10,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: demo test bench venv clean
+.PHONY: demo test test-fast test-all bench venv clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -23,8 +23,31 @@ venv: $(STAMP)
 demo: $(STAMP)
 	$(PY) -m opencann.cli demo
 
+# Tests live in tests/unit (IR, passes, ops, kernels), tests/integration (compile/run/
+# save/load, APIs, CLI, dynamo, ACL, tools), tests/models (zoo models end to end) and
+# tests/conformance/onnx (the onnx wheel's backend cases). Markers (pyproject.toml):
+# `serial` tests measure threads, OpenMP pools or processes and run alone after the
+# parallel pass; `onnx_full` marks the ONNX backend cases outside the fast subset (one
+# case per op set and element types); `heavy` compiles a zoo model.
+#   make test       what CI runs (.ci/run): everything but `onnx_full`, 2 processes (xdist)
+#   make test-fast  the edit loop: unit tests and the fast integration files, no heavy ones
+#   make test-all   everything, the full ONNX backend set included
+# One file or test: $(PY) -m pytest tests/unit/test_ops.py -k relu
+PYTEST := $(PY) -m pytest
+XDIST := -n 2 --dist loadgroup
+FAST_INTEGRATION := tests/integration/test_api_misuse.py tests/integration/test_cli_errors.py \
+	tests/integration/test_model_file.py tests/integration/test_acl.py
+
 test: $(STAMP)
-	$(PY) -m pytest tests
+	$(PYTEST) tests $(XDIST) -m "not serial and not onnx_full"
+	$(PYTEST) tests -m "serial and not onnx_full"
+
+test-fast: $(STAMP)
+	$(PYTEST) tests/unit $(FAST_INTEGRATION) $(XDIST) -m "not serial and not heavy"
+
+test-all: $(STAMP)
+	$(PYTEST) tests $(XDIST) -m "not serial"
+	$(PYTEST) tests -m serial
 
 bench: $(STAMP)
 	$(PY) bench/models.py

@@ -19,7 +19,7 @@ def main():
     if not torch.cuda.is_available():
         sys.exit("no CUDA GPU visible to torch: nothing to benchmark (the CPU benchmark is "
                  "bench/attention.py; the Triton kernels are tested on CPU by "
-                 "tests/test_flash_attention_triton.py under TRITON_INTERPRET=1)")
+                 "tests/unit/test_flash_attention_triton.py under TRITON_INTERPRET=1)")
     try:
         import triton  # noqa: F401
     except ImportError:

@@ -30,13 +30,58 @@ def run_compiled(fn, *inputs, options=None):
     return [lits[i] if i in lits else next(it) for i in range(n)], graph, plan, report
 
 
-def assert_close(a, b, rtol=1e-5, atol=1e-5, msg=""):
-    assert a.shape == b.shape, f"{msg}: shape {a.shape} vs {b.shape}"
-    assert a.dtype == b.dtype, f"{msg}: dtype {a.dtype} vs {b.dtype}"
-    if a.dtype.is_floating_point:
-        torch.testing.assert_close(a, b, rtol=rtol, atol=atol, msg=msg or None)
-    else:
-        assert torch.equal(a, b), msg
+def _leaves(o) -> list:
+    """The leaves of nested tuples / lists / dict values, in order."""
+    if isinstance(o, (tuple, list)):
+        return [t for x in o for t in _leaves(x)]
+    if isinstance(o, dict):
+        return [t for x in o.values() for t in _leaves(x)]
+    return [o]
+
+
+def assert_close(got, ref, rtol=1e-5, atol=1e-5, msg="", *, strides=False, signed_zeros=False):
+    """``got`` is eager's ``ref``: the same structure (tensors inside nested tuples, lists
+    and dict values; other leaves equal), and per tensor the same dtype and shape, values
+    within ``rtol``/``atol`` with NaN exactly where eager has NaN (integers and bools equal).
+    ``signed_zeros``: zeros carry eager's sign. ``strides``: eager's strides on every dim of
+    size > 1 (a size-1 dim's stride addresses nothing; equal strides there also mean
+    ``.view(-1)`` works exactly where eager's does). Raises AssertionError naming ``msg``."""
+    got, ref = _leaves(got), _leaves(ref)
+    assert len(got) == len(ref), f"{msg}: {len(got)} outputs, eager has {len(ref)}"
+    for i, (g, r) in enumerate(zip(got, ref)):
+        where = f"{msg} output {i}"
+        if not isinstance(r, torch.Tensor):
+            assert g == r and type(g) is type(r), f"{where}: {g!r}, eager {r!r}"
+            continue
+        assert g.shape == r.shape, f"{where}: shape {g.shape} vs eager {r.shape}"
+        assert g.dtype == r.dtype, f"{where}: dtype {g.dtype} vs eager {r.dtype}"
+        if strides:
+            layout = [(st, n) for st, n in zip(r.stride(), r.shape) if n != 1]
+            assert [(st, n) for st, n in zip(g.stride(), g.shape) if n != 1] == layout, \
+                f"{where}: strides {g.stride()} vs eager {r.stride()}"
+        if not r.dtype.is_floating_point and not r.dtype.is_complex:
+            assert torch.equal(g, r), where
+            continue
+        torch.testing.assert_close(g, r, rtol=rtol, atol=atol, equal_nan=True, msg=where or None)
+        if signed_zeros:
+            zero = r == 0
+            assert torch.equal(torch.signbit(g[zero]), torch.signbit(r[zero])), \
+                f"{where}: zeros of another sign than eager's"
+
+
+def assert_calls_like_eager(compiled, model, inputs_for, keys=(3, 5, 3), **kw):
+    """Calls ``compiled`` and the eager ``model`` on ``inputs_for(k)`` (a tuple of
+    arguments) for each ``k`` in ``keys`` (sizes, seeds), compares every result with
+    eager's (`assert_close`, keywords ``kw``), then compares every result again: later
+    calls left earlier outputs alone."""
+    kept = []
+    for k in keys:
+        args = inputs_for(k)
+        ref, got = model(*args), compiled(*args)
+        assert_close(got, ref, msg=f"call {k}", **kw)
+        kept.append((got, ref))
+    for k, (got, ref) in zip(keys, kept):
+        assert_close(got, ref, msg=f"call {k} after later calls", **kw)
 
 
 def run_op_direct(op_name, *args):

@@ -28,7 +28,7 @@ stream 0 ends, all through `opencann.runtime.thread_count.set_this_thread`, whic
 the calling thread's OpenMP and MKL counts only. Never ``torch.set_num_threads``: it also
 sets ATen's process default, which every thread copies on its first parallel region, so a
 caller thread that started during another call's stream 0 kept 1 intra-op thread for good
-(measured: tests/test_stream_threads.py). With no OpenMP runtime found
+(measured: tests/integration/test_stream_threads.py). With no OpenMP runtime found
 (`thread_count.available` False) the counts stay as they are.
 """
 from __future__ import annotations

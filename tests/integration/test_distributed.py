@@ -13,6 +13,7 @@ from opencann.tools.distributed import backend_for, init_process_group
 from helpers import REPO
 
 ROOT = str(REPO)
+pytestmark = pytest.mark.serial          # two torchrun processes: alone on the CPUs
 sys.path.insert(0, os.path.join(ROOT, "examples"))
 from ddp_train import STEPS, model_and_data  # noqa: E402
 

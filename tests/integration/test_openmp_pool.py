@@ -11,8 +11,9 @@ import torch
 import opencann
 from opencann.devices.cpu_threads import openmp_library
 
-pytestmark = pytest.mark.skipif(openmp_library() is None,
-                                reason="torch runs without GNU OpenMP (libgomp) here")
+pytestmark = [pytest.mark.serial,     # counts this process's threads
+              pytest.mark.skipif(openmp_library() is None,
+                                 reason="torch runs without GNU OpenMP (libgomp) here")]
 
 
 def _tasks() -> int:

@@ -14,8 +14,9 @@ from opencann.runtime import thread_count
 from opencann.runtime.streams import StreamRunner
 from helpers import count_in_new_thread
 
-pytestmark = pytest.mark.skipif(not thread_count.available,
-                                reason="no per-thread OpenMP count in this torch build")
+pytestmark = [pytest.mark.serial,     # intra-op thread counts of this process
+              pytest.mark.skipif(not thread_count.available,
+                                 reason="no per-thread OpenMP count in this torch build")]
 
 
 def _fresh_count_or_skip():

@@ -32,7 +32,7 @@ def test_zoo_gradients_match_eager(name, kw, budget):
     # rounds differently (<= 2.4e-7 absolute); in eager alone that swap moves GPT-2's
     # gradients by 2.9e-4 of their max (h.0.mlp.c_fc.weight), so this exactness check of
     # the training machinery keeps eager's formula (the fusion is tested against eager in
-    # tests/test_pattern_fusions.py)
+    # tests/unit/test_pattern_fusions.py)
     opts = {"disable": ["fuse_gelu_tanh"]} if name == "gpt2" else {}
     compiled = torch.compile(model, backend=make_training_backend(memory_budget=budget, **opts),
                              dynamic=False)

@@ -9,7 +9,8 @@ import torch
 import opencann
 from opencann.devices.cpu import mkldnn_available
 
-pytestmark = pytest.mark.skipif(not mkldnn_available(), reason="no oneDNN convolutions")
+pytestmark = [pytest.mark.serial,     # sets this process's intra-op thread count
+              pytest.mark.skipif(not mkldnn_available(), reason="no oneDNN convolutions")]
 
 
 class Bottleneck(torch.nn.Module):

@@ -7,7 +7,7 @@ for contiguous fp32 tensors, returns NaN for +inf (pytorch/pytorch#185770), so t
 ``0.5·x·(1 + erf(x/√2))`` gave NaN where eager gave +inf. An AVX2 machine does not show
 it, so a simulated kernel with that fault stands in for it here (`_with_kernel`); the
 end-to-end tests at the bottom run on whatever CPU runs them and compare with eager.
-The norm formulas (RMSNorm, LayerNorm) are in tests/test_norm_special_values.py."""
+The norm formulas (RMSNorm, LayerNorm) are in tests/unit/test_norm_special_values.py."""
 import math
 
 import pytest

@@ -22,7 +22,7 @@ G = torch.Generator().manual_seed(0)
 @pytest.fixture(autouse=True)
 def _kernels_keep_special_values(monkeypatch):
     """Golden texts pin what the matchers rewrite, on any CPU: the probe of this CPU's
-    activation kernels (NaN/±inf as the formula, tests/test_cpu_special_values.py) is
+    activation kernels (NaN/±inf as the formula, tests/unit/test_cpu_special_values.py) is
     taken as passing here."""
     from opencann.passes.fusion import match
     monkeypatch.setattr(match, "_differ", lambda act, dtype: None)

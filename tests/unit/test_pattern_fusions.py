@@ -15,7 +15,7 @@ from opencann.ops.parity import special_values_differ
 G = torch.Generator().manual_seed(0)
 # the formula each fusion rewrites to a kernel: skipped (with the probe's reason) on a CPU
 # whose kernels of it put NaN/±inf elsewhere than the formula (oneDNN's AVX-512 GELU), or
-# overflow elsewhere (a norm; tests/test_norm_special_values.py)
+# overflow elsewhere (a norm; tests/unit/test_norm_special_values.py)
 ACT_OF = {"fuse_silu": "silu", "fuse_gelu_tanh": "gelu_tanh", "fuse_gelu_erf": "gelu",
           "fuse_rms_norm": "rms_norm", "fuse_layer_norm": "layer_norm"}
 

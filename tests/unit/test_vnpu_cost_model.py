@@ -4,7 +4,7 @@ FlashAttention (issue 17): the model is the hand-written 910B kernel's Cube/Vect
 every hand-off through GM at the per-core L2 rates, slowed by L2 contention between the busy cores
 (FA_L2_CONTENTION, fitted to the all-core S=8K anchor).  It is within +-25% of torch_npu at every S
 and of the hand-written kernel on all cores and on one core, and never faster than the best
-published hand-written kernel (tests/test_vnpu_calibration.py pins the all-core side).
+published hand-written kernel (tests/integration/test_vnpu_calibration.py pins the all-core side).
 """
 
 import pytest

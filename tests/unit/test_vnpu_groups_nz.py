@@ -10,7 +10,7 @@ from opencann.devices.vnpu.formats import from_nc1hwc0
 from opencann.ir import Format
 from opencann.tools.estimate import estimate
 
-# the vnpu's tolerances (tests/test_vnpu_kernels.py TOL): fp32 1e-5, fp16 2e-2 of max|ref|
+# the vnpu's tolerances (tests/unit/test_vnpu_kernels.py TOL): fp32 1e-5, fp16 2e-2 of max|ref|
 TOL = {torch.float32: 1e-5, torch.float16: 2e-2}
 
 

@@ -7,7 +7,7 @@ do to captured PyTorch models. Semantics: the ONNX operator specification
 (onnx/docs/Operators.md); configurations not mapped raise NotConverted (host fallback).
 
 NaN, ±inf and ±0 (compared with ONNX Runtime 1.x CPU and numpy on NaN, ±inf, ±0 and
-halves; tests/test_onnx_frontend.py): where ATen differs from the specification the
+halves; tests/integration/test_onnx_frontend.py): where ATen differs from the specification the
 converter corrects it: ``Sign(NaN)`` is NaN (``aten.sign`` gives 0); ``Clip``'s absent
 bounds are the type's lowest / largest value, so ``±inf`` clips to ``±FLT_MAX``.
 ``Round`` is half to even, ``Mod`` follows the divisor's sign (``fmod=1``: the

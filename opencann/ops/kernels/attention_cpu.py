@@ -17,7 +17,7 @@ or -inf/inf inputs): SDPA returns 0 there, softmax NaN. Every such row, and ever
 Inf from the inputs, leaves a non-finite value in the output, so the kernel sums its
 output (one pass, ~6 µs at [1, 12, 128, 32]) and when the sum is not finite recomputes
 the call with SDPA: such calls get SDPA's exact result. Measured in
-tests/test_attention_choice.py against eager SDPA (torch 2.13 CPU).
+tests/unit/test_attention_choice.py against eager SDPA (torch 2.13 CPU).
 
 Covered by ``bmm_softmax`` (else ``sdpa``, `uncovered` says why): cpu device; static
 shapes; q, k, v float32, rank 4, same batch and heads (no GQA); mask float32 or bool,

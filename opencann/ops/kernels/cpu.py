@@ -10,7 +10,7 @@
 - ReLU is never a oneDNN post-op: oneDNN's drops NaN (max(x, 0)) and, after ``sum``,
   clamps +inf to FLT_MAX; it runs in place after the convolution with eager's kernel.
   GELU (erf), tanh, sigmoid and swish post-ops match eager's NaN/Inf positions (tested
-  in tests/test_nan_semantics.py).
+  in tests/unit/test_nan_semantics.py).
 - `make_linear_kernel` (LinearAct): MatMulV2 (addmm) [+ activation] into the planned
   buffer, by addmm, oneDNN's inner product on a prepacked weight or MKL's packed GEMM
   (chosen per shape by measuring at bind time); the activation runs in place on the

@@ -1,7 +1,7 @@
 """`FusedElementwise` on CUDA tensors: a Triton kernel generated from the node's program
 (triton is the project's CUDA codegen dependency; optional extra ``opencann[triton]``).
 Checked on CPU under the Triton interpreter (``TRITON_INTERPRET=1`` set before triton is
-imported; tests/test_elementwise_fusion.py).
+imported; tests/unit/test_elementwise_fusion.py).
 
 Grid: one program per (row, block of the last dim); with a trailing reduction one program
 per row, looping over the row in blocks (sums accumulate in float64 for float inputs,

@@ -7,7 +7,7 @@ Linear+GELU for `FuseLinearAct` after it. Source of the formula: Hendrycks & Gim
 Rounding: eager's spelled-out form loses digits where 1 + tanh(z) cancels (x < -3); ATen's
 kernel evaluates the same formula in one pass. The two differ by at most 2.4e-7 absolute
 in fp32 (measured on randn·3); the fused value is the closer one to the fp64 formula
-(tests/test_pattern_fusions.py). NaN and ±inf positions are eager's: the rewrite is skipped
+(tests/unit/test_pattern_fusions.py). NaN and ±inf positions are eager's: the rewrite is skipped
 on a CPU whose GELU kernels place them elsewhere (`special_values_differ`)."""
 from __future__ import annotations
 

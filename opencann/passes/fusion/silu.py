@@ -4,7 +4,7 @@ fusions, which then take the Swish as their post-op (Linear+SiLU).
 
 Rounding: ``silu`` computes x / (1 + e⁻ˣ) where eager's spelled-out form rounds sigmoid
 first; they differ by at most 1.2e-7 relative in fp32 (measured on randn·3), and NaN, ±inf
-and signed zeros land where eager puts them (tests/test_pattern_fusions.py); on a CPU whose
+and signed zeros land where eager puts them (tests/unit/test_pattern_fusions.py); on a CPU whose
 SiLU kernels place them elsewhere the spelled-out form is kept (`special_values_differ`)."""
 from __future__ import annotations
 

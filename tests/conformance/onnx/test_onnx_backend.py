@@ -1,4 +1,4 @@
-"""The ONNX package's own backend tests, run on opencann (``tests/onnx_backend.py``).
+"""The ONNX package's own backend tests, run on opencann (``tests/conformance/onnx/onnx_backend.py``).
 
 Which cases: every ``node`` case shipped in the onnx wheel whose nodes are all ONNX ops
 opencann converts (``CONVERTERS``; the ``*_expanded`` function-body variants included),
@@ -68,14 +68,30 @@ def unsupported_dtype(model) -> bool:
     return any(t not in _SUPPORTED_ELEM for t in types)
 
 
+def signature(model) -> tuple:
+    """What a case exercises: its set of ONNX op types and the element types of its
+    graph inputs and outputs."""
+    g = model.graph
+    return (frozenset(n.op_type for n in g.node),
+            tuple(vi.type.tensor_type.elem_type for vi in list(g.input) + list(g.output)))
+
+
+# `make test` runs FAST: the first node case (by the wheel's order) of every signature and
+# every PyTorch case; the other selected cases are marked ``onnx_full`` (`make test-all`)
+FAST: set[str] = set()
+
+
 def _selected():
-    names = []
+    names, first = [], {}
     for c in load_model_tests(kind="node"):
         ops = {n.op_type for n in c.model.graph.node}
         if ops <= CONVERTED and not unsupported_dtype(c.model):
             names.append(c.name)
+            FAST.add(first.setdefault(signature(c.model), c.name))
     for kind in ("pytorch-converted", "pytorch-operator"):
-        names += [c.name for c in load_model_tests(kind=kind)]
+        cases = [c.name for c in load_model_tests(kind=kind)]
+        names += cases
+        FAST.update(cases)
     return names
 
 
@@ -88,13 +104,15 @@ for _pat, _why in EXCLUDED.items():
 
 def _collect():
     """The runner's test classes, keeping only selected cases (excluded ones stay,
-    reported as skipped with their pattern)."""
+    reported as skipped with their pattern); cases outside `FAST` marked ``onnx_full``."""
     keep = {f"{n}_cpu" for n in SELECTED}
     out = {}
     for cls_name, cls in _runner.test_cases.items():
         for attr in [a for a in vars(cls) if a.startswith("test_")]:
             if attr not in keep:
                 delattr(cls, attr)
+            elif attr[:-len("_cpu")] not in FAST:
+                pytest.mark.onnx_full(getattr(cls, attr))
         if any(a.startswith("test_") for a in vars(cls)):
             out[cls_name] = cls
     return out
@@ -156,10 +174,17 @@ def _freeze(case):
     return model, keep_in, outs
 
 
-_FROZEN = _frozen_cases()
+def _frozen_params():
+    """The frozen cases as pytest params: the first of each signature runs in `make test`,
+    the others are marked ``onnx_full``."""
+    first, out = {}, []
+    for c in _frozen_cases():
+        fast = first.setdefault(signature(c.model), c.name) == c.name
+        out.append(pytest.param(c, id=c.name, marks=() if fast else pytest.mark.onnx_full))
+    return out
 
 
-@pytest.mark.parametrize("case", _FROZEN, ids=[c.name for c in _FROZEN])
+@pytest.mark.parametrize("case", _frozen_params())
 def test_node_case_with_frozen_shape_inputs(case):
     import numpy as np
     model, ins, outs = _freeze(case)
