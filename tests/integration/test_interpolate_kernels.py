@@ -17,6 +17,7 @@ import opencann
 from helpers import save_and_load
 from opencann.ops import get_op
 from opencann.ops import per_index as pi
+from opencann.dynamo.compile_fx import COMPILED_GRAPHS
 from opencann.ops.resize import OVERLOADS
 from opencann.tools.fuzz_shapes import check_shape_program, generate_shape_program
 
@@ -124,11 +125,17 @@ def test_torch_compile_at_two_sizes_bit_for_bit(case):
     m = Resize(kw, geom).eval()
     torch._dynamo.reset()
     f = torch.compile(m, backend="opencann")
+    n0 = len(COMPILED_GRAPHS)
     with torch.no_grad():
         for spatial, seed in ((6, 0), (9, 1), (11, 2)):   # the 2nd size recompiles with symbols
             x = _x(RANK[key], spatial, seed)
             _same(f(x.clone()), m(x))
             _same(f(x.clone()), m(x))
+    reports = COMPILED_GRAPHS[n0:]
+    assert len(reports) == 2 and reports[1].dynamic        # static, then symbolic sizes
+    for r in reports:                                      # one library op, ATen's kernel
+        assert r.host_fallbacks == {} and len(r.op_counts_after) == 1, r.op_counts_after
+        assert get_op(next(iter(r.op_counts_after))).aten in OVERLOADS or key == "area"
 
 
 @pytest.mark.parametrize("key,ac,geom", [("bilinear", True, "same"), ("bicubic", False, 1.5),
@@ -187,6 +194,9 @@ def test_every_upsampling_overload_is_a_library_op_with_cost_and_padding_rule():
     assert isinstance(pi.RESIZE(node, {0: 0}, "b"), dict)          # batch: padding is safe
     assert isinstance(pi.RESIZE(node, {0: 1}, "c"), dict)          # channels too
     assert "mixes" in pi.RESIZE(node, {0: 2}, "h")                 # spatial: refused
+    from opencann.devices.vnpu import ascend910b
+    kc, model = op.device_cost["vnpu"](node, ascend910b)            # vnpu: ATen kernel, ND
+    assert kc.time_us > 0 and "resize" in model
     from opencann.ops import lookup_aten
     for ov in OVERLOADS:
         assert lookup_aten(ov) is not None, ov
