@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from ..frontend.torch import decomposition_table, rewrite_written_unfolds, written_expand
+from ..frontend.torch import (decomposition_table, native_dispatch_of_kept, rewrite_written_unfolds,
+                              written_expand)
 from ..log import logger
 from ..engine.options import check_options, option
 from .compile_fx import COMPILED_GRAPHS
@@ -91,7 +92,8 @@ def _inference(gm, example_inputs, options, entry):
         with unset_fake_temporarily():  # constant folding must make real tensors
             return compiler(g, inputs)
 
-    return aot_autograd(fw_compiler=fw, decompositions=decomposition_table())(gm, example_inputs)
+    with native_dispatch_of_kept():   # F.interpolate's ops stay whole (ATen's kernels)
+        return aot_autograd(fw_compiler=fw, decompositions=decomposition_table())(gm, example_inputs)
 
 
 def register() -> None:

@@ -6,6 +6,7 @@ from .aliasing import (aliases_of, graph_happens_before, last_reads, layout_read
                        ordering_deps, storage_roots)
 from . import library  # noqa: F401  (registers the table)
 from . import fused  # noqa: F401  (registers opencann's fused ops)
+from . import resize  # noqa: F401  (F.interpolate's upsampling overloads, ATen's kernels)
 from . import fused_patterns  # noqa: F401  (RmsNorm, GatedMLP: the pattern fusions' ops)
 from . import fused_elementwise  # noqa: F401  (FusedElementwise: fuse_elementwise's op)
 from .flash_attention import opdef as _flash_attention_opdef  # noqa: F401  (FlashAttention op)

@@ -221,6 +221,11 @@ def _channel(node: Node, rank: int) -> Sequence[int]:
     return [1]
 
 
+def _batch_channel(node: Node, rank: int) -> Sequence[int]:
+    """the batch and channels (0, 1)"""
+    return [0, 1]
+
+
 def _batch(node: Node, rank: int) -> Sequence[int]:
     """the batch (0) only"""
     return [0]
@@ -234,6 +239,7 @@ BATCH_NORM_TRAINING = except_dims(_channel, main="input")
 GROUP_NORM = except_dims(_batch, main="input")
 POOL = except_dims(_leading(2))
 CONV = except_dims(_batch, main="input")
+RESIZE = except_dims(_batch_channel, main="input")   # F.interpolate: mixes the spatial dims
 CONV_ADD = except_dims(_batch, main="input", others=("other",))
 
 
@@ -557,7 +563,7 @@ def describe(rule: Optional[Rule]) -> str:
 
 
 __all__ = ["Axis", "outer_of", "ALL", "offset", "REDUCE", "SOFTMAX", "CUMULATIVE", "LAYER_NORM", "BATCH_NORM_INFERENCE",
-           "BATCH_NORM_TRAINING", "GROUP_NORM", "POOL", "CONV", "CONV_ADD", "mm", "addmm", "bmm",
+           "BATCH_NORM_TRAINING", "GROUP_NORM", "POOL", "RESIZE", "CONV", "CONV_ADD", "mm", "addmm", "bmm",
            "gated_mlp", "attention", "embedding", "gather", "index", "index_select", "cat", "stack",
            "constant_pad", "repeat", "source", "reshape", "permute", "transpose", "unsqueeze",
            "squeeze", "expand", "slice_", "select", "split", "same", "describe"]

@@ -36,6 +36,7 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 import torch
 
 from ...ir.types import DataType
+from ...ops.resize import OVERLOADS as RESIZE_OVERLOADS
 from .dynamic import constraint_violation, declared_ranges
 from .layout_queries import LayoutQueries
 from .view_writes import rewrite_written_unfolds, written_expand
@@ -44,8 +45,12 @@ from .view_writes import rewrite_written_unfolds, written_expand
 # dynamo/AOTAutograd. The latter's decomposition ends in permute → clone → permute and
 # gives the output (L, B, H, D)-ordered strides where eager's is contiguous: a caller's
 # .view() of the output would fail or the layout would differ from eager's.
+# The upsampling overloads F.interpolate reaches (`opencann.ops.resize.OVERLOADS`, ``.vec``
+# from torch.export, ``.default`` from AOTAutograd) are kept too: their decompositions
+# re-derive the interpolation (a zero-weight tap times a NaN neighbour is NaN where ATen's
+# kernel gives a number; bicubic becomes index_put host fallbacks), so they run ATen's.
 KEEP = (torch.ops.aten.scaled_dot_product_attention.default,
-        torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default)
+        torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default) + RESIZE_OVERLOADS
 
 _EXPORT_LOCK = threading.Lock()
 _PATCHED_BY_EXPORT = ((builtins, "max"), (builtins, "min"), (math, "pow"),
@@ -64,6 +69,50 @@ def decomposition_table() -> Dict:
     for op in KEEP:
         table.pop(op, None)
     return table
+
+
+@contextlib.contextmanager
+def native_dispatch_of_kept() -> Iterator[None]:
+    """Within it, AOTAutograd's trace (which runs with the Python dispatcher) records the
+    `KEEP` overloads whole although ``torch._decomp`` registers Python decompositions for
+    them at the ``Autograd`` / ``CompositeImplicitAutograd`` dispatch keys (the upsampling
+    ops; taking them out of the decomposition table is not enough for those): a
+    ``.default`` overload dispatches natively, a ``.vec`` overload computes its output
+    size (symbolic sizes too: ATen's C++ composite accepts concrete sizes only) and
+    calls its ``.default`` (`_vec_to_default`). Everything is put back on exit; eager
+    calls never consult these Python kernels (no Python dispatcher). Yields nothing."""
+    keys = (torch._C.DispatchKey.Autograd, torch._C.DispatchKey.CompositeImplicitAutograd)
+    saved = {op: dict(op.py_kernels) for op in KEEP if any(k in op.py_kernels for k in keys)}
+    try:
+        for op in saved:
+            for k in keys:
+                op.py_kernels.pop(k, None)
+            if op._overloadname == "vec":
+                for k in keys:
+                    op.py_kernels[k] = _vec_to_default(op)
+            op._dispatch_cache.clear()
+        yield
+    finally:
+        for op, kernels in saved.items():
+            op.py_kernels.clear()
+            op.py_kernels.update(kernels)
+            op._dispatch_cache.clear()
+
+
+def _vec_to_default(vec: torch._ops.OpOverload):
+    """``upsample_*.vec(input, output_size, [align_corners,] scale_factors)`` as a call of
+    ``upsample_*.default(input, osize, [align_corners,] *scales)``, the output size as
+    ATen computes it (``torch._decomp.decompositions.upsample_compute_output_size``:
+    floor(size · scale) when only scales are given, symbolic sizes included)."""
+    from torch._decomp.decompositions import upsample_compute_output_size
+    default = vec.overloadpacket.default
+
+    def call(input, output_size, *rest):
+        *align, scale_factors = rest
+        osize = upsample_compute_output_size(input.size(), output_size, scale_factors)
+        scales = list(scale_factors) if scale_factors else [None] * len(osize)
+        return default(input, osize, *align, *scales)
+    return call
 
 
 def capture(model: torch.nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any] | None = None,
