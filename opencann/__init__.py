@@ -59,6 +59,15 @@ def _compile(model, example_inputs, device, options, example_kwargs, input_shape
              dynamic_shapes, dim_ranges):
     import os
     if isinstance(model, (str, os.PathLike)) or type(model).__name__ == "ModelProto":
+        from .engine.options import GEAR_OPTIONS
+        given = [k for k, v in (("dynamic_shapes", dynamic_shapes), ("dim_ranges", dim_ranges),
+                                ("example_inputs", example_inputs), ("example_kwargs", example_kwargs))
+                 if v is not None] + [k for k in GEAR_OPTIONS if k in (options or {})]
+        if given:
+            raise ValueError(f"{', '.join(given)} apply to torch modules; an ONNX model is compiled "
+                             "for static shapes: give its symbolic dims sizes with "
+                             "input_shapes={'x': (1, 3, 224, 224)}, or export the torch model "
+                             "and compile that with dynamic_shapes or gears")
         from .engine import compile_onnx
         return compile_onnx(model, device=device, options=options, input_shapes=input_shapes)
     if example_inputs is None:

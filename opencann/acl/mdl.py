@@ -33,8 +33,9 @@ def load_from_file(model_path: str):
     ACL_ERROR_INVALID_FILE (missing), ACL_ERROR_DESERIALIZE_MODEL (not a valid model file),
     ACL_ERROR_RT_MEMORY_ALLOCATION (does not fit)."""
     api = "acl.mdl.load_from_file"
-    if _init(api):
-        return 0, _init(api)
+    rc = _init(api)
+    if rc:
+        return 0, rc
     if S.current_device is None:
         return 0, fail(ACL_ERROR_RT_CONTEXT_NULL, api, "no current device: call acl.rt.set_device")
     if not isinstance(model_path, (str, os.PathLike)) or not os.path.isfile(model_path):
@@ -332,10 +333,19 @@ def _dim_values(shapes: ModelShapes, dataset: int, api: str):
             return fail(ACL_ERROR_INVALID_PARAM, api, f"input {i} ({v.name}) has dynamic dims "
                         f"{list(shapes.described_dims(i, False))}: give its shape with "
                         "acl.mdl.set_dataset_tensor_desc before executing")
-        dims = S.tensor_descs[descs[i]][1]
+        acl_dtype, dims, _ = S.tensor_descs[descs[i]]
         if len(dims) != len(v.desc.shape):
             return fail(ACL_ERROR_MODEL_INPUT_NOT_MATCH, api, f"input {i} ({v.name}): the tensor "
                         f"description has {len(dims)} dims, the input {len(v.desc.shape)}")
+        if acl_dtype != dtype_to_acl(v.desc.dtype.torch):
+            return fail(ACL_ERROR_MODEL_INPUT_NOT_MATCH, api, f"input {i} ({v.name}): the tensor "
+                        f"description's data type is {acl_dtype}, the input's "
+                        f"{dtype_to_acl(v.desc.dtype.torch)} ({v.desc.dtype.value})")
+        wrong = [j for j, d in enumerate(v.desc.shape) if not isinstance(d, str) and dims[j] != d]
+        if wrong:
+            return fail(ACL_ERROR_MODEL_INPUT_NOT_MATCH, api, f"input {i} ({v.name}): the tensor "
+                        f"description's dims {list(dims)} differ from the input's static dims "
+                        f"{shapes.described_dims(i, False)} at {wrong}")
         for j, d in dyn:
             if values.setdefault(d, int(dims[j])) != int(dims[j]):
                 return fail(ACL_ERROR_MODEL_INPUT_NOT_MATCH, api, f"input {i} ({v.name}) dim {j} "
@@ -367,13 +377,18 @@ def execute(model_id: int, input: int, output: int) -> int:
     with dynamic ranges takes its input shapes from ``set_dataset_tensor_desc``.
     Returns ACL_SUCCESS or an ACL error code (logged); never raises."""
     api = "acl.mdl.execute"
-    if _init(api):
-        return _init(api)
+    rc = _init(api)
+    if rc:
+        return rc
     cm = S.models.get(model_id)
     if cm is None:
         return fail(ACL_ERROR_INVALID_MODEL_ID, api, f"model id {model_id!r} is not loaded "
                     "(call acl.mdl.load_from_file first)")
     shapes = S.model_shapes[model_id]
+    for ds, what in ((input, "input"), (output, "output")):
+        if ds not in S.datasets:
+            return fail(ACL_ERROR_INVALID_PARAM, api, f"the {what} dataset {ds!r} is not live "
+                        "(destroyed, or not from acl.mdl.create_dataset)")
     values = _dim_values(shapes, input, api)
     if isinstance(values, int):
         return values

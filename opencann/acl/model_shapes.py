@@ -128,7 +128,9 @@ class ModelShapes:
         if option != self.option:
             raise ValueError(f"the model's gears are {self.option} ({self.gear_list()}): set them "
                              f"with {GEAR_SETTERS[self.option]}, not {api}")
-        key = tuple(int(v) for v in given)
+        if not all(isinstance(v, int) and not isinstance(v, bool) for v in given):
+            raise ValueError(f"{api} takes ints, got {list(given)!r}")
+        key = tuple(given)
         if key not in self.gears:
             raise ValueError(f"{list(key) if len(key) > 1 else key[0]} is not one of the model's "
                              f"{self.option} gears {self.gear_list()}")

@@ -82,8 +82,9 @@ def execute_v2(op_type: str, input_desc, inputs, output_desc, outputs, attr: int
     (unknown op), ACL_ERROR_OP_INPUT_NOT_MATCH / _OUTPUT_NOT_MATCH (counts, sizes, or the
     result's shape/dtype differ from the output description), ACL_ERROR_OP_ATTR_NOT_MATCH."""
     api = "acl.op.execute_v2"
-    if check_init(api):
-        return check_init(api)
+    rc = check_init(api)
+    if rc:
+        return rc
     from ..ops import get_op
     try:
         opdef = get_op(op_type)

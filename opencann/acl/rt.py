@@ -20,8 +20,9 @@ def _init(api: str) -> int:
 
 
 def _device_ok(device_id, api: str) -> int:
-    if _init(api):
-        return _init(api)
+    rc = _init(api)
+    if rc:
+        return rc
     if not isinstance(device_id, int) or not 0 <= device_id < len(S.device_names):
         return fail(ACL_ERROR_RT_INVALID_DEVICEID, api, f"device id {device_id!r} does not exist; "
                     f"devices: {dict(enumerate(S.device_names))}")
@@ -146,8 +147,9 @@ def malloc(size: int, policy: int = 0):
     ACL_MEM_MALLOC_HUGE_FIRST / _HUGE_ONLY / _NORMAL_ONLY (all the same here).
     ACL_ERROR_RT_MEMORY_ALLOCATION when the device's memory would be exceeded."""
     api = "acl.rt.malloc"
-    if _init(api):
-        return 0, _init(api)
+    rc = _init(api)
+    if rc:
+        return 0, rc
     dev = S.current_device
     if dev is None:
         return 0, fail(ACL_ERROR_RT_CONTEXT_NULL, api, "no current device: call acl.rt.set_device")
@@ -174,8 +176,9 @@ def malloc_host(size: int):
 
 
 def _free(ptr, host: bool, api: str) -> int:
-    if _init(api):
-        return _init(api)
+    rc = _init(api)
+    if rc:
+        return rc
     with S.lock:
         r = S.regions.get(ptr) if isinstance(ptr, int) else None
         if r is None or not r.owned or (r.device is None) != host:
@@ -217,8 +220,9 @@ def memcpy(dst: int, dest_max: int, src: int, count: int, kind: int) -> int:
     """Copy ``count`` bytes from ``src`` to ``dst`` (``dest_max`` bytes available there).
     ``kind``: ACL_MEMCPY_HOST_TO_DEVICE etc., checked against where the pointers live."""
     api = "acl.rt.memcpy"
-    if _init(api):
-        return _init(api)
+    rc = _init(api)
+    if rc:
+        return rc
     if kind not in _KINDS:
         return fail(ACL_ERROR_INVALID_PARAM, api, f"kind {kind!r} is not an ACL_MEMCPY_* value")
     if not isinstance(count, int) or count < 0 or count > dest_max:
@@ -243,8 +247,9 @@ def memset(dev_ptr: int, max_size: int, value: int, count: int) -> int:
     """aclrtMemset: set ``count`` bytes at ``dev_ptr`` to ``value`` (a byte, 0..255).
     ACL_ERROR_INVALID_PARAM (logged) for another value or a range outside one allocation."""
     api = "acl.rt.memset"
-    if _init(api):
-        return _init(api)
+    rc = _init(api)
+    if rc:
+        return rc
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 255:
         return fail(ACL_ERROR_INVALID_PARAM, api, f"value {value!r} is not a byte (0..255)")
     hit = S.find(dev_ptr, count) if isinstance(count, int) and count <= max_size else None

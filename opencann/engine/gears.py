@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import os
 import math
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -64,8 +65,13 @@ def _tensor_args(model, args, kwargs) -> List[Tuple[str, torch.Tensor]]:
 def _values(name: str, gears: Any, width: int) -> List[Tuple[int, ...]]:
     """The gears of option ``name`` as tuples of ``width`` positive ints (ValueError)."""
     if isinstance(gears, str):
-        gears = [[int(v) for v in g.split(",")] for g in gears.split(";")] if width > 1 \
-            else [int(v) for v in gears.split(",")]
+        try:
+            gears = [[int(v) for v in g.split(",")] for g in gears.split(";")] if width > 1 \
+                else [int(v) for v in gears.split(",")]
+        except ValueError:
+            eg = "'1,2,4,8'" if width == 1 else "'224,224;448,448'"
+            raise ValueError(f"option {name!r} takes gears as a list, or a string such as {eg} "
+                             f"(ATC's form: ints split by ',' and gears by ';'), got {gears!r}") from None
     if not isinstance(gears, (list, tuple)) or not gears:
         raise ValueError(f"option {name!r} takes a list of gears, e.g. [1, 2, 4, 8], got {gears!r}")
     out = []
@@ -247,8 +253,17 @@ class Gears(DynamicShapes):
                "that holds it), and no gear holds this shape" if safe else NO_PADDING)
         binder.gears = (opt, list(names), list(gears), set(keys), why)
         if plan:
-            for k in keys:
-                self.plans.pool_for_key(k)
+            ram = _host_memory_bytes()
+            for g, k in zip(gears, keys):
+                pool = self.plans.pool_for_key(k)
+                g_k = pool.first.graph if pool.first is not None else None
+                need = pool.plan.arena_bytes + (sum(v.desc.nbytes for v in (*g_k.inputs, *g_k.outputs))
+                                                if g_k is not None else 0)
+                if ram and need > ram:
+                    raise ValueError(f"{option}: gear {list(g) if len(g) > 1 else g[0]} needs "
+                                     f"{need / 2**30:.1f} GiB for its inputs, outputs and arena, more than this "
+                                     f"machine's {ram / 2**30:.1f} GiB: drop that gear or make it "
+                                     "smaller")
         self.gear_spec = {"option": opt, "dims": list(names), "values": [list(g) for g in gears]}
         self.padder = GearPadder(graph, binder, names, gears, checks) if safe else None
         report.dynamic.update({"gears": dict(self.gear_spec), "padding": {
@@ -288,6 +303,14 @@ class Gears(DynamicShapes):
         return {**super().saved_args(graph, report, dynamic, concurrent_calls),
                 "option": gears["option"], "names": gears["dims"],
                 "gears": [tuple(g) for g in gears["values"]]}
+
+
+def _host_memory_bytes() -> int:
+    """The host's physical memory in bytes (0 when the OS does not say)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 0
 
 
 def _name_the_input(model, args, kwargs, opt: str, spec: Dict[str, Dict[int, str]],

@@ -532,10 +532,22 @@ def save(compiled, path: str, description: str = "") -> Dict[str, Any]:
     """Write ``compiled`` (a `CompiledModel`) to ``path`` (conventionally ``*.ocm``).
 
     Returns the header (sections with offsets, sizes, sha256). Raises ModelFileError
-    when something in the graph has no file encoding (naming the node and attribute),
-    OSError when the file cannot be written."""
+    when something in the graph has no file encoding (naming the node and attribute) or
+    ``path`` is a directory or in a directory that does not exist, TypeError for a path
+    that is not a str or os.PathLike, OSError when the file cannot be written (no
+    temporary file is left behind)."""
     import safetensors.torch
 
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"the model file path must be a str or os.PathLike, got "
+                        f"{type(path).__name__}: pass e.g. 'model.ocm'")
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        raise ModelFileError(f"{path} is a directory: pass a file path inside it, e.g. "
+                             f"{os.path.join(path, 'model.ocm')}")
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        raise ModelFileError(f"directory {parent} of {path} does not exist: create it first")
     g, plan, report = compiled.graph, compiled.plan, compiled.report
     conv = compiled.calling_convention()
     version = FORMAT_VERSION
@@ -551,13 +563,17 @@ def save(compiled, path: str, description: str = "") -> Dict[str, Any]:
              "constants": safetensors.torch.save(tensors) if tensors else b""}
     header, sections, pads = _layout(blobs)
     tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "wb") as f:
-        f.write(_PREFIX.pack(MAGIC, version, len(header), hashlib.sha256(header).digest()))
-        f.write(header)
-        for name in SECTIONS:
-            f.write(b"\0" * pads.get(name, 0))
-            f.write(blobs[name])
-    os.replace(tmp, path)   # never leave a half-written model file under the final name
+    try:
+        with open(tmp, "wb") as f:
+            f.write(_PREFIX.pack(MAGIC, version, len(header), hashlib.sha256(header).digest()))
+            f.write(header)
+            for name in SECTIONS:
+                f.write(b"\0" * pads.get(name, 0))
+                f.write(blobs[name])
+        os.replace(tmp, path)   # never leave a half-written model file under the final name
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
     return {"format_version": version, "sections": sections}
 
 

@@ -296,3 +296,21 @@ def test_no_call_raises_for_a_bad_argument():
     assert not raised, raised
     assert acl.finalize() == 0
     assert acl.init([7]) == acl.ACL_ERROR_INVALID_PARAM      # a config path of the wrong type
+
+
+def test_gear_setters_and_tensor_descs_check_types_dims_and_dtypes(tmp_path):
+    cm = opencann.compile(Conv().eval(), (_rand(2, 3, 8, 8),), options={"dynamic_batch_size": [1, 2, 4]})
+    mid, desc, _ = _load(tmp_path, cm)
+    ins, _ = _dataset([acl.mdl.get_input_size_by_index(desc, i) for i in range(2)])
+    for bad in ("4", 2.0, True):
+        assert acl.mdl.set_dynamic_batch_size(mid, ins, 1, bad) == acl.ACL_ERROR_INVALID_PARAM
+    rng = opencann.compile(Conv().eval(), (_rand(2, 3, 8, 8),), dynamic_shapes={"x": {0: ("b", 2, 6)}})
+    rid, rdesc, _ = _load(tmp_path, rng, "r.ocm")
+    size = acl.mdl.get_input_size_by_index(rdesc, 0)
+    rins, _ = _dataset([size])
+    routs, _ = _dataset([acl.mdl.get_output_size_by_index(rdesc, i) for i in range(2)])
+    for dtype, dims in ((acl.ACL_FLOAT, [2, 3, 8, 9]), (acl.ACL_FLOAT16, [2, 3, 8, 8])):
+        acl.mdl.set_dataset_tensor_desc(rins, acl.create_tensor_desc(dtype, dims), 0)
+        assert acl.mdl.execute(rid, rins, routs) == acl.ACL_ERROR_MODEL_INPUT_NOT_MATCH
+    assert acl.mdl.destroy_dataset(rins) == 0
+    assert acl.mdl.execute(rid, rins, routs) == acl.ACL_ERROR_INVALID_PARAM

@@ -161,3 +161,51 @@ def test_profile_serves_what_a_call_serves():
     assert events and all("name" in e for e in events)
     with pytest.raises(ValueError, match="not one of the gears"):
         cm.profile(_x(5, 4))
+
+
+def test_dim_ranges_naming_an_undeclared_dim_is_one_line():
+    with pytest.raises(ValueError) as e:
+        opencann.compile(Lin().eval(), (_x(3, 4),), dynamic_shapes={"x": {0: "b"}},
+                         dim_ranges={"q": (2, 8)})
+    assert "dim_ranges names ['q'], which dynamic_shapes does not declare" in _one_line(e)
+
+
+def test_dynamic_axis_outside_the_rank_is_one_line_and_negative_axes_count_from_the_end():
+    with pytest.raises(ValueError) as e:
+        opencann.compile(Lin().eval(), (_x(3, 4),), dynamic_shapes={"x": {5: "b"}})
+    assert "names dim 5, but that input has 2 dims" in _one_line(e)
+    m = Lin().eval()
+    cm = opencann.compile(m, (_x(3, 2, 4),), dynamic_shapes={"x": {-2: "s"}})
+    x = _x(3, 5, 4, seed=2)
+    torch.testing.assert_close(cm(x), m(x), equal_nan=True, rtol=1e-6, atol=1e-6)
+
+
+def test_example_outside_its_declared_range_is_one_line():
+    with pytest.raises(ValueError) as e:
+        opencann.compile(Lin().eval(), (_x(3, 4),), dynamic_shapes={"x": {0: "b"}},
+                         dim_ranges={"b": (4, 8)})
+    assert "is 3 in the example, outside its range [4, 8]" in _one_line(e)
+
+
+@pytest.mark.parametrize("gears", ["abc", "1;2"])
+def test_gear_string_that_is_not_atc_form_names_the_option(gears):
+    with pytest.raises(ValueError) as e:
+        opencann.compile(Lin().eval(), (_x(2, 4),), options={"dynamic_batch_size": gears})
+    assert "option 'dynamic_batch_size' takes gears" in _one_line(e)
+
+
+def test_gear_larger_than_memory_is_refused_at_compile():
+    with pytest.raises(ValueError) as e:
+        opencann.compile(Lin().eval(), (_x(2, 4),), options={"dynamic_batch_size": [2, 10 ** 12]})
+    assert "gear 1000000000000 needs" in _one_line(e) and "drop that gear" in str(e.value)
+
+
+def test_dynamic_options_on_an_onnx_model_are_refused(tmp_path):
+    pytest.importorskip("onnx")
+    m, x = Lin().eval(), _x(2, 4)
+    path = str(tmp_path / "lin.onnx")
+    torch.onnx.export(m, (x,), path, input_names=["x"], dynamo=False)
+    for kw in ({"dynamic_shapes": {"x": {0: "b"}}}, {"options": {"dynamic_batch_size": [1, 2]}}):
+        with pytest.raises(ValueError) as e:
+            opencann.compile(path, **kw)
+        assert "apply to torch modules" in _one_line(e)

@@ -49,3 +49,13 @@ def test_atc_output_directory_names_the_file_after_the_model(spelling, tmp_path,
     x[0, 0] = float("nan")
     with torch.no_grad():
         torch.testing.assert_close(opencann.load("out/lin.ocm")(x), _lin()(x), equal_nan=True)
+
+
+@pytest.mark.parametrize("bad", ["dir", None])
+def test_save_to_a_directory_or_none_is_one_line_and_leaves_nothing(bad, tmp_path):
+    cm = opencann.compile(_lin(), (torch.randn(2, 4),))
+    path = str(tmp_path) if bad == "dir" else None
+    with pytest.raises((ValueError, TypeError)) as e:
+        opencann.save(cm, path)
+    assert "\n" not in str(e.value)
+    assert os.listdir(tmp_path) == []

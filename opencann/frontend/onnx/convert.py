@@ -81,7 +81,9 @@ def _input_shapes(model, input_shapes: Optional[Dict[str, Sequence[int]]]) -> Di
             example = tuple(d if isinstance(d, int) else 1 for d in dims)
             raise ConversionError(f"input {vi.name} has symbolic dims {tuple(dims)}; opencann "
                                   f"compiles static shapes: pass input_shapes={{{vi.name!r}: "
-                                  f"{example}}} (your sizes)", kind="dynamic_shape")
+                                  f"{example}}} (your sizes; opencann atc: --input_shape "
+                                  f"\"{vi.name}:{','.join(map(str, example))}\")",
+                                  kind="dynamic_shape")
     return shapes
 
 

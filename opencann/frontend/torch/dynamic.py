@@ -105,6 +105,9 @@ def export_dynamic_shapes(model: torch.nn.Module, args: Tuple[Any, ...],
     are static. Raises ValueError naming an unknown argument, a bad key or range."""
     dims = _Dims(ranges or {})
     names = _arg_names(model, args, kwargs)
+    values = dict(zip(names, list(args) + [kwargs[k] for k in (kwargs or {})]))
+    if isinstance(spec, Mapping):
+        spec = {n: _normalise_axes(s, values.get(n), repr(n)) for n, s in spec.items()}
     if isinstance(spec, Mapping):
         unknown = sorted(set(spec) - set(names))
         if unknown:
@@ -126,7 +129,11 @@ def export_dynamic_shapes(model: torch.nn.Module, args: Tuple[Any, ...],
     labels.update({(n, i): getattr(d, "__name__", f"{n}.shape[{i}]")
                    for n, s in by_name.items() if isinstance(s, (list, tuple))
                    for i, d in enumerate(s) if d is not None and not isinstance(d, (list, tuple, dict))})
-    _check_example_sizes(names, list(args) + [kwargs[k] for k in (kwargs or {})], labels)
+    unknown = sorted(set(ranges or {}) - set(dims.dims))
+    if unknown:
+        raise ValueError(f"dim_ranges names {unknown}, which dynamic_shapes does not declare "
+                         f"(declared: {sorted(dims.dims)}): name the dims as dynamic_shapes does")
+    _check_example_sizes(names, list(args) + [kwargs[k] for k in (kwargs or {})], labels, dims.dims)
     fixed, star = _varargs(model)
     n_pos = len(args)
     if star is not None and n_pos > fixed:   # forward(self, x, *rest): torch.export takes
@@ -144,14 +151,42 @@ def export_dynamic_shapes(model: torch.nn.Module, args: Tuple[Any, ...],
     return tuple(by_name[n] for n in names), labels, dims.free
 
 
+def _normalise_axes(entry: Any, t: Any, what: str) -> Any:
+    """An input's ``{dim index: name}`` entry with negative indices counted from the end
+    of ``t``'s dims; ValueError (one line) for an index outside its rank."""
+    if not isinstance(entry, Mapping) or not isinstance(t, torch.Tensor):
+        return entry
+    out = {}
+    for k, v in entry.items():
+        if isinstance(k, int) and not isinstance(k, bool):
+            if not -t.dim() <= k < t.dim():
+                raise ValueError(f"dynamic_shapes[{what}] names dim {k}, but that input has "
+                                 f"{t.dim()} dims (shape {list(t.shape)}): index its dims "
+                                 f"0..{t.dim() - 1}")
+            k = k % t.dim()
+        out[k] = v
+    return out
+
+
 def _check_example_sizes(names: List[str], values: List[Any],
-                         labels: Mapping[Tuple[str, int], str]) -> None:
+                         labels: Mapping[Tuple[str, int], str],
+                         declared: Optional[Mapping[str, Any]] = None) -> None:
     """Raise ValueError (one line) when a dim declared dynamic has size 0 or 1 in the
-    example: torch.export specialises those sizes to constants ("0/1 specialization",
-    torch.export docs), so the dim cannot be captured dynamic from that example."""
+    example (torch.export specialises those sizes to constants, "0/1 specialization" in
+    torch.export's docs, so the dim cannot be captured dynamic from that example), or a
+    size outside the range ``declared`` (name -> torch.export Dim) gives it."""
     by_name = dict(zip(names, values))
     for (n, i), label in labels.items():
         t = by_name.get(n)
+        d = (declared or {}).get(label)
+        if isinstance(t, torch.Tensor) and isinstance(i, int) and i < t.dim() and d is not None:
+            lo, hi = int(d.min), getattr(d, "max", None)
+            hi = int(hi) if isinstance(hi, int) and hi < 2 ** 62 else None
+            if t.shape[i] < lo or (hi is not None and t.shape[i] > hi):
+                raise ValueError(
+                    f"input {n!r} dim {i} ({label}) is {t.shape[i]} in the example, outside its "
+                    f"range [{lo}, {hi if hi is not None else 'inf'}]: give an example inside the "
+                    f"range, or a range that holds {t.shape[i]}")
         if isinstance(t, torch.Tensor) and isinstance(i, int) and i < t.dim() and t.shape[i] < 2:
             raise ValueError(
                 f"input {n!r} dim {i} ({label}) is {t.shape[i]} in the example, and torch.export "

@@ -412,7 +412,7 @@ def _cube_fp16_casts(graph: Graph, ctx: PassContext) -> int:
                 or n.outputs[0].desc.dtype != DataType.FLOAT:
             continue
         if mode in KEEP_DTYPE_MODES:
-            raise _refuse_fp16(n, mode, parse_device(ctx.device).spec)
+            raise _refuse_fp16(n, mode, ctx.device.spec)
         for i, v in enumerate(n.inputs):
             if v.desc.dtype == DataType.FLOAT:
                 n.set_input(i, _cast(graph, v, DataType.FLOAT16, n, cache))
