@@ -109,3 +109,23 @@ def test_bad_input_is_one_clear_error(args, match):
     q, k, v, _ = _inputs(2, 4, 2, 8, 4, 5)
     with pytest.raises(ValueError, match=match):
         decode_attention(*args(q, k, v))
+
+
+def test_registered_op_binds_the_kernel_and_counts_the_cache_read():
+    from opencann.ir import DataType, Graph, TensorDesc, TensorRef
+    from opencann.ops import get_op
+    g = Graph("decode")
+    descs = [TensorDesc((2, 6, 1, 16), DataType.FLOAT), TensorDesc((2, 2, 30, 16), DataType.FLOAT),
+             TensorDesc((2, 2, 30, 16), DataType.FLOAT), TensorDesc((2,), DataType.INT64)]
+    ins = [g.add_input(d) for d in descs]
+    node = g.create_node("DecodeAttention", ins,
+                         {"query": TensorRef(0), "key": TensorRef(1), "value": TensorRef(2),
+                          "lengths": TensorRef(3), "scale": None}, [descs[0]])
+    op = get_op("DecodeAttention")
+    cost = op.cost(node)
+    assert cost.flops == 4 * 2 * 6 * 30 * 16
+    assert cost.bytes == 4 * (2 * 6 * 16 * 2 + 2 * 2 * 2 * 30 * 16) + 2 * 8
+    run = op.kernel_factory("cpu")(node, descs, [None] * 4)
+    q, k, v, _ = _inputs(2, 6, 2, 30, 16, 21)
+    lengths = torch.tensor([30, 17])
+    _close(run(q, k, v, lengths), _reference(q, k, v, lengths))
