@@ -39,7 +39,7 @@ import numpy as np
 import torch
 from numba import prange
 
-from .numba_cache import njit
+from .numba_cache import follow_torch_threads, njit
 
 _FM = {"reassoc", "contract"}
 MIN_CHUNK = 64  # keys per split-KV chunk at least (smaller chunks cost more merging than they save)
@@ -128,7 +128,7 @@ def _merge(lengths, chunk, pm, pl, pacc, out):  # pragma: no cover - numba
 
 def split_chunk(max_len: int, items: int, threads: Optional[int] = None) -> int:
     """Keys per split-KV chunk: enough chunks that ``items`` (B·Hkv) × chunks fill every
-    thread twice over, each chunk at least `MIN_CHUNK` keys (and one chunk when
+    thread (``threads``, default numba's count; the kernel uses torch's) twice over, each chunk at least `MIN_CHUNK` keys (and one chunk when
     ``max_len`` is short)."""
     threads = threads or numba.get_num_threads()
     want = max(1, math.ceil(2 * threads / max(items, 1)))
@@ -163,7 +163,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths:
                          f"{lens.tolist()}; the KV cache is too short for this position")
     scale = float(D) ** -0.5 if scale is None else float(scale)
     max_len = int(lens.max()) if B else 0
-    chunk = split_chunk(max_len, B * Hkv)
+    chunk = split_chunk(max_len, B * Hkv, follow_torch_threads())
     nc = max(1, math.ceil(max_len / chunk))  # chunks past every row's length are not made
     pm = np.empty((B, Hq, nc), np.float32)
     pl = np.empty((B, Hq, nc), np.float32)

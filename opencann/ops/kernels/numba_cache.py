@@ -70,4 +70,16 @@ def njit(*args, **options):
     return deco
 
 
-__all__ = ["OpencannCacheLocator", "cache_dir", "njit"]
+def follow_torch_threads() -> int:
+    """Set numba's thread count for the calling thread (numba keeps it per thread) to
+    torch's intra-op count, capped at numba's pool size, so a numba kernel called from
+    an opencann executor uses as many threads as the ATen kernels beside it; returns it."""
+    import numba
+    import torch
+    n = max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS))
+    if numba.get_num_threads() != n:
+        numba.set_num_threads(n)
+    return n
+
+
+__all__ = ["OpencannCacheLocator", "cache_dir", "follow_torch_threads", "njit"]
