@@ -129,3 +129,13 @@ def test_registered_op_binds_the_kernel_and_counts_the_cache_read():
     q, k, v, _ = _inputs(2, 6, 2, 30, 16, 21)
     lengths = torch.tensor([30, 17])
     _close(run(q, k, v, lengths), _reference(q, k, v, lengths))
+
+
+def test_concurrent_calls_from_threads_agree():
+    from concurrent.futures import ThreadPoolExecutor
+    q, k, v, _ = _inputs(2, 4, 2, 300, 16, 31)
+    lengths = torch.tensor([300, 129])
+    want = decode_attention(q, k, v, lengths)
+    with ThreadPoolExecutor(4) as ex:
+        got = list(ex.map(lambda _: decode_attention(q, k, v, lengths), range(8)))
+    assert all(torch.equal(g, want) for g in got)

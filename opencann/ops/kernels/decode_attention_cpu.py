@@ -39,7 +39,7 @@ import numpy as np
 import torch
 from numba import prange
 
-from .numba_cache import follow_torch_threads, njit
+from .numba_cache import follow_torch_threads, launch_guard, njit
 
 _FM = {"reassoc", "contract"}
 MIN_CHUNK = 64  # keys per split-KV chunk at least (smaller chunks cost more merging than they save)
@@ -170,9 +170,10 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths:
     pacc = np.empty((B, Hq, nc, D), np.float32)
     res = out if out is not None and out.is_contiguous() else torch.empty(B, Hq, 1, D)
     if B * Hq * D:
-        _partials(q.detach().numpy(), k.detach().numpy(), v.detach().numpy(), lens,
-                  np.float32(scale), chunk, pm, pl, pacc)
-        _merge(lens, chunk, pm, pl, pacc, res.numpy())
+        with launch_guard():
+            _partials(q.detach().numpy(), k.detach().numpy(), v.detach().numpy(), lens,
+                      np.float32(scale), chunk, pm, pl, pacc)
+            _merge(lens, chunk, pm, pl, pacc, res.numpy())
     if out is not None and res is not out:
         return out.copy_(res)
     return res

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 from numba import prange
 
-from .numba_cache import follow_torch_threads, njit
+from .numba_cache import follow_torch_threads, launch_guard, njit
 
 MAX_ROWS = 4  # the kernel handles x with 1..MAX_ROWS rows (decode: one token per sequence)
 _FM = {"reassoc", "contract"}  # vectorise the K reduction; keep NaN/Inf semantics
@@ -114,8 +114,9 @@ def gemv(x: torch.Tensor, w_nk: torch.Tensor, bias: Optional[torch.Tensor] = Non
     follow_torch_threads()
     y = out if out is not None and out.is_contiguous() else torch.empty(m, n)
     b = _NO_BIAS if bias is None else bias.detach().contiguous().numpy()
-    _gemv_kernel(x.detach().contiguous().numpy(), w_nk.detach().numpy(), b, bias is not None,
-                 y.numpy())
+    with launch_guard():
+        _gemv_kernel(x.detach().contiguous().numpy(), w_nk.detach().numpy(), b, bias is not None,
+                     y.numpy())
     if out is not None and y is not out:
         out.copy_(y)
         return out
