@@ -1,14 +1,14 @@
 """Decode linears (M <= 4 rows): GB/s of weight read by opencann's row-parallel GEMV
 (`opencann.ops.kernels.gemv_cpu.gemv`) against ``torch.nn.functional.linear`` and, where
 this torch has it, oneDNN's prepacked inner product (``torch.ops.mkldnn._linear_pointwise``
-on a ``_reorder_linear_weight`` weight: LinearAct's ``onednn_packed`` GEMM kernel), in the
-same process. Shapes K x N of a ~125M Llama (issue #27): 768x768 (q/o proj), 768x2048
+on a ``_reorder_linear_weight`` weight: LinearAct's ``onednn_packed`` GEMM kernel) and,
+at M = 1, ``torch.addmv`` (MKL's sgemv on the [N, K] weight), in the same process. Shapes K x N of a ~125M Llama (issue #27): 768x768 (q/o proj), 768x2048
 (gate/up), 2048x768 (down), 768x32000 (LM head); M in {1, 2, 4}.
 
 GB/s = K·N·4 bytes of W / time (x, b and y are small). Time: the least over ``--rounds``
 interleaved rounds (each kernel in turn, so a burst of load on a shared machine hits all
 of them) of the mean of ``--calls`` calls. The ``ratio`` column is gemv's GB/s over the
-best torch kernel's.
+best torch kernel's. numba's threads follow ``--threads`` (as torch's).
 
     PYTHONPATH=. .venv/bin/python bench/gemv.py [--threads 2] [--rounds 15] [--calls 20]
 """
@@ -40,7 +40,7 @@ def main() -> None:
     torch.set_num_threads(a.threads)
     numba.set_num_threads(a.threads)
     onednn = cpu_device.onednn_linear_available()
-    cols = ["F.linear"] + (["onednn_packed"] if onednn else []) + ["gemv"]
+    cols = ["F.linear"] + (["onednn_packed"] if onednn else []) + ["addmv", "gemv"]
     print(f"threads={a.threads} rounds={a.rounds} calls={a.calls} (GB/s of W read; higher is better)")
     print(f"{'K x N':>11} {'M':>2} " + " ".join(f"{c:>14}" for c in cols) + f" {'ratio':>6}")
     g = torch.Generator().manual_seed(0)
@@ -53,21 +53,25 @@ def main() -> None:
             out = torch.empty(m, n)
             fns = {"F.linear": lambda: torch.nn.functional.linear(x, w, b),
                    "gemv": lambda: gemv(x, w_nk, b, out=out)}
+            if m == 1:
+                fns["addmv"] = lambda: torch.addmv(b, w, x[0]).unsqueeze(0)
             if onednn:
                 packed = torch.ops.mkldnn._reorder_linear_weight(w, m)
                 lin = torch.ops.mkldnn._linear_pointwise
                 fns["onednn_packed"] = lambda: lin(x, packed, b, "none", [], "")
             ref = torch.nn.functional.linear(x, w, b)
+            run = [c for c in cols if c in fns]
             for name, fn in fns.items():
                 r = fn()
                 assert torch.allclose(r, ref, rtol=1e-4, atol=1e-3), name  # a sanity check, not a test
-            best = {c: float("inf") for c in cols}
+            best = {c: float("inf") for c in run}
             for _ in range(a.rounds):
-                for c in cols:
+                for c in run:
                     best[c] = min(best[c], _time(fns[c], a.calls))
-            gbs = {c: k * n * 4 / best[c] / 1e9 for c in cols}
+            gbs = {c: k * n * 4 / best[c] / 1e9 for c in run}
             ratio = gbs["gemv"] / max(v for c, v in gbs.items() if c != "gemv")
-            print(f"{k:>5}x{n:<5} {m:>2} " + " ".join(f"{gbs[c]:>14.1f}" for c in cols)
+            print(f"{k:>5}x{n:<5} {m:>2} " + " ".join(f"{gbs[c]:>14.1f}" if c in gbs else f"{'-':>14}"
+                                                      for c in cols)
                   + f" {ratio:>6.2f}", flush=True)
 
 
