@@ -10,7 +10,7 @@ interleaved rounds (each kernel in turn, so a burst of load on a shared machine 
 of them) of the mean of ``--calls`` calls. The ``ratio`` column is gemv's GB/s over the
 best torch kernel's. numba's threads follow ``--threads`` (as torch's).
 
-    PYTHONPATH=. .venv/bin/python bench/gemv.py [--threads 2] [--rounds 15] [--calls 20]
+    PYTHONPATH=. .venv/bin/python bench/gemv.py [--threads 2] [--rounds 100] [--calls 1]
 """
 import argparse
 import time
@@ -34,8 +34,8 @@ def _time(fn, calls):
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--rounds", type=int, default=15)
-    ap.add_argument("--calls", type=int, default=20)
+    ap.add_argument("--rounds", type=int, default=100)
+    ap.add_argument("--calls", type=int, default=1)
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     numba.set_num_threads(a.threads)

@@ -60,13 +60,13 @@ def _partials(q, k, v, lengths, scale, chunk, pm, pl, pacc):  # pragma: no cover
         c = t % nc
         start = c * chunk
         stop = min(start + chunk, lengths[b])
-        for g in range(G):
-            hq = h * G + g
-            pm[b, hq, c] = -np.inf
-            pl[b, hq, c] = 0.0
-            for d in range(D):
-                pacc[b, hq, c, d] = 0.0
-        if start >= stop:
+        if start >= stop:  # past this row's length: an empty chunk
+            for g in range(G):
+                hq = h * G + g
+                pm[b, hq, c] = -np.inf
+                pl[b, hq, c] = 0.0
+                for d in range(D):
+                    pacc[b, hq, c, d] = 0.0
             continue
         s = np.empty((G, stop - start), np.float32)
         for g in range(G):
@@ -89,12 +89,15 @@ def _partials(q, k, v, lengths, scale, chunk, pm, pl, pacc):  # pragma: no cover
                 tot += p
             pm[b, hq, c] = m
             pl[b, hq, c] = tot
+        acc = np.zeros((G, D), np.float32)  # the chunk's P·V, one row per query head
         for j in range(start, stop):
             for g in range(G):
-                hq = h * G + g
                 p = s[g, j - start]
                 for d in range(D):
-                    pacc[b, hq, c, d] += p * v[b, h, j, d]
+                    acc[g, d] += p * v[b, h, j, d]
+        for g in range(G):
+            for d in range(D):
+                pacc[b, h * G + g, c, d] = acc[g, d]
 
 
 @njit(parallel=True, fastmath=_FM, cache=True)
