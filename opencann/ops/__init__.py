@@ -10,6 +10,7 @@ from . import resize  # noqa: F401  (F.interpolate's upsampling overloads, ATen'
 from . import fused_patterns  # noqa: F401  (RmsNorm, GatedMLP: the pattern fusions' ops)
 from . import fused_elementwise  # noqa: F401  (FusedElementwise: fuse_elementwise's op)
 from .flash_attention import opdef as _flash_attention_opdef  # noqa: F401  (FlashAttention op)
+from . import decode_attention as _decode_attention  # noqa: F401  (DecodeAttention op)
 from . import onnx_fallback  # noqa: F401  (OnnxHostFallback: ONNX nodes run by ONNX Runtime)
 
 __all__ = ["Cost", "OpDef", "OpKind", "aliases_of", "graph_happens_before", "ordering_deps", "all_ops", "call_args", "get_op", "infer",

@@ -39,8 +39,8 @@ def _close(out, ref, tol=1e-5):
     assert ((out[fin] - ref[fin]).abs().max() / ref[fin].abs().max()).item() < tol
 
 
-@pytest.mark.parametrize("kernel", ["addmm", "mkl_packed", "onednn_packed"])
-@pytest.mark.parametrize("rows", [1, 7, 64])
+@pytest.mark.parametrize("kernel,rows", [(k, r) for k in ("addmm", "mkl_packed", "onednn_packed")
+                                         for r in (1, 7, 64)] + [("gemv", 1), ("gemv", 4)])
 def test_each_kernel_matches_eager(kernel, rows, monkeypatch):
     if kernel == "mkl_packed" and not cpu_device.mkl_packed_available():
         pytest.skip("MKL packed GEMM not in this torch build")
@@ -54,7 +54,7 @@ def test_each_kernel_matches_eager(kernel, rows, monkeypatch):
     assert _kernels(cm) == [kernel, kernel]
     for k in range(2):
         x = torch.randn(rows, 48)
-        if rows > 2:                    # NaN and inf rows beside finite ones
+        if rows > 2:                    # NaN and inf rows beside finite ones (gemv: 4 rows)
             x[0, 3] = float("nan")
             x[1, 5] = float("inf")
         with torch.no_grad():
@@ -151,3 +151,35 @@ def test_a_broadcast_bias_never_goes_to_onednn(monkeypatch):
     assert all(k == "addmm" for k in _kernels(cm))
     with torch.no_grad():
         _close(cm(x), m(x))
+
+
+def test_gemv_serves_decode_rows_only_and_a_file_keeps_it(tmp_path, monkeypatch):
+    """The GEMV (<= 4 rows) is raced for decode shapes only: a choice of it pinned onto a
+    wider shape is measured again; a model file keeps it; its weight is copied once."""
+    from opencann.ops.kernels.gemv_cpu import MAX_ROWS
+    assert cpu_kernels.GEMV_MAX_ROWS == MAX_ROWS
+    monkeypatch.setattr(cpu_kernels, "LINEAR_CHOICES", ForcedGemmChoice("gemv"))
+    torch.manual_seed(0)
+    m = MLP().eval()
+    x = torch.randn(2, 48)
+    cm = opencann.compile(m, (x,))
+    assert _kernels(cm) == ["gemv", "gemv"]
+    packed = len(cpu_kernels._GEMV_PACKED)
+    path = str(tmp_path / "mlp.ocm")
+    opencann.save(cm, path)
+    monkeypatch.setattr(cpu_kernels, "LINEAR_CHOICES", {})
+    loaded = opencann.load(path)
+    assert _kernels(loaded) == ["gemv", "gemv"]
+    assert torch.equal(loaded(x), cm(x))
+    assert len(cpu_kernels._GEMV_PACKED) == packed + 2  # the loaded constants, copied once each
+    b = cpu_kernels._known_choice("gemv", 8, 48, 96, torch.float32, _Bias(96))
+    assert b[1] != "gemv" and "gemv" not in b[0][-1]    # 8 rows: not raced, not kept
+    k1 = cpu_kernels._known_choice("gemv", 3, 48, 96, torch.float32, _Bias(96))
+    assert k1[1] == "gemv" and "gemv" in k1[0][-1]
+    # a broadcast bias never goes to the GEMV
+    assert cpu_kernels._known_choice("gemv", 1, 48, 96, torch.float32, _Bias(1))[1] == "addmm"
+
+
+class _Bias:
+    def __init__(self, n):
+        self.shape = (n,)

@@ -174,7 +174,8 @@ def make_trans_data(node: Node, in_descs: Sequence[TensorDesc], consts: Sequence
 
 
 # the GEMM kernels a LinearAct may bind (node.meta["kernel"], saved in model files)
-GEMM_KERNELS = ("addmm", "mkl_packed", "onednn_packed")
+GEMM_KERNELS = ("addmm", "mkl_packed", "onednn_packed", "gemv")
+GEMV_MAX_ROWS = 4  # gemv_cpu.MAX_ROWS (not imported here: that module loads numba)
 # (m, k, n, dtype, raced kernels) -> one of GEMM_KERNELS: bind-time choice, measured once
 LINEAR_CHOICES: Dict[tuple, str] = {}
 _LINEAR_CHOICES_LOCK = threading.Lock()  # one measurement per shape, even when binding races
@@ -221,9 +222,12 @@ def _copy_act(r: torch.Tensor, out, post) -> torch.Tensor:
     return r
 
 
-def _available(kernel: str, n: int, bias: TensorDesc) -> bool:
-    """Whether GEMM ``kernel`` can run here for ``n`` output features and a bias of
-    ``bias``'s shape (oneDNN's inner product takes a full [n] bias only)."""
+def _available(kernel: str, n: int, bias: TensorDesc, m: int = 0) -> bool:
+    """Whether GEMM ``kernel`` can run here for ``m`` rows, ``n`` output features and a
+    bias of ``bias``'s shape (oneDNN's inner product and the GEMV take a full [n] bias
+    only; the GEMV 1..`GEMV_MAX_ROWS` rows)."""
+    if kernel == "gemv":
+        return 1 <= m <= GEMV_MAX_ROWS and tuple(int(d) for d in bias.shape) == (n,)
     if kernel == "onednn_packed":
         return onednn_linear_available() and tuple(int(d) for d in bias.shape) == (n,)
     if kernel == "mkl_packed":
@@ -250,9 +254,34 @@ def _onednn_weight(wt: torch.Tensor, m: int) -> torch.Tensor:
     return packed
 
 
+_GEMV_PACKED = WeakIdKeyDictionary()  # constant weight [k, n] -> its [n, k] copy for the GEMV
+
+
+def _gemv_weight(wt: torch.Tensor) -> torch.Tensor:
+    """The GEMV's ``[n, k]`` contiguous copy of the constant weight ``wt`` [k, n], made
+    once per weight (every row count and executor reuses it) and cached while it lives."""
+    from .gemv_cpu import pack_weight
+    with _ONEDNN_PACKED_LOCK:
+        packed = _GEMV_PACKED.get(wt)
+        if packed is None:
+            packed = pack_weight(wt, transposed=True)
+            _GEMV_PACKED[wt] = packed
+    return packed
+
+
 def _packed_kernel(kernel: str, wt: torch.Tensor, m: int, post) -> Callable:
     """``run(b, x, _w, out=None)`` of prepacked GEMM ``kernel`` on the constant weight
     ``wt`` [k, n] (packed once; ``m`` is the row count it is packed for)."""
+    if kernel == "gemv":
+        from .gemv_cpu import gemv
+        w_nk = _gemv_weight(wt)
+
+        def run_gemv(b, x, _w, out=None):
+            r = gemv(x, w_nk, b, out=out)
+            if post is not None:
+                post(r)
+            return r
+        return run_gemv
     if kernel == "onednn_packed":
         packed, lin = _onednn_weight(wt, m), torch.ops.mkldnn._linear_pointwise
 
@@ -273,14 +302,16 @@ def _known_choice(made, m: int, k: int, n: int, dtype, bias: TensorDesc) -> tupl
     choice is ``made`` (a node's earlier choice, or a model file's) where its kernel
     exists here, else addmm; with nothing made, the cached choice for the key, "addmm"
     when nothing else can race, or None (to be measured)."""
-    raced = tuple(c for c in GEMM_KERNELS if _available(c, n, bias))
+    raced = tuple(c for c in GEMM_KERNELS if _available(c, n, bias, m))
     if "onednn_packed" in raced:  # MKL's packing serves one m and measured no faster
         raced = tuple(c for c in raced if c != "mkl_packed")
     key = (m, k, n, str(dtype), raced)
+    if made == "gemv" and not 1 <= m <= GEMV_MAX_ROWS:
+        made = None  # pinned from a decode shape onto a wider one: choose for this shape
     if made in GEMM_KERNELS:
-        return key, (made if _available(made, n, bias) else "addmm")
+        return key, (made if _available(made, n, bias, m) else "addmm")
     cached = LINEAR_CHOICES.get(key)
-    if cached in GEMM_KERNELS and _available(cached, n, bias):
+    if cached in GEMM_KERNELS and _available(cached, n, bias, m):
         return key, cached
     return key, ("addmm" if len(raced) == 1 else None)
 
@@ -300,7 +331,13 @@ def make_linear_kernel(node: Node, in_descs: Sequence[TensorDesc], consts: Seque
       dynamic-shape model keeps it at every shape. Its result is copied into ``out``;
     - ``mkl_packed``: MKL's packed GEMM (``torch.ops.mkl._mkl_linear`` on
       ``_mkl_reorder_linear_weight``), packed for one m; raced against addmm only where
-      oneDNN's is missing, and bound when a model file chose it.
+      oneDNN's is missing, and bound when a model file chose it;
+    - ``gemv``: for 1..4 rows (LLM decode), opencann's row-parallel numba GEMV
+      (`opencann.ops.kernels.gemv_cpu`) on the weight copied once to [n, k]; it streams
+      the weight once at the memory bandwidth where a BLAS GEMM packs panels per call.
+      Its result (fp32 rounding of eager's, another summation order) goes straight
+      into ``out``. A dynamic model that pinned it at a decode shape chooses again at
+      shapes with more rows.
 
     A choice already in ``node.meta["kernel"]`` (an earlier bind, a model file) holds
     where its kernel exists here (else addmm), so every executor of a model, saved or

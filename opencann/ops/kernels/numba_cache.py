@@ -12,7 +12,9 @@ else ``~/.cache/opencann/numba``), else numba's own user-wide directory. Source:
 """
 from __future__ import annotations
 
+import contextlib
 import os
+import threading
 
 from numba import njit as _numba_njit
 from numba.core.caching import (CompileResultCacheImpl, FunctionCache, UserProvidedCacheLocator,
@@ -70,4 +72,28 @@ def njit(*args, **options):
     return deco
 
 
-__all__ = ["OpencannCacheLocator", "cache_dir", "njit"]
+def follow_torch_threads() -> int:
+    """Set numba's thread count for the calling thread (numba keeps it per thread) to
+    torch's intra-op count, capped at numba's pool size, so a numba kernel called from
+    an opencann executor uses as many threads as the ATen kernels beside it; returns it."""
+    import numba
+    import torch
+    n = max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS))
+    if numba.get_num_threads() != n:
+        numba.set_num_threads(n)
+    return n
+
+
+_WORKQUEUE_LOCK = threading.Lock()
+
+
+def launch_guard():
+    """A lock when numba's threading layer is ``workqueue`` (not thread-safe: concurrent
+    parallel launches terminate the process), else a no-op context; starts the layer if
+    needed. Wrap every ``parallel=True`` kernel call an executor may make from threads."""
+    import numba
+    numba.get_parallel_chunksize()  # launches numba's threads: the layer is known after
+    return _WORKQUEUE_LOCK if numba.threading_layer() == "workqueue" else contextlib.nullcontext()
+
+
+__all__ = ["OpencannCacheLocator", "cache_dir", "follow_torch_threads", "launch_guard", "njit"]

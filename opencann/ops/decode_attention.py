@@ -1,0 +1,49 @@
+"""The ``DecodeAttention`` graph op: one query per sequence against a KV cache with live
+lengths as data (FlashDecoding split-KV; Dao et al. 2023, "Flash-Decoding for
+long-context inference"), the decode-step counterpart of ``FlashAttention`` and of
+Ascend's ``npu_incre_flash_attention`` (``actual_seq_lengths``).
+
+Node layout (BNSD, as FlashAttention): inputs q [B, Hq, 1, D], k and v [B, Hkv, S_max, D]
+(the KV cache; Hq a multiple of Hkv, GQA), lengths [B] (integer: keys at positions >=
+lengths[b] are ignored, never read); attrs ``query``/``key``/``value``/``lengths``
+(TensorRefs) and ``scale`` (None = D ** -0.5). Output [B, Hq, 1, D] float32. Kernel:
+`opencann.ops.kernels.decode_attention_cpu.decode_attention` (numba, imported at bind
+time so ``import opencann`` does not load numba). No vnpu cost model yet.
+"""
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+from ..ir import Node, TensorDesc, numel
+from .opdef import Cost, OpDef, OpKind, register
+
+
+def decode_attention_cost(node: Node) -> Cost:
+    """FLOPs 4·B·Hq·S_max·D (q·Kᵀ and P·V over the whole cache: an upper bound, the live
+    lengths are data); bytes = q, k, v, lengths read + output written (the KV cache read
+    dominates: the op is memory-bound)."""
+    q = node.inputs[0].desc
+    k = node.inputs[1].desc
+    b, hq, d = int(q.shape[0]), int(q.shape[1]), int(q.shape[-1])
+    s = int(k.shape[-2])
+    moved = sum(numel(v.desc.shape) * v.desc.dtype.itemsize for v in node.inputs)
+    out = node.outputs[0].desc
+    moved += numel(out.shape) * out.dtype.itemsize
+    return Cost(4 * b * hq * s * d, moved)
+
+
+def make_decode_attention_kernel(node: Node, in_descs: Sequence[TensorDesc], consts: Sequence) -> Callable:
+    """Kernel factory: ``run(q, k, v, lengths) -> out`` [B, Hq, 1, D] float32 (module
+    docstring); raises ValueError on bad shapes, dtypes or lengths (one line each)."""
+    from .kernels.decode_attention_cpu import decode_attention
+    scale = node.attrs.get("scale")
+
+    def run(q, k, v, lengths):
+        return decode_attention(q, k, v, lengths, scale=scale)
+    return run
+
+
+register(OpDef("DecodeAttention", OpKind.ATTENTION, aliases=((),), cost_fn=decode_attention_cost,
+               kernel_factories={"cpu": make_decode_attention_kernel},
+               doc="one query per sequence over its live KV-cache keys (FlashDecoding split-KV, "
+                   "GQA, lengths as data; numba CPU kernel)"))

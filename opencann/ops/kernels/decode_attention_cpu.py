@@ -1,0 +1,185 @@
+"""Decode attention on the CPU: one new query per sequence against a KV cache, split-KV
+across threads (FlashDecoding).
+
+Source: Flash-Decoding (Tri Dao, Daniel Haziza, Francisco Massa, Grigory Sizov, 2023,
+"Flash-Decoding for long-context inference", https://crfm.stanford.edu/2023/10/12/flashdecoding.html):
+with one query row per sequence, FlashAttention's parallelism over query blocks is gone,
+so the keys/values are split into chunks processed in parallel, each chunk producing a
+partial output with its own softmax statistics (max m, sum l), merged exactly by a
+log-sum-exp rescaling: ``O = sum_c exp(m_c - M) acc_c / sum_c exp(m_c - M) l_c`` with
+``M = max_c m_c`` (the online softmax of Milakov & Gimelshein 2018, arXiv:1805.02867).
+The semantics follow Ascend's ``npu_incre_flash_attention`` (live lengths as data,
+``actual_seq_lengths``; GQA through ``num_key_value_heads``).
+
+Layouts (BNSD, as the project's FlashAttention op and torch's SDPA):
+  q       [B, Hq, 1, D]     float32 — the query of the token being decoded;
+  k, v    [B, Hkv, S_max, D] float32 — the preallocated KV cache (any strides);
+  lengths [B]               integer — live keys per sequence: row b attends to key
+                                       positions 0 .. lengths[b]-1 only; positions at or
+                                       past lengths[b] are never read (a NaN there does
+                                       not leak);
+  output  [B, Hq, 1, D]     float32.
+GQA: Hq must be a multiple of Hkv; query head h reads KV head h // (Hq // Hkv), as
+transformers' ``repeat_kv`` orders the heads. Each work item (b, kv head, chunk) reads
+its chunk of K and V once for all the query heads of its group.
+
+Numerics: scores, softmax statistics and the output accumulate in fp32 (fastmath
+``reassoc``/``contract`` only, so NaN/Inf propagate): a NaN or +Inf score in a live
+position makes the row's output NaN, as eager softmax does; a row with length 0 gives
+zeros (as SDPA with an all-False boolean mask row). Agrees with eager
+``F.scaled_dot_product_attention`` to fp32 rounding (other summation order).
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import numba
+import numpy as np
+import torch
+from numba import prange
+
+from .numba_cache import follow_torch_threads, launch_guard, njit
+
+_FM = {"reassoc", "contract"}
+MIN_CHUNK = 64  # keys per split-KV chunk at least (smaller chunks cost more merging than they save)
+
+
+@njit(parallel=True, fastmath=_FM, cache=True)
+def _partials(q, k, v, lengths, scale, chunk, pm, pl, pacc):  # pragma: no cover - numba
+    """Per (b, kv head, chunk): for every query head of the group, the chunk's score max
+    ``pm``, sum of exp ``pl`` and unnormalised output ``pacc`` (fp32). Chunks past a
+    row's length are marked empty with pl = 0, pm = -inf."""
+    B, Hq, D = q.shape[0], q.shape[1], q.shape[3]
+    Hkv = k.shape[1]
+    G = Hq // Hkv
+    nc = pm.shape[2]
+    for t in prange(B * Hkv * nc):
+        b = t // (Hkv * nc)
+        h = (t // nc) % Hkv
+        c = t % nc
+        start = c * chunk
+        stop = min(start + chunk, lengths[b])
+        if start >= stop:  # past this row's length: an empty chunk
+            for g in range(G):
+                hq = h * G + g
+                pm[b, hq, c] = -np.inf
+                pl[b, hq, c] = 0.0
+                for d in range(D):
+                    pacc[b, hq, c, d] = 0.0
+            continue
+        s = np.empty((G, stop - start), np.float32)
+        for g in range(G):
+            hq = h * G + g
+            m = np.float32(-np.inf)
+            for j in range(start, stop):
+                acc = np.float32(0.0)
+                for d in range(D):
+                    acc += q[b, hq, 0, d] * k[b, h, j, d]
+                sc = acc * scale
+                s[g, j - start] = sc
+                if sc > m:
+                    m = sc
+                elif sc != sc:      # NaN: keep it (the row's output becomes NaN)
+                    m = sc
+            tot = np.float32(0.0)
+            for j in range(stop - start):
+                p = np.exp(s[g, j] - m)
+                s[g, j] = p
+                tot += p
+            pm[b, hq, c] = m
+            pl[b, hq, c] = tot
+        acc = np.zeros((G, D), np.float32)  # the chunk's P·V, one row per query head
+        for j in range(start, stop):
+            for g in range(G):
+                p = s[g, j - start]
+                for d in range(D):
+                    acc[g, d] += p * v[b, h, j, d]
+        for g in range(G):
+            for d in range(D):
+                pacc[b, h * G + g, c, d] = acc[g, d]
+
+
+@njit(parallel=True, fastmath=_FM, cache=True)
+def _merge(lengths, chunk, pm, pl, pacc, out):  # pragma: no cover - numba
+    """out[b, hq, 0, :] = sum_c exp(m_c - M) acc_c / sum_c exp(m_c - M) l_c over the
+    non-empty chunks (M their max); zeros for a row without live keys."""
+    B, Hq, nc = pm.shape
+    D = out.shape[3]
+    for t in prange(B * Hq):
+        b = t // Hq
+        hq = t % Hq
+        used = min(nc, (lengths[b] + chunk - 1) // chunk)
+        for d in range(D):
+            out[b, hq, 0, d] = 0.0
+        if used <= 0:
+            continue
+        mx = pm[b, hq, 0]
+        for c in range(1, used):
+            mc = pm[b, hq, c]
+            if mc > mx or mc != mc:
+                mx = mc
+        den = np.float32(0.0)
+        for c in range(used):
+            w = np.exp(pm[b, hq, c] - mx) if used > 1 else np.float32(1.0)
+            den += w * pl[b, hq, c]
+            for d in range(D):
+                out[b, hq, 0, d] += w * pacc[b, hq, c, d]
+        for d in range(D):
+            out[b, hq, 0, d] = out[b, hq, 0, d] / den
+
+
+def split_chunk(max_len: int, items: int, threads: Optional[int] = None) -> int:
+    """Keys per split-KV chunk: enough chunks that ``items`` (B·Hkv) × chunks fill every
+    thread (``threads``, default numba's count; the kernel uses torch's) twice over, each chunk at least `MIN_CHUNK` keys (and one chunk when
+    ``max_len`` is short)."""
+    threads = threads or numba.get_num_threads()
+    want = max(1, math.ceil(2 * threads / max(items, 1)))
+    return max(MIN_CHUNK, math.ceil(max(max_len, 1) / want))
+
+
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor,
+                     scale: Optional[float] = None, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Attention of one query per sequence over its first ``lengths[b]`` cached keys
+    (module docstring: layouts, GQA, NaN/Inf). ``q`` [B, Hq, 1, D], ``k``/``v``
+    [B, Hkv, S_max, D], all float32; ``lengths`` [B] integers in [0, S_max]; ``scale``
+    None = D ** -0.5; result [B, Hq, 1, D] float32 (into ``out`` when given, contiguous).
+    Raises ValueError naming the bad argument (shapes, dtypes, Hq not a multiple of Hkv,
+    a length outside [0, S_max])."""
+    if q.dim() != 4 or q.shape[2] != 1 or k.dim() != 4 or v.shape != k.shape:
+        raise ValueError(f"decode_attention: expected q [B, Hq, 1, D] and k, v [B, Hkv, S_max, D] "
+                         f"(BNSD), got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+    B, Hq, _, D = q.shape
+    Bk, Hkv, S, Dk = k.shape
+    if Bk != B or Dk != D or Hq % Hkv:
+        raise ValueError(f"decode_attention: k/v {tuple(k.shape)} do not fit q {tuple(q.shape)}: "
+                         f"batch and head dim must match and Hq ({Hq}) be a multiple of Hkv ({Hkv})")
+    if not (q.dtype == k.dtype == v.dtype == torch.float32):
+        raise ValueError(f"decode_attention: q, k, v must be float32, got {q.dtype}, {k.dtype}, "
+                         f"{v.dtype}; cast the cache or use scaled_dot_product_attention")
+    if lengths.shape != (B,) or lengths.dtype.is_floating_point or lengths.dtype == torch.bool:
+        raise ValueError(f"decode_attention: lengths must be an integer tensor [{B}], got "
+                         f"{tuple(lengths.shape)} {lengths.dtype}")
+    lens = lengths.detach().to(torch.int64).contiguous().numpy()
+    if B and (lens.min() < 0 or lens.max() > S):
+        raise ValueError(f"decode_attention: lengths must lie in [0, S_max={S}], got "
+                         f"{lens.tolist()}; the KV cache is too short for this position")
+    scale = float(D) ** -0.5 if scale is None else float(scale)
+    max_len = int(lens.max()) if B else 0
+    chunk = split_chunk(max_len, B * Hkv, follow_torch_threads())
+    nc = max(1, math.ceil(max_len / chunk))  # chunks past every row's length are not made
+    pm = np.empty((B, Hq, nc), np.float32)
+    pl = np.empty((B, Hq, nc), np.float32)
+    pacc = np.empty((B, Hq, nc, D), np.float32)
+    res = out if out is not None and out.is_contiguous() else torch.empty(B, Hq, 1, D)
+    if B * Hq * D:
+        with launch_guard():
+            _partials(q.detach().numpy(), k.detach().numpy(), v.detach().numpy(), lens,
+                      np.float32(scale), chunk, pm, pl, pacc)
+            _merge(lens, chunk, pm, pl, pacc, res.numpy())
+    if out is not None and res is not out:
+        return out.copy_(res)
+    return res
+
+
+__all__ = ["MIN_CHUNK", "decode_attention", "split_chunk"]

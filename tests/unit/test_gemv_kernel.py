@@ -1,0 +1,103 @@
+"""The decode GEMV kernel (`opencann.ops.kernels.gemv_cpu.gemv`, M <= 4 rows) against
+``torch.nn.functional.linear``: random shapes with odd K and N, bias and none, NaN/Inf in
+x and W propagating as in eager, a second call, output independence, ``out=``, and one
+clear error per bad input. Tolerance: the kernel sums the K products in another order
+than MKL, so finite outputs agree to fp32 rounding of a K-term dot product,
+|out - ref| <= 1e-5 * (|x| @ |W|^T + |b|) elementwise (the worst-case bound of a K-term
+fp32 sum is K * 2^-24 relative to that magnitude; typical errors are ~sqrt(K) * 2^-24,
+below 1e-5 for K <= 2048)."""
+import pytest
+import torch
+
+from opencann.ops.kernels.gemv_cpu import MAX_ROWS, gemv, pack_weight
+
+
+def _check(out, x, w, b):
+    ref = torch.nn.functional.linear(x, w, b)
+    assert out.shape == ref.shape and out.dtype == torch.float32
+    assert torch.equal(torch.isnan(out), torch.isnan(ref))
+    assert torch.equal(torch.isinf(out), torch.isinf(ref))
+    assert torch.equal(out[torch.isinf(ref)], ref[torch.isinf(ref)])  # same sign of Inf
+    fin = torch.isfinite(ref)
+    assert fin.any()
+    mag = torch.nn.functional.linear(x.abs().nan_to_num(0, 0, 0), w.abs().nan_to_num(0, 0, 0),
+                                     None if b is None else b.abs())
+    assert ((out - ref).abs()[fin] <= 1e-5 * mag[fin] + 1e-30).all()
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 4])
+@pytest.mark.parametrize("k,n", [(1, 1), (7, 13), (33, 65), (769, 301), (2048, 17)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_matches_f_linear(m, k, n, with_bias):
+    g = torch.Generator().manual_seed(m * 1000 + k + n)
+    x, w = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g)
+    b = torch.randn(n, generator=g) if with_bias else None
+    w_nk = pack_weight(w)
+    out = gemv(x, w_nk, b)
+    _check(out, x, w, b)
+    again = gemv(x, w_nk, b)
+    assert torch.equal(again, out)                 # a second call: same bits
+    out.add_(1)                                    # the result is the caller's
+    assert not torch.equal(again, out)
+    assert torch.equal(gemv(x, w_nk, b), again)
+
+
+def test_transposed_weight_and_out_buffer():
+    g = torch.Generator().manual_seed(1)
+    x, w_t, b = torch.randn(3, 40, generator=g), torch.randn(40, 24, generator=g), torch.randn(24, generator=g)
+    w_nk = pack_weight(w_t, transposed=True)
+    out = torch.empty(3, 24)
+    r = gemv(x, w_nk, b, out=out)
+    assert r is out
+    _check(out, x, w_t.t(), b)
+    strided = torch.empty(24, 3).t()               # a non-contiguous out: filled through a copy
+    assert gemv(x, w_nk, b, out=strided) is strided
+    assert torch.equal(strided, out)
+    xs = torch.randn(40, 3, generator=g).t()       # a non-contiguous x
+    _check(gemv(xs, w_nk, b), xs, w_t.t(), b)
+
+
+@pytest.mark.parametrize("m", [1, 4])
+def test_nan_and_inf_propagate_like_eager(m):
+    g = torch.Generator().manual_seed(2)
+    k, n = 37, 29
+    x, w, b = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g), torch.randn(n, generator=g)
+    if m > 1:
+        x[0, 3] = float("nan")      # row 0 all NaN
+    w[5, 7] = float("inf")          # column 5: +-Inf in every row (NaN in row 0)
+    w[9, 2] = float("-inf")
+    w[11, 4] = float("nan")         # column 11 all NaN
+    b[13] = float("inf")
+    if m > 1:
+        x[m - 1, 8] = float("inf")  # Inf * W[:, 8] in the last row
+    out = gemv(x, pack_weight(w), b)
+    _check(out, x, w, b)
+    assert torch.isnan(out[:, 11]).all() and torch.isinf(out[:, 13]).any()
+    if m > 1:
+        assert torch.isnan(out[0]).all() and not torch.isnan(out[1:]).all()
+
+
+@pytest.mark.parametrize("bad,match", [
+    (lambda: gemv(torch.randn(5, 8), pack_weight(torch.randn(4, 8))), "1 <= M <= 4"),
+    (lambda: gemv(torch.randn(1, 8, dtype=torch.float64), pack_weight(torch.randn(4, 8))), "float32"),
+    (lambda: gemv(torch.randn(1, 8), pack_weight(torch.randn(4, 9))), "pack_weight"),
+    (lambda: gemv(torch.randn(1, 8), torch.randn(8, 4).t()), "C-contiguous"),
+    (lambda: gemv(torch.randn(1, 8), pack_weight(torch.randn(4, 8)), torch.randn(5)), "bias"),
+    (lambda: pack_weight(torch.randn(4, 8, dtype=torch.float16)), "float32"),
+])
+def test_bad_input_is_one_clear_error(bad, match):
+    with pytest.raises(ValueError, match=match):
+        bad()
+    assert MAX_ROWS == 4
+
+
+def test_threads_follow_torch():
+    import numba
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        x, w = torch.randn(2, 70), torch.randn(9, 70)
+        _check(gemv(x, pack_weight(w), None), x, w, None)
+        assert numba.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
