@@ -4,12 +4,20 @@ and what the ``layout_selection`` pass gains end to end.
 
     .venv/bin/python bench/cpu_layout.py convs --batch 1 --threads 1
     .venv/bin/python bench/cpu_layout.py models --batch 1 --rounds 10
+    .venv/bin/python bench/cpu_layout.py sizes --threads 1 --rounds 15
 
 ``convs``: each distinct convolution of ResNet-50 (bias, no post-op), minimum of 7
 calls, summed over the network's 53 convolutions, with the activation (a) NCHW (oneDNN
 reorders it inside), (b) NHWC (channels-last strides: oneDNN's ``nhwc``), (c) an
 opaque oneDNN tensor (``to_mkldnn``: ``nChw8c`` on AVX2 = NC1HWC0 with C0 = 8) through
 ``torch.mkldnn_convolution``. Weights are prepacked once for each.
+``sizes``: per convolution shape (batch, channels in -> out, kernel, input H = W,
+stride 1, padding k // 2) the two kernels a CPU convolution may run
+(`opencann.ops.kernels.conv_choice`): eager's ``F.conv2d`` on an NCHW activation and
+oneDNN's prepacked ``_convolution_pointwise`` on an NHWC one (what ``layout_selection``
+makes), interleaved per round, minimum over ``--rounds`` rounds; prints µs, the ratio
+NHWC / NCHW, the multiply-adds (MACs) and what the size rule `conv_choice.choose`
+picks, so the rule's threshold can be checked on a new CPU.
 ``models``: eager, opencann with ``layout_selection`` and with it disabled, rounds
 interleaved in one process (median and min), on ResNet-50 (zoo) and on a
 MobileNetV3-like stack (hardswish and sigmoid gates: unfused elementwise ops between
@@ -74,6 +82,34 @@ def convs(batch: int) -> None:
           f"load {os.getloadavg()[0]:.2f}: " + ", ".join(f"{k} {v:.1f} ms" for k, v in tot.items()))
 
 
+_SIZES = [(n, ci, co, k, h) for n in (1, 8) for ci, co in ((3, 8), (8, 8), (16, 16), (32, 32), (64, 64))
+          for k in (1, 3) for h in (8, 16, 32, 56)]
+
+
+def sizes(rounds: int) -> None:
+    from opencann.ops.kernels.conv_choice import choose_for_shape
+    pw, reorder = torch.ops.mkldnn._convolution_pointwise, torch.ops.mkldnn._reorder_convolution_weight
+    print(f"{torch.get_num_threads()} thread(s), load {os.getloadavg()[0]:.2f}; "
+          "shape (n, cin, cout, k, h): eager NCHW µs, oneDNN NHWC µs, NHWC/NCHW, MACs, rule")
+    for n, ci, co, k, h in _SIZES:
+        p = [k // 2] * 2
+        w, b = torch.randn(co, ci, k, k), torch.randn(co)
+        x = torch.randn(n, ci, h, h)
+        xn = x.contiguous(memory_format=torch.channels_last)
+        wp = reorder(w, p, [1, 1], [1, 1], 1, list(x.shape))
+        fns = {"nchw": lambda: F.conv2d(x, w, b, 1, p),
+               "nhwc": lambda: pw(xn, wp, b, p, [1, 1], [1, 1], 1, "none", [], "")}
+        best = {key: float("inf") for key in fns}
+        reps = max(1, min(50, int(2e6 // (n * ci * co * k * k * h * h) or 1)))
+        for _ in range(rounds):
+            for key, fn in fns.items():
+                best[key] = min(best[key], best_time_us(fn, reps=reps))
+        macs = n * ci * co * k * k * h * h
+        kernel, _ = choose_for_shape(n, ci, co, k, k, h, h, 1)
+        print(f"  {(n, ci, co, k, h)!s:24s} {best['nchw']:9.1f} {best['nhwc']:9.1f} "
+              f"{best['nhwc'] / best['nchw']:6.2f} {macs / 1e6:8.2f}M  {kernel}")
+
+
 class MobileNetish(nn.Module):
     """Conv + hardswish, depthwise conv as a sigmoid gate, residual add: elementwise
     ops between the convolutions that no fusion takes (hardswish decomposes)."""
@@ -122,7 +158,7 @@ def models(batch: int, rounds: int) -> None:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("what", choices=["convs", "models"])
+    ap.add_argument("what", choices=["convs", "models", "sizes"])
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=10)
@@ -130,6 +166,8 @@ def main(argv=None) -> None:
     torch.set_num_threads(args.threads)
     if args.what == "convs":
         convs(args.batch)
+    elif args.what == "sizes":
+        sizes(args.rounds)
     else:
         models(args.batch, args.rounds)
 

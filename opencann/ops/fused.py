@@ -48,10 +48,11 @@ def _conv_act_cost(node: Node) -> Cost:
 
 register(OpDef("ConvBiasAct", OpKind.FUSED, aliases=((),), cost_fn=_conv_act_cost,
                kernel_factories={"cpu": make_conv_kernel}, device_cost={"vnpu": vnpu_cost.conv},
+               kernel_per_shape=True,   # eager's or oneDNN's kernel by size: ops/kernels/conv_choice
                per_index=pi.CONV, doc="Conv2D(+folded BN)+activation in one oneDNN primitive"))
 register(OpDef("ConvAddAct", OpKind.FUSED, aliases=((),),  # in place: the node's inplace_input
                cost_fn=_conv_act_cost, kernel_factories={"cpu": make_conv_kernel},
-               device_cost={"vnpu": vnpu_cost.conv}, per_index=pi.CONV_ADD,
+               device_cost={"vnpu": vnpu_cost.conv}, per_index=pi.CONV_ADD, kernel_per_shape=True,
                doc="Conv2D+Add(+ReLU) through oneDNN's sum post-op, in place into the addend"))
 register(OpDef("LinearAct", OpKind.FUSED, aliases=((),), cost_fn=_linear_cost,
                kernel_factories={"cpu": make_linear_kernel}, out_capable=lambda node: True,

@@ -11,8 +11,18 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import opencann
+from opencann.ops.kernels import conv_choice
 
 torch.manual_seed(0)
+
+
+@pytest.fixture(autouse=True)
+def onednn_convs(monkeypatch):
+    """Every convolution here on oneDNN's channels-last kernel, however small: these tests
+    check the NHWC machinery on small shapes; the size rule that keeps small convolutions
+    on eager's NCHW kernel is tested in tests/unit/test_conv_choice.py."""
+    monkeypatch.setattr(conv_choice, "MAX_ATEN_MACS_POINTWISE", 0)
+    monkeypatch.setattr(conv_choice, "MAX_ATEN_MACS_BATCH1", 0)
 
 
 def _compile(model, x, **options):

@@ -17,9 +17,19 @@ import opencann
 from opencann.ops.parity.layout_probe import LAYOUTS, Operand, at_layout, layout_differs, probe_tensor
 import opencann.ops.parity.layout_node as layout_values
 import opencann.passes.fusion.conv_add_act as conv_add_act
+from opencann.ops.kernels import conv_choice
 
 torch.manual_seed(0)
 aten = torch.ops.aten
+
+
+@pytest.fixture(autouse=True)
+def onednn_convs(monkeypatch):
+    """Every convolution here on oneDNN's channels-last kernel, however small: these tests
+    check the NHWC machinery on small shapes; the size rule that keeps small convolutions
+    on eager's NCHW kernel is tested in tests/unit/test_conv_choice.py."""
+    monkeypatch.setattr(conv_choice, "MAX_ATEN_MACS_POINTWISE", 0)
+    monkeypatch.setattr(conv_choice, "MAX_ATEN_MACS_BATCH1", 0)
 
 
 class ConvGelu(nn.Module):

@@ -31,6 +31,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from ...devices.cpu import best_time_us, mkl_packed_available, onednn_linear_available
 from ...ir import Node, TensorDesc
+from .conv_choice import choose as choose_conv_kernel
 
 _ACT_FN: Dict[str, Callable] = {  # in-place activations
     "relu": torch.relu_, "gelu": torch.ops.aten.gelu_, "tanh": torch.tanh_,
@@ -104,6 +105,30 @@ def _conv_add_kernel(packs, conv_args: tuple, unary, post, inplace: bool) -> Cal
     return run
 
 
+def _aten_conv_kernel(node: Node) -> Callable:
+    """The ``aten`` conv kernel (`conv_choice`): eager's ``F.conv2d`` (bias included), then
+    for ConvAddAct the residual added (into the addend with ``inplace``), then the
+    activation in place with eager's kernel. Same signatures as `make_conv_kernel`'s."""
+    a = node.attrs
+    pad, stride, dil, groups = a["padding"], a["stride"], a["dilation"], a["groups"]
+    post = _ACT_FN.get(a["act"])
+    conv = torch.nn.functional.conv2d
+    if node.op == "ConvAddAct":
+        inplace = a.get("inplace", True)
+
+        def run_add(x, w, *rest):  # (x, w[, bias], other)
+            b, other = (rest[0], rest[1]) if len(rest) == 2 else (None, rest[0])
+            y = conv(x, w, b, stride, pad, dil, groups)
+            y = other.add_(y) if inplace else y.add_(other)   # IEEE addition commutes
+            return y if post is None else post(y)
+        return run_add
+
+    def run(x, w, b=None):
+        y = conv(x, w, b, stride, pad, dil, groups)
+        return y if post is None else post(y)
+    return run
+
+
 def make_conv_kernel(node: Node, in_descs: Sequence[TensorDesc], consts: Sequence) -> Callable:
     """Bind-time kernel of a ConvBiasAct or ConvAddAct node: one oneDNN convolution
     (``torch.ops.mkldnn._convolution_pointwise``) with the node's activation as a post-op.
@@ -119,7 +144,14 @@ def make_conv_kernel(node: Node, in_descs: Sequence[TensorDesc], consts: Sequenc
     memory and returns it); the result, in x's dtype, may be channels-last (the executor
     restores eager's strides where they are observed). ReLU runs after the convolution
     with ``torch.relu_`` (see the module docstring). Raises KeyError for an activation
-    without a oneDNN post-op (the fusion passes never make one)."""
+    without a oneDNN post-op (the fusion passes never make one).
+
+    Small convolutions run eager's NCHW kernel instead (``node.meta["kernel"] ==
+    "aten"``: `opencann.ops.kernels.conv_choice`, the size rule the layout stage applies;
+    oneDNN's channels-last kernels cost more than eager's below it)."""
+    if choose_conv_kernel(node)[0] == "aten":
+        node.meta["kernel"] = "aten"
+        return _aten_conv_kernel(node)
     a = node.attrs
     w = consts[1]
     # a constant weight is reordered once per thread count; otherwise on every call

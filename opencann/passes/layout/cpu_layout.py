@@ -52,6 +52,7 @@ import torch
 
 from ...ir import Format, Graph, Node, Value
 from ...ops import OpKind, get_op, output_aliases
+from ...ops.kernels.conv_choice import choose as choose_conv_kernel
 from ...ops.parity import layout_dependent
 from ..base import Pass, PassContext
 from .npu_layout import NpuLayoutSelection
@@ -79,14 +80,31 @@ def _distinct(v: Value) -> bool:
     return c > 1 and h * w > 1
 
 
+def _candidate(node: Node) -> bool:
+    """Whether ``node`` is a CPU convolution on a constant weight with static 4-D float
+    activations (a seed unless it is too small: `_eager_conv`)."""
+    if node.op not in _SEEDS or node.device.kind != "cpu" or len(node.inputs) < 2:
+        return False
+    return node.inputs[1].is_const and _four_d(node.inputs[0]) and _four_d(node.outputs[0])
+
+
+def _eager_conv(node: Node) -> str:
+    """Why the convolution ``node`` runs eager's NCHW kernel instead of oneDNN's NHWC one
+    ("" when it runs oneDNN's): the size rule `opencann.ops.kernels.conv_choice`."""
+    kernel, why = choose_conv_kernel(node)
+    return (why or "eager's NCHW kernel chosen") if kernel == "aten" else ""
+
+
 def _conv_out(node: Node, fmt: Dict[int, Format]) -> Optional[Format]:
     """A CPU convolution's result layout: NHWC (oneDNN's) with a constant weight, the
-    addend's layout when it writes in place into it; None when it is not a seed."""
-    x, w = node.inputs[0], node.inputs[1]
-    if node.device.kind != "cpu" or not w.is_const or not _four_d(x) or not _four_d(node.outputs[0]):
+    addend's layout when it writes in place into it; None when it is not a seed (too
+    small for oneDNN's channels-last kernel: `_eager_conv`, it stays NCHW)."""
+    if not _candidate(node):
         return None
     if node.op == "ConvAddAct" and "inplace_input" in node.attrs:
         return fmt.get(node.inputs[node.attrs["inplace_input"]].id, NCHW)
+    if _eager_conv(node):
+        return None
     return NHWC
 
 
@@ -166,6 +184,8 @@ def _needs_nchw(u: Node, v: Value, fmt: Dict[int, Format]) -> str:
     """Why consumer ``u`` needs ``v`` (NHWC) in eager's layout; "" when it reads NHWC."""
     if u.op in _SEEDS and _conv_out(u, fmt) is not None and u.inputs[1] is not v:
         return ""
+    if _candidate(u) and _eager_conv(u):
+        return f"{u.op} runs eager's NCHW convolution: {_eager_conv(u)}"
     return follows_input(u)
 
 
@@ -183,8 +203,11 @@ class LayoutSelection(Pass):
         TransData kept."""
         fmt = _select(graph)
         self._skip_inputs(graph, ctx)
+        small = self._skip_small(graph, ctx)
         if not fmt:
-            ctx.note("cpu keeps ND/NCHW: no oneDNN convolution on a constant weight")
+            ctx.note(f"cpu keeps ND/NCHW: {small} convolution(s) too small for oneDNN's "
+                     "channels-last kernel (see the skips)" if small else
+                     "cpu keeps ND/NCHW: no oneDNN convolution on a constant weight")
             return 0
         for n in graph.nodes:
             for k, o in enumerate(n.outputs):
@@ -205,9 +228,24 @@ class LayoutSelection(Pass):
         return len(fmt) + kept
 
     @staticmethod
+    def _skip_small(graph: Graph, ctx: PassContext) -> int:
+        """One skip per convolution left on eager's NCHW kernel by the size rule
+        (`_eager_conv`), with its reason; marks it ``meta["kernel"] = "aten"`` (what
+        binding runs, saved in model files). Returns their number."""
+        count = 0
+        for n in graph.nodes:
+            why = _eager_conv(n) if _candidate(n) else ""
+            if why:
+                n.meta["kernel"] = "aten"
+                ctx.skipped(n, f"{n.name} stays NCHW on eager's convolution kernel: {why}", "NHWC")
+                count += 1
+        return count
+
+    @staticmethod
     def _skip_inputs(graph: Graph, ctx: PassContext) -> None:
         for v in graph.inputs:
-            convs = [u for u in v.users if u.op in _SEEDS and u.inputs[0] is v]
+            convs = [u for u in v.users if u.op in _SEEDS and u.inputs[0] is v
+                     and not (_candidate(u) and _eager_conv(u))]
             if convs and _four_d(v):
                 ctx.skipped(convs[0], f"graph input {v} stays NCHW: oneDNN's first-layer kernel "
                             "reads NCHW directly (a TransData to NHWC measured no faster)",
