@@ -22,6 +22,12 @@ rounds) on the 2-core Intel Xeon with AVX-512/AVX512-BF16/AMX this project runs 
 - ResNet-50 (batch 1, 224×224: 12.8-231 M MACs per convolution) keeps oneDNN and NHWC
   everywhere; in a channels-last region a convolution also saves the reorders around it.
 
+Applied by the layout stage (`opencann.passes.layout.cpu_layout`) to a convolution whose
+input is NCHW only: inside a channels-last region (input already NHWC) a convolution
+stays on oneDNN, as a TransData back to NCHW and oneDNN's slower NCHW read after it would
+cost what eager's kernel saves (not measured per shape). With ``layout_selection``
+disabled every convolution keeps oneDNN's kernel, as before the rule.
+
 Measured at 1 thread: at more intra-op threads eager uses oneDNN for 1×1 convolutions too,
 and the thresholds may differ; re-check them on another CPU with the bench. A fixed,
 measured rule and not a race at compile time: compile reports and the layout decisions
@@ -74,21 +80,14 @@ def choose_for_shape(n: int, cin: int, cout: int, kh: int, kw: int, ho: int, wo:
 def choose(node: Node) -> Tuple[str, str]:
     """(kernel, reason) for the CPU convolution ``node`` (inputs x [N, Cin, H, W] and a
     weight [Cout, Cin/groups, KH, KW]; output [N, Cout, Ho, Wo]): `choose_for_shape` on
-    its static sizes, except that a choice in ``node.meta["kernel"]`` (the layout stage's,
-    a model file's) naming one of `CONV_KERNELS` holds. Sizes that are not static get
-    ``"onednn"`` (the kernel used before this rule)."""
-    made = node.meta.get("kernel")
+    its static sizes; ``("onednn", "")`` when they are not static. The layout stage
+    applies it and records ``node.meta["kernel"] = "aten"`` (what `make_conv_kernel` binds)."""
     x, w, y = node.inputs[0].desc, node.inputs[1].desc, node.outputs[0].desc
-    if x.is_static and w.is_static and y.is_static and x.rank == 4 and w.rank == 4:
-        kernel, why = choose_for_shape(int(x.shape[0]), int(x.shape[1]), int(w.shape[0]),
-                                       int(w.shape[2]), int(w.shape[3]), int(y.shape[2]),
-                                       int(y.shape[3]), int(node.attrs.get("groups", 1)))
-    else:
-        kernel, why = "onednn", ""
-    if made in CONV_KERNELS and made != kernel:
-        return made, ("" if made == "onednn" else
-                      "eager's kernel recorded for this node (a model file or an earlier compile)")
-    return kernel, why
+    if not (x.is_static and w.is_static and y.is_static and x.rank == 4 and w.rank == 4):
+        return "onednn", ""
+    return choose_for_shape(int(x.shape[0]), int(x.shape[1]), int(w.shape[0]), int(w.shape[2]),
+                            int(w.shape[3]), int(y.shape[2]), int(y.shape[3]),
+                            int(node.attrs.get("groups", 1)))
 
 
 __all__ = ["CONV_KERNELS", "MAX_ATEN_MACS_BATCH1", "MAX_ATEN_MACS_POINTWISE", "choose", "choose_for_shape", "conv_macs"]

@@ -31,7 +31,6 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from ...devices.cpu import best_time_us, mkl_packed_available, onednn_linear_available
 from ...ir import Node, TensorDesc
-from .conv_choice import choose as choose_conv_kernel
 
 _ACT_FN: Dict[str, Callable] = {  # in-place activations
     "relu": torch.relu_, "gelu": torch.ops.aten.gelu_, "tanh": torch.tanh_,
@@ -146,11 +145,10 @@ def make_conv_kernel(node: Node, in_descs: Sequence[TensorDesc], consts: Sequenc
     with ``torch.relu_`` (see the module docstring). Raises KeyError for an activation
     without a oneDNN post-op (the fusion passes never make one).
 
-    Small convolutions run eager's NCHW kernel instead (``node.meta["kernel"] ==
-    "aten"``: `opencann.ops.kernels.conv_choice`, the size rule the layout stage applies;
-    oneDNN's channels-last kernels cost more than eager's below it)."""
-    if choose_conv_kernel(node)[0] == "aten":
-        node.meta["kernel"] = "aten"
+    Small convolutions run eager's NCHW kernel instead where the layout stage chose it
+    (``node.meta["kernel"] == "aten"``, saved in model files: the size rule of
+    `opencann.ops.kernels.conv_choice`; oneDNN's channels-last kernels cost more below it)."""
+    if node.meta.get("kernel") == "aten":
         return _aten_conv_kernel(node)
     a = node.attrs
     w = consts[1]

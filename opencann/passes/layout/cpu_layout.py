@@ -90,9 +90,22 @@ def _candidate(node: Node) -> bool:
 
 def _eager_conv(node: Node) -> str:
     """Why the convolution ``node`` runs eager's NCHW kernel instead of oneDNN's NHWC one
-    ("" when it runs oneDNN's): the size rule `opencann.ops.kernels.conv_choice`."""
-    kernel, why = choose_conv_kernel(node)
-    return (why or "eager's NCHW kernel chosen") if kernel == "aten" else ""
+    ("" when it runs oneDNN's): chosen by `_mark_small` (``meta["kernel"] == "aten"``)."""
+    if node.meta.get("kernel") != "aten":
+        return ""
+    return choose_conv_kernel(node)[1] or "eager's NCHW kernel recorded for this node"
+
+
+def _mark_small(node: Node, fmt: Dict[int, Format]) -> None:
+    """Record ``meta["kernel"] = "aten"`` on a candidate convolution with an NCHW input
+    that the size rule (`opencann.ops.kernels.conv_choice`) keeps on eager's kernel; one
+    with an NHWC input (inside a channels-last region) stays on oneDNN's."""
+    small = (_candidate(node) and fmt.get(node.inputs[0].id) != NHWC
+             and choose_conv_kernel(node)[0] == "aten")
+    if small:
+        node.meta["kernel"] = "aten"
+    elif node.meta.get("kernel") == "aten":
+        del node.meta["kernel"]
 
 
 def _conv_out(node: Node, fmt: Dict[int, Format]) -> Optional[Format]:
@@ -134,6 +147,7 @@ def _select(graph: Graph) -> Dict[int, Format]:
     fmt: Dict[int, Format] = {}
     for n in graph.nodes:
         if n.op in _SEEDS:
+            _mark_small(n, fmt)
             f = _conv_out(n, fmt)
             if f is None:
                 continue
@@ -184,7 +198,7 @@ def _needs_nchw(u: Node, v: Value, fmt: Dict[int, Format]) -> str:
     """Why consumer ``u`` needs ``v`` (NHWC) in eager's layout; "" when it reads NHWC."""
     if u.op in _SEEDS and _conv_out(u, fmt) is not None and u.inputs[1] is not v:
         return ""
-    if _candidate(u) and _eager_conv(u):
+    if u.op in _SEEDS and _eager_conv(u):
         return f"{u.op} runs eager's NCHW convolution: {_eager_conv(u)}"
     return follows_input(u)
 
@@ -230,13 +244,12 @@ class LayoutSelection(Pass):
     @staticmethod
     def _skip_small(graph: Graph, ctx: PassContext) -> int:
         """One skip per convolution left on eager's NCHW kernel by the size rule
-        (`_eager_conv`), with its reason; marks it ``meta["kernel"] = "aten"`` (what
-        binding runs, saved in model files). Returns their number."""
+        (`_mark_small`, ``meta["kernel"] == "aten"``: what binding runs, saved in model
+        files), with its reason. Returns their number."""
         count = 0
         for n in graph.nodes:
-            why = _eager_conv(n) if _candidate(n) else ""
+            why = _eager_conv(n) if n.op in _SEEDS else ""
             if why:
-                n.meta["kernel"] = "aten"
                 ctx.skipped(n, f"{n.name} stays NCHW on eager's convolution kernel: {why}", "NHWC")
                 count += 1
         return count
@@ -245,7 +258,7 @@ class LayoutSelection(Pass):
     def _skip_inputs(graph: Graph, ctx: PassContext) -> None:
         for v in graph.inputs:
             convs = [u for u in v.users if u.op in _SEEDS and u.inputs[0] is v
-                     and not (_candidate(u) and _eager_conv(u))]
+                     and not _eager_conv(u)]
             if convs and _four_d(v):
                 ctx.skipped(convs[0], f"graph input {v} stays NCHW: oneDNN's first-layer kernel "
                             "reads NCHW directly (a TransData to NHWC measured no faster)",
