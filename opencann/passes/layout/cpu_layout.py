@@ -7,7 +7,13 @@ activations between oneDNN convolutions, TransData (NHWC→NCHW) only at the bou
    ``ConvAddAct``) with a constant 4-D float weight: its oneDNN kernel
    (`opencann.ops.kernels.cpu.make_conv_kernel`, weight prepacked once at bind time)
    reads NCHW or NHWC and writes NHWC. An in-place ``ConvAddAct`` writes into its
-   addend, so its result is in the addend's layout. NHWC then spreads through the ops
+   addend, so its result is in the addend's layout. Not a seed: a convolution on an NCHW
+   input too small for oneDNN's channels-last kernel (the measured size rule of
+   `opencann.ops.kernels.conv_choice`: e.g. the 3→8 and 8→8 3×3 convolutions of a
+   1×3×32×32 CNN ran 2-3× slower on it than on eager's NCHW kernel); it runs eager's
+   kernel (``meta["kernel"] = "aten"``), its result stays NCHW and the report has a skip
+   (detail "NHWC") with the rule's reason. Inside a channels-last region (NHWC input) a
+   small convolution stays on oneDNN: leaving the region would cost a TransData. NHWC then spreads through the ops
    whose ATen kernel follows its input's layout (``OpDef.channels_last``: elementwise
    ops, pooling, H/W reductions, inference BatchNorm, ATen convolution; not
    random ones, not views, not a ``Cast`` that asks for a memory format, not ops with
