@@ -71,9 +71,8 @@ def test_data_dependent_conversion_errors_stay_data_dependent():
     class Half(nn.Module):
         def forward(self, x):
             return x * 2, x.shape[0] / 2
-    with pytest.raises(ConversionError) as e:
-        opencann.compile(Half(), (torch.randn(8, 5),), dynamic_shapes={"x": {0: "b"}})
-    assert e.value.kind == "size_arithmetic"
+    cm = opencann.compile(Half(), (torch.randn(8, 5),), dynamic_shapes={"x": {0: "b"}})
+    assert cm(torch.randn(6, 5))[1] == 3.0      # float size arithmetic compiles (bound per call)
     err = ConversionError("n0: data-dependent value", kind="data_dependent")
     a = analyze(nn.Linear(2, 2).eval(), (torch.randn(1, 2),))
     a.note_conversion_error(err)

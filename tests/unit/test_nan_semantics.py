@@ -295,8 +295,8 @@ def test_spelled_out_attention_with_bool_addend_is_not_fused():
 TRITON_SCRIPT = r"""
 import json, sys, torch
 import torch.nn.functional as F
-sys.path.insert(0, ".")
-import tests.test_nan_semantics as t
+sys.path[:0] = [".", "tests"]
+import tests.unit.test_nan_semantics as t
 from opencann.ops.flash_attention import flash_attention
 from opencann.ops.flash_attention import triton_kernels  # noqa: F401 (interpreted)
 res = {}

@@ -22,7 +22,7 @@ from typing import List, Optional, Tuple
 
 import torch
 
-from ...devices import Device
+from ...devices import Device, parse_device
 from ...ir import Graph, Node, TensorRef, Value
 from ...ir.symbolic import dynamic_skip_reason
 from ...ops.flash_attention import cpu_l2, plan_tiles
@@ -56,7 +56,9 @@ def _tile_check(dev: Device, d: int, sq: int, sk: int) -> Optional[str]:
 
 def _check(q: Value, k: Value, v: Value, mask: Optional[Value], dropout_p: float,
            enable_gqa: bool, device: Device) -> Optional[str]:
-    """Why (q, k, v, mask) cannot run as FlashAttention, or None."""
+    """Why (q, k, v, mask) cannot run as FlashAttention on ``device`` (a `Device`, or its
+    string form), or None."""
+    device = parse_device(device)
     if dropout_p and dropout_p > 0:
         return (f"dropout_p={dropout_p} > 0 (dropout in training): FlashAttention here has no "
                 "dropout; use model.eval() or dropout_p=0 for inference")
