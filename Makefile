@@ -28,8 +28,9 @@ demo: $(STAMP)
 # tests/conformance/onnx (the onnx wheel's backend cases). Markers (pyproject.toml):
 # `serial` tests measure threads, OpenMP pools or processes and run alone after the
 # parallel pass; `onnx_full` marks the ONNX backend cases outside the fast subset (one
-# case per op set and element types); `heavy` compiles a zoo model.
-#   make test       what CI runs (.ci/run): everything but `onnx_full`, 2 processes (xdist)
+# case per op set and element types); `full` marks exhaustive grids a sampled test also
+# covers; `heavy` compiles a zoo model.
+#   make test       what CI runs (.ci/run): everything but `onnx_full` and `full`, 2 processes (xdist)
 #   make test-fast  the edit loop: unit tests and the fast integration files, no heavy ones
 #   make test-all   everything, the full ONNX backend set included
 # One file or test: $(PY) -m pytest tests/unit/test_ops.py -k relu
@@ -39,8 +40,8 @@ FAST_INTEGRATION := tests/integration/test_api_misuse.py tests/integration/test_
 	tests/integration/test_model_file.py tests/integration/test_acl.py
 
 test: $(STAMP)
-	$(PYTEST) tests $(XDIST) -m "not serial and not onnx_full"
-	$(PYTEST) tests -m "serial and not onnx_full"
+	$(PYTEST) tests $(XDIST) -m "not serial and not onnx_full and not full"
+	$(PYTEST) tests -m "serial and not onnx_full and not full"
 
 test-fast: $(STAMP)
 	$(PYTEST) tests/unit $(FAST_INTEGRATION) $(XDIST) -m "not serial and not heavy"

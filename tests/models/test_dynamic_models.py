@@ -80,6 +80,7 @@ def test_minilm_dynamic_compile(minilm, batch, seq):
 
 
 @pytest.mark.heavy
+@pytest.mark.full
 def test_minilm_dynamic_compile_full_grid(minilm):
     model, cm = minilm
     for batch, seq in GRID:
@@ -95,6 +96,7 @@ def test_bert_base_dynamic_compile(bert, batch, seq):
 
 
 @pytest.mark.heavy
+@pytest.mark.full
 def test_bert_base_dynamic_compile_full_grid(bert):
     model, cm = bert
     for batch, seq in GRID:
