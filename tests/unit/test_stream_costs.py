@@ -12,7 +12,7 @@ import opencann
 from opencann.passes.memory_check import check_plan
 from opencann.passes.schedule import assign_streams, node_costs, predict_streams
 
-from test_streams import D, SpecModel, _check_runs, _inputs
+from integration.test_streams import D, SpecModel, _check_runs, _inputs
 
 
 class FourBranches(torch.nn.Module):
