@@ -48,11 +48,9 @@ launches are serialized (`_launch_guard`).
 """
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import math
 import os
-import threading
 
 import numba
 import numpy as np
@@ -62,7 +60,7 @@ from numba import prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from ..kernels.numba_cache import njit
+from ..kernels.numba_cache import launch_guard, njit
 
 _FM = {"reassoc", "contract"}
 _LOG2E = 1.4426950408889634
@@ -494,14 +492,12 @@ def bwd_dq_kernel(q, k, v, do, lse, dd, mask, has_mask, causal, offset, scale,
 
 
 _DUMMY_MASK = np.zeros((1, 1, 1, 1), np.float32)
-_WORKQUEUE_LOCK = threading.Lock()
 
 
 def _launch_guard():
     """A lock when numba's threading layer is ``workqueue`` (not thread-safe: concurrent
     launches terminate the process), else a no-op context. Starts the layer if needed."""
-    numba.get_parallel_chunksize()  # launches numba's threads: the layer is known after
-    return _WORKQUEUE_LOCK if numba.threading_layer() == "workqueue" else contextlib.nullcontext()
+    return launch_guard()   # one process-wide lock for every opencann numba kernel
 
 
 def _args(q, k, mask, causal_off):

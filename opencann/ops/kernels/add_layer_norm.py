@@ -21,8 +21,6 @@ values (`affine_in_range`).
 """
 from __future__ import annotations
 
-import contextlib
-import threading
 from typing import Callable, Sequence
 
 import numpy as np
@@ -32,7 +30,6 @@ from ..parity.norm_range import affine_in_range, layer_norm_limits
 from ...ir import Node, TensorDesc
 
 _FM = {"reassoc", "contract"}
-_LOCK = threading.Lock()
 _KERNEL = None
 
 
@@ -76,9 +73,8 @@ def _compiled():
 def _guard():
     """A lock when numba's threading layer is ``workqueue`` (not thread-safe), else a
     no-op context."""
-    import numba
-    numba.get_parallel_chunksize()
-    return _LOCK if numba.threading_layer() == "workqueue" else contextlib.nullcontext()
+    from .numba_cache import launch_guard   # imports numba: only at a launch
+    return launch_guard()   # one process-wide lock for every opencann numba kernel
 
 
 def make_add_layer_norm_kernel(node: Node, in_descs: Sequence[TensorDesc],

@@ -40,7 +40,6 @@ from .ew_program import Program, layout, stride_class
 
 _CACHE: Dict[tuple, Callable] = {}
 _LOCK = threading.Lock()
-_WORKQUEUE_LOCK = threading.Lock()
 #: signature -> seconds its first call took (compile + run), for the report and benchmarks
 COMPILE_SECONDS: Dict[tuple, float] = {}
 #: domains with at least this many elements and 2 rows run rows in parallel
@@ -194,8 +193,8 @@ def _guard(parallel: bool):
     serialize them there (as the FlashAttention kernels do)."""
     if not parallel:
         return contextlib.nullcontext()
-    numba.get_parallel_chunksize()
-    return _WORKQUEUE_LOCK if numba.threading_layer() == "workqueue" else contextlib.nullcontext()
+    from .numba_cache import launch_guard   # imports numba: only at a launch
+    return launch_guard()   # one process-wide lock for every opencann numba kernel
 
 
 def run_numba(prog: Program, inputs: Sequence[torch.Tensor], outputs: List[torch.Tensor],
