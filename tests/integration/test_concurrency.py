@@ -268,16 +268,20 @@ def test_executor_clone_has_its_own_arena_and_shares_kernels():
             torch.testing.assert_close(v, u)
 
 
-def test_flash_attention_serializes_launches_under_numba_workqueue(monkeypatch):
+def test_numba_kernels_serialize_launches_under_numba_workqueue(monkeypatch):
     """numba's workqueue threading layer terminates the process on concurrent parallel
-    launches; the kernels take a lock under it (verified by hand with
-    NUMBA_THREADING_LAYER=workqueue: 4 threads abort without the lock, pass with it)."""
+    launches, of one kernel or of different ones; every opencann numba kernel takes the
+    same process-wide lock under it (verified by hand with NUMBA_THREADING_LAYER=workqueue:
+    4 threads abort without the lock, pass with it)."""
     import numba
     from opencann.ops.flash_attention import cpu
+    from opencann.ops.kernels import add_layer_norm, ew_numba, numba_cache
+    guards = (cpu._launch_guard, add_layer_norm._guard, lambda: ew_numba._guard(True),
+              numba_cache.launch_guard)
     monkeypatch.setattr(numba, "threading_layer", lambda: "workqueue")
-    assert cpu._launch_guard() is cpu._WORKQUEUE_LOCK
+    assert all(g() is numba_cache._WORKQUEUE_LOCK for g in guards)
     monkeypatch.setattr(numba, "threading_layer", lambda: "omp")
-    assert cpu._launch_guard() is not cpu._WORKQUEUE_LOCK
+    assert all(g() is not numba_cache._WORKQUEUE_LOCK for g in guards)
 
 
 # -- resources ----------------------------------------------------------------------
