@@ -34,6 +34,7 @@ from ..passes import PassContext, PassManager
 from ..report import CompileReport
 from ..runtime import DEFAULT_CONCURRENT_CALLS, Executor, ExecutorPool
 from .binding import BindKernels
+from .options import complete
 
 
 class ShapePolicy:
@@ -81,7 +82,8 @@ class StaticShapes(ShapePolicy):
                  concurrent_calls: int = DEFAULT_CONCURRENT_CALLS,
                  check_aliasing: Optional[bool] = None, executor: Optional[Executor] = None):
         if executor is None:   # a loaded model: run the binding stage alone
-            ctx = PassContext(options={"check_aliasing": check_aliasing}, report=report,
+            given = None if check_aliasing is None else {"check_aliasing": check_aliasing}
+            ctx = PassContext(options=complete(given), report=report,
                               artifacts={"memory_plan": plan})
             PassManager([BindKernels()]).run(graph, ctx)
             executor = ctx.artifacts["executor"]

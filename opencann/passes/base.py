@@ -90,7 +90,7 @@ class PassContext:
         rooted at ``node``; if so, records the Skip (`DISABLED_REASON`)."""
         rid = f"{self.pass_name}@{node.name}"
         self.sites_seen.add(rid)
-        if rid not in self.options.get("disable_rewrites", ()):
+        if rid not in self.options["disable_rewrites"]:
             return False
         self.events.append(("skipped", (Skip(DISABLED_REASON, node), node)))
         return True
@@ -207,15 +207,15 @@ class PassManager:
         ValueError for an unknown name in ``disable``/``enable`` (listing the names) or a
         ``required`` pass disabled, and `GraphError` when ``options["verify"]`` finds a
         broken invariant after a pass."""
-        disable = set(ctx.options.get("disable", ()))
-        enable = set(ctx.options.get("enable", ()))
+        disable = set(ctx.options["disable"])
+        enable = set(ctx.options["enable"])
         unknown = (disable | enable) - set(self.names())
         if unknown:
             raise ValueError(f"unknown pass name(s) {sorted(unknown)}; passes are {self.names()}")
         fixed = sorted(p.name for p in self.passes if p.required and p.name in disable)
         if fixed:
             raise ValueError(f"pass(es) {fixed} cannot be disabled: later stages need their result")
-        self._check_rewrite_passes(ctx.options.get("disable_rewrites", ()))
+        self._check_rewrite_passes(ctx.options["disable_rewrites"])
         ran = set()
         for i, p in enumerate(self.passes):
             on = (p.default_enabled or p.name in enable) and p.name not in disable
@@ -252,7 +252,7 @@ class PassManager:
         else:
             changed = p.run(graph, ctx) if on else 0
         dt = time.perf_counter() - t0
-        if on and ctx.options.get("verify", False):
+        if on and ctx.options["verify"]:
             verify(graph)
         record_events(p.name, ctx)
         ctx.report.passes.append(PassRecord(p.name, p.stage, before, len(graph.nodes), dt,
@@ -293,7 +293,7 @@ def record_events(name: str, ctx: PassContext) -> None:
 def check_rewrite_ids(ctx: PassContext, ran) -> None:
     """Raise ValueError (one line, listing ids of this compile) when an id in
     ``options["disable_rewrites"]`` of a pass that ran names no site that pass looked at."""
-    wrong = [r for r in ctx.options.get("disable_rewrites", ())
+    wrong = [r for r in ctx.options["disable_rewrites"]
              if r.partition("@")[0] in ran and r not in ctx.sites_seen]
     if not wrong:
         return

@@ -35,13 +35,13 @@ class SingleStreamSchedule(Pass):
         of live bytes before and after. Raises ValueError if the graph has a cycle."""
         before = [n.name for n in graph.nodes]
         graph.topo_sort()
-        if ctx.options.get("memory_aware_order", True):
+        if ctx.options["memory_aware_order"]:
             _memory_aware(graph, ctx)
         for n in graph.nodes:
             n.stream = 0
         ctx.artifacts["schedule"] = Schedule([n.name for n in graph.nodes],
                                              {n.name: 0 for n in graph.nodes})
-        if ctx.options.get("streams", 1) > 1:
+        if ctx.options["streams"] > 1:
             _schedule_streams(graph, ctx)
         return sum(a != b for a, b in zip(before, [n.name for n in graph.nodes]))
 

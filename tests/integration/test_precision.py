@@ -10,6 +10,7 @@ import torch
 from opencann.engine import compile_graph
 from opencann.frontend.torch import capture, from_exported_program
 from opencann.passes.base import PassContext
+from opencann.engine.options import complete
 from opencann.passes.prepare.precision import MixedPrecision, default_keep_fp32, low_dtype, precision_summary
 from opencann.report import CompileReport
 from opencann.runtime import Executor
@@ -37,7 +38,7 @@ def _run(model, x, mode, **opts):
     torch.manual_seed(0)
     ep, _ = capture(model.eval(), (x,))
     g = from_exported_program(ep)
-    ctx = PassContext(options={"precision_mode": mode, **opts}, report=CompileReport())
+    ctx = PassContext(options=complete({"precision_mode": mode, **opts}), report=CompileReport())
     MixedPrecision().run(g, ctx)
     g, plan, _ = compile_graph(g, "cpu")
     return Executor(g, plan).run([x])[0], precision_summary(g)

@@ -71,7 +71,8 @@ def test_device_parsed_once_and_carried_by_context_nodes_and_model_files(tmp_pat
     from opencann.devices import Device
     from opencann.passes import PassContext
     from opencann.report import CompileReport
-    ctx = PassContext(options={}, report=CompileReport(), device="vnpu:ascend310")
+    from opencann.engine.options import complete
+    ctx = PassContext(options=complete({}), report=CompileReport(), device="vnpu:ascend310")
     assert isinstance(ctx.device, Device) and ctx.device_kind == "vnpu"
     model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.ReLU()).eval()
     x = torch.randn(1, 3, 8, 8)

@@ -12,6 +12,7 @@ from opencann.dynamo import COMPILED_GRAPHS
 from opencann.dynamo.training import opencann_training_backend
 from opencann.ir import DataType, Graph, TensorDesc, TensorRef
 from opencann.ops import infer
+from opencann.engine.options import complete
 from opencann.passes import PassContext, PassManager
 from opencann.passes.prepare.drop_unused_outputs import DropUnusedOutputs
 from opencann.report import CompileReport
@@ -105,7 +106,7 @@ def _pool_graph(indices_out: bool):
 
 
 def _run(g, device="cpu"):
-    ctx = PassContext(options={}, report=CompileReport(model="t", device=device), device=device)
+    ctx = PassContext(options=complete({}), report=CompileReport(model="t", device=device), device=device)
     PassManager([DropUnusedOutputs()]).run(g, ctx)
     return ctx.report.passes[0].changed, ctx
 

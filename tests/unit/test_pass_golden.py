@@ -13,6 +13,7 @@ from opencann.passes import (CommonSubexpressionElimination, ConstantFolding, De
                              FuseLinearAct, IdentityElimination, LayoutSelection, MemoryPlanning,
                              MixedPrecision, NpuLayoutSelection, PassContext, PassManager,
                              SingleStreamSchedule)
+from opencann.engine.options import complete
 from opencann.report import CompileReport
 
 F = DataType.FLOAT
@@ -38,7 +39,7 @@ def rnd(*shape):
 
 def run(p, g, device="cpu", **options):
     """Run pass ``p`` alone; returns (printed graph, report, context)."""
-    ctx = PassContext(options={"verify": True, **options}, report=CompileReport(), device=device)
+    ctx = PassContext(options=complete({"verify": True, **options}), report=CompileReport(), device=device)
     PassManager([p]).run(g, ctx)
     verify(g)
     return to_text(g, attrs=("act", "inplace", "masked_rows", "dtype", "src_format",

@@ -130,7 +130,7 @@ class FuseElementwise(Pass):
         """Form the groups in graph order, report each cut, fuse each group of ≥ MIN_OPS
         ops; returns the number of groups fused."""
         if ctx.device_kind == "cpu" and not self.cpu_default and \
-                self.name not in ctx.options.get("enable", ()):
+                self.name not in ctx.options["enable"]:
             ctx.note("off on cpu by default (not faster than ATen here, docs/design/passes.md); "
                      "options={'enable': ['fuse_elementwise']} runs it")
             return 0
@@ -233,7 +233,7 @@ class FuseElementwise(Pass):
                 out_vals.append(o)
         last = g.nodes[-1]
         attrs = {"program": lines, "outputs": outputs, "reduce": reduce,
-                 "fastmath": bool(ctx.options.get("fuse_elementwise_fastmath", False)),
+                 "fastmath": bool(ctx.options["fuse_elementwise_fastmath"]),
                  "shape": list(g.shape), "ops": [n.op for n in g.nodes]}
         new = graph.create_node("FusedElementwise", inputs, attrs, [v.desc for v in out_vals],
                                 name=f"{last.name}_fused", source=last.source, scope=last.scope,

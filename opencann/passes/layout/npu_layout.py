@@ -406,7 +406,7 @@ def _cube_fp16_casts(graph: Graph, ctx: PassContext) -> int:
     ``must_keep_origin_dtype`` or ``force_fp32`` (CANN fails such a compile)."""
     cache: Dict = {}
     changed = 0
-    mode = ctx.options.get("precision_mode")
+    mode = ctx.options["precision_mode"]
     for n in list(graph.nodes):
         if get_op(n.op).npu_format not in ("conv", "matmul") or len(n.outputs) != 1 \
                 or n.outputs[0].desc.dtype != DataType.FLOAT:

@@ -105,11 +105,11 @@ class MixedPrecision(Pass):
         inputs. Host fallbacks and creation ops take fp32; graph outputs are cast back to
         their original dtypes. Returns the number of inputs redirected to casts plus the
         output casts. Raises ValueError for an unknown mode (`low_dtype`)."""
-        mode = ctx.options.get("precision_mode")
+        mode = ctx.options["precision_mode"]
         if not mode:
             return 0
         low = low_dtype(mode)
-        keep = self.keep_fp32 | set(ctx.options.get("keep_fp32", ()))
+        keep = self.keep_fp32 | set(ctx.options["keep_fp32"])
         if mode == "force_fp32":
             return self._rewrite(graph, FP32, lambda n: True, set(), ctx, mode)
         if low is None:
