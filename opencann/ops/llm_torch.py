@@ -39,6 +39,10 @@ def _check_update(cache: torch.Tensor, new: torch.Tensor, positions: torch.Tenso
 
 @torch.library.custom_op("opencann::kv_cache_update", mutates_args=("cache",))
 def kv_cache_update(cache: torch.Tensor, new: torch.Tensor, positions: torch.Tensor) -> None:
+    """Write ``new`` [B, Hkv, T, D] into ``cache`` [B, Hkv, S_max, D] in place at
+    ``positions`` [B] (int64): ``cache[b, :, positions[b]:positions[b]+T] = new[b]``
+    (scatter-update semantics of ``torch_npu.scatter_update_``). Raises ValueError on
+    shapes, dtypes or a write past S_max."""
     _check_update(cache, new, positions)
     t, s_max = new.shape[2], cache.shape[2]
     for b, p in enumerate(positions.tolist()):
@@ -57,6 +61,11 @@ def _(cache, new, positions):
 @torch.library.custom_op("opencann::decode_attention", mutates_args=())
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      lengths: torch.Tensor, scale: float) -> torch.Tensor:
+    """Attention of one query per sequence over a KV cache: ``q`` [B, Hq, 1, D],
+    ``k_cache``/``v_cache`` [B, Hkv, S_max, D] float32, ``lengths`` [B] (live positions
+    per row, data not shape), ``scale`` float -> [B, Hq, 1, D] float32; GQA when Hq is a
+    multiple of Hkv (semantics of ``npu_incre_flash_attention`` with
+    ``actual_seq_lengths``; FlashDecoding split-KV kernel, Dao et al. 2023)."""
     from .kernels.decode_attention_cpu import decode_attention as kernel
     return kernel(q, k_cache, v_cache, lengths, scale=scale)
 

@@ -92,7 +92,11 @@ def _dense(t: torch.Tensor) -> bool:
 def _registered(module, name, value) -> None:
     """Global parameter/buffer/submodule registration hook (``m.w = nn.Parameter(t)``,
     ``load_state_dict(assign=True)``, ``m.lin = nn.Linear(...)``): mark the watches that
-    hold a tensor under that attribute of that module."""
+    hold a tensor under that attribute of that module. Under dynamo tracing it does nothing:
+    a registration traced there (``self.layers[:n]`` builds a new ModuleList) is not a
+    write to a compiled model's module, and dynamo cannot trace the WeakSet iteration."""
+    if torch.compiler.is_compiling():
+        return
     for w in list(_WATCHES):
         hit = w.slots.get((id(module), name))
         if hit is not None and hit[0]() is module and not w.replaced:

@@ -104,3 +104,25 @@ def test_channels_last_and_gapped_module_state_through_both_compilers():
         with pytest.raises(ValueError,
                            match="was modified in place after compiling \\(without a version bump"):
             cm(x)
+
+
+def test_registration_traced_by_dynamo_while_a_watch_lives():
+    """A live module watch installs the global registration hooks; a function traced by
+    torch.compile that builds a ModuleList (``self.layers[:n]``, as transformers' decoders
+    do) runs them under dynamo, which must neither fail nor mark the watched module."""
+    m = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    params = list(m.parameters())               # alive: a dead tensor releases its watch
+    w = WeightWatch(params, [n for n, _ in m.named_parameters()], module=m)
+    layers = nn.ModuleList([nn.Linear(4, 4) for _ in range(3)])
+
+    def run(x):
+        for layer in layers[:2]:
+            x = layer(x)
+        return x
+
+    x = torch.randn(2, 4)
+    out = torch.compile(run, backend="eager", fullgraph=True)(x)
+    torch.testing.assert_close(out, layers[1](layers[0](x)))
+    assert not w.changed() and not w.replaced
+    m[0].weight = nn.Parameter(torch.randn(4, 4))   # a real replacement is still seen
+    assert w.changed()
