@@ -99,6 +99,11 @@ class OpDef:
     it (`opencann.passes.layout.cpu_layout`).
     ``keep_fp32``: mixed precision keeps it in fp32 (softmax, norms, reductions,
     exp/log/pow...; `MixedPrecision`'s default keep-list).
+    ``fused_from``: for a fused op, the pre-fusion op types that stand in its place when
+    mixed precision runs (stage 1, before fusion): ``options["keep_fp32"]`` naming the
+    fused op keeps these (LinearAct -> MatMulV2: every GEMM with a constant weight becomes
+    a LinearAct). Empty for an op that is not fused, or whose parts also run unfused
+    (FusedElementwise, GatedMLP): naming it is refused with the parts to name instead.
     ``precision_keeps``: inputs (schema argument names) mixed precision never casts to
     fp16/bf16 when it lowers the op, because the op takes them in fp32 and a cast would
     change their meaning (SDPA's additive ``attn_mask``: transformers fills it with
@@ -143,6 +148,7 @@ class OpDef:
     npu_format: Optional[str] = None
     channels_last: bool = False
     keep_fp32: bool = False
+    fused_from: Tuple[str, ...] = ()
     precision_keeps: Tuple[str, ...] = ()
     activation: Optional[str] = None
     fuse_expr: Any = None

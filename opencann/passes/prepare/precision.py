@@ -43,6 +43,17 @@ LOW_KINDS = (OpKind.MATMUL, OpKind.CONV, OpKind.ATTENTION)
 FOLLOW_KINDS = (OpKind.ELEMENTWISE, OpKind.VIEW, OpKind.DATA)
 
 
+def pre_fusion_names(names: Iterable[str]) -> Set[str]:
+    """``names`` (op types) with each fused op replaced by the op types that stand in its
+    place before fusion (``OpDef.fused_from``: LinearAct -> MatMulV2, ConvBiasAct and
+    ConvAddAct -> Conv2D, AddLayerNorm -> LayerNorm); mixed precision runs before fusion,
+    so this is what it must keep. Names of other ops pass through."""
+    out: Set[str] = set()
+    for name in names:
+        out.update(get_op(name).fused_from or (name,))
+    return out
+
+
 def default_keep_fp32() -> Set[str]:
     """CANN's "black list" analogue: the IR ops whose accuracy needs fp32, i.e. whose
     ``OpDef.keep_fp32`` column is set (HostFallback nodes such as losses are never
@@ -109,7 +120,7 @@ class MixedPrecision(Pass):
         if not mode:
             return 0
         low = low_dtype(mode)
-        keep = self.keep_fp32 | set(ctx.options["keep_fp32"])
+        keep = pre_fusion_names(self.keep_fp32 | set(ctx.options["keep_fp32"]))
         if mode == "force_fp32":
             return self._rewrite(graph, FP32, lambda n: True, set(), ctx, mode)
         if low is None:
@@ -200,4 +211,5 @@ def precision_summary(graph: Graph) -> Dict[str, Dict[str, int]]:
     return out
 
 
-__all__ = ["MixedPrecision", "default_keep_fp32", "MODES", "low_dtype", "precision_summary"]
+__all__ = ["MixedPrecision", "default_keep_fp32", "MODES", "low_dtype", "pre_fusion_names",
+           "precision_summary"]
