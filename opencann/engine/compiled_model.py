@@ -38,7 +38,9 @@ class CompiledModel:
     own arena) from a pool of at most ``concurrent_calls`` (compile option, default
     `DEFAULT_CONCURRENT_CALLS`); further calls wait for one to be free.
     A model that writes into its inputs (``x.add_(1)``) does so here too: after the run
-    the new values are copied into the caller's tensors, and an output that is the
+    the new values are copied into the caller's tensors, except where an op wrote the
+    caller's tensor itself in place (``OpDef.inplace_of``: KvCacheUpdate writing a KV
+    cache passed as an input, when it is contiguous as the example was), and an output that is the
     mutated input (``return x.add_(1)``) is the caller's tensor object.
     Weights are a snapshot taken at compile time (the model holds its own copies):
     changing the module afterwards never changes results; a change raises ValueError on
@@ -213,9 +215,12 @@ class CompiledModel:
 
     def _run(self, user: list) -> tuple:
         outs = self.shapes.run(self._contiguous(user))
-        # a model that writes into its inputs: the caller's tensors get eager's values
+        # a model that writes into its inputs: the caller's tensors get eager's values;
+        # one written in place (KvCacheUpdate on the caller's KV cache, OpDef.inplace_of)
+        # already holds them: no copy-back
         for i, new in zip(self._mutations, outs):
-            user[i].copy_(new)
+            if new is not user[i]:
+                user[i].copy_(new)
         return outs
 
     def _onnx_order(self, args, kwargs) -> tuple:
