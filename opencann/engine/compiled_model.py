@@ -13,7 +13,7 @@ from ..ir import Graph, MemoryPlan
 from ..ops import layout_read_inputs
 from ..report import CompileReport
 from ..runtime import Executor
-from ..runtime.call_binding import bind_call, input_labels
+from ..runtime.call_binding import bind_call, input_labels, leaf_paths
 from .guards import Call, Guard, model_guards
 from .shapes import ShapePolicy
 
@@ -99,7 +99,8 @@ class CompiledModel:
             autocast=False if self._onnx is not None else sig["autocast"],
             written=self._mutations, layout_read=sig["layout_read"],
             offset_read=sig["offset_read"], contiguous=self._contig,
-            strides=self._strides, offsets=self._offsets)
+            strides=self._strides, offsets=self._offsets,
+            shape_fix=_growing_cache_fix(in_spec, self._positions))
         self._checks = [g.check for g in self.guards]
         # a call of n plain tensors, bound and flattened as they come (no pytree walk)
         n = len(graph.inputs)
@@ -333,6 +334,28 @@ def _view_of(user, view) -> Optional[torch.Tensor]:
     if tuple(t.stride()) != tuple(base_stride):
         return None
     return t.as_strided(shape, stride, t.storage_offset() + offset)
+
+
+def _growing_cache_fix(in_spec, positions: Optional[Sequence[int]]) -> Dict[int, str]:
+    """Tensor input index -> the fix for a shape change, for the tensors of a transformers
+    cache object in the call (``DynamicCache``: its keys and values grow by the new tokens
+    every step, so the next call's shapes never match a compiled graph's)."""
+    if in_spec is None:
+        return {}
+    caches = {}
+    for flat, (_, types) in enumerate(leaf_paths(in_spec)):
+        cls = next((t for t in reversed(types) if isinstance(t, type)
+                    and t.__module__.startswith("transformers.") and "Cache" in t.__name__), None)
+        if cls is not None:
+            caches[flat] = cls.__name__
+    tensor_at = positions if positions is not None else range(in_spec.num_leaves)
+    return {i: (f"it is a tensor of the transformers {caches[f]} passed in, which grows with "
+                "every decoded token, and a compiled graph has fixed shapes. Use opencann.llm "
+                "(one decode graph for every position, its KV cache preallocated and written "
+                "in place) or a static cache (transformers StaticCache, generate(..., "
+                "cache_implementation='static'), or torch.compile(model.forward, "
+                "backend='opencann'))")
+            for i, f in enumerate(tensor_at) if f in caches}
 
 
 def _nest(o: Any) -> str:

@@ -196,3 +196,56 @@ def test_position_past_the_cache_is_one_line(compiled):
                        "positions 0..15; compile with a larger max_seq_len") as e:
         cm(torch.randn(B, 1, E), kc, vc, torch.tensor([1, S]))
     assert "\n" not in str(e.value)
+
+
+# -- transformers cache objects on the generic paths (#27 item 5) --------------------------
+
+def _llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, vocab_size=100,
+                      max_position_embeddings=64)
+    return LlamaForCausalLM(cfg).eval()
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+def test_decode_step_with_a_dynamic_cache_then_a_grown_cache_is_one_line():
+    import copy
+    model = _llama()
+    ids = torch.randint(0, 100, (1, 5), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        cache = model(ids, use_cache=True).past_key_values
+    step = torch.randint(0, 100, (1, 1), generator=torch.Generator().manual_seed(2))
+    cm = opencann.compile(model, (step,), example_kwargs={"past_key_values": copy.deepcopy(cache),
+                                                          "use_cache": True})
+    got = cm(step, past_key_values=copy.deepcopy(cache), use_cache=True)
+    with torch.no_grad():
+        want = model(step, past_key_values=copy.deepcopy(cache), use_cache=True)
+    torch.testing.assert_close(got.logits, want.logits, rtol=1e-5, atol=1e-5)
+    grown = got.past_key_values                         # one position longer: the next step
+    assert grown.layers[0].keys.shape[2] == 6
+    with pytest.raises(ValueError, match=r"input 'past_key_values'\[0\] \(keyword\) is "
+                       r"float32\[1, 2, 6, 8\] .* transformers DynamicCache .* Use opencann.llm "
+                       r".* or a static cache") as e:
+        cm(step, past_key_values=grown, use_cache=True)
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("cache_implementation", [None, "static"])
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+def test_torch_compile_under_generate_gives_eagers_tokens(cache_implementation):
+    model = _llama()
+    ids = torch.randint(0, 100, (1, 6), generator=torch.Generator().manual_seed(3))
+    kw = dict(max_new_tokens=8, do_sample=False, pad_token_id=0)
+    if cache_implementation:
+        kw["cache_implementation"] = cache_implementation
+    want = model.generate(ids, **kw)
+    torch._dynamo.reset()
+    model.forward = torch.compile(model.forward, backend="opencann")
+    try:
+        assert torch.equal(model.generate(ids, **kw), want)
+        assert torch.equal(model.generate(ids, **kw), want)   # a second generation
+    finally:
+        del model.forward
+        torch._dynamo.reset()
