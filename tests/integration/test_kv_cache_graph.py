@@ -5,8 +5,11 @@ decode steps at different positions (batch 2, rows at different positions, NaN i
 cache past the live lengths), writes the caller's cache tensors in place (same storage,
 no cache-sized allocation or copy during a call), a second call and output independence,
 a model file round trip with the same in-place semantics, mixed precision keeping both
-ops in fp32 on the caller's cache, a non-contiguous cache (copied back), and a position
-past the cache as one clear line."""
+ops in fp32 on the caller's cache, a non-contiguous cache (copied back), a position past
+the cache as one clear line, and the same layer through ``torch.compile``. Then
+transformers' caches on the generic paths: a decode step with a ``DynamicCache``, whose
+grown cache is one clear line, and ``torch.compile`` under ``generate`` (dynamic and
+static cache) giving eager's tokens."""
 import os
 
 import pytest
@@ -68,17 +71,17 @@ def _example():
 
 
 class CacheSizedTensors(TorchDispatchMode):
-    """Records every ATen call that returns a tensor with its own storage of at least
-    ``numel`` elements (an allocation or copy the size of a cache)."""
+    """Records every ATen call that returns a tensor of the caches' shape ``shape`` outside
+    their storages ``storages`` (a cache-sized allocation or copy)."""
 
-    def __init__(self, numel, storages):
+    def __init__(self, shape, storages):
         super().__init__()
-        self.numel, self.storages, self.seen = numel, storages, []
+        self.shape, self.storages, self.seen = tuple(shape), storages, []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         for t in (out if isinstance(out, (tuple, list)) else [out]):
-            if (isinstance(t, torch.Tensor) and t.numel() >= self.numel
+            if (isinstance(t, torch.Tensor) and tuple(t.shape) == self.shape
                     and t.untyped_storage().data_ptr() not in self.storages):
                 self.seen.append(str(func))
         return out
@@ -123,7 +126,7 @@ def test_no_cache_sized_copy_or_allocation_during_a_call(compiled):
     cm(x, kc, vc, p)                                     # warm (kernels bound)
     plan = cm.plan
     assert plan.arena_bytes < kc.numel() * kc.element_size()   # the cache is not in the arena
-    mode = CacheSizedTensors(kc.numel(), {kc.untyped_storage().data_ptr(),
+    mode = CacheSizedTensors(kc.shape, {kc.untyped_storage().data_ptr(),
                                           vc.untyped_storage().data_ptr()})
     with mode:
         cm(x, kc, vc, torch.tensor([7, 3]))
@@ -150,7 +153,7 @@ def test_model_file_round_trip_keeps_writing_in_place(compiled, tmp_path):
     loaded = opencann.load(path)
     assert [n.op for n in loaded.graph.nodes].count("KvCacheUpdate") == 2
     kc, vc = _steps(loaded, model, [[2, 3], [3, 4]], seed=21)
-    mode = CacheSizedTensors(kc.numel(), {kc.untyped_storage().data_ptr(),
+    mode = CacheSizedTensors(kc.shape, {kc.untyped_storage().data_ptr(),
                                           vc.untyped_storage().data_ptr()})
     with mode:
         loaded(torch.randn(B, 1, E), kc, vc, torch.tensor([5, 6]))
@@ -196,6 +199,29 @@ def test_position_past_the_cache_is_one_line(compiled):
                        "positions 0..15; compile with a larger max_seq_len") as e:
         cm(torch.randn(B, 1, E), kc, vc, torch.tensor([1, S]))
     assert "\n" not in str(e.value)
+
+
+def test_torch_compile_writes_the_cache_in_place_too():
+    model = _model()
+    torch._dynamo.reset()
+    fn = torch.compile(model, backend="opencann")
+    try:
+        kc, vc = _caches(13)
+        ek, ev = kc.clone(), vc.clone()
+        g = torch.Generator().manual_seed(13)
+        for pos in ([0, 3], [1, 4]):
+            x, p = torch.randn(B, 1, E, generator=g), torch.tensor(pos)
+            with torch.no_grad():
+                want = model(x, ek, ev, p)
+                mode = CacheSizedTensors(kc.shape, {kc.untyped_storage().data_ptr(),
+                                                      vc.untyped_storage().data_ptr()})
+                with mode:
+                    got = fn(x, kc, vc, p)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+            assert _same_bits(kc, ek) and _same_bits(vc, ev)
+            assert mode.seen == []
+    finally:
+        torch._dynamo.reset()
 
 
 # -- transformers cache objects on the generic paths (#27 item 5) --------------------------
