@@ -26,6 +26,9 @@ from .numba_cache import njit
 
 # element width in bytes -> the integer dtype the copy moves the bits as
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+# dtypes NumPy has too: viewed there (cheaper than a torch dtype view)
+_NUMPY = {torch.float32: np.int32, torch.float16: np.int16, torch.float64: np.int64,
+          torch.int32: np.int32, torch.int64: np.int64}
 
 
 @njit(cache=True)
@@ -43,20 +46,30 @@ def check_update(cache: torch.Tensor, new: torch.Tensor, positions: torch.Tensor
     """Raise ValueError (one line naming the argument and the fix) unless ``cache`` is
     [B, Hkv, S_max, D], ``new`` [B, Hkv, T, D] of the cache's dtype and ``positions`` an
     integer tensor [B] (module docstring). Values are not read (see `kv_cache_update`)."""
-    if cache.dim() != 4 or new.dim() != 4 or new.shape[:2] != cache.shape[:2] \
-            or new.shape[3] != cache.shape[3]:
+    cs, ns = cache.shape, new.shape
+    if len(cs) != 4 or len(ns) != 4 or ns[0] != cs[0] or ns[1] != cs[1] or ns[3] != cs[3]:
         raise ValueError(f"kv_cache_update: expected cache [B, Hkv, S_max, D] and new "
-                         f"[B, Hkv, T, D], got cache {tuple(cache.shape)}, new {tuple(new.shape)}")
+                         f"[B, Hkv, T, D], got cache {tuple(cs)}, new {tuple(ns)}")
     if new.dtype != cache.dtype:
         raise ValueError(f"kv_cache_update: new is {new.dtype} but the cache is {cache.dtype}; "
                          "cast the new keys/values to the cache dtype")
     if cache.element_size() not in _BITS:
         raise ValueError(f"kv_cache_update: a {cache.dtype} cache is not supported; use a "
                          "float32, bfloat16 or float16 cache")
-    if positions.shape != (cache.shape[0],) or positions.dtype.is_floating_point \
-            or positions.dtype.is_complex or positions.dtype == torch.bool:
+    pd = positions.dtype
+    if positions.dim() != 1 or positions.shape[0] != cs[0] or pd.is_floating_point \
+            or pd.is_complex or pd == torch.bool:
         raise ValueError(f"kv_cache_update: positions must be an integer tensor "
-                         f"[{cache.shape[0]}], got {tuple(positions.shape)} {positions.dtype}")
+                         f"[{cs[0]}], got {tuple(positions.shape)} {pd}")
+
+
+def _array(t: torch.Tensor) -> np.ndarray:
+    """``t``'s memory as a NumPy array of same-width integers (a view, any strides)."""
+    if t.requires_grad:
+        t = t.detach()
+    if t.dtype in _NUMPY:   # NumPy has the dtype: its view is the cheaper one
+        return t.numpy().view(_NUMPY[t.dtype])
+    return t.view(_BITS[t.element_size()]).numpy()
 
 
 def kv_cache_update(cache: torch.Tensor, new: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -69,16 +82,17 @@ def kv_cache_update(cache: torch.Tensor, new: torch.Tensor, positions: torch.Ten
     check_update(cache, new, positions)
     B, _, T, _ = new.shape
     s_max = cache.shape[2]
-    pos = positions.detach().to(torch.int64).contiguous().numpy()
-    if B and T and (pos.min() < 0 or pos.max() + T > s_max):
-        b = int(np.argmax((pos < 0) | (pos + T > s_max)))
-        raise ValueError(f"kv_cache_update: row {b} writes positions {int(pos[b])}.."
-                         f"{int(pos[b]) + T - 1} but the cache holds positions 0..{s_max - 1}; "
-                         "compile with a larger max_seq_len or start a new sequence")
+    pl = positions.tolist()
+    if B and T and (min(pl) < 0 or max(pl) + T > s_max):
+        b = next(i for i, p in enumerate(pl) if p < 0 or p + T > s_max)
+        raise ValueError(f"kv_cache_update: row {b} writes positions {pl[b]}..{pl[b] + T - 1} "
+                         f"but the cache holds positions 0..{s_max - 1}; compile with a larger "
+                         "max_seq_len or start a new sequence")
     if not (B and T and new.shape[1] and new.shape[3]):
         return cache
-    bits = _BITS[cache.element_size()]   # same width: a view at any strides
-    _scatter(cache.detach().view(bits).numpy(), new.detach().view(bits).numpy(), pos)
+    pos = positions.numpy() if positions.dtype == torch.int64 and positions.is_contiguous() \
+        else np.asarray(pl, dtype=np.int64)
+    _scatter(_array(cache), _array(new), pos)
     return cache
 
 
