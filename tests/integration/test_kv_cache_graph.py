@@ -275,3 +275,19 @@ def test_torch_compile_under_generate_gives_eagers_tokens(cache_implementation):
     finally:
         del model.forward
         torch._dynamo.reset()
+
+
+def test_a_cache_held_as_a_buffer_is_one_line_saying_to_pass_it_in():
+    class Holder(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("k_cache", torch.randn(B, HKV, S, D))
+
+        def forward(self, k, positions):
+            torch.ops.opencann.kv_cache_update(self.k_cache, k, positions)
+            return self.k_cache.sum()
+
+    with pytest.raises(ValueError, match="writes its buffer k_cache with opencann::kv_cache_update "
+                       ".* Fix: pass the cache to forward as an input") as e:
+        opencann.compile(Holder(), (torch.randn(B, HKV, 1, D), torch.tensor([1, 2])))
+    assert "\n" not in str(e.value)

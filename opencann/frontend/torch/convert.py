@@ -368,11 +368,21 @@ def _note_layout_query(graph: Graph, ep: torch.export.ExportedProgram, name: str
     graph.signature = graph.signature.replace(layout_queries=q)
 
 
-def _refuse_written_state(sig) -> None:
+def _refuse_written_state(sig, ep=None) -> None:
     """Raise ConversionError (kind ``buffer_written`` / ``parameter_written``) when the
-    exported program writes a buffer or a parameter in forward."""
+    exported program writes a buffer or a parameter in forward (a buffer written by an
+    in-place custom op such as ``opencann::kv_cache_update``: the fix is to pass it in)."""
     from torch.export.graph_signature import OutputKind
     for out in sig.output_specs:
+        if out.kind == OutputKind.BUFFER_MUTATION and ep is not None:
+            op = custom_ops.custom_op_writing(ep, out.target)
+            if op is not None:
+                raise ConversionError(
+                    f"the model writes its buffer {out.target} with {op} during the forward "
+                    "pass; a compiled graph keeps its buffers fixed (weights are snapshots). "
+                    "Fix: pass the cache to forward as an input: the compiled model then "
+                    "writes the caller's tensor in place, without a copy",
+                    kind="buffer_written")
         if out.kind == OutputKind.BUFFER_MUTATION:
             bn = any(w in str(out.target) for w in ("running_mean", "running_var",
                                                    "num_batches_tracked"))
@@ -411,7 +421,7 @@ def from_exported_program(ep: torch.export.ExportedProgram, name: str = "model",
     env: Dict[fx.Node, Any] = {}
     sig = ep.graph_signature
     specs = {s.arg.name: s for s in sig.input_specs if hasattr(s.arg, "name")}
-    _refuse_written_state(sig)
+    _refuse_written_state(sig, ep)
     for node in ep.graph.nodes:
         if node.op == "placeholder":
             spec = specs.get(node.name)

@@ -113,6 +113,26 @@ def convert_auto_functionalized(graph: Graph, node: fx.Node, env: Dict[fx.Node, 
     env[node] = [None] * n_ret + new
 
 
+def custom_op_writing(ep, buffer: str) -> Optional[str]:
+    """The qualified name of the captured in-place custom op (``OpDef.inplace_of``) that
+    writes the buffer ``buffer`` (its state-dict name) in the exported program ``ep``, or
+    None when none does (functionalized: the buffer's placeholder is among the op's
+    ``_all_bases`` or arguments)."""
+    holder = next((s.arg.name for s in ep.graph_signature.input_specs
+                   if s.target == buffer and hasattr(s.arg, "name")), None)
+    for node in ep.graph.nodes:
+        if node.op != "call_function" or node.target not in AUTO_FUNCTIONALIZED:
+            continue
+        op = node.args[0]
+        opdef = captured_op(op)
+        if opdef is None or not opdef.inplace_of:
+            continue
+        args = list(node.kwargs.get("_all_bases") or []) + list(node.kwargs.values())
+        if any(isinstance(a, fx.Node) and a.name == holder for a in args):
+            return op._schema.name
+    return None
+
+
 def convert_inplace_call(graph: Graph, node: fx.Node, env: Dict[fx.Node, Any], convert) -> None:
     """Convert a direct call of an in-place custom op (not functionalized: module
     docstring) with ``convert`` applied to the plain call, whose outputs are the written
@@ -134,4 +154,4 @@ def convert_inplace_call(graph: Graph, node: fx.Node, env: Dict[fx.Node, Any], c
 
 
 __all__ = ["AUTO_FUNCTIONALIZED", "CallNode", "captured_op", "convert_auto_functionalized",
-           "convert_inplace_call", "rename_args"]
+           "convert_inplace_call", "custom_op_writing", "rename_args"]
