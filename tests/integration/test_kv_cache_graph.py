@@ -4,7 +4,8 @@ with the torch custom ops ``opencann::kv_cache_update`` and ``opencann::decode_a
 decode steps at different positions (batch 2, rows at different positions, NaN in the
 cache past the live lengths), writes the caller's cache tensors in place (same storage,
 no cache-sized allocation or copy during a call), a second call and output independence,
-a model file round trip with the same in-place semantics, mixed precision keeping both
+a model file round trip with the same in-place semantics, a prefill with a dynamic
+prompt length, mixed precision keeping both
 ops in fp32 on the caller's cache, a non-contiguous cache (copied back), a position past
 the cache as one clear line, and the same layer through ``torch.compile``. Then
 transformers' caches on the generic paths: a decode step with a ``DynamicCache``, whose
@@ -199,6 +200,32 @@ def test_position_past_the_cache_is_one_line(compiled):
                        "positions 0..15; compile with a larger max_seq_len") as e:
         cm(torch.randn(B, 1, E), kc, vc, torch.tensor([1, S]))
     assert "\n" not in str(e.value)
+
+
+def test_prefill_with_a_dynamic_prompt_length_writes_in_place():
+    class Prefill(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.k = torch.nn.Linear(E, HKV * D)
+
+        def forward(self, x, k_cache, positions):
+            b, t = x.shape[0], x.shape[1]
+            k = self.k(x).view(b, t, HKV, D).transpose(1, 2)
+            torch.ops.opencann.kv_cache_update(k_cache, k, positions)
+            return k.sum(-1)
+
+    torch.manual_seed(0)
+    model = Prefill().eval()
+    kc, _ = _caches(17)
+    cm = opencann.compile(model, (torch.randn(B, 4, E), kc.clone(), torch.tensor([0, 0])),
+                          dynamic_shapes=({1: torch.export.Dim("t", min=2, max=8)}, None, None))
+    ptr = kc.data_ptr()
+    for t, pos in ((3, [0, 5]), (7, [2, 0])):
+        x, ek = torch.randn(B, t, E), kc.clone()
+        with torch.no_grad():
+            want = model(x, ek, torch.tensor(pos))
+        torch.testing.assert_close(cm(x, kc, torch.tensor(pos)), want, rtol=1e-5, atol=1e-5)
+        assert _same_bits(kc, ek) and kc.data_ptr() == ptr
 
 
 def test_torch_compile_writes_the_cache_in_place_too():
