@@ -15,6 +15,11 @@ parameters: --precision_mode" and torch_npu "precision_mode" documentation):
   other op follows its inputs (low when all its float inputs are low).
 * ``force_fp16``: every floating-point op that is not a cast runs in fp16.
 
+In every mode, an op whose kernels compute in fp32 only (``OpDef.fp32_kernel``:
+DecodeAttention) stays in fp32, and an op that writes into an input in place
+(``OpDef.inplace_of``: KvCacheUpdate writing the KV cache) computes in that input's
+dtype: casting the cache would write into a copy instead of the caller's tensor.
+
 Casts of weights (graph constants) are done once at compile time. A Cast pair
 low→fp32→low of the same tensor is exact and folded away.
 
@@ -28,12 +33,12 @@ low-precision scores in fp32, as eager does with an fp32 mask.
 """
 from __future__ import annotations
 
-from typing import Dict, Iterable, Optional, Set
+from typing import Dict, Iterable, Optional, Set, Tuple
 
 
 from ...ir import DataType, Graph, Node, TensorRef, Value
 from ...log import logger
-from ...ops import OpKind, all_ops, get_op
+from ...ops import OpKind, all_ops, get_op, written_inputs
 from ..base import Pass, PassContext
 from .precision_values import lost_in_cast
 
@@ -137,21 +142,10 @@ class MixedPrecision(Pass):
         changed = 0
         kept = []
         for node in list(graph.nodes):
-            kind = get_op(node.op).kind
-            if node.op in ("Cast", "HostFallback") or kind in (OpKind.CREATION, OpKind.FALLBACK):
-                want = None if node.op == "Cast" else FP32  # hosts and creations: fp32 in
-            elif node.op in keep:
-                want = FP32
-            elif is_low(node):
-                want = target
-            elif kind in FOLLOW_KINDS:
-                act = [v for v in node.inputs if v.desc.dtype in floats and not v.is_const]
-                want = target if act and all(v.desc.dtype == target for v in act) else FP32
-            else:
-                want = FP32
+            want, written = _wanted(node, target, is_low, keep)
             if want is None:
                 continue
-            if want != FP32:
+            if want != FP32 and not written:
                 why = lost_in_cast(node, want)
                 if why:   # lowering would change what a value means: keep eager's
                     want = FP32
@@ -190,6 +184,32 @@ class MixedPrecision(Pass):
                 logger.info("opencann: precision %s: %s kept in fp32 (the value would not "
                             "survive the cast)", mode, k)
         return changed
+
+
+def _wanted(node: Node, target: DataType, is_low, keep) -> Tuple[Optional[DataType], bool]:
+    """(the dtype ``node`` computes in under the mode, None: leave it; whether it writes
+    an input in place). Casts are left; host fallbacks and creations take fp32; an op
+    writing into an input in place (``OpDef.inplace_of``: the KV cache) keeps that input's
+    dtype, as a cast would write into a copy, not the caller's tensor; ``fp32_kernel``
+    ops and ``keep`` take fp32; ``is_low`` ops ``target``; FOLLOW_KINDS ops follow their
+    non-constant float inputs; the rest fp32."""
+    op = get_op(node.op)
+    floats = (FP32, FP16, BF16)
+    if node.op == "Cast":
+        return None, False
+    if node.op == "HostFallback" or op.kind in (OpKind.CREATION, OpKind.FALLBACK):
+        return FP32, False
+    if op.inplace_of:
+        dt = node.inputs[written_inputs(node)[0]].desc.dtype
+        return (dt if dt in floats else None), True
+    if op.fp32_kernel or node.op in keep:
+        return FP32, False
+    if is_low(node):
+        return target, False
+    if op.kind in FOLLOW_KINDS:
+        act = [v for v in node.inputs if v.desc.dtype in floats and not v.is_const]
+        return (target if act and all(v.desc.dtype == target for v in act) else FP32), False
+    return FP32, False
 
 
 def _held_inputs(node: Node) -> Set[int]:
