@@ -110,12 +110,12 @@ class StepGraphs:
                 return lm(ids, positions, lengths, *views)
             self.stats.graph_built(key, 0)
             return run
-        import opencann
+        from ..engine import compile_module
         example = (torch.zeros(batch, tokens, dtype=torch.long),
                    torch.zeros(batch, dtype=torch.long),
                    torch.full((batch,), tokens, dtype=torch.long), *views)
-        cm = opencann.compile(self.lm, example, device=self.device,
-                              options=dict(self.options, share_weights=True))
+        cm = compile_module(self.lm, example, device=self.device,
+                            options=dict(self.options, share_weights=True))
         self.stats.graph_built(key, _plans(cm))
 
         def run_compiled(ids, positions, lengths):
