@@ -97,13 +97,17 @@ class Generator:
         return (f"Generator({a.model_type}, {a.num_layers} layers, max_seq_len={self.max_seq_len}, "
                 f"max_batch={self.max_batch}, backend={self.backend!r}, buckets={list(self.buckets)})")
 
-    def _stop_tokens(self, eos: Any) -> List[int]:
+    def _stop_tokens(self, eos: Any, given: bool) -> List[int]:
+        """Stop token ids; one outside the vocabulary raises ValueError when ``given``
+        in the call, and is dropped when it comes from the model's generation_config
+        (it can never be generated)."""
         ids = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
         for t in ids:
-            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.arch.vocab_size:
+            if given and (isinstance(t, bool) or not isinstance(t, int)
+                          or not 0 <= t < self.arch.vocab_size):
                 raise ValueError(f"stop token {t!r} (eos_token_id) is outside the vocabulary "
-                                 f"[0, {self.arch.vocab_size})")
-        return ids
+                                 f"[0, {self.arch.vocab_size}); pass ids the model can generate")
+        return [t for t in ids if 0 <= t < self.arch.vocab_size]
 
     def _budget(self, gc, batch: PromptBatch, max_new_tokens: Optional[int]) -> int:
         new = max_new_tokens if max_new_tokens is not None else gc.max_new_tokens
@@ -148,7 +152,7 @@ class Generator:
         gc = resolve(self.generation_config, do_sample=do_sample, temperature=temperature,
                      top_k=top_k, top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty,
                      eos_token_id=eos_token_id, pad_token_id=pad_token_id)
-        stops = self._stop_tokens(gc.eos_token_id)
+        stops = self._stop_tokens(gc.eos_token_id, eos_token_id is not None)
         pad = gc.pad_token_id if gc.pad_token_id is not None else (stops[0] if stops else 0)
         batch = prepare(input_ids, attention_mask, vocab_size=self.arch.vocab_size,
                         max_batch=self.max_batch, pad_token_id=pad)

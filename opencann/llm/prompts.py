@@ -32,6 +32,8 @@ class PromptBatch:
 def _from_list(prompts: Sequence, pad_token_id: int) -> "tuple[torch.Tensor, torch.Tensor]":
     rows = []
     for i, p in enumerate(prompts):
+        if isinstance(p, (list, tuple)) and all(isinstance(x, int) and not isinstance(x, bool) for x in p):
+            p = torch.tensor(p, dtype=torch.long)
         t = torch.as_tensor(p)
         if t.dim() != 1 or t.dtype.is_floating_point or t.dtype == torch.bool:
             raise ValueError(f"prompt {i} must be a 1-D list or tensor of token ids, got "
