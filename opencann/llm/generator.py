@@ -97,6 +97,21 @@ class Generator:
         return (f"Generator({a.model_type}, {a.num_layers} layers, max_seq_len={self.max_seq_len}, "
                 f"max_batch={self.max_batch}, backend={self.backend!r}, buckets={list(self.buckets)})")
 
+    def report(self) -> str:
+        """What this generator is and built: the architecture, cache, buckets and batch
+        sizes, each step graph (with its compile report's fusions and memory on the
+        opencann backend), and `GenerationStats.summary`."""
+        a = self.arch
+        head = (f"opencann.llm generator: {a.model_type}, {a.num_layers} layer{'s' * (a.num_layers != 1)}, hidden "
+                f"{a.hidden_size}, heads {a.num_heads}/{a.num_kv_heads} (q/kv), vocab {a.vocab_size}; "
+                f"backend {self.backend}\n  KV cache: {self.max_batch} x {self.max_seq_len} "
+                f"positions, {self.stats.kv_cache_bytes / 2**20:.2f} MiB\n  prefill buckets: "
+                f"{list(self.buckets)}; batch sizes: {list(self.batch_sizes)}")
+        graphs = self.steps.report()
+        return "\n".join([head, "  graphs built:" + ("" if graphs else " none yet")]
+                         + ["    " + ln for ln in graphs.splitlines()]
+                         + ["  last call: " + self.stats.summary()])
+
     def _stop_tokens(self, eos: Any, given: bool) -> List[int]:
         """Stop token ids; one outside the vocabulary raises ValueError when ``given``
         in the call, and is dropped when it comes from the model's generation_config

@@ -12,7 +12,8 @@ a step of batch b takes views of their first b rows (contiguous), written in pla
 Backends: ``"eager"`` runs `DecoderLM` with torch (the reference, and the path that
 needs no capture); ``"opencann"`` compiles each step graph with ``opencann.compile``
 (its caches are inputs written in place; weights shared between the graphs through the
-compile option ``share_weights``)."""
+compile option ``share_weights``; prefill attention through the project's FlashAttention,
+`StepGraphs.compile_options`)."""
 from __future__ import annotations
 
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
@@ -115,13 +116,37 @@ class StepGraphs:
                    torch.zeros(batch, dtype=torch.long),
                    torch.full((batch,), tokens, dtype=torch.long), *views)
         cm = compile_module(self.lm, example, device=self.device,
-                            options=dict(self.options, share_weights=True))
+                            options=self.compile_options(tokens))
         self.stats.graph_built(key, _plans(cm))
 
         def run_compiled(ids, positions, lengths):
             return cm(ids, positions, lengths, *views)
         run_compiled.compiled = cm
         return run_compiled
+
+    def compile_options(self, tokens: int) -> Dict[str, Any]:
+        """The opencann.compile options of a step graph of ``tokens`` new tokens: the
+        generator's, with ``share_weights`` on and, for a prefill graph (tokens > 1), the
+        pass ``fuse_flash_attention`` enabled (the project's FlashAttention-2 kernel,
+        attention memory O(T)) unless the options disable it."""
+        opts = dict(self.options, share_weights=True)
+        off = list(opts.get("disable") or ())
+        if tokens > 1 and "fuse_flash_attention" not in off:
+            on = list(opts.get("enable") or ())
+            opts["enable"] = on + ["fuse_flash_attention"] * ("fuse_flash_attention" not in on)
+        return opts
+
+    def report(self) -> str:
+        """One line per graph built: its key, then (opencann backend) the compile
+        report's fusions and memory lines."""
+        lines = []
+        for (b, t), g in self._graphs.items():
+            lines.append(f"{'decode' if t == 1 else 'prefill'} b{b} t{t}")
+            cm = getattr(g, "compiled", None)
+            if cm is not None:
+                lines += ["  " + ln.strip() for ln in cm.report.summary().splitlines()
+                          if ln.strip().startswith(("fusions applied", "memory"))]
+        return "\n".join(lines)
 
     def keys(self) -> List[Tuple[int, int]]:
         """(batch, tokens) of every graph built, in build order."""

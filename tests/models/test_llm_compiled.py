@@ -58,6 +58,9 @@ def test_compiled_steps_equal_transformers_and_eager_with_one_decode_graph(name)
     assert torch.equal(gen.generate(short, max_new_tokens=6),
                        m.generate(short, max_new_tokens=6, do_sample=False))
     assert s.graphs_built == 2 and s.recompiles == 0
+    # prefill attention runs the project's FlashAttention, reported per graph
+    text = gen.report()
+    assert text.count("fuse_flash_attention") == 1 and "memory: arena" in text
     # the graphs hold the module's weight memory (one copy, shared by both graphs)
     own = {t.untyped_storage().data_ptr() for t in list(m.parameters()) + list(m.buffers())}
     for key in gen.steps.keys():

@@ -245,3 +245,6 @@ def test_given_buckets_and_batch_sizes():
     gen.generate([prompt(9, 0)[0], prompt(3, 1)[0]], max_new_tokens=2)
     assert gen.stats.graphs == ["prefill b3 t24", "decode b3 t1"]
     assert "buckets=[8, 24, 40]" in repr(gen)
+    text = gen.report()
+    assert "prefill buckets: [8, 24, 40]; batch sizes: [1, 3]" in text
+    assert "    prefill b3 t24\n    decode b3 t1\n" in text and "1 steps" in text
