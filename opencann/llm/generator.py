@@ -15,6 +15,7 @@ memory plans and KV-cache bytes.
 """
 from __future__ import annotations
 
+import threading
 import time
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
@@ -91,6 +92,7 @@ class Generator:
         self.caches = lm.new_caches(max_batch, max_seq_len)
         self.stats = GenerationStats(kv_cache_bytes=sum(c.nbytes for c in self.caches))
         self.steps = StepGraphs(lm, self.caches, self.backend, device, compile_options, self.stats)
+        self._lock = threading.Lock()
 
     def __repr__(self) -> str:
         a = self.arch
@@ -128,6 +130,10 @@ class Generator:
         new = max_new_tokens if max_new_tokens is not None else gc.max_new_tokens
         if new is None:
             new = gc.max_length - batch.sequences.shape[1]
+            if new < 1:
+                raise ValueError(f"max_new_tokens not given, and the generation_config's max_length "
+                                 f"{gc.max_length} leaves none after a prompt of "
+                                 f"{batch.sequences.shape[1]} tokens: pass max_new_tokens")
         if isinstance(new, bool) or not isinstance(new, int) or new < 1:
             raise ValueError(f"max_new_tokens must be a positive int, got {new!r}")
         longest = int(batch.lengths.max())
@@ -163,7 +169,8 @@ class Generator:
         a transformers streamer (``put``/``end``, e.g. TextStreamer).
         Raises ValueError (one line) for a bad prompt, batch over max_batch, prompt +
         max_new_tokens over max_seq_len, a stop token outside the vocabulary or a bad
-        setting; the generator stays usable."""
+        setting; the generator stays usable. Calls from several threads run one at a
+        time (the caches are the generator's state)."""
         gc = resolve(self.generation_config, do_sample=do_sample, temperature=temperature,
                      top_k=top_k, top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty,
                      eos_token_id=eos_token_id, pad_token_id=pad_token_id)
@@ -174,7 +181,7 @@ class Generator:
         new = self._budget(gc, batch, max_new_tokens)
         sampler = Sampler(gc, batch.padding if bool(batch.padding.any()) else None, seed)
         emit = _streamer(streamer, batch.sequences)
-        with torch.no_grad():
+        with self._lock, torch.no_grad():   # one call at a time: the caches are shared state
             out = self._run(batch, new, sampler, stops, pad, emit)
         if hasattr(streamer, "end"):
             streamer.end()

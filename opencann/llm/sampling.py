@@ -37,8 +37,13 @@ def resolve(model_config: Any, **given: Any):
     model setting this generator does not apply (beam search, n-gram blocking, ...)."""
     from transformers import GenerationConfig
     gc = copy.deepcopy(model_config) if model_config is not None else GenerationConfig()
-    gc.update(**GenerationConfig._get_default_generation_params(), defaults_only=True)
-    gc.update(**{k: v for k, v in given.items() if v is not None})
+    defaults = getattr(GenerationConfig, "_get_default_generation_params", dict)()
+    for k, v in defaults.items():      # transformers' global defaults fill what is unset
+        if getattr(gc, k, None) is None:
+            setattr(gc, k, v)
+    for k, v in given.items():
+        if v is not None:
+            setattr(gc, k, v)
     bad = [f"{k}={getattr(gc, k, d)!r}" for k, d in _REFUSED.items()
            if getattr(gc, k, d) not in (d, None)]
     if bad:

@@ -193,6 +193,7 @@ def test_gpt2_tied_embedding_is_one_tensor():
     (lambda g: g.generate(prompt(4, 0), attention_mask=torch.tensor([[1, 1, 0, 0]]), max_new_tokens=2),
      r"attention_mask must be left padding"),
     (lambda g: g.generate(prompt(4, 0), max_new_tokens=0), r"max_new_tokens must be a positive int"),
+    (lambda g: g.generate(prompt(25, 0)), r"max_length 20 leaves none after a prompt of 25 tokens"),
     (lambda g: g.generate(prompt(4, 0), max_new_tokens=2, num_beams=2), r"unexpected keyword"),
     (lambda g: g.generate(prompt(4, 0), max_new_tokens=2, do_sample=True, temperature=0.0),
      r"temperature must be > 0"),
@@ -248,3 +249,21 @@ def test_given_buckets_and_batch_sizes():
     text = gen.report()
     assert "prefill buckets: [8, 24, 40]; batch sizes: [1, 3]" in text
     assert "    prefill b3 t24\n    decode b3 t1\n" in text and "1 steps" in text
+
+
+def test_calls_from_two_threads_run_one_at_a_time():
+    import threading
+    m = model("llama")
+    gen = L.compile(m, max_seq_len=48)
+    prompts = [prompt(5, 20), prompt(9, 21)]
+    want = [gen.generate(p, max_new_tokens=10) for p in prompts]
+    got = [None, None]
+
+    def run(i):
+        got[i] = gen.generate(prompts[i], max_new_tokens=10)
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert all(torch.equal(g, w) for g, w in zip(got, want))
