@@ -85,6 +85,10 @@ class CompileOptions:
         "at binding, or the cost model's FLOPs and bytes.")
     freezing: bool = _opt(True, "bool", "torch.compile backend: treat parameters and buffers "
                                         "as constants (folded, prepacked).")
+    share_weights: bool = _opt(
+        False, "bool", "Weights stay the module's own memory instead of a snapshot, so graphs "
+        "compiled from one module (opencann.llm's prefill and decode) hold them once; a changed "
+        "module is still refused at the next call.")
     dynamic_batch_size: Optional[Tuple[int, ...]] = _opt(
         None, "list of ints", "ATC-style gears: the batch sizes (dim 0 of every input) to "
         "compile plans for.", group="gears")
@@ -149,7 +153,7 @@ def complete(options: Optional[Mapping[str, Any]]) -> Dict[str, Any]:
 
 
 _BOOL_OPTIONS = ("verify", "inplace", "copy_out", "host_fallback", "check_aliasing",
-                 "memory_aware_order", "fuse_elementwise_fastmath", "freezing")
+                 "memory_aware_order", "fuse_elementwise_fastmath", "freezing", "share_weights")
 _LIST_OPTIONS = ("disable", "enable", "keep_fp32", "disable_rewrites")
 
 
