@@ -30,7 +30,7 @@ from .steps import BACKENDS, StepGraphs, batch_sizes, prefill_buckets, smallest
 #: keys of ``options`` taken by opencann.llm; the others are opencann.compile options
 LLM_OPTIONS = ("backend", "prefill_buckets", "batch_sizes")
 #: the step-graph backend when ``options`` names none
-DEFAULT_BACKEND = "eager"
+DEFAULT_BACKEND = "opencann"
 
 
 def _split_options(options: Optional[Dict[str, Any]]) -> "tuple[Dict[str, Any], Dict[str, Any]]":

@@ -4,7 +4,10 @@ over a prefill and several decode steps; greedy tokens equal transformers' ``gen
 (one prompt and a left-padded batch of different lengths); sampling reproducible with a
 seed and equal to transformers' sampling with the same processors and seed; stop tokens,
 streamers, stats counters (no graph or plan built per decode token), bad input one line
-each with the generator still usable afterwards."""
+each with the generator still usable afterwards.
+
+The generator's logic is checked here on the ``eager`` step backend (torch runs the step
+graphs); tests/models/test_llm_compiled.py runs the same through opencann.compile."""
 import pytest
 import torch
 import transformers as T
@@ -23,6 +26,11 @@ CONFIGS = {
                                  bos_token_id=1, eos_token_id=None),
 }
 _MODELS = {}
+
+
+@pytest.fixture(autouse=True)
+def _eager_steps(monkeypatch):
+    monkeypatch.setattr("opencann.llm.generator.DEFAULT_BACKEND", "eager")
 
 
 def model(name):
