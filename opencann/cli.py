@@ -1,10 +1,11 @@
-"""The ``opencann`` command line: demo, compile, run, bench, estimate, train-demo, inspect, fuzz,
-doctor, analyze, compare.
+"""The ``opencann`` command line: demo, compile, run, bench, generate, estimate, train-demo,
+inspect, fuzz, doctor, analyze, compare.
 
     opencann demo                               # the main job on the embedded default
     opencann compile resnet50 --report r.json   # zoo name, file.py:factory or m.onnx
     opencann run bert-base --trace trace.json   # run once, Chrome trace of every op
     opencann bench minilm --batch 1 --seq 128   # compiled vs eager latency
+    opencann generate smollm2 --chat --prompt "What is the capital of France?"   # an LLM, streamed
     opencann estimate --model resnet50 --device vnpu:ascend910b --plot roofline.png
     opencann train-demo                         # digits CNN + MiniLM fine-tune, compiled
     opencann atc --model m.onnx --framework 5 --output m --soc_version Ascend910B   # -> m.ocm
@@ -575,8 +576,21 @@ def _add_model_commands(sub) -> None:
     d.set_defaults(fn=cmd_demo)
 
 
+def cmd_generate(args) -> int:
+    """``opencann generate MODEL --prompt TEXT``: an LLM compiled by opencann.llm, its answer
+    streamed, then TTFT and decode tokens/s (opencann.tools.generate_cli). Returns 0."""
+    from .tools.generate_cli import run_args
+    return run_args(args, console)
+
+
 def _add_tool_commands(sub) -> None:
-    """estimate and train-demo (their arguments come from their tools' modules)."""
+    """generate, estimate and train-demo (their arguments come from their tools' modules)."""
+    from .tools.generate_cli import add_arguments as _gen_args
+    g = sub.add_parser("generate", help="an LLM (smollm2, a .gguf file or a transformers "
+                       "folder) compiled by opencann.llm: streams the answer, then TTFT and "
+                       "tokens/s")
+    _gen_args(g)
+    g.set_defaults(fn=cmd_generate)
     from .tools.estimate_cli import add_arguments as _est_args, run_args as _est_run
     e = sub.add_parser("estimate", help="time, HBM traffic and memory on a virtual NPU")
     _est_args(e)
