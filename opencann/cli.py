@@ -215,7 +215,9 @@ def _max_diff(a, b) -> str:
 def cmd_demo(args) -> int:
     """``opencann demo``: all-MiniLM-L6-v2 (real weights) on the zoo's sentences (cosine-similarity
     table) and ResNet-50 on the sample image, compiled vs eager: max difference, median latency
-    (ms, ``--runs`` runs, ``--threads`` threads) and the compile reports. Returns 0."""
+    (ms, ``--runs`` runs, ``--threads`` threads) and the compile reports; then (unless
+    ``--no-llm``) one SmolLM2 chat turn through opencann.llm against eager greedy ``generate``
+    (opencann.tools.llm_demo). Returns 0."""
     from rich.table import Table
 
     from . import zoo
@@ -259,6 +261,10 @@ def cmd_demo(args) -> int:
     console.print(f"latency: eager {eager_ms:.1f} ms, opencann {comp_ms:.1f} ms "
                   f"(compiled/eager = {comp_ms / eager_ms:.2f})")
     console.print(cr.report.summary())
+    if not args.no_llm:
+        from .tools.llm_demo import chat_turn
+        console.rule("[bold]SmolLM2-135M-Instruct (real weights): a chat turn")
+        chat_turn(console)
     return 0
 
 
@@ -548,9 +554,11 @@ def _add_migration_commands(sub) -> None:
 
 def _add_model_commands(sub) -> None:
     """demo, compile, run and bench: the commands that take a zoo name or model file."""
-    d = sub.add_parser("demo", help="the main job: MiniLM and ResNet-50, compiled vs eager")
+    d = sub.add_parser("demo", help="the main job: MiniLM and ResNet-50, compiled vs eager, "
+                       "and a SmolLM2 chat turn")
     d.add_argument("--runs", type=positive_int, default=10)
     d.add_argument("--threads", type=positive_int, default=torch.get_num_threads())
+    d.add_argument("--no-llm", action="store_true", help="skip the SmolLM2 chat turn")
     for name, fn, hlp in (("compile", cmd_compile, "compile a model and print its report"),
                           ("run", cmd_run, "compile, run once, optionally trace"),
                           ("bench", cmd_bench, "compiled vs eager latency")):

