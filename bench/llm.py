@@ -19,8 +19,8 @@ spinning threads slow nobody else and each has its own peak RSS):
 Every backend generates exactly ``--new`` tokens after a ``--prompt``-token prompt of
 seeded random ids (stop tokens off), at each ``--batches`` size. A worker loads its model,
 prepares it (compile, session), runs one untimed generation, then ``--reps`` timed ones;
-each token's arrival is stamped (a transformers streamer, opencann's ``streamer``
-callback, GenAI's ``generate_next_token`` loop): TTFT = call to first token, decode
+each token's arrival is stamped (a streamer given to transformers' and opencann's
+``generate``, GenAI's ``generate_next_token`` loop): TTFT = call to first token, decode
 tokens/s = (new - 1) / (last - first token) per sequence (x batch for all sequences).
 The parent runs all workers ``--rounds`` times, the order rotating per round; a figure is
 the median over all timed generations. Greedy tokens are compared with eager's.
@@ -142,8 +142,8 @@ def prompt_ids(batch: int, length: int, vocab: int) -> torch.Tensor:
 
 
 class Stamps:
-    """Token arrival times: ``put`` (a transformers streamer; the first put, the prompt, is
-    skipped when ``skip_first``) or ``__call__`` (opencann's streamer callback)."""
+    """Token arrival times, as a transformers-style streamer (``put``/``end``; the first
+    put, the prompt, is skipped when ``skip_first``) or a callback (``__call__``)."""
 
     def __init__(self, skip_first: bool):
         self.skip, self.times = skip_first, []
@@ -181,25 +181,21 @@ def _hf_runner(backend: str, folder: str, ids: torch.Tensor, new: int):
 
 
 def _opencann_runner(folder: str, ids: torch.Tensor, new: int):
-    """(prepare seconds, run, extra facts) for opencann.llm."""
+    """(prepare seconds, run, the generator's stats) for opencann.llm."""
     from opencann import llm
     from opencann.llm.sources import load_causal_lm
     model, _ = load_causal_lm(folder)
+    model.generation_config.eos_token_id = None  # no stop token: exactly `new` tokens
     t = time.perf_counter()
     gen = llm.compile(model, max_seq_len=ids.shape[1] + new, max_batch=ids.shape[0])
     prep = time.perf_counter() - t
 
     def run():
-        st = Stamps(skip_first=False)
+        st = Stamps(skip_first=True)  # a streamer with put(): the prompt comes first
         t0 = time.perf_counter()
-        out = gen.generate(ids, max_new_tokens=new, eos_token_id=None, streamer=st)
+        out = gen.generate(ids, max_new_tokens=new, streamer=st)
         return out[:, ids.shape[1]:], st.times, t0
-
-    def facts():
-        s = gen.stats
-        return {k: getattr(s, k, None) for k in ("ttft_s", "decode_tokens_per_s", "recompiles",
-                                                 "plans_built", "kv_cache_bytes")}
-    return prep, run, facts
+    return prep, run, lambda: gen.stats.as_dict()
 
 
 def _ort_runner(folder: str, ids: torch.Tensor, new: int, threads: int):

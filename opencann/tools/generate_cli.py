@@ -122,7 +122,6 @@ def run_args(args: argparse.Namespace, console) -> int:
     stream = text_streamer(tokenizer)
     out = gen.generate(ids, max_new_tokens=args.max_new_tokens, streamer=stream,
                        eos_token_id=eos_ids(model, tokenizer), **gen_kw)
-    stream.end()
     console.print(stats_line(out.shape[-1] - ids.shape[-1], gen.stats), style="dim",
                   highlight=False)
     return 0

@@ -1,4 +1,4 @@
-"""The pieces ``opencann generate``, the demo's chat turn and ``bench/llm.py`` share: a prompt
+"""The pieces ``opencann generate``, the demo's chat turn and the tests share: a prompt
 turned into token ids (optionally through the tokenizer's chat template), a generator
 streamer that prints text as tokens arrive, and eager transformers ``generate`` timed the
 way `opencann.llm`'s ``Generator.stats`` times the compiled one.
@@ -54,19 +54,15 @@ def eos_ids(model, tokenizer) -> List[int]:
     return [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])]
 
 
-def text_streamer(tokenizer) -> Callable[[torch.Tensor], None]:
-    """A ``streamer`` for ``Generator.generate``: called with the new token ids int64 [1]
-    of each step, it prints the text they complete on stdout (transformers' ``TextStreamer``,
-    special tokens skipped). Call its ``end()`` after generation to flush the rest.
+def text_streamer(tokenizer):
+    """A streamer for ``Generator.generate`` (and transformers' ``generate``): transformers'
+    ``TextStreamer``, which skips the prompt the generator puts first, then prints on stdout
+    the text each step's new tokens int64 [1] complete (special tokens skipped); the
+    generator's closing ``end()`` prints the rest and a newline.
 
-    Raises ValueError (from ``TextStreamer``) for a batch of more than one sequence."""
+    Raises ValueError (from ``TextStreamer.put``) for a batch of more than one sequence."""
     from transformers import TextStreamer
-    s = TextStreamer(tokenizer, skip_prompt=False, skip_special_tokens=True)
-
-    def put(new_ids: torch.Tensor) -> None:
-        s.put(new_ids.reshape(-1).cpu())
-    put.end = s.end
-    return put
+    return TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
 
 
 @dataclass

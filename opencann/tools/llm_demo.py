@@ -40,7 +40,6 @@ def chat_turn(console, source: str = "smollm2", question: str = QUESTION,
     console.print("[bold]assistant:[/bold] ", end="")
     stream = text_streamer(tok)
     out = gen.generate(ids, max_new_tokens=max_new_tokens, eos_token_id=eos, streamer=stream)
-    stream.end()
     same = torch.equal(out, eager.tokens)
     n = out.shape[-1] - ids.shape[-1]
     console.print(f"tokens identical to eager greedy generate: {'yes' if same else 'NO'} "

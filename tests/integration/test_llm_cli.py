@@ -28,19 +28,9 @@ class _StandInGenerator:
     def generate(self, input_ids, max_new_tokens=16, attention_mask=None, do_sample=False,
                  temperature=1.0, top_k=50, top_p=1.0, seed=None, repetition_penalty=1.0,
                  eos_token_id=None, streamer=None):
-        from transformers.generation.streamers import BaseStreamer
         assert input_ids.shape[-1] + max_new_tokens <= self.max_seq_len
-
-        class Forward(BaseStreamer):
-            first = True
-
-            def put(self, value):
-                if not self.first and streamer is not None:
-                    streamer(value)
-                self.first = False
-
-            def end(self):
-                pass
+        if streamer is not None and not hasattr(streamer, "put"):  # a callable: steps only
+            streamer = _Steps(streamer)
         if seed is not None:
             torch.manual_seed(seed)
         t0 = time.perf_counter()
@@ -48,12 +38,27 @@ class _StandInGenerator:
         out = self.model.generate(input_ids, attention_mask=torch.ones_like(input_ids),
                                   max_new_tokens=max_new_tokens, do_sample=do_sample,
                                   repetition_penalty=repetition_penalty,
-                                  eos_token_id=eos_token_id, streamer=Forward(), **samp)
+                                  eos_token_id=eos_token_id, streamer=streamer, **samp)
         dt = time.perf_counter() - t0
         self.stats = SimpleNamespace(ttft_s=dt / out.shape[-1], decode_tokens_per_s=out.shape[-1] / dt,
                                      prefill_tokens_per_s=None, recompiles=0, plans_built=2,
                                      kv_cache_bytes=None)
         return out
+
+
+class _Steps:
+    """A transformers streamer calling ``fn`` with each step's tokens (the prompt skipped)."""
+
+    def __init__(self, fn):
+        self.fn, self.first = fn, True
+
+    def put(self, value):
+        if not self.first:
+            self.fn(value)
+        self.first = False
+
+    def end(self):
+        pass
 
 
 @pytest.fixture
@@ -122,9 +127,10 @@ def test_streamer_prints_text_as_tokens_arrive(tiny, capsys):
     text = "The capital of France is Paris. café 東京"
     ids = tok(text, add_special_tokens=False, return_tensors="pt")["input_ids"][0]
     stream = text_streamer(tok)
+    stream.put(tok("Q:", return_tensors="pt")["input_ids"])  # generators put the prompt first
     printed = []
     for t in ids:
-        stream(t.reshape(1))
+        stream.put(t.reshape(1))
         printed.append(capsys.readouterr().out)
     stream.end()
     printed.append(capsys.readouterr().out)
