@@ -83,9 +83,22 @@ def save_model(name: str, folder: str) -> dict:
     else:
         from opencann.llm.sources import load_causal_lm
         model, tok = load_causal_lm(name)
+        model = plain_copy(model)
     model.save_pretrained(folder)
     tok.save_pretrained(folder)
     return model_facts(model)
+
+
+def plain_copy(model):
+    """The model rebuilt from its config with its (de-quantized) weights: transformers
+    refuses ``save_pretrained`` for a model loaded from GGUF (it is marked quantized)."""
+    import copy
+    cfg = copy.deepcopy(model.config)
+    if hasattr(cfg, "quantization_config"):
+        del cfg.quantization_config
+    fresh = type(model)(cfg).eval()
+    fresh.load_state_dict(model.state_dict())
+    return fresh
 
 
 def model_facts(model) -> dict:
@@ -344,7 +357,7 @@ def bench_model(name: str, args, backends: List[str], bw: float, work: str) -> L
 
 def print_table(rows: List[dict]) -> None:
     """The Markdown table: one line per model, batch and backend."""
-    print("\n| model | batch | backend | TTFT ms | decode tokens/s | x eager | % roofline "
+    print("\n| model | batch | backend | TTFT ms | decode tokens/s per sequence | x eager | % roofline "
           "| tokens = eager | prepare s | peak RSS MiB |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     eager = {(r["model"], r["batch"]): r.get("decode_tokens_per_s") for r in rows

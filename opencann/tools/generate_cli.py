@@ -84,11 +84,13 @@ def max_seq_len(args: argparse.Namespace, prompt_len: int, model) -> int:
 
 def stats_line(new_tokens: int, stats) -> str:
     """``"N new tokens: TTFT x ms, decode y tokens/s, prefill z tokens/s, ..."`` from a
-    ``Generator.stats`` (the fields it has; KV cache in MiB)."""
+    ``Generator.stats`` (the fields it has; KV cache in MiB; the step graphs built so far,
+    which on a first call are built inside the TTFT and decode times)."""
     parts = [f"TTFT {stats.ttft_s * 1e3:.0f} ms",
              f"decode {stats.decode_tokens_per_s:.1f} tokens/s"]
     extra = (("prefill_tokens_per_s", "prefill {:.0f} tokens/s", 1),
              ("kv_cache_bytes", "KV cache {:.1f} MiB", 1 / 2 ** 20),
+             ("graphs_built", "{:d} step graphs built", 1),
              ("recompiles", "{:d} recompiles", 1))
     for name, fmt, scale in extra:
         v = getattr(stats, name, None)
@@ -118,7 +120,7 @@ def run_args(args: argparse.Namespace, console) -> int:
     n_params = sum(p.numel() for p in model.parameters()) / 1e6
     console.print(f"compiled {args.model} ({type(model).__name__}, {n_params:.3g}M parameters, "
                   f"{seq} positions) in {time.perf_counter() - t0:.1f} s", style="dim",
-                  highlight=False)
+                  highlight=False)  # opencann.llm builds its step graphs on first use
     stream = text_streamer(tokenizer)
     out = gen.generate(ids, max_new_tokens=args.max_new_tokens, streamer=stream,
                        eos_token_id=eos_ids(model, tokenizer), **gen_kw)
