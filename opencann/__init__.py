@@ -139,7 +139,7 @@ def release_openmp_pool() -> bool:
 # subpackages and modules reachable as attributes (``opencann.ops.get_op``) after a bare
 # ``import opencann``, imported on first access (PEP 562) so the import stays light
 _SUBMODULES = frozenset({"acl", "cli", "devices", "dynamo", "engine", "extend", "frontend", "ir",
-                         "log", "ops", "passes", "report", "runtime", "timing", "tools",
+                         "llm", "log", "ops", "passes", "report", "runtime", "timing", "tools",
                          "zoo"})
 
 

@@ -17,6 +17,22 @@ from ..runtime import Executor, ExecutorPool
 COMPILED_GRAPHS: List[Any] = []  # reports of the graphs compiled in this process
 
 
+def aot_input_mutations(n_placeholders: int, idx: List[int]) -> tuple:
+    """The graph inputs AOTAutograd's graph writes, one per leading graph output (the new
+    values of mutated inputs come first, in ``fw_metadata.mutated_inp_runtime_indices``
+    order; AOTAutograd copies them back into the caller's tensors after the call, a no-op
+    for a tensor an op wrote in place, e.g. KvCacheUpdate on a KV cache passed in).
+    ``idx``: the placeholder positions that are graph inputs, in order. ``()`` when this
+    graph has no AOTAutograd metadata (then no graph input may be written in place)."""
+    from torch._guards import TracingContext
+    ctx = TracingContext.try_get()
+    meta = ctx.fw_metadata if ctx is not None else None
+    if meta is None or len(meta.input_info) != n_placeholders:
+        return ()
+    muts = list(meta.mutated_inp_runtime_indices)
+    return tuple(idx.index(i) for i in muts) if all(i in idx for i in muts) else ()
+
+
 def compile_fx(gm: torch.fx.GraphModule, example_inputs, options: Optional[Dict[str, Any]] = None,
                constants: Optional[Dict[int, torch.Tensor]] = None):
     """Compile one ATen-level FX graph (from AOTAutograd: an inference graph, or one half
@@ -34,6 +50,7 @@ def compile_fx(gm: torch.fx.GraphModule, example_inputs, options: Optional[Dict[
                           constants={holders[i].name: t for i, t in constants.items()})
     vals = [None if i in constants else n.meta.get("val") for i, n in enumerate(holders)]
     idx = [i for i, v in enumerate(vals) if isinstance(v, torch.Tensor)]
+    graph.signature = graph.signature.replace(input_mutations=aot_input_mutations(len(holders), idx))
     if any(not v.desc.is_static for v in graph.inputs):   # dynamo's symbolic shapes
         report = CompileReport(model=graph.name)
         execute = compile_symbolic_fx(graph, vals, check_options(options), report)

@@ -89,7 +89,8 @@ def measured_streams(graph: Graph, ctx: PassContext) -> str:
 
 class BindKernels(Pass):
     """The last stage, in the runtime: make the graph's constants its own
-    (`snapshot_constants` of ``ctx.artifacts["live_tensors"]``), on several streams
+    (`snapshot_constants` of ``ctx.artifacts["live_tensors"]``; with the option
+    ``share_weights`` they stay the module's memory), on several streams
     assign them again by measured node times (`measured_streams`), then bind every kernel
     to the memory plan (``ctx.artifacts["memory_plan"]``) in an `Executor`, stored as
     ``ctx.artifacts["executor"]``; returns the number of results copied out."""
@@ -103,10 +104,14 @@ class BindKernels(Pass):
         copy-out count."""
         if ctx.artifacts.get("schedule") is not None:
             apply_schedule(graph, ctx.artifacts["schedule"])
-        snapshot_constants(graph, ctx.artifacts.get("live_tensors", ()))
+        shared = option(ctx.options, "share_weights")
+        if not shared:
+            snapshot_constants(graph, ctx.artifacts.get("live_tensors", ()))
         streams = measured_streams(graph, ctx)
         ex = Executor(graph, ctx.artifacts["memory_plan"],
                       check_aliasing=option(ctx.options, "check_aliasing"))
         ctx.artifacts["executor"] = ex
-        ctx.note("arena allocated once; kernels pre-bound" + (f"; {streams}" if streams else ""))
+        ctx.note("arena allocated once; kernels pre-bound"
+                 + ("; weights shared with the module (share_weights)" if shared else "")
+                 + (f"; {streams}" if streams else ""))
         return len(ex.copy_out_nodes)

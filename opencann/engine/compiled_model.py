@@ -13,7 +13,7 @@ from ..ir import Graph, MemoryPlan
 from ..ops import layout_read_inputs
 from ..report import CompileReport
 from ..runtime import Executor
-from ..runtime.call_binding import bind_call, input_labels
+from ..runtime.call_binding import bind_call, input_labels, leaf_paths
 from .guards import Call, Guard, model_guards
 from .shapes import ShapePolicy
 
@@ -38,7 +38,9 @@ class CompiledModel:
     own arena) from a pool of at most ``concurrent_calls`` (compile option, default
     `DEFAULT_CONCURRENT_CALLS`); further calls wait for one to be free.
     A model that writes into its inputs (``x.add_(1)``) does so here too: after the run
-    the new values are copied into the caller's tensors, and an output that is the
+    the new values are copied into the caller's tensors, except where an op wrote the
+    caller's tensor itself in place (``OpDef.inplace_of``: KvCacheUpdate writing a KV
+    cache passed as an input, when it is contiguous as the example was), and an output that is the
     mutated input (``return x.add_(1)``) is the caller's tensor object.
     Weights are a snapshot taken at compile time (the model holds its own copies):
     changing the module afterwards never changes results; a change raises ValueError on
@@ -97,7 +99,8 @@ class CompiledModel:
             autocast=False if self._onnx is not None else sig["autocast"],
             written=self._mutations, layout_read=sig["layout_read"],
             offset_read=sig["offset_read"], contiguous=self._contig,
-            strides=self._strides, offsets=self._offsets)
+            strides=self._strides, offsets=self._offsets,
+            shape_fix=_growing_cache_fix(in_spec, self._positions))
         self._checks = [g.check for g in self.guards]
         # a call of n plain tensors, bound and flattened as they come (no pytree walk)
         n = len(graph.inputs)
@@ -213,9 +216,12 @@ class CompiledModel:
 
     def _run(self, user: list) -> tuple:
         outs = self.shapes.run(self._contiguous(user))
-        # a model that writes into its inputs: the caller's tensors get eager's values
+        # a model that writes into its inputs: the caller's tensors get eager's values;
+        # one written in place (KvCacheUpdate on the caller's KV cache, OpDef.inplace_of)
+        # already holds them: no copy-back
         for i, new in zip(self._mutations, outs):
-            user[i].copy_(new)
+            if new is not user[i]:
+                user[i].copy_(new)
         return outs
 
     def _onnx_order(self, args, kwargs) -> tuple:
@@ -328,6 +334,28 @@ def _view_of(user, view) -> Optional[torch.Tensor]:
     if tuple(t.stride()) != tuple(base_stride):
         return None
     return t.as_strided(shape, stride, t.storage_offset() + offset)
+
+
+def _growing_cache_fix(in_spec, positions: Optional[Sequence[int]]) -> Dict[int, str]:
+    """Tensor input index -> the fix for a shape change, for the tensors of a transformers
+    cache object in the call (``DynamicCache``: its keys and values grow by the new tokens
+    every step, so the next call's shapes never match a compiled graph's)."""
+    if in_spec is None:
+        return {}
+    caches = {}
+    for flat, (_, types) in enumerate(leaf_paths(in_spec)):
+        cls = next((t for t in reversed(types) if isinstance(t, type)
+                    and t.__module__.startswith("transformers.") and "Cache" in t.__name__), None)
+        if cls is not None:
+            caches[flat] = cls.__name__
+    tensor_at = positions if positions is not None else range(in_spec.num_leaves)
+    return {i: (f"it is a tensor of the transformers {caches[f]} passed in, which grows with "
+                "every decoded token, and a compiled graph has fixed shapes. Use opencann.llm "
+                "(one decode graph for every position, its KV cache preallocated and written "
+                "in place) or a static cache (transformers StaticCache, generate(..., "
+                "cache_implementation='static'), or torch.compile(model.forward, "
+                "backend='opencann'))")
+            for i, f in enumerate(tensor_at) if f in caches}
 
 
 def _nest(o: Any) -> str:

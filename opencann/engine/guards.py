@@ -226,13 +226,15 @@ class InputTensors(Guard):
     as many as the graph's inputs, none requiring grad while grad mode is on (the model
     is inference-only). ``inputs``: the graph's input Values; ``label(i)`` names tensor
     input ``i``; ``shown(desc)`` shows a compiled description in errors (dynamic dims by
-    their names)."""
+    their names); ``shape_fix`` (tensor input index -> the fix to name when its shape
+    differs) replaces "recompile" for the inputs it names (a growing KV cache)."""
 
     name = "input_tensors"
 
     def __init__(self, inputs: Sequence[Any], label: Callable[[int], str],
-                 shown: Callable[[Any], str]):
+                 shown: Callable[[Any], str], shape_fix: Optional[Dict[int, str]] = None):
         self.inputs, self.label, self.shown = list(inputs), label, shown
+        self.shape_fix = dict(shape_fix or {})
         self.n = len(self.inputs)
         # per input: (static shape, or None when a dim is symbolic; compiled shape; dtype)
         self.fast = [(tuple(v.desc.shape) if all(isinstance(d, int) for d in v.desc.shape)
@@ -271,11 +273,12 @@ class InputTensors(Guard):
                     "backend='opencann')")
             if not fits(t.shape, v.desc.shape) or t.dtype != v.desc.dtype.torch:
                 what = "shape" if not fits(t.shape, v.desc.shape) else "dtype"
+                fix = self.shape_fix.get(i) if what == "shape" else None
                 raise ValueError(
                     f"{name} is {str(t.dtype).replace('torch.', '')}{list(t.shape)} "
                     f"but the model was compiled for {self.shown(v.desc)}; the {what} differs: "
-                    f"recompile with example inputs of this {what}"
-                    + (" or cast the input" if what == "dtype" else ""))
+                    + (fix or f"recompile with example inputs of this {what}"
+                       + (" or cast the input" if what == "dtype" else "")))
             if t.device.type != "cpu":
                 raise ValueError(f"{name} is on {t.device}; the compiled model "
                                  "runs on the host (cpu): move the input with .cpu()")
@@ -351,8 +354,8 @@ def model_guards(*, inputs: Sequence[Any], label: Callable[[int], str],
                  module: Optional[torch.nn.Module] = None, autocast: Any = False,
                  written: Sequence[int] = (), layout_read: Sequence[int] = (),
                  offset_read: Sequence[int] = (), contiguous: Sequence[bool] = (),
-                 strides: Sequence[Sequence[int]] = (), offsets: Sequence[int] = ()
-                 ) -> List[Guard]:
+                 strides: Sequence[Sequence[int]] = (), offsets: Sequence[int] = (),
+                 shape_fix: Optional[Dict[int, str]] = None) -> List[Guard]:
     """The guards a compiled model needs, in the order they run per call:
     `BakedValues` (if any value is baked), `FrozenWeights` and `UnrecordedWrites` (if
     weights were frozen from a live module: ``frozen`` (name, tensor) pairs, ``module``
@@ -362,7 +365,8 @@ def model_guards(*, inputs: Sequence[Any], label: Callable[[int], str],
     `InputTensors` (always), `InputOverlap` (if the model writes inputs ``written``),
     `InputLayout` (if an input's layout is read: ``layout_read``; ``offset_read`` among
     them have their storage offset checked too). ``inputs``: the graph's input Values;
-    ``label(i)``/``flat_label(i)`` name tensor input / flat argument ``i``."""
+    ``label(i)``/``flat_label(i)`` name tensor input / flat argument ``i``; ``shape_fix``
+    as `InputTensors` takes it."""
     guards: List[Guard] = []
     if baked:
         guards.append(BakedValues(baked, flat_label))
@@ -377,7 +381,7 @@ def model_guards(*, inputs: Sequence[Any], label: Callable[[int], str],
         attributes = AttributeGuard(module)
         if len(attributes):
             guards.append(ModuleAttributes(attributes))
-    guards.append(InputTensors(inputs, label, shown))
+    guards.append(InputTensors(inputs, label, shown, shape_fix))
     if written:
         guards.append(InputOverlap(written, label))
     if layout_read:

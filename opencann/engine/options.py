@@ -14,7 +14,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
-from ..ops import get_op
+from ..ops import OpKind, get_op
 from ..passes.memory import DEFAULT_ALIGNMENT
 from ..runtime.pool import DEFAULT_CONCURRENT_CALLS
 from ..runtime.shape_cache import DEFAULT_PLAN_CACHE_SIZE
@@ -53,7 +53,8 @@ class CompileOptions:
         None, "CANN precision mode", "CANN precision mode (`opencann.passes.prepare.precision.MODES`, "
         "e.g. 'allow_mix_precision_bf16'); unset: dtypes unchanged.")
     keep_fp32: Tuple[str, ...] = _opt(
-        (), "list of op names", "Ops kept in fp32 under a lowering precision_mode (e.g. 'SoftmaxV2').")
+        (), "list of op names", "Ops kept in fp32 under a lowering precision_mode (e.g. 'SoftmaxV2'; a fused op "
+        "such as 'LinearAct' keeps the ops it is formed from).")
     host_fallback: bool = _opt(True, "bool", "Run ops without a converter on the host; False: "
                                              "refuse to compile them.")
     concurrent_calls: int = _opt(
@@ -84,6 +85,10 @@ class CompileOptions:
         "at binding, or the cost model's FLOPs and bytes.")
     freezing: bool = _opt(True, "bool", "torch.compile backend: treat parameters and buffers "
                                         "as constants (folded, prepacked).")
+    share_weights: bool = _opt(
+        False, "bool", "Weights stay the module's own memory instead of a snapshot, so graphs "
+        "compiled from one module (opencann.llm's prefill and decode) hold them once; a changed "
+        "module is still refused at the next call.")
     dynamic_batch_size: Optional[Tuple[int, ...]] = _opt(
         None, "list of ints", "ATC-style gears: the batch sizes (dim 0 of every input) to "
         "compile plans for.", group="gears")
@@ -148,8 +153,23 @@ def complete(options: Optional[Mapping[str, Any]]) -> Dict[str, Any]:
 
 
 _BOOL_OPTIONS = ("verify", "inplace", "copy_out", "host_fallback", "check_aliasing",
-                 "memory_aware_order", "fuse_elementwise_fastmath", "freezing")
+                 "memory_aware_order", "fuse_elementwise_fastmath", "freezing", "share_weights")
 _LIST_OPTIONS = ("disable", "enable", "keep_fp32", "disable_rewrites")
+
+
+def _check_keep_fp32(name: str) -> None:
+    """Raises ValueError (one line) for a ``keep_fp32`` entry that is no op name, or a
+    fused op mixed precision cannot see (it runs before fusion; ``OpDef.fused_from``)."""
+    try:
+        op = get_op(name)
+    except KeyError as e:
+        raise ValueError(f"option 'keep_fp32': {e.args[0]}; it takes opencann op names "
+                         "such as 'SoftmaxV2' or 'LayerNorm'") from None
+    if op.kind == OpKind.FUSED and not op.fused_from:
+        raise ValueError(f"option 'keep_fp32': {name} is formed by fusion after mixed "
+                         f"precision from ops that also run unfused; name its parts "
+                         f"instead (e.g. 'MatMulV2', 'Mul', 'Silu' as the compile "
+                         f"report's pre-fusion ops show them)")
 
 
 def check_options(options: Optional[Dict[str, Any]]) -> Dict[str, Any]:
@@ -176,13 +196,8 @@ def check_options(options: Optional[Dict[str, Any]]) -> Dict[str, Any]:
             raise ValueError(f"option 'disable_rewrites' takes rewrite ids '<pass>@<root node>' "
                              f"as in the compile report's applied entries (e.g. "
                              f"'fuse_conv_act@convolution_1'), got {rid!r}")
-    if "keep_fp32" in options:
-        for name in options["keep_fp32"]:
-            try:
-                get_op(name)
-            except KeyError as e:
-                raise ValueError(f"option 'keep_fp32': {e.args[0]}; it takes opencann op names "
-                                 "such as 'SoftmaxV2' or 'LayerNorm'") from None
+    for name in options.get("keep_fp32") or ():
+        _check_keep_fp32(name)
     c = options.get("concurrent_calls")
     if c is not None and (isinstance(c, bool) or not isinstance(c, int) or c < 1):
         raise ValueError(f"option 'concurrent_calls' takes a positive int (the most calls "

@@ -13,23 +13,24 @@ from typing import Dict, FrozenSet, Iterable, List, Tuple
 
 from ..ir import Graph, Node, Value
 from ..ir.liveness import HappensBefore
-from .opdef import output_aliases, reads_layout
+from .opdef import inplace_inputs, output_aliases, reads_layout, written_inputs
 
 
 def storage_roots(graph: Graph, writes_as_fresh: bool = False) -> Dict[int, FrozenSet[int]]:
     """Value id -> ids of the values owning the storage it may share (itself for a graph
     input, a constant or a fresh kernel output). Nodes must be in a valid order.
 
-    ``writes_as_fresh=True`` counts the output of a node that writes into its input
-    (``inplace_input``) as a new root: the roots then tell apart the memory's contents
-    before and after that write, so the readers of the old contents can be found."""
+    ``writes_as_fresh=True`` counts an output a node writes into its input in place
+    (`inplace_inputs`: a fusion's ``inplace_input``, an op's ``inplace_of``) as a new
+    root: the roots then tell apart the memory's contents before and after that write,
+    so the readers of the old contents can be found."""
     roots: Dict[int, FrozenSet[int]] = {}
     for v in list(graph.inputs) + list(graph.constants):
         roots[v.id] = frozenset((v.id,))
     for node in graph.nodes:
-        fresh = writes_as_fresh and "inplace_input" in node.attrs
-        for o, idx in zip(node.outputs, output_aliases(node)):
-            if idx and not fresh:
+        fresh = inplace_inputs(node) if writes_as_fresh else {}
+        for k, (o, idx) in enumerate(zip(node.outputs, output_aliases(node))):
+            if idx and k not in fresh:
                 roots[o.id] = frozenset().union(
                     *(roots.get(node.inputs[i].id, frozenset((node.inputs[i].id,))) for i in idx))
             else:
@@ -72,20 +73,21 @@ def last_reads(graph: Graph, roots: Dict[int, FrozenSet[int]],
 def ordering_deps(graph: Graph) -> List[Tuple[int, int]]:
     """(earlier step, later step) pairs the node order must keep when nodes run on
     several streams (steps: indices in ``graph.nodes``, a valid order): every data edge
-    (producer -> consumer) and, for a node that writes into an input (``inplace_input``),
-    every other reader of that memory's old contents (through any alias) -> the writer
-    (write after read). Sorted, without duplicates."""
+    (producer -> consumer) and, for a node that writes into an input in place
+    (`written_inputs`), every other reader of that memory's old contents (through any
+    alias) -> the writer (write after read). Sorted, without duplicates."""
     step = {n: i for i, n in enumerate(graph.nodes)}
     deps = set()
     for node in graph.nodes:
         for x in node.inputs:
             if x.producer is not None and x.producer in step:
                 deps.add((step[x.producer], step[node]))
-    writers = [n for n in graph.nodes if "inplace_input" in n.attrs]
+    writers = [n for n in graph.nodes if written_inputs(n)]
     if writers:
         before = storage_roots(graph, writes_as_fresh=True)
         for w in writers:
-            mine = before.get(w.inputs[w.attrs["inplace_input"]].id, frozenset())
+            mine = frozenset().union(*(before.get(w.inputs[j].id, frozenset())
+                                       for j in written_inputs(w)))
             for r in graph.nodes:
                 if step[r] < step[w] and any(before.get(x.id, frozenset()) & mine
                                              for x in r.inputs):

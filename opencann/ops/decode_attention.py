@@ -8,13 +8,19 @@ Node layout (BNSD, as FlashAttention): inputs q [B, Hq, 1, D], k and v [B, Hkv, 
 lengths[b] are ignored, never read); attrs ``query``/``key``/``value``/``lengths``
 (TensorRefs) and ``scale`` (None = D ** -0.5). Output [B, Hq, 1, D] float32. Kernel:
 `opencann.ops.kernels.decode_attention_cpu.decode_attention` (numba, imported at bind
-time so ``import opencann`` does not load numba). No vnpu cost model yet.
+time so ``import opencann`` does not load numba); fp32 only, so every precision mode
+keeps the op in fp32 (``keep_fp32``, ``fp32_kernel``). vnpu:
+`opencann.ops.kernels.vnpu_cost.decode_attention` (memory-bound on the cache read).
+Captured from the torch custom op ``torch.ops.opencann.decode_attention(q, k_cache,
+v_cache, lengths, scale)`` (`opencann.ops.llm_torch`), its arguments renamed to the
+attributes above.
 """
 from __future__ import annotations
 
 from typing import Callable, Sequence
 
 from ..ir import Node, TensorDesc, numel
+from .kernels import vnpu_cost
 from .opdef import Cost, OpDef, OpKind, register
 
 
@@ -37,13 +43,17 @@ def make_decode_attention_kernel(node: Node, in_descs: Sequence[TensorDesc], con
     docstring); raises ValueError on bad shapes, dtypes or lengths (one line each)."""
     from .kernels.decode_attention_cpu import decode_attention
     scale = node.attrs.get("scale")
+    iq, ik, iv, il = (node.attrs[k].index for k in ("query", "key", "value", "lengths"))
 
-    def run(q, k, v, lengths):
-        return decode_attention(q, k, v, lengths, scale=scale)
+    def run(*xs):
+        return decode_attention(xs[iq], xs[ik], xs[iv], xs[il], scale=scale)
     return run
 
 
 register(OpDef("DecodeAttention", OpKind.ATTENTION, aliases=((),), cost_fn=decode_attention_cost,
                kernel_factories={"cpu": make_decode_attention_kernel},
+               device_cost={"vnpu": vnpu_cost.decode_attention}, keep_fp32=True, fp32_kernel=True,
+               custom_op="opencann::decode_attention",
+               custom_op_args={"q": "query", "k_cache": "key", "v_cache": "value"},
                doc="one query per sequence over its live KV-cache keys (FlashDecoding split-KV, "
                    "GQA, lengths as data; numba CPU kernel)"))

@@ -47,18 +47,22 @@ def _conv_act_cost(node: Node) -> Cost:
 
 
 register(OpDef("ConvBiasAct", OpKind.FUSED, aliases=((),), cost_fn=_conv_act_cost,
+               fused_from=("Conv2D",),
                kernel_factories={"cpu": make_conv_kernel}, device_cost={"vnpu": vnpu_cost.conv},
                kernel_per_shape=True,   # eager's or oneDNN's kernel by size: ops/kernels/conv_choice
                per_index=pi.CONV, doc="Conv2D(+folded BN)+activation in one oneDNN primitive"))
 register(OpDef("ConvAddAct", OpKind.FUSED, aliases=((),),  # in place: the node's inplace_input
+               fused_from=("Conv2D",),
                cost_fn=_conv_act_cost, kernel_factories={"cpu": make_conv_kernel},
                device_cost={"vnpu": vnpu_cost.conv}, per_index=pi.CONV_ADD, kernel_per_shape=True,
                doc="Conv2D+Add(+ReLU) through oneDNN's sum post-op, in place into the addend"))
 register(OpDef("LinearAct", OpKind.FUSED, aliases=((),), cost_fn=_linear_cost,
+               fused_from=("MatMulV2",),
                kernel_factories={"cpu": make_linear_kernel}, out_capable=lambda node: True,
                device_cost={"vnpu": vnpu_cost.matmul}, per_index=pi.addmm,
                doc="addmm + activation on a packed weight"))
 register(OpDef("AddLayerNorm", OpKind.FUSED, flops_per_elem=9, aliases=((),),
+               fused_from=("LayerNorm",),
                kernel_factories={"cpu": make_add_layer_norm_kernel}, out_capable=lambda node: True,
                keep_fp32=True, per_index=pi.add_layer_norm,
                doc="LayerNorm(a + b) over the last axis with γ, β in one pass"))

@@ -25,36 +25,21 @@ from __future__ import annotations
 import torch
 
 
-def _check_update(cache: torch.Tensor, new: torch.Tensor, positions: torch.Tensor) -> None:
-    if cache.dim() != 4 or new.dim() != 4 or new.shape[:2] != cache.shape[:2] or new.shape[3] != cache.shape[3]:
-        raise ValueError(f"kv_cache_update: expected cache [B, Hkv, S_max, D] and new [B, Hkv, T, D], "
-                         f"got cache {tuple(cache.shape)}, new {tuple(new.shape)}")
-    if new.dtype != cache.dtype:
-        raise ValueError(f"kv_cache_update: new is {new.dtype} but the cache is {cache.dtype}; "
-                         "cast the new keys/values to the cache dtype")
-    if positions.shape != (cache.shape[0],) or positions.dtype.is_floating_point:
-        raise ValueError(f"kv_cache_update: positions must be an integer tensor [{cache.shape[0]}], "
-                         f"got {tuple(positions.shape)} {positions.dtype}")
-
-
 @torch.library.custom_op("opencann::kv_cache_update", mutates_args=("cache",))
 def kv_cache_update(cache: torch.Tensor, new: torch.Tensor, positions: torch.Tensor) -> None:
     """Write ``new`` [B, Hkv, T, D] into ``cache`` [B, Hkv, S_max, D] in place at
     ``positions`` [B] (int64): ``cache[b, :, positions[b]:positions[b]+T] = new[b]``
-    (scatter-update semantics of ``torch_npu.scatter_update_``). Raises ValueError on
-    shapes, dtypes or a write past S_max."""
-    _check_update(cache, new, positions)
-    t, s_max = new.shape[2], cache.shape[2]
-    for b, p in enumerate(positions.tolist()):
-        if p < 0 or p + t > s_max:
-            raise ValueError(f"kv_cache_update: row {b} writes positions {p}..{p + t - 1} but the "
-                             f"cache holds {s_max}; compile with a larger max_seq_len")
-        cache[b, :, p:p + t].copy_(new[b])
+    (scatter-update semantics of ``torch_npu.scatter_update_``; the graph op
+    ``KvCacheUpdate``'s kernel, `opencann.ops.kernels.kv_cache_update_cpu`). Raises
+    ValueError on shapes, dtypes or a write past S_max."""
+    from .kernels.kv_cache_update_cpu import kv_cache_update as kernel
+    kernel(cache, new, positions)
 
 
 @kv_cache_update.register_fake
 def _(cache, new, positions):
-    _check_update(cache, new, positions)
+    from .kernels.kv_cache_update_cpu import check_update
+    check_update(cache, new, positions)
     return None
 
 

@@ -99,6 +99,11 @@ class OpDef:
     it (`opencann.passes.layout.cpu_layout`).
     ``keep_fp32``: mixed precision keeps it in fp32 (softmax, norms, reductions,
     exp/log/pow...; `MixedPrecision`'s default keep-list).
+    ``fused_from``: for a fused op, the pre-fusion op types that stand in its place when
+    mixed precision runs (stage 1, before fusion): ``options["keep_fp32"]`` naming the
+    fused op keeps these (LinearAct -> MatMulV2: every GEMM with a constant weight becomes
+    a LinearAct). Empty for an op that is not fused, or whose parts also run unfused
+    (FusedElementwise, GatedMLP): naming it is refused with the parts to name instead.
     ``precision_keeps``: inputs (schema argument names) mixed precision never casts to
     fp16/bf16 when it lowers the op, because the op takes them in fp32 and a cast would
     change their meaning (SDPA's additive ``attn_mask``: transformers fills it with
@@ -112,6 +117,19 @@ class OpDef:
     or a function of the node's attrs giving that text (None: not fusable with those
     attrs); None for ops the elementwise fusion must not take (rounding, NaN handling or
     randomness it would change).
+    ``inplace_of``: output index -> the schema argument (input) the kernel writes that
+    output into, in place, returning that input: the output *is* the input's memory after
+    the write (KvCacheUpdate's ``{0: "cache"}``, torch_npu's ``scatter_update_``). Memory
+    planning gives such an output no buffer, scheduling puts every reader of the input's
+    old contents before the write (readers of the new contents read the output), and a
+    graph input written so is the caller's tensor, written directly (no copy-back:
+    TorchAir's ``input_inplace_pass``). See `inplace_inputs`.
+    ``custom_op`` / ``custom_op_args``: the torch custom op (qualified name,
+    ``"opencann::decode_attention"``) the torch frontend captures as this op, and the
+    renames of its schema arguments to this op's attribute names (``{"q": "query"}``);
+    see `lookup_custom_op`.
+    ``fp32_kernel``: the kernels compute in fp32 only (DecodeAttention's numba kernel):
+    every precision mode keeps the op in fp32, ``force_fp16`` included.
     ``reads_layout``: the result depends on the input's memory layout (strides, storage
     offset), not only on its values (``as_strided``); see `reads_layout` for the per-node
     fact. A call whose input is made contiguous must not reach such an op.
@@ -143,11 +161,16 @@ class OpDef:
     npu_format: Optional[str] = None
     channels_last: bool = False
     keep_fp32: bool = False
+    fused_from: Tuple[str, ...] = ()
     precision_keeps: Tuple[str, ...] = ()
     activation: Optional[str] = None
     fuse_expr: Any = None
     per_index: Optional[Callable] = None
     reads_layout: bool = False
+    inplace_of: Dict[int, str] = field(default_factory=dict)
+    custom_op: Optional[str] = None
+    custom_op_args: Dict[str, str] = field(default_factory=dict)
+    fp32_kernel: bool = False
     doc: str = ""
 
     @property
@@ -203,6 +226,7 @@ SKIPPED_OUTPUT = TensorDesc((0,), DataType.FLOAT)
 
 _REGISTRY: Dict[str, OpDef] = {}
 _BY_ATEN: Dict[torch._ops.OpOverload, OpDef] = {}
+_BY_CUSTOM: Dict[str, OpDef] = {}
 
 
 def _find_out_overload(op: torch._ops.OpOverload) -> Tuple[Optional[torch._ops.OpOverload], Tuple[str, ...]]:
@@ -225,11 +249,16 @@ def _find_out_overload(op: torch._ops.OpOverload) -> Tuple[Optional[torch._ops.O
 
 
 def register(opdef: OpDef) -> OpDef:
-    """Add an op to the registry. Raises ValueError on a duplicate name or overload, or
-    a ``kernels`` / ``kernel_factories`` / ``device_cost`` key that is not a device kind
-    (naming the kinds)."""
+    """Add an op to the registry. Raises ValueError on a duplicate name, overload or
+    ``custom_op``, or a ``kernels`` / ``kernel_factories`` / ``device_cost`` key that is
+    not a device kind (naming the kinds)."""
     if opdef.name in _REGISTRY:
         raise ValueError(f"op {opdef.name} is registered twice")
+    if opdef.custom_op is not None:
+        if opdef.custom_op in _BY_CUSTOM:
+            raise ValueError(f"custom op {opdef.custom_op} is already captured as "
+                             f"{_BY_CUSTOM[opdef.custom_op].name}")
+        _BY_CUSTOM[opdef.custom_op] = opdef
     for col in ("kernels", "kernel_factories", "device_cost"):
         bad = [k for k in getattr(opdef, col) if k not in KINDS]
         if bad:
@@ -367,9 +396,9 @@ def frozen_graph():
 def output_aliases(node: Node) -> List[Tuple[int, ...]]:
     """For each output of ``node``, the indices of the inputs whose storage it may share.
 
-    Sources, first match wins: the node's ``inplace_input`` attribute (a kernel that
-    writes into that input and returns it, e.g. ConvAddAct in place); the OpDef's
-    ``aliases``; for a HostFallback node, the schema of its ``meta["aten"]`` overload.
+    Sources, first match wins: the input a kernel writes the output into in place and
+    returns (`inplace_inputs`: the node's ``inplace_input`` attribute, e.g. ConvAddAct in
+    place, or the OpDef's ``inplace_of``); the OpDef's ``aliases``; for a HostFallback node, the schema of its ``meta["aten"]`` overload.
     Unknown (no declaration, no schema) means every output may alias every input.
     The list is shared within `frozen_graph`: do not change it."""
     memo = _FROZEN.get()
@@ -381,9 +410,38 @@ def output_aliases(node: Node) -> List[Tuple[int, ...]]:
     return found
 
 
-def _output_aliases(node: Node) -> List[Tuple[int, ...]]:
+def inplace_inputs(node: Node) -> Dict[int, int]:
+    """Output index -> index in ``node.inputs`` of the input its kernel writes that output
+    into, in place (and returns): every output into the node's ``inplace_input``
+    attribute (a fusion's decision, e.g. ConvAddAct on its residual), else the OpDef's
+    ``inplace_of`` (an op that always writes in place, e.g. KvCacheUpdate into its
+    ``cache``). Empty for a node that writes no input. Raises KeyError for an
+    ``inplace_of`` argument the node does not hold as a tensor input."""
     if "inplace_input" in node.attrs:
-        return [(node.attrs["inplace_input"],)] * len(node.outputs)
+        return {k: node.attrs["inplace_input"] for k in range(len(node.outputs))}
+    facts = get_op(node.op).inplace_of
+    if not facts:
+        return {}
+    out = {}
+    for k, name in facts.items():
+        ref = node.attrs.get(name)
+        if not isinstance(ref, TensorRef):
+            raise KeyError(f"{node.name} ({node.op}) writes in place into {name!r}, which it "
+                           "does not hold as a tensor input")
+        out[k] = ref.index
+    return out
+
+
+def written_inputs(node: Node) -> Tuple[int, ...]:
+    """Indices in ``node.inputs`` of the inputs ``node`` writes in place (`inplace_inputs`),
+    ascending, without repeats; ``()`` for a node that writes none."""
+    return tuple(sorted(set(inplace_inputs(node).values())))
+
+
+def _output_aliases(node: Node) -> List[Tuple[int, ...]]:
+    written = inplace_inputs(node)
+    if "inplace_input" in node.attrs:
+        return [(written[k],) for k in range(len(node.outputs))]
     op = get_op(node.op)
     facts = op.aliases
     if facts is None and op.aten is None and node.meta.get("aten") is not None:
@@ -392,6 +450,9 @@ def _output_aliases(node: Node) -> List[Tuple[int, ...]]:
         return [tuple(range(len(node.inputs)))] * len(node.outputs)
     out = []
     for k in range(len(node.outputs)):
+        if k in written:
+            out.append((written[k],))
+            continue
         names = facts[min(k, len(facts) - 1)] if facts else ()
         idx = sorted({i for n in names for i in _ref_indices(node.attrs.get(n))})
         out.append(tuple(idx))
@@ -402,6 +463,15 @@ def lookup_aten(target) -> Optional[OpDef]:
     """The registered `OpDef` implementing the ATen overload ``target`` (e.g.
     ``torch.ops.aten.relu.default``), or None when no op is registered for it."""
     return _BY_ATEN.get(target)
+
+
+def lookup_custom_op(target) -> Optional[OpDef]:
+    """The registered `OpDef` that captures the torch custom op ``target`` (an OpOverload
+    such as ``torch.ops.opencann.decode_attention.default``, or its qualified name
+    ``"opencann::decode_attention"``; `OpDef.custom_op`), or None."""
+    name = target if isinstance(target, str) else getattr(
+        getattr(target, "_schema", None), "name", None)
+    return _BY_CUSTOM.get(name) if name is not None else None
 
 
 def all_ops() -> List[OpDef]:

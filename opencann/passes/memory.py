@@ -17,7 +17,8 @@ from typing import Dict, FrozenSet, List, Tuple
 from ..ir import Buffer, Graph, MemoryPlan, Node, Value, apply_schedule, is_dense
 from ..ir.liveness import peak_live_bytes
 from ..log import logger
-from ..ops import get_op, graph_happens_before, last_reads, output_aliases, storage_roots
+from ..ops import (get_op, graph_happens_before, last_reads, output_aliases, storage_roots,
+                   written_inputs)
 from .base import Pass, PassContext
 from .memory_check import check_plan
 
@@ -265,23 +266,35 @@ def _inplace_candidate(node: Node, o, root, bufs, last_read, sroots, i, hb=None,
 
 
 def _check_declared_writes(graph: Graph, step: Dict[Node, int]) -> None:
-    """A node that writes into an input (``inplace_input``, decided by a fusion) must be
-    the last reader of that input's memory, through every alias, in the final order.
-    Raises ValueError naming the node otherwise (a pass broke its own rule)."""
-    writers = [n for n in graph.nodes if "inplace_input" in n.attrs]
+    """A node that writes into an input in place (`written_inputs`: a fusion's
+    ``inplace_input``, an op's ``inplace_of`` such as KvCacheUpdate) must be the last
+    reader of that memory's contents before the write, through every alias, in the final
+    order; and the memory must be an intermediate, or a graph input the calling
+    convention says the model writes (``graph.signature.input_mutations``: the caller's
+    tensor, written directly, TorchAir's ``input_inplace_pass``), never a constant.
+    Raises ValueError naming the node otherwise (a pass broke its own rule, or a graph
+    writes an input it does not declare)."""
+    writers = [n for n in graph.nodes if written_inputs(n)]
     if not writers:
         return
     before = storage_roots(graph, writes_as_fresh=True)  # contents before each write
     last = last_reads(graph, before, step)
-    external = {v.id for v in graph.inputs + graph.constants}
+    consts = {v.id for v in graph.constants}
+    index = {v.id: i for i, v in enumerate(graph.inputs)}
+    declared = set(graph.signature.input_mutations)
     for n in writers:
-        x = n.inputs[n.attrs["inplace_input"]]
-        late = max((last.get(r, -1) for r in before.get(x.id, ())), default=-1)
-        if late > step[n] or before.get(x.id, frozenset()) & external:
-            raise ValueError(f"{n.name} ({n.op}) at {n.where()} writes in place into {x!r}, "
-                             "whose memory is still read afterwards (through it or a view) or "
-                             "is a graph input, constant or output; the pass that made it "
-                             "in place must leave it out of place")
+        for j in written_inputs(n):
+            x = n.inputs[j]
+            mem = before.get(x.id, frozenset())
+            late = max((last.get(r, -1) for r in mem), default=-1)
+            undeclared = [graph.inputs[index[r]].name for r in mem
+                          if r in index and index[r] not in declared]
+            if late > step[n] or mem & consts or undeclared:
+                raise ValueError(f"{n.name} ({n.op}) at {n.where()} writes in place into {x!r}, "
+                                 "whose memory is still read afterwards (through it or a view), "
+                                 "is a constant, or is a graph input the model does not declare "
+                                 "written; the pass that made it in place must leave it out of "
+                                 "place, and a graph must list the inputs it writes")
 
 
 def _stream_order(graph: Graph, sroots):

@@ -45,7 +45,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from ..ir import Graph, Node
 from ..log import logger
-from ..ops import get_op, is_random, output_aliases, storage_roots
+from ..ops import get_op, is_random, output_aliases, storage_roots, written_inputs
 from .memory import DEFAULT_ALIGNMENT, _align, plan_memory, writes_into_buffer
 
 EXACT_MAX_NODES = 20
@@ -201,18 +201,18 @@ class PeakModel:
 def order_edges(graph: Graph) -> List[Tuple[Node, Node]]:
     """Pairs (a, b): node a must run before node b although b reads nothing a makes.
     Random nodes keep their capture order (each call draws torch's RNG in eager's
-    sequence); a node that writes in place into an input (``inplace_input``) runs after
-    every other reader of that memory's contents before the write (as `plan_memory`
+    sequence); a node that writes in place into an input (`written_inputs`: a fusion's
+    ``inplace_input``, an op's ``inplace_of``) runs after every other reader of that memory's contents before the write (as `plan_memory`
     requires). The graph must be in capture (topological) order."""
     pos = {n: i for i, n in enumerate(graph.nodes)}
     rnd = [n for n in graph.nodes if is_random(n)]
     edges = list(zip(rnd, rnd[1:]))
-    writers = [n for n in graph.nodes if "inplace_input" in n.attrs]
+    writers = [n for n in graph.nodes if written_inputs(n)]
     if writers:
         before = storage_roots(graph, writes_as_fresh=True)
         for w in writers:
-            x = w.inputs[w.attrs["inplace_input"]]
-            mem = before.get(x.id, frozenset((x.id,)))
+            mem = frozenset().union(*(before.get(w.inputs[j].id, frozenset((w.inputs[j].id,)))
+                                      for j in written_inputs(w)))
             edges += [(u, w) for u in graph.nodes if pos[u] < pos[w] and any(
                 before.get(v.id, frozenset((v.id,))) & mem for v in u.inputs)]
     return edges

@@ -10,6 +10,7 @@ as Python's own binding does); `input_labels` names each flattened input for err
 """
 from __future__ import annotations
 
+import collections
 import inspect
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -81,18 +82,55 @@ def bind_call(args: Sequence[Any], kwargs: Dict[str, Any], in_spec,
     return tuple(out_args), {k: kw[k] for k in keys}
 
 
+def _children(spec) -> list:
+    """``spec``'s child TreeSpecs (``children()`` in torch >= 2.9, ``children_specs``
+    before)."""
+    kids = getattr(type(spec), "children", None)
+    return list(spec.children()) if callable(kids) else list(spec.children_specs)
+
+
+def _child_keys(spec) -> List[str]:
+    """How each child of a pytree node is reached, as text: ``[0]`` (tuples, lists and
+    any other container), ``['key']`` (dicts), ``.field`` (namedtuples)."""
+    t, ctx, n = spec.type, spec.context, spec.num_children
+    if isinstance(t, type) and issubclass(t, dict):
+        keys = ctx[1] if t is collections.defaultdict else ctx
+        return [f"[{k!r}]" for k in keys]
+    if isinstance(ctx, type) and hasattr(ctx, "_fields"):           # namedtuple
+        return [f".{f}" for f in ctx._fields]
+    return [f"[{i}]" for i in range(n)]
+
+
+def leaf_paths(in_spec) -> List[Tuple[Tuple[str, ...], Tuple[type, ...]]]:
+    """Per leaf of ``in_spec`` (a TreeSpec), in flattening order: (the keys reaching it,
+    as `_child_keys` spells them, the types of the containers on the way). Read from the
+    spec itself, so leaves of any registered container (a transformers ``DynamicCache``)
+    are named without rebuilding the container."""
+    out: List[Tuple[Tuple[str, ...], Tuple[type, ...]]] = []
+
+    def walk(spec, keys, types):
+        if spec.is_leaf():
+            out.append((keys, types))
+            return
+        for k, child in zip(_child_keys(spec), _children(spec)):
+            walk(child, keys + (k,), types + (spec.type,))
+    walk(in_spec, (), ())
+    return out
+
+
 def input_labels(in_spec, arg_names: Optional[Sequence[Optional[str]]]) -> List[str]:
-    """A name per flattened input of the compile-time call, for errors: ``mask (argument
-    #3)``, ``'xs'[1] (argument #0)``, ``'scale' (keyword)``."""
+    """A name per flattened input of the compile-time call (``in_spec``: the TreeSpec of
+    ``(args, kwargs)``), for errors: ``mask (argument #3)``, ``'xs'[1] (argument #0)``,
+    ``'scale' (keyword)``, ``'past_key_values'[2] (keyword)`` (a tensor inside a
+    registered container)."""
     names = list(arg_names or [])
     labels = []
-    for path, _ in pytree.tree_flatten_with_path(
-            pytree.tree_unflatten([0] * in_spec.num_leaves, in_spec))[0]:
-        rest = "".join(str(p) for p in path[2:])
-        if path[0].idx == 0:
-            j = path[1].idx
+    for keys, _ in leaf_paths(in_spec):
+        rest = "".join(keys[2:])
+        if keys[0] == "[0]":
+            j = int(keys[1][1:-1])
             nm = names[j] if j < len(names) else None
             labels.append(f"'{nm}'{rest} (argument #{j})" if nm else f"argument #{j}{rest}")
         else:
-            labels.append(f"'{path[1].key}'{rest} (keyword)")
+            labels.append(f"{keys[1][1:-1]}{rest} (keyword)")
     return labels

@@ -17,7 +17,8 @@ from typing import Any, Callable, Dict, List, Optional
 import torch
 
 from ..ir import Graph, MemoryPlan, Node, TensorListRef, TensorRef, Value, is_dense
-from ..ops import call_args, get_op, graph_happens_before, output_aliases, storage_roots
+from ..ops import (call_args, get_op, graph_happens_before, inplace_inputs, output_aliases,
+                   storage_roots)
 from ..ops.parity import layout_dependent
 from .alias_check import AliasChecker
 from .fast_call import fast_callable_keyed, value_free
@@ -93,11 +94,12 @@ def _layout_sensitive(g: Graph) -> set:
     result, and whether it can be taken at all, depends on its input's strides) and
     inputs of cpu elementwise ops whose kernel gives other values at another layout
     (`layout_dependent`: AVX-512's exact GELU on oneDNN's channels-last convolution
-    output). A kernel writing in place into an input (ConvAddAct) leaves that input in
-    whatever layout it has; its own output is then conformed where needed."""
+    output). A kernel writing in place into an input (ConvAddAct, KvCacheUpdate:
+    `inplace_inputs`) leaves that input in whatever layout it has; its own output is then
+    conformed where needed."""
     need = {v.id for v in g.outputs}
     for n in g.nodes:
-        if "inplace_input" in n.attrs:  # its output is conformed itself, if need be
+        if inplace_inputs(n):  # its output is conformed itself, if need be
             continue
         for idx in output_aliases(n):
             need.update(n.inputs[i].id for i in idx)
@@ -503,9 +505,10 @@ class CodeGen:
     def _emit_conform(self, node, aliased, outs, bufnames, layout_bound) -> None:
         """A kernel's own allocation, in the layout it chose: give it the traced strides
         where a view reads it or the caller gets it."""
+        written = inplace_inputs(node)
         for k, o in enumerate(node.outputs):
             if (bufnames[k] is not None or o.id not in layout_bound
-                    or (aliased[k] and "inplace_input" not in node.attrs)
+                    or (aliased[k] and k not in written)
                     or k in node.meta.get("none_outputs", ())):
                 continue
             st = _layout_of(o)

@@ -207,10 +207,14 @@ def _site(applied: Sequence[Dict[str, str]], guilty: str, layer: LayerResult) ->
 
 def _narrow_precision(t: _Trial, base: CompareResult) -> List[str]:
     """Op types the precision pass lowered whose staying in fp32 restores accuracy (views
-    only follow their input's dtype: not candidates)."""
-    from ..ops import get_op
-    lowered = sorted({x.op for x in base.layers if x.dtype in ("float16", "bfloat16")
-                      and x.op not in ("Cast", "HostFallback") and not get_op(x.op).is_view})
+    only follow their input's dtype: not candidates). The precision pass runs before
+    fusion, so a fused layer is tried as the op types it is formed from (``fused_from``:
+    LinearAct as MatMulV2); a fused op without them (FusedElementwise) is no candidate."""
+    from ..ops import OpKind, get_op
+    lowered = sorted({p for x in base.layers if x.dtype in ("float16", "bfloat16")
+                      and x.op not in ("Cast", "HostFallback") and not get_op(x.op).is_view
+                      for p in (get_op(x.op).fused_from or
+                                (() if get_op(x.op).kind == OpKind.FUSED else (x.op,)))})
     return t.search("keep_fp32", "keep_fp32", lowered)
 
 

@@ -186,3 +186,44 @@ def test_casts_keep_the_traced_layout_views_rely_on(mode, keep):
     out2 = c(x2)
     for o, r in zip(out2, ref2):
         assert torch.equal(o.isnan(), r.isnan())
+
+
+def test_keep_fp32_names_fused_ops_as_the_report_shows_them():
+    """keep_fp32 takes the fused op names the compile report shows (LinearAct, ConvBiasAct):
+    mixed precision runs before fusion, so it keeps the ops they are formed from
+    (``OpDef.fused_from``); a fused op whose parts also run unfused is one clear error."""
+    import opencann
+    torch.manual_seed(0)
+    model, x = Block().eval(), torch.randn(2, 8, 32)
+    ref = model(x)
+    cm = opencann.compile(model, x, options={"precision_mode": "allow_mix_precision_bf16",
+                                             "keep_fp32": ["LinearAct"]})
+    summ = precision_summary(cm.graph)
+    assert "LinearAct" in summ and set(summ["LinearAct"]) == {"float32"}
+    assert set(summ["BatchMatMul"]) == {"bfloat16"}
+    out = cm(x)
+    assert ((out - ref).abs().max() / ref.abs().max()).item() < 3e-2
+    cnn, xc = _cnn().eval(), torch.randn(2, 3, 8, 8)
+    cm = opencann.compile(cnn, xc, options={"precision_mode": "allow_mix_precision_bf16",
+                                            "keep_fp32": ["ConvBiasAct"]})
+    summ = precision_summary(cm.graph)
+    convs = {op: set(d) for op, d in summ.items() if op.startswith("Conv")}
+    assert convs and all(d == {"float32"} for d in convs.values()), summ
+    with pytest.raises(ValueError, match="FusedElementwise is formed by fusion"):
+        opencann.compile(model, x, options={"precision_mode": "allow_mix_precision_bf16",
+                                            "keep_fp32": ["FusedElementwise"]})
+
+
+def test_bisect_candidates_are_pre_fusion_types():
+    """compare --bisect's keep_fp32 candidates name what the precision pass sees: a fused
+    layer as its ``fused_from`` types, a FusedElementwise never."""
+    from types import SimpleNamespace as NS
+    from opencann.tools import bisect
+
+    class T:
+        def search(self, what, option, names):
+            return names
+    layers = [NS(op="LinearAct", dtype="bfloat16"), NS(op="FusedElementwise", dtype="bfloat16"),
+              NS(op="BatchMatMul", dtype="bfloat16"), NS(op="SoftmaxV2", dtype="float32"),
+              NS(op="ConvAddAct", dtype="bfloat16")]
+    assert bisect._narrow_precision(T(), NS(layers=layers)) == ["BatchMatMul", "Conv2D", "MatMulV2"]

@@ -404,3 +404,22 @@ def test_swaps_that_are_undone_do_not_count_as_replacing_weights():
         opencann.compile(m, (x,))
         torch.compile(m, backend="opencann")(x)
         assert_close(cm(x), ref, strides=True, signed_zeros=True)
+
+
+def test_shared_weights_are_the_module_memory_and_a_change_is_still_refused():
+    """Option share_weights: the compiled model holds the module's weight memory (no
+    snapshot), and a change to the module is refused at the next call as before."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(8, 16), nn.SiLU(), nn.Linear(16, 4)).eval()
+    x = _x(3, 8)
+    cm = opencann.compile(m, (x,), options={"share_weights": True})
+    with torch.no_grad():
+        assert_close(cm(x), m(x))
+    params = {p.untyped_storage().data_ptr() for p in m.parameters()}
+    assert {c.const.untyped_storage().data_ptr() for c in cm.graph.constants} == params
+    assert any("weights shared with the module" in r.note for r in cm.report.passes
+               if r.name == "bind_kernels")
+    with torch.no_grad():
+        m[0].weight.mul_(2)
+    with pytest.raises(ValueError, match=r"0\.weight.*modified in place.*Recompile"):
+        cm(x)

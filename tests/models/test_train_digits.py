@@ -8,5 +8,5 @@ pytest.importorskip("sklearn")
 
 def test_digits_reaches_95_percent():
     from opencann.tools.train_demo import train_digits
-    r = train_digits(epochs=8, log=lambda *_: None)
+    r = train_digits(epochs=4, log=lambda *_: None)   # seeded: 96.7% after 4 epochs
     assert r["test_accuracy"] >= 0.95, r

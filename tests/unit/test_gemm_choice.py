@@ -183,3 +183,32 @@ def test_gemv_serves_decode_rows_only_and_a_file_keeps_it(tmp_path, monkeypatch)
 class _Bias:
     def __init__(self, n):
         self.shape = (n,)
+
+
+@needs_onednn
+def test_graphs_sharing_weights_share_the_packed_copies(monkeypatch):
+    """With the option share_weights, two graphs compiled from one module (two shapes, as
+    opencann.llm's prefill buckets) hold the module's weights and ONE oneDNN blocked copy
+    of each; without it each graph snapshots and packs its own."""
+    monkeypatch.setattr(cpu_kernels, "LINEAR_CHOICES", ForcedGemmChoice("onednn_packed"))
+    torch.manual_seed(0)
+    m = MLP().eval()
+    params = {p.untyped_storage().data_ptr() for p in m.parameters()}
+
+    def packed_of(cm):
+        ws = [c.const for c in cm.graph.constants if c.const.dim() == 2]
+        return [cpu_kernels._ONEDNN_PACKED[w] for w in ws], ws
+
+    a, b = (opencann.compile(m, (torch.randn(n, 48),), options={"share_weights": True})
+            for n in (6, 17))
+    (pa, wa), (pb, wb) = packed_of(a), packed_of(b)
+    assert len(pa) == 2 and all(x is y for x, y in zip(pa, pb))
+    assert {w.untyped_storage().data_ptr() for w in wa + wb} <= params
+    for cm, n in ((a, 6), (b, 17)):
+        x = torch.randn(n, 48)
+        with torch.no_grad():
+            _close(cm(x), m(x))
+    c = opencann.compile(m, (torch.randn(6, 48),))
+    (pc, wc) = packed_of(c)
+    assert not any(x is y for x, y in zip(pa, pc))
+    assert not {w.untyped_storage().data_ptr() for w in wc} & params

@@ -17,6 +17,7 @@ import torch
 import torch.fx as fx
 
 from .. import errors
+from . import custom_ops
 from ...ir import DataType, Graph, TensorDesc, TensorRef, Value, is_dense
 from ...ir.symbolic import SymExpr, expr_string, has_symbolic
 from ...ops import infer, lookup_aten, storage_roots
@@ -148,8 +149,15 @@ def convert_node(graph: Graph, node: fx.Node, env: Dict[fx.Node, Any]) -> None:
     if target is torch.ops.higher_order.with_effects:
         _convert_effect(graph, node, env)
         return
+    if target in custom_ops.AUTO_FUNCTIONALIZED:   # an in-place custom op, functionalized
+        custom_ops.convert_auto_functionalized(graph, node, env, convert_node)
+        return
     _check_target(node, target)
-    if not target._schema.returns:
+    custom = custom_ops.captured_op(target)
+    if custom is not None and custom.inplace_of and not isinstance(node, custom_ops.CallNode):
+        custom_ops.convert_inplace_call(graph, node, env, convert_node)
+        return
+    if not target._schema.returns and custom is None:
         # shape/dtype assertions (e.g. _assert_tensor_metadata) were checked at export time
         graph.meta.setdefault("dropped_asserts", []).append(str(target))
         cond = env.get(node.args[0]) if node.args and isinstance(node.args[0], fx.Node) else None
@@ -158,8 +166,10 @@ def convert_node(graph: Graph, node: fx.Node, env: Dict[fx.Node, Any]) -> None:
                 shape_guards=graph.signature.shape_guards + (cond.expr,))
         env[node] = None
         return
-    opdef = lookup_aten(target)
+    opdef = lookup_aten(target) or custom
     inputs, attrs = _lift_args(node, target._schema, env)
+    if custom is not None:
+        attrs = custom_ops.rename_args(custom, attrs)
     src, scope = source_of(node)
     vals, is_seq = _flat_vals(node.meta.get("val"))
     # a multi-output op may skip outputs (a gradient op's output_mask): an empty
@@ -358,11 +368,21 @@ def _note_layout_query(graph: Graph, ep: torch.export.ExportedProgram, name: str
     graph.signature = graph.signature.replace(layout_queries=q)
 
 
-def _refuse_written_state(sig) -> None:
+def _refuse_written_state(sig, ep=None) -> None:
     """Raise ConversionError (kind ``buffer_written`` / ``parameter_written``) when the
-    exported program writes a buffer or a parameter in forward."""
+    exported program writes a buffer or a parameter in forward (a buffer written by an
+    in-place custom op such as ``opencann::kv_cache_update``: the fix is to pass it in)."""
     from torch.export.graph_signature import OutputKind
     for out in sig.output_specs:
+        if out.kind == OutputKind.BUFFER_MUTATION and ep is not None:
+            op = custom_ops.custom_op_writing(ep, out.target)
+            if op is not None:
+                raise ConversionError(
+                    f"the model writes its buffer {out.target} with {op} during the forward "
+                    "pass; a compiled graph keeps its buffers fixed (weights are snapshots). "
+                    "Fix: pass the cache to forward as an input: the compiled model then "
+                    "writes the caller's tensor in place, without a copy",
+                    kind="buffer_written")
         if out.kind == OutputKind.BUFFER_MUTATION:
             bn = any(w in str(out.target) for w in ("running_mean", "running_var",
                                                    "num_batches_tracked"))
@@ -401,7 +421,7 @@ def from_exported_program(ep: torch.export.ExportedProgram, name: str = "model",
     env: Dict[fx.Node, Any] = {}
     sig = ep.graph_signature
     specs = {s.arg.name: s for s in sig.input_specs if hasattr(s.arg, "name")}
-    _refuse_written_state(sig)
+    _refuse_written_state(sig, ep)
     for node in ep.graph.nodes:
         if node.op == "placeholder":
             spec = specs.get(node.name)

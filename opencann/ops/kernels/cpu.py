@@ -24,6 +24,7 @@ including calls running at once on several threads (``opencann.runtime.pool``).
 from __future__ import annotations
 
 import threading
+import weakref
 from typing import Callable, Dict, Sequence
 
 import torch
@@ -270,33 +271,50 @@ def _available(kernel: str, n: int, bias: TensorDesc, m: int = 0) -> bool:
 # (torch's WeakIdKeyDictionary: keys by identity; tensors' == is elementwise)
 _ONEDNN_PACKED = WeakIdKeyDictionary()
 _ONEDNN_PACKED_LOCK = threading.Lock()
+_GEMV_PACKED = WeakIdKeyDictionary()  # constant weight [k, n] -> its [n, k] copy for the GEMV
+# (cache id, data_ptr, shape, strides, dtype) -> weak reference to the first constant packed
+# for that view of memory: other constant tensors viewing the same memory (graphs compiled
+# with the option share_weights, e.g. opencann.llm's prefill buckets and decode graph) reuse
+# its packed copy instead of packing their own. While the reference is alive its storage is
+# too, so the address cannot have been reused by other data.
+_PACKED_VIEWS: Dict[tuple, "weakref.ref"] = {}
+
+
+def _packed_once(cache: WeakIdKeyDictionary, wt: torch.Tensor,
+                 make: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """``cache``'s packed copy of the constant weight ``wt`` (``make(wt)``), made once per
+    weight object and shared with every other constant viewing the same memory (same
+    data pointer, shape, strides and dtype) while the first one lives."""
+    key = (id(cache), wt.data_ptr(), tuple(wt.shape), wt.stride(), wt.dtype)
+    with _ONEDNN_PACKED_LOCK:
+        packed = cache.get(wt)
+        if packed is None:
+            ref = _PACKED_VIEWS.get(key)
+            owner = ref() if ref is not None else None
+            packed = cache.get(owner) if owner is not None else None
+            if packed is None:
+                packed = make(wt)
+                _PACKED_VIEWS[key] = weakref.ref(
+                    wt, lambda r, k=key: _PACKED_VIEWS.pop(k, None) if _PACKED_VIEWS.get(k) is r else None)
+            cache[wt] = packed
+    return packed
 
 
 def _onednn_weight(wt: torch.Tensor, m: int) -> torch.Tensor:
     """oneDNN's blocked copy of the constant weight ``wt`` [k, n], reordered once per
     weight (``m``: the row count of the first shape, a layout hint only) and cached while
-    ``wt`` lives (a dynamic model's new shape binds without reordering again)."""
-    with _ONEDNN_PACKED_LOCK:
-        packed = _ONEDNN_PACKED.get(wt)
-        if packed is None:
-            packed = torch.ops.mkldnn._reorder_linear_weight(wt.t().contiguous(), m)
-            _ONEDNN_PACKED[wt] = packed
-    return packed
-
-
-_GEMV_PACKED = WeakIdKeyDictionary()  # constant weight [k, n] -> its [n, k] copy for the GEMV
+    ``wt`` lives (a dynamic model's new shape binds without reordering again; constants
+    sharing ``wt``'s memory share the copy, `_packed_once`)."""
+    return _packed_once(_ONEDNN_PACKED, wt,
+                        lambda w: torch.ops.mkldnn._reorder_linear_weight(w.t().contiguous(), m))
 
 
 def _gemv_weight(wt: torch.Tensor) -> torch.Tensor:
     """The GEMV's ``[n, k]`` contiguous copy of the constant weight ``wt`` [k, n], made
-    once per weight (every row count and executor reuses it) and cached while it lives."""
+    once per weight (every row count and executor reuses it; ``wt.t()`` itself when it is
+    contiguous) and cached while it lives (shared as `_onednn_weight`'s)."""
     from .gemv_cpu import pack_weight
-    with _ONEDNN_PACKED_LOCK:
-        packed = _GEMV_PACKED.get(wt)
-        if packed is None:
-            packed = pack_weight(wt, transposed=True)
-            _GEMV_PACKED[wt] = packed
-    return packed
+    return _packed_once(_GEMV_PACKED, wt, lambda w: pack_weight(w, transposed=True))
 
 
 def _packed_kernel(kernel: str, wt: torch.Tensor, m: int, post) -> Callable:

@@ -288,3 +288,38 @@ def fused_elementwise(node: Node, spec: NpuSpec) -> Tuple[KernelCost, str]:
 
 
 __all__ += ["fused_elementwise"]
+
+
+# -- LLM decode: the KV cache as graph state ----------------------------------------------
+
+def _nbytes(v: Value) -> int:
+    return numel(v.desc.shape) * v.desc.dtype.itemsize
+
+
+def scatter_update(node: Node, spec: NpuSpec) -> Tuple[KernelCost, str]:
+    """KvCacheUpdate (``torch_npu.scatter_update_``): a memory-bound copy of the new keys
+    or values (input ``new`` [B, Hkv, T, D]) into the cache in place: ``new`` and
+    ``positions`` read from HBM once, the same bytes written into the cache; the rest of
+    the cache is neither read nor written (`fused_vector_cost`, one copy per element)."""
+    new = node.arg("new")
+    moved = _nbytes(new)
+    return fused_vector_cost(max(1, numel(new.desc.shape)), 1.0, moved + _nbytes(node.arg("positions")),
+                             moved, new.desc.dtype.value, spec), "fused_vector_cost (scatter copy, HBM once)"
+
+
+def decode_attention(node: Node, spec: NpuSpec) -> Tuple[KernelCost, str]:
+    """DecodeAttention (``npu_incre_flash_attention``: one query per sequence): memory-bound
+    on the KV cache. HBM: K and V [B, Hkv, S_max, D] read once (each KV head once for its
+    GQA group of query heads; the whole S_max, an upper bound: the live lengths are data),
+    q and lengths read, the output written. Vector: per query head and cached key, D
+    multiply-adds for q·k and D for p·v (4 ops per element of B·Hq·S_max·D); one
+    `fused_vector_cost` kernel, the scores never leave the chip."""
+    q, k = node.arg("query"), node.arg("key")
+    b, hq, d = int(q.desc.shape[0]), int(q.desc.shape[1]), int(q.desc.shape[-1])
+    s = int(k.desc.shape[-2])
+    read = sum(_nbytes(v) for v in node.inputs)
+    return fused_vector_cost(max(1, b * hq * s * d), 4.0, read, _nbytes(node.outputs[0]),
+                             "float32", spec), "fused_vector_cost (KV cache read once, scores on chip)"
+
+
+__all__ += ["decode_attention", "scatter_update"]

@@ -15,6 +15,11 @@ parameters: --precision_mode" and torch_npu "precision_mode" documentation):
   other op follows its inputs (low when all its float inputs are low).
 * ``force_fp16``: every floating-point op that is not a cast runs in fp16.
 
+In every mode, an op whose kernels compute in fp32 only (``OpDef.fp32_kernel``:
+DecodeAttention) stays in fp32, and an op that writes into an input in place
+(``OpDef.inplace_of``: KvCacheUpdate writing the KV cache) computes in that input's
+dtype: casting the cache would write into a copy instead of the caller's tensor.
+
 Casts of weights (graph constants) are done once at compile time. A Cast pair
 low→fp32→low of the same tensor is exact and folded away.
 
@@ -28,12 +33,12 @@ low-precision scores in fp32, as eager does with an fp32 mask.
 """
 from __future__ import annotations
 
-from typing import Dict, Iterable, Optional, Set
+from typing import Dict, Iterable, Optional, Set, Tuple
 
 
 from ...ir import DataType, Graph, Node, TensorRef, Value
 from ...log import logger
-from ...ops import OpKind, all_ops, get_op
+from ...ops import OpKind, all_ops, get_op, written_inputs
 from ..base import Pass, PassContext
 from .precision_values import lost_in_cast
 
@@ -41,6 +46,17 @@ MODES = ("force_fp32", "must_keep_origin_dtype", "allow_fp32_to_fp16", "allow_mi
          "allow_mix_precision_fp16", "allow_mix_precision_bf16", "force_fp16")
 LOW_KINDS = (OpKind.MATMUL, OpKind.CONV, OpKind.ATTENTION)
 FOLLOW_KINDS = (OpKind.ELEMENTWISE, OpKind.VIEW, OpKind.DATA)
+
+
+def pre_fusion_names(names: Iterable[str]) -> Set[str]:
+    """``names`` (op types) with each fused op replaced by the op types that stand in its
+    place before fusion (``OpDef.fused_from``: LinearAct -> MatMulV2, ConvBiasAct and
+    ConvAddAct -> Conv2D, AddLayerNorm -> LayerNorm); mixed precision runs before fusion,
+    so this is what it must keep. Names of other ops pass through."""
+    out: Set[str] = set()
+    for name in names:
+        out.update(get_op(name).fused_from or (name,))
+    return out
 
 
 def default_keep_fp32() -> Set[str]:
@@ -109,7 +125,7 @@ class MixedPrecision(Pass):
         if not mode:
             return 0
         low = low_dtype(mode)
-        keep = self.keep_fp32 | set(ctx.options["keep_fp32"])
+        keep = pre_fusion_names(self.keep_fp32 | set(ctx.options["keep_fp32"]))
         if mode == "force_fp32":
             return self._rewrite(graph, FP32, lambda n: True, set(), ctx, mode)
         if low is None:
@@ -126,21 +142,10 @@ class MixedPrecision(Pass):
         changed = 0
         kept = []
         for node in list(graph.nodes):
-            kind = get_op(node.op).kind
-            if node.op in ("Cast", "HostFallback") or kind in (OpKind.CREATION, OpKind.FALLBACK):
-                want = None if node.op == "Cast" else FP32  # hosts and creations: fp32 in
-            elif node.op in keep:
-                want = FP32
-            elif is_low(node):
-                want = target
-            elif kind in FOLLOW_KINDS:
-                act = [v for v in node.inputs if v.desc.dtype in floats and not v.is_const]
-                want = target if act and all(v.desc.dtype == target for v in act) else FP32
-            else:
-                want = FP32
+            want, written = _wanted(node, target, is_low, keep)
             if want is None:
                 continue
-            if want != FP32:
+            if want != FP32 and not written:
                 why = lost_in_cast(node, want)
                 if why:   # lowering would change what a value means: keep eager's
                     want = FP32
@@ -181,6 +186,32 @@ class MixedPrecision(Pass):
         return changed
 
 
+def _wanted(node: Node, target: DataType, is_low, keep) -> Tuple[Optional[DataType], bool]:
+    """(the dtype ``node`` computes in under the mode, None: leave it; whether it writes
+    an input in place). Casts are left; host fallbacks and creations take fp32; an op
+    writing into an input in place (``OpDef.inplace_of``: the KV cache) keeps that input's
+    dtype, as a cast would write into a copy, not the caller's tensor; ``fp32_kernel``
+    ops and ``keep`` take fp32; ``is_low`` ops ``target``; FOLLOW_KINDS ops follow their
+    non-constant float inputs; the rest fp32."""
+    op = get_op(node.op)
+    floats = (FP32, FP16, BF16)
+    if node.op == "Cast":
+        return None, False
+    if node.op == "HostFallback" or op.kind in (OpKind.CREATION, OpKind.FALLBACK):
+        return FP32, False
+    if op.inplace_of:
+        dt = node.inputs[written_inputs(node)[0]].desc.dtype
+        return (dt if dt in floats else None), True
+    if op.fp32_kernel or node.op in keep:
+        return FP32, False
+    if is_low(node):
+        return target, False
+    if op.kind in FOLLOW_KINDS:
+        act = [v for v in node.inputs if v.desc.dtype in floats and not v.is_const]
+        return (target if act and all(v.desc.dtype == target for v in act) else FP32), False
+    return FP32, False
+
+
 def _held_inputs(node: Node) -> Set[int]:
     """ids of ``node``'s inputs its OpDef's ``precision_keeps`` names (never cast down)."""
     names = get_op(node.op).precision_keeps
@@ -200,4 +231,5 @@ def precision_summary(graph: Graph) -> Dict[str, Dict[str, int]]:
     return out
 
 
-__all__ = ["MixedPrecision", "default_keep_fp32", "MODES", "low_dtype", "precision_summary"]
+__all__ = ["MixedPrecision", "default_keep_fp32", "MODES", "low_dtype", "pre_fusion_names",
+           "precision_summary"]

@@ -1,0 +1,205 @@
+"""`DecoderLM`: a transformers causal LM rewritten for generation with a preallocated
+KV cache, using the two opencann custom ops (`opencann.ops.llm_torch`):
+``torch.ops.opencann.kv_cache_update`` writes each layer's new keys/values into its cache
+in place (scatter-update semantics of ``torch_npu.scatter_update_``), and
+``torch.ops.opencann.decode_attention`` attends one query per row over the cache with
+the live lengths as data (``npu_incre_flash_attention`` with ``actual_seq_lengths``).
+
+The module holds the transformers model's own submodules and parameters (shared, not
+copied: tied embeddings stay one tensor); the caches are forward INPUTS, written in
+place, so one traced graph serves every position (`opencann.llm.generator`). The math
+follows transformers' modeling files (``modeling_llama.py``, ``modeling_gpt2.py``) op for
+op - RMSNorm in fp32, RoPE ``q * cos + rotate_half(q) * sin``, GPT-2's ``addmm`` Conv1D -
+so logits equal transformers' eager logits to fp32 rounding.
+"""
+from __future__ import annotations
+
+from typing import List, Sequence, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..ops import llm_torch  # noqa: F401  (registers torch.ops.opencann.*)
+from .arch import LLMArch, read_arch
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' LlamaRMSNorm: x * rsqrt(mean(x^2) + eps) in fp32, times weight."""
+    dt = x.dtype
+    x = x.to(torch.float32)
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x.to(dt)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    h = x.shape[-1] // 2
+    return torch.cat((-x[..., h:], x[..., :h]), dim=-1)
+
+
+def _conv1d(x: torch.Tensor, mod: nn.Module) -> torch.Tensor:
+    """transformers' GPT-2 Conv1D (weight [in, out]): addmm(bias, x, weight)."""
+    return torch.addmm(mod.bias, x.reshape(-1, x.shape[-1]), mod.weight).view(*x.shape[:-1], -1)
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+           v_cache: torch.Tensor, positions: torch.Tensor, lengths: torch.Tensor,
+           scale: float) -> torch.Tensor:
+    """Write ``k``/``v`` [B, Hkv, T, D] into the caches [B, Hkv, S_max, D] at
+    ``positions`` [B] (in place) and attend ``q`` [B, Hq, T, D]; returns [B, Hq, T, D].
+    T == 1 (decode): DecodeAttention over cache positions 0 .. lengths[b]-1 (lengths
+    [B] int64, data). T > 1 (prefill from position 0): causal attention over the T new
+    tokens (SDPA, GQA when Hq > Hkv); rows shorter than T are right-padded and causality
+    keeps the padding from reaching real tokens."""
+    torch.ops.opencann.kv_cache_update(k_cache, k, positions)
+    torch.ops.opencann.kv_cache_update(v_cache, v, positions)
+    if q.shape[2] == 1:
+        return torch.ops.opencann.decode_attention(q, k_cache, v_cache, lengths, scale)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
+                                          enable_gqa=q.shape[1] != k.shape[1])
+
+
+class LlamaBlock(nn.Module):
+    """One Llama/Mistral/Qwen2 decoder layer (RMSNorm, RoPE, GQA, gated MLP) over the
+    transformers layer's own submodules."""
+
+    def __init__(self, layer: nn.Module, arch: LLMArch, scale: float):
+        super().__init__()
+        self.attn, self.mlp = layer.self_attn, layer.mlp
+        self.ln1, self.ln2 = layer.input_layernorm, layer.post_attention_layernorm
+        self.eps, self.scale, self.arch = arch.norm_eps, scale, arch
+
+    def forward(self, h: torch.Tensor, rope: Tuple[torch.Tensor, torch.Tensor],
+                positions: torch.Tensor, lengths: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor) -> torch.Tensor:
+        """``h`` [B, T, hidden] float32, ``rope`` (cos, sin) [B, T, D] -> [B, T, hidden];
+        writes this layer's caches (`attend`)."""
+        a, B, T = self.arch, h.shape[0], h.shape[1]
+        x = _rms_norm(h, self.ln1.weight, self.eps)
+        q = self.attn.q_proj(x).view(B, T, a.num_heads, a.head_dim).transpose(1, 2)
+        k = self.attn.k_proj(x).view(B, T, a.num_kv_heads, a.head_dim).transpose(1, 2)
+        v = self.attn.v_proj(x).view(B, T, a.num_kv_heads, a.head_dim).transpose(1, 2)
+        cos, sin = rope[0].unsqueeze(1), rope[1].unsqueeze(1)
+        q = q * cos + _rotate_half(q) * sin
+        k = k * cos + _rotate_half(k) * sin
+        o = attend(q, k, v, k_cache, v_cache, positions, lengths, self.scale)
+        h = h + self.attn.o_proj(o.transpose(1, 2).reshape(B, T, a.num_heads * a.head_dim))
+        x = _rms_norm(h, self.ln2.weight, self.eps)
+        return h + self.mlp.down_proj(self.mlp.act_fn(self.mlp.gate_proj(x)) * self.mlp.up_proj(x))
+
+
+class GPT2Block(nn.Module):
+    """One GPT-2 decoder layer (LayerNorm, fused QKV Conv1D, GELU MLP) over the
+    transformers layer's own submodules."""
+
+    def __init__(self, layer: nn.Module, arch: LLMArch, scale: float):
+        super().__init__()
+        self.attn, self.mlp, self.ln1, self.ln2 = layer.attn, layer.mlp, layer.ln_1, layer.ln_2
+        self.scale, self.arch = scale, arch
+
+    def forward(self, h: torch.Tensor, rope, positions: torch.Tensor, lengths: torch.Tensor,
+                k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        """``h`` [B, T, hidden] float32 -> [B, T, hidden]; ``rope`` is unused (learned
+        positions); writes this layer's caches (`attend`)."""
+        a, B, T = self.arch, h.shape[0], h.shape[1]
+        x = self.ln1(h)
+        q, k, v = _conv1d(x, self.attn.c_attn).split(a.hidden_size, dim=2)
+        q, k, v = (t.view(B, T, a.num_heads, a.head_dim).transpose(1, 2) for t in (q, k, v))
+        o = attend(q, k, v, k_cache, v_cache, positions, lengths, self.scale)
+        h = h + _conv1d(o.transpose(1, 2).reshape(B, T, a.hidden_size), self.attn.c_proj)
+        x = self.ln2(h)
+        return h + _conv1d(self.mlp.act(_conv1d(x, self.mlp.c_fc)), self.mlp.c_proj)
+
+
+def _parts(model: nn.Module, arch: LLMArch):
+    """(embedding, position embedding or None, layers, final norm, LM head, rotary
+    embedding or None) of a transformers causal LM; ValueError naming what is missing."""
+    head = getattr(model, "lm_head", None)
+    if not isinstance(head, nn.Linear):
+        raise ValueError(f"{type(model).__name__} has no causal LM head (lm_head); load the "
+                         "model with AutoModelForCausalLM")
+    if arch.family == "gpt2":
+        t = model.transformer
+        return t.wte, t.wpe, t.h, t.ln_f, head, None
+    m = model.model
+    return m.embed_tokens, None, m.layers, m.norm, head, m.rotary_emb
+
+
+class DecoderLM(nn.Module):
+    """A transformers causal LM (GPT-2, Llama, Mistral, Qwen2 families; `read_arch`)
+    for generation over a preallocated KV cache, sharing the model's parameters.
+
+    ``forward(input_ids, positions, lengths, *caches) -> logits``:
+    ``input_ids`` [B, T] int64 (T == 1: a decode step; T > 1: a prompt from position 0,
+    rows right-padded to T); ``positions`` [B] int64, the cache position of each row's
+    first new token (zeros for a prompt); ``lengths`` [B] int64, each row's live length
+    after this call (prompt lengths; positions + 1 when decoding); ``caches`` 2 * L
+    tensors K0, V0, K1, V1, ... [B, Hkv, S_max, D] float32 (`new_caches`), written in
+    place. Returns float32 logits [B, vocab] of each row's last live token (index
+    lengths - positions - 1 of the T new tokens).
+
+    Raises ValueError (one line) for an unsupported architecture (`read_arch`), a model
+    without a causal LM head, or parameters that are not float32 (the decode attention
+    kernel is fp32: load with ``torch_dtype=torch.float32``)."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.arch = arch = read_arch(model.config)
+        dtypes = {p.dtype for p in model.parameters()}
+        if dtypes != {torch.float32}:
+            raise ValueError(f"opencann.llm runs float32 models, this one has "
+                             f"{sorted(str(d) for d in dtypes)} parameters; load it with "
+                             "torch_dtype=torch.float32 or call model.float()")
+        self.embed, self.pos_embed, layers, self.norm, self.lm_head, rotary = _parts(model, arch)
+        block = GPT2Block if arch.family == "gpt2" else LlamaBlock
+        self.blocks = nn.ModuleList(block(layer, arch, s) for layer, s in zip(layers, arch.attn_scales))
+        self.rotary = rotary
+        self.config = model.config
+
+    def new_caches(self, max_batch: int, max_seq_len: int) -> List[torch.Tensor]:
+        """Zeroed caches K0, V0, ... [max_batch, Hkv, max_seq_len, D] float32 (2 * L
+        tensors, `LLMArch.kv_cache_bytes` in all)."""
+        a = self.arch
+        return [torch.zeros(max_batch, a.num_kv_heads, max_seq_len, a.head_dim)
+                for _ in range(2 * a.num_layers)]
+
+    def _rope(self, pos: torch.Tensor, dtype: torch.dtype):
+        """(cos, sin) [B, T, D] for positions ``pos`` [B, T], as transformers' rotary
+        embedding computes them (its inv_freq and attention scaling)."""
+        freqs = pos[..., None].float() * self.rotary.inv_freq.float()
+        emb = torch.cat((freqs, freqs), dim=-1)
+        s = self.rotary.attention_scaling
+        return (emb.cos() * s).to(dtype), (emb.sin() * s).to(dtype)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, lengths: torch.Tensor,
+                *caches: torch.Tensor) -> torch.Tensor:
+        """Logits [B, vocab] float32 of each row's last live token; writes the caches
+        in place (see the class docstring for shapes)."""
+        if len(caches) != 2 * len(self.blocks):
+            raise ValueError(f"DecoderLM takes {2 * len(self.blocks)} caches (K and V per layer, "
+                             f"from new_caches), got {len(caches)}")
+        B, T = input_ids.shape
+        pos = positions[:, None] + torch.arange(T, dtype=positions.dtype, device=positions.device)
+        h = self.embed(input_ids)
+        if self.pos_embed is not None:
+            h = h + self.pos_embed(pos)
+        rope = self._rope(pos, h.dtype) if self.rotary is not None else None
+        for i, blk in enumerate(self.blocks):
+            h = blk(h, rope, positions, lengths, caches[2 * i], caches[2 * i + 1])
+        if T > 1:
+            last = (lengths - positions - 1).view(B, 1, 1).expand(B, 1, h.shape[-1])
+            h = torch.gather(h, 1, last)
+        h = h[:, 0]
+        h = self.norm(h) if self.arch.family == "gpt2" else _rms_norm(h, self.norm.weight,
+                                                                      self.arch.norm_eps)
+        return self.lm_head(h).float()
+
+
+def shared_parameters(a: nn.Module, b: nn.Module) -> Sequence[str]:
+    """Names of ``a``'s parameters whose storage is also one of ``b``'s (what a
+    `DecoderLM` shares with the transformers model it was built from)."""
+    ptrs = {p.untyped_storage().data_ptr() for p in b.parameters()}
+    return [n for n, p in a.named_parameters() if p.untyped_storage().data_ptr() in ptrs]
+
+
+__all__ = ["DecoderLM", "GPT2Block", "LlamaBlock", "attend", "shared_parameters"]

@@ -1,0 +1,251 @@
+"""`opencann.llm.compile(model, max_seq_len=...) -> Generator`: text generation for a
+transformers causal LM with a preallocated KV cache, prefill and decode step graphs
+(`opencann.llm.steps`) and transformers-compatible ``generate``.
+
+How a call runs: the prompts (a padded LongTensor with its left-padding attention_mask,
+or a list of prompts) are stripped of their padding and right-padded to a prefill bucket;
+the prefill graph writes every layer's cache from position 0 and returns each row's
+last-token logits; then one decode graph per batch size runs a step per new token, each
+row at its own position (positions and live lengths are data). Tokens are chosen by
+`opencann.llm.sampling` (transformers' logits processors); rows stop at a stop token and
+are then filled with the pad token, as transformers' ``generate`` does, and the call
+returns the prompts as given followed by the new tokens. ``Generator.stats``
+(`GenerationStats`) reports TTFT, prefill and decode rates, graphs built, recompiles,
+memory plans and KV-cache bytes.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+import torch
+
+from .builder import DecoderLM
+from .prompts import PromptBatch, prepare
+from .sampling import Sampler, resolve
+from .stats import GenerationStats
+from .steps import BACKENDS, StepGraphs, batch_sizes, prefill_buckets, smallest
+
+#: keys of ``options`` taken by opencann.llm; the others are opencann.compile options
+LLM_OPTIONS = ("backend", "prefill_buckets", "batch_sizes")
+#: the step-graph backend when ``options`` names none
+DEFAULT_BACKEND = "eager"
+
+
+def _split_options(options: Optional[Dict[str, Any]]) -> "tuple[Dict[str, Any], Dict[str, Any]]":
+    if options is not None and not isinstance(options, dict):
+        raise ValueError(f"options must be a dict such as {{'prefill_buckets': [32, 128]}}, got "
+                         f"{type(options).__name__}")
+    ours = {k: v for k, v in (options or {}).items() if k in LLM_OPTIONS}
+    rest = {k: v for k, v in (options or {}).items() if k not in LLM_OPTIONS}
+    backend = ours.get("backend", DEFAULT_BACKEND)
+    if backend not in BACKENDS:
+        raise ValueError(f"option 'backend' takes {' or '.join(map(repr, BACKENDS))}, got {backend!r}")
+    if rest:
+        from ..engine.options import check_options
+        check_options(rest)
+    return ours, rest
+
+
+def compile(model: torch.nn.Module, max_seq_len: int, max_batch: int = 1, device: str = "cpu",
+            options: Optional[Dict[str, Any]] = None) -> "Generator":
+    """A `Generator` for ``model``, a transformers causal LM in float32 (GPT-2, Llama,
+    Mistral, Qwen2 families; `opencann.llm.arch`), with KV caches for ``max_batch``
+    prompts of up to ``max_seq_len`` tokens (prompt + generated): 2 * layers * max_batch *
+    kv_heads * max_seq_len * head_dim * 4 bytes, allocated here.
+
+    ``options``: ``backend`` ("eager": torch runs the step graphs; "opencann": each is
+    compiled by ``opencann.compile``), ``prefill_buckets`` (prompt lengths prefill graphs
+    are built for; default powers of two from 16, and max_seq_len), ``batch_sizes``
+    (default powers of two up to max_batch); any other key is an ``opencann.compile``
+    option. Graphs are built on first use (`Generator.stats` counts them).
+    Raises ValueError (one line) for an unsupported architecture or dtype, a model
+    without an LM head, max_seq_len beyond the model's positions or sliding window, a
+    device other than "cpu", a bad option."""
+    if not isinstance(device, str) or device != "cpu":
+        raise ValueError(f"opencann.llm runs on device 'cpu' (the decode attention kernel is a "
+                         f"CPU kernel), got {device!r}")
+    ours, rest = _split_options(options)
+    return Generator(DecoderLM(model.eval()), max_seq_len, max_batch, device, ours, rest,
+                     getattr(model, "generation_config", None))
+
+
+class Generator:
+    """Generation over preallocated KV caches (built by `compile`).
+
+    Attributes: ``lm`` (`DecoderLM`), ``arch``, ``max_seq_len``, ``max_batch``,
+    ``caches`` (2 * L tensors [max_batch, Hkv, max_seq_len, D] float32),
+    ``buckets`` (prefill prompt lengths), ``batch_sizes``, ``backend``, ``stats``
+    (`GenerationStats`), ``generation_config`` (the model's, defaults for `generate`)."""
+
+    def __init__(self, lm: DecoderLM, max_seq_len: int, max_batch: int, device: str,
+                 llm_options: Dict[str, Any], compile_options: Dict[str, Any],
+                 generation_config: Any = None):
+        lm.arch.check_max_seq_len(max_seq_len)
+        self.lm, self.arch = lm, lm.arch
+        self.max_seq_len, self.max_batch = max_seq_len, max_batch
+        self.batch_sizes = batch_sizes(max_batch, llm_options.get("batch_sizes"))
+        self.buckets = prefill_buckets(max_seq_len, llm_options.get("prefill_buckets"))
+        self.backend = llm_options.get("backend", DEFAULT_BACKEND)
+        self.generation_config = generation_config
+        self.caches = lm.new_caches(max_batch, max_seq_len)
+        self.stats = GenerationStats(kv_cache_bytes=sum(c.nbytes for c in self.caches))
+        self.steps = StepGraphs(lm, self.caches, self.backend, device, compile_options, self.stats)
+        self._lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        a = self.arch
+        return (f"Generator({a.model_type}, {a.num_layers} layers, max_seq_len={self.max_seq_len}, "
+                f"max_batch={self.max_batch}, backend={self.backend!r}, buckets={list(self.buckets)})")
+
+    def report(self) -> str:
+        """What this generator is and built: the architecture, cache, buckets and batch
+        sizes, each step graph (with its compile report's fusions and memory on the
+        opencann backend), and `GenerationStats.summary`."""
+        a = self.arch
+        head = (f"opencann.llm generator: {a.model_type}, {a.num_layers} layer{'s' * (a.num_layers != 1)}, hidden "
+                f"{a.hidden_size}, heads {a.num_heads}/{a.num_kv_heads} (q/kv), vocab {a.vocab_size}; "
+                f"backend {self.backend}\n  KV cache: {self.max_batch} x {self.max_seq_len} "
+                f"positions, {self.stats.kv_cache_bytes / 2**20:.2f} MiB\n  prefill buckets: "
+                f"{list(self.buckets)}; batch sizes: {list(self.batch_sizes)}")
+        graphs = self.steps.report()
+        return "\n".join([head, "  graphs built:" + ("" if graphs else " none yet")]
+                         + ["    " + ln for ln in graphs.splitlines()]
+                         + ["  last call: " + self.stats.summary()])
+
+    def _stop_tokens(self, eos: Any, given: bool) -> List[int]:
+        """Stop token ids; one outside the vocabulary raises ValueError when ``given``
+        in the call, and is dropped when it comes from the model's generation_config
+        (it can never be generated)."""
+        ids = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+        for t in ids:
+            if given and (isinstance(t, bool) or not isinstance(t, int)
+                          or not 0 <= t < self.arch.vocab_size):
+                raise ValueError(f"stop token {t!r} (eos_token_id) is outside the vocabulary "
+                                 f"[0, {self.arch.vocab_size}); pass ids the model can generate")
+        return [t for t in ids if 0 <= t < self.arch.vocab_size]
+
+    def _budget(self, gc, batch: PromptBatch, max_new_tokens: Optional[int]) -> int:
+        new = max_new_tokens if max_new_tokens is not None else gc.max_new_tokens
+        if new is None:
+            new = gc.max_length - batch.sequences.shape[1]
+            if new < 1:
+                raise ValueError(f"max_new_tokens not given, and the generation_config's max_length "
+                                 f"{gc.max_length} leaves none after a prompt of "
+                                 f"{batch.sequences.shape[1]} tokens: pass max_new_tokens")
+        if isinstance(new, bool) or not isinstance(new, int) or new < 1:
+            raise ValueError(f"max_new_tokens must be a positive int, got {new!r}")
+        longest = int(batch.lengths.max())
+        if longest > self.max_seq_len:
+            raise ValueError(f"a prompt of {longest} tokens exceeds max_seq_len {self.max_seq_len}; "
+                             "compile with a larger max_seq_len or shorten the prompt")
+        if longest + new - 1 > self.max_seq_len:
+            raise ValueError(f"a prompt of {longest} tokens plus max_new_tokens={new} needs "
+                             f"{longest + new - 1} cache positions but max_seq_len is "
+                             f"{self.max_seq_len}; compile with a larger max_seq_len or ask for "
+                             f"at most {self.max_seq_len - longest + 1} new tokens")
+        return new
+
+    def generate(self, input_ids, max_new_tokens: Optional[int] = None,
+                 attention_mask: Optional[torch.Tensor] = None, do_sample: Optional[bool] = None,
+                 temperature: Optional[float] = None, top_k: Optional[int] = None,
+                 top_p: Optional[float] = None, min_p: Optional[float] = None,
+                 seed: Optional[int] = None, repetition_penalty: Optional[float] = None,
+                 eos_token_id: Any = None, pad_token_id: Optional[int] = None,
+                 streamer: Any = None) -> torch.Tensor:
+        """Generate up to ``max_new_tokens`` tokens per prompt; returns LongTensor
+        [B, L + n] (the prompts as given, left-padded, then n <= max_new_tokens new
+        tokens; rows that stopped early are filled with the pad token), as transformers'
+        ``generate`` does.
+
+        ``input_ids``: LongTensor [B, L] (or [L]) with ``attention_mask`` [B, L] (0 on
+        the left for padding), or a list of prompts of any lengths. Settings default to
+        the model's generation_config: ``do_sample`` (False: greedy), ``temperature``,
+        ``top_k``, ``top_p``, ``min_p``, ``repetition_penalty``, ``eos_token_id`` (stop
+        token id or list of ids), ``pad_token_id`` (default: the first stop token, else
+        0); ``seed`` (int: a private torch.Generator, reproducible; None: the global
+        RNG). ``streamer``: a callable taking each step's new tokens (LongTensor [B]), or
+        a transformers streamer (``put``/``end``, e.g. TextStreamer).
+        Raises ValueError (one line) for a bad prompt, batch over max_batch, prompt +
+        max_new_tokens over max_seq_len, a stop token outside the vocabulary or a bad
+        setting; the generator stays usable. Calls from several threads run one at a
+        time (the caches are the generator's state)."""
+        gc = resolve(self.generation_config, do_sample=do_sample, temperature=temperature,
+                     top_k=top_k, top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty,
+                     eos_token_id=eos_token_id, pad_token_id=pad_token_id)
+        stops = self._stop_tokens(gc.eos_token_id, eos_token_id is not None)
+        pad = gc.pad_token_id if gc.pad_token_id is not None else (stops[0] if stops else 0)
+        batch = prepare(input_ids, attention_mask, vocab_size=self.arch.vocab_size,
+                        max_batch=self.max_batch, pad_token_id=pad)
+        new = self._budget(gc, batch, max_new_tokens)
+        sampler = Sampler(gc, batch.padding if bool(batch.padding.any()) else None, seed)
+        emit = _streamer(streamer, batch.sequences)
+        with self._lock, torch.no_grad():   # one call at a time: the caches are shared state
+            out = self._run(batch, new, sampler, stops, pad, emit)
+        if hasattr(streamer, "end"):
+            streamer.end()
+        return out
+
+    def _prefill(self, batch: PromptBatch) -> torch.Tensor:
+        """Logits [B, vocab] of each prompt's last token; writes the caches."""
+        B, bs = batch.batch, smallest(self.batch_sizes, batch.batch)
+        T = smallest(self.buckets, int(batch.lengths.max()))
+        ids = torch.zeros(bs, T, dtype=torch.long)
+        lengths = torch.ones(bs, dtype=torch.long)
+        for b, row in enumerate(batch.rows):
+            ids[b, :len(row)] = row
+        lengths[:B] = batch.lengths
+        return self.steps.step(bs, T)(ids, torch.zeros(bs, dtype=torch.long), lengths)[:B]
+
+    def _run(self, batch: PromptBatch, new: int, sampler: Sampler, stops: Sequence[int],
+             pad: int, emit: Callable) -> torch.Tensor:
+        start = self.stats.begin_call()
+        B, bs = batch.batch, smallest(self.batch_sizes, batch.batch)
+        seqs, stop = batch.sequences, torch.tensor(stops, dtype=torch.long)
+        logits = self._prefill(batch)
+        prefill_s = time.perf_counter() - start
+        alive = torch.ones(B, dtype=torch.bool)
+        ids = torch.zeros(bs, 1, dtype=torch.long)
+        positions = torch.zeros(bs, dtype=torch.long)
+        positions[:B] = batch.lengths
+        t0, steps, rows, warm = 0.0, 0, 0, None
+        for i in range(new):
+            tok = sampler(seqs, logits)
+            tok = torch.where(alive, tok, torch.full_like(tok, pad))
+            seqs = torch.cat([seqs, tok[:, None]], dim=1)
+            if i == 0:
+                self.stats.prefill_done(start, int(batch.lengths.sum()), prefill_s)
+                t0 = time.perf_counter()
+            emit(tok)
+            alive &= ~torch.isin(tok, stop)
+            if i == new - 1 or not alive.any():
+                break
+            ids[:B, 0] = tok
+            logits = self.steps.step(bs, 1)(ids, positions, positions + 1)[:B]
+            positions[:B] += 1
+            steps, rows = steps + 1, rows + int(alive.sum())
+            if warm is None:
+                warm = (self.stats.graphs_built, self.stats.memory_plans)
+        self.stats.decode_done(steps, rows, time.perf_counter() - t0)
+        if warm is not None:
+            self.stats.graphs_built_after_warmup = self.stats.graphs_built - warm[0]
+            self.stats.plans_built_after_warmup = self.stats.memory_plans - warm[1]
+        return seqs
+
+
+def _streamer(streamer: Any, prompts: torch.Tensor) -> Callable[[torch.Tensor], None]:
+    """A per-step callback from ``streamer``: None, a callable (called with each step's
+    tokens [B]), or a transformers streamer (``put`` the prompts now, then each step)."""
+    if streamer is None:
+        return lambda tok: None
+    if hasattr(streamer, "put"):
+        streamer.put(prompts)
+        return streamer.put
+    if not callable(streamer):
+        raise ValueError(f"streamer must be a callable taking a LongTensor of new tokens [batch] "
+                         f"or a transformers streamer, got {type(streamer).__name__}")
+    return streamer
+
+
+__all__ = ["DEFAULT_BACKEND", "Generator", "LLM_OPTIONS", "compile"]

@@ -1,0 +1,104 @@
+"""Prompts for `Generator.generate`: a batch given as a LongTensor (with an optional
+left-padding ``attention_mask``, as transformers' ``generate`` takes it) or as a list of
+prompts of different lengths, checked and brought to one form (`PromptBatch`). Every
+bad input is one ValueError line naming the problem and the fix; nothing here touches
+the generator's state, so a refused call leaves it usable."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional, Sequence
+
+import torch
+
+
+@dataclass
+class PromptBatch:
+    """A checked batch: ``sequences`` [B, L] int64 (the prompts as given, left-padded
+    with ``pad_token_id``: what ``generate`` returns them as), ``lengths`` [B] int64
+    (real tokens per row), ``padding`` [B] int64 (left-pad tokens per row, L - lengths),
+    ``rows`` (each row's real tokens, [lengths[b]] int64)."""
+
+    sequences: torch.Tensor
+    lengths: torch.Tensor
+    padding: torch.Tensor
+    rows: List[torch.Tensor]
+
+    @property
+    def batch(self) -> int:
+        """Rows in the batch (B)."""
+        return self.sequences.shape[0]
+
+
+def _from_list(prompts: Sequence, pad_token_id: int) -> "tuple[torch.Tensor, torch.Tensor]":
+    rows = []
+    for i, p in enumerate(prompts):
+        if isinstance(p, (list, tuple)) and all(isinstance(x, int) and not isinstance(x, bool) for x in p):
+            p = torch.tensor(p, dtype=torch.long)
+        t = torch.as_tensor(p)
+        if t.dim() != 1 or t.dtype.is_floating_point or t.dtype == torch.bool:
+            raise ValueError(f"prompt {i} must be a 1-D list or tensor of token ids, got "
+                             f"{tuple(t.shape)} {t.dtype}")
+        rows.append(t.long())
+    L = max((len(r) for r in rows), default=0)
+    ids = torch.full((len(rows), L), pad_token_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), L), dtype=torch.long)
+    for i, r in enumerate(rows):
+        if len(r):
+            ids[i, L - len(r):], mask[i, L - len(r):] = r, 1
+    return ids, mask
+
+
+def _check_mask(mask: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    if not isinstance(mask, torch.Tensor) or mask.shape != ids.shape:
+        got = tuple(mask.shape) if isinstance(mask, torch.Tensor) else type(mask).__name__
+        raise ValueError(f"attention_mask must be a tensor of input_ids' shape {tuple(ids.shape)}, "
+                         f"got {got}")
+    m = mask.to(torch.long)
+    if ((m != 0) & (m != 1)).any():
+        raise ValueError("attention_mask must hold 0 (padding) and 1 (prompt token) only")
+    if (m[:, 1:] < m[:, :-1]).any():
+        raise ValueError("attention_mask must be left padding (zeros before each prompt, ones "
+                         "after): pad on the left (tokenizer.padding_side = 'left') or pass a "
+                         "list of prompts")
+    return m
+
+
+def prepare(input_ids, attention_mask: Optional[torch.Tensor], *, vocab_size: int,
+            max_batch: int, pad_token_id: int) -> PromptBatch:
+    """Check and normalise a call's prompts. ``input_ids``: LongTensor [B, L] or [L] (one
+    prompt), or a list of prompts (lists or 1-D tensors of ids, lengths may differ: left-
+    padded with ``pad_token_id`` here); ``attention_mask`` [B, L] of 0/1 with the zeros on
+    the left (None: no padding). Raises ValueError (one line) for a float/bool or >2-D
+    tensor, an empty batch or prompt, more than ``max_batch`` rows, an id outside
+    [0, ``vocab_size``), a mask of another shape or not left padding."""
+    if isinstance(input_ids, (list, tuple)):
+        if attention_mask is not None:
+            raise ValueError("attention_mask is built from a list of prompts; pass either a list "
+                             "of prompts or a padded tensor with its attention_mask")
+        input_ids, attention_mask = _from_list(input_ids, pad_token_id)
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dtype.is_floating_point \
+            or input_ids.dtype == torch.bool or input_ids.dim() not in (1, 2):
+        what = (f"{tuple(input_ids.shape)} {input_ids.dtype}" if isinstance(input_ids, torch.Tensor)
+                else type(input_ids).__name__)
+        raise ValueError(f"input_ids must be a LongTensor [batch, tokens] (or a list of prompts), "
+                         f"got {what}")
+    ids = input_ids.long().cpu()
+    ids = ids[None] if ids.dim() == 1 else ids
+    mask = torch.ones_like(ids) if attention_mask is None else _check_mask(attention_mask.cpu(), ids)
+    lengths = mask.sum(1)
+    if ids.shape[0] == 0 or (lengths == 0).any():
+        raise ValueError("empty prompt: every row needs at least one token (a BOS token for an "
+                         "unconditional start)")
+    if ids.shape[0] > max_batch:
+        raise ValueError(f"batch of {ids.shape[0]} prompts exceeds max_batch {max_batch}; compile "
+                         f"with opencann.llm.compile(..., max_batch={ids.shape[0]}) or split the batch")
+    live = ids[mask.bool()]
+    if live.numel() and (live.min() < 0 or live.max() >= vocab_size):
+        bad = live[(live < 0) | (live >= vocab_size)][0].item()
+        raise ValueError(f"token id {bad} is outside the vocabulary [0, {vocab_size})")
+    padding = ids.shape[1] - lengths
+    rows = [ids[b, padding[b]:] for b in range(ids.shape[0])]
+    return PromptBatch(ids, lengths, padding, rows)
+
+
+__all__ = ["PromptBatch", "prepare"]

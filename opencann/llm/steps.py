@@ -1,0 +1,156 @@
+"""The step graphs of a `Generator`: one prefill graph per (batch size, prompt bucket)
+and ONE decode graph per batch size, each built once on first use and kept (`StepGraphs`).
+
+Shapes are the only thing a graph is specialised on; positions and live lengths are
+int tensors (data), so the decode graph of a batch size serves every position. Prompts
+are padded up to a bucket (ATC's gear idea, ``--dynamic_dims``: a few fixed shapes
+instead of one per length; `prefill_buckets`), batches up to a batch size
+(`batch_sizes`); padded rows and tokens never reach real ones (causal attention, rows
+independent). Caches are the generator's, [max_batch, Hkv, max_seq_len, D] per layer;
+a step of batch b takes views of their first b rows (contiguous), written in place.
+
+Backends: ``"eager"`` runs `DecoderLM` with torch (the reference, and the path that
+needs no capture); ``"opencann"`` compiles each step graph with ``opencann.compile``
+(its caches are inputs written in place; weights shared between the graphs through the
+compile option ``share_weights``; prefill attention through the project's FlashAttention,
+`StepGraphs.compile_options`)."""
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from .builder import DecoderLM
+from .stats import GenerationStats
+
+BACKENDS = ("eager", "opencann")
+#: the smallest default prefill bucket (tokens)
+MIN_BUCKET = 16
+
+
+def prefill_buckets(max_seq_len: int, given: Optional[Sequence[int]] = None) -> Tuple[int, ...]:
+    """Prompt-length buckets (tokens), ascending, the last being ``max_seq_len``:
+    ``given`` (ints in 1..max_seq_len), or powers of two from `MIN_BUCKET`. A prompt runs
+    in the smallest bucket that holds it. Raises ValueError (one line) for a bad list."""
+    if given is None:
+        out, b = [], MIN_BUCKET
+        while b < max_seq_len:
+            out.append(b)
+            b *= 2
+        return tuple(out) + (max_seq_len,)
+    if isinstance(given, (str, bytes)) or not all(
+            isinstance(b, int) and not isinstance(b, bool) and 1 <= b <= max_seq_len for b in given):
+        raise ValueError(f"option 'prefill_buckets' takes prompt lengths in 1..{max_seq_len} "
+                         f"(max_seq_len), e.g. [32, 128, {max_seq_len}], got {given!r}")
+    return tuple(sorted(set(given) | {max_seq_len}))
+
+
+def batch_sizes(max_batch: int, given: Optional[Sequence[int]] = None) -> Tuple[int, ...]:
+    """Batch sizes step graphs are built for, ascending, the last being ``max_batch``:
+    ``given`` (ints in 1..max_batch) or powers of two. A batch of b rows runs in the
+    smallest size >= b. Raises ValueError (one line) for a bad max_batch or list."""
+    if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
+        raise ValueError(f"max_batch must be a positive int (the most prompts per generate "
+                         f"call), got {max_batch!r}")
+    if given is None:
+        return tuple(b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if b < max_batch) + (max_batch,)
+    if isinstance(given, (str, bytes)) or not all(
+            isinstance(b, int) and not isinstance(b, bool) and 1 <= b <= max_batch for b in given):
+        raise ValueError(f"option 'batch_sizes' takes batch sizes in 1..{max_batch} (max_batch), "
+                         f"e.g. [1, {max_batch}], got {given!r}")
+    return tuple(sorted(set(given) | {max_batch}))
+
+
+def smallest(sizes: Sequence[int], n: int) -> int:
+    """The smallest of ascending ``sizes`` that is >= n (callers check n <= sizes[-1])."""
+    return next(s for s in sizes if s >= n)
+
+
+def _plans(compiled: Any) -> int:
+    """Memory plans a compiled step graph holds: a dynamic model's plans built, else 1."""
+    plans = getattr(getattr(compiled, "shapes", None), "plans", None)
+    return int(getattr(plans, "misses", 1)) if plans is not None else 1
+
+
+class StepGraphs:
+    """The generator's step graphs over ``lm`` and its ``caches`` (2 * L tensors
+    [max_batch, Hkv, max_seq_len, D]), built on first use by ``backend`` (`BACKENDS`) for
+    ``device`` with compile ``options``, counted in ``stats``.
+
+    ``step(batch, tokens)`` returns a callable ``(input_ids [batch, tokens], positions
+    [batch], lengths [batch]) -> logits [batch, vocab]`` that writes the caches' first
+    ``batch`` rows in place (tokens == 1: the decode graph)."""
+
+    def __init__(self, lm: DecoderLM, caches: List[torch.Tensor], backend: str, device: str,
+                 options: Optional[Dict[str, Any]], stats: GenerationStats):
+        self.lm, self.caches, self.backend = lm, caches, backend
+        self.device, self.options, self.stats = device, dict(options or {}), stats
+        self._graphs: Dict[Tuple[int, int], Callable] = {}
+        self._views: Dict[int, List[torch.Tensor]] = {}
+
+    def views(self, batch: int) -> List[torch.Tensor]:
+        """The caches' first ``batch`` rows (views, no copy)."""
+        if batch not in self._views:
+            self._views[batch] = [c[:batch] for c in self.caches]
+        return self._views[batch]
+
+    def step(self, batch: int, tokens: int) -> Callable:
+        """The step graph for ``batch`` rows of ``tokens`` new tokens (built once)."""
+        g = self._graphs.get((batch, tokens))
+        if g is None:
+            g = self._graphs[(batch, tokens)] = self._build(batch, tokens)
+        return g
+
+    def _build(self, batch: int, tokens: int) -> Callable:
+        key = f"{'decode' if tokens == 1 else 'prefill'} b{batch} t{tokens}"
+        views = self.views(batch)
+        if self.backend == "eager":
+            lm = self.lm
+
+            def run(ids, positions, lengths):
+                return lm(ids, positions, lengths, *views)
+            self.stats.graph_built(key, 0)
+            return run
+        from ..engine import compile_module
+        example = (torch.zeros(batch, tokens, dtype=torch.long),
+                   torch.zeros(batch, dtype=torch.long),
+                   torch.full((batch,), tokens, dtype=torch.long), *views)
+        cm = compile_module(self.lm, example, device=self.device,
+                            options=self.compile_options(tokens))
+        self.stats.graph_built(key, _plans(cm))
+
+        def run_compiled(ids, positions, lengths):
+            return cm(ids, positions, lengths, *views)
+        run_compiled.compiled = cm
+        return run_compiled
+
+    def compile_options(self, tokens: int) -> Dict[str, Any]:
+        """The opencann.compile options of a step graph of ``tokens`` new tokens: the
+        generator's, with ``share_weights`` on and, for a prefill graph (tokens > 1), the
+        pass ``fuse_flash_attention`` enabled (the project's FlashAttention-2 kernel,
+        attention memory O(T)) unless the options disable it."""
+        opts = dict(self.options, share_weights=True)
+        off = list(opts.get("disable") or ())
+        if tokens > 1 and "fuse_flash_attention" not in off:
+            on = list(opts.get("enable") or ())
+            opts["enable"] = on + ["fuse_flash_attention"] * ("fuse_flash_attention" not in on)
+        return opts
+
+    def report(self) -> str:
+        """One line per graph built: its key, then (opencann backend) the compile
+        report's fusions and memory lines."""
+        lines = []
+        for (b, t), g in self._graphs.items():
+            lines.append(f"{'decode' if t == 1 else 'prefill'} b{b} t{t}")
+            cm = getattr(g, "compiled", None)
+            if cm is not None:
+                lines += ["  " + ln.strip() for ln in cm.report.summary().splitlines()
+                          if ln.strip().startswith(("fusions applied", "memory"))]
+        return "\n".join(lines)
+
+    def keys(self) -> List[Tuple[int, int]]:
+        """(batch, tokens) of every graph built, in build order."""
+        return list(self._graphs)
+
+
+__all__ = ["BACKENDS", "MIN_BUCKET", "StepGraphs", "batch_sizes", "prefill_buckets", "smallest"]

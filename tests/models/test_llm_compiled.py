@@ -1,0 +1,68 @@
+"""opencann.llm with the ``opencann`` backend: every step graph compiled by opencann.compile
+(KvCacheUpdate writing the generator's caches in place, DecodeAttention over live lengths
+given as data). Greedy tokens equal transformers' ``generate`` and the eager backend's,
+caches hold the eager backend's values, one prefill and one decode graph serve every
+position (no graph or memory plan built per token), and the graphs hold the model's
+weights once (its own memory, shared)."""
+import pytest
+import torch
+import transformers as T
+
+import opencann.llm as L
+from opencann.ops import get_op
+
+
+def _capture_available() -> bool:
+    try:
+        get_op("KvCacheUpdate")
+    except KeyError:
+        return False
+    return True
+
+
+pytestmark = pytest.mark.skipif(not _capture_available(), reason="the capture of the opencann:: "
+                                "custom ops (KvCacheUpdate) is not in this checkout")
+
+CONFIGS = {
+    "llama": lambda: T.LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=96,
+                                   num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, eos_token_id=None),
+    "gpt2": lambda: T.GPT2Config(vocab_size=97, n_embd=32, n_layer=1, n_head=2, n_positions=64,
+                                 bos_token_id=1, eos_token_id=None),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_compiled_steps_equal_transformers_and_eager_with_one_decode_graph(name):
+    torch.manual_seed(1234)
+    m = T.AutoModelForCausalLM.from_config(CONFIGS[name]()).eval()
+    gen = L.compile(m, max_seq_len=48, max_batch=2, options={"backend": "opencann"})
+    ids = torch.randint(3, 97, (2, 11), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[0, :5] = 0
+    ptrs = [c.data_ptr() for c in gen.caches]
+    want = m.generate(ids, attention_mask=mask, max_new_tokens=14, do_sample=False, pad_token_id=0)
+    assert torch.equal(gen.generate(ids, attention_mask=mask, max_new_tokens=14, pad_token_id=0), want)
+    s = gen.stats
+    assert s.graphs == ["prefill b2 t16", "decode b2 t1"] and s.memory_plans == 2
+    assert s.graphs_built_after_warmup == 0 == s.plans_built_after_warmup and s.decode_steps == 13
+    # the caches were written in place and hold what the eager backend writes
+    eager = L.compile(m, max_seq_len=48, max_batch=2)
+    eager.generate(ids, attention_mask=mask, max_new_tokens=14, pad_token_id=0)
+    assert [c.data_ptr() for c in gen.caches] == ptrs
+    for c, e in zip(gen.caches, eager.caches):
+        torch.testing.assert_close(c[1, :, :24], e[1, :, :24], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(c[0, :, :19], e[0, :, :19], rtol=1e-5, atol=1e-5)
+    # a second call (another prompt length, same bucket) builds nothing
+    short = ids[:, 3:]
+    assert torch.equal(gen.generate(short, max_new_tokens=6),
+                       m.generate(short, max_new_tokens=6, do_sample=False))
+    assert s.graphs_built == 2 and s.recompiles == 0
+    # prefill attention runs the project's FlashAttention, reported per graph
+    text = gen.report()
+    assert text.count("fuse_flash_attention") == 1 and "memory: arena" in text
+    # the graphs hold the module's weight memory (one copy, shared by both graphs)
+    own = {t.untyped_storage().data_ptr() for t in list(m.parameters()) + list(m.buffers())}
+    for key in gen.steps.keys():
+        big = [c.const for c in gen.steps.step(*key).compiled.graph.constants if c.const.dim() == 2]
+        assert big and {t.untyped_storage().data_ptr() for t in big} <= own

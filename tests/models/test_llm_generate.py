@@ -1,0 +1,269 @@
+"""opencann.llm against transformers on tiny random Llama, Qwen2, Mistral and GPT-2 models
+(hidden 64, 2 layers, seeded): DecoderLM logits equal eager transformers' to fp32 rounding
+over a prefill and several decode steps; greedy tokens equal transformers' ``generate``
+(one prompt and a left-padded batch of different lengths); sampling reproducible with a
+seed and equal to transformers' sampling with the same processors and seed; stop tokens,
+streamers, stats counters (no graph or plan built per decode token), bad input one line
+each with the generator still usable afterwards."""
+import pytest
+import torch
+import transformers as T
+
+import opencann.llm as L
+from opencann.llm.builder import shared_parameters
+
+SMALL = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+             num_attention_heads=4)
+CONFIGS = {
+    "llama": lambda: T.LlamaConfig(**SMALL, num_key_value_heads=2, eos_token_id=None),
+    "qwen2": lambda: T.Qwen2Config(**SMALL, num_key_value_heads=2, eos_token_id=None),
+    "mistral": lambda: T.MistralConfig(**SMALL, num_key_value_heads=1, eos_token_id=None,
+                                       sliding_window=64),
+    "gpt2": lambda: T.GPT2Config(vocab_size=97, n_embd=64, n_layer=2, n_head=4, n_positions=64,
+                                 bos_token_id=1, eos_token_id=None),
+}
+_MODELS = {}
+
+
+def model(name):
+    """The seeded tiny random model ``name`` (built once per session)."""
+    if name not in _MODELS:
+        torch.manual_seed(1234)
+        _MODELS[name] = T.AutoModelForCausalLM.from_config(CONFIGS[name]()).eval()
+    return _MODELS[name]
+
+
+def prompt(n, seed, batch=1):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, 97, (batch, n), generator=g)
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_logits_equal_transformers_over_prefill_and_decode(name):
+    m = model(name)
+    lm = L.DecoderLM(m)
+    ids = prompt(11, 0, batch=2)
+    caches = lm.new_caches(2, 32)
+    with torch.no_grad():
+        got = lm(ids, torch.zeros(2, dtype=torch.long), torch.tensor([11, 11]), *caches)
+        torch.testing.assert_close(got, m(ids).logits[:, -1], rtol=1e-5, atol=1e-5)
+        for step in range(3):    # decode: one token per row at positions 11, 12, 13
+            nxt = prompt(1, 10 + step, batch=2)
+            ids = torch.cat([ids, nxt], dim=1)
+            pos = torch.full((2,), ids.shape[1] - 1)
+            got = lm(nxt, pos, pos + 1, *caches)
+            torch.testing.assert_close(got, m(ids).logits[:, -1], rtol=1e-5, atol=1e-5)
+    assert torch.isfinite(got).all() and got.abs().max() > 0
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_greedy_tokens_equal_transformers_generate(name):
+    m = model(name)
+    gen = L.compile(m, max_seq_len=48, max_batch=2)
+    ids = prompt(7, 1)
+    want = m.generate(ids, max_new_tokens=24, do_sample=False)
+    out = gen.generate(ids, max_new_tokens=24)
+    assert torch.equal(out, want)
+    again = gen.generate(ids, max_new_tokens=24)     # a second call: same tokens, fresh tensor
+    assert torch.equal(again, want) and again.data_ptr() != out.data_ptr()
+    assert gen.stats.graphs_built == 2 and gen.stats.recompiles == 0   # prefill b1 t16, decode b1
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
+def test_batch_of_different_prompt_lengths_equals_transformers(name):
+    m = model(name)
+    gen = L.compile(m, max_seq_len=48, max_batch=4)
+    short, long = prompt(4, 2)[0], prompt(13, 3)[0]
+    ids = torch.zeros(2, 13, dtype=torch.long)
+    mask = torch.zeros(2, 13, dtype=torch.long)
+    ids[0, 9:], mask[0, 9:], ids[1], mask[1] = short, 1, long, 1
+    want = m.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0)
+    assert torch.equal(gen.generate(ids, attention_mask=mask, max_new_tokens=12, pad_token_id=0), want)
+    # a list of prompts is left-padded the same way
+    assert torch.equal(gen.generate([short.tolist(), long], max_new_tokens=12, pad_token_id=0), want)
+    # each row equals its own single-prompt generation (rows are independent)
+    alone = gen.generate(short[None], max_new_tokens=12)
+    assert torch.equal(want[0, 9:], alone[0])
+    # three rows run in the batch size 4 with one padded row
+    three = gen.generate([short, long, short], max_new_tokens=12, pad_token_id=0)
+    assert torch.equal(three[:2], want) and torch.equal(three[2], want[0])
+    assert "decode b4 t1" in gen.stats.graphs
+
+
+def test_sampling_is_seeded_and_equals_transformers_sampling():
+    m = model("llama")
+    gen = L.compile(m, max_seq_len=48)
+    ids = prompt(6, 4)
+    kw = dict(max_new_tokens=20, do_sample=True, temperature=0.8, top_k=20, top_p=0.9,
+              repetition_penalty=1.3)
+    a, b = gen.generate(ids, seed=7, **kw), gen.generate(ids, seed=7, **kw)
+    assert torch.equal(a, b)
+    assert not torch.equal(a, gen.generate(ids, seed=8, **kw))
+    torch.manual_seed(7)
+    assert torch.equal(m.generate(ids, **kw), a)
+
+
+def test_repetition_penalty_greedy_equals_transformers_with_padding():
+    m = model("qwen2")
+    gen = L.compile(m, max_seq_len=48, max_batch=2)
+    ids, mask = prompt(9, 5, batch=2), torch.ones(2, 9, dtype=torch.long)
+    mask[1, :3] = 0
+    want = m.generate(ids, attention_mask=mask, max_new_tokens=16, do_sample=False,
+                      repetition_penalty=1.8, pad_token_id=0)
+    got = gen.generate(ids, attention_mask=mask, max_new_tokens=16, repetition_penalty=1.8,
+                       pad_token_id=0)
+    assert torch.equal(got, want)
+
+
+def test_stop_tokens_end_rows_and_fill_with_pad():
+    m = model("llama")
+    gen = L.compile(m, max_seq_len=48, max_batch=2)
+    ids = prompt(5, 6, batch=2)
+    free = gen.generate(ids, max_new_tokens=12)
+    stop = int(free[0, 5 + 3])           # row 0's 4th new token
+    want = m.generate(ids, max_new_tokens=12, do_sample=False, eos_token_id=stop, pad_token_id=0)
+    got = gen.generate(ids, max_new_tokens=12, eos_token_id=stop, pad_token_id=0)
+    assert torch.equal(got, want)
+    first = (got[0, 5:] == stop).nonzero()[0].item()
+    assert (got[0, 5 + first + 1:] == 0).all()
+    # a list of stop tokens: the call ends when every row has stopped
+    both = gen.generate(ids, max_new_tokens=12, eos_token_id=[stop, int(free[1, 5])])
+    assert both.shape[1] < free.shape[1]
+
+
+def test_streamer_callable_and_transformers_streamer():
+    m = model("gpt2")
+    gen = L.compile(m, max_seq_len=48, max_batch=2)
+    ids = prompt(6, 7, batch=2)
+    seen = []
+    out = gen.generate(ids, max_new_tokens=9, streamer=lambda tok: seen.append(tok.clone()))
+    assert torch.equal(torch.stack(seen, dim=1), out[:, 6:])
+
+    class Streamer:                       # transformers' BaseStreamer protocol
+        def __init__(self):
+            self.puts, self.ended = [], False
+
+        def put(self, value):
+            self.puts.append(value.clone())
+
+        def end(self):
+            self.ended = True
+    s = Streamer()
+    out = gen.generate(ids[:1], max_new_tokens=5, streamer=s)
+    assert s.ended and torch.equal(s.puts[0], ids[:1]) and len(s.puts) == 6
+    assert torch.equal(torch.stack(s.puts[1:], dim=1), out[:, 6:])
+
+
+def test_stats_no_graph_or_plan_per_decode_token_and_shared_weights():
+    m = model("mistral")
+    gen = L.compile(m, max_seq_len=64, max_batch=2)
+    counts = []
+    gen.generate(prompt(5, 8), max_new_tokens=20,
+                 streamer=lambda tok: counts.append((gen.stats.graphs_built, gen.stats.memory_plans)))
+    s = gen.stats
+    assert len(set(counts[1:])) == 1 and s.graphs_built_after_warmup == 0 == s.plans_built_after_warmup
+    assert s.decode_steps == 19 and s.decode_tokens == 19 and s.prefill_tokens == 5
+    assert s.ttft_s > 0 and s.decode_tokens_per_s > 0 and s.prefill_tokens_per_s > 0
+    a = gen.arch
+    assert s.kv_cache_bytes == a.kv_cache_bytes(2, 64) == 2 * 2 * 2 * 1 * 64 * 16 * 4
+    ptrs = [c.data_ptr() for c in gen.caches]
+    gen.generate(prompt(20, 9), max_new_tokens=4)            # a longer prompt: bucket 32
+    assert s.graphs == ["prefill b1 t16", "decode b1 t1", "prefill b1 t32"] and s.recompiles == 0
+    assert [c.data_ptr() for c in gen.caches] == ptrs          # caches written in place
+    names = [n for n, _ in gen.lm.named_parameters()]
+    assert shared_parameters(gen.lm, m) == names and len(names) == len(list(m.parameters()))
+    assert "decode" in s.summary() and s.as_dict()["graphs_built"] == 3
+
+
+def test_gpt2_tied_embedding_is_one_tensor():
+    m = model("gpt2")
+    lm = L.DecoderLM(m)
+    assert lm.lm_head.weight is lm.embed.weight is m.transformer.wte.weight
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda g: g.generate(prompt(40, 0), max_new_tokens=1), r"prompt of 40 tokens exceeds max_seq_len 32"),
+    (lambda g: g.generate(prompt(20, 0), max_new_tokens=20), r"needs 39 cache positions .*at most 13 new"),
+    (lambda g: g.generate(prompt(4, 0, batch=3), max_new_tokens=2), r"batch of 3 prompts exceeds max_batch 2"),
+    (lambda g: g.generate(torch.zeros(1, 0, dtype=torch.long), max_new_tokens=2), r"empty prompt"),
+    (lambda g: g.generate([[5, 6], []], max_new_tokens=2), r"empty prompt"),
+    (lambda g: g.generate(prompt(4, 0), max_new_tokens=2, eos_token_id=500), r"stop token 500 .*outside the vocabulary"),
+    (lambda g: g.generate(torch.tensor([[3, 200]]), max_new_tokens=2), r"token id 200 is outside the vocabulary"),
+    (lambda g: g.generate(torch.rand(1, 4), max_new_tokens=2), r"input_ids must be a LongTensor"),
+    (lambda g: g.generate(prompt(4, 0), attention_mask=torch.tensor([[1, 1, 0, 0]]), max_new_tokens=2),
+     r"attention_mask must be left padding"),
+    (lambda g: g.generate(prompt(4, 0), max_new_tokens=0), r"max_new_tokens must be a positive int"),
+    (lambda g: g.generate(prompt(25, 0)), r"max_length 20 leaves none after a prompt of 25 tokens"),
+    (lambda g: g.generate(prompt(4, 0), max_new_tokens=2, num_beams=2), r"unexpected keyword"),
+    (lambda g: g.generate(prompt(4, 0), max_new_tokens=2, do_sample=True, temperature=0.0),
+     r"temperature must be > 0"),
+    (lambda g: g.generate(prompt(4, 0), max_new_tokens=2, seed=1.5), r"seed must be an int"),
+    (lambda g: g.generate(prompt(4, 0), max_new_tokens=2, streamer=3), r"streamer must be a callable"),
+])
+def test_bad_input_is_one_line_and_generator_stays_usable(call, match):
+    m = model("llama")
+    gen = L.compile(m, max_seq_len=32, max_batch=2)
+    with pytest.raises((ValueError, TypeError), match=match) as e:
+        call(gen)
+    assert "\n" not in str(e.value)
+    ids = prompt(5, 11)
+    assert torch.equal(gen.generate(ids, max_new_tokens=6),
+                       m.generate(ids, max_new_tokens=6, do_sample=False))
+
+
+@pytest.mark.parametrize("make, match", [
+    (lambda: T.AutoModel.from_config(CONFIGS["llama"]()), r"has no causal LM head .*AutoModelForCausalLM"),
+    (lambda: model("llama").to(torch.float64), r"runs float32 models.*torch_dtype=torch.float32"),
+])
+def test_unsupported_models_are_one_line(make, match):
+    m = make()
+    try:
+        with pytest.raises(ValueError, match=match):
+            L.compile(m, max_seq_len=16)
+    finally:
+        m.float()
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(device="cuda"), r"runs on device 'cpu'"),
+    (dict(max_batch=0), r"max_batch must be a positive int"),
+    (dict(max_seq_len=65), r"exceeds the model's 64 learned positions"),
+    (dict(options={"backend": "tvm"}), r"option 'backend' takes 'eager' or 'opencann'"),
+    (dict(options={"prefill_buckets": [0, 8]}), r"option 'prefill_buckets' takes prompt lengths in 1..32"),
+    (dict(options={"batch_sizes": [3]}), r"option 'batch_sizes' takes batch sizes in 1..2"),
+    (dict(options={"no_such_option": 1}), r"unknown compile option"),
+])
+def test_bad_compile_arguments_are_one_line(kw, match):
+    args = dict(max_seq_len=32, max_batch=2) | kw
+    with pytest.raises(ValueError, match=match):
+        L.compile(model("gpt2"), **args)
+
+
+def test_given_buckets_and_batch_sizes():
+    gen = L.compile(model("llama"), max_seq_len=40, max_batch=3,
+                    options={"prefill_buckets": [8, 24], "batch_sizes": [1]})
+    assert gen.buckets == (8, 24, 40) and gen.batch_sizes == (1, 3)
+    gen.generate([prompt(9, 0)[0], prompt(3, 1)[0]], max_new_tokens=2)
+    assert gen.stats.graphs == ["prefill b3 t24", "decode b3 t1"]
+    assert "buckets=[8, 24, 40]" in repr(gen)
+    text = gen.report()
+    assert "prefill buckets: [8, 24, 40]; batch sizes: [1, 3]" in text
+    assert "    prefill b3 t24\n    decode b3 t1\n" in text and "1 steps" in text
+
+
+def test_calls_from_two_threads_run_one_at_a_time():
+    import threading
+    m = model("llama")
+    gen = L.compile(m, max_seq_len=48)
+    prompts = [prompt(5, 20), prompt(9, 21)]
+    want = [gen.generate(p, max_new_tokens=10) for p in prompts]
+    got = [None, None]
+
+    def run(i):
+        got[i] = gen.generate(prompts[i], max_new_tokens=10)
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert all(torch.equal(g, w) for g, w in zip(got, want))
