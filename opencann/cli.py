@@ -588,7 +588,7 @@ def cmd_generate(args) -> int:
     """``opencann generate MODEL --prompt TEXT``: an LLM compiled by opencann.llm, its answer
     streamed, then TTFT and decode tokens/s (opencann.tools.generate_cli). Returns 0."""
     from .tools.generate_cli import run_args
-    return run_args(args, console)
+    return run_args(args, console, _json_options(args.options))
 
 
 def _add_tool_commands(sub) -> None:

