@@ -12,6 +12,9 @@ spinning threads slow nobody else and each has its own peak RSS):
   eager          ``model.generate`` (transformers, dynamic KV cache)
   eager-static   the same with ``cache_implementation="static"`` (not in the default set)
   opencann       ``opencann.llm.compile(model, max_seq_len=prompt+new, max_batch=batch)``
+                 with its default options (the default backend: torch runs the step graphs)
+  opencann-graphs  the same with ``options={"backend": "opencann"}``: each step graph
+                 compiled by ``opencann.compile``
   ort-genai      the folder converted by ``python -m onnxruntime_genai.models.builder -i
                  <folder> -o <out> -p fp32 -e cpu``, run with ``onnxruntime_genai``
                  (``intra_op_num_threads`` = threads); the optional extra ``bench``
@@ -61,7 +64,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 MODELS = ("llama125m", "smollm2")
-BACKENDS = ("eager", "opencann", "ort-genai")
+BACKENDS = ("eager", "opencann", "opencann-graphs", "ort-genai")
 EXTRA_BACKENDS = ("eager-static",)
 LLAMA125M = dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
                  num_key_value_heads=4, intermediate_size=2048, vocab_size=32000,
@@ -193,14 +196,15 @@ def _hf_runner(backend: str, folder: str, ids: torch.Tensor, new: int):
     return 0.0, run, {}
 
 
-def _opencann_runner(folder: str, ids: torch.Tensor, new: int):
+def _opencann_runner(folder: str, ids: torch.Tensor, new: int, options=None):
     """(prepare seconds, run, the generator's stats) for opencann.llm."""
     from opencann import llm
     from opencann.llm.sources import load_causal_lm
     model, _ = load_causal_lm(folder)
     model.generation_config.eos_token_id = None  # no stop token: exactly `new` tokens
     t = time.perf_counter()
-    gen = llm.compile(model, max_seq_len=ids.shape[1] + new, max_batch=ids.shape[0])
+    gen = llm.compile(model, max_seq_len=ids.shape[1] + new, max_batch=ids.shape[0],
+                      options=options)
     prep = time.perf_counter() - t
 
     def run():
@@ -260,8 +264,9 @@ def worker(job: dict) -> dict:
     b = job["backend"]
     if b in ("eager", "eager-static"):
         prep, run, facts = _hf_runner(b, job["folder"], ids, job["new"])
-    elif b == "opencann":
-        prep, run, facts = _opencann_runner(job["folder"], ids, job["new"])
+    elif b in ("opencann", "opencann-graphs"):
+        prep, run, facts = _opencann_runner(job["folder"], ids, job["new"],
+                                            {"backend": "opencann"} if b != "opencann" else None)
     else:
         prep, run, facts = _ort_runner(job["folder"], ids, job["new"], job["threads"])
     t = time.perf_counter()
@@ -298,11 +303,12 @@ def unavailable(backends: List[str]) -> Dict[str, str]:
     out = {}
     if "ort-genai" in backends and importlib.util.find_spec("onnxruntime_genai") is None:
         out["ort-genai"] = f"onnxruntime-genai is not installed ({INSTALL} installs it)"
-    if "opencann" in backends:
+    if "opencann" in backends or "opencann-graphs" in backends:
         try:
             from opencann.llm import compile as _  # noqa: F401
         except ImportError:
-            out["opencann"] = "opencann.llm.compile is not in this checkout"
+            for b in ("opencann", "opencann-graphs"):
+                out[b] = "opencann.llm.compile is not in this checkout"
     return out
 
 
@@ -395,6 +401,7 @@ def main(argv=None) -> None:
         return
     backends = list(args.backends)
     skipped = unavailable(backends)
+    skipped = {b: why for b, why in skipped.items() if b in backends}
     for b, why in skipped.items():
         print(f"{b}: skipped, {why}")
         backends.remove(b)
