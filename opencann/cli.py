@@ -1,10 +1,11 @@
-"""The ``opencann`` command line: demo, compile, run, bench, estimate, train-demo, inspect, fuzz,
-doctor, analyze, compare.
+"""The ``opencann`` command line: demo, compile, run, bench, generate, estimate, train-demo,
+inspect, fuzz, doctor, analyze, compare.
 
     opencann demo                               # the main job on the embedded default
     opencann compile resnet50 --report r.json   # zoo name, file.py:factory or m.onnx
     opencann run bert-base --trace trace.json   # run once, Chrome trace of every op
     opencann bench minilm --batch 1 --seq 128   # compiled vs eager latency
+    opencann generate smollm2 --chat --prompt "What is the capital of France?"   # an LLM, streamed
     opencann estimate --model resnet50 --device vnpu:ascend910b --plot roofline.png
     opencann train-demo                         # digits CNN + MiniLM fine-tune, compiled
     opencann atc --model m.onnx --framework 5 --output m --soc_version Ascend910B   # -> m.ocm
@@ -214,7 +215,9 @@ def _max_diff(a, b) -> str:
 def cmd_demo(args) -> int:
     """``opencann demo``: all-MiniLM-L6-v2 (real weights) on the zoo's sentences (cosine-similarity
     table) and ResNet-50 on the sample image, compiled vs eager: max difference, median latency
-    (ms, ``--runs`` runs, ``--threads`` threads) and the compile reports. Returns 0."""
+    (ms, ``--runs`` runs, ``--threads`` threads) and the compile reports; then (unless
+    ``--no-llm``) one SmolLM2 chat turn through opencann.llm against eager greedy ``generate``
+    (opencann.tools.llm_demo). Returns 0."""
     from rich.table import Table
 
     from . import zoo
@@ -258,6 +261,10 @@ def cmd_demo(args) -> int:
     console.print(f"latency: eager {eager_ms:.1f} ms, opencann {comp_ms:.1f} ms "
                   f"(compiled/eager = {comp_ms / eager_ms:.2f})")
     console.print(cr.report.summary())
+    if not args.no_llm:
+        from .tools.llm_demo import chat_turn
+        console.rule("[bold]SmolLM2-135M-Instruct (real weights): a chat turn")
+        chat_turn(console)
     return 0
 
 
@@ -547,9 +554,11 @@ def _add_migration_commands(sub) -> None:
 
 def _add_model_commands(sub) -> None:
     """demo, compile, run and bench: the commands that take a zoo name or model file."""
-    d = sub.add_parser("demo", help="the main job: MiniLM and ResNet-50, compiled vs eager")
+    d = sub.add_parser("demo", help="the main job: MiniLM and ResNet-50, compiled vs eager, "
+                       "and a SmolLM2 chat turn")
     d.add_argument("--runs", type=positive_int, default=10)
     d.add_argument("--threads", type=positive_int, default=torch.get_num_threads())
+    d.add_argument("--no-llm", action="store_true", help="skip the SmolLM2 chat turn")
     for name, fn, hlp in (("compile", cmd_compile, "compile a model and print its report"),
                           ("run", cmd_run, "compile, run once, optionally trace"),
                           ("bench", cmd_bench, "compiled vs eager latency")):
@@ -575,8 +584,21 @@ def _add_model_commands(sub) -> None:
     d.set_defaults(fn=cmd_demo)
 
 
+def cmd_generate(args) -> int:
+    """``opencann generate MODEL --prompt TEXT``: an LLM compiled by opencann.llm, its answer
+    streamed, then TTFT and decode tokens/s (opencann.tools.generate_cli). Returns 0."""
+    from .tools.generate_cli import run_args
+    return run_args(args, console, _json_options(args.options))
+
+
 def _add_tool_commands(sub) -> None:
-    """estimate and train-demo (their arguments come from their tools' modules)."""
+    """generate, estimate and train-demo (their arguments come from their tools' modules)."""
+    from .tools.generate_cli import add_arguments as _gen_args
+    g = sub.add_parser("generate", help="an LLM (smollm2, a .gguf file or a transformers "
+                       "folder) compiled by opencann.llm: streams the answer, then TTFT and "
+                       "tokens/s")
+    _gen_args(g)
+    g.set_defaults(fn=cmd_generate)
     from .tools.estimate_cli import add_arguments as _est_args, run_args as _est_run
     e = sub.add_parser("estimate", help="time, HBM traffic and memory on a virtual NPU")
     _est_args(e)

@@ -26,3 +26,33 @@ def output_file(text: str) -> str:
     if not os.path.isdir(parent):
         raise argparse.ArgumentTypeError(f"directory {parent} does not exist; create it first")
     return text
+
+
+def positive_float(text: str) -> float:
+    """A finite float > 0 (sampling temperature, repetition penalty)."""
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not (v > 0 and v != float("inf")):
+        raise argparse.ArgumentTypeError(f"must be a finite number above 0, got {text}")
+    return v
+
+
+def probability(text: str) -> float:
+    """A float in (0, 1] (nucleus sampling's top-p)."""
+    v = positive_float(text)
+    if v > 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
+    return v
+
+
+def nonnegative_int(text: str) -> int:
+    """An int >= 0 (top-k, where 0 turns it off; seeds)."""
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {v}")
+    return v

