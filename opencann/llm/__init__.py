@@ -1,4 +1,4 @@
-"""LLM generation on the graph engine (#27): an application above the engine, beside
+"""LLM generation on the graph engine: an application above the engine, beside
 `opencann.dynamo`.
 
     gen = opencann.llm.compile(model, max_seq_len=512, max_batch=4)
@@ -13,7 +13,9 @@
 - `steps`: the prefill graphs (per prompt bucket and batch size) and one decode graph
   per batch size; `prompts`: the call's prompts checked and normalised;
 - `sampling`: greedy and sampling through transformers' logits processors, seeded;
-- `generator`: `compile` and `Generator.generate`; `stats`: `GenerationStats`.
+- `generator`: `compile` and `Generator.generate`; `stats`: `GenerationStats`;
+- `sources`: `load_causal_lm` (the zoo's SmolLM2 GGUF, a .gguf file or a transformers
+  folder, offline) for the CLI, the demo and the benchmarks.
 See docs/guide/llm.md.
 """
 from .arch import LLMArch, read_arch
