@@ -20,8 +20,12 @@ converted to IR; each op is then one of:
   op or ONNX opset without a converter...; the finding's op is the kind's title, its
   detail the kind's fix, its message the error's own line (node, source, name).
 
-Every finding carries its count, source lines and module paths. ONNX files are audited
-through the ONNX frontend (``OnnxHostFallback``: no converter).
+Ops are counted after constant folding and dead-code elimination (the compile's first
+two passes, `opencann.passes.ConstantFolding`): an op whose inputs are all constants (a
+Transpose of a weight, a mask built from ``arange``) is evaluated once at compile time and
+never runs, so it is neither a host op nor an op without a device kernel; ``folded``
+counts them. Every finding carries its count, source lines and module paths. ONNX files
+are audited through the ONNX frontend (``OnnxHostFallback``: no converter).
 """
 from __future__ import annotations
 
@@ -74,6 +78,8 @@ class Analysis:
     findings: Dict[str, OpFinding] = field(default_factory=dict)
     graphs: int = 1
     capture: str = "torch.export"
+    #: ops removed by constant folding and dead-code elimination before the audit
+    folded: int = 0
 
     def note(self, op: str, kind: str, source: str = "", module: str = "", detail: str = "",
              message: str = "") -> None:
@@ -120,6 +126,7 @@ class Analysis:
         """JSON-ready form (``opencann analyze --json``)."""
         return {"model": self.model, "device": str(self.device), "capture": self.capture,
                 "graphs": self.graphs, "readiness": self.readiness, "counts": self.counts(),
+                "folded": self.folded,
                 "findings": [vars(f) for k in KINDS for f in self.by_kind(k)]}
 
     def to_text(self) -> str:
@@ -127,7 +134,9 @@ class Analysis:
         c = self.counts()
         lines = [f"{self.model} on {self.device}: {self.readiness} ({self.capture}, "
                  f"{self.graphs} graph{'s' if self.graphs != 1 else ''})",
-                 "  " + ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in c.items())]
+                 "  " + ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in c.items())
+                 + f" (after constant folding removed {self.folded} op"
+                 + f"{'s' if self.folded != 1 else ''})"]
         for kind in KINDS[1:]:
             for f in self.by_kind(kind):
                 where = "; ".join(f.sources[:3]) or "?"
@@ -186,8 +195,27 @@ def _check_device(device) -> Device:
     return parse_device(device)   # one ValueError line: unknown device, or the vnpu presets
 
 
+def fold_constants(graph, device: Device) -> int:
+    """Constant folding then dead-code elimination on ``graph`` (in place), as the
+    compile's prepare stage runs them; returns the number of nodes removed. Raises the
+    ValueError of `ConstantFolding` when an op fails on its constant inputs (the model
+    fails on every input of these shapes)."""
+    from ..engine.options import complete
+    from ..passes import ConstantFolding, DeadCodeElimination, PassContext
+    from ..report import CompileReport
+    before = len(graph.nodes)
+    ctx = PassContext(options=complete({}), report=CompileReport(model=graph.name,
+                                                                 device=str(device)),
+                      device=device)
+    ConstantFolding().run(graph, ctx)
+    DeadCodeElimination().run(graph, ctx)
+    return before - len(graph.nodes)
+
+
 def audit_graph(graph, res: Analysis) -> None:
-    """Classify every node of an IR ``graph`` into ``res``."""
+    """Classify every node of an IR ``graph`` into ``res``, after constant folding
+    (`fold_constants`; the nodes it removes count in ``res.folded``)."""
+    res.folded += fold_constants(graph, res.device)
     on_npu = res.device.kind == "vnpu"
     for n in graph.nodes:
         src, mod = n.source, n.scope

@@ -196,7 +196,7 @@ def test_analyze_host_fallback_and_vnpu_kernels():
             self.lin = torch.nn.Linear(4, 4)
 
         def forward(self, x):
-            return torch.special.bessel_j0(self.lin(x))
+            return torch.special.bessel_j0(self.lin(x)).cumsum(-1)   # Cumsum: no vnpu kernel
 
     a = analyze(M().eval(), (torch.randn(2, 4),), device="vnpu")
     c = a.counts()
@@ -270,3 +270,30 @@ def test_cli_errors_are_one_line(tmp_path, monkeypatch, capsys, argv, needle):
     (tmp_path / "f.py").write_text(FACTORY)
     rc, out, err = _cli(argv, capsys)
     assert rc == 2 and len(err) == 1 and needle in err[0], err
+
+
+def test_analyze_counts_only_ops_that_survive_constant_folding():
+    """A Transpose of a weight and a host-fallback op on a buffer are folded at compile
+    time: neither is a host op nor an op without a vnpu kernel (issue #29 item 5); the
+    same op on an input still is."""
+    class M(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.randn(5, 4))
+            self.register_buffer("b", torch.randn(5))
+
+        def forward(self, x):
+            return x @ self.w.t() + torch.special.bessel_j0(self.b)
+
+    torch.manual_seed(0)
+    a = analyze(M().eval(), (torch.randn(2, 4),), device="vnpu")
+    c = a.counts()
+    assert c["host_fallback"] == 0 and a.folded >= 2, a.to_text()
+    assert not any(f.op in ("Transpose", "TransposeD") for f in a.findings.values()), a.to_text()
+    assert "after constant folding removed" in a.to_text() and a.to_dict()["folded"] == a.folded
+
+    class OnInput(torch.nn.Module):
+        def forward(self, x):
+            return torch.special.bessel_j0(x)
+    b = analyze(OnInput().eval(), (torch.randn(2, 4),), device="vnpu")
+    assert b.counts()["host_fallback"] == 1 and b.folded == 0
