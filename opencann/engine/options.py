@@ -11,9 +11,11 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
+from ..log import logger
 from ..ops import OpKind, get_op
 from ..passes.memory import DEFAULT_ALIGNMENT
 from ..runtime.pool import DEFAULT_CONCURRENT_CALLS
@@ -238,12 +240,17 @@ def read_fusion_switch(path: str) -> Tuple[List[str], List[str]]:
         {"Switch": {"GraphFusion": {"ConvBatchnormFusionPass": "off"},
                     "UBFusion": {"ALL": "off", "fuse_conv_act": "on"}}}
 
-    Keys are CANN pass names with an opencann equivalent (``Pass.cann_names``) or
-    opencann pass names (``default_pipeline().names()``); values "on" or "off".
-    ``"ALL"`` switches every fusion pass of that section; named entries override it.
+    Keys are CANN pass names with an opencann equivalent (``Pass.cann_names``, each
+    from CANN's fusion pattern reference) or opencann pass names
+    (``default_pipeline().names()``); values "on" or "off". ``"ALL"`` switches every
+    fusion pass of that section; named entries override it. Any other CamelCase key is a
+    CANN pass opencann has no equivalent of (CANN has hundreds, most for its own
+    operators): a WARNING on the ``opencann`` logger listing the known names, and the
+    entry is ignored, as a file written for ATC must still compile here.
     Returns (passes switched off, passes switched on), opencann names. Raises
     ValueError (one line) for a missing or non-JSON file, another structure, another
-    value, or an unknown pass name (listing the known ones)."""
+    value, or an unknown opencann-style name (lower_case: a misspelt pass of ours),
+    listing the known ones."""
     from ..passes import default_pipeline  # the pass list; passes never import options
     if not isinstance(path, (str, os.PathLike)) or not os.path.isfile(path):
         raise ValueError(f"option 'fusion_switch_file': {path!r} is not a file; give the path "
@@ -276,9 +283,14 @@ def read_fusion_switch(path: str) -> Tuple[List[str], List[str]]:
             elif key in cann or key in ours:
                 names = [cann.get(key) or ours[key]]
             else:
-                raise ValueError(f"fusion switch file {path}: unknown pass {key!r} in {section}; "
-                                 f"known: ALL, {', '.join(sorted(cann))} (CANN names), "
-                                 f"{', '.join(sorted(ours))} (opencann names)")
+                known = (f"known: ALL, {', '.join(sorted(cann))} (CANN names), "
+                         f"{', '.join(sorted(ours))} (opencann names)")
+                if re.fullmatch(r"[a-z0-9_]+", key):   # our naming: a misspelt pass of ours
+                    raise ValueError(f"fusion switch file {path}: unknown pass {key!r} in "
+                                     f"{section}; {known}")
+                logger.warning("fusion switch file %s: %s.%s has no opencann equivalent and is "
+                               "ignored; %s", path, section, key, known)
+                continue
             target, other = (off, on) if val == "off" else (on, off)
             for n in names:   # a later entry (a named pass after ALL) wins
                 if n in other:

@@ -175,9 +175,51 @@ def test_fusion_switch_all_and_overrides(tmp_path):
     assert o["disable"] == ["cse", "fold_batchnorm"] and "fusion_switch_file" not in o
 
 
+#: CANN's names (its fusion pattern reference, fe's fusion_pass_name.h, msprof-analyze's
+#: rules) -> the opencann pass each switches
+CANN_NAMES = {"ConvBatchnormFusionPass": "fold_batchnorm", "LayerNormFusionPass": "fuse_layer_norm",
+              "GeluFusionPass": "fuse_gelu_tanh", "TbeConv2DReluv2Pass": "fuse_conv_act",
+              "TbeConvDoubleInFusionPass": "fuse_conv_add_act",
+              "MatMulBiasAddFusionPass": "fuse_linear_act",
+              "ATbeMatMulElemwiseFusionPass": "fuse_linear_act",
+              "TbeEltwiseFusionPass": "fuse_elementwise", "AutomaticUbFusion": "fuse_elementwise",
+              "FlashAttentionFusionPass": "fuse_flash_attention"}
+
+
+@pytest.mark.parametrize("cann,ours", sorted(CANN_NAMES.items()))
+def test_fusion_switch_cann_names(cann, ours, tmp_path):
+    """Each CANN name switches its opencann equivalent off, and on (a pass off by default)."""
+    for val, where in (("off", 0), ("on", 1)):
+        got = read_fusion_switch(_switch(tmp_path, {"Switch": {"GraphFusion": {cann: val}}}))
+        assert got[where] == [ours] and got[1 - where] == []
+
+
+def test_unknown_cann_name_is_a_warning_not_a_failed_compile(conv_onnx, tmp_path, capsys, caplog):
+    """A CANN pass without an opencann equivalent (CANN has hundreds) is one WARNING
+    listing the known names; the other entries still apply and the compile succeeds."""
+    import logging
+    fs = _switch(tmp_path, {"Switch": {"GraphFusion": {"SoftmaxFusionPass": "off",
+                                                        "ConvBatchnormFusionPass": "off"},
+                                       "UBFusion": {"TbeConv3dElemwisePass": "on"}}})
+    with caplog.at_level(logging.WARNING, logger="opencann"):
+        rc, stdout, err = _run(["atc", "--model", conv_onnx[0], "--output", str(tmp_path / "w"),
+                                "--input_shape", "x:1,3,8,8", "--fusion_switch_file", fs], capsys)
+    assert rc == 0, err
+    assert "passes off: fold_batchnorm" in stdout
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    for name in ("GraphFusion.SoftmaxFusionPass", "UBFusion.TbeConv3dElemwisePass"):
+        line = next(w for w in warned if name in w)
+        assert "no opencann equivalent" in line and "\n" not in line
+        assert all(c in line for c in CANN_NAMES), line
+    x = torch.randn(1, 3, 8, 8)
+    with torch.no_grad():
+        torch.testing.assert_close(opencann.load(str(tmp_path / "w.ocm"))(x)[0], conv_onnx[1](x),
+                                   rtol=1e-4, atol=1e-5)
+
+
 @pytest.mark.parametrize("doc,needle", [
-    ({"Switch": {"GraphFusion": {"NoSuchFusionPass": "off"}}},
-     "unknown pass 'NoSuchFusionPass' in GraphFusion; known: ALL, ConvBatchnormFusionPass"),
+    ({"Switch": {"GraphFusion": {"fold_batchnrom": "off"}}},
+     "unknown pass 'fold_batchnrom' in GraphFusion; known: ALL, ATbeMatMulElemwiseFusionPass"),
     ({"Switch": {"GraphFusion": {"fold_batchnorm": "disabled"}}}, 'use "on" or "off"'),
     ({"Switch": {"OtherFusion": {}}}, "expected {\"Switch\""),
     ({"GraphFusion": {}}, "expected {\"Switch\""),

@@ -293,7 +293,9 @@ class FuseFlashAttention(RewritePass):
 
     name, stage = "fuse_flash_attention", "fusion"
     ops = ("ScaledDotProductAttention", "BatchMatMul")
-    switch_section = "UBFusion"
+    #: Ascend msprof-analyze's fusion rules (``advisor/rules/op_fusion_pass.yaml``):
+    #: "FlashAttentionFusionPass", BatchMatMul → Mul → Softmax → BatchMatMul
+    switch_section, cann_names = "UBFusion", ("FlashAttentionFusionPass",)
     default_enabled = False
 
     def match(self, node: Node, graph: Graph, ctx: PassContext):

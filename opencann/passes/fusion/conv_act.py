@@ -28,7 +28,8 @@ class FuseConvAct(CpuFusion):
 
     name, stage = "fuse_conv_act", "fusion"
     ops = ("Conv2D",)
-    switch_section = "UBFusion"
+    #: CANN UB fusion reference, "TbeConv2DReluv2Pass": Conv2D+ReluV2 ⇒ one Conv2D
+    switch_section, cann_names = "UBFusion", ("TbeConv2DReluv2Pass",)
 
     def match(self, conv: Node, graph: Graph, ctx: PassContext):
         """A `Skip` when the Conv2D cannot be a oneDNN convolution (`_conv_check`),

@@ -26,7 +26,9 @@ class FuseConvAddAct(CpuFusion):
 
     name, stage = "fuse_conv_add_act", "fusion"
     ops = ("Add",)
-    switch_section = "UBFusion"
+    #: CANN UB fusion reference, "TbeConvDoubleInFusionPass": Conv2D + Elemwise + Elemwise
+    #: (a residual Add, then an activation) ⇒ one Conv2D
+    switch_section, cann_names = "UBFusion", ("TbeConvDoubleInFusionPass",)
 
     def match(self, add: Node, graph: Graph, ctx: PassContext):
         """None unless a Conv2D/ConvBiasAct feeds the Add; a `_AddMatch` when one

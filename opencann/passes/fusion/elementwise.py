@@ -121,7 +121,9 @@ class FuseElementwise(Pass):
     """Maximal elementwise groups (+ a trailing last-dim reduction) ⇒ FusedElementwise."""
 
     name, stage = "fuse_elementwise", "fusion"
-    switch_section = "UBFusion"
+    #: CANN UB fusion reference: "TbeEltwiseFusionPass" (up to six consecutive
+    #: ElemWise/Broadcast nodes) and "AutomaticUbFusion" (connected Elemwise ops)
+    switch_section, cann_names = "UBFusion", ("TbeEltwiseFusionPass", "AutomaticUbFusion")
     site_switchable = True
     #: runs on cpu by default (it did not beat ATen there: docs/design/passes.md)
     cpu_default = False

@@ -64,7 +64,8 @@ class FuseGeluTanh(RewritePass):
 
     name, stage = "fuse_gelu_tanh", "fusion"
     ops = ("Mul", "Muls")
-    switch_section = "GraphFusion"
+    #: CANN graph fusion reference, "GeluFusionPass": Pow, Mul, Add, Tanh ⇒ Gelu (the tanh form)
+    switch_section, cann_names = "GraphFusion", ("GeluFusionPass",)
 
     def match(self, root: Node, graph: Graph, ctx: PassContext):
         """The matched nodes when ``node`` is the root of GPT-2's spelled-out tanh GELU

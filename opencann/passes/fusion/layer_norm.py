@@ -129,7 +129,8 @@ class FuseLayerNorm(RewritePass):
 
     name, stage = "fuse_layer_norm", "fusion"
     ops = ("Div", "Mul")
-    switch_section = "GraphFusion"
+    #: CANN graph fusion reference, "LayerNormFusionPass": ReduceMean/SquaredDifference... ⇒ LayerNorm
+    switch_section, cann_names = "GraphFusion", ("LayerNormFusionPass",)
 
     def match(self, root: Node, graph: Graph, ctx: PassContext):
         """The matched nodes when ``node`` is the root of a hand-written LayerNorm over the

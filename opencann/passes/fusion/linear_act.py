@@ -28,7 +28,10 @@ class FuseLinearAct(CpuFusion):
 
     name, stage = "fuse_linear_act", "fusion"
     ops = ("MatMulV2",)
+    #: CANN fe ``fusion_pass_name.h`` "MatMulBiasAddFusionPass" (MatMul + BiasAdd) and the UB
+    #: fusion reference's "ATbeMatMulElemwiseFusionPass" (MatMul/GEMM + Elemwise)
     switch_section = "UBFusion"
+    cann_names = ("MatMulBiasAddFusionPass", "ATbeMatMulElemwiseFusionPass")
 
     def match(self, mm: Node, graph: Graph, ctx: PassContext):
         """A `_LinearMatch` for MatMulV2 (addmm) with alpha = beta = 1 and a 1-D bias
