@@ -78,14 +78,29 @@ def _describe(x) -> str:
     return type(x).__name__
 
 
-def _load(spec: str, batch: int, seq: int):
-    """A zoo name, ``file.py:factory`` where factory() returns (model, inputs), or an
-    ``.onnx`` file (`OnnxFile`).
+def _load(spec: str, batch: int, seq: int, input_shape=None, ocm: str = ""):
+    """A zoo name, ``file.py:factory`` where factory() returns (model, inputs), an
+    ``.onnx`` file (`OnnxFile`; ``input_shape``: sizes of its symbolic dims) or, where
+    the command runs models (``ocm``: how it uses one, else ""), an ``.ocm`` model file
+    (`OcmFile`).
     Raises CliError (one line) for a missing file or function, an error raised while
-    importing the file or calling the factory, or a factory result of another form."""
+    importing the file or calling the factory, a factory result of another form, an
+    ``.ocm`` file given to a command that compiles, or ``input_shape`` for a zoo model or
+    factory (their example inputs fix the shapes)."""
     from . import zoo
+    if spec.lower().endswith(".ocm"):
+        if not ocm:
+            raise CliError(f"{spec} is a compiled model file: run it with opencann run / bench, "
+                           "show it with opencann inspect; this command takes a zoo name, "
+                           "file.py:factory or an .onnx file")
+        if not os.path.isfile(spec):
+            raise CliError(f"{spec}: no such model file (opencann atc or opencann.save writes one)")
+        return OcmFile(spec)
     if spec.lower().endswith(".onnx"):
-        return _load_onnx(spec)
+        return _load_onnx(spec, input_shape)
+    if input_shape:
+        raise CliError("--input-shape is for .onnx and .ocm models; a zoo model's or a "
+                       "factory's example inputs fix the shapes (zoo: --batch, --seq)")
     if ":" in spec and spec.split(":")[0].endswith(".py"):
         path, fn = spec.rsplit(":", 1)
         if not os.path.isfile(path):
@@ -123,15 +138,26 @@ def _load(spec: str, batch: int, seq: int):
 
 
 class OnnxFile:
-    """An ``.onnx`` path given on the command line; inputs come from its static shapes."""
+    """An ``.onnx`` path given on the command line; inputs come from its static shapes
+    and ``input_shapes`` (name -> sizes, ``--input-shape``) for its symbolic dims."""
+
+    def __init__(self, path: str, input_shapes=None):
+        self.path = self.name = path
+        self.input_shapes = input_shapes
+
+
+class OcmFile:
+    """An ``.ocm`` model file given on the command line (what ``opencann atc`` and
+    ``opencann.save`` write): loaded, not compiled; run on the device it was compiled
+    for, with random inputs of its recorded input shapes."""
 
     def __init__(self, path: str):
         self.path = self.name = path
 
 
-def _load_onnx(path: str) -> OnnxFile:
-    """Checks that ``path`` exists and that every model input has static dims; CliError
-    (one line) otherwise: the CLI has no way to give sizes for symbolic dims."""
+def _load_onnx(path: str, input_shapes=None) -> OnnxFile:
+    """Checks that ``path`` exists and that every model input has static dims or sizes
+    in ``input_shapes``; CliError (one line) otherwise, naming ``--input-shape``."""
     if not os.path.isfile(path):
         raise CliError(f"{path}: no such ONNX file")
     try:
@@ -141,35 +167,28 @@ def _load_onnx(path: str) -> OnnxFile:
     try:
         model = onnx.load(path, load_external_data=False)
     except Exception:  # noqa: BLE001 - the compile step reports a bad file in one line
-        return OnnxFile(path)
+        return OnnxFile(path, input_shapes)
     inits = {t.name for t in model.graph.initializer}
+    real = [vi for vi in model.graph.input if vi.name not in inits and vi.type.HasField("tensor_type")]
+    unknown = sorted(set(input_shapes or {}) - {vi.name for vi in real})
+    if unknown:
+        shown = "; ".join(vi.name + ":" + ",".join(
+            str(d.dim_value) if d.HasField("dim_value") else (d.dim_param or "?")
+            for d in vi.type.tensor_type.shape.dim) for vi in real)
+        raise CliError(f"--input-shape names {unknown}, not inputs of {path}; its inputs: {shown}")
     for vi in model.graph.input:
-        if vi.name in inits or not vi.type.HasField("tensor_type"):
+        if vi.name in inits or not vi.type.HasField("tensor_type") or vi.name in (input_shapes or {}):
             continue
         dims = [d.dim_value if d.HasField("dim_value") else (d.dim_param or "?")
                 for d in vi.type.tensor_type.shape.dim]
         if not all(isinstance(d, int) for d in dims):
+            eg = ",".join(str(d) if isinstance(d, int) else "1" for d in dims)
             raise CliError(f"{path}: input {vi.name} has symbolic dims {tuple(dims)}; the CLI "
-                           "compiles static shapes: fix them in the model (onnx.tools."
-                           "update_model_dims.update_inputs_outputs_dims) or call "
-                           "opencann.compile(path, input_shapes=...) from Python")
-    return OnnxFile(path)
-
-
-def _onnx_inputs(cm, seed: int = 0):
-    """Random inputs for a compiled ONNX model, in graph-input order: floats normal,
-    integers in [0, 2) (valid token ids and indices), bools random."""
-    g = torch.Generator().manual_seed(seed)
-    xs = []
-    for v in cm.graph.inputs:
-        dt, shp = v.desc.dtype.torch, tuple(v.desc.shape)
-        if dt.is_floating_point:
-            xs.append(torch.randn(shp, generator=g).to(dt))
-        elif dt == torch.bool:
-            xs.append(torch.randint(0, 2, shp, generator=g).bool())
-        else:
-            xs.append(torch.randint(0, 2, shp, generator=g).to(dt))
-    return xs
+                           f"compiles static shapes: give their sizes with --input-shape "
+                           f"{vi.name}:{eg}, fix them in the model (onnx.tools.update_model_dims."
+                           "update_inputs_outputs_dims) or call opencann.compile(path, "
+                           "input_shapes=...) from Python")
+    return OnnxFile(path, input_shapes)
 
 
 def _onnx_reference(path: str, cm, inputs):
@@ -188,7 +207,8 @@ def _compile(zm, device="cpu", options=None):
     if isinstance(zm, OnnxFile):
         with console.status(f"compiling {zm.name} (ONNX conversion, passes, planning)..."):
             t0 = time.perf_counter()
-            cm = opencann.compile(zm.path, device=device, options=options)
+            cm = opencann.compile(zm.path, device=device, options=options,
+                                  input_shapes=zm.input_shapes)
         console.print(f"compiled {zm.name} in {time.perf_counter() - t0:.1f} s")
         return cm
     with console.status(f"compiling {zm.name} (torch.export, decomposition, passes, planning)..."):
@@ -272,7 +292,7 @@ def cmd_compile(args) -> int:
     """``opencann compile MODEL``: compile and print the report summary (``-v``: the full text);
     ``--report`` writes the JSON report, ``--dot`` the optimized graph. Returns 0. Raises
     CliError for ``--options`` that is not valid JSON."""
-    zm = _load(args.model, args.batch, args.seq)
+    zm = _load(args.model, args.batch, args.seq, args.input_shape)
     options = _json_options(args.options) or None
     cm = _compile(zm, args.device, options)
     console.print(cm.report.to_text() if args.verbose else cm.report.summary())
@@ -288,28 +308,64 @@ def cmd_compile(args) -> int:
     return 0
 
 
-def cmd_run(args) -> int:
-    """``opencann run MODEL``: compile, run once and print the max difference to eager PyTorch
-    (ONNX: to onnxruntime when installed); ``--trace`` writes a Chrome trace (µs) and lists the
-    10 slowest ops. Returns 0."""
-    zm = _load(args.model, args.batch, args.seq)
-    cm = _compile(zm)
+def _runnable(args, use: str):
+    """What ``opencann run`` / ``bench`` (``use``) runs: (the model's source, the compiled
+    model, the call's (args, kwargs), where and on what it runs, for the output line).
+    An ``.ocm`` file is loaded and runs on the device it was compiled for (``--device``
+    must name that one) with random inputs of its recorded shapes (`opencann.tools.
+    run_inputs`; a dynamic model's dims from ``--input-shape`` or its example); an
+    ``.onnx`` file is compiled for ``--device`` with random inputs; a zoo model or
+    factory is compiled for ``--device`` and called with its example inputs. Raises
+    CliError (one line) for ``--device`` other than a model file's."""
+    import opencann
+    from .devices import parse_device
+    from .tools.run_inputs import call_args, describe, input_specs, random_inputs
+    zm = _load(args.model, args.batch, args.seq, args.input_shape, ocm=use)
+    if isinstance(zm, OcmFile):
+        cm = opencann.load(zm.path)
+        device = str(cm.report.device)
+        if args.device and parse_device(args.device) != parse_device(device):
+            raise CliError(f"{zm.name} was compiled for {device} and runs there: drop --device "
+                           f"{args.device}, or convert the model again for it (opencann atc "
+                           "--soc_version, or opencann.compile(..., device=...))")
+        specs = input_specs(cm, args.input_shape, zm.name)
+        return zm, cm, call_args(cm, random_inputs(specs)), f"{device}, random inputs {describe(specs)}"
+    device = args.device or "cpu"
+    cm = _compile(zm, device)
     if isinstance(zm, OnnxFile):
-        inputs = _onnx_inputs(cm)
-        out = cm(*inputs)
-        ref = _onnx_reference(zm.path, cm, inputs)
-        console.print(f"ran {zm.name} on random inputs: " + (
+        specs = input_specs(cm, None, zm.name)
+        return zm, cm, call_args(cm, random_inputs(specs)), f"{device}, random inputs {describe(specs)}"
+    return zm, cm, (tuple(zm.example_inputs), {}), f"{device}, its example inputs"
+
+
+def cmd_run(args) -> int:
+    """``opencann run MODEL``: compile (or load an ``.ocm`` file), run once and print what it
+    ran on, and the max difference to eager PyTorch (ONNX: to onnxruntime when installed;
+    an ``.ocm`` file: its outputs, and whether a second call gives the same); ``--trace``
+    writes a Chrome trace (µs) and lists the 10 slowest ops. Returns 0."""
+    from .tools.run_inputs import describe_outputs, same_outputs
+    zm, cm, (a, kw), on = _runnable(args, "run")
+    out = cm(*a, **kw)
+    if isinstance(zm, OcmFile):
+        import torch.utils._pytree as pytree
+        first = pytree.tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, out)
+        again = cm(*a, **kw)
+        console.print(f"ran {zm.name} on {on}: outputs {describe_outputs(first)}; a second call "
+                      + ("gives the same outputs" if same_outputs(first, again)
+                         else "gives DIFFERENT outputs"), markup=False, highlight=False)
+    elif isinstance(zm, OnnxFile):
+        ref = _onnx_reference(zm.path, cm, a)
+        console.print(f"ran {zm.name} on {on}: " + (
             f"max |compiled - onnxruntime| = {_max_diff(out, ref)}" if ref is not None else
-            "outputs " + ", ".join(f"{tuple(o.shape)} {o.dtype}" for o in out)
-            + " (install onnxruntime to compare)"))
+            f"outputs {describe_outputs(out)} (install onnxruntime to compare)"),
+            markup=False, highlight=False)
     else:
-        inputs = zm.example_inputs
-        out = cm(*inputs)
         with torch.no_grad():
-            ref = zm.model(*inputs)
-        console.print(f"ran {zm.name}: max |compiled - eager| = {_max_diff(out, ref)}")
+            ref = zm.model(*a, **kw)
+        console.print(f"ran {zm.name} on {on}: max |compiled - eager| = {_max_diff(out, ref)}",
+                      markup=False, highlight=False)
     if args.trace:
-        ev = cm.profile(*inputs, path=args.trace)
+        ev = cm.profile(*a, path=args.trace, **kw)
         top = sorted(ev, key=lambda e: -e["dur"])[:10]
         console.print(f"Chrome trace with {len(ev)} ops written to {args.trace}; slowest ops:")
         for e in top:
@@ -317,20 +373,46 @@ def cmd_run(args) -> int:
     return 0
 
 
+def _onnx_session_fn(path: str, cm, inputs, threads: int):
+    """A function running ONNX Runtime on ``inputs`` with ``threads`` intra-op threads and
+    spinning off (spinning threads slow whatever runs next in the process, docs/
+    performance.md); None when onnxruntime is not installed."""
+    try:
+        import onnxruntime as ort
+    except ImportError:
+        return None
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = threads
+    so.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    s = ort.InferenceSession(path, so, providers=["CPUExecutionProvider"])
+    feeds = {n: x.numpy() for n, x in zip(cm.graph.signature.input_names, inputs)}
+    return lambda: s.run(None, feeds)
+
+
 def cmd_bench(args) -> int:
-    """``opencann bench MODEL``: median latency in ms of eager and compiled (``--runs`` runs,
-    ``--threads`` threads). Returns 0. Raises CliError for an ONNX model (no eager reference)."""
+    """``opencann bench MODEL``: median latency in ms of the compiled model (``--runs`` runs,
+    ``--threads`` threads) against eager PyTorch (a zoo model or factory), ONNX Runtime
+    (an ``.onnx`` file, when installed) or alone (an ``.ocm`` file: no reference model).
+    Prints what it ran on. Returns 0."""
     from .timing import median_ms
     torch.set_num_threads(args.threads)
-    zm = _load(args.model, args.batch, args.seq)
+    zm, cm, (a, kw), on = _runnable(args, "bench")
+    c = median_ms(lambda: cm(*a, **kw), runs=args.runs)
+    how = f"median of {args.runs}, {args.threads} threads"
     if isinstance(zm, OnnxFile):
-        raise CliError("bench compares with eager PyTorch and takes zoo names or file.py:factory; "
-                       "ONNX models are not supported by bench yet (use run)")
-    cm = _compile(zm)
-    e = median_ms(zm.model, *zm.example_inputs, runs=args.runs)
-    c = median_ms(cm, *zm.example_inputs, runs=args.runs)
-    console.print(f"{zm.name} batch {args.batch}: eager {e:.3g} ms, opencann {c:.3g} ms, "
-                  f"compiled/eager {c / e:.2f} (median of {args.runs}, {args.threads} threads)")
+        ort_fn = _onnx_session_fn(zm.path, cm, a, args.threads)
+        if ort_fn is None:
+            line = f"opencann {c:.3g} ms ({how}; install onnxruntime to compare)"
+        else:
+            o = median_ms(ort_fn, runs=args.runs)
+            line = f"onnxruntime {o:.3g} ms, opencann {c:.3g} ms, opencann/onnxruntime {c / o:.2f} ({how})"
+    elif isinstance(zm, OcmFile):
+        line = f"opencann {c:.3g} ms ({how}; a model file has no reference to time against)"
+    else:
+        e = median_ms(zm.model, *a, runs=args.runs)
+        zoo_batch = "" if ":" in args.model else f"batch {args.batch}: "
+        line = f"{zoo_batch}eager {e:.3g} ms, opencann {c:.3g} ms, compiled/eager {c / e:.2f} ({how})"
+    console.print(f"{zm.name} on {on}: {line}", markup=False, highlight=False)
     return 0
 
 
@@ -554,6 +636,7 @@ def _add_migration_commands(sub) -> None:
 
 def _add_model_commands(sub) -> None:
     """demo, compile, run and bench: the commands that take a zoo name or model file."""
+    from .tools import atc as _atc
     d = sub.add_parser("demo", help="the main job: MiniLM and ResNet-50, compiled vs eager, "
                        "and a SmolLM2 chat turn")
     d.add_argument("--runs", type=positive_int, default=10)
@@ -563,11 +646,20 @@ def _add_model_commands(sub) -> None:
                           ("run", cmd_run, "compile, run once, optionally trace"),
                           ("bench", cmd_bench, "compiled vs eager latency")):
         s = sub.add_parser(name, help=hlp)
-        s.add_argument("model", help="zoo name (minilm, bert-base, gpt2, resnet50), file.py:factory"
-                       + (" or an .onnx file" if name != "bench" else ""))
+        s.add_argument("model", help="zoo name (minilm, bert-base, gpt2, resnet50), file.py:factory, "
+                       "an .onnx file" + (" or an .ocm model file (opencann atc)"
+                                          if name != "compile" else ""))
         s.add_argument("--batch", type=positive_int, default=1)
         s.add_argument("--seq", type=positive_int, default=128)
+        s.add_argument("--input-shape", "--input_shape", dest="input_shape",
+                       type=_atc.concrete_input_shape, metavar="SHAPES",
+                       help='sizes of inputs, ATC\'s --input_shape form "x:1,3,224,224;y:1,128": '
+                       "an .onnx file's symbolic dims" + (", an .ocm file's dynamic dims (default: "
+                                                          "its example's)" if name != "compile" else ""))
         s.set_defaults(fn=fn)
+        if name != "compile":
+            s.add_argument("--device", help="cpu or vnpu:<preset> (default cpu; an .ocm file "
+                           "runs on the device it was compiled for)")
         if name == "compile":
             s.add_argument("--device", default="cpu")
             s.add_argument("--report", type=output_file, help="write the JSON report here")

@@ -283,13 +283,7 @@ def read_fusion_switch(path: str) -> Tuple[List[str], List[str]]:
             elif key in cann or key in ours:
                 names = [cann.get(key) or ours[key]]
             else:
-                known = (f"known: ALL, {', '.join(sorted(cann))} (CANN names), "
-                         f"{', '.join(sorted(ours))} (opencann names)")
-                if re.fullmatch(r"[a-z0-9_]+", key):   # our naming: a misspelt pass of ours
-                    raise ValueError(f"fusion switch file {path}: unknown pass {key!r} in "
-                                     f"{section}; {known}")
-                logger.warning("fusion switch file %s: %s.%s has no opencann equivalent and is "
-                               "ignored; %s", path, section, key, known)
+                _unknown_switch(path, section, key, cann, ours)
                 continue
             target, other = (off, on) if val == "off" else (on, off)
             for n in names:   # a later entry (a named pass after ALL) wins
@@ -299,3 +293,14 @@ def read_fusion_switch(path: str) -> Tuple[List[str], List[str]]:
                     target.append(n)
     return off, on
 
+
+def _unknown_switch(path, section: str, key: str, cann: Dict[str, str], ours: Dict[str, str]) -> None:
+    """A switch file entry naming no pass we know: ValueError for a lower_case key (our
+    naming: a misspelt opencann pass), else a WARNING (a CANN pass without an opencann
+    equivalent, ignored); both list the known names."""
+    known = (f"known: ALL, {', '.join(sorted(cann))} (CANN names), "
+             f"{', '.join(sorted(ours))} (opencann names)")
+    if re.fullmatch(r"[a-z0-9_]+", key):
+        raise ValueError(f"fusion switch file {path}: unknown pass {key!r} in {section}; {known}")
+    logger.warning("fusion switch file %s: %s.%s has no opencann equivalent and is ignored; %s",
+                   path, section, key, known)

@@ -49,20 +49,41 @@ def soc_version(text: str) -> str:
 
 
 def input_shape(text: str) -> Dict[str, Tuple[int, ...]]:
-    """ATC's ``"x:1,3,224,224;mask:1,128"`` -> {"x": (1, 3, 224, 224), "mask": (1, 128)}."""
+    """ATC's ``"x:1,3,224,224;mask:1,128"`` -> {"x": (1, 3, 224, 224), "mask": (1, 128)};
+    -1 marks a dim the gears fill (``"x:-1,3,224,224"`` with ``--dynamic_batch_size``).
+    ATC's shape ranges (``1~10``) are refused: opencann's ranges are
+    ``opencann.compile(dynamic_shapes=..., dim_ranges=...)``."""
     out: Dict[str, Tuple[int, ...]] = {}
     for part in filter(None, (p.strip() for p in text.split(";"))):
         name, sep, dims = part.rpartition(":")
+        if "~" in dims:
+            raise argparse.ArgumentTypeError(
+                f"{part!r}: shape ranges (ATC's dynamic shape) are not taken here; give sizes, "
+                "-1 with a gear flag (--dynamic_batch_size...), or compile from Python with "
+                "dynamic_shapes and dim_ranges")
         try:
             sizes = tuple(int(d) for d in dims.split(",")) if dims.strip() else ()
         except ValueError:
             sizes = None
-        if not sep or not name or sizes is None or any(d < 0 for d in sizes):
+        if not sep or not name or sizes is None or any(d < -1 for d in sizes):
             raise argparse.ArgumentTypeError(
                 f"{part!r} is not name:sizes; write e.g. \"x:1,3,224,224;y:1,128\"")
+        if name in out:
+            raise argparse.ArgumentTypeError(f"input {name!r} is given twice")
         out[name] = sizes
     if not out:
         raise argparse.ArgumentTypeError("empty; write e.g. \"x:1,3,224,224\"")
+    return out
+
+
+def concrete_input_shape(text: str) -> Dict[str, Tuple[int, ...]]:
+    """`input_shape` without -1: the sizes of one shape to run (``opencann run/bench``)."""
+    out = input_shape(text)
+    for name, sizes in out.items():
+        if -1 in sizes:
+            raise argparse.ArgumentTypeError(
+                f"{name}:{','.join(map(str, sizes))} has -1; give every size of the shape to "
+                "run (a gear's, for a model compiled with gears)")
     return out
 
 
