@@ -454,30 +454,56 @@ def cmd_atc(args) -> int:
         options["fusion_switch_file"] = args.fusion_switch_file
     if args.dump_graph:
         options["dump_graph"] = args.dump_graph
+    from .tools.atc_gears import GEAR_FLAGS, check_profile, gear_options
+    flag = next((f for f in GEAR_FLAGS if getattr(args, f) is not None), None)
+    spec = check_profile(flag, getattr(args, flag) if flag else None, args.input_shape,
+                         args.input_format)
     t0 = time.perf_counter()
     if fw == "onnx":
         if not os.path.isfile(args.model):
             raise CliError(f"{args.model}: no such ONNX file")
+        if flag:
+            raise CliError(f"--{flag} with an ONNX model: opencann compiles ONNX models for "
+                           "static shapes (gears are for --framework pytorch with --model "
+                           "file.py:factory); or convert once per gear with its --input_shape sizes")
         cm = opencann.compile(args.model, device=args.soc_version, options=options,
                               input_shapes=args.input_shape)
     else:
-        if args.input_shape:
-            raise CliError("--input_shape is for ONNX models; with --framework pytorch the "
-                           "factory's example inputs fix the shapes")
-        zm = _load(args.model, 1, 128)
-        cm = opencann.compile(zm.model, zm.example_inputs, device=args.soc_version,
-                              options=options)
+        cm = _atc_pytorch(args, options, flag, spec)
     opencann.save(cm, args.output)
     r = cm.report
     off = [p.name for p in r.passes if not p.enabled]
+    gears = ""
+    if flag:
+        spec = r.dynamic["gears"]
+        shown = [g[0] if len(g) == 1 else g for g in spec["values"]]
+        gears = f", gears {flag}={shown} over {', '.join(spec['dims'])}"
     console.print(f"ATC run success: wrote {args.output} (device {args.soc_version}, "
                   f"{sum(r.op_counts_after.values())} ops, {len(r.applied)} fusions applied, "
-                  f"passes off: {', '.join(off) or 'none'}) in {time.perf_counter() - t0:.1f} s",
-                  markup=False, highlight=False)
+                  f"passes off: {', '.join(off) or 'none'}{gears}) in "
+                  f"{time.perf_counter() - t0:.1f} s", markup=False, highlight=False)
     if args.dump_graph:
         console.print(f"graph after each stage written to {args.dump_graph}/ (.dot, .json)",
                       markup=False, highlight=False)
     return 0
+
+
+def _atc_pytorch(args, options, flag, spec):
+    """``opencann atc --framework pytorch``: the factory's model compiled on its example
+    inputs, which ``--input_shape`` must match but for its -1s; with a gear flag, the
+    gears over the dims ``spec`` names (`opencann.tools.atc_gears`)."""
+    import opencann
+    from .runtime.call_binding import forward_arg_names
+    from .tools.atc_gears import check_example, gear_options
+    zm = _load(args.model, 1, 128)
+    if args.input_shape:
+        names = forward_arg_names(zm.model) or []
+        check_example(args.input_shape, {n: t for n, t in zip(names, zm.example_inputs)
+                                         if n and isinstance(t, torch.Tensor)})
+    if flag:
+        options = {**options, **gear_options(flag, getattr(args, flag), spec)}
+    return opencann.compile(zm.model, zm.example_inputs, device=args.soc_version,
+                            options=options, dynamic_shapes=spec if flag else None)
 
 
 def _csv(s):
@@ -714,7 +740,19 @@ def _add_atc_command(sub) -> None:
     a.add_argument("--output", required=True, type=_atc.output_path,
                    help="output path; .ocm is appended (ATC appends .om)")
     a.add_argument("--input_shape", type=_atc.input_shape,
-                   help='sizes of inputs with symbolic dims, e.g. "x:1,3,224,224;y:1,128"')
+                   help='sizes of inputs with symbolic dims, e.g. "x:1,3,224,224;y:1,128"; '
+                   "-1 marks a dim the gears fill")
+    from .tools import atc_gears as _gears
+    g = a.add_mutually_exclusive_group()
+    g.add_argument("--dynamic_batch_size", type=_gears.dynamic_batch_size, metavar="GEARS",
+                   help='batch gears, e.g. "1,2,4,8" (-1 at dim 0 of --input_shape)')
+    g.add_argument("--dynamic_image_size", type=_gears.dynamic_image_size, metavar="GEARS",
+                   help='image-size gears "h,w;h,w", e.g. "224,224;448,448" (-1 at H and W)')
+    g.add_argument("--dynamic_dims", type=_gears.dynamic_dims, metavar="GEARS",
+                   help='ND gears, one value per -1 of --input_shape, e.g. "16,16;32,32"')
+    a.add_argument("--input_format", type=_gears.input_format,
+                   help=f"{', '.join(_gears.FORMATS)}: where --dynamic_image_size finds H and W "
+                   "(default NCHW); --dynamic_dims is ND")
     a.add_argument("--soc_version", type=_atc.soc_version, default="cpu",
                    help="cpu, Ascend910B[1-4], Ascend910[A], Ascend310[P3] (vnpu presets)")
     a.add_argument("--precision_mode", help="CANN precision mode, e.g. allow_mix_precision")
