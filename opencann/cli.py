@@ -324,7 +324,9 @@ def _runnable(args, use: str):
     if isinstance(zm, OcmFile):
         cm = opencann.load(zm.path)
         device = str(cm.report.device)
-        if args.device and parse_device(args.device) != parse_device(device):
+        want, have = parse_device(args.device) if args.device else None, parse_device(device)
+        if want is not None and (want.kind, getattr(want.spec, "name", "")) != \
+                (have.kind, getattr(have.spec, "name", "")):   # a bare vnpu is its preset
             raise CliError(f"{zm.name} was compiled for {device} and runs there: drop --device "
                            f"{args.device}, or convert the model again for it (opencann atc "
                            "--soc_version, or opencann.compile(..., device=...))")

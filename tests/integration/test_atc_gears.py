@@ -178,3 +178,23 @@ def test_gears_on_an_onnx_model_are_one_line(tmp_path, capsys):
     _one_error(["atc", "--model", path, "--output", str(tmp_path / "r"), "--input_shape",
                 "x:-1,4", "--dynamic_batch_size", "1,2"], capsys,
                "--dynamic_batch_size with an ONNX model", "--framework pytorch")
+
+
+def test_gears_for_the_vnpu(factories, capsys):
+    """--soc_version Ascend910B with gears: each gear compiled for the vnpu, saved, run
+    there (a bare ``--device vnpu`` names the same chip), within fp32 tolerance of eager."""
+    d, ns = factories
+    rc, out, err = _run(["atc", "--model", "f.py:conv", "--output", "v", "--soc_version",
+                         "Ascend910B2", "--input_shape", "x:-1,3,8,8", "--dynamic_batch_size",
+                         "1,2"], capsys)
+    assert rc == 0, err
+    cm = opencann.load("v.ocm")
+    model, _ = ns["conv"]()
+    for n in (1, 2):
+        x = torch.randn(n, 3, 8, 8)
+        with torch.no_grad():
+            torch.testing.assert_close(cm(x), model(x), rtol=1e-4, atol=1e-4)
+    rc, out, err = _run(["run", "v.ocm", "--device", "vnpu", "--input-shape", "x:1,3,8,8"], capsys)
+    assert rc == 0, err
+    assert "ran v.ocm on vnpu:ascend910b, random inputs x float32[1,3,8,8]" in out
+    _one_error(["run", "v.ocm", "--device", "vnpu:ascend310"], capsys, "compiled for vnpu:ascend910b")
