@@ -4,11 +4,13 @@ inspect, fuzz, doctor, analyze, compare.
     opencann demo                               # the main job on the embedded default
     opencann compile resnet50 --report r.json   # zoo name, file.py:factory or m.onnx
     opencann run bert-base --trace trace.json   # run once, Chrome trace of every op
-    opencann bench minilm --batch 1 --seq 128   # compiled vs eager latency
+    opencann run m.ocm --input-shape x:4,3,224,224   # a model file (opencann atc), random inputs
+    opencann bench minilm --batch 1 --seq 128   # compiled vs eager latency (.onnx: vs ONNX Runtime)
     opencann generate smollm2 --chat --prompt "What is the capital of France?"   # an LLM, streamed
     opencann estimate --model resnet50 --device vnpu:ascend910b --plot roofline.png
     opencann train-demo                         # digits CNN + MiniLM fine-tune, compiled
     opencann atc --model m.onnx --framework 5 --output m --soc_version Ascend910B   # -> m.ocm
+    opencann atc --model f.py:make --output m --input_shape "x:-1,3,224,224" --dynamic_batch_size "1,2,4"
     opencann inspect m.ocm [--json]             # a saved model file (opencann.save)
     opencann fuzz --cases 10000 --out fuzz_failures/   # differential fuzzing against eager
     opencann doctor [--json]                    # versions, CPU ISA, oneDNN/MKL, GPU, vnpu

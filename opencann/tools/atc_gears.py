@@ -142,9 +142,10 @@ def check_profile(flag: Optional[str], gears: Optional[list], shapes: Optional[D
         raise ValueError(f"--dynamic_dims sets ND-format gears, but --input_format is {fmt}: "
                          "give --input_format ND (or leave it out)")
     if len(gears[0]) != len(holes):
+        where = ", ".join(f"{n} dim {i}" for n, i in holes)
         raise ValueError(f"--dynamic_dims gives {len(gears[0])} value(s) per gear but "
-                         f"--input_shape has {len(holes)} -1(s) ({', '.join(f'{n} dim {i}' for n, i in holes)}): "
-                         "one value per -1, in order")
+                         f"--input_shape has {len(holes)} -1(s) ({where}): one value per -1, "
+                         "in order")
     spec: Dict[str, Dict[int, str]] = {}
     first: Dict[Tuple[int, ...], str] = {}
     for k, (n, i) in enumerate(holes):
@@ -171,8 +172,9 @@ def check_example(spec_shapes: Dict[str, Tuple[int, ...]], tensors: Dict[str, An
     for name, sizes in spec_shapes.items():
         t = tensors.get(name)
         if t is None:
+            known = "; ".join(_shown(n, tuple(x.shape)) for n, x in tensors.items())
             raise ValueError(f"--input_shape names {name!r}, not a tensor input of the model; "
-                             f"its inputs: " + "; ".join(_shown(n, tuple(x.shape)) for n, x in tensors.items()))
+                             f"its inputs: {known}")
         if len(sizes) != t.dim() or any(s not in (-1, d) for s, d in zip(sizes, t.shape)):
             raise ValueError(f"--input_shape {_shown(name, sizes)} does not match the example "
                              f"input {_shown(name, tuple(t.shape))}: with --framework pytorch the "
