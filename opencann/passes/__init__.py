@@ -16,12 +16,15 @@ from .schedule import SingleStreamSchedule, apply_schedule
 
 def default_pipeline() -> PassManager:
     """Prepare → fusion → layout → schedule → memory (planning on the final order; the
-    plan is ``ctx.artifacts["memory_plan"]``). The compiler adds kernel binding as the
+    plan is ``ctx.artifacts["memory_plan"]``). ``fold_batchnorm`` runs before
+    ``precision``: the folded fp32 weight is cast once, and the convolution it leaves is
+    lowered and fused like any other (folded after, a kept-fp32 BatchNorm between a
+    low-precision convolution and its activation blocks both). The compiler adds kernel binding as the
     last stage when it builds a callable model."""
     return PassManager([
         ConstantFolding(), DeadCodeElimination(), CommonSubexpressionElimination(),
-        IdentityElimination(), DropUnusedOutputs(), MixedPrecision(),
-        FoldBatchNorm(), *user_passes(), FuseSiLU(), FuseGeluTanh(), FuseGeluErf(), FuseRMSNorm(),
+        IdentityElimination(), DropUnusedOutputs(), FoldBatchNorm(), MixedPrecision(),
+        *user_passes(), FuseSiLU(), FuseGeluTanh(), FuseGeluErf(), FuseRMSNorm(),
         FuseLayerNorm(), FuseGatedMLP(), FuseConvAct(), FuseConvAddAct(), FuseLinearAct(), FuseQKVLinear(),
         FuseAddLayerNorm(), FuseFlashAttention(), ChooseAttentionKernel(),
         FuseElementwise(), DeadCodeElimination(), LayoutSelection(), NpuLayoutSelection(), SingleStreamSchedule(),

@@ -11,8 +11,9 @@ parameters: --precision_mode" and torch_npu "precision_mode" documentation):
 * ``allow_mix_precision`` (fp16) / ``allow_mix_precision_bf16``: the *low list*
   (matmul, conv, attention) runs in fp16 / bf16; the *keep-fp32 list* (softmax, norms,
   reductions, exp/log/pow, losses: the ops whose ``OpDef.keep_fp32`` is set, see
-  `default_keep_fp32`; user-modifiable) runs in fp32; every
-  other op follows its inputs (low when all its float inputs are low).
+  `default_keep_fp32`; user-modifiable) runs in fp32; every other elementwise, view,
+  data-movement and pooling op follows its inputs (low when all its float inputs are
+  low), so activations stay low between low ops without a cast pair.
 * ``force_fp16``: every floating-point op that is not a cast runs in fp16.
 
 Casts of weights (graph constants) are done once at compile time. A Cast pair
@@ -40,7 +41,9 @@ from .precision_values import lost_in_cast
 MODES = ("force_fp32", "must_keep_origin_dtype", "allow_fp32_to_fp16", "allow_mix_precision",
          "allow_mix_precision_fp16", "allow_mix_precision_bf16", "force_fp16")
 LOW_KINDS = (OpKind.MATMUL, OpKind.CONV, OpKind.ATTENTION)
-FOLLOW_KINDS = (OpKind.ELEMENTWISE, OpKind.VIEW, OpKind.DATA)
+# ops that follow their inputs' precision: elementwise, views, data movement, and pooling
+# (max is exact in any dtype; ATen's bf16/fp16 average pooling accumulates in fp32)
+FOLLOW_KINDS = (OpKind.ELEMENTWISE, OpKind.VIEW, OpKind.DATA, OpKind.POOL)
 
 
 def pre_fusion_names(names: Iterable[str]) -> Set[str]:
@@ -112,7 +115,7 @@ class MixedPrecision(Pass):
         """Apply ``options["precision_mode"]`` (unset: unchanged). ``force_fp32``: every
         float op in fp32; a mode whose `low_dtype` is None: unchanged (noted); ``force_fp16``:
         every float op in fp16; the mixed modes lower MATMUL/CONV/ATTENTION ops not in
-        ``keep_fp32`` and let ELEMENTWISE/VIEW/DATA ops follow their non-constant float
+        ``keep_fp32`` and let ELEMENTWISE/VIEW/DATA/POOL ops follow their non-constant float
         inputs. Host fallbacks and creation ops take fp32; graph outputs are cast back to
         their original dtypes. Returns the number of inputs redirected to casts plus the
         output casts. Raises ValueError for an unknown mode (`low_dtype`)."""
