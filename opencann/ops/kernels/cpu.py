@@ -14,11 +14,15 @@
 - `make_linear_kernel` (LinearAct): MatMulV2 (addmm) [+ activation] into the planned
   buffer, by addmm, oneDNN's inner product on a prepacked weight or MKL's packed GEMM
   (chosen per shape by measuring at bind time); the activation runs in place on the
-  result (one pass less over the output). In bf16 (mixed precision) addmm and oneDNN's
-  inner product race: oneDNN's runs its native bf16 kernel (avx512_bf16 / AMX) on the
-  weight cast to bf16 at compile time and reordered once at bind time, measured
-  1.5-1.7x faster than addmm's bf16 GEMM (which reads the plain weight and packs it on
-  every call) on BERT-base's shapes at m = 128, 1 thread (bench/precision.py's host).
+  result (one pass less over the output). In bf16 (mixed precision) a constant-weight
+  GEMM binds oneDNN's inner product without a race: its native bf16 kernel (avx512_bf16
+  / AMX) on the weight cast to bf16 at compile time and reordered once at bind time.
+  addmm's bf16 GEMM is the same oneDNN kernel on the plain weight, packed again on every
+  call: measured slower at every shape tried (1 thread, least of 30 interleaved calls,
+  2-core Xeon with AMX): 1.05-1.15x at 64x64x64, 8x256x256, 128x384x384; 1.3-1.6x at
+  BERT-base's 128x768x{768, 2304, 3072} and 128x3072x768; 1.5-2x at 1..4 rows of
+  768x768, 768x3072 and 4096x4096. A race on a loaded 2-core host at 2 threads picked
+  either kernel at random (single calls 10-20x slower than unloaded), so none is run.
 
 Source: oneDNN "Primitive Attributes: Post-ops" (oneapi-src.github.io/oneDNN), the same
 kernels PyTorch Inductor uses for CPU freezing (torch/_inductor/fx_passes/mkldnn_fusion.py).
@@ -341,8 +345,9 @@ def _known_choice(made, m: int, k: int, n: int, dtype, bias: TensorDesc) -> tupl
     """(cache key, choice) for a GEMM of shape (m, k, n): the kernels raced here (oneDNN's
     prepacked where it exists, else MKL's packed, and addmm) are the key's last item; the
     choice is ``made`` (a node's earlier choice, or a model file's) where its kernel
-    exists here, else addmm; with nothing made, the cached choice for the key, "addmm"
-    when nothing else can race, or None (to be measured)."""
+    exists here, else addmm; with nothing made, the cached choice for the key, oneDNN's
+    prepacked kernel for bf16 where it exists, "addmm" when nothing else can race, or
+    None (to be measured)."""
     raced = tuple(c for c in GEMM_KERNELS if _available(c, n, bias, m, dtype))
     if "onednn_packed" in raced:  # MKL's packing serves one m and measured no faster
         raced = tuple(c for c in raced if c != "mkl_packed")
@@ -354,6 +359,8 @@ def _known_choice(made, m: int, k: int, n: int, dtype, bias: TensorDesc) -> tupl
     cached = LINEAR_CHOICES.get(key)
     if cached in GEMM_KERNELS and _available(cached, n, bias, m, dtype):
         return key, cached
+    if dtype == torch.bfloat16 and "onednn_packed" in raced:
+        return key, "onednn_packed"   # not raced: see the module docstring
     return key, ("addmm" if len(raced) == 1 else None)
 
 
