@@ -364,6 +364,20 @@ def _known_choice(made, m: int, k: int, n: int, dtype, bias: TensorDesc) -> tupl
     return key, ("addmm" if len(raced) == 1 else None)
 
 
+def linear_writes_out(node: Node) -> bool:
+    """``out_capable`` of LinearAct: False where the node binds oneDNN's prepacked bf16
+    GEMM (a constant bf16 weight [k, n], a static bf16 x [m, k]; `_known_choice`), whose
+    result is its own allocation (a planned buffer would cost a copy of the output, 5%
+    of BERT-base's bf16 call); True otherwise (addmm writes into the buffer, and fp32's
+    choice is only measured at bind time)."""
+    b, x, w = node.inputs
+    if not (w.is_const and w.desc.dtype.torch == torch.bfloat16 and x.desc.dtype == w.desc.dtype
+            and x.desc.rank == 2 and w.desc.rank == 2 and x.desc.is_static):
+        return True
+    (m, k), n = (int(d) for d in x.desc.shape), int(w.desc.shape[1])
+    return _known_choice(node.meta.get("kernel"), m, k, n, torch.bfloat16, b.desc)[1] != "onednn_packed"
+
+
 def make_linear_kernel(node: Node, in_descs: Sequence[TensorDesc], consts: Sequence) -> Callable:
     """LinearAct(bias, x, w_t, out=buffer) = act(x @ w_t + bias), written into ``out``.
 
@@ -426,4 +440,5 @@ def make_linear_kernel(node: Node, in_descs: Sequence[TensorDesc], consts: Seque
     return candidates[choice]
 
 
-__all__ = ["GEMM_KERNELS", "LINEAR_CHOICES", "LINEAR_DTYPES", "make_conv_kernel", "make_linear_kernel", "make_trans_data"]
+__all__ = ["GEMM_KERNELS", "LINEAR_CHOICES", "LINEAR_DTYPES", "linear_writes_out", "make_conv_kernel",
+           "make_linear_kernel", "make_trans_data"]
