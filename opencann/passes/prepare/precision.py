@@ -174,16 +174,7 @@ class MixedPrecision(Pass):
                 if o.desc.dtype in floats and o.desc.dtype != want and any(
                         v.desc.dtype == want for v in node.inputs):
                     o.desc = o.desc.with_(dtype=want)
-        # graph outputs keep their original dtypes
-        for i, v in enumerate(graph.outputs):
-            if v.desc.dtype != origin.get(id(v), v.desc.dtype):
-                tail = graph.create_node("Cast", [v], {"self": TensorRef(0),
-                                                       "dtype": origin[id(v)].torch},
-                                         [v.desc.with_(dtype=origin[id(v)])], name="cast_out")
-                if v.traced_strides is not None:  # the caller gets eager's strides
-                    tail.meta["strides"] = [v.traced_strides]
-                graph.outputs[i] = tail.output
-                changed += 1
+        changed += _cast_outputs(graph, origin, cache)
         graph.prune_constants()
         ctx.artifacts["note"] = f"{mode}: {changed} casts; low precision {target.value}"
         if kept:
@@ -193,6 +184,28 @@ class MixedPrecision(Pass):
                 logger.info("opencann: precision %s: %s kept in fp32 (the value would not "
                             "survive the cast)", mode, k)
         return changed
+
+
+def _cast_outputs(graph: Graph, origin: Dict, cache: Dict) -> int:
+    """Cast each graph output whose dtype the rewrite changed back to its original dtype
+    (``origin``: id(value) -> dtype), reusing a cast an fp32 op already reads (``cache``)
+    or adding a ``cast_out`` node with the value's traced strides. Returns the number of
+    outputs redirected."""
+    changed = 0
+    for i, v in enumerate(graph.outputs):
+        want = origin.get(id(v), v.desc.dtype)
+        if v.desc.dtype == want:
+            continue
+        changed += 1
+        if (v.id, want) in cache:   # an op kept in fp32 reads it cast already
+            graph.outputs[i] = cache[(v.id, want)]
+            continue
+        tail = graph.create_node("Cast", [v], {"self": TensorRef(0), "dtype": want.torch},
+                                 [v.desc.with_(dtype=want)], name="cast_out")
+        if v.traced_strides is not None:  # the caller gets eager's strides
+            tail.meta["strides"] = [v.traced_strides]
+        graph.outputs[i] = tail.output
+    return changed
 
 
 def _held_inputs(node: Node) -> Set[int]:
