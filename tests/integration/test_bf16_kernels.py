@@ -162,3 +162,15 @@ def test_keep_fp32_on_a_fused_conv_keeps_the_fp32_kernel():
     summ = precision_summary(cm.graph)
     assert set(summ["ConvBiasAct"]) == {"float32"} and set(summ["LinearAct"]) == {"bfloat16"}
     assert get_op("ConvBiasAct").fused_from == ("Conv2D",)
+
+
+def test_a_bf16_model_file_loads_with_the_same_kernels_and_bits(tmp_path):
+    m, x = _net()
+    cm = opencann.compile(m, (x,), options=BF16)
+    path = str(tmp_path / "net_bf16.ocm")
+    opencann.save(cm, path)
+    loaded = opencann.load(path)
+    assert torch.equal(loaded(x), cm(x))
+    assert precision_summary(loaded.graph) == precision_summary(cm.graph)
+    assert [n.meta.get("kernel") for n in loaded.graph.nodes if n.op == "LinearAct"] == \
+        ["onednn_packed", "onednn_packed"]
