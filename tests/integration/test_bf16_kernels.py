@@ -174,3 +174,36 @@ def test_a_bf16_model_file_loads_with_the_same_kernels_and_bits(tmp_path):
     assert precision_summary(loaded.graph) == precision_summary(cm.graph)
     assert [n.meta.get("kernel") for n in loaded.graph.nodes if n.op == "LinearAct"] == \
         ["onednn_packed", "onednn_packed"]
+
+
+class _NewGeluMlp(torch.nn.Module):
+    """GPT-2's MLP: Linear, GELU spelled out with tanh and ``pow`` (transformers'
+    NewGELUActivation), Linear."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc, self.proj = torch.nn.Linear(32, 128), torch.nn.Linear(128, 32)
+
+    def forward(self, x):
+        h = self.fc(x)
+        h = 0.5 * h * (1.0 + torch.tanh(0.7978845608028654 * (h + 0.044715 * torch.pow(h, 3.0))))
+        return self.proj(h)
+
+
+def test_a_spelled_out_gelu_fuses_before_precision_and_runs_bf16():
+    """The GELU formula holds ``pow`` (kept in fp32): recognised before ``precision``, it
+    becomes the Linear's activation in bf16 instead of a chain split by Casts."""
+    torch.manual_seed(0)
+    m, x = _NewGeluMlp().eval(), torch.randn(4, 16, 32)
+    x[0, 1, 2], x[1, 3, 4], x[2, 5, 6] = float("nan"), float("inf"), float("-inf")
+    with torch.no_grad():
+        ref = m(x)
+    cm = opencann.compile(m, (x,), options=BF16)
+    summ = precision_summary(cm.graph)
+    assert summ["LinearAct"] == {"bfloat16": 2} and not {"Pow", "Tanh", "Mul"} & set(summ), summ
+    assert [n.attrs["act"] for n in cm.graph.nodes if n.op == "LinearAct"] == ["gelu_tanh", "none"]
+    assert sum(n.op == "Cast" for n in cm.graph.nodes) == 2
+    out = cm(x)
+    assert torch.equal(out.isnan(), ref.isnan()) and torch.equal(out.isinf(), ref.isinf())
+    fin = ref.isfinite()
+    assert fin.float().mean() > 0.5 and _cosine(out[fin], ref[fin]) >= 0.999
