@@ -5,8 +5,9 @@ out-capable, cost); the kernels themselves are in ``ops/kernels/cpu.py``.
   one oneDNN convolution with a fused post-op.
 - ``ConvAddAct``: Conv2D + residual Add (+ ReLU) as oneDNN's ``sum`` post-op, written in
   place into the addend's buffer.
-- ``LinearAct``: MatMulV2 (addmm) [+ activation] into the planned buffer, by addmm or
-  MKL's packed GEMM; the activation runs in place on the result.
+- ``LinearAct``: MatMulV2 (addmm) [+ activation] into the planned buffer, by addmm,
+  oneDNN's or MKL's packed GEMM (oneDNN's bf16 one returns its own allocation:
+  `linear_writes_out`); the activation runs in place on the result.
 - ``AddLayerNorm``: LayerNorm(a + b) over the last axis (ONNX Runtime's
   SkipLayerNormalization), one pass per row (``ops/kernels/add_layer_norm.py``).
 
@@ -20,7 +21,7 @@ from typing import Optional
 from ..ir import Node
 from .kernels import vnpu_cost
 from .kernels.add_layer_norm import make_add_layer_norm_kernel
-from .kernels.cpu import make_conv_kernel, make_linear_kernel
+from .kernels.cpu import linear_writes_out, make_conv_kernel, make_linear_kernel
 from .library import _conv_cost, _matmul_cost
 from . import per_index as pi
 from .opdef import Cost, OpDef, OpKind, all_ops, register
@@ -58,7 +59,7 @@ register(OpDef("ConvAddAct", OpKind.FUSED, aliases=((),),  # in place: the node'
                doc="Conv2D+Add(+ReLU) through oneDNN's sum post-op, in place into the addend"))
 register(OpDef("LinearAct", OpKind.FUSED, aliases=((),), cost_fn=_linear_cost,
                fused_from=("MatMulV2",),
-               kernel_factories={"cpu": make_linear_kernel}, out_capable=lambda node: True,
+               kernel_factories={"cpu": make_linear_kernel}, out_capable=linear_writes_out,
                device_cost={"vnpu": vnpu_cost.matmul}, per_index=pi.addmm,
                doc="addmm + activation on a packed weight"))
 register(OpDef("AddLayerNorm", OpKind.FUSED, flops_per_elem=9, aliases=((),),

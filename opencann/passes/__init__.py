@@ -16,13 +16,17 @@ from .schedule import SingleStreamSchedule, apply_schedule
 
 def default_pipeline() -> PassManager:
     """Prepare → fusion → layout → schedule → memory (planning on the final order; the
-    plan is ``ctx.artifacts["memory_plan"]``). The compiler adds kernel binding as the
+    plan is ``ctx.artifacts["memory_plan"]``). ``fold_batchnorm``, the user rules and
+    the fusions that recognise one op spelled out (SiLU, GELU, RMSNorm, LayerNorm) run
+    before ``precision``, on the model's own dtypes: the folded fp32 weight is cast once,
+    and ``precision`` then lowers (or keeps in fp32) the one op each leaves, as it does
+    the op written directly (run after, the Casts ``precision`` puts around a kept-fp32
+    BatchNorm or ``pow`` split the pattern and block both the fold and the fusion). The compiler adds kernel binding as the
     last stage when it builds a callable model."""
     return PassManager([
         ConstantFolding(), DeadCodeElimination(), CommonSubexpressionElimination(),
-        IdentityElimination(), DropUnusedOutputs(), MixedPrecision(),
-        FoldBatchNorm(), *user_passes(), FuseSiLU(), FuseGeluTanh(), FuseGeluErf(), FuseRMSNorm(),
-        FuseLayerNorm(), FuseGatedMLP(), FuseConvAct(), FuseConvAddAct(), FuseLinearAct(), FuseQKVLinear(),
+        IdentityElimination(), DropUnusedOutputs(), FoldBatchNorm(), *user_passes(), FuseSiLU(),
+        FuseGeluTanh(), FuseGeluErf(), FuseRMSNorm(), FuseLayerNorm(), MixedPrecision(), FuseGatedMLP(), FuseConvAct(), FuseConvAddAct(), FuseLinearAct(), FuseQKVLinear(),
         FuseAddLayerNorm(), FuseFlashAttention(), ChooseAttentionKernel(),
         FuseElementwise(), DeadCodeElimination(), LayoutSelection(), NpuLayoutSelection(), SingleStreamSchedule(),
         MemoryPlanning(),

@@ -171,3 +171,24 @@ def test_model_file_keeps_the_choice(tmp_path):
     assert [n.meta.get("kernel") for n in _convs(loaded)] == ["aten", "aten"]
     with torch.no_grad():
         torch.testing.assert_close(loaded(x), model(x), rtol=0, atol=0)
+
+
+def test_the_size_rule_is_fp32s_a_bf16_conv_keeps_onednn(capfd):
+    """In bf16 eager's NCHW convolution reorders its plain weight on every call; the tiny
+    CNN kept on eager's kernel in fp32 runs oneDNN's prepacked bf16 convolutions, NHWC,
+    and a call reorders no weight."""
+    model, x = TwoConv().eval(), torch.randn(1, 3, 32, 32)
+    cm = opencann.compile(model, (x,), options={"precision_mode": "allow_mix_precision_bf16"})
+    convs = _convs(cm)
+    assert len(convs) == 2 and all(n.meta.get("kernel") != "aten" for n in convs)
+    assert all(n.outputs[0].desc.dtype.value == "bfloat16" for n in convs)
+    with torch.no_grad():
+        ref = model(x)
+    cm(x)
+    capfd.readouterr()
+    with torch.backends.mkldnn.verbose(torch.backends.mkldnn.VERBOSE_ON):
+        got = cm(x)
+    log = [ln for ln in capfd.readouterr().out.splitlines() if ",exec," in ln]
+    assert sum(",convolution," in ln for ln in log) == 2 and not any(",reorder," in ln for ln in log)
+    a, b = got.double().flatten(), ref.double().flatten()
+    assert got.dtype == torch.float32 and (a @ b / (a.norm() * b.norm())).item() >= 0.999

@@ -14,7 +14,15 @@
 - `make_linear_kernel` (LinearAct): MatMulV2 (addmm) [+ activation] into the planned
   buffer, by addmm, oneDNN's inner product on a prepacked weight or MKL's packed GEMM
   (chosen per shape by measuring at bind time); the activation runs in place on the
-  result (one pass less over the output).
+  result (one pass less over the output). In bf16 (mixed precision) a constant-weight
+  GEMM binds oneDNN's inner product without a race: its native bf16 kernel (avx512_bf16
+  / AMX) on the weight cast to bf16 at compile time and reordered once at bind time.
+  addmm's bf16 GEMM is the same oneDNN kernel on the plain weight, packed again on every
+  call: measured slower at every shape tried (1 thread, least of 30 interleaved calls,
+  2-core Xeon with AMX): 1.05-1.15x at 64x64x64, 8x256x256, 128x384x384; 1.3-1.6x at
+  BERT-base's 128x768x{768, 2304, 3072} and 128x3072x768; 1.5-2x at 1..4 rows of
+  768x768, 768x3072 and 4096x4096. A race on a loaded 2-core host at 2 threads picked
+  either kernel at random (single calls 10-20x slower than unloaded), so none is run.
 
 Source: oneDNN "Primitive Attributes: Post-ops" (oneapi-src.github.io/oneDNN), the same
 kernels PyTorch Inductor uses for CPU freezing (torch/_inductor/fx_passes/mkldnn_fusion.py).
@@ -206,6 +214,8 @@ def make_trans_data(node: Node, in_descs: Sequence[TensorDesc], consts: Sequence
 
 # the GEMM kernels a LinearAct may bind (node.meta["kernel"], saved in model files)
 GEMM_KERNELS = ("addmm", "mkl_packed", "onednn_packed", "gemv")
+# operand dtypes whose constant-weight GEMMs are raced (bf16: addmm and oneDNN's only)
+LINEAR_DTYPES = (torch.float32, torch.bfloat16)
 GEMV_MAX_ROWS = 4  # gemv_cpu.MAX_ROWS (not imported here: that module loads numba)
 # (m, k, n, dtype, raced kernels) -> one of GEMM_KERNELS: bind-time choice, measured once
 LINEAR_CHOICES: Dict[tuple, str] = {}
@@ -215,7 +225,8 @@ _MARGIN = 0.97  # a prepacked kernel must be 3% faster than addmm to be chosen (
 
 def _measure_choice(key: tuple, candidates: Dict[str, Callable], bias, wt) -> str:
     """The fastest of ``candidates`` (name -> ``run(b, x, w, out)``, "addmm" among them)
-    for GEMM shape ``key`` = (m, k, n, dtype, raced kernels), timed on random data: one
+    for GEMM shape ``key`` = (m, k, n, dtype, raced kernels), timed on random data of the
+    weight ``wt``'s dtype: one
     warm-up call each, then 6 rounds in which every candidate runs once in turn
     (interleaved, so a burst of load on a shared machine hits all of them), the least
     time per candidate kept; another kernel is chosen over addmm only when 3% faster.
@@ -225,9 +236,9 @@ def _measure_choice(key: tuple, candidates: Dict[str, Callable], bias, wt) -> st
         choice = LINEAR_CHOICES.get(key)
         if choice not in candidates:
             g = torch.Generator().manual_seed(0)
-            x = torch.randn(m, k, generator=g)
-            b = bias if bias is not None else torch.zeros(n)
-            out = torch.empty(m, n)
+            x = torch.randn(m, k, generator=g).to(wt.dtype)
+            b = bias if bias is not None else torch.zeros(n, dtype=wt.dtype)
+            out = torch.empty(m, n, dtype=wt.dtype)
             calls = {name: (lambda r=run: r(b, x, wt, out)) for name, run in candidates.items()}
             times = {name: float("inf") for name in calls}
             for name, call in calls.items():
@@ -253,10 +264,14 @@ def _copy_act(r: torch.Tensor, out, post) -> torch.Tensor:
     return r
 
 
-def _available(kernel: str, n: int, bias: TensorDesc, m: int = 0) -> bool:
-    """Whether GEMM ``kernel`` can run here for ``m`` rows, ``n`` output features and a
-    bias of ``bias``'s shape (oneDNN's inner product and the GEMV take a full [n] bias
-    only; the GEMV 1..`GEMV_MAX_ROWS` rows)."""
+def _available(kernel: str, n: int, bias: TensorDesc, m: int = 0,
+               dtype: torch.dtype = torch.float32) -> bool:
+    """Whether GEMM ``kernel`` can run here for ``m`` rows, ``n`` output features, a
+    bias of ``bias``'s shape and operands of ``dtype`` (oneDNN's inner product and the
+    GEMV take a full [n] bias only; the GEMV 1..`GEMV_MAX_ROWS` rows; bf16 runs on addmm
+    and oneDNN's inner product only: MKL's packed GEMM and the numba GEMV are fp32)."""
+    if dtype != torch.float32 and kernel in ("gemv", "mkl_packed"):
+        return False
     if kernel == "gemv":
         return 1 <= m <= GEMV_MAX_ROWS and tuple(int(d) for d in bias.shape) == (n,)
     if kernel == "onednn_packed":
@@ -348,27 +363,45 @@ def _known_choice(made, m: int, k: int, n: int, dtype, bias: TensorDesc) -> tupl
     """(cache key, choice) for a GEMM of shape (m, k, n): the kernels raced here (oneDNN's
     prepacked where it exists, else MKL's packed, and addmm) are the key's last item; the
     choice is ``made`` (a node's earlier choice, or a model file's) where its kernel
-    exists here, else addmm; with nothing made, the cached choice for the key, "addmm"
-    when nothing else can race, or None (to be measured)."""
-    raced = tuple(c for c in GEMM_KERNELS if _available(c, n, bias, m))
+    exists here, else addmm; with nothing made, the cached choice for the key, oneDNN's
+    prepacked kernel for bf16 where it exists, "addmm" when nothing else can race, or
+    None (to be measured)."""
+    raced = tuple(c for c in GEMM_KERNELS if _available(c, n, bias, m, dtype))
     if "onednn_packed" in raced:  # MKL's packing serves one m and measured no faster
         raced = tuple(c for c in raced if c != "mkl_packed")
     key = (m, k, n, str(dtype), raced)
     if made == "gemv" and not 1 <= m <= GEMV_MAX_ROWS:
         made = None  # pinned from a decode shape onto a wider one: choose for this shape
     if made in GEMM_KERNELS:
-        return key, (made if _available(made, n, bias, m) else "addmm")
+        return key, (made if _available(made, n, bias, m, dtype) else "addmm")
     cached = LINEAR_CHOICES.get(key)
-    if cached in GEMM_KERNELS and _available(cached, n, bias, m):
+    if cached in GEMM_KERNELS and _available(cached, n, bias, m, dtype):
         return key, cached
+    if dtype == torch.bfloat16 and "onednn_packed" in raced:
+        return key, "onednn_packed"   # not raced: see the module docstring
     return key, ("addmm" if len(raced) == 1 else None)
+
+
+def linear_writes_out(node: Node) -> bool:
+    """``out_capable`` of LinearAct: False where the node binds oneDNN's prepacked bf16
+    GEMM (a constant bf16 weight [k, n], a static bf16 x [m, k]; `_known_choice`), whose
+    result is its own allocation (a planned buffer would cost a copy of the output, 5%
+    of BERT-base's bf16 call); True otherwise (addmm writes into the buffer, and fp32's
+    choice is only measured at bind time)."""
+    b, x, w = node.inputs
+    if not (w.is_const and w.desc.dtype.torch == torch.bfloat16 and x.desc.dtype == w.desc.dtype
+            and x.desc.rank == 2 and w.desc.rank == 2 and x.desc.is_static):
+        return True
+    (m, k), n = (int(d) for d in x.desc.shape), int(w.desc.shape[1])
+    return _known_choice(node.meta.get("kernel"), m, k, n, torch.bfloat16, b.desc)[1] != "onednn_packed"
 
 
 def make_linear_kernel(node: Node, in_descs: Sequence[TensorDesc], consts: Sequence) -> Callable:
     """LinearAct(bias, x, w_t, out=buffer) = act(x @ w_t + bias), written into ``out``.
 
-    x: [m, k], w_t: [k, n] (a constant for the prepacked kernels), bias: [n]; fp32 for the
-    prepacked kernels, any dtype addmm takes otherwise. GEMM kernels (`GEMM_KERNELS`),
+    x: [m, k], w_t: [k, n] (a constant for the prepacked kernels), bias: [n]; fp32 or
+    bf16 (`LINEAR_DTYPES`, x and w_t of one dtype; bf16 races addmm and oneDNN's only,
+    see the module docstring) for the prepacked kernels, any dtype addmm takes otherwise. GEMM kernels (`GEMM_KERNELS`),
     raced per shape (m, k, n) at bind time on random data and cached in `LINEAR_CHOICES`
     (autotuning, as Inductor's max-autotune does):
 
@@ -406,8 +439,8 @@ def make_linear_kernel(node: Node, in_descs: Sequence[TensorDesc], consts: Seque
 
     wt = consts[2]
     x_desc, b_desc = in_descs[1], in_descs[0]
-    if not (wt is not None and x_desc.rank == 2 and x_desc.dtype.torch == torch.float32
-            and wt.dtype == torch.float32 and wt.dim() == 2):
+    if not (wt is not None and x_desc.rank == 2 and wt.dtype in LINEAR_DTYPES
+            and x_desc.dtype.torch == wt.dtype and wt.dim() == 2):
         return run_addmm
     m, k = (int(d) for d in x_desc.shape)
     n = int(wt.shape[1])
@@ -425,4 +458,5 @@ def make_linear_kernel(node: Node, in_descs: Sequence[TensorDesc], consts: Seque
     return candidates[choice]
 
 
-__all__ = ["GEMM_KERNELS", "LINEAR_CHOICES", "make_conv_kernel", "make_linear_kernel", "make_trans_data"]
+__all__ = ["GEMM_KERNELS", "LINEAR_CHOICES", "LINEAR_DTYPES", "linear_writes_out", "make_conv_kernel",
+           "make_linear_kernel", "make_trans_data"]

@@ -18,13 +18,18 @@ def _act(node: Optional[Node]) -> Optional[str]:
     return None if node is None else get_op(node.op).activation
 
 
+# dtypes of oneDNN's fused convolution (bf16: native avx512_bf16 / AMX kernels)
+CONV_DTYPES = (torch.float32, torch.bfloat16)
+
+
 def _conv_check(conv: Node) -> Optional[str]:
     if not mkldnn_available():
         return "oneDNN (mkldnn) is not available in this torch build"
     if conv.attrs.get("transposed"):
         return "transposed convolution (no fused oneDNN kernel used here)"
-    if conv.outputs[0].desc.dtype.torch != torch.float32:
-        return f"dtype {conv.outputs[0].desc.dtype.value}: fused oneDNN conv path is fp32 only here"
+    if conv.outputs[0].desc.dtype.torch not in CONV_DTYPES:
+        return (f"dtype {conv.outputs[0].desc.dtype.value}: the fused oneDNN convolution runs "
+                "fp32 and bf16 only here")
     if conv.outputs[0].desc.rank != 4:
         return "not a 2-D convolution"
     if any(p != 0 for p in conv.attrs.get("output_padding", [0])):

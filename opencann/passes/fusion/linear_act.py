@@ -1,7 +1,8 @@
 """Stage 2, fusion: `FuseLinearAct`, MatMulV2 [→ Reshape] → activation ⇒ LinearAct
 [→ Reshape]: the activation runs in place on the GEMM's output; a MatMulV2 with a
-constant fp32 weight also becomes a LinearAct, whose kernel (addmm, oneDNN's prepacked
-inner product or MKL's packed GEMM) is measured per shape at bind time."""
+constant fp32 or bf16 weight also becomes a LinearAct, whose kernel (addmm, oneDNN's
+prepacked inner product or MKL's packed GEMM (fp32 only)) is measured per shape at bind
+time."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -11,6 +12,7 @@ import torch
 
 from ...devices.cpu import mkl_packed_available, onednn_linear_available
 from ...ir import Graph, Node, TensorRef
+from ...ops.kernels.cpu import LINEAR_DTYPES
 from ..base import PassContext, Skip
 from .common import CpuFusion, _act, _stands_for
 
@@ -36,8 +38,9 @@ class FuseLinearAct(CpuFusion):
     def match(self, mm: Node, graph: Graph, ctx: PassContext):
         """A `_LinearMatch` for MatMulV2 (addmm) with alpha = beta = 1 and a 1-D bias
         followed (through at most one Reshape, each the sole user) by an activation reading
-        it; without one, a match with act "none" when the weight is a constant fp32 tensor and
-        a prepacked GEMM (oneDNN's or MKL's) is available; else a `Skip` with the reason."""
+        it; without one, a match with act "none" when the weight is a constant fp32 or bf16
+        tensor and a prepacked GEMM (oneDNN's, or MKL's for fp32) is available; else a
+        `Skip` with the reason."""
         if mm.attrs.get("beta", 1) != 1 or mm.attrs.get("alpha", 1) != 1:
             return Skip("addmm with alpha/beta != 1")
         bias, x, w = mm.inputs
@@ -51,10 +54,11 @@ class FuseLinearAct(CpuFusion):
         if _act(u) and u.inputs[0] is (view or mm).outputs[0]:
             tanh = u.op == "Gelu" and u.attrs.get("approximate", "none") == "tanh"
             return _LinearMatch(mm, view, u, "gelu_tanh" if tanh else _act(u))
-        if not (w.is_const and w.desc.dtype.torch == torch.float32
-                and (onednn_linear_available() or mkl_packed_available())):
-            return Skip("no activation follows and the weight is not a constant fp32 tensor "
-                        "for a prepacked GEMM: plain addmm already writes into the arena")
+        dt = w.desc.dtype.torch
+        packed = onednn_linear_available() or (dt == torch.float32 and mkl_packed_available())
+        if not (w.is_const and dt in LINEAR_DTYPES and packed):
+            return Skip("no activation follows and the weight is not a constant fp32 or bf16 "
+                        "tensor for a prepacked GEMM: plain addmm already writes into the arena")
         return _LinearMatch(mm, None, None, "none")
 
     def rewrite(self, graph: Graph, m: _LinearMatch, ctx: PassContext) -> int:

@@ -11,8 +11,9 @@ parameters: --precision_mode" and torch_npu "precision_mode" documentation):
 * ``allow_mix_precision`` (fp16) / ``allow_mix_precision_bf16``: the *low list*
   (matmul, conv, attention) runs in fp16 / bf16; the *keep-fp32 list* (softmax, norms,
   reductions, exp/log/pow, losses: the ops whose ``OpDef.keep_fp32`` is set, see
-  `default_keep_fp32`; user-modifiable) runs in fp32; every
-  other op follows its inputs (low when all its float inputs are low).
+  `default_keep_fp32`; user-modifiable) runs in fp32; every other elementwise, view,
+  data-movement and pooling op follows its inputs (low when all its float inputs are
+  low), so activations stay low between low ops without a cast pair.
 * ``force_fp16``: every floating-point op that is not a cast runs in fp16.
 
 In every mode, an op whose kernels compute in fp32 only (``OpDef.fp32_kernel``:
@@ -45,7 +46,9 @@ from .precision_values import lost_in_cast
 MODES = ("force_fp32", "must_keep_origin_dtype", "allow_fp32_to_fp16", "allow_mix_precision",
          "allow_mix_precision_fp16", "allow_mix_precision_bf16", "force_fp16")
 LOW_KINDS = (OpKind.MATMUL, OpKind.CONV, OpKind.ATTENTION)
-FOLLOW_KINDS = (OpKind.ELEMENTWISE, OpKind.VIEW, OpKind.DATA)
+# ops that follow their inputs' precision: elementwise, views, data movement, and pooling
+# (max is exact in any dtype; ATen's bf16/fp16 average pooling accumulates in fp32)
+FOLLOW_KINDS = (OpKind.ELEMENTWISE, OpKind.VIEW, OpKind.DATA, OpKind.POOL)
 
 
 def pre_fusion_names(names: Iterable[str]) -> Set[str]:
@@ -117,7 +120,7 @@ class MixedPrecision(Pass):
         """Apply ``options["precision_mode"]`` (unset: unchanged). ``force_fp32``: every
         float op in fp32; a mode whose `low_dtype` is None: unchanged (noted); ``force_fp16``:
         every float op in fp16; the mixed modes lower MATMUL/CONV/ATTENTION ops not in
-        ``keep_fp32`` and let ELEMENTWISE/VIEW/DATA ops follow their non-constant float
+        ``keep_fp32`` and let ELEMENTWISE/VIEW/DATA/POOL ops follow their non-constant float
         inputs. Host fallbacks and creation ops take fp32; graph outputs are cast back to
         their original dtypes. Returns the number of inputs redirected to casts plus the
         output casts. Raises ValueError for an unknown mode (`low_dtype`)."""
@@ -165,16 +168,7 @@ class MixedPrecision(Pass):
                 if o.desc.dtype in floats and o.desc.dtype != want and any(
                         v.desc.dtype == want for v in node.inputs):
                     o.desc = o.desc.with_(dtype=want)
-        # graph outputs keep their original dtypes
-        for i, v in enumerate(graph.outputs):
-            if v.desc.dtype != origin.get(id(v), v.desc.dtype):
-                tail = graph.create_node("Cast", [v], {"self": TensorRef(0),
-                                                       "dtype": origin[id(v)].torch},
-                                         [v.desc.with_(dtype=origin[id(v)])], name="cast_out")
-                if v.traced_strides is not None:  # the caller gets eager's strides
-                    tail.meta["strides"] = [v.traced_strides]
-                graph.outputs[i] = tail.output
-                changed += 1
+        changed += _cast_outputs(graph, origin, cache)
         graph.prune_constants()
         ctx.artifacts["note"] = f"{mode}: {changed} casts; low precision {target.value}"
         if kept:
@@ -210,6 +204,28 @@ def _wanted(node: Node, target: DataType, is_low, keep) -> Tuple[Optional[DataTy
         act = [v for v in node.inputs if v.desc.dtype in floats and not v.is_const]
         return (target if act and all(v.desc.dtype == target for v in act) else FP32), False
     return FP32, False
+
+
+def _cast_outputs(graph: Graph, origin: Dict, cache: Dict) -> int:
+    """Cast each graph output whose dtype the rewrite changed back to its original dtype
+    (``origin``: id(value) -> dtype), reusing a cast an fp32 op already reads (``cache``)
+    or adding a ``cast_out`` node with the value's traced strides. Returns the number of
+    outputs redirected."""
+    changed = 0
+    for i, v in enumerate(graph.outputs):
+        want = origin.get(id(v), v.desc.dtype)
+        if v.desc.dtype == want:
+            continue
+        changed += 1
+        if (v.id, want) in cache:   # an op kept in fp32 reads it cast already
+            graph.outputs[i] = cache[(v.id, want)]
+            continue
+        tail = graph.create_node("Cast", [v], {"self": TensorRef(0), "dtype": want.torch},
+                                 [v.desc.with_(dtype=want)], name="cast_out")
+        if v.traced_strides is not None:  # the caller gets eager's strides
+            tail.meta["strides"] = [v.traced_strides]
+        graph.outputs[i] = tail.output
+    return changed
 
 
 def _held_inputs(node: Node) -> Set[int]:
