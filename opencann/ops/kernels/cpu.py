@@ -11,10 +11,11 @@
   clamps +inf to FLT_MAX; it runs in place after the convolution with eager's kernel.
   GELU (erf), tanh, sigmoid and swish post-ops match eager's NaN/Inf positions (tested
   in tests/unit/test_nan_semantics.py).
-- `make_linear_kernel` (LinearAct): MatMulV2 (addmm) [+ activation] into the planned
-  buffer, by addmm, oneDNN's inner product on a prepacked weight or MKL's packed GEMM
-  (chosen per shape by measuring at bind time); the activation runs in place on the
-  result (one pass less over the output).
+- `make_linear_kernel` (LinearAct): MatMulV2 (addmm) or a bias-free MatMul (mm) with a
+  constant weight [+ activation] into the planned buffer, by addmm / mm, oneDNN's inner
+  product on a prepacked weight, MKL's packed GEMM or the decode GEMV (chosen per shape
+  by measuring at bind time, `gemm_kernel`); the activation runs in place on the result
+  (one pass less over the output).
 
 Source: oneDNN "Primitive Attributes: Post-ops" (oneapi-src.github.io/oneDNN), the same
 kernels PyTorch Inductor uses for CPU freezing (torch/_inductor/fx_passes/mkldnn_fusion.py).
@@ -25,13 +26,13 @@ from __future__ import annotations
 
 import threading
 import weakref
-from typing import Callable, Dict, Sequence
+from typing import Callable, Dict, Optional, Sequence
 
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from ...devices.cpu import best_time_us, mkl_packed_available, onednn_linear_available
-from ...ir import Node, TensorDesc
+from ...ir import Node, TensorDesc, TensorRef
 
 _ACT_FN: Dict[str, Callable] = {  # in-place activations
     "relu": torch.relu_, "gelu": torch.ops.aten.gelu_, "tanh": torch.tanh_,
@@ -213,20 +214,22 @@ _LINEAR_CHOICES_LOCK = threading.Lock()  # one measurement per shape, even when 
 _MARGIN = 0.97  # a prepacked kernel must be 3% faster than addmm to be chosen (noise guard)
 
 
-def _measure_choice(key: tuple, candidates: Dict[str, Callable], bias, wt) -> str:
+def _measure_choice(key: tuple, candidates: Dict[str, Callable], bias, wt,
+                    has_bias: bool = True) -> str:
     """The fastest of ``candidates`` (name -> ``run(b, x, w, out)``, "addmm" among them)
-    for GEMM shape ``key`` = (m, k, n, dtype, raced kernels), timed on random data: one
-    warm-up call each, then 6 rounds in which every candidate runs once in turn
-    (interleaved, so a burst of load on a shared machine hits all of them), the least
-    time per candidate kept; another kernel is chosen over addmm only when 3% faster.
-    Cached in `LINEAR_CHOICES` (one measurement per shape, even when binding races)."""
+    for GEMM shape ``key`` = (m, k, n, dtype, raced kernels[, "no bias"]), timed on random
+    data (``bias``, else zeros, as b; None when not ``has_bias``): one warm-up call each,
+    then 6 rounds in which every candidate runs once in turn (interleaved, so a burst of
+    load on a shared machine hits all of them), the least time per candidate kept;
+    another kernel is chosen over addmm only when 3% faster. Cached in `LINEAR_CHOICES`
+    (one measurement per shape, even when binding races)."""
     m, k, n = key[:3]
     with _LINEAR_CHOICES_LOCK:
         choice = LINEAR_CHOICES.get(key)
         if choice not in candidates:
             g = torch.Generator().manual_seed(0)
             x = torch.randn(m, k, generator=g)
-            b = bias if bias is not None else torch.zeros(n)
+            b = (bias if bias is not None else torch.zeros(n)) if has_bias else None
             out = torch.empty(m, n)
             calls = {name: (lambda r=run: r(b, x, wt, out)) for name, run in candidates.items()}
             times = {name: float("inf") for name in calls}
@@ -253,14 +256,15 @@ def _copy_act(r: torch.Tensor, out, post) -> torch.Tensor:
     return r
 
 
-def _available(kernel: str, n: int, bias: TensorDesc, m: int = 0) -> bool:
+def _available(kernel: str, n: int, bias: Optional[TensorDesc], m: int = 0) -> bool:
     """Whether GEMM ``kernel`` can run here for ``m`` rows, ``n`` output features and a
-    bias of ``bias``'s shape (oneDNN's inner product and the GEMV take a full [n] bias
-    only; the GEMV 1..`GEMV_MAX_ROWS` rows)."""
+    bias of ``bias``'s shape, or none (None) (oneDNN's inner product and the GEMV take a
+    full [n] bias or none; the GEMV 1..`GEMV_MAX_ROWS` rows)."""
+    full = bias is None or tuple(int(d) for d in bias.shape) == (n,)
     if kernel == "gemv":
-        return 1 <= m <= GEMV_MAX_ROWS and tuple(int(d) for d in bias.shape) == (n,)
+        return 1 <= m <= GEMV_MAX_ROWS and full
     if kernel == "onednn_packed":
-        return onednn_linear_available() and tuple(int(d) for d in bias.shape) == (n,)
+        return onednn_linear_available() and full
     if kernel == "mkl_packed":
         return mkl_packed_available()
     return kernel == "addmm"
@@ -344,16 +348,18 @@ def _packed_kernel(kernel: str, wt: torch.Tensor, m: int, post) -> Callable:
     return run_mkl
 
 
-def _known_choice(made, m: int, k: int, n: int, dtype, bias: TensorDesc) -> tuple:
-    """(cache key, choice) for a GEMM of shape (m, k, n): the kernels raced here (oneDNN's
-    prepacked where it exists, else MKL's packed, and addmm) are the key's last item; the
-    choice is ``made`` (a node's earlier choice, or a model file's) where its kernel
-    exists here, else addmm; with nothing made, the cached choice for the key, "addmm"
-    when nothing else can race, or None (to be measured)."""
+def _known_choice(made, m: int, k: int, n: int, dtype, bias: Optional[TensorDesc]) -> tuple:
+    """(cache key, choice) for a GEMM of shape (m, k, n) with a bias of ``bias``'s shape
+    or none (None): the kernels raced here (oneDNN's prepacked where it exists, else
+    MKL's packed, the GEMV for 1..4 rows, and addmm) are the key's last item (after
+    "no bias" for a bias-free GEMM); the choice is ``made`` (a node's earlier choice, or
+    a model file's) where its kernel exists here, else addmm; with nothing made, the
+    cached choice for the key, "addmm" when nothing else can race, or None (to be
+    measured)."""
     raced = tuple(c for c in GEMM_KERNELS if _available(c, n, bias, m))
     if "onednn_packed" in raced:  # MKL's packing serves one m and measured no faster
         raced = tuple(c for c in raced if c != "mkl_packed")
-    key = (m, k, n, str(dtype), raced)
+    key = (m, k, n, str(dtype)) + (("no bias",) if bias is None else ()) + (raced,)
     if made == "gemv" and not 1 <= m <= GEMV_MAX_ROWS:
         made = None  # pinned from a decode shape onto a wider one: choose for this shape
     if made in GEMM_KERNELS:
@@ -364,15 +370,62 @@ def _known_choice(made, m: int, k: int, n: int, dtype, bias: TensorDesc) -> tupl
     return key, ("addmm" if len(raced) == 1 else None)
 
 
+def gemm_kernel(node: Node, x: TensorDesc, wt: Optional[torch.Tensor], bias: Optional[TensorDesc],
+                bias_const: Optional[torch.Tensor] = None, post: Optional[Callable] = None) -> Callable:
+    """``run(b, x, w, out=None)`` = post(x @ w + b) (``b`` None: no bias, ``x @ w``) by the
+    GEMM kernel chosen for ``node``'s shape, recorded in ``node.meta["kernel"]`` (one of
+    `GEMM_KERNELS`); the choice of `make_linear_kernel`, shared by every op whose GEMM
+    has a constant weight (LinearAct, GatedMLP's two products).
+
+    ``x``: the [m, k] input's description; ``wt``: the constant weight [k, n] (None: not
+    a constant, addmm / mm only); ``bias``: the [n] (or broadcast) bias's description, or
+    None for a bias-free GEMM (then ``b`` is None at every call and ``addmm`` means eager's
+    ``mm``, same bits); ``bias_const``: its value when constant (used to time the race);
+    ``post``: an in-place activation or None. Never raises for a shape: what cannot race
+    runs addmm / mm."""
+    addmm, addmm_out = torch.ops.aten.addmm.default, torch.ops.aten.addmm.out
+    mm, mm_out = torch.ops.aten.mm.default, torch.ops.aten.mm.out
+
+    def run_addmm(b, x, w, out=None):
+        if b is None:
+            r = mm(x, w) if out is None else mm_out(x, w, out=out)
+        else:
+            r = addmm(b, x, w) if out is None else addmm_out(b, x, w, out=out)
+        if post is not None:
+            post(r)
+        return r
+
+    if not (wt is not None and x.rank == 2 and x.dtype.torch == torch.float32
+            and wt.dtype == torch.float32 and wt.dim() == 2 and x.is_static):
+        return run_addmm
+    m, k = (int(d) for d in x.shape)
+    n = int(wt.shape[1])
+    key, choice = _known_choice(node.meta.get("kernel"), m, k, n, wt.dtype, bias)
+    raced = key[-1]
+    if choice == "addmm":  # no packing: it copies the weight twice for nothing
+        node.meta["kernel"] = "addmm"
+        return run_addmm
+    candidates: Dict[str, Callable] = {"addmm": run_addmm}
+    for c in ((choice,) if choice else raced[1:]):
+        candidates[c] = _packed_kernel(c, wt, m, post)
+    if choice is None:
+        choice = _measure_choice(key, candidates, bias_const, wt, has_bias=bias is not None)
+    node.meta["kernel"] = choice
+    return candidates[choice]
+
+
 def make_linear_kernel(node: Node, in_descs: Sequence[TensorDesc], consts: Sequence) -> Callable:
-    """LinearAct(bias, x, w_t, out=buffer) = act(x @ w_t + bias), written into ``out``.
+    """LinearAct([bias,] x, w_t, out=buffer) = act(x @ w_t [+ bias]), written into ``out``;
+    the inputs as ``node.attrs`` ``self`` (the bias, absent for a bias-free GEMM: a fused
+    MatMul), ``mat1`` and ``mat2`` index them.
 
     x: [m, k], w_t: [k, n] (a constant for the prepacked kernels), bias: [n]; fp32 for the
     prepacked kernels, any dtype addmm takes otherwise. GEMM kernels (`GEMM_KERNELS`),
     raced per shape (m, k, n) at bind time on random data and cached in `LINEAR_CHOICES`
-    (autotuning, as Inductor's max-autotune does):
+    (autotuning, as Inductor's max-autotune does; `gemm_kernel`):
 
-    - ``addmm`` with the bias as its C operand, straight into ``out``;
+    - ``addmm`` with the bias as its C operand, straight into ``out`` (without a bias,
+      eager's ``mm``: the same bits as the unfused MatMul);
     - ``onednn_packed``: oneDNN's inner product (``torch.ops.mkldnn._linear_pointwise``,
       brgemm on AVX2/AVX-512) on the weight reordered once to oneDNN's blocked layout
       (``_reorder_linear_weight``); the blocked weight serves every row count m, so a
@@ -381,8 +434,9 @@ def make_linear_kernel(node: Node, in_descs: Sequence[TensorDesc], consts: Seque
       ``_mkl_reorder_linear_weight``), packed for one m; raced against addmm only where
       oneDNN's is missing, and bound when a model file chose it;
     - ``gemv``: for 1..4 rows (LLM decode), opencann's row-parallel numba GEMV
-      (`opencann.ops.kernels.gemv_cpu`) on the weight copied once to [n, k]; it streams
-      the weight once at the memory bandwidth where a BLAS GEMM packs panels per call.
+      (`opencann.ops.kernels.gemv_cpu`) on the weight copied once to [n, k] (no copy
+      when w_t is the transpose of nn.Linear's contiguous weight); it streams the weight
+      once at the memory bandwidth where a BLAS GEMM packs panels per call.
       Its result (fp32 rounding of eager's, another summation order) goes straight
       into ``out``. A dynamic model that pinned it at a decode shape chooses again at
       shapes with more rows.
@@ -395,34 +449,18 @@ def make_linear_kernel(node: Node, in_descs: Sequence[TensorDesc], consts: Seque
     m = 16…1024, 1 and 2 threads, within 1.5e-6 relative of addmm's results; on an AVX2
     host 2-6% slower, where the race keeps addmm. The activation runs in place on the result with
     eager's kernel (eager's NaN/Inf)."""
-    post = _ACT_FN.get(node.attrs["act"])
-    addmm, addmm_out = torch.ops.aten.addmm.default, torch.ops.aten.addmm.out
+    a = node.attrs
+    bi = a["self"].index if isinstance(a.get("self"), TensorRef) else None
+    xi, wi = a["mat1"].index, a["mat2"].index
+    run = gemm_kernel(node, in_descs[xi], consts[wi], None if bi is None else in_descs[bi],
+                      None if bi is None else consts[bi], _ACT_FN.get(a["act"]))
+    if bi is not None:
+        return run
 
-    def run_addmm(b, x, w, out=None):
-        r = addmm(b, x, w) if out is None else addmm_out(b, x, w, out=out)
-        if post is not None:
-            post(r)
-        return r
-
-    wt = consts[2]
-    x_desc, b_desc = in_descs[1], in_descs[0]
-    if not (wt is not None and x_desc.rank == 2 and x_desc.dtype.torch == torch.float32
-            and wt.dtype == torch.float32 and wt.dim() == 2):
-        return run_addmm
-    m, k = (int(d) for d in x_desc.shape)
-    n = int(wt.shape[1])
-    key, choice = _known_choice(node.meta.get("kernel"), m, k, n, wt.dtype, b_desc)
-    raced = key[-1]
-    if choice == "addmm":  # no packing: it copies the weight twice for nothing
-        node.meta["kernel"] = "addmm"
-        return run_addmm
-    candidates: Dict[str, Callable] = {"addmm": run_addmm}
-    for c in ((choice,) if choice else raced[1:]):
-        candidates[c] = _packed_kernel(c, wt, m, post)
-    if choice is None:
-        choice = _measure_choice(key, candidates, consts[0], wt)
-    node.meta["kernel"] = choice
-    return candidates[choice]
+    def run_no_bias(x, w, out=None):
+        return run(None, x, w, out)
+    return run_no_bias
 
 
-__all__ = ["GEMM_KERNELS", "LINEAR_CHOICES", "make_conv_kernel", "make_linear_kernel", "make_trans_data"]
+__all__ = ["GEMM_KERNELS", "LINEAR_CHOICES", "gemm_kernel", "make_conv_kernel", "make_linear_kernel",
+           "make_trans_data"]
