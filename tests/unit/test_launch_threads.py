@@ -46,30 +46,40 @@ def test_small_work_and_an_oversubscribed_host_run_on_the_calling_thread(threads
 
 
 def test_the_verdict_counts_other_processes_only(monkeypatch):
-    """others = load average − this process's own averaged running threads; a team of T
-    threads is refused when others + T > CPUs (+ 0.5: others rounded)."""
+    """others = the host's runnable threads less this process's own running ones (CPU
+    seconds per wall second, at least the reading thread), averaged over LOAD_TAU_S; a
+    team of T threads is refused when others + T > CPUs (+ 0.5: others rounded)."""
     monkeypatch.setattr(nc, "_cpus", lambda: 2)
     monkeypatch.setattr(nc, "torch_threads", lambda: 2)
-    monkeypatch.setattr(nc._Load, "t", 0.0)
-    monkeypatch.setattr(nc._Load, "own", 2.0)     # our own two threads, busy for a minute
-    monkeypatch.setattr(nc._Load, "cpu", 0.0)
-    clock = {"now": 100.0, "cpu": 0.0, "load": 2.2}
+    monkeypatch.setattr(nc, "_process_age_s", lambda: 10.0)
+    for k, v in (("t", 0.0), ("others", None), ("cpu", 0.0), ("verdict", False)):
+        monkeypatch.setattr(nc._Load, k, v)
+    clock = {"now": 100.0, "cpu": 20.0, "run": 2.0}
     monkeypatch.setattr(nc.time, "monotonic", lambda: clock["now"])
     monkeypatch.setattr(nc.time, "process_time", lambda: clock["cpu"])
-    monkeypatch.setattr(nc.os, "getloadavg", lambda: (clock["load"], 0.0, 0.0))
-    assert nc.oversubscribed() is False           # 2.2 − 2 = 0.2 others: the team fits
-    clock.update(now=100.1, load=9.0)
+    monkeypatch.setattr(nc, "runnable_threads", lambda: clock["run"])
+    assert nc.oversubscribed() is False           # our own 2 threads (20 s of CPU in 10 s)
+    assert nc._Load.others == 0.0
+    clock.update(now=100.1, run=9.0)
     assert nc.oversubscribed() is False           # within LOAD_SAMPLE_S: the kept verdict
-    clock.update(now=101.0, cpu=2.0)              # our two threads still busy; 7 others
-    assert nc.oversubscribed() is True
-    assert 1.99 < nc._Load.own <= 2.0
-    clock.update(now=200.0, cpu=2.0, load=1.0)    # we slept 99 s, one other thread busy
-    assert nc.oversubscribed() is True and nc._Load.own < 0.4
-    clock.update(now=201.0, cpu=2.0, load=0.3)
+    for i in range(1, 40):                        # 7 other threads for 20 s: refused
+        clock.update(now=100.0 + i * 0.5, cpu=20.0 + i * 1.0)
+        nc.oversubscribed()
+    assert nc._Load.verdict is True and 6.5 < nc._Load.others <= 7.0
+    for i in range(40, 80):                       # alone again, serial (1 busy thread)
+        clock.update(now=100.0 + i * 0.5, cpu=20.0 + 20 * 1.0 + (i - 40) * 0.5, run=1.0)
+        nc.oversubscribed()
+    assert nc._Load.verdict is False and abs(nc._Load.others) < 0.2   # 7·exp(-20 s / 5 s)
+    clock.update(now=1000.0, run=1.0)             # idle for long: the reading thread is ours
     assert nc.oversubscribed() is False
-    monkeypatch.setattr(nc.os, "getloadavg", lambda: (_ for _ in ()).throw(OSError("no")))
-    clock.update(now=300.0)
-    assert nc.oversubscribed() is False           # no load average: never refused
+    monkeypatch.setattr(nc, "runnable_threads", lambda: None)
+    clock.update(now=2000.0)
+    assert nc.oversubscribed() is False           # nothing to read: never refused
+
+
+def test_runnable_threads_reads_the_host():
+    n = nc.runnable_threads()
+    assert n is None or n >= 1                    # this thread runs while it reads
 
 
 def _eager_attention(q, k, v, lengths, scale):

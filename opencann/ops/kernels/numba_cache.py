@@ -105,18 +105,19 @@ def follow_torch_threads() -> int:
 #: ``at::internal::GRAIN_SIZE`` (its ``parallel_for`` runs a range of fewer elements
 #: inline), also `ew_numba.PARALLEL_MIN`
 GRAIN = 1 << 15
-#: seconds between two readings of the load average (`oversubscribed`)
+#: seconds between two readings of the host's runnable threads (`oversubscribed`)
 LOAD_SAMPLE_S = 0.5
-_LOAD_TAU_S = 60.0   # the time constant of the kernel's 1-minute load average
+#: seconds: the time constant over which other processes' runnable threads are averaged
+LOAD_TAU_S = 5.0
 
 
 class _Load:
-    """`oversubscribed`'s state: the last reading's time and verdict, the process CPU
-    time then, and this process's own running threads averaged as the load average is."""
+    """`oversubscribed`'s state: the last reading's time, verdict and process CPU time,
+    and the average of other processes' runnable threads (None before a first reading)."""
     t = 0.0
     verdict = False
     cpu = 0.0
-    own: Optional[float] = None
+    others: Optional[float] = None
 
 
 def _cpus() -> int:
@@ -137,42 +138,55 @@ def _process_age_s() -> Optional[float]:
         return None
 
 
-def others_load(load1: float, now: float, cpu: float) -> float:
-    """The 1-minute load average ``load1`` less this process's own share of it: its
-    running threads (process CPU seconds per wall second, ``cpu`` = `time.process_time`
-    at monotonic time ``now``) averaged with the load average's own 1-minute time
-    constant (the kernel updates it every 5 s: load = load·e + n·(1 − e), e = exp(−5/60)).
-    The first reading starts that average as if the process had run at its mean CPU rate
-    since it began (rate·(1 − exp(−age/60 s)): a young process is still mostly absent
-    from the load average). Updates the state kept in `_Load`."""
-    if _Load.own is None:
+def runnable_threads() -> Optional[float]:
+    """Threads runnable on the host now, the reading one included: the 4th field of
+    /proc/loadavg ("running/total", the scheduler's nr_running), else the 1-minute load
+    average (``os.getloadavg``, where there is no procfs); None where neither exists."""
+    try:
+        with open("/proc/loadavg") as f:
+            return float(f.read().split()[3].split("/")[0])
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return None
+
+
+def others_load(runnable: float, now: float, cpu: float) -> float:
+    """Other processes' runnable threads, averaged over `LOAD_TAU_S` seconds: each reading
+    of the host's ``runnable`` threads less this process's own running threads over the
+    interval since the last reading (its CPU seconds per wall second; ``cpu`` =
+    `time.process_time` at monotonic time ``now``; the first reading takes the mean since
+    the process began), at least 1 (the reading thread runs now), folded into an
+    exponential average. Updates `_Load`."""
+    if _Load.others is None or not _Load.t or now <= _Load.t:
         age = _process_age_s()
-        _Load.own = (min(cpu / age, float(_cpus())) * (1.0 - math.exp(-age / _LOAD_TAU_S))
-                     if age and age > 0 else 0.0)
-    elif _Load.t and now > _Load.t:   # an interval since the last reading
-        rate = max(0.0, (cpu - _Load.cpu) / (now - _Load.t))
-        _Load.own += (rate - _Load.own) * (1.0 - math.exp(-(now - _Load.t) / _LOAD_TAU_S))
+        own = max(1.0, min(cpu / age, float(_cpus()))) if age and age > 0 else 1.0
+        _Load.others = runnable - own
+    else:
+        own = max(1.0, (cpu - _Load.cpu) / (now - _Load.t))
+        _Load.others += (runnable - own - _Load.others) * (1.0 - math.exp(-(now - _Load.t) / LOAD_TAU_S))
     _Load.cpu = cpu
-    return load1 - _Load.own
+    return _Load.others
 
 
 def oversubscribed() -> bool:
-    """Whether a team of `torch_threads` threads would not find as many free CPUs: the
-    runnable threads of other processes (the 1-minute load average less this process's
-    own, `others_load`) plus the team exceed the CPUs in this process's affinity mask.
-    Read at most every `LOAD_SAMPLE_S` seconds (the verdict is kept in between; threads
-    racing on the reading only repeat it). False where there is no load average. The
-    same signal libgomp's dynamic teams take (``OMP_DYNAMIC``:
-    ``gomp_dynamic_max_threads`` gives CPUs − load average threads, its own included)."""
+    """Whether a team of `torch_threads` threads would not find as many free CPUs: other
+    processes' runnable threads (`others_load`, rounded) plus the team exceed the CPUs in
+    this process's affinity mask. Read at most every `LOAD_SAMPLE_S` seconds (the verdict
+    is kept in between; threads racing on a reading only repeat it). False where the
+    host's runnable threads cannot be read. The idea of libgomp's dynamic teams
+    (``OMP_DYNAMIC``: ``gomp_dynamic_max_threads`` gives CPUs − load average threads),
+    with the load read now and this process's own threads left out."""
     now = time.monotonic()
     if _Load.t and now - _Load.t < LOAD_SAMPLE_S:
         return _Load.verdict
-    try:
-        load1 = os.getloadavg()[0]
-    except (AttributeError, OSError):
+    runnable = runnable_threads()
+    if runnable is None:
         _Load.t, _Load.verdict = now, False
         return False
-    others = others_load(load1, now, time.process_time())
+    others = others_load(runnable, now, time.process_time())
     _Load.t, _Load.verdict = now, others + torch_threads() > _cpus() + 0.5
     return _Load.verdict
 
@@ -224,5 +238,6 @@ def launch_guard():
     return _WORKQUEUE_LOCK if numba.threading_layer() == "workqueue" else contextlib.nullcontext()
 
 
-__all__ = ["GRAIN", "LOAD_SAMPLE_S", "OpencannCacheLocator", "cache_dir", "follow_torch_threads", "launch",
-           "launch_guard", "launch_threads", "njit", "oversubscribed", "torch_threads"]
+__all__ = ["GRAIN", "LOAD_SAMPLE_S", "LOAD_TAU_S", "OpencannCacheLocator", "cache_dir",
+           "follow_torch_threads", "launch", "launch_guard", "launch_threads", "njit", "others_load",
+           "oversubscribed", "runnable_threads", "torch_threads"]
