@@ -270,12 +270,14 @@ def _available(kernel: str, n: int, bias: Optional[TensorDesc], m: int = 0) -> b
     return kernel == "addmm"
 
 
-# constant weight -> oneDNN's blocked copy of it: one reorder serves every row count, so the
-# specialisations of a dynamic model (which share their constants) and every executor reuse it
+# constant weight -> weak reference to oneDNN's blocked copy of it: one reorder serves every
+# row count, so the specialisations of a dynamic model (which share their constants) and every
+# executor reuse it while a bound kernel holds it; the copy a GEMM race made for a kernel that
+# lost is freed with the race (an LM head's 98 MB blocked copy is not kept beside a GEMV)
 # (torch's WeakIdKeyDictionary: keys by identity; tensors' == is elementwise)
 _ONEDNN_PACKED = WeakIdKeyDictionary()
 _ONEDNN_PACKED_LOCK = threading.Lock()
-_GEMV_PACKED = WeakIdKeyDictionary()  # constant weight [k, n] -> its [n, k] copy for the GEMV
+_GEMV_PACKED = WeakIdKeyDictionary()  # constant weight [k, n] -> weak ref. to its [n, k] copy
 # (cache id, data_ptr, shape, strides, dtype) -> weak reference to the first constant packed
 # for that view of memory: other constant tensors viewing the same memory (graphs compiled
 # with the option share_weights, e.g. opencann.llm's prefill buckets and decode graph) reuse
@@ -288,20 +290,27 @@ def _packed_once(cache: WeakIdKeyDictionary, wt: torch.Tensor,
                  make: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
     """``cache``'s packed copy of the constant weight ``wt`` (``make(wt)``), made once per
     weight object and shared with every other constant viewing the same memory (same
-    data pointer, shape, strides and dtype) while the first one lives."""
+    data pointer, shape, strides and dtype) while the first one lives. ``cache`` holds it
+    weakly: it lives while a caller (a bound kernel) holds it, and is made again after."""
     key = (id(cache), wt.data_ptr(), tuple(wt.shape), wt.stride(), wt.dtype)
     with _ONEDNN_PACKED_LOCK:
-        packed = cache.get(wt)
+        packed = _deref(cache.get(wt))
         if packed is None:
             ref = _PACKED_VIEWS.get(key)
             owner = ref() if ref is not None else None
-            packed = cache.get(owner) if owner is not None else None
+            packed = _deref(cache.get(owner)) if owner is not None else None
             if packed is None:
                 packed = make(wt)
                 _PACKED_VIEWS[key] = weakref.ref(
                     wt, lambda r, k=key: _PACKED_VIEWS.pop(k, None) if _PACKED_VIEWS.get(k) is r else None)
-            cache[wt] = packed
+                if owner is not None:
+                    cache[owner] = weakref.ref(packed)
+            cache[wt] = weakref.ref(packed)
     return packed
+
+
+def _deref(ref: "Optional[weakref.ref]") -> Optional[torch.Tensor]:
+    return ref() if ref is not None else None
 
 
 def _onednn_weight(wt: torch.Tensor, m: int) -> torch.Tensor:
