@@ -5,9 +5,11 @@ out-capable, cost); the kernels themselves are in ``ops/kernels/cpu.py``.
   one oneDNN convolution with a fused post-op.
 - ``ConvAddAct``: Conv2D + residual Add (+ ReLU) as oneDNN's ``sum`` post-op, written in
   place into the addend's buffer.
-- ``LinearAct``: MatMulV2 (addmm) [+ activation] into the planned buffer, by addmm,
-  oneDNN's or MKL's packed GEMM (oneDNN's bf16 one returns its own allocation:
-  `linear_writes_out`); the activation runs in place on the result.
+- ``LinearAct``: MatMulV2 (addmm), or MatMul (mm, a bias-free Linear: no ``self``
+  input), [+ activation] into the planned buffer, by the GEMM kernel chosen per shape
+  (addmm / mm, oneDNN's or MKL's prepacked GEMM, the decode GEMV; oneDNN's bf16 one
+  returns its own allocation: `linear_writes_out`); the activation runs in place on the
+  result.
 - ``AddLayerNorm``: LayerNorm(a + b) over the last axis (ONNX Runtime's
   SkipLayerNormalization), one pass per row (``ops/kernels/add_layer_norm.py``).
 
@@ -58,10 +60,10 @@ register(OpDef("ConvAddAct", OpKind.FUSED, aliases=((),),  # in place: the node'
                device_cost={"vnpu": vnpu_cost.conv}, per_index=pi.CONV_ADD, kernel_per_shape=True,
                doc="Conv2D+Add(+ReLU) through oneDNN's sum post-op, in place into the addend"))
 register(OpDef("LinearAct", OpKind.FUSED, aliases=((),), cost_fn=_linear_cost,
-               fused_from=("MatMulV2",),
+               fused_from=("MatMulV2", "MatMul"),
                kernel_factories={"cpu": make_linear_kernel}, out_capable=linear_writes_out,
                device_cost={"vnpu": vnpu_cost.matmul}, per_index=pi.addmm,
-               doc="addmm + activation on a packed weight"))
+               doc="addmm (or bias-free mm) + activation on a packed weight"))
 register(OpDef("AddLayerNorm", OpKind.FUSED, flops_per_elem=9, aliases=((),),
                fused_from=("LayerNorm",),
                kernel_factories={"cpu": make_add_layer_norm_kernel}, out_capable=lambda node: True,

@@ -315,13 +315,14 @@ def _trans_data_cost(node: Node) -> Cost:
 
 
 def _matmul_cost(node: Node) -> Cost:
-    """2·M·N·K per (batch) product; addmm adds M·N for the bias."""
+    """2·M·N·K per (batch) product; addmm (and a LinearAct with a bias) adds M·N for the
+    bias."""
     ins = [v.desc for v in node.inputs]
     out = node.outputs[0].desc
     a = ins[-2]  # mm(a, b), bmm(a, b), addmm(bias, a, b); origin shapes: formats pad storage
     k = int(a.origin_shape[-1])
     flops = 2 * k * numel(out.origin_shape)
-    if node.op in ("MatMulV2", "LinearAct"):  # + the bias
+    if node.op == "MatMulV2" or (node.op == "LinearAct" and node.attrs.get("self") is not None):
         flops += numel(out.origin_shape)
     return Cost(flops, sum(_nbytes(d) for d in ins) + _nbytes(out))
 

@@ -101,8 +101,8 @@ class OpDef:
     exp/log/pow...; `MixedPrecision`'s default keep-list).
     ``fused_from``: for a fused op, the pre-fusion op types that stand in its place when
     mixed precision runs (stage 1, before fusion): ``options["keep_fp32"]`` naming the
-    fused op keeps these (LinearAct -> MatMulV2: every GEMM with a constant weight becomes
-    a LinearAct). Empty for an op that is not fused, or whose parts also run unfused
+    fused op keeps these (LinearAct -> MatMulV2, MatMul: every GEMM with a constant weight
+    becomes a LinearAct, with or without a bias). Empty for an op that is not fused, or whose parts also run unfused
     (FusedElementwise, GatedMLP): naming it is refused with the parts to name instead.
     ``precision_keeps``: inputs (schema argument names) mixed precision never casts to
     fp16/bf16 when it lowers the op, because the op takes them in fp32 and a cast would

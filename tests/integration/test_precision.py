@@ -230,4 +230,5 @@ def test_bisect_candidates_are_pre_fusion_types():
     layers = [NS(op="LinearAct", dtype="bfloat16"), NS(op="FusedElementwise", dtype="bfloat16"),
               NS(op="BatchMatMul", dtype="bfloat16"), NS(op="SoftmaxV2", dtype="float32"),
               NS(op="ConvAddAct", dtype="bfloat16")]
-    assert bisect._narrow_precision(T(), NS(layers=layers)) == ["BatchMatMul", "Conv2D", "MatMulV2"]
+    assert bisect._narrow_precision(T(), NS(layers=layers)) == ["BatchMatMul", "Conv2D", "MatMul",
+                                                                "MatMulV2"]

@@ -197,7 +197,7 @@ def test_graphs_sharing_weights_share_the_packed_copies(monkeypatch):
 
     def packed_of(cm):
         ws = [c.const for c in cm.graph.constants if c.const.dim() == 2]
-        return [cpu_kernels._ONEDNN_PACKED[w] for w in ws], ws
+        return [cpu_kernels._ONEDNN_PACKED[w]() for w in ws], ws   # weak references
 
     a, b = (opencann.compile(m, (torch.randn(n, 48),), options={"share_weights": True})
             for n in (6, 17))
@@ -212,3 +212,31 @@ def test_graphs_sharing_weights_share_the_packed_copies(monkeypatch):
     (pc, wc) = packed_of(c)
     assert not any(x is y for x, y in zip(pa, pc))
     assert not {w.untyped_storage().data_ptr() for w in wc} & params
+
+
+@needs_onednn
+def test_a_packed_copy_made_for_a_kernel_that_lost_the_race_is_freed(monkeypatch):
+    """The race packs every candidate's weight; only the winner's copy stays (bound
+    kernels hold it; the cache holds it weakly): a model whose GEMMs chose the GEMV keeps
+    no oneDNN blocked copy beside its weights."""
+    import gc
+    monkeypatch.setattr(cpu_kernels, "LINEAR_CHOICES", {})
+    raced = []
+
+    def pick_gemv(key, candidates, *a, **k):
+        raced.append(sorted(candidates))
+        return "gemv"
+    monkeypatch.setattr(cpu_kernels, "_measure_choice", pick_gemv)
+    torch.manual_seed(0)
+    m = MLP().eval()
+    x = torch.randn(2, 48)
+    cm = opencann.compile(m, (x,))
+    assert _kernels(cm) == ["gemv", "gemv"]
+    assert all("onednn_packed" in r for r in raced) and raced
+    gc.collect()
+    ws = [c.const for c in cm.graph.constants if c.const.dim() == 2]
+    assert len(ws) == 2
+    assert all(cpu_kernels._ONEDNN_PACKED.get(w) is None or cpu_kernels._ONEDNN_PACKED[w]() is None
+               for w in ws)
+    with torch.no_grad():
+        _close(cm(x), m(x))

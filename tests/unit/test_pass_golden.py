@@ -85,6 +85,25 @@ def test_constant_folding_does_not_apply_above_the_size_limit(monkeypatch):
     assert [n.op for n in g.nodes] == ["Neg"]
 
 
+def test_constant_folding_folds_a_view_above_the_size_limit(monkeypatch):
+    """A transpose of a constant allocates nothing: folded at any size (an LM head's Wᵀ)."""
+    from opencann.passes.prepare import constant_folding
+    monkeypatch.setattr(constant_folding, "FOLD_LIMIT_BYTES", 8)
+    g = Graph()
+    w = torch.randn(3, 2, generator=G)
+    c = g.add_const(w)
+    t = g.create_node("Transpose", [c], {"self": TensorRef(0), "dims": [1, 0]}, [d(2, 3)], "t").output
+    g.outputs = [unary(g, "Neg", t, "neg")]
+    text, rep, _ = run(ConstantFolding(), g)
+    assert text == """graph():
+  %c0: float32[2,3] = const
+  %0: float32[2,3] = Neg(%c0)
+  return %0"""
+    assert skipped(rep) == [("constant_folding", "output larger than 0 MiB")]   # the Neg
+    folded = g.nodes[0].inputs[0].const
+    assert torch.equal(folded, w.t()) and folded.data_ptr() == w.data_ptr()   # a view
+
+
 def test_dce_and_cse():
     g = Graph()
     x = g.add_input(d(4), "x")
@@ -262,6 +281,42 @@ def test_fuse_linear_act():
   %0: float32[2,5] = LinearAct(%c0, %x, %c1; act='gelu_tanh')
   return %0"""
     assert [a["detail"] for a in rep.applied] == ["Linear+bias+gelu_tanh"]
+
+
+def mm_const(g, x, nout=5, name="mm", w=None):
+    w = w if w is not None else g.add_const(rnd(nout, x.desc.shape[1]).t())
+    return g.create_node("MatMul", [x, w], {"self": TensorRef(0), "mat2": TensorRef(1)},
+                         [d(x.desc.shape[0], nout)], name).output
+
+
+def test_fuse_linear_act_bias_free():
+    """A bias-free Linear (MatMul with a constant weight) becomes a LinearAct without a
+    bias input, with or without an activation after it."""
+    g = Graph()
+    x = g.add_input(d(2, 4), "x")
+    g.outputs = [unary(g, "Relu", mm_const(g, x, name="a")), mm_const(g, x, 3, name="b")]
+    text, rep, _ = run(FuseLinearAct(), g)
+    assert text == """graph(%x: float32[2,4]):
+  %c0: float32[4,5] = const
+  %c1: float32[4,3] = const
+  %0: float32[2,5] = LinearAct(%x, %c0; act='relu')
+  %1: float32[2,3] = LinearAct(%x, %c1; act='none')
+  return %0, %1"""
+    assert [a["detail"] for a in rep.applied] == ["Linear+relu", "bias-free Linear GEMM autotune"]
+    assert all(n.attrs["mat1"] == TensorRef(0) and n.attrs["mat2"] == TensorRef(1)
+               and "self" not in n.attrs for n in g.nodes)
+
+
+def test_fuse_linear_act_bias_free_does_not_apply_to_a_weight_input():
+    g = Graph()
+    x, w = g.add_input(d(2, 4), "x"), g.add_input(d(4, 5), "w")
+    g.outputs = [unary(g, "Neg", mm_const(g, x, w=w))]
+    before = to_text(g)
+    _, rep, _ = run(FuseLinearAct(), g)
+    assert to_text(g) == before
+    assert skipped(rep) == [("fuse_linear_act", "no activation follows and the weight is not a "
+                             "constant fp32 tensor for a prepacked GEMM: plain mm already writes "
+                             "into the arena")]
 
 
 def test_fuse_linear_act_does_not_apply_with_alpha():
@@ -714,6 +769,51 @@ def test_fuse_qkv_linear():
     assert [(n.attrs["start"], n.attrs["end"]) for n in g.nodes if n.op == "StridedSlice"] == \
         [(0, 4), (4, 8), (8, 14)]
     assert [a["detail"] for a in rep.applied] == ["3 Linears on one input as one GEMM [.., 14]"]
+
+
+def linear_no_bias(g, x, nout, name):
+    w = g.add_const(rnd(nout, x.desc.shape[1]).t(), f"{name}_w")
+    a = {"mat1": TensorRef(0), "mat2": TensorRef(1), "act": "none"}
+    return g.create_node("LinearAct", [x, w], a, [d(x.desc.shape[0], nout)], name).output
+
+
+def test_fuse_qkv_linear_bias_free():
+    """Bias-free siblings (Llama's q, k, v) share one bias-free GEMM; a sibling with a bias
+    is left out, with its reason."""
+    g = Graph()
+    x = g.add_input(d(2, 4), "x")
+    q, k = linear_no_bias(g, x, 4, "q"), linear_no_bias(g, x, 2, "k")
+    v = linear_act(g, x, 3, "v")
+    g.outputs = [unary(g, "Neg", o) for o in (q, k, v)]
+    wq, wk = g.constants[0].const, g.constants[1].const
+    text, rep, _ = run(FuseQKVLinear(), g)
+    assert text == """graph(%x: float32[2,4]):
+  %c0: float32[3] = const
+  %c1: float32[4,3] = const
+  %c2: float32[4,6] = const
+  %0: float32[2,6] = LinearAct(%x, %c2; act='none')
+  %1: float32[2,4] = StridedSlice(%0)
+  %2: float32[2,2] = StridedSlice(%0)
+  %3: float32[2,3] = LinearAct(%c0, %x, %c1; act='none')
+  %4: float32[2,4] = Neg(%1)
+  %5: float32[2,2] = Neg(%2)
+  %6: float32[2,3] = Neg(%3)
+  return %4, %5, %6"""
+    assert torch.equal(g.constants[2].const, torch.cat([wq, wk], dim=1))
+    assert skipped(rep) == [("fuse_qkv_linear", "left out of the merged GEMM: v: a bias where "
+                             "the first sibling has none (eager adds no zeros to a bias-free GEMM)")]
+
+
+def test_fuse_qkv_linear_does_not_apply_under_share_weights():
+    g = Graph()
+    x = g.add_input(d(2, 4), "x")
+    g.outputs = [unary(g, "Neg", linear_no_bias(g, x, 4, n)) for n in "qkv"]
+    before = to_text(g)
+    _, rep, _ = run(FuseQKVLinear(), g, share_weights=True)
+    assert to_text(g) == before
+    assert skipped(rep) == [("fuse_qkv_linear", "the option share_weights is on: merging the 3 "
+                             "Linears on %x would copy their weights into this graph (they are "
+                             "kept once, as the module's memory)")]
 
 
 def test_fuse_qkv_linear_leaves_out_a_sibling_with_another_activation():

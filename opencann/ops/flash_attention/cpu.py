@@ -60,7 +60,7 @@ from numba import prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from ..kernels.numba_cache import launch_guard, njit
+from ..kernels.numba_cache import launch, launch_guard, njit
 
 _FM = {"reassoc", "contract"}
 _LOG2E = 1.4426950408889634
@@ -494,9 +494,12 @@ def bwd_dq_kernel(q, k, v, do, lse, dd, mask, has_mask, causal, offset, scale,
 _DUMMY_MASK = np.zeros((1, 1, 1, 1), np.float32)
 
 
-def _launch_guard():
+def _launch_guard(work: int = 0):
     """A lock when numba's threading layer is ``workqueue`` (not thread-safe: concurrent
-    launches terminate the process), else a no-op context. Starts the layer if needed."""
+    launches terminate the process), else a no-op context. Starts the layer if needed;
+    a launch of ``work`` (> 0) elements gets `numba_cache.launch_threads` threads."""
+    if work:
+        return launch(work)
     return launch_guard()   # one process-wide lock for every opencann numba kernel
 
 
@@ -518,7 +521,7 @@ def forward(q, k, v, mask, causal_off, scale, block_q, block_k, out=None):
     if out is None:
         out = np.empty((B, H, Sq, D), np.float32)
     lse = np.empty((B, H, Sq), np.float32)
-    with _launch_guard():
+    with _launch_guard(B * H * Sq * Sk * D):
         old = numba.get_parallel_chunksize()  # thread-local in numba
         numba.set_parallel_chunksize(1)  # dynamic schedule: causal tasks have unequal work
         try:
@@ -541,7 +544,7 @@ def backward(q, k, v, out, lse, do, mask, causal_off, scale, block_q, block_k):
     flat = [x.reshape(-1, D) for x in (q, k, v, do)]
     common = (lse.reshape(-1), dd, mask, has_mask, causal, off, np.float32(scale),
               B, H, Hk, Sq, Sk, int(block_q), int(block_k))
-    with _launch_guard():
+    with _launch_guard(B * H * Sq * Sk * D):
         old = numba.get_parallel_chunksize()
         numba.set_parallel_chunksize(1)
         try:

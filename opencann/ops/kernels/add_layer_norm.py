@@ -70,11 +70,12 @@ def _compiled():
     return _KERNEL
 
 
-def _guard():
+def _guard(work: int = 0):
     """A lock when numba's threading layer is ``workqueue`` (not thread-safe), else a
-    no-op context."""
-    from .numba_cache import launch_guard   # imports numba: only at a launch
-    return launch_guard()   # one process-wide lock for every opencann numba kernel
+    no-op context; the launch of ``work`` elements gets `numba_cache.launch_threads`
+    threads."""
+    from .numba_cache import launch   # imports numba: only at a launch
+    return launch(work)   # one process-wide lock for every opencann numba kernel
 
 
 def make_add_layer_norm_kernel(node: Node, in_descs: Sequence[TensorDesc],
@@ -108,7 +109,7 @@ def make_add_layer_norm_kernel(node: Node, in_descs: Sequence[TensorDesc],
                 and (out is None or out.is_contiguous())):
             return run_aten(a, b, g, be, out)
         y = torch.empty_like(a) if out is None else out
-        with _guard():
+        with _guard(a.numel()):
             outside = kernel(a.detach().view(-1, d).numpy(), b.detach().view(-1, d).numpy(),
                              g.detach().numpy(), be.detach().numpy(), e32,
                              y.view(-1, d).numpy(), bound, rstd_max)

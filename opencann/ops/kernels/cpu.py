@@ -11,10 +11,11 @@
   clamps +inf to FLT_MAX; it runs in place after the convolution with eager's kernel.
   GELU (erf), tanh, sigmoid and swish post-ops match eager's NaN/Inf positions (tested
   in tests/unit/test_nan_semantics.py).
-- `make_linear_kernel` (LinearAct): MatMulV2 (addmm) [+ activation] into the planned
-  buffer, by addmm, oneDNN's inner product on a prepacked weight or MKL's packed GEMM
-  (chosen per shape by measuring at bind time); the activation runs in place on the
-  result (one pass less over the output). In bf16 (mixed precision) a constant-weight
+- `make_linear_kernel` (LinearAct): MatMulV2 (addmm) or a bias-free MatMul (mm) with a
+  constant weight [+ activation] into the planned buffer, by addmm / mm, oneDNN's inner
+  product on a prepacked weight, MKL's packed GEMM or the decode GEMV (chosen per shape
+  by measuring at bind time, `gemm_kernel`); the activation runs in place on the result
+  (one pass less over the output). In bf16 (mixed precision) a constant-weight
   GEMM binds oneDNN's inner product without a race: its native bf16 kernel (avx512_bf16
   / AMX) on the weight cast to bf16 at compile time and reordered once at bind time.
   addmm's bf16 GEMM is the same oneDNN kernel on the plain weight, packed again on every
@@ -33,13 +34,13 @@ from __future__ import annotations
 
 import threading
 import weakref
-from typing import Callable, Dict, Sequence
+from typing import Callable, Dict, Optional, Sequence
 
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from ...devices.cpu import best_time_us, mkl_packed_available, onednn_linear_available
-from ...ir import Node, TensorDesc
+from ...ir import Node, TensorDesc, TensorRef
 
 _ACT_FN: Dict[str, Callable] = {  # in-place activations
     "relu": torch.relu_, "gelu": torch.ops.aten.gelu_, "tanh": torch.tanh_,
@@ -223,21 +224,23 @@ _LINEAR_CHOICES_LOCK = threading.Lock()  # one measurement per shape, even when 
 _MARGIN = 0.97  # a prepacked kernel must be 3% faster than addmm to be chosen (noise guard)
 
 
-def _measure_choice(key: tuple, candidates: Dict[str, Callable], bias, wt) -> str:
+def _measure_choice(key: tuple, candidates: Dict[str, Callable], bias, wt,
+                    has_bias: bool = True) -> str:
     """The fastest of ``candidates`` (name -> ``run(b, x, w, out)``, "addmm" among them)
-    for GEMM shape ``key`` = (m, k, n, dtype, raced kernels), timed on random data of the
-    weight ``wt``'s dtype: one
-    warm-up call each, then 6 rounds in which every candidate runs once in turn
-    (interleaved, so a burst of load on a shared machine hits all of them), the least
-    time per candidate kept; another kernel is chosen over addmm only when 3% faster.
-    Cached in `LINEAR_CHOICES` (one measurement per shape, even when binding races)."""
+    for GEMM shape ``key`` = (m, k, n, dtype, raced kernels[, "no bias"]), timed on random
+    data of the weight ``wt``'s dtype (``bias``, else zeros, as b; None when not
+    ``has_bias``): one warm-up call each, then 6 rounds in which every candidate runs
+    once in turn (interleaved, so a burst of load on a shared machine hits all of them),
+    the least time per candidate kept; another kernel is chosen over addmm only when 3%
+    faster. Cached in `LINEAR_CHOICES` (one measurement per shape, even when binding
+    races)."""
     m, k, n = key[:3]
     with _LINEAR_CHOICES_LOCK:
         choice = LINEAR_CHOICES.get(key)
         if choice not in candidates:
             g = torch.Generator().manual_seed(0)
             x = torch.randn(m, k, generator=g).to(wt.dtype)
-            b = bias if bias is not None else torch.zeros(n, dtype=wt.dtype)
+            b = (bias if bias is not None else torch.zeros(n, dtype=wt.dtype)) if has_bias else None
             out = torch.empty(m, n, dtype=wt.dtype)
             calls = {name: (lambda r=run: r(b, x, wt, out)) for name, run in candidates.items()}
             times = {name: float("inf") for name in calls}
@@ -264,29 +267,33 @@ def _copy_act(r: torch.Tensor, out, post) -> torch.Tensor:
     return r
 
 
-def _available(kernel: str, n: int, bias: TensorDesc, m: int = 0,
+def _available(kernel: str, n: int, bias: Optional[TensorDesc], m: int = 0,
                dtype: torch.dtype = torch.float32) -> bool:
     """Whether GEMM ``kernel`` can run here for ``m`` rows, ``n`` output features, a
-    bias of ``bias``'s shape and operands of ``dtype`` (oneDNN's inner product and the
-    GEMV take a full [n] bias only; the GEMV 1..`GEMV_MAX_ROWS` rows; bf16 runs on addmm
-    and oneDNN's inner product only: MKL's packed GEMM and the numba GEMV are fp32)."""
+    bias of ``bias``'s shape or none (None), and operands of ``dtype`` (oneDNN's inner
+    product and the GEMV take a full [n] bias or none; the GEMV 1..`GEMV_MAX_ROWS` rows;
+    bf16 runs on addmm and oneDNN's inner product only: MKL's packed GEMM and the numba
+    GEMV are fp32)."""
     if dtype != torch.float32 and kernel in ("gemv", "mkl_packed"):
         return False
+    full = bias is None or tuple(int(d) for d in bias.shape) == (n,)
     if kernel == "gemv":
-        return 1 <= m <= GEMV_MAX_ROWS and tuple(int(d) for d in bias.shape) == (n,)
+        return 1 <= m <= GEMV_MAX_ROWS and full
     if kernel == "onednn_packed":
-        return onednn_linear_available() and tuple(int(d) for d in bias.shape) == (n,)
+        return onednn_linear_available() and full
     if kernel == "mkl_packed":
         return mkl_packed_available()
     return kernel == "addmm"
 
 
-# constant weight -> oneDNN's blocked copy of it: one reorder serves every row count, so the
-# specialisations of a dynamic model (which share their constants) and every executor reuse it
+# constant weight -> weak reference to oneDNN's blocked copy of it: one reorder serves every
+# row count, so the specialisations of a dynamic model (which share their constants) and every
+# executor reuse it while a bound kernel holds it; the copy a GEMM race made for a kernel that
+# lost is freed with the race (an LM head's 98 MB blocked copy is not kept beside a GEMV)
 # (torch's WeakIdKeyDictionary: keys by identity; tensors' == is elementwise)
 _ONEDNN_PACKED = WeakIdKeyDictionary()
 _ONEDNN_PACKED_LOCK = threading.Lock()
-_GEMV_PACKED = WeakIdKeyDictionary()  # constant weight [k, n] -> its [n, k] copy for the GEMV
+_GEMV_PACKED = WeakIdKeyDictionary()  # constant weight [k, n] -> weak ref. to its [n, k] copy
 # (cache id, data_ptr, shape, strides, dtype) -> weak reference to the first constant packed
 # for that view of memory: other constant tensors viewing the same memory (graphs compiled
 # with the option share_weights, e.g. opencann.llm's prefill buckets and decode graph) reuse
@@ -299,20 +306,27 @@ def _packed_once(cache: WeakIdKeyDictionary, wt: torch.Tensor,
                  make: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
     """``cache``'s packed copy of the constant weight ``wt`` (``make(wt)``), made once per
     weight object and shared with every other constant viewing the same memory (same
-    data pointer, shape, strides and dtype) while the first one lives."""
+    data pointer, shape, strides and dtype) while the first one lives. ``cache`` holds it
+    weakly: it lives while a caller (a bound kernel) holds it, and is made again after."""
     key = (id(cache), wt.data_ptr(), tuple(wt.shape), wt.stride(), wt.dtype)
     with _ONEDNN_PACKED_LOCK:
-        packed = cache.get(wt)
+        packed = _deref(cache.get(wt))
         if packed is None:
             ref = _PACKED_VIEWS.get(key)
             owner = ref() if ref is not None else None
-            packed = cache.get(owner) if owner is not None else None
+            packed = _deref(cache.get(owner)) if owner is not None else None
             if packed is None:
                 packed = make(wt)
                 _PACKED_VIEWS[key] = weakref.ref(
                     wt, lambda r, k=key: _PACKED_VIEWS.pop(k, None) if _PACKED_VIEWS.get(k) is r else None)
-            cache[wt] = packed
+                if owner is not None:
+                    cache[owner] = weakref.ref(packed)
+            cache[wt] = weakref.ref(packed)
     return packed
+
+
+def _deref(ref: "Optional[weakref.ref]") -> Optional[torch.Tensor]:
+    return ref() if ref is not None else None
 
 
 def _onednn_weight(wt: torch.Tensor, m: int) -> torch.Tensor:
@@ -359,17 +373,18 @@ def _packed_kernel(kernel: str, wt: torch.Tensor, m: int, post) -> Callable:
     return run_mkl
 
 
-def _known_choice(made, m: int, k: int, n: int, dtype, bias: TensorDesc) -> tuple:
-    """(cache key, choice) for a GEMM of shape (m, k, n): the kernels raced here (oneDNN's
-    prepacked where it exists, else MKL's packed, and addmm) are the key's last item; the
-    choice is ``made`` (a node's earlier choice, or a model file's) where its kernel
-    exists here, else addmm; with nothing made, the cached choice for the key, oneDNN's
-    prepacked kernel for bf16 where it exists, "addmm" when nothing else can race, or
-    None (to be measured)."""
+def _known_choice(made, m: int, k: int, n: int, dtype, bias: Optional[TensorDesc]) -> tuple:
+    """(cache key, choice) for a GEMM of shape (m, k, n) with a bias of ``bias``'s shape
+    or none (None): the kernels raced here (oneDNN's prepacked where it exists, else
+    MKL's packed, the GEMV for 1..4 rows, and addmm) are the key's last item (after
+    "no bias" for a bias-free GEMM); the choice is ``made`` (a node's earlier choice, or
+    a model file's) where its kernel exists here, else addmm; with nothing made, the
+    cached choice for the key, oneDNN's prepacked kernel for bf16 where it exists,
+    "addmm" when nothing else can race, or None (to be measured)."""
     raced = tuple(c for c in GEMM_KERNELS if _available(c, n, bias, m, dtype))
     if "onednn_packed" in raced:  # MKL's packing serves one m and measured no faster
         raced = tuple(c for c in raced if c != "mkl_packed")
-    key = (m, k, n, str(dtype), raced)
+    key = (m, k, n, str(dtype)) + (("no bias",) if bias is None else ()) + (raced,)
     if made == "gemv" and not 1 <= m <= GEMV_MAX_ROWS:
         made = None  # pinned from a decode shape onto a wider one: choose for this shape
     if made in GEMM_KERNELS:
@@ -388,24 +403,74 @@ def linear_writes_out(node: Node) -> bool:
     result is its own allocation (a planned buffer would cost a copy of the output, 5%
     of BERT-base's bf16 call); True otherwise (addmm writes into the buffer, and fp32's
     choice is only measured at bind time)."""
-    b, x, w = node.inputs
+    a = node.attrs
+    x, w = node.inputs[a["mat1"].index], node.inputs[a["mat2"].index]
+    b = node.inputs[a["self"].index] if isinstance(a.get("self"), TensorRef) else None
     if not (w.is_const and w.desc.dtype.torch == torch.bfloat16 and x.desc.dtype == w.desc.dtype
             and x.desc.rank == 2 and w.desc.rank == 2 and x.desc.is_static):
         return True
     (m, k), n = (int(d) for d in x.desc.shape), int(w.desc.shape[1])
-    return _known_choice(node.meta.get("kernel"), m, k, n, torch.bfloat16, b.desc)[1] != "onednn_packed"
+    return _known_choice(node.meta.get("kernel"), m, k, n, torch.bfloat16,
+                         None if b is None else b.desc)[1] != "onednn_packed"
+
+
+def gemm_kernel(node: Node, x: TensorDesc, wt: Optional[torch.Tensor], bias: Optional[TensorDesc],
+                bias_const: Optional[torch.Tensor] = None, post: Optional[Callable] = None) -> Callable:
+    """``run(b, x, w, out=None)`` = post(x @ w + b) (``b`` None: no bias, ``x @ w``) by the
+    GEMM kernel chosen for ``node``'s shape, recorded in ``node.meta["kernel"]`` (one of
+    `GEMM_KERNELS`); the choice of `make_linear_kernel`, shared by every op whose GEMM
+    has a constant weight (LinearAct, GatedMLP's two products).
+
+    ``x``: the [m, k] input's description; ``wt``: the constant weight [k, n] (None: not
+    a constant, addmm / mm only); ``bias``: the [n] (or broadcast) bias's description, or
+    None for a bias-free GEMM (then ``b`` is None at every call and ``addmm`` means eager's
+    ``mm``, same bits); ``bias_const``: its value when constant (used to time the race);
+    ``post``: an in-place activation or None. Never raises for a shape: what cannot race
+    runs addmm / mm."""
+    addmm, addmm_out = torch.ops.aten.addmm.default, torch.ops.aten.addmm.out
+    mm, mm_out = torch.ops.aten.mm.default, torch.ops.aten.mm.out
+
+    def run_addmm(b, x, w, out=None):
+        if b is None:
+            r = mm(x, w) if out is None else mm_out(x, w, out=out)
+        else:
+            r = addmm(b, x, w) if out is None else addmm_out(b, x, w, out=out)
+        if post is not None:
+            post(r)
+        return r
+
+    if not (wt is not None and x.rank == 2 and wt.dtype in LINEAR_DTYPES
+            and x.dtype.torch == wt.dtype and wt.dim() == 2 and x.is_static):
+        return run_addmm
+    m, k = (int(d) for d in x.shape)
+    n = int(wt.shape[1])
+    key, choice = _known_choice(node.meta.get("kernel"), m, k, n, wt.dtype, bias)
+    raced = key[-1]
+    if choice == "addmm":  # no packing: it copies the weight twice for nothing
+        node.meta["kernel"] = "addmm"
+        return run_addmm
+    candidates: Dict[str, Callable] = {"addmm": run_addmm}
+    for c in ((choice,) if choice else raced[1:]):
+        candidates[c] = _packed_kernel(c, wt, m, post)
+    if choice is None:
+        choice = _measure_choice(key, candidates, bias_const, wt, has_bias=bias is not None)
+    node.meta["kernel"] = choice
+    return candidates[choice]
 
 
 def make_linear_kernel(node: Node, in_descs: Sequence[TensorDesc], consts: Sequence) -> Callable:
-    """LinearAct(bias, x, w_t, out=buffer) = act(x @ w_t + bias), written into ``out``.
+    """LinearAct([bias,] x, w_t, out=buffer) = act(x @ w_t [+ bias]), written into ``out``;
+    the inputs as ``node.attrs`` ``self`` (the bias, absent for a bias-free GEMM: a fused
+    MatMul), ``mat1`` and ``mat2`` index them.
 
     x: [m, k], w_t: [k, n] (a constant for the prepacked kernels), bias: [n]; fp32 or
     bf16 (`LINEAR_DTYPES`, x and w_t of one dtype; bf16 races addmm and oneDNN's only,
     see the module docstring) for the prepacked kernels, any dtype addmm takes otherwise. GEMM kernels (`GEMM_KERNELS`),
     raced per shape (m, k, n) at bind time on random data and cached in `LINEAR_CHOICES`
-    (autotuning, as Inductor's max-autotune does):
+    (autotuning, as Inductor's max-autotune does; `gemm_kernel`):
 
-    - ``addmm`` with the bias as its C operand, straight into ``out``;
+    - ``addmm`` with the bias as its C operand, straight into ``out`` (without a bias,
+      eager's ``mm``: the same bits as the unfused MatMul);
     - ``onednn_packed``: oneDNN's inner product (``torch.ops.mkldnn._linear_pointwise``,
       brgemm on AVX2/AVX-512) on the weight reordered once to oneDNN's blocked layout
       (``_reorder_linear_weight``); the blocked weight serves every row count m, so a
@@ -414,8 +479,9 @@ def make_linear_kernel(node: Node, in_descs: Sequence[TensorDesc], consts: Seque
       ``_mkl_reorder_linear_weight``), packed for one m; raced against addmm only where
       oneDNN's is missing, and bound when a model file chose it;
     - ``gemv``: for 1..4 rows (LLM decode), opencann's row-parallel numba GEMV
-      (`opencann.ops.kernels.gemv_cpu`) on the weight copied once to [n, k]; it streams
-      the weight once at the memory bandwidth where a BLAS GEMM packs panels per call.
+      (`opencann.ops.kernels.gemv_cpu`) on the weight copied once to [n, k] (no copy
+      when w_t is the transpose of nn.Linear's contiguous weight); it streams the weight
+      once at the memory bandwidth where a BLAS GEMM packs panels per call.
       Its result (fp32 rounding of eager's, another summation order) goes straight
       into ``out``. A dynamic model that pinned it at a decode shape chooses again at
       shapes with more rows.
@@ -428,35 +494,18 @@ def make_linear_kernel(node: Node, in_descs: Sequence[TensorDesc], consts: Seque
     m = 16…1024, 1 and 2 threads, within 1.5e-6 relative of addmm's results; on an AVX2
     host 2-6% slower, where the race keeps addmm. The activation runs in place on the result with
     eager's kernel (eager's NaN/Inf)."""
-    post = _ACT_FN.get(node.attrs["act"])
-    addmm, addmm_out = torch.ops.aten.addmm.default, torch.ops.aten.addmm.out
+    a = node.attrs
+    bi = a["self"].index if isinstance(a.get("self"), TensorRef) else None
+    xi, wi = a["mat1"].index, a["mat2"].index
+    run = gemm_kernel(node, in_descs[xi], consts[wi], None if bi is None else in_descs[bi],
+                      None if bi is None else consts[bi], _ACT_FN.get(a["act"]))
+    if bi is not None:
+        return run
 
-    def run_addmm(b, x, w, out=None):
-        r = addmm(b, x, w) if out is None else addmm_out(b, x, w, out=out)
-        if post is not None:
-            post(r)
-        return r
-
-    wt = consts[2]
-    x_desc, b_desc = in_descs[1], in_descs[0]
-    if not (wt is not None and x_desc.rank == 2 and wt.dtype in LINEAR_DTYPES
-            and x_desc.dtype.torch == wt.dtype and wt.dim() == 2):
-        return run_addmm
-    m, k = (int(d) for d in x_desc.shape)
-    n = int(wt.shape[1])
-    key, choice = _known_choice(node.meta.get("kernel"), m, k, n, wt.dtype, b_desc)
-    raced = key[-1]
-    if choice == "addmm":  # no packing: it copies the weight twice for nothing
-        node.meta["kernel"] = "addmm"
-        return run_addmm
-    candidates: Dict[str, Callable] = {"addmm": run_addmm}
-    for c in ((choice,) if choice else raced[1:]):
-        candidates[c] = _packed_kernel(c, wt, m, post)
-    if choice is None:
-        choice = _measure_choice(key, candidates, consts[0], wt)
-    node.meta["kernel"] = choice
-    return candidates[choice]
+    def run_no_bias(x, w, out=None):
+        return run(None, x, w, out)
+    return run_no_bias
 
 
-__all__ = ["GEMM_KERNELS", "LINEAR_CHOICES", "LINEAR_DTYPES", "linear_writes_out", "make_conv_kernel",
-           "make_linear_kernel", "make_trans_data"]
+__all__ = ["GEMM_KERNELS", "LINEAR_CHOICES", "LINEAR_DTYPES", "gemm_kernel", "linear_writes_out",
+           "make_conv_kernel", "make_linear_kernel", "make_trans_data"]

@@ -11,8 +11,10 @@ outputs match eager (bit-for-bit where noted).
   rounding (`ops.parity.norm_range.layer_norm_in_range`: every |x| far from overflow,
   γ and β finite and moderate), else the formula itself, op by op as eager: a NaN, an inf
   or a huge value then gives eager's NaN / inf / β exactly.
-- `make_gated_mlp_kernel` (GatedMLP): silu(x·W1) * (x·W3) as two ``mm`` calls (eager's
-  GEMMs, same bits), ATen's SiLU and the product in place: one output tensor.
+- `make_gated_mlp_kernel` (GatedMLP): silu(x·W1) * (x·W3) as two GEMMs by the kernel
+  chosen for their shape (``cpu.gemm_kernel``, as a bias-free LinearAct's: eager's ``mm``,
+  same bits, or with constant fp32 weights a prepacked GEMM or the decode GEMV, eager's
+  values to fp32 rounding), ATen's SiLU and the product in place: one output tensor.
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ import math
 
 import torch
 
+from .cpu import gemm_kernel
 from ..parity.formulas import layer_norm_formula
 from ..parity.norm_range import affine_in_range, layer_norm_in_range
 from ...ir import Node, TensorDesc
@@ -73,14 +76,21 @@ def make_layer_norm_formula_kernel(node: Node, in_descs: Sequence[TensorDesc],
 
 def make_gated_mlp_kernel(node: Node, in_descs: Sequence[TensorDesc], consts: Sequence) -> Callable:
     """GatedMLP(x [M, K], w1 [K, N], w3 [K, N]) -> silu(x @ w1) * (x @ w3), viewed as the
-    node's output shape (e.g. [B, S, N] with B·S = M); float dtypes."""
+    node's output shape (e.g. [B, S, N] with B·S = M); float dtypes. Both products run
+    the GEMM kernel chosen for the shape (M, K, N) with no bias (``cpu.gemm_kernel``,
+    recorded in ``node.meta["kernel"]``; with constant fp32 weights it races eager's
+    ``mm`` against the prepacked GEMMs and, for M <= 4, the decode GEMV)."""
     shape = tuple(int(s) for s in node.outputs[0].desc.shape)
     silu_ = torch.nn.functional.silu
+    xi, w1i, w3i = (node.attrs[k].index for k in ("x", "w1", "w3"))
+    g1 = gemm_kernel(node, in_descs[xi], consts[w1i], None)
+    g3 = gemm_kernel(node, in_descs[xi], consts[w3i], None)
 
-    def run(x, w1, w3):
-        a = torch.mm(x, w1)
+    def run(*ins):
+        x = ins[xi]
+        a = g1(None, x, ins[w1i])
         silu_(a, inplace=True)
-        return a.mul_(torch.mm(x, w3)).view(shape)
+        return a.mul_(g3(None, x, ins[w3i])).view(shape)
     return run
 
 

@@ -39,7 +39,7 @@ import numpy as np
 import torch
 from numba import prange
 
-from .numba_cache import follow_torch_threads, launch_guard, njit
+from .numba_cache import launch, njit, torch_threads
 
 _FM = {"reassoc", "contract"}
 MIN_CHUNK = 64  # keys per split-KV chunk at least (smaller chunks cost more merging than they save)
@@ -166,16 +166,18 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths:
                          f"{lens.tolist()}; the KV cache is too short for this position")
     scale = float(D) ** -0.5 if scale is None else float(scale)
     max_len = int(lens.max()) if B else 0
-    chunk = split_chunk(max_len, B * Hkv, follow_torch_threads())
+    chunk = split_chunk(max_len, B * Hkv, torch_threads())   # by torch's count: values never
+    # depend on how many threads a launch gets (numba_cache.launch_threads)
     nc = max(1, math.ceil(max_len / chunk))  # chunks past every row's length are not made
     pm = np.empty((B, Hq, nc), np.float32)
     pl = np.empty((B, Hq, nc), np.float32)
     pacc = np.empty((B, Hq, nc, D), np.float32)
     res = out if out is not None and out.is_contiguous() else torch.empty(B, Hq, 1, D)
     if B * Hq * D:
-        with launch_guard():
+        with launch(2 * B * Hkv * max_len * D):      # K and V read
             _partials(q.detach().numpy(), k.detach().numpy(), v.detach().numpy(), lens,
                       np.float32(scale), chunk, pm, pl, pacc)
+        with launch(B * Hq * nc * D):
             _merge(lens, chunk, pm, pl, pacc, res.numpy())
     if out is not None and res is not out:
         return out.copy_(res)

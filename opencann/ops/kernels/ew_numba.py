@@ -188,13 +188,14 @@ def _first_call_timer(key, jitted):
     return call
 
 
-def _guard(parallel: bool):
+def _guard(parallel: bool, work: int = 0):
     """numba's ``workqueue`` threading layer aborts on concurrent parallel launches:
-    serialize them there (as the FlashAttention kernels do)."""
+    serialize them there (as the FlashAttention kernels do); a parallel launch of
+    ``work`` elements gets `numba_cache.launch_threads` threads."""
     if not parallel:
         return contextlib.nullcontext()
-    from .numba_cache import launch_guard   # imports numba: only at a launch
-    return launch_guard()   # one process-wide lock for every opencann numba kernel
+    from .numba_cache import launch   # imports numba: only at a launch
+    return launch(work)   # one process-wide lock for every opencann numba kernel
 
 
 def run_numba(prog: Program, inputs: Sequence[torch.Tensor], outputs: List[torch.Tensor],
@@ -214,7 +215,7 @@ def run_numba(prog: Program, inputs: Sequence[torch.Tensor], outputs: List[torch
     outer = np.asarray(lay.outer, dtype=np.int64).reshape(len(lay.flat), len(shape) - 1)
     inner = np.asarray(lay.inner, dtype=np.int64)
     arrays = [t.detach().numpy() for t in lay.flat]
-    with _guard(parallel):
+    with _guard(parallel, lay.m * lay.n):
         fn(lay.m, lay.n, oshape, outer, inner, *arrays)
 
 

@@ -12,7 +12,9 @@ weight layout; a LinearAct's constant ``w_t [K, N]`` is transposed into it once,
 time, by `pack_weight`). Each output feature n is one contiguous K-long row of W.
 
 Kernel: numba ``prange`` over output features (row-parallel: each thread streams its own
-contiguous slice of W exactly once; as many threads as torch's intra-op count); for one row of W the M dot products run in one pass
+contiguous slice of W exactly once; as many threads as torch's intra-op count, one below
+ATen's grain or on an oversubscribed host: `numba_cache.launch_threads`; each output is
+one thread's dot product, so the count never changes a bit); for one row of W the M dot products run in one pass
 over K (M accumulators; the row is read once from memory, the x rows stay in L1). The K
 loop is vectorised with fastmath ``reassoc``/``contract`` only (no ``nnan``/``ninf``), so
 NaN and Inf propagate as in eager (a NaN or Inf in x or W makes the outputs it reaches
@@ -31,7 +33,7 @@ import numpy as np
 import torch
 from numba import prange
 
-from .numba_cache import follow_torch_threads, launch_guard, njit
+from .numba_cache import launch, njit
 
 MAX_ROWS = 4  # the kernel handles x with 1..MAX_ROWS rows (decode: one token per sequence)
 _FM = {"reassoc", "contract"}  # vectorise the K reduction; keep NaN/Inf semantics
@@ -149,10 +151,9 @@ def gemv(x: torch.Tensor, w_nk: torch.Tensor, bias: Optional[torch.Tensor] = Non
     n = w_nk.shape[0]
     if bias is not None and (tuple(bias.shape) != (n,) or bias.dtype != torch.float32):
         raise ValueError(f"gemv: bias must be float32 [{n}], got {tuple(bias.shape)} {bias.dtype}")
-    follow_torch_threads()
     y = out if out is not None and out.is_contiguous() else torch.empty(m, n)
     b = _NO_BIAS if bias is None else bias.detach().contiguous().numpy()
-    with launch_guard():
+    with launch(m * k * n):
         _gemv_kernel(x.detach().contiguous().numpy(), w_nk.detach().numpy(), b, bias is not None,
                      y.numpy())
     if out is not None and y is not out:

@@ -9,12 +9,20 @@ set): ``$NUMBA_CACHE_DIR`` when the user set it (numba's `UserProvidedCacheLocat
 else `cache_dir` (``$OPENCANN_CACHE_DIR/numba``, else ``$XDG_CACHE_HOME/opencann/numba``,
 else ``~/.cache/opencann/numba``), else numba's own user-wide directory. Source: numba
 ``numba/core/caching.py`` (``_CacheImpl._locator_classes``, ``Dispatcher.enable_caching``).
+
+Also the launch policy every opencann ``parallel=True`` kernel follows (`launch`): how many
+threads one launch gets (`launch_threads`: torch's intra-op count, or the calling thread
+alone below ATen's grain or when other processes leave too few CPUs, `oversubscribed`)
+and the lock numba's non-thread-safe ``workqueue`` layer needs (`launch_guard`).
 """
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import threading
+import time
+from typing import Optional
 
 from numba import njit as _numba_njit
 from numba.core.caching import (CompileResultCacheImpl, FunctionCache, UserProvidedCacheLocator,
@@ -72,16 +80,150 @@ def njit(*args, **options):
     return deco
 
 
-def follow_torch_threads() -> int:
-    """Set numba's thread count for the calling thread (numba keeps it per thread) to
-    torch's intra-op count, capped at numba's pool size, so a numba kernel called from
-    an opencann executor uses as many threads as the ATen kernels beside it; returns it."""
+def torch_threads() -> int:
+    """torch's intra-op thread count for the calling thread, capped at numba's pool size:
+    the count a kernel sizes its work split for (e.g. DecodeAttention's KV chunks), so
+    its results do not depend on how many threads one launch gets (`launch_threads`)."""
     import numba
     import torch
-    n = max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS))
+    return max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS))
+
+
+def follow_torch_threads() -> int:
+    """Set numba's thread count for the calling thread (numba keeps it per thread) to
+    torch's intra-op count, capped at numba's pool size (`torch_threads`), so a numba
+    kernel called from an opencann executor uses as many threads as the ATen kernels
+    beside it; returns it."""
+    import numba
+    n = torch_threads()
     if numba.get_num_threads() != n:
         numba.set_num_threads(n)
     return n
+
+
+#: elements of work below which a kernel runs on the calling thread alone: ATen's
+#: ``at::internal::GRAIN_SIZE`` (its ``parallel_for`` runs a range of fewer elements
+#: inline), also `ew_numba.PARALLEL_MIN`
+GRAIN = 1 << 15
+#: seconds between two readings of the host's runnable threads (`oversubscribed`)
+LOAD_SAMPLE_S = 0.5
+#: seconds: the time constant over which other processes' runnable threads are averaged
+LOAD_TAU_S = 5.0
+
+
+class _Load:
+    """`oversubscribed`'s state: the last reading's time, verdict and process CPU time,
+    and the average of other processes' runnable threads (None before a first reading)."""
+    t = 0.0
+    verdict = False
+    cpu = 0.0
+    others: Optional[float] = None
+
+
+def _cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):   # not Linux
+        return os.cpu_count() or 1
+
+
+def _process_age_s() -> Optional[float]:
+    """Seconds since this process started (/proc), None where unknown."""
+    try:
+        with open("/proc/self/stat") as f:
+            start = int(f.read().rsplit(")", 1)[1].split()[19]) / os.sysconf("SC_CLK_TCK")
+        with open("/proc/uptime") as f:
+            return float(f.read().split()[0]) - start
+    except (OSError, ValueError, IndexError, AttributeError):
+        return None
+
+
+def runnable_threads() -> Optional[float]:
+    """Threads runnable on the host now, the reading one included: the 4th field of
+    /proc/loadavg ("running/total", the scheduler's nr_running), else the 1-minute load
+    average (``os.getloadavg``, where there is no procfs); None where neither exists."""
+    try:
+        with open("/proc/loadavg") as f:
+            return float(f.read().split()[3].split("/")[0])
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return None
+
+
+def others_load(runnable: float, now: float, cpu: float) -> float:
+    """Other processes' runnable threads, averaged over `LOAD_TAU_S` seconds: each reading
+    of the host's ``runnable`` threads less this process's own running threads over the
+    interval since the last reading (its CPU seconds per wall second; ``cpu`` =
+    `time.process_time` at monotonic time ``now``; the first reading takes the mean since
+    the process began), at least 1 (the reading thread runs now), folded into an
+    exponential average. Updates `_Load`."""
+    if _Load.others is None or not _Load.t or now <= _Load.t:
+        age = _process_age_s()
+        own = max(1.0, min(cpu / age, float(_cpus()))) if age and age > 0 else 1.0
+        _Load.others = runnable - own
+    else:
+        own = max(1.0, (cpu - _Load.cpu) / (now - _Load.t))
+        _Load.others += (runnable - own - _Load.others) * (1.0 - math.exp(-(now - _Load.t) / LOAD_TAU_S))
+    _Load.cpu = cpu
+    return _Load.others
+
+
+def oversubscribed() -> bool:
+    """Whether a team of `torch_threads` threads would not find as many free CPUs: other
+    processes' runnable threads (`others_load`, rounded) plus the team exceed the CPUs in
+    this process's affinity mask. Read at most every `LOAD_SAMPLE_S` seconds (the verdict
+    is kept in between; threads racing on a reading only repeat it). False where the
+    host's runnable threads cannot be read. The idea of libgomp's dynamic teams
+    (``OMP_DYNAMIC``: ``gomp_dynamic_max_threads`` gives CPUs − load average threads),
+    with the load read now and this process's own threads left out."""
+    now = time.monotonic()
+    if _Load.t and now - _Load.t < LOAD_SAMPLE_S:
+        return _Load.verdict
+    runnable = runnable_threads()
+    if runnable is None:
+        _Load.t, _Load.verdict = now, False
+        return False
+    others = others_load(runnable, now, time.process_time())
+    _Load.t, _Load.verdict = now, others + torch_threads() > _cpus() + 0.5
+    return _Load.verdict
+
+
+def launch_threads(work: int) -> int:
+    """Threads for one launch of a parallel kernel doing ``work`` elements: torch's
+    intra-op count (`torch_threads`), or 1 — the calling thread alone, no OpenMP team —
+    when ``work`` is below `GRAIN` (waking a worker and meeting it at the end barrier
+    costs more than it saves) or when the host is `oversubscribed`.
+
+    Why the second rule (measured, docs/performance.md "Threads under load"): numba's
+    ``omp`` layer runs its kernels in torch's own OpenMP pool (the GOMP symbols bind to
+    torch's libgomp, loaded globally), whose threads spin-wait ~300 000 times at every
+    barrier and after every region (libgomp's default without ``OMP_WAIT_POLICY``). When
+    the host has more runnable threads than CPUs, the thread that finished its share
+    spins on the CPU time its partner needs, and a region waits out the spin: a compiled
+    2-layer Llama decode step (hidden 768, vocab 32000) took 130-140 ms (median of 150)
+    with every kernel on 2 threads at load average 2.8-3.5 on 2 CPUs, 11-17 ms with this
+    rule, 10-12 ms with ``OMP_WAIT_POLICY=PASSIVE`` (which the OpenMP runtime reads only
+    when torch loads it, so opencann cannot set it for the user). A kernel's results never
+    depend on this count: every work item is computed whole by one thread, and work
+    splits are sized by `torch_threads`."""
+    n = torch_threads()
+    if n == 1 or work < GRAIN or oversubscribed():
+        return 1
+    return n
+
+
+def launch(work: int):
+    """Enter around one launch of a ``parallel=True`` kernel doing ``work`` elements: sets
+    numba's thread count for the calling thread to `launch_threads` (work) and returns
+    `launch_guard`'s context (a lock under numba's ``workqueue`` layer)."""
+    import numba
+    n = launch_threads(work)
+    if numba.get_num_threads() != n:
+        numba.set_num_threads(n)
+    return launch_guard()
 
 
 _WORKQUEUE_LOCK = threading.Lock()
@@ -96,4 +238,6 @@ def launch_guard():
     return _WORKQUEUE_LOCK if numba.threading_layer() == "workqueue" else contextlib.nullcontext()
 
 
-__all__ = ["OpencannCacheLocator", "cache_dir", "follow_torch_threads", "launch_guard", "njit"]
+__all__ = ["GRAIN", "LOAD_SAMPLE_S", "LOAD_TAU_S", "OpencannCacheLocator", "cache_dir",
+           "follow_torch_threads", "launch", "launch_guard", "launch_threads", "njit", "others_load",
+           "oversubscribed", "runnable_threads", "torch_threads"]

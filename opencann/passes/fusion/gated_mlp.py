@@ -4,7 +4,9 @@ GatedMLP(x, W1, W3): both GEMMs, the SiLU and the product in one kernel that wri
 tensor instead of four. Runs after `FuseSiLU` (it looks for the Swish that pass makes).
 
 CPU only: the vnpu's Cube + Vector version is the UB-fusion work of issue #16 item 3.
-The two GEMMs are the eager ones (same BLAS calls, same bits); the SiLU is ATen's."""
+The two GEMMs run the kernel chosen for their shape, as a bias-free LinearAct's (eager's
+``mm``, same bits, or with constant fp32 weights a prepacked GEMM or the decode GEMV:
+eager's values to fp32 rounding); the SiLU is ATen's."""
 from __future__ import annotations
 
 from dataclasses import dataclass

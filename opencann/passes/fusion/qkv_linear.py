@@ -2,7 +2,10 @@
 LinearAct nodes that read the same x with constant weights (attention's Q, K and V
 projections) become one LinearAct over the weights concatenated once at compile time,
 [m, k] @ [k, n₁ + n₂ + n₃], and one StridedSlice view per former result (columns
-[oᵢ, oᵢ + nᵢ) of the [m, Σn] buffer, read in place). ONNX Runtime does the same in its
+[oᵢ, oᵢ + nᵢ) of the [m, Σn] buffer, read in place). Siblings with a bias merge with
+siblings with a bias, bias-free ones (Llama's) with bias-free ones. Not under the
+compile option ``share_weights``: the concatenation is a copy of the weights in each
+graph, where that option keeps them once (opencann.llm's step graphs). ONNX Runtime does the same in its
 attention fusion (``onnxruntime/core/optimizer/attention_fusion.cc`` merges the Q/K/V
 MatMuls' weights into one), OpenVINO in its ``FullyConnected`` horizontal fusion.
 
@@ -15,11 +18,11 @@ the memory plan keeps the merged buffer alive while any slice (or view of one) i
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List
+from typing import List, Optional, Tuple
 
 import torch
 
-from ...ir import Graph, Node, TensorDesc, TensorRef
+from ...ir import Graph, Node, TensorDesc, TensorRef, Value
 from ...ops import output_aliases
 from ..base import PassContext, Skip
 from .common import CpuFusion
@@ -50,26 +53,37 @@ def _returned(graph: Graph, nodes) -> set:
     return found
 
 
-def _why_not(n: Node, act: str, dtype, returned: set) -> str:
-    """Why sibling LinearAct ``n`` cannot join the group, or "" when it can."""
-    b, _, w = n.inputs
+def _parts(n: Node) -> Tuple[Optional[Value], Value, Value]:
+    """(bias or None, x, w) of LinearAct ``n``, as its attrs index its inputs."""
+    b = n.attrs.get("self")
+    return (n.inputs[b.index] if isinstance(b, TensorRef) else None,
+            n.inputs[n.attrs["mat1"].index], n.inputs[n.attrs["mat2"].index])
+
+
+def _why_not(n: Node, act: str, dtype, returned: set, biased: bool) -> str:
+    """Why sibling LinearAct ``n`` cannot join the group (whose first member has a bias
+    when ``biased``), or "" when it can."""
+    b, _, w = _parts(n)
     if n.outputs[0].id in returned:
         return (f"{n.name}: its result (or a view of it) is a graph output; eager returns "
                 "memory of its own, contiguous, not a column slice of a shared buffer")
-    if not (w.is_const and b.is_const):
+    if (b is not None) != biased:
+        return (f"{n.name}: {'no' if biased else 'a'} bias where the first sibling has "
+                f"{'one' if biased else 'none'} (eager adds no zeros to a bias-free GEMM)")
+    if not (w.is_const and (b is None or b.is_const)):
         return f"{n.name}: its weight or bias is not a constant (the concatenation is made once, at compile time)"
     if n.attrs.get("act", "none") != act:
         return f"{n.name}: activation {n.attrs.get('act')!r}, the first sibling's is {act!r}"
-    if w.desc.dtype != dtype or b.desc.dtype != dtype:
+    if w.desc.dtype != dtype or (b is not None and b.desc.dtype != dtype):
         return f"{n.name}: weight dtype {w.desc.dtype.value}, the first sibling's is {dtype.value}"
-    if b.desc.rank != 1 or w.desc.rank != 2:
-        return f"{n.name}: bias {b.desc} or weight {w.desc} is not [n] / [k, n]"
+    if (b is not None and b.desc.rank != 1) or w.desc.rank != 2:
+        return f"{n.name}: bias {b and b.desc} or weight {w.desc} is not [n] / [k, n]"
     return ""
 
 
 class FuseQKVLinear(CpuFusion):
-    """LinearAct(bᵢ, x, Wᵢ) for i = 1..n (n ≥ 2, same x, constant Wᵢ, bᵢ, same act) ⇒
-    LinearAct(b₁‖…‖bₙ, x, W₁‖…‖Wₙ) → StridedSlice(dim 1, [oᵢ, oᵢ + nᵢ)) each."""
+    """LinearAct([bᵢ,] x, Wᵢ) for i = 1..n (n ≥ 2, same x, constant Wᵢ [and bᵢ], same
+    act) ⇒ LinearAct([b₁‖…‖bₙ,] x, W₁‖…‖Wₙ) → StridedSlice(dim 1, [oᵢ, oᵢ + nᵢ)) each."""
 
     name, stage = "fuse_qkv_linear", "fusion"
     ops = ("LinearAct",)
@@ -77,18 +91,23 @@ class FuseQKVLinear(CpuFusion):
 
     def match(self, root: Node, graph: Graph, ctx: PassContext):
         """A `_QKVMatch` when ``root`` is the first of ≥ 2 LinearAct nodes reading the same
-        2-D x as ``mat1`` that can be merged (constant weight and bias of one dtype, same
-        activation); None when ``root`` is not the first such sibling or has none; a
-        `Skip` naming the sibling that cannot join (and why) when no two can."""
-        x = root.inputs[1]
-        sibs = [u for u in x.users if u.op == "LinearAct" and u.inputs[1] is x
-                and u.inputs[0] is not x and u.inputs[2] is not x]
+        2-D x as ``mat1`` that can be merged (constant weight and bias of one dtype, or
+        none, same activation); None when ``root`` is not the first such sibling or has
+        none; a `Skip` naming the sibling that cannot join (and why) when no two can, or
+        when the option ``share_weights`` is on (module docstring)."""
+        x = _parts(root)[1]
+        sibs = [u for u in x.users if u.op == "LinearAct" and _parts(u)[1] is x
+                and sum(v is x for v in u.inputs) == 1]
         if len(sibs) < 2:
             return None
         order = {n: i for i, n in enumerate(graph.nodes)}
         sibs.sort(key=order.__getitem__)
         if sibs[0] is not root:
             return None
+        if ctx.options.get("share_weights"):
+            return Skip(f"the option share_weights is on: merging the {len(sibs)} Linears on "
+                        f"{x} would copy their weights into this graph (they are kept once, "
+                        "as the module's memory)")
         if x.desc.rank != 2:
             return Skip(f"the shared input {x} is {x.desc}, not a 2-D [m, k] matrix")
         returned = _returned(graph, sibs)
@@ -100,13 +119,14 @@ class FuseQKVLinear(CpuFusion):
                 return Skip(f"not merged with its sibling Linears on {x}: {why}")
             ctx.skipped(root, f"left out of the merged GEMM: {why}", "sibling")
             root = sibs[0]
-        first = root.inputs[2].desc.dtype
-        why = _why_not(root, root.attrs.get("act", "none"), first, returned)
+        first = _parts(root)[2].desc.dtype
+        biased = _parts(root)[0] is not None
+        why = _why_not(root, root.attrs.get("act", "none"), first, returned, biased)
         if why:
             return Skip(f"the first of {len(sibs)} Linears reading {x}: {why}")
         group, reasons = [root], []
         for n in sibs[1:]:
-            why = _why_not(n, root.attrs.get("act", "none"), first, returned)
+            why = _why_not(n, root.attrs.get("act", "none"), first, returned, biased)
             (reasons.append(why) if why else group.append(n))
         if len(group) < 2:
             return Skip(f"no sibling Linear of {root.name} on {x} can share its GEMM: "
@@ -116,30 +136,32 @@ class FuseQKVLinear(CpuFusion):
         return _QKVMatch(group)
 
     def rewrite(self, graph: Graph, m: _QKVMatch, ctx: PassContext) -> int:
-        """Add the concatenated weight [k, Σn] and bias [Σn] as constants (stored as the
-        transpose of a contiguous [Σn, k], the layout of the weights it replaces), create
-        the merged LinearAct before the first sibling and one StridedSlice per sibling,
-        rewire the siblings' users to the slices and erase the siblings. Returns 1."""
+        """Add the concatenated weight [k, Σn] and bias [Σn] (when the siblings have
+        one) as constants (the weight stored as the transpose of a contiguous [Σn, k], the
+        layout of the weights it replaces), create the merged LinearAct before the first
+        sibling and one StridedSlice per sibling, rewire the siblings' users to the slices
+        and erase the siblings. Returns 1."""
         first = m.nodes[0]
-        x = first.inputs[1]
-        ws = [n.inputs[2].const for n in m.nodes]
-        bs = [n.inputs[0].const for n in m.nodes]
-        wcat = torch.cat([w.t() for w in ws], dim=0).t()          # [k, Σn], column-major
-        bcat = torch.cat([b.reshape(-1) for b in bs])
+        parts = [_parts(n) for n in m.nodes]
+        x = parts[0][1]
+        wcat = torch.cat([w.const.t() for _, _, w in parts], dim=0).t()   # [k, Σn], column-major
         wv = graph.add_const(wcat, f"{first.name}_qkv_w")
-        bv = graph.add_const(bcat, f"{first.name}_qkv_b")
+        if parts[0][0] is not None:
+            bcat = torch.cat([b.const.reshape(-1) for b, _, _ in parts])
+            ins = [graph.add_const(bcat, f"{first.name}_qkv_b"), x, wv]
+            refs = {"self": TensorRef(0), "mat1": TensorRef(1), "mat2": TensorRef(2)}
+        else:
+            ins, refs = [x, wv], {"mat1": TensorRef(0), "mat2": TensorRef(1)}
         total = int(wcat.shape[1])
         mdim = x.desc.shape[0]
         out_dtype = first.outputs[0].desc.dtype
         merged = graph.create_node(
-            "LinearAct", [bv, x, wv],
-            {"self": TensorRef(0), "mat1": TensorRef(1), "mat2": TensorRef(2),
-             "act": first.attrs.get("act", "none")},
+            "LinearAct", ins, dict(refs, act=first.attrs.get("act", "none")),
             [TensorDesc((mdim, total), out_dtype)], name=f"{first.name}_qkv",
             source=first.source, scope=first.scope, before=first)
         start = 0
-        for n in m.nodes:
-            width = int(n.inputs[2].desc.shape[1])
+        for n, (_, _, w) in zip(m.nodes, parts):
+            width = int(w.desc.shape[1])
             sl = graph.create_node(
                 "StridedSlice", [merged.outputs[0]],
                 {"self": TensorRef(0), "dim": 1, "start": start, "end": start + width, "step": 1},

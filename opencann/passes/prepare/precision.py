@@ -53,7 +53,7 @@ FOLLOW_KINDS = (OpKind.ELEMENTWISE, OpKind.VIEW, OpKind.DATA, OpKind.POOL)
 
 def pre_fusion_names(names: Iterable[str]) -> Set[str]:
     """``names`` (op types) with each fused op replaced by the op types that stand in its
-    place before fusion (``OpDef.fused_from``: LinearAct -> MatMulV2, ConvBiasAct and
+    place before fusion (``OpDef.fused_from``: LinearAct -> MatMulV2 and MatMul, ConvBiasAct and
     ConvAddAct -> Conv2D, AddLayerNorm -> LayerNorm); mixed precision runs before fusion,
     so this is what it must keep. Names of other ops pass through."""
     out: Set[str] = set()

@@ -1,0 +1,203 @@
+"""Bias-free Linears (``F.linear(x, W)`` without a bias: Llama's, Mistral's and Qwen2's
+projections, LM heads) captured as MatMul ``mm(x, Wᵀ)`` with a constant weight take the
+GEMM choice of LinearAct (`opencann.ops.kernels.cpu.gemm_kernel`): `FuseLinearAct` makes
+them LinearAct nodes with no bias input, whose kernel (eager's ``mm``, oneDNN's or MKL's
+prepacked GEMM, the decode GEMV) is chosen per shape and recorded in
+``node.meta["kernel"]``; GatedMLP's two products take the same choice. Each kernel
+matches eager (values, NaN/Inf rows, a second call, output independence; ``mm`` bit for
+bit), from several threads at once too. A weight transpose larger than constant
+folding's size limit is still folded (a view), so an LM head's weight is a constant.
+The passes' before/expected graphs: tests/unit/test_pass_golden.py."""
+import threading
+
+import pytest
+import torch
+from torch import nn
+
+import opencann
+from opencann.devices import cpu as cpu_device
+from opencann.ops.kernels import cpu as cpu_kernels
+from helpers import ForcedGemmChoice
+
+KERNELS = ("addmm", "mkl_packed", "onednn_packed", "gemv")
+
+
+class Decoderish(nn.Module):
+    """Bias-free projections as in a Llama block, a gated MLP and an LM head."""
+
+    def __init__(self, d=48, h=80, vocab=120):
+        super().__init__()
+        self.q, self.k = nn.Linear(d, d, bias=False), nn.Linear(d, 16, bias=False)
+        self.o = nn.Linear(d + 16, d, bias=False)
+        self.gate, self.up = nn.Linear(d, h, bias=False), nn.Linear(d, h, bias=False)
+        self.down = nn.Linear(h, d, bias=False)
+        self.head = nn.Linear(d, vocab, bias=False)
+
+    def forward(self, x):
+        a = self.o(torch.cat([self.q(x), self.k(x)], -1)) + x
+        a = self.down(nn.functional.silu(self.gate(a)) * self.up(a)) + a
+        return self.head(a)
+
+
+def _available(kernel):
+    if kernel == "mkl_packed" and not cpu_device.mkl_packed_available():
+        pytest.skip("MKL packed GEMM not in this torch build")
+    if kernel == "onednn_packed" and not cpu_device.onednn_linear_available():
+        pytest.skip("oneDNN prepacked inner product not in this torch build")
+
+
+def _gemms(cm):
+    return [n for n in cm.graph.nodes if n.op in ("LinearAct", "GatedMLP", "MatMul")]
+
+
+def _close(out, ref, tol=1e-5):
+    assert torch.equal(torch.isnan(out), torch.isnan(ref))
+    assert torch.equal(torch.isinf(out), torch.isinf(ref))
+    assert torch.equal(out[torch.isinf(ref)], ref[torch.isinf(ref)])
+    fin = torch.isfinite(ref)
+    assert fin.any()
+    assert ((out[fin] - ref[fin]).abs().max() / ref[fin].abs().max()).item() < tol
+
+
+@pytest.mark.parametrize("kernel,rows", [(k, r) for k in KERNELS for r in (1, 4)]
+                         + [("addmm", 9), ("onednn_packed", 9)])
+def test_each_kernel_matches_eager_with_nan_and_inf_rows(kernel, rows, monkeypatch):
+    _available(kernel)
+    monkeypatch.setattr(cpu_kernels, "LINEAR_CHOICES", ForcedGemmChoice(kernel))
+    torch.manual_seed(0)
+    m = Decoderish().eval()
+    cm = opencann.compile(m, (torch.randn(rows, 48),), options={"disable": ["fuse_qkv_linear"]})
+    gemms = _gemms(cm)
+    # every bias-free GEMM is a LinearAct without a bias input, or a GatedMLP; the choice is recorded
+    assert {n.op for n in gemms} == {"LinearAct", "GatedMLP"}
+    assert all(len(n.inputs) == 2 and "self" not in n.attrs for n in gemms if n.op == "LinearAct")
+    assert {n.meta["kernel"] for n in gemms} == {kernel}
+    for k in range(2):
+        x = torch.randn(rows, 48)
+        if rows > 1:                    # a NaN row and an inf row beside finite ones
+            x[0, 3] = float("nan")
+            x[rows - 1, 5] = float("inf")
+        with torch.no_grad():
+            ref = m(x)
+        out = cm(x)
+        if kernel == "addmm":           # eager's mm: the same bits
+            assert torch.equal(out.nan_to_num(), ref.nan_to_num())
+            assert torch.equal(out.isnan(), ref.isnan())
+        _close(out, ref)
+        again = cm(x)
+        assert torch.equal(again.isnan(), out.isnan())
+        assert torch.equal(again.nan_to_num(), out.nan_to_num())   # same bits on a second call
+        out.add_(1)                                                  # outputs are the caller's
+        assert not torch.equal(again.nan_to_num(), out.nan_to_num())
+
+
+def test_the_choice_is_raced_with_the_gemv_for_decode_rows_and_a_file_keeps_it(tmp_path, monkeypatch):
+    """Without a forced choice the race runs on the bias-free shapes (the GEMV among the
+    candidates for <= 4 rows, keyed apart from biased GEMMs), and a model file keeps the
+    recorded choice."""
+    monkeypatch.setattr(cpu_kernels, "LINEAR_CHOICES", {})
+    torch.manual_seed(1)
+    m = Decoderish().eval()
+    x = torch.randn(2, 48)
+    cm = opencann.compile(m, (x,))
+    keys = [k for k in cpu_kernels.LINEAR_CHOICES if k[0] == 2]
+    assert keys and all(k[4] == "no bias" and "gemv" in k[-1] for k in keys)
+    chosen = {n.name: n.meta["kernel"] for n in _gemms(cm)}
+    assert set(chosen.values()) <= set(KERNELS)
+    with torch.no_grad():
+        _close(cm(x), m(x))
+    path = str(tmp_path / "m.ocm")
+    opencann.save(cm, path)
+    monkeypatch.setattr(cpu_kernels, "LINEAR_CHOICES", ForcedGemmChoice("addmm"))
+    loaded = opencann.load(path)
+    assert {n.name: n.meta["kernel"] for n in _gemms(loaded)} == chosen
+    assert torch.equal(loaded(x), cm(x))
+
+
+def test_bias_free_linear_then_activation_fuses_into_one_kernel(monkeypatch):
+    monkeypatch.setattr(cpu_kernels, "LINEAR_CHOICES", ForcedGemmChoice("gemv"))
+    torch.manual_seed(2)
+    m = nn.Sequential(nn.Linear(24, 40, bias=False), nn.GELU(), nn.Linear(40, 8, bias=False)).eval()
+    x = torch.randn(3, 24)
+    x[1, 2] = float("-inf")
+    cm = opencann.compile(m, (x,))
+    acts = sorted(n.attrs["act"] for n in cm.graph.nodes if n.op == "LinearAct")
+    assert acts == ["gelu", "none"]
+    assert "Linear+gelu" in cm.report.summary()
+    with torch.no_grad():
+        _close(cm(x), m(x))
+
+
+def test_concurrent_calls_agree_with_eager(monkeypatch):
+    """One compiled model with GEMV-bound bias-free GEMMs called from 4 threads at once
+    (the executor pool): every result equals a single-threaded call's bits."""
+    monkeypatch.setattr(cpu_kernels, "LINEAR_CHOICES", ForcedGemmChoice("gemv"))
+    torch.manual_seed(3)
+    m = Decoderish().eval()
+    cm = opencann.compile(m, (torch.randn(1, 48),))
+    xs = [torch.randn(1, 48) for _ in range(8)]
+    xs[3][0, 7] = float("nan")
+    want = [cm(x).clone() for x in xs]
+    got, errors = {}, []
+    start = threading.Barrier(4)
+
+    def work(t):
+        try:
+            start.wait()
+            for i in range(len(xs)):
+                j = (i + t) % len(xs)
+                got[(t, j)] = cm(xs[j])
+        except BaseException as e:  # noqa: BLE001 - re-raised below
+            errors.append(e)
+    ts = [threading.Thread(target=work, args=(t,)) for t in range(4)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(timeout=120)
+    assert not errors and len(got) == 32
+    for (t, j), out in got.items():
+        assert torch.equal(out.isnan(), want[j].isnan())
+        assert torch.equal(out.nan_to_num(), want[j].nan_to_num())
+    with torch.no_grad():
+        _close(want[0], m(xs[0]))
+
+
+def test_qkv_merged_bias_free_graph_matches_eager():
+    torch.manual_seed(5)
+    m = Decoderish().eval()
+    x = torch.randn(5, 48)
+    x[2, 1] = float("nan")
+    cm = opencann.compile(m, (x,))
+    merged = [n for n in cm.graph.nodes if n.op == "LinearAct" and len(n.inputs) == 2
+              and tuple(n.outputs[0].desc.shape) == (5, 64)]      # q [48] and k [16] as one GEMM
+    assert len(merged) == 1
+    with torch.no_grad():
+        _close(cm(x), m(x))
+
+
+def test_a_large_weight_transpose_is_folded_as_a_view(monkeypatch):
+    """Constant folding's size limit holds for results that allocate; a transpose (a view of
+    the weight) is folded at any size, so the LM head's GEMM sees a constant weight."""
+    from opencann.passes.prepare import constant_folding
+    monkeypatch.setattr(constant_folding, "FOLD_LIMIT_BYTES", 1024)
+    torch.manual_seed(6)
+    m = nn.Sequential(nn.Linear(16, 64, bias=False)).eval()     # weight 4 KiB > the limit
+
+    class Doubled(nn.Module):                                    # 2·W: a new tensor, not a view
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(64, 16))
+
+        def forward(self, x):
+            return x @ (self.w * 2).t()
+    x = torch.randn(2, 16)
+    cm = opencann.compile(m, (x,))
+    lin = [n for n in cm.graph.nodes if n.op == "LinearAct"]
+    assert len(lin) == 1 and lin[0].inputs[1].is_const
+    with torch.no_grad():
+        _close(cm(x), m(x))
+    d = Doubled().eval()
+    cm2 = opencann.compile(d, (x,))
+    assert "output larger than 0 MiB" in cm2.report.summary()
+    with torch.no_grad():
+        _close(cm2(x), d(x))
