@@ -315,8 +315,8 @@ def test_fuse_linear_act_bias_free_does_not_apply_to_a_weight_input():
     _, rep, _ = run(FuseLinearAct(), g)
     assert to_text(g) == before
     assert skipped(rep) == [("fuse_linear_act", "no activation follows and the weight is not a "
-                             "constant fp32 tensor for a prepacked GEMM: plain mm already writes "
-                             "into the arena")]
+                             "constant fp32 or bf16 tensor for a prepacked GEMM: plain mm "
+                             "already writes into the arena")]
 
 
 def test_fuse_linear_act_does_not_apply_with_alpha():
