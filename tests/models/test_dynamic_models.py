@@ -160,6 +160,7 @@ def test_minilm_torch_compile_batch_one_and_full_grid():
 
 
 @pytest.mark.heavy
+@pytest.mark.full   # make test: test_minilm_torch_compile_default_dynamic, the same encoder
 def test_bert_base_torch_compile_default_dynamic():
     model = zoo.bert_base(batch=2, seq=16).model
     reports, compiles, rec = _torch_compile(model, [(2, 16), (3, 77), (4, 200), (8, 40)],

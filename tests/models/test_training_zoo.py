@@ -10,8 +10,13 @@ from opencann import zoo
 from opencann.dynamo.training import make_training_backend
 from opencann.dynamo.partition import last_partition_report
 
-CASES = [("minilm", dict(batch=2, seq=32), None), ("bert-base", dict(batch=2, seq=32), 0.5),
-         ("gpt2", dict(batch=2, seq=32), None), ("resnet50", dict(batch=2, size=64), 0.5)]
+# make test: MiniLM with a recompute budget stands for BERT-base (the same encoder, 12x the
+# FLOPs), whose case is marked full
+CASES = [pytest.param("minilm", dict(batch=2, seq=32), 0.5, id="minilm"),
+         pytest.param("bert-base", dict(batch=2, seq=32), 0.5, marks=pytest.mark.full,
+                      id="bert-base"),
+         pytest.param("gpt2", dict(batch=2, seq=32), None, id="gpt2"),
+         pytest.param("resnet50", dict(batch=2, size=64), 0.5, id="resnet50")]
 
 
 def _loss(model, inputs):
@@ -20,8 +25,13 @@ def _loss(model, inputs):
     return h.float().pow(2).mean()
 
 
-@pytest.mark.parametrize("name,kw,budget", CASES, ids=[c[0] for c in CASES])
+@pytest.mark.parametrize("name,kw,budget", CASES)
 def test_zoo_gradients_match_eager(name, kw, budget):
+    # exactness at 1e-5 needs one thread count for both runs: the first convolutions'
+    # weight gradients (BatchNorm's zero-mean gradient, summed over every pixel) move by
+    # 1e-2 between eager at 1 and at 2 threads; re-apply the process count to this
+    # thread's OpenMP/MKL counts, which an earlier test on the worker may have left lower
+    torch.set_num_threads(torch.get_num_threads())
     zm = zoo.get(name, **kw)
     model = zm.model.train()
     for mod in model.modules():  # dropout's random masks differ between the two runs
