@@ -156,3 +156,15 @@ def count_in_new_thread() -> int:
     t.start()
     t.join()
     return got[0]
+
+
+def run_cli(argv, capsys):
+    """(exit code, stdout, the non-empty stderr lines) of ``opencann argv`` run in-process
+    (argparse's own errors as their exit code)."""
+    from opencann import cli
+    try:
+        rc = cli.main(argv)
+    except SystemExit as e:
+        rc = e.code
+    cap = capsys.readouterr()
+    return rc, cap.out, [ln for ln in cap.err.splitlines() if ln.strip()]

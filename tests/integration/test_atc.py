@@ -14,9 +14,9 @@ onnx = pytest.importorskip("onnx")
 ort = pytest.importorskip("onnxruntime")
 
 import opencann  # noqa: E402
-from opencann import cli  # noqa: E402
 from opencann.engine.options import read_fusion_switch  # noqa: E402
 from opencann.runtime.model_file import describe  # noqa: E402
+from helpers import run_cli
 
 
 class ConvBnRelu(torch.nn.Module):
@@ -60,17 +60,8 @@ def conv_onnx(tmp_path_factory):
     return path, m
 
 
-def _run(argv, capsys):
-    try:
-        rc = cli.main(argv)
-    except SystemExit as e:
-        rc = e.code
-    cap = capsys.readouterr()
-    return rc, cap.out, [ln for ln in cap.err.splitlines() if ln.strip()]
-
-
 def _one_error(argv, capsys, *needles):
-    rc, _, err = _run(argv, capsys)
+    rc, _, err = run_cli(argv, capsys)
     assert rc == 2, (rc, err)
     assert len(err) == 1, err
     for n in needles:
@@ -87,7 +78,7 @@ def _switch(tmp_path, doc, name="fs.json"):
 def test_atc_onnx_to_ocm_matches_ort_and_eager(conv_onnx, tmp_path, capsys):
     path, m = conv_onnx
     out = str(tmp_path / "m")
-    rc, stdout, err = _run(["atc", "--model", path, "--framework", "5", "--output", out,
+    rc, stdout, err = run_cli(["atc", "--model", path, "--framework", "5", "--output", out,
                             "--input_shape", "x:2,3,8,8", "--soc_version", "cpu"], capsys)
     assert rc == 0, err
     assert os.path.isfile(out + ".ocm") and "ATC run success" in stdout
@@ -117,7 +108,7 @@ def test_symbolic_dim_needs_input_shape(conv_onnx, tmp_path, capsys):
 def test_soc_version_maps_to_vnpu_device(conv_onnx, tmp_path, capsys):
     path, m = conv_onnx
     out = str(tmp_path / "npu.ocm")
-    rc, _, err = _run(["atc", "--model", path, "--framework", "5", "--output", out,
+    rc, _, err = run_cli(["atc", "--model", path, "--framework", "5", "--output", out,
                        "--input_shape", "x:1,3,8,8", "--soc_version", "Ascend910B2"], capsys)
     assert rc == 0, err
     assert not os.path.exists(out + ".ocm")   # .ocm given: not appended again
@@ -153,7 +144,7 @@ def test_fusion_switch_file_turns_conv_bn_fold_off(conv_onnx, tmp_path, capsys):
     assert {p.name: p for p in on.report.passes}["fold_batchnorm"].enabled
     assert not any("BatchNorm" in k for k in on.report.op_counts_after)
     # through atc: the summary line names the pass switched off
-    rc, stdout, err = _run(["atc", "--model", path, "--output", str(tmp_path / "f"),
+    rc, stdout, err = run_cli(["atc", "--model", path, "--output", str(tmp_path / "f"),
                             "--input_shape", "x:1,3,8,8", "--fusion_switch_file", fs], capsys)
     assert rc == 0, err
     assert "passes off: fold_batchnorm" in stdout
@@ -202,7 +193,7 @@ def test_unknown_cann_name_is_a_warning_not_a_failed_compile(conv_onnx, tmp_path
                                                         "ConvBatchnormFusionPass": "off"},
                                        "UBFusion": {"TbeConv3dElemwisePass": "on"}}})
     with caplog.at_level(logging.WARNING, logger="opencann"):
-        rc, stdout, err = _run(["atc", "--model", conv_onnx[0], "--output", str(tmp_path / "w"),
+        rc, stdout, err = run_cli(["atc", "--model", conv_onnx[0], "--output", str(tmp_path / "w"),
                                 "--input_shape", "x:1,3,8,8", "--fusion_switch_file", fs], capsys)
     assert rc == 0, err
     assert "passes off: fold_batchnorm" in stdout
@@ -245,7 +236,7 @@ def test_fusion_switch_file_missing_or_not_json(tmp_path):
 
 def test_dump_graph_writes_each_stage(conv_onnx, tmp_path, capsys):
     d = tmp_path / "dump"
-    rc, _, err = _run(["atc", "--model", conv_onnx[0], "--output", str(tmp_path / "m"),
+    rc, _, err = run_cli(["atc", "--model", conv_onnx[0], "--output", str(tmp_path / "m"),
                        "--input_shape", "x:1,3,8,8", "--dump_graph", str(d)], capsys)
     assert rc == 0, err
     names = sorted(os.listdir(d))
@@ -269,7 +260,7 @@ def test_atc_pytorch_factory(tmp_path, capsys, monkeypatch):
         "    return torch.nn.Sequential(torch.nn.Linear(4, 5), torch.nn.ReLU()).eval(), "
         "(torch.randn(2, 4),)\n")
     monkeypatch.chdir(tmp_path)
-    rc, _, err = _run(["atc", "--model", "f.py:make", "--framework", "pytorch",
+    rc, _, err = run_cli(["atc", "--model", "f.py:make", "--framework", "pytorch",
                        "--output", "lin"], capsys)
     assert rc == 0, err
     import importlib.util

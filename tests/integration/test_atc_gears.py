@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import opencann
-from opencann import cli
+from helpers import run_cli
 
 FACTORIES = '''
 import torch
@@ -40,17 +40,8 @@ def text():
 '''
 
 
-def _run(argv, capsys):
-    try:
-        rc = cli.main(argv)
-    except SystemExit as e:
-        rc = e.code
-    cap = capsys.readouterr()
-    return rc, cap.out, [ln for ln in cap.err.splitlines() if ln.strip()]
-
-
 def _one_error(argv, capsys, *needles):
-    rc, _, err = _run(argv, capsys)
+    rc, _, err = run_cli(argv, capsys)
     assert rc == 2 and len(err) == 1, (rc, err)
     for n in needles:
         assert n in err[0], err[0]
@@ -67,7 +58,7 @@ def factories(tmp_path, monkeypatch):
 
 def test_dynamic_batch_size(factories, capsys):
     d, ns = factories
-    rc, out, err = _run(["atc", "--model", "f.py:conv", "--output", "b",
+    rc, out, err = run_cli(["atc", "--model", "f.py:conv", "--output", "b",
                          "--input_shape", "x:-1,3,8,8", "--dynamic_batch_size", "1,2,4"], capsys)
     assert rc == 0, err
     assert "gears dynamic_batch_size=[1, 2, 4] over batch" in out
@@ -79,7 +70,7 @@ def test_dynamic_batch_size(factories, capsys):
         x[0, 0, 0, 0] = float("nan")
         with torch.no_grad():
             torch.testing.assert_close(cm(x), model(x), equal_nan=True, rtol=1e-4, atol=1e-5)
-    rc, out, err = _run(["run", "b.ocm", "--input-shape", "x:4,3,8,8"], capsys)
+    rc, out, err = run_cli(["run", "b.ocm", "--input-shape", "x:4,3,8,8"], capsys)
     assert rc == 0, err
     assert "ran b.ocm on cpu, random inputs x float32[4,3,8,8]: outputs float32[4,4,8,8]" in out
     _one_error(["run", "b.ocm", "--input-shape", "x:5,3,8,8"], capsys,
@@ -88,7 +79,7 @@ def test_dynamic_batch_size(factories, capsys):
 
 def test_dynamic_image_size(factories, capsys):
     d, ns = factories
-    rc, out, err = _run(["atc", "--model", "f.py:conv", "--output", "i", "--input_format", "nchw",
+    rc, out, err = run_cli(["atc", "--model", "f.py:conv", "--output", "i", "--input_format", "nchw",
                          "--input_shape", "x:2,3,-1,-1", "--dynamic_image_size", "8,8;16,12"],
                         capsys)
     assert rc == 0, err
@@ -105,7 +96,7 @@ def test_dynamic_dims_two_inputs_one_dim(factories, capsys):
     """ids and mask each have a -1; their values agree in every gear, so they are one
     dim (torch.export sees the two equal)."""
     d, ns = factories
-    rc, out, err = _run(["atc", "--model", "f.py:text", "--output", "t", "--input_format", "ND",
+    rc, out, err = run_cli(["atc", "--model", "f.py:text", "--output", "t", "--input_format", "ND",
                          "--input_shape", "ids:1,-1;mask:1,-1", "--dynamic_dims", "4,4;6,6;12,12"],
                         capsys)
     assert rc == 0, err
@@ -116,7 +107,7 @@ def test_dynamic_dims_two_inputs_one_dim(factories, capsys):
         ids, mask = torch.randint(0, 10, (1, s)), torch.rand(1, s)
         with torch.no_grad():
             torch.testing.assert_close(cm(ids, mask), model(ids, mask), rtol=1e-4, atol=1e-5)
-    rc, out, err = _run(["run", "t.ocm", "--input-shape", "ids:1,12"], capsys)
+    rc, out, err = run_cli(["run", "t.ocm", "--input-shape", "ids:1,12"], capsys)
     assert rc == 0, err
     assert "random inputs ids int64[1,12], mask float32[1,12]" in out
 
@@ -184,7 +175,7 @@ def test_gears_for_the_vnpu(factories, capsys):
     """--soc_version Ascend910B with gears: each gear compiled for the vnpu, saved, run
     there (a bare ``--device vnpu`` names the same chip), within fp32 tolerance of eager."""
     d, ns = factories
-    rc, out, err = _run(["atc", "--model", "f.py:conv", "--output", "v", "--soc_version",
+    rc, out, err = run_cli(["atc", "--model", "f.py:conv", "--output", "v", "--soc_version",
                          "Ascend910B2", "--input_shape", "x:-1,3,8,8", "--dynamic_batch_size",
                          "1,2"], capsys)
     assert rc == 0, err
@@ -194,7 +185,7 @@ def test_gears_for_the_vnpu(factories, capsys):
         x = torch.randn(n, 3, 8, 8)
         with torch.no_grad():
             torch.testing.assert_close(cm(x), model(x), rtol=1e-4, atol=1e-4)
-    rc, out, err = _run(["run", "v.ocm", "--device", "vnpu", "--input-shape", "x:1,3,8,8"], capsys)
+    rc, out, err = run_cli(["run", "v.ocm", "--device", "vnpu", "--input-shape", "x:1,3,8,8"], capsys)
     assert rc == 0, err
     assert "ran v.ocm on vnpu:ascend910b, random inputs x float32[1,3,8,8]" in out
     _one_error(["run", "v.ocm", "--device", "vnpu:ascend310"], capsys, "compiled for vnpu:ascend910b")

