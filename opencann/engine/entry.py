@@ -59,6 +59,25 @@ def compile_module(model: torch.nn.Module, example_inputs, device: str = "cpu",
         return _compile_module(model, example_inputs, device, options, example_kwargs)
 
 
+def _refuse_growing_caches(args, kwargs) -> None:
+    """Raises ValueError (one line) for a transformers cache among the inputs that grows
+    by Python attribute writes (``is_compileable`` False: DynamicCache). Eager grows the
+    caller's object in place; a compiled graph can only return a grown copy, so a caller
+    reusing its object would get a stale cache's logits with no error."""
+    seen = list(args) + list((kwargs or {}).values())
+    for i, o in enumerate(seen):
+        t = type(o)
+        if (t.__module__.startswith("transformers.") and "Cache" in t.__name__
+                and getattr(o, "is_compileable", True) is False):
+            where = f"input {i}" if i < len(args) else f"input {list(kwargs)[i - len(args)]!r}"
+            raise ValueError(f"{where} is a transformers {t.__name__}, which grows by Python "
+                             f"attribute writes a compiled graph cannot make on your object "
+                             f"(later calls would read a stale cache); use opencann.llm.compile "
+                             f"(a preallocated KV cache written in place) or a static cache "
+                             f"(transformers StaticCache, generate(..., "
+                             f"cache_implementation='static'))")
+
+
 def _compile_module(model, example_inputs, device, options, example_kwargs) -> CompiledModel:
     device = _check_device(device)
     options = check_options(options)
@@ -67,6 +86,7 @@ def _compile_module(model, example_inputs, device, options, example_kwargs) -> C
                          "inputs, got a list: pass tuple(example_inputs), or (my_list,) when "
                          "the model takes one list argument")
     args = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
+    _refuse_growing_caches(args, example_kwargs)
     ep, times = capture(model, args, example_kwargs)
     graph, report, frozen, live = convert_exported(model, ep, times, device,
                                            "FX → IR, shape/dtype inference checked against FX")
