@@ -118,6 +118,8 @@ class Generator:
         """Stop token ids; one outside the vocabulary raises ValueError when ``given``
         in the call, and is dropped when it comes from the model's generation_config
         (it can never be generated)."""
+        if isinstance(eos, torch.Tensor):   # transformers takes a tensor of ids too
+            eos = eos.tolist()
         ids = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
         for t in ids:
             if given and (isinstance(t, bool) or not isinstance(t, int)
@@ -125,6 +127,16 @@ class Generator:
                 raise ValueError(f"stop token {t!r} (eos_token_id) is outside the vocabulary "
                                  f"[0, {self.arch.vocab_size}); pass ids the model can generate")
         return [t for t in ids if 0 <= t < self.arch.vocab_size]
+
+    def _pad_token(self, pad: Any, given: bool, stops: List[int]) -> int:
+        """The id rows are padded and filled with after their stop token: ``pad`` when it
+        is in the vocabulary (the decode step embeds it), else the first stop token, else
+        0. One outside the vocabulary raises ValueError when ``given`` in the call."""
+        ok = isinstance(pad, int) and not isinstance(pad, bool) and 0 <= pad < self.arch.vocab_size
+        if given and not ok:
+            raise ValueError(f"pad_token_id {pad!r} is outside the vocabulary "
+                             f"[0, {self.arch.vocab_size}); pass an id the model can embed")
+        return pad if ok else (stops[0] if stops else 0)
 
     def _budget(self, gc, batch: PromptBatch, max_new_tokens: Optional[int]) -> int:
         new = max_new_tokens if max_new_tokens is not None else gc.max_new_tokens
@@ -175,7 +187,7 @@ class Generator:
                      top_k=top_k, top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty,
                      eos_token_id=eos_token_id, pad_token_id=pad_token_id)
         stops = self._stop_tokens(gc.eos_token_id, eos_token_id is not None)
-        pad = gc.pad_token_id if gc.pad_token_id is not None else (stops[0] if stops else 0)
+        pad = self._pad_token(gc.pad_token_id, pad_token_id is not None, stops)
         batch = prepare(input_ids, attention_mask, vocab_size=self.arch.vocab_size,
                         max_batch=self.max_batch, pad_token_id=pad)
         new = self._budget(gc, batch, max_new_tokens)

@@ -275,3 +275,18 @@ def test_calls_from_two_threads_run_one_at_a_time():
     for t in threads:
         t.join()
     assert all(torch.equal(g, w) for g, w in zip(got, want))
+
+
+def test_pad_token_outside_the_vocabulary_is_one_line_and_tensor_stop_ids_work():
+    """A pad id the embedding cannot take is refused before any step (it fills a row that
+    stopped early and is embedded by the next decode step); stop ids may be a tensor, as
+    transformers takes them."""
+    gen = L.compile(model("llama"), max_seq_len=48, max_batch=2)
+    for pad in (10 ** 6, -1, 2.0):
+        with pytest.raises(ValueError, match="pad_token_id .* is outside the vocabulary") as e:
+            gen.generate([[1, 5, 9, 13, 20], [7, 7, 7]], max_new_tokens=8, eos_token_id=38,
+                         pad_token_id=pad)
+        assert "\n" not in str(e.value)
+    a = gen.generate([[1, 5, 9]], max_new_tokens=6, eos_token_id=[38, 40])
+    b = gen.generate([[1, 5, 9]], max_new_tokens=6, eos_token_id=torch.tensor([38, 40]))
+    assert torch.equal(a, b)
