@@ -165,7 +165,7 @@ class Generator:
                  top_p: Optional[float] = None, min_p: Optional[float] = None,
                  seed: Optional[int] = None, repetition_penalty: Optional[float] = None,
                  eos_token_id: Any = None, pad_token_id: Optional[int] = None,
-                 streamer: Any = None) -> torch.Tensor:
+                 streamer: Any = None, **unsupported: Any) -> torch.Tensor:
         """Generate up to ``max_new_tokens`` tokens per prompt; returns LongTensor
         [B, L + n] (the prompts as given, left-padded, then n <= max_new_tokens new
         tokens; rows that stopped early are filled with the pad token), as transformers'
@@ -180,9 +180,15 @@ class Generator:
         RNG). ``streamer``: a callable taking each step's new tokens (LongTensor [B]), or
         a transformers streamer (``put``/``end``, e.g. TextStreamer).
         Raises ValueError (one line) for a bad prompt, batch over max_batch, prompt +
-        max_new_tokens over max_seq_len, a stop token outside the vocabulary or a bad
-        setting; the generator stays usable. Calls from several threads run one at a
+        max_new_tokens over max_seq_len, a stop or pad token outside the vocabulary, a bad
+        setting or a transformers setting it does not apply (num_beams, max_length, ...); the generator stays usable. Calls from several threads run one at a
         time (the caches are the generator's state)."""
+        if unsupported:
+            raise ValueError(f"generate() does not apply {', '.join(sorted(unsupported))}; it "
+                             f"takes max_new_tokens, attention_mask, do_sample, temperature, "
+                             f"top_k, top_p, min_p, seed, repetition_penalty, eos_token_id, "
+                             f"pad_token_id, streamer (greedy or sampling, one sequence per "
+                             f"prompt)")
         gc = resolve(self.generation_config, do_sample=do_sample, temperature=temperature,
                      top_k=top_k, top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty,
                      eos_token_id=eos_token_id, pad_token_id=pad_token_id)

@@ -84,6 +84,14 @@ def prepare(input_ids, attention_mask: Optional[torch.Tensor], *, vocab_size: in
                          f"got {what}")
     ids = input_ids.long().cpu()
     ids = ids[None] if ids.dim() == 1 else ids
+    if attention_mask is not None and not isinstance(attention_mask, torch.Tensor):
+        try:   # a nested list of 0/1, as transformers' tokenizers return without tensors
+            attention_mask = torch.as_tensor(attention_mask)
+        except (TypeError, ValueError, RuntimeError):
+            raise ValueError(f"attention_mask must be a tensor or nested list of 0/1 shaped as "
+                             f"input_ids, got {type(attention_mask).__name__}") from None
+    if attention_mask is not None and attention_mask.dim() == 1 and input_ids.dim() == 1:
+        attention_mask = attention_mask[None]   # one prompt [L] with its mask [L]
     mask = torch.ones_like(ids) if attention_mask is None else _check_mask(attention_mask.cpu(), ids)
     lengths = mask.sum(1)
     if ids.shape[0] == 0 or (lengths == 0).any():

@@ -202,7 +202,7 @@ def test_gpt2_tied_embedding_is_one_tensor():
      r"attention_mask must be left padding"),
     (lambda g: g.generate(prompt(4, 0), max_new_tokens=0), r"max_new_tokens must be a positive int"),
     (lambda g: g.generate(prompt(25, 0)), r"max_length 20 leaves none after a prompt of 25 tokens"),
-    (lambda g: g.generate(prompt(4, 0), max_new_tokens=2, num_beams=2), r"unexpected keyword"),
+    (lambda g: g.generate(prompt(4, 0), max_new_tokens=2, num_beams=2), r"generate\(\) does not apply num_beams"),
     (lambda g: g.generate(prompt(4, 0), max_new_tokens=2, do_sample=True, temperature=0.0),
      r"temperature must be > 0"),
     (lambda g: g.generate(prompt(4, 0), max_new_tokens=2, seed=1.5), r"seed must be an int"),
@@ -290,3 +290,20 @@ def test_pad_token_outside_the_vocabulary_is_one_line_and_tensor_stop_ids_work()
     a = gen.generate([[1, 5, 9]], max_new_tokens=6, eos_token_id=[38, 40])
     b = gen.generate([[1, 5, 9]], max_new_tokens=6, eos_token_id=torch.tensor([38, 40]))
     assert torch.equal(a, b)
+
+
+def test_unapplied_settings_and_list_masks():
+    """A transformers setting generate does not apply (beams, max_length) is one ValueError
+    line; an attention_mask as a nested list, and a 1-D prompt with a 1-D mask, are taken."""
+    gen = L.compile(model("llama"), max_seq_len=48, max_batch=2)
+    for kw in ({"num_beams": 2}, {"max_length": 20}):
+        with pytest.raises(ValueError, match="generate\\(\\) does not apply") as e:
+            gen.generate([[1, 5, 9]], max_new_tokens=2, **kw)
+        assert "\n" not in str(e.value)
+    ids = torch.tensor([[0, 0, 5, 9, 13], [1, 5, 9, 13, 20]])
+    mask = [[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]]
+    a = gen.generate(ids, attention_mask=mask, max_new_tokens=4)
+    b = gen.generate(ids, attention_mask=torch.tensor(mask), max_new_tokens=4)
+    assert torch.equal(a, b)
+    one = gen.generate(torch.tensor([0, 5, 9]), attention_mask=torch.tensor([0, 1, 1]), max_new_tokens=4)
+    assert torch.equal(one[0, 1:], gen.generate(torch.tensor([5, 9]), max_new_tokens=4)[0])
