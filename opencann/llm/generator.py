@@ -181,8 +181,9 @@ class Generator:
         a transformers streamer (``put``/``end``, e.g. TextStreamer).
         Raises ValueError (one line) for a bad prompt, batch over max_batch, prompt +
         max_new_tokens over max_seq_len, a stop or pad token outside the vocabulary, a bad
-        setting or a transformers setting it does not apply (num_beams, max_length, ...); the generator stays usable. Calls from several threads run one at a
-        time (the caches are the generator's state)."""
+        setting, or a transformers setting it does not apply (num_beams, max_length, ...);
+        the generator stays usable. Calls from several threads run one at a time (the
+        caches are the generator's state)."""
         if unsupported:
             raise ValueError(f"generate() does not apply {', '.join(sorted(unsupported))}; it "
                              f"takes max_new_tokens, attention_mask, do_sample, temperature, "
