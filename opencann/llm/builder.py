@@ -144,6 +144,10 @@ class DecoderLM(nn.Module):
 
     def __init__(self, model: nn.Module):
         super().__init__()
+        if getattr(model, "config", None) is None:
+            raise ValueError(f"opencann.llm takes a transformers causal LM (a model with a "
+                             f".config, e.g. AutoModelForCausalLM.from_pretrained(...)), got "
+                             f"{type(model).__name__}; use opencann.compile for other modules")
         self.arch = arch = read_arch(model.config)
         dtypes = {p.dtype for p in model.parameters()}
         if dtypes != {torch.float32}:

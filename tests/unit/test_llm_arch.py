@@ -1,6 +1,7 @@
 """opencann.llm.arch: transformers configs read into `LLMArch`, and one clear ValueError line
 for each unsupported piece (configs only: no model is built)."""
 import pytest
+import torch
 import transformers as T
 
 from opencann.llm import read_arch
@@ -86,3 +87,10 @@ def test_unsupported_is_one_line_naming_the_piece(cfg, piece):
 def test_max_seq_len_must_be_positive_int(bad):
     with pytest.raises(ValueError, match="max_seq_len must be a positive int"):
         read_arch(T.LlamaConfig(**SMALL)).check_max_seq_len(bad)
+
+
+def test_a_module_without_a_config_is_one_line():
+    import opencann.llm
+    with pytest.raises(ValueError, match="takes a transformers causal LM .* got Linear") as e:
+        opencann.llm.compile(torch.nn.Linear(2, 2), max_seq_len=16)
+    assert "\n" not in str(e.value)
