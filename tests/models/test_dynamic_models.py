@@ -144,6 +144,7 @@ def test_minilm_torch_compile_default_dynamic():
 
 
 @pytest.mark.heavy
+@pytest.mark.full   # make test: test_minilm_torch_compile_default_dynamic
 def test_minilm_torch_compile_batch_one_and_sampled_grid():
     model = zoo.minilm(batch=2, seq=16).model
     reports, compiles, _ = _torch_compile(model, [(2, 16), (3, 40)] + SAMPLE)

@@ -11,11 +11,11 @@ from opencann.dynamo.training import make_training_backend
 from opencann.dynamo.partition import last_partition_report
 
 # make test: MiniLM with a recompute budget stands for BERT-base (the same encoder, 12x the
-# FLOPs), whose case is marked full
+# FLOPs) and GPT-2, whose cases are marked full (make test-all)
 CASES = [pytest.param("minilm", dict(batch=2, seq=32), 0.5, id="minilm"),
          pytest.param("bert-base", dict(batch=2, seq=32), 0.5, marks=pytest.mark.full,
                       id="bert-base"),
-         pytest.param("gpt2", dict(batch=2, seq=32), None, id="gpt2"),
+         pytest.param("gpt2", dict(batch=2, seq=32), None, marks=pytest.mark.full, id="gpt2"),
          pytest.param("resnet50", dict(batch=2, size=64), 0.5, id="resnet50")]
 
 
