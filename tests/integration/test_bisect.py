@@ -10,12 +10,12 @@ import torch
 
 import opencann
 import opencann.engine.pipeline as compiler_mod
-from opencann import cli
 from opencann.devices.cpu import mkldnn_available
 from opencann.passes import FuseConvAct, default_pipeline
 from opencann.passes.base import DISABLED_REASON
 from opencann.tools.bisect import bisect
 from opencann.tools.compare import Session
+from helpers import run_cli
 
 pytestmark = pytest.mark.skipif(not mkldnn_available(), reason="the conv fusions need oneDNN")
 
@@ -187,15 +187,6 @@ def test_bisect_names_both_sites_of_a_two_site_bug(net, buggy):
     assert line_of(Block.forward, "self.conv2") in b.message
 
 
-def _cli(argv, capsys):
-    try:
-        rc = cli.main(argv)
-    except SystemExit as e:
-        rc = e.code
-    out = capsys.readouterr()
-    return rc, out.out, [x for x in out.err.splitlines() if x.strip()]
-
-
 FACTORY = '''
 import torch
 
@@ -220,7 +211,7 @@ def test_cli_compare_bisect_names_the_site(tmp_path, monkeypatch, capsys, buggy)
     monkeypatch.chdir(tmp_path)
     (tmp_path / "f.py").write_text(FACTORY)
     buggy("3.conv1")
-    rc, out, err = _cli(["compare", "f.py:net", "--bisect"], capsys)
+    rc, out, err = run_cli(["compare", "f.py:net", "--bisect"], capsys)
     assert rc == 1, err                                 # the outputs fail
     assert "first divergence: " in out and "in 3 (f.py:11)" in out
     line = next(t for t in out.splitlines() if t.startswith("bisect ("))
@@ -228,10 +219,10 @@ def test_cli_compare_bisect_names_the_site(tmp_path, monkeypatch, capsys, buggy)
                         r"disabling fuse_conv_act \(Conv\+Relu\) at (\w+) \(3\.conv1 \(f\.py:11\)\) "
                         r"restores accuracy; option disable_rewrites=\['fuse_conv_act@\1'\]", line), line
     ids = re.search(r"disable_rewrites=(\[.*\])", line).group(1).replace("'", '"')
-    rc, out, err = _cli(["compare", "f.py:net", "--options",
+    rc, out, err = run_cli(["compare", "f.py:net", "--options",
                          json.dumps({"disable_rewrites": json.loads(ids)})], capsys)
     assert rc == 0 and "outputs pass" in out, err      # the printed option restores it
-    rc, out, err = _cli(["compare", "f.py:net", "--options",
+    rc, out, err = run_cli(["compare", "f.py:net", "--options",
                          '{"disable_rewrites": ["fuse_conv_act@nope"]}'], capsys)
     assert rc == 2 and len(err) == 1 and "no rewrite site ['fuse_conv_act@nope']" in err[0], err
 

@@ -7,13 +7,13 @@ import pytest
 import torch
 
 import opencann.engine.pipeline as compiler_mod
-from opencann import cli
 from opencann.passes import Pass, default_pipeline
 from opencann.tools.analyze import analyze
 from opencann.tools.bisect import bisect, ddmin
 from opencann.tools.compare import Session, compare, metrics, status_of
 from opencann.tools.compare_html import to_html
 from opencann.tools.doctor import SUPPORTED, doctor, to_json, version_check
+from helpers import run_cli
 
 
 class Net(torch.nn.Module):
@@ -221,17 +221,8 @@ def test_doctor_ok_here_and_old_torch_is_an_error():
     assert version_check("numba", None).status == "error"
 
 
-def _cli(argv, capsys):
-    try:
-        rc = cli.main(argv)
-    except SystemExit as e:
-        rc = e.code
-    out = capsys.readouterr()
-    return rc, out.out, [x for x in out.err.splitlines() if x.strip()]
-
-
 def test_cli_doctor_json(capsys):
-    rc, out, err = _cli(["doctor", "--json"], capsys)
+    rc, out, err = run_cli(["doctor", "--json"], capsys)
     d = json.loads(out)
     assert rc == 0 and d["status"] in ("ok", "warning") and not err
     assert {c["name"] for c in d["checks"]} >= set(SUPPORTED) | {"cpu", "onednn", "mkl", "cuda", "vnpu"}
@@ -249,12 +240,12 @@ def net():
 def test_cli_compare_and_analyze(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "f.py").write_text(FACTORY)
-    rc, out, err = _cli(["compare", "f.py:net", "--csv", "l.csv", "--html", "l.html", "--bisect"], capsys)
+    rc, out, err = run_cli(["compare", "f.py:net", "--csv", "l.csv", "--html", "l.html", "--bisect"], capsys)
     assert rc == 0, err
     assert "outputs pass" in out and "nothing to bisect" in out
     assert (tmp_path / "l.csv").read_text().startswith("index,node,op,fx_node")
     assert "<table>" in (tmp_path / "l.html").read_text()
-    rc, out, err = _cli(["analyze", "f.py:net", "--json"], capsys)
+    rc, out, err = run_cli(["analyze", "f.py:net", "--json"], capsys)
     assert rc == 0 and json.loads(out)["readiness"] == "ready"
 
 
@@ -269,7 +260,7 @@ def test_cli_compare_and_analyze(tmp_path, monkeypatch, capsys):
 def test_cli_errors_are_one_line(tmp_path, monkeypatch, capsys, argv, needle):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "f.py").write_text(FACTORY)
-    rc, out, err = _cli(argv, capsys)
+    rc, out, err = run_cli(argv, capsys)
     assert rc == 2 and len(err) == 1 and needle in err[0], err
 
 
