@@ -8,6 +8,14 @@ the executor's arena. Ops with an ATen ``.out`` overload write straight into the
 buffer; ops without one return a fresh tensor that is copied into its buffer ("copy-out").
 The strides helpers here keep every value that a view reads or the caller gets in the
 layout eager PyTorch gave it (``node.meta["strides"]``, recorded at conversion).
+
+Static views are hoisted out of ``_run``: a view op (Reshape, Transpose, StridedSlice...)
+of a tensor that is the same object on every call (a constant, a planned arena buffer,
+or another hoisted view) gives the same view every call, so it is made once when the
+code is bound (``H<id>``, remade by `Executor.clone` for a new arena) and costs nothing
+per call. Not hoisted: views of graph inputs, graph outputs (the caller gets a new view
+object each call), a reshape that copies, and debugging variants (alias checks,
+observers, several streams).
 """
 from __future__ import annotations
 
@@ -17,8 +25,8 @@ from typing import Any, Callable, Dict, List, Optional
 import torch
 
 from ..ir import Graph, MemoryPlan, Node, TensorListRef, TensorRef, Value, is_dense
-from ..ops import (call_args, get_op, graph_happens_before, inplace_inputs, output_aliases,
-                   storage_roots)
+from ..ops import (OpKind, call_args, get_op, graph_happens_before, inplace_inputs,
+                   output_aliases, storage_roots)
 from ..ops.parity import layout_dependent
 from .alias_check import AliasChecker
 from .fast_call import fast_callable_keyed, value_free
@@ -274,8 +282,9 @@ class CodeGen:
     ``check_aliasing`` adds `AliasChecker` calls after every kernel; ``profile`` adds a
     ``_rec(i)`` call after node i (the caller binds ``_rec``); ``observe`` an ``_obs(i,
     outputs)`` call (the caller binds ``_obs``). After `generate`,
-    ``bound`` lists (global name, value) of each arena view and ``copy_out_nodes`` the
-    nodes whose result is copied into its buffer."""
+    ``bound`` lists (global name, value) of each arena view, ``hoisted`` (global name,
+    call text, {local name: global name}) each static view in binding order, and
+    ``copy_out_nodes`` the nodes whose result is copied into its buffer."""
 
     def __init__(self, graph: Graph, plan: MemoryPlan, view: Callable[[Value], torch.Tensor],
                  check_aliasing: bool = False, profile: bool = False, observe: bool = False,
@@ -288,6 +297,9 @@ class CodeGen:
         self.lines: List[str] = []
         self.bound: List[tuple] = []
         self.copy_out_nodes: List[str] = []
+        self.hoisted: List[tuple] = []   # (global name, call text, {local name: global name})
+        self.static: Dict[int, str] = {}  # value id -> global holding it on every call
+        self.hoist = not (check_aliasing or observe)
         self._lit = 0
         self.nstreams, self.nevents, self.nslots = 1, 0, 0
 
@@ -297,7 +309,7 @@ class CodeGen:
         for i, v in enumerate(g.inputs):
             self.names[v.id] = f"x{i}"
         for i, c in enumerate(g.constants):
-            self.names[c.id] = f"c{i}"
+            self.names[c.id] = self.static[c.id] = f"c{i}"
             glb[f"c{i}"] = c.const
         layout_bound = _layout_sensitive(g)
         glb["_conform"] = _conform
@@ -328,6 +340,7 @@ class CodeGen:
         g = self.graph
         hb = graph_happens_before(g)
         self.nstreams, self.nevents = hb.nstreams, len(hb.events)
+        self.hoist = False   # values handed between streams are loaded into locals
         waits: Dict[int, List[int]] = {}
         records: Dict[int, List[int]] = {}
         for k, (p, c) in enumerate(hb.events):
@@ -406,6 +419,10 @@ class CodeGen:
 
     # -- one node -------------------------------------------------------------------
     def _emit_node(self, idx: int, node: Node, layout_bound: set) -> None:
+        if self.hoist and self._hoisted(node):
+            if self.profile:
+                self.lines.append(f"    _rec({idx})")
+            return
         op = get_op(node.op)
         aliased = output_aliases(node)
         outs = []
@@ -426,6 +443,38 @@ class CodeGen:
             self.lines.append(f"    _obs({idx}, ({', '.join(outs)},))")
         if self.profile:
             self.lines.append(f"    _rec({idx})")
+
+    def _hoisted(self, node: Node) -> bool:
+        """Make ``node`` once, at binding, when it is a static view (module docstring):
+        binds ``H<id>`` and records it in ``hoisted``; False (nothing done) otherwise."""
+        op = get_op(node.op)
+        aten = op.aten or node.meta.get("aten")
+        if (op.kind is not OpKind.VIEW or len(node.outputs) != 1 or _kernel_factory(node)
+                or aten is None or op.kernel(node.device) not in (None, aten) or inplace_inputs(node)
+                or not output_aliases(node)[0] or node.outputs[0] in self.graph.outputs
+                or not node.inputs or any(x.id not in self.static for x in node.inputs)):
+            return False
+        pos, kw = [], []
+        for name, kwarg_only in _schema_args(aten):
+            if name in node.attrs:
+                a = self.render(node.attrs[name], node)
+                (kw.append(f"{name}={a}") if kwarg_only else pos.append(a))
+        target = f"K{node.outputs[0].id}h"
+        call = f"{target}({', '.join(pos + kw)})"
+        local = {self.names[x.id]: self.static[x.id] for x in node.inputs
+                 if self.names[x.id] != self.static[x.id]}
+        self.glb[target] = _fast(node, aten)
+        with torch.no_grad():
+            r = eval(call, self.glb, {k: self.glb[g] for k, g in local.items()})  # noqa: S307
+        base = self.glb[self.static[node.inputs[0].id]]
+        if not isinstance(r, torch.Tensor) \
+                or r.untyped_storage().data_ptr() != base.untyped_storage().data_ptr():
+            return False   # a reshape that copied: it must run every call
+        name = f"H{node.outputs[0].id}"
+        self.glb[name] = r
+        self.names[node.outputs[0].id] = self.static[node.outputs[0].id] = name
+        self.hoisted.append((name, call, local))
+        return True
 
     def _bind_buffers(self, node: Node, aliased) -> List[Optional[str]]:
         """``B<id>`` (bound to its arena view) for each planned, non-aliasing output; None
@@ -448,6 +497,7 @@ class CodeGen:
         call = f"{target}({', '.join(self.names[v.id] for v in node.inputs)}"
         if _out_capable(node) and len(bufnames) == 1 and bufnames[0] is not None:
             self.lines.append(f"    {outs[0]} = {call}, out={bufnames[0]})")
+            self.static[node.outputs[0].id] = bufnames[0]   # out= kernels return ``out``
         else:
             self._emit_result(node, lhs, outs, bufnames, call + ")")
 
@@ -484,6 +534,9 @@ class CodeGen:
         outkw = ", ".join(f"{n}={b}" for n, b in zip(op.out_names, bufnames))
         self.lines.append(f"    {target}({args}{', ' if args else ''}{outkw})")
         self.lines.append(f"    {', '.join(outs)} = {', '.join(bufnames)}")
+        for o, b in zip(node.outputs, bufnames):
+            if b.startswith("B"):
+                self.static[o.id] = b
 
     def _emit_result(self, node, lhs, outs, bufnames, call) -> None:
         """Assign a kernel's returned result(s); copy each planned one into its buffer."""
@@ -495,12 +548,14 @@ class CodeGen:
         lines.append(f"    _r = {call}")
         if len(outs) == 1:
             lines.append(f"    {bufnames[0]}.copy_(_r); {outs[0]} = {bufnames[0]}")
+            self.static[node.outputs[0].id] = bufnames[0]
             return
         for j, (o, b) in enumerate(zip(outs, bufnames)):
             if b is None:
                 lines.append(f"    {o} = _r[{j}]")
             else:
                 lines.append(f"    {b}.copy_(_r[{j}]); {o} = {b}")
+                self.static[node.outputs[j].id] = b
 
     def _emit_conform(self, node, aliased, outs, bufnames, layout_bound) -> None:
         """A kernel's own allocation, in the layout it chose: give it the traced strides

@@ -105,6 +105,9 @@ class Executor:
             glb["_chk"] = AliasChecker(self.graph, self.plan)
         for name, v in self._bound:
             glb[name] = ex._view(v)
+        with torch.no_grad():   # static views of the new arena's buffers (`CodeGen`)
+            for name, call, local in self._hoisted:
+                glb[name] = eval(call, glb, {k: glb[g] for k, g in local.items()})  # noqa: S307
         if self._runner is not None:  # its own events, slots and stream threads
             ex._runner = self._runner.copy()
             _bind_runner(glb, ex._runner)
@@ -130,6 +133,7 @@ class Executor:
                       observe=observe is not None, serial=serial)
         src, glb = gen.generate()
         self._bound.extend(gen.bound)
+        self._hoisted = gen.hoisted
         self.copy_out_nodes.extend(gen.copy_out_nodes)
         self._src = src
         self._runner = None
