@@ -148,6 +148,28 @@ class TuneResult:
         """The nodes run in fp32 (CANN ``--keep_dtype`` file lines), in graph order."""
         return [n for n, c in self.nodes.items() if c.precision == "fp32"]
 
+    def mixlist(self) -> Tuple[List[str], List[str]]:
+        """(op types whose every candidate node runs in fp32, op types whose every one is
+        lowered): the per-op-type approximation of the choice that CANN's
+        ``--modify_mixlist`` black and white lists can say."""
+        by_op: Dict[str, set] = {}
+        for c in self.nodes.values():
+            by_op.setdefault(c.op, set()).add(c.precision == "fp32")
+        keep = sorted(op for op, s in by_op.items() if s == {True})
+        lower = sorted(op for op, s in by_op.items() if s == {False})
+        return keep, lower
+
+    def export(self, keep_dtype: Optional[str] = None, modify_mixlist: Optional[str] = None) -> None:
+        """Write CANN's ``--keep_dtype`` file (`keep_dtype`, one node name per line) and / or
+        ``--modify_mixlist`` JSON (`mixlist`); ``opencann atc --keep_dtype F --modify_mixlist
+        M --precision_mode allow_mix_precision_bf16`` reads them back. OSError when a path
+        cannot be written."""
+        from .precision_files import write_keep_dtype, write_mixlist
+        if keep_dtype:
+            write_keep_dtype(keep_dtype, self.keep_dtype())
+        if modify_mixlist:
+            write_mixlist(modify_mixlist, *self.mixlist())
+
     def to_dict(self) -> Dict[str, Any]:
         """JSON-able summary (what the model file's report keeps under ``precision``)."""
         return {"candidates": list(self.candidates), "budget": self.budget,
