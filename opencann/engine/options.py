@@ -183,6 +183,20 @@ def _check_keep_fp32(name: str) -> None:
                          f"report's pre-fusion ops show them)")
 
 
+def _check_precision_options(options: Dict[str, Any]) -> None:
+    """Raises ValueError (one line) for a bad ``keep_fp32`` or ``lower_ops`` op name or a
+    bad ``node_precision``."""
+    for name in options.get("keep_fp32") or ():
+        _check_keep_fp32(name)
+    for name in options.get("lower_ops") or ():
+        try:
+            get_op(name)
+        except KeyError as e:
+            raise ValueError(f"option 'lower_ops': {e.args[0]}; it takes opencann op names "
+                             "such as 'SoftmaxV2'") from None
+    _check_node_precision(options.get("node_precision"))
+
+
 def _check_node_precision(np: Any) -> None:
     """Raises ValueError (one line) unless ``np`` is None or a dict of node names to
     'fp32', 'bf16' or 'fp16' (the names are checked against the graph by the precision
@@ -223,15 +237,7 @@ def check_options(options: Optional[Dict[str, Any]]) -> Dict[str, Any]:
             raise ValueError(f"option 'disable_rewrites' takes rewrite ids '<pass>@<root node>' "
                              f"as in the compile report's applied entries (e.g. "
                              f"'fuse_conv_act@convolution_1'), got {rid!r}")
-    for name in options.get("keep_fp32") or ():
-        _check_keep_fp32(name)
-    for name in options.get("lower_ops") or ():
-        try:
-            get_op(name)
-        except KeyError as e:
-            raise ValueError(f"option 'lower_ops': {e.args[0]}; it takes opencann op names "
-                             "such as 'SoftmaxV2'") from None
-    _check_node_precision(options.get("node_precision"))
+    _check_precision_options(options)
     c = options.get("concurrent_calls")
     if c is not None and (isinstance(c, bool) or not isinstance(c, int) or c < 1):
         raise ValueError(f"option 'concurrent_calls' takes a positive int (the most calls "

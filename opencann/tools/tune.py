@@ -371,85 +371,110 @@ def tune(model: torch.nn.Module, example_inputs, *, budget: Union[str, Callable]
     applied (its report's ``precision`` holds `TuneResult.to_dict`; saved by
     ``opencann.save``). Raises ValueError (one line) for bad arguments, CaptureError /
     ConversionError like ``opencann.compile``."""
-    from ..engine import compile_module
     cands = _check_args(candidates, budget, data, time_budget_s)
     torch.manual_seed(seed)
     t0 = time.perf_counter()
     args = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
-    data = list(data) if data is not None else [args]
     model = model.eval()
     session = Session(model, args)
     nodes = _candidate_nodes(session)
     _own_errors(session, nodes, cands)
-    low = cands[-1]
-    names = list(nodes)
-
-    def options_of(choice: Dict[str, str]) -> Dict[str, Any]:
-        opts: Dict[str, Any] = {"node_precision": {}}
-        for c in cands:
-            group = [n for n in names if choice[n] == c.name]
-            if group and c.name != "fp32":
-                opts = c.options(opts, group)
-        if not opts["node_precision"]:
-            del opts["node_precision"]
-        return opts
-
-    # 2. the lowest candidate whose own-error gate the node passes
-    choice: Dict[str, str] = {}
-    for n, nc in nodes.items():
-        choice[n] = "fp32"
-        fails = []
-        for c in reversed(cands[1:]):
-            v = nc.own.get(c.name)
-            if v is None or v.passed or callable(budget):
-                choice[n] = c.name
-                break
-            fails.append(f"{c.name} own error: {v.detail}")
-        nc.why = "; ".join(fails)
+    search = _Search(model, args, nodes, cands, _Builder(session, device, reps))
+    search.by_gate(callable(budget))
+    if timing:
+        search.drop_slow()
     over = (lambda: time_budget_s is not None and time.perf_counter() - t0 > time_budget_s)
-    # 3. timing: a lowered node that is not faster goes back up
-    builder = _Builder(session, device, reps)
-    if timing and names and any(choice[n] != "fp32" for n in names):
-        high_t = builder.node_times(options_of({n: "fp32" for n in names}), names)
-        low_t = builder.node_times(options_of(choice), names)
-        for n in names:
-            nodes[n].seconds["fp32"] = high_t[n]
-            if choice[n] != "fp32":
-                nodes[n].seconds[choice[n]] = low_t[n]
-                if low_t[n] > 0 and high_t[n] > 0 and low_t[n] >= high_t[n] * (1 - TIME_MARGIN):
-                    nodes[n].why = (f"timing: {choice[n]} {low_t[n] * 1e6:.1f} us incl. casts, "
-                                    f"not {TIME_MARGIN:.0%} under fp32's {high_t[n] * 1e6:.1f} us")
-                    choice[n] = "fp32"
-    # 4. outputs: raise the worst lowered node until they pass
-    outs: List[Dict[str, Any]] = []
-    while True:
-        compiled = compile_module(model, args, device, options_of(choice))
-        ok, why = _outputs_ok(model, data, budget, compiled, outs)
-        lowered = [n for n in names if choice[n] != "fp32"]
-        if ok or not lowered or over():
-            break
-        worst = min(lowered, key=lambda n: (nodes[n].own[choice[n]].cosine
-                                            if choice[n] in nodes[n].own else 1.0,
-                                            -nodes[n].own[choice[n]].max_abs
-                                            if choice[n] in nodes[n].own else 0.0))
-        nodes[worst].why = f"outputs: {why} with it in {choice[worst]}"
-        choice[worst] = "fp32"
-    for n in names:
-        nodes[n].precision = choice[n]
-        if choice[n] == low.name and not nodes[n].why.startswith(("timing", "outputs")):
-            nodes[n].why = ""
-    from ..timing import median_ms
-    fp32 = builder.executor(options_of({n: "fp32" for n in names}))
-    res = TuneResult(nodes, tuple(c.name for c in cands), budget if isinstance(budget, str)
-                     else getattr(budget, "__name__", "metric"), outs,
-                     options=options_of(choice), compiled=compiled)
-    res.fp32_ms = median_ms(fp32.run, builder.inputs, runs=5)
-    res.tuned_ms = median_ms(compiled, *args, runs=5)
+    ok, why, outs = search.fix_outputs(list(data) if data is not None else [args], budget, over)
+    res = search.result(budget, outs)
     res.seconds = time.perf_counter() - t0
     if not ok:
         res.outputs.append({"failed": why})
-    compiled.report.precision = res.to_dict()
+    res.compiled.report.precision = res.to_dict()
     return res
+
+
+class _Search:
+    """The search's state: ``choice`` (node name -> candidate name) and its steps."""
+
+    def __init__(self, model, args, nodes: Dict[str, NodeChoice], cands: List[Candidate], builder):
+        self.model, self.args, self.nodes, self.cands, self.builder = model, args, nodes, cands, builder
+        self.names = list(nodes)
+        self.choice: Dict[str, str] = {n: "fp32" for n in self.names}
+        self.compiled = None
+
+    def options_of(self, choice: Dict[str, str]) -> Dict[str, Any]:
+        """Compile options running each node in its candidate (`Candidate.options`)."""
+        opts: Dict[str, Any] = {}
+        for c in self.cands[1:]:
+            group = [n for n in self.names if choice[n] == c.name]
+            if group:
+                opts = c.options(opts, group)
+        return opts
+
+    def by_gate(self, any_low: bool) -> None:
+        """Each node: the lowest candidate whose own-error gate it passes (every node the
+        lowest when ``any_low``: a user metric judges); ``why`` names the failed gates."""
+        for n, nc in self.nodes.items():
+            fails = []
+            for c in reversed(self.cands[1:]):
+                v = nc.own.get(c.name)
+                if v is None or v.passed or any_low:
+                    self.choice[n] = c.name
+                    break
+                fails.append(f"{c.name} own error: {v.detail}")
+            nc.why = "; ".join(fails)
+
+    def drop_slow(self) -> None:
+        """Time every node all-fp32 and as chosen (`_Builder.node_times`); a lowered node
+        not `TIME_MARGIN` faster (its casts included) goes back to fp32."""
+        if not any(p != "fp32" for p in self.choice.values()):
+            return
+        high = self.builder.node_times(self.options_of({n: "fp32" for n in self.names}), self.names)
+        low = self.builder.node_times(self.options_of(self.choice), self.names)
+        for n in self.names:
+            self.nodes[n].seconds["fp32"] = high[n]
+            p = self.choice[n]
+            if p == "fp32":
+                continue
+            self.nodes[n].seconds[p] = low[n]
+            if low[n] > 0 and high[n] > 0 and low[n] >= high[n] * (1 - TIME_MARGIN):
+                self.nodes[n].why = (f"timing: {p} {low[n] * 1e6:.1f} us incl. casts, not "
+                                     f"{TIME_MARGIN:.0%} under fp32's {high[n] * 1e6:.1f} us")
+                self.choice[n] = "fp32"
+
+    def fix_outputs(self, data, budget, over) -> Tuple[bool, str, List[Dict[str, Any]]]:
+        """Compile the choice and check the outputs (`_outputs_ok`); while they fail (and
+        ``over()`` is False), the lowered node with the worst own error goes back to fp32.
+        Returns (passed, why not, output metrics); ``self.compiled`` is the last compile."""
+        from ..engine import compile_module
+        outs: List[Dict[str, Any]] = []
+        while True:
+            self.compiled = compile_module(self.model, self.args, self.builder.device,
+                                           self.options_of(self.choice))
+            ok, why = _outputs_ok(self.model, data, budget, self.compiled, outs)
+            lowered = [n for n in self.names if self.choice[n] != "fp32"]
+            if ok or not lowered or over():
+                return ok, why, outs
+
+            def badness(n):
+                v = self.nodes[n].own.get(self.choice[n])
+                return (v.cosine, -v.max_abs) if v is not None else (1.0, 0.0)
+            worst = min(lowered, key=badness)
+            self.nodes[worst].why = f"outputs: {why} with it in {self.choice[worst]}"
+            self.choice[worst] = "fp32"
+
+    def result(self, budget, outs) -> TuneResult:
+        """The `TuneResult` of the current choice, with both call times measured."""
+        from ..timing import median_ms
+        for n in self.names:
+            self.nodes[n].precision = self.choice[n]
+        name = budget if isinstance(budget, str) else getattr(budget, "__name__", "metric")
+        res = TuneResult(self.nodes, tuple(c.name for c in self.cands), name, outs,
+                         options=self.options_of(self.choice), compiled=self.compiled)
+        fp32 = self.builder.executor(self.options_of({n: "fp32" for n in self.names}))
+        res.fp32_ms = median_ms(fp32.run, self.builder.inputs, runs=5)
+        res.tuned_ms = median_ms(self.compiled, *self.args, runs=5)
+        return res
 
 
 __all__ = ["CANDIDATES", "Candidate", "NodeChoice", "TuneResult", "tune"]
