@@ -92,6 +92,19 @@ def _compile(model, example_inputs, device, options, example_kwargs, input_shape
                           example_kwargs=example_kwargs)
 
 
+def tune(model, example_inputs, **kwargs):
+    """Per-node precision search: the fastest mix of fp32 / bf16 (and other candidates)
+    whose results pass an accuracy gate (msprobe's rules by default, or a metric on your
+    data), compiled. See `opencann.tools.tune.tune` for the arguments (``budget``,
+    ``data``, ``candidates``, ``time_budget_s``, ``seed``...), the search and the errors;
+    returns its `TuneResult` (``.compiled``, ``.precision``, ``.kept``, ``.speedup``,
+    ``.export(keep_dtype=..., modify_mixlist=...)``)."""
+    # imported by name at call time: opencann.acl imports this package for compile / load,
+    # and the layer contract keeps acl from depending on the tools beside it
+    import importlib
+    return importlib.import_module(f"{__name__}.tools.tune").tune(model, example_inputs, **kwargs)
+
+
 def save(compiled, path: str, description: str = "") -> None:
     """Write a `CompiledModel` to ``path`` (an ``.ocm`` model file: optimized graph, memory
     plan, schedule, report, metadata as JSON; weights as safetensors; sha256 per

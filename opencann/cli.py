@@ -1,5 +1,5 @@
 """The ``opencann`` command line: demo, compile, run, bench, generate, estimate, train-demo,
-inspect, fuzz, doctor, analyze, compare.
+inspect, fuzz, doctor, analyze, compare, tune.
 
     opencann demo                               # the main job on the embedded default
     opencann compile resnet50 --report r.json   # zoo name, file.py:factory or m.onnx
@@ -16,6 +16,7 @@ inspect, fuzz, doctor, analyze, compare.
     opencann doctor [--json]                    # versions, CPU ISA, oneDNN/MKL, GPU, vnpu
     opencann analyze m.py:factory [--device vnpu]   # op-support audit with source lines
     opencann compare resnet50 --html r.html --bisect   # layer-by-layer vs eager; guilty pass
+    opencann tune minilm --out m.ocm --keep-dtype-out keep.txt   # per-node fp32/bf16 search
 """
 from __future__ import annotations
 
@@ -451,9 +452,7 @@ def cmd_atc(args) -> int:
         raise CliError(f"directory {args.output_dir} of --output does not exist; create it first")
     if args.dump_graph and os.path.isfile(args.dump_graph):
         raise CliError(f"--dump_graph {args.dump_graph} is a file; give a directory")
-    options = {}
-    if args.precision_mode:
-        options["precision_mode"] = args.precision_mode
+    options = _atc_precision(args)
     if args.fusion_switch_file:
         options["fusion_switch_file"] = args.fusion_switch_file
     if args.dump_graph:
@@ -490,6 +489,23 @@ def cmd_atc(args) -> int:
         console.print(f"graph after each stage written to {args.dump_graph}/ (.dot, .json)",
                       markup=False, highlight=False)
     return 0
+
+
+def _atc_precision(args) -> dict:
+    """The compile options of atc's --precision_mode (checked: one ValueError line naming
+    the modes), --keep_dtype and --modify_mixlist files (`opencann.tools.precision_files`)."""
+    options = {}
+    if args.precision_mode:
+        from .passes.prepare.precision import low_dtype
+        low_dtype(args.precision_mode)
+        options["precision_mode"] = args.precision_mode
+    if args.keep_dtype:
+        from .tools.precision_files import read_keep_dtype
+        options["keep_dtype"] = read_keep_dtype(args.keep_dtype)
+    if args.modify_mixlist:
+        from .tools.precision_files import read_mixlist
+        options["keep_fp32"], options["lower_ops"] = read_mixlist(args.modify_mixlist)
+    return options
 
 
 def _atc_pytorch(args, options, flag, spec):
@@ -730,6 +746,18 @@ def _add_tool_commands(sub) -> None:
     from .tools.train_demo import add_arguments as _train_args, run_args as _train_run
     _train_args(t, minilm_steps=4)  # show transformer training too
     t.set_defaults(fn=_train_run)
+    from .tools.tune_cli import add_arguments as _tune_args
+    tu = sub.add_parser("tune", help="per-node precision search (fp32 / bf16): the fastest mix "
+                        "passing msprobe's accuracy gate or your metric")
+    _tune_args(tu)
+    tu.set_defaults(fn=cmd_tune)
+
+
+def cmd_tune(args) -> int:
+    """``opencann tune MODEL``: `opencann.tools.tune` on a zoo model or factory; prints the
+    per-node table and writes the model / CANN precision files asked for. Returns 0."""
+    from .tools.tune_cli import run_args
+    return run_args(args, console, _load)
 
 
 def _add_atc_command(sub) -> None:
@@ -759,7 +787,15 @@ def _add_atc_command(sub) -> None:
                    "(default NCHW); --dynamic_dims is ND")
     a.add_argument("--soc_version", type=_atc.soc_version, default="cpu",
                    help="cpu, Ascend910B[1-4], Ascend910[A], Ascend310[P3] (vnpu presets)")
-    a.add_argument("--precision_mode", help="CANN precision mode, e.g. allow_mix_precision")
+    a.add_argument("--precision_mode", metavar="MODE",
+                   help="CANN precision mode: force_fp32, must_keep_origin_dtype, "
+                   "allow_fp32_to_fp16, allow_mix_precision(_fp16|_bf16), force_fp16 (CANN's "
+                   "ATC defaults to force_fp16 for an NPU; here unset keeps the model's dtypes, "
+                   "see docs/guide/precision.md)")
+    a.add_argument("--keep_dtype", metavar="FILE", help="CANN keep_dtype file: node names "
+                   "(one per line) kept in their original dtype (opencann tune writes one)")
+    a.add_argument("--modify_mixlist", metavar="FILE", help='CANN mixlist JSON ({"black-list": '
+                   '{"to-add": [...]}, "white-list": {...}}) changing which op types are lowered')
     a.add_argument("--fusion_switch_file", help="CANN fusion switch JSON file "
                    '({"Switch": {"GraphFusion": {"ConvBatchnormFusionPass": "off"}}})')
     a.add_argument("--log", choices=sorted(_atc.LOG_LEVELS), help="log level")

@@ -93,6 +93,10 @@ class CompileReport:
     #: (`opencann.passes.schedule.stream_summary`);
     #: empty (and left out of `to_dict`) on one stream
     streams: Dict[str, Any] = field(default_factory=dict)
+    #: a model compiled by ``opencann.tune``: the chosen per-node precision, measured
+    #: speed-up, each node's own error and why nodes stay in higher precision
+    #: (`opencann.tools.tune.TuneResult.to_dict`); empty (and left out of `to_dict`) otherwise
+    precision: Dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.device = str(self.device)
@@ -105,8 +109,9 @@ class CompileReport:
     def to_dict(self) -> Dict[str, Any]:
         """The report as plain data (``dataclasses.asdict``) plus ``opencann_seconds``."""
         d = asdict(self)
-        if not d["streams"]:
-            del d["streams"]
+        for k in ("streams", "precision"):
+            if not d[k]:
+                del d[k]
         d["opencann_seconds"] = self.opencann_seconds
         return d
 

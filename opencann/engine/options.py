@@ -57,6 +57,15 @@ class CompileOptions:
     keep_fp32: Tuple[str, ...] = _opt(
         (), "list of op names", "Ops kept in fp32 under a lowering precision_mode (e.g. 'SoftmaxV2'; a fused op "
         "such as 'LinearAct' keeps the ops it is formed from).")
+    keep_dtype: Tuple[str, ...] = _opt(
+        (), "list of node names", "Nodes kept in their original dtype under any precision_mode "
+        "(CANN ATC --keep_dtype; names as the captured program's, e.g. 'addmm_1').")
+    node_precision: Optional[Dict[str, str]] = _opt(
+        None, "dict node name -> 'fp32', 'bf16' or 'fp16'", "The precision each named node "
+        "computes in, over the precision_mode's lists (what opencann.tune chooses).")
+    lower_ops: Tuple[str, ...] = _opt(
+        (), "list of op names", "Ops lowered under a mixed precision_mode even when the default "
+        "keep-fp32 list names them (CANN modify_mixlist white-list).")
     host_fallback: bool = _opt(True, "bool", "Run ops without a converter on the host; False: "
                                              "refuse to compile them.")
     concurrent_calls: int = _opt(
@@ -156,7 +165,7 @@ def complete(options: Optional[Mapping[str, Any]]) -> Dict[str, Any]:
 
 _BOOL_OPTIONS = ("verify", "inplace", "copy_out", "host_fallback", "check_aliasing",
                  "memory_aware_order", "fuse_elementwise_fastmath", "freezing", "share_weights")
-_LIST_OPTIONS = ("disable", "enable", "keep_fp32", "disable_rewrites")
+_LIST_OPTIONS = ("disable", "enable", "keep_fp32", "disable_rewrites", "keep_dtype", "lower_ops")
 
 
 def _check_keep_fp32(name: str) -> None:
@@ -172,6 +181,36 @@ def _check_keep_fp32(name: str) -> None:
                          f"precision from ops that also run unfused; name its parts "
                          f"instead (e.g. 'MatMulV2', 'Mul', 'Silu' as the compile "
                          f"report's pre-fusion ops show them)")
+
+
+def _check_precision_options(options: Dict[str, Any]) -> None:
+    """Raises ValueError (one line) for a bad ``keep_fp32`` or ``lower_ops`` op name or a
+    bad ``node_precision``."""
+    for name in options.get("keep_fp32") or ():
+        _check_keep_fp32(name)
+    for name in options.get("lower_ops") or ():
+        try:
+            get_op(name)
+        except KeyError as e:
+            raise ValueError(f"option 'lower_ops': {e.args[0]}; it takes opencann op names "
+                             "such as 'SoftmaxV2'") from None
+    _check_node_precision(options.get("node_precision"))
+
+
+def _check_node_precision(np: Any) -> None:
+    """Raises ValueError (one line) unless ``np`` is None or a dict of node names to
+    'fp32', 'bf16' or 'fp16' (the names are checked against the graph by the precision
+    pass, `opencann.passes.prepare.precision.node_overrides`)."""
+    from ..passes.prepare.precision import PRECISIONS
+    if np is None:
+        return
+    if not isinstance(np, dict) or not all(isinstance(k, str) for k in np):
+        raise ValueError(f"option 'node_precision' takes a dict of node names to "
+                         f"{sorted(PRECISIONS)}, e.g. {{'addmm_1': 'fp32'}}, got {np!r}")
+    for k, v in np.items():
+        if v not in PRECISIONS:
+            raise ValueError(f"option 'node_precision': {k!r} -> {v!r}; use one of "
+                             f"{sorted(PRECISIONS)}")
 
 
 def check_options(options: Optional[Dict[str, Any]]) -> Dict[str, Any]:
@@ -198,8 +237,7 @@ def check_options(options: Optional[Dict[str, Any]]) -> Dict[str, Any]:
             raise ValueError(f"option 'disable_rewrites' takes rewrite ids '<pass>@<root node>' "
                              f"as in the compile report's applied entries (e.g. "
                              f"'fuse_conv_act@convolution_1'), got {rid!r}")
-    for name in options.get("keep_fp32") or ():
-        _check_keep_fp32(name)
+    _check_precision_options(options)
     c = options.get("concurrent_calls")
     if c is not None and (isinstance(c, bool) or not isinstance(c, int) or c < 1):
         raise ValueError(f"option 'concurrent_calls' takes a positive int (the most calls "

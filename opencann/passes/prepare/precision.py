@@ -21,6 +21,14 @@ DecodeAttention) stays in fp32, and an op that writes into an input in place
 (``OpDef.inplace_of``: KvCacheUpdate writing the KV cache) computes in that input's
 dtype: casting the cache would write into a copy instead of the caller's tensor.
 
+Per node (CANN ATC's ``--keep_dtype`` file: node names kept in their original dtype;
+and opencann's ``node_precision``: node name -> "fp32" / "bf16" / "fp16"): a named node
+computes in that precision whatever the mode's lists say (`opencann.tools.tune` writes
+these). Names are the captured program's node names (torch.export's FX names such as
+``addmm_1`` or ``convolution``; an ONNX node's name), which are stable across compiles of
+the same model; mixed precision runs before fusion, so a fused node (``addmm_1_relu``)
+is named by its parts. An unknown name is one ValueError line listing near matches.
+
 Casts of weights (graph constants) are done once at compile time. A Cast pair
 low→fp32→low of the same tensor is exact and folded away.
 
@@ -34,7 +42,8 @@ low-precision scores in fp32, as eager does with an fp32 mask.
 """
 from __future__ import annotations
 
-from typing import Dict, Iterable, Optional, Set, Tuple
+import difflib
+from typing import Any, Dict, Iterable, Mapping, Optional, Set, Tuple
 
 
 from ...ir import DataType, Graph, Node, TensorRef, Value
@@ -71,6 +80,8 @@ def default_keep_fp32() -> Set[str]:
 
 
 FP32, FP16, BF16 = DataType.FLOAT, DataType.FLOAT16, DataType.BF16
+#: ``node_precision`` values -> the dtype a node computes in
+PRECISIONS = {"fp32": FP32, "fp16": FP16, "bf16": BF16}
 
 
 def low_dtype(mode: str) -> Optional[DataType]:
@@ -97,6 +108,7 @@ def _cast(graph: Graph, v: Value, dt: DataType, before: Node, cache: Dict) -> Va
                                  [v.desc.with_(dtype=dt)], name=f"cast_{dt.value}",
                                  source=before.source, scope=before.scope, before=before)
         node.meta["precision"] = True
+        node.meta["precision_for"] = before.name   # per-node timing charges it to its reader
         if v.traced_strides is not None:  # Cast keeps its input's layout, as eager's .to()
             node.meta["strides"] = [v.traced_strides]
         out = node.output
@@ -115,6 +127,7 @@ class MixedPrecision(Pass):
 
     def __init__(self, keep_fp32: Optional[Iterable[str]] = None):
         self.keep_fp32 = set(default_keep_fp32() if keep_fp32 is None else keep_fp32)
+        self._per_node: Dict[str, Optional[DataType]] = {}
 
     def run(self, graph: Graph, ctx: PassContext) -> int:
         """Apply ``options["precision_mode"]`` (unset: unchanged). ``force_fp32``: every
@@ -125,29 +138,41 @@ class MixedPrecision(Pass):
         their original dtypes. Returns the number of inputs redirected to casts plus the
         output casts. Raises ValueError for an unknown mode (`low_dtype`)."""
         mode = ctx.options["precision_mode"]
-        if not mode:
+        per_node = node_overrides(graph, ctx.options.get("keep_dtype") or (),
+                                  ctx.options.get("node_precision") or {})
+        if not mode and not per_node:
             return 0
-        low = low_dtype(mode)
+        self._per_node = per_node
+        low = low_dtype(mode) if mode else None
         keep = pre_fusion_names(self.keep_fp32 | set(ctx.options["keep_fp32"]))
+        keep -= set(ctx.options.get("lower_ops") or ())
+        lower = set(ctx.options.get("lower_ops") or ())
         if mode == "force_fp32":
             return self._rewrite(graph, FP32, lambda n: True, set(), ctx, mode)
-        if low is None:
+        if low is None and not per_node:
             ctx.artifacts["note"] = f"{mode}: every op supports fp32 on {ctx.device}; unchanged"
             return 0
+        if low is None:   # per-node precisions only: every other op keeps its dtype
+            return self._rewrite(graph, None, lambda n: False, keep, ctx, mode or "node_precision")
         if mode == "force_fp16":
             return self._rewrite(graph, low, lambda n: True, set(), ctx, mode)
-        return self._rewrite(graph, low, lambda n: get_op(n.op).kind in LOW_KINDS, keep, ctx, mode)
+        return self._rewrite(graph, low, lambda n: get_op(n.op).kind in LOW_KINDS
+                             or n.op in lower, keep, ctx, mode)
 
-    def _rewrite(self, graph: Graph, target: DataType, is_low, keep, ctx: PassContext, mode: str) -> int:
+    def _rewrite(self, graph: Graph, target: Optional[DataType], is_low, keep,
+                 ctx: PassContext, mode: str) -> int:
         floats = (FP32, FP16, BF16)
         cache: Dict = {}
         origin = {id(v): v.desc.dtype for v in graph.values()}
         changed = 0
         kept = []
         for node in list(graph.nodes):
-            want, written = _wanted(node, target, is_low, keep)
+            want, written = _wanted(node, target, is_low, keep, self._per_node)
             if want is None:
                 continue
+            if want == "origin":   # keep_dtype: its original dtype, inputs cast back to it
+                outs = [origin[id(o)] for o in node.outputs if origin[id(o)] in floats]
+                want = outs[0] if outs else FP32
             if want != FP32 and not written:
                 why = lost_in_cast(node, want)
                 if why:   # lowering would change what a value means: keep eager's
@@ -170,7 +195,10 @@ class MixedPrecision(Pass):
                     o.desc = o.desc.with_(dtype=want)
         changed += _cast_outputs(graph, origin, cache)
         graph.prune_constants()
-        ctx.artifacts["note"] = f"{mode}: {changed} casts; low precision {target.value}"
+        low_name = target.value if target is not None else "per node"
+        ctx.artifacts["note"] = f"{mode}: {changed} casts; low precision {low_name}"
+        if self._per_node:
+            ctx.artifacts["note"] += f"; {len(self._per_node)} nodes set per node"
         if kept:
             ctx.artifacts["note"] += ("; kept in fp32 because a value would not survive the "
                                       "cast: " + "; ".join(kept))
@@ -180,15 +208,19 @@ class MixedPrecision(Pass):
         return changed
 
 
-def _wanted(node: Node, target: DataType, is_low, keep) -> Tuple[Optional[DataType], bool]:
-    """(the dtype ``node`` computes in under the mode, None: leave it; whether it writes
-    an input in place). Casts are left; host fallbacks and creations take fp32; an op
-    writing into an input in place (``OpDef.inplace_of``: the KV cache) keeps that input's
-    dtype, as a cast would write into a copy, not the caller's tensor; ``fp32_kernel``
-    ops and ``keep`` take fp32; ``is_low`` ops ``target``; FOLLOW_KINDS ops follow their
-    non-constant float inputs; the rest fp32."""
+def _wanted(node: Node, target: Optional[DataType], is_low, keep,
+            per_node: Mapping[str, Optional[DataType]]) -> Tuple[Any, bool]:
+    """(the dtype ``node`` computes in under the mode, None: leave it, "origin": its
+    original dtype; whether it writes an input in place). Casts are left; host fallbacks
+    and creations take fp32; an op writing into an input in place (``OpDef.inplace_of``:
+    the KV cache) keeps that input's dtype, as a cast would write into a copy, not the
+    caller's tensor; ``fp32_kernel`` ops take fp32; a node named in ``per_node`` (name
+    -> dtype, None: its original dtype) takes that; ``keep`` ops take fp32; ``is_low``
+    ops ``target``; FOLLOW_KINDS ops follow their non-constant float inputs when those
+    share one low dtype; the rest fp32 (with no ``target``: their original dtype)."""
     op = get_op(node.op)
     floats = (FP32, FP16, BF16)
+    rest = FP32 if target is not None else "origin"
     if node.op == "Cast":
         return None, False
     if node.op == "HostFallback" or op.kind in (OpKind.CREATION, OpKind.FALLBACK):
@@ -196,14 +228,48 @@ def _wanted(node: Node, target: DataType, is_low, keep) -> Tuple[Optional[DataTy
     if op.inplace_of:
         dt = node.inputs[written_inputs(node)[0]].desc.dtype
         return (dt if dt in floats else None), True
-    if op.fp32_kernel or node.op in keep:
+    if op.fp32_kernel:
         return FP32, False
+    if node.name in per_node:
+        return per_node[node.name] or "origin", False
+    if node.op in keep:
+        return rest, False
     if is_low(node):
         return target, False
     if op.kind in FOLLOW_KINDS:
-        act = [v for v in node.inputs if v.desc.dtype in floats and not v.is_const]
-        return (target if act and all(v.desc.dtype == target for v in act) else FP32), False
-    return FP32, False
+        act = {v.desc.dtype for v in node.inputs if v.desc.dtype in floats and not v.is_const}
+        return (act.pop() if len(act) == 1 and act & {FP16, BF16} else rest), False
+    return rest, False
+
+
+def node_overrides(graph: Graph, keep_dtype: Iterable[str],
+                   node_precision: Mapping[str, str]) -> Dict[str, Optional[DataType]]:
+    """Node name -> the dtype it computes in (None: its original dtype) from the options
+    ``keep_dtype`` (CANN ``--keep_dtype``: names kept in their original dtype) and
+    ``node_precision`` (name -> "fp32" / "bf16" / "fp16", `PRECISIONS`); ``keep_dtype``
+    wins over ``node_precision`` for a name in both. Raises ValueError (one line) for a
+    name that is no node of ``graph`` (listing up to 5 near matches) or an unknown
+    precision."""
+    names = {n.name for n in graph.nodes}
+    out: Dict[str, Optional[DataType]] = {}
+    for opt, given in (("node_precision", node_precision), ("keep_dtype", keep_dtype)):
+        for name in given:
+            if name not in names:
+                near = difflib.get_close_matches(name, sorted(names), n=5, cutoff=0.5)
+                hint = (f"near matches: {', '.join(near)}" if near else
+                        f"nodes are named as the compile report's pre-fusion names, e.g. "
+                        f"{', '.join(sorted(names)[:3])}")
+                raise ValueError(f"option {opt!r}: no node named {name!r} in graph "
+                                 f"{graph.name}; {hint}")
+            if opt == "keep_dtype":
+                out[name] = None
+                continue
+            p = node_precision[name]
+            if p not in PRECISIONS:
+                raise ValueError(f"option 'node_precision': {name!r} -> {p!r}; use one of "
+                                 f"{sorted(PRECISIONS)}")
+            out[name] = PRECISIONS[p]
+    return out
 
 
 def _cast_outputs(graph: Graph, origin: Dict, cache: Dict) -> int:
@@ -222,6 +288,8 @@ def _cast_outputs(graph: Graph, origin: Dict, cache: Dict) -> int:
             continue
         tail = graph.create_node("Cast", [v], {"self": TensorRef(0), "dtype": want.torch},
                                  [v.desc.with_(dtype=want)], name="cast_out")
+        if v.producer is not None:   # per-node timing charges it to the output's producer
+            tail.meta["precision_for"] = v.producer.name
         if v.traced_strides is not None:  # the caller gets eager's strides
             tail.meta["strides"] = [v.traced_strides]
         graph.outputs[i] = tail.output
@@ -247,5 +315,5 @@ def precision_summary(graph: Graph) -> Dict[str, Dict[str, int]]:
     return out
 
 
-__all__ = ["MixedPrecision", "default_keep_fp32", "MODES", "low_dtype", "pre_fusion_names",
-           "precision_summary"]
+__all__ = ["MixedPrecision", "default_keep_fp32", "MODES", "PRECISIONS", "low_dtype",
+           "node_overrides", "pre_fusion_names", "precision_summary"]

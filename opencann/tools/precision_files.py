@@ -1,0 +1,96 @@
+"""CANN's precision files, read and written: ATC ``--keep_dtype`` (a text file, one node
+name per line, kept in its original dtype) and ``--modify_mixlist`` (JSON changing the
+mixed-precision lists by op type)::
+
+    {"black-list": {"to-add": ["MatMulV2"], "to-remove": []},
+     "white-list": {"to-add": ["SoftmaxV2"], "to-remove": []}}
+
+(source: Ascend "ATC parameters: --keep_dtype, --modify_mixlist"). Black list: ops kept
+in fp32 (opencann's ``keep_fp32`` option); white list: ops lowered (``lower_ops``); a
+black-list "to-remove" lowers the op, a white-list "to-remove" keeps it in fp32. CANN's
+gray list (ops following their inputs) is opencann's default for elementwise ops and is
+refused here, as are op names opencann does not know.
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Dict, Iterable, List, Tuple
+
+_LISTS = ("black-list", "white-list")
+_ACTIONS = ("to-add", "to-remove")
+
+
+def read_keep_dtype(path: str) -> List[str]:
+    """Node names from a ``--keep_dtype`` file: one per line; blank lines and lines
+    starting with ``#`` skipped; surrounding spaces stripped. Raises ValueError (one
+    line) for a missing file or one without names."""
+    if not os.path.isfile(path):
+        raise ValueError(f"--keep_dtype {path}: no such file; write one node name per line "
+                         "(opencann tune --keep-dtype-out writes one)")
+    with open(path, encoding="utf-8") as f:
+        names = [ln.strip() for ln in f if ln.strip() and not ln.strip().startswith("#")]
+    if not names:
+        raise ValueError(f"--keep_dtype {path}: no node names; write one per line")
+    return list(dict.fromkeys(names))
+
+
+def write_keep_dtype(path: str, names: Iterable[str]) -> None:
+    """Write ``names`` to ``path``, one per line (CANN's ``--keep_dtype`` form)."""
+    with open(path, "w", encoding="utf-8") as f:
+        f.writelines(f"{n}\n" for n in names)
+
+
+def read_mixlist(path: str) -> Tuple[List[str], List[str]]:
+    """(op types kept in fp32, op types lowered) from a ``--modify_mixlist`` JSON file
+    (module docstring), as opencann's ``keep_fp32`` / ``lower_ops`` options take them.
+    Raises ValueError (one line) for a missing file, non-JSON, another structure, a gray
+    list, or an op opencann does not know (naming it)."""
+    from ..ops import get_op
+    if not os.path.isfile(path):
+        raise ValueError(f"--modify_mixlist {path}: no such file; write JSON such as "
+                         '{"black-list": {"to-add": ["MatMulV2"]}}')
+    try:
+        with open(path, encoding="utf-8") as f:
+            doc = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"--modify_mixlist {path}: not JSON ({str(e).splitlines()[0]})") from None
+    if isinstance(doc, dict) and "gray-list" in doc:
+        raise ValueError(f"--modify_mixlist {path}: gray-list is not taken (opencann's "
+                         "elementwise ops already follow their inputs); use black-list or white-list")
+    if (not isinstance(doc, dict) or set(doc) - set(_LISTS) or not all(
+            isinstance(v, dict) and not set(v) - set(_ACTIONS)
+            and all(isinstance(x, list) and all(isinstance(o, str) for o in x) for x in v.values())
+            for v in doc.values())):
+        raise ValueError(f"--modify_mixlist {path}: expected {{\"black-list\": {{\"to-add\": "
+                         f"[op, ...], \"to-remove\": [...]}}, \"white-list\": {{...}}}}, got "
+                         f"{json.dumps(doc)[:120]}")
+    keep: List[str] = []
+    lower: List[str] = []
+    for lst, actions in doc.items():
+        for action, ops in actions.items():
+            for op in ops:
+                try:
+                    get_op(op)
+                except KeyError as e:
+                    raise ValueError(f"--modify_mixlist {path}: {lst}.{action}: {e.args[0]}") from None
+                to_keep = (lst == "black-list") == (action == "to-add")
+                (keep if to_keep else lower).append(op)
+    both = sorted(set(keep) & set(lower))
+    if both:
+        raise ValueError(f"--modify_mixlist {path}: {both} both kept in fp32 and lowered; "
+                         "name each op once")
+    return keep, lower
+
+
+def write_mixlist(path: str, keep: Iterable[str], lower: Iterable[str]) -> Dict[str, Dict]:
+    """Write a ``--modify_mixlist`` file adding ``keep`` to the black list and ``lower``
+    to the white list; returns the document written."""
+    doc = {"black-list": {"to-add": sorted(set(keep))}, "white-list": {"to-add": sorted(set(lower))}}
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(doc, f, indent=2)
+        f.write("\n")
+    return doc
+
+
+__all__ = ["read_keep_dtype", "read_mixlist", "write_keep_dtype", "write_mixlist"]

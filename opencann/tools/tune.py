@@ -1,0 +1,480 @@
+"""Per-node precision search (``opencann.tune``): the fastest mix of precisions whose
+results pass an accuracy gate, as AMCT / OpenVINO's accuracy-aware tuning do per layer.
+
+    res = opencann.tune(model, (x,))               # candidates fp32 and bf16, msprobe's gate
+    res.precision            # node name -> "fp32" / "bf16"
+    res.kept                 # node name -> why it stays in higher precision (the gate it failed)
+    res.speedup              # measured call time of all-fp32 / tuned, same process
+    y = res.compiled(x)      # the compiled model with the choice applied (saved by opencann.save)
+
+The search (deterministic given ``seed``, but for the timing step, which compares
+minima of repeated timings with a 5% margin):
+
+1. Candidate nodes: the nodes mixed precision lowers (``OpKind`` MATMUL, CONV,
+   ATTENTION; `opencann.passes.prepare.precision.LOW_KINDS`), named as the captured
+   program names them (stable across compiles; before fusion).
+2. Each node's own error per low candidate: the op run by torch on eager's exact inputs
+   rounded to the candidate (`Candidate.emulate`), judged against eager by the gate
+   (`opencann.tools.tune_gate.msprobe_gate`); a node failing it keeps the next higher
+   candidate (reason: the rule and figures).
+3. Timing: the all-fp32 graph and the candidate graph compiled and timed per node
+   (`Executor.node_seconds`: the least of a few runs); a node's time includes the Casts
+   inserted for it (``meta["precision_for"]``) and, for a fused node, its fused partners.
+   A lowered node not 5% faster than at fp32 goes back up (reason: both times).
+4. Outputs re-checked on ``data`` (default: the example inputs) against eager: by the
+   gate's rules 1-2 (NaN/Inf positions, cosine; the error-ratio rule judges ops, see
+   `tune_gate`) or by the user's ``budget`` callable. While they fail, the lowered node
+   with the worst own error goes back up (reason: "outputs").
+
+Candidates are a name plus how to apply them to a set of nodes (`Candidate`); int8 plugs
+in as one more (`CANDIDATES` holds fp32, bf16, fp16).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+
+import torch
+import torch.utils._pytree as pytree
+
+from .compare import Session, metrics
+from .tune_gate import COSINE_FAIL, Verdict, msprobe_gate
+
+#: the faster candidate must beat the slower one by this fraction to be kept
+TIME_MARGIN = 0.05
+
+
+def _cast_emulate(dtype: torch.dtype):
+    """An `Candidate.emulate` that runs ``target`` on its float tensor arguments cast to
+    ``dtype`` (what the engine's Cast nodes do) and returns (result as fp32, the same op
+    in fp32 on the rounded inputs)."""
+    def run(target, args, kwargs):
+        def low(x):
+            return x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
+
+        def up(x):
+            return low(x).float() if isinstance(x, torch.Tensor) and x.is_floating_point() else x
+        a, k = pytree.tree_map(low, (args, kwargs))
+        out = target(*a, **k)
+        a, k = pytree.tree_map(up, (args, kwargs))
+        same = target(*a, **k)
+        first = (lambda r: r[0] if isinstance(r, (tuple, list)) else r)
+        return first(out).float(), first(same).float()
+    return run
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A precision the search may give a node: ``name`` (what `TuneResult.precision`
+    and the options say), ``dtype`` (the gate's error-ratio bounds), ``apply(options,
+    nodes) -> options`` (compile options that run ``nodes`` in it; default:
+    ``node_precision``) and ``emulate(target, args, kwargs) -> (result, same-input fp32
+    result)`` (one op on eager's inputs, for its own error; None: judged only through the
+    outputs)."""
+
+    name: str
+    dtype: torch.dtype
+    apply: Optional[Callable[[Dict[str, Any], Sequence[str]], Dict[str, Any]]] = None
+    emulate: Optional[Callable] = None
+
+    def options(self, options: Dict[str, Any], nodes: Sequence[str]) -> Dict[str, Any]:
+        """``options`` with ``nodes`` run in this precision (a new dict)."""
+        if self.apply is not None:
+            return self.apply(dict(options), list(nodes))
+        out = dict(options)
+        out["node_precision"] = {**(out.get("node_precision") or {}), **{n: self.name for n in nodes}}
+        return out
+
+
+CANDIDATES: Dict[str, Candidate] = {
+    "fp32": Candidate("fp32", torch.float32),
+    "bf16": Candidate("bf16", torch.bfloat16, emulate=_cast_emulate(torch.bfloat16)),
+    "fp16": Candidate("fp16", torch.float16, emulate=_cast_emulate(torch.float16)),
+}
+
+
+@dataclass
+class NodeChoice:
+    """One candidate node: its ``name``, ``op`` (IR op type), ``module`` and ``source``,
+    the chosen ``precision``, ``own`` (candidate name -> the gate's `Verdict` on its own
+    error), ``seconds`` (candidate name -> its measured time incl. its casts, s) and, when
+    kept higher than the lowest candidate, ``why`` (the gate or step that kept it)."""
+
+    name: str
+    op: str
+    module: str = ""
+    source: str = ""
+    precision: str = "fp32"
+    own: Dict[str, Verdict] = field(default_factory=dict)
+    seconds: Dict[str, float] = field(default_factory=dict)
+    why: str = ""
+
+
+@dataclass
+class TuneResult:
+    """What `tune` chose: ``nodes`` (name -> `NodeChoice`), ``outputs`` (per output: the
+    metrics against eager on each data item), ``fp32_ms`` / ``tuned_ms`` (median call
+    time, ms), ``compiled`` (the `CompiledModel` with the choice applied), ``candidates``,
+    ``budget`` ("msprobe" or the metric's name), ``seconds`` (search time)."""
+
+    nodes: Dict[str, NodeChoice]
+    candidates: Tuple[str, ...]
+    budget: str
+    outputs: List[Dict[str, Any]] = field(default_factory=list)
+    fp32_ms: float = 0.0
+    tuned_ms: float = 0.0
+    seconds: float = 0.0
+    options: Dict[str, Any] = field(default_factory=dict)
+    compiled: Any = None
+
+    @property
+    def precision(self) -> Dict[str, str]:
+        """Node name -> chosen candidate name."""
+        return {n: c.precision for n, c in self.nodes.items()}
+
+    @property
+    def kept(self) -> Dict[str, str]:
+        """Node name -> why it runs above the lowest candidate (the failed gate, timing
+        or the output check), for the nodes that do."""
+        return {n: c.why for n, c in self.nodes.items() if c.why}
+
+    @property
+    def speedup(self) -> float:
+        """All-fp32 compiled call time / tuned call time (same process, medians)."""
+        return self.fp32_ms / self.tuned_ms if self.tuned_ms > 0 else 0.0
+
+    def keep_dtype(self) -> List[str]:
+        """The nodes run in fp32 (CANN ``--keep_dtype`` file lines), in graph order."""
+        return [n for n, c in self.nodes.items() if c.precision == "fp32"]
+
+    def mixlist(self) -> Tuple[List[str], List[str]]:
+        """(op types whose every candidate node runs in fp32, op types whose every one is
+        lowered): the per-op-type approximation of the choice that CANN's
+        ``--modify_mixlist`` black and white lists can say."""
+        by_op: Dict[str, set] = {}
+        for c in self.nodes.values():
+            by_op.setdefault(c.op, set()).add(c.precision == "fp32")
+        keep = sorted(op for op, s in by_op.items() if s == {True})
+        lower = sorted(op for op, s in by_op.items() if s == {False})
+        return keep, lower
+
+    def export(self, keep_dtype: Optional[str] = None, modify_mixlist: Optional[str] = None) -> None:
+        """Write CANN's ``--keep_dtype`` file (`keep_dtype`, one node name per line) and / or
+        ``--modify_mixlist`` JSON (`mixlist`); ``opencann atc --keep_dtype F --modify_mixlist
+        M --precision_mode allow_mix_precision_bf16`` reads them back. OSError when a path
+        cannot be written."""
+        from .precision_files import write_keep_dtype, write_mixlist
+        if keep_dtype:
+            write_keep_dtype(keep_dtype, self.keep_dtype())
+        if modify_mixlist:
+            write_mixlist(modify_mixlist, *self.mixlist())
+
+    def to_dict(self) -> Dict[str, Any]:
+        """JSON-able summary (what the model file's report keeps under ``precision``)."""
+        return {"candidates": list(self.candidates), "budget": self.budget,
+                "speedup": round(self.speedup, 4), "fp32_ms": round(self.fp32_ms, 4),
+                "tuned_ms": round(self.tuned_ms, 4), "search_seconds": round(self.seconds, 2),
+                "options": self.options, "outputs": self.outputs,
+                "nodes": {n: {"op": c.op, "module": c.module, "source": c.source,
+                              "precision": c.precision, "why": c.why,
+                              "seconds": {k: round(v, 9) for k, v in c.seconds.items()},
+                              "own": {k: {"passed": v.passed, "rule": v.rule, "detail": v.detail,
+                                          "cosine": v.cosine, "max_abs": v.max_abs}
+                                      for k, v in c.own.items()}}
+                          for n, c in self.nodes.items()}}
+
+    def summary(self) -> str:
+        """A few lines: speed-up, counts per precision, the kept nodes and why."""
+        counts: Dict[str, int] = {}
+        for c in self.nodes.values():
+            counts[c.precision] = counts.get(c.precision, 0) + 1
+        lines = [f"tuned ({self.budget} gate, candidates {', '.join(self.candidates)}): "
+                 f"{', '.join(f'{v} {k}' for k, v in counts.items()) or 'no candidate nodes'}; "
+                 f"{self.speedup:.2f}x over fp32 ({self.fp32_ms:.3g} -> {self.tuned_ms:.3g} ms)"]
+        lines += [f"  kept {n} ({self.nodes[n].op}) in {self.nodes[n].precision}: {w}"
+                  for n, w in self.kept.items()]
+        return "\n".join(lines)
+
+
+def _check_args(candidates, budget, data, time_budget_s) -> List[Candidate]:
+    """The `Candidate` objects of ``candidates``; ValueError (one line) for bad arguments."""
+    if isinstance(candidates, str) or not candidates:
+        raise ValueError(f"candidates takes a list of precisions such as ('fp32', 'bf16'), "
+                         f"got {candidates!r}")
+    out = []
+    for c in candidates:
+        if isinstance(c, Candidate):
+            out.append(c)
+        elif c in CANDIDATES:
+            out.append(CANDIDATES[c])
+        else:
+            raise ValueError(f"unknown candidate precision {c!r}; use {sorted(CANDIDATES)} or "
+                             "a opencann.tools.tune.Candidate")
+    if out[0].name != "fp32":
+        raise ValueError(f"candidates must start with 'fp32' (the precision a node falls back "
+                         f"to), got {[c.name for c in out]}")
+    if len(out) < 2:
+        raise ValueError("candidates needs a lower precision after 'fp32', e.g. ('fp32', 'bf16')")
+    if budget != "msprobe" and not callable(budget):
+        raise ValueError(f"budget takes 'msprobe' or a callable metric(actual, expected) -> "
+                         f"bool, got {budget!r}")
+    if data is not None and (isinstance(data, torch.Tensor) or not isinstance(data, (list, tuple))
+                             or not data):
+        raise ValueError("data takes a non-empty list of input tuples (each like example_inputs)")
+    if time_budget_s is not None and not time_budget_s > 0:
+        raise ValueError(f"time_budget_s takes a positive number of seconds, got {time_budget_s!r}")
+    return out
+
+
+def _candidate_nodes(session: Session) -> Dict[str, NodeChoice]:
+    """The FX nodes of ``session``'s program whose OpDef kind mixed precision lowers
+    (`LOW_KINDS`) and that compute in fp32, by name (graph order)."""
+    from ..frontend.torch.convert import source_of
+    from ..ops.opdef import lookup_aten
+    from ..passes.prepare.precision import LOW_KINDS
+    out: Dict[str, NodeChoice] = {}
+    for n in session.ep.graph.nodes:
+        if n.op != "call_function":
+            continue
+        op = lookup_aten(n.target)
+        val = n.meta.get("val")
+        val = val[0] if isinstance(val, (tuple, list)) and val else val
+        if op is None or op.kind not in LOW_KINDS or getattr(val, "dtype", None) != torch.float32:
+            continue
+        src, scope = source_of(n)
+        out[n.name] = NodeChoice(n.name, op.name, scope or "", src or "")
+    return out
+
+
+def _own_errors(session: Session, nodes: Dict[str, NodeChoice], cands: List[Candidate]) -> None:
+    """Fill each node's ``own`` verdicts: its op run by each candidate's ``emulate`` on
+    eager's values of its inputs, judged against eager's value."""
+    env: Dict[str, Any] = {}
+    from torch.export.graph_signature import InputKind
+    user = iter(session.flat)
+    ep = session.ep
+    for spec, ph in zip(ep.graph_signature.input_specs,
+                        [n for n in ep.graph.nodes if n.op == "placeholder"]):
+        if spec.kind == InputKind.USER_INPUT:
+            env[ph.name] = next(user)
+        elif spec.target in ep.state_dict:
+            env[ph.name] = ep.state_dict[spec.target]
+        elif spec.target in ep.constants:
+            env[ph.name] = ep.constants[spec.target]
+    env.update(session.eager)
+    for n in ep.graph.nodes:
+        if n.name not in nodes:
+            continue
+        args, kwargs = torch.fx.node.map_arg((n.args, n.kwargs), lambda a: env[a.name])
+        ref = session.eager[n.name]
+        for c in cands[1:]:
+            if c.emulate is None:
+                continue
+            with torch.no_grad():
+                low, same = c.emulate(n.target, args, kwargs)
+            nodes[n.name].own[c.name] = msprobe_gate(low, ref, c.dtype, same)
+
+
+def _charge(graph, names) -> Dict[str, str]:
+    """Final-graph node name -> the candidate node it is charged to: a Cast's
+    ``meta["precision_for"]``, else the longest candidate name that the node's name
+    starts with (fusion names a fused node after its root: ``addmm_1_relu``)."""
+    by_len = sorted(names, key=len, reverse=True)
+    out = {}
+    for n in graph.nodes:
+        target = n.meta.get("precision_for")
+        if target in names:
+            out[n.name] = target
+            continue
+        for c in by_len:
+            if n.name == c or n.name.startswith(c + "_") and not n.name[len(c) + 1:][:1].isdigit():
+                out[n.name] = c
+                break
+    return out
+
+
+class _Builder:
+    """Compiles ``session``'s program with given options (no re-capture) and times it."""
+
+    def __init__(self, session: Session, device: str, reps: int):
+        self.session, self.device, self.reps = session, device, reps
+        self.inputs = [t.contiguous() for t in session.flat if isinstance(t, torch.Tensor)]
+
+    def executor(self, options: Dict[str, Any]):
+        from ..engine import compile_graph
+        from ..frontend.torch import from_exported_program
+        from ..runtime import Executor
+        g = from_exported_program(self.session.ep, name=type(self.session.model).__name__)
+        g, plan, _ = compile_graph(g, self.device, dict(options))
+        return Executor(g, plan)
+
+    def node_times(self, options: Dict[str, Any], names) -> Dict[str, float]:
+        """Candidate node name -> seconds charged to it under ``options`` (`_charge`)."""
+        ex = self.executor(options)
+        secs = ex.node_seconds(self.inputs, reps=self.reps)
+        charge = _charge(ex.graph, names)
+        out = {n: 0.0 for n in names}
+        for node, s in secs.items():
+            if node in charge:
+                out[charge[node]] += s
+        return out
+
+
+def _outputs_ok(model, data, budget, compiled, outs: List[Dict[str, Any]]) -> Tuple[bool, str]:
+    """Run ``compiled`` and eager on each item of ``data``; (all pass, the first failure).
+    msprobe: each float output by the gate's NaN/Inf and cosine rules; a callable:
+    ``budget(actual_outputs, eager_outputs)`` must be truthy. ``outs`` gets the metrics."""
+    outs.clear()
+    for k, item in enumerate(data):
+        item = item if isinstance(item, tuple) else (item,)
+        with torch.no_grad():
+            ref = model(*item)
+            got = compiled(*item)
+        if callable(budget):
+            ok = bool(budget(got, ref))
+            outs.append({"data": k, "metric": ok})
+            if not ok:
+                return False, f"{getattr(budget, '__name__', 'metric')} rejected data item {k}"
+            continue
+        for j, (a, e) in enumerate(zip(pytree.tree_leaves(got), pytree.tree_leaves(ref))):
+            if not (isinstance(e, torch.Tensor) and e.is_floating_point()):
+                continue
+            m = metrics(a, e)
+            outs.append({"data": k, "output": j, **{x: m[x] for x in ("cosine", "max_abs", "rel_rmse")}})
+            if m["note"] or m["cosine"] <= COSINE_FAIL:
+                why = m["note"] or f"cosine {m['cosine']:.6f} <= {COSINE_FAIL}"
+                return False, f"output {j} on data item {k}: {why}"
+    return True, ""
+
+
+def tune(model: torch.nn.Module, example_inputs, *, budget: Union[str, Callable] = "msprobe",
+         data: Optional[Sequence[Any]] = None, candidates: Sequence[Any] = ("fp32", "bf16"),
+         time_budget_s: Optional[float] = 120.0, device: str = "cpu", seed: int = 0,
+         timing: bool = True, reps: int = 3) -> TuneResult:
+    """Search the precision of each matmul / conv / attention node of ``model`` (an
+    ``nn.Module``) on ``example_inputs`` (a tensor or tuple; the shapes compiled and
+    timed) and compile the result.
+
+    ``budget``: "msprobe" (the gate of `opencann.tools.tune_gate` on each node's own
+    error, and on the outputs its NaN/Inf and cosine <= 0.99 rules) or a callable
+    ``metric(actual_outputs, eager_outputs) -> bool`` judging the outputs on ``data``
+    instead (each node's own error is still measured and reported). ``data``: a list of
+    input tuples the outputs are checked on (default: ``[example_inputs]``).
+    ``candidates``: precision names from `CANDIDATES` or `Candidate` objects, highest
+    first, starting with "fp32". ``time_budget_s``: the search stops lowering more
+    (timing, output fixes) past it; None: no limit. ``timing``: False skips the timing
+    step (keeps every node that passes the gate low). ``seed`` seeds torch's generator.
+    ``reps``: timed runs per configuration (the least counts).
+
+    Returns a `TuneResult` whose ``compiled`` is the `CompiledModel` with the choice
+    applied (its report's ``precision`` holds `TuneResult.to_dict`; saved by
+    ``opencann.save``). Raises ValueError (one line) for bad arguments, CaptureError /
+    ConversionError like ``opencann.compile``."""
+    cands = _check_args(candidates, budget, data, time_budget_s)
+    torch.manual_seed(seed)
+    t0 = time.perf_counter()
+    args = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
+    model = model.eval()
+    session = Session(model, args)
+    nodes = _candidate_nodes(session)
+    _own_errors(session, nodes, cands)
+    search = _Search(model, args, nodes, cands, _Builder(session, device, reps))
+    search.by_gate(callable(budget))
+    if timing:
+        search.drop_slow()
+    over = (lambda: time_budget_s is not None and time.perf_counter() - t0 > time_budget_s)
+    ok, why, outs = search.fix_outputs(list(data) if data is not None else [args], budget, over)
+    res = search.result(budget, outs)
+    res.seconds = time.perf_counter() - t0
+    if not ok:
+        res.outputs.append({"failed": why})
+    res.compiled.report.precision = res.to_dict()
+    return res
+
+
+class _Search:
+    """The search's state: ``choice`` (node name -> candidate name) and its steps."""
+
+    def __init__(self, model, args, nodes: Dict[str, NodeChoice], cands: List[Candidate], builder):
+        self.model, self.args, self.nodes, self.cands, self.builder = model, args, nodes, cands, builder
+        self.names = list(nodes)
+        self.choice: Dict[str, str] = {n: "fp32" for n in self.names}
+        self.compiled = None
+
+    def options_of(self, choice: Dict[str, str]) -> Dict[str, Any]:
+        """Compile options running each node in its candidate (`Candidate.options`)."""
+        opts: Dict[str, Any] = {}
+        for c in self.cands[1:]:
+            group = [n for n in self.names if choice[n] == c.name]
+            if group:
+                opts = c.options(opts, group)
+        return opts
+
+    def by_gate(self, any_low: bool) -> None:
+        """Each node: the lowest candidate whose own-error gate it passes (every node the
+        lowest when ``any_low``: a user metric judges); ``why`` names the failed gates."""
+        for n, nc in self.nodes.items():
+            fails = []
+            for c in reversed(self.cands[1:]):
+                v = nc.own.get(c.name)
+                if v is None or v.passed or any_low:
+                    self.choice[n] = c.name
+                    break
+                fails.append(f"{c.name} own error: {v.detail}")
+            nc.why = "; ".join(fails)
+
+    def drop_slow(self) -> None:
+        """Time every node all-fp32 and as chosen (`_Builder.node_times`); a lowered node
+        not `TIME_MARGIN` faster (its casts included) goes back to fp32."""
+        if not any(p != "fp32" for p in self.choice.values()):
+            return
+        high = self.builder.node_times(self.options_of({n: "fp32" for n in self.names}), self.names)
+        low = self.builder.node_times(self.options_of(self.choice), self.names)
+        for n in self.names:
+            self.nodes[n].seconds["fp32"] = high[n]
+            p = self.choice[n]
+            if p == "fp32":
+                continue
+            self.nodes[n].seconds[p] = low[n]
+            if low[n] > 0 and high[n] > 0 and low[n] >= high[n] * (1 - TIME_MARGIN):
+                self.nodes[n].why = (f"timing: {p} {low[n] * 1e6:.1f} us incl. casts, not "
+                                     f"{TIME_MARGIN:.0%} under fp32's {high[n] * 1e6:.1f} us")
+                self.choice[n] = "fp32"
+
+    def fix_outputs(self, data, budget, over) -> Tuple[bool, str, List[Dict[str, Any]]]:
+        """Compile the choice and check the outputs (`_outputs_ok`); while they fail (and
+        ``over()`` is False), the lowered node with the worst own error goes back to fp32.
+        Returns (passed, why not, output metrics); ``self.compiled`` is the last compile."""
+        from ..engine import compile_module
+        outs: List[Dict[str, Any]] = []
+        while True:
+            self.compiled = compile_module(self.model, self.args, self.builder.device,
+                                           self.options_of(self.choice))
+            ok, why = _outputs_ok(self.model, data, budget, self.compiled, outs)
+            lowered = [n for n in self.names if self.choice[n] != "fp32"]
+            if ok or not lowered or over():
+                return ok, why, outs
+
+            def badness(n):
+                v = self.nodes[n].own.get(self.choice[n])
+                return (v.cosine, -v.max_abs) if v is not None else (1.0, 0.0)
+            worst = min(lowered, key=badness)
+            self.nodes[worst].why = f"outputs: {why} with it in {self.choice[worst]}"
+            self.choice[worst] = "fp32"
+
+    def result(self, budget, outs) -> TuneResult:
+        """The `TuneResult` of the current choice, with both call times measured."""
+        from ..timing import median_ms
+        for n in self.names:
+            self.nodes[n].precision = self.choice[n]
+        name = budget if isinstance(budget, str) else getattr(budget, "__name__", "metric")
+        res = TuneResult(self.nodes, tuple(c.name for c in self.cands), name, outs,
+                         options=self.options_of(self.choice), compiled=self.compiled)
+        fp32 = self.builder.executor(self.options_of({n: "fp32" for n in self.names}))
+        res.fp32_ms = median_ms(fp32.run, self.builder.inputs, runs=5)
+        res.tuned_ms = median_ms(self.compiled, *self.args, runs=5)
+        return res
+
+
+__all__ = ["CANDIDATES", "Candidate", "NodeChoice", "TuneResult", "tune"]

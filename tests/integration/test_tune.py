@@ -1,0 +1,239 @@
+"""opencann.tune: the msprobe gate on constructed errors, a layer that must stay fp32 kept
+and named, a user metric, the choice kept through a model file, CANN keep_dtype /
+modify_mixlist files through atc, per-node precision options, CLI one-liners."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import opencann
+from helpers import run_cli
+from opencann.tools.tune import CANDIDATES, Candidate, tune
+from opencann.tools.tune_gate import msprobe_gate
+
+FACTORY = '''
+import torch
+class M(torch.nn.Module):
+    def __init__(s):
+        super().__init__()
+        s.a = torch.nn.Linear(64, 64); s.b = torch.nn.Linear(64, 64); s.c = torch.nn.Linear(64, 16)
+        with torch.no_grad():   # b's rows sum to zero: its input's offset of 1000 cancels
+            s.b.weight -= s.b.weight.mean(dim=1, keepdim=True)
+    def forward(s, x):
+        h = torch.relu(s.a(x))
+        return s.c(s.b(h * 0.5 + 1000.0))
+def make():
+    torch.manual_seed(0)
+    return M().eval(), (torch.randn(16, 64),)
+'''
+
+
+@pytest.fixture
+def factory(tmp_path):
+    p = tmp_path / "m.py"
+    p.write_text(FACTORY)
+    ns: dict = {}
+    exec(compile(FACTORY, str(p), "exec"), ns)
+    model, inputs = ns["make"]()
+    return str(p), model, inputs
+
+
+# -- the gate ------------------------------------------------------------------------------
+def test_gate_rules_on_constructed_errors():
+    torch.manual_seed(0)
+    e = torch.randn(1000) + 3.0
+    # max abs error below 0.001 passes even with many relative errors
+    v = msprobe_gate(e + 5e-4, e, torch.bfloat16)
+    assert v.passed and v.rule == "max_abs"
+    # cosine <= 0.99 fails first
+    v = msprobe_gate(torch.randn(1000), e, torch.bfloat16)
+    assert not v.passed and v.rule == "cosine" and "<= 0.99" in v.detail
+    # 2% of elements 5% off: fails bf16's 1%-above-1% rule, high cosine
+    a = e.clone()
+    a[:20] *= 1.05
+    v = msprobe_gate(a, e, torch.bfloat16)
+    assert not v.passed and v.rule == "error_ratio" and v.cosine > 0.99
+    # 0.5% of elements 5% off: passes bf16, fails fp32's 0.1%-above-0.1%
+    a = e.clone()
+    a[:5] *= 1.05
+    assert msprobe_gate(a, e, torch.bfloat16).passed
+    v = msprobe_gate(a, e, torch.float32)
+    assert not v.passed and v.rule == "error_ratio"
+    # NaN where eager has none fails
+    a = e.clone()
+    a[3] = float("nan")
+    assert msprobe_gate(a, e, torch.bfloat16).rule == "nan_inf"
+    # the error ratio is taken against the same-input reference when given
+    assert msprobe_gate(a := e * 1.02, e, torch.bfloat16, same_input=a).passed
+
+
+# -- the search ----------------------------------------------------------------------------
+def test_layer_with_huge_inputs_is_kept_and_named(factory):
+    _, model, (x,) = factory
+    res = tune(model, (x,), timing=False)
+    assert res.precision["addmm_1"] == "fp32"            # b: its input's 1000 offset
+    assert "own error: cosine" in res.kept["addmm_1"]
+    assert res.precision["addmm_2"] == "bf16"            # c: an ordinary layer
+    assert set(res.keep_dtype()) == {n for n, p in res.precision.items() if p == "fp32"}
+    y = res.compiled(x)
+    with torch.no_grad():
+        ref = model(x)
+    cos = torch.nn.functional.cosine_similarity(y.flatten().double(), ref.flatten().double(), 0)
+    assert cos > 0.99 and y.dtype == torch.float32
+    assert torch.equal(res.compiled(x), y)               # a second call
+    assert res.compiled.report.precision["nodes"]["addmm_1"]["precision"] == "fp32"
+    assert res.speedup > 0 and "kept addmm_1" in res.summary()
+
+
+def test_deterministic_without_timing(factory):
+    _, model, (x,) = factory
+    a = tune(model, (x,), timing=False, seed=3)
+    b = tune(model, (x,), timing=False, seed=3)
+    assert a.precision == b.precision and a.kept == b.kept
+
+
+def test_user_metric_replaces_the_gate(factory):
+    _, model, (x,) = factory
+    calls = []
+
+    def always(actual, expected):
+        calls.append(1)
+        return True
+    res = tune(model, (x,), budget=always, data=[(x,), (torch.randn(16, 64),)], timing=False)
+    assert all(p == "bf16" for p in res.precision.values())   # the metric accepts all-low
+    assert len(calls) == 2 and res.budget == "always"
+    assert not res.nodes["addmm_1"].own["bf16"].passed        # own error still measured
+
+    def strict(actual, expected):
+        return bool((actual - expected).abs().max() < 1e-4)
+    res = tune(model, (x,), budget=strict, timing=False)
+    assert all(p == "fp32" for p in res.precision.values())
+    assert all("outputs: strict rejected" in w for w in res.kept.values())
+
+
+def test_candidate_interface_plugs_in_another_precision(factory):
+    _, model, (x,) = factory
+    seen = []
+
+    def apply(options, nodes):
+        seen.append(tuple(nodes))
+        return CANDIDATES["bf16"].options(options, nodes)
+    mine = Candidate("mine", torch.bfloat16, apply=apply, emulate=CANDIDATES["bf16"].emulate)
+    res = tune(model, (x,), candidates=("fp32", "bf16", mine), timing=False)
+    assert res.precision["addmm_2"] == "mine" and seen
+    assert "mine own error" in res.kept["addmm_1"] and "bf16 own error" in res.kept["addmm_1"]
+
+
+@pytest.mark.parametrize("kw, msg", [
+    (dict(candidates="bf16"), "list of precisions"),
+    (dict(candidates=("bf16", "fp32")), "must start with 'fp32'"),
+    (dict(candidates=("fp32", "int4")), "unknown candidate precision 'int4'"),
+    (dict(budget="cosine"), "budget takes 'msprobe' or a callable"),
+    (dict(data=torch.randn(2)), "data takes a non-empty list"),
+    (dict(time_budget_s=0), "time_budget_s takes a positive"),
+])
+def test_bad_arguments_are_one_line(kw, msg):
+    with pytest.raises(ValueError, match=msg) as e:
+        tune(torch.nn.Linear(4, 4), (torch.randn(2, 4),), **kw)
+    assert "\n" not in str(e.value)
+
+
+# -- per-node options ----------------------------------------------------------------------
+def test_unknown_node_name_lists_near_matches(factory):
+    _, model, (x,) = factory
+    with pytest.raises(ValueError, match=r"no node named 'addm_1'.*near matches: addmm_1") as e:
+        opencann.compile(model, (x,), options={"keep_dtype": ["addm_1"]})
+    assert "\n" not in str(e.value)
+    with pytest.raises(ValueError, match="'node_precision': 'addmm' -> 'int3'"):
+        opencann.compile(model, (x,), options={"node_precision": {"addmm": "int3"}})
+
+
+def test_node_names_are_stable_and_keep_dtype_holds_a_node(factory):
+    _, model, (x,) = factory
+    a = opencann.compile(model, (x,), options={"precision_mode": "allow_mix_precision_bf16",
+                                                "keep_dtype": ["addmm_1"]})
+    b = opencann.compile(model, (x,), options={"node_precision": {"addmm": "bf16", "addmm_2": "bf16"}})
+    dt = {n.name: n.outputs[0].desc.dtype.value for n in a.graph.nodes}
+    assert dt["addmm_1_none"] == "float32" and dt["addmm_2_none"] == "bfloat16"
+    assert [n.name for n in a.graph.nodes] == [n.name for n in b.graph.nodes]
+    assert torch.equal(a(x), b(x))
+
+
+# -- files ---------------------------------------------------------------------------------
+def test_choice_survives_save_and_load(factory, tmp_path):
+    _, model, (x,) = factory
+    res = tune(model, (x,), timing=False)
+    path = str(tmp_path / "t.ocm")
+    opencann.save(res.compiled, path)
+    loaded = opencann.load(path)
+    assert loaded.report.precision["nodes"]["addmm_1"]["why"] == res.kept["addmm_1"]
+    assert torch.equal(loaded(x), res.compiled(x))
+
+
+def test_keep_dtype_and_mixlist_round_trip_through_atc(factory, tmp_path, capsys):
+    path, model, (x,) = factory
+    res = tune(model, (x,), timing=False)
+    keep, mix = str(tmp_path / "keep.txt"), str(tmp_path / "mix.json")
+    res.export(keep_dtype=keep, modify_mixlist=mix)
+    assert open(keep).read().split() == res.keep_dtype()
+    assert set(json.load(open(mix))) == {"black-list", "white-list"}
+    out = str(tmp_path / "a.ocm")
+    rc, stdout, err = run_cli(["atc", "--model", f"{path}:make", "--output", out,
+                               "--precision_mode", "allow_mix_precision_bf16",
+                               "--keep_dtype", keep, "--modify_mixlist", mix], capsys)
+    assert rc == 0, err
+    assert torch.equal(opencann.load(out)(x), res.compiled(x))
+    # a mixlist keeping MatMulV2 in fp32 keeps every matmul
+    (tmp_path / "black.json").write_text('{"black-list": {"to-add": ["MatMulV2"]}}')
+    rc, _, err = run_cli(["atc", "--model", f"{path}:make", "--output", out, "--precision_mode",
+                          "allow_mix_precision_bf16", "--modify_mixlist",
+                          str(tmp_path / "black.json")], capsys)
+    assert rc == 0, err
+    g = opencann.load(out).graph
+    assert all(n.outputs[0].desc.dtype.value == "float32" for n in g.nodes)
+
+
+# -- command line --------------------------------------------------------------------------
+@pytest.mark.parametrize("argv, msg", [
+    (["tune", "m.onnx"], "tune takes a PyTorch model"),
+    (["tune", "resnet50", "--budget", "cosine"], "--budget takes msprobe or file.py:metric"),
+    (["tune", "resnet50", "--budget", "nope.py:f"], "nope.py does not exist"),
+    (["tune", "nosuchzoo"], "unknown zoo model"),
+    (["atc", "--model", "x.py:make", "--output", "o", "--precision_mode", "fp8"],
+     "unknown precision_mode 'fp8'"),
+    (["atc", "--model", "{p}:make", "--output", "o", "--keep_dtype", "missing.txt"],
+     "--keep_dtype missing.txt: no such file"),
+    (["atc", "--model", "{p}:make", "--output", "o", "--modify_mixlist", "{bad}"],
+     "gray-list is not taken"),
+])
+def test_cli_bad_input_is_one_line(argv, msg, capsys, tmp_path, factory, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"gray-list": {"to-add": ["Relu"]}}')
+    argv = [a.format(p=factory[0], bad=bad) for a in argv]
+    rc, _, err = run_cli(argv, capsys)
+    assert rc == 2 and len(err) == 1 and msg in err[0], err
+
+
+def test_cli_tune_writes_its_files(factory, tmp_path, capsys):
+    path, model, (x,) = factory
+    out, keep = str(tmp_path / "t.ocm"), str(tmp_path / "k.txt")
+    rc, stdout, err = run_cli(["tune", f"{path}:make", "--no-timing", "--out", out,
+                               "--keep-dtype-out", keep], capsys)
+    assert rc == 0, err
+    assert "addmm_1" in stdout and "own error" in stdout
+    assert "addmm_1" in open(keep).read().split()
+    assert opencann.load(out).report.precision["nodes"]["addmm_1"]["precision"] == "fp32"
+
+
+def test_timing_step_charges_each_node_its_time(factory):
+    _, model, (x,) = factory
+    res = tune(model, (x,), reps=1)
+    for n, c in res.nodes.items():
+        assert c.seconds["fp32"] > 0, n
+        if c.precision == "fp32" and c.why.startswith("timing"):
+            assert c.seconds["bf16"] > 0 and "incl. casts" in c.why
+    assert res.precision["addmm_1"] == "fp32"      # the gate's decision stands
+    assert res.fp32_ms > 0 and res.tuned_ms > 0
