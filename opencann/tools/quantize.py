@@ -45,8 +45,8 @@ def create_quant_config(skip_layers: Sequence[str] = (), *, mode: str = "static"
                         activation: str = "minmax", dynamic_linear: bool = False) -> Dict[str, Any]:
     """AMCT's ``create_quant_config``: a quantization config (a plain dict).
 
-    ``skip_layers``: node names as the compile report shows them (``conv2d_3_relu``,
-    ``addmm_2``) or traced names (``convolution_3``, ``linear``) kept in fp32; ``mode``:
+    ``skip_layers``: module names (AMCT's layer names, e.g. ``layer1.0.conv2``, ``fc``)
+    or node names as the compile report shows them (``convolution_3_relu``) kept in fp32; ``mode``:
     "static" (calibrated activations) or "dynamic" (linears only, x quantized per call);
     ``activation``: the calibration algorithm (`ALGORITHMS`); ``dynamic_linear``: in
     static mode, linears without a calibration record run dynamic. Raises ValueError

@@ -11,7 +11,8 @@ without a reorder, and the int8 kernels' fp32 results take the fp32 ops' places.
 
 - ``layers``: {fused node name: {"scale_d": step (float > 0), "offset_d": zero point in
   [0, 255]}} — the activation's uint8 quantization, per tensor;
-- ``skip_layers``: node names (or traced labels in ``meta["origin"]``) kept in fp32;
+- ``skip_layers``: module names (AMCT's layer names: the node's ``scope``, e.g.
+  ``layer1.0.conv2``), node names or traced labels (``meta["origin"]``) kept in fp32;
 - ``dynamic_linear``: LinearAct nodes without a record quantize x per call.
 
 Weights: AMCT's ARQ, symmetric int8 per output channel, ``scale_w = max|w| / 127``,
@@ -59,7 +60,10 @@ class _QMatch:
 
 
 def _labels(node: Node) -> set:
-    return {node.name} | {lab.partition(".")[0] for lab in (node.meta.get("origin") or ()) if lab}
+    """The names ``skip_layers`` may give for ``node``: its own, its module's (``scope``,
+    AMCT's layer name, e.g. ``layer1.0.conv2``) and its traced labels."""
+    own = {node.name} | ({node.scope} if node.scope else set())
+    return own | {lab.partition(".")[0] for lab in (node.meta.get("origin") or ()) if lab}
 
 
 class QuantizeInt8(CpuFusion):
