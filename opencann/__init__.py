@@ -117,8 +117,8 @@ def quantize(model, calibration_inputs, *, config=None, device: str = "cpu",
     oneDNN's int8 kernels (per-tensor uint8 activations, per-channel int8 weights);
     ``config`` from ``opencann.tools.quantize.create_quant_config`` (``skip_layers``,
     ``mode="dynamic"``). Save it with `save`. Raises ValueError (one line) for an empty
-    calibration set or a bad config. See `opencann.tools.quantize.quantize`."""
-    from .tools.quantize import quantize as _quantize
+    calibration set or a bad config. See `opencann.engine.quantize.quantize`."""
+    from .engine.quantize import quantize as _quantize
     return _quantize(model, calibration_inputs, config=config, device=device, options=options)
 
 
