@@ -44,8 +44,14 @@ _LINEAR_POST = {"relu": ("relu", ""), "gelu": ("gelu", "none"), "gelu_tanh": ("g
 
 def quantize_u8(x: torch.Tensor, step: float, offset: int) -> torch.Tensor:
     """``x`` (float) to uint8 ``saturate(round_half_even(x / step) + offset)`` in [0, 255],
-    NaN → 0; x's memory format kept. ``step`` > 0 (float), ``offset`` in [0, 255]."""
-    y = torch.mul(x, 1.0 / step) if x.dtype == torch.float32 else x.float().mul_(1.0 / step)
+    NaN → 0; x's memory format kept. ``step`` > 0 (float), ``offset`` in [0, 255]. A dense
+    fp32 x takes one numba pass (`quant_numba.quantize_dense`, same values); any other
+    the eager ops below."""
+    from .quant_numba import quantize_dense   # numba loads on the first int8 call only
+    y = quantize_dense(x, step, offset)
+    if y is not None:
+        return y
+    y = torch.mul(x.float(), 1.0 / step)
     y.round_().add_(offset).clamp_(QMIN, QMAX)
     torch.nan_to_num_(y, nan=float(QMIN))
     return y.to(torch.uint8)
