@@ -6,6 +6,12 @@ Rows (each a zero-argument runner on the same inputs):
   eager bf16         the same under ``torch.autocast("cpu", dtype=torch.bfloat16)``
   opencann fp32      ``opencann.compile(model, inputs)``
   opencann bf16      ``opencann.compile(..., options={"precision_mode": "allow_mix_precision_bf16"})``
+  opencann int8      ``opencann.quantize``: ResNet-50 static (calibrated on 4 batches of
+                     the photo flipped / shifted / with noise), BERT-base dynamic linears
+                     with the FFN down-projections kept fp32 (docs/guide/quantization.md)
+  onnxruntime int8   ONNX Runtime on the ONNX export quantized by ``quantize_static`` (QDQ,
+                     the same calibration batches) for ResNet-50, ``quantize_dynamic`` for
+                     BERT-base; spinning off; only when onnxruntime is importable
   openvino default   the ONNX export on OpenVINO's CPU plugin with its default precision
                      (bf16 where the CPU has avx512_bf16/AMX), ``PERFORMANCE_HINT=LATENCY``;
                      only when ``openvino`` is importable (it is never installed from here)
@@ -40,12 +46,72 @@ BF16 = "allow_mix_precision_bf16"
 MODELS = ("resnet50", "bert-base")
 
 
-def inputs_for(name: str) -> zoo.ZooModel:
-    """The zoo model at batch 1 with its benchmark inputs (a real image for ResNet-50)."""
-    zm = zoo.get(name, batch=1)
+def inputs_for(name: str, batch: int = 1) -> zoo.ZooModel:
+    """The zoo model at ``batch`` with its benchmark inputs (a real image for ResNet-50,
+    repeated over the batch)."""
+    zm = zoo.get(name, batch=batch)
     if name == "resnet50":
-        zm.example_inputs = (zoo.sample_image(224),)
+        zm.example_inputs = (zoo.sample_image(224).repeat(batch, 1, 1, 1),)
     return zm
+
+
+def calibration_for(zm: zoo.ZooModel) -> List[tuple]:
+    """4 calibration batches shaped as the example: for an image, the example flipped,
+    shifted and with noise (seeded; no dataset ships here); else the example itself."""
+    x = zm.example_inputs
+    if zm.name != "resnet50":
+        return [x]
+    g = torch.Generator().manual_seed(0)
+    out = []
+    for k in range(4):
+        img = x[0].flip(-1) if k % 2 else x[0]
+        img = torch.roll(img, shifts=7 * k, dims=-2) + 0.1 * torch.randn(img.shape, generator=g)
+        out.append((img,))
+    return out
+
+
+def int8_runners(zm: zoo.ZooModel, workdir: str) -> Dict[str, Callable]:
+    """The int8 rows: opencann's, and ONNX Runtime's when it is importable."""
+    from opencann.tools.quantize import create_quant_config
+    m, x = zm.model, zm.example_inputs
+    cal = calibration_for(zm)
+    if zm.name == "resnet50":
+        cfg = create_quant_config()
+    else:
+        fp = opencann.compile(m, x)
+        ffn_down = sorted({n.scope for n in fp.graph.nodes if n.op == "LinearAct"
+                           and n.scope.endswith("output.dense") and "attention" not in n.scope})
+        cfg = create_quant_config(ffn_down, mode="dynamic")
+    q = opencann.quantize(m, cal, config=cfg)
+    rows = {"opencann int8": lambda: first_tensor(q(*x))}
+    try:
+        import onnxruntime as ort
+        from onnxruntime import quantization as oq
+    except ImportError:
+        print("  onnxruntime int8: skipped (onnxruntime is not installed)")
+        return rows
+    path = export_onnx(m, x, os.path.join(workdir, f"{zm.name}.onnx"))
+    qpath = os.path.join(workdir, f"{zm.name}.int8.onnx")
+    sess0 = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
+    names = [i.name for i in sess0.get_inputs()]
+    if zm.name == "resnet50":
+        class Reader(oq.CalibrationDataReader):
+            def __init__(self):
+                self.it = iter([{names[0]: c[0].numpy()} for c in cal])
+
+            def get_next(self):
+                return next(self.it, None)
+        oq.quantize_static(path, qpath, Reader(), quant_format=oq.QuantFormat.QDQ,
+                           per_channel=True, weight_type=oq.QuantType.QInt8)
+    else:
+        oq.quantize_dynamic(path, qpath, weight_type=oq.QuantType.QInt8)
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = torch.get_num_threads()
+    so.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    sess = ort.InferenceSession(qpath, so, providers=["CPUExecutionProvider"])
+    feed = {n: t.numpy() for n, t in zip(names, x)}
+    rows["onnxruntime int8"] = lambda: torch.from_numpy(sess.run(None, feed)[0])
+    return rows
 
 
 def runners_for(zm: zoo.ZooModel, workdir: str) -> Dict[str, Callable]:
@@ -65,6 +131,7 @@ def runners_for(zm: zoo.ZooModel, workdir: str) -> Dict[str, Callable]:
     rows = {"eager fp32": eager, "eager bf16 (autocast)": eager_bf16,
             "opencann fp32": lambda: first_tensor(fp32(*x)),
             "opencann bf16": lambda: first_tensor(bf16(*x))}
+    rows.update(int8_runners(zm, workdir))
     try:
         import openvino as ov
     except ImportError:
@@ -95,14 +162,15 @@ def main(argv: List[str] = None) -> None:
     ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds (default 5)")
     ap.add_argument("--runs", type=int, default=3, help="calls per row per round (default 3)")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--batch", type=int, default=1)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, {args.threads} threads, least of {args.rounds} x "
-          f"{args.runs} interleaved calls per row, batch 1")
+          f"{args.runs} interleaved calls per row, batch {args.batch}")
     table = []
     with tempfile.TemporaryDirectory(prefix="opencann-precision-") as work:
         for name in args.models:
-            zm = inputs_for(name)
+            zm = inputs_for(name, args.batch)
             t0 = time.perf_counter()
             rows = runners_for(zm, work)
             print(f"{name}: built in {time.perf_counter() - t0:.0f} s", flush=True)

@@ -122,6 +122,19 @@ def save(compiled, path: str, description: str = "") -> None:
     _save(compiled, path, description=description)
 
 
+def quantize(model, calibration_inputs, *, config=None, device: str = "cpu",
+             options: Optional[Dict[str, Any]] = None):
+    """Post-training int8 quantization (CANN AMCT's flow): calibrate on
+    ``calibration_inputs`` (a list of batches, each a tensor or a tuple of positional
+    inputs, one shape) and return a `CompiledModel` whose convolutions and linears run
+    oneDNN's int8 kernels (per-tensor uint8 activations, per-channel int8 weights);
+    ``config`` from ``opencann.tools.quantize.create_quant_config`` (``skip_layers``,
+    ``mode="dynamic"``). Save it with `save`. Raises ValueError (one line) for an empty
+    calibration set or a bad config. See `opencann.engine.quantize.quantize`."""
+    from .engine.quantize import quantize as _quantize
+    return _quantize(model, calibration_inputs, config=config, device=device, options=options)
+
+
 def load(path: str):
     """Load a model file written by `save` into a `CompiledModel`, in any process: no
     model class, no torch.export, no pickled code. Outputs are bit-for-bit those of the

@@ -214,6 +214,16 @@ class CompiledModel:
             return pytree.tree_unflatten(list(outs), self._out_spec)
         return self._structure(outs[len(self._mutations):], user)
 
+    def run_observed(self, observe, *args, **kwargs) -> tuple:
+        """Run one call (no grad) on the example shape's executor, calling ``observe(node,
+        outputs)`` right after each node's kernel (``outputs``: that node's output tensors,
+        valid only during the call); returns the graph's flat outputs. For tools that
+        look inside a call (calibration, layer comparison). Raises what a call raises for
+        inputs the guards refuse."""
+        user = self._contiguous(self._user_tensors(args, kwargs))
+        with torch.no_grad():
+            return self.executor.run_observed(user, observe)
+
     def _run(self, user: list) -> tuple:
         outs = self.shapes.run(self._contiguous(user))
         # a model that writes into its inputs: the caller's tensors get eager's values;

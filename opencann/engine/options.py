@@ -87,6 +87,9 @@ class CompileOptions:
         (), "list of rewrite ids", "Single rewrites switched off, as '<pass>@<root node>' ids "
         "from the compile report (e.g. 'fuse_conv_act@convolution_1').")
     memory_aware_order: bool = _opt(True, "bool", "Order nodes to lower the arena's peak.")
+    quant_config: Optional[Dict[str, Any]] = _opt(
+        None, "dict", "int8 layers for the quantize_int8 pass ({'layers': {node: {'scale_d', "
+        "'offset_d'}}, 'skip_layers': [...], 'dynamic_linear': bool}); opencann.quantize fills it.")
     streams: int = _opt(1, "positive int", "The most logical streams independent branches run "
                                            "on at once (1: one stream).")
     fuse_elementwise_fastmath: bool = _opt(
@@ -254,6 +257,7 @@ def check_options(options: Optional[Dict[str, Any]]) -> Dict[str, Any]:
     if c is not None and (isinstance(c, bool) or not isinstance(c, int) or c < 1):
         raise ValueError(f"option 'plan_cache_size' takes a positive int (the most concrete "
                          f"shapes a model with dynamic dims keeps plans for; e.g. 8), got {c!r}")
+    _check_quant_config(options.get("quant_config"))
     d = options.get("dump_graph")
     if d is not None and (not isinstance(d, str) or os.path.isfile(d)):
         raise ValueError(f"option 'dump_graph' takes a directory path (created if missing) for "
@@ -267,6 +271,27 @@ def check_options(options: Optional[Dict[str, Any]]) -> Dict[str, Any]:
     if a is not None and (isinstance(a, bool) or not isinstance(a, int) or a <= 0 or a & (a - 1)):
         raise ValueError(f"option 'alignment' takes a power of two in bytes (e.g. 64), got {a!r}")
     return options
+
+
+def _check_quant_config(cfg: Any) -> None:
+    """Raises ValueError (one line) for a ``quant_config`` that is not a dict of the keys
+    ``layers`` (node name -> {"scale_d": float > 0, "offset_d": int}), ``skip_layers``
+    (list of names) and ``dynamic_linear`` (bool)."""
+    if cfg is None:
+        return
+    fix = ("give {'layers': {node: {'scale_d': step, 'offset_d': zero_point}}, 'skip_layers': "
+           "[names], 'dynamic_linear': bool}, as opencann.quantize makes it")
+    if not isinstance(cfg, dict) or set(cfg) - {"layers", "skip_layers", "dynamic_linear"}:
+        raise ValueError(f"option 'quant_config' got {cfg!r:.80}; {fix}")
+    layers = cfg.get("layers") or {}
+    if not isinstance(layers, dict) or not all(
+            isinstance(r, dict) and isinstance(r.get("scale_d"), (int, float)) and r["scale_d"] > 0
+            and isinstance(r.get("offset_d"), int) for r in layers.values()):
+        raise ValueError(f"option 'quant_config': 'layers' must map node names to "
+                         f"{{'scale_d': float > 0, 'offset_d': int}}; {fix}")
+    skip = cfg.get("skip_layers") or ()
+    if isinstance(skip, str) or not all(isinstance(s, str) for s in skip):
+        raise ValueError(f"option 'quant_config': 'skip_layers' takes a list of names, got {skip!r}")
 
 
 _SECTIONS = ("GraphFusion", "UBFusion")

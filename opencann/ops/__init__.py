@@ -14,6 +14,7 @@ from .flash_attention import opdef as _flash_attention_opdef  # noqa: F401  (Fla
 from . import decode_attention as _decode_attention  # noqa: F401  (DecodeAttention op)
 from . import kv_cache_update as _kv_cache_update  # noqa: F401  (KvCacheUpdate op)
 from . import onnx_fallback  # noqa: F401  (OnnxHostFallback: ONNX nodes run by ONNX Runtime)
+from . import quant  # noqa: F401  (AscendQuant and the int8 ops: the quantize_int8 pass's)
 
 __all__ = ["Cost", "OpDef", "OpKind", "aliases_of", "graph_happens_before", "ordering_deps", "all_ops", "call_args", "get_op", "infer",
            "frozen_graph", "inplace_inputs", "is_random", "is_random_call", "last_reads",

@@ -1,6 +1,6 @@
 """Stage 2, fusion: one rewrite per module (batchnorm, conv_act, conv_add_act,
 linear_act, qkv_linear, add_layer_norm, attention; the patterns silu, gelu_tanh, gelu_erf, rms_norm,
-layer_norm, gated_mlp; elementwise: generated kernels for elementwise groups; user_rule: rules registered by users); each says why a match was not rewritten."""
+layer_norm, gated_mlp; quantize_int8: int8 kernels from calibration; elementwise: generated kernels for elementwise groups; user_rule: rules registered by users); each says why a match was not rewritten."""
 from .add_layer_norm import FuseAddLayerNorm
 from .attention_kernel import ChooseAttentionKernel
 from .attention import FuseFlashAttention
@@ -15,6 +15,7 @@ from .gelu_tanh import FuseGeluTanh
 from .layer_norm import FuseLayerNorm
 from .linear_act import FuseLinearAct
 from .qkv_linear import FuseQKVLinear
+from .quantize_int8 import QuantizeInt8
 from .rms_norm import FuseRMSNorm
 from .silu import FuseSiLU
 from .user_rule import FusionRule, UserFusion, register_rule, unregister_rule, user_passes
@@ -22,4 +23,4 @@ from .user_rule import FusionRule, UserFusion, register_rule, unregister_rule, u
 __all__ = ["FoldBatchNorm", "FuseConvAct", "FuseConvAddAct", "FuseLinearAct",
            "FuseFlashAttention", "ChooseAttentionKernel", "FuseQKVLinear", "FuseAddLayerNorm", "CpuFusion", "FuseSiLU", "FuseGeluTanh", "FuseGeluErf",
            "FuseRMSNorm", "FuseLayerNorm", "FuseGatedMLP", "FuseElementwise", "FusionRule", "UserFusion",
-           "register_rule", "unregister_rule", "user_passes"]
+           "register_rule", "unregister_rule", "user_passes", "QuantizeInt8"]

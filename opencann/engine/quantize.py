@@ -1,0 +1,188 @@
+"""Post-training int8 quantization, following CANN AMCT's flow and names
+(AMCT for PyTorch: ``create_quant_config`` → calibration → ``save_model``):
+
+1. `create_quant_config` — what to quantize: ``skip_layers`` (kept fp32), the
+   activation algorithm (``"minmax"``: AMCT's IFMR without its clipping search: the
+   calibration batches' min / max, the range widened to include 0), and
+   ``dynamic_linear`` (linears without a record quantize x per call).
+2. `quantize` (also `quantize_model`) — compile the model in fp32 with opencann, run the
+   calibration batches through it and observe the input of every convolution and
+   linear (ConvBiasAct, ConvAddAct, LinearAct: the fused fp32 ops, so BatchNorm is
+   already folded and the observed tensor is exactly what the int8 kernel will read),
+   then compile again with ``options["quant_config"]``: the ``quantize_int8`` pass puts
+   AscendQuant (uint8, per-tensor ``scale_d`` / ``offset_d``) before each and swaps it for
+   an int8 kernel with per-channel symmetric int8 weights (ARQ). The result is a
+   `CompiledModel` like ``opencann.compile``'s (static shapes: the first calibration
+   batch's); ``opencann.save`` writes it to a ``.ocm`` file with its int8 weights and
+   scales and ``opencann.load`` runs it (AMCT's ``save_model``).
+   (AMCT's names: `opencann.tools.quantize`, with ``save_model``.)
+3. `quant_report` — per layer: int8 or fp32 (and why), scale_d / offset_d.
+
+Dynamic quantization only (``mode="dynamic"``, no calibration data needed): every
+LinearAct in int8 with x quantized per call; convolutions stay fp32.
+
+NaN / ±inf: quantization saturates. An activation's NaN becomes 0 (uint8's minimum:
+the value ``-offset_d * scale_d``), +inf the range's top, -inf its bottom; calibration
+ignores non-finite values. Layers that must keep eager's NaN/Inf go in ``skip_layers``.
+
+Source: CANN AMCT (Ascend Model Compression Toolkit) user guide, PyTorch: "Post-training
+quantization", the quantization config (``skip_layers``, ``activation_quant_params``:
+IFMR) and record file (``scale_d``, ``offset_d``, ``scale_w``, ``offset_w``)."""
+from __future__ import annotations
+
+import math
+from typing import Any, Dict, Iterable, List, Optional, Sequence
+
+import torch
+
+from .compiled_model import CompiledModel
+from .entry import compile_module
+
+TARGETS = ("ConvBiasAct", "ConvAddAct", "LinearAct")
+ALGORITHMS = ("minmax",)
+MODES = ("static", "dynamic")
+
+
+def create_quant_config(skip_layers: Sequence[str] = (), *, mode: str = "static",
+                        activation: str = "minmax", dynamic_linear: bool = False) -> Dict[str, Any]:
+    """AMCT's ``create_quant_config``: a quantization config (a plain dict).
+
+    ``skip_layers``: module names (AMCT's layer names, e.g. ``layer1.0.conv2``, ``fc``)
+    or node names as the compile report shows them (``convolution_3_relu``) kept in fp32; ``mode``:
+    "static" (calibrated activations) or "dynamic" (linears only, x quantized per call);
+    ``activation``: the calibration algorithm (`ALGORITHMS`); ``dynamic_linear``: in
+    static mode, linears without a calibration record run dynamic. Raises ValueError
+    (one line) for an unknown mode or algorithm or a string given as skip_layers."""
+    if mode not in MODES:
+        raise ValueError(f"mode {mode!r} is not one of {MODES}")
+    if activation not in ALGORITHMS:
+        raise ValueError(f"activation {activation!r} is not one of {ALGORITHMS}")
+    if isinstance(skip_layers, str):
+        raise ValueError(f"skip_layers takes a list of names, e.g. [{skip_layers!r}]")
+    return {"mode": mode, "activation": activation, "skip_layers": list(skip_layers),
+            "dynamic_linear": bool(dynamic_linear) or mode == "dynamic"}
+
+
+class _Range:
+    """Running min / max of the finite values seen."""
+
+    def __init__(self):
+        self.lo, self.hi = math.inf, -math.inf
+
+    def update(self, t: torch.Tensor) -> None:
+        t = t.detach()
+        if not t.is_floating_point() or not t.numel():
+            return
+        if not torch.isfinite(t).all():
+            t = t[torch.isfinite(t)]
+            if not t.numel():
+                return
+        lo, hi = torch.aminmax(t.float())
+        self.lo, self.hi = min(self.lo, float(lo)), max(self.hi, float(hi))
+
+    def record(self) -> Optional[Dict[str, Any]]:
+        """{"scale_d", "offset_d"} for uint8 over [min(lo, 0), max(hi, 0)]; None if no
+        finite value was seen."""
+        if self.lo > self.hi:
+            return None
+        lo, hi = min(self.lo, 0.0), max(self.hi, 0.0)
+        step = (hi - lo) / 255.0 if hi > lo else 1.0
+        return {"scale_d": step, "offset_d": int(min(max(round(-lo / step), 0), 255)),
+                "min": self.lo, "max": self.hi}
+
+
+def _batches(calibration_inputs) -> List[tuple]:
+    if isinstance(calibration_inputs, (torch.Tensor, tuple)):
+        calibration_inputs = [calibration_inputs]
+    out = [b if isinstance(b, tuple) else (b,) for b in calibration_inputs]
+    if not out:
+        raise ValueError("calibration_inputs is empty: give at least one batch (a tensor or a "
+                         "tuple of the model's inputs), e.g. [x1, x2]")
+    return out
+
+
+def calibrate(cm: CompiledModel, batches: Iterable[tuple]) -> Dict[str, Dict[str, Any]]:
+    """Run ``batches`` through the fp32 compiled model ``cm`` and return, per target node
+    (`TARGETS`) whose x is fp32, its record {"scale_d", "offset_d", "min", "max"} (uint8,
+    per tensor). Raises what a call raises (a batch of another shape: one line)."""
+    graph = cm.graph
+    watch: Dict[int, _Range] = {}
+    names: Dict[int, List[str]] = {}
+    for n in graph.nodes:
+        if n.op in TARGETS:
+            x = n.arg("mat1" if n.op == "LinearAct" else "input")
+            watch.setdefault(x.id, _Range())
+            names.setdefault(x.id, []).append(n.name)
+    inputs = {v.id: i for i, v in enumerate(graph.inputs)}
+
+    def observe(node, outs) -> None:
+        for v, t in zip(node.outputs, outs):
+            r = watch.get(v.id)
+            if r is not None and isinstance(t, torch.Tensor):
+                r.update(t)
+
+    for args in batches:
+        for vid, i in inputs.items():
+            if vid in watch:
+                watch[vid].update(args[i] if i < len(args) and isinstance(args[i], torch.Tensor)
+                                  else torch.empty(0))
+        cm.run_observed(observe, *args)
+    records: Dict[str, Dict[str, Any]] = {}
+    for vid, r in watch.items():
+        rec = r.record()
+        if rec is not None:
+            for name in names[vid]:
+                records[name] = rec
+    return records
+
+
+def quantize(model: torch.nn.Module, calibration_inputs, *, config: Optional[Dict[str, Any]] = None,
+             device: str = "cpu", options: Optional[Dict[str, Any]] = None) -> CompiledModel:
+    """Post-training int8 quantization of ``model`` (AMCT's flow, module docstring):
+    returns a compiled model whose convolutions and linears run oneDNN's int8 kernels.
+
+    ``calibration_inputs``: a list of batches, each a tensor or a tuple of the model's
+    positional inputs, all of one shape (the compiled shape: the first batch's); real
+    data (a few batches) gives the activation ranges. ``config``: `create_quant_config`'s
+    dict (default: static, min/max, nothing skipped). ``options``: compile options, as
+    ``opencann.compile`` (``quant_config`` is set here). Raises ValueError (one line)
+    for an empty calibration set, a config that is no dict, or a ``precision_mode``
+    that lowers to fp16/bf16 (int8 layers are quantized from fp32), and what
+    ``opencann.compile`` raises. The compiled model's ``report`` lists every layer in
+    the ``quantize_int8`` pass's entries (`quant_report`)."""
+    cfg = create_quant_config() if config is None else config
+    if not isinstance(cfg, dict) or "mode" not in cfg:
+        raise ValueError(f"config must come from opencann.tools.quantize.create_quant_config(...), "
+                         f"got {cfg!r:.80}")
+    opts = dict(options or {})
+    if opts.get("precision_mode") not in (None, "force_fp32", "must_keep_origin_dtype"):
+        raise ValueError(f"precision_mode {opts['precision_mode']!r} lowers layers to fp16/bf16 "
+                         f"before int8 quantization; leave it unset to quantize from fp32")
+    batches = _batches(calibration_inputs)
+    records: Dict[str, Dict[str, Any]] = {}
+    if cfg["mode"] == "static":
+        fp32 = compile_module(model, batches[0], device, dict(opts, quant_config=None))
+        records = calibrate(fp32, batches)
+    layers = {k: {"scale_d": r["scale_d"], "offset_d": r["offset_d"]} for k, r in records.items()}
+    opts["quant_config"] = {"layers": layers, "skip_layers": list(cfg.get("skip_layers") or ()),
+                            "dynamic_linear": bool(cfg.get("dynamic_linear"))}
+    return compile_module(model, batches[0], device, opts)
+
+
+#: AMCT's name for the calibrate-and-convert step
+quantize_model = quantize
+
+
+def quant_report(cm: CompiledModel) -> List[Dict[str, Any]]:
+    """One row per convolution / linear the ``quantize_int8`` pass looked at: {"layer",
+    "int8" (bool), "detail" (static with scale_d / offset_d, or dynamic) or "reason"
+    (why it stays fp32), "where"}; from the compile report, so a loaded model has it too."""
+    rows = [{"layer": e["nodes"], "int8": True, "detail": e.get("detail", ""), "where": e.get("where", "")}
+            for e in cm.report.applied if e.get("pass") == "quantize_int8"]
+    rows += [{"layer": e["nodes"], "int8": False, "reason": e.get("reason", ""), "where": e.get("where", "")}
+             for e in cm.report.skipped if e.get("pass") == "quantize_int8"]
+    return rows
+
+
+__all__ = ["ALGORITHMS", "MODES", "TARGETS", "calibrate", "create_quant_config", "quant_report",
+           "quantize", "quantize_model"]

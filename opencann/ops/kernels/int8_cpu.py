@@ -1,0 +1,200 @@
+"""CPU kernels of opencann's int8 ops (``ops/quant.py``): bind-time factories
+``f(node, in_descs, consts) -> callable(*inputs)``.
+
+- `make_ascend_quant_kernel` (AscendQuant): fp32 → uint8, ``saturate(round_half_even(x /
+  step) + offset)`` to [0, 255], the layout of ``x`` kept (channels-last stays
+  channels-last, so the convolution after it reads it without a reorder). NaN gives 0
+  (the type's minimum, as ONNX Runtime's QuantizeLinear), +inf 255, -inf 0: quantization
+  saturates.
+- `make_quant_conv_kernel` (QuantConvBiasAct, QuantConvAddAct): oneDNN's int8 convolution
+  (``torch.ops.onednn.qconv2d_pointwise``; VNNI / AMX-int8 where the CPU has them) on a
+  uint8 activation (per-tensor step and offset) and an int8 weight with one symmetric
+  scale per output channel, prepacked once per input size and thread count at bind time
+  (``onednn.qconv_prepack``). The fp32 result is dequantized inside the kernel (oneDNN's
+  output scales: CANN's AscendDequant fused into the convolution), bias and ReLU as
+  post-ops; the residual Add as oneDNN's ``sum`` post-op written into the fp32 addend
+  (``qconv2d_pointwise.binary``). After ``sum`` the ReLU runs with eager's in-place
+  kernel: the fp32 addend may hold NaN/±inf, which oneDNN's ReLU would drop.
+- `make_quant_linear_kernel` (QuantLinearAct): oneDNN's int8 inner product
+  (``onednn.qlinear_pointwise``) on the int8 weight prepacked once at bind time
+  (``onednn.qlinear_prepack``); fp32 output, bias and ReLU / GELU (erf or tanh) as
+  post-ops. Dynamic quantization (``attrs["dynamic"]``): x comes in fp32 and its step
+  and offset are taken per call from its min / max (ONNX DynamicQuantizeLinear's rule:
+  the range widened to include 0, uint8).
+
+These are the kernels PyTorch Inductor's x86 int8 path binds (torch/_inductor/fx_passes/
+quantization.py, the X86InductorQuantizer flow); no GEMM is written here. Source of the
+scheme (uint8 activations with a zero point, int8 symmetric per-channel weights): oneDNN
+developer guide, "Int8 Inference"; ONNX Runtime's default QDQ (QUInt8 activations,
+QInt8 per-channel weights).
+"""
+from __future__ import annotations
+
+import threading
+from typing import Callable, Dict, Sequence, Tuple
+
+import torch
+
+from ...ir import Node, TensorDesc, TensorRef
+from .cpu import _ACT_FN
+
+QMIN, QMAX = 0, 255   # uint8 activations
+_LINEAR_POST = {"relu": ("relu", ""), "gelu": ("gelu", "none"), "gelu_tanh": ("gelu", "tanh")}
+
+
+def quantize_u8(x: torch.Tensor, step: float, offset: int) -> torch.Tensor:
+    """``x`` (float) to uint8 ``saturate(round_half_even(x / step) + offset)`` in [0, 255],
+    NaN → 0; x's memory format kept. ``step`` > 0 (float), ``offset`` in [0, 255]. A dense
+    fp32 x takes one numba pass (`quant_numba.quantize_dense`, same values); any other
+    the eager ops below."""
+    from .quant_numba import quantize_dense   # numba loads on the first int8 call only
+    y = quantize_dense(x, step, offset)
+    if y is not None:
+        return y
+    y = torch.mul(x.float(), 1.0 / step)
+    y.round_().add_(offset).clamp_(QMIN, QMAX)
+    torch.nan_to_num_(y, nan=float(QMIN))
+    return y.to(torch.uint8)
+
+
+def dynamic_params(x: torch.Tensor) -> Tuple[float, int]:
+    """(step, offset) of ONNX DynamicQuantizeLinear for ``x``: the range [min(x, 0),
+    max(x, 0)] over 255 levels, offset = saturate(round(-min / step)); step 1.0 for an
+    all-zero x. NaN / ±inf in x: a non-finite range; the step then falls back to 1.0 and
+    values saturate (documented in docs/guide/quantization.md)."""
+    lo, hi = torch.aminmax(x)
+    lo, hi = min(float(lo), 0.0), max(float(hi), 0.0)
+    step = (hi - lo) / 255.0
+    if not (step > 0.0 and step != float("inf")):
+        return 1.0, 0
+    return step, int(min(max(round(-lo / step), QMIN), QMAX))
+
+
+def make_ascend_quant_kernel(node: Node, in_descs: Sequence[TensorDesc], consts: Sequence) -> Callable:
+    """AscendQuant(x) → uint8: ``node.attrs`` ``scale`` (CANN's: the reciprocal of the
+    quantization step, y = round(x * scale) + offset) and ``offset`` (the zero point, in
+    [0, 255]). Returns ``run(x)``; x fp32 (or bf16/fp16, quantized through fp32)."""
+    step, offset = 1.0 / float(node.attrs["scale"]), int(node.attrs["offset"])
+
+    def run(x):
+        return quantize_u8(x, step, offset)
+    return run
+
+
+class QConvWeightPacks:
+    """An int8 conv weight prepacked by ``onednn.qconv_prepack`` for one input size, once
+    per intra-op thread count (as `ConvWeightPacks` for fp32: oneDNN's blocking depends
+    on the thread count). `get` never raises for a thread count."""
+
+    def __init__(self, w: torch.Tensor, w_scale: torch.Tensor, x_step: float, x_offset: int,
+                 conv_args: tuple, x_shape: list):
+        self._args = (w, w_scale, x_step, x_offset, *conv_args, x_shape)
+        self._packs: Dict[int, torch.Tensor] = {}
+        self._lock = threading.Lock()
+        self.get()
+
+    def get(self) -> torch.Tensor:
+        """The packed weight for ``torch.get_num_threads()`` of the calling thread."""
+        n = torch.get_num_threads()
+        p = self._packs.get(n)
+        if p is None:
+            with self._lock:
+                p = self._packs.get(n)
+                if p is None:
+                    p = self._packs[n] = torch.ops.onednn.qconv_prepack(*self._args)
+        return p
+
+
+def _act_after(act: str, native: Tuple[str, ...]):
+    """(oneDNN post-op name, eager in-place activation or None) for ``act``: the ones in
+    ``native`` run as post-ops, any other after the kernel with eager's in-place op."""
+    if act in native:
+        return act, None
+    return "none", _ACT_FN.get(act)
+
+
+def make_quant_conv_kernel(node: Node, in_descs: Sequence[TensorDesc], consts: Sequence) -> Callable:
+    """Bind-time kernel of QuantConvBiasAct / QuantConvAddAct.
+
+    Inputs (``node.attrs`` TensorRefs): ``input`` uint8 [N, C, H, W] (NCHW or
+    channels-last), ``weight`` a constant int8 [O, C/groups, KH, KW], ``w_scale`` a
+    constant fp32 [O] (symmetric: zero points 0), optional ``bias`` fp32 [O], and for
+    QuantConvAddAct ``other``, the fp32 addend [N, O, H', W'] (written in place when
+    ``attrs["inplace"]``, as ConvAddAct). Attributes: ``stride``, ``padding``,
+    ``dilation``, ``groups``, ``act`` (none, relu, or any in-place activation eager
+    runs after), ``x_scale`` / ``x_offset`` (the input's step and zero point).
+    Returns ``run(*inputs)`` giving fp32 [N, O, H', W'] (channels-last from oneDNN).
+    Raises KeyError for a missing attribute (the quantize pass always sets them)."""
+    a = node.attrs
+    conv_args = (list(a["stride"]), list(a["padding"]), list(a["dilation"]), int(a["groups"]))
+    step, offset = float(a["x_scale"]), int(a["x_offset"])
+    wi, si = a["weight"].index, a["w_scale"].index
+    w_scale = consts[si].float()
+    w_zp = torch.zeros(w_scale.numel(), dtype=torch.int64)
+    packs = QConvWeightPacks(consts[wi], w_scale, step, offset, conv_args,
+                             [int(d) for d in in_descs[a["input"].index].shape])
+    bi = a["bias"].index if isinstance(a.get("bias"), TensorRef) else None
+    xi = a["input"].index
+    f32 = torch.float32
+    stride, pad, dil, groups = conv_args
+    if node.op == "QuantConvAddAct":
+        oi = a["other"].index
+        inplace = a.get("inplace", True)
+        post = _ACT_FN.get(a["act"]) if a["act"] != "none" else None
+        binary = torch.ops.onednn.qconv2d_pointwise.binary
+
+        def run_add(*ins):
+            other = ins[oi] if inplace else ins[oi].clone(memory_format=torch.channels_last)
+            b = None if bi is None else ins[bi]
+            y = binary(ins[xi], step, offset, packs.get(), w_scale, w_zp, other, b, stride, pad, dil,
+                       groups, 1.0, 0, f32, 1.0, 0, "sum", 1.0, "none", [], "")
+            return y if post is None else post(y)
+        return run_add
+
+    act, post = _act_after(a["act"], ("none", "relu"))
+    conv = torch.ops.onednn.qconv2d_pointwise
+
+    def run(*ins):
+        y = conv(ins[xi], step, offset, packs.get(), w_scale, w_zp, None if bi is None else ins[bi],
+                 stride, pad, dil, groups, 1.0, 0, f32, act, [], "")
+        return y if post is None else post(y)
+    return run
+
+
+def make_quant_linear_kernel(node: Node, in_descs: Sequence[TensorDesc], consts: Sequence) -> Callable:
+    """Bind-time kernel of QuantLinearAct: ``act(dequant(xq @ wq) + bias)``.
+
+    Inputs (``node.attrs`` TensorRefs): ``mat1`` x [m, k] (uint8; fp32 when
+    ``attrs["dynamic"]``), ``mat2`` a constant int8 [k, n] (LinearAct's ``w_t``), ``w_scale``
+    a constant fp32 [n], optional ``self`` (bias fp32 [n]). Attributes ``act``, and for a
+    static node ``x_scale`` / ``x_offset``. Returns ``run(*inputs)`` giving a fresh fp32
+    [m, n]. The weight is transposed to [n, k] and prepacked once here
+    (``onednn.qlinear_prepack``; it serves every m)."""
+    a = node.attrs
+    xi, wi, si = a["mat1"].index, a["mat2"].index, a["w_scale"].index
+    bi = a["self"].index if isinstance(a.get("self"), TensorRef) else None
+    w_scale = consts[si].float()
+    w_zp = torch.zeros(w_scale.numel(), dtype=torch.int64)
+    x_shape = [int(d) for d in in_descs[xi].shape] if in_descs[xi].is_static else None
+    wp = torch.ops.onednn.qlinear_prepack(consts[wi].t().contiguous(), x_shape)
+    name, algo = _LINEAR_POST.get(a["act"], ("none", ""))
+    post = None if a["act"] in _LINEAR_POST or a["act"] == "none" else _ACT_FN.get(a["act"])
+    lin = torch.ops.onednn.qlinear_pointwise
+    f32 = torch.float32
+    dynamic = bool(a.get("dynamic"))
+    step, offset = (1.0, 0) if dynamic else (float(a["x_scale"]), int(a["x_offset"]))
+
+    def run(*ins):
+        x = ins[xi]
+        if dynamic:
+            s, z = dynamic_params(x)
+            x = quantize_u8(x, s, z)
+        else:
+            s, z = step, offset
+        y = lin(x, s, z, wp, w_scale, w_zp, None if bi is None else ins[bi], 1.0, 0, f32, name, [], algo)
+        return y if post is None else post(y)
+    return run
+
+
+__all__ = ["QMAX", "QMIN", "QConvWeightPacks", "dynamic_params", "make_ascend_quant_kernel",
+           "make_quant_conv_kernel", "make_quant_linear_kernel", "quantize_u8"]

@@ -1,0 +1,52 @@
+"""opencann's int8 ops (the `quantize_int8` pass makes them; kernels in
+``ops/kernels/int8_cpu.py``), named after CANN's graph ops where they exist:
+
+- ``AscendQuant``: fp32 → uint8 per tensor, CANN's AscendQuant (attrs ``scale``: the
+  reciprocal of the step, as CANN's ``y = round(x * scale + offset)``; ``offset``: the
+  zero point).
+- ``QuantConvBiasAct``: int8 Conv2D (uint8 x, int8 per-channel weight) + bias +
+  activation with CANN's AscendDequant fused into its fp32 output.
+- ``QuantConvAddAct``: the same with the residual Add (+ ReLU): oneDNN's ``sum`` post-op
+  into the fp32 addend, in place as ``ConvAddAct``.
+- ``QuantLinearAct``: int8 MatMul / Linear (+ activation), dequantized to fp32; with
+  ``attrs["dynamic"]`` x comes in fp32 and is quantized per call.
+
+Costs: the fp32 ops' FLOPs (the work is the same; the report shows it); bytes at the
+int8 operands' sizes. On the vnpu the Cube cost runs at the operands' dtype (int8: twice
+the fp16 rate, `NpuSpec.peak_cube_tflops(1)`)."""
+from __future__ import annotations
+
+from ..ir import Node, numel
+from .kernels import vnpu_cost
+from .kernels.int8_cpu import make_ascend_quant_kernel, make_quant_conv_kernel, make_quant_linear_kernel
+from .library import _conv_cost
+from . import per_index as pi
+from .opdef import Cost, OpDef, OpKind, _nbytes, register
+
+
+def _quant_linear_cost(node: Node) -> Cost:
+    """2·M·N·K (+ M·N for a bias) on the origin shapes; bytes of every operand."""
+    x = node.arg("mat1").desc
+    out = node.outputs[0].desc
+    flops = 2 * int(x.origin_shape[-1]) * numel(out.origin_shape)
+    if node.attrs.get("self") is not None:
+        flops += numel(out.origin_shape)
+    return Cost(flops, sum(_nbytes(v.desc) for v in node.inputs) + _nbytes(out))
+
+
+register(OpDef("AscendQuant", OpKind.ELEMENTWISE, flops_per_elem=4, aliases=((),),
+               kernel_factories={"cpu": make_ascend_quant_kernel},
+               device_cost={"vnpu": vnpu_cost.vector("mul")}, per_index=pi.ALL,
+               doc="fp32 → uint8: saturate(round(x * scale) + offset), NaN → 0"))
+register(OpDef("QuantConvBiasAct", OpKind.FUSED, aliases=((),), cost_fn=_conv_cost,
+               fused_from=("Conv2D",), kernel_factories={"cpu": make_quant_conv_kernel},
+               device_cost={"vnpu": vnpu_cost.conv}, per_index=pi.CONV,
+               doc="int8 Conv2D + bias + activation, dequantized to fp32 (oneDNN qconv)"))
+register(OpDef("QuantConvAddAct", OpKind.FUSED, aliases=((),), cost_fn=_conv_cost,
+               fused_from=("Conv2D",), kernel_factories={"cpu": make_quant_conv_kernel},
+               device_cost={"vnpu": vnpu_cost.conv}, per_index=pi.CONV_ADD,
+               doc="int8 Conv2D + residual Add (+ReLU) into the fp32 addend, in place"))
+register(OpDef("QuantLinearAct", OpKind.FUSED, aliases=((),), cost_fn=_quant_linear_cost,
+               fused_from=("MatMulV2", "MatMul"), kernel_factories={"cpu": make_quant_linear_kernel},
+               device_cost={"vnpu": vnpu_cost.matmul}, per_index=pi.addmm,
+               doc="int8 Linear (+ activation), dequantized to fp32 (oneDNN qlinear)"))

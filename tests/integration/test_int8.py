@@ -1,0 +1,179 @@
+"""int8 post-training quantization (`opencann.quantize`, the ``quantize_int8`` pass, oneDNN's
+int8 kernels): quantize → compile → run against eager fp32 within int8 rounding, the
+kernels against an exact dequantized reference, skip_layers, dynamic linears, the model
+file round trip, a second call, output independence, saturation of NaN/±inf, and one-line
+errors (docs/guide/quantization.md)."""
+import pytest
+import torch
+
+import opencann
+from opencann.devices.cpu import mkldnn_available
+from opencann.ops.kernels.int8_cpu import dynamic_params, quantize_u8
+from opencann.passes.fusion.quantize_int8 import quantize_weight
+from opencann.tools.quantize import create_quant_config, quant_report
+
+pytestmark = pytest.mark.skipif(not (mkldnn_available() and hasattr(torch.ops.onednn, "qlinear_pointwise")),
+                                reason="no oneDNN int8 kernels in this torch")
+
+
+class Net(torch.nn.Module):
+    """Conv-BN-ReLU, a residual block (conv-BN-ReLU, conv-BN + x, ReLU), global mean, then
+    Linear-GELU-Linear: every int8 kernel (QuantConvBiasAct, QuantConvAddAct, QuantLinearAct)."""
+
+    def __init__(self):
+        super().__init__()
+        c = 16
+        self.stem = torch.nn.Sequential(torch.nn.Conv2d(3, c, 3, padding=1), torch.nn.BatchNorm2d(c),
+                                        torch.nn.ReLU())
+        self.a, self.bn_a = torch.nn.Conv2d(c, c, 3, padding=1), torch.nn.BatchNorm2d(c)
+        self.b, self.bn_b = torch.nn.Conv2d(c, c, 3, padding=1), torch.nn.BatchNorm2d(c)
+        self.fc1, self.fc2 = torch.nn.Linear(c, 64), torch.nn.Linear(64, 10)
+        for bn in (self.stem[1], self.bn_a, self.bn_b):
+            with torch.no_grad():
+                bn.running_mean.normal_(0, 0.1)
+                bn.running_var.uniform_(0.5, 2.0)
+
+    def forward(self, x):
+        y = self.stem(x)
+        z = torch.relu(self.bn_b(self.b(torch.relu(self.bn_a(self.a(y))))) + y)
+        return self.fc2(torch.nn.functional.gelu(self.fc1(z.mean((2, 3)))))
+
+
+def _model():
+    torch.manual_seed(0)
+    return Net().eval()
+
+
+def _cal(n=4):
+    g = torch.Generator().manual_seed(1)
+    return [torch.randn(2, 3, 16, 16, generator=g) for _ in range(n)]
+
+
+def _cos(a, b):
+    return torch.nn.functional.cosine_similarity(a.flatten().double(), b.flatten().double(), 0).item()
+
+
+def test_static_quantization_runs_int8_kernels_close_to_eager():
+    m = _model()
+    q = opencann.quantize(m, _cal())
+    ops = q.report.op_counts_after
+    assert ops.get("QuantConvBiasAct") == 2 and ops.get("QuantConvAddAct") == 1
+    assert ops.get("QuantLinearAct") == 2 and ops.get("AscendQuant", 0) >= 4
+    assert not {"ConvBiasAct", "ConvAddAct", "LinearAct"} & set(ops)
+    assert all(c.desc.dtype.torch != torch.float32 or c.desc.rank < 2 for c in q.graph.constants
+               if c.desc.rank == 4), "fp32 conv weights were left in the graph"
+    x = torch.randn(2, 3, 16, 16, generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        ref = m(x)
+    y = q(x)
+    assert _cos(y, ref) >= 0.999
+    assert (y - ref).abs().max().item() <= 0.05 * ref.abs().max().item()
+    y2 = q(x)                           # a second call: same bits, its own tensor
+    assert torch.equal(y, y2) and y.data_ptr() != y2.data_ptr()
+    y2.fill_(0)
+    assert torch.equal(q(x), y)
+    rows = quant_report(q)
+    assert sum(r["int8"] for r in rows) == 5
+    assert all("scale_d=" in r["detail"] for r in rows if r["int8"])
+
+
+def test_quant_linear_kernel_is_exact_int8_arithmetic():
+    """QuantLinearAct's result equals the fp32 GEMM of the dequantized operands (integer
+    products are exact; only the fp32 rescale rounds)."""
+    torch.manual_seed(3)
+    lin = torch.nn.Linear(32, 24).eval()
+    x = torch.randn(5, 32)
+    q = opencann.quantize(lin, [x])
+    rec = next(r for r in quant_report(q) if r["int8"])
+    assert "static" in rec["detail"]
+    step, off = dynamic_params(x)     # the calibration of one batch spans x's own range
+    xq = quantize_u8(x, step, off)
+    wq, ws = quantize_weight(lin.weight.t(), 1)
+    ref = torch.nn.functional.linear((xq.float() - off) * step, (wq.float() * ws).t(), lin.bias)
+    torch.testing.assert_close(q(x), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_skip_layers_keep_fp32_with_reason():
+    m = _model()
+    q = opencann.quantize(m, _cal(2), config=create_quant_config(skip_layers=["fc2", "stem.0"]))
+    ops = q.report.op_counts_after
+    assert ops.get("LinearAct") == 1 and ops.get("ConvBiasAct") == 1
+    assert ops.get("QuantLinearAct") == 1 and ops.get("QuantConvBiasAct") == 1
+    kept = [r for r in quant_report(q) if not r["int8"]]
+    assert len(kept) == 2 and all("skip_layers" in r["reason"] for r in kept)
+
+
+def test_dynamic_linears_only():
+    m = _model()
+    q = opencann.quantize(m, _cal(1), config=create_quant_config(mode="dynamic"))
+    ops = q.report.op_counts_after
+    assert ops.get("QuantLinearAct") == 2 and "AscendQuant" not in ops and ops.get("ConvBiasAct") == 2
+    x = _cal(1)[0] * 3
+    with torch.no_grad():
+        ref = m(x)
+    assert _cos(q(x), ref) >= 0.999
+
+
+def test_model_file_round_trip(tmp_path):
+    m = _model()
+    q = opencann.quantize(m, _cal(2))
+    x = torch.randn(2, 3, 16, 16)
+    path = str(tmp_path / "q.ocm")
+    opencann.save(q, path)
+    loaded = opencann.load(path)
+    assert torch.equal(loaded(x), q(x))
+    assert [r["detail"] for r in quant_report(loaded) if r["int8"]] == \
+        [r["detail"] for r in quant_report(q) if r["int8"]]
+
+
+def test_quantize_saturates_nan_and_inf():
+    """AscendQuant: round half to even, then saturate; NaN → 0 (uint8's minimum, as ONNX
+    Runtime), +inf → 255, -inf → 0."""
+    x = torch.tensor([0.5, 1.5, 2.5, -0.5, 1000.0, -1000.0, float("nan"), float("inf"), float("-inf")])
+    assert quantize_u8(x, 1.0, 10).tolist() == [10, 12, 12, 10, 255, 0, 0, 255, 0]
+    nchw = torch.randn(2, 3, 4, 5).contiguous(memory_format=torch.channels_last)
+    assert quantize_u8(nchw, 0.1, 128).is_contiguous(memory_format=torch.channels_last)
+
+
+def test_nan_input_gives_finite_saturated_output():
+    """A NaN in the input is quantized (to 0's level), not propagated: documented behaviour."""
+    m = _model()
+    q = opencann.quantize(m, _cal(2))
+    x = torch.randn(2, 3, 16, 16)
+    x[0, 0, 3, 3] = float("nan")
+    x[1, 1, 5, 5] = float("inf")
+    y = q(x)
+    assert torch.isfinite(y).all()
+    with torch.no_grad():
+        assert not torch.isfinite(m(x)).all()   # eager propagates them
+
+
+def test_calibration_ignores_non_finite_values():
+    lin = torch.nn.Linear(8, 4).eval()
+    x = torch.randn(3, 8)
+    bad = x.clone()
+    bad[0, 0] = float("inf")
+    a, b = opencann.quantize(lin, [x]), opencann.quantize(lin, [bad])
+    assert [r["detail"] for r in quant_report(a)] == [r["detail"] for r in quant_report(b)]
+
+
+def test_errors_are_one_line():
+    lin = torch.nn.Linear(8, 4).eval()
+    with pytest.raises(ValueError, match="calibration_inputs is empty"):
+        opencann.quantize(lin, [])
+    with pytest.raises(ValueError, match="mode 'weird'"):
+        create_quant_config(mode="weird")
+    with pytest.raises(ValueError, match="skip_layers takes a list"):
+        create_quant_config(skip_layers="fc")
+    with pytest.raises(ValueError, match="option 'quant_config'"):
+        opencann.compile(lin, torch.randn(2, 8), options={"quant_config": {"layers": {"a": {"scale_d": -1}}}})
+    with pytest.raises(ValueError, match="lowers layers to fp16/bf16"):
+        opencann.quantize(lin, [torch.randn(2, 8)], options={"precision_mode": "allow_mix_precision_bf16"})
+
+
+def test_pass_says_why_it_did_not_apply():
+    lin = torch.nn.Linear(8, 4).eval()
+    cm = opencann.compile(lin, torch.randn(2, 8), options={"quant_config": {"layers": {}}})
+    assert cm.report.op_counts_after.get("LinearAct") == 1
+    skip = [s for s in cm.report.skipped if s["pass"] == "quantize_int8"]
+    assert skip and "no calibration record" in skip[0]["reason"]
