@@ -24,6 +24,8 @@ eager's (max |a - b| / max |b|, in the JSON).
 
     .venv/bin/python bench/peers.py                       # all rows (several minutes)
     .venv/bin/python bench/peers.py --models resnet50 --batches 1 --rounds 3 --runs 5
+    .venv/bin/python bench/peers.py --precision ...     # fp32/bf16/int8 rows, one gate
+                                                        # (bench/peers_precision.py)
 
 The peers are the optional extra ``bench`` (``pip install -e .[bench]``: onnxruntime,
 openvino, onnx, onnxscript); a missing one is reported with that command and the other
@@ -230,6 +232,10 @@ def label(name: str, seq: Optional[int]) -> str:
 
 
 def main(argv=None) -> None:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--precision" in argv:   # every precision, one gate: bench/peers_precision.py
+        import peers_precision
+        return peers_precision.main([a for a in argv if a != "--precision"])
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", nargs="*", choices=sorted({r[0] for r in ROWS}),
                     help="rows of these models only (default: all)")

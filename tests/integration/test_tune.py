@@ -237,3 +237,28 @@ def test_timing_step_charges_each_node_its_time(factory):
             assert c.seconds["bf16"] > 0 and "incl. casts" in c.why
     assert res.precision["addmm_1"] == "fp32"      # the gate's decision stands
     assert res.fp32_ms > 0 and res.tuned_ms > 0
+
+
+class _Qkv(torch.nn.Module):
+    """Three sibling Linears on one input (attention's Q, K and V: fusion merges them into
+    one GEMM, whose time is charged to the first) and an output Linear."""
+
+    def __init__(self):
+        super().__init__()
+        self.q, self.k, self.v = (torch.nn.Linear(64, 64) for _ in range(3))
+        self.o = torch.nn.Linear(64, 64)
+
+    def forward(self, x):
+        return self.o(torch.relu(self.q(x)) * self.k(x) + self.v(x))
+
+
+def test_merged_siblings_are_decided_together_and_never_slower_than_fp32():
+    torch.manual_seed(0)
+    m = _Qkv().eval()
+    x = torch.randn(32, 64)
+    r = tune(m, x, time_budget_s=60)
+    q, k, v = (n for n in r.nodes.values() if n.reads and n.reads == next(
+        iter(r.nodes.values())).reads)
+    assert q.precision == k.precision == v.precision, r.summary()
+    assert r.tuned_ms <= r.fp32_ms or all(n.precision == "fp32" for n in r.nodes.values())
+    torch.testing.assert_close(r.compiled(x), m(x), rtol=0.05, atol=0.05)

@@ -1,0 +1,205 @@
+"""Every precision side by side (issue #28 item 6; `bench/peers.py --precision` runs this):
+the same inputs and the same accuracy gate for every row, speed-up over eager fp32.
+
+Rows (each a zero-argument runner returning the model's first output):
+  eager fp32 / eager bf16        the module; bf16 under ``torch.autocast("cpu", bfloat16)``
+  opencann fp32 / bf16           ``opencann.compile``; bf16 = ``allow_mix_precision_bf16``
+  opencann int8                  ``opencann.quantize`` (static, calibrated, for ResNet-50;
+                                 dynamic linears for the transformers, FFN down-projections
+                                 kept fp32; `bench/precision.py`'s ``int8_runners``)
+  opencann tuned                 ``opencann.tune(model, inputs)``: the per-node search
+  openvino f32 / default / int8  the ONNX export on OpenVINO's CPU plugin with
+                                 ``INFERENCE_PRECISION_HINT=f32``, with its default
+                                 (bf16 where the CPU has avx512_bf16 / AMX), and NNCF's
+                                 ``nncf.quantize`` of it on the calibration inputs
+  onnxruntime fp32 / int8        ``ORT_ENABLE_ALL``; int8 = ``quantize_dynamic`` for the
+                                 transformers, ``quantize_static`` (QDQ, per-channel,
+                                 calibrated) for ResNet-50; intra-op spinning off, so its
+                                 idle threads do not slow the rows after it
+
+Gate (the output rule `opencann.tune` applies; msprobe's): a row passes when its first
+output has NaN/Inf where eager fp32's has them and a cosine with it above 0.99. A failing
+row is shown, marked, and not counted for "best peer". The table also gives max abs error.
+Inputs: ResNet-50 a real photograph (`opencann.zoo.sample_image`) repeated to the batch,
+calibration on shifted/flipped/noised copies; transformers seeded random tokens, seq 128.
+Timing: `peers.interleaved` (rounds in rotating order, median of all calls), all rows in
+one process at ``--threads``.
+
+    .venv/bin/python bench/peers_precision.py [--models resnet50 bert-base minilm]
+        [--batches 1 8] [--rounds 3] [--runs 3] [--no-tune] [--out FILE]
+
+Needs the extra ``bench`` (onnxruntime, openvino, nncf); a missing peer is reported and
+skipped. Writes bench/results/peers_precision.json.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+import tempfile
+from typing import Callable, Dict, List, Tuple
+
+import numpy as np
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.join(HERE, ".."))
+import opencann  # noqa: E402
+from opencann import zoo  # noqa: E402
+from opencann.tools.compare import metrics  # noqa: E402
+from opencann.tools.tune_gate import COSINE_FAIL  # noqa: E402
+from peers import export_onnx, first_tensor, interleaved, label  # noqa: E402
+from precision import BF16, calibration_for, int8_runners  # noqa: E402
+
+PEERS = ("openvino", "onnxruntime")
+
+
+def model_for(name: str, batch: int) -> zoo.ZooModel:
+    """The zoo model at ``batch`` with its benchmark inputs (a real image for ResNet-50)."""
+    zm = zoo.get(name, batch=batch)
+    if name == "resnet50":
+        zm.example_inputs = (zoo.sample_image(224).repeat(batch, 1, 1, 1),)
+    return zm
+
+
+def ours(zm: zoo.ZooModel, work: str, tune: bool) -> Dict[str, Callable]:
+    """eager and opencann rows (int8 and ONNX Runtime's int8 from bench/precision.py)."""
+    m, x = zm.model, zm.example_inputs
+
+    def eager():
+        with torch.no_grad():
+            return first_tensor(m(*x))
+
+    def eager_bf16():
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            return first_tensor(m(*x))
+    fp = opencann.compile(m, x)
+    bf = opencann.compile(m, x, options={"precision_mode": BF16})
+    rows = {"eager fp32": eager, "eager bf16": eager_bf16,
+            "opencann fp32": lambda: first_tensor(fp(*x)),
+            "opencann bf16": lambda: first_tensor(bf(*x))}
+    rows.update(int8_runners(zm, work))
+    if tune:
+        tuned = opencann.tune(m, x, time_budget_s=90).compiled
+        rows["opencann tuned"] = lambda: first_tensor(tuned(*x))
+    return rows
+
+
+def openvino_rows(zm: zoo.ZooModel, path: str, threads: int) -> Dict[str, Callable]:
+    """OpenVINO f32, default and NNCF int8 rows on the ONNX file ``path``."""
+    import openvino as ov
+    core = ov.Core()
+    base = {"PERFORMANCE_HINT": "LATENCY", "INFERENCE_NUM_THREADS": threads, "NUM_STREAMS": 1}
+    feed = [t.numpy() for t in zm.example_inputs]
+    models = {"openvino f32": (core.read_model(path), dict(base, INFERENCE_PRECISION_HINT="f32")),
+              "openvino default": (core.read_model(path), base)}
+    try:
+        import nncf
+        cal = [tuple(t.numpy() for t in c) for c in calibration_for(zm)]
+        kind = None if zm.name == "resnet50" else nncf.ModelType.TRANSFORMER
+        q = nncf.quantize(core.read_model(path), nncf.Dataset(cal, list), model_type=kind,
+                          subset_size=len(cal))
+        models["openvino int8"] = (q, base)
+    except ImportError:
+        print("  openvino int8: skipped (nncf is not installed: pip install -e .[bench])")
+    rows = {}
+    for name, (model, cfg) in models.items():
+        req = core.compile_model(model, "CPU", cfg).create_infer_request()
+        rows[name] = lambda r=req: torch.from_numpy(np.array(r.infer(feed)[0]))
+    return rows
+
+
+def onnxruntime_row(zm: zoo.ZooModel, path: str, threads: int) -> Dict[str, Callable]:
+    import onnxruntime as ort
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    so.intra_op_num_threads = threads
+    so.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    sess = ort.InferenceSession(path, so, providers=["CPUExecutionProvider"])
+    feed = {i.name: t.numpy() for i, t in zip(sess.get_inputs(), zm.example_inputs)}
+    return {"onnxruntime fp32": lambda: torch.from_numpy(sess.run(None, feed)[0])}
+
+
+def build(name: str, batch: int, threads: int, tune: bool, work: str) -> Tuple[Dict[str, Callable], zoo.ZooModel]:
+    zm = model_for(name, batch)
+    rows = ours(zm, work, tune)
+    path = export_onnx(zm.model, zm.example_inputs, os.path.join(work, f"{name}-b{batch}.onnx"))
+    for peer, fn in (("openvino", openvino_rows), ("onnxruntime", onnxruntime_row)):
+        try:
+            rows.update(fn(zm, path, threads))
+        except ImportError:
+            print(f"  {peer}: skipped (not installed: pip install -e .[bench])")
+    return rows, zm
+
+
+def gate(out: torch.Tensor, ref: torch.Tensor) -> dict:
+    """The row's accuracy against eager fp32 and the gate's verdict (module docstring)."""
+    m = metrics(out.float(), ref)
+    ok = not m["note"] and m["cosine"] > COSINE_FAIL
+    why = m["note"] or ("" if ok else f"cosine {m['cosine']:.5f} <= {COSINE_FAIL}")
+    return {"cosine": m["cosine"], "max_abs": m["max_abs"], "passed": ok, "why": why}
+
+
+def row_result(name: str, batch: int, rows: Dict[str, Callable], rounds: int, runs: int) -> dict:
+    ref = rows["eager fp32"]().float()
+    acc = {r: gate(fn(), ref) for r, fn in rows.items()}
+    times = interleaved(rows, rounds, runs)
+    med = {r: float(np.median(t)) for r, t in times.items()}
+    e = med["eager fp32"]
+    speed = {r: e / t for r, t in med.items()}
+    passing = {r: s for r, s in speed.items() if acc[r]["passed"]}
+    best_peer = max((s, r) for r, s in passing.items() if r.split()[0] in PEERS) \
+        if any(r.split()[0] in PEERS for r in passing) else None
+    return dict(model=name, batch=batch, median_ms=med, speedup=speed, accuracy=acc,
+                best_peer=best_peer[1] if best_peer else None)
+
+
+def print_rows(r: dict) -> None:
+    print(f"\n{label(r['model'], 128 if r['model'] != 'resnet50' else None)}, batch {r['batch']}")
+    print("| row | ms | x eager fp32 | cosine | max abs | gate |")
+    print("|---|---|---|---|---|---|")
+    for row, ms in r["median_ms"].items():
+        a = r["accuracy"][row]
+        verdict = "pass" if a["passed"] else f"FAIL ({a['why']})"
+        print(f"| {row} | {ms:.1f} | {r['speedup'][row]:.2f} | {a['cosine']:.5f} | "
+              f"{a['max_abs']:.3g} | {verdict} |")
+    if r["best_peer"]:
+        bp = r["speedup"][r["best_peer"]]
+        mine = {k: v for k, v in r["speedup"].items() if k.startswith("opencann")
+                and r["accuracy"][k]["passed"]}
+        best = max(mine, key=mine.get)
+        print(f"best passing peer: {r['best_peer']} {bp:.2f}x; best opencann: {best} "
+              f"{mine[best]:.2f}x = {mine[best] / bp:.2f} of it")
+
+
+def main(argv: List[str] = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", nargs="*", default=["resnet50", "bert-base", "minilm"])
+    ap.add_argument("--batches", nargs="*", type=int, default=[1, 8])
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--no-tune", action="store_true", help="skip the opencann tuned row")
+    ap.add_argument("--out", default=os.path.join(HERE, "results", "peers_precision.json"))
+    a = ap.parse_args(argv)
+    torch.set_num_threads(a.threads)
+    results = []
+    with tempfile.TemporaryDirectory(prefix="opencann-precision-") as work:
+        for name in a.models:
+            for b in a.batches:
+                rows, _ = build(name, b, a.threads, not a.no_tune, work)
+                r = row_result(name, b, rows, a.rounds, max(1, a.runs // 2) if b > 1 else a.runs)
+                print_rows(r)
+                results.append(r)
+    with open(os.path.join(os.path.dirname(a.out) or ".", os.path.basename(a.out)), "w") as f:
+        json.dump(dict(date=datetime.date.today().isoformat(), threads=a.threads,
+                       load=os.getloadavg(), command="bench/peers_precision.py "
+                       + " ".join(argv if argv is not None else sys.argv[1:]), rows=results),
+                  f, indent=1, default=str)
+
+
+if __name__ == "__main__":
+    main()
