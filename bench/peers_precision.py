@@ -52,7 +52,7 @@ from opencann import zoo  # noqa: E402
 from opencann.tools.compare import metrics  # noqa: E402
 from opencann.tools.tune_gate import COSINE_FAIL  # noqa: E402
 from peers import export_onnx, first_tensor, interleaved, label  # noqa: E402
-from precision import BF16, calibration_for, int8_runners  # noqa: E402
+from precision import calibration_for, own_runners  # noqa: E402
 
 PEERS = ("openvino", "onnxruntime")
 
@@ -66,25 +66,12 @@ def model_for(name: str, batch: int) -> zoo.ZooModel:
 
 
 def ours(zm: zoo.ZooModel, work: str, tune: bool) -> Dict[str, Callable]:
-    """eager and opencann rows (int8 and ONNX Runtime's int8 from bench/precision.py)."""
-    m, x = zm.model, zm.example_inputs
-
-    def eager():
-        with torch.no_grad():
-            return first_tensor(m(*x))
-
-    def eager_bf16():
-        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
-            return first_tensor(m(*x))
-    fp = opencann.compile(m, x)
-    bf = opencann.compile(m, x, options={"precision_mode": BF16})
-    rows = {"eager fp32": eager, "eager bf16": eager_bf16,
-            "opencann fp32": lambda: first_tensor(fp(*x)),
-            "opencann bf16": lambda: first_tensor(bf(*x))}
-    rows.update(int8_runners(zm, work))
+    """eager and opencann rows and ONNX Runtime's int8 (`precision.own_runners`), and the
+    tuned row."""
+    rows = own_runners(zm, work)
     if tune:
-        tuned = opencann.tune(m, x, time_budget_s=90).compiled
-        rows["opencann tuned"] = lambda: first_tensor(tuned(*x))
+        tuned = opencann.tune(zm.model, zm.example_inputs, time_budget_s=90).compiled
+        rows["opencann tuned"] = lambda: first_tensor(tuned(*zm.example_inputs))
     return rows
 
 

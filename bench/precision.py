@@ -114,8 +114,9 @@ def int8_runners(zm: zoo.ZooModel, workdir: str) -> Dict[str, Callable]:
     return rows
 
 
-def runners_for(zm: zoo.ZooModel, workdir: str) -> Dict[str, Callable]:
-    """Row name -> zero-argument runner returning the model's first output tensor."""
+def own_runners(zm: zoo.ZooModel, workdir: str) -> Dict[str, Callable]:
+    """The eager and opencann rows (fp32, bf16, int8) and ONNX Runtime's int8: row name ->
+    zero-argument runner returning the model's first output tensor."""
     m, x = zm.model, zm.example_inputs
 
     def eager():
@@ -132,6 +133,13 @@ def runners_for(zm: zoo.ZooModel, workdir: str) -> Dict[str, Callable]:
             "opencann fp32": lambda: first_tensor(fp32(*x)),
             "opencann bf16": lambda: first_tensor(bf16(*x))}
     rows.update(int8_runners(zm, workdir))
+    return rows
+
+
+def runners_for(zm: zoo.ZooModel, workdir: str) -> Dict[str, Callable]:
+    """`own_runners` and, when openvino is importable, OpenVINO's default precision."""
+    m, x = zm.model, zm.example_inputs
+    rows = own_runners(zm, workdir)
     try:
         import openvino as ov
     except ImportError:

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import threading
 import weakref
-from typing import Callable, Dict, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
@@ -62,38 +62,46 @@ def _conv_weight(node: Node, x: TensorDesc, w: torch.Tensor) -> torch.Tensor:
         return w
 
 
-class ConvWeightPacks:
-    """A constant conv weight reordered to oneDNN's blocked layout, once per intra-op
-    thread count it is run at. oneDNN's brgemm convolutions choose their weight blocking
-    by thread count (ResNet-50's 256→1024 1×1 convolutions at 14×14: ``Acdb64a`` at 2
-    threads, ``Acdb48a`` at 1), and a weight packed for another count is reordered again
-    on *every* call (``reorder simple:any``, 13–19 ms each there: a model compiled at 2
-    threads and served at 1 ran 1.9× slower, 160 vs 86 ms). `get` returns the copy for
-    ``torch.get_num_threads()`` of the calling thread, made on first use (under a lock;
-    one copy per count in use). Source: oneDNN verbose logs (``ONEDNN_VERBOSE=1``),
+class ThreadPacks:
+    """A constant weight packed for oneDNN by ``pack()`` (a zero-argument callable), once
+    per intra-op thread count it is run at. oneDNN's brgemm convolutions choose their
+    weight blocking by thread count (ResNet-50's 256→1024 1×1 convolutions at 14×14:
+    ``Acdb64a`` at 2 threads, ``Acdb48a`` at 1), and a weight packed for another count is
+    reordered again on *every* call (``reorder simple:any``, 13–19 ms each there: a model
+    compiled at 2 threads and served at 1 ran 1.9× slower, 160 vs 86 ms). `get` returns the
+    copy for ``torch.get_num_threads()`` of the calling thread, made on first use (under a
+    lock; one copy per count in use). Used by the fp32 convolutions (`ConvWeightPacks`) and
+    the int8 ones (``int8_cpu``). Source: oneDNN verbose logs (``ONEDNN_VERBOSE=1``),
     docs/performance.md "Weights packed per thread count"."""
 
-    def __init__(self, node: Node, x: TensorDesc, w: torch.Tensor):
-        self._node, self._x, self._w = node, x, w
-        self._packs: Dict[int, torch.Tensor] = {torch.get_num_threads(): _conv_weight(node, x, w)}
+    def __init__(self, pack: Callable[[], torch.Tensor]):
+        self._pack = pack
+        self._packs: Dict[int, torch.Tensor] = {}
         self._lock = threading.Lock()
+        self.get()
 
     def get(self) -> torch.Tensor:
-        """The packed weight for the calling thread's ``torch.get_num_threads()`` (an
-        opaque oneDNN tensor, or the plain weight where the reorder is unavailable);
-        reorders on the first call at a new count. Never raises for a thread count."""
+        """The packed weight for the calling thread's ``torch.get_num_threads()``; packs
+        on the first call at a new count. Raises what ``pack`` raises."""
         n = torch.get_num_threads()
         p = self._packs.get(n)
         if p is None:
             with self._lock:
                 p = self._packs.get(n)
                 if p is None:
-                    p = self._packs[n] = _conv_weight(self._node, self._x, self._w)
+                    p = self._packs[n] = self._pack()
         return p
 
-    def counts(self) -> list:
-        """The thread counts packed so far."""
+    def counts(self) -> List[int]:
+        """The thread counts a copy exists for, ascending."""
         return sorted(self._packs)
+
+
+def ConvWeightPacks(node: Node, x: TensorDesc, w: torch.Tensor) -> ThreadPacks:   # noqa: N802
+    """`ThreadPacks` of conv weight ``w`` reordered to oneDNN's blocked layout for ``node``'s
+    input ``x`` (an opaque oneDNN tensor, or the plain weight where the reorder is
+    unavailable: never raises for a thread count)."""
+    return ThreadPacks(lambda: _conv_weight(node, x, w))
 
 
 def _conv_add_kernel(packs, conv_args: tuple, unary, post, inplace: bool) -> Callable:
@@ -507,5 +515,5 @@ def make_linear_kernel(node: Node, in_descs: Sequence[TensorDesc], consts: Seque
     return run_no_bias
 
 
-__all__ = ["GEMM_KERNELS", "LINEAR_CHOICES", "LINEAR_DTYPES", "gemm_kernel", "linear_writes_out",
-           "make_conv_kernel", "make_linear_kernel", "make_trans_data"]
+__all__ = ["GEMM_KERNELS", "LINEAR_CHOICES", "LINEAR_DTYPES", "ConvWeightPacks", "ThreadPacks",
+           "gemm_kernel", "linear_writes_out", "make_conv_kernel", "make_linear_kernel", "make_trans_data"]

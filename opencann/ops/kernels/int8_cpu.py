@@ -30,13 +30,12 @@ QInt8 per-channel weights).
 """
 from __future__ import annotations
 
-import threading
-from typing import Callable, Dict, Sequence, Tuple
+from typing import Callable, Sequence, Tuple
 
 import torch
 
 from ...ir import Node, TensorDesc, TensorRef
-from .cpu import _ACT_FN
+from .cpu import _ACT_FN, ThreadPacks
 
 QMIN, QMAX = 0, 255   # uint8 activations
 _LINEAR_POST = {"relu": ("relu", ""), "gelu": ("gelu", "none"), "gelu_tanh": ("gelu", "tanh")}
@@ -81,28 +80,12 @@ def make_ascend_quant_kernel(node: Node, in_descs: Sequence[TensorDesc], consts:
     return run
 
 
-class QConvWeightPacks:
+def QConvWeightPacks(w: torch.Tensor, w_scale: torch.Tensor, x_step: float, x_offset: int,  # noqa: N802
+                     conv_args: tuple, x_shape: list) -> ThreadPacks:
     """An int8 conv weight prepacked by ``onednn.qconv_prepack`` for one input size, once
-    per intra-op thread count (as `ConvWeightPacks` for fp32: oneDNN's blocking depends
-    on the thread count). `get` never raises for a thread count."""
-
-    def __init__(self, w: torch.Tensor, w_scale: torch.Tensor, x_step: float, x_offset: int,
-                 conv_args: tuple, x_shape: list):
-        self._args = (w, w_scale, x_step, x_offset, *conv_args, x_shape)
-        self._packs: Dict[int, torch.Tensor] = {}
-        self._lock = threading.Lock()
-        self.get()
-
-    def get(self) -> torch.Tensor:
-        """The packed weight for ``torch.get_num_threads()`` of the calling thread."""
-        n = torch.get_num_threads()
-        p = self._packs.get(n)
-        if p is None:
-            with self._lock:
-                p = self._packs.get(n)
-                if p is None:
-                    p = self._packs[n] = torch.ops.onednn.qconv_prepack(*self._args)
-        return p
+    per intra-op thread count (`ThreadPacks`: oneDNN's blocking depends on the count)."""
+    args = (w, w_scale, x_step, x_offset, *conv_args, x_shape)
+    return ThreadPacks(lambda: torch.ops.onednn.qconv_prepack(*args))
 
 
 def _act_after(act: str, native: Tuple[str, ...]):
