@@ -117,11 +117,8 @@ def load(path: str):
     op) and FileNotFoundError. A model compiled with dynamic dims or gears comes back as
     such: the same shapes, gears and padding, and the same errors for other shapes.
     Releases the calling thread's OpenMP pool on return, as `compile` does."""
-    from .engine.loading import model_from_parts
-    from .runtime.model_file import read
-    parts = read(path)
-    parts.pop("metadata")
-    cm = model_from_parts(**parts)
+    from .engine.loading import load_model_file
+    cm = load_model_file(path)
     release_openmp_pool()
     return cm
 
@@ -209,3 +206,15 @@ def register_op(name, op, **columns):
     cost; see `opencann.extend.register_op` (arguments, errors) and docs/design/passes.md."""
     from .extend import register_op as _register
     return _register(name, op, **columns)
+
+
+def readiness(model, inputs=None, device: str = "vnpu:ascend910b", precision: str = "fp16",
+              context: Optional[int] = None, batch: Optional[int] = None, **kwargs):
+    """NPU readiness of ``model`` on ``device`` in one report: op support after folding
+    (host ops with source lines), formats and TransData, memory fit in the preset's HBM
+    (an LLM's KV cache at ``context`` tokens and ``batch``), estimated latency per op
+    class, accuracy at ``precision`` ("fp16" / "bf16") against fp32 layer by layer, a
+    verdict and next steps; see `opencann.tools.readiness.readiness` (arguments, errors)
+    and docs/guide/readiness.md. Returns a `ReadinessReport`."""
+    from .tools.readiness import readiness as _readiness
+    return _readiness(model, inputs, device, precision, context, batch, **kwargs)

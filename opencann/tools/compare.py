@@ -319,3 +319,28 @@ def compare(model: torch.nn.Module, example_inputs, device: str = "cpu",
     or ValueError (bad options or device) like ``opencann.compile``."""
     return Session(model, example_inputs, example_kwargs).run(device, options)
 
+
+
+def compare_onnx(path: str, device: str = "cpu", options: Optional[Dict[str, Any]] = None,
+                 input_shapes=None, seed: int = 0) -> CompareResult:
+    """The outputs of the ONNX file ``path`` compiled for ``device`` with ``options``
+    against the same file compiled for the cpu without options (fp32, what ``opencann
+    run`` checks against ONNX Runtime), on random inputs of its input shapes
+    (`run_inputs.random_inputs`, never all zeros; ``input_shapes`` name -> sizes for
+    symbolic dims). ``layers`` stays empty: an ONNX graph has no eager layers to compare.
+    Raises OnnxLoadError, ConversionError and ValueError like ``opencann.compile``."""
+    from ..engine import compile_onnx
+    from .run_inputs import input_specs, random_inputs
+    ref_cm = compile_onnx(path, device="cpu", input_shapes=input_shapes)
+    cm = compile_onnx(path, device=device, options=dict(options or {}), input_shapes=input_shapes)
+    inputs = random_inputs(input_specs(ref_cm, None, path), seed)
+    refs = [o for o in pytree.tree_leaves(ref_cm(*inputs)) if isinstance(o, torch.Tensor)]
+    outs = [o for o in pytree.tree_leaves(cm(*inputs)) if isinstance(o, torch.Tensor)]
+    res = CompareResult(path, str(device), dict(options or {}), report=cm.report)
+    floor = _floor(options)
+    for k, (o, r) in enumerate(zip(outs, refs)):
+        m = metrics(o, r)
+        judge = floor if floor is not None and o.dtype.is_floating_point else o.dtype
+        res.outputs.append(LayerResult(k, f"output {k}", "", "", "", "", _name(o.dtype),
+                                       tuple(o.shape), status=status_of(m, judge), **m))
+    return res
