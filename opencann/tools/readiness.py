@@ -241,7 +241,7 @@ class ReadinessReport:
             lines.append(f"KV cache {_size(self.kv.nbytes)} at context {self.kv.context}, batch "
                          f"{self.kv.batch} = {self.kv.formula()} = {self.kv.nbytes} B")
         lines.append(f"total {_size(m.total)} of {m.hbm / GiB:.0f} GiB HBM: "
-                     + (f"fits ({100 * m.total / m.hbm:.3g}%)" if m.fits else
+                     + (f"fits ({_share(m.total, m.hbm)})" if m.fits else
                         f"does NOT fit ({_size(m.total - m.hbm)} over)"))
         return lines
 
@@ -252,7 +252,17 @@ def _layer(r) -> Dict[str, Any]:
 
 
 def _size(n: float) -> str:
-    return f"{n / GiB:.2f} GiB" if n >= GiB else f"{n / MiB:.2f} MiB"
+    """Bytes as GiB, MiB or KiB, whichever gives a number of at least 1 (else B)."""
+    for unit, scale in (("GiB", GiB), ("MiB", MiB), ("KiB", 1024.0)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+def _share(part: float, whole: float) -> str:
+    """``part`` as a percentage of ``whole``, "<0.01%" when smaller."""
+    p = 100 * part / whole if whole else 0.0
+    return "<0.01%" if 0 < p < 0.01 else f"{p:.2f}%"
 
 
 # -- the model -------------------------------------------------------------------------
@@ -401,7 +411,8 @@ def _judge(rep: ReadinessReport) -> None:
     if nokernel:
         shown = ", ".join(f"{f.op} x{f.count}" + (f" ({f.sources[0]})" if f.sources else "")
                           for f in nokernel[:6]) + (", ..." if len(nokernel) > 6 else "")
-        steps.append(f"{len(nokernel)} op types have no {rep.device} kernel and run on the host, "
+        steps.append(f"{len(nokernel)} op type{'s' if len(nokernel) > 1 else ''} without a "
+                     f"{rep.device} kernel run on the host, "
                      f"a copy each way: {shown}; give them one with opencann.extend.register_op"
                      "(..., kernels={'vnpu': ...}) or express them with ops that have one")
     fails = rep.failing_layers()

@@ -1,0 +1,134 @@
+"""A self-contained HTML page of an NPU readiness report (`readiness.ReadinessReport`): the
+verdict, then one section per part (``id`` = ``support``, ``formats``, ``memory``,
+``latency``, ``accuracy``, ``next-steps``), inline CSS and, when matplotlib is installed
+and layers were compared, the accuracy plot of `compare_html.error_plot_png` as a base64
+PNG: no external assets, so the file can be mailed or attached to a ticket.
+"""
+from __future__ import annotations
+
+import base64
+import html
+from typing import Iterable, List
+
+from .compare_html import error_plot_png
+from .estimate import MiB
+
+_VERDICT_COLOR = {"ready": "#2e7d32", "ready with host ops": "#f9a825", "not ready": "#c62828"}
+_STATUS_COLOR = {"pass": "#e8f5e9", "warn": "#fff8e1", "fail": "#ffebee"}
+_CSS = ("body{font-family:sans-serif;max-width:1100px;margin:auto}table{border-collapse:collapse;"
+        "font-size:12px;margin:6px 0}td,th{border:1px solid #ccc;padding:2px 6px;text-align:left}"
+        "h2{border-bottom:1px solid #ddd}.verdict{font-size:20px;font-weight:bold}")
+
+
+def _table(cols: Iterable[str], rows: Iterable[Iterable], styles: Iterable[str] = ()) -> str:
+    esc = html.escape
+    styles = list(styles)
+    body = "".join(
+        (f'<tr style="{styles[i]}">' if i < len(styles) and styles[i] else "<tr>")
+        + "".join(f"<td>{esc(str(c))}</td>" for c in row) + "</tr>" for i, row in enumerate(rows))
+    return "<table><tr>" + "".join(f"<th>{esc(c)}</th>" for c in cols) + "</tr>" + body + "</table>"
+
+
+def _section(sid: str, title: str, parts: List[str]) -> str:
+    return f'<h2 id="{sid}">{html.escape(title)}</h2>' + "".join(parts)
+
+
+def _p(text: str) -> str:
+    return f"<p>{html.escape(text)}</p>"
+
+
+def to_html(rep) -> str:
+    """The page of ``rep`` as a string."""
+    esc = html.escape
+    out = [f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>opencann readiness: "
+           f"{esc(rep.model)}</title><style>{_CSS}</style></head><body>",
+           f"<h1>NPU readiness: {esc(rep.model)} on {esc(rep.device)}, {esc(rep.precision)}</h1>",
+           f'<p class="verdict" id="verdict" style="color:{_VERDICT_COLOR[rep.verdict]}">'
+           f"{esc(rep.verdict)}</p>"]
+    if rep.reasons:
+        out.append("<ul>" + "".join(f"<li>{esc(r)}</li>" for r in rep.reasons) + "</ul>")
+
+    s = rep.support
+    if s is None:
+        part = [_p(f"not audited: {rep.skipped.get('support', '?')}")]
+    else:
+        c = s.counts()
+        part = [_p(f"{c['converted']} ops on the device, {sum(f.count for f in rep.host_ops())} on "
+                   f"the host; {s.folded} removed by constant folding ({s.capture})")]
+        issues = rep.blockers() + rep.host_ops()
+        if issues:
+            part.append(_table(("kind", "op", "count", "source lines", "modules", "detail"),
+                               [(f.kind.replace("_", " "), f.op, f.count, "; ".join(f.sources),
+                                 ", ".join(f.modules[:4]), f.detail or f.message) for f in issues]))
+    out.append(_section("support", "Op support (after constant folding)", part))
+
+    est = rep.estimate
+    if est is None:
+        out.append(_section("formats", "Formats and TransData",
+                            [_p(f"not estimated: {rep.skipped.get('estimate', '?')}")]))
+    else:
+        td = rep.trans_data()
+        out.append(_section("formats", "Formats and TransData", [
+            _table(("output format", "kernels"), rep.formats().items()),
+            _p(f"TransData: {td['count']} kernels, {td['time_us']:.1f} µs "
+               f"({100 * td['share']:.0f}% of the estimated time), {td['hbm_bytes'] / 1e6:.2f} MB "
+               "of HBM traffic")]))
+
+    m = rep.memory
+    mem = [_p(line) for line in rep.memory_lines()]
+    if m is not None:
+        rows = [("weights", m.weights), ("peak activations", m.activations)]
+        rows += [("KV cache", m.kv_cache)] if rep.kv is not None else []
+        rows += [("total", m.total), ("HBM", m.hbm)]
+        mem.insert(0, _table(("part", "MiB"), [(k, f"{v / MiB:.3f}") for k, v in rows]))
+    out.append(_section("memory", "Memory (HBM)", mem))
+
+    if est is None:
+        lat = [_p(f"not estimated: {rep.skipped.get('estimate', '?')}")]
+    else:
+        total = est.total_time_us
+        lat = [_p(f"total {total / 1e3:.3f} ms at batch {est.batch} ({est.dtype}); time by op class: "
+                  + ", ".join(f"{k} {v:.1f} µs" for k, v in rep.time_by_class().items())),
+               _table(("op", "kernels", "time µs", "%", "bottleneck"),
+                      [(o.op, o.count, f"{o.time_us:.2f}", f"{100 * o.time_us / total:.1f}"
+                        if total else "-", o.bound) for o in rep.op_classes()])]
+        lat += [_p(f"note: {n}") for n in est.notes]
+    out.append(_section("latency", "Estimated latency", lat))
+
+    acc = rep.accuracy
+    title = f"Accuracy at {rep.precision} ({rep.precision_mode}) against fp32"
+    if acc is None:
+        out.append(_section("accuracy", title, [_p(f"not checked: {rep.skipped.get('accuracy', '?')}")]))
+    else:
+        cnt = acc.counts()
+        part = [_p(f"outputs {acc.status}; {len(acc.layers)} layers compared: {cnt['pass']} pass, "
+                   f"{cnt['warn']} warn, {cnt['fail']} fail (msprobe's thresholds)"),
+                _table(("output", "dtype", "cosine", "rel RMSE", "max abs", "status"),
+                       [(o.node, o.dtype, f"{o.cosine:.6f}", f"{o.rel_rmse:.3g}", f"{o.max_abs:.3g}",
+                         o.status) for o in acc.outputs],
+                       [f"background:{_STATUS_COLOR[o.status]}" for o in acc.outputs])]
+        bad = rep.failing_layers() + rep.failing_layers("warn")
+        if bad:
+            part.append(_table(("node", "op", "module", "source", "cosine", "rel RMSE", "status"),
+                               [(r.node, r.op, r.module, r.source, f"{r.cosine:.6f}",
+                                 f"{r.rel_rmse:.3g}", r.status) for r in bad],
+                               [f"background:{_STATUS_COLOR[r.status]}" for r in bad]))
+        png = error_plot_png(acc)
+        if png:
+            part.append('<img alt="error along the graph" src="data:image/png;base64,'
+                        f'{base64.b64encode(png).decode()}">')
+        out.append(_section("accuracy", title, part))
+
+    out.append(_section("next-steps", "Next steps",
+                        ["<ol>" + "".join(f"<li>{esc(x)}</li>" for x in rep.next_steps) + "</ol>"]))
+    out.append("</body></html>")
+    return "".join(out)
+
+
+def write_html(rep, path: str) -> None:
+    """Write `to_html` of ``rep`` to ``path`` (UTF-8)."""
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(to_html(rep))
+
+
+__all__ = ["to_html", "write_html"]
