@@ -365,9 +365,9 @@ def _fusion_options(fused: bool) -> Dict[str, Any]:
     return {"disable": [p.name for p in pm.passes if p.stage == "fusion" and p.name in names]}
 
 
-def _compile(graph, device: str, fused: bool):
+def _compile(graph, device: str, fused: bool, options: Optional[Dict[str, Any]] = None):
     from ..engine import compile_graph
-    return compile_graph(graph, device, _fusion_options(fused))
+    return compile_graph(graph, device, {**_fusion_options(fused), **(options or {})})
 
 
 def _load_factory(spec: str):
@@ -493,13 +493,14 @@ def estimate(model_or_zoo_name, example_inputs=None, device: str = "vnpu:ascend9
 
 
 def estimate_onnx(path: str, device: str = "vnpu:ascend910b", input_shapes=None,
-                  fused: bool = True, ub_epilogue: bool = True,
-                  check_fit: bool = True) -> EstimateReport:
+                  fused: bool = True, ub_epilogue: bool = True, check_fit: bool = True,
+                  precision_mode: Optional[str] = None) -> EstimateReport:
     """`estimate` of an ONNX file: its graph (converted by the ONNX frontend, weights in
     the file's dtypes, ``input_shapes`` name -> sizes for symbolic dims) compiled for
-    ``device`` and costed as `estimate` does; batch = the first input's dim 0. Raises
-    what `estimate` raises, OnnxLoadError (unreadable file) and ConversionError (a graph
-    that does not convert)."""
+    ``device`` (with ``precision_mode``, e.g. "force_fp16", when given) and costed as
+    `estimate` does; batch = the first input's dim 0. Raises what `estimate` raises,
+    OnnxLoadError (unreadable file), ConversionError (a graph that does not convert) and
+    ValueError (an unknown precision mode)."""
     from ..frontend.onnx import from_onnx, load_model
     spec = parse_device(device, kind="vnpu").spec
     model = load_model(path)
@@ -508,7 +509,8 @@ def estimate_onnx(path: str, device: str = "vnpu:ascend910b", input_shapes=None,
         return from_onnx(model, input_shapes)
     first = build().inputs
     batch = int(first[0].desc.shape[0]) if first and first[0].desc.shape else 1
-    return _report(path, device, spec, batch, build, fused, ub_epilogue, check_fit)
+    extra = {"precision_mode": precision_mode} if precision_mode else {}
+    return _report(path, device, spec, batch, build, fused, ub_epilogue, check_fit, extra)
 
 
 def estimate_compiled(compiled, name: str, check_fit: bool = True) -> EstimateReport:
@@ -530,11 +532,13 @@ def estimate_compiled(compiled, name: str, check_fit: bool = True) -> EstimateRe
 
 
 def _report(name: str, device: str, spec, batch: int, build, fused: bool, ub_epilogue: bool,
-            check_fit: bool) -> EstimateReport:
+            check_fit: bool, options: Optional[Dict[str, Any]] = None) -> EstimateReport:
     """Compile ``build()`` (a fresh IR graph per call) with the fusion passes as ``fused``
-    asks, cost it, and cost it once more the other way for the fusion comparison."""
-    graph, plan, creport = _compile(build(), device, fused)
-    other = cost_graph(_compile(build(), device, not fused)[0], spec, ub_epilogue and not fused)[0]
+    asks (and ``options``), cost it, and cost it once more the other way for the fusion
+    comparison."""
+    graph, plan, creport = _compile(build(), device, fused, options)
+    other = cost_graph(_compile(build(), device, not fused, options)[0], spec,
+                       ub_epilogue and not fused)[0]
     return _costed(name, device, spec, batch, graph, plan, fused, ub_epilogue, check_fit, creport,
                    other)
 

@@ -246,6 +246,17 @@ class ReadinessReport:
         return lines
 
 
+def accuracy_counts(acc: CompareResult) -> str:
+    """``415 layers compared: 415 pass, 0 warn, 0 fail (msprobe's thresholds)``, or for
+    an outputs-only comparison (ONNX) how many outputs were compared."""
+    if not acc.layers:
+        return (f"{len(acc.outputs)} outputs compared with the fp32 compile (an ONNX graph has "
+                "no eager layers to compare layer by layer)")
+    c = acc.counts()
+    return (f"{len(acc.layers)} layers compared: {c['pass']} pass, {c['warn']} warn, "
+            f"{c['fail']} fail (msprobe's thresholds)")
+
+
 def _layer(r) -> Dict[str, Any]:
     return {"node": r.node, "op": r.op, "module": r.module, "source": r.source, "dtype": r.dtype,
             "cosine": r.cosine, "rel_rmse": r.rel_rmse, "status": r.status}
@@ -304,6 +315,9 @@ def _source(model, inputs, batch: Optional[int], seq: Optional[int], name: Optio
             return _Source(name or path, onnx=path, input_shapes=input_shapes)
         from ..engine.loading import load_model_file
         return _Source(name or path, compiled=load_model_file(path))
+    if input_shapes:
+        raise ValueError("readiness: input_shapes (--input-shape) is for .onnx files; a zoo model's "
+                         "or module's sample inputs fix the shapes")
     from .. import zoo
     kw = {"batch": batch or 1}
     if seq is not None:
@@ -329,7 +343,8 @@ def _support(src: _Source, device: str) -> Analysis:
     return res
 
 
-def _estimate(src: _Source, device: str, dtype: str, batch: Optional[int]) -> EstimateReport:
+def _estimate(src: _Source, device: str, dtype: str, mode: str,
+              batch: Optional[int]) -> EstimateReport:
     from .estimate import estimate, estimate_compiled, estimate_onnx
     if src.module is not None:
         # estimate casts the module it is given: a copy keeps the caller's (and the
@@ -337,7 +352,7 @@ def _estimate(src: _Source, device: str, dtype: str, batch: Optional[int]) -> Es
         return estimate(copy.deepcopy(src.module), src.args, device, batch=batch, dtype=dtype,
                         check_fit=False)
     if src.onnx is not None:
-        return estimate_onnx(src.onnx, device, src.input_shapes, check_fit=False)
+        return estimate_onnx(src.onnx, device, src.input_shapes, check_fit=False, precision_mode=mode)
     return estimate_compiled(src.compiled, src.name, check_fit=False)
 
 
@@ -372,6 +387,20 @@ def _kv(src: _Source, context: Optional[int], batch: int, itemsize: int) -> Opti
     arch.check_max_seq_len(ctx)
     return KvCache(arch.model_type, arch.num_layers, batch, arch.num_kv_heads, ctx, arch.head_dim,
                    itemsize)
+
+
+def _check_compiled_for(src: _Source, dev) -> None:
+    """Raise ValueError (one line) when the model file ``src`` was compiled for another
+    device than ``dev``: a model file is checked as it was saved."""
+    from ..devices import parse_device
+    have = parse_device(str(src.compiled.report.device))
+    if have.kind != "vnpu":
+        raise ValueError(f"{src.name} was compiled for {have}, not for an NPU: convert the model for "
+                         f"{dev} (opencann atc --soc_version Ascend910B) or run readiness on the "
+                         "model it came from")
+    if have.spec.name != dev.spec.name:
+        raise ValueError(f"{src.name} was compiled for {have} and is checked as saved: give --device "
+                         f"{have}, or convert the model for {dev} (opencann atc --soc_version)")
 
 
 def _first_line(e: BaseException) -> str:
@@ -502,8 +531,9 @@ def readiness(model, inputs=None, device: str = "vnpu:ascend910b", precision: st
     Returns: `ReadinessReport` (µs, bytes).
     Raises:
         ValueError: a device that is not a vnpu, an unknown preset or precision, a module
-            without inputs, an unknown zoo name or missing file, ``context`` for a model
-            that is no LLM or beyond its positions, batch < 1.
+            without inputs, an unknown zoo name or missing file, a model file compiled for
+            another device, ``input_shapes`` for a model that is no ONNX file, ``context``
+            for a model that is no LLM or beyond its positions, batch < 1.
         TypeError: ``model`` of another type.
     Failures inside a part (a capture error, a graph that does not convert) are findings:
     the part is None and ``skipped`` says why.
@@ -521,6 +551,8 @@ def readiness(model, inputs=None, device: str = "vnpu:ascend910b", precision: st
         low_dtype(precision_mode)   # one ValueError line listing the modes
         mode = precision_mode
     src = _source(model, inputs, batch, seq, name, example_kwargs, input_shapes)
+    if src.compiled is not None:
+        _check_compiled_for(src, dev)
     if batch is None:
         x = next((a for a in src.args if isinstance(a, torch.Tensor) and a.dim()), None)
         batch = int(x.shape[0]) if x is not None else 1
@@ -532,7 +564,8 @@ def readiness(model, inputs=None, device: str = "vnpu:ascend910b", precision: st
                             for p in ("estimate", "memory", "accuracy")})
     else:
         try:
-            rep.estimate = _estimate(src, str(dev), dtype, batch if src.module is not None else None)
+            rep.estimate = _estimate(src, str(dev), dtype, mode,
+                                     batch if src.module is not None else None)
         except Exception as e:  # noqa: BLE001 - a finding of the report, in one line
             rep.skipped["estimate"] = rep.skipped["memory"] = _first_line(e)
         if rep.estimate is not None:
@@ -554,5 +587,5 @@ def readiness(model, inputs=None, device: str = "vnpu:ascend910b", precision: st
     return rep
 
 
-__all__ = ["BOUND_CLASS", "KvCache", "MemoryFit", "OpClass", "PRECISIONS", "ReadinessReport",
+__all__ = ["BOUND_CLASS", "KvCache", "accuracy_counts", "MemoryFit", "OpClass", "PRECISIONS", "ReadinessReport",
            "VERDICTS", "llm_arch", "readiness"]

@@ -45,6 +45,8 @@ def print_report(rep, console, top: int = 10) -> None:
     formats and TransData, memory, latency (the ``top`` op types), accuracy, next steps."""
     from rich.markup import escape
     from rich.table import Table
+
+    from .readiness import accuracy_counts
     e = escape
     console.rule(f"[bold]NPU readiness: {e(rep.model)} on {e(rep.device)}, {rep.precision}")
     console.print(f"verdict: [{_VERDICT_STYLE[rep.verdict]}]{rep.verdict}[/]"
@@ -105,10 +107,7 @@ def print_report(rep, console, top: int = 10) -> None:
     if acc is None:
         console.print(f"not checked: {e(rep.skipped.get('accuracy', '?'))}")
     else:
-        cnt = acc.counts()
-        console.print(f"outputs [{_STATUS_STYLE[acc.status]}]{acc.status}[/]; {len(acc.layers)} layers "
-                      f"compared: {cnt['pass']} pass, {cnt['warn']} warn, {cnt['fail']} fail "
-                      "(msprobe's thresholds)")
+        console.print(f"outputs [{_STATUS_STYLE[acc.status]}]{acc.status}[/]; " + e(accuracy_counts(acc)))
         bad = rep.failing_layers() + rep.failing_layers("warn")
         if bad:
             t = Table()

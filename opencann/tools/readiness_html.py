@@ -12,6 +12,7 @@ from typing import Iterable, List
 
 from .compare_html import error_plot_png
 from .estimate import MiB
+from .readiness import accuracy_counts
 
 _VERDICT_COLOR = {"ready": "#2e7d32", "ready with host ops": "#f9a825", "not ready": "#c62828"}
 _STATUS_COLOR = {"pass": "#e8f5e9", "warn": "#fff8e1", "fail": "#ffebee"}
@@ -100,9 +101,7 @@ def to_html(rep) -> str:
     if acc is None:
         out.append(_section("accuracy", title, [_p(f"not checked: {rep.skipped.get('accuracy', '?')}")]))
     else:
-        cnt = acc.counts()
-        part = [_p(f"outputs {acc.status}; {len(acc.layers)} layers compared: {cnt['pass']} pass, "
-                   f"{cnt['warn']} warn, {cnt['fail']} fail (msprobe's thresholds)"),
+        part = [_p(f"outputs {acc.status}; {accuracy_counts(acc)}"),
                 _table(("output", "dtype", "cosine", "rel RMSE", "max abs", "status"),
                        [(o.node, o.dtype, f"{o.cosine:.6f}", f"{o.rel_rmse:.3g}", f"{o.max_abs:.3g}",
                          o.status) for o in acc.outputs],
