@@ -446,12 +446,15 @@ def _judge(rep: ReadinessReport) -> None:
                      "(..., kernels={'vnpu': ...}) or express them with ops that have one")
     fails = rep.failing_layers()
     if fails:
-        ops = sorted({r.op for r in fails if r.op})
-        shown = ", ".join(f"{r.node} ({r.op}) at {r.source or r.module or '?'}" for r in fails[:5])
-        steps.append(f"{len(fails)} layers fail at {rep.precision}: {shown}"
-                     + (f", ... ({len(fails)} in all)" if len(fails) > 5 else "")
-                     + f"; keep them in fp32 with options={{'precision_mode': "
-                     f"'allow_mix_precision', 'keep_fp32': {ops}}}"
+        first = fails[0]
+        rest = ", ".join(f"{r.node} ({r.op})" for r in fails[1:6]) + (", ..." if len(fails) > 6 else "")
+        steps.append(f"{len(fails)} layer{'s' if len(fails) > 1 else ''} fail at {rep.precision}, the "
+                     f"first {first.node} ({first.op}) at {first.source or first.module or '?'}"
+                     + (f" ({first.note})" if first.note else
+                        f" (cosine {first.cosine:.6f}, relative RMSE {first.rel_rmse:.3g})")
+                     + (f"; after it {rest}" if rest else "")
+                     + f": keep {first.op} in fp32 with options={{'precision_mode': "
+                     f"'allow_mix_precision', 'keep_fp32': ['{first.op}']}}"
                      + (" or try --precision bf16 (fp32's range)" if rep.precision == "fp16" else ""))
     elif acc is not None and acc.status == "fail":
         steps.append(f"the outputs fail at {rep.precision}: compile with precision_mode "
