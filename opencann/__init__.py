@@ -144,6 +144,13 @@ def __getattr__(name):
     if name in _SUBMODULES:
         import importlib
         return importlib.import_module(f"{__name__}.{name}")
+    if name == "readiness":
+        # ``opencann.readiness(model, inputs, device="vnpu:ascend910b", precision="fp16",
+        # context=None, batch=None)``: the NPU readiness report of the migration toolkit
+        # (`opencann.tools.readiness.readiness`, docs/guide/readiness.md), resolved on
+        # first use like the submodules above: the facade does not import the toolkit
+        import importlib
+        return importlib.import_module(f"{__name__}.tools.readiness").readiness
     if name == "ModelFileError":
         from .runtime.model_file import ModelFileError
         return ModelFileError
@@ -207,14 +214,3 @@ def register_op(name, op, **columns):
     from .extend import register_op as _register
     return _register(name, op, **columns)
 
-
-def readiness(model, inputs=None, device: str = "vnpu:ascend910b", precision: str = "fp16",
-              context: Optional[int] = None, batch: Optional[int] = None, **kwargs):
-    """NPU readiness of ``model`` on ``device`` in one report: op support after folding
-    (host ops with source lines), formats and TransData, memory fit in the preset's HBM
-    (an LLM's KV cache at ``context`` tokens and ``batch``), estimated latency per op
-    class, accuracy at ``precision`` ("fp16" / "bf16") against fp32 layer by layer, a
-    verdict and next steps; see `opencann.tools.readiness.readiness` (arguments, errors)
-    and docs/guide/readiness.md. Returns a `ReadinessReport`."""
-    from .tools.readiness import readiness as _readiness
-    return _readiness(model, inputs, device, precision, context, batch, **kwargs)

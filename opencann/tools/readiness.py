@@ -410,22 +410,46 @@ def _first_line(e: BaseException) -> str:
 # -- verdict and next steps -----------------------------------------------------------------
 
 def _judge(rep: ReadinessReport) -> None:
-    """Set ``rep.verdict``, ``reasons`` and ``next_steps`` from its sections."""
-    reasons, steps = [], []
-    for f in rep.blockers():
-        reasons.append(f"{f.kind.replace('_', ' ')}: {f.op}" + (f" at {f.sources[0]}" if f.sources else ""))
-        steps.append(f"{f.op}" + (f" at {'; '.join(f.sources[:3])}" if f.sources else "")
-                     + f": {f.detail or f.message or 'make the shapes static and the branches tensor-free'}")
-    for part in ("support", "estimate", "accuracy"):
-        if part in rep.skipped and getattr(rep, part) is None and part != "accuracy":
-            reasons.append(f"{part} not computed: {rep.skipped[part]}")
+    """Set ``rep.verdict``, ``reasons`` and ``next_steps`` from its sections: "not ready"
+    for a model that does not compile into one device graph, a part that could not be
+    computed, a plan beyond the HBM or outputs failing at the precision; else "ready with
+    host ops" when ops run on the host; else "ready"."""
+    reasons = [f"{f.kind.replace('_', ' ')}: {f.op}" + (f" at {f.sources[0]}" if f.sources else "")
+               for f in rep.blockers()]
+    if not reasons and rep.estimate is None and "estimate" in rep.skipped:
+        reasons.append(f"estimate not computed: {rep.skipped['estimate']}")
     m = rep.memory
     if m is not None and not m.fits:
         reasons.append(f"needs {_size(m.total)}, the device has {m.hbm / GiB:.0f} GiB of HBM")
-        steps.append(_fit_step(rep))
-    acc = rep.accuracy
-    if acc is not None and acc.status == "fail":
+    if rep.accuracy is not None and rep.accuracy.status == "fail":
         reasons.append(f"outputs fail msprobe's {rep.precision} thresholds against fp32")
+    steps = _blocker_steps(rep) + ([_fit_step(rep)] if m is not None and not m.fits else [])
+    steps += _host_steps(rep) + _accuracy_steps(rep) + _estimate_steps(rep)
+    host = rep.host_ops()
+    if reasons:
+        rep.verdict = "not ready"
+    elif host:
+        rep.verdict = "ready with host ops"
+        reasons.append(f"{sum(f.count for f in host)} ops of {len(host)} types run on the host")
+    else:
+        rep.verdict = "ready"
+    if not steps:
+        steps.append(f"compile for {rep.device} with precision_mode '{rep.precision_mode}' "
+                     "(opencann.compile(model, inputs, device=..., options=...)) and measure")
+    rep.reasons, rep.next_steps = reasons, steps
+
+
+def _blocker_steps(rep: ReadinessReport) -> List[str]:
+    """Each blocking finding with its lines and its fix."""
+    return [f"{f.op}" + (f" at {'; '.join(f.sources[:3])}" if f.sources else "")
+            + f": {f.detail or f.message or 'make the shapes static and the branches tensor-free'}"
+            for f in rep.blockers()]
+
+
+def _host_steps(rep: ReadinessReport) -> List[str]:
+    """One step per host fallback / custom op (at its lines), one for the ops without a
+    device kernel."""
+    steps = []
     host = rep.host_ops()
     for f in host:
         where = f" at {'; '.join(f.sources[:3])}" if f.sources else ""
@@ -441,24 +465,40 @@ def _judge(rep: ReadinessReport) -> None:
         shown = ", ".join(f"{f.op} x{f.count}" + (f" ({f.sources[0]})" if f.sources else "")
                           for f in nokernel[:6]) + (", ..." if len(nokernel) > 6 else "")
         steps.append(f"{len(nokernel)} op type{'s' if len(nokernel) > 1 else ''} without a "
-                     f"{rep.device} kernel run on the host, "
-                     f"a copy each way: {shown}; give them one with opencann.extend.register_op"
-                     "(..., kernels={'vnpu': ...}) or express them with ops that have one")
-    fails = rep.failing_layers()
+                     f"{rep.device} kernel run on the host, a copy each way: {shown}; give them "
+                     "one with opencann.extend.register_op(..., kernels={'vnpu': ...}) or express "
+                     "them with ops that have one")
+    return steps
+
+
+def _accuracy_steps(rep: ReadinessReport) -> List[str]:
+    """The first failing layer (the others follow it) and the op to keep in fp32; or why
+    accuracy was not checked."""
+    fails, acc = rep.failing_layers(), rep.accuracy
     if fails:
         first = fails[0]
         rest = ", ".join(f"{r.node} ({r.op})" for r in fails[1:6]) + (", ..." if len(fails) > 6 else "")
-        steps.append(f"{len(fails)} layer{'s' if len(fails) > 1 else ''} fail at {rep.precision}, the "
-                     f"first {first.node} ({first.op}) at {first.source or first.module or '?'}"
-                     + (f" ({first.note})" if first.note else
-                        f" (cosine {first.cosine:.6f}, relative RMSE {first.rel_rmse:.3g})")
-                     + (f"; after it {rest}" if rest else "")
-                     + f": keep {first.op} in fp32 with options={{'precision_mode': "
-                     f"'allow_mix_precision', 'keep_fp32': ['{first.op}']}}"
-                     + (" or try --precision bf16 (fp32's range)" if rep.precision == "fp16" else ""))
-    elif acc is not None and acc.status == "fail":
-        steps.append(f"the outputs fail at {rep.precision}: compile with precision_mode "
-                     "'allow_mix_precision' (keeps the keep_fp32 ops in fp32) or use fp32")
+        return [f"{len(fails)} layer{'s' if len(fails) > 1 else ''} fail at {rep.precision}, the "
+                f"first {first.node} ({first.op}) at {first.source or first.module or '?'}"
+                + (f" ({first.note})" if first.note else
+                   f" (cosine {first.cosine:.6f}, relative RMSE {first.rel_rmse:.3g})")
+                + (f"; after it {rest}" if rest else "")
+                + f": keep {first.op} in fp32 with options={{'precision_mode': "
+                f"'allow_mix_precision', 'keep_fp32': ['{first.op}']}}"
+                + (" or try --precision bf16 (fp32's range)" if rep.precision == "fp16" else "")]
+    if acc is not None and acc.status == "fail":
+        return [f"the outputs fail at {rep.precision}: compile with precision_mode "
+                "'allow_mix_precision' (keeps the keep_fp32 ops in fp32) or use fp32"]
+    why = rep.skipped.get("accuracy", "")
+    if acc is None and why and not why.startswith(("turned off", "the model does not", "a model file")):
+        return [f"accuracy not checked ({why}): run opencann compare on the model"]
+    return []
+
+
+def _estimate_steps(rep: ReadinessReport) -> List[str]:
+    """TransData beyond `TRANSDATA_SHARE` of the time, ops costed by the fallback, fp32
+    Cube operands cast to fp16 (the estimate's note)."""
+    steps = []
     td = rep.trans_data()
     if td["share"] > TRANSDATA_SHARE:
         steps.append(f"{td['count']} TransData kernels take {100 * td['share']:.0f}% of the "
@@ -468,18 +508,7 @@ def _judge(rep: ReadinessReport) -> None:
     if rep.estimate is not None and rep.estimate.fallbacks:
         steps.append("the estimate costs " + ", ".join(f"{k} x{v}" for k, v in rep.estimate.fallbacks.items())
                      + " as memory-bound copies (no cost model): their latency is a guess")
-    steps += [n for n in (rep.estimate.notes if rep.estimate else []) if n.startswith("fp32 to fp16")]
-    if reasons:
-        rep.verdict = "not ready"
-    elif host:
-        rep.verdict = "ready with host ops"
-        reasons.append(f"{sum(f.count for f in host)} ops of {len(host)} types run on the host")
-    else:
-        rep.verdict = "ready"
-    if not steps:
-        steps.append(f"compile for {rep.device} with precision_mode '{rep.precision_mode}' "
-                     "(opencann.compile(model, inputs, device=..., options=...)) and measure")
-    rep.reasons, rep.next_steps = reasons, steps
+    return steps + [n for n in (rep.estimate.notes if rep.estimate else []) if n.startswith("fp32 to fp16")]
 
 
 def _fit_step(rep: ReadinessReport) -> str:
@@ -541,18 +570,7 @@ def readiness(model, inputs=None, device: str = "vnpu:ascend910b", precision: st
     Failures inside a part (a capture error, a graph that does not convert) are findings:
     the part is None and ``skipped`` says why.
     """
-    from ..devices import parse_device
-    if precision not in PRECISIONS:
-        raise ValueError(f"readiness: precision {precision!r} is not one of {sorted(PRECISIONS)}; "
-                         "use fp16 (force_fp16) or bf16 (allow_mix_precision_bf16)")
-    dev = parse_device(device, kind="vnpu")
-    if batch is not None and (isinstance(batch, bool) or not isinstance(batch, int) or batch < 1):
-        raise ValueError(f"readiness: batch must be a whole number >= 1, got {batch!r}")
-    dtype, mode, itemsize = PRECISIONS[precision]
-    if precision_mode is not None:
-        from ..passes.prepare.precision import low_dtype
-        low_dtype(precision_mode)   # one ValueError line listing the modes
-        mode = precision_mode
+    dev, (dtype, mode, itemsize) = _check_args(device, precision, batch, precision_mode)
     src = _source(model, inputs, batch, seq, name, example_kwargs, input_shapes)
     if src.compiled is not None:
         _check_compiled_for(src, dev)
@@ -566,28 +584,52 @@ def readiness(model, inputs=None, device: str = "vnpu:ascend910b", precision: st
         rep.skipped.update({p: "the model does not compile into one device graph (see op support)"
                             for p in ("estimate", "memory", "accuracy")})
     else:
-        try:
-            rep.estimate = _estimate(src, str(dev), dtype, mode,
-                                     batch if src.module is not None else None)
-        except Exception as e:  # noqa: BLE001 - a finding of the report, in one line
-            rep.skipped["estimate"] = rep.skipped["memory"] = _first_line(e)
-        if rep.estimate is not None:
-            e = rep.estimate
-            rep.memory = MemoryFit(e.spec.hbm_bytes, e.weights_bytes,
-                                   e.arena_bytes + e.kernel_alloc_peak_bytes + e.input_bytes,
-                                   rep.kv.nbytes if rep.kv else 0)
-        if src.compiled is not None:
-            rep.skipped["accuracy"] = ("a model file holds no fp32 reference: run readiness on the "
-                                       "model it was compiled from")
-        elif not accuracy:
-            rep.skipped["accuracy"] = "turned off (accuracy=False / --no-accuracy)"
-        else:
-            try:
-                rep.accuracy = _accuracy(src, str(dev), mode)
-            except Exception as e:  # noqa: BLE001 - a finding of the report, in one line
-                rep.skipped["accuracy"] = _first_line(e)
+        _run_parts(rep, src, dtype, batch if src.module is not None else None, accuracy)
     _judge(rep)
     return rep
+
+
+def _check_args(device, precision: str, batch, precision_mode: Optional[str]):
+    """(the vnpu `Device`, (estimate dtype, compared precision mode, KV itemsize)).
+    Raises ValueError, one line: not a vnpu, unknown preset, precision or mode, batch < 1."""
+    from ..devices import parse_device
+    if precision not in PRECISIONS:
+        raise ValueError(f"readiness: precision {precision!r} is not one of {sorted(PRECISIONS)}; "
+                         "use fp16 (force_fp16) or bf16 (allow_mix_precision_bf16)")
+    dev = parse_device(device, kind="vnpu")
+    if batch is not None and (isinstance(batch, bool) or not isinstance(batch, int) or batch < 1):
+        raise ValueError(f"readiness: batch must be a whole number >= 1, got {batch!r}")
+    dtype, mode, itemsize = PRECISIONS[precision]
+    if precision_mode is not None:
+        from ..passes.prepare.precision import low_dtype
+        low_dtype(precision_mode)   # one ValueError line listing the modes
+        mode = precision_mode
+    return dev, (dtype, mode, itemsize)
+
+
+def _run_parts(rep: ReadinessReport, src: _Source, dtype: str, batch: Optional[int],
+               accuracy: bool) -> None:
+    """Fill ``rep.estimate``, ``memory`` and ``accuracy``; a part that fails is skipped
+    with its error's first line."""
+    try:
+        rep.estimate = _estimate(src, rep.device, dtype, rep.precision_mode, batch)
+    except Exception as e:  # noqa: BLE001 - a finding of the report, in one line
+        rep.skipped["estimate"] = rep.skipped["memory"] = _first_line(e)
+    if rep.estimate is not None:
+        e = rep.estimate
+        rep.memory = MemoryFit(e.spec.hbm_bytes, e.weights_bytes,
+                               e.arena_bytes + e.kernel_alloc_peak_bytes + e.input_bytes,
+                               rep.kv.nbytes if rep.kv else 0)
+    if src.compiled is not None:
+        rep.skipped["accuracy"] = ("a model file holds no fp32 reference: run readiness on the "
+                                   "model it was compiled from")
+    elif not accuracy:
+        rep.skipped["accuracy"] = "turned off (accuracy=False / --no-accuracy)"
+    else:
+        try:
+            rep.accuracy = _accuracy(src, rep.device, rep.precision_mode)
+        except Exception as e:  # noqa: BLE001 - a finding of the report, in one line
+            rep.skipped["accuracy"] = _first_line(e)
 
 
 __all__ = ["BOUND_CLASS", "KvCache", "accuracy_counts", "MemoryFit", "OpClass", "PRECISIONS", "ReadinessReport",

@@ -43,33 +43,12 @@ def add_arguments(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
 def print_report(rep, console, top: int = 10) -> None:
     """Print ``rep`` (`ReadinessReport`) on the rich ``console``: verdict, op support,
     formats and TransData, memory, latency (the ``top`` op types), accuracy, next steps."""
-    from rich.markup import escape
-    from rich.table import Table
-
-    from .readiness import accuracy_counts
-    e = escape
+    from rich.markup import escape as e
     console.rule(f"[bold]NPU readiness: {e(rep.model)} on {e(rep.device)}, {rep.precision}")
     console.print(f"verdict: [{_VERDICT_STYLE[rep.verdict]}]{rep.verdict}[/]"
                   + (f" ({e('; '.join(rep.reasons))})" if rep.reasons else ""))
-
     console.rule("op support (after constant folding)")
-    s = rep.support
-    if s is None:
-        console.print(f"not audited: {e(rep.skipped.get('support', '?'))}")
-    else:
-        c = s.counts()
-        console.print(f"{c['converted']} ops on the device, {sum(f.count for f in rep.host_ops())} on the "
-                      f"host; {s.folded} removed by constant folding ({e(s.capture)})")
-        issues = rep.blockers() + rep.host_ops()
-        if issues:
-            t = Table(show_lines=False)
-            for col in ("kind", "op", "count", "source lines", "modules"):
-                t.add_column(col, overflow="fold")
-            for f in issues:
-                t.add_row(f.kind.replace("_", " "), e(f.op), str(f.count), e("; ".join(f.sources[:3])),
-                          e(", ".join(f.modules[:2])))
-            console.print(t)
-
+    _print_support(rep, console)
     console.rule("formats and TransData")
     if rep.estimate is None:
         console.print(f"not estimated: {e(rep.skipped.get('estimate', '?'))}")
@@ -78,49 +57,78 @@ def print_report(rep, console, top: int = 10) -> None:
         console.print("kernels per output format: " + ", ".join(f"{k} {v}" for k, v in rep.formats().items()))
         console.print(f"TransData: {td['count']} kernels, {td['time_us']:.1f} us "
                       f"({100 * td['share']:.0f}% of the estimated time), {td['hbm_bytes'] / 1e6:.2f} MB of HBM traffic")
-
     console.rule("memory (HBM)")
     for line in rep.memory_lines():
-        style = "red" if "NOT fit" in line else ""
-        console.print(f"[{style}]{e(line)}[/]" if style else e(line))
-
+        console.print(f"[red]{e(line)}[/]" if "NOT fit" in line else e(line))
     console.rule("estimated latency")
-    if rep.estimate is not None:
-        total = rep.estimate.total_time_us
-        cls = ", ".join(f"{k} {100 * v / total:.0f}%" for k, v in
-                        sorted(rep.time_by_class().items(), key=lambda kv: -kv[1]) if v) if total else ""
-        console.print(f"total {total / 1e3:.3f} ms at batch {rep.estimate.batch} ({rep.estimate.dtype}); "
-                      f"time by op class: {cls}")
-        t = Table()
-        for col, just in (("op", "left"), ("kernels", "right"), ("time us", "right"), ("%", "right"),
-                          ("bottleneck", "left")):
-            t.add_column(col, justify=just)
-        for oc in rep.op_classes()[:top]:
-            t.add_row(e(oc.op), str(oc.count), f"{oc.time_us:.2f}",
-                      f"{100 * oc.time_us / total:.1f}" if total else "-", oc.bound)
-        console.print(t)
-    else:
-        console.print(f"not estimated: {e(rep.skipped.get('estimate', '?'))}")
-
+    _print_latency(rep, console, top)
     console.rule(f"accuracy at {rep.precision} ({rep.precision_mode}) against fp32")
-    acc = rep.accuracy
-    if acc is None:
-        console.print(f"not checked: {e(rep.skipped.get('accuracy', '?'))}")
-    else:
-        console.print(f"outputs [{_STATUS_STYLE[acc.status]}]{acc.status}[/]; " + e(accuracy_counts(acc)))
-        bad = rep.failing_layers() + rep.failing_layers("warn")
-        if bad:
-            t = Table()
-            for col in ("node", "op", "module", "source", "cosine", "rel RMSE", "status"):
-                t.add_column(col, overflow="fold")
-            for r in bad[:top]:
-                t.add_row(e(r.node), e(r.op), e(r.module), e(r.source), f"{r.cosine:.6f}",
-                          f"{r.rel_rmse:.3g}", f"[{_STATUS_STYLE[r.status]}]{r.status}[/]")
-            console.print(t)
-
+    _print_accuracy(rep, console, top)
     console.rule("next steps")
     for i, step in enumerate(rep.next_steps, 1):
         console.print(f"{i}. {e(step)}")
+
+
+def _print_support(rep, console) -> None:
+    from rich.markup import escape as e
+    from rich.table import Table
+    s = rep.support
+    if s is None:
+        console.print(f"not audited: {e(rep.skipped.get('support', '?'))}")
+        return
+    console.print(f"{s.counts()['converted']} ops on the device, {sum(f.count for f in rep.host_ops())} "
+                  f"on the host; {s.folded} removed by constant folding ({e(s.capture)})")
+    issues = rep.blockers() + rep.host_ops()
+    if issues:
+        t = Table()
+        for col in ("kind", "op", "count", "source lines", "modules"):
+            t.add_column(col, overflow="fold")
+        for f in issues:
+            t.add_row(f.kind.replace("_", " "), e(f.op), str(f.count), e("; ".join(f.sources[:3])),
+                      e(", ".join(f.modules[:2])))
+        console.print(t)
+
+
+def _print_latency(rep, console, top: int) -> None:
+    from rich.markup import escape as e
+    from rich.table import Table
+    if rep.estimate is None:
+        console.print(f"not estimated: {e(rep.skipped.get('estimate', '?'))}")
+        return
+    total = rep.estimate.total_time_us
+    cls = ", ".join(f"{k} {100 * v / total:.0f}%" for k, v in
+                    sorted(rep.time_by_class().items(), key=lambda kv: -kv[1]) if v) if total else ""
+    console.print(f"total {total / 1e3:.3f} ms at batch {rep.estimate.batch} ({rep.estimate.dtype}); "
+                  f"time by op class: {cls}")
+    t = Table()
+    for col, just in (("op", "left"), ("kernels", "right"), ("time us", "right"), ("%", "right"),
+                      ("bottleneck", "left")):
+        t.add_column(col, justify=just)
+    for oc in rep.op_classes()[:top]:
+        t.add_row(e(oc.op), str(oc.count), f"{oc.time_us:.2f}",
+                  f"{100 * oc.time_us / total:.1f}" if total else "-", oc.bound)
+    console.print(t)
+
+
+def _print_accuracy(rep, console, top: int) -> None:
+    from rich.markup import escape as e
+    from rich.table import Table
+
+    from .readiness import accuracy_counts
+    acc = rep.accuracy
+    if acc is None:
+        console.print(f"not checked: {e(rep.skipped.get('accuracy', '?'))}")
+        return
+    console.print(f"outputs [{_STATUS_STYLE[acc.status]}]{acc.status}[/]; " + e(accuracy_counts(acc)))
+    bad = rep.failing_layers() + rep.failing_layers("warn")
+    if bad:
+        t = Table()
+        for col in ("node", "op", "module", "source", "cosine", "rel RMSE", "status"):
+            t.add_column(col, overflow="fold")
+        for r in bad[:top]:
+            t.add_row(e(r.node), e(r.op), e(r.module), e(r.source), f"{r.cosine:.6f}",
+                      f"{r.rel_rmse:.3g}", f"[{_STATUS_STYLE[r.status]}]{r.status}[/]")
+        console.print(t)
 
 
 __all__ = ["PRECISION_CHOICES", "add_arguments", "print_report"]

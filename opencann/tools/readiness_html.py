@@ -48,80 +48,86 @@ def to_html(rep) -> str:
            f"{esc(rep.verdict)}</p>"]
     if rep.reasons:
         out.append("<ul>" + "".join(f"<li>{esc(r)}</li>" for r in rep.reasons) + "</ul>")
-
-    s = rep.support
-    if s is None:
-        part = [_p(f"not audited: {rep.skipped.get('support', '?')}")]
-    else:
-        c = s.counts()
-        part = [_p(f"{c['converted']} ops on the device, {sum(f.count for f in rep.host_ops())} on "
-                   f"the host; {s.folded} removed by constant folding ({s.capture})")]
-        issues = rep.blockers() + rep.host_ops()
-        if issues:
-            part.append(_table(("kind", "op", "count", "source lines", "modules", "detail"),
-                               [(f.kind.replace("_", " "), f.op, f.count, "; ".join(f.sources),
-                                 ", ".join(f.modules[:4]), f.detail or f.message) for f in issues]))
-    out.append(_section("support", "Op support (after constant folding)", part))
-
-    est = rep.estimate
-    if est is None:
-        out.append(_section("formats", "Formats and TransData",
-                            [_p(f"not estimated: {rep.skipped.get('estimate', '?')}")]))
-    else:
-        td = rep.trans_data()
-        out.append(_section("formats", "Formats and TransData", [
-            _table(("output format", "kernels"), rep.formats().items()),
-            _p(f"TransData: {td['count']} kernels, {td['time_us']:.1f} µs "
-               f"({100 * td['share']:.0f}% of the estimated time), {td['hbm_bytes'] / 1e6:.2f} MB "
-               "of HBM traffic")]))
-
-    m = rep.memory
-    mem = [_p(line) for line in rep.memory_lines()]
-    if m is not None:
-        rows = [("weights", m.weights), ("peak activations", m.activations)]
-        rows += [("KV cache", m.kv_cache)] if rep.kv is not None else []
-        rows += [("total", m.total), ("HBM", m.hbm)]
-        mem.insert(0, _table(("part", "MiB"), [(k, f"{v / MiB:.3f}") for k, v in rows]))
-    out.append(_section("memory", "Memory (HBM)", mem))
-
-    if est is None:
-        lat = [_p(f"not estimated: {rep.skipped.get('estimate', '?')}")]
-    else:
-        total = est.total_time_us
-        lat = [_p(f"total {total / 1e3:.3f} ms at batch {est.batch} ({est.dtype}); time by op class: "
-                  + ", ".join(f"{k} {v:.1f} µs" for k, v in rep.time_by_class().items())),
-               _table(("op", "kernels", "time µs", "%", "bottleneck"),
-                      [(o.op, o.count, f"{o.time_us:.2f}", f"{100 * o.time_us / total:.1f}"
-                        if total else "-", o.bound) for o in rep.op_classes()])]
-        lat += [_p(f"note: {n}") for n in est.notes]
-    out.append(_section("latency", "Estimated latency", lat))
-
-    acc = rep.accuracy
-    title = f"Accuracy at {rep.precision} ({rep.precision_mode}) against fp32"
-    if acc is None:
-        out.append(_section("accuracy", title, [_p(f"not checked: {rep.skipped.get('accuracy', '?')}")]))
-    else:
-        part = [_p(f"outputs {acc.status}; {accuracy_counts(acc)}"),
-                _table(("output", "dtype", "cosine", "rel RMSE", "max abs", "status"),
-                       [(o.node, o.dtype, f"{o.cosine:.6f}", f"{o.rel_rmse:.3g}", f"{o.max_abs:.3g}",
-                         o.status) for o in acc.outputs],
-                       [f"background:{_STATUS_COLOR[o.status]}" for o in acc.outputs])]
-        bad = rep.failing_layers() + rep.failing_layers("warn")
-        if bad:
-            part.append(_table(("node", "op", "module", "source", "cosine", "rel RMSE", "status"),
-                               [(r.node, r.op, r.module, r.source, f"{r.cosine:.6f}",
-                                 f"{r.rel_rmse:.3g}", r.status) for r in bad],
-                               [f"background:{_STATUS_COLOR[r.status]}" for r in bad]))
-        png = error_plot_png(acc)
-        if png:
-            part.append('<img alt="error along the graph" src="data:image/png;base64,'
-                        f'{base64.b64encode(png).decode()}">')
-        out.append(_section("accuracy", title, part))
-
+    out.append(_section("support", "Op support (after constant folding)", _support(rep)))
+    out.append(_section("formats", "Formats and TransData", _formats(rep)))
+    out.append(_section("memory", "Memory (HBM)", _memory(rep)))
+    out.append(_section("latency", "Estimated latency", _latency(rep)))
+    out.append(_section("accuracy", f"Accuracy at {rep.precision} ({rep.precision_mode}) against fp32",
+                        _accuracy(rep)))
     out.append(_section("next-steps", "Next steps",
                         ["<ol>" + "".join(f"<li>{esc(x)}</li>" for x in rep.next_steps) + "</ol>"]))
     out.append("</body></html>")
     return "".join(out)
+
+
+def _support(rep) -> List[str]:
+    s = rep.support
+    if s is None:
+        return [_p(f"not audited: {rep.skipped.get('support', '?')}")]
+    part = [_p(f"{s.counts()['converted']} ops on the device, {sum(f.count for f in rep.host_ops())} "
+               f"on the host; {s.folded} removed by constant folding ({s.capture})")]
+    issues = rep.blockers() + rep.host_ops()
+    if issues:
+        part.append(_table(("kind", "op", "count", "source lines", "modules", "detail"),
+                           [(f.kind.replace("_", " "), f.op, f.count, "; ".join(f.sources),
+                             ", ".join(f.modules[:4]), f.detail or f.message) for f in issues]))
+    return part
+
+
+def _formats(rep) -> List[str]:
+    if rep.estimate is None:
+        return [_p(f"not estimated: {rep.skipped.get('estimate', '?')}")]
+    td = rep.trans_data()
+    return [_table(("output format", "kernels"), rep.formats().items()),
+            _p(f"TransData: {td['count']} kernels, {td['time_us']:.1f} µs "
+               f"({100 * td['share']:.0f}% of the estimated time), {td['hbm_bytes'] / 1e6:.2f} MB "
+               "of HBM traffic")]
+
+
+def _memory(rep) -> List[str]:
+    m = rep.memory
+    part = [_p(line) for line in rep.memory_lines()]
+    if m is not None:
+        rows = [("weights", m.weights), ("peak activations", m.activations)]
+        rows += [("KV cache", m.kv_cache)] if rep.kv is not None else []
+        rows += [("total", m.total), ("HBM", m.hbm)]
+        part.insert(0, _table(("part", "MiB"), [(k, f"{v / MiB:.3f}") for k, v in rows]))
+    return part
+
+
+def _latency(rep) -> List[str]:
+    est = rep.estimate
+    if est is None:
+        return [_p(f"not estimated: {rep.skipped.get('estimate', '?')}")]
+    total = est.total_time_us
+    return [_p(f"total {total / 1e3:.3f} ms at batch {est.batch} ({est.dtype}); time by op class: "
+               + ", ".join(f"{k} {v:.1f} µs" for k, v in rep.time_by_class().items())),
+            _table(("op", "kernels", "time µs", "%", "bottleneck"),
+                   [(o.op, o.count, f"{o.time_us:.2f}", f"{100 * o.time_us / total:.1f}"
+                     if total else "-", o.bound) for o in rep.op_classes()])] + \
+        [_p(f"note: {n}") for n in est.notes]
+
+
+def _accuracy(rep) -> List[str]:
+    acc = rep.accuracy
+    if acc is None:
+        return [_p(f"not checked: {rep.skipped.get('accuracy', '?')}")]
+    part = [_p(f"outputs {acc.status}; {accuracy_counts(acc)}"),
+            _table(("output", "dtype", "cosine", "rel RMSE", "max abs", "status"),
+                   [(o.node, o.dtype, f"{o.cosine:.6f}", f"{o.rel_rmse:.3g}", f"{o.max_abs:.3g}",
+                     o.status) for o in acc.outputs],
+                   [f"background:{_STATUS_COLOR[o.status]}" for o in acc.outputs])]
+    bad = rep.failing_layers() + rep.failing_layers("warn")
+    if bad:
+        part.append(_table(("node", "op", "module", "source", "cosine", "rel RMSE", "status"),
+                           [(r.node, r.op, r.module, r.source, f"{r.cosine:.6f}",
+                             f"{r.rel_rmse:.3g}", r.status) for r in bad],
+                           [f"background:{_STATUS_COLOR[r.status]}" for r in bad]))
+    png = error_plot_png(acc)
+    if png:
+        part.append('<img alt="error along the graph" src="data:image/png;base64,'
+                    f'{base64.b64encode(png).decode()}">')
+    return part
 
 
 def write_html(rep, path: str) -> None:
