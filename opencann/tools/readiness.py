@@ -464,8 +464,9 @@ def _host_steps(rep: ReadinessReport) -> List[str]:
     if nokernel:
         shown = ", ".join(f"{f.op} x{f.count}" + (f" ({f.sources[0]})" if f.sources else "")
                           for f in nokernel[:6]) + (", ..." if len(nokernel) > 6 else "")
-        steps.append(f"{len(nokernel)} op type{'s' if len(nokernel) > 1 else ''} without a "
-                     f"{rep.device} kernel run on the host, a copy each way: {shown}; give them "
+        many = len(nokernel) > 1
+        steps.append(f"{len(nokernel)} op type{'s' if many else ''} without a {rep.device} kernel "
+                     f"run{'' if many else 's'} on the host, a copy each way: {shown}; give them "
                      "one with opencann.extend.register_op(..., kernels={'vnpu': ...}) or express "
                      "them with ops that have one")
     return steps

@@ -98,8 +98,8 @@ def _print_latency(rep, console, top: int) -> None:
     total = rep.estimate.total_time_us
     cls = ", ".join(f"{k} {100 * v / total:.0f}%" for k, v in
                     sorted(rep.time_by_class().items(), key=lambda kv: -kv[1]) if v) if total else ""
-    console.print(f"total {total / 1e3:.3f} ms at batch {rep.estimate.batch} ({rep.estimate.dtype}); "
-                  f"time by op class: {cls}")
+    console.print(f"total {total / 1e3:.3f} ms for one forward of the sample inputs at batch "
+                  f"{rep.estimate.batch} ({rep.estimate.dtype}); time by op class: {cls}")
     t = Table()
     for col, just in (("op", "left"), ("kernels", "right"), ("time us", "right"), ("%", "right"),
                       ("bottleneck", "left")):

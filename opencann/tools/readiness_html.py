@@ -100,7 +100,8 @@ def _latency(rep) -> List[str]:
     if est is None:
         return [_p(f"not estimated: {rep.skipped.get('estimate', '?')}")]
     total = est.total_time_us
-    return [_p(f"total {total / 1e3:.3f} ms at batch {est.batch} ({est.dtype}); time by op class: "
+    return [_p(f"total {total / 1e3:.3f} ms for one forward of the sample inputs at batch "
+               f"{est.batch} ({est.dtype}); time by op class: "
                + ", ".join(f"{k} {v:.1f} µs" for k, v in rep.time_by_class().items())),
             _table(("op", "kernels", "time µs", "%", "bottleneck"),
                    [(o.op, o.count, f"{o.time_us:.2f}", f"{100 * o.time_us / total:.1f}"

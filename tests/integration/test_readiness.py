@@ -127,6 +127,31 @@ def test_fp16_overflow_names_the_failing_layer_and_bf16_passes():
     assert b.estimate.dtype == "bfloat16" and b.verdict == "ready"
 
 
+class Branchy(torch.nn.Module):
+    """Python control flow on a tensor value: no single device graph."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        y = self.lin(x)
+        if y.sum() > 0:   # the branch's line
+            return y * 2
+        return y - 1
+
+
+def test_data_dependent_branch_is_not_ready_with_its_fix():
+    torch.manual_seed(0)
+    r = readiness(Branchy().eval(), (torch.randn(2, 8),))
+    line = _line_of(Branchy, "the branch's line")
+    assert r.verdict == "not ready" and r.reasons == [f"data dependent: graph break at {line}"]
+    assert r.estimate is r.memory is r.accuracy is None
+    assert set(r.skipped) == {"estimate", "memory", "accuracy"}
+    assert r.next_steps[0].startswith(f"graph break at {line}: Python control flow on a tensor")
+    assert "not estimated" in r.memory_lines()[0] and r.to_dict()["latency"] is None
+
+
 def _tiny_llama():
     from transformers import LlamaConfig, LlamaForCausalLM
     torch.manual_seed(0)
