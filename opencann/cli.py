@@ -645,14 +645,14 @@ def cmd_readiness(args) -> int:
     parse_device(args.device, kind="vnpu")   # one line before the model is built
     zm = _load(args.model, args.batch or 1, args.seq, args.input_shape, ocm="readiness")
     kw = dict(device=args.device, precision=args.precision, context=args.context,
-              accuracy=not args.no_accuracy)
+              batch=args.batch, accuracy=not args.no_accuracy)
     with console.status(f"checking {zm.name} for {args.device} (op support, estimate, accuracy)..."):
         if isinstance(zm, OnnxFile):
             rep = readiness(zm.path, input_shapes=zm.input_shapes, **kw)
         elif isinstance(zm, OcmFile):
             rep = readiness(zm.path, **kw)
         else:
-            rep = readiness(zm.model, tuple(zm.example_inputs), batch=args.batch, name=zm.name, **kw)
+            rep = readiness(zm.model, tuple(zm.example_inputs), name=zm.name, **kw)
     print_report(rep, console, args.top)
     if args.html:
         from .tools.readiness_html import write_html

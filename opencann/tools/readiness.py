@@ -565,7 +565,8 @@ def readiness(model, inputs=None, device: str = "vnpu:ascend910b", precision: st
     Raises:
         ValueError: a device that is not a vnpu, an unknown preset or precision, a module
             without inputs, an unknown zoo name or missing file, a model file compiled for
-            another device, ``input_shapes`` for a model that is no ONNX file, ``context``
+            another device, ``input_shapes`` for a model that is no ONNX file, ``batch``
+            for an ONNX or model file, ``context``
             for a model that is no LLM or beyond its positions, batch < 1.
         TypeError: ``model`` of another type.
     Failures inside a part (a capture error, a graph that does not convert) are findings:
@@ -575,6 +576,10 @@ def readiness(model, inputs=None, device: str = "vnpu:ascend910b", precision: st
     src = _source(model, inputs, batch, seq, name, example_kwargs, input_shapes)
     if src.compiled is not None:
         _check_compiled_for(src, dev)
+    if batch is not None and src.module is None:
+        raise ValueError(f"readiness: batch is for torch models and zoo names; {src.name} runs at "
+                         "the batch of its input shapes (an .onnx file: set it with input_shapes / "
+                         "--input-shape)")
     if batch is None:
         x = next((a for a in src.args if isinstance(a, torch.Tensor) and a.dim()), None)
         batch = int(x.shape[0]) if x is not None else 1

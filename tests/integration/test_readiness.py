@@ -237,13 +237,28 @@ def cnn():
 def host():
     torch.manual_seed(0)
     return HostOp().eval(), (torch.randn(4, 8),)
+
+
+def llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+    return LlamaForCausalLM(cfg).eval(), (torch.randint(1, 128, (2, 16)),)
 """
 
 
 @pytest.fixture
 def factory(tmp_path):
-    """m.py with cnn() (a ready CNN) and host() (a host op) as factories."""
+    """m.py with cnn() (a ready CNN), host() (a host op) and llama() (a tiny Llama) as
+    factories; m.onnx, a static [2, 4] Relu graph."""
     (tmp_path / "m.py").write_text(_FACTORIES)
+    onnx = pytest.importorskip("onnx")
+    from onnx import TensorProto, helper
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 4])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 4])
+    g = helper.make_graph([helper.make_node("Relu", ["x"], ["y"])], "g", [x], [y])
+    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]), str(tmp_path / "m.onnx"))
     return tmp_path
 
 
@@ -263,6 +278,10 @@ def test_cli_report_html_and_exit_codes(factory, capsys):
     assert json.loads(js.read_text())["verdict"] == "ready"
     rc, out, err = run_cli(["readiness", f"{factory}/m.py:host"], capsys)
     assert rc == 1 and "ready with host ops" in out and "bessel_j0" in out
+    rc, out, err = run_cli(["readiness", f"{factory}/m.py:llama", "--context", "256", "--batch", "2",
+                            "--no-accuracy"], capsys)
+    assert rc in (0, 1) and "KV cache 128.00 KiB at context 256, batch 2 = " in out, err
+    assert "not checked: turned off" in out
 
 
 def test_cli_bad_input_is_one_line(factory, capsys):
@@ -275,7 +294,8 @@ def test_cli_bad_input_is_one_line(factory, capsys):
              (["readiness", str(factory / "missing.ocm")], "no such model file"),
              (["readiness", cnn, "--input-shape", "x:1,3,8,8"], "--input-shape is for .onnx"),
              (["readiness", cnn, "--precision", "fp8"], "invalid choice: 'fp8'"),
-             (["readiness", cnn, "--batch", "0"], "must be at least 1")]
+             (["readiness", cnn, "--batch", "0"], "must be at least 1"),
+             (["readiness", str(factory / "m.onnx"), "--batch", "2"], "batch is for torch models")]
     for argv, needle in cases:
         rc, out, err = run_cli(argv, capsys)
         assert rc == 2 and len(err) == 1 and needle in err[0], (argv, err)
