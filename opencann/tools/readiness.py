@@ -17,8 +17,8 @@ to an Ascend-style NPU needs to decide, each part from the tool that owns it:
 - a verdict, ``ready``, ``ready with host ops`` or ``not ready``, and next steps.
 
 Precision -> what is checked (`PRECISIONS`): ``fp16`` estimates fp16 weights and compares
-under ``force_fp16`` (ATC's default for inference: every op that has an fp16 kernel runs
-in fp16); ``bf16`` estimates bf16 weights and compares under
+under ``force_fp16`` (ATC's default ``--precision_mode`` for inference, CANN ATC
+documentation: every op that has an fp16 kernel runs in fp16); ``bf16`` estimates bf16 weights and compares under
 ``allow_mix_precision_bf16`` (CANN has no ``force_bf16``). ``precision_mode`` overrides
 the compared mode.
 
@@ -47,14 +47,16 @@ VERDICTS = ("ready", "ready with host ops", "not ready")
 #: the estimate's kernel bounds, as op classes
 BOUND_CLASS = {"cube": "Cube", "vector": "Vector", "mte": "memory", "memory": "memory",
                "launch": "launch", "fused": "fused"}
-#: TransData above this share of the estimated time is worth a next step
+#: TransData above this share of the estimated time is worth a next step (a judgement
+#: call of this report, not a CANN figure)
 TRANSDATA_SHARE = 0.2
 
 
 @dataclass
 class KvCache:
-    """An LLM's KV cache: ``2 * layers * batch * kv_heads * context * head_dim *
-    itemsize`` bytes (K and V of every layer, `LLMArch.kv_cache_bytes`)."""
+    """An LLM's KV cache at ``context`` tokens and ``batch`` sequences: ``nbytes`` =
+    `LLMArch.kv_cache_bytes` = 2 (K and V) x layers x batch x KV heads x context x head dim
+    x ``itemsize`` bytes."""
 
     model_type: str
     layers: int
@@ -63,11 +65,7 @@ class KvCache:
     context: int
     head_dim: int
     itemsize: int
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of K and V over all layers."""
-        return 2 * self.layers * self.batch * self.kv_heads * self.context * self.head_dim * self.itemsize
+    nbytes: int
 
     @property
     def bytes_per_token(self) -> int:
@@ -192,9 +190,12 @@ class ReadinessReport:
         return out
 
     def failing_layers(self, status: str = "fail") -> list:
-        """The compared layers of ``status`` ("fail" or "warn"), in execution order
-        (`compare.LayerResult`)."""
-        return [r for r in (self.accuracy.layers if self.accuracy else []) if r.status == status]
+        """The compared floating-point layers of ``status`` ("fail" or "warn"), in
+        execution order (`compare.LayerResult`). Integer layers are left out: an index
+        output (max pooling's argmax) picks another of two tied values at a lower
+        precision, which is no error; the outputs' status judges what reaches the user."""
+        return [r for r in (self.accuracy.layers if self.accuracy else [])
+                if r.status == status and r.dtype in ("float16", "bfloat16", "float32", "float64")]
 
     # -- output -----------------------------------------------------------------------
     def to_dict(self) -> Dict[str, Any]:
@@ -253,8 +254,10 @@ def accuracy_counts(acc: CompareResult) -> str:
         return (f"{len(acc.outputs)} outputs compared with the fp32 compile (an ONNX graph has "
                 "no eager layers to compare layer by layer)")
     c = acc.counts()
+    ints = sum(r.status == "fail" and not r.dtype.startswith(("float", "bfloat")) for r in acc.layers)
     return (f"{len(acc.layers)} layers compared: {c['pass']} pass, {c['warn']} warn, "
-            f"{c['fail']} fail (msprobe's thresholds)")
+            f"{c['fail']} fail (msprobe's thresholds)"
+            + (f"; {ints} of the fails integer (indices of tied values), not errors" if ints else ""))
 
 
 def _layer(r) -> Dict[str, Any]:
@@ -386,7 +389,7 @@ def _kv(src: _Source, context: Optional[int], batch: int, itemsize: int) -> Opti
     ctx = context if context is not None else arch.max_positions
     arch.check_max_seq_len(ctx)
     return KvCache(arch.model_type, arch.num_layers, batch, arch.num_kv_heads, ctx, arch.head_dim,
-                   itemsize)
+                   itemsize, arch.kv_cache_bytes(batch, ctx, itemsize))
 
 
 def _check_compiled_for(src: _Source, dev) -> None:

@@ -120,6 +120,9 @@ def test_compare_on_vnpu_maps_transdata_back(net):
     res = compare(m, x, device="vnpu")
     assert res.layers and res.status == "pass"
     assert any(r.op == "TransData" for r in res.layers)   # NPU-format values compared in ND
+    # the convolutions' NC1HWC0 outputs are compared in NCHW (C0 padding dropped)
+    npu = [r for r in res.layers if r.op in ("Conv2D", "ConvBiasAct", "ConvAddAct")]
+    assert npu and all(len(r.shape) == 4 and r.status == "pass" for r in npu), res.layers
 
 
 def test_compare_flags_injected_bug_first(net, corrupt):
