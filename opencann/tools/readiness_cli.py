@@ -123,11 +123,11 @@ def _print_accuracy(rep, console, top: int) -> None:
     bad = rep.failing_layers() + rep.failing_layers("warn")
     if bad:
         t = Table()
-        for col in ("node", "op", "module", "source", "cosine", "rel RMSE", "status"):
+        for col in ("node", "op", "module", "source", "cosine", "rel RMSE", "status", "note"):
             t.add_column(col, overflow="fold")
         for r in bad[:top]:
             t.add_row(e(r.node), e(r.op), e(r.module), e(r.source), f"{r.cosine:.6f}",
-                      f"{r.rel_rmse:.3g}", f"[{_STATUS_STYLE[r.status]}]{r.status}[/]")
+                      f"{r.rel_rmse:.3g}", f"[{_STATUS_STYLE[r.status]}]{r.status}[/]", e(r.note))
         console.print(t)
 
 

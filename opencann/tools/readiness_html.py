@@ -114,15 +114,15 @@ def _accuracy(rep) -> List[str]:
     if acc is None:
         return [_p(f"not checked: {rep.skipped.get('accuracy', '?')}")]
     part = [_p(f"outputs {acc.status}; {accuracy_counts(acc)}"),
-            _table(("output", "dtype", "cosine", "rel RMSE", "max abs", "status"),
+            _table(("output", "dtype", "cosine", "rel RMSE", "max abs", "status", "note"),
                    [(o.node, o.dtype, f"{o.cosine:.6f}", f"{o.rel_rmse:.3g}", f"{o.max_abs:.3g}",
-                     o.status) for o in acc.outputs],
+                     o.status, o.note) for o in acc.outputs],
                    [f"background:{_STATUS_COLOR[o.status]}" for o in acc.outputs])]
     bad = rep.failing_layers() + rep.failing_layers("warn")
     if bad:
-        part.append(_table(("node", "op", "module", "source", "cosine", "rel RMSE", "status"),
+        part.append(_table(("node", "op", "module", "source", "cosine", "rel RMSE", "status", "note"),
                            [(r.node, r.op, r.module, r.source, f"{r.cosine:.6f}",
-                             f"{r.rel_rmse:.3g}", r.status) for r in bad],
+                             f"{r.rel_rmse:.3g}", r.status, r.note) for r in bad],
                            [f"background:{_STATUS_COLOR[r.status]}" for r in bad]))
     png = error_plot_png(acc)
     if png:
