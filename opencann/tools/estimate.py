@@ -434,7 +434,8 @@ def _weight_dtype(graph) -> str:
 
 def estimate(model_or_zoo_name, example_inputs=None, device: str = "vnpu:ascend910b",
              batch: Optional[int] = None, fused: bool = True, dtype: Optional[str] = None,
-             ub_epilogue: bool = True, check_fit: bool = True, **zoo_kwargs) -> EstimateReport:
+             ub_epilogue: bool = True, check_fit: bool = True, fusion_comparison: bool = True,
+             **zoo_kwargs) -> EstimateReport:
     """Estimate time, HBM traffic and peak memory of a model on a virtual NPU.
 
     Args:
@@ -459,6 +460,9 @@ def estimate(model_or_zoo_name, example_inputs=None, device: str = "vnpu:ascend9
         check_fit: raise ValueError when the peak memory exceeds the preset's HBM (True);
             False returns the report anyway (``peak_bytes`` against ``spec.hbm_bytes``:
             `opencann.tools.readiness` judges the fit itself, with an LLM's KV cache).
+        fusion_comparison: compile and cost the model a second time with the fusion passes
+            the other way (True); False skips it (the ``*_unfused`` totals are then the
+            reported graph's, and a note says so).
     Returns: `EstimateReport` (µs, bytes, FLOPs).
     Raises:
         ValueError: not a vnpu device, unknown preset, batch < 1, missing inputs, an
@@ -470,12 +474,9 @@ def estimate(model_or_zoo_name, example_inputs=None, device: str = "vnpu:ascend9
     from ..frontend.torch import capture
     spec = parse_device(device, kind="vnpu").spec
     if isinstance(model_or_zoo_name, str) and model_or_zoo_name.lower().endswith(".onnx"):
-        if dtype is not None or zoo_kwargs or batch is not None:
-            raise ValueError(f"{model_or_zoo_name}: an ONNX model is estimated as its file gives it; "
-                             "drop dtype, batch and the zoo options (give symbolic dims' sizes with "
-                             "estimate_onnx(path, input_shapes=...))")
+        _check_onnx_call(model_or_zoo_name, dtype, batch, zoo_kwargs)
         return estimate_onnx(model_or_zoo_name, device, fused=fused, ub_epilogue=ub_epilogue,
-                             check_fit=check_fit)
+                             check_fit=check_fit, fusion_comparison=fusion_comparison)
     if isinstance(model_or_zoo_name, str) and model_or_zoo_name.split(":")[0].endswith(".py"):
         model_or_zoo_name, example_inputs = _load_factory(model_or_zoo_name)
     if batch is None:
@@ -489,16 +490,26 @@ def estimate(model_or_zoo_name, example_inputs=None, device: str = "vnpu:ascend9
     def build():
         from ..frontend.torch import from_exported_program
         return from_exported_program(ep, name=name)
-    return _report(name, device, spec, batch, build, fused, ub_epilogue, check_fit)
+    return _report(name, device, spec, batch, build, fused, ub_epilogue, check_fit,
+                   fusion_comparison=fusion_comparison)
+
+
+def _check_onnx_call(path: str, dtype, batch, zoo_kwargs) -> None:
+    """Raise ValueError (one line) for `estimate` options an ONNX file does not take."""
+    if dtype is not None or zoo_kwargs or batch is not None:
+        raise ValueError(f"{path}: an ONNX model is estimated as its file gives it; drop dtype, "
+                         "batch and the zoo options (give symbolic dims' sizes with "
+                         "estimate_onnx(path, input_shapes=...))")
 
 
 def estimate_onnx(path: str, device: str = "vnpu:ascend910b", input_shapes=None,
                   fused: bool = True, ub_epilogue: bool = True, check_fit: bool = True,
-                  precision_mode: Optional[str] = None) -> EstimateReport:
+                  precision_mode: Optional[str] = None,
+                  fusion_comparison: bool = True) -> EstimateReport:
     """`estimate` of an ONNX file: its graph (converted by the ONNX frontend, weights in
     the file's dtypes, ``input_shapes`` name -> sizes for symbolic dims) compiled for
     ``device`` (with ``precision_mode``, e.g. "force_fp16", when given) and costed as
-    `estimate` does; batch = the first input's dim 0. Raises what `estimate` raises,
+    `estimate` does (``fusion_comparison`` as there); batch = the first input's dim 0. Raises what `estimate` raises,
     OnnxLoadError (unreadable file), ConversionError (a graph that does not convert) and
     ValueError (an unknown precision mode)."""
     from ..frontend.onnx import from_onnx, load_model
@@ -510,7 +521,8 @@ def estimate_onnx(path: str, device: str = "vnpu:ascend910b", input_shapes=None,
     first = build().inputs
     batch = int(first[0].desc.shape[0]) if first and first[0].desc.shape else 1
     extra = {"precision_mode": precision_mode} if precision_mode else {}
-    return _report(path, device, spec, batch, build, fused, ub_epilogue, check_fit, extra)
+    return _report(path, device, spec, batch, build, fused, ub_epilogue, check_fit, extra,
+                   fusion_comparison)
 
 
 def estimate_compiled(compiled, name: str, check_fit: bool = True) -> EstimateReport:
@@ -532,15 +544,19 @@ def estimate_compiled(compiled, name: str, check_fit: bool = True) -> EstimateRe
 
 
 def _report(name: str, device: str, spec, batch: int, build, fused: bool, ub_epilogue: bool,
-            check_fit: bool, options: Optional[Dict[str, Any]] = None) -> EstimateReport:
+            check_fit: bool, options: Optional[Dict[str, Any]] = None,
+            fusion_comparison: bool = True) -> EstimateReport:
     """Compile ``build()`` (a fresh IR graph per call) with the fusion passes as ``fused``
-    asks (and ``options``), cost it, and cost it once more the other way for the fusion
-    comparison."""
+    asks (and ``options``), cost it, and (``fusion_comparison``) cost it once more the
+    other way for the fusion comparison."""
     graph, plan, creport = _compile(build(), device, fused, options)
     other = cost_graph(_compile(build(), device, not fused, options)[0], spec,
-                       ub_epilogue and not fused)[0]
-    return _costed(name, device, spec, batch, graph, plan, fused, ub_epilogue, check_fit, creport,
-                   other)
+                       ub_epilogue and not fused)[0] if fusion_comparison else None
+    rep = _costed(name, device, spec, batch, graph, plan, fused, ub_epilogue, check_fit, creport,
+                  other)
+    if not fusion_comparison:
+        rep.notes.append("fusion comparison not computed: the fused / unfused totals are this graph's")
+    return rep
 
 
 def _costed(name: str, device: str, spec, batch: int, graph, plan, fused: bool, ub_epilogue: bool,

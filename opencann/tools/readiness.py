@@ -353,9 +353,10 @@ def _estimate(src: _Source, device: str, dtype: str, mode: str,
         # estimate casts the module it is given: a copy keeps the caller's (and the
         # accuracy check's) fp32 model
         return estimate(copy.deepcopy(src.module), src.args, device, batch=batch, dtype=dtype,
-                        check_fit=False)
+                        check_fit=False, fusion_comparison=False)
     if src.onnx is not None:
-        return estimate_onnx(src.onnx, device, src.input_shapes, check_fit=False, precision_mode=mode)
+        return estimate_onnx(src.onnx, device, src.input_shapes, check_fit=False, precision_mode=mode,
+                             fusion_comparison=False)
     return estimate_compiled(src.compiled, src.name, check_fit=False)
 
 

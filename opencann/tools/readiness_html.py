@@ -106,7 +106,7 @@ def _latency(rep) -> List[str]:
             _table(("op", "kernels", "time µs", "%", "bottleneck"),
                    [(o.op, o.count, f"{o.time_us:.2f}", f"{100 * o.time_us / total:.1f}"
                      if total else "-", o.bound) for o in rep.op_classes()])] + \
-        [_p(f"note: {n}") for n in est.notes]
+        [_p(f"note: {n}") for n in est.notes if not n.startswith("fusion comparison")]
 
 
 def _accuracy(rep) -> List[str]:
