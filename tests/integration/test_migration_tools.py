@@ -210,6 +210,18 @@ def test_analyze_host_fallback_and_vnpu_kernels():
     assert a.readiness == "ready with host fallbacks" and a.exit_code == 1
 
 
+def test_analyze_views_need_no_device_kernel():
+    class V(torch.nn.Module):
+        def forward(self, x):
+            return (x.reshape(4, 2).t() * 2).unsqueeze(0)
+
+    a = analyze(V().eval(), (torch.randn(2, 4),), device="vnpu")
+    views = {f.op for f in a.by_kind("converted")} & {"Reshape", "Transpose", "Unsqueeze"}
+    assert len(views) >= 2, a.to_text()   # counted on the device: a view is no kernel
+    assert not [f for f in a.by_kind("no_device_kernel") if f.op in views], a.to_text()
+    assert a.readiness == "ready"
+
+
 def test_doctor_ok_here_and_old_torch_is_an_error():
     checks = doctor()
     names = [c.name for c in checks]
