@@ -501,9 +501,18 @@ def _accuracy_steps(rep: ReadinessReport) -> List[str]:
 
 
 def _estimate_steps(rep: ReadinessReport) -> List[str]:
-    """TransData beyond `TRANSDATA_SHARE` of the time, ops costed by the fallback, fp32
-    Cube operands cast to fp16 (the estimate's note)."""
+    """A precision the preset's Cube does not take (``NpuSpec.cube_dtypes``), TransData
+    beyond `TRANSDATA_SHARE` of the time, ops costed by the fallback, fp32 Cube operands
+    cast to fp16 (the estimate's note)."""
     steps = []
+    spec = rep.estimate.spec if rep.estimate is not None else None
+    dtype = PRECISIONS[rep.precision][0]
+    if spec is not None and dtype not in spec.cube_dtypes:
+        others = sorted(n for n, p in _presets().items() if dtype in p.cube_dtypes)
+        steps.append(f"the Cube of {spec.name} takes {'/'.join(spec.cube_dtypes)}, not {dtype}: "
+                     f"Conv/MatMul run with float16 operands there (float16's range, not "
+                     f"{dtype}'s); use --precision fp16, or a preset whose Cube takes {dtype} "
+                     f"({', '.join(others) or 'none built in'})")
     td = rep.trans_data()
     if td["share"] > TRANSDATA_SHARE:
         steps.append(f"{td['count']} TransData kernels take {100 * td['share']:.0f}% of the "
@@ -516,13 +525,17 @@ def _estimate_steps(rep: ReadinessReport) -> List[str]:
     return steps + [n for n in (rep.estimate.notes if rep.estimate else []) if n.startswith("fp32 to fp16")]
 
 
+def _presets():
+    from ..devices import PRESETS
+    return PRESETS
+
+
 def _fit_step(rep: ReadinessReport) -> str:
     """What to change when the model does not fit: the largest context (LLM) or the
     share of the batch that fits, and a preset with more HBM."""
-    from ..devices import PRESETS
     m = rep.memory
     free = m.hbm - m.weights
-    bigger = sorted(s.name for s in PRESETS.values() if s.hbm_bytes >= m.total)
+    bigger = sorted(s.name for s in _presets().values() if s.hbm_bytes >= m.total)
     more = f"; or a device with more HBM ({', '.join(bigger)})" if bigger else \
         "; or split the weights over several devices (tensor parallelism)"
     if free <= 0:
