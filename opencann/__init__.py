@@ -143,11 +143,8 @@ def load(path: str):
     op) and FileNotFoundError. A model compiled with dynamic dims or gears comes back as
     such: the same shapes, gears and padding, and the same errors for other shapes.
     Releases the calling thread's OpenMP pool on return, as `compile` does."""
-    from .engine.loading import model_from_parts
-    from .runtime.model_file import read
-    parts = read(path)
-    parts.pop("metadata")
-    cm = model_from_parts(**parts)
+    from .engine.loading import load_model_file
+    cm = load_model_file(path)
     release_openmp_pool()
     return cm
 
@@ -173,6 +170,13 @@ def __getattr__(name):
     if name in _SUBMODULES:
         import importlib
         return importlib.import_module(f"{__name__}.{name}")
+    if name == "readiness":
+        # ``opencann.readiness(model, inputs, device="vnpu:ascend910b", precision="fp16",
+        # context=None, batch=None)``: the NPU readiness report of the migration toolkit
+        # (`opencann.tools.readiness.readiness`, docs/guide/readiness.md), resolved on
+        # first use like the submodules above: the facade does not import the toolkit
+        import importlib
+        return importlib.import_module(f"{__name__}.tools.readiness").readiness
     if name == "ModelFileError":
         from .runtime.model_file import ModelFileError
         return ModelFileError
@@ -235,3 +239,4 @@ def register_op(name, op, **columns):
     cost; see `opencann.extend.register_op` (arguments, errors) and docs/design/passes.md."""
     from .extend import register_op as _register
     return _register(name, op, **columns)
+

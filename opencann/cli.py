@@ -1,5 +1,5 @@
 """The ``opencann`` command line: demo, compile, run, bench, generate, estimate, train-demo,
-inspect, fuzz, doctor, analyze, compare, tune.
+inspect, fuzz, doctor, analyze, compare, tune, readiness.
 
     opencann demo                               # the main job on the embedded default
     opencann compile resnet50 --report r.json   # zoo name, file.py:factory or m.onnx
@@ -17,6 +17,7 @@ inspect, fuzz, doctor, analyze, compare, tune.
     opencann analyze m.py:factory [--device vnpu]   # op-support audit with source lines
     opencann compare resnet50 --html r.html --bisect   # layer-by-layer vs eager; guilty pass
     opencann tune minilm --out m.ocm --keep-dtype-out keep.txt   # per-node fp32/bf16 search
+    opencann readiness gpt2 --device vnpu:ascend910b --context 1024 --html r.html   # one NPU report
 """
 from __future__ import annotations
 
@@ -650,8 +651,37 @@ def cmd_compare(args) -> int:
     return 1 if res.status == "fail" else 0
 
 
+def cmd_readiness(args) -> int:
+    """``opencann readiness MODEL --device vnpu:<preset>``: one NPU readiness report
+    (opencann.tools.readiness) in the terminal, and as HTML / JSON; exit 0 when the
+    verdict is "ready", 1 otherwise (host ops, or not ready)."""
+    from .devices import parse_device
+    from .tools.readiness import readiness
+    from .tools.readiness_cli import print_report
+    parse_device(args.device, kind="vnpu")   # one line before the model is built
+    zm = _load(args.model, args.batch or 1, args.seq, args.input_shape, ocm="readiness")
+    kw = dict(device=args.device, precision=args.precision, context=args.context,
+              batch=args.batch, accuracy=not args.no_accuracy)
+    with console.status(f"checking {zm.name} for {args.device} (op support, estimate, accuracy)..."):
+        if isinstance(zm, OnnxFile):
+            rep = readiness(zm.path, input_shapes=zm.input_shapes, **kw)
+        elif isinstance(zm, OcmFile):
+            rep = readiness(zm.path, **kw)
+        else:
+            rep = readiness(zm.model, tuple(zm.example_inputs), name=zm.name, **kw)
+    print_report(rep, console, args.top)
+    if args.html:
+        from .tools.readiness_html import write_html
+        write_html(rep, args.html)
+        console.print(f"HTML written to {args.html}", markup=False, highlight=False)
+    if args.json:
+        rep.to_json(args.json)
+        console.print(f"JSON written to {args.json}", markup=False, highlight=False)
+    return 0 if rep.verdict == "ready" else 1
+
+
 def _add_migration_commands(sub) -> None:
-    """doctor, analyze, compare: the migration toolkit (docs/guide/migration.md)."""
+    """doctor, analyze, compare, readiness: the migration toolkit (docs/guide/migration.md)."""
     d = sub.add_parser("doctor", help="check versions, CPU, oneDNN/MKL, threads, GPU, vnpu presets")
     d.add_argument("--json", action="store_true", help="print JSON instead of text")
     d.set_defaults(fn=cmd_doctor)
@@ -678,6 +708,11 @@ def _add_migration_commands(sub) -> None:
                        "cause a divergence of the outputs")
         s.add_argument("--bisect-on", choices=("fail", "warn"), default="fail",
                        help="the output status that counts as a divergence")
+    from .tools.readiness_cli import add_arguments as _ready_args
+    r = sub.add_parser("readiness", help="one NPU readiness report: op support, formats, HBM fit "
+                       "(LLM KV cache), latency, accuracy at fp16/bf16, verdict and next steps")
+    _ready_args(r)
+    r.set_defaults(fn=cmd_readiness)
 
 
 def _add_model_commands(sub) -> None:

@@ -43,4 +43,14 @@ def model_from_parts(graph: Graph, plan: MemoryPlan, report: CompileReport, in_s
                          arg_names=arg_names)
 
 
-__all__ = ["model_from_parts"]
+def load_model_file(path: str) -> CompiledModel:
+    """The `CompiledModel` of the model file at ``path`` (`opencann.load`, which also
+    releases the OpenMP pool). Raises ModelFileError (a ValueError, one line) and
+    FileNotFoundError as `opencann.runtime.model_file.read` does."""
+    from ..runtime.model_file import read
+    parts = read(path)
+    parts.pop("metadata")
+    return model_from_parts(**parts)
+
+
+__all__ = ["load_model_file", "model_from_parts"]

@@ -228,6 +228,8 @@ class Session:
             if not isinstance(t, torch.Tensor):
                 continue
             label = origin_of(node, k)
+            if label is None:
+                label, t = in_origin_layout(node, k, t)
             ref = self.eager.get(label) if label else None
             if ref is None or tuple(ref.shape) != tuple(t.shape) or not t.numel():
                 continue
@@ -257,8 +259,8 @@ def _floor(options: Optional[Dict[str, Any]]) -> Optional[torch.dtype]:
 
 def origin_of(node, k: int) -> Optional[str]:
     """The traced value output ``k`` of IR ``node`` stands for, or None. A TransData back
-    to ND (vnpu) stands for its input's value; values in an NPU storage format are not
-    compared (their layout is not eager's)."""
+    to ND (vnpu) stands for its input's value; values in an NPU storage format are None
+    here (their layout is not eager's: `in_origin_layout` converts them back)."""
     from ..ir import Format
     v = node.outputs[k]
     if v.desc.format != Format.ND:
@@ -269,6 +271,27 @@ def origin_of(node, k: int) -> Optional[str]:
             src.producer.outputs.index(src)]
     labels = node.meta.get("origin")
     return labels[k] if labels and k < len(labels) else None
+
+
+def in_origin_layout(node, k: int, t: torch.Tensor):
+    """(the traced value, ``t`` in its origin layout) for output ``k`` of IR ``node`` when
+    it is stored in an NPU format (vnpu: NC1HWC0, FRACTAL_NZ...): the storage converted
+    back to the value's origin format and shape (``TensorDesc.origin_format`` /
+    ``origin_shape``) by `opencann.devices.vnpu.formats.trans_data`, dropping the C0 /
+    fractal padding, so that it compares with eager's tensor; (None, t) otherwise."""
+    from ..devices.vnpu.formats import trans_data
+    from ..ir import Format
+    d = node.outputs[k].desc
+    labels = node.meta.get("origin")
+    label = labels[k] if labels and k < len(labels) else None
+    if label is None or d.format == Format.ND or not d.is_static or \
+            any(isinstance(s, str) for s in d.origin_shape):
+        return None, t
+    try:
+        return label, trans_data(t, d.format.value, d.origin_format.value,
+                                 origin_shape=tuple(d.origin_shape))
+    except ValueError:   # a layout trans_data cannot undo (grouped weights): not compared
+        return None, t
 
 
 def _where(fx_node) -> tuple:
@@ -319,3 +342,28 @@ def compare(model: torch.nn.Module, example_inputs, device: str = "cpu",
     or ValueError (bad options or device) like ``opencann.compile``."""
     return Session(model, example_inputs, example_kwargs).run(device, options)
 
+
+
+def compare_onnx(path: str, device: str = "cpu", options: Optional[Dict[str, Any]] = None,
+                 input_shapes=None, seed: int = 0) -> CompareResult:
+    """The outputs of the ONNX file ``path`` compiled for ``device`` with ``options``
+    against the same file compiled for the cpu without options (fp32, what ``opencann
+    run`` checks against ONNX Runtime), on random inputs of its input shapes
+    (`run_inputs.random_inputs`, never all zeros; ``input_shapes`` name -> sizes for
+    symbolic dims). ``layers`` stays empty: an ONNX graph has no eager layers to compare.
+    Raises OnnxLoadError, ConversionError and ValueError like ``opencann.compile``."""
+    from ..engine import compile_onnx
+    from .run_inputs import input_specs, random_inputs
+    ref_cm = compile_onnx(path, device="cpu", input_shapes=input_shapes)
+    cm = compile_onnx(path, device=device, options=dict(options or {}), input_shapes=input_shapes)
+    inputs = random_inputs(input_specs(ref_cm, None, path), seed)
+    refs = [o for o in pytree.tree_leaves(ref_cm(*inputs)) if isinstance(o, torch.Tensor)]
+    outs = [o for o in pytree.tree_leaves(cm(*inputs)) if isinstance(o, torch.Tensor)]
+    res = CompareResult(path, str(device), dict(options or {}), report=cm.report)
+    floor = _floor(options)
+    for k, (o, r) in enumerate(zip(outs, refs)):
+        m = metrics(o, r)
+        judge = floor if floor is not None and o.dtype.is_floating_point else o.dtype
+        res.outputs.append(LayerResult(k, f"output {k}", "", "", "", "", _name(o.dtype),
+                                       tuple(o.shape), status=status_of(m, judge), **m))
+    return res

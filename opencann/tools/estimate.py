@@ -365,12 +365,9 @@ def _fusion_options(fused: bool) -> Dict[str, Any]:
     return {"disable": [p.name for p in pm.passes if p.stage == "fusion" and p.name in names]}
 
 
-def _compile(ep, name: str, device: str, fused: bool):
+def _compile(graph, device: str, fused: bool, options: Optional[Dict[str, Any]] = None):
     from ..engine import compile_graph
-    from ..frontend.torch import from_exported_program
-    graph = from_exported_program(ep, name=name)
-    graph, plan, report = compile_graph(graph, device, _fusion_options(fused))
-    return graph, plan, report
+    return compile_graph(graph, device, {**_fusion_options(fused), **(options or {})})
 
 
 def _load_factory(spec: str):
@@ -437,13 +434,14 @@ def _weight_dtype(graph) -> str:
 
 def estimate(model_or_zoo_name, example_inputs=None, device: str = "vnpu:ascend910b",
              batch: Optional[int] = None, fused: bool = True, dtype: Optional[str] = None,
-             ub_epilogue: bool = True, **zoo_kwargs) -> EstimateReport:
+             ub_epilogue: bool = True, check_fit: bool = True, fusion_comparison: bool = True,
+             **zoo_kwargs) -> EstimateReport:
     """Estimate time, HBM traffic and peak memory of a model on a virtual NPU.
 
     Args:
         model_or_zoo_name: a torch.nn.Module, or a zoo name ('resnet50', 'bert-base',
             'gpt2', 'minilm'; ``zoo_kwargs`` such as ``size=64`` or ``seq=32`` go to the
-            zoo factory).
+            zoo factory), or an ``.onnx`` path (`estimate_onnx`, static shapes).
         example_inputs: tensor or tuple fixing shapes and dtypes (modules only).
         device: ``vnpu:<preset>`` (ascend910, ascend910b, ascend310) or
             ``vnpu:<spec.json|.toml>``.
@@ -459,15 +457,26 @@ def estimate(model_or_zoo_name, example_inputs=None, device: str = "vnpu:ascend9
             as one Cube kernel with a Vector epilogue, as GE's UB fusion does (the virtual
             rewrite ``vnpu_ub_epilogue``, see `cost_graph`); False costs each op as its
             own kernel. The unfused comparison never uses it.
+        check_fit: raise ValueError when the peak memory exceeds the preset's HBM (True);
+            False returns the report anyway (``peak_bytes`` against ``spec.hbm_bytes``:
+            `opencann.tools.readiness` judges the fit itself, with an LLM's KV cache).
+        fusion_comparison: compile and cost the model a second time with the fusion passes
+            the other way (True); False skips it (the ``*_unfused`` totals are then the
+            reported graph's, and a note says so).
     Returns: `EstimateReport` (µs, bytes, FLOPs).
     Raises:
         ValueError: not a vnpu device, unknown preset, batch < 1, missing inputs, an
-            ``.onnx`` path (not supported by estimate yet), or a plan whose peak memory exceeds the preset's HBM (the message gives the
-            numbers, the largest batch that fits and what to change).
+            ``.onnx`` path with dtype, batch or zoo options, or (``check_fit``) a plan whose
+            peak memory exceeds the preset's HBM (the message gives the numbers, the
+            largest batch that fits and what to change).
         CaptureError: torch.export cannot capture the model.
     """
     from ..frontend.torch import capture
     spec = parse_device(device, kind="vnpu").spec
+    if isinstance(model_or_zoo_name, str) and model_or_zoo_name.lower().endswith(".onnx"):
+        _check_onnx_call(model_or_zoo_name, dtype, batch, zoo_kwargs)
+        return estimate_onnx(model_or_zoo_name, device, fused=fused, ub_epilogue=ub_epilogue,
+                             check_fit=check_fit, fusion_comparison=fusion_comparison)
     if isinstance(model_or_zoo_name, str) and model_or_zoo_name.split(":")[0].endswith(".py"):
         model_or_zoo_name, example_inputs = _load_factory(model_or_zoo_name)
     if batch is None:
@@ -477,22 +486,98 @@ def estimate(model_or_zoo_name, example_inputs=None, device: str = "vnpu:ascend9
     name, model, args = _load(model_or_zoo_name, example_inputs, batch, zoo_kwargs)
     model, args = _as_dtype(model, args, dtype)
     ep, _ = capture(model, args)
-    graph, plan, creport = _compile(ep, name, device, fused)
+
+    def build():
+        from ..frontend.torch import from_exported_program
+        return from_exported_program(ep, name=name)
+    return _report(name, device, spec, batch, build, fused, ub_epilogue, check_fit,
+                   fusion_comparison=fusion_comparison)
+
+
+def _check_onnx_call(path: str, dtype, batch, zoo_kwargs) -> None:
+    """Raise ValueError (one line) for `estimate` options an ONNX file does not take."""
+    if dtype is not None or zoo_kwargs or batch is not None:
+        raise ValueError(f"{path}: an ONNX model is estimated as its file gives it; drop dtype, "
+                         "batch and the zoo options (give symbolic dims' sizes with "
+                         "estimate_onnx(path, input_shapes=...))")
+
+
+def estimate_onnx(path: str, device: str = "vnpu:ascend910b", input_shapes=None,
+                  fused: bool = True, ub_epilogue: bool = True, check_fit: bool = True,
+                  precision_mode: Optional[str] = None,
+                  fusion_comparison: bool = True) -> EstimateReport:
+    """`estimate` of an ONNX file: its graph (converted by the ONNX frontend, weights in
+    the file's dtypes, ``input_shapes`` name -> sizes for symbolic dims) compiled for
+    ``device`` (with ``precision_mode``, e.g. "force_fp16", when given) and costed as
+    `estimate` does (``fusion_comparison`` as there); batch = the first input's dim 0. Raises what `estimate` raises,
+    OnnxLoadError (unreadable file), ConversionError (a graph that does not convert) and
+    ValueError (an unknown precision mode)."""
+    from ..frontend.onnx import from_onnx, load_model
+    spec = parse_device(device, kind="vnpu").spec
+    model = load_model(path)
+
+    def build():
+        return from_onnx(model, input_shapes)
+    first = build().inputs
+    batch = int(first[0].desc.shape[0]) if first and first[0].desc.shape else 1
+    extra = {"precision_mode": precision_mode} if precision_mode else {}
+    return _report(path, device, spec, batch, build, fused, ub_epilogue, check_fit, extra,
+                   fusion_comparison)
+
+
+def estimate_compiled(compiled, name: str, check_fit: bool = True) -> EstimateReport:
+    """`estimate` of a compiled model (`opencann.CompiledModel`, e.g. loaded from an
+    ``.ocm`` file) as it is: its graph and memory plan costed on the vnpu preset it was
+    compiled for; the fused / unfused comparison is not available (both are its graph's).
+    Raises ValueError when it was not compiled for a vnpu, and (``check_fit``) as
+    `estimate` when it does not fit."""
+    dev = parse_device(str(compiled.report.device))
+    if dev.kind != "vnpu":
+        raise ValueError(f"{name} was compiled for {dev}, not for an NPU: convert it for one "
+                         "(opencann atc --soc_version Ascend910B) or check the model it came from")
+    graph, plan = compiled.graph, compiled.plan
+    first = graph.inputs
+    batch = int(first[0].desc.shape[0]) if first and first[0].desc.shape else 1
+    rep = _costed(name, str(dev), dev.spec, batch, graph, plan, True, True, check_fit, None)
+    rep.notes.append("a compiled model file: costed as saved; no fused / unfused comparison")
+    return rep
+
+
+def _report(name: str, device: str, spec, batch: int, build, fused: bool, ub_epilogue: bool,
+            check_fit: bool, options: Optional[Dict[str, Any]] = None,
+            fusion_comparison: bool = True) -> EstimateReport:
+    """Compile ``build()`` (a fresh IR graph per call) with the fusion passes as ``fused``
+    asks (and ``options``), cost it, and (``fusion_comparison``) cost it once more the
+    other way for the fusion comparison."""
+    graph, plan, creport = _compile(build(), device, fused, options)
+    other = cost_graph(_compile(build(), device, not fused, options)[0], spec,
+                       ub_epilogue and not fused)[0] if fusion_comparison else None
+    rep = _costed(name, device, spec, batch, graph, plan, fused, ub_epilogue, check_fit, creport,
+                  other)
+    if not fusion_comparison:
+        rep.notes.append("fusion comparison not computed: the fused / unfused totals are this graph's")
+    return rep
+
+
+def _costed(name: str, device: str, spec, batch: int, graph, plan, fused: bool, ub_epilogue: bool,
+            check_fit: bool, creport, other_rows=None) -> EstimateReport:
+    """The `EstimateReport` of a compiled ``graph`` and ``plan``; ``other_rows``: the rows
+    of the other fusion setting (None: the same rows)."""
     weights = sum(c.desc.nbytes for c in graph.constants)
     kalloc = kernel_alloc_peak(graph, plan)
     inputs = sum(v.desc.nbytes for v in graph.inputs)
-    _check_fits(name, batch, spec, weights, plan.arena_bytes, kalloc, inputs)
+    if check_fit:
+        _check_fits(name, batch, spec, weights, plan.arena_bytes, kalloc, inputs)
     rows, views = cost_graph(graph, spec, ub_epilogue and fused)
     t_here, b_here = _totals(rows)
-    t_other, b_other = _totals(cost_graph(_compile(ep, name, device, not fused)[0], spec,
-                                          ub_epilogue and not fused)[0])
+    t_other, b_other = _totals(rows if other_rows is None else other_rows)
     rep = EstimateReport(
         model=name, device=device, spec=spec, batch=batch, fused=fused, dtype=_weight_dtype(graph), rows=rows,
         time_us_fused=t_here if fused else t_other, time_us_unfused=t_other if fused else t_here,
         hbm_bytes_fused=b_here if fused else b_other, hbm_bytes_unfused=b_other if fused else b_here,
         weights_bytes=int(weights), arena_bytes=int(plan.arena_bytes), kernel_alloc_peak_bytes=int(kalloc),
         input_bytes=int(inputs), views=views)
-    rep.notes += _notes(rows) + _cast_notes(creport, spec)
+    rep.notes += _notes(rows) + (_cast_notes(creport, spec) if creport is not None else [])
     return rep
 
 
@@ -529,4 +614,5 @@ def _notes(rows: List[OpRow]) -> List[str]:
             f"of {len(cubes)} Cube kernels (UB fusion)" + (f"; not fused: {why}" if kept else "")]
 
 
-__all__ = ["EstimateReport", "OpRow", "estimate", "node_cost", "cost_graph", "kernel_alloc_peak"]
+__all__ = ["EstimateReport", "OpRow", "estimate", "estimate_compiled", "estimate_onnx", "node_cost",
+           "cost_graph", "kernel_alloc_peak"]

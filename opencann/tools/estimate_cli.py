@@ -12,11 +12,12 @@ from .argtypes import output_file, positive_int
 
 def add_arguments(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the ``estimate`` options to ``ap`` (a parser or a CLI subparser)."""
-    ap.add_argument("--model", required=True, help="zoo name (resnet50, bert-base, gpt2, minilm) or file.py:factory")
+    ap.add_argument("--model", required=True, help="zoo name (resnet50, bert-base, gpt2, minilm), file.py:factory or an .onnx file")
     ap.add_argument("--dtype", choices=("float16", "bfloat16", "float32"),
                     help="cast the model and inputs to this dtype first (default: as given)")
     ap.add_argument("--device", default="vnpu:ascend910b", help="vnpu:<preset> or vnpu:<spec.json|.toml>")
-    ap.add_argument("--batch", type=positive_int, default=1)
+    ap.add_argument("--batch", type=positive_int,
+                    help="batch size (default 1; an .onnx file: as the file gives it)")
     ap.add_argument("--size", type=positive_int, help="image size (resnet50)")
     ap.add_argument("--seq", type=positive_int, help="sequence length (bert-base, gpt2, minilm)")
     ap.add_argument("--json", type=output_file, help="write the report as JSON here")

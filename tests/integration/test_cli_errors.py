@@ -136,8 +136,9 @@ def onnx_files(tmp_path, monkeypatch):
 
 
 def test_onnx_files_compile_and_run(onnx_files, capsys):
-    """``opencann compile|run m.onnx`` (inputs from the model's static shapes; run compares
-    with ONNX Runtime when installed); symbolic dims, bench and estimate: one line each."""
+    """``opencann compile|run|estimate m.onnx`` (inputs from the model's static shapes; run
+    compares with ONNX Runtime when installed); symbolic dims, a dtype for estimate: one
+    line each."""
     assert cli.main(["compile", "m.onnx"]) == 0
     assert cli.main(["run", "m.onnx", "--trace", "t.json"]) == 0
     out = capsys.readouterr().out
@@ -147,5 +148,7 @@ def test_onnx_files_compile_and_run(onnx_files, capsys):
     _one_error(["compile", "dyn.onnx"], capsys, "input x has symbolic dims", "static shapes",
                "input_shapes=", "--input-shape x:1,4")
     _one_error(["run", "missing.onnx"], capsys, "missing.onnx: no such ONNX file")
-    rc, err = _run(["estimate", "--model", "m.onnx"], capsys)
-    assert rc == 2 and len(err) == 1 and "ONNX models are not supported by estimate yet" in err[0]
+    assert cli.main(["estimate", "--model", "m.onnx"]) == 0   # the file's shapes and dtypes
+    assert "opencann estimate: m.onnx on vnpu:ascend910b" in capsys.readouterr().out
+    _one_error(["estimate", "--model", "m.onnx", "--dtype", "float16"], capsys,
+               "an ONNX model is estimated as its file gives it")

@@ -120,6 +120,9 @@ def test_compare_on_vnpu_maps_transdata_back(net):
     res = compare(m, x, device="vnpu")
     assert res.layers and res.status == "pass"
     assert any(r.op == "TransData" for r in res.layers)   # NPU-format values compared in ND
+    # the convolutions' NC1HWC0 outputs are compared in NCHW (C0 padding dropped)
+    npu = [r for r in res.layers if r.op in ("Conv2D", "ConvBiasAct", "ConvAddAct")]
+    assert npu and all(len(r.shape) == 4 and r.status == "pass" for r in npu), res.layers
 
 
 def test_compare_flags_injected_bug_first(net, corrupt):
@@ -205,6 +208,18 @@ def test_analyze_host_fallback_and_vnpu_kernels():
     fb = a.by_kind("host_fallback")[0]
     assert "bessel_j0" in fb.op and fb.sources[0].startswith("test_migration_tools.py:")
     assert a.readiness == "ready with host fallbacks" and a.exit_code == 1
+
+
+def test_analyze_views_need_no_device_kernel():
+    class V(torch.nn.Module):
+        def forward(self, x):
+            return (x.reshape(4, 2).t() * 2).unsqueeze(0)
+
+    a = analyze(V().eval(), (torch.randn(2, 4),), device="vnpu")
+    views = {f.op for f in a.by_kind("converted")} & {"Reshape", "Transpose", "Unsqueeze"}
+    assert len(views) >= 2, a.to_text()   # counted on the device: a view is no kernel
+    assert not [f for f in a.by_kind("no_device_kernel") if f.op in views], a.to_text()
+    assert a.readiness == "ready"
 
 
 def test_doctor_ok_here_and_old_torch_is_an_error():
