@@ -162,10 +162,8 @@ class DecoderLM(nn.Module):
 
     def new_caches(self, max_batch: int, max_seq_len: int) -> List[torch.Tensor]:
         """Zeroed caches K0, V0, ... [max_batch, Hkv, max_seq_len, D] float32 (2 * L
-        tensors, `LLMArch.kv_cache_bytes` in all)."""
-        a = self.arch
-        return [torch.zeros(max_batch, a.num_kv_heads, max_seq_len, a.head_dim)
-                for _ in range(2 * a.num_layers)]
+        tensors, `LLMArch.kv_cache_bytes` in all; `new_caches`)."""
+        return new_caches(self.arch, max_batch, max_seq_len)
 
     def _rope(self, pos: torch.Tensor, dtype: torch.dtype):
         """(cos, sin) [B, T, D] for positions ``pos`` [B, T], as transformers' rotary
@@ -199,6 +197,13 @@ class DecoderLM(nn.Module):
         return self.lm_head(h).float()
 
 
+def new_caches(arch: LLMArch, max_batch: int, max_seq_len: int) -> List[torch.Tensor]:
+    """Zeroed caches K0, V0, ... [max_batch, Hkv, max_seq_len, D] float32 for ``arch``
+    (2 * L tensors, `LLMArch.kv_cache_bytes` in all)."""
+    return [torch.zeros(max_batch, arch.num_kv_heads, max_seq_len, arch.head_dim)
+            for _ in range(2 * arch.num_layers)]
+
+
 def shared_parameters(a: nn.Module, b: nn.Module) -> Sequence[str]:
     """Names of ``a``'s parameters whose storage is also one of ``b``'s (what a
     `DecoderLM` shares with the transformers model it was built from)."""
@@ -206,4 +211,4 @@ def shared_parameters(a: nn.Module, b: nn.Module) -> Sequence[str]:
     return [n for n, p in a.named_parameters() if p.untyped_storage().data_ptr() in ptrs]
 
 
-__all__ = ["DecoderLM", "GPT2Block", "LlamaBlock", "attend", "shared_parameters"]
+__all__ = ["DecoderLM", "GPT2Block", "LlamaBlock", "attend", "new_caches", "shared_parameters"]
