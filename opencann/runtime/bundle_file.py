@@ -29,7 +29,8 @@ from typing import Any, Dict, List, Tuple
 import torch
 
 from .model_file import (BUNDLE_FORMAT_VERSION, ModelFileError, check_path, encode_sections,
-                         graph_sections, json_section, read_graph, read_sections,
+                         graph_sections, json_section, peek_version, read_graph,
+                         read_sections,
                          safetensors_views, write_file)
 
 _ALIGN = 64   # bytes, as model_file's: every entry starts aligned in the file
@@ -101,10 +102,11 @@ def read_bundle(path: str) -> Tuple[Dict[str, Any], Dict[str, Dict[str, Any]], D
     file. Raises ModelFileError (one line: not a bundle - a single-model file names
     ``opencann.load`` -, corrupted, truncated, newer format, ...) or FileNotFoundError."""
     where = os.path.basename(path)
-    header, secs = read_sections(path)
-    if header["format_version"] != BUNDLE_FORMAT_VERSION:
+    _, secs = read_sections(path)
+    version = peek_version(path)
+    if version != BUNDLE_FORMAT_VERSION:
         raise ModelFileError(f"{where} holds one compiled model (model file format "
-                             f"{header['format_version']}), not a bundle of graphs such as an "
+                             f"{version}), not a bundle of graphs such as an "
                              "opencann.llm generator: load it with opencann.load")
     meta = json_section(secs, "metadata", where)
     consts = safetensors_views(secs["constants"], where)

@@ -653,7 +653,6 @@ def read_sections(path: str, verify: bool = True) -> Tuple[Dict[str, Any], Dict[
     if len(data) < end:
         raise ModelFileError(f"{where} is truncated: {len(data)} bytes, expected {end} "
                              "(an interrupted copy or download?)")
-    header["format_version"] = version
     missing = [s for s in (BUNDLE_SECTIONS if version == BUNDLE_FORMAT_VERSION else SECTIONS)
                if s not in secs]
     if missing:
@@ -737,8 +736,8 @@ def read(path: str) -> Dict[str, Any]:
     (one line, what is wrong; a bundle of several graphs, `BUNDLE_FORMAT_VERSION`, names
     its loader) or FileNotFoundError."""
     where = os.path.basename(path)
-    header, secs = read_sections(path)
-    if header["format_version"] == BUNDLE_FORMAT_VERSION:
+    _, secs = read_sections(path)
+    if peek_version(path) == BUNDLE_FORMAT_VERSION:
         kind = json_section(secs, "metadata", where).get("kind", "a bundle of graphs")
         raise ModelFileError(f"{where} holds {kind} (several graphs, format "
                              f"{BUNDLE_FORMAT_VERSION}), not one compiled model: load it with "
