@@ -21,6 +21,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 
+from ..engine.guards import WeightChanged
 from .arch import LLMArch
 from .builder import DecoderLM, new_caches
 from .prompts import PromptBatch, prepare
@@ -226,10 +227,23 @@ class Generator:
         sampler = Sampler(gc, batch.padding if bool(batch.padding.any()) else None, seed)
         emit = _streamer(streamer, batch.sequences)
         with self._lock, torch.no_grad():   # one call at a time: the caches are shared state
-            out = self._run(batch, new, sampler, stops, pad, emit)
+            try:
+                out = self._run(batch, new, sampler, stops, pad, emit)
+            except WeightChanged as e:
+                raise self._weight_changed(e) from None
         if hasattr(streamer, "end"):
             streamer.end()
         return out
+
+    def _weight_changed(self, e: WeightChanged) -> ValueError:
+        """The one-line error for a weight of the compiled model changed after
+        `compile` (``e`` from a step graph's guards), naming the user's parameter."""
+        name = self.lm.source_name(e.name) if self.lm is not None else repr(e.name)
+        return ValueError(
+            f"parameter {name} {e.how} after opencann.llm.compile{f' ({e.detail})' if e.detail else ''}"
+            f": the generator's step graphs hold packed copies of the weights made at compile "
+            f"time; compile it again after changing weights: opencann.llm.compile(model, "
+            f"max_seq_len={self.max_seq_len}, max_batch={self.max_batch})")
 
     def _prefill(self, batch: PromptBatch) -> torch.Tensor:
         """Logits [B, vocab] of each prompt's last token; writes the caches."""
