@@ -313,3 +313,40 @@ def test_a_cache_held_as_a_buffer_is_one_line_saying_to_pass_it_in():
                        ".* Fix: pass the cache to forward as an input") as e:
         opencann.compile(Holder(), (torch.randn(B, HKV, 1, D), torch.tensor([1, 2])))
     assert "\n" not in str(e.value)
+
+
+def test_batch_gears_serve_exact_batches_in_place_and_name_the_cache_write():
+    """ATC-style batch gears over a graph that writes its caches: every gear equals eager
+    and writes the caller's caches; padding is refused, naming KvCacheUpdate writing a
+    graph input (a padded copy would be written), so a batch between gears is one line.
+    The ops' per-index rules (`opencann.ops.per_index`): rows independent along the
+    batch, the cache's sequence axis not."""
+    from opencann.ops import per_index as pi
+    model = _model()
+    cm = opencann.compile(model, _example(), options={"dynamic_batch_size": [1, 2, 4]})
+    why = cm.report.dynamic["padding"]["dims"]["batch"]["blocked_by"]
+    assert why["op"] == "KvCacheUpdate" and "writes graph input" in why["reason"], why
+    g = torch.Generator().manual_seed(3)
+    for b in (1, 4):
+        kc, vc = (torch.randn(b, HKV, S, D, generator=g) for _ in range(2))
+        ek, ev = kc.clone(), vc.clone()
+        x, p = torch.randn(b, 1, E, generator=g), torch.arange(b) + 2
+        with torch.no_grad():
+            want = model(x, ek, ev, p)
+        torch.testing.assert_close(cm(x, kc, vc, p), want, rtol=1e-5, atol=1e-5)
+        assert _same_bits(kc, ek) and _same_bits(vc, ev)
+    with pytest.raises(ValueError, match=r"^batch=3 is not one of the gears compiled with "
+                       r"dynamic_batch_size=\[1, 2, 4\]"):
+        cm(torch.randn(3, 1, E), torch.randn(3, HKV, S, D), torch.randn(3, HKV, S, D),
+           torch.zeros(3, dtype=torch.long))
+    upd = next(n for n in cm.graph.nodes if n.op == "KvCacheUpdate")
+    att = next(n for n in cm.graph.nodes if n.op == "DecodeAttention")
+    idx = {k: upd.attrs[k].index for k in ("cache", "new", "positions")}
+    assert pi.kv_cache_update(upd, {i: pi.Axis(0) for i in idx.values()}, "s0") == {0: 0}
+    assert pi.kv_cache_update(upd, {idx["cache"]: pi.Axis(1), idx["new"]: pi.Axis(1)}, "s0") == {0: 1}
+    seq = pi.kv_cache_update(upd, {idx["cache"]: pi.Axis(2), idx["new"]: pi.Axis(2)}, "s0")
+    assert "along the cache's sequence axis" in seq
+    assert "different axes" in pi.kv_cache_update(upd, {idx["cache"]: pi.Axis(0), idx["new"]: pi.Axis(2)}, "s0")
+    aidx = [att.attrs[k].index for k in ("query", "key", "value", "lengths")]
+    assert pi.decode_attention(att, {i: pi.Axis(0) for i in aidx}, "s0") == {0: 0}
+    assert "only the batch axis" in pi.decode_attention(att, {i: pi.Axis(1) for i in aidx[:3]}, "s0")
