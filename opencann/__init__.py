@@ -142,8 +142,14 @@ def load(path: str):
     (not a model file, truncated, corrupted or modified, newer format, unknown device or
     op) and FileNotFoundError. A model compiled with dynamic dims or gears comes back as
     such: the same shapes, gears and padding, and the same errors for other shapes.
-    Releases the calling thread's OpenMP pool on return, as `compile` does."""
+    Releases the calling thread's OpenMP pool on return, as `compile` does.
+    A file written by ``Generator.save`` (format 4, several graphs) comes back as the
+    `opencann.llm.Generator` (`opencann.llm.load`)."""
     from .engine.loading import load_model_file
+    from .runtime.model_file import BUNDLE_FORMAT_VERSION, peek_version
+    if peek_version(path) == BUNDLE_FORMAT_VERSION:
+        from .llm import load as load_generator
+        return load_generator(path)
     cm = load_model_file(path)
     release_openmp_pool()
     return cm

@@ -65,7 +65,8 @@ class CompiledModel:
     example's, see `example_convention`; ``arg_names``: ``forward``'s positional
     parameter names; ``onnx_inputs``: an ONNX graph's input names, which it is called
     by, returning a tuple); ``frozen`` ((name, tensor) weights frozen from ``module``,
-    the live module) for the weight and attribute guards.
+    the live module) for the weight and attribute guards; ``shared_weights``: compiled
+    with the option ``share_weights`` (the weight guards' messages say so).
     """
 
 
@@ -77,7 +78,7 @@ class CompiledModel:
                  arg_names: Optional[Sequence[Optional[str]]] = None,
                  frozen: Optional[Sequence[Tuple[str, torch.Tensor]]] = None,
                  module: Optional[torch.nn.Module] = None,
-                 onnx_inputs: Optional[Sequence[str]] = None):
+                 onnx_inputs: Optional[Sequence[str]] = None, shared_weights: bool = False):
         self.graph, self.report, self.shapes = graph, report, shapes
         self._in_spec, self._out_spec = in_spec, out_spec
         # forward's positional parameter names: calls are bound by name (call_binding)
@@ -100,7 +101,7 @@ class CompiledModel:
             written=self._mutations, layout_read=sig["layout_read"],
             offset_read=sig["offset_read"], contiguous=self._contig,
             strides=self._strides, offsets=self._offsets,
-            shape_fix=_growing_cache_fix(in_spec, self._positions))
+            shape_fix=_growing_cache_fix(in_spec, self._positions), shared_weights=shared_weights)
         self._checks = [g.check for g in self.guards]
         # a call of n plain tensors, bound and flattened as they come (no pytree walk)
         n = len(graph.inputs)

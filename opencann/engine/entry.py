@@ -102,7 +102,8 @@ def _compile_module(model, example_inputs, device, options, example_kwargs) -> C
                           option(options, "check_aliasing"), executor=ctx.artifacts["executor"])
     return CompiledModel(graph, report, shapes, in_spec=in_spec, out_spec=ep.call_spec.out_spec,
                          input_positions=positions, frozen=frozen, module=model,
-                         arg_names=arg_names, **example_convention(flat))
+                         arg_names=arg_names, shared_weights=bool(option(options, "share_weights")),
+                         **example_convention(flat))
 
 
 

@@ -92,17 +92,40 @@ class BakedValues(Guard):
                     "value, or make it a tensor input")
 
 
+SNAPSHOT = "the compiled model holds a snapshot of the weights it was compiled with"
+SHARED = ("the compiled model reads the module's weight memory (option share_weights) but its "
+          "packed and folded copies of the weights (GEMM layouts, constants computed from "
+          "weights) hold the values it was compiled with")
+
+
+class WeightChanged(ValueError):
+    """A frozen weight changed after compiling: ``name`` (the compiled module's parameter
+    or buffer name), ``how`` (a phrase: "was modified in place", "was replaced ..."),
+    ``detail`` (by what, when known, e.g. "by an optimizer step (AdamW)") and ``shared``
+    (compiled with the option ``share_weights``). Its message is one line ending in the
+    fix; an application that compiled a module of its own (opencann.llm's `DecoderLM`)
+    catches it to name the user's parameter instead."""
+
+    def __init__(self, name: str, how: str, shared: bool = False, detail: str = ""):
+        self.name, self.how, self.shared, self.detail = name, how, shared, detail
+        super().__init__(f"parameter or buffer {name!r} {how} after compiling"
+                         f"{f' ({detail})' if detail else ''}: "
+                         f"{SHARED if shared else SNAPSHOT}. Recompile after changing weights")
+
+
 class FrozenWeights(Guard):
     """The module's parameters and buffers have the version counter and storage they
     had when they were frozen (a snapshot compiled into the graph): an in-place change
     torch records (``p.mul_(2)`` under no_grad, an optimizer step) or ``p.data = t``
     raises. Holds the tensors by weak reference (a freed tensor is not checked).
-    ``named``: (name, tensor) pairs. `holds(tensors)` is the check on tensors passed in
+    ``named``: (name, tensor) pairs; ``shared``: compiled with ``share_weights`` (for the
+    message, `WeightChanged`). `holds(tensors)` is the check on tensors passed in
     (the torch.compile freezing path, where dynamo passes the frozen tensors per call)."""
 
     name = "frozen_weights"
 
-    def __init__(self, named: Sequence[Tuple[str, torch.Tensor]]):
+    def __init__(self, named: Sequence[Tuple[str, torch.Tensor]], shared: bool = False):
+        self.shared = shared
         tensors = [t for _, t in named]
         self.names = [n for n, _ in named]
         self.ids = tuple(map(id, tensors))
@@ -124,7 +147,7 @@ class FrozenWeights(Guard):
                 and tuple(map(_PTR, tensors)) == self.ptrs)
 
     def check(self, call: Call) -> None:
-        """ValueError naming the first weight modified in place or given new storage."""
+        """`WeightChanged` naming the first weight modified in place or given new storage."""
         if not self.freed:
             ts = [r() for r in self.refs]
             try:
@@ -136,12 +159,9 @@ class FrozenWeights(Guard):
         for name, ref, version, ptr in zip(self.names, self.refs, self.versions, self.ptrs):
             t = ref()
             if t is not None and (t._version != version or t.data_ptr() != ptr):
-                how = ("modified in place" if t._version != version
-                       else "given new storage (p.data = ...)")
-                raise ValueError(
-                    f"parameter or buffer {name!r} was {how} after compiling: the "
-                    "compiled model holds a snapshot of the weights it was compiled with. "
-                    "Recompile after changing weights")
+                how = ("was modified in place" if t._version != version
+                       else "was given new storage (p.data = ...)")
+                raise WeightChanged(name, how, self.shared)
 
     def changes(self, tensors: Sequence[torch.Tensor]) -> Dict[int, str]:
         """Index -> how the tensor passed there differs from the frozen one (replaced,
@@ -180,31 +200,29 @@ class UnrecordedWrites(Guard):
     (fused optimizer steps, BatchNorm statistics of a train-mode forward, writes through
     ``.data``, a parameter, buffer or submodule replaced): `opencann.runtime.weight_watch`
     (an optimizer post-hook, registration hooks and per-call value probes). ``watch``
-    is the `WeightWatch`; `changed` is the bare per-call test."""
+    is the `WeightWatch`; ``shared`` as `FrozenWeights`; `changed` is the bare per-call
+    test."""
 
     name = "unrecorded_writes"
 
-    def __init__(self, watch: WeightWatch):
-        self.watch = watch
+    def __init__(self, watch: WeightWatch, shared: bool = False):
+        self.watch, self.shared = watch, shared
 
     def changed(self) -> bool:
         """Whether a watched tensor was written since the snapshot."""
         return self.watch.changed()
 
     def check(self, call: Call) -> None:
-        """ValueError naming the weight written without a version bump, and how."""
+        """`WeightChanged` naming the weight written without a version bump, and how."""
         watch = self.watch
         if not watch.changed():
             return
         i, how = next(iter(watch.changes().items()), (None, None))
         if i is not None:
-            what = (f"{how} after compiling" if how.startswith("was replaced") else
-                    f"was modified in place after compiling ("
-                    f"{how.replace('was modified in place ', '', 1)})")
-            raise ValueError(
-                f"parameter or buffer {watch.names[i]!r} {what}: the "
-                "compiled model holds a snapshot of the weights it was compiled with. "
-                "Recompile after changing weights")
+            if how.startswith("was replaced"):
+                raise WeightChanged(watch.names[i], how, self.shared)
+            raise WeightChanged(watch.names[i], "was modified in place", self.shared,
+                                how.replace("was modified in place ", "", 1))
 
 
 class ModuleAttributes(Guard):
@@ -355,7 +373,8 @@ def model_guards(*, inputs: Sequence[Any], label: Callable[[int], str],
                  written: Sequence[int] = (), layout_read: Sequence[int] = (),
                  offset_read: Sequence[int] = (), contiguous: Sequence[bool] = (),
                  strides: Sequence[Sequence[int]] = (), offsets: Sequence[int] = (),
-                 shape_fix: Optional[Dict[int, str]] = None) -> List[Guard]:
+                 shape_fix: Optional[Dict[int, str]] = None,
+                 shared_weights: bool = False) -> List[Guard]:
     """The guards a compiled model needs, in the order they run per call:
     `BakedValues` (if any value is baked), `FrozenWeights` and `UnrecordedWrites` (if
     weights were frozen from a live module: ``frozen`` (name, tensor) pairs, ``module``
@@ -366,17 +385,19 @@ def model_guards(*, inputs: Sequence[Any], label: Callable[[int], str],
     `InputLayout` (if an input's layout is read: ``layout_read``; ``offset_read`` among
     them have their storage offset checked too). ``inputs``: the graph's input Values;
     ``label(i)``/``flat_label(i)`` name tensor input / flat argument ``i``; ``shape_fix``
-    as `InputTensors` takes it."""
+    as `InputTensors` takes it; ``shared_weights``: compiled with the option
+    ``share_weights`` (the weight guards' messages say so)."""
     guards: List[Guard] = []
     if baked:
         guards.append(BakedValues(baked, flat_label))
     if frozen:
-        guards.append(FrozenWeights(frozen))
+        guards.append(FrozenWeights(frozen, shared_weights))
     if autocast is not False:
         guards.append(AutocastState(autocast))
     if frozen:
         guards.append(UnrecordedWrites(WeightWatch([t for _, t in frozen],
-                                                   [n for n, _ in frozen], module)))
+                                                   [n for n, _ in frozen], module),
+                                        shared_weights))
     if module is not None:
         attributes = AttributeGuard(module)
         if len(attributes):

@@ -14,6 +14,8 @@
   per batch size; `prompts`: the call's prompts checked and normalised;
 - `sampling`: greedy and sampling through transformers' logits processors, seeded;
 - `generator`: `compile` and `Generator.generate`; `stats`: `GenerationStats`;
+- `saving`: ``Generator.save(path)`` (one ``.ocm`` file: the step graphs, weights once,
+  cache layout, generation defaults, tokenizer); `loading`: `load` reads it back;
 - `sources`: `load_causal_lm` (the zoo's SmolLM2 GGUF, a .gguf file or a transformers
   folder, offline) for the CLI, the demo and the benchmarks.
 See docs/guide/llm.md.
@@ -21,6 +23,7 @@ See docs/guide/llm.md.
 from .arch import LLMArch, read_arch
 from .builder import DecoderLM
 from .generator import Generator, compile
+from .loading import load
 from .stats import GenerationStats
 
-__all__ = ["DecoderLM", "GenerationStats", "Generator", "LLMArch", "compile", "read_arch"]
+__all__ = ["DecoderLM", "GenerationStats", "Generator", "LLMArch", "compile", "load", "read_arch"]

@@ -46,7 +46,11 @@ class LLMArch:
     gated MLP) or ``"gpt2"`` (learned positions, LayerNorm, plain MLP, fused QKV).
     ``attn_scales`` is the attention scale of each layer (D ** -0.5 unless the config
     says otherwise). ``sliding_window`` is the config's window (None: full attention):
-    only a ``max_seq_len`` within it is accepted (`check_max_seq_len`)."""
+    only a ``max_seq_len`` within it is accepted (`check_max_seq_len`).
+    ``max_positions`` is the longest sequence (tokens) the model serves: GPT-2's
+    ``n_positions`` (rows of its learned table), a RoPE model's ``max_position_embeddings``
+    or, with a RoPE scaling (``linear``, ``llama3``, ``yarn``), the longer of that and
+    ``original_max_position_embeddings`` x ``factor`` (`rope_context`); 0: unknown."""
 
     model_type: str
     family: str
@@ -83,6 +87,13 @@ class LLMArch:
         if self.family == "gpt2" and max_seq_len > self.max_positions:
             raise ValueError(f"max_seq_len {max_seq_len} exceeds the model's {self.max_positions} "
                              f"learned positions (n_positions); compile with max_seq_len <= "
+                             f"{self.max_positions}")
+        if self.family == "llama" and 0 < self.max_positions < max_seq_len:
+            scaled = (f"its RoPE scaling {self.rope_type!r} included" if self.rope_type != "default"
+                      else "max_position_embeddings; a config rope_scaling such as "
+                      "{'rope_type': 'linear', 'factor': 2.0} extends it")
+            raise ValueError(f"max_seq_len {max_seq_len} exceeds the {self.max_positions} positions "
+                             f"the model was trained for ({scaled}); compile with max_seq_len <= "
                              f"{self.max_positions}")
         if self.sliding_window is not None and max_seq_len > self.sliding_window:
             raise ValueError(f"sliding-window attention (window {self.sliding_window}) is not "
@@ -145,6 +156,24 @@ def _rope_type(config: Any, mt: str) -> str:
     return rt
 
 
+def rope_context(config: Any) -> int:
+    """The longest sequence (tokens) a RoPE model serves: ``max_position_embeddings``,
+    or with a RoPE scaling that stretches the trained context (``linear``, ``llama3``,
+    ``yarn``: transformers' ``modeling_rope_utils``, where ``factor`` scales positions
+    from ``original_max_position_embeddings``, default ``max_position_embeddings``) the
+    longer of that and ``original_max_position_embeddings * factor``. 0 when the config
+    has no ``max_position_embeddings``. Transformers itself runs past it unchecked
+    (RoPE has no table): the model then sees positions it was never trained on."""
+    limit = int(_get(config, "max_position_embeddings", 0) or 0)
+    params = _get(config, "rope_parameters", None) or _get(config, "rope_scaling", None) or {}
+    rt = params.get("rope_type", params.get("type", "default")) or "default"
+    factor = params.get("factor")
+    if limit and rt in ("linear", "llama3", "yarn") and factor:
+        original = int(params.get("original_max_position_embeddings") or limit)
+        limit = max(limit, int(original * float(factor)))
+    return limit
+
+
 def _sliding_window(config: Any, mt: str) -> Optional[int]:
     types = set(_get(config, "layer_types", None) or ())
     if types - {"full_attention", "sliding_attention"}:
@@ -168,7 +197,7 @@ def _read_llama(config: Any, mt: str) -> LLMArch:
         num_layers=int(config.num_hidden_layers), num_heads=heads, num_kv_heads=kv_heads,
         head_dim=head_dim, intermediate_size=int(config.intermediate_size),
         norm_eps=float(config.rms_norm_eps), activation=_activation(mt, config.hidden_act),
-        max_positions=int(_get(config, "max_position_embeddings", 0) or 0),
+        max_positions=rope_context(config),
         attn_scales=(head_dim ** -0.5,) * int(config.num_hidden_layers), qkv_bias=qkv_bias,
         o_bias=mt != "qwen2" and bool(_get(config, "attention_bias", False)),
         mlp_bias=bool(_get(config, "mlp_bias", False)), rope_type=_rope_type(config, mt),
@@ -197,4 +226,5 @@ def _read_gpt2(config: Any) -> LLMArch:
         mlp_bias=True, tie_word_embeddings=bool(_get(config, "tie_word_embeddings", True)))
 
 
-__all__ = ["ACTIVATIONS", "GPT2_TYPES", "LLAMA_TYPES", "LLMArch", "ROPE_TYPES", "read_arch"]
+__all__ = ["ACTIVATIONS", "GPT2_TYPES", "LLAMA_TYPES", "LLMArch", "ROPE_TYPES", "read_arch",
+           "rope_context"]

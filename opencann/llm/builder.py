@@ -14,7 +14,7 @@ so logits equal transformers' eager logits to fp32 rounding.
 """
 from __future__ import annotations
 
-from typing import List, Sequence, Tuple
+from typing import Dict, List, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -159,13 +159,20 @@ class DecoderLM(nn.Module):
         self.blocks = nn.ModuleList(block(layer, arch, s) for layer, s in zip(layers, arch.attn_scales))
         self.rotary = rotary
         self.config = model.config
+        # this module's parameter/buffer names -> the model's (errors name the user's)
+        self._source_class = type(model).__name__
+        self._source_names = _source_names(self, model)
+
+    def source_name(self, name: str) -> str:
+        """The transformers model's name of this module's parameter or buffer ``name``
+        (e.g. ``blocks.1.mlp.up_proj.weight`` -> ``model.layers.1.mlp.up_proj.weight``), with
+        the model's class: ``"'model.layers.1.mlp.up_proj.weight' of the LlamaForCausalLM"``."""
+        return f"{self._source_names.get(name, name)!r} of the {self._source_class}"
 
     def new_caches(self, max_batch: int, max_seq_len: int) -> List[torch.Tensor]:
         """Zeroed caches K0, V0, ... [max_batch, Hkv, max_seq_len, D] float32 (2 * L
-        tensors, `LLMArch.kv_cache_bytes` in all)."""
-        a = self.arch
-        return [torch.zeros(max_batch, a.num_kv_heads, max_seq_len, a.head_dim)
-                for _ in range(2 * a.num_layers)]
+        tensors, `LLMArch.kv_cache_bytes` in all; `new_caches`)."""
+        return new_caches(self.arch, max_batch, max_seq_len)
 
     def _rope(self, pos: torch.Tensor, dtype: torch.dtype):
         """(cos, sin) [B, T, D] for positions ``pos`` [B, T], as transformers' rotary
@@ -199,6 +206,23 @@ class DecoderLM(nn.Module):
         return self.lm_head(h).float()
 
 
+def _source_names(lm: nn.Module, model: nn.Module) -> Dict[str, str]:
+    """``lm``'s parameter and buffer names -> ``model``'s names of the same tensors (the
+    first name transformers lists for a tied tensor)."""
+    theirs: Dict[int, str] = {}
+    for n, t in list(model.named_parameters()) + list(model.named_buffers()):
+        theirs.setdefault(id(t), n)
+    return {n: theirs[id(t)] for n, t in list(lm.named_parameters()) + list(lm.named_buffers())
+            if id(t) in theirs}
+
+
+def new_caches(arch: LLMArch, max_batch: int, max_seq_len: int) -> List[torch.Tensor]:
+    """Zeroed caches K0, V0, ... [max_batch, Hkv, max_seq_len, D] float32 for ``arch``
+    (2 * L tensors, `LLMArch.kv_cache_bytes` in all)."""
+    return [torch.zeros(max_batch, arch.num_kv_heads, max_seq_len, arch.head_dim)
+            for _ in range(2 * arch.num_layers)]
+
+
 def shared_parameters(a: nn.Module, b: nn.Module) -> Sequence[str]:
     """Names of ``a``'s parameters whose storage is also one of ``b``'s (what a
     `DecoderLM` shares with the transformers model it was built from)."""
@@ -206,4 +230,4 @@ def shared_parameters(a: nn.Module, b: nn.Module) -> Sequence[str]:
     return [n for n, p in a.named_parameters() if p.untyped_storage().data_ptr() in ptrs]
 
 
-__all__ = ["DecoderLM", "GPT2Block", "LlamaBlock", "attend", "shared_parameters"]
+__all__ = ["DecoderLM", "GPT2Block", "LlamaBlock", "attend", "new_caches", "shared_parameters"]

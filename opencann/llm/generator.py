@@ -21,7 +21,9 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 
-from .builder import DecoderLM
+from ..engine.guards import WeightChanged
+from .arch import LLMArch
+from .builder import DecoderLM, new_caches
 from .prompts import PromptBatch, prepare
 from .sampling import Sampler, resolve
 from .stats import GenerationStats
@@ -74,25 +76,49 @@ def compile(model: torch.nn.Module, max_seq_len: int, max_batch: int = 1, device
 class Generator:
     """Generation over preallocated KV caches (built by `compile`).
 
-    Attributes: ``lm`` (`DecoderLM`), ``arch``, ``max_seq_len``, ``max_batch``,
-    ``caches`` (2 * L tensors [max_batch, Hkv, max_seq_len, D] float32),
-    ``buckets`` (prefill prompt lengths), ``batch_sizes``, ``backend``, ``stats``
-    (`GenerationStats`), ``generation_config`` (the model's, defaults for `generate`)."""
+    Attributes: ``lm`` (`DecoderLM`; None when loaded from a file), ``arch``,
+    ``max_seq_len``, ``max_batch``, ``caches`` (2 * L tensors [max_batch, Hkv,
+    max_seq_len, D] float32), ``buckets`` (prefill prompt lengths), ``batch_sizes``,
+    ``backend``, ``stats`` (`GenerationStats`), ``generation_config`` (the model's,
+    defaults for `generate`), ``tokenizer`` (None unless set, or loaded with the file:
+    `save` stores it).
 
-    def __init__(self, lm: DecoderLM, max_seq_len: int, max_batch: int, device: str,
+    A generator loaded by `opencann.llm.load` is built with ``lm=None``, the file's
+    ``arch`` and its compiled step ``graphs`` ((batch, tokens) -> CompiledModel) and
+    never compiles."""
+
+    def __init__(self, lm: Optional[DecoderLM], max_seq_len: int, max_batch: int, device: str,
                  llm_options: Dict[str, Any], compile_options: Dict[str, Any],
-                 generation_config: Any = None):
-        lm.arch.check_max_seq_len(max_seq_len)
-        self.lm, self.arch = lm, lm.arch
+                 generation_config: Any = None, arch: Optional[LLMArch] = None,
+                 graphs: Optional[Dict[Any, Any]] = None, source: str = ""):
+        self.lm, self.arch = lm, lm.arch if lm is not None else arch
+        self.arch.check_max_seq_len(max_seq_len)
         self.max_seq_len, self.max_batch = max_seq_len, max_batch
         self.batch_sizes = batch_sizes(max_batch, llm_options.get("batch_sizes"))
         self.buckets = prefill_buckets(max_seq_len, llm_options.get("prefill_buckets"))
         self.backend = llm_options.get("backend", DEFAULT_BACKEND)
         self.generation_config = generation_config
-        self.caches = lm.new_caches(max_batch, max_seq_len)
+        self.tokenizer: Any = None
+        self.caches = new_caches(self.arch, max_batch, max_seq_len)
         self.stats = GenerationStats(kv_cache_bytes=sum(c.nbytes for c in self.caches))
-        self.steps = StepGraphs(lm, self.caches, self.backend, device, compile_options, self.stats)
+        self.steps = StepGraphs(lm, self.caches, self.backend, device, compile_options,
+                                self.stats, loaded=graphs, source=source)
         self._lock = threading.Lock()
+
+    def save(self, path: str, tokenizer: Any = None, graphs: str = "all") -> Dict[str, Any]:
+        """Write this generator to ONE model file ``path`` (``*.ocm``, format 4: a bundle,
+        `opencann.llm.saving`): its compiled step graphs with the weights stored once,
+        the KV-cache layout, the architecture, the generation defaults (the model's
+        generation_config: eos, pad, sampling settings) and ``tokenizer`` (default
+        ``self.tokenizer``; a transformers tokenizer, its files stored inside). ``graphs``:
+        ``"all"`` builds first every step graph a call can need (a prefill graph per bucket
+        and batch size, a decode graph per batch size: the loaded generator never
+        compiles), ``"built"`` saves those built so far. `opencann.llm.load` or
+        `opencann.load` reads it back. Returns the file's sections (name, offset, size,
+        sha256). Raises ValueError (one line) on the eager backend or for a bad
+        ``graphs``, ModelFileError for a bad path, OSError when writing fails."""
+        from .saving import save
+        return save(self, path, tokenizer=tokenizer, graphs=graphs)
 
     def __repr__(self) -> str:
         a = self.arch
@@ -201,10 +227,23 @@ class Generator:
         sampler = Sampler(gc, batch.padding if bool(batch.padding.any()) else None, seed)
         emit = _streamer(streamer, batch.sequences)
         with self._lock, torch.no_grad():   # one call at a time: the caches are shared state
-            out = self._run(batch, new, sampler, stops, pad, emit)
+            try:
+                out = self._run(batch, new, sampler, stops, pad, emit)
+            except WeightChanged as e:
+                raise self._weight_changed(e) from None
         if hasattr(streamer, "end"):
             streamer.end()
         return out
+
+    def _weight_changed(self, e: WeightChanged) -> ValueError:
+        """The one-line error for a weight of the compiled model changed after
+        `compile` (``e`` from a step graph's guards), naming the user's parameter."""
+        name = self.lm.source_name(e.name) if self.lm is not None else repr(e.name)
+        return ValueError(
+            f"parameter {name} {e.how} after opencann.llm.compile{f' ({e.detail})' if e.detail else ''}"
+            f": the generator's step graphs hold packed copies of the weights made at compile "
+            f"time; compile it again after changing weights: opencann.llm.compile(model, "
+            f"max_seq_len={self.max_seq_len}, max_batch={self.max_batch})")
 
     def _prefill(self, batch: PromptBatch) -> torch.Tensor:
         """Logits [B, vocab] of each prompt's last token; writes the caches."""

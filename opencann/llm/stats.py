@@ -28,6 +28,7 @@ class GenerationStats:
     recompiles: int = 0
     memory_plans: int = 0
     graphs: List[str] = field(default_factory=list)
+    graphs_loaded: int = 0
     ttft_s: float = 0.0
     prefill_tokens: int = 0
     prefill_tokens_per_s: float = 0.0
@@ -72,7 +73,8 @@ class GenerationStats:
         """One line: TTFT, prefill and decode rates, graphs, recompiles, plans, cache."""
         return (f"TTFT {self.ttft_s * 1e3:.1f} ms, prefill {self.prefill_tokens_per_s:.1f} tok/s, "
                 f"decode {self.decode_tokens_per_s:.1f} tok/s ({self.decode_steps} steps), "
-                f"{self.graphs_built} graphs, {self.recompiles} recompiles, "
+                + (f"{self.graphs_loaded} graphs loaded, " if self.graphs_loaded else "")
+                + f"{self.graphs_built} graphs, {self.recompiles} recompiles, "
                 f"{self.memory_plans} memory plans, KV cache {self.kv_cache_bytes / 2**20:.2f} MiB")
 
 

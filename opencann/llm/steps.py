@@ -79,14 +79,23 @@ class StepGraphs:
 
     ``step(batch, tokens)`` returns a callable ``(input_ids [batch, tokens], positions
     [batch], lengths [batch]) -> logits [batch, vocab]`` that writes the caches' first
-    ``batch`` rows in place (tokens == 1: the decode graph)."""
+    ``batch`` rows in place (tokens == 1: the decode graph).
 
-    def __init__(self, lm: DecoderLM, caches: List[torch.Tensor], backend: str, device: str,
-                 options: Optional[Dict[str, Any]], stats: GenerationStats):
+    A generator loaded from a file (`opencann.llm.load`) has no ``lm``: its graphs are
+    ``loaded`` ((batch, tokens) -> CompiledModel, counted in ``stats.graphs_loaded``), and
+    a step it lacks is one ValueError line naming ``source`` and the steps it has."""
+
+    def __init__(self, lm: Optional[DecoderLM], caches: List[torch.Tensor], backend: str,
+                 device: str, options: Optional[Dict[str, Any]], stats: GenerationStats,
+                 loaded: Optional[Dict[Tuple[int, int], Any]] = None, source: str = ""):
         self.lm, self.caches, self.backend = lm, caches, backend
         self.device, self.options, self.stats = device, dict(options or {}), stats
+        self.source = source
         self._graphs: Dict[Tuple[int, int], Callable] = {}
         self._views: Dict[int, List[torch.Tensor]] = {}
+        for (b, t), cm in (loaded or {}).items():
+            self._graphs[(b, t)] = self._runner(cm, b)
+            stats.graphs_loaded += 1
 
     def views(self, batch: int) -> List[torch.Tensor]:
         """The caches' first ``batch`` rows (views, no copy)."""
@@ -103,6 +112,11 @@ class StepGraphs:
 
     def _build(self, batch: int, tokens: int) -> Callable:
         key = f"{'decode' if tokens == 1 else 'prefill'} b{batch} t{tokens}"
+        if self.lm is None:
+            have = ", ".join(f"{'decode' if t == 1 else 'prefill'} b{b} t{t}" for b, t in self._graphs)
+            raise ValueError(f"{self.source} holds no step graph {key} (it holds {have}): save "
+                             "the generator with graphs='all' (the default) to serve every "
+                             "bucket and batch size")
         views = self.views(batch)
         if self.backend == "eager":
             lm = self.lm
@@ -118,11 +132,22 @@ class StepGraphs:
         cm = compile_module(self.lm, example, device=self.device,
                             options=self.compile_options(tokens))
         self.stats.graph_built(key, _plans(cm))
+        return self._runner(cm, batch)
+
+    def _runner(self, cm: Any, batch: int) -> Callable:
+        """``cm`` (a compiled step graph of ``batch`` rows) called on the caches' views;
+        the callable carries it as ``.compiled``."""
+        views = self.views(batch)
 
         def run_compiled(ids, positions, lengths):
             return cm(ids, positions, lengths, *views)
         run_compiled.compiled = cm
         return run_compiled
+
+    def compiled(self) -> Dict[Tuple[int, int], Any]:
+        """(batch, tokens) -> CompiledModel of every compiled step graph (opencann backend
+        or loaded), in build order."""
+        return {k: g.compiled for k, g in self._graphs.items() if hasattr(g, "compiled")}
 
     def compile_options(self, tokens: int) -> Dict[str, Any]:
         """The opencann.compile options of a step graph of ``tokens`` new tokens: the

@@ -21,6 +21,7 @@ from typing import Callable, Sequence
 
 from ..ir import Node, TensorDesc, numel
 from .kernels import vnpu_cost
+from . import per_index
 from .opdef import Cost, OpDef, OpKind, register
 
 
@@ -53,7 +54,7 @@ def make_decode_attention_kernel(node: Node, in_descs: Sequence[TensorDesc], con
 register(OpDef("DecodeAttention", OpKind.ATTENTION, aliases=((),), cost_fn=decode_attention_cost,
                kernel_factories={"cpu": make_decode_attention_kernel},
                device_cost={"vnpu": vnpu_cost.decode_attention}, keep_fp32=True, fp32_kernel=True,
-               custom_op="opencann::decode_attention",
+               custom_op="opencann::decode_attention", per_index=per_index.decode_attention,
                custom_op_args={"q": "query", "k_cache": "key", "v_cache": "value"},
                doc="one query per sequence over its live KV-cache keys (FlashDecoding split-KV, "
                    "GQA, lengths as data; numba CPU kernel)"))

@@ -317,6 +317,44 @@ def attention(node: Node, axes: Axes, sym: str) -> Result:
     return out
 
 
+def _same_axis(node: Node, axes: Axes, names: Sequence[str]) -> "int | str":
+    """The one axis the padded inputs among ``names`` carry the dim at, or a reason."""
+    at = {n: axes[i] for n in names for i in [_idx(node, n)] if i is not None and i in axes}
+    if len(set(at.values())) != 1:
+        return (f"its inputs carry the padded dim at different axes "
+                f"({', '.join(f'{n} {a}' for n, a in at.items())})")
+    return next(iter(at.values()))
+
+
+def kv_cache_update(node: Node, axes: Axes, sym: str) -> Result:
+    """KvCacheUpdate (cache [B, H, S, D], new [B, H, T, D], positions [B]): the batch,
+    head and head-dim axes independent when the cache and the new rows carry the padded
+    dim at the same axis (positions too, on the batch); the sequence axis is written at
+    per-row positions, so padded tokens would land at real cache positions."""
+    p = _same_axis(node, axes, ("cache", "new", "positions"))
+    if isinstance(p, str):
+        return p
+    c, n, pos = (_idx(node, a) for a in ("cache", "new", "positions"))
+    if p == 2 or pos in axes and (axes[pos] != 0 or p != 0) or not {c, n} <= set(axes):
+        return ("KvCacheUpdate writes new tokens at per-row positions along the cache's "
+                "sequence axis: padded rows or tokens would be written over real cache "
+                "positions (serve it with exact shapes: opencann.llm's step graphs)")
+    return {0: p}
+
+
+def decode_attention(node: Node, axes: Axes, sym: str) -> Result:
+    """DecodeAttention (q [B, Hq, 1, D], k/v caches [B, Hkv, S, D], lengths [B]): rows
+    independent along the batch when q, both caches and the lengths all carry the padded
+    dim there; any other axis mixes heads (GQA groups) or cache positions."""
+    p = _same_axis(node, axes, ("query", "key", "value", "lengths"))
+    if isinstance(p, str):
+        return p
+    if p != 0 or len(axes) != 4:
+        return ("DecodeAttention mixes the padded dim's entries (cache positions or GQA head "
+                "groups): only the batch axis of all its inputs can be padded")
+    return {0: 0}
+
+
 def embedding(node: Node, axes: Axes, sym: str) -> Result:
     """Each index looked up on its own (the table must not carry the padded dim)."""
     i = _idx(node, "indices")
@@ -564,6 +602,6 @@ def describe(rule: Optional[Rule]) -> str:
 
 __all__ = ["Axis", "outer_of", "ALL", "offset", "REDUCE", "SOFTMAX", "CUMULATIVE", "LAYER_NORM", "BATCH_NORM_INFERENCE",
            "BATCH_NORM_TRAINING", "GROUP_NORM", "POOL", "RESIZE", "CONV", "CONV_ADD", "mm", "addmm", "bmm",
-           "gated_mlp", "attention", "embedding", "gather", "index", "index_select", "cat", "stack",
+           "gated_mlp", "attention", "kv_cache_update", "decode_attention", "embedding", "gather", "index", "index_select", "cat", "stack",
            "constant_pad", "repeat", "source", "reshape", "permute", "transpose", "unsqueeze",
            "squeeze", "expand", "slice_", "select", "split", "same", "describe"]

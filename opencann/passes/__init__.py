@@ -11,6 +11,7 @@ from .memory import MemoryPlanning, plan_memory
 from .prepare import (CommonSubexpressionElimination, ConstantFolding, DeadCodeElimination,
                       IdentityElimination, MixedPrecision)
 from .prepare.drop_unused_outputs import DropUnusedOutputs
+from .prepare.input_inplace import InputInplace
 from .schedule import SingleStreamSchedule, apply_schedule
 
 
@@ -27,7 +28,7 @@ def default_pipeline() -> PassManager:
     last stage when it builds a callable model."""
     return PassManager([
         ConstantFolding(), DeadCodeElimination(), CommonSubexpressionElimination(),
-        IdentityElimination(), DropUnusedOutputs(), FoldBatchNorm(), *user_passes(), FuseSiLU(),
+        IdentityElimination(), DropUnusedOutputs(), InputInplace(), FoldBatchNorm(), *user_passes(), FuseSiLU(),
         FuseGeluTanh(), FuseGeluErf(), FuseRMSNorm(), FuseLayerNorm(), MixedPrecision(), FuseGatedMLP(), FuseConvAct(), FuseConvAddAct(), FuseLinearAct(), FuseQKVLinear(),
         FuseAddLayerNorm(), FuseFlashAttention(), ChooseAttentionKernel(),
         FuseElementwise(), DeadCodeElimination(), LayoutSelection(), QuantizeInt8(), NpuLayoutSelection(), SingleStreamSchedule(),
@@ -42,4 +43,4 @@ __all__ = ["Pass", "PassContext", "PassManager", "RewritePass", "Skip", "default
            "FuseQKVLinear", "FuseAddLayerNorm", "FuseFlashAttention", "ChooseAttentionKernel", "FuseSiLU", "FuseGeluTanh",
            "FuseGeluErf", "FuseRMSNorm",
            "FuseLayerNorm", "FuseGatedMLP", "FuseElementwise", "LayoutSelection", "NpuLayoutSelection", "SingleStreamSchedule",
-           "apply_schedule", "DropUnusedOutputs", "QuantizeInt8"]
+           "apply_schedule", "DropUnusedOutputs", "QuantizeInt8", "InputInplace"]

@@ -42,6 +42,8 @@ class PaddingCheck:
         b = self.blocked_by
         if b is None:
             return ""
+        if b["node"] == "-":
+            return f"{b['where']}: {b['reason']}"
         return f"{b['node']} ({b['op']}) at {b['where']}: {b['reason']}"
 
 
@@ -170,9 +172,27 @@ def follow_padded_dim(graph: Graph, sym: str) -> PaddingCheck:
             return _blocked(sym, v.producer, f"output {j} has the dim in its shape but not "
                                              "on an axis that can be sliced back")
     if graph.signature.writes_inputs:
+        writer = _input_writer(graph)
+        if writer is not None:
+            n, v = writer
+            return _blocked(sym, n, f"{n.op} writes graph input {v.name} in place (e.g. a KV "
+                                    "cache): a padded copy would be written instead of the "
+                                    "caller's tensor")
         return _blocked(sym, None, "the model writes into or returns its inputs, which "
                                    "padded copies cannot stand for")
     return PaddingCheck(sym, True, outputs=outs)
+
+
+def _input_writer(graph: Graph):
+    """(node, input Value) of the first node that writes a graph input in place (its
+    `OpDef.inplace_of`), or None."""
+    inputs = {v.id for v in graph.inputs}
+    for n in graph.nodes:
+        for arg in (get_op(n.op).inplace_of or {}).values():
+            ref = n.attrs.get(arg)
+            if isinstance(ref, TensorRef) and n.inputs[ref.index].id in inputs:
+                return n, n.inputs[ref.index]
+    return None
 
 
 def padding_summary(checks: Dict[str, PaddingCheck], names: Dict[str, str]) -> Dict[str, Any]:

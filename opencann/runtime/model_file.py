@@ -72,6 +72,12 @@ from ..ops.parity import kernel_layout_differs, special_values_differ
 from ..report import CompileReport, PassRecord, fmt_bytes
 
 FORMAT_VERSION = 3   # 3: graph.signature; 2: dynamic dims and gears; 1: static
+#: several graphs sharing one ``constants`` section (an opencann.llm generator): sections
+#: ``metadata`` (the bundle's), ``constants``, and per graph ``<key>/metadata``,
+#: ``<key>/graph``, ``<key>/plan``, ``<key>/schedule``, ``<key>/report``
+BUNDLE_FORMAT_VERSION = 4
+#: the sections a bundle file must hold (besides its graphs')
+BUNDLE_SECTIONS = ("metadata", "constants")
 MAGIC = b"OPENCANN"
 _PREFIX = struct.Struct("<8sIQ32s")  # magic, format version, header length, header sha256
 _ALIGN = 64  # bytes: every weight starts this aligned in the file and in memory (as torch's
@@ -327,6 +333,11 @@ def _pack_constants(g: Graph) -> Tuple[Dict[str, torch.Tensor], Dict[str, Any]]:
 def _unpack_constants(raw: Dict[str, torch.Tensor], layouts: Dict[str, Any]) -> Dict[str, torch.Tensor]:
     out = {}
     for key, lay in layouts.items():
+        if "storage" in lay:   # a view of a storage shared by several graphs (a bundle)
+            flat = raw[lay["storage"]]
+            out[key] = (torch.as_strided(flat, lay["shape"], lay["strides"], lay["offset"])
+                        if flat.numel() else flat.reshape(lay["shape"]))
+            continue
         flat = raw[key][:lay["numel"]]
         if lay.get("fill_strides") is not None:
             out[key] = torch.empty_strided(lay["shape"], lay["fill_strides"], dtype=flat.dtype)
@@ -345,7 +356,7 @@ _ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, 
               "U8": torch.uint8, "BOOL": torch.bool, "C64": torch.complex64}
 
 
-def _safetensors_views(buf: memoryview, where: str) -> Dict[str, torch.Tensor]:
+def safetensors_views(buf: memoryview, where: str) -> Dict[str, torch.Tensor]:
     """The tensors of a safetensors blob (written by ``safetensors.torch.save``) as views
     of ``buf``, without copying: the format is an 8-byte little-endian header length,
     a JSON header {name: {dtype, shape, data_offsets}} and the data (safetensors' spec,
@@ -512,8 +523,7 @@ def _layout(blobs: Dict[str, bytes]) -> Tuple[bytes, List[Dict[str, Any]], Dict[
     header, pads = b"", {}
     for _ in range(3):
         sections, off, pads = [], 0, {}
-        for name in SECTIONS:
-            b = blobs[name]
+        for name, b in blobs.items():
             if name == "constants" and b:  # the tensor data (after safetensors' header) aligned
                 data_start = 8 + struct.unpack_from("<Q", b)[0]
                 pads[name] = -(_PREFIX.size + len(header) + off + data_start) % _ALIGN
@@ -528,16 +538,29 @@ def _layout(blobs: Dict[str, bytes]) -> Tuple[bytes, List[Dict[str, Any]], Dict[
     return new, sections, pads
 
 
-def save(compiled, path: str, description: str = "") -> Dict[str, Any]:
-    """Write ``compiled`` (a `CompiledModel`) to ``path`` (conventionally ``*.ocm``).
+def graph_sections(compiled, description: str, version: int) -> Dict[str, Any]:
+    """The ``metadata``, ``graph``, ``plan``, ``schedule`` and ``report`` sections of
+    ``compiled`` (a `CompiledModel`) as JSON objects (`encode_sections` makes them
+    bytes); the caller adds the graph's ``constant_layouts`` and the ``constants``.
+    Raises ModelFileError when something in the graph has no file encoding (naming the
+    node and attribute)."""
+    g, plan, report = compiled.graph, compiled.plan, compiled.report
+    conv = compiled.calling_convention()
+    schedule = {"order": [n.name for n in g.nodes], "streams": {n.name: n.stream for n in g.nodes}}
+    return {"metadata": _metadata(g, report, conv, description, version),
+            "graph": _graph_to_json(g), "plan": _plan_to_json(plan), "schedule": schedule,
+            "report": json.loads(report.to_json())}
 
-    Returns the header (sections with offsets, sizes, sha256). Raises ModelFileError
-    when something in the graph has no file encoding (naming the node and attribute) or
-    ``path`` is a directory or in a directory that does not exist, TypeError for a path
-    that is not a str or os.PathLike, OSError when the file cannot be written (no
-    temporary file is left behind)."""
-    import safetensors.torch
 
+def encode_sections(sections: Dict[str, Any]) -> Dict[str, bytes]:
+    """JSON sections as bytes (compact; the report may hold non-finite numbers)."""
+    return {k: json.dumps(v, separators=(",", ":")).encode() if k == "report" else _json_bytes(v)
+            for k, v in sections.items()}
+
+
+def check_path(path: Any) -> str:
+    """``path`` as a str, checked for writing a model file: TypeError for a path that is
+    not a str or os.PathLike, ModelFileError for a directory or a missing parent."""
     if not isinstance(path, (str, os.PathLike)):
         raise TypeError(f"the model file path must be a str or os.PathLike, got "
                         f"{type(path).__name__}: pass e.g. 'model.ocm'")
@@ -548,33 +571,47 @@ def save(compiled, path: str, description: str = "") -> Dict[str, Any]:
     parent = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(parent):
         raise ModelFileError(f"directory {parent} of {path} does not exist: create it first")
-    g, plan, report = compiled.graph, compiled.plan, compiled.report
-    conv = compiled.calling_convention()
-    version = FORMAT_VERSION
-    graph_j = _graph_to_json(g)
-    tensors, layouts = _pack_constants(g)
-    graph_j["constant_layouts"] = layouts
-    meta = _metadata(g, report, conv, description, version)
-    schedule = {"order": [n.name for n in g.nodes], "streams": {n.name: n.stream for n in g.nodes}}
-    report_j = json.loads(report.to_json())
-    blobs = {"metadata": _json_bytes(meta), "graph": _json_bytes(graph_j),
-             "plan": _json_bytes(_plan_to_json(plan)), "schedule": _json_bytes(schedule),
-             "report": json.dumps(report_j, separators=(",", ":")).encode(),
-             "constants": safetensors.torch.save(tensors) if tensors else b""}
+    return path
+
+
+def write_file(path: str, version: int, blobs: Dict[str, bytes]) -> List[Dict[str, Any]]:
+    """Write the sections ``blobs`` (name -> bytes, in file order; ``constants`` a
+    safetensors blob whose tensor data is laid out 64-byte aligned) under format
+    ``version`` to ``path`` atomically (a temporary file renamed; none left behind on
+    error). Returns the header's sections (name, offset, size, sha256). Raises OSError
+    when the file cannot be written."""
     header, sections, pads = _layout(blobs)
     tmp = f"{path}.tmp{os.getpid()}"
     try:
         with open(tmp, "wb") as f:
             f.write(_PREFIX.pack(MAGIC, version, len(header), hashlib.sha256(header).digest()))
             f.write(header)
-            for name in SECTIONS:
+            for name in blobs:
                 f.write(b"\0" * pads.get(name, 0))
                 f.write(blobs[name])
         os.replace(tmp, path)   # never leave a half-written model file under the final name
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
-    return {"format_version": version, "sections": sections}
+    return sections
+
+
+def save(compiled, path: str, description: str = "") -> Dict[str, Any]:
+    """Write ``compiled`` (a `CompiledModel`) to ``path`` (conventionally ``*.ocm``).
+
+    Returns the header (sections with offsets, sizes, sha256). Raises ModelFileError
+    when something in the graph has no file encoding (naming the node and attribute) or
+    ``path`` is a directory or in a directory that does not exist, TypeError for a path
+    that is not a str or os.PathLike, OSError when the file cannot be written (no
+    temporary file is left behind)."""
+    import safetensors.torch
+
+    path = check_path(path)
+    parts = graph_sections(compiled, description, FORMAT_VERSION)
+    tensors, parts["graph"]["constant_layouts"] = _pack_constants(compiled.graph)
+    blobs = encode_sections(parts)
+    blobs["constants"] = safetensors.torch.save(tensors) if tensors else b""
+    return {"format_version": FORMAT_VERSION, "sections": write_file(path, FORMAT_VERSION, blobs)}
 
 
 # -- read ----------------------------------------------------------------------------------
@@ -595,9 +632,9 @@ def read_sections(path: str, verify: bool = True) -> Tuple[Dict[str, Any], Dict[
         raise ModelFileError(f"{where} is truncated: {len(data)} bytes, expected at least "
                              f"{_PREFIX.size} (an interrupted copy or download?)")
     _, version, hlen, hsha = _PREFIX.unpack_from(data)
-    if version > FORMAT_VERSION:
+    if version > BUNDLE_FORMAT_VERSION:
         raise ModelFileError(f"{where}: model file format version {version} is newer than this "
-                             f"opencann supports ({FORMAT_VERSION}): upgrade opencann")
+                             f"opencann supports ({BUNDLE_FORMAT_VERSION}): upgrade opencann")
     if version < 1:
         raise ModelFileError(f"{where}: format version {version} is not a valid opencann model file version")
     if len(data) < _PREFIX.size + hlen:
@@ -616,7 +653,8 @@ def read_sections(path: str, verify: bool = True) -> Tuple[Dict[str, Any], Dict[
     if len(data) < end:
         raise ModelFileError(f"{where} is truncated: {len(data)} bytes, expected {end} "
                              "(an interrupted copy or download?)")
-    missing = [s for s in SECTIONS if s not in secs]
+    missing = [s for s in (BUNDLE_SECTIONS if version == BUNDLE_FORMAT_VERSION else SECTIONS)
+               if s not in secs]
     if missing:
         raise ModelFileError(f"{where}: section {missing[0]!r} is missing (made by another tool?)")
     out = {}
@@ -629,7 +667,24 @@ def read_sections(path: str, verify: bool = True) -> Tuple[Dict[str, Any], Dict[
     return header, out
 
 
-def _json_section(secs, name: str, where: str) -> Any:
+def peek_version(path: str) -> Optional[int]:
+    """The format version in the file's prefix, or None when ``path`` is not a readable
+    opencann model file (`read_sections` then says what is wrong)."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(_PREFIX.size)
+    except OSError:
+        return None
+    if len(head) < _PREFIX.size or head[:len(MAGIC)] != MAGIC:
+        return None
+    return _PREFIX.unpack(head)[1]
+
+
+def json_section(secs, name: str, where: str) -> Any:
+    """Section ``name`` of ``secs`` (`read_sections`) parsed as JSON; ModelFileError
+    (one line) when it is missing or not JSON."""
+    if name not in secs:
+        raise ModelFileError(f"{where}: section {name!r} is missing (made by another tool?)")
     try:
         return json.loads(bytes(secs[name]))
     except ValueError as e:
@@ -677,19 +732,35 @@ def _check_layout_kernels(graph, where: str) -> None:
 def read(path: str) -> Dict[str, Any]:
     """Parse the model file at ``path`` into the keyword arguments of
     `opencann.engine.loading.model_from_parts` (graph, plan, report, calling convention), plus
-    ``metadata``, ``dynamic`` and ``gears`` (None for a static model). Raises ModelFileError (one line, what is wrong) or FileNotFoundError."""
+    ``metadata``, ``dynamic`` and ``gears`` (None for a static model). Raises ModelFileError
+    (one line, what is wrong; a bundle of several graphs, `BUNDLE_FORMAT_VERSION`, names
+    its loader) or FileNotFoundError."""
     where = os.path.basename(path)
     _, secs = read_sections(path)
-    meta = _json_section(secs, "metadata", where)
+    if peek_version(path) == BUNDLE_FORMAT_VERSION:
+        kind = json_section(secs, "metadata", where).get("kind", "a bundle of graphs")
+        raise ModelFileError(f"{where} holds {kind} (several graphs, format "
+                             f"{BUNDLE_FORMAT_VERSION}), not one compiled model: load it with "
+                             "opencann.load or opencann.llm.load")
+    consts = safetensors_views(secs["constants"], where)
+    return read_graph(secs, "", consts, where)
+
+
+def read_graph(secs: Dict[str, memoryview], prefix: str, consts: Dict[str, torch.Tensor],
+               where: str) -> Dict[str, Any]:
+    """`read`'s result for the graph whose sections are named ``prefix`` + ``metadata``,
+    ``graph``, ``plan``, ``report`` in ``secs`` (`read_sections`), its weights taken from
+    ``consts`` (the ``constants`` section's tensors, `safetensors_views`). Raises
+    ModelFileError (one line)."""
+    meta = json_section(secs, prefix + "metadata", where)
     check_device(meta.get("device", "cpu"), where)
-    consts = _safetensors_views(secs["constants"], where)
-    gj = _json_section(secs, "graph", where)
+    gj = json_section(secs, prefix + "graph", where)
     try:
         graph = _graph_from_json(gj, _unpack_constants(consts, gj["constant_layouts"]))
         _check_formula_kernels(graph, where)
         _check_layout_kernels(graph, where)
-        plan = _plan_from_json(_json_section(secs, "plan", where))
-        report = _report_from_json(_json_section(secs, "report", where))
+        plan = _plan_from_json(json_section(secs, prefix + "plan", where))
+        report = _report_from_json(json_section(secs, prefix + "report", where))
         in_spec, _ = _spec_from_json(meta["in_spec"])
         out_spec, note = _spec_from_json(meta["out_spec"])
         baked = {i: _dec(v) for i, v in meta["baked"]}

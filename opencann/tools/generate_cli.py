@@ -1,11 +1,14 @@
 """The ``opencann generate`` command: a causal LM (zoo name, ``.gguf`` file or transformers
-folder, `opencann.llm.sources`) compiled by ``opencann.llm.compile`` and asked one prompt;
+folder, `opencann.llm.sources`) compiled by ``opencann.llm.compile``, or a generator saved
+to an ``.ocm`` file (``Generator.save``, read by ``opencann.llm.load``: no compile), asked
+one prompt;
 the text streams as tokens arrive and the time to first token and decode tokens/s close
 the output.
 
     opencann generate smollm2 --chat --prompt "What is the capital of France?"
     opencann generate ./my-llama --prompt "Once upon a time" --max-new-tokens 64 \\
         --sample --temperature 0.8 --top-p 0.9 --seed 1
+    opencann generate model.ocm --chat --prompt "Hi"        # a saved generator
 
 The arguments live here, apart from `opencann.cli`, and transformers and the LLM package
 are imported only when the command runs, so that ``opencann --help`` stays fast."""
@@ -25,8 +28,8 @@ MAX_SEQ_LEN_STEP = 64  # the default --max-seq-len: prompt + new tokens rounded 
 
 def add_arguments(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the ``generate`` options to ``ap`` (a parser or a CLI subparser)."""
-    ap.add_argument("model", help="zoo name (smollm2), a .gguf file or a transformers folder "
-                    "(config.json and tokenizer)")
+    ap.add_argument("model", help="zoo name (smollm2), a .gguf file, a transformers folder "
+                    "(config.json and tokenizer) or a saved generator (.ocm, Generator.save)")
     ap.add_argument("--prompt", required=True, help="the text to continue (with --chat: the "
                     "user's message)")
     ap.add_argument("--max-new-tokens", type=positive_int, default=128)
@@ -114,6 +117,8 @@ def run_args(args: argparse.Namespace, console, options: Optional[dict] = None) 
     from .llm_chat import encode_prompt, eos_ids, text_streamer
     torch.set_num_threads(args.threads)
     gen_kw = sampling_kwargs(args)
+    if str(args.model).endswith(".ocm"):
+        return _run_saved(args, console, options, gen_kw)
     with console.status(f"loading {args.model}..."):
         model, tokenizer = load_causal_lm(args.model)
     ids = encode_prompt(tokenizer, args.prompt, chat=args.chat)
@@ -128,6 +133,36 @@ def run_args(args: argparse.Namespace, console, options: Optional[dict] = None) 
     stream = text_streamer(tokenizer)
     out = gen.generate(ids, max_new_tokens=args.max_new_tokens, streamer=stream,
                        eos_token_id=eos_ids(model, tokenizer), **gen_kw)
+    console.print(stats_line(out.shape[-1] - ids.shape[-1], gen.stats), style="dim",
+                  highlight=False)
+    return 0
+
+
+def _run_saved(args: argparse.Namespace, console, options: Optional[dict], gen_kw: dict) -> int:
+    """`run_args` for a saved generator (``args.model`` an ``.ocm`` file): loaded, not
+    compiled; its own tokenizer, stop tokens and cache length. Raises ValueError (one
+    line) for ``--max-seq-len`` or ``--options`` (fixed in the file), a file without a
+    tokenizer, and what ``opencann.llm.load`` and ``generate`` raise."""
+    from .. import llm
+    from .llm_chat import encode_prompt, eos_ids, text_streamer
+    fixed = [f for f, v in (("--max-seq-len", args.max_seq_len), ("--options", options)) if v]
+    if fixed:
+        raise ValueError(f"{' and '.join(fixed)} cannot change a saved generator ({args.model} "
+                         "holds its compiled graphs and cache length): drop them, or generate "
+                         "from the model folder")
+    with console.status(f"loading {args.model}..."):
+        t0 = time.perf_counter()
+        gen = llm.load(args.model)
+    if gen.tokenizer is None:
+        raise ValueError(f"{args.model} holds no tokenizer: save the generator with "
+                         "gen.save(path, tokenizer=tokenizer)")
+    console.print(f"loaded {args.model} ({gen.arch.model_type}, {gen.stats.graphs_loaded} step "
+                  f"graphs, {gen.max_seq_len} positions) in {time.perf_counter() - t0:.1f} s",
+                  style="dim", highlight=False)
+    ids = encode_prompt(gen.tokenizer, args.prompt, chat=args.chat)
+    out = gen.generate(ids, max_new_tokens=args.max_new_tokens,
+                       streamer=text_streamer(gen.tokenizer),
+                       eos_token_id=eos_ids(gen, gen.tokenizer), **gen_kw)
     console.print(stats_line(out.shape[-1] - ids.shape[-1], gen.stats), style="dim",
                   highlight=False)
     return 0

@@ -313,3 +313,98 @@ def test_a_cache_held_as_a_buffer_is_one_line_saying_to_pass_it_in():
                        ".* Fix: pass the cache to forward as an input") as e:
         opencann.compile(Holder(), (torch.randn(B, HKV, 1, D), torch.tensor([1, 2])))
     assert "\n" not in str(e.value)
+
+
+def test_batch_gears_serve_exact_batches_in_place_and_name_the_cache_write():
+    """ATC-style batch gears over a graph that writes its caches: every gear equals eager
+    and writes the caller's caches; padding is refused, naming KvCacheUpdate writing a
+    graph input (a padded copy would be written), so a batch between gears is one line.
+    The ops' per-index rules (`opencann.ops.per_index`): rows independent along the
+    batch, the cache's sequence axis not."""
+    from opencann.ops import per_index as pi
+    model = _model()
+    cm = opencann.compile(model, _example(), options={"dynamic_batch_size": [1, 2, 4]})
+    why = cm.report.dynamic["padding"]["dims"]["batch"]["blocked_by"]
+    assert why["op"] == "KvCacheUpdate" and "writes graph input" in why["reason"], why
+    g = torch.Generator().manual_seed(3)
+    for b in (1, 4):
+        kc, vc = (torch.randn(b, HKV, S, D, generator=g) for _ in range(2))
+        ek, ev = kc.clone(), vc.clone()
+        x, p = torch.randn(b, 1, E, generator=g), torch.arange(b) + 2
+        with torch.no_grad():
+            want = model(x, ek, ev, p)
+        torch.testing.assert_close(cm(x, kc, vc, p), want, rtol=1e-5, atol=1e-5)
+        assert _same_bits(kc, ek) and _same_bits(vc, ev)
+    with pytest.raises(ValueError, match=r"^batch=3 is not one of the gears compiled with "
+                       r"dynamic_batch_size=\[1, 2, 4\]"):
+        cm(torch.randn(3, 1, E), torch.randn(3, HKV, S, D), torch.randn(3, HKV, S, D),
+           torch.zeros(3, dtype=torch.long))
+    upd = next(n for n in cm.graph.nodes if n.op == "KvCacheUpdate")
+    att = next(n for n in cm.graph.nodes if n.op == "DecodeAttention")
+    idx = {k: upd.attrs[k].index for k in ("cache", "new", "positions")}
+    assert pi.kv_cache_update(upd, {i: pi.Axis(0) for i in idx.values()}, "s0") == {0: 0}
+    assert pi.kv_cache_update(upd, {idx["cache"]: pi.Axis(1), idx["new"]: pi.Axis(1)}, "s0") == {0: 1}
+    seq = pi.kv_cache_update(upd, {idx["cache"]: pi.Axis(2), idx["new"]: pi.Axis(2)}, "s0")
+    assert "along the cache's sequence axis" in seq
+    assert "different axes" in pi.kv_cache_update(upd, {idx["cache"]: pi.Axis(0), idx["new"]: pi.Axis(2)}, "s0")
+    aidx = [att.attrs[k].index for k in ("query", "key", "value", "lengths")]
+    assert pi.decode_attention(att, {i: pi.Axis(0) for i in aidx}, "s0") == {0: 0}
+    assert "only the batch axis" in pi.decode_attention(att, {i: pi.Axis(1) for i in aidx[:3]}, "s0")
+
+
+@pytest.fixture
+def static_cache_pytree():
+    """transformers' StaticCache as a torch.export pytree node (transformers' own
+    ``register_pytree_node``), registered for one test only."""
+    import torch.utils._pytree as pytree
+    from transformers import StaticCache
+    from transformers.exporters.exporter_dynamo import register_pytree_node
+    register_pytree_node(StaticCache)
+    yield StaticCache
+    pytree._deregister_pytree_node(StaticCache)
+
+
+def test_static_cache_decode_step_writes_the_callers_cache_in_place(static_cache_pytree):
+    """opencann.compile of one decode step over a transformers StaticCache: the layers'
+    ``index_copy_`` (functionalized to index_put + a copy back) runs in place on the
+    caller's cache (pass input_inplace, TorchAir's input_inplace_pass): logits equal eager
+    over several steps, the cache object the caller holds is updated (same tensors), and a
+    call makes no cache-sized tensor. Disabled, the same values arrive by copy-back."""
+    import transformers as T
+    torch.manual_seed(0)
+    cfg = T.LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2)
+    model = T.LlamaForCausalLM(cfg).eval()
+
+    class Step(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.m = model
+
+        def forward(self, tok, cache):
+            return self.m(tok, past_key_values=cache, use_cache=True).logits
+
+    step = Step()
+    mine, ref = (static_cache_pytree(config=cfg, max_cache_len=24) for _ in range(2))
+    prompt = torch.randint(0, 97, (1, 5), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        step(prompt, mine), step(prompt, ref)
+    cm = opencann.compile(step, (torch.tensor([[7]]), mine))
+    assert [p.changed for p in cm.report.passes if p.name == "input_inplace"] == [4]
+    off = opencann.compile(step, (torch.tensor([[7]]), mine), options={"disable": ["input_inplace"]})
+    tensors = [t for layer in mine.layers for t in (layer.keys, layer.values)]
+    ptrs = [t.data_ptr() for t in tensors]
+    for i, tok in enumerate([8, 41, 3, 90]):
+        t = torch.tensor([[tok]])
+        with torch.no_grad():
+            want = step(t, ref)
+        mode = CacheSizedTensors(tensors[0].shape, {x.untyped_storage().data_ptr() for x in tensors})
+        with mode:
+            got = (cm if i % 2 == 0 else off)(t, mine)
+        assert (mode.seen == []) == (i % 2 == 0), mode.seen      # the copy only when disabled
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        for a, b in zip(mine.layers, ref.layers):
+            torch.testing.assert_close(a.keys, b.keys, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(a.values, b.values, rtol=1e-5, atol=1e-5)
+            assert int(a.cumulative_length) == int(b.cumulative_length) == 6 + i
+        assert [x.data_ptr() for x in tensors] == ptrs

@@ -271,7 +271,7 @@ def test_truncated_tampered_foreign(small, tmp_path):
 def test_newer_format_other_device_unknown_op(small, tmp_path):
     path = small[3]
     msg = _load_error(_rewrite(path, str(tmp_path / "v9.ocm"), version=9))
-    assert "format version 9 is newer than this opencann supports (3): upgrade opencann" in msg
+    assert "format version 9 is newer than this opencann supports (4): upgrade opencann" in msg
 
     def device(d):
         return lambda m: {**m, "device": d}

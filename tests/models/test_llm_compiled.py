@@ -54,3 +54,29 @@ def test_compiled_steps_equal_transformers_and_eager_with_one_decode_graph(name)
     for key in gen.steps.keys():
         big = [c.const for c in gen.steps.step(*key).compiled.graph.constants if c.const.dim() == 2]
         assert big and {t.untyped_storage().data_ptr() for t in big} <= own
+
+
+def test_a_weight_changed_after_compile_is_one_line_naming_the_users_parameter():
+    """share_weights graphs hold packed copies of the weights: a change after compile is
+    refused, naming the transformers model's parameter (not DecoderLM's internal name)
+    and the recompile that fixes it; the recompiled generator follows the new weights."""
+    torch.manual_seed(5)
+    m = T.AutoModelForCausalLM.from_config(CONFIGS["llama"]()).eval()
+    opts = {"prefill_buckets": [16]}
+    gen = L.compile(m, max_seq_len=32, options=opts)
+    ids = torch.randint(3, 97, (1, 9), generator=torch.Generator().manual_seed(2))
+    gen.generate(ids, max_new_tokens=3)
+    with torch.no_grad():
+        m.model.layers[1].mlp.up_proj.weight.mul_(1.5)
+    with pytest.raises(ValueError, match=r"^parameter 'model.layers.1.mlp.up_proj.weight' of the "
+                       r"LlamaForCausalLM was modified in place after opencann.llm.compile: .*"
+                       r"compile it again after changing weights: opencann.llm.compile\(model, "
+                       r"max_seq_len=32, max_batch=1\)$"):
+        gen.generate(ids, max_new_tokens=3)
+    again = L.compile(m, max_seq_len=32, options=opts)
+    assert torch.equal(again.generate(ids, max_new_tokens=6),
+                       m.generate(ids, max_new_tokens=6, do_sample=False))
+    m.model.layers[0].self_attn.q_proj.weight = torch.nn.Parameter(torch.randn(64, 64))
+    with pytest.raises(ValueError, match=r"^parameter 'model.layers.0.self_attn.q_proj.weight' of "
+                       r"the LlamaForCausalLM was replaced .* after opencann.llm.compile: "):
+        again.generate(ids, max_new_tokens=3)

@@ -5,7 +5,7 @@ import torch
 
 import opencann
 from opencann.engine.guards import (BakedValues, Call, FrozenWeights, InputTensors,
-                                    UnrecordedWrites)
+                                    UnrecordedWrites, WeightChanged)
 from opencann.runtime.weight_watch import WeightWatch
 
 
@@ -149,3 +149,26 @@ def test_guard_classes_on_their_own():
         guard.check(Call([], [torch.empty(2, 3, device="meta")]))
     with pytest.raises(ValueError, match=r"input 0 must be a tensor, got int"):
         guard.check(Call([], [3]))
+
+
+def test_weight_guards_say_what_a_share_weights_model_holds():
+    """With the option share_weights the weights are not a snapshot: the message says the
+    packed copies are stale; the error is a WeightChanged carrying the name and how."""
+    lin = torch.nn.Linear(8, 4).eval()
+    x = torch.randn(3, 8)
+    cm = opencann.compile(lin, (x,), options={"share_weights": True})
+    torch.testing.assert_close(cm(x), lin(x))
+    with torch.no_grad():
+        lin.weight.mul_(2)
+    with pytest.raises(WeightChanged, match=r"^parameter or buffer 'weight' was modified in place "
+                       r"after compiling: the compiled model reads the module's weight memory "
+                       r"\(option share_weights\) but its packed .* Recompile after changing "
+                       r"weights$") as e:
+        cm(x)
+    assert (e.value.name, e.value.how, e.value.shared) == ("weight", "was modified in place", True)
+    w = torch.randn(5)
+    guard = FrozenWeights([("w", w)])
+    w.add_(1)
+    with pytest.raises(WeightChanged, match="'w' was modified in place after compiling: the "
+                       "compiled model holds a snapshot of the weights"):
+        guard.check(Call([], []))

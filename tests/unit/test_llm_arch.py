@@ -4,6 +4,7 @@ import pytest
 import torch
 import transformers as T
 
+import opencann.llm
 from opencann.llm import read_arch
 
 SMALL = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
@@ -94,3 +95,30 @@ def test_a_module_without_a_config_is_one_line():
     with pytest.raises(ValueError, match="takes a transformers causal LM .* got Linear") as e:
         opencann.llm.compile(torch.nn.Linear(2, 2), max_seq_len=16)
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("scaling, limit", [
+    (None, 64),
+    ({"rope_type": "linear", "factor": 2.0}, 128),
+    ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}, 128),
+    ({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+      "original_max_position_embeddings": 16}, 128),
+    ({"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 16}, 64),
+])
+def test_rope_max_seq_len_is_the_trained_context_stretched_by_its_scaling(scaling, limit):
+    """Beyond max_position_embeddings (or original x factor for a RoPE scaling,
+    transformers' modeling_rope_utils; the longer of the two) is one ValueError line."""
+    a = read_arch(T.LlamaConfig(**SMALL, max_position_embeddings=64, rope_scaling=scaling))
+    assert a.max_positions == limit
+    a.check_max_seq_len(limit)
+    with pytest.raises(ValueError, match=rf"^max_seq_len {limit + 1} exceeds the {limit} positions "
+                       rf"the model was trained for \(.*\); compile with max_seq_len <= {limit}$"):
+        a.check_max_seq_len(limit + 1)
+
+
+def test_compile_refuses_max_seq_len_beyond_the_rope_context():
+    m = T.LlamaForCausalLM(T.LlamaConfig(**SMALL, max_position_embeddings=32)).eval()
+    with pytest.raises(ValueError, match=r"exceeds the 32 positions the model was trained for "
+                       r"\(max_position_embeddings; a config rope_scaling .* extends it\)"):
+        opencann.llm.compile(m, max_seq_len=33, options={"backend": "eager"})
+    assert opencann.llm.compile(m, max_seq_len=32, options={"backend": "eager"}).max_seq_len == 32
