@@ -156,11 +156,12 @@ def test_data_dependent_branch_is_not_ready_with_its_fix():
     assert "not estimated" in r.memory_lines()[0] and r.to_dict()["latency"] is None
 
 
-def _tiny_llama():
+def _tiny_llama(positions: int = 512):
     from transformers import LlamaConfig, LlamaForCausalLM
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+                      num_attention_heads=4, num_key_value_heads=2,
+                      max_position_embeddings=positions)
     return LlamaForCausalLM(cfg).eval(), (torch.randint(1, 128, (2, 16)),)
 
 
@@ -175,7 +176,11 @@ def test_llm_kv_cache_line_is_the_hand_computation():
     assert kv_line == ("KV cache 128.00 KiB at context 256, batch 2 = 2 x 2 layers x batch 2 x "
                        "2 KV heads x 256 tokens x head dim 16 x 2 B = 131072 B")
     assert r.to_dict()["kv_cache"]["bytes"] == hand
+    # beyond the model's positions: one line
+    with pytest.raises(ValueError, match="exceeds the 512 positions"):
+        readiness(m, x, context=1024, batch=2, accuracy=False)
     # a context the HBM cannot hold: not ready, and the context that fits
+    m, x = _tiny_llama(positions=10 ** 9)
     big = readiness(m, x, context=10 ** 9, batch=2, accuracy=False)
     assert not big.memory.fits and big.verdict == "not ready"
     per_token = 2 * 2 * 2 * 2 * 16 * 2
