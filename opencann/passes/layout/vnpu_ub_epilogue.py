@@ -1,0 +1,87 @@
+"""Stage 3 (after `NpuLayoutSelection`), vnpu only: GE's UB fusion as a graph rewrite.
+
+`VnpuUbEpilogue`:
+    Conv2D/MatMul(x, w) → [bias Add] → [Relu] → [residual Add]   (each link one consumer)
+    ⇒ CubeEpilogue(x, w, bias?, residual?; cube=Conv2D/..., epilogue=(roles...))
+The chain is what `opencann.ops.kernels.vnpu_cost.ub_epilogues` finds (at most three
+links, each the only consumer of the one before, shape and dtype kept); the fused node is
+executed as one kernel (`opencann.ops.cube_epilogue`) and costed as one Cube kernel with a
+Vector epilogue, so the estimate reads the graph as it runs. A Cube node whose chain stops
+for a reason (two consumers, a graph output) is reported with that reason, and the reason
+is kept in ``node.meta["epilogue_not_fused"]`` for the estimate's row.
+Source: CANN Graph Engine, UB fusion ("UBFusion" section of the fusion switch file):
+Cube result → fixpipe → Unified Buffer → Vector ops → one write to GM.
+"""
+from __future__ import annotations
+
+from typing import List, Tuple
+
+from ...ir import Graph, Node
+from ...ops.kernels.vnpu_cost import UB_EPILOGUE, ub_epilogues
+from ..base import Pass, PassContext
+
+
+def fuse_chain(graph: Graph, cube: Node, links: List[Node], roles: Tuple[str, ...]) -> Node:
+    """Replace ``cube`` and its epilogue ``links`` (in order, with ``roles``) by one
+    CubeEpilogue node placed where the last link was; returns it."""
+    ins, steps, prev = list(cube.inputs), [], cube.outputs[0]
+    for node, role in zip(links, roles):
+        if role == "relu":
+            steps.append(("relu", -1))
+        else:
+            other = node.inputs[1] if node.inputs[0] is prev else node.inputs[0]
+            ins.append(other)
+            steps.append((role, len(ins) - 1))
+        prev = node.outputs[0]
+    last = links[-1]
+    attrs = dict(cube.attrs, cube=cube.op, cube_inputs=len(cube.inputs), epilogue=tuple(steps))
+    fused = graph.create_node("CubeEpilogue", ins, attrs, [last.outputs[0].desc],
+                              name=f"{cube.name}_{'_'.join(roles)}", source=cube.source, scope=cube.scope,
+                              before=last)
+    fused.device = cube.device
+    if last.meta.get("strides"):
+        fused.meta["strides"] = last.meta["strides"][:1]
+    graph.replace_all_uses_with(last.outputs[0], fused.outputs[0])
+    for n in reversed([cube, *links]):
+        graph.erase_node(n)
+    return fused
+
+
+class VnpuUbEpilogue(Pass):
+    """Conv/MatMul + bias Add / Relu / residual Add ⇒ one CubeEpilogue node (vnpu)."""
+
+    name, stage = UB_EPILOGUE, "layout"
+    ops = ("Conv2D", "MatMul", "MatMulV2", "BatchMatMul")
+    devices = ("vnpu",)
+    off_device_note = "vnpu-only fusion (Cube epilogue in the Unified Buffer): skipped on {device}"
+    switch_section = "UBFusion"
+    site_switchable = True
+
+    def run(self, graph: Graph, ctx: PassContext) -> int:
+        """Fuse every chain `ub_epilogues` finds (float outputs only); record the Cube
+        nodes left alone with their reason. Returns the number of CubeEpilogue nodes made."""
+        epi, absorbed, why_not = ub_epilogues(graph)
+        for cube, why in why_not.items():
+            cube.meta["epilogue_not_fused"] = why
+            ctx.skipped(cube, why)
+        links = {}
+        for node, cube in absorbed.items():
+            links.setdefault(cube, []).append(node)
+        made = 0
+        for cube, chain in links.items():
+            ctx.root = cube
+            if not cube.outputs[0].desc.dtype.torch.is_floating_point:
+                ctx.skipped(cube, "integer Cube output: the epilogue here is for floating point")
+                continue
+            if ctx.site_off(cube):
+                continue
+            fused = fuse_chain(graph, cube, chain, epi[cube])
+            ctx.applied([fused], f"{cube.op} + epilogue({', '.join(epi[cube])})")
+            made += 1
+        ctx.root = None
+        ctx.note(f"{made} Cube kernels took an epilogue ({sum(len(c) for c in links.values())} ops fused), "
+                 f"{len(why_not)} left alone")
+        return made
+
+
+__all__ = ["VnpuUbEpilogue", "fuse_chain"]
