@@ -7,7 +7,7 @@ converted to IR; each op is then one of:
 - ``custom_op``: a user or third-party op (``torch.library``; namespace not aten/prims),
   run on the host;
 - ``no_device_kernel``: converted, but the device (vnpu) has no kernel for it, so it runs
-  on the host there;
+  on the host there (views need none: they are ``converted``);
 - ``dynamic_shape``: an output with symbolic dims;
 - ``data_dependent``: a shape or branch that depends on tensor values (``if x.sum() > 0``,
   ``nonzero``): torch.export cannot capture it; the model is then traced by dynamo
@@ -228,7 +228,7 @@ def audit_graph(graph, res: Analysis) -> None:
             ns = getattr(target, "namespace", "aten")
             kind = "host_fallback" if ns in _CORE_NAMESPACES else "custom_op"
             res.note(str(target), kind, src, mod)
-        elif on_npu and "vnpu" not in get_op(n.op).kernel_factories:
+        elif on_npu and not get_op(n.op).is_view and "vnpu" not in get_op(n.op).kernel_factories:
             res.note(n.op, "no_device_kernel", src, mod, detail="runs on the host")
         else:
             res.note(n.op, "converted", src, mod)

@@ -120,3 +120,21 @@ def test_llm_generate_on_vnpu_matches_cpu():
     cpu = opencann.llm.compile(model, max_seq_len=32, options={"backend": "opencann"})
     npu = opencann.llm.compile(model, max_seq_len=32, device=DEV, options={"backend": "opencann"})
     assert torch.equal(npu.generate(ids, max_new_tokens=4), cpu.generate(ids, max_new_tokens=4))
+
+
+class _Attention(torch.nn.Module):
+    def forward(self, q, k, v):
+        return torch.softmax(q @ k.transpose(-1, -2) / 4.0, -1) @ v
+
+
+def test_flash_attention_tiles_in_trace_and_estimate(tmp_path):
+    from opencann.tools.estimate import estimate
+    q, k, v = (torch.randn(1, 2, 64, 16, generator=torch.Generator().manual_seed(s)) for s in range(3))
+    cm = opencann.compile(_Attention(), (q, k, v), device=DEV, options={"enable": ["fuse_flash_attention"]})
+    assert cm.graph.op_counts() == {"FlashAttention": 1}
+    torch.testing.assert_close(cm(q, k, v), _Attention()(q, k, v), rtol=1e-5, atol=1e-5)
+    ev = [e for e in cm.profile(q, k, v) if e.get("name") == "FlashAttention"]
+    tiles = ev[0]["args"]["tiles"]
+    assert tiles["block_q"] == 16 and tiles["block_k"] == 64 and tiles["ub"].endswith("/196608 B")
+    row = next(r for r in estimate(_Attention(), (q, k, v), device=DEV).rows if r.op == "FlashAttention")
+    assert "block_q 16, block_k 64" in row.note and "l0c 4096/131072 B" in row.note

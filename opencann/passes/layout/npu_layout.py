@@ -238,6 +238,8 @@ def select(node: Node, fmt: Dict[int, Format], spec: Optional[NpuSpec] = None,
     if kind is None and get_op(node.op).is_view:
         return None, (f"{node.op} is a view of the logical (ND) layout; padded, blocked NPU storage "
                       "cannot be viewed that way, so its input is TransData'd back to ND")
+    if kind is None and "vnpu" in get_op(node.op).kernel_factories:
+        return None, f"{node.op}'s vnpu kernel takes ND (ops/kernels/vnpu_nd.py), so its input is TransData'd to ND"
     if kind is None:
         return None, f"{node.op} has no vnpu kernel in NPU formats; it runs in ND on the host"
     if kind == "conv":
