@@ -1,5 +1,5 @@
 """The ``CubeEpilogue`` graph op: a Cube op (Conv2D, MatMul, MatMulV2, BatchMatMul) with
-the bias Add / Relu / residual Add after it run in its epilogue, as ONE vnpu kernel (GE's
+the bias Add / activation / residual Add after it run in its epilogue, as ONE vnpu kernel (GE's
 UB fusion: the Cube result leaves L0C through the fixpipe into the Unified Buffer, the
 Vector unit applies the epilogue, one write to HBM). Made by the pass
 ``vnpu_ub_epilogue`` (``passes/layout/vnpu_ub_epilogue.py``) after format selection.
@@ -8,8 +8,10 @@ Node layout: the Cube op's inputs and attributes as they were (``input``/``weigh
 or ``self``/``mat1``/``mat2`` TensorRefs into the same positions), then one input per
 epilogue link that has an operand; attrs ``cube`` (the Cube op's name), ``cube_inputs``
 (how many inputs are the Cube op's) and ``epilogue``
-(a tuple of (role, input index): role "bias" (a smaller operand broadcast), "relu" (index
--1) or "add" (a residual of the output's shape and format)). Output: the last link's
+(a tuple of (role, input index): role "bias" (a smaller operand broadcast), "add" (a
+residual of the output's shape and format) or an activation, index -1: "relu", "gelu",
+"gelu_tanh", "tanh", "sigmoid", "silu", or "reshape" of a 2-D MatMul's ND result) and
+``shapes`` (the value's shape after each link). Output: the last link's
 value (the Cube output's shape, dtype and storage format).
 
 Kernel (vnpu): the Cube op's own vnpu kernel, then the epilogue on its storage tensor in
@@ -23,6 +25,7 @@ from __future__ import annotations
 from typing import Callable, Sequence, Tuple
 
 import torch
+import torch.nn.functional as F
 
 from ..devices.vnpu import elementwise
 from ..ir import Format, Node, TensorDesc
@@ -30,7 +33,10 @@ from .kernels import vnpu_cost
 from .kernels.vnpu import NPU_FORMATS, nz_row
 from .opdef import Cost, OpDef, OpKind, get_op, register
 
-ROLES = ("bias", "relu", "add")
+# epilogue role -> its activation on the fp32 accumulator ("bias" and "add" read an operand)
+ACTIVATIONS = {"relu": torch.relu, "gelu": F.gelu, "gelu_tanh": lambda t: F.gelu(t, approximate="tanh"),
+               "tanh": torch.tanh, "sigmoid": torch.sigmoid, "silu": F.silu}
+ROLES = ("bias", "add", "reshape", *ACTIVATIONS)
 
 
 class CubeView:
@@ -49,7 +55,7 @@ class CubeView:
 
 
 def _roles(node: Node) -> Tuple[str, ...]:
-    return tuple(r for r, _ in node.attrs["epilogue"])
+    return tuple(r for r, _ in node.attrs["epilogue"] if r != "reshape")
 
 
 def cube_epilogue_cost(node: Node) -> Cost:
@@ -59,7 +65,7 @@ def cube_epilogue_cost(node: Node) -> Cost:
     out = node.outputs[0].desc
     extra = sum(node.inputs[i].desc.numel * node.inputs[i].desc.dtype.itemsize
                 for _, i in node.attrs["epilogue"] if i >= 0 and node.inputs[i].desc.is_static)
-    return Cost(c.flops + len(node.attrs["epilogue"]) * out.numel, c.bytes + extra)
+    return Cost(c.flops + len(_roles(node)) * out.numel, c.bytes + extra)
 
 
 def vnpu_cube_epilogue_cost(node: Node, spec):
@@ -74,6 +80,7 @@ def make_cube_epilogue_kernel(node: Node, in_descs: Sequence[TensorDesc], consts
     view = CubeView(node)
     cube = get_op(view.op).kernel_factories["vnpu"](view, in_descs, consts)
     steps = tuple(node.attrs["epilogue"])
+    shapes = tuple(node.attrs.get("shapes") or ((),) * len(steps))
     bad = [r for r, _ in steps if r not in ROLES]
     if bad:
         raise ValueError(f"{node.name}: unknown epilogue role {bad[0]!r}; roles are {ROLES}")
@@ -89,9 +96,11 @@ def make_cube_epilogue_kernel(node: Node, in_descs: Sequence[TensorDesc], consts
     def epilogue(y: torch.Tensor, *others: torch.Tensor) -> torch.Tensor:
         acc = y.to(torch.float64 if y.dtype == torch.float64 else torch.float32)
         k = 0
-        for role, i in steps:
-            if role == "relu":
-                acc = torch.relu(acc)
+        for (role, i), shape in zip(steps, shapes):
+            if role in ACTIVATIONS:
+                acc = ACTIVATIONS[role](acc)
+            elif role == "reshape":                # ND only (the pass follows reshapes in ND)
+                acc = acc.reshape(shape)
             else:
                 acc = acc + others[k].to(acc.dtype)
                 k += 1
@@ -113,4 +122,4 @@ register(OpDef("CubeEpilogue", OpKind.FUSED, aliases=((),), cost_fn=cube_epilogu
                doc="Conv2D/MatMul + bias Add / Relu / residual Add as one vnpu kernel "
                    "(GE's UB fusion: fixpipe to UB, Vector epilogue, one HBM write)"))
 
-__all__ = ["CubeView", "ROLES", "cube_epilogue_cost", "make_cube_epilogue_kernel", "vnpu_cube_epilogue_cost"]
+__all__ = ["ACTIVATIONS", "CubeView", "ROLES", "cube_epilogue_cost", "make_cube_epilogue_kernel", "vnpu_cube_epilogue_cost"]

@@ -308,8 +308,11 @@ def _tiles(node: Node, spec: NpuSpec) -> Dict[str, Any]:
     from ..ops.flash_attention.planner import plan_npu_tiles
     from ..ops.flash_attention.vnpu import tiles_meta
     q, k = node.arg("query").desc, node.arg("key").desc
-    return tiles_meta(plan_npu_tiles(spec, int(q.shape[-1]), q.dtype.torch, seq_q=int(q.shape[-2]),
-                                     seq_k=int(k.shape[-2])))
+    try:
+        return tiles_meta(plan_npu_tiles(spec, int(q.shape[-1]), q.dtype.torch, seq_q=int(q.shape[-2]),
+                                         seq_k=int(k.shape[-2])))
+    except ValueError as e:          # the buffers cannot hold a 16 x 16 tile: say so in the row
+        return {"none": str(e)}
 
 
 # -- memory ------------------------------------------------------------------------------

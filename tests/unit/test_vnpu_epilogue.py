@@ -170,3 +170,37 @@ def test_fused_row_costs_the_cost_models_epilogue():
     assert row.time_us == pytest.approx(want.time_us) and row.hbm_bytes == want.hbm_bytes
     res = conv2d_cost(2, 16, 16, 16, 32, 3, 1, 1, "float32", ascend910b, epilogue=("add", "relu"))
     assert res.hbm_bytes == want.hbm_bytes + 2 * 16 * 16 * 32 * 4
+
+
+class Ffn(nn.Module):
+    """A transformer FFN on [B, S, D]: Linear (addmm on [B·S, D], then a reshape) + GELU (tanh
+    form), Linear + residual Add."""
+
+    def __init__(self):
+        super().__init__()
+        self.l1, self.l2 = nn.Linear(32, 64), nn.Linear(64, 32)
+
+    def forward(self, x):
+        return self.l2(nn.functional.gelu(self.l1(x), approximate="tanh")) + x
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_linear_gelu_and_residual_through_reshape_are_one_kernel_each(dtype):
+    torch.manual_seed(0)
+    m = Ffn().eval().to(dtype)
+    x = torch.randn(2, 5, 32).to(dtype)
+    x[1, 2, 3] = float("inf")
+    cm = opencann.compile(m, (x,), device=DEV)
+    ops = cm.graph.op_counts()
+    assert ops.get("CubeEpilogue") == 2 and "Gelu" not in ops and "Add" not in ops
+    roles = sorted(tuple(r for r, _ in n.attrs["epilogue"]) for n in cm.graph.nodes if n.op == "CubeEpilogue")
+    assert roles == [("reshape", "add"), ("reshape", "gelu_tanh")]
+    with torch.no_grad():
+        ref = copy.deepcopy(m).double()(x.double())
+    out = cm(x)
+    assert out.shape == (2, 5, 32) and torch.equal(out.isnan(), ref.isnan()) and torch.equal(out.isinf(), ref.isinf())
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    fin = ref.isfinite()
+    torch.testing.assert_close(out.double()[fin], ref[fin], rtol=tol, atol=tol * 4)
+    row = next(r for r in estimate(m, (x,), device=DEV).rows if "gelu" in r.model)
+    assert row.model == "matmul_cost + epilogue(gelu)"

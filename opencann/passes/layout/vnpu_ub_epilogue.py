@@ -1,10 +1,12 @@
 """Stage 3 (after `NpuLayoutSelection`), vnpu only: GE's UB fusion as a graph rewrite.
 
 `VnpuUbEpilogue`:
-    Conv2D/MatMul(x, w) → [bias Add] → [Relu] → [residual Add]   (each link one consumer)
+    Conv2D/MatMul(x, w) → [bias Add] → [Relu/GELU/SiLU/Tanh/Sigmoid] → [residual Add]
+                                                                  (each link one consumer)
     ⇒ CubeEpilogue(x, w, bias?, residual?; cube=Conv2D/..., epilogue=(roles...))
 The chain is what `opencann.ops.kernels.vnpu_cost.ub_epilogues` finds (at most three
-links, each the only consumer of the one before, shape and dtype kept); the fused node is
+links, each the only consumer of the one before, shape and dtype kept; a reshape of a
+Linear's ND result between them is taken along, free in ND); the fused node is
 executed as one kernel (`opencann.ops.cube_epilogue`) and costed as one Cube kernel with a
 Vector epilogue, so the estimate reads the graph as it runs. A Cube node whose chain stops
 for a reason (two consumers, a graph output) is reported with that reason, and the reason
@@ -25,16 +27,17 @@ def fuse_chain(graph: Graph, cube: Node, links: List[Node], roles: Tuple[str, ..
     """Replace ``cube`` and its epilogue ``links`` (in order, with ``roles``) by one
     CubeEpilogue node placed where the last link was; returns it."""
     ins, steps, prev = list(cube.inputs), [], cube.outputs[0]
+    shapes = tuple(tuple(int(d) for d in n.outputs[0].desc.shape) for n in links)
     for node, role in zip(links, roles):
-        if role == "relu":
-            steps.append(("relu", -1))
+        if role not in ("bias", "add"):              # an activation or a reshape: no operand
+            steps.append((role, -1))
         else:
             other = node.inputs[1] if node.inputs[0] is prev else node.inputs[0]
             ins.append(other)
             steps.append((role, len(ins) - 1))
         prev = node.outputs[0]
     last = links[-1]
-    attrs = dict(cube.attrs, cube=cube.op, cube_inputs=len(cube.inputs), epilogue=tuple(steps))
+    attrs = dict(cube.attrs, cube=cube.op, cube_inputs=len(cube.inputs), epilogue=tuple(steps), shapes=shapes)
     fused = graph.create_node("CubeEpilogue", ins, attrs, [last.outputs[0].desc],
                               name=f"{cube.name}_{'_'.join(roles)}", source=cube.source, scope=cube.scope,
                               before=last)
@@ -48,7 +51,7 @@ def fuse_chain(graph: Graph, cube: Node, links: List[Node], roles: Tuple[str, ..
 
 
 class VnpuUbEpilogue(Pass):
-    """Conv/MatMul + bias Add / Relu / residual Add ⇒ one CubeEpilogue node (vnpu)."""
+    """Conv/MatMul + bias Add / activation / residual Add ⇒ one CubeEpilogue node (vnpu)."""
 
     name, stage = UB_EPILOGUE, "layout"
     ops = ("Conv2D", "MatMul", "MatMulV2", "BatchMatMul")
@@ -76,7 +79,7 @@ class VnpuUbEpilogue(Pass):
             if ctx.site_off(cube):
                 continue
             fused = fuse_chain(graph, cube, chain, epi[cube])
-            ctx.applied([fused], f"{cube.op} + epilogue({', '.join(epi[cube])})")
+            ctx.applied([fused], f"{cube.op} + epilogue({', '.join(r for r in epi[cube] if r != 'reshape')})")
             made += 1
         ctx.root = None
         ctx.note(f"{made} Cube kernels took an epilogue ({sum(len(c) for c in links.values())} ops fused), "
