@@ -204,3 +204,15 @@ def test_linear_gelu_and_residual_through_reshape_are_one_kernel_each(dtype):
     torch.testing.assert_close(out.double()[fin], ref[fin], rtol=tol, atol=tol * 4)
     row = next(r for r in estimate(m, (x,), device=DEV).rows if "gelu" in r.model)
     assert row.model == "matmul_cost + epilogue(gelu)"
+
+
+def test_cube_epilogue_survives_a_model_file(tmp_path):
+    torch.manual_seed(0)
+    m, x = Ffn().eval(), torch.randn(2, 5, 32)
+    cm = opencann.compile(m, (x,), device=DEV)
+    path = str(tmp_path / "ffn.ocm")
+    opencann.save(cm, path)
+    lm = opencann.load(path)
+    assert [n.op for n in lm.graph.nodes] == [n.op for n in cm.graph.nodes]
+    assert [n.attrs.get("epilogue") for n in lm.graph.nodes] == [n.attrs.get("epilogue") for n in cm.graph.nodes]
+    assert torch.equal(lm(x), cm(x))

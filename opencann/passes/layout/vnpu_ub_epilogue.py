@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import List, Tuple
 
-from ...ir import Graph, Node
+from ...ir import Format, Graph, Node
 from ...ops.kernels.vnpu_cost import UB_EPILOGUE, ub_epilogues
 from ..base import Pass, PassContext
 
@@ -50,6 +50,18 @@ def fuse_chain(graph: Graph, cube: Node, links: List[Node], roles: Tuple[str, ..
     return fused
 
 
+def _unsupported(cube: Node, roles: Tuple[str, ...]) -> str:
+    """Why the CubeEpilogue kernel cannot take this chain ("" when it can): an integer
+    Cube output, or a bias broadcast over NC1HWC0 storage (only FRACTAL_NZ and ND lay a
+    bias out for the Vector unit)."""
+    out = cube.outputs[0].desc
+    if not out.dtype.torch.is_floating_point:
+        return "integer Cube output: the epilogue here is for floating point"
+    if "bias" in roles and out.format == Format.NC1HWC0:
+        return "a bias Add on NC1HWC0 storage: the epilogue lays a bias out over FRACTAL_NZ or ND only"
+    return ""
+
+
 class VnpuUbEpilogue(Pass):
     """Conv/MatMul + bias Add / activation / residual Add ⇒ one CubeEpilogue node (vnpu)."""
 
@@ -73,8 +85,10 @@ class VnpuUbEpilogue(Pass):
         made = 0
         for cube, chain in links.items():
             ctx.root = cube
-            if not cube.outputs[0].desc.dtype.torch.is_floating_point:
-                ctx.skipped(cube, "integer Cube output: the epilogue here is for floating point")
+            why = _unsupported(cube, epi[cube])
+            if why:
+                ctx.skipped(cube, why)
+                cube.meta["epilogue_not_fused"] = why
                 continue
             if ctx.site_off(cube):
                 continue
