@@ -514,7 +514,7 @@ def _cast_notes(compile_report, spec) -> List[str]:
     cast = [a["nodes"] for a in compile_report.applied if a["detail"] == "fp32 to fp16 for the Cube"]
     if not cast:
         return []
-    return [f"fp32 to fp16 for the Cube: {len(cast)} Conv/MatMul ops run with float16 operands "
+    return [f"fp32 to fp16 for the Cube: {len(cast)} Conv/MatMul/attention ops run with float16 operands "
             f"({spec.name} has no fp32 Cube; values beyond float16's range become inf): "
             + ", ".join(cast[:5]) + (f", ... ({len(cast)} in all)" if len(cast) > 5 else "")
             + "; use vnpu:ascend910b to keep float32"]

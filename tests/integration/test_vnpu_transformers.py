@@ -138,3 +138,19 @@ def test_flash_attention_tiles_in_trace_and_estimate(tmp_path):
     assert tiles["block_q"] == 16 and tiles["block_k"] == 64 and tiles["ub"].endswith("/196608 B")
     row = next(r for r in estimate(_Attention(), (q, k, v), device=DEV).rows if r.op == "FlashAttention")
     assert "block_q 16, block_k 64" in row.note and "l0c 4096/131072 B" in row.note
+
+
+def test_attention_runs_with_fp16_operands_where_the_cube_has_no_fp32():
+    from opencann.passes.layout.npu_layout import CubeDtypeError
+    q, k, v = (torch.randn(1, 2, 24, 16, generator=torch.Generator().manual_seed(s)) for s in range(3))
+    m = _Attention()
+    cm = opencann.compile(m, (q, k, v), device="vnpu:ascend910", options={"enable": ["fuse_flash_attention"]})
+    fa = next(n for n in cm.graph.nodes if n.op == "FlashAttention")
+    assert fa.outputs[0].desc.dtype.value == "float16"
+    assert any(a["detail"] == "fp32 to fp16 for the Cube" for a in cm.report.applied)
+    out = cm(q, k, v)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, m(q, k, v), rtol=2e-2, atol=2e-2)
+    with pytest.raises(CubeDtypeError, match="must_keep_origin_dtype"):
+        opencann.compile(m, (q, k, v), device="vnpu:ascend910",
+                         options={"enable": ["fuse_flash_attention"], "precision_mode": "must_keep_origin_dtype"})

@@ -25,7 +25,8 @@ formats, insert TransData at format boundaries and remove inverse TransData pair
 Per-preset rules (capabilities on `NpuSpec`): where ``spec.cube_nd_direct`` (Atlas A2,
 910B) MatMul/BatchMatMul/MatMulV2 read and write ND, so no TransData surrounds them (the
 Cube converts ND to fractals while loading); where float32 is not in ``spec.cube_dtypes``
-(910, 310) the float32 operands of Conv2D and the matmuls are cast to float16 before the
+(910, 310) the float32 operands of Conv2D, the matmuls, the attention ops (SDPA,
+FlashAttention; an additive mask stays fp32) and GatedMLP are cast to float16 before the
 Cube and the result back to float32 (reported as "fp32 to fp16 for the Cube"; a
 fp16→fp32→fp16 pair between two Cube ops is exact and skipped), as GE's default
 precision mode does on those chips. Under ``precision_mode`` ``must_keep_origin_dtype``
@@ -49,7 +50,7 @@ import torch
 from ...devices import Device
 from ...devices.vnpu import NpuSpec, c0_for, format_shape, fz_groups, trans_data
 from ...ir import DataType, Format, Graph, Node, TensorDesc, TensorRef, Value
-from ...ops import get_op
+from ...ops import OpKind, get_op
 from ...ops.kernels.vnpu import origin_format_for
 from ..base import Pass, PassContext
 from ..prepare.precision import _cast
@@ -401,22 +402,34 @@ def _refuse_fp16(n: Node, mode: str, spec: NpuSpec) -> CubeDtypeError:
         f"preset with an fp32 Cube ({', '.join('vnpu:' + p for p in fp32) or 'none built in'})")
 
 
+def _on_cube(n: Node) -> bool:
+    """Whether ``n``'s products run on the Cube: the conv and matmul families, and the
+    attention ops and GatedMLP (QKᵀ, PV and the GEMMs are Cube work); an op whose kernel is
+    fp32 only (``fp32_kernel``: DecodeAttention, which reads the fp32 KV cache) keeps its dtype."""
+    op = get_op(n.op)
+    if op.npu_format in ("conv", "matmul"):
+        return True
+    return (op.kind == OpKind.ATTENTION or n.op == "GatedMLP") and not op.fp32_kernel
+
+
 def _cube_fp16_casts(graph: Graph, ctx: PassContext) -> int:
-    """Cast the float32 operands of Cube ops (conv, matmul) to float16 and their float32
-    results back (chips whose Cube has no fp32). Returns the number of Cube ops changed.
+    """Cast the float32 operands of Cube ops (conv, matmul, attention, GatedMLP: `_on_cube`;
+    an additive attention mask stays float32) to float16 and their float32 results back
+    (chips whose Cube has no fp32). Returns the number of Cube ops changed.
     Raises `CubeDtypeError` for the first such op when ``precision_mode`` is
     ``must_keep_origin_dtype`` or ``force_fp32`` (CANN fails such a compile)."""
     cache: Dict = {}
     changed = 0
     mode = ctx.options["precision_mode"]
     for n in list(graph.nodes):
-        if get_op(n.op).npu_format not in ("conv", "matmul") or len(n.outputs) != 1 \
-                or n.outputs[0].desc.dtype != DataType.FLOAT:
+        if not _on_cube(n) or len(n.outputs) != 1 or n.outputs[0].desc.dtype != DataType.FLOAT:
             continue
         if mode in KEEP_DTYPE_MODES:
             raise _refuse_fp16(n, mode, ctx.device.spec)
+        keep = {n.attrs[k].index for k in ("attn_mask", *get_op(n.op).precision_keeps)
+                if isinstance(n.attrs.get(k), TensorRef)}
         for i, v in enumerate(n.inputs):
-            if v.desc.dtype == DataType.FLOAT:
+            if v.desc.dtype == DataType.FLOAT and i not in keep:
                 n.set_input(i, _cast(graph, v, DataType.FLOAT16, n, cache))
         o = n.outputs[0]
         users = list(o.users)
