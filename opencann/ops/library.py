@@ -302,6 +302,8 @@ def _columns(name: str, kind: OpKind) -> dict:
         cols.update(_npu("channelwise"))
     elif name in vnpu_nd.FACTORIES:
         cols["kernel_factories"] = {"vnpu": vnpu_nd.FACTORIES[name]}
+        if name in vnpu_nd.LAST_AXIS_NZ:      # also on FRACTAL_NZ, over the last axis
+            cols["npu_format"] = "lastaxis"
     elif kind in (OpKind.DATA, OpKind.CREATION):     # MTE data movement in ND: exact
         cols["kernel_factories"] = {"vnpu": vnpu_nd.make_data_movement}
     return cols

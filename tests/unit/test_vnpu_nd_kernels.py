@@ -154,3 +154,49 @@ def test_scatter_update_writes_in_place():
     assert torch.equal(cache[0, :, 3:], before[0, :, 3:]) and torch.equal(cache[1, :, :5], before[1, :, :5])
     with pytest.raises(ValueError, match="row 1 writes positions 6..8"):
         scatter_update_(cache, new, torch.tensor([0, 6]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("shape", [(5, 24), (2, 17, 40)])
+def test_layer_norm_and_softmax_on_fractal_nz(dtype, shape):
+    from opencann.devices.vnpu import from_fractal_nz, to_fractal_nz, valid_mask
+    from opencann.devices.vnpu.vector_kernels import layer_norm_nz, softmax_nz
+    x, w, b = _rand(*shape, dtype=dtype) * 3, _rand(shape[-1], seed=1, dtype=dtype), _rand(shape[-1], seed=2, dtype=dtype)
+    x[(0,) * len(shape)] = float("nan")
+    nz = to_fractal_nz(x)
+    pad = ~valid_mask(shape, "FRACTAL_NZ", dtype)
+    y, mean, rstd = layer_norm_nz(nz, shape, w, b, 1e-5)
+    assert not y[pad].any() and mean.shape == (*shape[:-1], 1)
+    ref, rmean, rrstd = torch.native_layer_norm(x.double(), [shape[-1]], w.double(), b.double(), 1e-5)
+    _close(from_fractal_nz(y, shape), ref, dtype)
+    _close(mean, rmean, dtype)
+    _close(rstd, rrstd, dtype)
+    sm = softmax_nz(nz, shape)
+    assert not sm[pad].any()
+    _close(from_fractal_nz(sm, shape), torch.softmax(x.double(), -1), dtype)
+    _close(from_fractal_nz(softmax_nz(nz, shape, log=True), shape), torch.log_softmax(x.double(), -1), dtype)
+
+
+class _LinearNormSoftmax(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l1, self.ln, self.l2 = torch.nn.Linear(32, 40), torch.nn.LayerNorm(40), torch.nn.Linear(40, 24)
+
+    def forward(self, x):
+        return torch.softmax(self.l2(self.ln(self.l1(x))), -1)
+
+
+def test_layer_norm_and_softmax_stay_in_fractal_nz_between_matmuls():
+    """910's Cube writes FRACTAL_NZ: LayerNorm and Softmax over the last axis keep it, so the
+    whole chain needs one TransData in and one out (910B's ND matmuls need none)."""
+    import copy
+
+    import opencann
+    torch.manual_seed(0)
+    m, x = _LinearNormSoftmax().eval().half(), _rand(20, 32, dtype=torch.float16)
+    ref = copy.deepcopy(m).float()(x.float())
+    for dev, fmt, trans in (("vnpu:ascend910", "FRACTAL_NZ", 2), ("vnpu:ascend910b", "ND", 0)):
+        cm = opencann.compile(m, (x,), device=dev)
+        assert cm.graph.op_counts().get("TransData", 0) == trans
+        assert {n.outputs[0].desc.format.value for n in cm.graph.nodes if n.op in ("LayerNorm", "SoftmaxV2")} == {fmt}
+        _close(cm(x), ref, torch.float16)

@@ -14,14 +14,23 @@ result is rounded once to the output dtype. float32 in, float32 throughout.
 * `softmax`: exp(x − max) / sum over one axis (``log``: log-softmax).
 
 NaN and ±Inf propagate as in eager: a NaN in a row makes that row NaN.
+
+On FRACTAL_NZ (`layer_norm_nz`, `softmax_nz`: CANN's LayerNorm and SoftmaxV2 take NZ
+after a matmul on chips whose Cube writes NZ): a logical row (fixed M index) is spread
+over the N1 fractal columns and the C0 lanes of storage (..., N1, M1, 16, C0); the
+reduction runs over those two axes with the padding masked out (`formats.valid_mask`),
+and the padding of the result is zero again.
 """
 from __future__ import annotations
 
 from typing import Optional, Sequence, Tuple
 
 import torch
+import torch.nn.functional as F
 
-__all__ = ["VECTOR_FLOATS", "layer_norm", "rms_norm", "softmax", "ub_dtype"]
+from .formats import valid_mask
+
+__all__ = ["VECTOR_FLOATS", "layer_norm", "layer_norm_nz", "rms_norm", "softmax", "softmax_nz", "ub_dtype"]
 
 VECTOR_FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -113,3 +122,66 @@ def softmax(x: torch.Tensor, dim: int, log: bool = False, out_dtype: Optional[to
     s = e.sum(dim=dim, keepdim=True)
     y = (xf - m - torch.log(s)) if log else e / s
     return y.to(out_dtype or x.dtype)
+
+
+_NZ_ROW = (-4, -1)      # a logical row's axes in FRACTAL_NZ storage (..., N1, M1, 16, C0)
+
+
+def _nz_vector(v: torch.Tensor, n1: int, c0: int) -> torch.Tensor:
+    """A [N] vector (γ, β) laid out to broadcast over NZ storage: (N1, 1, 1, C0), zero-padded."""
+    v = v.reshape(-1)
+    return F.pad(v, (0, n1 * c0 - v.shape[0])).reshape(n1, 1, 1, c0)
+
+
+def _nz_rows(t: torch.Tensor, origin_shape: Sequence[int]) -> torch.Tensor:
+    """Per-row statistics (..., 1, M1, 16, 1) of NZ storage → origin_shape[:-1] + (1,)."""
+    m = int(origin_shape[-2]) if len(origin_shape) >= 2 else 1
+    flat = t.reshape(*t.shape[:-4], -1)[..., :m]
+    return flat.reshape(*tuple(origin_shape[:-1]), 1)
+
+
+def layer_norm_nz(x: torch.Tensor, origin_shape: Sequence[int], weight: Optional[torch.Tensor] = None,
+                  bias: Optional[torch.Tensor] = None, eps: float = 1e-5
+                  ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """LayerNorm over the last axis of a FRACTAL_NZ tensor, in the Unified Buffer.
+
+    Args: x FRACTAL_NZ storage (..., N1, M1, 16, C0) of a logical [..., M, N] tensor
+        ``origin_shape``; weight, bias [N] or None; eps.
+    Returns (y, mean, rstd): y FRACTAL_NZ in x's dtype with zero padding; mean and rstd
+        float32 of shape origin_shape[:-1] + (1,) (ND, as ``native_layer_norm`` gives them).
+    Raises ValueError: a non-float x. Same arithmetic as `layer_norm` (fp32, two passes).
+    """
+    acc = ub_dtype(x.dtype)
+    mask = valid_mask(origin_shape, "FRACTAL_NZ", x.dtype)
+    n = float(origin_shape[-1])
+    zero = torch.zeros((), dtype=acc)
+    xf = torch.where(mask, x.to(acc), zero)
+    mean = xf.sum(dim=_NZ_ROW, keepdim=True) / n
+    d = torch.where(mask, xf - mean, zero)
+    rstd = torch.rsqrt((d * d).sum(dim=_NZ_ROW, keepdim=True) / n + eps)
+    y = d * rstd
+    n1, c0 = x.shape[-4], x.shape[-1]
+    if weight is not None:
+        y = y * _nz_vector(weight.to(acc), n1, c0)
+    if bias is not None:
+        y = y + _nz_vector(bias.to(acc), n1, c0)
+    y = torch.where(mask, y, zero)
+    return y.to(x.dtype), _nz_rows(mean, origin_shape), _nz_rows(rstd, origin_shape)
+
+
+def softmax_nz(x: torch.Tensor, origin_shape: Sequence[int], log: bool = False,
+               out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """(Log-)softmax over the last axis of a FRACTAL_NZ tensor (storage (..., N1, M1, 16, C0)
+    of logical ``origin_shape`` [..., M, N]) in float32, padding excluded from the max and
+    the sum and zero in the result. Returns NZ storage in ``out_dtype`` (x's).
+    Raises ValueError for a non-float x."""
+    acc = ub_dtype(x.dtype)
+    mask = valid_mask(origin_shape, "FRACTAL_NZ", x.dtype)
+    zero = torch.zeros((), dtype=acc)
+    xf = torch.where(mask, x.to(acc), torch.full((), float("-inf"), dtype=acc))
+    m = xf.amax(dim=_NZ_ROW, keepdim=True)
+    m = torch.where(torch.isfinite(m), m, zero)
+    e = torch.exp(xf - m)
+    s = e.sum(dim=_NZ_ROW, keepdim=True)
+    y = (xf - m - torch.log(s)) if log else e / s
+    return torch.where(mask, y, zero).to(out_dtype or x.dtype)

@@ -3,7 +3,8 @@ for the ops of transformers and LLMs that CANN runs in ND on an AI core (an `OpD
 ``kernel_factories["vnpu"]``; the NPU-format families are in ``ops/kernels/vnpu.py``).
 
 - Vector unit (``opencann.devices.vnpu.vector_kernels``: fp16/bf16 reduced in fp32 in UB):
-  ``LayerNorm``, ``RmsNorm``, ``SoftmaxV2`` / ``LogSoftmaxV2``.
+  ``LayerNorm``, ``RmsNorm``, ``SoftmaxV2`` / ``LogSoftmaxV2``; LayerNorm and the softmaxes
+  also over the last axis of a FRACTAL_NZ input (`LAST_AXIS_NZ`, layout family "lastaxis").
 - Cube + Vector (``opencann.devices.vnpu.attention_kernels``: Cube products accumulate in
   fp32, softmax in fp32, P rounded to the input dtype): ``ScaledDotProductAttention``
   (unfused, the S×S scores in HBM), ``DecodeAttention`` (``npu_incre_flash_attention``,
@@ -24,8 +25,8 @@ import torch
 import torch.nn.functional as F
 
 from ...devices.vnpu.attention_kernels import attention, cube_matmul, incre_flash_attention, scatter_update_
-from ...devices.vnpu.vector_kernels import layer_norm, rms_norm, softmax
-from ...ir import Graph, Node, TensorDesc, TensorRef
+from ...devices.vnpu.vector_kernels import layer_norm, layer_norm_nz, rms_norm, softmax, softmax_nz
+from ...ir import Format, Graph, Node, TensorDesc, TensorRef
 from ..opdef import get_op
 from .vnpu import host_kernel
 
@@ -54,13 +55,17 @@ def make_data_movement(node: Node, in_descs: Sequence[TensorDesc], consts: Seque
 
 def make_layer_norm(node: Node, in_descs: Sequence[TensorDesc], consts: Sequence) -> Callable:
     """LayerNorm (``native_layer_norm``: input, normalized_shape, weight, bias, eps) ->
-    (y, mean, rstd) in the node's output dtypes (`vector_kernels.layer_norm`)."""
+    (y, mean, rstd) in the node's output dtypes: `vector_kernels.layer_norm` in ND,
+    `vector_kernels.layer_norm_nz` on a FRACTAL_NZ input (y in NZ, mean and rstd ND)."""
     xi, wi, bi = _ref(node, "input"), _ref(node, "weight"), _ref(node, "bias")
     shape, eps = [int(s) for s in node.attrs["normalized_shape"]], float(node.attrs["eps"])
     dts = [o.desc.dtype.torch for o in node.outputs]
+    x = in_descs[xi]
+    nz = tuple(int(s) for s in x.origin_shape) if x.format == Format.FRACTAL_NZ else None
 
     def run(*ins):
-        r = layer_norm(ins[xi], shape, ins[wi] if wi is not None else None, ins[bi] if bi is not None else None, eps)
+        w, b = ins[wi] if wi is not None else None, ins[bi] if bi is not None else None
+        r = layer_norm_nz(ins[xi], nz, w, b, eps) if nz else layer_norm(ins[xi], shape, w, b, eps)
         return tuple(t.to(dt) for t, dt in zip(r, dts))
     return run
 
@@ -76,9 +81,14 @@ def make_rms_norm(node: Node, in_descs: Sequence[TensorDesc], consts: Sequence) 
 
 
 def make_softmax(node: Node, in_descs: Sequence[TensorDesc], consts: Sequence) -> Callable:
-    """SoftmaxV2 / LogSoftmaxV2 (``_softmax``: self, dim, half_to_float) in the node's dtype."""
+    """SoftmaxV2 / LogSoftmaxV2 (``_softmax``: self, dim, half_to_float) in the node's dtype;
+    on a FRACTAL_NZ input (last axis) `vector_kernels.softmax_nz`."""
     xi, dim, log = _ref(node, "self"), int(node.attrs["dim"]), node.op == "LogSoftmaxV2"
     dt = node.outputs[0].desc.dtype.torch
+    x = in_descs[xi]
+    if x.format == Format.FRACTAL_NZ:
+        shape = tuple(int(s) for s in x.origin_shape)
+        return lambda *ins: softmax_nz(ins[xi], shape, log, dt)
     return lambda *ins: softmax(ins[xi], dim, log, dt)
 
 
@@ -127,6 +137,9 @@ def make_gated_mlp(node: Node, in_descs: Sequence[TensorDesc], consts: Sequence)
     return run
 
 
+# ops whose vnpu kernel also takes FRACTAL_NZ over the last axis (OpDef.npu_format "lastaxis")
+LAST_AXIS_NZ = ("LayerNorm", "SoftmaxV2", "LogSoftmaxV2")
+
 # op name -> its ND vnpu kernel factory (the OpDef rows take theirs from here)
 FACTORIES: Dict[str, Callable] = {
     "LayerNorm": make_layer_norm, "RmsNorm": make_rms_norm, "SoftmaxV2": make_softmax,
@@ -142,5 +155,5 @@ def host_nodes(graph: Graph) -> List[Node]:
             if not get_op(n.op).is_view and "vnpu" not in get_op(n.op).kernel_factories]
 
 
-__all__ = ["FACTORIES", "host_nodes", "make_data_movement", "make_decode_attention", "make_gated_mlp",
+__all__ = ["FACTORIES", "LAST_AXIS_NZ", "host_nodes", "make_data_movement", "make_decode_attention", "make_gated_mlp",
            "make_kv_cache_update", "make_layer_norm", "make_rms_norm", "make_sdpa", "make_softmax"]

@@ -15,7 +15,8 @@ formats, insert TransData at format boundaries and remove inverse TransData pair
    fp16 <-> fp32 Casts stay) stays in it, on FRACTAL_NZ also with an ND operand broadcast
    along the last axis only (a bias [N], read into UB by the Vector unit; `_elementwise`);
    pooling, H/W reductions (keepdim) and inference BatchNorm on an NC1HWC0 input stay in
-   NC1HWC0; everything else runs in ND;
+   NC1HWC0; LayerNorm and (Log)SoftmaxV2 over the last axis of a FRACTAL_NZ input stay in
+   FRACTAL_NZ (`_last_axis`); everything else runs in ND;
 3. insertion (as GE does): each NPU-format node gets TransData ND→format on its inputs
    (constant weights are converted once, at compile time, into new constants) and
    TransData format→ND on its outputs, so the graph is correct edge by edge;
@@ -228,6 +229,27 @@ def _channelwise(node: Node, fmt: Dict[int, Format]) -> Tuple[Optional[_Choice],
     return _Choice(ins, [Format.NC1HWC0] + [ND] * (len(node.outputs) - 1)), ""
 
 
+def _last_axis(node: Node, fmt: Dict[int, Format]) -> Tuple[Optional[_Choice], str]:
+    """LayerNorm / (Log)SoftmaxV2 over the last axis stay in FRACTAL_NZ when their input is
+    (a matmul's result on a chip whose Cube writes NZ): CANN's kernels reduce a row over
+    its N1 fractals and C0 lanes; γ, β stay ND [N]; LayerNorm's mean and rstd are ND."""
+    xi = _pos(node, "input") if "input" in node.attrs else _pos(node, "self")
+    x = node.inputs[xi]
+    if fmt.get(x.id, ND) != Format.FRACTAL_NZ:
+        return None, f"input is in {fmt.get(x.id, ND).value}, so {node.op} runs in ND"
+    rank, out = x.desc.rank, node.outputs[0].desc
+    if rank < 2 or out.dtype != x.desc.dtype:
+        return None, "rank-1 input or a change of dtype (and so of C0): runs in ND"
+    last = len(node.attrs["normalized_shape"]) == 1 if node.op == "LayerNorm" \
+        else int(node.attrs["dim"]) % rank == rank - 1
+    if not last:
+        return None, (f"{node.op} normalises over more than the last axis; on FRACTAL_NZ only the last "
+                      f"(N) axis is a row of fractals, so it runs in ND")
+    ins = [ND] * len(node.inputs)
+    ins[xi] = Format.FRACTAL_NZ
+    return _Choice(ins, [Format.FRACTAL_NZ] + [ND] * (len(node.outputs) - 1)), ""
+
+
 def select(node: Node, fmt: Dict[int, Format], spec: Optional[NpuSpec] = None,
            wanted: Optional[Dict[int, Format]] = None) -> Tuple[Optional[_Choice], str]:
     """Formats for ``node`` given its operands' formats, the chip ``spec`` (None: no
@@ -249,6 +271,8 @@ def select(node: Node, fmt: Dict[int, Format], spec: Optional[NpuSpec] = None,
         return _matmul(node)
     if kind == "elementwise":
         return _elementwise(node, fmt, wanted, spec)
+    if kind == "lastaxis":
+        return _last_axis(node, fmt)
     return _channelwise(node, fmt)
 
 
