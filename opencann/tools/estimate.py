@@ -526,11 +526,14 @@ def _totals(rows: List[OpRow]) -> Tuple[float, float]:
 
 
 def _notes(rows: List[OpRow]) -> List[str]:
-    """Report notes: the TransData kernels' cost, and the ``vnpu_ub_epilogue`` rewrite (Cube
-    kernels that took an epilogue, the first few left alone and why)."""
+    """Report notes: the TransData kernels' cost, each distinct FlashAttention tile plan, and
+    the ``vnpu_ub_epilogue`` rewrite (Cube kernels that took an epilogue, the first few left
+    alone and why)."""
     td = [r for r in rows if r.op == "TransData"]
     out = [f"{len(td)} TransData kernels cost {sum(r.time_us for r in td):.1f} us "
            f"({sum(r.hbm_bytes for r in td) / 1e6:.1f} MB of HBM traffic)"] if td else []
+    fa = list(dict.fromkeys(r.note for r in rows if r.op == "FlashAttention"))
+    out += [f"FlashAttention {t} (plan_npu_tiles: bytes used/capacity per on-chip buffer)" for t in fa]
     fused = [r for r in rows if r.op == "CubeEpilogue"]
     kept = [r for r in rows if r.note.startswith("epilogue not fused")]
     if not fused and not kept:

@@ -136,8 +136,10 @@ def test_flash_attention_tiles_in_trace_and_estimate(tmp_path):
     ev = [e for e in cm.profile(q, k, v) if e.get("name") == "FlashAttention"]
     tiles = ev[0]["args"]["tiles"]
     assert tiles["block_q"] == 16 and tiles["block_k"] == 64 and tiles["ub"].endswith("/196608 B")
-    row = next(r for r in estimate(_Attention(), (q, k, v), device=DEV).rows if r.op == "FlashAttention")
+    rep = estimate(_Attention(), (q, k, v), device=DEV)
+    row = next(r for r in rep.rows if r.op == "FlashAttention")
     assert "block_q 16, block_k 64" in row.note and "l0c 4096/131072 B" in row.note
+    assert any(n.startswith("FlashAttention tiles block_q 16") for n in rep.notes)
 
 
 def test_attention_runs_with_fp16_operands_where_the_cube_has_no_fp32():
