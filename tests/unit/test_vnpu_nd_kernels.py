@@ -140,8 +140,9 @@ def test_incre_flash_attention_reads_only_live_keys():
         ref = F.scaled_dot_product_attention(q[b:b + 1], k[b:b + 1, :, :n].repeat_interleave(2, 1),
                                              v[b:b + 1, :, :n].repeat_interleave(2, 1))
         _close(out[b:b + 1], ref, torch.float32)
-    with pytest.raises(ValueError, match=r"lengths\[1\] = 11"):
+    with pytest.raises(ValueError, match=r"lengths\[1\] = 11 is outside \[0, 10\]"):
         incre_flash_attention(q, k, v, torch.tensor([3, 11]))
+    assert (incre_flash_attention(q, k, v, torch.tensor([0, 4]))[0] == 0).all()     # no live key: zeros, as cpu
 
 
 def test_scatter_update_writes_in_place():

@@ -229,10 +229,10 @@ def incre_flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, len
     keys (positions past the length are never read), GQA, float32 result.
 
     Args: q [B, Hq, 1, D], k and v [B, Hkv, S_max, D] (the KV cache), lengths [B]
-        integer in [1, S_max]; scale: None = D ** -0.5.
-    Returns: [B, Hq, 1, D] float32.
+        integer in [0, S_max]; scale: None = D ** -0.5.
+    Returns: [B, Hq, 1, D] float32 (zeros for a row without live keys, as the CPU kernel).
     Raises ValueError: shapes that disagree, Hq not a multiple of Hkv, a length outside
-        [1, S_max] (one line naming the row).
+        [0, S_max] (one line naming the row).
     Source: torch_npu ``npu_incre_flash_attention`` (BNSD, ``actual_seq_lengths``).
     """
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4 or q.shape[2] != 1:
@@ -244,16 +244,17 @@ def incre_flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, len
     if lengths.shape != (b,) or lengths.dtype.is_floating_point:
         raise ValueError(f"vnpu DecodeAttention: lengths must be an integer tensor [{b}], got "
                          f"{lengths.dtype} {list(lengths.shape)}")
-    bad = ((lengths < 1) | (lengths > s_max)).nonzero()
+    bad = ((lengths < 0) | (lengths > s_max)).nonzero()
     if bad.numel():
         r = int(bad[0, 0])
-        raise ValueError(f"vnpu DecodeAttention: lengths[{r}] = {int(lengths[r])} is outside [1, {s_max}] "
+        raise ValueError(f"vnpu DecodeAttention: lengths[{r}] = {int(lengths[r])} is outside [0, {s_max}] "
                          f"(the cache holds {s_max} positions); pass each row's live length")
     kk, vv = repeat_kv(k, hq), repeat_kv(v, hq)
     s = cube_matmul(q, kk.transpose(-1, -2), torch.float32) * _scale(scale, d)     # [B, Hq, 1, S_max]
     live = torch.arange(s_max) < lengths.view(b, 1, 1, 1)
     s = s.masked_fill(~live, float("-inf"))
     p = torch.softmax(s, -1)
+    p = torch.where((lengths == 0).view(b, 1, 1, 1), torch.zeros(()), p)   # no live key: zeros
     # dead positions are not read: zero their V rows' contribution exactly (NaN in a dead slot stays out)
     return cube_matmul(p, torch.where(live.transpose(-1, -2), vv.float(), torch.zeros(())), torch.float32)
 
