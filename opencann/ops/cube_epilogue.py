@@ -73,6 +73,22 @@ def vnpu_cube_epilogue_cost(node: Node, spec):
     return vnpu_cost.cube_with_epilogue(CubeView(node), spec, _roles(node))
 
 
+def vnpu_unfused_cost(node: Node, spec):
+    """The vnpu time model of the same work without UB fusion: the Cube op alone, then one
+    Vector kernel per link (`elementwise_cost` of the link's op key on the output: bias /
+    residual Add 'add' reading 1 / 2 full-size tensors, an activation its own key; a
+    reshape is free), run one after another (`vnpu_cost.combine`)."""
+    from ..devices.vnpu import elementwise_cost
+    view = CubeView(node)
+    cube, model = vnpu_cost.cube_with_epilogue(view, spec, ())
+    out = node.outputs[0].desc
+    parts = [cube]
+    for role in _roles(node):
+        key = "gelu" if role == "gelu_tanh" else ("add" if role == "bias" else role)
+        parts.append(elementwise_cost(key, max(1, out.numel), out.dtype.value, 2 if role == "add" else 1, spec))
+    return vnpu_cost.combine("CubeEpilogue", parts), f"{model.split(' + ')[0]} + {len(parts) - 1} Vector kernels (unfused)"
+
+
 def make_cube_epilogue_kernel(node: Node, in_descs: Sequence[TensorDesc], consts: Sequence) -> Callable:
     """Kernel factory (vnpu): ``run(*inputs)`` = the Cube op's vnpu kernel on the leading
     inputs, then the epilogue in float32 on the storage tensor, one rounding (module
@@ -122,4 +138,5 @@ register(OpDef("CubeEpilogue", OpKind.FUSED, aliases=((),), cost_fn=cube_epilogu
                doc="Conv2D/MatMul + bias Add / Relu / residual Add as one vnpu kernel "
                    "(GE's UB fusion: fixpipe to UB, Vector epilogue, one HBM write)"))
 
-__all__ = ["ACTIVATIONS", "CubeView", "ROLES", "cube_epilogue_cost", "make_cube_epilogue_kernel", "vnpu_cube_epilogue_cost"]
+__all__ = ["ACTIVATIONS", "CubeView", "ROLES", "cube_epilogue_cost", "make_cube_epilogue_kernel", "vnpu_cube_epilogue_cost",
+           "vnpu_unfused_cost"]

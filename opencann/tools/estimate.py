@@ -277,18 +277,24 @@ def node_cost(node: Node, spec: NpuSpec) -> Tuple[Optional[KernelCost], str, boo
     return c, model, True
 
 
-def cost_graph(graph: Graph, spec: NpuSpec) -> Tuple[List[OpRow], int]:
+def cost_graph(graph: Graph, spec: NpuSpec, ub_epilogue: bool = True) -> Tuple[List[OpRow], int]:
     """Per-node rows of ``graph`` on ``spec`` and the number of (free) views.
 
     The graph is read as it runs: a CubeEpilogue node (the pass ``vnpu_ub_epilogue``:
-    Conv/MatMul + bias Add / Relu / residual Add as one kernel) is one row costed as a Cube
-    kernel with its epilogue; a Cube node the pass left alone says why in its row's
-    ``note`` (``node.meta["epilogue_not_fused"]``); a FlashAttention row notes its tiles
-    and buffer occupancy (``node.meta["tiles"]``, or the preset's plan when unbound)."""
+    Conv/MatMul + bias Add / activation / residual Add as one kernel) is one row costed as a
+    Cube kernel with its epilogue (``ub_epilogue`` False: as the Cube kernel and one Vector
+    kernel per link, `cube_epilogue.vnpu_unfused_cost`, for a graph compiled with the pass);
+    a Cube node the pass left alone says why in its row's ``note``
+    (``node.meta["epilogue_not_fused"]``); a FlashAttention row notes its tiles and buffer
+    occupancy (``node.meta["tiles"]``, or the preset's plan when unbound)."""
+    from ..ops.cube_epilogue import vnpu_unfused_cost
     rows, views = [], 0
     for n in graph.nodes:
         fmt = n.outputs[0].desc.format.value
-        c, model, fb = node_cost(n, spec)
+        if n.op == "CubeEpilogue" and not ub_epilogue:
+            (c, model), fb = vnpu_unfused_cost(n, spec), False
+        else:
+            c, model, fb = node_cost(n, spec)
         if c is None:
             views += 1
             continue

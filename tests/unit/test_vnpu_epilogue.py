@@ -216,3 +216,19 @@ def test_cube_epilogue_survives_a_model_file(tmp_path):
     assert [n.op for n in lm.graph.nodes] == [n.op for n in cm.graph.nodes]
     assert [n.attrs.get("epilogue") for n in lm.graph.nodes] == [n.attrs.get("epilogue") for n in cm.graph.nodes]
     assert torch.equal(lm(x), cm(x))
+
+
+def test_cost_graph_unfused_reading_of_epilogue_nodes_matches_the_unfused_graph(resnet):
+    """A graph compiled with the pass, costed with ``ub_epilogue=False``, costs what the
+    graph compiled without it costs (each link its own Vector kernel)."""
+    from opencann.tools.estimate import _compile, cost_graph
+    from opencann.frontend.torch import capture
+    m, args = resnet
+    ep, _ = capture(m, args)
+    fused_graph = _compile(ep, "r", DEV, True)[0]
+    plain_graph = _compile(ep, "r", DEV, True, ub_epilogue=False)[0]
+    assert "CubeEpilogue" in fused_graph.op_counts() and "CubeEpilogue" not in plain_graph.op_counts()
+    t = lambda rows: (sum(r.time_us for r in rows), sum(r.hbm_bytes for r in rows))   # noqa: E731
+    a, b = t(cost_graph(fused_graph, ascend910b, ub_epilogue=False)[0]), t(cost_graph(plain_graph, ascend910b)[0])
+    assert a[0] == pytest.approx(b[0], rel=1e-9) and a[1] == pytest.approx(b[1], rel=1e-9)
+    assert t(cost_graph(fused_graph, ascend910b)[0])[0] < a[0]
