@@ -155,4 +155,4 @@ def test_estimate_reports_the_fp32_to_fp16_cube_casts():
         notes = [n for n in estimate(m, x, device=dev, dtype="float32").notes if n.startswith("fp32 to fp16")]
         assert len(notes) == (1 if casts else 0), (dev, notes)
         if casts:
-            assert f"{casts} Conv/MatMul ops" in notes[0] and "ascend910b" in notes[0]
+            assert f"{casts} Conv/MatMul/attention ops" in notes[0] and "ascend910b" in notes[0]
