@@ -232,3 +232,13 @@ def test_cost_graph_unfused_reading_of_epilogue_nodes_matches_the_unfused_graph(
     a, b = t(cost_graph(fused_graph, ascend910b, ub_epilogue=False)[0]), t(cost_graph(plain_graph, ascend910b)[0])
     assert a[0] == pytest.approx(b[0], rel=1e-9) and a[1] == pytest.approx(b[1], rel=1e-9)
     assert t(cost_graph(fused_graph, ascend910b)[0])[0] < a[0]
+
+
+@pytest.mark.parametrize("entry", [{"vnpu_ub_epilogue": "off"}, {"ALL": "off"}])
+def test_fusion_switch_file_turns_ub_fusion_off(tmp_path, entry):
+    import json
+    sw = tmp_path / "switch.json"
+    sw.write_text(json.dumps({"Switch": {"UBFusion": entry}}))
+    torch.manual_seed(0)
+    cm = opencann.compile(Mlp().eval(), (torch.randn(4, 64),), device=DEV, options={"fusion_switch_file": str(sw)})
+    assert "CubeEpilogue" not in cm.graph.op_counts() and cm.graph.op_counts()["Relu"] == 1
