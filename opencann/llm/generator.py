@@ -21,6 +21,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 
+from ..devices import parse_device
 from ..engine.guards import WeightChanged
 from .arch import LLMArch
 from .builder import DecoderLM, new_caches
@@ -65,9 +66,10 @@ def compile(model: torch.nn.Module, max_seq_len: int, max_batch: int = 1, device
     Raises ValueError (one line) for an unsupported architecture or dtype, a model
     without an LM head, max_seq_len beyond the model's positions or sliding window, a
     device other than "cpu", a bad option."""
-    if not isinstance(device, str) or device != "cpu":
-        raise ValueError(f"opencann.llm runs on device 'cpu' (the decode attention kernel is a "
-                         f"CPU kernel), got {device!r}")
+    if not isinstance(device, str) or (device != "cpu" and device.split(":")[0] != "vnpu"):
+        raise ValueError(f"opencann.llm runs on device 'cpu' or 'vnpu[:<preset>]' (where its decode "
+                         f"attention and KV-cache kernels exist), got {device!r}")
+    parse_device(device)     # DeviceError (one line) for an unknown vnpu preset
     ours, rest = _split_options(options)
     return Generator(DecoderLM(model.eval()), max_seq_len, max_batch, device, ours, rest,
                      getattr(model, "generation_config", None))

@@ -20,7 +20,7 @@ from __future__ import annotations
 from typing import Callable, Sequence
 
 from ..ir import Node, TensorDesc, numel
-from .kernels import vnpu_cost
+from .kernels import vnpu_cost, vnpu_nd
 from . import per_index
 from .opdef import Cost, OpDef, OpKind, register
 
@@ -52,7 +52,7 @@ def make_decode_attention_kernel(node: Node, in_descs: Sequence[TensorDesc], con
 
 
 register(OpDef("DecodeAttention", OpKind.ATTENTION, aliases=((),), cost_fn=decode_attention_cost,
-               kernel_factories={"cpu": make_decode_attention_kernel},
+               kernel_factories={"cpu": make_decode_attention_kernel, "vnpu": vnpu_nd.make_decode_attention},
                device_cost={"vnpu": vnpu_cost.decode_attention}, keep_fp32=True, fp32_kernel=True,
                custom_op="opencann::decode_attention", per_index=per_index.decode_attention,
                custom_op_args={"q": "query", "k_cache": "key", "v_cache": "value"},

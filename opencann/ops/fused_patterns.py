@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from ..ir import Node, numel
-from .kernels import vnpu_cost
+from .kernels import vnpu_cost, vnpu_nd
 from .kernels.cpu_patterns import (make_gated_mlp_kernel, make_layer_norm_formula_kernel,
                                    make_rms_norm_kernel)
 from . import per_index as pi
@@ -42,7 +42,7 @@ def _gated_mlp_cost(node: Node) -> Cost:
 
 
 register(OpDef("RmsNorm", OpKind.NORM, aten=torch.ops.aten.rms_norm.default, flops_per_elem=4,
-               kernel_factories={"cpu": make_rms_norm_kernel}, keep_fp32=True,
+               kernel_factories={"cpu": make_rms_norm_kernel, "vnpu": vnpu_nd.make_rms_norm}, keep_fp32=True,
                device_cost={"vnpu": vnpu_cost.layernorm}, per_index=pi.LAYER_NORM,
                doc="RMSNorm (Llama): x·rsqrt(mean(x², -1) + eps)·w"))
 register(OpDef("LayerNormFormula", OpKind.NORM, aten=torch.ops.aten.layer_norm.default,
@@ -51,6 +51,6 @@ register(OpDef("LayerNormFormula", OpKind.NORM, aten=torch.ops.aten.layer_norm.d
                per_index=pi.LAYER_NORM,
                doc="spelled-out LayerNorm: ATen's kernel where exact, else the formula's ops"))
 register(OpDef("GatedMLP", OpKind.FUSED, aliases=((),), cost_fn=_gated_mlp_cost,
-               kernel_factories={"cpu": make_gated_mlp_kernel},
+               kernel_factories={"cpu": make_gated_mlp_kernel, "vnpu": vnpu_nd.make_gated_mlp},
                device_cost={"vnpu": vnpu_cost.gated_mlp}, per_index=pi.gated_mlp,
                doc="silu(x·W1) * (x·W3), the SwiGLU MLP's two GEMMs in one kernel"))

@@ -20,7 +20,7 @@ from __future__ import annotations
 from typing import Callable, Sequence
 
 from ..ir import Node, TensorDesc, numel
-from .kernels import vnpu_cost
+from .kernels import vnpu_cost, vnpu_nd
 from . import per_index
 from .opdef import Cost, OpDef, OpKind, register
 
@@ -49,7 +49,7 @@ def make_kv_cache_update_kernel(node: Node, in_descs: Sequence[TensorDesc], cons
 
 register(OpDef("KvCacheUpdate", OpKind.DATA, aliases=(("cache",),), inplace_of={0: "cache"},
                cost_fn=kv_cache_update_cost, device_cost={"vnpu": vnpu_cost.scatter_update},
-               kernel_factories={"cpu": make_kv_cache_update_kernel},
+               kernel_factories={"cpu": make_kv_cache_update_kernel, "vnpu": vnpu_nd.make_kv_cache_update},
                custom_op="opencann::kv_cache_update", per_index=per_index.kv_cache_update,
                doc="writes new keys/values into the KV cache in place at per-row positions "
                    "(scatter_update_ semantics; the caller's cache tensor, no copy)"))

@@ -14,6 +14,7 @@ import torch
 from ..devices.vnpu import trans_data_cost
 from ..ir import Node, numel
 from .kernels import vnpu as vnpu_kernels
+from .kernels import vnpu_nd
 from .kernels import attention_cpu
 from .kernels import cpu as cpu_kernels
 from .kernels import vnpu_cost
@@ -299,6 +300,12 @@ def _columns(name: str, kind: OpKind) -> dict:
         cols.update(_npu("elementwise"))
     elif name in _CHANNELWISE:
         cols.update(_npu("channelwise"))
+    elif name in vnpu_nd.FACTORIES:
+        cols["kernel_factories"] = {"vnpu": vnpu_nd.FACTORIES[name]}
+        if name in vnpu_nd.LAST_AXIS_NZ:      # also on FRACTAL_NZ, over the last axis
+            cols["npu_format"] = "lastaxis"
+    elif kind in (OpKind.DATA, OpKind.CREATION):     # MTE data movement in ND: exact
+        cols["kernel_factories"] = {"vnpu": vnpu_nd.make_data_movement}
     return cols
 
 
@@ -382,7 +389,7 @@ def _register_all() -> None:
                    **_npu("conv")))
     register(OpDef("ScaledDotProductAttention", OpKind.ATTENTION,
                    aten=aten.scaled_dot_product_attention.default, cost_fn=_attention_cost,
-                   kernel_factories={"cpu": attention_cpu.make_attention_kernel},
+                   kernel_factories={"cpu": attention_cpu.make_attention_kernel, "vnpu": vnpu_nd.make_sdpa},
                    out_capable=attention_cpu.attention_writes_out, kernel_per_shape=True,
                    device_cost={"vnpu": vnpu_cost.attention}, per_index=pi.attention,
                    precision_keeps=("attn_mask",)))

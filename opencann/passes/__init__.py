@@ -6,7 +6,7 @@ from .fusion import FoldBatchNorm, FuseConvAct, FuseConvAddAct, FuseFlashAttenti
 from .fusion import ChooseAttentionKernel, FuseAddLayerNorm, FuseQKVLinear, QuantizeInt8
 from .fusion import (FuseElementwise, FuseGatedMLP, FuseGeluErf, FuseGeluTanh, FuseLayerNorm, FuseRMSNorm, FuseSiLU,
                      user_passes)
-from .layout import LayoutSelection, NpuLayoutSelection
+from .layout import LayoutSelection, NpuLayoutSelection, VnpuUbEpilogue
 from .memory import MemoryPlanning, plan_memory
 from .prepare import (CommonSubexpressionElimination, ConstantFolding, DeadCodeElimination,
                       IdentityElimination, MixedPrecision)
@@ -31,7 +31,8 @@ def default_pipeline() -> PassManager:
         IdentityElimination(), DropUnusedOutputs(), InputInplace(), FoldBatchNorm(), *user_passes(), FuseSiLU(),
         FuseGeluTanh(), FuseGeluErf(), FuseRMSNorm(), FuseLayerNorm(), MixedPrecision(), FuseGatedMLP(), FuseConvAct(), FuseConvAddAct(), FuseLinearAct(), FuseQKVLinear(),
         FuseAddLayerNorm(), FuseFlashAttention(), ChooseAttentionKernel(),
-        FuseElementwise(), DeadCodeElimination(), LayoutSelection(), QuantizeInt8(), NpuLayoutSelection(), SingleStreamSchedule(),
+        FuseElementwise(), DeadCodeElimination(), LayoutSelection(), QuantizeInt8(), NpuLayoutSelection(), VnpuUbEpilogue(),
+        SingleStreamSchedule(),
         MemoryPlanning(),
     ])
 
@@ -42,5 +43,5 @@ __all__ = ["Pass", "PassContext", "PassManager", "RewritePass", "Skip", "default
            "FoldBatchNorm", "FuseConvAct", "FuseConvAddAct", "FuseLinearAct",
            "FuseQKVLinear", "FuseAddLayerNorm", "FuseFlashAttention", "ChooseAttentionKernel", "FuseSiLU", "FuseGeluTanh",
            "FuseGeluErf", "FuseRMSNorm",
-           "FuseLayerNorm", "FuseGatedMLP", "FuseElementwise", "LayoutSelection", "NpuLayoutSelection", "SingleStreamSchedule",
-           "apply_schedule", "DropUnusedOutputs", "QuantizeInt8", "InputInplace"]
+           "FuseLayerNorm", "FuseGatedMLP", "FuseElementwise", "LayoutSelection", "NpuLayoutSelection", "VnpuUbEpilogue",
+           "SingleStreamSchedule", "apply_schedule", "DropUnusedOutputs", "QuantizeInt8", "InputInplace"]

@@ -39,7 +39,8 @@ def chrome_trace_events(graph: Graph, stamps: List[tuple], t0: int) -> List[Dict
         p = prev.get(n.stream, t0)
         events.append({"name": n.op, "cat": n.scope or "graph", "ph": "X",
                        "ts": (p - t0) / 1e3, "dur": (t - p) / 1e3, "pid": 0,
-                       "tid": n.stream, "args": {"node": n.name, "source": n.source}})
+                       "tid": n.stream, "args": {"node": n.name, "source": n.source,
+                                                  **({"tiles": n.meta["tiles"]} if "tiles" in n.meta else {})}})
         prev[n.stream] = t
     return events
 

@@ -11,7 +11,9 @@ Op → cost function: each op's ``OpDef.device_cost["vnpu"]`` column (the functi
 
 - Conv2D / ConvBiasAct / ConvAddAct → `conv2d_cost` (groups g as g·N convolutions of
   C/g channels: same FLOPs and activation bytes); MatMul, BatchMatMul, MatMulV2,
-  LinearAct → `matmul_cost`; FlashAttention → `flash_attention_cost`;
+  LinearAct → `matmul_cost`; CubeEpilogue (the pass ``vnpu_ub_epilogue``) → the Cube
+  op's model with its epilogue; FlashAttention → `flash_attention_cost` (the row notes
+  the kernel's tiles and buffer occupancy);
   ScaledDotProductAttention (unfused) → QKᵀ `matmul_cost` + `softmax_cost` (+ mask add)
   + PV `matmul_cost`, the S×S scores going through HBM;
 - SoftmaxV2 / LogSoftmaxV2 → `softmax_cost`; LayerNorm → `layernorm_cost`; BatchNorm
@@ -278,31 +280,45 @@ def node_cost(node: Node, spec: NpuSpec) -> Tuple[Optional[KernelCost], str, boo
 def cost_graph(graph: Graph, spec: NpuSpec, ub_epilogue: bool = True) -> Tuple[List[OpRow], int]:
     """Per-node rows of ``graph`` on ``spec`` and the number of (free) views.
 
-    ``ub_epilogue`` (the virtual rewrite ``vnpu_ub_epilogue``): cost each Conv/MatMul
-    whose single consumer chain is bias Add / Relu / residual Add with that chain as its
-    Cube epilogue (`vnpu_cost.ub_epilogues`), the absorbed nodes as zero-cost rows
-    (bound "fused") noting the Cube node; a Cube node left unfused for a reason (its
-    output has several consumers, ...) says why in its row's ``note``."""
-    epi, absorbed, why_not = vnpu_cost.ub_epilogues(graph) if ub_epilogue else ({}, {}, {})
+    The graph is read as it runs: a CubeEpilogue node (the pass ``vnpu_ub_epilogue``:
+    Conv/MatMul + bias Add / activation / residual Add as one kernel) is one row costed as a
+    Cube kernel with its epilogue (``ub_epilogue`` False: as the Cube kernel and one Vector
+    kernel per link, `cube_epilogue.vnpu_unfused_cost`, for a graph compiled with the pass);
+    a Cube node the pass left alone says why in its row's ``note``
+    (``node.meta["epilogue_not_fused"]``); a FlashAttention row notes its tiles and buffer
+    occupancy (``node.meta["tiles"]``, or the preset's plan when unbound)."""
+    from ..ops.cube_epilogue import vnpu_unfused_cost
     rows, views = [], 0
     for n in graph.nodes:
         fmt = n.outputs[0].desc.format.value
-        if n in absorbed:
-            rows.append(OpRow(n.name, n.op, 0.0, "fused", 0.0, 0.0,
-                              f"fused into {absorbed[n].name} epilogue (UB fusion)", False, fmt))
-            continue
-        if n in epi:
-            c, model = vnpu_cost.cube_with_epilogue(n, spec, epi[n])
-            fb = False
+        if n.op == "CubeEpilogue" and not ub_epilogue:
+            (c, model), fb = vnpu_unfused_cost(n, spec), False
         else:
             c, model, fb = node_cost(n, spec)
         if c is None:
             views += 1
             continue
-        note = f"epilogue not fused: {why_not[n]}" if n in why_not else ""
+        note = f"epilogue not fused: {n.meta['epilogue_not_fused']}" if "epilogue_not_fused" in n.meta else ""
+        if n.op == "FlashAttention":
+            note = "tiles " + ", ".join(f"{k} {v}" for k, v in _tiles(n, spec).items())
         rows.append(OpRow(n.name, n.op, float(c.time_us), c.bound, float(c.hbm_bytes), float(c.flops), model,
                           fb, fmt, note))
     return rows, views
+
+
+def _tiles(node: Node, spec: NpuSpec) -> Dict[str, Any]:
+    """The FlashAttention node's tile plan on ``spec`` (`plan_npu_tiles`, as its vnpu kernel
+    binds it): block_q, block_k and bytes used / capacity per on-chip buffer."""
+    if "tiles" in node.meta:
+        return node.meta["tiles"]
+    from ..ops.flash_attention.planner import plan_npu_tiles
+    from ..ops.flash_attention.vnpu import tiles_meta
+    q, k = node.arg("query").desc, node.arg("key").desc
+    try:
+        return tiles_meta(plan_npu_tiles(spec, int(q.shape[-1]), q.dtype.torch, seq_q=int(q.shape[-2]),
+                                         seq_k=int(k.shape[-2])))
+    except ValueError as e:          # the buffers cannot hold a 16 x 16 tile: say so in the row
+        return {"none": str(e)}
 
 
 # -- memory ------------------------------------------------------------------------------
@@ -355,19 +371,23 @@ def _load(model_or_zoo_name, example_inputs, batch: int, zoo_kwargs: Dict[str, A
     return type(model_or_zoo_name).__name__, model_or_zoo_name, args
 
 
-def _fusion_options(fused: bool) -> Dict[str, Any]:
+def _fusion_options(fused: bool, ub_epilogue: bool = True) -> Dict[str, Any]:
+    """Compile options of the fused graph (every fusion pass on, ``vnpu_ub_epilogue`` as
+    ``ub_epilogue`` says) or of the unfused one (every fusion pass and ``vnpu_ub_epilogue`` off)."""
     from ..passes import default_pipeline
     pm = default_pipeline()
     names = pm.names()
     if fused:
         off_by_default = [p.name for p in pm.passes if p.stage == "fusion" and not p.default_enabled]
-        return {"enable": off_by_default}
-    return {"disable": [p.name for p in pm.passes if p.stage == "fusion" and p.name in names]}
+        return {"enable": off_by_default, **({} if ub_epilogue else {"disable": [vnpu_cost.UB_EPILOGUE]})}
+    return {"disable": [p.name for p in pm.passes if p.stage == "fusion" and p.name in names]
+            + [vnpu_cost.UB_EPILOGUE]}
 
 
-def _compile(graph, device: str, fused: bool, options: Optional[Dict[str, Any]] = None):
+def _compile(graph, device: str, fused: bool, options: Optional[Dict[str, Any]] = None,
+             ub_epilogue: bool = True):
     from ..engine import compile_graph
-    return compile_graph(graph, device, {**_fusion_options(fused), **(options or {})})
+    return compile_graph(graph, device, {**_fusion_options(fused, ub_epilogue), **(options or {})})
 
 
 def _load_factory(spec: str):
@@ -453,10 +473,10 @@ def estimate(model_or_zoo_name, example_inputs=None, device: str = "vnpu:ascend9
         dtype: cast the model and its floating inputs to this dtype first ('float16',
             'bfloat16', 'float32'); None keeps them. ``model_or_zoo_name`` may also be
             ``"file.py:factory"`` (factory() returns (model, example_inputs)).
-        ub_epilogue: with ``fused``, cost Conv/MatMul + bias Add / Relu / residual Add
-            as one Cube kernel with a Vector epilogue, as GE's UB fusion does (the virtual
-            rewrite ``vnpu_ub_epilogue``, see `cost_graph`); False costs each op as its
-            own kernel. The unfused comparison never uses it.
+        ub_epilogue: with ``fused``, compile with the pass ``vnpu_ub_epilogue`` (GE's
+            UB fusion: Conv/MatMul + bias Add / Relu / residual Add become one
+            CubeEpilogue node, run and costed as one Cube kernel with a Vector epilogue);
+            False disables it, each op its own kernel. The unfused comparison never uses it.
         check_fit: raise ValueError when the peak memory exceeds the preset's HBM (True);
             False returns the report anyway (``peak_bytes`` against ``spec.hbm_bytes``:
             `opencann.tools.readiness` judges the fit itself, with an LLM's KV cache).
@@ -549,9 +569,9 @@ def _report(name: str, device: str, spec, batch: int, build, fused: bool, ub_epi
     """Compile ``build()`` (a fresh IR graph per call) with the fusion passes as ``fused``
     asks (and ``options``), cost it, and (``fusion_comparison``) cost it once more the
     other way for the fusion comparison."""
-    graph, plan, creport = _compile(build(), device, fused, options)
-    other = cost_graph(_compile(build(), device, not fused, options)[0], spec,
-                       ub_epilogue and not fused)[0] if fusion_comparison else None
+    graph, plan, creport = _compile(build(), device, fused, options, ub_epilogue)
+    other = cost_graph(_compile(build(), device, not fused, options, ub_epilogue)[0],
+                       spec)[0] if fusion_comparison else None
     rep = _costed(name, device, spec, batch, graph, plan, fused, ub_epilogue, check_fit, creport,
                   other)
     if not fusion_comparison:
@@ -568,7 +588,7 @@ def _costed(name: str, device: str, spec, batch: int, graph, plan, fused: bool, 
     inputs = sum(v.desc.nbytes for v in graph.inputs)
     if check_fit:
         _check_fits(name, batch, spec, weights, plan.arena_bytes, kalloc, inputs)
-    rows, views = cost_graph(graph, spec, ub_epilogue and fused)
+    rows, views = cost_graph(graph, spec)
     t_here, b_here = _totals(rows)
     t_other, b_other = _totals(rows if other_rows is None else other_rows)
     rep = EstimateReport(
@@ -587,7 +607,7 @@ def _cast_notes(compile_report, spec) -> List[str]:
     cast = [a["nodes"] for a in compile_report.applied if a["detail"] == "fp32 to fp16 for the Cube"]
     if not cast:
         return []
-    return [f"fp32 to fp16 for the Cube: {len(cast)} Conv/MatMul ops run with float16 operands "
+    return [f"fp32 to fp16 for the Cube: {len(cast)} Conv/MatMul/attention ops run with float16 operands "
             f"({spec.name} has no fp32 Cube; values beyond float16's range become inf): "
             + ", ".join(cast[:5]) + (f", ... ({len(cast)} in all)" if len(cast) > 5 else "")
             + "; use vnpu:ascend910b to keep float32"]
@@ -599,19 +619,21 @@ def _totals(rows: List[OpRow]) -> Tuple[float, float]:
 
 
 def _notes(rows: List[OpRow]) -> List[str]:
-    """Report notes: the TransData kernels' cost, and the ``vnpu_ub_epilogue`` rewrite (ops
-    absorbed, Cube kernels that took an epilogue, the first few left unfused and why)."""
+    """Report notes: the TransData kernels' cost, each distinct FlashAttention tile plan, and
+    the ``vnpu_ub_epilogue`` rewrite (Cube kernels that took an epilogue, the first few left
+    alone and why)."""
     td = [r for r in rows if r.op == "TransData"]
     out = [f"{len(td)} TransData kernels cost {sum(r.time_us for r in td):.1f} us "
            f"({sum(r.hbm_bytes for r in td) / 1e6:.1f} MB of HBM traffic)"] if td else []
-    fused = [r for r in rows if r.bound == "fused"]
-    kept = [r for r in rows if r.note]
+    fa = list(dict.fromkeys(r.note for r in rows if r.op == "FlashAttention"))
+    out += [f"FlashAttention {t} (plan_npu_tiles: bytes used/capacity per on-chip buffer)" for t in fa]
+    fused = [r for r in rows if r.op == "CubeEpilogue"]
+    kept = [r for r in rows if r.note.startswith("epilogue not fused")]
     if not fused and not kept:
         return out
-    cubes = {r.model.split(" ")[2] for r in fused}
     why = "; ".join(f"{r.name}: {r.note}" for r in kept[:3]) + (f"; ... ({len(kept)} in all)" if len(kept) > 3 else "")
-    return out + [f"{vnpu_cost.UB_EPILOGUE}: {len(fused)} bias Add / Relu / residual Add ops fused into the epilogue "
-            f"of {len(cubes)} Cube kernels (UB fusion)" + (f"; not fused: {why}" if kept else "")]
+    return out + [f"{vnpu_cost.UB_EPILOGUE}: {len(fused)} Cube kernels run their bias Add / Relu / residual Add "
+                  f"in the epilogue, one CubeEpilogue node each (UB fusion)" + (f"; not fused: {why}" if kept else "")]
 
 
 __all__ = ["EstimateReport", "OpRow", "estimate", "estimate_compiled", "estimate_onnx", "node_cost",

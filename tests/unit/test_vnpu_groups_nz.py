@@ -22,8 +22,13 @@ def _check(out, ref, dtype):
     assert err <= TOL[dtype] * ref[ok].double().abs().max() + 1e-6, float(err)
 
 
+def _is_conv(n):
+    """A Conv2D, alone or with its epilogue (a CubeEpilogue of a Conv2D, vnpu_ub_epilogue)."""
+    return n.op == "Conv2D" or (n.op == "CubeEpilogue" and n.attrs["cube"] == "Conv2D")
+
+
 def _conv_node(cm):
-    return next(n for n in cm.graph.nodes if n.op == "Conv2D")
+    return next(n for n in cm.graph.nodes if _is_conv(n))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -103,7 +108,7 @@ def test_mobilenet_block_end_to_end(dtype, dev):
     m = m.to(dtype)
     x = torch.randn(2, 16, 12, 12).to(dtype)
     cm = opencann.compile(m, (x,), device=dev)
-    convs = [n for n in cm.graph.nodes if n.op == "Conv2D"]
+    convs = [n for n in cm.graph.nodes if _is_conv(n)]
     assert len(convs) == 6 and all(n.outputs[0].desc.format == Format.NC1HWC0 for n in convs)
     # in once, out once: no ND island at the depthwise conv nor at the residual Add (on ascend910
     # the fp32 -> fp16 Cube cast of the block input runs in NC1HWC0 and shares its TransData)

@@ -29,6 +29,7 @@ from .. import per_index as pi
 from ..opdef import Cost, OpDef, OpKind, register
 from .api import flash_attention_forward
 from .planner import cpu_l2, plan_tiles
+from .vnpu import make_vnpu_flash_attention_kernel
 
 
 def flash_attention_cost(node: Node) -> Cost:
@@ -83,7 +84,7 @@ def make_flash_attention_kernel(node: Node, in_descs: Sequence[TensorDesc], cons
 
 
 register(OpDef("FlashAttention", OpKind.ATTENTION, aliases=((),), cost_fn=flash_attention_cost,
-               kernel_factories={"cpu": make_flash_attention_kernel},
+               kernel_factories={"cpu": make_flash_attention_kernel, "vnpu": make_vnpu_flash_attention_kernel},
                device_cost={"vnpu": vnpu_cost.flash_attention}, per_index=pi.attention,
                doc="exact attention softmax(scale·QKᵀ + mask)·V without the S×S matrix "
                    "(FlashAttention-2, numba CPU kernel)"))

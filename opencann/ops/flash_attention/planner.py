@@ -81,6 +81,7 @@ class TilePlan:
     buffer_bytes: int
     target: str = "cpu"
     steps: list = field(default_factory=list, repr=False)
+    occupancy: dict = field(default_factory=dict, repr=False)   # buffer -> (bytes used, capacity)
 
     def explain(self) -> str:
         """The steps of the choice, one per line."""
@@ -181,3 +182,45 @@ def plan_tiles(buffer_bytes: int, head_dim: int, dtype=torch.float32, *, seq_q=N
                  f"S/P {br}x{bc} + O {br}x{head_dim} + m,l 2x{br} at {acc_b} B = {ws} B "
                  f"<= {buffer_bytes} B: fits")
     return TilePlan(br, bc, ws, buffer_bytes, target, steps)
+
+
+NPU_BUFFERS = ("ub", "l1", "l0a", "l0b", "l0c")
+
+
+def npu_capacity(spec) -> dict:
+    """Bytes of each on-chip buffer of a vnpu preset (`NpuSpec`): ``ub``, ``l1``, ``l0a``,
+    ``l0b``, ``l0c`` (per AI core; sources in the preset's ``sources``)."""
+    return {b: int(getattr(spec, f"{b}_bytes")) for b in NPU_BUFFERS}
+
+
+def plan_npu_tiles(spec, head_dim: int, dtype=torch.float16, *, seq_q=None, seq_k=None) -> TilePlan:
+    """(B_r, B_c) for the vnpu's tiled FlashAttention on preset ``spec`` (an `NpuSpec`).
+
+    Start from Algorithm 1 on the preset's Unified Buffer (`plan_tiles`, target "cube":
+    multiples of the 16-row fractal), then halve the larger block until one tile step fits
+    every buffer of the AI core: L1 (Q, K, V, P), L0A / L0B (the Cube's operands), L0C
+    (the fp32 accumulator) and UB (the Vector side), each as
+    `opencann.devices.vnpu.attention_kernels.tile_occupancy` counts it, which is also what
+    the kernel checks at run time. ``occupancy`` gives (bytes used, capacity) per buffer.
+    Raises ValueError when even 16 x 16 tiles do not fit (names the buffer)."""
+    from ...devices.vnpu.attention_kernels import tile_occupancy
+    cap = npu_capacity(spec)
+    plan = plan_tiles(cap["ub"], head_dim, dtype, seq_q=seq_q, seq_k=seq_k, target="cube")
+    br, bc, steps = plan.block_q, plan.block_k, list(plan.steps)
+    while True:
+        occ = tile_occupancy(br, bc, head_dim, dtype)
+        over = [b for b in NPU_BUFFERS if occ[b] > cap[b]]
+        if not over:
+            break
+        b = over[0]
+        if bc >= br and bc > 16:
+            steps.append(f"{b.upper()} {occ[b]} B > {cap[b]} B: halve B_c {bc} -> {max(bc // 2 // 16 * 16, 16)}")
+            bc = max(bc // 2 // 16 * 16, 16)
+        elif br > 16:
+            steps.append(f"{b.upper()} {occ[b]} B > {cap[b]} B: halve B_r {br} -> {max(br // 2 // 16 * 16, 16)}")
+            br = max(br // 2 // 16 * 16, 16)
+        else:
+            raise ValueError(f"vnpu preset {spec.name}: {b.upper()} ({cap[b]} B) cannot hold a 16x16 FlashAttention "
+                             f"tile at head_dim {head_dim} ({occ[b]} B); use a smaller head_dim")
+    steps.append("fits " + ", ".join(f"{b.upper()} {occ[b]}/{cap[b]} B" for b in NPU_BUFFERS))
+    return TilePlan(br, bc, occ["ub"], cap["ub"], "cube", steps, {b: (occ[b], cap[b]) for b in NPU_BUFFERS})

@@ -26,7 +26,7 @@ from typing import Callable, List, Tuple
 
 from ...devices.vnpu import (KernelCost, NpuSpec, c0_for, conv2d_cost, elementwise_cost, flash_attention_cost,
                              fused_vector_cost, layernorm_cost, matmul_cost, reduction_cost, softmax_cost, trans_data_cost)
-from ...ir import Node, Value, numel
+from ...ir import Format, Node, Value, numel
 
 VnpuCost = Callable[[Node, NpuSpec], Tuple[KernelCost, str]]
 
@@ -194,14 +194,22 @@ def _cube_fn(node: Node):
     return fn if fn in (conv, matmul) else None
 
 
+EPILOGUE_ACTIVATIONS = ("relu", "gelu", "tanh", "sigmoid", "silu")
+"""Activations a Cube epilogue takes (an op's ``activation`` column); GELU's tanh form is the
+role 'gelu_tanh' (costed as 'gelu')."""
+
+
 def _epilogue_role(node: Node, prev: Value) -> Tuple[str, str]:
-    """(role, "") when ``node`` can run as the Cube epilogue on ``prev`` (role 'relu',
-    'bias' or 'add'), else ("", why not)."""
+    """(role, "") when ``node`` can run as the Cube epilogue on ``prev`` (role 'bias',
+    'add' or an activation of `EPILOGUE_ACTIVATIONS`, 'gelu_tanh' for GELU's tanh form),
+    else ("", why not)."""
+    from ..opdef import get_op
     out = node.outputs[0].desc
     if len(node.outputs) != 1 or tuple(out.shape) != tuple(prev.desc.shape) or out.dtype != prev.desc.dtype:
         return "", f"{node.name} ({node.op}) changes the shape or dtype"
-    if node.op == "Relu":
-        return "relu", ""
+    act = get_op(node.op).activation
+    if act in EPILOGUE_ACTIVATIONS and len(node.inputs) == 1:
+        return ("gelu_tanh" if act == "gelu" and node.attrs.get("approximate") == "tanh" else act), ""
     if node.op == "Add" and node.attrs.get("alpha", 1) == 1 and len(node.inputs) == 2:
         other = node.inputs[1] if node.inputs[0] is prev else node.inputs[0]
         if other is prev:
@@ -210,36 +218,60 @@ def _epilogue_role(node: Node, prev: Value) -> Tuple[str, str]:
             return "add", ""
         if other.desc.is_static and numel(other.desc.shape) < numel(out.shape):
             return "bias", ""
-    return "", f"{node.name} ({node.op}) is not a bias Add, Relu or residual Add"
+    return "", f"{node.name} ({node.op}) is not a bias Add, an activation or a residual Add"
+
+
+RESHAPES = ("Reshape", "UnsafeReshape", "ReshapeCopy")
 
 
 def _chain(node: Node, outputs: set, taken: dict) -> Tuple[List[Tuple[Node, str]], str]:
     """The epilogue chain after Cube node ``node``: [(absorbed node, role)] and why it stops
-    at its first link ("" when a link was found or the consumer is not an epilogue op)."""
+    at its first link ("" when a link was found or the consumer is not an epilogue op). A
+    reshape of a 2-D MatMul's ND result ([B·S, N] → [B, S, N], a Linear in a transformer) is
+    followed as role 'reshape' (free in ND) when an epilogue op comes after it."""
     chain: List[Tuple[Node, str]] = []
     prev = node.outputs[0]
     while True:
+        real = [c for c in chain if c[1] != "reshape"]
         if id(prev) in outputs:
-            return chain, "" if chain else "its output is a graph output"
+            return _trim(chain), "" if real else "its output is a graph output"
         users = list(dict.fromkeys(prev.users))
         if len(users) != 1:
-            return chain, "" if chain or not users else f"its output has {len(users)} consumers " \
+            return _trim(chain), "" if real or not users else f"its output has {len(users)} consumers " \
                 f"({', '.join(u.name for u in users)}), so it must be written to HBM"
         nxt = users[0]
+        if nxt.op in RESHAPES and node.op in ("MatMul", "MatMulV2") and prev.desc.format == Format.ND \
+                and nxt.inputs[0] is prev and nxt not in taken:
+            chain.append((nxt, "reshape"))
+            prev = nxt.outputs[0]
+            continue
         role, why = _epilogue_role(nxt, prev)
-        if not role or nxt in taken or len(chain) >= 3:
+        if not role or nxt in taken or len(real) >= 3:
             busy = (f"{nxt.name} is fused into {taken[nxt].name}'s epilogue, which reads this output as its "
                     f"residual" if nxt in taken else "")
-            return chain, "" if chain or not (busy or nxt.op in ("Add", "Relu")) else (busy or why)
+            return _trim(chain), "" if real or not (busy or nxt.op == "Add" or _is_act(nxt)) else (busy or why)
         chain.append((nxt, role))
         prev = nxt.outputs[0]
+
+
+def _trim(chain: List[Tuple[Node, str]]) -> List[Tuple[Node, str]]:
+    """``chain`` without trailing reshapes (a reshape alone is no epilogue)."""
+    while chain and chain[-1][1] == "reshape":
+        chain.pop()
+    return chain
+
+
+def _is_act(node: Node) -> bool:
+    from ..opdef import get_op
+    return get_op(node.op).activation in EPILOGUE_ACTIVATIONS
 
 
 def ub_epilogues(graph) -> Tuple[dict, dict, dict]:
     """GE's UB fusion on a vnpu graph (after layout): each Conv/MatMul-family node (cost
     `conv` / `matmul`) whose output has one consumer that is a bias Add (a smaller constant
     broadcast), a Relu or a residual Add (same shape and dtype), each link with one
-    consumer, takes that chain (at most 3 ops) as its Cube epilogue. Returns
+    consumer, takes that chain (at most 3 ops) as its Cube epilogue; an activation of
+    `EPILOGUE_ACTIVATIONS` (GELU, SiLU, Tanh, Sigmoid) is a link as Relu is. Returns
     (cube node -> epilogue roles, absorbed node -> cube node, cube node -> why not fused)."""
     outputs = {id(v) for v in graph.outputs}
     epi, absorbed, why_not = {}, {}, {}
@@ -256,13 +288,15 @@ def ub_epilogues(graph) -> Tuple[dict, dict, dict]:
 
 
 def cube_with_epilogue(node: Node, spec: NpuSpec, epilogue: Tuple[str, ...]) -> Tuple[KernelCost, str]:
-    """Cost of Cube node ``node`` with ``epilogue`` (roles 'bias', 'relu', 'add') fused:
-    `conv` / `matmul` with the cost model's ``epilogue`` argument."""
+    """Cost of Cube node ``node`` with ``epilogue`` (roles 'bias', 'add', an activation) fused:
+    `conv` / `matmul` with the cost model's ``epilogue`` argument ('gelu_tanh' costs as 'gelu',
+    'reshape' is free)."""
+    epilogue = tuple("gelu" if r == "gelu_tanh" else r for r in epilogue if r != "reshape")
     c, model = _cube_fn(node)(node, spec, epilogue)
     return c, f"{model} + epilogue({', '.join(epilogue)})"
 
 
-__all__ += ["UB_EPILOGUE", "cube_with_epilogue", "ub_epilogues"]
+__all__ += ["EPILOGUE_ACTIVATIONS", "UB_EPILOGUE", "cube_with_epilogue", "ub_epilogues"]
 
 
 def fused_elementwise(node: Node, spec: NpuSpec) -> Tuple[KernelCost, str]:

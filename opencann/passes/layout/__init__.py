@@ -1,6 +1,8 @@
 """Stage 3, layout: storage formats per device (cpu: `LayoutSelection`, vnpu:
-`NpuLayoutSelection`). One pass per module."""
+`NpuLayoutSelection`), then the vnpu's UB fusion on the formatted graph
+(`VnpuUbEpilogue`). One pass per module."""
 from .cpu_layout import LayoutSelection
 from .npu_layout import NpuLayoutSelection, npu_desc, select
+from .vnpu_ub_epilogue import VnpuUbEpilogue
 
-__all__ = ["LayoutSelection", "NpuLayoutSelection", "npu_desc", "select"]
+__all__ = ["LayoutSelection", "NpuLayoutSelection", "VnpuUbEpilogue", "npu_desc", "select"]

@@ -15,7 +15,8 @@ formats, insert TransData at format boundaries and remove inverse TransData pair
    fp16 <-> fp32 Casts stay) stays in it, on FRACTAL_NZ also with an ND operand broadcast
    along the last axis only (a bias [N], read into UB by the Vector unit; `_elementwise`);
    pooling, H/W reductions (keepdim) and inference BatchNorm on an NC1HWC0 input stay in
-   NC1HWC0; everything else runs in ND;
+   NC1HWC0; LayerNorm and (Log)SoftmaxV2 over the last axis of a FRACTAL_NZ input stay in
+   FRACTAL_NZ (`_last_axis`); everything else runs in ND;
 3. insertion (as GE does): each NPU-format node gets TransData ND→format on its inputs
    (constant weights are converted once, at compile time, into new constants) and
    TransData format→ND on its outputs, so the graph is correct edge by edge;
@@ -25,7 +26,8 @@ formats, insert TransData at format boundaries and remove inverse TransData pair
 Per-preset rules (capabilities on `NpuSpec`): where ``spec.cube_nd_direct`` (Atlas A2,
 910B) MatMul/BatchMatMul/MatMulV2 read and write ND, so no TransData surrounds them (the
 Cube converts ND to fractals while loading); where float32 is not in ``spec.cube_dtypes``
-(910, 310) the float32 operands of Conv2D and the matmuls are cast to float16 before the
+(910, 310) the float32 operands of Conv2D, the matmuls, the attention ops (SDPA,
+FlashAttention; an additive mask stays fp32) and GatedMLP are cast to float16 before the
 Cube and the result back to float32 (reported as "fp32 to fp16 for the Cube"; a
 fp16→fp32→fp16 pair between two Cube ops is exact and skipped), as GE's default
 precision mode does on those chips. Under ``precision_mode`` ``must_keep_origin_dtype``
@@ -49,7 +51,7 @@ import torch
 from ...devices import Device
 from ...devices.vnpu import NpuSpec, c0_for, format_shape, fz_groups, trans_data
 from ...ir import DataType, Format, Graph, Node, TensorDesc, TensorRef, Value
-from ...ops import get_op
+from ...ops import OpKind, get_op
 from ...ops.kernels.vnpu import origin_format_for
 from ..base import Pass, PassContext
 from ..prepare.precision import _cast
@@ -227,6 +229,27 @@ def _channelwise(node: Node, fmt: Dict[int, Format]) -> Tuple[Optional[_Choice],
     return _Choice(ins, [Format.NC1HWC0] + [ND] * (len(node.outputs) - 1)), ""
 
 
+def _last_axis(node: Node, fmt: Dict[int, Format]) -> Tuple[Optional[_Choice], str]:
+    """LayerNorm / (Log)SoftmaxV2 over the last axis stay in FRACTAL_NZ when their input is
+    (a matmul's result on a chip whose Cube writes NZ): CANN's kernels reduce a row over
+    its N1 fractals and C0 lanes; γ, β stay ND [N]; LayerNorm's mean and rstd are ND."""
+    xi = _pos(node, "input") if "input" in node.attrs else _pos(node, "self")
+    x = node.inputs[xi]
+    if fmt.get(x.id, ND) != Format.FRACTAL_NZ:
+        return None, f"input is in {fmt.get(x.id, ND).value}, so {node.op} runs in ND"
+    rank, out = x.desc.rank, node.outputs[0].desc
+    if rank < 2 or out.dtype != x.desc.dtype:
+        return None, "rank-1 input or a change of dtype (and so of C0): runs in ND"
+    last = len(node.attrs["normalized_shape"]) == 1 if node.op == "LayerNorm" \
+        else int(node.attrs["dim"]) % rank == rank - 1
+    if not last:
+        return None, (f"{node.op} normalises over more than the last axis; on FRACTAL_NZ only the last "
+                      f"(N) axis is a row of fractals, so it runs in ND")
+    ins = [ND] * len(node.inputs)
+    ins[xi] = Format.FRACTAL_NZ
+    return _Choice(ins, [Format.FRACTAL_NZ] + [ND] * (len(node.outputs) - 1)), ""
+
+
 def select(node: Node, fmt: Dict[int, Format], spec: Optional[NpuSpec] = None,
            wanted: Optional[Dict[int, Format]] = None) -> Tuple[Optional[_Choice], str]:
     """Formats for ``node`` given its operands' formats, the chip ``spec`` (None: no
@@ -238,6 +261,8 @@ def select(node: Node, fmt: Dict[int, Format], spec: Optional[NpuSpec] = None,
     if kind is None and get_op(node.op).is_view:
         return None, (f"{node.op} is a view of the logical (ND) layout; padded, blocked NPU storage "
                       "cannot be viewed that way, so its input is TransData'd back to ND")
+    if kind is None and "vnpu" in get_op(node.op).kernel_factories:
+        return None, f"{node.op}'s vnpu kernel takes ND (ops/kernels/vnpu_nd.py), so its input is TransData'd to ND"
     if kind is None:
         return None, f"{node.op} has no vnpu kernel in NPU formats; it runs in ND on the host"
     if kind == "conv":
@@ -246,6 +271,8 @@ def select(node: Node, fmt: Dict[int, Format], spec: Optional[NpuSpec] = None,
         return _matmul(node)
     if kind == "elementwise":
         return _elementwise(node, fmt, wanted, spec)
+    if kind == "lastaxis":
+        return _last_axis(node, fmt)
     return _channelwise(node, fmt)
 
 
@@ -399,22 +426,34 @@ def _refuse_fp16(n: Node, mode: str, spec: NpuSpec) -> CubeDtypeError:
         f"preset with an fp32 Cube ({', '.join('vnpu:' + p for p in fp32) or 'none built in'})")
 
 
+def _on_cube(n: Node) -> bool:
+    """Whether ``n``'s products run on the Cube: the conv and matmul families, and the
+    attention ops and GatedMLP (QKᵀ, PV and the GEMMs are Cube work); an op whose kernel is
+    fp32 only (``fp32_kernel``: DecodeAttention, which reads the fp32 KV cache) keeps its dtype."""
+    op = get_op(n.op)
+    if op.npu_format in ("conv", "matmul"):
+        return True
+    return (op.kind == OpKind.ATTENTION or n.op == "GatedMLP") and not op.fp32_kernel
+
+
 def _cube_fp16_casts(graph: Graph, ctx: PassContext) -> int:
-    """Cast the float32 operands of Cube ops (conv, matmul) to float16 and their float32
-    results back (chips whose Cube has no fp32). Returns the number of Cube ops changed.
+    """Cast the float32 operands of Cube ops (conv, matmul, attention, GatedMLP: `_on_cube`;
+    an additive attention mask stays float32) to float16 and their float32 results back
+    (chips whose Cube has no fp32). Returns the number of Cube ops changed.
     Raises `CubeDtypeError` for the first such op when ``precision_mode`` is
     ``must_keep_origin_dtype`` or ``force_fp32`` (CANN fails such a compile)."""
     cache: Dict = {}
     changed = 0
     mode = ctx.options["precision_mode"]
     for n in list(graph.nodes):
-        if get_op(n.op).npu_format not in ("conv", "matmul") or len(n.outputs) != 1 \
-                or n.outputs[0].desc.dtype != DataType.FLOAT:
+        if not _on_cube(n) or len(n.outputs) != 1 or n.outputs[0].desc.dtype != DataType.FLOAT:
             continue
         if mode in KEEP_DTYPE_MODES:
             raise _refuse_fp16(n, mode, ctx.device.spec)
+        keep = {n.attrs[k].index for k in ("attn_mask", *get_op(n.op).precision_keeps)
+                if isinstance(n.attrs.get(k), TensorRef)}
         for i, v in enumerate(n.inputs):
-            if v.desc.dtype == DataType.FLOAT:
+            if v.desc.dtype == DataType.FLOAT and i not in keep:
                 n.set_input(i, _cast(graph, v, DataType.FLOAT16, n, cache))
         o = n.outputs[0]
         users = list(o.users)
