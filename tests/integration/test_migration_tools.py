@@ -121,7 +121,8 @@ def test_compare_on_vnpu_maps_transdata_back(net):
     assert res.layers and res.status == "pass"
     assert any(r.op == "TransData" for r in res.layers)   # NPU-format values compared in ND
     # the convolutions' NC1HWC0 outputs are compared in NCHW (C0 padding dropped)
-    npu = [r for r in res.layers if r.op in ("Conv2D", "ConvBiasAct", "ConvAddAct")]
+    npu = [r for r in res.layers if r.op in ("Conv2D", "ConvBiasAct", "ConvAddAct")
+           or r.op == "CubeEpilogue" and r.node.startswith("convolution")]   # UB-fused convs
     assert npu and all(len(r.shape) == 4 and r.status == "pass" for r in npu), res.layers
 
 

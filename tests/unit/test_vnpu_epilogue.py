@@ -222,11 +222,11 @@ def test_cost_graph_unfused_reading_of_epilogue_nodes_matches_the_unfused_graph(
     """A graph compiled with the pass, costed with ``ub_epilogue=False``, costs what the
     graph compiled without it costs (each link its own Vector kernel)."""
     from opencann.tools.estimate import _compile, cost_graph
-    from opencann.frontend.torch import capture
+    from opencann.frontend.torch import capture, from_exported_program
     m, args = resnet
     ep, _ = capture(m, args)
-    fused_graph = _compile(ep, "r", DEV, True)[0]
-    plain_graph = _compile(ep, "r", DEV, True, ub_epilogue=False)[0]
+    fused_graph = _compile(from_exported_program(ep, name="r"), DEV, True)[0]
+    plain_graph = _compile(from_exported_program(ep, name="r"), DEV, True, ub_epilogue=False)[0]
     assert "CubeEpilogue" in fused_graph.op_counts() and "CubeEpilogue" not in plain_graph.op_counts()
     t = lambda rows: (sum(r.time_us for r in rows), sum(r.hbm_bytes for r in rows))   # noqa: E731
     a, b = t(cost_graph(fused_graph, ascend910b, ub_epilogue=False)[0]), t(cost_graph(plain_graph, ascend910b)[0])
