@@ -283,7 +283,7 @@ ascend910b = NpuSpec(
     gm_read_bytes_per_cycle=110.0, gm_write_bytes_per_cycle=86.0,
     kernel_launch_us=5.0, op_dispatch_us=70.0,
     cube_nd_direct=True, cube_dtypes=("float16", "bfloat16", "float32", "int8"), cube_fp32_fraction=0.25,
-    hccs_gbps=56.0, hccs_latency_us=9.0,
+    hccs_gbps=56.0, hccs_latency_us=26.0,
     sources={
         "hccs_gbps": "estimate: the commonly quoted Atlas 800 A2 figure, 8 NPUs in a full HCCS mesh, 7 links of "
                      "56 GB/s per NPU (392 GB/s); no primary source in the stored corpus",
