@@ -291,12 +291,7 @@ def estimate_llm(model: Any, device: str = "vnpu:ascend910b", dtype: str = "floa
             cards, or cards > 1 on a preset without HCCS figures (one line each, naming the fix).
     """
     spec = parse_device(device, kind="vnpu").spec
-    for name, v in (("prompt", prompt), ("batch", batch), ("cards", cards)) + ((("context", context),) if context is not None else ()):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ValueError(f"estimate_llm: {name} must be an integer >= 1, got {v!r}")
-    dt = getattr(torch, str(dtype), None)
-    if not isinstance(dt, torch.dtype) or not dt.is_floating_point:
-        raise ValueError(f"estimate_llm: dtype {dtype!r} is not a float dtype; use float16, bfloat16 or float32")
+    dt = _check_args(prompt, context, batch, cards, dtype)
     cfg = llm_config(model)
     from ..llm.arch import read_arch
     full = read_arch(cfg)
@@ -324,16 +319,32 @@ def estimate_llm(model: Any, device: str = "vnpu:ascend910b", dtype: str = "floa
     out = LlmEstimate(str(name), device, spec, str(dtype), batch, cards, prompt, context, full.num_layers,
                       step(prompt, False), step(1, False), step(prompt, True) if eager else None,
                       step(1, True) if eager else None, weights, kv)
-    out.notes.append(f"built from the step graphs of 1 and 2 decoder layers at the real shapes"
-                     f"{' of one card' if cards > 1 else ''}, scaled to {full.num_layers} layers "
-                     "(the whole model is never instantiated)")
-    if weights + kv > spec.hbm_bytes:
-        out.notes.append(f"does NOT fit: {(weights + kv) / GiB:.1f} GiB of weights + KV cache per card > "
-                         f"{spec.hbm_bytes / GiB:.0f} GiB HBM; use more cards, a smaller batch or context")
-    fb = dict(reps[(1, 1)].fallbacks)
-    if fb:
-        out.notes.append("costed with the memory-bound fallback: " + ", ".join(f"{k} x{v}" for k, v in fb.items()))
+    out.notes += _notes(out, reps[(1, 1)].fallbacks)
     return out
+
+
+def _check_args(prompt, context, batch, cards, dtype) -> torch.dtype:
+    """The torch dtype of ``dtype``; ValueError (one line) for a count < 1 or a dtype that is no float."""
+    for name, v in (("prompt", prompt), ("batch", batch), ("cards", cards)) + ((("context", context),) if context is not None else ()):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"estimate_llm: {name} must be an integer >= 1, got {v!r}")
+    dt = getattr(torch, str(dtype), None)
+    if not isinstance(dt, torch.dtype) or not dt.is_floating_point:
+        raise ValueError(f"estimate_llm: dtype {dtype!r} is not a float dtype; use float16, bfloat16 or float32")
+    return dt
+
+
+def _notes(out: LlmEstimate, fallbacks: Dict[str, int]) -> List[str]:
+    """How the estimate was built, whether it fits in HBM, and the ops without a cost function."""
+    notes = [f"built from the step graphs of 1 and 2 decoder layers at the real shapes"
+             f"{' of one card' if out.cards > 1 else ''}, scaled to {out.layers} layers "
+             "(the whole model is never instantiated)"]
+    if out.hbm_needed_bytes > out.spec.hbm_bytes:
+        notes.append(f"does NOT fit: {out.hbm_needed_bytes / GiB:.1f} GiB of weights + KV cache per card > "
+                     f"{out.spec.hbm_bytes / GiB:.0f} GiB HBM; use more cards, a smaller batch or context")
+    if fallbacks:
+        notes.append("costed with the memory-bound fallback: " + ", ".join(f"{k} x{v}" for k, v in fallbacks.items()))
+    return notes
 
 
 __all__ = ["LLAMA2_CONFIGS", "LlmEstimate", "MODES", "StepEstimate", "estimate_llm", "llm_config", "shard_config"]
