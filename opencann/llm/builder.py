@@ -53,8 +53,9 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Ten
     keeps the padding from reaching real tokens."""
     torch.ops.opencann.kv_cache_update(k_cache, k, positions)
     torch.ops.opencann.kv_cache_update(v_cache, v, positions)
-    if q.shape[2] == 1:
-        return torch.ops.opencann.decode_attention(q, k_cache, v_cache, lengths, scale)
+    if q.shape[2] == 1:    # the op returns float32; a no-op for the float32 models DecoderLM runs, and
+        # a reduced-precision graph built for estimates (opencann.tools.estimate_llm) stays in its dtype
+        return torch.ops.opencann.decode_attention(q, k_cache, v_cache, lengths, scale).to(q.dtype)
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
                                           enable_gqa=q.shape[1] != k.shape[1])
 

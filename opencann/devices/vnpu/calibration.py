@@ -40,6 +40,16 @@ Sources (keys used in ``source``):
   A2/A3"), its performance table on Ascend 910B2, fp16 in / fp16 out: ``torch.matmul`` (torch_npu) and the
   hand-written PTO-DSL kernel, each the mean of 20 event-timed calls after 5 warm-ups, every call on fresh
   operands (kernels/python/gemm/run.py: 25 distinct A/B pairs, so A and B come from HBM).
+[TA-7B] TorchAir's Llama2-7B reference (Ascend/torchair npu_tuned_model/llm/llama/reduce-overhead/README.md
+  @ 91863657): one Atlas 800I A2 card (arm host), fp16, batch 4, prompt padded to 1024, 1024 new tokens, KV
+  cache preallocated at max_position_embeddings = 4096: prefill (first step) 207 ms eager / 208 ms graph
+  (max-autotune), decode (mean of the later steps) 27.8 ms eager / 18.6 ms graph;
+[TA-70B] TorchAir's Llama2-70B reference (Ascend/torchair npu_tuned_model/llm/llama/README.md @ 433f5a2a),
+  8 Atlas 800I A2 cards (deepspeed tensor parallelism, arm host), fp16, same prompt / new tokens, graph mode:
+  prefill 175 / 565 / 1101 / 2357 / 4895 / 7253 ms and decode 34.6 / 35.1 / 35.5 / 38.1 / 42.5 / 46.4 ms at
+  batch 1 / 4 / 8 / 16 / 32 / 48; eager at batch 4: prefill 610 ms, decode 110 ms.  (An older revision of the
+  same README, @ 18b6477f, gives 35.9 .. 48.6 ms decode.)  The LLM rows are built by
+  `opencann.tools.estimate_llm.llm_calibration_table` (they need the step graphs, above this layer).
 Also used as evidence, not as anchors: kernels/manual/a2a3/gemm_performance/README.md (same repository),
   the manual GEMM on an Atlas A3 (24 cores, fp16 in / fp32 out) with its per-pipe busy ratios.
 """
@@ -50,7 +60,7 @@ from typing import Any, Dict, List, Sequence
 from .cost_model import (conv2d_cost, eager_time_us, flash_attention_cost, matmul_cost, reduction_cost)
 from .presets import NpuSpec, ascend310, ascend910b
 
-__all__ = ["calibration_table", "resnet_inference_us", "render_markdown", "PTO_SINGLE_CORE_US",
+__all__ = ["calibration_table", "calibration_row", "TORCHAIR_LLAMA2", "resnet_inference_us", "render_markdown", "PTO_SINGLE_CORE_US",
            "BEST_HANDWRITTEN_SINGLE_CORE_US", "BEST_HANDWRITTEN_ALL_CORE_US", "handwritten_all_core_estimate_us",
            "BEST_PUBLISHED_GEMM_TFLOPS", "GEMM_TORCH_NPU_910B2", "GEMM_PTO_DSL_910B2", "gemm_estimate_tflops"]
 
@@ -164,6 +174,27 @@ def _row(workload: str, preset: str, source: str, unit: str, published: float, e
     return {"workload": workload, "preset": preset, "source": source, "unit": unit, "published": published,
             "estimate": estimate, "ratio": ratio, "band": band, "within_band": abs(ratio - 1) <= band,
             "weak": weak, "known_miss": known_miss, "fitted": fitted, "note": note}
+
+
+def calibration_row(workload: str, preset: str, source: str, unit: str, published: float, estimate: float,
+                    weak: bool = False, note: str = "", known_miss: bool = False,
+                    fitted: bool = False) -> Dict[str, Any]:
+    """One calibration row (the dict `calibration_table` returns), for tables built above this layer
+    (`opencann.tools.estimate_llm.llm_calibration_table`)."""
+    return _row(workload, preset, source, unit, published, estimate, weak, note, known_miss, fitted)
+
+
+TORCHAIR_LLAMA2: List[Dict[str, Any]] = [
+    *[{"model": "llama2-7b", "cards": 1, "batch": 4, "step": step, "mode": mode, "ms": ms, "source": "[TA-7B]"}
+      for step, mode, ms in (("prefill", "graph", 208.0), ("decode", "graph", 18.6), ("prefill", "eager", 207.0),
+                             ("decode", "eager", 27.8))],
+    *[{"model": "llama2-70b", "cards": 8, "batch": b, "step": "decode", "mode": "graph", "ms": ms, "source": "[TA-70B]"}
+      for b, ms in ((1, 34.6), (4, 35.1), (8, 35.5), (16, 38.1), (32, 42.5), (48, 46.4))],
+    *[{"model": "llama2-70b", "cards": 8, "batch": b, "step": "prefill", "mode": "graph", "ms": ms, "source": "[TA-70B]"}
+      for b, ms in ((1, 175.0), (48, 7253.0))],
+    {"model": "llama2-70b", "cards": 8, "batch": 4, "step": "decode", "mode": "eager", "ms": 110.0, "source": "[TA-70B]"},
+]
+"""Published TorchAir Llama2 step times on Atlas 800I A2 (fp16, prompt 1024, KV cache 4096), ms: [TA-7B], [TA-70B]."""
 
 
 def handwritten_all_core_estimate_us(s: int, spec: NpuSpec = ascend910b) -> float:

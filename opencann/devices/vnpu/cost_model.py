@@ -710,3 +710,30 @@ def flash_attention_calibration_table(spec: NpuSpec = ascend910b, head_dim: int 
         est = c.useful_flops / (eager_time_us(c, spec) * 1e-6) / 1e12
         rows.append((s, est, meas, est / meas))
     return rows
+
+
+# ----------------------------------------------------------------------------------
+# Collectives over HCCS (tensor parallelism)
+# ----------------------------------------------------------------------------------
+
+def allreduce_cost(nbytes: float, cards: int, spec: NpuSpec = ascend910b) -> KernelCost:
+    """One HCCL all-reduce of ``nbytes`` (B) per card over ``cards`` NPUs in a full HCCS mesh
+    (Atlas 800 A2: every pair of the 8 NPUs has its own link): reduce-scatter then all-gather,
+    each ONE step in which every card sends a 1/C share to each of the C - 1 others over its own
+    link (HCCL's mesh algorithm), so time = launch + 2 · (``hccs_latency_us`` + (nbytes / C) /
+    ``hccs_gbps``).  HBM traffic: the buffer read and written twice.  ``cards`` == 1 costs
+    nothing (time 0).  Raises ValueError for cards < 1, nbytes < 0, or a spec without the HCCS
+    figures (`LINK_DOCS`) when cards > 1."""
+    if cards < 1 or nbytes < 0:
+        raise ValueError(f"allreduce_cost: cards must be >= 1 and nbytes >= 0, got cards={cards}, nbytes={nbytes}")
+    if cards == 1:
+        return KernelCost("allreduce", 0.0, 0.0, 0.0, 0.0, "link", {"cards": 1})
+    if spec.hccs_gbps is None or spec.hccs_latency_us is None:
+        raise ValueError(f"{spec.name} has no HCCS figures for a {cards}-card estimate: give hccs_gbps and "
+                         "hccs_latency_us in a spec file (base = \"ascend910b\" has them), or use cards=1")
+    step = spec.hccs_latency_us + (nbytes / cards) / (spec.hccs_gbps * 1e3)
+    return KernelCost("allreduce", spec.kernel_launch_us + 2 * step, 0.0, 0.0,
+                      4.0 * nbytes, "link", {"cards": cards, "step_us": step, "launch_us": spec.kernel_launch_us})
+
+
+__all__ += ["allreduce_cost"]

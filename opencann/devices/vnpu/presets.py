@@ -26,6 +26,8 @@ Sources used below (short keys in the per-field strings):
 * [PTO-JIT] CANN pto-isa demos/torch_jit/flash_atten/README.md (cannmirror/pto-isa @ defdb75f,
   2026-03-07), warm per-call benchmark table on 910B2 (S0=128, one core, aarch64 host); the
   same tag as in ``opencann.devices.vnpu.calibration``.
+* [TA-70B] TorchAir's Llama2-70B reference on 8 Atlas 800I A2 cards (Ascend/torchair
+  npu_tuned_model/llm/llama/README.md @ 433f5a2a), the tag of ``opencann.devices.vnpu.calibration``.
 
 No dependency beyond the standard library: ``tomllib`` (Python >= 3.11) reads TOML.
 """
@@ -39,7 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
-__all__ = ["NpuSpec", "CAPABILITY_DOCS", "ascend910", "ascend910b", "ascend310", "PRESETS", "get_preset", "load_spec"]
+__all__ = ["NpuSpec", "CAPABILITY_DOCS", "LINK_DOCS", "ascend910", "ascend910b", "ascend310", "PRESETS", "get_preset", "load_spec"]
 
 KiB = 1024
 MiB = 1024 * KiB
@@ -88,6 +90,13 @@ CAPABILITY_DOCS: dict[str, tuple[type, str]] = {
     "cube_fp32_fraction": (float, "fp32 Cube throughput as a fraction of fp16 (where float32 is in cube_dtypes)"),
 }
 
+# Chip-to-chip link (HCCS) figures: optional, None = no link data (a multi-card estimate then
+# asks for them).  name -> (unit, meaning)
+LINK_DOCS: dict[str, tuple[str, str]] = {
+    "hccs_gbps": ("GB/s", "HCCS bandwidth of one chip-to-chip link, one direction (10^9 B/s)"),
+    "hccs_latency_us": ("us", "time of one step of an HCCL collective (link hop + synchronisation)"),
+}
+
 _INT_FIELDS = {
     "cube_cores", "vector_cores", "cube_macs_per_cycle", "vector_bytes_per_cycle",
     "l0a_bytes", "l0b_bytes", "l0c_bytes", "l1_bytes", "ub_bytes", "l2_bytes", "hbm_bytes",
@@ -126,6 +135,8 @@ class NpuSpec:
     cube_nd_direct: bool = False
     cube_dtypes: tuple = ("float16", "int8")
     cube_fp32_fraction: float = 0.5
+    hccs_gbps: float | None = None
+    hccs_latency_us: float | None = None
     sources: Mapping[str, str] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -166,6 +177,9 @@ class NpuSpec:
         for f in _NUMERIC_FIELDS:
             unit, _ = FIELD_DOCS[f]
             rows.append(f"  {f:26s} {getattr(self, f)!s:>14} {unit:20s} {self.sources.get(f, '(no source)')}")
+        for f, (unit, _) in LINK_DOCS.items():
+            if getattr(self, f) is not None:
+                rows.append(f"  {f:26s} {getattr(self, f)!s:>14} {unit:20s} {self.sources.get(f, '(no source)')}")
         rows.append(f"  {'peak fp16 Cube':26s} {self.peak_cube_tflops(2):>14.1f} {'TFLOP/s':20s} derived")
         return "\n".join(rows)
 
@@ -212,6 +226,11 @@ def _validate(values: Mapping[str, Any], origin: str) -> None:
             want = {bool: "true or false", tuple: "a list of dtype names, e.g. [\"float16\", \"int8\"]",
                     float: "a number in (0, 1]"}[typ]
             raise ValueError(f"{origin}: key '{key}' ({meaning}) must be {want}, got {v!r}")
+    for key, (unit, meaning) in LINK_DOCS.items():
+        v = values.get(key)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)
+                              or not 0 < v <= 1e6):
+            raise ValueError(f"{origin}: key '{key}' ({meaning}) must be a positive number in {unit}, got {v!r}")
     if values["vector_cores"] < values["cube_cores"]:
         raise ValueError(f"{origin}: 'vector_cores' ({values['vector_cores']}) is smaller than 'cube_cores' "
                          f"({values['cube_cores']}); every Cube core needs at least one Vector unit")
@@ -264,7 +283,13 @@ ascend910b = NpuSpec(
     gm_read_bytes_per_cycle=110.0, gm_write_bytes_per_cycle=86.0,
     kernel_launch_us=5.0, op_dispatch_us=70.0,
     cube_nd_direct=True, cube_dtypes=("float16", "bfloat16", "float32", "int8"), cube_fp32_fraction=0.25,
+    hccs_gbps=56.0, hccs_latency_us=26.0,
     sources={
+        "hccs_gbps": "estimate: the commonly quoted Atlas 800 A2 figure, 8 NPUs in a full HCCS mesh, 7 links of "
+                     "56 GB/s per NPU (392 GB/s); no primary source in the stored corpus",
+        "hccs_latency_us": "estimate (FITTED): set so that Llama2-70B decode on 8 cards at batch 1 matches [TA-70B] "
+                           "(opencann.devices.vnpu.calibration, the fitted LLM row); small HCCL all-reduces on a "
+                           "mesh are latency-bound, and no public per-step latency was found",
         "cube_nd_direct": "[A2-ND] Atlas A2 (910B) MatMul reads ND from GM; the ND->NZ conversion happens in "
                           "the MTE2 load (Nd2Nz), so GE inserts no TransData around MatMul/BatchMatMul",
         "cube_dtypes": "[A2-ND] Ascend C Matmul on Atlas A2 takes half, bfloat16, float (as HF32/fp32) and int8",
@@ -398,14 +423,15 @@ def load_spec(path: str | Path) -> NpuSpec:
         raise ValueError(f"{p}: key 'sources' must be a table mapping field names to source strings")
     base_name = data.pop("base", None)
     for key in list(data) + list(user_sources):
-        if key not in FIELD_DOCS and key not in CAPABILITY_DOCS:
+        if key not in FIELD_DOCS and key not in CAPABILITY_DOCS and key not in LINK_DOCS:
             raise ValueError(f"{p}: unknown key '{key}'; valid keys are {', '.join(FIELD_DOCS)}, "
-                             f"{', '.join(CAPABILITY_DOCS)}, 'base', 'sources'; remove it or fix its spelling")
+                             f"{', '.join(CAPABILITY_DOCS)}, {', '.join(LINK_DOCS)}, 'base', 'sources'; "
+                             "remove it or fix its spelling")
     values: dict[str, Any] = {}
     sources: dict[str, str] = {}
     if base_name is not None:
         base = get_preset(str(base_name))
-        values = {f: getattr(base, f) for f in (*FIELD_DOCS, *CAPABILITY_DOCS)}
+        values = {f: getattr(base, f) for f in (*FIELD_DOCS, *CAPABILITY_DOCS, *LINK_DOCS)}
         sources = dict(base.sources)
     values.update(data)
     for key in data:
