@@ -98,7 +98,18 @@ def _batches(calibration_inputs) -> List[tuple]:
     if not out:
         raise ValueError("calibration_inputs is empty: give at least one batch (a tensor or a "
                          "tuple of the model's inputs), e.g. [x1, x2]")
+    first = _signature(out[0])
+    for k, b in enumerate(out[1:], 1):
+        if _signature(b) != first:
+            raise ValueError(f"calibration batch #{k} is {_signature(b)} but batch #0 is {first}: "
+                             f"every calibration batch must have the first one's shapes and dtypes "
+                             f"(the compiled shape); split or pad them to one shape")
     return out
+
+
+def _signature(batch: tuple) -> str:
+    return ", ".join(f"{str(t.dtype).replace('torch.', '')}{list(t.shape)}" if isinstance(t, torch.Tensor)
+                     else type(t).__name__ for t in batch)
 
 
 def calibrate(cm: CompiledModel, batches: Iterable[tuple]) -> Dict[str, Dict[str, Any]]:
@@ -146,7 +157,8 @@ def quantize(model: torch.nn.Module, calibration_inputs, *, config: Optional[Dic
     data (a few batches) gives the activation ranges. ``config``: `create_quant_config`'s
     dict (default: static, min/max, nothing skipped). ``options``: compile options, as
     ``opencann.compile`` (``quant_config`` is set here). Raises ValueError (one line)
-    for an empty calibration set, a config that is no dict, or a ``precision_mode``
+    for an empty calibration set, batches of different shapes or dtypes, batches with no
+    finite value at any layer's input (static mode), a config that is no dict, or a ``precision_mode``
     that lowers to fp16/bf16 (int8 layers are quantized from fp32), and what
     ``opencann.compile`` raises. The compiled model's ``report`` lists every layer in
     the ``quantize_int8`` pass's entries (`quant_report`)."""
@@ -163,6 +175,10 @@ def quantize(model: torch.nn.Module, calibration_inputs, *, config: Optional[Dic
     if cfg["mode"] == "static":
         fp32 = compile_module(model, batches[0], device, dict(opts, quant_config=None))
         records = calibrate(fp32, batches)
+        if not records and any(n.op in TARGETS for n in fp32.graph.nodes):
+            raise ValueError("calibration saw no finite value at the input of any convolution or "
+                             "linear (every calibration batch is NaN/inf there): give batches of "
+                             "real data")
     layers = {k: {"scale_d": r["scale_d"], "offset_d": r["offset_d"]} for k, r in records.items()}
     opts["quant_config"] = {"layers": layers, "skip_layers": list(cfg.get("skip_layers") or ()),
                             "dynamic_linear": bool(cfg.get("dynamic_linear"))}

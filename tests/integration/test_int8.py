@@ -167,6 +167,10 @@ def test_errors_are_one_line():
         create_quant_config(skip_layers="fc")
     with pytest.raises(ValueError, match="option 'quant_config'"):
         opencann.compile(lin, torch.randn(2, 8), options={"quant_config": {"layers": {"a": {"scale_d": -1}}}})
+    with pytest.raises(ValueError, match=r"calibration batch #1 is float32\[3, 8\] but batch #0 is float32\[2, 8\]"):
+        opencann.quantize(lin, [torch.randn(2, 8), torch.randn(3, 8)])
+    with pytest.raises(ValueError, match="calibration saw no finite value"):
+        opencann.quantize(lin, [torch.full((2, 8), float("nan")), torch.full((2, 8), float("inf"))])
     with pytest.raises(ValueError, match="lowers layers to fp16/bf16"):
         opencann.quantize(lin, [torch.randn(2, 8)], options={"precision_mode": "allow_mix_precision_bf16"})
 
