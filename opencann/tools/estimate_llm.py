@@ -31,6 +31,7 @@ Calibration against TorchAir's published Llama2 figures: `opencann.devices.vnpu.
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
@@ -171,18 +172,21 @@ class LlmEstimate:
 
 def llm_config(model: Any):
     """A transformers config from ``model``: a `LLAMA2_CONFIGS` name, a
-    ``transformers.PretrainedConfig``, or a local model directory / hub id already in the cache
+    ``transformers.PretrainedConfig``, a transformers model (its ``config``), or a local model directory / hub id already in the cache
     (``AutoConfig.from_pretrained``, offline). Raises ValueError (one line) otherwise."""
     from transformers import AutoConfig, LlamaConfig, PretrainedConfig
     if isinstance(model, PretrainedConfig):
         return model
+    if isinstance(getattr(model, "config", None), PretrainedConfig):   # a transformers model
+        return model.config
     if isinstance(model, str) and model.lower() in LLAMA2_CONFIGS:
         return LlamaConfig(**LLAMA2_CONFIGS[model.lower()])
     try:
         return AutoConfig.from_pretrained(model)
     except (OSError, ValueError, TypeError) as e:
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        raise ValueError(f"--llm {model!r}: not a built-in config ({', '.join(LLAMA2_CONFIGS)}) and no readable "
+        shown = repr(model) if isinstance(model, (str, os.PathLike)) else type(model).__name__
+        raise ValueError(f"--llm {shown}: not a built-in config ({', '.join(LLAMA2_CONFIGS)}) and no readable "
                          f"transformers config ({first}); give a name, a model directory with config.json, "
                          "or a transformers config") from None
 

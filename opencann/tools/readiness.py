@@ -387,8 +387,14 @@ def _kv(src: _Source, context: Optional[int], batch: int, itemsize: int) -> Opti
             raise ValueError(f"readiness: context is for LLMs (transformers GPT-2, Llama, Mistral, "
                              f"Qwen2 models); {src.name} is not one: drop --context")
         return None
+    if context is not None and (isinstance(context, bool) or not isinstance(context, int) or context < 1):
+        raise ValueError(f"readiness: context must be a whole number of tokens >= 1, got {context!r}")
     ctx = context if context is not None else arch.max_positions
-    arch.check_max_seq_len(ctx)
+    try:
+        arch.check_max_seq_len(ctx)
+    except ValueError as e:   # the generator's wording (max_seq_len) in readiness's (context)
+        raise ValueError("readiness: " + str(e).replace("compile with max_seq_len", "give --context")
+                         .replace("max_seq_len", "context")) from None
     return KvCache(arch.model_type, arch.num_layers, batch, arch.num_kv_heads, ctx, arch.head_dim,
                    itemsize, arch.kv_cache_bytes(batch, ctx, itemsize))
 
@@ -584,7 +590,7 @@ def readiness(model, inputs=None, device: str = "vnpu:ascend910b", precision: st
             without inputs, an unknown zoo name or missing file, a model file compiled for
             another device, ``input_shapes`` for a model that is no ONNX file, ``batch``
             for an ONNX or model file, ``context``
-            for a model that is no LLM or beyond its positions, batch < 1.
+            for a model that is no LLM, < 1 or beyond its positions, batch < 1.
         TypeError: ``model`` of another type.
     Failures inside a part (a capture error, a graph that does not convert) are findings:
     the part is None and ``skipped`` says why.

@@ -203,6 +203,18 @@ def test_bad_arguments_are_one_line_errors():
         assert "\n" not in str(e.value)
     with pytest.raises(ValueError, match="give sample inputs"):
         readiness(m)
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    llm = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                       num_attention_heads=4, num_key_value_heads=2,
+                                       max_position_embeddings=64)).eval()
+    ids = torch.randint(1, 64, (1, 8))
+    for ctx, needle in [(0, r"readiness: context must be a whole number of tokens >= 1, got 0"),
+                        (2.5, "readiness: context must be a whole number"),
+                        (65, r"readiness: context 65 exceeds the 64 positions .*give --context <= 64")]:
+        with pytest.raises(ValueError, match=needle) as e:
+            readiness(llm, (ids,), context=ctx, accuracy=False)
+        assert "\n" not in str(e.value) and "max_seq_len" not in str(e.value)
     with pytest.raises(TypeError, match="readiness takes a torch.nn.Module"):
         readiness(42)
 

@@ -115,6 +115,16 @@ def test_unknown_model_is_one_line(tmp_path):
     with pytest.raises(ValueError, match="not a built-in config") as ei:
         estimate_llm(str(tmp_path / "nowhere"))
     assert "\n" not in str(ei.value)
+    with pytest.raises(ValueError, match=r"^--llm Linear: not a built-in config") as ei:
+        estimate_llm(torch.nn.Linear(2, 2))    # named by its type, not its whole repr
+    assert "\n" not in str(ei.value)
+
+
+def test_a_transformers_model_is_estimated_from_its_config():
+    from transformers import LlamaForCausalLM
+    cfg = tiny(layers=1, vocab=64, inter=64)
+    a, b = estimate_llm(LlamaForCausalLM(cfg), prompt=8), estimate_llm(cfg, prompt=8)
+    assert (a.ttft_ms, a.decode_ms, a.weights_bytes, a.kv_cache_bytes) == (b.ttft_ms, b.decode_ms, b.weights_bytes, b.kv_cache_bytes)
 
 
 def test_cli(tmp_path, capsys):
