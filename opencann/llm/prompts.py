@@ -66,11 +66,14 @@ def _check_mask(mask: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
 def prepare(input_ids, attention_mask: Optional[torch.Tensor], *, vocab_size: int,
             max_batch: int, pad_token_id: int) -> PromptBatch:
     """Check and normalise a call's prompts. ``input_ids``: LongTensor [B, L] or [L] (one
-    prompt), or a list of prompts (lists or 1-D tensors of ids, lengths may differ: left-
-    padded with ``pad_token_id`` here); ``attention_mask`` [B, L] of 0/1 with the zeros on
+    prompt), a flat list of ints (one prompt), or a list of prompts (lists or 1-D tensors
+    of ids, lengths may differ: left-padded with ``pad_token_id`` here); ``attention_mask`` [B, L] of 0/1 with the zeros on
     the left (None: no padding). Raises ValueError (one line) for a float/bool or >2-D
     tensor, an empty batch or prompt, more than ``max_batch`` rows, an id outside
     [0, ``vocab_size``), a mask of another shape or not left padding."""
+    if isinstance(input_ids, (list, tuple)) and input_ids and \
+            all(isinstance(x, int) and not isinstance(x, bool) for x in input_ids):
+        input_ids = [input_ids]   # one prompt's ids, as a tokenizer returns for one text
     if isinstance(input_ids, (list, tuple)):
         if attention_mask is not None:
             raise ValueError("attention_mask is built from a list of prompts; pass either a list "

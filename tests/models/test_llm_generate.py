@@ -92,6 +92,8 @@ def test_batch_of_different_prompt_lengths_equals_transformers(name):
     # each row equals its own single-prompt generation (rows are independent)
     alone = gen.generate(short[None], max_new_tokens=12)
     assert torch.equal(want[0, 9:], alone[0])
+    # a flat list of ids (a tokenizer's input_ids for one text) is one prompt, not 4 prompts
+    assert torch.equal(gen.generate(short.tolist(), max_new_tokens=12), alone)
     # three rows run in the batch size 4 with one padded row
     three = gen.generate([short, long, short], max_new_tokens=12, pad_token_id=0)
     assert torch.equal(three[:2], want) and torch.equal(three[2], want[0])
