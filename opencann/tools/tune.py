@@ -228,6 +228,23 @@ def _check_args(candidates, budget, data, time_budget_s) -> List[Candidate]:
     return out
 
 
+def _signature(item) -> List[str]:
+    item = item if isinstance(item, tuple) else (item,)
+    return [f"{str(t.dtype).replace('torch.', '')}{list(t.shape)}" if isinstance(t, torch.Tensor)
+            else type(t).__name__ for t in item]
+
+
+def _check_data_shapes(data, args: tuple) -> None:
+    """ValueError (one line) for a ``data`` item whose tensors' shapes or dtypes differ
+    from ``example_inputs``' (the compiled shapes)."""
+    want = _signature(args)
+    for k, item in enumerate(data or ()):
+        if _signature(item) != want:
+            raise ValueError(f"data item {k} is ({', '.join(_signature(item))}) but example_inputs "
+                             f"are ({', '.join(want)}): every data item must have the compiled "
+                             f"shapes and dtypes; give data of example_inputs' shapes")
+
+
 _VIEWS = (torch.ops.aten.view.default, torch.ops.aten.reshape.default,
           torch.ops.aten._unsafe_view.default)
 
@@ -379,12 +396,18 @@ def tune(model: torch.nn.Module, example_inputs, *, budget: Union[str, Callable]
 
     Returns a `TuneResult` whose ``compiled`` is the `CompiledModel` with the choice
     applied (its report's ``precision`` holds `TuneResult.to_dict`; saved by
-    ``opencann.save``). Raises ValueError (one line) for bad arguments, CaptureError /
+    ``opencann.save``). Raises ValueError (one line) for bad arguments (a ``data`` item of
+    other shapes than ``example_inputs`` included), TypeError for a model that is no
+    ``nn.Module``, CaptureError /
     ConversionError like ``opencann.compile``."""
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"tune takes a torch.nn.Module, got {type(model).__name__}; wrap a "
+                        f"function in an nn.Module whose forward calls it")
     cands = _check_args(candidates, budget, data, time_budget_s)
     torch.manual_seed(seed)
     t0 = time.perf_counter()
     args = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
+    _check_data_shapes(data, args)
     model = model.eval()
     session = Session(model, args)
     nodes = _candidate_nodes(session)

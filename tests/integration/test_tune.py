@@ -133,10 +133,18 @@ def test_candidate_interface_plugs_in_another_precision(factory):
     (dict(budget="cosine"), "budget takes 'msprobe' or a callable"),
     (dict(data=torch.randn(2)), "data takes a non-empty list"),
     (dict(time_budget_s=0), "time_budget_s takes a positive"),
+    (dict(data=[(torch.randn(3, 4),)]), r"data item 0 is \(float32\[3, 4\]\) but example_inputs are "
+                                         r"\(float32\[2, 4\]\)"),
 ])
 def test_bad_arguments_are_one_line(kw, msg):
     with pytest.raises(ValueError, match=msg) as e:
         tune(torch.nn.Linear(4, 4), (torch.randn(2, 4),), **kw)
+    assert "\n" not in str(e.value)
+
+
+def test_a_model_that_is_no_module_is_one_line():
+    with pytest.raises(TypeError, match="tune takes a torch.nn.Module, got function") as e:
+        tune(lambda x: x * 2, (torch.randn(2, 4),))
     assert "\n" not in str(e.value)
 
 
