@@ -291,7 +291,7 @@ def estimate_llm(model: Any, device: str = "vnpu:ascend910b", dtype: str = "floa
     Returns: `LlmEstimate` (µs / ms per step, bytes per card).
     Raises:
         ValueError: not a vnpu device, an unknown preset or model, a dtype that is not a
-            float, prompt / context / batch / cards < 1, sizes that do not split over the
+            float, prompt / context / batch / cards < 1, context < prompt, sizes that do not split over the
             cards, or cards > 1 on a preset without HCCS figures (one line each, naming the fix).
     """
     spec = parse_device(device, kind="vnpu").spec
@@ -328,10 +328,14 @@ def estimate_llm(model: Any, device: str = "vnpu:ascend910b", dtype: str = "floa
 
 
 def _check_args(prompt, context, batch, cards, dtype) -> torch.dtype:
-    """The torch dtype of ``dtype``; ValueError (one line) for a count < 1 or a dtype that is no float."""
+    """The torch dtype of ``dtype``; ValueError (one line) for a count < 1, a context shorter
+    than the prompt or a dtype that is no float."""
     for name, v in (("prompt", prompt), ("batch", batch), ("cards", cards)) + ((("context", context),) if context is not None else ()):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ValueError(f"estimate_llm: {name} must be an integer >= 1, got {v!r}")
+    if context is not None and context < prompt:
+        raise ValueError(f"estimate_llm: context {context} is shorter than the prompt {prompt}: the "
+                         f"KV cache holds the prompt and every generated token; give context >= prompt")
     dt = getattr(torch, str(dtype), None)
     if not isinstance(dt, torch.dtype) or not dt.is_floating_point:
         raise ValueError(f"estimate_llm: dtype {dtype!r} is not a float dtype; use float16, bfloat16 or float32")

@@ -102,6 +102,7 @@ def test_hccs_fields_in_spec_files(tmp_path):
     (dict(prompt=0), "prompt must be an integer >= 1"),
     (dict(batch=True), "batch must be an integer >= 1"),
     (dict(dtype="int8"), "not a float dtype"),
+    (dict(prompt=16, context=8), "context 8 is shorter than the prompt 16"),
     (dict(device="cpu"), "vnpu"),
     (dict(cards=2, device="vnpu:ascend310"), "no HCCS figures"),
 ])
