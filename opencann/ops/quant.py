@@ -8,6 +8,8 @@
   activation with CANN's AscendDequant fused into its fp32 output.
 - ``QuantConvAddAct``: the same with the residual Add (+ ReLU): oneDNN's ``sum`` post-op
   into the fp32 addend, in place as ``ConvAddAct``.
+- ``QuantMaxPool``: MaxPool on a uint8 activation (the ``fuse_requant`` pass moves a
+  MaxPool between two int8 layers to uint8: max commutes with quantization).
 - ``QuantLinearAct``: int8 MatMul / Linear (+ activation), dequantized to fp32; with
   ``attrs["dynamic"]`` x comes in fp32 and is quantized per call.
 
@@ -18,7 +20,8 @@ from __future__ import annotations
 
 from ..ir import Node, numel
 from .kernels import vnpu_cost
-from .kernels.int8_cpu import make_ascend_quant_kernel, make_quant_conv_kernel, make_quant_linear_kernel
+from .kernels.int8_cpu import make_ascend_quant_kernel, make_quant_conv_kernel, make_quant_linear_kernel, \
+    make_quant_max_pool_kernel
 from .library import _conv_cost
 from . import per_index as pi
 from .opdef import Cost, OpDef, OpKind, _nbytes, register
@@ -46,6 +49,9 @@ register(OpDef("QuantConvAddAct", OpKind.FUSED, aliases=((),), cost_fn=_conv_cos
                fused_from=("Conv2D",), kernel_factories={"cpu": make_quant_conv_kernel},
                device_cost={"vnpu": vnpu_cost.conv}, per_index=pi.CONV_ADD,
                doc="int8 Conv2D + residual Add (+ReLU) into the fp32 addend, in place"))
+register(OpDef("QuantMaxPool", OpKind.POOL, aliases=((),), per_index=pi.POOL,
+               kernel_factories={"cpu": make_quant_max_pool_kernel},
+               doc="MaxPool on uint8 (quantized::max_pool2d's NHWC kernel)"))
 register(OpDef("QuantLinearAct", OpKind.FUSED, aliases=((),), cost_fn=_quant_linear_cost,
                fused_from=("MatMulV2", "MatMul"), kernel_factories={"cpu": make_quant_linear_kernel},
                device_cost={"vnpu": vnpu_cost.matmul}, per_index=pi.addmm,

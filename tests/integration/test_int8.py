@@ -58,7 +58,10 @@ def test_static_quantization_runs_int8_kernels_close_to_eager():
     q = opencann.quantize(m, _cal())
     ops = q.report.op_counts_after
     assert ops.get("QuantConvBiasAct") == 2 and ops.get("QuantConvAddAct") == 1
-    assert ops.get("QuantLinearAct") == 2 and ops.get("AscendQuant", 0) >= 4
+    # 5 int8 layers, 3 AscendQuant: stem → a and fc1 → fc2 write uint8 (fuse_requant)
+    assert ops.get("QuantLinearAct") == 2 and ops.get("AscendQuant", 0) == 3
+    assert sorted(e["nodes"] for e in q.report.applied if e["pass"] == "fuse_requant") == \
+        sorted(n.name for n in q.graph.nodes if n.op.startswith("Quant") and n.outputs[0].desc.dtype.torch == torch.uint8)
     assert not {"ConvBiasAct", "ConvAddAct", "LinearAct"} & set(ops)
     assert all(c.desc.dtype.torch != torch.float32 or c.desc.rank < 2 for c in q.graph.constants
                if c.desc.rank == 4), "fp32 conv weights were left in the graph"
@@ -75,6 +78,40 @@ def test_static_quantization_runs_int8_kernels_close_to_eager():
     rows = quant_report(q)
     assert sum(r["int8"] for r in rows) == 5
     assert all("scale_d=" in r["detail"] for r in rows if r["int8"])
+
+
+def test_requantized_layers_match_the_unfused_graph_within_one_step():
+    """fuse_requant (uint8 written by the layer at its reader's scale) against the same
+    model with the pass off (fp32 out, then AscendQuant): the int8 readers see values at
+    most one uint8 step apart, so the outputs agree closely; fewer nodes run."""
+    m = _model()
+    on = opencann.quantize(m, _cal())
+    off = opencann.quantize(m, _cal(), options={"disable": ["fuse_requant"]})
+    assert off.report.op_counts_after["AscendQuant"] == 5 and on.report.op_counts_after["AscendQuant"] == 3
+    x = torch.randn(2, 3, 16, 16, generator=torch.Generator().manual_seed(9))
+    a, b = on(x), off(x)
+    assert a.dtype == torch.float32 and _cos(a, b) >= 0.9999
+    with torch.no_grad():
+        assert _cos(a, m(x)) >= 0.999
+
+
+def test_maxpool_between_int8_layers_runs_on_uint8():
+    """conv-ReLU → MaxPool → conv (ResNet's stem): the pool runs on uint8 (QuantMaxPool,
+    planes over 255 elements, where ATen's uint8 max_pool2d refuses) and equals the
+    graph with fuse_requant off within int8 rounding."""
+    torch.manual_seed(4)
+    m = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.ReLU(),
+                            torch.nn.MaxPool2d(3, 2, 1), torch.nn.Conv2d(8, 4, 3)).eval()
+    cal = [torch.randn(1, 3, 40, 40) for _ in range(2)]
+    on = opencann.quantize(m, cal)
+    off = opencann.quantize(m, cal, options={"disable": ["fuse_requant"]})
+    ops = on.report.op_counts_after
+    assert ops.get("QuantMaxPool") == 1 and ops.get("AscendQuant") == 1 and "MaxPool" not in ops
+    x = torch.randn(1, 3, 40, 40)
+    a, b = on(x), off(x)
+    assert _cos(a, b) >= 0.9999 and torch.equal(on(x), a)
+    with torch.no_grad():
+        assert _cos(a, m(x)) >= 0.999
 
 
 def test_quant_linear_kernel_is_exact_int8_arithmetic():

@@ -12,13 +12,15 @@
   scale per output channel, prepacked once per input size and thread count at bind time
   (``onednn.qconv_prepack``). The fp32 result is dequantized inside the kernel (oneDNN's
   output scales: CANN's AscendDequant fused into the convolution), bias and ReLU as
-  post-ops; the residual Add as oneDNN's ``sum`` post-op written into the fp32 addend
+  post-ops; a uint8 result at the next layer's scale when the ``fuse_requant`` pass set
+  ``out_scale`` / ``out_offset`` (CANN's AscendRequant fused: oneDNN's output scale and
+  zero point); the residual Add as oneDNN's ``sum`` post-op written into the fp32 addend
   (``qconv2d_pointwise.binary``). After ``sum`` the ReLU runs with eager's in-place
   kernel: the fp32 addend may hold NaN/±inf, which oneDNN's ReLU would drop.
 - `make_quant_linear_kernel` (QuantLinearAct): oneDNN's int8 inner product
   (``onednn.qlinear_pointwise``) on the int8 weight prepacked once at bind time
   (``onednn.qlinear_prepack``); fp32 output, bias and ReLU / GELU (erf or tanh) as
-  post-ops. Dynamic quantization (``attrs["dynamic"]``): x comes in fp32 and its step
+  post-ops (or uint8 with ``out_scale`` / ``out_offset``, as the convolution). Dynamic quantization (``attrs["dynamic"]``): x comes in fp32 and its step
   and offset are taken per call from its min / max (ONNX DynamicQuantizeLinear's rule:
   the range widened to include 0, uint8).
 
@@ -123,7 +125,8 @@ def make_quant_conv_kernel(node: Node, in_descs: Sequence[TensorDesc], consts: S
     ``attrs["inplace"]``, as ConvAddAct). Attributes: ``stride``, ``padding``,
     ``dilation``, ``groups``, ``act`` (none, relu, or any in-place activation eager
     runs after), ``x_scale`` / ``x_offset`` (the input's step and zero point).
-    Returns ``run(*inputs)`` giving fp32 [N, O, H', W'] (channels-last from oneDNN).
+    Returns ``run(*inputs)`` giving fp32 [N, O, H', W'] (channels-last from oneDNN), or
+    uint8 at ``out_scale`` / ``out_offset`` when the node's output is uint8 (``fuse_requant``).
     Raises KeyError for a missing attribute (the quantize pass always sets them)."""
     a = node.attrs
     conv_args = (list(a["stride"]), list(a["padding"]), list(a["dilation"]), int(a["groups"]))
@@ -153,12 +156,21 @@ def make_quant_conv_kernel(node: Node, in_descs: Sequence[TensorDesc], consts: S
 
     act, post = _act_after(a["act"], ("none", "relu"))
     conv = torch.ops.onednn.qconv2d_pointwise
+    o_scale, o_zp, o_dtype = _out_quant(node)
 
     def run(*ins):
         y = conv(ins[xi], step, offset, packs.get(), w_scale, w_zp, None if bi is None else ins[bi],
-                 stride, pad, dil, groups, 1.0, 0, f32, act, [], "")
+                 stride, pad, dil, groups, o_scale, o_zp, o_dtype, act, [], "")
         return y if post is None else post(y)
     return run
+
+
+def _out_quant(node: Node) -> Tuple[float, int, torch.dtype]:
+    """(output scale, zero point, dtype) for oneDNN: (``out_scale``, ``out_offset``, uint8)
+    when the ``fuse_requant`` pass gave the node a uint8 output, else (1.0, 0, fp32)."""
+    if node.outputs[0].desc.dtype.torch == torch.uint8:
+        return float(node.attrs["out_scale"]), int(node.attrs["out_offset"]), torch.uint8
+    return 1.0, 0, torch.float32
 
 
 def make_quant_linear_kernel(node: Node, in_descs: Sequence[TensorDesc], consts: Sequence) -> Callable:
@@ -168,7 +180,7 @@ def make_quant_linear_kernel(node: Node, in_descs: Sequence[TensorDesc], consts:
     ``attrs["dynamic"]``), ``mat2`` a constant int8 [k, n] (LinearAct's ``w_t``), ``w_scale``
     a constant fp32 [n], optional ``self`` (bias fp32 [n]). Attributes ``act``, and for a
     static node ``x_scale`` / ``x_offset``. Returns ``run(*inputs)`` giving a fresh fp32
-    [m, n]. The weight is transposed to [n, k] and prepacked once here
+    [m, n] (uint8 at ``out_scale`` / ``out_offset`` when the node's output is uint8). The weight is transposed to [n, k] and prepacked once here
     (``onednn.qlinear_prepack``; it serves every m)."""
     a = node.attrs
     xi, wi, si = a["mat1"].index, a["mat2"].index, a["w_scale"].index
@@ -183,6 +195,7 @@ def make_quant_linear_kernel(node: Node, in_descs: Sequence[TensorDesc], consts:
     f32 = torch.float32
     dynamic = bool(a.get("dynamic"))
     step, offset = (1.0, 0) if dynamic else (float(a["x_scale"]), int(a["x_offset"]))
+    o_scale, o_zp, o_dtype = _out_quant(node)
 
     def run(*ins):
         x = ins[xi]
@@ -191,10 +204,37 @@ def make_quant_linear_kernel(node: Node, in_descs: Sequence[TensorDesc], consts:
             x = quantize_u8(x, s, z)
         else:
             s, z = step, offset
-        y = lin(x, s, z, wp, w_scale, w_zp, None if bi is None else ins[bi], 1.0, 0, f32, name, [], algo)
+        y = lin(x, s, z, wp, w_scale, w_zp, None if bi is None else ins[bi], o_scale, o_zp, o_dtype, name, [],
+                algo)
         return y if post is None else post(y)
     return run
 
 
-__all__ = ["QMAX", "QMIN", "QConvWeightPacks", "dynamic_params", "make_ascend_quant_kernel",
+def make_quant_max_pool_kernel(node: Node, in_descs: Sequence[TensorDesc], consts: Sequence) -> Callable:
+    """QuantMaxPool: max pooling of a uint8 activation (``node.attrs`` as ATen's
+    ``max_pool2d``: ``kernel_size``, ``stride`` (default: the kernel), ``padding``,
+    ``dilation``, ``ceil_mode``). Returns ``run(x)`` giving uint8 in x's layout.
+
+    ATen's ``max_pool2d`` on uint8 fails for planes over 255 elements (its index type is
+    the element type), so x is viewed as a per-tensor quint8 tensor (no copy; any scale:
+    max commutes with it) and ``quantized::max_pool2d`` runs (its NHWC kernel); its
+    integer values are the result."""
+    import warnings
+    a = node.attrs
+    k = list(a["kernel_size"])
+    stride = list(a.get("stride") or k)
+    pad = list(a.get("padding") or [0, 0])
+    dil = list(a.get("dilation") or [1, 1])
+    ceil = bool(a.get("ceil_mode", False))
+    pool = torch.ops.quantized.max_pool2d
+    with warnings.catch_warnings():    # torch warns once that quantized tensors are deprecated
+        warnings.simplefilter("ignore")
+        torch._make_per_tensor_quantized_tensor(torch.zeros(1, dtype=torch.uint8), 1.0, 0)
+
+    def run(x):
+        return pool(torch._make_per_tensor_quantized_tensor(x, 1.0, 0), k, stride, pad, dil, ceil).int_repr()
+    return run
+
+
+__all__ = ["QMAX", "QMIN", "QConvWeightPacks", "make_quant_max_pool_kernel", "dynamic_params", "make_ascend_quant_kernel",
            "make_quant_conv_kernel", "make_quant_linear_kernel", "quantize_u8"]

@@ -1,0 +1,130 @@
+"""`FuseRequant` (``fuse_requant``): an int8 layer whose fp32 result is only quantized again
+by its readers ⇒ the layer writes uint8 at its readers' scale (CANN's AscendRequant fused
+into the convolution / matmul), and their AscendQuant nodes go.
+
+Before (what ``quantize_int8`` leaves, one per layer)::
+
+    q1 = QuantConvBiasAct(x_u8, ...)            # fp32 out (AscendDequant fused)
+    a  = AscendQuant(q1, scale=1/s, offset=z)   # uint8, read by the next int8 layer
+    q2 = QuantConvBiasAct(a, ...)
+
+After::
+
+    q1 = QuantConvBiasAct(x_u8, ..., out_scale=s, out_offset=z)   # uint8 out
+    q2 = QuantConvBiasAct(q1, ...)
+
+Readers int8 can carry: AscendQuant nodes at one (scale, offset), and MaxPool nodes whose
+own readers are such AscendQuant nodes (max commutes with the monotone quantization, so
+``quant(maxpool(y)) == maxpool(quant(y))`` exactly: the MaxPool becomes a QuantMaxPool on
+uint8).
+Inductor's x86 int8 path and OpenVINO's LPT do the same (``qconv2d_pointwise`` with an
+output scale / zero point and a uint8 output dtype). It runs right after
+``quantize_int8``.
+
+It does not apply (a Skip with the reason) to: a dynamic QuantLinearAct; a layer read by
+anything else (an fp32 reader, a graph output, readers at different scales); an
+activation oneDNN does not run as a post-op (the eager op after the kernel needs fp32);
+QuantConvAddAct (its residual addend is fp32, and oneDNN's ``sum`` post-op writes uint8
+only into a uint8 addend).
+
+Numerics: oneDNN rounds ``acc * (s_x * s_w / s)`` once (round half to even, saturated to
+[0, 255]) where the unfused graph rounds the fp32 result of ``acc * s_x * s_w`` divided
+by s: a value on a rounding boundary may land one uint8 step apart (one ``s``). NaN and
+±inf cannot appear inside: an int8 layer's result is finite (finite scales, a finite
+bias), and its input was saturated when quantized (docs/guide/quantization.md).
+Source: oneDNN developer guide, "Int8 Inference" (output scales and zero points);
+PyTorch torch/_inductor/fx_passes/quantization.py (the int8-output qconv / qlinear)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import List, Optional, Tuple
+
+import torch
+
+from ...ir import DataType, Graph, Node, TensorDesc
+from ..base import PassContext, Skip
+from .common import CpuFusion
+
+# activations each int8 kernel runs as a oneDNN post-op (before the output's requantization)
+_NATIVE_ACT = {"QuantConvBiasAct": ("none", "relu"),
+               "QuantLinearAct": ("none", "relu", "gelu", "gelu_tanh")}
+
+
+@dataclass
+class _RequantMatch:
+    node: Node
+    scale: float                 # the uint8 step s (AscendQuant's scale is 1/s)
+    offset: int
+    quants: List[Node]           # AscendQuant readers, removed
+    pools: List[Node]            # MaxPool readers, replaced by QuantMaxPool
+
+
+def _quant_key(n: Node) -> Optional[Tuple[float, int]]:
+    return (float(n.attrs["scale"]), int(n.attrs["offset"])) if n.op == "AscendQuant" else None
+
+
+class FuseRequant(CpuFusion):
+    """QuantConvBiasAct / QuantLinearAct → (MaxPool →) AscendQuant(s, z) ⇒ the layer with
+    ``out_scale=s, out_offset=z`` and a uint8 output (→ QuantMaxPool)."""
+
+    name, stage = "fuse_requant", "fusion"
+    ops = ("QuantConvBiasAct", "QuantConvAddAct", "QuantLinearAct")
+
+    def match(self, node: Node, graph: Graph, ctx: PassContext):
+        """A `_RequantMatch` when every reader of the layer's fp32 output quantizes it at
+        one scale (directly or after a MaxPool); else a `Skip` naming the reader or fact
+        that keeps the fp32 output."""
+        if node.op == "QuantConvAddAct":
+            return Skip("the residual addend is fp32: oneDNN's sum post-op writes uint8 only "
+                        "into a uint8 addend")
+        if node.attrs.get("dynamic"):
+            return Skip("dynamic QuantLinearAct: its readers' scale is not known at compile time")
+        if node.attrs.get("act", "none") not in _NATIVE_ACT[node.op]:
+            return Skip(f"activation {node.attrs.get('act')!r} runs after the kernel in fp32")
+        out = node.outputs[0]
+        if out.desc.dtype.torch != torch.float32 or out in graph.outputs:
+            return Skip("the result is a graph output (the caller reads fp32)")
+        keys, quants, pools = set(), [], []
+        for u in out.users:
+            if u.op == "AscendQuant":
+                keys.add(_quant_key(u))
+                quants.append(u)
+            elif u.op == "MaxPool" and u.outputs[0].users and u.outputs[0] not in graph.outputs \
+                    and all(w.op == "AscendQuant" for w in u.outputs[0].users):
+                keys |= {_quant_key(w) for w in u.outputs[0].users}
+                pools.append(u)
+            else:
+                return Skip(f"read in fp32 by {u.name} ({u.op})")
+        if len(keys) != 1:
+            return Skip("no reader quantizes it" if not keys else
+                        f"its readers quantize it at {len(keys)} different scales")
+        inv, offset = keys.pop()
+        return _RequantMatch(node, 1.0 / inv, offset, quants, pools)
+
+    def rewrite(self, graph: Graph, m: _RequantMatch, ctx: PassContext) -> int:
+        """Give the layer ``out_scale`` / ``out_offset`` and a uint8 output, replace its
+        MaxPool readers by QuantMaxPool and bypass every AscendQuant (erased). Returns 1."""
+        node = m.node
+        out = node.outputs[0]
+        node.attrs.update(out_scale=m.scale, out_offset=m.offset)
+        out.desc = _u8(out.desc)
+        for p in m.pools:
+            qp = graph.create_node("QuantMaxPool", list(p.inputs), dict(p.attrs), [_u8(p.outputs[0].desc)],
+                                   name=p.name + "_u8", source=p.source, scope=p.scope, before=p)
+            qp.meta.update({k: v for k, v in p.meta.items() if k in ("strides", "origin", "eager_strides")})
+            graph.replace_all_uses_with(p.outputs[0], qp.outputs[0])
+            graph.erase_node(p)
+            m.quants.extend(qp.outputs[0].users)
+        for q in m.quants:
+            graph.replace_all_uses_with(q.outputs[0], q.inputs[0])
+            graph.erase_node(q)
+        ctx.applied([node], f"uint8 out (scale {m.scale:.4g}, offset {m.offset}); "
+                            f"{len(m.quants)} AscendQuant removed")
+        return 1
+
+
+def _u8(d: TensorDesc) -> TensorDesc:
+    return replace(d, dtype=DataType.UINT8)
+
+
+__all__ = ["FuseRequant"]

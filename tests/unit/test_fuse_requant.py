@@ -1,0 +1,78 @@
+"""`fuse_requant` golden tests (as test_pass_golden.py): on a hand-built int8 graph the
+first layer writes uint8 at its reader's scale and the AscendQuant between goes, through
+a MaxPool too; where a reader needs fp32 (or readers disagree on the scale) the graph
+must not change and the report says why. End-to-end numerics: tests/integration/test_int8.py."""
+import torch
+
+from opencann.ir import DataType, Graph, TensorDesc, TensorRef, verify
+from opencann.ir.dump import to_text
+from opencann.engine.options import complete
+from opencann.passes import FuseRequant, PassContext, PassManager
+from opencann.report import CompileReport
+
+F, U8 = DataType.FLOAT, DataType.UINT8
+G = torch.Generator().manual_seed(0)
+
+
+def run(g):
+    ctx = PassContext(options=complete({"verify": True}), report=CompileReport(), device="cpu")
+    PassManager([FuseRequant()]).run(g, ctx)
+    verify(g)
+    return to_text(g, attrs=("scale", "offset", "out_scale", "out_offset")), ctx.report
+
+
+def quant(g, x, scale, offset, name):
+    return g.create_node("AscendQuant", [x], {"self": TensorRef(0), "scale": scale, "offset": offset},
+                         [TensorDesc(x.desc.shape, U8)], name).output
+
+
+def qconv(g, x, name, act="relu"):
+    w = g.add_const(torch.randint(-127, 128, (4, 4, 1, 1), generator=G, dtype=torch.int8))
+    s = g.add_const(torch.rand(4, generator=G) + 0.01)
+    attrs = {"input": TensorRef(0), "weight": TensorRef(1), "w_scale": TensorRef(2), "stride": [1, 1],
+             "padding": [0, 0], "dilation": [1, 1], "groups": 1, "act": act, "x_scale": 0.1, "x_offset": 0}
+    return g.create_node("QuantConvBiasAct", [x, w, s], attrs, [TensorDesc((1, 4, 4, 4), F)], name).output
+
+
+def pool(g, x, name):
+    return g.create_node("MaxPool", [x], {"self": TensorRef(0), "kernel_size": [2, 2], "stride": [2, 2]},
+                         [TensorDesc((1, 4, 2, 2), x.desc.dtype)], name).output
+
+
+def test_layer_writes_uint8_for_its_int8_reader_through_a_maxpool():
+    g = Graph()
+    x = g.add_input(TensorDesc((1, 4, 4, 4), F), "x")
+    y = qconv(g, quant(g, x, 10.0, 0, "q0"), "conv1")
+    p = pool(g, y, "pool")
+    z = qconv(g, quant(g, p, 20.0, 3, "q1"), "conv2")
+    g.outputs = [z]
+    text, rep = run(g)
+    assert text == """graph(%x: float32[1,4,4,4]):
+  %c0: int8[4,4,1,1] = const
+  %c1: float32[4] = const
+  %c2: int8[4,4,1,1] = const
+  %c3: float32[4] = const
+  %0: uint8[1,4,4,4] = AscendQuant(%x; offset=0, scale=10.0)
+  %1: uint8[1,4,4,4] = QuantConvBiasAct(%0, %c0, %c1; out_offset=3, out_scale=0.05)
+  %2: uint8[1,4,2,2] = QuantMaxPool(%1)
+  %3: float32[1,4,4,4] = QuantConvBiasAct(%2, %c2, %c3)
+  return %3"""
+    assert [e["nodes"] for e in rep.applied] == ["conv1"]
+    assert any("graph output" in s["reason"] for s in rep.skipped)
+
+
+def test_fp32_reader_or_two_scales_keep_the_graph():
+    g = Graph()
+    x = g.add_input(TensorDesc((1, 4, 4, 4), F), "x")
+    y = qconv(g, quant(g, x, 10.0, 0, "q0"), "conv1")
+    a = qconv(g, quant(g, y, 20.0, 3, "qa"), "conv_a")
+    b = qconv(g, quant(g, y, 30.0, 3, "qb"), "conv_b")      # another scale
+    c = qconv(g, quant(g, a, 20.0, 0, "qc"), "conv_c", act="sigmoid")
+    g.outputs = [b, c, a]                                    # a: also read by the caller
+    before = to_text(g, attrs=("scale", "offset", "out_scale", "out_offset"))
+    text, rep = run(g)
+    assert text == before
+    reasons = {s["nodes"]: s["reason"] for s in rep.skipped}
+    assert reasons["conv1"] == "its readers quantize it at 2 different scales"
+    assert "graph output" in reasons["conv_a"]
+    assert reasons["conv_c"] == "activation 'sigmoid' runs after the kernel in fp32"
