@@ -4,6 +4,8 @@
 - ``AscendQuant``: fp32 → uint8 per tensor, CANN's AscendQuant (attrs ``scale``: the
   reciprocal of the step, as CANN's ``y = round(x * scale + offset)``; ``offset``: the
   zero point).
+- ``AscendDequant``: uint8 → fp32 per tensor, ``(x - offset) * scale`` (CANN's
+  AscendDequant as a graph op; ONNX DequantizeLinear of a QDQ model converts to it).
 - ``QuantConvBiasAct``: int8 Conv2D (uint8 x, int8 per-channel weight) + bias +
   activation with CANN's AscendDequant fused into its fp32 output.
 - ``QuantConvAddAct``: the same with the residual Add (+ ReLU): oneDNN's ``sum`` post-op
@@ -20,8 +22,8 @@ from __future__ import annotations
 
 from ..ir import Node, numel
 from .kernels import vnpu_cost
-from .kernels.int8_cpu import make_ascend_quant_kernel, make_quant_conv_kernel, make_quant_linear_kernel, \
-    make_quant_max_pool_kernel
+from .kernels.int8_cpu import (make_ascend_dequant_kernel, make_ascend_quant_kernel, make_quant_conv_kernel,
+                               make_quant_linear_kernel, make_quant_max_pool_kernel)
 from .library import _conv_cost
 from . import per_index as pi
 from .opdef import Cost, OpDef, OpKind, _nbytes, register
@@ -41,6 +43,10 @@ register(OpDef("AscendQuant", OpKind.ELEMENTWISE, flops_per_elem=4, aliases=((),
                kernel_factories={"cpu": make_ascend_quant_kernel},
                device_cost={"vnpu": vnpu_cost.vector("mul")}, per_index=pi.ALL,
                doc="fp32 → uint8: saturate(round(x * scale) + offset), NaN → 0"))
+register(OpDef("AscendDequant", OpKind.ELEMENTWISE, flops_per_elem=2, aliases=((),),
+               kernel_factories={"cpu": make_ascend_dequant_kernel},
+               device_cost={"vnpu": vnpu_cost.vector("mul")}, per_index=pi.ALL,
+               doc="uint8 → fp32: (x - offset) * scale"))
 register(OpDef("QuantConvBiasAct", OpKind.FUSED, aliases=((),), cost_fn=_conv_cost,
                fused_from=("Conv2D",), kernel_factories={"cpu": make_quant_conv_kernel},
                device_cost={"vnpu": vnpu_cost.conv}, per_index=pi.CONV,

@@ -11,6 +11,13 @@ it). Semantics: the ONNX operator specification (onnx/docs/Operators.md):
 * ``DequantizeLinear``: ``y = (x - zero_point) * scale`` in ``scale``'s type, the
   difference taken in int32 (exact, as ONNX Runtime).
 
+Per-tensor uint8 with a constant scale and zero point, on a float32 (non-constant) x,
+converts to one IR op each: ``AscendQuant`` (QuantizeLinear; x · (1/scale), see the op) and
+``AscendDequant`` (DequantizeLinear). The ``qdq_to_int8`` pass then runs a
+QuantizeLinear → DequantizeLinear pair before a Conv / MatMul / Gemm with constant weights
+(ONNX Runtime's QDQ format) on the int8 kernels; any pair it leaves runs as these two ops
+(float emulation of the int8 model, as before).
+
 Blocked quantization (``block_size``, opset 21), float8/int4 types and a
 ``precision`` / ``output_dtype`` other than the zero point's raise NotConverted (host
 fallback)."""
@@ -18,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from ...ir import Value
+from ...ir import DataType, TensorDesc, Value
 from .converter import Converter, NotConverted, OnnxNode, torch_dtype
 from .registry import converts
 from .tensor import norm_axis, reshape, shape
@@ -44,6 +51,35 @@ def _per_axis(cv: Converter, n: OnnxNode, p: Value, x: Value) -> Value:
     return reshape(cv, p, view)
 
 
+def _per_tensor_u8(n: OnnxNode, x: Value, qt: torch.dtype):
+    """(step, zero point) when node ``n`` (QuantizeLinear / DequantizeLinear) is per tensor
+    on uint8 with a constant one-element float32 scale (> 0, finite) and zero point, and
+    ``x`` is no constant; else None (the general emulation converts it)."""
+    if qt != torch.uint8 or x.is_const or n.attr("block_size", 0):
+        return None
+    scale = n.x(1)
+    if not (scale.is_const and scale.const.numel() == 1 and scale.const.dtype == torch.float32):
+        return None
+    step = float(scale.const.reshape(()))
+    zp = 0
+    if n.has(2):
+        z = n.x(2)
+        if not (z.is_const and z.const.numel() == 1):
+            return None
+        zp = int(z.const.reshape(()))
+    return (step, zp) if 0.0 < step < float("inf") else None
+
+
+def _ir_op(cv: Converter, op: str, x: Value, attrs, dtype: DataType) -> Value:
+    """One IR node ``op`` on ``x`` (attrs ``self`` plus ``attrs``) of ``x``'s shape in ``dtype``."""
+    from ...ir import TensorRef
+    node = cv.graph.create_node(op, [x], {"self": TensorRef(0), **attrs},
+                                [TensorDesc(x.desc.shape, dtype, x.desc.format)],
+                                name=cv.node.name if cv.node else None, source=cv.source(),
+                                scope=cv.scope())
+    return node.outputs[0]
+
+
 @converts("QuantizeLinear")
 def quantize_linear(cv: Converter, n: OnnxNode):
     """ONNX QuantizeLinear: ``saturate(round_half_even(x / scale) + zero_point)`` to the zero
@@ -64,6 +100,10 @@ def quantize_linear(cv: Converter, n: OnnxNode):
         raise NotConverted("precision attribute")
     lo, hi = _RANGES[qt]
     f32 = torch.float32
+    pt = _per_tensor_u8(n, x, qt)
+    if pt is not None and x.desc.dtype.torch == f32:
+        step, zp = pt
+        return [_ir_op(cv, "AscendQuant", x, {"scale": 1.0 / step, "offset": zp}, DataType.UINT8)]
     xf = x if x.desc.dtype.torch == f32 else cv.call(aten._to_copy.default, x, dtype=f32)
     scale = _per_axis(cv, n, n.x(1), x)
     if scale.desc.dtype.torch != f32:
@@ -92,6 +132,9 @@ def dequantize_linear(cv: Converter, n: OnnxNode):
     out = scale.desc.dtype.torch
     if n.attr("output_dtype", 0) and torch_dtype(n.attr("output_dtype"), cv.where()) != out:
         raise NotConverted("output_dtype differs from the scale's type")
+    pt = _per_tensor_u8(n, x, xt)
+    if pt is not None and out == torch.float32:
+        return [_ir_op(cv, "AscendDequant", x, {"scale": pt[0], "offset": pt[1]}, DataType.FLOAT)]
     scale = _per_axis(cv, n, scale, x)
     d = cv.call(aten._to_copy.default, x, dtype=torch.int32)
     if n.has(2):

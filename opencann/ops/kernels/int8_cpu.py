@@ -83,6 +83,20 @@ def make_ascend_quant_kernel(node: Node, in_descs: Sequence[TensorDesc], consts:
     return run
 
 
+def make_ascend_dequant_kernel(node: Node, in_descs: Sequence[TensorDesc], consts: Sequence) -> Callable:
+    """AscendDequant(x) → fp32: ``(x - offset) * scale`` (``node.attrs`` ``scale``: the step,
+    ``offset``: the zero point), x uint8 (or int8); the difference is exact in fp32 and the
+    product rounds once, as ONNX DequantizeLinear (ONNX Runtime). Returns ``run(x)``; x's
+    layout kept."""
+    step, offset = float(node.attrs["scale"]), float(node.attrs["offset"])
+
+    def run(x):
+        y = torch.empty_like(x, dtype=torch.float32)
+        y.copy_(x)
+        return y.sub_(offset).mul_(step)
+    return run
+
+
 class QConvWeightPacks:
     """An int8 conv weight prepacked by ``onednn.qconv_prepack`` for one input size, once
     per intra-op thread count (as `ConvWeightPacks` for fp32: oneDNN's blocking depends
@@ -236,5 +250,5 @@ def make_quant_max_pool_kernel(node: Node, in_descs: Sequence[TensorDesc], const
     return run
 
 
-__all__ = ["QMAX", "QMIN", "QConvWeightPacks", "make_quant_max_pool_kernel", "dynamic_params", "make_ascend_quant_kernel",
+__all__ = ["QMAX", "QMIN", "QConvWeightPacks", "make_ascend_dequant_kernel", "make_quant_max_pool_kernel", "dynamic_params", "make_ascend_quant_kernel",
            "make_quant_conv_kernel", "make_quant_linear_kernel", "quantize_u8"]

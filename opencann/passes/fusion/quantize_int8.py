@@ -57,6 +57,7 @@ def quantize_weight(w: torch.Tensor, axis: int) -> "tuple[torch.Tensor, torch.Te
 class _QMatch:
     node: Node
     record: Optional[Dict[str, Any]]   # {"scale_d", "offset_d"}; None: dynamic
+    detail: str = ""                   # the applied entry's text (default: the record's)
 
 
 def _labels(node: Node) -> set:
@@ -147,7 +148,7 @@ class QuantizeInt8(CpuFusion):
             step, off = float(rec["scale_d"]), int(rec["offset_d"])
             ins[xi] = self._quant(graph, node.inputs[xi], step, off, node)
             attrs.update(x_scale=step, x_offset=off)
-            detail = f"int8 static (scale_d={step:.4g}, offset_d={off})"
+            detail = m.detail or f"int8 static (scale_d={step:.4g}, offset_d={off})"
         else:
             attrs["dynamic"] = True
             detail = "int8 dynamic (x quantized per call)"

@@ -1,0 +1,108 @@
+"""ONNX QDQ models on the int8 kernels (``qdq_to_int8``): a small torch CNN and MLP
+exported to ONNX and quantized by ONNX Runtime's ``quantize_static`` (QDQ format,
+per-channel symmetric int8 weights, uint8 activations) compile to QuantConvBiasAct /
+QuantConvAddAct / QuantLinearAct, and match ONNX Runtime on the same file within int8
+rounding; a second call gives the same bits; a pair in front of another op stays float
+emulation (AscendQuant → AscendDequant); ``disable: ["qdq_to_int8"]`` keeps the emulation
+and agrees too (docs/guide/quantization.md)."""
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+import opencann
+from opencann.devices.cpu import mkldnn_available
+
+ort = pytest.importorskip("onnxruntime")
+oq = pytest.importorskip("onnxruntime.quantization")
+pytestmark = pytest.mark.skipif(not (mkldnn_available() and hasattr(torch.ops.onednn, "qlinear_pointwise")),
+                                reason="no oneDNN int8 kernels in this torch")
+
+
+class Cnn(torch.nn.Module):
+    """conv-ReLU → conv + residual → ReLU → MaxPool → conv → global mean → Linear."""
+
+    def __init__(self):
+        super().__init__()
+        self.c1, self.c2, self.c3 = (torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.Conv2d(8, 8, 3, padding=1),
+                                     torch.nn.Conv2d(8, 16, 3))
+        self.fc = torch.nn.Linear(16, 10)
+
+    def forward(self, x):
+        y = torch.relu(self.c1(x))
+        y = torch.relu(self.c2(y) + y)
+        y = torch.relu(self.c3(torch.nn.functional.max_pool2d(y, 2)))
+        return self.fc(y.mean((2, 3)))
+
+
+def _qdq_file(model, shape, tmp_path, n_cal=4):
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    cal = [torch.randn(*shape, generator=g) for _ in range(n_cal)]
+    fp, qp = str(tmp_path / "f.onnx"), str(tmp_path / "q.onnx")
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(model.eval(), (cal[0],), fp, dynamo=False, opset_version=17)
+
+    class Reader(oq.CalibrationDataReader):
+        def __init__(self):
+            self.it = iter([{"input": c.numpy()} for c in cal])
+
+        def get_next(self):
+            return next(self.it, None)
+
+    import onnx
+    name = onnx.load(fp).graph.input[0].name
+    Reader.__init__ = lambda self: setattr(self, "it", iter([{name: c.numpy()} for c in cal]))
+    oq.quantize_static(fp, qp, Reader(), quant_format=oq.QuantFormat.QDQ, per_channel=True,
+                       weight_type=oq.QuantType.QInt8, activation_type=oq.QuantType.QUInt8)
+    return qp, name
+
+
+def _ort(path, name, x):
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = 1
+    return torch.from_numpy(ort.InferenceSession(path, so, providers=["CPUExecutionProvider"])
+                            .run(None, {name: x.numpy()})[0])
+
+
+def _within_int8_rounding(a, b):
+    """Outputs of two int8 runs of one file: equal but for values one rounding apart
+    somewhere upstream (a uint8 step of the last quantized tensor, then its effect)."""
+    assert a.shape == b.shape and a.dtype == b.dtype
+    cos = torch.nn.functional.cosine_similarity(a.flatten().double(), b.flatten().double(), 0).item()
+    assert cos >= 0.9995, cos
+    assert (a - b).abs().max().item() <= 0.05 * b.abs().max().item()
+
+
+def test_qdq_cnn_runs_int8_kernels_and_matches_onnxruntime(tmp_path):
+    qp, name = _qdq_file(Cnn(), (1, 3, 20, 20), tmp_path)
+    cm = opencann.compile(qp)
+    ops = cm.report.op_counts_after
+    assert ops.get("QuantConvBiasAct", 0) + ops.get("QuantConvAddAct", 0) == 3, ops
+    assert ops.get("QuantLinearAct") == 1, ops
+    assert not {"ConvBiasAct", "ConvAddAct", "LinearAct"} & set(ops), ops
+    applied = [e for e in cm.report.applied if e["pass"] == "qdq_to_int8"]
+    assert len(applied) == 4 and all("weights exact" in e["detail"] for e in applied)
+    x = torch.randn(1, 3, 20, 20, generator=torch.Generator().manual_seed(5))
+    y = cm(x)[0]
+    _within_int8_rounding(y, _ort(qp, name, x))
+    y2 = cm(x)[0]
+    assert torch.equal(y, y2) and y.data_ptr() != y2.data_ptr()
+    emu = opencann.compile(qp, options={"disable": ["qdq_to_int8"]})
+    assert "QuantConvBiasAct" not in emu.report.op_counts_after
+    assert emu.report.op_counts_after.get("AscendDequant", 0) >= 4
+    _within_int8_rounding(emu(x)[0], _ort(qp, name, x))
+
+
+def test_qdq_pair_before_another_op_stays_float_emulation(tmp_path):
+    """A QDQ pair on the model's output (no conv / linear after it) is run as AscendQuant →
+    AscendDequant: the values of ONNX's QuantizeLinear → DequantizeLinear exactly."""
+    m = torch.nn.Sequential(torch.nn.Linear(12, 6), torch.nn.Sigmoid()).eval()
+    qp, name = _qdq_file(m, (3, 12), tmp_path)
+    cm = opencann.compile(qp)
+    ops = cm.report.op_counts_after
+    assert ops.get("QuantLinearAct") == 1 and ops.get("AscendDequant", 0) >= 1
+    x = torch.randn(3, 12)
+    _within_int8_rounding(cm(x)[0], _ort(qp, name, x))
