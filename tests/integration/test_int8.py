@@ -95,6 +95,46 @@ def test_requantized_layers_match_the_unfused_graph_within_one_step():
         assert _cos(a, m(x)) >= 0.999
 
 
+class Blocks(torch.nn.Module):
+    """A stem conv, two identity residual blocks (conv-ReLU, conv + x, ReLU), a head conv:
+    ResNet's residual chain, where the block outputs can stay uint8."""
+
+    def __init__(self, c=8):
+        super().__init__()
+        self.stem = torch.nn.Conv2d(3, c, 3, padding=1)
+        self.convs = torch.nn.ModuleList(torch.nn.Conv2d(c, c, 3, padding=1) for _ in range(4))
+        self.head = torch.nn.Conv2d(c, 4, 1)
+
+    def forward(self, x):
+        y = torch.relu(self.stem(x))
+        for i in (0, 2):
+            y = torch.relu(self.convs[i + 1](torch.relu(self.convs[i](y))) + y)
+        return self.head(y).mean((2, 3))
+
+
+def test_residual_chain_stays_uint8():
+    """fuse_requant on a residual chain: each block's sum is written uint8 into the uint8
+    addend (oneDNN's sum post-op with an int8 accumulator), so only the model input is
+    quantized by an AscendQuant; results close to the unfused graph and to eager."""
+    torch.manual_seed(5)
+    m = Blocks().eval()
+    cal = [torch.randn(2, 3, 12, 12) for _ in range(3)]
+    on = opencann.quantize(m, cal)
+    off = opencann.quantize(m, cal, options={"disable": ["fuse_requant"]})
+    ops = on.report.op_counts_after
+    assert ops.get("QuantConvAddAct") == 2 and ops.get("AscendQuant") == 1, ops
+    adds = [n for n in on.graph.nodes if n.op == "QuantConvAddAct"]
+    assert all(n.outputs[0].desc.dtype.torch == torch.uint8 and n.inputs[n.attrs["other"].index].desc.dtype.torch
+               == torch.uint8 for n in adds)
+    x = torch.randn(2, 3, 12, 12, generator=torch.Generator().manual_seed(2))
+    a, b = on(x), off(x)
+    assert _cos(a, b) >= 0.999 and torch.equal(on(x), a)
+    with torch.no_grad():
+        assert _cos(a, m(x)) >= 0.998
+    x[0, 0, 1, 1] = float("nan")
+    assert torch.isfinite(on(x)).all()     # saturated at the input's quantization
+
+
 def test_maxpool_between_int8_layers_runs_on_uint8():
     """conv-ReLU → MaxPool → conv (ResNet's stem): the pool runs on uint8 (QuantMaxPool,
     planes over 255 elements, where ATen's uint8 max_pool2d refuses) and equals the

@@ -140,7 +140,9 @@ def make_quant_conv_kernel(node: Node, in_descs: Sequence[TensorDesc], consts: S
     ``dilation``, ``groups``, ``act`` (none, relu, or any in-place activation eager
     runs after), ``x_scale`` / ``x_offset`` (the input's step and zero point).
     Returns ``run(*inputs)`` giving fp32 [N, O, H', W'] (channels-last from oneDNN), or
-    uint8 at ``out_scale`` / ``out_offset`` when the node's output is uint8 (``fuse_requant``).
+    uint8 at ``out_scale`` / ``out_offset`` when the node's output is uint8 (``fuse_requant``);
+    a uint8 QuantConvAddAct takes a uint8 addend at ``accum_scale`` / ``accum_offset`` and
+    its ReLU as a oneDNN post-op (integers: no NaN to keep).
     Raises KeyError for a missing attribute (the quantize pass always sets them)."""
     a = node.attrs
     conv_args = (list(a["stride"]), list(a["padding"]), list(a["dilation"]), int(a["groups"]))
@@ -159,6 +161,18 @@ def make_quant_conv_kernel(node: Node, in_descs: Sequence[TensorDesc], consts: S
         inplace = a.get("inplace", True)
         post = _ACT_FN.get(a["act"]) if a["act"] != "none" else None
         binary = torch.ops.onednn.qconv2d_pointwise.binary
+        if node.outputs[0].desc.dtype.torch == torch.uint8:
+            o_scale, o_zp, _ = _out_quant(node)
+            a_scale, a_zp = float(a["accum_scale"]), int(a["accum_offset"])
+            u_act = "relu" if a["act"] == "relu" else "none"
+
+            def run_add_u8(*ins):
+                other = ins[oi] if inplace else ins[oi].clone(memory_format=torch.channels_last)
+                b = None if bi is None else ins[bi]
+                return binary(ins[xi], step, offset, packs.get(), w_scale, w_zp, other, b, stride, pad,
+                              dil, groups, o_scale, o_zp, torch.uint8, a_scale, a_zp, "sum", 1.0, u_act,
+                              [], "")
+            return run_add_u8
 
         def run_add(*ins):
             other = ins[oi] if inplace else ins[oi].clone(memory_format=torch.channels_last)

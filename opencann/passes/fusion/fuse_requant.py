@@ -37,16 +37,16 @@ PyTorch torch/_inductor/fx_passes/quantization.py (the int8-output qconv / qline
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from ...ir import DataType, Graph, Node, TensorDesc
+from ...ir import DataType, Graph, Node, TensorDesc, Value
 from ..base import PassContext, Skip
 from .common import CpuFusion
 
 # activations each int8 kernel runs as a oneDNN post-op (before the output's requantization)
-_NATIVE_ACT = {"QuantConvBiasAct": ("none", "relu"),
+_NATIVE_ACT = {"QuantConvBiasAct": ("none", "relu"), "QuantConvAddAct": ("none", "relu"),
                "QuantLinearAct": ("none", "relu", "gelu", "gelu_tanh")}
 
 
@@ -70,13 +70,25 @@ class FuseRequant(CpuFusion):
     name, stage = "fuse_requant", "fusion"
     ops = ("QuantConvBiasAct", "QuantConvAddAct", "QuantLinearAct")
 
+    def run(self, graph: Graph, ctx: PassContext) -> int:
+        """First the residual chains (`_uint8_addends`), then every layer in graph order
+        (`RewritePass.run`). Returns the layers given a uint8 output."""
+        old = _uint8_addends(graph)
+        n = super().run(graph, ctx)
+        for node, a in old.items():   # an addend moved to uint8 whose layer stayed fp32: undo
+            if node.outputs[0].desc.dtype.torch != torch.uint8:
+                node.replace_input(node.inputs[node.attrs["other"].index], a)
+                for k in ("accum_scale", "accum_offset"):
+                    node.attrs.pop(k)
+        return n
+
     def match(self, node: Node, graph: Graph, ctx: PassContext):
         """A `_RequantMatch` when every reader of the layer's fp32 output quantizes it at
         one scale (directly or after a MaxPool); else a `Skip` naming the reader or fact
         that keeps the fp32 output."""
-        if node.op == "QuantConvAddAct":
-            return Skip("the residual addend is fp32: oneDNN's sum post-op writes uint8 only "
-                        "into a uint8 addend")
+        if node.op == "QuantConvAddAct" and "accum_scale" not in node.attrs:
+            return Skip("the residual addend is fp32 and no reader quantizes it: oneDNN's sum "
+                        "post-op writes uint8 only into a uint8 addend")
         if node.attrs.get("dynamic"):
             return Skip("dynamic QuantLinearAct: its readers' scale is not known at compile time")
         if node.attrs.get("act", "none") not in _NATIVE_ACT[node.op]:
@@ -121,6 +133,54 @@ class FuseRequant(CpuFusion):
         ctx.applied([node], f"uint8 out (scale {m.scale:.4g}, offset {m.offset}); "
                             f"{len(m.quants)} AscendQuant removed")
         return 1
+
+
+def _readers_key(graph: Graph, v, moving) -> Optional[Tuple[float, int]]:
+    """The one (scale, offset) at which every reader of ``v`` quantizes it, counting a
+    QuantConvAddAct in ``moving`` reading it as its addend (it will read the quantized
+    value instead); None when another reader, a graph output or two scales."""
+    if v in graph.outputs:
+        return None
+    keys = set()
+    for u in v.users:
+        if u.op == "AscendQuant":
+            keys.add(_quant_key(u))
+        elif not (u in moving and u.inputs[u.attrs["other"].index] is v
+                  and sum(1 for x in u.inputs if x is v) == 1):
+            return None
+    return keys.pop() if len(keys) == 1 else None
+
+
+def _uint8_addends(graph: Graph) -> Dict[Node, Value]:
+    """Residual chains (ResNet's identity blocks): a QuantConvAddAct whose fp32 addend is
+    also quantized for another int8 layer (an AscendQuant reader) and whose own output
+    only int8 layers read takes that uint8 tensor as its addend (``accum_scale`` /
+    ``accum_offset``). Decided last block first: a block's output may be the next block's
+    addend. In place into the uint8 addend when `_why_not_in_place` allows, else into a
+    copy. Returns {layer: its fp32 addend} of the layers changed."""
+    from .conv_add_act import _why_not_in_place
+    adds = [n for n in graph.nodes if n.op == "QuantConvAddAct" and n.attrs.get("act") in ("none", "relu")]
+    moving: Dict[Node, Node] = {}
+    for c in reversed(adds):
+        a = c.inputs[c.attrs["other"].index]
+        q = next((u for u in a.users if u.op == "AscendQuant"), None)
+        if q is not None and a.desc.dtype.torch == torch.float32 \
+                and _readers_key(graph, c.outputs[0], moving) is not None:
+            moving[c] = q
+    old = {}
+    for c, q in moving.items():
+        k = c.attrs["other"].index
+        old[c] = c.inputs[k]
+        inv, off = _quant_key(q)
+        c.attrs.update(accum_scale=1.0 / inv, accum_offset=off)
+        c.replace_input(old[c], q.outputs[0])
+        why = _why_not_in_place(graph, c, c, q.outputs[0])
+        c.attrs["inplace"] = not why
+        if why:
+            c.attrs.pop("inplace_input", None)
+        else:
+            c.attrs["inplace_input"] = k
+    return old
 
 
 def _u8(d: TensorDesc) -> TensorDesc:
