@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from ...ir import DataType, Graph, TensorDesc, Value
-from . import control, nn, quant, resize, spatial, tensor  # noqa: F401  (register the converters)
+from . import control, nn, qlinear, quant, resize, spatial, tensor  # noqa: F401  (register the converters)
 from .converter import (ONNX_DTYPES, RANDOM_OPS, ConversionError, Converter, NotConverted, OnnxNode,
                         torch_dtype)
 from .registry import CONVERTERS

@@ -15,17 +15,17 @@ After::
     u = AscendQuant(x, ...)
     y = QuantConvBiasAct(u, W_int8, scale_w, b, x_scale=s, x_offset=z)
 
-The weight goes to int8 as ``quantize_int8`` does it (symmetric per output channel,
-``scale_w = max|w| / 127``). For ONNX Runtime's ``quantize_static`` (QInt8 weights,
-symmetric per channel: scales ``max|w| / 127``) this gives back the file's int8 values and
-scales exactly; otherwise (per-tensor, asymmetric weights) the weight is requantized per
-channel, which the applied entry says. Everything else (the output's QuantizeLinear, a
+The weight's DequantizeLinear was folded to fp32 ``q * s``; `exact_int8` gives back the
+file's int8 values and scales when they are symmetric with ``s = max|w| / 127`` per output
+channel or per tensor (ONNX Runtime's ``quantize_static`` with QInt8 weights writes
+these). Any other weight (asymmetric, reduced range) would be requantized, so that layer
+keeps the float emulation (a Skip with the reason). Everything else (the output's QuantizeLinear, a
 pair in front of another op) stays float emulation. A dequantized x read by several
 layers serves each; the AscendDequant goes when none reads it any more.
 
 It does not apply (no Skip: nothing to say) where x is not an AscendDequant's output; it
-skips with the reason a weight that is not a constant fp32 tensor or holds NaN/inf, and a
-LinearAct that is not a 2-D GEMM. Source: ONNX operator specification
+skips with the reason a weight that is not a constant fp32 tensor, holds NaN/inf or is not
+symmetric int8 (`exact_int8`), and a LinearAct that is not a 2-D GEMM. Source: ONNX operator specification
 (QuantizeLinear / DequantizeLinear); ONNX Runtime, "Quantize ONNX models" (QDQ format)."""
 from __future__ import annotations
 
@@ -73,24 +73,40 @@ class QdqToInt8(QuantizeInt8):
             return Skip("QDQ: not a 2-D GEMM (float emulation kept)")
         if not torch.isfinite(w.const).all():
             return Skip("QDQ: the weight holds NaN or inf (float emulation kept)")
+        weight = exact_int8(w.const, 1 if linear else 0)
+        if weight is None:
+            return Skip("QDQ: the weight is not symmetric int8 (per channel or per tensor, "
+                        "max |q| = 127): the int8 kernels would requantize it; float emulation kept")
         step, off = float(d.attrs["scale"]), int(d.attrs["offset"])
         self._quants[(x.id, step, off)] = d.inputs[0]
         self._dequants.append(d)
-        return _QMatch(node, {"scale_d": step, "offset_d": off})
+        return _QMatch(node, {"scale_d": step, "offset_d": off},
+                       f"QDQ → int8 (scale_d={step:.4g}, offset_d={off}); the file's int8 weights", weight)
 
     def rewrite(self, graph: Graph, m: _QMatch, ctx: PassContext) -> int:
-        """`QuantizeInt8.rewrite` with the uint8 tensor as x; the entry says whether the
-        weight's int8 values are the file's (exact) or requantized. Returns 1."""
-        linear = m.node.op == "LinearAct"
-        w = m.node.arg("mat2" if linear else "weight").const
-        axis = 1 if linear else 0
-        wq, ws = quantize_weight(w, axis)
-        view = [1] * w.dim()
-        view[axis] = -1
-        exact = torch.equal(wq.float() * ws.view(view), w.float())
-        m.detail = (f"QDQ → int8 (scale_d={m.record['scale_d']:.4g}, offset_d={m.record['offset_d']}); "
-                    f"weights {'exact' if exact else 'requantized symmetric per channel'}")
+        """`QuantizeInt8.rewrite` with the uint8 tensor as x and the file's int8 weight.
+        Returns 1."""
         return super().rewrite(graph, m, ctx)
 
 
-__all__ = ["QdqToInt8"]
+def exact_int8(w: torch.Tensor, axis: int):
+    """(int8 weight, fp32 scales along ``axis``) that give back ``w`` exactly (``q * s ==
+    w`` in fp32): symmetric per channel (``s = max|w| / 127`` per channel, ARQ), else one
+    symmetric scale for the tensor (repeated per channel); None when neither does (an
+    asymmetric or reduced-range weight)."""
+    view = [1] * w.dim()
+    view[axis] = -1
+    wq, ws = quantize_weight(w, axis)
+    if torch.equal(wq.float() * ws.view(view), w):
+        return wq, ws
+    amax = float(w.abs().max())
+    if amax == 0.0:
+        return None
+    s = torch.tensor(amax / 127.0, dtype=torch.float32)
+    q = torch.round(w / s).clamp_(-127, 127)
+    if torch.equal(q * s, w):
+        return q.to(torch.int8).contiguous(), s.repeat(w.shape[axis]).contiguous()
+    return None
+
+
+__all__ = ["QdqToInt8", "exact_int8"]

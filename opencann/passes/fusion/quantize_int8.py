@@ -58,6 +58,7 @@ class _QMatch:
     node: Node
     record: Optional[Dict[str, Any]]   # {"scale_d", "offset_d"}; None: dynamic
     detail: str = ""                   # the applied entry's text (default: the record's)
+    weight: Optional[tuple] = None     # (int8 weight, fp32 scales) given; default: ARQ of the fp32 one
 
 
 def _labels(node: Node) -> set:
@@ -139,7 +140,7 @@ class QuantizeInt8(CpuFusion):
         linear = node.op == "LinearAct"
         wname, xname = ("mat2", "mat1") if linear else ("weight", "input")
         w = node.arg(wname)
-        wq, ws = quantize_weight(w.const, 1 if linear else 0)
+        wq, ws = m.weight or quantize_weight(w.const, 1 if linear else 0)
         ins = list(node.inputs)
         attrs = dict(node.attrs)
         xi, wi = attrs[xname].index, attrs[wname].index
