@@ -154,33 +154,9 @@ def make_quant_conv_kernel(node: Node, in_descs: Sequence[TensorDesc], consts: S
                              [int(d) for d in in_descs[a["input"].index].shape])
     bi = a["bias"].index if isinstance(a.get("bias"), TensorRef) else None
     xi = a["input"].index
-    f32 = torch.float32
     stride, pad, dil, groups = conv_args
     if node.op == "QuantConvAddAct":
-        oi = a["other"].index
-        inplace = a.get("inplace", True)
-        post = _ACT_FN.get(a["act"]) if a["act"] != "none" else None
-        binary = torch.ops.onednn.qconv2d_pointwise.binary
-        if node.outputs[0].desc.dtype.torch == torch.uint8:
-            o_scale, o_zp, _ = _out_quant(node)
-            a_scale, a_zp = float(a["accum_scale"]), int(a["accum_offset"])
-            u_act = "relu" if a["act"] == "relu" else "none"
-
-            def run_add_u8(*ins):
-                other = ins[oi] if inplace else ins[oi].clone(memory_format=torch.channels_last)
-                b = None if bi is None else ins[bi]
-                return binary(ins[xi], step, offset, packs.get(), w_scale, w_zp, other, b, stride, pad,
-                              dil, groups, o_scale, o_zp, torch.uint8, a_scale, a_zp, "sum", 1.0, u_act,
-                              [], "")
-            return run_add_u8
-
-        def run_add(*ins):
-            other = ins[oi] if inplace else ins[oi].clone(memory_format=torch.channels_last)
-            b = None if bi is None else ins[bi]
-            y = binary(ins[xi], step, offset, packs.get(), w_scale, w_zp, other, b, stride, pad, dil,
-                       groups, 1.0, 0, f32, 1.0, 0, "sum", 1.0, "none", [], "")
-            return y if post is None else post(y)
-        return run_add
+        return _quant_conv_add(node, packs, w_scale, w_zp, xi, bi, conv_args)
 
     act, post = _act_after(a["act"], ("none", "relu"))
     conv = torch.ops.onednn.qconv2d_pointwise
@@ -191,6 +167,39 @@ def make_quant_conv_kernel(node: Node, in_descs: Sequence[TensorDesc], consts: S
                  stride, pad, dil, groups, o_scale, o_zp, o_dtype, act, [], "")
         return y if post is None else post(y)
     return run
+
+
+def _quant_conv_add(node: Node, packs: QConvWeightPacks, w_scale, w_zp, xi: int, bi, conv_args) -> Callable:
+    """QuantConvAddAct's ``run``: ``qconv2d_pointwise.binary`` with the ``sum`` post-op into
+    the addend (a copy of it unless ``attrs["inplace"]``): fp32 addend → fp32 result (ReLU
+    after it with eager's op), uint8 addend at ``accum_scale`` / ``accum_offset`` → uint8
+    result at ``out_scale`` / ``out_offset`` (ReLU as oneDNN's post-op)."""
+    a = node.attrs
+    step, offset = float(a["x_scale"]), int(a["x_offset"])
+    stride, pad, dil, groups = conv_args
+    oi = a["other"].index
+    inplace = a.get("inplace", True)
+    binary = torch.ops.onednn.qconv2d_pointwise.binary
+    if node.outputs[0].desc.dtype.torch == torch.uint8:
+        o_scale, o_zp, _ = _out_quant(node)
+        a_scale, a_zp = float(a["accum_scale"]), int(a["accum_offset"])
+        u_act = "relu" if a["act"] == "relu" else "none"
+
+        def run_add_u8(*ins):
+            other = ins[oi] if inplace else ins[oi].clone(memory_format=torch.channels_last)
+            b = None if bi is None else ins[bi]
+            return binary(ins[xi], step, offset, packs.get(), w_scale, w_zp, other, b, stride, pad,
+                          dil, groups, o_scale, o_zp, torch.uint8, a_scale, a_zp, "sum", 1.0, u_act, [], "")
+        return run_add_u8
+    post = _ACT_FN.get(a["act"]) if a["act"] != "none" else None
+
+    def run_add(*ins):
+        other = ins[oi] if inplace else ins[oi].clone(memory_format=torch.channels_last)
+        b = None if bi is None else ins[bi]
+        y = binary(ins[xi], step, offset, packs.get(), w_scale, w_zp, other, b, stride, pad, dil,
+                   groups, 1.0, 0, torch.float32, 1.0, 0, "sum", 1.0, "none", [], "")
+        return y if post is None else post(y)
+    return run_add
 
 
 def _out_quant(node: Node) -> Tuple[float, int, torch.dtype]:
