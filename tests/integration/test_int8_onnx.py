@@ -7,7 +7,6 @@ emulation (AscendQuant → AscendDequant); ``disable: ["qdq_to_int8"]`` keeps th
 and agrees too (docs/guide/quantization.md)."""
 import warnings
 
-import numpy as np
 import pytest
 import torch
 
@@ -45,16 +44,15 @@ def _qdq_file(model, shape, tmp_path, n_cal=4, fmt="QDQ"):
         warnings.simplefilter("ignore")
         torch.onnx.export(model.eval(), (cal[0],), fp, dynamo=False, opset_version=17)
 
+    import onnx
+    name = onnx.load(fp).graph.input[0].name
+
     class Reader(oq.CalibrationDataReader):
         def __init__(self):
-            self.it = iter([{"input": c.numpy()} for c in cal])
+            self.it = iter([{name: c.numpy()} for c in cal])
 
         def get_next(self):
             return next(self.it, None)
-
-    import onnx
-    name = onnx.load(fp).graph.input[0].name
-    Reader.__init__ = lambda self: setattr(self, "it", iter([{name: c.numpy()} for c in cal]))
     oq.quantize_static(fp, qp, Reader(), quant_format=getattr(oq.QuantFormat, fmt), per_channel=True,
                        weight_type=oq.QuantType.QInt8, activation_type=oq.QuantType.QUInt8)
     return qp, name
