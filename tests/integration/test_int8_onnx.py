@@ -132,3 +132,27 @@ def test_qoperator_qlinearconv_and_qlinearmatmul_run_int8_kernels(tmp_path):
     assert "OnnxHostFallback" not in ops and "ConvBiasAct" not in ops
     x = torch.randn(1, 3, 10, 10)
     _within_int8_rounding(cm(x)[0], _ort(qp, name, x))
+
+
+def test_quantize_dynamic_matmuls_run_the_dynamic_int8_kernel(tmp_path):
+    """``quantize_dynamic`` (DynamicQuantizeLinear → MatMulInteger → Cast → Mul) on a 3-D
+    MLP: each MatMul becomes a dynamic QuantLinearAct with the file's int8 weights (no host
+    fallback); matches ONNX Runtime; a second call gives the same bits."""
+    import onnx
+    m = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 8)).eval()
+    x = torch.randn(2, 5, 16)
+    fp, qp = str(tmp_path / "f.onnx"), str(tmp_path / "q.onnx")
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(m, (x,), fp, dynamo=False, opset_version=17)
+    oq.quantize_dynamic(fp, qp, weight_type=oq.QuantType.QInt8)
+    assert "MatMulInteger" in {nd.op_type for nd in onnx.load(qp).graph.node}
+    cm = opencann.compile(qp)
+    ops = cm.report.op_counts_after
+    assert ops.get("QuantLinearAct") == 2 and "OnnxHostFallback" not in ops, ops
+    rows = [e["detail"] for e in cm.report.applied if e["pass"] == "quantize_int8"]
+    assert len(rows) == 2 and all("dynamic" in r and "the file's int8 weights" in r for r in rows)
+    name = onnx.load(qp).graph.input[0].name
+    y = cm(x)[0]
+    _within_int8_rounding(y, _ort(qp, name, x))
+    assert torch.equal(cm(x)[0], y)

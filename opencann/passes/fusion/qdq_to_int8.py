@@ -33,7 +33,7 @@ import torch
 
 from ...ir import Graph, Node
 from ..base import PassContext, Skip
-from .quantize_int8 import QuantizeInt8, _QMatch, quantize_weight
+from .quantize_int8 import QuantizeInt8, _QMatch, exact_int8
 
 
 class QdqToInt8(QuantizeInt8):
@@ -89,24 +89,4 @@ class QdqToInt8(QuantizeInt8):
         return super().rewrite(graph, m, ctx)
 
 
-def exact_int8(w: torch.Tensor, axis: int):
-    """(int8 weight, fp32 scales along ``axis``) that give back ``w`` exactly (``q * s ==
-    w`` in fp32): symmetric per channel (``s = max|w| / 127`` per channel, ARQ), else one
-    symmetric scale for the tensor (repeated per channel); None when neither does (an
-    asymmetric or reduced-range weight)."""
-    view = [1] * w.dim()
-    view[axis] = -1
-    wq, ws = quantize_weight(w, axis)
-    if torch.equal(wq.float() * ws.view(view), w):
-        return wq, ws
-    amax = float(w.abs().max())
-    if amax == 0.0:
-        return None
-    s = torch.tensor(amax / 127.0, dtype=torch.float32)
-    q = torch.round(w / s).clamp_(-127, 127)
-    if torch.equal(q * s, w):
-        return q.to(torch.int8).contiguous(), s.repeat(w.shape[axis]).contiguous()
-    return None
-
-
-__all__ = ["QdqToInt8", "exact_int8"]
+__all__ = ["QdqToInt8"]
