@@ -39,11 +39,11 @@ def _quant_linear_cost(node: Node) -> Cost:
     return Cost(flops, sum(_nbytes(v.desc) for v in node.inputs) + _nbytes(out))
 
 
-register(OpDef("AscendQuant", OpKind.ELEMENTWISE, flops_per_elem=4, aliases=((),),
+register(OpDef("AscendQuant", OpKind.ELEMENTWISE, flops_per_elem=4, aliases=((),), channels_last=True,
                kernel_factories={"cpu": make_ascend_quant_kernel},
                device_cost={"vnpu": vnpu_cost.vector("mul")}, per_index=pi.ALL,
                doc="fp32 → uint8: saturate(round(x * scale) + offset), NaN → 0"))
-register(OpDef("AscendDequant", OpKind.ELEMENTWISE, flops_per_elem=2, aliases=((),),
+register(OpDef("AscendDequant", OpKind.ELEMENTWISE, flops_per_elem=2, aliases=((),), channels_last=True,
                kernel_factories={"cpu": make_ascend_dequant_kernel},
                device_cost={"vnpu": vnpu_cost.vector("mul")}, per_index=pi.ALL,
                doc="uint8 → fp32: (x - offset) * scale"))

@@ -35,7 +35,7 @@ class Cnn(torch.nn.Module):
         return self.fc(y.mean((2, 3)))
 
 
-def _qdq_file(model, shape, tmp_path, n_cal=4, fmt="QDQ"):
+def _qdq_file(model, shape, tmp_path, n_cal=4, fmt="QDQ", act="QUInt8"):
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(1)
     cal = [torch.randn(*shape, generator=g) for _ in range(n_cal)]
@@ -54,7 +54,7 @@ def _qdq_file(model, shape, tmp_path, n_cal=4, fmt="QDQ"):
         def get_next(self):
             return next(self.it, None)
     oq.quantize_static(fp, qp, Reader(), quant_format=getattr(oq.QuantFormat, fmt), per_channel=True,
-                       weight_type=oq.QuantType.QInt8, activation_type=oq.QuantType.QUInt8)
+                       weight_type=oq.QuantType.QInt8, activation_type=getattr(oq.QuantType, act))
     return qp, name
 
 
@@ -74,8 +74,11 @@ def _within_int8_rounding(a, b):
     assert (a - b).abs().max().item() <= 0.05 * b.abs().max().item()
 
 
-def test_qdq_cnn_runs_int8_kernels_and_matches_onnxruntime(tmp_path):
-    qp, name = _qdq_file(Cnn(), (1, 3, 20, 20), tmp_path)
+@pytest.mark.parametrize("act", ["QUInt8", "QInt8"])
+def test_qdq_cnn_runs_int8_kernels_and_matches_onnxruntime(tmp_path, act):
+    """uint8 activations, and int8 ones (ONNX Runtime's default: taken as uint8 shifted by
+    128, the same dequantized values)."""
+    qp, name = _qdq_file(Cnn(), (1, 3, 20, 20), tmp_path, act=act)
     cm = opencann.compile(qp)
     ops = cm.report.op_counts_after
     assert ops.get("QuantConvBiasAct", 0) + ops.get("QuantConvAddAct", 0) == 3, ops

@@ -12,7 +12,9 @@ it). Semantics: the ONNX operator specification (onnx/docs/Operators.md):
   difference taken in int32 (exact, as ONNX Runtime).
 
 Per-tensor uint8 with a constant scale and zero point, on a float32 (non-constant) x,
-converts to one IR op each: ``AscendQuant`` (QuantizeLinear; x · (1/scale), see the op) and
+converts to one IR op each (int8 too, as uint8 shifted by 128: a QuantizeLinear to int8
+feeding a DequantizeLinear becomes AscendQuant → AscendDequant with the zero point + 128,
+the same values): ``AscendQuant`` (QuantizeLinear; x · (1/scale), see the op) and
 ``AscendDequant`` (DequantizeLinear). The ``qdq_to_int8`` pass then runs a
 QuantizeLinear → DequantizeLinear pair before a Conv / MatMul / Gemm with constant weights
 (ONNX Runtime's QDQ format) on the int8 kernels; any pair it leaves runs as these two ops
@@ -52,10 +54,12 @@ def _per_axis(cv: Converter, n: OnnxNode, p: Value, x: Value) -> Value:
 
 
 def _per_tensor_u8(n: OnnxNode, x: Value, qt: torch.dtype):
-    """(step, zero point) when node ``n`` (QuantizeLinear / DequantizeLinear) is per tensor
-    on uint8 with a constant one-element float32 scale (> 0, finite) and zero point, and
-    ``x`` is no constant; else None (the general emulation converts it)."""
-    if qt != torch.uint8 or x.is_const or n.attr("block_size", 0):
+    """(step, uint8 zero point) when node ``n`` (QuantizeLinear / DequantizeLinear) is per
+    tensor on uint8 or int8 with a constant one-element float32 scale (> 0, finite) and
+    zero point, and ``x`` is no constant; else None (the general emulation converts it).
+    int8 is taken as uint8 shifted by 128 (``q - zp == (q + 128) - (zp + 128)``, the same
+    saturation bounds): the zero point returned is then ``zp + 128``."""
+    if qt not in (torch.uint8, torch.int8) or x.is_const or n.attr("block_size", 0):
         return None
     scale = n.x(1)
     if not (scale.is_const and scale.const.numel() == 1 and scale.const.dtype == torch.float32):
@@ -67,7 +71,21 @@ def _per_tensor_u8(n: OnnxNode, x: Value, qt: torch.dtype):
         if not (z.is_const and z.const.numel() == 1):
             return None
         zp = int(z.const.reshape(()))
+    zp += 128 if qt == torch.int8 else 0
     return (step, zp) if 0.0 < step < float("inf") else None
+
+
+def _int8_view(cv: Converter, u: Value, offset: int) -> Value:
+    """The int8 tensor ``u - 128`` of uint8 ``u`` (QuantizeLinear's int8 result, for any
+    reader that needs it), remembered so that a DequantizeLinear of it reads ``u`` itself
+    (then nothing reads this and DCE drops it)."""
+    t = cv.call(aten.sub.Tensor, cv.call(aten._to_copy.default, u, dtype=torch.int16),
+                cv.scalar(128, torch.int16))
+    y = cv.call(aten._to_copy.default, t, dtype=torch.int8)
+    if not hasattr(cv, "u8_of"):
+        cv.u8_of = {}
+    cv.u8_of[y.id] = (u, offset)
+    return y
 
 
 def _ir_op(cv: Converter, op: str, x: Value, attrs, dtype: DataType) -> Value:
@@ -77,6 +95,9 @@ def _ir_op(cv: Converter, op: str, x: Value, attrs, dtype: DataType) -> Value:
                                 [TensorDesc(x.desc.shape, dtype, x.desc.format)],
                                 name=cv.node.name if cv.node else None, source=cv.source(),
                                 scope=cv.scope())
+    # contiguous strides, as `Converter.call` records them (the CPU layout stage rewrites
+    # them to channels-last where NHWC flows through)
+    node.meta["strides"] = [tuple(torch.empty(x.desc.shape, device="meta").stride())]
     return node.outputs[0]
 
 
@@ -103,7 +124,8 @@ def quantize_linear(cv: Converter, n: OnnxNode):
     pt = _per_tensor_u8(n, x, qt)
     if pt is not None and x.desc.dtype.torch == f32:
         step, zp = pt
-        return [_ir_op(cv, "AscendQuant", x, {"scale": 1.0 / step, "offset": zp}, DataType.UINT8)]
+        u = _ir_op(cv, "AscendQuant", x, {"scale": 1.0 / step, "offset": zp}, DataType.UINT8)
+        return [u if qt == torch.uint8 else _int8_view(cv, u, zp)]
     xf = x if x.desc.dtype.torch == f32 else cv.call(aten._to_copy.default, x, dtype=f32)
     scale = _per_axis(cv, n, n.x(1), x)
     if scale.desc.dtype.torch != f32:
@@ -134,7 +156,12 @@ def dequantize_linear(cv: Converter, n: OnnxNode):
         raise NotConverted("output_dtype differs from the scale's type")
     pt = _per_tensor_u8(n, x, xt)
     if pt is not None and out == torch.float32:
-        return [_ir_op(cv, "AscendDequant", x, {"scale": pt[0], "offset": pt[1]}, DataType.FLOAT)]
+        if xt == torch.int8:
+            u, off = getattr(cv, "u8_of", {}).get(x.id, (None, None))
+            if u is not None and off == pt[1]:
+                return [_ir_op(cv, "AscendDequant", u, {"scale": pt[0], "offset": off}, DataType.FLOAT)]
+        else:
+            return [_ir_op(cv, "AscendDequant", x, {"scale": pt[0], "offset": pt[1]}, DataType.FLOAT)]
     scale = _per_axis(cv, n, scale, x)
     d = cv.call(aten._to_copy.default, x, dtype=torch.int32)
     if n.has(2):
