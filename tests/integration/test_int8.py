@@ -99,9 +99,9 @@ class Blocks(torch.nn.Module):
     """A stem conv, two identity residual blocks (conv-ReLU, conv + x, ReLU), a head conv:
     ResNet's residual chain, where the block outputs can stay uint8."""
 
-    def __init__(self, c=8):
+    def __init__(self, c=8, cin=3):
         super().__init__()
-        self.stem = torch.nn.Conv2d(3, c, 3, padding=1)
+        self.stem = torch.nn.Conv2d(cin, c, 3, padding=1)
         self.convs = torch.nn.ModuleList(torch.nn.Conv2d(c, c, 3, padding=1) for _ in range(4))
         self.head = torch.nn.Conv2d(c, 4, 1)
 
@@ -133,6 +133,21 @@ def test_residual_chain_stays_uint8():
         assert _cos(a, m(x)) >= 0.998
     x[0, 0, 1, 1] = float("nan")
     assert torch.isfinite(on(x)).all()     # saturated at the input's quantization
+
+
+def test_uint8_layers_survive_the_model_file(tmp_path):
+    """uint8 outputs, a uint8 addend and QuantMaxPool are saved and loaded: same bits."""
+    torch.manual_seed(6)
+    m = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.ReLU(), torch.nn.MaxPool2d(2),
+                            Blocks(8, cin=8)).eval()
+    cal = [torch.randn(1, 3, 24, 24) for _ in range(2)]
+    q = opencann.quantize(m, cal)
+    ops = q.report.op_counts_after
+    assert ops.get("QuantMaxPool") == 1 and ops.get("QuantConvAddAct") == 2, ops
+    path = str(tmp_path / "u8.ocm")
+    opencann.save(q, path)
+    x = torch.randn(1, 3, 24, 24)
+    assert torch.equal(opencann.load(path)(x), q(x))
 
 
 def test_maxpool_between_int8_layers_runs_on_uint8():
