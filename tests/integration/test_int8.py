@@ -135,6 +135,42 @@ def test_residual_chain_stays_uint8():
     assert torch.isfinite(on(x)).all()     # saturated at the input's quantization
 
 
+class DownBlock(torch.nn.Module):
+    """ResNet's stage-first block: conv-ReLU, conv + downsample(x) (a strided 1x1 conv
+    read by the sum alone), ReLU; then an identity block and a head conv."""
+
+    def __init__(self, c=8):
+        super().__init__()
+        self.stem = torch.nn.Conv2d(3, c, 3, padding=1)
+        self.a, self.b = torch.nn.Conv2d(c, 2 * c, 3, stride=2, padding=1), torch.nn.Conv2d(2 * c, 2 * c, 3, padding=1)
+        self.down = torch.nn.Conv2d(c, 2 * c, 1, stride=2)
+        self.tail = Blocks(2 * c, cin=2 * c)
+
+    def forward(self, x):
+        y = torch.relu(self.stem(x))
+        y = torch.relu(self.b(torch.relu(self.a(y))) + self.down(y))
+        return self.tail(y)
+
+
+def test_downsample_addend_is_calibrated_and_stays_uint8():
+    """The downsample output has no int8 reader: calibration records its range ("accum")
+    and fuse_requant quantizes it there, so the downsample convolution writes uint8 and
+    every residual sum runs on uint8 (one AscendQuant: the model input)."""
+    torch.manual_seed(8)
+    m = DownBlock().eval()
+    cal = [torch.randn(1, 3, 16, 16) for _ in range(3)]
+    on = opencann.quantize(m, cal)
+    off = opencann.quantize(m, cal, options={"disable": ["fuse_requant"]})
+    ops = on.report.op_counts_after
+    assert ops.get("AscendQuant") == 1 and ops.get("QuantConvAddAct") == 3, ops
+    assert all(n.outputs[0].desc.dtype.torch == torch.uint8 for n in on.graph.nodes
+               if n.op.startswith("QuantConv") and n.scope != "tail.head")
+    x = torch.randn(1, 3, 16, 16)
+    assert _cos(on(x), off(x)) >= 0.999
+    with torch.no_grad():
+        assert _cos(on(x), m(x)) >= 0.998
+
+
 def test_uint8_layers_survive_the_model_file(tmp_path):
     """uint8 outputs, a uint8 addend and QuantMaxPool are saved and loaded: same bits."""
     torch.manual_seed(6)

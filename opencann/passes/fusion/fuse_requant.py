@@ -77,18 +77,19 @@ class FuseRequant(CpuFusion):
         n = super().run(graph, ctx)
         for node, a in old.items():   # an addend moved to uint8 whose layer stayed fp32: undo
             if node.outputs[0].desc.dtype.torch != torch.uint8:
-                node.replace_input(node.inputs[node.attrs["other"].index], a)
+                u = node.inputs[node.attrs["other"].index]
+                node.replace_input(u, a)
                 for k in ("accum_scale", "accum_offset"):
                     node.attrs.pop(k)
+                if u.producer is not None and u.producer.op == "AscendQuant" and not u.users \
+                        and u not in graph.outputs:
+                    graph.erase_node(u.producer)
         return n
 
     def match(self, node: Node, graph: Graph, ctx: PassContext):
         """A `_RequantMatch` when every reader of the layer's fp32 output quantizes it at
         one scale (directly or after a MaxPool); else a `Skip` naming the reader or fact
         that keeps the fp32 output."""
-        if node.op == "QuantConvAddAct" and "accum_scale" not in node.attrs:
-            return Skip("the residual addend is fp32 and no reader quantizes it: oneDNN's sum "
-                        "post-op writes uint8 only into a uint8 addend")
         if node.attrs.get("dynamic"):
             return Skip("dynamic QuantLinearAct: its readers' scale is not known at compile time")
         if node.attrs.get("act", "none") not in _NATIVE_ACT[node.op]:
@@ -110,6 +111,10 @@ class FuseRequant(CpuFusion):
         if len(keys) != 1:
             return Skip("no reader quantizes it" if not keys else
                         f"its readers quantize it at {len(keys)} different scales")
+        if node.op == "QuantConvAddAct" and "accum_scale" not in node.attrs:
+            return Skip("the residual addend stays fp32 (no int8 reader quantizes it and no calibrated "
+                        "'accum' record, or its own chain ends in an fp32 reader): oneDNN's sum "
+                        "post-op writes uint8 only into a uint8 addend")
         inv, offset = keys.pop()
         return _RequantMatch(node, 1.0 / inv, offset, quants, pools)
 
@@ -155,7 +160,9 @@ def _uint8_addends(graph: Graph) -> Dict[Node, Value]:
     """Residual chains (ResNet's identity blocks): a QuantConvAddAct whose fp32 addend is
     also quantized for another int8 layer (an AscendQuant reader) and whose own output
     only int8 layers read takes that uint8 tensor as its addend (``accum_scale`` /
-    ``accum_offset``). Decided last block first: a block's output may be the next block's
+    ``accum_offset``); an addend no AscendQuant reads is quantized at the layer's
+    calibrated ``accum_record`` when it has one (a new AscendQuant, which the addend's
+    producer then absorbs). Decided last block first: a block's output may be the next block's
     addend. In place into the uint8 addend when `_why_not_in_place` allows, else into a
     copy. Returns {layer: its fp32 addend} of the layers changed."""
     from .conv_add_act import _why_not_in_place
@@ -164,8 +171,11 @@ def _uint8_addends(graph: Graph) -> Dict[Node, Value]:
     for c in reversed(adds):
         a = c.inputs[c.attrs["other"].index]
         q = next((u for u in a.users if u.op == "AscendQuant"), None)
-        if q is not None and a.desc.dtype.torch == torch.float32 \
-                and _readers_key(graph, c.outputs[0], moving) is not None:
+        if a.desc.dtype.torch != torch.float32 or _readers_key(graph, c.outputs[0], moving) is None:
+            continue
+        if q is None and c.attrs.get("accum_record") and a.producer is not None:
+            q = _quant_of(graph, a, c)     # the calibrated addend (e.g. a downsample output)
+        if q is not None:
             moving[c] = q
     old = {}
     for c, q in moving.items():
@@ -181,6 +191,21 @@ def _uint8_addends(graph: Graph) -> Dict[Node, Value]:
         else:
             c.attrs["inplace_input"] = k
     return old
+
+
+def _quant_of(graph: Graph, a: Value, c: Node) -> Node:
+    """A new AscendQuant of ``a`` at ``c``'s calibrated addend record (``accum_record``:
+    [step, zero point]), placed before ``c``, keeping ``a``'s strides."""
+    from ...ir import TensorRef
+    step, off = c.attrs["accum_record"]
+    q = graph.create_node("AscendQuant", [a], {"self": TensorRef(0), "scale": 1.0 / step, "offset": int(off)},
+                          [_u8(a.desc)], name=f"{c.name}_addend_quant", source=c.source, scope=c.scope,
+                          before=c)
+    p = a.producer
+    st = (p.meta.get("strides") or [None] * len(p.outputs))[p.outputs.index(a)]
+    if st is not None:
+        q.meta["strides"] = [st]
+    return q
 
 
 def _u8(d: TensorDesc) -> TensorDesc:
