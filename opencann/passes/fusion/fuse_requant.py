@@ -17,15 +17,18 @@ Readers int8 can carry: AscendQuant nodes at one (scale, offset), and MaxPool no
 own readers are such AscendQuant nodes (max commutes with the monotone quantization, so
 ``quant(maxpool(y)) == maxpool(quant(y))`` exactly: the MaxPool becomes a QuantMaxPool on
 uint8).
-Inductor's x86 int8 path and OpenVINO's LPT do the same (``qconv2d_pointwise`` with an
-output scale / zero point and a uint8 output dtype). It runs right after
-``quantize_int8``.
+Residual chains first (`_uint8_addends`): a QuantConvAddAct whose readers are int8 takes
+a uint8 version of its fp32 addend (the AscendQuant another int8 layer already reads, or
+one made at its calibrated ``accum_record``) and writes uint8 into it (oneDNN's ``sum``
+post-op with an int8 accumulator). Inductor's x86 int8 path and OpenVINO's LPT do the
+same (``qconv2d_pointwise`` with an output scale / zero point and a uint8 output dtype).
+It runs right after ``quantize_int8``.
 
 It does not apply (a Skip with the reason) to: a dynamic QuantLinearAct; a layer read by
 anything else (an fp32 reader, a graph output, readers at different scales); an
 activation oneDNN does not run as a post-op (the eager op after the kernel needs fp32);
-QuantConvAddAct (its residual addend is fp32, and oneDNN's ``sum`` post-op writes uint8
-only into a uint8 addend).
+a QuantConvAddAct whose addend stays fp32 (oneDNN's ``sum`` post-op writes uint8 only
+into a uint8 addend).
 
 Numerics: oneDNN rounds ``acc * (s_x * s_w / s)`` once (round half to even, saturated to
 [0, 255]) where the unfused graph rounds the fp32 result of ``acc * s_x * s_w`` divided
