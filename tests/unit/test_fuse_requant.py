@@ -76,3 +76,38 @@ def test_fp32_reader_or_two_scales_keep_the_graph():
     assert reasons["conv1"] == "its readers quantize it at 2 different scales"
     assert "graph output" in reasons["conv_a"]
     assert reasons["conv_c"] == "activation 'sigmoid' runs after the kernel in fp32"
+
+
+def qconv_add(g, x, other, name):
+    w = g.add_const(torch.randint(-127, 128, (4, 4, 1, 1), generator=G, dtype=torch.int8))
+    s = g.add_const(torch.rand(4, generator=G) + 0.01)
+    attrs = {"input": TensorRef(0), "weight": TensorRef(1), "w_scale": TensorRef(2), "other": TensorRef(3),
+             "stride": [1, 1], "padding": [0, 0], "dilation": [1, 1], "groups": 1, "act": "relu",
+             "x_scale": 0.1, "x_offset": 0, "inplace": True, "inplace_input": 3}
+    return g.create_node("QuantConvAddAct", [x, w, s, other], attrs, [TensorDesc((1, 4, 4, 4), F)], name).output
+
+
+def test_residual_sum_takes_the_uint8_addend_and_writes_uint8():
+    g = Graph()
+    x = g.add_input(TensorDesc((1, 4, 4, 4), F), "x")
+    y = qconv(g, quant(g, x, 10.0, 0, "q0"), "conv1")
+    z = qconv_add(g, quant(g, y, 20.0, 3, "q1"), y, "block")     # y: the next conv's input and the addend
+    g.outputs = [qconv(g, quant(g, z, 40.0, 0, "q2"), "head")]
+    text, rep = run(g)
+    assert text == """graph(%x: float32[1,4,4,4]):
+  %c0: int8[4,4,1,1] = const
+  %c1: float32[4] = const
+  %c2: int8[4,4,1,1] = const
+  %c3: float32[4] = const
+  %c4: int8[4,4,1,1] = const
+  %c5: float32[4] = const
+  %0: uint8[1,4,4,4] = AscendQuant(%x; offset=0, scale=10.0)
+  %1: uint8[1,4,4,4] = QuantConvBiasAct(%0, %c0, %c1; out_offset=3, out_scale=0.05)
+  %2: uint8[1,4,4,4] = QuantConvAddAct(%1, %c2, %c3, %1; out_offset=0, out_scale=0.025)
+  %3: float32[1,4,4,4] = QuantConvBiasAct(%2, %c4, %c5)
+  return %3"""
+    block = next(n for n in g.nodes if n.op == "QuantConvAddAct")
+    assert (block.attrs["accum_scale"], block.attrs["accum_offset"]) == (0.05, 3)
+    # its addend is also its input here: the sum goes into a copy, not in place
+    assert block.attrs["inplace"] is False and "inplace_input" not in block.attrs
+    assert sorted(e["nodes"] for e in rep.applied) == ["block", "conv1"]
