@@ -1,7 +1,10 @@
-"""`fuse_requant` golden tests (as test_pass_golden.py): on a hand-built int8 graph the
-first layer writes uint8 at its reader's scale and the AscendQuant between goes, through
-a MaxPool too; where a reader needs fp32 (or readers disagree on the scale) the graph
-must not change and the report says why. End-to-end numerics: tests/integration/test_int8.py."""
+"""`fuse_requant` and `qdq_to_int8` golden tests (as test_pass_golden.py): on a hand-built
+int8 graph the first layer writes uint8 at its reader's scale and the AscendQuant between
+goes, through a MaxPool and a residual sum too; where a reader needs fp32 (or readers
+disagree on the scale) the graph must not change and the report says why. A QDQ pair
+before a conv becomes the int8 conv with the exact int8 weight; a weight that is not
+symmetric int8 keeps the emulation, with the reason. End-to-end numerics:
+tests/integration/test_int8.py, test_int8_onnx.py."""
 import torch
 
 from opencann.ir import DataType, Graph, TensorDesc, TensorRef, verify
@@ -111,3 +114,51 @@ def test_residual_sum_takes_the_uint8_addend_and_writes_uint8():
     # its addend is also its input here: the sum goes into a copy, not in place
     assert block.attrs["inplace"] is False and "inplace_input" not in block.attrs
     assert sorted(e["nodes"] for e in rep.applied) == ["block", "conv1"]
+
+
+# -- qdq_to_int8 (the ONNX QDQ rewrite that feeds fuse_requant) -----------------------------
+def run_qdq(g):
+    from opencann.passes import QdqToInt8
+    ctx = PassContext(options=complete({"verify": True}), report=CompileReport(), device="cpu")
+    PassManager([QdqToInt8()]).run(g, ctx)
+    verify(g)
+    return to_text(g, attrs=("scale", "offset", "x_scale", "x_offset")), ctx.report
+
+
+def conv_bias_act(g, x, w, name):
+    attrs = {"input": TensorRef(0), "weight": TensorRef(1), "stride": [1, 1], "padding": [0, 0],
+             "dilation": [1, 1], "groups": 1, "act": "relu"}
+    return g.create_node("ConvBiasAct", [x, g.add_const(w)], attrs, [TensorDesc((1, 4, 4, 4), F)], name).output
+
+
+def dequant(g, u, scale, offset, name):
+    return g.create_node("AscendDequant", [u], {"self": TensorRef(0), "scale": scale, "offset": offset},
+                         [TensorDesc(u.desc.shape, F)], name).output
+
+
+def test_qdq_pair_before_a_conv_becomes_the_int8_conv():
+    g = Graph()
+    x = g.add_input(TensorDesc((1, 4, 4, 4), F), "x")
+    q = torch.randint(-127, 128, (4, 4, 1, 1), generator=G).float()
+    q[:, 0] = 127                                       # max |q| = 127 per channel: exact
+    g.outputs = [conv_bias_act(g, dequant(g, quant(g, x, 10.0, 3, "q"), 0.1, 3, "dq"), q * 0.02, "conv")]
+    text, rep = run_qdq(g)
+    assert text == """graph(%x: float32[1,4,4,4]):
+  %c0: int8[4,4,1,1] = const
+  %c1: float32[4] = const
+  %0: uint8[1,4,4,4] = AscendQuant(%x; offset=3, scale=10.0)
+  %1: float32[1,4,4,4] = QuantConvBiasAct(%0, %c0, %c1; x_offset=3, x_scale=0.1)
+  return %1"""
+    assert torch.equal(g.constants[0].const.float(), q)
+    assert "the file's int8 weights" in rep.applied[0]["detail"]
+
+
+def test_qdq_weight_not_symmetric_int8_keeps_the_emulation():
+    g = Graph()
+    x = g.add_input(TensorDesc((1, 4, 4, 4), F), "x")
+    w = torch.rand(4, 4, 1, 1, generator=G)             # not q * s for any symmetric int8 q
+    g.outputs = [conv_bias_act(g, dequant(g, quant(g, x, 10.0, 3, "q"), 0.1, 3, "dq"), w, "conv")]
+    before = to_text(g, attrs=("scale", "offset", "x_scale", "x_offset"))
+    text, rep = run_qdq(g)
+    assert text == before
+    assert "not symmetric int8" in rep.skipped[0]["reason"] and "float emulation kept" in rep.skipped[0]["reason"]
