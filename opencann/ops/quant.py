@@ -10,6 +10,8 @@
   activation with CANN's AscendDequant fused into its fp32 output.
 - ``QuantConvAddAct``: the same with the residual Add (+ ReLU): oneDNN's ``sum`` post-op
   into the fp32 addend, in place as ``ConvAddAct``.
+- ``QuantAdd``: the sum of two uint8 tensors requantized to uint8 (ONNX QDQ's residual
+  Add, ``qdq_eltwise_int8``; ONNX Runtime's QLinearAdd).
 - ``QuantMaxPool``: MaxPool on a uint8 activation (the ``fuse_requant`` pass moves a
   MaxPool between two int8 layers to uint8: max commutes with quantization).
 - ``QuantLinearAct``: int8 MatMul / Linear (+ activation), dequantized to fp32; with
@@ -23,7 +25,7 @@ from __future__ import annotations
 from ..ir import Node, numel
 from .kernels import vnpu_cost
 from .kernels.int8_cpu import (make_ascend_dequant_kernel, make_ascend_quant_kernel, make_quant_conv_kernel,
-                               make_quant_linear_kernel, make_quant_max_pool_kernel)
+                               make_quant_add_kernel, make_quant_linear_kernel, make_quant_max_pool_kernel)
 from .library import _conv_cost
 from . import per_index as pi
 from .opdef import Cost, OpDef, OpKind, _nbytes, register
@@ -55,6 +57,9 @@ register(OpDef("QuantConvAddAct", OpKind.FUSED, aliases=((),), cost_fn=_conv_cos
                fused_from=("Conv2D",), kernel_factories={"cpu": make_quant_conv_kernel},
                device_cost={"vnpu": vnpu_cost.conv}, per_index=pi.CONV_ADD,
                doc="int8 Conv2D + residual Add (+ReLU) into the fp32 addend, in place"))
+register(OpDef("QuantAdd", OpKind.ELEMENTWISE, flops_per_elem=6, aliases=((),), per_index=pi.ALL,
+               kernel_factories={"cpu": make_quant_add_kernel}, device_cost={"vnpu": vnpu_cost.vector("add")},
+               doc="uint8 + uint8 → uint8 at three quantizations (quantized::add)"))
 register(OpDef("QuantMaxPool", OpKind.POOL, aliases=((),), per_index=pi.POOL,
                kernel_factories={"cpu": make_quant_max_pool_kernel},
                doc="MaxPool on uint8 (quantized::max_pool2d's NHWC kernel)"))

@@ -3,7 +3,7 @@ pass per module under ``prepare/``, ``fusion/`` and ``layout/``; the public name
 re-exported here."""
 from .base import Pass, PassContext, PassManager, RewritePass, Skip
 from .fusion import FoldBatchNorm, FuseConvAct, FuseConvAddAct, FuseFlashAttention, FuseLinearAct
-from .fusion import ChooseAttentionKernel, FuseAddLayerNorm, FuseQKVLinear, FuseRequant, QdqToInt8, QuantizeInt8
+from .fusion import ChooseAttentionKernel, FuseAddLayerNorm, FuseQKVLinear, FuseRequant, QdqEltwiseToInt8, QdqToInt8, QuantizeInt8
 from .fusion import (FuseElementwise, FuseGatedMLP, FuseGeluErf, FuseGeluTanh, FuseLayerNorm, FuseRMSNorm, FuseSiLU,
                      user_passes)
 from .layout import LayoutSelection, NpuLayoutSelection
@@ -24,14 +24,14 @@ def default_pipeline() -> PassManager:
     BatchNorm or ``pow`` split the pattern and block both the fold and the fusion).
     ``quantize_int8`` (``options['quant_config']``) runs after the CPU layout stage, on the
     fused ops in the layouts it chose (``qdq_to_int8`` just before it, for ONNX QDQ models), and
-    ``fuse_requant`` right after it. The compiler adds kernel binding as the
+    ``fuse_requant`` and ``qdq_eltwise_int8`` right after it. The compiler adds kernel binding as the
     last stage when it builds a callable model."""
     return PassManager([
         ConstantFolding(), DeadCodeElimination(), CommonSubexpressionElimination(),
         IdentityElimination(), DropUnusedOutputs(), FoldBatchNorm(), *user_passes(), FuseSiLU(),
         FuseGeluTanh(), FuseGeluErf(), FuseRMSNorm(), FuseLayerNorm(), MixedPrecision(), FuseGatedMLP(), FuseConvAct(), FuseConvAddAct(), FuseLinearAct(), FuseQKVLinear(),
         FuseAddLayerNorm(), FuseFlashAttention(), ChooseAttentionKernel(),
-        FuseElementwise(), DeadCodeElimination(), LayoutSelection(), QdqToInt8(), QuantizeInt8(), FuseRequant(), NpuLayoutSelection(), SingleStreamSchedule(),
+        FuseElementwise(), DeadCodeElimination(), LayoutSelection(), QdqToInt8(), QuantizeInt8(), FuseRequant(), QdqEltwiseToInt8(), NpuLayoutSelection(), SingleStreamSchedule(),
         MemoryPlanning(),
     ])
 
@@ -43,4 +43,4 @@ __all__ = ["Pass", "PassContext", "PassManager", "RewritePass", "Skip", "default
            "FuseQKVLinear", "FuseAddLayerNorm", "FuseFlashAttention", "ChooseAttentionKernel", "FuseSiLU", "FuseGeluTanh",
            "FuseGeluErf", "FuseRMSNorm",
            "FuseLayerNorm", "FuseGatedMLP", "FuseElementwise", "LayoutSelection", "NpuLayoutSelection", "SingleStreamSchedule",
-           "apply_schedule", "DropUnusedOutputs", "QuantizeInt8", "FuseRequant", "QdqToInt8"]
+           "apply_schedule", "DropUnusedOutputs", "QuantizeInt8", "FuseRequant", "QdqToInt8", "QdqEltwiseToInt8"]

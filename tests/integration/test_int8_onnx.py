@@ -1,10 +1,11 @@
 """ONNX QDQ models on the int8 kernels (``qdq_to_int8``): a small torch CNN and MLP
 exported to ONNX and quantized by ONNX Runtime's ``quantize_static`` (QDQ format,
 per-channel symmetric int8 weights, uint8 activations) compile to QuantConvBiasAct /
-QuantConvAddAct / QuantLinearAct, and match ONNX Runtime on the same file within int8
-rounding; a second call gives the same bits; a pair in front of another op stays float
-emulation (AscendQuant → AscendDequant); ``disable: ["qdq_to_int8"]`` keeps the emulation
-and agrees too (docs/guide/quantization.md)."""
+QuantConvAddAct / QuantLinearAct (the residual Add and the MaxPool between QDQ pairs to
+QuantAdd / QuantMaxPool), and match ONNX Runtime on the same file within int8 rounding; a
+second call gives the same bits; a pair in front of another op stays float emulation
+(AscendQuant → AscendDequant); ``disable: ["qdq_to_int8", "qdq_eltwise_int8"]`` keeps the
+emulation and agrees too (docs/guide/quantization.md)."""
 import warnings
 
 import pytest
@@ -84,6 +85,7 @@ def test_qdq_cnn_runs_int8_kernels_and_matches_onnxruntime(tmp_path, act):
     assert ops.get("QuantConvBiasAct", 0) + ops.get("QuantConvAddAct", 0) == 3, ops
     assert ops.get("QuantLinearAct") == 1, ops
     assert not {"ConvBiasAct", "ConvAddAct", "LinearAct"} & set(ops), ops
+    assert ops.get("QuantAdd") == 1 and ops.get("QuantMaxPool") == 1, ops   # qdq_eltwise_int8
     applied = [e for e in cm.report.applied if e["pass"] == "qdq_to_int8"]
     assert len(applied) == 4 and all("the file's int8 weights" in e["detail"] for e in applied)
     x = torch.randn(1, 3, 20, 20, generator=torch.Generator().manual_seed(5))
@@ -91,7 +93,7 @@ def test_qdq_cnn_runs_int8_kernels_and_matches_onnxruntime(tmp_path, act):
     _within_int8_rounding(y, _ort(qp, name, x))
     y2 = cm(x)[0]
     assert torch.equal(y, y2) and y.data_ptr() != y2.data_ptr()
-    emu = opencann.compile(qp, options={"disable": ["qdq_to_int8"]})
+    emu = opencann.compile(qp, options={"disable": ["qdq_to_int8", "qdq_eltwise_int8"]})
     assert "QuantConvBiasAct" not in emu.report.op_counts_after
     assert emu.report.op_counts_after.get("AscendDequant", 0) >= 4
     _within_int8_rounding(emu(x)[0], _ort(qp, name, x))

@@ -162,3 +162,34 @@ def test_qdq_weight_not_symmetric_int8_keeps_the_emulation():
     text, rep = run_qdq(g)
     assert text == before
     assert "not symmetric int8" in rep.skipped[0]["reason"] and "float emulation kept" in rep.skipped[0]["reason"]
+
+
+def test_qdq_add_between_dequantized_tensors_runs_on_uint8():
+    from opencann.passes import QdqEltwiseToInt8
+    g = Graph()
+    x = g.add_input(TensorDesc((1, 4, 4, 4), F), "x")
+    y = g.add_input(TensorDesc((1, 4, 4, 4), F), "y")
+    a, b = dequant(g, quant(g, x, 10.0, 3, "qa"), 0.1, 3, "da"), dequant(g, quant(g, y, 20.0, 0, "qb"), 0.05, 0, "db")
+    s = g.create_node("Add", [a, b], {"self": TensorRef(0), "other": TensorRef(1)}, [a.desc], "add").output
+    g.outputs = [quant(g, s, 5.0, 7, "qs")]
+    ctx = PassContext(options=complete({"verify": True}), report=CompileReport(), device="cpu")
+    PassManager([QdqEltwiseToInt8()]).run(g, ctx)
+    verify(g)
+    assert to_text(g, attrs=("scale", "offset", "a_scale", "b_scale")) == """graph(%x: float32[1,4,4,4], %y: float32[1,4,4,4]):
+  %0: uint8[1,4,4,4] = AscendQuant(%x; offset=3, scale=10.0)
+  %1: uint8[1,4,4,4] = AscendQuant(%y; offset=0, scale=20.0)
+  %2: uint8[1,4,4,4] = QuantAdd(%0, %1; a_scale=0.1, b_scale=0.05, offset=7, scale=0.2)
+  return %2"""
+
+
+def test_qdq_maxpool_requantized_differently_keeps_the_emulation():
+    from opencann.passes import QdqEltwiseToInt8
+    g = Graph()
+    x = g.add_input(TensorDesc((1, 4, 4, 4), F), "x")
+    p = pool(g, dequant(g, quant(g, x, 10.0, 3, "q"), 0.1, 3, "d"), "pool")
+    g.outputs = [quant(g, p, 20.0, 3, "q2")]          # another scale after the pool
+    ctx = PassContext(options=complete({"verify": True}), report=CompileReport(), device="cpu")
+    before = to_text(g)
+    PassManager([QdqEltwiseToInt8()]).run(g, ctx)
+    assert to_text(g) == before
+    assert ctx.report.skipped[0]["reason"] == "QDQ: the MaxPool's output is quantized differently from its input"

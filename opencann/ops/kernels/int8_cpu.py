@@ -247,6 +247,26 @@ def make_quant_linear_kernel(node: Node, in_descs: Sequence[TensorDesc], consts:
     return run
 
 
+def make_quant_add_kernel(node: Node, in_descs: Sequence[TensorDesc], consts: Sequence) -> Callable:
+    """QuantAdd(a, b) → uint8: ``saturate(round(((a - a_offset) * a_scale + (b - b_offset) *
+    b_scale) / scale) + offset)`` (``node.attrs``; a, b uint8 of one shape), by
+    ``quantized::add`` on the tensors viewed as per-tensor quint8 (no copy). Returns
+    ``run(a, b)`` giving uint8 in a's layout."""
+    import warnings
+    a = node.attrs
+    sa, za, sb, zb = float(a["a_scale"]), int(a["a_offset"]), float(a["b_scale"]), int(a["b_offset"])
+    s, z = float(a["scale"]), int(a["offset"])
+    add = torch.ops.quantized.add
+    mk = torch._make_per_tensor_quantized_tensor
+    with warnings.catch_warnings():    # torch warns once that quantized tensors are deprecated
+        warnings.simplefilter("ignore")
+        mk(torch.zeros(1, dtype=torch.uint8), 1.0, 0)
+
+    def run(x, y):
+        return add(mk(x, sa, za), mk(y, sb, zb), s, z).int_repr()
+    return run
+
+
 def make_quant_max_pool_kernel(node: Node, in_descs: Sequence[TensorDesc], consts: Sequence) -> Callable:
     """QuantMaxPool: max pooling of a uint8 activation (``node.attrs`` as ATen's
     ``max_pool2d``: ``kernel_size``, ``stride`` (default: the kernel), ``padding``,
@@ -273,5 +293,6 @@ def make_quant_max_pool_kernel(node: Node, in_descs: Sequence[TensorDesc], const
     return run
 
 
-__all__ = ["QMAX", "QMIN", "QConvWeightPacks", "make_ascend_dequant_kernel", "make_quant_max_pool_kernel", "dynamic_params", "make_ascend_quant_kernel",
+__all__ = ["QMAX", "QMIN", "QConvWeightPacks", "make_ascend_dequant_kernel", "make_quant_add_kernel",
+           "make_quant_max_pool_kernel", "dynamic_params", "make_ascend_quant_kernel",
            "make_quant_conv_kernel", "make_quant_linear_kernel", "quantize_u8"]
