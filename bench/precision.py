@@ -12,6 +12,8 @@ Rows (each a zero-argument runner on the same inputs):
   onnxruntime int8   ONNX Runtime on the ONNX export quantized by ``quantize_static`` (QDQ,
                      the same calibration batches) for ResNet-50, ``quantize_dynamic`` for
                      BERT-base; spinning off; only when onnxruntime is importable
+  opencann int8 (ONNX QDQ file)  ResNet-50: that same QDQ file compiled by opencann
+                     (``qdq_to_int8``: oneDNN's int8 kernels)
   openvino default   the ONNX export on OpenVINO's CPU plugin with its default precision
                      (bf16 where the CPU has avx512_bf16/AMX), ``PERFORMANCE_HINT=LATENCY``;
                      only when ``openvino`` is importable (it is never installed from here)
@@ -111,6 +113,9 @@ def int8_runners(zm: zoo.ZooModel, workdir: str) -> Dict[str, Callable]:
     sess = ort.InferenceSession(qpath, so, providers=["CPUExecutionProvider"])
     feed = {n: t.numpy() for n, t in zip(names, x)}
     rows["onnxruntime int8"] = lambda: torch.from_numpy(sess.run(None, feed)[0])
+    if zm.name == "resnet50":   # the same QDQ file on opencann's int8 kernels (qdq_to_int8)
+        cq = opencann.compile(qpath)
+        rows["opencann int8 (ONNX QDQ file)"] = lambda: first_tensor(cq(*x)[0])
     return rows
 
 

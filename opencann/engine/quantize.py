@@ -115,15 +115,22 @@ def _signature(batch: tuple) -> str:
 def calibrate(cm: CompiledModel, batches: Iterable[tuple]) -> Dict[str, Dict[str, Any]]:
     """Run ``batches`` through the fp32 compiled model ``cm`` and return, per target node
     (`TARGETS`) whose x is fp32, its record {"scale_d", "offset_d", "min", "max"} (uint8,
-    per tensor). Raises what a call raises (a batch of another shape: one line)."""
+    per tensor), plus for a ConvAddAct ``"accum"``: {"scale_d", "offset_d"} of its residual
+    addend (which `fuse_requant` may carry in uint8). Raises what a call raises (a batch of
+    another shape: one line)."""
     graph = cm.graph
     watch: Dict[int, _Range] = {}
     names: Dict[int, List[str]] = {}
+    addends: Dict[int, List[str]] = {}
     for n in graph.nodes:
         if n.op in TARGETS:
             x = n.arg("mat1" if n.op == "LinearAct" else "input")
             watch.setdefault(x.id, _Range())
             names.setdefault(x.id, []).append(n.name)
+        if n.op == "ConvAddAct":   # the residual addend: uint8 between int8 blocks (fuse_requant)
+            a = n.arg("other")
+            watch.setdefault(a.id, _Range())
+            addends.setdefault(a.id, []).append(n.name)
     inputs = {v.id: i for i, v in enumerate(graph.inputs)}
 
     def observe(node, outs) -> None:
@@ -142,8 +149,13 @@ def calibrate(cm: CompiledModel, batches: Iterable[tuple]) -> Dict[str, Dict[str
     for vid, r in watch.items():
         rec = r.record()
         if rec is not None:
-            for name in names[vid]:
-                records[name] = rec
+            for name in names.get(vid, ()):
+                records[name] = dict(rec)
+    for vid, layers in addends.items():
+        rec = watch[vid].record()
+        for name in layers:
+            if rec is not None and name in records:
+                records[name]["accum"] = {"scale_d": rec["scale_d"], "offset_d": rec["offset_d"]}
     return records
 
 
@@ -179,7 +191,8 @@ def quantize(model: torch.nn.Module, calibration_inputs, *, config: Optional[Dic
             raise ValueError("calibration saw no finite value at the input of any convolution or "
                              "linear (every calibration batch is NaN/inf there): give batches of "
                              "real data")
-    layers = {k: {"scale_d": r["scale_d"], "offset_d": r["offset_d"]} for k, r in records.items()}
+    layers = {k: {"scale_d": r["scale_d"], "offset_d": r["offset_d"],
+                  **({"accum": r["accum"]} if "accum" in r else {})} for k, r in records.items()}
     opts["quant_config"] = {"layers": layers, "skip_layers": list(cfg.get("skip_layers") or ()),
                             "dynamic_linear": bool(cfg.get("dynamic_linear"))}
     return compile_module(model, batches[0], device, opts)

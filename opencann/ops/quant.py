@@ -4,10 +4,16 @@
 - ``AscendQuant``: fp32 → uint8 per tensor, CANN's AscendQuant (attrs ``scale``: the
   reciprocal of the step, as CANN's ``y = round(x * scale + offset)``; ``offset``: the
   zero point).
+- ``AscendDequant``: uint8 → fp32 per tensor, ``(x - offset) * scale`` (CANN's
+  AscendDequant as a graph op; ONNX DequantizeLinear of a QDQ model converts to it).
 - ``QuantConvBiasAct``: int8 Conv2D (uint8 x, int8 per-channel weight) + bias +
   activation with CANN's AscendDequant fused into its fp32 output.
 - ``QuantConvAddAct``: the same with the residual Add (+ ReLU): oneDNN's ``sum`` post-op
   into the fp32 addend, in place as ``ConvAddAct``.
+- ``QuantAdd``: the sum of two uint8 tensors requantized to uint8 (ONNX QDQ's residual
+  Add, ``qdq_eltwise_int8``; ONNX Runtime's QLinearAdd).
+- ``QuantMaxPool``: MaxPool on a uint8 activation (the ``fuse_requant`` pass moves a
+  MaxPool between two int8 layers to uint8: max commutes with quantization).
 - ``QuantLinearAct``: int8 MatMul / Linear (+ activation), dequantized to fp32; with
   ``attrs["dynamic"]`` x comes in fp32 and is quantized per call.
 
@@ -18,7 +24,8 @@ from __future__ import annotations
 
 from ..ir import Node, numel
 from .kernels import vnpu_cost
-from .kernels.int8_cpu import make_ascend_quant_kernel, make_quant_conv_kernel, make_quant_linear_kernel
+from .kernels.int8_cpu import (make_ascend_dequant_kernel, make_ascend_quant_kernel, make_quant_conv_kernel,
+                               make_quant_add_kernel, make_quant_linear_kernel, make_quant_max_pool_kernel)
 from .library import _conv_cost
 from . import per_index as pi
 from .opdef import Cost, OpDef, OpKind, _nbytes, register
@@ -34,10 +41,14 @@ def _quant_linear_cost(node: Node) -> Cost:
     return Cost(flops, sum(_nbytes(v.desc) for v in node.inputs) + _nbytes(out))
 
 
-register(OpDef("AscendQuant", OpKind.ELEMENTWISE, flops_per_elem=4, aliases=((),),
+register(OpDef("AscendQuant", OpKind.ELEMENTWISE, flops_per_elem=4, aliases=((),), channels_last=True,
                kernel_factories={"cpu": make_ascend_quant_kernel},
                device_cost={"vnpu": vnpu_cost.vector("mul")}, per_index=pi.ALL,
                doc="fp32 → uint8: saturate(round(x * scale) + offset), NaN → 0"))
+register(OpDef("AscendDequant", OpKind.ELEMENTWISE, flops_per_elem=2, aliases=((),), channels_last=True,
+               kernel_factories={"cpu": make_ascend_dequant_kernel},
+               device_cost={"vnpu": vnpu_cost.vector("mul")}, per_index=pi.ALL,
+               doc="uint8 → fp32: (x - offset) * scale"))
 register(OpDef("QuantConvBiasAct", OpKind.FUSED, aliases=((),), cost_fn=_conv_cost,
                fused_from=("Conv2D",), kernel_factories={"cpu": make_quant_conv_kernel},
                device_cost={"vnpu": vnpu_cost.conv}, per_index=pi.CONV,
@@ -46,6 +57,12 @@ register(OpDef("QuantConvAddAct", OpKind.FUSED, aliases=((),), cost_fn=_conv_cos
                fused_from=("Conv2D",), kernel_factories={"cpu": make_quant_conv_kernel},
                device_cost={"vnpu": vnpu_cost.conv}, per_index=pi.CONV_ADD,
                doc="int8 Conv2D + residual Add (+ReLU) into the fp32 addend, in place"))
+register(OpDef("QuantAdd", OpKind.ELEMENTWISE, flops_per_elem=6, aliases=((),), per_index=pi.ALL,
+               kernel_factories={"cpu": make_quant_add_kernel}, device_cost={"vnpu": vnpu_cost.vector("add")},
+               doc="uint8 + uint8 → uint8 at three quantizations (quantized::add)"))
+register(OpDef("QuantMaxPool", OpKind.POOL, aliases=((),), per_index=pi.POOL,
+               kernel_factories={"cpu": make_quant_max_pool_kernel},
+               doc="MaxPool on uint8 (quantized::max_pool2d's NHWC kernel)"))
 register(OpDef("QuantLinearAct", OpKind.FUSED, aliases=((),), cost_fn=_quant_linear_cost,
                fused_from=("MatMulV2", "MatMul"), kernel_factories={"cpu": make_quant_linear_kernel},
                device_cost={"vnpu": vnpu_cost.matmul}, per_index=pi.addmm,

@@ -3,7 +3,7 @@ pass per module under ``prepare/``, ``fusion/`` and ``layout/``; the public name
 re-exported here."""
 from .base import Pass, PassContext, PassManager, RewritePass, Skip
 from .fusion import FoldBatchNorm, FuseConvAct, FuseConvAddAct, FuseFlashAttention, FuseLinearAct
-from .fusion import ChooseAttentionKernel, FuseAddLayerNorm, FuseQKVLinear, QuantizeInt8
+from .fusion import ChooseAttentionKernel, FuseAddLayerNorm, FuseQKVLinear, FuseRequant, QdqEltwiseToInt8, QdqToInt8, QuantizeInt8
 from .fusion import (FuseElementwise, FuseGatedMLP, FuseGeluErf, FuseGeluTanh, FuseLayerNorm, FuseRMSNorm, FuseSiLU,
                      user_passes)
 from .layout import LayoutSelection, NpuLayoutSelection, VnpuUbEpilogue
@@ -24,15 +24,16 @@ def default_pipeline() -> PassManager:
     the op written directly (run after, the Casts ``precision`` puts around a kept-fp32
     BatchNorm or ``pow`` split the pattern and block both the fold and the fusion).
     ``quantize_int8`` (``options['quant_config']``) runs after the CPU layout stage, on the
-    fused ops in the layouts it chose. The compiler adds kernel binding as the
+    fused ops in the layouts it chose (``qdq_to_int8`` just before it, for ONNX QDQ models), and
+    ``fuse_requant`` and ``qdq_eltwise_int8`` right after it. The compiler adds kernel binding as the
     last stage when it builds a callable model."""
     return PassManager([
         ConstantFolding(), DeadCodeElimination(), CommonSubexpressionElimination(),
         IdentityElimination(), DropUnusedOutputs(), InputInplace(), FoldBatchNorm(), *user_passes(), FuseSiLU(),
         FuseGeluTanh(), FuseGeluErf(), FuseRMSNorm(), FuseLayerNorm(), MixedPrecision(), FuseGatedMLP(), FuseConvAct(), FuseConvAddAct(), FuseLinearAct(), FuseQKVLinear(),
         FuseAddLayerNorm(), FuseFlashAttention(), ChooseAttentionKernel(),
-        FuseElementwise(), DeadCodeElimination(), LayoutSelection(), QuantizeInt8(), NpuLayoutSelection(), VnpuUbEpilogue(),
-        SingleStreamSchedule(),
+        FuseElementwise(), DeadCodeElimination(), LayoutSelection(), QdqToInt8(), QuantizeInt8(), FuseRequant(), QdqEltwiseToInt8(),
+        NpuLayoutSelection(), VnpuUbEpilogue(), SingleStreamSchedule(),
         MemoryPlanning(),
     ])
 
@@ -44,4 +45,5 @@ __all__ = ["Pass", "PassContext", "PassManager", "RewritePass", "Skip", "default
            "FuseQKVLinear", "FuseAddLayerNorm", "FuseFlashAttention", "ChooseAttentionKernel", "FuseSiLU", "FuseGeluTanh",
            "FuseGeluErf", "FuseRMSNorm",
            "FuseLayerNorm", "FuseGatedMLP", "FuseElementwise", "LayoutSelection", "NpuLayoutSelection", "VnpuUbEpilogue",
-           "SingleStreamSchedule", "apply_schedule", "DropUnusedOutputs", "QuantizeInt8", "InputInplace"]
+           "SingleStreamSchedule", "apply_schedule", "DropUnusedOutputs", "QuantizeInt8", "InputInplace",
+           "FuseRequant", "QdqToInt8", "QdqEltwiseToInt8"]

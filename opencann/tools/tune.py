@@ -26,8 +26,14 @@ minima of repeated timings with a 5% margin):
    `tune_gate`) or by the user's ``budget`` callable. While they fail, the lowered node
    with the worst own error goes back up (reason: "outputs").
 
-Candidates are a name plus how to apply them to a set of nodes (`Candidate`); int8 plugs
-in as one more (`CANDIDATES` holds fp32, bf16, fp16).
+Candidates are a name plus how to apply them to a set of nodes (`Candidate`);
+`CANDIDATES` holds fp32, bf16, fp16 and int8. int8 (`opencann.tools.tune_int8`) is static
+post-training quantization: the convolutions and linears with constant weights only (any
+other node's int8 verdict fails with the reason), calibrated on ``calibration`` (default:
+``data``, else the example inputs) through the all-fp32 compile; its own error is the op
+on eager's inputs with uint8 x and per-channel int8 weights. A node the search gives
+int8 that the ``quantize_int8`` pass then leaves in fp32 is reported in fp32 with the
+reason.
 """
 from __future__ import annotations
 
@@ -38,6 +44,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 import torch
 import torch.utils._pytree as pytree
 
+from . import tune_int8
 from .compare import Session, metrics
 from .tune_gate import COSINE_FAIL, Verdict, msprobe_gate
 
@@ -69,14 +76,16 @@ class Candidate:
     """A precision the search may give a node: ``name`` (what `TuneResult.precision`
     and the options say), ``dtype`` (the gate's error-ratio bounds), ``apply(options,
     nodes) -> options`` (compile options that run ``nodes`` in it; default:
-    ``node_precision``) and ``emulate(target, args, kwargs) -> (result, same-input fp32
+    ``node_precision``), ``emulate(target, args, kwargs) -> (result, same-input fp32
     result)`` (one op on eager's inputs, for its own error; None: judged only through the
-    outputs)."""
+    outputs) and ``applies(fx_node, exported_program) -> str`` (why the candidate cannot
+    run a node, "" when it can; None: it runs every candidate node)."""
 
     name: str
     dtype: torch.dtype
     apply: Optional[Callable[[Dict[str, Any], Sequence[str]], Dict[str, Any]]] = None
     emulate: Optional[Callable] = None
+    applies: Optional[Callable] = None
 
     def options(self, options: Dict[str, Any], nodes: Sequence[str]) -> Dict[str, Any]:
         """``options`` with ``nodes`` run in this precision (a new dict)."""
@@ -91,6 +100,7 @@ CANDIDATES: Dict[str, Candidate] = {
     "fp32": Candidate("fp32", torch.float32),
     "bf16": Candidate("bf16", torch.bfloat16, emulate=_cast_emulate(torch.bfloat16)),
     "fp16": Candidate("fp16", torch.float16, emulate=_cast_emulate(torch.float16)),
+    "int8": Candidate("int8", torch.int8, emulate=tune_int8.emulate, applies=tune_int8.applies),
 }
 
 
@@ -296,11 +306,18 @@ def _own_errors(session: Session, nodes: Dict[str, NodeChoice], cands: List[Cand
         args, kwargs = torch.fx.node.map_arg((n.args, n.kwargs), lambda a: env[a.name])
         ref = session.eager[n.name]
         for c in cands[1:]:
+            why = c.applies(n, ep) if c.applies is not None else ""
+            if why:
+                nodes[n.name].own[c.name] = Verdict(False, "applies", why)
+                continue
             if c.emulate is None:
                 continue
             with torch.no_grad():
-                low, same = c.emulate(n.target, args, kwargs)
-            nodes[n.name].own[c.name] = msprobe_gate(low, ref, c.dtype, same)
+                got = c.emulate(n.target, args, kwargs)
+            if got is None:
+                nodes[n.name].own[c.name] = Verdict(False, "applies", f"{c.name} cannot run these operands")
+                continue
+            nodes[n.name].own[c.name] = msprobe_gate(got[0], ref, c.dtype, got[1])
 
 
 def _charge(graph, names) -> Dict[str, str]:
@@ -378,7 +395,7 @@ def _outputs_ok(model, data, budget, compiled, outs: List[Dict[str, Any]]) -> Tu
 def tune(model: torch.nn.Module, example_inputs, *, budget: Union[str, Callable] = "msprobe",
          data: Optional[Sequence[Any]] = None, candidates: Sequence[Any] = ("fp32", "bf16"),
          time_budget_s: Optional[float] = 120.0, device: str = "cpu", seed: int = 0,
-         timing: bool = True, reps: int = 3) -> TuneResult:
+         timing: bool = True, reps: int = 3, calibration: Optional[Sequence[Any]] = None) -> TuneResult:
     """Search the precision of each matmul / conv / attention node of ``model`` (an
     ``nn.Module``) on ``example_inputs`` (a tensor or tuple; the shapes compiled and
     timed) and compile the result.
@@ -392,7 +409,9 @@ def tune(model: torch.nn.Module, example_inputs, *, budget: Union[str, Callable]
     first, starting with "fp32". ``time_budget_s``: the search stops lowering more
     (timing, output fixes) past it; None: no limit. ``timing``: False skips the timing
     step (keeps every node that passes the gate low). ``seed`` seeds torch's generator.
-    ``reps``: timed runs per configuration (the least counts).
+    ``reps``: timed runs per configuration (the least counts). ``calibration``: batches
+    (input tuples of the example's shapes) calibrating the "int8" candidate's activations
+    (default: ``data``, else ``[example_inputs]``); unused without "int8".
 
     Returns a `TuneResult` whose ``compiled`` is the `CompiledModel` with the choice
     applied (its report's ``precision`` holds `TuneResult.to_dict`; saved by
@@ -411,6 +430,8 @@ def tune(model: torch.nn.Module, example_inputs, *, budget: Union[str, Callable]
     model = model.eval()
     session = Session(model, args)
     nodes = _candidate_nodes(session)
+    cands = [_calibrate_int8(c, model, args, nodes, calibration or data, device)
+             if c.name == "int8" and c.apply is None else c for c in cands]
     _own_errors(session, nodes, cands)
     search = _Search(model, args, nodes, cands, _Builder(session, device, reps))
     search.by_gate(callable(budget))
@@ -424,6 +445,18 @@ def tune(model: torch.nn.Module, example_inputs, *, budget: Union[str, Callable]
         res.outputs.append({"failed": why})
     res.compiled.report.precision = res.to_dict()
     return res
+
+
+def _calibrate_int8(cand: Candidate, model, args, nodes: Dict[str, NodeChoice], batches, device) -> Candidate:
+    """The int8 candidate with its calibration: the all-fp32 compile of ``model`` run on
+    ``batches`` (default ``[args]``; `opencann.engine.quantize.calibrate`)."""
+    from ..engine import compile_module
+    from ..engine.quantize import TARGETS, calibrate
+    fp32 = compile_module(model, args, device, {})
+    items = [b if isinstance(b, tuple) else (b,) for b in (batches or [args])]
+    records = calibrate(fp32, items)
+    scopes = {n.name: n.scope for n in fp32.graph.nodes if n.op in TARGETS}
+    return tune_int8.calibrated(cand, records, scopes, {n: c.module for n, c in nodes.items()})
 
 
 class _Search:
@@ -527,7 +560,12 @@ class _Search:
             self.compiled = compile_module(self.model, self.args, self.builder.device,
                                            self.options_of(self.choice))
             tuned_ms = fp32_ms
+        ran = tune_int8.int8_applied(self.compiled)
         for n in self.names:
+            if self.choice[n] == "int8" and not ran.get(self.nodes[n].module):
+                self.nodes[n].why = ("int8 chosen, but the quantize_int8 pass left it in fp32 "
+                                     "(see the compile report)")
+                self.choice[n] = "fp32"
             self.nodes[n].precision = self.choice[n]
         name = budget if isinstance(budget, str) else getattr(budget, "__name__", "metric")
         res = TuneResult(self.nodes, tuple(c.name for c in self.cands), name, outs,

@@ -15,7 +15,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
     ap.add_argument("--budget", default="msprobe", help="the accuracy gate: msprobe (default), "
                     "or file.py:metric, a function metric(actual_outputs, eager_outputs) -> bool")
     ap.add_argument("--candidates", default="fp32,bf16",
-                    help="precisions, highest first (fp32,bf16 or fp32,bf16,fp16)")
+                    help="precisions, highest first (fp32,bf16; fp32,bf16,fp16; fp32,bf16,int8: "
+                    "int8 calibrated on the example inputs)")
     ap.add_argument("--batch", type=positive_int, default=1)
     ap.add_argument("--seq", type=positive_int, default=128)
     ap.add_argument("--time-budget", type=float, default=120.0, metavar="S",

@@ -58,7 +58,10 @@ def test_static_quantization_runs_int8_kernels_close_to_eager():
     q = opencann.quantize(m, _cal())
     ops = q.report.op_counts_after
     assert ops.get("QuantConvBiasAct") == 2 and ops.get("QuantConvAddAct") == 1
-    assert ops.get("QuantLinearAct") == 2 and ops.get("AscendQuant", 0) >= 4
+    # 5 int8 layers, 3 AscendQuant: stem → a and fc1 → fc2 write uint8 (fuse_requant)
+    assert ops.get("QuantLinearAct") == 2 and ops.get("AscendQuant", 0) == 3
+    assert sorted(e["nodes"] for e in q.report.applied if e["pass"] == "fuse_requant") == \
+        sorted(n.name for n in q.graph.nodes if n.op.startswith("Quant") and n.outputs[0].desc.dtype.torch == torch.uint8)
     assert not {"ConvBiasAct", "ConvAddAct", "LinearAct"} & set(ops)
     assert all(c.desc.dtype.torch != torch.float32 or c.desc.rank < 2 for c in q.graph.constants
                if c.desc.rank == 4), "fp32 conv weights were left in the graph"
@@ -75,6 +78,131 @@ def test_static_quantization_runs_int8_kernels_close_to_eager():
     rows = quant_report(q)
     assert sum(r["int8"] for r in rows) == 5
     assert all("scale_d=" in r["detail"] for r in rows if r["int8"])
+
+
+def test_requantized_layers_match_the_unfused_graph_within_one_step():
+    """fuse_requant (uint8 written by the layer at its reader's scale) against the same
+    model with the pass off (fp32 out, then AscendQuant): the int8 readers see values at
+    most one uint8 step apart, so the outputs agree closely; fewer nodes run."""
+    m = _model()
+    on = opencann.quantize(m, _cal())
+    off = opencann.quantize(m, _cal(), options={"disable": ["fuse_requant"]})
+    assert off.report.op_counts_after["AscendQuant"] == 5 and on.report.op_counts_after["AscendQuant"] == 3
+    x = torch.randn(2, 3, 16, 16, generator=torch.Generator().manual_seed(9))
+    a, b = on(x), off(x)
+    assert a.dtype == torch.float32 and _cos(a, b) >= 0.9999
+    with torch.no_grad():
+        assert _cos(a, m(x)) >= 0.999
+
+
+class Blocks(torch.nn.Module):
+    """A stem conv, two identity residual blocks (conv-ReLU, conv + x, ReLU), a head conv:
+    ResNet's residual chain, where the block outputs can stay uint8."""
+
+    def __init__(self, c=8, cin=3):
+        super().__init__()
+        self.stem = torch.nn.Conv2d(cin, c, 3, padding=1)
+        self.convs = torch.nn.ModuleList(torch.nn.Conv2d(c, c, 3, padding=1) for _ in range(4))
+        self.head = torch.nn.Conv2d(c, 4, 1)
+
+    def forward(self, x):
+        y = torch.relu(self.stem(x))
+        for i in (0, 2):
+            y = torch.relu(self.convs[i + 1](torch.relu(self.convs[i](y))) + y)
+        return self.head(y).mean((2, 3))
+
+
+def test_residual_chain_stays_uint8():
+    """fuse_requant on a residual chain: each block's sum is written uint8 into the uint8
+    addend (oneDNN's sum post-op with an int8 accumulator), so only the model input is
+    quantized by an AscendQuant; results close to the unfused graph and to eager."""
+    torch.manual_seed(5)
+    m = Blocks().eval()
+    cal = [torch.randn(2, 3, 12, 12) for _ in range(3)]
+    on = opencann.quantize(m, cal)
+    off = opencann.quantize(m, cal, options={"disable": ["fuse_requant"]})
+    ops = on.report.op_counts_after
+    assert ops.get("QuantConvAddAct") == 2 and ops.get("AscendQuant") == 1, ops
+    adds = [n for n in on.graph.nodes if n.op == "QuantConvAddAct"]
+    assert all(n.outputs[0].desc.dtype.torch == torch.uint8 and n.inputs[n.attrs["other"].index].desc.dtype.torch
+               == torch.uint8 for n in adds)
+    x = torch.randn(2, 3, 12, 12, generator=torch.Generator().manual_seed(2))
+    a, b = on(x), off(x)
+    assert _cos(a, b) >= 0.999 and torch.equal(on(x), a)
+    with torch.no_grad():
+        assert _cos(a, m(x)) >= 0.998
+    x[0, 0, 1, 1] = float("nan")
+    assert torch.isfinite(on(x)).all()     # saturated at the input's quantization
+
+
+class DownBlock(torch.nn.Module):
+    """ResNet's stage-first block: conv-ReLU, conv + downsample(x) (a strided 1x1 conv
+    read by the sum alone), ReLU; then an identity block and a head conv."""
+
+    def __init__(self, c=8):
+        super().__init__()
+        self.stem = torch.nn.Conv2d(3, c, 3, padding=1)
+        self.a, self.b = torch.nn.Conv2d(c, 2 * c, 3, stride=2, padding=1), torch.nn.Conv2d(2 * c, 2 * c, 3, padding=1)
+        self.down = torch.nn.Conv2d(c, 2 * c, 1, stride=2)
+        self.tail = Blocks(2 * c, cin=2 * c)
+
+    def forward(self, x):
+        y = torch.relu(self.stem(x))
+        y = torch.relu(self.b(torch.relu(self.a(y))) + self.down(y))
+        return self.tail(y)
+
+
+def test_downsample_addend_is_calibrated_and_stays_uint8():
+    """The downsample output has no int8 reader: calibration records its range ("accum")
+    and fuse_requant quantizes it there, so the downsample convolution writes uint8 and
+    every residual sum runs on uint8 (one AscendQuant: the model input)."""
+    torch.manual_seed(8)
+    m = DownBlock().eval()
+    cal = [torch.randn(1, 3, 16, 16) for _ in range(3)]
+    on = opencann.quantize(m, cal)
+    off = opencann.quantize(m, cal, options={"disable": ["fuse_requant"]})
+    ops = on.report.op_counts_after
+    assert ops.get("AscendQuant") == 1 and ops.get("QuantConvAddAct") == 3, ops
+    assert all(n.outputs[0].desc.dtype.torch == torch.uint8 for n in on.graph.nodes
+               if n.op.startswith("QuantConv") and n.scope != "tail.head")
+    x = torch.randn(1, 3, 16, 16)
+    assert _cos(on(x), off(x)) >= 0.999
+    with torch.no_grad():
+        assert _cos(on(x), m(x)) >= 0.998
+
+
+def test_uint8_layers_survive_the_model_file(tmp_path):
+    """uint8 outputs, a uint8 addend and QuantMaxPool are saved and loaded: same bits."""
+    torch.manual_seed(6)
+    m = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.ReLU(), torch.nn.MaxPool2d(2),
+                            Blocks(8, cin=8)).eval()
+    cal = [torch.randn(1, 3, 24, 24) for _ in range(2)]
+    q = opencann.quantize(m, cal)
+    ops = q.report.op_counts_after
+    assert ops.get("QuantMaxPool") == 1 and ops.get("QuantConvAddAct") == 2, ops
+    path = str(tmp_path / "u8.ocm")
+    opencann.save(q, path)
+    x = torch.randn(1, 3, 24, 24)
+    assert torch.equal(opencann.load(path)(x), q(x))
+
+
+def test_maxpool_between_int8_layers_runs_on_uint8():
+    """conv-ReLU → MaxPool → conv (ResNet's stem): the pool runs on uint8 (QuantMaxPool,
+    planes over 255 elements, where ATen's uint8 max_pool2d refuses) and equals the
+    graph with fuse_requant off within int8 rounding."""
+    torch.manual_seed(4)
+    m = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.ReLU(),
+                            torch.nn.MaxPool2d(3, 2, 1), torch.nn.Conv2d(8, 4, 3)).eval()
+    cal = [torch.randn(1, 3, 40, 40) for _ in range(2)]
+    on = opencann.quantize(m, cal)
+    off = opencann.quantize(m, cal, options={"disable": ["fuse_requant"]})
+    ops = on.report.op_counts_after
+    assert ops.get("QuantMaxPool") == 1 and ops.get("AscendQuant") == 1 and "MaxPool" not in ops
+    x = torch.randn(1, 3, 40, 40)
+    a, b = on(x), off(x)
+    assert _cos(a, b) >= 0.9999 and torch.equal(on(x), a)
+    with torch.no_grad():
+        assert _cos(a, m(x)) >= 0.999
 
 
 def test_quant_linear_kernel_is_exact_int8_arithmetic():

@@ -270,3 +270,61 @@ def test_merged_siblings_are_decided_together_and_never_slower_than_fp32():
     assert q.precision == k.precision == v.precision, r.summary()
     assert r.tuned_ms <= r.fp32_ms or all(n.precision == "fp32" for n in r.nodes.values())
     torch.testing.assert_close(r.compiled(x), m(x), rtol=0.05, atol=0.05)
+
+
+# -- int8 as a candidate -------------------------------------------------------------------
+class ConvMlp(torch.nn.Module):
+    """conv-BN-ReLU, conv + residual, global mean, Linear-GELU-Linear, and a product of
+    two activations (bmm: no constant weight, so no int8)."""
+
+    def __init__(self):
+        super().__init__()
+        self.c1, self.bn = torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.BatchNorm2d(8)
+        self.c2 = torch.nn.Conv2d(8, 8, 3, padding=1)
+        self.fc1, self.fc2 = torch.nn.Linear(8, 32), torch.nn.Linear(32, 8)
+
+    def forward(self, x):
+        y = torch.relu(self.bn(self.c1(x)))
+        y = torch.relu(self.c2(y) + y)
+        h = self.fc2(torch.nn.functional.gelu(self.fc1(y.mean((2, 3)))))
+        return torch.bmm(h.unsqueeze(2), h.unsqueeze(1))
+
+
+def test_int8_candidate_quantizes_convs_and_linears_and_saves(tmp_path):
+    torch.manual_seed(0)
+    model = ConvMlp().eval()
+    g = torch.Generator().manual_seed(1)
+    cal = [(torch.randn(2, 3, 12, 12, generator=g),) for _ in range(3)]
+    x = cal[0][0]
+    res = tune(model, (x,), candidates=("fp32", "bf16", "int8"), calibration=cal, timing=False)
+    p = res.precision
+    assert [p[n] for n in ("convolution", "convolution_1", "addmm", "addmm_1")] == ["int8"] * 4, p
+    assert p["bmm"] == "bf16" and res.nodes["bmm"].own["int8"].rule == "applies"
+    assert "constant weight" in res.nodes["bmm"].own["int8"].detail or "convolutions and linears" \
+        in res.nodes["bmm"].own["int8"].detail
+    ops = res.compiled.report.op_counts_after
+    assert ops.get("QuantConvBiasAct", 0) + ops.get("QuantConvAddAct", 0) == 2 and ops.get("QuantLinearAct") == 2
+    y = res.compiled(x)
+    with torch.no_grad():
+        ref = model(x)
+    cos = torch.nn.functional.cosine_similarity(y.flatten().double(), ref.flatten().double(), 0)
+    assert cos > 0.99 and y.dtype == torch.float32
+    y2 = res.compiled(x)
+    assert torch.equal(y2, y) and y2.data_ptr() != y.data_ptr()
+    path = str(tmp_path / "t.ocm")
+    opencann.save(res.compiled, path)
+    loaded = opencann.load(path)
+    assert torch.equal(loaded(x), y)
+    assert loaded.report.precision["nodes"]["addmm"]["precision"] == "int8"
+    assert "int8" in res.summary()
+
+
+def test_int8_gate_failure_falls_back_to_the_next_candidate(factory):
+    """b's input is h*0.5 + 1000: one uint8 step (~4) is larger than its signal, so int8
+    fails the cosine rule, and bf16 too: fp32, both reasons named; a and c pass int8."""
+    _, model, (x,) = factory
+    res = tune(model, (x,), candidates=("fp32", "bf16", "int8"), timing=False)
+    assert res.precision["addmm_1"] == "fp32"
+    assert "int8 own error: cosine" in res.kept["addmm_1"] and "bf16 own error" in res.kept["addmm_1"]
+    assert res.precision["addmm"] == "int8" and res.precision["addmm_2"] == "int8"
+    assert res.compiled.report.op_counts_after.get("QuantLinearAct") == 2

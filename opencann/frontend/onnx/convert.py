@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from ...ir import DataType, Graph, TensorDesc, Value
-from . import control, nn, quant, resize, spatial, tensor  # noqa: F401  (register the converters)
+from . import control, nn, qlinear, quant, resize, spatial, tensor  # noqa: F401  (register the converters)
 from .converter import (ONNX_DTYPES, RANDOM_OPS, ConversionError, Converter, NotConverted, OnnxNode,
                         torch_dtype)
 from .registry import CONVERTERS
@@ -100,6 +100,8 @@ def from_onnx(model, input_shapes: Optional[Dict[str, Sequence[int]]] = None,
     import onnx
     from onnx import numpy_helper
 
+    from .dynamic_quant import fold_dynamic_matmuls
+    model, dynamic_int8 = fold_dynamic_matmuls(model)
     shapes = _input_shapes(model, input_shapes)
     fixed = onnx.ModelProto()
     fixed.CopyFrom(model)
@@ -120,6 +122,8 @@ def from_onnx(model, input_shapes: Optional[Dict[str, Sequence[int]]] = None,
     opsets = {o.domain if o.domain != "ai.onnx" else "": o.version for o in model.opset_import}
     graph = Graph(model.graph.name or "onnx_model")
     graph.meta["frontend"] = "onnx"
+    if dynamic_int8:   # quantize_dynamic's MatMuls (dynamic_quant.py): quantize_int8 runs them int8
+        graph.meta["int8_dynamic_weights"] = dynamic_int8
     cv = Converter(graph, opsets, convert_node)
     for t in model.graph.initializer:
         arr = numpy_helper.to_array(t)

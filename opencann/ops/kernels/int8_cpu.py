@@ -12,13 +12,15 @@
   scale per output channel, prepacked once per input size and thread count at bind time
   (``onednn.qconv_prepack``). The fp32 result is dequantized inside the kernel (oneDNN's
   output scales: CANN's AscendDequant fused into the convolution), bias and ReLU as
-  post-ops; the residual Add as oneDNN's ``sum`` post-op written into the fp32 addend
+  post-ops; a uint8 result at the next layer's scale when the ``fuse_requant`` pass set
+  ``out_scale`` / ``out_offset`` (CANN's AscendRequant fused: oneDNN's output scale and
+  zero point); the residual Add as oneDNN's ``sum`` post-op written into the fp32 addend
   (``qconv2d_pointwise.binary``). After ``sum`` the ReLU runs with eager's in-place
   kernel: the fp32 addend may hold NaN/±inf, which oneDNN's ReLU would drop.
 - `make_quant_linear_kernel` (QuantLinearAct): oneDNN's int8 inner product
   (``onednn.qlinear_pointwise``) on the int8 weight prepacked once at bind time
   (``onednn.qlinear_prepack``); fp32 output, bias and ReLU / GELU (erf or tanh) as
-  post-ops. Dynamic quantization (``attrs["dynamic"]``): x comes in fp32 and its step
+  post-ops (or uint8 with ``out_scale`` / ``out_offset``, as the convolution). Dynamic quantization (``attrs["dynamic"]``): x comes in fp32 and its step
   and offset are taken per call from its min / max (ONNX DynamicQuantizeLinear's rule:
   the range widened to include 0, uint8).
 
@@ -80,6 +82,20 @@ def make_ascend_quant_kernel(node: Node, in_descs: Sequence[TensorDesc], consts:
     return run
 
 
+def make_ascend_dequant_kernel(node: Node, in_descs: Sequence[TensorDesc], consts: Sequence) -> Callable:
+    """AscendDequant(x) → fp32: ``(x - offset) * scale`` (``node.attrs`` ``scale``: the step,
+    ``offset``: the zero point), x uint8 (or int8); the difference is exact in fp32 and the
+    product rounds once, as ONNX DequantizeLinear (ONNX Runtime). Returns ``run(x)``; x's
+    layout kept."""
+    step, offset = float(node.attrs["scale"]), float(node.attrs["offset"])
+
+    def run(x):
+        y = torch.empty_like(x, dtype=torch.float32)
+        y.copy_(x)
+        return y.sub_(offset).mul_(step)
+    return run
+
+
 def QConvWeightPacks(w: torch.Tensor, w_scale: torch.Tensor, x_step: float, x_offset: int,  # noqa: N802
                      conv_args: tuple, x_shape: list) -> ThreadPacks:
     """An int8 conv weight prepacked by ``onednn.qconv_prepack`` for one input size, once
@@ -106,7 +122,10 @@ def make_quant_conv_kernel(node: Node, in_descs: Sequence[TensorDesc], consts: S
     ``attrs["inplace"]``, as ConvAddAct). Attributes: ``stride``, ``padding``,
     ``dilation``, ``groups``, ``act`` (none, relu, or any in-place activation eager
     runs after), ``x_scale`` / ``x_offset`` (the input's step and zero point).
-    Returns ``run(*inputs)`` giving fp32 [N, O, H', W'] (channels-last from oneDNN).
+    Returns ``run(*inputs)`` giving fp32 [N, O, H', W'] (channels-last from oneDNN), or
+    uint8 at ``out_scale`` / ``out_offset`` when the node's output is uint8 (``fuse_requant``);
+    a uint8 QuantConvAddAct takes a uint8 addend at ``accum_scale`` / ``accum_offset`` and
+    its ReLU as a oneDNN post-op (integers: no NaN to keep).
     Raises KeyError for a missing attribute (the quantize pass always sets them)."""
     a = node.attrs
     conv_args = (list(a["stride"]), list(a["padding"]), list(a["dilation"]), int(a["groups"]))
@@ -118,30 +137,60 @@ def make_quant_conv_kernel(node: Node, in_descs: Sequence[TensorDesc], consts: S
                              [int(d) for d in in_descs[a["input"].index].shape])
     bi = a["bias"].index if isinstance(a.get("bias"), TensorRef) else None
     xi = a["input"].index
-    f32 = torch.float32
     stride, pad, dil, groups = conv_args
     if node.op == "QuantConvAddAct":
-        oi = a["other"].index
-        inplace = a.get("inplace", True)
-        post = _ACT_FN.get(a["act"]) if a["act"] != "none" else None
-        binary = torch.ops.onednn.qconv2d_pointwise.binary
-
-        def run_add(*ins):
-            other = ins[oi] if inplace else ins[oi].clone(memory_format=torch.channels_last)
-            b = None if bi is None else ins[bi]
-            y = binary(ins[xi], step, offset, packs.get(), w_scale, w_zp, other, b, stride, pad, dil,
-                       groups, 1.0, 0, f32, 1.0, 0, "sum", 1.0, "none", [], "")
-            return y if post is None else post(y)
-        return run_add
+        return _quant_conv_add(node, packs, w_scale, w_zp, xi, bi, conv_args)
 
     act, post = _act_after(a["act"], ("none", "relu"))
     conv = torch.ops.onednn.qconv2d_pointwise
+    o_scale, o_zp, o_dtype = _out_quant(node)
 
     def run(*ins):
         y = conv(ins[xi], step, offset, packs.get(), w_scale, w_zp, None if bi is None else ins[bi],
-                 stride, pad, dil, groups, 1.0, 0, f32, act, [], "")
+                 stride, pad, dil, groups, o_scale, o_zp, o_dtype, act, [], "")
         return y if post is None else post(y)
     return run
+
+
+def _quant_conv_add(node: Node, packs: QConvWeightPacks, w_scale, w_zp, xi: int, bi, conv_args) -> Callable:
+    """QuantConvAddAct's ``run``: ``qconv2d_pointwise.binary`` with the ``sum`` post-op into
+    the addend (a copy of it unless ``attrs["inplace"]``): fp32 addend → fp32 result (ReLU
+    after it with eager's op), uint8 addend at ``accum_scale`` / ``accum_offset`` → uint8
+    result at ``out_scale`` / ``out_offset`` (ReLU as oneDNN's post-op)."""
+    a = node.attrs
+    step, offset = float(a["x_scale"]), int(a["x_offset"])
+    stride, pad, dil, groups = conv_args
+    oi = a["other"].index
+    inplace = a.get("inplace", True)
+    binary = torch.ops.onednn.qconv2d_pointwise.binary
+    if node.outputs[0].desc.dtype.torch == torch.uint8:
+        o_scale, o_zp, _ = _out_quant(node)
+        a_scale, a_zp = float(a["accum_scale"]), int(a["accum_offset"])
+        u_act = "relu" if a["act"] == "relu" else "none"
+
+        def run_add_u8(*ins):
+            other = ins[oi] if inplace else ins[oi].clone(memory_format=torch.channels_last)
+            b = None if bi is None else ins[bi]
+            return binary(ins[xi], step, offset, packs.get(), w_scale, w_zp, other, b, stride, pad,
+                          dil, groups, o_scale, o_zp, torch.uint8, a_scale, a_zp, "sum", 1.0, u_act, [], "")
+        return run_add_u8
+    post = _ACT_FN.get(a["act"]) if a["act"] != "none" else None
+
+    def run_add(*ins):
+        other = ins[oi] if inplace else ins[oi].clone(memory_format=torch.channels_last)
+        b = None if bi is None else ins[bi]
+        y = binary(ins[xi], step, offset, packs.get(), w_scale, w_zp, other, b, stride, pad, dil,
+                   groups, 1.0, 0, torch.float32, 1.0, 0, "sum", 1.0, "none", [], "")
+        return y if post is None else post(y)
+    return run_add
+
+
+def _out_quant(node: Node) -> Tuple[float, int, torch.dtype]:
+    """(output scale, zero point, dtype) for oneDNN: (``out_scale``, ``out_offset``, uint8)
+    when the ``fuse_requant`` pass gave the node a uint8 output, else (1.0, 0, fp32)."""
+    if node.outputs[0].desc.dtype.torch == torch.uint8:
+        return float(node.attrs["out_scale"]), int(node.attrs["out_offset"]), torch.uint8
+    return 1.0, 0, torch.float32
 
 
 def make_quant_linear_kernel(node: Node, in_descs: Sequence[TensorDesc], consts: Sequence) -> Callable:
@@ -151,7 +200,7 @@ def make_quant_linear_kernel(node: Node, in_descs: Sequence[TensorDesc], consts:
     ``attrs["dynamic"]``), ``mat2`` a constant int8 [k, n] (LinearAct's ``w_t``), ``w_scale``
     a constant fp32 [n], optional ``self`` (bias fp32 [n]). Attributes ``act``, and for a
     static node ``x_scale`` / ``x_offset``. Returns ``run(*inputs)`` giving a fresh fp32
-    [m, n]. The weight is transposed to [n, k] and prepacked once here
+    [m, n] (uint8 at ``out_scale`` / ``out_offset`` when the node's output is uint8). The weight is transposed to [n, k] and prepacked once here
     (``onednn.qlinear_prepack``; it serves every m)."""
     a = node.attrs
     xi, wi, si = a["mat1"].index, a["mat2"].index, a["w_scale"].index
@@ -166,6 +215,7 @@ def make_quant_linear_kernel(node: Node, in_descs: Sequence[TensorDesc], consts:
     f32 = torch.float32
     dynamic = bool(a.get("dynamic"))
     step, offset = (1.0, 0) if dynamic else (float(a["x_scale"]), int(a["x_offset"]))
+    o_scale, o_zp, o_dtype = _out_quant(node)
 
     def run(*ins):
         x = ins[xi]
@@ -174,10 +224,58 @@ def make_quant_linear_kernel(node: Node, in_descs: Sequence[TensorDesc], consts:
             x = quantize_u8(x, s, z)
         else:
             s, z = step, offset
-        y = lin(x, s, z, wp, w_scale, w_zp, None if bi is None else ins[bi], 1.0, 0, f32, name, [], algo)
+        y = lin(x, s, z, wp, w_scale, w_zp, None if bi is None else ins[bi], o_scale, o_zp, o_dtype, name, [],
+                algo)
         return y if post is None else post(y)
     return run
 
 
-__all__ = ["QMAX", "QMIN", "QConvWeightPacks", "dynamic_params", "make_ascend_quant_kernel",
+def make_quant_add_kernel(node: Node, in_descs: Sequence[TensorDesc], consts: Sequence) -> Callable:
+    """QuantAdd(a, b) → uint8: ``saturate(round(((a - a_offset) * a_scale + (b - b_offset) *
+    b_scale) / scale) + offset)`` (``node.attrs``; a, b uint8 of one shape), by
+    ``quantized::add`` on the tensors viewed as per-tensor quint8 (no copy). Returns
+    ``run(a, b)`` giving uint8 in a's layout."""
+    import warnings
+    a = node.attrs
+    sa, za, sb, zb = float(a["a_scale"]), int(a["a_offset"]), float(a["b_scale"]), int(a["b_offset"])
+    s, z = float(a["scale"]), int(a["offset"])
+    add = torch.ops.quantized.add
+    mk = torch._make_per_tensor_quantized_tensor
+    with warnings.catch_warnings():    # torch warns once that quantized tensors are deprecated
+        warnings.simplefilter("ignore")
+        mk(torch.zeros(1, dtype=torch.uint8), 1.0, 0)
+
+    def run(x, y):
+        return add(mk(x, sa, za), mk(y, sb, zb), s, z).int_repr()
+    return run
+
+
+def make_quant_max_pool_kernel(node: Node, in_descs: Sequence[TensorDesc], consts: Sequence) -> Callable:
+    """QuantMaxPool: max pooling of a uint8 activation (``node.attrs`` as ATen's
+    ``max_pool2d``: ``kernel_size``, ``stride`` (default: the kernel), ``padding``,
+    ``dilation``, ``ceil_mode``). Returns ``run(x)`` giving uint8 in x's layout.
+
+    ATen's ``max_pool2d`` on uint8 fails for planes over 255 elements (its index type is
+    the element type), so x is viewed as a per-tensor quint8 tensor (no copy; any scale:
+    max commutes with it) and ``quantized::max_pool2d`` runs (its NHWC kernel); its
+    integer values are the result."""
+    import warnings
+    a = node.attrs
+    k = list(a["kernel_size"])
+    stride = list(a.get("stride") or k)
+    pad = list(a.get("padding") or [0, 0])
+    dil = list(a.get("dilation") or [1, 1])
+    ceil = bool(a.get("ceil_mode", False))
+    pool = torch.ops.quantized.max_pool2d
+    with warnings.catch_warnings():    # torch warns once that quantized tensors are deprecated
+        warnings.simplefilter("ignore")
+        torch._make_per_tensor_quantized_tensor(torch.zeros(1, dtype=torch.uint8), 1.0, 0)
+
+    def run(x):
+        return pool(torch._make_per_tensor_quantized_tensor(x, 1.0, 0), k, stride, pad, dil, ceil).int_repr()
+    return run
+
+
+__all__ = ["QMAX", "QMIN", "QConvWeightPacks", "make_ascend_dequant_kernel", "make_quant_add_kernel",
+           "make_quant_max_pool_kernel", "dynamic_params", "make_ascend_quant_kernel",
            "make_quant_conv_kernel", "make_quant_linear_kernel", "quantize_u8"]

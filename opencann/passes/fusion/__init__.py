@@ -1,6 +1,6 @@
 """Stage 2, fusion: one rewrite per module (batchnorm, conv_act, conv_add_act,
 linear_act, qkv_linear, add_layer_norm, attention; the patterns silu, gelu_tanh, gelu_erf, rms_norm,
-layer_norm, gated_mlp; quantize_int8: int8 kernels from calibration; elementwise: generated kernels for elementwise groups; user_rule: rules registered by users); each says why a match was not rewritten."""
+layer_norm, gated_mlp; qdq_to_int8: ONNX QDQ layers on int8 kernels; qdq_eltwise_int8: QDQ Add / MaxPool on uint8; quantize_int8: int8 kernels from calibration; fuse_requant: int8 layers writing uint8 for int8 readers; elementwise: generated kernels for elementwise groups; user_rule: rules registered by users); each says why a match was not rewritten."""
 from .add_layer_norm import FuseAddLayerNorm
 from .attention_kernel import ChooseAttentionKernel
 from .attention import FuseFlashAttention
@@ -16,6 +16,9 @@ from .layer_norm import FuseLayerNorm
 from .linear_act import FuseLinearAct
 from .qkv_linear import FuseQKVLinear
 from .quantize_int8 import QuantizeInt8
+from .fuse_requant import FuseRequant
+from .qdq_to_int8 import QdqToInt8
+from .qdq_eltwise_int8 import QdqEltwiseToInt8
 from .rms_norm import FuseRMSNorm
 from .silu import FuseSiLU
 from .user_rule import FusionRule, UserFusion, register_rule, unregister_rule, user_passes
@@ -23,4 +26,4 @@ from .user_rule import FusionRule, UserFusion, register_rule, unregister_rule, u
 __all__ = ["FoldBatchNorm", "FuseConvAct", "FuseConvAddAct", "FuseLinearAct",
            "FuseFlashAttention", "ChooseAttentionKernel", "FuseQKVLinear", "FuseAddLayerNorm", "CpuFusion", "FuseSiLU", "FuseGeluTanh", "FuseGeluErf",
            "FuseRMSNorm", "FuseLayerNorm", "FuseGatedMLP", "FuseElementwise", "FusionRule", "UserFusion",
-           "register_rule", "unregister_rule", "user_passes", "QuantizeInt8"]
+           "register_rule", "unregister_rule", "user_passes", "QuantizeInt8", "FuseRequant", "QdqToInt8", "QdqEltwiseToInt8"]

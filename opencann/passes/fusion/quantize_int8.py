@@ -10,10 +10,16 @@ without a reorder, and the int8 kernels' fp32 results take the fp32 ops' places.
 ``quant_config`` (AMCT's record names: ``scale_d`` / ``offset_d`` for data, per layer):
 
 - ``layers``: {fused node name: {"scale_d": step (float > 0), "offset_d": zero point in
-  [0, 255]}} — the activation's uint8 quantization, per tensor;
+  [0, 255]}} — the activation's uint8 quantization, per tensor; a ConvAddAct's record may
+  add ``"accum"`` (the same for its residual addend: ``fuse_requant`` then quantizes an
+  addend no other int8 layer reads, e.g. ResNet's downsample output);
 - ``skip_layers``: module names (AMCT's layer names: the node's ``scope``, e.g.
   ``layer1.0.conv2``), node names or traced labels (``meta["origin"]``) kept in fp32;
 - ``dynamic_linear``: LinearAct nodes without a record quantize x per call.
+
+An ONNX model's ``quantize_dynamic`` MatMuls (their weights named in
+``graph.meta["int8_dynamic_weights"]`` by ``frontend/onnx/dynamic_quant.py``) run dynamic as
+well, with or without ``quant_config``.
 
 Weights: AMCT's ARQ, symmetric int8 per output channel, ``scale_w = max|w| / 127``,
 ``w_q = round_half_even(w / scale_w)`` in [-127, 127] (offset_w 0), done once here; the
@@ -53,10 +59,32 @@ def quantize_weight(w: torch.Tensor, axis: int) -> "tuple[torch.Tensor, torch.Te
     return q.contiguous(), scale.contiguous()
 
 
+def exact_int8(w: torch.Tensor, axis: int):
+    """(int8 weight, fp32 scales along ``axis``) that give back ``w`` exactly (``q * s ==
+    w`` in fp32): symmetric per channel (``s = max|w| / 127`` per channel, ARQ), else one
+    symmetric scale for the tensor (repeated per channel); None when neither does (an
+    asymmetric or reduced-range weight)."""
+    view = [1] * w.dim()
+    view[axis] = -1
+    wq, ws = quantize_weight(w, axis)
+    if torch.equal(wq.float() * ws.view(view), w):
+        return wq, ws
+    amax = float(w.abs().max())
+    if amax == 0.0:
+        return None
+    s = torch.tensor(amax / 127.0, dtype=torch.float32)
+    q = torch.round(w / s).clamp_(-127, 127)
+    if torch.equal(q * s, w):
+        return q.to(torch.int8).contiguous(), s.repeat(w.shape[axis]).contiguous()
+    return None
+
+
 @dataclass
 class _QMatch:
     node: Node
     record: Optional[Dict[str, Any]]   # {"scale_d", "offset_d"}; None: dynamic
+    detail: str = ""                   # the applied entry's text (default: the record's)
+    weight: Optional[tuple] = None     # (int8 weight, fp32 scales) given; default: ARQ of the fp32 one
 
 
 def _labels(node: Node) -> set:
@@ -78,6 +106,9 @@ class QuantizeInt8(CpuFusion):
         """Rewrite every target named by ``options["quant_config"]`` (nothing without it:
         the note says so); AscendQuant nodes of one value at one scale are shared."""
         cfg = ctx.options.get("quant_config")
+        onnx_dynamic = graph.meta.get("int8_dynamic_weights")
+        if onnx_dynamic:
+            cfg = dict(cfg or {"layers": {}}, dynamic_weights=set(onnx_dynamic))
         if not cfg:
             ctx.note("no quant_config: nothing quantized (opencann.quantize sets it)")
             return 0
@@ -105,6 +136,11 @@ class QuantizeInt8(CpuFusion):
             return Skip("the weight holds NaN or inf")
         rec = (cfg.get("layers") or {}).get(node.name)
         if rec is None:
+            if node.op == "LinearAct" and w.name in cfg.get("dynamic_weights", ()):
+                weight = exact_int8(w.const, 1)    # the ONNX file's int8 weight, when symmetric
+                return _QMatch(node, None, "int8 dynamic (x quantized per call); "
+                               + ("the file's int8 weights" if weight else "weights requantized per channel"),
+                               weight)
             if node.op == "LinearAct" and cfg.get("dynamic_linear"):
                 return _QMatch(node, None)
             return Skip("no calibration record for this layer (quant_config['layers'])")
@@ -138,7 +174,7 @@ class QuantizeInt8(CpuFusion):
         linear = node.op == "LinearAct"
         wname, xname = ("mat2", "mat1") if linear else ("weight", "input")
         w = node.arg(wname)
-        wq, ws = quantize_weight(w.const, 1 if linear else 0)
+        wq, ws = m.weight or quantize_weight(w.const, 1 if linear else 0)
         ins = list(node.inputs)
         attrs = dict(node.attrs)
         xi, wi = attrs[xname].index, attrs[wname].index
@@ -147,10 +183,13 @@ class QuantizeInt8(CpuFusion):
             step, off = float(rec["scale_d"]), int(rec["offset_d"])
             ins[xi] = self._quant(graph, node.inputs[xi], step, off, node)
             attrs.update(x_scale=step, x_offset=off)
-            detail = f"int8 static (scale_d={step:.4g}, offset_d={off})"
+            acc = rec.get("accum")
+            if node.op == "ConvAddAct" and isinstance(acc, dict):   # the addend's range, for fuse_requant
+                attrs["accum_record"] = [float(acc["scale_d"]), int(acc["offset_d"])]
+            detail = m.detail or f"int8 static (scale_d={step:.4g}, offset_d={off})"
         else:
             attrs["dynamic"] = True
-            detail = "int8 dynamic (x quantized per call)"
+            detail = m.detail or "int8 dynamic (x quantized per call)"
         ins.append(graph.add_const(ws, f"{node.name}_w_scale"))
         attrs["w_scale"] = TensorRef(len(ins) - 1)
         q = graph.create_node(_TARGETS[node.op], ins, attrs, [node.outputs[0].desc],

@@ -65,7 +65,9 @@ from .npu_layout import NpuLayoutSelection
 
 NHWC, NCHW = Format.NHWC, Format.NCHW
 _SEEDS = ("ConvBiasAct", "ConvAddAct")
-_FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+# dtypes a value may be stored channels-last in (uint8: the quantized activations between
+# AscendQuant / AscendDequant of an ONNX QDQ model, which the int8 kernels read NHWC)
+_FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.uint8)
 
 
 def channels_last_strides(shape) -> tuple:
@@ -127,6 +129,11 @@ def _conv_out(node: Node, fmt: Dict[int, Format]) -> Optional[Format]:
     return NHWC
 
 
+# ops with their own CPU kernel that writes its result in its input's layout (the int8
+# quantize / dequantize: `opencann.ops.kernels.int8_cpu`), so NHWC goes through them
+_OWN_KERNEL_FOLLOWS = frozenset({"AscendQuant", "AscendDequant"})
+
+
 def follows_input(node: Node) -> str:
     """Why ``node``'s kernel cannot take NHWC operands as they are ("" when it can: an ATen
     elementwise, pooling or reduction op that follows its input's layout and, for an
@@ -139,7 +146,7 @@ def follows_input(node: Node) -> str:
         return f"{node.op} has no channels-last kernel"
     if op.random:
         return f"{node.op} draws random numbers in eager's element order"
-    if op.kernel_factory(node.device) is not None:
+    if op.kernel_factory(node.device) is not None and node.op not in _OWN_KERNEL_FOLLOWS:
         return f"{node.op}'s own CPU kernel writes contiguous NCHW"
     mf = node.attrs.get("memory_format")
     if node.op == "Cast" and mf not in (None, torch.preserve_format):

@@ -1,0 +1,108 @@
+"""int8 as a `opencann.tune` candidate: static post-training quantization (AMCT's flow,
+`opencann.engine.quantize`) of the convolutions and linears the search gives int8.
+
+- `applies(fx_node, ep)`: which candidate nodes int8 can run — an ``aten.convolution``
+  (not transposed) or a 2-D ``addmm`` / ``mm`` whose weight is a parameter, buffer or
+  constant of the program (through ``t`` / ``permute`` / views), the ops the
+  ``quantize_int8`` pass turns into oneDNN int8 kernels; else the reason.
+- `emulate(target, args, kwargs)`: one such op on eager's inputs with x quantized to uint8
+  per tensor over its own range (what calibration on these inputs gives) and the weight
+  symmetric int8 per output channel (ARQ, `quantize_weight`), computed in fp32 on the
+  dequantized operands: the int8 kernel's integer products are exact, so this is its
+  result up to the fp32 rescale. It returns (that, that): the gate's error-ratio rule
+  (the kernel's arithmetic against fp32 on the same inputs) has nothing to judge, and
+  the rounding of the operands is judged against eager by its NaN/Inf, cosine (<= 0.99
+  fails) and max-abs rules.
+- `calibrated(records, scopes)`: the `Candidate` whose ``apply`` puts the calibration
+  records of the chosen nodes' layers into ``options["quant_config"]`` (layers are
+  matched by module, AMCT's granularity: a module called twice is one layer).
+
+Source: CANN AMCT user guide (calibration, ARQ, ``scale_d`` / ``offset_d``); msprobe's
+accuracy rules (`opencann.tools.tune_gate`)."""
+from __future__ import annotations
+
+from typing import Any, Dict, Optional, Sequence, Tuple
+
+import torch
+
+from ..ops.kernels.int8_cpu import dynamic_params, quantize_u8
+from ..passes.fusion.quantize_int8 import quantize_weight
+
+aten = torch.ops.aten
+# aten op -> (index of x, index of the weight, the weight's output-channel axis)
+_OPERANDS = {aten.convolution.default: (0, 1, 0), aten.addmm.default: (1, 2, 1), aten.mm.default: (0, 1, 1)}
+_THROUGH = {aten.t.default, aten.permute.default, aten.view.default, aten.reshape.default,
+            aten.transpose.int, aten.expand.default}
+
+
+def applies(fx_node, ep) -> str:
+    """"" when int8 can run ``fx_node`` (a node of the ExportedProgram ``ep``), else why not."""
+    spec = _OPERANDS.get(fx_node.target)
+    if spec is None:
+        return f"int8 runs convolutions and linears only, not {fx_node.target}"
+    if fx_node.target == aten.convolution.default and fx_node.args[6]:
+        return "transposed convolution: no int8 kernel"
+    w = fx_node.args[spec[1]]
+    while isinstance(w, torch.fx.Node) and w.op == "call_function" and w.target in _THROUGH:
+        w = w.args[0]
+    from torch.export.graph_signature import InputKind
+    kinds = {s.arg.name: s.kind for s in ep.graph_signature.input_specs if hasattr(s.arg, "name")}
+    if not (isinstance(w, torch.fx.Node) and w.op == "placeholder"
+            and kinds.get(w.name) in (InputKind.PARAMETER, InputKind.BUFFER, InputKind.CONSTANT_TENSOR)):
+        return "the weight is computed, not a parameter: int8 needs a constant weight"
+    return ""
+
+
+def emulate(target, args, kwargs) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
+    """(int8 result in fp32, the same) for an op of `_OPERANDS` on eager's ``args``; None for
+    another op or operands that are not fp32 tensors (NaN/inf weights too: int8 refuses them)."""
+    spec = _OPERANDS.get(target)
+    if spec is None:
+        return None
+    xi, wi, axis = spec
+    x, w = args[xi], args[wi]
+    if not (isinstance(x, torch.Tensor) and isinstance(w, torch.Tensor) and x.dtype == w.dtype == torch.float32):
+        return None
+    if not torch.isfinite(w).all():
+        return None
+    step, off = dynamic_params(x)
+    xd = (quantize_u8(x.contiguous(), step, off).float() - off) * step
+    wq, ws = quantize_weight(w, axis)
+    view = [1] * w.dim()
+    view[axis] = -1
+    wd = wq.float() * ws.view(view)
+    a = list(args)
+    a[xi], a[wi] = xd, wd
+    out = target(*a, **kwargs)
+    return out, out
+
+
+def calibrated(base, records: Dict[str, Dict[str, Any]], scopes: Dict[str, str],
+               module_of: Dict[str, str]):
+    """``base`` (the int8 `Candidate`) with an ``apply`` that quantizes the layers of the
+    chosen nodes: ``records`` (fused node name -> {"scale_d", "offset_d"}, from
+    `opencann.engine.quantize.calibrate`), ``scopes`` (fused node name -> its module),
+    ``module_of`` (candidate node name -> its module)."""
+    from dataclasses import replace
+
+    def apply(options: Dict[str, Any], nodes: Sequence[str]) -> Dict[str, Any]:
+        mods = {module_of.get(n) for n in nodes} - {None, ""}
+        layers = {k: {"scale_d": r["scale_d"], "offset_d": r["offset_d"],
+                      **({"accum": r["accum"]} if "accum" in r else {})}
+                  for k, r in records.items() if scopes.get(k) in mods}
+        options["quant_config"] = {"layers": layers, "skip_layers": [], "dynamic_linear": False}
+        return options
+    return replace(base, apply=apply)
+
+
+def int8_applied(compiled) -> Dict[str, bool]:
+    """Module -> whether an int8 kernel runs it in ``compiled`` (the ``quantize_int8``
+    pass's applied entries), for checking the search's int8 choices."""
+    out: Dict[str, bool] = {}
+    for n in compiled.graph.nodes:
+        if n.op in ("QuantConvBiasAct", "QuantConvAddAct", "QuantLinearAct") and n.scope:
+            out[n.scope] = True
+    return out
+
+
+__all__ = ["applies", "calibrated", "emulate", "int8_applied"]

@@ -1,0 +1,163 @@
+"""ONNX QDQ models on the int8 kernels (``qdq_to_int8``): a small torch CNN and MLP
+exported to ONNX and quantized by ONNX Runtime's ``quantize_static`` (QDQ format,
+per-channel symmetric int8 weights, uint8 activations) compile to QuantConvBiasAct /
+QuantConvAddAct / QuantLinearAct (the residual Add and the MaxPool between QDQ pairs to
+QuantAdd / QuantMaxPool), and match ONNX Runtime on the same file within int8 rounding; a
+second call gives the same bits; a pair in front of another op stays float emulation
+(AscendQuant → AscendDequant); ``disable: ["qdq_to_int8", "qdq_eltwise_int8"]`` keeps the
+emulation and agrees too (docs/guide/quantization.md)."""
+import warnings
+
+import pytest
+import torch
+
+import opencann
+from opencann.devices.cpu import mkldnn_available
+
+ort = pytest.importorskip("onnxruntime")
+oq = pytest.importorskip("onnxruntime.quantization")
+pytestmark = pytest.mark.skipif(not (mkldnn_available() and hasattr(torch.ops.onednn, "qlinear_pointwise")),
+                                reason="no oneDNN int8 kernels in this torch")
+
+
+class Cnn(torch.nn.Module):
+    """conv-ReLU → conv + residual → ReLU → MaxPool → conv → global mean → Linear."""
+
+    def __init__(self):
+        super().__init__()
+        self.c1, self.c2, self.c3 = (torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.Conv2d(8, 8, 3, padding=1),
+                                     torch.nn.Conv2d(8, 16, 3))
+        self.fc = torch.nn.Linear(16, 10)
+
+    def forward(self, x):
+        y = torch.relu(self.c1(x))
+        y = torch.relu(self.c2(y) + y)
+        y = torch.relu(self.c3(torch.nn.functional.max_pool2d(y, 2)))
+        return self.fc(y.mean((2, 3)))
+
+
+def _qdq_file(model, shape, tmp_path, n_cal=4, fmt="QDQ", act="QUInt8"):
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    cal = [torch.randn(*shape, generator=g) for _ in range(n_cal)]
+    fp, qp = str(tmp_path / "f.onnx"), str(tmp_path / "q.onnx")
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(model.eval(), (cal[0],), fp, dynamo=False, opset_version=17)
+
+    import onnx
+    name = onnx.load(fp).graph.input[0].name
+
+    class Reader(oq.CalibrationDataReader):
+        def __init__(self):
+            self.it = iter([{name: c.numpy()} for c in cal])
+
+        def get_next(self):
+            return next(self.it, None)
+    oq.quantize_static(fp, qp, Reader(), quant_format=getattr(oq.QuantFormat, fmt), per_channel=True,
+                       weight_type=oq.QuantType.QInt8, activation_type=getattr(oq.QuantType, act))
+    return qp, name
+
+
+def _ort(path, name, x):
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = 1
+    return torch.from_numpy(ort.InferenceSession(path, so, providers=["CPUExecutionProvider"])
+                            .run(None, {name: x.numpy()})[0])
+
+
+def _within_int8_rounding(a, b):
+    """Outputs of two int8 runs of one file: equal but for values one rounding apart
+    somewhere upstream (a uint8 step of the last quantized tensor, then its effect)."""
+    assert a.shape == b.shape and a.dtype == b.dtype
+    cos = torch.nn.functional.cosine_similarity(a.flatten().double(), b.flatten().double(), 0).item()
+    assert cos >= 0.9995, cos
+    assert (a - b).abs().max().item() <= 0.05 * b.abs().max().item()
+
+
+@pytest.mark.parametrize("act", ["QUInt8", "QInt8"])
+def test_qdq_cnn_runs_int8_kernels_and_matches_onnxruntime(tmp_path, act):
+    """uint8 activations, and int8 ones (ONNX Runtime's default: taken as uint8 shifted by
+    128, the same dequantized values)."""
+    qp, name = _qdq_file(Cnn(), (1, 3, 20, 20), tmp_path, act=act)
+    cm = opencann.compile(qp)
+    ops = cm.report.op_counts_after
+    assert ops.get("QuantConvBiasAct", 0) + ops.get("QuantConvAddAct", 0) == 3, ops
+    assert ops.get("QuantLinearAct") == 1, ops
+    assert not {"ConvBiasAct", "ConvAddAct", "LinearAct"} & set(ops), ops
+    assert ops.get("QuantAdd") == 1 and ops.get("QuantMaxPool") == 1, ops   # qdq_eltwise_int8
+    applied = [e for e in cm.report.applied if e["pass"] == "qdq_to_int8"]
+    assert len(applied) == 4 and all("the file's int8 weights" in e["detail"] for e in applied)
+    x = torch.randn(1, 3, 20, 20, generator=torch.Generator().manual_seed(5))
+    y = cm(x)[0]
+    _within_int8_rounding(y, _ort(qp, name, x))
+    y2 = cm(x)[0]
+    assert torch.equal(y, y2) and y.data_ptr() != y2.data_ptr()
+    emu = opencann.compile(qp, options={"disable": ["qdq_to_int8", "qdq_eltwise_int8"]})
+    assert "QuantConvBiasAct" not in emu.report.op_counts_after
+    assert emu.report.op_counts_after.get("AscendDequant", 0) >= 4
+    _within_int8_rounding(emu(x)[0], _ort(qp, name, x))
+
+
+def test_qdq_pair_before_another_op_stays_float_emulation(tmp_path):
+    """A QDQ pair on the model's output (no conv / linear after it) is run as AscendQuant →
+    AscendDequant: the values of ONNX's QuantizeLinear → DequantizeLinear exactly."""
+    m = torch.nn.Sequential(torch.nn.Linear(12, 6), torch.nn.Sigmoid()).eval()
+    qp, name = _qdq_file(m, (3, 12), tmp_path)
+    cm = opencann.compile(qp)
+    ops = cm.report.op_counts_after
+    assert ops.get("QuantLinearAct") == 1 and ops.get("AscendDequant", 0) >= 1
+    x = torch.randn(3, 12)
+    _within_int8_rounding(cm(x)[0], _ort(qp, name, x))
+
+
+class Plain(torch.nn.Module):
+    """conv-ReLU → conv(stride 2) → flatten → Linear: QLinearConv / QLinearMatMul in the
+    QOperator format, with no com.microsoft op between them."""
+
+    def __init__(self):
+        super().__init__()
+        self.c1, self.c2 = torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.Conv2d(8, 4, 3, stride=2)
+        self.fc = torch.nn.Linear(4 * 4 * 4, 6, bias=False)
+
+    def forward(self, x):
+        return self.fc(self.c2(torch.relu(self.c1(x))).flatten(1))
+
+
+def test_qoperator_qlinearconv_and_qlinearmatmul_run_int8_kernels(tmp_path):
+    """ONNX Runtime's QOperator format (QLinearConv, QLinearMatMul): each becomes one int8
+    kernel with a uint8 output at the node's y_scale; matches ONNX Runtime."""
+    import onnx
+    qp, name = _qdq_file(Plain(), (1, 3, 10, 10), tmp_path, fmt="QOperator")
+    ops_in_file = {nd.op_type for nd in onnx.load(qp).graph.node}
+    assert {"QLinearConv", "QLinearMatMul"} <= ops_in_file, ops_in_file
+    cm = opencann.compile(qp)
+    ops = cm.report.op_counts_after
+    assert ops.get("QuantConvBiasAct") == 2 and ops.get("QuantLinearAct") == 1, ops
+    assert "OnnxHostFallback" not in ops and "ConvBiasAct" not in ops
+    x = torch.randn(1, 3, 10, 10)
+    _within_int8_rounding(cm(x)[0], _ort(qp, name, x))
+
+
+def test_quantize_dynamic_matmuls_run_the_dynamic_int8_kernel(tmp_path):
+    """``quantize_dynamic`` (DynamicQuantizeLinear → MatMulInteger → Cast → Mul) on a 3-D
+    MLP: each MatMul becomes a dynamic QuantLinearAct with the file's int8 weights (no host
+    fallback); matches ONNX Runtime; a second call gives the same bits."""
+    import onnx
+    m = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 8)).eval()
+    x = torch.randn(2, 5, 16)
+    fp, qp = str(tmp_path / "f.onnx"), str(tmp_path / "q.onnx")
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(m, (x,), fp, dynamo=False, opset_version=17)
+    oq.quantize_dynamic(fp, qp, weight_type=oq.QuantType.QInt8)
+    assert "MatMulInteger" in {nd.op_type for nd in onnx.load(qp).graph.node}
+    cm = opencann.compile(qp)
+    ops = cm.report.op_counts_after
+    assert ops.get("QuantLinearAct") == 2 and "OnnxHostFallback" not in ops, ops
+    rows = [e["detail"] for e in cm.report.applied if e["pass"] == "quantize_int8"]
+    assert len(rows) == 2 and all("dynamic" in r and "the file's int8 weights" in r for r in rows)
+    name = onnx.load(qp).graph.input[0].name
+    y = cm(x)[0]
+    _within_int8_rounding(y, _ort(qp, name, x))
+    assert torch.equal(cm(x)[0], y)
