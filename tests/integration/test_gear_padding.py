@@ -228,6 +228,7 @@ def test_minilm_batch_gears_pad_the_batch():
 
 
 @pytest.mark.heavy
+@pytest.mark.full   # make test: test_resnet_report_lists_gears_and_padding, the MiniLM batch gears
 def test_resnet50_batch_gears_pad():
     zm = zoo.resnet50(batch=2, size=64)
     cm = opencann.compile(zm.model, zm.example_inputs, options={"dynamic_batch_size": [1, 2, 4]})

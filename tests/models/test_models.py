@@ -51,8 +51,8 @@ def test_transformers(name):
     assert cm.plan.naive_bytes > 5 * cm.plan.arena_bytes
 
 
-@pytest.mark.parametrize("copy_out", [False, True])
-def test_resnet50(copy_out):
+@pytest.mark.parametrize("copy_out", [pytest.param(False, marks=pytest.mark.full), True])
+def test_resnet50(copy_out):   # make test: copy_out=True (the default plan: test_zoo, bench)
     """Default: oneDNN conv outputs keep their own allocation (copying them into the
     arena is a reorder that costs more than it saves). copy_out=True plans every
     intermediate into the arena; both plans stay within 1.02x of their lower bound."""

@@ -16,7 +16,8 @@ CASES = [pytest.param("minilm", dict(batch=2, seq=32), 0.5, id="minilm"),
          pytest.param("bert-base", dict(batch=2, seq=32), 0.5, marks=pytest.mark.full,
                       id="bert-base"),
          pytest.param("gpt2", dict(batch=2, seq=32), None, marks=pytest.mark.full, id="gpt2"),
-         pytest.param("resnet50", dict(batch=2, size=64), 0.5, id="resnet50")]
+         pytest.param("resnet50", dict(batch=2, size=64), 0.5, marks=pytest.mark.full,
+                      id="resnet50")]   # make test: tests/integration/test_training.py's CNNs
 
 
 def _loss(model, inputs):

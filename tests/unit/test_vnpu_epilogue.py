@@ -218,6 +218,7 @@ def test_cube_epilogue_survives_a_model_file(tmp_path):
     assert torch.equal(lm(x), cm(x))
 
 
+@pytest.mark.full   # make test: test_resnet_epilogue_cuts_hbm_and_time on the same model
 def test_cost_graph_unfused_reading_of_epilogue_nodes_matches_the_unfused_graph(resnet):
     """A graph compiled with the pass, costed with ``ub_epilogue=False``, costs what the
     graph compiled without it costs (each link its own Vector kernel)."""

@@ -49,6 +49,7 @@ def test_prefill_decode_eager_and_memory(tiny_est):
     assert "ms graph mode" in e.to_text() and "eager" in e.to_text()
 
 
+@pytest.mark.full   # make test: test_prefill_decode_eager_and_memory on the tiny model
 def test_decode_grows_with_context_and_batch():
     short = estimate_llm(tiny(layers=2), prompt=16, context=64, batch=1)
     long = estimate_llm(tiny(layers=2), prompt=16, context=256, batch=8)
@@ -56,6 +57,7 @@ def test_decode_grows_with_context_and_batch():
     assert long.decode.total_us >= short.decode.total_us
 
 
+@pytest.mark.full   # make test: the 70B 8-card calibration rows and test_allreduce_cost
 def test_tensor_parallel_split_and_allreduce():
     one = estimate_llm(tiny(layers=2, kv=4), prompt=16, batch=1)
     two = estimate_llm(tiny(layers=2, kv=4), prompt=16, batch=1, cards=2)
