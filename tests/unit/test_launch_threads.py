@@ -1,8 +1,8 @@
 """How many threads one launch of an opencann numba kernel gets
 (`opencann.ops.kernels.numba_cache.launch_threads`): torch's intra-op count, or the
 calling thread alone below ATen's grain or on an oversubscribed host (other processes'
-runnable threads, the load average less this process's own, plus the team exceed the
-CPUs). The count is recorded in numba's per-thread setting at each launch; results never
+runnable threads, the host's running count less this process's own running threads,
+plus the team exceed the CPUs). The count is recorded in numba's per-thread setting at each launch; results never
 depend on it (the decode GEMV and DecodeAttention bit for bit at 1 and 2 threads, NaN/Inf
 rows included, against eager to fp32 rounding), from several threads at once too while the
 verdict flips."""
@@ -46,35 +46,39 @@ def test_small_work_and_an_oversubscribed_host_run_on_the_calling_thread(threads
 
 
 def test_the_verdict_counts_other_processes_only(monkeypatch):
-    """others = the host's runnable threads less this process's own running ones (CPU
-    seconds per wall second, at least the reading thread), averaged over LOAD_TAU_S; a
-    team of T threads is refused when others + T > CPUs (+ 0.5: others rounded)."""
+    """others = the host's runnable threads less this process's own running ones read at
+    the same instant (an OpenMP worker spinning after a torch kernel is ours), averaged
+    over LOAD_TAU_S; a team of T threads is refused when others + T > CPUs (+ 0.5)."""
     monkeypatch.setattr(nc, "_cpus", lambda: 2)
     monkeypatch.setattr(nc, "torch_threads", lambda: 2)
-    monkeypatch.setattr(nc, "_process_age_s", lambda: 10.0)
-    for k, v in (("t", 0.0), ("others", None), ("cpu", 0.0), ("verdict", False)):
+    for k, v in (("t", 0.0), ("others", None), ("verdict", False)):
         monkeypatch.setattr(nc._Load, k, v)
-    clock = {"now": 100.0, "cpu": 20.0, "run": 2.0}
+    clock = {"now": 100.0, "run": 2.0, "own": 2}
     monkeypatch.setattr(nc.time, "monotonic", lambda: clock["now"])
-    monkeypatch.setattr(nc.time, "process_time", lambda: clock["cpu"])
     monkeypatch.setattr(nc, "runnable_threads", lambda: clock["run"])
-    assert nc.oversubscribed() is False           # our own 2 threads (20 s of CPU in 10 s)
+    monkeypatch.setattr(nc, "own_running_threads", lambda: clock["own"])
+    assert nc.oversubscribed() is False           # the 2 running threads are our team
     assert nc._Load.others == 0.0
     clock.update(now=100.1, run=9.0)
     assert nc.oversubscribed() is False           # within LOAD_SAMPLE_S: the kept verdict
     for i in range(1, 40):                        # 7 other threads for 20 s: refused
-        clock.update(now=100.0 + i * 0.5, cpu=20.0 + i * 1.0)
+        clock.update(now=100.0 + i * 0.5, run=9.0, own=2)
         nc.oversubscribed()
     assert nc._Load.verdict is True and 6.5 < nc._Load.others <= 7.0
     for i in range(40, 80):                       # alone again, serial (1 busy thread)
-        clock.update(now=100.0 + i * 0.5, cpu=20.0 + 20 * 1.0 + (i - 40) * 0.5, run=1.0)
+        clock.update(now=100.0 + i * 0.5, run=1.0, own=1)
         nc.oversubscribed()
     assert nc._Load.verdict is False and abs(nc._Load.others) < 0.2   # 7·exp(-20 s / 5 s)
-    clock.update(now=1000.0, run=1.0)             # idle for long: the reading thread is ours
+    clock.update(now=1000.0, run=1.0, own=None)   # no procfs for our own: the reader counts
     assert nc.oversubscribed() is False
     monkeypatch.setattr(nc, "runnable_threads", lambda: None)
     clock.update(now=2000.0)
     assert nc.oversubscribed() is False           # nothing to read: never refused
+
+
+def test_own_running_threads_counts_the_reader():
+    n = nc.own_running_threads()
+    assert n is None or n >= 1
 
 
 def test_runnable_threads_reads_the_host():

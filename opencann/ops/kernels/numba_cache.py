@@ -112,11 +112,10 @@ LOAD_TAU_S = 5.0
 
 
 class _Load:
-    """`oversubscribed`'s state: the last reading's time, verdict and process CPU time,
-    and the average of other processes' runnable threads (None before a first reading)."""
+    """`oversubscribed`'s state: the last reading's time and verdict, and the average of
+    other processes' runnable threads (None before a first reading)."""
     t = 0.0
     verdict = False
-    cpu = 0.0
     others: Optional[float] = None
 
 
@@ -125,17 +124,6 @@ def _cpus() -> int:
         return len(os.sched_getaffinity(0))
     except (AttributeError, OSError):   # not Linux
         return os.cpu_count() or 1
-
-
-def _process_age_s() -> Optional[float]:
-    """Seconds since this process started (/proc), None where unknown."""
-    try:
-        with open("/proc/self/stat") as f:
-            start = int(f.read().rsplit(")", 1)[1].split()[19]) / os.sysconf("SC_CLK_TCK")
-        with open("/proc/uptime") as f:
-            return float(f.read().split()[0]) - start
-    except (OSError, ValueError, IndexError, AttributeError):
-        return None
 
 
 def runnable_threads() -> Optional[float]:
@@ -153,21 +141,33 @@ def runnable_threads() -> Optional[float]:
         return None
 
 
-def others_load(runnable: float, now: float, cpu: float) -> float:
+def own_running_threads() -> Optional[int]:
+    """This process's threads running or runnable now (state ``R`` in
+    /proc/self/task/*/stat), the reading one included; None where there is no procfs."""
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return None
+    n = 0
+    for t in tasks:
+        try:
+            with open(f"/proc/self/task/{t}/stat") as f:
+                n += f.read().rsplit(")", 1)[1].split()[0] == "R"
+        except (OSError, IndexError):
+            continue
+    return max(1, n)
+
+
+def others_load(runnable: float, now: float, own: float) -> float:
     """Other processes' runnable threads, averaged over `LOAD_TAU_S` seconds: each reading
-    of the host's ``runnable`` threads less this process's own running threads over the
-    interval since the last reading (its CPU seconds per wall second; ``cpu`` =
-    `time.process_time` at monotonic time ``now``; the first reading takes the mean since
-    the process began), at least 1 (the reading thread runs now), folded into an
-    exponential average. Updates `_Load`."""
+    of the host's ``runnable`` threads less this process's ``own`` running ones read at
+    the same instant (`own_running_threads`: an OpenMP worker spinning after a torch
+    kernel is running, and is ours), folded into an exponential average (the first
+    reading taken as it is). Updates `_Load`."""
     if _Load.others is None or not _Load.t or now <= _Load.t:
-        age = _process_age_s()
-        own = max(1.0, min(cpu / age, float(_cpus()))) if age and age > 0 else 1.0
         _Load.others = runnable - own
     else:
-        own = max(1.0, (cpu - _Load.cpu) / (now - _Load.t))
         _Load.others += (runnable - own - _Load.others) * (1.0 - math.exp(-(now - _Load.t) / LOAD_TAU_S))
-    _Load.cpu = cpu
     return _Load.others
 
 
@@ -186,7 +186,8 @@ def oversubscribed() -> bool:
     if runnable is None:
         _Load.t, _Load.verdict = now, False
         return False
-    others = others_load(runnable, now, time.process_time())
+    own = own_running_threads()
+    others = others_load(runnable, now, float(own if own is not None else 1))
     _Load.t, _Load.verdict = now, others + torch_threads() > _cpus() + 0.5
     return _Load.verdict
 
@@ -240,4 +241,5 @@ def launch_guard():
 
 __all__ = ["GRAIN", "LOAD_SAMPLE_S", "LOAD_TAU_S", "OpencannCacheLocator", "cache_dir",
            "follow_torch_threads", "launch", "launch_guard", "launch_threads", "njit", "others_load",
+           "own_running_threads",
            "oversubscribed", "runnable_threads", "torch_threads"]
