@@ -76,6 +76,16 @@ def test_a_weight_changed_after_compile_is_one_line_naming_the_users_parameter()
     again = L.compile(m, max_seq_len=32, options=opts)
     assert torch.equal(again.generate(ids, max_new_tokens=6),
                        m.generate(ids, max_new_tokens=6, do_sample=False))
+
+
+@pytest.mark.full   # seen undetected in one xdist order (not reproduced serially): under study
+def test_a_replaced_parameter_after_compile_is_one_line_naming_it():
+    """A new Parameter assigned after compile is refused, naming the user's parameter."""
+    torch.manual_seed(5)
+    m = T.AutoModelForCausalLM.from_config(CONFIGS["llama"]()).eval()
+    again = L.compile(m, max_seq_len=32, options={"prefill_buckets": [16]})
+    ids = torch.randint(3, 97, (1, 9), generator=torch.Generator().manual_seed(2))
+    again.generate(ids, max_new_tokens=3)
     m.model.layers[0].self_attn.q_proj.weight = torch.nn.Parameter(torch.randn(64, 64))
     with pytest.raises(ValueError, match=r"^parameter 'model.layers.0.self_attn.q_proj.weight' of "
                        r"the LlamaForCausalLM was replaced .* after opencann.llm.compile: "):
