@@ -33,6 +33,7 @@ def _resnet(depths=None, size=64):
     return m, x
 
 
+@pytest.mark.full   # make test: the unfolded-BN ResNet below, the vnpu fuzz campaign, test_vnpu_epilogue
 def test_resnet50_vnpu_matches_cpu():
     m, x = _resnet()
     ref = opencann.compile(m, (x,))(x)
