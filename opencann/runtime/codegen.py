@@ -417,6 +417,16 @@ class CodeGen:
             return f"[{inner}]"
         return self.literal(a)
 
+    def aten_args(self, node: Node, aten) -> str:
+        """Source text of the arguments of ATen overload ``aten`` for ``node`` (its
+        attributes in schema order, keyword-only ones as keywords)."""
+        pos, kw = [], []
+        for name, kwarg_only in _schema_args(aten):
+            if name in node.attrs:
+                a = self.render(node.attrs[name], node)
+                (kw.append(f"{name}={a}") if kwarg_only else pos.append(a))
+        return ", ".join(pos + kw)
+
     # -- one node -------------------------------------------------------------------
     def _emit_node(self, idx: int, node: Node, layout_bound: set) -> None:
         if self.hoist and self._hoisted(node):
@@ -454,13 +464,8 @@ class CodeGen:
                 or not output_aliases(node)[0] or node.outputs[0] in self.graph.outputs
                 or not node.inputs or any(x.id not in self.static for x in node.inputs)):
             return False
-        pos, kw = [], []
-        for name, kwarg_only in _schema_args(aten):
-            if name in node.attrs:
-                a = self.render(node.attrs[name], node)
-                (kw.append(f"{name}={a}") if kwarg_only else pos.append(a))
         target = f"K{node.outputs[0].id}h"
-        call = f"{target}({', '.join(pos + kw)})"
+        call = f"{target}({self.aten_args(node, aten)})"
         local = {self.names[x.id]: self.static[x.id] for x in node.inputs
                  if self.names[x.id] != self.static[x.id]}
         self.glb[target] = _fast(node, aten)
@@ -505,13 +510,7 @@ class CodeGen:
         target = f"K{idx}"
         aten = op.aten or node.meta["aten"]
         kernel = op.kernel(node.device) or aten   # a user's OpDef.kernels entry, or ATen
-        pos, kw = [], []
-        for name, kwarg_only in _schema_args(aten):
-            if name not in node.attrs:
-                continue
-            s = self.render(node.attrs[name], node)
-            (kw.append(f"{name}={s}") if kwarg_only else pos.append(s))
-        args = ", ".join(pos + kw)
+        args = self.aten_args(node, aten)
         use_out = (kernel is aten and op.out_kernel is not None and not any(aliased)
                    and len(bufnames) == len(op.out_names)
                    and not node.meta.get("none_outputs")

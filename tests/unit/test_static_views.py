@@ -66,14 +66,20 @@ def test_clones_bind_views_of_their_own_arena():
         torch.testing.assert_close(g, w)
 
 
-def test_a_reshape_that_copies_is_not_hoisted():
+def test_a_reshape_that_must_copy_keeps_its_copy_per_call():
+    """reshape of a transposed buffer is captured as clone + view: the clone runs every
+    call (it reads this call's data), only the views are bound once."""
     class M(nn.Module):
         def forward(self, x):
             y = torch.relu(x).t()           # a transposed view of a planned buffer
-            return y.reshape(-1) * 2        # cannot be a view: copies every call
+            return y.reshape(-1) * 2        # cannot be a view: a copy every call
 
     m = M().eval()
     cm = opencann.compile(m, (torch.randn(3, 5),))
+    ops = {n.name: n.op for n in cm.graph.nodes}
+    copies = [n for n, op in ops.items() if op in ("Identity", "ReshapeCopy")]
+    hoisted = {name for name, _, _ in _executor(cm)._hoisted}
+    assert copies and len(hoisted) == sum(op in ("Transpose", "Reshape") for op in ops.values())
     for _ in range(2):
         x = torch.randn(3, 5)
         torch.testing.assert_close(cm(x), m(x))
