@@ -228,6 +228,7 @@ def test_cli_compare_bisect_names_the_site(tmp_path, monkeypatch, capsys, buggy)
 
 
 @pytest.mark.heavy
+@pytest.mark.full   # make test: the injected-pass bisections on the small net
 def test_minilm_bf16_error_grows_along_the_encoder():
     """The issue asks for BERT-base; its capture and layer-by-layer run take minutes on
     a shared CPU, so this uses the zoo's MiniLM (same BERT encoder, 6 layers, real

@@ -215,6 +215,7 @@ def test_minilm_sequence_gears_are_exact_and_say_why():
 
 
 @pytest.mark.heavy
+@pytest.mark.full   # make test: the MiniLM sequence gears and the ResNet gear report
 def test_minilm_batch_gears_pad_the_batch():
     zm = zoo.minilm(batch=2, seq=16)
     cm = opencann.compile(zm.model, zm.example_inputs, options={"dynamic_batch_size": [1, 2, 4]})

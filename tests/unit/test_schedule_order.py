@@ -148,7 +148,7 @@ def test_small_models_never_above_capture_order(copy_out):
 @pytest.mark.heavy
 @pytest.mark.parametrize("name,kw", [("minilm", {"seq": 16}),
                                      pytest.param("bert-base", {"seq": 16}, marks=pytest.mark.full),
-                                     ("gpt2", {"seq": 16}),
+                                     pytest.param("gpt2", {"seq": 16}, marks=pytest.mark.full),
                                      pytest.param("resnet50", {"size": 64}, marks=pytest.mark.full)])
 def test_zoo_never_above_capture_order(name, kw):
     from opencann import zoo
