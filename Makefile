@@ -10,7 +10,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: demo test test-fast test-all bench venv clean
+.PHONY: demo test test-fast test-all bench venv venv-ov clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -56,5 +56,14 @@ test-all: $(STAMP)
 bench: $(STAMP)
 	$(PY) bench/models.py
 
+# bench/llm.py's OpenVINO GenAI row exports with optimum-intel, which pins a transformers
+# older than opencann's: it gets an environment of its own (bench/llm_ov.py)
+venv-ov: $(STAMP)
+	$(PY) -m pip install -q --disable-pip-version-check -e ".[bench]"
+	$(PYTHON) -m venv .venv-ov
+	.venv-ov/bin/python -m pip install -q --disable-pip-version-check "$(TORCH)"
+	.venv-ov/bin/python -m pip install -q --disable-pip-version-check "$(TORCH)" optimum-intel openvino-genai
+	.venv-ov/bin/python -m pip uninstall -q -y torchvision
+
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) .venv-ov build *.egg-info

@@ -18,6 +18,10 @@ spinning threads slow nobody else and each has its own peak RSS):
   ort-genai      the folder converted by ``python -m onnxruntime_genai.models.builder -i
                  <folder> -o <out> -p fp32 -e cpu``, run with ``onnxruntime_genai``
                  (``intra_op_num_threads`` = threads); the optional extra ``bench``
+  ov-genai       the folder exported by optimum-intel (``--weight-format fp32``), run with
+                 ``openvino_genai.LLMPipeline`` at f32 (bench/llm_ov.py; the export needs
+                 ``make venv-ov``); ``ov-genai-default`` (not in the default set) keeps the
+                 plugin's default precision (bf16 on this CPU)
 
 Every backend generates exactly ``--new`` tokens after a ``--prompt``-token prompt of
 seeded random ids (stop tokens off), at each ``--batches`` size. A worker loads its model,
@@ -57,6 +61,8 @@ from typing import Dict, List
 import numpy as np
 import torch
 
+import llm_ov
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 sys.path.insert(0, REPO)
@@ -64,8 +70,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 MODELS = ("llama125m", "smollm2")
-BACKENDS = ("eager", "opencann", "opencann-graphs", "ort-genai")
-EXTRA_BACKENDS = ("eager-static",)
+BACKENDS = ("eager", "opencann", "opencann-graphs", "ort-genai", "ov-genai")
+EXTRA_BACKENDS = ("eager-static", "ov-genai-default")
 LLAMA125M = dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
                  num_key_value_heads=4, intermediate_size=2048, vocab_size=32000,
                  max_position_embeddings=2048, tie_word_embeddings=False)
@@ -267,6 +273,8 @@ def worker(job: dict) -> dict:
     elif b in ("opencann", "opencann-graphs"):
         prep, run, facts = _opencann_runner(job["folder"], ids, job["new"],
                                             {"backend": "opencann"} if b != "opencann" else None)
+    elif b in llm_ov.BACKENDS:
+        prep, run, facts = llm_ov.ov_runner(b, job["folder"], ids, job["new"], job["threads"])
     else:
         prep, run, facts = _ort_runner(job["folder"], ids, job["new"], job["threads"])
     t = time.perf_counter()
@@ -303,6 +311,10 @@ def unavailable(backends: List[str]) -> Dict[str, str]:
     out = {}
     if "ort-genai" in backends and importlib.util.find_spec("onnxruntime_genai") is None:
         out["ort-genai"] = f"onnxruntime-genai is not installed ({INSTALL} installs it)"
+    why = llm_ov.unavailable() if set(backends) & set(llm_ov.BACKENDS) else None
+    for b in llm_ov.BACKENDS:
+        if why and b in backends:
+            out[b] = why
     if "opencann" in backends or "opencann-graphs" in backends:
         try:
             from opencann.llm import compile as _  # noqa: F401
@@ -338,6 +350,10 @@ def bench_model(name: str, args, backends: List[str], bw: float, work: str) -> L
     if "ort-genai" in backends:
         ort_s = build_ort(folder, folder + "_ort")
         print(f"{name}: GenAI builder {ort_s:.1f} s", flush=True)
+    ov_s = None
+    if set(backends) & set(llm_ov.BACKENDS):
+        ov_s = llm_ov.build_ov(folder, folder + "_ov")
+        print(f"{name}: optimum-intel export {ov_s:.1f} s", flush=True)
     rows = []
     for batch in args.batches:
         kv = facts["kv_bytes_per_position"] * (args.prompt + args.new / 2)
@@ -345,7 +361,8 @@ def bench_model(name: str, args, backends: List[str], bw: float, work: str) -> L
         runs: Dict[str, List[dict]] = {b: [] for b in backends}
         for r in range(args.rounds):
             for b in backends[r % len(backends):] + backends[:r % len(backends)]:
-                job = dict(backend=b, folder=folder + ("_ort" if b == "ort-genai" else ""),
+                suffix = "_ort" if b == "ort-genai" else "_ov" if b in llm_ov.BACKENDS else ""
+                job = dict(backend=b, folder=folder + suffix,
                            batch=batch, prompt=args.prompt, new=args.new, reps=args.reps,
                            threads=args.threads, vocab=facts["vocab"])
                 runs[b].append(run_worker(job))
@@ -358,6 +375,9 @@ def bench_model(name: str, args, backends: List[str], bw: float, work: str) -> L
                              **summarize(runs[b], eager, batch, roofline)))
         if ort_s is not None:
             rows[-len(backends) + backends.index("ort-genai")]["builder_s"] = ort_s
+        for b in llm_ov.BACKENDS:
+            if ov_s is not None and b in backends:
+                rows[-len(backends) + backends.index(b)]["builder_s"] = ov_s
     return [dict(r, model_facts=facts) for r in rows]
 
 
@@ -415,7 +435,7 @@ def main(argv=None) -> None:
             rows += bench_model(name, args, backends, bw, work)
     print_table(rows)
     versions = {"torch": torch.__version__}
-    for m in ("transformers", "onnxruntime", "onnxruntime_genai"):
+    for m in ("transformers", "onnxruntime", "onnxruntime_genai", "openvino_genai"):
         try:
             versions[m] = __import__(m).__version__
         except ImportError:
