@@ -192,7 +192,7 @@ class WeightWatch:
         def died(_ref, me=weakref.ref(self)):
             w = me()
             if w is not None:
-                w.release()
+                w._died(_ref)
         self._refs = [weakref.ref(t, died) for t in tensors]
         _install_hook()
         if self.slots:
@@ -208,6 +208,20 @@ class WeightWatch:
         self._want = b""
         self.stepped, self.slots, self.replaced = set(), {}, ""
         _WATCHES.discard(self)
+
+    def _died(self, ref) -> None:
+        """A watched tensor was freed. While its owning module lives, that is a replacement
+        whose old tensor had no other reference (``m.w = nn.Parameter(t)`` frees the old
+        one inside the assignment, after the registration hook ran): it is kept as
+        replaced, for the next call to report. Without a module, or with the module gone
+        too (the user dropped the model), the watch is released."""
+        module = self._module() if self._module is not None else None
+        if module is None:
+            self.release()
+            return
+        i = next((k for k, r in enumerate(self._refs) if r is ref), None)
+        if i is not None and not self.replaced:
+            self.replaced = self.names[i]
 
     def changed(self) -> bool:
         """Whether a watched tensor was written since the snapshot (per call)."""

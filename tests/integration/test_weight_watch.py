@@ -74,6 +74,26 @@ def test_watch_released_when_a_tensor_dies():
     assert w not in weight_watch._WATCHES and not w.changed() and w._views == []
 
 
+def test_a_replaced_parameter_with_no_other_reference_is_reported():
+    """``m.w = nn.Parameter(t)`` frees the old Parameter inside the assignment when only the
+    module held it: the watch reports the replacement (it is not released), by name."""
+    m = nn.Sequential(nn.Linear(4, 4))
+    w = WeightWatch(list(m.parameters()), ["0.weight", "0.bias"], module=m)
+    assert not w.changed()
+    m[0].weight = nn.Parameter(torch.randn(4, 4))   # the old weight dies here
+    gc.collect()
+    assert w in weight_watch._WATCHES and w.changed()
+    assert w.changes() == {0: weight_watch.REPLACED}
+
+
+def test_watch_released_when_its_module_dies():
+    m = nn.Sequential(nn.Linear(4, 4))
+    w = WeightWatch(list(m.parameters()), ["0.weight", "0.bias"], module=m)
+    del m
+    gc.collect()
+    assert w not in weight_watch._WATCHES and not w.changed()
+
+
 def test_channels_last_and_gapped_module_state_through_both_compilers():
     """Non-contiguous module state (a channels-last conv weight, a gapped buffer) is
     watched like any other: torch.compile re-freezes, opencann.compile refuses."""

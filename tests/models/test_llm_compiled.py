@@ -78,7 +78,6 @@ def test_a_weight_changed_after_compile_is_one_line_naming_the_users_parameter()
                        m.generate(ids, max_new_tokens=6, do_sample=False))
 
 
-@pytest.mark.full   # seen undetected in one xdist order (not reproduced serially): under study
 def test_a_replaced_parameter_after_compile_is_one_line_naming_it():
     """A new Parameter assigned after compile is refused, naming the user's parameter."""
     torch.manual_seed(5)
