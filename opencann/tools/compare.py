@@ -175,6 +175,25 @@ def status_of(m: Dict[str, Any], dtype: torch.dtype) -> str:
     return "fail"
 
 
+class UnjudgeableInputs(ValueError):
+    """Inputs on which the reference outputs have no finite value (`check_judgeable`)."""
+
+
+def check_judgeable(outputs, what: str) -> None:
+    """Raise `UnjudgeableInputs` (a ValueError, one line) when a floating-point tensor among ``outputs`` (a
+    pytree) has no finite element: every accuracy rule passes vacuously on it (NaN/Inf
+    positions agree, cosine and errors skip non-finite elements), so a comparison, a
+    bisection or a precision search on such inputs would approve anything. ``what`` names
+    the outputs in the message."""
+    leaves = [o for o in pytree.tree_leaves(outputs) if isinstance(o, torch.Tensor)]
+    for k, o in enumerate(leaves):
+        if o.is_floating_point() and o.numel() and not bool(torch.isfinite(o).any()):
+            raise UnjudgeableInputs(f"{what} have no finite value (output {k}, "
+                             f"{tuple(o.shape)}, is all NaN/Inf): an accuracy comparison would "
+                             f"pass anything; give inputs the model computes finite results for "
+                             f"(random normal values or real data, no NaN)")
+
+
 class Session:
     """A model captured once, with eager's value of every traced node on one set of
     inputs; `run` compiles and compares with any options (bisection reuses it).
@@ -188,6 +207,7 @@ class Session:
         self.ep, _ = capture(model, self.args, self.kwargs)
         self.flat = pytree.tree_leaves((self.args, self.kwargs))
         self.eager, self.eager_outputs, self.fx = _run_eager(self.ep, self.flat)
+        check_judgeable(self.eager_outputs, "the model's eager outputs on these inputs")
 
     def run(self, device: str = "cpu", options: Optional[Dict[str, Any]] = None,
             layers: bool = True, strict: bool = False) -> CompareResult:
@@ -358,6 +378,7 @@ def compare_onnx(path: str, device: str = "cpu", options: Optional[Dict[str, Any
     cm = compile_onnx(path, device=device, options=dict(options or {}), input_shapes=input_shapes)
     inputs = random_inputs(input_specs(ref_cm, None, path), seed)
     refs = [o for o in pytree.tree_leaves(ref_cm(*inputs)) if isinstance(o, torch.Tensor)]
+    check_judgeable(refs, "the file's fp32 outputs on random inputs")
     outs = [o for o in pytree.tree_leaves(cm(*inputs)) if isinstance(o, torch.Tensor)]
     res = CompareResult(path, str(device), dict(options or {}), report=cm.report)
     floor = _floor(options)

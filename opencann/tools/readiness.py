@@ -38,7 +38,7 @@ from typing import Any, Dict, List, Optional
 import torch
 
 from .analyze import Analysis
-from .compare import CompareResult
+from .compare import CompareResult, UnjudgeableInputs
 from .estimate import GiB, MiB, EstimateReport
 
 #: target precision -> (estimate dtype, compared CANN precision_mode, KV-cache bytes per element)
@@ -590,7 +590,9 @@ def readiness(model, inputs=None, device: str = "vnpu:ascend910b", precision: st
             without inputs, an unknown zoo name or missing file, a model file compiled for
             another device, ``input_shapes`` for a model that is no ONNX file, ``batch``
             for an ONNX or model file, ``context``
-            for a model that is no LLM, < 1 or beyond its positions, batch < 1.
+            for a model that is no LLM, < 1 or beyond its positions, batch < 1; sample
+            inputs on which an output has no finite value (`compare.UnjudgeableInputs`:
+            the accuracy part would pass anything).
         TypeError: ``model`` of another type.
     Failures inside a part (a capture error, a graph that does not convert) are findings:
     the part is None and ``skipped`` says why.
@@ -657,6 +659,8 @@ def _run_parts(rep: ReadinessReport, src: _Source, dtype: str, batch: Optional[i
     else:
         try:
             rep.accuracy = _accuracy(src, rep.device, rep.precision_mode)
+        except UnjudgeableInputs:
+            raise   # bad sample inputs (all-NaN outputs): the caller's error, not a finding
         except Exception as e:  # noqa: BLE001 - a finding of the report, in one line
             rep.skipped["accuracy"] = _first_line(e)
 

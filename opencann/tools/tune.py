@@ -45,7 +45,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from . import tune_int8
-from .compare import Session, metrics
+from .compare import Session, check_judgeable, metrics
 from .tune_gate import COSINE_FAIL, Verdict, msprobe_gate
 
 #: the faster candidate must beat the slower one by this fraction to be kept
@@ -365,6 +365,21 @@ class _Builder:
         return out
 
 
+def _metric_verdict(value, metric) -> bool:
+    """The user metric's answer as a bool: a Python or NumPy bool, or a one-element bool
+    tensor. Anything else (a float score, a many-element tensor, None) is a TypeError
+    naming the metric: its truth would be an accident (any nonzero score passes)."""
+    name = getattr(metric, "__name__", type(metric).__name__)
+    if isinstance(value, torch.Tensor) and value.dtype == torch.bool and value.numel() == 1:
+        return bool(value)
+    if isinstance(value, bool) or type(value).__name__ == "bool_":
+        return bool(value)
+    shape = f" of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else ""
+    raise TypeError(f"tune: the budget metric {name!r} returned {type(value).__name__}{shape}; it "
+                    f"must return a bool (True: the outputs are acceptable), e.g. "
+                    f"`return cosine > 0.999`")
+
+
 def _outputs_ok(model, data, budget, compiled, outs: List[Dict[str, Any]]) -> Tuple[bool, str]:
     """Run ``compiled`` and eager on each item of ``data``; (all pass, the first failure).
     msprobe: each float output by the gate's NaN/Inf and cosine rules; a callable:
@@ -376,11 +391,12 @@ def _outputs_ok(model, data, budget, compiled, outs: List[Dict[str, Any]]) -> Tu
             ref = model(*item)
             got = compiled(*item)
         if callable(budget):
-            ok = bool(budget(got, ref))
+            ok = _metric_verdict(budget(got, ref), budget)
             outs.append({"data": k, "metric": ok})
             if not ok:
                 return False, f"{getattr(budget, '__name__', 'metric')} rejected data item {k}"
             continue
+        check_judgeable(ref, f"the model's eager outputs on data item {k}")
         for j, (a, e) in enumerate(zip(pytree.tree_leaves(got), pytree.tree_leaves(ref))):
             if not (isinstance(e, torch.Tensor) and e.is_floating_point()):
                 continue

@@ -190,6 +190,16 @@ def test_llm_kv_cache_line_is_the_hand_computation():
     assert any("does NOT fit" in s for s in big.memory_lines())
 
 
+def test_nan_only_sample_inputs_are_one_line(capsys):
+    """All-NaN outputs would pass every accuracy rule: refused, not reported "ready"."""
+    m = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU()).eval()
+    with pytest.raises(ValueError, match=r"^the model's eager outputs on these inputs have no finite "
+                                         r"value \(output 0, \(2, 8\), is all NaN/Inf\)"):
+        readiness(m, (torch.full((2, 8), float("nan")),), device="vnpu:ascend910b")
+    assert readiness(m, (torch.full((2, 8), float("nan")),), device="vnpu:ascend910b",
+                     accuracy=False).verdict == "ready"
+
+
 def test_bad_arguments_are_one_line_errors():
     m, x = _cnn()
     cases = [(dict(device="cpu"), "is not a vnpu device"),

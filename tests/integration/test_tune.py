@@ -10,6 +10,7 @@ import torch
 
 import opencann
 from helpers import run_cli
+from opencann.tools.compare import compare
 from opencann.tools.tune import CANDIDATES, Candidate, tune
 from opencann.tools.tune_gate import msprobe_gate
 
@@ -92,6 +93,44 @@ def test_deterministic_without_timing(factory):
     a = tune(model, (x,), timing=False, seed=3)
     b = tune(model, (x,), timing=False, seed=3)
     assert a.precision == b.precision and a.kept == b.kept
+
+
+@pytest.mark.parametrize("answer, shown", [(0.5, "float"), (None, "NoneType"),
+                                           (torch.ones(3, dtype=torch.bool), r"Tensor of shape \(3,\)")])
+def test_a_metric_not_answering_a_bool_is_one_line(factory, answer, shown):
+    """A score or a many-element tensor is no verdict: its truth would be an accident."""
+    _, model, (x,) = factory
+
+    def score(actual, expected):
+        return answer
+    with pytest.raises(TypeError, match=rf"^tune: the budget metric 'score' returned {shown}; "
+                                        r"it must return a bool"):
+        tune(model, (x,), budget=score, timing=False)
+
+
+@pytest.mark.parametrize("answer", [True, torch.tensor(True), torch.tensor([False])])
+def test_bool_like_metric_answers_are_taken(factory, answer):
+    _, model, (x,) = factory
+    res = tune(model, (x,), budget=lambda a, e: answer, timing=False)
+    assert set(res.precision.values()) == ({"bf16"} if bool(answer) else {"fp32"})
+
+
+@pytest.mark.parametrize("fill", [float("nan"), float("inf")])
+def test_inputs_giving_no_finite_output_are_refused(factory, fill):
+    """On NaN-only (or Inf-only) inputs every rule passes vacuously: tune and compare refuse
+    them in one line instead of approving every lowering."""
+    _, model, (x,) = factory
+    bad = torch.full_like(x, fill)
+    with pytest.raises(ValueError, match=r"^the model's eager outputs on these inputs have no finite "
+                                         r"value \(output 0, \(16, 16\), is all NaN/Inf\)"):
+        tune(model, (bad,), timing=False)
+    with pytest.raises(ValueError, match=r"^the model's eager outputs on data item 1 have no finite value"):
+        tune(model, (x,), data=[(x,), (bad,)], timing=False)
+    with pytest.raises(ValueError, match=r"^the model's eager outputs on these inputs have no finite"):
+        compare(model, (bad,), options={"precision_mode": "allow_mix_precision_bf16"})
+    partly = x.clone()
+    partly[0, 0] = float("nan")   # a NaN position among finite values is judged, not refused
+    assert compare(model, (partly,)).outputs
 
 
 def test_user_metric_replaces_the_gate(factory):
