@@ -589,10 +589,9 @@ def readiness(model, inputs=None, device: str = "vnpu:ascend910b", precision: st
         ValueError: a device that is not a vnpu, an unknown preset or precision, a module
             without inputs, an unknown zoo name or missing file, a model file compiled for
             another device, ``input_shapes`` for a model that is no ONNX file, ``batch``
-            for an ONNX or model file, ``context``
-            for a model that is no LLM, < 1 or beyond its positions, batch < 1; sample
-            inputs on which an output has no finite value (`compare.UnjudgeableInputs`:
-            the accuracy part would pass anything).
+            for an ONNX or model file, ``context`` for a model that is no LLM, < 1 or
+            beyond its positions, batch < 1; sample inputs giving an output with no
+            finite value (`compare.UnjudgeableInputs`: accuracy would pass anything).
         TypeError: ``model`` of another type.
     Failures inside a part (a capture error, a graph that does not convert) are findings:
     the part is None and ``skipped`` says why.
