@@ -492,14 +492,22 @@ def cmd_atc(args) -> int:
     return 0
 
 
+#: atc's --precision_mode when unset for an Ascend --soc_version: CANN ATC's default
+#: (CANN docs, ATC parameter --precision_mode: "force_fp16 (default)"); for the cpu the
+#: model's dtypes stay (no Ascend default applies to it)
+ATC_NPU_PRECISION = "force_fp16"
+
+
 def _atc_precision(args) -> dict:
     """The compile options of atc's --precision_mode (checked: one ValueError line naming
-    the modes), --keep_dtype and --modify_mixlist files (`opencann.tools.precision_files`)."""
+    the modes; unset: `ATC_NPU_PRECISION` for an Ascend --soc_version, the model's dtypes
+    for the cpu), --keep_dtype and --modify_mixlist files (`opencann.tools.precision_files`)."""
     options = {}
-    if args.precision_mode:
+    mode = args.precision_mode or (ATC_NPU_PRECISION if args.soc_version != "cpu" else None)
+    if mode:
         from .passes.prepare.precision import low_dtype
-        low_dtype(args.precision_mode)
-        options["precision_mode"] = args.precision_mode
+        low_dtype(mode)
+        options["precision_mode"] = mode
     if args.keep_dtype:
         from .tools.precision_files import read_keep_dtype
         options["keep_dtype"] = read_keep_dtype(args.keep_dtype)
@@ -824,8 +832,8 @@ def _add_atc_command(sub) -> None:
                    help="cpu, Ascend910B[1-4], Ascend910[A], Ascend310[P3] (vnpu presets)")
     a.add_argument("--precision_mode", metavar="MODE",
                    help="CANN precision mode: force_fp32, must_keep_origin_dtype, "
-                   "allow_fp32_to_fp16, allow_mix_precision(_fp16|_bf16), force_fp16 (CANN's "
-                   "ATC defaults to force_fp16 for an NPU; here unset keeps the model's dtypes, "
+                   "allow_fp32_to_fp16, allow_mix_precision(_fp16|_bf16), force_fp16 (default for an "
+                   "Ascend --soc_version, as CANN's ATC; for cpu, unset keeps the model's dtypes; "
                    "see docs/guide/precision.md)")
     a.add_argument("--keep_dtype", metavar="FILE", help="CANN keep_dtype file: node names "
                    "(one per line) kept in their original dtype (opencann tune writes one)")

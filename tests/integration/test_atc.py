@@ -114,8 +114,8 @@ def test_soc_version_maps_to_vnpu_device(conv_onnx, tmp_path, capsys):
     assert not os.path.exists(out + ".ocm")   # .ocm given: not appended again
     assert describe(out)["metadata"]["device"] == "vnpu:ascend910b"
     x = torch.randn(1, 3, 8, 8)
-    with torch.no_grad():
-        torch.testing.assert_close(opencann.load(out)(x)[0], m(x), rtol=1e-4, atol=1e-4)
+    with torch.no_grad():   # ATC's default for an NPU: force_fp16
+        torch.testing.assert_close(opencann.load(out)(x)[0], m(x), rtol=2e-2, atol=2e-2)
 
 
 def test_soc_version_mapping():
