@@ -503,6 +503,11 @@ class CodeGen:
         if _out_capable(node) and len(bufnames) == 1 and bufnames[0] is not None:
             self.lines.append(f"    {outs[0]} = {call}, out={bufnames[0]})")
             self.static[node.outputs[0].id] = bufnames[0]   # out= kernels return ``out``
+        elif _out_capable(node) and len(bufnames) > 1 and all(b is not None for b in bufnames):
+            # several outputs: ``out`` is the tuple of their buffers, returned as they are
+            self.lines.append(f"    {', '.join(outs)} = {call}, out=({', '.join(bufnames)},))")
+            for o, b in zip(node.outputs, bufnames):
+                self.static[o.id] = b
         else:
             self._emit_result(node, lhs, outs, bufnames, call + ")")
 
