@@ -184,6 +184,11 @@ def _serial(q, k, v, lengths, scale, out):  # pragma: no cover - numba
                     out[b, h * G + g, 0, d] = acc[g, d] / tots[g]
 
 
+def _np(t: torch.Tensor) -> np.ndarray:
+    """``t``'s NumPy view (detached only when it needs it: detach costs a tensor)."""
+    return t.detach().numpy() if t.requires_grad else t.numpy()
+
+
 def split_chunk(max_len: int, items: int, threads: Optional[int] = None) -> int:
     """Keys per split-KV chunk: enough chunks that ``items`` (B·Hkv) × chunks fill every
     thread (``threads``, default numba's count; the kernel uses torch's) twice over, each chunk at least `MIN_CHUNK` keys (and one chunk when
@@ -221,16 +226,17 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths:
     if lengths.shape != (B,) or lengths.dtype.is_floating_point or lengths.dtype == torch.bool:
         raise ValueError(f"decode_attention: lengths must be an integer tensor [{B}], got "
                          f"{tuple(lengths.shape)} {lengths.dtype}")
-    lens = lengths.detach().to(torch.int64).contiguous().numpy()
-    if B and (lens.min() < 0 or lens.max() > S):
+    ll = lengths.tolist()     # the bounds read from a list: NumPy's min/max cost more at B = 1
+    if B and (min(ll) < 0 or max(ll) > S):
         raise ValueError(f"decode_attention: lengths must lie in [0, S_max={S}], got "
-                         f"{lens.tolist()}; the KV cache is too short for this position")
+                         f"{ll}; the KV cache is too short for this position")
+    lens = lengths.numpy() if lengths.dtype == torch.int64 and lengths.is_contiguous() \
+        and not lengths.requires_grad else np.asarray(ll, dtype=np.int64)
     scale = float(D) ** -0.5 if scale is None else float(scale)
-    max_len = int(lens.max()) if B else 0
+    max_len = max(ll) if B else 0
     res = out if out is not None and out.is_contiguous() else torch.empty(B, Hq, 1, D)
     if B * Hq * D and 2 * B * Hkv * max_len * D <= SERIAL_MAX:
-        _serial(q.detach().numpy(), k.detach().numpy(), v.detach().numpy(), lens,
-                np.float32(scale), res.numpy())
+        _serial(_np(q), _np(k), _np(v), lens, np.float32(scale), res.numpy())
         return out.copy_(res) if out is not None and res is not out else res
     chunk = split_chunk(max_len, B * Hkv, torch_threads())   # by torch's count: values never
     # depend on how many threads a launch gets (numba_cache.launch_threads)
