@@ -39,6 +39,7 @@ import numpy as np
 import torch
 from numba import prange
 
+from .kv_cache_update_cpu import _array, _scatter, kv_cache_update
 from .numba_cache import launch, njit, torch_threads
 
 _FM = {"reassoc", "contract"}
@@ -189,6 +190,16 @@ def _np(t: torch.Tensor) -> np.ndarray:
     return t.detach().numpy() if t.requires_grad else t.numpy()
 
 
+@njit(cache=True)
+def _serial_update(kb, vb, knb, vnb, positions, q, k, v, lengths, scale, out):  # pragma: no cover
+    """`kv_cache_update_cpu`'s bit-exact scatter of the new keys and values (``kb``/``vb``:
+    the caches' memory as int32, ``knb``/``vnb`` the new rows') at ``positions``, then
+    `_serial` on the updated caches ``k``/``v`` (float32 views of the same memory)."""
+    _scatter(kb, knb, positions)
+    _scatter(vb, vnb, positions)
+    _serial(q, k, v, lengths, scale, out)
+
+
 def split_chunk(max_len: int, items: int, threads: Optional[int] = None) -> int:
     """Keys per split-KV chunk: enough chunks that ``items`` (B·Hkv) × chunks fill every
     thread (``threads``, default numba's count; the kernel uses torch's) twice over, each chunk at least `MIN_CHUNK` keys (and one chunk when
@@ -198,20 +209,9 @@ def split_chunk(max_len: int, items: int, threads: Optional[int] = None) -> int:
     return max(MIN_CHUNK, math.ceil(max(max_len, 1) / want))
 
 
-def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor,
-                     scale: Optional[float] = None, out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Attention of one query per sequence over its first ``lengths[b]`` cached keys
-    (module docstring: layouts, GQA, NaN/Inf). ``q`` [B, Hq, 1, D], ``k``/``v``
-    [B, Hkv, S_max, D], all float32; ``lengths`` [B] integers in [0, S_max]; ``scale``
-    None = D ** -0.5; result [B, Hq, 1, D] float32 (into ``out`` when given, contiguous).
-    Raises ValueError naming the bad argument (shapes, dtypes, Hq not a multiple of Hkv,
-    a length outside [0, S_max]).
-
-    Up to `SERIAL_MAX` K and V elements read (a 125M Llama's decode step up to ~256 cached
-    tokens) the call is one serial kernel on the calling thread (`_serial`): no OpenMP
-    team woken right after a GEMM's, no split-KV partials or merge launch. Measured at
-    B=1, Hq/Hkv 12/4, D=64 (least of 300 interleaved calls, 2-core Xeon, load ~6): 19.7
-    against 29.5 µs at 64 keys, 43 against 57 µs at 256, 149 against 180 µs at 1024."""
+def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor):
+    """(B, Hq, D, Hkv, S_max, lengths as a list) of a valid `decode_attention` call; raises
+    its ValueErrors (one line each) otherwise."""
     if q.dim() != 4 or q.shape[2] != 1 or k.dim() != 4 or v.shape != k.shape:
         raise ValueError(f"decode_attention: expected q [B, Hq, 1, D] and k, v [B, Hkv, S_max, D] "
                          f"(BNSD), got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
@@ -230,6 +230,24 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths:
     if B and (min(ll) < 0 or max(ll) > S):
         raise ValueError(f"decode_attention: lengths must lie in [0, S_max={S}], got "
                          f"{ll}; the KV cache is too short for this position")
+    return B, Hq, D, Hkv, S, ll
+
+
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor,
+                     scale: Optional[float] = None, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Attention of one query per sequence over its first ``lengths[b]`` cached keys
+    (module docstring: layouts, GQA, NaN/Inf). ``q`` [B, Hq, 1, D], ``k``/``v``
+    [B, Hkv, S_max, D], all float32; ``lengths`` [B] integers in [0, S_max]; ``scale``
+    None = D ** -0.5; result [B, Hq, 1, D] float32 (into ``out`` when given, contiguous).
+    Raises ValueError naming the bad argument (shapes, dtypes, Hq not a multiple of Hkv,
+    a length outside [0, S_max]).
+
+    Up to `SERIAL_MAX` K and V elements read (a 125M Llama's decode step up to ~256 cached
+    tokens) the call is one serial kernel on the calling thread (`_serial`): no OpenMP
+    team woken right after a GEMM's, no split-KV partials or merge launch. Measured at
+    B=1, Hq/Hkv 12/4, D=64 (least of 300 interleaved calls, 2-core Xeon, load ~6): 19.7
+    against 29.5 µs at 64 keys, 43 against 57 µs at 256, 149 against 180 µs at 1024."""
+    B, Hq, D, Hkv, S, ll = _check(q, k, v, lengths)
     lens = lengths.numpy() if lengths.dtype == torch.int64 and lengths.is_contiguous() \
         and not lengths.requires_grad else np.asarray(ll, dtype=np.int64)
     scale = float(D) ** -0.5 if scale is None else float(scale)
@@ -255,4 +273,34 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths:
     return res
 
 
-__all__ = ["MIN_CHUNK", "SERIAL_MAX", "decode_attention", "split_chunk"]
+__all__ = ["MIN_CHUNK", "SERIAL_MAX", "decode_attention", "decode_attention_update", "split_chunk"]
+
+
+def decode_attention_update(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                            k_new: torch.Tensor, v_new: torch.Tensor, positions: torch.Tensor,
+                            lengths: torch.Tensor, scale: Optional[float] = None,
+                            out: Optional[torch.Tensor] = None):
+    """``kv_cache_update(k, k_new, positions)``, ``kv_cache_update(v, v_new, positions)``,
+    then ``decode_attention(q, k, v, lengths, scale, out)``; returns (attention output
+    [B, Hq, 1, D], k, v) — the caches written in place and handed back. ``k_new``/``v_new``
+    [B, Hkv, 1, D] float32, ``positions`` [B] integers. Where `decode_attention` would run
+    `_serial` the three are one numba call (`_serial_update`). Raises the ValueErrors of
+    the three (one line each); on a bad position nothing is written."""
+    B, Hq, D, Hkv, S, ll = _check(q, k, v, lengths)
+    pl = positions.tolist() if positions.dim() == 1 else None
+    max_len = max(ll) if B else 0
+    if not (pl is not None and len(pl) == B and k_new.shape == v_new.shape == (B, Hkv, 1, D)
+            and k_new.dtype == v_new.dtype == torch.float32 and B * Hq * D
+            and positions.dtype == torch.int64 and positions.is_contiguous()
+            and k_new.is_contiguous() and v_new.is_contiguous()
+            and 2 * B * Hkv * max_len * D <= SERIAL_MAX) or min(pl) < 0 or max(pl) >= S:
+        kv_cache_update(k, k_new, positions)     # its checks and errors, then the general path
+        kv_cache_update(v, v_new, positions)
+        return decode_attention(q, k, v, lengths, scale, out), k, v
+    res = out if out is not None and out.is_contiguous() else torch.empty(B, Hq, 1, D)
+    lens = lengths.numpy() if lengths.dtype == torch.int64 and lengths.is_contiguous() \
+        and not lengths.requires_grad else np.asarray(ll, dtype=np.int64)
+    scale = float(D) ** -0.5 if scale is None else float(scale)
+    _serial_update(_array(k), _array(v), _array(k_new), _array(v_new), positions.numpy(),
+                   _np(q), _np(k), _np(v), lens, np.float32(scale), res.numpy())
+    return (out.copy_(res) if out is not None and res is not out else res), k, v
