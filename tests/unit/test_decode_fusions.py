@@ -1,6 +1,7 @@
-"""The decode-step fusions under torch_npu's names: `fuse_add_rms_norm` (residual Add +
-RmsNorm ⇒ AddRmsNorm, both outputs) and `fuse_rotary_mul` (x·cos + rotate_half(x)·sin ⇒
-RotaryMul). Golden before/expected graphs of ≤ 10 nodes and a does-not-apply reason per
+"""The decode-step fusions: `fuse_add_rms_norm` (residual Add + RmsNorm ⇒ AddRmsNorm,
+torch_npu's npu_add_rms_norm, both outputs), `fuse_rotary_mul` (x·cos + rotate_half(x)·sin
+⇒ RotaryMul, torch_npu's npu_rotary_mul) and `fuse_decode_kv_update` (two KvCacheUpdates
++ DecodeAttention ⇒ DecodeAttentionKvUpdate). Golden before/expected graphs of ≤ 10 nodes and a does-not-apply reason per
 pass; their CPU kernels against eager on random inputs with NaN/Inf, a second call,
 ``out=`` and output independence; one compiled module through both against eager.
 Tolerances: RotaryMul is eager's bits; AddRmsNorm's sum is eager's bits and its norm
@@ -15,7 +16,10 @@ from opencann.ir.dump import to_text
 from opencann.engine.options import complete
 from opencann.ops.kernels.add_rms_norm_cpu import add_rms_norm
 from opencann.ops.kernels.rotary_mul_cpu import rotary_mul
-from opencann.passes import FuseAddRmsNorm, FuseRotaryMul, PassContext, PassManager
+from opencann.ops.kernels.decode_attention_cpu import decode_attention, decode_attention_update
+from opencann.ops.kernels.kv_cache_update_cpu import kv_cache_update
+from opencann.passes import (FuseAddRmsNorm, FuseDecodeKvUpdate, FuseRotaryMul, PassContext,
+                             PassManager)
 from opencann.report import CompileReport
 
 F = DataType.FLOAT
@@ -123,6 +127,65 @@ def test_fuse_rotary_mul_does_not_apply_when_cos_broadcasts_along_d():
 def test_fuse_rotary_mul_leaves_other_halves_alone():
     text, rep = run(FuseRotaryMul(), _rope_graph(d(1, 1, 3, 8), half=2))
     assert "RotaryMul" not in text and not rep.skipped   # not a rotate_half: no match at all
+
+
+# -- fuse_decode_kv_update ----------------------------------------------------------------
+
+def _decode_graph(extra_reader=False):
+    g = Graph()
+    kc, vc = g.add_input(d(1, 2, 16, 8), "kc"), g.add_input(d(1, 2, 16, 8), "vc")
+    kn, vn = g.add_input(d(1, 2, 1, 8), "kn"), g.add_input(d(1, 2, 1, 8), "vn")
+    pos, lens = g.add_input(d(1, dtype=DataType.INT64), "pos"), g.add_input(d(1, dtype=DataType.INT64), "lens")
+    q = g.add_input(d(1, 4, 1, 8), "q")
+    up = [g.create_node("KvCacheUpdate", [c, n, pos], {"cache": TensorRef(0), "new": TensorRef(1),
+                                                      "positions": TensorRef(2)}, [c.desc]).output
+          for c, n in ((kc, kn), (vc, vn))]
+    att = g.create_node("DecodeAttention", [q, up[0], up[1], lens],
+                        {"query": TensorRef(0), "key": TensorRef(1), "value": TensorRef(2),
+                         "lengths": TensorRef(3), "scale": 0.5}, [q.desc]).output
+    g.outputs = [att, *up]
+    if extra_reader:
+        g.outputs.append(g.create_node("Neg", [up[0]], {"self": TensorRef(0)}, [up[0].desc]).output)
+    return g
+
+
+def test_fuse_decode_kv_update_golden():
+    text, rep = run(FuseDecodeKvUpdate(), _decode_graph())
+    assert text == """graph(%kc: float32[1,2,16,8], %vc: float32[1,2,16,8], %kn: float32[1,2,1,8], %vn: float32[1,2,1,8], %pos: int64[1], %lens: int64[1], %q: float32[1,4,1,8]):
+  %0: float32[1,4,1,8], %1: float32[1,2,16,8], %2: float32[1,2,16,8] = DecodeAttentionKvUpdate(%q, %kc, %vc, %kn, %vn, %pos, %lens; scale=0.5)
+  return %0, %1, %2"""
+    assert [a["detail"] for a in rep.applied] == ["KvCacheUpdate x2 + DecodeAttention"]
+
+
+def test_fuse_decode_kv_update_does_not_apply_when_another_node_reads_the_cache():
+    text, rep = run(FuseDecodeKvUpdate(), _decode_graph(extra_reader=True))
+    assert "DecodeAttentionKvUpdate" not in text
+    reason = [r for _, r in skipped(rep)][0]
+    assert reason.startswith("the cache ") and reason.endswith(
+        "is read by neg too; fusing would move the write after that read")
+
+
+def test_decode_attention_update_kernel_matches_the_three_ops():
+    q = torch.randn(2, 6, 1, 16, generator=G)
+    kc, vc = torch.randn(2, 3, 40, 16, generator=G), torch.randn(2, 3, 40, 16, generator=G)
+    kn, vn = torch.randn(2, 3, 1, 16, generator=G), torch.randn(2, 3, 1, 16, generator=G)
+    kn[1, 2, 0, 3] = float("nan")                       # a NaN key: that group's row is NaN
+    kc[0, :, 30:] = float("inf")                         # past the live length: never read
+    pos, lens = torch.tensor([9, 20]), torch.tensor([10, 21])
+    k1, v1 = kc.clone(), vc.clone()
+    ref = decode_attention(q, kv_cache_update(k1, kn, pos), kv_cache_update(v1, vn, pos), lens, 0.3)
+    k2, v2 = kc.clone(), vc.clone()
+    out = torch.empty(2, 6, 1, 16)
+    got, kk, vv = decode_attention_update(q, k2, v2, kn, vn, pos, lens, 0.3, out=out)
+    assert got is out and kk is k2 and vv is v2
+    assert torch.equal(k2.nan_to_num(0.0), k1.nan_to_num(0.0)) and torch.isnan(k2[1, 2, 20, 3])
+    assert torch.equal(v2, v1)
+    assert torch.equal(torch.isnan(got), torch.isnan(ref)) and torch.isnan(got[1, 4:]).all()
+    torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-6, equal_nan=True)
+    again = decode_attention_update(q, k2, v2, kn, vn, pos, lens, 0.3)[0]   # a second call
+    assert torch.equal(again.nan_to_num(0.0), got.nan_to_num(0.0)) and again is not got
+    with pytest.raises(ValueError, match="positions 40..40"):
+        decode_attention_update(q, k2, v2, kn, vn, torch.tensor([40, 0]), lens, 0.3)
 
 
 # -- kernels against eager ---------------------------------------------------------------
