@@ -19,6 +19,7 @@ from __future__ import annotations
 from typing import Callable, Sequence
 
 from ..ir import Node, TensorDesc, numel
+from . import per_index
 from .opdef import Cost, OpDef, OpKind, register
 
 _NAMES = ("query", "key", "value", "key_new", "value_new", "positions", "lengths")
@@ -55,5 +56,6 @@ register(OpDef("DecodeAttentionKvUpdate", OpKind.ATTENTION, aliases=((), ("key",
                inplace_of={1: "key", 2: "value"}, cost_fn=decode_attention_kv_update_cost,
                kernel_factories={"cpu": make_decode_attention_kv_update_kernel},
                out_capable=lambda n: True, keep_fp32=True, fp32_kernel=True,
+               per_index=per_index.decode_attention_kv_update,
                doc="KvCacheUpdate of the new key and value rows + DecodeAttention over the "
                    "updated caches, one node (decode step)"))

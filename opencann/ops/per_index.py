@@ -371,6 +371,21 @@ def kv_cache_update(node: Node, axes: Axes, sym: str) -> Result:
     return {0: p}
 
 
+def decode_attention_kv_update(node: Node, axes: Axes, sym: str) -> Result:
+    """DecodeAttentionKvUpdate (`kv_cache_update` twice, then `decode_attention`): rows
+    independent along the batch when every input carries the padded dim there; any
+    other axis reaches the caches' sequence axis or the GQA head groups."""
+    names = ("query", "key", "value", "key_new", "value_new", "positions", "lengths")
+    p = _same_axis(node, axes, names)
+    if isinstance(p, str):
+        return p
+    if p != 0 or len(axes) != len(names):
+        return ("DecodeAttentionKvUpdate writes new tokens at per-row cache positions and "
+                "mixes cache positions and GQA head groups: only the batch axis of all its "
+                "inputs can be padded")
+    return {0: 0, 1: 0, 2: 0}
+
+
 def decode_attention(node: Node, axes: Axes, sym: str) -> Result:
     """DecodeAttention (q [B, Hq, 1, D], k/v caches [B, Hkv, S, D], lengths [B]): rows
     independent along the batch when q, both caches and the lengths all carry the padded
@@ -631,6 +646,6 @@ def describe(rule: Optional[Rule]) -> str:
 
 __all__ = ["Axis", "outer_of", "ALL", "offset", "REDUCE", "SOFTMAX", "CUMULATIVE", "LAYER_NORM", "BATCH_NORM_INFERENCE",
            "BATCH_NORM_TRAINING", "GROUP_NORM", "POOL", "RESIZE", "CONV", "CONV_ADD", "mm", "addmm", "bmm",
-           "gated_mlp", "add_rms_norm", "rotary_mul", "attention", "kv_cache_update", "decode_attention", "embedding", "gather", "index", "index_select", "cat", "stack",
+           "gated_mlp", "add_rms_norm", "rotary_mul", "attention", "kv_cache_update", "decode_attention", "decode_attention_kv_update", "embedding", "gather", "index", "index_select", "cat", "stack",
            "constant_pad", "repeat", "source", "reshape", "permute", "transpose", "unsqueeze",
            "squeeze", "expand", "slice_", "select", "split", "same", "describe"]

@@ -39,7 +39,7 @@ import numpy as np
 import torch
 from numba import prange
 
-from .kv_cache_update_cpu import _array, _scatter, kv_cache_update
+from .kv_cache_update_cpu import _array, _scatter, check_update, kv_cache_update
 from .numba_cache import launch, njit, torch_threads
 
 _FM = {"reassoc", "contract"}
@@ -286,14 +286,18 @@ def decode_attention_update(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     [B, Hkv, 1, D] float32, ``positions`` [B] integers. Where `decode_attention` would run
     `_serial` the three are one numba call (`_serial_update`). Raises the ValueErrors of
     the three (one line each); on a bad position nothing is written."""
+    check_update(k, k_new, positions)    # the cache writes' errors first, as the unfused ops
+    check_update(v, v_new, positions)
+    pl = positions.tolist()
+    if pl and (min(pl) < 0 or max(pl) + k_new.shape[2] > k.shape[2]):
+        kv_cache_update(k, k_new, positions)      # raises its one-line error, writes nothing
     B, Hq, D, Hkv, S, ll = _check(q, k, v, lengths)
-    pl = positions.tolist() if positions.dim() == 1 else None
     max_len = max(ll) if B else 0
-    if not (pl is not None and len(pl) == B and k_new.shape == v_new.shape == (B, Hkv, 1, D)
+    if not (k_new.shape == v_new.shape == (B, Hkv, 1, D)
             and k_new.dtype == v_new.dtype == torch.float32 and B * Hq * D
             and positions.dtype == torch.int64 and positions.is_contiguous()
             and k_new.is_contiguous() and v_new.is_contiguous()
-            and 2 * B * Hkv * max_len * D <= SERIAL_MAX) or min(pl) < 0 or max(pl) >= S:
+            and 2 * B * Hkv * max_len * D <= SERIAL_MAX):
         kv_cache_update(k, k_new, positions)     # its checks and errors, then the general path
         kv_cache_update(v, v_new, positions)
         return decode_attention(q, k, v, lengths, scale, out), k, v
