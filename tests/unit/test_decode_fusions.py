@@ -76,6 +76,28 @@ def test_fuse_add_rms_norm_golden():
     assert [a["detail"] for a in rep.applied] == ["residual Add + RMSNorm"]
 
 
+def test_fuse_add_rms_norm_through_the_squeezed_last_token():
+    """Add [2, 1, 8] -> h[:, 0] -> RmsNorm [2, 8] (a decode step's final norm)."""
+    g = Graph()
+    a, b = g.add_input(d(2, 1, 8), "a"), g.add_input(d(2, 1, 8), "b")
+    w = g.add_const(torch.randn(8, generator=G), "w")
+    s = _binary(g, "Add", a, b)
+    h = g.create_node("SelectInt", [s], {"self": TensorRef(0), "dim": 1, "index": 0}, [d(2, 8)]).output
+    g.outputs = [g.create_node("RmsNorm", [h, w], {"input": TensorRef(0), "normalized_shape": [8],
+                                                   "weight": TensorRef(1), "eps": 1e-5, "upcast": False},
+                               [h.desc]).output]
+    text, rep = run(FuseAddRmsNorm(), g)
+    assert text == """graph(%a: float32[2,1,8], %b: float32[2,1,8]):
+  %c0: float32[8] = const
+  %0: float32[2,8], %1: float32[2,1,8] = AddRmsNorm(%a, %b, %c0; epsilon=1e-05)
+  return %0"""
+    assert [a["detail"] for a in rep.applied] == ["residual Add + RMSNorm (through a squeezed view)"]
+    x1, x2 = torch.randn(2, 1, 8, generator=G), torch.randn(2, 1, 8, generator=G)
+    y = torch.empty(2, 8)
+    add_rms_norm(x1, x2, g.nodes[0].inputs[2].const, 1e-5, out=(y, torch.empty(2, 1, 8)))
+    torch.testing.assert_close(y, torch.rms_norm((x1 + x2)[:, 0], [8], g.nodes[0].inputs[2].const, 1e-5))
+
+
 def test_fuse_add_rms_norm_does_not_apply_to_a_broadcast_add():
     g = _add_rms_graph(d(2, 8), d(1, 8))
     text, rep = run(FuseAddRmsNorm(), g)

@@ -60,8 +60,9 @@ def add_rms_norm(a: torch.Tensor, b: torch.Tensor, weight: torch.Tensor, eps: fl
                  out=None):
     """(y, s): s = a + b and y = s·rsqrt(mean(s², -1) + eps)·weight, for ``a``, ``b``
     [..., D] float32 of one shape and ``weight`` [D] float32 (module docstring:
-    numerics). ``out``: a (y, s) pair of contiguous float32 tensors of a's shape to write,
-    else fresh ones. Raises ValueError (one line) for other shapes or dtypes."""
+    numerics). ``out``: a (y, s) pair of contiguous float32 tensors to write (s of a's
+    shape, y of a's elements, any shape: the fused node may give it the squeezed shape of a
+    view), else fresh ones. Raises ValueError (one line) for other shapes or dtypes."""
     d = a.shape[-1] if a.dim() else 0
     if a.shape != b.shape or a.dim() < 1 or tuple(weight.shape) != (d,) \
             or not (a.dtype == b.dtype == weight.dtype == torch.float32):
@@ -69,7 +70,7 @@ def add_rms_norm(a: torch.Tensor, b: torch.Tensor, weight: torch.Tensor, eps: fl
                          f"[D], got {tuple(a.shape)} {a.dtype}, {tuple(b.shape)} {b.dtype}, "
                          f"{tuple(weight.shape)} {weight.dtype}")
     y, s = out if out is not None and out[0].is_contiguous() and out[1].is_contiguous() \
-        else (torch.empty(a.shape), torch.empty(a.shape))
+        else (torch.empty(a.shape if out is None else out[0].shape), torch.empty(a.shape))
     rows = a.numel() // d if d else 0
     if rows == 0:
         return _into(out, y, s)

@@ -4,7 +4,8 @@ AddRmsNorm (torch_npu's ``npu_add_rms_norm``; ONNX Runtime's SkipSimplifiedLayer
 the sum (the residual stream, read on by the next residual Add) and the normalized
 output (kernel: ``ops/kernels/add_rms_norm_cpu.py``).
 
-Why: in a Llama decode step every RMSNorm but the first follows a residual Add; each is a
+Why: in a Llama decode step every RMSNorm but the first follows a residual Add (the last
+through ``h[:, 0]``, a view dropping the size-1 token axis: matched through it); each is a
 call on one 768-element row whose cost is the call (measured in the compiled 12-layer
 step: Add 49 x ~10 µs, RmsNorm 25 x ~45 µs, after GEMMs that evict their caches). Rule:
 an Add of two tensors of the result's shape (no broadcast, alpha 1), float32, read by an
@@ -22,9 +23,26 @@ from .common import CpuFusion
 from .match import contiguous_strides, tensor_pair
 
 
+def _squeeze_view(v):
+    """The view node producing ``v`` when it only drops size-1 dims of its input (SelectInt
+    of index 0 on a size-1 dim, Squeeze, Reshape to the same sizes without the 1s): the
+    same elements in the same order, so the fused kernel can write its rows there."""
+    p = v.producer
+    if p is None or p.op not in ("SelectInt", "Squeeze", "SqueezeDim", "Reshape") or not p.inputs:
+        return None
+    src = p.inputs[0].desc
+    if not (src.is_static and v.desc.is_static) or src.dtype != v.desc.dtype:
+        return None
+    drop1 = [d for d in src.shape if d != 1] == [d for d in v.desc.shape if d != 1]
+    if p.op == "SelectInt" and (src.shape[p.attrs.get("dim", 0)] != 1 or p.attrs.get("index") not in (0, -1)):
+        return None
+    return p if drop1 and src.shape[-1] == v.desc.shape[-1] else None
+
+
 class FuseAddRmsNorm(CpuFusion):
-    """RmsNorm(Add(a, b), w) over the last axis, float32, a and b of the sum's shape ⇒
-    AddRmsNorm(a, b, w) -> (y, a + b); the sum's other readers read output 1."""
+    """RmsNorm([view dropping size-1 dims of] Add(a, b), w) over the last axis, float32, a
+    and b of the sum's shape ⇒ AddRmsNorm(a, b, w) -> (y, a + b); the sum's other readers
+    read output 1."""
 
     name, stage = "fuse_add_rms_norm", "fusion"
     ops = ("RmsNorm",)
@@ -35,6 +53,9 @@ class FuseAddRmsNorm(CpuFusion):
         with the reason for a near miss (a scalar or broadcast Add, no weight, the float32
         casts, another dtype, several normalized axes)."""
         x = rn.inputs[rn.attrs["input"].index]
+        view = _squeeze_view(x)
+        if view is not None:   # Add -> h[:, 0] of [B, 1, H] -> RmsNorm (the last norm of a decode step)
+            x = view.inputs[0]
         add = x.producer
         if add is None or add.op != "Add":
             return None
@@ -42,6 +63,8 @@ class FuseAddRmsNorm(CpuFusion):
         if pair is None:
             return Skip("the Add has a scalar operand or alpha != 1: not a residual a + b")
         a, b = pair
+        if view is not None and (len(view.outputs[0].users) != 1 or view.outputs[0] in graph.outputs):
+            return Skip(f"the view {view.name} of the sum is read elsewhere too")
         if a.desc != x.desc or b.desc != x.desc:
             return Skip(f"the Add broadcasts ({a.desc} + {b.desc}); the fused kernel adds two "
                         "tensors of the result's shape")
@@ -60,12 +83,12 @@ class FuseAddRmsNorm(CpuFusion):
             return Skip(f"the weight is {w.desc.dtype.value}, x {x.desc.dtype.value}")
         if not x.desc.is_static:
             return Skip(f"dynamic shape {x.desc}: the fused kernel's rows are static here")
-        return rn, add
+        return rn, add, view
 
     def rewrite(self, graph: Graph, m, ctx: PassContext) -> int:
         """Replace the Add and the RmsNorm by one AddRmsNorm node (output 0 the norm's,
         output 1 the sum, for the sum's other readers). Returns 1."""
-        rn, add = m
+        rn, add, view = m
         a, b = add.inputs
         w = rn.inputs[rn.attrs["weight"].index]
         new = graph.create_node(
@@ -80,6 +103,8 @@ class FuseAddRmsNorm(CpuFusion):
         graph.replace_all_uses_with(rn.outputs[0], new.outputs[0])
         graph.replace_all_uses_with(add.outputs[0], new.outputs[1])
         graph.erase_node(rn)
+        if view is not None:
+            graph.erase_node(view)
         graph.erase_node(add)
-        ctx.applied([add, rn], "residual Add + RMSNorm")
+        ctx.applied([add, rn], "residual Add + RMSNorm" + (" (through a squeezed view)" if view else ""))
         return 1
