@@ -3,7 +3,8 @@ greedy, on three paths in one process — transformers' ``generate`` (eager, dyn
 ``opencann.llm`` with the ``eager`` step backend (torch runs the step graphs) and with the
 ``opencann`` backend (step graphs compiled by opencann; path ``unfused``: the same with the
 decode-step fusions ``fuse_add_rms_norm``, ``fuse_rotary_mul`` and
-``fuse_decode_kv_update`` switched off, an A/B in one process) — then the per-op time of
+``fuse_decode_kv_update``, ``fuse_apply_rotary_pos_emb`` switched off, an A/B in one
+process) — then the per-op time of
 each compiled decode step (the executor's profile, summed per op type) so the remaining gap
 is visible, and the GEMM kernel each decode linear chose.
 
@@ -34,7 +35,8 @@ import transformers
 import opencann.llm
 
 #: the decode-step fusions the ``unfused`` path switches off
-DECODE_FUSIONS = ["fuse_add_rms_norm", "fuse_rotary_mul", "fuse_decode_kv_update"]
+DECODE_FUSIONS = ["fuse_add_rms_norm", "fuse_rotary_mul", "fuse_decode_kv_update",
+                  "fuse_apply_rotary_pos_emb"]
 
 
 def load() -> str:

@@ -1,6 +1,7 @@
 """The decode-step fusions: `fuse_add_rms_norm` (residual Add + RmsNorm ⇒ AddRmsNorm,
 torch_npu's npu_add_rms_norm, both outputs), `fuse_rotary_mul` (x·cos + rotate_half(x)·sin
-⇒ RotaryMul, torch_npu's npu_rotary_mul) and `fuse_decode_kv_update` (two KvCacheUpdates
+⇒ RotaryMul, torch_npu's npu_rotary_mul), `fuse_apply_rotary_pos_emb` (a query's and a
+key's RotaryMul ⇒ ApplyRotaryPosEmb) and `fuse_decode_kv_update` (two KvCacheUpdates
 + DecodeAttention ⇒ DecodeAttentionKvUpdate). Golden before/expected graphs of ≤ 10 nodes and a does-not-apply reason per
 pass; their CPU kernels against eager on random inputs with NaN/Inf, a second call,
 ``out=`` and output independence; one compiled module through both against eager.
@@ -15,10 +16,10 @@ from opencann.ir import DataType, Graph, TensorDesc, TensorRef, verify
 from opencann.ir.dump import to_text
 from opencann.engine.options import complete
 from opencann.ops.kernels.add_rms_norm_cpu import add_rms_norm
-from opencann.ops.kernels.rotary_mul_cpu import rotary_mul
+from opencann.ops.kernels.rotary_mul_cpu import apply_rotary_pos_emb, rotary_mul
 from opencann.ops.kernels.decode_attention_cpu import decode_attention, decode_attention_update
 from opencann.ops.kernels.kv_cache_update_cpu import kv_cache_update
-from opencann.passes import (FuseAddRmsNorm, FuseDecodeKvUpdate, FuseRotaryMul, PassContext,
+from opencann.passes import (FuseAddRmsNorm, FuseApplyRotaryPosEmb, FuseDecodeKvUpdate, FuseRotaryMul, PassContext,
                              PassManager)
 from opencann.report import CompileReport
 
@@ -149,6 +150,60 @@ def test_fuse_rotary_mul_does_not_apply_when_cos_broadcasts_along_d():
 def test_fuse_rotary_mul_leaves_other_halves_alone():
     text, rep = run(FuseRotaryMul(), _rope_graph(d(1, 1, 3, 8), half=2))
     assert "RotaryMul" not in text and not rep.skipped   # not a rotate_half: no match at all
+
+
+# -- fuse_apply_rotary_pos_emb ------------------------------------------------------------
+
+def _pair_graph(reader_between=False):
+    g = Graph()
+    q, k = g.add_input(d(1, 4, 1, 8), "q"), g.add_input(d(1, 2, 1, 8), "k")
+    cos, sin = g.add_input(d(1, 1, 1, 8), "cos"), g.add_input(d(1, 1, 1, 8), "sin")
+
+    def rope(x):
+        return g.create_node("RotaryMul", [x, cos, sin], {"input": TensorRef(0), "r1": TensorRef(1),
+                                                          "r2": TensorRef(2)}, [x.desc]).output
+    qr = rope(q)
+    n = g.create_node("Neg", [qr], {"self": TensorRef(0)}, [qr.desc]).output if reader_between else qr
+    g.outputs = [n, rope(k)]
+    return g
+
+
+def test_fuse_apply_rotary_pos_emb_golden():
+    text, rep = run(FuseApplyRotaryPosEmb(), _pair_graph())
+    assert text == """graph(%q: float32[1,4,1,8], %k: float32[1,2,1,8], %cos: float32[1,1,1,8], %sin: float32[1,1,1,8]):
+  %0: float32[1,4,1,8], %1: float32[1,2,1,8] = ApplyRotaryPosEmb(%q, %k, %cos, %sin)
+  return %0, %1"""
+    assert [a["detail"] for a in rep.applied] == ["RotaryMul x2 sharing cos/sin"]
+
+
+def test_fuse_apply_rotary_pos_emb_does_not_apply_with_a_reader_between():
+    text, rep = run(FuseApplyRotaryPosEmb(), _pair_graph(reader_between=True))
+    assert "ApplyRotaryPosEmb" not in text
+    assert [r for _, r in skipped(rep)] == [
+        "neg reads rotarymul's rotation before rotarymul_1 runs; the merged node would come "
+        "after that read"]
+
+
+def test_apply_rotary_pos_emb_kernel_is_two_rotary_muls():
+    q = torch.randn(2, 5, 3, 16, generator=G).transpose(1, 2)     # [2, 3, 5, 16], strided
+    k = torch.randn(2, 1, 5, 16, generator=G)
+    cos, sin = torch.randn(2, 1, 5, 16, generator=G), torch.randn(2, 1, 5, 16, generator=G)
+    q[1, 2, 4, 0], k[0, 0, 3, 9] = float("nan"), float("inf")
+    out = (torch.empty(2, 3, 5, 16), torch.empty(2, 1, 5, 16))
+    got = apply_rotary_pos_emb(q, k, cos, sin, out=out)
+    assert got[0] is out[0] and got[1] is out[1]
+    for y, x in zip(got, (q, k)):
+        ref = x * cos + _rotate_half(x) * sin
+        assert torch.equal(torch.isnan(y), torch.isnan(ref)) and not torch.isfinite(y).all()
+        assert torch.equal(y.nan_to_num(0.0), ref.nan_to_num(0.0))
+    again = apply_rotary_pos_emb(q, k, cos, sin)                   # a second call, fresh outputs
+    assert all(torch.equal(a.nan_to_num(0.0), b.nan_to_num(0.0)) and a is not b
+               for a, b in zip(again, got))
+    big = torch.randn(1, 8, 600, 16, generator=G)                  # past the grain: two calls
+    c2, s2 = torch.randn(1, 1, 600, 16, generator=G), torch.randn(1, 1, 600, 16, generator=G)
+    yq, yk = apply_rotary_pos_emb(big, big[:, :2], c2, s2)
+    assert torch.equal(yq, big * c2 + _rotate_half(big) * s2)
+    assert torch.equal(yk, yq[:, :2])
 
 
 # -- fuse_decode_kv_update ----------------------------------------------------------------
@@ -298,7 +353,7 @@ def test_compiled_block_matches_eager_with_both_fusions():
 
     cm = opencann.compile(m, inputs(False))
     ops = cm.graph.op_counts()
-    assert ops.get("AddRmsNorm") == 1 and ops.get("RotaryMul") == 1 and "Neg" not in ops
+    assert ops.get("AddRmsNorm") == 1 and ops.get("RotaryMul") == 1 and "Neg" not in ops  # one rope: no pair
     kept = []
     for special in (False, True, False):
         xs = inputs(special)

@@ -59,6 +59,13 @@ def _parallel(x, c, s, y):  # pragma: no cover - numba
         _row(x, c, s, y, t)
 
 
+@njit(cache=True)
+def _serial_pair(xq, xk, c, s, yq, yk):  # pragma: no cover - numba
+    """`_serial` on the query and on the key, one call."""
+    _serial(xq, c, s, yq)
+    _serial(xk, c, s, yk)
+
+
 def _as4(r: torch.Tensor, shape) -> "np.ndarray":
     """``r`` as a 4-D NumPy view (leading 1s added) whose dims equal ``shape``'s or are 1
     (the kernel indexes those at 0); ValueError when it does not broadcast so."""
@@ -94,6 +101,41 @@ def rotary_mul(x: torch.Tensor, r1: torch.Tensor, r2: torch.Tensor, out=None) ->
     return y
 
 
+def apply_rotary_pos_emb(q: torch.Tensor, k: torch.Tensor, r1: torch.Tensor, r2: torch.Tensor,
+                         out=None):
+    """(`rotary_mul` (q, r1, r2), `rotary_mul` (k, r1, r2)) for a query and a key of one
+    layer sharing cos (``r1``) and sin (``r2``): torch_npu's ``npu_apply_rotary_pos_emb``
+    computed out of place; ``out`` a pair of contiguous float32 tensors of q's and k's
+    shapes (else fresh ones). One numba call below ATen's grain. Raises `rotary_mul`'s
+    ValueErrors."""
+    oq, ok = out if out is not None else (None, None)
+    fast = (q.dim() == k.dim() == 4 and q.shape[0] == k.shape[0] and q.shape[2:] == k.shape[2:]
+            and q.shape[3] % 2 == 0 and q.numel() < GRAIN and k.numel() < GRAIN
+            and q.dtype == k.dtype == r1.dtype == r2.dtype == torch.float32
+            and (oq is None or (oq.is_contiguous() and ok.is_contiguous())))
+    if fast:     # cos/sin must broadcast along the heads: q and k have their own counts
+        c, s = _as4(r1, q.shape), _as4(r2, q.shape)
+        fast = c.shape[1] == 1 and s.shape[1] == 1
+    if not fast:
+        return rotary_mul(q, r1, r2, out=oq), rotary_mul(k, r1, r2, out=ok)
+    yq = oq if oq is not None else torch.empty(q.shape)
+    yk = ok if ok is not None else torch.empty(k.shape)
+    if q.numel() and k.numel():
+        _serial_pair(q.detach().numpy(), k.detach().numpy(), c, s, yq.numpy(), yk.numpy())
+    return yq, yk
+
+
+def make_apply_rotary_pos_emb_kernel(node: Node, in_descs: Sequence[TensorDesc],
+                                     consts: Sequence) -> Callable:
+    """Kernel factory of ApplyRotaryPosEmb(query, key, cos, sin) -> (query', key'):
+    ``run(q, k, cos, sin, out=None)`` (`apply_rotary_pos_emb`)."""
+    iq, ik, ic, is_ = (node.attrs[n].index for n in ("query", "key", "cos", "sin"))
+
+    def run(*xs, out=None):
+        return apply_rotary_pos_emb(xs[iq], xs[ik], xs[ic], xs[is_], out=out)
+    return run
+
+
 def make_rotary_mul_kernel(node: Node, in_descs: Sequence[TensorDesc], consts: Sequence) -> Callable:
     """Kernel factory of RotaryMul(input, r1, r2) -> y: ``run(x, r1, r2, out=None)``
     (`rotary_mul`)."""
@@ -104,4 +146,5 @@ def make_rotary_mul_kernel(node: Node, in_descs: Sequence[TensorDesc], consts: S
     return run
 
 
-__all__ = ["make_rotary_mul_kernel", "rotary_mul"]
+__all__ = ["apply_rotary_pos_emb", "make_apply_rotary_pos_emb_kernel", "make_rotary_mul_kernel",
+           "rotary_mul"]
