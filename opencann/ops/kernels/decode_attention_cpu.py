@@ -23,6 +23,11 @@ GQA: Hq must be a multiple of Hkv; query head h reads KV head h // (Hq // Hkv), 
 transformers' ``repeat_kv`` orders the heads. Each work item (b, kv head, chunk) reads
 its chunk of K and V once for all the query heads of its group.
 
+At decode sizes (up to `SERIAL_MAX` K/V elements) the whole call is one serial kernel on
+the calling thread instead (`_serial`: the same arithmetic as one chunk and its merge);
+`decode_attention_update` also writes the step's new key and value rows into the caches
+first, in the same numba call (the ``DecodeAttentionKvUpdate`` op).
+
 Numerics: scores, softmax statistics and the output accumulate in fp32 (fastmath
 ``reassoc``/``contract`` only, so NaN/Inf propagate): a NaN or +Inf score in a live
 position makes the row's output NaN, as eager softmax does; a row with length 0 gives
