@@ -47,6 +47,7 @@ class FuseAddRmsNorm(CpuFusion):
     name, stage = "fuse_add_rms_norm", "fusion"
     ops = ("RmsNorm",)
     switch_section = "GraphFusion"
+    off_device_note = "cpu-only fusion (a numba kernel): skipped on {device}"
 
     def match(self, rn: Node, graph: Graph, ctx: PassContext):
         """The (RmsNorm, Add) pair; None when no Add produces the RmsNorm's input; a `Skip`

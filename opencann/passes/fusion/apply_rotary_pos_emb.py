@@ -25,6 +25,7 @@ class FuseApplyRotaryPosEmb(CpuFusion):
     name, stage = "fuse_apply_rotary_pos_emb", "fusion"
     ops = ("RotaryMul",)
     switch_section = "GraphFusion"
+    off_device_note = "cpu-only fusion (a numba kernel): skipped on {device}"
 
     def match(self, r: Node, graph: Graph, ctx: PassContext):
         """(first, second): ``r`` and the next RotaryMul in graph order reading the same

@@ -30,6 +30,7 @@ class FuseDecodeKvUpdate(CpuFusion):
     name, stage = "fuse_decode_kv_update", "fusion"
     ops = ("DecodeAttention",)
     switch_section = "GraphFusion"
+    off_device_note = "cpu-only fusion (a numba kernel): skipped on {device}"
 
     def match(self, att: Node, graph: Graph, ctx: PassContext):
         """(att, key update, value update); None when the caches are not KvCacheUpdate

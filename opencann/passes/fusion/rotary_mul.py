@@ -79,6 +79,7 @@ class FuseRotaryMul(CpuFusion):
     name, stage = "fuse_rotary_mul", "fusion"
     ops = ("Add",)
     switch_section = "GraphFusion"
+    off_device_note = "cpu-only fusion (a numba kernel): skipped on {device}"
 
     def match(self, add: Node, graph: Graph, ctx: PassContext):
         """(add, x, cos, sin, nodes) when ``add`` is the root of x·cos + rotate_half(x)·sin;
