@@ -12,9 +12,9 @@ spinning threads slow nobody else and each has its own peak RSS):
   eager          ``model.generate`` (transformers, dynamic KV cache)
   eager-static   the same with ``cache_implementation="static"`` (not in the default set)
   opencann       ``opencann.llm.compile(model, max_seq_len=prompt+new, max_batch=batch)``
-                 with its default options (the default backend: torch runs the step graphs)
-  opencann-graphs  the same with ``options={"backend": "opencann"}``: each step graph
-                 compiled by ``opencann.compile``
+                 with its default options (the default backend, ``"opencann"``: each step
+                 graph compiled by ``opencann.compile``)
+  opencann-graphs  the same with ``options={"backend": "opencann"}`` named explicitly
   ort-genai      the folder converted by ``python -m onnxruntime_genai.models.builder -i
                  <folder> -o <out> -p fp32 -e cpu``, run with ``onnxruntime_genai``
                  (``intra_op_num_threads`` = threads); the optional extra ``bench``

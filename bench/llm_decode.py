@@ -1,8 +1,11 @@
 """LLM decode speed (issue #27): decode tokens/s of a random-weight Llama, batch 1, fp32,
 greedy, on three paths in one process — transformers' ``generate`` (eager, dynamic cache),
 ``opencann.llm`` with the ``eager`` step backend (torch runs the step graphs) and with the
-``opencann`` backend (step graphs compiled by opencann) — then the per-op time of one
-compiled decode step (the executor's profile, summed per op type) so the remaining gap
+``opencann`` backend (step graphs compiled by opencann; path ``unfused``: the same with the
+decode-step fusions ``fuse_add_rms_norm``, ``fuse_rotary_mul`` and
+``fuse_decode_kv_update``, ``fuse_apply_rotary_pos_emb`` switched off, an A/B in one
+process) — then the per-op time of
+each compiled decode step (the executor's profile, summed per op type) so the remaining gap
 is visible, and the GEMM kernel each decode linear chose.
 
 Decode tokens/s = (n - 1) / (time from the first generated token to the last), timed by a
@@ -13,7 +16,7 @@ weights every decode step reads (every Linear and the LM head) plus the live KV 
 ``GB/s`` = bytes/token x tokens/s, the bandwidth the path achieves.
 
     PYTHONPATH=. .venv/bin/python bench/llm_decode.py [--layers 4] [--new 32] [--runs 3]
-        [--profile-reps 5] [--json out.json]
+        [--profile-reps 5] [--paths transformers,eager,opencann[,unfused]] [--json out.json]
 
 Environment that changes the result (printed): torch's and numba's thread counts, numba's
 threading layer, ``OMP_WAIT_POLICY`` / ``GOMP_SPINCOUNT`` (read by the OpenMP runtime when
@@ -30,6 +33,10 @@ import torch
 import transformers
 
 import opencann.llm
+
+#: the decode-step fusions the ``unfused`` path switches off
+DECODE_FUSIONS = ["fuse_add_rms_norm", "fuse_rotary_mul", "fuse_decode_kv_update",
+                  "fuse_apply_rotary_pos_emb"]
 
 
 def load() -> str:
@@ -95,7 +102,7 @@ def profile_step(gen, reps: int):
         per_type[op[node]][1] += 1
     kernels = defaultdict(int)
     for node in cm.graph.nodes:
-        if node.op in ("LinearAct", "GatedMLP", "MatMul"):
+        if node.op in ("LinearAct", "GatedMLP", "MatMul"):   # GEMMs
             kernels[f"{node.op}:{node.meta.get('kernel', 'mm')}"] += 1
     return dict(per_type), dict(kernels)
 
@@ -122,11 +129,14 @@ def main() -> None:
     max_seq = a.prompt + a.new
     gens = {}
     t0 = time.perf_counter()
-    for backend in ("eager", "opencann"):
-        gens[backend] = opencann.llm.compile(model, max_seq_len=max_seq,
-                                             options={"backend": backend,
-                                                      "prefill_buckets": [a.prompt]})
     paths = a.paths.split(",")
+    for path in ("eager", "opencann", "unfused"):
+        if path not in paths and path != "opencann":
+            continue
+        opts = {"backend": "eager" if path == "eager" else "opencann", "prefill_buckets": [a.prompt]}
+        if path == "unfused":
+            opts["disable"] = DECODE_FUSIONS
+        gens[path] = opencann.llm.compile(model, max_seq_len=max_seq, options=opts)
 
     def run(path: str):
         clock = Clock()
@@ -165,15 +175,20 @@ def main() -> None:
         print(f"  {p:13s} {best[p]:7.1f} tok/s  {best[p] * bpt / 1e9:5.1f} GB/s")
     result = {"config": vars(a), "tokens_per_s": best, "load": loads, "bytes_per_token": bpt,
               "same_tokens": same}
-    if "opencann" in paths:
-        per_type, kernels = profile_step(gens["opencann"], a.profile_reps)
+    for path in ("opencann", "unfused"):
+        if path not in paths:
+            continue
+        per_type, kernels = profile_step(gens[path], a.profile_reps)
         total = sum(t for t, _ in per_type.values())
-        print(f"one compiled decode step, per op type (least of {a.profile_reps} profiled runs "
-              f"per node; load {load()}): {total / 1e3:.2f} ms in kernels")
+        gemm = sum(t for name, (t, _) in per_type.items() if name in ("LinearAct", "GatedMLP", "MatMul"))
+        print(f"one compiled decode step ({path}), per op type (least of {a.profile_reps} profiled "
+              f"runs per node; load {load()}): {total / 1e3:.2f} ms in kernels, GEMMs "
+              f"{gemm / 1e3:.2f} ms, the rest {(total - gemm) / 1e3:.2f} ms, "
+              f"{sum(n for _, n in per_type.values())} nodes")
         for name, (t, n) in sorted(per_type.items(), key=lambda kv: -kv[1][0]):
             print(f"  {name:24s} {n:4d} x  {t:9.1f} us  {100 * t / total:5.1f} %")
         print("  GEMM kernels chosen: " + ", ".join(f"{k} x{v}" for k, v in sorted(kernels.items())))
-        result.update(profile_us=per_type, kernels=kernels)
+        result.update({f"profile_us_{path}": per_type, f"kernels_{path}": kernels})
     if a.json:
         with open(a.json, "w") as f:
             json.dump(result, f, indent=1)

@@ -181,6 +181,8 @@ class DecoderLM(nn.Module):
         freqs = pos[..., None].float() * self.rotary.inv_freq.float()
         emb = torch.cat((freqs, freqs), dim=-1)
         s = self.rotary.attention_scaling
+        if s == 1.0:   # x * 1.0 is x, bit for bit: two graph nodes fewer per step
+            return emb.cos().to(dtype), emb.sin().to(dtype)
         return (emb.cos() * s).to(dtype), (emb.sin() * s).to(dtype)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, lengths: torch.Tensor,

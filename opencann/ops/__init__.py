@@ -13,6 +13,7 @@ from . import fused_elementwise  # noqa: F401  (FusedElementwise: fuse_elementwi
 from .flash_attention import opdef as _flash_attention_opdef  # noqa: F401  (FlashAttention op)
 from . import decode_attention as _decode_attention  # noqa: F401  (DecodeAttention op)
 from . import kv_cache_update as _kv_cache_update  # noqa: F401  (KvCacheUpdate op)
+from . import decode_attention_kv_update as _decode_kv  # noqa: F401  (DecodeAttentionKvUpdate op)
 from . import cube_epilogue as _cube_epilogue  # noqa: F401  (CubeEpilogue: vnpu_ub_epilogue's op)
 from . import onnx_fallback  # noqa: F401  (OnnxHostFallback: ONNX nodes run by ONNX Runtime)
 from . import quant  # noqa: F401  (AscendQuant and the int8 ops: the quantize_int8 pass's)

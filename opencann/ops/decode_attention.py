@@ -40,18 +40,20 @@ def decode_attention_cost(node: Node) -> Cost:
 
 
 def make_decode_attention_kernel(node: Node, in_descs: Sequence[TensorDesc], consts: Sequence) -> Callable:
-    """Kernel factory: ``run(q, k, v, lengths) -> out`` [B, Hq, 1, D] float32 (module
-    docstring); raises ValueError on bad shapes, dtypes or lengths (one line each)."""
+    """Kernel factory: ``run(q, k, v, lengths, out=None) -> out`` [B, Hq, 1, D] float32
+    (module docstring), written into ``out`` (the planned buffer) when given (on the cpu:
+    the op's ``out_capable``); raises ValueError on bad shapes, dtypes or lengths (one line each)."""
     from .kernels.decode_attention_cpu import decode_attention
     scale = node.attrs.get("scale")
     iq, ik, iv, il = (node.attrs[k].index for k in ("query", "key", "value", "lengths"))
 
-    def run(*xs):
-        return decode_attention(xs[iq], xs[ik], xs[iv], xs[il], scale=scale)
+    def run(*xs, out=None):
+        return decode_attention(xs[iq], xs[ik], xs[iv], xs[il], scale=scale, out=out)
     return run
 
 
 register(OpDef("DecodeAttention", OpKind.ATTENTION, aliases=((),), cost_fn=decode_attention_cost,
+               out_capable=lambda n: n.device.kind == "cpu",   # the vnpu kernel returns its own
                kernel_factories={"cpu": make_decode_attention_kernel, "vnpu": vnpu_nd.make_decode_attention},
                device_cost={"vnpu": vnpu_cost.decode_attention}, keep_fp32=True, fp32_kernel=True,
                custom_op="opencann::decode_attention", per_index=per_index.decode_attention,

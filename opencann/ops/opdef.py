@@ -72,7 +72,9 @@ class OpDef:
     ``kernels``. The callable must keep no per-call state: it is shared by concurrent
     calls (threads). Kernels live in ``ops/kernels/{cpu,vnpu}.py``.
     ``out_capable``: predicate on a node, True when the factory's kernel accepts
-    ``out=`` (the planned arena buffer).
+    ``out=`` (the planned arena buffer; for a node of several outputs, the tuple of their
+    buffers, None for an output written into an input in place (``inplace_of``); the
+    kernel fills them and returns its outputs as a tuple).
     ``kernel_per_shape``: the kernel the factory chooses (``node.meta["kernel"]``) holds
     for the node's shape only (attention: `opencann.ops.kernels.attention_cpu`); a dynamic
     model chooses it again per shape (`opencann.engine.dynamic.pin_kernel_choices` skips it).

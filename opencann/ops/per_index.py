@@ -167,6 +167,35 @@ def add_layer_norm(node: Node, axes: Axes, sym: str) -> Result:
     return {0: p}
 
 
+def add_rms_norm(node: Node, axes: Axes, sym: str) -> Result:
+    """RMSNorm(x1 + x2) over the last dim, both outputs (y, the sum) of the addends'
+    shape: as `add_layer_norm`, with addends ``x1``/``x2`` and the weight ``gamma``."""
+    addends = {_idx(node, "x1"), _idx(node, "x2")}
+    rank = len(node.outputs[0].desc.shape)
+    pos = set()
+    for i, p in axes.items():
+        if i not in addends:
+            return "the padded dim reaches a weight or parameter input"
+        pos.add(p + rank - _rank(node, i))
+    if len(pos) > 1:
+        return "the addends carry the padded dim at different positions"
+    p = next(iter(pos), None)
+    if p is None:
+        return {}
+    if p >= rank - 1:
+        return f"mixes entries along the padded dim (axis {p})"
+    return {0: p, 1: p}
+
+
+def rotary_mul(node: Node, axes: Axes, sym: str) -> Result:
+    """x·cos + rotate_half(x)·sin: elementwise (`elementwise`) but along the last dim,
+    which rotate_half mixes."""
+    res = elementwise(node, axes, sym)
+    if isinstance(res, dict) and res and next(iter(res.values())) >= len(node.outputs[0].desc.shape) - 1:
+        return "rotate_half mixes entries along the padded (last) dim"
+    return res
+
+
 def except_dims(allowed: Callable[[Node, int], Sequence[int]], main: str = "self",
                 others: Sequence[str] = ()) -> Rule:
     """A rule for an op that mixes entries along some dims of input ``main`` (softmax's
@@ -340,6 +369,21 @@ def kv_cache_update(node: Node, axes: Axes, sym: str) -> Result:
                 "sequence axis: padded rows or tokens would be written over real cache "
                 "positions (serve it with exact shapes: opencann.llm's step graphs)")
     return {0: p}
+
+
+def decode_attention_kv_update(node: Node, axes: Axes, sym: str) -> Result:
+    """DecodeAttentionKvUpdate (`kv_cache_update` twice, then `decode_attention`): rows
+    independent along the batch when every input carries the padded dim there; any
+    other axis reaches the caches' sequence axis or the GQA head groups."""
+    names = ("query", "key", "value", "key_new", "value_new", "positions", "lengths")
+    p = _same_axis(node, axes, names)
+    if isinstance(p, str):
+        return p
+    if p != 0 or len(axes) != len(names):
+        return ("DecodeAttentionKvUpdate writes new tokens at per-row cache positions and "
+                "mixes cache positions and GQA head groups: only the batch axis of all its "
+                "inputs can be padded")
+    return {0: 0, 1: 0, 2: 0}
 
 
 def decode_attention(node: Node, axes: Axes, sym: str) -> Result:
@@ -602,6 +646,6 @@ def describe(rule: Optional[Rule]) -> str:
 
 __all__ = ["Axis", "outer_of", "ALL", "offset", "REDUCE", "SOFTMAX", "CUMULATIVE", "LAYER_NORM", "BATCH_NORM_INFERENCE",
            "BATCH_NORM_TRAINING", "GROUP_NORM", "POOL", "RESIZE", "CONV", "CONV_ADD", "mm", "addmm", "bmm",
-           "gated_mlp", "attention", "kv_cache_update", "decode_attention", "embedding", "gather", "index", "index_select", "cat", "stack",
+           "gated_mlp", "add_rms_norm", "rotary_mul", "attention", "kv_cache_update", "decode_attention", "decode_attention_kv_update", "embedding", "gather", "index", "index_select", "cat", "stack",
            "constant_pad", "repeat", "source", "reshape", "permute", "transpose", "unsqueeze",
            "squeeze", "expand", "slice_", "select", "split", "same", "describe"]

@@ -497,12 +497,21 @@ class CodeGen:
 
     def _emit_factory_call(self, idx, node, factory, lhs, outs, bufnames) -> None:
         target = f"K{idx}"
+        written = inplace_inputs(node)
         consts = [v.const for v in node.inputs]
         self.glb[target] = factory(node, [v.desc for v in node.inputs], consts)
         call = f"{target}({', '.join(self.names[v.id] for v in node.inputs)}"
         if _out_capable(node) and len(bufnames) == 1 and bufnames[0] is not None:
             self.lines.append(f"    {outs[0]} = {call}, out={bufnames[0]})")
             self.static[node.outputs[0].id] = bufnames[0]   # out= kernels return ``out``
+        elif _out_capable(node) and len(bufnames) > 1 and any(b is not None for b in bufnames) \
+                and all(b is not None or k in written for k, b in enumerate(bufnames)):
+            # several outputs: ``out`` is the tuple of their buffers (None for an output
+            # written into an input in place), returned as that tuple with the inputs
+            self.lines.append(f"    {', '.join(outs)} = {call}, out=({', '.join(map(str, bufnames))},))")
+            for o, b in zip(node.outputs, bufnames):
+                if b is not None:
+                    self.static[o.id] = b
         else:
             self._emit_result(node, lhs, outs, bufnames, call + ")")
 

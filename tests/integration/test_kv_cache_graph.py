@@ -114,9 +114,18 @@ def _steps(cm, model, positions_per_step, seed=7):
 def test_one_compile_serves_every_position_in_place(compiled):
     model, cm = compiled
     ops = [n.op for n in cm.graph.nodes]
-    assert ops.count("KvCacheUpdate") == 2 and ops.count("DecodeAttention") == 1
+    # the two cache writes and the attention run as one node (fuse_decode_kv_update)
+    assert ops.count("DecodeAttentionKvUpdate") == 1 and "KvCacheUpdate" not in ops
     assert "HostFallback" not in ops
     # rows at different positions, a row at position 0 and one at the last live slot
+    _steps(cm, model, [[0, 4], [1, 5], [2, 9], [3, 13]])
+
+
+def test_unfused_cache_writes_serve_every_position_in_place():
+    model = _model()
+    cm = opencann.compile(model, _example(), options={"disable": ["fuse_decode_kv_update"]})
+    ops = [n.op for n in cm.graph.nodes]
+    assert ops.count("KvCacheUpdate") == 2 and ops.count("DecodeAttention") == 1
     _steps(cm, model, [[0, 4], [1, 5], [2, 9], [3, 13]])
 
 
@@ -152,7 +161,7 @@ def test_model_file_round_trip_keeps_writing_in_place(compiled, tmp_path):
     path = os.path.join(tmp_path, "layer.ocm")
     opencann.save(cm, path)
     loaded = opencann.load(path)
-    assert [n.op for n in loaded.graph.nodes].count("KvCacheUpdate") == 2
+    assert [n.op for n in loaded.graph.nodes].count("DecodeAttentionKvUpdate") == 1
     kc, vc = _steps(loaded, model, [[2, 3], [3, 4]], seed=21)
     mode = CacheSizedTensors(kc.shape, {kc.untyped_storage().data_ptr(),
                                           vc.untyped_storage().data_ptr()})
@@ -323,7 +332,11 @@ def test_batch_gears_serve_exact_batches_in_place_and_name_the_cache_write():
     batch, the cache's sequence axis not."""
     from opencann.ops import per_index as pi
     model = _model()
-    cm = opencann.compile(model, _example(), options={"dynamic_batch_size": [1, 2, 4]})
+    fused = opencann.compile(model, _example(), options={"dynamic_batch_size": [1, 2, 4]})
+    why = fused.report.dynamic["padding"]["dims"]["batch"]["blocked_by"]
+    assert why["op"] == "DecodeAttentionKvUpdate" and "writes graph input" in why["reason"], why
+    cm = opencann.compile(model, _example(), options={"dynamic_batch_size": [1, 2, 4],
+                                                      "disable": ["fuse_decode_kv_update"]})
     why = cm.report.dynamic["padding"]["dims"]["batch"]["blocked_by"]
     assert why["op"] == "KvCacheUpdate" and "writes graph input" in why["reason"], why
     g = torch.Generator().manual_seed(3)
@@ -349,6 +362,9 @@ def test_batch_gears_serve_exact_batches_in_place_and_name_the_cache_write():
     assert "different axes" in pi.kv_cache_update(upd, {idx["cache"]: pi.Axis(0), idx["new"]: pi.Axis(2)}, "s0")
     aidx = [att.attrs[k].index for k in ("query", "key", "value", "lengths")]
     assert pi.decode_attention(att, {i: pi.Axis(0) for i in aidx}, "s0") == {0: 0}
+    fa = next(n for n in fused.graph.nodes if n.op == "DecodeAttentionKvUpdate")
+    assert pi.decode_attention_kv_update(fa, {i: pi.Axis(0) for i in range(7)}, "s0") == {0: 0, 1: 0, 2: 0}
+    assert "only the batch axis" in pi.decode_attention_kv_update(fa, {i: pi.Axis(1) for i in (1, 3)}, "s0")
     assert "only the batch axis" in pi.decode_attention(att, {i: pi.Axis(1) for i in aidx[:3]}, "s0")
 
 

@@ -1,7 +1,7 @@
 """The DecodeAttention kernel (`opencann.ops.kernels.decode_attention_cpu.decode_attention`,
 FlashDecoding split-KV) against eager ``F.scaled_dot_product_attention`` with the GQA
 heads repeated (transformers' ``repeat_kv`` order) and a boolean mask from the lengths:
-random shapes (odd D, S_max, head groups), lengths 1 and S_max, split into several
+random shapes (odd D, S_max, head groups), lengths 1 and S_max, on the calling-thread kernel and split into several
 chunks and one, NaN/Inf in live and in dead cache positions, a second call, output
 independence, and one clear error per bad input. Tolerance: fp32 rounding of the
 softmax-weighted sum in another order: |out - ref| <= 1e-5 + 1e-5·|ref|, elementwise."""
@@ -28,6 +28,25 @@ def _close(out, ref):
     assert ((out - ref).abs()[fin] <= 1e-5 + 1e-5 * ref.abs()[fin]).all()
 
 
+def _path(monkeypatch, min_chunk):
+    """"serial": the calling-thread kernel (every call of these sizes); an int: the split-KV
+    kernels with chunks of at least that many keys (4: many chunks, the merge exercised)."""
+    if min_chunk != "serial":
+        monkeypatch.setattr(dac, "SERIAL_MAX", -1)
+        monkeypatch.setattr(dac, "MIN_CHUNK", min_chunk)
+
+
+def test_serial_and_split_kv_agree_to_rounding(monkeypatch):
+    q, k, v, g = _inputs(2, 12, 4, 300, 64, 5)
+    lengths = torch.tensor([300, 131])
+    serial = decode_attention(q, k, v, lengths)
+    monkeypatch.setattr(dac, "SERIAL_MAX", -1)
+    monkeypatch.setattr(dac, "MIN_CHUNK", 16)
+    split = decode_attention(q, k, v, lengths)
+    torch.testing.assert_close(serial, split, rtol=1e-5, atol=1e-6)
+    _close(serial, _reference(q, k, v, lengths))
+
+
 def _inputs(b, hq, hkv, s, d, seed):
     g = torch.Generator().manual_seed(seed)
     return (torch.randn(b, hq, 1, d, generator=g), torch.randn(b, hkv, s, d, generator=g),
@@ -36,9 +55,9 @@ def _inputs(b, hq, hkv, s, d, seed):
 
 @pytest.mark.parametrize("b,hq,hkv,s,d", [(1, 1, 1, 1, 8), (2, 12, 4, 200, 64), (3, 6, 3, 77, 13),
                                           (1, 4, 1, 1030, 32), (4, 2, 2, 9, 1)])
-@pytest.mark.parametrize("min_chunk", [4, dac.MIN_CHUNK])
+@pytest.mark.parametrize("min_chunk", [4, dac.MIN_CHUNK, "serial"])
 def test_matches_sdpa_with_repeated_heads_and_length_mask(b, hq, hkv, s, d, min_chunk, monkeypatch):
-    monkeypatch.setattr(dac, "MIN_CHUNK", min_chunk)   # 4: many chunks, so the merge is exercised
+    _path(monkeypatch, min_chunk)
     q, k, v, g = _inputs(b, hq, hkv, s, d, b * 100 + s + d)
     lengths = torch.randint(1, s + 1, (b,), generator=g)
     lengths[0] = s                                     # the full cache
@@ -72,9 +91,9 @@ def test_length_zero_row_gives_zeros_like_sdpa():
     _close(out[1:], _reference(q[1:], k[1:], v[1:], lengths[1:]))
 
 
-@pytest.mark.parametrize("min_chunk", [4, dac.MIN_CHUNK])
+@pytest.mark.parametrize("min_chunk", [4, dac.MIN_CHUNK, "serial"])
 def test_nan_in_dead_positions_does_not_leak_and_in_live_ones_does(min_chunk, monkeypatch):
-    monkeypatch.setattr(dac, "MIN_CHUNK", min_chunk)
+    _path(monkeypatch, min_chunk)
     q, k, v, _ = _inputs(3, 4, 2, 40, 8, 11)
     lengths = torch.tensor([20, 40, 5])
     clean = decode_attention(q, k, v, lengths)

@@ -1,0 +1,106 @@
+"""CPU kernel of AddRmsNorm (``torch_npu.npu_add_rms_norm``): the residual sum s = a + b and
+y = RMSNorm(s)·w over the last axis, in one pass over each row, both written: a
+decoder's residual stream (s) goes on to the next residual add while y feeds the next
+linears. Replaces an ATen ``add`` writing s and ``rms_norm`` reading it back (two
+kernels, and in a decode step two calls on a 768-element row whose cost is the call, not
+the arithmetic).
+
+Layout: a, b, y, s [R, D] (any leading dims flattened into R rows), w [D]; float32.
+Rows split over the cores with ``prange`` above ATen's grain (`numba_cache.launch`: a
+prefill), on the calling thread alone below it (a decode step: no OpenMP team).
+
+Numerics (Zhang & Sennrich 2019, "Root Mean Square Layer Normalization",
+arXiv:1910.07467; transformers' LlamaRMSNorm): s = a + b rounded to fp32 as eager's add;
+the mean of s² accumulated in fp32 (fastmath ``reassoc``/``contract`` only: vectorised,
+another summation order than ATen's, so y agrees with eager to fp32 rounding, s bit for
+bit); r = 1 / sqrt(mean + eps); y = (s·r)·w, eager's order. Special values as the
+spelled-out form: a NaN or inf in a row makes its y NaN; s² overflowing (|s| ≳ 1.8e19)
+gives r = 0 and a row of zeros (NaN where s is inf), as eager.
+"""
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import numpy as np
+import torch
+from numba import prange
+
+from .numba_cache import GRAIN, launch, njit
+from ...ir import Node, TensorDesc
+
+_FM = {"reassoc", "contract"}
+
+
+@njit(fastmath=_FM, cache=True, inline="always")
+def _row(a, b, w, eps, y, s, r):  # pragma: no cover - numba
+    D = a.shape[1]
+    acc = np.float32(0.0)
+    for j in range(D):
+        v = a[r, j] + b[r, j]
+        s[r, j] = v
+        acc += v * v
+    rs = np.float32(1.0) / np.sqrt(acc / np.float32(D) + eps)
+    for j in range(D):
+        y[r, j] = (s[r, j] * rs) * w[j]
+
+
+@njit(fastmath=_FM, cache=True)
+def _serial(a, b, w, eps, y, s):  # pragma: no cover - numba
+    for r in range(a.shape[0]):
+        _row(a, b, w, eps, y, s, r)
+
+
+@njit(parallel=True, fastmath=_FM, cache=True)
+def _parallel(a, b, w, eps, y, s):  # pragma: no cover - numba
+    for r in prange(a.shape[0]):
+        _row(a, b, w, eps, y, s, r)
+
+
+def add_rms_norm(a: torch.Tensor, b: torch.Tensor, weight: torch.Tensor, eps: float,
+                 out=None):
+    """(y, s): s = a + b and y = s·rsqrt(mean(s², -1) + eps)·weight, for ``a``, ``b``
+    [..., D] float32 of one shape and ``weight`` [D] float32 (module docstring:
+    numerics). ``out``: a (y, s) pair of contiguous float32 tensors to write (s of a's
+    shape, y of a's elements, any shape: the fused node may give it the squeezed shape of a
+    view), else fresh ones. Raises ValueError (one line) for other shapes or dtypes."""
+    d = a.shape[-1] if a.dim() else 0
+    if a.shape != b.shape or a.dim() < 1 or tuple(weight.shape) != (d,) \
+            or not (a.dtype == b.dtype == weight.dtype == torch.float32):
+        raise ValueError(f"add_rms_norm: expected float32 a, b [..., D] of one shape and weight "
+                         f"[D], got {tuple(a.shape)} {a.dtype}, {tuple(b.shape)} {b.dtype}, "
+                         f"{tuple(weight.shape)} {weight.dtype}")
+    y, s = out if out is not None and out[0].is_contiguous() and out[1].is_contiguous() \
+        else (torch.empty(a.shape if out is None else out[0].shape), torch.empty(a.shape))
+    rows = a.numel() // d if d else 0
+    if rows == 0:
+        return _into(out, y, s)
+    args = (a.detach().numpy().reshape(rows, d), b.detach().numpy().reshape(rows, d),
+            weight.detach().numpy(), np.float32(eps), y.numpy().reshape(rows, d),
+            s.numpy().reshape(rows, d))   # NumPy's reshape: a view (cheaper than torch's)
+    if rows * d < GRAIN:
+        _serial(*args)
+    else:
+        with launch(rows * d):
+            _parallel(*args)
+    return _into(out, y, s)
+
+
+def _into(out, y: torch.Tensor, s: torch.Tensor):
+    """(y, s), copied into ``out`` when it was given but could not be written directly."""
+    if out is None or out[0] is y:
+        return y, s
+    return out[0].copy_(y), out[1].copy_(s)
+
+
+def make_add_rms_norm_kernel(node: Node, in_descs: Sequence[TensorDesc], consts: Sequence) -> Callable:
+    """Kernel factory of AddRmsNorm(x1, x2, gamma; attrs epsilon) -> (y, x): ``run(x1, x2,
+    gamma, out=None)`` (`add_rms_norm`; ``out`` the planned (y, x) buffers)."""
+    eps = float(node.attrs["epsilon"])
+    i1, i2, ig = (node.attrs[k].index for k in ("x1", "x2", "gamma"))
+
+    def run(*xs, out=None):
+        return add_rms_norm(xs[i1], xs[i2], xs[ig], eps, out=out)
+    return run
+
+
+__all__ = ["add_rms_norm", "make_add_rms_norm_kernel"]

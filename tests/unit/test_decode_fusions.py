@@ -1,0 +1,369 @@
+"""The decode-step fusions: `fuse_add_rms_norm` (residual Add + RmsNorm ⇒ AddRmsNorm,
+torch_npu's npu_add_rms_norm, both outputs), `fuse_rotary_mul` (x·cos + rotate_half(x)·sin
+⇒ RotaryMul, torch_npu's npu_rotary_mul), `fuse_apply_rotary_pos_emb` (a query's and a
+key's RotaryMul ⇒ ApplyRotaryPosEmb) and `fuse_decode_kv_update` (two KvCacheUpdates
++ DecodeAttention ⇒ DecodeAttentionKvUpdate). Golden before/expected graphs of ≤ 10 nodes and a does-not-apply reason per
+pass; their CPU kernels against eager on random inputs with NaN/Inf, a second call,
+``out=`` and output independence; one compiled module through both against eager.
+Tolerances: RotaryMul is eager's bits; AddRmsNorm's sum is eager's bits and its norm
+fp32 rounding (another summation order of the mean square)."""
+import pytest
+import torch
+import torch.nn as nn
+
+import opencann
+from opencann.ir import DataType, Graph, TensorDesc, TensorRef, verify
+from opencann.ir.dump import to_text
+from opencann.engine.options import complete
+from opencann.ops.kernels.add_rms_norm_cpu import add_rms_norm
+from opencann.ops.kernels.rotary_mul_cpu import apply_rotary_pos_emb, rotary_mul
+from opencann.ops.kernels.decode_attention_cpu import decode_attention, decode_attention_update
+from opencann.ops.kernels.kv_cache_update_cpu import kv_cache_update
+from opencann.passes import (FuseAddRmsNorm, FuseApplyRotaryPosEmb, FuseDecodeKvUpdate, FuseRotaryMul, PassContext,
+                             PassManager)
+from opencann.report import CompileReport
+
+F = DataType.FLOAT
+G = torch.Generator().manual_seed(0)
+
+
+def d(*shape, dtype=F):
+    return TensorDesc(tuple(shape), dtype)
+
+
+def run(p, g, device="cpu"):
+    ctx = PassContext(options=complete({"verify": True}), report=CompileReport(), device=device)
+    PassManager([p]).run(g, ctx)
+    verify(g)
+    return to_text(g), ctx.report
+
+
+def skipped(report):
+    return [(s["pass"], s["reason"]) for s in report.skipped]
+
+
+def _binary(g, op, a, b, desc=None):
+    return g.create_node(op, [a, b], {"self": TensorRef(0), "other": TensorRef(1)},
+                         [desc or a.desc]).output
+
+
+def _rotate_half(x):
+    h = x.shape[-1] // 2
+    return torch.cat((-x[..., h:], x[..., :h]), dim=-1)
+
+
+# -- fuse_add_rms_norm ----------------------------------------------------------------------
+
+def _add_rms_graph(a_desc, b_desc):
+    g = Graph()
+    a, b = g.add_input(a_desc, "a"), g.add_input(b_desc, "b")
+    w = g.add_const(torch.randn(8, generator=G), "w")
+    s = _binary(g, "Add", a, b, desc=a_desc)
+    y = g.create_node("RmsNorm", [s, w], {"input": TensorRef(0), "normalized_shape": [8],
+                                          "weight": TensorRef(1), "eps": 1e-6, "upcast": False},
+                      [s.desc]).output
+    g.outputs = [_binary(g, "Mul", y, s)]     # the sum read again (the residual stream)
+    return g
+
+
+def test_fuse_add_rms_norm_golden():
+    g = _add_rms_graph(d(2, 8), d(2, 8))
+    text, rep = run(FuseAddRmsNorm(), g)
+    assert text == """graph(%a: float32[2,8], %b: float32[2,8]):
+  %c0: float32[8] = const
+  %0: float32[2,8], %1: float32[2,8] = AddRmsNorm(%a, %b, %c0; epsilon=1e-06)
+  %2: float32[2,8] = Mul(%0, %1)
+  return %2"""
+    assert [a["detail"] for a in rep.applied] == ["residual Add + RMSNorm"]
+
+
+def test_fuse_add_rms_norm_through_the_squeezed_last_token():
+    """Add [2, 1, 8] -> h[:, 0] -> RmsNorm [2, 8] (a decode step's final norm)."""
+    g = Graph()
+    a, b = g.add_input(d(2, 1, 8), "a"), g.add_input(d(2, 1, 8), "b")
+    w = g.add_const(torch.randn(8, generator=G), "w")
+    s = _binary(g, "Add", a, b)
+    h = g.create_node("SelectInt", [s], {"self": TensorRef(0), "dim": 1, "index": 0}, [d(2, 8)]).output
+    g.outputs = [g.create_node("RmsNorm", [h, w], {"input": TensorRef(0), "normalized_shape": [8],
+                                                   "weight": TensorRef(1), "eps": 1e-5, "upcast": False},
+                               [h.desc]).output]
+    text, rep = run(FuseAddRmsNorm(), g)
+    assert text == """graph(%a: float32[2,1,8], %b: float32[2,1,8]):
+  %c0: float32[8] = const
+  %0: float32[2,8], %1: float32[2,1,8] = AddRmsNorm(%a, %b, %c0; epsilon=1e-05)
+  return %0"""
+    assert [a["detail"] for a in rep.applied] == ["residual Add + RMSNorm (through a squeezed view)"]
+    x1, x2 = torch.randn(2, 1, 8, generator=G), torch.randn(2, 1, 8, generator=G)
+    y = torch.empty(2, 8)
+    add_rms_norm(x1, x2, g.nodes[0].inputs[2].const, 1e-5, out=(y, torch.empty(2, 1, 8)))
+    torch.testing.assert_close(y, torch.rms_norm((x1 + x2)[:, 0], [8], g.nodes[0].inputs[2].const, 1e-5))
+
+
+def test_fuse_add_rms_norm_does_not_apply_to_a_broadcast_add():
+    g = _add_rms_graph(d(2, 8), d(1, 8))
+    text, rep = run(FuseAddRmsNorm(), g)
+    assert "AddRmsNorm" not in text
+    assert [r for _, r in skipped(rep)] == [
+        "the Add broadcasts (float32[2,8] + float32[1,8]); the fused kernel adds two tensors "
+        "of the result's shape"]
+
+
+def test_fuse_add_rms_norm_is_cpu_only():
+    text, rep = run(FuseAddRmsNorm(), _add_rms_graph(d(2, 8), d(2, 8)), device="vnpu:ascend910b")
+    assert "AddRmsNorm" not in text
+
+
+# -- fuse_rotary_mul ----------------------------------------------------------------------
+
+def _rope_graph(cos_desc, half=4):
+    g = Graph()
+    x = g.add_input(d(1, 2, 3, 8), "x")
+    cos, sin = g.add_input(cos_desc, "cos"), g.add_input(cos_desc, "sin")
+    hd = d(1, 2, 3, 4)
+    hi = g.create_node("StridedSlice", [x], {"self": TensorRef(0), "dim": 3, "start": half,
+                                             "end": 2 ** 63 - 1}, [hd]).output
+    lo = g.create_node("StridedSlice", [x], {"self": TensorRef(0), "dim": 3, "start": 0,
+                                             "end": half}, [hd]).output
+    neg = g.create_node("Neg", [hi], {"self": TensorRef(0)}, [hd]).output
+    rot = g.create_node("ConcatD", [neg, lo], {"tensors": [TensorRef(0), TensorRef(1)], "dim": -1},
+                        [x.desc]).output
+    g.outputs = [_binary(g, "Add", _binary(g, "Mul", x, cos), _binary(g, "Mul", rot, sin))]
+    return g
+
+
+def test_fuse_rotary_mul_golden():
+    text, rep = run(FuseRotaryMul(), _rope_graph(d(1, 1, 3, 8)))
+    assert text == """graph(%x: float32[1,2,3,8], %cos: float32[1,1,3,8], %sin: float32[1,1,3,8]):
+  %0: float32[1,2,3,8] = RotaryMul(%x, %cos, %sin)
+  return %0"""
+    assert [a["detail"] for a in rep.applied] == ["rotary embedding x·cos + rotate_half(x)·sin"]
+
+
+def test_fuse_rotary_mul_does_not_apply_when_cos_broadcasts_along_d():
+    text, rep = run(FuseRotaryMul(), _rope_graph(d(1, 1, 3, 1)))
+    assert "RotaryMul" not in text
+    assert [r for _, r in skipped(rep)] == [
+        "cos float32[1,1,3,1] / sin float32[1,1,3,1] do not broadcast to x float32[1,2,3,8] "
+        "along its leading dims only"]
+
+
+def test_fuse_rotary_mul_leaves_other_halves_alone():
+    text, rep = run(FuseRotaryMul(), _rope_graph(d(1, 1, 3, 8), half=2))
+    assert "RotaryMul" not in text and not rep.skipped   # not a rotate_half: no match at all
+
+
+# -- fuse_apply_rotary_pos_emb ------------------------------------------------------------
+
+def _pair_graph(reader_between=False):
+    g = Graph()
+    q, k = g.add_input(d(1, 4, 1, 8), "q"), g.add_input(d(1, 2, 1, 8), "k")
+    cos, sin = g.add_input(d(1, 1, 1, 8), "cos"), g.add_input(d(1, 1, 1, 8), "sin")
+
+    def rope(x):
+        return g.create_node("RotaryMul", [x, cos, sin], {"input": TensorRef(0), "r1": TensorRef(1),
+                                                          "r2": TensorRef(2)}, [x.desc]).output
+    qr = rope(q)
+    n = g.create_node("Neg", [qr], {"self": TensorRef(0)}, [qr.desc]).output if reader_between else qr
+    g.outputs = [n, rope(k)]
+    return g
+
+
+def test_fuse_apply_rotary_pos_emb_golden():
+    text, rep = run(FuseApplyRotaryPosEmb(), _pair_graph())
+    assert text == """graph(%q: float32[1,4,1,8], %k: float32[1,2,1,8], %cos: float32[1,1,1,8], %sin: float32[1,1,1,8]):
+  %0: float32[1,4,1,8], %1: float32[1,2,1,8] = ApplyRotaryPosEmb(%q, %k, %cos, %sin)
+  return %0, %1"""
+    assert [a["detail"] for a in rep.applied] == ["RotaryMul x2 sharing cos/sin"]
+
+
+def test_fuse_apply_rotary_pos_emb_does_not_apply_with_a_reader_between():
+    text, rep = run(FuseApplyRotaryPosEmb(), _pair_graph(reader_between=True))
+    assert "ApplyRotaryPosEmb" not in text
+    assert [r for _, r in skipped(rep)] == [
+        "neg reads rotarymul's rotation before rotarymul_1 runs; the merged node would come "
+        "after that read"]
+
+
+def test_apply_rotary_pos_emb_kernel_is_two_rotary_muls():
+    q = torch.randn(2, 5, 3, 16, generator=G).transpose(1, 2)     # [2, 3, 5, 16], strided
+    k = torch.randn(2, 1, 5, 16, generator=G)
+    cos, sin = torch.randn(2, 1, 5, 16, generator=G), torch.randn(2, 1, 5, 16, generator=G)
+    q[1, 2, 4, 0], k[0, 0, 3, 9] = float("nan"), float("inf")
+    out = (torch.empty(2, 3, 5, 16), torch.empty(2, 1, 5, 16))
+    got = apply_rotary_pos_emb(q, k, cos, sin, out=out)
+    assert got[0] is out[0] and got[1] is out[1]
+    for y, x in zip(got, (q, k)):
+        ref = x * cos + _rotate_half(x) * sin
+        assert torch.equal(torch.isnan(y), torch.isnan(ref)) and not torch.isfinite(y).all()
+        assert torch.equal(y.nan_to_num(0.0), ref.nan_to_num(0.0))
+    again = apply_rotary_pos_emb(q, k, cos, sin)                   # a second call, fresh outputs
+    assert all(torch.equal(a.nan_to_num(0.0), b.nan_to_num(0.0)) and a is not b
+               for a, b in zip(again, got))
+    big = torch.randn(1, 8, 600, 16, generator=G)                  # past the grain: two calls
+    c2, s2 = torch.randn(1, 1, 600, 16, generator=G), torch.randn(1, 1, 600, 16, generator=G)
+    yq, yk = apply_rotary_pos_emb(big, big[:, :2], c2, s2)
+    assert torch.equal(yq, big * c2 + _rotate_half(big) * s2)
+    assert torch.equal(yk, yq[:, :2])
+
+
+# -- fuse_decode_kv_update ----------------------------------------------------------------
+
+def _decode_graph(extra_reader=False):
+    g = Graph()
+    kc, vc = g.add_input(d(1, 2, 16, 8), "kc"), g.add_input(d(1, 2, 16, 8), "vc")
+    kn, vn = g.add_input(d(1, 2, 1, 8), "kn"), g.add_input(d(1, 2, 1, 8), "vn")
+    pos, lens = g.add_input(d(1, dtype=DataType.INT64), "pos"), g.add_input(d(1, dtype=DataType.INT64), "lens")
+    q = g.add_input(d(1, 4, 1, 8), "q")
+    up = [g.create_node("KvCacheUpdate", [c, n, pos], {"cache": TensorRef(0), "new": TensorRef(1),
+                                                      "positions": TensorRef(2)}, [c.desc]).output
+          for c, n in ((kc, kn), (vc, vn))]
+    att = g.create_node("DecodeAttention", [q, up[0], up[1], lens],
+                        {"query": TensorRef(0), "key": TensorRef(1), "value": TensorRef(2),
+                         "lengths": TensorRef(3), "scale": 0.5}, [q.desc]).output
+    g.outputs = [att, *up]
+    if extra_reader:
+        g.outputs.append(g.create_node("Neg", [up[0]], {"self": TensorRef(0)}, [up[0].desc]).output)
+    return g
+
+
+def test_fuse_decode_kv_update_golden():
+    text, rep = run(FuseDecodeKvUpdate(), _decode_graph())
+    assert text == """graph(%kc: float32[1,2,16,8], %vc: float32[1,2,16,8], %kn: float32[1,2,1,8], %vn: float32[1,2,1,8], %pos: int64[1], %lens: int64[1], %q: float32[1,4,1,8]):
+  %0: float32[1,4,1,8], %1: float32[1,2,16,8], %2: float32[1,2,16,8] = DecodeAttentionKvUpdate(%q, %kc, %vc, %kn, %vn, %pos, %lens; scale=0.5)
+  return %0, %1, %2"""
+    assert [a["detail"] for a in rep.applied] == ["KvCacheUpdate x2 + DecodeAttention"]
+
+
+def test_fuse_decode_kv_update_does_not_apply_when_another_node_reads_the_cache():
+    text, rep = run(FuseDecodeKvUpdate(), _decode_graph(extra_reader=True))
+    assert "DecodeAttentionKvUpdate" not in text
+    reason = [r for _, r in skipped(rep)][0]
+    assert reason.startswith("the cache ") and reason.endswith(
+        "is read by neg too; fusing would move the write after that read")
+
+
+def test_decode_attention_update_kernel_matches_the_three_ops():
+    q = torch.randn(2, 6, 1, 16, generator=G)
+    kc, vc = torch.randn(2, 3, 40, 16, generator=G), torch.randn(2, 3, 40, 16, generator=G)
+    kn, vn = torch.randn(2, 3, 1, 16, generator=G), torch.randn(2, 3, 1, 16, generator=G)
+    kn[1, 2, 0, 3] = float("nan")                       # a NaN key: that group's row is NaN
+    kc[0, :, 30:] = float("inf")                         # past the live length: never read
+    pos, lens = torch.tensor([9, 20]), torch.tensor([10, 21])
+    k1, v1 = kc.clone(), vc.clone()
+    ref = decode_attention(q, kv_cache_update(k1, kn, pos), kv_cache_update(v1, vn, pos), lens, 0.3)
+    k2, v2 = kc.clone(), vc.clone()
+    out = torch.empty(2, 6, 1, 16)
+    got, kk, vv = decode_attention_update(q, k2, v2, kn, vn, pos, lens, 0.3, out=out)
+    assert got is out and kk is k2 and vv is v2
+    assert torch.equal(k2.nan_to_num(0.0), k1.nan_to_num(0.0)) and torch.isnan(k2[1, 2, 20, 3])
+    assert torch.equal(v2, v1)
+    assert torch.equal(torch.isnan(got), torch.isnan(ref)) and torch.isnan(got[1, 4:]).all()
+    torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-6, equal_nan=True)
+    again = decode_attention_update(q, k2, v2, kn, vn, pos, lens, 0.3)[0]   # a second call
+    assert torch.equal(again.nan_to_num(0.0), got.nan_to_num(0.0)) and again is not got
+    with pytest.raises(ValueError, match="positions 40..40"):
+        decode_attention_update(q, k2, v2, kn, vn, torch.tensor([40, 0]), lens, 0.3)
+
+
+# -- kernels against eager ---------------------------------------------------------------
+
+def test_rotary_mul_kernel_is_eager_bit_for_bit():
+    x = torch.randn(2, 5, 3, 16, generator=G).transpose(1, 2)     # [2, 3, 5, 16], strided
+    cos, sin = torch.randn(2, 1, 5, 16, generator=G), torch.randn(2, 1, 5, 16, generator=G)
+    x[0, 1, 2, 3], x[1, 0, 4, 12], cos[1, 0, 0, 5] = float("nan"), float("inf"), -float("inf")
+    ref = x * cos + _rotate_half(x) * sin
+    y = rotary_mul(x, cos, sin)
+    assert torch.equal(torch.isnan(y), torch.isnan(ref)) and torch.isnan(ref).any()
+    assert torch.equal(y.nan_to_num(0.0), ref.nan_to_num(0.0))
+    out = torch.empty(2, 3, 5, 16)
+    assert rotary_mul(x, cos[0], sin[0][None], out=out) is out    # fewer dims broadcast too
+    r0 = x * cos[0] + _rotate_half(x) * sin[0]
+    assert torch.equal(out.nan_to_num(0.0), r0.nan_to_num(0.0))
+    again = rotary_mul(x, cos, sin)
+    assert torch.equal(again.nan_to_num(0.0), y.nan_to_num(0.0)) and again is not y
+    big = torch.randn(1, 4, 600, 64, generator=G)                 # the parallel kernel
+    c2, s2 = torch.randn(1, 1, 600, 64, generator=G), torch.randn(1, 1, 600, 64, generator=G)
+    assert torch.equal(rotary_mul(big, c2, s2), big * c2 + _rotate_half(big) * s2)
+
+
+@pytest.mark.parametrize("args,match", [
+    (lambda x, c: (x[0], c, c), r"\[B, N, S, D\]"),
+    (lambda x, c: (x[..., :15], c[..., :15], c[..., :15]), "D even"),
+    (lambda x, c: (x, c.double(), c), "float32"),
+    (lambda x, c: (x, c[..., :1], c), "do not broadcast"),
+])
+def test_rotary_mul_bad_input_is_one_clear_error(args, match):
+    x, c = torch.randn(1, 2, 3, 16), torch.randn(1, 1, 3, 16)
+    with pytest.raises(ValueError, match=match):
+        rotary_mul(*args(x, c))
+
+
+@pytest.mark.parametrize("rows", [4, 300])     # the calling-thread and the parallel kernel
+def test_add_rms_norm_kernel_matches_eager(rows):
+    a, b = torch.randn(rows, 1, 96, generator=G) * 3, torch.randn(rows, 1, 96, generator=G)
+    w = torch.randn(96, generator=G)
+    a[0, 0, 5] = float("nan")
+    b[1, 0, 7], a[2, 0, 0] = float("inf"), 3e19          # inf; s² overflowing: zeros as eager
+    s_ref = a + b
+    y_ref = torch.rms_norm(s_ref, [96], w, 1e-6)
+    y, s = add_rms_norm(a, b, w, 1e-6)
+    assert torch.equal(s.nan_to_num(0.0), s_ref.nan_to_num(0.0))
+    assert torch.equal(torch.isnan(y), torch.isnan(y_ref)) and torch.isnan(y).any()
+    torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-6, equal_nan=True)
+    out = (torch.empty(rows, 1, 96), torch.empty(rows, 1, 96))
+    got = add_rms_norm(a, b, w, 1e-6, out=out)
+    assert got[0] is out[0] and got[1] is out[1]
+    assert torch.equal(out[0].nan_to_num(0.0), y.nan_to_num(0.0))    # a second call: same bits
+    s.add_(1)                                                        # results are the caller's
+    assert not torch.equal(out[1].nan_to_num(0.0), s.nan_to_num(0.0))
+
+
+def test_add_rms_norm_bad_input_is_one_clear_error():
+    with pytest.raises(ValueError, match="weight"):
+        add_rms_norm(torch.randn(2, 8), torch.randn(2, 8), torch.randn(4), 1e-6)
+    with pytest.raises(ValueError, match="float32"):
+        add_rms_norm(torch.randn(2, 8).double(), torch.randn(2, 8).double(), torch.randn(8), 1e-6)
+
+
+# -- compiled end to end -------------------------------------------------------------------
+
+class RopeBlock(nn.Module):
+    """h2 = h + x; (rmsnorm(h2)·w, h2, rope(q)) as a Llama layer spells them."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(32, generator=G))
+
+    def forward(self, h, x, q, cos, sin):
+        h2 = h + x
+        v = h2 * torch.rsqrt(h2.pow(2).mean(-1, keepdim=True) + 1e-6)
+        return self.w * v, h2 * 2, q * cos + _rotate_half(q) * sin
+
+
+def test_compiled_block_matches_eager_with_both_fusions():
+    m = RopeBlock().eval()
+
+    def inputs(special):
+        h, x = torch.randn(1, 3, 32, generator=G), torch.randn(1, 3, 32, generator=G)
+        q = torch.randn(1, 3, 4, 16, generator=G).transpose(1, 2)
+        cos, sin = torch.randn(1, 1, 3, 16, generator=G), torch.randn(1, 1, 3, 16, generator=G)
+        if special:
+            h[0, 1, 4], q[0, 2, 1, 9] = float("nan"), float("inf")
+        return h, x, q, cos, sin
+
+    cm = opencann.compile(m, inputs(False))
+    ops = cm.graph.op_counts()
+    assert ops.get("AddRmsNorm") == 1 and ops.get("RotaryMul") == 1 and "Neg" not in ops  # one rope: no pair
+    kept = []
+    for special in (False, True, False):
+        xs = inputs(special)
+        with torch.no_grad():
+            ref = m(*xs)
+        got = cm(*xs)
+        for a, r in zip(got, ref):
+            assert torch.equal(torch.isnan(a), torch.isnan(r))
+            torch.testing.assert_close(a, r, rtol=1e-5, atol=1e-6, equal_nan=True)
+        kept.append(([t.clone() for t in got], got))
+    for keep, got in kept:                       # later calls left earlier results alone
+        for a, b in zip(keep, got):
+            assert torch.equal(a.nan_to_num(0.0), b.nan_to_num(0.0))
