@@ -135,6 +135,31 @@ def test_residual_chain_stays_uint8():
     assert torch.isfinite(on(x)).all()     # saturated at the input's quantization
 
 
+def test_uint8_residual_sums_run_in_place_with_the_same_bits(monkeypatch):
+    """Each identity block's uint8 sum is written in place into its uint8 addend (nothing
+    reads the addend after it): the same bits as the sum into a per-call copy (the
+    placement before the fix), over two calls and fresh random inputs, and the caller's
+    input is left unchanged."""
+    from opencann.passes.fusion import conv_add_act
+    torch.manual_seed(6)
+    m = Blocks().eval()
+    cal = [torch.randn(2, 3, 12, 12) for _ in range(3)]
+    on = opencann.quantize(m, cal)
+    adds = [n for n in on.graph.nodes if n.op == "QuantConvAddAct"]
+    assert len(adds) == 2 and all(n.attrs["inplace"] is True for n in adds)
+    monkeypatch.setattr(conv_add_act, "_why_not_in_place", lambda *a, **k: "forced out of place")
+    copy = opencann.quantize(m, cal)
+    assert all(n.attrs["inplace"] is False for n in copy.graph.nodes if n.op == "QuantConvAddAct")
+    g = torch.Generator().manual_seed(4)
+    for _ in range(2):
+        x = torch.randn(2, 3, 12, 12, generator=g) * 2
+        x0 = x.clone()
+        a = on(x)
+        assert torch.equal(a, copy(x)) and torch.equal(x, x0)
+        with torch.no_grad():
+            assert _cos(a, m(x)) >= 0.998
+
+
 class DownBlock(torch.nn.Module):
     """ResNet's stage-first block: conv-ReLU, conv + downsample(x) (a strided 1x1 conv
     read by the sum alone), ReLU; then an identity block and a head conv."""

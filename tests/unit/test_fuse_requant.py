@@ -116,6 +116,24 @@ def test_residual_sum_takes_the_uint8_addend_and_writes_uint8():
     assert sorted(e["nodes"] for e in rep.applied) == ["block", "conv1"]
 
 
+def test_residual_sum_into_a_uint8_addend_the_conv_does_not_read_runs_in_place():
+    # ResNet's identity block: the block input feeds conv_a and is the addend of the
+    # conv + add that reads conv_a's output; nothing reads the addend after the sum, so
+    # oneDNN's sum post-op writes into it (no copy per call). The fused node takes the
+    # addend as an input itself: only its activation input may forbid in place.
+    g = Graph()
+    x = g.add_input(TensorDesc((1, 4, 4, 4), F), "x")
+    y = qconv(g, quant(g, x, 10.0, 0, "q0"), "conv1")
+    a = qconv(g, quant(g, y, 20.0, 3, "qa"), "conv_a")
+    z = qconv_add(g, quant(g, a, 30.0, 1, "qb"), y, "block")
+    g.outputs = [qconv(g, quant(g, z, 40.0, 0, "q2"), "head")]
+    run(g)
+    block = next(n for n in g.nodes if n.op == "QuantConvAddAct")
+    assert block.outputs[0].desc.dtype == U8
+    assert block.inputs[block.attrs["other"].index].desc.dtype == U8
+    assert block.attrs["inplace"] is True and block.attrs["inplace_input"] == block.attrs["other"].index
+
+
 # -- qdq_to_int8 (the ONNX QDQ rewrite that feeds fuse_requant) -----------------------------
 def run_qdq(g):
     from opencann.passes import QdqToInt8

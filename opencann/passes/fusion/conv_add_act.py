@@ -4,7 +4,7 @@ other alias of r is read later or returned)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Sequence
 
 from ...ir import Graph, Node, TensorRef, Value
 from ...ops import aliases_of, storage_roots
@@ -92,11 +92,14 @@ class FuseConvAddAct(CpuFusion):
         return 1
 
 
-def _why_not_in_place(graph: Graph, conv: Node, add: Node, other: Value) -> str:
+def _why_not_in_place(graph: Graph, conv: Node, add: Node, other: Value,
+                      conv_reads: Optional[Sequence[Value]] = None) -> str:
     """Why the sum cannot be written in place into the addend ("" if it can): the addend
     must own its memory (not a graph input, constant or view) and nothing that may
     share that memory (the addend, its views, views of those, split outputs...) may be
-    read after ``add``, be returned or feed the convolution."""
+    read after ``add``, be returned or feed the convolution. ``conv_reads``: the values
+    the convolution reads (default ``conv.inputs``); a fused node that already takes the
+    addend as an input (QuantConvAddAct) passes its activation input only."""
     step = {nd: i for i, nd in enumerate(graph.nodes)}
     roots = storage_roots(graph, writes_as_fresh=True)
     if other.producer is None or roots.get(other.id) != frozenset((other.id,)):
@@ -106,6 +109,7 @@ def _why_not_in_place(graph: Graph, conv: Node, add: Node, other: Value) -> str:
         return "the addend (or a view of it) is read again later"
     if any(v in graph.outputs for v in sharing):
         return "the addend (or a view of it) is a graph output"
-    if any(v in conv.inputs for v in sharing):
+    reads = conv.inputs if conv_reads is None else list(conv_reads)
+    if any(v in reads for v in sharing):
         return "the addend is also the convolution's input"
     return ""

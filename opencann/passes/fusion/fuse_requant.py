@@ -187,7 +187,7 @@ def _uint8_addends(graph: Graph) -> Dict[Node, Value]:
         inv, off = _quant_key(q)
         c.attrs.update(accum_scale=1.0 / inv, accum_offset=off)
         c.replace_input(old[c], q.outputs[0])
-        why = _why_not_in_place(graph, c, c, q.outputs[0])
+        why = _why_not_in_place(graph, c, c, q.outputs[0], conv_reads=[c.inputs[c.attrs["input"].index]])
         c.attrs["inplace"] = not why
         if why:
             c.attrs.pop("inplace_input", None)
