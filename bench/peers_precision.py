@@ -25,7 +25,12 @@ row is shown, marked, and not counted for "best peer". The table also gives max 
 Inputs: ResNet-50 a real photograph (`opencann.zoo.sample_image`) repeated to the batch,
 calibration on shifted/flipped/noised copies; transformers seeded random tokens, seq 128.
 Timing: `peers.interleaved` (rounds in rotating order, median of all calls), all rows in
-one process at ``--threads``.
+one process at ``--threads``; each table is headed by the load average. On a shared host
+run it with ``OMP_WAIT_POLICY=PASSIVE`` in the environment (read at ``import torch``):
+torch's OpenMP threads (eager's and opencann's rows) otherwise spin at every barrier while
+their partner waits for a CPU, and OpenVINO's and ONNX Runtime's pools do not, so load
+moves the torch rows' medians 10-40x and the peers' hardly (MiniLM bf16 at load 4.4:
+median 972 ms by default, 21.5 ms passive, same minute).
 
     .venv/bin/python bench/peers_precision.py [--models resnet50 bert-base minilm]
         [--batches 1 8] [--rounds 3] [--runs 3] [--no-tune] [--out FILE]
@@ -143,6 +148,7 @@ def gate(out: torch.Tensor, ref: torch.Tensor) -> dict:
 
 
 def row_result(name: str, batch: int, rows: Dict[str, Callable], rounds: int, runs: int) -> dict:
+    load = os.getloadavg()
     ref = rows["eager fp32"]().float()
     acc = {r: gate(fn(), ref) for r, fn in rows.items()}
     times = interleaved(rows, rounds, runs)
@@ -153,11 +159,14 @@ def row_result(name: str, batch: int, rows: Dict[str, Callable], rounds: int, ru
     best_peer = max((s, r) for r, s in passing.items() if r.split()[0] in PEERS) \
         if any(r.split()[0] in PEERS for r in passing) else None
     return dict(model=name, batch=batch, median_ms=med, speedup=speed, accuracy=acc,
-                best_peer=best_peer[1] if best_peer else None)
+                best_peer=best_peer[1] if best_peer else None, load=load,
+                omp_wait_policy=os.environ.get("OMP_WAIT_POLICY"))
 
 
 def print_rows(r: dict) -> None:
-    print(f"\n{label(r['model'], 128 if r['model'] != 'resnet50' else None)}, batch {r['batch']}")
+    print(f"\n{label(r['model'], 128 if r['model'] != 'resnet50' else None)}, batch {r['batch']} "
+          f"(load average {r['load'][0]:.2f} before, {os.getloadavg()[0]:.2f} after; "
+          f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')})")
     print("| row | ms | x eager fp32 | cosine | max abs | gate |")
     print("|---|---|---|---|---|---|")
     for row, ms in r["median_ms"].items():
