@@ -7,7 +7,9 @@ Rows (each a zero-argument runner returning the model's first output):
   opencann int8                  ``opencann.quantize`` (static, calibrated, for ResNet-50;
                                  dynamic linears for the transformers, FFN down-projections
                                  kept fp32; `bench/precision.py`'s ``int8_runners``)
-  opencann tuned                 ``opencann.tune(model, inputs)``: the per-node search
+  opencann tuned                 ``opencann.tune(model, inputs, candidates=("fp32", "bf16",
+                                 "int8"), budget=output_gate)``: the per-node search
+                                 under the table's own gate (below)
   openvino f32 / default / int8  the ONNX export on OpenVINO's CPU plugin with
                                  ``INFERENCE_PRECISION_HINT=f32``, with its default
                                  (bf16 where the CPU has avx512_bf16 / AMX), and NNCF's
@@ -23,7 +25,12 @@ row is shown, marked, and not counted for "best peer". The table also gives max 
 Inputs: ResNet-50 a real photograph (`opencann.zoo.sample_image`) repeated to the batch,
 calibration on shifted/flipped/noised copies; transformers seeded random tokens, seq 128.
 Timing: `peers.interleaved` (rounds in rotating order, median of all calls), all rows in
-one process at ``--threads``.
+one process at ``--threads``; each table is headed by the load average. On a shared host
+run it with ``OMP_WAIT_POLICY=PASSIVE`` in the environment (read at ``import torch``):
+torch's OpenMP threads (eager's and opencann's rows) otherwise spin at every barrier while
+their partner waits for a CPU, and OpenVINO's and ONNX Runtime's pools do not, so load
+moves the torch rows' medians 10-40x and the peers' hardly (MiniLM bf16 at load 4.4:
+median 972 ms by default, 21.5 ms passive, same minute).
 
     .venv/bin/python bench/peers_precision.py [--models resnet50 bert-base minilm]
         [--batches 1 8] [--rounds 3] [--runs 3] [--no-tune] [--out FILE]
@@ -65,12 +72,22 @@ def model_for(name: str, batch: int) -> zoo.ZooModel:
     return zm
 
 
+def output_gate(actual, expected) -> bool:
+    """The table's gate (`gate`) as an ``opencann.tune`` budget: the first output has
+    NaN/Inf where eager fp32's has them and a cosine with it above 0.99."""
+    return gate(first_tensor(actual), first_tensor(expected).float())["passed"]
+
+
 def ours(zm: zoo.ZooModel, work: str, tune: bool) -> Dict[str, Callable]:
     """eager and opencann rows and ONNX Runtime's int8 (`precision.own_runners`), and the
-    tuned row."""
+    tuned row: ``opencann.tune`` over fp32 / bf16 / int8 (static, calibrated on
+    `calibration_for`) judged by the table's own gate (`output_gate`), the rule every
+    other row passes or fails by."""
     rows = own_runners(zm, work)
     if tune:
-        tuned = opencann.tune(zm.model, zm.example_inputs, time_budget_s=90).compiled
+        tuned = opencann.tune(zm.model, zm.example_inputs, time_budget_s=120, budget=output_gate,
+                              candidates=("fp32", "bf16", "int8"),
+                              calibration=calibration_for(zm)).compiled
         rows["opencann tuned"] = lambda: first_tensor(tuned(*zm.example_inputs))
     return rows
 
@@ -131,6 +148,7 @@ def gate(out: torch.Tensor, ref: torch.Tensor) -> dict:
 
 
 def row_result(name: str, batch: int, rows: Dict[str, Callable], rounds: int, runs: int) -> dict:
+    load = os.getloadavg()
     ref = rows["eager fp32"]().float()
     acc = {r: gate(fn(), ref) for r, fn in rows.items()}
     times = interleaved(rows, rounds, runs)
@@ -141,11 +159,14 @@ def row_result(name: str, batch: int, rows: Dict[str, Callable], rounds: int, ru
     best_peer = max((s, r) for r, s in passing.items() if r.split()[0] in PEERS) \
         if any(r.split()[0] in PEERS for r in passing) else None
     return dict(model=name, batch=batch, median_ms=med, speedup=speed, accuracy=acc,
-                best_peer=best_peer[1] if best_peer else None)
+                best_peer=best_peer[1] if best_peer else None, load=load,
+                omp_wait_policy=os.environ.get("OMP_WAIT_POLICY"))
 
 
 def print_rows(r: dict) -> None:
-    print(f"\n{label(r['model'], 128 if r['model'] != 'resnet50' else None)}, batch {r['batch']}")
+    print(f"\n{label(r['model'], 128 if r['model'] != 'resnet50' else None)}, batch {r['batch']} "
+          f"(load average {r['load'][0]:.2f} before, {os.getloadavg()[0]:.2f} after; "
+          f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')})")
     print("| row | ms | x eager fp32 | cosine | max abs | gate |")
     print("|---|---|---|---|---|---|")
     for row, ms in r["median_ms"].items():

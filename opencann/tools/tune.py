@@ -17,10 +17,13 @@ minima of repeated timings with a 5% margin):
    rounded to the candidate (`Candidate.emulate`), judged against eager by the gate
    (`opencann.tools.tune_gate.msprobe_gate`); a node failing it keeps the next higher
    candidate (reason: the rule and figures).
-3. Timing: the all-fp32 graph and the candidate graph compiled and timed per node
-   (`Executor.node_seconds`: the least of a few runs); a node's time includes the Casts
-   inserted for it (``meta["precision_for"]``) and, for a fused node, its fused partners.
-   A lowered node not 5% faster than at fp32 goes back up (reason: both times).
+3. Timing: the all-fp32 graph, the candidate graph and (with three or more candidates)
+   the graph with each lowered node one candidate higher (int8 -> bf16) compiled and
+   timed per node (`Executor.node_seconds`: the least of a few runs); a node's time
+   includes the Casts (and int8's quantizations) inserted for it (``meta["precision_for"]``)
+   and, for a fused node, its fused partners. A lowered node keeps the fastest of the
+   three, a lower precision only when 5% faster than the fastest higher one (reason:
+   both times).
 4. Outputs re-checked on ``data`` (default: the example inputs) against eager: by the
    gate's rules 1-2 (NaN/Inf positions, cosine; the error-ratio rule judges ops, see
    `tune_gate`) or by the user's ``budget`` callable. While they fail, the lowered node
@@ -483,6 +486,7 @@ class _Search:
         self.names = list(nodes)
         self.choice: Dict[str, str] = {n: "fp32" for n in self.names}
         self.compiled = None
+        self.any_low = False
 
     def options_of(self, choice: Dict[str, str]) -> Dict[str, Any]:
         """Compile options running each node in its candidate (`Candidate.options`)."""
@@ -493,18 +497,31 @@ class _Search:
                 opts = c.options(opts, group)
         return opts
 
+    def allowed(self, n: str, c: Candidate) -> bool:
+        """Whether node ``n`` may run in ``c``: it can (``Candidate.applies``) and passes
+        its own-error gate, or a user metric judges (`by_gate`'s ``any_low``)."""
+        v = self.nodes[n].own.get(c.name)
+        return v is None or v.passed or (self.any_low and v.rule != "applies")
+
     def by_gate(self, any_low: bool) -> None:
-        """Each node: the lowest candidate whose own-error gate it passes (every node the
-        lowest when ``any_low``: a user metric judges); ``why`` names the failed gates."""
+        """Each node: the lowest candidate whose own-error gate it passes (when ``any_low``,
+        a user metric judges: the lowest candidate that can run it); ``why`` names the
+        failed gates."""
+        self.any_low = any_low
         for n, nc in self.nodes.items():
             fails = []
             for c in reversed(self.cands[1:]):
-                v = nc.own.get(c.name)
-                if v is None or v.passed or any_low:
+                if self.allowed(n, c):
                     self.choice[n] = c.name
                     break
-                fails.append(f"{c.name} own error: {v.detail}")
+                fails.append(f"{c.name} own error: {nc.own[c.name].detail}")
             nc.why = "; ".join(fails)
+
+    def next_higher(self, n: str) -> str:
+        """The candidate above node ``n``'s choice and below fp32 closest to it that ``n``
+        may run in (`allowed`; int8 -> bf16), else "fp32"."""
+        i = [c.name for c in self.cands].index(self.choice[n])
+        return next((c.name for c in reversed(self.cands[1:i]) if self.allowed(n, c)), "fp32")
 
     def groups(self) -> List[List[str]]:
         """The candidate nodes decided together: lowered nodes of one op and one precision
@@ -517,26 +534,44 @@ class _Search:
         return list(by.values())
 
     def drop_slow(self) -> None:
-        """Time every node all-fp32 and as chosen (`_Builder.node_times`); a lowered group
-        (`groups`) not `TIME_MARGIN` faster (its casts included) goes back to fp32."""
+        """Time every node all-fp32, as chosen, and (where one exists) one candidate
+        higher (`next_higher`: int8 -> bf16) (`_Builder.node_times`); each lowered group
+        (`groups`) keeps the fastest of these, a lower one only when `TIME_MARGIN`
+        faster (its casts and quantizations included) than the fastest higher one."""
         if not any(p != "fp32" for p in self.choice.values()):
             return
         high = self.builder.node_times(self.options_of({n: "fp32" for n in self.names}), self.names)
         low = self.builder.node_times(self.options_of(self.choice), self.names)
+        above = {n: self.next_higher(n) if self.choice[n] != "fp32" else "fp32" for n in self.names}
+        mid = (self.builder.node_times(self.options_of(above), self.names)
+               if any(p != "fp32" for p in above.values()) else {})
         for n in self.names:
             self.nodes[n].seconds["fp32"] = high[n]
             if self.choice[n] != "fp32":
                 self.nodes[n].seconds[self.choice[n]] = low[n]
+            if above[n] != "fp32":
+                self.nodes[n].seconds[above[n]] = mid[n]
         for group in self.groups():
             p = self.choice[group[0]]
-            hi, lo = sum(high[n] for n in group), sum(low[n] for n in group)
-            if p == "fp32" or not (lo > 0 and hi > 0 and lo >= hi * (1 - TIME_MARGIN)):
+            if p == "fp32":
+                continue
+            q = above[group[0]] if len({above[n] for n in group}) == 1 else "fp32"
+            tried = [("fp32", sum(high[n] for n in group))]
+            if q != "fp32":
+                tried.append((q, sum(mid[n] for n in group)))
+            tried.append((p, sum(low[n] for n in group)))
+            best, bt = tried[0]
+            for name, t in tried[1:]:
+                if t > 0 and bt > 0 and t < bt * (1 - TIME_MARGIN):
+                    best, bt = name, t
+            if best == p:
                 continue
             what = f" (with {', '.join(group[1:])})" if len(group) > 1 else ""
+            lo = tried[-1][1]
             for n in group:
                 self.nodes[n].why = (f"timing{what}: {p} {lo * 1e6:.1f} us incl. casts, not "
-                                     f"{TIME_MARGIN:.0%} under fp32's {hi * 1e6:.1f} us")
-                self.choice[n] = "fp32"
+                                     f"{TIME_MARGIN:.0%} under {best}'s {bt * 1e6:.1f} us")
+                self.choice[n] = best
 
     def fix_outputs(self, data, budget, over) -> Tuple[bool, str, List[Dict[str, Any]]]:
         """Compile the choice and check the outputs (`_outputs_ok`); while they fail (and

@@ -97,11 +97,17 @@ def calibrated(base, records: Dict[str, Dict[str, Any]], scopes: Dict[str, str],
 
 def int8_applied(compiled) -> Dict[str, bool]:
     """Module -> whether an int8 kernel runs it in ``compiled`` (the ``quantize_int8``
-    pass's applied entries), for checking the search's int8 choices."""
+    pass's applied entries), for checking the search's int8 choices. Sibling Linears
+    merged into one GEMM (``fuse_qkv_linear``: Q, K and V) run in the merged node, named
+    after the first; each one's StridedSlice of its result keeps its module, so a
+    quantized merged GEMM credits every sibling."""
     out: Dict[str, bool] = {}
     for n in compiled.graph.nodes:
         if n.op in ("QuantConvBiasAct", "QuantConvAddAct", "QuantLinearAct") and n.scope:
             out[n.scope] = True
+            for user in n.outputs[0].users:
+                if user.op == "StridedSlice" and user.scope:
+                    out[user.scope] = True
     return out
 
 

@@ -367,3 +367,31 @@ def test_int8_gate_failure_falls_back_to_the_next_candidate(factory):
     assert "int8 own error: cosine" in res.kept["addmm_1"] and "bf16 own error" in res.kept["addmm_1"]
     assert res.precision["addmm"] == "int8" and res.precision["addmm_2"] == "int8"
     assert res.compiled.report.op_counts_after.get("QuantLinearAct") == 2
+
+
+class _MergedQkv(torch.nn.Module):
+    """Q, K and V Linears without activations on one input: fusion merges them into one
+    GEMM (named after Q, sliced per sibling)."""
+
+    def __init__(self):
+        super().__init__()
+        self.q, self.k, self.v = (torch.nn.Linear(64, 64) for _ in range(3))
+        self.o = torch.nn.Linear(64, 64)
+
+    def forward(self, x):
+        return self.o(self.q(x) * self.k(x) + self.v(x))
+
+
+def test_int8_of_merged_siblings_is_reported_for_each_of_them():
+    """The merged Q/K/V GEMM runs int8: K and V are int8 too, not 'left in fp32'."""
+    torch.manual_seed(0)
+    m, x = _MergedQkv().eval(), torch.randn(32, 64)
+    res = tune(m, x, candidates=("fp32", "bf16", "int8"), timing=False)
+    assert set(res.precision.values()) == {"int8"} and not res.kept, res.summary()
+    ops = res.compiled.report.op_counts_after
+    assert ops.get("QuantLinearAct") == 2 and ops.get("StridedSlice") == 3, ops
+    y, y2 = res.compiled(x), res.compiled(x)
+    with torch.no_grad():
+        ref = m(x)
+    cos = torch.nn.functional.cosine_similarity(y.flatten().double(), ref.flatten().double(), 0)
+    assert cos > 0.99 and torch.equal(y, y2) and y.data_ptr() != y2.data_ptr()

@@ -1,0 +1,75 @@
+"""`opencann.tools.tune`'s search steps on made-up timings (no compile): the timing step
+keeps the fastest of fp32, the node's choice and one candidate higher (int8 -> bf16),
+a lower one only when `TIME_MARGIN` faster; under a user metric the lowest candidate
+that can run a node is given (never one whose ``applies`` refused it)."""
+import pytest
+
+from opencann.tools.tune import CANDIDATES, TIME_MARGIN, NodeChoice, _Search
+from opencann.tools.tune_gate import Verdict
+
+CANDS = [CANDIDATES[c] for c in ("fp32", "bf16", "int8")]
+
+
+class FakeBuilder:
+    """``node_times``: per node, the seconds of the precision ``options`` give it
+    (``times[node][precision]``), as `_Builder.node_times` charges them."""
+
+    def __init__(self, times):
+        self.times, self.calls = times, []
+
+    def node_times(self, options, names):
+        per = options.get("node_precision") or {}
+        self.calls.append(dict(per))
+        return {n: self.times[n][per.get(n, "fp32")] for n in names}
+
+
+def _search(times, own=None):
+    nodes = {n: NodeChoice(n, "MatMulV2", own=dict((own or {}).get(n, {}))) for n in times}
+    return _Search(None, (), nodes, CANDS, FakeBuilder(times))
+
+
+@pytest.mark.parametrize("t, want", [
+    ({"fp32": 10.0, "bf16": 5.0, "int8": 6.0}, "bf16"),     # int8 slower than bf16
+    ({"fp32": 10.0, "bf16": 5.0, "int8": 4.9}, "bf16"),     # int8 not 5% under bf16
+    ({"fp32": 10.0, "bf16": 5.0, "int8": 3.0}, "int8"),
+    ({"fp32": 10.0, "bf16": 12.0, "int8": 9.0}, "int8"),    # bf16 slower than fp32, int8 not
+    ({"fp32": 10.0, "bf16": 11.0, "int8": 9.8}, "fp32"),
+])
+def test_timing_keeps_the_fastest_of_fp32_the_choice_and_one_higher(t, want):
+    s = _search({"a": t})
+    s.by_gate(False)
+    assert s.choice["a"] == "int8"
+    s.drop_slow()
+    assert s.choice["a"] == want
+    assert s.nodes["a"].seconds == t   # every precision tried is reported
+    why = s.nodes["a"].why
+    if want == "int8":
+        assert why == ""
+    else:
+        assert why.startswith("timing: int8") and f"{TIME_MARGIN:.0%} under {want}'s" in why, why
+
+
+def test_one_higher_skips_a_candidate_the_node_failed():
+    """A node whose bf16 own error failed the gate goes from int8 to fp32, never bf16."""
+    bad = Verdict(False, "error_ratio", "3% of elements above 0.01 relative error")
+    s = _search({"a": {"fp32": 10.0, "bf16": 1.0, "int8": 12.0}}, own={"a": {"bf16": bad}})
+    s.by_gate(False)
+    assert s.next_higher("a") == "fp32"
+    s.drop_slow()
+    assert s.choice["a"] == "fp32" and "bf16" not in s.nodes["a"].seconds
+    assert len(s.builder.calls) == 2   # no third compile: nothing to try between
+
+
+def test_a_user_metric_gives_the_lowest_candidate_that_can_run_the_node():
+    """With a user metric every node goes lowest, but not to a candidate whose ``applies``
+    refused it (int8 of an attention: bf16), while a failed own error no longer holds."""
+    cannot = Verdict(False, "applies", "int8 runs convolutions and linears only")
+    failed = Verdict(False, "error_ratio", "3% of elements above 0.01 relative error")
+    times = {"attn": {"fp32": 1.0, "bf16": 1.0, "int8": 1.0}, "fc": {"fp32": 1.0, "bf16": 1.0, "int8": 1.0}}
+    s = _search(times, own={"attn": {"int8": cannot, "bf16": failed}, "fc": {"int8": failed}})
+    s.by_gate(True)
+    assert s.choice == {"attn": "bf16", "fc": "int8"}
+    s2 = _search(times, own={"attn": {"int8": cannot, "bf16": failed}, "fc": {"int8": failed}})
+    s2.by_gate(False)
+    assert s2.choice == {"attn": "fp32", "fc": "bf16"}
+    assert "int8 own error" in s2.nodes["attn"].why and "bf16 own error" in s2.nodes["attn"].why
