@@ -126,6 +126,8 @@ def test_inputs_giving_no_finite_output_are_refused(factory, fill):
         tune(model, (bad,), timing=False)
     with pytest.raises(ValueError, match=r"^the model's eager outputs on data item 1 have no finite value"):
         tune(model, (x,), data=[(x,), (bad,)], timing=False)
+    with pytest.raises(ValueError, match=r"^the model's eager outputs on data item 1 have no finite value"):
+        tune(model, (x,), data=[(x,), (bad,)], budget=lambda a, e: True, timing=False)  # a user metric
     with pytest.raises(ValueError, match=r"^the model's eager outputs on these inputs have no finite"):
         compare(model, (bad,), options={"precision_mode": "allow_mix_precision_bf16"})
     partly = x.clone()
