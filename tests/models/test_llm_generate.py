@@ -260,8 +260,10 @@ def test_unsupported_models_are_one_line(make, match):
     (dict(max_batch=0), r"max_batch must be a positive int"),
     (dict(max_seq_len=65), r"exceeds the model's 64 learned positions"),
     (dict(options={"backend": "tvm"}), r"option 'backend' takes 'eager' or 'opencann'"),
-    (dict(options={"prefill_buckets": [0, 8]}), r"option 'prefill_buckets' takes prompt lengths in 1..32"),
-    (dict(options={"batch_sizes": [3]}), r"option 'batch_sizes' takes batch sizes in 1..2"),
+    (dict(options={"prefill_buckets": [0, 8]}), r"option 'prefill_buckets' takes prompt lengths in 1..32 "
+     r"\(max_seq_len\), e.g. \[16, 32\] \(the default\)"),     # an example within 1..max_seq_len
+    (dict(options={"batch_sizes": [3]}), r"option 'batch_sizes' takes batch sizes in 1..2 \(max_batch\), "
+     r"e.g. \[1, 2\] \(the default\)"),
     (dict(options={"no_such_option": 1}), r"unknown compile option"),
 ])
 def test_bad_compile_arguments_are_one_line(kw, match):
