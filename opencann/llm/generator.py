@@ -30,6 +30,10 @@ from .sampling import Sampler, resolve
 from .stats import GenerationStats
 from .steps import BACKENDS, StepGraphs, batch_sizes, prefill_buckets, smallest
 
+#: new tokens when neither the call nor the model's generation_config sets a length
+#: (transformers' generate: its default max_length of 20 counts new tokens)
+DEFAULT_NEW_TOKENS = 20
+
 #: keys of ``options`` taken by opencann.llm; the others are opencann.compile options
 LLM_OPTIONS = ("backend", "prefill_buckets", "batch_sizes")
 #: the step-graph backend when ``options`` names none
@@ -168,6 +172,12 @@ class Generator:
 
     def _budget(self, gc, batch: PromptBatch, max_new_tokens: Optional[int]) -> int:
         new = max_new_tokens if max_new_tokens is not None else gc.max_new_tokens
+        if new is None and getattr(self.generation_config, "max_length", None) is None:
+            # transformers' default (GenerationMixin._prepare_generated_length): max_length
+            # unset anywhere generates DEFAULT_NEW_TOKENS new tokens, the whole sequence
+            # capped at the model's positions
+            cap = self.arch.max_positions - batch.sequences.shape[1] if self.arch.max_positions else None
+            new = DEFAULT_NEW_TOKENS if cap is None or cap < 1 else min(DEFAULT_NEW_TOKENS, cap)
         if new is None:
             new = gc.max_length - batch.sequences.shape[1]
             if new < 1:

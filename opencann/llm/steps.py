@@ -41,7 +41,8 @@ def prefill_buckets(max_seq_len: int, given: Optional[Sequence[int]] = None) -> 
     if isinstance(given, (str, bytes)) or not all(
             isinstance(b, int) and not isinstance(b, bool) and 1 <= b <= max_seq_len for b in given):
         raise ValueError(f"option 'prefill_buckets' takes prompt lengths in 1..{max_seq_len} "
-                         f"(max_seq_len), e.g. [32, 128, {max_seq_len}], got {given!r}")
+                         f"(max_seq_len), e.g. {list(prefill_buckets(max_seq_len))} (the default), "
+                         f"got {given!r}")
     return tuple(sorted(set(given) | {max_seq_len}))
 
 
@@ -57,7 +58,7 @@ def batch_sizes(max_batch: int, given: Optional[Sequence[int]] = None) -> Tuple[
     if isinstance(given, (str, bytes)) or not all(
             isinstance(b, int) and not isinstance(b, bool) and 1 <= b <= max_batch for b in given):
         raise ValueError(f"option 'batch_sizes' takes batch sizes in 1..{max_batch} (max_batch), "
-                         f"e.g. [1, {max_batch}], got {given!r}")
+                         f"e.g. {list(batch_sizes(max_batch))} (the default), got {given!r}")
     return tuple(sorted(set(given) | {max_batch}))
 
 

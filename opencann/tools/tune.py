@@ -386,20 +386,22 @@ def _metric_verdict(value, metric) -> bool:
 def _outputs_ok(model, data, budget, compiled, outs: List[Dict[str, Any]]) -> Tuple[bool, str]:
     """Run ``compiled`` and eager on each item of ``data``; (all pass, the first failure).
     msprobe: each float output by the gate's NaN/Inf and cosine rules; a callable:
-    ``budget(actual_outputs, eager_outputs)`` must be truthy. ``outs`` gets the metrics."""
+    ``budget(actual_outputs, eager_outputs)`` must be truthy. ``outs`` gets the metrics.
+    Raises `UnjudgeableInputs` for an item whose eager outputs have no finite value, under
+    either gate (a metric would judge NaN against NaN)."""
     outs.clear()
     for k, item in enumerate(data):
         item = item if isinstance(item, tuple) else (item,)
         with torch.no_grad():
             ref = model(*item)
             got = compiled(*item)
+        check_judgeable(ref, f"the model's eager outputs on data item {k}")   # a metric too
         if callable(budget):
             ok = _metric_verdict(budget(got, ref), budget)
             outs.append({"data": k, "metric": ok})
             if not ok:
                 return False, f"{getattr(budget, '__name__', 'metric')} rejected data item {k}"
             continue
-        check_judgeable(ref, f"the model's eager outputs on data item {k}")
         for j, (a, e) in enumerate(zip(pytree.tree_leaves(got), pytree.tree_leaves(ref))):
             if not (isinstance(e, torch.Tensor) and e.is_floating_point()):
                 continue

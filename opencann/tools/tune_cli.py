@@ -47,7 +47,33 @@ def _metric(spec: str):
     mod_spec.loader.exec_module(mod)
     if not callable(getattr(mod, fn, None)):
         raise ValueError(f"--budget {spec}: {path} has no function {fn!r}")
-    return getattr(mod, fn)
+    return _one_line_errors(getattr(mod, fn), spec, path)
+
+
+def _one_line_errors(metric, spec: str, path: str):
+    """``metric`` whose failures are ValueError lines the command line prints as one
+    ``error:`` line: an exception it raises (with the line of ``path`` where it was raised)
+    and an answer that is not a bool (`tune._metric_verdict`'s TypeError)."""
+    import functools
+    import os
+    import traceback
+    from .tune import _metric_verdict
+
+    @functools.wraps(metric)
+    def checked(actual, expected):
+        try:
+            value = metric(actual, expected)
+        except Exception as e:  # noqa: BLE001 - the user's file: reported in one line
+            frames = [f for f in traceback.extract_tb(e.__traceback__)
+                      if os.path.abspath(f.filename) == os.path.abspath(path)]
+            at = f" at {path}:{frames[-1].lineno}" if frames else ""
+            first = (str(e).splitlines() or [""])[0]
+            raise ValueError(f"--budget {spec} raised {type(e).__name__}: {first}{at}") from e
+        try:
+            return _metric_verdict(value, metric)
+        except TypeError as e:
+            raise ValueError(str(e)) from e
+    return checked
 
 
 def table(res, rows: int):

@@ -126,6 +126,8 @@ def test_inputs_giving_no_finite_output_are_refused(factory, fill):
         tune(model, (bad,), timing=False)
     with pytest.raises(ValueError, match=r"^the model's eager outputs on data item 1 have no finite value"):
         tune(model, (x,), data=[(x,), (bad,)], timing=False)
+    with pytest.raises(ValueError, match=r"^the model's eager outputs on data item 1 have no finite value"):
+        tune(model, (x,), data=[(x,), (bad,)], budget=lambda a, e: True, timing=False)  # a user metric
     with pytest.raises(ValueError, match=r"^the model's eager outputs on these inputs have no finite"):
         compare(model, (bad,), options={"precision_mode": "allow_mix_precision_bf16"})
     partly = x.clone()
@@ -262,6 +264,19 @@ def test_cli_bad_input_is_one_line(argv, msg, capsys, tmp_path, factory, monkeyp
     argv = [a.format(p=factory[0], bad=bad) for a in argv]
     rc, _, err = run_cli(argv, capsys)
     assert rc == 2 and len(err) == 1 and msg in err[0], err
+
+
+@pytest.mark.parametrize("body, msg", [
+    ("return None", "the budget metric 'metric' returned NoneType; it must return a bool"),
+    ("return 1 / 0", "--budget {m}:metric raised ZeroDivisionError: division by zero at {m}:2"),
+])
+def test_cli_tune_bad_user_metric_is_one_line(body, msg, factory, tmp_path, capsys):
+    """A --budget metric that raises or answers no bool: one error line, not a traceback."""
+    m = tmp_path / "metric.py"
+    m.write_text(f"def metric(actual, expected):\n    {body}\n")
+    rc, _, err = run_cli(["tune", f"{factory[0]}:make", "--no-timing", "--budget", f"{m}:metric"],
+                         capsys)
+    assert rc == 2 and len(err) == 1 and msg.format(m=m) in err[0], err
 
 
 def test_cli_tune_writes_its_files(factory, tmp_path, capsys):

@@ -78,6 +78,27 @@ def test_greedy_tokens_equal_transformers_generate(name):
 
 
 @pytest.mark.parametrize("name", ["llama", "gpt2"])
+def test_default_length_equals_transformers_generate(name):
+    """No max_new_tokens and no max_length anywhere: transformers' generate makes 20 new
+    tokens (its default max_length counts new tokens), its total capped at the model's
+    positions (GPT-2: 64); opencann made 20 - prompt before. A max_length in the model's
+    generation_config counts the prompt, as in transformers."""
+    m = model(name)
+    gen = L.compile(m, max_seq_len=64 if name == "gpt2" else 72, max_batch=1)
+    for n in (6, 50):
+        ids = prompt(n, 3)
+        want = m.generate(ids, do_sample=False)
+        assert want.shape[1] == min(n + 20, 64 if name == "gpt2" else n + 20)
+        assert torch.equal(gen.generate(ids), want)
+    m.generation_config.max_length = 12
+    try:
+        want = m.generate(prompt(5, 4), do_sample=False)
+        assert want.shape[1] == 12 and torch.equal(gen.generate(prompt(5, 4)), want)
+    finally:
+        m.generation_config.max_length = None
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
 def test_batch_of_different_prompt_lengths_equals_transformers(name):
     m = model(name)
     gen = L.compile(m, max_seq_len=48, max_batch=4)
@@ -203,7 +224,7 @@ def test_gpt2_tied_embedding_is_one_tensor():
     (lambda g: g.generate(prompt(4, 0), attention_mask=torch.tensor([[1, 1, 0, 0]]), max_new_tokens=2),
      r"attention_mask must be left padding"),
     (lambda g: g.generate(prompt(4, 0), max_new_tokens=0), r"max_new_tokens must be a positive int"),
-    (lambda g: g.generate(prompt(25, 0)), r"max_length 20 leaves none after a prompt of 25 tokens"),
+    (lambda g: g.generate(prompt(25, 0)), r"prompt of 25 tokens plus max_new_tokens=20 needs 44"),
     (lambda g: g.generate(prompt(4, 0), max_new_tokens=2, num_beams=2), r"generate\(\) does not apply num_beams"),
     (lambda g: g.generate(prompt(4, 0), max_new_tokens=2, do_sample=True, temperature=0.0),
      r"temperature must be > 0"),
@@ -239,8 +260,10 @@ def test_unsupported_models_are_one_line(make, match):
     (dict(max_batch=0), r"max_batch must be a positive int"),
     (dict(max_seq_len=65), r"exceeds the model's 64 learned positions"),
     (dict(options={"backend": "tvm"}), r"option 'backend' takes 'eager' or 'opencann'"),
-    (dict(options={"prefill_buckets": [0, 8]}), r"option 'prefill_buckets' takes prompt lengths in 1..32"),
-    (dict(options={"batch_sizes": [3]}), r"option 'batch_sizes' takes batch sizes in 1..2"),
+    (dict(options={"prefill_buckets": [0, 8]}), r"option 'prefill_buckets' takes prompt lengths in 1..32 "
+     r"\(max_seq_len\), e.g. \[16, 32\] \(the default\)"),     # an example within 1..max_seq_len
+    (dict(options={"batch_sizes": [3]}), r"option 'batch_sizes' takes batch sizes in 1..2 \(max_batch\), "
+     r"e.g. \[1, 2\] \(the default\)"),
     (dict(options={"no_such_option": 1}), r"unknown compile option"),
 ])
 def test_bad_compile_arguments_are_one_line(kw, match):

@@ -318,6 +318,21 @@ def test_add_rms_norm_kernel_matches_eager(rows):
     assert not torch.equal(out[1].nan_to_num(0.0), s.nan_to_num(0.0))
 
 
+@pytest.mark.parametrize("rows", [4, 300])     # the calling-thread and the parallel kernel
+def test_add_rms_norm_kernel_zero_row_with_eps_zero_is_nan_as_eager(rows):
+    """eps = 0 and a row summing to zeros: eager's rsqrt(0) = inf and 0·inf = NaN; the
+    kernel gave Python's ZeroDivisionError (numba's default error model) before."""
+    a, b = torch.randn(rows, 12, generator=G), torch.randn(rows, 12, generator=G)
+    w = torch.randn(12, generator=G)
+    a[1], b[1] = torch.randn(12, generator=G), 0.0
+    b[1] = -a[1]                                                      # s = a + b = 0 exactly
+    y_ref = torch.rms_norm(a + b, [12], w, 0.0)
+    y, s = add_rms_norm(a, b, w, 0.0)
+    assert torch.isnan(y[1]).all() and torch.isnan(y_ref[1]).all()
+    torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-6, equal_nan=True)
+    assert torch.equal(s, a + b)
+
+
 def test_add_rms_norm_bad_input_is_one_clear_error():
     with pytest.raises(ValueError, match="weight"):
         add_rms_norm(torch.randn(2, 8), torch.randn(2, 8), torch.randn(4), 1e-6)

@@ -15,7 +15,9 @@ the mean of s² accumulated in fp32 (fastmath ``reassoc``/``contract`` only: vec
 another summation order than ATen's, so y agrees with eager to fp32 rounding, s bit for
 bit); r = 1 / sqrt(mean + eps); y = (s·r)·w, eager's order. Special values as the
 spelled-out form: a NaN or inf in a row makes its y NaN; s² overflowing (|s| ≳ 1.8e19)
-gives r = 0 and a row of zeros (NaN where s is inf), as eager.
+gives r = 0 and a row of zeros (NaN where s is inf), as eager; a row of zeros with eps = 0
+gives r = inf and y = 0·inf = NaN, as eager (numba's ``error_model="numpy"``: IEEE
+division, not Python's ZeroDivisionError).
 """
 from __future__ import annotations
 
@@ -31,7 +33,7 @@ from ...ir import Node, TensorDesc
 _FM = {"reassoc", "contract"}
 
 
-@njit(fastmath=_FM, cache=True, inline="always")
+@njit(fastmath=_FM, error_model="numpy", cache=True, inline="always")
 def _row(a, b, w, eps, y, s, r):  # pragma: no cover - numba
     D = a.shape[1]
     acc = np.float32(0.0)
@@ -44,13 +46,13 @@ def _row(a, b, w, eps, y, s, r):  # pragma: no cover - numba
         y[r, j] = (s[r, j] * rs) * w[j]
 
 
-@njit(fastmath=_FM, cache=True)
+@njit(fastmath=_FM, error_model="numpy", cache=True)
 def _serial(a, b, w, eps, y, s):  # pragma: no cover - numba
     for r in range(a.shape[0]):
         _row(a, b, w, eps, y, s, r)
 
 
-@njit(parallel=True, fastmath=_FM, cache=True)
+@njit(parallel=True, fastmath=_FM, error_model="numpy", cache=True)
 def _parallel(a, b, w, eps, y, s):  # pragma: no cover - numba
     for r in prange(a.shape[0]):
         _row(a, b, w, eps, y, s, r)
