@@ -147,10 +147,11 @@ def fused_elementwise(node: Node, axes: Axes, sym: str) -> Result:
 fused_elementwise.shape_attrs = ("shape",)
 
 
-def add_layer_norm(node: Node, axes: Axes, sym: str) -> Result:
-    """LayerNorm(self + other) over the last dim: every dim but the last independent;
-    either addend may carry the padded dim (at the same axis), γ and β may not."""
-    addends = {_idx(node, "self"), _idx(node, "other")}
+def _add_norm(node: Node, axes: Axes, addend_names, outputs: int) -> Result:
+    """A norm over the last dim of the sum of two addends (named ``addend_names``): every
+    dim but the last independent; either addend may carry the padded dim (at the same
+    axis), the weights may not; ``outputs`` outputs of the addends' shape carry it."""
+    addends = {_idx(node, a) for a in addend_names}
     rank = len(node.outputs[0].desc.shape)
     pos = set()
     for i, p in axes.items():
@@ -164,27 +165,18 @@ def add_layer_norm(node: Node, axes: Axes, sym: str) -> Result:
         return {}
     if p >= rank - 1:
         return f"mixes entries along the padded dim (axis {p})"
-    return {0: p}
+    return {k: p for k in range(outputs)}
+
+
+def add_layer_norm(node: Node, axes: Axes, sym: str) -> Result:
+    """LayerNorm(self + other) over the last dim (`_add_norm`; γ and β carry no padding)."""
+    return _add_norm(node, axes, ("self", "other"), 1)
 
 
 def add_rms_norm(node: Node, axes: Axes, sym: str) -> Result:
     """RMSNorm(x1 + x2) over the last dim, both outputs (y, the sum) of the addends'
-    shape: as `add_layer_norm`, with addends ``x1``/``x2`` and the weight ``gamma``."""
-    addends = {_idx(node, "x1"), _idx(node, "x2")}
-    rank = len(node.outputs[0].desc.shape)
-    pos = set()
-    for i, p in axes.items():
-        if i not in addends:
-            return "the padded dim reaches a weight or parameter input"
-        pos.add(p + rank - _rank(node, i))
-    if len(pos) > 1:
-        return "the addends carry the padded dim at different positions"
-    p = next(iter(pos), None)
-    if p is None:
-        return {}
-    if p >= rank - 1:
-        return f"mixes entries along the padded dim (axis {p})"
-    return {0: p, 1: p}
+    shape (`_add_norm`; the weight ``gamma`` carries no padding)."""
+    return _add_norm(node, axes, ("x1", "x2"), 2)
 
 
 def rotary_mul(node: Node, axes: Axes, sym: str) -> Result:

@@ -13,7 +13,7 @@ from __future__ import annotations
 from ...ir import Graph, Node, TensorRef
 from ..base import PassContext, Skip
 from .common import CpuFusion
-from .match import tensor_pair
+from .match import residual_add
 
 
 class FuseAddLayerNorm(CpuFusion):
@@ -30,16 +30,10 @@ class FuseAddLayerNorm(CpuFusion):
         `Skip` with the reason for a near miss (broadcast or scaled Add, the sum or the
         statistics read elsewhere, normalization over several axes, no γ or β, dtypes)."""
         x = ln.inputs[0]
-        add = x.producer
-        if add is None or add.op != "Add":
-            return None
-        pair = tensor_pair(add, "Add")
-        if pair is None:
-            return Skip("the Add has a scalar operand or alpha != 1: not a residual a + b")
-        a, b = pair
-        if a.desc != x.desc or b.desc != x.desc:
-            return Skip(f"the Add broadcasts ({a.desc} + {b.desc}); the fused kernel adds "
-                        "two tensors of the result's shape")
+        found = residual_add(x)
+        if not isinstance(found, tuple):
+            return found
+        add, a, b = found
         readers = [u.name for u in x.users if u is not ln]
         if readers or x in graph.outputs:
             return Skip("the sum a + b is also read by "

@@ -20,7 +20,7 @@ import torch
 from ...ir import Graph, Node, TensorRef
 from ..base import PassContext, Skip
 from .common import CpuFusion
-from .match import contiguous_strides, tensor_pair
+from .match import contiguous_strides, residual_add
 
 
 def _squeeze_view(v):
@@ -57,18 +57,12 @@ class FuseAddRmsNorm(CpuFusion):
         view = _squeeze_view(x)
         if view is not None:   # Add -> h[:, 0] of [B, 1, H] -> RmsNorm (the last norm of a decode step)
             x = view.inputs[0]
-        add = x.producer
-        if add is None or add.op != "Add":
-            return None
-        pair = tensor_pair(add, "Add")
-        if pair is None:
-            return Skip("the Add has a scalar operand or alpha != 1: not a residual a + b")
-        a, b = pair
+        found = residual_add(x)
+        if not isinstance(found, tuple):
+            return found
+        add, a, b = found
         if view is not None and (len(view.outputs[0].users) != 1 or view.outputs[0] in graph.outputs):
             return Skip(f"the view {view.name} of the sum is read elsewhere too")
-        if a.desc != x.desc or b.desc != x.desc:
-            return Skip(f"the Add broadcasts ({a.desc} + {b.desc}); the fused kernel adds two "
-                        "tensors of the result's shape")
         if x.desc.dtype.torch != torch.float32:
             return Skip(f"dtype {x.desc.dtype.value}: the fused kernel is float32")
         if rn.attrs.get("weight") is None:

@@ -57,6 +57,23 @@ def tensor_pair(node: Optional[Node], *ops: str) -> Optional[Tuple[Value, Value]
     return node.inputs[0], node.inputs[1]
 
 
+def residual_add(x: Value):
+    """The Add producing ``x`` as a residual sum of two tensors of ``x``'s shape: (the Add,
+    a, b); None when no Add produces ``x``; a `Skip` naming the near miss (a scalar operand
+    or alpha != 1, a broadcast) — what an add-and-norm fusion's kernel takes."""
+    add = x.producer
+    if add is None or add.op != "Add":
+        return None
+    pair = tensor_pair(add, "Add")
+    if pair is None:
+        return Skip("the Add has a scalar operand or alpha != 1: not a residual a + b")
+    a, b = pair
+    if a.desc != x.desc or b.desc != x.desc:
+        return Skip(f"the Add broadcasts ({a.desc} + {b.desc}); the fused kernel adds two "
+                    "tensors of the result's shape")
+    return add, a, b
+
+
 def factors(graph: Graph, root: Node, depth: int = 2) -> Tuple[List[Value], float, List[Node]]:
     """Flatten a product tree under ``root`` (Mul nodes; an inner Mul only when ``root``'s
     side is its sole reader, to ``depth`` levels): (tensor factors, product of the scalar
