@@ -15,8 +15,10 @@ Rows (source: OpenVINO GenAI's LLMPipeline docs, "Generation configuration" and
   ov-genai-default  the plugin's default precision (bf16 on a CPU with avx512_bf16/AMX)
 Both with ``INFERENCE_NUM_THREADS`` = the bench's threads, greedy, ``ignore_eos``, exactly
 ``new`` tokens. Batch 1: each token is stamped by a ``StreamerBase`` subclass, as the other
-backends' streamers do. Batch > 1 (LLMPipeline streams batch 1 only): TTFT and time per
-output token from the result's ``perf_metrics`` (``get_ttft``, ``get_tpot``).
+backends' streamers do. Batch > 1 (LLMPipeline streams batch 1 only): TTFT is the wall time
+of a 1-token ``generate`` and each decode step (total − TTFT) / (new − 1) of a full one
+(the result's ``perf_metrics`` count tokens over the whole batch, and its TTFT is not
+comparable).
 """
 from __future__ import annotations
 
@@ -101,16 +103,26 @@ def ov_runner(backend: str, folder: str, ids: torch.Tensor, new: int, threads: i
         def end(self):
             pass
 
+    first = og.GenerationConfig()
+    first.max_new_tokens = first.min_new_tokens = 1
+    first.ignore_eos, first.do_sample = True, False
+
     def run():
-        st = Stamps() if arr.shape[0] == 1 else None
+        if arr.shape[0] == 1:
+            st = Stamps()
+            t0 = time.perf_counter()
+            res = pipe.generate(inputs, cfg, st)
+            return torch.tensor(np.asarray(res.tokens), dtype=torch.int64), st.times, t0
+        # batch > 1: no streamer; TTFT = a 1-token generate, decode = the rest of a full one
         t0 = time.perf_counter()
-        res = pipe.generate(inputs, cfg, st) if st is not None else pipe.generate(inputs, cfg)
-        out = torch.tensor(np.asarray(res.tokens), dtype=torch.int64)
-        if st is not None:
-            return out, st.times, t0
-        pm = res.perf_metrics   # ms: first token, then one token per tpot
-        ttft, tpot = pm.get_ttft().mean / 1e3, pm.get_tpot().mean / 1e3
-        return out, [t0 + ttft + i * tpot for i in range(new)], t0
+        pipe.generate(inputs, first)
+        ttft = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        res = pipe.generate(inputs, cfg)
+        total = time.perf_counter() - t0
+        step = (total - ttft) / max(new - 1, 1)
+        return (torch.tensor(np.asarray(res.tokens), dtype=torch.int64),
+                [t0 + ttft + i * step for i in range(new)], t0)
     return prep, run, {"precision": props.get("INFERENCE_PRECISION_HINT", "plugin default"),
                        "openvino_genai": og.__version__}
 

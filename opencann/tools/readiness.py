@@ -431,6 +431,9 @@ def _judge(rep: ReadinessReport) -> None:
     m = rep.memory
     if m is not None and not m.fits:
         reasons.append(f"needs {_size(m.total)}, the device has {m.hbm / GiB:.0f} GiB of HBM")
+    if _cube_lacks(rep):
+        spec, dtype = _cube_lacks(rep)
+        reasons.append(f"the Cube of {spec.name} has no {dtype} kernels")
     if rep.accuracy is not None and rep.accuracy.status == "fail":
         reasons.append(f"outputs fail msprobe's {rep.precision} thresholds against fp32")
     steps = _blocker_steps(rep) + ([_fit_step(rep)] if m is not None and not m.fits else [])
@@ -511,13 +514,13 @@ def _estimate_steps(rep: ReadinessReport) -> List[str]:
     beyond `TRANSDATA_SHARE` of the time, ops costed by the fallback, fp32 Cube operands
     cast to fp16 (the estimate's note)."""
     steps = []
-    spec = rep.estimate.spec if rep.estimate is not None else None
-    dtype = PRECISIONS[rep.precision][0]
-    if spec is not None and dtype not in spec.cube_dtypes:
+    missing = _cube_lacks(rep)
+    if missing:
+        spec, dtype = missing
         others = sorted(n for n, p in _presets().items() if dtype in p.cube_dtypes)
         steps.append(f"the Cube of {spec.name} takes {'/'.join(spec.cube_dtypes)}, not {dtype}: "
-                     f"Conv/MatMul run with float16 operands there (float16's range, not "
-                     f"{dtype}'s); use --precision fp16, or a preset whose Cube takes {dtype} "
+                     f"no Conv/MatMul kernel there computes in {dtype} (the compile is refused, "
+                     f"as CANN's); use --precision fp16, or a preset whose Cube takes {dtype} "
                      f"({', '.join(others) or 'none built in'})")
     td = rep.trans_data()
     if td["share"] > TRANSDATA_SHARE:
@@ -529,6 +532,15 @@ def _estimate_steps(rep: ReadinessReport) -> List[str]:
         steps.append("the estimate costs " + ", ".join(f"{k} x{v}" for k, v in rep.estimate.fallbacks.items())
                      + " as memory-bound copies (no cost model): their latency is a guess")
     return steps + [n for n in (rep.estimate.notes if rep.estimate else []) if n.startswith("fp32 to fp16")]
+
+
+def _cube_lacks(rep: ReadinessReport):
+    """(the preset's spec, the precision's dtype) when the device's Cube takes no operands
+    of that dtype (``NpuSpec.cube_dtypes``: bf16 on Ascend 910/310), else None."""
+    from ..devices import parse_device
+    spec = getattr(parse_device(rep.device), "spec", None)
+    dtype = PRECISIONS[rep.precision][0]
+    return (spec, dtype) if spec is not None and dtype not in spec.cube_dtypes else None
 
 
 def _presets():

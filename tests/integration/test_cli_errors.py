@@ -152,3 +152,16 @@ def test_onnx_files_compile_and_run(onnx_files, capsys):
     assert "opencann estimate: m.onnx on vnpu:ascend910b" in capsys.readouterr().out
     _one_error(["estimate", "--model", "m.onnx", "--dtype", "float16"], capsys,
                "an ONNX model is estimated as its file gives it")
+
+
+def test_python_dash_m_opencann_is_the_command_line():
+    """``python -m opencann`` runs the same command line (and its one-line errors)."""
+    import os
+    import subprocess
+    import sys
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(cli.__file__)))
+    r = subprocess.run([sys.executable, "-m", "opencann", "compile", "no_such.onnx"],
+                       capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 2 and r.stderr.startswith("error: ") and r.stderr.count("\n") == 1, r.stderr
+    assert "usage: opencann" in subprocess.run([sys.executable, "-m", "opencann", "--help"],
+                                               capture_output=True, text=True, env=env).stdout

@@ -62,3 +62,29 @@ def test_cube_modes_that_can_hold_compile_and_match_eager(make, device, mode, to
         out = cm(*args)
         assert out.dtype == ref.dtype
         assert ((out - ref).abs().max() / ref.abs().max()).item() < tol
+
+
+@pytest.mark.parametrize("make,op", [(_conv, "Conv2D"), (_mm, "BatchMatMul")])
+@pytest.mark.parametrize("preset", ["ascend910", "ascend310"])
+def test_no_bf16_cube_refuses_bf16(make, op, preset):
+    """allow_mix_precision_bf16, or a bf16 model, on a Cube without bf16 (Ascend 910/310:
+    fp16 and int8) fails naming the op, the preset and the fix, instead of running a bf16
+    kernel the chip does not have; ascend910b takes bf16 and matches eager's bf16 range."""
+    model, args = make()
+    with pytest.raises(CubeDtypeError) as e:
+        opencann.compile(model, args, device=f"vnpu:{preset}",
+                         options={"precision_mode": "allow_mix_precision_bf16"})
+    msg = str(e.value)
+    assert "\n" not in msg
+    for part in (op, "bfloat16 operands", "'allow_mix_precision_bf16'", repr(preset),
+                 "'allow_mix_precision' (fp16)", "vnpu:ascend910b"):
+        assert part in msg, (part, msg)
+    with pytest.raises(CubeDtypeError, match=r"bfloat16 operands, but the Cube unit"):
+        opencann.compile(model.to(torch.bfloat16), tuple(a.bfloat16() for a in args),
+                         device=f"vnpu:{preset}")
+    model, args = make()
+    ref = model(*args)
+    cm = opencann.compile(model, args, device="vnpu:ascend910b",
+                          options={"precision_mode": "allow_mix_precision_bf16"})
+    out = cm(*args)
+    assert ((out - ref).abs().max() / ref.abs().max()).item() < 2e-2

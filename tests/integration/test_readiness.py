@@ -126,8 +126,9 @@ def test_fp16_overflow_names_the_failing_layer_and_bf16_passes():
     b = readiness(m, x, precision="bf16")
     assert b.precision_mode == "allow_mix_precision_bf16" and b.accuracy.status == "pass"
     assert b.estimate.dtype == "bfloat16" and b.verdict == "ready"
-    # the Ascend 910's Cube takes float16 / int8 only: bf16 is said to run as fp16 there
+    # the Ascend 910's Cube takes float16 / int8 only: bf16 is refused there, as by CANN
     old = readiness(m, x, device="vnpu:ascend910", precision="bf16", accuracy=False)
+    assert old.verdict == "not ready" and "the Cube of ascend910 has no bfloat16 kernels" in old.reasons
     assert any(s.startswith("the Cube of ascend910 takes float16/int8, not bfloat16") and "ascend910b" in s
                for s in old.next_steps), old.next_steps
 

@@ -291,6 +291,7 @@ class NpuLayoutSelection(Pass):
         if dev.kind != "vnpu":
             return 0
         spec = dev.spec
+        _check_cube_bf16(graph, ctx)
         casts = 0 if "float32" in spec.cube_dtypes else _cube_fp16_casts(graph, ctx)
         for n in graph.nodes:
             if n.op != "HostFallback":
@@ -409,7 +410,8 @@ class NpuLayoutSelection(Pass):
 
 class CubeDtypeError(ValueError):
     """A Cube op (conv, matmul) must keep float32 (``precision_mode``
-    ``must_keep_origin_dtype`` / ``force_fp32``) on a vnpu preset whose Cube has no fp32."""
+    ``must_keep_origin_dtype`` / ``force_fp32``) on a vnpu preset whose Cube has no fp32,
+    or has bfloat16 operands on one whose Cube has no bf16."""
 
 
 KEEP_DTYPE_MODES = ("must_keep_origin_dtype", "force_fp32")
@@ -424,6 +426,28 @@ def _refuse_fp16(n: Node, mode: str, spec: NpuSpec) -> CubeDtypeError:
         f"(no fp32), so it cannot keep its dtype. Fix: use precision_mode "
         f"'allow_fp32_to_fp16' (fp16 where the Cube needs it) or 'allow_mix_precision', or a "
         f"preset with an fp32 Cube ({', '.join('vnpu:' + p for p in fp32) or 'none built in'})")
+
+
+def _check_cube_bf16(graph: Graph, ctx: PassContext) -> None:
+    """Raise `CubeDtypeError` for the first Cube op (`_on_cube`) with a bfloat16 operand on
+    a preset whose Cube takes no bfloat16 (``NpuSpec.cube_dtypes``: Ascend 910 and 310 take
+    float16 and int8; CANN has no bf16 kernel there, and allow_mix_precision_bf16 is an
+    Atlas A2 mode), instead of costing and running a kernel that chip does not have."""
+    spec = ctx.device.spec
+    if "bfloat16" in spec.cube_dtypes:
+        return
+    for n in graph.nodes:
+        if _on_cube(n) and any(v.desc.dtype == DataType.BF16 for v in n.inputs):
+            from ...devices.vnpu import PRESETS
+            bf16 = [p for p, s in PRESETS.items() if "bfloat16" in s.cube_dtypes]
+            mode = ctx.options.get("precision_mode")
+            raise CubeDtypeError(
+                f"{n.name} ({n.op}) at {n.where()}: bfloat16 operands"
+                + (f" (precision_mode {mode!r})" if mode else "")
+                + f", but the Cube unit of vnpu preset {spec.name!r} takes "
+                f"{'/'.join(spec.cube_dtypes)} only (no bf16). Fix: precision_mode "
+                f"'allow_mix_precision' (fp16) on this chip, or a preset with a bf16 Cube "
+                f"({', '.join('vnpu:' + p for p in bf16) or 'none built in'})")
 
 
 def _on_cube(n: Node) -> bool:
