@@ -180,18 +180,18 @@ class UnjudgeableInputs(ValueError):
 
 
 def check_judgeable(outputs, what: str) -> None:
-    """Raise `UnjudgeableInputs` (a ValueError, one line) when a floating-point tensor among ``outputs`` (a
-    pytree) has no finite element: every accuracy rule passes vacuously on it (NaN/Inf
-    positions agree, cosine and errors skip non-finite elements), so a comparison, a
-    bisection or a precision search on such inputs would approve anything. ``what`` names
-    the outputs in the message."""
+    """Raise `UnjudgeableInputs` (a ValueError, one line) when a floating-point tensor
+    among ``outputs`` (a pytree) has no finite element: every accuracy rule passes
+    vacuously on it (NaN/Inf positions agree, cosine and errors skip non-finite elements),
+    so a comparison, a bisection or a precision search on such inputs would approve
+    anything. ``what`` names the outputs in the message."""
     leaves = [o for o in pytree.tree_leaves(outputs) if isinstance(o, torch.Tensor)]
     for k, o in enumerate(leaves):
         if o.is_floating_point() and o.numel() and not bool(torch.isfinite(o).any()):
-            raise UnjudgeableInputs(f"{what} have no finite value (output {k}, "
-                             f"{tuple(o.shape)}, is all NaN/Inf): an accuracy comparison would "
-                             f"pass anything; give inputs the model computes finite results for "
-                             f"(random normal values or real data, no NaN)")
+            raise UnjudgeableInputs(
+                f"{what} have no finite value (output {k}, {tuple(o.shape)}, is all NaN/Inf): "
+                f"an accuracy comparison would pass anything; give inputs the model computes "
+                f"finite results for (random normal values or real data, no NaN)")
 
 
 class Session:
