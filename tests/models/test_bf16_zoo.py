@@ -20,10 +20,12 @@ def _cosine(a, b):
     return (a @ b / (a.norm() * b.norm())).item()
 
 
-@pytest.mark.parametrize("name,fused", [("resnet50", {"ConvBiasAct", "ConvAddAct"}),
+@pytest.mark.parametrize("name,fused", [pytest.param("resnet50", {"ConvBiasAct", "ConvAddAct"},
+                                                     marks=pytest.mark.full),
                                         pytest.param("bert-base", {"LinearAct"},
                                                      marks=pytest.mark.full)])
-# make test: ResNet-50 here; bf16 Linears on small models in tests/integration/test_bf16_kernels.py
+# make test: bf16 ConvBiasAct / ConvAddAct / LinearAct on small models in
+# tests/integration/test_bf16_kernels.py (the zoo models here: make test-all)
 def test_bf16_zoo_model_runs_fused_kernels_close_to_eager_fp32(name, fused, capfd):
     zm = zoo.get(name)
     x = (zoo.sample_image(224),) if name == "resnet50" else zm.example_inputs

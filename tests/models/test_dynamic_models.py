@@ -89,6 +89,7 @@ def test_minilm_dynamic_compile_full_grid(minilm):
 
 
 @pytest.mark.heavy
+@pytest.mark.full   # make test: MiniLM's dynamic compile (the same encoder) above
 @pytest.mark.parametrize("batch,seq", SAMPLE + [(2, 16)])
 def test_bert_base_dynamic_compile(bert, batch, seq):
     model, cm = bert

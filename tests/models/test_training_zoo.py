@@ -10,9 +10,9 @@ from opencann import zoo
 from opencann.dynamo.training import make_training_backend
 from opencann.dynamo.partition import last_partition_report
 
-# make test: MiniLM with a recompute budget stands for BERT-base (the same encoder, 12x the
-# FLOPs) and GPT-2, whose cases are marked full (make test-all)
-CASES = [pytest.param("minilm", dict(batch=2, seq=32), 0.5, id="minilm"),
+# every zoo case is marked full (make test-all): make test trains the CNNs, the residual CNN
+# and the small BERT of tests/integration/test_training.py through the same backend
+CASES = [pytest.param("minilm", dict(batch=2, seq=32), 0.5, marks=pytest.mark.full, id="minilm"),
          pytest.param("bert-base", dict(batch=2, seq=32), 0.5, marks=pytest.mark.full,
                       id="bert-base"),
          pytest.param("gpt2", dict(batch=2, seq=32), None, marks=pytest.mark.full, id="gpt2"),
