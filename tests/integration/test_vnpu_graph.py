@@ -100,6 +100,7 @@ def test_estimate_resnet50_fusion_saves_hbm_and_plots(tmp_path):
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.full   # make test: the memory-fit findings of tests/integration/test_readiness.py
 def test_estimate_oversized_batch_raises_with_numbers():
     with pytest.raises(ValueError, match=r"GiB too much.*smaller batch.*about \d+ fits") as e:
         estimate("resnet50", device="vnpu:ascend310", batch=2048, size=224)

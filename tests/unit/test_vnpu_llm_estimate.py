@@ -144,6 +144,7 @@ def test_cli(tmp_path, capsys):
     assert "give --model MODEL" in capsys.readouterr().err
 
 
+@pytest.mark.full   # make test: the per-layer scaling, phases and TP cases above on a tiny model
 def test_torchair_llama2_calibration():
     """Every TorchAir Llama2 row is within +-25% or a known miss with its reason; the fitted row is
     flagged; the graph-mode decode rows (7B batch 4, 70B batch 1 and 48) all in band."""
