@@ -85,6 +85,7 @@ def test_bert_layer_vnpu_matches_cpu():
     assert all(s["reason"] for s in skipped)
 
 
+@pytest.mark.full   # make test: test_vnpu_epilogue's small ResNet (fused < unfused HBM)
 def test_estimate_resnet50_fusion_saves_hbm_and_plots(tmp_path):
     rep = estimate("resnet50", device=DEV, size=64)
     assert rep.hbm_bytes_fused < rep.hbm_bytes_unfused

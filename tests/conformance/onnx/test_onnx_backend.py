@@ -97,7 +97,9 @@ def _selected():
     for kind in ("pytorch-converted", "pytorch-operator"):
         cases = [c.name for c in load_model_tests(kind=kind)]
         names += cases
-        FAST.update(cases)
+        # test_Linear_no_bias is test_Linear's Gemm without the bias (14 s of GEMM-kernel
+        # race on a cold cache): make test-all
+        FAST.update(c for c in cases if c != "test_Linear_no_bias")
     return names
 
 
