@@ -39,16 +39,15 @@ def decode_attention_kv_update_cost(node: Node) -> Cost:
 def make_decode_attention_kv_update_kernel(node: Node, in_descs: Sequence[TensorDesc],
                                            consts: Sequence) -> Callable:
     """Kernel factory: ``run(*inputs, out=None) -> (attention, key cache, value cache)``
-    (`decode_attention_update`; ``out``: (attention buffer, None, None), the caches being
-    written in place); raises its ValueErrors (one line each)."""
-    from .kernels.decode_attention_cpu import decode_attention_update
-    scale = node.attrs.get("scale")
+    (`decode_attention_update`, bound to the operands' static descriptions by
+    `bind_decode_attention_update`; ``out``: (attention buffer, None, None), the caches
+    being written in place); raises its ValueErrors (one line each)."""
+    from .kernels.decode_attention_cpu import bind_decode_attention_update
     idx = [node.attrs[k].index for k in _NAMES]
+    bound = bind_decode_attention_update(*(in_descs[i] for i in idx), node.attrs.get("scale"))
 
     def run(*xs, out=None):
-        q, k, v, kn, vn, pos, lens = (xs[i] for i in idx)
-        return decode_attention_update(q, k, v, kn, vn, pos, lens, scale,
-                                       out=None if out is None else out[0])
+        return bound(*(xs[i] for i in idx), out=None if out is None else out[0])
     return run
 
 

@@ -19,7 +19,7 @@ from opencann.devices import cpu as cpu_device
 from opencann.ops.kernels import cpu as cpu_kernels
 from helpers import ForcedGemmChoice
 
-KERNELS = ("addmm", "mkl_packed", "onednn_packed", "gemv")
+KERNELS = cpu_kernels.GEMM_KERNELS
 
 
 class Decoderish(nn.Module):

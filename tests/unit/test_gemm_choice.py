@@ -39,7 +39,7 @@ def _close(out, ref, tol=1e-5):
     assert ((out[fin] - ref[fin]).abs().max() / ref[fin].abs().max()).item() < tol
 
 
-@pytest.mark.parametrize("kernel,rows", [(k, r) for k in ("addmm", "mkl_packed", "onednn_packed")
+@pytest.mark.parametrize("kernel,rows", [(k, r) for k in ("addmm", "addmm_kn", "mkl_packed", "onednn_packed")
                                          for r in (1, 7, 64)] + [("gemv", 1), ("gemv", 4)])
 def test_each_kernel_matches_eager(kernel, rows, monkeypatch):
     if kernel == "mkl_packed" and not cpu_device.mkl_packed_available():

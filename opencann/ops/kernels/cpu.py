@@ -230,7 +230,7 @@ def make_trans_data(node: Node, in_descs: Sequence[TensorDesc], consts: Sequence
 
 
 # the GEMM kernels a LinearAct may bind (node.meta["kernel"], saved in model files)
-GEMM_KERNELS = ("addmm", "mkl_packed", "onednn_packed", "gemv")
+GEMM_KERNELS = ("addmm", "addmm_kn", "mkl_packed", "onednn_packed", "gemv")
 # operand dtypes whose constant-weight GEMMs are raced (bf16: addmm and oneDNN's only)
 LINEAR_DTYPES = (torch.float32, torch.bfloat16)
 GEMV_MAX_ROWS = 4  # gemv_cpu.MAX_ROWS (not imported here: that module loads numba)
@@ -238,6 +238,26 @@ GEMV_MAX_ROWS = 4  # gemv_cpu.MAX_ROWS (not imported here: that module loads num
 LINEAR_CHOICES: Dict[tuple, str] = {}
 _LINEAR_CHOICES_LOCK = threading.Lock()  # one measurement per shape, even when binding races
 _MARGIN = 0.97  # a prepacked kernel must be 3% faster than addmm to be chosen (noise guard)
+# a GEMM of at most COLD_RACE_ROWS rows whose weight has COLD_RACE_BYTES or more is raced
+# with the caches evicted before each timed call: at decode (a few rows) a weight is read
+# once per step, after the rest of the model's weights went through the caches, so what
+# counts is how fast a kernel streams it from memory; timed hot (the same weight again
+# and again, in L2) the ranking differs (on the 2-core Xeon the numba GEMV won hot at
+# Llama-125M's 768x768 and lost by 5-10% streaming). There a weight held transposed is
+# raced with addmm_kn, not addmm, as the kernel to beat: one GEMM at a time the two read
+# it equally fast, yet in a decode step, where every weight streams in turn, MKL's GEMV
+# reads the contiguous [k, n] copy faster (the whole 12-layer Llama-125M decode step,
+# every GEMM bound to one or the other, 10 interleaved rounds: 17.7 -> 16.6 ms, best)
+COLD_RACE_ROWS, COLD_RACE_BYTES = 16, 1 << 20
+_EVICT: List[torch.Tensor] = []  # the scratch buffer written to evict the caches (made once)
+
+
+def _evict_caches() -> None:
+    """Write 32 MiB of scratch memory (more than the L2 caches of any CPU this runs on),
+    so the next call's weight is read from the shared cache or memory, as at decode."""
+    if not _EVICT:
+        _EVICT.append(torch.empty(8 << 20))
+    _EVICT[0].fill_(1.0)
 
 
 def _measure_choice(key: tuple, candidates: Dict[str, Callable], bias, wt,
@@ -248,7 +268,9 @@ def _measure_choice(key: tuple, candidates: Dict[str, Callable], bias, wt,
     ``has_bias``): one warm-up call each, then 6 rounds in which every candidate runs
     once in turn (interleaved, so a burst of load on a shared machine hits all of them),
     the least time per candidate kept; another kernel is chosen over addmm only when 3%
-    faster. Cached in `LINEAR_CHOICES` (one measurement per shape, even when binding
+    faster. A few-row GEMM of a large weight (`COLD_RACE_ROWS`) is timed with the
+    caches evicted before each call, and when its weight is held transposed the kernel
+    to beat is ``addmm_kn`` instead of addmm (`COLD_RACE_ROWS`). Cached in `LINEAR_CHOICES` (one measurement per shape, even when binding
     races)."""
     m, k, n = key[:3]
     with _LINEAR_CHOICES_LOCK:
@@ -262,12 +284,19 @@ def _measure_choice(key: tuple, candidates: Dict[str, Callable], bias, wt,
             times = {name: float("inf") for name in calls}
             for name, call in calls.items():
                 call()  # warm-up: first-call set-up (oneDNN primitive creation) is not timed
+            cold = m <= COLD_RACE_ROWS and k * n * wt.element_size() >= COLD_RACE_BYTES
             for _ in range(6):
                 for name, call in calls.items():
+                    if cold:
+                        _evict_caches()
                     times[name] = min(times[name], best_time_us(call, reps=1, warmup=False))
-            best = min((t, name) for name, t in times.items() if name != "addmm")[1] \
-                if len(times) > 1 else "addmm"
-            choice = best if times[best] < _MARGIN * times["addmm"] else "addmm"
+            base = "addmm"
+            if cold and "addmm_kn" in times:  # see `COLD_RACE_ROWS`
+                base = "addmm_kn"
+                del times["addmm"]
+            best = min((t, name) for name, t in times.items() if name != base)[1] \
+                if len(times) > 1 else base
+            choice = best if times[best] < _MARGIN * times[base] else base
             LINEAR_CHOICES[key] = choice
     return choice
 
@@ -284,14 +313,19 @@ def _copy_act(r: torch.Tensor, out, post) -> torch.Tensor:
 
 
 def _available(kernel: str, n: int, bias: Optional[TensorDesc], m: int = 0,
-               dtype: torch.dtype = torch.float32) -> bool:
+               dtype: torch.dtype = torch.float32, row_major: bool = True) -> bool:
     """Whether GEMM ``kernel`` can run here for ``m`` rows, ``n`` output features, a
     bias of ``bias``'s shape or none (None), and operands of ``dtype`` (oneDNN's inner
     product and the GEMV take a full [n] bias or none; the GEMV 1..`GEMV_MAX_ROWS` rows;
-    bf16 runs on addmm and oneDNN's inner product only: MKL's packed GEMM and the numba
-    GEMV are fp32)."""
-    if dtype != torch.float32 and kernel in ("gemv", "mkl_packed"):
+    bf16 runs on addmm and oneDNN's inner product only: MKL's packed GEMM, the numba
+    GEMV and ``addmm_kn`` are fp32). ``row_major``: the weight [k, n] is contiguous;
+    ``addmm_kn`` (addmm on a contiguous copy) exists only for a weight that is not (the
+    transpose of nn.Linear's [n, k] weight, as graphs compiled with the option
+    ``share_weights`` hold it)."""
+    if dtype != torch.float32 and kernel in ("gemv", "mkl_packed", "addmm_kn"):
         return False
+    if kernel == "addmm_kn":
+        return not row_major
     full = bias is None or tuple(int(d) for d in bias.shape) == (n,)
     if kernel == "gemv":
         return 1 <= m <= GEMV_MAX_ROWS and full
@@ -310,6 +344,7 @@ def _available(kernel: str, n: int, bias: Optional[TensorDesc], m: int = 0,
 _ONEDNN_PACKED = WeakIdKeyDictionary()
 _ONEDNN_PACKED_LOCK = threading.Lock()
 _GEMV_PACKED = WeakIdKeyDictionary()  # constant weight [k, n] -> weak ref. to its [n, k] copy
+_KN_PACKED = WeakIdKeyDictionary()  # constant weight [k, n] (not contiguous) -> its contiguous copy
 # (cache id, data_ptr, shape, strides, dtype) -> weak reference to the first constant packed
 # for that view of memory: other constant tensors viewing the same memory (graphs compiled
 # with the option share_weights, e.g. opencann.llm's prefill buckets and decode graph) reuse
@@ -362,6 +397,13 @@ def _gemv_weight(wt: torch.Tensor) -> torch.Tensor:
     return _packed_once(_GEMV_PACKED, wt, lambda w: pack_weight(w, transposed=True))
 
 
+def _kn_weight(wt: torch.Tensor) -> torch.Tensor:
+    """``addmm_kn``'s contiguous [k, n] copy of the constant weight ``wt`` [k, n] (a
+    transposed view of nn.Linear's [n, k] weight), made once per weight and cached while
+    a bound kernel holds it (shared as `_onednn_weight`'s)."""
+    return _packed_once(_KN_PACKED, wt, lambda w: w.contiguous())
+
+
 def _packed_kernel(kernel: str, wt: torch.Tensor, m: int, post, act: str = "none") -> Callable:
     """``run(b, x, _w, out=None)`` of prepacked GEMM ``kernel`` on the constant weight
     ``wt`` [k, n] (packed once; ``m`` is the row count it is packed for), then ``post``
@@ -394,24 +436,27 @@ def _packed_kernel(kernel: str, wt: torch.Tensor, m: int, post, act: str = "none
     return run_mkl
 
 
-def _known_choice(made, m: int, k: int, n: int, dtype, bias: Optional[TensorDesc]) -> tuple:
+def _known_choice(made, m: int, k: int, n: int, dtype, bias: Optional[TensorDesc],
+                  row_major: bool = True) -> tuple:
     """(cache key, choice) for a GEMM of shape (m, k, n) with a bias of ``bias``'s shape
-    or none (None): the kernels raced here (oneDNN's prepacked where it exists, else
-    MKL's packed, the GEMV for 1..4 rows, and addmm) are the key's last item (after
-    "no bias" for a bias-free GEMM); the choice is ``made`` (a node's earlier choice, or
-    a model file's) where its kernel exists here, else addmm; with nothing made, the
-    cached choice for the key, oneDNN's prepacked kernel for bf16 where it exists,
-    "addmm" when nothing else can race, or None (to be measured)."""
-    raced = tuple(c for c in GEMM_KERNELS if _available(c, n, bias, m, dtype))
+    or none (None) and a weight that is contiguous [k, n] (``row_major``) or not: the
+    kernels raced here (oneDNN's prepacked where it exists, else MKL's packed, the GEMV
+    for 1..`GEMV_MAX_ROWS` rows, ``addmm_kn`` for a weight that is not row-major, and
+    addmm) are the key's last item (after "no bias" for a bias-free GEMM); the choice is
+    ``made`` (a node's earlier choice, or a model file's) where its kernel exists here,
+    else addmm; with nothing made, the cached choice for the key, oneDNN's prepacked
+    kernel for bf16 where it exists, "addmm" when nothing else can race, or None (to be
+    measured)."""
+    raced = tuple(c for c in GEMM_KERNELS if _available(c, n, bias, m, dtype, row_major))
     if "onednn_packed" in raced:  # MKL's packing serves one m and measured no faster
         raced = tuple(c for c in raced if c != "mkl_packed")
     key = (m, k, n, str(dtype)) + (("no bias",) if bias is None else ()) + (raced,)
     if made == "gemv" and not 1 <= m <= GEMV_MAX_ROWS:
         made = None  # pinned from a decode shape onto a wider one: choose for this shape
     if made in GEMM_KERNELS:
-        return key, (made if _available(made, n, bias, m, dtype) else "addmm")
+        return key, (made if _available(made, n, bias, m, dtype, row_major) else "addmm")
     cached = LINEAR_CHOICES.get(key)
-    if cached in GEMM_KERNELS and _available(cached, n, bias, m, dtype):
+    if cached in GEMM_KERNELS and _available(cached, n, bias, m, dtype, row_major):
         return key, cached
     if dtype == torch.bfloat16 and "onednn_packed" in raced:
         return key, "onednn_packed"   # not raced: see the module docstring
@@ -462,19 +507,26 @@ def gemm_kernel(node: Node, x: TensorDesc, wt: Optional[torch.Tensor], bias: Opt
             post(r)
         return r
 
+    def run_addmm_kn(w_kn: torch.Tensor) -> Callable:
+        def run_kn(b, x, _w, out=None):
+            return run_addmm(b, x, w_kn, out)
+        return run_kn
+
     if not (wt is not None and x.rank == 2 and wt.dtype in LINEAR_DTYPES
             and x.dtype.torch == wt.dtype and wt.dim() == 2 and x.is_static):
         return run_addmm
     m, k = (int(d) for d in x.shape)
     n = int(wt.shape[1])
-    key, choice = _known_choice(node.meta.get("kernel"), m, k, n, wt.dtype, bias)
+    key, choice = _known_choice(node.meta.get("kernel"), m, k, n, wt.dtype, bias,
+                                row_major=wt.is_contiguous())
     raced = key[-1]
     if choice == "addmm":  # no packing: it copies the weight twice for nothing
         node.meta["kernel"] = "addmm"
         return run_addmm
     candidates: Dict[str, Callable] = {"addmm": run_addmm}
     for c in ((choice,) if choice else raced[1:]):
-        candidates[c] = _packed_kernel(c, wt, m, post, act)
+        candidates[c] = run_addmm_kn(_kn_weight(wt)) if c == "addmm_kn" \
+            else _packed_kernel(c, wt, m, post, act)
     if choice is None:
         choice = _measure_choice(key, candidates, bias_const, wt, has_bias=bias is not None)
     node.meta["kernel"] = choice
@@ -494,6 +546,13 @@ def make_linear_kernel(node: Node, in_descs: Sequence[TensorDesc], consts: Seque
 
     - ``addmm`` with the bias as its C operand, straight into ``out`` (without a bias,
       eager's ``mm``: the same bits as the unfused MatMul);
+    - ``addmm_kn``: the same on a contiguous [k, n] copy of a weight that is held
+      transposed (nn.Linear's [n, k] weight viewed as [k, n], as graphs compiled with
+      ``share_weights`` hold it), copied once at bind time and shared by the graphs that
+      view the same weight: at 1 row MKL's GEMV reads the weight in that layout ~10%
+      faster (the decode GEMMs of a 12-layer Llama of 125M parameters in rotation, 2
+      threads: 14.9 -> 14.0 ms; the LM head 3.5 -> 3.0 ms). fp32 rounding of eager's
+      values (another MKL code path);
     - ``onednn_packed``: oneDNN's inner product (``torch.ops.mkldnn._linear_pointwise``,
       brgemm on AVX2/AVX-512) on the weight reordered once to oneDNN's blocked layout
       (``_reorder_linear_weight``); the blocked weight serves every row count m, so a

@@ -37,13 +37,14 @@ zeros (as SDPA with an all-False boolean mask row). Agrees with eager
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Callable, Optional
 
 import numba
 import numpy as np
 import torch
 from numba import prange
 
+from ...ir import TensorDesc
 from .kv_cache_update_cpu import _array, _scatter, check_update, kv_cache_update
 from .numba_cache import launch, njit, torch_threads
 
@@ -205,6 +206,58 @@ def _serial_update(kb, vb, knb, vnb, positions, q, k, v, lengths, scale, out):  
     _serial(q, k, v, lengths, scale, out)
 
 
+@njit(cache=True)
+def _serial_update_checked(kb, vb, knb, vnb, positions, q, k, v, lengths, scale,
+                           out):  # pragma: no cover - numba
+    """`_serial_update` when every position p has p + T <= S_max and every length lies in
+    [0, S_max] (returns 0), else nothing written or read (returns 1): the range checks
+    `decode_attention_update` makes in Python, in the kernel."""
+    S, T = kb.shape[2], knb.shape[2]
+    for b in range(positions.shape[0]):
+        if positions[b] < 0 or positions[b] + T > S or lengths[b] < 0 or lengths[b] > S:
+            return 1
+    _serial_update(kb, vb, knb, vnb, positions, q, k, v, lengths, scale, out)
+    return 0
+
+
+def bind_decode_attention_update(q: TensorDesc, k: TensorDesc, v: TensorDesc, k_new: TensorDesc,
+                                 v_new: TensorDesc, positions: TensorDesc, lengths: TensorDesc,
+                                 scale: Optional[float]) -> Callable:
+    """``run(q, k, v, k_new, v_new, positions, lengths, out=None)``: `decode_attention_update`
+    for a compiled graph whose operands have the static descriptions given. Where those
+    make every call a serial one (float32, int64 positions and lengths, one new row per
+    sequence, 2·B·Hkv·S_max·D <= `SERIAL_MAX`), the shape and dtype checks are made once,
+    here, and a call checks the positions and lengths inside the kernel
+    (`_serial_update_checked`): the Python around the numba call is what a decode step's
+    attention costs (a 125M Llama's: 20 µs a call standalone, 6 in numba). Any other
+    call, and one whose positions or lengths are out of range (its one-line error), goes
+    through `decode_attention_update`. Same results, bit for bit."""
+    def general(qt, kt, vt, knt, vnt, pos, lens, out=None):
+        return decode_attention_update(qt, kt, vt, knt, vnt, pos, lens, scale, out=out)
+    shapes = [tuple(d.shape) for d in (q, k, v, k_new, v_new, positions, lengths)]
+    if not (all(d.is_static for d in (q, k, v, k_new, v_new, positions, lengths))
+            and all(d.dtype.torch == torch.float32 for d in (q, k, v, k_new, v_new))
+            and positions.dtype.torch == lengths.dtype.torch == torch.int64
+            and len(shapes[0]) == 4 and len(shapes[1]) == 4):
+        return general
+    (B, Hq, one, D), (_, Hkv, S, _) = shapes[0], shapes[1]
+    if not (one == 1 and Hkv and Hq % Hkv == 0 and B * Hq * D and shapes[2] == shapes[1]
+            and shapes[3] == shapes[4] == (B, Hkv, 1, D) and shapes[5] == shapes[6] == (B,)
+            and shapes[1][0] == B and shapes[1][3] == D and 2 * B * Hkv * S * D <= SERIAL_MAX):
+        return general
+    sc = np.float32(float(D) ** -0.5 if scale is None else float(scale))
+
+    def run(qt, kt, vt, knt, vnt, pos, lens, out=None):
+        if out is None or not (out.is_contiguous() and knt.is_contiguous() and vnt.is_contiguous()
+                               and pos.is_contiguous() and lens.is_contiguous()):
+            return general(qt, kt, vt, knt, vnt, pos, lens, out)
+        if _serial_update_checked(_array(kt), _array(vt), _array(knt), _array(vnt), _np(pos),
+                                  _np(qt), _np(kt), _np(vt), _np(lens), sc, out.numpy()):
+            return general(qt, kt, vt, knt, vnt, pos, lens, out)   # raises its one-line error
+        return out, kt, vt
+    return run
+
+
 def split_chunk(max_len: int, items: int, threads: Optional[int] = None) -> int:
     """Keys per split-KV chunk: enough chunks that ``items`` (B·Hkv) × chunks fill every
     thread (``threads``, default numba's count; the kernel uses torch's) twice over, each chunk at least `MIN_CHUNK` keys (and one chunk when
@@ -278,7 +331,8 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths:
     return res
 
 
-__all__ = ["MIN_CHUNK", "SERIAL_MAX", "decode_attention", "decode_attention_update", "split_chunk"]
+__all__ = ["MIN_CHUNK", "SERIAL_MAX", "bind_decode_attention_update", "decode_attention",
+           "decode_attention_update", "split_chunk"]
 
 
 def decode_attention_update(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
