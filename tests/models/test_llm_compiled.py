@@ -49,11 +49,18 @@ def test_compiled_steps_equal_transformers_and_eager_with_one_decode_graph(name)
     # prefill attention runs the project's FlashAttention, reported per graph
     text = gen.report()
     assert text.count("fuse_flash_attention") == 1 and "memory: arena" in text
-    # the graphs hold the module's weight memory (one copy, shared by both graphs)
+    # the graphs hold the module's weight memory (one copy, shared by both graphs), and
+    # the merged Q/K/V weights once, shared by both graphs too
     own = {t.untyped_storage().data_ptr() for t in list(m.parameters()) + list(m.buffers())}
+    merged = []
     for key in gen.steps.keys():
-        big = [c.const for c in gen.steps.step(*key).compiled.graph.constants if c.const.dim() == 2]
+        consts = gen.steps.step(*key).compiled.graph.constants
+        big = [c.const for c in consts if c.const.dim() == 2 and not c.name.endswith("_qkv_w")]
         assert big and {t.untyped_storage().data_ptr() for t in big} <= own
+        merged.append({c.const.untyped_storage().data_ptr() for c in consts
+                       if c.name.endswith("_qkv_w")})
+    separate = hasattr(m.config, "num_key_value_heads")   # q/k/v Linears (GPT-2 has c_attn)
+    assert merged[0] == merged[1] and len(merged[0]) == separate * m.config.num_hidden_layers
 
 
 def test_a_weight_changed_after_compile_is_one_line_naming_the_users_parameter():

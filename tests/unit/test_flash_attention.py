@@ -184,6 +184,8 @@ def test_forward_only_long_sequence_uses_256_row_blocks_correctly():
     tail (600 = 2*256 + 88) and a causal bottom-right mask must still be exact."""
     from opencann.ops.flash_attention.api import CPU_FORWARD_BLOCK_Q, _default_tiles
     assert _default_tiles("numba", 64, 600, 700, torch.float32, True)[0] == CPU_FORWARD_BLOCK_Q
+    bq, bk = _default_tiles("numba", 64, 600, 700, torch.float32, True, True)
+    assert bq == CPU_FORWARD_BLOCK_Q and bk <= bq    # causal: key tiles above the diagonal skipped
     g = torch.Generator().manual_seed(11)
     q = torch.randn(1, 2, 600, 64, generator=g)
     k, v = torch.randn(1, 2, 700, 64, generator=g), torch.randn(1, 2, 700, 64, generator=g)

@@ -39,7 +39,7 @@ def _close(out, ref, tol=1e-5):
     assert ((out[fin] - ref[fin]).abs().max() / ref[fin].abs().max()).item() < tol
 
 
-@pytest.mark.parametrize("kernel,rows", [(k, r) for k in ("addmm", "addmm_kn", "mkl_packed", "onednn_packed")
+@pytest.mark.parametrize("kernel,rows", [(k, r) for k in ("addmm", "mkl_packed", "onednn_packed")
                                          for r in (1, 7, 64)] + [("gemv", 1), ("gemv", 4)])
 def test_each_kernel_matches_eager(kernel, rows, monkeypatch):
     if kernel == "mkl_packed" and not cpu_device.mkl_packed_available():
@@ -240,3 +240,39 @@ def test_a_packed_copy_made_for_a_kernel_that_lost_the_race_is_freed(monkeypatch
                for w in ws)
     with torch.no_grad():
         _close(cm(x), m(x))
+
+
+@pytest.mark.parametrize("rows", [1, 7])
+def test_addmm_kn_streams_a_transposed_weight_at_decode_rows_and_matches_eager(rows, monkeypatch):
+    """``addmm_kn`` (addmm on a contiguous [k, n] copy of a weight held transposed) is
+    offered for few-row GEMMs of a weight of 1 MiB or more, and matches eager: values,
+    NaN/Inf rows, a second call, outputs the caller's own; wider GEMMs and small weights
+    never get it (eager's bits and memory kept)."""
+    monkeypatch.setattr(cpu_kernels, "LINEAR_CHOICES", ForcedGemmChoice("addmm_kn"))
+    torch.manual_seed(0)
+    m = MLP(d=512, h=640).eval()                   # 512x640 fp32 = 1.25 MiB each
+    x = torch.randn(rows, 512)
+    cm = opencann.compile(m, (x,))
+    assert _kernels(cm) == ["addmm_kn", "addmm_kn"]
+    for _ in range(2):
+        x = torch.randn(rows, 512)
+        if rows > 1:                   # NaN and inf rows beside finite ones
+            x[0, 3], x[1, 5] = float("nan"), float("inf")
+        with torch.no_grad():
+            ref = m(x)
+        out = cm(x)
+        _close(out, ref)
+        again = cm(x)
+        assert torch.equal(again.nan_to_num(), out.nan_to_num())
+        out.add_(1)
+        assert not torch.equal(again.nan_to_num(), out.nan_to_num())
+    x = torch.randn(rows, 512)
+    x[-1, 7] = float("nan")                          # a NaN row: NaN where eager's is
+    with torch.no_grad():
+        assert torch.equal(torch.isnan(cm(x)), torch.isnan(m(x)))
+    wide = opencann.compile(m, (torch.randn(64, 512),))        # a prefill-sized GEMM
+    small = opencann.compile(MLP().eval(), (torch.randn(rows, 48),))   # a small weight
+    assert "addmm_kn" not in _kernels(wide) + _kernels(small)
+    assert not cpu_kernels.kn_offered(torch.randn(512, 640), 1)   # contiguous: addmm is NN
+    assert cpu_kernels.kn_offered(torch.randn(640, 512).t(), 16)
+    assert not cpu_kernels.kn_offered(torch.randn(640, 512).t(), 17)

@@ -804,16 +804,45 @@ def test_fuse_qkv_linear_bias_free():
                              "the first sibling has none (eager adds no zeros to a bias-free GEMM)")]
 
 
-def test_fuse_qkv_linear_does_not_apply_under_share_weights():
-    g = Graph()
+def _three_linears_sharing(weights):
+    """A graph of three bias-free Linears on one x whose constant weights are ``weights``
+    (transposed views, as share_weights holds a module's)."""
+    from opencann.ir import Graph as _G
+    g = _G()
     x = g.add_input(d(2, 4), "x")
-    g.outputs = [unary(g, "Neg", linear_no_bias(g, x, 4, n)) for n in "qkv"]
-    before = to_text(g)
-    _, rep, _ = run(FuseQKVLinear(), g, share_weights=True)
-    assert to_text(g) == before
-    assert skipped(rep) == [("fuse_qkv_linear", "the option share_weights is on: merging the 3 "
-                             "Linears on %x would copy their weights into this graph (they are "
-                             "kept once, as the module's memory)")]
+    outs = []
+    for w, n in zip(weights, "qkv"):
+        wv = g.add_const(w.t(), f"{n}_w")
+        outs.append(g.create_node("LinearAct", [x, wv], {"mat1": TensorRef(0), "mat2": TensorRef(1),
+                                                        "act": "none"},
+                                  [d(2, int(w.shape[0]))], n).output)
+    g.outputs = [unary(g, "Neg", o) for o in outs]
+    return g
+
+
+def test_fuse_qkv_linear_under_share_weights_makes_one_concatenation_for_every_graph():
+    """Under share_weights the merged weight is made once for a set of weights: a second
+    graph over the same module weights (another prefill bucket, the decode graph) holds
+    the same tensor; other weights, or the same ones after an in-place change, get their
+    own."""
+    ws = [torch.randn(4, 4), torch.randn(2, 4), torch.randn(2, 4)]
+    merged = []
+    for _ in range(2):
+        g = _three_linears_sharing(ws)
+        _, rep, _ = run(FuseQKVLinear(), g, share_weights=True)
+        assert [n.op for n in g.nodes][:3] == ["LinearAct", "StridedSlice", "StridedSlice"]
+        merged.append(g.nodes[0].inputs[1].const)
+    assert merged[0].data_ptr() == merged[1].data_ptr()   # one tensor's memory
+    assert torch.equal(merged[0], torch.cat([w.t() for w in ws], dim=1))
+    with torch.no_grad():
+        ws[1].mul_(2.0)                      # a changed weight: a new concatenation
+    g = _three_linears_sharing(ws)
+    run(FuseQKVLinear(), g, share_weights=True)
+    assert g.nodes[0].inputs[1].const.data_ptr() != merged[0].data_ptr()
+    assert torch.equal(g.nodes[0].inputs[1].const, torch.cat([w.t() for w in ws], dim=1))
+    g = _three_linears_sharing(ws)           # without the option: a copy of its own
+    run(FuseQKVLinear(), g)
+    assert g.nodes[0].inputs[1].const.data_ptr() != merged[0].data_ptr()
 
 
 def test_fuse_qkv_linear_leaves_out_a_sibling_with_another_activation():

@@ -97,20 +97,28 @@ def _pick_backend(backend, device):
 CPU_FORWARD_BLOCK_Q = 256
 
 
+# Causal attention on CPU: key blocks no longer than query blocks, so every key tile above
+# the diagonal is skipped whole (one tile per query block is partly masked); with the
+# wide key blocks above, most tiles straddle the diagonal and are computed in full, then
+# masked. Forward, B=1, 12/4 heads (GQA), d=64, best of 5, 2 cores (Intel Xeon): S=512
+# (128, 512) 3.24 -> (128, 128) 2.11 ms; S=2048 (256, 1024) 37.1 -> (256, 256) 26.4 ms.
 @functools.lru_cache(maxsize=256)
-def _default_tiles(backend, D, Sq, Sk, dtype, forward_only=False):
+def _default_tiles(backend, D, Sq, Sk, dtype, forward_only=False, causal=False):
     if backend == "triton":
         plan = plan_tiles(cuda_smem()[0], D, dtype, seq_q=Sq, seq_k=Sk, target="triton")
         return min(plan.block_q, TRITON_MAX_BLOCK), min(plan.block_k, TRITON_MAX_BLOCK)
     plan = plan_tiles(cpu_l2()[0], D, torch.float32, seq_q=Sq, seq_k=Sk, target="cpu")
+    bq, bk = plan.block_q, plan.block_k
     if forward_only and backend == "numba" and Sq >= 2 * CPU_FORWARD_BLOCK_Q:
-        return CPU_FORWARD_BLOCK_Q, min(plan.block_k, 1024 if D <= 64 else 512)
-    return plan.block_q, plan.block_k
+        bq, bk = CPU_FORWARD_BLOCK_Q, min(plan.block_k, 1024 if D <= 64 else 512)
+    if causal and backend == "numba":
+        bk = min(bk, bq)
+    return bq, bk
 
 
-def _tiles(tiles, backend, D, Sq, Sk, dtype, forward_only=False):
+def _tiles(tiles, backend, D, Sq, Sk, dtype, forward_only=False, causal=False):
     if tiles is None:
-        return _default_tiles(backend, D, Sq, Sk, dtype, forward_only)
+        return _default_tiles(backend, D, Sq, Sk, dtype, forward_only, bool(causal))
     if isinstance(tiles, TilePlan):
         return tiles.block_q, tiles.block_k
     try:
@@ -192,7 +200,7 @@ def _prepare(q, k, v, attn_mask, causal, scale, layout, tiles, backend, forward_
         mask = mask.detach()
     scale = _check_scale(D ** -0.5 if scale is None else scale)
     backend = _pick_backend(backend, q.device)
-    bq, bk = _tiles(tiles, backend, D, Sq, Sk, q.dtype, forward_only)
+    bq, bk = _tiles(tiles, backend, D, Sq, Sk, q.dtype, forward_only, causal)
     return q, k, v, mask, off, scale, bq, bk, backend
 
 

@@ -252,6 +252,15 @@ COLD_RACE_ROWS, COLD_RACE_BYTES = 16, 1 << 20
 _EVICT: List[torch.Tensor] = []  # the scratch buffer written to evict the caches (made once)
 
 
+def kn_offered(wt: torch.Tensor, m: int) -> bool:
+    """Whether ``addmm_kn`` races for the constant weight ``wt`` [k, n] at ``m`` rows: an
+    fp32 weight held transposed (not contiguous) that a few-row GEMM streams
+    (`COLD_RACE_ROWS`, `COLD_RACE_BYTES`). Elsewhere the copy would cost memory and
+    eager's bits (addmm on the weight as held is eager's ``mm``) for no measured gain."""
+    return (wt.dtype == torch.float32 and wt.dim() == 2 and not wt.is_contiguous()
+            and m <= COLD_RACE_ROWS and wt.numel() * wt.element_size() >= COLD_RACE_BYTES)
+
+
 def _evict_caches() -> None:
     """Write 32 MiB of scratch memory (more than the L2 caches of any CPU this runs on),
     so the next call's weight is read from the shared cache or memory, as at decode."""
@@ -313,19 +322,18 @@ def _copy_act(r: torch.Tensor, out, post) -> torch.Tensor:
 
 
 def _available(kernel: str, n: int, bias: Optional[TensorDesc], m: int = 0,
-               dtype: torch.dtype = torch.float32, row_major: bool = True) -> bool:
+               dtype: torch.dtype = torch.float32, kn: bool = False) -> bool:
     """Whether GEMM ``kernel`` can run here for ``m`` rows, ``n`` output features, a
     bias of ``bias``'s shape or none (None), and operands of ``dtype`` (oneDNN's inner
     product and the GEMV take a full [n] bias or none; the GEMV 1..`GEMV_MAX_ROWS` rows;
     bf16 runs on addmm and oneDNN's inner product only: MKL's packed GEMM, the numba
-    GEMV and ``addmm_kn`` are fp32). ``row_major``: the weight [k, n] is contiguous;
-    ``addmm_kn`` (addmm on a contiguous copy) exists only for a weight that is not (the
-    transpose of nn.Linear's [n, k] weight, as graphs compiled with the option
-    ``share_weights`` hold it)."""
+    GEMV and ``addmm_kn`` are fp32). ``kn``: ``addmm_kn`` (addmm on a contiguous copy
+    of the weight) is offered: a weight held transposed (nn.Linear's [n, k] weight
+    viewed as [k, n]) streamed by a few-row GEMM (`COLD_RACE_ROWS`, `kn_offered`)."""
     if dtype != torch.float32 and kernel in ("gemv", "mkl_packed", "addmm_kn"):
         return False
     if kernel == "addmm_kn":
-        return not row_major
+        return kn
     full = bias is None or tuple(int(d) for d in bias.shape) == (n,)
     if kernel == "gemv":
         return 1 <= m <= GEMV_MAX_ROWS and full
@@ -345,7 +353,7 @@ _ONEDNN_PACKED = WeakIdKeyDictionary()
 _ONEDNN_PACKED_LOCK = threading.Lock()
 _GEMV_PACKED = WeakIdKeyDictionary()  # constant weight [k, n] -> weak ref. to its [n, k] copy
 _KN_PACKED = WeakIdKeyDictionary()  # constant weight [k, n] (not contiguous) -> its contiguous copy
-# (cache id, data_ptr, shape, strides, dtype) -> weak reference to the first constant packed
+# (cache id, data_ptr, shape, strides, dtype, version) -> weak reference to the first constant packed
 # for that view of memory: other constant tensors viewing the same memory (graphs compiled
 # with the option share_weights, e.g. opencann.llm's prefill buckets and decode graph) reuse
 # its packed copy instead of packing their own. While the reference is alive its storage is
@@ -357,9 +365,10 @@ def _packed_once(cache: WeakIdKeyDictionary, wt: torch.Tensor,
                  make: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
     """``cache``'s packed copy of the constant weight ``wt`` (``make(wt)``), made once per
     weight object and shared with every other constant viewing the same memory (same
-    data pointer, shape, strides and dtype) while the first one lives. ``cache`` holds it
+    data pointer, shape, strides and dtype) at the same version counter (a weight changed
+    in place since, then compiled again, is packed again) while the first one lives. ``cache`` holds it
     weakly: it lives while a caller (a bound kernel) holds it, and is made again after."""
-    key = (id(cache), wt.data_ptr(), tuple(wt.shape), wt.stride(), wt.dtype)
+    key = (id(cache), wt.data_ptr(), tuple(wt.shape), wt.stride(), wt.dtype, wt._version)
     with _ONEDNN_PACKED_LOCK:
         packed = _deref(cache.get(wt))
         if packed is None:
@@ -437,26 +446,25 @@ def _packed_kernel(kernel: str, wt: torch.Tensor, m: int, post, act: str = "none
 
 
 def _known_choice(made, m: int, k: int, n: int, dtype, bias: Optional[TensorDesc],
-                  row_major: bool = True) -> tuple:
+                  kn: bool = False) -> tuple:
     """(cache key, choice) for a GEMM of shape (m, k, n) with a bias of ``bias``'s shape
-    or none (None) and a weight that is contiguous [k, n] (``row_major``) or not: the
-    kernels raced here (oneDNN's prepacked where it exists, else MKL's packed, the GEMV
-    for 1..`GEMV_MAX_ROWS` rows, ``addmm_kn`` for a weight that is not row-major, and
-    addmm) are the key's last item (after "no bias" for a bias-free GEMM); the choice is
+    or none (None): the kernels raced here (oneDNN's prepacked where it exists, else
+    MKL's packed, the GEMV for 1..`GEMV_MAX_ROWS` rows, ``addmm_kn`` where ``kn``
+    (`kn_offered`), and addmm) are the key's last item (after "no bias" for a bias-free GEMM); the choice is
     ``made`` (a node's earlier choice, or a model file's) where its kernel exists here,
     else addmm; with nothing made, the cached choice for the key, oneDNN's prepacked
     kernel for bf16 where it exists, "addmm" when nothing else can race, or None (to be
     measured)."""
-    raced = tuple(c for c in GEMM_KERNELS if _available(c, n, bias, m, dtype, row_major))
+    raced = tuple(c for c in GEMM_KERNELS if _available(c, n, bias, m, dtype, kn))
     if "onednn_packed" in raced:  # MKL's packing serves one m and measured no faster
         raced = tuple(c for c in raced if c != "mkl_packed")
     key = (m, k, n, str(dtype)) + (("no bias",) if bias is None else ()) + (raced,)
     if made == "gemv" and not 1 <= m <= GEMV_MAX_ROWS:
         made = None  # pinned from a decode shape onto a wider one: choose for this shape
     if made in GEMM_KERNELS:
-        return key, (made if _available(made, n, bias, m, dtype, row_major) else "addmm")
+        return key, (made if _available(made, n, bias, m, dtype, kn) else "addmm")
     cached = LINEAR_CHOICES.get(key)
-    if cached in GEMM_KERNELS and _available(cached, n, bias, m, dtype, row_major):
+    if cached in GEMM_KERNELS and _available(cached, n, bias, m, dtype, kn):
         return key, cached
     if dtype == torch.bfloat16 and "onednn_packed" in raced:
         return key, "onednn_packed"   # not raced: see the module docstring
@@ -518,7 +526,7 @@ def gemm_kernel(node: Node, x: TensorDesc, wt: Optional[torch.Tensor], bias: Opt
     m, k = (int(d) for d in x.shape)
     n = int(wt.shape[1])
     key, choice = _known_choice(node.meta.get("kernel"), m, k, n, wt.dtype, bias,
-                                row_major=wt.is_contiguous())
+                                kn=kn_offered(wt, m))
     raced = key[-1]
     if choice == "addmm":  # no packing: it copies the weight twice for nothing
         node.meta["kernel"] = "addmm"

@@ -3,9 +3,11 @@ LinearAct nodes that read the same x with constant weights (attention's Q, K and
 projections) become one LinearAct over the weights concatenated once at compile time,
 [m, k] @ [k, n₁ + n₂ + n₃], and one StridedSlice view per former result (columns
 [oᵢ, oᵢ + nᵢ) of the [m, Σn] buffer, read in place). Siblings with a bias merge with
-siblings with a bias, bias-free ones (Llama's) with bias-free ones. Not under the
-compile option ``share_weights``: the concatenation is a copy of the weights in each
-graph, where that option keeps them once (opencann.llm's step graphs). ONNX Runtime does the same in its
+siblings with a bias, bias-free ones (Llama's) with bias-free ones. Under the compile
+option ``share_weights`` (opencann.llm's step graphs, which keep the module's weights
+once) the concatenation is made once per set of weights and shared by every graph that
+merges the same ones (`shared_concat_const`): one copy of Q/K/V's weights beside the module's,
+not one per prefill bucket and decode graph. ONNX Runtime does the same in its
 attention fusion (``onnxruntime/core/optimizer/attention_fusion.cc`` merges the Q/K/V
 MatMuls' weights into one), OpenVINO in its ``FullyConnected`` horizontal fusion.
 
@@ -17,8 +19,11 @@ the memory plan keeps the merged buffer alive while any slice (or view of one) i
 """
 from __future__ import annotations
 
+import functools
+import threading
+import weakref
 from dataclasses import dataclass
-from typing import List, Optional, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -31,6 +36,37 @@ from .common import CpuFusion
 @dataclass
 class _QKVMatch:
     nodes: List[Node]            # the sibling LinearActs, in graph order
+
+
+# concatenations made under share_weights, by their parts' memory and version counters ->
+# weak references to the graph constants holding one (it lives while a graph holds it)
+_SHARED: Dict[tuple, List["weakref.ref"]] = {}
+_SHARED_LOCK = threading.Lock()
+
+
+def shared_concat_const(graph: Graph, parts: Sequence[torch.Tensor], name: str,
+                        transpose: bool = False) -> Value:
+    """A constant of ``graph`` holding ``torch.cat(parts)`` (its ``.t()`` when
+    ``transpose``), made once for parts viewing the same memory (data pointer, shape,
+    strides, dtype, version counter): every later graph merging the same weights gets a
+    constant over the same memory while one graph holds it. Each holder keeps references
+    to ``parts``, so their memory (the key's addresses) cannot be freed and reused while
+    the concatenation lives."""
+    key = tuple((p.data_ptr(), tuple(p.shape), p.stride(), p.dtype, p._version) for p in parts)
+    key += (transpose,)
+    with _SHARED_LOCK:
+        for k in [k for k, refs in _SHARED.items() if all(r() is None for r in refs)]:
+            del _SHARED[k]
+        live = [t for t in (r() for r in _SHARED.get(key, ())) if t is not None]
+        if live:
+            cat = live[0]
+        else:
+            cat = torch.cat(list(parts))
+            cat = cat.t() if transpose else cat
+        v = graph.add_const(cat, name)
+        v.const._opencann_parts = tuple(parts)   # keeps the parts' memory alive (see above)
+        _SHARED[key] = [weakref.ref(t) for t in live] + [weakref.ref(v.const)]
+    return v
 
 
 def _returned(graph: Graph, nodes) -> set:
@@ -93,8 +129,7 @@ class FuseQKVLinear(CpuFusion):
         """A `_QKVMatch` when ``root`` is the first of ≥ 2 LinearAct nodes reading the same
         2-D x as ``mat1`` that can be merged (constant weight and bias of one dtype, or
         none, same activation); None when ``root`` is not the first such sibling or has
-        none; a `Skip` naming the sibling that cannot join (and why) when no two can, or
-        when the option ``share_weights`` is on (module docstring)."""
+        none; a `Skip` naming the sibling that cannot join (and why) when no two can."""
         x = _parts(root)[1]
         sibs = [u for u in x.users if u.op == "LinearAct" and _parts(u)[1] is x
                 and sum(v is x for v in u.inputs) == 1]
@@ -104,10 +139,6 @@ class FuseQKVLinear(CpuFusion):
         sibs.sort(key=order.__getitem__)
         if sibs[0] is not root:
             return None
-        if ctx.options.get("share_weights"):
-            return Skip(f"the option share_weights is on: merging the {len(sibs)} Linears on "
-                        f"{x} would copy their weights into this graph (they are kept once, "
-                        "as the module's memory)")
         if x.desc.rank != 2:
             return Skip(f"the shared input {x} is {x.desc}, not a 2-D [m, k] matrix")
         returned = _returned(graph, sibs)
@@ -138,21 +169,28 @@ class FuseQKVLinear(CpuFusion):
     def rewrite(self, graph: Graph, m: _QKVMatch, ctx: PassContext) -> int:
         """Add the concatenated weight [k, Σn] and bias [Σn] (when the siblings have
         one) as constants (the weight stored as the transpose of a contiguous [Σn, k], the
-        layout of the weights it replaces), create the merged LinearAct before the first
+        layout of the weights it replaces; under ``share_weights`` made once for every
+        graph, `shared_concat_const`), create the merged LinearAct before the first
         sibling and one StridedSlice per sibling, rewire the siblings' users to the slices
         and erase the siblings. Returns 1."""
         first = m.nodes[0]
         parts = [_parts(n) for n in m.nodes]
         x = parts[0][1]
-        wcat = torch.cat([w.const.t() for _, _, w in parts], dim=0).t()   # [k, Σn], column-major
-        wv = graph.add_const(wcat, f"{first.name}_qkv_w")
+        if ctx.options.get("share_weights"):
+            const = functools.partial(shared_concat_const, graph)
+        else:
+            def const(ts, name, transpose=False):
+                cat = torch.cat(list(ts))
+                return graph.add_const(cat.t() if transpose else cat, name)
+        # [k, Σn], column-major
+        wv = const([w.const.t() for _, _, w in parts], f"{first.name}_qkv_w", transpose=True)
         if parts[0][0] is not None:
-            bcat = torch.cat([b.const.reshape(-1) for b, _, _ in parts])
-            ins = [graph.add_const(bcat, f"{first.name}_qkv_b"), x, wv]
+            bv = const([b.const.reshape(-1) for b, _, _ in parts], f"{first.name}_qkv_b")
+            ins = [bv, x, wv]
             refs = {"self": TensorRef(0), "mat1": TensorRef(1), "mat2": TensorRef(2)}
         else:
             ins, refs = [x, wv], {"mat1": TensorRef(0), "mat2": TensorRef(1)}
-        total = int(wcat.shape[1])
+        total = int(wv.desc.shape[1])
         mdim = x.desc.shape[0]
         out_dtype = first.outputs[0].desc.dtype
         merged = graph.create_node(
