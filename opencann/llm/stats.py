@@ -9,8 +9,13 @@ and ``plans_built_after_warmup`` (step graphs and memory plans built after the c
 first decode step: zero when nothing recompiles per token). Totals over the generator's
 life: ``graphs_built`` (prefill and decode step graphs), ``recompiles`` (graphs built
 again for a shape that had one), ``memory_plans`` (memory plans of the compiled step
-graphs; 0 on the eager backend), ``kv_cache_bytes`` (the preallocated caches), and
-``graphs`` (the step graphs by key, e.g. ``"prefill b2 t32"``).
+graphs; 0 on the eager backend), ``kv_cache_bytes`` (the preallocated caches),
+``weight_bytes`` (the weights the step graphs hold, each storage once: the module's
+weights they share, merged Q/K/V copies, and the packed copies their GEMM kernels made:
+oneDNN's blocked layout, the decode GEMMs' [k, n]), ``arena_bytes`` (the step graphs'
+activation arenas, one per graph), and ``graphs`` (the step graphs by key, e.g.
+``"prefill b2 t32"``; a loaded generator's too). Memory beyond the Python process:
+weights + KV cache + arenas.
 """
 from __future__ import annotations
 
@@ -24,6 +29,8 @@ class GenerationStats:
     """Counters and timings of a `Generator` (see the module docstring for each field)."""
 
     kv_cache_bytes: int = 0
+    weight_bytes: int = 0
+    arena_bytes: int = 0
     graphs_built: int = 0
     recompiles: int = 0
     memory_plans: int = 0
@@ -75,7 +82,8 @@ class GenerationStats:
                 f"decode {self.decode_tokens_per_s:.1f} tok/s ({self.decode_steps} steps), "
                 + (f"{self.graphs_loaded} graphs loaded, " if self.graphs_loaded else "")
                 + f"{self.graphs_built} graphs, {self.recompiles} recompiles, "
-                f"{self.memory_plans} memory plans, KV cache {self.kv_cache_bytes / 2**20:.2f} MiB")
+                f"{self.memory_plans} memory plans, KV cache {self.kv_cache_bytes / 2**20:.2f} MiB, "
+                f"weights {self.weight_bytes / 2**20:.1f} MiB, arenas {self.arena_bytes / 2**20:.1f} MiB")
 
 
 __all__ = ["GenerationStats"]

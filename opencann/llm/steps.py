@@ -67,6 +67,29 @@ def smallest(sizes: Sequence[int], n: int) -> int:
     return next(s for s in sizes if s >= n)
 
 
+def step_memory(graphs: Sequence[Any], module: Optional[torch.nn.Module] = None) -> Tuple[int, int]:
+    """(weight bytes, arena bytes) of compiled step ``graphs``: each storage their
+    constants and their kernels' packed weight copies (`cpu.packed_copies`) view, counted
+    once, and the sum of their arenas; with no graph (the eager backend) ``module``'s
+    parameters and buffers and no arena."""
+    from ..ops.kernels.cpu import packed_copies
+    storages: Dict[int, int] = {}
+    tensors: List[torch.Tensor] = [] if module is None else \
+        list(module.parameters()) + list(module.buffers())
+    arena = 0
+    for cm in graphs:
+        arena += int(cm.plan.arena_bytes)
+        consts = [v.const for v in cm.graph.constants if isinstance(v.const, torch.Tensor)]
+        tensors += consts + packed_copies(consts)
+    for t in tensors:
+        try:
+            st = t.untyped_storage()
+            storages[st.data_ptr()] = st.nbytes()
+        except (NotImplementedError, RuntimeError):   # oneDNN's opaque blocked tensors
+            storages[-id(t)] = t.numel() * t.element_size()
+    return sum(storages.values()), arena
+
+
 def _plans(compiled: Any) -> int:
     """Memory plans a compiled step graph holds: a dynamic model's plans built, else 1."""
     plans = getattr(getattr(compiled, "shapes", None), "plans", None)
@@ -97,6 +120,15 @@ class StepGraphs:
         for (b, t), cm in (loaded or {}).items():
             self._graphs[(b, t)] = self._runner(cm, b)
             stats.graphs_loaded += 1
+            stats.graphs.append(f"{'decode' if t == 1 else 'prefill'} b{b} t{t}")
+        if loaded:
+            self._count_memory()
+
+    def _count_memory(self) -> None:
+        """Set ``stats.weight_bytes`` / ``arena_bytes`` from the graphs built so far."""
+        graphs = list(self.compiled().values())
+        self.stats.weight_bytes, self.stats.arena_bytes = step_memory(
+            graphs, self.lm if not graphs else None)
 
     def views(self, batch: int) -> List[torch.Tensor]:
         """The caches' first ``batch`` rows (views, no copy)."""
@@ -125,6 +157,7 @@ class StepGraphs:
             def run(ids, positions, lengths):
                 return lm(ids, positions, lengths, *views)
             self.stats.graph_built(key, 0)
+            self.stats.weight_bytes = step_memory([], lm)[0]
             return run
         from ..engine import compile_module
         example = (torch.zeros(batch, tokens, dtype=torch.long),
@@ -133,7 +166,10 @@ class StepGraphs:
         cm = compile_module(self.lm, example, device=self.device,
                             options=self.compile_options(tokens))
         self.stats.graph_built(key, _plans(cm))
-        return self._runner(cm, batch)
+        run = self._runner(cm, batch)
+        self._graphs[(batch, tokens)] = run
+        self._count_memory()
+        return run
 
     def _runner(self, cm: Any, batch: int) -> Callable:
         """``cm`` (a compiled step graph of ``batch`` rows) called on the caches' views;
@@ -179,4 +215,5 @@ class StepGraphs:
         return list(self._graphs)
 
 
-__all__ = ["BACKENDS", "MIN_BUCKET", "StepGraphs", "batch_sizes", "prefill_buckets", "smallest"]
+__all__ = ["BACKENDS", "MIN_BUCKET", "StepGraphs", "batch_sizes", "prefill_buckets", "smallest",
+           "step_memory"]

@@ -71,9 +71,10 @@ def sampling_kwargs(args: argparse.Namespace) -> dict:
 
 def max_seq_len(args: argparse.Namespace, prompt_len: int, model) -> int:
     """The KV-cache length: ``--max-seq-len``, or prompt + new tokens rounded up to
-    `MAX_SEQ_LEN_STEP` and capped at the model's ``max_position_embeddings``.
-    Raises ValueError (one line) when prompt + new tokens do not fit."""
-    need = prompt_len + args.max_new_tokens
+    `MAX_SEQ_LEN_STEP` and capped at the model's ``max_position_embeddings``. The cache
+    holds prompt + new - 1 positions (the last new token is never fed back), as the
+    generator counts them. Raises ValueError (one line) when they do not fit."""
+    need = prompt_len + args.max_new_tokens - 1
     limit = getattr(model.config, "max_position_embeddings", None) or need
     if args.max_seq_len is not None:
         if need > args.max_seq_len:

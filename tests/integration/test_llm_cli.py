@@ -133,3 +133,18 @@ def test_smollm2_chat_turn(capsys):
     assert rc == 0, err
     assert _generated_text(out) == "The capital of France is Paris."
     assert out.rstrip().splitlines()[-1].startswith("8 new tokens: TTFT ")
+
+
+def test_max_seq_len_counts_positions_as_the_generator_does():
+    """A prompt of p tokens and N new ones fill p + N - 1 cache positions (the last token is
+    never fed back): --max-seq-len p + N - 1 is enough, as for the generator itself."""
+    import argparse
+    from types import SimpleNamespace
+    from opencann.tools.generate_cli import max_seq_len
+    model = SimpleNamespace(config=SimpleNamespace(max_position_embeddings=64))
+    assert max_seq_len(argparse.Namespace(max_seq_len=10, max_new_tokens=6), 5, model) == 10
+    with pytest.raises(ValueError, match=r"need 11 positions, more than --max-seq-len 10"):
+        max_seq_len(argparse.Namespace(max_seq_len=10, max_new_tokens=7), 5, model)
+    assert max_seq_len(argparse.Namespace(max_seq_len=None, max_new_tokens=60), 5, model) == 64
+    with pytest.raises(ValueError, match=r"more than the model's context of 64"):
+        max_seq_len(argparse.Namespace(max_seq_len=None, max_new_tokens=61), 5, model)

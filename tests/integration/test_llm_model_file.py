@@ -109,6 +109,8 @@ def test_built_graphs_only_and_a_missing_step_is_one_line(saved, tmp_path):
     small.save(path, graphs="built")
     g = L.load(path)
     assert g.tokenizer is None and g.stats.graphs_loaded == 2
+    assert g.stats.graphs == ["prefill b2 t16", "decode b2 t1"]      # the loaded ones, named
+    assert g.stats.weight_bytes >= small.stats.weight_bytes - 2**20 and g.stats.arena_bytes > 0
     assert g.generate(PROMPTS, max_new_tokens=3).tolist() == small.generate(PROMPTS, max_new_tokens=3).tolist()
     with pytest.raises(ValueError, match=r"^built.ocm holds no step graph prefill b2 t32 \(it holds "
                        r"prefill b2 t16, decode b2 t1\): save the generator with graphs='all'"):

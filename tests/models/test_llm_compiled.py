@@ -59,6 +59,14 @@ def test_compiled_steps_equal_transformers_and_eager_with_one_decode_graph(name)
         assert big and {t.untyped_storage().data_ptr() for t in big} <= own
         merged.append({c.const.untyped_storage().data_ptr() for c in consts
                        if c.name.endswith("_qkv_w")})
+    # memory reported: the weights the graphs hold (the module's, each storage once, plus
+    # copies) and their arenas; the eager backend's weights are the module's
+    params = sum(p.numel() * p.element_size() for p in m.parameters())
+    assert s.weight_bytes >= params * 0.9 and s.arena_bytes > 0
+    torch_steps = L.compile(m, max_seq_len=48, max_batch=2, options={"backend": "eager"})
+    torch_steps.generate(short, max_new_tokens=2)
+    assert torch_steps.stats.weight_bytes >= params and torch_steps.stats.arena_bytes == 0
+    assert f"weights {s.weight_bytes / 2**20:.1f} MiB" in s.summary()
     separate = hasattr(m.config, "num_key_value_heads")   # q/k/v Linears (GPT-2 has c_attn)
     assert merged[0] == merged[1] and len(merged[0]) == separate * m.config.num_hidden_layers
 

@@ -406,6 +406,20 @@ def _gemv_weight(wt: torch.Tensor) -> torch.Tensor:
     return _packed_once(_GEMV_PACKED, wt, lambda w: pack_weight(w, transposed=True))
 
 
+def packed_copies(weights: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+    """The packed copies bound kernels hold of the constant ``weights`` (oneDNN's blocked
+    layout, the GEMV's [n, k], ``addmm_kn``'s [k, n]; made at bind time and alive while
+    a kernel holds them): what a compiled graph keeps beside its constants. A copy that
+    is the weight's own memory (the GEMV on a transposed weight) is listed too; count
+    storages once."""
+    found = []
+    for cache in (_ONEDNN_PACKED, _GEMV_PACKED, _KN_PACKED):
+        with _ONEDNN_PACKED_LOCK:
+            refs = [cache.get(w) for w in weights if isinstance(w, torch.Tensor)]
+        found += [t for t in map(_deref, refs) if t is not None]
+    return found
+
+
 def _kn_weight(wt: torch.Tensor) -> torch.Tensor:
     """``addmm_kn``'s contiguous [k, n] copy of the constant weight ``wt`` [k, n] (a
     transposed view of nn.Linear's [n, k] weight), made once per weight and cached while
@@ -599,4 +613,5 @@ def make_linear_kernel(node: Node, in_descs: Sequence[TensorDesc], consts: Seque
 
 
 __all__ = ["BF16_LINEAR_POST", "GEMM_KERNELS", "LINEAR_CHOICES", "LINEAR_DTYPES", "ConvWeightPacks", "ThreadPacks",
+           "kn_offered", "packed_copies",
            "gemm_kernel", "linear_writes_out", "make_conv_kernel", "make_linear_kernel", "make_trans_data"]
