@@ -266,15 +266,19 @@ def test_decode_attention_update_kernel_matches_the_three_ops():
         decode_attention_update(q, k2, v2, kn, vn, torch.tensor([40, 0]), lens, 0.3)
 
 
-def test_bound_decode_attention_update_is_the_unbound_kernel_and_checks_ranges():
+@pytest.mark.parametrize("smax", [40, 4096])     # every call serial / groups in parallel
+def test_bound_decode_attention_update_is_the_unbound_kernel_and_checks_ranges(smax, monkeypatch):
     """The kernel bound to static descriptions (checks made once, ranges in the kernel)
     gives the unbound call's bits, writes nothing on a bad position or length (the same
     one-line errors), and falls back to the general path where it must."""
-    descs = [d(2, 6, 1, 16), d(2, 3, 40, 16), d(2, 3, 40, 16), d(2, 3, 1, 16), d(2, 3, 1, 16),
-             d(2, dtype=DataType.INT64), d(2, dtype=DataType.INT64)]
+    import opencann.ops.kernels.decode_attention_cpu as dac
+    monkeypatch.setattr(dac, "torch_threads", lambda: 2)     # 6 groups: enough for 2 threads
+    descs = [d(2, 6, 1, 16), d(2, 3, smax, 16), d(2, 3, smax, 16), d(2, 3, 1, 16),
+             d(2, 3, 1, 16), d(2, dtype=DataType.INT64), d(2, dtype=DataType.INT64)]
     bound = bind_decode_attention_update(*descs, 0.3)
+    assert bound.__name__ == "run"
     q, kn, vn = (torch.randn(*x.shape, generator=G) for x in (descs[0], descs[3], descs[4]))
-    kc, vc = torch.randn(2, 3, 40, 16, generator=G), torch.randn(2, 3, 40, 16, generator=G)
+    kc, vc = torch.randn(2, 3, smax, 16, generator=G), torch.randn(2, 3, smax, 16, generator=G)
     q[1, 0, 0, 2], vn[0, 1, 0, 5], kc[0, :, 30:] = float("nan"), float("inf"), float("inf")
     pos, lens = torch.tensor([9, 39]), torch.tensor([10, 40])
     k1, v1, k2, v2 = kc.clone(), vc.clone(), kc.clone(), vc.clone()
@@ -286,17 +290,18 @@ def test_bound_decode_attention_update_is_the_unbound_kernel_and_checks_ranges()
         assert torch.equal(got.nan_to_num(7.0), ref.nan_to_num(7.0))
         assert torch.equal(torch.isnan(got), torch.isnan(ref)) and torch.isnan(got[1, 0]).all()
         assert torch.equal(k2.nan_to_num(7.0), k1.nan_to_num(7.0)) and torch.equal(v2, v1)
-    for bad_pos, bad_len, match in (([40, 0], [10, 40], "positions 40..40"),
+    for bad_pos, bad_len, match in (([smax, 0], [10, 40], f"positions {smax}..{smax}"),
                                     ([-1, 0], [10, 40], "positions"),
-                                    ([9, 0], [41, 1], "lengths must lie in")):
+                                    ([9, 0], [smax + 1, 1], "lengths must lie in")):
         before = k2.clone()
         with pytest.raises(ValueError, match=match):
             bound(q, k2, v2, kn, vn, torch.tensor(bad_pos), torch.tensor(bad_len), out=out)
         assert torch.equal(k2.nan_to_num(7.0), before.nan_to_num(7.0))   # nothing written
     fresh = bound(q, k2, v2, kn, vn, pos, lens)[0]        # no out: the general path
     assert fresh is not out and torch.equal(fresh.nan_to_num(7.0), ref.nan_to_num(7.0))
-    wide = [d(2, 6, 1, 16), d(2, 3, 4096, 16), d(2, 3, 4096, 16)] + descs[3:]
-    assert bind_decode_attention_update(*wide, 0.3).__name__ == "general"   # not always serial
+    few = [d(1, 2, 1, 16), d(1, 1, 8192, 16), d(1, 1, 8192, 16), d(1, 1, 1, 16), d(1, 1, 1, 16),
+           d(1, dtype=DataType.INT64), d(1, dtype=DataType.INT64)]
+    assert bind_decode_attention_update(*few, 0.3).__name__ == "general"   # one group: split keys
 
 
 # -- kernels against eager ---------------------------------------------------------------

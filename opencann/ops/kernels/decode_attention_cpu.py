@@ -139,56 +139,92 @@ def _merge(lengths, chunk, pm, pl, pacc, out):  # pragma: no cover - numba
             out[b, hq, 0, d] = out[b, hq, 0, d] / den
 
 
+@njit(fastmath=_FM, cache=True, inline="always")
+def _group(q, k, v, lengths, scale, out, b, h, s, acc, tots):  # pragma: no cover - numba
+    """Every query head of kv head ``h``'s group of row ``b`` over keys 0 .. lengths[b]-1:
+    softmax by its max, P·V into ``out`` divided by the sum (``s`` [G, S_max], ``acc``
+    [G, D], ``tots`` [G]: scratch). The same arithmetic as one chunk of `_partials`
+    followed by `_merge` (bit for bit)."""
+    Hq, D = q.shape[1], q.shape[3]
+    G = Hq // k.shape[1]
+    n = lengths[b]
+    if n <= 0:
+        for g in range(G):
+            for d in range(D):
+                out[b, h * G + g, 0, d] = 0.0
+        return
+    for g in range(G):
+        hq = h * G + g
+        m = np.float32(-np.inf)
+        for j in range(n):
+            a = np.float32(0.0)
+            for d in range(D):
+                a += q[b, hq, 0, d] * k[b, h, j, d]
+            sc = a * scale
+            s[g, j] = sc
+            if sc > m:
+                m = sc
+            elif sc != sc:
+                m = sc
+        tot = np.float32(0.0)
+        for j in range(n):
+            p = np.exp(s[g, j] - m)
+            s[g, j] = p
+            tot += p
+        tots[g] = tot
+        for d in range(D):
+            acc[g, d] = 0.0
+    for j in range(n):
+        for g in range(G):
+            p = s[g, j]
+            for d in range(D):
+                acc[g, d] += p * v[b, h, j, d]
+    for g in range(G):
+        for d in range(D):
+            out[b, h * G + g, 0, d] = acc[g, d] / tots[g]
+
+
 @njit(fastmath=_FM, cache=True)
 def _serial(q, k, v, lengths, scale, out):  # pragma: no cover - numba
     """The whole attention on the calling thread (no OpenMP team, no scratch arrays, no
-    merge): per (b, kv head), every query head of the group over keys 0 .. lengths[b]-1,
-    softmax by its max, P·V into ``out`` divided by the sum. The same arithmetic as one
-    chunk of `_partials` followed by `_merge` (bit for bit)."""
+    merge): `_group` for every (b, kv head)."""
     B, Hq, D = q.shape[0], q.shape[1], q.shape[3]
     Hkv = k.shape[1]
     G = Hq // Hkv
-    S = k.shape[2]
-    s = np.empty((G, S), np.float32)
+    s = np.empty((G, k.shape[2]), np.float32)
     acc = np.empty((G, D), np.float32)
     tots = np.empty(G, np.float32)
     for b in range(B):
-        n = lengths[b]
         for h in range(Hkv):
-            if n <= 0:
-                for g in range(G):
-                    for d in range(D):
-                        out[b, h * G + g, 0, d] = 0.0
-                continue
-            for g in range(G):
-                hq = h * G + g
-                m = np.float32(-np.inf)
-                for j in range(n):
-                    a = np.float32(0.0)
-                    for d in range(D):
-                        a += q[b, hq, 0, d] * k[b, h, j, d]
-                    sc = a * scale
-                    s[g, j] = sc
-                    if sc > m:
-                        m = sc
-                    elif sc != sc:
-                        m = sc
-                tot = np.float32(0.0)
-                for j in range(n):
-                    p = np.exp(s[g, j] - m)
-                    s[g, j] = p
-                    tot += p
-                tots[g] = tot
-                for d in range(D):
-                    acc[g, d] = 0.0
-            for j in range(n):
-                for g in range(G):
-                    p = s[g, j]
-                    for d in range(D):
-                        acc[g, d] += p * v[b, h, j, d]
-            for g in range(G):
-                for d in range(D):
-                    out[b, h * G + g, 0, d] = acc[g, d] / tots[g]
+            _group(q, k, v, lengths, scale, out, b, h, s, acc, tots)
+
+
+@njit(parallel=True, fastmath=_FM, cache=True)
+def _by_group_update(kb, vb, knb, vnb, positions, q, k, v, lengths, scale,
+                     out):  # pragma: no cover - numba
+    """`_serial_update_checked` with the (b, kv head) groups spread over the threads
+    (``prange``): each writes its own new key and value rows, then runs `_group` on them;
+    no split of the keys, no partials, no merge launch, as long as there are enough
+    groups to fill the threads (`decode_attention_update`). Returns 1 (nothing written)
+    for a position or length out of range, else 0."""
+    S, T = kb.shape[2], knb.shape[2]
+    B, Hkv, D = positions.shape[0], kb.shape[1], knb.shape[3]
+    for b in range(B):
+        if positions[b] < 0 or positions[b] + T > S or lengths[b] < 0 or lengths[b] > S:
+            return 1
+    G = q.shape[1] // Hkv
+    for i in prange(B * Hkv):
+        b, h = i // Hkv, i % Hkv
+        p = positions[b]
+        for t in range(T):
+            for d in range(D):
+                kb[b, h, p + t, d] = knb[b, h, t, d]
+                vb[b, h, p + t, d] = vnb[b, h, t, d]
+        s = np.empty((G, S), np.float32)
+        acc = np.empty((G, D), np.float32)
+        tots = np.empty(G, np.float32)
+        _group(q, k, v, lengths, scale, out, b, h, s, acc, tots)
+    return 0
 
 
 def _np(t: torch.Tensor) -> np.ndarray:
@@ -225,13 +261,15 @@ def bind_decode_attention_update(q: TensorDesc, k: TensorDesc, v: TensorDesc, k_
                                  scale: Optional[float]) -> Callable:
     """``run(q, k, v, k_new, v_new, positions, lengths, out=None)``: `decode_attention_update`
     for a compiled graph whose operands have the static descriptions given. Where those
-    make every call a serial one (float32, int64 positions and lengths, one new row per
-    sequence, 2·B·Hkv·S_max·D <= `SERIAL_MAX`), the shape and dtype checks are made once,
-    here, and a call checks the positions and lengths inside the kernel
-    (`_serial_update_checked`): the Python around the numba call is what a decode step's
-    attention costs (a 125M Llama's: 20 µs a call standalone, 6 in numba). Any other
-    call, and one whose positions or lengths are out of range (its one-line error), goes
-    through `decode_attention_update`. Same results, bit for bit."""
+    allow it (float32, int64 positions and lengths, one new row per sequence), the shape
+    and dtype checks are made once, here, and a call checks the positions and lengths
+    inside the kernel: the Python around the numba call is what a decode step's
+    attention costs (a 125M Llama's: 20 µs a call standalone, 6 in numba). Up to
+    `SERIAL_MAX` K/V elements at S_max every call is serial (`_serial_update_checked`);
+    above, with at least two (b, kv head) groups per thread (a batch of decodes), the
+    groups run in parallel, each whole (`_by_group_update`: one launch, no key split and
+    merge). Any other call, and one whose positions or lengths are out of range (its
+    one-line error), goes through `decode_attention_update`. Same results, bit for bit."""
     def general(qt, kt, vt, knt, vnt, pos, lens, out=None):
         return decode_attention_update(qt, kt, vt, knt, vnt, pos, lens, scale, out=out)
     shapes = [tuple(d.shape) for d in (q, k, v, k_new, v_new, positions, lengths)]
@@ -243,16 +281,28 @@ def bind_decode_attention_update(q: TensorDesc, k: TensorDesc, v: TensorDesc, k_
     (B, Hq, one, D), (_, Hkv, S, _) = shapes[0], shapes[1]
     if not (one == 1 and Hkv and Hq % Hkv == 0 and B * Hq * D and shapes[2] == shapes[1]
             and shapes[3] == shapes[4] == (B, Hkv, 1, D) and shapes[5] == shapes[6] == (B,)
-            and shapes[1][0] == B and shapes[1][3] == D and 2 * B * Hkv * S * D <= SERIAL_MAX):
+            and shapes[1][0] == B and shapes[1][3] == D):
         return general
+    if 2 * B * Hkv * S * D <= SERIAL_MAX:
+        kernel, work = _serial_update_checked, 0
+    elif B * Hkv >= 2 * torch_threads():
+        kernel, work = _by_group_update, 2 * B * Hkv * S * D
+    else:
+        return general    # few groups: split the keys (FlashDecoding), `decode_attention`
     sc = np.float32(float(D) ** -0.5 if scale is None else float(scale))
 
     def run(qt, kt, vt, knt, vnt, pos, lens, out=None):
         if out is None or not (out.is_contiguous() and knt.is_contiguous() and vnt.is_contiguous()
                                and pos.is_contiguous() and lens.is_contiguous()):
             return general(qt, kt, vt, knt, vnt, pos, lens, out)
-        if _serial_update_checked(_array(kt), _array(vt), _array(knt), _array(vnt), _np(pos),
-                                  _np(qt), _np(kt), _np(vt), _np(lens), sc, out.numpy()):
+        args = (_array(kt), _array(vt), _array(knt), _array(vnt), _np(pos), _np(qt), _np(kt),
+                _np(vt), _np(lens), sc, out.numpy())
+        if work:
+            with launch(work):
+                bad = kernel(*args)
+        else:
+            bad = kernel(*args)
+        if bad:
             return general(qt, kt, vt, knt, vnt, pos, lens, out)   # raises its one-line error
         return out, kt, vt
     return run
