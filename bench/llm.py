@@ -11,6 +11,10 @@ Backends (``--backends``; each run in a process of its own, so that ONNX Runtime
 spinning threads slow nobody else and each has its own peak RSS):
   eager          ``model.generate`` (transformers, dynamic KV cache)
   eager-static   the same with ``cache_implementation="static"`` (not in the default set)
+  torch-compile  ``model.forward = torch.compile(model.forward, backend="opencann")`` under
+                 the same ``generate`` (dynamic cache); ``torch-compile-static`` with the
+                 static cache (both not in the default set; prepare = the first call's
+                 compiles, reported as first_call_s)
   opencann       ``opencann.llm.compile(model, max_seq_len=prompt+new, max_batch=batch)``
                  with its default options (the default backend, ``"opencann"``: each step
                  graph compiled by ``opencann.compile``)
@@ -71,7 +75,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 MODELS = ("llama125m", "smollm2")
 BACKENDS = ("eager", "opencann", "opencann-graphs", "ort-genai", "ov-genai")
-EXTRA_BACKENDS = ("eager-static", "ov-genai-default")
+EXTRA_BACKENDS = ("eager-static", "torch-compile", "torch-compile-static", "ov-genai-default")
 LLAMA125M = dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
                  num_key_value_heads=4, intermediate_size=2048, vocab_size=32000,
                  max_position_embeddings=2048, tie_word_embeddings=False)
@@ -184,12 +188,17 @@ class Stamps:
 
 
 def _hf_runner(backend: str, folder: str, ids: torch.Tensor, new: int):
-    """(prepare seconds, run) for eager transformers; run() -> (tokens [B, new], stamps, t0)."""
+    """(prepare seconds, run) for eager transformers, ``model.forward`` compiled by
+    ``torch.compile(backend="opencann")`` for the torch-compile backends; run() ->
+    (tokens [B, new], stamps, t0)."""
     from transformers import AutoModelForCausalLM
     model = AutoModelForCausalLM.from_pretrained(folder, local_files_only=True).float().eval()
     gc = model.generation_config
     gc.eos_token_id, gc.pad_token_id = None, gc.pad_token_id or 0
-    kw = {"cache_implementation": "static"} if backend == "eager-static" else {}
+    kw = {"cache_implementation": "static"} if backend.endswith("-static") else {}
+    if backend.startswith("torch-compile"):
+        import opencann  # noqa: F401  (registers the "opencann" dynamo backend)
+        model.forward = torch.compile(model.forward, backend="opencann")
 
     def run():
         from transformers.generation.streamers import BaseStreamer
@@ -268,7 +277,7 @@ def worker(job: dict) -> dict:
     torch.set_num_threads(job["threads"])
     ids = prompt_ids(job["batch"], job["prompt"], job["vocab"])
     b = job["backend"]
-    if b in ("eager", "eager-static"):
+    if b in ("eager", "eager-static", "torch-compile", "torch-compile-static"):
         prep, run, facts = _hf_runner(b, job["folder"], ids, job["new"])
     elif b in ("opencann", "opencann-graphs"):
         prep, run, facts = _opencann_runner(job["folder"], ids, job["new"],

@@ -85,6 +85,38 @@ def test_the_race_picks_the_faster_kernel_and_prefers_addmm_on_a_tie(monkeypatch
     assert cpu_kernels._measure_choice((2, 8, 4, "f", ("addmm",)), {"addmm": fast}, None, w) == "addmm"
 
 
+def test_the_cold_race_of_a_streamed_weight_has_addmm_kn_to_beat(monkeypatch):
+    """A few-row GEMM of a large weight held transposed is raced with the caches evicted
+    before each timed call, addmm_kn (not addmm) being the kernel to beat: a tie keeps
+    addmm_kn, a faster kernel wins, and addmm is not run at all."""
+    import time
+    monkeypatch.setattr(cpu_kernels, "LINEAR_CHOICES", {})
+    evictions, ran = [], []
+    real_evict = cpu_kernels._evict_caches
+    monkeypatch.setattr(cpu_kernels, "_evict_caches", lambda s: (evictions.append(s.numel()),
+                                                                 real_evict(s)))
+
+    def kernel(name, pause):
+        def run(b, x, w, out):
+            ran.append(name)
+            time.sleep(pause)
+        return run
+    wt = torch.randn(640, 512).t()                    # 1.25 MiB, transposed
+    key = (1, 512, 640, "f", ("addmm", "addmm_kn", "p"))
+    cands = {"addmm": kernel("addmm", 0.0), "addmm_kn": kernel("addmm_kn", 0.001),
+             "p": kernel("p", 0.003)}
+    assert cpu_kernels._measure_choice(key, cands, None, wt) == "addmm_kn"
+    assert evictions and set(evictions) == {8 << 20}       # 32 MiB written before each call
+    assert "addmm" not in ran
+    cands["p"] = kernel("p", 0.0)
+    assert cpu_kernels._measure_choice(key[:4] + (("addmm", "addmm_kn", "q"),), cands, None, wt) == "p"
+    hot = (64, 512, 640, "f", ("addmm", "addmm_kn"))     # 64 rows: an ordinary race, addmm's
+    evictions.clear()
+    assert cpu_kernels._measure_choice(hot, {"addmm": kernel("addmm", 0.0),
+                                             "addmm_kn": kernel("addmm_kn", 0.001)}, None, wt) == "addmm"
+    assert not evictions
+
+
 @needs_onednn
 def test_onednn_prepacked_weight_is_kept_at_every_shape_of_a_dynamic_model(monkeypatch):
     monkeypatch.setattr(cpu_kernels, "LINEAR_CHOICES", ForcedGemmChoice("onednn_packed"))

@@ -249,7 +249,6 @@ _MARGIN = 0.97  # a prepacked kernel must be 3% faster than addmm to be chosen (
 # reads the contiguous [k, n] copy faster (the whole 12-layer Llama-125M decode step,
 # every GEMM bound to one or the other, 10 interleaved rounds: 17.7 -> 16.6 ms, best)
 COLD_RACE_ROWS, COLD_RACE_BYTES = 16, 1 << 20
-_EVICT: List[torch.Tensor] = []  # the scratch buffer written to evict the caches (made once)
 
 
 def kn_offered(wt: torch.Tensor, m: int) -> bool:
@@ -261,12 +260,10 @@ def kn_offered(wt: torch.Tensor, m: int) -> bool:
             and m <= COLD_RACE_ROWS and wt.numel() * wt.element_size() >= COLD_RACE_BYTES)
 
 
-def _evict_caches() -> None:
-    """Write 32 MiB of scratch memory (more than the L2 caches of any CPU this runs on),
-    so the next call's weight is read from the shared cache or memory, as at decode."""
-    if not _EVICT:
-        _EVICT.append(torch.empty(8 << 20))
-    _EVICT[0].fill_(1.0)
+def _evict_caches(scratch: torch.Tensor) -> None:
+    """Write ``scratch`` (32 MiB: more than the L2 caches of any CPU this runs on), so the
+    next call's weight is read from the shared cache or memory, as at decode."""
+    scratch.fill_(1.0)
 
 
 def _measure_choice(key: tuple, candidates: Dict[str, Callable], bias, wt,
@@ -289,20 +286,19 @@ def _measure_choice(key: tuple, candidates: Dict[str, Callable], bias, wt,
             x = torch.randn(m, k, generator=g).to(wt.dtype)
             b = (bias if bias is not None else torch.zeros(n, dtype=wt.dtype)) if has_bias else None
             out = torch.empty(m, n, dtype=wt.dtype)
-            calls = {name: (lambda r=run: r(b, x, wt, out)) for name, run in candidates.items()}
+            cold = m <= COLD_RACE_ROWS and k * n * wt.element_size() >= COLD_RACE_BYTES
+            base = "addmm_kn" if cold and "addmm_kn" in candidates else "addmm"  # see COLD_RACE_ROWS
+            calls = {name: (lambda r=run: r(b, x, wt, out)) for name, run in candidates.items()
+                     if not (base == "addmm_kn" and name == "addmm")}
             times = {name: float("inf") for name in calls}
             for name, call in calls.items():
                 call()  # warm-up: first-call set-up (oneDNN primitive creation) is not timed
-            cold = m <= COLD_RACE_ROWS and k * n * wt.element_size() >= COLD_RACE_BYTES
+            scratch = torch.empty(8 << 20) if cold else None   # freed after the race
             for _ in range(6):
                 for name, call in calls.items():
-                    if cold:
-                        _evict_caches()
+                    if scratch is not None:
+                        _evict_caches(scratch)
                     times[name] = min(times[name], best_time_us(call, reps=1, warmup=False))
-            base = "addmm"
-            if cold and "addmm_kn" in times:  # see `COLD_RACE_ROWS`
-                base = "addmm_kn"
-                del times["addmm"]
             best = min((t, name) for name, t in times.items() if name != base)[1] \
                 if len(times) > 1 else base
             choice = best if times[best] < _MARGIN * times[base] else base
