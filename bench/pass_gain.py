@@ -4,6 +4,8 @@ timed in one process with rounds interleaved (the order alternating), median and
 
     .venv/bin/python bench/pass_gain.py drop_unused_outputs --model resnet50 --batch 1
     .venv/bin/python bench/pass_gain.py fuse_add_layer_norm --model bert-base --rounds 8
+    OMP_WAIT_POLICY=PASSIVE .venv/bin/python bench/pass_gain.py fuse_add_layer_norm_cast \
+        --model minilm --precision allow_mix_precision_bf16
 
 Prints one line per variant and the ratio off/on (> 1: the pass makes it faster).
 """
@@ -32,6 +34,8 @@ def main(argv=None) -> None:
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--runs", type=int, default=5, help="calls per variant per round")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--precision", default=None, metavar="MODE",
+                    help="precision_mode of both variants (e.g. allow_mix_precision_bf16)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     passes = {p.name: p for p in default_pipeline().passes}
@@ -41,13 +45,14 @@ def main(argv=None) -> None:
     kw = {} if args.model == "resnet50" else {"seq": args.seq}
     zm = zoo.get(args.model, batch=args.batch, **kw)
     switch = "disable" if on_by_default else "enable"
-    variants = {"on": None if on_by_default else {"enable": [args.pass_name]},
-                "off": {"disable": [args.pass_name]} if on_by_default else None}
+    base = {"precision_mode": args.precision} if args.precision else {}
+    variants = {"on": {**base} if on_by_default else {**base, "enable": [args.pass_name]},
+                "off": {**base, "disable": [args.pass_name]} if on_by_default else {**base}}
     models = {k: opencann.compile(zm.model, zm.example_inputs, options=o) for k, o in variants.items()}
     with torch.no_grad():
-        ref = zm.model(*zm.example_inputs)[0]
+        ref = zm.model(*zm.example_inputs)[0].float()
     for k, cm in models.items():
-        out = cm(*zm.example_inputs)[0]
+        out = cm(*zm.example_inputs)[0].float()
         err = float((out - ref).abs().max() / ref.abs().max())
         changes = [p.changed for p in cm.report.passes if p.name == args.pass_name]
         print(f"{k}: {args.pass_name} rewrites {changes[0] if changes else 0}, "

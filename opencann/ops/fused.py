@@ -12,6 +12,10 @@ out-capable, cost); the kernels themselves are in ``ops/kernels/cpu.py``.
   result.
 - ``AddLayerNorm``: LayerNorm(a + b) over the last axis (ONNX Runtime's
   SkipLayerNormalization), one pass per row (``ops/kernels/add_layer_norm.py``).
+- ``AddLayerNormCast``: mixed precision's Cast(low → fp32) + Add + LayerNorm + Cast(fp32 →
+  low) as one node with two outputs, (y float32, y in bf16/fp16): the LayerNorm
+  counterpart of CANN's AddRmsNormCast; the chain's bits
+  (``ops/kernels/add_layer_norm_cast_cpu.py``).
 
 Costs: the unfused ops' FLOPs (convolution / GEMM + the activation's per-element FLOPs)
 so fusing does not change the work the report shows.
@@ -23,6 +27,7 @@ from typing import Optional
 from ..ir import Node
 from .kernels import vnpu_cost
 from .kernels.add_layer_norm import make_add_layer_norm_kernel
+from .kernels.add_layer_norm_cast_cpu import make_add_layer_norm_cast_kernel
 from .kernels.cpu import linear_writes_out, make_conv_kernel, make_linear_kernel
 from .library import _conv_cost, _matmul_cost
 from . import per_index as pi
@@ -69,3 +74,9 @@ register(OpDef("AddLayerNorm", OpKind.FUSED, flops_per_elem=9, aliases=((),),
                kernel_factories={"cpu": make_add_layer_norm_kernel}, out_capable=lambda node: True,
                keep_fp32=True, per_index=pi.add_layer_norm,
                doc="LayerNorm(a + b) over the last axis with γ, β in one pass"))
+register(OpDef("AddLayerNormCast", OpKind.FUSED, flops_per_elem=10, aliases=((), ()),
+               fused_from=("LayerNorm",),
+               kernel_factories={"cpu": make_add_layer_norm_cast_kernel},
+               keep_fp32=True, per_index=pi.add_layer_norm_cast,
+               doc="(LayerNorm(float(x1) + float(x2)), its bf16/fp16 cast): mixed precision's "
+                   "Cast + Add + LayerNorm + Cast as one node"))

@@ -173,6 +173,12 @@ def add_layer_norm(node: Node, axes: Axes, sym: str) -> Result:
     return _add_norm(node, axes, ("self", "other"), 1)
 
 
+def add_layer_norm_cast(node: Node, axes: Axes, sym: str) -> Result:
+    """LayerNorm(x1 + x2) over the last dim and its cast, both outputs of the addends'
+    shape (`_add_norm`; γ and β carry no padding)."""
+    return _add_norm(node, axes, ("x1", "x2"), 2)
+
+
 def add_rms_norm(node: Node, axes: Axes, sym: str) -> Result:
     """RMSNorm(x1 + x2) over the last dim, both outputs (y, the sum) of the addends'
     shape (`_add_norm`; the weight ``gamma`` carries no padding)."""

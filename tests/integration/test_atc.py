@@ -158,7 +158,7 @@ def test_fusion_switch_all_and_overrides(tmp_path):
     off, on = read_fusion_switch(_switch(tmp_path, {"Switch": {"GraphFusion": {"ALL": "off"}}}))
     assert off == ["fold_batchnorm", "fuse_silu", "fuse_gelu_tanh", "fuse_gelu_erf",
                    "fuse_rms_norm", "fuse_layer_norm", "fuse_gated_mlp", "fuse_qkv_linear",
-                   "fuse_add_layer_norm", "fuse_add_rms_norm", "fuse_rotary_mul",
+                   "fuse_add_layer_norm_cast", "fuse_add_layer_norm", "fuse_add_rms_norm", "fuse_rotary_mul",
                    "fuse_decode_kv_update", "fuse_apply_rotary_pos_emb"] and on == []
     # merged with the given disable list
     from opencann.engine.options import check_options
