@@ -201,3 +201,42 @@ def test_a_large_weight_transpose_is_folded_as_a_view(monkeypatch):
     assert "output larger than 0 MiB" in cm2.report.summary()
     with torch.no_grad():
         _close(cm2(x), d(x))
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+def test_decode_sized_gated_mlp_is_one_gemm_on_weights_concatenated_once(rows):
+    """A GatedMLP of few rows and weights >= 1 MiB runs one GEMM on W1‖W3, concatenated
+    once and shared by every graph over the same weights (share_weights); values match eager (NaN/Inf
+    rows, a second call); a weight changed in place and compiled again gets a fresh
+    concatenation (never the stale one); a wide GatedMLP keeps its two GEMMs."""
+    torch.manual_seed(3)
+    m = Decoderish(d=256, h=1024, vocab=64).eval()      # gate/up 256x1024 fp32 = 1 MiB each
+    x = torch.randn(rows, 256)
+    shared = {"share_weights": True}                            # as opencann.llm's step graphs
+    cm, again = opencann.compile(m, (x,), options=shared), opencann.compile(m, (x,), options=shared)
+    mlp = [n for n in cm.graph.nodes if n.op == "GatedMLP"]
+    assert len(mlp) == 1
+    w1 = next(v.const for v in mlp[0].inputs if v.is_const)
+    cats = [t for t in cpu_kernels.packed_copies([w1]) if t.shape == (256, 2048)]
+    assert len(cats) == 1 and cats[0].is_contiguous()
+    other = [n for n in again.graph.nodes if n.op == "GatedMLP"][0]
+    w1b = next(v.const for v in other.inputs if v.is_const)
+    assert [t.data_ptr() for t in cpu_kernels.packed_copies([w1b]) if t.shape == (256, 2048)] \
+        == [cats[0].data_ptr()]                                   # one copy for both graphs
+    for k in range(2):
+        x = torch.randn(rows, 256)
+        if rows > 1:
+            x[0, 5], x[1, 9] = float("nan"), float("inf")
+        with torch.no_grad():
+            _close(cm(x), m(x))
+            _close(again(x), m(x))
+    with torch.no_grad():
+        m.up.weight.mul_(-0.5)                                   # changed in place
+    fresh = opencann.compile(m, (x,), options=shared)
+    with torch.no_grad():
+        _close(fresh(x), m(x))
+    with pytest.raises(ValueError, match="was modified in place"):
+        cm(x)                                                    # the old graph refuses
+    wide = opencann.compile(m, (torch.randn(32, 256),))          # a prefill-sized GatedMLP
+    w1w = next(v.const for n in wide.graph.nodes if n.op == "GatedMLP" for v in n.inputs if v.is_const)
+    assert not [t for t in cpu_kernels.packed_copies([w1w]) if t.shape == (256, 2048)]

@@ -404,16 +404,46 @@ def _gemv_weight(wt: torch.Tensor) -> torch.Tensor:
 
 def packed_copies(weights: Sequence[torch.Tensor]) -> List[torch.Tensor]:
     """The packed copies bound kernels hold of the constant ``weights`` (oneDNN's blocked
-    layout, the GEMV's [n, k], ``addmm_kn``'s [k, n]; made at bind time and alive while
+    layout, the GEMV's [n, k], ``addmm_kn``'s [k, n], `concat_weights`; made at bind
+    time and alive while
     a kernel holds them): what a compiled graph keeps beside its constants. A copy that
     is the weight's own memory (the GEMV on a transposed weight) is listed too; count
     storages once."""
     found = []
-    for cache in (_ONEDNN_PACKED, _GEMV_PACKED, _KN_PACKED):
+    for cache in (_ONEDNN_PACKED, _GEMV_PACKED, _KN_PACKED, _CONCAT_OF):
         with _ONEDNN_PACKED_LOCK:
             refs = [cache.get(w) for w in weights if isinstance(w, torch.Tensor)]
         found += [t for t in map(_deref, refs) if t is not None]
     return found
+
+
+# (memory keys of the parts) -> weak reference to their concatenation (`concat_weights`)
+_CONCATS: Dict[tuple, "weakref.ref"] = {}
+_CONCAT_OF = WeakIdKeyDictionary()   # a part (constant weight) -> weak ref. to a concatenation
+
+
+def _memory_key(t: torch.Tensor) -> tuple:
+    return (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, t._version)
+
+
+def concat_weights(w1: torch.Tensor, w3: torch.Tensor) -> torch.Tensor:
+    """The contiguous [k, n1 + n2] concatenation of the constant weights ``w1`` [k, n1]
+    and ``w3`` [k, n2] (GatedMLP's gate and up projections, so that a few-row GatedMLP is
+    one GEMM), made once for every graph whose constants view the same memory at the same
+    version counters and kept while a bound kernel holds it. It holds references to its
+    parts, so their memory (the key's addresses) cannot be reused while it lives; it is
+    counted by `packed_copies` as a copy of ``w1``."""
+    key = (_memory_key(w1), _memory_key(w3))
+    with _ONEDNN_PACKED_LOCK:
+        for k in [k for k, r in _CONCATS.items() if r() is None]:
+            del _CONCATS[k]
+        cat = _deref(_CONCATS.get(key))
+        if cat is None:
+            cat = torch.cat([w1.detach(), w3.detach()], dim=1)
+            cat._opencann_parts = (w1, w3)
+            _CONCATS[key] = weakref.ref(cat)
+        _CONCAT_OF[w1] = weakref.ref(cat)
+    return cat
 
 
 def _kn_weight(wt: torch.Tensor) -> torch.Tensor:
@@ -609,5 +639,5 @@ def make_linear_kernel(node: Node, in_descs: Sequence[TensorDesc], consts: Seque
 
 
 __all__ = ["BF16_LINEAR_POST", "GEMM_KERNELS", "LINEAR_CHOICES", "LINEAR_DTYPES", "ConvWeightPacks", "ThreadPacks",
-           "kn_offered", "packed_copies",
+           "concat_weights", "kn_offered", "packed_copies",
            "gemm_kernel", "linear_writes_out", "make_conv_kernel", "make_linear_kernel", "make_trans_data"]

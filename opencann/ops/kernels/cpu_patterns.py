@@ -14,7 +14,11 @@ outputs match eager (bit-for-bit where noted).
 - `make_gated_mlp_kernel` (GatedMLP): silu(x·W1) * (x·W3) as two GEMMs by the kernel
   chosen for their shape (``cpu.gemm_kernel``, as a bias-free LinearAct's: eager's ``mm``,
   same bits, or with constant fp32 weights a prepacked GEMM or the decode GEMV, eager's
-  values to fp32 rounding), ATen's SiLU and the product in place: one output tensor.
+  values to fp32 rounding), ATen's SiLU and the product in place: one output tensor. A
+  decode-sized GatedMLP (rows <= ``cpu.COLD_RACE_ROWS``, constant fp32 weights of 1 MiB
+  or more) runs ONE GEMM on W1‖W3 concatenated once (``cpu.concat_weights``, a copy
+  shared by the graphs over the same weights, in place of two ``addmm_kn`` copies): one
+  weight stream and one kernel call instead of two; the same dot products.
 """
 from __future__ import annotations
 
@@ -24,7 +28,7 @@ import math
 
 import torch
 
-from .cpu import gemm_kernel
+from .cpu import COLD_RACE_BYTES, COLD_RACE_ROWS, concat_weights, gemm_kernel
 from ..parity.formulas import layer_norm_formula
 from ..parity.norm_range import affine_in_range, layer_norm_in_range
 from ...ir import Node, TensorDesc
@@ -74,6 +78,17 @@ def make_layer_norm_formula_kernel(node: Node, in_descs: Sequence[TensorDesc],
     return run
 
 
+def _one_gemm(x: TensorDesc, w1, w3) -> bool:
+    """Whether a GatedMLP of input ``x`` runs one GEMM on its concatenated weights: a
+    static [m, k] x with m <= ``COLD_RACE_ROWS`` and constant fp32 [k, n] weights of
+    ``COLD_RACE_BYTES`` or more each (decode; module docstring)."""
+    return (isinstance(w1, torch.Tensor) and isinstance(w3, torch.Tensor) and x.is_static
+            and x.rank == 2 and int(x.shape[0]) <= COLD_RACE_ROWS
+            and w1.dtype == w3.dtype == torch.float32 == x.dtype.torch
+            and w1.dim() == w3.dim() == 2 and w1.shape == w3.shape
+            and w1.numel() * w1.element_size() >= COLD_RACE_BYTES)
+
+
 def make_gated_mlp_kernel(node: Node, in_descs: Sequence[TensorDesc], consts: Sequence) -> Callable:
     """GatedMLP(x [M, K], w1 [K, N], w3 [K, N]) -> silu(x @ w1) * (x @ w3), viewed as the
     node's output shape (e.g. [B, S, N] with B·S = M); float dtypes. Both products run
@@ -83,6 +98,16 @@ def make_gated_mlp_kernel(node: Node, in_descs: Sequence[TensorDesc], consts: Se
     shape = tuple(int(s) for s in node.outputs[0].desc.shape)
     silu_ = torch.nn.functional.silu
     xi, w1i, w3i = (node.attrs[k].index for k in ("x", "w1", "w3"))
+    w1, w3, x = consts[w1i], consts[w3i], in_descs[xi]
+    if _one_gemm(x, w1, w3):
+        w13 = concat_weights(w1, w3)
+        g13, n = gemm_kernel(node, x, w13, None), int(w1.shape[1])
+
+        def run_one(*ins):
+            r = g13(None, ins[xi], w13)
+            a = silu_(r[:, :n])
+            return a.mul_(r[:, n:]).view(shape)
+        return run_one
     g1 = gemm_kernel(node, in_descs[xi], consts[w1i], None)
     g3 = gemm_kernel(node, in_descs[xi], consts[w3i], None)
 
