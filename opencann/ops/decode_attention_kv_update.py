@@ -13,6 +13,12 @@ TensorRefs of those names and ``scale``. Outputs: the attention [B, Hq, 1, D] fl
 own memory (``inplace_of={1: "key", 2: "value"}``, as KvCacheUpdate's output 0).
 Kernel: `opencann.ops.kernels.decode_attention_cpu.decode_attention_update` (one numba
 call at decode sizes). CPU only: the vnpu keeps the three ops.
+
+With the optional inputs ``cos`` and ``sin`` (attrs TensorRefs of those names; the pass
+``fuse_decode_rope``) the query and the new key are the rotary embedding's inputs, not
+its outputs: the node rotates both first (``npu_apply_rotary_pos_emb``'s rotate-half
+RoPE, eager's bits), in the same kernel call, so a decode layer's RoPE is no node of its
+own.
 """
 from __future__ import annotations
 
@@ -33,7 +39,8 @@ def decode_attention_kv_update_cost(node: Node) -> Cost:
     moved = sum(numel(v.desc.shape) * v.desc.dtype.itemsize for v in node.inputs)
     moved += sum(numel(v.desc.shape) * v.desc.dtype.itemsize for v in node.inputs[3:5])
     out = node.outputs[0].desc
-    return Cost(4 * b * hq * s * d, moved + numel(out.shape) * out.dtype.itemsize)
+    rope = 3 * (numel(q.shape) + numel(node.inputs[3].desc.shape)) if "cos" in node.attrs else 0
+    return Cost(4 * b * hq * s * d + rope, moved + numel(out.shape) * out.dtype.itemsize)
 
 
 def make_decode_attention_kv_update_kernel(node: Node, in_descs: Sequence[TensorDesc],
@@ -44,7 +51,10 @@ def make_decode_attention_kv_update_kernel(node: Node, in_descs: Sequence[Tensor
     being written in place); raises its ValueErrors (one line each)."""
     from .kernels.decode_attention_cpu import bind_decode_attention_update
     idx = [node.attrs[k].index for k in _NAMES]
-    bound = bind_decode_attention_update(*(in_descs[i] for i in idx), node.attrs.get("scale"))
+    rope = [node.attrs[k].index for k in ("cos", "sin") if k in node.attrs]
+    bound = bind_decode_attention_update(*(in_descs[i] for i in idx), node.attrs.get("scale"),
+                                         *(in_descs[i] for i in rope))
+    idx += rope
 
     def run(*xs, out=None):
         return bound(*(xs[i] for i in idx), out=None if out is None else out[0])

@@ -374,6 +374,10 @@ def decode_attention_kv_update(node: Node, axes: Axes, sym: str) -> Result:
     independent along the batch when every input carries the padded dim there; any
     other axis reaches the caches' sequence axis or the GQA head groups."""
     names = ("query", "key", "value", "key_new", "value_new", "positions", "lengths")
+    rope = {_idx(node, n) for n in ("cos", "sin") if n in node.attrs}
+    if rope and any(axes.get(i, Axis(0)) != Axis(0) for i in rope):   # RoPE's cos / sin
+        return "the rotary cos/sin carry the padded dim off their batch axis"
+    axes = {i: a for i, a in axes.items() if i not in rope}   # per row, or one for all rows
     p = _same_axis(node, axes, names)
     if isinstance(p, str):
         return p

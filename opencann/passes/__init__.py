@@ -3,7 +3,7 @@ pass per module under ``prepare/``, ``fusion/`` and ``layout/``; the public name
 re-exported here."""
 from .base import Pass, PassContext, PassManager, RewritePass, Skip
 from .fusion import FoldBatchNorm, FuseConvAct, FuseConvAddAct, FuseFlashAttention, FuseLinearAct
-from .fusion import ChooseAttentionKernel, FuseAddLayerNorm, FuseAddLayerNormCast, FuseAddRmsNorm, FuseApplyRotaryPosEmb, FuseDecodeKvUpdate, FuseRotaryMul, FuseQKVLinear, FuseRequant, QdqEltwiseToInt8, QdqToInt8, QuantizeInt8
+from .fusion import ChooseAttentionKernel, FuseAddLayerNorm, FuseAddLayerNormCast, FuseAddRmsNorm, FuseApplyRotaryPosEmb, FuseDecodeKvUpdate, FuseDecodeRope, FuseRotaryMul, FuseQKVLinear, FuseRequant, QdqEltwiseToInt8, QdqToInt8, QuantizeInt8
 from .fusion import (FuseElementwise, FuseGatedMLP, FuseGeluErf, FuseGeluTanh, FuseLayerNorm, FuseRMSNorm, FuseSiLU,
                      user_passes)
 from .layout import LayoutSelection, NpuLayoutSelection, VnpuUbEpilogue
@@ -31,7 +31,7 @@ def default_pipeline() -> PassManager:
         ConstantFolding(), DeadCodeElimination(), CommonSubexpressionElimination(),
         IdentityElimination(), DropUnusedOutputs(), InputInplace(), FoldBatchNorm(), *user_passes(), FuseSiLU(),
         FuseGeluTanh(), FuseGeluErf(), FuseRMSNorm(), FuseLayerNorm(), MixedPrecision(), FuseGatedMLP(), FuseConvAct(), FuseConvAddAct(), FuseLinearAct(), FuseQKVLinear(),
-        FuseAddLayerNormCast(), FuseAddLayerNorm(), FuseAddRmsNorm(), FuseRotaryMul(), FuseDecodeKvUpdate(), FuseApplyRotaryPosEmb(), FuseFlashAttention(), ChooseAttentionKernel(),
+        FuseAddLayerNormCast(), FuseAddLayerNorm(), FuseAddRmsNorm(), FuseRotaryMul(), FuseDecodeKvUpdate(), FuseApplyRotaryPosEmb(), FuseDecodeRope(), FuseFlashAttention(), ChooseAttentionKernel(),
         FuseElementwise(), DeadCodeElimination(), LayoutSelection(), QdqToInt8(), QuantizeInt8(), FuseRequant(), QdqEltwiseToInt8(),
         NpuLayoutSelection(), VnpuUbEpilogue(), SingleStreamSchedule(),
         MemoryPlanning(),
@@ -42,7 +42,7 @@ __all__ = ["Pass", "PassContext", "PassManager", "RewritePass", "Skip", "default
            "plan_memory", "MemoryPlanning", "ConstantFolding", "DeadCodeElimination",
            "CommonSubexpressionElimination", "IdentityElimination", "MixedPrecision",
            "FoldBatchNorm", "FuseConvAct", "FuseConvAddAct", "FuseLinearAct",
-           "FuseQKVLinear", "FuseAddLayerNorm", "FuseAddLayerNormCast", "FuseAddRmsNorm", "FuseRotaryMul", "FuseDecodeKvUpdate", "FuseApplyRotaryPosEmb", "FuseFlashAttention", "ChooseAttentionKernel", "FuseSiLU", "FuseGeluTanh",
+           "FuseQKVLinear", "FuseAddLayerNorm", "FuseAddLayerNormCast", "FuseAddRmsNorm", "FuseRotaryMul", "FuseDecodeKvUpdate", "FuseApplyRotaryPosEmb", "FuseDecodeRope", "FuseFlashAttention", "ChooseAttentionKernel", "FuseSiLU", "FuseGeluTanh",
            "FuseGeluErf", "FuseRMSNorm",
            "FuseLayerNorm", "FuseGatedMLP", "FuseElementwise", "LayoutSelection", "NpuLayoutSelection", "VnpuUbEpilogue",
            "SingleStreamSchedule", "apply_schedule", "DropUnusedOutputs", "QuantizeInt8", "InputInplace",

@@ -159,7 +159,7 @@ def test_fusion_switch_all_and_overrides(tmp_path):
     assert off == ["fold_batchnorm", "fuse_silu", "fuse_gelu_tanh", "fuse_gelu_erf",
                    "fuse_rms_norm", "fuse_layer_norm", "fuse_gated_mlp", "fuse_qkv_linear",
                    "fuse_add_layer_norm_cast", "fuse_add_layer_norm", "fuse_add_rms_norm", "fuse_rotary_mul",
-                   "fuse_decode_kv_update", "fuse_apply_rotary_pos_emb"] and on == []
+                   "fuse_decode_kv_update", "fuse_apply_rotary_pos_emb", "fuse_decode_rope"] and on == []
     # merged with the given disable list
     from opencann.engine.options import check_options
     o = check_options({"disable": ["cse"], "fusion_switch_file": _switch(

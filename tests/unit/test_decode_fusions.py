@@ -20,7 +20,7 @@ from opencann.ops.kernels.rotary_mul_cpu import apply_rotary_pos_emb, rotary_mul
 from opencann.ops.kernels.decode_attention_cpu import (bind_decode_attention_update, decode_attention,
                                                        decode_attention_update)
 from opencann.ops.kernels.kv_cache_update_cpu import kv_cache_update
-from opencann.passes import (FuseAddRmsNorm, FuseApplyRotaryPosEmb, FuseDecodeKvUpdate, FuseRotaryMul, PassContext,
+from opencann.passes import (FuseAddRmsNorm, FuseApplyRotaryPosEmb, FuseDecodeKvUpdate, FuseDecodeRope, FuseRotaryMul, PassContext,
                              PassManager)
 from opencann.report import CompileReport
 
@@ -302,6 +302,84 @@ def test_bound_decode_attention_update_is_the_unbound_kernel_and_checks_ranges(s
     few = [d(1, 2, 1, 16), d(1, 1, 8192, 16), d(1, 1, 8192, 16), d(1, 1, 1, 16), d(1, 1, 1, 16),
            d(1, dtype=DataType.INT64), d(1, dtype=DataType.INT64)]
     assert bind_decode_attention_update(*few, 0.3).__name__ == "general"   # one group: split keys
+
+
+# -- fuse_decode_rope ------------------------------------------------------------------------
+
+def _rope_decode_graph(reader=False):
+    g = Graph()
+    kc, vc = g.add_input(d(1, 2, 16, 8), "kc"), g.add_input(d(1, 2, 16, 8), "vc")
+    q, kn = g.add_input(d(1, 4, 1, 8), "q"), g.add_input(d(1, 2, 1, 8), "kn")
+    vn = g.add_input(d(1, 2, 1, 8), "vn")
+    cos, sin = g.add_input(d(1, 1, 1, 8), "cos"), g.add_input(d(1, 1, 1, 8), "sin")
+    pos, lens = g.add_input(d(1, dtype=DataType.INT64), "pos"), g.add_input(d(1, dtype=DataType.INT64), "lens")
+    rope = g.create_node("ApplyRotaryPosEmb", [q, kn, cos, sin],
+                         {"query": TensorRef(0), "key": TensorRef(1), "cos": TensorRef(2),
+                          "sin": TensorRef(3)}, [q.desc, kn.desc], "rope")
+    att = g.create_node("DecodeAttentionKvUpdate", [rope.outputs[0], kc, vc, rope.outputs[1], vn, pos, lens],
+                        {**{n: TensorRef(i) for i, n in enumerate(("query", "key", "value", "key_new",
+                                                                   "value_new", "positions", "lengths"))},
+                         "scale": 0.5}, [q.desc, kc.desc, vc.desc], "att")
+    g.outputs = list(att.outputs)
+    if reader:
+        g.outputs.append(g.create_node("Neg", [rope.outputs[0]], {"self": TensorRef(0)},
+                                       [q.desc], "neg").output)
+    return g
+
+
+def test_fuse_decode_rope_golden():
+    text, rep = run(FuseDecodeRope(), _rope_decode_graph())
+    assert text == """graph(%kc: float32[1,2,16,8], %vc: float32[1,2,16,8], %q: float32[1,4,1,8], %kn: float32[1,2,1,8], %vn: float32[1,2,1,8], %cos: float32[1,1,1,8], %sin: float32[1,1,1,8], %pos: int64[1], %lens: int64[1]):
+  %0: float32[1,4,1,8], %1: float32[1,2,16,8], %2: float32[1,2,16,8] = DecodeAttentionKvUpdate(%q, %kc, %vc, %kn, %vn, %pos, %lens, %cos, %sin; scale=0.5)
+  return %0, %1, %2"""
+    assert [a["detail"] for a in rep.applied] == ["ApplyRotaryPosEmb + DecodeAttentionKvUpdate"]
+
+
+def test_fuse_decode_rope_does_not_apply_when_the_rotation_is_read_elsewhere():
+    text, rep = run(FuseDecodeRope(), _rope_decode_graph(reader=True))
+    assert "ApplyRotaryPosEmb" in text
+    assert skipped(rep) == [("fuse_decode_rope", "rope's rotation is read by neg too")]
+
+
+@pytest.mark.parametrize("smax", [40, 4096])     # serial / groups in parallel
+@pytest.mark.parametrize("per_row", [False, True])   # cos/sin one for all rows, or per row
+def test_rope_decode_kernel_is_the_rotation_then_the_kernel_bit_for_bit(smax, per_row, monkeypatch):
+    """The bound kernel with cos/sin gives apply_rotary_pos_emb + decode_attention_update's
+    bits (NaN/Inf in the query, the new key and the cache; strided q/k as the merged Q/K/V
+    GEMM's views; a second call) and its range errors write nothing."""
+    import opencann.ops.kernels.decode_attention_cpu as dac
+    monkeypatch.setattr(dac, "torch_threads", lambda: 2)
+    B, Hq, Hkv, D = 2, 6, 3, 16
+    cs = (B if per_row else 1, 1, 1, D)
+    descs = [d(B, Hq, 1, D), d(B, Hkv, smax, D), d(B, Hkv, smax, D), d(B, Hkv, 1, D),
+             d(B, Hkv, 1, D), d(B, dtype=DataType.INT64), d(B, dtype=DataType.INT64)]
+    bound = bind_decode_attention_update(*descs, 0.3, d(*cs), d(*cs))
+    assert bound.__name__ == "run"
+    merged = torch.randn(B, 1, (Hq + 2 * Hkv) * D, generator=G)      # one GEMM's output
+    q = merged[..., :Hq * D].view(B, 1, Hq, D).transpose(1, 2)
+    kn = merged[..., Hq * D:(Hq + Hkv) * D].view(B, 1, Hkv, D).transpose(1, 2)
+    vn = torch.randn(B, Hkv, 1, D, generator=G)
+    q[1, 2, 0, 3], kn[0, 1, 0, 5], vn[1, 0, 0, 1] = float("nan"), float("inf"), float("-inf")
+    cos, sin = torch.randn(*cs, generator=G), torch.randn(*cs, generator=G)
+    kc, vc = torch.randn(B, Hkv, smax, D, generator=G), torch.randn(B, Hkv, smax, D, generator=G)
+    kc[0, :, 30:] = float("inf")
+    pos, lens = torch.tensor([9, 30]), torch.tensor([10, 31])
+    k1, v1, k2, v2 = kc.clone(), vc.clone(), kc.clone(), vc.clone()
+    qr, kr = apply_rotary_pos_emb(q, kn, cos, sin)
+    ref = decode_attention_update(qr, k1, v1, kr, vn, pos, lens, 0.3)[0]
+    out = torch.empty(B, Hq, 1, D)
+    for _ in range(2):
+        got, kk, vv = bound(q, k2, v2, kn, vn, pos, lens, cos, sin, out=out)
+        assert got is out and kk is k2 and vv is v2
+        assert torch.equal(torch.isnan(got), torch.isnan(ref)) and torch.isnan(got).any()
+        assert torch.equal(got.nan_to_num(7.0), ref.nan_to_num(7.0))
+        assert torch.equal(k2.nan_to_num(7.0), k1.nan_to_num(7.0)) and torch.equal(v2, v1)
+    before = k2.clone()
+    with pytest.raises(ValueError, match=f"positions {smax}..{smax}"):
+        bound(q, k2, v2, kn, vn, torch.tensor([smax, 0]), lens, cos, sin, out=out)
+    assert torch.equal(k2.nan_to_num(7.0), before.nan_to_num(7.0))       # nothing written
+    fresh = bound(q, k2, v2, kn, vn, pos, lens, cos, sin)[0]              # no out: general path
+    assert torch.equal(fresh.nan_to_num(7.0), ref.nan_to_num(7.0))
 
 
 # -- kernels against eager ---------------------------------------------------------------

@@ -46,6 +46,7 @@ from numba import prange
 
 from ...ir import TensorDesc
 from .kv_cache_update_cpu import _array, _scatter, check_update, kv_cache_update
+from .rotary_mul_cpu import apply_rotary_pos_emb
 from .numba_cache import launch, njit, torch_threads
 
 _FM = {"reassoc", "contract"}
@@ -256,9 +257,120 @@ def _serial_update_checked(kb, vb, knb, vnb, positions, q, k, v, lengths, scale,
     return 0
 
 
+@njit(cache=True)
+def _rope_row(x, c, s, b, n, y, yb, yn, yi):  # pragma: no cover - numba
+    """y[yb, yn, yi, :] = x[b, n, 0, :]·cos + rotate_half(x[b, n, 0, :])·sin (cos/sin [B or
+    1, 1, 1, D]): `rotary_mul_cpu`'s arithmetic, compiled without fast-math (no fused
+    multiply-add), so eager's bits. Not inlined: the callers' fast-math flags must not
+    reach it."""
+    D = x.shape[3]
+    cb = b if c.shape[0] > 1 else 0
+    sb = b if s.shape[0] > 1 else 0
+    h = D // 2
+    for d in range(h):
+        y[yb, yn, yi, d] = x[b, n, 0, d] * c[cb, 0, 0, d] + (-x[b, n, 0, d + h]) * s[sb, 0, 0, d]
+    for d in range(h, D):
+        y[yb, yn, yi, d] = x[b, n, 0, d] * c[cb, 0, 0, d] + x[b, n, 0, d - h] * s[sb, 0, 0, d]
+
+
+@njit(cache=True)
+def _rope_group(qraw, knew, vnb, vb, c, s, positions, k, qr, b, h):  # pragma: no cover - numba
+    """Group (b, kv head h) of a rotary decode step: the new key rotated into the key
+    cache at positions[b], the new value row's bits into the value cache, and the group's
+    query heads rotated into ``qr``."""
+    G = qraw.shape[1] // k.shape[1]
+    p = positions[b]
+    _rope_row(knew, c, s, b, h, k, b, h, p)
+    for d in range(vnb.shape[3]):
+        vb[b, h, p, d] = vnb[b, h, 0, d]
+    for g in range(G):
+        _rope_row(qraw, c, s, b, h * G + g, qr, b, h * G + g, 0)
+
+
+@njit(cache=True)
+def _serial_rope_update_checked(vb, vnb, positions, qraw, knew, c, s, k, v, lengths, scale,
+                                out):  # pragma: no cover - numba
+    """`_serial_update_checked` for a step whose query and new key are rotated first
+    (RoPE, `_rope_group`): nothing written and 1 returned for a position or length out of
+    range, else 0."""
+    S = k.shape[2]
+    B, Hkv = positions.shape[0], k.shape[1]
+    for b in range(B):
+        if positions[b] < 0 or positions[b] + 1 > S or lengths[b] < 0 or lengths[b] > S:
+            return 1
+    qr = np.empty(qraw.shape, np.float32)
+    for b in range(B):
+        for h in range(Hkv):
+            _rope_group(qraw, knew, vnb, vb, c, s, positions, k, qr, b, h)
+    _serial(qr, k, v, lengths, scale, out)
+    return 0
+
+
+@njit(parallel=True, fastmath=_FM, cache=True)
+def _by_group_rope_update(vb, vnb, positions, qraw, knew, c, s, k, v, lengths, scale,
+                          out):  # pragma: no cover - numba
+    """`_by_group_update` for a rotary step (`_serial_rope_update_checked`'s work, the
+    (b, kv head) groups spread over the threads, each whole)."""
+    S = k.shape[2]
+    B, Hkv, D = positions.shape[0], k.shape[1], k.shape[3]
+    for b in range(B):
+        if positions[b] < 0 or positions[b] + 1 > S or lengths[b] < 0 or lengths[b] > S:
+            return 1
+    G = qraw.shape[1] // Hkv
+    qr = np.empty(qraw.shape, np.float32)
+    for i in prange(B * Hkv):
+        b, h = i // Hkv, i % Hkv
+        _rope_group(qraw, knew, vnb, vb, c, s, positions, k, qr, b, h)
+        sc = np.empty((G, S), np.float32)
+        acc = np.empty((G, D), np.float32)
+        tots = np.empty(G, np.float32)
+        _group(qr, k, v, lengths, scale, out, b, h, sc, acc, tots)
+    return 0
+
+
+def _rope4(desc: TensorDesc, B: int, D: int) -> Optional[tuple]:
+    """The 4-D shape cos/sin of description ``desc`` are read as ([B or 1, 1, 1, D],
+    leading 1s added), or None when they are not one row per sequence (or one for all)."""
+    shape = tuple(int(x) for x in desc.shape)
+    if len(shape) > 4:
+        return None
+    shape = (1,) * (4 - len(shape)) + shape
+    if shape[0] not in (1, B) or shape[1:] != (1, 1, D):
+        return None
+    return shape
+
+
+def _bound_plan(descs: tuple, rope: tuple) -> Optional[tuple]:
+    """(kernel, launch work (0: serial), cos/sin 4-D shapes or None, D) of
+    `bind_decode_attention_update` for the static descriptions ``descs`` (q, k, v, k_new,
+    v_new, positions, lengths) and ``rope`` ((cos, sin) or ()); None where a call must
+    take the general path."""
+    q, k, v, k_new, v_new, positions, lengths = descs
+    shapes = [tuple(d.shape) for d in descs]
+    if not (all(d.is_static for d in descs + rope)
+            and all(d.dtype.torch == torch.float32 for d in (q, k, v, k_new, v_new) + rope)
+            and positions.dtype.torch == lengths.dtype.torch == torch.int64
+            and len(shapes[0]) == 4 and len(shapes[1]) == 4):
+        return None
+    (B, Hq, one, D), (_, Hkv, S, _) = shapes[0], shapes[1]
+    if not (one == 1 and Hkv and Hq % Hkv == 0 and B * Hq * D and shapes[2] == shapes[1]
+            and shapes[3] == shapes[4] == (B, Hkv, 1, D) and shapes[5] == shapes[6] == (B,)
+            and shapes[1][0] == B and shapes[1][3] == D):
+        return None
+    r4 = tuple(_rope4(x, B, D) for x in rope) or None
+    if rope and (None in r4 or D % 2):
+        return None
+    if 2 * B * Hkv * S * D <= SERIAL_MAX:
+        return (_serial_rope_update_checked if rope else _serial_update_checked), 0, r4, D
+    if B * Hkv >= 2 * torch_threads():
+        return (_by_group_rope_update if rope else _by_group_update), 2 * B * Hkv * S * D, r4, D
+    return None    # few groups: split the keys (FlashDecoding), `decode_attention`
+
+
 def bind_decode_attention_update(q: TensorDesc, k: TensorDesc, v: TensorDesc, k_new: TensorDesc,
                                  v_new: TensorDesc, positions: TensorDesc, lengths: TensorDesc,
-                                 scale: Optional[float]) -> Callable:
+                                 scale: Optional[float], cos: Optional[TensorDesc] = None,
+                                 sin: Optional[TensorDesc] = None) -> Callable:
     """``run(q, k, v, k_new, v_new, positions, lengths, out=None)``: `decode_attention_update`
     for a compiled graph whose operands have the static descriptions given. Where those
     allow it (float32, int64 positions and lengths, one new row per sequence), the shape
@@ -269,41 +381,42 @@ def bind_decode_attention_update(q: TensorDesc, k: TensorDesc, v: TensorDesc, k_
     above, with at least two (b, kv head) groups per thread (a batch of decodes), the
     groups run in parallel, each whole (`_by_group_update`: one launch, no key split and
     merge). Any other call, and one whose positions or lengths are out of range (its
-    one-line error), goes through `decode_attention_update`. Same results, bit for bit."""
-    def general(qt, kt, vt, knt, vnt, pos, lens, out=None):
+    one-line error), goes through `decode_attention_update`. Same results, bit for bit.
+
+    With ``cos`` and ``sin`` (a RoPE step, ``fuse_decode_rope``): ``run(q, k, v, k_new,
+    v_new, positions, lengths, cos, sin, out=None)`` rotates the query and the new key
+    first (`apply_rotary_pos_emb`'s bits) inside the same kernel: the fast paths need
+    cos/sin of one row per sequence ([B or 1, 1, 1, D] after leading 1s)."""
+    rope = cos is not None
+
+    def general(qt, kt, vt, knt, vnt, pos, lens, *cs, out=None):
+        if cs:
+            qt, knt = apply_rotary_pos_emb(qt, knt, cs[0], cs[1])
         return decode_attention_update(qt, kt, vt, knt, vnt, pos, lens, scale, out=out)
-    shapes = [tuple(d.shape) for d in (q, k, v, k_new, v_new, positions, lengths)]
-    if not (all(d.is_static for d in (q, k, v, k_new, v_new, positions, lengths))
-            and all(d.dtype.torch == torch.float32 for d in (q, k, v, k_new, v_new))
-            and positions.dtype.torch == lengths.dtype.torch == torch.int64
-            and len(shapes[0]) == 4 and len(shapes[1]) == 4):
+    plan = _bound_plan((q, k, v, k_new, v_new, positions, lengths), (cos, sin) if rope else ())
+    if plan is None:
         return general
-    (B, Hq, one, D), (_, Hkv, S, _) = shapes[0], shapes[1]
-    if not (one == 1 and Hkv and Hq % Hkv == 0 and B * Hq * D and shapes[2] == shapes[1]
-            and shapes[3] == shapes[4] == (B, Hkv, 1, D) and shapes[5] == shapes[6] == (B,)
-            and shapes[1][0] == B and shapes[1][3] == D):
-        return general
-    if 2 * B * Hkv * S * D <= SERIAL_MAX:
-        kernel, work = _serial_update_checked, 0
-    elif B * Hkv >= 2 * torch_threads():
-        kernel, work = _by_group_update, 2 * B * Hkv * S * D
-    else:
-        return general    # few groups: split the keys (FlashDecoding), `decode_attention`
+    kernel, work, r4, D = plan
     sc = np.float32(float(D) ** -0.5 if scale is None else float(scale))
 
-    def run(qt, kt, vt, knt, vnt, pos, lens, out=None):
+    def run(qt, kt, vt, knt, vnt, pos, lens, *cs, out=None):
         if out is None or not (out.is_contiguous() and knt.is_contiguous() and vnt.is_contiguous()
                                and pos.is_contiguous() and lens.is_contiguous()):
-            return general(qt, kt, vt, knt, vnt, pos, lens, out)
-        args = (_array(kt), _array(vt), _array(knt), _array(vnt), _np(pos), _np(qt), _np(kt),
-                _np(vt), _np(lens), sc, out.numpy())
+            return general(qt, kt, vt, knt, vnt, pos, lens, *cs, out=out)
+        if rope:
+            args = (_array(vt), _array(vnt), _np(pos), _np(qt), _np(knt),
+                    _np(cs[0]).reshape(r4[0]), _np(cs[1]).reshape(r4[1]), _np(kt), _np(vt),
+                    _np(lens), sc, out.numpy())
+        else:
+            args = (_array(kt), _array(vt), _array(knt), _array(vnt), _np(pos), _np(qt),
+                    _np(kt), _np(vt), _np(lens), sc, out.numpy())
         if work:
             with launch(work):
                 bad = kernel(*args)
         else:
             bad = kernel(*args)
-        if bad:
-            return general(qt, kt, vt, knt, vnt, pos, lens, out)   # raises its one-line error
+        if bad:   # raises its one-line error
+            return general(qt, kt, vt, knt, vnt, pos, lens, *cs, out=out)
         return out, kt, vt
     return run
 

@@ -1,5 +1,5 @@
 """Stage 2, fusion: one rewrite per module (batchnorm, conv_act, conv_add_act,
-linear_act, qkv_linear, add_layer_norm_cast, add_layer_norm, add_rms_norm, rotary_mul, decode_kv_update, apply_rotary_pos_emb, attention; the patterns silu, gelu_tanh, gelu_erf, rms_norm,
+linear_act, qkv_linear, add_layer_norm_cast, add_layer_norm, add_rms_norm, rotary_mul, decode_kv_update, apply_rotary_pos_emb, decode_rope, attention; the patterns silu, gelu_tanh, gelu_erf, rms_norm,
 layer_norm, gated_mlp; qdq_to_int8: ONNX QDQ layers on int8 kernels; qdq_eltwise_int8: QDQ Add / MaxPool on uint8; quantize_int8: int8 kernels from calibration; fuse_requant: int8 layers writing uint8 for int8 readers; elementwise: generated kernels for elementwise groups; user_rule: rules registered by users); each says why a match was not rewritten."""
 from .add_layer_norm import FuseAddLayerNorm
 from .add_layer_norm_cast import FuseAddLayerNormCast
@@ -12,6 +12,7 @@ from .common import CpuFusion
 from .conv_act import FuseConvAct
 from .conv_add_act import FuseConvAddAct
 from .decode_kv_update import FuseDecodeKvUpdate
+from .decode_rope import FuseDecodeRope
 from .elementwise import FuseElementwise
 from .gated_mlp import FuseGatedMLP
 from .gelu_erf import FuseGeluErf
@@ -29,6 +30,6 @@ from .silu import FuseSiLU
 from .user_rule import FusionRule, UserFusion, register_rule, unregister_rule, user_passes
 
 __all__ = ["FoldBatchNorm", "FuseConvAct", "FuseConvAddAct", "FuseLinearAct",
-           "FuseFlashAttention", "ChooseAttentionKernel", "FuseQKVLinear", "FuseAddLayerNorm", "FuseAddLayerNormCast", "FuseAddRmsNorm", "FuseRotaryMul", "FuseDecodeKvUpdate", "FuseApplyRotaryPosEmb", "CpuFusion", "FuseSiLU", "FuseGeluTanh", "FuseGeluErf",
+           "FuseFlashAttention", "ChooseAttentionKernel", "FuseQKVLinear", "FuseAddLayerNorm", "FuseAddLayerNormCast", "FuseAddRmsNorm", "FuseRotaryMul", "FuseDecodeKvUpdate", "FuseApplyRotaryPosEmb", "FuseDecodeRope", "CpuFusion", "FuseSiLU", "FuseGeluTanh", "FuseGeluErf",
            "FuseRMSNorm", "FuseLayerNorm", "FuseGatedMLP", "FuseElementwise", "FusionRule", "UserFusion",
            "register_rule", "unregister_rule", "user_passes", "QuantizeInt8", "FuseRequant", "QdqToInt8", "QdqEltwiseToInt8"]
