@@ -49,12 +49,12 @@ def _quant_linear_cost(node: Node) -> Cost:
 
 register(OpDef("AscendQuant", OpKind.ELEMENTWISE, flops_per_elem=4, aliases=((),), channels_last=True,
                kernel_factories={"cpu": make_ascend_quant_kernel, "vnpu": make_vnpu_ascend_quant}, npu_format="quant",
-               device_cost={"vnpu": vnpu_cost.vector("mul")}, per_index=pi.ALL,
+               device_cost={"vnpu": vnpu_cost.quant}, per_index=pi.ALL,
                doc="fp32 → uint8 (int8 on the vnpu): saturate(round(x * scale) + offset), NaN → the minimum"))
 register(OpDef("AscendDequant", OpKind.ELEMENTWISE, flops_per_elem=2, aliases=((),), channels_last=True,
                kernel_factories={"cpu": make_ascend_dequant_kernel, "vnpu": make_vnpu_ascend_dequant},
                npu_format="quant",
-               device_cost={"vnpu": vnpu_cost.vector("mul")}, per_index=pi.ALL,
+               device_cost={"vnpu": vnpu_cost.quant}, per_index=pi.ALL,
                doc="uint8 → fp32: (x - offset) * scale; int32 → fp32: x * deq_scale[c] + bias[c] (vnpu)"))
 register(OpDef("QuantConvBiasAct", OpKind.FUSED, aliases=((),), cost_fn=_conv_cost,
                fused_from=("Conv2D",), kernel_factories={"cpu": make_quant_conv_kernel},
