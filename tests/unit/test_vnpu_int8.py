@@ -233,3 +233,11 @@ def test_cube_without_int8_and_dynamic_mode_raise_one_line(model, tmp_path):
     with pytest.raises(ValueError, match="dynamic int8 quantization .* has no vnpu kernel") as e:
         opencann.quantize(m, cal, device=DEV, config=create_quant_config(mode="dynamic"))
     assert "\n" not in str(e.value)
+
+
+def test_tune_int8_on_the_vnpu_refuses_instead_of_running_fp32(model):
+    from opencann.tools.tune import tune
+    m, cal = model
+    with pytest.raises(ValueError, match="int8 candidate of tune is not searched on vnpu") as e:
+        tune(m, cal[0], device=DEV, candidates=("fp32", "int8"))
+    assert "\n" not in str(e.value)
