@@ -35,6 +35,8 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence
 
 import torch
 
+from ..devices import parse_device
+from ..passes.layout.vnpu_quantize_int8 import check_cube_int8
 from .compiled_model import CompiledModel
 from .entry import compile_module
 
@@ -112,17 +114,30 @@ def _signature(batch: tuple) -> str:
                      else type(t).__name__ for t in batch)
 
 
-def calibrate(cm: CompiledModel, batches: Iterable[tuple]) -> Dict[str, Dict[str, Any]]:
+# the vnpu's targets (unfused Cube ops, ``vnpu_quantize_int8``) -> the name of their x
+VNPU_TARGETS = {"Conv2D": "input", "MatMulV2": "mat1", "MatMul": "self"}
+
+
+def calibrate(cm: CompiledModel, batches: Iterable[tuple], targets: Optional[Dict[str, str]] = None
+              ) -> Dict[str, Dict[str, Any]]:
     """Run ``batches`` through the fp32 compiled model ``cm`` and return, per target node
-    (`TARGETS`) whose x is fp32, its record {"scale_d", "offset_d", "min", "max"} (uint8,
-    per tensor), plus for a ConvAddAct ``"accum"``: {"scale_d", "offset_d"} of its residual
-    addend (which `fuse_requant` may carry in uint8). Raises what a call raises (a batch of
-    another shape: one line)."""
+    (`TARGETS`; ``targets``: {op: x's argument name} instead, e.g. `VNPU_TARGETS`, nodes
+    with a constant ``weight`` / ``mat2``) whose x is fp32, its record {"scale_d",
+    "offset_d", "min", "max"} (uint8, per tensor), plus for a ConvAddAct ``"accum"``:
+    {"scale_d", "offset_d"} of its residual addend (which `fuse_requant` may carry in
+    uint8). Raises what a call raises (a batch of another shape: one line)."""
     graph = cm.graph
     watch: Dict[int, _Range] = {}
     names: Dict[int, List[str]] = {}
     addends: Dict[int, List[str]] = {}
     for n in graph.nodes:
+        if targets is not None:
+            w = n.arg("weight" if n.op == "Conv2D" else "mat2") if n.op in targets else None
+            if w is not None and w.is_const:
+                x = n.arg(targets[n.op])
+                watch.setdefault(x.id, _Range())
+                names.setdefault(x.id, []).append(n.name)
+            continue
         if n.op in TARGETS:
             x = n.arg("mat1" if n.op == "LinearAct" else "input")
             watch.setdefault(x.id, _Range())
@@ -184,10 +199,22 @@ def quantize(model: torch.nn.Module, calibration_inputs, *, config: Optional[Dic
                          f"before int8 quantization; leave it unset to quantize from fp32")
     batches = _batches(calibration_inputs)
     records: Dict[str, Dict[str, Any]] = {}
+    vnpu = parse_device(device).kind == "vnpu"
+    if vnpu:
+        check_cube_int8(parse_device(device).spec, "opencann.quantize")
+        if cfg["mode"] != "static" or cfg.get("dynamic_linear"):
+            raise ValueError("dynamic int8 quantization (x quantized per call) has no vnpu kernel: CANN's "
+                             "AscendQuant takes a calibrated scale. Fix: mode='static' with calibration "
+                             "batches, or device='cpu'")
     if cfg["mode"] == "static":
-        fp32 = compile_module(model, batches[0], device, dict(opts, quant_config=None))
-        records = calibrate(fp32, batches)
-        if not records and any(n.op in TARGETS for n in fp32.graph.nodes):
+        if vnpu:     # the unfused graph the vnpu pass sees, observed on the host in fp32 (same names)
+            fp32 = compile_module(model, batches[0], "cpu", dict(opts, quant_config=None,
+                                                                 disable=_cpu_only_rewrites(opts)))
+            records = calibrate(fp32, batches, VNPU_TARGETS)
+        else:
+            fp32 = compile_module(model, batches[0], device, dict(opts, quant_config=None))
+            records = calibrate(fp32, batches)
+        if not records and any(n.op in (VNPU_TARGETS if vnpu else TARGETS) for n in fp32.graph.nodes):
             raise ValueError("calibration saw no finite value at the input of any convolution or "
                              "linear (every calibration batch is NaN/inf there): give batches of "
                              "real data")
@@ -195,23 +222,41 @@ def quantize(model: torch.nn.Module, calibration_inputs, *, config: Optional[Dic
                   **({"accum": r["accum"]} if "accum" in r else {})} for k, r in records.items()}
     opts["quant_config"] = {"layers": layers, "skip_layers": list(cfg.get("skip_layers") or ()),
                             "dynamic_linear": bool(cfg.get("dynamic_linear"))}
-    return compile_module(model, batches[0], device, opts)
+    cm = compile_module(model, batches[0], device, opts)
+    rows = quant_report(cm)
+    if vnpu and rows and not any(r["int8"] for r in rows) and not cfg.get("skip_layers"):
+        raise ValueError(f"no layer was quantized on {device} (first: {rows[0]['layer']}: {rows[0]['reason']}); "
+                         f"fix that, or compile without opencann.quantize to run fp32")
+    return cm
+
+
+def _cpu_only_rewrites(opts: Dict[str, Any]) -> List[str]:
+    """``opts["disable"]`` plus every cpu-only rewrite of the default pipeline (fusions,
+    ``drop_unused_outputs``): the host graph then keeps the vnpu's node names."""
+    from ..passes import default_pipeline
+    off = [p.name for p in default_pipeline().passes
+           if tuple(getattr(p, "devices", ())) == ("cpu",) and p.stage != "layout"]
+    return list(opts.get("disable") or ()) + off
 
 
 #: AMCT's name for the calibrate-and-convert step
 quantize_model = quantize
 
 
+# the passes whose entries are quant_report's rows: the CPU's and the vnpu's int8 rewrite
+QUANT_PASSES = ("quantize_int8", "vnpu_quantize_int8")
+
+
 def quant_report(cm: CompiledModel) -> List[Dict[str, Any]]:
-    """One row per convolution / linear the ``quantize_int8`` pass looked at: {"layer",
+    """One row per convolution / linear the ``quantize_int8`` (vnpu: ``vnpu_quantize_int8``) pass looked at: {"layer",
     "int8" (bool), "detail" (static with scale_d / offset_d, or dynamic) or "reason"
     (why it stays fp32), "where"}; from the compile report, so a loaded model has it too."""
     rows = [{"layer": e["nodes"], "int8": True, "detail": e.get("detail", ""), "where": e.get("where", "")}
-            for e in cm.report.applied if e.get("pass") == "quantize_int8"]
+            for e in cm.report.applied if e.get("pass") in QUANT_PASSES]
     rows += [{"layer": e["nodes"], "int8": False, "reason": e.get("reason", ""), "where": e.get("where", "")}
-             for e in cm.report.skipped if e.get("pass") == "quantize_int8"]
+             for e in cm.report.skipped if e.get("pass") in QUANT_PASSES]
     return rows
 
 
-__all__ = ["ALGORITHMS", "MODES", "TARGETS", "calibrate", "create_quant_config", "quant_report",
+__all__ = ["ALGORITHMS", "MODES", "QUANT_PASSES", "TARGETS", "VNPU_TARGETS", "calibrate", "create_quant_config", "quant_report",
            "quantize", "quantize_model"]

@@ -95,7 +95,8 @@ class OpDef:
     spec) -> (KernelCost, cost-function name)`` (vnpu: ``ops/kernels/vnpu_cost.py``).
     ``npu_format``: how the op runs in NPU storage formats on the vnpu: "conv",
     "matmul", "elementwise", "channelwise", "lastaxis" (a last-axis norm or softmax that also
-    takes FRACTAL_NZ), or None (ND only).
+    takes FRACTAL_NZ), "quant" (AscendQuant / AscendDequant: the storage format of their
+    int8 Cube neighbour), or None (ND only).
     ``channels_last``: the op's ATen CPU kernel follows a channels-last (NHWC) input,
     writing its 4-D result channels-last too (elementwise ops, pooling, H/W reductions,
     inference BatchNorm, ATen convolution); the CPU layout stage keeps NHWC through

@@ -5,7 +5,12 @@
   reciprocal of the step, as CANN's ``y = round(x * scale + offset)``; ``offset``: the
   zero point).
 - ``AscendDequant``: uint8 → fp32 per tensor, ``(x - offset) * scale`` (CANN's
-  AscendDequant as a graph op; ONNX DequantizeLinear of a QDQ model converts to it).
+  AscendDequant as a graph op; ONNX DequantizeLinear of a QDQ model converts to it); on
+  the vnpu also CANN's own form: int32 (an int8 Conv2D / MatMulV2's result) →
+  fp32 ``x * deq_scale[c] + bias[c]`` per output channel (inputs ``deq_scale``, ``bias``).
+  On the vnpu both run in the storage format of their Cube neighbour (``npu_format``
+  "quant", kernels ``ops/kernels/vnpu_quant.py``); AscendQuant then writes int8 with an
+  offset in [-128, 127] (NC1HWC0 / FRACTAL_NZ with C0 = 32).
 - ``QuantConvBiasAct``: int8 Conv2D (uint8 x, int8 per-channel weight) + bias +
   activation with CANN's AscendDequant fused into its fp32 output.
 - ``QuantConvAddAct``: the same with the residual Add (+ ReLU): oneDNN's ``sum`` post-op
@@ -24,6 +29,7 @@ from __future__ import annotations
 
 from ..ir import Node, numel
 from .kernels import vnpu_cost
+from .kernels.vnpu_quant import make_vnpu_ascend_dequant, make_vnpu_ascend_quant
 from .kernels.int8_cpu import (make_ascend_dequant_kernel, make_ascend_quant_kernel, make_quant_conv_kernel,
                                make_quant_add_kernel, make_quant_linear_kernel, make_quant_max_pool_kernel)
 from .library import _conv_cost
@@ -42,13 +48,14 @@ def _quant_linear_cost(node: Node) -> Cost:
 
 
 register(OpDef("AscendQuant", OpKind.ELEMENTWISE, flops_per_elem=4, aliases=((),), channels_last=True,
-               kernel_factories={"cpu": make_ascend_quant_kernel},
-               device_cost={"vnpu": vnpu_cost.vector("mul")}, per_index=pi.ALL,
-               doc="fp32 → uint8: saturate(round(x * scale) + offset), NaN → 0"))
+               kernel_factories={"cpu": make_ascend_quant_kernel, "vnpu": make_vnpu_ascend_quant}, npu_format="quant",
+               device_cost={"vnpu": vnpu_cost.quant}, per_index=pi.ALL,
+               doc="fp32 → uint8 (int8 on the vnpu): saturate(round(x * scale) + offset), NaN → the minimum"))
 register(OpDef("AscendDequant", OpKind.ELEMENTWISE, flops_per_elem=2, aliases=((),), channels_last=True,
-               kernel_factories={"cpu": make_ascend_dequant_kernel},
-               device_cost={"vnpu": vnpu_cost.vector("mul")}, per_index=pi.ALL,
-               doc="uint8 → fp32: (x - offset) * scale"))
+               kernel_factories={"cpu": make_ascend_dequant_kernel, "vnpu": make_vnpu_ascend_dequant},
+               npu_format="quant",
+               device_cost={"vnpu": vnpu_cost.quant}, per_index=pi.ALL,
+               doc="uint8 → fp32: (x - offset) * scale; int32 → fp32: x * deq_scale[c] + bias[c] (vnpu)"))
 register(OpDef("QuantConvBiasAct", OpKind.FUSED, aliases=((),), cost_fn=_conv_cost,
                fused_from=("Conv2D",), kernel_factories={"cpu": make_quant_conv_kernel},
                device_cost={"vnpu": vnpu_cost.conv}, per_index=pi.CONV,

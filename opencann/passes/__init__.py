@@ -6,7 +6,7 @@ from .fusion import FoldBatchNorm, FuseConvAct, FuseConvAddAct, FuseFlashAttenti
 from .fusion import ChooseAttentionKernel, FuseAddLayerNorm, FuseAddLayerNormCast, FuseAddRmsNorm, FuseApplyRotaryPosEmb, FuseDecodeKvUpdate, FuseDecodeRope, FuseRotaryMul, FuseQKVLinear, FuseRequant, QdqEltwiseToInt8, QdqToInt8, QuantizeInt8
 from .fusion import (FuseElementwise, FuseGatedMLP, FuseGeluErf, FuseGeluTanh, FuseLayerNorm, FuseRMSNorm, FuseSiLU,
                      user_passes)
-from .layout import LayoutSelection, NpuLayoutSelection, VnpuUbEpilogue
+from .layout import LayoutSelection, NpuLayoutSelection, VnpuQuantizeInt8, VnpuUbEpilogue
 from .memory import MemoryPlanning, plan_memory
 from .prepare import (CommonSubexpressionElimination, ConstantFolding, DeadCodeElimination,
                       IdentityElimination, MixedPrecision)
@@ -25,7 +25,9 @@ def default_pipeline() -> PassManager:
     BatchNorm or ``pow`` split the pattern and block both the fold and the fusion).
     ``quantize_int8`` (``options['quant_config']``) runs after the CPU layout stage, on the
     fused ops in the layouts it chose (``qdq_to_int8`` just before it, for ONNX QDQ models), and
-    ``fuse_requant`` and ``qdq_eltwise_int8`` right after it. The compiler adds kernel binding as the
+    ``fuse_requant`` and ``qdq_eltwise_int8`` right after it; on the vnpu its counterpart
+    ``vnpu_quantize_int8`` (the same ``quant_config``) runs just before ``npu_layout``, on the
+    unfused Conv2D / MatMulV2, so the layout pass stores its int8 values at C0 = 32. The compiler adds kernel binding as the
     last stage when it builds a callable model."""
     return PassManager([
         ConstantFolding(), DeadCodeElimination(), CommonSubexpressionElimination(),
@@ -33,7 +35,7 @@ def default_pipeline() -> PassManager:
         FuseGeluTanh(), FuseGeluErf(), FuseRMSNorm(), FuseLayerNorm(), MixedPrecision(), FuseGatedMLP(), FuseConvAct(), FuseConvAddAct(), FuseLinearAct(), FuseQKVLinear(),
         FuseAddLayerNormCast(), FuseAddLayerNorm(), FuseAddRmsNorm(), FuseRotaryMul(), FuseDecodeKvUpdate(), FuseApplyRotaryPosEmb(), FuseDecodeRope(), FuseFlashAttention(), ChooseAttentionKernel(),
         FuseElementwise(), DeadCodeElimination(), LayoutSelection(), QdqToInt8(), QuantizeInt8(), FuseRequant(), QdqEltwiseToInt8(),
-        NpuLayoutSelection(), VnpuUbEpilogue(), SingleStreamSchedule(),
+        VnpuQuantizeInt8(), NpuLayoutSelection(), VnpuUbEpilogue(), SingleStreamSchedule(),
         MemoryPlanning(),
     ])
 
@@ -44,6 +46,6 @@ __all__ = ["Pass", "PassContext", "PassManager", "RewritePass", "Skip", "default
            "FoldBatchNorm", "FuseConvAct", "FuseConvAddAct", "FuseLinearAct",
            "FuseQKVLinear", "FuseAddLayerNorm", "FuseAddLayerNormCast", "FuseAddRmsNorm", "FuseRotaryMul", "FuseDecodeKvUpdate", "FuseApplyRotaryPosEmb", "FuseDecodeRope", "FuseFlashAttention", "ChooseAttentionKernel", "FuseSiLU", "FuseGeluTanh",
            "FuseGeluErf", "FuseRMSNorm",
-           "FuseLayerNorm", "FuseGatedMLP", "FuseElementwise", "LayoutSelection", "NpuLayoutSelection", "VnpuUbEpilogue",
+           "FuseLayerNorm", "FuseGatedMLP", "FuseElementwise", "LayoutSelection", "NpuLayoutSelection", "VnpuQuantizeInt8", "VnpuUbEpilogue",
            "SingleStreamSchedule", "apply_schedule", "DropUnusedOutputs", "QuantizeInt8", "InputInplace",
            "FuseRequant", "QdqToInt8", "QdqEltwiseToInt8"]

@@ -47,6 +47,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 import torch
 import torch.utils._pytree as pytree
 
+from ..devices import parse_device
 from . import tune_int8
 from .compare import Session, check_judgeable, metrics
 from .tune_gate import COSINE_FAIL, Verdict, msprobe_gate
@@ -473,6 +474,10 @@ def _calibrate_int8(cand: Candidate, model, args, nodes: Dict[str, NodeChoice], 
     ``batches`` (default ``[args]``; `opencann.engine.quantize.calibrate`)."""
     from ..engine import compile_module
     from ..engine.quantize import TARGETS, calibrate
+    if parse_device(device).kind == "vnpu":     # its int8 layers are the unfused Cube ops: no records here
+        raise ValueError(f"the int8 candidate of tune is not searched on {device} (its calibration reads the "
+                         f"CPU's fused layers). Fix: drop 'int8' from candidates, or quantize the whole model "
+                         f"with opencann.quantize(model, batches, device={device!r})")
     fp32 = compile_module(model, args, device, {})
     items = [b if isinstance(b, tuple) else (b,) for b in (batches or [args])]
     records = calibrate(fp32, items)

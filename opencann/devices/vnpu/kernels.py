@@ -18,6 +18,10 @@
 
 Accumulation follows the Cube: fp16/bf16 products accumulate in fp32 (L0C is fp32) and
 the result is cast back to the input dtype; int8 accumulates exactly and returns int32.
+An int8 convolution's ``offset_x`` (CANN Conv2D's attribute: the input's quantization
+offset) is the value its spatial padding reads, so a padded tap contributes
+``offset_x * w`` exactly as a real zero-valued input does; the graph's int32 bias carries
+``-offset_x * sum(w)`` per output channel (the AMCT bias correction), which cancels it.
 """
 
 from __future__ import annotations
@@ -80,7 +84,8 @@ def _check_conv_operands(x: torch.Tensor, w_fz: torch.Tensor, in_channels: int, 
 def conv2d_nc1hwc0(x: torch.Tensor, w_fz: torch.Tensor, *, in_channels: int, out_channels: int,
                    kernel_size: int | Sequence[int], stride: int | Sequence[int] = 1,
                    padding: int | Sequence[int] = 0, dilation: int | Sequence[int] = 1,
-                   bias: torch.Tensor | None = None, c0: int | None = None, groups: int = 1) -> torch.Tensor:
+                   bias: torch.Tensor | None = None, c0: int | None = None, groups: int = 1,
+                   offset_x: int = 0) -> torch.Tensor:
     """2-D convolution with NC1HWC0 input, FRACTAL_Z weight, NC1HWC0 output.
 
     Args:
@@ -92,6 +97,8 @@ def conv2d_nc1hwc0(x: torch.Tensor, w_fz: torch.Tensor, *, in_channels: int, out
         c0: override C0 (must match how x and w_fz were laid out).
         groups: convolution groups; w_fz is then GE's grouped FRACTAL_Z of the
             (out_channels, in_channels / groups, KH, KW) weight (`to_fractal_z(..., groups=)`).
+        offset_x: the value spatial padding reads (an int8 input's quantization offset,
+            CANN Conv2D's ``offset_x``; 0 for floating point).
     Returns: (N, ceil(out_channels / C0), Ho, Wo, C0) in x's dtype (int32 for integer
         inputs), pad channels zero.
     Raises ValueError: ranks, C0/C1/N1 or kernel size that disagree with the shapes.
@@ -103,6 +110,10 @@ def conv2d_nc1hwc0(x: torch.Tensor, w_fz: torch.Tensor, *, in_channels: int, out
     _check_conv_operands(x, w_fz, in_channels, out_channels, kh, kw, c0, groups)
     n, c1, h, wd, k = x.shape
     acc = _acc_dtype(x.dtype)
+    if offset_x and (ph or pw):     # pad with the int8 offset (module docstring), then convolve unpadded
+        x = F.pad(x, (0, 0, pw, pw, ph, ph), value=int(offset_x))
+        n, c1, h, wd, k = x.shape
+        ph = pw = 0
     if groups != 1:
         out = _grouped_conv(x, w_fz, in_channels, out_channels, groups, (kh, kw), (sh, sw), (ph, pw), (dh, dw), acc)
         return _pack_out(out, bias, out_channels, n, x.dtype, acc, c0)

@@ -5,9 +5,13 @@ A factory looks at the formats the layout pass (``passes/layout/npu_layout.py``)
 node's values; an op's ``npu_format`` column says which family it belongs to:
 
 - ``TransData``: `trans_data` between ND/NCHW and NC1HWC0 / FRACTAL_Z / FRACTAL_NZ.
-- "conv" (Conv2D): NC1HWC0 activations × FRACTAL_Z weight → NC1HWC0 (`conv2d_nc1hwc0`).
+- "conv" (Conv2D): NC1HWC0 activations × FRACTAL_Z weight → NC1HWC0 (`conv2d_nc1hwc0`);
+  int8 × int8 → int32 exactly, the padding reading ``attrs["offset_x"]`` (the int8 path
+  of ``passes/layout/vnpu_quantize_int8.py``).
 - "matmul" (MatMul/BatchMatMul/MatMulV2): FRACTAL_NZ × FRACTAL_NZ → FRACTAL_NZ
-  (`matmul_nz`); MatMulV2's bias is added as a zero-padded FRACTAL_NZ tensor.
+  (`matmul_nz`); MatMulV2's bias is added as a zero-padded FRACTAL_NZ tensor. int8
+  operands accumulate exactly into int32 (in ND too, `int8_matmul`: a chip whose Cube
+  reads ND).
 - "elementwise" (the non-random elementwise ops): on NC1HWC0 / FRACTAL_NZ storage through
   `elementwise`, which keeps the padding zero.
 - "channelwise" on NC1HWC0 (max/avg pooling, mean/sum/max/min over H and W, inference
@@ -92,17 +96,32 @@ def make_conv(node: Node, in_descs: Sequence[TensorDesc], consts: Sequence) -> C
     def run(*ins):
         return conv2d_nc1hwc0(ins[xi], ins[wi], in_channels=cin, out_channels=cout, kernel_size=(kh, kw),
                               stride=a["stride"], padding=a["padding"], dilation=a["dilation"],
-                              bias=ins[bi] if bi is not None else None, groups=groups)
+                              bias=ins[bi] if bi is not None else None, groups=groups,
+                              offset_x=int(a.get("offset_x", 0)))
     return run
+
+
+def int8_matmul(a: torch.Tensor, b: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The Cube's int8 GEMM in ND: a [M, K] int8 @ b [K, N] int8 (+ bias [N] int32) →
+    int32 [M, N], exact (products summed in float64, exact below 2**53; |sum| < 2**31 for
+    K < 2**17). Raises what ``torch.mm`` raises for bad shapes."""
+    c = a.to(torch.float64) @ b.to(torch.float64)
+    if bias is not None:
+        c += bias.to(torch.float64)
+    return c.to(torch.int32)
 
 
 def make_matmul(node: Node, in_descs: Sequence[TensorDesc], consts: Sequence) -> Callable:
     """MatMul (mm), BatchMatMul (bmm), MatMulV2 (addmm: beta·bias + alpha·a@b) on
-    FRACTAL_NZ operands; the host kernel when the output is ND."""
-    if node.outputs[0].desc.format != Format.FRACTAL_NZ:
-        return host_kernel(node)
+    FRACTAL_NZ operands; the host kernel when the output is ND (`int8_matmul` for int8
+    operands: torch's addmm takes one dtype)."""
     names = ("mat1", "mat2") if node.op == "MatMulV2" else ("self", "mat2")
     ai, bi = _index(node, names[0]), _index(node, names[1])
+    if node.outputs[0].desc.format != Format.FRACTAL_NZ:
+        if in_descs[ai].dtype.torch != torch.int8:
+            return host_kernel(node)
+        ci = _index(node, "self") if node.op == "MatMulV2" else None
+        return lambda *ins: int8_matmul(ins[ai], ins[bi], None if ci is None else ins[ci])
     a_shape, b_shape = in_descs[ai].origin_shape, in_descs[bi].origin_shape
     if node.op != "MatMulV2":
         return lambda *ins: matmul_nz(ins[ai], ins[bi], a_shape, b_shape)
@@ -207,5 +226,5 @@ def make_channelwise(node: Node, in_descs: Sequence[TensorDesc], consts: Sequenc
 FACTORIES = {"conv": make_conv, "matmul": make_matmul, "elementwise": make_elementwise,
              "channelwise": make_channelwise}
 
-__all__ = ["FACTORIES", "NPU_FORMATS", "host_kernel", "make_channelwise", "make_conv", "make_elementwise",
+__all__ = ["FACTORIES", "NPU_FORMATS", "host_kernel", "int8_matmul", "make_channelwise", "make_conv", "make_elementwise",
            "make_matmul", "make_trans_data", "nz_row", "origin_format_for"]

@@ -134,6 +134,15 @@ def vector(key: str) -> VnpuCost:
     return cost
 
 
+def quant(node: Node, spec: NpuSpec) -> Tuple[KernelCost, str]:
+    """AscendQuant / AscendDequant: one full-size read and one write ("mul" per element),
+    at the wider of the input's and the output's dtype (fp32 against int8 / int32); a
+    per-channel ``deq_scale`` / ``bias`` ([C], read into UB once) is no full-size input."""
+    x, out = node.inputs[0].desc, node.outputs[0].desc
+    dt = max((x.dtype, out.dtype), key=lambda d: d.itemsize).value
+    return elementwise_cost("mul", max(1, numel(out.shape)), dt, 1, spec), "elementwise_cost (quantization)"
+
+
 def reduction(key: str) -> VnpuCost:
     """Reduction / pooling of input 0 combining with ``key`` (add, max, min)."""
     def cost(node: Node, spec: NpuSpec) -> Tuple[KernelCost, str]:
@@ -163,7 +172,7 @@ def fallback(node: Node, spec: NpuSpec) -> Tuple[KernelCost, str]:
                             max(1, len(_big_inputs(node))), spec), "fallback: elementwise_cost(copy)"
 
 
-__all__ = ["VnpuCost", "attention", "batchnorm", "combine", "conv", "copy", "create", "fallback",
+__all__ = ["VnpuCost", "attention", "batchnorm", "combine", "conv", "copy", "create", "fallback", "quant",
            "flash_attention", "layernorm", "matmul", "reduction", "softmax", "trans_data", "vector"]
 
 

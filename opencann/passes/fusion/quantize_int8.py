@@ -87,7 +87,7 @@ class _QMatch:
     weight: Optional[tuple] = None     # (int8 weight, fp32 scales) given; default: ARQ of the fp32 one
 
 
-def _labels(node: Node) -> set:
+def layer_labels(node: Node) -> set:
     """The names ``skip_layers`` may give for ``node``: its own, its module's (``scope``,
     AMCT's layer name, e.g. ``layer1.0.conv2``) and its traced labels."""
     own = {node.name} | ({node.scope} if node.scope else set())
@@ -124,7 +124,7 @@ class QuantizeInt8(CpuFusion):
         LinearAct) that has a record in ``layers`` (or, for a LinearAct, ``dynamic_linear``);
         else a `Skip` naming why it stays fp32."""
         cfg = self._cfg
-        if _labels(node) & set(cfg.get("skip_layers") or ()):
+        if layer_labels(node) & set(cfg.get("skip_layers") or ()):
             return Skip("in skip_layers: kept in fp32")
         w = node.arg("weight" if node.op != "LinearAct" else "mat2")
         x = node.arg("input" if node.op != "LinearAct" else "mat1")

@@ -10,7 +10,11 @@ formats, insert TransData at format boundaries and remove inverse TransData pair
    block-diagonal block, `formats.fz_groups`) and runs on the Cube, as CANN does (ATC
    converts DepthwiseConv to Convolution with group = num_output: CANN 9.0.0 operator list,
    "Convolution (DepthwiseConv, ConvolutionDepthwise)"; the report says which packing);
-   MatMul/BatchMatMul/MatMulV2 take and give FRACTAL_NZ; an elementwise op whose
+   MatMul/BatchMatMul/MatMulV2 take and give FRACTAL_NZ (int8 operands too: the int8
+   path of ``vnpu_quantize_int8``, C0 = 32, an int32 result at C0 = 16); an int8
+   AscendQuant writes the format its Cube consumer reads (NC1HWC0 / FRACTAL_NZ, C0 = 32)
+   from the fp32 value in that format, and a per-channel AscendDequant stays in its int32
+   input's format (`_quant`); an elementwise op whose
    full-size operands are all in the same NPU format (same logical shape and C0, so
    fp16 <-> fp32 Casts stay) stays in it, on FRACTAL_NZ also with an ND operand broadcast
    along the last axis only (a bias [N], read into UB by the Vector unit; `_elementwise`);
@@ -58,6 +62,7 @@ from ..prepare.precision import _cast
 
 ND = Format.ND
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+_CUBE_IN = _FLOATS + (torch.int8,)      # operand dtypes of the Cube kernels here (int8 -> int32)
 
 
 def npu_desc(desc: TensorDesc, fmt: Format, groups: int = 1) -> TensorDesc:
@@ -90,8 +95,8 @@ def _conv(node: Node) -> Tuple[Optional[_Choice], str]:
         return None, "transposed convolution has no NC1HWC0 kernel on the vnpu"
     if x.desc.rank != 4 or node.outputs[0].desc.rank != 4:
         return None, "not a 2-D convolution"
-    if x.desc.dtype.torch not in _FLOATS:
-        return None, f"dtype {x.desc.dtype.value}: the NC1HWC0 convolution takes floating point"
+    if x.desc.dtype.torch not in _CUBE_IN:
+        return None, f"dtype {x.desc.dtype.value}: the NC1HWC0 convolution takes floating point or int8"
     ins = [ND] * len(node.inputs)
     ins[_pos(node, "input")] = Format.NC1HWC0
     ins[_pos(node, "weight")] = Format.FRACTAL_Z
@@ -115,8 +120,9 @@ def _matmul(node: Node) -> Tuple[Optional[_Choice], str]:
     ops = [node.inputs[_pos(node, n)] for n in names]
     if any(v.desc.rank != rank for v in ops):
         return None, f"operands are not rank {rank}"
-    if any(v.desc.dtype.torch not in _FLOATS for v in ops):
-        return None, "integer matmul: FRACTAL_NZ kernel here is for floating point"
+    if any(v.desc.dtype.torch not in _CUBE_IN for v in ops) or \
+            len({v.desc.dtype.torch == torch.int8 for v in ops}) != 1:
+        return None, "integer matmul other than int8 x int8: the FRACTAL_NZ kernel takes floating point or int8"
     ins = [ND] * len(node.inputs)
     for n in names:
         ins[_pos(node, n)] = Format.FRACTAL_NZ
@@ -250,6 +256,27 @@ def _last_axis(node: Node, fmt: Dict[int, Format]) -> Tuple[Optional[_Choice], s
     return _Choice(ins, [Format.FRACTAL_NZ] + [ND] * (len(node.outputs) - 1)), ""
 
 
+def _quant(node: Node, fmt: Dict[int, Format], spec: Optional[NpuSpec]) -> Tuple[Optional[_Choice], str]:
+    """An int8 AscendQuant takes and gives the format its Cube consumer reads (`_cube_demand`:
+    the fp32 value converted in, int8 out at C0 = 32, as CANN's AscendQuant writes NC1HWC0
+    int8 for the Cube); a per-channel AscendDequant (``deq_scale``) stays in the format of
+    its int32 input (same C0 as fp32). A uint8 AscendQuant / per-tensor AscendDequant (an
+    ONNX QDQ model's) runs in ND."""
+    if node.op == "AscendQuant":
+        if node.outputs[0].desc.dtype != DataType.INT8:
+            return None, "a uint8 AscendQuant (a QDQ model's) runs in ND"
+        f = _cube_demand(node.outputs[0], spec)
+        if f == ND:
+            return None, "its int8 Cube consumer reads ND"
+        return _Choice([f], [f]), ""
+    f = fmt.get(node.inputs[0].id, ND)
+    if not isinstance(node.attrs.get("deq_scale"), TensorRef) or f == ND:
+        return None, f"{node.op} of an ND value or without deq_scale runs in ND"
+    ins = [ND] * len(node.inputs)
+    ins[0] = f
+    return _Choice(ins, [f]), ""
+
+
 def select(node: Node, fmt: Dict[int, Format], spec: Optional[NpuSpec] = None,
            wanted: Optional[Dict[int, Format]] = None) -> Tuple[Optional[_Choice], str]:
     """Formats for ``node`` given its operands' formats, the chip ``spec`` (None: no
@@ -273,6 +300,8 @@ def select(node: Node, fmt: Dict[int, Format], spec: Optional[NpuSpec] = None,
         return _elementwise(node, fmt, wanted, spec)
     if kind == "lastaxis":
         return _last_axis(node, fmt)
+    if kind == "quant":
+        return _quant(node, fmt, spec)
     return _channelwise(node, fmt)
 
 

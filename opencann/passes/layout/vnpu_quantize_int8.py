@@ -1,0 +1,183 @@
+"""Stage 3 (before `NpuLayoutSelection`), vnpu only: the int8 path as CANN runs it.
+
+`VnpuQuantizeInt8` (``vnpu_quantize_int8``), driven by the same ``quant_config`` the CPU
+pass ``quantize_int8`` reads (AMCT's records: ``layers`` {node name: {"scale_d",
+"offset_d"}}, ``skip_layers``; `opencann.quantize` fills it from calibration):
+
+    Conv2D(x, W, b)          ⇒ AscendQuant(x) → Conv2D(x_i8, W_i8, corr_i32; offset_x)
+                                → AscendDequant(acc_i32, deq_scale, b)
+    MatMulV2(b, x, W) / MatMul(x, W)
+                             ⇒ AscendQuant(x) → MatMulV2(corr_i32, x_i8, W_i8; offset_x)
+                                → AscendDequant(acc_i32, deq_scale, b)
+
+- AscendQuant: fp32 → int8, ``round(x / scale_d) + offset_x`` with ``offset_x =
+  offset_d - 128`` (AMCT's uint8 record read as int8: the same levels shifted by 128);
+  the layout pass then stores it NC1HWC0 / FRACTAL_NZ at C0 = 32 where its Cube consumer
+  reads those formats.
+- the Cube op: int8 × int8 accumulated exactly in int32 (L0C); weights quantized once
+  here by ARQ (`quantize_weight`: symmetric per output channel, ``scale_w = max|W| /
+  127``, the CPU pass's function, so both devices hold the same int8 weight); its int32
+  bias is the offset correction ``-offset_x · Σ W_i8`` per output channel, and a
+  convolution's padding reads ``offset_x`` (CANN Conv2D's attribute), so the int32 sum is
+  exactly ``Σ (x_i8 - offset_x) · W_i8``.
+- AscendDequant: int32 → fp32 ``acc · deq_scale[c] + b[c]``, ``deq_scale = scale_d ·
+  scale_w[c]`` (fp32), the layer's fp32 bias added after it, as the CPU int8 kernels do:
+  both devices give the same values to fp32 rounding.
+
+Layers kept in fp32, each reported with its reason: ``skip_layers``, no record, a
+non-constant or non-fp32 weight or x, NaN/inf weights, a transposed or grouped
+convolution, a matmul whose ``beta`` / ``alpha`` are not 1. A preset whose Cube has no
+int8 (``NpuSpec.cube_dtypes``) raises `CubeDtypeError` (one line); dynamic quantization
+(x quantized per call) has no vnpu kernel here and raises ValueError.
+Source: CANN AMCT user guide (quantization record: scale_d / offset_d / scale_w /
+offset_w, "deq_scale = scale_d * scale_w"; AMCT's quantized graph: AscendQuant → int8
+Conv2D / MatMulV2 with int32 bias → AscendDequant); CANN operator list (Conv2D
+``offset_x``, AscendQuant, AscendDequant).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Dict
+
+import torch
+
+from ...ir import DataType, Graph, Node, TensorDesc, TensorRef, Value
+from ..base import PassContext, RewritePass, Skip
+from ..fusion.quantize_int8 import layer_labels, quantize_weight
+from .npu_layout import CubeDtypeError
+
+_CONV_ATTRS = ("stride", "padding", "dilation", "transposed", "output_padding", "groups")
+
+
+@dataclass
+class _Match:
+    node: Node
+    step: float      # scale_d
+    offset: int      # offset_x (int8)
+
+
+def check_cube_int8(spec, what: str) -> None:
+    """Raise `CubeDtypeError` (one line) when the Cube of ``spec`` takes no int8
+    (``"int8" not in spec.cube_dtypes``); ``what`` names the layer or model asking."""
+    if "int8" in spec.cube_dtypes:
+        return
+    from ...devices.vnpu import PRESETS
+    ok = [p for p, s in PRESETS.items() if "int8" in s.cube_dtypes]
+    raise CubeDtypeError(
+        f"{what}: int8 quantization on vnpu preset {spec.name!r}, whose Cube unit takes "
+        f"{'/'.join(spec.cube_dtypes)} only (no int8). Fix: quantize for a preset with an int8 Cube "
+        f"({', '.join('vnpu:' + p for p in ok) or 'none built in'}) or compile this one without quant_config")
+
+
+class VnpuQuantizeInt8(RewritePass):
+    """Conv2D / MatMulV2 / MatMul with a calibrated fp32 input and a constant fp32 weight
+    ⇒ AscendQuant → int8 Cube op (int32) → AscendDequant (fp32), module docstring."""
+
+    name, stage = "vnpu_quantize_int8", "layout"
+    ops = ("Conv2D", "MatMulV2", "MatMul")
+    devices = ("vnpu",)
+
+    def run(self, graph: Graph, ctx: PassContext) -> int:
+        """Rewrite every target with a record in ``options["quant_config"]["layers"]``
+        (nothing without ``quant_config``: the note says so). Raises `CubeDtypeError` on a
+        preset whose Cube has no int8 and ValueError for ``dynamic_linear`` / an ONNX
+        model's dynamic int8 weights (no vnpu kernel)."""
+        cfg = ctx.options.get("quant_config")
+        if not cfg and not graph.meta.get("int8_dynamic_weights"):
+            ctx.note("no quant_config: nothing quantized (opencann.quantize sets it)")
+            return 0
+        check_cube_int8(ctx.device.spec, "quant_config")
+        if (cfg or {}).get("dynamic_linear") or graph.meta.get("int8_dynamic_weights"):
+            raise ValueError("dynamic int8 quantization (x quantized per call) has no vnpu kernel: CANN's "
+                             "AscendQuant takes a calibrated scale. Fix: quantize with calibration data "
+                             "(mode='static'), or compile for device 'cpu'")
+        self._cfg = cfg
+        self._quants: Dict[tuple, Value] = {}
+        n = super().run(graph, ctx)
+        graph.prune_constants()
+        ctx.note(f"{n} layer(s) in int8 on the Cube")
+        return n
+
+    def match(self, node: Node, graph: Graph, ctx: PassContext):
+        """A `_Match` for a target with a record, fp32 x and a constant fp32 weight; else a
+        `Skip` naming why it stays fp32."""
+        cfg = self._cfg
+        if layer_labels(node) & set(cfg.get("skip_layers") or ()):
+            return Skip("in skip_layers: kept in fp32")
+        conv = node.op == "Conv2D"
+        x = node.arg("input" if conv else ("mat1" if node.op == "MatMulV2" else "self"))
+        w = node.arg("weight" if conv else "mat2")
+        if not (w.is_const and w.desc.dtype == DataType.FLOAT and x.desc.dtype == DataType.FLOAT):
+            return Skip("the weight is not a constant fp32 tensor or x is not fp32")
+        if conv and (node.attrs.get("transposed") or int(node.attrs.get("groups", 1)) != 1
+                     or x.desc.rank != 4):
+            return Skip("transposed, grouped or non-2-D convolution: the int8 Cube path here takes "
+                        "groups=1 Conv2D only")
+        if not conv and (x.desc.rank != 2 or w.desc.rank != 2
+                         or node.attrs.get("beta", 1) != 1 or node.attrs.get("alpha", 1) != 1):
+            return Skip("not a 2-D GEMM with beta = alpha = 1")
+        if not torch.isfinite(w.const).all():
+            return Skip("the weight holds NaN or inf")
+        rec = (cfg.get("layers") or {}).get(node.name)
+        if rec is None:
+            return Skip("no calibration record for this layer (quant_config['layers'])")
+        step, off = rec.get("scale_d"), rec.get("offset_d")
+        if not (isinstance(step, (int, float)) and math.isfinite(step) and step > 0
+                and isinstance(off, int) and 0 <= off <= 255):
+            return Skip(f"bad record {rec!r}: scale_d must be a finite float > 0, offset_d an int in [0, 255]")
+        return _Match(node, float(step), int(off) - 128)
+
+    def _quant(self, graph: Graph, x: Value, step: float, offset: int, before: Node) -> Value:
+        """The int8 value of ``x`` at (step, offset_x): one AscendQuant per key."""
+        key = (x.id, step, offset)
+        if key not in self._quants:
+            q = graph.create_node("AscendQuant", [x], {"scale": 1.0 / step, "offset": offset},
+                                  [TensorDesc(x.desc.shape, DataType.INT8, x.desc.format)],
+                                  name=f"{before.name}_quant", source=before.source, scope=before.scope,
+                                  before=before)
+            self._quants[key] = q.outputs[0]
+        return self._quants[key]
+
+    def rewrite(self, graph: Graph, m: _Match, ctx: PassContext) -> int:
+        """Replace the node by AscendQuant → int8 Cube op → AscendDequant (module
+        docstring). Returns 1."""
+        node, step, off = m.node, m.step, m.offset
+        conv = node.op == "Conv2D"
+        x = node.arg("input" if conv else ("mat1" if node.op == "MatMulV2" else "self"))
+        w = node.arg("weight" if conv else "mat2")
+        bias = node.arg("bias" if conv else "self") if node.op != "MatMul" else None
+        wq, ws = quantize_weight(w.const, 0 if conv else 1)
+        corr = (-off * wq.to(torch.int64).sum(dim=(1, 2, 3) if conv else 0)).to(torch.int32)
+        xq = self._quant(graph, x, step, off, node)
+        wc = graph.add_const(wq, f"{node.name}_w_int8")
+        cc = graph.add_const(corr.contiguous(), f"{node.name}_offset_corr")
+        out = node.outputs[0].desc
+        acc_desc = TensorDesc(out.shape, DataType.INT32, out.format)
+        if conv:
+            attrs: Dict[str, Any] = {k: node.attrs[k] for k in _CONV_ATTRS if k in node.attrs}
+            attrs.update(input=TensorRef(0), weight=TensorRef(1), bias=TensorRef(2), offset_x=off)
+            cube = graph.create_node("Conv2D", [xq, wc, cc], attrs, [acc_desc], name=f"{node.name}_int8",
+                                     source=node.source, scope=node.scope, before=node)
+        else:
+            attrs = {"self": TensorRef(0), "mat1": TensorRef(1), "mat2": TensorRef(2), "beta": 1, "alpha": 1,
+                     "offset_x": off}
+            cube = graph.create_node("MatMulV2", [cc, xq, wc], attrs, [acc_desc], name=f"{node.name}_int8",
+                                     source=node.source, scope=node.scope, before=node)
+        deq = (torch.tensor(step, dtype=torch.float32) * ws).contiguous()
+        ins = [cube.outputs[0], graph.add_const(deq, f"{node.name}_deq_scale")]
+        dattrs: Dict[str, Any] = {"deq_scale": TensorRef(1), "axis": 1 if conv else -1}
+        if bias is not None:
+            ins.append(bias)
+            dattrs["bias"] = TensorRef(2)
+        dq = graph.create_node("AscendDequant", ins, dattrs, [out], name=f"{node.name}_dequant",
+                               source=node.source, scope=node.scope, before=node)
+        dq.meta.update({k: v for k, v in node.meta.items() if k in ("strides", "origin", "eager_strides")})
+        graph.replace_all_uses_with(node.outputs[0], dq.outputs[0])
+        graph.erase_node(node)
+        ctx.applied([node], f"int8 on the Cube (scale_d={step:.4g}, offset_d={off + 128}; "
+                            f"offset_x={off}, int32 accumulate, AscendDequant per channel)")
+        return 1
+
+
+__all__ = ["VnpuQuantizeInt8", "check_cube_int8"]
