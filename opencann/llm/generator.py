@@ -172,14 +172,18 @@ class Generator:
 
     def _budget(self, gc, batch: PromptBatch, max_new_tokens: Optional[int]) -> int:
         new = max_new_tokens if max_new_tokens is not None else gc.max_new_tokens
+        asked = f"max_new_tokens={new}"     # where the count came from, for the error below
         if new is None and getattr(self.generation_config, "max_length", None) is None:
             # transformers' default (GenerationMixin._prepare_generated_length): max_length
             # unset anywhere generates DEFAULT_NEW_TOKENS new tokens, the whole sequence
             # capped at the model's positions
             cap = self.arch.max_positions - batch.sequences.shape[1] if self.arch.max_positions else None
             new = DEFAULT_NEW_TOKENS if cap is None or cap < 1 else min(DEFAULT_NEW_TOKENS, cap)
+            asked = f"transformers' default of {new} new tokens (no max_new_tokens given)"
         if new is None:
             new = gc.max_length - batch.sequences.shape[1]
+            asked = (f"the generation_config's max_length {gc.max_length} ({new} new tokens; "
+                     "no max_new_tokens given)")
             if new < 1:
                 raise ValueError(f"max_new_tokens not given, and the generation_config's max_length "
                                  f"{gc.max_length} leaves none after a prompt of "
@@ -191,7 +195,7 @@ class Generator:
             raise ValueError(f"a prompt of {longest} tokens exceeds max_seq_len {self.max_seq_len}; "
                              "compile with a larger max_seq_len or shorten the prompt")
         if longest + new - 1 > self.max_seq_len:
-            raise ValueError(f"a prompt of {longest} tokens plus max_new_tokens={new} needs "
+            raise ValueError(f"a prompt of {longest} tokens plus {asked} needs "
                              f"{longest + new - 1} cache positions but max_seq_len is "
                              f"{self.max_seq_len}; compile with a larger max_seq_len or ask for "
                              f"at most {self.max_seq_len - longest + 1} new tokens")

@@ -71,11 +71,14 @@ def sampling_kwargs(args: argparse.Namespace) -> dict:
 
 def max_seq_len(args: argparse.Namespace, prompt_len: int, model) -> int:
     """The KV-cache length: ``--max-seq-len``, or prompt + new tokens rounded up to
-    `MAX_SEQ_LEN_STEP` and capped at the model's ``max_position_embeddings``. The cache
+    `MAX_SEQ_LEN_STEP` and capped at the model's context as ``opencann.llm.compile``
+    reads it (`opencann.llm.arch.rope_context`: ``max_position_embeddings``, longer under
+    a ``linear``/``llama3``/``yarn`` RoPE scaling; GPT-2's ``n_positions``). The cache
     holds prompt + new - 1 positions (the last new token is never fed back), as the
     generator counts them. Raises ValueError (one line) when they do not fit."""
+    from ..llm.arch import rope_context
     need = prompt_len + args.max_new_tokens - 1
-    limit = getattr(model.config, "max_position_embeddings", None) or need
+    limit = rope_context(model.config) or need
     if args.max_seq_len is not None:
         if need > args.max_seq_len:
             raise ValueError(f"the prompt ({prompt_len} tokens) and --max-new-tokens "

@@ -148,3 +148,18 @@ def test_max_seq_len_counts_positions_as_the_generator_does():
     assert max_seq_len(argparse.Namespace(max_seq_len=None, max_new_tokens=60), 5, model) == 64
     with pytest.raises(ValueError, match=r"more than the model's context of 64"):
         max_seq_len(argparse.Namespace(max_seq_len=None, max_new_tokens=61), 5, model)
+
+
+def test_max_seq_len_serves_a_rope_scaled_context_as_the_generator_does():
+    """A RoPE scaling that stretches the context (llama3: original 32 x factor 4 = 128)
+    lets opencann.llm.compile run past max_position_embeddings; the CLI's cap is the same
+    context (`rope_context`), not max_position_embeddings alone."""
+    import argparse
+    from types import SimpleNamespace
+    from opencann.tools.generate_cli import max_seq_len
+    rope = {"rope_type": "llama3", "factor": 4.0, "original_max_position_embeddings": 32,
+            "low_freq_factor": 1.0, "high_freq_factor": 4.0}
+    model = SimpleNamespace(config=SimpleNamespace(max_position_embeddings=64, rope_scaling=rope))
+    assert max_seq_len(argparse.Namespace(max_seq_len=None, max_new_tokens=100), 5, model) == 128
+    with pytest.raises(ValueError, match=r"more than the model's context of 128"):
+        max_seq_len(argparse.Namespace(max_seq_len=None, max_new_tokens=125), 5, model)

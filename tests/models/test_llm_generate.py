@@ -98,6 +98,29 @@ def test_default_length_equals_transformers_generate(name):
         m.generation_config.max_length = None
 
 
+def test_a_length_past_the_cache_names_where_the_count_came_from():
+    """A budget past max_seq_len is one line naming its source: the call's max_new_tokens,
+    the generation_config's max_length, or transformers' default of 20 new tokens (the
+    user passed no max_new_tokens in the last two, so the line does not say they did)."""
+    m = model("llama")
+    gen = L.compile(m, max_seq_len=8, max_batch=1)
+    ids = prompt(3, 1)
+    with pytest.raises(ValueError, match=r"plus max_new_tokens=7 needs 9 cache positions .* "
+                                         r"at most 6 new tokens$"):
+        gen.generate(ids, max_new_tokens=7)
+    with pytest.raises(ValueError, match=r"plus transformers' default of 20 new tokens \(no "
+                                         r"max_new_tokens given\) needs 22 cache positions"):
+        gen.generate(ids)
+    m.generation_config.max_length = 12
+    try:
+        with pytest.raises(ValueError, match=r"plus the generation_config's max_length 12 \(9 new "
+                                             r"tokens; no max_new_tokens given\) needs 11"):
+            gen.generate(ids)
+    finally:
+        m.generation_config.max_length = None
+    assert torch.equal(gen.generate(ids, max_new_tokens=6), m.generate(ids, max_new_tokens=6, do_sample=False))
+
+
 @pytest.mark.parametrize("name", ["llama", "gpt2"])
 def test_batch_of_different_prompt_lengths_equals_transformers(name):
     m = model(name)
@@ -224,7 +247,8 @@ def test_gpt2_tied_embedding_is_one_tensor():
     (lambda g: g.generate(prompt(4, 0), attention_mask=torch.tensor([[1, 1, 0, 0]]), max_new_tokens=2),
      r"attention_mask must be left padding"),
     (lambda g: g.generate(prompt(4, 0), max_new_tokens=0), r"max_new_tokens must be a positive int"),
-    (lambda g: g.generate(prompt(25, 0)), r"prompt of 25 tokens plus max_new_tokens=20 needs 44"),
+    (lambda g: g.generate(prompt(25, 0)),
+     r"prompt of 25 tokens plus transformers' default of 20 new tokens \(no max_new_tokens given\) needs 44"),
     (lambda g: g.generate(prompt(4, 0), max_new_tokens=2, num_beams=2), r"generate\(\) does not apply num_beams"),
     (lambda g: g.generate(prompt(4, 0), max_new_tokens=2, do_sample=True, temperature=0.0),
      r"temperature must be > 0"),

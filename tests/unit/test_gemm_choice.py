@@ -308,3 +308,32 @@ def test_addmm_kn_streams_a_transposed_weight_at_decode_rows_and_matches_eager(r
     assert not cpu_kernels.kn_offered(torch.randn(512, 640), 1)   # contiguous: addmm is NN
     assert cpu_kernels.kn_offered(torch.randn(640, 512).t(), 16)
     assert not cpu_kernels.kn_offered(torch.randn(640, 512).t(), 17)
+
+
+@pytest.mark.parametrize("kernel,write", [(k, w) for k in ("addmm_kn", "onednn_packed")
+                                          for w in ("data_mul", "data_copy")])
+def test_a_weight_written_through_data_and_compiled_again_is_packed_again(kernel, write, monkeypatch):
+    """Under share_weights a packed copy is shared by constants viewing the same memory;
+    a write through ``.data`` keeps the version counter, so the key also holds the
+    weight's probe bytes (`opencann.ops.weight_probe`): the graph compiled after the
+    write computes with the new weights while the first graph is still alive (it then
+    refuses its next call)."""
+    if kernel == "onednn_packed" and not cpu_device.onednn_linear_available():
+        pytest.skip("oneDNN prepacked inner product not in this torch build")
+    monkeypatch.setattr(cpu_kernels, "LINEAR_CHOICES", ForcedGemmChoice(kernel))
+    torch.manual_seed(0)
+    m = MLP(d=512, h=640).eval()                   # 1.25 MiB weights: addmm_kn is offered
+    x = torch.randn(1, 512)
+    first = opencann.compile(m, (x,), options={"share_weights": True})
+    assert _kernels(first) == [kernel, kernel]
+    with torch.no_grad():
+        _close(first(x), m(x))
+    if write == "data_mul":
+        m.a.weight.data.mul_(1.5)
+    else:
+        m.b.weight.data.copy_(torch.randn(512, 640))
+    again = opencann.compile(m, (x,), options={"share_weights": True})
+    with torch.no_grad():
+        _close(again(x), m(x))
+    with pytest.raises(Exception, match="modified in place"):
+        first(x)

@@ -941,3 +941,17 @@ def test_fuse_add_layer_norm_near_misses(case, reason):
     _, rep, _ = run(FuseAddLayerNorm(), g, enable=["fuse_add_layer_norm"])
     assert skipped(rep) == [("fuse_add_layer_norm", reason)]
     assert "AddLayerNorm" not in g.op_counts()
+
+
+def test_fuse_qkv_linear_under_share_weights_concatenates_again_after_a_write_through_data():
+    """A write through ``.data`` keeps the version counter: the shared concatenation's key
+    also holds the parts' probe bytes, so the next graph merges the new values."""
+    ws = [torch.randn(64, 96), torch.randn(32, 96), torch.randn(32, 96)]   # > 16 KiB: sampled
+    g = _three_linears_sharing(ws)
+    run(FuseQKVLinear(), g, share_weights=True)
+    first = g.nodes[0].inputs[1].const
+    ws[2].data.mul_(3.0)
+    g = _three_linears_sharing(ws)
+    run(FuseQKVLinear(), g, share_weights=True)
+    assert g.nodes[0].inputs[1].const.data_ptr() != first.data_ptr()
+    assert torch.equal(g.nodes[0].inputs[1].const, torch.cat([w.t() for w in ws], dim=1))

@@ -45,6 +45,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from ...devices.cpu import best_time_us, mkl_packed_available, onednn_linear_available
 from ...ir import Node, TensorDesc, TensorRef
+from ..weight_probe import probe_bytes
 
 _ACT_FN: Dict[str, Callable] = {  # in-place activations
     "relu": torch.relu_, "gelu": torch.ops.aten.gelu_, "tanh": torch.tanh_,
@@ -349,7 +350,7 @@ _ONEDNN_PACKED = WeakIdKeyDictionary()
 _ONEDNN_PACKED_LOCK = threading.Lock()
 _GEMV_PACKED = WeakIdKeyDictionary()  # constant weight [k, n] -> weak ref. to its [n, k] copy
 _KN_PACKED = WeakIdKeyDictionary()  # constant weight [k, n] (not contiguous) -> its contiguous copy
-# (cache id, data_ptr, shape, strides, dtype, version) -> weak reference to the first constant packed
+# (cache id, data_ptr, shape, strides, dtype, version, probe bytes) -> weak reference to the first constant packed
 # for that view of memory: other constant tensors viewing the same memory (graphs compiled
 # with the option share_weights, e.g. opencann.llm's prefill buckets and decode graph) reuse
 # its packed copy instead of packing their own. While the reference is alive its storage is
@@ -361,10 +362,12 @@ def _packed_once(cache: WeakIdKeyDictionary, wt: torch.Tensor,
                  make: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
     """``cache``'s packed copy of the constant weight ``wt`` (``make(wt)``), made once per
     weight object and shared with every other constant viewing the same memory (same
-    data pointer, shape, strides and dtype) at the same version counter (a weight changed
-    in place since, then compiled again, is packed again) while the first one lives. ``cache`` holds it
+    data pointer, shape, strides and dtype) at the same version counter and probe bytes
+    (`probe_bytes`: a weight changed in place since, also through ``.data``, which keeps
+    the version, then compiled again, is packed again) while the first one lives. ``cache`` holds it
     weakly: it lives while a caller (a bound kernel) holds it, and is made again after."""
-    key = (id(cache), wt.data_ptr(), tuple(wt.shape), wt.stride(), wt.dtype, wt._version)
+    key = (id(cache), wt.data_ptr(), tuple(wt.shape), wt.stride(), wt.dtype, wt._version,
+           probe_bytes(wt))
     with _ONEDNN_PACKED_LOCK:
         packed = _deref(cache.get(wt))
         if packed is None:

@@ -29,6 +29,7 @@ import torch
 
 from ...ir import Graph, Node, TensorDesc, TensorRef, Value
 from ...ops import output_aliases
+from ...ops.weight_probe import probe_bytes
 from ..base import PassContext, Skip
 from .common import CpuFusion
 
@@ -48,11 +49,13 @@ def shared_concat_const(graph: Graph, parts: Sequence[torch.Tensor], name: str,
                         transpose: bool = False) -> Value:
     """A constant of ``graph`` holding ``torch.cat(parts)`` (its ``.t()`` when
     ``transpose``), made once for parts viewing the same memory (data pointer, shape,
-    strides, dtype, version counter): every later graph merging the same weights gets a
+    strides, dtype, version counter, `probe_bytes`: a write through ``.data`` keeps the
+    version): every later graph merging the same weights gets a
     constant over the same memory while one graph holds it. Each holder keeps references
     to ``parts``, so their memory (the key's addresses) cannot be freed and reused while
     the concatenation lives."""
-    key = tuple((p.data_ptr(), tuple(p.shape), p.stride(), p.dtype, p._version) for p in parts)
+    key = tuple((p.data_ptr(), tuple(p.shape), p.stride(), p.dtype, p._version, probe_bytes(p))
+                for p in parts)
     key += (transpose,)
     with _SHARED_LOCK:
         for k in [k for k, refs in _SHARED.items() if all(r() is None for r in refs)]:
