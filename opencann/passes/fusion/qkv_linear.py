@@ -46,9 +46,9 @@ _SHARED_LOCK = threading.Lock()
 
 
 def shared_concat_const(graph: Graph, parts: Sequence[torch.Tensor], name: str,
-                        transpose: bool = False) -> Value:
-    """A constant of ``graph`` holding ``torch.cat(parts)`` (its ``.t()`` when
-    ``transpose``), made once for parts viewing the same memory (data pointer, shape,
+                        transpose: bool = False, dim: int = 0) -> Value:
+    """A constant of ``graph`` holding ``torch.cat(parts, dim)`` (contiguous; its ``.t()``
+    when ``transpose``), made once for parts viewing the same memory (data pointer, shape,
     strides, dtype, version counter, `probe_bytes`: a write through ``.data`` keeps the
     version): every later graph merging the same weights gets a
     constant over the same memory while one graph holds it. Each holder keeps references
@@ -56,7 +56,7 @@ def shared_concat_const(graph: Graph, parts: Sequence[torch.Tensor], name: str,
     the concatenation lives."""
     key = tuple((p.data_ptr(), tuple(p.shape), p.stride(), p.dtype, p._version, probe_bytes(p))
                 for p in parts)
-    key += (transpose,)
+    key += (transpose, dim)
     with _SHARED_LOCK:
         for k in [k for k, refs in _SHARED.items() if all(r() is None for r in refs)]:
             del _SHARED[k]
@@ -64,7 +64,7 @@ def shared_concat_const(graph: Graph, parts: Sequence[torch.Tensor], name: str,
         if live:
             cat = live[0]
         else:
-            cat = torch.cat(list(parts))
+            cat = torch.cat(list(parts), dim=dim)
             cat = cat.t() if transpose else cat
         v = graph.add_const(cat, name)
         v.const._opencann_parts = tuple(parts)   # keeps the parts' memory alive (see above)
@@ -172,21 +172,24 @@ class FuseQKVLinear(CpuFusion):
     def rewrite(self, graph: Graph, m: _QKVMatch, ctx: PassContext) -> int:
         """Add the concatenated weight [k, Σn] and bias [Σn] (when the siblings have
         one) as constants (the weight stored as the transpose of a contiguous [Σn, k], the
-        layout of the weights it replaces; under ``share_weights`` made once for every
-        graph, `shared_concat_const`), create the merged LinearAct before the first
+        layout of the weights it replaces; under ``share_weights`` a row-major [k, Σn] made
+        once for every graph, `shared_concat_const`), create the merged LinearAct before the first
         sibling and one StridedSlice per sibling, rewire the siblings' users to the slices
         and erase the siblings. Returns 1."""
         first = m.nodes[0]
         parts = [_parts(n) for n in m.nodes]
         x = parts[0][1]
         if ctx.options.get("share_weights"):
+            # [k, Σn] row-major: the decode GEMMs read it as it is (a transposed one would
+            # get a contiguous copy of its own, `cpu.kn_offered`)
             const = functools.partial(shared_concat_const, graph)
+            wv = const([w.const for _, _, w in parts], f"{first.name}_qkv_w", dim=1)
         else:
             def const(ts, name, transpose=False):
                 cat = torch.cat(list(ts))
                 return graph.add_const(cat.t() if transpose else cat, name)
-        # [k, Σn], column-major
-        wv = const([w.const.t() for _, _, w in parts], f"{first.name}_qkv_w", transpose=True)
+            # [k, Σn], column-major
+            wv = const([w.const.t() for _, _, w in parts], f"{first.name}_qkv_w", transpose=True)
         if parts[0][0] is not None:
             bv = const([b.const.reshape(-1) for b, _, _ in parts], f"{first.name}_qkv_b")
             ins = [bv, x, wv]
