@@ -339,3 +339,40 @@ def test_fixpipe_block_costs_fewer_bytes_than_fp16():
     assert qi[1].hbm_bytes == out + w + 2 * out + 2 * out                   # int8 in, fp16 residual and out
     assert all(a.time_us < b.time_us and a.hbm_bytes < b.hbm_bytes for a, b in zip(qi, fi))
     assert sum(r.hbm_bytes for r in rq.rows) < sum(r.hbm_bytes for r in rf.rows)
+
+
+def test_onnx_qdq_on_the_vnpu_is_float_emulation_with_a_report_note(tmp_path):
+    """Not lowered to the int8 Cube path (open work): the float emulation runs, and says so;
+    its values agree with ONNX Runtime on the same file within int8 rounding."""
+    import warnings
+    ort = pytest.importorskip("onnxruntime")
+    oq = pytest.importorskip("onnxruntime.quantization")
+    import onnx
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 8, 3)).eval()
+    cal = [torch.randn(1, 3, 8, 8, generator=G) for _ in range(3)]
+    fp, qp = str(tmp_path / "f.onnx"), str(tmp_path / "q.onnx")
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(m, (cal[0],), fp, dynamo=False, opset_version=17)
+    name = onnx.load(fp).graph.input[0].name
+
+    class Reader(oq.CalibrationDataReader):
+        def __init__(self):
+            self.it = iter([{name: c.numpy()} for c in cal])
+
+        def get_next(self):
+            return next(self.it, None)
+    oq.quantize_static(fp, qp, Reader(), quant_format=oq.QuantFormat.QDQ, per_channel=True,
+                       weight_type=oq.QuantType.QInt8, activation_type=oq.QuantType.QUInt8)
+    cm = opencann.compile(qp, device=DEV)
+    notes = [n for n in cm.report.notes if "float emulation" in n]
+    assert len(notes) == 1 and "Fix: quantize the float model" in notes[0] and "\n" not in notes[0]
+    x = torch.randn(1, 3, 8, 8, generator=G)
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = 1
+    ref = torch.from_numpy(ort.InferenceSession(qp, so, providers=["CPUExecutionProvider"]).run(None, {name: x.numpy()})[0])
+    y = cm(x)
+    y = y[0] if isinstance(y, (list, tuple)) else y
+    assert cos(y, ref) > 0.99
+    assert (y - ref).abs().max().item() <= 0.05 * ref.abs().max().item()

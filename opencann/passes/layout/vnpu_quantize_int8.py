@@ -27,6 +27,10 @@ pass ``quantize_int8`` reads (AMCT's records: ``layers`` {node name: {"scale_d",
   dtype (the FixPipe's DEQF16); `VnpuUbEpilogue` then fuses it into the Cube op where the
   preset has ``fixpipe_quant``.
 
+An ONNX QDQ / QOperator model (the frontend's uint8 AscendQuant → AscendDequant) is not
+lowered here: it runs the float emulation on the vnpu, and the pass says so in a report
+note (lowering it to this int8 Cube path is open work, issue 28).
+
 Layers kept in fp32, each reported with its reason: ``skip_layers``, no record, a
 non-constant or non-fp32 weight or x, NaN/inf weights, a transposed or grouped
 convolution, a matmul whose ``beta`` / ``alpha`` are not 1. A preset whose Cube has no
@@ -87,6 +91,12 @@ class VnpuQuantizeInt8(RewritePass):
         (nothing without ``quant_config``: the note says so). Raises `CubeDtypeError` on a
         preset whose Cube has no int8 and ValueError for ``dynamic_linear`` / an ONNX
         model's dynamic int8 weights (no vnpu kernel)."""
+        emulated = sum(1 for n in graph.nodes if n.op == "AscendQuant" and n.outputs[0].desc.dtype == DataType.UINT8)
+        if emulated and ctx.report is not None:
+            ctx.report.notes.append(f"ONNX QDQ / QOperator on the vnpu: {emulated} QuantizeLinear (uint8 AscendQuant) run as float "
+                     f"emulation (AscendQuant -> AscendDequant to fp32 around fp32 Cube ops), not the int8 Cube "
+                     f"path. Fix: quantize the float model with opencann.quantize(model, batches, device='vnpu:...'), "
+                     f"or compile for device 'cpu' (qdq_to_int8 runs int8 kernels)")
         cfg = ctx.options.get("quant_config")
         if not cfg and not graph.meta.get("int8_dynamic_weights"):
             ctx.note("no quant_config: nothing quantized (opencann.quantize sets it)")
