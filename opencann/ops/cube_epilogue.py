@@ -10,11 +10,16 @@ epilogue link that has an operand; attrs ``cube`` (the Cube op's name), ``cube_i
 (how many inputs are the Cube op's) and ``epilogue``
 (a tuple of (role, input index): role "bias" (a smaller operand broadcast), "add" (a
 residual of the output's shape and format) or an activation, index -1: "relu", "gelu",
-"gelu_tanh", "tanh", "sigmoid", "silu", or "reshape" of a 2-D MatMul's ND result) and
+"gelu_tanh", "tanh", "sigmoid", "silu", or "reshape" of a 2-D MatMul's ND result; the
+FixPipe roles of an int8 Cube op: "dequant" (deq_scale input), "deq_bias" (its bias input),
+"quant" (requantization to int8, attrs ``quant_scale`` / ``quant_offset`` as AscendQuant's
+``scale`` / ``offset``), with attrs ``acc_format`` (the int32 result's storage format),
+``dequant_axis`` and ``dequant_dtype``) and
 ``shapes`` (the value's shape after each link). Output: the last link's
-value (the Cube output's shape, dtype and storage format).
+value (the Cube output's shape, dtype and storage format; int8 at C0 = 32 after "quant").
 
-Kernel (vnpu): the Cube op's own vnpu kernel, then the epilogue on its storage tensor in
+Kernel (vnpu): with FixPipe roles, `_fixpipe_kernel` (bit-equal to the unfused
+AscendDequant → ... → AscendQuant chain); otherwise the Cube op's own vnpu kernel, then the epilogue on its storage tensor in
 float32, rounded once to the output dtype (unfused, each op rounds: the fused result
 differs by at most one rounding per link, within fp16 tolerance; equal in fp32), the
 storage padding re-zeroed (`opencann.devices.vnpu.elementwise`). Cost (vnpu): the Cube
@@ -28,15 +33,17 @@ import torch
 import torch.nn.functional as F
 
 from ..devices.vnpu import elementwise
-from ..ir import Format, Node, TensorDesc
+from ..ir import DataType, Format, Node, TensorDesc
 from .kernels import vnpu_cost
+from .kernels.vnpu_quant import dequantize, plain_converters, quantize_int8
 from .kernels.vnpu import NPU_FORMATS, nz_row
 from .opdef import Cost, OpDef, OpKind, get_op, register
 
 # epilogue role -> its activation on the fp32 accumulator ("bias" and "add" read an operand)
 ACTIVATIONS = {"relu": torch.relu, "gelu": F.gelu, "gelu_tanh": lambda t: F.gelu(t, approximate="tanh"),
                "tanh": torch.tanh, "sigmoid": torch.sigmoid, "silu": F.silu}
-ROLES = ("bias", "add", "reshape", *ACTIVATIONS)
+FIXPIPE = ("dequant", "deq_bias", "quant")
+ROLES = ("bias", "add", "reshape", *ACTIVATIONS, *FIXPIPE)
 
 
 class CubeView:
@@ -58,6 +65,10 @@ def _roles(node: Node) -> Tuple[str, ...]:
     return tuple(r for r, _ in node.attrs["epilogue"] if r != "reshape")
 
 
+def _vector_roles(node: Node) -> Tuple[str, ...]:
+    return tuple(r for r in _roles(node) if r not in FIXPIPE)
+
+
 def cube_epilogue_cost(node: Node) -> Cost:
     """The Cube op's FLOPs and bytes (its ``cost``) + one FLOP per output element and link;
     the epilogue's own reads (bias, residual) are added, its intermediate writes are not."""
@@ -69,7 +80,8 @@ def cube_epilogue_cost(node: Node) -> Cost:
 
 
 def vnpu_cube_epilogue_cost(node: Node, spec):
-    """The vnpu time model: the Cube op's with its epilogue (`vnpu_cost.cube_with_epilogue`)."""
+    """The vnpu time model: the Cube op's with its epilogue (`vnpu_cost.cube_with_epilogue`;
+    FixPipe roles cost no Vector work, the kernel writes the output's dtype)."""
     return vnpu_cost.cube_with_epilogue(CubeView(node), spec, _roles(node))
 
 
@@ -83,10 +95,45 @@ def vnpu_unfused_cost(node: Node, spec):
     cube, model = vnpu_cost.cube_with_epilogue(view, spec, ())
     out = node.outputs[0].desc
     parts = [cube]
-    for role in _roles(node):
+    if any(r in FIXPIPE for r in _roles(node)):       # the separate AscendDequant / AscendQuant kernels
+        acc = max(1, out.numel)
+        parts.append(elementwise_cost("mul", acc, "int32", 1, spec))
+        if "quant" in _roles(node):
+            parts.append(elementwise_cost("mul", acc, node.attrs["dequant_dtype"], 1, spec))
+    for role in _vector_roles(node):
         key = "gelu" if role == "gelu_tanh" else ("add" if role == "bias" else role)
         parts.append(elementwise_cost(key, max(1, out.numel), out.dtype.value, 2 if role == "add" else 1, spec))
     return vnpu_cost.combine("CubeEpilogue", parts), f"{model.split(' + ')[0]} + {len(parts) - 1} Vector kernels (unfused)"
+
+
+def _fixpipe_kernel(node: Node, cube: Callable, in_descs: Sequence[TensorDesc]) -> Callable:
+    """The int8 Cube op with its FixPipe chain (epilogue starting with 'dequant'): the int32
+    result and the residuals read in their plain layout, then exactly the unfused ops in
+    order: AscendDequant (`dequantize`, to ``attrs["dequant_dtype"]``), each activation /
+    residual Add in that dtype (the unfused Vector kernels' torch ops), AscendQuant
+    (`quantize_int8`, int8) when the chain requantizes; the result stored in the output's
+    format. Bit-equal to the unfused chain."""
+    a, out = node.attrs, node.outputs[0].desc
+    steps = tuple(a["epilogue"])
+    acc_plain, _ = plain_converters(Format(a["acc_format"]), out.origin_shape)
+    _, store = plain_converters(out.format, out.origin_shape)
+    plain = {i: plain_converters(in_descs[i].format, in_descs[i].origin_shape)[0] for r, i in steps if r == "add"}
+    dt, axis = DataType(a["dequant_dtype"]).torch, int(a["dequant_axis"])
+    si = next(i for r, i in steps if r == "dequant")
+    bi = next((i for r, i in steps if r == "deq_bias"), None)
+    step, offset = (1.0 / float(a["quant_scale"]), int(a["quant_offset"])) if "quant_scale" in a else (None, None)
+
+    def run(*ins):
+        y = dequantize(acc_plain(cube(*ins)), ins[si], None if bi is None else ins[bi], axis, dt)
+        for role, i in steps:
+            if role in ACTIVATIONS:
+                y = ACTIVATIONS[role](y)
+            elif role == "add":
+                y = y + plain[i](ins[i])
+            elif role == "quant":
+                y = quantize_int8(y.to(torch.float32), step, offset)
+        return store(y.contiguous())
+    return run
 
 
 def make_cube_epilogue_kernel(node: Node, in_descs: Sequence[TensorDesc], consts: Sequence) -> Callable:
@@ -96,6 +143,8 @@ def make_cube_epilogue_kernel(node: Node, in_descs: Sequence[TensorDesc], consts
     view = CubeView(node)
     cube = get_op(view.op).kernel_factories["vnpu"](view, in_descs, consts)
     steps = tuple(node.attrs["epilogue"])
+    if steps and steps[0][0] == "dequant":
+        return _fixpipe_kernel(node, cube, in_descs)
     shapes = tuple(node.attrs.get("shapes") or ((),) * len(steps))
     bad = [r for r, _ in steps if r not in ROLES]
     if bad:

@@ -194,26 +194,28 @@ def test_int8_formats_c0_32_and_report_rows(quantized):
 # -- costs --------------------------------------------------------------------------------
 
 def test_estimate_costs_int8_layers_at_the_cube_int8_rate():
+    """ascend910b (FixPipe dequant): conv1 + dequant + relu + requant writes int8, conv2 +
+    dequant writes fp32 (the graph's dtype); both at the Cube's int8 rate, the bytes of
+    what they read and write."""
     torch.manual_seed(0)
     m = nn.Sequential(nn.Conv2d(64, 64, 3, padding=1), nn.ReLU(), nn.Conv2d(64, 64, 3, padding=1)).eval()
     cal = [(torch.randn(1, 64, 56, 56, generator=G),)]
     q = opencann.quantize(m, cal, device=DEV)
     f16 = opencann.compile(m.half(), (cal[0][0].half(),), device=DEV)
     rq, rf = estimate_compiled(q, "int8"), estimate_compiled(f16, "fp16")
-    i8 = [r for r in rq.rows if r.op == "Conv2D"]
+    i8 = [r for r in rq.rows if r.op == "CubeEpilogue"]
     f = [r for r in rf.rows if r.op in ("Conv2D", "CubeEpilogue")]
-    assert len(i8) == len(f) == 2
-    direct = conv2d_cost(1, 64, 56, 56, 64, 3, 1, 1, "int8", parse_device(DEV).spec)
-    assert i8[1].time_us == pytest.approx(direct.time_us) and i8[1].hbm_bytes == pytest.approx(direct.hbm_bytes)
-    for a, b in zip(i8, f):
-        assert a.time_us < b.time_us                 # the Cube's int8 rate (twice fp16's)
-    # 1-byte operands, 4-byte int32 result (the dequant is its own Vector kernel here, not
-    # fused into the fixpipe): the operand bytes are half fp16's, the result twice
-    f16_direct = conv2d_cost(1, 64, 56, 56, 64, 3, 1, 1, "float16", parse_device(DEV).spec)
-    out = 64 * 56 * 56
-    assert direct.hbm_bytes - 4 * out < f16_direct.hbm_bytes - 2 * out
-    deq = [r for r in rq.rows if r.op == "AscendDequant"]
-    assert deq and all(r.hbm_bytes == pytest.approx(2 * 4 * 64 * 56 * 56, rel=0.01) for r in deq)
+    assert len(i8) == len(f) == 2 and not [r for r in rq.rows if r.op == "AscendDequant"]
+    spec = parse_device(DEV).spec
+    requant = conv2d_cost(1, 64, 56, 56, 64, 3, 1, 1, "int8", spec, epilogue=("relu",), out_dtype="int8")
+    to_fp32 = conv2d_cost(1, 64, 56, 56, 64, 3, 1, 1, "int8", spec, out_dtype="float32")
+    assert i8[0].time_us == pytest.approx(requant.time_us) and i8[0].hbm_bytes == pytest.approx(requant.hbm_bytes)
+    assert i8[1].hbm_bytes == pytest.approx(to_fp32.hbm_bytes)
+    out, w = 64 * 56 * 56, 64 * 64 * 9
+    assert i8[0].hbm_bytes == out + w + out                  # int8 in, int8 weights, int8 out
+    assert i8[0].time_us < f[0].time_us and i8[0].hbm_bytes < f[0].hbm_bytes
+    qt = [r for r in rq.rows if r.op == "AscendQuant"]
+    assert len(qt) == 1 and qt[0].hbm_bytes == 4 * out + out  # fp32 read, int8 write
 
 
 # -- errors -------------------------------------------------------------------------------
@@ -241,3 +243,136 @@ def test_tune_int8_on_the_vnpu_refuses_instead_of_running_fp32(model):
     with pytest.raises(ValueError, match="int8 candidate of tune is not searched on vnpu") as e:
         tune(m, cal[0], device=DEV, candidates=("fp32", "int8"))
     assert "\n" not in str(e.value)
+
+
+# -- FixPipe dequant / requant fused into the int8 Cube op (ascend910b) -------------------
+
+class Block(nn.Module):
+    """A ResNet basic block: conv → relu → conv → + x → relu."""
+
+    def __init__(self, c=16):
+        super().__init__()
+        self.c1, self.c2 = nn.Conv2d(c, c, 3, padding=1), nn.Conv2d(c, c, 3, padding=1)
+
+    def forward(self, x):
+        return torch.relu(self.c2(torch.relu(self.c1(x))) + x)
+
+
+@pytest.fixture(scope="module")
+def block16():
+    torch.manual_seed(0)
+    m = Block().eval().half()
+    cal = [(torch.randn(1, 16, 8, 8, generator=G).half(),) for _ in range(2)]
+    fused = opencann.quantize(m, cal, device=DEV)
+    unfused = opencann.quantize(m, cal, device=DEV, options={"disable": ["vnpu_ub_epilogue"]})
+    return m, cal, fused, unfused
+
+
+def test_fixpipe_golden_graph_of_the_fused_int8_block(block16):
+    _, _, q, u = block16
+    assert [n.op for n in q.graph.nodes] == ["TransData", "AscendQuant", "CubeEpilogue", "CubeEpilogue", "TransData"]
+    c1, c2 = [n for n in q.graph.nodes if n.op == "CubeEpilogue"]
+    assert [r for r, _ in c1.attrs["epilogue"]] == ["dequant", "deq_bias", "relu", "quant"]
+    assert [r for r, _ in c2.attrs["epilogue"]] == ["dequant", "deq_bias", "add", "relu"]
+    o1, o2 = c1.outputs[0].desc, c2.outputs[0].desc
+    assert o1.dtype == DataType.INT8 and o1.format == Format.NC1HWC0 and o1.shape[-1] == 32   # requantized
+    assert o2.dtype == DataType.FLOAT16 and o2.shape[-1] == 16                                 # DEQF16
+    assert c1.attrs["cube"] == "Conv2D" and c1.attrs["acc_format"] == "NC1HWC0"
+    assert c1.attrs["quant_offset"] == next(n for n in u.graph.nodes if n.name == "convolution_1_quant").attrs["offset"]
+    applied = [e["detail"] for e in q.report.applied if e["pass"] == "vnpu_ub_epilogue"]
+    assert applied == ["Conv2D + fixpipe(dequant, quant) + epilogue(relu)",
+                       "Conv2D + fixpipe(dequant) + epilogue(add, relu)"]
+    assert [n.op for n in u.graph.nodes].count("AscendDequant") == 2           # the unfused chain
+
+
+def test_fixpipe_needs_the_preset_flag():
+    """ascend910 (no fixpipe_quant): the dequant stays a Vector kernel, with the reason."""
+    torch.manual_seed(0)
+    m = Block().eval()
+    q = opencann.quantize(m, [(torch.randn(1, 16, 8, 8, generator=G),)], device="vnpu:ascend910")
+    ops = q.graph.op_counts()
+    assert ops["AscendDequant"] == 2 and "CubeEpilogue" not in ops
+    assert not parse_device("vnpu:ascend910").spec.fixpipe_quant and parse_device(DEV).spec.fixpipe_quant
+    assert "FIXPIPE-A2" in parse_device(DEV).spec.sources["fixpipe_quant"]
+
+
+def test_fixpipe_values_bit_equal_to_the_unfused_chain(block16):
+    m, cal, q, u = block16
+    x = torch.randn(1, 16, 8, 8, generator=G).half()
+    x[0, 0, 1, 1], x[0, 3, 2, 2], x[0, 5, 7, 7] = float("nan"), float("inf"), -float("inf")
+    for inp in (x, cal[0][0], torch.randn(1, 16, 8, 8, generator=G).half()):
+        y = q(inp)
+        keep = y.clone()
+        assert y.dtype == torch.float16
+        torch.testing.assert_close(y, u(inp), rtol=0, atol=0, equal_nan=True)   # same bits, NaN/Inf included
+        torch.testing.assert_close(q(inp), keep, rtol=0, atol=0, equal_nan=True)  # second call
+        torch.testing.assert_close(y, keep, rtol=0, atol=0, equal_nan=True)       # output not overwritten
+    assert torch.isnan(q(x)[0, 0, 1, 1]) and torch.isinf(q(x)[0, 3, 2, 2])       # the residual's NaN / inf
+    y = q(cal[1][0])
+    assert cos(y.float(), m(cal[1][0]).float()) > 0.99
+
+
+def test_fixpipe_fp32_model_matches_unfused_and_cpu(model, quantized):
+    """The fp32 Net (conv, residual conv, linear) on ascend910b: every dequant fused, values
+    bit-equal to the unfused chain (and to the CPU int8 path to fp32 rounding, test above)."""
+    m, cal = model
+    q = quantized[DEV]
+    assert q.graph.op_counts().get("AscendDequant", 0) == 0 and q.graph.op_counts()["CubeEpilogue"] == 3
+    u = opencann.quantize(m, cal, device=DEV, options={"disable": ["vnpu_ub_epilogue"]})
+    x = torch.randn(1, 3, 8, 8, generator=G)
+    assert torch.equal(q(x), u(x))
+
+
+def test_fixpipe_block_costs_fewer_bytes_than_fp16():
+    """64 → 64 3×3 at 56×56 (the issue's layer): the requantizing int8 Cube op moves int8
+    in/out (438,272 B) against fp16's 876,544 B and is faster; the whole block (its input's
+    AscendQuant included) moves fewer bytes than the fp16 block."""
+    torch.manual_seed(0)
+    m = Block(64).eval().half()
+    x = torch.randn(1, 64, 56, 56, generator=G).half()
+    rq = estimate_compiled(opencann.quantize(m, [(x,)], device=DEV), "int8")
+    rf = estimate_compiled(opencann.compile(m, (x,), device=DEV), "fp16")
+    qi = [r for r in rq.rows if r.op == "CubeEpilogue"]
+    fi = [r for r in rf.rows if r.op == "CubeEpilogue"]
+    out, w = 64 * 56 * 56, 64 * 64 * 9
+    assert qi[0].hbm_bytes == out + w + out and fi[0].hbm_bytes == 2 * out + 2 * w + 2 * out
+    assert qi[1].hbm_bytes == out + w + 2 * out + 2 * out                   # int8 in, fp16 residual and out
+    assert all(a.time_us < b.time_us and a.hbm_bytes < b.hbm_bytes for a, b in zip(qi, fi))
+    assert sum(r.hbm_bytes for r in rq.rows) < sum(r.hbm_bytes for r in rf.rows)
+
+
+def test_onnx_qdq_on_the_vnpu_is_float_emulation_with_a_report_note(tmp_path):
+    """Not lowered to the int8 Cube path (open work): the float emulation runs, and says so;
+    its values agree with ONNX Runtime on the same file within int8 rounding."""
+    import warnings
+    ort = pytest.importorskip("onnxruntime")
+    oq = pytest.importorskip("onnxruntime.quantization")
+    import onnx
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 8, 3)).eval()
+    cal = [torch.randn(1, 3, 8, 8, generator=G) for _ in range(3)]
+    fp, qp = str(tmp_path / "f.onnx"), str(tmp_path / "q.onnx")
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(m, (cal[0],), fp, dynamo=False, opset_version=17)
+    name = onnx.load(fp).graph.input[0].name
+
+    class Reader(oq.CalibrationDataReader):
+        def __init__(self):
+            self.it = iter([{name: c.numpy()} for c in cal])
+
+        def get_next(self):
+            return next(self.it, None)
+    oq.quantize_static(fp, qp, Reader(), quant_format=oq.QuantFormat.QDQ, per_channel=True,
+                       weight_type=oq.QuantType.QInt8, activation_type=oq.QuantType.QUInt8)
+    cm = opencann.compile(qp, device=DEV)
+    notes = [n for n in cm.report.notes if "float emulation" in n]
+    assert len(notes) == 1 and "Fix: quantize the float model" in notes[0] and "\n" not in notes[0]
+    x = torch.randn(1, 3, 8, 8, generator=G)
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = 1
+    ref = torch.from_numpy(ort.InferenceSession(qp, so, providers=["CPUExecutionProvider"]).run(None, {name: x.numpy()})[0])
+    y = cm(x)
+    y = y[0] if isinstance(y, (list, tuple)) else y
+    assert cos(y, ref) > 0.99
+    assert (y - ref).abs().max().item() <= 0.05 * ref.abs().max().item()

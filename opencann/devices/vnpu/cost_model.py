@@ -354,7 +354,7 @@ def _epilogue(epilogue: Sequence[str]) -> tuple[float, int]:
 def conv2d_cost(n: int, c_in: int, h: int, w: int, c_out: int, kernel: Sequence[int] | int,
                 stride: Sequence[int] | int = 1, padding: Sequence[int] | int = 0,
                 dtype: Any = "float16", spec: NpuSpec = ascend910b, epilogue: Sequence[str] = (),
-                groups: int = 1) -> KernelCost:
+                groups: int = 1, out_dtype: Any = None) -> KernelCost:
     """Conv2d as the Cube runs it: img2col GEMM with M = N*Ho*Wo,
     K = C1*C0*KH*KW (input channels padded to the stored C0, `formats.c0_for`), N = Cout.
 
@@ -374,7 +374,8 @@ def conv2d_cost(n: int, c_in: int, h: int, w: int, c_out: int, kernel: Sequence[
     Chips 31), so a row of output tiles reads its input window (the NC1HWC0 input, not
     the KH*KW-times larger patch matrix) and the weights are read once per row of tiles,
     as a matmul's B.  A 1x1 stride-1 conv costs exactly the matmul of the same GEMM.
-    `epilogue` as in `matmul_cost` (GE fuses bias + ReLU / residual Add into the conv).
+    `epilogue` as in `matmul_cost` (GE fuses bias + ReLU / residual Add into the conv);
+    `out_dtype` as in `matmul_cost` (default: the operand dtype, int32 for int8 operands).
     Raises ValueError on non-positive sizes or an empty output.
     """
     kh, kw = (kernel, kernel) if isinstance(kernel, int) else kernel
@@ -397,7 +398,8 @@ def conv2d_cost(n: int, c_in: int, h: int, w: int, c_out: int, kernel: Sequence[
     a_bytes = min(float(x_b), float(_up(m, 16) * _up(kdim, 32 // e) * e))
     ops, extra_in = _epilogue(epilogue)
     useful = 2.0 * n * ho * wo * c_out * c_in * kh * kw
-    c = _gemm("conv2d", 1, m, c_out, kdim, e, 4 if e == 1 else e, spec, a_bytes=a_bytes, epilogue_ops=ops,
+    eo = dtype_bytes(out_dtype) if out_dtype is not None else (4 if e == 1 else e)
+    c = _gemm("conv2d", 1, m, c_out, kdim, e, eo, spec, a_bytes=a_bytes, epilogue_ops=ops,
               epilogue_inputs=extra_in, useful=useful)
     return KernelCost("conv2d", c.time_us, c.flops, c.useful_flops, c.hbm_bytes, c.bound,
                       {**c.breakdown, "gemm_mnk": (m, c_out, kdim)})

@@ -26,6 +26,10 @@ Sources used below (short keys in the per-field strings):
 * [PTO-JIT] CANN pto-isa demos/torch_jit/flash_atten/README.md (cannmirror/pto-isa @ defdb75f,
   2026-03-07), warm per-call benchmark table on 910B2 (S0=128, one core, aarch64 host); the
   same tag as in ``opencann.devices.vnpu.calibration``.
+* [FIXPIPE-A2] Ascend C API reference, ``Fixpipe`` (Atlas A2 training / 800I A2 inference
+  products): ``FixpipeParamsV220.quantPre`` QuantMode_t F322F16 / DEQF16 / VDEQF16 / REQ8 /
+  VREQ8 (deq_scale scalar or per channel, from L1) and ``reluEn``, applied while L0C is
+  written to GM.
 * [TA-70B] TorchAir's Llama2-70B reference on 8 Atlas 800I A2 cards (Ascend/torchair
   npu_tuned_model/llm/llama/README.md @ 433f5a2a), the tag of ``opencann.devices.vnpu.calibration``.
 
@@ -88,6 +92,9 @@ CAPABILITY_DOCS: dict[str, tuple[type, str]] = {
                              "(no TransData around matmuls)"),
     "cube_dtypes": (tuple, "operand dtypes the Cube takes natively; other floats are cast to float16"),
     "cube_fp32_fraction": (float, "fp32 Cube throughput as a fraction of fp16 (where float32 is in cube_dtypes)"),
+    "fixpipe_quant": (bool, "the FixPipe dequantizes the Cube's int32 result on its way out of L0C (per-channel "
+                            "deq_scale, to fp16, or requantized to int8): AscendDequant (+ AscendQuant) fused "
+                            "into the int8 Cube op"),
 }
 
 # Chip-to-chip link (HCCS) figures: optional, None = no link data (a multi-card estimate then
@@ -135,6 +142,7 @@ class NpuSpec:
     cube_nd_direct: bool = False
     cube_dtypes: tuple = ("float16", "int8")
     cube_fp32_fraction: float = 0.5
+    fixpipe_quant: bool = False
     hccs_gbps: float | None = None
     hccs_latency_us: float | None = None
     sources: Mapping[str, str] = field(default_factory=dict, compare=False)
@@ -256,6 +264,8 @@ ascend910 = NpuSpec(
         "cube_dtypes": "[HC31] Cube unit fp16 and int8 only: GE casts fp32 to fp16 (precision_mode "
                        "force_fp16 / allow_fp32_to_fp16)",
         "cube_fp32_fraction": "unused: no fp32 Cube",
+        "fixpipe_quant": "[HC31] DaVinci v100: the Cube result leaves L0C for the Unified Buffer; AscendDequant "
+                         "/ AscendQuant run on the Vector unit (separate kernels here)",
         "cube_cores": "[HC31] Ascend 910: 32 DaVinci Max AI cores (each with Cube and Vector units)",
         "vector_cores": "[HC31] one Vector unit per DaVinci core",
         "clock_ghz": "estimate: 256 TFLOPS fp16 peak [HC31] / (32 cores x 8192 FLOP/cycle) = 0.98 GHz, rounded",
@@ -283,8 +293,13 @@ ascend910b = NpuSpec(
     gm_read_bytes_per_cycle=110.0, gm_write_bytes_per_cycle=86.0,
     kernel_launch_us=5.0, op_dispatch_us=70.0,
     cube_nd_direct=True, cube_dtypes=("float16", "bfloat16", "float32", "int8"), cube_fp32_fraction=0.25,
+    fixpipe_quant=True,
     hccs_gbps=56.0, hccs_latency_us=26.0,
     sources={
+        "fixpipe_quant": "[FIXPIPE-A2] Ascend C Fixpipe on Atlas A2: L0C int32 -> GM with quantPre DEQF16 / "
+                         "VDEQF16 (scalar / per-channel deq_scale, to fp16) or REQ8 / VREQ8 (requantized to "
+                         "int8) and an optional ReLU, no Vector pass; GE fuses Conv + AscendDequant "
+                         "(+ AscendQuant) into the Cube op",
         "hccs_gbps": "estimate: the commonly quoted Atlas 800 A2 figure, 8 NPUs in a full HCCS mesh, 7 links of "
                      "56 GB/s per NPU (392 GB/s); no primary source in the stored corpus",
         "hccs_latency_us": "estimate (FITTED): set so that Llama2-70B decode on 8 cards at batch 1 matches [TA-70B] "
@@ -330,6 +345,8 @@ ascend310 = NpuSpec(
         "cube_dtypes": "[HC31] Cube unit fp16 and int8 only: GE casts fp32 to fp16 (precision_mode "
                        "force_fp16 / allow_fp32_to_fp16)",
         "cube_fp32_fraction": "unused: no fp32 Cube",
+        "fixpipe_quant": "[HC31] DaVinci v100: the Cube result leaves L0C for the Unified Buffer; AscendDequant "
+                         "/ AscendQuant run on the Vector unit (separate kernels here)",
         "cube_cores": "[HC31] Ascend 310: 2 DaVinci AI cores",
         "vector_cores": "[HC31] one Vector unit per DaVinci core",
         "clock_ghz": "estimate: 8 TFLOPS fp16 peak (Huawei Ascend 310 product brief) / (2 cores x 8192 FLOP/cycle)"

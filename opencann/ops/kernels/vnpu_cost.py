@@ -52,9 +52,11 @@ def trans_data(node: Node, spec: NpuSpec) -> Tuple[KernelCost, str]:
                            spec=spec), "trans_data_cost"
 
 
-def conv(node: Node, spec: NpuSpec, epilogue: Tuple[str, ...] = ()) -> Tuple[KernelCost, str]:
+def conv(node: Node, spec: NpuSpec, epilogue: Tuple[str, ...] = (), out_dtype=None) -> Tuple[KernelCost, str]:
     """Conv2D and its fusions (attrs stride, padding, dilation, groups); ``epilogue``:
-    Vector ops fused after the Cube (`conv2d_cost`'s argument, see `ub_epilogues`)."""
+    Vector ops fused after the Cube (`conv2d_cost`'s argument, see `ub_epilogues`);
+    ``out_dtype``: what the kernel writes when it is not the Cube's own result (a FixPipe
+    dequantization, `cube_with_epilogue`)."""
     x, w = node.arg("input").desc, node.arg("weight").desc
     n, c, h, wd = (int(s) for s in x.origin_shape)
     cout, _, kh, kw = (int(s) for s in w.origin_shape)
@@ -63,20 +65,21 @@ def conv(node: Node, spec: NpuSpec, epilogue: Tuple[str, ...] = ()) -> Tuple[Ker
     dil = list(a.get("dilation", [1, 1]))
     k = ((kh - 1) * dil[0] + 1, (kw - 1) * dil[-1] + 1)
     return conv2d_cost(n, c, h, wd, cout, k, tuple(a["stride"]), tuple(a["padding"]),
-                       x.dtype.value, spec, epilogue=epilogue, groups=g), \
+                       x.dtype.value, spec, epilogue=epilogue, groups=g, out_dtype=out_dtype), \
         "conv2d_cost" + (f" (groups={g}: grouped FRACTAL_Z blocks)" if g != 1 else "")
 
 
-def matmul(node: Node, spec: NpuSpec, epilogue: Tuple[str, ...] = ()) -> Tuple[KernelCost, str]:
+def matmul(node: Node, spec: NpuSpec, epilogue: Tuple[str, ...] = (), out_dtype=None) -> Tuple[KernelCost, str]:
     """mm / bmm (self, mat2) and addmm-style (mat1, mat2) products, on origin shapes;
-    ``epilogue`` as in `conv`."""
+    ``epilogue`` and ``out_dtype`` as in `conv`."""
     names = ("mat1", "mat2") if "mat1" in node.attrs else ("self", "mat2")
     a_d, b_d = node.arg(names[0]).desc, node.arg(names[1]).desc
     a_s, b_s = a_d.origin_shape, b_d.origin_shape
     m, kdim, nn = int(a_s[-2]), int(a_s[-1]), int(b_s[-1])
     out = node.outputs[0].desc
     batch = numel(out.origin_shape[:-2]) if len(a_s) > 2 else 1
-    return matmul_cost(m, nn, kdim, batch, a_d.dtype.value, spec, epilogue=epilogue), "matmul_cost"
+    return matmul_cost(m, nn, kdim, batch, a_d.dtype.value, spec, out_dtype=out_dtype, epilogue=epilogue), \
+        "matmul_cost"
 
 
 def _qk(node: Node):
@@ -135,12 +138,15 @@ def vector(key: str) -> VnpuCost:
 
 
 def quant(node: Node, spec: NpuSpec) -> Tuple[KernelCost, str]:
-    """AscendQuant / AscendDequant: one full-size read and one write ("mul" per element),
-    at the wider of the input's and the output's dtype (fp32 against int8 / int32); a
-    per-channel ``deq_scale`` / ``bias`` ([C], read into UB once) is no full-size input."""
+    """AscendQuant / AscendDequant: one full-size read at the input's dtype and one write at
+    the output's (each on its storage size: fp16 → int8 reads 2 B and writes 1 B per
+    element), one "mul" per element on the Vector unit at the wider dtype; a per-channel
+    ``deq_scale`` / ``bias`` ([C], read into UB once) is no full-size input."""
     x, out = node.inputs[0].desc, node.outputs[0].desc
     dt = max((x.dtype, out.dtype), key=lambda d: d.itemsize).value
-    return elementwise_cost("mul", max(1, numel(out.shape)), dt, 1, spec), "elementwise_cost (quantization)"
+    n = max(1, numel(out.shape))
+    return fused_vector_cost(n, 1.0, max(1, numel(x.shape)) * x.dtype.itemsize, n * out.dtype.itemsize, dt, spec), \
+        "fused_vector_cost (quantization)"
 
 
 def reduction(key: str) -> VnpuCost:
@@ -233,11 +239,34 @@ def _epilogue_role(node: Node, prev: Value) -> Tuple[str, str]:
 RESHAPES = ("Reshape", "UnsafeReshape", "ReshapeCopy")
 
 
-def _chain(node: Node, outputs: set, taken: dict) -> Tuple[List[Tuple[Node, str]], str]:
+FIXPIPE_ROLES = ("dequant", "deq_bias", "quant")
+"""Epilogue roles the FixPipe runs on the Cube's int32 result on its way out of L0C (where
+``NpuSpec.fixpipe_quant``): 'dequant' (an AscendDequant with a per-channel deq_scale) first,
+'deq_bias' (that AscendDequant's bias), 'quant' (the next int8 layer's AscendQuant:
+requantization) last."""
+
+
+def _fixpipe_link(nxt: Node, prev: Value, first: bool) -> str:
+    """'dequant' / 'quant' when ``nxt`` is the FixPipe's part of the chain at this point
+    (first link: an AscendDequant of the int32 result with a deq_scale input; later: an
+    AscendQuant to int8 reading ``prev``), else ""."""
+    if nxt.inputs[0] is not prev:
+        return ""
+    if first and nxt.op == "AscendDequant" and "deq_scale" in nxt.attrs and prev.desc.dtype.value == "int32":
+        return "dequant"
+    if not first and nxt.op == "AscendQuant" and nxt.outputs[0].desc.dtype.value == "int8":
+        return "quant"
+    return ""
+
+
+def _chain(node: Node, outputs: set, taken: dict, fixpipe: bool = False) -> Tuple[List[Tuple[Node, str]], str]:
     """The epilogue chain after Cube node ``node``: [(absorbed node, role)] and why it stops
     at its first link ("" when a link was found or the consumer is not an epilogue op). A
     reshape of a 2-D MatMul's ND result ([B·S, N] → [B, S, N], a Linear in a transformer) is
-    followed as role 'reshape' (free in ND) when an epilogue op comes after it."""
+    followed as role 'reshape' (free in ND) when an epilogue op comes after it. With
+    ``fixpipe`` an int32 result's AscendDequant is the first link ('dequant') and an
+    AscendQuant to int8 after it the last ('quant'); these do not count against the three
+    Vector links."""
     chain: List[Tuple[Node, str]] = []
     prev = node.outputs[0]
     while True:
@@ -249,13 +278,20 @@ def _chain(node: Node, outputs: set, taken: dict) -> Tuple[List[Tuple[Node, str]
             return _trim(chain), "" if real or not users else f"its output has {len(users)} consumers " \
                 f"({', '.join(u.name for u in users)}), so it must be written to HBM"
         nxt = users[0]
+        fix = _fixpipe_link(nxt, prev, not chain) if fixpipe and nxt not in taken else ""
+        if fix and (fix == "dequant" or any(r == "dequant" for _, r in chain)):
+            chain.append((nxt, fix))
+            if fix == "quant":
+                return chain, ""
+            prev = nxt.outputs[0]
+            continue
         if nxt.op in RESHAPES and node.op in ("MatMul", "MatMulV2") and prev.desc.format == Format.ND \
                 and nxt.inputs[0] is prev and nxt not in taken:
             chain.append((nxt, "reshape"))
             prev = nxt.outputs[0]
             continue
         role, why = _epilogue_role(nxt, prev)
-        if not role or nxt in taken or len(real) >= 3:
+        if not role or nxt in taken or len([c for c in real if c[1] not in FIXPIPE_ROLES]) >= 3:
             busy = (f"{nxt.name} is fused into {taken[nxt].name}'s epilogue, which reads this output as its "
                     f"residual" if nxt in taken else "")
             return _trim(chain), "" if real or not (busy or nxt.op == "Add" or _is_act(nxt)) else (busy or why)
@@ -275,19 +311,21 @@ def _is_act(node: Node) -> bool:
     return get_op(node.op).activation in EPILOGUE_ACTIVATIONS
 
 
-def ub_epilogues(graph) -> Tuple[dict, dict, dict]:
+def ub_epilogues(graph, fixpipe: bool = False) -> Tuple[dict, dict, dict]:
     """GE's UB fusion on a vnpu graph (after layout): each Conv/MatMul-family node (cost
     `conv` / `matmul`) whose output has one consumer that is a bias Add (a smaller constant
     broadcast), a Relu or a residual Add (same shape and dtype), each link with one
     consumer, takes that chain (at most 3 ops) as its Cube epilogue; an activation of
-    `EPILOGUE_ACTIVATIONS` (GELU, SiLU, Tanh, Sigmoid) is a link as Relu is. Returns
+    `EPILOGUE_ACTIVATIONS` (GELU, SiLU, Tanh, Sigmoid) is a link as Relu is. ``fixpipe``
+    (``NpuSpec.fixpipe_quant``): an int8 Cube node's AscendDequant and a following
+    AscendQuant join the chain (`FIXPIPE_ROLES`, see `_chain`). Returns
     (cube node -> epilogue roles, absorbed node -> cube node, cube node -> why not fused)."""
     outputs = {id(v) for v in graph.outputs}
     epi, absorbed, why_not = {}, {}, {}
     for n in graph.nodes:
         if _cube_fn(n) is None or len(n.outputs) != 1:
             continue
-        chain, why = _chain(n, outputs, absorbed)
+        chain, why = _chain(n, outputs, absorbed, fixpipe)
         if chain:
             epi[n] = tuple(role for _, role in chain)
             absorbed.update({a: n for a, _ in chain})
@@ -299,13 +337,18 @@ def ub_epilogues(graph) -> Tuple[dict, dict, dict]:
 def cube_with_epilogue(node: Node, spec: NpuSpec, epilogue: Tuple[str, ...]) -> Tuple[KernelCost, str]:
     """Cost of Cube node ``node`` with ``epilogue`` (roles 'bias', 'add', an activation) fused:
     `conv` / `matmul` with the cost model's ``epilogue`` argument ('gelu_tanh' costs as 'gelu',
-    'reshape' is free)."""
-    epilogue = tuple("gelu" if r == "gelu_tanh" else r for r in epilogue if r != "reshape")
-    c, model = _cube_fn(node)(node, spec, epilogue)
-    return c, f"{model} + epilogue({', '.join(epilogue)})"
+    'reshape' is free). The `FIXPIPE_ROLES` cost no Vector work (the FixPipe converts while
+    L0C drains, [FIXPIPE-A2] in ``devices/vnpu/presets.py``): with them the kernel writes
+    ``node``'s output dtype (fp16 / fp32 after a dequant, int8 after a requant) instead of
+    the int32 accumulator."""
+    fix = [r for r in epilogue if r in FIXPIPE_ROLES]
+    epilogue = tuple("gelu" if r == "gelu_tanh" else r for r in epilogue if r != "reshape" and r not in FIXPIPE_ROLES)
+    out_dtype = node.outputs[0].desc.dtype.value if fix else None
+    c, model = _cube_fn(node)(node, spec, epilogue, out_dtype)
+    return c, f"{model} + {'fixpipe(' + ', '.join(fix) + ') + ' if fix else ''}epilogue({', '.join(epilogue)})"
 
 
-__all__ += ["EPILOGUE_ACTIVATIONS", "UB_EPILOGUE", "cube_with_epilogue", "ub_epilogues"]
+__all__ += ["EPILOGUE_ACTIVATIONS", "FIXPIPE_ROLES", "UB_EPILOGUE", "cube_with_epilogue", "ub_epilogues"]
 
 
 def fused_elementwise(node: Node, spec: NpuSpec) -> Tuple[KernelCost, str]:

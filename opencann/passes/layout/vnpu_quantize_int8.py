@@ -10,7 +10,7 @@ pass ``quantize_int8`` reads (AMCT's records: ``layers`` {node name: {"scale_d",
                              ⇒ AscendQuant(x) → MatMulV2(corr_i32, x_i8, W_i8; offset_x)
                                 → AscendDequant(acc_i32, deq_scale, b)
 
-- AscendQuant: fp32 → int8, ``round(x / scale_d) + offset_x`` with ``offset_x =
+- AscendQuant: fp32 (or fp16) → int8, ``round(x / scale_d) + offset_x`` with ``offset_x =
   offset_d - 128`` (AMCT's uint8 record read as int8: the same levels shifted by 128);
   the layout pass then stores it NC1HWC0 / FRACTAL_NZ at C0 = 32 where its Cube consumer
   reads those formats.
@@ -22,7 +22,14 @@ pass ``quantize_int8`` reads (AMCT's records: ``layers`` {node name: {"scale_d",
   exactly ``Σ (x_i8 - offset_x) · W_i8``.
 - AscendDequant: int32 → fp32 ``acc · deq_scale[c] + b[c]``, ``deq_scale = scale_d ·
   scale_w[c]`` (fp32), the layer's fp32 bias added after it, as the CPU int8 kernels do:
-  both devices give the same values to fp32 rounding.
+  both devices give the same values to fp32 rounding. In an fp16 model (x and W fp16:
+  CANN's inference default) the same fp32 arithmetic is rounded once to fp16, the output
+  dtype (the FixPipe's DEQF16); `VnpuUbEpilogue` then fuses it into the Cube op where the
+  preset has ``fixpipe_quant``.
+
+An ONNX QDQ / QOperator model (the frontend's uint8 AscendQuant → AscendDequant) is not
+lowered here: it runs the float emulation on the vnpu, and the pass says so in a report
+note (lowering it to this int8 Cube path is open work, issue 28).
 
 Layers kept in fp32, each reported with its reason: ``skip_layers``, no record, a
 non-constant or non-fp32 weight or x, NaN/inf weights, a transposed or grouped
@@ -47,6 +54,7 @@ from ..base import PassContext, RewritePass, Skip
 from ..fusion.quantize_int8 import layer_labels, quantize_weight
 from .npu_layout import CubeDtypeError
 
+_FLOATS = (DataType.FLOAT, DataType.FLOAT16)
 _CONV_ATTRS = ("stride", "padding", "dilation", "transposed", "output_padding", "groups")
 
 
@@ -83,6 +91,12 @@ class VnpuQuantizeInt8(RewritePass):
         (nothing without ``quant_config``: the note says so). Raises `CubeDtypeError` on a
         preset whose Cube has no int8 and ValueError for ``dynamic_linear`` / an ONNX
         model's dynamic int8 weights (no vnpu kernel)."""
+        emulated = sum(1 for n in graph.nodes if n.op == "AscendQuant" and n.outputs[0].desc.dtype == DataType.UINT8)
+        if emulated and ctx.report is not None:
+            ctx.report.notes.append(f"ONNX QDQ / QOperator on the vnpu: {emulated} QuantizeLinear (uint8 AscendQuant) run as float "
+                     f"emulation (AscendQuant -> AscendDequant to fp32 around fp32 Cube ops), not the int8 Cube "
+                     f"path. Fix: quantize the float model with opencann.quantize(model, batches, device='vnpu:...'), "
+                     f"or compile for device 'cpu' (qdq_to_int8 runs int8 kernels)")
         cfg = ctx.options.get("quant_config")
         if not cfg and not graph.meta.get("int8_dynamic_weights"):
             ctx.note("no quant_config: nothing quantized (opencann.quantize sets it)")
@@ -100,7 +114,7 @@ class VnpuQuantizeInt8(RewritePass):
         return n
 
     def match(self, node: Node, graph: Graph, ctx: PassContext):
-        """A `_Match` for a target with a record, fp32 x and a constant fp32 weight; else a
+        """A `_Match` for a target with a record, fp32 (or fp16) x and a constant weight of x's dtype; else a
         `Skip` naming why it stays fp32."""
         cfg = self._cfg
         if layer_labels(node) & set(cfg.get("skip_layers") or ()):
@@ -108,8 +122,8 @@ class VnpuQuantizeInt8(RewritePass):
         conv = node.op == "Conv2D"
         x = node.arg("input" if conv else ("mat1" if node.op == "MatMulV2" else "self"))
         w = node.arg("weight" if conv else "mat2")
-        if not (w.is_const and w.desc.dtype == DataType.FLOAT and x.desc.dtype == DataType.FLOAT):
-            return Skip("the weight is not a constant fp32 tensor or x is not fp32")
+        if not (w.is_const and w.desc.dtype in _FLOATS and x.desc.dtype == w.desc.dtype):
+            return Skip("the weight is not a constant fp32 / fp16 tensor of x's dtype")
         if conv and (node.attrs.get("transposed") or int(node.attrs.get("groups", 1)) != 1
                      or x.desc.rank != 4):
             return Skip("transposed, grouped or non-2-D convolution: the int8 Cube path here takes "
@@ -147,7 +161,7 @@ class VnpuQuantizeInt8(RewritePass):
         x = node.arg("input" if conv else ("mat1" if node.op == "MatMulV2" else "self"))
         w = node.arg("weight" if conv else "mat2")
         bias = node.arg("bias" if conv else "self") if node.op != "MatMul" else None
-        wq, ws = quantize_weight(w.const, 0 if conv else 1)
+        wq, ws = quantize_weight(w.const.float(), 0 if conv else 1)
         corr = (-off * wq.to(torch.int64).sum(dim=(1, 2, 3) if conv else 0)).to(torch.int32)
         xq = self._quant(graph, x, step, off, node)
         wc = graph.add_const(wq, f"{node.name}_w_int8")
