@@ -233,7 +233,7 @@ def make_trans_data(node: Node, in_descs: Sequence[TensorDesc], consts: Sequence
 GEMM_KERNELS = ("addmm", "mkl_packed", "onednn_packed", "gemv")
 # operand dtypes whose constant-weight GEMMs are raced (bf16: addmm and oneDNN's only)
 LINEAR_DTYPES = (torch.float32, torch.bfloat16)
-GEMV_MAX_ROWS = 4  # gemv_cpu.MAX_ROWS (not imported here: that module loads numba)
+GEMV_MAX_ROWS = 8  # gemv_cpu.MAX_ROWS (not imported here: that module loads numba)
 # (m, k, n, dtype, raced kernels) -> one of GEMM_KERNELS: bind-time choice, measured once
 LINEAR_CHOICES: Dict[tuple, str] = {}
 _LINEAR_CHOICES_LOCK = threading.Lock()  # one measurement per shape, even when binding races
@@ -397,7 +397,7 @@ def _packed_kernel(kernel: str, wt: torch.Tensor, m: int, post, act: str = "none
 def _known_choice(made, m: int, k: int, n: int, dtype, bias: Optional[TensorDesc]) -> tuple:
     """(cache key, choice) for a GEMM of shape (m, k, n) with a bias of ``bias``'s shape
     or none (None): the kernels raced here (oneDNN's prepacked where it exists, else
-    MKL's packed, the GEMV for 1..4 rows, and addmm) are the key's last item (after
+    MKL's packed, the GEMV for 1..`GEMV_MAX_ROWS` rows, and addmm) are the key's last item (after
     "no bias" for a bias-free GEMM); the choice is ``made`` (a node's earlier choice, or
     a model file's) where its kernel exists here, else addmm; with nothing made, the
     cached choice for the key, oneDNN's prepacked kernel for bf16 where it exists,
@@ -501,8 +501,8 @@ def make_linear_kernel(node: Node, in_descs: Sequence[TensorDesc], consts: Seque
     - ``mkl_packed``: MKL's packed GEMM (``torch.ops.mkl._mkl_linear`` on
       ``_mkl_reorder_linear_weight``), packed for one m; raced against addmm only where
       oneDNN's is missing, and bound when a model file chose it;
-    - ``gemv``: for 1..4 rows (LLM decode), opencann's row-parallel numba GEMV
-      (`opencann.ops.kernels.gemv_cpu`) on the weight copied once to [n, k] (no copy
+    - ``gemv``: for 1..`GEMV_MAX_ROWS` (8) rows (LLM decode), opencann's row-parallel
+      numba GEMV (`opencann.ops.kernels.gemv_cpu`) on the weight copied once to [n, k] (no copy
       when w_t is the transpose of nn.Linear's contiguous weight); it streams the weight
       once at the memory bandwidth where a BLAS GEMM packs panels per call.
       Its result (fp32 rounding of eager's, another summation order) goes straight
