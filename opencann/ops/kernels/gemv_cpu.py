@@ -23,7 +23,8 @@ N - 1 (computed, never stored), so no row count needs its own loop. At 8 rows th
 does 8 FMAs per weight element, as much time as the memory read on this class of CPU:
 `_tile4`/`_tile8` walk K in `CHUNK`-long steps and first `prefetch` the next tile's
 lines of that step, so memory works while the FMAs run (the rotation of a 125M Llama's
-decode weights at M = 8, 2 threads: 24.9 ms without, 20.2 with; docs/performance.md).
+decode weights at M = 8, 2 threads: 23.7-25.9 ms without, 20.3-20.9 with;
+docs/performance.md).
 The K loop is vectorised with fastmath ``reassoc``/``contract`` only (no
 ``nnan``/``ninf``), so NaN and Inf propagate as in eager (a NaN or Inf in x or W makes
 the outputs it reaches NaN/Inf; the summation order differs from MKL's, so results agree
@@ -32,8 +33,8 @@ addmm's beta=1 C).
 
 Source: the row-parallel GEMV of issue #27 item 4; the layout and loop are the textbook
 matrix-vector product (Golub & Van Loan, Matrix Computations, 4th ed., §1.1.5, "row
-oriented" gaxpy), with the M rows of x as a register block of outputs (§1.5.4, "blocking
-for re-use") and software prefetch a chunk ahead (Intel 64 and IA-32 Architectures
+oriented" gaxpy), with the M rows of x as a register block of outputs (§1.5, "Vectorization
+and Locality") and software prefetch a chunk ahead (Intel 64 and IA-32 Architectures
 Optimization Reference Manual, "Software prefetch").
 """
 from __future__ import annotations
