@@ -397,7 +397,7 @@ def _packed_kernel(kernel: str, wt: torch.Tensor, m: int, post, act: str = "none
 def _known_choice(made, m: int, k: int, n: int, dtype, bias: Optional[TensorDesc]) -> tuple:
     """(cache key, choice) for a GEMM of shape (m, k, n) with a bias of ``bias``'s shape
     or none (None): the kernels raced here (oneDNN's prepacked where it exists, else
-    MKL's packed, the GEMV for 1..`GEMV_MAX_ROWS` rows, and addmm) are the key's last item (after
+    MKL's packed, the GEMV for 1..4 rows, and addmm) are the key's last item (after
     "no bias" for a bias-free GEMM); the choice is ``made`` (a node's earlier choice, or
     a model file's) where its kernel exists here, else addmm; with nothing made, the
     cached choice for the key, oneDNN's prepacked kernel for bf16 where it exists,
