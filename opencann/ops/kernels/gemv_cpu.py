@@ -64,9 +64,9 @@ def _dot1(x, w, n):  # pragma: no cover - compiled by numba
 # K elements per step of the 2..8-row tiles (one prefetch burst per step). Each step ends
 # in a horizontal sum of every accumulator (LLVM vectorises the step's loop alone), so a
 # longer step computes faster in cache (8 rows, L2-resident weight, 1 thread: 31, 39, 49
-# GFMA/s at 64, 128, 256; 51 unchunked) but prefetches in larger bursts, which stall on
-# the line-fill buffers: on the rotation of the module docstring (2 threads) 64 and 128
-# tied and 32, 256, 384 were 5-10% slower
+# GFMA/s at 64, 128, 256; 51 unchunked) but prefetches in larger bursts (more lines asked
+# at once than a core keeps in flight, our reading): on the rotation of the module
+# docstring (2 threads) 64 and 128 tied and 32, 256, 384 were 5-10% slower
 CHUNK = 64
 
 
