@@ -93,7 +93,7 @@ def test_each_kernel_matches_eager_with_nan_and_inf_rows(kernel, rows, monkeypat
 
 def test_the_choice_is_raced_with_the_gemv_for_decode_rows_and_a_file_keeps_it(tmp_path, monkeypatch):
     """Without a forced choice the race runs on the bias-free shapes (the GEMV among the
-    candidates for <= 4 rows, keyed apart from biased GEMMs), and a model file keeps the
+    candidates for <= 8 rows, keyed apart from biased GEMMs), and a model file keeps the
     recorded choice."""
     monkeypatch.setattr(cpu_kernels, "LINEAR_CHOICES", {})
     torch.manual_seed(1)

@@ -1,4 +1,4 @@
-"""Bandwidth-bound skinny GEMM (GEMV) for linears with at most 4 rows: LLM decode.
+"""Bandwidth-bound skinny GEMM (GEMV) for linears with at most 8 rows: LLM decode.
 
 ``y[M, N] = x[M, K] @ W[N, K]^T + b`` in fp32, M <= `MAX_ROWS`. At decode time a linear
 reads its whole weight (K·N·4 bytes) to make M·N outputs, so its time is the weight's
@@ -11,19 +11,31 @@ Layout: W is kept as ``[N, K]`` row-major, fp32, contiguous ("NK", nn.Linear's o
 weight layout; a LinearAct's constant ``w_t [K, N]`` is transposed into it once, at bind
 time, by `pack_weight`). Each output feature n is one contiguous K-long row of W.
 
-Kernel: numba ``prange`` over output features (row-parallel: each thread streams its own
-contiguous slice of W exactly once; as many threads as torch's intra-op count, one below
-ATen's grain or on an oversubscribed host: `numba_cache.launch_threads`; each output is
-one thread's dot product, so the count never changes a bit); for one row of W the M dot products run in one pass
-over K (M accumulators; the row is read once from memory, the x rows stay in L1). The K
-loop is vectorised with fastmath ``reassoc``/``contract`` only (no ``nnan``/``ninf``), so
-NaN and Inf propagate as in eager (a NaN or Inf in x or W makes the outputs it reaches
-NaN/Inf; the summation order differs from MKL's, so results agree with eager to fp32
-rounding, not bit for bit). Bias: added after the dot product (as addmm's beta=1 C).
+Kernel: numba ``prange`` over tiles of output features (row-parallel: each thread streams
+its own contiguous slice of W exactly once; as many threads as torch's intra-op count, one
+below ATen's grain or on an oversubscribed host: `numba_cache.launch_threads`; each
+output is one thread's dot product, so the count never changes a bit). A tile is a few
+rows of W times all rows of x, their M·rows dot products accumulated in one pass over K
+(a row of W is read once from memory; the x rows stay in L1/L2): M = 1 eight rows of W;
+M = 2..4 four rows of W x four rows of x (`_tile4`), M = 5..8 two rows x eight
+(`_tile8`); a tile's x rows past M repeat row M - 1 and its W rows past N repeat row
+N - 1 (computed, never stored), so no row count needs its own loop. At 8 rows the loop
+does 8 FMAs per weight element, as much time as the memory read on this class of CPU:
+`_tile4`/`_tile8` walk K in `CHUNK`-long steps and first `prefetch` the next tile's
+lines of that step, so memory works while the FMAs run (the rotation of a 125M Llama's
+decode weights at M = 8, 2 threads: 23.7-25.9 ms without, 20.3-20.9 with;
+docs/performance.md).
+The K loop is vectorised with fastmath ``reassoc``/``contract`` only (no
+``nnan``/``ninf``), so NaN and Inf propagate as in eager (a NaN or Inf in x or W makes
+the outputs it reaches NaN/Inf; the summation order differs from MKL's, so results agree
+with eager to fp32 rounding, not bit for bit). Bias: added after the dot product (as
+addmm's beta=1 C).
 
 Source: the row-parallel GEMV of issue #27 item 4; the layout and loop are the textbook
 matrix-vector product (Golub & Van Loan, Matrix Computations, 4th ed., §1.1.5, "row
-oriented" gaxpy).
+oriented" gaxpy), with the M rows of x as a register block of outputs (§1.5, "Vectorization
+and Locality") and software prefetch a chunk ahead (Intel 64 and IA-32 Architectures
+Optimization Reference Manual, "Software prefetch").
 """
 from __future__ import annotations
 
@@ -34,65 +46,138 @@ import torch
 from numba import prange
 
 from .numba_cache import launch, njit
+from .numba_prefetch import prefetch
 
-MAX_ROWS = 4  # the kernel handles x with 1..MAX_ROWS rows (decode: one token per sequence)
+MAX_ROWS = 8  # the kernel handles x with 1..MAX_ROWS rows (decode: one token per sequence)
 _FM = {"reassoc", "contract"}  # vectorise the K reduction; keep NaN/Inf semantics
 
 
 @njit(fastmath=_FM, cache=True, inline="always")
-def _row(x, w, n):  # pragma: no cover - compiled by numba
-    """The M (<= 4) dot products of x's rows with row n of w, in one pass over K."""
-    M, K = x.shape
-    s0 = np.float32(0.0)
-    s1 = np.float32(0.0)
-    s2 = np.float32(0.0)
-    s3 = np.float32(0.0)
-    if M == 1:
-        for k in range(K):
-            s0 += x[0, k] * w[n, k]
-    elif M == 2:
-        for k in range(K):
-            wk = w[n, k]
-            s0 += x[0, k] * wk
-            s1 += x[1, k] * wk
-    elif M == 3:
-        for k in range(K):
-            wk = w[n, k]
-            s0 += x[0, k] * wk
-            s1 += x[1, k] * wk
-            s2 += x[2, k] * wk
-    else:
-        for k in range(K):
-            wk = w[n, k]
-            s0 += x[0, k] * wk
-            s1 += x[1, k] * wk
-            s2 += x[2, k] * wk
-            s3 += x[3, k] * wk
-    return s0, s1, s2, s3
+def _dot1(x, w, n):  # pragma: no cover - compiled by numba
+    """x[0] . w[n]: one row of x, one row of w (the M = 1 path's last N % 8 rows)."""
+    s = np.float32(0.0)
+    for k in range(x.shape[1]):
+        s += x[0, k] * w[n, k]
+    return s
+
+
+# K elements per step of the 2..8-row tiles (one prefetch burst per step). Each step ends
+# in a horizontal sum of every accumulator (LLVM vectorises the step's loop alone), so a
+# longer step computes faster in cache (8 rows, L2-resident weight, 1 thread: 31, 39, 49
+# GFMA/s at 64, 128, 256; 51 unchunked) but prefetches in larger bursts (more lines asked
+# at once than a core keeps in flight, our reading): on the rotation of the module
+# docstring (2 threads) 64 and 128 tied and 32, 256, 384 were 5-10% slower
+CHUNK = 64
 
 
 @njit(fastmath=_FM, cache=True, inline="always")
-def _store(y, n, b, has_bias, s0, s1, s2, s3):  # pragma: no cover - compiled by numba
-    """y[:, n] = the M sums (+ b[n])."""
-    M = y.shape[0]
-    bn = b[n] if has_bias else np.float32(0.0)
-    y[0, n] = s0 + bn if has_bias else s0
-    if M > 1:
-        y[1, n] = s1 + bn if has_bias else s1
-    if M > 2:
-        y[2, n] = s2 + bn if has_bias else s2
-    if M > 3:
-        y[3, n] = s3 + bn if has_bias else s3
+def _put(y, m, n, b, has_bias, s):  # pragma: no cover - compiled by numba
+    """y[m, n] = s (+ b[n]) when (m, n) is inside y (a tile's padding rows/columns are not)."""
+    if m < y.shape[0] and n < y.shape[1]:
+        y[m, n] = s + b[n] if has_bias else s
+
+
+@njit(fastmath=_FM, cache=True, inline="always")
+def _tile4(x, w, n):  # pragma: no cover - compiled by numba
+    """The 16 dot products of x's rows 0..3 with w's rows n..n+3, in one pass over K. Rows
+    past x's or w's last stand for the last (computed, never stored: `_put`); each CHUNK of
+    K first prefetches the same CHUNK of rows n+4..n+7 (the next tile)."""
+    M, K = x.shape
+    N = w.shape[0]
+    r1, r2, r3 = min(1, M - 1), min(2, M - 1), min(3, M - 1)
+    n1, n2, n3 = min(n + 1, N - 1), min(n + 2, N - 1), min(n + 3, N - 1)
+    p0, p1 = min(n + 4, N - 1), min(n + 5, N - 1)
+    p2, p3 = min(n + 6, N - 1), min(n + 7, N - 1)
+    a0 = a1 = a2 = a3 = b0 = b1 = b2 = b3 = np.float32(0.0)
+    c0 = c1 = c2 = c3 = d0 = d1 = d2 = d3 = np.float32(0.0)
+    for kc in range(0, K, CHUNK):
+        ke = min(kc + CHUNK, K)
+        for kp in range(kc, ke, 16):            # 16 fp32 = one 64-byte line
+            prefetch(w, p0, kp)
+            prefetch(w, p1, kp)
+            prefetch(w, p2, kp)
+            prefetch(w, p3, kp)
+        # 1-D views indexed from 0: LLVM sees unit-stride loads and vectorises over k
+        wa, wb, wc, wd = w[n, kc:ke], w[n1, kc:ke], w[n2, kc:ke], w[n3, kc:ke]
+        xa, xb, xc, xd = x[0, kc:ke], x[r1, kc:ke], x[r2, kc:ke], x[r3, kc:ke]
+        for k in range(ke - kc):
+            x0, x1, x2, x3 = xa[k], xb[k], xc[k], xd[k]
+            v = wa[k]
+            a0 += x0 * v
+            a1 += x1 * v
+            a2 += x2 * v
+            a3 += x3 * v
+            v = wb[k]
+            b0 += x0 * v
+            b1 += x1 * v
+            b2 += x2 * v
+            b3 += x3 * v
+            v = wc[k]
+            c0 += x0 * v
+            c1 += x1 * v
+            c2 += x2 * v
+            c3 += x3 * v
+            v = wd[k]
+            d0 += x0 * v
+            d1 += x1 * v
+            d2 += x2 * v
+            d3 += x3 * v
+    return a0, a1, a2, a3, b0, b1, b2, b3, c0, c1, c2, c3, d0, d1, d2, d3
+
+
+@njit(fastmath=_FM, cache=True, inline="always")
+def _tile8(x, w, n):  # pragma: no cover - compiled by numba
+    """The 16 dot products of x's rows 0..7 with w's rows n and n+1, in one pass over K
+    (rows past the last stand for the last, as in `_tile4`; prefetches rows n+2, n+3)."""
+    M, K = x.shape
+    N = w.shape[0]
+    r1, r2, r3 = min(1, M - 1), min(2, M - 1), min(3, M - 1)
+    r4, r5, r6, r7 = min(4, M - 1), min(5, M - 1), min(6, M - 1), min(7, M - 1)
+    n1 = min(n + 1, N - 1)
+    p0, p1 = min(n + 2, N - 1), min(n + 3, N - 1)
+    a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = np.float32(0.0)
+    b0 = b1 = b2 = b3 = b4 = b5 = b6 = b7 = np.float32(0.0)
+    for kc in range(0, K, CHUNK):
+        ke = min(kc + CHUNK, K)
+        for kp in range(kc, ke, 16):
+            prefetch(w, p0, kp)
+            prefetch(w, p1, kp)
+        wa, wb = w[n, kc:ke], w[n1, kc:ke]
+        xa, xb, xc, xd = x[0, kc:ke], x[r1, kc:ke], x[r2, kc:ke], x[r3, kc:ke]
+        xe, xf, xg, xh = x[r4, kc:ke], x[r5, kc:ke], x[r6, kc:ke], x[r7, kc:ke]
+        for k in range(ke - kc):
+            x0, x1, x2, x3 = xa[k], xb[k], xc[k], xd[k]
+            x4, x5, x6, x7 = xe[k], xf[k], xg[k], xh[k]
+            v = wa[k]
+            a0 += x0 * v
+            a1 += x1 * v
+            a2 += x2 * v
+            a3 += x3 * v
+            a4 += x4 * v
+            a5 += x5 * v
+            a6 += x6 * v
+            a7 += x7 * v
+            v = wb[k]
+            b0 += x0 * v
+            b1 += x1 * v
+            b2 += x2 * v
+            b3 += x3 * v
+            b4 += x4 * v
+            b5 += x5 * v
+            b6 += x6 * v
+            b7 += x7 * v
+    return a0, a1, a2, a3, a4, a5, a6, a7, b0, b1, b2, b3, b4, b5, b6, b7
 
 
 @njit(parallel=True, fastmath=_FM, cache=True)
 def _gemv_kernel(x, w, b, has_bias, y):  # pragma: no cover - compiled by numba
-    """y[m, n] = sum_k x[m, k] * w[n, k] (+ b[n]); x [M<=4, K], w [N, K], y [M, N], fp32
-    C-contiguous. prange over rows of w (groups of eight when M = 1): each thread reads its
-    own rows once. With M = 1, eight rows of w stream at once (more loads in flight: the
-    DRAM-bound LM head read 7.8 -> 12.5 GB/s on the 2-core host with four rows; 60
-    rotating 768x2048 / 2048x768 weights, 377 MB, 24.6 -> 26.7 GB/s with eight, load 1.5,
-    F.linear 26.9 on the same weights), else one."""
+    """y[m, n] = sum_k x[m, k] * w[n, k] (+ b[n]); x [M<=8, K], w [N, K], y [M, N], fp32
+    C-contiguous. prange over tiles of rows of w: each thread reads its own rows once.
+    M = 1: eight rows of w stream at once (more loads in flight: the DRAM-bound LM head
+    read 7.8 -> 12.5 GB/s on the 2-core host with four rows; 60 rotating 768x2048 /
+    2048x768 weights, 377 MB, 24.6 -> 26.7 GB/s with eight, load 1.5, F.linear 26.9 on
+    the same weights). M = 2..4: `_tile4` (4 rows of w x 4 rows of x); M = 5..8: `_tile8`
+    (2 rows of w x 8 rows of x); both prefetch the next tile's rows a CHUNK at a time."""
     M, K = x.shape
     N = w.shape[0]
     if M == 1:
@@ -116,21 +201,30 @@ def _gemv_kernel(x, w, b, has_bias, y):  # pragma: no cover - compiled by numba
                 s5 += xk * w[n + 5, k]
                 s6 += xk * w[n + 6, k]
                 s7 += xk * w[n + 7, k]
-            _store(y, n, b, has_bias, s0, s0, s0, s0)
-            _store(y, n + 1, b, has_bias, s1, s1, s1, s1)
-            _store(y, n + 2, b, has_bias, s2, s2, s2, s2)
-            _store(y, n + 3, b, has_bias, s3, s3, s3, s3)
-            _store(y, n + 4, b, has_bias, s4, s4, s4, s4)
-            _store(y, n + 5, b, has_bias, s5, s5, s5, s5)
-            _store(y, n + 6, b, has_bias, s6, s6, s6, s6)
-            _store(y, n + 7, b, has_bias, s7, s7, s7, s7)
+            _put(y, 0, n, b, has_bias, s0)
+            _put(y, 0, n + 1, b, has_bias, s1)
+            _put(y, 0, n + 2, b, has_bias, s2)
+            _put(y, 0, n + 3, b, has_bias, s3)
+            _put(y, 0, n + 4, b, has_bias, s4)
+            _put(y, 0, n + 5, b, has_bias, s5)
+            _put(y, 0, n + 6, b, has_bias, s6)
+            _put(y, 0, n + 7, b, has_bias, s7)
         for n in range(N - N % 8, N):
-            s0, s1, s2, s3 = _row(x, w, n)
-            _store(y, n, b, has_bias, s0, s1, s2, s3)
+            _put(y, 0, n, b, has_bias, _dot1(x, w, n))
+    elif M <= 4:
+        for t in prange((N + 3) // 4):
+            n = 4 * t
+            s = _tile4(x, w, n)
+            for q in range(4):
+                for m in range(4):
+                    _put(y, m, n + q, b, has_bias, s[4 * q + m])
     else:
-        for n in prange(N):
-            s0, s1, s2, s3 = _row(x, w, n)
-            _store(y, n, b, has_bias, s0, s1, s2, s3)
+        for t in prange((N + 1) // 2):
+            n = 2 * t
+            s = _tile8(x, w, n)
+            for q in range(2):
+                for m in range(8):
+                    _put(y, m, n + q, b, has_bias, s[8 * q + m])
 
 
 _NO_BIAS = np.zeros(1, np.float32)  # stands in for b when there is none (never read)
@@ -149,7 +243,7 @@ def pack_weight(w: torch.Tensor, transposed: bool = False) -> torch.Tensor:
 
 def gemv(x: torch.Tensor, w_nk: torch.Tensor, bias: Optional[torch.Tensor] = None,
          out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """``x @ w_nk.T + bias`` for x [M, K] fp32 with 1 <= M <= `MAX_ROWS`, ``w_nk`` [N, K]
+    """``x @ w_nk.T + bias`` for x [M, K] fp32 with 1 <= M <= `MAX_ROWS` (8), ``w_nk`` [N, K]
     fp32 C-contiguous (`pack_weight`), ``bias`` [N] fp32 or None; result [M, N] fp32,
     written into ``out`` when given (any strides; a non-contiguous one gets a copy).
     Matches ``F.linear(x, w_nk, bias)`` to fp32 rounding (module docstring). Raises
