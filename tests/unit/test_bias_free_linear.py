@@ -204,11 +204,12 @@ def test_a_large_weight_transpose_is_folded_as_a_view(monkeypatch):
 
 
 @pytest.mark.parametrize("rows", [1, 3])
-def test_decode_sized_gated_mlp_is_one_gemm_on_weights_concatenated_once(rows):
-    """A GatedMLP of few rows and weights >= 1 MiB runs one GEMM on W1‖W3, concatenated
-    once and shared by every graph over the same weights (share_weights); values match eager (NaN/Inf
+def test_gated_mlp_is_one_gemm_on_weights_concatenated_once(rows):
+    """A GatedMLP with weights >= 1 MiB runs one GEMM on W1‖W3, concatenated once and
+    shared by every graph over the same weights (share_weights); values match eager (NaN/Inf
     rows, a second call); a weight changed in place and compiled again gets a fresh
-    concatenation (never the stale one); a wide GatedMLP keeps its two GEMMs."""
+    concatenation (never the stale one); a prefill-sized GatedMLP over the same weights
+    shares the decode one's; small weights keep two GEMMs and no copy."""
     torch.manual_seed(3)
     m = Decoderish(d=256, h=1024, vocab=64).eval()      # gate/up 256x1024 fp32 = 1 MiB each
     x = torch.randn(rows, 256)
@@ -237,6 +238,14 @@ def test_decode_sized_gated_mlp_is_one_gemm_on_weights_concatenated_once(rows):
         _close(fresh(x), m(x))
     with pytest.raises(ValueError, match="was modified in place"):
         cm(x)                                                    # the old graph refuses
-    wide = opencann.compile(m, (torch.randn(32, 256),))          # a prefill-sized GatedMLP
-    w1w = next(v.const for n in wide.graph.nodes if n.op == "GatedMLP" for v in n.inputs if v.is_const)
-    assert not [t for t in cpu_kernels.packed_copies([w1w]) if t.shape == (256, 2048)]
+
+    def cat_of(cm):
+        w = next(v.const for n in cm.graph.nodes if n.op == "GatedMLP" for v in n.inputs if v.is_const)
+        return [t for t in cpu_kernels.packed_copies([w]) if t.dim() == 2 and t.shape[1] == 2 * w.shape[1]]
+    wide = opencann.compile(m, (torch.randn(32, 256),), options=shared)   # a prefill-sized one
+    assert len(cat_of(wide)) == 1 and cat_of(wide)[0].data_ptr() == cat_of(fresh)[0].data_ptr()
+    xw = torch.randn(32, 256)
+    with torch.no_grad():
+        _close(wide(xw), m(xw))
+    small = opencann.compile(Decoderish().eval(), (torch.randn(rows, 48),))   # small weights
+    assert not cat_of(small)

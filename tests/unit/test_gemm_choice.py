@@ -110,11 +110,15 @@ def test_the_cold_race_of_a_streamed_weight_has_addmm_kn_to_beat(monkeypatch):
     assert "addmm" not in ran
     cands["p"] = kernel("p", 0.0)
     assert cpu_kernels._measure_choice(key[:4] + (("addmm", "addmm_kn", "q"),), cands, None, wt) == "p"
-    hot = (64, 512, 640, "f", ("addmm", "addmm_kn"))     # 64 rows: an ordinary race, addmm's
+    hot = (64, 512, 640, "f", ("addmm", "addmm_kn"))     # 64 rows: timed hot, addmm raced
     evictions.clear()
+    ran.clear()
     assert cpu_kernels._measure_choice(hot, {"addmm": kernel("addmm", 0.0),
-                                             "addmm_kn": kernel("addmm_kn", 0.001)}, None, wt) == "addmm"
-    assert not evictions
+                                             "addmm_kn": kernel("addmm_kn", 0.003)}, None, wt) == "addmm"
+    assert not evictions and "addmm" in ran
+    tie = (64, 512, 640, "f", ("addmm", "addmm_kn", "t"))  # a tie keeps the shared copy
+    assert cpu_kernels._measure_choice(tie, {"addmm": kernel("addmm", 0.001),
+                                             "addmm_kn": kernel("addmm_kn", 0.001)}, None, wt) == "addmm_kn"
 
 
 @needs_onednn
@@ -279,9 +283,9 @@ def test_a_packed_copy_made_for_a_kernel_that_lost_the_race_is_freed(monkeypatch
 @pytest.mark.parametrize("rows", [1, 7])
 def test_addmm_kn_streams_a_transposed_weight_at_decode_rows_and_matches_eager(rows, monkeypatch):
     """``addmm_kn`` (addmm on a contiguous [k, n] copy of a weight held transposed) is
-    offered for few-row GEMMs of a weight of 1 MiB or more, and matches eager: values,
-    NaN/Inf rows, a second call, outputs the caller's own; wider GEMMs and small weights
-    never get it (eager's bits and memory kept)."""
+    offered for fp32 weights of 1 MiB or more at any row count, and matches eager:
+    values, NaN/Inf rows, a second call, outputs the caller's own; small weights never
+    get it (eager's bits and memory kept)."""
     monkeypatch.setattr(cpu_kernels, "LINEAR_CHOICES", ForcedGemmChoice("addmm_kn"))
     torch.manual_seed(0)
     m = MLP(d=512, h=640).eval()                   # 512x640 fp32 = 1.25 MiB each
@@ -304,12 +308,14 @@ def test_addmm_kn_streams_a_transposed_weight_at_decode_rows_and_matches_eager(r
     x[-1, 7] = float("nan")                          # a NaN row: NaN where eager's is
     with torch.no_grad():
         assert torch.equal(torch.isnan(cm(x)), torch.isnan(m(x)))
-    wide = opencann.compile(m, (torch.randn(64, 512),))        # a prefill-sized GEMM
-    small = opencann.compile(MLP().eval(), (torch.randn(rows, 48),))   # a small weight
-    assert "addmm_kn" not in _kernels(wide) + _kernels(small)
+    wide = opencann.compile(m, (torch.randn(64, 512),))        # a prefill-sized GEMM too
+    small = opencann.compile(MLP().eval(), (torch.randn(rows, 48),))   # a small weight: never
+    assert _kernels(wide) == ["addmm_kn", "addmm_kn"] and "addmm_kn" not in _kernels(small)
     assert not cpu_kernels.kn_offered(torch.randn(512, 640), 1)   # contiguous: addmm is NN
-    assert cpu_kernels.kn_offered(torch.randn(640, 512).t(), 16)
-    assert not cpu_kernels.kn_offered(torch.randn(640, 512).t(), 17)
+    assert cpu_kernels.kn_offered(torch.randn(640, 512).t(), 1)
+    assert cpu_kernels.kn_offered(torch.randn(640, 512).t(), 512)
+    assert not cpu_kernels.kn_offered(torch.randn(100, 512).t(), 1)    # 200 KiB
+    assert not cpu_kernels.kn_offered(torch.randn(640, 512, dtype=torch.bfloat16).t(), 1)
 
 
 @pytest.mark.parametrize("kernel,write", [(k, w) for k in ("addmm_kn", "onednn_packed")

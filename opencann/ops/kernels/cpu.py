@@ -244,21 +244,24 @@ _MARGIN = 0.97  # a prepacked kernel must be 3% faster than addmm to be chosen (
 # once per step, after the rest of the model's weights went through the caches, so what
 # counts is how fast a kernel streams it from memory; timed hot (the same weight again
 # and again, in L2) the ranking differs (on the 2-core Xeon the numba GEMV won hot at
-# Llama-125M's 768x768 and lost by 5-10% streaming). There a weight held transposed is
-# raced with addmm_kn, not addmm, as the kernel to beat: one GEMM at a time the two read
-# it equally fast, yet in a decode step, where every weight streams in turn, MKL's GEMV
-# reads the contiguous [k, n] copy faster (the whole 12-layer Llama-125M decode step,
-# every GEMM bound to one or the other, 10 interleaved rounds: 17.7 -> 16.6 ms, best)
+# Llama-125M's 768x768 and lost by 5-10% streaming). There addmm itself is not run where
+# addmm_kn races: one GEMM at a time the two read a weight equally fast, yet in a decode
+# step, where every weight streams in turn, MKL's GEMV reads the contiguous [k, n] copy
+# faster (the whole 12-layer Llama-125M decode step, every GEMM bound to one or the
+# other, 10 interleaved rounds: 17.7 -> 16.6 ms, best)
 COLD_RACE_ROWS, COLD_RACE_BYTES = 16, 1 << 20
 
 
 def kn_offered(wt: torch.Tensor, m: int) -> bool:
-    """Whether ``addmm_kn`` races for the constant weight ``wt`` [k, n] at ``m`` rows: an
-    fp32 weight held transposed (not contiguous) that a few-row GEMM streams
-    (`COLD_RACE_ROWS`, `COLD_RACE_BYTES`). Elsewhere the copy would cost memory and
-    eager's bits (addmm on the weight as held is eager's ``mm``) for no measured gain."""
+    """Whether ``addmm_kn`` races for the constant weight ``wt`` [k, n] (at any row count
+    ``m``): an fp32 weight of `COLD_RACE_BYTES` or more held transposed (not contiguous).
+    It is then the kernel to beat (`_measure_choice`), so that a model's prefill and
+    decode graphs share one [k, n] copy of each weight instead of keeping a second,
+    oneDNN-blocked one (a random 125M Llama's peak RSS 1750 -> see docs/performance.md);
+    on small weights the copy would cost eager's bits (addmm on the weight as held is
+    eager's ``mm``) for no measured gain."""
     return (wt.dtype == torch.float32 and wt.dim() == 2 and not wt.is_contiguous()
-            and m <= COLD_RACE_ROWS and wt.numel() * wt.element_size() >= COLD_RACE_BYTES)
+            and wt.numel() * wt.element_size() >= COLD_RACE_BYTES)
 
 
 def _evict_caches(scratch: torch.Tensor) -> None:
@@ -276,8 +279,8 @@ def _measure_choice(key: tuple, candidates: Dict[str, Callable], bias, wt,
     once in turn (interleaved, so a burst of load on a shared machine hits all of them),
     the least time per candidate kept; another kernel is chosen over addmm only when 3%
     faster. A few-row GEMM of a large weight (`COLD_RACE_ROWS`) is timed with the
-    caches evicted before each call, and when its weight is held transposed the kernel
-    to beat is ``addmm_kn`` instead of addmm (`COLD_RACE_ROWS`). Cached in `LINEAR_CHOICES` (one measurement per shape, even when binding
+    caches evicted before each call (without addmm when ``addmm_kn`` races), and where
+    ``addmm_kn`` races (`kn_offered`) it is the kernel to beat instead of addmm. Cached in `LINEAR_CHOICES` (one measurement per shape, even when binding
     races)."""
     m, k, n = key[:3]
     with _LINEAR_CHOICES_LOCK:
@@ -288,9 +291,9 @@ def _measure_choice(key: tuple, candidates: Dict[str, Callable], bias, wt,
             b = (bias if bias is not None else torch.zeros(n, dtype=wt.dtype)) if has_bias else None
             out = torch.empty(m, n, dtype=wt.dtype)
             cold = m <= COLD_RACE_ROWS and k * n * wt.element_size() >= COLD_RACE_BYTES
-            base = "addmm_kn" if cold and "addmm_kn" in candidates else "addmm"  # see COLD_RACE_ROWS
+            base = "addmm_kn" if "addmm_kn" in candidates else "addmm"   # see kn_offered
             calls = {name: (lambda r=run: r(b, x, wt, out)) for name, run in candidates.items()
-                     if not (base == "addmm_kn" and name == "addmm")}
+                     if not (cold and base == "addmm_kn" and name == "addmm")}
             times = {name: float("inf") for name in calls}
             for name, call in calls.items():
                 call()  # warm-up: first-call set-up (oneDNN primitive creation) is not timed
@@ -597,13 +600,14 @@ def make_linear_kernel(node: Node, in_descs: Sequence[TensorDesc], consts: Seque
 
     - ``addmm`` with the bias as its C operand, straight into ``out`` (without a bias,
       eager's ``mm``: the same bits as the unfused MatMul);
-    - ``addmm_kn``: the same on a contiguous [k, n] copy of a weight that is held
-      transposed (nn.Linear's [n, k] weight viewed as [k, n], as graphs compiled with
-      ``share_weights`` hold it), copied once at bind time and shared by the graphs that
-      view the same weight: at 1 row MKL's GEMV reads the weight in that layout ~10%
-      faster (the decode GEMMs of a 12-layer Llama of 125M parameters in rotation, 2
-      threads: 14.9 -> 14.0 ms; the LM head 3.5 -> 3.0 ms). fp32 rounding of eager's
-      values (another MKL code path);
+    - ``addmm_kn``: the same on a contiguous [k, n] copy of a weight of 1 MiB or more
+      that is held transposed (nn.Linear's [n, k] weight viewed as [k, n]), copied once
+      at bind time and shared by the graphs that view the same weight; the kernel to
+      beat where it races (`kn_offered`): at 1 row MKL's GEMV reads the weight in that
+      layout ~10% faster (the decode GEMMs of a 12-layer Llama of 125M parameters in
+      rotation, 2 threads: 14.9 -> 14.0 ms; the LM head 3.5 -> 3.0 ms), at 32 and 512
+      rows MKL's GEMM on it is level with oneDNN's blocked weight, so prefill and
+      decode keep one copy. fp32 rounding of eager's values (another MKL code path);
     - ``onednn_packed``: oneDNN's inner product (``torch.ops.mkldnn._linear_pointwise``,
       brgemm on AVX2/AVX-512) on the weight reordered once to oneDNN's blocked layout
       (``_reorder_linear_weight``); the blocked weight serves every row count m, so a

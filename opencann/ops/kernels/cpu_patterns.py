@@ -14,11 +14,11 @@ outputs match eager (bit-for-bit where noted).
 - `make_gated_mlp_kernel` (GatedMLP): silu(x·W1) * (x·W3) as two GEMMs by the kernel
   chosen for their shape (``cpu.gemm_kernel``, as a bias-free LinearAct's: eager's ``mm``,
   same bits, or with constant fp32 weights a prepacked GEMM or the decode GEMV, eager's
-  values to fp32 rounding), ATen's SiLU and the product in place: one output tensor. A
-  decode-sized GatedMLP (rows <= ``cpu.COLD_RACE_ROWS``, constant fp32 weights of 1 MiB
-  or more) runs ONE GEMM on W1‖W3 concatenated once (``cpu.concat_weights``, a copy
-  shared by the graphs over the same weights, in place of two ``addmm_kn`` copies): one
-  weight stream and one kernel call instead of two; the same dot products.
+  values to fp32 rounding), ATen's SiLU and the product in place: one output tensor. With
+  constant fp32 weights of 1 MiB or more it runs ONE GEMM on W1‖W3 concatenated once
+  (``cpu.concat_weights``, a copy shared by the graphs over the same weights, e.g. an
+  LLM's prefill and decode graphs, in place of two per-weight copies): one weight stream
+  and one kernel call instead of two; the same dot products.
 """
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ import math
 
 import torch
 
-from .cpu import COLD_RACE_BYTES, COLD_RACE_ROWS, concat_weights, gemm_kernel
+from .cpu import COLD_RACE_BYTES, concat_weights, gemm_kernel
 from ..parity.formulas import layer_norm_formula
 from ..parity.norm_range import affine_in_range, layer_norm_in_range
 from ...ir import Node, TensorDesc
@@ -80,10 +80,10 @@ def make_layer_norm_formula_kernel(node: Node, in_descs: Sequence[TensorDesc],
 
 def _one_gemm(x: TensorDesc, w1, w3) -> bool:
     """Whether a GatedMLP of input ``x`` runs one GEMM on its concatenated weights: a
-    static [m, k] x with m <= ``COLD_RACE_ROWS`` and constant fp32 [k, n] weights of
-    ``COLD_RACE_BYTES`` or more each (decode; module docstring)."""
+    static [m, k] x and constant fp32 [k, n] weights of ``COLD_RACE_BYTES`` or more each
+    (module docstring)."""
     return (isinstance(w1, torch.Tensor) and isinstance(w3, torch.Tensor) and x.is_static
-            and x.rank == 2 and int(x.shape[0]) <= COLD_RACE_ROWS
+            and x.rank == 2
             and w1.dtype == w3.dtype == torch.float32 == x.dtype.torch
             and w1.dim() == w3.dim() == 2 and w1.shape == w3.shape
             and w1.numel() * w1.element_size() >= COLD_RACE_BYTES)
