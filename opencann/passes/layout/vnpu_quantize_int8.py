@@ -29,7 +29,7 @@ pass ``quantize_int8`` reads (AMCT's records: ``layers`` {node name: {"scale_d",
 
 An ONNX QDQ / QOperator model (the frontend's uint8 AscendQuant → AscendDequant) is not
 lowered here: it runs the float emulation on the vnpu, and the pass says so in a report
-note (lowering it to this int8 Cube path is open work, issue 28).
+note (lowering it to this int8 Cube path is not built yet).
 
 Layers kept in fp32, each reported with its reason: ``skip_layers``, no record, a
 non-constant or non-fp32 weight or x, NaN/inf weights, a transposed or grouped
