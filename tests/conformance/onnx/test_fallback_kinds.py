@@ -57,7 +57,9 @@ GEOMS = [dict(scales=[1, 1, 1.5, 0.6]), dict(scales=[1, 1, 2.0, 3.0]), dict(size
 def test_resize_modes_match_onnxruntime(mode, ctm, geom):
     x = _x(1, 2, 5, 4, nan=False)
     m = _resize_model(x.shape, mode, ctm, **GEOMS[geom], extrapolation_value=-3.0)
-    cm = check(m, {"x": x}, rtol=1e-5, atol=2e-6)
+    # cubic: 16 products with coefficients of both signs; where they cancel (a result of
+    # 0.015 from inputs of ~1) fp32 summation order alone moves it by ~2e-6
+    cm = check(m, {"x": x}, rtol=1e-5, atol=5e-6 if mode == "cubic" else 2e-6)
     assert fallbacks(cm) == []
 
 
