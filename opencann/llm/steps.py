@@ -82,11 +82,11 @@ def step_memory(graphs: Sequence[Any], module: Optional[torch.nn.Module] = None)
         consts = [v.const for v in cm.graph.constants if isinstance(v.const, torch.Tensor)]
         tensors += consts + packed_copies(consts)
     for t in tensors:
-        try:
+        if t.is_mkldnn:   # oneDNN's blocked copy: an opaque tensor with no storage to share
+            storages[-id(t)] = t.numel() * t.element_size()
+        else:
             st = t.untyped_storage()
             storages[st.data_ptr()] = st.nbytes()
-        except (NotImplementedError, RuntimeError):   # oneDNN's opaque blocked tensors
-            storages[-id(t)] = t.numel() * t.element_size()
     return sum(storages.values()), arena
 
 

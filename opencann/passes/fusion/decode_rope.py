@@ -20,9 +20,8 @@ import torch
 from ...ir import Graph, Node, TensorRef
 from ..base import PassContext, Skip
 from .common import CpuFusion
+from .decode_kv_update import _NAMES
 from .match import producer
-
-_NAMES = ("query", "key", "value", "key_new", "value_new", "positions", "lengths")
 
 
 def _row_per_sequence(shape, batch: int, d: int) -> bool:
