@@ -403,6 +403,35 @@ def test_rotary_mul_kernel_is_eager_bit_for_bit():
     assert torch.equal(rotary_mul(big, c2, s2), big * c2 + _rotate_half(big) * s2)
 
 
+@pytest.mark.parametrize("batch,seq", [(1, 512), (2, 77)])
+def test_rotary_prefill_rows_are_eager_bit_for_bit(batch, seq):
+    """Past the grain, q/k viewed out of a fused QKV linear's output (unit stride along D,
+    strided elsewhere) run the vectorised flat rows, q and k in one loop: eager's bits,
+    NaN and inf included, into the given buffers; again into fresh ones."""
+    qkv = torch.randn(batch, seq, 20 * 64, generator=G)
+    q = qkv[..., :768].view(batch, seq, 12, 64).transpose(1, 2)
+    k = qkv[..., 768:1024].view(batch, seq, 4, 64).transpose(1, 2)
+    q[0, 3, seq - 1, 7], k[-1, 2, 0, 40], q[-1, 0, 1, 33] = float("nan"), float("inf"), -float("inf")
+    cos, sin = torch.randn(batch, 1, seq, 64, generator=G), torch.randn(batch, 1, seq, 64, generator=G)
+    cos[0, 0, 2, 1] = float("inf")
+    refs = [x * cos + _rotate_half(x) * sin for x in (q, k)]
+    out = (torch.empty(batch, 12, seq, 64), torch.empty(batch, 4, seq, 64))
+    got = apply_rotary_pos_emb(q, k, cos, sin, out=out)
+    assert got[0] is out[0] and got[1] is out[1]
+    for y, ref in zip(got, refs):
+        assert torch.equal(y.view(torch.int32), ref.view(torch.int32))
+    few = (cos[0], sin[0]) if batch == 1 else (cos, sin)            # 3-D cos/sin at batch 1
+    again = apply_rotary_pos_emb(q, k, *few)                        # fresh outputs
+    assert all(torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(again, refs))
+    assert again[0] is not got[0]
+    heads = torch.randn(batch, 12, seq, 64, generator=G)           # cos varying per head: alone
+    assert torch.equal(rotary_mul(q, heads, sin).view(torch.int32),
+                       (q * heads + _rotate_half(q) * sin).view(torch.int32))
+    strided = torch.randn(batch, 1, seq, 128, generator=G)[..., ::2]   # not unit-stride: the
+    assert torch.equal(rotary_mul(q, strided, sin).view(torch.int32),  # strided rows instead
+                       (q * strided + _rotate_half(q) * sin).view(torch.int32))
+
+
 @pytest.mark.parametrize("args,match", [
     (lambda x, c: (x[0], c, c), r"\[B, N, S, D\]"),
     (lambda x, c: (x[..., :15], c[..., :15], c[..., :15]), "D even"),

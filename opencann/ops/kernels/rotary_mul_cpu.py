@@ -10,7 +10,12 @@ linear's output), cos and sin broadcastable to x along its leading dims (``[B, 1
 D]`` as transformers makes them; read at index 0 along a dim of size 1, no expanded
 copy: an expanded NumPy view costs more than the kernel at decode sizes), y [B, N, S, D] contiguous; float32, D even.
 Rows (b, n, s) split over the cores with ``prange`` above ATen's grain
-(`numba_cache.launch`), on the calling thread below it.
+(`numba_cache.launch`), on the calling thread below it. Above the grain, where x, cos and
+sin have a unit stride along D (the usual case: heads viewed out of a linear's output),
+each row runs as unit-stride 1-D loops over flat views of the tensors (`_row_flat`) that
+LLVM vectorises, and a query and key pair share one parallel loop: a 512-token prefill of
+a 12/4-head, D = 64 layer 820 -> 293 us on 2 threads (two strided calls before,
+same-process A/B).
 
 Numerics: no fast-math, so each product and the sum round as eager's separate ``mul``,
 ``mul`` and ``add`` (no fused multiply-add): y is eager's bit for bit, NaN and inf
@@ -59,6 +64,39 @@ def _parallel(x, c, s, y):  # pragma: no cover - numba
         _row(x, c, s, y, t)
 
 
+@njit(cache=True, inline="always")
+def _row_flat(x, xs, c, cs, s, ss, y, t, N, S, h):  # pragma: no cover - numba
+    """Row t of the [B·N·S, D] rows of a head-dim-contiguous x: ``x``, ``c``, ``s``
+    are flat 1-D views of their tensors' spans and ``xs``, ``cs``, ``ss`` their (b, n,
+    i) strides in elements (0 along a broadcast dim); ``y`` is the contiguous [B·N·S·D]
+    result. Unit-stride 1-D loops: LLVM vectorises them (no fast-math: each product and
+    the sum still round alone, eager's bits)."""
+    b = t // (N * S)
+    n = (t // S) % N
+    i = t % S
+    xo = b * xs[0] + n * xs[1] + i * xs[2]
+    co = b * cs[0] + n * cs[1] + i * cs[2]
+    so = b * ss[0] + n * ss[1] + i * ss[2]
+    yo = t * 2 * h
+    # slices indexed by the loop counter: no negative-index wraparound test per access
+    xa, xb, ca, cb = x[xo:xo + h], x[xo + h:xo + 2 * h], c[co:co + h], c[co + h:co + 2 * h]
+    sa, sb, ya, yb = s[so:so + h], s[so + h:so + 2 * h], y[yo:yo + h], y[yo + h:yo + 2 * h]
+    for d in range(h):
+        ya[d] = xa[d] * ca[d] + (-xb[d]) * sa[d]
+    for d in range(h):
+        yb[d] = xb[d] * cb[d] + xa[d] * sb[d]
+
+
+@njit(parallel=True, cache=True)
+def _parallel_pair_flat(xq, qs, Nq, yq, xk, ks, Nk, yk, c, cs, s, ss, S, rq, rk, h):  # pragma: no cover
+    """`_row_flat` over the rq query rows then the rk key rows, one parallel loop."""
+    for t in prange(rq + rk):
+        if t < rq:
+            _row_flat(xq, qs, c, cs, s, ss, yq, t, Nq, S, h)
+        else:
+            _row_flat(xk, ks, c, cs, s, ss, yk, t - rq, Nk, S, h)
+
+
 @njit(cache=True)
 def _serial_pair(xq, xk, c, s, yq, yk):  # pragma: no cover - numba
     """`_serial` on the query and on the key, one call."""
@@ -89,7 +127,9 @@ def rotary_mul(x: torch.Tensor, r1: torch.Tensor, r2: torch.Tensor, out=None) ->
     c, s = (_as4(r, x.shape) for r in (r1, r2))
     y = out if out is not None and out.is_contiguous() else torch.empty(x.shape)
     rows = x.shape[0] * x.shape[1] * x.shape[2]
-    if rows and x.shape[3]:
+    if rows * x.shape[3] >= GRAIN and _pair_flat(x, None, r1, r2, y, None):
+        pass   # head-dim-contiguous: the vectorised rows
+    elif rows and x.shape[3]:
         args = (x.detach().numpy(), c, s, y.numpy())
         if rows * x.shape[3] < GRAIN:
             _serial(*args)
@@ -99,6 +139,47 @@ def rotary_mul(x: torch.Tensor, r1: torch.Tensor, r2: torch.Tensor, out=None) ->
     if out is not None and y is not out:
         return out.copy_(y)
     return y
+
+
+def _flat(t: torch.Tensor) -> "np.ndarray":
+    """A 1-D NumPy view of the span of memory ``t`` (non-empty, last stride 1) covers,
+    from its first element to its last."""
+    span = 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride()))
+    return torch.as_strided(t.detach(), (span,), (1,), t.storage_offset()).numpy()
+
+
+def _row_strides(t: torch.Tensor) -> "np.ndarray":
+    """The (b, n, i) strides of a 4-D ``t`` in elements, 0 along a dim of size 1."""
+    return np.array([st if n > 1 else 0 for n, st in zip(t.shape[:3], t.stride()[:3])], np.int64)
+
+
+def _pair_flat(q, k, r1, r2, oq, ok) -> bool:
+    """`_parallel_pair_flat` of ``q`` and ``k`` (None: q alone) into the contiguous ``oq``,
+    ``ok`` when both are 4-D float32 [B, N, S, D] with a unit last stride and the float32
+    cos ``r1`` / sin ``r2`` broadcast to them along the leading dims with a unit last
+    stride (along the heads only when q is alone or q and k have as many heads); False,
+    nothing written, otherwise."""
+    xs = (q,) if k is None else (q, k)
+    if not (all(x.dim() == 4 and x.numel() and x.stride(3) == 1 and x.dtype == torch.float32 for x in xs)
+            and q.shape[3] % 2 == 0 and r1.dtype == r2.dtype == torch.float32
+            and all(x.shape[0] == q.shape[0] and x.shape[2:] == q.shape[2:] for x in xs)):
+        return False
+    cs = []
+    for r in (r1, r2):
+        r4 = r.reshape((1,) * (4 - r.dim()) + tuple(r.shape)) if r.dim() < 4 else r
+        if r4.dim() != 4 or r4.stride(3) != 1 \
+                or any(m not in (1, n) for x in xs for m, n in zip(r4.shape, x.shape)):
+            return False
+        cs.append(r4)
+    B, Nq, S, D = q.shape
+    kk, ko = (q, oq) if k is None else (k, ok)
+    rq, rk = B * Nq * S, (0 if k is None else B * k.shape[1] * S)
+    with launch((rq + rk) * D):
+        _parallel_pair_flat(_flat(q), _row_strides(q), Nq, oq.view(-1).numpy(),
+                            _flat(kk), _row_strides(kk), kk.shape[1], ko.view(-1).numpy(),
+                            _flat(cs[0]), _row_strides(cs[0]), _flat(cs[1]), _row_strides(cs[1]),
+                            S, rq, rk, D // 2)
+    return True
 
 
 def apply_rotary_pos_emb(q: torch.Tensor, k: torch.Tensor, r1: torch.Tensor, r2: torch.Tensor,
@@ -117,6 +198,12 @@ def apply_rotary_pos_emb(q: torch.Tensor, k: torch.Tensor, r1: torch.Tensor, r2:
         c, s = _as4(r1, q.shape), _as4(r2, q.shape)
         fast = c.shape[1] == 1 and s.shape[1] == 1
     if not fast:
+        if q.numel() + k.numel() >= GRAIN and q.dim() == 4 and k.dim() == 4:
+            yq = oq if oq is not None and oq.is_contiguous() else torch.empty(q.shape)
+            yk = ok if ok is not None and ok.is_contiguous() else torch.empty(k.shape)
+            if _pair_flat(q, k, r1, r2, yq, yk):   # a prefill: both in one parallel loop
+                return (yq if oq is None or yq is oq else oq.copy_(yq),
+                        yk if ok is None or yk is ok else ok.copy_(yk))
         return rotary_mul(q, r1, r2, out=oq), rotary_mul(k, r1, r2, out=ok)
     yq = oq if oq is not None else torch.empty(q.shape)
     yk = ok if ok is not None else torch.empty(k.shape)
