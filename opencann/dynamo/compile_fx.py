@@ -13,6 +13,7 @@ from ..report import CompileReport
 from ..frontend.torch import from_fx_graph
 from ..ir.symbolic import SymExpr, bind
 from ..runtime import Executor, ExecutorPool
+from .shape_churn import ShapeChurn
 
 COMPILED_GRAPHS: List[Any] = []  # reports of the graphs compiled in this process
 
@@ -33,6 +34,13 @@ def aot_input_mutations(n_placeholders: int, idx: List[int]) -> tuple:
     return tuple(idx.index(i) for i in muts) if all(i in idx for i in muts) else ()
 
 
+def _compile_id() -> str:
+    """The dynamo compile id ("0/1") of the compile in progress, "?" outside one."""
+    from torch._guards import CompileContext
+    cid = CompileContext.current_compile_id()
+    return str(cid) if cid is not None else "?"
+
+
 def compile_fx(gm: torch.fx.GraphModule, example_inputs, options: Optional[Dict[str, Any]] = None,
                constants: Optional[Dict[int, torch.Tensor]] = None):
     """Compile one ATen-level FX graph (from AOTAutograd: an inference graph, or one half
@@ -43,7 +51,8 @@ def compile_fx(gm: torch.fx.GraphModule, example_inputs, options: Optional[Dict[
     get their own arena, up to the ``concurrent_calls`` option. ``constants``:
     placeholder position -> real tensor made a graph constant (frozen weights,
     `opencann.dynamo.freezing`); ``run`` is still called with every argument and ignores
-    those positions."""
+    those positions. A graph with symbolic shapes whose every call is a new shape runs
+    its FX graph eagerly after ``plan_cache_size`` such calls (`ShapeChurn`)."""
     constants = constants or {}
     holders = gm.graph.find_nodes(op="placeholder")
     graph = from_fx_graph(gm, example_inputs, name=f"dynamo_graph_{len(COMPILED_GRAPHS)}",
@@ -51,9 +60,12 @@ def compile_fx(gm: torch.fx.GraphModule, example_inputs, options: Optional[Dict[
     vals = [None if i in constants else n.meta.get("val") for i, n in enumerate(holders)]
     idx = [i for i, v in enumerate(vals) if isinstance(v, torch.Tensor)]
     graph.signature = graph.signature.replace(input_mutations=aot_input_mutations(len(holders), idx))
+    churn = None
     if any(not v.desc.is_static for v in graph.inputs):   # dynamo's symbolic shapes
         report = CompileReport(model=graph.name)
-        execute = compile_symbolic_fx(graph, vals, check_options(options), report)
+        options = check_options(options)
+        execute = compile_symbolic_fx(graph, vals, options, report)
+        churn = ShapeChurn(graph.name, option(options, "plan_cache_size"), _compile_id())
     else:
         graph, plan, report = compile_graph(graph, "cpu", options)
         pool = ExecutorPool(lambda: Executor(graph, plan,
@@ -71,7 +83,14 @@ def compile_fx(gm: torch.fx.GraphModule, example_inputs, options: Optional[Dict[
     def run(*args):
         if len(args) == 1 and isinstance(args[0], list) and len(idx) != 1:
             args = tuple(args[0])
-        outs = execute(args)
+        if churn is not None:
+            if churn.eager:   # every call was a new shape: eager's kernels, no plan per call
+                return list(gm(*args))
+            built = execute.plans.misses
+            outs = execute(args)
+            churn.after(execute.plans.misses > built)
+        else:
+            outs = execute(args)
         it = iter(outs)
         if sym_lits:   # sizes a training forward saves for its backward, bound per call
             values, memo = execute.values(args), {}

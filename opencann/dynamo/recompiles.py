@@ -180,10 +180,11 @@ def _read_reason(frame: Optional[types.CodeType], code: Optional[types.CodeType]
     c.source = _fmt(owner) if owner else None
 
 
-def note_eager(c: Optional[Compile], graph: str, reason: str) -> None:
-    """Count one graph run eagerly (``reason``: why it is not compiled)."""
+def note_eager(c: Optional[Compile], graph: str, reason: str, compile_id: str = "?") -> None:
+    """Count one graph run eagerly (``reason``: why it is not compiled; ``compile_id``
+    names the compile when ``c`` is None, e.g. a graph that turned eager at run time)."""
     with _lock:
-        EAGER_FALLBACKS.append({"graph": graph, "compile_id": c.compile_id if c else "?",
+        EAGER_FALLBACKS.append({"graph": graph, "compile_id": c.compile_id if c else compile_id,
                                 "reason": reason})
         if c is not None:
             c.eager.append(reason)

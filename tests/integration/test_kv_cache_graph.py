@@ -11,6 +11,7 @@ the cache as one clear line, and the same layer through ``torch.compile``. Then
 transformers' caches on the generic paths: a decode step with a ``DynamicCache``, whose
 grown cache is one clear line, and ``torch.compile`` under ``generate`` (dynamic and
 static cache) giving eager's tokens."""
+import logging
 import os
 
 import pytest
@@ -303,6 +304,40 @@ def test_torch_compile_under_generate_gives_eagers_tokens(cache_implementation):
     try:
         assert torch.equal(model.generate(ids, **kw), want)
         assert torch.equal(model.generate(ids, **kw), want)   # a second generation
+    finally:
+        del model.forward
+        torch._dynamo.reset()
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+def test_torch_compile_with_a_growing_cache_stops_planning_a_shape_per_token(caplog):
+    """Under a DynamicCache the decode graph sees a new KV length every token: after
+    ``plan_cache_size`` calls that each built a plan it runs eagerly (counted with its
+    reason, said once), so no plan is built per token after that, and the tokens stay
+    eager's, in this generation and the next."""
+    from opencann.dynamo import eager_fallbacks
+    from opencann.dynamo.compile_fx import COMPILED_GRAPHS
+    model = _llama()
+    ids = torch.randint(0, 100, (1, 5), generator=torch.Generator().manual_seed(4))
+    kw = dict(max_new_tokens=14, do_sample=False, pad_token_id=0)
+    want = model.generate(ids, **kw)
+    torch._dynamo.reset()
+    before, n0 = len(eager_fallbacks()), len(COMPILED_GRAPHS)
+    model.forward = torch.compile(model.forward, backend="opencann",
+                                  options={"plan_cache_size": 3})
+    try:
+        with caplog.at_level(logging.WARNING, logger="opencann"):
+            assert torch.equal(model.generate(ids, **kw), want)
+            symbolic = [r for r in COMPILED_GRAPHS[n0:] if r.dynamic.get("plan_counts")]
+            assert symbolic, "no graph was planned per shape"
+            built = [r.dynamic["plan_counts"]["built"] for r in symbolic]
+            assert max(built) <= 3 + 1      # 3 new shapes in a row, then eager (+ the prefill's)
+            assert torch.equal(model.generate(ids, **kw), want)     # a second generation
+        assert [r.dynamic["plan_counts"]["built"] for r in symbolic] == built   # none since
+        churned = [m for m in caplog.messages if "runs eagerly from now on" in m]
+        assert len(churned) == 1 and "opencann.llm.compile" in churned[0]
+        rows = eager_fallbacks()
+        assert len(rows) == before + 1 and "new input shape" in rows[-1]["reason"]
     finally:
         del model.forward
         torch._dynamo.reset()
