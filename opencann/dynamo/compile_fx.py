@@ -13,6 +13,7 @@ from ..report import CompileReport
 from ..frontend.torch import from_fx_graph
 from ..ir.symbolic import SymExpr, bind
 from ..runtime import Executor, ExecutorPool
+from .recompiles import compile_in_progress
 from .shape_churn import ShapeChurn
 
 COMPILED_GRAPHS: List[Any] = []  # reports of the graphs compiled in this process
@@ -32,13 +33,6 @@ def aot_input_mutations(n_placeholders: int, idx: List[int]) -> tuple:
         return ()
     muts = list(meta.mutated_inp_runtime_indices)
     return tuple(idx.index(i) for i in muts) if all(i in idx for i in muts) else ()
-
-
-def _compile_id() -> str:
-    """The dynamo compile id ("0/1") of the compile in progress, "?" outside one."""
-    from torch._guards import CompileContext
-    cid = CompileContext.current_compile_id()
-    return str(cid) if cid is not None else "?"
 
 
 def compile_fx(gm: torch.fx.GraphModule, example_inputs, options: Optional[Dict[str, Any]] = None,
@@ -65,7 +59,7 @@ def compile_fx(gm: torch.fx.GraphModule, example_inputs, options: Optional[Dict[
         report = CompileReport(model=graph.name)
         options = check_options(options)
         execute = compile_symbolic_fx(graph, vals, options, report)
-        churn = ShapeChurn(graph.name, option(options, "plan_cache_size"), _compile_id())
+        churn = ShapeChurn(graph.name, option(options, "plan_cache_size"), compile_in_progress())
     else:
         graph, plan, report = compile_graph(graph, "cpu", options)
         pool = ExecutorPool(lambda: Executor(graph, plan,

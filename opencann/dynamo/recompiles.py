@@ -180,11 +180,20 @@ def _read_reason(frame: Optional[types.CodeType], code: Optional[types.CodeType]
     c.source = _fmt(owner) if owner else None
 
 
-def note_eager(c: Optional[Compile], graph: str, reason: str, compile_id: str = "?") -> None:
-    """Count one graph run eagerly (``reason``: why it is not compiled; ``compile_id``
-    names the compile when ``c`` is None, e.g. a graph that turned eager at run time)."""
+def compile_in_progress() -> Optional[Compile]:
+    """The `Compile` recorded for the dynamo compile in progress (`note_compile`), None
+    outside one or when it was not recorded."""
+    _, code, _, ctx = _current()
     with _lock:
-        EAGER_FALLBACKS.append({"graph": graph, "compile_id": c.compile_id if c else compile_id,
+        rec = RECORDS.get(code) if code is not None else None
+        last = rec.compiles[-1] if rec is not None and rec.compiles else None
+    return last if last is not None and ctx is not None and last._ctx() is ctx else None
+
+
+def note_eager(c: Optional[Compile], graph: str, reason: str) -> None:
+    """Count one graph run eagerly (``reason``: why it is not compiled)."""
+    with _lock:
+        EAGER_FALLBACKS.append({"graph": graph, "compile_id": c.compile_id if c else "?",
                                 "reason": reason})
         if c is not None:
             c.eager.append(reason)

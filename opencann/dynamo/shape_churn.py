@@ -22,18 +22,21 @@ recompiled at every token.
 from __future__ import annotations
 
 import threading
+from typing import Optional
 
 from ..log import logger
+from .recompiles import Compile, note_eager
 
 
 class ShapeChurn:
     """Counts consecutive plan-building calls of one symbolic graph (``graph``: its name,
     for the message). `after` (built) is told whether a call built a new plan; once
     ``limit`` (a positive int) calls in a row did, `eager` turns True for good and the
-    switch is logged and counted (`note_eager`) with the reason in `reason`."""
+    switch is logged and counted (`note_eager`, under ``compile``: the dynamo compile that
+    made the graph, None when unknown) with the reason in `reason`."""
 
-    def __init__(self, graph: str, limit: int, compile_id: str = "?"):
-        self.graph, self.limit, self.compile_id = graph, max(int(limit), 1), compile_id
+    def __init__(self, graph: str, limit: int, compile: Optional[Compile] = None):
+        self.graph, self.limit, self.compile = graph, max(int(limit), 1), compile
         self.eager = False
         self.reason = ""
         self._run = 0
@@ -51,8 +54,7 @@ class ShapeChurn:
             self.reason = (f"a new input shape on each of its last {self.limit} calls (a dim "
                            "that grows every call, e.g. a DynamicCache's KV length): planning "
                            "each shape cost more than the call")
-        from .recompiles import note_eager
-        note_eager(None, self.graph, self.reason, compile_id=self.compile_id)
+        note_eager(self.compile, self.graph, self.reason)
         logger.warning("opencann: %s saw %s, so it runs eagerly from now on; for LLM decoding "
                        "use opencann.llm.compile, or a static cache (generate(..., "
                        "cache_implementation=\"static\")) so the shapes stop changing",

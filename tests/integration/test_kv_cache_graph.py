@@ -338,6 +338,7 @@ def test_torch_compile_with_a_growing_cache_stops_planning_a_shape_per_token(cap
         assert len(churned) == 1 and "opencann.llm.compile" in churned[0]
         rows = eager_fallbacks()
         assert len(rows) == before + 1 and "new input shape" in rows[-1]["reason"]
+        assert opencann.dynamo.recompiles(model.forward)["eager_fallbacks"] == 1
     finally:
         del model.forward
         torch._dynamo.reset()

@@ -1,6 +1,7 @@
 """`ShapeChurn`: a symbolic torch.compile graph turns eager only after ``limit`` calls in a
 row that each built a plan; a call served by a cached plan starts the count again."""
 from opencann.dynamo import eager_fallbacks
+from opencann.dynamo.recompiles import Compile
 from opencann.dynamo.shape_churn import ShapeChurn
 
 
@@ -14,7 +15,7 @@ def test_a_repeated_shape_resets_the_count():
 
 def test_limit_new_shapes_in_a_row_turn_it_eager_once():
     n0 = len(eager_fallbacks())
-    c = ShapeChurn("g_churn", limit=3, compile_id="7/2")
+    c = ShapeChurn("g_churn", limit=3, compile=Compile("7/2", 1))
     c.after(True)
     c.after(True)
     assert not c.eager
@@ -25,3 +26,4 @@ def test_limit_new_shapes_in_a_row_turn_it_eager_once():
     assert c.eager
     rows = eager_fallbacks()[n0:]
     assert rows == [{"graph": "g_churn", "compile_id": "7/2", "reason": c.reason}]
+    assert c.compile.eager == [c.reason]    # counted on its compile too
