@@ -43,7 +43,7 @@ FAST_INTEGRATION := tests/integration/test_api_misuse.py tests/integration/test_
 	tests/integration/test_model_file.py tests/integration/test_acl.py
 
 test: $(STAMP)
-	$(PYTEST) tests $(XDIST) -m "not serial and not onnx_full and not full"
+	$(PYTEST) tests $(XDIST) -m "not serial and not onnx_full and not full" --durations=25
 	$(PYTEST) tests -m "serial and not onnx_full and not full"
 
 test-fast: $(STAMP)
