@@ -556,3 +556,47 @@ def test_compiled_block_matches_eager_with_both_fusions():
     for keep, got in kept:                       # later calls left earlier results alone
         for a, b in zip(keep, got):
             assert torch.equal(a.nan_to_num(0.0), b.nan_to_num(0.0))
+
+
+@pytest.mark.parametrize("path", ["one", "parts"])
+def test_rope_decode_kernel_at_batch_8_mixed_lengths_against_eager(path, monkeypatch):
+    """A 125M Llama's decode step at batch 8 (12 query / 4 KV heads, D 64) with mixed live
+    lengths 0, 1, short and the whole cache, against eager: RoPE (x·cos + rotate_half(x)
+    ·sin), the cache rows written by indexing, SDPA over the repeated KV heads with a
+    length mask (zeros for the length-0 row). NaN past every row's length is never read;
+    the caches are eager's bits; a second call gives the same bits."""
+    _force_path(monkeypatch, path)
+    B, Hq, Hkv, D, S = 8, 12, 4, 64, 48
+    lens = torch.tensor([0, 1, 40, 7, 48, 2, 33, 1])
+    pos = (lens - 1).clamp(min=0)                          # the new row's position
+    merged = torch.randn(B, 1, (Hq + 2 * Hkv) * D, generator=G)
+    q = merged[..., :Hq * D].view(B, 1, Hq, D).transpose(1, 2)
+    kn = merged[..., Hq * D:(Hq + Hkv) * D].view(B, 1, Hkv, D).transpose(1, 2)
+    vn = merged[..., (Hq + Hkv) * D:].view(B, 1, Hkv, D).transpose(1, 2)
+    cos, sin = torch.randn(B, 1, 1, D, generator=G), torch.randn(B, 1, 1, D, generator=G)
+    kc, vc = torch.randn(B, Hkv, S, D, generator=G), torch.randn(B, Hkv, S, D, generator=G)
+    for b, n in enumerate(lens.tolist()):
+        kc[b, :, n:], vc[b, :, n:] = float("nan"), float("nan")   # never read
+    qr, kr = q * cos + _rotate_half(q) * sin, kn * cos + _rotate_half(kn) * sin
+    ke, ve = kc.clone(), vc.clone()
+    for b, p in enumerate(pos.tolist()):
+        ke[b, :, p], ve[b, :, p] = kr[b, :, 0], vn[b, :, 0]
+    keep = torch.arange(S)[None, :] < lens[:, None]
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        qr, ke.nan_to_num(0.0).repeat_interleave(3, 1), ve.nan_to_num(0.0).repeat_interleave(3, 1),
+        attn_mask=keep[:, None, None, :], scale=0.125)
+    ref[0] = 0.0                                            # length 0: zeros
+    descs = [d(B, Hq, 1, D), d(B, Hkv, S, D), d(B, Hkv, S, D), d(B, Hkv, 1, D), d(B, Hkv, 1, D),
+             d(B, dtype=DataType.INT64), d(B, dtype=DataType.INT64), d(B, 1, 1, D), d(B, 1, 1, D)]
+    bound = bind_decode_attention_update(*descs[:7], 0.125, *descs[7:])
+    out = torch.empty(B, Hq, 1, D)
+    first = None
+    for _ in range(2):
+        k2, v2 = kc.clone(), vc.clone()
+        got = bound(q, k2, v2, kn, vn, pos, lens, cos, sin, out=out)[0]
+        assert torch.equal(k2.nan_to_num(7.0), ke.nan_to_num(7.0))
+        assert torch.equal(v2.nan_to_num(7.0), ve.nan_to_num(7.0))
+        assert torch.isfinite(got).all() and torch.equal(got[0], torch.zeros(Hq, 1, D))
+        assert ((got - ref).abs() <= 1e-5 + 1e-5 * ref.abs()).all()
+        first = got.clone() if first is None else first
+        assert torch.equal(got, first)
