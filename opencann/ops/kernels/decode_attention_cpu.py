@@ -61,6 +61,9 @@ MIN_CHUNK = 64  # keys per split-KV chunk at least (smaller chunks cost more mer
 #: few (b, kv head) groups runs them whole rather than splitting the keys (`_serial`,
 #: `_by_group_update`): no partials to merge (measured, see `decode_attention`)
 SERIAL_MAX = 1 << 17
+#: key (and value) rows of the next (b, kv head) group prefetched while a group computes
+#: (`_prefetch_group`): 64 rows of D = 64 are 32 KiB of K and V, within L1d's 48 KiB
+PREFETCH_ROWS = 64
 
 
 @njit(parallel=True, fastmath=_FM, cache=True)
@@ -192,13 +195,16 @@ def _prefetch_group(k, v, lengths, i, Hkv):  # pragma: no cover - numba
     next group's rows stream in while this group computes: a decode step's caches are
     cold (the layer's GEMMs streamed the weights through since), and one group's rows are
     a few short runs the hardware prefetcher meets too late (measured: 153 against 47 µs
-    a call at batch 8, length 40, cold against warm caches). No-op for i past the last."""
+    a call at batch 8, length 40, cold against warm caches; 123 cold with this). Only the
+    first `PREFETCH_ROWS` rows: a long run the hardware prefetcher follows by itself, and
+    prefetching all of it evicts the running group's rows (length 2048: 383 against 250 µs
+    at batch 1). No-op for i past the last."""
     if i >= k.shape[0] * Hkv:
         return
     b, h = i // Hkv, i % Hkv
     kk = k[b, h]
     vv = v[b, h]
-    for j in range(min(lengths[b], k.shape[2])):
+    for j in range(min(lengths[b], k.shape[2], PREFETCH_ROWS)):
         for d in range(0, k.shape[3], 16):
             prefetch(kk, j, d)
             prefetch(vv, j, d)
