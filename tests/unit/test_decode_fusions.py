@@ -266,13 +266,43 @@ def test_decode_attention_update_kernel_matches_the_three_ops():
         decode_attention_update(q, k2, v2, kn, vn, torch.tensor([40, 0]), lens, 0.3)
 
 
-@pytest.mark.parametrize("smax", [40, 4096])     # every call serial / groups in parallel
-def test_bound_decode_attention_update_is_the_unbound_kernel_and_checks_ranges(smax, monkeypatch):
-    """The kernel bound to static descriptions (checks made once, ranges in the kernel)
-    gives the unbound call's bits, writes nothing on a bad position or length (the same
-    one-line errors), and falls back to the general path where it must."""
+def _force_path(monkeypatch, path):
+    """"one": every call of the bound kernel in one part (the calling thread); "parts":
+    the (b, kv head) groups dealt over 2 parts (`_by_group_update`'s ``parts``), whatever
+    the live work and the host's load. Returns the module."""
     import opencann.ops.kernels.decode_attention_cpu as dac
     monkeypatch.setattr(dac, "torch_threads", lambda: 2)     # 6 groups: enough for 2 threads
+    monkeypatch.setattr(dac, "launch_threads", lambda work: 2 if path == "parts" else 1)
+    if path == "parts":
+        monkeypatch.setattr(dac, "SERIAL_MAX", -1)
+        monkeypatch.setattr(dac, "GRAIN", 0)
+    return dac
+
+
+def _spy(monkeypatch, dac, names):
+    """Wrap the kernels ``names`` of ``dac`` to record their calls: {name: [the last
+    argument of each call (``parts`` for the by-group kernels)]}."""
+    calls = {}
+    for n in names:
+        f = getattr(dac, n)
+
+        def wrapped(*a, _f=f, _n=n):
+            calls.setdefault(_n, []).append(a[-1])
+            return _f(*a)
+        monkeypatch.setattr(dac, n, wrapped)
+    return calls
+
+
+@pytest.mark.parametrize("smax", [40, 4096])
+@pytest.mark.parametrize("path", ["one", "parts"])
+def test_bound_decode_attention_update_is_the_unbound_kernel_and_checks_ranges(smax, path,
+                                                                              monkeypatch):
+    """The kernel bound to static descriptions (checks made once, ranges in the kernel)
+    gives the unbound call's bits on both paths (strided new rows, as the QKV GEMM's
+    views, take the fast path too), writes nothing on a bad position or length (the same
+    one-line errors), and falls back to the general path where it must."""
+    dac = _force_path(monkeypatch, path)
+    calls = _spy(monkeypatch, dac, ["_by_group_update"])  # before binding: bound there
     descs = [d(2, 6, 1, 16), d(2, 3, smax, 16), d(2, 3, smax, 16), d(2, 3, 1, 16),
              d(2, 3, 1, 16), d(2, dtype=DataType.INT64), d(2, dtype=DataType.INT64)]
     bound = bind_decode_attention_update(*descs, 0.3)
@@ -283,13 +313,17 @@ def test_bound_decode_attention_update_is_the_unbound_kernel_and_checks_ranges(s
     pos, lens = torch.tensor([9, 39]), torch.tensor([10, 40])
     k1, v1, k2, v2 = kc.clone(), vc.clone(), kc.clone(), vc.clone()
     ref = decode_attention_update(q, k1, v1, kn, vn, pos, lens, 0.3)[0]
+    kn = torch.empty(2, 3, 1, 32)[..., ::2].copy_(kn)   # strided, the same values
     out = torch.empty(2, 6, 1, 16)
+    calls.clear()                                        # the reference ran it too
     for _ in range(2):                                   # a second call: same bits
         got, kk, vv = bound(q, k2, v2, kn, vn, pos, lens, out=out)
         assert got is out and kk is k2 and vv is v2
         assert torch.equal(got.nan_to_num(7.0), ref.nan_to_num(7.0))
         assert torch.equal(torch.isnan(got), torch.isnan(ref)) and torch.isnan(got[1, 0]).all()
         assert torch.equal(k2.nan_to_num(7.0), k1.nan_to_num(7.0)) and torch.equal(v2, v1)
+    parts = 2 if path == "parts" else 1                  # the fast path, not the general one
+    assert calls == {"_by_group_update": [parts, parts]}
     for bad_pos, bad_len, match in (([smax, 0], [10, 40], f"positions {smax}..{smax}"),
                                     ([-1, 0], [10, 40], "positions"),
                                     ([9, 0], [smax + 1, 1], "lengths must lie in")):
@@ -299,9 +333,28 @@ def test_bound_decode_attention_update_is_the_unbound_kernel_and_checks_ranges(s
         assert torch.equal(k2.nan_to_num(7.0), before.nan_to_num(7.0))   # nothing written
     fresh = bound(q, k2, v2, kn, vn, pos, lens)[0]        # no out: the general path
     assert fresh is not out and torch.equal(fresh.nan_to_num(7.0), ref.nan_to_num(7.0))
+
+
+def test_bound_kernel_chooses_by_live_length_not_cache_size(monkeypatch):
+    """One (b, kv head) group and a long cache: a short live length runs serially in the
+    bound kernel, a long one splits the keys (the general path, FlashDecoding), both
+    equal to the unbound call; the choice is made per call from the lengths."""
+    import opencann.ops.kernels.decode_attention_cpu as dac
+    monkeypatch.setattr(dac, "torch_threads", lambda: 2)
     few = [d(1, 2, 1, 16), d(1, 1, 8192, 16), d(1, 1, 8192, 16), d(1, 1, 1, 16), d(1, 1, 1, 16),
            d(1, dtype=DataType.INT64), d(1, dtype=DataType.INT64)]
-    assert bind_decode_attention_update(*few, 0.3).__name__ == "general"   # one group: split keys
+    calls = _spy(monkeypatch, dac, ["_by_group_update", "_partials"])
+    bound = bind_decode_attention_update(*few, 0.3)
+    q, kn, vn = (torch.randn(*x.shape, generator=G) for x in (few[0], few[3], few[4]))
+    kc, vc = torch.randn(1, 1, 8192, 16, generator=G), torch.randn(1, 1, 8192, 16, generator=G)
+    for n, kernel in ((40, "_by_group_update"), (8000, "_partials")):
+        pos, lens = torch.tensor([n - 1]), torch.tensor([n])
+        k1, v1, k2, v2 = kc.clone(), vc.clone(), kc.clone(), vc.clone()
+        ref = decode_attention_update(q, k1, v1, kn, vn, pos, lens, 0.3)[0]
+        calls.clear()
+        got = bound(q, k2, v2, kn, vn, pos, lens, out=torch.empty(1, 2, 1, 16))[0]
+        assert list(calls) == [kernel] and len(calls[kernel]) == 1
+        assert torch.equal(got, ref) and torch.equal(k2, k1) and torch.equal(v2, v1)
 
 
 # -- fuse_decode_rope ------------------------------------------------------------------------
@@ -341,14 +394,16 @@ def test_fuse_decode_rope_does_not_apply_when_the_rotation_is_read_elsewhere():
     assert skipped(rep) == [("fuse_decode_rope", "rope's rotation is read by neg too")]
 
 
-@pytest.mark.parametrize("smax", [40, 4096])     # serial / groups in parallel
+@pytest.mark.parametrize("smax,path", [(40, "one"), (4096, "one"), (40, "parts")])
 @pytest.mark.parametrize("per_row", [False, True])   # cos/sin one for all rows, or per row
-def test_rope_decode_kernel_is_the_rotation_then_the_kernel_bit_for_bit(smax, per_row, monkeypatch):
+def test_rope_decode_kernel_is_the_rotation_then_the_kernel_bit_for_bit(smax, path, per_row,
+                                                                        monkeypatch):
     """The bound kernel with cos/sin gives apply_rotary_pos_emb + decode_attention_update's
-    bits (NaN/Inf in the query, the new key and the cache; strided q/k as the merged Q/K/V
-    GEMM's views; a second call) and its range errors write nothing."""
-    import opencann.ops.kernels.decode_attention_cpu as dac
-    monkeypatch.setattr(dac, "torch_threads", lambda: 2)
+    bits (NaN/Inf in the query, the new key and the cache; strided q/k/v as the merged
+    Q/K/V GEMM's views, on the fast path; a second call) in one part or dealt over two,
+    and its range errors write nothing."""
+    dac = _force_path(monkeypatch, path)
+    calls = _spy(monkeypatch, dac, ["_by_group_rope_update"])
     B, Hq, Hkv, D = 2, 6, 3, 16
     cs = (B if per_row else 1, 1, 1, D)
     descs = [d(B, Hq, 1, D), d(B, Hkv, smax, D), d(B, Hkv, smax, D), d(B, Hkv, 1, D),
@@ -358,7 +413,7 @@ def test_rope_decode_kernel_is_the_rotation_then_the_kernel_bit_for_bit(smax, pe
     merged = torch.randn(B, 1, (Hq + 2 * Hkv) * D, generator=G)      # one GEMM's output
     q = merged[..., :Hq * D].view(B, 1, Hq, D).transpose(1, 2)
     kn = merged[..., Hq * D:(Hq + Hkv) * D].view(B, 1, Hkv, D).transpose(1, 2)
-    vn = torch.randn(B, Hkv, 1, D, generator=G)
+    vn = merged[..., (Hq + Hkv) * D:].view(B, 1, Hkv, D).transpose(1, 2)
     q[1, 2, 0, 3], kn[0, 1, 0, 5], vn[1, 0, 0, 1] = float("nan"), float("inf"), float("-inf")
     cos, sin = torch.randn(*cs, generator=G), torch.randn(*cs, generator=G)
     kc, vc = torch.randn(B, Hkv, smax, D, generator=G), torch.randn(B, Hkv, smax, D, generator=G)
@@ -374,6 +429,8 @@ def test_rope_decode_kernel_is_the_rotation_then_the_kernel_bit_for_bit(smax, pe
         assert torch.equal(torch.isnan(got), torch.isnan(ref)) and torch.isnan(got).any()
         assert torch.equal(got.nan_to_num(7.0), ref.nan_to_num(7.0))
         assert torch.equal(k2.nan_to_num(7.0), k1.nan_to_num(7.0)) and torch.equal(v2, v1)
+    parts = 2 if path == "parts" else 1
+    assert calls == {"_by_group_rope_update": [parts, parts]}       # the fast path
     before = k2.clone()
     with pytest.raises(ValueError, match=f"positions {smax}..{smax}"):
         bound(q, k2, v2, kn, vn, torch.tensor([smax, 0]), lens, cos, sin, out=out)
@@ -528,3 +585,47 @@ def test_compiled_block_matches_eager_with_both_fusions():
     for keep, got in kept:                       # later calls left earlier results alone
         for a, b in zip(keep, got):
             assert torch.equal(a.nan_to_num(0.0), b.nan_to_num(0.0))
+
+
+@pytest.mark.parametrize("path", ["one", "parts"])
+def test_rope_decode_kernel_at_batch_8_mixed_lengths_against_eager(path, monkeypatch):
+    """A 125M Llama's decode step at batch 8 (12 query / 4 KV heads, D 64) with mixed live
+    lengths 0, 1, short and the whole cache, against eager: RoPE (x·cos + rotate_half(x)
+    ·sin), the cache rows written by indexing, SDPA over the repeated KV heads with a
+    length mask (zeros for the length-0 row). NaN past every row's length is never read;
+    the caches are eager's bits; a second call gives the same bits."""
+    _force_path(monkeypatch, path)
+    B, Hq, Hkv, D, S = 8, 12, 4, 64, 48
+    lens = torch.tensor([0, 1, 40, 7, 48, 2, 33, 1])
+    pos = (lens - 1).clamp(min=0)                          # the new row's position
+    merged = torch.randn(B, 1, (Hq + 2 * Hkv) * D, generator=G)
+    q = merged[..., :Hq * D].view(B, 1, Hq, D).transpose(1, 2)
+    kn = merged[..., Hq * D:(Hq + Hkv) * D].view(B, 1, Hkv, D).transpose(1, 2)
+    vn = merged[..., (Hq + Hkv) * D:].view(B, 1, Hkv, D).transpose(1, 2)
+    cos, sin = torch.randn(B, 1, 1, D, generator=G), torch.randn(B, 1, 1, D, generator=G)
+    kc, vc = torch.randn(B, Hkv, S, D, generator=G), torch.randn(B, Hkv, S, D, generator=G)
+    for b, n in enumerate(lens.tolist()):
+        kc[b, :, n:], vc[b, :, n:] = float("nan"), float("nan")   # never read
+    qr, kr = q * cos + _rotate_half(q) * sin, kn * cos + _rotate_half(kn) * sin
+    ke, ve = kc.clone(), vc.clone()
+    for b, p in enumerate(pos.tolist()):
+        ke[b, :, p], ve[b, :, p] = kr[b, :, 0], vn[b, :, 0]
+    keep = torch.arange(S)[None, :] < lens[:, None]
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        qr, ke.nan_to_num(0.0).repeat_interleave(3, 1), ve.nan_to_num(0.0).repeat_interleave(3, 1),
+        attn_mask=keep[:, None, None, :], scale=0.125)
+    ref[0] = 0.0                                            # length 0: zeros
+    descs = [d(B, Hq, 1, D), d(B, Hkv, S, D), d(B, Hkv, S, D), d(B, Hkv, 1, D), d(B, Hkv, 1, D),
+             d(B, dtype=DataType.INT64), d(B, dtype=DataType.INT64), d(B, 1, 1, D), d(B, 1, 1, D)]
+    bound = bind_decode_attention_update(*descs[:7], 0.125, *descs[7:])
+    out = torch.empty(B, Hq, 1, D)
+    first = None
+    for _ in range(2):
+        k2, v2 = kc.clone(), vc.clone()
+        got = bound(q, k2, v2, kn, vn, pos, lens, cos, sin, out=out)[0]
+        assert torch.equal(k2.nan_to_num(7.0), ke.nan_to_num(7.0))
+        assert torch.equal(v2.nan_to_num(7.0), ve.nan_to_num(7.0))
+        assert torch.isfinite(got).all() and torch.equal(got[0], torch.zeros(Hq, 1, D))
+        assert ((got - ref).abs() <= 1e-5 + 1e-5 * ref.abs()).all()
+        first = got.clone() if first is None else first
+        assert torch.equal(got, first)

@@ -24,14 +24,18 @@ transformers' ``repeat_kv`` orders the heads. Each work item (b, kv head, chunk)
 its chunk of K and V once for all the query heads of its group.
 
 At decode sizes (up to `SERIAL_MAX` K/V elements) the whole call is one serial kernel on
-the calling thread instead (`_serial`: the same arithmetic as one chunk and its merge);
-`decode_attention_update` also writes the step's new key and value rows into the caches
-first, in the same numba call (the ``DecodeAttentionKvUpdate`` op).
+the calling thread instead (`_serial`: one chunk's arithmetic and its merge).
+`decode_attention_update` (the ``DecodeAttentionKvUpdate`` op) also writes the step's new
+key and value rows into the caches first, in the same numba call, and runs whole (b, kv
+head) groups (`_by_group_update`: on the calling thread, or dealt over the threads when
+there are at least two groups per thread, a batch of decodes), splitting the keys only
+for a long call with few groups.
 
 Numerics: scores, softmax statistics and the output accumulate in fp32 (fastmath
 ``reassoc``/``contract`` only, so NaN/Inf propagate): a NaN or +Inf score in a live
 position makes the row's output NaN, as eager softmax does; a row with length 0 gives
-zeros (as SDPA with an all-False boolean mask row). Agrees with eager
+zeros (as SDPA with an all-False boolean mask row). ``exp`` is `numba_exp.exp_shifted`
+(vectorized, relative error < 3e-7 + 1e-7·|score - max|). Agrees with eager
 ``F.scaled_dot_product_attention`` to fp32 rounding (other summation order).
 """
 from __future__ import annotations
@@ -45,15 +49,21 @@ import torch
 from numba import prange
 
 from ...ir import TensorDesc
-from .kv_cache_update_cpu import _array, _scatter, check_update, kv_cache_update
+from .kv_cache_update_cpu import _array, check_update, kv_cache_update
 from .rotary_mul_cpu import apply_rotary_pos_emb
-from .numba_cache import launch, njit, torch_threads
+from .numba_cache import GRAIN, launch, launch_guard, launch_threads, njit, torch_threads
+from .numba_exp import exp_shifted
+from .numba_prefetch import prefetch
 
 _FM = {"reassoc", "contract"}
 MIN_CHUNK = 64  # keys per split-KV chunk at least (smaller chunks cost more merging than they save)
-#: K and V elements read (2·B·Hkv·max_len·D) up to which one call runs `_serial` on the
-#: calling thread: no OpenMP team, no partials to merge (measured, see `decode_attention`)
+#: K and V elements read (2·B·Hkv·max_len·D, by the live lengths) up to which a call with
+#: few (b, kv head) groups runs them whole rather than splitting the keys (`_serial`,
+#: `_by_group_update`): no partials to merge (measured, see `decode_attention`)
 SERIAL_MAX = 1 << 17
+#: key (and value) rows of the next (b, kv head) group prefetched while a group computes
+#: (`_prefetch_group`): 64 rows of D = 64 are 32 KiB of K and V, within L1d's 48 KiB
+PREFETCH_ROWS = 64
 
 
 @njit(parallel=True, fastmath=_FM, cache=True)
@@ -93,13 +103,8 @@ def _partials(q, k, v, lengths, scale, chunk, pm, pl, pacc):  # pragma: no cover
                     m = sc
                 elif sc != sc:      # NaN: keep it (the row's output becomes NaN)
                     m = sc
-            tot = np.float32(0.0)
-            for j in range(stop - start):
-                p = np.exp(s[g, j] - m)
-                s[g, j] = p
-                tot += p
             pm[b, hq, c] = m
-            pl[b, hq, c] = tot
+            pl[b, hq, c] = exp_shifted(s[g], stop - start, m)
         acc = np.zeros((G, D), np.float32)  # the chunk's P·V, one row per query head
         for j in range(start, stop):
             for g in range(G):
@@ -141,91 +146,134 @@ def _merge(lengths, chunk, pm, pl, pacc, out):  # pragma: no cover - numba
 
 
 @njit(fastmath=_FM, cache=True, inline="always")
-def _group(q, k, v, lengths, scale, out, b, h, s, acc, tots):  # pragma: no cover - numba
-    """Every query head of kv head ``h``'s group of row ``b`` over keys 0 .. lengths[b]-1:
-    softmax by its max, P·V into ``out`` divided by the sum (``s`` [G, S_max], ``acc``
-    [G, D], ``tots`` [G]: scratch). The same arithmetic as one chunk of `_partials`
-    followed by `_merge` (bit for bit)."""
-    Hq, D = q.shape[1], q.shape[3]
-    G = Hq // k.shape[1]
-    n = lengths[b]
+def _group(qg, k, v, n, scale, out, b, h, s, acc, st):  # pragma: no cover - numba
+    """Attention of the G query rows ``qg`` [G, D] (C-contiguous: kv head ``h``'s group of
+    row ``b``) over keys 0 .. n-1 of k[b, h] and v[b, h], into out[b, h·G + g, 0, :]; zeros
+    when n <= 0. Scores q·k·scale in fp32 into ``s`` [G, >= n] (each key row read once
+    for the group) with their max per head (a NaN kept: the row's output becomes NaN),
+    ``exp(s - max)`` vectorized (`exp_shifted`), P·V accumulated in ``acc`` [G, D] (each
+    value row read once for the group) and divided by the sum; ``st`` [G] scratch."""
+    G, D = qg.shape
     if n <= 0:
         for g in range(G):
             for d in range(D):
                 out[b, h * G + g, 0, d] = 0.0
         return
+    kk = k[b, h]
+    vv = v[b, h]
     for g in range(G):
-        hq = h * G + g
-        m = np.float32(-np.inf)
-        for j in range(n):
+        st[g] = -np.inf
+    for j in range(n):
+        for g in range(G):
             a = np.float32(0.0)
             for d in range(D):
-                a += q[b, hq, 0, d] * k[b, h, j, d]
+                a += qg[g, d] * kk[j, d]
             sc = a * scale
             s[g, j] = sc
-            if sc > m:
-                m = sc
+            if sc > st[g]:
+                st[g] = sc
             elif sc != sc:
-                m = sc
-        tot = np.float32(0.0)
-        for j in range(n):
-            p = np.exp(s[g, j] - m)
-            s[g, j] = p
-            tot += p
-        tots[g] = tot
+                st[g] = sc
+    for g in range(G):
+        st[g] = exp_shifted(s[g], n, st[g])    # the max becomes the sum of exp
         for d in range(D):
             acc[g, d] = 0.0
     for j in range(n):
         for g in range(G):
             p = s[g, j]
             for d in range(D):
-                acc[g, d] += p * v[b, h, j, d]
+                acc[g, d] += p * vv[j, d]
     for g in range(G):
         for d in range(D):
-            out[b, h * G + g, 0, d] = acc[g, d] / tots[g]
+            out[b, h * G + g, 0, d] = acc[g, d] / st[g]
 
 
-@njit(fastmath=_FM, cache=True)
-def _serial(q, k, v, lengths, scale, out):  # pragma: no cover - numba
-    """The whole attention on the calling thread (no OpenMP team, no scratch arrays, no
-    merge): `_group` for every (b, kv head)."""
-    B, Hq, D = q.shape[0], q.shape[1], q.shape[3]
-    Hkv = k.shape[1]
-    G = Hq // Hkv
-    s = np.empty((G, k.shape[2]), np.float32)
-    acc = np.empty((G, D), np.float32)
-    tots = np.empty(G, np.float32)
-    for b in range(B):
-        for h in range(Hkv):
-            _group(q, k, v, lengths, scale, out, b, h, s, acc, tots)
+@njit(cache=True, inline="always")
+def _prefetch_group(k, v, lengths, i, Hkv):  # pragma: no cover - numba
+    """Start loading group i's live key and value rows (k[b, h, :lengths[b]], v likewise;
+    b, h = divmod(i, Hkv)) into the caches, one `prefetch` per 64-byte line, so that the
+    next group's rows stream in while this group computes: a decode step's caches are
+    cold (the layer's GEMMs streamed the weights through since), and one group's rows are
+    a few short runs the hardware prefetcher meets too late (measured: 153 against 47 µs
+    a call at batch 8, length 40, cold against warm caches; 123 cold with this). Only the
+    first `PREFETCH_ROWS` rows: a long run the hardware prefetcher follows by itself, and
+    prefetching all of it evicts the running group's rows (length 2048: 383 against 250 µs
+    at batch 1). No-op for i past the last."""
+    if i >= k.shape[0] * Hkv:
+        return
+    b, h = i // Hkv, i % Hkv
+    kk = k[b, h]
+    vv = v[b, h]
+    for j in range(min(lengths[b], k.shape[2], PREFETCH_ROWS)):
+        for d in range(0, k.shape[3], 16):
+            prefetch(kk, j, d)
+            prefetch(vv, j, d)
 
 
-@njit(parallel=True, fastmath=_FM, cache=True)
-def _by_group_update(kb, vb, knb, vnb, positions, q, k, v, lengths, scale,
-                     out):  # pragma: no cover - numba
-    """`_serial_update_checked` with the (b, kv head) groups spread over the threads
-    (``prange``): each writes its own new key and value rows, then runs `_group` on them;
-    no split of the keys, no partials, no merge launch, as long as there are enough
-    groups to fill the threads (`decode_attention_update`). Returns 1 (nothing written)
-    for a position or length out of range, else 0."""
-    S, T = kb.shape[2], knb.shape[2]
-    B, Hkv, D = positions.shape[0], kb.shape[1], knb.shape[3]
-    for b in range(B):
+@njit(cache=True, inline="always")
+def _live_max(positions, lengths, S, T):  # pragma: no cover - numba
+    """The largest length, or -1 when a position p has p < 0 or p + T > S or a length lies
+    outside [0, S] (the range checks `decode_attention_update` makes in Python)."""
+    mx = 0
+    for b in range(positions.shape[0]):
         if positions[b] < 0 or positions[b] + T > S or lengths[b] < 0 or lengths[b] > S:
-            return 1
-    G = q.shape[1] // Hkv
-    for i in prange(B * Hkv):
+            return -1
+        mx = max(mx, lengths[b])
+    return mx
+
+
+@njit(fastmath=_FM, cache=True, inline="always")
+def _update_part(kb, vb, knb, vnb, positions, q, k, v, lengths, scale, out, w, parts,
+                 n_max):  # pragma: no cover - numba
+    """(b, kv head) groups w, w + parts, w + 2·parts, ... of the B·Hkv: each writes its new
+    key and value rows into the caches (``kb``/``vb``: the caches' memory as int32,
+    ``knb``/``vnb`` the new rows': `kv_cache_update_cpu`'s bit-exact scatter) at
+    positions[b], then `_group` over the updated caches ``k``/``v`` (float32 views of the
+    same memory) with its query rows copied into one contiguous scratch. Groups are
+    interleaved so that every part gets every batch row's share (mixed lengths balance);
+    scratch sized by ``n_max`` (the longest live length), allocated once per part."""
+    B, Hq, D = q.shape[0], q.shape[1], q.shape[3]
+    Hkv, T = k.shape[1], knb.shape[2]
+    G = Hq // Hkv
+    qg = np.empty((G, D), np.float32)
+    s = np.empty((G, max(n_max, 1)), np.float32)
+    acc = np.empty((G, D), np.float32)
+    st = np.empty(G, np.float32)
+    _prefetch_group(k, v, lengths, w, Hkv)
+    for i in range(w, B * Hkv, parts):
+        _prefetch_group(k, v, lengths, i + parts, Hkv)
         b, h = i // Hkv, i % Hkv
         p = positions[b]
         for t in range(T):
             for d in range(D):
                 kb[b, h, p + t, d] = knb[b, h, t, d]
                 vb[b, h, p + t, d] = vnb[b, h, t, d]
-        s = np.empty((G, S), np.float32)
-        acc = np.empty((G, D), np.float32)
-        tots = np.empty(G, np.float32)
-        _group(q, k, v, lengths, scale, out, b, h, s, acc, tots)
-    return 0
+        for g in range(G):
+            for d in range(D):
+                qg[g, d] = q[b, h * G + g, 0, d]
+        _group(qg, k, v, lengths[b], scale, out, b, h, s, acc, st)
+
+
+@njit(fastmath=_FM, cache=True)
+def _serial(q, k, v, lengths, scale, out):  # pragma: no cover - numba
+    """The whole attention on the calling thread (no OpenMP team, no split-KV partials, no
+    merge): `_group` for every (b, kv head), its query rows copied contiguous first."""
+    B, Hq, D = q.shape[0], q.shape[1], q.shape[3]
+    Hkv = k.shape[1]
+    G = Hq // Hkv
+    n_max = 1
+    for b in range(B):
+        n_max = max(n_max, lengths[b])
+    qg = np.empty((G, D), np.float32)
+    s = np.empty((G, n_max), np.float32)
+    acc = np.empty((G, D), np.float32)
+    st = np.empty(G, np.float32)
+    for b in range(B):
+        for h in range(Hkv):
+            for g in range(G):
+                for d in range(D):
+                    qg[g, d] = q[b, h * G + g, 0, d]
+            _group(qg, k, v, lengths[b], scale, out, b, h, s, acc, st)
 
 
 def _np(t: torch.Tensor) -> np.ndarray:
@@ -233,36 +281,33 @@ def _np(t: torch.Tensor) -> np.ndarray:
     return t.detach().numpy() if t.requires_grad else t.numpy()
 
 
-@njit(cache=True)
-def _serial_update(kb, vb, knb, vnb, positions, q, k, v, lengths, scale, out):  # pragma: no cover
-    """`kv_cache_update_cpu`'s bit-exact scatter of the new keys and values (``kb``/``vb``:
-    the caches' memory as int32, ``knb``/``vnb`` the new rows') at ``positions``, then
-    `_serial` on the updated caches ``k``/``v`` (float32 views of the same memory)."""
-    _scatter(kb, knb, positions)
-    _scatter(vb, vnb, positions)
-    _serial(q, k, v, lengths, scale, out)
-
-
-@njit(cache=True)
-def _serial_update_checked(kb, vb, knb, vnb, positions, q, k, v, lengths, scale,
-                           out):  # pragma: no cover - numba
-    """`_serial_update` when every position p has p + T <= S_max and every length lies in
-    [0, S_max] (returns 0), else nothing written or read (returns 1): the range checks
-    `decode_attention_update` makes in Python, in the kernel."""
-    S, T = kb.shape[2], knb.shape[2]
-    for b in range(positions.shape[0]):
-        if positions[b] < 0 or positions[b] + T > S or lengths[b] < 0 or lengths[b] > S:
-            return 1
-    _serial_update(kb, vb, knb, vnb, positions, q, k, v, lengths, scale, out)
+@njit(parallel=True, fastmath=_FM, cache=True)
+def _by_group_update(kb, vb, knb, vnb, positions, q, k, v, lengths, scale, out,
+                     parts):  # pragma: no cover - numba
+    """The scatter of the new key and value rows (``kb``/``vb``: the caches' memory as
+    int32, ``knb``/``vnb`` the new rows') at ``positions``, then the attention over the
+    updated caches ``k``/``v`` (float32 views of the same memory), the (b, kv head) groups
+    dealt over ``parts`` workers (``prange``; one per launched thread, or 1 on the calling
+    thread): each group whole (its rows written, then its attention: `_update_part`), no
+    split of the keys, no partials, no merge. The same bits for any ``parts``. Returns 1,
+    nothing written or read, when a position p has p < 0 or p + T > S_max or a length
+    lies outside [0, S_max] (the range checks `decode_attention_update` makes in Python),
+    else 0."""
+    n_max = _live_max(positions, lengths, k.shape[2], knb.shape[2])
+    if n_max < 0:
+        return 1
+    for w in prange(parts):
+        _update_part(kb, vb, knb, vnb, positions, q, k, v, lengths, scale, out, w, parts, n_max)
     return 0
 
 
-@njit(cache=True)
+@njit(cache=True, fastmath=False)
 def _rope_row(x, c, s, b, n, y, yb, yn, yi):  # pragma: no cover - numba
     """y[yb, yn, yi, :] = x[b, n, 0, :]·cos + rotate_half(x[b, n, 0, :])·sin (cos/sin [B or
     1, 1, 1, D]): `rotary_mul_cpu`'s arithmetic, compiled without fast-math (no fused
-    multiply-add), so eager's bits. Not inlined: the callers' fast-math flags must not
-    reach it."""
+    multiply-add), so eager's bits. Not inlined, and ``fastmath=False`` said explicitly:
+    numba hands a caller's fast-math flags to a callee that sets none (``contract`` would
+    fuse the multiply-add)."""
     D = x.shape[3]
     cb = b if c.shape[0] > 1 else 0
     sb = b if s.shape[0] > 1 else 0
@@ -273,58 +318,45 @@ def _rope_row(x, c, s, b, n, y, yb, yn, yi):  # pragma: no cover - numba
         y[yb, yn, yi, d] = x[b, n, 0, d] * c[cb, 0, 0, d] + x[b, n, 0, d - h] * s[sb, 0, 0, d]
 
 
-@njit(cache=True)
-def _rope_group(qraw, knew, vnb, vb, c, s, positions, k, qr, b, h):  # pragma: no cover - numba
-    """Group (b, kv head h) of a rotary decode step: the new key rotated into the key
-    cache at positions[b], the new value row's bits into the value cache, and the group's
-    query heads rotated into ``qr``."""
-    G = qraw.shape[1] // k.shape[1]
-    p = positions[b]
-    _rope_row(knew, c, s, b, h, k, b, h, p)
-    for d in range(vnb.shape[3]):
-        vb[b, h, p, d] = vnb[b, h, 0, d]
-    for g in range(G):
-        _rope_row(qraw, c, s, b, h * G + g, qr, b, h * G + g, 0)
-
-
-@njit(cache=True)
-def _serial_rope_update_checked(vb, vnb, positions, qraw, knew, c, s, k, v, lengths, scale,
-                                out):  # pragma: no cover - numba
-    """`_serial_update_checked` for a step whose query and new key are rotated first
-    (RoPE, `_rope_group`): nothing written and 1 returned for a position or length out of
-    range, else 0."""
-    S = k.shape[2]
-    B, Hkv = positions.shape[0], k.shape[1]
-    for b in range(B):
-        if positions[b] < 0 or positions[b] + 1 > S or lengths[b] < 0 or lengths[b] > S:
-            return 1
-    qr = np.empty(qraw.shape, np.float32)
-    for b in range(B):
-        for h in range(Hkv):
-            _rope_group(qraw, knew, vnb, vb, c, s, positions, k, qr, b, h)
-    _serial(qr, k, v, lengths, scale, out)
-    return 0
+@njit(fastmath=_FM, cache=True, inline="always")
+def _rope_update_part(vb, vnb, positions, qraw, knew, c, s, k, v, lengths, scale, out, w, parts,
+                      n_max):  # pragma: no cover - numba
+    """`_update_part` for a rotary step: group (b, kv head h) rotates its new key into the
+    key cache at positions[b] (`_rope_row`), writes the new value row's bits into the value
+    cache, rotates its query heads into the contiguous scratch, then runs `_group`."""
+    B, Hq, D = qraw.shape[0], qraw.shape[1], qraw.shape[3]
+    Hkv = k.shape[1]
+    G = Hq // Hkv
+    q4 = np.empty((1, G, 1, D), np.float32)     # `_rope_row`'s 4-D target ...
+    qg = q4.reshape((G, D))                     # ... and `_group`'s [G, D] view of it
+    sc = np.empty((G, max(n_max, 1)), np.float32)
+    acc = np.empty((G, D), np.float32)
+    st = np.empty(G, np.float32)
+    _prefetch_group(k, v, lengths, w, Hkv)
+    for i in range(w, B * Hkv, parts):
+        _prefetch_group(k, v, lengths, i + parts, Hkv)
+        b, h = i // Hkv, i % Hkv
+        p = positions[b]
+        _rope_row(knew, c, s, b, h, k, b, h, p)
+        for d in range(D):
+            vb[b, h, p, d] = vnb[b, h, 0, d]
+        for g in range(G):
+            _rope_row(qraw, c, s, b, h * G + g, q4, 0, g, 0)
+        _group(qg, k, v, lengths[b], scale, out, b, h, sc, acc, st)
 
 
 @njit(parallel=True, fastmath=_FM, cache=True)
-def _by_group_rope_update(vb, vnb, positions, qraw, knew, c, s, k, v, lengths, scale,
-                          out):  # pragma: no cover - numba
-    """`_by_group_update` for a rotary step (`_serial_rope_update_checked`'s work, the
-    (b, kv head) groups spread over the threads, each whole)."""
-    S = k.shape[2]
-    B, Hkv, D = positions.shape[0], k.shape[1], k.shape[3]
-    for b in range(B):
-        if positions[b] < 0 or positions[b] + 1 > S or lengths[b] < 0 or lengths[b] > S:
-            return 1
-    G = qraw.shape[1] // Hkv
-    qr = np.empty(qraw.shape, np.float32)
-    for i in prange(B * Hkv):
-        b, h = i // Hkv, i % Hkv
-        _rope_group(qraw, knew, vnb, vb, c, s, positions, k, qr, b, h)
-        sc = np.empty((G, S), np.float32)
-        acc = np.empty((G, D), np.float32)
-        tots = np.empty(G, np.float32)
-        _group(qr, k, v, lengths, scale, out, b, h, sc, acc, tots)
+def _by_group_rope_update(vb, vnb, positions, qraw, knew, c, s, k, v, lengths, scale, out,
+                          parts):  # pragma: no cover - numba
+    """`_by_group_update` for a step whose query and new key are rotated first (RoPE,
+    `_rope_update_part`): the (b, kv head) groups dealt over ``parts`` workers, each
+    whole; 1 returned and nothing written for a position or length out of range, else 0."""
+    n_max = _live_max(positions, lengths, k.shape[2], 1)
+    if n_max < 0:
+        return 1
+    for w in prange(parts):
+        _rope_update_part(vb, vnb, positions, qraw, knew, c, s, k, v, lengths, scale, out, w,
+                          parts, n_max)
     return 0
 
 
@@ -341,9 +373,9 @@ def _rope4(desc: TensorDesc, B: int, D: int) -> Optional[tuple]:
 
 
 def _bound_plan(descs: tuple, rope: tuple) -> Optional[tuple]:
-    """(kernel, launch work (0: serial), cos/sin 4-D shapes or None, D) of
+    """(kernel, cos/sin 4-D shapes or None, Hkv, D) of
     `bind_decode_attention_update` for the static descriptions ``descs`` (q, k, v, k_new,
-    v_new, positions, lengths) and ``rope`` ((cos, sin) or ()); None where a call must
+    v_new, positions, lengths) and ``rope`` ((cos, sin) or ()); None where every call must
     take the general path."""
     q, k, v, k_new, v_new, positions, lengths = descs
     shapes = [tuple(d.shape) for d in descs]
@@ -360,11 +392,7 @@ def _bound_plan(descs: tuple, rope: tuple) -> Optional[tuple]:
     r4 = tuple(_rope4(x, B, D) for x in rope) or None
     if rope and (None in r4 or D % 2):
         return None
-    if 2 * B * Hkv * S * D <= SERIAL_MAX:
-        return (_serial_rope_update_checked if rope else _serial_update_checked), 0, r4, D
-    if B * Hkv >= 2 * torch_threads():
-        return (_by_group_rope_update if rope else _by_group_update), 2 * B * Hkv * S * D, r4, D
-    return None    # few groups: split the keys (FlashDecoding), `decode_attention`
+    return (_by_group_rope_update if rope else _by_group_update), r4, Hkv, D
 
 
 def bind_decode_attention_update(q: TensorDesc, k: TensorDesc, v: TensorDesc, k_new: TensorDesc,
@@ -373,15 +401,15 @@ def bind_decode_attention_update(q: TensorDesc, k: TensorDesc, v: TensorDesc, k_
                                  sin: Optional[TensorDesc] = None) -> Callable:
     """``run(q, k, v, k_new, v_new, positions, lengths, out=None)``: `decode_attention_update`
     for a compiled graph whose operands have the static descriptions given. Where those
-    allow it (float32, int64 positions and lengths, one new row per sequence), the shape
-    and dtype checks are made once, here, and a call checks the positions and lengths
-    inside the kernel: the Python around the numba call is what a decode step's
-    attention costs (a 125M Llama's: 20 µs a call standalone, 6 in numba). Up to
-    `SERIAL_MAX` K/V elements at S_max every call is serial (`_serial_update_checked`);
-    above, with at least two (b, kv head) groups per thread (a batch of decodes), the
-    groups run in parallel, each whole (`_by_group_update`: one launch, no key split and
-    merge). Any other call, and one whose positions or lengths are out of range (its
-    one-line error), goes through `decode_attention_update`. Same results, bit for bit.
+    allow it (float32, int64 positions and lengths, one new row per sequence; any strides),
+    the shape and dtype checks are made once, here, and a call checks the positions and
+    lengths inside the kernel: the Python around the numba call is what a decode step's
+    attention costs at batch 1. Every call runs whole (b, kv head) groups
+    (`_by_group_update`) on as many threads as `numba_cache.launch_threads` gives for the
+    K/V elements its live lengths read (2·B·Hkv·max(lengths)·D), except a long call
+    (above `SERIAL_MAX`) with fewer than two groups per thread, and a call whose positions
+    or lengths are out of range (its one-line error): those go through
+    `decode_attention_update`. Same results, bit for bit, on any path and thread count.
 
     With ``cos`` and ``sin`` (a RoPE step, ``fuse_decode_rope``): ``run(q, k, v, k_new,
     v_new, positions, lengths, cos, sin, out=None)`` rotates the query and the new key
@@ -396,12 +424,15 @@ def bind_decode_attention_update(q: TensorDesc, k: TensorDesc, v: TensorDesc, k_
     plan = _bound_plan((q, k, v, k_new, v_new, positions, lengths), (cos, sin) if rope else ())
     if plan is None:
         return general
-    kernel, work, r4, D = plan
+    kernel, r4, Hkv, D = plan
+    B = int(q.shape[0])
     sc = np.float32(float(D) ** -0.5 if scale is None else float(scale))
 
     def run(qt, kt, vt, knt, vnt, pos, lens, *cs, out=None):
-        if out is None or not (out.is_contiguous() and knt.is_contiguous() and vnt.is_contiguous()
-                               and pos.is_contiguous() and lens.is_contiguous()):
+        if out is None or not out.is_contiguous():      # the kernels read any strides
+            return general(qt, kt, vt, knt, vnt, pos, lens, *cs, out=out)
+        work = 2 * B * Hkv * D * max(lens.tolist())      # K and V elements read
+        if not _by_group_fits(B * Hkv, work):            # few groups: split the keys
             return general(qt, kt, vt, knt, vnt, pos, lens, *cs, out=out)
         if rope:
             args = (_array(vt), _array(vnt), _np(pos), _np(qt), _np(knt),
@@ -410,15 +441,37 @@ def bind_decode_attention_update(q: TensorDesc, k: TensorDesc, v: TensorDesc, k_
         else:
             args = (_array(kt), _array(vt), _array(knt), _array(vnt), _np(pos), _np(qt),
                     _np(kt), _np(vt), _np(lens), sc, out.numpy())
-        if work:
-            with launch(work):
-                bad = kernel(*args)
-        else:
-            bad = kernel(*args)
+        parts = launch_threads(work) if work >= GRAIN else 1
+        with _threads(parts):
+            bad = kernel(*args, parts)
         if bad:   # raises its one-line error
             return general(qt, kt, vt, knt, vnt, pos, lens, *cs, out=out)
         return out, kt, vt
     return run
+
+
+_GUARD: list = []
+
+
+def _threads(n: int):
+    """`numba_cache.launch` for a thread count already chosen (`launch_threads`): numba's
+    count for the calling thread set to ``n`` (capped at its pool), and `launch_guard`'s
+    context, asked once (the threading layer does not change once started): the decode
+    step's Python, ~2 µs less than `launch` at batch 1."""
+    n = min(n, numba.config.NUMBA_NUM_THREADS)
+    if numba.get_num_threads() != n:
+        numba.set_num_threads(n)
+    if not _GUARD:
+        _GUARD.append(launch_guard())
+    return _GUARD[0]
+
+
+def _by_group_fits(groups: int, work: int) -> bool:
+    """Whether a call with ``groups`` (B·Hkv) groups reading ``work`` K/V elements runs
+    whole groups (`_by_group_update`): up to `SERIAL_MAX` elements (one thread is enough),
+    or with at least two groups per thread (`torch_threads`); else the keys are split
+    (FlashDecoding, `decode_attention`)."""
+    return work <= SERIAL_MAX or groups >= 2 * torch_threads()
 
 
 def split_chunk(max_len: int, items: int, threads: Optional[int] = None) -> int:
@@ -505,28 +558,29 @@ def decode_attention_update(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     """``kv_cache_update(k, k_new, positions)``, ``kv_cache_update(v, v_new, positions)``,
     then ``decode_attention(q, k, v, lengths, scale, out)``; returns (attention output
     [B, Hq, 1, D], k, v) — the caches written in place and handed back. ``k_new``/``v_new``
-    [B, Hkv, 1, D] float32, ``positions`` [B] integers. Where `decode_attention` would run
-    `_serial` the three are one numba call (`_serial_update`). Raises the ValueErrors of
-    the three (one line each); on a bad position nothing is written."""
+    [B, Hkv, 1, D] float32, ``positions`` [B] int64. Where whole (b, kv head) groups fit
+    (`_by_group_fits`) the three are one numba call (`_by_group_update`), else the three
+    ops (the attention split-KV). Raises the ValueErrors of the three (one line each); on
+    a bad position nothing is written."""
     check_update(k, k_new, positions)    # the cache writes' errors first, as the unfused ops
     check_update(v, v_new, positions)
     pl = positions.tolist()
     if pl and (min(pl) < 0 or max(pl) + k_new.shape[2] > k.shape[2]):
         kv_cache_update(k, k_new, positions)      # raises its one-line error, writes nothing
     B, Hq, D, Hkv, S, ll = _check(q, k, v, lengths)
-    max_len = max(ll) if B else 0
+    work = 2 * B * Hkv * (max(ll) if B else 0) * D
     if not (k_new.shape == v_new.shape == (B, Hkv, 1, D)
             and k_new.dtype == v_new.dtype == torch.float32 and B * Hq * D
-            and positions.dtype == torch.int64 and positions.is_contiguous()
-            and k_new.is_contiguous() and v_new.is_contiguous()
-            and 2 * B * Hkv * max_len * D <= SERIAL_MAX):
+            and positions.dtype == torch.int64 and _by_group_fits(B * Hkv, work)):
         kv_cache_update(k, k_new, positions)     # its checks and errors, then the general path
         kv_cache_update(v, v_new, positions)
         return decode_attention(q, k, v, lengths, scale, out), k, v
     res = out if out is not None and out.is_contiguous() else torch.empty(B, Hq, 1, D)
-    lens = lengths.numpy() if lengths.dtype == torch.int64 and lengths.is_contiguous() \
-        and not lengths.requires_grad else np.asarray(ll, dtype=np.int64)
+    lens = lengths.numpy() if lengths.dtype == torch.int64 and not lengths.requires_grad \
+        else np.asarray(ll, dtype=np.int64)
     scale = float(D) ** -0.5 if scale is None else float(scale)
-    _serial_update(_array(k), _array(v), _array(k_new), _array(v_new), positions.numpy(),
-                   _np(q), _np(k), _np(v), lens, np.float32(scale), res.numpy())
+    parts = launch_threads(work) if work >= GRAIN else 1
+    with _threads(parts):
+        _by_group_update(_array(k), _array(v), _array(k_new), _array(v_new), _np(positions),
+                         _np(q), _np(k), _np(v), lens, np.float32(scale), res.numpy(), parts)
     return (out.copy_(res) if out is not None and res is not out else res), k, v
