@@ -61,6 +61,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from ..kernels.numba_cache import launch, launch_guard, njit
+from ..kernels.numba_exp import exp2_clamped
 
 _FM = {"reassoc", "contract"}
 _LOG2E = 1.4426950408889634
@@ -172,17 +173,6 @@ def _exp_sub(x, n, sub, ibuf):
     return s
 
 
-@intrinsic
-def _i2f(typingctx, x):
-    """Reinterpret the bits of an int32 as a float32 (LLVM ``bitcast``; vectorizes)."""
-    sig = types.float32(types.int32)
-
-    def codegen(context, builder, sig, args):
-        return builder.bitcast(args[0], ir.FloatType())
-
-    return sig, codegen
-
-
 @njit(fastmath=_FM, cache=True, inline="always")
 def _exp2_sub(x, n, sub, unit):
     """In place ``x[j] = 2^((x[j] - sub) * unit)`` for j < n; returns the sum. ``unit``
@@ -197,14 +187,7 @@ def _exp2_sub(x, n, sub, unit):
     argument), and ``inf - inf`` is NaN, as in eager's softmax."""
     s = np.float32(0.0)
     for j in range(n):
-        t = min(max((x[j] - sub) * unit, np.float32(-127.0)), np.float32(64.0))
-        kf = np.floor(t + np.float32(0.5))
-        r = t - kf
-        p = np.float32(1.0) + r * (np.float32(6.931472028550421e-01) + r * (
-            np.float32(2.402264791363012e-01) + r * (np.float32(5.550332471162809e-02) + r * (
-                np.float32(9.618437357674640e-03) + r * (np.float32(1.339887440266574e-03)
-                                                         + r * np.float32(1.535336188319500e-04))))))
-        e = p * _i2f((np.int32(kf) + np.int32(127)) << 23)
+        e = exp2_clamped((x[j] - sub) * unit)
         x[j] = e
         s += e
     return s

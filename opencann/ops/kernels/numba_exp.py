@@ -40,6 +40,21 @@ def f32_from_bits(typingctx, x):
 
 
 @njit(fastmath=_FM, cache=True, inline="always")
+def exp2_clamped(u):  # pragma: no cover - numba
+    """``2^u`` for a float32 ``u`` clamped to [-127, 64] (module docstring: the
+    polynomial, the domain, NaN): one branch-free scalar step that LLVM vectorizes in
+    the caller's loop. Callable from numba code only."""
+    u = min(max(u, np.float32(-127.0)), np.float32(64.0))
+    kf = np.floor(u + np.float32(0.5))
+    r = u - kf
+    p = np.float32(1.0) + r * (np.float32(6.931472028550421e-01) + r * (
+        np.float32(2.402264791363012e-01) + r * (np.float32(5.550332471162809e-02) + r * (
+            np.float32(9.618437357674640e-03) + r * (np.float32(1.339887440266574e-03)
+                                                     + r * np.float32(1.535336188319500e-04))))))
+    return p * f32_from_bits((np.int32(kf) + np.int32(127)) << 23)
+
+
+@njit(fastmath=_FM, cache=True, inline="always")
 def exp_shifted(x, n, m):  # pragma: no cover - numba
     """In place ``x[j] = exp(x[j] - m)`` for j < n (``x`` a 1-D float32 array, ``m`` a
     float32); returns the float32 sum of the n results (summed in any order: the callers'
@@ -50,18 +65,10 @@ def exp_shifted(x, n, m):  # pragma: no cover - numba
     only."""
     tot = np.float32(0.0)
     for j in range(n):
-        u = min(max((x[j] - m) * np.float32(1.4426950408889634), np.float32(-127.0)),
-                np.float32(64.0))
-        kf = np.floor(u + np.float32(0.5))
-        r = u - kf
-        p = np.float32(1.0) + r * (np.float32(6.931472028550421e-01) + r * (
-            np.float32(2.402264791363012e-01) + r * (np.float32(5.550332471162809e-02) + r * (
-                np.float32(9.618437357674640e-03) + r * (np.float32(1.339887440266574e-03)
-                                                         + r * np.float32(1.535336188319500e-04))))))
-        e = p * f32_from_bits((np.int32(kf) + np.int32(127)) << 23)
+        e = exp2_clamped((x[j] - m) * np.float32(1.4426950408889634))
         x[j] = e
         tot += e
     return tot
 
 
-__all__ = ["exp_shifted", "f32_from_bits"]
+__all__ = ["exp2_clamped", "exp_shifted", "f32_from_bits"]
