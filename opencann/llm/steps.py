@@ -197,6 +197,11 @@ class StepGraphs:
             self.stats.graph_built(key, 0)
             self.stats.set_memory(step_memory([], lm))
             return run
+        if tokens > 1 and (batch, 1) not in self._graphs:
+            # the decode graph first: its GEMMs stream every weight once per token, so
+            # their races choose each weight's one packed layout (`cpu.copy_allowed`);
+            # a prefill graph's races then share it or keep none
+            self.step(batch, 1)
         from ..engine import compile_module
         example = (torch.zeros(batch, tokens, dtype=torch.long),
                    torch.zeros(batch, dtype=torch.long),

@@ -273,7 +273,7 @@ def _evict_caches(scratch: torch.Tensor) -> None:
 
 
 def _measure_choice(key: tuple, makers: Dict[str, Callable[[], Callable]], bias, wt,
-                    has_bias: bool = True) -> str:
+                    has_bias: bool = True, shape: Optional[tuple] = None) -> str:
     """The fastest of the candidate kernels ``makers`` (name -> a maker returning ``run(b,
     x, w, out)``, packing its weight copy; "addmm" among them) for GEMM shape ``key`` =
     (m, k, n, dtype, raced kernels[, "no bias"]), timed on random data of the weight
@@ -286,8 +286,9 @@ def _measure_choice(key: tuple, makers: Dict[str, Callable[[], Callable]], bias,
     before each call (without addmm when ``addmm_kn`` races), and where ``addmm_kn``
     races (`kn_offered`) it is the kernel to beat instead of addmm. Cached in
     `LINEAR_CHOICES` (one measurement per shape, even when binding races). The caller
-    makes the winner's kernel again (its copy then lives while the kernel does)."""
-    m, k, n = key[:3]
+    makes the winner's kernel again (its copy then lives while the kernel does).
+    ``shape``: (m, k, n) when ``key`` does not start with them."""
+    m, k, n = shape or key[:3]
     with _LINEAR_CHOICES_LOCK:
         choice = LINEAR_CHOICES.get(key)
         if choice not in makers:
@@ -315,6 +316,35 @@ def _measure_choice(key: tuple, makers: Dict[str, Callable[[], Callable]], bias,
             choice = best if times[best] < _MARGIN * times[base] else base
             LINEAR_CHOICES[key] = choice
     return choice
+
+
+def concat_row_major(k: int, n: int, dtype: torch.dtype = torch.float32) -> bool:
+    """Whether a concatenation of constant weights into one [k, n] GEMM operand (the
+    merged Q/K/V, GatedMLP's gate and up, `concat_weights`) is made row-major (contiguous
+    [k, n], which addmm reads as MKL's row-major GEMV: what ``addmm_kn`` runs) rather
+    than as the transpose of a contiguous [n, k] (nn.Linear's layout, which the decode
+    GEMV reads as it is). The concatenation is the weight's one packed layout
+    (`copy_allowed`), so its layout is its decode kernel's: decided by a cold race at 1
+    row as `_measure_choice` runs it ("addmm_kn": row-major, against "gemv"), on random
+    weights of that shape made one at a time, once per (k, n, dtype) (`LINEAR_CHOICES`).
+    fp32 weights under `COLD_RACE_BYTES`, other dtypes and shapes without the GEMV:
+    [n, k] (the unmerged weights' layout: eager's bits for addmm)."""
+    if dtype != torch.float32 or k * n * 4 < COLD_RACE_BYTES:
+        return False
+    key = ("concat layout", k, n, str(dtype))
+    gen = torch.Generator().manual_seed(0)
+
+    def row_major() -> Callable:
+        w = torch.randn(k, n, generator=gen)
+        return lambda b, x, _w, out=None: torch.ops.aten.mm.out(x, w, out=out)
+
+    def column_major() -> Callable:
+        from .gemv_cpu import gemv
+        w = torch.randn(n, k, generator=gen)
+        return lambda b, x, _w, out=None: gemv(x, w, None, out=out)
+    probe = torch.empty(0, dtype=dtype)
+    return _measure_choice(key, {"addmm_kn": row_major, "gemv": column_major},
+                           None, probe, has_bias=False, shape=(1, k, n)) == "addmm_kn"
 
 
 def _copy_act(r: torch.Tensor, out, post) -> torch.Tensor:
@@ -501,10 +531,11 @@ def _memory_key(t: torch.Tensor) -> tuple:
 
 def concat_weights(w1: torch.Tensor, w3: torch.Tensor) -> torch.Tensor:
     """The [k, n1 + n2] concatenation of the constant weights ``w1`` [k, n1] and ``w3``
-    [k, n2] (GatedMLP's gate and up projections, so that a few-row GatedMLP is one GEMM),
-    in their layout: the transpose of a contiguous [n1 + n2, k] where both are
-    transposed views of contiguous [n, k] weights (nn.Linear's: the decode GEMV reads it
-    with no copy of its own, `copy_allowed`), else contiguous. Made once for every graph
+    [k, n2] (GatedMLP's gate and up projections, so that a few-row GatedMLP is one GEMM):
+    where both are transposed views of contiguous [n, k] weights (nn.Linear's), in the
+    layout its decode kernel reads fastest (`concat_row_major`: row-major, or the
+    transpose of a contiguous [n1 + n2, k], which the decode GEMV reads with no copy of
+    its own; no kernel keeps another, `copy_allowed`), else contiguous. Made once for every graph
     whose constants view the same memory at the same version counters and kept while a
     bound kernel holds it. It holds references to its parts (``_opencann_parts``), so
     their memory (the key's addresses) cannot be reused while it lives; it is counted by
@@ -515,7 +546,8 @@ def concat_weights(w1: torch.Tensor, w3: torch.Tensor) -> torch.Tensor:
             del _CONCATS[k]
         cat = _deref(_CONCATS.get(key))
         if cat is None:
-            if w1.t().is_contiguous() and w3.t().is_contiguous():
+            k, n = int(w1.shape[0]), int(w1.shape[1] + w3.shape[1])
+            if w1.t().is_contiguous() and w3.t().is_contiguous() and not concat_row_major(k, n, w1.dtype):
                 cat = torch.cat([w1.detach().t(), w3.detach().t()], dim=0).t()
             else:
                 cat = torch.cat([w1.detach(), w3.detach()], dim=1)
@@ -735,5 +767,5 @@ def make_linear_kernel(node: Node, in_descs: Sequence[TensorDesc], consts: Seque
 
 
 __all__ = ["BF16_LINEAR_POST", "GEMM_KERNELS", "LINEAR_CHOICES", "LINEAR_DTYPES", "ConvWeightPacks", "ThreadPacks",
-           "concat_weights", "copy_allowed", "kn_offered", "packed_copies", "packed_copies_by_kind",
+           "concat_row_major", "concat_weights", "copy_allowed", "kn_offered", "packed_copies", "packed_copies_by_kind",
            "gemm_kernel", "linear_writes_out", "make_conv_kernel", "make_linear_kernel", "make_trans_data"]
