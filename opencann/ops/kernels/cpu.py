@@ -277,9 +277,9 @@ def _measure_choice(key: tuple, makers: Dict[str, Callable[[], Callable]], bias,
     """The fastest of the candidate kernels ``makers`` (name -> a maker returning ``run(b,
     x, w, out)``, packing its weight copy; "addmm" among them) for GEMM shape ``key`` =
     (m, k, n, dtype, raced kernels[, "no bias"]), timed on random data of the weight
-    ``wt``'s dtype (``bias``, else zeros, as b; None when not ``has_bias``): two passes,
+    ``wt``'s dtype (``bias``, else zeros, as b; None when not ``has_bias``): three passes,
     in each of which every candidate in turn (the order rotating) is made, run once
-    untimed, timed 3 times and dropped, so that at most one candidate's packed copy
+    untimed, timed twice and dropped, so that at most one candidate's packed copy
     lives at a time (a copy another graph holds is shared, not made); the least time
     per candidate kept; another kernel is chosen over addmm only when 3% faster. A
     few-row GEMM of a large weight (`COLD_RACE_ROWS`) is timed with the caches evicted
@@ -301,11 +301,11 @@ def _measure_choice(key: tuple, makers: Dict[str, Callable[[], Callable]], bias,
             names = [name for name in makers if not (cold and base == "addmm_kn" and name == "addmm")]
             times = {name: float("inf") for name in names}
             scratch = torch.empty(8 << 20) if cold else None   # freed after the race
-            for rnd in range(2):
-                for name in names[rnd:] + names[:rnd]:
+            for rnd in range(3):
+                for name in names[rnd % len(names):] + names[:rnd % len(names)]:
                     run = makers[name]()
                     run(b, x, wt, out)  # warm-up: first-call set-up (oneDNN primitive creation)
-                    for _ in range(3):
+                    for _ in range(2):
                         if scratch is not None:
                             _evict_caches(scratch)
                         times[name] = min(times[name], best_time_us(
