@@ -222,7 +222,7 @@ def test_stats_no_graph_or_plan_per_decode_token_and_shared_weights():
     assert s.kv_cache_bytes == a.kv_cache_bytes(2, 64) == 2 * 2 * 2 * 1 * 64 * 16 * 4
     ptrs = [c.data_ptr() for c in gen.caches]
     gen.generate(prompt(20, 9), max_new_tokens=4)            # a longer prompt: bucket 32
-    assert s.graphs == ["decode b1 t1", "prefill b1 t16", "prefill b1 t32"] and s.recompiles == 0
+    assert s.graphs == ["prefill b1 t16", "decode b1 t1", "prefill b1 t32"] and s.recompiles == 0
     assert [c.data_ptr() for c in gen.caches] == ptrs          # caches written in place
     names = [n for n, _ in gen.lm.named_parameters()]
     assert shared_parameters(gen.lm, m) == names and len(names) == len(list(m.parameters()))
@@ -301,7 +301,7 @@ def test_given_buckets_and_batch_sizes():
                     options={"prefill_buckets": [8, 24], "batch_sizes": [1]})
     assert gen.buckets == (8, 24, 40) and gen.batch_sizes == (1, 3)
     gen.generate([prompt(9, 0)[0], prompt(3, 1)[0]], max_new_tokens=2)
-    assert gen.stats.graphs == ["decode b3 t1", "prefill b3 t24"]
+    assert gen.stats.graphs == ["prefill b3 t24", "decode b3 t1"]
     assert "buckets=[8, 24, 40]" in repr(gen)
     text = gen.report()
     assert "prefill buckets: [8, 24, 40]; batch sizes: [1, 3]" in text
