@@ -4,6 +4,8 @@ shape at bind time. Each kernel matches eager (values, NaN/Inf, a second call, o
 independence); the race picks the faster one; oneDNN's prepacked weight serves every
 shape of a dynamic model; model files keep the choice and fall back to addmm where the
 kernel is missing."""
+import gc
+
 import pytest
 import torch
 
@@ -359,3 +361,38 @@ def test_a_weight_written_through_data_and_compiled_again_is_packed_again(kernel
         _close(again(x), m(x))
     with pytest.raises(Exception, match="modified in place"):
         first(x)
+
+
+def test_a_weight_keeps_at_most_one_packed_layout():
+    """`copy_allowed`: with no copy of a weight's memory alive every kernel races; with a
+    graph holding one kind (here addmm_kn's [k, n]), also seen through another constant
+    viewing that memory (share_weights), no kernel that keeps another kind races; once
+    it is freed they race again. A concatenation races only kernels keeping no copy."""
+    wt = torch.randn(640, 512).t()                  # nn.Linear's [n, k] as [k, n], 1.25 MiB
+    assert all(cpu_kernels.copy_allowed(wt)(c) for c in cpu_kernels.GEMM_KERNELS)
+    kn = cpu_kernels._kn_weight(wt)                 # a bound kernel holds it
+    for view in (wt, wt.detach()):
+        ok = cpu_kernels.copy_allowed(view)
+        assert ok("addmm") and ok("gemv") and ok("addmm_kn")
+        assert not ok("onednn_packed") and not ok("mkl_packed")
+    del kn
+    gc.collect()
+    assert cpu_kernels.copy_allowed(wt)("onednn_packed")
+    cat = cpu_kernels.concat_weights(wt, torch.randn(640, 512).t())
+    ok = cpu_kernels.copy_allowed(cat)
+    assert ok("addmm") and not ok("addmm_kn") and not ok("onednn_packed") and not ok("mkl_packed")
+    assert ok("gemv") == cat.t().is_contiguous()
+
+
+@pytest.mark.parametrize("kernel", ["addmm_kn", "gemv"])
+def test_a_concatenation_is_made_in_its_decode_kernels_layout(kernel, monkeypatch):
+    """`concat_row_major`: the layout race's winner decides (addmm_kn: row-major [k, n],
+    the GEMV: the transpose of [n, k]); a weight under 1 MiB is [n, k] without a race;
+    `concat_weights` follows it and holds the parts' values."""
+    monkeypatch.setattr(cpu_kernels, "LINEAR_CHOICES", ForcedGemmChoice(kernel))
+    assert cpu_kernels.concat_row_major(512, 1280) == (kernel == "addmm_kn")
+    assert not cpu_kernels.concat_row_major(64, 96)
+    w1, w3 = torch.randn(640, 512).t(), torch.randn(700, 512).t()
+    cat = cpu_kernels.concat_weights(w1, w3)
+    assert cat.shape == (512, 1340) and torch.equal(cat, torch.cat([w1, w3], dim=1))
+    assert cat.is_contiguous() == (kernel == "addmm_kn") and cat.t().is_contiguous() == (kernel == "gemv")
