@@ -428,8 +428,8 @@ def _copies(kernel: str, wt: torch.Tensor) -> bool:
 
 
 def copy_allowed(wt: torch.Tensor) -> Callable[[str], bool]:
-    """Which GEMM kernels may race for the constant weight ``wt``, so that a weight is
-    held in at most two layouts (its own and one packed copy): every kernel that keeps
+    """Which GEMM kernels may race for the constant fp32 weight ``wt`` (bf16 binds
+    oneDNN's without a race), so that a weight is held in at most two layouts (its own and one packed copy): every kernel that keeps
     no copy (`_copies`); a kernel that keeps one only when ``wt`` is a module's weight
     (not a concatenation made here: `concat_weights`, ``fuse_qkv_linear``, marked by
     ``_opencann_parts``, which is the second layout already) and no other kind of copy
@@ -689,7 +689,8 @@ def gemm_kernel(node: Node, x: TensorDesc, wt: Optional[torch.Tensor], bias: Opt
     m, k = (int(d) for d in x.shape)
     n = int(wt.shape[1])
     key, choice = _known_choice(node.meta.get("kernel"), m, k, n, wt.dtype, bias,
-                                kn=kn_offered(wt, m), allowed=copy_allowed(wt))
+                                kn=kn_offered(wt, m),
+                                allowed=copy_allowed(wt) if wt.dtype == torch.float32 else None)
     raced = key[-1]
     if choice == "addmm":  # no packing: it copies the weight twice for nothing
         node.meta["kernel"] = "addmm"
