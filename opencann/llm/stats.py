@@ -10,18 +10,43 @@ first decode step: zero when nothing recompiles per token). Totals over the gene
 life: ``graphs_built`` (prefill and decode step graphs), ``recompiles`` (graphs built
 again for a shape that had one), ``memory_plans`` (memory plans of the compiled step
 graphs; 0 on the eager backend), ``kv_cache_bytes`` (the preallocated caches),
-``weight_bytes`` (the weights the step graphs hold, each storage once: the module's
-weights they share, merged Q/K/V copies, and the packed copies their GEMM kernels made:
-oneDNN's blocked layout, the decode GEMMs' [k, n]), ``arena_bytes`` (the step graphs'
-activation arenas, one per graph), and ``graphs`` (the step graphs by key, e.g.
-``"prefill b2 t32"``; a loaded generator's too). Memory beyond the Python process:
-weights + KV cache + arenas.
+``weight_bytes`` (the weights the generator holds: ``module_weight_bytes``, the module's
+own parameters and buffers, each storage once, + ``packed_bytes``, the copies its step
+graphs and their GEMM kernels keep beside them, each storage once, by kind in
+``packed_bytes_by_kind``: ``qkv_concat``, ``gate_up_concat``, ``addmm_kn`` ([k, n]
+copies), ``onednn_packed`` (oneDNN's blocked layout), ``gemv`` ([n, k] copies),
+``constants`` (folded at compile time); `opencann.llm.steps.step_memory`),
+``arena_bytes`` (the step graphs' activation arenas, one per graph), ``graphs`` (the step
+graphs by key, e.g. ``"prefill b2 t32"``; a loaded generator's too), and
+``peak_rss_bytes``: the process's peak resident set so far (`peak_rss_bytes`, read after
+each graph build and each ``generate``; 0 where the platform gives none). The goal: peak
+RSS = the Python process (interpreter, torch, code) + weights + KV cache + arenas.
 """
 from __future__ import annotations
 
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, List
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident set in bytes: VmHWM of /proc/self/status (Linux),
+    else ``getrusage``'s ``ru_maxrss`` (KiB on Linux, bytes on macOS), else 0 (Windows).
+    Never raises."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        import resource
+    except ImportError:
+        return 0
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(peak) if sys.platform == "darwin" else int(peak) * 1024
 
 
 @dataclass
@@ -30,7 +55,11 @@ class GenerationStats:
 
     kv_cache_bytes: int = 0
     weight_bytes: int = 0
+    module_weight_bytes: int = 0
+    packed_bytes: int = 0
+    packed_bytes_by_kind: Dict[str, int] = field(default_factory=dict)
     arena_bytes: int = 0
+    peak_rss_bytes: int = 0
     graphs_built: int = 0
     recompiles: int = 0
     memory_plans: int = 0
@@ -60,6 +89,15 @@ class GenerationStats:
         self.graphs_built += 1
         self.memory_plans += plans
 
+    def set_memory(self, mem: Any) -> None:
+        """Take the weight, packed and arena bytes of ``mem`` (a `steps.StepMemory`), and
+        the process's peak RSS now."""
+        self.module_weight_bytes, self.packed_bytes = mem.module_bytes, mem.packed_bytes
+        self.packed_bytes_by_kind = dict(mem.by_kind)
+        self.weight_bytes = mem.module_bytes + mem.packed_bytes
+        self.arena_bytes = mem.arena_bytes
+        self.peak_rss_bytes = peak_rss_bytes()
+
     def prefill_done(self, start: float, prompt_tokens: int, seconds: float) -> None:
         """Record the prefill of ``prompt_tokens`` real tokens taking ``seconds`` and the
         time to first token since ``start`` (a perf_counter time)."""
@@ -71,6 +109,7 @@ class GenerationStats:
         """Record ``steps`` decode steps making ``tokens`` row-tokens in ``seconds``."""
         self.decode_steps, self.decode_tokens = steps, tokens
         self.decode_tokens_per_s = tokens / seconds if seconds > 0 else 0.0
+        self.peak_rss_bytes = peak_rss_bytes()
 
     def as_dict(self) -> Dict[str, Any]:
         """Every field, as a plain dict."""
@@ -83,7 +122,9 @@ class GenerationStats:
                 + (f"{self.graphs_loaded} graphs loaded, " if self.graphs_loaded else "")
                 + f"{self.graphs_built} graphs, {self.recompiles} recompiles, "
                 f"{self.memory_plans} memory plans, KV cache {self.kv_cache_bytes / 2**20:.2f} MiB, "
-                f"weights {self.weight_bytes / 2**20:.1f} MiB, arenas {self.arena_bytes / 2**20:.1f} MiB")
+                f"weights {self.weight_bytes / 2**20:.1f} MiB (module {self.module_weight_bytes / 2**20:.1f}"
+                f" + packed {self.packed_bytes / 2**20:.1f}), arenas {self.arena_bytes / 2**20:.1f} MiB"
+                + (f", peak RSS {self.peak_rss_bytes / 2**20:.0f} MiB" if self.peak_rss_bytes else ""))
 
 
-__all__ = ["GenerationStats"]
+__all__ = ["GenerationStats", "peak_rss_bytes"]

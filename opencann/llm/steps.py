@@ -16,7 +16,7 @@ compile option ``share_weights``; prefill attention through the project's FlashA
 `StepGraphs.compile_options`)."""
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
@@ -67,27 +67,67 @@ def smallest(sizes: Sequence[int], n: int) -> int:
     return next(s for s in sizes if s >= n)
 
 
-def step_memory(graphs: Sequence[Any], module: Optional[torch.nn.Module] = None) -> Tuple[int, int]:
-    """(weight bytes, arena bytes) of compiled step ``graphs``: each storage their
-    constants and their kernels' packed weight copies (`cpu.packed_copies`) view, counted
-    once, and the sum of their arenas; with no graph (the eager backend) ``module``'s
-    parameters and buffers and no arena."""
-    from ..ops.kernels.cpu import packed_copies
-    storages: Dict[int, int] = {}
-    tensors: List[torch.Tensor] = [] if module is None else \
-        list(module.parameters()) + list(module.buffers())
-    arena = 0
+class StepMemory(NamedTuple):
+    """Bytes the step graphs hold (`step_memory`), each storage counted once."""
+
+    module_bytes: int   #: the module's parameters and buffers (a loaded generator: its graphs' constants)
+    packed_bytes: int   #: copies beyond those, = sum(by_kind.values())
+    by_kind: Dict[str, int]  #: packed bytes per kind (`PACKED_KINDS`)
+    arena_bytes: int    #: the graphs' activation arenas, summed
+
+
+#: the kinds of copies a step graph may hold beside the module's weights: Q/K/V weights
+#: concatenated (`fuse_qkv_linear`), gate and up weights concatenated (GatedMLP),
+#: ``addmm_kn``'s [k, n] copies, oneDNN's blocked copies, the GEMV's [n, k] copies, and
+#: other constants that are not the module's memory (folded at compile time)
+PACKED_KINDS = ("qkv_concat", "gate_up_concat", "addmm_kn", "onednn_packed", "gemv", "constants")
+_CACHE_KIND = {"concat": "gate_up_concat", "addmm_kn": "addmm_kn", "onednn_packed": "onednn_packed",
+               "gemv": "gemv"}
+
+
+def _storage_key(t: torch.Tensor) -> Tuple[int, int]:
+    """(key, bytes) of the memory ``t`` views: its storage (oneDNN's blocked copy, an
+    opaque tensor with no storage to share, by identity)."""
+    if t.is_mkldnn:
+        return -id(t), t.numel() * t.element_size()
+    st = t.untyped_storage()
+    return st.data_ptr(), st.nbytes()
+
+
+def step_memory(graphs: Sequence[Any], module: Optional[torch.nn.Module] = None) -> StepMemory:
+    """What compiled step ``graphs`` hold (`StepMemory`): ``module``'s parameters and
+    buffers (every storage once, whether a graph reads it or not: the module keeps it
+    alive), then each storage the graphs' constants and their kernels' packed copies
+    (`cpu.packed_copies_by_kind`) view that is not the module's, once, under its kind
+    (`PACKED_KINDS`; a concatenation's own packed copy under the packed kind), and the
+    sum of the graphs' arenas. Without ``module`` (a loaded generator) the graphs'
+    constants count as the module's weights; with no graph (the eager backend) only
+    the module's."""
+    from ..ops.kernels.cpu import packed_copies_by_kind
+    seen: Dict[int, int] = {}
+    by_kind = {k: 0 for k in PACKED_KINDS}
+
+    def count(t: torch.Tensor) -> int:
+        key, nbytes = _storage_key(t)
+        if key in seen:
+            return 0
+        seen[key] = nbytes
+        return nbytes
+    own = sum(count(t) for t in ([] if module is None else
+                                 list(module.parameters()) + list(module.buffers())))
+    arena, consts = 0, []
     for cm in graphs:
         arena += int(cm.plan.arena_bytes)
-        consts = [v.const for v in cm.graph.constants if isinstance(v.const, torch.Tensor)]
-        tensors += consts + packed_copies(consts)
-    for t in tensors:
-        if t.is_mkldnn:   # oneDNN's blocked copy: an opaque tensor with no storage to share
-            storages[-id(t)] = t.numel() * t.element_size()
+        consts += [v.const for v in cm.graph.constants if isinstance(v.const, torch.Tensor)]
+    for t in consts:
+        n = count(t)
+        if module is None:
+            own += n
         else:
-            st = t.untyped_storage()
-            storages[st.data_ptr()] = st.nbytes()
-    return sum(storages.values()), arena
+            by_kind["qkv_concat" if hasattr(t, "_opencann_parts") else "constants"] += n
+    for kind, copies in packed_copies_by_kind(consts).items():
+        by_kind[_CACHE_KIND[kind]] += sum(count(t) for t in copies)
+    return StepMemory(own, sum(by_kind.values()), by_kind, arena)
 
 
 def _plans(compiled: Any) -> int:
@@ -126,9 +166,7 @@ class StepGraphs:
 
     def _count_memory(self) -> None:
         """Set ``stats.weight_bytes`` / ``arena_bytes`` from the graphs built so far."""
-        graphs = list(self.compiled().values())
-        self.stats.weight_bytes, self.stats.arena_bytes = step_memory(
-            graphs, self.lm if not graphs else None)
+        self.stats.set_memory(step_memory(list(self.compiled().values()), self.lm))
 
     def views(self, batch: int) -> List[torch.Tensor]:
         """The caches' first ``batch`` rows (views, no copy)."""
@@ -157,8 +195,13 @@ class StepGraphs:
             def run(ids, positions, lengths):
                 return lm(ids, positions, lengths, *views)
             self.stats.graph_built(key, 0)
-            self.stats.weight_bytes = step_memory([], lm)[0]
+            self.stats.set_memory(step_memory([], lm))
             return run
+        if tokens > 1 and (batch, 1) not in self._graphs:
+            # the decode graph first: its GEMMs stream every weight once per token, so
+            # their races choose each weight's one packed layout (`cpu.copy_allowed`);
+            # a prefill graph's races then share it or keep none
+            self.step(batch, 1)
         from ..engine import compile_module
         example = (torch.zeros(batch, tokens, dtype=torch.long),
                    torch.zeros(batch, dtype=torch.long),
@@ -215,5 +258,5 @@ class StepGraphs:
         return list(self._graphs)
 
 
-__all__ = ["BACKENDS", "MIN_BUCKET", "StepGraphs", "batch_sizes", "prefill_buckets", "smallest",
+__all__ = ["BACKENDS", "MIN_BUCKET", "PACKED_KINDS", "StepGraphs", "StepMemory", "batch_sizes", "prefill_buckets", "smallest",
            "step_memory"]

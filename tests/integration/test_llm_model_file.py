@@ -62,7 +62,7 @@ def saved(tmp_path_factory):
 
 def test_a_fresh_process_gives_the_same_tokens_with_zero_compiles(saved):
     m, tok, gen, path = saved
-    assert gen.stats.graphs == ["prefill b2 t16", "prefill b2 t32", "decode b2 t1"]
+    assert gen.stats.graphs == ["decode b2 t1", "prefill b2 t16", "prefill b2 t32"]
     want = {"greedy": gen.generate(PROMPTS, max_new_tokens=10).tolist(),
             "sampled": gen.generate(PROMPTS[:1], max_new_tokens=10, do_sample=True, top_k=20,
                                     temperature=0.8, seed=7).tolist(),
@@ -109,11 +109,11 @@ def test_built_graphs_only_and_a_missing_step_is_one_line(saved, tmp_path):
     small.save(path, graphs="built")
     g = L.load(path)
     assert g.tokenizer is None and g.stats.graphs_loaded == 2
-    assert g.stats.graphs == ["prefill b2 t16", "decode b2 t1"]      # the loaded ones, named
+    assert g.stats.graphs == ["decode b2 t1", "prefill b2 t16"]      # the loaded ones, named
     assert g.stats.weight_bytes >= small.stats.weight_bytes - 2**20 and g.stats.arena_bytes > 0
     assert g.generate(PROMPTS, max_new_tokens=3).tolist() == small.generate(PROMPTS, max_new_tokens=3).tolist()
     with pytest.raises(ValueError, match=r"^built.ocm holds no step graph prefill b2 t32 \(it holds "
-                       r"prefill b2 t16, decode b2 t1\): save the generator with graphs='all'"):
+                       r"decode b2 t1, prefill b2 t16\): save the generator with graphs='all'"):
         g.generate([list(range(3, 20))], max_new_tokens=2)
     assert g.generate(PROMPTS, max_new_tokens=3).shape == (2, 10)   # still usable
 

@@ -4,6 +4,8 @@ given as data). Greedy tokens equal transformers' ``generate`` and the eager bac
 caches hold the eager backend's values, one prefill and one decode graph serve every
 position (no graph or memory plan built per token), and the graphs hold the model's
 weights once (its own memory, shared)."""
+import sys
+
 import pytest
 import torch
 import transformers as T
@@ -32,7 +34,7 @@ def test_compiled_steps_equal_transformers_and_eager_with_one_decode_graph(name)
     want = m.generate(ids, attention_mask=mask, max_new_tokens=14, do_sample=False, pad_token_id=0)
     assert torch.equal(gen.generate(ids, attention_mask=mask, max_new_tokens=14, pad_token_id=0), want)
     s = gen.stats
-    assert s.graphs == ["prefill b2 t16", "decode b2 t1"] and s.memory_plans == 2
+    assert s.graphs == ["decode b2 t1", "prefill b2 t16"] and s.memory_plans == 2
     assert s.graphs_built_after_warmup == 0 == s.plans_built_after_warmup and s.decode_steps == 13
     # the caches were written in place and hold what the eager backend writes
     eager = L.compile(m, max_seq_len=48, max_batch=2)
@@ -104,3 +106,55 @@ def test_a_replaced_parameter_after_compile_is_one_line_naming_it():
     with pytest.raises(ValueError, match=r"^parameter 'model.layers.0.self_attn.q_proj.weight' of "
                        r"the LlamaForCausalLM was replaced .* after opencann.llm.compile: "):
         again.generate(ids, max_new_tokens=3)
+
+
+def _storage(t):
+    """(key, bytes) of the memory tensor ``t`` views (oneDNN's opaque copies by identity)."""
+    if t.is_mkldnn:
+        return -id(t), t.numel() * t.element_size()
+    st = t.untyped_storage()
+    return st.data_ptr(), st.nbytes()
+
+
+def test_memory_accounting_counts_each_storage_once_and_no_weight_in_three_layouts(monkeypatch):
+    """``GenerationStats``' memory: module weights = the model's parameter and buffer
+    storages, each once; packed = every other storage the step graphs' constants and
+    their kernels' packed copies hold, each once, = the sum by kind; weight = module +
+    packed. addmm_kn forced (weights of 1 MiB: the LM head gets a [k, n] copy; a
+    weight a prefill race packed for oneDNN gets no second copy at decode); no module
+    weight has two packed layouts, a concatenation none of its own; greedy tokens still equal transformers'."""
+    from opencann.ops.kernels import cpu as cpu_kernels
+    from tests.helpers import ForcedGemmChoice
+    monkeypatch.setattr(cpu_kernels, "LINEAR_CHOICES", ForcedGemmChoice("addmm_kn"))
+    torch.manual_seed(7)
+    cfg = T.LlamaConfig(vocab_size=1024, hidden_size=256, intermediate_size=1024,
+                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                        eos_token_id=None)                # 1 MiB MLP and LM head weights
+    m = T.AutoModelForCausalLM.from_config(cfg).eval()
+    gen = L.compile(m, max_seq_len=40, max_batch=1, options={"prefill_buckets": [32]})
+    ids = torch.randint(3, 1024, (1, 20), generator=torch.Generator().manual_seed(1))
+    want = m.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    assert torch.equal(gen.generate(ids, max_new_tokens=6, pad_token_id=0), want)
+    s = gen.stats
+    own = dict(_storage(t) for t in list(m.parameters()) + list(m.buffers()))
+    assert s.module_weight_bytes == sum(own.values())
+    consts = [c.const for cm in gen.steps.compiled().values() for c in cm.graph.constants
+              if isinstance(c.const, torch.Tensor)]
+    extra = {}
+    for t in consts + cpu_kernels.packed_copies(consts):
+        key, nbytes = _storage(t)
+        if key not in own:
+            extra[key] = nbytes
+    assert s.packed_bytes == sum(extra.values()) == sum(s.packed_bytes_by_kind.values()) > 0
+    assert s.weight_bytes == s.module_weight_bytes + s.packed_bytes
+    kinds = s.packed_bytes_by_kind
+    # the LM head's [k, n] copy (1 row in both graphs: prefill gathers the last token)
+    assert kinds["addmm_kn"] >= 2**20 and kinds["gate_up_concat"] == 2 * 2 * 2**20
+    assert kinds["constants"] < 2**12   # folded scalars: no second copy of a module weight
+    for w in consts:
+        mine = _storage(w)[0]
+        layouts = {_storage(c)[0] for c in cpu_kernels.packed_copies([w])} - {mine} - set(own)
+        assert len(layouts) <= (0 if hasattr(w, "_opencann_parts") else 1), w.shape
+    if sys.platform.startswith("linux"):
+        assert s.peak_rss_bytes > 0 and f"peak RSS {s.peak_rss_bytes / 2**20:.0f} MiB" in s.summary()
+    assert f"packed {s.packed_bytes / 2**20:.1f}" in s.summary()

@@ -4,6 +4,8 @@ shape at bind time. Each kernel matches eager (values, NaN/Inf, a second call, o
 independence); the race picks the faster one; oneDNN's prepacked weight serves every
 shape of a dynamic model; model files keep the choice and fall back to addmm where the
 kernel is missing."""
+import gc
+
 import pytest
 import torch
 
@@ -78,11 +80,17 @@ def test_the_race_picks_the_faster_kernel_and_prefers_addmm_on_a_tie(monkeypatch
     def fast(b, x, w, out):
         pass
     w = torch.randn(8, 4)
-    assert cpu_kernels._measure_choice((2, 8, 4, "f", ("addmm", "p")), {"addmm": slow, "p": fast},
-                                       None, w) == "p"
-    assert cpu_kernels._measure_choice((2, 8, 4, "f", ("addmm", "q")), {"addmm": fast, "q": slow},
+    assert cpu_kernels._measure_choice((2, 8, 4, "f", ("addmm", "p")),
+                                       _makers({"addmm": slow, "p": fast}), None, w) == "p"
+    assert cpu_kernels._measure_choice((2, 8, 4, "f", ("addmm", "q")),
+                                       _makers({"addmm": fast, "q": slow}), None, w) == "addmm"
+    assert cpu_kernels._measure_choice((2, 8, 4, "f", ("addmm",)), _makers({"addmm": fast}),
                                        None, w) == "addmm"
-    assert cpu_kernels._measure_choice((2, 8, 4, "f", ("addmm",)), {"addmm": fast}, None, w) == "addmm"
+
+
+def _makers(runs: dict) -> dict:
+    """`_measure_choice`'s candidate makers: each returns its ``run``."""
+    return {name: (lambda r=run: r) for name, run in runs.items()}
 
 
 def test_the_cold_race_of_a_streamed_weight_has_addmm_kn_to_beat(monkeypatch):
@@ -105,20 +113,23 @@ def test_the_cold_race_of_a_streamed_weight_has_addmm_kn_to_beat(monkeypatch):
     key = (1, 512, 640, "f", ("addmm", "addmm_kn", "p"))
     cands = {"addmm": kernel("addmm", 0.0), "addmm_kn": kernel("addmm_kn", 0.001),
              "p": kernel("p", 0.003)}
-    assert cpu_kernels._measure_choice(key, cands, None, wt) == "addmm_kn"
+    assert cpu_kernels._measure_choice(key, _makers(cands), None, wt) == "addmm_kn"
     assert evictions and set(evictions) == {8 << 20}       # 32 MiB written before each call
     assert "addmm" not in ran
     cands["p"] = kernel("p", 0.0)
-    assert cpu_kernels._measure_choice(key[:4] + (("addmm", "addmm_kn", "q"),), cands, None, wt) == "p"
+    assert cpu_kernels._measure_choice(key[:4] + (("addmm", "addmm_kn", "q"),), _makers(cands),
+                                       None, wt) == "p"
     hot = (64, 512, 640, "f", ("addmm", "addmm_kn"))     # 64 rows: timed hot, addmm raced
     evictions.clear()
     ran.clear()
-    assert cpu_kernels._measure_choice(hot, {"addmm": kernel("addmm", 0.0),
-                                             "addmm_kn": kernel("addmm_kn", 0.003)}, None, wt) == "addmm"
+    assert cpu_kernels._measure_choice(hot, _makers({"addmm": kernel("addmm", 0.0),
+                                                     "addmm_kn": kernel("addmm_kn", 0.003)}),
+                                       None, wt) == "addmm"
     assert not evictions and "addmm" in ran
     tie = (64, 512, 640, "f", ("addmm", "addmm_kn", "t"))  # a tie keeps the shared copy
-    assert cpu_kernels._measure_choice(tie, {"addmm": kernel("addmm", 0.001),
-                                             "addmm_kn": kernel("addmm_kn", 0.001)}, None, wt) == "addmm_kn"
+    assert cpu_kernels._measure_choice(tie, _makers({"addmm": kernel("addmm", 0.001),
+                                                     "addmm_kn": kernel("addmm_kn", 0.001)}),
+                                       None, wt) == "addmm_kn"
 
 
 @needs_onednn
@@ -283,7 +294,8 @@ def test_a_packed_copy_made_for_a_kernel_that_lost_the_race_is_freed(monkeypatch
 @pytest.mark.parametrize("rows", [1, 7])
 def test_addmm_kn_streams_a_transposed_weight_at_decode_rows_and_matches_eager(rows, monkeypatch):
     """``addmm_kn`` (addmm on a contiguous [k, n] copy of a weight held transposed) is
-    offered for fp32 weights of 1 MiB or more at any row count, and matches eager:
+    offered for fp32 weights of 1 MiB or more at decode rows, at more rows only where
+    the copy exists (a prefill graph over a decode graph's weights), and matches eager:
     values, NaN/Inf rows, a second call, outputs the caller's own; small weights never
     get it (eager's bits and memory kept)."""
     monkeypatch.setattr(cpu_kernels, "LINEAR_CHOICES", ForcedGemmChoice("addmm_kn"))
@@ -308,12 +320,16 @@ def test_addmm_kn_streams_a_transposed_weight_at_decode_rows_and_matches_eager(r
     x[-1, 7] = float("nan")                          # a NaN row: NaN where eager's is
     with torch.no_grad():
         assert torch.equal(torch.isnan(cm(x)), torch.isnan(m(x)))
-    wide = opencann.compile(m, (torch.randn(64, 512),))        # a prefill-sized GEMM too
+    wide = opencann.compile(m, (torch.randn(64, 512),))        # a prefill-sized GEMM: no copy
     small = opencann.compile(MLP().eval(), (torch.randn(rows, 48),))   # a small weight: never
-    assert _kernels(wide) == ["addmm_kn", "addmm_kn"] and "addmm_kn" not in _kernels(small)
+    assert "addmm_kn" not in _kernels(wide) and "addmm_kn" not in _kernels(small)
+    shared = {"share_weights": True}                  # a decode graph's copy serves a prefill
+    dec = opencann.compile(m, (torch.randn(rows, 512),), options=shared)
+    pre = opencann.compile(m, (torch.randn(64, 512),), options=shared)
+    assert _kernels(dec) == _kernels(pre) == ["addmm_kn", "addmm_kn"]
     assert not cpu_kernels.kn_offered(torch.randn(512, 640), 1)   # contiguous: addmm is NN
     assert cpu_kernels.kn_offered(torch.randn(640, 512).t(), 1)
-    assert cpu_kernels.kn_offered(torch.randn(640, 512).t(), 512)
+    assert not cpu_kernels.kn_offered(torch.randn(640, 512).t(), 512)   # no [k, n] copy lives
     assert not cpu_kernels.kn_offered(torch.randn(100, 512).t(), 1)    # 200 KiB
     assert not cpu_kernels.kn_offered(torch.randn(640, 512, dtype=torch.bfloat16).t(), 1)
 
@@ -345,3 +361,38 @@ def test_a_weight_written_through_data_and_compiled_again_is_packed_again(kernel
         _close(again(x), m(x))
     with pytest.raises(Exception, match="modified in place"):
         first(x)
+
+
+def test_a_weight_keeps_at_most_one_packed_layout():
+    """`copy_allowed`: with no copy of a weight's memory alive every kernel races; with a
+    graph holding one kind (here addmm_kn's [k, n]), also seen through another constant
+    viewing that memory (share_weights), no kernel that keeps another kind races; once
+    it is freed they race again. A concatenation races only kernels keeping no copy."""
+    wt = torch.randn(640, 512).t()                  # nn.Linear's [n, k] as [k, n], 1.25 MiB
+    assert all(cpu_kernels.copy_allowed(wt)(c) for c in cpu_kernels.GEMM_KERNELS)
+    kn = cpu_kernels._kn_weight(wt)                 # a bound kernel holds it
+    for view in (wt, wt.detach()):
+        ok = cpu_kernels.copy_allowed(view)
+        assert ok("addmm") and ok("gemv") and ok("addmm_kn")
+        assert not ok("onednn_packed") and not ok("mkl_packed")
+    del kn
+    gc.collect()
+    assert cpu_kernels.copy_allowed(wt)("onednn_packed")
+    cat = cpu_kernels.concat_weights(wt, torch.randn(640, 512).t())
+    ok = cpu_kernels.copy_allowed(cat)
+    assert ok("addmm") and not ok("addmm_kn") and not ok("onednn_packed") and not ok("mkl_packed")
+    assert ok("gemv") == cat.t().is_contiguous()
+
+
+@pytest.mark.parametrize("kernel", ["addmm_kn", "gemv"])
+def test_a_concatenation_is_made_in_its_decode_kernels_layout(kernel, monkeypatch):
+    """`concat_row_major`: the layout race's winner decides (addmm_kn: row-major [k, n],
+    the GEMV: the transpose of [n, k]); a weight under 1 MiB is [n, k] without a race;
+    `concat_weights` follows it and holds the parts' values."""
+    monkeypatch.setattr(cpu_kernels, "LINEAR_CHOICES", ForcedGemmChoice(kernel))
+    assert cpu_kernels.concat_row_major(512, 1280) == (kernel == "addmm_kn")
+    assert not cpu_kernels.concat_row_major(64, 96)
+    w1, w3 = torch.randn(640, 512).t(), torch.randn(700, 512).t()
+    cat = cpu_kernels.concat_weights(w1, w3)
+    assert cat.shape == (512, 1340) and torch.equal(cat, torch.cat([w1, w3], dim=1))
+    assert cat.is_contiguous() == (kernel == "addmm_kn") and cat.t().is_contiguous() == (kernel == "gemv")

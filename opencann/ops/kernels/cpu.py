@@ -253,15 +253,17 @@ COLD_RACE_ROWS, COLD_RACE_BYTES = 16, 1 << 20
 
 
 def kn_offered(wt: torch.Tensor, m: int) -> bool:
-    """Whether ``addmm_kn`` races for the constant weight ``wt`` [k, n] (at any row count
-    ``m``): an fp32 weight of `COLD_RACE_BYTES` or more held transposed (not contiguous).
-    It is then the kernel to beat (`_measure_choice`), so that a model's prefill and
-    decode graphs share one [k, n] copy of each weight instead of keeping a second,
-    oneDNN-blocked one (a random 125M Llama's peak RSS 1750 -> see docs/performance.md);
-    on small weights the copy would cost eager's bits (addmm on the weight as held is
+    """Whether ``addmm_kn`` races for the constant weight ``wt`` [k, n] at ``m`` rows:
+    an fp32 weight of `COLD_RACE_BYTES` or more held transposed (not contiguous), at a
+    few rows (`COLD_RACE_ROWS`, decode), or at more rows where its [k, n] copy exists
+    already (made for a decode graph over the same memory): at 32 and 512 rows MKL's
+    GEMM on the transposed weight as held is level with it, so a prefill graph makes no
+    copy of its own. Where it races it is the kernel to beat (`_measure_choice`); on
+    small weights the copy would cost eager's bits (addmm on the weight as held is
     eager's ``mm``) for no measured gain."""
     return (wt.dtype == torch.float32 and wt.dim() == 2 and not wt.is_contiguous()
-            and wt.numel() * wt.element_size() >= COLD_RACE_BYTES)
+            and wt.numel() * wt.element_size() >= COLD_RACE_BYTES
+            and (m <= COLD_RACE_ROWS or _live_copy(_KN_PACKED, wt)))
 
 
 def _evict_caches(scratch: torch.Tensor) -> None:
@@ -270,44 +272,79 @@ def _evict_caches(scratch: torch.Tensor) -> None:
     scratch.fill_(1.0)
 
 
-def _measure_choice(key: tuple, candidates: Dict[str, Callable], bias, wt,
-                    has_bias: bool = True) -> str:
-    """The fastest of ``candidates`` (name -> ``run(b, x, w, out)``, "addmm" among them)
-    for GEMM shape ``key`` = (m, k, n, dtype, raced kernels[, "no bias"]), timed on random
-    data of the weight ``wt``'s dtype (``bias``, else zeros, as b; None when not
-    ``has_bias``): one warm-up call each, then 6 rounds in which every candidate runs
-    once in turn (interleaved, so a burst of load on a shared machine hits all of them),
-    the least time per candidate kept; another kernel is chosen over addmm only when 3%
-    faster. A few-row GEMM of a large weight (`COLD_RACE_ROWS`) is timed with the
-    caches evicted before each call (without addmm when ``addmm_kn`` races), and where
-    ``addmm_kn`` races (`kn_offered`) it is the kernel to beat instead of addmm. Cached in `LINEAR_CHOICES` (one measurement per shape, even when binding
-    races)."""
-    m, k, n = key[:3]
+def _measure_choice(key: tuple, makers: Dict[str, Callable[[], Callable]], bias, wt,
+                    has_bias: bool = True, shape: Optional[tuple] = None) -> str:
+    """The fastest of the candidate kernels ``makers`` (name -> a maker returning ``run(b,
+    x, w, out)``, packing its weight copy; "addmm" among them) for GEMM shape ``key`` =
+    (m, k, n, dtype, raced kernels[, "no bias"]), timed on random data of the weight
+    ``wt``'s dtype (``bias``, else zeros, as b; None when not ``has_bias``): three passes,
+    in each of which every candidate in turn (the order rotating) is made, run once
+    untimed, timed twice and dropped, so that at most one candidate's packed copy
+    lives at a time (a copy another graph holds is shared, not made); the least time
+    per candidate kept; another kernel is chosen over addmm only when 3% faster. A
+    few-row GEMM of a large weight (`COLD_RACE_ROWS`) is timed with the caches evicted
+    before each call (without addmm when ``addmm_kn`` races), and where ``addmm_kn``
+    races (`kn_offered`) it is the kernel to beat instead of addmm. Cached in
+    `LINEAR_CHOICES` (one measurement per shape, even when binding races). The caller
+    makes the winner's kernel again (its copy then lives while the kernel does).
+    ``shape``: (m, k, n) when ``key`` does not start with them."""
+    m, k, n = shape or key[:3]
     with _LINEAR_CHOICES_LOCK:
         choice = LINEAR_CHOICES.get(key)
-        if choice not in candidates:
+        if choice not in makers:
             g = torch.Generator().manual_seed(0)
             x = torch.randn(m, k, generator=g).to(wt.dtype)
             b = (bias if bias is not None else torch.zeros(n, dtype=wt.dtype)) if has_bias else None
             out = torch.empty(m, n, dtype=wt.dtype)
             cold = m <= COLD_RACE_ROWS and k * n * wt.element_size() >= COLD_RACE_BYTES
-            base = "addmm_kn" if "addmm_kn" in candidates else "addmm"   # see kn_offered
-            calls = {name: (lambda r=run: r(b, x, wt, out)) for name, run in candidates.items()
-                     if not (cold and base == "addmm_kn" and name == "addmm")}
-            times = {name: float("inf") for name in calls}
-            for name, call in calls.items():
-                call()  # warm-up: first-call set-up (oneDNN primitive creation) is not timed
+            base = "addmm_kn" if "addmm_kn" in makers else "addmm"   # see kn_offered
+            names = [name for name in makers if not (cold and base == "addmm_kn" and name == "addmm")]
+            times = {name: float("inf") for name in names}
             scratch = torch.empty(8 << 20) if cold else None   # freed after the race
-            for _ in range(6):
-                for name, call in calls.items():
-                    if scratch is not None:
-                        _evict_caches(scratch)
-                    times[name] = min(times[name], best_time_us(call, reps=1, warmup=False))
+            for rnd in range(3):
+                for name in names[rnd % len(names):] + names[:rnd % len(names)]:
+                    run = makers[name]()
+                    run(b, x, wt, out)  # warm-up: first-call set-up (oneDNN primitive creation)
+                    for _ in range(2):
+                        if scratch is not None:
+                            _evict_caches(scratch)
+                        times[name] = min(times[name], best_time_us(
+                            lambda: run(b, x, wt, out), reps=1, warmup=False))
+                    del run   # its packed copy goes with it (unless another kernel holds it)
             best = min((t, name) for name, t in times.items() if name != base)[1] \
                 if len(times) > 1 else base
             choice = best if times[best] < _MARGIN * times[base] else base
             LINEAR_CHOICES[key] = choice
     return choice
+
+
+def concat_row_major(k: int, n: int, dtype: torch.dtype = torch.float32) -> bool:
+    """Whether a concatenation of constant weights into one [k, n] GEMM operand (the
+    merged Q/K/V, GatedMLP's gate and up, `concat_weights`) is made row-major (contiguous
+    [k, n], which addmm reads as MKL's row-major GEMV: what ``addmm_kn`` runs) rather
+    than as the transpose of a contiguous [n, k] (nn.Linear's layout, which the decode
+    GEMV reads as it is). The concatenation is the weight's one packed layout
+    (`copy_allowed`), so its layout is its decode kernel's: decided by a cold race at 1
+    row as `_measure_choice` runs it ("addmm_kn": row-major, against "gemv"), on random
+    weights of that shape made one at a time, once per (k, n, dtype) (`LINEAR_CHOICES`).
+    fp32 weights under `COLD_RACE_BYTES`, other dtypes and shapes without the GEMV:
+    [n, k] (the unmerged weights' layout: eager's bits for addmm)."""
+    if dtype != torch.float32 or k * n * 4 < COLD_RACE_BYTES:
+        return False
+    key = ("concat layout", k, n, str(dtype))
+    gen = torch.Generator().manual_seed(0)
+
+    def row_major() -> Callable:
+        w = torch.randn(k, n, generator=gen)
+        return lambda b, x, _w, out=None: torch.ops.aten.mm.out(x, w, out=out)
+
+    def column_major() -> Callable:
+        from .gemv_cpu import gemv
+        w = torch.randn(n, k, generator=gen)
+        return lambda b, x, _w, out=None: gemv(x, w, None, out=out)
+    probe = torch.empty(0, dtype=dtype)
+    return _measure_choice(key, {"addmm_kn": row_major, "gemv": column_major},
+                           None, probe, has_bias=False, shape=(1, k, n)) == "addmm_kn"
 
 
 def _copy_act(r: torch.Tensor, out, post) -> torch.Tensor:
@@ -361,6 +398,50 @@ _KN_PACKED = WeakIdKeyDictionary()  # constant weight [k, n] (not contiguous) ->
 _PACKED_VIEWS: Dict[tuple, "weakref.ref"] = {}
 
 
+def _view_key(cache: WeakIdKeyDictionary, wt: torch.Tensor) -> tuple:
+    """`_PACKED_VIEWS`' key of ``cache``'s copy of ``wt``'s memory (`_packed_once`)."""
+    return (id(cache), wt.data_ptr(), tuple(wt.shape), wt.stride(), wt.dtype, wt._version,
+            probe_bytes(wt))
+
+
+def _live_copy(cache: WeakIdKeyDictionary, wt: torch.Tensor) -> bool:
+    """Whether ``cache`` holds a live copy of ``wt`` or of a constant viewing the same
+    memory at the same version (`_packed_once` would share it, not make one)."""
+    key = _view_key(cache, wt)
+    with _ONEDNN_PACKED_LOCK:
+        if _deref(cache.get(wt)) is not None:
+            return True
+        ref = _PACKED_VIEWS.get(key)
+        owner = ref() if ref is not None else None
+        return owner is not None and _deref(cache.get(owner)) is not None
+
+
+def _copies(kernel: str, wt: torch.Tensor) -> bool:
+    """Whether GEMM ``kernel`` keeps a copy of the constant weight ``wt`` [k, n]: addmm
+    never, the GEMV not when ``wt`` is the transpose of a contiguous [n, k] weight, the
+    others always (``addmm_kn``'s [k, n], oneDNN's blocked layout, MKL's packed)."""
+    if kernel == "addmm":
+        return False
+    if kernel == "gemv":
+        return not wt.t().is_contiguous()
+    return True
+
+
+def copy_allowed(wt: torch.Tensor) -> Callable[[str], bool]:
+    """Which GEMM kernels may race for the constant fp32 weight ``wt`` (bf16 binds
+    oneDNN's without a race), so that a weight is held in at most two layouts (its own and one packed copy): every kernel that keeps
+    no copy (`_copies`); a kernel that keeps one only when ``wt`` is a module's weight
+    (not a concatenation made here: `concat_weights`, ``fuse_qkv_linear``, marked by
+    ``_opencann_parts``, which is the second layout already) and no other kind of copy
+    of its memory lives (one a graph compiled earlier over the same weights made: that
+    kind alone may race, and is shared)."""
+    if getattr(wt, "_opencann_parts", None) is not None:
+        return lambda c: not _copies(c, wt)
+    held = {k for k, cache in (("addmm_kn", _KN_PACKED), ("onednn_packed", _ONEDNN_PACKED),
+                               ("gemv", _GEMV_PACKED)) if _copies(k, wt) and _live_copy(cache, wt)}
+    return lambda c: not _copies(c, wt) or not held or c in held
+
+
 def _packed_once(cache: WeakIdKeyDictionary, wt: torch.Tensor,
                  make: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
     """``cache``'s packed copy of the constant weight ``wt`` (``make(wt)``), made once per
@@ -369,8 +450,7 @@ def _packed_once(cache: WeakIdKeyDictionary, wt: torch.Tensor,
     (`probe_bytes`: a weight changed in place since, also through ``.data``, which keeps
     the version, then compiled again, is packed again) while the first one lives. ``cache`` holds it
     weakly: it lives while a caller (a bound kernel) holds it, and is made again after."""
-    key = (id(cache), wt.data_ptr(), tuple(wt.shape), wt.stride(), wt.dtype, wt._version,
-           probe_bytes(wt))
+    key = _view_key(cache, wt)
     with _ONEDNN_PACKED_LOCK:
         packed = _deref(cache.get(wt))
         if packed is None:
@@ -408,19 +488,36 @@ def _gemv_weight(wt: torch.Tensor) -> torch.Tensor:
     return _packed_once(_GEMV_PACKED, wt, lambda w: pack_weight(w, transposed=True))
 
 
-def packed_copies(weights: Sequence[torch.Tensor]) -> List[torch.Tensor]:
-    """The packed copies bound kernels hold of the constant ``weights`` (oneDNN's blocked
-    layout, the GEMV's [n, k], ``addmm_kn``'s [k, n], `concat_weights`; made at bind
-    time and alive while
-    a kernel holds them): what a compiled graph keeps beside its constants. A copy that
-    is the weight's own memory (the GEMV on a transposed weight) is listed too; count
-    storages once."""
-    found = []
-    for cache in (_ONEDNN_PACKED, _GEMV_PACKED, _KN_PACKED, _CONCAT_OF):
-        with _ONEDNN_PACKED_LOCK:
-            refs = [cache.get(w) for w in weights if isinstance(w, torch.Tensor)]
-        found += [t for t in map(_deref, refs) if t is not None]
+def packed_copies_by_kind(weights: Sequence[torch.Tensor]) -> Dict[str, List[torch.Tensor]]:
+    """The packed copies bound kernels hold of the constant ``weights``, by kind:
+    ``"onednn_packed"`` (oneDNN's blocked layout), ``"gemv"`` (the GEMV's [n, k]),
+    ``"addmm_kn"`` ([k, n] contiguous) and ``"concat"`` (`concat_weights`), and,
+    followed through, the copies kernels made of those copies (a concatenation's own
+    packed layout). Made at bind time and alive while a kernel holds them: what a
+    compiled graph keeps beside its constants. A copy that is the weight's own memory
+    (the GEMV on a transposed weight) is listed too, and a copy may be listed under two
+    weights: count storages once."""
+    kinds = (("concat", _CONCAT_OF), ("onednn_packed", _ONEDNN_PACKED), ("gemv", _GEMV_PACKED),
+             ("addmm_kn", _KN_PACKED))
+    found: Dict[str, List[torch.Tensor]] = {k: [] for k, _ in kinds}
+    seen, todo = set(), [w for w in weights if isinstance(w, torch.Tensor)]
+    while todo:
+        todo = [w for w in todo if id(w) not in seen]
+        seen.update(map(id, todo))
+        new: List[torch.Tensor] = []
+        for kind, cache in kinds:
+            with _ONEDNN_PACKED_LOCK:
+                refs = [cache.get(w) for w in todo if not w.is_mkldnn]
+            got = [t for t in map(_deref, refs) if t is not None]
+            found[kind] += got
+            new += got
+        todo = new
     return found
+
+
+def packed_copies(weights: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+    """Every packed copy of `packed_copies_by_kind`, in one list (count storages once)."""
+    return [t for ts in packed_copies_by_kind(weights).values() for t in ts]
 
 
 # (memory keys of the parts) -> weak reference to their concatenation (`concat_weights`)
@@ -433,19 +530,27 @@ def _memory_key(t: torch.Tensor) -> tuple:
 
 
 def concat_weights(w1: torch.Tensor, w3: torch.Tensor) -> torch.Tensor:
-    """The contiguous [k, n1 + n2] concatenation of the constant weights ``w1`` [k, n1]
-    and ``w3`` [k, n2] (GatedMLP's gate and up projections, so that a few-row GatedMLP is
-    one GEMM), made once for every graph whose constants view the same memory at the same
-    version counters and kept while a bound kernel holds it. It holds references to its
-    parts, so their memory (the key's addresses) cannot be reused while it lives; it is
-    counted by `packed_copies` as a copy of ``w1``."""
+    """The [k, n1 + n2] concatenation of the constant weights ``w1`` [k, n1] and ``w3``
+    [k, n2] (GatedMLP's gate and up projections, so that a few-row GatedMLP is one GEMM):
+    where both are transposed views of contiguous [n, k] weights (nn.Linear's), in the
+    layout its decode kernel reads fastest (`concat_row_major`: row-major, or the
+    transpose of a contiguous [n1 + n2, k], which the decode GEMV reads with no copy of
+    its own; no kernel keeps another, `copy_allowed`), else contiguous. Made once for every graph
+    whose constants view the same memory at the same version counters and kept while a
+    bound kernel holds it. It holds references to its parts (``_opencann_parts``), so
+    their memory (the key's addresses) cannot be reused while it lives; it is counted by
+    `packed_copies` as a copy of ``w1``."""
     key = (_memory_key(w1), _memory_key(w3))
     with _ONEDNN_PACKED_LOCK:
         for k in [k for k, r in _CONCATS.items() if r() is None]:
             del _CONCATS[k]
         cat = _deref(_CONCATS.get(key))
         if cat is None:
-            cat = torch.cat([w1.detach(), w3.detach()], dim=1)
+            k, n = int(w1.shape[0]), int(w1.shape[1] + w3.shape[1])
+            if w1.t().is_contiguous() and w3.t().is_contiguous() and not concat_row_major(k, n, w1.dtype):
+                cat = torch.cat([w1.detach().t(), w3.detach().t()], dim=0).t()
+            else:
+                cat = torch.cat([w1.detach(), w3.detach()], dim=1)
             cat._opencann_parts = (w1, w3)
             _CONCATS[key] = weakref.ref(cat)
         _CONCAT_OF[w1] = weakref.ref(cat)
@@ -492,25 +597,37 @@ def _packed_kernel(kernel: str, wt: torch.Tensor, m: int, post, act: str = "none
 
 
 def _known_choice(made, m: int, k: int, n: int, dtype, bias: Optional[TensorDesc],
-                  kn: bool = False) -> tuple:
+                  kn: bool = False, allowed: Optional[Callable[[str], bool]] = None) -> tuple:
     """(cache key, choice) for a GEMM of shape (m, k, n) with a bias of ``bias``'s shape
     or none (None): the kernels raced here (oneDNN's prepacked where it exists, else
     MKL's packed, the GEMV for 1..`GEMV_MAX_ROWS` rows, ``addmm_kn`` where ``kn``
-    (`kn_offered`), and addmm) are the key's last item (after "no bias" for a bias-free GEMM); the choice is
+    (`kn_offered`), and addmm, those ``allowed`` (`copy_allowed`; None: all)) are the
+    key's last item (after "no bias" for a bias-free GEMM); the choice is
     ``made`` (a node's earlier choice, or a model file's) where its kernel exists here,
     else addmm; with nothing made, the cached choice for the key, oneDNN's prepacked
     kernel for bf16 where it exists, "addmm" when nothing else can race, or None (to be
     measured)."""
-    raced = tuple(c for c in GEMM_KERNELS if _available(c, n, bias, m, dtype, kn))
-    if "onednn_packed" in raced:  # MKL's packing serves one m and measured no faster
-        raced = tuple(c for c in raced if c != "mkl_packed")
-    key = (m, k, n, str(dtype)) + (("no bias",) if bias is None else ()) + (raced,)
+    def race_key(ok: Callable[[str], bool]) -> tuple:
+        raced = tuple(c for c in GEMM_KERNELS if _available(c, n, bias, m, dtype, kn) and ok(c))
+        if "onednn_packed" in raced:  # MKL's packing serves one m and measured no faster
+            raced = tuple(c for c in raced if c != "mkl_packed")
+        return (m, k, n, str(dtype)) + (("no bias",) if bias is None else ()) + (raced,)
+    key = race_key(lambda c: allowed is None or c == "addmm" or allowed(c))
+    raced = key[-1]
+    if allowed is not None and made is None:
+        # the choice for this shape without the copy rule, where it is allowed: one GEMM
+        # shape of one weight (an LM head at B rows in a prefill and a decode graph) binds
+        # one kernel in every graph
+        unrestricted = LINEAR_CHOICES.get(race_key(lambda c: True))
+        if unrestricted in raced:
+            return key, unrestricted
     if made == "gemv" and not 1 <= m <= GEMV_MAX_ROWS:
         made = None  # pinned from a decode shape onto a wider one: choose for this shape
     if made in GEMM_KERNELS:
         return key, (made if _available(made, n, bias, m, dtype, kn) else "addmm")
     cached = LINEAR_CHOICES.get(key)
-    if cached in GEMM_KERNELS and _available(cached, n, bias, m, dtype, kn):
+    if cached in GEMM_KERNELS and _available(cached, n, bias, m, dtype, kn) and (
+            allowed is None or cached == "addmm" or allowed(cached)):
         return key, cached
     if dtype == torch.bfloat16 and "onednn_packed" in raced:
         return key, "onednn_packed"   # not raced: see the module docstring
@@ -572,19 +689,24 @@ def gemm_kernel(node: Node, x: TensorDesc, wt: Optional[torch.Tensor], bias: Opt
     m, k = (int(d) for d in x.shape)
     n = int(wt.shape[1])
     key, choice = _known_choice(node.meta.get("kernel"), m, k, n, wt.dtype, bias,
-                                kn=kn_offered(wt, m))
+                                kn=kn_offered(wt, m),
+                                allowed=copy_allowed(wt) if wt.dtype == torch.float32 else None)
     raced = key[-1]
     if choice == "addmm":  # no packing: it copies the weight twice for nothing
         node.meta["kernel"] = "addmm"
         return run_addmm
-    candidates: Dict[str, Callable] = {"addmm": run_addmm}
-    for c in ((choice,) if choice else raced[1:]):
-        candidates[c] = run_addmm_kn(_kn_weight(wt)) if c == "addmm_kn" \
-            else _packed_kernel(c, wt, m, post, act)
-    if choice is None:
-        choice = _measure_choice(key, candidates, bias_const, wt, has_bias=bias is not None)
+
+    def maker(c: str) -> Callable[[], Callable]:
+        if c == "addmm":
+            return lambda: run_addmm
+        if c == "addmm_kn":
+            return lambda: run_addmm_kn(_kn_weight(wt))
+        return lambda: _packed_kernel(c, wt, m, post, act)
+    if choice is None:   # raced one copy at a time (`_measure_choice`)
+        choice = _measure_choice(key, {c: maker(c) for c in raced}, bias_const, wt,
+                                 has_bias=bias is not None)
     node.meta["kernel"] = choice
-    return candidates[choice]
+    return maker(choice)()
 
 
 def make_linear_kernel(node: Node, in_descs: Sequence[TensorDesc], consts: Sequence) -> Callable:
@@ -646,5 +768,5 @@ def make_linear_kernel(node: Node, in_descs: Sequence[TensorDesc], consts: Seque
 
 
 __all__ = ["BF16_LINEAR_POST", "GEMM_KERNELS", "LINEAR_CHOICES", "LINEAR_DTYPES", "ConvWeightPacks", "ThreadPacks",
-           "concat_weights", "kn_offered", "packed_copies",
+           "concat_row_major", "concat_weights", "copy_allowed", "kn_offered", "packed_copies", "packed_copies_by_kind",
            "gemm_kernel", "linear_writes_out", "make_conv_kernel", "make_linear_kernel", "make_trans_data"]

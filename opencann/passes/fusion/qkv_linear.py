@@ -29,6 +29,7 @@ import torch
 
 from ...ir import Graph, Node, TensorDesc, TensorRef, Value
 from ...ops import output_aliases
+from ...ops.kernels.cpu import concat_row_major
 from ...ops.weight_probe import probe_bytes
 from ..base import PassContext, Skip
 from .common import CpuFusion
@@ -172,18 +173,24 @@ class FuseQKVLinear(CpuFusion):
     def rewrite(self, graph: Graph, m: _QKVMatch, ctx: PassContext) -> int:
         """Add the concatenated weight [k, Σn] and bias [Σn] (when the siblings have
         one) as constants (the weight stored as the transpose of a contiguous [Σn, k], the
-        layout of the weights it replaces; under ``share_weights`` a row-major [k, Σn] made
-        once for every graph, `shared_concat_const`), create the merged LinearAct before the first
+        layout of the weights it replaces; under ``share_weights`` made once for every
+        graph, `shared_concat_const`, in the layout its decode kernel reads fastest,
+        `cpu.concat_row_major`), create the merged LinearAct before the first
         sibling and one StridedSlice per sibling, rewire the siblings' users to the slices
         and erase the siblings. Returns 1."""
         first = m.nodes[0]
         parts = [_parts(n) for n in m.nodes]
         x = parts[0][1]
         if ctx.options.get("share_weights"):
-            # [k, Σn] row-major: the decode GEMMs read it as it is (a transposed one would
-            # get a contiguous copy of its own, `cpu.kn_offered`)
+            # [k, Σn] in the layout its decode kernel reads fastest (`cpu.concat_row_major`):
+            # no kernel keeps another copy of it (`cpu.copy_allowed`)
             const = functools.partial(shared_concat_const, graph)
-            wv = const([w.const for _, _, w in parts], f"{first.name}_qkv_w", dim=1)
+            ws = [w.const for _, _, w in parts]
+            k, n = int(ws[0].shape[0]), sum(int(w.shape[1]) for w in ws)
+            if concat_row_major(k, n, ws[0].dtype):
+                wv = const(ws, f"{first.name}_qkv_w", dim=1)
+            else:
+                wv = const([w.t() for w in ws], f"{first.name}_qkv_w", transpose=True)
         else:
             def const(ts, name, transpose=False):
                 cat = torch.cat(list(ts))
