@@ -501,6 +501,17 @@ def test_rotary_mul_bad_input_is_one_clear_error(args, match):
         rotary_mul(*args(x, c))
 
 
+def test_cos_broadcast_along_d_is_one_error_at_prefill_sizes_too():
+    """Above ATen's grain the pair runs `_pair_flat`'s unit-stride rows: a cos/sin of D 1
+    was read D elements past its end there (silently wrong), refused only below it."""
+    q, k = torch.randn(3, 2, 4097, 8), torch.randn(3, 2, 4097, 8)
+    c = torch.randn(1, 1, 4097, 1)
+    with pytest.raises(ValueError, match="do not broadcast"):
+        apply_rotary_pos_emb(q, k, c, c)
+    with pytest.raises(ValueError, match="do not broadcast"):
+        rotary_mul(q, c, c)
+
+
 @pytest.mark.parametrize("rows", [4, 300])     # the calling-thread and the parallel kernel
 def test_add_rms_norm_kernel_matches_eager(rows):
     a, b = torch.randn(rows, 1, 96, generator=G) * 3, torch.randn(rows, 1, 96, generator=G)

@@ -156,8 +156,8 @@ def _row_strides(t: torch.Tensor) -> "np.ndarray":
 def _pair_flat(q, k, r1, r2, oq, ok) -> bool:
     """`_parallel_pair_flat` of ``q`` and ``k`` (None: q alone) into the contiguous ``oq``,
     ``ok`` when both are 4-D float32 [B, N, S, D] with a unit last stride and the float32
-    cos ``r1`` / sin ``r2`` broadcast to them along the leading dims with a unit last
-    stride (along the heads only when q is alone or q and k have as many heads); False,
+    cos ``r1`` / sin ``r2`` broadcast to them along the leading dims (D itself, never
+    broadcast: the rows read D elements of each) with a unit last stride (along the heads only when q is alone or q and k have as many heads); False,
     nothing written, otherwise."""
     xs = (q,) if k is None else (q, k)
     if not (all(x.dim() == 4 and x.numel() and x.stride(3) == 1 and x.dtype == torch.float32 for x in xs)
@@ -167,7 +167,7 @@ def _pair_flat(q, k, r1, r2, oq, ok) -> bool:
     cs = []
     for r in (r1, r2):
         r4 = r.reshape((1,) * (4 - r.dim()) + tuple(r.shape)) if r.dim() < 4 else r
-        if r4.dim() != 4 or r4.stride(3) != 1 \
+        if r4.dim() != 4 or r4.stride(3) != 1 or r4.shape[3] != q.shape[3] \
                 or any(m not in (1, n) for x in xs for m, n in zip(r4.shape, x.shape)):
             return False
         cs.append(r4)
