@@ -81,8 +81,7 @@ def compile_fx(gm: torch.fx.GraphModule, example_inputs, options: Optional[Dict[
         if churn is not None:
             if churn.eager:   # every call was a new shape: eager's kernels, no plan per call
                 return list(gm(*args))
-            outs = execute(args)
-            churn.after(tuple(execute.values(args).values()))
+            outs = churn.call(execute, args)
         else:
             outs = execute(args)
         it = iter(outs)

@@ -53,13 +53,24 @@ class ShapeChurn:
         self._seen: Set[Hashable] = set()
         self._lock = threading.Lock()
 
-    def after(self, key: Hashable) -> None:
-        """Record one call at the shape ``key``: new when no earlier call had it."""
+    def call(self, execute, args):
+        """``execute(args)`` (`compile_symbolic_fx`'s runner), recorded: a call served by a
+        cached plan is a seen shape; only a call that built one binds its key (the dims'
+        values) to ask whether the shape is new, so a cached shape costs no second bind."""
+        built = execute.plans.misses
+        outs = execute(args)
+        self.after(tuple(execute.values(args).values()) if execute.plans.misses > built else None)
+        return outs
+
+    def after(self, key: Optional[Hashable]) -> None:
+        """Record one call at the shape ``key`` (None: served by a cached plan, so seen):
+        new when no earlier call had it."""
         with self._lock:
             if self.eager:
                 return
-            new = key not in self._seen
-            self._seen.add(key)
+            new = key is not None and key not in self._seen
+            if new:
+                self._seen.add(key)
             self._run = self._run + 1 if new else 0
             if self._run < self.limit:
                 return
