@@ -14,7 +14,7 @@ from ..frontend.torch import from_fx_graph
 from ..ir.symbolic import SymExpr, bind
 from ..runtime import Executor, ExecutorPool
 from .recompiles import compile_in_progress
-from .shape_churn import ShapeChurn
+from .shape_churn import MIN_NEW_SHAPES, ShapeChurn
 
 COMPILED_GRAPHS: List[Any] = []  # reports of the graphs compiled in this process
 
@@ -46,7 +46,7 @@ def compile_fx(gm: torch.fx.GraphModule, example_inputs, options: Optional[Dict[
     placeholder position -> real tensor made a graph constant (frozen weights,
     `opencann.dynamo.freezing`); ``run`` is still called with every argument and ignores
     those positions. A graph with symbolic shapes whose every call is a new shape runs
-    its FX graph eagerly after ``plan_cache_size`` such calls (`ShapeChurn`)."""
+    its FX graph eagerly after max(``plan_cache_size``, 8) new shapes (`ShapeChurn`)."""
     constants = constants or {}
     holders = gm.graph.find_nodes(op="placeholder")
     graph = from_fx_graph(gm, example_inputs, name=f"dynamo_graph_{len(COMPILED_GRAPHS)}",
@@ -59,7 +59,8 @@ def compile_fx(gm: torch.fx.GraphModule, example_inputs, options: Optional[Dict[
         report = CompileReport(model=graph.name)
         options = check_options(options)
         execute = compile_symbolic_fx(graph, vals, options, report)
-        churn = ShapeChurn(graph.name, option(options, "plan_cache_size"), compile_in_progress())
+        churn = ShapeChurn(graph.name, max(option(options, "plan_cache_size"), MIN_NEW_SHAPES),
+                           compile_in_progress())
     else:
         graph, plan, report = compile_graph(graph, "cpu", options)
         pool = ExecutorPool(lambda: Executor(graph, plan,
@@ -80,9 +81,7 @@ def compile_fx(gm: torch.fx.GraphModule, example_inputs, options: Optional[Dict[
         if churn is not None:
             if churn.eager:   # every call was a new shape: eager's kernels, no plan per call
                 return list(gm(*args))
-            built = execute.plans.misses
-            outs = execute(args)
-            churn.after(execute.plans.misses > built)
+            outs = churn.call(execute, args)
         else:
             outs = execute(args)
         it = iter(outs)

@@ -10,28 +10,38 @@ never used again: a random-weight 12-layer Llama of 125M parameters decoded 5.7
 tokens/s that way against eager's 30.1 (``bench/llm.py --backends eager torch-compile``,
 2 threads), ~100 ms of planning per token.
 
-`ShapeChurn` watches the plan cache: after ``limit`` consecutive calls that each built a
-plan (the LRU served none of them, so no cycle of up to ``plan_cache_size`` shapes is
-repeating) the graph runs its FX graph eagerly from then on (ATen's kernels, eager's
+`ShapeChurn` watches the calls' shapes: after ``limit`` consecutive calls each at a shape
+this graph never saw before the graph runs its FX graph eagerly from then on (ATen's kernels, eager's
 values), is counted as an eager fallback with its reason (`opencann.dynamo.recompiles`)
 and says so once, naming the fix: `opencann.llm.compile` (one decode graph for every
 position, the KV cache as graph state) or a static cache (``cache_implementation=
 "static"``: the shapes stop changing). Compare vllm-ascend#588, where a service
 recompiled at every token.
+
+A shape seen before never counts, even when the LRU had evicted its plan and builds it
+again: shapes cycling among a few sizes (a small ``plan_cache_size``, or more sizes than
+it) repeat, so they are not churn (each rebuild is the LRU's documented cost; a larger
+``plan_cache_size`` avoids it). Counting plan builds instead turned a graph eager after
+its very first call with ``plan_cache_size=1``, whatever its shapes. `compile_fx` takes
+``limit`` as at least `MIN_NEW_SHAPES` (the default ``plan_cache_size``), so a graph
+whose first calls meet a few distinct sizes keeps its plans.
 """
 from __future__ import annotations
 
 import threading
-from typing import Optional
+from typing import Hashable, Optional, Set
 
 from ..log import logger
 from .recompiles import Compile, note_eager
 
+MIN_NEW_SHAPES = 8   # fewest new shapes in a row that make churn (the default plan_cache_size)
+
 
 class ShapeChurn:
-    """Counts consecutive plan-building calls of one symbolic graph (``graph``: its name,
-    for the message). `after` (built) is told whether a call built a new plan; once
-    ``limit`` (a positive int) calls in a row did, `eager` turns True for good and the
+    """Counts consecutive calls of one symbolic graph (``graph``: its name, for the
+    message) at shapes it never saw before. `after` (key) is told each call's shape key
+    (any hashable: the bound dim values); once ``limit`` (a positive int) calls in a row
+    were new, `eager` turns True for good and the
     switch is logged and counted (`note_eager`, under ``compile``: the dynamo compile that
     made the graph, None when unknown) with the reason in `reason`."""
 
@@ -40,14 +50,28 @@ class ShapeChurn:
         self.eager = False
         self.reason = ""
         self._run = 0
+        self._seen: Set[Hashable] = set()
         self._lock = threading.Lock()
 
-    def after(self, built: bool) -> None:
-        """Record one call: ``built`` when it had to build a plan for a new shape."""
+    def call(self, execute, args):
+        """``execute(args)`` (`compile_symbolic_fx`'s runner), recorded: a call served by a
+        cached plan is a seen shape; only a call that built one binds its key (the dims'
+        values) to ask whether the shape is new, so a cached shape costs no second bind."""
+        built = execute.plans.misses
+        outs = execute(args)
+        self.after(tuple(execute.values(args).values()) if execute.plans.misses > built else None)
+        return outs
+
+    def after(self, key: Optional[Hashable]) -> None:
+        """Record one call at the shape ``key`` (None: served by a cached plan, so seen):
+        new when no earlier call had it."""
         with self._lock:
             if self.eager:
                 return
-            self._run = self._run + 1 if built else 0
+            new = key is not None and key not in self._seen
+            if new:
+                self._seen.add(key)
+            self._run = self._run + 1 if new else 0
             if self._run < self.limit:
                 return
             self.eager = True
@@ -61,4 +85,4 @@ class ShapeChurn:
                        self.graph, self.reason)
 
 
-__all__ = ["ShapeChurn"]
+__all__ = ["MIN_NEW_SHAPES", "ShapeChurn"]

@@ -140,6 +140,32 @@ def test_an_eager_fallback_is_counted_with_its_reason():
     assert recompiles(m)["eager_fallbacks"] == 1
 
 
+@pytest.mark.parametrize("plan_cache_size", [1, 2])
+def test_shapes_cycling_past_a_small_plan_cache_stay_compiled(plan_cache_size):
+    """Three sizes in turn with a plan cache of 1 or 2: every call rebuilds an evicted plan,
+    but the shapes repeat, so the graph is not churn and never turns eager (counting
+    plan builds turned it eager at its first call with plan_cache_size=1)."""
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(8, 8)
+
+    def f(x):
+        return torch.relu(lin(x)) * 2
+
+    torch._dynamo.reset()
+    cf = torch.compile(f, backend="opencann", dynamic=True,
+                       options={"plan_cache_size": plan_cache_size})
+    n, n_graphs = len(eager_fallbacks()), len(COMPILED_GRAPHS)
+    with torch.no_grad():
+        for rows in [3, 5, 7] * 4:
+            x = torch.randn(rows, 8)
+            x[0, 0] = float("nan")
+            torch.testing.assert_close(cf(x), f(x), equal_nan=True)
+    assert eager_fallbacks()[n:] == []
+    (report,) = [r for r in COMPILED_GRAPHS[n_graphs:] if r.dynamic]
+    assert report.dynamic["plan_counts"]["built"] == 12     # still planned, not eager
+    torch._dynamo.reset()
+
+
 # -- symbolic training graphs ------------------------------------------------------
 @pytest.mark.parametrize("make,shapes", [
     (lambda: torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(),

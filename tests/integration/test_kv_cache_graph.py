@@ -312,7 +312,7 @@ def test_torch_compile_under_generate_gives_eagers_tokens(cache_implementation):
 @pytest.mark.filterwarnings("ignore::FutureWarning")
 def test_torch_compile_with_a_growing_cache_stops_planning_a_shape_per_token(caplog):
     """Under a DynamicCache the decode graph sees a new KV length every token: after
-    ``plan_cache_size`` calls that each built a plan it runs eagerly (counted with its
+    ``plan_cache_size`` (at least 8) calls each at a new shape it runs eagerly (counted with its
     reason, said once), so no plan is built per token after that, and the tokens stay
     eager's, in this generation and the next."""
     from opencann.dynamo import eager_fallbacks
@@ -325,13 +325,15 @@ def test_torch_compile_with_a_growing_cache_stops_planning_a_shape_per_token(cap
     before, n0 = len(eager_fallbacks()), len(COMPILED_GRAPHS)
     model.forward = torch.compile(model.forward, backend="opencann",
                                   options={"plan_cache_size": 3})
+    log = logging.getLogger("opencann")
+    log.addHandler(caplog.handler)   # the opencann logger does not propagate to root
     try:
         with caplog.at_level(logging.WARNING, logger="opencann"):
             assert torch.equal(model.generate(ids, **kw), want)
             symbolic = [r for r in COMPILED_GRAPHS[n0:] if r.dynamic.get("plan_counts")]
             assert symbolic, "no graph was planned per shape"
             built = [r.dynamic["plan_counts"]["built"] for r in symbolic]
-            assert max(built) <= 3 + 1      # 3 new shapes in a row, then eager (+ the prefill's)
+            assert max(built) <= 8          # 8 new shapes in a row (the prefill's too), then eager
             assert torch.equal(model.generate(ids, **kw), want)     # a second generation
         assert [r.dynamic["plan_counts"]["built"] for r in symbolic] == built   # none since
         churned = [m for m in caplog.messages if "runs eagerly from now on" in m]
@@ -340,6 +342,7 @@ def test_torch_compile_with_a_growing_cache_stops_planning_a_shape_per_token(cap
         assert len(rows) == before + 1 and "new input shape" in rows[-1]["reason"]
         assert opencann.dynamo.recompiles(model.forward)["eager_fallbacks"] == 1
     finally:
+        log.removeHandler(caplog.handler)
         del model.forward
         torch._dynamo.reset()
 

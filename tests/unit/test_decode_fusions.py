@@ -501,6 +501,36 @@ def test_rotary_mul_bad_input_is_one_clear_error(args, match):
         rotary_mul(*args(x, c))
 
 
+@pytest.mark.parametrize("seq", [3, 2000])     # below and above ATen's grain
+def test_rotary_into_an_output_overlapping_its_input_is_eager_bit_for_bit(seq):
+    """``out=x`` (or the pair's ``out=(q, k)``, or swapped) used to be silently wrong: a
+    row's second half read the first half the kernel had just overwritten."""
+    G = torch.Generator().manual_seed(seq)
+    c, s = torch.randn(1, 1, seq, 8, generator=G), torch.randn(1, 1, seq, 8, generator=G)
+    x = torch.randn(2, 4, seq, 8, generator=G)
+    x[0, 0, 0, 0], x[1, 3, -1, 5] = float("nan"), float("inf")
+    want = x * c + _rotate_half(x) * s
+    assert rotary_mul(x, c, s, out=x) is x
+    assert torch.equal(x.view(torch.int32), want.view(torch.int32))
+    q, k = torch.randn(2, 4, seq, 8, generator=G), torch.randn(2, 4, seq, 8, generator=G)
+    wq, wk = q * c + _rotate_half(q) * s, k * c + _rotate_half(k) * s
+    yk, yq = apply_rotary_pos_emb(q, k, c, s, out=(k, q))     # each written over the other
+    assert yq is q and yk is k
+    assert torch.equal(yk.view(torch.int32), wq.view(torch.int32))
+    assert torch.equal(yq.view(torch.int32), wk.view(torch.int32))
+
+
+def test_cos_broadcast_along_d_is_one_error_at_prefill_sizes_too():
+    """Above ATen's grain the pair runs `_pair_flat`'s unit-stride rows: a cos/sin of D 1
+    was read D elements past its end there (silently wrong), refused only below it."""
+    q, k = torch.randn(3, 2, 4097, 8), torch.randn(3, 2, 4097, 8)
+    c = torch.randn(1, 1, 4097, 1)
+    with pytest.raises(ValueError, match="do not broadcast"):
+        apply_rotary_pos_emb(q, k, c, c)
+    with pytest.raises(ValueError, match="do not broadcast"):
+        rotary_mul(q, c, c)
+
+
 @pytest.mark.parametrize("rows", [4, 300])     # the calling-thread and the parallel kernel
 def test_add_rms_norm_kernel_matches_eager(rows):
     a, b = torch.randn(rows, 1, 96, generator=G) * 3, torch.randn(rows, 1, 96, generator=G)

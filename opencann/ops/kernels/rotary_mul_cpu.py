@@ -116,11 +116,29 @@ def _as4(r: torch.Tensor, shape) -> "np.ndarray":
     return a
 
 
+def _overlaps(out: torch.Tensor, *xs: torch.Tensor) -> bool:
+    """Whether the memory of ``out`` meets the span of any of ``xs`` (byte ranges from
+    the first to the last element: conservative for strided views)."""
+    lo = out.data_ptr()
+    hi = lo + out.numel() * out.element_size()
+    for x in xs:
+        if x.numel() and out.numel():
+            a = x.data_ptr()
+            b = a + (1 + sum((n - 1) * st for n, st in zip(x.shape, x.stride()))) * x.element_size()
+            if a < hi and lo < b:
+                return True
+    return False
+
+
 def rotary_mul(x: torch.Tensor, r1: torch.Tensor, r2: torch.Tensor, out=None) -> torch.Tensor:
     """x·r1 + rotate_half(x)·r2 (module docstring) for ``x`` [B, N, S, D] float32 (D
     even) and ``r1`` (cos), ``r2`` (sin) float32 broadcastable to it; result [B, N, S, D]
-    float32, into ``out`` when given (contiguous). Raises ValueError (one line) for
-    other ranks, dtypes, an odd D or shapes that do not broadcast."""
+    float32, into ``out`` when given (contiguous; one that overlaps an input, e.g.
+    ``out=x``, gets a copy of the result: a row's second half reads the first half it
+    overwrote). Raises ValueError (one line) for other ranks, dtypes, an odd D or shapes
+    that do not broadcast."""
+    if out is not None and _overlaps(out, x, r1, r2):
+        return out.copy_(rotary_mul(x, r1, r2))
     if x.dim() != 4 or x.shape[-1] % 2 or not (x.dtype == r1.dtype == r2.dtype == torch.float32):
         raise ValueError(f"rotary_mul: expected float32 x [B, N, S, D] with D even and float32 "
                          f"cos/sin, got x {tuple(x.shape)} {x.dtype}, {r1.dtype}, {r2.dtype}")
@@ -156,8 +174,8 @@ def _row_strides(t: torch.Tensor) -> "np.ndarray":
 def _pair_flat(q, k, r1, r2, oq, ok) -> bool:
     """`_parallel_pair_flat` of ``q`` and ``k`` (None: q alone) into the contiguous ``oq``,
     ``ok`` when both are 4-D float32 [B, N, S, D] with a unit last stride and the float32
-    cos ``r1`` / sin ``r2`` broadcast to them along the leading dims with a unit last
-    stride (along the heads only when q is alone or q and k have as many heads); False,
+    cos ``r1`` / sin ``r2`` broadcast to them along the leading dims (D itself, never
+    broadcast: the rows read D elements of each) with a unit last stride (along the heads only when q is alone or q and k have as many heads); False,
     nothing written, otherwise."""
     xs = (q,) if k is None else (q, k)
     if not (all(x.dim() == 4 and x.numel() and x.stride(3) == 1 and x.dtype == torch.float32 for x in xs)
@@ -167,7 +185,7 @@ def _pair_flat(q, k, r1, r2, oq, ok) -> bool:
     cs = []
     for r in (r1, r2):
         r4 = r.reshape((1,) * (4 - r.dim()) + tuple(r.shape)) if r.dim() < 4 else r
-        if r4.dim() != 4 or r4.stride(3) != 1 \
+        if r4.dim() != 4 or r4.stride(3) != 1 or r4.shape[3] != q.shape[3] \
                 or any(m not in (1, n) for x in xs for m, n in zip(r4.shape, x.shape)):
             return False
         cs.append(r4)
@@ -187,8 +205,11 @@ def apply_rotary_pos_emb(q: torch.Tensor, k: torch.Tensor, r1: torch.Tensor, r2:
     """(`rotary_mul` (q, r1, r2), `rotary_mul` (k, r1, r2)) for a query and a key of one
     layer sharing cos (``r1``) and sin (``r2``): torch_npu's ``npu_apply_rotary_pos_emb``
     computed out of place; ``out`` a pair of contiguous float32 tensors of q's and k's
-    shapes (else fresh ones). One numba call below ATen's grain. Raises `rotary_mul`'s
-    ValueErrors."""
+    shapes (else fresh ones; an output overlapping an input gets a copy of the result).
+    One numba call below ATen's grain. Raises `rotary_mul`'s ValueErrors."""
+    if out is not None and any(_overlaps(o, q, k, r1, r2) for o in out):
+        yq, yk = apply_rotary_pos_emb(q, k, r1, r2)
+        return out[0].copy_(yq), out[1].copy_(yk)
     oq, ok = out if out is not None else (None, None)
     fast = (q.dim() == k.dim() == 4 and q.shape[0] == k.shape[0] and q.shape[2:] == k.shape[2:]
             and q.shape[3] % 2 == 0 and q.numel() < GRAIN and k.numel() < GRAIN
