@@ -1,0 +1,196 @@
+"""Where a compiled CNN's call goes, convolution by convolution: the step each
+convolution node takes in the call (`Executor.node_seconds`) split into oneDNN's own
+execution of the primitive (``ONEDNN_VERBOSE``'s exec time, in the call), torch's fixed
+cost per ``mkldnn._convolution_pointwise`` call (the op alone in a loop minus oneDNN's
+execution in that loop: primitive-cache lookup, descriptors, scratchpad and output
+allocation), the separate ReLU pass (``torch.relu_`` on the output), the Python of the
+bound kernel, and what is left in the call (caches and OpenMP wake-ups between
+kernels, the generated code's own Python); then the other nodes, the call's own cost
+(guards, output strides) and the reorders in the call (``ONEDNN_VERBOSE``: there should
+be none).
+
+    OMP_WAIT_POLICY=PASSIVE .venv/bin/python bench/conv_account.py --batch 1 --rounds 15
+
+Every figure is the least over ``--rounds`` interleaved rounds (each round: one timed
+call per node, then each convolution's pieces in turn), so on a loaded host they are
+the least disturbed times, not typical ones. Prints a Markdown table (ms per call).
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import sys
+import tempfile
+import time
+import types
+from typing import Callable, Dict, List
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+import opencann  # noqa: E402
+from opencann import zoo  # noqa: E402
+from opencann.ops.kernels.cpu import ConvWeightPacks, make_conv_kernel  # noqa: E402
+
+CONVS = ("ConvBiasAct", "ConvAddAct")
+
+
+def _ns(f: Callable[[], object]) -> int:
+    t0 = time.perf_counter_ns()
+    f()
+    return time.perf_counter_ns() - t0
+
+
+def _verbose_exec_ms(run: Callable[[], object], calls: int) -> List[List[tuple]]:
+    """oneDNN's verbose exec lines of ``calls`` runs of ``run``: per run, (primitive kind,
+    implementation, shape, ms) in execution order (stdout captured at the descriptor)."""
+    fd, path = tempfile.mkstemp()
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(fd, 1)
+    try:
+        with torch.backends.mkldnn.verbose(torch.backends.mkldnn.VERBOSE_ON):
+            for _ in range(calls):
+                run()
+                print("=====", flush=True)
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
+        os.close(fd)
+    with open(path) as f:
+        text = f.read()
+    os.unlink(path)
+    runs = []
+    for chunk in text.split("=====")[:calls]:
+        ex = [ln.split(",") for ln in chunk.splitlines() if ",exec," in ln]
+        runs.append([(e[5], e[6], e[-2], float(e[-1])) for e in ex])
+    return runs
+
+
+def _conv_pieces(node, vals: Dict[int, torch.Tensor], kernel: Callable) -> Dict[str, Callable]:
+    """The callables timed per convolution node: its bound kernel, the torch op alone
+    (no activation) and the ReLU pass alone, on copies of the node's real inputs."""
+    a = node.attrs
+    x = vals[node.inputs[0].id]
+    w = node.inputs[1].const
+    bias = node.inputs[2].const if len(node.inputs) > 2 and node.inputs[2].is_const else None
+    wp = ConvWeightPacks(node, node.inputs[0].desc, w).get()
+    cv = (a["padding"], a["stride"], a["dilation"], a["groups"])
+    args = [vals[v.id] if not v.is_const else v.const for v in node.inputs]
+    if node.op == "ConvBiasAct":
+        def op():
+            return torch.ops.mkldnn._convolution_pointwise(x, wp, bias, *cv, "none", [], "")
+    else:
+        other = vals[node.inputs[-1].id].clone(memory_format=torch.preserve_format)
+        args[-1] = other.clone(memory_format=torch.preserve_format)
+
+        def op():
+            return torch.ops.mkldnn._convolution_pointwise_.binary(
+                other, x, wp, bias, *cv, "add", None, None, [], "")
+    y = op().clone(memory_format=torch.preserve_format)
+    pieces = {"kernel": lambda: kernel(*args), "op": op}
+    if a["act"] == "relu":
+        pieces["relu"] = lambda: torch.relu_(y)
+    return pieces
+
+
+def _without_relu(node) -> Callable:
+    """The kernel of a ConvBiasAct / ConvAddAct node with ``act`` relu, bound without its
+    ReLU pass (timing only: the values differ)."""
+    bare = types.SimpleNamespace(op=node.op, attrs={**node.attrs, "act": "none"}, meta=dict(node.meta))
+    return make_conv_kernel(bare, [v.desc for v in node.inputs], [v.const for v in node.inputs])
+
+
+def account(batch: int, rounds: int) -> Dict[str, float]:
+    """ms per call of each item (module docstring) for zoo ResNet-50 at ``batch``."""
+    z = zoo.resnet50(batch=batch)
+    x = z.example_inputs[0]
+    cm = opencann.compile(z.model, z.example_inputs)
+    ex = cm.shapes.executor
+    g = ex.graph
+    vals: Dict[int, torch.Tensor] = {}
+
+    def keep(node, outs):
+        for v, t in zip(node.outputs, outs):
+            if isinstance(t, torch.Tensor):
+                vals[v.id] = t.clone(memory_format=torch.preserve_format)
+    with torch.no_grad():
+        ex.run_observed([x], keep)
+    vals[g.inputs[0].id] = x
+    convs = [(i, n) for i, n in enumerate(g.nodes) if n.op in CONVS and n.meta.get("kernel") != "aten"]
+    pieces = {i: _conv_pieces(n, vals, ex._glb[f"K{i}"]) for i, n in convs}
+    # the same executor without the ReLU passes (wrong values, right timing): its call
+    # against the real one, interleaved, is the ReLU passes' cost in the call
+    no_relu = ex.clone()
+    for i, n in convs:
+        if n.attrs["act"] == "relu":
+            no_relu._glb[f"K{i}"] = _without_relu(n)
+    best: Dict[tuple, float] = collections.defaultdict(lambda: float("inf"))
+
+    def least(key, f):
+        best[key] = min(best[key], _ns(f) / 1e6)
+    with torch.no_grad():
+        for _ in range(3):
+            cm(x)
+        for _ in range(rounds):   # in the call
+            least("call", lambda: cm(x))
+            least("run", lambda: ex.run([x]))
+            least("run without ReLU", lambda: no_relu.run([x]))
+            for name, s in ex.node_seconds([x], reps=1).items():
+                best[("node", name)] = min(best[("node", name)], s * 1e3)
+        in_call = _verbose_exec_ms(lambda: ex.run([x]), rounds)
+        for i, p in pieces.items():   # each piece alone, hot, in a loop
+            for _ in range(rounds):
+                for k, f in p.items():
+                    least((k, i), f)
+        alone = {i: _verbose_exec_ms(p["op"], rounds) for i, p in pieces.items()}
+    kinds = collections.Counter(k for k, *_ in in_call[0])
+    prim = [min(r[j][3] for r in in_call) for j in range(len(in_call[0]))]
+    conv_prim = sum(t for (k, *_), t in zip(in_call[0], prim) if k == "convolution")
+    prim_alone = sum(min(r[0][3] for r in runs) for runs in alone.values())
+    S = lambda key: sum(best[(key, i)] for i, _ in convs if (key, i) in best)  # noqa: E731
+    node_conv = sum(best[("node", n.name)] for _, n in convs)
+    node_all = sum(best[("node", n.name)] for n in g.nodes)
+    relu_call = best["run"] - best["run without ReLU"]
+    fixed = S("op") - prim_alone
+    python = S("kernel") - S("op") - S("relu")
+    out = {
+        "call": best["call"], "nodes": node_all, "conv nodes": node_conv,
+        "oneDNN convolution primitives (in the call)": conv_prim,
+        "oneDNN convolution primitives (each alone, hot)": prim_alone,
+        "torch op fixed cost (alone, hot)": fixed,
+        "ReLU passes (in the call)": relu_call,
+        "ReLU passes (each alone, hot)": S("relu"),
+        "bound kernel's Python (alone, hot)": python,
+        "conv nodes less the above": node_conv - conv_prim - fixed - relu_call - python,
+        "reorders in the call": float(kinds.get("reorder", 0)),
+        "other oneDNN primitives in the call": float(sum(v for k, v in kinds.items() if k not in ("convolution", "reorder"))),
+        "n convolutions": float(len(convs)), "n ReLU passes": float(sum("relu" in p for p in pieces.values())),
+    }
+    for n in g.nodes:
+        if n.op not in CONVS:
+            out[f"node {n.op}"] = out.get(f"node {n.op}", 0.0) + best[("node", n.name)]
+    out["call outside the nodes"] = best["call"] - node_all
+    return out
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    load0 = os.getloadavg()[0]
+    r = account(args.batch, args.rounds)
+    print(f"ResNet-50 batch {args.batch}, {args.threads} threads, {args.rounds} rounds, "
+          f"load {load0:.2f} -> {os.getloadavg()[0]:.2f}; least per item, ms per call")
+    print("| item | ms |\n|---|---|")
+    for k, v in r.items():
+        print(f"| {k} | {v:.0f} |" if k.startswith("n ") or k.startswith("reorders") else f"| {k} | {v:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
