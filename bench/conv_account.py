@@ -10,6 +10,13 @@ kernels, the generated code's own Python); then the other nodes, the call's own 
 be none).
 
     OMP_WAIT_POLICY=PASSIVE .venv/bin/python bench/conv_account.py --batch 1 --rounds 15
+    .venv/bin/python bench/conv_account.py --peer      # + OpenVINO's per-layer times
+    .venv/bin/python bench/conv_account.py --relu-post-ops   # why ReLU is not a post-op
+
+``--peer`` adds OpenVINO f32 (``PERF_COUNT``: per-layer real time) in the same rounds,
+its convolutions (with their fused ReLU / Add) against ours. ``--relu-post-ops`` prints
+what each oneDNN ReLU post-op variant torch can reach gives for NaN, +inf and -inf
+against eager's ``relu``.
 
 Every figure is the least over ``--rounds`` interleaved rounds (each round: one timed
 call per node, then each convolution's pieces in turn), so on a loaded host they are
@@ -103,11 +110,54 @@ def _without_relu(node) -> Callable:
     return make_conv_kernel(bare, [v.desc for v in node.inputs], [v.const for v in node.inputs])
 
 
-def account(batch: int, rounds: int) -> Dict[str, float]:
-    """ms per call of each item (module docstring) for zoo ResNet-50 at ``batch``."""
+def relu_post_ops() -> List[str]:
+    """One line per oneDNN ReLU post-op variant reachable through torch
+    (``mkldnn._convolution_pointwise`` unary ``relu``, ``leaky_relu(0)``, ``hardtanh(0,
+    inf)``; ``.binary`` add + ``relu`` in and out of place): its result for a
+    pre-activation of NaN, +inf, -inf, -1 and 1 (a depthwise identity 1x1 convolution,
+    addend 0) next to eager's ``relu``."""
+    c = 16
+    x = torch.zeros(1, c, 1, 5)
+    x[0, :, 0] = torch.tensor([float("nan"), float("inf"), float("-inf"), -1.0, 1.0])
+    x = x.contiguous(memory_format=torch.channels_last)
+    w = torch.ones(c, 1, 1, 1)
+    cv = ([0, 0], [1, 1], [1, 1], c)
+    zero = torch.zeros_like(x)
+    conv = torch.ops.mkldnn._convolution_pointwise
+    variants = {
+        "eager relu": lambda: torch.relu(x),
+        "relu post-op": lambda: conv(x, w, None, *cv, "relu", [], ""),
+        "leaky_relu(0) post-op": lambda: conv(x, w, None, *cv, "leaky_relu", [0.0], ""),
+        "hardtanh(0, inf) post-op": lambda: conv(x, w, None, *cv, "hardtanh", [0.0, float("inf")], ""),
+        "sum + relu post-ops (in place)": lambda: torch.ops.mkldnn._convolution_pointwise_.binary(
+            zero.clone(), x, w, None, *cv, "add", None, "relu", [], ""),
+    }
+    return [f"{k}: {[float(v) for v in f()[0, 0, 0]]}" for k, f in variants.items()]
+
+
+def _openvino(model, inputs, threads: int):
+    """(run, per-layer times) of OpenVINO f32 on ``model`` (bench/peers.py's settings);
+    ``times()`` -> [(layer type, exec type, ms)] of the last run, executed layers only."""
+    import tempfile as tf
+    import peers
+    work = tf.mkdtemp(prefix="opencann-conv-account-")
+    path = peers.export_onnx(model, inputs, os.path.join(work, "model.onnx"))
+    run, req = peers.ov_runner(peers.ov_compiled(path, threads, perf_counters=True), inputs)
+
+    def times():
+        return [(p.node_type, p.exec_type, p.real_time.total_seconds() * 1e3)
+                for p in req.profiling_info if p.status.name == "EXECUTED"]
+    return run, times
+
+
+def account(batch: int, rounds: int, peer: bool = False) -> Dict[str, float]:
+    """ms per call of each item (module docstring) for zoo ResNet-50 at ``batch``; with
+    ``peer``, OpenVINO f32's call and per-layer-type sums too (``OpenVINO ...`` keys)."""
     z = zoo.resnet50(batch=batch)
     x = z.example_inputs[0]
     cm = opencann.compile(z.model, z.example_inputs)
+    ov = _openvino(z.model, z.example_inputs, torch.get_num_threads()) if peer else None
+    ov_best: Dict[int, tuple] = {}
     ex = cm.shapes.executor
     g = ex.graph
     vals: Dict[int, torch.Tensor] = {}
@@ -131,35 +181,48 @@ def account(batch: int, rounds: int) -> Dict[str, float]:
 
     def least(key, f):
         best[key] = min(best[key], _ns(f) / 1e6)
+    prim_call: List[float] = []
+    prim_alone: Dict[int, float] = {}
+    kinds: collections.Counter = collections.Counter()
     with torch.no_grad():
         for _ in range(3):
             cm(x)
-        for _ in range(rounds):   # in the call
+        for _ in range(rounds):   # every item once per round: minima over like loads
             least("call", lambda: cm(x))
             least("run", lambda: ex.run([x]))
             least("run without ReLU", lambda: no_relu.run([x]))
+            if ov is not None:
+                least("OpenVINO call", ov[0])
+                for k, (kind, impl, ms) in enumerate(ov[1]()):
+                    if k not in ov_best or ms < ov_best[k][2]:
+                        ov_best[k] = (kind, impl, ms)
             for name, s in ex.node_seconds([x], reps=1).items():
                 best[("node", name)] = min(best[("node", name)], s * 1e3)
-        in_call = _verbose_exec_ms(lambda: ex.run([x]), rounds)
-        for i, p in pieces.items():   # each piece alone, hot, in a loop
-            for _ in range(rounds):
+            run = _verbose_exec_ms(lambda: ex.run([x]), 1)[0]
+            kinds = collections.Counter(k for k, *_ in run)
+            ms = [t for k, _, _, t in run if k == "convolution"]
+            prim_call = [min(a, b) for a, b in zip(prim_call, ms)] if prim_call else ms
+            for i, p in pieces.items():   # each piece alone, hot: the third of 3 calls
                 for k, f in p.items():
+                    f(), f()
                     least((k, i), f)
-        alone = {i: _verbose_exec_ms(p["op"], rounds) for i, p in pieces.items()}
-    kinds = collections.Counter(k for k, *_ in in_call[0])
-    prim = [min(r[j][3] for r in in_call) for j in range(len(in_call[0]))]
-    conv_prim = sum(t for (k, *_), t in zip(in_call[0], prim) if k == "convolution")
-    prim_alone = sum(min(r[0][3] for r in runs) for runs in alone.values())
+                p["op"](), p["op"]()
+                t = _verbose_exec_ms(p["op"], 1)[0][-1][3]
+                prim_alone[i] = min(prim_alone.get(i, t), t)
+    conv_prim = sum(prim_call)
+    prim_alone_sum = sum(prim_alone.values())
     S = lambda key: sum(best[(key, i)] for i, _ in convs if (key, i) in best)  # noqa: E731
     node_conv = sum(best[("node", n.name)] for _, n in convs)
     node_all = sum(best[("node", n.name)] for n in g.nodes)
     relu_call = best["run"] - best["run without ReLU"]
-    fixed = S("op") - prim_alone
+    fixed = S("op") - prim_alone_sum
     python = S("kernel") - S("op") - S("relu")
     out = {
-        "call": best["call"], "nodes": node_all, "conv nodes": node_conv,
+        "call": best["call"], "executor run": best["run"],
+        "call less executor run (guards, outputs)": best["call"] - best["run"],
+        "nodes (sum of each node's least step)": node_all, "conv nodes": node_conv,
         "oneDNN convolution primitives (in the call)": conv_prim,
-        "oneDNN convolution primitives (each alone, hot)": prim_alone,
+        "oneDNN convolution primitives (each alone, hot)": prim_alone_sum,
         "torch op fixed cost (alone, hot)": fixed,
         "ReLU passes (in the call)": relu_call,
         "ReLU passes (each alone, hot)": S("relu"),
@@ -169,10 +232,14 @@ def account(batch: int, rounds: int) -> Dict[str, float]:
         "other oneDNN primitives in the call": float(sum(v for k, v in kinds.items() if k not in ("convolution", "reorder"))),
         "n convolutions": float(len(convs)), "n ReLU passes": float(sum("relu" in p for p in pieces.values())),
     }
+    if ov is not None:
+        out["OpenVINO call"] = best["OpenVINO call"]
+        for kind, impl, ms in ov_best.values():
+            key = f"OpenVINO {kind} ({impl})"
+            out[key] = out.get(key, 0.0) + ms
     for n in g.nodes:
         if n.op not in CONVS:
             out[f"node {n.op}"] = out.get(f"node {n.op}", 0.0) + best[("node", n.name)]
-    out["call outside the nodes"] = best["call"] - node_all
     return out
 
 
@@ -181,10 +248,16 @@ def main(argv=None) -> None:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--peer", action="store_true", help="OpenVINO f32's per-layer times too")
+    ap.add_argument("--relu-post-ops", action="store_true",
+                    help="only print the oneDNN ReLU post-ops' NaN/Inf results against eager")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
+    if args.relu_post_ops:
+        print("\n".join(relu_post_ops()))
+        return
     load0 = os.getloadavg()[0]
-    r = account(args.batch, args.rounds)
+    r = account(args.batch, args.rounds, args.peer)
     print(f"ResNet-50 batch {args.batch}, {args.threads} threads, {args.rounds} rounds, "
           f"load {load0:.2f} -> {os.getloadavg()[0]:.2f}; least per item, ms per call")
     print("| item | ms |\n|---|---|")
