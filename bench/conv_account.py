@@ -3,11 +3,11 @@ convolution node takes in the call (`Executor.node_seconds`) split into oneDNN's
 execution of the primitive (``ONEDNN_VERBOSE``'s exec time, in the call), torch's fixed
 cost per ``mkldnn._convolution_pointwise`` call (the op alone in a loop minus oneDNN's
 execution in that loop: primitive-cache lookup, descriptors, scratchpad and output
-allocation), the separate ReLU pass (``torch.relu_`` on the output), the Python of the
-bound kernel, and what is left in the call (caches and OpenMP wake-ups between
-kernels, the generated code's own Python); then the other nodes, the call's own cost
-(guards, output strides) and the reorders in the call (``ONEDNN_VERBOSE``: there should
-be none).
+allocation), the separate ReLU passes (the call against the same executor with its
+convolutions bound without them, interleaved; and each ``torch.relu_`` alone), and what
+is left in the call (the bound kernel's and the generated code's Python, caches, OpenMP
+wake-ups between kernels); then the other nodes, the call's own cost (guards, outputs)
+and the reorders in the call (``ONEDNN_VERBOSE``: there should be none).
 
     OMP_WAIT_POLICY=PASSIVE .venv/bin/python bench/conv_account.py --batch 1 --rounds 15
     .venv/bin/python bench/conv_account.py --peer      # + OpenVINO's per-layer times
@@ -76,28 +76,26 @@ def _verbose_exec_ms(run: Callable[[], object], calls: int) -> List[List[tuple]]
     return runs
 
 
-def _conv_pieces(node, vals: Dict[int, torch.Tensor], kernel: Callable) -> Dict[str, Callable]:
-    """The callables timed per convolution node: its bound kernel, the torch op alone
-    (no activation) and the ReLU pass alone, on copies of the node's real inputs."""
+def _conv_pieces(node, vals: Dict[int, torch.Tensor]) -> Dict[str, Callable]:
+    """The callables timed per convolution node: the torch op alone (no activation) and
+    the ReLU pass alone, on copies of the node's real inputs."""
     a = node.attrs
     x = vals[node.inputs[0].id]
     w = node.inputs[1].const
     bias = node.inputs[2].const if len(node.inputs) > 2 and node.inputs[2].is_const else None
     wp = ConvWeightPacks(node, node.inputs[0].desc, w).get()
     cv = (a["padding"], a["stride"], a["dilation"], a["groups"])
-    args = [vals[v.id] if not v.is_const else v.const for v in node.inputs]
     if node.op == "ConvBiasAct":
         def op():
             return torch.ops.mkldnn._convolution_pointwise(x, wp, bias, *cv, "none", [], "")
     else:
         other = vals[node.inputs[-1].id].clone(memory_format=torch.preserve_format)
-        args[-1] = other.clone(memory_format=torch.preserve_format)
 
         def op():
             return torch.ops.mkldnn._convolution_pointwise_.binary(
                 other, x, wp, bias, *cv, "add", None, None, [], "")
     y = op().clone(memory_format=torch.preserve_format)
-    pieces = {"kernel": lambda: kernel(*args), "op": op}
+    pieces = {"op": op}
     if a["act"] == "relu":
         pieces["relu"] = lambda: torch.relu_(y)
     return pieces
@@ -170,7 +168,7 @@ def account(batch: int, rounds: int, peer: bool = False) -> Dict[str, float]:
         ex.run_observed([x], keep)
     vals[g.inputs[0].id] = x
     convs = [(i, n) for i, n in enumerate(g.nodes) if n.op in CONVS and n.meta.get("kernel") != "aten"]
-    pieces = {i: _conv_pieces(n, vals, ex._glb[f"K{i}"]) for i, n in convs}
+    pieces = {i: _conv_pieces(n, vals) for i, n in convs}
     # the same executor without the ReLU passes (wrong values, right timing): its call
     # against the real one, interleaved, is the ReLU passes' cost in the call
     no_relu = ex.clone()
@@ -216,7 +214,6 @@ def account(batch: int, rounds: int, peer: bool = False) -> Dict[str, float]:
     node_all = sum(best[("node", n.name)] for n in g.nodes)
     relu_call = best["run"] - best["run without ReLU"]
     fixed = S("op") - prim_alone_sum
-    python = S("kernel") - S("op") - S("relu")
     out = {
         "call": best["call"], "executor run": best["run"],
         "call less executor run (guards, outputs)": best["call"] - best["run"],
@@ -226,8 +223,7 @@ def account(batch: int, rounds: int, peer: bool = False) -> Dict[str, float]:
         "torch op fixed cost (alone, hot)": fixed,
         "ReLU passes (in the call)": relu_call,
         "ReLU passes (each alone, hot)": S("relu"),
-        "bound kernel's Python (alone, hot)": python,
-        "conv nodes less the above": node_conv - conv_prim - fixed - relu_call - python,
+        "conv nodes less the above (Python, caches, thread wake-ups)": node_conv - conv_prim - fixed - relu_call,
         "reorders in the call": float(kinds.get("reorder", 0)),
         "other oneDNN primitives in the call": float(sum(v for k, v in kinds.items() if k not in ("convolution", "reorder"))),
         "n convolutions": float(len(convs)), "n ReLU passes": float(sum("relu" in p for p in pieces.values())),
