@@ -12,6 +12,7 @@ and the reorders in the call (``ONEDNN_VERBOSE``: there should be none).
     OMP_WAIT_POLICY=PASSIVE .venv/bin/python bench/conv_account.py --batch 1 --rounds 15
     .venv/bin/python bench/conv_account.py --peer      # + OpenVINO's per-layer times
     .venv/bin/python bench/conv_account.py --relu-post-ops   # why ReLU is not a post-op
+    .venv/bin/python bench/conv_account.py --fixed-cost --threads 1
 
 ``--peer`` adds OpenVINO f32 (``PERF_COUNT``: per-layer real time) in the same rounds,
 its convolutions (with their fused ReLU / Add) against ours. ``--relu-post-ops`` prints
@@ -38,6 +39,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import opencann  # noqa: E402
 from opencann import zoo  # noqa: E402
+from opencann.ir import TensorDesc  # noqa: E402
 from opencann.ops.kernels.cpu import ConvWeightPacks, make_conv_kernel  # noqa: E402
 
 CONVS = ("ConvBiasAct", "ConvAddAct")
@@ -131,6 +133,31 @@ def relu_post_ops() -> List[str]:
             zero.clone(), x, w, None, *cv, "add", None, "relu", [], ""),
     }
     return [f"{k}: {[float(v) for v in f()[0, 0, 0]]}" for k, f in variants.items()]
+
+
+def fixed_cost(calls: int = 3000) -> Dict[str, float]:
+    """µs per call (least of ``calls``, interleaved) of a 64→64 1×1 convolution at 2×2,
+    channels-last: ``op`` (``mkldnn._convolution_pointwise`` on the packed weight),
+    ``oneDNN exec`` (its primitive, ``ONEDNN_VERBOSE``), ``bound kernel`` (our
+    ConvBiasAct kernel with ReLU) and ``op + relu_`` (the same two calls made directly)."""
+    x = torch.randn(1, 64, 2, 2).contiguous(memory_format=torch.channels_last)
+    w, b = torch.randn(64, 64, 1, 1), torch.randn(64)
+    attrs = dict(padding=[0, 0], stride=[1, 1], dilation=[1, 1], groups=1, act="relu")
+    node = types.SimpleNamespace(op="ConvBiasAct", attrs=attrs, meta={})
+    descs = [TensorDesc.of(x), TensorDesc.of(w), TensorDesc.of(b)]
+    kernel = make_conv_kernel(node, descs, [None, w, b])
+    wp = ConvWeightPacks(node, descs[0], w).get()
+    conv = torch.ops.mkldnn._convolution_pointwise
+    fs = {"op": lambda: conv(x, wp, b, [0, 0], [1, 1], [1, 1], 1, "none", [], ""),
+          "bound kernel": lambda: kernel(x, w, b),
+          "op + relu_": lambda: torch.relu_(conv(x, wp, b, [0, 0], [1, 1], [1, 1], 1, "none", [], ""))}
+    best = {k: float("inf") for k in fs}
+    for _ in range(calls):
+        for k, f in fs.items():
+            best[k] = min(best[k], _ns(f) / 1e3)
+    runs = _verbose_exec_ms(fs["op"], min(calls, 200))
+    best["oneDNN exec"] = min(r[-1][3] for r in runs) * 1e3
+    return best
 
 
 def _openvino(model, inputs, threads: int):
@@ -247,10 +274,17 @@ def main(argv=None) -> None:
     ap.add_argument("--peer", action="store_true", help="OpenVINO f32's per-layer times too")
     ap.add_argument("--relu-post-ops", action="store_true",
                     help="only print the oneDNN ReLU post-ops' NaN/Inf results against eager")
+    ap.add_argument("--fixed-cost", action="store_true",
+                    help="only time the per-call costs on one tiny convolution (µs)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     if args.relu_post_ops:
         print("\n".join(relu_post_ops()))
+        return
+    if args.fixed_cost:
+        r = fixed_cost()
+        print(f"64->64 1x1 conv at 2x2, {args.threads} thread(s), load {os.getloadavg()[0]:.2f}, "
+              "least of 3000 calls, us: " + ", ".join(f"{k} {v:.1f}" for k, v in r.items()))
         return
     load0 = os.getloadavg()[0]
     r = account(args.batch, args.rounds, args.peer)
