@@ -10,7 +10,8 @@
 - ReLU is never a oneDNN post-op: every ReLU post-op torch reaches (``relu``,
   ``leaky_relu(0)``, ``hardtanh(0, inf)``: oneDNN's ``max(x, 0)`` and ``clip``; also
   after ``sum``) turns NaN into 0 (an earlier build also clamped +inf to FLT_MAX after
-  ``sum``); oneDNN's NaN-keeping ``eltwise_clip_v2`` is not among torch's post-ops
+  ``sum``): oneDNN's x64 JIT computes them with ``vmaxps``/``vminps``, and its NaN-keeping
+  compare-and-blend ReLU (a non-zero slope) gives slope × -inf = -inf where eager gives 0
   (``bench/conv_account.py --relu-post-ops``). It runs in place after the convolution
   with eager's kernel: 49 passes, 4% of ResNet-50's batch-1 call (docs/performance.md).
   GELU (erf), tanh, sigmoid and swish post-ops match eager's NaN/Inf positions (tested
