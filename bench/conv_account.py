@@ -6,8 +6,9 @@ execution in that loop: primitive-cache lookup, descriptors, scratchpad and outp
 allocation), the separate ReLU passes (the call against the same executor with its
 convolutions bound without them, interleaved; and each ``torch.relu_`` alone), and what
 is left in the call (the bound kernel's and the generated code's Python, caches, OpenMP
-wake-ups between kernels); then the other nodes, the call's own cost (guards, outputs)
-and the reorders in the call (``ONEDNN_VERBOSE``: there should be none).
+wake-ups between kernels); then the other nodes, the call's own cost (guards, outputs),
+the reorders in the call (``ONEDNN_VERBOSE``: there should be none) and the page faults a
+call takes (``ru_minflt``: kernel-allocated outputs malloc maps afresh).
 
     OMP_WAIT_POLICY=PASSIVE .venv/bin/python bench/conv_account.py --batch 1 --rounds 15
     .venv/bin/python bench/conv_account.py --peer      # + OpenVINO's per-layer times
@@ -28,6 +29,7 @@ from __future__ import annotations
 import argparse
 import collections
 import os
+import resource
 import sys
 import tempfile
 import time
@@ -209,11 +211,14 @@ def account(batch: int, rounds: int, peer: bool = False) -> Dict[str, float]:
     prim_call: List[float] = []
     prim_alone: Dict[int, float] = {}
     kinds: collections.Counter = collections.Counter()
+    faults: List[int] = []
     with torch.no_grad():
         for _ in range(3):
             cm(x)
         for _ in range(rounds):   # every item once per round: minima over like loads
+            f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
             least("call", lambda: cm(x))
+            faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0)
             least("run", lambda: ex.run([x]))
             least("run without ReLU", lambda: no_relu.run([x]))
             if ov is not None:
@@ -252,6 +257,7 @@ def account(batch: int, rounds: int, peer: bool = False) -> Dict[str, float]:
         "ReLU passes (each alone, hot)": S("relu"),
         "conv nodes less the above (Python, caches, thread wake-ups)": node_conv - conv_prim - fixed - relu_call,
         "reorders in the call": float(kinds.get("reorder", 0)),
+        "n page faults per call (median; opencann.keep_freed_memory)": float(sorted(faults)[len(faults) // 2]),
         "other oneDNN primitives in the call": float(sum(v for k, v in kinds.items() if k not in ("convolution", "reorder"))),
         "n convolutions": float(len(convs)), "n ReLU passes": float(sum("relu" in p for p in pieces.values())),
     }
