@@ -168,7 +168,7 @@ def release_openmp_pool() -> bool:
 def keep_freed_memory(nbytes: int = 1 << 30) -> bool:
     """Keep freed blocks of up to ``nbytes`` bytes in glibc malloc's heap (process-wide
     ``mallopt``), so tensors a kernel allocates afresh on every call (oneDNN's convolution
-    outputs) reuse memory without page faults: ResNet-50 at batch 8 ran 13% faster.
+    outputs) reuse memory without page faults: ResNet-50 at batch 8 ran 11-13% faster.
     Resident memory then stays at its peak. Returns False where there is no glibc;
     raises ValueError for a non-positive ``nbytes`` (`opencann.devices.cpu_malloc`,
     docs/performance.md "fp32 ResNet-50: where the call goes")."""

@@ -18,7 +18,8 @@ an arena). Process-wide, as ``mallopt`` is, and glibc only; opencann never calls
 its own. Measured (docs/performance.md, "fp32 ResNet-50: where the call goes"):
 ResNet-50 batch 8, 2 threads, one process alternating the thresholds, 8 calls each,
 load 1.7: 236.8 (222.2) ms median (min) with 128 KiB thresholds, 204.9 (194.1) ms with
-1 GiB, faults per call 35 K -> 2 K; batch 1: 56.4 -> 55.7 ms.
+1 GiB, faults per call 35 K -> 2 K (again at load 2.5: 460.9 -> 408.5 ms); batch 1:
+56.4 -> 55.7 ms. glibc's default thresholds faulted 24-30 K pages per call there.
 """
 from __future__ import annotations
 
