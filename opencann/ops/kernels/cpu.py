@@ -7,8 +7,13 @@
   blocked layout (``_reorder_convolution_weight``); Conv2D + residual Add (+ ReLU) as
   oneDNN's ``sum`` post-op, written in place into the addend's buffer
   (``_convolution_pointwise_.binary``).
-- ReLU is never a oneDNN post-op: oneDNN's drops NaN (max(x, 0)) and, after ``sum``,
-  clamps +inf to FLT_MAX; it runs in place after the convolution with eager's kernel.
+- ReLU is never a oneDNN post-op: every ReLU post-op torch reaches (``relu``,
+  ``leaky_relu(0)``, ``hardtanh(0, inf)``: oneDNN's ``max(x, 0)`` and ``clip``; also
+  after ``sum``) turns NaN into 0 (an earlier build also clamped +inf to FLT_MAX after
+  ``sum``): oneDNN's x64 JIT computes them with ``vmaxps``/``vminps``, and its NaN-keeping
+  compare-and-blend ReLU (a non-zero slope) gives slope × -inf = -inf where eager gives 0
+  (``bench/conv_account.py --relu-post-ops``). It runs in place after the convolution
+  with eager's kernel: 49 passes, 4% of ResNet-50's batch-1 call (docs/performance.md).
   GELU (erf), tanh, sigmoid and swish post-ops match eager's NaN/Inf positions (tested
   in tests/unit/test_nan_semantics.py).
 - `make_linear_kernel` (LinearAct): MatMulV2 (addmm) or a bias-free MatMul (mm) with a
@@ -185,10 +190,11 @@ def make_conv_kernel(node: Node, in_descs: Sequence[TensorDesc], consts: Sequenc
     act = _ONEDNN_ACT[a["act"]]
     algorithm = "none" if act == "gelu" else ""   # oneDNN's exact (erf) GELU
     conv = torch.ops.mkldnn._convolution_pointwise
-    # oneDNN's ReLU post-op (every variant: relu, leaky_relu(0), hardtanh(0, inf)) turns
-    # NaN into 0, and after the sum post-op +inf into FLT_MAX; eager's ReLU keeps both.
-    # So ReLU runs in place on the convolution's output with eager's kernel (torch.relu_):
-    # one more pass over the output, measured at under 1% of ResNet-50's latency.
+    # oneDNN's ReLU post-op (every variant: relu, leaky_relu(0), hardtanh(0, inf), after
+    # sum too) turns NaN into 0; eager's ReLU keeps it. So ReLU runs in place on the
+    # convolution's output with eager's kernel (torch.relu_): one more pass over the
+    # output, 2.5 ms of a 58-60 ms ResNet-50 batch-1 call (A/B in one process, load 1.7;
+    # docs/performance.md "fp32 ResNet-50: where the call goes").
     post = None
     if act == "relu":
         act, post = "none", torch.relu_
