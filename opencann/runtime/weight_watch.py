@@ -207,7 +207,8 @@ class WeightWatch:
         self._views, self._strided, self._all, self._owners = [], [], [], []
         self._want = b""
         self.stepped, self.slots, self.replaced = set(), {}, ""
-        _WATCHES.discard(self)
+        if _WATCHES is not None:   # None once the interpreter tears this module down
+            _WATCHES.discard(self)
 
     def _died(self, ref) -> None:
         """A watched tensor was freed. While its owning module lives, that is a replacement
