@@ -69,6 +69,7 @@ register(OpDef("LayerNormFormula", OpKind.NORM, aten=torch.ops.aten.layer_norm.d
                doc="spelled-out LayerNorm: ATen's kernel where exact, else the formula's ops"))
 register(OpDef("GatedMLP", OpKind.FUSED, aliases=((),), cost_fn=_gated_mlp_cost,
                kernel_factories={"cpu": make_gated_mlp_kernel, "vnpu": vnpu_nd.make_gated_mlp},
+               out_capable=lambda n: n.device.kind == "cpu",   # the vnpu kernel returns its own
                device_cost={"vnpu": vnpu_cost.gated_mlp}, per_index=pi.gated_mlp,
                doc="silu(x·W1) * (x·W3), the SwiGLU MLP's two GEMMs in one kernel"))
 

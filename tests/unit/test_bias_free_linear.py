@@ -250,3 +250,59 @@ def test_gated_mlp_is_one_gemm_on_weights_concatenated_once(rows):
         _close(wide(xw), m(xw))
     small = opencann.compile(Decoderish().eval(), (torch.randn(rows, 48),))   # small weights
     assert not cat_of(small)
+
+
+class _Gated(nn.Module):
+    """A SwiGLU MLP: the GatedMLP's result is an intermediate (a planned arena buffer)."""
+
+    def __init__(self, d, h):
+        super().__init__()
+        self.gate, self.up = nn.Linear(d, h, bias=False), nn.Linear(d, h, bias=False)
+        self.down = nn.Linear(h, d, bias=False)
+
+    def forward(self, x):
+        return self.down(nn.functional.silu(self.gate(x)) * self.up(x))
+
+
+@pytest.mark.parametrize("d,h,rows", [(256, 1024, 64), (48, 80, 9)])   # one GEMM / two GEMMs
+def test_gated_mlp_writes_its_planned_buffer_with_no_temporary_per_call(d, h, rows):
+    """The GatedMLP kernel writes silu(gate) * up into the buffer it is given: the [M, 2N]
+    product (one GEMM on the concatenated weights) or the up projection (two GEMMs) goes
+    to the thread's scratch, so no tensor of the output's size or larger is allocated
+    in a call (each used to be fresh: page faults at prefill sizes). Values: eager's to
+    fp32 rounding, NaN/Inf rows where eager has them, a second call, outputs independent."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    torch.manual_seed(5)
+    m = _Gated(d, h).eval()
+    x = torch.randn(rows, d)
+    cm = opencann.compile(m, (x,), options={"copy_out": True})
+    assert [n.op for n in cm.graph.nodes if n.op in ("GatedMLP", "LinearAct")] == ["GatedMLP", "LinearAct"]
+
+    class Allocs(TorchDispatchMode):
+        big = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            r = func(*args, **(kwargs or {}))
+            name = func._schema.name.split("::")[-1]
+            fresh = func._overloadname != "out" and not name.endswith("_")
+            if fresh and name in ("mm", "addmm", "silu", "mul", "empty", "empty_strided") \
+                    and isinstance(r, torch.Tensor) and r.numel() >= rows * h:
+                self.big.append((name, tuple(r.shape)))
+            return r
+    outs = []
+    for k in range(2):
+        x = torch.randn(rows, d)
+        x[1, 3], x[2, 7] = float("nan"), float("inf")
+        with torch.no_grad():
+            if k:
+                with Allocs():
+                    y = cm(x)
+            else:
+                y = cm(x)
+            want = m(x)
+        assert torch.equal(torch.isnan(y), torch.isnan(want))
+        torch.testing.assert_close(y.nan_to_num(0.0, 0.0, 0.0), want.nan_to_num(0.0, 0.0, 0.0),
+                                   rtol=1e-5, atol=1e-5)
+        outs.append((y, y.clone()))
+    assert Allocs.big == [], Allocs.big
+    assert torch.equal(outs[0][0].nan_to_num(7.0), outs[0][1].nan_to_num(7.0))   # not overwritten

@@ -37,6 +37,7 @@ import torch
 
 from ...devices.cpu import best_time_us
 from ...ir import Node, TensorDesc, TensorRef, is_dense, numel
+from .scratch import thread_scratch
 
 # the kernels a ScaledDotProductAttention node may bind (node.meta["kernel"])
 ATTENTION_KERNELS = ("sdpa", "bmm_softmax")
@@ -49,7 +50,6 @@ _BUDGET_MS = 30.0   # timed race calls per shape after 2 rounds (compile time)
 # the scores scratch of one batch item, per thread: beyond this the flash kernel's tiles
 # (no S_q x S_k matrix) are the only sensible path; 32 MiB = 12 heads at S = 820
 SCORES_BOUND_BYTES = 32 << 20
-_SCRATCH = threading.local()
 _SDPA = torch.nn.functional.scaled_dot_product_attention
 _SOFTMAX_OUT = torch.ops.aten._softmax.out
 
@@ -98,15 +98,6 @@ def uncovered(node: Node, in_descs: Sequence[TensorDesc]) -> str:
     return ""
 
 
-def _scratch(n: int) -> torch.Tensor:
-    """This thread's fp32 scratch of at least ``n`` elements (reused across calls: one
-    per thread, so concurrent calls never share it)."""
-    buf = getattr(_SCRATCH, "buf", None)
-    if buf is None or buf.numel() < n:
-        buf = _SCRATCH.buf = torch.empty(n)
-    return buf[:n]
-
-
 def _out_strides(node: Node, shape: tuple) -> tuple:
     """Eager's strides of the output (traced), else contiguous."""
     st = (node.meta.get("strides") or [None])[0]
@@ -153,7 +144,7 @@ def make_bmm_softmax(node: Node, in_descs: Sequence[TensorDesc]) -> Callable:
             if mask.dtype == torch.bool:   # SDPA's own conversion: False -> -inf
                 mask = torch.where(mask, 0.0, float("-inf"))
             mask = mask[(None,) * (4 - mask.dim())]
-        s = _scratch(h * sq * sk).view(h, sq, sk)
+        s = thread_scratch(h * sq * sk).view(h, sq, sk)
         for i in range(b):   # all heads of one batch item in one bmm
             kT = kt[i].transpose(1, 2)
             if mask is None:
