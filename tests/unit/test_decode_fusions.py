@@ -478,6 +478,12 @@ def test_rotary_prefill_rows_are_eager_bit_for_bit(batch, seq):
     for y, ref in zip(got, refs):
         assert torch.equal(y.view(torch.int32), ref.view(torch.int32))
     few = (cos[0], sin[0]) if batch == 1 else (cos, sin)            # 3-D cos/sin at batch 1
+    strided = (torch.empty(batch, seq, 12, 64).transpose(1, 2),    # eager's layout of the
+               torch.empty(batch, seq, 4, 64).transpose(1, 2))     # results: written in place
+    got = apply_rotary_pos_emb(q, k, cos, sin, out=strided)
+    assert got[0] is strided[0] and got[1] is strided[1]
+    for y, ref in zip(got, refs):
+        assert torch.equal(y.view(torch.int32), ref.view(torch.int32))
     again = apply_rotary_pos_emb(q, k, *few)                        # fresh outputs
     assert all(torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(again, refs))
     assert again[0] is not got[0]

@@ -18,6 +18,7 @@ import os
 
 import torch
 
+from ..kernels.scratch import thread_scratch
 from .planner import TilePlan, cpu_l2, cuda_smem, plan_tiles
 from .reference import additive_mask, attention_reference, causal_offset
 
@@ -130,6 +131,22 @@ def _tiles(tiles, backend, D, Sq, Sk, dtype, forward_only=False, causal=False):
     return bq, bk
 
 
+def _dense_f32(*ts):
+    """NumPy views of ``ts`` as C-contiguous float32 arrays (the CPU kernel's layout): a
+    tensor already so is viewed as it is, the others (a KV cache's live slice, another
+    dtype) are copied into this thread's scratch (`thread_scratch`), not into fresh
+    memory each call: valid until the thread's next scratch use, i.e. for this call."""
+    dense = [t.dtype == torch.float32 and t.is_contiguous() for t in ts]
+    buf = thread_scratch(sum(t.numel() for t, ok in zip(ts, dense) if not ok))
+    out, at = [], 0
+    for t, ok in zip(ts, dense):
+        t = t.detach()
+        if not ok:
+            t, at = buf[at:at + t.numel()].view(t.shape).copy_(t), at + t.numel()
+        out.append(t.numpy())
+    return out
+
+
 def _forward_impl(q, k, v, mask, off, scale, bq, bk, backend, out=None):
     """BNSD forward on prepared inputs; returns (out float32, lse float32)."""
     if backend == "reference":
@@ -139,7 +156,7 @@ def _forward_impl(q, k, v, mask, off, scale, bq, bk, backend, out=None):
         from . import triton_kernels
         return triton_kernels.forward(q, k, v, mask, off, scale, bq, bk)
     from . import cpu
-    qn, kn, vn = (t.detach().float().contiguous().numpy() for t in (q, k, v))
+    qn, kn, vn = _dense_f32(q, k, v)
     mn = None if mask is None else mask.detach().numpy()
     on = None if out is None else out.numpy()
     o, lse = cpu.forward(qn, kn, vn, mn, off, scale, bq, bk, out=on)

@@ -65,11 +65,10 @@ def _parallel(x, c, s, y):  # pragma: no cover - numba
 
 
 @njit(cache=True, inline="always")
-def _row_flat(x, xs, c, cs, s, ss, y, t, N, S, h):  # pragma: no cover - numba
-    """Row t of the [B·N·S, D] rows of a head-dim-contiguous x: ``x``, ``c``, ``s``
-    are flat 1-D views of their tensors' spans and ``xs``, ``cs``, ``ss`` their (b, n,
-    i) strides in elements (0 along a broadcast dim); ``y`` is the contiguous [B·N·S·D]
-    result. Unit-stride 1-D loops: LLVM vectorises them (no fast-math: each product and
+def _row_flat(x, xs, c, cs, s, ss, y, ys, t, N, S, h):  # pragma: no cover - numba
+    """Row t of the [B·N·S, D] rows of a head-dim-contiguous x: ``x``, ``c``, ``s``,
+    ``y`` (the result) are flat 1-D views of their tensors' spans and ``xs``, ``cs``,
+    ``ss``, ``ys`` their (b, n, i) strides in elements (0 along a broadcast dim). Unit-stride 1-D loops: LLVM vectorises them (no fast-math: each product and
     the sum still round alone, eager's bits)."""
     b = t // (N * S)
     n = (t // S) % N
@@ -77,7 +76,7 @@ def _row_flat(x, xs, c, cs, s, ss, y, t, N, S, h):  # pragma: no cover - numba
     xo = b * xs[0] + n * xs[1] + i * xs[2]
     co = b * cs[0] + n * cs[1] + i * cs[2]
     so = b * ss[0] + n * ss[1] + i * ss[2]
-    yo = t * 2 * h
+    yo = b * ys[0] + n * ys[1] + i * ys[2]
     # slices indexed by the loop counter: no negative-index wraparound test per access
     xa, xb, ca, cb = x[xo:xo + h], x[xo + h:xo + 2 * h], c[co:co + h], c[co + h:co + 2 * h]
     sa, sb, ya, yb = s[so:so + h], s[so + h:so + 2 * h], y[yo:yo + h], y[yo + h:yo + 2 * h]
@@ -88,13 +87,14 @@ def _row_flat(x, xs, c, cs, s, ss, y, t, N, S, h):  # pragma: no cover - numba
 
 
 @njit(parallel=True, cache=True)
-def _parallel_pair_flat(xq, qs, Nq, yq, xk, ks, Nk, yk, c, cs, s, ss, S, rq, rk, h):  # pragma: no cover
+def _parallel_pair_flat(xq, qs, Nq, yq, yqs, xk, ks, Nk, yk, yks, c, cs, s, ss, S, rq, rk,
+                        h):  # pragma: no cover - numba
     """`_row_flat` over the rq query rows then the rk key rows, one parallel loop."""
     for t in prange(rq + rk):
         if t < rq:
-            _row_flat(xq, qs, c, cs, s, ss, yq, t, Nq, S, h)
+            _row_flat(xq, qs, c, cs, s, ss, yq, yqs, t, Nq, S, h)
         else:
-            _row_flat(xk, ks, c, cs, s, ss, yk, t - rq, Nk, S, h)
+            _row_flat(xk, ks, c, cs, s, ss, yk, yks, t - rq, Nk, S, h)
 
 
 @njit(cache=True)
@@ -133,7 +133,7 @@ def _overlaps(out: torch.Tensor, *xs: torch.Tensor) -> bool:
 def rotary_mul(x: torch.Tensor, r1: torch.Tensor, r2: torch.Tensor, out=None) -> torch.Tensor:
     """x·r1 + rotate_half(x)·r2 (module docstring) for ``x`` [B, N, S, D] float32 (D
     even) and ``r1`` (cos), ``r2`` (sin) float32 broadcastable to it; result [B, N, S, D]
-    float32, into ``out`` when given (contiguous; one that overlaps an input, e.g.
+    float32, into ``out`` when given (any strides; one that overlaps an input, e.g.
     ``out=x``, gets a copy of the result: a row's second half reads the first half it
     overwrote). Raises ValueError (one line) for other ranks, dtypes, an odd D or shapes
     that do not broadcast."""
@@ -143,11 +143,13 @@ def rotary_mul(x: torch.Tensor, r1: torch.Tensor, r2: torch.Tensor, out=None) ->
         raise ValueError(f"rotary_mul: expected float32 x [B, N, S, D] with D even and float32 "
                          f"cos/sin, got x {tuple(x.shape)} {x.dtype}, {r1.dtype}, {r2.dtype}")
     c, s = (_as4(r, x.shape) for r in (r1, r2))
-    y = out if out is not None and out.is_contiguous() else torch.empty(x.shape)
     rows = x.shape[0] * x.shape[1] * x.shape[2]
-    if rows * x.shape[3] >= GRAIN and _pair_flat(x, None, r1, r2, y, None):
-        pass   # head-dim-contiguous: the vectorised rows
-    elif rows and x.shape[3]:
+    if rows * x.shape[3] >= GRAIN:   # head-dim-contiguous: the vectorised rows, any out
+        y = out if _unit_last(out, x.shape) else torch.empty(x.shape)
+        if _pair_flat(x, None, r1, r2, y, None):
+            return y if out is None or y is out else out.copy_(y)
+    y = out if out is not None and out.is_contiguous() else torch.empty(x.shape)
+    if rows and x.shape[3]:
         args = (x.detach().numpy(), c, s, y.numpy())
         if rows * x.shape[3] < GRAIN:
             _serial(*args)
@@ -171,9 +173,16 @@ def _row_strides(t: torch.Tensor) -> "np.ndarray":
     return np.array([st if n > 1 else 0 for n, st in zip(t.shape[:3], t.stride()[:3])], np.int64)
 
 
+def _unit_last(out, shape) -> bool:
+    """Whether ``out`` (or None) is a float32 tensor of ``shape`` with a unit last stride
+    (any other strides): what the flat rows write directly."""
+    return (out is not None and tuple(out.shape) == tuple(shape) and out.dtype == torch.float32
+            and out.numel() > 0 and out.stride(-1) == 1)
+
+
 def _pair_flat(q, k, r1, r2, oq, ok) -> bool:
-    """`_parallel_pair_flat` of ``q`` and ``k`` (None: q alone) into the contiguous ``oq``,
-    ``ok`` when both are 4-D float32 [B, N, S, D] with a unit last stride and the float32
+    """`_parallel_pair_flat` of ``q`` and ``k`` (None: q alone) into ``oq``, ``ok``
+    (of their shapes, float32, unit last stride: `_unit_last`) when both are 4-D float32 [B, N, S, D] with a unit last stride and the float32
     cos ``r1`` / sin ``r2`` broadcast to them along the leading dims (D itself, never
     broadcast: the rows read D elements of each) with a unit last stride (along the heads only when q is alone or q and k have as many heads); False,
     nothing written, otherwise."""
@@ -193,8 +202,8 @@ def _pair_flat(q, k, r1, r2, oq, ok) -> bool:
     kk, ko = (q, oq) if k is None else (k, ok)
     rq, rk = B * Nq * S, (0 if k is None else B * k.shape[1] * S)
     with launch((rq + rk) * D):
-        _parallel_pair_flat(_flat(q), _row_strides(q), Nq, oq.view(-1).numpy(),
-                            _flat(kk), _row_strides(kk), kk.shape[1], ko.view(-1).numpy(),
+        _parallel_pair_flat(_flat(q), _row_strides(q), Nq, _flat(oq), _row_strides(oq),
+                            _flat(kk), _row_strides(kk), kk.shape[1], _flat(ko), _row_strides(ko),
                             _flat(cs[0]), _row_strides(cs[0]), _flat(cs[1]), _row_strides(cs[1]),
                             S, rq, rk, D // 2)
     return True
@@ -204,8 +213,10 @@ def apply_rotary_pos_emb(q: torch.Tensor, k: torch.Tensor, r1: torch.Tensor, r2:
                          out=None):
     """(`rotary_mul` (q, r1, r2), `rotary_mul` (k, r1, r2)) for a query and a key of one
     layer sharing cos (``r1``) and sin (``r2``): torch_npu's ``npu_apply_rotary_pos_emb``
-    computed out of place; ``out`` a pair of contiguous float32 tensors of q's and k's
-    shapes (else fresh ones; an output overlapping an input gets a copy of the result).
+    computed out of place; ``out`` a pair of float32 tensors of q's and k's shapes (else
+    fresh ones; written directly when contiguous, or at prefill sizes with a unit last
+    stride, e.g. eager's transposed layout; else through a copy; an output overlapping an
+    input gets a copy of the result).
     One numba call below ATen's grain. Raises `rotary_mul`'s ValueErrors."""
     if out is not None and any(_overlaps(o, q, k, r1, r2) for o in out):
         yq, yk = apply_rotary_pos_emb(q, k, r1, r2)
@@ -220,8 +231,8 @@ def apply_rotary_pos_emb(q: torch.Tensor, k: torch.Tensor, r1: torch.Tensor, r2:
         fast = c.shape[1] == 1 and s.shape[1] == 1
     if not fast:
         if q.numel() + k.numel() >= GRAIN and q.dim() == 4 and k.dim() == 4:
-            yq = oq if oq is not None and oq.is_contiguous() else torch.empty(q.shape)
-            yk = ok if ok is not None and ok.is_contiguous() else torch.empty(k.shape)
+            yq = oq if _unit_last(oq, q.shape) else torch.empty(q.shape)
+            yk = ok if _unit_last(ok, k.shape) else torch.empty(k.shape)
             if _pair_flat(q, k, r1, r2, yq, yk):   # a prefill: both in one parallel loop
                 return (yq if oq is None or yq is oq else oq.copy_(yq),
                         yk if ok is None or yk is ok else ok.copy_(yk))
