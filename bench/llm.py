@@ -142,8 +142,9 @@ def build_ort(folder: str, out: str) -> float:
 
 
 def gemv_bandwidth(threads: int, rounds: int = 20) -> float:
-    """GB/s of opencann's row-parallel GEMV reading a 4096 x 32768 fp32 weight (512 MiB);
-    the best of ``rounds`` calls."""
+    """GB/s of opencann's row-parallel GEMV reading a 4096 x 32768 fp32 weight (512 MiB)
+    on exactly ``threads`` threads (not the one-thread choice an oversubscribed host gets:
+    a loaded start once halved the roofline); the best of ``rounds`` calls."""
     import numba
 
     from opencann.ops.kernels.gemv_cpu import gemv, pack_weight
@@ -154,7 +155,7 @@ def gemv_bandwidth(threads: int, rounds: int = 20) -> float:
     best = float("inf")
     for _ in range(rounds + 1):
         t = time.perf_counter()
-        gemv(x, w, None, out=out)
+        gemv(x, w, None, out=out, threads=threads)
         best = min(best, time.perf_counter() - t)
     return w.numel() * 4 / best / 1e9
 

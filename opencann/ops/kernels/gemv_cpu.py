@@ -41,11 +41,12 @@ from __future__ import annotations
 
 from typing import Optional
 
+import numba
 import numpy as np
 import torch
 from numba import prange
 
-from .numba_cache import launch, njit
+from .numba_cache import launch, launch_guard, njit
 from .numba_prefetch import prefetch
 
 MAX_ROWS = 8  # the kernel handles x with 1..MAX_ROWS rows (decode: one token per sequence)
@@ -242,10 +243,12 @@ def pack_weight(w: torch.Tensor, transposed: bool = False) -> torch.Tensor:
 
 
 def gemv(x: torch.Tensor, w_nk: torch.Tensor, bias: Optional[torch.Tensor] = None,
-         out: Optional[torch.Tensor] = None) -> torch.Tensor:
+         out: Optional[torch.Tensor] = None, threads: Optional[int] = None) -> torch.Tensor:
     """``x @ w_nk.T + bias`` for x [M, K] fp32 with 1 <= M <= `MAX_ROWS` (8), ``w_nk`` [N, K]
     fp32 C-contiguous (`pack_weight`), ``bias`` [N] fp32 or None; result [M, N] fp32,
-    written into ``out`` when given (any strides; a non-contiguous one gets a copy).
+    written into ``out`` when given (any strides; a non-contiguous one gets a copy);
+    ``threads``: exactly that many threads (a bandwidth measurement), instead of
+    `numba_cache.launch`'s choice (one thread on an oversubscribed host).
     Matches ``F.linear(x, w_nk, bias)`` to fp32 rounding (module docstring). Raises
     ValueError naming the bad argument on shape/dtype/row-count mismatch."""
     if x.dim() != 2 or x.dtype != torch.float32 or not 1 <= x.shape[0] <= MAX_ROWS:
@@ -261,7 +264,9 @@ def gemv(x: torch.Tensor, w_nk: torch.Tensor, bias: Optional[torch.Tensor] = Non
         raise ValueError(f"gemv: bias must be float32 [{n}], got {tuple(bias.shape)} {bias.dtype}")
     y = out if out is not None and out.is_contiguous() else torch.empty(m, n)
     b = _NO_BIAS if bias is None else bias.detach().contiguous().numpy()
-    with launch(m * k * n):
+    if threads is not None:
+        numba.set_num_threads(threads)
+    with (launch_guard() if threads is not None else launch(m * k * n)):
         _gemv_kernel(x.detach().contiguous().numpy(), w_nk.detach().numpy(), b, bias is not None,
                      y.numpy())
     if out is not None and y is not out:
