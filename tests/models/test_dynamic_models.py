@@ -105,6 +105,7 @@ def test_bert_base_dynamic_compile_full_grid(bert):
 
 
 @pytest.mark.heavy
+@pytest.mark.full   # make test: test_minilm_outside_the_range_is_one_error_line (the same rule)
 def test_bert_base_outside_the_range_is_one_error_line(bert):
     _, cm = bert
     for shape, name in (((9, 16), "batch"), ((2, 513), "seq")):
