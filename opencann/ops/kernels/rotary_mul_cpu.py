@@ -8,7 +8,8 @@ query and key tensor: in a decode step each is a call on a few hundred elements.
 Layout: x [B, N, S, D] (any strides: the query/key heads are a transposed view of a
 linear's output), cos and sin broadcastable to x along its leading dims (``[B, 1, S,
 D]`` as transformers makes them; read at index 0 along a dim of size 1, no expanded
-copy: an expanded NumPy view costs more than the kernel at decode sizes), y [B, N, S, D] contiguous; float32, D even.
+copy: an expanded NumPy view costs more than the kernel at decode sizes), y [B, N, S, D]
+(contiguous, or above the grain any strides with a unit last one); float32, D even.
 Rows (b, n, s) split over the cores with ``prange`` above ATen's grain
 (`numba_cache.launch`), on the calling thread below it. Above the grain, where x, cos and
 sin have a unit stride along D (the usual case: heads viewed out of a linear's output),
