@@ -176,9 +176,11 @@ def _row_strides(t: torch.Tensor) -> "np.ndarray":
 
 def _unit_last(out, shape) -> bool:
     """Whether ``out`` (or None) is a float32 tensor of ``shape`` with a unit last stride
-    (any other strides): what the flat rows write directly."""
+    and no element written twice (no stride 0 along a dim of size > 1; other strides any):
+    what the flat rows write directly."""
     return (out is not None and tuple(out.shape) == tuple(shape) and out.dtype == torch.float32
-            and out.numel() > 0 and out.stride(-1) == 1)
+            and out.numel() > 0 and out.stride(-1) == 1
+            and all(st != 0 or n == 1 for n, st in zip(out.shape, out.stride())))
 
 
 def _pair_flat(q, k, r1, r2, oq, ok) -> bool:
