@@ -46,10 +46,12 @@ _LINEAR_POST = {"relu": ("relu", ""), "gelu": ("gelu", "none"), "gelu_tanh": ("g
 def quantize_u8(x: torch.Tensor, step: float, offset: int) -> torch.Tensor:
     """``x`` (float) to uint8 ``saturate(round_half_even(x / step) + offset)`` in [0, 255],
     NaN → 0; x's memory format kept. ``step`` > 0 (float), ``offset`` in [0, 255]. A dense
-    fp32 x takes one numba pass (`quant_numba.quantize_dense`, same values); any other
-    the eager ops below."""
+    fp32 x takes one numba pass (`quant_numba.quantize_dense`, same values), a dense bf16
+    x one pass reading it directly (`quant_bf16_numba.quantize_bf16_dense`: the values of
+    quantizing ``x.float()``, no Cast); any other the eager ops below."""
     from .quant_numba import quantize_dense   # numba loads on the first int8 call only
-    y = quantize_dense(x, step, offset)
+    from .quant_bf16_numba import quantize_bf16_dense
+    y = quantize_dense(x, step, offset) if x.dtype == torch.float32 else quantize_bf16_dense(x, step, offset)
     if y is not None:
         return y
     y = torch.mul(x.float(), 1.0 / step)
@@ -62,7 +64,8 @@ def dynamic_params(x: torch.Tensor) -> Tuple[float, int]:
     """(step, offset) of ONNX DynamicQuantizeLinear for ``x``: the range [min(x, 0),
     max(x, 0)] over 255 levels, offset = saturate(round(-min / step)); step 1.0 for an
     all-zero x. NaN / ±inf in x: a non-finite range; the step then falls back to 1.0 and
-    values saturate (documented in docs/guide/quantization.md)."""
+    values saturate (documented in docs/guide/quantization.md). x fp32 or bf16 (read as it
+    is: bf16 values are exact in fp32)."""
     lo, hi = torch.aminmax(x)
     lo, hi = min(float(lo), 0.0), max(float(hi), 0.0)
     step = (hi - lo) / 255.0
