@@ -190,20 +190,24 @@ def _quant_conv_add(node: Node, packs: QConvWeightPacks, w_scale, w_zp, xi: int,
 
 def _out_quant(node: Node) -> Tuple[float, int, torch.dtype]:
     """(output scale, zero point, dtype) for oneDNN: (``out_scale``, ``out_offset``, uint8)
-    when the ``fuse_requant`` pass gave the node a uint8 output, else (1.0, 0, fp32)."""
-    if node.outputs[0].desc.dtype.torch == torch.uint8:
+    when the ``fuse_requant`` pass gave the node a uint8 output, (1.0, 0, bf16) for a
+    bf16 output (a QuantLinearAct inside a bf16 graph), else (1.0, 0, fp32)."""
+    dt = node.outputs[0].desc.dtype.torch
+    if dt == torch.uint8:
         return float(node.attrs["out_scale"]), int(node.attrs["out_offset"]), torch.uint8
-    return 1.0, 0, torch.float32
+    return 1.0, 0, (torch.bfloat16 if dt == torch.bfloat16 else torch.float32)
 
 
 def make_quant_linear_kernel(node: Node, in_descs: Sequence[TensorDesc], consts: Sequence) -> Callable:
     """Bind-time kernel of QuantLinearAct: ``act(dequant(xq @ wq) + bias)``.
 
-    Inputs (``node.attrs`` TensorRefs): ``mat1`` x [m, k] (uint8; fp32 when
+    Inputs (``node.attrs`` TensorRefs): ``mat1`` x [m, k] (uint8; fp32 or bf16 when
     ``attrs["dynamic"]``), ``mat2`` a constant int8 [k, n] (LinearAct's ``w_t``), ``w_scale``
     a constant fp32 [n], optional ``self`` (bias fp32 [n]). Attributes ``act``, and for a
-    static node ``x_scale`` / ``x_offset``. Returns ``run(*inputs)`` giving a fresh fp32
-    [m, n] (uint8 at ``out_scale`` / ``out_offset`` when the node's output is uint8). The weight is transposed to [n, k] and prepacked once here
+    static node ``x_scale`` / ``x_offset``. Returns ``run(*inputs)`` giving a fresh [m, n]
+    in the node's output dtype: fp32, bf16 (oneDNN rounds its fp32 result once: the bits
+    of the fp32 output cast to bf16), or uint8 at ``out_scale`` / ``out_offset``
+    (``fuse_requant``). The weight is transposed to [n, k] and prepacked once here
     (``onednn.qlinear_prepack``; it serves every m)."""
     a = node.attrs
     xi, wi, si = a["mat1"].index, a["mat2"].index, a["w_scale"].index

@@ -17,6 +17,17 @@ without a reorder, and the int8 kernels' fp32 results take the fp32 ops' places.
   ``layer1.0.conv2``), node names or traced labels (``meta["origin"]``) kept in fp32;
 - ``dynamic_linear``: LinearAct nodes without a record quantize x per call.
 
+Inside a bf16 graph (``precision_mode`` ``allow_mix_precision_bf16``, or ``node_precision``
+giving the layer "bf16", as ``opencann.tune``'s int8 candidate does) a LinearAct computes
+in bf16: x and its output are bf16 and its weight a bf16 constant. It becomes
+``AscendQuant(x_bf16)`` (the uint8 quantization read straight from bf16, no Cast) →
+``QuantLinearAct`` writing bf16 (oneDNN's ``output_dtype``; bit for bit the fp32 result
+cast to bf16), so the layer keeps the bf16 op's place with no Cast around it. Its int8
+weight is ARQ of the bf16 weight (the fp32 one was cast at compile time by ``precision``:
+one more rounding, at most a quarter of an int8 step, 2^-9 of max|w| per channel); its
+bias goes back to fp32 (exact). Only a oneDNN post-op activation (none, ReLU, GELU) is
+taken in bf16; convolutions are quantized from fp32 graphs only.
+
 An ONNX model's ``quantize_dynamic`` MatMuls (their weights named in
 ``graph.meta["int8_dynamic_weights"]`` by ``frontend/onnx/dynamic_quant.py``) run dynamic as
 well, with or without ``quant_config``.
@@ -87,6 +98,22 @@ class _QMatch:
     weight: Optional[tuple] = None     # (int8 weight, fp32 scales) given; default: ARQ of the fp32 one
 
 
+# activations a bf16 QuantLinearAct runs as oneDNN post-ops (before its bf16 rounding)
+_BF16_ACTS = ("none", "relu", "gelu", "gelu_tanh")
+
+
+def _bf16_linear(node: Node) -> bool:
+    """Whether ``node`` (a LinearAct) computes in bf16: x, a constant weight, its bias
+    (if any, constant) and its output all bf16."""
+    x, w = node.arg("mat1"), node.arg("mat2")
+    b = node.attrs.get("self")
+    bf = torch.bfloat16
+    return (x.desc.dtype.torch == bf and w.is_const and w.desc.dtype.torch == bf
+            and node.outputs[0].desc.dtype.torch == bf
+            and (not isinstance(b, TensorRef) or (node.inputs[b.index].is_const
+                                                  and node.inputs[b.index].desc.dtype.torch == bf)))
+
+
 def layer_labels(node: Node) -> set:
     """The names ``skip_layers`` may give for ``node``: its own, its module's (``scope``,
     AMCT's layer name, e.g. ``layer1.0.conv2``) and its traced labels."""
@@ -128,8 +155,13 @@ class QuantizeInt8(CpuFusion):
             return Skip("in skip_layers: kept in fp32")
         w = node.arg("weight" if node.op != "LinearAct" else "mat2")
         x = node.arg("input" if node.op != "LinearAct" else "mat1")
-        if not (w.is_const and w.desc.dtype.torch == torch.float32 and x.desc.dtype.torch == torch.float32):
-            return Skip("the weight is not a constant fp32 tensor or x is not fp32")
+        if node.op == "LinearAct" and _bf16_linear(node):
+            if node.attrs.get("act", "none") not in _BF16_ACTS:
+                return Skip(f"bf16 LinearAct with activation {node.attrs.get('act')!r}: int8 in a bf16 graph "
+                            f"takes {', '.join(_BF16_ACTS)} (oneDNN post-ops); kept in bf16")
+        elif not (w.is_const and w.desc.dtype.torch == torch.float32 and x.desc.dtype.torch == torch.float32):
+            return Skip("the weight is not a constant fp32 tensor or x is not fp32 (bf16 is taken by "
+                        "linears only: x, weight and result bf16)")
         if node.op == "LinearAct" and (x.desc.rank != 2 or w.desc.rank != 2):
             return Skip("not a 2-D GEMM")
         if not torch.isfinite(w.const).all():
@@ -190,6 +222,10 @@ class QuantizeInt8(CpuFusion):
         else:
             attrs["dynamic"] = True
             detail = m.detail or "int8 dynamic (x quantized per call)"
+        bias = attrs.get("self")
+        if linear and isinstance(bias, TensorRef) and ins[bias.index].desc.dtype.torch != torch.float32:
+            b = ins[bias.index]
+            ins[bias.index] = graph.add_const(b.const.float(), f"{node.name}_bias_fp32")
         ins.append(graph.add_const(ws, f"{node.name}_w_scale"))
         attrs["w_scale"] = TensorRef(len(ins) - 1)
         q = graph.create_node(_TARGETS[node.op], ins, attrs, [node.outputs[0].desc],
