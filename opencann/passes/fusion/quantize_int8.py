@@ -22,7 +22,9 @@ giving the layer "bf16", as ``opencann.tune``'s int8 candidate does) a LinearAct
 in bf16: x and its output are bf16 and its weight a bf16 constant. It becomes
 ``AscendQuant(x_bf16)`` (the uint8 quantization read straight from bf16, no Cast) →
 ``QuantLinearAct`` writing bf16 (oneDNN's ``output_dtype``; bit for bit the fp32 result
-cast to bf16), so the layer keeps the bf16 op's place with no Cast around it. Its int8
+cast to bf16), so the layer keeps the bf16 op's place with no Cast around it; when its
+readers only cast its result up to fp32 (an fp32 residual Add after it) it writes fp32
+itself and those Casts go (its value then is not rounded to bf16). Its int8
 weight is ARQ of the bf16 weight (the fp32 one was cast at compile time by ``precision``:
 one more rounding, at most a quarter of an int8 step, 2^-9 of max|w| per channel); its
 bias goes back to fp32 (exact). Only a oneDNN post-op activation (none, ReLU, GELU) is
@@ -112,6 +114,14 @@ def _bf16_linear(node: Node) -> bool:
             and node.outputs[0].desc.dtype.torch == bf
             and (not isinstance(b, TensorRef) or (node.inputs[b.index].is_const
                                                   and node.inputs[b.index].desc.dtype.torch == bf)))
+
+
+def _fp32_readers(graph: Graph, v: Value) -> bool:
+    """Whether every reader of the bf16 ``v`` is a Cast to fp32 (``precision``'s, before an
+    fp32 op) and ``v`` is no graph output: the int8 layer may then write fp32 itself."""
+    return bool(v.users) and v not in graph.outputs and all(
+        u.op == "Cast" and u.outputs[0].desc.dtype.torch == torch.float32 and u.outputs[0] not in graph.outputs
+        for u in v.users)
 
 
 def layer_labels(node: Node) -> set:
@@ -234,5 +244,12 @@ class QuantizeInt8(CpuFusion):
         q.meta.update({k: v for k, v in node.meta.items() if k in ("strides", "origin", "eager_strides")})
         graph.replace_all_uses_with(node.outputs[0], q.outputs[0])
         graph.erase_node(node)
+        if linear and q.outputs[0].desc.dtype.torch == torch.bfloat16 and _fp32_readers(graph, q.outputs[0]):
+            ups = list(q.outputs[0].users)
+            q.outputs[0].desc = q.outputs[0].desc.with_(dtype=DataType.FLOAT)
+            for c in ups:
+                graph.replace_all_uses_with(c.outputs[0], q.outputs[0])
+                graph.erase_node(c)
+            detail += "; writes fp32 (its readers cast it up: not rounded to bf16)"
         ctx.applied([node], detail)
         return 1
