@@ -452,7 +452,8 @@ def tune(model: torch.nn.Module, example_inputs, *, budget: Union[str, Callable]
     model = model.eval()
     session = Session(model, args)
     nodes = _candidate_nodes(session)
-    cands = [_calibrate_int8(c, model, args, nodes, calibration or data, device)
+    bf16 = any(c.name == "bf16" for c in cands)
+    cands = [_calibrate_int8(c, model, args, nodes, calibration or data, device, bf16)
              if c.name == "int8" and c.apply is None else c for c in cands]
     _own_errors(session, nodes, cands)
     search = _Search(model, args, nodes, cands, _Builder(session, device, reps))
@@ -469,9 +470,11 @@ def tune(model: torch.nn.Module, example_inputs, *, budget: Union[str, Callable]
     return res
 
 
-def _calibrate_int8(cand: Candidate, model, args, nodes: Dict[str, NodeChoice], batches, device) -> Candidate:
+def _calibrate_int8(cand: Candidate, model, args, nodes: Dict[str, NodeChoice], batches, device,
+                    bf16_io: bool = False) -> Candidate:
     """The int8 candidate with its calibration: the all-fp32 compile of ``model`` run on
-    ``batches`` (default ``[args]``; `opencann.engine.quantize.calibrate`)."""
+    ``batches`` (default ``[args]``; `opencann.engine.quantize.calibrate`). ``bf16_io``:
+    its nodes' activations in bf16 (`tune_int8.calibrated`)."""
     from ..engine import compile_module
     from ..engine.quantize import TARGETS, calibrate
     if parse_device(device).kind == "vnpu":     # its int8 layers are the unfused Cube ops: no records here
@@ -482,7 +485,7 @@ def _calibrate_int8(cand: Candidate, model, args, nodes: Dict[str, NodeChoice], 
     items = [b if isinstance(b, tuple) else (b,) for b in (batches or [args])]
     records = calibrate(fp32, items)
     scopes = {n.name: n.scope for n in fp32.graph.nodes if n.op in TARGETS}
-    return tune_int8.calibrated(cand, records, scopes, {n: c.module for n, c in nodes.items()})
+    return tune_int8.calibrated(cand, records, scopes, {n: c.module for n, c in nodes.items()}, bf16_io)
 
 
 class _Search:
