@@ -27,7 +27,7 @@ minima of repeated timings with a 5% margin):
 4. Outputs re-checked on ``data`` (default: the example inputs) against eager: by the
    gate's rules 1-2 (NaN/Inf positions, cosine; the error-ratio rule judges ops, see
    `tune_gate`) or by the user's ``budget`` callable. While they fail, the lowered node
-   with the worst own error goes back up (reason: "outputs").
+   with the worst own error goes up one candidate (int8 -> bf16 -> fp32; reason: "outputs").
 
 Candidates are a name plus how to apply them to a set of nodes (`Candidate`);
 `CANDIDATES` holds fp32, bf16, fp16 and int8. int8 (`opencann.tools.tune_int8`) is static
@@ -452,7 +452,8 @@ def tune(model: torch.nn.Module, example_inputs, *, budget: Union[str, Callable]
     model = model.eval()
     session = Session(model, args)
     nodes = _candidate_nodes(session)
-    bf16 = any(c.name == "bf16" for c in cands)
+    has_bf16 = any(c.name == "bf16" for c in cands)     # int8 linears then read and write bf16
+    bf16 = [n for n, c in nodes.items() if c.op.startswith("MatMul")] if has_bf16 else []
     cands = [_calibrate_int8(c, model, args, nodes, calibration or data, device, bf16)
              if c.name == "int8" and c.apply is None else c for c in cands]
     _own_errors(session, nodes, cands)
@@ -471,10 +472,10 @@ def tune(model: torch.nn.Module, example_inputs, *, budget: Union[str, Callable]
 
 
 def _calibrate_int8(cand: Candidate, model, args, nodes: Dict[str, NodeChoice], batches, device,
-                    bf16_io: bool = False) -> Candidate:
+                    bf16_io: Sequence[str] = ()) -> Candidate:
     """The int8 candidate with its calibration: the all-fp32 compile of ``model`` run on
     ``batches`` (default ``[args]``; `opencann.engine.quantize.calibrate`). ``bf16_io``:
-    its nodes' activations in bf16 (`tune_int8.calibrated`)."""
+    the linear nodes whose activations int8 keeps in bf16 (`tune_int8.calibrated`)."""
     from ..engine import compile_module
     from ..engine.quantize import TARGETS, calibrate
     if parse_device(device).kind == "vnpu":     # its int8 layers are the unfused Cube ops: no records here
@@ -585,7 +586,8 @@ class _Search:
 
     def fix_outputs(self, data, budget, over) -> Tuple[bool, str, List[Dict[str, Any]]]:
         """Compile the choice and check the outputs (`_outputs_ok`); while they fail (and
-        ``over()`` is False), the lowered node with the worst own error goes back to fp32.
+        ``over()`` is False), the lowered node with the worst own error goes up one
+        candidate (`next_higher`: int8 -> bf16 where its own error allows, else fp32).
         Returns (passed, why not, output metrics); ``self.compiled`` is the last compile."""
         from ..engine import compile_module
         outs: List[Dict[str, Any]] = []
@@ -602,7 +604,7 @@ class _Search:
                 return (v.cosine, -v.max_abs) if v is not None else (1.0, 0.0)
             worst = min(lowered, key=badness)
             self.nodes[worst].why = f"outputs: {why} with it in {self.choice[worst]}"
-            self.choice[worst] = "fp32"
+            self.choice[worst] = self.next_higher(worst)
 
     def result(self, budget, outs, timing: bool = True) -> TuneResult:
         """The `TuneResult` of the current choice, both call times measured (interleaved,

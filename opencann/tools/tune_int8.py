@@ -80,15 +80,16 @@ def emulate(target, args, kwargs) -> Optional[Tuple[torch.Tensor, torch.Tensor]]
 
 
 def calibrated(base, records: Dict[str, Dict[str, Any]], scopes: Dict[str, str],
-               module_of: Dict[str, str], bf16_io: bool = False):
+               module_of: Dict[str, str], bf16_io: Sequence[str] = ()):
     """``base`` (the int8 `Candidate`) with an ``apply`` that quantizes the layers of the
     chosen nodes: ``records`` (fused node name -> {"scale_d", "offset_d"}, from
     `opencann.engine.quantize.calibrate`), ``scopes`` (fused node name -> its module),
-    ``module_of`` (candidate node name -> its module). ``bf16_io`` (the search has a bf16
-    candidate): the chosen nodes also get ``node_precision`` "bf16", so each int8 Linear
-    sits in the graph as a bf16 one would (AscendQuant reading bf16, the layer writing
-    bf16, no Cast around it: `QuantizeInt8`), and its own error is judged on operands
-    rounded to bf16 first (`emulate_bf16`)."""
+    ``module_of`` (candidate node name -> its module). ``bf16_io``: the linear nodes
+    (when the search has a bf16 candidate): those chosen also get ``node_precision``
+    "bf16", so each int8 Linear sits in the graph as a bf16 one would (AscendQuant reading
+    bf16, the layer writing bf16, no Cast around it: `QuantizeInt8`), and its own error is
+    judged on operands rounded to bf16 first (`emulate_bf16`); convolutions are quantized
+    from fp32."""
     from dataclasses import replace
 
     def apply(options: Dict[str, Any], nodes: Sequence[str]) -> Dict[str, Any]:
@@ -97,19 +98,22 @@ def calibrated(base, records: Dict[str, Dict[str, Any]], scopes: Dict[str, str],
                       **({"accum": r["accum"]} if "accum" in r else {})}
                   for k, r in records.items() if scopes.get(k) in mods}
         options["quant_config"] = {"layers": layers, "skip_layers": [], "dynamic_linear": False}
-        if bf16_io:
-            options["node_precision"] = {**(options.get("node_precision") or {}), **{n: "bf16" for n in nodes}}
+        low = [n for n in nodes if n in io]
+        if low:
+            options["node_precision"] = {**(options.get("node_precision") or {}), **{n: "bf16" for n in low}}
         return options
-    return replace(base, apply=apply, **({"emulate": emulate_bf16} if bf16_io else {}))
+    io = set(bf16_io)
+    return replace(base, apply=apply, **({"emulate": emulate_bf16} if io else {}))
 
 
 def emulate_bf16(target, args, kwargs) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
-    """`emulate` on x and the weight rounded to bf16 first (an int8 Linear inside a bf16
-    graph quantizes the bf16 activation and the weight the ``precision`` pass cast to bf16);
-    a bias stays as given (the kernel adds it in fp32)."""
+    """`emulate` on x and the weight rounded to bf16 first for a linear (an int8 Linear
+    inside a bf16 graph quantizes the bf16 activation and the weight the ``precision``
+    pass cast to bf16; a bias stays as given, the kernel adds it in fp32); a convolution
+    as `emulate` (quantized from fp32)."""
     spec = _OPERANDS.get(target)
-    if spec is None:
-        return None
+    if spec is None or target == aten.convolution.default:
+        return emulate(target, args, kwargs)
     a = list(args)
     for i in spec[:2]:
         if isinstance(a[i], torch.Tensor) and a[i].dtype == torch.float32:
