@@ -177,3 +177,55 @@ def test_quantize_refuses_fp16_modes_in_one_line():
     lin = torch.nn.Linear(8, 4).eval()
     with pytest.raises(ValueError, match="lowers layers to fp16/bf16.*allow_mix_precision_bf16"):
         opencann.quantize(lin, [torch.randn(2, 8)], options={"precision_mode": "allow_mix_precision"})
+
+
+class Block(torch.nn.Module):
+    """A transformer block's int8 path: residual Add + LayerNorm → Linear-GELU → Linear,
+    [B, S, H] reshaped around each Linear as transformers do."""
+
+    def __init__(self, d=32, h=64):
+        super().__init__()
+        self.inp, self.ln = torch.nn.Linear(d, d), torch.nn.LayerNorm(d)
+        self.fc1, self.fc2 = torch.nn.Linear(d, h), torch.nn.Linear(h, d)
+
+    def forward(self, x):
+        y = self.ln(self.inp(x) + x)
+        return self.fc2(torch.nn.functional.gelu(self.fc1(y))) + y
+
+
+def test_producers_write_the_uint8_input_and_the_model_file_keeps_it(tmp_path):
+    """Static, bf16 graph: the norm writes fc1's uint8 input (AddLayerNormQuant), fc1 writes
+    fc2's (fuse_requant through the Reshapes); one AscendQuant is left (the model's input
+    before ``inp``). Close to eager, and the same bits after a save / load."""
+    torch.manual_seed(0)
+    m = Block().eval()
+    g = torch.Generator().manual_seed(5)
+    cal = [torch.randn(2, 8, 32, generator=g) for _ in range(3)]
+    q = opencann.quantize(m, cal, options=BF16)
+    ops = q.report.op_counts_after
+    assert ops.get("AddLayerNormQuant") == 1 and ops.get("AscendQuant") == 1 and ops.get("QuantLinearAct") == 3, ops
+    passes = {e["pass"] for e in q.report.applied}
+    assert {"fuse_add_layer_norm_quant", "fuse_requant"} <= passes
+    x = torch.randn(2, 8, 32, generator=g)
+    with torch.no_grad():
+        ref = m(x)
+    y = q(x)
+    cos = torch.nn.functional.cosine_similarity(y.flatten().double(), ref.flatten().double(), 0)
+    assert cos > 0.999
+    unfused = opencann.quantize(m, cal, options=dict(BF16, disable=["fuse_add_layer_norm_quant", "fuse_requant"]))
+    assert unfused.report.op_counts_after.get("AscendQuant") == 3
+    yu = unfused(x)                  # one uint8 step of fc1 / fc2's input at most: close
+    torch.testing.assert_close(y, yu, rtol=0.05, atol=0.05 * float(ref.abs().max()))
+    path = str(tmp_path / "q.ocm")
+    opencann.save(q, path)
+    assert torch.equal(opencann.load(path)(x), y)
+    bad = x.clone()
+    bad[0, 1, 2] = float("nan")
+    bad[1, 3, 4] = float("inf")
+    yb = q(bad)
+    with torch.no_grad():
+        eb = m(bad)
+    # rows with NaN/inf: eager gives NaN rows (LayerNorm), the int8 path keeps its fp32
+    # residual's NaN and saturates the quantized branch; other rows as before
+    assert torch.equal(yb.isnan(), eb.isnan())
+    assert torch.equal(yb[0, 0], y[0, 0]) and torch.equal(yb[1, 5], y[1, 5])
