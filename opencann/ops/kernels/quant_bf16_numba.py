@@ -26,8 +26,7 @@ from numba import prange, types
 from numba.extending import intrinsic
 
 from .numba_cache import launch, njit
-
-BLOCK = 4096   # elements per parallel work item
+from .quant_numba import BLOCK, SERIAL_MAX
 
 
 @intrinsic
@@ -45,19 +44,23 @@ def _f32_of_bits(typingctx, bits):
     return types.float32(bits), codegen
 
 
+@njit(cache=True)
+def _quantize_bf16_run(xs, inv, offset, ys):  # pragma: no cover - compiled by numba
+    for i in range(xs.size):    # selects, not branches: LLVM vectorizes
+        v = _f32_of_bits(np.uint32(xs[i]) << np.uint32(16))
+        r = np.rint(v * inv) + offset
+        r = r if r > np.float32(0.0) else np.float32(0.0)   # NaN compares false: 0, the minimum
+        r = r if r < np.float32(255.0) else np.float32(255.0)
+        ys[i] = np.uint8(np.int32(r))
+
+
 @njit(parallel=True, cache=True)
 def _quantize_bf16(xb, inv, offset, y):  # pragma: no cover - compiled by numba
     n = xb.size
     for b in prange((n + BLOCK - 1) // BLOCK):
         s = b * BLOCK
         m = min(BLOCK, n - s)
-        xs, ys = xb[s:s + m], y[s:s + m]   # slices with a known length: LLVM vectorizes (4x here)
-        for i in range(m):
-            v = _f32_of_bits(np.uint32(xs[i]) << np.uint32(16))
-            r = np.rint(v * inv) + offset
-            r = r if r > np.float32(0.0) else np.float32(0.0)   # NaN compares false: 0, the minimum
-            r = r if r < np.float32(255.0) else np.float32(255.0)
-            ys[i] = np.uint8(np.int32(r))
+        _quantize_bf16_run(xb[s:s + m], inv, offset, y[s:s + m])
 
 
 def _dense_flat(x: torch.Tensor):
@@ -81,9 +84,12 @@ def quantize_bf16_dense(x: torch.Tensor, step: float, offset: int):
     if y.stride() != x.stride():
         return None
     n = x.numel()
+    xs, ys = xf.view(torch.int16).numpy().view(np.uint16), y.as_strided((n,), (1,)).numpy()
+    if n < SERIAL_MAX:      # as quant_numba: the parallel launch costs more than the pass
+        _quantize_bf16_run(xs, np.float32(1.0 / step), np.float32(offset), ys)
+        return y
     with launch(n):
-        _quantize_bf16(xf.view(torch.int16).numpy().view(np.uint16), np.float32(1.0 / step),
-                       np.float32(offset), y.as_strided((n,), (1,)).numpy())
+        _quantize_bf16(xs, np.float32(1.0 / step), np.float32(offset), ys)
     return y
 
 

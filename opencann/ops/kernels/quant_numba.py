@@ -5,7 +5,8 @@ x's strides). Eager's spelling (mul, round, add, clamp, nan_to_num, cast) reads 
 writes the tensor five times; measured on ResNet-50 int8 at batch 1 (2-core Xeon,
 loaded), those passes were 7 of 17 ms. The loop runs over blocks of `BLOCK` elements with
 the NaN and saturation tests as selects, which LLVM vectorizes (a per-element branch did
-not: 3-4x slower). numba because the project's CPU codegen is numba
+not: 3-4x slower); below `SERIAL_MAX` elements (a transformer's [128, 768] activation) one
+serial call without the parallel launch, whose fixed cost was most of the pass there. numba because the project's CPU codegen is numba
 (DESIGN.md); thread count and launch as the GEMV's (`numba_cache.launch`).
 Source of the rounding: IEEE 754 roundTiesToEven (``np.rint``), as ``torch.round``."""
 from __future__ import annotations
@@ -17,7 +18,18 @@ from numba import prange
 from .numba_cache import launch, njit
 
 
-BLOCK = 4096   # elements per parallel work item
+BLOCK = 4096        # elements per parallel work item
+SERIAL_MAX = 1 << 17   # below this many elements one serial call: a parallel launch's fixed
+                       # cost (~15 us of thread-count and dispatch work) exceeds the pass itself
+
+
+@njit(cache=True)
+def _quantize_run(xs, inv, offset, ys):  # pragma: no cover - compiled by numba
+    for i in range(xs.size):    # selects, not branches: LLVM vectorizes
+        r = np.rint(xs[i] * inv) + offset
+        r = r if r > np.float32(0.0) else np.float32(0.0)   # NaN compares false: 0, the minimum
+        r = r if r < np.float32(255.0) else np.float32(255.0)
+        ys[i] = np.uint8(np.int32(r))
 
 
 @njit(parallel=True, cache=True)
@@ -26,12 +38,7 @@ def _quantize(x, inv, offset, y):  # pragma: no cover - compiled by numba
     for b in prange((n + BLOCK - 1) // BLOCK):
         s = b * BLOCK
         m = min(BLOCK, n - s)
-        xs, ys = x[s:s + m], y[s:s + m]   # slices of a known length, selects not branches: LLVM vectorizes
-        for i in range(m):
-            r = np.rint(xs[i] * inv) + offset
-            r = r if r > np.float32(0.0) else np.float32(0.0)   # NaN compares false: 0, the minimum
-            r = r if r < np.float32(255.0) else np.float32(255.0)
-            ys[i] = np.uint8(np.int32(r))
+        _quantize_run(x[s:s + m], inv, offset, y[s:s + m])
 
 
 def quantize_dense(x: torch.Tensor, step: float, offset: int):
@@ -44,9 +51,12 @@ def quantize_dense(x: torch.Tensor, step: float, offset: int):
     if y.stride() != x.stride():
         return None
     n = x.numel()
-    xf, yf = x.as_strided((n,), (1,)), y.as_strided((n,), (1,))
+    xf, yf = x.as_strided((n,), (1,)).numpy(), y.as_strided((n,), (1,)).numpy()
+    if n < SERIAL_MAX:
+        _quantize_run(xf, np.float32(1.0 / step), np.float32(offset), yf)
+        return y
     with launch(n):
-        _quantize(xf.numpy(), np.float32(1.0 / step), np.float32(offset), yf.numpy())
+        _quantize(xf, np.float32(1.0 / step), np.float32(offset), yf)
     return y
 
 
