@@ -1,7 +1,7 @@
 """opencann's int8 ops (the `quantize_int8` pass makes them; kernels in
 ``ops/kernels/int8_cpu.py``), named after CANN's graph ops where they exist:
 
-- ``AscendQuant``: fp32 → uint8 per tensor, CANN's AscendQuant (attrs ``scale``: the
+- ``AscendQuant``: fp32 (or bf16, read directly) → uint8 per tensor, CANN's AscendQuant (attrs ``scale``: the
   reciprocal of the step, as CANN's ``y = round(x * scale + offset)``; ``offset``: the
   zero point).
 - ``AscendDequant``: uint8 → fp32 per tensor, ``(x - offset) * scale`` (CANN's
@@ -55,7 +55,7 @@ def _quant_linear_cost(node: Node) -> Cost:
 register(OpDef("AscendQuant", OpKind.ELEMENTWISE, flops_per_elem=4, aliases=((),), channels_last=True,
                kernel_factories={"cpu": make_ascend_quant_kernel, "vnpu": make_vnpu_ascend_quant}, npu_format="quant",
                device_cost={"vnpu": vnpu_cost.quant}, per_index=pi.ALL,
-               doc="fp32 → uint8 (int8 on the vnpu): saturate(round(x * scale) + offset), NaN → the minimum"))
+               doc="fp32/bf16 → uint8 (int8 on the vnpu): saturate(round(x * scale) + offset), NaN → the minimum"))
 register(OpDef("AscendDequant", OpKind.ELEMENTWISE, flops_per_elem=2, aliases=((),), channels_last=True,
                kernel_factories={"cpu": make_ascend_dequant_kernel, "vnpu": make_vnpu_ascend_dequant},
                npu_format="quant",

@@ -1,7 +1,7 @@
 """CPU kernels of opencann's int8 ops (``ops/quant.py``): bind-time factories
 ``f(node, in_descs, consts) -> callable(*inputs)``.
 
-- `make_ascend_quant_kernel` (AscendQuant): fp32 → uint8, ``saturate(round_half_even(x /
+- `make_ascend_quant_kernel` (AscendQuant): fp32 or bf16 → uint8, ``saturate(round_half_even(x /
   step) + offset)`` to [0, 255], the layout of ``x`` kept (channels-last stays
   channels-last, so the convolution after it reads it without a reorder). NaN gives 0
   (the type's minimum, as ONNX Runtime's QuantizeLinear), +inf 255, -inf 0: quantization
@@ -19,8 +19,9 @@
   kernel: the fp32 addend may hold NaN/±inf, which oneDNN's ReLU would drop.
 - `make_quant_linear_kernel` (QuantLinearAct): oneDNN's int8 inner product
   (``onednn.qlinear_pointwise``) on the int8 weight prepacked once at bind time
-  (``onednn.qlinear_prepack``); fp32 output, bias and ReLU / GELU (erf or tanh) as
-  post-ops (or uint8 with ``out_scale`` / ``out_offset``, as the convolution). Dynamic quantization (``attrs["dynamic"]``): x comes in fp32 and its step
+  (``onednn.qlinear_prepack``); fp32 output (bf16 inside a bf16 graph: oneDNN's
+  ``output_dtype``), bias and ReLU / GELU (erf or tanh) as post-ops (or uint8 with
+  ``out_scale`` / ``out_offset``, as the convolution). Dynamic quantization (``attrs["dynamic"]``): x comes in fp32 and its step
   and offset are taken per call from its min / max (ONNX DynamicQuantizeLinear's rule:
   the range widened to include 0, uint8).
 
@@ -77,7 +78,7 @@ def dynamic_params(x: torch.Tensor) -> Tuple[float, int]:
 def make_ascend_quant_kernel(node: Node, in_descs: Sequence[TensorDesc], consts: Sequence) -> Callable:
     """AscendQuant(x) → uint8: ``node.attrs`` ``scale`` (CANN's: the reciprocal of the
     quantization step, y = round(x * scale) + offset) and ``offset`` (the zero point, in
-    [0, 255]). Returns ``run(x)``; x fp32 (or bf16/fp16, quantized through fp32)."""
+    [0, 255]). Returns ``run(x)``; x fp32 or bf16 (one numba pass reading it as it is; fp16 quantized through fp32)."""
     step, offset = 1.0 / float(node.attrs["scale"]), int(node.attrs["offset"])
 
     def run(x):
