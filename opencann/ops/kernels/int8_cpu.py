@@ -21,9 +21,10 @@
   (``onednn.qlinear_pointwise``) on the int8 weight prepacked once at bind time
   (``onednn.qlinear_prepack``); fp32 output (bf16 inside a bf16 graph: oneDNN's
   ``output_dtype``), bias and ReLU / GELU (erf or tanh) as post-ops (or uint8 with
-  ``out_scale`` / ``out_offset``, as the convolution). Dynamic quantization (``attrs["dynamic"]``): x comes in fp32 and its step
-  and offset are taken per call from its min / max (ONNX DynamicQuantizeLinear's rule:
-  the range widened to include 0, uint8).
+  ``out_scale`` / ``out_offset``, as the convolution). Dynamic quantization
+  (``attrs["dynamic"]``): x comes in fp32 (or bf16) and its step and offset are taken
+  per call from its min / max (ONNX DynamicQuantizeLinear's rule: the range widened to
+  include 0, uint8).
 
 These are the kernels PyTorch Inductor's x86 int8 path binds (torch/_inductor/fx_passes/
 quantization.py, the X86InductorQuantizer flow); no GEMM is written here. Source of the
@@ -78,7 +79,8 @@ def dynamic_params(x: torch.Tensor) -> Tuple[float, int]:
 def make_ascend_quant_kernel(node: Node, in_descs: Sequence[TensorDesc], consts: Sequence) -> Callable:
     """AscendQuant(x) → uint8: ``node.attrs`` ``scale`` (CANN's: the reciprocal of the
     quantization step, y = round(x * scale) + offset) and ``offset`` (the zero point, in
-    [0, 255]). Returns ``run(x)``; x fp32 or bf16 (one numba pass reading it as it is; fp16 quantized through fp32)."""
+    [0, 255]). Returns ``run(x)``; x fp32 or bf16 (one numba pass reading it as it is;
+    fp16 quantized through fp32)."""
     step, offset = 1.0 / float(node.attrs["scale"]), int(node.attrs["offset"])
 
     def run(x):

@@ -6,8 +6,9 @@ writes the tensor five times; measured on ResNet-50 int8 at batch 1 (2-core Xeon
 loaded), those passes were 7 of 17 ms. The loop runs over blocks of `BLOCK` elements with
 the NaN and saturation tests as selects, which LLVM vectorizes (a per-element branch did
 not: 3-4x slower); below `SERIAL_MAX` elements (a transformer's [128, 768] activation) one
-serial call without the parallel launch, whose fixed cost was most of the pass there. numba because the project's CPU codegen is numba
-(DESIGN.md); thread count and launch as the GEMV's (`numba_cache.launch`).
+serial call without the parallel launch, whose fixed cost was most of the pass there.
+numba because the project's CPU codegen is numba (DESIGN.md); thread count and launch as
+the GEMV's (`numba_cache.launch`).
 Source of the rounding: IEEE 754 roundTiesToEven (``np.rint``), as ``torch.round``."""
 from __future__ import annotations
 
