@@ -173,10 +173,13 @@ def test_bf16_layers_that_int8_does_not_take_say_why():
     assert rows and "activation 'tanh'" in rows[0]["reason"] and "kept in bf16" in rows[0]["reason"]
 
 
-def test_quantize_refuses_fp16_modes_in_one_line():
+def test_quantize_refuses_fp16_modes_and_bf16_off_the_cpu_in_one_line():
     lin = torch.nn.Linear(8, 4).eval()
-    with pytest.raises(ValueError, match="lowers layers to fp16/bf16.*allow_mix_precision_bf16"):
+    with pytest.raises(ValueError, match="lowers layers to fp16/bf16.*allow_mix_precision_bf16") as e:
         opencann.quantize(lin, [torch.randn(2, 8)], options={"precision_mode": "allow_mix_precision"})
+    assert "\n" not in str(e.value)
+    with pytest.raises(ValueError, match="on vnpu:ascend910b; leave it unset"):
+        opencann.quantize(lin, [torch.randn(2, 8)], device="vnpu:ascend910b", options=BF16)
 
 
 class Block(torch.nn.Module):
