@@ -28,6 +28,9 @@ minima of repeated timings with a 5% margin):
    gate's rules 1-2 (NaN/Inf positions, cosine; the error-ratio rule judges ops, see
    `tune_gate`) or by the user's ``budget`` callable. While they fail, the lowered node
    with the worst own error goes up one candidate (int8 -> bf16 -> fp32; reason: "outputs").
+5. End to end (timing on): the graph with every lowest-candidate node one higher (int8 ->
+   bf16) raced against the choice (`_Search.raise_lowest`); it is kept when `TIME_MARGIN`
+   faster and its outputs pass. Then the choice against all-fp32 (`_Search.result`).
 
 Candidates are a name plus how to apply them to a set of nodes (`Candidate`);
 `CANDIDATES` holds fp32, bf16, fp16 and int8. int8 (`opencann.tools.tune_int8`) is static
@@ -462,7 +465,10 @@ def tune(model: torch.nn.Module, example_inputs, *, budget: Union[str, Callable]
     if timing:
         search.drop_slow()
     over = (lambda: time_budget_s is not None and time.perf_counter() - t0 > time_budget_s)
-    ok, why, outs = search.fix_outputs(list(data) if data is not None else [args], budget, over)
+    checks = list(data) if data is not None else [args]
+    ok, why, outs = search.fix_outputs(checks, budget, over)
+    if timing and ok:
+        search.raise_lowest(checks, budget, outs)
     res = search.result(budget, outs, timing)
     res.seconds = time.perf_counter() - t0
     if not ok:
@@ -605,6 +611,35 @@ class _Search:
             worst = min(lowered, key=badness)
             self.nodes[worst].why = f"outputs: {why} with it in {self.choice[worst]}"
             self.choice[worst] = self.next_higher(worst)
+
+    def raise_lowest(self, data, budget, outs: List[Dict[str, Any]]) -> None:
+        """End to end against one candidate higher: the nodes on the lowest candidate (int8,
+        with three candidates) moved to `next_higher` (bf16; a node whose next higher is
+        fp32 stays) and both whole graphs timed in turn (`_race`). Per-node times miss what a choice costs its neighbours (an int8
+        Linear's norm writing uint8 instead of bf16); when the higher graph is `TIME_MARGIN`
+        faster and its outputs pass (`_outputs_ok`), it is kept, each moved node saying so."""
+        from ..engine import compile_module
+        lowest = self.cands[-1].name
+        if len(self.cands) < 3:
+            return
+        up = {n: self.next_higher(n) for n, p in self.choice.items() if p == lowest}
+        alt = {n: up[n] if up.get(n, "fp32") != "fp32" else p for n, p in self.choice.items()}
+        moved = [n for n in self.names if alt[n] != self.choice[n]]
+        if not moved:
+            return
+        other = compile_module(self.model, self.args, self.builder.device, self.options_of(alt))
+        low_ms, high_ms = _race(lambda: self.compiled(*self.args), lambda: other(*self.args))
+        if not high_ms < low_ms * (1 - TIME_MARGIN):
+            return
+        check: List[Dict[str, Any]] = []
+        if not _outputs_ok(self.model, data, budget, other, check)[0]:
+            return
+        for n in moved:
+            self.nodes[n].why = (f"end to end: {lowest} for {len(moved)} node(s) took {low_ms:.2f} ms a call, "
+                                 f"{alt[n]} for them {high_ms:.2f} ms")
+            self.choice[n] = alt[n]
+        self.compiled = other
+        outs[:] = check
 
     def result(self, budget, outs, timing: bool = True) -> TuneResult:
         """The `TuneResult` of the current choice, both call times measured (interleaved,
