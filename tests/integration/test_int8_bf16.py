@@ -232,3 +232,24 @@ def test_producers_write_the_uint8_input_and_the_model_file_keeps_it(tmp_path):
     # residual's NaN and saturates the quantized branch; other rows as before
     assert torch.equal(yb.isnan(), eb.isnan())
     assert torch.equal(yb[0, 0], y[0, 0]) and torch.equal(yb[1, 5], y[1, 5])
+
+
+def test_bf16_convolutions_stay_bf16_with_the_reason():
+    class ConvLin(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv, self.fc = torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.Linear(8, 4)
+
+        def forward(self, x):
+            return self.fc(torch.relu(self.conv(x)).mean((2, 3)))
+    torch.manual_seed(0)
+    m = ConvLin().eval()
+    x = torch.randn(2, 3, 8, 8)
+    q = opencann.quantize(m, [x], options=BF16)
+    rows = {r["layer"]: r for r in quant_report(q)}
+    conv = next(r for k, r in rows.items() if k.startswith("convolution"))
+    assert not conv["int8"] and "bf16 convolution" in conv["reason"]
+    assert any(r["int8"] for k, r in rows.items() if k.startswith("addmm"))
+    with torch.no_grad():
+        ref = m(x)
+    assert torch.nn.functional.cosine_similarity(q(x).flatten().double(), ref.flatten().double(), 0) > 0.999

@@ -169,6 +169,9 @@ class QuantizeInt8(CpuFusion):
             if node.attrs.get("act", "none") not in _BF16_ACTS:
                 return Skip(f"bf16 LinearAct with activation {node.attrs.get('act')!r}: int8 in a bf16 graph "
                             f"takes {', '.join(_BF16_ACTS)} (oneDNN post-ops); kept in bf16")
+        elif node.op != "LinearAct" and x.desc.dtype.torch == torch.bfloat16:
+            return Skip("a bf16 convolution: int8 takes convolutions from fp32 graphs only (kept in bf16; "
+                        "quantize without precision_mode to run it int8)")
         elif not (w.is_const and w.desc.dtype.torch == torch.float32 and x.desc.dtype.torch == torch.float32):
             return Skip("the weight is not a constant fp32 tensor or x is not fp32 (bf16 is taken by "
                         "linears only: x, weight and result bf16)")
