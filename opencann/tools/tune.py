@@ -659,11 +659,13 @@ class _Search:
                                            self.options_of(self.choice))
             tuned_ms = fp32_ms
         ran = tune_int8.int8_applied(self.compiled)
+        low = (self.options_of(self.choice).get("node_precision") or {})
         for n in self.names:
             if self.choice[n] == "int8" and not ran.get(self.nodes[n].module):
-                self.nodes[n].why = ("int8 chosen, but the quantize_int8 pass left it in fp32 "
+                as_ = "bf16" if low.get(n) == "bf16" else "fp32"   # the int8 candidate's bf16 activations
+                self.nodes[n].why = (f"int8 chosen, but the quantize_int8 pass left it in {as_} "
                                      "(see the compile report)")
-                self.choice[n] = "fp32"
+                self.choice[n] = as_
             self.nodes[n].precision = self.choice[n]
         name = budget if isinstance(budget, str) else getattr(budget, "__name__", "metric")
         res = TuneResult(self.nodes, tuple(c.name for c in self.cands), name, outs,

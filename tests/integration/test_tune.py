@@ -441,3 +441,27 @@ def test_int8_linears_sit_in_the_bf16_graph_without_casts():
         ref = m(x)
     cos = torch.nn.functional.cosine_similarity(y.flatten().double(), ref.flatten().double(), 0)
     assert cos > 0.99 and torch.equal(res.compiled(x), y)
+
+
+def test_int8_left_by_the_pass_reports_what_ran():
+    """A Linear + tanh (no oneDNN int8 post-op in a bf16 graph): given int8 by the search,
+    left by ``quantize_int8`` in bf16, and reported as bf16 (what runs), not fp32."""
+    class LinTanh(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc, self.out = torch.nn.Linear(32, 32), torch.nn.Linear(32, 8)
+
+        def forward(self, x):
+            return self.out(torch.tanh(self.fc(x)))
+    torch.manual_seed(0)
+    m, x = LinTanh().eval(), torch.randn(16, 32)
+    res = tune(m, x, candidates=("fp32", "bf16", "int8"), timing=False)
+    fused = res.compiled.report.op_counts_after
+    if fused.get("QuantLinearAct") == 2:
+        pytest.skip("tanh is not fused into the linear here")
+    assert res.precision["addmm"] == "bf16" and "left it in bf16" in res.kept["addmm"], res.summary()
+    assert res.precision["addmm_1"] == "int8"
+    with torch.no_grad():
+        ref = m(x)
+    y = res.compiled(x)
+    assert torch.nn.functional.cosine_similarity(y.flatten().double(), ref.flatten().double(), 0) > 0.99
