@@ -7,6 +7,8 @@ Rows (each a zero-argument runner returning the model's first output):
   opencann int8                  ``opencann.quantize`` (static, calibrated, for ResNet-50;
                                  dynamic linears for the transformers, FFN down-projections
                                  kept fp32; `bench/precision.py`'s ``int8_runners``)
+  opencann int8+bf16             transformers: static int8 linears inside the bf16 graph,
+                                 FFN down-projections kept bf16 (``int8_runners``)
   opencann tuned                 ``opencann.tune(model, inputs, candidates=("fp32", "bf16",
                                  "int8"), budget=output_gate)``: the per-node search
                                  under the table's own gate (below)

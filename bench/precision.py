@@ -9,6 +9,10 @@ Rows (each a zero-argument runner on the same inputs):
   opencann int8      ``opencann.quantize``: ResNet-50 static (calibrated on 4 batches of
                      the photo flipped / shifted / with noise), BERT-base dynamic linears
                      with the FFN down-projections kept fp32 (docs/guide/quantization.md)
+  opencann int8+bf16 transformers: static int8 linears inside the bf16 graph
+                     (``opencann.quantize(..., options={"precision_mode":
+                     "allow_mix_precision_bf16"})``: they read and write bf16, the norms write
+                     their uint8 input), the FFN down-projections kept in bf16
   onnxruntime int8   ONNX Runtime on the ONNX export quantized by ``quantize_static`` (QDQ,
                      the same calibration batches) for ResNet-50, ``quantize_dynamic`` for
                      BERT-base; spinning off; only when onnxruntime is importable
@@ -86,6 +90,9 @@ def int8_runners(zm: zoo.ZooModel, workdir: str) -> Dict[str, Callable]:
         cfg = create_quant_config(ffn_down, mode="dynamic")
     q = opencann.quantize(m, cal, config=cfg)
     rows = {"opencann int8": lambda: first_tensor(q(*x))}
+    if zm.name != "resnet50":    # int8 linears inside the bf16 graph, static, calibrated
+        qb = opencann.quantize(m, cal, config=create_quant_config(ffn_down), options={"precision_mode": BF16})
+        rows["opencann int8+bf16"] = lambda: first_tensor(qb(*x))
     try:
         import onnxruntime as ort
         from onnxruntime import quantization as oq

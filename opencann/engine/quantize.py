@@ -186,7 +186,9 @@ def quantize(model: torch.nn.Module, calibration_inputs, *, config: Optional[Dic
     ``opencann.compile`` (``quant_config`` is set here). Raises ValueError (one line)
     for an empty calibration set, batches of different shapes or dtypes, batches with no
     finite value at any layer's input (static mode), a config that is no dict, or a ``precision_mode``
-    that lowers to fp16/bf16 (int8 layers are quantized from fp32), and what
+    that lowers to fp16 (int8 layers are quantized from fp32; ``allow_mix_precision_bf16`` on
+    the cpu: the linears are quantized inside the bf16 graph, calibrated on it, reading and
+    writing bf16, `QuantizeInt8`; its convolutions stay bf16), and what
     ``opencann.compile`` raises. The compiled model's ``report`` lists every layer in
     the ``quantize_int8`` pass's entries (`quant_report`)."""
     cfg = create_quant_config() if config is None else config
@@ -194,9 +196,11 @@ def quantize(model: torch.nn.Module, calibration_inputs, *, config: Optional[Dic
         raise ValueError(f"config must come from opencann.tools.quantize.create_quant_config(...), "
                          f"got {cfg!r:.80}")
     opts = dict(options or {})
-    if opts.get("precision_mode") not in (None, "force_fp32", "must_keep_origin_dtype"):
-        raise ValueError(f"precision_mode {opts['precision_mode']!r} lowers layers to fp16/bf16 "
-                         f"before int8 quantization; leave it unset to quantize from fp32")
+    if opts.get("precision_mode") not in (None, "force_fp32", "must_keep_origin_dtype", "allow_mix_precision_bf16") \
+            or (opts.get("precision_mode") == "allow_mix_precision_bf16" and parse_device(device).kind != "cpu"):
+        raise ValueError(f"precision_mode {opts['precision_mode']!r} lowers layers to fp16/bf16 before int8 "
+                         f"quantization on {device}; leave it unset to quantize from fp32 (on the cpu, "
+                         f"'allow_mix_precision_bf16' quantizes the linears inside a bf16 graph)")
     batches = _batches(calibration_inputs)
     records: Dict[str, Dict[str, Any]] = {}
     vnpu = parse_device(device).kind == "vnpu"

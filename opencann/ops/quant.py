@@ -1,7 +1,7 @@
 """opencann's int8 ops (the `quantize_int8` pass makes them; kernels in
 ``ops/kernels/int8_cpu.py``), named after CANN's graph ops where they exist:
 
-- ``AscendQuant``: fp32 → uint8 per tensor, CANN's AscendQuant (attrs ``scale``: the
+- ``AscendQuant``: fp32 (or bf16, read directly) → uint8 per tensor, CANN's AscendQuant (attrs ``scale``: the
   reciprocal of the step, as CANN's ``y = round(x * scale + offset)``; ``offset``: the
   zero point).
 - ``AscendDequant``: uint8 → fp32 per tensor, ``(x - offset) * scale`` (CANN's
@@ -19,8 +19,12 @@
   Add, ``qdq_eltwise_int8``; ONNX Runtime's QLinearAdd).
 - ``QuantMaxPool``: MaxPool on a uint8 activation (the ``fuse_requant`` pass moves a
   MaxPool between two int8 layers to uint8: max commutes with quantization).
-- ``QuantLinearAct``: int8 MatMul / Linear (+ activation), dequantized to fp32; with
-  ``attrs["dynamic"]`` x comes in fp32 and is quantized per call.
+- ``QuantLinearAct``: int8 MatMul / Linear (+ activation), dequantized to fp32 (bf16
+  inside a bf16 graph); with ``attrs["dynamic"]`` x comes in fp32 (or bf16) and is
+  quantized per call.
+- ``AddLayerNormQuant``: CANN's AddLayerNormQuant: Add + LayerNorm (float32, the
+  residual stream) and the norm's uint8 quantization for the int8 Linear reading it
+  (``fuse_add_layer_norm_quant``; kernel ``ops/kernels/add_layer_norm_quant_cpu.py``).
 
 Costs: the fp32 ops' FLOPs (the work is the same; the report shows it); bytes at the
 int8 operands' sizes. On the vnpu the Cube cost runs at the operands' dtype (int8: twice
@@ -32,6 +36,7 @@ from .kernels import vnpu_cost
 from .kernels.vnpu_quant import make_vnpu_ascend_dequant, make_vnpu_ascend_quant
 from .kernels.int8_cpu import (make_ascend_dequant_kernel, make_ascend_quant_kernel, make_quant_conv_kernel,
                                make_quant_add_kernel, make_quant_linear_kernel, make_quant_max_pool_kernel)
+from .kernels.add_layer_norm_quant_cpu import make_add_layer_norm_quant_kernel
 from .library import _conv_cost
 from . import per_index as pi
 from .opdef import Cost, OpDef, OpKind, _nbytes, register
@@ -50,7 +55,7 @@ def _quant_linear_cost(node: Node) -> Cost:
 register(OpDef("AscendQuant", OpKind.ELEMENTWISE, flops_per_elem=4, aliases=((),), channels_last=True,
                kernel_factories={"cpu": make_ascend_quant_kernel, "vnpu": make_vnpu_ascend_quant}, npu_format="quant",
                device_cost={"vnpu": vnpu_cost.quant}, per_index=pi.ALL,
-               doc="fp32 → uint8 (int8 on the vnpu): saturate(round(x * scale) + offset), NaN → the minimum"))
+               doc="fp32/bf16 → uint8 (int8 on the vnpu): saturate(round(x * scale) + offset), NaN → the minimum"))
 register(OpDef("AscendDequant", OpKind.ELEMENTWISE, flops_per_elem=2, aliases=((),), channels_last=True,
                kernel_factories={"cpu": make_ascend_dequant_kernel, "vnpu": make_vnpu_ascend_dequant},
                npu_format="quant",
@@ -74,3 +79,8 @@ register(OpDef("QuantLinearAct", OpKind.FUSED, aliases=((),), cost_fn=_quant_lin
                fused_from=("MatMulV2", "MatMul"), kernel_factories={"cpu": make_quant_linear_kernel},
                device_cost={"vnpu": vnpu_cost.matmul}, per_index=pi.addmm,
                doc="int8 Linear (+ activation), dequantized to fp32 (oneDNN qlinear)"))
+register(OpDef("AddLayerNormQuant", OpKind.FUSED, flops_per_elem=12, aliases=((), ()),
+               fused_from=("LayerNorm",), kernel_factories={"cpu": make_add_layer_norm_quant_kernel},
+               keep_fp32=True, per_index=pi.add_layer_norm_cast,
+               doc="(LayerNorm(float(x1) + float(x2)), its uint8 quantization): AddLayerNormCast "
+                   "and the AscendQuant of its low output as one node"))

@@ -3,7 +3,7 @@ pass per module under ``prepare/``, ``fusion/`` and ``layout/``; the public name
 re-exported here."""
 from .base import Pass, PassContext, PassManager, RewritePass, Skip
 from .fusion import FoldBatchNorm, FuseConvAct, FuseConvAddAct, FuseFlashAttention, FuseLinearAct
-from .fusion import ChooseAttentionKernel, FuseAddLayerNorm, FuseAddLayerNormCast, FuseAddRmsNorm, FuseApplyRotaryPosEmb, FuseDecodeKvUpdate, FuseDecodeRope, FuseRotaryMul, FuseQKVLinear, FuseRequant, QdqEltwiseToInt8, QdqToInt8, QuantizeInt8
+from .fusion import ChooseAttentionKernel, FuseAddLayerNorm, FuseAddLayerNormCast, FuseAddRmsNorm, FuseApplyRotaryPosEmb, FuseDecodeKvUpdate, FuseDecodeRope, FuseRotaryMul, FuseQKVLinear, FuseRequant, FuseAddLayerNormQuant, QdqEltwiseToInt8, QdqToInt8, QuantizeInt8
 from .fusion import (FuseElementwise, FuseGatedMLP, FuseGeluErf, FuseGeluTanh, FuseLayerNorm, FuseRMSNorm, FuseSiLU,
                      user_passes)
 from .layout import LayoutSelection, NpuLayoutSelection, VnpuQuantizeInt8, VnpuUbEpilogue
@@ -25,7 +25,7 @@ def default_pipeline() -> PassManager:
     BatchNorm or ``pow`` split the pattern and block both the fold and the fusion).
     ``quantize_int8`` (``options['quant_config']``) runs after the CPU layout stage, on the
     fused ops in the layouts it chose (``qdq_to_int8`` just before it, for ONNX QDQ models), and
-    ``fuse_requant`` and ``qdq_eltwise_int8`` right after it; on the vnpu its counterpart
+    ``fuse_requant``, ``fuse_add_layer_norm_quant`` and ``qdq_eltwise_int8`` right after it; on the vnpu its counterpart
     ``vnpu_quantize_int8`` (the same ``quant_config``) runs just before ``npu_layout``, on the
     unfused Conv2D / MatMulV2, so the layout pass stores its int8 values at C0 = 32. The compiler adds kernel binding as the
     last stage when it builds a callable model."""
@@ -34,7 +34,7 @@ def default_pipeline() -> PassManager:
         IdentityElimination(), DropUnusedOutputs(), InputInplace(), FoldBatchNorm(), *user_passes(), FuseSiLU(),
         FuseGeluTanh(), FuseGeluErf(), FuseRMSNorm(), FuseLayerNorm(), MixedPrecision(), FuseGatedMLP(), FuseConvAct(), FuseConvAddAct(), FuseLinearAct(), FuseQKVLinear(),
         FuseAddLayerNormCast(), FuseAddLayerNorm(), FuseAddRmsNorm(), FuseRotaryMul(), FuseDecodeKvUpdate(), FuseApplyRotaryPosEmb(), FuseDecodeRope(), FuseFlashAttention(), ChooseAttentionKernel(),
-        FuseElementwise(), DeadCodeElimination(), LayoutSelection(), QdqToInt8(), QuantizeInt8(), FuseRequant(), QdqEltwiseToInt8(),
+        FuseElementwise(), DeadCodeElimination(), LayoutSelection(), QdqToInt8(), QuantizeInt8(), FuseRequant(), FuseAddLayerNormQuant(), QdqEltwiseToInt8(),
         VnpuQuantizeInt8(), NpuLayoutSelection(), VnpuUbEpilogue(), SingleStreamSchedule(),
         MemoryPlanning(),
     ])
@@ -48,4 +48,4 @@ __all__ = ["Pass", "PassContext", "PassManager", "RewritePass", "Skip", "default
            "FuseGeluErf", "FuseRMSNorm",
            "FuseLayerNorm", "FuseGatedMLP", "FuseElementwise", "LayoutSelection", "NpuLayoutSelection", "VnpuQuantizeInt8", "VnpuUbEpilogue",
            "SingleStreamSchedule", "apply_schedule", "DropUnusedOutputs", "QuantizeInt8", "InputInplace",
-           "FuseRequant", "QdqToInt8", "QdqEltwiseToInt8"]
+           "FuseRequant", "FuseAddLayerNormQuant", "QdqToInt8", "QdqEltwiseToInt8"]

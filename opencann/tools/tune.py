@@ -27,7 +27,10 @@ minima of repeated timings with a 5% margin):
 4. Outputs re-checked on ``data`` (default: the example inputs) against eager: by the
    gate's rules 1-2 (NaN/Inf positions, cosine; the error-ratio rule judges ops, see
    `tune_gate`) or by the user's ``budget`` callable. While they fail, the lowered node
-   with the worst own error goes back up (reason: "outputs").
+   with the worst own error goes up one candidate (int8 -> bf16 -> fp32; reason: "outputs").
+5. End to end (timing on): the graph with every lowest-candidate node one higher (int8 ->
+   bf16) raced against the choice (`_Search.raise_lowest`); it is kept when `TIME_MARGIN`
+   faster and its outputs pass. Then the choice against all-fp32 (`_Search.result`).
 
 Candidates are a name plus how to apply them to a set of nodes (`Candidate`);
 `CANDIDATES` holds fp32, bf16, fp16 and int8. int8 (`opencann.tools.tune_int8`) is static
@@ -452,7 +455,9 @@ def tune(model: torch.nn.Module, example_inputs, *, budget: Union[str, Callable]
     model = model.eval()
     session = Session(model, args)
     nodes = _candidate_nodes(session)
-    cands = [_calibrate_int8(c, model, args, nodes, calibration or data, device)
+    has_bf16 = any(c.name == "bf16" for c in cands)     # int8 linears then read and write bf16
+    bf16 = [n for n, c in nodes.items() if c.op.startswith("MatMul")] if has_bf16 else []
+    cands = [_calibrate_int8(c, model, args, nodes, calibration or data, device, bf16)
              if c.name == "int8" and c.apply is None else c for c in cands]
     _own_errors(session, nodes, cands)
     search = _Search(model, args, nodes, cands, _Builder(session, device, reps))
@@ -460,7 +465,10 @@ def tune(model: torch.nn.Module, example_inputs, *, budget: Union[str, Callable]
     if timing:
         search.drop_slow()
     over = (lambda: time_budget_s is not None and time.perf_counter() - t0 > time_budget_s)
-    ok, why, outs = search.fix_outputs(list(data) if data is not None else [args], budget, over)
+    checks = list(data) if data is not None else [args]
+    ok, why, outs = search.fix_outputs(checks, budget, over)
+    if timing and ok:
+        search.raise_lowest(checks, budget, outs)
     res = search.result(budget, outs, timing)
     res.seconds = time.perf_counter() - t0
     if not ok:
@@ -469,9 +477,11 @@ def tune(model: torch.nn.Module, example_inputs, *, budget: Union[str, Callable]
     return res
 
 
-def _calibrate_int8(cand: Candidate, model, args, nodes: Dict[str, NodeChoice], batches, device) -> Candidate:
+def _calibrate_int8(cand: Candidate, model, args, nodes: Dict[str, NodeChoice], batches, device,
+                    bf16_io: Sequence[str] = ()) -> Candidate:
     """The int8 candidate with its calibration: the all-fp32 compile of ``model`` run on
-    ``batches`` (default ``[args]``; `opencann.engine.quantize.calibrate`)."""
+    ``batches`` (default ``[args]``; `opencann.engine.quantize.calibrate`). ``bf16_io``:
+    the linear nodes whose activations int8 keeps in bf16 (`tune_int8.calibrated`)."""
     from ..engine import compile_module
     from ..engine.quantize import TARGETS, calibrate
     if parse_device(device).kind == "vnpu":     # its int8 layers are the unfused Cube ops: no records here
@@ -482,7 +492,7 @@ def _calibrate_int8(cand: Candidate, model, args, nodes: Dict[str, NodeChoice], 
     items = [b if isinstance(b, tuple) else (b,) for b in (batches or [args])]
     records = calibrate(fp32, items)
     scopes = {n.name: n.scope for n in fp32.graph.nodes if n.op in TARGETS}
-    return tune_int8.calibrated(cand, records, scopes, {n: c.module for n, c in nodes.items()})
+    return tune_int8.calibrated(cand, records, scopes, {n: c.module for n, c in nodes.items()}, bf16_io)
 
 
 class _Search:
@@ -582,7 +592,8 @@ class _Search:
 
     def fix_outputs(self, data, budget, over) -> Tuple[bool, str, List[Dict[str, Any]]]:
         """Compile the choice and check the outputs (`_outputs_ok`); while they fail (and
-        ``over()`` is False), the lowered node with the worst own error goes back to fp32.
+        ``over()`` is False), the lowered node with the worst own error goes up one
+        candidate (`next_higher`: int8 -> bf16 where its own error allows, else fp32).
         Returns (passed, why not, output metrics); ``self.compiled`` is the last compile."""
         from ..engine import compile_module
         outs: List[Dict[str, Any]] = []
@@ -599,7 +610,36 @@ class _Search:
                 return (v.cosine, -v.max_abs) if v is not None else (1.0, 0.0)
             worst = min(lowered, key=badness)
             self.nodes[worst].why = f"outputs: {why} with it in {self.choice[worst]}"
-            self.choice[worst] = "fp32"
+            self.choice[worst] = self.next_higher(worst)
+
+    def raise_lowest(self, data, budget, outs: List[Dict[str, Any]]) -> None:
+        """End to end against one candidate higher: the nodes on the lowest candidate (int8,
+        with three candidates) moved to `next_higher` (bf16; a node whose next higher is
+        fp32 stays) and both whole graphs timed in turn (`_race`). Per-node times miss what a choice costs its neighbours (an int8
+        Linear's norm writing uint8 instead of bf16); when the higher graph is `TIME_MARGIN`
+        faster and its outputs pass (`_outputs_ok`), it is kept, each moved node saying so."""
+        from ..engine import compile_module
+        lowest = self.cands[-1].name
+        if len(self.cands) < 3:
+            return
+        up = {n: self.next_higher(n) for n, p in self.choice.items() if p == lowest}
+        alt = {n: up[n] if up.get(n, "fp32") != "fp32" else p for n, p in self.choice.items()}
+        moved = [n for n in self.names if alt[n] != self.choice[n]]
+        if not moved:
+            return
+        other = compile_module(self.model, self.args, self.builder.device, self.options_of(alt))
+        low_ms, high_ms = _race(lambda: self.compiled(*self.args), lambda: other(*self.args))
+        if not high_ms < low_ms * (1 - TIME_MARGIN):
+            return
+        check: List[Dict[str, Any]] = []
+        if not _outputs_ok(self.model, data, budget, other, check)[0]:
+            return
+        for n in moved:
+            self.nodes[n].why = (f"end to end: {lowest} for {len(moved)} node(s) took {low_ms:.2f} ms a call, "
+                                 f"{alt[n]} for them {high_ms:.2f} ms")
+            self.choice[n] = alt[n]
+        self.compiled = other
+        outs[:] = check
 
     def result(self, budget, outs, timing: bool = True) -> TuneResult:
         """The `TuneResult` of the current choice, both call times measured (interleaved,
@@ -619,11 +659,13 @@ class _Search:
                                            self.options_of(self.choice))
             tuned_ms = fp32_ms
         ran = tune_int8.int8_applied(self.compiled)
+        low = (self.options_of(self.choice).get("node_precision") or {})
         for n in self.names:
             if self.choice[n] == "int8" and not ran.get(self.nodes[n].module):
-                self.nodes[n].why = ("int8 chosen, but the quantize_int8 pass left it in fp32 "
+                as_ = "bf16" if low.get(n) == "bf16" else "fp32"   # the int8 candidate's bf16 activations
+                self.nodes[n].why = (f"int8 chosen, but the quantize_int8 pass left it in {as_} "
                                      "(see the compile report)")
-                self.choice[n] = "fp32"
+                self.choice[n] = as_
             self.nodes[n].precision = self.choice[n]
         name = budget if isinstance(budget, str) else getattr(budget, "__name__", "metric")
         res = TuneResult(self.nodes, tuple(c.name for c in self.cands), name, outs,

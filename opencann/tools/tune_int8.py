@@ -15,7 +15,9 @@
   fails) and max-abs rules.
 - `calibrated(records, scopes)`: the `Candidate` whose ``apply`` puts the calibration
   records of the chosen nodes' layers into ``options["quant_config"]`` (layers are
-  matched by module, AMCT's granularity: a module called twice is one layer).
+  matched by module, AMCT's granularity: a module called twice is one layer); with a
+  bf16 candidate in the search, the chosen nodes also compute their activations in bf16
+  (an int8 Linear then reads and writes bf16 like its bf16 neighbours: no Casts).
 
 Source: CANN AMCT user guide (calibration, ARQ, ``scale_d`` / ``offset_d``); msprobe's
 accuracy rules (`opencann.tools.tune_gate`)."""
@@ -78,11 +80,16 @@ def emulate(target, args, kwargs) -> Optional[Tuple[torch.Tensor, torch.Tensor]]
 
 
 def calibrated(base, records: Dict[str, Dict[str, Any]], scopes: Dict[str, str],
-               module_of: Dict[str, str]):
+               module_of: Dict[str, str], bf16_io: Sequence[str] = ()):
     """``base`` (the int8 `Candidate`) with an ``apply`` that quantizes the layers of the
     chosen nodes: ``records`` (fused node name -> {"scale_d", "offset_d"}, from
     `opencann.engine.quantize.calibrate`), ``scopes`` (fused node name -> its module),
-    ``module_of`` (candidate node name -> its module)."""
+    ``module_of`` (candidate node name -> its module). ``bf16_io``: the linear nodes
+    (when the search has a bf16 candidate): those chosen also get ``node_precision``
+    "bf16", so each int8 Linear sits in the graph as a bf16 one would (AscendQuant reading
+    bf16, the layer writing bf16, no Cast around it: `QuantizeInt8`), and its own error is
+    judged on operands rounded to bf16 first (`emulate_bf16`); convolutions are quantized
+    from fp32."""
     from dataclasses import replace
 
     def apply(options: Dict[str, Any], nodes: Sequence[str]) -> Dict[str, Any]:
@@ -91,8 +98,27 @@ def calibrated(base, records: Dict[str, Dict[str, Any]], scopes: Dict[str, str],
                       **({"accum": r["accum"]} if "accum" in r else {})}
                   for k, r in records.items() if scopes.get(k) in mods}
         options["quant_config"] = {"layers": layers, "skip_layers": [], "dynamic_linear": False}
+        low = [n for n in nodes if n in io]
+        if low:
+            options["node_precision"] = {**(options.get("node_precision") or {}), **{n: "bf16" for n in low}}
         return options
-    return replace(base, apply=apply)
+    io = set(bf16_io)
+    return replace(base, apply=apply, **({"emulate": emulate_bf16} if io else {}))
+
+
+def emulate_bf16(target, args, kwargs) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
+    """`emulate` on x and the weight rounded to bf16 first for a linear (an int8 Linear
+    inside a bf16 graph quantizes the bf16 activation and the weight the ``precision``
+    pass cast to bf16; a bias stays as given, the kernel adds it in fp32); a convolution
+    as `emulate` (quantized from fp32)."""
+    spec = _OPERANDS.get(target)
+    if spec is None or target == aten.convolution.default:
+        return emulate(target, args, kwargs)
+    a = list(args)
+    for i in spec[:2]:
+        if isinstance(a[i], torch.Tensor) and a[i].dtype == torch.float32:
+            a[i] = a[i].bfloat16().float()
+    return emulate(target, tuple(a), kwargs)
 
 
 def int8_applied(compiled) -> Dict[str, bool]:
@@ -111,4 +137,4 @@ def int8_applied(compiled) -> Dict[str, bool]:
     return out
 
 
-__all__ = ["applies", "calibrated", "emulate", "int8_applied"]
+__all__ = ["applies", "calibrated", "emulate", "emulate_bf16", "int8_applied"]

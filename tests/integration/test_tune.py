@@ -375,13 +375,20 @@ def test_int8_candidate_quantizes_convs_and_linears_and_saves(tmp_path):
 
 def test_int8_gate_failure_falls_back_to_the_next_candidate(factory):
     """b's input is h*0.5 + 1000: one uint8 step (~4) is larger than its signal, so int8
-    fails the cosine rule, and bf16 too: fp32, both reasons named; a and c pass int8."""
+    fails the cosine rule, and bf16 too: fp32, both reasons named. Without bf16 among the
+    candidates a and c run int8 with fp32 activations; with it an int8 Linear reads and
+    writes bf16 as a bf16 one does, so the +1000 after a computes in bf16 and a is kept
+    for what its reader loses ("outputs"), going up one candidate at a time."""
     _, model, (x,) = factory
+    res = tune(model, (x,), candidates=("fp32", "int8"), timing=False)
+    assert res.precision == {"addmm": "int8", "addmm_1": "fp32", "addmm_2": "int8"}, res.summary()
+    assert "int8 own error: cosine" in res.kept["addmm_1"]
+    assert res.compiled.report.op_counts_after.get("QuantLinearAct") == 2
     res = tune(model, (x,), candidates=("fp32", "bf16", "int8"), timing=False)
     assert res.precision["addmm_1"] == "fp32"
     assert "int8 own error: cosine" in res.kept["addmm_1"] and "bf16 own error" in res.kept["addmm_1"]
-    assert res.precision["addmm"] == "int8" and res.precision["addmm_2"] == "int8"
-    assert res.compiled.report.op_counts_after.get("QuantLinearAct") == 2
+    assert res.precision["addmm"] == "fp32" and "outputs" in res.kept["addmm"] and "in bf16" in res.kept["addmm"]
+    assert res.precision["addmm_2"] in ("int8", "bf16")
 
 
 class _MergedQkv(torch.nn.Module):
@@ -410,3 +417,51 @@ def test_int8_of_merged_siblings_is_reported_for_each_of_them():
         ref = m(x)
     cos = torch.nn.functional.cosine_similarity(y.flatten().double(), ref.flatten().double(), 0)
     assert cos > 0.99 and torch.equal(y, y2) and y.data_ptr() != y2.data_ptr()
+
+
+def test_int8_linears_sit_in_the_bf16_graph_without_casts():
+    """With bf16 among the candidates an int8 Linear reads and writes bf16 as its bf16
+    neighbours do: its AscendQuant (or the norm before it) reads bf16, no Cast to fp32 feeds
+    it and none follows it; its own error is judged on bf16-rounded operands."""
+    torch.manual_seed(0)
+    m, x = _MergedQkv().eval(), torch.randn(32, 64)
+    res = tune(m, x, candidates=("fp32", "bf16", "int8"), timing=False)
+    assert set(res.precision.values()) == {"int8"}, res.summary()
+    g = res.compiled.graph
+    lins = [n for n in g.nodes if n.op == "QuantLinearAct"]
+    assert len(lins) == 2
+    for q in (n for n in g.nodes if n.op == "AscendQuant"):
+        assert q.inputs[0].desc.dtype.torch == torch.bfloat16
+    for n in lins:
+        x_in = n.inputs[n.attrs["mat1"].index].producer
+        assert x_in is None or x_in.op != "Cast" or x_in.outputs[0].desc.dtype.torch != torch.float32
+        assert n.outputs[0].desc.dtype.torch in (torch.bfloat16, torch.uint8, torch.float32)
+    y = res.compiled(x)
+    with torch.no_grad():
+        ref = m(x)
+    cos = torch.nn.functional.cosine_similarity(y.flatten().double(), ref.flatten().double(), 0)
+    assert cos > 0.99 and torch.equal(res.compiled(x), y)
+
+
+def test_int8_left_by_the_pass_reports_what_ran():
+    """A Linear + tanh (no oneDNN int8 post-op in a bf16 graph): given int8 by the search,
+    left by ``quantize_int8`` in bf16, and reported as bf16 (what runs), not fp32."""
+    class LinTanh(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc, self.out = torch.nn.Linear(32, 32), torch.nn.Linear(32, 8)
+
+        def forward(self, x):
+            return self.out(torch.tanh(self.fc(x)))
+    torch.manual_seed(0)
+    m, x = LinTanh().eval(), torch.randn(16, 32)
+    res = tune(m, x, candidates=("fp32", "bf16", "int8"), timing=False)
+    fused = res.compiled.report.op_counts_after
+    if fused.get("QuantLinearAct") == 2:
+        pytest.skip("tanh is not fused into the linear here")
+    assert res.precision["addmm"] == "bf16" and "left it in bf16" in res.kept["addmm"], res.summary()
+    assert res.precision["addmm_1"] == "int8"
+    with torch.no_grad():
+        ref = m(x)
+    y = res.compiled(x)
+    assert torch.nn.functional.cosine_similarity(y.flatten().double(), ref.flatten().double(), 0) > 0.99

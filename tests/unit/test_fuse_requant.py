@@ -211,3 +211,58 @@ def test_qdq_maxpool_requantized_differently_keeps_the_emulation():
     PassManager([QdqEltwiseToInt8()]).run(g, ctx)
     assert to_text(g) == before
     assert ctx.report.skipped[0]["reason"] == "QDQ: the MaxPool's output is quantized differently from its input"
+
+
+BF = DataType.BF16
+
+
+def qlinear(g, x, name, act="gelu", out=BF, n=6):
+    w = g.add_const(torch.randint(-127, 128, (x.desc.shape[-1], n), generator=G, dtype=torch.int8))
+    s = g.add_const(torch.rand(n, generator=G) + 0.01)
+    attrs = {"mat1": TensorRef(0), "mat2": TensorRef(1), "w_scale": TensorRef(2), "act": act,
+             "x_scale": 0.1, "x_offset": 3}
+    return g.create_node("QuantLinearAct", [x, w, s], attrs, [TensorDesc((x.desc.shape[0], n), out)], name).output
+
+
+def reshape(g, x, shape, name):
+    return g.create_node("Reshape", [x], {"self": TensorRef(0), "shape": list(shape)},
+                         [TensorDesc(tuple(shape), x.desc.dtype)], name).output
+
+
+def test_bf16_linear_writes_uint8_through_reshapes():
+    """A transformer FFN in a bf16 graph: up-projection (GELU, bf16 out) → Reshape to
+    [B, S, H] → Reshape back → AscendQuant → down-projection ⇒ the up-projection writes
+    uint8, the Reshapes carry it."""
+    g = Graph()
+    x = g.add_input(TensorDesc((4, 5), BF), "x")
+    up = qlinear(g, quant(g, x, 10.0, 3, "q0"), "up")
+    r = reshape(g, reshape(g, up, (1, 4, 6), "view_a"), (4, 6), "view_b")
+    y = qlinear(g, quant(g, r, 20.0, 7, "q1"), "down", act="none")
+    g.outputs = [y]
+    text, rep = run(g)
+    assert text == """graph(%x: bfloat16[4,5]):
+  %c0: int8[5,6] = const
+  %c1: float32[6] = const
+  %c2: int8[6,6] = const
+  %c3: float32[6] = const
+  %0: uint8[4,5] = AscendQuant(%x; offset=3, scale=10.0)
+  %1: uint8[4,6] = QuantLinearAct(%0, %c0, %c1; out_offset=7, out_scale=0.05)
+  %2: uint8[1,4,6] = Reshape(%1)
+  %3: uint8[4,6] = Reshape(%2)
+  %4: bfloat16[4,6] = QuantLinearAct(%3, %c2, %c3)
+  return %4"""
+    assert [e["nodes"] for e in rep.applied] == ["up"]
+
+
+def test_reshape_read_in_bf16_keeps_the_graph():
+    g = Graph()
+    x = g.add_input(TensorDesc((4, 5), BF), "x")
+    up = qlinear(g, quant(g, x, 10.0, 3, "q0"), "up")
+    r = reshape(g, up, (1, 4, 6), "view_a")
+    y = qlinear(g, quant(g, reshape(g, r, (4, 6), "view_b"), 20.0, 7, "q1"), "down", act="none")
+    g.outputs = [y, r]                        # the Reshape's bf16 value is also returned
+    before = to_text(g, attrs=("scale", "offset", "out_scale", "out_offset"))
+    text, rep = run(g)
+    assert text == before
+    reasons = {s["nodes"]: s["reason"] for s in rep.skipped}
+    assert reasons["up"] == "after view_a (Reshape): the value is a graph output (the caller reads it as it is)"

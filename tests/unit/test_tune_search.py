@@ -73,3 +73,31 @@ def test_a_user_metric_gives_the_lowest_candidate_that_can_run_the_node():
     s2.by_gate(False)
     assert s2.choice == {"attn": "fp32", "fc": "bf16"}
     assert "int8 own error" in s2.nodes["attn"].why and "bf16 own error" in s2.nodes["attn"].why
+
+
+@pytest.mark.parametrize("low_ms,high_ms,ok,moved", [
+    (10.0, 9.0, True, True),       # bf16 10% faster end to end: the int8 nodes go to bf16
+    (10.0, 9.8, True, False),      # not 5% faster: int8 stays
+    (10.0, 9.0, False, False),     # faster but its outputs fail: int8 stays
+])
+def test_end_to_end_race_against_one_candidate_higher(monkeypatch, low_ms, high_ms, ok, moved):
+    """`raise_lowest`: the int8 nodes moved to bf16 together and the two graphs raced; a
+    bf16 node and an int8 node whose bf16 own error failed (next higher: fp32) stay."""
+    import opencann.engine
+    import opencann.tools.tune as t
+    bad = Verdict(False, "cosine", "cosine 0.5 <= 0.99")
+    s = _search({n: {"fp32": 1.0, "bf16": 1.0, "int8": 1.0} for n in "abc"}, own={"c": {"bf16": bad}})
+    s.choice = {"a": "int8", "b": "bf16", "c": "int8"}
+    s.compiled = "low graph"
+    opts = []
+    monkeypatch.setattr(opencann.engine, "compile_module", lambda m, a, d, o: opts.append(o) or "high graph")
+    monkeypatch.setattr(t, "_race", lambda f, g: (low_ms, high_ms))
+    monkeypatch.setattr(t, "_outputs_ok", lambda m, d, b, c, outs: (ok, "" if ok else "cosine"))
+    s.builder.device = "cpu"
+    s.raise_lowest([()], "msprobe", [])
+    assert opts and {k: v for k, v in opts[0]["node_precision"].items() if v == "bf16"} == {"a": "bf16", "b": "bf16"}
+    assert opts[0]["node_precision"].get("c") == "int8"     # its bf16 failed: not moved to fp32
+    want = "bf16" if moved else "int8"
+    assert s.choice == {"a": want, "b": "bf16", "c": "int8"}
+    assert s.compiled == ("high graph" if moved else "low graph")
+    assert ("end to end: int8 for 1 node(s) took 10.00 ms" in s.nodes["a"].why) == moved

@@ -1,7 +1,7 @@
 """CPU kernels of opencann's int8 ops (``ops/quant.py``): bind-time factories
 ``f(node, in_descs, consts) -> callable(*inputs)``.
 
-- `make_ascend_quant_kernel` (AscendQuant): fp32 → uint8, ``saturate(round_half_even(x /
+- `make_ascend_quant_kernel` (AscendQuant): fp32 or bf16 → uint8, ``saturate(round_half_even(x /
   step) + offset)`` to [0, 255], the layout of ``x`` kept (channels-last stays
   channels-last, so the convolution after it reads it without a reorder). NaN gives 0
   (the type's minimum, as ONNX Runtime's QuantizeLinear), +inf 255, -inf 0: quantization
@@ -19,10 +19,12 @@
   kernel: the fp32 addend may hold NaN/±inf, which oneDNN's ReLU would drop.
 - `make_quant_linear_kernel` (QuantLinearAct): oneDNN's int8 inner product
   (``onednn.qlinear_pointwise``) on the int8 weight prepacked once at bind time
-  (``onednn.qlinear_prepack``); fp32 output, bias and ReLU / GELU (erf or tanh) as
-  post-ops (or uint8 with ``out_scale`` / ``out_offset``, as the convolution). Dynamic quantization (``attrs["dynamic"]``): x comes in fp32 and its step
-  and offset are taken per call from its min / max (ONNX DynamicQuantizeLinear's rule:
-  the range widened to include 0, uint8).
+  (``onednn.qlinear_prepack``); fp32 output (bf16 inside a bf16 graph: oneDNN's
+  ``output_dtype``), bias and ReLU / GELU (erf or tanh) as post-ops (or uint8 with
+  ``out_scale`` / ``out_offset``, as the convolution). Dynamic quantization
+  (``attrs["dynamic"]``): x comes in fp32 (or bf16) and its step and offset are taken
+  per call from its min / max (ONNX DynamicQuantizeLinear's rule: the range widened to
+  include 0, uint8).
 
 These are the kernels PyTorch Inductor's x86 int8 path binds (torch/_inductor/fx_passes/
 quantization.py, the X86InductorQuantizer flow); no GEMM is written here. Source of the
@@ -46,10 +48,12 @@ _LINEAR_POST = {"relu": ("relu", ""), "gelu": ("gelu", "none"), "gelu_tanh": ("g
 def quantize_u8(x: torch.Tensor, step: float, offset: int) -> torch.Tensor:
     """``x`` (float) to uint8 ``saturate(round_half_even(x / step) + offset)`` in [0, 255],
     NaN → 0; x's memory format kept. ``step`` > 0 (float), ``offset`` in [0, 255]. A dense
-    fp32 x takes one numba pass (`quant_numba.quantize_dense`, same values); any other
-    the eager ops below."""
+    fp32 x takes one numba pass (`quant_numba.quantize_dense`, same values), a dense bf16
+    x one pass reading it directly (`quant_bf16_numba.quantize_bf16_dense`: the values of
+    quantizing ``x.float()``, no Cast); any other the eager ops below."""
     from .quant_numba import quantize_dense   # numba loads on the first int8 call only
-    y = quantize_dense(x, step, offset)
+    from .quant_bf16_numba import quantize_bf16_dense
+    y = quantize_dense(x, step, offset) if x.dtype == torch.float32 else quantize_bf16_dense(x, step, offset)
     if y is not None:
         return y
     y = torch.mul(x.float(), 1.0 / step)
@@ -62,7 +66,8 @@ def dynamic_params(x: torch.Tensor) -> Tuple[float, int]:
     """(step, offset) of ONNX DynamicQuantizeLinear for ``x``: the range [min(x, 0),
     max(x, 0)] over 255 levels, offset = saturate(round(-min / step)); step 1.0 for an
     all-zero x. NaN / ±inf in x: a non-finite range; the step then falls back to 1.0 and
-    values saturate (documented in docs/guide/quantization.md)."""
+    values saturate (documented in docs/guide/quantization.md). x fp32 or bf16 (read as it
+    is: bf16 values are exact in fp32)."""
     lo, hi = torch.aminmax(x)
     lo, hi = min(float(lo), 0.0), max(float(hi), 0.0)
     step = (hi - lo) / 255.0
@@ -74,7 +79,8 @@ def dynamic_params(x: torch.Tensor) -> Tuple[float, int]:
 def make_ascend_quant_kernel(node: Node, in_descs: Sequence[TensorDesc], consts: Sequence) -> Callable:
     """AscendQuant(x) → uint8: ``node.attrs`` ``scale`` (CANN's: the reciprocal of the
     quantization step, y = round(x * scale) + offset) and ``offset`` (the zero point, in
-    [0, 255]). Returns ``run(x)``; x fp32 (or bf16/fp16, quantized through fp32)."""
+    [0, 255]). Returns ``run(x)``; x fp32 or bf16 (one numba pass reading it as it is;
+    fp16 quantized through fp32)."""
     step, offset = 1.0 / float(node.attrs["scale"]), int(node.attrs["offset"])
 
     def run(x):
@@ -187,20 +193,24 @@ def _quant_conv_add(node: Node, packs: QConvWeightPacks, w_scale, w_zp, xi: int,
 
 def _out_quant(node: Node) -> Tuple[float, int, torch.dtype]:
     """(output scale, zero point, dtype) for oneDNN: (``out_scale``, ``out_offset``, uint8)
-    when the ``fuse_requant`` pass gave the node a uint8 output, else (1.0, 0, fp32)."""
-    if node.outputs[0].desc.dtype.torch == torch.uint8:
+    when the ``fuse_requant`` pass gave the node a uint8 output, (1.0, 0, bf16) for a
+    bf16 output (a QuantLinearAct inside a bf16 graph), else (1.0, 0, fp32)."""
+    dt = node.outputs[0].desc.dtype.torch
+    if dt == torch.uint8:
         return float(node.attrs["out_scale"]), int(node.attrs["out_offset"]), torch.uint8
-    return 1.0, 0, torch.float32
+    return 1.0, 0, (torch.bfloat16 if dt == torch.bfloat16 else torch.float32)
 
 
 def make_quant_linear_kernel(node: Node, in_descs: Sequence[TensorDesc], consts: Sequence) -> Callable:
     """Bind-time kernel of QuantLinearAct: ``act(dequant(xq @ wq) + bias)``.
 
-    Inputs (``node.attrs`` TensorRefs): ``mat1`` x [m, k] (uint8; fp32 when
+    Inputs (``node.attrs`` TensorRefs): ``mat1`` x [m, k] (uint8; fp32 or bf16 when
     ``attrs["dynamic"]``), ``mat2`` a constant int8 [k, n] (LinearAct's ``w_t``), ``w_scale``
     a constant fp32 [n], optional ``self`` (bias fp32 [n]). Attributes ``act``, and for a
-    static node ``x_scale`` / ``x_offset``. Returns ``run(*inputs)`` giving a fresh fp32
-    [m, n] (uint8 at ``out_scale`` / ``out_offset`` when the node's output is uint8). The weight is transposed to [n, k] and prepacked once here
+    static node ``x_scale`` / ``x_offset``. Returns ``run(*inputs)`` giving a fresh [m, n]
+    in the node's output dtype: fp32, bf16 (oneDNN rounds its fp32 result once: the bits
+    of the fp32 output cast to bf16), or uint8 at ``out_scale`` / ``out_offset``
+    (``fuse_requant``). The weight is transposed to [n, k] and prepacked once here
     (``onednn.qlinear_prepack``; it serves every m)."""
     a = node.attrs
     xi, wi, si = a["mat1"].index, a["mat2"].index, a["w_scale"].index

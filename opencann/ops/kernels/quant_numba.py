@@ -3,8 +3,12 @@ round_half_even(x * inv_step) + offset)`` in [0, 255], NaN → 0, over a dense t
 storage in memory order (any dense layout: NCHW or channels-last alike; the result has
 x's strides). Eager's spelling (mul, round, add, clamp, nan_to_num, cast) reads and
 writes the tensor five times; measured on ResNet-50 int8 at batch 1 (2-core Xeon,
-loaded), those passes were 7 of 17 ms. numba because the project's CPU codegen is numba
-(DESIGN.md); thread count and launch as the GEMV's (`numba_cache.launch`).
+loaded), those passes were 7 of 17 ms. The loop runs over blocks of `BLOCK` elements with
+the NaN and saturation tests as selects, which LLVM vectorizes (a per-element branch did
+not: 3-4x slower); below `SERIAL_MAX` elements (a transformer's [128, 768] activation) one
+serial call without the parallel launch, whose fixed cost was most of the pass there.
+numba because the project's CPU codegen is numba (DESIGN.md); thread count and launch as
+the GEMV's (`numba_cache.launch`).
 Source of the rounding: IEEE 754 roundTiesToEven (``np.rint``), as ``torch.round``."""
 from __future__ import annotations
 
@@ -15,19 +19,27 @@ from numba import prange
 from .numba_cache import launch, njit
 
 
+BLOCK = 4096        # elements per parallel work item
+SERIAL_MAX = 1 << 17   # below this many elements one serial call: a parallel launch's fixed
+                       # cost (~15 us of thread-count and dispatch work) exceeds the pass itself
+
+
+@njit(cache=True)
+def _quantize_run(xs, inv, offset, ys):  # pragma: no cover - compiled by numba
+    for i in range(xs.size):    # selects, not branches: LLVM vectorizes
+        r = np.rint(xs[i] * inv) + offset
+        r = r if r > np.float32(0.0) else np.float32(0.0)   # NaN compares false: 0, the minimum
+        r = r if r < np.float32(255.0) else np.float32(255.0)
+        ys[i] = np.uint8(np.int32(r))
+
+
 @njit(parallel=True, cache=True)
 def _quantize(x, inv, offset, y):  # pragma: no cover - compiled by numba
-    for i in prange(x.size):
-        v = x[i] * inv
-        if v != v:
-            y[i] = 0
-        else:
-            r = np.rint(v) + offset
-            if r < 0.0:
-                r = 0.0
-            elif r > 255.0:
-                r = 255.0
-            y[i] = np.uint8(r)
+    n = x.size
+    for b in prange((n + BLOCK - 1) // BLOCK):
+        s = b * BLOCK
+        m = min(BLOCK, n - s)
+        _quantize_run(x[s:s + m], inv, offset, y[s:s + m])
 
 
 def quantize_dense(x: torch.Tensor, step: float, offset: int):
@@ -40,9 +52,12 @@ def quantize_dense(x: torch.Tensor, step: float, offset: int):
     if y.stride() != x.stride():
         return None
     n = x.numel()
-    xf, yf = x.as_strided((n,), (1,)), y.as_strided((n,), (1,))
+    xf, yf = x.as_strided((n,), (1,)).numpy(), y.as_strided((n,), (1,)).numpy()
+    if n < SERIAL_MAX:
+        _quantize_run(xf, np.float32(1.0 / step), np.float32(offset), yf)
+        return y
     with launch(n):
-        _quantize(xf.numpy(), np.float32(1.0 / step), np.float32(offset), yf.numpy())
+        _quantize(xf, np.float32(1.0 / step), np.float32(offset), yf)
     return y
 
 

@@ -22,6 +22,7 @@ from .linear_act import FuseLinearAct
 from .qkv_linear import FuseQKVLinear
 from .quantize_int8 import QuantizeInt8
 from .fuse_requant import FuseRequant
+from .add_layer_norm_quant import FuseAddLayerNormQuant
 from .qdq_to_int8 import QdqToInt8
 from .qdq_eltwise_int8 import QdqEltwiseToInt8
 from .rms_norm import FuseRMSNorm
@@ -32,4 +33,4 @@ from .user_rule import FusionRule, UserFusion, register_rule, unregister_rule, u
 __all__ = ["FoldBatchNorm", "FuseConvAct", "FuseConvAddAct", "FuseLinearAct",
            "FuseFlashAttention", "ChooseAttentionKernel", "FuseQKVLinear", "FuseAddLayerNorm", "FuseAddLayerNormCast", "FuseAddRmsNorm", "FuseRotaryMul", "FuseDecodeKvUpdate", "FuseApplyRotaryPosEmb", "FuseDecodeRope", "CpuFusion", "FuseSiLU", "FuseGeluTanh", "FuseGeluErf",
            "FuseRMSNorm", "FuseLayerNorm", "FuseGatedMLP", "FuseElementwise", "FusionRule", "UserFusion",
-           "register_rule", "unregister_rule", "user_passes", "QuantizeInt8", "FuseRequant", "QdqToInt8", "QdqEltwiseToInt8"]
+           "register_rule", "unregister_rule", "user_passes", "QuantizeInt8", "FuseRequant", "FuseAddLayerNormQuant", "QdqToInt8", "QdqEltwiseToInt8"]

@@ -13,10 +13,13 @@ After::
     q1 = QuantConvBiasAct(x_u8, ..., out_scale=s, out_offset=z)   # uint8 out
     q2 = QuantConvBiasAct(q1, ...)
 
-Readers int8 can carry: AscendQuant nodes at one (scale, offset), and MaxPool nodes whose
-own readers are such AscendQuant nodes (max commutes with the monotone quantization, so
+Readers int8 can carry: AscendQuant nodes at one (scale, offset), Reshapes whose readers
+are such (a transformer's FFN: GELU's output reshaped before the down-projection; the
+Reshapes then carry uint8, `quant_readers`), and MaxPool nodes whose own readers are
+such AscendQuant nodes (max commutes with the monotone quantization, so
 ``quant(maxpool(y)) == maxpool(quant(y))`` exactly: the MaxPool becomes a QuantMaxPool on
-uint8).
+uint8). A QuantLinearAct writing bf16 (an int8 Linear inside a bf16 graph) is taken as
+an fp32 one: it then skips the bf16 rounding the unfused graph does before quantizing.
 Residual chains first (`_uint8_addends`): a QuantConvAddAct whose readers are int8 takes
 a uint8 version of its fp32 addend (the AscendQuant another int8 layer already reads, or
 one made at its calibrated ``accum_record``) and writes uint8 into it (oneDNN's ``sum``
@@ -39,7 +42,7 @@ Source: oneDNN developer guide, "Int8 Inference" (output scales and zero points)
 PyTorch torch/_inductor/fx_passes/quantization.py (the int8-output qconv / qlinear)."""
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -47,6 +50,7 @@ import torch
 from ...ir import DataType, Graph, Node, TensorDesc, Value
 from ..base import PassContext, Skip
 from .common import CpuFusion
+from .quant_readers import VIEWS, QuantReaders, quant_readers, to_uint8
 
 # activations each int8 kernel runs as a oneDNN post-op (before the output's requantization)
 _NATIVE_ACT = {"QuantConvBiasAct": ("none", "relu"), "QuantConvAddAct": ("none", "relu"),
@@ -60,6 +64,7 @@ class _RequantMatch:
     offset: int
     quants: List[Node]           # AscendQuant readers, removed
     pools: List[Node]            # MaxPool readers, replaced by QuantMaxPool
+    views: List[Node] = field(default_factory=list)   # Reshapes on the way, retyped to uint8
 
 
 def _quant_key(n: Node) -> Optional[Tuple[float, int]]:
@@ -98,9 +103,10 @@ class FuseRequant(CpuFusion):
         if node.attrs.get("act", "none") not in _NATIVE_ACT[node.op]:
             return Skip(f"activation {node.attrs.get('act')!r} runs after the kernel in fp32")
         out = node.outputs[0]
-        if out.desc.dtype.torch != torch.float32 or out in graph.outputs:
+        bf16 = out.desc.dtype.torch == torch.bfloat16 and node.op == "QuantLinearAct"
+        if not (out.desc.dtype.torch == torch.float32 or bf16) or out in graph.outputs:
             return Skip("the result is a graph output (the caller reads fp32)")
-        keys, quants, pools = set(), [], []
+        keys, quants, pools, views = set(), [], [], []
         for u in out.users:
             if u.op == "AscendQuant":
                 keys.add(_quant_key(u))
@@ -109,8 +115,15 @@ class FuseRequant(CpuFusion):
                     and all(w.op == "AscendQuant" for w in u.outputs[0].users):
                 keys |= {_quant_key(w) for w in u.outputs[0].users}
                 pools.append(u)
+            elif u.op in VIEWS:     # a transformer's [B·S, H] -> [B, S, H] (-> [B·S, H]) between
+                r = quant_readers(graph, u.outputs[0])
+                if isinstance(r, Skip):
+                    return Skip(f"after {u.name} ({u.op}): {r.reason}")
+                keys |= r.keys
+                quants += r.quants
+                views += [u] + r.views
             else:
-                return Skip(f"read in fp32 by {u.name} ({u.op})")
+                return Skip(f"read in {'bf16' if bf16 else 'fp32'} by {u.name} ({u.op})")
         if len(keys) != 1:
             return Skip("no reader quantizes it" if not keys else
                         f"its readers quantize it at {len(keys)} different scales")
@@ -119,7 +132,7 @@ class FuseRequant(CpuFusion):
                         "'accum' record, or its own chain ends in an fp32 reader): oneDNN's sum "
                         "post-op writes uint8 only into a uint8 addend")
         inv, offset = keys.pop()
-        return _RequantMatch(node, 1.0 / inv, offset, quants, pools)
+        return _RequantMatch(node, 1.0 / inv, offset, quants, pools, views)
 
     def rewrite(self, graph: Graph, m: _RequantMatch, ctx: PassContext) -> int:
         """Give the layer ``out_scale`` / ``out_offset`` and a uint8 output, replace its
@@ -135,9 +148,7 @@ class FuseRequant(CpuFusion):
             graph.replace_all_uses_with(p.outputs[0], qp.outputs[0])
             graph.erase_node(p)
             m.quants.extend(qp.outputs[0].users)
-        for q in m.quants:
-            graph.replace_all_uses_with(q.outputs[0], q.inputs[0])
-            graph.erase_node(q)
+        to_uint8(graph, QuantReaders(m.quants, m.views))
         ctx.applied([node], f"uint8 out (scale {m.scale:.4g}, offset {m.offset}); "
                             f"{len(m.quants)} AscendQuant removed")
         return 1

@@ -17,6 +17,19 @@ without a reorder, and the int8 kernels' fp32 results take the fp32 ops' places.
   ``layer1.0.conv2``), node names or traced labels (``meta["origin"]``) kept in fp32;
 - ``dynamic_linear``: LinearAct nodes without a record quantize x per call.
 
+Inside a bf16 graph (``precision_mode`` ``allow_mix_precision_bf16``, or ``node_precision``
+giving the layer "bf16", as ``opencann.tune``'s int8 candidate does) a LinearAct computes
+in bf16: x and its output are bf16 and its weight a bf16 constant. It becomes
+``AscendQuant(x_bf16)`` (the uint8 quantization read straight from bf16, no Cast) →
+``QuantLinearAct`` writing bf16 (oneDNN's ``output_dtype``; bit for bit the fp32 result
+cast to bf16), so the layer keeps the bf16 op's place with no Cast around it; when its
+readers only cast its result up to fp32 (an fp32 residual Add after it) it writes fp32
+itself and those Casts go (its value then is not rounded to bf16). Its int8
+weight is ARQ of the bf16 weight (the fp32 one was cast at compile time by ``precision``:
+one more rounding, at most a quarter of an int8 step, 2^-9 of max|w| per channel); its
+bias goes back to fp32 (exact). Only a oneDNN post-op activation (none, ReLU, GELU) is
+taken in bf16; convolutions are quantized from fp32 graphs only.
+
 An ONNX model's ``quantize_dynamic`` MatMuls (their weights named in
 ``graph.meta["int8_dynamic_weights"]`` by ``frontend/onnx/dynamic_quant.py``) run dynamic as
 well, with or without ``quant_config``.
@@ -87,6 +100,30 @@ class _QMatch:
     weight: Optional[tuple] = None     # (int8 weight, fp32 scales) given; default: ARQ of the fp32 one
 
 
+# activations a bf16 QuantLinearAct runs as oneDNN post-ops (before its bf16 rounding)
+_BF16_ACTS = ("none", "relu", "gelu", "gelu_tanh")
+
+
+def _bf16_linear(node: Node) -> bool:
+    """Whether ``node`` (a LinearAct) computes in bf16: x, a constant weight, its bias
+    (if any, constant) and its output all bf16."""
+    x, w = node.arg("mat1"), node.arg("mat2")
+    b = node.attrs.get("self")
+    bf = torch.bfloat16
+    return (x.desc.dtype.torch == bf and w.is_const and w.desc.dtype.torch == bf
+            and node.outputs[0].desc.dtype.torch == bf
+            and (not isinstance(b, TensorRef) or (node.inputs[b.index].is_const
+                                                  and node.inputs[b.index].desc.dtype.torch == bf)))
+
+
+def _fp32_readers(graph: Graph, v: Value) -> bool:
+    """Whether every reader of the bf16 ``v`` is a Cast to fp32 (``precision``'s, before an
+    fp32 op) and ``v`` is no graph output: the int8 layer may then write fp32 itself."""
+    return bool(v.users) and v not in graph.outputs and all(
+        u.op == "Cast" and u.outputs[0].desc.dtype.torch == torch.float32 and u.outputs[0] not in graph.outputs
+        for u in v.users)
+
+
 def layer_labels(node: Node) -> set:
     """The names ``skip_layers`` may give for ``node``: its own, its module's (``scope``,
     AMCT's layer name, e.g. ``layer1.0.conv2``) and its traced labels."""
@@ -128,8 +165,16 @@ class QuantizeInt8(CpuFusion):
             return Skip("in skip_layers: kept in fp32")
         w = node.arg("weight" if node.op != "LinearAct" else "mat2")
         x = node.arg("input" if node.op != "LinearAct" else "mat1")
-        if not (w.is_const and w.desc.dtype.torch == torch.float32 and x.desc.dtype.torch == torch.float32):
-            return Skip("the weight is not a constant fp32 tensor or x is not fp32")
+        if node.op == "LinearAct" and _bf16_linear(node):
+            if node.attrs.get("act", "none") not in _BF16_ACTS:
+                return Skip(f"bf16 LinearAct with activation {node.attrs.get('act')!r}: int8 in a bf16 graph "
+                            f"takes {', '.join(_BF16_ACTS)} (oneDNN post-ops); kept in bf16")
+        elif node.op != "LinearAct" and x.desc.dtype.torch == torch.bfloat16:
+            return Skip("a bf16 convolution: int8 takes convolutions from fp32 graphs only (kept in bf16; "
+                        "quantize without precision_mode to run it int8)")
+        elif not (w.is_const and w.desc.dtype.torch == torch.float32 and x.desc.dtype.torch == torch.float32):
+            return Skip("the weight is not a constant fp32 tensor or x is not fp32 (bf16 is taken by "
+                        "linears only: x, weight and result bf16)")
         if node.op == "LinearAct" and (x.desc.rank != 2 or w.desc.rank != 2):
             return Skip("not a 2-D GEMM")
         if not torch.isfinite(w.const).all():
@@ -190,6 +235,10 @@ class QuantizeInt8(CpuFusion):
         else:
             attrs["dynamic"] = True
             detail = m.detail or "int8 dynamic (x quantized per call)"
+        bias = attrs.get("self")
+        if linear and isinstance(bias, TensorRef) and ins[bias.index].desc.dtype.torch != torch.float32:
+            b = ins[bias.index]
+            ins[bias.index] = graph.add_const(b.const.float(), f"{node.name}_bias_fp32")
         ins.append(graph.add_const(ws, f"{node.name}_w_scale"))
         attrs["w_scale"] = TensorRef(len(ins) - 1)
         q = graph.create_node(_TARGETS[node.op], ins, attrs, [node.outputs[0].desc],
@@ -198,5 +247,12 @@ class QuantizeInt8(CpuFusion):
         q.meta.update({k: v for k, v in node.meta.items() if k in ("strides", "origin", "eager_strides")})
         graph.replace_all_uses_with(node.outputs[0], q.outputs[0])
         graph.erase_node(node)
+        if linear and q.outputs[0].desc.dtype.torch == torch.bfloat16 and _fp32_readers(graph, q.outputs[0]):
+            ups = list(q.outputs[0].users)
+            q.outputs[0].desc = q.outputs[0].desc.with_(dtype=DataType.FLOAT)
+            for c in ups:
+                graph.replace_all_uses_with(c.outputs[0], q.outputs[0])
+                graph.erase_node(c)
+            detail += "; writes fp32 (its readers cast it up: not rounded to bf16)"
         ctx.applied([node], detail)
         return 1
