@@ -154,7 +154,22 @@ def test_nan_and_inf_in_a_bf16_graph_saturate_as_documented():
             ok = [0, 4, 5, 6]
             assert torch.equal(y[ok], q(x)[ok])
             step, off = dynamic_params(x.bfloat16())
-            _close_bf16(y, _ref_linear(bad.bfloat16(), lin, step, off))
+        else:                      # x's range per call is over its finite values only
+            step, off = dynamic_params(bad.nan_to_num(0.0, 0.0, 0.0).bfloat16())
+        _close_bf16(y, _ref_linear(bad.bfloat16(), lin, step, off))
+
+
+def test_dynamic_range_leaves_nan_and_inf_out():
+    """One NaN/±inf in x must not take the per-call range (step 1.0 would quantize every
+    other row to garbage): the range is over the finite values, as calibration's."""
+    x = torch.randn(6, 10, generator=torch.Generator().manual_seed(4)) * 3
+    for v in (float("nan"), float("inf"), -float("inf")):
+        bad = x.clone()
+        bad[2, 3] = v
+        want = dynamic_params(bad.nan_to_num(0.0, 0.0, 0.0))
+        assert dynamic_params(bad) == want and want[0] != 1.0
+        assert dynamic_params(bad.bfloat16()) == dynamic_params(bad.nan_to_num(0.0, 0.0, 0.0).bfloat16())
+    assert dynamic_params(torch.full((3,), float("nan"))) == (1.0, 0)
 
 
 def test_bf16_layers_that_int8_does_not_take_say_why():

@@ -34,6 +34,7 @@ QInt8 per-channel weights).
 """
 from __future__ import annotations
 
+import math
 from typing import Callable, Sequence, Tuple
 
 import torch
@@ -65,11 +66,16 @@ def quantize_u8(x: torch.Tensor, step: float, offset: int) -> torch.Tensor:
 def dynamic_params(x: torch.Tensor) -> Tuple[float, int]:
     """(step, offset) of ONNX DynamicQuantizeLinear for ``x``: the range [min(x, 0),
     max(x, 0)] over 255 levels, offset = saturate(round(-min / step)); step 1.0 for an
-    all-zero x. NaN / ±inf in x: a non-finite range; the step then falls back to 1.0 and
-    values saturate (documented in docs/guide/quantization.md). x fp32 or bf16 (read as it
-    is: bf16 values are exact in fp32)."""
+    all-zero x. NaN / ±inf in x are left out of the range, as calibration leaves them out
+    (a second pass, only when the first range is not finite): the finite values keep their
+    resolution and the specials saturate (docs/guide/quantization.md); step 1.0 when no
+    value is finite. x fp32 or bf16 (read as it is: bf16 values are exact in fp32)."""
     lo, hi = torch.aminmax(x)
-    lo, hi = min(float(lo), 0.0), max(float(hi), 0.0)
+    lo, hi = float(lo), float(hi)
+    if not (math.isfinite(lo) and math.isfinite(hi)):
+        fin = x[torch.isfinite(x)]
+        lo, hi = (float(fin.min()), float(fin.max())) if fin.numel() else (0.0, 0.0)
+    lo, hi = min(lo, 0.0), max(hi, 0.0)
     step = (hi - lo) / 255.0
     if not (step > 0.0 and step != float("inf")):
         return 1.0, 0
