@@ -268,3 +268,17 @@ def test_bf16_convolutions_stay_bf16_with_the_reason():
     with torch.no_grad():
         ref = m(x)
     assert torch.nn.functional.cosine_similarity(q(x).flatten().double(), ref.flatten().double(), 0) > 0.999
+
+
+def test_a_skipped_linear_in_a_bf16_graph_is_reported_bf16():
+    """A skip_layers linear of a bf16 graph runs bf16: the report says so, not fp32."""
+    m, x = _mlp(), _x()
+    q = opencann.quantize(m, [x], config=create_quant_config(["fc1"]), options=BF16)
+    rows = {r["where"].split(" ")[0]: r for r in quant_report(q)}
+    assert not rows["fc1"]["int8"] and rows["fc1"]["reason"] == "in skip_layers: kept in bf16"
+    assert rows["fc2"]["int8"] and q.report.op_counts_after.get("LinearAct") == 1
+    node = next(n for n in q.graph.nodes if n.op == "LinearAct")
+    assert node.outputs[0].desc.dtype.torch == torch.bfloat16
+    with torch.no_grad():
+        ref = m(x)
+    assert torch.nn.functional.cosine_similarity(q(x).flatten().double(), ref.flatten().double(), 0) > 0.999

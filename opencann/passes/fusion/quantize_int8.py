@@ -161,10 +161,10 @@ class QuantizeInt8(CpuFusion):
         LinearAct) that has a record in ``layers`` (or, for a LinearAct, ``dynamic_linear``);
         else a `Skip` naming why it stays fp32."""
         cfg = self._cfg
-        if layer_labels(node) & set(cfg.get("skip_layers") or ()):
-            return Skip("in skip_layers: kept in fp32")
         w = node.arg("weight" if node.op != "LinearAct" else "mat2")
         x = node.arg("input" if node.op != "LinearAct" else "mat1")
+        if layer_labels(node) & set(cfg.get("skip_layers") or ()):     # kept as it computes: fp32 or bf16
+            return Skip(f"in skip_layers: kept in {'bf16' if x.desc.dtype.torch == torch.bfloat16 else 'fp32'}")
         if node.op == "LinearAct" and _bf16_linear(node):
             if node.attrs.get("act", "none") not in _BF16_ACTS:
                 return Skip(f"bf16 LinearAct with activation {node.attrs.get('act')!r}: int8 in a bf16 graph "
