@@ -30,12 +30,14 @@ quantization", the quantization config (``skip_layers``, ``activation_quant_para
 IFMR) and record file (``scale_d``, ``offset_d``, ``scale_w``, ``offset_w``)."""
 from __future__ import annotations
 
+import difflib
 import math
 from typing import Any, Dict, Iterable, List, Optional, Sequence
 
 import torch
 
 from ..devices import parse_device
+from ..passes.fusion.quantize_int8 import layer_labels
 from ..passes.layout.vnpu_quantize_int8 import check_cube_int8
 from .compiled_model import CompiledModel
 from .entry import compile_module
@@ -185,7 +187,8 @@ def quantize(model: torch.nn.Module, calibration_inputs, *, config: Optional[Dic
     dict (default: static, min/max, nothing skipped). ``options``: compile options, as
     ``opencann.compile`` (``quant_config`` is set here). Raises ValueError (one line)
     for an empty calibration set, batches of different shapes or dtypes, batches with no
-    finite value at any layer's input (static mode), a config that is no dict, or a ``precision_mode``
+    finite value at any layer's input (static mode), a ``skip_layers`` name that
+    labels no node of the model, a config that is no dict, or a ``precision_mode``
     that lowers to fp16 (int8 layers are quantized from fp32; ``allow_mix_precision_bf16`` on
     the cpu: the linears are quantized inside the bf16 graph, calibrated on it, reading and
     writing bf16, `QuantizeInt8`; its convolutions stay bf16), and what
@@ -228,10 +231,29 @@ def quantize(model: torch.nn.Module, calibration_inputs, *, config: Optional[Dic
                             "dynamic_linear": bool(cfg.get("dynamic_linear"))}
     cm = compile_module(model, batches[0], device, opts)
     rows = quant_report(cm)
+    _check_skip_layers(cm, opts["quant_config"]["skip_layers"], rows)
     if vnpu and rows and not any(r["int8"] for r in rows) and not cfg.get("skip_layers"):
         raise ValueError(f"no layer was quantized on {device} (first: {rows[0]['layer']}: {rows[0]['reason']}); "
                          f"fix that, or compile without opencann.quantize to run fp32")
     return cm
+
+
+def _check_skip_layers(cm: CompiledModel, skip: Sequence[str], rows: List[Dict[str, Any]]) -> None:
+    """A ``skip_layers`` name that labels no node of the compiled model (a typo, a parent
+    module) would leave its layer int8 without a word: one ValueError line with near matches."""
+    if not skip:
+        return
+    known = {r["layer"] for r in rows}
+    for n in cm.graph.nodes:
+        known |= layer_labels(n)
+    unknown = [s for s in skip if s not in known]
+    if unknown:
+        layers = sorted({r["where"].split(" ")[0] for r in rows if r.get("where")} | {r["layer"] for r in rows})
+        near = sorted({c for s in unknown for c in difflib.get_close_matches(s, layers, n=3, cutoff=0.5)})
+        raise ValueError(f"skip_layers names no layer of the model: {', '.join(map(repr, unknown))}; "
+                         f"give a convolution / linear module's name (AMCT's layer name) or a node name "
+                         f"from quant_report; " + (f"near matches: {', '.join(near)}" if near
+                                                    else f"layers: {', '.join(layers[:8])}"))
 
 
 def _cpu_only_rewrites(opts: Dict[str, Any]) -> List[str]:

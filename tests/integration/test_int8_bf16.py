@@ -282,3 +282,14 @@ def test_a_skipped_linear_in_a_bf16_graph_is_reported_bf16():
     with torch.no_grad():
         ref = m(x)
     assert torch.nn.functional.cosine_similarity(q(x).flatten().double(), ref.flatten().double(), 0) > 0.999
+
+
+def test_a_skip_layers_name_of_no_layer_is_one_error_line():
+    """A skip_layers typo would leave that layer int8 without a word: one ValueError line
+    with near matches instead."""
+    m, x = _mlp(), _x()
+    with pytest.raises(ValueError, match=r"skip_layers names no layer of the model: 'fc_1'.*near matches: fc1") as e:
+        opencann.quantize(m, [x], config=create_quant_config(["fc_1"]), options=BF16)
+    assert "\n" not in str(e.value)
+    with pytest.raises(ValueError, match="skip_layers names no layer"):
+        opencann.quantize(m, [x], config=create_quant_config(["fc1", "nothing_like_it"], mode="dynamic"))
