@@ -98,6 +98,9 @@ class _Range:
 def _batches(calibration_inputs) -> List[tuple]:
     if isinstance(calibration_inputs, (torch.Tensor, tuple)):
         calibration_inputs = [calibration_inputs]
+    if not isinstance(calibration_inputs, Iterable) or isinstance(calibration_inputs, (str, dict)):
+        raise ValueError(f"calibration_inputs is {type(calibration_inputs).__name__}: give a list of batches, "
+                         f"each a tensor or a tuple of the model's inputs, e.g. [x1, x2]")
     out = [b if isinstance(b, tuple) else (b,) for b in calibration_inputs]
     if not out:
         raise ValueError("calibration_inputs is empty: give at least one batch (a tensor or a "
@@ -198,6 +201,8 @@ def quantize(model: torch.nn.Module, calibration_inputs, *, config: Optional[Dic
     if not isinstance(cfg, dict) or "mode" not in cfg:
         raise ValueError(f"config must come from opencann.tools.quantize.create_quant_config(...), "
                          f"got {cfg!r:.80}")
+    if isinstance(cfg.get("skip_layers"), str):
+        raise ValueError(f"config['skip_layers'] takes a list of names, e.g. [{cfg['skip_layers']!r}]")
     opts = dict(options or {})
     if opts.get("precision_mode") not in (None, "force_fp32", "must_keep_origin_dtype", "allow_mix_precision_bf16") \
             or (opts.get("precision_mode") == "allow_mix_precision_bf16" and parse_device(device).kind != "cpu"):

@@ -293,3 +293,15 @@ def test_a_skip_layers_name_of_no_layer_is_one_error_line():
     assert "\n" not in str(e.value)
     with pytest.raises(ValueError, match="skip_layers names no layer"):
         opencann.quantize(m, [x], config=create_quant_config(["fc1", "nothing_like_it"], mode="dynamic"))
+
+
+def test_bad_calibration_and_config_arguments_are_one_line_each():
+    m, x = _mlp(), _x()
+    for bad, match in ((None, "calibration_inputs is NoneType: give a list of batches"),
+                       (5, "calibration_inputs is int")):
+        with pytest.raises(ValueError, match=match) as e:
+            opencann.quantize(m, bad, options=BF16)
+        assert "\n" not in str(e.value)
+    cfg = dict(create_quant_config(), skip_layers="fc1")       # a string would skip 'f', 'c', '1'
+    with pytest.raises(ValueError, match=r"skip_layers'\] takes a list of names, e.g. \['fc1'\]"):
+        opencann.quantize(m, [x], config=cfg, options=BF16)
