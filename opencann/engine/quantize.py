@@ -197,12 +197,7 @@ def quantize(model: torch.nn.Module, calibration_inputs, *, config: Optional[Dic
     writing bf16, `QuantizeInt8`; its convolutions stay bf16), and what
     ``opencann.compile`` raises. The compiled model's ``report`` lists every layer in
     the ``quantize_int8`` pass's entries (`quant_report`)."""
-    cfg = create_quant_config() if config is None else config
-    if not isinstance(cfg, dict) or "mode" not in cfg:
-        raise ValueError(f"config must come from opencann.tools.quantize.create_quant_config(...), "
-                         f"got {cfg!r:.80}")
-    if isinstance(cfg.get("skip_layers"), str):
-        raise ValueError(f"config['skip_layers'] takes a list of names, e.g. [{cfg['skip_layers']!r}]")
+    cfg = _config(config)
     opts = dict(options or {})
     if opts.get("precision_mode") not in (None, "force_fp32", "must_keep_origin_dtype", "allow_mix_precision_bf16") \
             or (opts.get("precision_mode") == "allow_mix_precision_bf16" and parse_device(device).kind != "cpu"):
@@ -241,6 +236,18 @@ def quantize(model: torch.nn.Module, calibration_inputs, *, config: Optional[Dic
         raise ValueError(f"no layer was quantized on {device} (first: {rows[0]['layer']}: {rows[0]['reason']}); "
                          f"fix that, or compile without opencann.quantize to run fp32")
     return cm
+
+
+def _config(config: Optional[Dict[str, Any]]) -> Dict[str, Any]:
+    """``config``, checked (default: `create_quant_config`'s); ValueError (one line) for
+    no such dict or a string ``skip_layers``."""
+    cfg = create_quant_config() if config is None else config
+    if not isinstance(cfg, dict) or "mode" not in cfg:
+        raise ValueError(f"config must come from opencann.tools.quantize.create_quant_config(...), "
+                         f"got {cfg!r:.80}")
+    if isinstance(cfg.get("skip_layers"), str):
+        raise ValueError(f"config['skip_layers'] takes a list of names, e.g. [{cfg['skip_layers']!r}]")
+    return cfg
 
 
 def _check_skip_layers(cm: CompiledModel, skip: Sequence[str], rows: List[Dict[str, Any]]) -> None:
