@@ -131,8 +131,7 @@ def calibrate(cm: CompiledModel, batches: Iterable[tuple], targets: Optional[Dic
     graph = cm.graph
     watch: Dict[int, _Range] = {}
     names: Dict[int, List[str]] = {}
-    addends: Dict[int, List[str]] = {}
-    results: Dict[int, List[str]] = {}
+    sides: Dict[str, Dict[int, List[str]]] = {"accum": {}, "out": {}}   # a ConvAddAct's addend, result
     for n in graph.nodes:
         if targets is not None:
             w = n.arg("weight" if n.op == "Conv2D" else "mat2") if n.op in targets else None
@@ -145,13 +144,10 @@ def calibrate(cm: CompiledModel, batches: Iterable[tuple], targets: Optional[Dic
             x = n.arg("mat1" if n.op == "LinearAct" else "input")
             watch.setdefault(x.id, _Range())
             names.setdefault(x.id, []).append(n.name)
-        if n.op == "ConvAddAct":   # the residual addend: uint8 between int8 blocks (fuse_requant)
-            a = n.arg("other")
-            watch.setdefault(a.id, _Range())
-            addends.setdefault(a.id, []).append(n.name)
-            o = n.outputs[0]
-            watch.setdefault(o.id, _Range())
-            results.setdefault(o.id, []).append(n.name)
+        if n.op == "ConvAddAct":   # uint8 residual chains (fuse_requant): the addend and the result
+            for key, v in (("accum", n.arg("other")), ("out", n.outputs[0])):
+                watch.setdefault(v.id, _Range())
+                sides[key].setdefault(v.id, []).append(n.name)
     inputs = {v.id: i for i, v in enumerate(graph.inputs)}
 
     def observe(node, outs) -> None:
@@ -172,7 +168,7 @@ def calibrate(cm: CompiledModel, batches: Iterable[tuple], targets: Optional[Dic
         if rec is not None:
             for name in names.get(vid, ()):
                 records[name] = dict(rec)
-    for key, side in (("accum", addends), ("out", results)):
+    for key, side in sides.items():
         for vid, layers in side.items():
             rec = watch[vid].record()
             for name in layers:
