@@ -380,6 +380,9 @@ def account_reduced(batch: int, rounds: int, precision: str) -> tuple:
     for n in g.nodes:
         if n.op not in QCONVS:
             out[f"node {n.op}"] = out.get(f"node {n.op}", 0.0) + best[("node", n.name)]
+    worst = sorted(((best[("alone", i)] - prim_alone[i], n) for i, n in convs), key=lambda t: -t[0])[:3]
+    for ms, n in worst:
+        out[f"largest kernel-less-primitive: {n.name} ({n.op}, inplace={n.attrs.get('inplace')})"] = ms
     out.update({"n convolutions": float(len(convs)), "n ReLU passes": float(len(relus)),
                 "n AMX convolutions": float(sum(1 for k, impl, *_ in run if k == "convolution" and "amx" in impl)),
                 "reorders in the call": float(kinds.get("reorder", 0)),
