@@ -77,8 +77,9 @@ class FuseRequant(CpuFusion):
     ops = ("QuantConvBiasAct", "QuantConvAddAct", "QuantLinearAct")
 
     def run(self, graph: Graph, ctx: PassContext) -> int:
-        """First the residual chains (`_uint8_addends`), then every layer in graph order
-        (`RewritePass.run`). Returns the layers given a uint8 output."""
+        """First the residual chains (`_chain_ends`, `_uint8_addends`), then every layer in
+        graph order (`RewritePass.run`), then what the chains changed for layers that
+        stayed fp32 is undone. Returns the layers given a uint8 output."""
         ends = self._ends = _chain_ends(graph)
         old = _uint8_addends(graph)
         n = super().run(graph, ctx)
