@@ -11,10 +11,12 @@ minimum integer), the negative finite values from the largest magnitude down, -i
 negative finite values (denormals included) and -inf become +0.0, while NaN (either
 sign) and -0.0 keep their bits, as eager's ``torch.relu`` keeps them (its vectorized
 ``clamp_min`` returns -0.0 for -0.0 and a NaN for a NaN; its scalar path may canonicalize
-a NaN's payload, which no comparison sees). ResNet-50 bf16 (49 ReLU passes, one process,
-interleaved, 2-core Xeon with AMX at load ~5): batch 1 39.9 → 37.2 ms median, batch 8
-297 → 224 ms: torch's bf16 ``relu_`` converts each element to fp32 and back, this loop
-compares 16-bit integers. Thread count and launch as the other numba kernels
+a NaN's payload, which no comparison sees). ResNet-50 bf16 (49 ReLU passes; the same
+executor bound both ways, one process, interleaved, 2-core Xeon with AMX at load ~6):
+batch 1 29.0 → 27.9 ms median (40 calls each), batch 8 310 → 251 ms (8 calls each), the
+same output bits: torch's bf16 ``relu_`` converts each element to fp32 and back, this
+loop compares 16-bit integers. In fp32 no gain was measured (118 / 115 ms at batch 1,
+within the noise), so fp32 keeps ``torch.relu_``. Thread count and launch as the other numba kernels
 (`numba_cache.launch`). Source of the bit layout: IEEE 754-2008 §3.4 (binary32; bf16 is
 its top 16 bits)."""
 from __future__ import annotations
@@ -32,8 +34,8 @@ _BITS = {torch.bfloat16: (torch.int16, -128), torch.float32: (torch.int32, -8388
 
 #: elements below which the pass runs serially on the calling thread: below it a
 #: parallel launch's start costs more than a second thread saves (ResNet-50 bf16 batch 1,
-#: whose largest ReLU output has 0.8 M elements: serial 37.2 ms against 39.9 for eager's
-#: relu_ and 34.8 against 32.5 for the parallel launch, interleaved, load ~5)
+#: whose largest ReLU output has 0.8 M elements, against eager's relu_ in the same run,
+#: medians, load ~5-6: all serial 37.2 vs 39.9 ms; all launched in parallel 34.8 vs 32.5)
 SERIAL_MAX = 1 << 20
 
 
