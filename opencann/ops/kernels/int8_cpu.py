@@ -262,7 +262,7 @@ def make_quant_max_pool_kernel(node: Node, in_descs: Sequence[TensorDesc], const
     ``dilation``, ``ceil_mode``). Returns ``run(x)`` giving uint8 in x's layout.
 
     A channels-last x (what the int8 convolutions write) takes one numba pass
-    (`maxpool_u8_numba.max_pool_u8`: ResNet-50's stem pool 248 → 164 µs at batch 1,
+    (`maxpool_numba.max_pool_u8`: ResNet-50's stem pool 248 → 164 µs at batch 1,
     1.6 → 1.2 ms at batch 8, least of interleaved calls, load 5-6; the same integers).
     Any other: ATen's ``max_pool2d`` on uint8 fails for planes over 255 elements (its
     index type is the element type), so x is viewed as a per-tensor quint8 tensor (no
@@ -280,7 +280,7 @@ def make_quant_max_pool_kernel(node: Node, in_descs: Sequence[TensorDesc], const
         warnings.simplefilter("ignore")
         torch._make_per_tensor_quantized_tensor(torch.zeros(1, dtype=torch.uint8), 1.0, 0)
 
-    from .maxpool_u8_numba import max_pool_u8   # numba loads on the first int8 pool only
+    from .maxpool_numba import max_pool_u8   # numba loads on the first int8 pool only
 
     def run(x):
         y = max_pool_u8(x, k, stride, pad, dil, ceil)
