@@ -3,7 +3,7 @@ oneDNN convolution leaves it), by kernel: before drop_unused_outputs (values and
 indices written through ``.out`` into NCHW buffers), after (``max_pool2d``,
 kernel-allocated), an indices-free chain of ``torch.maximum`` over strided views, and the
 numba pass MaxPool binds now (`opencann.ops.kernels.maxpool_numba`), in fp32 and against
-ATen in bf16 and (QuantMaxPool) ``quantized::max_pool2d`` in uint8.
+ATen in bf16; and QuantMaxPool's ``quantized::max_pool2d`` on uint8.
 Minimum of ``--calls`` calls per round, rounds interleaved.
 
     .venv/bin/python bench/maxpool.py [--threads 2] [--batch 1]
@@ -17,7 +17,7 @@ import warnings
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from opencann.ops.kernels.maxpool_numba import max_pool_float, max_pool_u8  # noqa: E402
+from opencann.ops.kernels.maxpool_numba import max_pool_float  # noqa: E402
 
 aten = torch.ops.aten
 
@@ -60,9 +60,8 @@ def main() -> None:
         "numba (MaxPool's kernel now)": lambda: max_pool_float(x, [3, 3], [2, 2], [1, 1], [1, 1], False),
         "bf16: max_pool2d": lambda: aten.max_pool2d.default(xb, [3, 3], [2, 2], [1, 1]),
         "bf16: numba": lambda: max_pool_float(xb, [3, 3], [2, 2], [1, 1], [1, 1], False),
-        "uint8: quantized::max_pool2d": lambda: torch.ops.quantized.max_pool2d(
+        "uint8: quantized::max_pool2d (QuantMaxPool's kernel)": lambda: torch.ops.quantized.max_pool2d(
             torch._make_per_tensor_quantized_tensor(xu, 1.0, 0), [3, 3], [2, 2], [1, 1], [1, 1], False),
-        "uint8: numba (QuantMaxPool's kernel now)": lambda: max_pool_u8(xu, [3, 3], [2, 2], [1, 1], [1, 1], False),
     }
     warnings.simplefilter("ignore")   # torch's once-per-process note on quantized tensors
     best = {k: float("inf") for k in cases}

@@ -69,7 +69,7 @@ register(OpDef("QuantAdd", OpKind.ELEMENTWISE, flops_per_elem=6, aliases=((),), 
                doc="uint8 + uint8 → uint8 at three quantizations (quantized::add)"))
 register(OpDef("QuantMaxPool", OpKind.POOL, aliases=((),), per_index=pi.POOL,
                kernel_factories={"cpu": make_quant_max_pool_kernel},
-               doc="MaxPool on uint8 (a numba NHWC pass; quantized::max_pool2d for other layouts)"))
+               doc="MaxPool on uint8 (quantized::max_pool2d's NHWC kernel)"))
 register(OpDef("QuantLinearAct", OpKind.FUSED, aliases=((),), cost_fn=_quant_linear_cost,
                fused_from=("MatMulV2", "MatMul"), kernel_factories={"cpu": make_quant_linear_kernel},
                device_cost={"vnpu": vnpu_cost.matmul}, per_index=pi.addmm,

@@ -1,17 +1,17 @@
-"""The max-pool kernels of `maxpool_numba` against eager's ``max_pool2d``: QuantMaxPool's
-(`make_quant_max_pool_kernel`, uint8) against eager on the same integers in fp32 (exact:
-max commutes with the conversion), MaxPool's (`pool_cpu.make_max_pool_kernel`, fp32 /
-bf16) against eager on random inputs holding NaN, ±inf and -0.0 (fp32: the same bits;
-bf16: the same bits where eager's is not NaN, NaN where it is); kernel / stride / padding
-/ dilation / ceil_mode cases, channels-last and NCHW inputs (ATen's kernel), a second
-call and output independence."""
+"""The max-pool kernels against eager's ``max_pool2d``: MaxPool's
+(`pool_cpu.make_max_pool_kernel`: `maxpool_numba` on channels-last fp32 / bf16) on random
+inputs holding NaN, ±inf and -0.0 (fp32: the same bits; bf16: the same bits where eager's
+is not NaN, NaN where it is), and QuantMaxPool's (`make_quant_max_pool_kernel`, uint8)
+on the same integers in fp32 (exact: max commutes with the conversion); kernel / stride /
+padding / dilation / ceil_mode cases, channels-last and NCHW inputs (ATen's kernel), a
+second call and output independence."""
 import types
 
 import pytest
 import torch
 
 from opencann.ops.kernels.int8_cpu import make_quant_max_pool_kernel
-from opencann.ops.kernels.maxpool_numba import max_pool_float, max_pool_u8, pooled_size
+from opencann.ops.kernels.maxpool_numba import max_pool_float, pooled_size
 from opencann.ops.kernels.pool_cpu import make_max_pool_kernel
 
 CASES = [  # (N, C, H, W), kernel, stride, padding, dilation, ceil_mode
@@ -45,13 +45,13 @@ def test_kernel_matches_eager_max_pool(shape, k, s, p, d, ceil, channels_last):
         assert y1.is_contiguous(memory_format=torch.channels_last)
 
 
-def test_numba_path_only_for_channels_last_uint8_within_half_kernel_padding():
-    x = torch.randint(0, 256, (1, 4, 6, 6), dtype=torch.uint8)
-    assert max_pool_u8(x, [3, 3], [2, 2], [1, 1], [1, 1], False) is None            # NCHW
+def test_numba_path_only_for_channels_last_float_within_half_kernel_padding():
+    x = torch.randn(1, 4, 6, 6)
+    assert max_pool_float(x, [3, 3], [2, 2], [1, 1], [1, 1], False) is None            # NCHW
     cl = x.contiguous(memory_format=torch.channels_last)
-    assert max_pool_u8(cl.float(), [3, 3], [2, 2], [1, 1], [1, 1], False) is None  # not uint8
-    assert max_pool_u8(cl, [2, 2], [2, 2], [2, 2], [1, 1], False) is None          # pad > k / 2
-    assert max_pool_u8(cl, [3, 3], [2, 2], [1, 1], [1, 1], False) is not None
+    assert max_pool_float(cl.double(), [3, 3], [2, 2], [1, 1], [1, 1], False) is None  # fp64
+    assert max_pool_float(cl, [2, 2], [2, 2], [2, 2], [1, 1], False) is None          # pad > k / 2
+    assert max_pool_float(cl, [3, 3], [2, 2], [1, 1], [1, 1], False) is not None
 
 
 @pytest.mark.parametrize("size, k, s, p, d, ceil", [(112, 3, 2, 1, 1, False), (9, 3, 2, 1, 1, True),

@@ -261,13 +261,12 @@ def make_quant_max_pool_kernel(node: Node, in_descs: Sequence[TensorDesc], const
     ``max_pool2d``: ``kernel_size``, ``stride`` (default: the kernel), ``padding``,
     ``dilation``, ``ceil_mode``). Returns ``run(x)`` giving uint8 in x's layout.
 
-    A channels-last x (what the int8 convolutions write) takes one numba pass
-    (`maxpool_numba.max_pool_u8`: ResNet-50's stem pool 248 → 164 µs at batch 1,
-    1.6 → 1.2 ms at batch 8, least of interleaved calls, load 5-6; the same integers).
-    Any other: ATen's ``max_pool2d`` on uint8 fails for planes over 255 elements (its
-    index type is the element type), so x is viewed as a per-tensor quint8 tensor (no
-    copy; any scale: max commutes with it) and ``quantized::max_pool2d`` runs (its NHWC
-    kernel); its integer values are the result."""
+    ATen's ``max_pool2d`` on uint8 fails for planes over 255 elements (its index type is
+    the element type), so x is viewed as a per-tensor quint8 tensor (no copy; any scale:
+    max commutes with it) and ``quantized::max_pool2d`` runs (its NHWC kernel); its
+    integer values are the result. (A numba pass, as MaxPool's fp32 / bf16 kernel, was
+    measured and not kept: ResNet-50's stem pool 248 → 164 µs at load 5 but 114 → 174
+    µs at load 1.3, batch 8 1.04-1.21 → 1.36-1.45 ms; ``bench/maxpool.py``.)"""
     import warnings
     a = node.attrs
     k = list(a["kernel_size"])
@@ -280,12 +279,7 @@ def make_quant_max_pool_kernel(node: Node, in_descs: Sequence[TensorDesc], const
         warnings.simplefilter("ignore")
         torch._make_per_tensor_quantized_tensor(torch.zeros(1, dtype=torch.uint8), 1.0, 0)
 
-    from .maxpool_numba import max_pool_u8   # numba loads on the first int8 pool only
-
     def run(x):
-        y = max_pool_u8(x, k, stride, pad, dil, ceil)
-        if y is not None:
-            return y
         return pool(torch._make_per_tensor_quantized_tensor(x, 1.0, 0), k, stride, pad, dil, ceil).int_repr()
     return run
 

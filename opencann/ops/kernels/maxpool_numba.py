@@ -1,25 +1,24 @@
-"""2-D max pooling of a channels-last activation in one numba pass: per output row, each
-window's elements maxed into the output pixel's C contiguous channels (the inner loops
-run along C, which LLVM vectorizes). Two ops bind it on the CPU:
+"""2-D max pooling of a channels-last fp32 / bf16 activation in one numba pass (MaxPool's
+CPU kernel through `pool_cpu.make_max_pool_kernel`): per output row, each window's
+elements maxed into the output pixel's C contiguous channels (the inner loops run along
+C, which LLVM vectorizes), with eager's rule of ATen's CPU kernel
+(``aten/src/ATen/native/cpu/MaxPoolKernel.cpp``): start at -inf and take ``val`` when
+``val > max || isnan(val)``, so a NaN in the window gives NaN (the window's last), -0.0
+and +0.0 tie (the first kept), and fp32 results are eager's bits. bf16 is compared as the
+fp32 value its bits extend to (bf16 is fp32's top 16 bits) and the chosen element's bits
+are written back: the same values as eager's (it computes in fp32 and rounds the chosen
+element, which is exact), NaN where eager's is NaN (its payload may differ: eager's
+rounding canonicalizes it).
 
-- QuantMaxPool (uint8, `max_pool_u8`): integer max is exact, so the result equals
-  ``quantized::max_pool2d``'s and eager's ``max_pool2d`` of the same values in fp32.
-- MaxPool (fp32 / bf16, `max_pool_float`; `pool_cpu.make_max_pool_kernel`): eager's rule of
-  ATen's CPU kernel (``aten/src/ATen/native/cpu/MaxPoolKernel.cpp``): start at -inf and
-  take ``val`` when ``val > max || isnan(val)``, so a NaN in the window gives NaN (the
-  window's last), -0.0 and +0.0 tie (the first kept), and fp32 results are eager's bits.
-  bf16 is compared as the fp32 value its bits extend to (bf16 is fp32's top 16 bits) and
-  the chosen element's bits are written back: the same values as eager's (it computes in
-  fp32 and rounds the chosen element, which is exact), NaN where eager's is NaN (its
-  payload may differ: eager's rounding canonicalizes it).
-
-Measured (least / median of interleaved calls, 2 threads, loaded 2-core Xeon with AMX,
-load 5; ResNet-50's stem pool, 3×3 stride 2 pad 1 over [N, 64, 112, 112]): uint8 against
-``quantized::max_pool2d`` 248 → 164 µs at N = 1, 1.6 → 1.2 ms at N = 8; fp32 against
-ATen's ``max_pool2d`` 472 → 262 µs at N = 1, 8.8 → 2.3 ms at N = 8; bf16 464 → 326 µs,
-9.7 → 2.6 ms. numba because the project's CPU codegen is numba (DESIGN.md); thread count
-and launch as the other numba kernels (`numba_cache.launch`). Source of the output size
-(``ceil_mode`` included) and the window rule: PyTorch ``aten/src/ATen/native/Pool.h``
+Measured against ATen's ``max_pool2d`` (``bench/maxpool.py``: ResNet-50's stem pool, 3×3
+stride 2 pad 1 over channels-last [N, 64, 112, 112], least of interleaved calls, 2
+threads, shared 2-core Xeon with AMX): fp32 472 → 262 µs at N = 1 and 8.8 → 2.3 ms at
+N = 8 (load 5), 455 → 236 µs and 2.1-3.9 → 1.8 ms (load 1.3-2.3); bf16 464 → 326 µs and
+9.7 → 2.6 ms (load 5), 451 → 292 µs and 2.0-4.4 → 2.3-2.4 ms (load 1.3-2.3). (uint8 was
+tried for QuantMaxPool and not kept: faster than ``quantized::max_pool2d`` at load 5,
+slower at load 1.3.) numba because the project's CPU codegen is numba (DESIGN.md); thread
+count and launch as the other numba kernels (`numba_cache.launch`). Source of the output
+size (``ceil_mode`` included) and the window rule: PyTorch ``aten/src/ATen/native/Pool.h``
 (``pooling_output_shape``; padding at most half the kernel, so every window holds an
 element of the input)."""
 from __future__ import annotations
@@ -31,29 +30,6 @@ import torch
 from numba import prange
 
 from .numba_cache import launch, njit
-
-
-@njit(parallel=True, cache=True)
-def _max_pool_nhwc(x, y, kh, kw, sh, sw, ph, pw, dh, dw):  # pragma: no cover - compiled by numba
-    n_, h_, w_, c_ = x.shape
-    oh_, ow_ = y.shape[1], y.shape[2]
-    for r in prange(n_ * oh_):
-        n = r // oh_
-        oh = r - n * oh_
-        for ow in range(ow_):
-            out = y[n, oh, ow]
-            out[:] = 0
-            for i in range(kh):
-                ih = oh * sh - ph + i * dh
-                if ih < 0 or ih >= h_:
-                    continue
-                for j in range(kw):
-                    iw = ow * sw - pw + j * dw
-                    if iw < 0 or iw >= w_:
-                        continue
-                    src = x[n, ih, iw]
-                    for c in range(c_):
-                        out[c] = max(out[c], src[c])
 
 
 @njit(parallel=True, cache=True)
@@ -141,28 +117,19 @@ def _pool(x: torch.Tensor, dtypes, k, stride, pad, dil, ceil) -> Optional[torch.
         xa, ya, f = xv.view(torch.int16).numpy().view(np.uint16), yv.view(torch.int16).numpy().view(np.uint16), \
             _max_pool_nhwc_bf16
     else:
-        xa, ya = xv.numpy(), yv.numpy()
-        f = _max_pool_nhwc if x.dtype == torch.uint8 else _max_pool_nhwc_f32
+        xa, ya, f = xv.numpy(), yv.numpy(), _max_pool_nhwc_f32
     with launch(x.numel()):
         f(xa, ya, k[0], k[1], stride[0], stride[1], pad[0], pad[1], dil[0], dil[1])
     return y
-
-
-def max_pool_u8(x: torch.Tensor, k: Sequence[int], stride: Sequence[int], pad: Sequence[int],
-                dil: Sequence[int], ceil: bool) -> Optional[torch.Tensor]:
-    """``max_pool2d`` of uint8 ``x`` [N, C, H, W] stored channels-last (kernel ``k``,
-    ``stride``, ``pad``, ``dil`` as (h, w) pairs; ``ceil``: ceil_mode) as a fresh
-    channels-last uint8 [N, C, OH, OW]; None when x is not a channels-last uint8 4-D
-    tensor or ``pad`` exceeds half the kernel (the caller then uses torch's kernel)."""
-    return _pool(x, (torch.uint8,), k, stride, pad, dil, ceil)
 
 
 def max_pool_float(x: torch.Tensor, k: Sequence[int], stride: Sequence[int], pad: Sequence[int],
                    dil: Sequence[int], ceil: bool) -> Optional[torch.Tensor]:
     """``max_pool2d`` of fp32 or bf16 ``x`` [N, C, H, W] stored channels-last with eager's
     NaN rule (module docstring), as a fresh channels-last tensor of x's dtype; None when x
-    is not such a tensor or ``pad`` exceeds half the kernel (arguments as `max_pool_u8`)."""
+    is not such a tensor or ``pad`` exceeds half the kernel (the caller then uses ATen's
+    kernel). ``k``, ``stride``, ``pad``, ``dil``: (h, w) pairs; ``ceil``: ceil_mode."""
     return _pool(x, (torch.float32, torch.bfloat16), k, stride, pad, dil, ceil)
 
 
-__all__ = ["max_pool_float", "max_pool_u8", "pooled_size"]
+__all__ = ["max_pool_float", "pooled_size"]
