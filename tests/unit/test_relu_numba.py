@@ -1,8 +1,9 @@
 """`opencann.ops.kernels.relu_numba.relu_` against eager's ``torch.relu`` on random bf16
 and fp32 tensors holding NaN (both signs), ±inf, -0.0 and denormals: the same bits
-wherever eager's result is not NaN, NaN exactly where eager's is, in place; serial and
-parallel paths, channels-last and non-dense inputs; and a bf16 convolution kernel's
-ReLU (`make_conv_kernel`) against eager's ReLU on the same convolution's result."""
+wherever eager's result is not NaN, NaN exactly where eager's is, in place; the numba
+pass below `SERIAL_MAX` and eager's above it, channels-last and non-dense inputs; and a
+bf16 convolution kernel's ReLU (`make_conv_kernel`) against eager's ReLU on the same
+convolution's result."""
 import types
 
 import pytest
@@ -49,7 +50,7 @@ def test_same_bits_as_eager_relu(dtype, shape, channels_last):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_the_parallel_path_above_serial_max(dtype):
+def test_eagers_relu_above_serial_max(dtype):
     x = _specials((SERIAL_MAX + 12345,), dtype, seed=7)
     before = x.clone()
     _assert_relu(relu_(x), before)

@@ -207,8 +207,8 @@ def make_conv_kernel(node: Node, in_descs: Sequence[TensorDesc], consts: Sequenc
     # output, 2.5 ms of a 58-60 ms ResNet-50 batch-1 call (A/B in one process, load 1.7;
     # docs/performance.md "fp32 ResNet-50: where the call goes").
     # In bf16 the pass is `relu_numba.relu_` (one compare per element on the integer
-    # bits, eager's values): torch's bf16 relu_ converts every element to fp32 and back
-    # (ResNet-50 bf16 batch 8: 310 -> 251 ms median, interleaved, load ~6).
+    # bits, eager's values) below 1 M elements: torch's bf16 relu_ converts every element
+    # to fp32 and back (ResNet-50 bf16 batch 1: 29.0 -> 27.9 ms median, interleaved, load ~6).
     post = None
     if act == "relu":
         act, post = "none", _relu_for(in_descs[0])
