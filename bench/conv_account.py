@@ -14,6 +14,16 @@ call takes (``ru_minflt``: kernel-allocated outputs malloc maps afresh).
     .venv/bin/python bench/conv_account.py --peer      # + OpenVINO's per-layer times
     .venv/bin/python bench/conv_account.py --relu-post-ops   # why ReLU is not a post-op
     .venv/bin/python bench/conv_account.py --fixed-cost --threads 1
+    OMP_WAIT_POLICY=PASSIVE .venv/bin/python bench/conv_account.py --precision int8 --batch 1
+
+``--precision bf16`` / ``int8`` accounts for the reduced-precision call instead (bf16:
+``allow_mix_precision_bf16``; int8: ``opencann.quantize`` calibrated as
+``bench/precision.py`` does): the sum of oneDNN's convolution primitives in the call
+against each alone and hot (the ideal: every convolution at oneDNN's AMX rate), each
+bound convolution kernel alone less its primitive (torch's fixed cost per op call and
+the kernel's Python), the ReLU passes (bf16), the other nodes by op, the executor and
+the call's own cost; then what ``ONEDNN_VERBOSE`` shows: the implementations (AMX or
+not), reorders, and the layouts and dtypes each convolution reads and writes.
 
 ``--peer`` adds OpenVINO f32 (``PERF_COUNT``: per-layer real time) in the same rounds,
 its convolutions (with their fused ReLU / Add) against ours. ``--relu-post-ops`` prints
@@ -38,6 +48,7 @@ from typing import Callable, Dict, List
 
 import torch
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import opencann  # noqa: E402
 from opencann import zoo  # noqa: E402
@@ -45,6 +56,7 @@ from opencann.ir import TensorDesc  # noqa: E402
 from opencann.ops.kernels.cpu import ConvWeightPacks, make_conv_kernel  # noqa: E402
 
 CONVS = ("ConvBiasAct", "ConvAddAct")
+QCONVS = CONVS + ("QuantConvBiasAct", "QuantConvAddAct")
 
 
 def _ns(f: Callable[[], object]) -> int:
@@ -55,7 +67,8 @@ def _ns(f: Callable[[], object]) -> int:
 
 def _verbose_exec_ms(run: Callable[[], object], calls: int) -> List[List[tuple]]:
     """oneDNN's verbose exec lines of ``calls`` runs of ``run``: per run, (primitive kind,
-    implementation, shape, ms) in execution order (stdout captured at the descriptor)."""
+    implementation, shape, ms, memory descriptors) in execution order (stdout captured at
+    the descriptor)."""
     fd, path = tempfile.mkstemp()
     sys.stdout.flush()
     saved = os.dup(1)
@@ -76,7 +89,7 @@ def _verbose_exec_ms(run: Callable[[], object], calls: int) -> List[List[tuple]]
     runs = []
     for chunk in text.split("=====")[:calls]:
         ex = [ln.split(",") for ln in chunk.splitlines() if ",exec," in ln]
-        runs.append([(e[5], e[6], e[-2], float(e[-1])) for e in ex])
+        runs.append([(e[5], e[6], e[-2], float(e[-1]), e[8]) for e in ex])
     return runs
 
 
@@ -230,7 +243,7 @@ def account(batch: int, rounds: int, peer: bool = False) -> Dict[str, float]:
                 best[("node", name)] = min(best[("node", name)], s * 1e3)
             run = _verbose_exec_ms(lambda: ex.run([x]), 1)[0]
             kinds = collections.Counter(k for k, *_ in run)
-            ms = [t for k, _, _, t in run if k == "convolution"]
+            ms = [t for k, _, _, t, _ in run if k == "convolution"]
             prim_call = [min(a, b) for a, b in zip(prim_call, ms)] if prim_call else ms
             for i, p in pieces.items():   # each piece alone, hot: the third of 3 calls
                 for k, f in p.items():
@@ -272,12 +285,121 @@ def account(batch: int, rounds: int, peer: bool = False) -> Dict[str, float]:
     return out
 
 
+def reduced_model(zm, precision: str):
+    """zoo ResNet-50 ``zm`` compiled in ``precision``: "bf16" (``allow_mix_precision_bf16``)
+    or "int8" (``opencann.quantize``, calibrated on `bench/precision.py`'s batches)."""
+    from precision import BF16, calibration_for
+    if precision == "bf16":
+        return opencann.compile(zm.model, zm.example_inputs, options={"precision_mode": BF16})
+    from opencann.tools.quantize import create_quant_config
+    return opencann.quantize(zm.model, calibration_for(zm), config=create_quant_config())
+
+
+def _layouts(run: List[tuple]) -> List[str]:
+    """One line per distinct (kind, implementation, src / dst / accumulator descriptors)
+    of a verbose run, with its count: which dtypes and layouts pass between the
+    primitives."""
+    c: collections.Counter = collections.Counter()
+    for kind, impl, _, _, mds in run:
+        md = " ".join(m for m in mds.split() if m.split(":")[0] in ("src", "dst"))
+        c[f"{kind} {impl} {md}"] += 1
+    return [f"{n} x {k}" for k, n in c.most_common()]
+
+
+def account_reduced(batch: int, rounds: int, precision: str) -> tuple:
+    """(items, layout lines) of the ``precision`` ResNet-50 call at ``batch`` (module
+    docstring): items in ms per call, least over ``rounds`` interleaved rounds."""
+    from precision import inputs_for
+    zm = inputs_for("resnet50", batch)
+    x = zm.example_inputs[0]
+    cm = reduced_model(zm, precision)
+    ex = cm.shapes.executor
+    g = ex.graph
+    vals: Dict[int, torch.Tensor] = {}
+
+    def keep(node, outs):
+        for v, t in zip(node.outputs, outs):
+            if isinstance(t, torch.Tensor):
+                vals[v.id] = t.clone(memory_format=torch.preserve_format)
+    with torch.no_grad():
+        ex.run_observed([x], keep)
+    vals[g.inputs[0].id] = x
+    convs = [(i, n) for i, n in enumerate(g.nodes) if n.op in QCONVS and n.meta.get("kernel") != "aten"]
+    alone = {}
+    for i, n in convs:    # each bound kernel on (copies of) its real inputs; an addend written
+        ins = [v.const if v.is_const else vals[v.id].clone(memory_format=torch.preserve_format)
+               for v in n.inputs]
+        alone[i] = (lambda k, a: lambda: k(*a))(ex._glb[f"K{i}"], ins)   # in place stays a copy
+    no_relu = ex.clone()
+    relus = [(i, n) for i, n in convs if n.op in CONVS and n.attrs["act"] == "relu"]
+    for i, n in relus:
+        no_relu._glb[f"K{i}"] = _without_relu(n)
+    best: Dict[tuple, float] = collections.defaultdict(lambda: float("inf"))
+
+    def least(key, f):
+        best[key] = min(best[key], _ns(f) / 1e6)
+    prim_call: List[float] = []
+    prim_alone: Dict[int, float] = {}
+    run: List[tuple] = []
+    with torch.no_grad():
+        for _ in range(3):
+            cm(x)
+        for _ in range(rounds):
+            least("call", lambda: cm(x))
+            least("run", lambda: ex.run([x]))
+            if relus:
+                least("run without ReLU", lambda: no_relu.run([x]))
+            for name, s in ex.node_seconds([x], reps=1).items():
+                best[("node", name)] = min(best[("node", name)], s * 1e3)
+            run = _verbose_exec_ms(lambda: ex.run([x]), 1)[0]
+            ms = [t for k, _, _, t, _ in run if k == "convolution"]
+            prim_call = [min(a, b) for a, b in zip(prim_call, ms)] if prim_call else ms
+            for i, f in alone.items():
+                f(), f()
+                least(("alone", i), f)
+                t = _verbose_exec_ms(f, 1)[0][-1][3]
+                prim_alone[i] = min(prim_alone.get(i, t), t)
+    kinds = collections.Counter(k for k, *_ in run)
+    conv_prim, ideal = sum(prim_call), sum(prim_alone.values())
+    kern_alone = sum(best[("alone", i)] for i, _ in convs)
+    node_conv = sum(best[("node", n.name)] for _, n in convs)
+    node_all = sum(best[("node", n.name)] for n in g.nodes)
+    relu_call = best["run"] - best["run without ReLU"] if relus else 0.0
+    fixed = kern_alone - ideal
+    out = {
+        "call": best["call"], "executor run": best["run"],
+        "call less executor run (guards, outputs)": best["call"] - best["run"],
+        "executor run less the sum of its nodes' least steps": best["run"] - node_all,
+        "conv nodes (sum of least steps)": node_conv,
+        "oneDNN convolution primitives (in the call)": conv_prim,
+        "oneDNN convolution primitives (each alone, hot: the ideal)": ideal,
+        "bound conv kernel less its primitive (alone, hot: torch's fixed cost + Python)": fixed,
+        "ReLU passes (in the call)": relu_call,
+        "conv nodes less the above (caches, thread wake-ups)": node_conv - conv_prim - fixed - relu_call,
+    }
+    for n in g.nodes:
+        if n.op not in QCONVS:
+            out[f"node {n.op}"] = out.get(f"node {n.op}", 0.0) + best[("node", n.name)]
+    worst = sorted(((best[("alone", i)] - prim_alone[i], n) for i, n in convs), key=lambda t: -t[0])[:3]
+    for ms, n in worst:
+        out[f"largest kernel-less-primitive: {n.name} ({n.op}, inplace={n.attrs.get('inplace')})"] = ms
+    out.update({"n convolutions": float(len(convs)), "n ReLU passes": float(len(relus)),
+                "n AMX convolutions": float(sum(1 for k, impl, *_ in run if k == "convolution" and "amx" in impl)),
+                "reorders in the call": float(kinds.get("reorder", 0)),
+                "n other oneDNN primitives in the call": float(sum(v for k, v in kinds.items()
+                                                                   if k not in ("convolution", "reorder")))})
+    return out, _layouts(run)
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--peer", action="store_true", help="OpenVINO f32's per-layer times too")
+    ap.add_argument("--precision", choices=("fp32", "bf16", "int8"), default="fp32",
+                    help="the compiled model's precision (bf16: allow_mix_precision_bf16; "
+                         "int8: opencann.quantize)")
     ap.add_argument("--relu-post-ops", action="store_true",
                     help="only print the oneDNN ReLU post-ops' NaN/Inf results against eager")
     ap.add_argument("--fixed-cost", action="store_true",
@@ -293,12 +415,19 @@ def main(argv=None) -> None:
               "least of 3000 calls, us: " + ", ".join(f"{k} {v:.1f}" for k, v in r.items()))
         return
     load0 = os.getloadavg()[0]
-    r = account(args.batch, args.rounds, args.peer)
-    print(f"ResNet-50 batch {args.batch}, {args.threads} threads, {args.rounds} rounds, "
+    layouts: List[str] = []
+    if args.precision == "fp32":
+        r = account(args.batch, args.rounds, args.peer)
+    else:
+        r, layouts = account_reduced(args.batch, args.rounds, args.precision)
+    print(f"ResNet-50 {args.precision} batch {args.batch}, {args.threads} threads, {args.rounds} rounds, "
           f"load {load0:.2f} -> {os.getloadavg()[0]:.2f}; least per item, ms per call")
     print("| item | ms |\n|---|---|")
     for k, v in r.items():
         print(f"| {k} | {v:.0f} |" if k.startswith("n ") or k.startswith("reorders") else f"| {k} | {v:.2f} |")
+    if layouts:
+        print("\noneDNN primitives in one call (count x kind, implementation, src / dst):")
+        print("\n".join("  " + ln for ln in layouts))
 
 
 if __name__ == "__main__":

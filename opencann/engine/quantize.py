@@ -129,12 +129,14 @@ def calibrate(cm: CompiledModel, batches: Iterable[tuple], targets: Optional[Dic
     (`TARGETS`; ``targets``: {op: x's argument name} instead, e.g. `VNPU_TARGETS`, nodes
     with a constant ``weight`` / ``mat2``) whose x is fp32, its record {"scale_d",
     "offset_d", "min", "max"} (uint8, per tensor), plus for a ConvAddAct ``"accum"``:
-    {"scale_d", "offset_d"} of its residual addend (which `fuse_requant` may carry in
-    uint8). Raises what a call raises (a batch of another shape: one line)."""
+    {"scale_d", "offset_d"} of its residual addend and ``"out"``: the same of its result
+    (which `fuse_requant` may carry in uint8: the addend inside a residual chain, the
+    result where the chain ends in an fp32 reader). Raises what a call raises (a batch of
+    another shape: one line)."""
     graph = cm.graph
     watch: Dict[int, _Range] = {}
     names: Dict[int, List[str]] = {}
-    addends: Dict[int, List[str]] = {}
+    sides: Dict[str, Dict[int, List[str]]] = {"accum": {}, "out": {}}   # a ConvAddAct's addend, result
     for n in graph.nodes:
         if targets is not None:
             w = n.arg("weight" if n.op == "Conv2D" else "mat2") if n.op in targets else None
@@ -147,10 +149,10 @@ def calibrate(cm: CompiledModel, batches: Iterable[tuple], targets: Optional[Dic
             x = n.arg("mat1" if n.op == "LinearAct" else "input")
             watch.setdefault(x.id, _Range())
             names.setdefault(x.id, []).append(n.name)
-        if n.op == "ConvAddAct":   # the residual addend: uint8 between int8 blocks (fuse_requant)
-            a = n.arg("other")
-            watch.setdefault(a.id, _Range())
-            addends.setdefault(a.id, []).append(n.name)
+        if n.op == "ConvAddAct":   # uint8 residual chains (fuse_requant): the addend and the result
+            for key, v in (("accum", n.arg("other")), ("out", n.outputs[0])):
+                watch.setdefault(v.id, _Range())
+                sides[key].setdefault(v.id, []).append(n.name)
     inputs = {v.id: i for i, v in enumerate(graph.inputs)}
 
     def observe(node, outs) -> None:
@@ -171,11 +173,12 @@ def calibrate(cm: CompiledModel, batches: Iterable[tuple], targets: Optional[Dic
         if rec is not None:
             for name in names.get(vid, ()):
                 records[name] = dict(rec)
-    for vid, layers in addends.items():
-        rec = watch[vid].record()
-        for name in layers:
-            if rec is not None and name in records:
-                records[name]["accum"] = {"scale_d": rec["scale_d"], "offset_d": rec["offset_d"]}
+    for key, side in sides.items():
+        for vid, layers in side.items():
+            rec = watch[vid].record()
+            for name in layers:
+                if rec is not None and name in records:
+                    records[name][key] = {"scale_d": rec["scale_d"], "offset_d": rec["offset_d"]}
     return records
 
 
@@ -226,7 +229,7 @@ def quantize(model: torch.nn.Module, calibration_inputs, *, config: Optional[Dic
                              "linear (every calibration batch is NaN/inf there): give batches of "
                              "real data")
     layers = {k: {"scale_d": r["scale_d"], "offset_d": r["offset_d"],
-                  **({"accum": r["accum"]} if "accum" in r else {})} for k, r in records.items()}
+                  **{e: r[e] for e in ("accum", "out") if e in r}} for k, r in records.items()}
     opts["quant_config"] = {"layers": layers, "skip_layers": list(cfg.get("skip_layers") or ()),
                             "dynamic_linear": bool(cfg.get("dynamic_linear"))}
     cm = compile_module(model, batches[0], device, opts)

@@ -17,6 +17,7 @@ from .kernels import vnpu as vnpu_kernels
 from .kernels import vnpu_nd
 from .kernels import attention_cpu
 from .kernels import cpu as cpu_kernels
+from .kernels import pool_cpu
 from .kernels import vnpu_cost
 from . import per_index as pi
 from .opdef import Cost, OpDef, OpKind, _nbytes, register
@@ -287,6 +288,11 @@ def _npu(family: str) -> dict:
     return {"npu_format": family, "kernel_factories": {"vnpu": vnpu_kernels.FACTORIES[family]}}
 
 
+# table ops with a CPU kernel of their own instead of the ATen op (the ATen op stays
+# their reference and fallback): MaxPool's numba pass on channels-last fp32 / bf16
+_CPU_KERNELS = {"MaxPool": pool_cpu.make_max_pool_kernel}
+
+
 def _columns(name: str, kind: OpKind) -> dict:
     """Activation, keep-fp32, vnpu cost and NPU-format columns of table row ``name``."""
     cols = {"activation": _ACTIVATION.get(name), "keep_fp32": name in _KEEP_FP32,
@@ -306,6 +312,8 @@ def _columns(name: str, kind: OpKind) -> dict:
             cols["npu_format"] = "lastaxis"
     elif kind in (OpKind.DATA, OpKind.CREATION):     # MTE data movement in ND: exact
         cols["kernel_factories"] = {"vnpu": vnpu_nd.make_data_movement}
+    if name in _CPU_KERNELS:
+        cols["kernel_factories"] = {**cols.get("kernel_factories", {}), "cpu": _CPU_KERNELS[name]}
     return cols
 
 

@@ -23,7 +23,12 @@ minima of repeated timings with a 5% margin):
    includes the Casts (and int8's quantizations) inserted for it (``meta["precision_for"]``)
    and, for a fused node, its fused partners. A lowered node keeps the fastest of the
    three, a lower precision only when 5% faster than the fastest higher one (reason:
-   both times).
+   both times). Per-node times miss what a mix costs between nodes (a precision
+   boundary's casts and quantizations charged to one side, the layouts and caches a
+   uniform chain keeps), so the timed choice is raced end to end against the choice
+   the gate gave (`_Builder.race`), and the gate's choice comes back when it is 5% faster
+   (ResNet-50 at batch 1 on a loaded host, `bench/peers.py --precision`: the timed mix
+   29.9 ms a call where ``opencann.quantize``'s all-int8 took 16.5).
 4. Outputs re-checked on ``data`` (default: the example inputs) against eager: by the
    gate's rules 1-2 (NaN/Inf positions, cosine; the error-ratio rule judges ops, see
    `tune_gate`) or by the user's ``budget`` callable. While they fail, the lowered node
@@ -360,6 +365,12 @@ class _Builder:
         g, plan, _ = compile_graph(g, self.device, dict(options))
         return Executor(g, plan)
 
+    def race(self, a: Dict[str, Any], b: Dict[str, Any]) -> Tuple[float, float]:
+        """Least call time (ms) of the graph compiled with options ``a`` and with ``b``,
+        interleaved (`_race`)."""
+        ea, eb = self.executor(a), self.executor(b)
+        return _race(lambda: ea.run(self.inputs), lambda: eb.run(self.inputs))
+
     def node_times(self, options: Dict[str, Any], names) -> Dict[str, float]:
         """Candidate node name -> seconds charged to it under ``options`` (`_charge`)."""
         ex = self.executor(options)
@@ -554,9 +565,24 @@ class _Search:
         """Time every node all-fp32, as chosen, and (where one exists) one candidate
         higher (`next_higher`: int8 -> bf16) (`_Builder.node_times`); each lowered group
         (`groups`) keeps the fastest of these, a lower one only when `TIME_MARGIN`
-        faster (its casts and quantizations included) than the fastest higher one."""
+        faster (its casts and quantizations included) than the fastest higher one. Then
+        the result is raced end to end against the gate's choice (`_Builder.race`); the
+        gate's choice comes back, with its reasons, when it is `TIME_MARGIN` faster."""
         if not any(p != "fp32" for p in self.choice.values()):
             return
+        gated = dict(self.choice)
+        whys = {n: self.nodes[n].why for n in self.names}
+        self._drop_slow_per_node()
+        if self.choice == gated:
+            return
+        t_gated, t_timed = self.builder.race(self.options_of(gated), self.options_of(self.choice))
+        if t_gated < t_timed * (1 - TIME_MARGIN):
+            self.choice = gated
+            for n in self.names:
+                self.nodes[n].why = whys[n]
+
+    def _drop_slow_per_node(self) -> None:
+        """`drop_slow`'s per-node step (its docstring's first sentences)."""
         high = self.builder.node_times(self.options_of({n: "fp32" for n in self.names}), self.names)
         low = self.builder.node_times(self.options_of(self.choice), self.names)
         above = {n: self.next_higher(n) if self.choice[n] != "fp32" else "fp32" for n in self.names}

@@ -95,7 +95,7 @@ def calibrated(base, records: Dict[str, Dict[str, Any]], scopes: Dict[str, str],
     def apply(options: Dict[str, Any], nodes: Sequence[str]) -> Dict[str, Any]:
         mods = {module_of.get(n) for n in nodes} - {None, ""}
         layers = {k: {"scale_d": r["scale_d"], "offset_d": r["offset_d"],
-                      **({"accum": r["accum"]} if "accum" in r else {})}
+                      **{e: r[e] for e in ("accum", "out") if e in r}}
                   for k, r in records.items() if scopes.get(k) in mods}
         options["quant_config"] = {"layers": layers, "skip_layers": [], "dynamic_linear": False}
         low = [n for n in nodes if n in io]

@@ -134,6 +134,63 @@ def test_residual_sum_into_a_uint8_addend_the_conv_does_not_read_runs_in_place()
     assert block.attrs["inplace"] is True and block.attrs["inplace_input"] == block.attrs["other"].index
 
 
+def _chain_end_graph(out_record=(0.5, 0), accum_record=None):
+    """ResNet's last block: conv1 → conv_a → block (conv_a's result + conv1's as the
+    addend), whose result only an fp32 ReduceMean (the global average pool) reads."""
+    g = Graph()
+    x = g.add_input(TensorDesc((1, 4, 4, 4), F), "x")
+    y = qconv(g, quant(g, x, 10.0, 0, "q0"), "conv1")
+    a = qconv(g, quant(g, y, 20.0, 3, "qa"), "conv_a")
+    z = qconv_add(g, quant(g, a, 25.0, 1, "qb"), y, "block")
+    block = z.producer
+    if out_record is not None:
+        block.attrs["out_record"] = list(out_record)
+    if accum_record is not None:
+        block.attrs["accum_record"] = list(accum_record)
+    m = g.create_node("ReduceMean", [z], {"self": TensorRef(0), "dim": [2, 3], "keepdim": False},
+                      [TensorDesc((1, 4), F)], "pool").output
+    g.outputs = [m]
+    return g
+
+
+def test_a_residual_chain_ending_in_an_fp32_reader_stays_uint8_to_its_end():
+    """The last block writes uint8 at its calibrated result range (out_record), one
+    AscendDequant feeds the fp32 ReduceMean, and the chain before it (conv1, the addend)
+    writes uint8 too: no AscendQuant is left between int8 layers."""
+    g = _chain_end_graph()
+    text, rep = run(g)
+    assert text == """graph(%x: float32[1,4,4,4]):
+  %c0: int8[4,4,1,1] = const
+  %c1: float32[4] = const
+  %c2: int8[4,4,1,1] = const
+  %c3: float32[4] = const
+  %c4: int8[4,4,1,1] = const
+  %c5: float32[4] = const
+  %0: uint8[1,4,4,4] = AscendQuant(%x; offset=0, scale=10.0)
+  %1: uint8[1,4,4,4] = QuantConvBiasAct(%0, %c0, %c1; out_offset=3, out_scale=0.05)
+  %2: uint8[1,4,4,4] = QuantConvBiasAct(%1, %c2, %c3; out_offset=1, out_scale=0.04)
+  %3: uint8[1,4,4,4] = QuantConvAddAct(%2, %c4, %c5, %1; out_offset=0, out_scale=0.5)
+  %4: float32[1,4,4,4] = AscendDequant(%3; offset=0, scale=0.5)
+  %5: float32[1,4] = ReduceMean(%4)
+  return %5""", text
+    block = next(n for n in g.nodes if n.op == "QuantConvAddAct")
+    assert (block.attrs["accum_scale"], block.attrs["accum_offset"]) == (0.05, 3)
+    assert any(e["nodes"] == "block" and "residual chain's end" in e.get("detail", "") for e in rep.applied)
+
+
+def test_a_chain_end_without_a_result_record_keeps_the_graph():
+    """No calibrated result range (out_record): the last block and its addend stay fp32,
+    and no quantize / dequantize pair is left behind."""
+    g = _chain_end_graph(out_record=None)
+    before = to_text(g, attrs=("scale", "offset", "out_scale", "out_offset"))
+    text, rep = run(g)
+    assert "AscendDequant" not in text
+    block = next(n for n in g.nodes if n.op == "QuantConvAddAct")
+    assert block.outputs[0].desc.dtype == F and "accum_scale" not in block.attrs
+    assert text.count("AscendQuant") == before.count("AscendQuant") - 1   # only qb went into conv_a
+    assert any(e["nodes"] == "block" and "fp32" in e["reason"] for e in rep.skipped)
+
+
 # -- qdq_to_int8 (the ONNX QDQ rewrite that feeds fuse_requant) -----------------------------
 def run_qdq(g):
     from opencann.passes import QdqToInt8

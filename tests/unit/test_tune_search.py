@@ -1,7 +1,8 @@
 """`opencann.tools.tune`'s search steps on made-up timings (no compile): the timing step
 keeps the fastest of fp32, the node's choice and one candidate higher (int8 -> bf16),
-a lower one only when `TIME_MARGIN` faster; under a user metric the lowest candidate
-that can run a node is given (never one whose ``applies`` refused it)."""
+a lower one only when `TIME_MARGIN` faster, and the gate's own choice comes back when it
+is `TIME_MARGIN` faster end to end; under a user metric the lowest candidate that can run
+a node is given (never one whose ``applies`` refused it)."""
 import pytest
 
 from opencann.tools.tune import CANDIDATES, TIME_MARGIN, NodeChoice, _Search
@@ -14,8 +15,20 @@ class FakeBuilder:
     """``node_times``: per node, the seconds of the precision ``options`` give it
     (``times[node][precision]``), as `_Builder.node_times` charges them."""
 
-    def __init__(self, times):
-        self.times, self.calls = times, []
+    def __init__(self, times, boundary=0.0):
+        self.times, self.calls, self.boundary, self.raced = times, [], boundary, []
+
+    def call_ms(self, options):
+        """The sum of the nodes' times, plus ``boundary`` per node whose precision differs
+        from the one before it (what a mix costs between nodes)."""
+        per = options.get("node_precision") or {}
+        ps = [per.get(n, "fp32") for n in self.times]
+        return sum(self.times[n][p] for n, p in zip(self.times, ps)) \
+            + self.boundary * sum(a != b for a, b in zip(ps, ps[1:]))
+
+    def race(self, a, b):
+        self.raced.append((dict(a.get("node_precision") or {}), dict(b.get("node_precision") or {})))
+        return self.call_ms(a), self.call_ms(b)
 
     def node_times(self, options, names):
         per = options.get("node_precision") or {}
@@ -23,9 +36,9 @@ class FakeBuilder:
         return {n: self.times[n][per.get(n, "fp32")] for n in names}
 
 
-def _search(times, own=None):
+def _search(times, own=None, boundary=0.0):
     nodes = {n: NodeChoice(n, "MatMulV2", own=dict((own or {}).get(n, {}))) for n in times}
-    return _Search(None, (), nodes, CANDS, FakeBuilder(times))
+    return _Search(None, (), nodes, CANDS, FakeBuilder(times, boundary))
 
 
 @pytest.mark.parametrize("t, want", [
@@ -101,3 +114,28 @@ def test_end_to_end_race_against_one_candidate_higher(monkeypatch, low_ms, high_
     assert s.choice == {"a": want, "b": "bf16", "c": "int8"}
     assert s.compiled == ("high graph" if moved else "low graph")
     assert ("end to end: int8 for 1 node(s) took 10.00 ms" in s.nodes["a"].why) == moved
+
+
+def test_the_gates_choice_comes_back_when_the_timed_mix_is_slower_end_to_end():
+    """Per node, b's bf16 looks 5% faster than its int8, but the mix pays for its
+    boundaries: end to end all-int8 is faster, so it comes back with its reasons; with
+    free boundaries the timed mix stays. The race runs only when timing changed the
+    choice."""
+    times = {"a": {"fp32": 10.0, "bf16": 5.0, "int8": 3.0},
+             "b": {"fp32": 10.0, "bf16": 2.0, "int8": 3.0},
+             "c": {"fp32": 10.0, "bf16": 5.0, "int8": 3.0}}
+    s = _search(times, boundary=1.0)
+    s.by_gate(False)
+    s.drop_slow()
+    assert s.choice == {"a": "int8", "b": "int8", "c": "int8"}
+    assert [s.nodes[n].why for n in times] == ["", "", ""]
+    assert s.builder.raced == [({"a": "int8", "b": "int8", "c": "int8"}, {"a": "int8", "b": "bf16", "c": "int8"})]
+    free = _search(times, boundary=0.0)
+    free.by_gate(False)
+    free.drop_slow()
+    assert free.choice == {"a": "int8", "b": "bf16", "c": "int8"}
+    assert free.nodes["b"].why.startswith("timing: int8")
+    same = _search({"a": times["a"]}, boundary=1.0)
+    same.by_gate(False)
+    same.drop_slow()
+    assert same.choice == {"a": "int8"} and same.builder.raced == []

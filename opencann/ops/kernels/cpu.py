@@ -13,7 +13,8 @@
   ``sum``): oneDNN's x64 JIT computes them with ``vmaxps``/``vminps``, and its NaN-keeping
   compare-and-blend ReLU (a non-zero slope) gives slope × -inf = -inf where eager gives 0
   (``bench/conv_account.py --relu-post-ops``). It runs in place after the convolution
-  with eager's kernel: 49 passes, 4% of ResNet-50's batch-1 call (docs/performance.md).
+  with eager's kernel (in bf16 the same values from `relu_numba`, one integer compare per
+  element): 49 passes, 4% of ResNet-50's batch-1 call (docs/performance.md).
   GELU (erf), tanh, sigmoid and swish post-ops match eager's NaN/Inf positions (tested
   in tests/unit/test_nan_semantics.py).
 - `make_linear_kernel` (LinearAct): MatMulV2 (addmm) or a bias-free MatMul (mm) with a
@@ -160,6 +161,15 @@ def _aten_conv_kernel(node: Node) -> Callable:
     return run
 
 
+def _relu_for(x: TensorDesc) -> Callable:
+    """The in-place ReLU a convolution reading ``x`` runs after oneDNN: `relu_numba.relu_`
+    for bf16 (torch's bf16 ``relu_`` converts through fp32), ``torch.relu_`` otherwise."""
+    if x.dtype.torch == torch.bfloat16:
+        from .relu_numba import relu_   # numba loads on the first bf16 convolution only
+        return relu_
+    return torch.relu_
+
+
 def make_conv_kernel(node: Node, in_descs: Sequence[TensorDesc], consts: Sequence) -> Callable:
     """Bind-time kernel of a ConvBiasAct or ConvAddAct node: one oneDNN convolution
     (``torch.ops.mkldnn._convolution_pointwise``) with the node's activation as a post-op.
@@ -174,8 +184,9 @@ def make_conv_kernel(node: Node, in_descs: Sequence[TensorDesc], consts: Sequenc
     ConvAddAct (the sum post-op adds ``other``; with ``inplace`` it writes into ``other``'s
     memory and returns it); the result, in x's dtype, may be channels-last (the executor
     restores eager's strides where they are observed). ReLU runs after the convolution
-    with ``torch.relu_`` (see the module docstring). Raises KeyError for an activation
-    without a oneDNN post-op (the fusion passes never make one).
+    with ``torch.relu_`` (bf16: `relu_numba.relu_`, the same values; see the module
+    docstring). Raises KeyError for an activation without a oneDNN post-op (the fusion
+    passes never make one).
 
     Small convolutions run eager's NCHW kernel instead where the layout stage chose it
     (``node.meta["kernel"] == "aten"``, saved in model files: the size rule of
@@ -195,9 +206,12 @@ def make_conv_kernel(node: Node, in_descs: Sequence[TensorDesc], consts: Sequenc
     # convolution's output with eager's kernel (torch.relu_): one more pass over the
     # output, 2.5 ms of a 58-60 ms ResNet-50 batch-1 call (A/B in one process, load 1.7;
     # docs/performance.md "fp32 ResNet-50: where the call goes").
+    # In bf16 the pass is `relu_numba.relu_` (one compare per element on the integer
+    # bits, eager's values) below 1 M elements: torch's bf16 relu_ converts every element
+    # to fp32 and back (ResNet-50 bf16 batch 1: 29.0 -> 27.9 ms median, interleaved, load ~6).
     post = None
     if act == "relu":
-        act, post = "none", torch.relu_
+        act, post = "none", _relu_for(in_descs[0])
 
     if node.op == "ConvAddAct":
         return _conv_add_kernel(packs, (pad, stride, dil, groups), None if act == "none" else act,

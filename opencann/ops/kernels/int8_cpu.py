@@ -98,10 +98,16 @@ def make_ascend_dequant_kernel(node: Node, in_descs: Sequence[TensorDesc], const
     """AscendDequant(x) → fp32: ``(x - offset) * scale`` (``node.attrs`` ``scale``: the step,
     ``offset``: the zero point), x uint8 (or int8); the difference is exact in fp32 and the
     product rounds once, as ONNX DequantizeLinear (ONNX Runtime). Returns ``run(x)``; x's
-    layout kept."""
+    layout kept. A dense x takes one numba pass (`quant_numba.dequantize_dense`, the same
+    bits; uint8 [8, 2048, 7, 7]: 349 → 143 µs, least of 200 interleaved calls, load 5); any
+    other the eager ops below."""
+    from .quant_numba import dequantize_dense   # numba loads on the first int8 call only
     step, offset = float(node.attrs["scale"]), float(node.attrs["offset"])
 
     def run(x):
+        y = dequantize_dense(x, step, offset)
+        if y is not None:
+            return y
         y = torch.empty_like(x, dtype=torch.float32)
         y.copy_(x)
         return y.sub_(offset).mul_(step)
@@ -274,7 +280,9 @@ def make_quant_max_pool_kernel(node: Node, in_descs: Sequence[TensorDesc], const
     ATen's ``max_pool2d`` on uint8 fails for planes over 255 elements (its index type is
     the element type), so x is viewed as a per-tensor quint8 tensor (no copy; any scale:
     max commutes with it) and ``quantized::max_pool2d`` runs (its NHWC kernel); its
-    integer values are the result."""
+    integer values are the result. (A numba pass, as MaxPool's fp32 / bf16 kernel, was
+    measured and not kept: ResNet-50's stem pool 248 → 164 µs at load 5 but 114 → 174
+    µs at load 1.3, batch 8 1.04-1.21 → 1.36-1.45 ms; ``bench/maxpool.py``.)"""
     import warnings
     a = node.attrs
     k = list(a["kernel_size"])

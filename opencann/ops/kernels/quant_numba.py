@@ -1,4 +1,9 @@
-"""One-pass fp32 → uint8 quantization (AscendQuant's CPU kernel body): ``y = saturate(
+"""One-pass fp32 ↔ uint8 conversions: `quantize_dense` (AscendQuant's CPU kernel body:
+fp32 → uint8) and `dequantize_dense` (AscendDequant's: uint8 / int8 → fp32, ``(x -
+offset) * step`` in fp32, the difference exact and the product rounded once, as the
+eager spelling ``copy_``, ``sub_``, ``mul_`` rounds it in three passes).
+
+Quantization: ``y = saturate(
 round_half_even(x * inv_step) + offset)`` in [0, 255], NaN → 0, over a dense tensor's
 storage in memory order (any dense layout: NCHW or channels-last alike; the result has
 x's strides). Eager's spelling (mul, round, add, clamp, nan_to_num, cast) reads and
@@ -61,4 +66,29 @@ def quantize_dense(x: torch.Tensor, step: float, offset: int):
     return y
 
 
-__all__ = ["quantize_dense"]
+@njit(parallel=True, cache=True)
+def _dequantize(x, offset, step, y):  # pragma: no cover - compiled by numba
+    for i in prange(x.size):
+        y[i] = (np.float32(x[i]) - offset) * step
+
+
+def dequantize_dense(x: torch.Tensor, step: float, offset: float):
+    """``x`` (uint8 or int8, dense: contiguous in some memory order) dequantized to a fresh
+    fp32 tensor with its strides, ``(x - offset) * step`` in fp32 (module docstring), or
+    None when x is not such a tensor (the caller then uses eager's ops)."""
+    if x.dtype not in (torch.uint8, torch.int8) or not (x.is_contiguous() or (
+            x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last))):
+        return None
+    y = torch.empty_like(x, dtype=torch.float32)
+    if y.stride() != x.stride():
+        return None
+    n = x.numel()
+    if n == 0:
+        return y
+    with launch(n):
+        _dequantize(x.as_strided((n,), (1,)).numpy(), np.float32(offset), np.float32(step),
+                    y.as_strided((n,), (1,)).numpy())
+    return y
+
+
+__all__ = ["dequantize_dense", "quantize_dense"]

@@ -20,7 +20,10 @@ such AscendQuant nodes (max commutes with the monotone quantization, so
 ``quant(maxpool(y)) == maxpool(quant(y))`` exactly: the MaxPool becomes a QuantMaxPool on
 uint8). A QuantLinearAct writing bf16 (an int8 Linear inside a bf16 graph) is taken as
 an fp32 one: it then skips the bf16 rounding the unfused graph does before quantizing.
-Residual chains first (`_uint8_addends`): a QuantConvAddAct whose readers are int8 takes
+Residual chains first (`_chain_ends`, then `_uint8_addends`): a chain's last
+QuantConvAddAct, read only in fp32 (ResNet's global average pool), writes uint8 at its
+calibrated result range (``out_record``) dequantized once for those readers
+(AscendDequant), so the chain before it can stay uint8; a QuantConvAddAct whose readers are int8 takes
 a uint8 version of its fp32 addend (the AscendQuant another int8 layer already reads, or
 one made at its calibrated ``accum_record``) and writes uint8 into it (oneDNN's ``sum``
 post-op with an int8 accumulator). Inductor's x86 int8 path and OpenVINO's LPT do the
@@ -79,10 +82,18 @@ class FuseRequant(CpuFusion):
     ops = ("QuantConvBiasAct", "QuantConvAddAct", "QuantLinearAct")
 
     def run(self, graph: Graph, ctx: PassContext) -> int:
-        """First the residual chains (`_uint8_addends`), then every layer in graph order
-        (`RewritePass.run`). Returns the layers given a uint8 output."""
+        """First the residual chains (`_chain_ends`, `_uint8_addends`), then every layer in
+        graph order (`RewritePass.run`), then what the chains changed for layers that
+        stayed fp32 is undone. Returns the layers given a uint8 output."""
+        ends = self._ends = _chain_ends(graph)
         old = _uint8_addends(graph)
         n = super().run(graph, ctx)
+        for node, (q, d) in ends.items():   # a chain end that stayed fp32: drop its quant pair
+            if node.outputs[0].desc.dtype.torch != torch.uint8:
+                for u in list(d.outputs[0].users):
+                    u.replace_input(d.outputs[0], node.outputs[0])
+                for g in (d, q):
+                    graph.erase_node(g)
         for node, a in old.items():   # an addend moved to uint8 whose layer stayed fp32: undo
             if node.outputs[0].desc.dtype.torch != torch.uint8:
                 u = node.inputs[node.attrs["other"].index]
@@ -149,8 +160,10 @@ class FuseRequant(CpuFusion):
             graph.erase_node(p)
             m.quants.extend(qp.outputs[0].users)
         to_uint8(graph, QuantReaders(m.quants, m.views))
+        end = "; the residual chain's end: its fp32 readers read one AscendDequant" \
+            if node in getattr(self, "_ends", {}) else ""
         ctx.applied([node], f"uint8 out (scale {m.scale:.4g}, offset {m.offset}); "
-                            f"{len(m.quants)} AscendQuant removed")
+                            f"{len(m.quants)} AscendQuant removed{end}")
         return 1
 
 
@@ -205,6 +218,47 @@ def _uint8_addends(graph: Graph) -> Dict[Node, Value]:
         else:
             c.attrs["inplace_input"] = k
     return old
+
+
+def _chain_ends(graph: Graph) -> Dict[Node, Tuple[Node, Node]]:
+    """Residual chains ending in fp32 readers (ResNet's last block, read by the global
+    average pool): a QuantConvAddAct with a calibrated result range (``out_record``)
+    whose readers are all fp32 ops (not a graph output; no AscendQuant or int8 layer
+    reads it) and whose addend can be uint8 (an AscendQuant reads it, or an
+    ``accum_record``) gets AscendQuant → AscendDequant at that range, its readers reading
+    the dequantized value. Its only reader is then an AscendQuant, so `_uint8_addends`
+    and `match` give it, and the blocks before it, a uint8 result (oneDNN writes fp32
+    only into an fp32 addend: without this the whole chain stays fp32, quantized again
+    for every int8 reader). Returns {layer: (AscendQuant, AscendDequant)} (`run` drops
+    the pair of a layer that stays fp32)."""
+    from ...ir import TensorRef
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    out: Dict[Node, Tuple[Node, Node]] = {}
+    for c in list(graph.nodes):
+        v = c.outputs[0] if c.op == "QuantConvAddAct" else None
+        if v is None or c.attrs.get("act") not in ("none", "relu") or not c.attrs.get("out_record") \
+                or v.desc.dtype.torch != torch.float32 or v in graph.outputs or not v.users \
+                or any(u.op == "AscendQuant" or u.op in _NATIVE_ACT for u in v.users):
+            continue
+        a = c.inputs[c.attrs["other"].index]
+        if not (c.attrs.get("accum_record") or any(u.op == "AscendQuant" for u in a.users)):
+            continue
+        step, off = c.attrs["out_record"]
+        readers = sorted(v.users, key=order.__getitem__)
+        q = graph.create_node("AscendQuant", [v], {"self": TensorRef(0), "scale": 1.0 / step, "offset": int(off)},
+                              [_u8(v.desc)], name=f"{c.name}_out_quant", source=c.source, scope=c.scope,
+                              before=readers[0])
+        d = graph.create_node("AscendDequant", [q.outputs[0]], {"self": TensorRef(0), "scale": float(step),
+                                                                  "offset": int(off)},
+                              [v.desc], name=f"{c.name}_out_dequant", source=c.source, scope=c.scope,
+                              before=readers[0])
+        st = (c.meta.get("strides") or [None])[0]
+        if st is not None:
+            q.meta["strides"], d.meta["strides"] = [st], [st]
+        for u in readers:
+            u.replace_input(v, d.outputs[0])
+        out[c] = (q, d)
+    return out
 
 
 def _quant_of(graph: Graph, a: Value, c: Node) -> Node:

@@ -12,7 +12,9 @@ without a reorder, and the int8 kernels' fp32 results take the fp32 ops' places.
 - ``layers``: {fused node name: {"scale_d": step (float > 0), "offset_d": zero point in
   [0, 255]}} — the activation's uint8 quantization, per tensor; a ConvAddAct's record may
   add ``"accum"`` (the same for its residual addend: ``fuse_requant`` then quantizes an
-  addend no other int8 layer reads, e.g. ResNet's downsample output);
+  addend no other int8 layer reads, e.g. ResNet's downsample output) and ``"out"`` (the
+  same for its result: ``fuse_requant`` keeps a residual chain in uint8 up to a last
+  block whose result an fp32 op reads, e.g. ResNet's global average pool);
 - ``skip_layers``: module names (AMCT's layer names: the node's ``scope``, e.g.
   ``layer1.0.conv2``), node names or traced labels (``meta["origin"]``) kept in fp32;
 - ``dynamic_linear``: LinearAct nodes without a record quantize x per call.
@@ -228,9 +230,10 @@ class QuantizeInt8(CpuFusion):
             step, off = float(rec["scale_d"]), int(rec["offset_d"])
             ins[xi] = self._quant(graph, node.inputs[xi], step, off, node)
             attrs.update(x_scale=step, x_offset=off)
-            acc = rec.get("accum")
-            if node.op == "ConvAddAct" and isinstance(acc, dict):   # the addend's range, for fuse_requant
-                attrs["accum_record"] = [float(acc["scale_d"]), int(acc["offset_d"])]
+            for key, attr in (("accum", "accum_record"), ("out", "out_record")):
+                r = rec.get(key)   # the addend's / the result's range, for fuse_requant
+                if node.op == "ConvAddAct" and isinstance(r, dict):
+                    attrs[attr] = [float(r["scale_d"]), int(r["offset_d"])]
             detail = m.detail or f"int8 static (scale_d={step:.4g}, offset_d={off})"
         else:
             attrs["dynamic"] = True

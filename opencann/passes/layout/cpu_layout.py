@@ -130,8 +130,9 @@ def _conv_out(node: Node, fmt: Dict[int, Format]) -> Optional[Format]:
 
 
 # ops with their own CPU kernel that writes its result in its input's layout (the int8
-# quantize / dequantize: `opencann.ops.kernels.int8_cpu`), so NHWC goes through them
-_OWN_KERNEL_FOLLOWS = frozenset({"AscendQuant", "AscendDequant"})
+# quantize / dequantize: `opencann.ops.kernels.int8_cpu`; MaxPool: `ops.kernels.pool_cpu`),
+# so NHWC goes through them
+_OWN_KERNEL_FOLLOWS = frozenset({"AscendQuant", "AscendDequant", "MaxPool"})
 
 
 def follows_input(node: Node) -> str:
