@@ -39,14 +39,15 @@ Optimization Reference Manual, "Software prefetch").
 """
 from __future__ import annotations
 
-from typing import Optional
+import contextlib
+from typing import Callable, Optional
 
 import numba
 import numpy as np
 import torch
 from numba import prange
 
-from .numba_cache import launch, launch_guard, njit
+from .numba_cache import launch_guard, launch_threads, njit
 from .numba_prefetch import prefetch
 
 MAX_ROWS = 8  # the kernel handles x with 1..MAX_ROWS rows (decode: one token per sequence)
@@ -171,61 +172,76 @@ def _tile8(x, w, n):  # pragma: no cover - compiled by numba
 
 
 @njit(parallel=True, fastmath=_FM, cache=True)
-def _gemv_kernel(x, w, b, has_bias, y):  # pragma: no cover - compiled by numba
-    """y[m, n] = sum_k x[m, k] * w[n, k] (+ b[n]); x [M<=8, K], w [N, K], y [M, N], fp32
-    C-contiguous. prange over tiles of rows of w: each thread reads its own rows once.
-    M = 1: eight rows of w stream at once (more loads in flight: the DRAM-bound LM head
-    read 7.8 -> 12.5 GB/s on the 2-core host with four rows; 60 rotating 768x2048 /
-    2048x768 weights, 377 MB, 24.6 -> 26.7 GB/s with eight, load 1.5, F.linear 26.9 on
-    the same weights). M = 2..4: `_tile4` (4 rows of w x 4 rows of x); M = 5..8: `_tile8`
-    (2 rows of w x 8 rows of x); both prefetch the next tile's rows a CHUNK at a time."""
-    M, K = x.shape
+def _gemv1_kernel(x, w, b, has_bias, y):  # pragma: no cover - compiled by numba
+    """M = 1: y[0, n] = x[0] . w[n] (+ b[n]); x [1, K], w [N, K], y [1, N], fp32
+    C-contiguous. prange over tiles of eight rows of w, which stream at once (more loads
+    in flight: the DRAM-bound LM head read 7.8 -> 12.5 GB/s on the 2-core host with four
+    rows; 60 rotating 768x2048 / 2048x768 weights, 377 MB, 24.6 -> 26.7 GB/s with eight,
+    load 1.5, F.linear 26.9 on the same weights); the last N % 8 rows one at a time."""
+    K = x.shape[1]
     N = w.shape[0]
-    if M == 1:
-        for t in prange(N // 8):
-            n = 8 * t
-            s0 = np.float32(0.0)
-            s1 = np.float32(0.0)
-            s2 = np.float32(0.0)
-            s3 = np.float32(0.0)
-            s4 = np.float32(0.0)
-            s5 = np.float32(0.0)
-            s6 = np.float32(0.0)
-            s7 = np.float32(0.0)
-            for k in range(K):
-                xk = x[0, k]
-                s0 += xk * w[n, k]
-                s1 += xk * w[n + 1, k]
-                s2 += xk * w[n + 2, k]
-                s3 += xk * w[n + 3, k]
-                s4 += xk * w[n + 4, k]
-                s5 += xk * w[n + 5, k]
-                s6 += xk * w[n + 6, k]
-                s7 += xk * w[n + 7, k]
-            _put(y, 0, n, b, has_bias, s0)
-            _put(y, 0, n + 1, b, has_bias, s1)
-            _put(y, 0, n + 2, b, has_bias, s2)
-            _put(y, 0, n + 3, b, has_bias, s3)
-            _put(y, 0, n + 4, b, has_bias, s4)
-            _put(y, 0, n + 5, b, has_bias, s5)
-            _put(y, 0, n + 6, b, has_bias, s6)
-            _put(y, 0, n + 7, b, has_bias, s7)
-        for n in range(N - N % 8, N):
-            _put(y, 0, n, b, has_bias, _dot1(x, w, n))
-    elif M <= 4:
-        for t in prange((N + 3) // 4):
-            n = 4 * t
-            s = _tile4(x, w, n)
-            for q in range(4):
-                for m in range(4):
-                    _put(y, m, n + q, b, has_bias, s[4 * q + m])
-    else:
-        for t in prange((N + 1) // 2):
-            n = 2 * t
-            s = _tile8(x, w, n)
-            for q in range(2):
-                for m in range(8):
-                    _put(y, m, n + q, b, has_bias, s[8 * q + m])
+    for t in prange(N // 8):
+        n = 8 * t
+        s0 = np.float32(0.0)
+        s1 = np.float32(0.0)
+        s2 = np.float32(0.0)
+        s3 = np.float32(0.0)
+        s4 = np.float32(0.0)
+        s5 = np.float32(0.0)
+        s6 = np.float32(0.0)
+        s7 = np.float32(0.0)
+        for k in range(K):
+            xk = x[0, k]
+            s0 += xk * w[n, k]
+            s1 += xk * w[n + 1, k]
+            s2 += xk * w[n + 2, k]
+            s3 += xk * w[n + 3, k]
+            s4 += xk * w[n + 4, k]
+            s5 += xk * w[n + 5, k]
+            s6 += xk * w[n + 6, k]
+            s7 += xk * w[n + 7, k]
+        _put(y, 0, n, b, has_bias, s0)
+        _put(y, 0, n + 1, b, has_bias, s1)
+        _put(y, 0, n + 2, b, has_bias, s2)
+        _put(y, 0, n + 3, b, has_bias, s3)
+        _put(y, 0, n + 4, b, has_bias, s4)
+        _put(y, 0, n + 5, b, has_bias, s5)
+        _put(y, 0, n + 6, b, has_bias, s6)
+        _put(y, 0, n + 7, b, has_bias, s7)
+    for n in range(N - N % 8, N):
+        _put(y, 0, n, b, has_bias, _dot1(x, w, n))
+
+
+@njit(parallel=True, fastmath=_FM, cache=True)
+def _gemv4_kernel(x, w, b, has_bias, y):  # pragma: no cover - compiled by numba
+    """M = 2..4: `_tile4` (4 rows of w x 4 rows of x) per prange step; x [M, K],
+    w [N, K], y [M, N] fp32 C-contiguous."""
+    N = w.shape[0]
+    for t in prange((N + 3) // 4):
+        n = 4 * t
+        s = _tile4(x, w, n)
+        for q in range(4):
+            for m in range(4):
+                _put(y, m, n + q, b, has_bias, s[4 * q + m])
+
+
+@njit(parallel=True, fastmath=_FM, cache=True)
+def _gemv8_kernel(x, w, b, has_bias, y):  # pragma: no cover - compiled by numba
+    """M = 5..8: `_tile8` (2 rows of w x 8 rows of x) per prange step; x [M, K],
+    w [N, K], y [M, N] fp32 C-contiguous."""
+    N = w.shape[0]
+    for t in prange((N + 1) // 2):
+        n = 2 * t
+        s = _tile8(x, w, n)
+        for q in range(2):
+            for m in range(8):
+                _put(y, m, n + q, b, has_bias, s[8 * q + m])
+
+
+def _kernel_for(m: int):
+    """The compiled kernel for ``m`` rows of x (1 <= m <= `MAX_ROWS`): `_gemv1_kernel`,
+    `_gemv4_kernel` (2..4) or `_gemv8_kernel` (5..8)."""
+    return _gemv1_kernel if m == 1 else _gemv4_kernel if m <= 4 else _gemv8_kernel
 
 
 _NO_BIAS = np.zeros(1, np.float32)  # stands in for b when there is none (never read)
@@ -242,37 +258,97 @@ def pack_weight(w: torch.Tensor, transposed: bool = False) -> torch.Tensor:
     return (w.t() if transposed else w).contiguous()
 
 
+def _check_weight(w_nk: torch.Tensor, k: Optional[int]) -> None:
+    """Raise ValueError unless ``w_nk`` is float32 C-contiguous [N, k] (any K when k is None)."""
+    if w_nk.dim() != 2 or (k is not None and w_nk.shape[1] != k) \
+            or w_nk.dtype != torch.float32 or not w_nk.is_contiguous():
+        raise ValueError(f"gemv: the weight must be float32 C-contiguous [N, {'K' if k is None else k}], "
+                         f"got {tuple(w_nk.shape)} {w_nk.dtype}; pass it through pack_weight")
+
+
+def _check_bias(bias: Optional[torch.Tensor], n: int) -> None:
+    if bias is not None and (tuple(bias.shape) != (n,) or bias.dtype != torch.float32):
+        raise ValueError(f"gemv: bias must be float32 [{n}], got {tuple(bias.shape)} {bias.dtype}")
+
+
+def bind_gemv(w_nk: torch.Tensor, rows: int, threads: Optional[int] = None
+              ) -> Callable[..., torch.Tensor]:
+    """``run(x, bias=None, out=None)`` = ``x @ w_nk.T + bias`` for x [rows, K] fp32, the
+    decode GEMV bound once (plan/bind time) to the constant weight ``w_nk`` [N, K] fp32
+    C-contiguous (`pack_weight`) and the row count ``rows`` (1 <= rows <= `MAX_ROWS`):
+    the weight's numpy view, the compiled kernel for ``rows`` (`_kernel_for`), the work
+    size of the launch policy and the threading layer's lock are resolved here, so a call
+    checks x's shape and dtype, converts x, bias and the output to numpy views and
+    dispatches (a few µs on the 2-core Xeon against ~20 µs through `gemv`, which
+    re-validates and re-resolves every call; docs/performance.md, "LLM decode").
+
+    ``bias``: [N] fp32 or None, per call; ``out``: [rows, N] fp32 (the planned buffer),
+    written in place when contiguous (else through a copy), else a fresh tensor is
+    returned; ``threads``: exactly that many threads on every call (a bandwidth
+    measurement), instead of `numba_cache.launch_threads`' choice per call (torch's
+    intra-op count, one thread on an oversubscribed host). Values: `gemv`'s (module
+    docstring: fp32 rounding of ``F.linear``'s, NaN/Inf propagated). Raises ValueError
+    naming the bad argument: at bind for the weight or ``rows``, at a call for an x that
+    is not float32 [rows, K] or an ``out`` that is not [rows, N]."""
+    _check_weight(w_nk, None)
+    if not 1 <= rows <= MAX_ROWS:
+        raise ValueError(f"gemv: rows must be 1..{MAX_ROWS}, got {rows}; use F.linear for larger M")
+    n, k = (int(d) for d in w_nk.shape)
+    kernel, wn, f32 = _kernel_for(rows), w_nk.detach().numpy(), torch.float32
+    xshape, yshape, work = torch.Size((rows, k)), torch.Size((rows, n)), rows * k * n
+    guard = launch_guard()
+    lock = None if isinstance(guard, contextlib.nullcontext) else guard
+    get_threads, set_threads = numba.get_num_threads, numba.set_num_threads
+
+    def run(x: torch.Tensor, bias: Optional[torch.Tensor] = None,
+            out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        if x.shape != xshape or x.dtype is not f32:
+            raise ValueError(f"gemv: x must be float32 {list(xshape)} (the bound rows and K), "
+                             f"got {tuple(x.shape)} {x.dtype}; bind the GEMV for this shape")
+        if out is not None and out.shape != yshape:
+            raise ValueError(f"gemv: out must be {list(yshape)}, got {tuple(out.shape)}")
+        if x.requires_grad or not x.is_contiguous():
+            x = x.detach().contiguous()
+        if bias is None:
+            bn = _NO_BIAS
+        else:
+            if bias.requires_grad or not bias.is_contiguous():
+                bias = bias.detach().contiguous()
+            bn = bias.numpy()
+        y = out if out is not None and out.is_contiguous() else torch.empty(yshape)
+        nt = threads if threads is not None else launch_threads(work)
+        if get_threads() != nt:
+            set_threads(nt)
+        if lock is None:
+            kernel(x.numpy(), wn, bn, bias is not None, y.numpy())
+        else:
+            with lock:
+                kernel(x.numpy(), wn, bn, bias is not None, y.numpy())
+        if out is not None and y is not out:
+            return out.copy_(y)
+        return y
+    run.weight = w_nk   # held: a cache that keeps the packed copy weakly sees it alive
+    return run
+
+
 def gemv(x: torch.Tensor, w_nk: torch.Tensor, bias: Optional[torch.Tensor] = None,
          out: Optional[torch.Tensor] = None, threads: Optional[int] = None) -> torch.Tensor:
     """``x @ w_nk.T + bias`` for x [M, K] fp32 with 1 <= M <= `MAX_ROWS` (8), ``w_nk`` [N, K]
     fp32 C-contiguous (`pack_weight`), ``bias`` [N] fp32 or None; result [M, N] fp32,
     written into ``out`` when given (any strides; a non-contiguous one gets a copy);
     ``threads``: exactly that many threads (a bandwidth measurement), instead of
-    `numba_cache.launch`'s choice (one thread on an oversubscribed host).
+    `numba_cache.launch`'s choice (one thread on an oversubscribed host). One call binds
+    and runs (`bind_gemv`; a caller that repeats a shape binds once instead).
     Matches ``F.linear(x, w_nk, bias)`` to fp32 rounding (module docstring). Raises
     ValueError naming the bad argument on shape/dtype/row-count mismatch."""
     if x.dim() != 2 or x.dtype != torch.float32 or not 1 <= x.shape[0] <= MAX_ROWS:
         raise ValueError(f"gemv: x must be float32 [M, K] with 1 <= M <= {MAX_ROWS}, got "
                          f"{tuple(x.shape)} {x.dtype}; use F.linear for larger M")
-    m, k = x.shape
-    if w_nk.dim() != 2 or w_nk.shape[1] != k or w_nk.dtype != torch.float32 \
-            or not w_nk.is_contiguous():
-        raise ValueError(f"gemv: the weight must be float32 C-contiguous [N, {k}], got "
-                         f"{tuple(w_nk.shape)} {w_nk.dtype}; pass it through pack_weight")
-    n = w_nk.shape[0]
-    if bias is not None and (tuple(bias.shape) != (n,) or bias.dtype != torch.float32):
-        raise ValueError(f"gemv: bias must be float32 [{n}], got {tuple(bias.shape)} {bias.dtype}")
-    y = out if out is not None and out.is_contiguous() else torch.empty(m, n)
-    b = _NO_BIAS if bias is None else bias.detach().contiguous().numpy()
-    if threads is not None:
-        numba.set_num_threads(threads)
-    with (launch_guard() if threads is not None else launch(m * k * n)):
-        _gemv_kernel(x.detach().contiguous().numpy(), w_nk.detach().numpy(), b, bias is not None,
-                     y.numpy())
-    if out is not None and y is not out:
-        out.copy_(y)
-        return out
-    return y
+    _check_weight(w_nk, x.shape[1])
+    _check_bias(bias, w_nk.shape[0])
+    if out is not None and tuple(out.shape) != (x.shape[0], w_nk.shape[0]):
+        raise ValueError(f"gemv: out must be {[x.shape[0], w_nk.shape[0]]}, got {tuple(out.shape)}")
+    return bind_gemv(w_nk, x.shape[0], threads)(x, bias, out)
 
 
-__all__ = ["MAX_ROWS", "gemv", "pack_weight"]
+__all__ = ["MAX_ROWS", "bind_gemv", "gemv", "pack_weight"]
