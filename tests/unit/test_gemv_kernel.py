@@ -175,3 +175,24 @@ def test_bound_gemv_keeps_its_weight_alive():
     del run
     gc.collect()
     assert ref() is None
+
+
+@pytest.mark.parametrize("n", list(range(1, 18)) + [29, 31, 33])
+def test_one_row_every_group_split(n):
+    """M = 1 pairs four-row groups half the matrix apart: every N (odd and even group
+    counts, a partial last group) maps each output to its own row; NaN/Inf in the first and
+    the far half's rows land where eager puts them."""
+    g = torch.Generator().manual_seed(n)
+    k = 70
+    x, w, b = torch.randn(1, k, generator=g), torch.randn(n, k, generator=g), torch.randn(n, generator=g)
+    w[n - 1, 3] = float("inf")                     # the last row: the far half's partial group
+    if n > 2:
+        w[0, 60] = float("nan")
+    run = bind_gemv(pack_weight(w), 1)
+    out = run(x, b)
+    ref = torch.nn.functional.linear(x, w, b)
+    assert torch.equal(torch.isnan(out), torch.isnan(ref)) and torch.isinf(out[0, n - 1])
+    assert torch.equal(torch.isinf(out), torch.isinf(ref))
+    fin = torch.isfinite(ref)
+    assert torch.allclose(out[fin], ref[fin], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(run(x, b), out, rtol=0, atol=0, equal_nan=True)  # a second call

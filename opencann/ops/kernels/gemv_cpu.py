@@ -12,14 +12,15 @@ weight layout; a LinearAct's constant ``w_t [K, N]`` is transposed into it once,
 time, by `pack_weight`). Each output feature n is one contiguous K-long row of W.
 
 Kernel: numba ``prange`` over tiles of output features (row-parallel: each thread streams
-its own contiguous slice of W exactly once; as many threads as torch's intra-op count, one
+its own contiguous slices of W exactly once, two at M = 1; as many threads as torch's intra-op count, one
 below ATen's grain or on an oversubscribed host: `numba_cache.launch_threads`; each
 output is one thread's dot product, so the count never changes a bit). A tile is a few
 rows of W times all rows of x, their M·rows dot products accumulated in one pass over K
-(a row of W is read once from memory; the x rows stay in L1/L2): M = 1 eight rows of W;
+(a row of W is read once from memory; the x rows stay in L1/L2): M = 1 eight rows of W,
+two groups of four half the matrix apart (`_gemv1_kernel`);
 M = 2..4 four rows of W x four rows of x (`_tile4`), M = 5..8 two rows x eight
 (`_tile8`); a tile's x rows past M repeat row M - 1 and its W rows past N repeat row
-N - 1 (computed, never stored), so no row count needs its own loop. At 8 rows the loop
+N - 1 (computed, never stored), so no N needs its own loop. At 8 rows the loop
 does 8 FMAs per weight element, as much time as the memory read on this class of CPU:
 `_tile4`/`_tile8` walk K in `CHUNK`-long steps and first `prefetch` the next tile's
 lines of that step, so memory works while the FMAs run (the rotation of a 125M Llama's
@@ -52,15 +53,6 @@ from .numba_prefetch import prefetch
 
 MAX_ROWS = 8  # the kernel handles x with 1..MAX_ROWS rows (decode: one token per sequence)
 _FM = {"reassoc", "contract"}  # vectorise the K reduction; keep NaN/Inf semantics
-
-
-@njit(fastmath=_FM, cache=True, inline="always")
-def _dot1(x, w, n):  # pragma: no cover - compiled by numba
-    """x[0] . w[n]: one row of x, one row of w (the M = 1 path's last N % 8 rows)."""
-    s = np.float32(0.0)
-    for k in range(x.shape[1]):
-        s += x[0, k] * w[n, k]
-    return s
 
 
 # K elements per step of the 2..8-row tiles (one prefetch burst per step). Each step ends
@@ -174,42 +166,46 @@ def _tile8(x, w, n):  # pragma: no cover - compiled by numba
 @njit(parallel=True, fastmath=_FM, cache=True)
 def _gemv1_kernel(x, w, b, has_bias, y):  # pragma: no cover - compiled by numba
     """M = 1: y[0, n] = x[0] . w[n] (+ b[n]); x [1, K], w [N, K], y [1, N], fp32
-    C-contiguous. prange over tiles of eight rows of w, which stream at once (more loads
-    in flight: the DRAM-bound LM head read 7.8 -> 12.5 GB/s on the 2-core host with four
-    rows; 60 rotating 768x2048 / 2048x768 weights, 377 MB, 24.6 -> 26.7 GB/s with eight,
-    load 1.5, F.linear 26.9 on the same weights); the last N % 8 rows one at a time."""
+    C-contiguous. The N rows of w are G = ceil(N / 4) groups of four; prange step t
+    streams two groups half the matrix apart (t and t + ceil(G / 2)), eight rows at once
+    (more loads in flight: the DRAM-bound LM head read 7.8 -> 12.5 GB/s on the 2-core
+    host with four rows instead of one group), so each thread reads two distant regions
+    of w in step ("r4x2"); rows past N stand for row N - 1 (computed, never stored).
+    Against eight adjacent rows per step: the bare rotation of a 125M Llama's decode
+    weights, 2 threads, 32.7 GB/s against 30-32 (MKL's GEMV 32.1); its 12-layer decode
+    step on one thread (CPU time per step, 176 steps, load 4.8-5.3) least 29.88 against
+    30.38 ms, median 31.08 against 31.37 (docs/performance.md, "LLM decode")."""
     K = x.shape[1]
     N = w.shape[0]
-    for t in prange(N // 8):
-        n = 8 * t
-        s0 = np.float32(0.0)
-        s1 = np.float32(0.0)
-        s2 = np.float32(0.0)
-        s3 = np.float32(0.0)
-        s4 = np.float32(0.0)
-        s5 = np.float32(0.0)
-        s6 = np.float32(0.0)
-        s7 = np.float32(0.0)
+    h = ((N + 3) // 4 + 1) // 2   # prange steps: pairs of four-row groups
+    xa = x[0]
+    for t in prange(h):
+        n = 4 * t
+        m = 4 * (t + h)
+        # 1-D rows indexed from 0: unit-stride loads LLVM vectorises over k
+        w0, w1 = w[min(n, N - 1)], w[min(n + 1, N - 1)]
+        w2, w3 = w[min(n + 2, N - 1)], w[min(n + 3, N - 1)]
+        w4, w5 = w[min(m, N - 1)], w[min(m + 1, N - 1)]
+        w6, w7 = w[min(m + 2, N - 1)], w[min(m + 3, N - 1)]
+        s0 = s1 = s2 = s3 = s4 = s5 = s6 = s7 = np.float32(0.0)
         for k in range(K):
-            xk = x[0, k]
-            s0 += xk * w[n, k]
-            s1 += xk * w[n + 1, k]
-            s2 += xk * w[n + 2, k]
-            s3 += xk * w[n + 3, k]
-            s4 += xk * w[n + 4, k]
-            s5 += xk * w[n + 5, k]
-            s6 += xk * w[n + 6, k]
-            s7 += xk * w[n + 7, k]
+            xk = xa[k]
+            s0 += xk * w0[k]
+            s1 += xk * w1[k]
+            s2 += xk * w2[k]
+            s3 += xk * w3[k]
+            s4 += xk * w4[k]
+            s5 += xk * w5[k]
+            s6 += xk * w6[k]
+            s7 += xk * w7[k]
         _put(y, 0, n, b, has_bias, s0)
         _put(y, 0, n + 1, b, has_bias, s1)
         _put(y, 0, n + 2, b, has_bias, s2)
         _put(y, 0, n + 3, b, has_bias, s3)
-        _put(y, 0, n + 4, b, has_bias, s4)
-        _put(y, 0, n + 5, b, has_bias, s5)
-        _put(y, 0, n + 6, b, has_bias, s6)
-        _put(y, 0, n + 7, b, has_bias, s7)
-    for n in range(N - N % 8, N):
-        _put(y, 0, n, b, has_bias, _dot1(x, w, n))
+        _put(y, 0, m, b, has_bias, s4)
+        _put(y, 0, m + 1, b, has_bias, s5)
+        _put(y, 0, m + 2, b, has_bias, s6)
+        _put(y, 0, m + 3, b, has_bias, s7)
 
 
 @njit(parallel=True, fastmath=_FM, cache=True)
