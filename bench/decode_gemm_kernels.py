@@ -11,7 +11,13 @@ cannot serve a GEMM leaves it to the race's fallback; the kernels bound are prin
 This isolates the kernels' effect on the whole step from the race's timing noise.
 
     PYTHONPATH=. .venv/bin/python bench/decode_gemm_kernels.py [--batch 8] [--new 40]
-        [--reps 3] [--kernels gemv onednn_packed addmm]
+        [--reps 3] [--kernels gemv onednn_packed addmm] [--threads 1 --cpu-clock]
+
+``--cpu-clock`` (with ``--threads 1``): the steps are stamped with the calling thread's CPU
+time (``time.thread_time``) instead of the wall clock. With one thread every kernel runs
+on the calling thread, so a step's CPU time leaves out the time other processes held the
+CPU: an A/B that holds on a loaded shared host (it measures one core's step, not the
+two-thread one).
 """
 import argparse
 import os
@@ -66,7 +72,12 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--kernels", nargs="+", default=["gemv", "onednn_packed", "addmm"])
+    ap.add_argument("--cpu-clock", action="store_true",
+                    help="stamp steps with this thread's CPU time (needs --threads 1)")
     a = ap.parse_args()
+    if a.cpu_clock and a.threads != 1:
+        ap.error("--cpu-clock needs --threads 1 (other threads' CPU time is not the caller's)")
+    clock = time.thread_time if a.cpu_clock else time.perf_counter
     torch.set_num_threads(a.threads)
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**LLAMA125M)).eval()
@@ -83,7 +94,7 @@ def main() -> None:
     for _ in range(a.reps):
         for k, gen in gens.items():
             stamps = []
-            gen.generate(ids, max_new_tokens=a.new, streamer=lambda _t: stamps.append(time.perf_counter()))
+            gen.generate(ids, max_new_tokens=a.new, streamer=lambda _t: stamps.append(clock()))
             steps[k] += [t1 - t0 for t0, t1 in zip(stamps[1:], stamps[2:])]
     for k, d in steps.items():
         print(f"{k:>14}: ms per step least {min(d) * 1e3:.1f} median {statistics.median(d) * 1e3:.1f}"

@@ -14,7 +14,8 @@ The ``ratio`` column is gemv's GB/s over the best torch kernel's.
 ``--rotation``: the GEMMs of one decode step of that Llama (hidden 768, 12 layers, q/o
 768x768, k/v 256x768, gate/up 2048x768, down 768x2048, LM head 32000x768: 400 MB of fp32
 weights, larger than the caches), each weight once in model order, bias-free as Llama's:
-``gemv`` (ours, through `gemv` and its launch policy), ``mm`` (``torch.mm`` on a
+``gemv`` (ours, bound once per weight by `bind_gemv` as a decode step binds it, with its
+launch policy), ``mm`` (``torch.mm`` on a
 contiguous [K, N] copy), ``mkl_packed`` (``torch.ops.mkl._mkl_linear`` on
 ``_mkl_reorder_linear_weight(w, M)``), ``onednn_packed`` (``_linear_pointwise`` on
 ``_reorder_linear_weight(w, M)``); a table of ms per rotation and GB/s (400 MB / time),
@@ -25,6 +26,14 @@ Packed copies are made per M and freed after it. numba's threads follow ``--thre
 
     PYTHONPATH=. .venv/bin/python bench/gemv.py [--threads 2] [--rounds 100] [--calls 1]
     PYTHONPATH=. .venv/bin/python bench/gemv.py --rotation [--passes 8] [--rows 1 2 4 8]
+
+``--per-call``: µs per call of the decode GEMV on a tiny weight (8 x 64: the call's fixed
+cost) and on q_proj's 768 x 768, per M in ``--rows``: ``gemv`` (validates, binds and runs
+every call: the cost of an unbound call), the bound call (`bind_gemv`'s ``run``, what a
+compiled decode step makes), and the numba kernel alone on numpy views (the floor); the
+least over ``--rounds`` interleaved rounds of ``--calls`` calls (default 2000).
+
+    PYTHONPATH=. .venv/bin/python bench/gemv.py --per-call [--rows 1 8] [--rounds 7]
 """
 import argparse
 import time
@@ -33,7 +42,8 @@ import numba
 import torch
 
 from opencann.devices import cpu as cpu_device
-from opencann.ops.kernels.gemv_cpu import gemv, pack_weight
+from opencann.ops.kernels import gemv_cpu
+from opencann.ops.kernels.gemv_cpu import bind_gemv, gemv, pack_weight
 
 SHAPES = [(768, 768), (768, 2048), (2048, 768), (768, 32000)]
 # one decode step of the random Llama 125M of bench/llm.py: (N, K) per weight, model order
@@ -55,7 +65,8 @@ def _rotation_kernels(ws, m: int) -> dict:
     xs = {k: torch.randn(m, k, generator=g) for k in {w.shape[1] for w in ws}}
     outs = {n: torch.empty(m, n) for n in {w.shape[0] for w in ws}}
     kn = [w.t().contiguous() for w in ws]
-    fns = {"gemv": lambda: [gemv(xs[w.shape[1]], w, out=outs[w.shape[0]]) for w in ws],
+    bound = [(bind_gemv(w, m), xs[w.shape[1]], outs[w.shape[0]]) for w in ws]
+    fns = {"gemv": lambda: [run(x, None, out) for run, x, out in bound],
            "mm": lambda: [torch.mm(xs[w.shape[0]], w) for w in kn]}
     if cpu_device.mkl_packed_available():
         mkl = [(torch.ops.mkl._mkl_reorder_linear_weight(w, m), w) for w in ws]
@@ -94,6 +105,27 @@ def rotation(rows, passes: int) -> None:
         del fns
 
 
+def per_call(rows, rounds: int, calls: int) -> None:
+    """Print µs per call of `gemv`, the bound call and the kernel alone (module docstring)."""
+    g = torch.Generator().manual_seed(0)
+    print(f"threads={numba.get_num_threads()}; us per call, least of {rounds} rounds of {calls} calls")
+    print(f"{'N x K':>9} {'M':>2} {'gemv()':>8} {'bound':>8} {'kernel':>8}")
+    for n, k in [(8, 64), (768, 768)]:
+        w_nk = torch.randn(n, k, generator=g)
+        for m in rows:
+            x, out = torch.randn(m, k, generator=g), torch.empty(m, n)
+            run = bind_gemv(w_nk, m)
+            kernel, args = gemv_cpu._kernel_for(m), (x.numpy(), w_nk.numpy(), gemv_cpu._NO_BIAS,
+                                                     False, out.numpy())
+            fns = {"gemv()": lambda: gemv(x, w_nk, None, out), "bound": lambda: run(x, None, out),
+                   "kernel": lambda: kernel(*args)}
+            best = {c: float("inf") for c in fns}
+            for _ in range(rounds):
+                for c, fn in fns.items():
+                    best[c] = min(best[c], _time(fn, calls))
+            print(f"{n:>4}x{k:<4} {m:>2} " + " ".join(f"{best[c] * 1e6:>8.2f}" for c in fns), flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--threads", type=int, default=2)
@@ -103,11 +135,16 @@ def main() -> None:
     ap.add_argument("--rotation", action="store_true",
                     help="time one decode step's weights in turn (module docstring)")
     ap.add_argument("--passes", type=int, default=8)
+    ap.add_argument("--per-call", action="store_true",
+                    help="the decode GEMV's cost per call, bound and not (module docstring)")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     numba.set_num_threads(a.threads)
     if a.rotation:
         rotation(a.rows, a.passes)
+        return
+    if a.per_call:
+        per_call(a.rows, a.rounds if a.rounds != 100 else 7, a.calls if a.calls != 1 else 2000)
         return
     onednn = cpu_device.onednn_linear_available()
     cols = ["F.linear"] + (["onednn_packed"] if onednn else []) + ["addmv", "gemv"]

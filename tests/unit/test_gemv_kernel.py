@@ -1,5 +1,5 @@
-"""The decode GEMV kernel (`opencann.ops.kernels.gemv_cpu.gemv`, 1..MAX_ROWS = 8 rows)
-against ``torch.nn.functional.linear``: every row count with odd K and N (N not a multiple
+"""The decode GEMV kernel (`opencann.ops.kernels.gemv_cpu.gemv`, 1..MAX_ROWS = 8 rows, and
+its plan-time binding `bind_gemv`) against ``torch.nn.functional.linear``: every row count with odd K and N (N not a multiple
 of any tile's rows), bias and none, NaN/Inf in x and W at chosen positions propagating
 as in eager, a second call, output independence, ``out=`` contiguous and strided, the
 thread count changing no bit, and one clear error per bad input. Values are compared with
@@ -11,7 +11,10 @@ below 1e-5 for K <= 2048). NaN/Inf positions and Inf signs are eager's (fp32 F.l
 import pytest
 import torch
 
-from opencann.ops.kernels.gemv_cpu import MAX_ROWS, gemv, pack_weight
+import gc
+import weakref
+
+from opencann.ops.kernels.gemv_cpu import MAX_ROWS, bind_gemv, gemv, pack_weight
 
 
 def _check(out, x, w, b):
@@ -44,6 +47,12 @@ def test_matches_f_linear(m, k, n, with_bias):
     out.add_(1)                                    # the result is the caller's
     assert not torch.equal(again, out)
     assert torch.equal(gemv(x, w_nk, b), again)
+    run = bind_gemv(w_nk, m)                       # the bound call: the same kernel, same bits
+    buf = torch.full((m, n), float("nan"))
+    assert run(x, b, buf) is buf and torch.equal(buf, again)
+    assert torch.equal(run(x, b, buf), again)      # a second call into the same buffer
+    fresh = run(x, b)
+    assert torch.equal(fresh, again) and fresh.data_ptr() != run(x, b).data_ptr()
 
 
 @pytest.mark.parametrize("m", [1, 3, 8])
@@ -114,3 +123,76 @@ def test_threads_follow_torch_and_change_no_bit(m):
     finally:
         torch.set_num_threads(before)
     _check(one, x, w, None)
+
+
+@pytest.mark.parametrize("m", [1, 3, 8])
+def test_bound_gemv_strided_inputs_and_nan_inf(m):
+    g = torch.Generator().manual_seed(4)
+    k, n = 301, 45
+    w = torch.randn(n, k, generator=g)
+    x, b = torch.randn(k, m, generator=g).t(), torch.randn(2 * n, generator=g)[::2]  # strided x, bias
+    if m > 1:
+        x[m - 1, 5] = float("nan")                 # the last row all NaN
+    w[7, 200] = float("-inf")                      # column 7: +-Inf (NaN in a NaN row)
+    run = bind_gemv(pack_weight(w), m)
+    out = torch.empty(n, m).t()                    # a non-contiguous out: filled through a copy
+    assert run(x, b, out) is out
+    _check(out, x, w, b)
+    assert not torch.isfinite(out[:, 7]).any()
+    if m > 1:
+        assert torch.isnan(out[m - 1]).all() and torch.isfinite(out[0, :7]).all()
+
+
+def test_bound_gemv_bad_input_is_one_clear_error():
+    w_nk = pack_weight(torch.randn(6, 8))
+    run = bind_gemv(w_nk, 2)
+    with pytest.raises(ValueError, match=r"x must be float32 \[2, 8\]"):
+        run(torch.randn(3, 8))                     # another row count than bound
+    with pytest.raises(ValueError, match=r"x must be float32 \[2, 8\]"):
+        run(torch.randn(2, 9))
+    with pytest.raises(ValueError, match=r"x must be float32"):
+        run(torch.randn(2, 8, dtype=torch.float64))
+    with pytest.raises(ValueError, match=r"out must be \[2, 6\]"):
+        run(torch.randn(2, 8), None, torch.empty(2, 5))
+    with pytest.raises(ValueError, match="rows must be 1..8"):
+        bind_gemv(w_nk, MAX_ROWS + 1)
+    with pytest.raises(ValueError, match="pack_weight"):
+        bind_gemv(torch.randn(8, 6).t(), 1)
+    x = torch.randn(2, 8)
+    assert torch.allclose(run(x), torch.nn.functional.linear(x, w_nk), atol=1e-5)  # still usable
+
+
+def test_bound_gemv_keeps_its_weight_alive():
+    w_nk = pack_weight(torch.randn(16, 32))
+    ref = weakref.ref(w_nk)
+    x = torch.randn(1, 32)
+    want = torch.nn.functional.linear(x, w_nk)
+    run = bind_gemv(w_nk, 1)
+    del w_nk
+    gc.collect()
+    assert ref() is not None                       # a weak cache of packed copies still sees it
+    assert torch.allclose(run(x), want, atol=1e-5)
+    del run
+    gc.collect()
+    assert ref() is None
+
+
+@pytest.mark.parametrize("n", list(range(1, 18)) + [29, 31, 33])
+def test_one_row_every_group_split(n):
+    """M = 1 pairs four-row groups half the matrix apart: every N (odd and even group
+    counts, a partial last group) maps each output to its own row; NaN/Inf in the first and
+    the far half's rows land where eager puts them."""
+    g = torch.Generator().manual_seed(n)
+    k = 70
+    x, w, b = torch.randn(1, k, generator=g), torch.randn(n, k, generator=g), torch.randn(n, generator=g)
+    w[n - 1, 3] = float("inf")                     # the last row: the far half's partial group
+    if n > 2:
+        w[0, 60] = float("nan")
+    run = bind_gemv(pack_weight(w), 1)
+    out = run(x, b)
+    ref = torch.nn.functional.linear(x, w, b)
+    assert torch.equal(torch.isnan(out), torch.isnan(ref)) and torch.isinf(out[0, n - 1])
+    assert torch.equal(torch.isinf(out), torch.isinf(ref))
+    fin = torch.isfinite(ref)
+    assert torch.allclose(out[fin], ref[fin], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(run(x, b), out, rtol=0, atol=0, equal_nan=True)  # a second call

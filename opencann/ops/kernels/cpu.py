@@ -359,9 +359,9 @@ def concat_row_major(k: int, n: int, dtype: torch.dtype = torch.float32) -> bool
         return lambda b, x, _w, out=None: torch.ops.aten.mm.out(x, w, out=out)
 
     def column_major() -> Callable:
-        from .gemv_cpu import gemv
-        w = torch.randn(n, k, generator=gen)
-        return lambda b, x, _w, out=None: gemv(x, w, None, out=out)
+        from .gemv_cpu import bind_gemv
+        gemv = bind_gemv(torch.randn(n, k, generator=gen), 1)
+        return lambda b, x, _w, out=None: gemv(x, None, out)
     probe = torch.empty(0, dtype=dtype)
     return _measure_choice(key, {"addmm_kn": row_major, "gemv": column_major},
                            None, probe, has_bias=False, shape=(1, k, n)) == "addmm_kn"
@@ -590,13 +590,15 @@ def _packed_kernel(kernel: str, wt: torch.Tensor, m: int, post, act: str = "none
     (an in-place activation or None). ``act``: the activation's LinearAct name; a bf16
     oneDNN GEMM runs one of `BF16_LINEAR_POST` as its post-op instead of ``post``."""
     if kernel == "gemv":
-        from .gemv_cpu import gemv
+        from .gemv_cpu import bind_gemv
         w_nk = _gemv_weight(wt)
+        gemv = bind_gemv(w_nk, m)   # shapes, weight view, kernel resolved once (not per call)
+        if post is None:
+            return lambda b, x, _w, out=None: gemv(x, b, out)
 
         def run_gemv(b, x, _w, out=None):
-            r = gemv(x, w_nk, b, out=out)
-            if post is not None:
-                post(r)
+            r = gemv(x, b, out)
+            post(r)
             return r
         return run_gemv
     if kernel == "onednn_packed":

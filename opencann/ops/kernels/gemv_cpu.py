@@ -12,14 +12,15 @@ weight layout; a LinearAct's constant ``w_t [K, N]`` is transposed into it once,
 time, by `pack_weight`). Each output feature n is one contiguous K-long row of W.
 
 Kernel: numba ``prange`` over tiles of output features (row-parallel: each thread streams
-its own contiguous slice of W exactly once; as many threads as torch's intra-op count, one
+its own contiguous slices of W exactly once, two at M = 1; as many threads as torch's intra-op count, one
 below ATen's grain or on an oversubscribed host: `numba_cache.launch_threads`; each
 output is one thread's dot product, so the count never changes a bit). A tile is a few
 rows of W times all rows of x, their M·rows dot products accumulated in one pass over K
-(a row of W is read once from memory; the x rows stay in L1/L2): M = 1 eight rows of W;
+(a row of W is read once from memory; the x rows stay in L1/L2): M = 1 eight rows of W,
+two groups of four half the matrix apart (`_gemv1_kernel`);
 M = 2..4 four rows of W x four rows of x (`_tile4`), M = 5..8 two rows x eight
 (`_tile8`); a tile's x rows past M repeat row M - 1 and its W rows past N repeat row
-N - 1 (computed, never stored), so no row count needs its own loop. At 8 rows the loop
+N - 1 (computed, never stored), so no N needs its own loop. At 8 rows the loop
 does 8 FMAs per weight element, as much time as the memory read on this class of CPU:
 `_tile4`/`_tile8` walk K in `CHUNK`-long steps and first `prefetch` the next tile's
 lines of that step, so memory works while the FMAs run (the rotation of a 125M Llama's
@@ -39,27 +40,19 @@ Optimization Reference Manual, "Software prefetch").
 """
 from __future__ import annotations
 
-from typing import Optional
+import contextlib
+from typing import Callable, Optional
 
 import numba
 import numpy as np
 import torch
 from numba import prange
 
-from .numba_cache import launch, launch_guard, njit
+from .numba_cache import launch_guard, launch_threads, njit
 from .numba_prefetch import prefetch
 
 MAX_ROWS = 8  # the kernel handles x with 1..MAX_ROWS rows (decode: one token per sequence)
 _FM = {"reassoc", "contract"}  # vectorise the K reduction; keep NaN/Inf semantics
-
-
-@njit(fastmath=_FM, cache=True, inline="always")
-def _dot1(x, w, n):  # pragma: no cover - compiled by numba
-    """x[0] . w[n]: one row of x, one row of w (the M = 1 path's last N % 8 rows)."""
-    s = np.float32(0.0)
-    for k in range(x.shape[1]):
-        s += x[0, k] * w[n, k]
-    return s
 
 
 # K elements per step of the 2..8-row tiles (one prefetch burst per step). Each step ends
@@ -171,61 +164,80 @@ def _tile8(x, w, n):  # pragma: no cover - compiled by numba
 
 
 @njit(parallel=True, fastmath=_FM, cache=True)
-def _gemv_kernel(x, w, b, has_bias, y):  # pragma: no cover - compiled by numba
-    """y[m, n] = sum_k x[m, k] * w[n, k] (+ b[n]); x [M<=8, K], w [N, K], y [M, N], fp32
-    C-contiguous. prange over tiles of rows of w: each thread reads its own rows once.
-    M = 1: eight rows of w stream at once (more loads in flight: the DRAM-bound LM head
-    read 7.8 -> 12.5 GB/s on the 2-core host with four rows; 60 rotating 768x2048 /
-    2048x768 weights, 377 MB, 24.6 -> 26.7 GB/s with eight, load 1.5, F.linear 26.9 on
-    the same weights). M = 2..4: `_tile4` (4 rows of w x 4 rows of x); M = 5..8: `_tile8`
-    (2 rows of w x 8 rows of x); both prefetch the next tile's rows a CHUNK at a time."""
-    M, K = x.shape
+def _gemv1_kernel(x, w, b, has_bias, y):  # pragma: no cover - compiled by numba
+    """M = 1: y[0, n] = x[0] . w[n] (+ b[n]); x [1, K], w [N, K], y [1, N], fp32
+    C-contiguous. The N rows of w are G = ceil(N / 4) groups of four; prange step t
+    streams two groups half the matrix apart (t and t + ceil(G / 2)), eight rows at once
+    (more loads in flight: the DRAM-bound LM head read 7.8 -> 12.5 GB/s on the 2-core
+    host with four rows instead of one group), so each thread reads two distant regions
+    of w in step ("r4x2"); rows past N stand for row N - 1 (computed, never stored).
+    Against eight adjacent rows per step: the bare rotation of a 125M Llama's decode
+    weights, 2 threads, 32.7 GB/s against 30-32 (MKL's GEMV 32.1); its 12-layer decode
+    step on one thread (CPU time per step, 176 steps, load 4.8-5.3) least 29.88 against
+    30.38 ms, median 31.08 against 31.37 (docs/performance.md, "LLM decode")."""
+    K = x.shape[1]
     N = w.shape[0]
-    if M == 1:
-        for t in prange(N // 8):
-            n = 8 * t
-            s0 = np.float32(0.0)
-            s1 = np.float32(0.0)
-            s2 = np.float32(0.0)
-            s3 = np.float32(0.0)
-            s4 = np.float32(0.0)
-            s5 = np.float32(0.0)
-            s6 = np.float32(0.0)
-            s7 = np.float32(0.0)
-            for k in range(K):
-                xk = x[0, k]
-                s0 += xk * w[n, k]
-                s1 += xk * w[n + 1, k]
-                s2 += xk * w[n + 2, k]
-                s3 += xk * w[n + 3, k]
-                s4 += xk * w[n + 4, k]
-                s5 += xk * w[n + 5, k]
-                s6 += xk * w[n + 6, k]
-                s7 += xk * w[n + 7, k]
-            _put(y, 0, n, b, has_bias, s0)
-            _put(y, 0, n + 1, b, has_bias, s1)
-            _put(y, 0, n + 2, b, has_bias, s2)
-            _put(y, 0, n + 3, b, has_bias, s3)
-            _put(y, 0, n + 4, b, has_bias, s4)
-            _put(y, 0, n + 5, b, has_bias, s5)
-            _put(y, 0, n + 6, b, has_bias, s6)
-            _put(y, 0, n + 7, b, has_bias, s7)
-        for n in range(N - N % 8, N):
-            _put(y, 0, n, b, has_bias, _dot1(x, w, n))
-    elif M <= 4:
-        for t in prange((N + 3) // 4):
-            n = 4 * t
-            s = _tile4(x, w, n)
-            for q in range(4):
-                for m in range(4):
-                    _put(y, m, n + q, b, has_bias, s[4 * q + m])
-    else:
-        for t in prange((N + 1) // 2):
-            n = 2 * t
-            s = _tile8(x, w, n)
-            for q in range(2):
-                for m in range(8):
-                    _put(y, m, n + q, b, has_bias, s[8 * q + m])
+    h = ((N + 3) // 4 + 1) // 2   # prange steps: pairs of four-row groups
+    xa = x[0]
+    for t in prange(h):
+        n = 4 * t
+        m = 4 * (t + h)
+        # 1-D rows indexed from 0: unit-stride loads LLVM vectorises over k
+        w0, w1 = w[min(n, N - 1)], w[min(n + 1, N - 1)]
+        w2, w3 = w[min(n + 2, N - 1)], w[min(n + 3, N - 1)]
+        w4, w5 = w[min(m, N - 1)], w[min(m + 1, N - 1)]
+        w6, w7 = w[min(m + 2, N - 1)], w[min(m + 3, N - 1)]
+        s0 = s1 = s2 = s3 = s4 = s5 = s6 = s7 = np.float32(0.0)
+        for k in range(K):
+            xk = xa[k]
+            s0 += xk * w0[k]
+            s1 += xk * w1[k]
+            s2 += xk * w2[k]
+            s3 += xk * w3[k]
+            s4 += xk * w4[k]
+            s5 += xk * w5[k]
+            s6 += xk * w6[k]
+            s7 += xk * w7[k]
+        _put(y, 0, n, b, has_bias, s0)
+        _put(y, 0, n + 1, b, has_bias, s1)
+        _put(y, 0, n + 2, b, has_bias, s2)
+        _put(y, 0, n + 3, b, has_bias, s3)
+        _put(y, 0, m, b, has_bias, s4)
+        _put(y, 0, m + 1, b, has_bias, s5)
+        _put(y, 0, m + 2, b, has_bias, s6)
+        _put(y, 0, m + 3, b, has_bias, s7)
+
+
+@njit(parallel=True, fastmath=_FM, cache=True)
+def _gemv4_kernel(x, w, b, has_bias, y):  # pragma: no cover - compiled by numba
+    """M = 2..4: `_tile4` (4 rows of w x 4 rows of x) per prange step; x [M, K],
+    w [N, K], y [M, N] fp32 C-contiguous."""
+    N = w.shape[0]
+    for t in prange((N + 3) // 4):
+        n = 4 * t
+        s = _tile4(x, w, n)
+        for q in range(4):
+            for m in range(4):
+                _put(y, m, n + q, b, has_bias, s[4 * q + m])
+
+
+@njit(parallel=True, fastmath=_FM, cache=True)
+def _gemv8_kernel(x, w, b, has_bias, y):  # pragma: no cover - compiled by numba
+    """M = 5..8: `_tile8` (2 rows of w x 8 rows of x) per prange step; x [M, K],
+    w [N, K], y [M, N] fp32 C-contiguous."""
+    N = w.shape[0]
+    for t in prange((N + 1) // 2):
+        n = 2 * t
+        s = _tile8(x, w, n)
+        for q in range(2):
+            for m in range(8):
+                _put(y, m, n + q, b, has_bias, s[8 * q + m])
+
+
+def _kernel_for(m: int):
+    """The compiled kernel for ``m`` rows of x (1 <= m <= `MAX_ROWS`): `_gemv1_kernel`,
+    `_gemv4_kernel` (2..4) or `_gemv8_kernel` (5..8)."""
+    return _gemv1_kernel if m == 1 else _gemv4_kernel if m <= 4 else _gemv8_kernel
 
 
 _NO_BIAS = np.zeros(1, np.float32)  # stands in for b when there is none (never read)
@@ -242,37 +254,98 @@ def pack_weight(w: torch.Tensor, transposed: bool = False) -> torch.Tensor:
     return (w.t() if transposed else w).contiguous()
 
 
+def _check_weight(w_nk: torch.Tensor, k: Optional[int]) -> None:
+    """Raise ValueError unless ``w_nk`` is float32 C-contiguous [N, k] (any K when k is None)."""
+    if w_nk.dim() != 2 or (k is not None and w_nk.shape[1] != k) \
+            or w_nk.dtype != torch.float32 or not w_nk.is_contiguous():
+        raise ValueError(f"gemv: the weight must be float32 C-contiguous [N, {'K' if k is None else k}], "
+                         f"got {tuple(w_nk.shape)} {w_nk.dtype}; pass it through pack_weight")
+
+
+def _check_bias(bias: Optional[torch.Tensor], n: int) -> None:
+    if bias is not None and (tuple(bias.shape) != (n,) or bias.dtype != torch.float32):
+        raise ValueError(f"gemv: bias must be float32 [{n}], got {tuple(bias.shape)} {bias.dtype}")
+
+
+def bind_gemv(w_nk: torch.Tensor, rows: int, threads: Optional[int] = None
+              ) -> Callable[..., torch.Tensor]:
+    """``run(x, bias=None, out=None)`` = ``x @ w_nk.T + bias`` for x [rows, K] fp32, the
+    decode GEMV bound once (plan/bind time) to the constant weight ``w_nk`` [N, K] fp32
+    C-contiguous (`pack_weight`) and the row count ``rows`` (1 <= rows <= `MAX_ROWS`):
+    the weight's numpy view, the compiled kernel for ``rows`` (`_kernel_for`), the work
+    size of the launch policy and the threading layer's lock are resolved here, so a call
+    checks x's shape and dtype, converts x, bias and the output to numpy views and
+    dispatches (an 8 x 64 weight, one thread, the 2-core Xeon: 4.3-4.5 µs per call
+    against 7.9-10.3 through the per-call wrapper `gemv` had been, the kernel alone
+    0.8-0.9; docs/performance.md, "Decode GEMV bound at plan time").
+
+    ``bias``: [N] fp32 or None, per call; ``out``: [rows, N] fp32 (the planned buffer),
+    written in place when contiguous (else through a copy), else a fresh tensor is
+    returned; ``threads``: exactly that many threads on every call (a bandwidth
+    measurement), instead of `numba_cache.launch_threads`' choice per call (torch's
+    intra-op count, one thread on an oversubscribed host). Values: `gemv`'s (module
+    docstring: fp32 rounding of ``F.linear``'s, NaN/Inf propagated). Raises ValueError
+    naming the bad argument: at bind for the weight or ``rows``, at a call for an x that
+    is not float32 [rows, K] or an ``out`` that is not [rows, N]."""
+    _check_weight(w_nk, None)
+    if not 1 <= rows <= MAX_ROWS:
+        raise ValueError(f"gemv: rows must be 1..{MAX_ROWS}, got {rows}; use F.linear for larger M")
+    n, k = (int(d) for d in w_nk.shape)
+    kernel, wn, f32 = _kernel_for(rows), w_nk.detach().numpy(), torch.float32
+    xshape, yshape, work = torch.Size((rows, k)), torch.Size((rows, n)), rows * k * n
+    guard = launch_guard()
+    lock = None if isinstance(guard, contextlib.nullcontext) else guard
+    get_threads, set_threads = numba.get_num_threads, numba.set_num_threads
+
+    def run(x: torch.Tensor, bias: Optional[torch.Tensor] = None,
+            out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        if x.shape != xshape or x.dtype is not f32:
+            raise ValueError(f"gemv: x must be float32 {list(xshape)} (the bound rows and K), "
+                             f"got {tuple(x.shape)} {x.dtype}; bind the GEMV for this shape")
+        if out is not None and out.shape != yshape:
+            raise ValueError(f"gemv: out must be {list(yshape)}, got {tuple(out.shape)}")
+        if x.requires_grad or not x.is_contiguous():
+            x = x.detach().contiguous()
+        if bias is None:
+            bn = _NO_BIAS
+        else:
+            if bias.requires_grad or not bias.is_contiguous():
+                bias = bias.detach().contiguous()
+            bn = bias.numpy()
+        y = out if out is not None and out.is_contiguous() else torch.empty(yshape)
+        nt = threads if threads is not None else launch_threads(work)
+        if get_threads() != nt:
+            set_threads(nt)
+        if lock is None:
+            kernel(x.numpy(), wn, bn, bias is not None, y.numpy())
+        else:
+            with lock:
+                kernel(x.numpy(), wn, bn, bias is not None, y.numpy())
+        if out is not None and y is not out:
+            return out.copy_(y)
+        return y
+    run.weight = w_nk   # held: a cache that keeps the packed copy weakly sees it alive
+    return run
+
+
 def gemv(x: torch.Tensor, w_nk: torch.Tensor, bias: Optional[torch.Tensor] = None,
          out: Optional[torch.Tensor] = None, threads: Optional[int] = None) -> torch.Tensor:
     """``x @ w_nk.T + bias`` for x [M, K] fp32 with 1 <= M <= `MAX_ROWS` (8), ``w_nk`` [N, K]
     fp32 C-contiguous (`pack_weight`), ``bias`` [N] fp32 or None; result [M, N] fp32,
     written into ``out`` when given (any strides; a non-contiguous one gets a copy);
     ``threads``: exactly that many threads (a bandwidth measurement), instead of
-    `numba_cache.launch`'s choice (one thread on an oversubscribed host).
+    `numba_cache.launch`'s choice (one thread on an oversubscribed host). One call binds
+    and runs (`bind_gemv`; a caller that repeats a shape binds once instead).
     Matches ``F.linear(x, w_nk, bias)`` to fp32 rounding (module docstring). Raises
     ValueError naming the bad argument on shape/dtype/row-count mismatch."""
     if x.dim() != 2 or x.dtype != torch.float32 or not 1 <= x.shape[0] <= MAX_ROWS:
         raise ValueError(f"gemv: x must be float32 [M, K] with 1 <= M <= {MAX_ROWS}, got "
                          f"{tuple(x.shape)} {x.dtype}; use F.linear for larger M")
-    m, k = x.shape
-    if w_nk.dim() != 2 or w_nk.shape[1] != k or w_nk.dtype != torch.float32 \
-            or not w_nk.is_contiguous():
-        raise ValueError(f"gemv: the weight must be float32 C-contiguous [N, {k}], got "
-                         f"{tuple(w_nk.shape)} {w_nk.dtype}; pass it through pack_weight")
-    n = w_nk.shape[0]
-    if bias is not None and (tuple(bias.shape) != (n,) or bias.dtype != torch.float32):
-        raise ValueError(f"gemv: bias must be float32 [{n}], got {tuple(bias.shape)} {bias.dtype}")
-    y = out if out is not None and out.is_contiguous() else torch.empty(m, n)
-    b = _NO_BIAS if bias is None else bias.detach().contiguous().numpy()
-    if threads is not None:
-        numba.set_num_threads(threads)
-    with (launch_guard() if threads is not None else launch(m * k * n)):
-        _gemv_kernel(x.detach().contiguous().numpy(), w_nk.detach().numpy(), b, bias is not None,
-                     y.numpy())
-    if out is not None and y is not out:
-        out.copy_(y)
-        return out
-    return y
+    _check_weight(w_nk, x.shape[1])
+    _check_bias(bias, w_nk.shape[0])
+    if out is not None and tuple(out.shape) != (x.shape[0], w_nk.shape[0]):
+        raise ValueError(f"gemv: out must be {[x.shape[0], w_nk.shape[0]]}, got {tuple(out.shape)}")
+    return bind_gemv(w_nk, x.shape[0], threads)(x, bias, out)
 
 
-__all__ = ["MAX_ROWS", "gemv", "pack_weight"]
+__all__ = ["MAX_ROWS", "bind_gemv", "gemv", "pack_weight"]
