@@ -18,6 +18,8 @@ compiles, with its compile seconds, in the order the suite met them)::
         .venv/bin/python -m pytest tests -n 2 -m "not serial and not onnx_full and not full"
     python tests/numba_warm.py --merge /tmp/sigs.tsv
 
+(a recording of a few test files can be appended to an older full one before merging).
+
 File format: one line per signature, ``seconds<TAB>module.function<TAB>signature`` (the
 signature as numba prints a tuple of its types, which evaluates back to them in
 ``numba.core.types``'s namespace).
@@ -134,17 +136,18 @@ def record(path: str) -> None:
 
 
 def merge(recorded: str, path: str = SIGNATURES) -> int:
-    """Rewrite ``path`` from a recording (each signature once, its largest seconds; only
-    module-level functions and signatures `_types` can name: a callee typed inside a caller
-    with literal arguments is compiled with its caller); returns the number of entries."""
+    """Rewrite ``path`` from recordings (each signature once, its largest seconds; only
+    module-level functions that still exist and signatures `_types` can name: a callee
+    typed inside a caller with literal arguments is compiled with its caller); returns the
+    number of entries."""
     best: Dict[Tuple[str, str], float] = {}
     for seconds, name, sig in read(recorded):
         try:
             _types(sig)
+            _dispatcher(name).compile   # a function since removed is dropped
         except Exception:
             continue
-        if "<locals>" not in name:
-            best[(name, sig)] = max(seconds, best.get((name, sig), 0.0))
+        best[(name, sig)] = max(seconds, best.get((name, sig), 0.0))
     with open(path, "w") as f:
         for (name, sig), seconds in sorted(best.items()):
             f.write(f"{seconds:.2f}\t{name}\t{sig}\n")
@@ -157,6 +160,7 @@ if __name__ == "__main__":
         sys.path.insert(0, os.path.dirname(HERE))
         compile_entries(split(read(file), parts)[index])
     elif sys.argv[1:2] == ["--merge"]:
+        sys.path.insert(0, os.path.dirname(HERE))
         print(f"{merge(sys.argv[2])} signatures in {SIGNATURES}")
     else:
         print(f"usage: {sys.argv[0]} --merge RECORDED.tsv | --part I N FILE", file=sys.stderr)
