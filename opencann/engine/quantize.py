@@ -131,8 +131,8 @@ def calibrate(cm: CompiledModel, batches: Iterable[tuple], targets: Optional[Dic
     "offset_d", "min", "max"} (uint8, per tensor), plus for a ConvAddAct ``"accum"``:
     {"scale_d", "offset_d"} of its residual addend and ``"out"``: the same of its result
     (which `fuse_requant` may carry in uint8: the addend inside a residual chain, the
-    result where the chain ends in an fp32 reader). Raises what a call raises (a batch of
-    another shape: one line)."""
+    result where the chain ends in an fp32 reader). Raises ValueError (one line naming the
+    batch) for a batch the compiled model refuses (another shape or dtype)."""
     graph = cm.graph
     watch: Dict[int, _Range] = {}
     names: Dict[int, List[str]] = {}
@@ -161,12 +161,16 @@ def calibrate(cm: CompiledModel, batches: Iterable[tuple], targets: Optional[Dic
             if r is not None and isinstance(t, torch.Tensor):
                 r.update(t)
 
-    for args in batches:
+    for b, args in enumerate(batches):
         for vid, i in inputs.items():
             if vid in watch:
                 watch[vid].update(args[i] if i < len(args) and isinstance(args[i], torch.Tensor)
                                   else torch.empty(0))
-        cm.run_observed(observe, *args)
+        try:
+            cm.run_observed(observe, *args)
+        except ValueError as e:   # the call's one line, naming the batch at fault
+            raise ValueError(f"calibration batch {b}: {str(e).split('; ')[0]}; give calibration "
+                             "batches of the shapes and dtypes the model is compiled for") from None
     records: Dict[str, Dict[str, Any]] = {}
     for vid, r in watch.items():
         rec = r.record()

@@ -465,3 +465,18 @@ def test_int8_left_by_the_pass_reports_what_ran():
         ref = m(x)
     y = res.compiled(x)
     assert torch.nn.functional.cosine_similarity(y.flatten().double(), ref.flatten().double(), 0) > 0.99
+
+
+def test_a_calibration_batch_of_another_shape_is_one_line_naming_it():
+    """tune's int8 calibration runs the fp32 compile of the example inputs' shapes: a batch
+    of another shape is one ValueError line naming that batch, not the call's advice to
+    recompile; the same model then tunes with batches of the right shape."""
+    torch.manual_seed(0)
+    m, x = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4)).eval(), torch.randn(2, 8)
+    with pytest.raises(ValueError, match=r"^calibration batch 1: .*float32\[3, 8\].*give calibration batches") as e:
+        tune(m, x, candidates=("fp32", "int8"), calibration=[torch.randn(2, 8), torch.randn(3, 8)], timing=False)
+    assert "\n" not in str(e.value) and "recompile" not in str(e.value)
+    res = tune(m, x, candidates=("fp32", "int8"), calibration=[torch.randn(2, 8), torch.randn(2, 8)], timing=False)
+    with torch.no_grad():
+        ref = m(x)
+    assert torch.nn.functional.cosine_similarity(res.compiled(x).flatten().double(), ref.flatten().double(), 0) > 0.99
