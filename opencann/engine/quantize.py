@@ -169,8 +169,7 @@ def calibrate(cm: CompiledModel, batches: Iterable[tuple], targets: Optional[Dic
         try:
             cm.run_observed(observe, *args)
         except ValueError as e:   # the call's one line, naming the batch at fault
-            raise ValueError(f"calibration batch {b}: {str(e).split('; ')[0]}; give calibration "
-                             "batches of the shapes and dtypes the model is compiled for") from None
+            raise ValueError(f"calibration batch {b}: {str(e).split('; ')[0]}; give batches of its shapes") from None
     records: Dict[str, Dict[str, Any]] = {}
     for vid, r in watch.items():
         rec = r.record()

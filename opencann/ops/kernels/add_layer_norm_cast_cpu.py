@@ -30,15 +30,24 @@ def add_layer_norm_cast(x1: torch.Tensor, x2: torch.Tensor, weight, bias, eps: f
     float(x2)) over the last axis in float32 (ATen's kernel), y_low = y cast to ``dtype``
     (bf16 or fp16, round to nearest even). Raises ValueError (one line) when x1 and x2
     differ in shape or the sum is not float32."""
+    y = add_layer_norm_f32(x1, x2, weight, bias, eps, "add_layer_norm_cast")
+    return y, y.to(dtype)
+
+
+def add_layer_norm_f32(x1: torch.Tensor, x2: torch.Tensor, weight, bias, eps: float,
+                       op: str) -> torch.Tensor:
+    """LayerNorm(float(x1) + float(x2)) over the last axis, float32 (ATen's ``add`` and
+    ``native_layer_norm``): the residual stream both AddLayerNormCast and AddLayerNormQuant
+    write. Raises ValueError (one line starting with ``op``) when x1 and x2 differ in
+    shape or the sum is not float32."""
     if x1.shape != x2.shape:
-        raise ValueError(f"add_layer_norm_cast: x1 {tuple(x1.shape)} and x2 {tuple(x2.shape)} "
+        raise ValueError(f"{op}: x1 {tuple(x1.shape)} and x2 {tuple(x2.shape)} "
                          "must have one shape (broadcasting is not fused)")
     s = torch.add(x1, x2)
     if s.dtype != torch.float32:
-        raise ValueError(f"add_layer_norm_cast: x1 {x1.dtype} + x2 {x2.dtype} is {s.dtype}; "
+        raise ValueError(f"{op}: x1 {x1.dtype} + x2 {x2.dtype} is {s.dtype}; "
                          "one addend must be float32 (the residual stream)")
-    y = torch.native_layer_norm(s, [s.shape[-1]], weight, bias, eps)[0]
-    return y, y.to(dtype)
+    return torch.native_layer_norm(s, [s.shape[-1]], weight, bias, eps)[0]
 
 
 def make_add_layer_norm_cast_kernel(node: Node, in_descs: Sequence[TensorDesc],
@@ -57,4 +66,4 @@ def make_add_layer_norm_cast_kernel(node: Node, in_descs: Sequence[TensorDesc],
     return run
 
 
-__all__ = ["add_layer_norm_cast", "make_add_layer_norm_cast_kernel"]
+__all__ = ["add_layer_norm_cast", "add_layer_norm_f32", "make_add_layer_norm_cast_kernel"]

@@ -18,6 +18,7 @@ from typing import Callable, Sequence
 import torch
 
 from ...ir import Node, TensorDesc
+from .add_layer_norm_cast_cpu import add_layer_norm_f32
 from .int8_cpu import quantize_u8
 
 
@@ -28,14 +29,7 @@ def add_layer_norm_quant(x1: torch.Tensor, x2: torch.Tensor, weight, bias, eps: 
     float(x2)) over the last axis (float32, ATen's kernel), y_q = y quantized to uint8 at
     ``step`` (> 0) and ``offset`` (the zero point, in [0, 255]) with y's strides. Raises
     ValueError (one line) when x1 and x2 differ in shape or the sum is not float32."""
-    if x1.shape != x2.shape:
-        raise ValueError(f"add_layer_norm_quant: x1 {tuple(x1.shape)} and x2 {tuple(x2.shape)} "
-                         "must have one shape (broadcasting is not fused)")
-    s = torch.add(x1, x2)
-    if s.dtype != torch.float32:
-        raise ValueError(f"add_layer_norm_quant: x1 {x1.dtype} + x2 {x2.dtype} is {s.dtype}; "
-                         "one addend must be float32 (the residual stream)")
-    y = torch.native_layer_norm(s, [s.shape[-1]], weight, bias, eps)[0]
+    y = add_layer_norm_f32(x1, x2, weight, bias, eps, "add_layer_norm_quant")
     return y, quantize_u8(y, step, offset)
 
 
