@@ -123,6 +123,9 @@ def _signature(batch: tuple) -> str:
 VNPU_TARGETS = {"Conv2D": "input", "MatMulV2": "mat1", "MatMul": "self"}
 
 
+_BATCH_FIX = "give batches like the example inputs (tensors of the compiled shapes and dtypes)"
+
+
 def calibrate(cm: CompiledModel, batches: Iterable[tuple], targets: Optional[Dict[str, str]] = None
               ) -> Dict[str, Dict[str, Any]]:
     """Run ``batches`` through the fp32 compiled model ``cm`` and return, per target node
@@ -169,7 +172,7 @@ def calibrate(cm: CompiledModel, batches: Iterable[tuple], targets: Optional[Dic
         try:
             cm.run_observed(observe, *args)
         except ValueError as e:   # the call's one line, naming the batch at fault
-            raise ValueError(f"calibration batch {b}: {str(e).split('; ')[0]}; give batches of its shapes") from None
+            raise ValueError(f"calibration batch {b}: {str(e).split('; ')[0]}; {_BATCH_FIX}") from None
     records: Dict[str, Dict[str, Any]] = {}
     for vid, r in watch.items():
         rec = r.record()

@@ -469,13 +469,15 @@ def test_int8_left_by_the_pass_reports_what_ran():
 
 def test_a_calibration_batch_of_another_shape_is_one_line_naming_it():
     """tune's int8 calibration runs the fp32 compile of the example inputs' shapes: a batch
-    of another shape is one ValueError line naming that batch, not the call's advice to
-    recompile; the same model then tunes with batches of the right shape."""
+    of another shape (or a NumPy array) is one ValueError line naming that batch, not the
+    call's advice to recompile; the same model then tunes with batches of the right shape."""
     torch.manual_seed(0)
     m, x = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4)).eval(), torch.randn(2, 8)
-    with pytest.raises(ValueError, match=r"^calibration batch 1: .*float32\[3, 8\].*give batches of its shapes") as e:
+    with pytest.raises(ValueError, match=r"^calibration batch 1: .*float32\[3, 8\].*give batches like the example inputs") as e:
         tune(m, x, candidates=("fp32", "int8"), calibration=[torch.randn(2, 8), torch.randn(3, 8)], timing=False)
     assert "\n" not in str(e.value) and "recompile" not in str(e.value)
+    with pytest.raises(ValueError, match=r"^calibration batch 0: .*got ndarray; give batches like"):
+        tune(m, x, candidates=("fp32", "int8"), calibration=[x.numpy()], timing=False)
     res = tune(m, x, candidates=("fp32", "int8"), calibration=[torch.randn(2, 8), torch.randn(2, 8)], timing=False)
     with torch.no_grad():
         ref = m(x)
