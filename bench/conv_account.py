@@ -190,14 +190,9 @@ def _openvino(model, inputs, threads: int):
     return run, times
 
 
-def account(batch: int, rounds: int, peer: bool = False) -> Dict[str, float]:
-    """ms per call of each item (module docstring) for zoo ResNet-50 at ``batch``; with
-    ``peer``, OpenVINO f32's call and per-layer-type sums too (``OpenVINO ...`` keys)."""
-    z = zoo.resnet50(batch=batch)
-    x = z.example_inputs[0]
-    cm = opencann.compile(z.model, z.example_inputs)
-    ov = _openvino(z.model, z.example_inputs, torch.get_num_threads()) if peer else None
-    ov_best: Dict[int, tuple] = {}
+def _node_values(cm, x: torch.Tensor) -> tuple:
+    """(executor, graph, {value id: a copy of it}) of one call of ``cm`` on ``x``: every
+    node's output as the call made it (layout kept), the input included."""
     ex = cm.shapes.executor
     g = ex.graph
     vals: Dict[int, torch.Tensor] = {}
@@ -209,6 +204,18 @@ def account(batch: int, rounds: int, peer: bool = False) -> Dict[str, float]:
     with torch.no_grad():
         ex.run_observed([x], keep)
     vals[g.inputs[0].id] = x
+    return ex, g, vals
+
+
+def account(batch: int, rounds: int, peer: bool = False) -> Dict[str, float]:
+    """ms per call of each item (module docstring) for zoo ResNet-50 at ``batch``; with
+    ``peer``, OpenVINO f32's call and per-layer-type sums too (``OpenVINO ...`` keys)."""
+    z = zoo.resnet50(batch=batch)
+    x = z.example_inputs[0]
+    cm = opencann.compile(z.model, z.example_inputs)
+    ov = _openvino(z.model, z.example_inputs, torch.get_num_threads()) if peer else None
+    ov_best: Dict[int, tuple] = {}
+    ex, g, vals = _node_values(cm, x)
     convs = [(i, n) for i, n in enumerate(g.nodes) if n.op in CONVS and n.meta.get("kernel") != "aten"]
     pieces = {i: _conv_pieces(n, vals) for i, n in convs}
     # the same executor without the ReLU passes (wrong values, right timing): its call
@@ -313,17 +320,7 @@ def account_reduced(batch: int, rounds: int, precision: str) -> tuple:
     zm = inputs_for("resnet50", batch)
     x = zm.example_inputs[0]
     cm = reduced_model(zm, precision)
-    ex = cm.shapes.executor
-    g = ex.graph
-    vals: Dict[int, torch.Tensor] = {}
-
-    def keep(node, outs):
-        for v, t in zip(node.outputs, outs):
-            if isinstance(t, torch.Tensor):
-                vals[v.id] = t.clone(memory_format=torch.preserve_format)
-    with torch.no_grad():
-        ex.run_observed([x], keep)
-    vals[g.inputs[0].id] = x
+    ex, g, vals = _node_values(cm, x)
     convs = [(i, n) for i, n in enumerate(g.nodes) if n.op in QCONVS and n.meta.get("kernel") != "aten"]
     alone = {}
     for i, n in convs:    # each bound kernel on (copies of) its real inputs; an addend written

@@ -26,7 +26,7 @@ from numba import prange, types
 from numba.extending import intrinsic
 
 from .numba_cache import launch, njit
-from .quant_numba import BLOCK, SERIAL_MAX
+from .quant_numba import BLOCK, SERIAL_MAX, dense_flat, saturate_u8
 
 
 @intrinsic
@@ -46,12 +46,8 @@ def _f32_of_bits(typingctx, bits):
 
 @njit(cache=True)
 def _quantize_bf16_run(xs, inv, offset, ys):  # pragma: no cover - compiled by numba
-    for i in range(xs.size):    # selects, not branches: LLVM vectorizes
-        v = _f32_of_bits(np.uint32(xs[i]) << np.uint32(16))
-        r = np.rint(v * inv) + offset
-        r = r if r > np.float32(0.0) else np.float32(0.0)   # NaN compares false: 0, the minimum
-        r = r if r < np.float32(255.0) else np.float32(255.0)
-        ys[i] = np.uint8(np.int32(r))
+    for i in range(xs.size):
+        ys[i] = saturate_u8(_f32_of_bits(np.uint32(xs[i]) << np.uint32(16)), inv, offset)
 
 
 @njit(parallel=True, cache=True)
@@ -63,13 +59,6 @@ def _quantize_bf16(xb, inv, offset, y):  # pragma: no cover - compiled by numba
         _quantize_bf16_run(xb[s:s + m], inv, offset, y[s:s + m])
 
 
-def _dense_flat(x: torch.Tensor):
-    """x's storage as a 1-D tensor in memory order, or None when x is not dense."""
-    if not (x.is_contiguous() or (x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last))):
-        return None
-    return x.as_strided((x.numel(),), (1,))
-
-
 def quantize_bf16_dense(x: torch.Tensor, step: float, offset: int):
     """``x`` (bf16, dense: contiguous in some memory order) quantized to uint8 with its
     strides, ``saturate(round_half_even(x / step) + offset)`` computed in fp32 (the bits
@@ -77,7 +66,7 @@ def quantize_bf16_dense(x: torch.Tensor, step: float, offset: int):
     not dense (the caller then uses eager's ops). ``step`` > 0, ``offset`` in [0, 255]."""
     if x.dtype != torch.bfloat16:
         return None
-    xf = _dense_flat(x)
+    xf = dense_flat(x)
     if xf is None:
         return None
     y = torch.empty_like(x, dtype=torch.uint8)

@@ -29,13 +29,20 @@ SERIAL_MAX = 1 << 17   # below this many elements one serial call: a parallel la
                        # cost (~15 us of thread-count and dispatch work) exceeds the pass itself
 
 
+@njit(cache=True, inline="always")
+def saturate_u8(v, inv, offset):  # pragma: no cover - compiled by numba
+    """uint8 ``saturate(round_half_even(v * inv) + offset)``, NaN → 0 (fp32 v, inv, offset);
+    selects, not branches, so the loops calling it vectorize."""
+    r = np.rint(v * inv) + offset
+    r = r if r > np.float32(0.0) else np.float32(0.0)   # NaN compares false: 0, the minimum
+    r = r if r < np.float32(255.0) else np.float32(255.0)
+    return np.uint8(np.int32(r))
+
+
 @njit(cache=True)
 def _quantize_run(xs, inv, offset, ys):  # pragma: no cover - compiled by numba
-    for i in range(xs.size):    # selects, not branches: LLVM vectorizes
-        r = np.rint(xs[i] * inv) + offset
-        r = r if r > np.float32(0.0) else np.float32(0.0)   # NaN compares false: 0, the minimum
-        r = r if r < np.float32(255.0) else np.float32(255.0)
-        ys[i] = np.uint8(np.int32(r))
+    for i in range(xs.size):
+        ys[i] = saturate_u8(xs[i], inv, offset)
 
 
 @njit(parallel=True, cache=True)
@@ -47,17 +54,25 @@ def _quantize(x, inv, offset, y):  # pragma: no cover - compiled by numba
         _quantize_run(x[s:s + m], inv, offset, y[s:s + m])
 
 
+def dense_flat(x: torch.Tensor):
+    """x's storage as a 1-D tensor in memory order, or None when x is not dense
+    (contiguous, or channels-last 4-D)."""
+    if not (x.is_contiguous() or (x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last))):
+        return None
+    return x.as_strided((x.numel(),), (1,))
+
+
 def quantize_dense(x: torch.Tensor, step: float, offset: int):
     """``x`` (fp32, dense: contiguous in some memory order) quantized to uint8 with its
     strides, or None when x is not fp32 or not dense (the caller then uses eager's ops)."""
-    if x.dtype != torch.float32 or not (x.is_contiguous() or (
-            x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last))):
+    xd = dense_flat(x) if x.dtype == torch.float32 else None
+    if xd is None:
         return None
     y = torch.empty_like(x, dtype=torch.uint8)
     if y.stride() != x.stride():
         return None
     n = x.numel()
-    xf, yf = x.as_strided((n,), (1,)).numpy(), y.as_strided((n,), (1,)).numpy()
+    xf, yf = xd.numpy(), y.as_strided((n,), (1,)).numpy()
     if n < SERIAL_MAX:
         _quantize_run(xf, np.float32(1.0 / step), np.float32(offset), yf)
         return y
@@ -76,8 +91,8 @@ def dequantize_dense(x: torch.Tensor, step: float, offset: float):
     """``x`` (uint8 or int8, dense: contiguous in some memory order) dequantized to a fresh
     fp32 tensor with its strides, ``(x - offset) * step`` in fp32 (module docstring), or
     None when x is not such a tensor (the caller then uses eager's ops)."""
-    if x.dtype not in (torch.uint8, torch.int8) or not (x.is_contiguous() or (
-            x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last))):
+    xd = dense_flat(x) if x.dtype in (torch.uint8, torch.int8) else None
+    if xd is None:
         return None
     y = torch.empty_like(x, dtype=torch.float32)
     if y.stride() != x.stride():
@@ -86,9 +101,8 @@ def dequantize_dense(x: torch.Tensor, step: float, offset: float):
     if n == 0:
         return y
     with launch(n):
-        _dequantize(x.as_strided((n,), (1,)).numpy(), np.float32(offset), np.float32(step),
-                    y.as_strided((n,), (1,)).numpy())
+        _dequantize(xd.numpy(), np.float32(offset), np.float32(step), y.as_strided((n,), (1,)).numpy())
     return y
 
 
-__all__ = ["dequantize_dense", "quantize_dense"]
+__all__ = ["dense_flat", "dequantize_dense", "quantize_dense", "saturate_u8"]
