@@ -63,10 +63,21 @@ def overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
 def overlapping_pair(tensors: Sequence[torch.Tensor],
                      written: Sequence[int]) -> Optional[Tuple[int, int]]:
     """The first (written input, other input) pair of ``tensors`` that share memory, where
-    ``written`` are the indices of the inputs the model writes into; None if none do."""
+    ``written`` are the indices of the inputs the model writes into; None if none do.
+
+    Inputs are first grouped by (device, storage): only a pair in one group can share
+    memory, so a call whose inputs are all separate storages (a decode step's 2 x layers
+    KV-cache views) costs one storage read per input, not one `overlaps` per pair."""
+    groups: dict = {}
+    for j, t in enumerate(tensors):
+        if t.numel():
+            groups.setdefault((t.device, t.untyped_storage().data_ptr()), []).append(j)
     for i in dict.fromkeys(written):
-        for j, t in enumerate(tensors):
-            if j != i and overlaps(tensors[i], t):
+        t = tensors[i]
+        if not t.numel():
+            continue
+        for j in groups[(t.device, t.untyped_storage().data_ptr())]:
+            if j != i and overlaps(t, tensors[j]):
                 return i, j
     return None
 
