@@ -258,6 +258,24 @@ def test_skip_layers_keep_fp32_with_reason():
     assert len(kept) == 2 and all("skip_layers" in r["reason"] for r in kept)
 
 
+@pytest.mark.parametrize("keep, layers", [(["convolution_2", "addmm"], {"convolution_2_1_add_relu", "addmm_gelu"}),
+                                          (["convolution"], {"convolution_relu"})])
+def test_keep_dtype_keeps_fused_layers_out_of_int8(keep, layers):
+    """keep_dtype names pre-fusion nodes (CANN's --keep_dtype): the fused layer standing for
+    one (a ConvAddAct, a LinearAct with GELU) stays fp32, with its reason; the others are int8."""
+    m = _model()
+    q = opencann.quantize(m, _cal(2), options={"keep_dtype": keep})
+    rows = quant_report(q)
+    kept = {r["layer"]: r["reason"] for r in rows if not r["int8"]}
+    assert set(kept) == layers and all("keep_dtype" in why for why in kept.values())
+    assert len(rows) - len(kept) == 5 - len(layers)
+    x = _cal(1)[0]
+    with torch.no_grad():
+        ref = m(x)
+    first = q(x)
+    assert _cos(first, ref) >= 0.999 and torch.equal(q(x), first)
+
+
 def test_dynamic_linears_only():
     m = _model()
     q = opencann.quantize(m, _cal(1), config=create_quant_config(mode="dynamic"))

@@ -117,6 +117,16 @@ def test_no_record_grouped_and_skip_layers_keep_the_graph_with_reasons():
         assert reason in rep.skipped[0]["reason"]
 
 
+def test_keep_dtype_mark_keeps_the_convolution_with_reason():
+    """A node the option keep_dtype named (the precision pass's meta["keep_dtype"]) stays
+    in its dtype on the vnpu too."""
+    g, cfg = conv_graph()
+    next(n for n in g.nodes if n.name == "conv").meta["keep_dtype"] = True
+    before = to_text(g)
+    text, rep = run_pass(g, cfg)
+    assert to_text(g) == before and "keep_dtype" in rep.skipped[0]["reason"]
+
+
 # -- values -----------------------------------------------------------------------------
 
 def reference_int8(m, x, rec):

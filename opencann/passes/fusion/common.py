@@ -47,7 +47,17 @@ def _make_conv(graph: Graph, conv: Node, act: str, before: Node, name: str) -> N
         attrs["bias"] = TensorRef(2)
     fused = graph.create_node("ConvBiasAct", ins, attrs, [before.outputs[0].desc], name=name,
                               source=conv.source, scope=conv.scope, before=before)
-    return _stands_for(fused, before)
+    return carry_keep_dtype(_stands_for(fused, before), conv)
+
+
+def carry_keep_dtype(fused: Node, *replaced: Node) -> Node:
+    """``fused`` is kept out of reduced precision when a node it replaces was named in
+    the ``keep_dtype`` option (``meta["keep_dtype"]``, set by the ``precision`` pass before
+    fusion renames nodes): int8 quantization reads the mark (`QuantizeInt8`). Returns
+    ``fused``."""
+    if any(r.meta.get("keep_dtype") for r in replaced):
+        fused.meta["keep_dtype"] = True
+    return fused
 
 
 def _stands_for(fused: Node, replaced: Node) -> Node:

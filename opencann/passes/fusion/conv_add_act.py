@@ -10,7 +10,7 @@ from ...ir import Graph, Node, TensorRef, Value
 from ...ops import aliases_of, storage_roots
 from ...ops.parity import conv_sum_differs, eager_layout
 from ..base import PassContext, Skip
-from .common import CpuFusion, _stands_for
+from .common import CpuFusion, _stands_for, carry_keep_dtype
 
 
 @dataclass
@@ -84,7 +84,7 @@ class FuseConvAddAct(CpuFusion):
         fused = graph.create_node("ConvAddAct", ins, attrs, [last.outputs[0].desc],
                                   name=conv.name + "_add" + ("_relu" if relu else ""),
                                   source=conv.source, scope=conv.scope, before=last)
-        _stands_for(fused, last)
+        carry_keep_dtype(_stands_for(fused, last), conv)
         graph.replace_all_uses_with(last.outputs[0], fused.outputs[0])
         for nd in ([relu] if relu else []) + [add, conv]:
             graph.erase_node(nd)

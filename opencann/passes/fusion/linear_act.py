@@ -18,7 +18,7 @@ from ...devices.cpu import mkl_packed_available, onednn_linear_available
 from ...ir import Graph, Node, TensorRef
 from ...ops.kernels.cpu import LINEAR_DTYPES
 from ..base import PassContext, Skip
-from .common import CpuFusion, _act, _stands_for
+from .common import CpuFusion, _act, _stands_for, carry_keep_dtype
 
 
 @dataclass
@@ -86,7 +86,7 @@ class FuseLinearAct(CpuFusion):
         fused = graph.create_node("LinearAct", ins, dict(attrs, act=act),
                                   [mm.outputs[0].desc], name=f"{mm.name}_{act}",
                                   source=mm.source, scope=mm.scope, before=mm)
-        _stands_for(fused, mm)
+        carry_keep_dtype(_stands_for(fused, mm), mm)
         graph.replace_all_uses_with(mm.outputs[0], fused.outputs[0])
         graph.erase_node(mm)
         if u is None:

@@ -32,7 +32,7 @@ from ...ops import output_aliases
 from ...ops.kernels.cpu import concat_row_major
 from ...ops.weight_probe import probe_bytes
 from ..base import PassContext, Skip
-from .common import CpuFusion
+from .common import CpuFusion, carry_keep_dtype
 
 
 @dataclass
@@ -210,6 +210,7 @@ class FuseQKVLinear(CpuFusion):
             "LinearAct", ins, dict(refs, act=first.attrs.get("act", "none")),
             [TensorDesc((mdim, total), out_dtype)], name=f"{first.name}_qkv",
             source=first.source, scope=first.scope, before=first)
+        carry_keep_dtype(merged, *m.nodes)
         start = 0
         for n, (_, _, w) in zip(m.nodes, parts):
             width = int(w.desc.shape[1])

@@ -165,8 +165,11 @@ class QuantizeInt8(CpuFusion):
         cfg = self._cfg
         w = node.arg("weight" if node.op != "LinearAct" else "mat2")
         x = node.arg("input" if node.op != "LinearAct" else "mat1")
+        runs = "bf16" if x.desc.dtype.torch == torch.bfloat16 else "fp32"
         if layer_labels(node) & set(cfg.get("skip_layers") or ()):     # kept as it computes: fp32 or bf16
-            return Skip(f"in skip_layers: kept in {'bf16' if x.desc.dtype.torch == torch.bfloat16 else 'fp32'}")
+            return Skip(f"in skip_layers: kept in {runs}")
+        if node.meta.get("keep_dtype"):    # the option keep_dtype named it (precision pass)
+            return Skip(f"in keep_dtype: kept in {runs}, its original dtype")
         if node.op == "LinearAct" and _bf16_linear(node):
             if node.attrs.get("act", "none") not in _BF16_ACTS:
                 return Skip(f"bf16 LinearAct with activation {node.attrs.get('act')!r}: int8 in a bf16 graph "

@@ -119,6 +119,8 @@ class VnpuQuantizeInt8(RewritePass):
         cfg = self._cfg
         if layer_labels(node) & set(cfg.get("skip_layers") or ()):
             return Skip("in skip_layers: kept in fp32")
+        if node.meta.get("keep_dtype"):
+            return Skip("in keep_dtype: kept in its original dtype")
         conv = node.op == "Conv2D"
         x = node.arg("input" if conv else ("mat1" if node.op == "MatMulV2" else "self"))
         w = node.arg("weight" if conv else "mat2")

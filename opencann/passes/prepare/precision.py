@@ -142,6 +142,9 @@ class MixedPrecision(Pass):
                                   ctx.options.get("node_precision") or {})
         if not mode and not per_node:
             return 0
+        for node in graph.nodes:   # kept out of int8 too, after fusion renames it (carry_keep_dtype)
+            if node.name in per_node and per_node[node.name] is None:
+                node.meta["keep_dtype"] = True
         self._per_node = per_node
         low = low_dtype(mode) if mode else None
         keep = pre_fusion_names(self.keep_fp32 | set(ctx.options["keep_fp32"]))
