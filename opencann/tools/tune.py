@@ -685,12 +685,13 @@ class _Search:
                                            self.options_of(self.choice))
             tuned_ms = fp32_ms
         ran = tune_int8.int8_applied(self.compiled)
+        not_ran = tune_int8.int8_skipped(self.compiled)
         low = (self.options_of(self.choice).get("node_precision") or {})
         for n in self.names:
             if self.choice[n] == "int8" and not ran.get(self.nodes[n].module):
                 as_ = "bf16" if low.get(n) == "bf16" else "fp32"   # the int8 candidate's bf16 activations
-                self.nodes[n].why = (f"int8 chosen, but the quantize_int8 pass left it in {as_} "
-                                     "(see the compile report)")
+                why = not_ran.get(self.nodes[n].module, "see the compile report")
+                self.nodes[n].why = f"int8 chosen, but the quantize_int8 pass left it in {as_}: {why}"
                 self.choice[n] = as_
             self.nodes[n].precision = self.choice[n]
         name = budget if isinstance(budget, str) else getattr(budget, "__name__", "metric")

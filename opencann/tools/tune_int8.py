@@ -137,4 +137,13 @@ def int8_applied(compiled) -> Dict[str, bool]:
     return out
 
 
-__all__ = ["applies", "calibrated", "emulate", "emulate_bf16", "int8_applied"]
+def int8_skipped(compiled) -> Dict[str, str]:
+    """Module -> why the ``quantize_int8`` pass left its layer out of int8 in ``compiled``
+    (the pass's skip reason in the compile report, e.g. no calibration record when every
+    calibration batch was NaN/inf at the layer's input)."""
+    from ..engine.quantize import quant_report
+    return {r["where"].split(" ")[0]: r["reason"] for r in quant_report(compiled)
+            if not r["int8"] and r.get("where")}
+
+
+__all__ = ["applies", "calibrated", "emulate", "emulate_bf16", "int8_applied", "int8_skipped"]

@@ -373,6 +373,19 @@ def test_int8_candidate_quantizes_convs_and_linears_and_saves(tmp_path):
     assert "int8" in res.summary()
 
 
+def test_int8_left_out_by_the_pass_says_why():
+    """Calibration batches that are NaN everywhere give no layer a record: each int8 choice
+    the pass could not run is kept with the pass's own reason, not only 'left it'."""
+    torch.manual_seed(0)
+    model = ConvMlp().eval()
+    x = torch.randn(2, 3, 12, 12)
+    cal = [(torch.full_like(x, float("nan")),)]
+    res = tune(model, (x,), candidates=("fp32", "int8"), calibration=cal, timing=False)
+    for n in ("convolution", "convolution_1", "addmm", "addmm_1"):
+        assert res.precision[n] == "fp32", res.summary()
+        assert "no calibration record" in res.kept[n] and "finite value" in res.kept[n], res.kept[n]
+
+
 def test_int8_gate_failure_falls_back_to_the_next_candidate(factory):
     """b's input is h*0.5 + 1000: one uint8 step (~4) is larger than its signal, so int8
     fails the cosine rule, and bf16 too: fp32, both reasons named. Without bf16 among the

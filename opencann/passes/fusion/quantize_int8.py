@@ -193,7 +193,8 @@ class QuantizeInt8(CpuFusion):
                                weight)
             if node.op == "LinearAct" and cfg.get("dynamic_linear"):
                 return _QMatch(node, None)
-            return Skip("no calibration record for this layer (quant_config['layers'])")
+            return Skip("no calibration record for this layer (quant_config['layers']: no calibration "
+                        "batch had a finite value at its input, or it was not calibrated)")
         step, off = rec.get("scale_d"), rec.get("offset_d")
         if not (isinstance(step, (int, float)) and math.isfinite(step) and step > 0
                 and isinstance(off, int) and 0 <= off <= 255):

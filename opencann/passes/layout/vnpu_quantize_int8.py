@@ -137,7 +137,8 @@ class VnpuQuantizeInt8(RewritePass):
             return Skip("the weight holds NaN or inf")
         rec = (cfg.get("layers") or {}).get(node.name)
         if rec is None:
-            return Skip("no calibration record for this layer (quant_config['layers'])")
+            return Skip("no calibration record for this layer (quant_config['layers']: no calibration "
+                        "batch had a finite value at its input, or it was not calibrated)")
         step, off = rec.get("scale_d"), rec.get("offset_d")
         if not (isinstance(step, (int, float)) and math.isfinite(step) and step > 0
                 and isinstance(off, int) and 0 <= off <= 255):
