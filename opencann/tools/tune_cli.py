@@ -53,11 +53,11 @@ def _metric(spec: str):
 def _one_line_errors(metric, spec: str, path: str):
     """``metric`` whose failures are ValueError lines the command line prints as one
     ``error:`` line: an exception it raises (with the line of ``path`` where it was raised)
-    and an answer that is not a bool (`tune._metric_verdict`'s TypeError)."""
+    and an answer that is not a bool (`tune_search._metric_verdict`'s TypeError)."""
     import functools
     import os
     import traceback
-    from .tune import _metric_verdict
+    from .tune_search import _metric_verdict
 
     @functools.wraps(metric)
     def checked(actual, expected):

@@ -1,4 +1,4 @@
-"""`opencann.tools.tune`'s search steps on made-up timings (no compile): the timing step
+"""`opencann.tools.tune_search`'s steps on made-up timings (no compile): the timing step
 keeps the fastest of fp32, the node's choice and one candidate higher (int8 -> bf16),
 a lower one only when `TIME_MARGIN` faster, and the gate's own choice comes back when it
 is `TIME_MARGIN` faster end to end; under a user metric the lowest candidate that can run
@@ -97,7 +97,7 @@ def test_end_to_end_race_against_one_candidate_higher(monkeypatch, low_ms, high_
     """`raise_lowest`: the int8 nodes moved to bf16 together and the two graphs raced; a
     bf16 node and an int8 node whose bf16 own error failed (next higher: fp32) stay."""
     import opencann.engine
-    import opencann.tools.tune as t
+    import opencann.tools.tune_search as t
     bad = Verdict(False, "cosine", "cosine 0.5 <= 0.99")
     s = _search({n: {"fp32": 1.0, "bf16": 1.0, "int8": 1.0} for n in "abc"}, own={"c": {"bf16": bad}})
     s.choice = {"a": "int8", "b": "bf16", "c": "int8"}
