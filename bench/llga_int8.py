@@ -18,15 +18,23 @@ default: oneDNN's own work is ~1 µs, so a call is its fixed cost) four ways, in
 LLGA fp32 (one partition per convolution + ReLU), LLGA with the int8 Q/DQ ops between
 (what an int8 trace gives on torch 2.13), torch's ``mkldnn._convolution_pointwise``
 (opencann's fp32 kernel) and ``onednn.qconv2d_pointwise`` uint8 → uint8 (opencann's int8
-kernel after ``fuse_requant``). Prints µs per call and per layer (least and median).
+kernel after ``fuse_requant``). Prints µs per call and per layer (least and median), and
+each way's call less oneDNN's primitives (``ONEDNN_VERBOSE``'s primitive exec times, least
+sum over 20 calls; a partition's own line, which holds its primitives, is left out): the
+fixed cost per layer.
 
 ``--model`` times ResNet-50 (the zoo's, seeded random weights, a real image) per call:
-opencann int8 (``opencann.quantize`` calibrated as ``bench/precision.py``), LLGA fp32
+opencann int8 (``opencann.quantize`` calibrated as ``bench/precision.py``), opencann fp32
+(``opencann.compile``: the same convolutions as LLGA fp32, one torch op call each), LLGA fp32
 (frozen trace, conv-BN folded by ``torch.jit.freeze``), the int8 trace (BatchNorm folded
 into each convolution, per-tensor uint8 Q/DQ of every convolution's input at its
 calibrated range, per-channel int8 weights dequantized in the graph), the same with the
 dequantized weights as fp32 constants (no weight dequantize per call), and eager fp32;
-least and median over ``--rounds`` interleaved rounds, ms, and each row's cosine to eager.
+least and median over ``--rounds`` interleaved rounds, ms, and each row's cosine to eager;
+then for opencann int8 / fp32 and LLGA fp32, over 15 calls with ``ONEDNN_VERBOSE`` on, each
+call's time less the sum of its own primitives' exec times (least and median): the cost
+outside oneDNN's primitives, which an LLGA int8 path would shrink (an upper bound: it
+includes writing the verbose lines).
 ``--keep-bn``: the int8 traces keep BatchNorm unfolded (torch 2.13's partitions then take
 0.1-0.5 s each and grow slower call after call). Every LLGA row computes in fp32: on this
 torch the int8 ops cannot enter a partition.
@@ -193,10 +201,16 @@ def chain(n: int, c: int, hw: int, k: int, rounds: int) -> Dict[str, List[float]
             y = qconv(y, 0.05, 128, p, s, zp, b, st, pad, dil, 1, 0.05, 128, torch.uint8, "relu", [], "")
         return y
 
+    fns = {"LLGA fp32": lambda: llga_fp32(x), "LLGA int8 trace (Q/DQ outside)": lambda: llga_q(x),
+           "mkldnn._convolution_pointwise fp32": eager_fp32, "onednn.qconv2d_pointwise u8->u8": int8_ops}
     with torch.no_grad():
-        return _timed({"LLGA fp32": lambda: llga_fp32(x), "LLGA int8 trace (Q/DQ outside)": lambda: llga_q(x),
-                       "mkldnn._convolution_pointwise fp32": eager_fp32,
-                       "onednn.qconv2d_pointwise u8->u8": int8_ops}, rounds, 20)
+        res = _timed(fns, rounds, 20)
+        from conv_account import _verbose_exec_ms
+        for k, f in fns.items():    # oneDNN's primitives (not its graph partitions' lines): least sum of 20 calls
+            ex = min(sum(e[3] for e in run if not e[0].isdigit()) for run in _verbose_exec_ms(f, 20)) * 1e3
+            print(f"  {k}: oneDNN exec {ex:.1f} us per call; the call less it {min(res[k]) * 1e6 - ex:.1f} us, "
+                  f"{(min(res[k]) * 1e6 - ex) / n:.1f} per layer")
+    return res
 
 
 def model(batch: int, rounds: int, keep_bn: bool = False) -> Dict[str, List[float]]:
@@ -208,6 +222,7 @@ def model(batch: int, rounds: int, keep_bn: bool = False) -> Dict[str, List[floa
     zm = inputs_for("resnet50", batch)
     m, x = zm.model, zm.example_inputs[0]
     q = opencann.quantize(m, calibration_for(zm), config=create_quant_config())
+    c = opencann.compile(m, (x,))
     llga_fp32 = _llga_freeze(_Pooled(m), x)
     inside, _ = _partitions()
     print(f"  LLGA fp32: {len(inside)} partitions, {sum(map(len, inside))} ops in them")
@@ -216,7 +231,8 @@ def model(batch: int, rounds: int, keep_bn: bool = False) -> Dict[str, List[floa
     inside, out = _partitions()
     print(f"  LLGA int8 trace: {len(inside)} partitions, {len(out)} TorchScript ops outside them")
     llga_qc = _llga_freeze(_qdq_model(m, ranges, const_weight=True, keep_bn=keep_bn), x)
-    rows = {"opencann int8 (opencann.quantize)": lambda: q(x).pooler_output, "LLGA fp32": lambda: llga_fp32(x),
+    rows = {"opencann int8 (opencann.quantize)": lambda: q(x).pooler_output,
+            "opencann fp32 (opencann.compile)": lambda: c(x).pooler_output, "LLGA fp32": lambda: llga_fp32(x),
             "LLGA int8 trace (Q/DQ outside partitions)": lambda: llga_q(x),
             "LLGA int8 trace, weights as fp32 constants": lambda: llga_qc(x),
             "eager fp32": lambda: m(x).pooler_output}
@@ -225,7 +241,21 @@ def model(batch: int, rounds: int, keep_bn: bool = False) -> Dict[str, List[floa
         for name, f in rows.items():
             cos = F.cosine_similarity(f().flatten().double(), ref.flatten().double(), dim=0)
             print(f"  {name}: cosine to eager fp32 {float(cos):.5f}")
-        return _timed(rows, rounds, 1)
+        res = _timed(rows, rounds, 1)
+        from conv_account import _verbose_exec_ms
+        for k in ("opencann int8 (opencann.quantize)", "opencann fp32 (opencann.compile)", "LLGA fp32"):
+            secs: List[float] = []
+
+            def timed(f=rows[k]):
+                t0 = time.perf_counter()
+                f()
+                secs.append(time.perf_counter() - t0)
+            prims = [[e for e in run if not e[0].isdigit()] for run in _verbose_exec_ms(timed, 15)]
+            outside = [t * 1e3 - sum(e[3] for e in run) for t, run in zip(secs, prims)]
+            print(f"  {k}: {len(prims[-1])} oneDNN primitives, {min(sum(e[3] for e in r) for r in prims):.1f} ms "
+                  f"(least of 15 calls); a call less its own primitives: least {min(outside):.1f} ms, "
+                  f"median {statistics.median(outside):.1f}")
+    return res
 
 
 def _conv_input_ranges(m: torch.nn.Module, batches: List[tuple]) -> Dict[str, tuple]:
