@@ -11,7 +11,10 @@ life: ``graphs_built`` (prefill and decode step graphs), ``recompiles`` (graphs 
 again for a shape that had one), ``memory_plans`` (memory plans of the compiled step
 graphs; 0 on the eager backend), ``kv_cache_bytes`` (the preallocated caches),
 ``weight_bytes`` (the weights the generator holds: ``module_weight_bytes``, the module's
-own parameters and buffers, each storage once, + ``packed_bytes``, the copies its step
+own parameters and buffers, each storage once (of which ``shared_weight_bytes``: the
+Q/K/V and gate/up weights laid out as the step graphs' concatenated GEMM operands, which
+the graphs read as they are instead of copying: held once,
+`opencann.llm.steps.hold_weights_once`), + ``packed_bytes``, the copies its step
 graphs and their GEMM kernels keep beside them, each storage once, by kind in
 ``packed_bytes_by_kind``: ``qkv_concat``, ``gate_up_concat``, ``addmm_kn`` ([k, n]
 copies), ``onednn_packed`` (oneDNN's blocked layout), ``gemv`` ([n, k] copies),
@@ -56,6 +59,7 @@ class GenerationStats:
     kv_cache_bytes: int = 0
     weight_bytes: int = 0
     module_weight_bytes: int = 0
+    shared_weight_bytes: int = 0
     packed_bytes: int = 0
     packed_bytes_by_kind: Dict[str, int] = field(default_factory=dict)
     arena_bytes: int = 0
@@ -93,6 +97,7 @@ class GenerationStats:
         """Take the weight, packed and arena bytes of ``mem`` (a `steps.StepMemory`), and
         the process's peak RSS now."""
         self.module_weight_bytes, self.packed_bytes = mem.module_bytes, mem.packed_bytes
+        self.shared_weight_bytes = mem.shared_bytes
         self.packed_bytes_by_kind = dict(mem.by_kind)
         self.weight_bytes = mem.module_bytes + mem.packed_bytes
         self.arena_bytes = mem.arena_bytes
@@ -123,7 +128,9 @@ class GenerationStats:
                 + f"{self.graphs_built} graphs, {self.recompiles} recompiles, "
                 f"{self.memory_plans} memory plans, KV cache {self.kv_cache_bytes / 2**20:.2f} MiB, "
                 f"weights {self.weight_bytes / 2**20:.1f} MiB (module {self.module_weight_bytes / 2**20:.1f}"
-                f" + packed {self.packed_bytes / 2**20:.1f}), arenas {self.arena_bytes / 2**20:.1f} MiB"
+                + (f", {self.shared_weight_bytes / 2**20:.1f} of it the graphs' concatenations"
+                   if self.shared_weight_bytes else "")
+                + f" + packed {self.packed_bytes / 2**20:.1f}), arenas {self.arena_bytes / 2**20:.1f} MiB"
                 + (f", peak RSS {self.peak_rss_bytes / 2**20:.0f} MiB" if self.peak_rss_bytes else ""))
 
 

@@ -12,8 +12,9 @@ a step of batch b takes views of their first b rows (contiguous), written in pla
 Backends: ``"eager"`` runs `DecoderLM` with torch (the reference, and the path that
 needs no capture); ``"opencann"`` compiles each step graph with ``opencann.compile``
 (its caches are inputs written in place; weights shared between the graphs through the
-compile option ``share_weights``; prefill attention through the project's FlashAttention,
-`StepGraphs.compile_options`)."""
+compile option ``share_weights``, the merged Q/K/V and gate/up weights being the module's
+own memory, laid out as their concatenations before the first graph, `hold_weights_once`;
+prefill attention through the project's FlashAttention, `StepGraphs.compile_options`)."""
 from __future__ import annotations
 
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
@@ -74,6 +75,9 @@ class StepMemory(NamedTuple):
     packed_bytes: int   #: copies beyond those, = sum(by_kind.values())
     by_kind: Dict[str, int]  #: packed bytes per kind (`PACKED_KINDS`)
     arena_bytes: int    #: the graphs' activation arenas, summed
+    #: of module_bytes, the module's storages the graphs read as their concatenated GEMM
+    #: operands (Q/K/V, gate/up: `hold_weights_once`), held once instead of copied
+    shared_bytes: int = 0
 
 
 #: the kinds of copies a step graph may hold beside the module's weights: Q/K/V weights
@@ -100,11 +104,14 @@ def step_memory(graphs: Sequence[Any], module: Optional[torch.nn.Module] = None)
     alive), then each storage the graphs' constants and their kernels' packed copies
     (`cpu.packed_copies_by_kind`) view that is not the module's, once, under its kind
     (`PACKED_KINDS`; a concatenation's own packed copy under the packed kind), and the
-    sum of the graphs' arenas. Without ``module`` (a loaded generator) the graphs'
-    constants count as the module's weights; with no graph (the eager backend) only
-    the module's."""
+    sum of the graphs' arenas. A concatenation that is the module's own memory (laid out
+    by `hold_weights_once`) counts under the module, and once more in ``shared_bytes``
+    (what holding the weights once saved). Without ``module`` (a loaded generator) the
+    graphs' constants count as the module's weights; with no graph (the eager backend)
+    only the module's."""
     from ..ops.kernels.cpu import packed_copies_by_kind
     seen: Dict[int, int] = {}
+    shared: Dict[int, int] = {}
     by_kind = {k: 0 for k in PACKED_KINDS}
 
     def count(t: torch.Tensor) -> int:
@@ -115,19 +122,74 @@ def step_memory(graphs: Sequence[Any], module: Optional[torch.nn.Module] = None)
         return nbytes
     own = sum(count(t) for t in ([] if module is None else
                                  list(module.parameters()) + list(module.buffers())))
+    mine = set(seen)
+
+    def held_once(t: torch.Tensor) -> None:
+        key, nbytes = _storage_key(t)
+        if key in mine and hasattr(t, "_opencann_parts"):
+            shared[key] = nbytes
     arena, consts = 0, []
     for cm in graphs:
         arena += int(cm.plan.arena_bytes)
         consts += [v.const for v in cm.graph.constants if isinstance(v.const, torch.Tensor)]
     for t in consts:
         n = count(t)
+        held_once(t)
         if module is None:
             own += n
         else:
             by_kind["qkv_concat" if hasattr(t, "_opencann_parts") else "constants"] += n
     for kind, copies in packed_copies_by_kind(consts).items():
         by_kind[_CACHE_KIND[kind]] += sum(count(t) for t in copies)
-    return StepMemory(own, sum(by_kind.values()), by_kind, arena)
+        for t in copies:
+            held_once(t)
+    return StepMemory(own, sum(by_kind.values()), by_kind, arena, sum(shared.values()))
+
+
+def hold_weights_once(lm: DecoderLM, options: Optional[Dict[str, Any]] = None) -> int:
+    """Lay ``lm``'s sibling weights out as the concatenations its compiled step graphs
+    merge them into (`opencann.ops.weight_concat.concatenate_in_place`), so those graphs
+    read the module's memory instead of a copy beside it: per Llama/Mistral/Qwen2 layer
+    the q/k/v projections' weights (and biases), as ``fuse_qkv_linear`` merges them, and
+    the gate/up projections' weights where GatedMLP runs one GEMM on them (each of
+    `cpu.COLD_RACE_BYTES` or more, ``fuse_gated_mlp``), each in the layout its decode
+    kernel reads (`cpu.concat_row_major`: [Σn, k] with every weight a contiguous row
+    block, or [k, Σn] with every weight a transposed view); a pass the compile
+    ``options`` disable leaves its weights alone. The parameters keep their values,
+    shapes and identity (the transformers model they come from runs as before; a
+    row-major layout makes its weights non-contiguous views, same values), their old
+    memory is freed: the Q/K/V and gate/up weights are held once, not twice (198 MB of
+    the 499 MB random Llama-125M). Done once, before the first step graph is compiled
+    (its weight guards record the new memory); a module laid out already is not copied
+    again. Only for opencann.llm's step graphs, compiled with ``share_weights``: a plain
+    ``opencann.compile`` snapshots the user's module and never moves its memory.
+    Returns the bytes laid out (0: nothing to merge, e.g. GPT-2's fused c_attn)."""
+    from ..ops.kernels.cpu import COLD_RACE_BYTES, concat_row_major
+    from ..ops.weight_concat import concatenate_in_place
+    from .builder import LlamaBlock
+    off = set((options or {}).get("disable") or ())
+    done = 0
+    for blk in lm.blocks:
+        if not isinstance(blk, LlamaBlock):
+            continue
+        groups = []
+        if "fuse_qkv_linear" not in off:
+            groups.append([blk.attn.q_proj, blk.attn.k_proj, blk.attn.v_proj])
+        gate, up = blk.mlp.gate_proj, blk.mlp.up_proj
+        if "fuse_gated_mlp" not in off and gate.weight.shape == up.weight.shape and all(
+                w.numel() * w.element_size() >= COLD_RACE_BYTES for w in (gate.weight, up.weight)):
+            groups.append([gate, up])
+        for mods in groups:
+            ws = [m.weight for m in mods]
+            if any(w.dtype != torch.float32 for w in ws):
+                continue
+            n, k = sum(int(w.shape[0]) for w in ws), int(ws[0].shape[1])
+            concatenate_in_place(ws, row_major=concat_row_major(k, n, ws[0].dtype))
+            biases = [m.bias for m in mods]
+            if all(b is not None for b in biases):
+                concatenate_in_place(biases)
+            done += sum(w.numel() * w.element_size() for w in ws)
+    return done
 
 
 def _plans(compiled: Any) -> int:
@@ -157,6 +219,7 @@ class StepGraphs:
         self.source = source
         self._graphs: Dict[Tuple[int, int], Callable] = {}
         self._views: Dict[int, List[torch.Tensor]] = {}
+        self._laid_out = False   # `hold_weights_once` done
         for (b, t), cm in (loaded or {}).items():
             self._graphs[(b, t)] = self._runner(cm, b)
             stats.graphs_loaded += 1
@@ -197,6 +260,10 @@ class StepGraphs:
             self.stats.graph_built(key, 0)
             self.stats.set_memory(step_memory([], lm))
             return run
+        if not self._laid_out:
+            # before the first graph: its concatenations are then the module's memory
+            self._laid_out = True
+            hold_weights_once(self.lm, self.options)
         if tokens > 1 and (batch, 1) not in self._graphs:
             # the decode graph first: its GEMMs stream every weight once per token, so
             # their races choose each weight's one packed layout (`cpu.copy_allowed`);
@@ -258,5 +325,5 @@ class StepGraphs:
         return list(self._graphs)
 
 
-__all__ = ["BACKENDS", "MIN_BUCKET", "PACKED_KINDS", "StepGraphs", "StepMemory", "batch_sizes", "prefill_buckets", "smallest",
-           "step_memory"]
+__all__ = ["BACKENDS", "MIN_BUCKET", "PACKED_KINDS", "StepGraphs", "StepMemory", "batch_sizes",
+           "hold_weights_once", "prefill_buckets", "smallest", "step_memory"]

@@ -51,6 +51,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from ...devices.cpu import best_time_us, mkl_packed_available, onednn_linear_available
 from ...ir import Node, TensorDesc, TensorRef
+from ..weight_concat import concat_view
 from ..weight_probe import probe_bytes
 
 _ACT_FN: Dict[str, Callable] = {  # in-place activations
@@ -555,7 +556,9 @@ def concat_weights(w1: torch.Tensor, w3: torch.Tensor) -> torch.Tensor:
     where both are transposed views of contiguous [n, k] weights (nn.Linear's), in the
     layout its decode kernel reads fastest (`concat_row_major`: row-major, or the
     transpose of a contiguous [n1 + n2, k], which the decode GEMV reads with no copy of
-    its own; no kernel keeps another, `copy_allowed`), else contiguous. Made once for every graph
+    its own; no kernel keeps another, `copy_allowed`), else contiguous; a view of the
+    weights' own memory, no copy, where they are laid out as that concatenation already
+    (`concat_view`: opencann.llm's `concatenate_in_place`). Made once for every graph
     whose constants view the same memory at the same version counters and kept while a
     bound kernel holds it. It holds references to its parts (``_opencann_parts``), so
     their memory (the key's addresses) cannot be reused while it lives; it is counted by
@@ -568,9 +571,12 @@ def concat_weights(w1: torch.Tensor, w3: torch.Tensor) -> torch.Tensor:
         if cat is None:
             k, n = int(w1.shape[0]), int(w1.shape[1] + w3.shape[1])
             if w1.t().is_contiguous() and w3.t().is_contiguous() and not concat_row_major(k, n, w1.dtype):
-                cat = torch.cat([w1.detach().t(), w3.detach().t()], dim=0).t()
+                cat = concat_view([w1.t(), w3.t()], 0)
+                cat = (cat if cat is not None
+                       else torch.cat([w1.detach().t(), w3.detach().t()], dim=0)).t()
             else:
-                cat = torch.cat([w1.detach(), w3.detach()], dim=1)
+                cat = concat_view([w1, w3], 1)
+                cat = cat if cat is not None else torch.cat([w1.detach(), w3.detach()], dim=1)
             cat._opencann_parts = (w1, w3)
             _CONCATS[key] = weakref.ref(cat)
         _CONCAT_OF[w1] = weakref.ref(cat)

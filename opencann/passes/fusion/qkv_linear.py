@@ -7,7 +7,9 @@ siblings with a bias, bias-free ones (Llama's) with bias-free ones. Under the co
 option ``share_weights`` (opencann.llm's step graphs, which keep the module's weights
 once) the concatenation is made once per set of weights and shared by every graph that
 merges the same ones (`shared_concat_const`): one copy of Q/K/V's weights beside the module's,
-not one per prefill bucket and decode graph. ONNX Runtime does the same in its
+not one per prefill bucket and decode graph; none at all where the module's weights are
+laid out as their concatenation already (`opencann.ops.weight_concat`: opencann.llm does
+that before compiling, so the module's q/k/v weights are views of the graphs' operand). ONNX Runtime does the same in its
 attention fusion (``onnxruntime/core/optimizer/attention_fusion.cc`` merges the Q/K/V
 MatMuls' weights into one), OpenVINO in its ``FullyConnected`` horizontal fusion.
 
@@ -30,6 +32,7 @@ import torch
 from ...ir import Graph, Node, TensorDesc, TensorRef, Value
 from ...ops import output_aliases
 from ...ops.kernels.cpu import concat_row_major
+from ...ops.weight_concat import concat_view
 from ...ops.weight_probe import probe_bytes
 from ..base import PassContext, Skip
 from .common import CpuFusion, carry_keep_dtype
@@ -49,12 +52,19 @@ _SHARED_LOCK = threading.Lock()
 def shared_concat_const(graph: Graph, parts: Sequence[torch.Tensor], name: str,
                         transpose: bool = False, dim: int = 0) -> Value:
     """A constant of ``graph`` holding ``torch.cat(parts, dim)`` (contiguous; its ``.t()``
-    when ``transpose``), made once for parts viewing the same memory (data pointer, shape,
-    strides, dtype, version counter, `probe_bytes`: a write through ``.data`` keeps the
-    version): every later graph merging the same weights gets a
-    constant over the same memory while one graph holds it. Each holder keeps references
-    to ``parts``, so their memory (the key's addresses) cannot be freed and reused while
-    the concatenation lives."""
+    when ``transpose``): a view of the parts' own memory where they are adjacent blocks of
+    one storage already (`concat_view`: a module laid out by `concatenate_in_place`, as
+    opencann.llm does, so the weights are held once), else a copy made once for parts
+    viewing the same memory (data pointer, shape, strides, dtype, version counter,
+    `probe_bytes`: a write through ``.data`` keeps the version): every later graph merging
+    the same weights gets a constant over the same memory while one graph holds it. Each
+    holder keeps references to ``parts``, so their memory (the key's addresses) cannot be
+    freed and reused while the concatenation lives."""
+    view = concat_view(parts, dim)
+    if view is not None:
+        v = graph.add_const(view.t() if transpose else view, name)
+        v.const._opencann_parts = tuple(parts)   # marks a concatenation (`cpu.copy_allowed`)
+        return v
     key = tuple((p.data_ptr(), tuple(p.shape), p.stride(), p.dtype, p._version, probe_bytes(p))
                 for p in parts)
     key += (transpose, dim)
