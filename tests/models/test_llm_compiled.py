@@ -122,7 +122,9 @@ def test_memory_accounting_counts_each_storage_once_and_no_weight_in_three_layou
     their kernels' packed copies hold, each once, = the sum by kind; weight = module +
     packed. addmm_kn forced (weights of 1 MiB: the LM head gets a [k, n] copy; a
     weight a prefill race packed for oneDNN gets no second copy at decode); no module
-    weight has two packed layouts, a concatenation none of its own; greedy tokens still equal transformers'."""
+    weight has two packed layouts, a concatenation none of its own (and none beside the
+    module's: the Q/K/V and gate/up weights are laid out as the concatenations, the
+    module's bytes do not grow); greedy tokens still equal transformers'."""
     from opencann.ops.kernels import cpu as cpu_kernels
     from tests.helpers import ForcedGemmChoice
     monkeypatch.setattr(cpu_kernels, "LINEAR_CHOICES", ForcedGemmChoice("addmm_kn"))
@@ -131,13 +133,14 @@ def test_memory_accounting_counts_each_storage_once_and_no_weight_in_three_layou
                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                         eos_token_id=None)                # 1 MiB MLP and LM head weights
     m = T.AutoModelForCausalLM.from_config(cfg).eval()
+    before = sum(_storage(t)[1] for t in list(m.parameters()) + list(m.buffers()))
     gen = L.compile(m, max_seq_len=40, max_batch=1, options={"prefill_buckets": [32]})
     ids = torch.randint(3, 1024, (1, 20), generator=torch.Generator().manual_seed(1))
     want = m.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0)
     assert torch.equal(gen.generate(ids, max_new_tokens=6, pad_token_id=0), want)
     s = gen.stats
     own = dict(_storage(t) for t in list(m.parameters()) + list(m.buffers()))
-    assert s.module_weight_bytes == sum(own.values())
+    assert s.module_weight_bytes == sum(own.values()) == before   # laid out, not grown
     consts = [c.const for cm in gen.steps.compiled().values() for c in cm.graph.constants
               if isinstance(c.const, torch.Tensor)]
     extra = {}
@@ -148,8 +151,11 @@ def test_memory_accounting_counts_each_storage_once_and_no_weight_in_three_layou
     assert s.packed_bytes == sum(extra.values()) == sum(s.packed_bytes_by_kind.values()) > 0
     assert s.weight_bytes == s.module_weight_bytes + s.packed_bytes
     kinds = s.packed_bytes_by_kind
-    # the LM head's [k, n] copy (1 row in both graphs: prefill gathers the last token)
-    assert kinds["addmm_kn"] >= 2**20 and kinds["gate_up_concat"] == 2 * 2 * 2**20
+    # the LM head's [k, n] copy (1 row in both graphs: prefill gathers the last token);
+    # the Q/K/V and gate/up concatenations are the module's memory (held once), counted
+    # under the module and in shared_weight_bytes, not as copies
+    assert kinds["addmm_kn"] >= 2**20 and kinds["gate_up_concat"] == 0 == kinds["qkv_concat"]
+    assert s.shared_weight_bytes == 2 * (2 * 2**20 + 256 * 512 * 4)
     assert kinds["constants"] < 2**12   # folded scalars: no second copy of a module weight
     for w in consts:
         mine = _storage(w)[0]
