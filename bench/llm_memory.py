@@ -3,8 +3,9 @@
 bytes attributed (issue #27's goal: peak = weights + KV cache + arena).
 
 Phases: imports; the model built (bench/llm.py's fp32 folder loaded as the bench loads
-it, `opencann.llm.sources.load_causal_lm`); ``opencann.llm.compile`` (caches); each step
-graph's build, split into capture (torch.export), conversion, the passes and the bind
+it, `opencann.llm.sources.load_causal_lm`); ``opencann.llm.compile`` (caches); the
+module's Q/K/V and gate/up weights laid out as the graphs' concatenations
+(`opencann.llm.steps.hold_weights_once`, before the first graph); each step graph's build, split into capture (torch.export), conversion, the passes and the bind
 (kernels chosen: every GEMM race, `opencann.ops.kernels.cpu.gemm_kernel`, is one
 sub-phase); the first ``generate``; a second one (steady decode). The peak of a phase is
 read by resetting VmHWM at its start (``echo 5 > /proc/self/clear_refs``, Linux >= 4.0)
@@ -140,6 +141,10 @@ def main(argv: Optional[List[str]] = None) -> None:
     wrap(meter, entry, "convert_exported", lambda *a, **k: "convert to IR", 2)
     wrap(meter, entry, "run_pipeline", lambda *a, **k: "passes + bind", 2)
     wrap(meter, BindKernels, "run", lambda *a, **k: "bind (kernels, races)", 3)
+    import opencann.llm.steps as llm_steps
+    if hasattr(llm_steps, "hold_weights_once"):
+        wrap(meter, llm_steps, "hold_weights_once",
+             lambda *a, **k: "weights laid out once (Q/K/V, gate/up concatenations)", 1)
     races: List[dict] = []
 
     def race_label(node, x, wt, *a, **k):
@@ -205,6 +210,9 @@ def main(argv: Optional[List[str]] = None) -> None:
     print(f"| RSS after imports (baseline) | {base / MiB:.0f} |")
     for name, v in rows:
         print(f"| {name} | {v / MiB:.1f} |")
+        if name.startswith("module weights"):   # counted in the module's bytes, held once
+            print(f"| of which the graphs' Q/K/V and gate/up concatenations (held once) | "
+                  f"{getattr(s, 'shared_weight_bytes', 0) / MiB:.1f} |")
     print(f"| sum (weights + packed + KV + arenas) | {acc / MiB:.0f} |")
     print(f"| RSS at the end (anonymous + file-backed) | {rss_end / MiB:.0f} ({anon_end / MiB:.0f} + "
           f"{file_end / MiB:.0f}) |")
