@@ -14,9 +14,15 @@ fused the same way, as one tensor.
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence
+import ctypes
+import mmap
+import sys
+from typing import Optional, Sequence, Tuple
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+
+_MADV_DONTNEED = 4   # <sys/mman.h> on Linux
 
 
 def concat_view(parts: Sequence[torch.Tensor], dim: int = 0) -> Optional[torch.Tensor]:
@@ -51,6 +57,54 @@ def concat_view(parts: Sequence[torch.Tensor], dim: int = 0) -> Optional[torch.T
     return view if view.is_contiguous() else None
 
 
+def file_mapping(ptr: int) -> Optional[Tuple[int, int, str, str]]:
+    """(start, end, device:inode, path) of this process's PRIVATE file mapping holding
+    address ``ptr`` (``/proc/self/maps``: a safetensors file mmapped by transformers'
+    ``from_pretrained``), or None (anonymous memory, a shared mapping, not Linux). Never
+    raises."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                parts = line.split(maxsplit=5)
+                lo, hi = (int(x, 16) for x in parts[0].split("-"))
+                if lo <= ptr < hi:
+                    path = parts[5].strip() if len(parts) > 5 else ""
+                    if parts[1].endswith("p") and parts[4] != "0" and path.startswith("/"):
+                        return lo, hi, f"{parts[3]}:{parts[4]}", path
+                    return None
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def drop_file_pages(ptr: int, nbytes: int, mapping: Tuple[int, int, str, str]) -> int:
+    """Give back the resident pages of ``nbytes`` at ``ptr`` in the private file mapping
+    ``mapping`` (`file_mapping`'s, recorded while the memory was in use; checked again
+    here), now that no tensor views them: ``madvise(MADV_DONTNEED)`` on the whole pages
+    inside the range (the pages it shares with neighbouring tensors stay). A mapped file
+    keeps its pages resident while the mapping lives, which is as long as any tensor of
+    the file does, so freeing one tensor of an mmapped checkpoint frees none of its RSS.
+    Returns the bytes given back (0: not that mapping any more, or less than a page).
+    Source: madvise(2) ("subsequent accesses of pages in the range will ... repopulate
+    the memory contents from the up-to-date contents of the underlying mapped file" for
+    private file mappings). Never raises."""
+    if file_mapping(ptr) != mapping:
+        return 0
+    page = mmap.PAGESIZE
+    start, end = -(-ptr // page) * page, (ptr + nbytes) // page * page
+    start, end = max(start, mapping[0]), min(end, mapping[1])
+    if end <= start:
+        return 0
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        ok = libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), _MADV_DONTNEED) == 0
+    except (OSError, AttributeError):
+        return 0
+    return end - start if ok else 0
+
+
 def concatenate_in_place(params: Sequence[torch.Tensor], row_major: bool = False) -> torch.Tensor:
     """Lay the module tensors ``params`` (sibling nn.Linear weights [n_i, k], or their
     biases [n_i]; one dtype, CPU) out as ONE concatenation and make each ``p.data`` a
@@ -59,7 +113,10 @@ def concatenate_in_place(params: Sequence[torch.Tensor], row_major: bool = False
     ``row_major`` False: [Σn, k] contiguous, each weight rows [o_i, o_i + n_i) (a
     contiguous view); True: [k, Σn] contiguous (2-D weights only), each weight the
     transpose of columns [o_i, o_i + n_i) (a view with strides (1, Σn)); biases: [Σn].
-    Nothing is copied when the tensors are laid out so already (`concat_view`). Runs
+    Nothing is copied when the tensors are laid out so already (`concat_view`). Old
+    memory in a private file mapping (an mmapped safetensors checkpoint) that no tensor
+    holds any more is given back too (`drop_file_pages`: freeing a tensor alone leaves
+    the file's pages resident). Runs
     under ``torch.no_grad``; the tensors' version counters, ``requires_grad`` and
     identity stay (a compiled model's weight guards see the new data pointers: lay out
     before compiling). Raises ValueError (one line) for fewer than two tensors, mixed
@@ -74,6 +131,11 @@ def concatenate_in_place(params: Sequence[torch.Tensor], row_major: bool = False
     cat = (concat_view([p.t() for p in params], 1) if row_major else concat_view(list(params), 0))
     if cat is not None:
         return cat
+    olds = {}
+    for p in params:   # weak references: the old memory must be free to be given back
+        st = p.untyped_storage()
+        olds.setdefault(st.data_ptr(), (StorageWeakRef(st), st.nbytes(), file_mapping(st.data_ptr())))
+    del st
     with torch.no_grad():
         if row_major:
             cat = torch.cat([p.detach().t() for p in params], dim=1)
@@ -84,7 +146,11 @@ def concatenate_in_place(params: Sequence[torch.Tensor], row_major: bool = False
             views = torch.split(cat, [int(p.shape[0]) for p in params], dim=0)
         for p, v in zip(params, views):
             p.data = v
+    del views
+    for ptr, (ref, nbytes, mapping) in olds.items():
+        if mapping is not None and ref.expired():
+            drop_file_pages(ptr, nbytes, mapping)
     return cat
 
 
-__all__ = ["concat_view", "concatenate_in_place"]
+__all__ = ["concat_view", "concatenate_in_place", "drop_file_pages", "file_mapping"]

@@ -2,7 +2,11 @@
 parts are adjacent blocks of one storage (and None otherwise); `concatenate_in_place`
 lays sibling weights out as one concatenation, each ``p.data`` a view of its block, in
 both layouts, without changing values, shapes, identity, version counters or grad
-flags, and copies nothing when the layout is there already."""
+flags, and copies nothing when the layout is there already; the old pages of an mmapped
+checkpoint are given back."""
+import mmap
+import sys
+
 import pytest
 import torch
 
@@ -88,3 +92,44 @@ def test_biases_and_eager_linear_are_unchanged():
 def test_bad_input_is_one_line(ts, match):
     with pytest.raises(ValueError, match=match):
         concatenate_in_place(ts)
+
+
+def _mapping_rss_kib(path) -> int:
+    """Resident KiB of this process's mappings of ``path`` (/proc/self/smaps)."""
+    rss, inside = 0, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            if "-" in line.split(" ", 1)[0] and len(line.split()) >= 5 and ":" not in line.split()[0]:
+                inside = line.rstrip().endswith(str(path))
+            elif inside and line.startswith("Rss:"):
+                rss += int(line.split()[1])
+    return rss
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc/self/smaps, madvise")
+def test_the_pages_of_an_mmapped_checkpoint_are_given_back(tmp_path):
+    """Weights viewing a privately mapped file (transformers' safetensors loading) keep
+    the file's pages resident while the mapping lives; laid out once, the old pages are
+    given back (MADV_DONTNEED) and the values are the file's."""
+    path = tmp_path / "weights.bin"
+    data = torch.randn(3 * 128 * 128, generator=torch.Generator().manual_seed(3))
+    path.write_bytes(data.numpy().tobytes())
+    with open(path, "r+b") as f:
+        mm = mmap.mmap(f.fileno(), 0, flags=mmap.MAP_PRIVATE)
+    ws = [torch.nn.Parameter(torch.frombuffer(mm, dtype=torch.float32, count=128 * 128,
+                                              offset=i * 128 * 128 * 4).view(128, 128))
+          for i in range(3)]
+    assert float(sum(w.detach().sum() for w in ws)) == pytest.approx(float(data.sum()), rel=1e-4)
+    assert ws[0].data_ptr() != 0 and _mapping_rss_kib(path) >= 3 * 64
+    cat = concatenate_in_place(ws)
+    assert _mapping_rss_kib(path) == 0
+    assert torch.equal(cat, data.view(384, 128)) and torch.equal(ws[2], data[2 * 16384:].view(128, 128))
+    # a weight someone still holds keeps its pages
+    keep = [torch.nn.Parameter(torch.frombuffer(mm, dtype=torch.float32, count=128 * 128,
+                                                offset=i * 128 * 128 * 4).view(128, 128))
+            for i in range(2)]
+    held = keep[0].detach()
+    assert float(held.sum() + keep[1].detach().sum()) != 0.0
+    concatenate_in_place(keep)
+    assert _mapping_rss_kib(path) == 64 and torch.equal(held, data[:16384].view(128, 128))
+    del held
