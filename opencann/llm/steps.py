@@ -261,9 +261,11 @@ class StepGraphs:
             self.stats.set_memory(step_memory([], lm))
             return run
         if not self._laid_out:
-            # before the first graph: its concatenations are then the module's memory
+            # before the first graph: its concatenations are then the module's memory (the
+            # cpu's: the vnpu keeps the unfused GEMMs)
             self._laid_out = True
-            hold_weights_once(self.lm, self.options)
+            if str(self.device).split(":")[0] == "cpu":
+                hold_weights_once(self.lm, self.options)
         if tokens > 1 and (batch, 1) not in self._graphs:
             # the decode graph first: its GEMMs stream every weight once per token, so
             # their races choose each weight's one packed layout (`cpu.copy_allowed`);
