@@ -25,8 +25,10 @@ Linux only (reads /proc). Prints two Markdown tables.
 from __future__ import annotations
 
 import argparse
+import atexit
 import ctypes
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -124,6 +126,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     base = p["end"]
 
     work = tempfile.mkdtemp(prefix="llm_memory_")
+    atexit.register(shutil.rmtree, work, True)   # the saved model (~500 MB), once its mapping is gone
     folder = os.path.join(work, args.model)
     # written by a child process: the model built for saving would stay in this one's heap
     subprocess.run([sys.executable, "-c", f"import sys; sys.path[:0] = {[HERE, os.path.dirname(HERE)]!r}; "
