@@ -9,7 +9,7 @@ it again: measured on MiniLM at seq 128 this Cast plus the quantization cost mor
 the int8 GEMM saves over the bf16 one (docs/guide/precision.md).
 
 bf16 is the upper half of an fp32 (same sign, exponent and top 7 mantissa bits), so its
-value is exactly the fp32 whose bits are ``bits << 16``: `_f32_of_bits` is that bit cast
+value is exactly the fp32 whose bits are ``bits << 16``: `f32_of_bits` is that bit cast
 (an LLVM ``bitcast``, which numba has no spelling for; it vectorizes), then the fp32
 kernel's arithmetic follows, so a bf16 x gives the bits ``quantize_dense`` gives on
 ``x.float()``. numba because the project's CPU codegen is numba (DESIGN.md); thread count
@@ -30,7 +30,7 @@ from .quant_numba import BLOCK, SERIAL_MAX, dense_flat, saturate_u8
 
 
 @intrinsic
-def _f32_of_bits(typingctx, bits):
+def f32_of_bits(typingctx, bits):
     """The float32 whose IEEE 754 bits are the low 32 bits of the integer ``bits`` (LLVM
     ``trunc`` + ``bitcast``; numba widens ``uint32 << uint32`` to 64 bits)."""
     if not isinstance(bits, types.Integer):
@@ -47,7 +47,7 @@ def _f32_of_bits(typingctx, bits):
 @njit(cache=True)
 def _quantize_bf16_run(xs, inv, offset, ys):  # pragma: no cover - compiled by numba
     for i in range(xs.size):
-        ys[i] = saturate_u8(_f32_of_bits(np.uint32(xs[i]) << np.uint32(16)), inv, offset)
+        ys[i] = saturate_u8(f32_of_bits(np.uint32(xs[i]) << np.uint32(16)), inv, offset)
 
 
 @njit(parallel=True, cache=True)
@@ -82,4 +82,4 @@ def quantize_bf16_dense(x: torch.Tensor, step: float, offset: int):
     return y
 
 
-__all__ = ["quantize_bf16_dense"]
+__all__ = ["f32_of_bits", "quantize_bf16_dense"]
