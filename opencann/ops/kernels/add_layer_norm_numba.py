@@ -99,18 +99,20 @@ def add_ln(a, b, g, be, eps, out, bound, rstd_max):  # pragma: no cover - compil
 
 
 @njit(parallel=True, fastmath=FASTMATH, cache=True)
-def add_ln_quant(a, b, g, be, eps, y, yq, inv, offset, bound, rstd_max):  # pragma: no cover - compiled
+def add_ln_quant(a, b, g, be, eps, y, yq, inv, offset, bound, rstd_max, bad):  # pragma: no cover - compiled
     """y [rows, d] (float32) = LayerNorm(a + b) with `add_ln`'s statistics, normalized in
     float32 (μ and rstd rounded to float32 once: the float64 product halved the vector
     width and cost 20 of 65 µs at [128, 768] on one thread), and yq [rows, d]
     (uint8) = saturate(round_half_even(y · inv) + offset), NaN → 0 (``inv`` = 1/step and
     ``offset`` float32); a, b float32 or bf16 bits (uint16). y's row holds the sum until
-    it is normalized (no scratch). Returns the rows out of range (module docstring)."""
+    it is normalized (no scratch). Returns the rows out of range (module docstring), each
+    marked 1 in ``bad`` [rows] (uint8; 0 elsewhere) for the caller to redo."""
     rows, d = a.shape
     outside = 0
     for r in prange(rows):
         s = y[r]
         m, rs, ok = row_stats(s, row_add(a, b, r, s), eps, bound, rstd_max)
+        bad[r] = not ok
         if not ok:
             outside += 1
         mf, rf = np.float32(m), np.float32(rs)

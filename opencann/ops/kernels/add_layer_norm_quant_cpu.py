@@ -23,8 +23,9 @@ bf16 rounding: it may differ from the unfused chain (norm, Cast to bf16, AscendQ
 uint8 step where the bf16 rounding crossed a rounding boundary, and is the closer one.
 Special values: a row out of `norm_range.layer_norm_limits`' range (NaN or ±inf in the sum,
 |x| near 1e19), γ or β not `affine_in_range` (inf, NaN, huge), an fp16 addend or a strided
-input run ATen's ``add`` + ``native_layer_norm`` then the quantization instead: eager's
-NaN rows (quantized to 0) and values.
+input run ATen's ``add`` + ``native_layer_norm`` then the quantization instead (only those
+rows for a row out of range; the others keep the one pass's values): eager's NaN rows
+(quantized to 0) and values.
 """
 from __future__ import annotations
 
@@ -66,8 +67,8 @@ def add_layer_norm_quant(x1: torch.Tensor, x2: torch.Tensor, weight, bias, eps: 
     if fast and affine_ok:
         y = torch.empty(x1.shape, dtype=torch.float32)
         yq = torch.empty(x1.shape, dtype=torch.uint8)
-        if not _numba_pass(x1, x2, weight, bias, eps, step, offset, y, yq):
-            return y, yq
+        _numba_pass(x1, x2, weight, bias, eps, step, offset, y, yq)
+        return y, yq
     y = add_layer_norm_f32(x1, x2, weight, bias, eps, "add_layer_norm_quant")
     return y, quantize_u8(y, step, offset)
 
@@ -79,17 +80,27 @@ def _rows(x: torch.Tensor, d: int):
     return x.numpy() if x.dtype == torch.float32 else x.view(torch.int16).numpy().view(np.uint16)
 
 
-def _numba_pass(x1, x2, weight, bias, eps, step, offset, y, yq) -> int:
-    """Run `add_layer_norm_numba.add_ln_quant` into y, yq; returns the rows out of range."""
+def _numba_pass(x1, x2, weight, bias, eps, step, offset, y, yq) -> None:
+    """Run `add_layer_norm_numba.add_ln_quant` into y, yq, then ATen's chain on the rows
+    out of range only (a row's LayerNorm depends on that row alone: the other rows keep
+    their values whatever NaN another row holds)."""
     from .add_layer_norm_numba import add_ln_quant   # numba loads on the first call only
     from .numba_cache import launch
     d = x1.shape[-1]
     g = (torch.ones(d) if weight is None else weight).detach().numpy()
     be = (torch.zeros(d) if bias is None else bias).detach().numpy()
     bound, rstd_max = layer_norm_limits(d, torch.float32)
+    y2, yq2 = y.view(-1, d), yq.view(-1, d)
+    bad = torch.empty(y2.shape[0], dtype=torch.uint8)
     with launch(x1.numel()):
-        return add_ln_quant(_rows(x1, d), _rows(x2, d), g, be, np.float32(eps), y.view(-1, d).numpy(),
-                            yq.view(-1, d).numpy(), np.float32(1.0 / step), np.float32(offset), bound, rstd_max)
+        outside = add_ln_quant(_rows(x1, d), _rows(x2, d), g, be, np.float32(eps), y2.numpy(), yq2.numpy(),
+                               np.float32(1.0 / step), np.float32(offset), bound, rstd_max, bad.numpy())
+    if outside:
+        rows = bad.nonzero().view(-1)
+        yr = add_layer_norm_f32(x1.reshape(-1, d)[rows], x2.reshape(-1, d)[rows], weight, bias, eps,
+                                "add_layer_norm_quant")
+        y2[rows] = yr
+        yq2[rows] = quantize_u8(yr, step, offset)
 
 
 def make_add_layer_norm_quant_kernel(node: Node, in_descs: Sequence[TensorDesc],
