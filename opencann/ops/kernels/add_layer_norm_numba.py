@@ -35,10 +35,11 @@ FASTMATH = {"reassoc", "contract"}
 
 
 def widen(v):
-    """The float32 value of one element: a float as it is, a uint16 as the bits of a
-    bf16 (``bits << 16`` viewed as float32: exact, bf16 is fp32's upper half)."""
-    if isinstance(v, np.uint16):
-        return np.array([np.uint32(v) << np.uint32(16)], np.uint32).view(np.float32)[0]
+    """The float32 value of one element: a float as it is, a uint16 or int16 as the bits of
+    a bf16 (``bits << 16`` viewed as float32: exact, bf16 is fp32's upper half)."""
+    if isinstance(v, (np.uint16, np.int16)):
+        bits = np.array([v]).view(np.uint16).astype(np.uint32) << np.uint32(16)
+        return bits.view(np.float32)[0]
     return np.float32(v)
 
 
@@ -46,7 +47,7 @@ def widen(v):
 def _widen_impl(v):  # pragma: no cover - typed by numba
     if isinstance(v, types.Float):
         return lambda v: np.float32(v)
-    if v == types.uint16:
+    if v in (types.uint16, types.int16):   # bf16 bits (an int16 sign-extends: the bits kept are the same)
         return lambda v: f32_of_bits(np.uint32(v) << np.uint32(16))
     return None
 
@@ -54,7 +55,7 @@ def _widen_impl(v):  # pragma: no cover - typed by numba
 @njit(cache=True, inline="always")
 def row_add(a, b, r, s):  # pragma: no cover - compiled by numba
     """s[j] = widen(a[r, j]) + widen(b[r, j]) (float32) for row r of a, b [rows, d]
-    (float32, or bf16 bits as uint16); returns Σ s in float64."""
+    (float32, or bf16 bits as uint16 / int16); returns Σ s in float64."""
     t = np.float64(0.0)
     for j in range(s.size):
         v = widen(a[r, j]) + widen(b[r, j])
@@ -98,29 +99,50 @@ def add_ln(a, b, g, be, eps, out, bound, rstd_max):  # pragma: no cover - compil
     return outside
 
 
+@njit(fastmath=FASTMATH, cache=True, inline="always")
+def row_quant(a, b, g, be, p, y, yq, r):  # pragma: no cover - compiled by numba
+    """Row r of `add_ln_quant`: y[r] = LayerNorm(a[r] + b[r]) (y's row holds the sum until
+    it is normalized: no scratch), yq[r] its uint8 quantization; True when in range."""
+    s = y[r]
+    m, rs, ok = row_stats(s, row_add(a, b, r, s), p[0], p[3], p[4])
+    mf, rf = np.float32(m), np.float32(rs)
+    inv, offset = np.float32(p[1]), np.float32(p[2])
+    for j in range(s.size):
+        v = (s[j] - mf) * rf * g[j] + be[j]
+        s[j] = v
+        yq[r, j] = saturate_u8(v, inv, offset)
+    return ok
+
+
 @njit(parallel=True, fastmath=FASTMATH, cache=True)
-def add_ln_quant(a, b, g, be, eps, y, yq, inv, offset, bound, rstd_max, bad):  # pragma: no cover - compiled
+def add_ln_quant(a, b, g, be, p, y, yq, bad):  # pragma: no cover - compiled by numba
     """y [rows, d] (float32) = LayerNorm(a + b) with `add_ln`'s statistics, normalized in
     float32 (μ and rstd rounded to float32 once: the float64 product halved the vector
-    width and cost 20 of 65 µs at [128, 768] on one thread), and yq [rows, d]
-    (uint8) = saturate(round_half_even(y · inv) + offset), NaN → 0 (``inv`` = 1/step and
-    ``offset`` float32); a, b float32 or bf16 bits (uint16). y's row holds the sum until
-    it is normalized (no scratch). Returns the rows out of range (module docstring), each
-    marked 1 in ``bad`` [rows] (uint8; 0 elsewhere) for the caller to redo."""
-    rows, d = a.shape
+    width and cost 20 of 65 µs at [128, 768] on one thread), and yq [rows, d] (uint8) =
+    saturate(round_half_even(y / step) + offset), NaN → 0; a, b [rows, d] float32 or bf16
+    bits (uint16 or int16), γ = g and β = be [d] float32, ``p`` float64 [eps, 1/step,
+    offset, bound, rstd_max] (`norm_range.layer_norm_limits`; one array: each argument
+    costs numba's dispatch ~0.3 µs). Marks each row out of range (module docstring) 1 in
+    ``bad`` [rows] (uint8; 0 elsewhere) for the caller to redo; returns their count."""
     outside = 0
-    for r in prange(rows):
-        s = y[r]
-        m, rs, ok = row_stats(s, row_add(a, b, r, s), eps, bound, rstd_max)
+    for r in prange(a.shape[0]):
+        ok = row_quant(a, b, g, be, p, y, yq, r)
         bad[r] = not ok
-        if not ok:
-            outside += 1
-        mf, rf = np.float32(m), np.float32(rs)
-        for j in range(d):
-            v = (s[j] - mf) * rf * g[j] + be[j]
-            s[j] = v
-            yq[r, j] = saturate_u8(v, inv, offset)
+        outside += not ok
     return outside
 
 
-__all__ = ["FASTMATH", "add_ln", "add_ln_quant", "row_add", "row_stats", "widen"]
+@njit(fastmath=FASTMATH, cache=True)
+def add_ln_quant_serial(a, b, g, be, p, y, yq, bad):  # pragma: no cover - compiled by numba
+    """`add_ln_quant` on the calling thread alone: no parallel launch (its fixed cost)
+    when `numba_cache.launch_threads` gives one thread."""
+    outside = 0
+    for r in range(a.shape[0]):
+        ok = row_quant(a, b, g, be, p, y, yq, r)
+        bad[r] = not ok
+        outside += not ok
+    return outside
+
+
+__all__ = ["FASTMATH", "add_ln", "add_ln_quant", "add_ln_quant_serial", "row_add", "row_quant", "row_stats",
+           "widen"]

@@ -31,9 +31,8 @@ from __future__ import annotations
 
 from typing import Callable, Sequence
 
-import torch
-
 import numpy as np
+import torch
 
 from ...ir import Node, TensorDesc
 from ..parity.norm_range import affine_in_range, layer_norm_limits
@@ -44,84 +43,111 @@ _NUMBA_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def add_layer_norm_quant(x1: torch.Tensor, x2: torch.Tensor, weight, bias, eps: float,
-                         step: float, offset: int, affine_ok=None):
+                         step: float, offset: int):
     """(y, y_q) for x1, x2 [..., D] of one shape (float32 or bf16/fp16 each; the sum is
     float32), ``weight`` γ and ``bias`` β [D] float32 or None: y = LayerNorm(float(x1) +
     float(x2)) over the last axis (float32), y_q = y quantized to uint8 at ``step`` (> 0)
-    and ``offset`` (the zero point, in [0, 255]); both fresh and contiguous (a strided input
-    gives y_q with y's strides). One numba pass when both addends are float32 or bf16 and
-    contiguous; ATen's ops otherwise and for rows out of range (module docstring).
-    ``affine_ok``: `affine_in_range` of γ, β when the caller knows it (constants), else
-    tested here. Raises ValueError (one line) when x1 and x2 differ in shape or the sum is
-    not float32."""
-    if x1.shape != x2.shape:
-        raise ValueError(f"add_layer_norm_quant: x1 {tuple(x1.shape)} and x2 {tuple(x2.shape)} "
-                         "must have one shape (broadcasting is not fused)")
+    and ``offset`` (the zero point, in [0, 255]); both fresh (y_q with y's strides). One
+    numba pass when both addends are float32 or bf16 and contiguous (`OnePass`); ATen's ops
+    otherwise and for rows out of range (module docstring). Raises ValueError (one line)
+    when x1 and x2 differ in shape or the sum is not float32."""
     d = x1.shape[-1] if x1.dim() else 0
-    fast = (x1.dtype in _NUMBA_DTYPES and x2.dtype in _NUMBA_DTYPES and torch.float32 in (x1.dtype, x2.dtype)
-            and d > 0 and x1.numel() > 0 and x1.is_contiguous() and x2.is_contiguous()
-            and all(t is None or (t.dtype == torch.float32 and t.is_contiguous() and t.shape == (d,))
-                    for t in (weight, bias)))
-    if fast and affine_ok is None:
-        affine_ok = affine_in_range(weight, bias, d, torch.float32)
-    if fast and affine_ok:
-        y = torch.empty(x1.shape, dtype=torch.float32)
-        yq = torch.empty(x1.shape, dtype=torch.uint8)
-        _numba_pass(x1, x2, weight, bias, eps, step, offset, y, yq)
-        return y, yq
+    if x1.shape == x2.shape and d > 0 and OnePass.takes(x1, x2, d):
+        one = OnePass(weight, bias, eps, step, offset, d)
+        if one.affine_ok:
+            return one(x1, x2)
+    return aten_chain(x1, x2, weight, bias, eps, step, offset)
+
+
+def aten_chain(x1, x2, weight, bias, eps: float, step: float, offset: int):
+    """(y, y_q) by eager's ops: ATen's ``add`` + ``native_layer_norm`` (`add_layer_norm_f32`,
+    its ValueErrors), then `int8_cpu.quantize_u8` of y."""
     y = add_layer_norm_f32(x1, x2, weight, bias, eps, "add_layer_norm_quant")
     return y, quantize_u8(y, step, offset)
 
 
+class OnePass:
+    """The one numba pass of AddLayerNormQuant for one (γ, β, eps, step, offset) and row
+    length d, its per-call arguments prepared once (a kernel factory builds one per node:
+    the Python work around a [128, 768] launch was 34 of 125 µs before). ``affine_ok``:
+    whether γ, β are `affine_in_range` (else the caller runs `aten_chain`)."""
+
+    def __init__(self, weight, bias, eps: float, step: float, offset: int, d: int):
+        ok = all(t is None or (t.dtype == torch.float32 and t.is_contiguous() and tuple(t.shape) == (d,))
+                 for t in (weight, bias))
+        self.affine_ok = ok and affine_in_range(weight, bias, d, torch.float32)
+        self.args = (weight, bias, eps, step, offset)
+        self.d = d
+        self.g = (torch.ones(d) if weight is None else weight).detach().numpy()
+        self.be = (torch.zeros(d) if bias is None else bias).detach().numpy()
+        bound, rstd_max = layer_norm_limits(d, torch.float32)
+        self.p = np.array([np.float32(eps), np.float32(1.0 / step), offset, bound, rstd_max], np.float64)
+
+    @staticmethod
+    def takes(x1: torch.Tensor, x2: torch.Tensor, d: int) -> bool:
+        """Whether the pass reads x1, x2: float32 or bf16 (one float32), contiguous, not empty."""
+        return (x1.dtype in _NUMBA_DTYPES and x2.dtype in _NUMBA_DTYPES
+                and (x1.dtype == torch.float32 or x2.dtype == torch.float32)
+                and x1.is_contiguous() and x2.is_contiguous() and x1.numel() > 0)
+
+    def __call__(self, x1: torch.Tensor, x2: torch.Tensor):
+        """(y, y_q) of x1, x2 (`takes` them, one shape): `add_layer_norm_numba.add_ln_quant`
+        (its serial twin when `numba_cache.launch_threads` gives one thread), then
+        `aten_chain` on the rows out of range only (a row's LayerNorm depends on that row
+        alone: the other rows keep their values whatever NaN another row holds)."""
+        import numba   # loads at the first call only
+
+        from .add_layer_norm_numba import add_ln_quant, add_ln_quant_serial
+        from .numba_cache import launch
+        d, shape = self.d, tuple(x1.shape)
+        y, yq = np.empty(shape, np.float32), np.empty(shape, np.uint8)
+        y2, yq2 = y.reshape(-1, d), yq.reshape(-1, d)     # numpy views: torch's view costs ~2 µs
+        bad = np.empty(y2.shape[0], np.uint8)
+        with launch(y.size):
+            kernel = add_ln_quant if numba.get_num_threads() > 1 else add_ln_quant_serial
+            outside = kernel(_rows(x1, d), _rows(x2, d), self.g, self.be, self.p, y2, yq2, bad)
+        if outside:
+            rows = torch.from_numpy(bad).nonzero().view(-1)
+            yr, qr = aten_chain(x1.reshape(-1, d)[rows], x2.reshape(-1, d)[rows], *self.args)
+            torch.from_numpy(y2)[rows], torch.from_numpy(yq2)[rows] = yr, qr
+        return torch.from_numpy(y), torch.from_numpy(yq)
+
+
 def _rows(x: torch.Tensor, d: int):
     """x (contiguous float32 or bf16) as a numpy [rows, d] array: float32, or bf16 bits as
-    uint16 (`add_layer_norm_numba.widen` reads them)."""
-    x = x.detach().view(-1, d)
-    return x.numpy() if x.dtype == torch.float32 else x.view(torch.int16).numpy().view(np.uint16)
-
-
-def _numba_pass(x1, x2, weight, bias, eps, step, offset, y, yq) -> None:
-    """Run `add_layer_norm_numba.add_ln_quant` into y, yq, then ATen's chain on the rows
-    out of range only (a row's LayerNorm depends on that row alone: the other rows keep
-    their values whatever NaN another row holds)."""
-    from .add_layer_norm_numba import add_ln_quant   # numba loads on the first call only
-    from .numba_cache import launch
-    d = x1.shape[-1]
-    g = (torch.ones(d) if weight is None else weight).detach().numpy()
-    be = (torch.zeros(d) if bias is None else bias).detach().numpy()
-    bound, rstd_max = layer_norm_limits(d, torch.float32)
-    y2, yq2 = y.view(-1, d), yq.view(-1, d)
-    bad = torch.empty(y2.shape[0], dtype=torch.uint8)
-    with launch(x1.numel()):
-        outside = add_ln_quant(_rows(x1, d), _rows(x2, d), g, be, np.float32(eps), y2.numpy(), yq2.numpy(),
-                               np.float32(1.0 / step), np.float32(offset), bound, rstd_max, bad.numpy())
-    if outside:
-        rows = bad.nonzero().view(-1)
-        yr = add_layer_norm_f32(x1.reshape(-1, d)[rows], x2.reshape(-1, d)[rows], weight, bias, eps,
-                                "add_layer_norm_quant")
-        y2[rows] = yr
-        yq2[rows] = quantize_u8(yr, step, offset)
+    int16 (`add_layer_norm_numba.widen` reads them)."""
+    if x.requires_grad:
+        x = x.detach()
+    if x.dtype == torch.bfloat16:
+        x = x.view(torch.int16)
+    return x.numpy().reshape(-1, d)
 
 
 def make_add_layer_norm_quant_kernel(node: Node, in_descs: Sequence[TensorDesc],
                                      consts: Sequence) -> Callable:
     """Kernel factory of AddLayerNormQuant(x1, x2, γ, β; attrs eps, scale (AscendQuant's:
     1 / step), offset) -> (y float32, y uint8): ``run(x1, x2, γ, β)``
-    (`add_layer_norm_quant`, γ and β tested once here when they are constants); both
+    (`add_layer_norm_quant`; `OnePass` prepared once when γ and β are constants); both
     outputs are the kernel's own allocations."""
     eps = float(node.attrs["eps"])
     step, offset = 1.0 / float(node.attrs["scale"]), int(node.attrs["offset"])
     iw = node.attrs["weight"].index if node.attrs.get("weight") is not None else None
     ib = node.attrs["bias"].index if node.attrs.get("bias") is not None else None
-    d = int(in_descs[0].shape[-1]) if in_descs[0].is_static else None
     cg, cb = (None if i is None else consts[i] for i in (iw, ib))
-    static = d is not None and (iw is None or cg is not None) and (ib is None or cb is not None)
-    affine_ok = affine_in_range(cg, cb, d, torch.float32) if static else None
+    static = (iw is None or cg is not None) and (ib is None or cb is not None)
+    ones = {}      # the node's OnePass per row length (γ, β constants: prepared once)
 
     def run(*xs):
-        return add_layer_norm_quant(xs[0], xs[1], None if iw is None else xs[iw],
-                                    None if ib is None else xs[ib], eps, step, offset, affine_ok)
+        x1, x2 = xs[0], xs[1]
+        g, be = None if iw is None else xs[iw], None if ib is None else xs[ib]
+        d = x1.shape[-1] if x1.dim() else 0
+        if not (static and x1.shape == x2.shape and d > 0 and OnePass.takes(x1, x2, d)):
+            return add_layer_norm_quant(x1, x2, g, be, eps, step, offset)
+        one = ones.get(d)
+        if one is None:
+            one = ones[d] = OnePass(g, be, eps, step, offset, d)
+        return one(x1, x2) if one.affine_ok else aten_chain(x1, x2, g, be, eps, step, offset)
     return run
 
 
-__all__ = ["add_layer_norm_quant", "make_add_layer_norm_quant_kernel"]
+__all__ = ["OnePass", "add_layer_norm_quant", "aten_chain", "make_add_layer_norm_quant_kernel"]
