@@ -81,6 +81,7 @@ register(OpDef("QuantLinearAct", OpKind.FUSED, aliases=((),), cost_fn=_quant_lin
                doc="int8 Linear (+ activation), dequantized to fp32 (oneDNN qlinear)"))
 register(OpDef("AddLayerNormQuant", OpKind.FUSED, flops_per_elem=12, aliases=((), ()),
                fused_from=("LayerNorm",), kernel_factories={"cpu": make_add_layer_norm_quant_kernel},
+               out_capable=lambda node: True,   # writes (y, y_q) into the planned buffers
                keep_fp32=True, per_index=pi.add_layer_norm_cast,
                doc="(LayerNorm(float(x1) + float(x2)), its uint8 quantization): AddLayerNormCast "
                    "and the AscendQuant of its low output as one node"))

@@ -191,3 +191,29 @@ def test_without_gamma_and_beta_and_strided_inputs():
 def test_kernel_rejects_a_broadcast():
     with pytest.raises(ValueError, match="must have one shape"):
         add_layer_norm_quant(torch.randn(2, 8).bfloat16(), torch.randn(8), None, None, 1e-5, 0.1, 0)
+
+
+@pytest.mark.parametrize("special", [False, True])
+def test_bound_kernel_writes_the_planned_buffers(special):
+    """The node's kernel (constants γ, β prepared once) gives the function's values, into
+    ``out`` (prefilled with garbage) when given and returns those buffers; a NaN row too;
+    a second call with other data gives that data's values (nothing kept from the first)."""
+    from opencann.ops.kernels.add_layer_norm_quant_cpu import make_add_layer_norm_quant_kernel
+    g = block()
+    node = next(n for n in g.nodes if n.op == "AddLayerNormCast")
+    node.attrs.update(scale=1 / 0.03, offset=120)
+    a, b = torch.randn(2, 8, generator=G).bfloat16(), torch.randn(2, 8, generator=G)
+    w, beta = (v.const for v in node.inputs[2:])
+    kernel = make_add_layer_norm_quant_kernel(node, [v.desc for v in node.inputs], [None, None, w, beta])
+    for _ in range(2):
+        if special:
+            b[1, 3] = float("nan")
+        want = add_layer_norm_quant(a, b, w, beta, 1e-5, 0.03, 120)
+        y, q = kernel(a, b, w, beta)
+        assert torch.equal(_bits(y), _bits(want[0])) and torch.equal(q, want[1])
+        out = (torch.full((2, 8), 5.0), torch.full((2, 8), 9, dtype=torch.uint8))
+        got = kernel(a, b, w, beta, out=out)
+        assert got[0] is out[0] and got[1] is out[1]
+        assert torch.equal(_bits(out[0]), _bits(want[0])) and torch.equal(out[1], want[1])
+        assert torch.equal(out[0].isnan(), want[0].isnan()) and (not special or out[0][1].isnan().all())
+        a, b = torch.randn(2, 8, generator=G).bfloat16(), torch.randn(2, 8, generator=G)

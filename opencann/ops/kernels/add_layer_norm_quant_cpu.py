@@ -90,17 +90,23 @@ class OnePass:
                 and (x1.dtype == torch.float32 or x2.dtype == torch.float32)
                 and x1.is_contiguous() and x2.is_contiguous() and x1.numel() > 0)
 
-    def __call__(self, x1: torch.Tensor, x2: torch.Tensor):
+    def __call__(self, x1: torch.Tensor, x2: torch.Tensor, out=None):
         """(y, y_q) of x1, x2 (`takes` them, one shape): `add_layer_norm_numba.add_ln_quant`
         (its serial twin when `numba_cache.launch_threads` gives one thread), then
         `aten_chain` on the rows out of range only (a row's LayerNorm depends on that row
-        alone: the other rows keep their values whatever NaN another row holds)."""
+        alone: the other rows keep their values whatever NaN another row holds). Written
+        into ``out`` = (y float32, y_q uint8), contiguous of x1's shape, when given (the
+        planned buffers: reused memory, where a fresh [128, 768] allocation page-faults),
+        else into fresh arrays."""
         import numba   # loads at the first call only
 
         from .add_layer_norm_numba import add_ln_quant, add_ln_quant_serial
         from .numba_cache import launch
         d, shape = self.d, tuple(x1.shape)
-        y, yq = np.empty(shape, np.float32), np.empty(shape, np.uint8)
+        if out is not None:
+            y, yq = out[0].numpy(), out[1].numpy()
+        else:
+            y, yq = np.empty(shape, np.float32), np.empty(shape, np.uint8)
         y2, yq2 = y.reshape(-1, d), yq.reshape(-1, d)     # numpy views: torch's view costs ~2 µs
         bad = np.empty(y2.shape[0], np.uint8)
         with launch(y.size):
@@ -110,7 +116,7 @@ class OnePass:
             rows = torch.from_numpy(bad).nonzero().view(-1)
             yr, qr = aten_chain(x1.reshape(-1, d)[rows], x2.reshape(-1, d)[rows], *self.args)
             torch.from_numpy(y2)[rows], torch.from_numpy(yq2)[rows] = yr, qr
-        return torch.from_numpy(y), torch.from_numpy(yq)
+        return tuple(out) if out is not None else (torch.from_numpy(y), torch.from_numpy(yq))
 
 
 def _rows(x: torch.Tensor, d: int):
@@ -127,8 +133,9 @@ def make_add_layer_norm_quant_kernel(node: Node, in_descs: Sequence[TensorDesc],
                                      consts: Sequence) -> Callable:
     """Kernel factory of AddLayerNormQuant(x1, x2, γ, β; attrs eps, scale (AscendQuant's:
     1 / step), offset) -> (y float32, y uint8): ``run(x1, x2, γ, β)``
-    (`add_layer_norm_quant`; `OnePass` prepared once when γ and β are constants); both
-    outputs are the kernel's own allocations."""
+    (`add_layer_norm_quant`; `OnePass` prepared once when γ and β are constants), written
+    into ``out`` = (y buffer, y_q buffer) when given (the op is ``out_capable``: the
+    arena's planned buffers), else into fresh tensors."""
     eps = float(node.attrs["eps"])
     step, offset = 1.0 / float(node.attrs["scale"]), int(node.attrs["offset"])
     iw = node.attrs["weight"].index if node.attrs.get("weight") is not None else None
@@ -137,16 +144,22 @@ def make_add_layer_norm_quant_kernel(node: Node, in_descs: Sequence[TensorDesc],
     static = (iw is None or cg is not None) and (ib is None or cb is not None)
     ones = {}      # the node's OnePass per row length (γ, β constants: prepared once)
 
-    def run(*xs):
+    def run(*xs, out=None):
         x1, x2 = xs[0], xs[1]
         g, be = None if iw is None else xs[iw], None if ib is None else xs[ib]
         d = x1.shape[-1] if x1.dim() else 0
-        if not (static and x1.shape == x2.shape and d > 0 and OnePass.takes(x1, x2, d)):
-            return add_layer_norm_quant(x1, x2, g, be, eps, step, offset)
-        one = ones.get(d)
-        if one is None:
-            one = ones[d] = OnePass(g, be, eps, step, offset, d)
-        return one(x1, x2) if one.affine_ok else aten_chain(x1, x2, g, be, eps, step, offset)
+        outs_ok = out is None or (out[0] is not None and out[1] is not None and out[0].is_contiguous()
+                                  and out[1].is_contiguous() and out[0].shape == x1.shape)
+        if static and outs_ok and x1.shape == x2.shape and d > 0 and OnePass.takes(x1, x2, d):
+            one = ones.get(d)
+            if one is None:
+                one = ones[d] = OnePass(g, be, eps, step, offset, d)
+            if one.affine_ok:
+                return one(x1, x2, out)
+        y, yq = add_layer_norm_quant(x1, x2, g, be, eps, step, offset)
+        if out is None:
+            return y, yq
+        return tuple(t if o is None else o.copy_(t) for o, t in zip(out, (y, yq)))
     return run
 
 
