@@ -217,3 +217,14 @@ def test_bound_kernel_writes_the_planned_buffers(special):
         assert torch.equal(_bits(out[0]), _bits(want[0])) and torch.equal(out[1], want[1])
         assert torch.equal(out[0].isnan(), want[0].isnan()) and (not special or out[0][1].isnan().all())
         a, b = torch.randn(2, 8, generator=G).bfloat16(), torch.randn(2, 8, generator=G)
+
+
+def test_zero_eps_and_a_constant_row_give_eager_nan():
+    """eps = 0 and a constant row: variance 0, rstd = inf (no ZeroDivisionError in the
+    kernel: numpy's error model), the row out of range, eager's NaN row quantized to 0."""
+    a, b = torch.randn(3, 16, generator=G), torch.randn(3, 16, generator=G)
+    a[1], b[1] = 2.0, 1.0
+    want = _eager(a, b, None, None, 0.0)
+    y, q = add_layer_norm_quant(a, b, None, None, 0.0, 0.1, 7)
+    assert torch.equal(y.isnan(), want.isnan()) and y[1].isnan().all() and (q[1] == 0).all()
+    torch.testing.assert_close(y, want, rtol=1e-5, atol=1e-5, equal_nan=True)

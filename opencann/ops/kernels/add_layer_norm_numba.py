@@ -52,7 +52,7 @@ def _widen_impl(v):  # pragma: no cover - typed by numba
     return None
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True, inline="always", error_model="numpy")
 def row_add(a, b, r, s):  # pragma: no cover - compiled by numba
     """s[j] = widen(a[r, j]) + widen(b[r, j]) (float32) for row r of a, b [rows, d]
     (float32, or bf16 bits as uint16 / int16); returns Σ s in float64."""
@@ -64,7 +64,7 @@ def row_add(a, b, r, s):  # pragma: no cover - compiled by numba
     return t
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True, inline="always", error_model="numpy")
 def row_stats(s, total, eps, bound, rstd_max):  # pragma: no cover - compiled by numba
     """(μ, rstd, in range) of the row s (float32 [d]) whose sum is ``total``: μ and the
     biased variance in float64, rstd = 1/√(var + eps); in range as
@@ -81,7 +81,7 @@ def row_stats(s, total, eps, bound, rstd_max):  # pragma: no cover - compiled by
     return m, rs, ok
 
 
-@njit(parallel=True, fastmath=FASTMATH, cache=True)
+@njit(parallel=True, fastmath=FASTMATH, cache=True, error_model="numpy")
 def add_ln(a, b, g, be, eps, out, bound, rstd_max):  # pragma: no cover - compiled by numba
     """out [rows, d] (float32) = LayerNorm(a + b) with γ = g, β = be [d] (float32); a, b
     [rows, d] float32 or bf16 bits (uint16). Returns the rows out of range (module
@@ -99,7 +99,7 @@ def add_ln(a, b, g, be, eps, out, bound, rstd_max):  # pragma: no cover - compil
     return outside
 
 
-@njit(fastmath=FASTMATH, cache=True, inline="always")
+@njit(fastmath=FASTMATH, cache=True, inline="always", error_model="numpy")
 def row_quant(a, b, g, be, p, y, yq, r):  # pragma: no cover - compiled by numba
     """Row r of `add_ln_quant`: y[r] = LayerNorm(a[r] + b[r]) (y's row holds the sum until
     it is normalized: no scratch), yq[r] its uint8 quantization; True when in range."""
@@ -114,7 +114,7 @@ def row_quant(a, b, g, be, p, y, yq, r):  # pragma: no cover - compiled by numba
     return ok
 
 
-@njit(parallel=True, fastmath=FASTMATH, cache=True)
+@njit(parallel=True, fastmath=FASTMATH, cache=True, error_model="numpy")
 def add_ln_quant(a, b, g, be, p, y, yq, bad):  # pragma: no cover - compiled by numba
     """y [rows, d] (float32) = LayerNorm(a + b) with `add_ln`'s statistics, normalized in
     float32 (μ and rstd rounded to float32 once: the float64 product halved the vector
@@ -132,7 +132,7 @@ def add_ln_quant(a, b, g, be, p, y, yq, bad):  # pragma: no cover - compiled by 
     return outside
 
 
-@njit(fastmath=FASTMATH, cache=True)
+@njit(fastmath=FASTMATH, cache=True, error_model="numpy")
 def add_ln_quant_serial(a, b, g, be, p, y, yq, bad):  # pragma: no cover - compiled by numba
     """`add_ln_quant` on the calling thread alone: no parallel launch (its fixed cost)
     when `numba_cache.launch_threads` gives one thread."""
