@@ -24,7 +24,8 @@
   quantized per call.
 - ``AddLayerNormQuant``: CANN's AddLayerNormQuant: Add + LayerNorm (float32, the
   residual stream) and the norm's uint8 quantization for the int8 Linear reading it
-  (``fuse_add_layer_norm_quant``; kernel ``ops/kernels/add_layer_norm_quant_cpu.py``).
+  (``fuse_add_layer_norm_quant``; kernel ``ops/kernels/add_layer_norm_quant_cpu.py``: one
+  pass over the rows writing both outputs into the planned buffers).
 
 Costs: the fp32 ops' FLOPs (the work is the same; the report shows it); bytes at the
 int8 operands' sizes. On the vnpu the Cube cost runs at the operands' dtype (int8: twice
