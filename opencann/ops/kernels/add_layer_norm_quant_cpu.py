@@ -152,7 +152,7 @@ def make_add_layer_norm_quant_kernel(node: Node, in_descs: Sequence[TensorDesc],
         g, be = None if iw is None else xs[iw], None if ib is None else xs[ib]
         d = x1.shape[-1] if x1.dim() else 0
         outs_ok = out is None or (out[0] is not None and out[1] is not None and out[0].is_contiguous()
-                                  and out[1].is_contiguous() and out[0].shape == x1.shape)
+                                  and out[1].is_contiguous() and out[0].shape == x1.shape == out[1].shape)
         if static and outs_ok and x1.shape == x2.shape and d > 0 and OnePass.takes(x1, x2, d):
             one = ones.get(d)
             if one is None:

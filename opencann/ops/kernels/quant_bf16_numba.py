@@ -26,7 +26,7 @@ from numba import prange, types
 from numba.extending import intrinsic
 
 from .numba_cache import launch, njit
-from .quant_numba import BLOCK, SERIAL_MAX, dense_flat, saturate_u8
+from .quant_numba import BLOCK, SERIAL_MAX, dense_io, saturate_u8
 
 
 @intrinsic
@@ -64,16 +64,11 @@ def quantize_bf16_dense(x: torch.Tensor, step: float, offset: int):
     strides, ``saturate(round_half_even(x / step) + offset)`` computed in fp32 (the bits
     of quantizing ``x.float()``), NaN → 0, +inf → 255, -inf → 0; None when x is not bf16 or
     not dense (the caller then uses eager's ops). ``step`` > 0, ``offset`` in [0, 255]."""
-    if x.dtype != torch.bfloat16:
+    io = dense_io(x, np.uint16) if x.dtype == torch.bfloat16 else None
+    if io is None:
         return None
-    xf = dense_flat(x)
-    if xf is None:
-        return None
-    y = torch.empty_like(x, dtype=torch.uint8)
-    if y.stride() != x.stride():
-        return None
-    n = x.numel()
-    xs, ys = xf.view(torch.int16).numpy().view(np.uint16), y.as_strided((n,), (1,)).numpy()
+    xs, y, ys = io
+    n = xs.size
     if n < SERIAL_MAX:      # as quant_numba: the parallel launch costs more than the pass
         _quantize_bf16_run(xs, np.float32(1.0 / step), np.float32(offset), ys)
         return y
