@@ -24,7 +24,8 @@
   quantized per call.
 - ``AddLayerNormQuant``: CANN's AddLayerNormQuant: Add + LayerNorm (float32, the
   residual stream) and the norm's uint8 quantization for the int8 Linear reading it
-  (``fuse_add_layer_norm_quant``; kernel ``ops/kernels/add_layer_norm_quant_cpu.py``).
+  (``fuse_add_layer_norm_quant``; kernel ``ops/kernels/add_layer_norm_quant_cpu.py``: one
+  pass over the rows writing both outputs into the planned buffers).
 
 Costs: the fp32 ops' FLOPs (the work is the same; the report shows it); bytes at the
 int8 operands' sizes. On the vnpu the Cube cost runs at the operands' dtype (int8: twice
@@ -81,6 +82,7 @@ register(OpDef("QuantLinearAct", OpKind.FUSED, aliases=((),), cost_fn=_quant_lin
                doc="int8 Linear (+ activation), dequantized to fp32 (oneDNN qlinear)"))
 register(OpDef("AddLayerNormQuant", OpKind.FUSED, flops_per_elem=12, aliases=((), ()),
                fused_from=("LayerNorm",), kernel_factories={"cpu": make_add_layer_norm_quant_kernel},
+               out_capable=lambda node: True,   # writes (y, y_q) into the planned buffers
                keep_fp32=True, per_index=pi.add_layer_norm_cast,
                doc="(LayerNorm(float(x1) + float(x2)), its uint8 quantization): AddLayerNormCast "
                    "and the AscendQuant of its low output as one node"))

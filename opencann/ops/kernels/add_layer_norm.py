@@ -3,7 +3,8 @@ over the last axis, with γ and β, in one pass over the rows instead of ATen's 
 kernels (``add`` writing the sum, ``native_layer_norm`` reading it back).
 
 Why numba: one row's sum, mean, variance and output in one compiled loop, rows split
-over the cores with ``prange`` (the same tool and fast-math flags as
+over the cores with ``prange`` (`add_layer_norm_numba.add_ln`, whose row code
+AddLayerNormQuant's kernel shares; the same tool and fast-math flags as
 ``ops/flash_attention/cpu.py``: ``reassoc, contract`` only, so reductions vectorize and
 NaN/Inf keep IEEE semantics). Measured on the 2-core AVX2 machine ([128, 768], fp32,
 minimum of 50 calls, interleaved): ATen add + native_layer_norm 44 µs, this kernel
@@ -29,43 +30,15 @@ import torch
 from ..parity.norm_range import affine_in_range, layer_norm_limits
 from ...ir import Node, TensorDesc
 
-_FM = {"reassoc", "contract"}
 _KERNEL = None
 
 
 def _compiled():
-    """The numba kernel, compiled (or loaded from numba's cache) on first use."""
+    """The numba kernel (`add_layer_norm_numba.add_ln`, shared with AddLayerNormQuant's),
+    compiled (or loaded from numba's cache) on first use."""
     global _KERNEL
     if _KERNEL is None:
-        from numba import prange
-
-        from .numba_cache import njit
-
-        @njit(parallel=True, fastmath=_FM, cache=True)
-        def add_ln(a, b, g, be, eps, out, bound, rstd_max):  # pragma: no cover - compiled
-            rows, d = a.shape
-            root_d = np.sqrt(np.float64(d))
-            outside = 0
-            for r in prange(rows):
-                s = np.empty(d, np.float32)
-                m = np.float32(0.0)
-                for j in range(d):
-                    v = a[r, j] + b[r, j]
-                    s[j] = v
-                    m += v
-                m /= d
-                var = np.float32(0.0)
-                for j in range(d):
-                    c = s[j] - m
-                    var += c * c
-                var /= d
-                rs = np.float32(1.0) / np.sqrt(var + eps)
-                # layer_norm_in_range's test of this row (False for NaN statistics)
-                if not (rs > 0.0 and rs <= rstd_max and abs(m) + root_d / rs <= bound):
-                    outside += 1
-                for j in range(d):
-                    out[r, j] = (s[j] - m) * rs * g[j] + be[j]
-            return outside
+        from .add_layer_norm_numba import add_ln   # imports numba: only at a first bind
         _KERNEL = add_ln
     return _KERNEL
 

@@ -9,7 +9,7 @@ it again: measured on MiniLM at seq 128 this Cast plus the quantization cost mor
 the int8 GEMM saves over the bf16 one (docs/guide/precision.md).
 
 bf16 is the upper half of an fp32 (same sign, exponent and top 7 mantissa bits), so its
-value is exactly the fp32 whose bits are ``bits << 16``: `_f32_of_bits` is that bit cast
+value is exactly the fp32 whose bits are ``bits << 16``: `f32_of_bits` is that bit cast
 (an LLVM ``bitcast``, which numba has no spelling for; it vectorizes), then the fp32
 kernel's arithmetic follows, so a bf16 x gives the bits ``quantize_dense`` gives on
 ``x.float()``. numba because the project's CPU codegen is numba (DESIGN.md); thread count
@@ -26,11 +26,11 @@ from numba import prange, types
 from numba.extending import intrinsic
 
 from .numba_cache import launch, njit
-from .quant_numba import BLOCK, SERIAL_MAX, dense_flat, saturate_u8
+from .quant_numba import BLOCK, SERIAL_MAX, dense_io, saturate_u8
 
 
 @intrinsic
-def _f32_of_bits(typingctx, bits):
+def f32_of_bits(typingctx, bits):
     """The float32 whose IEEE 754 bits are the low 32 bits of the integer ``bits`` (LLVM
     ``trunc`` + ``bitcast``; numba widens ``uint32 << uint32`` to 64 bits)."""
     if not isinstance(bits, types.Integer):
@@ -47,7 +47,7 @@ def _f32_of_bits(typingctx, bits):
 @njit(cache=True)
 def _quantize_bf16_run(xs, inv, offset, ys):  # pragma: no cover - compiled by numba
     for i in range(xs.size):
-        ys[i] = saturate_u8(_f32_of_bits(np.uint32(xs[i]) << np.uint32(16)), inv, offset)
+        ys[i] = saturate_u8(f32_of_bits(np.uint32(xs[i]) << np.uint32(16)), inv, offset)
 
 
 @njit(parallel=True, cache=True)
@@ -64,16 +64,11 @@ def quantize_bf16_dense(x: torch.Tensor, step: float, offset: int):
     strides, ``saturate(round_half_even(x / step) + offset)`` computed in fp32 (the bits
     of quantizing ``x.float()``), NaN → 0, +inf → 255, -inf → 0; None when x is not bf16 or
     not dense (the caller then uses eager's ops). ``step`` > 0, ``offset`` in [0, 255]."""
-    if x.dtype != torch.bfloat16:
+    io = dense_io(x, np.uint16) if x.dtype == torch.bfloat16 else None
+    if io is None:
         return None
-    xf = dense_flat(x)
-    if xf is None:
-        return None
-    y = torch.empty_like(x, dtype=torch.uint8)
-    if y.stride() != x.stride():
-        return None
-    n = x.numel()
-    xs, ys = xf.view(torch.int16).numpy().view(np.uint16), y.as_strided((n,), (1,)).numpy()
+    xs, y, ys = io
+    n = xs.size
     if n < SERIAL_MAX:      # as quant_numba: the parallel launch costs more than the pass
         _quantize_bf16_run(xs, np.float32(1.0 / step), np.float32(offset), ys)
         return y
@@ -82,4 +77,4 @@ def quantize_bf16_dense(x: torch.Tensor, step: float, offset: int):
     return y
 
 
-__all__ = ["quantize_bf16_dense"]
+__all__ = ["f32_of_bits", "quantize_bf16_dense"]

@@ -62,17 +62,36 @@ def dense_flat(x: torch.Tensor):
     return x.as_strided((x.numel(),), (1,))
 
 
-def quantize_dense(x: torch.Tensor, step: float, offset: int):
-    """``x`` (fp32, dense: contiguous in some memory order) quantized to uint8 with its
-    strides, or None when x is not fp32 or not dense (the caller then uses eager's ops)."""
-    xd = dense_flat(x) if x.dtype == torch.float32 else None
+def dense_io(x: torch.Tensor, np_dtype):
+    """(x's storage as a flat numpy array of ``np_dtype`` (x's element size: its bits
+    reinterpreted), y: a fresh uint8 tensor with x's strides, y's storage as a flat numpy
+    array), or None when x is not dense. A contiguous x takes numpy's views and allocation:
+    torch's ``as_strided`` / ``empty_like`` / dtype ``view`` cost ~2 µs each, and the pass
+    over a [128, 768] activation is ~17 µs (measured: the call 34 → 22 µs)."""
+    if x.requires_grad:
+        x = x.detach()
+    if x.is_contiguous():
+        y = np.empty(tuple(x.shape), np.uint8)
+        xs = x.numpy() if x.dtype != torch.bfloat16 else x.view(torch.int16).numpy()
+        return xs.reshape(-1).view(np_dtype), torch.from_numpy(y), y.reshape(-1)
+    xd = dense_flat(x)
     if xd is None:
         return None
     y = torch.empty_like(x, dtype=torch.uint8)
     if y.stride() != x.stride():
         return None
-    n = x.numel()
-    xf, yf = xd.numpy(), y.as_strided((n,), (1,)).numpy()
+    xs = xd.numpy() if x.dtype != torch.bfloat16 else xd.view(torch.int16).numpy()
+    return xs.view(np_dtype), y, y.as_strided((x.numel(),), (1,)).numpy()
+
+
+def quantize_dense(x: torch.Tensor, step: float, offset: int):
+    """``x`` (fp32, dense: contiguous in some memory order) quantized to uint8 with its
+    strides, or None when x is not fp32 or not dense (the caller then uses eager's ops)."""
+    io = dense_io(x, np.float32) if x.dtype == torch.float32 else None
+    if io is None:
+        return None
+    xf, y, yf = io
+    n = xf.size
     if n < SERIAL_MAX:
         _quantize_run(xf, np.float32(1.0 / step), np.float32(offset), yf)
         return y
@@ -105,4 +124,4 @@ def dequantize_dense(x: torch.Tensor, step: float, offset: float):
     return y
 
 
-__all__ = ["dense_flat", "dequantize_dense", "quantize_dense", "saturate_u8"]
+__all__ = ["dense_flat", "dense_io", "dequantize_dense", "quantize_dense", "saturate_u8"]
