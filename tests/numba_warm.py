@@ -16,9 +16,10 @@ compiles, with its compile seconds, in the order the suite met them)::
 
     OPENCANN_NUMBA_RECORD=/tmp/sigs.tsv OPENCANN_CACHE_DIR=$(mktemp -d) \\
         .venv/bin/python -m pytest tests -n 2 -m "not serial and not onnx_full and not full"
-    python tests/numba_warm.py --merge /tmp/sigs.tsv
+    python tests/numba_warm.py --replace /tmp/sigs.tsv
 
-(a recording of a few test files can be appended to an older full one before merging).
+(``--replace``: the file becomes that recording; ``--merge``: the recording's entries are
+added to the file's, for a recording of a few test files).
 
 File format: one line per signature, ``seconds<TAB>module.function<TAB>signature`` (the
 signature as numba prints a tuple of its types, which evaluates back to them in
@@ -135,13 +136,16 @@ def record(path: str) -> None:
                 f.write(f"{seconds:.2f}\t{name}\t{sig}\n")
 
 
-def merge(recorded: str, path: str = SIGNATURES) -> int:
+def merge(recorded: str, path: str = SIGNATURES, keep: bool = True) -> int:
     """Rewrite ``path`` from recordings (each signature once, its largest seconds; only
     module-level functions that still exist and signatures `_types` can name: a callee
-    typed inside a caller with literal arguments is compiled with its caller); returns the
-    number of entries."""
+    typed inside a caller with literal arguments is compiled with its caller), keeping
+    ``path``'s own entries unless not ``keep`` (``--replace``: a recording of the whole
+    suite), so a recording of a few test files adds to the file; returns the number of
+    entries."""
     best: Dict[Tuple[str, str], float] = {}
-    for seconds, name, sig in read(recorded):
+    old = read(path) if keep else []
+    for seconds, name, sig in old + read(recorded):
         try:
             _types(sig)
             _dispatcher(name).compile   # a function since removed is dropped
@@ -159,9 +163,9 @@ if __name__ == "__main__":
         index, parts, file = int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
         sys.path.insert(0, os.path.dirname(HERE))
         compile_entries(split(read(file), parts)[index])
-    elif sys.argv[1:2] == ["--merge"]:
+    elif sys.argv[1:2] in (["--merge"], ["--replace"]):
         sys.path.insert(0, os.path.dirname(HERE))
-        print(f"{merge(sys.argv[2])} signatures in {SIGNATURES}")
+        print(f"{merge(sys.argv[2], keep=sys.argv[1] == '--merge')} signatures in {SIGNATURES}")
     else:
-        print(f"usage: {sys.argv[0]} --merge RECORDED.tsv | --part I N FILE", file=sys.stderr)
+        print(f"usage: {sys.argv[0]} --merge|--replace RECORDED.tsv | --part I N FILE", file=sys.stderr)
         sys.exit(2)
