@@ -10,10 +10,12 @@ The memo makes that once per tensor object.
 
 What a hit trusts: the tensor object is the one seen before (the memo keeps it alive
 through its NumPy view, so its ``id`` cannot be reused) and its ``data_ptr`` is
-unchanged (``set_``/``resize_``/``.data =`` give new memory: a miss). Only contiguous
-tensors are memoized (a view of a non-contiguous tensor is read-only use; a reshape of
-one would copy, and a copy must never be reused); the others, and tensors requiring grad,
-are converted afresh at each call (None from `rows`: callers fall back). The memo holds at
+unchanged (``set_``/``.data =`` give new memory: a miss). It does not trust shapes past
+that: it serves operands whose shapes a compiled graph fixes (its guards check the
+inputs'), and a tensor shrunk in place by ``resize_`` keeping its memory is not noticed.
+Only contiguous tensors are memoized (a reshape of a non-contiguous one copies, and a
+copy must never be reused); the others, and tensors requiring grad, are converted afresh
+at each call. The memo holds at
 most `CAPACITY` tensors (the oldest entry goes first), so tensors a caller makes afresh
 for every call (e.g. a ``lengths`` tensor) are kept alive for a few calls at most.
 """
@@ -34,11 +36,11 @@ _INT = {torch.float32: np.int32, torch.float64: np.int64, torch.float16: np.int1
 
 
 class NumpyViews:
-    """Per bound kernel: ``views.shaped(t, shape)`` is ``t.numpy().reshape(shape)`` (a view
-    of contiguous ``t``, memoized per tensor object), ``views.bits(t)`` the same memory as
-    same-width integers (float32 -> int32), None where no memoizable view exists (a
-    non-contiguous tensor, one requiring grad, a dtype NumPy lacks). Not locked: two
-    threads racing on a miss both insert the same view."""
+    """Per bound kernel: ``views.array(t)`` is ``t.numpy()``, ``views.bits(t)`` the same
+    memory as same-width integers (float32 -> int32), ``views.shaped(t, shape)`` is
+    ``t.numpy().reshape(shape)``; each memoized per tensor object when ``t`` is contiguous
+    (`array` and `bits` make the view afresh otherwise, `shaped` returns None then). Not
+    locked: two threads racing on a miss both insert the same view."""
 
     def __init__(self, capacity: int = CAPACITY):
         self.capacity = capacity
@@ -69,14 +71,26 @@ class NumpyViews:
             return None
         return self._put(t, shape, t.numpy().reshape(shape))
 
-    def bits(self, t: torch.Tensor) -> Optional[np.ndarray]:
-        """``t``'s memory (its own shape) as same-width integers (float32 as int32: a
-        bit-exact copy moves NaN payloads and -0.0 as they are), or None as `shaped`."""
+    def array(self, t: torch.Tensor) -> np.ndarray:
+        """``t``'s NumPy view in its own shape and strides: memoized when ``t`` is
+        contiguous, else made afresh (detached first when it requires grad). Raises
+        TypeError for a dtype NumPy lacks (bfloat16), as ``Tensor.numpy``."""
+        arr = self._get(t, "array")
+        if arr is not None:
+            return arr
+        if t.requires_grad or not t.is_contiguous():
+            return t.detach().numpy()
+        return self._put(t, "array", t.numpy())
+
+    def bits(self, t: torch.Tensor) -> np.ndarray:
+        """``t``'s memory in its own shape and strides as same-width integers (float32 as
+        int32: a bit-exact copy moves NaN payloads and -0.0 as they are), memoized as
+        `array`. Raises KeyError for a dtype without an integer twin here (`_INT`)."""
         arr = self._get(t, "bits")
         if arr is not None:
             return arr
-        if t.requires_grad or not t.is_contiguous() or t.dtype not in _INT:
-            return None
+        if t.requires_grad or not t.is_contiguous():
+            return t.detach().numpy().view(_INT[t.dtype])
         return self._put(t, "bits", t.numpy().view(_INT[t.dtype]))
 
 
