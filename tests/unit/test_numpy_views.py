@@ -82,3 +82,44 @@ def test_bound_add_rms_norm_refuses_bad_input_in_one_line():
     run = bind_add_rms_norm(TensorDesc.of(a), TensorDesc.of(a), TensorDesc.of(torch.randn(768)), 1e-6)
     with pytest.raises(ValueError, match="add_rms_norm: expected float32"):
         run(a, torch.randn(1, 768), torch.randn(767), out=(torch.empty(1, 768), torch.empty(1, 768)))
+
+
+def test_bound_add_rms_norm_new_output_tensors_are_written():
+    a, b, w = torch.randn(2, 64), torch.randn(2, 64), torch.randn(64)
+    run = bind_add_rms_norm(TensorDesc.of(a), TensorDesc.of(b), TensorDesc.of(w), 1e-5)
+    first = (torch.empty(2, 64), torch.empty(2, 64))
+    run(a, b, w, out=first)
+    other = (torch.empty(2, 64), torch.empty(2, 64))       # other buffers: not the last call's
+    run(a, b, w, out=other)
+    assert torch.equal(other[0], first[0]) and torch.equal(other[1], a + b)
+
+
+def test_bound_decode_attention_repeats_see_new_values_and_new_tensors():
+    """The bound decode attention reuses the last call's views when handed the same
+    tensors: values written in place between calls are read, other tensors are a miss;
+    every call equals the general path bit for bit."""
+    from opencann.ops.kernels.decode_attention_cpu import (bind_decode_attention_update,
+                                                           decode_attention_update)
+    g = torch.Generator().manual_seed(3)
+    B, Hq, Hkv, S, D = 2, 6, 2, 32, 16
+
+    def operands():
+        return (torch.randn(B, Hq, 1, D, generator=g), torch.randn(B, Hkv, S, D, generator=g),
+                torch.randn(B, Hkv, S, D, generator=g), torch.randn(B, Hkv, 1, D, generator=g),
+                torch.randn(B, Hkv, 1, D, generator=g), torch.tensor([3, 9]), torch.tensor([4, 10]))
+    ops = operands()
+    run = bind_decode_attention_update(*(TensorDesc.of(t) for t in ops), None)
+    out = torch.empty(B, Hq, 1, D)
+    for call in range(3):
+        if call:
+            ops[0].copy_(torch.randn(B, Hq, 1, D, generator=g))   # in place: same tensors
+            ops[3].copy_(torch.randn(B, Hkv, 1, D, generator=g))
+            ops[5].add_(1)
+            ops[6].add_(1)
+        ref = [t.clone() for t in ops]
+        want = decode_attention_update(*ref, out=torch.empty(B, Hq, 1, D))
+        got = run(*ops, out=out)
+        assert torch.equal(got[0], want[0]) and torch.equal(ops[1], ref[1])
+    fresh = operands()                                             # other tensors: a miss
+    want = decode_attention_update(*[t.clone() for t in fresh])
+    assert torch.equal(run(*fresh, out=torch.empty(B, Hq, 1, D))[0], want[0])

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 from numba import prange
 
-from .numba_cache import GRAIN, launch, njit
+from .numba_cache import GRAIN, entry_point, launch, njit
 from .numpy_views import NumpyViews
 from ...ir import Node, TensorDesc, numel
 
@@ -101,8 +101,10 @@ def bind_add_rms_norm(a: TensorDesc, b: TensorDesc, weight: TensorDesc, eps: flo
     [..., D] of one static shape, weight [D]; rows * D below `GRAIN`, a decode step's rows)
     the shape and dtype checks are made once, here, and a call with planned contiguous
     ``out`` buffers is the numba call on memoized NumPy views (`NumpyViews`: the graph
-    hands the same arena buffers at every call) — measured ~1.6 against ~7.6 µs a call
-    for one 768-element row, warm. Any other call takes `add_rms_norm` (its checks and
+    hands the same arena buffers at every call), through the kernel's entry point for
+    their types (`numba_cache.entry_point`: every view is C-contiguous float32) —
+    measured for one 768-element row ~2.7 against ~6.7 µs a call warm; right after a
+    64 MiB copy (a decode GEMM's cold caches) ~20 against ~100 µs. Any other call takes `add_rms_norm` (its checks and
     one-line errors). Same bits on either path."""
     def general(x1, x2, g, out=None):
         return add_rms_norm(x1, x2, g, eps, out=out)
@@ -116,16 +118,26 @@ def bind_add_rms_norm(a: TensorDesc, b: TensorDesc, weight: TensorDesc, eps: flo
     if rows * d >= GRAIN:
         return general
     rd, views, e32 = (rows, d), NumpyViews(), np.float32(eps)
+    last: list = [None] * 6     # the last fast call: its 5 tensors, then (pointers, entry, args)
 
     def run(x1, x2, g, out=None):
         if out is None:
             return general(x1, x2, g)
         y, s = out
+        if x1 is last[0] and x2 is last[1] and g is last[2] and y is last[3] and s is last[4] \
+                and last[5][0] == (x1.data_ptr(), x2.data_ptr(), g.data_ptr(), y.data_ptr(),
+                                   s.data_ptr()):
+            last[5][1](*last[5][2])      # the same tensors as the last call: its views
+            return y, s
         args = (views.shaped(x1, rd), views.shaped(x2, rd), views.shaped(g, (d,)), e32,
                 views.shaped(y, rd), views.shaped(s, rd))
         if any(x is None for x in args) or x1.shape != shape or x2.shape != shape:
             return general(x1, x2, g, out=out)
         _serial(*args)
+        fn = entry_point(_serial, args)
+        if fn is not None:
+            last[:] = [x1, x2, g, y, s, ((x1.data_ptr(), x2.data_ptr(), g.data_ptr(),
+                                          y.data_ptr(), s.data_ptr()), fn, args)]
         return y, s
     return run
 
