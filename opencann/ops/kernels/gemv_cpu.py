@@ -303,6 +303,7 @@ def bind_gemv(w_nk: torch.Tensor, rows: int, threads: Optional[int] = None
     # arguments: a graph hands the same arena buffers every call, and the entry point
     # skips the dispatcher's type resolution (`numba_cache.entry_point`)
     last: list = []
+    entries: dict = {}     # has bias -> the kernel's entry point
 
     def run(x: torch.Tensor, bias: Optional[torch.Tensor] = None,
             out: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -315,7 +316,7 @@ def bind_gemv(w_nk: torch.Tensor, rows: int, threads: Optional[int] = None
                 and last[3] == (x.data_ptr(), out.data_ptr(), 0 if bias is None else bias.data_ptr()):
             _call(last[4], last[5], lock)   # the last call's tensors: its views, no dispatch
             return out
-        return _views_call(kernel, wn, x, bias, out, yshape, lock, last)
+        return _views_call(kernel, wn, x, bias, out, yshape, lock, last, entries)
     run.weight = w_nk   # held: a cache that keeps the packed copy weakly sees it alive
     return run
 
@@ -329,12 +330,14 @@ def _refuse(x: torch.Tensor, out: Optional[torch.Tensor], xshape, yshape) -> Non
 
 
 def _views_call(kernel, wn: np.ndarray, x: torch.Tensor, bias: Optional[torch.Tensor],
-                out: Optional[torch.Tensor], yshape, lock, last: list) -> torch.Tensor:
+                out: Optional[torch.Tensor], yshape, lock, last: list,
+                entries: dict) -> torch.Tensor:
     """A bound GEMV call through the dispatcher: x, bias and the output as NumPy views
     (contiguous copies where they are not), the result into ``out`` (a copy when it is
-    not contiguous) or a fresh tensor; ``last`` set to this call's tensors, pointers,
-    the kernel's entry point and arguments when every view is the caller's tensor
-    itself (cleared otherwise)."""
+    not contiguous) or a fresh tensor, through the kernel's entry point (``entries``,
+    by whether there is a bias: the arguments' types never change) once it is compiled;
+    ``last`` set to this call's tensors, pointers, the entry point and arguments when
+    every view is the caller's tensor itself (cleared otherwise)."""
     x0, b0 = x, bias
     if x.requires_grad or not x.is_contiguous():
         x = x.detach().contiguous()
@@ -346,10 +349,12 @@ def _views_call(kernel, wn: np.ndarray, x: torch.Tensor, bias: Optional[torch.Te
         bn = bias.numpy()
     y = out if out is not None and out.is_contiguous() else torch.empty(yshape)
     args = (x.numpy(), wn, bn, bias is not None, y.numpy())
-    _call(kernel, args, lock)
-    fn = entry_point(kernel, args) if x is x0 and bias is b0 and y is out else None
-    last[:] = [] if fn is None else [x, out, bias, (x.data_ptr(), out.data_ptr(), 0 if bias is None
-                                                    else bias.data_ptr()), fn, args]
+    fn = entries.get(args[3])    # every call's types are the same (C-contiguous float32)
+    _call(kernel if fn is None else fn, args, lock)
+    if fn is None:
+        fn = entries[args[3]] = entry_point(kernel, args)
+    last[:] = [] if fn is None or not (x is x0 and bias is b0 and y is out) else \
+        [x, out, bias, (x.data_ptr(), out.data_ptr(), 0 if bias is None else bias.data_ptr()), fn, args]
     if out is not None and y is not out:
         return out.copy_(y)
     return y
