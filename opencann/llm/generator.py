@@ -225,7 +225,10 @@ class Generator:
         max_new_tokens over max_seq_len, a stop or pad token outside the vocabulary, a bad
         setting, or a transformers setting it does not apply (num_beams, max_length, ...);
         the generator stays usable. Calls from several threads run one at a time (the
-        caches are the generator's state)."""
+        caches are the generator's state). The step graphs' guards (weights and module
+        attributes unchanged since compile) run at each call's prefill and first decode
+        step, not at every token: a weight changed by a streamer mid-call raises at the
+        next call."""
         if unsupported:
             raise ValueError(f"generate() does not apply {', '.join(sorted(unsupported))}; it "
                              f"takes max_new_tokens, attention_mask, do_sample, temperature, "
@@ -283,6 +286,7 @@ class Generator:
         ids = torch.zeros(bs, 1, dtype=torch.long)
         positions = torch.zeros(bs, dtype=torch.long)
         positions[:B] = batch.lengths
+        lengths, decode = positions + 1, None
         t0, steps, rows, warm = 0.0, 0, 0, None
         for i in range(new):
             tok = sampler(seqs, logits)
@@ -296,8 +300,15 @@ class Generator:
             if i == new - 1 or not alive.any():
                 break
             ids[:B, 0] = tok
-            logits = self.steps.step(bs, 1)(ids, positions, positions + 1)[:B]
+            if decode is None:   # the call's first step: the decode graph's guards run
+                decode = self.steps.step(bs, 1)
+                logits = decode(ids, positions, lengths)[:B]
+                # nothing they watch changes inside a call: later steps skip them
+                decode = getattr(decode, "unguarded", decode)
+            else:
+                logits = decode(ids, positions, lengths)[:B]
             positions[:B] += 1
+            lengths[:B] += 1
             steps, rows = steps + 1, rows + int(alive.sum())
             if warm is None:
                 warm = (self.stats.graphs_built, self.stats.memory_plans)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import copy
 from typing import Any, Dict, Optional
 
+import numpy as np
 import torch
 
 #: GenerationConfig fields a `Sampler` applies; other set fields are refused (`resolve`)
@@ -91,6 +92,19 @@ def logits_processors(gc, padding: Optional[torch.Tensor] = None):
     return procs
 
 
+def greedy(scores: torch.Tensor) -> torch.Tensor:
+    """``torch.argmax(scores, dim=-1)`` for ``scores`` [B, vocab]: LongTensor [B], the first
+    index of each row's largest value (the first NaN where a row holds one, as torch).
+    A contiguous float32 CPU tensor goes through NumPy's argmax: torch's reduces a
+    [B, 32000] row on its intra-op thread team, which costs more than the arithmetic
+    (measured, 2 threads: 64 against 2 µs at B=1, 1.3 ms against 17 µs at B=8 on a
+    loaded host), once per generated token."""
+    if scores.dtype == torch.float32 and scores.device.type == "cpu" and scores.dim() == 2 \
+            and scores.is_contiguous() and not scores.requires_grad and scores.shape[1]:
+        return torch.from_numpy(scores.numpy().argmax(axis=-1).astype(np.int64, copy=False))
+    return torch.argmax(scores, dim=-1)
+
+
 class Sampler:
     """Picks each step's next token per row: ``Sampler(gc, padding, seed)`` then
     ``sampler(sequences, logits) -> LongTensor [B]``.
@@ -109,9 +123,9 @@ class Sampler:
 
     def __call__(self, sequences: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         """Next token ids [B] (int64) from ``logits`` [B, vocab] after the processors."""
-        scores = self.processors(sequences, logits)
+        scores = self.processors(sequences, logits) if self.processors else logits
         if not self.do_sample:
-            return torch.argmax(scores, dim=-1)
+            return greedy(scores)
         probs = torch.softmax(scores, dim=-1)
         return torch.multinomial(probs, num_samples=1, generator=self.generator).squeeze(1)
 
@@ -121,4 +135,4 @@ class Sampler:
                 "processors": [type(p).__name__ for p in self.processors]}
 
 
-__all__ = ["APPLIED", "Sampler", "logits_processors", "resolve"]
+__all__ = ["APPLIED", "Sampler", "greedy", "logits_processors", "resolve"]

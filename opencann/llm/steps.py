@@ -285,12 +285,17 @@ class StepGraphs:
 
     def _runner(self, cm: Any, batch: int) -> Callable:
         """``cm`` (a compiled step graph of ``batch`` rows) called on the caches' views;
-        the callable carries it as ``.compiled``."""
+        the callable carries it as ``.compiled``, and as ``.unguarded`` the same call
+        without the guards (`CompiledModel.call_unguarded`: for the decode steps after a
+        call's first)."""
         views = self.views(batch)
 
         def run_compiled(ids, positions, lengths):
             return cm(ids, positions, lengths, *views)
-        run_compiled.compiled = cm
+
+        def unguarded(ids, positions, lengths):
+            return cm.call_unguarded(ids, positions, lengths, *views)
+        run_compiled.compiled, run_compiled.unguarded = cm, unguarded
         return run_compiled
 
     def compiled(self) -> Dict[Tuple[int, int], Any]:

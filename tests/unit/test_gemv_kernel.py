@@ -196,3 +196,22 @@ def test_one_row_every_group_split(n):
     fin = torch.isfinite(ref)
     assert torch.allclose(out[fin], ref[fin], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(run(x, b), out, rtol=0, atol=0, equal_nan=True)  # a second call
+
+
+def test_bound_gemv_repeat_calls_read_new_values_and_new_tensors():
+    """A call with the last call's x/out/bias reuses its views (values written in place
+    in between are read); other tensors are bound afresh; each equals F.linear."""
+    import torch.nn.functional as F
+    from opencann.ops.kernels.gemv_cpu import bind_gemv
+    g = torch.Generator().manual_seed(5)
+    w, b = torch.randn(40, 24, generator=g), torch.randn(40, generator=g)
+    run = bind_gemv(w.contiguous(), 2)
+    x, out = torch.randn(2, 24, generator=g), torch.empty(2, 40)
+    for call in range(3):
+        x.copy_(torch.randn(2, 24, generator=g))
+        x[0, call] = float("nan") if call == 2 else x[0, call]
+        assert run(x, b, out) is out
+        torch.testing.assert_close(out, F.linear(x, w, b), rtol=1e-5, atol=1e-5, equal_nan=True)
+    other = torch.empty(2, 40)
+    torch.testing.assert_close(run(x, None, other), F.linear(x, w), rtol=1e-5, atol=1e-5,
+                               equal_nan=True)

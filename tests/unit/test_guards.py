@@ -172,3 +172,34 @@ def test_weight_guards_say_what_a_share_weights_model_holds():
     with pytest.raises(WeightChanged, match="'w' was modified in place after compiling: the "
                        "compiled model holds a snapshot of the weights"):
         guard.check(Call([], []))
+
+
+class _Scaled(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(8, 8))
+
+    def forward(self, x, cache):
+        cache.add_(1.0)               # an input written in place (as a KV cache)
+        return x @ self.w + cache
+
+
+def test_call_unguarded_equals_a_guarded_call_and_plain_forms_only():
+    m = _Scaled().eval()
+    x, cache = torch.randn(2, 8), torch.randn(2, 8)
+    cm = opencann.compile(m, (x, cache.clone()))
+    c1, c2 = cache.clone(), cache.clone()
+    for _ in range(2):                # a second call: the cache written again, in place
+        x = torch.randn(2, 8)
+        want = cm(x, c1)
+        got = cm.call_unguarded(x, c2)
+        assert torch.equal(got, want) and torch.equal(c1, c2)
+    with torch.no_grad():
+        ref = x @ m.w + c1
+    torch.testing.assert_close(got, ref)
+    with torch.no_grad():
+        m.w.mul_(2.0)
+    with pytest.raises(WeightChanged):
+        cm(x, c1)                     # the guarded call sees the change
+    with pytest.raises(ValueError, match="unexpected positional"):
+        cm.call_unguarded(x, c2, 1)   # not the plain form: bound and checked as a call

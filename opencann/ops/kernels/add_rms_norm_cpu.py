@@ -27,8 +27,9 @@ import numpy as np
 import torch
 from numba import prange
 
-from .numba_cache import GRAIN, launch, njit
-from ...ir import Node, TensorDesc
+from .numba_cache import GRAIN, entry_point, launch, njit
+from .numpy_views import NumpyViews
+from ...ir import Node, TensorDesc, numel
 
 _FM = {"reassoc", "contract"}
 
@@ -94,15 +95,64 @@ def _into(out, y: torch.Tensor, s: torch.Tensor):
     return out[0].copy_(y), out[1].copy_(s)
 
 
-def make_add_rms_norm_kernel(node: Node, in_descs: Sequence[TensorDesc], consts: Sequence) -> Callable:
-    """Kernel factory of AddRmsNorm(x1, x2, gamma; attrs epsilon) -> (y, x): ``run(x1, x2,
-    gamma, out=None)`` (`add_rms_norm`; ``out`` the planned (y, x) buffers)."""
-    eps = float(node.attrs["epsilon"])
-    i1, i2, ig = (node.attrs[k].index for k in ("x1", "x2", "gamma"))
+def bind_add_rms_norm(a: TensorDesc, b: TensorDesc, weight: TensorDesc, eps: float) -> Callable:
+    """``run(a, b, weight, out=None) -> (y, s)``: `add_rms_norm` for a compiled graph whose
+    operands have the static descriptions given. Where those allow it (float32 a, b
+    [..., D] of one static shape, weight [D]; rows * D below `GRAIN`, a decode step's rows)
+    the shape and dtype checks are made once, here, and a call with planned contiguous
+    ``out`` buffers is the numba call on memoized NumPy views (`NumpyViews`: the graph
+    hands the same arena buffers at every call), through the kernel's entry point for
+    their types (`numba_cache.entry_point`: every view is C-contiguous float32) —
+    measured for one 768-element row ~2.7 against ~6.7 µs a call warm; right after a
+    64 MiB copy (a decode GEMM's cold caches) ~20 against ~100 µs. Any other call takes `add_rms_norm` (its checks and
+    one-line errors). Same bits on either path."""
+    def general(x1, x2, g, out=None):
+        return add_rms_norm(x1, x2, g, eps, out=out)
+    shape = tuple(a.shape)
+    if not (a.is_static and a.shape == b.shape and len(shape) >= 1 and shape[-1]
+            and tuple(weight.shape) == shape[-1:]
+            and a.dtype.torch == b.dtype.torch == weight.dtype.torch == torch.float32):
+        return general
+    d = int(shape[-1])
+    rows = numel(shape) // d
+    if rows * d >= GRAIN:
+        return general
+    rd, views, e32 = (rows, d), NumpyViews(), np.float32(eps)
+    last: list = [None] * 6     # the last fast call: its 5 tensors, then (pointers, entry, args)
 
-    def run(*xs, out=None):
-        return add_rms_norm(xs[i1], xs[i2], xs[ig], eps, out=out)
+    def run(x1, x2, g, out=None):
+        if out is None:
+            return general(x1, x2, g)
+        y, s = out
+        if x1 is last[0] and x2 is last[1] and g is last[2] and y is last[3] and s is last[4] \
+                and last[5][0] == (x1.data_ptr(), x2.data_ptr(), g.data_ptr(), y.data_ptr(),
+                                   s.data_ptr()):
+            last[5][1](*last[5][2])      # the same tensors as the last call: its views
+            return y, s
+        args = (views.shaped(x1, rd), views.shaped(x2, rd), views.shaped(g, (d,)), e32,
+                views.shaped(y, rd), views.shaped(s, rd))
+        if any(x is None for x in args) or x1.shape != shape or x2.shape != shape:
+            return general(x1, x2, g, out=out)
+        _serial(*args)
+        fn = entry_point(_serial, args)
+        if fn is not None:
+            last[:] = [x1, x2, g, y, s, ((x1.data_ptr(), x2.data_ptr(), g.data_ptr(),
+                                          y.data_ptr(), s.data_ptr()), fn, args)]
+        return y, s
     return run
 
 
-__all__ = ["add_rms_norm", "make_add_rms_norm_kernel"]
+def make_add_rms_norm_kernel(node: Node, in_descs: Sequence[TensorDesc], consts: Sequence) -> Callable:
+    """Kernel factory of AddRmsNorm(x1, x2, gamma; attrs epsilon) -> (y, x): ``run(x1, x2,
+    gamma, out=None)`` (`bind_add_rms_norm` over `add_rms_norm`; ``out`` the planned (y, x)
+    buffers)."""
+    eps = float(node.attrs["epsilon"])
+    i1, i2, ig = (node.attrs[k].index for k in ("x1", "x2", "gamma"))
+    bound = bind_add_rms_norm(in_descs[i1], in_descs[i2], in_descs[ig], eps)
+
+    def run(*xs, out=None):
+        return bound(xs[i1], xs[i2], xs[ig], out=out)
+    return run
+
+
+__all__ = ["add_rms_norm", "bind_add_rms_norm", "make_add_rms_norm_kernel"]

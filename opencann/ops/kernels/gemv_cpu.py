@@ -48,7 +48,7 @@ import numpy as np
 import torch
 from numba import prange
 
-from .numba_cache import launch_guard, launch_threads, njit
+from .numba_cache import entry_point, launch_guard, launch_threads, njit
 from .numba_prefetch import prefetch
 
 MAX_ROWS = 8  # the kernel handles x with 1..MAX_ROWS rows (decode: one token per sequence)
@@ -277,7 +277,10 @@ def bind_gemv(w_nk: torch.Tensor, rows: int, threads: Optional[int] = None
     checks x's shape and dtype, converts x, bias and the output to numpy views and
     dispatches (an 8 x 64 weight, one thread, the 2-core Xeon: 4.3-4.5 µs per call
     against 7.9-10.3 through the per-call wrapper `gemv` had been, the kernel alone
-    0.8-0.9; docs/performance.md, "Decode GEMV bound at plan time").
+    0.8-0.9; docs/performance.md, "Decode GEMV bound at plan time"). A call with the
+    previous call's x, out and bias (a compiled graph's arena buffers: every decode step)
+    reuses that call's NumPy views and the kernel's compiled entry point
+    (`numba_cache.entry_point`, no dispatch).
 
     ``bias``: [N] fp32 or None, per call; ``out``: [rows, N] fp32 (the planned buffer),
     written in place when contiguous (else through a copy), else a fresh tensor is
@@ -296,36 +299,74 @@ def bind_gemv(w_nk: torch.Tensor, rows: int, threads: Optional[int] = None
     guard = launch_guard()
     lock = None if isinstance(guard, contextlib.nullcontext) else guard
     get_threads, set_threads = numba.get_num_threads, numba.set_num_threads
+    # the last call's x, out, bias, their data pointers, the kernel's entry point and its
+    # arguments: a graph hands the same arena buffers every call, and the entry point
+    # skips the dispatcher's type resolution (`numba_cache.entry_point`)
+    last: list = []
+    entries: dict = {}     # has bias -> the kernel's entry point
 
     def run(x: torch.Tensor, bias: Optional[torch.Tensor] = None,
             out: Optional[torch.Tensor] = None) -> torch.Tensor:
-        if x.shape != xshape or x.dtype is not f32:
-            raise ValueError(f"gemv: x must be float32 {list(xshape)} (the bound rows and K), "
-                             f"got {tuple(x.shape)} {x.dtype}; bind the GEMV for this shape")
-        if out is not None and out.shape != yshape:
-            raise ValueError(f"gemv: out must be {list(yshape)}, got {tuple(out.shape)}")
-        if x.requires_grad or not x.is_contiguous():
-            x = x.detach().contiguous()
-        if bias is None:
-            bn = _NO_BIAS
-        else:
-            if bias.requires_grad or not bias.is_contiguous():
-                bias = bias.detach().contiguous()
-            bn = bias.numpy()
-        y = out if out is not None and out.is_contiguous() else torch.empty(yshape)
+        if x.shape != xshape or x.dtype is not f32 or (out is not None and out.shape != yshape):
+            _refuse(x, out, xshape, yshape)
         nt = threads if threads is not None else launch_threads(work)
         if get_threads() != nt:
             set_threads(nt)
-        if lock is None:
-            kernel(x.numpy(), wn, bn, bias is not None, y.numpy())
-        else:
-            with lock:
-                kernel(x.numpy(), wn, bn, bias is not None, y.numpy())
-        if out is not None and y is not out:
-            return out.copy_(y)
-        return y
+        if last and x is last[0] and out is last[1] and bias is last[2] \
+                and last[3] == (x.data_ptr(), out.data_ptr(), 0 if bias is None else bias.data_ptr()):
+            _call(last[4], last[5], lock)   # the last call's tensors: its views, no dispatch
+            return out
+        return _views_call(kernel, wn, x, bias, out, yshape, lock, last, entries)
     run.weight = w_nk   # held: a cache that keeps the packed copy weakly sees it alive
     return run
+
+
+def _refuse(x: torch.Tensor, out: Optional[torch.Tensor], xshape, yshape) -> None:
+    """Raise the bound GEMV's one-line ValueError for ``x`` or ``out``."""
+    if x.shape != xshape or x.dtype is not torch.float32:
+        raise ValueError(f"gemv: x must be float32 {list(xshape)} (the bound rows and K), "
+                         f"got {tuple(x.shape)} {x.dtype}; bind the GEMV for this shape")
+    raise ValueError(f"gemv: out must be {list(yshape)}, got {tuple(out.shape)}")
+
+
+def _views_call(kernel, wn: np.ndarray, x: torch.Tensor, bias: Optional[torch.Tensor],
+                out: Optional[torch.Tensor], yshape, lock, last: list,
+                entries: dict) -> torch.Tensor:
+    """A bound GEMV call through the dispatcher: x, bias and the output as NumPy views
+    (contiguous copies where they are not), the result into ``out`` (a copy when it is
+    not contiguous) or a fresh tensor, through the kernel's entry point (``entries``,
+    by whether there is a bias: the arguments' types never change) once it is compiled;
+    ``last`` set to this call's tensors, pointers, the entry point and arguments when
+    every view is the caller's tensor itself (cleared otherwise)."""
+    x0, b0 = x, bias
+    if x.requires_grad or not x.is_contiguous():
+        x = x.detach().contiguous()
+    if bias is None:
+        bn = _NO_BIAS
+    else:
+        if bias.requires_grad or not bias.is_contiguous():
+            bias = bias.detach().contiguous()
+        bn = bias.numpy()
+    y = out if out is not None and out.is_contiguous() else torch.empty(yshape)
+    args = (x.numpy(), wn, bn, bias is not None, y.numpy())
+    fn = entries.get(args[3])    # every call's types are the same (C-contiguous float32)
+    _call(kernel if fn is None else fn, args, lock)
+    if fn is None:
+        fn = entries[args[3]] = entry_point(kernel, args)
+    last[:] = [] if fn is None or not (x is x0 and bias is b0 and y is out) else \
+        [x, out, bias, (x.data_ptr(), out.data_ptr(), 0 if bias is None else bias.data_ptr()), fn, args]
+    if out is not None and y is not out:
+        return out.copy_(y)
+    return y
+
+
+def _call(fn: Callable, args: tuple, lock) -> None:
+    """``fn(*args)``, under ``lock`` (the workqueue layer's) when there is one."""
+    if lock is None:
+        fn(*args)
+    else:
+        with lock:
+            fn(*args)
 
 
 def gemv(x: torch.Tensor, w_nk: torch.Tensor, bias: Optional[torch.Tensor] = None,

@@ -22,7 +22,7 @@ import math
 import os
 import threading
 import time
-from typing import Optional
+from typing import Callable, Optional
 
 from numba import njit as _numba_njit
 from numba.core.caching import (CompileResultCacheImpl, FunctionCache, UserProvidedCacheLocator,
@@ -57,6 +57,22 @@ class OpencannCacheLocator(UserProvidedCacheLocator):
 
 class _CacheImpl(CompileResultCacheImpl):
     _locator_classes = [UserProvidedCacheLocator, OpencannCacheLocator, UserWideCacheLocator]
+
+
+def entry_point(dispatcher, args: tuple) -> Optional[Callable]:
+    """The compiled machine-code entry of numba ``dispatcher`` for the numba types of
+    ``args``, or None while it has none (call the dispatcher: it compiles or loads it
+    from the cache) or when ``dispatcher`` is no numba dispatcher: a callable that unboxes its arguments as those types without the
+    dispatcher's type resolution. For a bound kernel whose calls always pass arguments of
+    exactly those types (same dtypes, ranks, layouts): a wrong type is not checked and
+    reads memory wrongly. Why: right after a decode step's GEMM has streamed megabytes
+    of weights, the dispatcher's type resolution misses the caches all the way (measured,
+    one 768-element AddRmsNorm row after a 64 MiB copy: 28.6 µs through the dispatcher,
+    10.4 µs through the entry point; warm 1.0 against 0.5 µs)."""
+    if not hasattr(dispatcher, "overloads"):     # a plain function (a test's wrapper)
+        return None
+    cres = dispatcher.overloads.get(tuple(dispatcher.typeof_pyval(a) for a in args))
+    return None if cres is None else cres.entry_point
 
 
 class _FunctionCache(FunctionCache):
@@ -240,6 +256,6 @@ def launch_guard():
 
 
 __all__ = ["GRAIN", "LOAD_SAMPLE_S", "LOAD_TAU_S", "OpencannCacheLocator", "cache_dir",
-           "follow_torch_threads", "launch", "launch_guard", "launch_threads", "njit", "others_load",
+           "entry_point", "follow_torch_threads", "launch", "launch_guard", "launch_threads", "njit", "others_load",
            "own_running_threads",
            "oversubscribed", "runnable_threads", "torch_threads"]

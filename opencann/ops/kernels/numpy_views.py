@@ -1,0 +1,97 @@
+"""`NumpyViews`: a bound kernel's memo of the NumPy views of the tensors it is handed at
+every call.
+
+A compiled graph's generated code hands a kernel the same tensor objects at every call
+(its arena buffers, its constants, a generator's KV-cache views): a numba kernel needs
+NumPy arrays, and ``Tensor.numpy()`` plus a reshape cost ~1-1.5 µs a tensor — at a
+decode step's sizes (an AddRmsNorm of one 768-element row: the numba call itself is
+under 1 µs) most of the kernel's time, paid on each of a few hundred nodes per token.
+The memo makes that once per tensor object.
+
+What a hit trusts: the tensor object is the one seen before (the memo keeps it alive
+through its NumPy view, so its ``id`` cannot be reused) and its ``data_ptr`` is
+unchanged (``set_``/``.data =`` give new memory: a miss). It does not trust shapes past
+that: it serves operands whose shapes a compiled graph fixes (its guards check the
+inputs'), and a tensor shrunk in place by ``resize_`` keeping its memory is not noticed.
+Only contiguous tensors are memoized (a reshape of a non-contiguous one copies, and a
+copy must never be reused); the others, and tensors requiring grad, are converted afresh
+at each call. The memo holds at
+most `CAPACITY` tensors (the oldest entry goes first), so tensors a caller makes afresh
+for every call (e.g. a ``lengths`` tensor) are kept alive for a few calls at most.
+"""
+from __future__ import annotations
+
+import math
+from typing import Dict, Optional, Tuple
+
+import numpy as np
+import torch
+
+#: tensors a memo keeps (a decode attention node takes 9-12, an AddRmsNorm 5)
+CAPACITY = 24
+
+# dtypes NumPy has, viewed as same-width integers (bit-exact copies)
+_INT = {torch.float32: np.int32, torch.float64: np.int64, torch.float16: np.int16,
+        torch.int32: np.int32, torch.int64: np.int64}
+
+
+class NumpyViews:
+    """Per bound kernel: ``views.array(t)`` is ``t.numpy()``, ``views.bits(t)`` the same
+    memory as same-width integers (float32 -> int32), ``views.shaped(t, shape)`` is
+    ``t.numpy().reshape(shape)``; each memoized per tensor object when ``t`` is contiguous
+    (`array` and `bits` make the view afresh otherwise, `shaped` returns None then). Not
+    locked: two threads racing on a miss both insert the same view."""
+
+    def __init__(self, capacity: int = CAPACITY):
+        self.capacity = capacity
+        self._memo: Dict[Tuple[int, object], Tuple[int, np.ndarray]] = {}
+
+    def _get(self, t: torch.Tensor, key: object) -> Optional[np.ndarray]:
+        e = self._memo.get((id(t), key))
+        if e is not None and e[0] == t.data_ptr():
+            return e[1]
+        return None
+
+    def _put(self, t: torch.Tensor, key: object, arr: np.ndarray) -> np.ndarray:
+        memo = self._memo
+        if len(memo) >= self.capacity:
+            del memo[next(iter(memo))]
+        memo[(id(t), key)] = (t.data_ptr(), arr)
+        return arr
+
+    def shaped(self, t: torch.Tensor, shape: Tuple[int, ...]) -> Optional[np.ndarray]:
+        """``t``'s memory as a NumPy array of ``shape`` (a view: t contiguous with as many
+        elements), or None when ``t`` is not contiguous, requires grad, has another
+        number of elements or a dtype NumPy lacks (bfloat16)."""
+        arr = self._get(t, shape)
+        if arr is not None:
+            return arr
+        if t.requires_grad or not t.is_contiguous() or t.dtype == torch.bfloat16 \
+                or t.numel() != math.prod(shape):
+            return None
+        return self._put(t, shape, t.numpy().reshape(shape))
+
+    def array(self, t: torch.Tensor) -> np.ndarray:
+        """``t``'s NumPy view in its own shape and strides: memoized when ``t`` is
+        contiguous, else made afresh (detached first when it requires grad). Raises
+        TypeError for a dtype NumPy lacks (bfloat16), as ``Tensor.numpy``."""
+        arr = self._get(t, "array")
+        if arr is not None:
+            return arr
+        if t.requires_grad or not t.is_contiguous():
+            return t.detach().numpy()
+        return self._put(t, "array", t.numpy())
+
+    def bits(self, t: torch.Tensor) -> np.ndarray:
+        """``t``'s memory in its own shape and strides as same-width integers (float32 as
+        int32: a bit-exact copy moves NaN payloads and -0.0 as they are), memoized as
+        `array`. Raises KeyError for a dtype without an integer twin here (`_INT`)."""
+        arr = self._get(t, "bits")
+        if arr is not None:
+            return arr
+        if t.requires_grad or not t.is_contiguous():
+            return t.detach().numpy().view(_INT[t.dtype])
+        return self._put(t, "bits", t.numpy().view(_INT[t.dtype]))
+
+
+__all__ = ["CAPACITY", "NumpyViews"]
