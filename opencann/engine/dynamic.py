@@ -225,7 +225,7 @@ class ShapeBinder:
                 f"{what} ({d['name']}) is {n}, outside the compiled range {rng} of "
                 f"{d['name']}: call with {lo} <= {d['name']} <= {hi if hi is not None else 'inf'}, "
                 f"or recompile with a range that holds it (dim_ranges={{'{d['name']}': "
-                f"({min(lo, n)}, {max(hi or n, n)})}}) if the model allows it")
+                f"({min(lo, n)}, {None if hi is None else max(hi, n)})}}) if the model allows it")
 
     def describe(self, values: Mapping[str, int]) -> str:
         """``batch=2, seq=40`` for symbol values."""
