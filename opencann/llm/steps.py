@@ -152,13 +152,15 @@ def hold_weights_once(lm: DecoderLM, options: Optional[Dict[str, Any]] = None) -
     read the module's memory instead of a copy beside it: per Llama/Mistral/Qwen2 layer
     the q/k/v projections' weights (and biases), as ``fuse_qkv_linear`` merges them, and
     the gate/up projections' weights where GatedMLP runs one GEMM on them (each of
-    `cpu.COLD_RACE_BYTES` or more, ``fuse_gated_mlp``), each in the layout its decode
-    kernel reads (`cpu.concat_row_major`: [Σn, k] with every weight a contiguous row
-    block, or [k, Σn] with every weight a transposed view); a pass the compile
-    ``options`` disable leaves its weights alone. The parameters keep their values,
-    shapes and identity (the transformers model they come from runs as before; a
-    row-major layout makes its weights non-contiguous views, same values), their old
-    memory is freed: the Q/K/V and gate/up weights are held once, not twice (198 MB of
+    `cpu.COLD_RACE_BYTES` or more, ``fuse_gated_mlp``), where their decode kernel reads
+    the [Σn, k] layout (`cpu.concat_row_major` False: every weight a contiguous row block
+    of it). Where the kernel reads the row-major [k, Σn] one, every weight would become a
+    transposed, non-contiguous view, which ``save_pretrained`` / safetensors and any
+    ``weight.view(...)`` refuse: those weights are left alone and the kernel keeps its
+    concatenated copy, as a pass the compile ``options`` disable leaves its weights
+    alone. The parameters keep their values, shapes, contiguity and identity (the
+    transformers model they come from runs and saves as before), their old memory is
+    freed: the Q/K/V and gate/up weights are held once, not twice (198 MB of
     the 499 MB random Llama-125M). Done once, before the first step graph is compiled
     (its weight guards record the new memory); a module laid out already is not copied
     again. Only for opencann.llm's step graphs, compiled with ``share_weights``: a plain
@@ -184,7 +186,9 @@ def hold_weights_once(lm: DecoderLM, options: Optional[Dict[str, Any]] = None) -
             if any(w.dtype != torch.float32 for w in ws):
                 continue
             n, k = sum(int(w.shape[0]) for w in ws), int(ws[0].shape[1])
-            concatenate_in_place(ws, row_major=concat_row_major(k, n, ws[0].dtype))
+            if concat_row_major(k, n, ws[0].dtype):
+                continue   # each weight would be a transposed view: its kernel keeps a copy
+            concatenate_in_place(ws, row_major=False)
             biases = [m.bias for m in mods]
             if all(b is not None for b in biases):
                 concatenate_in_place(biases)
