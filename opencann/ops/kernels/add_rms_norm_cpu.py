@@ -102,9 +102,10 @@ def bind_add_rms_norm(a: TensorDesc, b: TensorDesc, weight: TensorDesc, eps: flo
     the shape and dtype checks are made once, here, and a call with planned contiguous
     ``out`` buffers is the numba call on memoized NumPy views (`NumpyViews`: the graph
     hands the same arena buffers at every call), through the kernel's entry point for
-    their types (`numba_cache.entry_point`: every view is C-contiguous float32) —
-    measured for one 768-element row ~2.7 against ~6.7 µs a call warm; right after a
-    64 MiB copy (a decode GEMM's cold caches) ~20 against ~100 µs. Any other call takes `add_rms_norm` (its checks and
+    their types (`numba_cache.entry_point`: every view is C-contiguous float32), and a
+    call with the last call's tensors reuses its views — measured for one 768-element
+    row 1.1 against 6.8 µs a call warm; right after a 64 MiB copy (a decode GEMM's cold
+    caches) 22 against 109 µs. Any other call takes `add_rms_norm` (its checks and
     one-line errors). Same bits on either path."""
     def general(x1, x2, g, out=None):
         return add_rms_norm(x1, x2, g, eps, out=out)
@@ -118,7 +119,8 @@ def bind_add_rms_norm(a: TensorDesc, b: TensorDesc, weight: TensorDesc, eps: flo
     if rows * d >= GRAIN:
         return general
     rd, views, e32 = (rows, d), NumpyViews(), np.float32(eps)
-    last: list = [None] * 6     # the last fast call: its 5 tensors, then (pointers, entry, args)
+    # the last fast call: its 5 tensors, (pointers, entry, args); then `_serial`'s entry point
+    last: list = [None] * 7
 
     def run(x1, x2, g, out=None):
         if out is None:
@@ -133,11 +135,12 @@ def bind_add_rms_norm(a: TensorDesc, b: TensorDesc, weight: TensorDesc, eps: flo
                 views.shaped(y, rd), views.shaped(s, rd))
         if any(x is None for x in args) or x1.shape != shape or x2.shape != shape:
             return general(x1, x2, g, out=out)
-        _serial(*args)
-        fn = entry_point(_serial, args)
+        fn = last[6]       # every call's views have the same types (C-contiguous float32)
+        (_serial if fn is None else fn)(*args)
+        fn = last[6] = fn if fn is not None else entry_point(_serial, args)
         if fn is not None:
-            last[:] = [x1, x2, g, y, s, ((x1.data_ptr(), x2.data_ptr(), g.data_ptr(),
-                                          y.data_ptr(), s.data_ptr()), fn, args)]
+            last[:6] = [x1, x2, g, y, s, ((x1.data_ptr(), x2.data_ptr(), g.data_ptr(),
+                                           y.data_ptr(), s.data_ptr()), fn, args)]
         return y, s
     return run
 
