@@ -64,22 +64,39 @@ def onednn_linear_available() -> bool:
 
 
 @functools.lru_cache(maxsize=None)
-def _read_l2() -> Tuple[int, str]:
+def _read_caches() -> Tuple[Tuple[int, int, str], ...]:
+    """(level, bytes, source) of cpu0's data / unified caches in sysfs, by level."""
+    out = []
     for d in sorted(glob.glob("/sys/devices/system/cpu/cpu0/cache/index*")):
         try:
-            level = open(os.path.join(d, "level")).read().strip()
+            level = int(open(os.path.join(d, "level")).read().strip())
+            kind = open(os.path.join(d, "type")).read().strip()
             size = open(os.path.join(d, "size")).read().strip()
-        except OSError:
-            continue
-        if level == "2":
             mult = {"K": KIB, "M": KIB * KIB}.get(size[-1], 1)
-            return int(size.rstrip("KM")) * mult, f"sysfs {d}/size = {size}"
-    return CPU_L2_FALLBACK, "sysfs cache info unreadable; fallback 1 MiB (typical per-core L2)"
+            nbytes = int(size.rstrip("KM")) * mult
+        except (OSError, ValueError):
+            continue
+        if kind != "Instruction":
+            out.append((level, nbytes, f"sysfs {d}/size = {size}"))
+    return tuple(sorted(out))
 
 
 def cpu_l2() -> Tuple[int, str]:
     """(bytes, source) of the L2 cache of cpu0, read from sysfs; falls back to 1 MiB."""
-    return _read_l2()
+    for level, nbytes, source in _read_caches():
+        if level == 2:
+            return nbytes, source
+    return CPU_L2_FALLBACK, "sysfs cache info unreadable; fallback 1 MiB (typical per-core L2)"
+
+
+def cpu_last_level_cache() -> Tuple[int, str]:
+    """(bytes, source) of cpu0's last-level (largest-level) data cache from sysfs, e.g. a
+    shared L3; (0, reason) when sysfs does not say."""
+    caches = _read_caches()
+    if not caches:
+        return 0, "sysfs cache info unreadable"
+    level, nbytes, source = caches[-1]
+    return nbytes, source
 
 
 def memory_bytes() -> int:
@@ -117,7 +134,8 @@ def cpu_flags() -> Tuple[str, ...]:
     return _proc_flags() + (platform.machine(),) + env
 
 
-__all__ = ["CPU_L2_FALLBACK", "FORMATS", "ISA_ENV", "cpu_flags", "cpu_l2", "isa", "memory_bytes",
+__all__ = ["CPU_L2_FALLBACK", "FORMATS", "ISA_ENV", "cpu_flags", "cpu_l2", "cpu_last_level_cache", "isa",
+           "memory_bytes",
            "mkl_packed_available",
            "mkldnn_available", "onednn_linear_available"]
 

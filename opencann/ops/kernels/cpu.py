@@ -269,8 +269,24 @@ _MARGIN = 0.97  # a prepacked kernel must be 3% faster than addmm to be chosen (
 # addmm_kn races: one GEMM at a time the two read a weight equally fast, yet in a decode
 # step, where every weight streams in turn, MKL's GEMV reads the contiguous [k, n] copy
 # faster (the whole 12-layer Llama-125M decode step, every GEMM bound to one or the
-# other, 10 interleaved rounds: 17.7 -> 16.6 ms, best)
+# other, 10 interleaved rounds: 17.7 -> 16.6 ms, best). "Evicted" means out of the
+# last-level cache too (`cold_scratch_bytes`): a decode step of an LLM streams more
+# weights than the shared L3 holds, so each one comes from DRAM; with only L2 evicted
+# (a 32 MiB write) the weight came from the 480 MiB L3 of the 2-core Xeon and the race
+# picked MKL's GEMM at 8 rows where, from DRAM, the numba GEMV is faster (Llama-125M
+# decode step at batch 8, same process, interleaved: 33.5 -> 26.1 ms, least)
 COLD_RACE_ROWS, COLD_RACE_BYTES = 16, 1 << 20
+#: the cold race's eviction write: at least this, more when the last-level cache is larger
+COLD_EVICT_MIN, COLD_EVICT_MAX = 32 << 20, 1 << 30
+
+
+def cold_scratch_bytes() -> int:
+    """Bytes the cold race writes before each timed call: 1.25x the last-level cache
+    (`devices.cpu.cpu_last_level_cache`; a shared L3), within [`COLD_EVICT_MIN`,
+    `COLD_EVICT_MAX`] (32 MiB where sysfs does not say)."""
+    from ...devices.cpu import cpu_last_level_cache
+    llc = cpu_last_level_cache()[0]
+    return min(COLD_EVICT_MAX, max(COLD_EVICT_MIN, llc + llc // 4))
 
 
 def kn_offered(wt: torch.Tensor, m: int) -> bool:
@@ -288,8 +304,8 @@ def kn_offered(wt: torch.Tensor, m: int) -> bool:
 
 
 def _evict_caches(scratch: torch.Tensor) -> None:
-    """Write ``scratch`` (32 MiB: more than the L2 caches of any CPU this runs on), so the
-    next call's weight is read from the shared cache or memory, as at decode."""
+    """Write ``scratch`` (`cold_scratch_bytes`: more than the caches hold), so the next
+    call's weight is read from memory, as at decode."""
     scratch.fill_(1.0)
 
 
@@ -298,13 +314,13 @@ def _measure_choice(key: tuple, makers: Dict[str, Callable[[], Callable]], bias,
     """The fastest of the candidate kernels ``makers`` (name -> a maker returning ``run(b,
     x, w, out)``, packing its weight copy; "addmm" among them) for GEMM shape ``key`` =
     (m, k, n, dtype, raced kernels[, "no bias"]), timed on random data of the weight
-    ``wt``'s dtype (``bias``, else zeros, as b; None when not ``has_bias``): three passes,
-    in each of which every candidate in turn (the order rotating) is made, run once
-    untimed, timed twice and dropped, so that at most one candidate's packed copy
+    ``wt``'s dtype (``bias``, else zeros, as b; None when not ``has_bias``): three passes
+    (two when cold), in each of which every candidate in turn (the order rotating) is made,
+    run once untimed, timed twice (once when cold) and dropped, so that at most one candidate's packed copy
     lives at a time (a copy another graph holds is shared, not made); the least time
     per candidate kept; another kernel is chosen over addmm only when 3% faster. A
     few-row GEMM of a large weight (`COLD_RACE_ROWS`) is timed with the caches evicted
-    before each call (without addmm when ``addmm_kn`` races), and where ``addmm_kn``
+    before each call (`cold_scratch_bytes`; without addmm when ``addmm_kn`` races), and where ``addmm_kn``
     races (`kn_offered`) it is the kernel to beat instead of addmm. Cached in
     `LINEAR_CHOICES` (one measurement per shape, even when binding races). The caller
     makes the winner's kernel again (its copy then lives while the kernel does).
@@ -321,12 +337,14 @@ def _measure_choice(key: tuple, makers: Dict[str, Callable[[], Callable]], bias,
             base = "addmm_kn" if "addmm_kn" in makers else "addmm"   # see kn_offered
             names = [name for name in makers if not (cold and base == "addmm_kn" and name == "addmm")]
             times = {name: float("inf") for name in names}
-            scratch = torch.empty(8 << 20) if cold else None   # freed after the race
-            for rnd in range(3):
+            # freed after the race; cold: 2 rounds of one timed call each (an eviction
+            # writes the last-level cache over: ~25 ms on the 480 MiB L3 of the 2-core Xeon)
+            scratch = torch.empty(cold_scratch_bytes() // 4) if cold else None
+            for rnd in range(2 if cold else 3):
                 for name in names[rnd % len(names):] + names[:rnd % len(names)]:
                     run = makers[name]()
                     run(b, x, wt, out)  # warm-up: first-call set-up (oneDNN primitive creation)
-                    for _ in range(2):
+                    for _ in range(1 if cold else 2):
                         if scratch is not None:
                             _evict_caches(scratch)
                         times[name] = min(times[name], best_time_us(
@@ -795,6 +813,6 @@ def make_linear_kernel(node: Node, in_descs: Sequence[TensorDesc], consts: Seque
     return run_no_bias
 
 
-__all__ = ["BF16_LINEAR_POST", "GEMM_KERNELS", "LINEAR_CHOICES", "LINEAR_DTYPES", "ConvWeightPacks", "ThreadPacks",
-           "concat_row_major", "concat_weights", "copy_allowed", "kn_offered", "packed_copies", "packed_copies_by_kind",
+__all__ = ["BF16_LINEAR_POST", "COLD_EVICT_MAX", "COLD_EVICT_MIN", "GEMM_KERNELS", "LINEAR_CHOICES", "LINEAR_DTYPES", "ConvWeightPacks", "ThreadPacks",
+           "cold_scratch_bytes", "concat_row_major", "concat_weights", "copy_allowed", "kn_offered", "packed_copies", "packed_copies_by_kind",
            "gemm_kernel", "linear_writes_out", "make_conv_kernel", "make_linear_kernel", "make_trans_data"]
