@@ -120,12 +120,16 @@ def test_the_cold_race_of_a_streamed_weight_has_addmm_kn_to_beat(monkeypatch):
     cands = {"addmm": kernel("addmm", 0.0), "addmm_kn": kernel("addmm_kn", 0.001),
              "p": kernel("p", 0.003)}
     assert cpu_kernels._measure_choice(key, _makers(cands), None, wt) == "addmm_kn"
-    assert evictions and set(evictions) == {cpu_kernels.cold_scratch_bytes() // 4}   # the LLC written over
+    assert evictions and set(evictions) == {cpu_kernels.COLD_EVICT_MIN // 4}   # 1 row: 32 MiB
     assert cpu_kernels.COLD_EVICT_MIN <= cpu_kernels.cold_scratch_bytes() <= cpu_kernels.COLD_EVICT_MAX
     assert "addmm" not in ran
     cands["p"] = kernel("p", 0.0)
     assert cpu_kernels._measure_choice(key[:4] + (("addmm", "addmm_kn", "q"),), _makers(cands),
                                        None, wt) == "p"
+    evictions.clear()                                  # 8 rows: the last-level cache written over
+    assert cpu_kernels._measure_choice((8,) + key[1:4] + (("addmm", "addmm_kn", "p"),), _makers(cands),
+                                       None, wt) == "p"
+    assert set(evictions) == {cpu_kernels.cold_scratch_bytes() // 4}
     hot = (64, 512, 640, "f", ("addmm", "addmm_kn"))     # 64 rows: timed hot, addmm raced
     evictions.clear()
     ran.clear()

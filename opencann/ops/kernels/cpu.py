@@ -269,24 +269,28 @@ _MARGIN = 0.97  # a prepacked kernel must be 3% faster than addmm to be chosen (
 # addmm_kn races: one GEMM at a time the two read a weight equally fast, yet in a decode
 # step, where every weight streams in turn, MKL's GEMV reads the contiguous [k, n] copy
 # faster (the whole 12-layer Llama-125M decode step, every GEMM bound to one or the
-# other, 10 interleaved rounds: 17.7 -> 16.6 ms, best). "Evicted" means out of the
-# last-level cache too (`cold_scratch_bytes`): a decode step of an LLM streams more
-# weights than the shared L3 holds, so each one comes from DRAM; with only L2 evicted
-# (a 32 MiB write) the weight came from the 480 MiB L3 of the 2-core Xeon and the race
-# picked MKL's GEMM at 8 rows where, from DRAM, the numba GEMV is faster (Llama-125M
-# decode step at batch 8, same process, interleaved: 33.5 -> 26.1 ms, least)
+# other, 10 interleaved rounds: 17.7 -> 16.6 ms, best). At 2 or more rows "evicted"
+# means out of the last-level cache too (`cold_scratch_bytes`): a decode step of an LLM
+# streams more weights than the shared L3 holds, so each one comes from DRAM; with only
+# L2 evicted (a 32 MiB write) the weight came from the 480 MiB L3 of the 2-core Xeon and
+# the race picked MKL's GEMM at 8 rows where, from DRAM, the numba GEMV is faster
+# (Llama-125M decode step at batch 8, same process: 26.7-33.5 -> 24.2-25.1 ms, least;
+# bench/gemv.py --rotation, all 85 weights in turn: 8 rows 21.9 ms GEMV, 27.7 MKL). At
+# one row the two stream alike (rotation: MKL 13.9, GEMV 15.1 ms) and the single-weight
+# race from DRAM picked either by a few %: the L2 eviction (MKL's GEMV) is kept there
 COLD_RACE_ROWS, COLD_RACE_BYTES = 16, 1 << 20
-#: the cold race's eviction write: at least this, more when the last-level cache is larger
-COLD_EVICT_MIN, COLD_EVICT_MAX = 32 << 20, 1 << 30
+#: the cold race's eviction write: at least this, the last-level cache's size up to the
+#: most (a transient allocation: the process's peak memory grows by it while a decode
+#: graph is bound, 480 MiB on the 2-core Xeon whose sysfs reports a 480 MiB L3)
+COLD_EVICT_MIN, COLD_EVICT_MAX = 32 << 20, 512 << 20
 
 
 def cold_scratch_bytes() -> int:
-    """Bytes the cold race writes before each timed call: 1.25x the last-level cache
+    """Bytes the cold race writes before each timed call: the last-level cache's size
     (`devices.cpu.cpu_last_level_cache`; a shared L3), within [`COLD_EVICT_MIN`,
     `COLD_EVICT_MAX`] (32 MiB where sysfs does not say)."""
     from ...devices.cpu import cpu_last_level_cache
-    llc = cpu_last_level_cache()[0]
-    return min(COLD_EVICT_MAX, max(COLD_EVICT_MIN, llc + llc // 4))
+    return min(COLD_EVICT_MAX, max(COLD_EVICT_MIN, cpu_last_level_cache()[0]))
 
 
 def kn_offered(wt: torch.Tensor, m: int) -> bool:
@@ -320,7 +324,8 @@ def _measure_choice(key: tuple, makers: Dict[str, Callable[[], Callable]], bias,
     lives at a time (a copy another graph holds is shared, not made); the least time
     per candidate kept; another kernel is chosen over addmm only when 3% faster. A
     few-row GEMM of a large weight (`COLD_RACE_ROWS`) is timed with the caches evicted
-    before each call (`cold_scratch_bytes`; without addmm when ``addmm_kn`` races), and where ``addmm_kn``
+    before each call (2 or more rows: the last-level cache, `cold_scratch_bytes`; 1 row:
+    `COLD_EVICT_MIN`; without addmm when ``addmm_kn`` races), and where ``addmm_kn``
     races (`kn_offered`) it is the kernel to beat instead of addmm. Cached in
     `LINEAR_CHOICES` (one measurement per shape, even when binding races). The caller
     makes the winner's kernel again (its copy then lives while the kernel does).
@@ -339,7 +344,8 @@ def _measure_choice(key: tuple, makers: Dict[str, Callable[[], Callable]], bias,
             times = {name: float("inf") for name in names}
             # freed after the race; cold: 2 rounds of one timed call each (an eviction
             # writes the last-level cache over: ~25 ms on the 480 MiB L3 of the 2-core Xeon)
-            scratch = torch.empty(cold_scratch_bytes() // 4) if cold else None
+            scratch = torch.empty((cold_scratch_bytes() if m > 1 else COLD_EVICT_MIN) // 4) \
+                if cold else None
             for rnd in range(2 if cold else 3):
                 for name in names[rnd % len(names):] + names[:rnd % len(names)]:
                     run = makers[name]()
