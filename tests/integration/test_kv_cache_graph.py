@@ -235,7 +235,15 @@ def test_prefill_with_a_dynamic_prompt_length_writes_in_place():
         with torch.no_grad():
             want = model(x, ek, torch.tensor(pos))
         torch.testing.assert_close(cm(x, kc, torch.tensor(pos)), want, rtol=1e-5, atol=1e-5)
-        assert _same_bits(kc, ek) and kc.data_ptr() == ptr
+        # the written rows are the projection's values: a per-shape GEMM race may bind
+        # another kernel than eager's addmm for a new prompt length (fp32 rounding); the
+        # rows not written keep their bits (NaN / inf tails included)
+        torch.testing.assert_close(kc, ek, rtol=1e-5, atol=1e-5, equal_nan=True)
+        written = torch.zeros(kc.shape, dtype=torch.bool)
+        for b, p in enumerate(pos):
+            written[b, :, p:p + t] = True
+        assert torch.equal(kc.view(torch.int32)[~written], ek.view(torch.int32)[~written])
+        assert kc.data_ptr() == ptr
 
 
 def test_torch_compile_writes_the_cache_in_place_too():

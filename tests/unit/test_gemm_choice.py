@@ -407,3 +407,15 @@ def test_a_concatenation_is_made_in_its_decode_kernels_layout(kernel, monkeypatc
     cat = cpu_kernels.concat_weights(w1, w3)
     assert cat.shape == (512, 1340) and torch.equal(cat, torch.cat([w1, w3], dim=1))
     assert cat.is_contiguous() == (kernel == "addmm_kn") and cat.t().is_contiguous() == (kernel == "gemv")
+
+
+def test_a_gemm_too_large_to_race_runs_addmm_without_allocating(monkeypatch):
+    """A shape whose race buffers would exceed RACE_MAX_BYTES (a huge gear's plan, refused
+    by the memory check after binding) is not raced: addmm, no candidate made, nothing cached."""
+    monkeypatch.setattr(cpu_kernels, "LINEAR_CHOICES", {})
+    made = []
+    makers = {"addmm": lambda: made.append("addmm"), "onednn_packed": lambda: made.append("p")}
+    wt = torch.randn(4, 4)
+    key = (10 ** 12, 4, 4, "f", ("addmm", "onednn_packed"))
+    assert cpu_kernels._measure_choice(key, makers, None, wt) == "addmm"
+    assert made == [] and cpu_kernels.LINEAR_CHOICES == {}

@@ -279,6 +279,10 @@ _MARGIN = 0.97  # a prepacked kernel must be 3% faster than addmm to be chosen (
 # one row the two stream alike (rotation: MKL 13.9, GEMV 15.1 ms) and the single-weight
 # race from DRAM picked either by a few %: the L2 eviction (MKL's GEMV) is kept there
 COLD_RACE_ROWS, COLD_RACE_BYTES = 16, 1 << 20
+#: a GEMM whose x and result would take more than this is not raced (addmm runs it): the
+#: race allocates both, and a plan for a huge shape (a gear that the memory check refuses
+#: next) must not fail in an allocation first
+RACE_MAX_BYTES = 256 << 20
 #: the cold race's eviction write: at least this, the last-level cache's size up to the
 #: most (a transient allocation: the process's peak memory grows by it while a decode
 #: graph is bound, 480 MiB on the 2-core Xeon whose sysfs reports a 480 MiB L3)
@@ -331,6 +335,8 @@ def _measure_choice(key: tuple, makers: Dict[str, Callable[[], Callable]], bias,
     makes the winner's kernel again (its copy then lives while the kernel does).
     ``shape``: (m, k, n) when ``key`` does not start with them."""
     m, k, n = shape or key[:3]
+    if m * (k + n) * wt.element_size() > RACE_MAX_BYTES:   # no race buffers that large
+        return "addmm_kn" if "addmm_kn" in makers else "addmm"
     with _LINEAR_CHOICES_LOCK:
         choice = LINEAR_CHOICES.get(key)
         if choice not in makers:
@@ -819,6 +825,7 @@ def make_linear_kernel(node: Node, in_descs: Sequence[TensorDesc], consts: Seque
     return run_no_bias
 
 
-__all__ = ["BF16_LINEAR_POST", "COLD_EVICT_MAX", "COLD_EVICT_MIN", "GEMM_KERNELS", "LINEAR_CHOICES", "LINEAR_DTYPES", "ConvWeightPacks", "ThreadPacks",
+__all__ = ["BF16_LINEAR_POST", "COLD_EVICT_MAX", "COLD_EVICT_MIN", "GEMM_KERNELS", "LINEAR_CHOICES", "LINEAR_DTYPES",
+           "RACE_MAX_BYTES", "ConvWeightPacks", "ThreadPacks",
            "cold_scratch_bytes", "concat_row_major", "concat_weights", "copy_allowed", "kn_offered", "packed_copies", "packed_copies_by_kind",
            "gemm_kernel", "linear_writes_out", "make_conv_kernel", "make_linear_kernel", "make_trans_data"]

@@ -8,11 +8,11 @@ decode step's sizes (an AddRmsNorm of one 768-element row: the numba call itself
 under 1 µs) most of the kernel's time, paid on each of a few hundred nodes per token.
 The memo makes that once per tensor object.
 
-What a hit trusts: the tensor object is the one seen before (the memo keeps it alive
-through its NumPy view, so its ``id`` cannot be reused) and its ``data_ptr`` is
-unchanged (``set_``/``.data =`` give new memory: a miss). It does not trust shapes past
-that: it serves operands whose shapes a compiled graph fixes (its guards check the
-inputs'), and a tensor shrunk in place by ``resize_`` keeping its memory is not noticed.
+What a hit checks: the tensor object is the one seen before (the memo holds a reference
+to it: a NumPy view's base is a new alias tensor, not the object, so without it a freed
+tensor's ``id`` could be reused by another tensor over the same memory, e.g. an arena
+buffer viewed at another shape by a dynamic-shape graph), and its ``data_ptr``, shape
+and strides are unchanged (``set_``/``.data =``/``resize_`` give a miss).
 Only contiguous tensors are memoized (a reshape of a non-contiguous one copies, and a
 copy must never be reused); the others, and tensors requiring grad, are converted afresh
 at each call. The memo holds at
@@ -44,19 +44,20 @@ class NumpyViews:
 
     def __init__(self, capacity: int = CAPACITY):
         self.capacity = capacity
-        self._memo: Dict[Tuple[int, object], Tuple[int, np.ndarray]] = {}
+        self._memo: Dict[Tuple[int, object], tuple] = {}
 
     def _get(self, t: torch.Tensor, key: object) -> Optional[np.ndarray]:
         e = self._memo.get((id(t), key))
-        if e is not None and e[0] == t.data_ptr():
-            return e[1]
+        if e is not None and e[0] is t and e[1] == t.data_ptr() and e[2] == t.shape \
+                and e[3] == t.stride():
+            return e[4]
         return None
 
     def _put(self, t: torch.Tensor, key: object, arr: np.ndarray) -> np.ndarray:
         memo = self._memo
         if len(memo) >= self.capacity:
             del memo[next(iter(memo))]
-        memo[(id(t), key)] = (t.data_ptr(), arr)
+        memo[(id(t), key)] = (t, t.data_ptr(), t.shape, t.stride(), arr)
         return arr
 
     def shaped(self, t: torch.Tensor, shape: Tuple[int, ...]) -> Optional[np.ndarray]:
