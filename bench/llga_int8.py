@@ -1,4 +1,4 @@
-"""Spike (issue #28): can torch's oneDNN Graph fuser (LLGA, TorchScript) cut the per-op
+"""Can torch's oneDNN Graph fuser (LLGA, TorchScript) cut the per-op
 overhead of opencann's int8 ResNet-50? Three measurements, one process each:
 
     OMP_WAIT_POLICY=PASSIVE .venv/bin/python bench/llga_int8.py --probe
