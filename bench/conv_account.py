@@ -207,6 +207,20 @@ def _node_values(cm, x: torch.Tensor) -> tuple:
     return ex, g, vals
 
 
+def _timers(ex, relus: List[tuple]) -> tuple:
+    """(a clone of executor ``ex`` whose nodes ``relus`` ((index, node) pairs) skip their
+    ReLU pass: wrong values, right timing; ``best``: key -> least ms seen; ``least(key,
+    f)``: time ``f`` once into ``best``) shared by both accounts."""
+    no_relu = ex.clone()
+    for i, n in relus:
+        no_relu._glb[f"K{i}"] = _without_relu(n)
+    best: Dict[tuple, float] = collections.defaultdict(lambda: float("inf"))
+
+    def least(key, f):
+        best[key] = min(best[key], _ns(f) / 1e6)
+    return no_relu, best, least
+
+
 def account(batch: int, rounds: int, peer: bool = False) -> Dict[str, float]:
     """ms per call of each item (module docstring) for zoo ResNet-50 at ``batch``; with
     ``peer``, OpenVINO f32's call and per-layer-type sums too (``OpenVINO ...`` keys)."""
@@ -220,14 +234,7 @@ def account(batch: int, rounds: int, peer: bool = False) -> Dict[str, float]:
     pieces = {i: _conv_pieces(n, vals) for i, n in convs}
     # the same executor without the ReLU passes (wrong values, right timing): its call
     # against the real one, interleaved, is the ReLU passes' cost in the call
-    no_relu = ex.clone()
-    for i, n in convs:
-        if n.attrs["act"] == "relu":
-            no_relu._glb[f"K{i}"] = _without_relu(n)
-    best: Dict[tuple, float] = collections.defaultdict(lambda: float("inf"))
-
-    def least(key, f):
-        best[key] = min(best[key], _ns(f) / 1e6)
+    no_relu, best, least = _timers(ex, [(i, n) for i, n in convs if n.attrs["act"] == "relu"])
     prim_call: List[float] = []
     prim_alone: Dict[int, float] = {}
     kinds: collections.Counter = collections.Counter()
@@ -327,14 +334,8 @@ def account_reduced(batch: int, rounds: int, precision: str) -> tuple:
         ins = [v.const if v.is_const else vals[v.id].clone(memory_format=torch.preserve_format)
                for v in n.inputs]
         alone[i] = (lambda k, a: lambda: k(*a))(ex._glb[f"K{i}"], ins)   # in place stays a copy
-    no_relu = ex.clone()
     relus = [(i, n) for i, n in convs if n.op in CONVS and n.attrs["act"] == "relu"]
-    for i, n in relus:
-        no_relu._glb[f"K{i}"] = _without_relu(n)
-    best: Dict[tuple, float] = collections.defaultdict(lambda: float("inf"))
-
-    def least(key, f):
-        best[key] = min(best[key], _ns(f) / 1e6)
+    no_relu, best, least = _timers(ex, relus)
     prim_call: List[float] = []
     prim_alone: Dict[int, float] = {}
     run: List[tuple] = []
