@@ -121,8 +121,9 @@ class Sampler:
             raise ValueError(f"seed must be an int (or None for the global RNG), got {seed!r}")
         self.generator = torch.Generator().manual_seed(seed) if seed is not None else None
 
-    def __call__(self, sequences: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
-        """Next token ids [B] (int64) from ``logits`` [B, vocab] after the processors."""
+    def __call__(self, sequences: Optional[torch.Tensor], logits: torch.Tensor) -> torch.Tensor:
+        """Next token ids [B] (int64) from ``logits`` [B, vocab] after the processors
+        (``sequences`` may be None when there are none: ``not self.processors``)."""
         scores = self.processors(sequences, logits) if self.processors else logits
         if not self.do_sample:
             return greedy(scores)

@@ -146,15 +146,16 @@ def step_memory(graphs: Sequence[Any], module: Optional[torch.nn.Module] = None)
     return StepMemory(own, sum(by_kind.values()), by_kind, arena, sum(shared.values()))
 
 
-def hold_weights_once(lm: DecoderLM, options: Optional[Dict[str, Any]] = None) -> int:
+def hold_weights_once(lm: DecoderLM, options: Optional[Dict[str, Any]] = None,
+                      rows: int = 1) -> int:
     """Lay ``lm``'s sibling weights out as the concatenations its compiled step graphs
     merge them into (`opencann.ops.weight_concat.concatenate_in_place`), so those graphs
     read the module's memory instead of a copy beside it: per Llama/Mistral/Qwen2 layer
     the q/k/v projections' weights (and biases), as ``fuse_qkv_linear`` merges them, and
     the gate/up projections' weights where GatedMLP runs one GEMM on them (each of
     `cpu.COLD_RACE_BYTES` or more, ``fuse_gated_mlp``), where their decode kernel reads
-    the [Σn, k] layout (`cpu.concat_row_major` False: every weight a contiguous row block
-    of it). Where the kernel reads the row-major [k, Σn] one, every weight would become a
+    the [Σn, k] layout (`cpu.concat_row_major` at ``rows``, the first decode graph's batch,
+    False: every weight a contiguous row block of it). Where the kernel reads the row-major [k, Σn] one, every weight would become a
     transposed, non-contiguous view, which ``save_pretrained`` / safetensors and any
     ``weight.view(...)`` refuse: those weights are left alone and the kernel keeps its
     concatenated copy, as a pass the compile ``options`` disable leaves its weights
@@ -186,7 +187,7 @@ def hold_weights_once(lm: DecoderLM, options: Optional[Dict[str, Any]] = None) -
             if any(w.dtype != torch.float32 for w in ws):
                 continue
             n, k = sum(int(w.shape[0]) for w in ws), int(ws[0].shape[1])
-            if concat_row_major(k, n, ws[0].dtype):
+            if concat_row_major(k, n, ws[0].dtype, rows=rows):
                 continue   # each weight would be a transposed view: its kernel keeps a copy
             concatenate_in_place(ws, row_major=False)
             biases = [m.bias for m in mods]
@@ -269,7 +270,7 @@ class StepGraphs:
             # cpu's: the vnpu keeps the unfused GEMMs)
             self._laid_out = True
             if str(self.device).split(":")[0] == "cpu":
-                hold_weights_once(self.lm, self.options)
+                hold_weights_once(self.lm, self.options, rows=batch)
         if tokens > 1 and (batch, 1) not in self._graphs:
             # the decode graph first: its GEMMs stream every weight once per token, so
             # their races choose each weight's one packed layout (`cpu.copy_allowed`);

@@ -21,7 +21,7 @@ def test_save_pretrained_after_compile_with_the_row_major_layout(monkeypatch, tm
     are left as they are (a transposed view would make save_pretrained / safetensors fail):
     they stay contiguous and the model saves and reloads with the same tokens."""
     monkeypatch.setattr("opencann.ops.kernels.cpu.concat_row_major",
-                        lambda k, n, dtype=torch.float32: True)
+                        lambda k, n, dtype=torch.float32, rows=None: True)
     m = _llama()
     ids = torch.randint(3, 97, (1, 7), generator=torch.Generator().manual_seed(1))
     want = m.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0)

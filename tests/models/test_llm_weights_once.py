@@ -37,7 +37,7 @@ def _column_major_concatenations(monkeypatch):
     one leaves them: tests/integration/test_user_paths.py)."""
     import opencann.passes.fusion.qkv_linear as qkv_linear
     for mod in (cpu_kernels, qkv_linear):
-        monkeypatch.setattr(mod, "concat_row_major", lambda k, n, dtype=torch.float32: False)
+        monkeypatch.setattr(mod, "concat_row_major", lambda k, n, dtype=torch.float32, rows=None: False)
 
 
 def _model(name, seed=11):

@@ -260,6 +260,14 @@ GEMV_MAX_ROWS = 8  # gemv_cpu.MAX_ROWS (not imported here: that module loads num
 LINEAR_CHOICES: Dict[tuple, str] = {}
 _LINEAR_CHOICES_LOCK = threading.Lock()  # one measurement per shape, even when binding races
 _MARGIN = 0.97  # a prepacked kernel must be 3% faster than addmm to be chosen (noise guard)
+#: at one row the numba GEMV is chosen over MKL's GEMM only when this much faster (15%):
+#: there both stream a weight at about the memory's rate, a single-weight race picks
+#: either by a few % from run to run, and a decode step whose GEMMs mix the two is slower
+#: than one on MKL's alone (Llama-125M decode step, 2-core Xeon, least of 120 calls per
+#: process, two processes each: all MKL 13.8-14.9 ms, the race's mixes 15.3-15.8, all
+#: GEMV 16.2-16.3); where MKL's M = 1 GEMM is slow (13-17 GB/s against the GEMV's 46 on
+#: the AMD EPYC host of issue #27) the GEMV still wins by far more
+GEMV_ONE_ROW_MARGIN = 0.85
 # a GEMM of at most COLD_RACE_ROWS rows whose weight has COLD_RACE_BYTES or more is raced
 # with the caches evicted before each timed call: at decode (a few rows) a weight is read
 # once per step, after the rest of the model's weights went through the caches, so what
@@ -272,13 +280,16 @@ _MARGIN = 0.97  # a prepacked kernel must be 3% faster than addmm to be chosen (
 # other, 10 interleaved rounds: 17.7 -> 16.6 ms, best). At 2 or more rows "evicted"
 # means out of the last-level cache too (`cold_scratch_bytes`): a decode step of an LLM
 # streams more weights than the shared L3 holds, so each one comes from DRAM; with only
-# L2 evicted (a 32 MiB write) the weight came from the 480 MiB L3 of the 2-core Xeon and
-# the race picked MKL's GEMM at 8 rows where, from DRAM, the numba GEMV is faster
+# L2 evicted (32 MiB) the weight came from the 480 MiB L3 of the 2-core Xeon and the
+# race picked MKL's GEMM at 8 rows where, from DRAM, the numba GEMV is faster
 # (Llama-125M decode step at batch 8, same process: 26.7-33.5 -> 24.2-25.1 ms, least;
 # bench/gemv.py --rotation, all 85 weights in turn: 8 rows 21.9 ms GEMV, 27.7 MKL). At
-# one row the two stream alike (rotation: MKL 13.9, GEMV 15.1 ms) and the single-weight
-# race from DRAM picked either by a few %: the L2 eviction (MKL's GEMV) is kept there
+# one row the two stream alike from DRAM (rotation: MKL 13.9, GEMV 15.1 ms) and the
+# GEMV must win by `GEMV_ONE_ROW_MARGIN`, which from L3 it does not reliably: the L2
+# eviction is kept there (the last-level one would add its size to the peak memory)
 COLD_RACE_ROWS, COLD_RACE_BYTES = 16, 1 << 20
+# (k, n, dtype) -> the rows the concatenation layout was last decided at (`concat_row_major`)
+_CONCAT_ROWS: Dict[tuple, int] = {}
 #: a GEMM whose x and result would take more than this is not raced (addmm runs it): the
 #: race allocates both, and a plan for a huge shape (a gear that the memory check refuses
 #: next) must not fail in an allocation first
@@ -312,9 +323,12 @@ def kn_offered(wt: torch.Tensor, m: int) -> bool:
 
 
 def _evict_caches(scratch: torch.Tensor) -> None:
-    """Write ``scratch`` (`cold_scratch_bytes`: more than the caches hold), so the next
-    call's weight is read from memory, as at decode."""
-    scratch.fill_(1.0)
+    """Read ``scratch`` (`cold_scratch_bytes`: more than the caches hold; written once
+    when made), so the next call's weight is read from memory, as at decode. A read
+    leaves clean lines: writing it instead left the caches full of dirty lines that the
+    timed call then paid to write back (a 1-row race's times rose 30-80% after a
+    last-level eviction by writing: they ranked the kernels by that, not by their reads)."""
+    scratch.max()
 
 
 def _measure_choice(key: tuple, makers: Dict[str, Callable[[], Callable]], bias, wt,
@@ -322,14 +336,15 @@ def _measure_choice(key: tuple, makers: Dict[str, Callable[[], Callable]], bias,
     """The fastest of the candidate kernels ``makers`` (name -> a maker returning ``run(b,
     x, w, out)``, packing its weight copy; "addmm" among them) for GEMM shape ``key`` =
     (m, k, n, dtype, raced kernels[, "no bias"]), timed on random data of the weight
-    ``wt``'s dtype (``bias``, else zeros, as b; None when not ``has_bias``): three passes
-    (two when cold), in each of which every candidate in turn (the order rotating) is made,
+    ``wt``'s dtype (``bias``, else zeros, as b; None when not ``has_bias``): three passes,
+    in each of which every candidate in turn (the order rotating) is made,
     run once untimed, timed twice (once when cold) and dropped, so that at most one candidate's packed copy
     lives at a time (a copy another graph holds is shared, not made); the least time
-    per candidate kept; another kernel is chosen over addmm only when 3% faster. A
+    per candidate kept; another kernel is chosen over addmm only when 3% faster (the
+    GEMV at one row: `GEMV_ONE_ROW_MARGIN`), the fastest of those that are. A
     few-row GEMM of a large weight (`COLD_RACE_ROWS`) is timed with the caches evicted
-    before each call (2 or more rows: the last-level cache, `cold_scratch_bytes`; 1 row:
-    `COLD_EVICT_MIN`; without addmm when ``addmm_kn`` races), and where ``addmm_kn``
+    before each call (2 or more rows: out of the last-level cache, `cold_scratch_bytes`;
+    1 row: `COLD_EVICT_MIN`; without addmm when ``addmm_kn`` races), and where ``addmm_kn``
     races (`kn_offered`) it is the kernel to beat instead of addmm. Cached in
     `LINEAR_CHOICES` (one measurement per shape, even when binding races). The caller
     makes the winner's kernel again (its copy then lives while the kernel does).
@@ -348,11 +363,10 @@ def _measure_choice(key: tuple, makers: Dict[str, Callable[[], Callable]], bias,
             base = "addmm_kn" if "addmm_kn" in makers else "addmm"   # see kn_offered
             names = [name for name in makers if not (cold and base == "addmm_kn" and name == "addmm")]
             times = {name: float("inf") for name in names}
-            # freed after the race; cold: 2 rounds of one timed call each (an eviction
-            # writes the last-level cache over: ~25 ms on the 480 MiB L3 of the 2-core Xeon)
-            scratch = torch.empty((cold_scratch_bytes() if m > 1 else COLD_EVICT_MIN) // 4) \
-                if cold else None
-            for rnd in range(2 if cold else 3):
+            # freed after the race; cold: one timed call per round (an eviction of the
+            # last-level cache reads ~16 ms on the 480 MiB L3 of the 2-core Xeon)
+            scratch = torch.ones((cold_scratch_bytes() if m > 1 else COLD_EVICT_MIN) // 4) if cold else None
+            for rnd in range(3):
                 for name in names[rnd % len(names):] + names[:rnd % len(names)]:
                     run = makers[name]()
                     run(b, x, wt, out)  # warm-up: first-call set-up (oneDNN primitive creation)
@@ -362,27 +376,37 @@ def _measure_choice(key: tuple, makers: Dict[str, Callable[[], Callable]], bias,
                         times[name] = min(times[name], best_time_us(
                             lambda: run(b, x, wt, out), reps=1, warmup=False))
                     del run   # its packed copy goes with it (unless another kernel holds it)
-            best = min((t, name) for name, t in times.items() if name != base)[1] \
-                if len(times) > 1 else base
-            choice = best if times[best] < _MARGIN * times[base] else base
+            beat = [(t, name) for name, t in times.items() if name != base and t < (
+                GEMV_ONE_ROW_MARGIN if name == "gemv" and m == 1 else _MARGIN) * times[base]]
+            choice = min(beat)[1] if beat else base
             LINEAR_CHOICES[key] = choice
     return choice
 
 
-def concat_row_major(k: int, n: int, dtype: torch.dtype = torch.float32) -> bool:
+def concat_row_major(k: int, n: int, dtype: torch.dtype = torch.float32,
+                     rows: Optional[int] = None) -> bool:
     """Whether a concatenation of constant weights into one [k, n] GEMM operand (the
     merged Q/K/V, GatedMLP's gate and up, `concat_weights`) is made row-major (contiguous
     [k, n], which addmm reads as MKL's row-major GEMV: what ``addmm_kn`` runs) rather
     than as the transpose of a contiguous [n, k] (nn.Linear's layout, which the decode
     GEMV reads as it is). The concatenation is the weight's one packed layout
-    (`copy_allowed`), so its layout is its decode kernel's: decided by a cold race at 1
-    row as `_measure_choice` runs it ("addmm_kn": row-major, against "gemv"), on random
-    weights of that shape made one at a time, once per (k, n, dtype) (`LINEAR_CHOICES`).
-    fp32 weights under `COLD_RACE_BYTES`, other dtypes and shapes without the GEMV:
-    [n, k] (the unmerged weights' layout: eager's bits for addmm)."""
+    (`copy_allowed`), so its layout is its decode kernel's: decided by a cold race at
+    ``rows`` rows (1..`GEMV_MAX_ROWS`) as `_measure_choice` runs it ("addmm_kn":
+    row-major, against "gemv"), on random weights of that shape made one at a time, once
+    per (rows, k, n, dtype) (`LINEAR_CHOICES`). The kernels differ by rows: on the 2-core
+    Xeon MKL's GEMV on the row-major copy wins at 1 row (a Llama-125M decode step 13.8
+    against 15.0-15.3 ms on the transposed [n, k]) and the numba GEMV at 8 (its rotation
+    of bench/gemv.py 21.9 against 27.7 ms). ``rows`` None (a fusion pass, a kernel's
+    binding: callers that do not know the decode batch): at the rows it was last decided
+    at for (k, n, dtype) (opencann.llm decides it at its first decode graph's batch
+    before compiling, `steps.hold_weights_once`), else at 1 row. fp32 weights under
+    `COLD_RACE_BYTES`, other dtypes and shapes without the GEMV: [n, k] (the unmerged
+    weights' layout: eager's bits for addmm)."""
     if dtype != torch.float32 or k * n * 4 < COLD_RACE_BYTES:
         return False
-    key = ("concat layout", k, n, str(dtype))
+    shape_key = (k, n, str(dtype))
+    m = _CONCAT_ROWS.get(shape_key, 1) if rows is None else min(max(int(rows), 1), GEMV_MAX_ROWS)
+    _CONCAT_ROWS[shape_key] = m
     gen = torch.Generator().manual_seed(0)
 
     def row_major() -> Callable:
@@ -391,11 +415,11 @@ def concat_row_major(k: int, n: int, dtype: torch.dtype = torch.float32) -> bool
 
     def column_major() -> Callable:
         from .gemv_cpu import bind_gemv
-        gemv = bind_gemv(torch.randn(n, k, generator=gen), 1)
+        gemv = bind_gemv(torch.randn(n, k, generator=gen), m)
         return lambda b, x, _w, out=None: gemv(x, None, out)
     probe = torch.empty(0, dtype=dtype)
-    return _measure_choice(key, {"addmm_kn": row_major, "gemv": column_major},
-                           None, probe, has_bias=False, shape=(1, k, n)) == "addmm_kn"
+    return _measure_choice(("concat layout", m) + shape_key, {"addmm_kn": row_major, "gemv": column_major},
+                           None, probe, has_bias=False, shape=(m, k, n)) == "addmm_kn"
 
 
 def _copy_act(r: torch.Tensor, out, post) -> torch.Tensor:
