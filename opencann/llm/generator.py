@@ -101,6 +101,8 @@ class Generator:
         self.lm, self.arch = lm, lm.arch if lm is not None else arch
         self.arch.check_max_seq_len(max_seq_len)
         self.max_seq_len, self.max_batch = max_seq_len, max_batch
+        if lm is not None:
+            lm.rope_table(max_seq_len)   # each step gathers its cos/sin rows
         self.batch_sizes = batch_sizes(max_batch, llm_options.get("batch_sizes"))
         self.buckets = prefill_buckets(max_seq_len, llm_options.get("prefill_buckets"))
         self.backend = llm_options.get("backend", DEFAULT_BACKEND)

@@ -53,7 +53,8 @@ def test_compiled_steps_equal_transformers_and_eager_with_one_decode_graph(name)
     assert text.count("fuse_flash_attention") == 1 and "memory: arena" in text
     # the graphs hold the module's weight memory (one copy, shared by both graphs), and
     # the merged Q/K/V weights once, shared by both graphs too
-    own = {t.untyped_storage().data_ptr() for t in list(m.parameters()) + list(m.buffers())}
+    own = {t.untyped_storage().data_ptr() for t in list(m.parameters()) + list(m.buffers())
+           + list(gen.lm.buffers())}   # + the generator's rotary tables (`rope_table`)
     merged = []
     for key in gen.steps.keys():
         consts = gen.steps.step(*key).compiled.graph.constants
@@ -140,7 +141,10 @@ def test_memory_accounting_counts_each_storage_once_and_no_weight_in_three_layou
     assert torch.equal(gen.generate(ids, max_new_tokens=6, pad_token_id=0), want)
     s = gen.stats
     own = dict(_storage(t) for t in list(m.parameters()) + list(m.buffers()))
-    assert s.module_weight_bytes == sum(own.values()) == before   # laid out, not grown
+    assert sum(own.values()) == before   # laid out, not grown
+    tables = dict(_storage(t) for t in (gen.lm.rope_cos, gen.lm.rope_sin))   # `rope_table`
+    assert s.module_weight_bytes == before + sum(tables.values())
+    own.update(tables)
     consts = [c.const for cm in gen.steps.compiled().values() for c in cm.graph.constants
               if isinstance(c.const, torch.Tensor)]
     extra = {}

@@ -89,7 +89,9 @@ def test_llama_merged_weights_are_the_modules_memory_and_tokens_stay():
         concats = cpu_kernels.packed_copies_by_kind(consts)["concat"]
         assert len(concats) == 2 and {_ptr(t) for t in concats} <= own, key
     s = gen.stats
-    assert s.module_weight_bytes == before and s.shared_weight_bytes == merged
+    tables = gen.lm.rope_cos.nbytes + gen.lm.rope_sin.nbytes    # `DecoderLM.rope_table`
+    assert tables == 2 * 40 * m.config.head_dim * 4
+    assert s.module_weight_bytes == before + tables and s.shared_weight_bytes == merged
     assert s.packed_bytes_by_kind["qkv_concat"] == 0 == s.packed_bytes_by_kind["gate_up_concat"]
     assert f"{merged / 2**20:.1f} of it the graphs' concatenations" in s.summary()
     # a second call; eager transformers and the eager backend on the same module afterwards
