@@ -24,10 +24,9 @@ from ..base import PassContext, RewritePass, Skip
 
 def static_shape(v: Value) -> Optional[Tuple[int, ...]]:
     """``v``'s shape as ints, None when a dim is symbolic."""
-    try:
-        return tuple(int(s) for s in v.desc.shape)
-    except TypeError:
+    if not v.desc.is_static:
         return None
+    return tuple(int(s) for s in v.desc.shape)
 
 
 def strides_of(v: Value) -> Optional[Tuple[int, ...]]:
