@@ -25,28 +25,17 @@ import os
 import statistics
 import sys
 import time
-from typing import Callable, Dict, List
+from typing import Dict, List
 
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import opencann  # noqa: E402
 from opencann import zoo  # noqa: E402
+from opencann.devices.cpu import best_time_us  # noqa: E402
 from opencann.ops import get_op  # noqa: E402
 
 BF16 = "allow_mix_precision_bf16"
-
-
-def least_us(fn: Callable[[], object], reps: int) -> float:
-    """Least wall time of ``reps`` calls of ``fn`` after two warm-up calls, µs."""
-    for _ in range(2):
-        fn()
-    best = float("inf")
-    for _ in range(reps):
-        t0 = time.perf_counter_ns()
-        fn()
-        best = min(best, time.perf_counter_ns() - t0)
-    return best / 1e3
 
 
 def alone(cm, inputs: List[torch.Tensor], reps: int) -> Dict[str, float]:
@@ -69,7 +58,7 @@ def alone(cm, inputs: List[torch.Tensor], reps: int) -> Dict[str, float]:
                 continue
             kernel = factory(node, [v.desc for v in node.inputs], [v.const for v in node.inputs])
             args = [vals[v.id] for v in node.inputs]
-            times[node.name] = least_us(lambda: kernel(*args), reps)
+            times[node.name] = best_time_us(lambda: kernel(*args), reps)
     return times
 
 

@@ -3,7 +3,7 @@ pass per module under ``prepare/``, ``fusion/`` and ``layout/``; the public name
 re-exported here."""
 from .base import Pass, PassContext, PassManager, RewritePass, Skip
 from .fusion import FoldBatchNorm, FuseConvAct, FuseConvAddAct, FuseFlashAttention, FuseLinearAct
-from .fusion import EliminateNopReshape, FuseConsecutiveReshapes
+from .fusion import AdditiveAttentionMask, EliminateNopReshape, FuseConsecutiveReshapes
 from .fusion import ChooseAttentionKernel, FuseAddLayerNorm, FuseAddLayerNormCast, FuseAddRmsNorm, FuseApplyRotaryPosEmb, FuseDecodeKvUpdate, FuseDecodeRope, FuseRotaryMul, FuseQKVLinear, FuseRequant, FuseAddLayerNormQuant, QdqEltwiseToInt8, QdqToInt8, QuantizeInt8
 from .fusion import (FuseElementwise, FuseGatedMLP, FuseGeluErf, FuseGeluTanh, FuseLayerNorm, FuseRMSNorm, FuseSiLU,
                      user_passes)
@@ -34,14 +34,14 @@ def default_pipeline() -> PassManager:
         ConstantFolding(), DeadCodeElimination(), CommonSubexpressionElimination(),
         IdentityElimination(), DropUnusedOutputs(), InputInplace(), FoldBatchNorm(), *user_passes(), FuseSiLU(),
         FuseGeluTanh(), FuseGeluErf(), FuseRMSNorm(), FuseLayerNorm(), MixedPrecision(), FuseGatedMLP(), FuseConvAct(), FuseConvAddAct(), FuseLinearAct(), FuseQKVLinear(),
-        FuseAddLayerNormCast(), FuseAddLayerNorm(), FuseAddRmsNorm(), FuseRotaryMul(), FuseDecodeKvUpdate(), FuseApplyRotaryPosEmb(), FuseDecodeRope(), FuseFlashAttention(), ChooseAttentionKernel(),
+        FuseAddLayerNormCast(), FuseAddLayerNorm(), FuseAddRmsNorm(), FuseRotaryMul(), FuseDecodeKvUpdate(), FuseApplyRotaryPosEmb(), FuseDecodeRope(), FuseFlashAttention(), AdditiveAttentionMask(), ChooseAttentionKernel(),
         FuseConsecutiveReshapes(), EliminateNopReshape(), FuseElementwise(), DeadCodeElimination(), LayoutSelection(), QdqToInt8(), QuantizeInt8(), FuseRequant(), FuseAddLayerNormQuant(), QdqEltwiseToInt8(),
         VnpuQuantizeInt8(), NpuLayoutSelection(), VnpuUbEpilogue(), SingleStreamSchedule(),
         MemoryPlanning(),
     ])
 
 
-__all__ = ["EliminateNopReshape", "FuseConsecutiveReshapes", "Pass", "PassContext", "PassManager", "RewritePass", "Skip", "default_pipeline",
+__all__ = ["AdditiveAttentionMask", "EliminateNopReshape", "FuseConsecutiveReshapes", "Pass", "PassContext", "PassManager", "RewritePass", "Skip", "default_pipeline",
            "plan_memory", "MemoryPlanning", "ConstantFolding", "DeadCodeElimination",
            "CommonSubexpressionElimination", "IdentityElimination", "MixedPrecision",
            "FoldBatchNorm", "FuseConvAct", "FuseConvAddAct", "FuseLinearAct",
