@@ -19,13 +19,22 @@ from ...ir import DataType, Graph, Node, TensorRef, Value
 from ..base import PassContext, RewritePass, Skip
 
 _FLOATS = (DataType.FLOAT, DataType.BF16, DataType.FLOAT16)
-_MARK = "additive_mask_of"   # node.meta of the Select made for a mask: (mask value id, dtype)
+
+
+def _is_scalar(v: Value, value: float, dtype: DataType) -> bool:
+    """Whether ``v`` is a 0-d constant equal to ``value`` in ``dtype``."""
+    return (v.is_const and v.const.dim() == 0 and v.desc.dtype == dtype
+            and float(v.const) == value)
 
 
 def _existing(mask: Value, dtype: DataType):
-    """The Select this pass already made for ``mask`` in ``dtype``, else None."""
+    """An additive form of ``mask`` in ``dtype`` already in the graph (this pass's Select:
+    ``where(mask, 0, -inf)`` on 0-d constants), else None."""
     for user in mask.users:
-        if user.op == "Select" and user.meta.get(_MARK) == (mask.id, dtype):
+        if (user.op == "Select" and user.inputs[0] is mask and len(user.inputs) == 3
+                and user.outputs[0].desc.dtype == dtype
+                and _is_scalar(user.inputs[1], 0.0, dtype)
+                and _is_scalar(user.inputs[2], float("-inf"), dtype)):
             return user.outputs[0]
     return None
 
@@ -65,7 +74,6 @@ class AdditiveAttentionMask(RewritePass):
                 "Select", [mask, zero, ninf],
                 {"condition": TensorRef(0), "self": TensorRef(1), "other": TensorRef(2)},
                 [mask.desc.with_(dtype=dtype)], f"{node.name}_additive_mask", before=node)
-            sel.meta[_MARK] = (mask.id, dtype)
             add = sel.outputs[0]
         node.set_input(i, add)
         ctx.applied([node], "bool mask ⇒ additive, once")
