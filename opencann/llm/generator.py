@@ -308,12 +308,15 @@ class Generator:
             if i == 0:
                 self.stats.prefill_done(start, int(batch.lengths.sum()), prefill_s)
                 t0 = time.perf_counter()
-            emit(torch.from_numpy(tok))
             if len(stop):   # not np.isin: it sorts (80 µs a token)
                 alive &= ~(tok[:, None] == stop).any(axis=1)
+            ids_np[:B, 0] = tok
+            # streamed after every use of ``tok`` (as transformers' generate appends the
+            # tokens before it streams them): a streamer writing into its tensor changes
+            # neither the result, the stop check nor the next step's input
+            emit(torch.from_numpy(tok))
             if i == new - 1 or not alive.any():
                 break
-            ids_np[:B, 0] = tok
             if decode is None:   # the call's first step: the decode graph's guards run
                 decode = self.steps.step(bs, 1)
                 logits = decode(ids, positions, lengths)
