@@ -17,9 +17,11 @@ own memory, laid out as their concatenations before the first graph, `hold_weigh
 prefill attention through the project's FlashAttention, `StepGraphs.compile_options`)."""
 from __future__ import annotations
 
+import weakref
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from .builder import DecoderLM
 from .stats import GenerationStats
@@ -146,8 +148,13 @@ def step_memory(graphs: Sequence[Any], module: Optional[torch.nn.Module] = None)
     return StepMemory(own, sum(by_kind.values()), by_kind, arena, sum(shared.values()))
 
 
+#: a weight left in place by `hold_weights_once` (its kernel reads the row-major layout,
+#: keeping its own copy) -> a weak reference to the `StepGraphs` whose graphs read it
+_LEFT_BY: "WeakIdKeyDictionary" = WeakIdKeyDictionary()
+
+
 def hold_weights_once(lm: DecoderLM, options: Optional[Dict[str, Any]] = None,
-                      rows: int = 1) -> int:
+                      rows: int = 1, owner: Any = None) -> int:
     """Lay ``lm``'s sibling weights out as the concatenations its compiled step graphs
     merge them into (`opencann.ops.weight_concat.concatenate_in_place`), so those graphs
     read the module's memory instead of a copy beside it: per Llama/Mistral/Qwen2 layer
@@ -166,6 +173,11 @@ def hold_weights_once(lm: DecoderLM, options: Optional[Dict[str, Any]] = None,
     (its weight guards record the new memory); a module laid out already is not copied
     again. Only for opencann.llm's step graphs, compiled with ``share_weights``: a plain
     ``opencann.compile`` snapshots the user's module and never moves its memory.
+    Weights another live ``owner`` (an earlier generator's `StepGraphs` over the same
+    model, whose race at its decode batch chose the row-major layout) left in place stay
+    so: laying them out now would give them new storage under that generator's graphs,
+    whose next call would then be refused (two generators over one model at max_batch 1
+    and 8); this one's kernels keep their own concatenated copy instead.
     Returns the bytes laid out (0: nothing to merge, e.g. GPT-2's fused c_attn)."""
     from ..ops.kernels.cpu import COLD_RACE_BYTES, concat_row_major
     from ..ops.weight_concat import concatenate_in_place
@@ -188,13 +200,23 @@ def hold_weights_once(lm: DecoderLM, options: Optional[Dict[str, Any]] = None,
                 continue
             n, k = sum(int(w.shape[0]) for w in ws), int(ws[0].shape[1])
             if concat_row_major(k, n, ws[0].dtype, rows=rows):
-                continue   # each weight would be a transposed view: its kernel keeps a copy
+                for w in ws:   # each weight would be a transposed view: its kernel keeps a copy
+                    if owner is not None and _live(_LEFT_BY.get(w)) is None:
+                        _LEFT_BY[w] = weakref.ref(owner)
+                continue
+            if any(_live(_LEFT_BY.get(w)) not in (None, owner) for w in ws):
+                continue   # an earlier generator's graphs read these weights where they are
             concatenate_in_place(ws, row_major=False)
             biases = [m.bias for m in mods]
             if all(b is not None for b in biases):
                 concatenate_in_place(biases)
             done += sum(w.numel() * w.element_size() for w in ws)
     return done
+
+
+def _live(ref: Any) -> Any:
+    """The object a weak reference ``ref`` (or None) points to, None when gone."""
+    return ref() if ref is not None else None
 
 
 def _plans(compiled: Any) -> int:
@@ -270,7 +292,7 @@ class StepGraphs:
             # cpu's: the vnpu keeps the unfused GEMMs)
             self._laid_out = True
             if str(self.device).split(":")[0] == "cpu":
-                hold_weights_once(self.lm, self.options, rows=batch)
+                hold_weights_once(self.lm, self.options, rows=batch, owner=self)
         if tokens > 1 and (batch, 1) not in self._graphs:
             # the decode graph first: its GEMMs stream every weight once per token, so
             # their races choose each weight's one packed layout (`cpu.copy_allowed`);
