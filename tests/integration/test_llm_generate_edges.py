@@ -170,3 +170,19 @@ def test_two_generators_over_one_model_at_batch_1_and_8(monkeypatch, tmp_path, o
     m.save_pretrained(str(tmp_path))
     from safetensors.torch import save_file
     save_file(m.state_dict(), os.path.join(str(tmp_path), "state.safetensors"))
+
+
+def test_numpy_ids_are_taken_like_transformers(gen4):
+    """Ids from a tokenizer's NumPy output (np.int64) for eos, pad and max_new_tokens: as
+    transformers' generate takes them (a list of ids or an array too)."""
+    import numpy as np
+    m = model()
+    ids, mask = prompts([5, 9], seed=9)
+    free = m.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    stop = int(free[0, 9 + 1])
+    want = m.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False,
+                      pad_token_id=1, eos_token_id=stop)
+    for eos in (np.int64(stop), [np.int64(stop)], np.array([stop, 7])):
+        got = gen4.generate(ids, attention_mask=mask, max_new_tokens=np.int64(6),
+                            pad_token_id=np.int64(1), eos_token_id=eos)
+        assert torch.equal(got, want)
