@@ -156,13 +156,17 @@ class Generator:
         if isinstance(eos, (torch.Tensor, np.ndarray)):   # transformers takes a tensor of ids too
             eos = eos.tolist()
         eos = _as_id(eos)
-        ids = [] if eos is None else [eos] if isinstance(eos, int) else [_as_id(t) for t in eos]
+        ids = ([] if eos is None else [_as_id(t) for t in eos] if isinstance(eos, (list, tuple, set))
+               else [eos])
         for t in ids:
-            if given and (isinstance(t, bool) or not isinstance(t, int)
-                          or not 0 <= t < self.arch.vocab_size):
+            if given and (isinstance(t, bool) or not isinstance(t, int)):
+                raise ValueError(f"stop token {t!r} (eos_token_id) is not an integer id; pass an "
+                                 f"int or a list of ints in [0, {self.arch.vocab_size})")
+            if given and not 0 <= t < self.arch.vocab_size:
                 raise ValueError(f"stop token {t!r} (eos_token_id) is outside the vocabulary "
                                  f"[0, {self.arch.vocab_size}); pass ids the model can generate")
-        return [t for t in ids if 0 <= t < self.arch.vocab_size]
+        return [t for t in ids if isinstance(t, int) and not isinstance(t, bool)
+                and 0 <= t < self.arch.vocab_size]
 
     def _pad_token(self, pad: Any, given: bool, stops: List[int]) -> int:
         """The id rows are padded and filled with after their stop token: ``pad`` when it

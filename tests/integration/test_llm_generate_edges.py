@@ -186,3 +186,12 @@ def test_numpy_ids_are_taken_like_transformers(gen4):
         got = gen4.generate(ids, attention_mask=mask, max_new_tokens=np.int64(6),
                             pad_token_id=np.int64(1), eos_token_id=eos)
         assert torch.equal(got, want)
+
+
+def test_a_stop_token_that_is_not_an_id_is_one_line(gen4):
+    ids, _ = prompts([4], seed=10)
+    for eos in ("2", 2.0, [3, None]):
+        with pytest.raises(ValueError, match="is not an integer id; pass an int") as e:
+            gen4.generate(ids, max_new_tokens=2, eos_token_id=eos)
+        assert "\n" not in str(e.value)
+    assert gen4.generate(ids, max_new_tokens=2).shape == (1, 6)
