@@ -148,8 +148,9 @@ def step_memory(graphs: Sequence[Any], module: Optional[torch.nn.Module] = None)
     return StepMemory(own, sum(by_kind.values()), by_kind, arena, sum(shared.values()))
 
 
-#: a weight left in place by `hold_weights_once` (its kernel reads the row-major layout,
-#: keeping its own copy) -> a weak reference to the `StepGraphs` whose graphs read it
+#: a weight `hold_weights_once` left in place (its kernel reads the row-major layout and
+#: keeps its own copy, or another generator's graphs read it there) -> the `StepGraphs`
+#: whose graphs read it there (weak)
 _LEFT_BY: "WeakIdKeyDictionary" = WeakIdKeyDictionary()
 
 
@@ -173,11 +174,12 @@ def hold_weights_once(lm: DecoderLM, options: Optional[Dict[str, Any]] = None,
     (its weight guards record the new memory); a module laid out already is not copied
     again. Only for opencann.llm's step graphs, compiled with ``share_weights``: a plain
     ``opencann.compile`` snapshots the user's module and never moves its memory.
-    Weights another live ``owner`` (an earlier generator's `StepGraphs` over the same
-    model, whose race at its decode batch chose the row-major layout) left in place stay
-    so: laying them out now would give them new storage under that generator's graphs,
-    whose next call would then be refused (two generators over one model at max_batch 1
-    and 8); this one's kernels keep their own concatenated copy instead.
+    Weights left in place for another live ``owner`` (an earlier generator's
+    `StepGraphs` over the same model whose race at its decode batch chose the row-major
+    layout, or whose graphs read them in place for a third) stay so: laying them out now
+    would give them new storage under that generator's graphs, whose next call would
+    then be refused (two generators over one model at max_batch 1 and 8); this
+    ``owner``'s kernels keep their own concatenated copy instead.
     Returns the bytes laid out (0: nothing to merge, e.g. GPT-2's fused c_attn)."""
     from ..ops.kernels.cpu import COLD_RACE_BYTES, concat_row_major
     from ..ops.weight_concat import concatenate_in_place
@@ -199,13 +201,8 @@ def hold_weights_once(lm: DecoderLM, options: Optional[Dict[str, Any]] = None,
             if any(w.dtype != torch.float32 for w in ws):
                 continue
             n, k = sum(int(w.shape[0]) for w in ws), int(ws[0].shape[1])
-            if concat_row_major(k, n, ws[0].dtype, rows=rows):
-                for w in ws:   # each weight would be a transposed view: its kernel keeps a copy
-                    if owner is not None and _live(_LEFT_BY.get(w)) is None:
-                        _LEFT_BY[w] = weakref.ref(owner)
+            if _left_in_place(ws, concat_row_major(k, n, ws[0].dtype, rows=rows), owner):
                 continue
-            if any(_live(_LEFT_BY.get(w)) not in (None, owner) for w in ws):
-                continue   # an earlier generator's graphs read these weights where they are
             concatenate_in_place(ws, row_major=False)
             biases = [m.bias for m in mods]
             if all(b is not None for b in biases):
@@ -214,9 +211,17 @@ def hold_weights_once(lm: DecoderLM, options: Optional[Dict[str, Any]] = None,
     return done
 
 
-def _live(ref: Any) -> Any:
-    """The object a weak reference ``ref`` (or None) points to, None when gone."""
-    return ref() if ref is not None else None
+def _left_in_place(ws: Sequence[torch.Tensor], row_major: bool, owner: Any) -> bool:
+    """Whether `hold_weights_once` leaves the sibling weights ``ws`` where they are:
+    where their kernel reads the ``row_major`` layout (each weight would be a transposed
+    view; the kernel keeps a copy), or where another live generator's graphs read them
+    there (`_LEFT_BY`); then ``owner``'s graphs read them there too, and it is recorded."""
+    if not row_major and all(o is owner for w in ws for o in _LEFT_BY.get(w, ())):
+        return False
+    if owner is not None:
+        for w in ws:
+            _LEFT_BY.setdefault(w, weakref.WeakSet()).add(owner)
+    return True
 
 
 def _plans(compiled: Any) -> int:

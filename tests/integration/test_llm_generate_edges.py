@@ -137,12 +137,9 @@ def test_saved_generator_generates_in_the_same_process(gen4, tmp_path):
     assert torch.equal(loaded.generate(ids, max_new_tokens=10), want)
 
 
-@pytest.mark.parametrize("row_major_at_one", [True, False])
-@pytest.mark.parametrize("order", [(1, 8), (8, 1)])
-def test_two_generators_over_one_model_at_batch_1_and_8(monkeypatch, tmp_path, order, row_major_at_one):
-    """1 MiB q/k/v and gate/up weights (the concatenation layout is raced,
-    `cpu.concat_row_major`); the race's answer pinned per row count: row-major at one
-    row and [Σn, k] at more, or the reverse."""
+def _pin_concat_race(monkeypatch, row_major_at_one):
+    """The concatenation layout race (`cpu.concat_row_major`) answers row-major at one
+    row and [Σn, k] at more (or the reverse when not ``row_major_at_one``)."""
     race = cpu_kernels._measure_choice
 
     def pinned(key, makers, *args, **kwargs):
@@ -151,9 +148,20 @@ def test_two_generators_over_one_model_at_batch_1_and_8(monkeypatch, tmp_path, o
         return race(key, makers, *args, **kwargs)
     monkeypatch.setattr(cpu_kernels, "_measure_choice", pinned)
     monkeypatch.setattr(cpu_kernels, "_CONCAT_ROWS", {})
+
+
+def _mib_llama():
+    """1 MiB q/k/v and gate/up weights: their concatenation layout is raced."""
     torch.manual_seed(0)
-    m = T.AutoModelForCausalLM.from_config(T.LlamaConfig(
+    return T.AutoModelForCausalLM.from_config(T.LlamaConfig(
         **{**SMALL, "hidden_size": 512, "intermediate_size": 512, "num_hidden_layers": 1})).eval()
+
+
+@pytest.mark.parametrize("row_major_at_one", [True, False])
+@pytest.mark.parametrize("order", [(1, 8), (8, 1)])
+def test_two_generators_over_one_model_at_batch_1_and_8(monkeypatch, tmp_path, order, row_major_at_one):
+    _pin_concat_race(monkeypatch, row_major_at_one)
+    m = _mib_llama()
     one, batch = prompts([9], seed=7)[0], prompts([9, 6, 9], seed=8)
     want1 = m.generate(one, max_new_tokens=6, do_sample=False)
     want3 = m.generate(batch[0], attention_mask=batch[1], max_new_tokens=6, do_sample=False, pad_token_id=0)
@@ -195,3 +203,26 @@ def test_a_stop_token_that_is_not_an_id_is_one_line(gen4):
             gen4.generate(ids, max_new_tokens=2, eos_token_id=eos)
         assert "\n" not in str(e.value)
     assert gen4.generate(ids, max_new_tokens=2).shape == (1, 6)
+
+
+def test_a_third_generator_after_the_first_is_gone(monkeypatch):
+    """max_batch 1 (row-major: weights left in place), max_batch 8 (its graphs read them
+    there), the first dropped, then max_batch 4: the second still generates."""
+    import gc
+    _pin_concat_race(monkeypatch, True)
+    m = _mib_llama()
+    one, batch = prompts([9], seed=7)[0], prompts([9, 6, 9], seed=8)
+    want1 = m.generate(one, max_new_tokens=4, do_sample=False)
+    want3 = m.generate(batch[0], attention_mask=batch[1], max_new_tokens=4, do_sample=False, pad_token_id=0)
+    first = L.compile(m, max_seq_len=32, max_batch=1)
+    assert torch.equal(first.generate(one, max_new_tokens=4), want1)
+    second = L.compile(m, max_seq_len=32, max_batch=8)
+    assert torch.equal(second.generate(batch[0], attention_mask=batch[1], max_new_tokens=4,
+                                       pad_token_id=0), want3)
+    del first
+    gc.collect()
+    third = L.compile(m, max_seq_len=32, max_batch=4)
+    assert torch.equal(third.generate(batch[0], attention_mask=batch[1], max_new_tokens=4,
+                                      pad_token_id=0), want3)
+    assert torch.equal(second.generate(batch[0], attention_mask=batch[1], max_new_tokens=4,
+                                       pad_token_id=0), want3)     # its batch-4 graphs again
