@@ -341,7 +341,9 @@ class Generator:
         if warm is not None:
             self.stats.graphs_built_after_warmup = self.stats.graphs_built - warm[0]
             self.stats.plans_built_after_warmup = self.stats.memory_plans - warm[1]
-        return seqs[:, :n].contiguous()
+        # a copy of its own: a view of the buffer (what .contiguous() gives for one row)
+        # would hold, and torch.save would write, the unused L + new - n columns
+        return seqs if n == L + new else seqs[:, :n].clone(memory_format=torch.contiguous_format)
 
 
 def _as_id(x: Any) -> Any:

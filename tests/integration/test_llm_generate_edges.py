@@ -226,3 +226,15 @@ def test_a_third_generator_after_the_first_is_gone(monkeypatch):
                                       pad_token_id=0), want3)
     assert torch.equal(second.generate(batch[0], attention_mask=batch[1], max_new_tokens=4,
                                        pad_token_id=0), want3)     # its batch-4 graphs again
+
+
+def test_a_row_that_stops_early_returns_a_tensor_of_its_own_size(gen4):
+    """One row stopping at its 3rd of 10 tokens: the result owns exactly its elements (no
+    view of the call's [1, L + max_new_tokens] buffer; torch.save writes what it shows)."""
+    m = model()
+    ids, _ = prompts([8], seed=11)
+    stop = int(m.generate(ids, max_new_tokens=3, do_sample=False)[0, -1])
+    want = m.generate(ids, max_new_tokens=10, do_sample=False, eos_token_id=stop, pad_token_id=0)
+    got = gen4.generate(ids, max_new_tokens=10, eos_token_id=stop, pad_token_id=0)
+    assert torch.equal(got, want) and got.shape[1] < 18 and got.is_contiguous()
+    assert got.untyped_storage().nbytes() == got.numel() * got.element_size()
