@@ -153,20 +153,26 @@ class Generator:
         """Stop token ids; one outside the vocabulary raises ValueError when ``given``
         in the call, and is dropped when it comes from the model's generation_config
         (it can never be generated)."""
-        if isinstance(eos, torch.Tensor):   # transformers takes a tensor of ids too
+        if isinstance(eos, (torch.Tensor, np.ndarray)):   # transformers takes a tensor of ids too
             eos = eos.tolist()
-        ids = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+        eos = _as_id(eos)
+        ids = ([] if eos is None else [_as_id(t) for t in eos] if isinstance(eos, (list, tuple, set))
+               else [eos])
         for t in ids:
-            if given and (isinstance(t, bool) or not isinstance(t, int)
-                          or not 0 <= t < self.arch.vocab_size):
+            if given and (isinstance(t, bool) or not isinstance(t, int)):
+                raise ValueError(f"stop token {t!r} (eos_token_id) is not an integer id; pass an "
+                                 f"int or a list of ints in [0, {self.arch.vocab_size})")
+            if given and not 0 <= t < self.arch.vocab_size:
                 raise ValueError(f"stop token {t!r} (eos_token_id) is outside the vocabulary "
                                  f"[0, {self.arch.vocab_size}); pass ids the model can generate")
-        return [t for t in ids if 0 <= t < self.arch.vocab_size]
+        return [t for t in ids if isinstance(t, int) and not isinstance(t, bool)
+                and 0 <= t < self.arch.vocab_size]
 
     def _pad_token(self, pad: Any, given: bool, stops: List[int]) -> int:
         """The id rows are padded and filled with after their stop token: ``pad`` when it
         is in the vocabulary (the decode step embeds it), else the first stop token, else
         0. One outside the vocabulary raises ValueError when ``given`` in the call."""
+        pad = _as_id(pad)
         ok = isinstance(pad, int) and not isinstance(pad, bool) and 0 <= pad < self.arch.vocab_size
         if given and not ok:
             raise ValueError(f"pad_token_id {pad!r} is outside the vocabulary "
@@ -174,7 +180,7 @@ class Generator:
         return pad if ok else (stops[0] if stops else 0)
 
     def _budget(self, gc, batch: PromptBatch, max_new_tokens: Optional[int]) -> int:
-        new = max_new_tokens if max_new_tokens is not None else gc.max_new_tokens
+        new = _as_id(max_new_tokens if max_new_tokens is not None else gc.max_new_tokens)
         asked = f"max_new_tokens={new}"     # where the count came from, for the error below
         if new is None and getattr(self.generation_config, "max_length", None) is None:
             # transformers' default (GenerationMixin._prepare_generated_length): max_length
@@ -308,12 +314,15 @@ class Generator:
             if i == 0:
                 self.stats.prefill_done(start, int(batch.lengths.sum()), prefill_s)
                 t0 = time.perf_counter()
-            emit(torch.from_numpy(tok))
             if len(stop):   # not np.isin: it sorts (80 µs a token)
                 alive &= ~(tok[:, None] == stop).any(axis=1)
+            ids_np[:B, 0] = tok
+            # streamed after every use of ``tok`` (as transformers' generate appends the
+            # tokens before it streams them): a streamer writing into its tensor changes
+            # neither the result, the stop check nor the next step's input
+            emit(torch.from_numpy(tok))
             if i == new - 1 or not alive.any():
                 break
-            ids_np[:B, 0] = tok
             if decode is None:   # the call's first step: the decode graph's guards run
                 decode = self.steps.step(bs, 1)
                 logits = decode(ids, positions, lengths)
@@ -332,7 +341,20 @@ class Generator:
         if warm is not None:
             self.stats.graphs_built_after_warmup = self.stats.graphs_built - warm[0]
             self.stats.plans_built_after_warmup = self.stats.memory_plans - warm[1]
-        return seqs[:, :n].contiguous()
+        # a copy of its own: a view of the buffer (what .contiguous() gives for one row)
+        # would hold, and torch.save would write, the unused L + new - n columns
+        return seqs if n == L + new else seqs[:, :n].clone(memory_format=torch.contiguous_format)
+
+
+def _as_id(x: Any) -> Any:
+    """``x`` as a Python int where it is a NumPy integer or a one-element integer tensor
+    (a tokenizer's output; transformers' generate takes them), else ``x`` itself."""
+    if isinstance(x, np.integer):
+        return int(x)
+    if isinstance(x, torch.Tensor) and x.ndim == 0 and not x.dtype.is_floating_point \
+            and x.dtype != torch.bool:
+        return int(x.item())
+    return x
 
 
 def _streamer(streamer: Any, prompts: torch.Tensor) -> Callable[[torch.Tensor], None]:

@@ -17,9 +17,11 @@ own memory, laid out as their concatenations before the first graph, `hold_weigh
 prefill attention through the project's FlashAttention, `StepGraphs.compile_options`)."""
 from __future__ import annotations
 
+import weakref
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from .builder import DecoderLM
 from .stats import GenerationStats
@@ -146,8 +148,14 @@ def step_memory(graphs: Sequence[Any], module: Optional[torch.nn.Module] = None)
     return StepMemory(own, sum(by_kind.values()), by_kind, arena, sum(shared.values()))
 
 
+#: a weight `hold_weights_once` left in place (its kernel reads the row-major layout and
+#: keeps its own copy, or another generator's graphs read it there) -> the `StepGraphs`
+#: whose graphs read it there (weak)
+_LEFT_BY: "WeakIdKeyDictionary" = WeakIdKeyDictionary()
+
+
 def hold_weights_once(lm: DecoderLM, options: Optional[Dict[str, Any]] = None,
-                      rows: int = 1) -> int:
+                      rows: int = 1, owner: Any = None) -> int:
     """Lay ``lm``'s sibling weights out as the concatenations its compiled step graphs
     merge them into (`opencann.ops.weight_concat.concatenate_in_place`), so those graphs
     read the module's memory instead of a copy beside it: per Llama/Mistral/Qwen2 layer
@@ -166,6 +174,12 @@ def hold_weights_once(lm: DecoderLM, options: Optional[Dict[str, Any]] = None,
     (its weight guards record the new memory); a module laid out already is not copied
     again. Only for opencann.llm's step graphs, compiled with ``share_weights``: a plain
     ``opencann.compile`` snapshots the user's module and never moves its memory.
+    Weights left in place for another live ``owner`` (an earlier generator's
+    `StepGraphs` over the same model whose race at its decode batch chose the row-major
+    layout, or whose graphs read them in place for a third) stay so: laying them out now
+    would give them new storage under that generator's graphs, whose next call would
+    then be refused (two generators over one model at max_batch 1 and 8); this
+    ``owner``'s kernels keep their own concatenated copy instead.
     Returns the bytes laid out (0: nothing to merge, e.g. GPT-2's fused c_attn)."""
     from ..ops.kernels.cpu import COLD_RACE_BYTES, concat_row_major
     from ..ops.weight_concat import concatenate_in_place
@@ -187,14 +201,27 @@ def hold_weights_once(lm: DecoderLM, options: Optional[Dict[str, Any]] = None,
             if any(w.dtype != torch.float32 for w in ws):
                 continue
             n, k = sum(int(w.shape[0]) for w in ws), int(ws[0].shape[1])
-            if concat_row_major(k, n, ws[0].dtype, rows=rows):
-                continue   # each weight would be a transposed view: its kernel keeps a copy
+            if _left_in_place(ws, concat_row_major(k, n, ws[0].dtype, rows=rows), owner):
+                continue
             concatenate_in_place(ws, row_major=False)
             biases = [m.bias for m in mods]
             if all(b is not None for b in biases):
                 concatenate_in_place(biases)
             done += sum(w.numel() * w.element_size() for w in ws)
     return done
+
+
+def _left_in_place(ws: Sequence[torch.Tensor], row_major: bool, owner: Any) -> bool:
+    """Whether `hold_weights_once` leaves the sibling weights ``ws`` where they are:
+    where their kernel reads the ``row_major`` layout (each weight would be a transposed
+    view; the kernel keeps a copy), or where another live generator's graphs read them
+    there (`_LEFT_BY`); then ``owner``'s graphs read them there too, and it is recorded."""
+    if not row_major and all(o is owner for w in ws for o in _LEFT_BY.get(w, ())):
+        return False
+    if owner is not None:
+        for w in ws:
+            _LEFT_BY.setdefault(w, weakref.WeakSet()).add(owner)
+    return True
 
 
 def _plans(compiled: Any) -> int:
@@ -270,7 +297,7 @@ class StepGraphs:
             # cpu's: the vnpu keeps the unfused GEMMs)
             self._laid_out = True
             if str(self.device).split(":")[0] == "cpu":
-                hold_weights_once(self.lm, self.options, rows=batch)
+                hold_weights_once(self.lm, self.options, rows=batch, owner=self)
         if tokens > 1 and (batch, 1) not in self._graphs:
             # the decode graph first: its GEMMs stream every weight once per token, so
             # their races choose each weight's one packed layout (`cpu.copy_allowed`);
