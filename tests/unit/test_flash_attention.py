@@ -197,3 +197,33 @@ def test_forward_only_long_sequence_uses_256_row_blocks_correctly():
         q.double(), k.double(), v.double(),
         attn_mask=torch.ones(600, 700, dtype=torch.bool).tril(100))
     assert ((out.double() - ref).abs().max() / ref.abs().max()).item() < 1e-5
+
+
+def test_tile_gemms_leave_the_callers_blas_threads_as_they_were():
+    """The kernels run their tile GEMMs on a sequential BLAS (MKL's thread-local count
+    set to 1 per task, restored after): the calling thread's MKL count is what it was
+    before a forward and a backward, and a 2-thread causal GQA prefill still matches
+    the reference, twice."""
+    import ctypes
+    import os
+
+    from opencann.ops.flash_attention import cpu
+    if not cpu.BLAS_NAME.startswith("mkl"):
+        pytest.skip("the tile GEMMs run on OpenBLAS here: no MKL thread count to keep")
+    mkl = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so"))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        before = mkl.MKL_Get_Max_Threads()
+        (q, k, v), _ = make(11, 1, 6, 2, 96, 96, 32)
+        ref, _ = attention_reference(q.double(), k.double(), v.double(), causal=True)
+        for _ in range(2):
+            out, _ = flash_attention_forward(q, k, v, causal=True, tiles=(32, 32))
+            assert rel(out, ref) < 1e-5
+            assert mkl.MKL_Get_Max_Threads() == before
+        qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
+        flash_attention(qg, kg, vg, causal=True, tiles=(32, 32)).sum().backward()
+        assert mkl.MKL_Get_Max_Threads() == before
+        assert all(torch.isfinite(t.grad).all() for t in (qg, kg, vg))
+    finally:
+        torch.set_num_threads(threads)

@@ -41,6 +41,17 @@ reductions, FMA); no ``nnan``/``ninf``, because masks rely on ``-inf``.
 All inputs are float32 here (the API converts fp16/bf16 at the boundary; numba has no
 bf16); accumulation is float32.
 
+The tile GEMMs run on a sequential BLAS: each parallel task sets MKL's thread-local
+count to 1 on entry (``MKL_Set_Num_Threads_Local``, bound by name as the GEMM is, to a
+no-op under OpenBLAS) and restores it on exit. Without it MKL started a team of torch's
+intra-op threads for each tile GEMM from inside numba's OpenMP region or from the
+calling thread, whose spin-waits then took the CPUs the tasks needed: causal S = 512,
+12/4 heads, D = 64, 2 threads, on the shared 2-core Xeon (load average 2-3), least of
+15 calls: 7.3-7.8 ms with numba's team of 2 and 6.3-19 ms (medians up to 490 ms) when
+the launch ran on the calling thread alone (`numba_cache.launch` under load), against
+2.1-2.5 ms and 4.3-5.3 ms with the sequential BLAS; a 512-token Llama-125M prefill
+spent 187 of its 430 ms there (12 layers).
+
 Threads: the kernels keep no state between calls and may run from several threads at
 once under numba's OpenMP or TBB threading layers; under its ``workqueue`` layer (the
 fallback when neither loads), which aborts the process on concurrent parallel launches,
@@ -68,17 +79,29 @@ _LOG2E = 1.4426950408889634
 _LN2 = 0.6931471805599453
 _LAZY_SUM_MAX = np.float32(2.0 ** 20)  # forward: lazy rescaling bound, see fwd_kernel
 _SYMBOL = "opencann_fa_sgemm"
+_THREADS_SYMBOL = "opencann_fa_blas_threads"
 BLAS_NAME = None  # which library the symbol was bound to: "mkl (torch)" or "openblas (scipy)"
 
 
-def _mkl_sgemm_address():
+def _mkl_address(name):
+    """The address of ``name`` in the MKL torch links (libtorch_cpu), or None."""
     import torch
     path = os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so")
     try:
         lib = ctypes.CDLL(path)
-        return ctypes.cast(lib.sgemm_, ctypes.c_void_p).value
+        return ctypes.cast(getattr(lib, name), ctypes.c_void_p).value
     except (OSError, AttributeError):
         return None
+
+
+def _mkl_sgemm_address():
+    return _mkl_address("sgemm_")
+
+
+@numba.cfunc(types.int32(types.int32), cache=True)
+def _keep_blas_threads(n):  # pragma: no cover - numba
+    """The BLAS thread setter where the BLAS has none to call (OpenBLAS): a no-op."""
+    return 0
 
 
 def _openblas_sgemm_address():
@@ -95,10 +118,12 @@ def _bind_blas():
     global BLAS_NAME
     choice = os.environ.get("OPENCANN_FA_BLAS", "auto").lower()
     addr = _mkl_sgemm_address() if choice in ("auto", "mkl") else None
+    threads = _mkl_address("MKL_Set_Num_Threads_Local") if addr is not None else None
     BLAS_NAME = "mkl (torch)"
     if addr is None:
         addr, BLAS_NAME = _openblas_sgemm_address(), "openblas (scipy)"
     llvm.add_symbol(_SYMBOL, addr)
+    llvm.add_symbol(_THREADS_SYMBOL, threads if threads is not None else _keep_blas_threads.address)
 
 
 _bind_blas()
@@ -134,6 +159,21 @@ def _sgemm(typingctx, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc):
                           iref(args[7]), data(8), iref(args[9]), ref(args[10], f32), data(11),
                           iref(args[12])])
         return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def _blas_threads(typingctx, n):
+    """``MKL_Set_Num_Threads_Local(n)`` (bound to `_THREADS_SYMBOL`): the calling
+    thread's BLAS thread count, 0 = the global one; returns the previous local count."""
+    sig = types.int32(types.int32)
+
+    def codegen(context, builder, sig, args):
+        i32 = ir.IntType(32)
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(i32, [i32]),
+                                            _THREADS_SYMBOL)
+        return builder.call(fn, [args[0]])
 
     return sig, codegen
 
@@ -284,6 +324,7 @@ def fwd_kernel(q, k, v, mask, has_mask, causal, offset, scale, B, H, Hk, Sq, Sk,
     qk_alpha = np.float32(np.float64(scale) * (1.0 if has_mask else _LOG2E))
     unit = _LOG2E if has_mask else 1.0  # base-2 units per score unit
     for t in prange(B * H * nqb):
+        blas = _blas_threads(np.int32(1))  # tile GEMMs on a sequential BLAS (module docstring)
         bh = t // nqb
         qb = t - bh * nqb
         b = bh // H
@@ -372,6 +413,7 @@ def fwd_kernel(q, k, v, mask, has_mask, causal, offset, scale, B, H, Hk, Sq, Sk,
                 for d in range(D):
                     out[qrow + i, d] = 0.0
                 lse[qrow + i] = -np.inf
+        _blas_threads(blas)
 
 
 @njit(fastmath=_FM, cache=True, inline="always")
@@ -408,6 +450,7 @@ def bwd_dkdv_kernel(q, k, v, do, lse, dd, mask, has_mask, causal, offset, scale,
     nqb = (Sq + br - 1) // br
     group = H // Hk
     for t in prange(B * Hk * nkb):
+        blas = _blas_threads(np.int32(1))  # tile GEMMs on a sequential BLAS (module docstring)
         bhk = t // nkb
         kb = t - bhk * nkb
         b = bhk // Hk
@@ -436,6 +479,7 @@ def bwd_dkdv_kernel(q, k, v, do, lse, dd, mask, has_mask, causal, offset, scale,
             for d in range(D):
                 dk[kvrow + k0 + j, d] = dka[j, d]
                 dv[kvrow + k0 + j, d] = dva[j, d]
+        _blas_threads(blas)
 
 
 @njit(parallel=True, fastmath=_FM, cache=True)
@@ -447,6 +491,7 @@ def bwd_dq_kernel(q, k, v, do, lse, dd, mask, has_mask, causal, offset, scale,
     nkb_all = (Sk + bc - 1) // bc
     group = H // Hk
     for t in prange(B * H * nqb):
+        blas = _blas_threads(np.int32(1))  # tile GEMMs on a sequential BLAS (module docstring)
         bh = t // nqb
         qb = t - bh * nqb
         b = bh // H
@@ -472,6 +517,7 @@ def bwd_dq_kernel(q, k, v, do, lse, dd, mask, has_mask, causal, offset, scale,
         for i in range(nr):
             for d in range(D):
                 dq[qrow + i, d] = dqa[i, d]
+        _blas_threads(blas)
 
 
 _DUMMY_MASK = np.zeros((1, 1, 1, 1), np.float32)
