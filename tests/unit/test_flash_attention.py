@@ -227,3 +227,29 @@ def test_tile_gemms_leave_the_callers_blas_threads_as_they_were():
         assert all(torch.isfinite(t.grad).all() for t in (qg, kg, vg))
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("S", [5, 33, 130])
+def test_forward_reads_and_writes_bsnd_memory_in_place(S):
+    """q, k, v as a linear's [B, S, (H + 2 Hk) D] output viewed per head (BNSD views of
+    BSND memory, rows H·D apart) and ``out`` eager's [B, S, H, D] memory seen as BNSD: the
+    kernel reads and writes them as they are; the result matches the reference (causal,
+    GQA, a tail block), the inputs keep their values, a second call gives the same bits,
+    and an ``out`` with a transposed D is one clear error."""
+    B, H, Hk, D = 2, 6, 2, 32
+    g = torch.Generator().manual_seed(S)
+    lin = torch.randn(B, S, (H + 2 * Hk) * D, generator=g)
+    q = lin[..., :H * D].view(B, S, H, D).transpose(1, 2)
+    k = lin[..., H * D:(H + Hk) * D].view(B, S, Hk, D).transpose(1, 2)
+    v = lin[..., (H + Hk) * D:].view(B, S, Hk, D).transpose(1, 2)
+    before = lin.clone()
+    ref, _ = attention_reference(q.double(), k.double(), v.double(), causal=True)
+    out = torch.full((B, S, H, D), float("nan")).transpose(1, 2)
+    got, _ = flash_attention_forward(q, k, v, causal=True, tiles=(16, 16), out=out)
+    assert got is out and not out.is_contiguous()
+    assert rel(out, ref) < 1e-5 and torch.isfinite(out).all()
+    assert torch.equal(lin, before)
+    again, _ = flash_attention_forward(q, k, v, causal=True, tiles=(16, 16))
+    assert again.is_contiguous() and torch.equal(again, out)
+    with pytest.raises(ValueError, match="unit stride along D"):
+        flash_attention_forward(q, k, v, causal=True, out=torch.empty(B, H, D, S).transpose(2, 3))
