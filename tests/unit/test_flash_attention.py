@@ -253,3 +253,29 @@ def test_forward_reads_and_writes_bsnd_memory_in_place(S):
     assert again.is_contiguous() and torch.equal(again, out)
     with pytest.raises(ValueError, match="unit stride along D"):
         flash_attention_forward(q, k, v, causal=True, out=torch.empty(B, H, D, S).transpose(2, 3))
+
+
+def test_bind_forward_equals_flash_attention_forward():
+    """`bind_forward` (a graph kernel's binding: checks and tiles once) gives
+    `flash_attention_forward`'s bits on strided inputs, into ``out`` or a fresh tensor;
+    a call of another shape or dtype takes `flash_attention_forward`; bad shapes are
+    one ValueError at binding."""
+    from opencann.ops.flash_attention.api import bind_forward
+    B, H, Hk, S, D = 1, 6, 2, 40, 16
+    g = torch.Generator().manual_seed(3)
+    lin = torch.randn(B, S, (H + 2 * Hk) * D, generator=g)
+    q = lin[..., :H * D].view(B, S, H, D).transpose(1, 2)
+    k = lin[..., H * D:(H + Hk) * D].view(B, S, Hk, D).transpose(1, 2)
+    v = lin[..., (H + Hk) * D:].view(B, S, Hk, D).transpose(1, 2)
+    run = bind_forward(q.shape, k.shape, causal=True, scale=0.3)
+    want, want_lse = flash_attention_forward(q, k, v, causal=True, scale=0.3)
+    for _ in range(2):
+        got, lse = run(q, k, v)
+        assert torch.equal(got, want) and torch.equal(lse, want_lse)
+    out = torch.empty(B, S, H, D).transpose(1, 2)
+    assert run(q, k, v, out=out)[0] is out and torch.equal(out, want)
+    qh, kh, vh = (t.bfloat16() for t in (q, k, v))   # another dtype: the general path
+    got, _ = run(qh, kh, vh)
+    assert got.dtype == torch.float32 and rel(got, want) < 1e-2   # as flash_attention_forward
+    with pytest.raises(ValueError, match="head dim"):
+        bind_forward((1, 6, 8, 16), (1, 4, 8, 16))

@@ -263,6 +263,41 @@ def flash_attention(q, k, v, *, attn_mask=None, causal=False, scale=None, layout
     return out.transpose(1, 2) if layout == "BSND" else out
 
 
+def bind_forward(q_shape, k_shape, *, causal=False, scale=None):
+    """``run(q, k, v, out=None) -> (out, lse)``: `flash_attention_forward` without a mask
+    for one static shape, its arguments checked and its tiles planned once here instead
+    of on every call (a graph kernel's binding; at a 32-token Llama prefill the per-call
+    checks were ~50 µs of a ~180 µs call). q (B, H, S_q, D) and k (B, H_kv, S_k, D) as
+    ``q_shape`` / ``k_shape``; a call whose tensors are float32 CPU tensors of those
+    shapes with unit-stride rows (`_rows_f32`) and, when given, such an ``out``
+    (`_non_overlapping`) runs the numba kernel on them in place; any other call (another
+    backend in ``OPENCANN_FA_BACKEND``, dtype or shape) takes `flash_attention_forward`.
+    Raises what `flash_attention_forward` raises for the shapes, ``causal`` or ``scale``."""
+    B, H, Sq, D = (int(d) for d in q_shape)
+    Hk, Sk = int(k_shape[1]), int(k_shape[2])
+    if H % max(Hk, 1) or int(k_shape[3]) != D:
+        raise ValueError(f"flash attention: q {tuple(q_shape)} and k {tuple(k_shape)} differ in "
+                         "head dim or the query heads are not a multiple of the key heads")
+    off = causal_offset(causal, Sq, Sk)
+    sc = _check_scale(D ** -0.5 if scale is None else scale)
+    numba_ok = (os.environ.get("OPENCANN_FA_BACKEND") or "numba") == "numba"
+    bq, bk = _tiles(None, "numba", D, Sq, Sk, torch.float32, True, off is not None)
+    from . import cpu
+    qs, ks = tuple(int(d) for d in q_shape), tuple(int(d) for d in k_shape)
+
+    def run(q, k, v, out=None):
+        if not (numba_ok and q.device.type == "cpu" and tuple(q.shape) == qs
+                and tuple(k.shape) == ks == tuple(v.shape) and _rows_f32(q) and _rows_f32(k)
+                and _rows_f32(v) and (out is None or (tuple(out.shape) == qs and _rows_f32(out)
+                                                      and _non_overlapping(out)))):
+            return flash_attention_forward(q, k, v, causal=causal, scale=scale, out=out)
+        with torch.no_grad():
+            o, lse = cpu.forward(q.detach().numpy(), k.detach().numpy(), v.detach().numpy(), None,
+                                 off, sc, bq, bk, out=None if out is None else out.numpy())
+        return (out if out is not None else torch.from_numpy(o)), torch.from_numpy(lse)
+    return run
+
+
 def _non_overlapping(t: torch.Tensor) -> bool:
     """Whether no two elements of ``t`` share memory: its dims sorted by stride, each
     stride at least the span of the dims below it."""
