@@ -17,7 +17,7 @@ CONFIGS = {
     "llama": lambda: T.LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=96,
                                    num_hidden_layers=2, num_attention_heads=4,
                                    num_key_value_heads=2, eos_token_id=None),
-    "gpt2": lambda: T.GPT2Config(vocab_size=97, n_embd=32, n_layer=1, n_head=2, n_positions=64,
+    "gpt2": lambda: T.GPT2Config(vocab_size=97, n_embd=32, n_layer=2, n_head=2, n_positions=64,
                                  bos_token_id=1, eos_token_id=None),
 }
 
@@ -48,7 +48,8 @@ def test_compiled_steps_equal_transformers_and_eager_with_one_decode_graph(name)
     assert torch.equal(gen.generate(short, max_new_tokens=6),
                        m.generate(short, max_new_tokens=6, do_sample=False))
     assert s.graphs_built == 2 and s.recompiles == 0
-    # prefill attention runs the project's FlashAttention, reported per graph
+    # prefill attention runs the project's FlashAttention (the last layer attends its last
+    # token only, as a decode step: DecodeAttention), reported per graph
     text = gen.report()
     assert text.count("fuse_flash_attention") == 1 and "memory: arena" in text
     # the graphs hold the module's weight memory (one copy, shared by both graphs), and
