@@ -127,8 +127,8 @@ class GPT2Block(nn.Module):
                 k_cache: torch.Tensor, v_cache: torch.Tensor,
                 last: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``h`` [B, T, hidden] float32 -> [B, T, hidden] ([B, 1, hidden] with ``last``, [B]
-        int64, each row's last live token: `attend`, `_keep_last`); ``rope`` is unused (learned positions); writes this layer's caches
-        (`attend`)."""
+        int64, each row's last live token: `attend`, `_keep_last`); ``rope`` is unused
+        (learned positions); writes this layer's caches (`attend`)."""
         a, B, T = self.arch, h.shape[0], h.shape[1]
         x = self.ln1(h)
         q, k, v = _conv1d(x, self.attn.c_attn).split(a.hidden_size, dim=2)
