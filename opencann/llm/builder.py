@@ -44,15 +44,22 @@ def _conv1d(x: torch.Tensor, mod: nn.Module) -> torch.Tensor:
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
            v_cache: torch.Tensor, positions: torch.Tensor, lengths: torch.Tensor,
-           scale: float) -> torch.Tensor:
+           scale: float, last: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Write ``k``/``v`` [B, Hkv, T, D] into the caches [B, Hkv, S_max, D] at
     ``positions`` [B] (in place) and attend ``q`` [B, Hq, T, D]; returns [B, Hq, T, D].
     T == 1 (decode): DecodeAttention over cache positions 0 .. lengths[b]-1 (lengths
     [B] int64, data). T > 1 (prefill from position 0): causal attention over the T new
     tokens (SDPA, GQA when Hq > Hkv); rows shorter than T are right-padded and causality
-    keeps the padding from reaching real tokens."""
+    keeps the padding from reaching real tokens. ``last`` (a prefill's last layer:
+    [B] int64, each row's last live token, lengths - positions - 1): only that query
+    attends, as a decode step does, over the cache just written (DecodeAttention over
+    positions 0 .. lengths[b]-1, the keys causal attention gives it); returns
+    [B, Hq, 1, D] (the other rows reach no logit: `_keep_last`)."""
     torch.ops.opencann.kv_cache_update(k_cache, k, positions)
     torch.ops.opencann.kv_cache_update(v_cache, v, positions)
+    if last is not None:
+        idx = last.view(-1, 1, 1, 1).expand(q.shape[0], q.shape[1], 1, q.shape[3])
+        q = torch.gather(q, 2, idx)
     if q.shape[2] == 1:    # the op returns float32; a no-op for the float32 models DecoderLM runs, and
         # a reduced-precision graph built for estimates (opencann.tools.estimate_llm) stays in its dtype
         return torch.ops.opencann.decode_attention(q, k_cache, v_cache, lengths, scale).to(q.dtype)
@@ -60,18 +67,19 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Ten
                                           enable_gqa=q.shape[1] != k.shape[1])
 
 
-def _keep_last(h: torch.Tensor, o: torch.Tensor,
-               last: Optional[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
-    """The residual ``h`` and the attention output ``o`` [B, T, hidden], cut to each
-    row's last live token [B, 1, hidden] when ``last`` (gather indices [B, 1, hidden]) is
-    given: a prefill's last layer, whose other rows reach no logit, so its MLP runs on
-    one row per sequence instead of T (llama.cpp's ``inp_out_ids``, ``ggml_get_rows``
-    after the last layer's attention: at a 512-token prompt of a 12-layer model, ~6% of
-    the prefill's GEMM FLOPs). Elementwise ops per row: the kept rows' values are those
-    of the full computation, up to the GEMMs' rounding at another row count."""
+def _keep_last(h: torch.Tensor, last: Optional[torch.Tensor]) -> torch.Tensor:
+    """The residual ``h`` [B, T, hidden], cut to each row's last live token [B, 1,
+    hidden] when ``last`` ([B] int64 indices into T) is given: a prefill's last layer,
+    whose other rows reach no logit, so its attention (`attend`'s ``last``: one query
+    per row), output projection and MLP run on one row per sequence instead of T
+    (llama.cpp's ``inp_out_ids``, ``ggml_get_rows`` in the last layer: at a 512-token
+    prompt of a 12-layer model, ~6% of the prefill's GEMM FLOPs, and that layer's
+    causal attention). Row-wise ops: the kept rows' values are those of the full
+    computation, up to the GEMMs' rounding at another row count and the attention
+    kernel's summation order."""
     if last is None:
-        return h, o
-    return torch.gather(h, 1, last), torch.gather(o, 1, last)
+        return h
+    return torch.gather(h, 1, last.view(-1, 1, 1).expand(h.shape[0], 1, h.shape[2]))
 
 
 class LlamaBlock(nn.Module):
@@ -88,8 +96,8 @@ class LlamaBlock(nn.Module):
                 positions: torch.Tensor, lengths: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, last: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``h`` [B, T, hidden] float32, ``rope`` (cos, sin) [B, T, D] -> [B, T, hidden]
-        ([B, 1, hidden] with ``last``: `_keep_last`); writes this layer's caches
-        (`attend`)."""
+        ([B, 1, hidden] with ``last``, [B] int64, each row's last live token: `attend`,
+        `_keep_last`); writes this layer's caches (`attend`)."""
         a, B, T = self.arch, h.shape[0], h.shape[1]
         x = _rms_norm(h, self.ln1.weight, self.eps)
         q = self.attn.q_proj(x).view(B, T, a.num_heads, a.head_dim).transpose(1, 2)
@@ -98,10 +106,10 @@ class LlamaBlock(nn.Module):
         cos, sin = rope[0].unsqueeze(1), rope[1].unsqueeze(1)
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
-        o = attend(q, k, v, k_cache, v_cache, positions, lengths, self.scale)
-        h, o = _keep_last(h, self.attn.o_proj(o.transpose(1, 2).reshape(B, T, a.num_heads * a.head_dim)),
-                          last)
-        h = h + o
+        o = attend(q, k, v, k_cache, v_cache, positions, lengths, self.scale, last)
+        Tq = o.shape[2]   # 1 with ``last``
+        o = o.transpose(1, 2).reshape(B, Tq, a.num_heads * a.head_dim)
+        h = _keep_last(h, last) + self.attn.o_proj(o)
         x = _rms_norm(h, self.ln2.weight, self.eps)
         return h + self.mlp.down_proj(self.mlp.act_fn(self.mlp.gate_proj(x)) * self.mlp.up_proj(x))
 
@@ -118,17 +126,17 @@ class GPT2Block(nn.Module):
     def forward(self, h: torch.Tensor, rope, positions: torch.Tensor, lengths: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor,
                 last: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """``h`` [B, T, hidden] float32 -> [B, T, hidden] ([B, 1, hidden] with ``last``:
-        `_keep_last`); ``rope`` is unused (learned positions); writes this layer's caches
-        (`attend`)."""
+        """``h`` [B, T, hidden] float32 -> [B, T, hidden] ([B, 1, hidden] with ``last``, [B]
+        int64, each row's last live token: `attend`, `_keep_last`); ``rope`` is unused
+        (learned positions); writes this layer's caches (`attend`)."""
         a, B, T = self.arch, h.shape[0], h.shape[1]
         x = self.ln1(h)
         q, k, v = _conv1d(x, self.attn.c_attn).split(a.hidden_size, dim=2)
         q, k, v = (t.view(B, T, a.num_heads, a.head_dim).transpose(1, 2) for t in (q, k, v))
-        o = attend(q, k, v, k_cache, v_cache, positions, lengths, self.scale)
-        h, o = _keep_last(h, _conv1d(o.transpose(1, 2).reshape(B, T, a.hidden_size), self.attn.c_proj),
-                          last)
-        h = h + o
+        o = attend(q, k, v, k_cache, v_cache, positions, lengths, self.scale, last)
+        Tq = o.shape[2]   # 1 with ``last``
+        h = _keep_last(h, last) + _conv1d(o.transpose(1, 2).reshape(B, Tq, a.hidden_size),
+                                          self.attn.c_proj)
         x = self.ln2(h)
         return h + _conv1d(self.mlp.act(_conv1d(x, self.mlp.c_fc)), self.mlp.c_proj)
 
@@ -239,12 +247,12 @@ class DecoderLM(nn.Module):
             h = h + self.pos_embed(pos)
         rope = self._rope(pos, h.dtype) if self.rotary is not None else None
         # a prompt: the last layer keeps each row's last live token only (`_keep_last`)
-        last = (lengths - positions - 1).view(B, 1, 1).expand(B, 1, h.shape[-1]) if T > 1 else None
+        last = lengths - positions - 1 if T > 1 else None
         n = len(self.blocks)
         for i, blk in enumerate(self.blocks):
             h = blk(h, rope, positions, lengths, caches[2 * i], caches[2 * i + 1],
                     last if i == n - 1 else None)
-        h = h[:, 0] if n or last is None else torch.gather(h, 1, last)[:, 0]
+        h = h[:, 0] if n or last is None else _keep_last(h, last)[:, 0]
         h = self.norm(h) if self.arch.family == "gpt2" else _rms_norm(h, self.norm.weight,
                                                                       self.arch.norm_eps)
         return self.lm_head(h).float()

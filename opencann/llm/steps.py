@@ -14,7 +14,8 @@ needs no capture); ``"opencann"`` compiles each step graph with ``opencann.compi
 (its caches are inputs written in place; weights shared between the graphs through the
 compile option ``share_weights``, the merged Q/K/V and gate/up weights being the module's
 own memory, laid out as their concatenations before the first graph, `hold_weights_once`;
-prefill attention through the project's FlashAttention, `StepGraphs.compile_options`)."""
+prefill attention through the project's FlashAttention, `StepGraphs.compile_options`).
+While the host is oversubscribed a step runs with one intra-op thread (`StepGraphs._runner`)."""
 from __future__ import annotations
 
 import weakref
@@ -319,14 +320,30 @@ class StepGraphs:
         """``cm`` (a compiled step graph of ``batch`` rows) called on the caches' views;
         the callable carries it as ``.compiled``, and as ``.unguarded`` the same call
         without the guards (`CompiledModel.call_unguarded`: for the decode steps after a
-        call's first)."""
+        call's first). A step runs with one intra-op thread on the calling thread while
+        the host is `oversubscribed` (other processes' runnable threads plus ours exceed
+        the CPUs), as opencann's numba kernels launch then (`numba_cache.launch_threads`):
+        torch's two-thread GEMMs then waited out every OpenMP barrier for a thread the
+        other processes held (a 32-token Llama-125M prefill, 2-core host at load 2.8-3.0:
+        516-535 ms on 2 threads, 221-232 ms on 1; docs/performance.md). Results do not
+        depend on the count beyond the GEMMs' rounding."""
+        from ..ops.kernels.numba_cache import oversubscribed
+        from ..runtime.thread_count import restore_this_thread, set_this_thread
         views = self.views(batch)
 
         def run_compiled(ids, positions, lengths):
-            return cm(ids, positions, lengths, *views)
+            saved = set_this_thread(1) if oversubscribed() else None
+            try:
+                return cm(ids, positions, lengths, *views)
+            finally:
+                restore_this_thread(saved)
 
         def unguarded(ids, positions, lengths):
-            return cm.call_unguarded(ids, positions, lengths, *views)
+            saved = set_this_thread(1) if oversubscribed() else None
+            try:
+                return cm.call_unguarded(ids, positions, lengths, *views)
+            finally:
+                restore_this_thread(saved)
         run_compiled.compiled, run_compiled.unguarded = cm, unguarded
         return run_compiled
 

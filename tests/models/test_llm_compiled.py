@@ -17,7 +17,7 @@ CONFIGS = {
     "llama": lambda: T.LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=96,
                                    num_hidden_layers=2, num_attention_heads=4,
                                    num_key_value_heads=2, eos_token_id=None),
-    "gpt2": lambda: T.GPT2Config(vocab_size=97, n_embd=32, n_layer=1, n_head=2, n_positions=64,
+    "gpt2": lambda: T.GPT2Config(vocab_size=97, n_embd=32, n_layer=2, n_head=2, n_positions=64,
                                  bos_token_id=1, eos_token_id=None),
 }
 
@@ -48,7 +48,8 @@ def test_compiled_steps_equal_transformers_and_eager_with_one_decode_graph(name)
     assert torch.equal(gen.generate(short, max_new_tokens=6),
                        m.generate(short, max_new_tokens=6, do_sample=False))
     assert s.graphs_built == 2 and s.recompiles == 0
-    # prefill attention runs the project's FlashAttention, reported per graph
+    # prefill attention runs the project's FlashAttention (the last layer attends its last
+    # token only, as a decode step: DecodeAttention), reported per graph
     text = gen.report()
     assert text.count("fuse_flash_attention") == 1 and "memory: arena" in text
     # the graphs hold the module's weight memory (one copy, shared by both graphs), and
@@ -171,3 +172,28 @@ def test_memory_accounting_counts_each_storage_once_and_no_weight_in_three_layou
     if sys.platform.startswith("linux"):
         assert s.peak_rss_bytes > 0 and f"peak RSS {s.peak_rss_bytes / 2**20:.0f} MiB" in s.summary()
     assert f"packed {s.packed_bytes / 2**20:.1f}" in s.summary()
+
+
+def test_steps_run_on_one_thread_while_the_host_is_oversubscribed(monkeypatch):
+    """While other processes hold the CPUs (`numba_cache.oversubscribed`), each step runs
+    with one intra-op thread on the calling thread and gives the count back after: greedy
+    tokens equal transformers', twice, and the caller's count is unchanged."""
+    import opencann.ops.kernels.numba_cache as nc
+    import opencann.runtime.thread_count as tc
+    counts = []
+    real = tc.set_this_thread
+
+    def spy(n):
+        counts.append(n)
+        return real(n)
+    monkeypatch.setattr(nc, "oversubscribed", lambda: True)
+    monkeypatch.setattr(tc, "set_this_thread", spy)
+    threads = torch.get_num_threads()
+    torch.manual_seed(7)
+    m = T.AutoModelForCausalLM.from_config(CONFIGS["llama"]()).eval()
+    gen = L.compile(m, max_seq_len=32, max_batch=1, options={"backend": "opencann"})
+    ids = torch.randint(3, 97, (1, 9), generator=torch.Generator().manual_seed(2))
+    want = m.generate(ids, max_new_tokens=5, do_sample=False)
+    for _ in range(2):
+        assert torch.equal(gen.generate(ids, max_new_tokens=5), want)
+    assert counts and set(counts) == {1} and torch.get_num_threads() == threads

@@ -15,7 +15,8 @@ def _arena(model, s: int):
 
 
 def test_prefill_arena_grows_linearly_with_the_prompt():
-    cfg = transformers.LlamaConfig(hidden_size=64, num_hidden_layers=1, num_attention_heads=4,
+    # 2 layers: the last one attends its last token only (DecoderLM, as a decode step)
+    cfg = transformers.LlamaConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                                    num_key_value_heads=2, intermediate_size=128,
                                    vocab_size=300, max_position_embeddings=1024)
     torch.manual_seed(0)

@@ -197,3 +197,85 @@ def test_forward_only_long_sequence_uses_256_row_blocks_correctly():
         q.double(), k.double(), v.double(),
         attn_mask=torch.ones(600, 700, dtype=torch.bool).tril(100))
     assert ((out.double() - ref).abs().max() / ref.abs().max()).item() < 1e-5
+
+
+def test_tile_gemms_leave_the_callers_blas_threads_as_they_were():
+    """The kernels run their tile GEMMs on a sequential BLAS (MKL's thread-local count
+    set to 1 per task, restored after): the calling thread's MKL count is what it was
+    before a forward and a backward, and a 2-thread causal GQA prefill still matches
+    the reference, twice."""
+    import ctypes
+    import os
+
+    from opencann.ops.flash_attention import cpu
+    if not cpu.BLAS_NAME.startswith("mkl"):
+        pytest.skip("the tile GEMMs run on OpenBLAS here: no MKL thread count to keep")
+    mkl = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so"))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        before = mkl.MKL_Get_Max_Threads()
+        (q, k, v), _ = make(11, 1, 6, 2, 96, 96, 32)
+        ref, _ = attention_reference(q.double(), k.double(), v.double(), causal=True)
+        for _ in range(2):
+            out, _ = flash_attention_forward(q, k, v, causal=True, tiles=(32, 32))
+            assert rel(out, ref) < 1e-5
+            assert mkl.MKL_Get_Max_Threads() == before
+        qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
+        flash_attention(qg, kg, vg, causal=True, tiles=(32, 32)).sum().backward()
+        assert mkl.MKL_Get_Max_Threads() == before
+        assert all(torch.isfinite(t.grad).all() for t in (qg, kg, vg))
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("S", [5, 33, 130])
+def test_forward_reads_and_writes_bsnd_memory_in_place(S):
+    """q, k, v as a linear's [B, S, (H + 2 Hk) D] output viewed per head (BNSD views of
+    BSND memory, rows H·D apart) and ``out`` eager's [B, S, H, D] memory seen as BNSD: the
+    kernel reads and writes them as they are; the result matches the reference (causal,
+    GQA, a tail block), the inputs keep their values, a second call gives the same bits,
+    and an ``out`` with a transposed D is one clear error."""
+    B, H, Hk, D = 2, 6, 2, 32
+    g = torch.Generator().manual_seed(S)
+    lin = torch.randn(B, S, (H + 2 * Hk) * D, generator=g)
+    q = lin[..., :H * D].view(B, S, H, D).transpose(1, 2)
+    k = lin[..., H * D:(H + Hk) * D].view(B, S, Hk, D).transpose(1, 2)
+    v = lin[..., (H + Hk) * D:].view(B, S, Hk, D).transpose(1, 2)
+    before = lin.clone()
+    ref, _ = attention_reference(q.double(), k.double(), v.double(), causal=True)
+    out = torch.full((B, S, H, D), float("nan")).transpose(1, 2)
+    got, _ = flash_attention_forward(q, k, v, causal=True, tiles=(16, 16), out=out)
+    assert got is out and not out.is_contiguous()
+    assert rel(out, ref) < 1e-5 and torch.isfinite(out).all()
+    assert torch.equal(lin, before)
+    again, _ = flash_attention_forward(q, k, v, causal=True, tiles=(16, 16))
+    assert again.is_contiguous() and torch.equal(again, out)
+    with pytest.raises(ValueError, match="unit stride along D"):
+        flash_attention_forward(q, k, v, causal=True, out=torch.empty(B, H, D, S).transpose(2, 3))
+
+
+def test_bind_forward_equals_flash_attention_forward():
+    """`bind_forward` (a graph kernel's binding: checks and tiles once) gives
+    `flash_attention_forward`'s bits on strided inputs, into ``out`` or a fresh tensor;
+    a call of another shape or dtype takes `flash_attention_forward`; bad shapes are
+    one ValueError at binding."""
+    from opencann.ops.flash_attention.api import bind_forward
+    B, H, Hk, S, D = 1, 6, 2, 40, 16
+    g = torch.Generator().manual_seed(3)
+    lin = torch.randn(B, S, (H + 2 * Hk) * D, generator=g)
+    q = lin[..., :H * D].view(B, S, H, D).transpose(1, 2)
+    k = lin[..., H * D:(H + Hk) * D].view(B, S, Hk, D).transpose(1, 2)
+    v = lin[..., (H + Hk) * D:].view(B, S, Hk, D).transpose(1, 2)
+    run = bind_forward(q.shape, k.shape, causal=True, scale=0.3)
+    want, want_lse = flash_attention_forward(q, k, v, causal=True, scale=0.3)
+    for _ in range(2):
+        got, lse = run(q, k, v)
+        assert torch.equal(got, want) and torch.equal(lse, want_lse)
+    out = torch.empty(B, S, H, D).transpose(1, 2)
+    assert run(q, k, v, out=out)[0] is out and torch.equal(out, want)
+    qh, kh, vh = (t.bfloat16() for t in (q, k, v))   # another dtype: the general path
+    got, _ = run(qh, kh, vh)
+    assert got.dtype == torch.float32 and rel(got, want) < 1e-2   # as flash_attention_forward
+    with pytest.raises(ValueError, match="head dim"):
+        bind_forward((1, 6, 8, 16), (1, 4, 8, 16))

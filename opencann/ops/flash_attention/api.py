@@ -131,12 +131,20 @@ def _tiles(tiles, backend, D, Sq, Sk, dtype, forward_only=False, causal=False):
     return bq, bk
 
 
+def _rows_f32(t: torch.Tensor) -> bool:
+    """Whether the CPU kernel reads float32 ``t`` [B, H, S, D] in place: a unit stride
+    along D, the others non-negative (`cpu._rows`)."""
+    return (t.dtype == torch.float32 and t.dim() == 4
+            and (t.numel() == 0 or (t.stride(3) == 1 and min(t.stride()) >= 0)))
+
+
 def _dense_f32(*ts):
-    """NumPy views of ``ts`` as C-contiguous float32 arrays (the CPU kernel's layout): a
-    tensor already so is viewed as it is, the others (a KV cache's live slice, another
-    dtype) are copied into this thread's scratch (`thread_scratch`), not into fresh
-    memory each call: valid until the thread's next scratch use, i.e. for this call."""
-    dense = [t.dtype == torch.float32 and t.is_contiguous() for t in ts]
+    """NumPy views of ``ts`` as the CPU kernel reads them: a float32 tensor whose rows
+    are unit-stride (`_rows_f32`: a head of eager's [B, S, H, D] memory seen as BNSD, a
+    KV cache's live slice) is viewed as it is, the others (another dtype, a transposed
+    D) are copied into this thread's scratch (`thread_scratch`), not into fresh memory
+    each call: valid until the thread's next scratch use, i.e. for this call."""
+    dense = [_rows_f32(t) for t in ts]
     buf = thread_scratch(sum(t.numel() for t, ok in zip(ts, dense) if not ok))
     out, at = [], 0
     for t, ok in zip(ts, dense):
@@ -255,19 +263,68 @@ def flash_attention(q, k, v, *, attn_mask=None, causal=False, scale=None, layout
     return out.transpose(1, 2) if layout == "BSND" else out
 
 
+def bind_forward(q_shape, k_shape, *, causal=False, scale=None):
+    """``run(q, k, v, out=None) -> (out, lse)``: `flash_attention_forward` without a mask
+    for one static shape, its arguments checked and its tiles planned once here instead
+    of on every call (a graph kernel's binding; at a 32-token Llama prefill the per-call
+    checks were ~50 µs of a ~180 µs call). q (B, H, S_q, D) and k (B, H_kv, S_k, D) as
+    ``q_shape`` / ``k_shape``; a call whose tensors are float32 CPU tensors of those
+    shapes with unit-stride rows (`_rows_f32`) and, when given, such an ``out``
+    (`_non_overlapping`) runs the numba kernel on them in place; any other call (another
+    backend in ``OPENCANN_FA_BACKEND``, dtype or shape) takes `flash_attention_forward`.
+    Raises what `flash_attention_forward` raises for the shapes, ``causal`` or ``scale``."""
+    B, H, Sq, D = (int(d) for d in q_shape)
+    Hk, Sk = int(k_shape[1]), int(k_shape[2])
+    if H % max(Hk, 1) or int(k_shape[3]) != D:
+        raise ValueError(f"flash attention: q {tuple(q_shape)} and k {tuple(k_shape)} differ in "
+                         "head dim or the query heads are not a multiple of the key heads")
+    off = causal_offset(causal, Sq, Sk)
+    sc = _check_scale(D ** -0.5 if scale is None else scale)
+    numba_ok = (os.environ.get("OPENCANN_FA_BACKEND") or "numba") == "numba"
+    bq, bk = _tiles(None, "numba", D, Sq, Sk, torch.float32, True, off is not None)
+    from . import cpu
+    qs, ks = tuple(int(d) for d in q_shape), tuple(int(d) for d in k_shape)
+
+    def run(q, k, v, out=None):
+        if not (numba_ok and q.device.type == "cpu" and tuple(q.shape) == qs
+                and tuple(k.shape) == ks == tuple(v.shape) and _rows_f32(q) and _rows_f32(k)
+                and _rows_f32(v) and (out is None or (tuple(out.shape) == qs and _rows_f32(out)
+                                                      and _non_overlapping(out)))):
+            return flash_attention_forward(q, k, v, causal=causal, scale=scale, out=out)
+        with torch.no_grad():
+            o, lse = cpu.forward(q.detach().numpy(), k.detach().numpy(), v.detach().numpy(), None,
+                                 off, sc, bq, bk, out=None if out is None else out.numpy())
+        return (out if out is not None else torch.from_numpy(o)), torch.from_numpy(lse)
+    return run
+
+
+def _non_overlapping(t: torch.Tensor) -> bool:
+    """Whether no two elements of ``t`` share memory: its dims sorted by stride, each
+    stride at least the span of the dims below it."""
+    span = 1
+    for st, n in sorted((st, n) for n, st in zip(t.shape, t.stride()) if n > 1):
+        if st < span:
+            return False
+        span = st * n
+    return True
+
+
 def flash_attention_forward(q, k, v, *, attn_mask=None, causal=False, scale=None, tiles=None,
                             backend=None, out=None):
     """Forward only, no autograd, BNSD: returns ``(out, lse)``.
 
     q (B, H, S_q, D), k/v (B, H_kv, S_k, D); out (B, H, S_q, D) float32 and lse
     (B, H, S_q) float32 (natural log; -inf for fully masked rows, NaN for NaN rows). ``out``, if given,
-    is a float32 C-contiguous CPU tensor written in place (numba backend). Meant for
-    graph kernels. Same arguments and errors as ``flash_attention``.
+    is a float32 CPU tensor of q's shape with a unit stride along D and no element twice
+    (contiguous, or e.g. eager's [B, S_q, H, D] memory seen as BNSD), written in place
+    (numba backend). Meant for graph kernels. Same arguments and errors as
+    ``flash_attention``.
     """
     q, k, v, mask, off, scale, bq, bk, backend = _prepare(
         q, k, v, attn_mask, causal, scale, "BNSD", tiles, backend, forward_only=True)
-    if out is not None and (backend != "numba" or out.dtype != torch.float32
-                            or not out.is_contiguous() or out.shape != q.shape):
-        raise ValueError("out= needs the numba backend and a contiguous float32 tensor of q's shape")
+    if out is not None and (backend != "numba" or out.shape != q.shape or not _rows_f32(out)
+                            or not _non_overlapping(out)):
+        raise ValueError("out= needs the numba backend and a float32 tensor of q's shape with a "
+                         "unit stride along D and no element twice (e.g. a contiguous one)")
     with torch.no_grad():
         return _forward_impl(q, k, v, mask, off, scale, bq, bk, backend, out=out)

@@ -41,6 +41,17 @@ reductions, FMA); no ``nnan``/``ninf``, because masks rely on ``-inf``.
 All inputs are float32 here (the API converts fp16/bf16 at the boundary; numba has no
 bf16); accumulation is float32.
 
+The tile GEMMs run on a sequential BLAS: each parallel task sets MKL's thread-local
+count to 1 on entry (``MKL_Set_Num_Threads_Local``, bound by name as the GEMM is, to a
+no-op under OpenBLAS) and restores it on exit. Without it MKL started a team of torch's
+intra-op threads for each tile GEMM from inside numba's OpenMP region or from the
+calling thread, whose spin-waits then took the CPUs the tasks needed: causal S = 512,
+12/4 heads, D = 64, 2 threads, on the shared 2-core Xeon (load average 2-3), least of
+15 calls: 7.3-7.8 ms with numba's team of 2 and 6.3-19 ms (medians up to 490 ms) when
+the launch ran on the calling thread alone (`numba_cache.launch` under load), against
+2.1-2.5 ms and 4.3-5.3 ms with the sequential BLAS; a 512-token Llama-125M prefill
+spent 187 of its 430 ms there (12 layers).
+
 Threads: the kernels keep no state between calls and may run from several threads at
 once under numba's OpenMP or TBB threading layers; under its ``workqueue`` layer (the
 fallback when neither loads), which aborts the process on concurrent parallel launches,
@@ -68,17 +79,29 @@ _LOG2E = 1.4426950408889634
 _LN2 = 0.6931471805599453
 _LAZY_SUM_MAX = np.float32(2.0 ** 20)  # forward: lazy rescaling bound, see fwd_kernel
 _SYMBOL = "opencann_fa_sgemm"
+_THREADS_SYMBOL = "opencann_fa_blas_threads"
 BLAS_NAME = None  # which library the symbol was bound to: "mkl (torch)" or "openblas (scipy)"
 
 
-def _mkl_sgemm_address():
+def _mkl_address(name):
+    """The address of ``name`` in the MKL torch links (libtorch_cpu), or None."""
     import torch
     path = os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so")
     try:
         lib = ctypes.CDLL(path)
-        return ctypes.cast(lib.sgemm_, ctypes.c_void_p).value
+        return ctypes.cast(getattr(lib, name), ctypes.c_void_p).value
     except (OSError, AttributeError):
         return None
+
+
+def _mkl_sgemm_address():
+    return _mkl_address("sgemm_")
+
+
+@numba.cfunc(types.int32(types.int32), cache=True)
+def _keep_blas_threads(n):  # pragma: no cover - numba
+    """The BLAS thread setter where the BLAS has none to call (OpenBLAS): a no-op."""
+    return 0
 
 
 def _openblas_sgemm_address():
@@ -95,10 +118,12 @@ def _bind_blas():
     global BLAS_NAME
     choice = os.environ.get("OPENCANN_FA_BLAS", "auto").lower()
     addr = _mkl_sgemm_address() if choice in ("auto", "mkl") else None
+    threads = _mkl_address("MKL_Set_Num_Threads_Local") if addr is not None else None
     BLAS_NAME = "mkl (torch)"
     if addr is None:
         addr, BLAS_NAME = _openblas_sgemm_address(), "openblas (scipy)"
     llvm.add_symbol(_SYMBOL, addr)
+    llvm.add_symbol(_THREADS_SYMBOL, threads if threads is not None else _keep_blas_threads.address)
 
 
 _bind_blas()
@@ -138,15 +163,36 @@ def _sgemm(typingctx, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc):
     return sig, codegen
 
 
+@intrinsic
+def _blas_threads(typingctx, n):
+    """``MKL_Set_Num_Threads_Local(n)`` (bound to `_THREADS_SYMBOL`): the calling
+    thread's BLAS thread count, 0 = the global one; returns the previous local count."""
+    sig = types.int32(types.int32)
+
+    def codegen(context, builder, sig, args):
+        i32 = ir.IntType(32)
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(i32, [i32]),
+                                            _THREADS_SYMBOL)
+        return builder.call(fn, [args[0]])
+
+    return sig, codegen
+
+
+@njit(cache=True, inline="always")
+def _mm_ld(a, lda, ta, b, ldb, tb, c, ldc, m, n, k, alpha, beta):
+    """Row-major ``c[m, n] = alpha * op(a) @ op(b) + beta * c`` where each operand's data
+    starts at its array's first element and its rows are ``lda`` / ``ldb`` / ``ldc``
+    elements apart (a head's rows inside a [B, S, H, D] tensor: H * D); ``op(x) = x.T``
+    when the flag is set. Column-major BLAS sees the transposes, so it computes
+    ``c^T = op(b)^T op(a)^T``."""
+    _sgemm(84 if tb else 78, 84 if ta else 78, n, m, k, np.float32(alpha),
+           b, ldb, a, lda, np.float32(beta), c, ldc)
+
+
 @njit(cache=True, inline="always")
 def _mm(a, ta, b, tb, c, m, n, k, alpha, beta):
-    """Row-major ``c[m, n] = alpha * op(a) @ op(b) + beta * c`` on C-contiguous data;
-    ``op(x) = x.T`` when the flag is set. Column-major BLAS sees the transposes, so it
-    computes ``c^T = op(b)^T op(a)^T``."""
-    ldb = k if tb else n
-    lda = m if ta else k
-    _sgemm(84 if tb else 78, 84 if ta else 78, n, m, k, np.float32(alpha),
-           b, ldb, a, lda, np.float32(beta), c, n)
+    """`_mm_ld` on C-contiguous data (rows of their stored length)."""
+    _mm_ld(a, m if ta else k, ta, b, k if tb else n, tb, c, n, m, n, k, alpha, beta)
 
 
 @njit(fastmath=_FM, cache=True, inline="always")
@@ -272,9 +318,13 @@ def _mask_tile(s, nr, nc, b, h, q0, k0, mask, has_mask, causal, offset):
 @njit(parallel=True, fastmath=_FM, cache=True)
 def fwd_kernel(q, k, v, mask, has_mask, causal, offset, scale, B, H, Hk, Sq, Sk,
                br, bc, out, lse):
-    """q: (B*H*Sq, D), k/v: (B*Hk*Sk, D), out: (B*H*Sq, D), lse: (B*H*Sq,); float32,
-    C-contiguous. mask: float32 (B, H, Sq, Sk) view (stride 0 allowed)."""
-    D = q.shape[1]
+    """q (B, H, Sq, D), k/v (B, Hk, Sk, D), out (B, H, Sq, D): float32 arrays of any
+    non-negative strides with D unit-stride (`_in_place`), so a head's rows may be H·D
+    apart (eager's [B, S, H, D] memory seen as BNSD), read and written in place: the
+    tile GEMMs take the row stride as their leading dimension. lse: (B*H*Sq,)
+    contiguous. mask: float32 (B, H, Sq, Sk) view (stride 0 allowed)."""
+    D = q.shape[3]
+    qs, ks, vs = q.strides[2] // 4, k.strides[2] // 4, v.strides[2] // 4
     nqb = (Sq + br - 1) // br
     nkb_all = (Sk + bc - 1) // bc
     group = H // Hk
@@ -284,14 +334,17 @@ def fwd_kernel(q, k, v, mask, has_mask, causal, offset, scale, B, H, Hk, Sq, Sk,
     qk_alpha = np.float32(np.float64(scale) * (1.0 if has_mask else _LOG2E))
     unit = _LOG2E if has_mask else 1.0  # base-2 units per score unit
     for t in prange(B * H * nqb):
+        blas = _blas_threads(np.int32(1))  # tile GEMMs on a sequential BLAS (module docstring)
         bh = t // nqb
         qb = t - bh * nqb
         b = bh // H
         h = bh - b * H
-        kvrow = (b * Hk + h // group) * Sk
+        hk = h // group
         q0 = qb * br
         nr = min(br, Sq - q0)
-        qrow = bh * Sq + q0
+        qrow = bh * Sq + q0  # lse row
+        qb_ = q[b, h, q0:]  # the block's query rows
+        kh, vh, oh = k[b, hk], v[b, hk], out[b, h]
         nkb = nkb_all
         if causal:
             last = q0 + nr - 1 + offset  # last key any row of this block may see
@@ -303,8 +356,8 @@ def fwd_kernel(q, k, v, mask, has_mask, causal, offset, scale, B, H, Hk, Sq, Sk,
         for kb in range(nkb):
             k0 = kb * bc
             nc = min(bc, Sk - k0)
-            _mm(q[qrow:qrow + nr], False, k[kvrow + k0:kvrow + k0 + nc], True, sbuf,
-                nr, nc, D, qk_alpha, 0.0)
+            _mm_ld(qb_, qs, False, kh[k0:], ks, True, sbuf, nc,
+                   nr, nc, D, qk_alpha, 0.0)
             if has_mask or (causal and k0 + nc - 1 > q0 + offset):
                 _mask_tile(sbuf, nr, nc, b, h, q0, k0, mask, has_mask, causal, offset)
             for i in range(nr):
@@ -326,8 +379,8 @@ def fwd_kernel(q, k, v, mask, has_mask, causal, offset, scale, B, H, Hk, Sq, Sk,
                     if rs <= _LAZY_SUM_MAX:  # False for NaN: the exact path propagates it
                         l[i] += rs
                         continue
-                    _mm(q[qrow + i:qrow + i + 1], False, k[kvrow + k0:kvrow + k0 + nc], True,
-                        row, 1, nc, D, qk_alpha, 0.0)
+                    _mm_ld(qb_[i:], qs, False, kh[k0:], ks, True,
+                           row, nc, 1, nc, D, qk_alpha, 0.0)
                     if has_mask or causal:
                         _mask_tile(row, 1, nc, b, h, q0 + i, k0, mask, has_mask, causal,
                                    offset)
@@ -356,22 +409,23 @@ def fwd_kernel(q, k, v, mask, has_mask, causal, offset, scale, B, H, Hk, Sq, Sk,
                 m[i] = mx
                 for d in range(D):
                     acc[i, d] *= alpha
-            _mm(sbuf, False, v[kvrow + k0:kvrow + k0 + nc], False, acc, nr, D, nc, 1.0, 1.0)
+            _mm_ld(sbuf, nc, False, vh[k0:], vs, False, acc, D, nr, D, nc, 1.0, 1.0)
         for i in range(nr):
             if l[i] != l[i]:  # NaN reached the row's softmax: NaN, as eager
                 for d in range(D):
-                    out[qrow + i, d] = np.nan
+                    oh[q0 + i, d] = np.nan
                 lse[qrow + i] = np.nan
             elif l[i] > 0:
                 inv = np.float32(1.0) / l[i]
                 for d in range(D):
-                    out[qrow + i, d] = acc[i, d] * inv
+                    oh[q0 + i, d] = acc[i, d] * inv
                 lse[qrow + i] = np.float32((np.float64(m[i]) * unit + math.log2(np.float64(l[i])))
                                            * _LN2)
             else:  # fully masked row: output 0, lse -inf (as torch's CPU SDPA)
                 for d in range(D):
-                    out[qrow + i, d] = 0.0
+                    oh[q0 + i, d] = 0.0
                 lse[qrow + i] = -np.inf
+        _blas_threads(blas)
 
 
 @njit(fastmath=_FM, cache=True, inline="always")
@@ -408,6 +462,7 @@ def bwd_dkdv_kernel(q, k, v, do, lse, dd, mask, has_mask, causal, offset, scale,
     nqb = (Sq + br - 1) // br
     group = H // Hk
     for t in prange(B * Hk * nkb):
+        blas = _blas_threads(np.int32(1))  # tile GEMMs on a sequential BLAS (module docstring)
         bhk = t // nkb
         kb = t - bhk * nkb
         b = bhk // Hk
@@ -436,6 +491,7 @@ def bwd_dkdv_kernel(q, k, v, do, lse, dd, mask, has_mask, causal, offset, scale,
             for d in range(D):
                 dk[kvrow + k0 + j, d] = dka[j, d]
                 dv[kvrow + k0 + j, d] = dva[j, d]
+        _blas_threads(blas)
 
 
 @njit(parallel=True, fastmath=_FM, cache=True)
@@ -447,6 +503,7 @@ def bwd_dq_kernel(q, k, v, do, lse, dd, mask, has_mask, causal, offset, scale,
     nkb_all = (Sk + bc - 1) // bc
     group = H // Hk
     for t in prange(B * H * nqb):
+        blas = _blas_threads(np.int32(1))  # tile GEMMs on a sequential BLAS (module docstring)
         bh = t // nqb
         qb = t - bh * nqb
         b = bh // H
@@ -472,6 +529,7 @@ def bwd_dq_kernel(q, k, v, do, lse, dd, mask, has_mask, causal, offset, scale,
         for i in range(nr):
             for d in range(D):
                 dq[qrow + i, d] = dqa[i, d]
+        _blas_threads(blas)
 
 
 _DUMMY_MASK = np.zeros((1, 1, 1, 1), np.float32)
@@ -496,21 +554,35 @@ def _args(q, k, mask, causal_off):
     return mask, has_mask, causal, int(causal_off or 0), B, H, Hk, Sq, Sk
 
 
+def _in_place(a) -> bool:
+    """Whether `fwd_kernel` reads or writes the 4-D float32 array ``a`` as it is: its last
+    stride one element, the others non-negative multiples of it (empty: any)."""
+    st = a.strides
+    return a.size == 0 or (st[3] == 4 and min(st) >= 0 and not (st[0] | st[1] | st[2]) % 4)
+
+
 def forward(q, k, v, mask, causal_off, scale, block_q, block_k, out=None):
-    """Numpy float32 BNSD forward. q (B,H,Sq,D), k/v (B,Hk,Sk,D) C-contiguous;
-    mask: None or float32 (B,H,Sq,Sk) view. Returns (out (B,H,Sq,D), lse (B,H,Sq))."""
+    """Numpy float32 BNSD forward. q (B,H,Sq,D), k/v (B,Hk,Sk,D), each with a unit
+    stride along D (any other non-negative strides: read in place, `_in_place`; else
+    copied); mask: None
+    or float32 (B,H,Sq,Sk) view; ``out`` None or float32 (B,H,Sq,D) with a unit stride
+    along D and no element twice (written in place: e.g. eager's [B, S, H, D] memory
+    seen as BNSD). Returns (out (B,H,Sq,D), lse (B,H,Sq))."""
     mask, has_mask, causal, off, B, H, Hk, Sq, Sk = _args(q, k, mask, causal_off)
     D = q.shape[3]
     if out is None:
         out = np.empty((B, H, Sq, D), np.float32)
+    if out.size and not _in_place(out):
+        raise ValueError("flash attention forward: out must have a unit stride along D and "
+                         "non-negative strides (e.g. a contiguous array)")
     lse = np.empty((B, H, Sq), np.float32)
+    q, k, v = (a if _in_place(a) else np.ascontiguousarray(a) for a in (q, k, v))
     with _launch_guard(B * H * Sq * Sk * D):
         old = numba.get_parallel_chunksize()  # thread-local in numba
         numba.set_parallel_chunksize(1)  # dynamic schedule: causal tasks have unequal work
         try:
-            fwd_kernel(q.reshape(-1, D), k.reshape(-1, D), v.reshape(-1, D), mask, has_mask,
-                       causal, off, np.float32(scale), B, H, Hk, Sq, Sk, int(block_q),
-                       int(block_k), out.reshape(-1, D), lse.reshape(-1))
+            fwd_kernel(q, k, v, mask, has_mask, causal, off, np.float32(scale), B, H, Hk, Sq, Sk,
+                       int(block_q), int(block_k), out, lse.reshape(-1))
         finally:
             numba.set_parallel_chunksize(old)
     return out, lse

@@ -19,6 +19,7 @@ arXiv:2205.14135). Only the output is returned; the row log-sum-exp is dropped
 """
 from __future__ import annotations
 
+import os
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -27,7 +28,7 @@ from ...ir import Node, TensorDesc, numel
 from ..kernels import vnpu_cost
 from .. import per_index as pi
 from ..opdef import Cost, OpDef, OpKind, register
-from .api import flash_attention_forward
+from .api import bind_forward, flash_attention_forward
 from .planner import cpu_l2, plan_tiles
 from .vnpu import make_vnpu_flash_attention_kernel
 
@@ -72,12 +73,27 @@ def make_flash_attention_kernel(node: Node, in_descs: Sequence[TensorDesc], cons
     if strides is not None and tuple(strides) == torch.empty(shape, device="meta").stride():
         strides = None
 
+    # the kernel writes eager's layout itself where it can (float32 on the CPU kernel,
+    # rows of D unit-stride): no copy after it
+    direct = (strides is not None and out_dtype == torch.float32 and strides[-1] == 1
+              and min(strides) >= 0
+              and os.environ.get("OPENCANN_FA_BACKEND", "numba") in ("", "numba"))
+
+    bound = None if has_mask or not all(d.is_static for d in in_descs[:3]) else bind_forward(
+        shape, tuple(int(s) for s in in_descs[1].shape), causal=causal, scale=scale)
+
     def run(q, k, v, mask=None):
-        o, lse = flash_attention_forward(q, k, v, attn_mask=mask if has_mask else None,
-                                         causal=causal, scale=scale)
+        out = None
+        if direct and q.device.type == "cpu" and q.dtype == torch.float32:
+            out = torch.empty_strided(shape, strides, dtype=out_dtype)
+        if bound is not None:
+            o, lse = bound(q, k, v, out=out)
+        else:
+            o, lse = flash_attention_forward(q, k, v, attn_mask=mask if has_mask else None,
+                                             causal=causal, scale=scale, out=out)
         if nan_rows:  # rows that saw no key (lse -inf): NaN, as eager's softmax
             o.masked_fill_((lse == float("-inf")).unsqueeze(-1), float("nan"))
-        if strides is not None:
+        if strides is not None and out is None:
             return torch.empty_strided(shape, strides, dtype=out_dtype, device=o.device).copy_(o)
         return o if o.dtype == out_dtype else o.to(out_dtype)
     return run
