@@ -168,3 +168,23 @@ def run_cli(argv, capsys):
         rc = e.code
     cap = capsys.readouterr()
     return rc, cap.out, [ln for ln in cap.err.splitlines() if ln.strip()]
+
+
+def run_pass(p, g, device="cpu"):
+    """Run the one pass ``p`` over graph ``g`` (verifying it) on ``device``; returns
+    (the graph's text dump, the compile report)."""
+    from opencann.engine.options import complete
+    from opencann.ir import verify
+    from opencann.ir.dump import to_text
+    from opencann.passes import PassContext, PassManager
+    from opencann.report import CompileReport
+    ctx = PassContext(options=complete({"verify": True}), report=CompileReport(), device=device)
+    PassManager([p]).run(g, ctx)
+    verify(g)
+    return to_text(g), ctx.report
+
+
+def skipped(report):
+    """(pass, reason) of every near miss a compile report recorded."""
+    return [(s["pass"], s["reason"]) for s in report.skipped]
+

@@ -12,17 +12,15 @@ import torch
 import torch.nn as nn
 
 import opencann
-from opencann.ir import DataType, Graph, TensorDesc, TensorRef, verify
-from opencann.ir.dump import to_text
-from opencann.engine.options import complete
+from opencann.ir import DataType, Graph, TensorDesc, TensorRef
 from opencann.ops.kernels.add_rms_norm_cpu import add_rms_norm
 from opencann.ops.kernels.rotary_mul_cpu import apply_rotary_pos_emb, rotary_mul
 from opencann.ops.kernels.decode_attention_cpu import (bind_decode_attention_update, decode_attention,
                                                        decode_attention_update)
 from opencann.ops.kernels.kv_cache_update_cpu import kv_cache_update
-from opencann.passes import (FuseAddRmsNorm, FuseApplyRotaryPosEmb, FuseDecodeKvUpdate, FuseDecodeRope, FuseRotaryMul, PassContext,
-                             PassManager)
-from opencann.report import CompileReport
+from opencann.passes import FuseAddRmsNorm, FuseApplyRotaryPosEmb, FuseDecodeKvUpdate, FuseDecodeRope, FuseRotaryMul
+
+from helpers import run_pass, skipped
 
 F = DataType.FLOAT
 G = torch.Generator().manual_seed(0)
@@ -32,15 +30,7 @@ def d(*shape, dtype=F):
     return TensorDesc(tuple(shape), dtype)
 
 
-def run(p, g, device="cpu"):
-    ctx = PassContext(options=complete({"verify": True}), report=CompileReport(), device=device)
-    PassManager([p]).run(g, ctx)
-    verify(g)
-    return to_text(g), ctx.report
-
-
-def skipped(report):
-    return [(s["pass"], s["reason"]) for s in report.skipped]
+run = run_pass
 
 
 def _binary(g, op, a, b, desc=None):

@@ -9,11 +9,11 @@ import torch
 from torch import nn
 
 import opencann
-from opencann.engine.options import complete
-from opencann.ir import DataType, Graph, TensorDesc, TensorRef, verify
+from opencann.ir import DataType, Graph, TensorDesc, TensorRef
 from opencann.ir.dump import to_text
-from opencann.passes import EliminateNopReshape, FuseConsecutiveReshapes, PassContext, PassManager
-from opencann.report import CompileReport
+from opencann.passes import EliminateNopReshape, FuseConsecutiveReshapes
+
+from helpers import run_pass, skipped
 
 F = DataType.FLOAT
 
@@ -22,15 +22,7 @@ def d(*shape):
     return TensorDesc(tuple(shape), F)
 
 
-def run(p, g, device="cpu"):
-    ctx = PassContext(options=complete({"verify": True}), report=CompileReport(), device=device)
-    PassManager([p]).run(g, ctx)
-    verify(g)
-    return to_text(g), ctx.report
-
-
-def skipped(report):
-    return [(s["pass"], s["reason"]) for s in report.skipped]
+run = run_pass
 
 
 def reshape(g, x, shape, name=None, strides=None):
