@@ -101,7 +101,9 @@ def test_llama_step_graphs_have_no_host_ops(tokens):
     ops = cm.graph.op_counts()
     assert host_nodes(cm.graph) == []
     assert ops["KvCacheUpdate"] == 4 and ops["RmsNorm"] == 5
-    assert ops["FlashAttention" if tokens > 1 else "DecodeAttention"] == 2
+    # a prefill's last layer attends its last token only, as a decode step (DecoderLM)
+    assert ops.get("FlashAttention", 0) == (1 if tokens > 1 else 0)
+    assert ops["DecodeAttention"] == (1 if tokens > 1 else 2)
     ref_caches = [c.clone() for c in caches]
     with torch.no_grad():
         ref = lm(ex[0], ex[1], ex[2], *ref_caches)

@@ -98,10 +98,18 @@ def _mkl_sgemm_address():
     return _mkl_address("sgemm_")
 
 
-@numba.cfunc(types.int32(types.int32), cache=True)
-def _keep_blas_threads(n):  # pragma: no cover - numba
-    """The BLAS thread setter where the BLAS has none to call (OpenBLAS): a no-op."""
-    return 0
+def _keep_blas_threads_address() -> int:
+    """The address of a no-op BLAS thread setter, for a BLAS that has none to call
+    (OpenBLAS): a numba ``cfunc`` compiled here, only on that path, and not cached (a
+    cached cfunc writes next to its source: into the package, `numba_cache`)."""
+    @numba.cfunc(types.int32(types.int32))
+    def keep(n):  # pragma: no cover - numba
+        return 0
+    _KEEP.append(keep)   # the compiled function lives as long as the module
+    return keep.address
+
+
+_KEEP: list = []
 
 
 def _openblas_sgemm_address():
@@ -123,7 +131,7 @@ def _bind_blas():
     if addr is None:
         addr, BLAS_NAME = _openblas_sgemm_address(), "openblas (scipy)"
     llvm.add_symbol(_SYMBOL, addr)
-    llvm.add_symbol(_THREADS_SYMBOL, threads if threads is not None else _keep_blas_threads.address)
+    llvm.add_symbol(_THREADS_SYMBOL, threads if threads is not None else _keep_blas_threads_address())
 
 
 _bind_blas()
