@@ -12,30 +12,31 @@ weight layout; a LinearAct's constant ``w_t [K, N]`` is transposed into it once,
 time, by `pack_weight`). Each output feature n is one contiguous K-long row of W.
 
 Kernel: numba ``prange`` over tiles of output features (row-parallel: each thread streams
-its own contiguous slices of W exactly once, two at M = 1; as many threads as torch's intra-op count, one
-below ATen's grain or on an oversubscribed host: `numba_cache.launch_threads`; each
-output is one thread's dot product, so the count never changes a bit). A tile is a few
-rows of W times all rows of x, their M·rows dot products accumulated in one pass over K
-(a row of W is read once from memory; the x rows stay in L1/L2): M = 1 eight rows of W,
-two groups of four half the matrix apart (`_gemv1_kernel`);
-M = 2..4 four rows of W x four rows of x (`_tile4`), M = 5..8 two rows x eight
-(`_tile8`); a tile's x rows past M repeat row M - 1 and its W rows past N repeat row
-N - 1 (computed, never stored), so no N needs its own loop. At 8 rows the loop
-does 8 FMAs per weight element, as much time as the memory read on this class of CPU:
-`_tile4`/`_tile8` walk K in `CHUNK`-long steps and first `prefetch` the next tile's
-lines of that step, so memory works while the FMAs run (the rotation of a 125M Llama's
-decode weights at M = 8, 2 threads: 23.7-25.9 ms without, 20.3-20.9 with;
-docs/performance.md).
-The K loop is vectorised with fastmath ``reassoc``/``contract`` only (no
-``nnan``/``ninf``), so NaN and Inf propagate as in eager (a NaN or Inf in x or W makes
-the outputs it reaches NaN/Inf; the summation order differs from MKL's, so results agree
-with eager to fp32 rounding, not bit for bit). Bias: added after the dot product (as
-addmm's beta=1 C).
+its own slices of W exactly once; as many threads as torch's intra-op count, one below
+ATen's grain or on an oversubscribed host: `numba_cache.launch_threads`; each output is
+one thread's dot product, so the count never changes a bit). A tile is `gemv_tile`'s
+register tile: ``mr`` rows of x (1, 4 or 8: x's rows past M repeat row M - 1, computed
+and never stored) times ``rw`` rows of W that lie ``ceil(N / rw)`` rows apart (``rw`` =
+`gemv_tile.rows_for` ``(mr)``: 8, 6, 3 with AVX-512), accumulated in vector registers
+over all of K in one pass, each W row's successor prefetched as it goes; W rows past N
+repeat row N - 1 (computed, never stored), so no N needs its own loop. Two decisions,
+measured on the 2-core Xeon (the rotation of a 125M Llama's 49 decode weights, 400 MB,
+one thread, least of 15 interleaved runs while other jobs ran, load ~2.7; `bench/gemv.py
+--rotation`): W rows far apart are ``rw`` concurrent memory streams per thread where
+adjacent rows are one, and the accumulators stay in registers for the whole of K where
+the earlier numba tile (`_tile8`: two adjacent W rows x eight x rows, its K loop cut into
+64-element steps around the prefetches) summed all 16 accumulators horizontally every
+step: 8 rows 41.4 -> 27.8 ms, 4 rows 37.2 -> 26.7, 1 row 27.2 -> 25.7 (MKL's ``mm``
+29.3); docs/performance.md, "LLM decode".
+The tile multiplies with FMA and sums its lanes once, reassociated (no ``nnan``/``ninf``),
+so NaN and Inf propagate as in eager (a NaN or Inf in x or W makes the outputs it reaches
+NaN/Inf; the summation order differs from MKL's, so results agree with eager to fp32
+rounding, not bit for bit). Bias: added after the dot product (as addmm's beta=1 C).
 
 Source: the row-parallel GEMV of issue #27 item 4; the layout and loop are the textbook
 matrix-vector product (Golub & Van Loan, Matrix Computations, 4th ed., §1.1.5, "row
 oriented" gaxpy), with the M rows of x as a register block of outputs (§1.5, "Vectorization
-and Locality") and software prefetch a chunk ahead (Intel 64 and IA-32 Architectures
+and Locality"; `gemv_tile`) and software prefetch (Intel 64 and IA-32 Architectures
 Optimization Reference Manual, "Software prefetch").
 """
 from __future__ import annotations
@@ -48,20 +49,15 @@ import numpy as np
 import torch
 from numba import prange
 
+from .gemv_tile import dot_tile, rows_for
 from .numba_cache import entry_point, launch_guard, launch_threads, njit
-from .numba_prefetch import prefetch
 
 MAX_ROWS = 8  # the kernel handles x with 1..MAX_ROWS rows (decode: one token per sequence)
 _FM = {"reassoc", "contract"}  # vectorise the K reduction; keep NaN/Inf semantics
 
 
-# K elements per step of the 2..8-row tiles (one prefetch burst per step). Each step ends
-# in a horizontal sum of every accumulator (LLVM vectorises the step's loop alone), so a
-# longer step computes faster in cache (8 rows, L2-resident weight, 1 thread: 31, 39, 49
-# GFMA/s at 64, 128, 256; 51 unchunked) but prefetches in larger bursts (more lines asked
-# at once than a core keeps in flight, our reading): on the rotation of the module
-# docstring (2 threads) 64 and 128 tied and 32, 256, 384 were 5-10% slower
-CHUNK = 64
+_R1, _R4, _R8 = rows_for(1), rows_for(4), rows_for(8)   # W rows per tile (`gemv_tile`)
+_TILE1, _TILE4, _TILE8 = dot_tile(1, _R1), dot_tile(4, _R4), dot_tile(8, _R8)
 
 
 @njit(fastmath=_FM, cache=True, inline="always")
@@ -71,167 +67,40 @@ def _put(y, m, n, b, has_bias, s):  # pragma: no cover - compiled by numba
         y[m, n] = s + b[n] if has_bias else s
 
 
-@njit(fastmath=_FM, cache=True, inline="always")
-def _tile4(x, w, n):  # pragma: no cover - compiled by numba
-    """The 16 dot products of x's rows 0..3 with w's rows n..n+3, in one pass over K. Rows
-    past x's or w's last stand for the last (computed, never stored: `_put`); each CHUNK of
-    K first prefetches the same CHUNK of rows n+4..n+7 (the next tile)."""
-    M, K = x.shape
-    N = w.shape[0]
-    r1, r2, r3 = min(1, M - 1), min(2, M - 1), min(3, M - 1)
-    n1, n2, n3 = min(n + 1, N - 1), min(n + 2, N - 1), min(n + 3, N - 1)
-    p0, p1 = min(n + 4, N - 1), min(n + 5, N - 1)
-    p2, p3 = min(n + 6, N - 1), min(n + 7, N - 1)
-    a0 = a1 = a2 = a3 = b0 = b1 = b2 = b3 = np.float32(0.0)
-    c0 = c1 = c2 = c3 = d0 = d1 = d2 = d3 = np.float32(0.0)
-    for kc in range(0, K, CHUNK):
-        ke = min(kc + CHUNK, K)
-        for kp in range(kc, ke, 16):            # 16 fp32 = one 64-byte line
-            prefetch(w, p0, kp)
-            prefetch(w, p1, kp)
-            prefetch(w, p2, kp)
-            prefetch(w, p3, kp)
-        # 1-D views indexed from 0: LLVM sees unit-stride loads and vectorises over k
-        wa, wb, wc, wd = w[n, kc:ke], w[n1, kc:ke], w[n2, kc:ke], w[n3, kc:ke]
-        xa, xb, xc, xd = x[0, kc:ke], x[r1, kc:ke], x[r2, kc:ke], x[r3, kc:ke]
-        for k in range(ke - kc):
-            x0, x1, x2, x3 = xa[k], xb[k], xc[k], xd[k]
-            v = wa[k]
-            a0 += x0 * v
-            a1 += x1 * v
-            a2 += x2 * v
-            a3 += x3 * v
-            v = wb[k]
-            b0 += x0 * v
-            b1 += x1 * v
-            b2 += x2 * v
-            b3 += x3 * v
-            v = wc[k]
-            c0 += x0 * v
-            c1 += x1 * v
-            c2 += x2 * v
-            c3 += x3 * v
-            v = wd[k]
-            d0 += x0 * v
-            d1 += x1 * v
-            d2 += x2 * v
-            d3 += x3 * v
-    return a0, a1, a2, a3, b0, b1, b2, b3, c0, c1, c2, c3, d0, d1, d2, d3
-
-
-@njit(fastmath=_FM, cache=True, inline="always")
-def _tile8(x, w, n):  # pragma: no cover - compiled by numba
-    """The 16 dot products of x's rows 0..7 with w's rows n and n+1, in one pass over K
-    (rows past the last stand for the last, as in `_tile4`; prefetches rows n+2, n+3)."""
-    M, K = x.shape
-    N = w.shape[0]
-    r1, r2, r3 = min(1, M - 1), min(2, M - 1), min(3, M - 1)
-    r4, r5, r6, r7 = min(4, M - 1), min(5, M - 1), min(6, M - 1), min(7, M - 1)
-    n1 = min(n + 1, N - 1)
-    p0, p1 = min(n + 2, N - 1), min(n + 3, N - 1)
-    a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = np.float32(0.0)
-    b0 = b1 = b2 = b3 = b4 = b5 = b6 = b7 = np.float32(0.0)
-    for kc in range(0, K, CHUNK):
-        ke = min(kc + CHUNK, K)
-        for kp in range(kc, ke, 16):
-            prefetch(w, p0, kp)
-            prefetch(w, p1, kp)
-        wa, wb = w[n, kc:ke], w[n1, kc:ke]
-        xa, xb, xc, xd = x[0, kc:ke], x[r1, kc:ke], x[r2, kc:ke], x[r3, kc:ke]
-        xe, xf, xg, xh = x[r4, kc:ke], x[r5, kc:ke], x[r6, kc:ke], x[r7, kc:ke]
-        for k in range(ke - kc):
-            x0, x1, x2, x3 = xa[k], xb[k], xc[k], xd[k]
-            x4, x5, x6, x7 = xe[k], xf[k], xg[k], xh[k]
-            v = wa[k]
-            a0 += x0 * v
-            a1 += x1 * v
-            a2 += x2 * v
-            a3 += x3 * v
-            a4 += x4 * v
-            a5 += x5 * v
-            a6 += x6 * v
-            a7 += x7 * v
-            v = wb[k]
-            b0 += x0 * v
-            b1 += x1 * v
-            b2 += x2 * v
-            b3 += x3 * v
-            b4 += x4 * v
-            b5 += x5 * v
-            b6 += x6 * v
-            b7 += x7 * v
-    return a0, a1, a2, a3, a4, a5, a6, a7, b0, b1, b2, b3, b4, b5, b6, b7
-
-
 @njit(parallel=True, fastmath=_FM, cache=True)
 def _gemv1_kernel(x, w, b, has_bias, y):  # pragma: no cover - compiled by numba
     """M = 1: y[0, n] = x[0] . w[n] (+ b[n]); x [1, K], w [N, K], y [1, N], fp32
-    C-contiguous. The N rows of w are G = ceil(N / 4) groups of four; prange step t
-    streams two groups half the matrix apart (t and t + ceil(G / 2)), eight rows at once
-    (more loads in flight: the DRAM-bound LM head read 7.8 -> 12.5 GB/s on the 2-core
-    host with four rows instead of one group), so each thread reads two distant regions
-    of w in step ("r4x2"); rows past N stand for row N - 1 (computed, never stored).
-    Against eight adjacent rows per step: the bare rotation of a 125M Llama's decode
-    weights, 2 threads, 32.7 GB/s against 30-32 (MKL's GEMV 32.1); its 12-layer decode
-    step on one thread (CPU time per step, 176 steps, load 4.8-5.3) least 29.88 against
-    30.38 ms, median 31.08 against 31.37 (docs/performance.md, "LLM decode")."""
-    K = x.shape[1]
-    N = w.shape[0]
-    h = ((N + 3) // 4 + 1) // 2   # prange steps: pairs of four-row groups
-    xa = x[0]
+    C-contiguous. prange step t computes `_TILE1`: rows t, t + h, ... of w (h = ceil(N /
+    `_R1`)), ``_R1`` streams per thread."""
+    h = (w.shape[0] + _R1 - 1) // _R1
     for t in prange(h):
-        n = 4 * t
-        m = 4 * (t + h)
-        # 1-D rows indexed from 0: unit-stride loads LLVM vectorises over k
-        w0, w1 = w[min(n, N - 1)], w[min(n + 1, N - 1)]
-        w2, w3 = w[min(n + 2, N - 1)], w[min(n + 3, N - 1)]
-        w4, w5 = w[min(m, N - 1)], w[min(m + 1, N - 1)]
-        w6, w7 = w[min(m + 2, N - 1)], w[min(m + 3, N - 1)]
-        s0 = s1 = s2 = s3 = s4 = s5 = s6 = s7 = np.float32(0.0)
-        for k in range(K):
-            xk = xa[k]
-            s0 += xk * w0[k]
-            s1 += xk * w1[k]
-            s2 += xk * w2[k]
-            s3 += xk * w3[k]
-            s4 += xk * w4[k]
-            s5 += xk * w5[k]
-            s6 += xk * w6[k]
-            s7 += xk * w7[k]
-        _put(y, 0, n, b, has_bias, s0)
-        _put(y, 0, n + 1, b, has_bias, s1)
-        _put(y, 0, n + 2, b, has_bias, s2)
-        _put(y, 0, n + 3, b, has_bias, s3)
-        _put(y, 0, m, b, has_bias, s4)
-        _put(y, 0, m + 1, b, has_bias, s5)
-        _put(y, 0, m + 2, b, has_bias, s6)
-        _put(y, 0, m + 3, b, has_bias, s7)
+        s = _TILE1(x, w, t, h)
+        for q in range(_R1):
+            _put(y, 0, t + q * h, b, has_bias, s[q])
 
 
 @njit(parallel=True, fastmath=_FM, cache=True)
 def _gemv4_kernel(x, w, b, has_bias, y):  # pragma: no cover - compiled by numba
-    """M = 2..4: `_tile4` (4 rows of w x 4 rows of x) per prange step; x [M, K],
-    w [N, K], y [M, N] fp32 C-contiguous."""
-    N = w.shape[0]
-    for t in prange((N + 3) // 4):
-        n = 4 * t
-        s = _tile4(x, w, n)
-        for q in range(4):
+    """M = 2..4: `_TILE4` (x's 4 rows x ``_R4`` rows of w, h apart) per prange step;
+    x [M, K], w [N, K], y [M, N] fp32 C-contiguous."""
+    h = (w.shape[0] + _R4 - 1) // _R4
+    for t in prange(h):
+        s = _TILE4(x, w, t, h)
+        for q in range(_R4):
             for m in range(4):
-                _put(y, m, n + q, b, has_bias, s[4 * q + m])
+                _put(y, m, t + q * h, b, has_bias, s[4 * q + m])
 
 
 @njit(parallel=True, fastmath=_FM, cache=True)
 def _gemv8_kernel(x, w, b, has_bias, y):  # pragma: no cover - compiled by numba
-    """M = 5..8: `_tile8` (2 rows of w x 8 rows of x) per prange step; x [M, K],
-    w [N, K], y [M, N] fp32 C-contiguous."""
-    N = w.shape[0]
-    for t in prange((N + 1) // 2):
-        n = 2 * t
-        s = _tile8(x, w, n)
-        for q in range(2):
+    """M = 5..8: `_TILE8` (x's 8 rows x ``_R8`` rows of w, h apart) per prange step;
+    x [M, K], w [N, K], y [M, N] fp32 C-contiguous."""
+    h = (w.shape[0] + _R8 - 1) // _R8
+    for t in prange(h):
+        s = _TILE8(x, w, t, h)
+        for q in range(_R8):
             for m in range(8):
-                _put(y, m, n + q, b, has_bias, s[8 * q + m])
+                _put(y, m, t + q * h, b, has_bias, s[8 * q + m])
 
 
 def _kernel_for(m: int):

@@ -1,0 +1,158 @@
+"""The decode GEMV's register tile, written in LLVM IR: a numba intrinsic that computes a
+block of dot products in one pass over K with vector accumulators held across the whole
+pass.
+
+`dot_tile` ``(mr, rw)`` makes ``tile(x, w, t, h)``: the ``mr * rw`` dot products of x's
+rows ``0..mr-1`` with w's rows ``t, t + h, ..., t + (rw - 1) * h`` (x [M, K], w [N, K],
+fp32, C-contiguous; a row past x's last stands for x's last row, one past w's last for
+w's last: computed, never to be stored), returned as a tuple of float32, the product of
+x row m and w row ``t + q * h`` at index ``q * mr + m``.
+
+Why IR and not numba Python: LLVM vectorises a numba reduction loop only when nothing
+else is in it, so a loop that also prefetches must be cut into short vectorised steps,
+each ending in a horizontal sum of every accumulator; at 8 rows of x those sums cost as
+much as the multiply-adds (`gemv_cpu`'s earlier `_tile8`: 31 GFMA/s at 64-element steps
+against 51 unchunked, L2-resident, one thread). Here the loop is written directly in
+vector form: each step loads one vector of every w row and every x row, issues
+``mr * rw`` vector FMAs into accumulators that live in registers for the whole K
+(`mem2reg` promotes them: allocas in the entry block), and prefetches the line of each w
+row's successor (row ``t + q * h + 1``, the next tile of the same stream) at the same
+offset; the horizontal sums happen once, after K. The ``rw`` rows ``h`` apart are ``rw``
+independent memory streams per thread, which the hardware prefetchers run concurrently
+(one stream of adjacent rows left the memory idle while the FMAs ran: see `gemv_cpu`).
+
+Vector width: 16 fp32 lanes (one 512-bit register) on a CPU with AVX-512F, else 8
+(AVX2); `rows_for` sizes ``rw`` so that the accumulators, one x vector and the w vectors
+fit the register file (32 vector registers with AVX-512, 16 without). A K that is not a
+multiple of the width ends in a scalar FMA loop. NaN and Inf propagate as in any dot
+product (FMA and an ordered-free reassociated sum: `llvm.vector.reduce.fadd` with
+``reassoc`` only; no ``nnan``/``ninf``), so a NaN or Inf in x or w reaches the outputs it
+multiplies; the summation order differs from MKL's (fp32 rounding, not bit for bit).
+
+Source: LLVM Language Reference Manual ("'llvm.fma.*' Intrinsic", "'llvm.vector.reduce.fadd.*'
+Intrinsic", "'llvm.prefetch' Intrinsic"); numba docs, "Low-level extension API:
+Implementing intrinsics"; register blocking as in Goto & van de Geijn, "Anatomy of
+High-Performance Matrix Multiplication" (ACM TOMS 34(3), 2008), §4 (the micro-kernel's
+accumulators in registers).
+"""
+from __future__ import annotations
+
+from functools import lru_cache
+
+from llvmlite import binding as llvm_binding
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+
+@lru_cache(maxsize=1)
+def vector_width() -> int:
+    """fp32 lanes per vector register on this CPU: 16 with AVX-512F, else 8."""
+    try:
+        feats = llvm_binding.get_host_cpu_features()
+    except RuntimeError:      # llvmlite cannot read this host's features
+        return 8
+    return 16 if feats.get("avx512f", False) else 8
+
+
+def rows_for(mr: int, width: int = 0) -> int:
+    """How many w rows a tile of ``mr`` x rows takes at vector ``width`` (0: this CPU's):
+    the most that keep ``mr * rw`` accumulators, one x vector and ``rw`` w vectors in the
+    register file (32 vector registers at width 16, 16 at width 8), at most 8.
+    Raises ValueError unless 1 <= mr <= 8."""
+    if not 1 <= mr <= 8:
+        raise ValueError(f"gemv_tile: mr must be 1..8, got {mr}")
+    regs = 32 if (width or vector_width()) == 16 else 16
+    return max(1, min(8, (regs - 1) // (mr + 1)))
+
+
+def dot_tile(mr: int, rw: int, width: int = 0):
+    """The numba intrinsic ``tile(x, w, t, h)`` (module docstring) for ``mr`` rows of x and
+    ``rw`` rows of w at vector ``width`` lanes (0: `vector_width`). ``x``, ``w``: 2-D
+    float32 C-contiguous numba arrays with the same K; ``t``, ``h``: integers, ``t < h``.
+    Returns a UniTuple(float32, mr * rw). Callable from numba code only. Raises
+    ValueError for ``mr``/``rw`` outside 1..8 or a width other than 8/16."""
+    width = width or vector_width()
+    if not (1 <= mr <= 8 and 1 <= rw <= 8 and width in (8, 16)):
+        raise ValueError(f"gemv_tile: mr and rw must be 1..8 and width 8 or 16, "
+                         f"got {mr}, {rw}, {width}")
+    nacc = mr * rw
+
+    @intrinsic
+    def tile(typingctx, x, w, t, h):
+        ok = all(isinstance(a, types.Array) and a.ndim == 2 and a.dtype == types.float32
+                 for a in (x, w)) and isinstance(t, types.Integer) and isinstance(h, types.Integer)
+        if not ok:
+            return None
+        sig = types.UniTuple(types.float32, nacc)(x, w, t, h)
+
+        def codegen(context, builder, signature, args):
+            return _emit(context, builder, signature, args, mr, rw, width)
+        return sig, codegen
+    return tile
+
+
+def _emit(context, builder, signature, args, mr: int, rw: int, width: int):
+    """The tile's IR (`dot_tile`); returns the tuple value."""
+    xty, wty, tty, hty = signature.args
+    xa = context.make_array(xty)(context, builder, args[0])
+    wa = context.make_array(wty)(context, builder, args[1])
+    intp = context.get_value_type(types.intp)
+    t = context.cast(builder, args[2], tty, types.intp)
+    h = context.cast(builder, args[3], hty, types.intp)
+    m_rows = cgutils.unpack_tuple(builder, xa.shape, 2)[0]
+    n_rows, k_len = cgutils.unpack_tuple(builder, wa.shape, 2)
+    c = lambda v: ir.Constant(intp, v)       # noqa: E731
+    f32 = ir.FloatType()
+    vec = ir.VectorType(f32, width)
+    vptr = vec.as_pointer()
+    i8p, i32 = ir.IntType(8).as_pointer(), ir.IntType(32)
+
+    def clamp(i, n):     # min(i, n - 1)
+        last = builder.sub(n, c(1))
+        return builder.select(builder.icmp_signed("<", i, last), i, last)
+
+    def row(ary, aty, i):  # pointer to ary[i, 0]
+        return cgutils.get_item_pointer(context, builder, aty, ary, [i, c(0)], wraparound=False)
+
+    xrows = [row(xa, xty, clamp(c(m), m_rows)) for m in range(mr)]
+    wids = [builder.add(t, builder.mul(h, c(q))) for q in range(rw)]
+    wrows = [row(wa, wty, clamp(i, n_rows)) for i in wids]
+    nexts = [builder.bitcast(row(wa, wty, clamp(builder.add(i, c(1)), n_rows)), i8p) for i in wids]
+    mod = builder.module
+    fma_v = cgutils.get_or_insert_function(mod, ir.FunctionType(vec, [vec, vec, vec]),
+                                           f"llvm.fma.v{width}f32")
+    fma_s = cgutils.get_or_insert_function(mod, ir.FunctionType(f32, [f32, f32, f32]), "llvm.fma.f32")
+    pf = cgutils.get_or_insert_function(mod, ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]),
+                                        "llvm.prefetch.p0i8")
+    red = cgutils.get_or_insert_function(mod, ir.FunctionType(f32, [f32, vec]),
+                                         f"llvm.vector.reduce.fadd.v{width}f32")
+    vacc = [cgutils.alloca_once_value(builder, ir.Constant(vec, None)) for _ in range(mr * rw)]
+    sacc = [cgutils.alloca_once_value(builder, ir.Constant(f32, 0.0)) for _ in range(mr * rw)]
+    k_vec = builder.sub(k_len, builder.srem(k_len, c(width)))
+    with cgutils.for_range_slice(builder, c(0), k_vec, c(width), intp) as (k, _):
+        off = builder.mul(k, c(4))
+        for p in nexts:     # read, keep in all levels, data cache: prefetcht0
+            builder.call(pf, [builder.gep(p, [off]), ir.Constant(i32, 0), ir.Constant(i32, 3),
+                              ir.Constant(i32, 1)])
+        wv = [builder.load(builder.bitcast(builder.gep(r, [k]), vptr), align=4) for r in wrows]
+        for m in range(mr):
+            xv = builder.load(builder.bitcast(builder.gep(xrows[m], [k]), vptr), align=4)
+            for q in range(rw):
+                a = vacc[q * mr + m]
+                builder.store(builder.call(fma_v, [xv, wv[q], builder.load(a)]), a)
+    with cgutils.for_range_slice(builder, k_vec, k_len, c(1), intp) as (k, _):
+        wsv = [builder.load(builder.gep(r, [k])) for r in wrows]
+        for m in range(mr):
+            xs = builder.load(builder.gep(xrows[m], [k]))
+            for q in range(rw):
+                a = sacc[q * mr + m]
+                builder.store(builder.call(fma_s, [xs, wsv[q], builder.load(a)]), a)
+    outs = [builder.fadd(builder.call(red, [ir.Constant(f32, 0.0), builder.load(v)],
+                                      fastmath=("reassoc",)), builder.load(s))
+            for v, s in zip(vacc, sacc)]
+    return context.make_tuple(builder, signature.return_type, outs)
+
+
+__all__ = ["dot_tile", "rows_for", "vector_width"]
