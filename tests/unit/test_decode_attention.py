@@ -54,7 +54,8 @@ def _inputs(b, hq, hkv, s, d, seed):
 
 
 @pytest.mark.parametrize("b,hq,hkv,s,d", [(1, 1, 1, 1, 8), (2, 12, 4, 200, 64), (3, 6, 3, 77, 13),
-                                          (1, 4, 1, 1030, 32), (4, 2, 2, 9, 1)])
+                                          (1, 4, 1, 1030, 32), (4, 2, 2, 9, 1), (2, 16, 2, 70, 128),
+                                          (1, 5, 1, 33, 48)])
 @pytest.mark.parametrize("min_chunk", [4, dac.MIN_CHUNK, "serial"])
 def test_matches_sdpa_with_repeated_heads_and_length_mask(b, hq, hkv, s, d, min_chunk, monkeypatch):
     _path(monkeypatch, min_chunk)
@@ -92,9 +93,10 @@ def test_length_zero_row_gives_zeros_like_sdpa():
 
 
 @pytest.mark.parametrize("min_chunk", [4, dac.MIN_CHUNK, "serial"])
-def test_nan_in_dead_positions_does_not_leak_and_in_live_ones_does(min_chunk, monkeypatch):
+@pytest.mark.parametrize("d", [8, 64])     # 64: the register blocks (decode_attention_tile)
+def test_nan_in_dead_positions_does_not_leak_and_in_live_ones_does(min_chunk, d, monkeypatch):
     _path(monkeypatch, min_chunk)
-    q, k, v, _ = _inputs(3, 4, 2, 40, 8, 11)
+    q, k, v, _ = _inputs(3, 4, 2, 40, d, 11)
     lengths = torch.tensor([20, 40, 5])
     clean = decode_attention(q, k, v, lengths)
     kd, vd = k.clone(), v.clone()

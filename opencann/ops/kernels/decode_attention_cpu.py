@@ -54,6 +54,7 @@ from .kv_cache_update_cpu import _array, check_update, kv_cache_update
 from .rotary_mul_cpu import apply_rotary_pos_emb
 from .numba_cache import (GRAIN, entry_point, launch, launch_guard, launch_threads, njit,
                           torch_threads)
+from .decode_attention_tile import HEADS, SLICES, W as TILE_W, fits, pv_block, qk_block
 from .numba_exp import exp_shifted
 from .numba_prefetch import prefetch
 from .numpy_views import NumpyViews
@@ -149,13 +150,26 @@ def _merge(lengths, chunk, pm, pl, pacc, out):  # pragma: no cover - numba
 
 
 @njit(fastmath=_FM, cache=True, inline="always")
+def _score(qg, g, kk, j, scale):  # pragma: no cover - numba
+    """q·k·scale for query row g of ``qg`` and key row j of ``kk``, fp32."""
+    a = np.float32(0.0)
+    for d in range(qg.shape[1]):
+        a += qg[g, d] * kk[j, d]
+    return a * scale
+
+
+@njit(fastmath=_FM, cache=True, inline="always")
 def _group(qg, k, v, n, scale, out, b, h, s, acc, st):  # pragma: no cover - numba
     """Attention of the G query rows ``qg`` [G, D] (C-contiguous: kv head ``h``'s group of
     row ``b``) over keys 0 .. n-1 of k[b, h] and v[b, h], into out[b, h·G + g, 0, :]; zeros
-    when n <= 0. Scores q·k·scale in fp32 into ``s`` [G, >= n] (each key row read once
-    for the group) with their max per head (a NaN kept: the row's output becomes NaN),
-    ``exp(s - max)`` vectorized (`exp_shifted`), P·V accumulated in ``acc`` [G, D] (each
-    value row read once for the group) and divided by the sum; ``st`` [G] scratch."""
+    when n <= 0. Scores q·k·scale in fp32 into ``s`` [G, >= n] with their max per head (a
+    NaN kept: the row's output becomes NaN), ``exp(s - max)`` vectorized (`exp_shifted`),
+    P·V accumulated in ``acc`` [G, D] and divided by the sum; ``st`` [G] scratch. Where
+    the cache rows are unit-stride and D a multiple of the vector width
+    (`decode_attention_tile.fits`) the scores go W keys at a time (`qk_block`, the rest one
+    by one) and P·V 4 heads x 4 vector slices at a time (`pv_block`), accumulators in
+    registers; else one loop per score and per key (the same arithmetic, another order:
+    both agree with eager to fp32 rounding)."""
     G, D = qg.shape
     if n <= 0:
         for g in range(G):
@@ -164,28 +178,33 @@ def _group(qg, k, v, n, scale, out, b, h, s, acc, st):  # pragma: no cover - num
         return
     kk = k[b, h]
     vv = v[b, h]
+    tiled = fits(kk, vv, D)
+    nb = n - n % TILE_W if tiled else 0
     for g in range(G):
-        st[g] = -np.inf
-    for j in range(n):
-        for g in range(G):
-            a = np.float32(0.0)
-            for d in range(D):
-                a += qg[g, d] * kk[j, d]
-            sc = a * scale
+        m = np.float32(-np.inf)
+        for j0 in range(0, nb, TILE_W):
+            bm = qk_block(qg, g, kk, j0, scale, s)
+            if bm > m or bm != bm:
+                m = bm
+        for j in range(nb, n):
+            sc = _score(qg, g, kk, j, scale)
             s[g, j] = sc
-            if sc > st[g]:
-                st[g] = sc
-            elif sc != sc:
-                st[g] = sc
-    for g in range(G):
-        st[g] = exp_shifted(s[g], n, st[g])    # the max becomes the sum of exp
-        for d in range(D):
-            acc[g, d] = 0.0
-    for j in range(n):
+            if sc > m or sc != sc:  # NaN: keep it (the row's output becomes NaN)
+                m = sc
+        st[g] = exp_shifted(s[g], n, m)    # the sum of exp(s - max)
+    if tiled:
+        for g0 in range(0, G, HEADS):
+            for d0 in range(0, D, TILE_W * SLICES):
+                pv_block(s, g0, vv, n, d0, acc)
+    else:
         for g in range(G):
-            p = s[g, j]
             for d in range(D):
-                acc[g, d] += p * vv[j, d]
+                acc[g, d] = 0.0
+        for j in range(n):
+            for g in range(G):
+                p = s[g, j]
+                for d in range(D):
+                    acc[g, d] += p * vv[j, d]
     for g in range(G):
         for d in range(D):
             out[b, h * G + g, 0, d] = acc[g, d] / st[g]
