@@ -406,7 +406,7 @@ def _bound_plan(descs: tuple, rope: tuple) -> Optional[tuple]:
             and positions.dtype.torch == lengths.dtype.torch == torch.int64
             and len(shapes[0]) == 4 and len(shapes[1]) == 4):
         return None
-    (B, Hq, one, D), (_, Hkv, S, _) = shapes[0], shapes[1]
+    (B, Hq, one, D), (_, Hkv, _, _) = shapes[0], shapes[1]
     if not (one == 1 and Hkv and Hq % Hkv == 0 and B * Hq * D and shapes[2] == shapes[1]
             and shapes[3] == shapes[4] == (B, Hkv, 1, D) and shapes[5] == shapes[6] == (B,)
             and shapes[1][0] == B and shapes[1][3] == D):
