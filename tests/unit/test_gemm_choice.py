@@ -212,7 +212,7 @@ def test_a_broadcast_bias_never_goes_to_onednn(monkeypatch):
 
 
 def test_gemv_serves_decode_rows_only_and_a_file_keeps_it(tmp_path, monkeypatch):
-    """The GEMV (<= MAX_ROWS = 8 rows) is raced for decode shapes only: a choice of it pinned onto a
+    """The GEMV (<= MAX_ROWS = 32 rows) is raced for decode and short-prefill shapes only: a choice of it pinned onto a
     wider shape is measured again; a model file keeps it; its weight is copied once."""
     from opencann.ops.kernels.gemv_cpu import MAX_ROWS
     assert cpu_kernels.GEMV_MAX_ROWS == MAX_ROWS
@@ -231,9 +231,9 @@ def test_gemv_serves_decode_rows_only_and_a_file_keeps_it(tmp_path, monkeypatch)
     assert torch.equal(loaded(x), cm(x))
     assert len(cpu_kernels._GEMV_PACKED) == packed + 2  # the loaded constants, copied once each
     b = cpu_kernels._known_choice("gemv", MAX_ROWS + 1, 48, 96, torch.float32, _Bias(96))
-    assert b[1] != "gemv" and "gemv" not in b[0][-1]    # 9 rows: not raced, not kept
+    assert b[1] != "gemv" and "gemv" not in b[0][-1]    # 33 rows: not raced, not kept
     k8 = cpu_kernels._known_choice("gemv", MAX_ROWS, 48, 96, torch.float32, _Bias(96))
-    assert k8[1] == "gemv" and "gemv" in k8[0][-1]      # 8 rows (batch-8 decode): raced
+    assert k8[1] == "gemv" and "gemv" in k8[0][-1]      # 32 rows (a short prefill): raced
     k1 = cpu_kernels._known_choice("gemv", 3, 48, 96, torch.float32, _Bias(96))
     assert k1[1] == "gemv" and "gemv" in k1[0][-1]
     # a broadcast bias never goes to the GEMV

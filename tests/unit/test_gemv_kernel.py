@@ -1,5 +1,6 @@
-"""The decode GEMV kernel (`opencann.ops.kernels.gemv_cpu.gemv`, 1..MAX_ROWS = 8 rows, and
-its plan-time binding `bind_gemv`) against ``torch.nn.functional.linear``: every row count with odd K and N (N not a multiple
+"""The decode GEMV kernel (`opencann.ops.kernels.gemv_cpu.gemv`, 1..MAX_ROWS = 32 rows, and
+its plan-time binding `bind_gemv`) against ``torch.nn.functional.linear``: every row count up
+to 8 and the 8-row groups' edges past it (9, 16, 17, 32) with odd K and N (N not a multiple
 of any tile's rows), bias and none, NaN/Inf in x and W at chosen positions propagating
 as in eager, a second call, output independence, ``out=`` contiguous and strided, the
 thread count changing no bit, and one clear error per bad input. Values are compared with
@@ -32,7 +33,7 @@ def _check(out, x, w, b):
     assert ((out.double() - ref64).abs()[fin] <= 1e-5 * mag[fin] + 1e-30).all()
 
 
-@pytest.mark.parametrize("m", range(1, MAX_ROWS + 1))
+@pytest.mark.parametrize("m", list(range(1, 9)) + [9, 16, 17, MAX_ROWS])
 @pytest.mark.parametrize("k,n", [(1, 1), (7, 13), (33, 65), (769, 301), (2048, 17)])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_matches_f_linear(m, k, n, with_bias):
@@ -94,8 +95,8 @@ def test_nan_and_inf_propagate_like_eager(m):
 
 
 @pytest.mark.parametrize("bad,match", [
-    (lambda: gemv(torch.randn(MAX_ROWS + 1, 8), pack_weight(torch.randn(4, 8))), "1 <= M <= 8"),
-    (lambda: gemv(torch.randn(0, 8), pack_weight(torch.randn(4, 8))), "1 <= M <= 8"),
+    (lambda: gemv(torch.randn(MAX_ROWS + 1, 8), pack_weight(torch.randn(4, 8))), f"1 <= M <= {MAX_ROWS}"),
+    (lambda: gemv(torch.randn(0, 8), pack_weight(torch.randn(4, 8))), f"1 <= M <= {MAX_ROWS}"),
     (lambda: gemv(torch.randn(1, 8, dtype=torch.float64), pack_weight(torch.randn(4, 8))), "float32"),
     (lambda: gemv(torch.randn(1, 8), pack_weight(torch.randn(4, 9))), "pack_weight"),
     (lambda: gemv(torch.randn(1, 8), torch.randn(8, 4).t()), "C-contiguous"),
@@ -154,7 +155,7 @@ def test_bound_gemv_bad_input_is_one_clear_error():
         run(torch.randn(2, 8, dtype=torch.float64))
     with pytest.raises(ValueError, match=r"out must be \[2, 6\]"):
         run(torch.randn(2, 8), None, torch.empty(2, 5))
-    with pytest.raises(ValueError, match="rows must be 1..8"):
+    with pytest.raises(ValueError, match=f"rows must be 1..{MAX_ROWS}"):
         bind_gemv(w_nk, MAX_ROWS + 1)
     with pytest.raises(ValueError, match="pack_weight"):
         bind_gemv(torch.randn(8, 6).t(), 1)

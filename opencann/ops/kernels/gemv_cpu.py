@@ -1,4 +1,5 @@
-"""Bandwidth-bound skinny GEMM (GEMV) for linears with at most 8 rows: LLM decode.
+"""Bandwidth-bound skinny GEMM (GEMV) for linears with at most 32 rows: LLM decode and short
+prefills.
 
 ``y[M, N] = x[M, K] @ W[N, K]^T + b`` in fp32, M <= `MAX_ROWS`. At decode time a linear
 reads its whole weight (K·N·4 bytes) to make M·N outputs, so its time is the weight's
@@ -27,7 +28,12 @@ adjacent rows are one, and the accumulators stay in registers for the whole of K
 the earlier numba tile (`_tile8`: two adjacent W rows x eight x rows, its K loop cut into
 64-element steps around the prefetches) summed all 16 accumulators horizontally every
 step: 8 rows 41.4 -> 27.8 ms, 4 rows 37.2 -> 26.7, 1 row 27.2 -> 25.7 (MKL's ``mm``
-29.3); docs/performance.md, "LLM decode".
+29.3); docs/performance.md, "LLM decode". M = 9..32 (a short prompt's prefill, a large
+decode batch) runs the 8-row tile over x's rows 8 at a time within each prange step, so
+the tile's W rows are read from memory once and from L1 for the other groups; the same
+rotation, one thread, against MKL's ``mm`` on W as nn.Linear holds it: 16 rows 45.0 /
+79.7 ms, 32 rows 73.3 / 91.8, 64 rows 133.4 / 127.6 (MKL's packed panels compute faster
+from there on: 128 rows 261.5 / 205.0), hence `MAX_ROWS` 32.
 The tile multiplies with FMA and sums its lanes once, reassociated (no ``nnan``/``ninf``),
 so NaN and Inf propagate as in eager (a NaN or Inf in x or W makes the outputs it reaches
 NaN/Inf; the summation order differs from MKL's, so results agree with eager to fp32
@@ -52,7 +58,7 @@ from numba import prange
 from .gemv_tile import dot_tile, rows_for
 from .numba_cache import entry_point, launch_guard, launch_threads, njit
 
-MAX_ROWS = 8  # the kernel handles x with 1..MAX_ROWS rows (decode: one token per sequence)
+MAX_ROWS = 32  # the kernel handles x with 1..MAX_ROWS rows (decode: one token per sequence)
 _FM = {"reassoc", "contract"}  # vectorise the K reduction; keep NaN/Inf semantics
 
 
@@ -103,10 +109,27 @@ def _gemv8_kernel(x, w, b, has_bias, y):  # pragma: no cover - compiled by numba
                 _put(y, m, t + q * h, b, has_bias, s[8 * q + m])
 
 
+@njit(parallel=True, fastmath=_FM, cache=True)
+def _gemv32_kernel(x, w, b, has_bias, y):  # pragma: no cover - compiled by numba
+    """M = 9..`MAX_ROWS`: `_TILE8` for x's rows m0..m0+7, m0 = 0, 8, ..., per prange step
+    (the step's ``_R8`` rows of w stay in L1 from one group of x's rows to the next; a
+    last group of fewer than 8 repeats x's last row, never stored); x [M, K], w [N, K],
+    y [M, N] fp32 C-contiguous."""
+    M = x.shape[0]
+    h = (w.shape[0] + _R8 - 1) // _R8
+    for t in prange(h):
+        for m0 in range(0, M, 8):
+            s = _TILE8(x[m0:], w, t, h)
+            for q in range(_R8):
+                for m in range(8):
+                    _put(y, m0 + m, t + q * h, b, has_bias, s[8 * q + m])
+
+
 def _kernel_for(m: int):
     """The compiled kernel for ``m`` rows of x (1 <= m <= `MAX_ROWS`): `_gemv1_kernel`,
-    `_gemv4_kernel` (2..4) or `_gemv8_kernel` (5..8)."""
-    return _gemv1_kernel if m == 1 else _gemv4_kernel if m <= 4 else _gemv8_kernel
+    `_gemv4_kernel` (2..4), `_gemv8_kernel` (5..8) or `_gemv32_kernel` (9..32)."""
+    return (_gemv1_kernel if m == 1 else _gemv4_kernel if m <= 4 else
+            _gemv8_kernel if m <= 8 else _gemv32_kernel)
 
 
 _NO_BIAS = np.zeros(1, np.float32)  # stands in for b when there is none (never read)
@@ -240,7 +263,7 @@ def _call(fn: Callable, args: tuple, lock) -> None:
 
 def gemv(x: torch.Tensor, w_nk: torch.Tensor, bias: Optional[torch.Tensor] = None,
          out: Optional[torch.Tensor] = None, threads: Optional[int] = None) -> torch.Tensor:
-    """``x @ w_nk.T + bias`` for x [M, K] fp32 with 1 <= M <= `MAX_ROWS` (8), ``w_nk`` [N, K]
+    """``x @ w_nk.T + bias`` for x [M, K] fp32 with 1 <= M <= `MAX_ROWS` (32), ``w_nk`` [N, K]
     fp32 C-contiguous (`pack_weight`), ``bias`` [N] fp32 or None; result [M, N] fp32,
     written into ``out`` when given (any strides; a non-contiguous one gets a copy);
     ``threads``: exactly that many threads (a bandwidth measurement), instead of
