@@ -20,7 +20,7 @@ observers, several streams).
 Views of a kernel's fresh result are folded onto it: that result is conformed to its
 traced strides, so a view (or a chain of views) of it is the same ``(size, stride,
 offset)`` window on every call. The window is found once at binding, by running the
-chain on a probe tensor of the result's layout, and each view a kernel or the caller
+chain on a meta tensor of the result's layout, and each view a kernel or the caller
 reads is made per call by one ``as_strided`` of the result (``_as``); views read only
 by other folded views are not made at all. A transformer's Q/K/V (StridedSlice,
 Reshape, Transpose of the QKV GEMM's result) are three ``as_strided`` calls instead of
@@ -531,8 +531,8 @@ class CodeGen:
         self.glb.setdefault(target, _fast(node, aten))
         with torch.no_grad():
             r = eval(f"{target}({self.aten_args(node, aten)})", self.glb, {name: probe})  # noqa: S307
-        if not isinstance(r, torch.Tensor) or r.dtype != probe.dtype \
-                or r.untyped_storage().data_ptr() != probe.untyped_storage().data_ptr():
+        base = probe._base if probe._base is not None else probe
+        if not isinstance(r, torch.Tensor) or r.dtype != probe.dtype or r._base is not base:
             return False   # a reshape that copies, or a dtype view: it runs as it is
         o = node.outputs[0]
         self.names[o.id] = f"v{o.id}"
@@ -550,13 +550,14 @@ class CodeGen:
 
     def _root(self, node: Node, k: int, local: str, strides: tuple) -> None:
         """Record output ``k`` of ``node`` (local ``local``, conformed to ``strides``) as a
-        root whose views `_folded` may fold: a probe tensor of its layout, offset 0."""
+        root whose views `_folded` may fold: a meta probe tensor of its layout, offset 0
+        (no memory: the views' sizes, strides and offsets only)."""
         o = node.outputs[k]
         shape = o.desc.shape
         if not self.hoist or not all(isinstance(d, int) for d in shape) \
                 or not any(self._view_op(u) is not None for u in o.users):
             return
-        probe = torch.empty_strided(tuple(shape), strides, dtype=o.desc.dtype.torch)
+        probe = torch.empty_strided(tuple(shape), strides, dtype=o.desc.dtype.torch, device="meta")
         self.rooted[o.id] = (local, probe)
 
     def _bind_buffers(self, node: Node, aliased) -> List[Optional[str]]:
