@@ -2,9 +2,8 @@
 ``out=``: the op is ``out_capable`` on the CPU, so the executor passes the planned arena
 buffer): the same bits as the fresh result and as eager ops quantizing by the same fp32
 rule, for fp32 and bf16, contiguous, channels-last and non-dense inputs, NaN/±inf, a
-buffer of other strides
-(copied into), a second call, and in a compiled int8 graph against the kernel with no
-``out`` (the executor's copy-out)."""
+buffer of other strides (copied into), a second call, and in a compiled int8 graph
+against the kernel with no ``out`` (the executor's copy-out)."""
 import types
 
 import pytest
