@@ -13,7 +13,9 @@ own cost (guards, outputs) and the noise of the host.
     .venv/bin/python bench/transformer_account.py --model bert-base --precision fp32
 
 ``--precision bf16`` (default) compiles with ``precision_mode="allow_mix_precision_bf16"``,
-``fp32`` without options. Models: the zoo's (`opencann.zoo.get`, seeded random tokens at
+``fp32`` without options, ``int8`` is every linear static int8 inside the bf16 graph
+(``opencann.quantize`` calibrated on the example, ``precision_mode`` bf16: the norms write
+the linears' uint8 input). Models: the zoo's (`opencann.zoo.get`, seeded random tokens at
 seq 128; MiniLM with its real weights where the package is installed). Prints a Markdown
 table (µs per call and per node) and the call; nothing is written.
 """
@@ -66,8 +68,11 @@ def account(name: str, precision: str, reps: int, calls: int) -> None:
     """Compile ``name`` at batch 1 and print its table (module docstring)."""
     zm = zoo.get(name, batch=1)
     x = list(zm.example_inputs)
-    options = {"precision_mode": BF16} if precision == "bf16" else {}
-    cm = opencann.compile(zm.model, tuple(x), options=options)
+    options = {"precision_mode": BF16} if precision in ("bf16", "int8") else {}
+    if precision == "int8":
+        cm = opencann.quantize(zm.model, [tuple(x)], options=options)
+    else:
+        cm = opencann.compile(zm.model, tuple(x), options=options)
     with torch.no_grad():
         for _ in range(3):
             cm(*x)
@@ -102,7 +107,7 @@ def account(name: str, precision: str, reps: int, calls: int) -> None:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", nargs="*", default=["minilm"], choices=["minilm", "bert-base"])
-    ap.add_argument("--precision", choices=["bf16", "fp32"], default="bf16")
+    ap.add_argument("--precision", choices=["bf16", "fp32", "int8"], default="bf16")
     ap.add_argument("--reps", type=int, default=20, help="calls per node timing (least kept)")
     ap.add_argument("--calls", type=int, default=40, help="timed whole calls (median, least)")
     ap.add_argument("--threads", type=int, default=2)

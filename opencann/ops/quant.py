@@ -55,6 +55,7 @@ def _quant_linear_cost(node: Node) -> Cost:
 
 register(OpDef("AscendQuant", OpKind.ELEMENTWISE, flops_per_elem=4, aliases=((),), channels_last=True,
                kernel_factories={"cpu": make_ascend_quant_kernel, "vnpu": make_vnpu_ascend_quant}, npu_format="quant",
+               out_capable=lambda n: n.device.kind == "cpu",   # the vnpu kernel returns its own
                device_cost={"vnpu": vnpu_cost.quant}, per_index=pi.ALL,
                doc="fp32/bf16 → uint8 (int8 on the vnpu): saturate(round(x * scale) + offset), NaN → the minimum"))
 register(OpDef("AscendDequant", OpKind.ELEMENTWISE, flops_per_elem=2, aliases=((),), channels_last=True,

@@ -16,6 +16,17 @@ code is bound (``H<id>``, remade by `Executor.clone` for a new arena) and costs 
 per call. Not hoisted: views of graph inputs, graph outputs (the caller gets a new view
 object each call), a reshape that copies, and debugging variants (alias checks,
 observers, several streams).
+
+Views of a kernel's fresh result are folded onto it: that result is conformed to its
+traced strides, so a view (or a chain of views) of it is the same ``(size, stride,
+offset)`` window on every call. The window is found once at binding, by running the
+chain on a meta tensor of the result's layout, and each view a kernel or the caller
+reads is made per call by one ``as_strided`` of the result (``_as``); views read only
+by other folded views are not made at all. A transformer's Q/K/V (StridedSlice,
+Reshape, Transpose of the QKV GEMM's result) are three ``as_strided`` calls instead of
+nine view calls (~1 µs against ~4 µs each, docs/performance.md). Same debugging
+exceptions as hoisting; a reshape that would copy, a dtype view and symbolic shapes are
+left to run as they are.
 """
 from __future__ import annotations
 
@@ -63,6 +74,13 @@ def _conform(t: torch.Tensor, strides: tuple) -> torch.Tensor:
     if t.stride() == strides or _canonical(t.shape, t.stride()) == strides:
         return t
     return torch.empty_strided(t.shape, strides, dtype=t.dtype, device=t.device).copy_(t)
+
+
+def _as_window(t: torch.Tensor, window: tuple) -> torch.Tensor:
+    """The view ``(size, stride, offset)`` = ``window`` of ``t``'s storage, the offset
+    counted from ``t``'s own (`CodeGen._folded`)."""
+    size, stride, offset = window
+    return t.as_strided(size, stride, t.storage_offset() + offset)
 
 
 def _own(t: torch.Tensor) -> torch.Tensor:
@@ -299,6 +317,10 @@ class CodeGen:
         self.copy_out_nodes: List[str] = []
         self.hoisted: List[tuple] = []   # (global name, call text, {local name: global name})
         self.static: Dict[int, str] = {}  # value id -> global holding it on every call
+        # value id -> (local name of the fresh result it is a view of, probe tensor of its
+        # window): `_folded`; ``pending``: folded views not made yet (their `_as` line)
+        self.rooted: Dict[int, tuple] = {}
+        self.pending: Dict[int, str] = {}
         self.hoist = not (check_aliasing or observe)
         self._lit = 0
         self.nstreams, self.nevents, self.nslots = 1, 0, 0
@@ -429,10 +451,12 @@ class CodeGen:
 
     # -- one node -------------------------------------------------------------------
     def _emit_node(self, idx: int, node: Node, layout_bound: set) -> None:
-        if self.hoist and self._hoisted(node):
+        if self.hoist and (self._hoisted(node) or self._folded(node)):
             if self.profile:
                 self.lines.append(f"    _rec({idx})")
             return
+        for x in node.inputs:
+            self._materialize(x)
         op = get_op(node.op)
         aliased = output_aliases(node)
         outs = []
@@ -480,6 +504,61 @@ class CodeGen:
         self.names[node.outputs[0].id] = self.static[node.outputs[0].id] = name
         self.hoisted.append((name, call, local))
         return True
+
+    def _view_op(self, node: Node):
+        """The ATen overload of ``node`` when it is a plain view op (one input, one output
+        aliasing it, no kernel of its own, not in place, not a graph output), else None."""
+        op = get_op(node.op)
+        aten = op.aten or node.meta.get("aten")
+        if (op.kind is not OpKind.VIEW or len(node.outputs) != 1 or len(node.inputs) != 1
+                or _kernel_factory(node) or aten is None or op.kernel(node.device) not in (None, aten)
+                or inplace_inputs(node) or not output_aliases(node)[0]
+                or node.outputs[0] in self.graph.outputs):
+            return None
+        return aten
+
+    def _folded(self, node: Node) -> bool:
+        """Fold ``node``, a view of a fresh kernel result or of a folded view (module
+        docstring), into a window of that result: its line (``_as``) is emitted when a
+        reader needs it (`_materialize`). False (nothing done) when it does not apply."""
+        aten = self._view_op(node)
+        x = node.inputs[0] if node.inputs else None
+        if aten is None or x.id not in self.rooted:
+            return False
+        root, probe = self.rooted[x.id]
+        name = self.names[x.id]
+        target = f"K{node.outputs[0].id}h"
+        self.glb.setdefault(target, _fast(node, aten))
+        with torch.no_grad():
+            r = eval(f"{target}({self.aten_args(node, aten)})", self.glb, {name: probe})  # noqa: S307
+        base = probe._base if probe._base is not None else probe
+        if not isinstance(r, torch.Tensor) or r.dtype != probe.dtype or r._base is not base:
+            return False   # a reshape that copies, or a dtype view: it runs as it is
+        o = node.outputs[0]
+        self.names[o.id] = f"v{o.id}"
+        self.rooted[o.id] = (root, r)
+        self.glb[f"W{o.id}"] = (tuple(r.shape), tuple(r.stride()), r.storage_offset())
+        self.glb.setdefault("_as", _as_window)
+        self.pending[o.id] = f"    v{o.id} = _as({root}, W{o.id})"
+        return True
+
+    def _materialize(self, v: Value) -> None:
+        """Emit the `_as` line of ``v`` if it is a folded view not made yet."""
+        line = self.pending.pop(v.id, None)
+        if line is not None:
+            self.lines.append(line)
+
+    def _root(self, node: Node, k: int, local: str, strides: tuple) -> None:
+        """Record output ``k`` of ``node`` (local ``local``, conformed to ``strides``) as a
+        root whose views `_folded` may fold: a meta probe tensor of its layout, offset 0
+        (no memory: the views' sizes, strides and offsets only)."""
+        o = node.outputs[k]
+        shape = o.desc.shape
+        if not self.hoist or not all(isinstance(d, int) for d in shape) \
+                or not any(self._view_op(u) is not None for u in o.users):
+            return
+        probe = torch.empty_strided(tuple(shape), strides, dtype=o.desc.dtype.torch, device="meta")
+        self.rooted[o.id] = (local, probe)
 
     def _bind_buffers(self, node: Node, aliased) -> List[Optional[str]]:
         """``B<id>`` (bound to its arena view) for each planned, non-aliasing output; None
@@ -578,11 +657,14 @@ class CodeGen:
             if st is not None:
                 self.glb[f"T{o.id}"] = st
                 self.lines.append(f"    {outs[k]} = _conform({outs[k]}, T{o.id})")
+                self._root(node, k, outs[k], st)
 
     # -- outputs --------------------------------------------------------------------
     def _emit_returns(self) -> str:
         """Copies and conforms of the graph outputs; returns the return tuple's text."""
         g = self.graph
+        for v in g.outputs:
+            self._materialize(v)
         rets = [self.names[v.id] for v in g.outputs]
         for i, shared in output_copies(g).items():
             if shared is None:

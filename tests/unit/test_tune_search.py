@@ -139,3 +139,25 @@ def test_the_gates_choice_comes_back_when_the_timed_mix_is_slower_end_to_end():
     same.by_gate(False)
     same.drop_slow()
     assert same.choice == {"a": "int8"} and same.builder.raced == []
+
+
+def test_race_runs_rounds_until_a_second_of_calls_and_keeps_the_least(monkeypatch):
+    import opencann.tools.tune_search as ts
+    clock = [0.0]
+    monkeypatch.setattr(ts.time, "perf_counter", lambda: clock[0])
+    calls = {"a": 0, "b": 0}
+
+    def fn(name, ms):
+        def run():
+            calls[name] += 1
+            clock[0] += ms[min(calls[name] - 1, len(ms) - 1)] / 1e3
+        return run
+    # 30 ms and 40 ms calls: 1 s of timed calls takes 15 rounds (more than the minimum of 5)
+    a_ms, b_ms = ts._race(fn("a", [30.0, 30.0, 25.0, 30.0]), fn("b", [40.0, 41.0, 39.0, 40.0]))
+    assert (a_ms, b_ms) == (pytest.approx(25.0), pytest.approx(39.0))
+    assert calls["a"] == calls["b"] == 1 + 15          # a warm-up call each, then the rounds
+    # slow calls: the minimum number of rounds; fast ones: at most END_TO_END_MAX_ROUNDS
+    for ms, rounds in ((500.0, ts.END_TO_END_ROUNDS), (0.1, ts.END_TO_END_MAX_ROUNDS)):
+        calls.update(a=0, b=0)
+        ts._race(fn("a", [ms]), fn("b", [ms]))
+        assert calls["a"] == calls["b"] == 1 + rounds

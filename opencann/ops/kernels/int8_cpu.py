@@ -46,21 +46,25 @@ QMIN, QMAX = 0, 255   # uint8 activations
 _LINEAR_POST = {"relu": ("relu", ""), "gelu": ("gelu", "none"), "gelu_tanh": ("gelu", "tanh")}
 
 
-def quantize_u8(x: torch.Tensor, step: float, offset: int) -> torch.Tensor:
+def quantize_u8(x: torch.Tensor, step: float, offset: int, out: torch.Tensor = None) -> torch.Tensor:
     """``x`` (float) to uint8 ``saturate(round_half_even(x / step) + offset)`` in [0, 255],
     NaN → 0; x's memory format kept. ``step`` > 0 (float), ``offset`` in [0, 255]. A dense
     fp32 x takes one numba pass (`quant_numba.quantize_dense`, same values), a dense bf16
     x one pass reading it directly (`quant_bf16_numba.quantize_bf16_dense`: the values of
-    quantizing ``x.float()``, no Cast); any other the eager ops below."""
+    quantizing ``x.float()``, no Cast); any other the eager ops below. ``out``: a uint8
+    tensor of x's shape that receives the result (written in place by the numba pass when
+    it has x's strides, else copied into) and is returned; None: a fresh tensor."""
     from .quant_numba import quantize_dense   # numba loads on the first int8 call only
     from .quant_bf16_numba import quantize_bf16_dense
-    y = quantize_dense(x, step, offset) if x.dtype == torch.float32 else quantize_bf16_dense(x, step, offset)
+    y = (quantize_dense(x, step, offset, out) if x.dtype == torch.float32
+         else quantize_bf16_dense(x, step, offset, out))
     if y is not None:
         return y
     y = torch.mul(x.float(), 1.0 / step)
     y.round_().add_(offset).clamp_(QMIN, QMAX)
     torch.nan_to_num_(y, nan=float(QMIN))
-    return y.to(torch.uint8)
+    y = y.to(torch.uint8)
+    return y if out is None else out.copy_(y)
 
 
 def dynamic_params(x: torch.Tensor) -> Tuple[float, int]:
@@ -85,12 +89,14 @@ def dynamic_params(x: torch.Tensor) -> Tuple[float, int]:
 def make_ascend_quant_kernel(node: Node, in_descs: Sequence[TensorDesc], consts: Sequence) -> Callable:
     """AscendQuant(x) → uint8: ``node.attrs`` ``scale`` (CANN's: the reciprocal of the
     quantization step, y = round(x * scale) + offset) and ``offset`` (the zero point, in
-    [0, 255]). Returns ``run(x)``; x fp32 or bf16 (one numba pass reading it as it is;
-    fp16 quantized through fp32)."""
+    [0, 255]). Returns ``run(x, out=None)``; x fp32 or bf16 (one numba pass reading it as
+    it is; fp16 quantized through fp32), written into ``out`` when given (the op is
+    ``out_capable`` on the CPU: the planned arena buffer; a fresh [128, 768] result cost
+    ~20 µs more in BERT-base's call, docs/performance.md)."""
     step, offset = 1.0 / float(node.attrs["scale"]), int(node.attrs["offset"])
 
-    def run(x):
-        return quantize_u8(x, step, offset)
+    def run(x, out=None):
+        return quantize_u8(x, step, offset, out)
     return run
 
 

@@ -59,12 +59,14 @@ def _quantize_bf16(xb, inv, offset, y):  # pragma: no cover - compiled by numba
         _quantize_bf16_run(xb[s:s + m], inv, offset, y[s:s + m])
 
 
-def quantize_bf16_dense(x: torch.Tensor, step: float, offset: int):
+def quantize_bf16_dense(x: torch.Tensor, step: float, offset: int, out: torch.Tensor = None):
     """``x`` (bf16, dense: contiguous in some memory order) quantized to uint8 with its
     strides, ``saturate(round_half_even(x / step) + offset)`` computed in fp32 (the bits
-    of quantizing ``x.float()``), NaN → 0, +inf → 255, -inf → 0; None when x is not bf16 or
-    not dense (the caller then uses eager's ops). ``step`` > 0, ``offset`` in [0, 255]."""
-    io = dense_io(x, np.uint16) if x.dtype == torch.bfloat16 else None
+    of quantizing ``x.float()``), NaN → 0, +inf → 255, -inf → 0, written into ``out`` when
+    given and it fits (`quant_numba.dense_io`); None when x is not bf16 or not dense or
+    ``out`` does not fit (the caller then uses eager's ops). ``step`` > 0, ``offset`` in
+    [0, 255]."""
+    io = dense_io(x, np.uint16, out) if x.dtype == torch.bfloat16 else None
     if io is None:
         return None
     xs, y, ys = io

@@ -62,32 +62,41 @@ def dense_flat(x: torch.Tensor):
     return x.as_strided((x.numel(),), (1,))
 
 
-def dense_io(x: torch.Tensor, np_dtype):
+def dense_io(x: torch.Tensor, np_dtype, out: torch.Tensor = None):
     """(x's storage as a flat numpy array of ``np_dtype`` (x's element size: its bits
-    reinterpreted), y: a fresh uint8 tensor with x's strides, y's storage as a flat numpy
-    array), or None when x is not dense. A contiguous x takes numpy's views and allocation:
+    reinterpreted), y: a uint8 tensor with x's strides, y's storage as a flat numpy
+    array), or None when x is not dense. y is ``out`` when given (a uint8 tensor of x's
+    shape and strides: the planned arena buffer, reused memory where a fresh allocation
+    page-faults in the call), else fresh; None too when ``out`` does not fit (the caller
+    then writes a fresh y into it). A contiguous x takes numpy's views and allocation:
     torch's ``as_strided`` / ``empty_like`` / dtype ``view`` cost ~2 µs each, and the pass
     over a [128, 768] activation is ~17 µs (measured: the call 34 → 22 µs)."""
     if x.requires_grad:
         x = x.detach()
+    if out is not None and not (out.dtype == torch.uint8 and out.shape == x.shape
+                                and out.stride() == x.stride()):
+        return None
     if x.is_contiguous():
-        y = np.empty(tuple(x.shape), np.uint8)
         xs = x.numpy() if x.dtype != torch.bfloat16 else x.view(torch.int16).numpy()
+        if out is not None:
+            return xs.reshape(-1).view(np_dtype), out, out.numpy().reshape(-1)
+        y = np.empty(tuple(x.shape), np.uint8)
         return xs.reshape(-1).view(np_dtype), torch.from_numpy(y), y.reshape(-1)
     xd = dense_flat(x)
     if xd is None:
         return None
-    y = torch.empty_like(x, dtype=torch.uint8)
+    y = torch.empty_like(x, dtype=torch.uint8) if out is None else out
     if y.stride() != x.stride():
         return None
     xs = xd.numpy() if x.dtype != torch.bfloat16 else xd.view(torch.int16).numpy()
     return xs.view(np_dtype), y, y.as_strided((x.numel(),), (1,)).numpy()
 
 
-def quantize_dense(x: torch.Tensor, step: float, offset: int):
+def quantize_dense(x: torch.Tensor, step: float, offset: int, out: torch.Tensor = None):
     """``x`` (fp32, dense: contiguous in some memory order) quantized to uint8 with its
-    strides, or None when x is not fp32 or not dense (the caller then uses eager's ops)."""
-    io = dense_io(x, np.float32) if x.dtype == torch.float32 else None
+    strides (written into ``out`` when given and it fits: `dense_io`), or None when x is
+    not fp32 or not dense or ``out`` does not fit (the caller then uses eager's ops)."""
+    io = dense_io(x, np.float32, out) if x.dtype == torch.float32 else None
     if io is None:
         return None
     xf, y, yf = io
