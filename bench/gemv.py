@@ -1,4 +1,4 @@
-"""Decode linears (M <= 8 rows): GB/s of weight read by opencann's decode GEMV/GEMM
+"""Decode linears (M <= 32 rows): GB/s of weight read by opencann's decode GEMV/GEMM
 (`opencann.ops.kernels.gemv_cpu.gemv`) against torch's kernels, in the same process.
 
 Per shape (default): against ``torch.nn.functional.linear`` and, where this torch has

@@ -260,13 +260,16 @@ GEMV_MAX_ROWS = 32  # gemv_cpu.MAX_ROWS (not imported here: that module loads nu
 LINEAR_CHOICES: Dict[tuple, str] = {}
 _LINEAR_CHOICES_LOCK = threading.Lock()  # one measurement per shape, even when binding races
 _MARGIN = 0.97  # a prepacked kernel must be 3% faster than addmm to be chosen (noise guard)
-#: at one row the numba GEMV is chosen over MKL's GEMM only when this much faster (15%):
-#: there both stream a weight at about the memory's rate, a single-weight race picks
-#: either by a few % from run to run, and a decode step whose GEMMs mix the two is slower
-#: than one on MKL's alone (Llama-125M decode step, 2-core Xeon, least of 120 calls per
-#: process, two processes each: all MKL 13.8-14.9 ms, the race's mixes 15.3-15.8, all
-#: GEMV 16.2-16.3); where MKL's M = 1 GEMM is slow (13-17 GB/s against the GEMV's 46 on
-#: the AMD EPYC host of issue #27) the GEMV still wins by far more
+#: at one row the numba GEMV is the kernel to beat, and another is chosen over it only when
+#: this much faster (15%): there the kernels stream a weight at about the memory's rate, a
+#: single-weight race picks either by a few % from run to run, and a decode step whose
+#: GEMMs mix two kernels is slower than one on either alone (Llama-125M decode step, 2-core
+#: Xeon: MKL with row-major merged weights 13.8-14.9 ms, the race's mixes 15.3-15.8). The
+#: GEMV's register tile (`gemv_tile`) streams faster than MKL's GEMV on one thread (the
+#: whole step's CPU time, every GEMM on one kernel: 28.7 against 30.9 ms least,
+#: `bench/decode_gemm_kernels.py --batch 1 --threads 1 --cpu-clock`) and level or faster
+#: on two (docs/performance.md, "LLM decode"), and where MKL's M = 1 GEMM is slow (13-17
+#: GB/s against a GEMV's 46 on the AMD EPYC host of issue #27) by far more
 GEMV_ONE_ROW_MARGIN = 0.85
 # a GEMM of at most COLD_RACE_ROWS rows whose weight has COLD_RACE_BYTES or more is raced
 # with the caches evicted before each timed call: at decode (a few rows) a weight is read
@@ -284,9 +287,9 @@ GEMV_ONE_ROW_MARGIN = 0.85
 # race picked MKL's GEMM at 8 rows where, from DRAM, the numba GEMV is faster
 # (Llama-125M decode step at batch 8, same process: 26.7-33.5 -> 24.2-25.1 ms, least;
 # bench/gemv.py --rotation, all 85 weights in turn: 8 rows 21.9 ms GEMV, 27.7 MKL). At
-# one row the two stream alike from DRAM (rotation: MKL 13.9, GEMV 15.1 ms) and the
-# GEMV must win by `GEMV_ONE_ROW_MARGIN`, which from L3 it does not reliably: the L2
-# eviction is kept there (the last-level one would add its size to the peak memory)
+# one row the kernels stream alike and the GEMV is the kernel to beat
+# (`GEMV_ONE_ROW_MARGIN`): the L2 eviction is kept there (the last-level one would add
+# its size to the peak memory)
 COLD_RACE_ROWS, COLD_RACE_BYTES = 16, 1 << 20
 # (k, n, dtype) -> the rows the concatenation layout was last decided at (`concat_row_major`)
 _CONCAT_ROWS: Dict[tuple, int] = {}
@@ -340,8 +343,9 @@ def _measure_choice(key: tuple, makers: Dict[str, Callable[[], Callable]], bias,
     in each of which every candidate in turn (the order rotating) is made,
     run once untimed, timed twice (once when cold) and dropped, so that at most one candidate's packed copy
     lives at a time (a copy another graph holds is shared, not made); the least time
-    per candidate kept; another kernel is chosen over addmm only when 3% faster (the
-    GEMV at one row: `GEMV_ONE_ROW_MARGIN`), the fastest of those that are. A
+    per candidate kept; another kernel is chosen over addmm only when 3% faster (at one
+    row the GEMV is the kernel to beat, by `GEMV_ONE_ROW_MARGIN`), the fastest of those
+    that are. A
     few-row GEMM of a large weight (`COLD_RACE_ROWS`) is timed with the caches evicted
     before each call (2 or more rows: out of the last-level cache, `cold_scratch_bytes`;
     1 row: `COLD_EVICT_MIN`; without addmm when ``addmm_kn`` races), and where ``addmm_kn``
@@ -360,8 +364,11 @@ def _measure_choice(key: tuple, makers: Dict[str, Callable[[], Callable]], bias,
             b = (bias if bias is not None else torch.zeros(n, dtype=wt.dtype)) if has_bias else None
             out = torch.empty(m, n, dtype=wt.dtype)
             cold = m <= COLD_RACE_ROWS and k * n * wt.element_size() >= COLD_RACE_BYTES
-            base = "addmm_kn" if "addmm_kn" in makers else "addmm"   # see kn_offered
-            names = [name for name in makers if not (cold and base == "addmm_kn" and name == "addmm")]
+            kn = "addmm_kn" in makers
+            base = "addmm_kn" if kn else "addmm"   # see kn_offered
+            if m == 1 and "gemv" in makers:
+                base = "gemv"                      # see GEMV_ONE_ROW_MARGIN
+            names = [name for name in makers if not (cold and kn and name == "addmm")]
             times = {name: float("inf") for name in names}
             # freed after the race; cold: one timed call per round (an eviction of the
             # last-level cache reads ~16 ms on the 480 MiB L3 of the 2-core Xeon)
@@ -377,7 +384,7 @@ def _measure_choice(key: tuple, makers: Dict[str, Callable[[], Callable]], bias,
                             lambda: run(b, x, wt, out), reps=1, warmup=False))
                     del run   # its packed copy goes with it (unless another kernel holds it)
             beat = [(t, name) for name, t in times.items() if name != base and t < (
-                GEMV_ONE_ROW_MARGIN if name == "gemv" and m == 1 else _MARGIN) * times[base]]
+                GEMV_ONE_ROW_MARGIN if base == "gemv" else _MARGIN) * times[base]]
             choice = min(beat)[1] if beat else base
             LINEAR_CHOICES[key] = choice
     return choice
@@ -393,10 +400,10 @@ def concat_row_major(k: int, n: int, dtype: torch.dtype = torch.float32,
     (`copy_allowed`), so its layout is its decode kernel's: decided by a cold race at
     ``rows`` rows (1..`GEMV_MAX_ROWS`) as `_measure_choice` runs it ("addmm_kn":
     row-major, against "gemv"), on random weights of that shape made one at a time, once
-    per (rows, k, n, dtype) (`LINEAR_CHOICES`). The kernels differ by rows: on the 2-core
-    Xeon MKL's GEMV on the row-major copy wins at 1 row (a Llama-125M decode step 13.8
-    against 15.0-15.3 ms on the transposed [n, k]) and the numba GEMV at 8 (its rotation
-    of bench/gemv.py 21.9 against 27.7 ms). ``rows`` None (a fusion pass, a kernel's
+    per (rows, k, n, dtype) (`LINEAR_CHOICES`; at one row the GEMV is the kernel to beat,
+    `GEMV_ONE_ROW_MARGIN`). On the 2-core Xeon the numba GEMV's register tile wins at 8
+    rows by far (`bench/gemv.py --rotation`, docs/performance.md) and at 1 row is level
+    with MKL's GEMV or faster. ``rows`` None (a fusion pass, a kernel's
     binding: callers that do not know the decode batch): at the rows it was last decided
     at for (k, n, dtype) (opencann.llm decides it at its first decode graph's batch
     before compiling, `steps.hold_weights_once`), else at 1 row. fp32 weights under
