@@ -148,27 +148,10 @@ def fired(cm, pass_name):
 
 # -- on this CPU, whatever it is ------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def _norm_probe_dir(tmp_path_factory):
-    return tmp_path_factory.mktemp("norm-probe-cache")
-
-
-@pytest.fixture
-def module_probe(_norm_probe_dir, monkeypatch):
-    """Probe answers from the real kernels, probed by this module's tests that use this
-    fixture alone: a disk cache empty before the first of them, nothing in memory at each
-    start. Each (norm, dtype) is probed once per module instead of once per test (the
-    LayerNorm probe takes seconds); tests that simulate a kernel use `fresh_probe`."""
-    monkeypatch.setenv("OPENCANN_CACHE_DIR", str(_norm_probe_dir))
-    parity.clear_memory()
-    yield
-    parity.clear_memory()
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("linear", [False, True], ids=["alone", "after_linear"])
 @pytest.mark.parametrize("form", list(FORMS))
-def test_norm_fusions_match_eager_at_nan_inf_and_overflow(form, linear, dtype, module_probe):
+def test_norm_fusions_match_eager_at_nan_inf_and_overflow(form, linear, dtype, fresh_probe):
     """Each spelled-out norm: eager's NaN, ±inf and overflowed rows (a row of 3e38 is NaN,
     1e20 overflows (x − μ)² and gives β), fused where this CPU's probe allows it."""
     f, pass_name, kind = FORMS[form]
