@@ -2,9 +2,7 @@
 sizes against eager (#26 item 10). Seed 16 is the campaign's finding (two ceil-mode
 pools then a narrow by a third: a floor-division size evaluated in floats came out one
 short); the generator is deterministic and its programs are valid at every size."""
-import subprocess
-import sys
-
+from helpers import run_cli
 from opencann.tools.fuzz_shapes import check_shape_program, generate_shape_program
 
 
@@ -21,8 +19,8 @@ def test_generation_is_deterministic_and_programs_run_at_every_size():
         assert check_shape_program(generate_shape_program(seed)) == []
 
 
-def test_cli_runs_shape_programs():
-    r = subprocess.run([sys.executable, "-m", "opencann.cli", "fuzz", "--backend", "dynamo_shapes",
-                        "--cases", "2", "--seed", "16"], capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stdout + r.stderr
-    assert "runs per backend {'dynamo_shapes': 2}" in r.stdout
+def test_cli_runs_shape_programs(capsys):
+    # in-process (`run_cli`); `python -m opencann.cli` itself: tests/integration/test_cli_errors.py
+    rc, out, err = run_cli(["fuzz", "--backend", "dynamo_shapes", "--cases", "2", "--seed", "16"], capsys)
+    assert rc == 0, out + "\n".join(err)
+    assert "runs per backend {'dynamo_shapes': 2}" in out

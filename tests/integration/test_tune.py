@@ -31,14 +31,27 @@ def make():
 '''
 
 
-@pytest.fixture
-def factory(tmp_path):
-    p = tmp_path / "m.py"
+def _factory(folder):
+    p = folder / "m.py"
     p.write_text(FACTORY)
     ns: dict = {}
     exec(compile(FACTORY, str(p), "exec"), ns)
     model, inputs = ns["make"]()
     return str(p), model, inputs
+
+
+@pytest.fixture
+def factory(tmp_path):
+    return _factory(tmp_path)
+
+
+@pytest.fixture(scope="module")
+def tuned(tmp_path_factory):
+    """(factory, ``tune(model, (x,), timing=False)``): one search shared by the tests that
+    only read its result (each tune compiles every candidate's graph: ~2 s)."""
+    fac = _factory(tmp_path_factory.mktemp("tuned"))
+    _, model, (x,) = fac
+    return fac, tune(model, (x,), timing=False)
 
 
 # -- the gate ------------------------------------------------------------------------------
@@ -71,9 +84,8 @@ def test_gate_rules_on_constructed_errors():
 
 
 # -- the search ----------------------------------------------------------------------------
-def test_layer_with_huge_inputs_is_kept_and_named(factory):
-    _, model, (x,) = factory
-    res = tune(model, (x,), timing=False)
+def test_layer_with_huge_inputs_is_kept_and_named(tuned):
+    (_, model, (x,)), res = tuned
     assert res.precision["addmm_1"] == "fp32"            # b: its input's 1000 offset
     assert "own error: cosine" in res.kept["addmm_1"]
     assert res.precision["addmm_2"] == "bf16"            # c: an ordinary layer
@@ -88,10 +100,9 @@ def test_layer_with_huge_inputs_is_kept_and_named(factory):
     assert res.speedup > 0 and "kept addmm_1" in res.summary()
 
 
-def test_deterministic_without_timing(factory):
-    _, model, (x,) = factory
-    a = tune(model, (x,), timing=False, seed=3)
-    b = tune(model, (x,), timing=False, seed=3)
+def test_deterministic_without_timing(tuned):
+    (_, model, (x,)), a = tuned          # the default seed, searched a second time
+    b = tune(model, (x,), timing=False)
     assert a.precision == b.precision and a.kept == b.kept
 
 
@@ -211,9 +222,8 @@ def test_node_names_are_stable_and_keep_dtype_holds_a_node(factory):
 
 
 # -- files ---------------------------------------------------------------------------------
-def test_choice_survives_save_and_load(factory, tmp_path):
-    _, model, (x,) = factory
-    res = tune(model, (x,), timing=False)
+def test_choice_survives_save_and_load(tuned, tmp_path):
+    (_, model, (x,)), res = tuned
     path = str(tmp_path / "t.ocm")
     opencann.save(res.compiled, path)
     loaded = opencann.load(path)
@@ -221,9 +231,8 @@ def test_choice_survives_save_and_load(factory, tmp_path):
     assert torch.equal(loaded(x), res.compiled(x))
 
 
-def test_keep_dtype_and_mixlist_round_trip_through_atc(factory, tmp_path, capsys):
-    path, model, (x,) = factory
-    res = tune(model, (x,), timing=False)
+def test_keep_dtype_and_mixlist_round_trip_through_atc(tuned, tmp_path, capsys):
+    (path, model, (x,)), res = tuned
     keep, mix = str(tmp_path / "keep.txt"), str(tmp_path / "mix.json")
     res.export(keep_dtype=keep, modify_mixlist=mix)
     assert open(keep).read().split() == res.keep_dtype()

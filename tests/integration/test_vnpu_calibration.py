@@ -1,14 +1,12 @@
 """The vnpu calibration table (issue 17) is pinned: an anchor leaving its band fails, the
 known misses stay listed with a reason, and docs/guide/vnpu.md shows the current table."""
 import os
-import subprocess
-import sys
 
 import pytest
 
 import opencann.devices.vnpu as vnpu
 from opencann.devices.vnpu.calibration import render_markdown
-from helpers import REPO
+from helpers import REPO, run_cli
 
 KEYS = {"workload", "preset", "source", "published", "estimate", "ratio", "band", "within_band"}
 # anchors out of band today, each with a note saying why (none since the FlashAttention L2
@@ -120,27 +118,27 @@ def test_docs_render_the_current_table():
         assert render_markdown() in f.read(), "regenerate docs/guide/vnpu.md's table (render_markdown())"
 
 
-def test_estimate_cli_takes_dtype_and_factory(tmp_path):
+# the CLI in-process (`run_cli`: no interpreter and torch import per test); `python -m
+# opencann.cli` itself: tests/integration/test_cli_errors.py
+def test_estimate_cli_takes_dtype_and_factory(tmp_path, capsys):
     f = tmp_path / "m.py"
     f.write_text("import torch\n"
                  "def make():\n"
                  "    return torch.nn.Sequential(torch.nn.Linear(32, 48), torch.nn.ReLU()), (torch.randn(2, 32),)\n")
-    r = subprocess.run([sys.executable, "-m", "opencann.cli", "estimate", "--model", f"{f}:make", "--dtype",
-                        "float16", "--device", "vnpu:ascend910b"], capture_output=True, text=True, timeout=300,
-                       cwd=str(REPO))
-    assert r.returncode == 0, r.stderr
-    assert "float16" in r.stdout and "Sequential" in r.stdout
-    assert "CubeEpilogue" in r.stdout and "addmm_relu" in r.stdout    # Linear + ReLU: one kernel (vnpu_ub_epilogue)
-    assert "TransData" not in r.stdout            # 910B matmuls are ND-direct
+    rc, out, err = run_cli(["estimate", "--model", f"{f}:make", "--dtype", "float16",
+                            "--device", "vnpu:ascend910b"], capsys)
+    assert rc == 0, err
+    assert "float16" in out and "Sequential" in out
+    assert "CubeEpilogue" in out and "addmm_relu" in out    # Linear + ReLU: one kernel (vnpu_ub_epilogue)
+    assert "TransData" not in out            # 910B matmuls are ND-direct
 
 
-def test_estimate_cli_factory_errors_are_one_line(tmp_path):
+def test_estimate_cli_factory_errors_are_one_line(tmp_path, capsys):
     f = tmp_path / "m.py"
     f.write_text("def make():\n    raise SystemExit('not called')\n")
-    r = subprocess.run([sys.executable, "-m", "opencann.cli", "estimate", "--model", str(f)], capture_output=True,
-                       text=True, timeout=300, cwd=str(REPO))
-    err = [ln for ln in r.stderr.splitlines() + r.stdout.splitlines() if ln.startswith("error")]
-    assert r.returncode != 0 and len(err) == 1, (r.stdout, r.stderr)
+    rc, out, err = run_cli(["estimate", "--model", str(f)], capsys)
+    err = [ln for ln in err + out.splitlines() if ln.startswith("error")]
+    assert rc not in (0, "not called") and len(err) == 1, (out, err)
     assert "give file.py:factory" in err[0] and f"{f}:make" in err[0]
 
 

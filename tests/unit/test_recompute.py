@@ -53,8 +53,15 @@ def _step(budget, batch=64):
     return last_partition_report()
 
 
-def test_min_cut_recomputes_only_cheap_ops_and_reports():
-    rep = _step(None)
+@pytest.fixture(scope="module")
+def base():
+    """The unbudgeted step's partition report (its gradients checked against eager in
+    `_step`), shared by the tests below: one training compile instead of three."""
+    return _step(None)
+
+
+def test_min_cut_recomputes_only_cheap_ops_and_reports(base):
+    rep = base
     assert rep["recomputed"], "the GELU/view chain should be recomputed"
     assert not any(n.startswith(("addmm", "mm", "native_layer_norm")) for n in rep["recomputed"])
     assert rep["peak_min_cut"] <= rep["peak_without_recompute"]
@@ -63,16 +70,14 @@ def test_min_cut_recomputes_only_cheap_ops_and_reports():
 
 
 @pytest.mark.parametrize("frac", [0.85])
-def test_budget_fraction_fits_and_costs_flops(frac):
-    base = _step(None)
+def test_budget_fraction_fits_and_costs_flops(frac, base):
     rep = _step(frac)
     assert rep["peak"] <= frac * rep["peak_without_recompute"]
     assert rep["recompute_flops"] > base["recompute_flops"]
     assert rep["budget_search_steps"] > 0
 
 
-def test_budget_in_bytes_and_impossible_budget():
-    base = _step(None)
+def test_budget_in_bytes_and_impossible_budget(base):
     rep = _step(int(0.85 * base["peak_without_recompute"]))
     assert rep["peak"] <= 0.85 * base["peak_without_recompute"]
     with pytest.raises(Exception, match="cannot be met: the smallest planned peak") as e:

@@ -123,10 +123,9 @@ def test_unknown_model_is_one_line(tmp_path):
     assert "\n" not in str(ei.value)
 
 
-def test_a_transformers_model_is_estimated_from_its_config():
+def test_a_transformers_model_is_estimated_from_its_config(tiny_est):
     from transformers import LlamaForCausalLM
-    cfg = tiny(layers=1, vocab=64, inter=64)
-    a, b = estimate_llm(LlamaForCausalLM(cfg), prompt=8), estimate_llm(cfg, prompt=8)
+    a, b = estimate_llm(LlamaForCausalLM(tiny()), prompt=32, batch=2, eager=True), tiny_est
     assert (a.ttft_ms, a.decode_ms, a.weights_bytes, a.kv_cache_bytes) == (b.ttft_ms, b.decode_ms, b.weights_bytes, b.kv_cache_bytes)
 
 
