@@ -3,6 +3,8 @@
 Relative error = max|a - b| / max|ref|. Tolerances: fp32 1e-5 (output) and 1e-4
 (gradients); fp16/bf16 1e-2. Inputs are seeded random normals, never zeros.
 """
+import zlib
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -49,7 +51,7 @@ CASES = [
 @pytest.mark.parametrize("case", CASES)
 def test_fp32_matches_reference(case):
     B, H, Hk, Sq, Sk, D, causal, mk, tiles = case
-    (q, k, v), g = make(hash(case) % 10_000, B, H, Hk, Sq, Sk, D)
+    (q, k, v), g = make(zlib.crc32(repr(case).encode()) % 10_000, B, H, Hk, Sq, Sk, D)  # per case, every run
     mask = make_mask(mk, g, B, H, Sq, Sk)
     qq, kk, vv = (t.clone().requires_grad_() for t in (q, k, v))
     out = flash_attention(qq, kk, vv, attn_mask=mask, causal=causal, tiles=tiles)
