@@ -267,8 +267,8 @@ _MARGIN = 0.97  # a prepacked kernel must be 3% faster than addmm to be chosen (
 #: Xeon: MKL with row-major merged weights 13.8-14.9 ms, the race's mixes 15.3-15.8). The
 #: GEMV's register tile (`gemv_tile`) streams faster than MKL's GEMV on one thread (the
 #: whole step's CPU time, every GEMM on one kernel: 28.7 against 30.9 ms least,
-#: `bench/decode_gemm_kernels.py --batch 1 --threads 1 --cpu-clock`) and level or faster
-#: on two (docs/performance.md, "LLM decode"), and where MKL's M = 1 GEMM is slow (13-17
+#: `bench/decode_gemm_kernels.py --batch 1 --threads 1 --cpu-clock`) and on two (the
+#: step's weights in turn, `bench/gemv.py --rotation`: 15.7 against 16.3 ms), and where MKL's M = 1 GEMM is slow (13-17
 #: GB/s against a GEMV's 46 on the AMD EPYC host of issue #27) by far more
 GEMV_ONE_ROW_MARGIN = 0.85
 # a GEMM of at most COLD_RACE_ROWS rows whose weight has COLD_RACE_BYTES or more is raced

@@ -167,7 +167,7 @@ def _group(qg, k, v, n, scale, out, b, h, s, acc, st):  # pragma: no cover - num
     P·V accumulated in ``acc`` [G, D] and divided by the sum; ``st`` [G] scratch. Where
     the cache rows are unit-stride and D a multiple of the vector width
     (`decode_attention_tile.fits`) the scores go W keys at a time (`qk_block`, the rest one
-    by one) and P·V 4 heads x 4 vector slices at a time (`pv_block`), accumulators in
+    by one) and P·V `HEADS` heads x 4 vector slices at a time (`pv_block`), accumulators in
     registers; else one loop per score and per key (the same arithmetic, another order:
     both agree with eager to fp32 rounding)."""
     G, D = qg.shape

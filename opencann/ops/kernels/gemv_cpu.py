@@ -21,14 +21,15 @@ and never stored) times ``rw`` rows of W that lie ``ceil(N / rw)`` rows apart (`
 `gemv_tile.rows_for` ``(mr)``: 8, 6, 3 with AVX-512), accumulated in vector registers
 over all of K in one pass, each W row's successor prefetched as it goes; W rows past N
 repeat row N - 1 (computed, never stored), so no N needs its own loop. Two decisions,
-measured on the 2-core Xeon (the rotation of a 125M Llama's 49 decode weights, 400 MB,
-one thread, least of 15 interleaved runs while other jobs ran, load ~2.7; `bench/gemv.py
---rotation`): W rows far apart are ``rw`` concurrent memory streams per thread where
+measured on the 2-core Xeon (the rotation of a 125M Llama's decode weights as its step
+holds them, 49 with Q/K/V and gate/up merged, 400 MB, the kernels called directly on one
+thread, least of 15 interleaved runs while other jobs ran, load ~2.7): W rows far apart are ``rw`` concurrent memory streams per thread where
 adjacent rows are one, and the accumulators stay in registers for the whole of K where
 the earlier numba tile (`_tile8`: two adjacent W rows x eight x rows, its K loop cut into
 64-element steps around the prefetches) summed all 16 accumulators horizontally every
 step: 8 rows 41.4 -> 27.8 ms, 4 rows 37.2 -> 26.7, 1 row 27.2 -> 25.7 (MKL's ``mm``
-29.3); docs/performance.md, "LLM decode". M = 9..32 (a short prompt's prefill, a large
+29.3); docs/performance.md, "Decode GEMM: the register tile" (also `bench/gemv.py
+--rotation`, two threads). M = 9..32 (a short prompt's prefill, a large
 decode batch) runs the 8-row tile over x's rows 8 at a time within each prange step, so
 the tile's W rows are read from memory once and from L1 for the other groups; the same
 rotation, one thread, against MKL's ``mm`` on W as nn.Linear holds it: 16 rows 45.0 /

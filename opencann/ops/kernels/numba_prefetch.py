@@ -3,10 +3,11 @@ loading the cache line holding ``a[i, j]`` (a 2-D array) into every cache level,
 returns at once (no value, no fault: a prefetch of any address is harmless).
 
 Why: a hardware prefetcher runs a bounded distance ahead of the loads it has seen and
-stops at each 4 KiB page, so a loop that does much arithmetic per byte (the decode GEMM
-with 8 rows: 8 FMAs per weight element) leaves the memory idle while it computes; asking
-for the next rows' lines while the current ones are multiplied keeps both busy (measured
-in `gemv_cpu`). numba has no prefetch of its own; this is LLVM's ``llvm.prefetch``
+stops at each 4 KiB page, so a loop that computes on a few short runs of memory meets
+them too late; asking for the next runs' lines while the current ones are used keeps the
+memory busy (decode attention's next (b, kv head) group: `decode_attention_cpu`; the
+decode GEMV's register tile emits the same intrinsic inside its own IR loop,
+`gemv_tile`). numba has no prefetch of its own; this is LLVM's ``llvm.prefetch``
 intrinsic (LLVM Language Reference, "'llvm.prefetch' Intrinsic": address, rw = 0 read,
 locality = 3 keep in all levels, cache type = 1 data; x86 ``prefetcht0``), emitted through
 numba's documented ``numba.extending.intrinsic`` extension point (numba docs, "Low-level
@@ -15,7 +16,8 @@ extension API: Implementing intrinsics"). A kernel that calls it still caches
 
 Caveat measured with numba 0.68 / LLVM: a call inside a loop stops LLVM from vectorising
 that loop; issue prefetches from an outer loop (a chunk of the inner loop's range at a
-time), not from the vectorised loop itself.
+time), not from the vectorised loop itself, or write the loop in vector form yourself
+(`gemv_tile`).
 """
 from __future__ import annotations
 
