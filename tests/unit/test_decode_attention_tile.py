@@ -6,6 +6,8 @@ heads and head sizes that are not a multiple of its slices (the clamped repeats 
 same values); the transposition tree's masks; one clear error for a bad width. The
 blocks inside the whole decode attention (against eager SDPA, NaN/Inf positions) are
 tests/unit/test_decode_attention.py's D = 32, 48, 64 and 128 cases."""
+import functools
+
 import numba
 import numpy as np
 import pytest
@@ -14,7 +16,10 @@ from opencann.ops.kernels.decode_attention_tile import (SLICES, pv_block_for, pv
                                                         transpose_sum_masks)
 
 
-def _scores(width, qg, kk, j0, scale):
+@functools.lru_cache(maxsize=None)
+def _scores_runner(width):
+    """A numba function running `qk_block` at ``width`` for every head (compiled once per
+    width)."""
     qk = qk_block_for(width)
 
     @numba.njit
@@ -23,8 +28,12 @@ def _scores(width, qg, kk, j0, scale):
         for g in range(qg.shape[0]):
             m[g] = qk(qg, g, kk, j0, scale, s)
         return m
+    return run
+
+
+def _scores(width, qg, kk, j0, scale):
     s = np.full((qg.shape[0], j0 + width + 3), -7.0, np.float32)
-    return run(qg, kk, j0, np.float32(scale), s), s
+    return _scores_runner(width)(qg, kk, j0, np.float32(scale), s), s
 
 
 @pytest.mark.parametrize("width", [8, 16])
@@ -58,11 +67,10 @@ def test_score_block_max_keeps_nan_and_inf(width):
     assert np.isfinite(m).all() and np.array_equal(m, s.max(axis=1))
 
 
-@pytest.mark.parametrize("width", [8, 16])
-@pytest.mark.parametrize("g,d", [(1, 64), (3, 64), (5, 48), (8, 128), (2, 16)])
-def test_pv_block_matches_float64(width, g, d):
-    if d % width:
-        pytest.skip("D not a multiple of the width: the caller keeps numba's loop (fits)")
+@functools.lru_cache(maxsize=None)
+def _pv_runner(width):
+    """A numba function running `pv_block` at ``width`` over all heads and head dimensions
+    (compiled once per width)."""
     pv = pv_block_for(width)
     heads = pv_heads(width)
 
@@ -71,6 +79,15 @@ def test_pv_block_matches_float64(width, g, d):
         for g0 in range(0, acc.shape[0], heads):
             for d0 in range(0, acc.shape[1], width * SLICES):
                 pv(s, g0, vv, n, d0, acc)
+    return run
+
+
+@pytest.mark.parametrize("width", [8, 16])
+@pytest.mark.parametrize("g,d", [(1, 64), (3, 64), (5, 48), (8, 128), (2, 16)])
+def test_pv_block_matches_float64(width, g, d):
+    if d % width:
+        pytest.skip("D not a multiple of the width: the caller keeps numba's loop (fits)")
+    run = _pv_runner(width)
     rng = np.random.default_rng(g * d)
     n = 37
     s = rng.random((g, n + 5)).astype(np.float32)

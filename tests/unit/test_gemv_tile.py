@@ -3,6 +3,8 @@
 too) against float64, every (mr, rw) the kernels use, K with and without a scalar tail,
 w rows clamped past N, NaN/Inf reaching exactly the products they take part in; the
 register budget `rows_for` gives; one clear error for bad tile parameters."""
+import functools
+
 import numba
 import numpy as np
 import pytest
@@ -10,8 +12,10 @@ import pytest
 from opencann.ops.kernels.gemv_tile import dot_tile, rows_for, vector_width
 
 
-def _run_tile(mr: int, rw: int, width: int, x: np.ndarray, w: np.ndarray) -> np.ndarray:
-    """All N outputs for x's rows through ``dot_tile(mr, rw, width)``: [mr, N]."""
+@functools.lru_cache(maxsize=None)
+def _runner(mr: int, rw: int, width: int):
+    """A numba function running ``dot_tile(mr, rw, width)`` over all N outputs (compiled
+    once per tile: each shape of a test reuses it)."""
     tile = dot_tile(mr, rw, width)
 
     @numba.njit
@@ -24,8 +28,13 @@ def _run_tile(mr: int, rw: int, width: int, x: np.ndarray, w: np.ndarray) -> np.
                 if t + q * h < n:
                     for m in range(mr):
                         out[m, t + q * h] = s[q * mr + m]
+    return run
+
+
+def _run_tile(mr: int, rw: int, width: int, x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """All N outputs for x's rows through ``dot_tile(mr, rw, width)``: [mr, N]."""
     out = np.full((mr, w.shape[0]), np.nan, np.float32)
-    run(x, w, out)
+    _runner(mr, rw, width)(x, w, out)
     return out
 
 
