@@ -40,7 +40,7 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .gemv_tile import vector_width
+from .gemv_tile import VectorIR, vector_width
 from .numba_cache import njit
 
 W = vector_width()      # fp32 lanes per vector on this CPU (16 with AVX-512, else 8)
@@ -74,39 +74,29 @@ def transpose_sum_masks(width: int) -> List[Tuple[List[int], List[int]]]:
     return out
 
 
-def _check_width(width: int) -> None:
+def _block_for(width: int, ret, emit):
+    """A numba intrinsic of six arguments returning ``ret``, its IR from ``emit`` at
+    ``width`` lanes. Raises ValueError for a width other than 8 or 16."""
     if width not in (8, 16):
         raise ValueError(f"decode_attention_tile: width must be 8 or 16, got {width}")
 
+    @intrinsic
+    def block(typingctx, a0, a1, a2, a3, a4, a5):
+        return ret(a0, a1, a2, a3, a4, a5), lambda context, builder, signature, args: emit(
+            context, builder, signature, args, width)
+    return block
+
 
 def qk_block_for(width: int):
-    """`qk_block` at ``width`` lanes (8 or 16; a test runs the AVX2 width on any host).
-    Raises ValueError for another width."""
-    _check_width(width)
-
-    @intrinsic
-    def qk_block(typingctx, qg, g, kk, j0, scale, s):
-        sig = types.float32(qg, g, kk, j0, scale, s)
-        return sig, lambda context, builder, signature, args: _qk_emit(
-            context, builder, signature, args, width)
-    return qk_block
+    """`qk_block` ``(qg, g, kk, j0, scale, s)`` at ``width`` lanes (8 or 16; a test runs
+    the AVX2 width on any host). Raises ValueError for another width."""
+    return _block_for(width, types.float32, _qk_emit)
 
 
 def pv_block_for(width: int):
-    """`pv_block` at ``width`` lanes (8 or 16). Raises ValueError for another width."""
-    _check_width(width)
-
-    @intrinsic
-    def pv_block(typingctx, s, g0, vv, n, d0, acc):
-        sig = types.void(s, g0, vv, n, d0, acc)
-        return sig, lambda context, builder, signature, args: _pv_emit(
-            context, builder, signature, args, width)
-    return pv_block
-
-
-def _ptr(context, builder, aty, ary, i, j):
-    """Pointer to ary[i, j] (2-D numba array, no wraparound)."""
-    return cgutils.get_item_pointer(context, builder, aty, ary, [i, j], wraparound=False)
+    """`pv_block` ``(s, g0, vv, n, d0, acc)`` at ``width`` lanes (8 or 16). Raises
+    ValueError for another width."""
+    return _block_for(width, types.void, _pv_emit)
 
 
 def _splat(builder, vec, x, width: int):
@@ -122,25 +112,20 @@ def _qk_emit(context, builder, signature, args, width: int):
     qa = context.make_array(qty)(context, builder, args[0])
     ka = context.make_array(kty)(context, builder, args[2])
     sa = context.make_array(s_ty)(context, builder, args[5])
-    intp = context.get_value_type(types.intp)
-    c = lambda v: ir.Constant(intp, v)      # noqa: E731
+    v = VectorIR(context, builder, width)
+    intp, c, vec, fma = v.intp, v.const, v.vec, v.fma
     f32 = ir.FloatType()
-    vec = ir.VectorType(f32, width)
-    vptr = vec.as_pointer()
-    fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vec, [vec, vec, vec]),
-                                         f"llvm.fma.v{width}f32")
     gi = context.cast(builder, args[1], gty, types.intp)
     j = context.cast(builder, args[3], jty, types.intp)
     scale = context.cast(builder, args[4], sty, types.float32)
     d_len = cgutils.unpack_tuple(builder, ka.shape, 2)[1]
-    qrow = _ptr(context, builder, qty, qa, gi, c(0))
-    krows = [_ptr(context, builder, kty, ka, builder.add(j, c(i)), c(0)) for i in range(width)]
+    qrow = v.item(qty, qa, gi, c(0))
+    krows = [v.item(kty, ka, builder.add(j, c(i)), c(0)) for i in range(width)]
     acc = [cgutils.alloca_once_value(builder, ir.Constant(vec, None)) for _ in range(width)]
     with cgutils.for_range_slice(builder, c(0), d_len, c(width), intp) as (d, _):
-        qv = builder.load(builder.bitcast(builder.gep(qrow, [d]), vptr), align=4)
+        qv = v.load(qrow, d)
         for i in range(width):
-            kv = builder.load(builder.bitcast(builder.gep(krows[i], [d]), vptr), align=4)
-            builder.store(builder.call(fma, [qv, kv, builder.load(acc[i])]), acc[i])
+            builder.store(builder.call(fma, [qv, v.load(krows[i], d), builder.load(acc[i])]), acc[i])
     vs = [builder.load(a) for a in acc]
     mtype = ir.VectorType(ir.IntType(32), width)
     for lo, hi in transpose_sum_masks(width):
@@ -148,8 +133,7 @@ def _qk_emit(context, builder, signature, args, width: int):
                            builder.shuffle_vector(vs[p], vs[p + 1], ir.Constant(mtype, hi)))
               for p in range(0, len(vs), 2)]
     scores = builder.fmul(vs[0], _splat(builder, vec, scale, width))
-    out = _ptr(context, builder, s_ty, sa, gi, j)
-    builder.store(scores, builder.bitcast(out, vptr), align=4)
+    builder.store(scores, builder.bitcast(v.item(s_ty, sa, gi, j), v.vptr), align=4)
     mx = cgutils.get_or_insert_function(builder.module, ir.FunctionType(f32, [vec]),
                                         f"llvm.vector.reduce.fmaximum.v{width}f32")
     return builder.call(mx, [scores])
@@ -161,12 +145,8 @@ def _pv_emit(context, builder, signature, args, width: int):
     sa = context.make_array(s_ty)(context, builder, args[0])
     va = context.make_array(vty)(context, builder, args[2])
     aa = context.make_array(aty)(context, builder, args[5])
-    intp = context.get_value_type(types.intp)
-    c = lambda v: ir.Constant(intp, v)      # noqa: E731
-    vec = ir.VectorType(ir.FloatType(), width)
-    vptr = vec.as_pointer()
-    fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vec, [vec, vec, vec]),
-                                         f"llvm.fma.v{width}f32")
+    v = VectorIR(context, builder, width)
+    intp, c, vec, fma = v.intp, v.const, v.vec, v.fma
     g0 = context.cast(builder, args[1], gty, types.intp)
     n = context.cast(builder, args[3], nty, types.intp)
     d0 = context.cast(builder, args[4], dty, types.intp)
@@ -177,12 +157,12 @@ def _pv_emit(context, builder, signature, args, width: int):
     nh = pv_heads(width)
     heads = [clamp(builder.add(g0, c(q)), builder.sub(g_count, c(1))) for q in range(nh)]
     cols = [clamp(builder.add(d0, c(i * width)), builder.sub(d_len, c(width))) for i in range(SLICES)]
-    srows = [_ptr(context, builder, s_ty, sa, h, c(0)) for h in heads]
+    srows = [v.item(s_ty, sa, h, c(0)) for h in heads]
     accs = [cgutils.alloca_once_value(builder, ir.Constant(vec, None)) for _ in range(nh * SLICES)]
     with cgutils.for_range(builder, n, intp=intp) as loop:
         j = loop.index
-        vrow = _ptr(context, builder, vty, va, j, c(0))
-        vs = [builder.load(builder.bitcast(builder.gep(vrow, [col]), vptr), align=4) for col in cols]
+        vrow = v.item(vty, va, j, c(0))
+        vs = [v.load(vrow, col) for col in cols]
         for q in range(nh):
             p = _splat(builder, vec, builder.load(builder.gep(srows[q], [j])), width)
             for i in range(SLICES):
@@ -190,8 +170,8 @@ def _pv_emit(context, builder, signature, args, width: int):
                 builder.store(builder.call(fma, [p, vs[i], builder.load(a)]), a)
     for q in range(nh):
         for i in range(SLICES):
-            dst = _ptr(context, builder, aty, aa, heads[q], cols[i])
-            builder.store(builder.load(accs[q * SLICES + i]), builder.bitcast(dst, vptr), align=4)
+            dst = v.item(aty, aa, heads[q], cols[i])
+            builder.store(builder.load(accs[q * SLICES + i]), builder.bitcast(dst, v.vptr), align=4)
     return context.get_dummy_value()
 
 

@@ -93,20 +93,48 @@ def dot_tile(mr: int, rw: int, width: int = 0):
     return tile
 
 
+class VectorIR:
+    """What an fp32 IR kernel at ``width`` lanes needs in ``builder``'s function: ``intp``
+    (the index type), ``const(v)`` (an index constant), ``vec``/``vptr`` (the vector type
+    and its pointer), ``fma`` (``llvm.fma`` on vectors), ``load(ptr, k)`` (the vector at
+    element k of ptr, unaligned) and ``item(aty, ary, i, j)`` (a pointer to 2-D array
+    element [i, j], no wraparound). Shared by `dot_tile` and `decode_attention_tile`."""
+
+    def __init__(self, context, builder, width: int):
+        self.context, self.builder, self.width = context, builder, width
+        self.intp = context.get_value_type(types.intp)
+        self.vec = ir.VectorType(ir.FloatType(), width)
+        self.vptr = self.vec.as_pointer()
+        self.fma = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(self.vec, [self.vec] * 3), f"llvm.fma.v{width}f32")
+
+    def const(self, v: int):
+        """The index-typed IR constant ``v``."""
+        return ir.Constant(self.intp, v)
+
+    def load(self, ptr, k):
+        """The ``width``-lane fp32 vector at element ``k`` of float pointer ``ptr``
+        (alignment 4: any element)."""
+        return self.builder.load(self.builder.bitcast(self.builder.gep(ptr, [k]), self.vptr), align=4)
+
+    def item(self, aty, ary, i, j):
+        """Pointer to element [i, j] of the 2-D numba array ``ary`` of type ``aty`` (index
+        values, not checked, no negative wraparound)."""
+        return cgutils.get_item_pointer(self.context, self.builder, aty, ary, [i, j], wraparound=False)
+
+
 def _emit(context, builder, signature, args, mr: int, rw: int, width: int):
     """The tile's IR (`dot_tile`); returns the tuple value."""
     xty, wty, tty, hty = signature.args
     xa = context.make_array(xty)(context, builder, args[0])
     wa = context.make_array(wty)(context, builder, args[1])
-    intp = context.get_value_type(types.intp)
+    v = VectorIR(context, builder, width)
+    intp, c, vec = v.intp, v.const, v.vec
     t = context.cast(builder, args[2], tty, types.intp)
     h = context.cast(builder, args[3], hty, types.intp)
     m_rows = cgutils.unpack_tuple(builder, xa.shape, 2)[0]
     n_rows, k_len = cgutils.unpack_tuple(builder, wa.shape, 2)
-    c = lambda v: ir.Constant(intp, v)       # noqa: E731
     f32 = ir.FloatType()
-    vec = ir.VectorType(f32, width)
-    vptr = vec.as_pointer()
     i8p, i32 = ir.IntType(8).as_pointer(), ir.IntType(32)
 
     def clamp(i, n):     # min(i, n - 1)
@@ -114,15 +142,13 @@ def _emit(context, builder, signature, args, mr: int, rw: int, width: int):
         return builder.select(builder.icmp_signed("<", i, last), i, last)
 
     def row(ary, aty, i):  # pointer to ary[i, 0]
-        return cgutils.get_item_pointer(context, builder, aty, ary, [i, c(0)], wraparound=False)
+        return v.item(aty, ary, i, c(0))
 
     xrows = [row(xa, xty, clamp(c(m), m_rows)) for m in range(mr)]
     wids = [builder.add(t, builder.mul(h, c(q))) for q in range(rw)]
     wrows = [row(wa, wty, clamp(i, n_rows)) for i in wids]
     nexts = [builder.bitcast(row(wa, wty, clamp(builder.add(i, c(1)), n_rows)), i8p) for i in wids]
     mod = builder.module
-    fma_v = cgutils.get_or_insert_function(mod, ir.FunctionType(vec, [vec, vec, vec]),
-                                           f"llvm.fma.v{width}f32")
     fma_s = cgutils.get_or_insert_function(mod, ir.FunctionType(f32, [f32, f32, f32]), "llvm.fma.f32")
     pf = cgutils.get_or_insert_function(mod, ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]),
                                         "llvm.prefetch.p0i8")
@@ -136,12 +162,12 @@ def _emit(context, builder, signature, args, mr: int, rw: int, width: int):
         for p in nexts:     # read, keep in all levels, data cache: prefetcht0
             builder.call(pf, [builder.gep(p, [off]), ir.Constant(i32, 0), ir.Constant(i32, 3),
                               ir.Constant(i32, 1)])
-        wv = [builder.load(builder.bitcast(builder.gep(r, [k]), vptr), align=4) for r in wrows]
+        wv = [v.load(r, k) for r in wrows]
         for m in range(mr):
-            xv = builder.load(builder.bitcast(builder.gep(xrows[m], [k]), vptr), align=4)
+            xv = v.load(xrows[m], k)
             for q in range(rw):
                 a = vacc[q * mr + m]
-                builder.store(builder.call(fma_v, [xv, wv[q], builder.load(a)]), a)
+                builder.store(builder.call(v.fma, [xv, wv[q], builder.load(a)]), a)
     with cgutils.for_range_slice(builder, k_vec, k_len, c(1), intp) as (k, _):
         wsv = [builder.load(builder.gep(r, [k])) for r in wrows]
         for m in range(mr):
@@ -155,4 +181,4 @@ def _emit(context, builder, signature, args, mr: int, rw: int, width: int):
     return context.make_tuple(builder, signature.return_type, outs)
 
 
-__all__ = ["dot_tile", "rows_for", "vector_width"]
+__all__ = ["VectorIR", "dot_tile", "rows_for", "vector_width"]
