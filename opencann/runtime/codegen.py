@@ -579,6 +579,8 @@ class CodeGen:
         written = inplace_inputs(node)
         consts = [v.const for v in node.inputs]
         self.glb[target] = factory(node, [v.desc for v in node.inputs], consts)
+        if self._prebound(idx, node, outs, bufnames):
+            return
         call = f"{target}({', '.join(self.names[v.id] for v in node.inputs)}"
         if _out_capable(node) and len(bufnames) == 1 and bufnames[0] is not None:
             self.lines.append(f"    {outs[0]} = {call}, out={bufnames[0]})")
@@ -593,6 +595,36 @@ class CodeGen:
                     self.static[o.id] = b
         else:
             self._emit_result(node, lhs, outs, bufnames, call + ")")
+
+    def _prebound(self, idx: int, node: Node, outs, bufnames) -> bool:
+        """Bind kernel ``K<idx>`` once to its operands when every one is the same tensor
+        at every call (a constant, an arena buffer or a hoisted view: `static`) and every
+        output has its planned buffer: ``P<idx> = K<idx>.prebind(*operands, out=buffers)``
+        (a kernel that offers it: the decode GEMV, GatedMLP and AddRmsNorm), made again
+        for a clone's arena as the hoisted views are; the call is then ``P<idx>()``, with
+        no per-call conversion or check of its tensors (`numba_cache.prebound`: what a
+        decode step's small kernels cost right after a GEMV has streamed its weight).
+        False (nothing emitted) where the kernel has no ``prebind`` or returns None."""
+        target = f"K{idx}"
+        kernel = self.glb[target]
+        if not (self.hoist and hasattr(kernel, "prebind") and _out_capable(node) and bufnames
+                and all(b is not None for b in bufnames)
+                and all(x.id in self.static for x in node.inputs)):
+            return False
+        out = bufnames[0] if len(bufnames) == 1 else f"({', '.join(bufnames)},)"
+        call = f"{target}.prebind({', '.join(self.static[x.id] for x in node.inputs)}, out={out})"
+        with torch.no_grad():
+            bound = eval(call, self.glb)  # noqa: S307 - our codegen
+        if bound is None:
+            return False
+        name = f"P{idx}"
+        self.glb[name] = bound
+        self.hoisted.append((name, call, {}))
+        self.lines.append(f"    {name}()")
+        self.lines.append(f"    {', '.join(outs)} = {', '.join(bufnames)}")
+        for o, b in zip(node.outputs, bufnames):
+            self.static[o.id] = b
+        return True
 
     def _emit_aten_call(self, idx, node, op, aliased, lhs, outs, bufnames) -> None:
         target = f"K{idx}"

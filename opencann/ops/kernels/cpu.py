@@ -661,7 +661,10 @@ def _packed_kernel(kernel: str, wt: torch.Tensor, m: int, post, act: str = "none
         w_nk = _gemv_weight(wt)
         gemv = bind_gemv(w_nk, m)   # shapes, weight view, kernel resolved once (not per call)
         if post is None:
-            return lambda b, x, _w, out=None: gemv(x, b, out)
+            def run_gemv_plain(b, x, _w, out=None):
+                return gemv(x, b, out)
+            run_gemv_plain.prebind = lambda b, x, _w, out=None: gemv.prebind(x, b, out)
+            return run_gemv_plain
 
         def run_gemv(b, x, _w, out=None):
             r = gemv(x, b, out)
@@ -853,6 +856,8 @@ def make_linear_kernel(node: Node, in_descs: Sequence[TensorDesc], consts: Seque
 
     def run_no_bias(x, w, out=None):
         return run(None, x, w, out)
+    if hasattr(run, "prebind"):   # the decode GEMV: `opencann.runtime.codegen` prebinds it
+        run_no_bias.prebind = lambda x, w, out=None: run.prebind(None, x, w, out)
     return run_no_bias
 
 

@@ -22,7 +22,7 @@ outputs match eager (bit-for-bit where noted).
 """
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Callable, Optional, Sequence
 
 import math
 
@@ -126,6 +126,8 @@ def make_gated_mlp_kernel(node: Node, in_descs: Sequence[TensorDesc], consts: Se
             silu_out(r[:, :n], out=o)
             o.mul_(r[:, n:])
             return out
+        if hasattr(g13, "prebind"):
+            run_one.prebind = lambda *ins, out=None: _prebind_one(g13, ins[xi], w13, n, out)
         return run_one
     g1 = gemm_kernel(node, in_descs[xi], consts[w1i], None)
     g3 = gemm_kernel(node, in_descs[xi], consts[w3i], None)
@@ -141,6 +143,29 @@ def make_gated_mlp_kernel(node: Node, in_descs: Sequence[TensorDesc], consts: Se
             return a.view(shape)
         return out if a is o else out.copy_(a.view(shape))
     return run
+
+
+def _prebind_one(g13, x: torch.Tensor, w13: torch.Tensor, n: int, out) -> Optional[Callable]:
+    """``call()``: a one-GEMM fp32 GatedMLP on these very tensors (`numba_cache.prebound`:
+    the same objects over the same memory at every call): the decode GEMV ``g13`` into a
+    [m, 2n] buffer of its own, then SiLU and the gate in one numba loop into ``out``
+    (`swiglu_numba`); None where the GEMM or the tensors do not allow it."""
+    m = int(x.shape[0])
+    if out is None or out.dtype != torch.float32 or not out.is_contiguous() or out.numel() != m * n:
+        return None
+    r = torch.empty(m, 2 * n)
+    gemm = g13.prebind(None, x, w13, r)
+    if gemm is None:
+        return None
+    from .numba_cache import prebound
+    from .swiglu_numba import silu_mul
+    epilogue = prebound(silu_mul, (r.numpy(), n, out.numpy().reshape(m, n)))
+
+    def call() -> None:
+        gemm()
+        epilogue()
+    call.buffer = r   # held with the call
+    return call
 
 
 __all__ = ["make_gated_mlp_kernel", "make_layer_norm_formula_kernel", "make_rms_norm_kernel"]

@@ -57,7 +57,8 @@ import torch
 from numba import prange
 
 from .gemv_tile import dot_tile, rows_for
-from .numba_cache import entry_point, launch_guard, launch_threads, njit
+from .numba_cache import entry_point, launch_guard, launch_threads, njit, prebound
+from .numpy_views import static_view
 
 MAX_ROWS = 32  # the kernel handles x with 1..MAX_ROWS rows (decode: one token per sequence)
 _FM = {"reassoc", "contract"}  # vectorise the K reduction; keep NaN/Inf semantics
@@ -210,8 +211,20 @@ def bind_gemv(w_nk: torch.Tensor, rows: int, threads: Optional[int] = None
             _call(last[4], last[5], lock)   # the last call's tensors: its views, no dispatch
             return out
         return _views_call(kernel, wn, x, bias, out, yshape, lock, last, entries)
+
+    def prebind(x: torch.Tensor, bias: Optional[torch.Tensor] = None,
+                out: Optional[torch.Tensor] = None) -> Optional[Callable[[], None]]:
+        """``call()`` running ``run(x, bias, out)`` on these very tensors, or None where
+        they do not allow it (module `prebound`)."""
+        views = [static_view(t, s) for t, s in ((x, xshape), (out, yshape))]
+        if any(a is None for a in views) or (bias is not None and static_view(bias, (n,)) is None):
+            return None
+        args = (views[0], wn, _NO_BIAS if bias is None else bias.numpy(), bias is not None, views[1])
+        return prebound(kernel, args, work, threads, lock)
     run.weight = w_nk   # held: a cache that keeps the packed copy weakly sees it alive
+    run.prebind = prebind
     return run
+
 
 
 def _refuse(x: torch.Tensor, out: Optional[torch.Tensor], xshape, yshape) -> None:

@@ -95,4 +95,15 @@ class NumpyViews:
         return self._put(t, "bits", t.numpy().view(_INT[t.dtype]))
 
 
-__all__ = ["CAPACITY", "NumpyViews"]
+def static_view(t: Optional[torch.Tensor], shape, dtype: torch.dtype = torch.float32
+                ) -> Optional[np.ndarray]:
+    """``t``'s memory as a NumPy array of ``shape`` (a view), made once for a prebound
+    kernel call (`numba_cache.prebound`), when ``t`` is a contiguous tensor of ``dtype``
+    with as many elements that does not require grad, else None."""
+    if t is None or t.dtype != dtype or t.requires_grad or not t.is_contiguous() \
+            or t.numel() != math.prod(shape):
+        return None
+    return t.numpy().reshape(shape)
+
+
+__all__ = ["CAPACITY", "NumpyViews", "static_view"]
