@@ -30,6 +30,7 @@ left to run as they are.
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, Callable, Dict, List, Optional
 
@@ -74,6 +75,15 @@ def _conform(t: torch.Tensor, strides: tuple) -> torch.Tensor:
     if t.stride() == strides or _canonical(t.shape, t.stride()) == strides:
         return t
     return torch.empty_strided(t.shape, strides, dtype=t.dtype, device=t.device).copy_(t)
+
+
+def _pre(kernel: Callable, args: tuple, out) -> Callable:
+    """``kernel`` bound to the static operands ``args`` and planned buffers ``out``
+    (`CodeGen._prebound`): ``kernel.prebind(*args, out=out)`` where the kernel offers it
+    and it applies, else ``functools.partial(kernel, *args, out=out)``."""
+    pre = getattr(kernel, "prebind", None)
+    bound = pre(*args, out=out) if pre is not None else None
+    return bound if bound is not None else functools.partial(kernel, *args, out=out)
 
 
 def _as_window(t: torch.Tensor, window: tuple) -> torch.Tensor:
@@ -334,7 +344,7 @@ class CodeGen:
             self.names[c.id] = self.static[c.id] = f"c{i}"
             glb[f"c{i}"] = c.const
         layout_bound = _layout_sensitive(g)
-        glb["_conform"] = _conform
+        glb["_conform"], glb["_pre"] = _conform, _pre
         if self.check_aliasing:
             glb["_chk"] = AliasChecker(g, self.plan)
         if any(n.stream for n in g.nodes) and not (self.check_aliasing or self.observe
@@ -599,29 +609,25 @@ class CodeGen:
     def _prebound(self, idx: int, node: Node, outs, bufnames) -> bool:
         """Bind kernel ``K<idx>`` once to its operands when every one is the same tensor
         at every call (a constant, an arena buffer or a hoisted view: `static`) and every
-        output has its planned buffer: ``P<idx> = K<idx>.prebind(*operands, out=buffers)``
-        (a kernel that offers it: the decode GEMV, GatedMLP and AddRmsNorm), made again
-        for a clone's arena as the hoisted views are; the call is then ``P<idx>()``, with
-        no per-call conversion or check of its tensors (`numba_cache.prebound`: what a
-        decode step's small kernels cost right after a GEMV has streamed its weight).
-        False (nothing emitted) where the kernel has no ``prebind`` or returns None."""
-        target = f"K{idx}"
-        kernel = self.glb[target]
-        if not (self.hoist and hasattr(kernel, "prebind") and _out_capable(node) and bufnames
+        output has its planned buffer: ``P<idx> = _pre(K<idx>, operands, buffers)``,
+        remade for a clone's arena as the hoisted views are, and the call is ``P<idx>()``.
+        Where the kernel offers ``prebind`` (the decode GEMV, GatedMLP's one-GEMM form,
+        AddRmsNorm) that call runs it with no per-call conversion or check of its tensors
+        (`numba_cache.prebound`: what a decode step's small kernels cost right after a GEMV
+        has streamed its weight); else it is the plain call on those operands, so a
+        dynamic graph's source is the same at every shape whatever kernel each shape
+        chose. False (nothing emitted) for any other node."""
+        if not (self.hoist and _out_capable(node) and bufnames
                 and all(b is not None for b in bufnames)
                 and all(x.id in self.static for x in node.inputs)):
             return False
         out = bufnames[0] if len(bufnames) == 1 else f"({', '.join(bufnames)},)"
-        call = f"{target}.prebind({', '.join(self.static[x.id] for x in node.inputs)}, out={out})"
+        call = f"_pre(K{idx}, ({''.join(self.static[x.id] + ', ' for x in node.inputs)}), {out})"
         with torch.no_grad():
-            bound = eval(call, self.glb)  # noqa: S307 - our codegen
-        if bound is None:
-            return False
-        name = f"P{idx}"
-        self.glb[name] = bound
-        self.hoisted.append((name, call, {}))
-        self.lines.append(f"    {name}()")
-        self.lines.append(f"    {', '.join(outs)} = {', '.join(bufnames)}")
+            self.glb[f"P{idx}"] = eval(call, self.glb)  # noqa: S307 - our codegen
+        self.hoisted.append((f"P{idx}", call, {}))
+        lhs = ", ".join(outs) + ("," if len(outs) == 1 and len(bufnames) > 1 else "")
+        self.lines.append(f"    {lhs} = P{idx}()")
         for o, b in zip(node.outputs, bufnames):
             self.static[o.id] = b
         return True

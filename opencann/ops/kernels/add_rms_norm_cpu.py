@@ -151,7 +151,7 @@ def bind_add_rms_norm(a: TensorDesc, b: TensorDesc, weight: TensorDesc, eps: flo
             return None
         args = (static_view(x1, rd), static_view(x2, rd), static_view(g, (d,)), e32,
                 static_view(out[0], rd), static_view(out[1], rd))
-        return None if any(a is None for a in args) else prebound(_serial, args)
+        return None if any(a is None for a in args) else prebound(_serial, args, result=out)
     run.prebind = prebind
     return run
 

@@ -161,9 +161,10 @@ def _prebind_one(g13, x: torch.Tensor, w13: torch.Tensor, n: int, out) -> Option
     from .swiglu_numba import silu_mul
     epilogue = prebound(silu_mul, (r.numpy(), n, out.numpy().reshape(m, n)))
 
-    def call() -> None:
+    def call() -> torch.Tensor:
         gemm()
         epilogue()
+        return out
     call.buffer = r   # held with the call
     return call
 

@@ -56,6 +56,7 @@ Optimization Reference Manual, "Software prefetch").
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Callable, Optional
 
 import numba
@@ -223,18 +224,24 @@ def bind_gemv(w_nk: torch.Tensor, rows: int, threads: Optional[int] = None
             return out
         return _views_call(kernel, wn, x, bias, out, yshape, lock, last, entries)
 
-    def prebind(x: torch.Tensor, bias: Optional[torch.Tensor] = None,
-                out: Optional[torch.Tensor] = None) -> Optional[Callable[[], None]]:
-        """``call()`` running ``run(x, bias, out)`` on these very tensors, or None where
-        they do not allow it (module `prebound`)."""
-        views = [static_view(t, s) for t, s in ((x, xshape), (out, yshape))]
-        if any(a is None for a in views) or (bias is not None and static_view(bias, (n,)) is None):
-            return None
-        args = (views[0], wn, _NO_BIAS if bias is None else bias.numpy(), bias is not None, views[1])
-        return prebound(kernel, args, work, threads, lock)
     run.weight = w_nk   # held: a cache that keeps the packed copy weakly sees it alive
-    run.prebind = prebind
+    run.prebind = functools.partial(_prebind, kernel, wn, xshape, yshape, work, threads, lock)
     return run
+
+
+def _prebind(kernel, wn: np.ndarray, xshape, yshape, work: int, threads: Optional[int], lock,
+             x: torch.Tensor, bias: Optional[torch.Tensor] = None,
+             out: Optional[torch.Tensor] = None) -> Optional[Callable[[], torch.Tensor]]:
+    """`bind_gemv`'s ``run.prebind(x, bias=None, out=None)``: ``call()`` running ``run(x,
+    bias, out)`` on these very tensors and returning ``out`` (`numba_cache.prebound`), or
+    None where they do not allow it (not contiguous float32 of the bound shapes)."""
+    views = [static_view(t, s) if t is not None and t.shape == s else None
+             for t, s in ((x, xshape), (out, yshape))]
+    bn = _NO_BIAS if bias is None else static_view(bias, (yshape[1],))
+    if any(a is None for a in views) or bn is None:
+        return None
+    return prebound(kernel, (views[0], wn, bn, bias is not None, views[1]), work, threads, lock,
+                    result=out)
 
 
 

@@ -18,7 +18,6 @@ and the lock numba's non-thread-safe ``workqueue`` layer needs (`launch_guard`).
 from __future__ import annotations
 
 import contextlib
-import functools
 import math
 import os
 import threading
@@ -257,28 +256,27 @@ def launch_guard():
 
 
 def prebound(kernel, args: tuple, work: Optional[int] = None, threads: Optional[int] = None,
-             lock=None) -> Callable[[], None]:
+             lock=None, result=None) -> Callable[[], object]:
     """``call()``: the numba ``kernel`` on ``args`` — NumPy views of tensors that are the
     same objects over the same memory at every call (a compiled graph's constants and
     arena buffers: `opencann.runtime.codegen` prebinds a node whose operands are all
     such) — launched as a bound call is (a ``parallel=True`` kernel on `launch_threads`
     of ``work`` elements unless ``threads``, under ``lock``; ``work`` None: a serial
-    kernel, called as it is), through the kernel's compiled entry point (compiled here, at bind
-    time, for ``args``' types). Why: a bound call checks its tensors' identity and data
-    pointers and converts them at every call, and right after a decode GEMV has streamed
-    its weight every one of those Python and torch calls misses the caches (measured on
-    the 2-core EPYC after a 400 MiB read, median of 21: an AddRmsNorm call through its
-    bound run 41.8 µs, a prebound call of the same kernel 18.9 µs)."""
+    kernel, called as it is), through the kernel's compiled entry point (compiled here, at
+    bind time, for ``args``' types); returns ``result`` (the output tensors the views
+    write). Why: a bound call checks its tensors' identity and data pointers and converts
+    them at every call, and right after a decode GEMV has streamed its weight every one of
+    those Python and torch calls misses the caches (measured on the 2-core EPYC after a
+    400 MiB read, median of 21: an AddRmsNorm call through its bound run 41.8 µs, a
+    prebound call of the same kernel 18.9 µs)."""
     import numba
     fn = entry_point(kernel, args)
     if fn is None:
         kernel.compile(tuple(numba.typeof(a) for a in args))
         fn = entry_point(kernel, args) or kernel
-    if work is None and lock is None:
-        return functools.partial(fn, *args)
     get_threads, set_threads = numba.get_num_threads, numba.set_num_threads
 
-    def call() -> None:
+    def call():
         if work is not None:
             nt = threads if threads is not None else launch_threads(work)
             if get_threads() != nt:
@@ -288,6 +286,7 @@ def prebound(kernel, args: tuple, work: Optional[int] = None, threads: Optional[
         else:
             with lock:
                 fn(*args)
+        return result
     return call
 
 
