@@ -27,6 +27,13 @@ Reshape, Transpose of the QKV GEMM's result) are three ``as_strided`` calls inst
 nine view calls (~1 µs against ~4 µs each, docs/performance.md). Same debugging
 exceptions as hoisting; a reshape that would copy, a dtype view and symbolic shapes are
 left to run as they are.
+
+A kernel whose operands are all static (constants, arena buffers, hoisted views) and whose
+outputs all have planned buffers is bound to them once too, ``P<i> = _pre(K<i>, ...)``
+(remade per clone like the hoisted views), and called as ``P<i>()``: the kernels that
+offer ``prebind`` (the decode GEMV, GatedMLP, AddRmsNorm) then skip their per-call checks
+and conversions, which cost most right after a decode GEMV has streamed its weight
+through the caches (`CodeGen._prebound`, docs/performance.md).
 """
 from __future__ import annotations
 
@@ -626,8 +633,7 @@ class CodeGen:
         with torch.no_grad():
             self.glb[f"P{idx}"] = eval(call, self.glb)  # noqa: S307 - our codegen
         self.hoisted.append((f"P{idx}", call, {}))
-        lhs = ", ".join(outs) + ("," if len(outs) == 1 and len(bufnames) > 1 else "")
-        self.lines.append(f"    {lhs} = P{idx}()")
+        self.lines.append(f"    {', '.join(outs)} = P{idx}()")
         for o, b in zip(node.outputs, bufnames):
             self.static[o.id] = b
         return True

@@ -6,7 +6,7 @@ the GEMV's summation order, SwiGLU's ``expf``), NaN/Inf positions, a second call
 output independence; SwiGLU's epilogue against ATen's SiLU and product."""
 import functools
 import re
-import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -93,17 +93,12 @@ def test_clones_prebind_their_own_arena(gemv_wins):
     xs = [_inputs(10 + i) for i in range(4)]
     with torch.no_grad():
         want = [m(*x)[0] for x in xs]
-    got = [None] * len(xs)
 
-    def work(i):
+    def work(x):
         with torch.no_grad():
-            for _ in range(10):
-                got[i] = cm(*xs[i])[0].clone()
-    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(xs))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+            return [cm(*x)[0].clone() for _ in range(10)][-1]
+    with ThreadPoolExecutor(len(xs)) as pool:   # one thread per input, all at once
+        got = list(pool.map(work, xs))
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, rtol=2e-5, atol=2e-5)
 

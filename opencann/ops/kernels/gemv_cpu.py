@@ -90,7 +90,8 @@ def _gemv1_kernel(x, w, b, has_bias, y):  # pragma: no cover - compiled by numba
     thread streams one contiguous slice of W, the one memory stream the hardware
     prefetchers follow best), each row's K loop vectorised by LLVM (``reassoc``: several
     vector accumulators, summed once per row). Measured on the 2-core EPYC (module
-    docstring): faster than `_TILE1`'s far-apart rows at M = 1, slower at M = 8."""
+    docstring): faster at M = 1 than `gemv_tile`'s tile of 8 far-apart rows, which the
+    M = 2..32 kernels keep."""
     K = w.shape[1]
     for n in prange(w.shape[0]):
         s = np.float32(0.0)
@@ -223,7 +224,6 @@ def bind_gemv(w_nk: torch.Tensor, rows: int, threads: Optional[int] = None
             _call(last[4], last[5], lock)   # the last call's tensors: its views, no dispatch
             return out
         return _views_call(kernel, wn, x, bias, out, yshape, lock, last, entries)
-
     run.weight = w_nk   # held: a cache that keeps the packed copy weakly sees it alive
     run.prebind = functools.partial(_prebind, kernel, wn, xshape, yshape, work, threads, lock)
     return run
@@ -242,7 +242,6 @@ def _prebind(kernel, wn: np.ndarray, xshape, yshape, work: int, threads: Optiona
         return None
     return prebound(kernel, (views[0], wn, bn, bias is not None, views[1]), work, threads, lock,
                     result=out)
-
 
 
 def _refuse(x: torch.Tensor, out: Optional[torch.Tensor], xshape, yshape) -> None:
