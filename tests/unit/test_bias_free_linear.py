@@ -19,7 +19,7 @@ from opencann.devices import cpu as cpu_device
 from opencann.ops.kernels import cpu as cpu_kernels
 from helpers import ForcedGemmChoice
 
-KERNELS = ("addmm", "mkl_packed", "onednn_packed", "gemv")
+KERNELS = ("addmm", "mkl_packed", "onednn_packed", "onednn_plain", "gemv")
 
 
 class Decoderish(nn.Module):
@@ -42,8 +42,8 @@ class Decoderish(nn.Module):
 def _available(kernel):
     if kernel == "mkl_packed" and not cpu_device.mkl_packed_available():
         pytest.skip("MKL packed GEMM not in this torch build")
-    if kernel == "onednn_packed" and not cpu_device.onednn_linear_available():
-        pytest.skip("oneDNN prepacked inner product not in this torch build")
+    if kernel.startswith("onednn") and not cpu_device.onednn_linear_available():
+        pytest.skip("oneDNN inner product not in this torch build")
 
 
 def _gemms(cm):
@@ -60,7 +60,7 @@ def _close(out, ref, tol=1e-5):
 
 
 @pytest.mark.parametrize("kernel,rows", [(k, r) for k in KERNELS for r in (1, 4)]
-                         + [("addmm", 9), ("onednn_packed", 9)])
+                         + [("addmm", 9), ("onednn_packed", 9), ("onednn_plain", 9)])
 def test_each_kernel_matches_eager_with_nan_and_inf_rows(kernel, rows, monkeypatch):
     _available(kernel)
     monkeypatch.setattr(cpu_kernels, "LINEAR_CHOICES", ForcedGemmChoice(kernel))

@@ -183,12 +183,13 @@ def test_public_spelling_opencann_ops_flash_attention():
 
 
 def test_forward_only_long_sequence_uses_256_row_blocks_correctly():
-    """Inference (no grad) at S >= 512 takes the forward-only 256-row query blocks; the
-    tail (600 = 2*256 + 88) and a causal bottom-right mask must still be exact."""
+    """Inference (no grad) at S >= 512 takes the forward-only 256-row query blocks, a
+    causal one `CPU_CAUSAL_FORWARD_BLOCKS`; the tails (600 = 2*256 + 88 = 4*128 + 88)
+    and a causal bottom-right mask must still be exact."""
     from opencann.ops.flash_attention.api import CPU_FORWARD_BLOCK_Q, _default_tiles
     assert _default_tiles("numba", 64, 600, 700, torch.float32, True)[0] == CPU_FORWARD_BLOCK_Q
     bq, bk = _default_tiles("numba", 64, 600, 700, torch.float32, True, True)
-    assert bq == CPU_FORWARD_BLOCK_Q and bk <= bq    # causal: key tiles above the diagonal skipped
+    assert bq == 128 and bk <= bq    # causal: key tiles above the diagonal skipped
     g = torch.Generator().manual_seed(11)
     q = torch.randn(1, 2, 600, 64, generator=g)
     k, v = torch.randn(1, 2, 700, 64, generator=g), torch.randn(1, 2, 700, 64, generator=g)
@@ -199,6 +200,31 @@ def test_forward_only_long_sequence_uses_256_row_blocks_correctly():
         q.double(), k.double(), v.double(),
         attn_mask=torch.ones(600, 700, dtype=torch.bool).tril(100))
     assert ((out.double() - ref).abs().max() / ref.abs().max()).item() < 1e-5
+
+
+@pytest.mark.parametrize("sq,sk", [(5, 5), (64, 64), (100, 100), (200, 200), (257, 300), (520, 520)])
+def test_causal_forward_blocks_match_the_reference_at_every_length(sq, sk):
+    """A causal forward (an LLM prefill: GQA, bottom-right when S_k > S_q) on the blocks
+    `CPU_CAUSAL_FORWARD_BLOCKS` gives, at lengths below, at and across a block boundary,
+    float64 SDPA's values, NaN rows where a query is NaN, twice the same bits."""
+    from opencann.ops.flash_attention.api import CPU_CAUSAL_FORWARD_BLOCKS, _default_tiles
+    bq, bk = _default_tiles("numba", 64, sq, sk, torch.float32, True, True)
+    assert bq == next(b for top, b in CPU_CAUSAL_FORWARD_BLOCKS if top is None or sq <= top)
+    assert bk <= bq
+    g = torch.Generator().manual_seed(sq)
+    q = torch.randn(1, 6, sq, 64, generator=g)
+    k, v = torch.randn(1, 2, sk, 64, generator=g), torch.randn(1, 2, sk, 64, generator=g)
+    q[0, 1, sq // 2, 3] = float("nan")
+    from opencann.ops.flash_attention.api import flash_attention_forward
+    out, _ = flash_attention_forward(q, k, v, causal="bottom_right")
+    again, _ = flash_attention_forward(q, k, v, causal="bottom_right")
+    mask = torch.ones(sq, sk, dtype=torch.bool).tril(sk - sq)
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q.double(), k.double().repeat_interleave(3, 1), v.double().repeat_interleave(3, 1), attn_mask=mask)
+    assert torch.equal(out.isnan(), ref.isnan()) and out.isnan().any()
+    fin = ~ref.isnan()
+    assert ((out.double()[fin] - ref[fin]).abs().max() / ref[fin].abs().max()).item() < 1e-5
+    assert torch.equal(out.nan_to_num(), again.nan_to_num())
 
 
 def test_tile_gemms_leave_the_callers_blas_threads_as_they_were():

@@ -1,5 +1,6 @@
 """LinearAct's GEMM kernels (`opencann.ops.kernels.cpu.make_linear_kernel`): addmm, oneDNN's
-inner product on a prepacked weight (``onednn_packed``) and MKL's packed GEMM, raced per
+inner product on a prepacked weight (``onednn_packed``) or on the plain one
+(``onednn_plain``) and MKL's packed GEMM, raced per
 shape at bind time. Each kernel matches eager (values, NaN/Inf, a second call, output
 independence); the race picks the faster one; oneDNN's prepacked weight serves every
 shape of a dynamic model; model files keep the choice and fall back to addmm where the
@@ -41,12 +42,13 @@ def _close(out, ref, tol=1e-5):
     assert ((out[fin] - ref[fin]).abs().max() / ref[fin].abs().max()).item() < tol
 
 
-@pytest.mark.parametrize("kernel,rows", [(k, r) for k in ("addmm", "mkl_packed", "onednn_packed")
+@pytest.mark.parametrize("kernel,rows", [(k, r) for k in ("addmm", "mkl_packed", "onednn_packed",
+                                                               "onednn_plain")
                                          for r in (1, 7, 64)] + [("gemv", 1), ("gemv", 4)])
 def test_each_kernel_matches_eager(kernel, rows, monkeypatch):
     if kernel == "mkl_packed" and not cpu_device.mkl_packed_available():
         pytest.skip("MKL packed GEMM not in this torch build")
-    if kernel == "onednn_packed" and not cpu_device.onednn_linear_available():
+    if kernel.startswith("onednn") and not cpu_device.onednn_linear_available():
         pytest.skip("oneDNN prepacked inner product not in this torch build")
     monkeypatch.setattr(cpu_kernels, "LINEAR_CHOICES", ForcedGemmChoice(kernel))
     torch.manual_seed(0)
@@ -392,7 +394,36 @@ def test_a_weight_keeps_at_most_one_packed_layout():
     cat = cpu_kernels.concat_weights(wt, torch.randn(640, 512).t())
     ok = cpu_kernels.copy_allowed(cat)
     assert ok("addmm") and not ok("addmm_kn") and not ok("onednn_packed") and not ok("mkl_packed")
-    assert ok("gemv") == cat.t().is_contiguous()
+    assert ok("gemv") == ok("onednn_plain") == cat.t().is_contiguous()
+
+
+@pytest.mark.skipif(not cpu_device.onednn_linear_available(),
+                    reason="oneDNN inner product not in this torch build")
+def test_onednn_plain_reads_the_gemv_weight_itself():
+    """``onednn_plain`` keeps no copy of nn.Linear's [n, k] weight (it reads it as the
+    decode GEMV does), shares the GEMV's one [n, k] copy of a [k, n] weight, and with
+    that copy alive both race where no other kind of copy may; its product matches
+    addmm's to fp32 rounding, NaN and inf included, bias or none."""
+    torch.manual_seed(0)
+    w = torch.randn(96, 48)
+    wt = w.t()                                       # nn.Linear's weight as [k, n]
+    assert not cpu_kernels._copies("onednn_plain", wt)
+    assert cpu_kernels._gemv_weight(wt).data_ptr() == w.data_ptr()
+    kn = torch.randn(48, 96)                         # row-major [k, n]: one [n, k] copy
+    assert cpu_kernels._copies("onednn_plain", kn)
+    held = cpu_kernels._gemv_weight(kn)
+    ok = cpu_kernels.copy_allowed(kn)
+    assert ok("gemv") and ok("onednn_plain") and not ok("onednn_packed") and not ok("addmm_kn")
+    run = cpu_kernels._packed_kernel("onednn_plain", kn, 5, None)
+    assert cpu_kernels._gemv_weight(kn) is held      # the same copy, not a second one
+    for bias in (torch.randn(96), None):
+        x = torch.randn(5, 48)
+        x[1, 2], x[3, 7] = float("nan"), float("-inf")
+        ref = torch.addmm(bias, x, kn) if bias is not None else x @ kn
+        out = torch.empty(5, 96)
+        got = run(bias, x, kn, out)
+        assert got is out
+        _close(out, ref)
 
 
 @pytest.mark.parametrize("kernel", ["addmm_kn", "gemv"])

@@ -140,12 +140,12 @@ def test_conv_add_relu_keeps_nan_and_inf(inplace_addend):
 
 # -- linear + activation (GEMM, activation in place) --------------------------------
 
-@pytest.mark.parametrize("kernel", ["addmm", "mkl_packed", "onednn_packed", "gemv"])
+@pytest.mark.parametrize("kernel", ["addmm", "mkl_packed", "onednn_packed", "onednn_plain", "gemv"])
 @pytest.mark.parametrize("act", ["relu", "gelu", "gelu_tanh", "silu", "sigmoid", "tanh"])
 def test_linear_activation_keeps_nan_and_inf(act, kernel, monkeypatch):
     if kernel == "mkl_packed" and not cpu_device.mkl_packed_available():
         pytest.skip("MKL packed GEMM not in this torch build")
-    if kernel == "onednn_packed" and not cpu_device.onednn_linear_available():
+    if kernel.startswith("onednn") and not cpu_device.onednn_linear_available():
         pytest.skip("oneDNN prepacked inner product not in this torch build")
     fn = {"relu": torch.relu, "gelu": F.gelu, "gelu_tanh": lambda t: F.gelu(t, approximate="tanh"),
           "silu": F.silu, "sigmoid": torch.sigmoid, "tanh": torch.tanh}[act]

@@ -19,8 +19,8 @@
   in tests/unit/test_nan_semantics.py).
 - `make_linear_kernel` (LinearAct): MatMulV2 (addmm) or a bias-free MatMul (mm) with a
   constant weight [+ activation] into the planned buffer, by addmm / mm, oneDNN's inner
-  product on a prepacked weight, MKL's packed GEMM or the decode GEMV (chosen per shape
-  by measuring at bind time, `gemm_kernel`); the activation runs in place on the result
+  product on a prepacked weight or on the weight as nn.Linear holds it, MKL's packed
+  GEMM or the decode GEMV (chosen per shape by measuring at bind time, `gemm_kernel`); the activation runs in place on the result
   (one pass less over the output). In bf16 (mixed precision) a constant-weight
   GEMM binds oneDNN's inner product without a race: its native bf16 kernel (avx512_bf16
   / AMX) on the weight cast to bf16 at compile time and reordered once at bind time,
@@ -252,7 +252,7 @@ def make_trans_data(node: Node, in_descs: Sequence[TensorDesc], consts: Sequence
 
 
 # the GEMM kernels a LinearAct may bind (node.meta["kernel"], saved in model files)
-GEMM_KERNELS = ("addmm", "addmm_kn", "mkl_packed", "onednn_packed", "gemv")
+GEMM_KERNELS = ("addmm", "addmm_kn", "mkl_packed", "onednn_packed", "onednn_plain", "gemv")
 # operand dtypes whose constant-weight GEMMs are raced (bf16: addmm and oneDNN's only)
 LINEAR_DTYPES = (torch.float32, torch.bfloat16)
 GEMV_MAX_ROWS = 32  # gemv_cpu.MAX_ROWS (not imported here: that module loads numba)
@@ -445,18 +445,18 @@ def _available(kernel: str, n: int, bias: Optional[TensorDesc], m: int = 0,
     """Whether GEMM ``kernel`` can run here for ``m`` rows, ``n`` output features, a
     bias of ``bias``'s shape or none (None), and operands of ``dtype`` (oneDNN's inner
     product and the GEMV take a full [n] bias or none; the GEMV 1..`GEMV_MAX_ROWS` rows;
-    bf16 runs on addmm and oneDNN's inner product only: MKL's packed GEMM, the numba
-    GEMV and ``addmm_kn`` are fp32). ``kn``: ``addmm_kn`` (addmm on a contiguous copy
+    bf16 runs on addmm and oneDNN's prepacked inner product only: MKL's packed GEMM,
+    the numba GEMV, ``addmm_kn`` and ``onednn_plain`` are fp32). ``kn``: ``addmm_kn`` (addmm on a contiguous copy
     of the weight) is offered: a weight held transposed (nn.Linear's [n, k] weight
     viewed as [k, n]) streamed by a few-row GEMM (`COLD_RACE_ROWS`, `kn_offered`)."""
-    if dtype != torch.float32 and kernel in ("gemv", "mkl_packed", "addmm_kn"):
+    if dtype != torch.float32 and kernel in ("gemv", "mkl_packed", "addmm_kn", "onednn_plain"):
         return False
     if kernel == "addmm_kn":
         return kn
     full = bias is None or tuple(int(d) for d in bias.shape) == (n,)
     if kernel == "gemv":
         return 1 <= m <= GEMV_MAX_ROWS and full
-    if kernel == "onednn_packed":
+    if kernel in ("onednn_packed", "onednn_plain"):
         return onednn_linear_available() and full
     if kernel == "mkl_packed":
         return mkl_packed_available()
@@ -500,11 +500,12 @@ def _live_copy(cache: WeakIdKeyDictionary, wt: torch.Tensor) -> bool:
 
 def _copies(kernel: str, wt: torch.Tensor) -> bool:
     """Whether GEMM ``kernel`` keeps a copy of the constant weight ``wt`` [k, n]: addmm
-    never, the GEMV not when ``wt`` is the transpose of a contiguous [n, k] weight, the
-    others always (``addmm_kn``'s [k, n], oneDNN's blocked layout, MKL's packed)."""
+    never, the GEMV and ``onednn_plain`` not when ``wt`` is the transpose of a contiguous
+    [n, k] weight (else both read one [n, k] copy), the others always (``addmm_kn``'s
+    [k, n], oneDNN's blocked layout, MKL's packed)."""
     if kernel == "addmm":
         return False
-    if kernel == "gemv":
+    if kernel in ("gemv", "onednn_plain"):
         return not wt.t().is_contiguous()
     return True
 
@@ -520,7 +521,8 @@ def copy_allowed(wt: torch.Tensor) -> Callable[[str], bool]:
     if getattr(wt, "_opencann_parts", None) is not None:
         return lambda c: not _copies(c, wt)
     held = {k for k, cache in (("addmm_kn", _KN_PACKED), ("onednn_packed", _ONEDNN_PACKED),
-                               ("gemv", _GEMV_PACKED)) if _copies(k, wt) and _live_copy(cache, wt)}
+                               ("gemv", _GEMV_PACKED), ("onednn_plain", _GEMV_PACKED))
+            if _copies(k, wt) and _live_copy(cache, wt)}
     return lambda c: not _copies(c, wt) or not held or c in held
 
 
@@ -563,9 +565,10 @@ def _onednn_weight(wt: torch.Tensor, m: int) -> torch.Tensor:
 
 
 def _gemv_weight(wt: torch.Tensor) -> torch.Tensor:
-    """The GEMV's ``[n, k]`` contiguous copy of the constant weight ``wt`` [k, n], made
-    once per weight (every row count and executor reuses it; ``wt.t()`` itself when it is
-    contiguous) and cached while it lives (shared as `_onednn_weight`'s)."""
+    """The ``[n, k]`` contiguous copy of the constant weight ``wt`` [k, n] that the GEMV
+    and ``onednn_plain`` read, made once per weight (every row count and executor reuses
+    it; ``wt.t()`` itself when it is contiguous) and cached while it lives (shared as
+    `_onednn_weight`'s)."""
     from .gemv_cpu import pack_weight
     return _packed_once(_GEMV_PACKED, wt, lambda w: pack_weight(w, transposed=True))
 
@@ -680,6 +683,12 @@ def _packed_kernel(kernel: str, wt: torch.Tensor, m: int, post, act: str = "none
         def run_onednn(b, x, _w, out=None):
             return _copy_act(lin(x, packed, b, fused, [], algo), out, post)
         return run_onednn
+    if kernel == "onednn_plain":
+        w_nk, lin = _gemv_weight(wt), torch.ops.mkldnn._linear_pointwise
+
+        def run_plain(b, x, _w, out=None):
+            return _copy_act(lin(x, w_nk, b, "none", [], ""), out, post)
+        return run_plain
     w = wt.t().contiguous()  # (out_features, in_features)
     packed, lin = torch.ops.mkl._mkl_reorder_linear_weight(w, m), torch.ops.mkl._mkl_linear
 
@@ -826,6 +835,15 @@ def make_linear_kernel(node: Node, in_descs: Sequence[TensorDesc], consts: Seque
       brgemm on AVX2/AVX-512) on the weight reordered once to oneDNN's blocked layout
       (``_reorder_linear_weight``); the blocked weight serves every row count m, so a
       dynamic-shape model keeps it at every shape. Its result is copied into ``out``;
+    - ``onednn_plain``: the same inner product on the weight as nn.Linear holds it
+      ([n, k] contiguous, ``w_t``'s transpose: no copy; else the GEMV's [n, k] copy,
+      shared with it), which oneDNN's brgemm matmul reads as it is (``wei:ab``, no
+      reorder, `ONEDNN_VERBOSE`). It serves weights that may not get a blocked copy
+      (`copy_allowed`: an LLM's merged Q/K/V and gate/up weights, which the decode GEMV
+      reads in that layout): on the 2-core AMD EPYC (Zen 4), least of 15 interleaved
+      calls, 2 threads, it ran 512x768x4096 at 203 GFLOP/s against addmm's 160 and
+      the blocked weight's 214, 512x768x1280 at 214 / 195 / 216, 64x576x3072 at
+      172 / 129 / 197, 16x768x1280 at 123 / 108 / 180. Its result is copied into ``out``;
     - ``mkl_packed``: MKL's packed GEMM (``torch.ops.mkl._mkl_linear`` on
       ``_mkl_reorder_linear_weight``), packed for one m; raced against addmm only where
       oneDNN's is missing, and bound when a model file chose it;
