@@ -76,6 +76,7 @@ def _rotation_kernels(ws, m: int) -> dict:
         dnn = [(torch.ops.mkldnn._reorder_linear_weight(w, m), w.shape[1]) for w in ws]
         lin = torch.ops.mkldnn._linear_pointwise
         fns["onednn_packed"] = lambda: [lin(xs[k], p, None, "none", [], "") for p, k in dnn]
+        fns["onednn_plain"] = lambda: [lin(xs[w.shape[1]], w, None, "none", [], "") for w in ws]
     w0 = ws[-1]
     ref = torch.nn.functional.linear(xs[w0.shape[1]], w0)
     for name, fn in fns.items():                   # a sanity check, not a test
@@ -88,7 +89,7 @@ def rotation(rows, passes: int) -> None:
     g = torch.Generator().manual_seed(0)
     ws = [torch.randn(n, k, generator=g) for n, k in LLAMA125M_STEP]
     nbytes = sum(w.numel() * 4 for w in ws)
-    cols = ["gemv", "mm", "mkl_packed", "onednn_packed"]
+    cols = ["gemv", "mm", "mkl_packed", "onednn_packed", "onednn_plain"]
     print(f"rotation: {len(ws)} weights, {nbytes / 1e6:.0f} MB; least of {passes} passes; "
           f"ms (GB/s)")
     print(f"{'M':>2} " + " ".join(f"{c:>16}" for c in cols))

@@ -36,9 +36,11 @@ tokens/s = (new - 1) / (last - first token) per sequence (x batch for all sequen
 The parent runs all workers ``--rounds`` times, the order rotating per round; a figure is
 the median over all timed generations. Greedy tokens are compared with eager's.
 
-Roofline: the host's read bandwidth is measured first over 0.5 GB (the better of
-opencann's row-parallel GEMV on a 65536 x 2048 fp32 weight and ``torch.sum`` over it,
-`gemv_bandwidth`); decode bytes per step = weights read (every parameter but the input
+Roofline: the host's read bandwidth is measured over 0.5 GB (the better of opencann's
+row-parallel GEMV on a 65536 x 2048 fp32 weight and ``torch.sum`` over it,
+`gemv_bandwidth`) first and again before every round, and the best of these readings
+counts: on a host whose bandwidth moves with its neighbours (a VM: 28-53 GB/s within an
+hour on the 2-core EPYC) one reading at the start put a run at "106%"; decode bytes per step = weights read (every parameter but the input
 embedding table, which is only gathered, unless the LM head shares it) + the KV cache
 read at the middle position (batch x 2 x layers x KV heads x head dim x position x 4);
 roofline tokens/s = bandwidth / bytes per step (per sequence).
@@ -357,8 +359,10 @@ def summarize(runs: List[dict], eager_tokens, batch: int, roofline: float) -> di
                 timed_generations=sum(len(r["ttft_s"]) for r in ok), failed_workers=len(runs) - len(ok))
 
 
-def bench_model(name: str, args, backends: List[str], bw: float, work: str) -> List[dict]:
-    """Every batch size of one model: rows of `summarize` with model, batch and backend."""
+def bench_model(name: str, args, backends: List[str], bws: List[float], work: str) -> List[dict]:
+    """Every batch size of one model: rows of `summarize` with model, batch and backend;
+    ``bws``: the bandwidth readings so far (GB/s), one more appended before each round
+    (the roofline divides the best of them)."""
     folder = os.path.join(work, name)
     print(f"{name}: writing the fp32 folder...", flush=True)
     facts = save_model(name, folder)
@@ -373,9 +377,9 @@ def bench_model(name: str, args, backends: List[str], bw: float, work: str) -> L
     rows = []
     for batch in args.batches:
         kv = facts["kv_bytes_per_position"] * (args.prompt + args.new / 2)
-        roofline = bw * 1e9 / (facts["weight_bytes"] + batch * kv)
         runs: Dict[str, List[dict]] = {b: [] for b in backends}
         for r in range(args.rounds):
+            bws.append(gemv_bandwidth(args.threads))
             for b in backends[r % len(backends):] + backends[:r % len(backends)]:
                 suffix = "_ort" if b == "ort-genai" else "_ov" if b in llm_ov.BACKENDS else ""
                 job = dict(backend=b, folder=folder + suffix,
@@ -386,6 +390,7 @@ def bench_model(name: str, args, backends: List[str], bw: float, work: str) -> L
                       + (runs[b][-1].get("error") or "%.1f tokens/s" % np.median(
                           runs[b][-1]["decode_tokens_per_s"])), flush=True)
         eager = next((x["tokens"] for x in runs.get("eager", []) if "error" not in x), None)
+        roofline = max(bws) * 1e9 / (facts["weight_bytes"] + batch * kv)   # final: `apply_roofline`
         for b in backends:
             rows.append(dict(model=name, batch=batch, backend=b, roofline_tokens_per_s=roofline,
                              **summarize(runs[b], eager, batch, roofline)))
@@ -395,6 +400,18 @@ def bench_model(name: str, args, backends: List[str], bw: float, work: str) -> L
             if ov_s is not None and b in backends:
                 rows[-len(backends) + backends.index(b)]["builder_s"] = ov_s
     return [dict(r, model_facts=facts) for r in rows]
+
+
+def apply_roofline(rows: List[dict], bw: float, args) -> None:
+    """Set every row's roofline (tokens/s per sequence) and % of it from the read
+    bandwidth ``bw`` (GB/s: the best reading of the whole run, so that every batch and
+    model divides by the same figure)."""
+    for r in rows:
+        facts = r["model_facts"]
+        kv = facts["kv_bytes_per_position"] * (args.prompt + args.new / 2)
+        r["roofline_tokens_per_s"] = bw * 1e9 / (facts["weight_bytes"] + r["batch"] * kv)
+        if "decode_tokens_per_s" in r:
+            r["roofline_pct"] = 100 * r["decode_tokens_per_s"] / r["roofline_tokens_per_s"]
 
 
 def print_table(rows: List[dict]) -> None:
@@ -442,14 +459,17 @@ def main(argv=None) -> None:
         print(f"{b}: skipped, {why}")
         backends.remove(b)
     load_start = os.getloadavg()
-    bw = gemv_bandwidth(args.threads)
+    bws = [gemv_bandwidth(args.threads)]
     print(f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, {args.threads} "
-          f"threads, load average {load_start[0]:.1f}; read bandwidth {bw:.1f} GB/s", flush=True)
+          f"threads, load average {load_start[0]:.1f}; read bandwidth {bws[0]:.1f} GB/s", flush=True)
     rows = []
     with tempfile.TemporaryDirectory(prefix="opencann-llm-bench-") as work:
         for name in args.models:
-            rows += bench_model(name, args, backends, bw, work)
+            rows += bench_model(name, args, backends, bws, work)
+    apply_roofline(rows, max(bws), args)
     print_table(rows)
+    print(f"read bandwidth readings (GB/s): {' '.join(f'{b:.1f}' for b in bws)}; the roofline "
+          f"divides the best")
     versions = {"torch": torch.__version__}
     for m in ("transformers", "onnxruntime", "onnxruntime_genai", "openvino_genai"):
         try:
@@ -457,7 +477,8 @@ def main(argv=None) -> None:
         except ImportError:
             pass
     doc = dict(date=datetime.date.today().isoformat(), threads=args.threads, prompt=args.prompt,
-               new=args.new, rounds=args.rounds, reps=args.reps, gemv_gb_per_s=bw,
+               new=args.new, rounds=args.rounds, reps=args.reps, gemv_gb_per_s=max(bws),
+               gemv_gb_per_s_readings=bws,
                load_average_start=load_start, load_average_end=os.getloadavg(),
                versions=versions, cpu_count=os.cpu_count(), skipped=skipped,
                command="bench/llm.py " + " ".join(argv if argv is not None else sys.argv[1:]),
