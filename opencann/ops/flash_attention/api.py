@@ -106,11 +106,14 @@ CPU_FORWARD_BLOCK_Q = 256
 # A causal forward without a backward (LLM prefill) also keeps its query blocks at
 # `CPU_CAUSAL_FORWARD_BLOCKS`: the diagonal tile, computed in full and half masked, is
 # smaller, and short prompts get more than one block per head. Same shapes, 2 cores (AMD
-# EPYC, Zen 4), least of 7 interleaved calls, (256, 256) -> (128, 128) -> (64, 64): S=128
-# (128, 128) 0.41 -> 0.34 ms (64); S=256 (128, 128) 1.07 -> 0.99 ms (64); S=512 4.01 ->
-# 3.27 -> 3.17 ms; S=1024 12.80 -> 11.43 -> 11.65; S=2048 43.4 -> 41.7 -> 43.8; S=4096
-# 158.6 -> 158.1 -> 169.6 ms (torch's SDPA: 0.55, 1.74, 6.03, 15.7, 52.2, 185.4 ms).
+# EPYC, Zen 4), least of 7 interleaved calls, (256, 256) -> (128, 128) -> (64, 64): S=512
+# 4.01 -> 3.27 -> 3.17 ms; S=1024 12.80 -> 11.43 -> 11.65; S=2048 43.4 -> 41.7 -> 43.8;
+# S=4096 158.6 -> 158.1 -> 169.6 ms; where the planner gave (128, 128), S=128 0.41 -> 0.34
+# ms and S=256 1.07 -> 0.99 ms at (64, 64) (torch's SDPA: 0.55, 1.74, 6.03, 15.7, 52.2,
+# 185.4 ms at S=128 ... 4096).
 CPU_CAUSAL_FORWARD_BLOCKS = ((256, 64), (None, 128))   # (longest S_q, block) in order
+
+
 @functools.lru_cache(maxsize=256)
 def _default_tiles(backend, D, Sq, Sk, dtype, forward_only=False, causal=False):
     if backend == "triton":

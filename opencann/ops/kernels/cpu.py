@@ -20,8 +20,8 @@
 - `make_linear_kernel` (LinearAct): MatMulV2 (addmm) or a bias-free MatMul (mm) with a
   constant weight [+ activation] into the planned buffer, by addmm / mm, oneDNN's inner
   product on a prepacked weight or on the weight as nn.Linear holds it, MKL's packed
-  GEMM or the decode GEMV (chosen per shape by measuring at bind time, `gemm_kernel`); the activation runs in place on the result
-  (one pass less over the output). In bf16 (mixed precision) a constant-weight
+  GEMM or the decode GEMV (chosen per shape by measuring at bind time, `gemm_kernel`);
+  the activation runs in place on the result (one pass less over the output). In bf16 (mixed precision) a constant-weight
   GEMM binds oneDNN's inner product without a race: its native bf16 kernel (avx512_bf16
   / AMX) on the weight cast to bf16 at compile time and reordered once at bind time,
   with GELU (erf / tanh), tanh, sigmoid and SiLU as oneDNN post-ops
@@ -446,9 +446,10 @@ def _available(kernel: str, n: int, bias: Optional[TensorDesc], m: int = 0,
     bias of ``bias``'s shape or none (None), and operands of ``dtype`` (oneDNN's inner
     product and the GEMV take a full [n] bias or none; the GEMV 1..`GEMV_MAX_ROWS` rows;
     bf16 runs on addmm and oneDNN's prepacked inner product only: MKL's packed GEMM,
-    the numba GEMV, ``addmm_kn`` and ``onednn_plain`` are fp32). ``kn``: ``addmm_kn`` (addmm on a contiguous copy
-    of the weight) is offered: a weight held transposed (nn.Linear's [n, k] weight
-    viewed as [k, n]) streamed by a few-row GEMM (`COLD_RACE_ROWS`, `kn_offered`)."""
+    the numba GEMV, ``addmm_kn`` and ``onednn_plain`` are fp32). ``kn``: ``addmm_kn``
+    (addmm on a contiguous copy of the weight) is offered: a weight held transposed
+    (nn.Linear's [n, k] weight viewed as [k, n]) streamed by a few-row GEMM
+    (`COLD_RACE_ROWS`, `kn_offered`)."""
     if dtype != torch.float32 and kernel in ("gemv", "mkl_packed", "addmm_kn", "onednn_plain"):
         return False
     if kernel == "addmm_kn":
