@@ -27,7 +27,9 @@ softmax needs ``2^x`` only - no multiply per element - and ``lse = ln2 * (m + lo
 With a float mask the scores stay in natural units (``mask * log2(e)`` overflows for
 ``finfo(float32).min``) and ``log2(e)`` multiplies ``score - max`` in the exponential.
 NaN/Inf follow torch's CPU SDPA: a NaN or +inf score makes its row NaN (the row max
-drops NaN, the sum keeps it; +inf - +inf is NaN); a row that sees no key is 0. ``2^x`` is ``2^round(x)`` built in the exponent bits
+drops NaN, the sum keeps it; +inf - +inf is NaN); a row that sees no key is 0. A NaN or
+inf in v reaches the rows that see its key only: a masked tile whose v rows are not all
+finite (`_v_finite`) takes P V row by row over the seen keys (`_pv_seen`). ``2^x`` is ``2^round(x)`` built in the exponent bits
 times a degree-6 polynomial for ``2^r``, |r| <= 1/2 (Cephes ``exp2f`` coefficients,
 relative error < 2e-7), in one branch-free loop that also writes P and sums the row;
 LLVM vectorizes it (8 floats per AVX2 register: ~0.25 ns per element on one core here,
@@ -323,6 +325,37 @@ def _mask_tile(s, nr, nc, b, h, q0, k0, mask, has_mask, causal, offset):
                 s[base + j] = ninf
 
 
+@njit(fastmath=_FM, cache=True, inline="always")
+def _v_finite(vh, k0, nc, D):
+    """Whether rows k0 .. k0 + nc - 1 of ``vh`` (S, D) are all finite (0 * NaN and
+    0 * inf are NaN; nothing here folds them away: no ``nnan``/``ninf``)."""
+    acc = np.float32(0.0)
+    for j in range(nc):
+        for d in range(D):
+            acc += vh[k0 + j, d] * np.float32(0.0)
+    return acc == 0.0
+
+
+@njit(fastmath=_FM, cache=True, inline="always")
+def _pv_seen(p, nr, nc, vh, k0, acc, b, h, q0, mask, has_mask, causal, offset):
+    """``acc[i] += sum_j P[i, j] v[k0 + j]`` over the keys row ``q0 + i`` sees only: a key
+    hidden from it (causally, or by a -inf / False mask entry, where P is 0) is skipped,
+    so a NaN or inf in its v row stays out of the row (0 * NaN would be NaN). The
+    P V product of a masked tile whose v rows are not all finite (`_v_finite`)."""
+    D = acc.shape[1]
+    ninf = np.float32(-np.inf)
+    for i in range(nr):
+        stop = nc
+        if causal:
+            stop = min(nc, q0 + i + offset + 1 - k0)
+        for j in range(max(stop, 0)):
+            if has_mask and mask[b, h, q0 + i, k0 + j] == ninf:
+                continue
+            pij = p[i * nc + j]
+            for d in range(D):
+                acc[i, d] += pij * vh[k0 + j, d]
+
+
 @njit(parallel=True, fastmath=_FM, cache=True)
 def fwd_kernel(q, k, v, mask, has_mask, causal, offset, scale, B, H, Hk, Sq, Sk,
                br, bc, out, lse):
@@ -366,7 +399,8 @@ def fwd_kernel(q, k, v, mask, has_mask, causal, offset, scale, B, H, Hk, Sq, Sk,
             nc = min(bc, Sk - k0)
             _mm_ld(qb_, qs, False, kh[k0:], ks, True, sbuf, nc,
                    nr, nc, D, qk_alpha, 0.0)
-            if has_mask or (causal and k0 + nc - 1 > q0 + offset):
+            masked = has_mask or (causal and k0 + nc - 1 > q0 + offset)
+            if masked:
                 _mask_tile(sbuf, nr, nc, b, h, q0, k0, mask, has_mask, causal, offset)
             for i in range(nr):
                 row = sbuf[i * nc:(i + 1) * nc]
@@ -417,7 +451,10 @@ def fwd_kernel(q, k, v, mask, has_mask, causal, offset, scale, B, H, Hk, Sq, Sk,
                 m[i] = mx
                 for d in range(D):
                     acc[i, d] *= alpha
-            _mm_ld(sbuf, nc, False, vh[k0:], vs, False, acc, D, nr, D, nc, 1.0, 1.0)
+            if masked and not _v_finite(vh, k0, nc, D):   # hidden keys' NaN/inf v: skipped
+                _pv_seen(sbuf, nr, nc, vh, k0, acc, b, h, q0, mask, has_mask, causal, offset)
+            else:
+                _mm_ld(sbuf, nc, False, vh[k0:], vs, False, acc, D, nr, D, nc, 1.0, 1.0)
         for i in range(nr):
             if l[i] != l[i]:  # NaN reached the row's softmax: NaN, as eager
                 for d in range(D):

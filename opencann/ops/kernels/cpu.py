@@ -790,6 +790,9 @@ def gemm_kernel(node: Node, x: TensorDesc, wt: Optional[torch.Tensor], bias: Opt
         return run_addmm
     m, k = (int(d) for d in x.shape)
     n = int(wt.shape[1])
+    if 0 in (m, k, n):   # an empty product: oneDNN creates no primitive for it
+        node.meta["kernel"] = "addmm"
+        return run_addmm
     key, choice = _known_choice(node.meta.get("kernel"), m, k, n, wt.dtype, bias,
                                 kn=kn_offered(wt, m),
                                 allowed=copy_allowed(wt) if wt.dtype == torch.float32 else None)
