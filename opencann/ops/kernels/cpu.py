@@ -21,7 +21,15 @@
   constant weight [+ activation] into the planned buffer, by addmm / mm, oneDNN's inner
   product on a prepacked weight or on the weight as nn.Linear holds it, MKL's packed
   GEMM or the decode GEMV (chosen per shape by measuring at bind time, `gemm_kernel`);
-  the activation runs in place on the result (one pass less over the output). In bf16 (mixed precision) a constant-weight
+  the activation runs in place on the result (one pass less over the output).
+  ``onednn_plain`` is oneDNN's inner product on the weight as nn.Linear holds it ([n, k]
+  contiguous, ``w_t``'s transpose: no copy; else the GEMV's [n, k] copy, shared with
+  it), which oneDNN's brgemm matmul reads as it is (``wei:ab``, no reorder in
+  `ONEDNN_VERBOSE`): the kernel for weights that may not get a blocked copy
+  (`copy_allowed`: an LLM's merged Q/K/V and gate/up weights, which the decode GEMV
+  reads in that layout). On the 2-core AMD EPYC (Zen 4), least of 15 interleaved calls,
+  2 threads, GFLOP/s plain / addmm / blocked: 512x768x4096 203 / 160 / 214,
+  512x768x1280 214 / 195 / 216, 64x576x3072 172 / 129 / 197, 16x768x1280 123 / 108 / 180. In bf16 (mixed precision) a constant-weight
   GEMM binds oneDNN's inner product without a race: its native bf16 kernel (avx512_bf16
   / AMX) on the weight cast to bf16 at compile time and reordered once at bind time,
   with GELU (erf / tanh), tanh, sigmoid and SiLU as oneDNN post-ops
@@ -821,9 +829,9 @@ def make_linear_kernel(node: Node, in_descs: Sequence[TensorDesc], consts: Seque
 
     x: [m, k], w_t: [k, n] (a constant for the prepacked kernels), bias: [n]; fp32 or
     bf16 (`LINEAR_DTYPES`, x and w_t of one dtype; bf16 races addmm and oneDNN's only,
-    see the module docstring) for the prepacked kernels, any dtype addmm takes otherwise. GEMM kernels (`GEMM_KERNELS`),
-    raced per shape (m, k, n) at bind time on random data and cached in `LINEAR_CHOICES`
-    (autotuning, as Inductor's max-autotune does; `gemm_kernel`):
+    see the module docstring) for the prepacked kernels, any dtype addmm takes otherwise.
+    GEMM kernels (`GEMM_KERNELS`), raced per shape (m, k, n) at bind time on random data,
+    cached in `LINEAR_CHOICES` (autotuning, as Inductor's max-autotune; `gemm_kernel`):
 
     - ``addmm`` with the bias as its C operand, straight into ``out`` (without a bias,
       eager's ``mm``: the same bits as the unfused MatMul);
@@ -840,24 +848,17 @@ def make_linear_kernel(node: Node, in_descs: Sequence[TensorDesc], consts: Seque
       (``_reorder_linear_weight``); the blocked weight serves every row count m, so a
       dynamic-shape model keeps it at every shape. Its result is copied into ``out``;
     - ``onednn_plain``: the same inner product on the weight as nn.Linear holds it
-      ([n, k] contiguous, ``w_t``'s transpose: no copy; else the GEMV's [n, k] copy,
-      shared with it), which oneDNN's brgemm matmul reads as it is (``wei:ab``, no
-      reorder, `ONEDNN_VERBOSE`). It serves weights that may not get a blocked copy
-      (`copy_allowed`: an LLM's merged Q/K/V and gate/up weights, which the decode GEMV
-      reads in that layout): on the 2-core AMD EPYC (Zen 4), least of 15 interleaved
-      calls, 2 threads, it ran 512x768x4096 at 203 GFLOP/s against addmm's 160 and
-      the blocked weight's 214, 512x768x1280 at 214 / 195 / 216, 64x576x3072 at
-      172 / 129 / 197, 16x768x1280 at 123 / 108 / 180. Its result is copied into ``out``;
+      (no copy; module docstring), for weights that may not get a blocked copy
+      (`copy_allowed`). Its result is copied into ``out``;
     - ``mkl_packed``: MKL's packed GEMM (``torch.ops.mkl._mkl_linear`` on
       ``_mkl_reorder_linear_weight``), packed for one m; raced against addmm only where
       oneDNN's is missing, and bound when a model file chose it;
-    - ``gemv``: for 1..`GEMV_MAX_ROWS` (32) rows (LLM decode, short prefills), opencann's row-parallel
-      numba GEMV (`opencann.ops.kernels.gemv_cpu`) on the weight copied once to [n, k] (no copy
+    - ``gemv``: for 1..`GEMV_MAX_ROWS` (32) rows (LLM decode, short prefills), the
+      row-parallel numba GEMV (`gemv_cpu`) on the weight copied once to [n, k] (no copy
       when w_t is the transpose of nn.Linear's contiguous weight); it streams the weight
-      once at the memory bandwidth where a BLAS GEMM packs panels per call.
-      Its result (fp32 rounding of eager's, another summation order) goes straight
-      into ``out``. A dynamic model that pinned it at a decode shape chooses again at
-      shapes with more rows.
+      once at the memory bandwidth where a BLAS GEMM packs panels per call. Its result
+      (fp32 rounding of eager's, another summation order) goes straight into ``out``; a
+      dynamic model that pinned it at a decode shape chooses again at more rows.
 
     A choice already in ``node.meta["kernel"]`` (an earlier bind, a model file) holds
     where its kernel exists here (else addmm), so every executor of a model, saved or
@@ -865,9 +866,9 @@ def make_linear_kernel(node: Node, in_descs: Sequence[TensorDesc], consts: Seque
     (docs/performance.md, "GEMM choice"): on a 2-core AMD EPYC with AVX-512 the oneDNN
     kernel measured 1.01-2.5x faster than addmm on BERT's and MiniLM's shapes at
     m = 16…1024, 1 and 2 threads, within 1.5e-6 relative of addmm's results; on an AVX2
-    host 2-6% slower, where the race keeps addmm. The activation runs in place on the result with
-    eager's kernel (eager's NaN/Inf), but for a bf16 oneDNN GEMM, which fuses GELU, tanh,
-    sigmoid and SiLU as post-ops (`BF16_LINEAR_POST`: the same NaN/Inf positions)."""
+    host 2-6% slower, where the race keeps addmm. The activation runs in place on the
+    result with eager's kernel (eager's NaN/Inf), but for a bf16 oneDNN GEMM, which fuses
+    GELU, tanh, sigmoid and SiLU as post-ops (`BF16_LINEAR_POST`: same NaN/Inf positions)."""
     a = node.attrs
     bi = a["self"].index if isinstance(a.get("self"), TensorRef) else None
     xi, wi = a["mat1"].index, a["mat2"].index
