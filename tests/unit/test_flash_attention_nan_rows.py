@@ -75,9 +75,10 @@ def _seen_oracle(q, k, v, j, d, seen):
     return ref, nan
 
 
-@pytest.mark.parametrize("special", [float("nan"), float("inf"), float("-inf")])
-@pytest.mark.parametrize("sq,sk,j", [(40, 40, 39), (65, 65, 64), (129, 129, 127), (200, 200, 198),
-                                     (300, 300, 297), (600, 600, 594), (33, 70, 60), (257, 300, 290)])
+@pytest.mark.parametrize("sq,sk,j,special", [
+    (40, 40, 39, float("nan")), (65, 65, 64, float("inf")), (129, 129, 127, float("nan")),
+    (200, 200, 198, float("-inf")), (300, 300, 297, float("nan")), (600, 600, 594, float("inf")),
+    (33, 70, 60, float("nan")), (257, 300, 290, float("-inf"))])
 def test_a_special_v_at_a_causally_hidden_key_reaches_only_the_rows_that_see_it(sq, sk, j, special):
     from opencann.ops.flash_attention.api import flash_attention_forward
     g = torch.Generator().manual_seed(sq + j)
