@@ -342,16 +342,15 @@ def unavailable(backends: List[str]) -> Dict[str, str]:
     return out
 
 
-def summarize(runs: List[dict], eager_tokens, batch: int, roofline: float) -> dict:
+def summarize(runs: List[dict], eager_tokens, batch: int) -> dict:
     """Medians over every timed generation of a backend's workers; tokens compared with
-    eager's; % of the per-sequence roofline."""
+    eager's (the roofline is set afterwards, `apply_roofline`)."""
     ok = [r for r in runs if "error" not in r]
     if not ok:
         return {"error": runs[0]["error"]}
     ttft = float(np.median([t for r in ok for t in r["ttft_s"]]))
     rate = float(np.median([t for r in ok for t in r["decode_tokens_per_s"]]))
     return dict(ttft_ms=ttft * 1e3, decode_tokens_per_s=rate, decode_tokens_per_s_all=rate * batch,
-                roofline_pct=100 * rate / roofline,
                 same_tokens_as_eager=None if eager_tokens is None else ok[0]["tokens"] == eager_tokens,
                 prepare_s=float(np.median([r["prepare_s"] for r in ok])),
                 first_call_s=float(np.median([r["first_call_s"] for r in ok])),
@@ -376,7 +375,6 @@ def bench_model(name: str, args, backends: List[str], bws: List[float], work: st
         print(f"{name}: optimum-intel export {ov_s:.1f} s", flush=True)
     rows = []
     for batch in args.batches:
-        kv = facts["kv_bytes_per_position"] * (args.prompt + args.new / 2)
         runs: Dict[str, List[dict]] = {b: [] for b in backends}
         for r in range(args.rounds):
             bws.append(gemv_bandwidth(args.threads))
@@ -390,10 +388,8 @@ def bench_model(name: str, args, backends: List[str], bws: List[float], work: st
                       + (runs[b][-1].get("error") or "%.1f tokens/s" % np.median(
                           runs[b][-1]["decode_tokens_per_s"])), flush=True)
         eager = next((x["tokens"] for x in runs.get("eager", []) if "error" not in x), None)
-        roofline = max(bws) * 1e9 / (facts["weight_bytes"] + batch * kv)   # final: `apply_roofline`
         for b in backends:
-            rows.append(dict(model=name, batch=batch, backend=b, roofline_tokens_per_s=roofline,
-                             **summarize(runs[b], eager, batch, roofline)))
+            rows.append(dict(model=name, batch=batch, backend=b, **summarize(runs[b], eager, batch)))
         if ort_s is not None:
             rows[-len(backends) + backends.index("ort-genai")]["builder_s"] = ort_s
         for b in llm_ov.BACKENDS:

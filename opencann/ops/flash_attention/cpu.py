@@ -29,9 +29,12 @@ With a float mask the scores stay in natural units (``mask * log2(e)`` overflows
 NaN/Inf follow torch's CPU SDPA: a NaN or +inf score makes its row NaN (the row max
 drops NaN, the sum keeps it; +inf - +inf is NaN); a row that sees no key is 0. A NaN or
 inf in v reaches the rows that see its key only: a masked tile whose v rows are not all
-finite (`_v_finite`) takes P V row by row over the seen keys (`_pv_seen`). ``2^x`` is ``2^round(x)`` built in the exponent bits
-times a degree-6 polynomial for ``2^r``, |r| <= 1/2 (Cephes ``exp2f`` coefficients,
-relative error < 2e-7), in one branch-free loop that also writes P and sums the row;
+finite (`_v_finite`: one pass over the tile's v rows, ~1/B_r of its GEMMs' work) takes
+P V row by row over the seen keys (`_pv_seen`).
+
+``2^x`` is ``2^round(x)`` built in the exponent bits times a degree-6 polynomial for
+``2^r``, |r| <= 1/2 (Cephes ``exp2f`` coefficients, relative error < 2e-7), in one
+branch-free loop that also writes P and sums the row;
 LLVM vectorizes it (8 floats per AVX2 register: ~0.25 ns per element on one core here,
 against ~1.1 ns for the earlier two-loop base-e version). numba has no vector ``exp``
 without Intel SVML, hence the polynomial. The backward keeps the base-e ``_exp_sub``.
