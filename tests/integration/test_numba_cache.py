@@ -87,3 +87,24 @@ def test_every_cached_kernel_uses_the_user_cache_dir():
     for d in cached:
         assert d._cache.cache_path.startswith(root), (d.__name__, d._cache.cache_path)
         assert not d._cache.cache_path.startswith(str(REPO / "opencann")), d.__name__
+
+
+def test_a_cached_kernel_is_stamped_with_every_kernel_source(tmp_path):
+    """numba stamps a cached kernel with its own file only; opencann's locators add a
+    digest of every source under opencann/ops, so a changed intrinsic (gemv_tile's
+    register tile, used by gemv_cpu's kernels) or inlined helper recompiles what uses it."""
+    from opencann.ops.kernels import gemv_cpu
+    from opencann.ops.kernels.numba_cache import kernel_sources_stamp
+    stamp = gemv_cpu._gemv8_kernel._cache._impl.locator.get_source_stamp()
+    assert stamp[-1] == kernel_sources_stamp() and len(stamp) == 2
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "a.py").write_text("x = 1\n")
+    (tmp_path / "sub" / "tile.py").write_text("y = 2\n")
+    (tmp_path / "notes.txt").write_text("not a source\n")
+    before = kernel_sources_stamp(str(tmp_path))
+    (tmp_path / "notes.txt").write_text("still not a source\n")
+    kernel_sources_stamp.cache_clear()
+    assert kernel_sources_stamp(str(tmp_path)) == before
+    (tmp_path / "sub" / "tile.py").write_text("y = 20\n")     # a dependency changes
+    kernel_sources_stamp.cache_clear()
+    assert kernel_sources_stamp(str(tmp_path)) != before

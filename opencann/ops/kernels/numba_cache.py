@@ -18,6 +18,8 @@ and the lock numba's non-thread-safe ``workqueue`` layer needs (`launch_guard`).
 from __future__ import annotations
 
 import contextlib
+import functools
+import hashlib
 import math
 import os
 import threading
@@ -39,9 +41,49 @@ def cache_dir() -> str:
     return os.path.join(root, "numba")
 
 
-class OpencannCacheLocator(UserProvidedCacheLocator):
+@functools.lru_cache(maxsize=4)
+def kernel_sources_stamp(root: Optional[str] = None) -> str:
+    """A digest of the name and contents of every ``.py`` file under ``opencann/ops``
+    (the numba kernels and what they inline or call: register tiles written as IR
+    intrinsics, ``inline="always"`` helpers in other files), computed once per process.
+    numba stamps a cached function with its own source file's contents only (numba
+    ``caching._SourceFileBackedLocatorMixin.get_source_stamp``), so a changed intrinsic
+    in ``gemv_tile.py`` left ``gemv_cpu.py``'s kernels loading the old machine code; the
+    locators below add this digest to the stamp, and any change under ``opencann/ops``
+    recompiles the cached kernels once. ``root``: another directory to digest (a test)."""
+    root = root or os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    h = hashlib.sha256()
+    for d, dirs, files in sorted(os.walk(root)):
+        dirs.sort()
+        for f in sorted(files):
+            if f.endswith(".py"):
+                path = os.path.join(d, f)
+                h.update(os.path.relpath(path, root).encode() + b"\0")
+                with open(path, "rb") as fh:
+                    h.update(hashlib.sha256(fh.read()).digest())
+    return h.hexdigest()[:16]
+
+
+class _DepsStamp:
+    """A locator mixin: the source stamp is numba's (a digest of the file) and
+    `kernel_sources_stamp`."""
+
+    def get_source_stamp(self):
+        return super().get_source_stamp(), kernel_sources_stamp()
+
+
+class _UserProvidedLocator(_DepsStamp, UserProvidedCacheLocator):
+    """numba's ``NUMBA_CACHE_DIR`` locator with `_DepsStamp`'s stamp."""
+
+
+class _UserWideLocator(_DepsStamp, UserWideCacheLocator):
+    """numba's user-wide locator with `_DepsStamp`'s stamp."""
+
+
+class OpencannCacheLocator(_DepsStamp, UserProvidedCacheLocator):
     """numba's user-provided locator pointed at `cache_dir` instead of ``NUMBA_CACHE_DIR``
-    (one subdirectory per source directory, as numba names them)."""
+    (one subdirectory per source directory, as numba names them), stamped with
+    `_DepsStamp`."""
 
     def __init__(self, py_func, py_file):
         self._py_file = py_file
@@ -56,7 +98,7 @@ class OpencannCacheLocator(UserProvidedCacheLocator):
 
 
 class _CacheImpl(CompileResultCacheImpl):
-    _locator_classes = [UserProvidedCacheLocator, OpencannCacheLocator, UserWideCacheLocator]
+    _locator_classes = [_UserProvidedLocator, OpencannCacheLocator, _UserWideLocator]
 
 
 def entry_point(dispatcher, args: tuple) -> Optional[Callable]:
