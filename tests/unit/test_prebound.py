@@ -133,7 +133,7 @@ def test_add_rms_norm_prebind_is_the_bound_call_bit_for_bit():
     assert run.prebind(a, b[..., :24], w, (y, s)) is None
 
 
-@pytest.mark.parametrize("rows,n", [(1, 2048), (3, 5), (2, 17)])
+@pytest.mark.parametrize("rows,n", [(1, 2048), (8, 2048), (3, 5), (2, 17)])
 def test_silu_mul_is_eager_silu_times_up(rows, n):
     g = torch.Generator().manual_seed(rows * 100 + n)
     r = torch.randn(rows, 2 * n, generator=g) * 6
@@ -142,6 +142,8 @@ def test_silu_mul_is_eager_silu_times_up(rows, n):
     out = torch.empty(rows, n)
     silu_mul(r.numpy(), n, out.numpy())
     want = torch.nn.functional.silu(r[:, :n]) * r[:, n:]
-    torch.testing.assert_close(out, want, rtol=2e-7, atol=1e-30, equal_nan=True)
+    # eager's SLEEF exp and the kernel's Cephes exp each round within ~1.5 ulp of the
+    # exact silu·up: 3 ulp apart at most
+    torch.testing.assert_close(out, want, rtol=4e-7, atol=1e-30, equal_nan=True)
     assert torch.equal(torch.isnan(out), torch.isnan(want))
     assert np.signbit(out[0, 3].item()) == np.signbit(want[0, 3].item())   # -0.0 as eager

@@ -9,9 +9,14 @@ misses the caches all the way (a cold ``torch.empty`` measured 69 µs against 2.
 the 2-core EPYC, `numba_cache.prebound`); a compiled graph prebinds this loop's entry
 point once.
 
+Vectorised: ``exp`` is `numba_exp.exp_f32` (Cephes ``expf``, one AVX-512 loop per row),
+where ``np.exp`` is a scalar libm call per element: a batch-8 decode step's 12 epilogues
+of 8 x 2048 took 45 µs each warm and ~120 µs cold in the step (per-op timing against the
+same GEMV alone, the 2-core EPYC); 9 µs warm with the vector loop.
+
 Numerics: silu(x) = x / (1 + exp(-x)) in float32, ATen's CPU formula (its vectorised
-SiLU), with libm's ``expf`` where ATen uses SLEEF's (both within 1 ulp: results agree
-with eager to fp32 rounding); IEEE division, so silu(-inf) = -inf / inf = NaN, silu(inf) =
+SiLU), with Cephes' ``expf`` where ATen uses SLEEF's (each within ~1 ulp: results agree
+with eager to fp32 rounding, at most 3 ulp apart); IEEE division, so silu(-inf) = -inf / inf = NaN, silu(inf) =
 inf, silu(NaN) = NaN and a large negative x gives -0.0, as eager; the product is eager's.
 """
 from __future__ import annotations
@@ -19,17 +24,19 @@ from __future__ import annotations
 import numpy as np
 
 from .numba_cache import njit
+from .numba_exp import exp_f32
 
 
-@njit(error_model="numpy", cache=True)
+@njit(error_model="numpy", fastmath={"contract"}, cache=True)
 def silu_mul(r, n, out):  # pragma: no cover - numba
     """``out[i, j] = silu(r[i, j]) * r[i, n + j]`` for ``r`` [M, 2n] and ``out`` [M, n],
     float32, C-contiguous (module docstring: numerics)."""
     one = np.float32(1.0)
     for i in range(out.shape[0]):
+        g, u, o = r[i, :n], r[i, n:2 * n], out[i]   # unit-stride rows: one vector loop each
         for j in range(n):
-            x = r[i, j]
-            out[i, j] = (x / (one + np.exp(-x))) * r[i, n + j]
+            x = g[j]
+            o[j] = (x / (one + exp_f32(-x))) * u[j]
 
 
 __all__ = ["silu_mul"]
