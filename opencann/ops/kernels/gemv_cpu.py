@@ -15,13 +15,12 @@ time, by `pack_weight`). Each output feature n is one contiguous K-long row of W
 Kernel: numba ``prange`` over tiles of output features (row-parallel: each thread streams
 its own slices of W exactly once; as many threads as torch's intra-op count, one below
 ATen's grain or on an oversubscribed host: `numba_cache.launch_threads`; each output is
-one thread's dot product, so the count never changes a bit). At M = 1 a prange step is
-one W row (`_gemv1_kernel`: each thread streams one contiguous slice of W). For M >= 2 a
-tile is `gemv_tile`'s
-register tile: ``mr`` rows of x (4 or 8: x's rows past M repeat row M - 1, computed
-and never stored) times ``rw`` rows of W that lie ``ceil(N / rw)`` rows apart (``rw`` =
-`gemv_tile.rows_for` ``(mr)``: 6, 3 with AVX-512), accumulated in vector registers
-over all of K in one pass, each W row's successor prefetched as it goes; W rows past N
+one thread's dot product, so the count never changes a bit). A prange step is
+`gemv_tile`'s register tile: ``mr`` rows of x (1, 4 or 8: x's rows past M repeat row
+M - 1, computed and never stored) times ``rw`` rows of W that lie ``ceil(N / rw)`` rows
+apart (``rw`` = `gemv_tile.rows_for` ``(mr)``: 8, 6, 3 with AVX-512), accumulated in
+vector registers over all of K in one pass, each W row's successor prefetched into L2
+as it goes; W rows past N
 repeat row N - 1 (computed, never stored), so no N needs its own loop. Two decisions,
 measured on the 2-core Xeon (the rotation of a 125M Llama's decode weights as its step
 holds them, 49 with Q/K/V and gate/up merged, 400 MB, the kernels called directly on one
@@ -33,10 +32,13 @@ step: 8 rows 41.4 -> 27.8 ms, 4 rows 37.2 -> 26.7, 1 row 27.2 -> 25.7 (MKL's ``m
 29.3); docs/performance.md, "Decode GEMM: the register tile" (also `bench/gemv.py
 --rotation`, two threads). On the 2-core AMD EPYC (Zen 4: one 512-bit FMA per cycle,
 32 KiB L1d), the same 49 weights, numba kernels called directly on two threads, median
-of 16 interleaved passes: at M = 1 one row after the other 12.03 ms (34.8 GB/s at best)
-against 13.02 for the tile of 8 far-apart rows and 13.18 for 8 adjacent rows, hence
-`_gemv1_kernel`; at M = 8 the far-apart 3-row tile 15.51 ms against 19.85 for 3
-adjacent rows and 20.80 for one row at a time. M = 9..32 (a short prompt's prefill, a large
+of 16 interleaved passes: at M = 8 the far-apart 3-row tile 15.51 ms against 19.85 for
+3 adjacent rows and 20.80 for one row at a time. At M = 1 one row after the other (a
+plain loop LLVM vectorises, one stream per thread) had measured 12.03 ms against 13.02
+for the tile of 8 far-apart rows while the tile prefetched into L1; with the prefetch
+into L2 (`gemv_tile`) the tile is level or ahead: medians of 24-40 interleaved passes,
+four processes, 16.29 -> 13.82, 14.63 -> 14.23, 13.61 -> 12.63, 13.06 -> 12.80 ms (the
+host's bandwidth moves between runs), hence the tile at every M. M = 9..32 (a short prompt's prefill, a large
 decode batch) runs the 8-row tile over x's rows 8 at a time within each prange step, so
 the tile's W rows are read from memory once and from L1 for the other groups; the same
 rotation, one thread, against MKL's ``mm`` on W as nn.Linear holds it: 16 rows 45.0 /
@@ -72,8 +74,8 @@ MAX_ROWS = 32  # the kernel handles x with 1..MAX_ROWS rows (decode: one token p
 _FM = {"reassoc", "contract"}  # vectorise the K reduction; keep NaN/Inf semantics
 
 
-_R4, _R8 = rows_for(4), rows_for(8)   # W rows per tile (`gemv_tile`)
-_TILE4, _TILE8 = dot_tile(4, _R4), dot_tile(8, _R8)
+_R1, _R4, _R8 = rows_for(1), rows_for(4), rows_for(8)   # W rows per tile (`gemv_tile`)
+_TILE1, _TILE4, _TILE8 = dot_tile(1, _R1), dot_tile(4, _R4), dot_tile(8, _R8)
 
 
 @njit(fastmath=_FM, cache=True, inline="always")
@@ -85,19 +87,13 @@ def _put(y, m, n, b, has_bias, s):  # pragma: no cover - compiled by numba
 
 @njit(parallel=True, fastmath=_FM, cache=True)
 def _gemv1_kernel(x, w, b, has_bias, y):  # pragma: no cover - compiled by numba
-    """M = 1: y[0, n] = x[0] . w[n] (+ b[n]); x [1, K], w [N, K], y [1, N], fp32
-    C-contiguous. One W row after the other, in order (prange's static chunks: each
-    thread streams one contiguous slice of W, the one memory stream the hardware
-    prefetchers follow best), each row's K loop vectorised by LLVM (``reassoc``: several
-    vector accumulators, summed once per row). Measured on the 2-core EPYC (module
-    docstring): faster at M = 1 than `gemv_tile`'s tile of 8 far-apart rows, which the
-    M = 2..32 kernels keep."""
-    K = w.shape[1]
-    for n in prange(w.shape[0]):
-        s = np.float32(0.0)
-        for k in range(K):
-            s += x[0, k] * w[n, k]
-        _put(y, 0, n, b, has_bias, s)
+    """M = 1: `_TILE1` (x's row x ``_R1`` rows of w, h apart) per prange step; x [1, K],
+    w [N, K], y [1, N] fp32 C-contiguous."""
+    h = (w.shape[0] + _R1 - 1) // _R1
+    for t in prange(h):
+        s = _TILE1(x, w, t, h)
+        for q in range(_R1):
+            _put(y, 0, t + q * h, b, has_bias, s[q])
 
 
 @njit(parallel=True, fastmath=_FM, cache=True)
