@@ -240,6 +240,13 @@ def test_gemv_serves_decode_rows_only_and_a_file_keeps_it(tmp_path, monkeypatch)
     assert k1[1] == "gemv" and "gemv" in k1[0][-1]
     # a broadcast bias never goes to the GEMV
     assert cpu_kernels._known_choice("gemv", 1, 48, 96, torch.float32, _Bias(1))[1] == "addmm"
+    # a saved kernel that would copy a weight the copy rule forbids copying (a merged
+    # Q/K/V or gate/up weight) is not kept: the shape is chosen among the allowed ones
+    no_copy = lambda c: c in ("gemv", "onednn_plain")   # noqa: E731 - what copy_allowed gives
+    for made in ("onednn_packed", "addmm_kn", "mkl_packed"):
+        key, choice = cpu_kernels._known_choice(made, 8, 48, 96, torch.float32, None, allowed=no_copy)
+        assert choice != made and made not in key[-1]
+    assert cpu_kernels._known_choice("gemv", 8, 48, 96, torch.float32, None, allowed=no_copy)[1] == "gemv"
 
 
 class _Bias:

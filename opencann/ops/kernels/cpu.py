@@ -712,11 +712,11 @@ def _known_choice(made, m: int, k: int, n: int, dtype, bias: Optional[TensorDesc
     or none (None): the kernels raced here (oneDNN's prepacked where it exists, else
     MKL's packed, the GEMV for 1..`GEMV_MAX_ROWS` rows, ``addmm_kn`` where ``kn``
     (`kn_offered`), and addmm, those ``allowed`` (`copy_allowed`; None: all)) are the
-    key's last item (after "no bias" for a bias-free GEMM); the choice is
-    ``made`` (a node's earlier choice, or a model file's) where its kernel exists here,
-    else addmm; with nothing made, the cached choice for the key, oneDNN's prepacked
-    kernel for bf16 where it exists, "addmm" when nothing else can race, or None (to be
-    measured)."""
+    key's last item (after "no bias" for a bias-free GEMM); the choice is ``made`` (a
+    node's earlier choice, or a model file's) where its kernel exists here (else addmm)
+    and ``allowed`` allows it (else as if nothing were made); with nothing made, the
+    cached choice for the key, oneDNN's prepacked kernel for bf16 where it exists,
+    "addmm" when nothing else can race, or None (to be measured)."""
     def race_key(ok: Callable[[str], bool]) -> tuple:
         raced = tuple(c for c in GEMM_KERNELS if _available(c, n, bias, m, dtype, kn) and ok(c))
         if "onednn_packed" in raced:  # MKL's packing serves one m and measured no faster
@@ -733,6 +733,8 @@ def _known_choice(made, m: int, k: int, n: int, dtype, bias: Optional[TensorDesc
             return key, unrestricted
     if made == "gemv" and not 1 <= m <= GEMV_MAX_ROWS:
         made = None  # pinned from a decode shape onto a wider one: choose for this shape
+    if made is not None and allowed is not None and made != "addmm" and not allowed(made):
+        made = None  # a model file's or an earlier bind's kernel that would copy the weight again
     if made in GEMM_KERNELS:
         return key, (made if _available(made, n, bias, m, dtype, kn) else "addmm")
     cached = LINEAR_CHOICES.get(key)
