@@ -153,7 +153,7 @@ def test_bound_gemv_bad_input_is_one_clear_error():
         run(torch.randn(2, 9))
     with pytest.raises(ValueError, match=r"x must be float32"):
         run(torch.randn(2, 8, dtype=torch.float64))
-    with pytest.raises(ValueError, match=r"out must be \[2, 6\]"):
+    with pytest.raises(ValueError, match=r"out must be float32 \[2, 6\]"):
         run(torch.randn(2, 8), None, torch.empty(2, 5))
     with pytest.raises(ValueError, match=f"rows must be 1..{MAX_ROWS}"):
         bind_gemv(w_nk, MAX_ROWS + 1)

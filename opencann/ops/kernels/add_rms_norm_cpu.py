@@ -29,6 +29,7 @@ from numba import prange
 
 from .numba_cache import GRAIN, entry_point, launch, njit, prebound
 from .numpy_views import NumpyViews, static_view
+from .out_arg import check_out
 from ...ir import Node, TensorDesc, numel
 
 _FM = {"reassoc", "contract"}
@@ -65,13 +66,19 @@ def add_rms_norm(a: torch.Tensor, b: torch.Tensor, weight: torch.Tensor, eps: fl
     [..., D] float32 of one shape and ``weight`` [D] float32 (module docstring:
     numerics). ``out``: a (y, s) pair of contiguous float32 tensors to write (s of a's
     shape, y of a's elements, any shape: the fused node may give it the squeezed shape of a
-    view), else fresh ones. Raises ValueError (one line) for other shapes or dtypes."""
+    view), else fresh ones. Raises ValueError (one line) for other shapes or dtypes
+    (``out``'s included)."""
     d = a.shape[-1] if a.dim() else 0
     if a.shape != b.shape or a.dim() < 1 or tuple(weight.shape) != (d,) \
             or not (a.dtype == b.dtype == weight.dtype == torch.float32):
         raise ValueError(f"add_rms_norm: expected float32 a, b [..., D] of one shape and weight "
                          f"[D], got {tuple(a.shape)} {a.dtype}, {tuple(b.shape)} {b.dtype}, "
                          f"{tuple(weight.shape)} {weight.dtype}")
+    if out is not None:
+        if len(out) != 2:
+            raise ValueError(f"add_rms_norm: out must be a (y, s) pair, got {len(out)} items")
+        check_out("add_rms_norm", out[0], None, numel=a.numel())
+        check_out("add_rms_norm", out[1], a.shape)
     y, s = out if out is not None and out[0].is_contiguous() and out[1].is_contiguous() \
         else (torch.empty(a.shape if out is None else out[0].shape), torch.empty(a.shape))
     rows = a.numel() // d if d else 0
@@ -118,7 +125,7 @@ def bind_add_rms_norm(a: TensorDesc, b: TensorDesc, weight: TensorDesc, eps: flo
     rows = numel(shape) // d
     if rows * d >= GRAIN:
         return general
-    rd, views, e32 = (rows, d), NumpyViews(), np.float32(eps)
+    rd, views, e32, f32 = (rows, d), NumpyViews(), np.float32(eps), torch.float32
     # the last fast call: its 5 tensors, (pointers, entry, args); then `_serial`'s entry point
     last: list = [None] * 7
 
@@ -133,8 +140,9 @@ def bind_add_rms_norm(a: TensorDesc, b: TensorDesc, weight: TensorDesc, eps: flo
             return y, s
         args = (views.shaped(x1, rd), views.shaped(x2, rd), views.shaped(g, (d,)), e32,
                 views.shaped(y, rd), views.shaped(s, rd))
-        if any(x is None for x in args) or x1.shape != shape or x2.shape != shape:
-            return general(x1, x2, g, out=out)
+        if any(x is None for x in args) or x1.shape != shape or x2.shape != shape \
+                or not all(t.dtype is f32 for t in (x1, x2, g, y, s)):
+            return general(x1, x2, g, out=out)    # its checks: the entry point is float32's
         fn = last[6]       # every call's views have the same types (C-contiguous float32)
         (_serial if fn is None else fn)(*args)
         fn = last[6] = fn if fn is not None else entry_point(_serial, args)

@@ -58,6 +58,7 @@ from .decode_attention_tile import HEADS, SLICES, W as TILE_W, fits, pv_block, q
 from .numba_exp import exp_shifted
 from .numba_prefetch import prefetch
 from .numpy_views import NumpyViews
+from .out_arg import check_out
 
 _FM = {"reassoc", "contract"}
 MIN_CHUNK = 64  # keys per split-KV chunk at least (smaller chunks cost more merging than they save)
@@ -452,12 +453,13 @@ def bind_decode_attention_update(q: TensorDesc, k: TensorDesc, v: TensorDesc, k_
     B = int(q.shape[0])
     sc = np.float32(float(D) ** -0.5 if scale is None else float(scale))
     per_len = 2 * B * Hkv * D           # K and V elements read per live position
+    f32 = torch.float32
     vw = NumpyViews()
     last: list = []    # the last call's tensors, their data pointers, the kernel entry, its args
 
     def run(qt, kt, vt, knt, vnt, pos, lens, *cs, out=None):
-        if out is None or not out.is_contiguous():      # the kernels read any strides
-            return general(qt, kt, vt, knt, vnt, pos, lens, *cs, out=out)
+        if out is None or not out.is_contiguous() or out.dtype is not f32:   # any strides read
+            return general(qt, kt, vt, knt, vnt, pos, lens, *cs, out=out)    # (its out check)
         work = per_len * max(lens.tolist())
         if not _by_group_fits(B * Hkv, work):            # few groups: split the keys
             return general(qt, kt, vt, knt, vnt, pos, lens, *cs, out=out)
@@ -558,7 +560,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths:
     [B, Hkv, S_max, D], all float32; ``lengths`` [B] integers in [0, S_max]; ``scale``
     None = D ** -0.5; result [B, Hq, 1, D] float32 (into ``out`` when given, contiguous).
     Raises ValueError naming the bad argument (shapes, dtypes, Hq not a multiple of Hkv,
-    a length outside [0, S_max]).
+    a length outside [0, S_max], an ``out`` that is not float32 [B, Hq, 1, D]).
 
     Up to `SERIAL_MAX` K and V elements read (a 125M Llama's decode step up to ~256 cached
     tokens) the call is one serial kernel on the calling thread (`_serial`): no OpenMP
@@ -566,6 +568,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths:
     B=1, Hq/Hkv 12/4, D=64 (least of 300 interleaved calls, 2-core Xeon, load ~6): 19.7
     against 29.5 µs at 64 keys, 43 against 57 µs at 256, 149 against 180 µs at 1024."""
     B, Hq, D, Hkv, S, ll = _check(q, k, v, lengths)
+    check_out("decode_attention", out, (B, Hq, 1, D))
     lens = lengths.numpy() if lengths.dtype == torch.int64 and lengths.is_contiguous() \
         and not lengths.requires_grad else np.asarray(ll, dtype=np.int64)
     scale = float(D) ** -0.5 if scale is None else float(scale)
@@ -608,6 +611,7 @@ def decode_attention_update(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     a bad position nothing is written."""
     check_update(k, k_new, positions)    # the cache writes' errors first, as the unfused ops
     check_update(v, v_new, positions)
+    check_out("decode_attention_update", out, (q.shape[0], q.shape[1], 1, q.shape[-1]) if q.dim() == 4 else None)
     pl = positions.tolist()
     if pl and (min(pl) < 0 or max(pl) + k_new.shape[2] > k.shape[2]):
         kv_cache_update(k, k_new, positions)      # raises its one-line error, writes nothing

@@ -192,13 +192,15 @@ def bind_gemv(w_nk: torch.Tensor, rows: int, threads: Optional[int] = None
     intra-op count, one thread on an oversubscribed host). Values: `gemv`'s (module
     docstring: fp32 rounding of ``F.linear``'s, NaN/Inf propagated). Raises ValueError
     naming the bad argument: at bind for the weight or ``rows``, at a call for an x that
-    is not float32 [rows, K] or an ``out`` that is not [rows, N]."""
+    is not float32 [rows, K], a bias that is not float32 [N] or an ``out`` that is not
+    float32 [rows, N]."""
     _check_weight(w_nk, None)
     if not 1 <= rows <= MAX_ROWS:
         raise ValueError(f"gemv: rows must be 1..{MAX_ROWS}, got {rows}; use F.linear for larger M")
     n, k = (int(d) for d in w_nk.shape)
     kernel, wn, f32 = _kernel_for(rows), w_nk.detach().numpy(), torch.float32
     xshape, yshape, work = torch.Size((rows, k)), torch.Size((rows, n)), rows * k * n
+    bshape = torch.Size((n,))
     guard = launch_guard()
     lock = None if isinstance(guard, contextlib.nullcontext) else guard
     get_threads, set_threads = numba.get_num_threads, numba.set_num_threads
@@ -210,8 +212,10 @@ def bind_gemv(w_nk: torch.Tensor, rows: int, threads: Optional[int] = None
 
     def run(x: torch.Tensor, bias: Optional[torch.Tensor] = None,
             out: Optional[torch.Tensor] = None) -> torch.Tensor:
-        if x.shape != xshape or x.dtype is not f32 or (out is not None and out.shape != yshape):
-            _refuse(x, out, xshape, yshape)
+        if x.shape != xshape or x.dtype is not f32 or (out is not None and (
+                out.shape != yshape or out.dtype is not f32)) or (bias is not None and (
+                bias.shape != bshape or bias.dtype is not f32)):
+            _refuse(x, out, xshape, yshape, bias)
         nt = threads if threads is not None else launch_threads(work)
         if get_threads() != nt:
             set_threads(nt)
@@ -240,12 +244,14 @@ def _prebind(kernel, wn: np.ndarray, xshape, yshape, work: int, threads: Optiona
                     result=out)
 
 
-def _refuse(x: torch.Tensor, out: Optional[torch.Tensor], xshape, yshape) -> None:
-    """Raise the bound GEMV's one-line ValueError for ``x`` or ``out``."""
+def _refuse(x: torch.Tensor, out: Optional[torch.Tensor], xshape, yshape,
+            bias: Optional[torch.Tensor] = None) -> None:
+    """Raise the bound GEMV's one-line ValueError for ``x``, ``bias`` or ``out``."""
     if x.shape != xshape or x.dtype is not torch.float32:
         raise ValueError(f"gemv: x must be float32 {list(xshape)} (the bound rows and K), "
                          f"got {tuple(x.shape)} {x.dtype}; bind the GEMV for this shape")
-    raise ValueError(f"gemv: out must be {list(yshape)}, got {tuple(out.shape)}")
+    _check_bias(bias, yshape[1])
+    raise ValueError(f"gemv: out must be float32 {list(yshape)}, got {tuple(out.shape)} {out.dtype}")
 
 
 def _views_call(kernel, wn: np.ndarray, x: torch.Tensor, bias: Optional[torch.Tensor],
@@ -303,8 +309,9 @@ def gemv(x: torch.Tensor, w_nk: torch.Tensor, bias: Optional[torch.Tensor] = Non
                          f"{tuple(x.shape)} {x.dtype}; use F.linear for larger M")
     _check_weight(w_nk, x.shape[1])
     _check_bias(bias, w_nk.shape[0])
-    if out is not None and tuple(out.shape) != (x.shape[0], w_nk.shape[0]):
-        raise ValueError(f"gemv: out must be {[x.shape[0], w_nk.shape[0]]}, got {tuple(out.shape)}")
+    if out is not None and (tuple(out.shape) != (x.shape[0], w_nk.shape[0]) or out.dtype != torch.float32):
+        raise ValueError(f"gemv: out must be float32 {[x.shape[0], w_nk.shape[0]]}, got "
+                         f"{tuple(out.shape)} {out.dtype}")
     return bind_gemv(w_nk, x.shape[0], threads)(x, bias, out)
 
 

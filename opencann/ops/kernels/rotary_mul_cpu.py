@@ -31,6 +31,7 @@ import torch
 from numba import prange
 
 from .numba_cache import GRAIN, launch, njit
+from .out_arg import check_out
 from ...ir import Node, TensorDesc
 
 
@@ -136,8 +137,9 @@ def rotary_mul(x: torch.Tensor, r1: torch.Tensor, r2: torch.Tensor, out=None) ->
     even) and ``r1`` (cos), ``r2`` (sin) float32 broadcastable to it; result [B, N, S, D]
     float32, into ``out`` when given (any strides; one that overlaps an input, e.g.
     ``out=x``, gets a copy of the result: a row's second half reads the first half it
-    overwrote). Raises ValueError (one line) for other ranks, dtypes, an odd D or shapes
-    that do not broadcast."""
+    overwrote). Raises ValueError (one line) for other ranks, dtypes, an odd D, shapes
+    that do not broadcast or an ``out`` that is not float32 of x's shape."""
+    check_out("rotary_mul", out, x.shape)
     if out is not None and _overlaps(out, x, r1, r2):
         return out.copy_(rotary_mul(x, r1, r2))
     if x.dim() != 4 or x.shape[-1] % 2 or not (x.dtype == r1.dtype == r2.dtype == torch.float32):
@@ -220,7 +222,13 @@ def apply_rotary_pos_emb(q: torch.Tensor, k: torch.Tensor, r1: torch.Tensor, r2:
     fresh ones; written directly when contiguous, or at prefill sizes with a unit last
     stride, e.g. eager's transposed layout; else through a copy; an output overlapping an
     input gets a copy of the result).
-    One numba call below ATen's grain. Raises `rotary_mul`'s ValueErrors."""
+    One numba call below ATen's grain. Raises `rotary_mul`'s ValueErrors (an ``out``
+    that is not a pair of float32 tensors of q's and k's shapes among them)."""
+    if out is not None:
+        if len(out) != 2:
+            raise ValueError(f"apply_rotary_pos_emb: out must be a (query, key) pair, got {len(out)} items")
+        check_out("apply_rotary_pos_emb", out[0], q.shape)
+        check_out("apply_rotary_pos_emb", out[1], k.shape)
     if out is not None and any(_overlaps(o, q, k, r1, r2) for o in out):
         yq, yk = apply_rotary_pos_emb(q, k, r1, r2)
         return out[0].copy_(yq), out[1].copy_(yk)
