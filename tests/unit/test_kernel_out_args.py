@@ -44,6 +44,16 @@ def test_an_out_of_another_dtype_is_one_line_and_untouched(name, dtype):
     assert CALLS[name](lambda *s: torch.empty(s)) is not None   # float32 still fine
 
 
+def test_quantize_u8_refuses_an_out_that_is_not_uint8_of_xs_shape():
+    from opencann.ops.kernels.int8_cpu import quantize_u8
+    x = torch.randn(4, 8, generator=_G)
+    for out in (torch.zeros(4, 8), torch.zeros(4, 8, dtype=torch.int8), torch.zeros(2, 4, 8, dtype=torch.uint8)):
+        with pytest.raises(ValueError, match=r"quantize_u8: out must be uint8 \[4, 8\]"):
+            quantize_u8(x, 0.05, 3, out=out)
+    out = torch.zeros(4, 8, dtype=torch.uint8)
+    assert quantize_u8(x, 0.05, 3, out=out) is out and torch.equal(out, quantize_u8(x, 0.05, 3))
+
+
 @pytest.mark.parametrize("name", ["gemv", "rotary_mul", "decode_attention"])
 def test_an_out_of_a_broadcastable_larger_shape_is_refused(name):
     def o(*shape):

@@ -41,6 +41,7 @@ import torch
 
 from ...ir import Node, TensorDesc, TensorRef
 from .cpu import _ACT_FN, ThreadPacks
+from .out_arg import check_out
 
 QMIN, QMAX = 0, 255   # uint8 activations
 _LINEAR_POST = {"relu": ("relu", ""), "gelu": ("gelu", "none"), "gelu_tanh": ("gelu", "tanh")}
@@ -53,9 +54,11 @@ def quantize_u8(x: torch.Tensor, step: float, offset: int, out: torch.Tensor = N
     x one pass reading it directly (`quant_bf16_numba.quantize_bf16_dense`: the values of
     quantizing ``x.float()``, no Cast); any other the eager ops below. ``out``: a uint8
     tensor of x's shape that receives the result (written in place by the numba pass when
-    it has x's strides, else copied into) and is returned; None: a fresh tensor."""
+    it has x's strides, else copied into) and is returned; None: a fresh tensor. Raises
+    ValueError (one line) for an ``out`` of another dtype or shape."""
     from .quant_numba import quantize_dense   # numba loads on the first int8 call only
     from .quant_bf16_numba import quantize_bf16_dense
+    check_out("quantize_u8", out, x.shape, torch.uint8)
     y = (quantize_dense(x, step, offset, out) if x.dtype == torch.float32
          else quantize_bf16_dense(x, step, offset, out))
     if y is not None:
