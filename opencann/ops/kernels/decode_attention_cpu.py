@@ -611,7 +611,8 @@ def decode_attention_update(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     a bad position nothing is written."""
     check_update(k, k_new, positions)    # the cache writes' errors first, as the unfused ops
     check_update(v, v_new, positions)
-    check_out("decode_attention_update", out, (q.shape[0], q.shape[1], 1, q.shape[-1]) if q.dim() == 4 else None)
+    check_out("decode_attention_update", out,
+              (q.shape[0], q.shape[1], 1, q.shape[-1]) if q.dim() == 4 else None)
     pl = positions.tolist()
     if pl and (min(pl) < 0 or max(pl) + k_new.shape[2] > k.shape[2]):
         kv_cache_update(k, k_new, positions)      # raises its one-line error, writes nothing

@@ -19,31 +19,31 @@ one thread's dot product, so the count never changes a bit). A prange step is
 `gemv_tile`'s register tile: ``mr`` rows of x (1, 4 or 8: x's rows past M repeat row
 M - 1, computed and never stored) times ``rw`` rows of W that lie ``ceil(N / rw)`` rows
 apart (``rw`` = `gemv_tile.rows_for` ``(mr)``: 8, 6, 3 with AVX-512), accumulated in
-vector registers over all of K in one pass, each W row's successor prefetched into L2
-as it goes; W rows past N
-repeat row N - 1 (computed, never stored), so no N needs its own loop. Two decisions,
-measured on the 2-core Xeon (the rotation of a 125M Llama's decode weights as its step
-holds them, 49 with Q/K/V and gate/up merged, 400 MB, the kernels called directly on one
-thread, least of 15 interleaved runs while other jobs ran, load ~2.7): W rows far apart are ``rw`` concurrent memory streams per thread where
-adjacent rows are one, and the accumulators stay in registers for the whole of K where
-the earlier numba tile (`_tile8`: two adjacent W rows x eight x rows, its K loop cut into
-64-element steps around the prefetches) summed all 16 accumulators horizontally every
-step: 8 rows 41.4 -> 27.8 ms, 4 rows 37.2 -> 26.7, 1 row 27.2 -> 25.7 (MKL's ``mm``
-29.3); docs/performance.md, "Decode GEMM: the register tile" (also `bench/gemv.py
---rotation`, two threads). On the 2-core AMD EPYC (Zen 4: one 512-bit FMA per cycle,
-32 KiB L1d), the same 49 weights, numba kernels called directly on two threads, median
-of 16 interleaved passes: at M = 8 the far-apart 3-row tile 15.51 ms against 19.85 for
-3 adjacent rows and 20.80 for one row at a time. At M = 1 one row after the other (a
-plain loop LLVM vectorises, one stream per thread) had measured 12.03 ms against 13.02
-for the tile of 8 far-apart rows while the tile prefetched into L1; with the prefetch
-into L2 (`gemv_tile`) the tile is level or ahead: medians of 24-40 interleaved passes,
-four processes, 16.29 -> 13.82, 14.63 -> 14.23, 13.61 -> 12.63, 13.06 -> 12.80 ms (the
-host's bandwidth moves between runs), hence the tile at every M. M = 9..32 (a short prompt's prefill, a large
+vector registers over all of K in one pass, each W row's successor prefetched into L2 as
+it goes; W rows past N repeat row N - 1 (computed, never stored), so no N needs its own
+loop. Two decisions, measured on the 2-core Xeon (the rotation of a 125M Llama's decode
+weights as its step holds them, 49 with Q/K/V and gate/up merged, 400 MB, the kernels
+called directly on one thread, least of 15 interleaved runs while other jobs ran, load
+~2.7): W rows far apart are ``rw`` concurrent memory streams per thread where adjacent
+rows are one, and the accumulators stay in registers for the whole of K where the earlier
+numba tile (`_tile8`: two adjacent W rows x eight x rows, its K loop cut into 64-element
+steps around the prefetches) summed all 16 accumulators horizontally every step: 8 rows
+41.4 -> 27.8 ms, 4 rows 37.2 -> 26.7, 1 row 27.2 -> 25.7 (MKL's ``mm`` 29.3);
+docs/performance.md, "Decode GEMM: the register tile" (also `bench/gemv.py --rotation`,
+two threads). On the 2-core AMD EPYC (Zen 4: one 512-bit FMA per cycle, 32 KiB L1d), the
+same 49 weights, numba kernels called directly on two threads, median of 16 interleaved
+passes: at M = 8 the far-apart 3-row tile 15.51 ms against 19.85 for 3 adjacent rows and
+20.80 for one row at a time. At M = 1 one row after the other (a plain loop LLVM
+vectorises, one stream per thread) had measured 12.03 ms against 13.02 for the tile of 8
+far-apart rows while the tile prefetched into L1; with the prefetch into L2 (`gemv_tile`)
+the tile is level or ahead: medians of 24-40 interleaved passes, four processes, 16.29 ->
+13.82, 14.63 -> 14.23, 13.61 -> 12.63, 13.06 -> 12.80 ms (the host's bandwidth moves
+between runs), hence the tile at every M. M = 9..32 (a short prompt's prefill, a large
 decode batch) runs the 8-row tile over x's rows 8 at a time within each prange step, so
 the tile's W rows are read from memory once and from L1 for the other groups; the same
-rotation, one thread, against MKL's ``mm`` on W as nn.Linear holds it: 16 rows 45.0 /
-79.7 ms, 32 rows 73.3 / 91.8, 64 rows 133.4 / 127.6 (MKL's packed panels compute faster
-from there on: 128 rows 261.5 / 205.0), hence `MAX_ROWS` 32.
+rotation, one thread, against MKL's ``mm`` on W as nn.Linear holds it: 16 rows 45.0 / 79.7
+ms, 32 rows 73.3 / 91.8, 64 rows 133.4 / 127.6 (MKL's packed panels compute faster from
+there on: 128 rows 261.5 / 205.0), hence `MAX_ROWS` 32.
 The tile multiplies with FMA and sums its lanes once, reassociated (no ``nnan``/``ninf``),
 so NaN and Inf propagate as in eager (a NaN or Inf in x or W makes the outputs it reaches
 NaN/Inf; the summation order differs from MKL's, so results agree with eager to fp32

@@ -13,15 +13,15 @@ else is in it, so a loop that also prefetches must be cut into short vectorised 
 each ending in a horizontal sum of every accumulator; at 8 rows of x those sums cost as
 much as the multiply-adds (`gemv_cpu`'s earlier `_tile8`: 31 GFMA/s at 64-element steps
 against 51 unchunked, L2-resident, one thread). Here the loop is written directly in
-vector form: each step loads one vector of every w row and every x row, issues
-``mr * rw`` vector FMAs into accumulators that live in registers for the whole K
-(`mem2reg` promotes them: allocas in the entry block), and prefetches the line of each w
-row's successor (row ``t + q * h + 1``, the next tile of the same stream) at the same
-offset into L2, not L1 (``prefetcht1``: a prefetch into L1 evicts the tile's x rows, 8
-rows of K = 768 being 24 KiB of a 32 KiB L1d, and the next rows' lines wait in L2 one
-tile ahead either way; the 49 merged decode weights of a 125M Llama, 400 MB, two
-threads, the 2-core EPYC, median of 16 interleaved passes: 8 rows 19.47 -> 16.30 ms, 4
-rows 16.40 -> 14.17, 16 rows 27.05 -> 24.69); the horizontal sums happen once, after K. The ``rw`` rows ``h`` apart are ``rw``
+vector form: each step loads one vector of every w row and every x row, issues ``mr * rw``
+vector FMAs into accumulators that live in registers for the whole K (`mem2reg` promotes
+them: allocas in the entry block), and prefetches the line of each w row's successor (row
+``t + q * h + 1``, the next tile of the same stream) at the same offset into L2, not L1
+(``prefetcht1``: a prefetch into L1 evicts the tile's x rows, 8 rows of K = 768 being 24
+KiB of a 32 KiB L1d, and the next rows' lines wait in L2 one tile ahead either way; the 49
+merged decode weights of a 125M Llama, 400 MB, two threads, the 2-core EPYC, median of 16
+interleaved passes: 8 rows 19.47 -> 16.30 ms, 4 rows 16.40 -> 14.17, 16 rows 27.05 ->
+24.69); the horizontal sums happen once, after K. The ``rw`` rows ``h`` apart are ``rw``
 independent memory streams per thread, which the hardware prefetchers run concurrently
 (one stream of adjacent rows left the memory idle while the FMAs ran: see `gemv_cpu`).
 
