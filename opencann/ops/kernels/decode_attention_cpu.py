@@ -453,13 +453,12 @@ def bind_decode_attention_update(q: TensorDesc, k: TensorDesc, v: TensorDesc, k_
     B = int(q.shape[0])
     sc = np.float32(float(D) ** -0.5 if scale is None else float(scale))
     per_len = 2 * B * Hkv * D           # K and V elements read per live position
-    f32 = torch.float32
     vw = NumpyViews()
     last: list = []    # the last call's tensors, their data pointers, the kernel entry, its args
 
     def run(qt, kt, vt, knt, vnt, pos, lens, *cs, out=None):
-        if out is None or not out.is_contiguous() or out.dtype is not f32:   # any strides read
-            return general(qt, kt, vt, knt, vnt, pos, lens, *cs, out=out)    # (its out check)
+        if out is None or not out.is_contiguous() or out.dtype is not torch.float32:
+            return general(qt, kt, vt, knt, vnt, pos, lens, *cs, out=out)  # any strides; out check
         work = per_len * max(lens.tolist())
         if not _by_group_fits(B * Hkv, work):            # few groups: split the keys
             return general(qt, kt, vt, knt, vnt, pos, lens, *cs, out=out)
