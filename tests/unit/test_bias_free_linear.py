@@ -306,3 +306,31 @@ def test_gated_mlp_writes_its_planned_buffer_with_no_temporary_per_call(d, h, ro
         outs.append((y, y.clone()))
     assert Allocs.big == [], Allocs.big
     assert torch.equal(outs[0][0].nan_to_num(7.0), outs[0][1].nan_to_num(7.0))   # not overwritten
+
+
+@pytest.mark.parametrize("kernel", ["onednn_plain", "addmm", "gemv"])
+def test_gated_mlp_one_gemm_matches_eager_on_every_kernel(kernel, monkeypatch):
+    """The one-GEMM GatedMLP on each kind of GEMM: one writing into the scratch (addmm, the
+    GEMV) and one returning its own result that SiLU reads in place (oneDNN's:
+    `cpu.FRESH_RESULT_KERNELS`); eager's values with NaN/Inf rows, a second call, and a
+    result that the next call does not change."""
+    if kernel == "onednn_plain" and not cpu_device.onednn_linear_available():
+        pytest.skip("no oneDNN inner product in this torch")
+    monkeypatch.setattr(cpu_kernels, "LINEAR_CHOICES", ForcedGemmChoice(kernel))
+    # W1‖W3 as the transpose of a contiguous [2n, k] (the decode GEMV's layout), which
+    # oneDNN's inner product reads as it is (row-major, it would need a copy: not allowed)
+    monkeypatch.setattr(cpu_kernels, "concat_row_major", lambda *a, **k: False)
+    torch.manual_seed(5)
+    m = Decoderish(d=256, h=1024, vocab=64).eval()    # gate/up 1 MiB each: one GEMM
+    cm = opencann.compile(m, (torch.randn(16, 256),))
+    assert [n.meta["kernel"] for n in cm.graph.nodes if n.op == "GatedMLP"] == [kernel]
+    kept = None
+    for k in range(2):
+        x = torch.randn(16, 256)
+        x[0, 5], x[3, 9] = float("nan"), float("-inf")
+        with torch.no_grad():
+            got = cm(x)
+            _close(got, m(x))
+        if kept is not None:                                 # the first result is untouched
+            torch.testing.assert_close(kept[0], kept[1], rtol=0, atol=0, equal_nan=True)
+        kept = (got, got.clone())

@@ -437,6 +437,11 @@ def concat_row_major(k: int, n: int, dtype: torch.dtype = torch.float32,
                            None, probe, has_bias=False, shape=(m, k, n)) == "addmm_kn"
 
 
+#: GEMM kernels whose result is a tensor of their own (``_linear_pointwise`` and
+#: ``_mkl_linear`` have no ``out=``), copied into ``out`` when one is given (`_copy_act`)
+FRESH_RESULT_KERNELS = frozenset({"onednn_packed", "onednn_plain", "mkl_packed"})
+
+
 def _copy_act(r: torch.Tensor, out, post) -> torch.Tensor:
     """A prepacked GEMM's fresh result ``r`` copied into ``out`` (the planned buffer, when
     given), then the in-place activation ``post`` (or None) applied."""
@@ -886,7 +891,7 @@ def make_linear_kernel(node: Node, in_descs: Sequence[TensorDesc], consts: Seque
     return run_no_bias
 
 
-__all__ = ["BF16_LINEAR_POST", "COLD_EVICT_MAX", "COLD_EVICT_MIN", "GEMM_KERNELS", "LINEAR_CHOICES", "LINEAR_DTYPES",
+__all__ = ["BF16_LINEAR_POST", "COLD_EVICT_MAX", "COLD_EVICT_MIN", "FRESH_RESULT_KERNELS", "GEMM_KERNELS", "LINEAR_CHOICES", "LINEAR_DTYPES",
            "RACE_MAX_BYTES", "ConvWeightPacks", "ThreadPacks",
            "cold_scratch_bytes", "concat_row_major", "concat_weights", "copy_allowed", "kn_offered", "packed_copies", "packed_copies_by_kind",
            "gemm_kernel", "linear_writes_out", "make_conv_kernel", "make_linear_kernel", "make_trans_data"]

@@ -28,7 +28,7 @@ import math
 
 import torch
 
-from .cpu import COLD_RACE_BYTES, concat_weights, gemm_kernel
+from .cpu import COLD_RACE_BYTES, FRESH_RESULT_KERNELS, concat_weights, gemm_kernel
 from .scratch import thread_scratch
 from ..parity.formulas import layer_norm_formula
 from ..parity.norm_range import affine_in_range, layer_norm_in_range
@@ -98,9 +98,11 @@ def make_gated_mlp_kernel(node: Node, in_descs: Sequence[TensorDesc], consts: Se
     ``mm`` against the prepacked GEMMs and, for M <= 4, the decode GEMV).
     ``run(*ins, out=None)`` writes into ``out`` (the planned buffer) when it is
     contiguous: the gate's product goes there (or, with the concatenated weights, the
-    [M, 2N] product to this thread's scratch, `thread_scratch`), SiLU and the product
-    with the up projection in place, so a call allocates nothing (at a 512-token prefill
-    the fresh [M, 2N] result and SiLU's output were 12 MiB of page faults per call)."""
+    [M, 2N] product to this thread's scratch, `thread_scratch`, where the GEMM writes
+    into a buffer: where oneDNN's or MKL's packed GEMM binds, SiLU reads that GEMM's own
+    result, `cpu.FRESH_RESULT_KERNELS`), SiLU and the product with the up projection in
+    place, so a call allocates nothing of its own (at a 512-token prefill the fresh
+    [M, 2N] result and SiLU's output were 12 MiB of page faults per call)."""
     shape = tuple(int(s) for s in node.outputs[0].desc.shape)
     silu_, silu_out = torch.nn.functional.silu, torch.ops.aten.silu.out
     xi, w1i, w3i = (node.attrs[k].index for k in ("x", "w1", "w3"))
@@ -115,11 +117,14 @@ def make_gated_mlp_kernel(node: Node, in_descs: Sequence[TensorDesc], consts: Se
     if _one_gemm(x, w1, w3):
         w13 = concat_weights(w1, w3)
         g13 = gemm_kernel(node, x, w13, None)
+        # oneDNN's and MKL's packed GEMMs return a tensor of their own: SiLU reads it there
+        # (a copy into the scratch cost ~0.5 ms per 512-token prefill layer)
+        fresh = node.meta.get("kernel") in FRESH_RESULT_KERNELS
 
         def run_one(*ins, out=None):
             xt = ins[xi]
             m = xt.shape[0]
-            r = g13(None, xt, w13, thread_scratch(m * 2 * n, dtype).view(m, 2 * n))
+            r = g13(None, xt, w13, None if fresh else thread_scratch(m * 2 * n, dtype).view(m, 2 * n))
             o = into(out, m)
             if o is None:
                 return silu_(r[:, :n]).mul_(r[:, n:]).view(shape)
