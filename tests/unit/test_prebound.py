@@ -142,8 +142,8 @@ def test_silu_mul_is_eager_silu_times_up(rows, n):
     out = torch.empty(rows, n)
     silu_mul(r.numpy(), n, out.numpy())
     want = torch.nn.functional.silu(r[:, :n]) * r[:, n:]
-    # eager's SLEEF exp and the kernel's Cephes exp each round within ~1.5 ulp of the
-    # exact silu·up: 3 ulp apart at most
+    # eager's SLEEF exp and the kernel's Cephes exp: each silu within ~2 ulp of the exact
+    # value, 4 ulp apart at most (every float32 input checked once, off the suite)
     torch.testing.assert_close(out, want, rtol=4e-7, atol=1e-30, equal_nan=True)
     assert torch.equal(torch.isnan(out), torch.isnan(want))
     assert np.signbit(out[0, 3].item()) == np.signbit(want[0, 3].item())   # -0.0 as eager

@@ -16,8 +16,9 @@ same GEMV alone, the 2-core EPYC); 9 µs warm with the vector loop.
 
 Numerics: silu(x) = x / (1 + exp(-x)) in float32, ATen's CPU formula (its vectorised
 SiLU), with Cephes' ``expf`` where ATen uses SLEEF's (each within ~1 ulp: results agree
-with eager to fp32 rounding, at most 3 ulp apart); IEEE division, so silu(-inf) = -inf / inf = NaN, silu(inf) =
-inf, silu(NaN) = NaN and a large negative x gives -0.0, as eager; the product is eager's.
+with eager to fp32 rounding, at most 4 ulp apart over every float32 input); IEEE division,
+so silu(-inf) = -inf / inf = NaN, silu(inf) = inf, silu(NaN) = NaN and a large negative x
+gives -0.0, as eager; the product is eager's.
 """
 from __future__ import annotations
 
