@@ -868,14 +868,14 @@ def make_linear_kernel(node: Node, in_descs: Sequence[TensorDesc], consts: Seque
       dynamic model that pinned it at a decode shape chooses again at more rows.
 
     A choice already in ``node.meta["kernel"]`` (an earlier bind, a model file) holds
-    where its kernel exists here (else addmm), so every executor of a model, saved or
-    live, runs the same GEMM (same bits). Which kernel wins depends on the CPU
-    (docs/performance.md, "GEMM choice"): on a 2-core AMD EPYC with AVX-512 the oneDNN
-    kernel measured 1.01-2.5x faster than addmm on BERT's and MiniLM's shapes at
-    m = 16…1024, 1 and 2 threads, within 1.5e-6 relative of addmm's results; on an AVX2
-    host 2-6% slower, where the race keeps addmm. The activation runs in place on the
-    result with eager's kernel (eager's NaN/Inf), but for a bf16 oneDNN GEMM, which fuses
-    GELU, tanh, sigmoid and SiLU as post-ops (`BF16_LINEAR_POST`: same NaN/Inf positions)."""
+    where its kernel exists and the copy rule allows it (`_known_choice`), so every
+    executor of a model, saved or live, runs the same GEMM (same bits). Which kernel wins
+    depends on the CPU (docs/performance.md, "GEMM choice"): on a 2-core AMD EPYC with
+    AVX-512 the oneDNN kernel measured 1.01-2.5x faster than addmm on BERT's and MiniLM's
+    shapes at m = 16…1024, 1 and 2 threads, within 1.5e-6 relative of addmm's results; on
+    an AVX2 host 2-6% slower, where the race keeps addmm. The activation runs in place on
+    the result with eager's kernel (eager's NaN/Inf), except a bf16 oneDNN GEMM's, fused
+    as post-ops (`BF16_LINEAR_POST`: same NaN/Inf)."""
     a = node.attrs
     bi = a["self"].index if isinstance(a.get("self"), TensorRef) else None
     xi, wi = a["mat1"].index, a["mat2"].index

@@ -97,12 +97,12 @@ def make_gated_mlp_kernel(node: Node, in_descs: Sequence[TensorDesc], consts: Se
     recorded in ``node.meta["kernel"]``; with constant fp32 weights it races eager's
     ``mm`` against the prepacked GEMMs and, for M <= 4, the decode GEMV).
     ``run(*ins, out=None)`` writes into ``out`` (the planned buffer) when it is
-    contiguous: the gate's product goes there (or, with the concatenated weights, the
-    [M, 2N] product to this thread's scratch, `thread_scratch`, where the GEMM writes
-    into a buffer: where oneDNN's or MKL's packed GEMM binds, SiLU reads that GEMM's own
-    result, `cpu.FRESH_RESULT_KERNELS`), SiLU and the product with the up projection in
-    place, so a call allocates nothing of its own (at a 512-token prefill the fresh
-    [M, 2N] result and SiLU's output were 12 MiB of page faults per call)."""
+    contiguous: the gate's product goes there, SiLU and the product with the up
+    projection in place. With the concatenated weights the [M, 2N] product goes to this
+    thread's scratch (`thread_scratch`), or stays where oneDNN's or MKL's packed GEMM
+    put it (`cpu.FRESH_RESULT_KERNELS`: they return a tensor of their own), and SiLU
+    reads it there. A call allocates nothing of its own (at a 512-token prefill the
+    fresh [M, 2N] result and SiLU's output were 12 MiB of page faults per call)."""
     shape = tuple(int(s) for s in node.outputs[0].desc.shape)
     silu_, silu_out = torch.nn.functional.silu, torch.ops.aten.silu.out
     xi, w1i, w3i = (node.attrs[k].index for k in ("x", "w1", "w3"))

@@ -23,7 +23,8 @@ def check_out(fn: str, out: Optional[torch.Tensor], shape: Optional[Sequence[int
         raise ValueError(f"{fn}: out must be a tensor, got {type(out).__name__}")
     if out.dtype != dtype or (shape is not None and tuple(out.shape) != tuple(shape)) \
             or (numel is not None and out.numel() != numel):
-        want = f"{list(shape)}" if shape is not None else f"{numel} elements"
+        want = (f"{list(shape)}" if shape is not None else
+                f"of {numel} elements" if numel is not None else "(any shape)")
         raise ValueError(f"{fn}: out must be {str(dtype).replace('torch.', '')} {want}, got "
                          f"{tuple(out.shape)} {out.dtype}; pass a tensor like the result or none")
 
