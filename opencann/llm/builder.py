@@ -220,7 +220,7 @@ class DecoderLM(nn.Module):
         self.register_buffer("rope_sin", sin[0].contiguous(), persistent=False)
 
     def _rope(self, pos: torch.Tensor, dtype: torch.dtype):
-        """(cos, sin) [B, T, D] for positions ``pos`` [B, T], as transformers' rotary
+        """(cos, sin) [*pos.shape, D] for positions ``pos`` ([B, T] or [B]), as transformers' rotary
         embedding computes them (its inv_freq and attention scaling); rows of the table
         `rope_table` made, when it did."""
         table = getattr(self, "rope_cos", None)
@@ -241,11 +241,19 @@ class DecoderLM(nn.Module):
             raise ValueError(f"DecoderLM takes {2 * len(self.blocks)} caches (K and V per layer, "
                              f"from new_caches), got {len(caches)}")
         B, T = input_ids.shape
-        pos = positions[:, None] + torch.arange(T, dtype=positions.dtype, device=positions.device)
+        if T == 1:
+            # a decode step gathers by ``positions`` [B] itself and views the rows as
+            # [B, 1, D]: views of planned buffers, made once at bind time, where
+            # positions[:, None] + arange(1) were two ops a step, run on caches the last
+            # step's weights streamed through (same values: an integer add of 0)
+            pos, rows = positions, (lambda t: t[:, None])
+        else:
+            pos = positions[:, None] + torch.arange(T, dtype=positions.dtype, device=positions.device)
+            rows = (lambda t: t)
         h = self.embed(input_ids)
         if self.pos_embed is not None:
-            h = h + self.pos_embed(pos)
-        rope = self._rope(pos, h.dtype) if self.rotary is not None else None
+            h = h + rows(self.pos_embed(pos))
+        rope = tuple(map(rows, self._rope(pos, h.dtype))) if self.rotary is not None else None
         # a prompt: the last layer keeps each row's last live token only (`_keep_last`)
         last = lengths - positions - 1 if T > 1 else None
         n = len(self.blocks)

@@ -41,7 +41,7 @@ from .kernels import vnpu_cost, vnpu_nd
 from .kernels.add_rms_norm_cpu import make_add_rms_norm_kernel
 from .kernels.rotary_mul_cpu import make_apply_rotary_pos_emb_kernel, make_rotary_mul_kernel
 from .kernels.cpu_patterns import (make_gated_mlp_kernel, make_layer_norm_formula_kernel,
-                                   make_rms_norm_kernel)
+                                   make_rms_norm_kernel, rms_norm_writes_out)
 from . import per_index as pi
 from .opdef import Cost, OpDef, OpKind, register
 
@@ -60,6 +60,7 @@ def _gated_mlp_cost(node: Node) -> Cost:
 
 register(OpDef("RmsNorm", OpKind.NORM, aten=torch.ops.aten.rms_norm.default, flops_per_elem=4,
                kernel_factories={"cpu": make_rms_norm_kernel, "vnpu": vnpu_nd.make_rms_norm}, keep_fp32=True,
+               out_capable=rms_norm_writes_out,
                device_cost={"vnpu": vnpu_cost.layernorm}, per_index=pi.LAYER_NORM,
                doc="RMSNorm (Llama): x·rsqrt(mean(x², -1) + eps)·w"))
 register(OpDef("LayerNormFormula", OpKind.NORM, aten=torch.ops.aten.layer_norm.default,

@@ -17,7 +17,7 @@ from .kernels import vnpu as vnpu_kernels
 from .kernels import vnpu_nd
 from .kernels import attention_cpu
 from .kernels import cpu as cpu_kernels
-from .kernels import pool_cpu
+from .kernels import embedding_cpu, pool_cpu
 from .kernels import vnpu_cost
 from . import per_index as pi
 from .opdef import Cost, OpDef, OpKind, _nbytes, register
@@ -289,8 +289,10 @@ def _npu(family: str) -> dict:
 
 
 # table ops with a CPU kernel of their own instead of the ATen op (the ATen op stays
-# their reference and fallback): MaxPool's numba pass on channels-last fp32 / bf16
-_CPU_KERNELS = {"MaxPool": pool_cpu.make_max_pool_kernel}
+# their reference and fallback): MaxPool's numba pass on channels-last fp32 / bf16, a
+# decode step's Embedding rows (numba, into the planned buffer: `_CPU_OUT`)
+_CPU_KERNELS = {"MaxPool": pool_cpu.make_max_pool_kernel, "Embedding": embedding_cpu.bind_embedding}
+_CPU_OUT = {"Embedding": embedding_cpu.embedding_writes_out}
 
 
 def _columns(name: str, kind: OpKind) -> dict:
@@ -314,6 +316,8 @@ def _columns(name: str, kind: OpKind) -> dict:
         cols["kernel_factories"] = {"vnpu": vnpu_nd.make_data_movement}
     if name in _CPU_KERNELS:
         cols["kernel_factories"] = {**cols.get("kernel_factories", {}), "cpu": _CPU_KERNELS[name]}
+    if name in _CPU_OUT:
+        cols["out_capable"] = _CPU_OUT[name]
     return cols
 
 

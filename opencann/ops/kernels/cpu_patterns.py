@@ -5,7 +5,9 @@ outputs match eager (bit-for-bit where noted).
 
 - `make_rms_norm_kernel` (RmsNorm): ATen ``rms_norm`` (bit-for-bit the spelled-out fp32
   form: x·rsqrt(mean(x²) + eps)·w); with ``upcast`` as transformers' LlamaRMSNorm:
-  normalize in float32, cast back, then multiply by the weight in the input's dtype.
+  normalize in float32, cast back, then multiply by the weight in the input's dtype. A
+  float32 decode step's rows (`rms_norm_cpu`) take a numba row kernel into the planned
+  buffer instead: eager's values to fp32 rounding, one call instead of six dispatches.
 - `make_layer_norm_formula_kernel` (LayerNormFormula, a spelled-out LayerNorm): ATen's
   ``native_layer_norm`` where its statistics prove it gives the formula's result up to
   rounding (`ops.parity.norm_range.layer_norm_in_range`: every |x| far from overflow,
@@ -29,6 +31,7 @@ import math
 import torch
 
 from .cpu import COLD_RACE_BYTES, FRESH_RESULT_KERNELS, concat_weights, gemm_kernel
+from .rms_norm_cpu import bind_rms_norm, decode_rows
 from .scratch import thread_scratch
 from ..parity.formulas import layer_norm_formula
 from ..parity.norm_range import affine_in_range, layer_norm_in_range
@@ -42,12 +45,25 @@ def make_rms_norm_kernel(node: Node, in_descs: Sequence[TensorDesc], consts: Seq
     if not node.attrs.get("upcast"):
         def run(x, w=None):
             return torch.rms_norm(x, shape, w, eps)
-        return run
+    else:
+        def run(x, w=None):
+            y = torch.rms_norm(x.to(torch.float32), shape, None, eps).to(x.dtype)
+            return y if w is None else w * y
+    if rms_norm_writes_out(node):    # a decode step's rows: the numba kernel, into out
+        return bind_rms_norm(in_descs[0], in_descs[1] if len(in_descs) > 1 else None,
+                             float(eps), run)
+    return run
 
-    def run_upcast(x, w=None):
-        y = torch.rms_norm(x.to(torch.float32), shape, None, eps).to(x.dtype)
-        return y if w is None else w * y
-    return run_upcast
+
+def rms_norm_writes_out(node: Node) -> bool:
+    """``out_capable`` of RmsNorm: True on the CPU for a float32 norm over the last axis
+    of a decode step's rows (`rms_norm_cpu.decode_rows`), whose kernel writes the
+    planned buffer (`rms_norm_cpu.bind_rms_norm`)."""
+    x = node.inputs[0].desc
+    w = node.inputs[1].desc if len(node.inputs) > 1 else None
+    shape = [int(d) for d in node.attrs["normalized_shape"]]
+    return (node.device.kind == "cpu" and len(shape) == 1 and x.rank >= 1
+            and tuple(x.shape[-1:]) == tuple(shape) and decode_rows(x, w))
 
 
 def make_layer_norm_formula_kernel(node: Node, in_descs: Sequence[TensorDesc],
