@@ -10,10 +10,11 @@ Rows split over the cores with ``prange`` above ATen's grain (`numba_cache.launc
 prefill), on the calling thread alone below it (a decode step: no OpenMP team).
 
 Numerics (Zhang & Sennrich 2019, "Root Mean Square Layer Normalization",
-arXiv:1910.07467; transformers' LlamaRMSNorm): s = a + b rounded to fp32 as eager's add;
-the mean of s² accumulated in fp32 (fastmath ``reassoc``/``contract`` only: vectorised,
-another summation order than ATen's, so y agrees with eager to fp32 rounding, s bit for
-bit); r = 1 / sqrt(mean + eps); y = (s·r)·w, eager's order. Special values as the
+arXiv:1910.07467; transformers' LlamaRMSNorm): s = a + b rounded to fp32 as eager's add
+(s bit for bit); each s² rounded to fp32 as eager's, summed in float64 (vectorised:
+``reassoc`` on the sum only), the mean rounded to fp32, so y agrees with eager to its own
+fp32 rounding; r = 1 / sqrt(mean + eps) and y = (s·r)·w in fp32, eager's order, without
+fast-math (`rms_norm_cpu.scale_row`). Special values as the
 spelled-out form: a NaN or inf in a row makes its y NaN; s² overflowing (|s| ≳ 1.8e19)
 gives r = 0 and a row of zeros (NaN where s is inf), as eager; a row of zeros with eps = 0
 gives r = inf and y = 0·inf = NaN, as eager (numba's ``error_model="numpy"``: IEEE
@@ -28,33 +29,35 @@ import torch
 from numba import prange
 
 from .numba_cache import GRAIN, entry_point, launch, njit, prebound
+from .rms_norm_cpu import scale_row
 from .numpy_views import NumpyViews, static_view
 from .out_arg import check_out
 from ...ir import Node, TensorDesc, numel
 
-_FM = {"reassoc", "contract"}
-
-
-@njit(fastmath=_FM, error_model="numpy", cache=True, inline="always")
-def _row(a, b, w, eps, y, s, r):  # pragma: no cover - numba
-    D = a.shape[1]
-    acc = np.float32(0.0)
-    for j in range(D):
+@njit(fastmath={"reassoc"}, cache=True)
+def _add_sum_squares(a, b, s, r):  # pragma: no cover - numba
+    """s[r, :] = a[r, :] + b[r, :] (fp32, eager's add) and the float64 sum of the fp32
+    squares of s[r, :] (`rms_norm_cpu.sum_squares`'s arithmetic)."""
+    acc = 0.0
+    for j in range(a.shape[1]):
         v = a[r, j] + b[r, j]
         s[r, j] = v
-        acc += v * v
-    rs = np.float32(1.0) / np.sqrt(acc / np.float32(D) + eps)
-    for j in range(D):
-        y[r, j] = (s[r, j] * rs) * w[j]
+        acc += np.float64(v * v)
+    return acc
 
 
-@njit(fastmath=_FM, error_model="numpy", cache=True)
+@njit(fastmath=False, error_model="numpy", cache=True)
+def _row(a, b, w, eps, y, s, r):  # pragma: no cover - numba
+    scale_row(s, r, np.float32(_add_sum_squares(a, b, s, r) / a.shape[1]), w, eps, y)
+
+
+@njit(fastmath=False, error_model="numpy", cache=True)
 def _serial(a, b, w, eps, y, s):  # pragma: no cover - numba
     for r in range(a.shape[0]):
         _row(a, b, w, eps, y, s, r)
 
 
-@njit(parallel=True, fastmath=_FM, error_model="numpy", cache=True)
+@njit(parallel=True, fastmath=False, error_model="numpy", cache=True)
 def _parallel(a, b, w, eps, y, s):  # pragma: no cover - numba
     for r in prange(a.shape[0]):
         _row(a, b, w, eps, y, s, r)

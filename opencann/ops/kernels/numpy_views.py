@@ -22,6 +22,7 @@ for every call (e.g. a ``lengths`` tensor) are kept alive for a few calls at mos
 from __future__ import annotations
 
 import math
+import threading
 from typing import Dict, Optional, Tuple
 
 import numpy as np
@@ -39,12 +40,16 @@ class NumpyViews:
     """Per bound kernel: ``views.array(t)`` is ``t.numpy()``, ``views.bits(t)`` the same
     memory as same-width integers (float32 -> int32), ``views.shaped(t, shape)`` is
     ``t.numpy().reshape(shape)``; each memoized per tensor object when ``t`` is contiguous
-    (`array` and `bits` make the view afresh otherwise, `shaped` returns None then). Not
-    locked: two threads racing on a miss both insert the same view."""
+    (`array` and `bits` make the view afresh otherwise, `shaped` returns None then).
+    Thread-safe: a lookup is one ``dict.get``; an insertion (and the eviction it makes)
+    holds the memo's lock, so threads calling one compiled model at once (each executor
+    shares its bound kernels) never evict under one another (two threads missing at once
+    both insert the same view)."""
 
     def __init__(self, capacity: int = CAPACITY):
         self.capacity = capacity
         self._memo: Dict[Tuple[int, object], tuple] = {}
+        self._lock = threading.Lock()
 
     def _get(self, t: torch.Tensor, key: object) -> Optional[np.ndarray]:
         e = self._memo.get((id(t), key))
@@ -54,10 +59,12 @@ class NumpyViews:
         return None
 
     def _put(self, t: torch.Tensor, key: object, arr: np.ndarray) -> np.ndarray:
-        memo = self._memo
-        if len(memo) >= self.capacity:
-            del memo[next(iter(memo))]
-        memo[(id(t), key)] = (t, t.data_ptr(), t.shape, t.stride(), arr)
+        entry = (t, t.data_ptr(), t.shape, t.stride(), arr)
+        with self._lock:
+            memo = self._memo
+            if len(memo) >= self.capacity:
+                del memo[next(iter(memo))]
+            memo[(id(t), key)] = entry
         return arr
 
     def shaped(self, t: torch.Tensor, shape: Tuple[int, ...]) -> Optional[np.ndarray]:

@@ -11,11 +11,13 @@ row on the 2-core EPYC (per op inside a 125M Llama's batch-1 step, 30 steps); wa
 Layout: x, y [R, D] (leading dims flattened), w [D] or none; float32; R·D below
 `numba_cache.GRAIN` (decode rows; longer inputs keep ATen's kernel). Numerics as
 `add_rms_norm_cpu` (Zhang & Sennrich 2019, arXiv:1910.07467; transformers'
-LlamaRMSNorm): the mean of x² accumulated in fp32 (fastmath ``reassoc``/``contract``
-only, another summation order than ATen's: y agrees with eager to fp32 rounding), r = 1 /
-sqrt(mean + eps), y = (x·r)·w (eager's order; w absent: a weight of ones, exact). A NaN
-or inf in a row makes its y NaN; x² overflowing gives r = 0 and zeros (NaN where x is
-inf), as eager; a row of zeros with eps = 0 gives 0·inf = NaN, as eager.
+LlamaRMSNorm): each x² rounded to fp32 as eager's, their sum in float64 (`sum_squares`:
+more exact than ATen's fp32 cascade, so y stays within eager's own rounding of the exact
+result, also for a row of one large and many small values), the mean rounded to fp32, r
+= 1 / sqrt(mean + eps) and y = (x·r)·w in fp32 in eager's order, no fast-math
+(`scale_row`; w absent: a weight of ones, exact). A NaN or inf in a row makes its y NaN;
+an x² overflowing gives r = 0 and zeros (NaN where x is inf), as eager; a row of zeros
+with eps = 0 gives 0·inf = NaN, as eager.
 """
 from __future__ import annotations
 
@@ -28,19 +30,32 @@ from .numba_cache import GRAIN, njit, prebound
 from .numpy_views import static_view
 from ...ir import TensorDesc, numel
 
-_FM = {"reassoc", "contract"}
+@njit(fastmath={"reassoc"}, cache=True)
+def sum_squares(x, r):  # pragma: no cover - numba
+    """The float64 sum of the float32 squares x[r, j]² (each rounded to float32, as
+    eager's ``pow(x, 2)``: one that overflows is inf). ``reassoc`` lets LLVM vectorise
+    the sum only; each square is one fp32 product, nothing to contract."""
+    acc = 0.0
+    for j in range(x.shape[1]):
+        acc += np.float64(x[r, j] * x[r, j])
+    return acc
 
 
-@njit(fastmath=_FM, error_model="numpy", cache=True)
+@njit(fastmath=False, error_model="numpy", cache=True)
+def scale_row(x, r, ms, w, eps, y):  # pragma: no cover - numba
+    """y[r, :] = (x[r, :]·rs)·w with rs = 1 / sqrt(ms + eps), all in float32 and in
+    eager's order: no fast-math here (``reassoc`` had LLVM hoist (x·w)·rs, which
+    overflows or underflows where eager's product does not)."""
+    rs = np.float32(1.0) / np.sqrt(ms + eps)
+    for j in range(x.shape[1]):
+        y[r, j] = (x[r, j] * rs) * w[j]
+
+
+@njit(fastmath=False, error_model="numpy", cache=True)
 def _rows(x, w, eps, y):  # pragma: no cover - numba
     D = x.shape[1]
     for r in range(x.shape[0]):
-        acc = np.float32(0.0)
-        for j in range(D):
-            acc += x[r, j] * x[r, j]
-        rs = np.float32(1.0) / np.sqrt(acc / np.float32(D) + eps)
-        for j in range(D):
-            y[r, j] = (x[r, j] * rs) * w[j]
+        scale_row(x, r, np.float32(sum_squares(x, r) / D), w, eps, y)
 
 
 def decode_rows(x: TensorDesc, weight: Optional[TensorDesc]) -> bool:
@@ -89,4 +104,4 @@ def bind_rms_norm(x: TensorDesc, weight: Optional[TensorDesc], eps: float,
     return run
 
 
-__all__ = ["bind_rms_norm", "decode_rows"]
+__all__ = ["bind_rms_norm", "decode_rows", "scale_row", "sum_squares"]
