@@ -34,6 +34,7 @@ from .numpy_views import NumpyViews, static_view
 from .out_arg import check_out
 from ...ir import Node, TensorDesc, numel
 
+
 @njit(fastmath={"reassoc"}, cache=True)
 def _add_sum_squares(a, b, s, r):  # pragma: no cover - numba
     """s[r, :] = a[r, :] + b[r, :] (fp32, eager's add) and the float64 sum of the fp32

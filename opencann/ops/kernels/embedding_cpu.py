@@ -11,9 +11,9 @@ One numba call through its compiled entry point touches far less code.
 Semantics as ``torch.nn.functional.embedding``'s forward (padding_idx, max_norm unset:
 the graph's Embedding node): rows copied as they are (moves, no arithmetic: NaN payloads
 and -0.0 kept); an index outside [0, V) writes nothing and the call goes to ATen's
-kernel, which raises eager's IndexError. float32 weight [V, D], int64 indices of any
-shape (out: indices' shape + [D]), rows·D below `numba_cache.GRAIN` (longer gathers keep
-ATen's kernel).
+kernel, which raises eager's error ("index out of range in self"). float32 weight
+[V, D], int64 indices of any shape (out: indices' shape + [D]), rows·D below
+`numba_cache.GRAIN` (longer gathers keep ATen's kernel).
 """
 from __future__ import annotations
 

@@ -30,6 +30,7 @@ from .numba_cache import GRAIN, njit, prebound
 from .numpy_views import static_view
 from ...ir import TensorDesc, numel
 
+
 @njit(fastmath={"reassoc"}, cache=True)
 def sum_squares(x, r):  # pragma: no cover - numba
     """The float64 sum of the float32 squares x[r, j]² (each rounded to float32, as
