@@ -2,8 +2,9 @@
 (KvCacheUpdate writing the generator's caches in place, DecodeAttention over live lengths
 given as data). Greedy tokens equal transformers' ``generate`` and the eager backend's,
 caches hold the eager backend's values, one prefill and one decode graph serve every
-position (no graph or memory plan built per token), and the graphs hold the model's
-weights once (its own memory, shared)."""
+position (no graph or memory plan built per token), the graphs hold the model's
+weights once (its own memory, shared), and the decode step runs no op on its positions
+before gathering by them."""
 import sys
 
 import pytest
@@ -73,6 +74,15 @@ def test_compiled_steps_equal_transformers_and_eager_with_one_decode_graph(name)
     assert f"weights {s.weight_bytes / 2**20:.1f} MiB" in s.summary()
     separate = hasattr(m.config, "num_key_value_heads")   # q/k/v Linears (GPT-2 has c_attn)
     assert merged[0] == merged[1] and len(merged[0]) == separate * m.config.num_hidden_layers
+    # the decode step gathers its RoPE / position rows by positions [B] itself (their
+    # [B, 1, D] views made at bind time): no op reads positions but the gathers and the
+    # attention, and no integer Unsqueeze or Add runs per step
+    g = gen.steps.step(2, 1).compiled.graph
+    readers = {n.op for n in g.nodes if any(v is g.inputs[1] for v in n.inputs)}
+    assert readers and readers <= {"Embedding", "DecodeAttentionKvUpdate", "KvCacheUpdate",
+                                   "DecodeAttention"}, readers
+    assert not [n for n in g.nodes if n.op in ("Unsqueeze", "Add")
+                and any(v.desc.dtype.torch == torch.int64 for v in n.inputs)]
 
 
 def test_a_weight_changed_after_compile_is_one_line_naming_the_users_parameter():

@@ -1,7 +1,7 @@
 """A decode step's first ops on the CPU: Embedding (`embedding_cpu`: a numba row copy into
 the planned buffer) and the first RmsNorm (`rms_norm_cpu`: a numba row kernel, prebound)
-for a few rows, and the decode graph gathering its RoPE / position rows by ``positions``
-itself (no Unsqueeze or Add per step). Each against eager: values (Embedding bit for bit,
+for a few rows (the decode graph gathering its RoPE / position rows by ``positions``
+itself: tests/models/test_llm_compiled.py). Each against eager: values (Embedding bit for bit,
 RmsNorm to fp32 rounding, also where a reassociated product or an fp32 running sum had
 left eager's result), NaN / inf positions, a second call, output independence, and
 eager's error for an index out of range (the executor's line naming the node); longer
@@ -13,10 +13,8 @@ import threading
 
 import pytest
 import torch
-import transformers as T
 
 import opencann
-import opencann.llm as L
 from opencann.ops.kernels import embedding_cpu, rms_norm_cpu
 from opencann.ops.kernels.cpu_patterns import rms_norm_writes_out
 from opencann.ops.kernels.numpy_views import NumpyViews
@@ -208,30 +206,6 @@ def test_embedding_of_many_rows_keeps_atens_kernel():
     ids = torch.randint(0, 100, (8, 16))
     with torch.no_grad():
         assert torch.equal(cm(ids), m(ids))
-
-
-@pytest.mark.parametrize("cfg", [
-    T.LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, eos_token_id=None),
-    T.GPT2Config(vocab_size=97, n_embd=32, n_layer=2, n_head=2, n_positions=64,
-                 bos_token_id=1, eos_token_id=None)], ids=["llama", "gpt2"])
-def test_the_decode_step_gathers_by_positions_with_no_op_on_them(cfg):
-    """positions [B] index the RoPE table / position embedding directly: the rows' [B, 1, D]
-    views are made at bind time, and nothing but the gathers and the attention reads
-    positions; greedy tokens stay eager's."""
-    torch.manual_seed(0)
-    m = T.AutoModelForCausalLM.from_config(cfg).eval()
-    gen = L.compile(m, max_seq_len=32, max_batch=2, options={"backend": "opencann"})
-    ids = torch.randint(3, 97, (2, 7), generator=torch.Generator().manual_seed(1))
-    want = m.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0)
-    assert torch.equal(gen.generate(ids, max_new_tokens=6, pad_token_id=0), want)
-    g = gen.steps.step(2, 1).compiled.graph
-    positions = g.inputs[1]
-    readers = {n.op for n in g.nodes if any(v is positions for v in n.inputs)}
-    assert readers and readers <= {"Embedding", "DecodeAttentionKvUpdate", "KvCacheUpdate",
-                                   "DecodeAttention"}, readers
-    assert not [n for n in g.nodes if n.op in ("Unsqueeze", "Add")
-                and any(v.desc.dtype.torch == torch.int64 for v in n.inputs)]
 
 
 def test_threads_share_the_bound_kernels_views_memo():
