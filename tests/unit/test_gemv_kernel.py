@@ -102,6 +102,10 @@ def test_nan_and_inf_propagate_like_eager(m):
     (lambda: gemv(torch.randn(1, 8), torch.randn(8, 4).t()), "C-contiguous"),
     (lambda: gemv(torch.randn(1, 8), pack_weight(torch.randn(4, 8)), torch.randn(5)), "bias"),
     (lambda: pack_weight(torch.randn(4, 8, dtype=torch.float16)), "float32"),
+    (lambda: gemv(torch.randn(1, 8), pack_weight(torch.randn(4, 8)), threads=10 ** 4),
+     r"gemv: threads must be an int in 1\.\."),
+    (lambda: gemv(torch.randn(1, 8), pack_weight(torch.randn(4, 8)), threads=0), "gemv: threads"),
+    (lambda: gemv(torch.randn(1, 8), pack_weight(torch.randn(4, 8)), threads=1.5), "gemv: threads"),
 ])
 def test_bad_input_is_one_clear_error(bad, match):
     with pytest.raises(ValueError, match=match):

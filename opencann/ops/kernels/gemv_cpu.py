@@ -191,12 +191,18 @@ def bind_gemv(w_nk: torch.Tensor, rows: int, threads: Optional[int] = None
     measurement), instead of `numba_cache.launch_threads`' choice per call (torch's
     intra-op count, one thread on an oversubscribed host). Values: `gemv`'s (module
     docstring: fp32 rounding of ``F.linear``'s, NaN/Inf propagated). Raises ValueError
-    naming the bad argument: at bind for the weight or ``rows``, at a call for an x that
+    naming the bad argument: at bind for the weight, ``rows`` or ``threads`` (an int
+    from 1 to numba's pool size), at a call for an x that
     is not float32 [rows, K], a bias that is not float32 [N] or an ``out`` that is not
     float32 [rows, N]."""
     _check_weight(w_nk, None)
     if not 1 <= rows <= MAX_ROWS:
         raise ValueError(f"gemv: rows must be 1..{MAX_ROWS}, got {rows}; use F.linear for larger M")
+    if threads is not None:
+        if not (isinstance(threads, int) and 1 <= threads <= numba.config.NUMBA_NUM_THREADS):
+            raise ValueError(f"gemv: threads must be an int in 1..{numba.config.NUMBA_NUM_THREADS} "
+                             f"(numba's pool on this host), got {threads!r}; or None for the "
+                             f"launch policy's choice")
     n, k = (int(d) for d in w_nk.shape)
     kernel, wn, f32 = _kernel_for(rows), w_nk.detach().numpy(), torch.float32
     xshape, yshape, work = torch.Size((rows, k)), torch.Size((rows, n)), rows * k * n
