@@ -170,6 +170,15 @@ def _check_bias(bias: Optional[torch.Tensor], n: int) -> None:
         raise ValueError(f"gemv: bias must be float32 [{n}], got {tuple(bias.shape)} {bias.dtype}")
 
 
+def _check_threads(threads: Optional[int]) -> None:
+    """Raises ValueError unless ``threads`` is None or an int in 1..numba's pool size."""
+    if threads is not None and not (isinstance(threads, int)
+                                    and 1 <= threads <= numba.config.NUMBA_NUM_THREADS):
+        raise ValueError(f"gemv: threads must be an int in 1..{numba.config.NUMBA_NUM_THREADS} "
+                         f"(numba's pool on this host), got {threads!r}; or None for the "
+                         f"launch policy's choice")
+
+
 def bind_gemv(w_nk: torch.Tensor, rows: int, threads: Optional[int] = None
               ) -> Callable[..., torch.Tensor]:
     """``run(x, bias=None, out=None)`` = ``x @ w_nk.T + bias`` for x [rows, K] fp32, the
@@ -198,11 +207,7 @@ def bind_gemv(w_nk: torch.Tensor, rows: int, threads: Optional[int] = None
     _check_weight(w_nk, None)
     if not 1 <= rows <= MAX_ROWS:
         raise ValueError(f"gemv: rows must be 1..{MAX_ROWS}, got {rows}; use F.linear for larger M")
-    if threads is not None:
-        if not (isinstance(threads, int) and 1 <= threads <= numba.config.NUMBA_NUM_THREADS):
-            raise ValueError(f"gemv: threads must be an int in 1..{numba.config.NUMBA_NUM_THREADS} "
-                             f"(numba's pool on this host), got {threads!r}; or None for the "
-                             f"launch policy's choice")
+    _check_threads(threads)
     n, k = (int(d) for d in w_nk.shape)
     kernel, wn, f32 = _kernel_for(rows), w_nk.detach().numpy(), torch.float32
     xshape, yshape, work = torch.Size((rows, k)), torch.Size((rows, n)), rows * k * n
