@@ -40,7 +40,9 @@ from ...ir import Node, TensorDesc
 
 def make_rms_norm_kernel(node: Node, in_descs: Sequence[TensorDesc], consts: Sequence) -> Callable:
     """RmsNorm(input [..., D], weight [D] or none; attrs eps, upcast) -> [..., D], the
-    input's dtype."""
+    input's dtype: ``run(x, w=None)``, ATen's kernel; where `rms_norm_writes_out` holds
+    (float32 decode rows), ``run(x, w=None, out=None)`` writing the planned buffer
+    (`rms_norm_cpu.bind_rms_norm`, with ``prebind``)."""
     shape, eps = list(node.attrs["normalized_shape"]), node.attrs["eps"]
     if not node.attrs.get("upcast"):
         def run(x, w=None):
