@@ -271,14 +271,18 @@ def _force_path(monkeypatch, path):
 
 def _spy(monkeypatch, dac, names):
     """Wrap the kernels ``names`` of ``dac`` to record their calls: {name: [the last
-    argument of each call (``parts`` for the by-group kernels)]}."""
+    argument of each call (``parts`` for the by-group kernels)]}. A by-group kernel runs
+    through `general_entry` with its layouts, the machine code the unspied call runs."""
+    from opencann.ops.kernels.numba_cache import general_entry
+    layouts = {"_by_group_update": dac._UPDATE_ANY_LAYOUT,
+               "_by_group_rope_update": dac._ROPE_UPDATE_ANY_LAYOUT}
     calls = {}
     for n in names:
         f = getattr(dac, n)
 
         def wrapped(*a, _f=f, _n=n):
             calls.setdefault(_n, []).append(a[-1])
-            return _f(*a)
+            return general_entry(_f, a, layouts[_n])(*a) if _n in layouts else _f(*a)
         monkeypatch.setattr(dac, n, wrapped)
     return calls
 

@@ -76,12 +76,16 @@ from numba import prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from ..kernels.numba_cache import launch, launch_guard, njit
+from ..kernels.numba_cache import general_entry, launch, launch_guard, njit
 from ..kernels.numba_exp import exp2_clamped
 
 _FM = {"reassoc", "contract"}
 _LOG2E = 1.4426950408889634
 _LN2 = 0.6931471805599453
+#: arguments compiled for any layout (`numba_cache.general_entry`: one machine code whether
+#: the caller's mask and out are contiguous or views): fwd_kernel's mask and out, the
+#: backward kernels' mask; q, k and v keep their layouts (strided: ~8% slower forward)
+_FWD_ANY_LAYOUT, _BWD_ANY_LAYOUT = (3, 15), (6,)
 _LAZY_SUM_MAX = np.float32(2.0 ** 20)  # forward: lazy rescaling bound, see fwd_kernel
 _SYMBOL = "opencann_fa_sgemm"
 _THREADS_SYMBOL = "opencann_fa_blas_threads"
@@ -629,8 +633,9 @@ def forward(q, k, v, mask, causal_off, scale, block_q, block_k, out=None):
         old = numba.get_parallel_chunksize()  # thread-local in numba
         numba.set_parallel_chunksize(1)  # dynamic schedule: causal tasks have unequal work
         try:
-            fwd_kernel(q, k, v, mask, has_mask, causal, off, np.float32(scale), B, H, Hk, Sq, Sk,
-                       int(block_q), int(block_k), out, lse.reshape(-1))
+            args = (q, k, v, mask, has_mask, causal, off, np.float32(scale), B, H, Hk, Sq, Sk,
+                    int(block_q), int(block_k), out, lse.reshape(-1))
+            general_entry(fwd_kernel, args, _FWD_ANY_LAYOUT)(*args)
         finally:
             numba.set_parallel_chunksize(old)
     return out, lse
@@ -651,8 +656,10 @@ def backward(q, k, v, out, lse, do, mask, causal_off, scale, block_q, block_k):
         old = numba.get_parallel_chunksize()
         numba.set_parallel_chunksize(1)
         try:
-            bwd_dkdv_kernel(*flat, *common, dk.reshape(-1, D), dv.reshape(-1, D))
-            bwd_dq_kernel(*flat, *common, dq.reshape(-1, D))
+            args = (*flat, *common, dk.reshape(-1, D), dv.reshape(-1, D))
+            general_entry(bwd_dkdv_kernel, args, _BWD_ANY_LAYOUT)(*args)
+            args = (*flat, *common, dq.reshape(-1, D))
+            general_entry(bwd_dq_kernel, args, _BWD_ANY_LAYOUT)(*args)
         finally:
             numba.set_parallel_chunksize(old)
     return dq, dk, dv

@@ -52,7 +52,7 @@ from numba import prange
 from ...ir import TensorDesc
 from .kv_cache_update_cpu import _array, check_update, kv_cache_update
 from .rotary_mul_cpu import apply_rotary_pos_emb
-from .numba_cache import (GRAIN, entry_point, launch, launch_guard, launch_threads, njit,
+from .numba_cache import (GRAIN, general_entry, launch, launch_guard, launch_threads, njit,
                           torch_threads)
 from .decode_attention_tile import HEADS, SLICES, W as TILE_W, fits, pv_block, qk_block
 from .numba_exp import exp_shifted
@@ -418,6 +418,13 @@ def _bound_plan(descs: tuple, rope: tuple) -> Optional[tuple]:
     return (_by_group_rope_update if rope else _by_group_update), r4, Hkv, D
 
 
+#: arguments compiled for any layout (`numba_cache.general_entry`): the new rows and the
+#: query, read one row at a time (views of a fused QKV output in a graph, contiguous in a
+#: caller's tensors); the caches and the output keep their layouts
+_UPDATE_ANY_LAYOUT = (2, 3, 5)          # `_by_group_update`: knb, vnb, q
+_ROPE_UPDATE_ANY_LAYOUT = (1, 3, 4)     # `_by_group_rope_update`: vnb, qraw, knew
+
+
 def bind_decode_attention_update(q: TensorDesc, k: TensorDesc, v: TensorDesc, k_new: TensorDesc,
                                  v_new: TensorDesc, positions: TensorDesc, lengths: TensorDesc,
                                  scale: Optional[float], cos: Optional[TensorDesc] = None,
@@ -450,6 +457,7 @@ def bind_decode_attention_update(q: TensorDesc, k: TensorDesc, v: TensorDesc, k_
     if plan is None:
         return general
     kernel, r4, Hkv, D = plan
+    any_layout = _ROPE_UPDATE_ANY_LAYOUT if rope else _UPDATE_ANY_LAYOUT
     B = int(q.shape[0])
     sc = np.float32(float(D) ** -0.5 if scale is None else float(scale))
     per_len = 2 * B * Hkv * D           # K and V elements read per live position
@@ -464,16 +472,15 @@ def bind_decode_attention_update(q: TensorDesc, k: TensorDesc, v: TensorDesc, k_
             return general(qt, kt, vt, knt, vnt, pos, lens, *cs, out=out)
         ts = (qt, kt, vt, knt, vnt, pos, lens, out) + cs
         ptrs = tuple(t.data_ptr() for t in ts)
+        parts = launch_threads(work) if work >= GRAIN else 1
         if last and ptrs == last[1] and all(map(operator.is_, ts, last[0])):
             fn, args = last[2], last[3]     # the same tensors as the last call: its views
         else:
-            fn, args = kernel, _views(vw, rope, r4, sc, ts)
-        parts = launch_threads(work) if work >= GRAIN else 1
+            args = _views(vw, rope, r4, sc, ts)
+            fn = general_entry(kernel, args + (parts,), any_layout)
+            last[:] = [ts, ptrs, fn, args]
         with _threads(parts):
             bad = fn(*args, parts)
-        if fn is kernel:
-            e = entry_point(kernel, args + (parts,))
-            last[:] = [] if e is None else [ts, ptrs, e, args]
         if bad:   # raises its one-line error
             return general(qt, kt, vt, knt, vnt, pos, lens, *cs, out=out)
         return out, kt, vt
@@ -629,6 +636,7 @@ def decode_attention_update(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     scale = float(D) ** -0.5 if scale is None else float(scale)
     parts = launch_threads(work) if work >= GRAIN else 1
     with _threads(parts):
-        _by_group_update(_array(k), _array(v), _array(k_new), _array(v_new), _np(positions),
-                         _np(q), _np(k), _np(v), lens, np.float32(scale), res.numpy(), parts)
+        args = (_array(k), _array(v), _array(k_new), _array(v_new), _np(positions), _np(q),
+                _np(k), _np(v), lens, np.float32(scale), res.numpy(), parts)
+        general_entry(_by_group_update, args, _UPDATE_ANY_LAYOUT)(*args)
     return (out.copy_(res) if out is not None and res is not out else res), k, v

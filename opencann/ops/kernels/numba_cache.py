@@ -27,6 +27,7 @@ import time
 from typing import Callable, Optional
 
 from numba import njit as _numba_njit
+from numba.core import types
 from numba.core.caching import (CompileResultCacheImpl, FunctionCache, UserProvidedCacheLocator,
                                 UserWideCacheLocator)
 
@@ -118,6 +119,35 @@ def entry_point(dispatcher, args: tuple) -> Optional[Callable]:
         return None
     cres = dispatcher.overloads.get(tuple(dispatcher.typeof_pyval(a) for a in args))
     return None if cres is None else cres.entry_point
+
+
+def general_entry(kernel, args: tuple, general: tuple) -> Callable:
+    """The compiled entry of numba ``kernel`` for ``args`` with the arrays at the positions
+    ``general`` typed as layout ``'A'`` (any strides) and the others as they are, compiled
+    or loaded from the cache on first use; ``kernel`` itself when it is no numba dispatcher
+    (a test's wrapper). Call it with arguments of those types only (see `entry_point`).
+    Why: numba compiles one machine code per combination of argument layouts, and a
+    parallel kernel takes 5-25 s to compile on the 2-core EPYC: an argument that some
+    callers pass contiguous and others as a view (a graph's slice of a fused QKV output,
+    a caller's contiguous tensor) made FlashAttention's forward compile six times and the
+    decode attention-with-cache-write four. Only for arguments the kernel reads or writes
+    a row at a time, where the unknown stride costs nothing measurable (a strided q, k or
+    v made FlashAttention's forward ~8% slower at [1, 12, 512, 64], so those stay as they
+    are). Source: numba docs, "Types and signatures" (array layouts 'C', 'F', 'A')."""
+    if not hasattr(kernel, "overloads"):
+        return kernel
+    sig = tuple(_any_layout(kernel.typeof_pyval(a)) if i in general else kernel.typeof_pyval(a)
+                for i, a in enumerate(args))
+    cres = kernel.overloads.get(sig)
+    if cres is None:
+        kernel.compile(sig)
+        cres = kernel.overloads[sig]
+    return cres.entry_point
+
+
+def _any_layout(t):
+    """Numba type ``t`` with layout 'A' when it is an array type."""
+    return t.copy(layout="A") if isinstance(t, types.Array) and t.layout != "A" else t
 
 
 class _FunctionCache(FunctionCache):
@@ -336,6 +366,6 @@ def prebound(kernel, args: tuple, work: Optional[int] = None, threads: Optional[
 
 
 __all__ = ["GRAIN", "LOAD_SAMPLE_S", "LOAD_TAU_S", "OpencannCacheLocator", "cache_dir", "prebound",
-           "entry_point", "follow_torch_threads", "launch", "launch_guard", "launch_threads", "njit", "others_load",
+           "entry_point", "follow_torch_threads", "general_entry", "launch", "launch_guard", "launch_threads", "njit", "others_load",
            "own_running_threads",
            "oversubscribed", "runnable_threads", "torch_threads"]
