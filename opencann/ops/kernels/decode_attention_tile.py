@@ -33,14 +33,13 @@ intrinsics".
 """
 from __future__ import annotations
 
-from typing import List, Tuple
 
 from llvmlite import ir
 from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .gemv_tile import VectorIR, vector_width
+from .gemv_tile import VectorIR, transpose_sum, transpose_sum_masks, vector_width
 from .numba_cache import njit
 
 W = vector_width()      # fp32 lanes per vector on this CPU (16 with AVX-512, else 8)
@@ -54,24 +53,6 @@ def pv_heads(width: int) -> int:
 
 
 HEADS = pv_heads(W)     # this CPU's `pv_block` heads per call
-
-
-def transpose_sum_masks(width: int) -> List[Tuple[List[int], List[int]]]:
-    """The shuffle masks of the transposition tree for ``width`` vectors of ``width``
-    lanes: per level, (lo, hi) over the concatenation of a pair (a, b): ``lo + hi`` halves
-    every group of lanes that holds one source vector's partial sums, a's groups first.
-    After log2(width) levels lane i holds the sum of source vector i's lanes."""
-    out, gs = [], width
-    while gs > 1:
-        half = gs // 2
-        lo, hi = [], []
-        for src in (0, width):
-            for i in range(width // gs):
-                lo += [src + i * gs + j for j in range(half)]
-                hi += [src + i * gs + half + j for j in range(half)]
-        out.append((lo, hi))
-        gs = half
-    return out
 
 
 def _block_for(width: int, ret, emit):
@@ -126,13 +107,8 @@ def _qk_emit(context, builder, signature, args, width: int):
         qv = v.load(qrow, d)
         for i in range(width):
             builder.store(builder.call(fma, [qv, v.load(krows[i], d), builder.load(acc[i])]), acc[i])
-    vs = [builder.load(a) for a in acc]
-    mtype = ir.VectorType(ir.IntType(32), width)
-    for lo, hi in transpose_sum_masks(width):
-        vs = [builder.fadd(builder.shuffle_vector(vs[p], vs[p + 1], ir.Constant(mtype, lo)),
-                           builder.shuffle_vector(vs[p], vs[p + 1], ir.Constant(mtype, hi)))
-              for p in range(0, len(vs), 2)]
-    scores = builder.fmul(vs[0], _splat(builder, vec, scale, width))
+    sums = transpose_sum(builder, [builder.load(a) for a in acc], width)
+    scores = builder.fmul(sums, _splat(builder, vec, scale, width))
     builder.store(scores, builder.bitcast(v.item(s_ty, sa, gi, j), v.vptr), align=4)
     mx = cgutils.get_or_insert_function(builder.module, ir.FunctionType(f32, [vec]),
                                         f"llvm.vector.reduce.fmaximum.v{width}f32")

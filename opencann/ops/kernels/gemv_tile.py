@@ -45,6 +45,7 @@ accumulators in registers).
 from __future__ import annotations
 
 from functools import lru_cache
+from typing import List, Tuple
 
 from llvmlite import binding as llvm_binding
 from llvmlite import ir
@@ -185,36 +186,51 @@ def _emit(context, builder, signature, args, mr: int, rw: int, width: int):
     return context.make_tuple(builder, signature.return_type, outs)
 
 
-def lane_sums(builder, vecs: list, width: int) -> list:
-    """The lane sums of the ``width``-lane fp32 vectors ``vecs`` (IR values), as scalar IR
-    values in order: a transpose-and-add tree over groups of ``width`` vectors (a short
-    last group padded with zero vectors), ``width - 1`` vector adds and twice as many
-    shuffles per group where one horizontal sum per vector takes log2(width) of each (at
-    8 x rows x 3 w rows and K = 768, 24 horizontal sums were ~1/6 of the tile's FP work).
-    Each step adds the upper half of every lane block to its lower half, two vectors at a
-    time, so vector i ends as lane i of its group's result; NaN and Inf propagate as in
-    any sum, the order of the additions is fixed (a pairwise tree over the lanes)."""
-    i32 = ir.IntType(32)
-    zero = ir.Constant(ir.VectorType(ir.FloatType(), width), None)
-    out = []
-    for g in range(0, len(vecs), width):
-        level = list(vecs[g:g + width]) + [zero] * (width - len(vecs[g:g + width]))
-        p = width            # lanes per block: each vector holds width // p sums in blocks
-        while p > 1:
-            half, nxt = p // 2, []
-            blocks = width // p
-            for a, b in zip(level[0::2], level[1::2]):
-                lo = [j * p + t for j in range(blocks) for t in range(half)]
-                hi = [j * p + half + t for j in range(blocks) for t in range(half)]
-                lo += [width + i for i in lo]
-                hi += [width + i for i in hi]
-                x = builder.shuffle_vector(a, b, ir.Constant(ir.VectorType(i32, width), lo))
-                y = builder.shuffle_vector(a, b, ir.Constant(ir.VectorType(i32, width), hi))
-                nxt.append(builder.fadd(x, y))
-            level, p = nxt, half
-        (r,) = level
-        out += [builder.extract_element(r, ir.Constant(i32, i)) for i in range(min(width, len(vecs) - g))]
+def transpose_sum_masks(width: int) -> List[Tuple[List[int], List[int]]]:
+    """The shuffle masks of the transposition tree for ``width`` vectors of ``width``
+    lanes: per level, (lo, hi) over the concatenation of a pair (a, b): ``lo + hi`` halves
+    every group of lanes that holds one source vector's partial sums, a's groups first.
+    After log2(width) levels lane i holds the sum of source vector i's lanes."""
+    out, gs = [], width
+    while gs > 1:
+        half = gs // 2
+        lo, hi = [], []
+        for src in (0, width):
+            for i in range(width // gs):
+                lo += [src + i * gs + j for j in range(half)]
+                hi += [src + i * gs + half + j for j in range(half)]
+        out.append((lo, hi))
+        gs = half
     return out
 
 
-__all__ = ["VectorIR", "dot_tile", "lane_sums", "rows_for", "vector_width"]
+def transpose_sum(builder, vecs: list, width: int):
+    """One ``width``-lane vector whose lane i is the sum of the lanes of ``vecs[i]`` (IR
+    values; fewer than ``width`` padded with zero vectors): `transpose_sum_masks`' tree,
+    ``width - 1`` vector adds and twice as many shuffles where one horizontal sum per
+    vector takes log2(width) of each. Each lane sums one vector's lanes only (NaN and Inf
+    stay in their own lane), in a fixed pairwise order."""
+    vs = list(vecs) + [ir.Constant(ir.VectorType(ir.FloatType(), width), None)] * (width - len(vecs))
+    mtype = ir.VectorType(ir.IntType(32), width)
+    for lo, hi in transpose_sum_masks(width):
+        vs = [builder.fadd(builder.shuffle_vector(vs[p], vs[p + 1], ir.Constant(mtype, lo)),
+                           builder.shuffle_vector(vs[p], vs[p + 1], ir.Constant(mtype, hi)))
+              for p in range(0, len(vs), 2)]
+    return vs[0]
+
+
+def lane_sums(builder, vecs: list, width: int) -> list:
+    """The lane sums of the ``width``-lane fp32 vectors ``vecs`` (IR values), as scalar IR
+    values in order: `transpose_sum` per group of ``width`` vectors (at 8 x rows x 3 w rows
+    and K = 768, 24 horizontal sums were ~1/6 of the tile's FP work)."""
+    i32 = ir.IntType(32)
+    out = []
+    for g in range(0, len(vecs), width):
+        group = vecs[g:g + width]
+        r = transpose_sum(builder, group, width)
+        out += [builder.extract_element(r, ir.Constant(i32, i)) for i in range(len(group))]
+    return out
+
+
+__all__ = ["VectorIR", "dot_tile", "lane_sums", "rows_for", "transpose_sum", "transpose_sum_masks",
+           "vector_width"]
