@@ -61,3 +61,22 @@ def test_flash_attention_mask_and_out_layouts_compile_one_signature(strided_out)
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
     for sig in fa_cpu.fwd_kernel.overloads:
         assert sig[3].layout == sig[15].layout == "A", sig      # mask, out: any layout
+
+
+def test_the_memo_keys_on_every_arguments_type():
+    """A second call with the same types reuses the entry; another dtype, rank or
+    writability gets its own (never a float32 entry reading float64 memory)."""
+    x32 = np.arange(12, dtype=np.float32).reshape(3, 4) / 7
+    w32 = np.linspace(-1, 1, 4).astype(np.float32)
+    o32 = np.empty(3, np.float32)
+    e1 = general_entry(_row_sums, (x32, w32, o32), (0,))
+    assert general_entry(_row_sums, (x32[:, :], w32, o32), (0,)) is e1
+    x64, w64, o64 = x32.astype(np.float64), w32.astype(np.float64), np.empty(3, np.float64)
+    e2 = general_entry(_row_sums, (x64, w64, o64), (0,))
+    assert e2 is not e1
+    e2(x64, w64, o64)
+    np.testing.assert_allclose(o64, x64 @ w64, rtol=1e-12)
+    ro = x32.copy()
+    ro.setflags(write=False)
+    general_entry(_row_sums, (ro, w32, o32), (0,))(ro, w32, o32)
+    np.testing.assert_allclose(o32, x32 @ w32, rtol=1e-6)
