@@ -307,3 +307,39 @@ def test_bind_forward_equals_flash_attention_forward():
     assert got.dtype == torch.float32 and rel(got, want) < 1e-2   # as flash_attention_forward
     with pytest.raises(ValueError, match="head dim"):
         bind_forward((1, 6, 8, 16), (1, 4, 8, 16))
+
+
+@pytest.mark.parametrize("which", ["q", "k", "kv", "qkv"])
+def test_inputs_expanded_along_the_sequence_are_read_as_their_values(which):
+    """q, k or v expanded along S (stride 0: one row seen S times) cannot be read in place:
+    the row stride is the tile GEMMs' leading dimension, which BLAS requires >= D. Such
+    an operand is copied, and forward, out= and the gradients equal SDPA's (the kernel
+    used to call MKL with a leading dimension 0, print its error and leave tiles unwritten)."""
+    g = torch.Generator().manual_seed(11)
+    full = {n: torch.randn(2, 3, 17, 12, generator=g) for n in "qkv"}
+    ts = {n: (full[n][:, :, :1].expand(2, 3, 17, 12) if n in which else full[n]) for n in "qkv"}
+    assert any(t.stride(2) == 0 for t in ts.values())
+    for causal in (False, True):
+        ref = F.scaled_dot_product_attention(*(t.contiguous() for t in ts.values()), is_causal=causal)
+        got, _ = flash_attention_forward(*ts.values(), causal=causal, backend="numba")
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+        out = torch.full((2, 17, 3, 12), 7.0).transpose(1, 2)
+        flash_attention_forward(*ts.values(), causal=causal, backend="numba", out=out)
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+        leaves = {n: t.detach().clone().requires_grad_() for n, t in full.items()}
+        views = {n: (leaves[n][:, :, :1].expand(2, 3, 17, 12) if n in which else leaves[n])
+                 for n in "qkv"}
+        flash_attention(*views.values(), causal=causal).sum().backward()
+        want = {n: t.detach().clone().requires_grad_() for n, t in full.items()}
+        wviews = {n: (want[n][:, :, :1].expand(2, 3, 17, 12) if n in which else want[n])
+                  for n in "qkv"}
+        F.scaled_dot_product_attention(*wviews.values(), is_causal=causal).sum().backward()
+        for n in "qkv":
+            torch.testing.assert_close(leaves[n].grad, want[n].grad, rtol=1e-4, atol=1e-4)
+
+
+def test_an_out_whose_rows_are_closer_than_d_is_one_line():
+    q = torch.randn(1, 2, 1, 8)
+    out = torch.empty(1, 2, 8).unsqueeze(2).as_strided((1, 2, 1, 8), (16, 8, 3, 1))
+    with pytest.raises(ValueError, match="out= needs"):
+        flash_attention_forward(q, q, q, backend="numba", out=out)

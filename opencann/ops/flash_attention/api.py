@@ -146,9 +146,11 @@ def _tiles(tiles, backend, D, Sq, Sk, dtype, forward_only=False, causal=False):
 
 def _rows_f32(t: torch.Tensor) -> bool:
     """Whether the CPU kernel reads float32 ``t`` [B, H, S, D] in place: a unit stride
-    along D, the others non-negative (`cpu._rows`)."""
+    along D, rows at least D elements apart (the tile GEMMs' leading dimension: an S
+    expanded with stride 0 is copied), the others non-negative (`cpu._in_place`)."""
     return (t.dtype == torch.float32 and t.dim() == 4
-            and (t.numel() == 0 or (t.stride(3) == 1 and min(t.stride()) >= 0)))
+            and (t.numel() == 0 or (t.stride(3) == 1 and min(t.stride()) >= 0
+                                    and t.stride(2) >= t.shape[3])))
 
 
 def _dense_f32(*ts):

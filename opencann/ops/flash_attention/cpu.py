@@ -608,9 +608,13 @@ def _args(q, k, mask, causal_off):
 
 def _in_place(a) -> bool:
     """Whether `fwd_kernel` reads or writes the 4-D float32 array ``a`` as it is: its last
-    stride one element, the others non-negative multiples of it (empty: any)."""
+    stride one element, the others non-negative multiples of it, rows (along S) at least
+    D elements apart: the row stride is the tile GEMMs' leading dimension, which BLAS
+    requires to be at least the row length (an S expanded with stride 0 made MKL refuse
+    the call and leave the tile unwritten); empty: any."""
     st = a.strides
-    return a.size == 0 or (st[3] == 4 and min(st) >= 0 and not (st[0] | st[1] | st[2]) % 4)
+    return a.size == 0 or (st[3] == 4 and min(st) >= 0 and not (st[0] | st[1] | st[2]) % 4
+                           and st[2] >= 4 * a.shape[3])
 
 
 def forward(q, k, v, mask, causal_off, scale, block_q, block_k, out=None):
@@ -625,8 +629,8 @@ def forward(q, k, v, mask, causal_off, scale, block_q, block_k, out=None):
     if out is None:
         out = np.empty((B, H, Sq, D), np.float32)
     if out.size and not _in_place(out):
-        raise ValueError("flash attention forward: out must have a unit stride along D and "
-                         "non-negative strides (e.g. a contiguous array)")
+        raise ValueError("flash attention forward: out must have a unit stride along D, rows "
+                         "at least D apart and non-negative strides (e.g. a contiguous array)")
     lse = np.empty((B, H, Sq), np.float32)
     q, k, v = (a if _in_place(a) else np.ascontiguousarray(a) for a in (q, k, v))
     with _launch_guard(B * H * Sq * Sk * D):

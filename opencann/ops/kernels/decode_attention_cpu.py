@@ -457,12 +457,11 @@ def bind_decode_attention_update(q: TensorDesc, k: TensorDesc, v: TensorDesc, k_
     if plan is None:
         return general
     kernel, r4, Hkv, D = plan
-    any_layout = _ROPE_UPDATE_ANY_LAYOUT if rope else _UPDATE_ANY_LAYOUT
-    B = int(q.shape[0])
+    any_layout, B = _ROPE_UPDATE_ANY_LAYOUT if rope else _UPDATE_ANY_LAYOUT, int(q.shape[0])
     sc = np.float32(float(D) ** -0.5 if scale is None else float(scale))
     per_len = 2 * B * Hkv * D           # K and V elements read per live position
     vw = NumpyViews()
-    last: list = []    # the last call's tensors, their data pointers, the kernel entry, its args
+    last: list = [None]  # the last call's (tensors, pointers, entry, args), replaced whole
 
     def run(qt, kt, vt, knt, vnt, pos, lens, *cs, out=None):
         if out is None or not out.is_contiguous() or out.dtype is not torch.float32:
@@ -473,12 +472,13 @@ def bind_decode_attention_update(q: TensorDesc, k: TensorDesc, v: TensorDesc, k_
         ts = (qt, kt, vt, knt, vnt, pos, lens, out) + cs
         ptrs = tuple(t.data_ptr() for t in ts)
         parts = launch_threads(work) if work >= GRAIN else 1
-        if last and ptrs == last[1] and all(map(operator.is_, ts, last[0])):
-            fn, args = last[2], last[3]     # the same tensors as the last call: its views
+        m = last[0]       # read once: another thread may replace it (never mutated)
+        if m is not None and ptrs == m[1] and all(map(operator.is_, ts, m[0])):
+            fn, args = m[2], m[3]     # the same tensors as the last call: its views
         else:
             args = _views(vw, rope, r4, sc, ts)
             fn = general_entry(kernel, args + (parts,), any_layout)
-            last[:] = [ts, ptrs, fn, args]
+            last[0] = (ts, ptrs, fn, args)
         with _threads(parts):
             bad = fn(*args, parts)
         if bad:   # raises its one-line error

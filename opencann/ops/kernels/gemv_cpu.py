@@ -215,10 +215,9 @@ def bind_gemv(w_nk: torch.Tensor, rows: int, threads: Optional[int] = None
     guard = launch_guard()
     lock = None if isinstance(guard, contextlib.nullcontext) else guard
     get_threads, set_threads = numba.get_num_threads, numba.set_num_threads
-    # the last call's x, out, bias, their data pointers, the kernel's entry point and its
-    # arguments: a graph hands the same arena buffers every call, and the entry point
-    # skips the dispatcher's type resolution (`numba_cache.entry_point`)
-    last: list = []
+    # the last call's (x, out, bias, data pointers, entry point, args), replaced whole (a
+    # thread reads it once); the entry point skips the dispatcher (`entry_point`)
+    last: list = [None]
     entries: dict = {}     # has bias -> the kernel's entry point
 
     def run(x: torch.Tensor, bias: Optional[torch.Tensor] = None,
@@ -230,9 +229,10 @@ def bind_gemv(w_nk: torch.Tensor, rows: int, threads: Optional[int] = None
         nt = threads if threads is not None else launch_threads(work)
         if get_threads() != nt:
             set_threads(nt)
-        if last and x is last[0] and out is last[1] and bias is last[2] \
-                and last[3] == (x.data_ptr(), out.data_ptr(), 0 if bias is None else bias.data_ptr()):
-            _call(last[4], last[5], lock)   # the last call's tensors: its views, no dispatch
+        m = last[0]       # one read: another thread may replace it (never mutated)
+        if m is not None and x is m[0] and out is m[1] and bias is m[2] \
+                and m[3] == (x.data_ptr(), out.data_ptr(), 0 if bias is None else bias.data_ptr()):
+            _call(m[4], m[5], lock)   # the last call's tensors: its views, no dispatch
             return out
         return _views_call(kernel, wn, x, bias, out, yshape, lock, last, entries)
     run.weight = w_nk   # held: a cache that keeps the packed copy weakly sees it alive
@@ -289,8 +289,8 @@ def _views_call(kernel, wn: np.ndarray, x: torch.Tensor, bias: Optional[torch.Te
     _call(kernel if fn is None else fn, args, lock)
     if fn is None:
         fn = entries[args[3]] = entry_point(kernel, args)
-    last[:] = [] if fn is None or not (x is x0 and bias is b0 and y is out) else \
-        [x, out, bias, (x.data_ptr(), out.data_ptr(), 0 if bias is None else bias.data_ptr()), fn, args]
+    last[0] = None if fn is None or not (x is x0 and bias is b0 and y is out) else \
+        (x, out, bias, (x.data_ptr(), out.data_ptr(), 0 if bias is None else bias.data_ptr()), fn, args)
     if out is not None and y is not out:
         return out.copy_(y)
     return y
