@@ -13,6 +13,7 @@ import torch
 import opencann
 from opencann.devices import cpu as cpu_device
 from opencann.engine.dynamic import pin_kernel_choices
+from opencann.ir.types import DataType, TensorDesc
 from opencann.ir.specialise import specialise
 from opencann.ops.kernels import cpu as cpu_kernels
 from helpers import ForcedGemmChoice
@@ -191,12 +192,12 @@ def test_model_file_keeps_the_choice_and_falls_back_where_the_kernel_is_missing(
         _close(plain(x), m(x))
 
 
-@needs_onednn
-def test_a_broadcast_bias_never_goes_to_onednn(monkeypatch):
-    """oneDNN's inner product (and the GEMV) take a full [n] bias only: a [1] bias binds a
-    kernel that broadcasts it (addmm, or MKL's packed GEMM or addmm on a contiguous copy of
-    the weight where the race picks them)."""
-    monkeypatch.setattr(cpu_kernels, "LINEAR_CHOICES", ForcedGemmChoice("onednn_packed"))
+@pytest.mark.parametrize("forced", ["onednn_packed", "onednn_plain", "mkl_packed", "gemv"])
+def test_a_broadcast_bias_never_goes_to_onednn(forced, monkeypatch):
+    """oneDNN's inner product, MKL's packed GEMM and the GEMV take a full [n] bias only
+    (MKL's and oneDNN's read n values from the bias's pointer: past the end of a [1] one):
+    a [1] bias binds addmm, forced or raced, and matches eager."""
+    monkeypatch.setattr(cpu_kernels, "LINEAR_CHOICES", ForcedGemmChoice(forced))
 
     class M(torch.nn.Module):
         def __init__(self):
@@ -208,16 +209,43 @@ def test_a_broadcast_bias_never_goes_to_onednn(monkeypatch):
             return torch.relu(torch.addmm(self.b, x, self.w))
 
     m = M().eval()
-    x = torch.randn(5, 16)
-    cm = opencann.compile(m, (x,))
-    assert _kernels(cm) and all(k in ("addmm", "addmm_kn", "mkl_packed") for k in _kernels(cm))
+    for rows in (1, 5):
+        x = torch.randn(rows, 16)
+        cm = opencann.compile(m, (x,))
+        assert _kernels(cm) == ["addmm"]
+        with torch.no_grad():
+            _close(cm(x), m(x))
+    assert not cpu_kernels._available("mkl_packed", 24, TensorDesc((1,), DataType.FLOAT), 5)
+
+
+@pytest.mark.parametrize("kernel", ["onednn_packed", "onednn_plain", "mkl_packed", "gemv"])
+@pytest.mark.parametrize("layout", ["expand", "slice", "input"])
+def test_a_non_contiguous_bias_matches_eager_on_every_kernel(kernel, layout, monkeypatch):
+    """A full [n] bias that is not contiguous (a [1] bias expanded, a strided slice of a
+    constant or of a computed tensor) gives eager's values on every kernel (oneDNN reads
+    the bias as n contiguous values: it is copied where it is not)."""
+    if kernel == "mkl_packed" and not cpu_device.mkl_packed_available():
+        pytest.skip("MKL packed GEMM not in this torch build")
+    if kernel.startswith("onednn") and not cpu_device.onednn_linear_available():
+        pytest.skip("oneDNN prepacked inner product not in this torch build")
+    monkeypatch.setattr(cpu_kernels, "LINEAR_CHOICES", ForcedGemmChoice(kernel))
+
+    class M(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.randn(16, 24))
+            self.b1, self.b2 = torch.nn.Parameter(torch.randn(1)), torch.nn.Parameter(torch.randn(48))
+
+        def forward(self, x, c):
+            b = {"expand": self.b1.expand(24), "slice": self.b2[::2], "input": (c * 2)[::2]}[layout]
+            return torch.relu(torch.addmm(b, x, self.w))
+
+    m = M().eval()
+    x, c = torch.randn(4, 16), torch.randn(48)
+    cm = opencann.compile(m, (x, c))
+    assert _kernels(cm) == [kernel]
     with torch.no_grad():
-        _close(cm(x), m(x))
-    monkeypatch.setattr(cpu_kernels, "LINEAR_CHOICES", ForcedGemmChoice("gemv"))
-    cm = opencann.compile(m, (x,))
-    assert all(k in ("addmm", "addmm_kn", "mkl_packed") for k in _kernels(cm))
-    with torch.no_grad():
-        _close(cm(x), m(x))
+        _close(cm(x, c), m(x, c))
 
 
 def test_gemv_serves_decode_rows_only_and_a_file_keeps_it(tmp_path, monkeypatch):

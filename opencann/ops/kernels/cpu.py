@@ -457,7 +457,9 @@ def _available(kernel: str, n: int, bias: Optional[TensorDesc], m: int = 0,
                dtype: torch.dtype = torch.float32, kn: bool = False) -> bool:
     """Whether GEMM ``kernel`` can run here for ``m`` rows, ``n`` output features, a
     bias of ``bias``'s shape or none (None), and operands of ``dtype`` (oneDNN's inner
-    product and the GEMV take a full [n] bias or none; the GEMV 1..`GEMV_MAX_ROWS` rows;
+    product, MKL's packed GEMM and the GEMV take a full [n] bias or none: only addmm
+    broadcasts a [1] one, the others read n values from its pointer, past its end, and
+    oneDNN's read them as contiguous, `_dense_bias`); the GEMV 1..`GEMV_MAX_ROWS` rows;
     bf16 runs on addmm and oneDNN's prepacked inner product only: MKL's packed GEMM,
     the numba GEMV, ``addmm_kn`` and ``onednn_plain`` are fp32). ``kn``: ``addmm_kn``
     (addmm on a contiguous copy of the weight) is offered: a weight held transposed
@@ -473,7 +475,7 @@ def _available(kernel: str, n: int, bias: Optional[TensorDesc], m: int = 0,
     if kernel in ("onednn_packed", "onednn_plain"):
         return onednn_linear_available() and full
     if kernel == "mkl_packed":
-        return mkl_packed_available()
+        return mkl_packed_available() and full
     return kernel == "addmm"
 
 
@@ -668,6 +670,13 @@ def _kn_weight(wt: torch.Tensor) -> torch.Tensor:
     return _packed_once(_KN_PACKED, wt, lambda w: w.contiguous())
 
 
+def _dense_bias(b: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """The [n] bias ``b`` (or None) as oneDNN's inner product reads it: contiguous (it
+    reads n values from the data pointer, whatever the strides: an expanded [1] bias or a
+    strided slice gave wrong values), copied only when not."""
+    return b if b is None or b.is_contiguous() else b.contiguous()
+
+
 def _packed_kernel(kernel: str, wt: torch.Tensor, m: int, post, act: str = "none") -> Callable:
     """``run(b, x, _w, out=None)`` of prepacked GEMM ``kernel`` on the constant weight
     ``wt`` [k, n] (packed once; ``m`` is the row count it is packed for), then ``post``
@@ -695,13 +704,13 @@ def _packed_kernel(kernel: str, wt: torch.Tensor, m: int, post, act: str = "none
             (fused, algo), post = BF16_LINEAR_POST[act], None
 
         def run_onednn(b, x, _w, out=None):
-            return _copy_act(lin(x, packed, b, fused, [], algo), out, post)
+            return _copy_act(lin(x, packed, _dense_bias(b), fused, [], algo), out, post)
         return run_onednn
     if kernel == "onednn_plain":
         w_nk, lin = _gemv_weight(wt), torch.ops.mkldnn._linear_pointwise
 
         def run_plain(b, x, _w, out=None):
-            return _copy_act(lin(x, w_nk, b, "none", [], ""), out, post)
+            return _copy_act(lin(x, w_nk, _dense_bias(b), "none", [], ""), out, post)
         return run_plain
     w = wt.t().contiguous()  # (out_features, in_features)
     packed, lin = torch.ops.mkl._mkl_reorder_linear_weight(w, m), torch.ops.mkl._mkl_linear
