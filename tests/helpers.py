@@ -188,3 +188,21 @@ def skipped(report):
     """(pass, reason) of every near miss a compile report recorded."""
     return [(s["pass"], s["reason"]) for s in report.skipped]
 
+
+
+def run_threads(targets, switch_interval: float = 1e-6) -> None:
+    """Run the callables ``targets`` (each ``(fn, args)``) on threads of their own, all
+    started before any is joined, with the interpreter switching threads every
+    ``switch_interval`` seconds (often: the window a race needs), restored after."""
+    import sys
+    import threading
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(switch_interval)
+    try:
+        ts = [threading.Thread(target=fn, args=args) for fn, args in targets]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()
+    finally:
+        sys.setswitchinterval(old)

@@ -11,6 +11,7 @@ import threading
 
 import pytest
 import torch
+from helpers import run_threads
 
 from opencann.ir import DataType, TensorDesc
 import opencann.ops.kernels.add_rms_norm_cpu as arn
@@ -135,14 +136,5 @@ def test_threads_calling_one_bound_gemv_each_get_their_own_result(threads):
             run(x, None, out)
             if not torch.allclose(out, want, rtol=1e-5, atol=1e-5):
                 bad.append(i)
-    old = sys.getswitchinterval()
-    sys.setswitchinterval(1e-6)
-    try:
-        ts = [threading.Thread(target=worker, args=(i,)) for i in range(threads)]
-        for t in ts:
-            t.start()
-        for t in ts:
-            t.join()
-    finally:
-        sys.setswitchinterval(old)
+    run_threads([(worker, (i,)) for i in range(threads)])
     assert bad == []

@@ -8,11 +8,9 @@ eager's error for an index out of range (the executor's line naming the node); l
 inputs keep ATen's kernels. The models give each op a consumer, so that it writes a
 planned buffer (a graph output has none and runs ATen's kernel), and count the numba
 kernel's calls."""
-import sys
-import threading
-
 import pytest
 import torch
+from helpers import run_threads
 
 import opencann
 from opencann.ops.kernels import embedding_cpu, rms_norm_cpu
@@ -212,36 +210,26 @@ def test_threads_share_the_bound_kernels_views_memo():
     """One compiled model called from several threads: its bound kernels share one
     `NumpyViews` memo, whose evictions must not race (they raised KeyError / 'dictionary
     changed size during iteration'); the memo alone, every call a miss, too."""
-    old = sys.getswitchinterval()
-    sys.setswitchinterval(1e-6)      # switch threads often: the window the race needed
-    try:
-        views, errors = NumpyViews(capacity=2), []
-        pool = [torch.empty(3) for _ in range(64)]    # alive: their ids stay theirs
+    views, errors = NumpyViews(capacity=2), []
+    pool = [torch.empty(3) for _ in range(64)]    # alive: their ids stay theirs
 
-        def churn(k):
-            try:
-                for j in range(20000):                # nearly every lookup a miss
-                    assert views.shaped(pool[(7 * j + k) % 64], (3,)) is not None
-            except Exception as e:   # noqa: BLE001 - any error is the failure
-                errors.append(repr(e))
-        m = Consumed(torch.nn.Embedding(100, 32)).eval()
-        cm = opencann.compile(m, (torch.tensor([[1, 2, 3]]),))
+    def churn(k):
+        try:
+            for j in range(20000):                # nearly every lookup a miss
+                assert views.shaped(pool[(7 * j + k) % 64], (3,)) is not None
+        except Exception as e:   # noqa: BLE001 - any error is the failure
+            errors.append(repr(e))
+    m = Consumed(torch.nn.Embedding(100, 32)).eval()
+    cm = opencann.compile(m, (torch.tensor([[1, 2, 3]]),))
 
-        def call(seed):
-            g = torch.Generator().manual_seed(seed)
-            try:
-                for _ in range(300):
-                    i = torch.randint(0, 100, (1, 3), generator=g)
-                    with torch.no_grad():
-                        assert torch.equal(cm(i), m(i))
-            except Exception as e:   # noqa: BLE001
-                errors.append(repr(e))
-        ts = [threading.Thread(target=churn, args=(k,)) for k in range(6)]
-        ts += [threading.Thread(target=call, args=(s,)) for s in range(4)]
-        for t in ts:
-            t.start()
-        for t in ts:
-            t.join()
-    finally:
-        sys.setswitchinterval(old)
+    def call(seed):
+        g = torch.Generator().manual_seed(seed)
+        try:
+            for _ in range(300):
+                i = torch.randint(0, 100, (1, 3), generator=g)
+                with torch.no_grad():
+                    assert torch.equal(cm(i), m(i))
+        except Exception as e:   # noqa: BLE001
+            errors.append(repr(e))
+    run_threads([(churn, (k,)) for k in range(6)] + [(call, (s,)) for s in range(4)])
     assert not errors, errors[:3]
