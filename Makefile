@@ -41,10 +41,14 @@ PYTEST := $(PY) -m pytest
 XDIST := -n 2 --dist loadgroup
 FAST_INTEGRATION := tests/integration/test_api_misuse.py tests/integration/test_cli_errors.py \
 	tests/integration/test_model_file.py tests/integration/test_acl.py
+# the files holding `serial` tests (marked `pytest.mark.serial` in the file, the only way
+# this suite marks them; tests/unit/test_architecture.py checks it): the serial pass
+# collects those, not the whole suite again (~20 s of collection)
+SERIAL_FILES = $(shell grep -rlE "mark\.serial" tests --include='test_*.py' | sort)
 
 test: $(STAMP)
 	$(PYTEST) tests $(XDIST) -m "not serial and not onnx_full and not full" --durations=25
-	$(PYTEST) tests -m "serial and not onnx_full and not full"
+	$(PYTEST) $(SERIAL_FILES) -m "serial and not onnx_full and not full"
 
 test-fast: $(STAMP)
 	$(PYTEST) tests/unit $(FAST_INTEGRATION) $(XDIST) -m "not serial and not heavy"

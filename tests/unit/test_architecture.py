@@ -338,3 +338,15 @@ if __name__ == "__main__":
         print(f"{k:4d} lines  {p}:{n}")
     for p, n in undocumented():
         print(f"no docstring  {p}:{n}")
+
+
+def test_serial_tests_are_marked_in_their_own_files():
+    """`make test`'s serial pass runs only the test files that spell ``mark.serial``
+    (the Makefile's SERIAL_FILES), and its parallel pass deselects ``serial``: a serial
+    marker applied from anywhere else (a conftest hook, a helper module's alias) would
+    leave its tests out of both passes."""
+    for p in (REPO / "tests").rglob("*.py"):
+        if p.name.startswith("test_"):
+            continue
+        text = p.read_text()
+        assert "mark.serial" not in text and "add_marker" not in text, p
