@@ -9,7 +9,6 @@ unwritten."""
 import sys
 import threading
 
-import pytest
 import torch
 from helpers import run_threads
 
@@ -118,8 +117,7 @@ def test_add_rms_norm_runs_its_own_views_when_another_thread_replaces_the_memo()
         _same_bits(got, want)
 
 
-@pytest.mark.parametrize("threads", [4])
-def test_threads_calling_one_bound_gemv_each_get_their_own_result(threads):
+def test_threads_calling_one_bound_gemv_each_get_their_own_result():
     """Unforced: 4 threads x 300 calls over their own tensors with a short switch
     interval, every result its own (float64 reference)."""
     g = torch.Generator().manual_seed(5)
@@ -136,5 +134,5 @@ def test_threads_calling_one_bound_gemv_each_get_their_own_result(threads):
             run(x, None, out)
             if not torch.allclose(out, want, rtol=1e-5, atol=1e-5):
                 bad.append(i)
-    run_threads([(worker, (i,)) for i in range(threads)])
+    run_threads([(worker, (i,)) for i in range(4)])
     assert bad == []

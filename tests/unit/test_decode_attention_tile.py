@@ -12,8 +12,8 @@ import numba
 import numpy as np
 import pytest
 
-from opencann.ops.kernels.decode_attention_tile import (SLICES, pv_block_for, pv_heads, qk_block_for,
-                                                        transpose_sum_masks)
+from opencann.ops.kernels.decode_attention_tile import SLICES, pv_block_for, pv_heads, qk_block_for
+from opencann.ops.kernels.gemv_tile import transpose_sum_masks
 
 
 @functools.lru_cache(maxsize=None)

@@ -33,13 +33,12 @@ intrinsics".
 """
 from __future__ import annotations
 
-
 from llvmlite import ir
 from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .gemv_tile import VectorIR, transpose_sum, transpose_sum_masks, vector_width
+from .gemv_tile import VectorIR, transpose_sum, vector_width
 from .numba_cache import njit
 
 W = vector_width()      # fp32 lanes per vector on this CPU (16 with AVX-512, else 8)
@@ -163,4 +162,4 @@ def fits(kk, vv, d):  # pragma: no cover - compiled by numba
 
 
 __all__ = ["HEADS", "SLICES", "W", "fits", "pv_block", "pv_block_for", "pv_heads", "qk_block",
-           "qk_block_for", "transpose_sum_masks"]
+           "qk_block_for"]

@@ -229,7 +229,7 @@ def bind_gemv(w_nk: torch.Tensor, rows: int, threads: Optional[int] = None
         nt = threads if threads is not None else launch_threads(work)
         if get_threads() != nt:
             set_threads(nt)
-        m = last[0]       # one read: another thread may replace it (never mutated)
+        m = last[0]       # read once: another thread may replace it (never mutated)
         if m is not None and x is m[0] and out is m[1] and bias is m[2] \
                 and m[3] == (x.data_ptr(), out.data_ptr(), 0 if bias is None else bias.data_ptr()):
             _call(m[4], m[5], lock)   # the last call's tensors: its views, no dispatch
@@ -272,7 +272,7 @@ def _views_call(kernel, wn: np.ndarray, x: torch.Tensor, bias: Optional[torch.Te
     (contiguous copies where they are not), the result into ``out`` (a copy when it is
     not contiguous) or a fresh tensor, through the kernel's entry point (``entries``,
     by whether there is a bias: the arguments' types never change) once it is compiled;
-    ``last`` set to this call's tensors, pointers, the entry point and arguments when
+    ``last[0]`` set to this call's tensors, pointers, the entry point and arguments when
     every view is the caller's tensor itself (cleared otherwise)."""
     x0, b0 = x, bias
     if x.requires_grad or not x.is_contiguous():
