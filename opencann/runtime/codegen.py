@@ -338,6 +338,7 @@ class CodeGen:
         # window): `_folded`; ``pending``: folded views not made yet (their `_as` line)
         self.rooted: Dict[int, tuple] = {}
         self.pending: Dict[int, str] = {}
+        self.fresh: set = set()   # values a kernel's own allocation holds (`_unplanned_if_fresh`)
         self.hoist = not (check_aliasing or observe)
         self._lit = 0
         self.nstreams, self.nevents, self.nslots = 1, 0, 0
@@ -596,6 +597,7 @@ class CodeGen:
         written = inplace_inputs(node)
         consts = [v.const for v in node.inputs]
         self.glb[target] = factory(node, [v.desc for v in node.inputs], consts)
+        self._unplanned_if_fresh(node, self.glb[target], bufnames)
         if self._prebound(idx, node, outs, bufnames):
             return
         call = f"{target}({', '.join(self.names[v.id] for v in node.inputs)}"
@@ -612,6 +614,18 @@ class CodeGen:
                     self.static[o.id] = b
         else:
             self._emit_result(node, lhs, outs, bufnames, call + ")")
+
+    def _unplanned_if_fresh(self, node: Node, kernel: Callable, bufnames: List) -> None:
+        """Leave ``node``'s planned buffer unused (``bufnames[0] = None``) when its bound
+        kernel computes into an allocation of its own (``kernel.fresh_result``:
+        oneDNN's inner product, `cpu.fresh_result`), which ``out=`` would only copy into
+        the buffer: its consumers read the kernel's result, whose views fold onto it as
+        any fresh result's (`_emit_conform` roots it). Only where views are hoisted (not
+        under the alias checker or observers, which expect the planned buffers)."""
+        if (self.hoist and len(bufnames) == 1 and bufnames[0] is not None
+                and getattr(kernel, "fresh_result", False) and not inplace_inputs(node)):
+            bufnames[0] = None
+            self.fresh.add(node.outputs[0].id)
 
     def _prebound(self, idx: int, node: Node, outs, bufnames) -> bool:
         """Bind kernel ``K<idx>`` once to its operands when every one is the same tensor
@@ -693,7 +707,7 @@ class CodeGen:
         where a view reads it or the caller gets it."""
         written = inplace_inputs(node)
         for k, o in enumerate(node.outputs):
-            if (bufnames[k] is not None or o.id not in layout_bound
+            if (bufnames[k] is not None or (o.id not in layout_bound and o.id not in self.fresh)
                     or (aliased[k] and k not in written)
                     or k in node.meta.get("none_outputs", ())):
                 continue

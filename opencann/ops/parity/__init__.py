@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from .batchnorm_fold import fold_values, input_bound
 from .compare import first_difference
-from .conv_probes import conv_post_op_differs, conv_sum_differs
+from .conv_probes import conv_low_precision_differs, conv_post_op_differs, conv_sum_differs
 from .layout_node import eager_layout, kernel_layout_differs, layout_dependent, strides_layout
 from .layout_probe import layout_differs
 from .probe import PROBES, RUNS, Probe, clear_memory
@@ -31,6 +31,6 @@ from .special_values import FORMULAS, special_values_differ
 from .specials import SPECIAL_VALUES
 
 __all__ = ["FORMULAS", "PROBES", "Probe", "RUNS", "SPECIAL_VALUES", "clear_memory",
-           "conv_post_op_differs", "conv_sum_differs", "eager_layout", "first_difference",
+           "conv_low_precision_differs", "conv_post_op_differs", "conv_sum_differs", "eager_layout", "first_difference",
            "fold_values", "input_bound", "kernel_layout_differs", "layout_dependent",
            "layout_differs", "special_values_differ", "strides_layout"]

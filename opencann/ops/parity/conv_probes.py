@@ -108,6 +108,63 @@ def _conv_sum_differs(relu: bool, dtype: torch.dtype, layout: str, other_layout:
     return None
 
 
+def _conv_low_differs(cin: int, cout: int, groups: int, kernel: tuple, stride: tuple,
+                      dilation: tuple, dtype: torch.dtype) -> Optional[str]:
+    """None when a ``dtype`` (bf16 / fp16) convolution of this configuration (``cin`` /
+    ``cout`` channels in all, ``groups``, ``kernel`` / ``stride`` / ``dilation`` (h, w),
+    padding k // 2) gives NaN and ±inf where eager's fp32 convolution of the same values
+    does, through both kernels a low-precision Conv2D may run (oneDNN's at channels-last,
+    ``mkldnn._convolution_pointwise``: ConvBiasAct; ATen's at NCHW); else one line naming
+    the first difference. Values otherwise differ by the rounding, which is not compared.
+    Why: oneDNN's bf16 convolution sums products two input channels at a time
+    (``vdpbf16ps``); with an odd channel count a pair reads the next pixel's first channel
+    against a zero weight, and a NaN or inf there (NaN × 0) turns a neighbour's finite
+    output NaN: Conv2d(3, 5, 1) on this CPU."""
+    import torch.nn.functional as F
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, cin, 7, 8, generator=g)
+    for (n, c, i, j), v in (((0, 0, 2, 3), float("nan")), ((0, cin - 1, 4, 1), float("inf")),
+                            ((1, cin // 2, 5, 6), float("-inf")), ((1, 0, 6, 7), float("nan"))):
+        x[n, c, i, j] = v
+    w = torch.randn(cout, cin // groups, *kernel, generator=g)
+    pad = (kernel[0] // 2, kernel[1] // 2)
+    want = F.conv2d(x, w, None, stride, pad, dilation, groups)
+    runs = {"ATen's convolution at NCHW": lambda xl, wl: F.conv2d(xl, wl, None, stride, pad,
+                                                                  dilation, groups)}
+    if mkldnn_available():
+        runs["oneDNN's convolution at channels-last"] = lambda xl, wl: (
+            torch.ops.mkldnn._convolution_pointwise(xl, wl, None, pad, stride, dilation, groups,
+                                                    "none", [], ""))
+    for (name, run), lay in zip(runs.items(), ("contiguous", "channels_last")):
+        try:
+            got = run(at_layout(x.to(dtype), lay), w.to(dtype)).float()
+        except (RuntimeError, TypeError, ValueError) as e:
+            return f"{name} fails for {dtype} ({str(e).splitlines()[0]})"
+        bad = ~(torch.isnan(got) == torch.isnan(want)) | ~(got.isinf() == want.isinf()) \
+            | (want.isinf() & (got.sign() != want.sign()))
+        if bad.any():
+            i = int(bad.reshape(-1).nonzero()[0])
+            return (f"{name} in {str(dtype).replace('torch.', '')} gives {show_element(got, i)} where eager's "
+                    f"fp32 convolution gives {show_element(want, i)} (a NaN or inf in a "
+                    f"neighbouring pixel; {cin // groups} input channels per group)")
+    return None
+
+
+CONV_LOW_PROBE = register(Probe(
+    "conv_low_precision", guards="MixedPrecision (passes/prepare/precision.py): a Conv2D "
+    "lowered to bf16 / fp16",
+    kernel="oneDNN's bf16 / fp16 convolution at channels-last and ATen's at NCHW",
+    inputs="seeded randn with NaN, +inf and -inf in a few pixels' first, middle and last channels",
+    run=_conv_low_differs))
+
+
+def conv_low_precision_differs(cin: int, cout: int, groups: int, kernel: tuple, stride: tuple,
+                               dilation: tuple, dtype: torch.dtype) -> Optional[str]:
+    """`_conv_low_differs`, cached per configuration in memory and on disk."""
+    return CONV_LOW_PROBE(int(cin), int(cout), int(groups), tuple(int(k) for k in kernel),
+                          tuple(int(k) for k in stride), tuple(int(k) for k in dilation), dtype)
+
+
 CONV_POST_OP_PROBE = register(Probe(
     "conv_post_op", guards="FuseConvAct (passes/fusion/conv_act.py): ConvBiasAct's post-op",
     kernel="oneDNN's convolution with the activation as its post-op "
@@ -132,4 +189,5 @@ def conv_sum_differs(relu: bool, dtype: torch.dtype, layout: str, other_layout: 
     return CONV_SUM_PROBE(bool(relu), dtype, layout, other_layout)
 
 
-__all__ = ["CONV_POST_OP_PROBE", "CONV_SUM_PROBE", "conv_post_op_differs", "conv_sum_differs"]
+__all__ = ["CONV_LOW_PROBE", "CONV_POST_OP_PROBE", "CONV_SUM_PROBE", "conv_low_precision_differs",
+           "conv_post_op_differs", "conv_sum_differs"]

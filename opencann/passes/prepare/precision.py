@@ -50,7 +50,7 @@ from ...ir import DataType, Graph, Node, TensorRef, Value
 from ...log import logger
 from ...ops import OpKind, all_ops, get_op, written_inputs
 from ..base import Pass, PassContext
-from .precision_values import lost_in_cast
+from .precision_values import lost_in_cast, low_kernel_differs
 
 MODES = ("force_fp32", "must_keep_origin_dtype", "allow_fp32_to_fp16", "allow_mix_precision",
          "allow_mix_precision_fp16", "allow_mix_precision_bf16", "force_fp16")
@@ -177,7 +177,7 @@ class MixedPrecision(Pass):
                 outs = [origin[id(o)] for o in node.outputs if origin[id(o)] in floats]
                 want = outs[0] if outs else FP32
             if want != FP32 and not written:
-                why = lost_in_cast(node, want)
+                why = lost_in_cast(node, want) or low_kernel_differs(node, want)
                 if why:   # lowering would change what a value means: keep eager's
                     want = FP32
                     kept.append(f"{node.name} ({node.op}) at {node.where()}: {why}")

@@ -65,4 +65,31 @@ def lost_in_cast(node: Node, target: DataType) -> Optional[str]:
     return None
 
 
-__all__ = ["lost_in_cast"]
+def low_kernel_differs(node: Node, target: DataType) -> Optional[str]:
+    """Why ``node`` run in ``target`` (fp16 / bf16) would put NaN or ±inf where eager's
+    fp32 op does not, on this CPU: a 2-D convolution with an odd number of input channels
+    per group, probed once per configuration (`parity.conv_low_precision_differs`:
+    oneDNN's bf16 convolution pairs input channels, and the pad of an odd count reads a
+    neighbouring pixel's NaN or inf). None for every other node and where the probe finds
+    eager's positions."""
+    if node.op != "Conv2D" or target.torch not in (torch.bfloat16, torch.float16):
+        return None
+    a = node.attrs
+    wref = a.get("weight")
+    w = node.inputs[wref.index] if hasattr(wref, "index") else None
+    if w is None or a.get("transposed") or len(w.desc.shape) != 4 \
+            or not all(isinstance(d, int) for d in w.desc.shape):
+        return None
+    groups = int(a.get("groups", 1) or 1)
+    cout, cin_pg, kh, kw = (int(d) for d in w.desc.shape)
+    if cin_pg % 2 == 0:
+        return None
+    from ...ops.parity import conv_low_precision_differs
+    def two(v) -> tuple:
+        return tuple(int(x) for x in v) * (2 if len(v) == 1 else 1)
+    return conv_low_precision_differs(cin_pg * groups, cout, groups, (kh, kw),
+                                      two(a.get("stride", (1, 1))), two(a.get("dilation", (1, 1))),
+                                      target.torch)
+
+
+__all__ = ["lost_in_cast", "low_kernel_differs"]

@@ -1,0 +1,61 @@
+"""bf16 mixed precision keeps NaN and ±inf where eager fp32 puts them in convolutions with
+an odd number of input channels per group: oneDNN's bf16 convolution sums two input
+channels at a time, and the pad of an odd count reads the next pixel's first channel
+against a zero weight, so a NaN or inf there turned a neighbouring output NaN (Conv2d(3,
+5, 1): the pixel before a NaN pixel all NaN). Such a convolution stays fp32
+(`parity.conv_low_precision_differs`, probed per configuration); an even count stays
+bf16."""
+import pytest
+import torch
+
+import opencann
+
+BF16 = {"precision_mode": "allow_mix_precision_bf16"}
+
+
+def _specials(x: torch.Tensor) -> torch.Tensor:
+    """NaN, +inf and -inf in a few pixels' first, middle and last channels."""
+    c = x.shape[1]
+    x[0, 0, 2, 1] = float("nan")
+    x[0, c - 1, 4, 4] = float("inf")
+    x[-1, c // 2, 0, 0] = float("-inf")
+    x[-1, 0, 5, 3] = float("inf")
+    return x
+
+
+def _same_specials(out: torch.Tensor, ref: torch.Tensor) -> None:
+    assert torch.equal(torch.isnan(out), torch.isnan(ref))
+    assert torch.equal(out.isinf(), ref.isinf())
+    assert torch.equal(out[ref.isinf()], ref[ref.isinf()])
+    fin = torch.isfinite(ref)
+    assert fin.any()
+    assert (out[fin] - ref[fin]).abs().max().item() < 0.05 * ref[fin].abs().max().item()
+
+
+@pytest.mark.parametrize("cin,cout,k,stride,groups,relu", [
+    (3, 5, 1, 1, 1, False), (3, 5, 3, 1, 1, True), (1, 4, 3, 1, 1, False),
+    (17, 8, 1, 2, 1, False), (3, 16, 7, 2, 1, True), (6, 4, 3, 1, 2, False)])
+def test_odd_channel_convolutions_keep_eagers_nan_and_inf(cin, cout, k, stride, groups, relu):
+    torch.manual_seed(0)
+    conv = torch.nn.Conv2d(cin, cout, k, stride=stride, padding=k // 2, groups=groups)
+    m = torch.nn.Sequential(conv, torch.nn.ReLU()) if relu else conv
+    m = m.eval()
+    x = torch.randn(2, cin, 7, 8)
+    cm = opencann.compile(m, (x,), options=BF16)
+    for _ in range(2):
+        x = _specials(torch.randn(2, cin, 7, 8))
+        with torch.no_grad():
+            ref = m(x)
+        _same_specials(cm(x), ref)
+
+
+def test_even_channel_convolutions_stay_bf16():
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.Conv2d(8, 8, 3, padding=1)).eval()
+    cm = opencann.compile(m, (torch.randn(1, 3, 8, 8),), options=BF16)
+    dtypes = [n.outputs[0].desc.dtype.torch for n in cm.graph.nodes if n.op.startswith("Conv")]
+    assert dtypes == [torch.float32, torch.bfloat16]   # the 3-channel one kept in fp32
+    x = _specials(torch.randn(1, 3, 8, 8))
+    with torch.no_grad():
+        ref = m(x)
+    _same_specials(cm(x), ref)
