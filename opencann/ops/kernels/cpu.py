@@ -715,18 +715,21 @@ def _packed_kernel(kernel: str, wt: torch.Tensor, m: int, post, act: str = "none
 
         def run_onednn(b, x, _w, out=None):
             return _copy_act(lin(x, packed, _dense_bias(b), fused, [], algo), out, post)
+        run_onednn.fresh_result = True   # `fresh_result`
         return run_onednn
     if kernel == "onednn_plain":
         w_nk, lin = _gemv_weight(wt), torch.ops.mkldnn._linear_pointwise
 
         def run_plain(b, x, _w, out=None):
             return _copy_act(lin(x, w_nk, _dense_bias(b), "none", [], ""), out, post)
+        run_plain.fresh_result = True
         return run_plain
     w = wt.t().contiguous()  # (out_features, in_features)
     packed, lin = torch.ops.mkl._mkl_reorder_linear_weight(w, m), torch.ops.mkl._mkl_linear
 
     def run_mkl(b, x, _w, out=None):
         return _copy_act(lin(x, packed, w, b, m), out, post)
+    run_mkl.fresh_result = True
     return run_mkl
 
 
@@ -845,10 +848,7 @@ def gemm_kernel(node: Node, x: TensorDesc, wt: Optional[torch.Tensor], bias: Opt
         choice = _measure_choice(key, {c: maker(c) for c in raced}, bias_const, wt,
                                  has_bias=bias is not None)
     node.meta["kernel"] = choice
-    run = maker(choice)()
-    if choice in FRESH_RESULT_KERNELS:
-        run.fresh_result = True   # `fresh_result` (the codegen reads it)
-    return run
+    return maker(choice)()
 
 
 def make_linear_kernel(node: Node, in_descs: Sequence[TensorDesc], consts: Sequence) -> Callable:
@@ -875,10 +875,9 @@ def make_linear_kernel(node: Node, in_descs: Sequence[TensorDesc], consts: Seque
     - ``onednn_packed``: oneDNN's inner product (``torch.ops.mkldnn._linear_pointwise``,
       brgemm on AVX2/AVX-512) on the weight reordered once to oneDNN's blocked layout
       (``_reorder_linear_weight``); the blocked weight serves every row count m, so a
-      dynamic-shape model keeps it at every shape. Its result is copied into ``out``;
-    - ``onednn_plain``: the same inner product on the weight as nn.Linear holds it
-      (no copy; module docstring), for weights that may not get a blocked copy
-      (`copy_allowed`). Its result is copied into ``out``;
+      dynamic-shape model keeps it at every shape. Its result is its own (`fresh_result`);
+    - ``onednn_plain``: the same on the weight as nn.Linear holds it (no copy; module
+      docstring), for weights that may not get a blocked copy (`copy_allowed`);
     - ``mkl_packed``: MKL's packed GEMM (``torch.ops.mkl._mkl_linear`` on
       ``_mkl_reorder_linear_weight``), packed for one m; raced against addmm only where
       oneDNN's is missing, and bound when a model file chose it;
