@@ -302,8 +302,8 @@ def _buffers(dataset, needs, exact: bool, api: str, mismatch: int):
         if size != need if exact else size < need:
             return fail(ACL_ERROR_GE_EXEC_MODEL_DATA_SIZE_INVALID, api,
                         f"{what} {i} ({label}) needs {need} bytes, its data buffer has {size}")
-        hit = S.find(ptr, need)
-        if hit is None:
+        hit = S.find(ptr, need) if need else (None, torch.empty(0, dtype=torch.uint8))
+        if hit is None:   # a zero-size tensor needs no memory: any pointer (0 too) serves
             return fail(ACL_ERROR_RT_PARAM_INVALID, api, f"{what} {i}: {need} bytes at {ptr!r} "
                         "are not inside one allocation (freed?)")
         views.append(hit[1])

@@ -68,8 +68,8 @@ def _tensors(descs, bufs, api, code, what):
         if size < need:
             return fail(code, api, f"{what} {i}: {dtype}{list(dims)} needs {need} bytes, its "
                         f"data buffer has {size}")
-        hit = S.find(ptr, need)
-        if hit is None:
+        hit = S.find(ptr, need) if need else (None, torch.empty(0, dtype=torch.uint8))
+        if hit is None:   # a zero-size tensor needs no memory: any pointer (0 too) serves
             return fail(ACL_ERROR_RT_PARAM_INVALID, api, f"{what} {i}: {need} bytes at {ptr!r} "
                         "are not inside one allocation")
         out.append((hit[1], dtype, dims))

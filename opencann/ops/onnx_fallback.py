@@ -47,6 +47,16 @@ def decode_node(text) -> bytes:
     return text if isinstance(text, (bytes, bytearray)) else base64.b64decode(text)
 
 
+def _once(pairs):
+    """(name, item) pairs with each ONNX input name once (its first slot): a node that
+    reads one tensor in several slots (``Einsum(x, x)``) declares it as one graph input,
+    since ONNX Runtime refuses a name defined twice."""
+    seen: dict = {}
+    for x, item in pairs:
+        seen.setdefault(x, item)
+    return list(seen.items())
+
+
 def _one_node_model(node, opsets, in_dtypes, out_dtypes):
     import onnx
     from onnx import helper
@@ -58,7 +68,8 @@ def _one_node_model(node, opsets, in_dtypes, out_dtypes):
         if d == torch.bfloat16:
             raise ValueError("bfloat16 inputs have no numpy type for the host fallback; cast "
                              "them to float32 in the model")
-    ins = [helper.make_tensor_value_info(x, _ONNX_ELEM[d], None) for x, d in zip(present, in_dtypes)]
+    ins = [helper.make_tensor_value_info(x, _ONNX_ELEM[d], None)
+           for x, d in _once(zip(present, in_dtypes))]
     names = [y for y in node.output if y]
     outs = [helper.make_tensor_value_info(y, _ONNX_ELEM[d], None) if d is not None
             else helper.make_value_info(y, onnx.TypeProto())
@@ -224,9 +235,9 @@ def infer_outputs(onnx_node, opsets: Sequence[tuple], in_descs: Sequence[TensorD
     from_elem = {v: k for k, v in _ONNX_ELEM.items()}
     try:
         ins = [helper.make_tensor_value_info(x, _ONNX_ELEM[d.dtype.torch], list(d.shape))
-               for x, d in zip(present, in_descs)]
+               for x, d in _once(zip(present, in_descs))]
         inits = [numpy_helper.from_array(c.detach().cpu().numpy(), x)
-                 for x, c in zip(present, consts) if c is not None and c.dtype != torch.bfloat16]
+                 for x, c in _once(zip(present, consts)) if c is not None and c.dtype != torch.bfloat16]
         outs = [helper.make_value_info(y, onnx.TypeProto()) for y in names]
         graph = helper.make_graph([node], "infer", ins, outs, initializer=inits)
         model = helper.make_model(graph, opset_imports=[helper.make_opsetid(d, v) for d, v in opsets])

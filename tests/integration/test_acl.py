@@ -164,6 +164,37 @@ def test_execute_misuse_codes(saved, caplog):
         assert acl.mdl.get_num_inputs(desc) == 0     # the desc's model is gone
 
 
+def test_a_zero_size_tensor_executes_from_an_empty_data_buffer(tmp_path):
+    """A model with a zero-size input and output (ATC and opencann.compile take it)
+    executes through acl with (0, 0) data buffers: a zero-size tensor needs no memory;
+    a non-empty one still needs its bytes inside one allocation."""
+    class M(torch.nn.Module):
+        def forward(self, x, y):
+            return torch.relu(x) * 2, y + 1
+    path = str(tmp_path / "zero.ocm")
+    opencann.save(opencann.compile(M().eval(), (torch.randn(0, 8), torch.randn(2))), path)
+    mid, desc = _loaded(path)
+    assert acl.mdl.get_input_size_by_index(desc, 0) == 0
+    ins, outs = acl.mdl.create_dataset(), acl.mdl.create_dataset()
+    y, ret = acl.rt.malloc(8, 0)
+    yo, ret2 = acl.rt.malloc(8, 0)
+    assert ret == ret2 == 0
+    src = np.array([1.5, -2.0], np.float32)
+    assert acl.rt.memcpy(y, 8, acl.util.numpy_to_ptr(src), 8, acl.ACL_MEMCPY_HOST_TO_DEVICE) == 0
+    for ds, p in ((ins, y), (outs, yo)):
+        acl.mdl.add_dataset_buffer(ds, acl.create_data_buffer(0, 0))
+        acl.mdl.add_dataset_buffer(ds, acl.create_data_buffer(p, 8))
+    assert acl.mdl.execute(mid, ins, outs) == 0
+    host, _ = acl.rt.malloc_host(8)
+    assert acl.rt.memcpy(host, 8, yo, 8, acl.ACL_MEMCPY_DEVICE_TO_HOST) == 0
+    assert acl.util.ptr_to_numpy(host, (2,), np.float32).tolist() == [2.5, -1.0]
+    bad = acl.mdl.create_dataset()
+    acl.mdl.add_dataset_buffer(bad, acl.create_data_buffer(0, 0))
+    acl.mdl.add_dataset_buffer(bad, acl.create_data_buffer(0, 8))   # 8 bytes at no allocation
+    assert acl.mdl.execute(mid, bad, outs) == acl.ACL_ERROR_RT_PARAM_INVALID
+    assert acl.mdl.unload(mid) == 0
+
+
 def test_load_misuse_codes(saved, tmp_path):
     _, path = saved
     assert acl.mdl.load_from_file(path)[1] == acl.ACL_ERROR_UNINITIALIZE

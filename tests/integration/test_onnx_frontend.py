@@ -410,6 +410,27 @@ def test_fallback_runs_on_onnxruntime_where_the_reference_cannot(monkeypatch):
     assert "Foo" in _one_line(e) and "not supported yet" in str(e.value)
 
 
+@pytest.mark.parametrize("ins,eq", [(["x", "x"], "ij,ij->i"), (["x", "w", "x"], "ij,jk,ij->i")])
+def test_a_fallback_reading_one_tensor_twice_runs_on_onnxruntime(ins, eq, tmp_path):
+    """A fallback node that reads one tensor in several slots (Einsum(x, x)) declares it
+    once in its one-node model: ONNX Runtime runs it (a name declared twice made it refuse
+    the model, and onnx's reference evaluator ran it, 1e-6 from ONNX Runtime's values),
+    live and from a model file."""
+    rng = np.random.default_rng(0)
+    w = onnx.numpy_helper.from_array(rng.standard_normal((5, 5)).astype(np.float32), "w")
+    model = _model([helper.make_node("Einsum", ins, ["y"], equation=eq)],
+                   [("x", _F, [3, 5])], [("y", _F, [3])], [w] if "w" in ins else [], 17)
+    cm = opencann.compile(model)
+    assert [n.attrs["engine"] for n in cm.graph.nodes if n.op == "OnnxHostFallback"] == \
+        ["onnxruntime"]
+    opencann.save(cm, str(tmp_path / "m.ocm"))
+    loaded = opencann.load(str(tmp_path / "m.ocm"))
+    x = rng.standard_normal((3, 5)).astype(np.float32)
+    x[1, 2] = np.nan
+    for m in (cm, loaded):
+        _assert_same(m(torch.from_numpy(x)), _ort(model, {"x": x}))
+
+
 def _unary_model(op, xt=_F, outt=None, n=len(_SPECIAL), inits=(), extra_ins=(), **attrs):
     node = helper.make_node(op, ["x"] + list(extra_ins), ["y"], **attrs)
     return _model([node], [("x", xt, [n])], [("y", outt or xt, [n])], inits)
