@@ -37,8 +37,10 @@ from ..ir.symbolic import (
     bind_tree,
     holds,
     is_symbol,
+    linear_in,
     parse,
     shape_symbols,
+    symbols_of,
 )
 from ..log import logger
 from ..ops import frozen_graph, get_op
@@ -161,9 +163,42 @@ class ShapeBinder:
                       for shape in self.shapes]
         loose = shape_symbols(self.shapes) - {d for s in self.shapes for d in s if is_symbol(d)}
         loose -= set(self.scalars)
+        self._derived = self._derived_dims(loose)
+        loose -= {d[3] for d in self._derived}
         if loose:
             raise ValueError(f"input dims {sorted(loose)} are only known as expressions "
                              "(e.g. 2*s0): declare each dynamic dim of the inputs on its own")
+
+    def _derived_dims(self, loose: set) -> list:
+        """(input, dim, expression, root, (a, b)) for each loose symbol (one no input dim
+        is on its own) that an input dim ``a * root + b`` determines, ``b`` free of loose
+        symbols: torch.export's derived dims (``seq = 2 * Dim("_seq")``), the root solved
+        from the size at each call."""
+        found = []
+        for k, shape in enumerate(self.shapes):
+            for i, d in enumerate(shape):
+                if not isinstance(d, str) or is_symbol(d):
+                    continue
+                for sym in sorted(symbols_of(d) & loose - {f[3] for f in found}):
+                    ab = linear_in(d, sym)
+                    if ab is not None and not symbols_of(ab[1]) & loose:
+                        found.append((k, i, d, sym, ab))
+        return found
+
+    def _solve_derived(self, inputs: Sequence[torch.Tensor], values: Dict[str, int]) -> None:
+        """Bind each derived dim's root from its input's size (`_derived_dims`); ValueError
+        (one line) for a size the expression cannot take or a root outside its range."""
+        for k, i, d, sym, (a, b) in self._derived:
+            n = int(inputs[k].shape[i])
+            off = int(bind(b, values)) if isinstance(b, str) else b
+            root, rem = divmod(n - off, a)
+            name = self.dims.get(sym, {}).get("name", sym)
+            if rem or root < 0:
+                raise ValueError(f"{self.names[k]} dim {i} is {n}, which is not {self.readable(d)} "
+                                 f"for any integer {name} (torch.export's derived dim): call with "
+                                 "a size of that form")
+            if values.setdefault(sym, root) == root and self.gears is None and sym in self.dims:
+                self._check_range(sym, root, f"{self.names[k]} dim {i} ({n} = {self.readable(d)})")
 
     def values(self, inputs: Sequence[torch.Tensor], scalars: Sequence[int] = ()
                ) -> Dict[str, int]:
@@ -187,6 +222,7 @@ class ShapeBinder:
                 values[d], where[d] = n, f"{name} dim {i}"
                 if self.gears is None:   # with gears, the gear check names the gears
                     self._check_range(d, n, f"{name} dim {i}")
+        self._solve_derived(inputs, values)
         for name, i, d, n in compound:
             if bind(d, values) != n:
                 raise ValueError(f"{name} dim {i} is {n} but the graph computes it as {d} = "

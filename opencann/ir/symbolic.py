@@ -22,7 +22,7 @@ from fractions import Fraction
 import operator
 import re
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterable, Mapping, Set, Tuple, Union
+from typing import Any, Callable, Dict, Iterable, Mapping, Optional, Set, Tuple, Union
 
 import sympy
 from sympy.printing.str import StrPrinter
@@ -236,6 +236,24 @@ def has_symbolic(obj: Any) -> bool:
     if isinstance(obj, dict):
         return any(has_symbolic(v) for v in obj.values())
     return False
+
+
+def linear_in(dim: Any, sym: str) -> Optional[Tuple[int, Any]]:
+    """(a, b) when the string dim ``dim`` is ``a * sym + b`` with an integer ``a`` != 0 and
+    ``b`` free of ``sym`` (an int or an expression of other symbols, as a string): a
+    derived dim (torch.export's ``2 * Dim("_seq")``) whose root ``sym`` a size determines.
+    None otherwise."""
+    if not isinstance(dim, str):
+        return None
+    e = parse(dim)
+    x = next((f for f in e.free_symbols if str(f) == sym), None)
+    if x is None:
+        return None
+    a = sympy.expand(e).coeff(x, 1)
+    b = sympy.expand(e - a * x)
+    if not a.is_Integer or a == 0 or x in b.free_symbols:
+        return None
+    return int(a), (int(b) if b.is_Integer else str(b))
 
 
 def shape_symbols(shapes: Iterable[Tuple[Any, ...]]) -> Set[str]:

@@ -209,3 +209,41 @@ def test_dynamic_options_on_an_onnx_model_are_refused(tmp_path):
         with pytest.raises(ValueError) as e:
             opencann.compile(path, **kw)
         assert "apply to torch modules" in _one_line(e)
+
+
+class _Halves(torch.nn.Module):
+    """Needs an even length: torch.export proves it only for ``seq = 2 * _seq``."""
+
+    def forward(self, x, y):
+        h = x.shape[1] // 2
+        return x[:, :h] * 2 + x[:, -h:] + y[:, :h]
+
+
+@pytest.mark.parametrize("offset", [0, 1])
+def test_a_derived_dim_as_the_constraint_message_suggests_compiles_and_serves(offset, tmp_path):
+    """torch.export's derived dims (``seq = 2 * _seq (+ 1)``, what opencann's constraint
+    message suggests for such a model) compile: the root is solved from the size at each
+    call, a size the expression cannot take and a root outside its range are one line
+    each, and a model file keeps serving them."""
+    _seq = torch.export.Dim("_seq", min=2, max=16)
+    m = _Halves().eval()
+    y_len = 40
+    cm = opencann.compile(m, (torch.randn(2, 6 + offset), torch.randn(2, y_len)),
+                          dynamic_shapes={"x": {1: 2 * _seq + offset}, "y": None})
+    opencann.save(cm, str(tmp_path / "d.ocm"))
+    loaded = opencann.load(str(tmp_path / "d.ocm"))
+    for n in (4, 10, 32):
+        x, y = torch.randn(2, n + offset), torch.randn(2, y_len)
+        x[1, 0] = float("nan")
+        with torch.no_grad():
+            ref = m(x, y)
+        for model in (cm, loaded):
+            out = model(x, y)
+            assert torch.equal(out.isnan(), ref.isnan())
+            assert torch.equal(out.nan_to_num(), ref.nan_to_num())
+    with pytest.raises(ValueError) as e:
+        cm(torch.randn(2, 7 + offset), torch.randn(2, y_len))
+    assert "\n" not in str(e.value) and "for any integer _seq" in str(e.value)
+    with pytest.raises(ValueError) as e:
+        cm(torch.randn(2, 34 + offset), torch.randn(2, y_len))
+    assert "\n" not in str(e.value) and "outside the compiled range [2, 16] of _seq" in str(e.value)

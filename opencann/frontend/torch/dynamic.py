@@ -27,6 +27,8 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 import torch
 
+from ...ir.symbolic import linear_in
+
 DEFAULT_MIN = 1
 
 
@@ -235,15 +237,29 @@ def dynamic_dims(ep: torch.export.ExportedProgram, labels: Mapping[Tuple[str, in
         if node.op != "placeholder" or node.name not in user or not isinstance(val, torch.Tensor):
             continue
         for i, d in enumerate(val.shape):
-            if not isinstance(d, torch.SymInt) or not d.node.expr.is_Symbol:
+            if not isinstance(d, torch.SymInt):
                 continue
-            sym = str(d.node.expr)
-            e = out.setdefault(sym, {"name": None, "sources": [], **_vr(ep, d.node.expr)})
-            e["sources"].append(f"{node.name}.shape[{i}]")
-            e["name"] = e["name"] or labels.get((node.name, i))
+            expr = d.node.expr
+            # a derived dim (torch.export's 2 * Dim("_seq")): its root symbol, which the
+            # size determines (`ShapeBinder`), named after the dim it derives
+            roots = [expr] if expr.is_Symbol else [
+                f for f in expr.free_symbols if linear_in(str(expr), str(f)) is not None]
+            for root in roots:
+                e = out.setdefault(str(root), {"name": None, "sources": [], **_vr(ep, root)})
+                e["sources"].append(f"{node.name}.shape[{i}]" + ("" if root is expr else f" = {expr}"))
+                e["name"] = e["name"] or _root_name(labels.get((node.name, i)), root is expr)
     for sym, e in out.items():
         e["name"] = e["name"] or e["sources"][0]
     return out
+
+
+def _root_name(label: Optional[str], plain: bool) -> Optional[str]:
+    """The user's name of a dim's symbol: ``label`` for a plain dim; for a derived one
+    (label ``2*_seq``, a derived torch.export Dim's name) the root's (``_seq``)."""
+    if plain or label is None:
+        return label
+    names = set(re.findall(r"[A-Za-z_]\w*", label))
+    return names.pop() if len(names) == 1 else label
 
 
 def _vr(ep, expr) -> Dict[str, Optional[int]]:
