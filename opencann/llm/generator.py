@@ -113,6 +113,7 @@ class Generator:
         self.steps = StepGraphs(lm, self.caches, self.backend, device, compile_options,
                                 self.stats, loaded=graphs, source=source)
         self._lock = threading.Lock()
+        self._owner: Optional[int] = None   # the thread whose call holds the lock
 
     def save(self, path: str, tokenizer: Any = None, graphs: str = "all") -> Dict[str, Any]:
         """Write this generator to ONE model file ``path`` (``*.ocm``, format 4: a bundle,
@@ -254,11 +255,17 @@ class Generator:
         new = self._budget(gc, batch, max_new_tokens)
         sampler = Sampler(gc, batch.padding if bool(batch.padding.any()) else None, seed)
         emit = _streamer(streamer, batch.sequences)
+        if self._owner == threading.get_ident():   # the streamer of this thread's call
+            raise ValueError("generate() was called from its own streamer: the running call "
+                             "owns the KV caches until it returns; generate again after it")
         with self._lock, torch.no_grad():   # one call at a time: the caches are shared state
+            self._owner = threading.get_ident()
             try:
                 out = self._run(batch, new, sampler, stops, pad, emit)
             except WeightChanged as e:
                 raise self._weight_changed(e) from None
+            finally:
+                self._owner = None
         if hasattr(streamer, "end"):
             streamer.end()
         return out

@@ -32,9 +32,17 @@ class PromptBatch:
 def _from_list(prompts: Sequence, pad_token_id: int) -> "tuple[torch.Tensor, torch.Tensor]":
     rows = []
     for i, p in enumerate(prompts):
-        if isinstance(p, (list, tuple)) and all(isinstance(x, int) and not isinstance(x, bool) for x in p):
-            p = torch.tensor(p, dtype=torch.long)
-        t = torch.as_tensor(p)
+        try:
+            if isinstance(p, (list, tuple)) and all(isinstance(x, int) and not isinstance(x, bool)
+                                                    for x in p):
+                p = torch.tensor(p, dtype=torch.long)
+            t = torch.as_tensor(p)
+        except (OverflowError, RuntimeError, TypeError, ValueError):
+            big = [x for x in p if isinstance(x, int) and not -2 ** 63 <= x < 2 ** 63] \
+                if isinstance(p, (list, tuple)) else []
+            raise ValueError(f"prompt {i} must be a list or 1-D tensor of token ids" +
+                             (f"; id {big[0]} is outside int64 (and the vocabulary)" if big
+                              else f", got {type(p).__name__}")) from None
         if t.dim() != 1 or t.dtype.is_floating_point or t.dtype == torch.bool:
             raise ValueError(f"prompt {i} must be a 1-D list or tensor of token ids, got "
                              f"{tuple(t.shape)} {t.dtype}")

@@ -284,6 +284,7 @@ class StepGraphs:
             raise ValueError(f"{self.source} holds no step graph {key} (it holds {have}): save "
                              "the generator with graphs='all' (the default) to serve every "
                              "bucket and batch size")
+        self._weights_unchanged()
         views = self.views(batch)
         if self.backend == "eager":
             lm = self.lm
@@ -315,6 +316,17 @@ class StepGraphs:
         self._graphs[(batch, tokens)] = run
         self._count_memory()
         return run
+
+    def _weights_unchanged(self) -> None:
+        """`WeightChanged` when a weight the built graphs froze was changed since: a new
+        step graph (another batch size or prompt bucket) would compile the changed
+        weights and serve them where the built ones refuse them, so every shape is refused
+        alike (the generator's one-line error names the parameter)."""
+        for cm in self.compiled().values():
+            for g in cm.guards:
+                if g.name in ("frozen_weights", "unrecorded_writes"):
+                    g.check(None)
+            return
 
     def _runner(self, cm: Any, batch: int) -> Callable:
         """``cm`` (a compiled step graph of ``batch`` rows) called on the caches' views;

@@ -242,3 +242,48 @@ def test_a_row_that_stops_early_returns_a_tensor_of_its_own_size(gen4):
     got = gen4.generate(ids, max_new_tokens=10, eos_token_id=stop, pad_token_id=0)
     assert torch.equal(got, want) and got.shape[1] < 18 and got.is_contiguous()
     assert got.untyped_storage().nbytes() == got.numel() * got.element_size()
+
+
+def test_generate_from_its_own_streamer_is_one_line_and_the_generator_stays_usable(gen4):
+    """A streamer that calls generate on its own generator (same thread) gets one line,
+    not a wait for the lock its own call holds (a hang); the outer call raises it and the
+    generator then generates as before."""
+    m = model()
+    ids, _ = prompts([5], seed=4)
+    want = m.generate(ids, max_new_tokens=4, do_sample=False)
+    errors = []
+
+    def reenter(_tok):
+        try:
+            gen4.generate(ids, max_new_tokens=2)
+        except ValueError as e:
+            errors.append(str(e))
+            raise
+    with pytest.raises(ValueError, match="called from its own streamer"):
+        gen4.generate(ids, max_new_tokens=4, streamer=reenter)
+    assert len(errors) == 1 and "\n" not in errors[0]
+    assert torch.equal(gen4.generate(ids, max_new_tokens=4), want)
+
+
+def test_a_weight_changed_after_compile_is_refused_at_every_batch_size():
+    """Graphs not built yet (another batch size) would compile the changed weight and
+    serve it while the built ones refuse it: every batch size is refused alike, with the
+    parameter's name."""
+    m = T.AutoModelForCausalLM.from_config(T.LlamaConfig(**SMALL)).eval()
+    gen = L.compile(m, max_seq_len=32, max_batch=4)
+    ids, mask = prompts([5, 6, 4], seed=5)
+    gen.generate(ids, attention_mask=mask, max_new_tokens=3, pad_token_id=0)   # batch-4 graphs
+    with torch.no_grad():
+        m.model.layers[1].mlp.up_proj.weight.mul_(3.0)
+    for x, msk in ((ids[:1], mask[:1]), (ids, mask), (ids[:1], mask[:1])):
+        with pytest.raises(ValueError, match="up_proj.weight") as e:
+            gen.generate(x, attention_mask=msk, max_new_tokens=3, pad_token_id=0)
+        assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("ids", [[1, 2 ** 70], [[1, 2], [3, -2 ** 64]]])
+def test_an_id_beyond_int64_is_one_line(gen4, ids):
+    with pytest.raises(ValueError, match="outside int64") as e:
+        gen4.generate(ids, max_new_tokens=2)
+    assert "\n" not in str(e.value)
+    assert gen4.generate([5, 6, 7], max_new_tokens=2).shape == (1, 5)
