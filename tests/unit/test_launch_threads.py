@@ -64,6 +64,8 @@ def test_the_verdict_counts_other_processes_only(monkeypatch):
     for i in range(1, 40):                        # 7 other threads for 20 s: refused
         clock.update(now=100.0 + i * 0.5, run=9.0, own=2)
         nc.oversubscribed()
+        if i == 2:                                # ... within a second
+            assert nc._Load.verdict is True
     assert nc._Load.verdict is True and 6.5 < nc._Load.others <= 7.0
     for i in range(40, 80):                       # alone again, serial (1 busy thread)
         clock.update(now=100.0 + i * 0.5, run=1.0, own=1)
@@ -74,6 +76,29 @@ def test_the_verdict_counts_other_processes_only(monkeypatch):
     monkeypatch.setattr(nc, "runnable_threads", lambda: None)
     clock.update(now=2000.0)
     assert nc.oversubscribed() is False           # nothing to read: never refused
+
+
+def test_one_stray_runnable_thread_at_the_first_reading_is_no_load(monkeypatch):
+    """A fresh process's first reading weighs as one sample of the average, not as the
+    average: one other runnable thread caught at that instant (a worker of ours changing
+    state between the two reads, a kernel thread) does not put the first seconds' kernels
+    on one thread; the same thread staying runnable does, within the average's time."""
+    monkeypatch.setattr(nc, "_cpus", lambda: 2)
+    monkeypatch.setattr(nc, "torch_threads", lambda: 2)
+    for k, v in (("t", 0.0), ("others", None), ("verdict", False)):
+        monkeypatch.setattr(nc._Load, k, v)
+    clock = {"now": 50.0, "run": 3.0, "own": 2}
+    monkeypatch.setattr(nc.time, "monotonic", lambda: clock["now"])
+    monkeypatch.setattr(nc, "runnable_threads", lambda: clock["run"])
+    monkeypatch.setattr(nc, "own_running_threads", lambda: clock["own"])
+    assert nc.oversubscribed() is False and nc._Load.others < 0.1
+    for i in range(1, 8):                          # then quiet: never refused
+        clock.update(now=50.0 + i * 0.5, run=2.0)
+        assert nc.oversubscribed() is False
+    for i in range(8, 60):                         # one other thread for good: refused in time
+        clock.update(now=50.0 + i * 0.5, run=3.0)
+        nc.oversubscribed()
+    assert nc._Load.verdict is True and nc._Load.others > 0.9
 
 
 def test_own_running_threads_counts_the_reader():
