@@ -85,11 +85,14 @@ def low_kernel_differs(node: Node, target: DataType) -> Optional[str]:
     if cin_pg % 2 == 0:
         return None
     from ...ops.parity import conv_low_precision_differs
-    def two(v) -> tuple:
-        return tuple(int(x) for x in v) * (2 if len(v) == 1 else 1)
     return conv_low_precision_differs(cin_pg * groups, cout, groups, (kh, kw),
-                                      two(a.get("stride", (1, 1))), two(a.get("dilation", (1, 1))),
-                                      target.torch)
+                                      _pair(a.get("stride", (1, 1))),
+                                      _pair(a.get("dilation", (1, 1))), target.torch)
+
+
+def _pair(v) -> tuple:
+    """An (h, w) int pair from a convolution's stride / dilation argument (one value or two)."""
+    return tuple(int(x) for x in v) * (2 if len(v) == 1 else 1)
 
 
 __all__ = ["lost_in_cast", "low_kernel_differs"]
