@@ -225,9 +225,9 @@ class ShapeBinder:
         self._solve_derived(inputs, values)
         for name, i, d, n in compound:
             if bind(d, values) != n:
-                raise ValueError(f"{name} dim {i} is {n} but the graph computes it as {d} = "
-                                 f"{bind(d, values)} ({self.describe(values)}): call with "
-                                 "consistent shapes")
+                raise ValueError(f"{name} dim {i} is {n} but the graph computes it as "
+                                 f"{self.readable(d)} = {bind(d, values)} "
+                                 f"({self.describe(values)}): call with consistent shapes")
         for g in self.guards:
             if not holds(g, values):
                 raise ValueError(f"the shapes {self.describe(values)} break the model's shape "
@@ -260,7 +260,8 @@ class ShapeBinder:
             raise ValueError(
                 f"{what} ({d['name']}) is {n}, outside the compiled range {rng} of "
                 f"{d['name']}: call with {lo} <= {d['name']} <= {hi if hi is not None else 'inf'}, "
-                f"or recompile with a range that holds it (dim_ranges={{'{d['name']}': "
+                f"or recompile with a range that holds it (a torch.export.Dim's min / max, or "
+                f"for a dim named by a string dim_ranges={{'{d['name']}': "
                 f"({min(lo, n)}, {None if hi is None else max(hi, n)})}}) if the model allows it")
 
     def describe(self, values: Mapping[str, int]) -> str:

@@ -247,3 +247,25 @@ def test_a_derived_dim_as_the_constraint_message_suggests_compiles_and_serves(of
     with pytest.raises(ValueError) as e:
         cm(torch.randn(2, 34 + offset), torch.randn(2, y_len))
     assert "\n" not in str(e.value) and "outside the compiled range [2, 16] of _seq" in str(e.value)
+
+
+def test_a_derived_dim_on_two_inputs_names_it_in_the_users_terms():
+    """Inconsistent sizes of one derived dim on two inputs, and a root out of range, are
+    one line each in the user's names (``2*_s``, never an internal symbol), and the range
+    fix names what applies to a torch.export Dim."""
+    import re
+    _s = torch.export.Dim("_s", min=2, max=16)
+
+    class Add(torch.nn.Module):
+        def forward(self, x, y):
+            return x + y
+    cm = opencann.compile(Add().eval(), (torch.randn(2, 6), torch.randn(2, 6)),
+                          dynamic_shapes={"x": {1: 2 * _s}, "y": {1: 2 * _s}})
+    x, y = torch.randn(2, 10), torch.randn(2, 10)
+    assert torch.equal(cm(x, y), x + y)
+    for args, want in (((torch.randn(2, 6), torch.randn(2, 8)), "2*_s"),
+                       ((torch.randn(2, 34), torch.randn(2, 34)), "torch.export.Dim's min / max")):
+        with pytest.raises(ValueError) as e:
+            cm(*args)
+        msg = str(e.value)
+        assert "\n" not in msg and want in msg and not re.search(r"\bs\d+\b", msg), msg

@@ -1,5 +1,5 @@
-"""bf16 mixed precision keeps NaN and ±inf where eager fp32 puts them in convolutions with
-an odd number of input channels per group: oneDNN's bf16 convolution sums two input
+"""bf16 mixed precision keeps NaN and ±inf where eager fp32 puts them in convolutions (1-,
+2-, 3-D, transposed) with an odd number of input channels per group: oneDNN's bf16 convolution sums two input
 channels at a time, and the pad of an odd count reads the next pixel's first channel
 against a zero weight, so a NaN or inf there turned a neighbouring output NaN (Conv2d(3,
 5, 1): the pixel before a NaN pixel all NaN). Such a convolution stays fp32
@@ -47,6 +47,27 @@ def test_odd_channel_convolutions_keep_eagers_nan_and_inf(cin, cout, k, stride, 
         with torch.no_grad():
             ref = m(x)
         _same_specials(cm(x), ref)
+
+
+@pytest.mark.parametrize("make,shape", [
+    (lambda: torch.nn.Conv1d(3, 5, 3, padding=1), (2, 3, 9)),
+    (lambda: torch.nn.Conv3d(3, 4, 3, padding=1), (2, 3, 5, 6, 4)),
+    (lambda: torch.nn.ConvTranspose2d(3, 5, 2, stride=2), (2, 3, 5, 6)),
+    (lambda: torch.nn.ConvTranspose1d(5, 4, 3), (2, 5, 7))])
+def test_other_convolutions_with_odd_channels_keep_eagers_nan_and_inf(make, shape):
+    """The same fault in 1-D, 3-D and transposed convolutions: each configuration is
+    probed as the 2-D one is."""
+    torch.manual_seed(0)
+    m = make().eval()
+    cm = opencann.compile(m, (torch.randn(*shape),), options=BF16)
+    x = torch.randn(*shape)
+    c = shape[1]
+    x[(0, 0) + tuple(s // 2 for s in shape[2:])] = float("nan")
+    x[(1, c - 1) + tuple(1 for _ in shape[2:])] = float("inf")
+    x[(1, c // 2) + tuple(s - 1 for s in shape[2:])] = float("-inf")
+    with torch.no_grad():
+        ref = m(x)
+    _same_specials(cm(x), ref)
 
 
 def test_even_channel_convolutions_stay_bf16():

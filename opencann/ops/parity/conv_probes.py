@@ -108,36 +108,56 @@ def _conv_sum_differs(relu: bool, dtype: torch.dtype, layout: str, other_layout:
     return None
 
 
+#: spatial positions (of a [7, 8, 6][:rank] input) of `_conv_low_differs`'s four specials
+_PROBE_POSITIONS = {1: [(3,), (1,), (4,), (5,)], 2: [(2, 3), (4, 1), (5, 6), (6, 7)],
+                    3: [(2, 4, 3), (4, 1, 2), (5, 6, 4), (6, 2, 5)]}
+
+
 def _conv_low_differs(cin: int, cout: int, groups: int, kernel: tuple, stride: tuple,
-                      dilation: tuple, dtype: torch.dtype) -> Optional[str]:
+                      dilation: tuple, dtype: torch.dtype, transposed: bool = False) -> Optional[str]:
     """None when a ``dtype`` (bf16 / fp16) convolution of this configuration (``cin`` /
-    ``cout`` channels in all, ``groups``, ``kernel`` / ``stride`` / ``dilation`` (h, w),
-    padding k // 2) gives NaN and ±inf where eager's fp32 convolution of the same values
-    does, through both kernels a low-precision Conv2D may run (oneDNN's at channels-last,
-    ``mkldnn._convolution_pointwise``: ConvBiasAct; ATen's at NCHW); else one line naming
-    the first difference. Values otherwise differ by the rounding, which is not compared.
+    ``cout`` channels in all, ``groups``, ``kernel`` / ``stride`` / ``dilation`` per
+    spatial dim: 1, 2 or 3 of them; ``transposed``; padding k // 2, none when transposed)
+    gives NaN and ±inf where eager's fp32 convolution of the same values does, through
+    every kernel a low-precision convolution may run (ATen's ``convolution`` at the
+    contiguous and the channels-last layout, and for a 2-D one oneDNN's
+    ``mkldnn._convolution_pointwise``: ConvBiasAct); else one line naming the first
+    difference. Values otherwise differ by the rounding, which is not compared.
     Why: oneDNN's bf16 convolution sums products two input channels at a time
     (``vdpbf16ps``); with an odd channel count a pair reads the next pixel's first channel
     against a zero weight, and a NaN or inf there (NaN × 0) turns a neighbour's finite
-    output NaN: Conv2d(3, 5, 1) on this CPU."""
-    import torch.nn.functional as F
+    output NaN: Conv2d(3, 5, 1), Conv1d(3, 5, 3), Conv3d(3, 4, 3), ConvTranspose2d(3, 5, 2)
+    on this CPU."""
     g = torch.Generator().manual_seed(0)
-    x = torch.randn(2, cin, 7, 8, generator=g)
-    for (n, c, i, j), v in (((0, 0, 2, 3), float("nan")), ((0, cin - 1, 4, 1), float("inf")),
-                            ((1, cin // 2, 5, 6), float("-inf")), ((1, 0, 6, 7), float("nan"))):
-        x[n, c, i, j] = v
-    w = torch.randn(cout, cin // groups, *kernel, generator=g)
-    pad = (kernel[0] // 2, kernel[1] // 2)
-    want = F.conv2d(x, w, None, stride, pad, dilation, groups)
-    runs = {"ATen's convolution at NCHW": lambda xl, wl: F.conv2d(xl, wl, None, stride, pad,
-                                                                  dilation, groups)}
-    if mkldnn_available():
-        runs["oneDNN's convolution at channels-last"] = lambda xl, wl: (
-            torch.ops.mkldnn._convolution_pointwise(xl, wl, None, pad, stride, dilation, groups,
-                                                    "none", [], ""))
-    for (name, run), lay in zip(runs.items(), ("contiguous", "channels_last")):
+    rank = len(kernel)
+    x = torch.randn(2, cin, *(7, 8, 6)[:rank], generator=g)
+    # a first channel's special at a position odd along the last dim and even along the
+    # others: the pixel before it, which the pad lane reads it into, is one a stride of 2
+    # samples too (Conv2d(17, 8, 1, stride=2))
+    for (n, c), v, pos in zip(((0, 0), (0, cin - 1), (1, cin // 2), (1, 0)),
+                              (float("nan"), float("inf"), float("-inf"), float("nan")),
+                              _PROBE_POSITIONS[rank]):
+        x[(n, c) + pos] = v
+    w = torch.randn(*((cin, cout // groups) if transposed else (cout, cin // groups)), *kernel,
+                    generator=g)
+    pad = [0] * rank if transposed else [k // 2 for k in kernel]
+    conv = torch.ops.aten.convolution
+    args = (None, list(stride), pad, list(dilation), transposed, [0] * rank, groups)
+    want = conv(x, w, *args)
+    runs = [("ATen's convolution at the contiguous layout", "contiguous", conv)]
+    if rank in (2, 3):
+        runs.append(("ATen's convolution at channels-last", "channels_last", conv))
+    if rank == 2 and not transposed and mkldnn_available():
+        runs.append(("oneDNN's convolution at channels-last", "channels_last",
+                     lambda xl, wl, *_: torch.ops.mkldnn._convolution_pointwise(
+                         xl, wl, None, pad, list(stride), list(dilation), groups, "none", [], "")))
+    for name, lay, run in runs:
+        xl = x.to(dtype)
+        if lay == "channels_last":
+            xl = xl.contiguous(memory_format=torch.channels_last if rank == 2
+                               else torch.channels_last_3d)
         try:
-            got = run(at_layout(x.to(dtype), lay), w.to(dtype)).float()
+            got = run(xl, w.to(dtype), *args).float()
         except (RuntimeError, TypeError, ValueError) as e:
             return f"{name} fails for {dtype} ({str(e).splitlines()[0]})"
         bad = ~(torch.isnan(got) == torch.isnan(want)) | ~(got.isinf() == want.isinf()) \
@@ -146,23 +166,26 @@ def _conv_low_differs(cin: int, cout: int, groups: int, kernel: tuple, stride: t
             i = int(bad.reshape(-1).nonzero()[0])
             return (f"{name} in {str(dtype).replace('torch.', '')} gives {show_element(got, i)} where eager's "
                     f"fp32 convolution gives {show_element(want, i)} (a NaN or inf in a "
-                    f"neighbouring pixel; {cin // groups} input channels per group)")
+                    f"neighbouring position; {cin // groups} input channels per group)")
     return None
 
 
 CONV_LOW_PROBE = register(Probe(
     "conv_low_precision", guards="MixedPrecision (passes/prepare/precision.py): a Conv2D "
     "lowered to bf16 / fp16",
-    kernel="oneDNN's bf16 / fp16 convolution at channels-last and ATen's at NCHW",
+    kernel="ATen's bf16 / fp16 convolution (1-, 2-, 3-D, transposed) contiguous and "
+    "channels-last, oneDNN's 2-D one at channels-last",
     inputs="seeded randn with NaN, +inf and -inf in a few pixels' first, middle and last channels",
-    run=_conv_low_differs))
+    run=_conv_low_differs, version=3))
 
 
 def conv_low_precision_differs(cin: int, cout: int, groups: int, kernel: tuple, stride: tuple,
-                               dilation: tuple, dtype: torch.dtype) -> Optional[str]:
+                               dilation: tuple, dtype: torch.dtype,
+                               transposed: bool = False) -> Optional[str]:
     """`_conv_low_differs`, cached per configuration in memory and on disk."""
     return CONV_LOW_PROBE(int(cin), int(cout), int(groups), tuple(int(k) for k in kernel),
-                          tuple(int(k) for k in stride), tuple(int(k) for k in dilation), dtype)
+                          tuple(int(k) for k in stride), tuple(int(k) for k in dilation), dtype,
+                          bool(transposed))
 
 
 CONV_POST_OP_PROBE = register(Probe(

@@ -67,32 +67,39 @@ def lost_in_cast(node: Node, target: DataType) -> Optional[str]:
 
 def low_kernel_differs(node: Node, target: DataType) -> Optional[str]:
     """Why ``node`` run in ``target`` (fp16 / bf16) would put NaN or ±inf where eager's
-    fp32 op does not, on this CPU: a 2-D convolution with an odd number of input channels
-    per group, probed once per configuration (`parity.conv_low_precision_differs`:
-    oneDNN's bf16 convolution pairs input channels, and the pad of an odd count reads a
-    neighbouring pixel's NaN or inf). None for every other node and where the probe finds
-    eager's positions."""
+    fp32 op does not, on this CPU: a convolution (1-, 2- or 3-D, transposed or not) with
+    an odd number of input channels per group, probed once per configuration
+    (`parity.conv_low_precision_differs`: oneDNN's bf16 convolution pairs input channels,
+    and the pad of an odd count reads a neighbouring position's NaN or inf). None for
+    every other node and where the probe finds eager's positions."""
     if node.op != "Conv2D" or target.torch not in (torch.bfloat16, torch.float16):
         return None
     a = node.attrs
     wref = a.get("weight")
     w = node.inputs[wref.index] if hasattr(wref, "index") else None
-    if w is None or a.get("transposed") or len(w.desc.shape) != 4 \
+    if w is None or len(w.desc.shape) not in (3, 4, 5) \
             or not all(isinstance(d, int) for d in w.desc.shape):
         return None
     groups = int(a.get("groups", 1) or 1)
-    cout, cin_pg, kh, kw = (int(d) for d in w.desc.shape)
-    if cin_pg % 2 == 0:
+    transposed = bool(a.get("transposed"))
+    d0, d1, *kernel = (int(d) for d in w.desc.shape)
+    # weight [out, in / groups, *k]; transposed [in, out / groups, *k]
+    cin, cout = (d0, d1 * groups) if transposed else (d1 * groups, d0)
+    if (cin // groups) % 2 == 0:
         return None
     from ...ops.parity import conv_low_precision_differs
-    return conv_low_precision_differs(cin_pg * groups, cout, groups, (kh, kw),
-                                      _pair(a.get("stride", (1, 1))),
-                                      _pair(a.get("dilation", (1, 1))), target.torch)
+    rank = len(kernel)
+    return conv_low_precision_differs(cin, cout, groups, tuple(kernel),
+                                      _per_dim(a.get("stride", (1,)), rank),
+                                      _per_dim(a.get("dilation", (1,)), rank), target.torch,
+                                      transposed)
 
 
-def _pair(v) -> tuple:
-    """An (h, w) int pair from a convolution's stride / dilation argument (one value or two)."""
-    return tuple(int(x) for x in v) * (2 if len(v) == 1 else 1)
+def _per_dim(v, rank: int) -> tuple:
+    """A convolution's stride / dilation argument (one value or one per spatial dim) as
+    ``rank`` ints."""
+    v = tuple(int(x) for x in v)
+    return v * rank if len(v) == 1 else v
 
 
 __all__ = ["lost_in_cast", "low_kernel_differs"]
