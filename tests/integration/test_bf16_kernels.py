@@ -28,7 +28,7 @@ class Net(torch.nn.Module):
         super().__init__()
         self.features = features
         c = 16
-        self.stem = torch.nn.Sequential(torch.nn.Conv2d(3, c, 3, padding=1),
+        self.stem = torch.nn.Sequential(torch.nn.Conv2d(4, c, 3, padding=1),
                                         torch.nn.BatchNorm2d(c), torch.nn.ReLU(),
                                         torch.nn.MaxPool2d(2))
         self.a, self.bn_a = torch.nn.Conv2d(c, c, 3, padding=1), torch.nn.BatchNorm2d(c)
@@ -51,7 +51,7 @@ class Net(torch.nn.Module):
 
 def _net(features=False):
     torch.manual_seed(0)
-    return Net(features).eval(), torch.randn(2, 3, 16, 16)
+    return Net(features).eval(), torch.randn(2, 4, 16, 16)
 
 
 def _cosine(a, b):

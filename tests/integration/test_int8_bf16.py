@@ -253,13 +253,13 @@ def test_bf16_convolutions_stay_bf16_with_the_reason():
     class ConvLin(torch.nn.Module):
         def __init__(self):
             super().__init__()
-            self.conv, self.fc = torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.Linear(8, 4)
+            self.conv, self.fc = torch.nn.Conv2d(4, 8, 3, padding=1), torch.nn.Linear(8, 4)
 
         def forward(self, x):
             return self.fc(torch.relu(self.conv(x)).mean((2, 3)))
     torch.manual_seed(0)
     m = ConvLin().eval()
-    x = torch.randn(2, 3, 8, 8)
+    x = torch.randn(2, 4, 8, 8)
     q = opencann.quantize(m, [x], options=BF16)
     rows = {r["layer"]: r for r in quant_report(q)}
     conv = next(r for k, r in rows.items() if k.startswith("convolution"))

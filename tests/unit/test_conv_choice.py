@@ -18,9 +18,9 @@ torch.manual_seed(0)
 class TwoConv(nn.Module):
     """bench/guards.py's CNN: conv 3->8, relu, conv 8->8 (3x3, padding 1)."""
 
-    def __init__(self):
+    def __init__(self, cin=3):
         super().__init__()
-        self.c1 = nn.Conv2d(3, 8, 3, padding=1)
+        self.c1 = nn.Conv2d(cin, 8, 3, padding=1)
         self.c2 = nn.Conv2d(8, 8, 3, padding=1)
 
     def forward(self, x):
@@ -176,8 +176,9 @@ def test_model_file_keeps_the_choice(tmp_path):
 def test_the_size_rule_is_fp32s_a_bf16_conv_keeps_onednn(capfd):
     """In bf16 eager's NCHW convolution reorders its plain weight on every call; the tiny
     CNN kept on eager's kernel in fp32 runs oneDNN's prepacked bf16 convolutions, NHWC,
-    and a call reorders no weight."""
-    model, x = TwoConv().eval(), torch.randn(1, 3, 32, 32)
+    and a call reorders no weight (4 input channels: an odd count keeps the first fp32 in
+    bf16, test_bf16_conv_specials)."""
+    model, x = TwoConv(cin=4).eval(), torch.randn(1, 4, 32, 32)
     cm = opencann.compile(model, (x,), options={"precision_mode": "allow_mix_precision_bf16"})
     convs = _convs(cm)
     assert len(convs) == 2 and all(n.meta.get("kernel") != "aten" for n in convs)

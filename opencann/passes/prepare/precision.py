@@ -48,7 +48,7 @@ from typing import Any, Dict, Iterable, Mapping, Optional, Set, Tuple
 
 from ...ir import DataType, Graph, Node, TensorRef, Value
 from ...log import logger
-from ...ops import OpKind, all_ops, get_op, written_inputs
+from ...ops import OpKind, all_ops, get_op, inplace_inputs, written_inputs
 from ..base import Pass, PassContext
 from .precision_values import lost_in_cast, low_kernel_differs
 
@@ -177,7 +177,8 @@ class MixedPrecision(Pass):
                 outs = [origin[id(o)] for o in node.outputs if origin[id(o)] in floats]
                 want = outs[0] if outs else FP32
             if want != FP32 and not written:
-                why = lost_in_cast(node, want) or low_kernel_differs(node, want)
+                why = lost_in_cast(node, want) or (
+                    low_kernel_differs(node, want) if ctx.device.kind == "cpu" else None)
                 if why:   # lowering would change what a value means: keep eager's
                     want = FP32
                     kept.append(f"{node.name} ({node.op}) at {node.where()}: {why}")
@@ -281,22 +282,57 @@ def _cast_outputs(graph: Graph, origin: Dict, cache: Dict) -> int:
     or adding a ``cast_out`` node with the value's traced strides. Returns the number of
     outputs redirected."""
     changed = 0
-    for i, v in enumerate(graph.outputs):
+    outs = {v.id for v in graph.outputs}
+    made: Dict[int, Value] = {}
+    for i, v in enumerate(list(graph.outputs)):
         want = origin.get(id(v), v.desc.dtype)
         if v.desc.dtype == want:
             continue
         changed += 1
-        if (v.id, want) in cache:   # an op kept in fp32 reads it cast already
-            graph.outputs[i] = cache[(v.id, want)]
-            continue
-        tail = graph.create_node("Cast", [v], {"self": TensorRef(0), "dtype": want.torch},
-                                 [v.desc.with_(dtype=want)], name="cast_out")
-        if v.producer is not None:   # per-node timing charges it to the output's producer
-            tail.meta["precision_for"] = v.producer.name
-        if v.traced_strides is not None:  # the caller gets eager's strides
-            tail.meta["strides"] = [v.traced_strides]
-        graph.outputs[i] = tail.output
+        graph.outputs[i] = _output_as(graph, v, want, outs, made, cache)
     return changed
+
+
+def _output_as(graph: Graph, v: Value, want: DataType, outs: Set[int], made: Dict,
+               cache: Dict) -> Value:
+    """Graph output ``v`` in dtype ``want``: a view of another output (``y[:1]`` beside
+    ``y``) is the same view of that output's cast, so the two alias as in eager (a cast
+    each made them two tensors); any other a ``cast_out`` node with ``v``'s traced strides,
+    or the cast an fp32 op already reads (``cache``). ``made``: value id -> its result."""
+    if v.id in made:
+        return made[v.id]
+    p = v.producer
+    base = p.inputs[0] if p is not None and get_op(p.op).is_view and len(p.inputs) == 1 \
+        and not inplace_inputs(p) else None
+    if base is not None and (base.id in outs or _views_an_output(base, outs)):
+        src = _output_as(graph, base, want, outs, made, cache)
+        view = graph.create_node(p.op, [src], dict(p.attrs), [o.desc.with_(dtype=want)
+                                                              for o in p.outputs],
+                                 name=f"{p.name}_out")   # every output of a split at once
+        view.meta.update({k: p.meta[k] for k in ("aten", "strides") if k in p.meta})
+        for o, w in zip(p.outputs, view.outputs):
+            made[o.id] = w
+        return made[v.id]
+    if (v.id, want) in cache:   # an op kept in fp32 reads it cast already
+        made[v.id] = cache[(v.id, want)]
+        return made[v.id]
+    tail = graph.create_node("Cast", [v], {"self": TensorRef(0), "dtype": want.torch},
+                             [v.desc.with_(dtype=want)], name="cast_out")
+    if v.producer is not None:   # per-node timing charges it to the output's producer
+        tail.meta["precision_for"] = v.producer.name
+    if v.traced_strides is not None:  # the caller gets eager's strides
+        tail.meta["strides"] = [v.traced_strides]
+    made[v.id] = tail.output
+    return tail.output
+
+
+def _views_an_output(v: Value, outs: Set[int]) -> bool:
+    """Whether ``v`` is a chain of single-input views of a graph output."""
+    while v.producer is not None and get_op(v.producer.op).is_view and len(v.producer.inputs) == 1:
+        v = v.producer.inputs[0]
+        if v.id in outs:
+            return True
+    return False
 
 
 def _held_inputs(node: Node) -> Set[int]:

@@ -66,8 +66,9 @@ def lost_in_cast(node: Node, target: DataType) -> Optional[str]:
 
 
 def low_kernel_differs(node: Node, target: DataType) -> Optional[str]:
-    """Why ``node`` run in ``target`` (fp16 / bf16) would put NaN or ±inf where eager's
-    fp32 op does not, on this CPU: a convolution (1-, 2- or 3-D, transposed or not) with
+    """Why ``node`` run in ``target`` (fp16 / bf16) on the cpu device would put NaN or ±inf
+    where eager's fp32 op does not, on this CPU (the precision pass asks it for the cpu
+    only: the vnpu and CUDA run other kernels): a convolution (1-, 2- or 3-D, transposed or not) with
     an odd number of input channels per group, probed once per configuration
     (`parity.conv_low_precision_differs`: oneDNN's bf16 convolution pairs input channels,
     and the pad of an odd count reads a neighbouring position's NaN or inf). None for
