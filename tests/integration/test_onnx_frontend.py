@@ -343,6 +343,29 @@ def _assert_same(outs, refs):
         np.testing.assert_array_equal(o, r)          # NaN equals NaN here
 
 
+@pytest.mark.parametrize("n", [108, 200_000])     # the serial pass and the parallel one
+@pytest.mark.parametrize("qtype,zp", [(TensorProto.UINT8, 128), (TensorProto.INT8, 0)])
+def test_quantize_linear_divides_by_its_scale_as_the_specification(n, qtype, zp):
+    """QuantizeLinear is round(x / scale): x · (1 / scale) rounded values that lie on a
+    rounding boundary to the other side (x = -1.515, scale 0.03: x / s = -50.5 but
+    x · (1/s) = -50.500004; 28 of 108 such values one step from ONNX Runtime)."""
+    npq = np.uint8 if qtype == TensorProto.UINT8 else np.int8
+    s = np.float32(0.03)
+    x = (((np.arange(n) % 216) - 108).astype(np.float32) + np.float32(0.5)) * s
+    x[7] = np.nan
+    inits = [onnx.numpy_helper.from_array(s, "s"), onnx.numpy_helper.from_array(np.array(zp, npq), "z")]
+    nodes = [helper.make_node("QuantizeLinear", ["x", "s", "z"], ["q"]),
+             helper.make_node("DequantizeLinear", ["q", "s", "z"], ["d"])]
+    model = _model(nodes, [("x", _F, [n])], [("q", qtype, [n]), ("d", _F, [n])], inits, 19)
+    cm = opencann.compile(model)
+    assert not cm.report.host_fallbacks
+    want = _ort(model, {"x": x})
+    spec = np.clip(np.round(x / s) + zp, np.iinfo(npq).min, np.iinfo(npq).max)   # fp32 x / s
+    assert np.array_equal(want[0][8:], spec[8:].astype(npq))   # the reference is the spec's
+    for _ in range(2):
+        _assert_same(cm(torch.from_numpy(x)), want)
+
+
 @pytest.mark.parametrize("opset", [13, 19, 21])
 @pytest.mark.parametrize("qtype,zp", [(TensorProto.UINT8, 3), (TensorProto.INT8, -2),
                                       (TensorProto.INT8, 3), (TensorProto.UINT8, None)])

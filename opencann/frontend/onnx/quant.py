@@ -14,7 +14,8 @@ it). Semantics: the ONNX operator specification (onnx/docs/Operators.md):
 Per-tensor uint8 with a constant scale and zero point, on a float32 (non-constant) x,
 converts to one IR op each (int8 too, as uint8 shifted by 128: a QuantizeLinear to int8
 feeding a DequantizeLinear becomes AscendQuant → AscendDequant with the zero point + 128,
-the same values): ``AscendQuant`` (QuantizeLinear; x · (1/scale), see the op) and
+the same values): ``AscendQuant`` (QuantizeLinear; with its ``step`` attribute the op
+divides, x / scale, as the specification) and
 ``AscendDequant`` (DequantizeLinear). The ``qdq_to_int8`` pass then runs a
 QuantizeLinear → DequantizeLinear pair before a Conv / MatMul / Gemm with constant weights
 (ONNX Runtime's QDQ format) on the int8 kernels; any pair it leaves runs as these two ops
@@ -124,7 +125,8 @@ def quantize_linear(cv: Converter, n: OnnxNode):
     pt = _per_tensor_u8(n, x, qt)
     if pt is not None and x.desc.dtype.torch == f32:
         step, zp = pt
-        u = _ir_op(cv, "AscendQuant", x, {"scale": 1.0 / step, "offset": zp}, DataType.UINT8)
+        u = _ir_op(cv, "AscendQuant", x, {"scale": 1.0 / step, "offset": zp, "step": step},
+                   DataType.UINT8)
         return [u if qt == torch.uint8 else _int8_view(cv, u, zp)]
     xf = x if x.desc.dtype.torch == f32 else cv.call(aten._to_copy.default, x, dtype=f32)
     scale = _per_axis(cv, n, n.x(1), x)

@@ -47,23 +47,27 @@ QMIN, QMAX = 0, 255   # uint8 activations
 _LINEAR_POST = {"relu": ("relu", ""), "gelu": ("gelu", "none"), "gelu_tanh": ("gelu", "tanh")}
 
 
-def quantize_u8(x: torch.Tensor, step: float, offset: int, out: torch.Tensor = None) -> torch.Tensor:
+def quantize_u8(x: torch.Tensor, step: float, offset: int, out: torch.Tensor = None,
+                divide: bool = False) -> torch.Tensor:
     """``x`` (float) to uint8 ``saturate(round_half_even(x / step) + offset)`` in [0, 255],
     NaN → 0; x's memory format kept. ``step`` > 0 (float), ``offset`` in [0, 255]. A dense
     fp32 x takes one numba pass (`quant_numba.quantize_dense`, same values), a dense bf16
     x one pass reading it directly (`quant_bf16_numba.quantize_bf16_dense`: the values of
     quantizing ``x.float()``, no Cast); any other the eager ops below. ``out``: a uint8
     tensor of x's shape that receives the result (written in place by the numba pass when
-    it has x's strides, else copied into) and is returned; None: a fresh tensor. Raises
-    ValueError (one line) for an ``out`` of another dtype or shape."""
+    it has x's strides, else copied into) and is returned; None: a fresh tensor.
+    ``divide``: x / step, correctly rounded (ONNX QuantizeLinear), where the default
+    multiplies by 1 / step in fp32 (AscendQuant's ``x * scale``; a value on a rounding
+    boundary may land one step apart). Raises ValueError (one line) for an ``out`` of
+    another dtype or shape."""
     from .quant_numba import quantize_dense   # numba loads on the first int8 call only
     from .quant_bf16_numba import quantize_bf16_dense
     check_out("quantize_u8", out, x.shape, torch.uint8)
-    y = (quantize_dense(x, step, offset, out) if x.dtype == torch.float32
-         else quantize_bf16_dense(x, step, offset, out))
+    y = (quantize_dense(x, step, offset, out, divide) if x.dtype == torch.float32
+         else None if divide else quantize_bf16_dense(x, step, offset, out))
     if y is not None:
         return y
-    y = torch.mul(x.float(), 1.0 / step)
+    y = torch.div(x.float(), step) if divide else torch.mul(x.float(), 1.0 / step)
     y.round_().add_(offset).clamp_(QMIN, QMAX)
     torch.nan_to_num_(y, nan=float(QMIN))
     y = y.to(torch.uint8)
@@ -92,14 +96,17 @@ def dynamic_params(x: torch.Tensor) -> Tuple[float, int]:
 def make_ascend_quant_kernel(node: Node, in_descs: Sequence[TensorDesc], consts: Sequence) -> Callable:
     """AscendQuant(x) → uint8: ``node.attrs`` ``scale`` (CANN's: the reciprocal of the
     quantization step, y = round(x * scale) + offset) and ``offset`` (the zero point, in
-    [0, 255]). Returns ``run(x, out=None)``; x fp32 or bf16 (one numba pass reading it as
+    [0, 255]); with ``step`` too (an ONNX QuantizeLinear's scale), y = round(x / step) +
+    offset, the division the ONNX specification writes. Returns ``run(x, out=None)``; x fp32 or bf16 (one numba pass reading it as
     it is; fp16 quantized through fp32), written into ``out`` when given (the op is
     ``out_capable`` on the CPU: the planned arena buffer; a fresh [128, 768] result cost
     ~20 µs more in BERT-base's call, docs/performance.md)."""
-    step, offset = 1.0 / float(node.attrs["scale"]), int(node.attrs["offset"])
+    divide = "step" in node.attrs   # ONNX QuantizeLinear: x / y_scale, the file's float32
+    step = float(node.attrs["step"]) if divide else 1.0 / float(node.attrs["scale"])
+    offset = int(node.attrs["offset"])
 
     def run(x, out=None):
-        return quantize_u8(x, step, offset, out)
+        return quantize_u8(x, step, offset, out, divide)
     return run
 
 
@@ -243,7 +250,6 @@ def make_quant_linear_kernel(node: Node, in_descs: Sequence[TensorDesc], consts:
     name, algo = _LINEAR_POST.get(a["act"], ("none", ""))
     post = None if a["act"] in _LINEAR_POST or a["act"] == "none" else _ACT_FN.get(a["act"])
     lin = torch.ops.onednn.qlinear_pointwise
-    f32 = torch.float32
     dynamic = bool(a.get("dynamic"))
     step, offset = (1.0, 0) if dynamic else (float(a["x_scale"]), int(a["x_offset"]))
     o_scale, o_zp, o_dtype = _out_quant(node)

@@ -39,10 +39,27 @@ def saturate_u8(v, inv, offset):  # pragma: no cover - compiled by numba
     return np.uint8(np.int32(r))
 
 
+@njit(cache=True, inline="always")
+def saturate_u8_div(v, step, offset):  # pragma: no cover - compiled by numba
+    """`saturate_u8` of ``v / step`` (a correctly rounded fp32 division: ONNX
+    QuantizeLinear's ``x / y_scale``, which ``v * (1 / step)`` misses by one step at a
+    rounding boundary)."""
+    r = np.rint(v / step) + offset
+    r = r if r > np.float32(0.0) else np.float32(0.0)
+    r = r if r < np.float32(255.0) else np.float32(255.0)
+    return np.uint8(np.int32(r))
+
+
 @njit(cache=True)
 def _quantize_run(xs, inv, offset, ys):  # pragma: no cover - compiled by numba
     for i in range(xs.size):
         ys[i] = saturate_u8(xs[i], inv, offset)
+
+
+@njit(cache=True)
+def _quantize_run_div(xs, step, offset, ys):  # pragma: no cover - compiled by numba
+    for i in range(xs.size):
+        ys[i] = saturate_u8_div(xs[i], step, offset)
 
 
 @njit(parallel=True, cache=True)
@@ -52,6 +69,15 @@ def _quantize(x, inv, offset, y):  # pragma: no cover - compiled by numba
         s = b * BLOCK
         m = min(BLOCK, n - s)
         _quantize_run(x[s:s + m], inv, offset, y[s:s + m])
+
+
+@njit(parallel=True, cache=True)
+def _quantize_div(x, step, offset, y):  # pragma: no cover - compiled by numba
+    n = x.size
+    for b in prange((n + BLOCK - 1) // BLOCK):
+        s = b * BLOCK
+        m = min(BLOCK, n - s)
+        _quantize_run_div(x[s:s + m], step, offset, y[s:s + m])
 
 
 def dense_flat(x: torch.Tensor):
@@ -92,20 +118,24 @@ def dense_io(x: torch.Tensor, np_dtype, out: torch.Tensor = None):
     return xs.view(np_dtype), y, y.as_strided((x.numel(),), (1,)).numpy()
 
 
-def quantize_dense(x: torch.Tensor, step: float, offset: int, out: torch.Tensor = None):
+def quantize_dense(x: torch.Tensor, step: float, offset: int, out: torch.Tensor = None,
+                   divide: bool = False):
     """``x`` (fp32, dense: contiguous in some memory order) quantized to uint8 with its
     strides (written into ``out`` when given and it fits: `dense_io`), or None when x is
-    not fp32 or not dense or ``out`` does not fit (the caller then uses eager's ops)."""
+    not fp32 or not dense or ``out`` does not fit (the caller then uses eager's ops).
+    ``divide``: x / step (ONNX QuantizeLinear), else x · (1 / step) (AscendQuant)."""
     io = dense_io(x, np.float32, out) if x.dtype == torch.float32 else None
     if io is None:
         return None
     xf, y, yf = io
     n = xf.size
+    run, par = (_quantize_run_div, _quantize_div) if divide else (_quantize_run, _quantize)
+    a = np.float32(step) if divide else np.float32(1.0 / step)
     if n < SERIAL_MAX:
-        _quantize_run(xf, np.float32(1.0 / step), np.float32(offset), yf)
+        run(xf, a, np.float32(offset), yf)
         return y
     with launch(n):
-        _quantize(xf, np.float32(1.0 / step), np.float32(offset), yf)
+        par(xf, a, np.float32(offset), yf)
     return y
 
 
@@ -133,4 +163,5 @@ def dequantize_dense(x: torch.Tensor, step: float, offset: float):
     return y
 
 
-__all__ = ["dense_flat", "dense_io", "dequantize_dense", "quantize_dense", "saturate_u8"]
+__all__ = ["dense_flat", "dense_io", "dequantize_dense", "quantize_dense", "saturate_u8",
+           "saturate_u8_div"]
