@@ -45,18 +45,31 @@ def test_small_work_and_an_oversubscribed_host_run_on_the_calling_thread(threads
         assert numba.get_num_threads() == 1
 
 
-def test_the_verdict_counts_other_processes_only(monkeypatch):
-    """others = the host's runnable threads less this process's own running ones read at
-    the same instant (an OpenMP worker spinning after a torch kernel is ours), averaged
-    over LOAD_TAU_S; a team of T threads is refused when others + T > CPUs (+ 0.5)."""
+@pytest.fixture
+def host(monkeypatch):
+    """A 2-CPU host with a 2-thread team and no reading yet, whose clock and thread counts
+    the test sets: ``host(now=..., run=...)`` returns the dict (``now``, ``run``, ``own``)
+    that `oversubscribed` reads."""
     monkeypatch.setattr(nc, "_cpus", lambda: 2)
     monkeypatch.setattr(nc, "torch_threads", lambda: 2)
     for k, v in (("t", 0.0), ("others", None), ("verdict", False)):
         monkeypatch.setattr(nc._Load, k, v)
-    clock = {"now": 100.0, "run": 2.0, "own": 2}
+    clock = {"now": 0.0, "run": 0.0, "own": 2}
     monkeypatch.setattr(nc.time, "monotonic", lambda: clock["now"])
     monkeypatch.setattr(nc, "runnable_threads", lambda: clock["run"])
     monkeypatch.setattr(nc, "own_running_threads", lambda: clock["own"])
+
+    def start(now: float, run: float) -> dict:
+        clock.update(now=now, run=run)
+        return clock
+    return start
+
+
+def test_the_verdict_counts_other_processes_only(host, monkeypatch):
+    """others = the host's runnable threads less this process's own running ones read at
+    the same instant (an OpenMP worker spinning after a torch kernel is ours), averaged
+    over LOAD_TAU_S; a team of T threads is refused when others + T > CPUs (+ 0.5)."""
+    clock = host(now=100.0, run=2.0)
     assert nc.oversubscribed() is False           # the 2 running threads are our team
     assert nc._Load.others == 0.0
     clock.update(now=100.1, run=9.0)
@@ -78,19 +91,12 @@ def test_the_verdict_counts_other_processes_only(monkeypatch):
     assert nc.oversubscribed() is False           # nothing to read: never refused
 
 
-def test_one_stray_runnable_thread_at_the_first_reading_is_no_load(monkeypatch):
+def test_one_stray_runnable_thread_at_the_first_reading_is_no_load(host):
     """A fresh process's first reading weighs as one sample of the average, not as the
     average: one other runnable thread caught at that instant (a worker of ours changing
     state between the two reads, a kernel thread) does not put the first seconds' kernels
     on one thread; the same thread staying runnable does, within the average's time."""
-    monkeypatch.setattr(nc, "_cpus", lambda: 2)
-    monkeypatch.setattr(nc, "torch_threads", lambda: 2)
-    for k, v in (("t", 0.0), ("others", None), ("verdict", False)):
-        monkeypatch.setattr(nc._Load, k, v)
-    clock = {"now": 50.0, "run": 3.0, "own": 2}
-    monkeypatch.setattr(nc.time, "monotonic", lambda: clock["now"])
-    monkeypatch.setattr(nc, "runnable_threads", lambda: clock["run"])
-    monkeypatch.setattr(nc, "own_running_threads", lambda: clock["own"])
+    clock = host(now=50.0, run=3.0)
     assert nc.oversubscribed() is False and nc._Load.others < 0.1
     for i in range(1, 8):                          # then quiet: never refused
         clock.update(now=50.0 + i * 0.5, run=2.0)

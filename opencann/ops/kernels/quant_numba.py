@@ -51,33 +51,24 @@ def saturate_u8_div(v, step, offset):  # pragma: no cover - compiled by numba
 
 
 @njit(cache=True)
-def _quantize_run(xs, inv, offset, ys):  # pragma: no cover - compiled by numba
-    for i in range(xs.size):
-        ys[i] = saturate_u8(xs[i], inv, offset)
-
-
-@njit(cache=True)
-def _quantize_run_div(xs, step, offset, ys):  # pragma: no cover - compiled by numba
-    for i in range(xs.size):
-        ys[i] = saturate_u8_div(xs[i], step, offset)
+def _quantize_run(xs, a, offset, ys, divide):  # pragma: no cover - compiled by numba
+    """ys = `saturate_u8_div` (xs, step ``a``) when ``divide``, else `saturate_u8` (xs,
+    1/step ``a``): the flag is tested once, outside the loops, which stay branch-free."""
+    if divide:
+        for i in range(xs.size):
+            ys[i] = saturate_u8_div(xs[i], a, offset)
+    else:
+        for i in range(xs.size):
+            ys[i] = saturate_u8(xs[i], a, offset)
 
 
 @njit(parallel=True, cache=True)
-def _quantize(x, inv, offset, y):  # pragma: no cover - compiled by numba
+def _quantize(x, a, offset, y, divide):  # pragma: no cover - compiled by numba
     n = x.size
     for b in prange((n + BLOCK - 1) // BLOCK):
         s = b * BLOCK
         m = min(BLOCK, n - s)
-        _quantize_run(x[s:s + m], inv, offset, y[s:s + m])
-
-
-@njit(parallel=True, cache=True)
-def _quantize_div(x, step, offset, y):  # pragma: no cover - compiled by numba
-    n = x.size
-    for b in prange((n + BLOCK - 1) // BLOCK):
-        s = b * BLOCK
-        m = min(BLOCK, n - s)
-        _quantize_run_div(x[s:s + m], step, offset, y[s:s + m])
+        _quantize_run(x[s:s + m], a, offset, y[s:s + m], divide)
 
 
 def dense_flat(x: torch.Tensor):
@@ -129,13 +120,12 @@ def quantize_dense(x: torch.Tensor, step: float, offset: int, out: torch.Tensor 
         return None
     xf, y, yf = io
     n = xf.size
-    run, par = (_quantize_run_div, _quantize_div) if divide else (_quantize_run, _quantize)
     a = np.float32(step) if divide else np.float32(1.0 / step)
     if n < SERIAL_MAX:
-        run(xf, a, np.float32(offset), yf)
+        _quantize_run(xf, a, np.float32(offset), yf, bool(divide))
         return y
     with launch(n):
-        par(xf, a, np.float32(offset), yf)
+        _quantize(xf, a, np.float32(offset), yf, bool(divide))
     return y
 
 
