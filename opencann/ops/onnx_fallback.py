@@ -256,3 +256,64 @@ def infer_outputs(onnx_node, opsets: Sequence[tuple], in_descs: Sequence[TensorD
         if all(d is not None for d in dims):
             found[vi.name] = (tuple(dims), from_elem[t.elem_type])
     return [found.get(y) for y in names]
+
+
+# onnxruntime's NodeArg type strings -> torch dtype
+_ORT_TYPES = {"tensor(float)": torch.float32, "tensor(uint8)": torch.uint8, "tensor(int8)": torch.int8,
+              "tensor(int16)": torch.int16, "tensor(int32)": torch.int32, "tensor(int64)": torch.int64,
+              "tensor(bool)": torch.bool, "tensor(float16)": torch.float16, "tensor(double)": torch.float64,
+              "tensor(complex64)": torch.complex64, "tensor(bfloat16)": torch.bfloat16}
+
+
+def _probe_model(node, opsets, in_descs, consts):
+    """(model, names): ``node`` alone with its inputs at their exact shapes (constants as
+    initializers), each present output a graph output of unknown type, and a ``Shape`` of
+    each (``<name>::rank``) telling its rank apart from an unknown shape."""
+    import onnx
+    from onnx import helper, numpy_helper
+    present = [x for x in node.input if x]
+    names = [y for y in node.output if y]
+    pairs = _once(zip(present, zip(in_descs, consts)))
+    ins = [helper.make_tensor_value_info(x, _ONNX_ELEM[d.dtype.torch], list(d.shape))
+           for x, (d, c) in pairs if c is None or c.dtype == torch.bfloat16]
+    inits = [numpy_helper.from_array(c.detach().cpu().numpy(), x)
+             for x, (d, c) in pairs if c is not None and c.dtype != torch.bfloat16]
+    probes = [helper.make_node("Shape", [y], [f"{y}::rank"]) for y in names]
+    outs = [helper.make_value_info(y, onnx.TypeProto()) for y in names] + \
+        [helper.make_value_info(p.output[0], onnx.TypeProto()) for p in probes]
+    graph = helper.make_graph([node] + probes, "probe", ins, outs, initializer=inits)
+    versions = dict(opsets)
+    versions.setdefault("", 13)          # the probes' Shape
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid(d, v) for d, v in versions.items()])
+    model.ir_version = min(onnx.IR_VERSION, 10)
+    return model, names
+
+
+def infer_outputs_ort(onnx_node, opsets: Sequence[tuple], in_descs: Sequence[TensorDesc],
+                      consts: Sequence[Optional[torch.Tensor]]) -> list:
+    """The output descriptions of one ONNX node by ONNX Runtime's own shape inference (its
+    op schemas, com.microsoft's included, which ``onnx.shape_inference`` does not know):
+    the output shapes its session resolves for the node alone, its inputs at their exact
+    shapes and its constant inputs as initializers. One entry per present output:
+    ``(dims, torch dtype or None)`` with ``dims`` a tuple of ints and None for a dim ONNX
+    Runtime leaves unknown (a size that depends on the data, as NonZero's), or None when it
+    gives no shape (its inference stops at the op, or it cannot build the node)."""
+    import onnx
+    node = onnx.NodeProto()
+    node.ParseFromString(decode_node(onnx_node))
+    try:
+        model, names = _probe_model(node, opsets, in_descs, consts)
+        sess = _ort_session(model, node, opsets)
+    except Exception:  # noqa: BLE001 - no ONNX Runtime session: no shape from it
+        return [None] * len([y for y in node.output if y])
+    args = {a.name: a for a in sess.get_outputs()}
+    found = []
+    for y in names:
+        a, rank = args.get(y), args.get(f"{y}::rank")
+        shape = list(a.shape or []) if a is not None else []
+        n = rank.shape[0] if rank is not None and rank.shape else None
+        if not shape and n != 0:      # onnxruntime reads [] for an unknown shape as for rank 0
+            found.append(None)
+            continue
+        found.append((tuple(d if isinstance(d, int) else None for d in shape), _ORT_TYPES.get(a.type)))
+    return found

@@ -22,6 +22,10 @@
 - ``QuantLinearAct``: int8 MatMul / Linear (+ activation), dequantized to fp32 (bf16
   inside a bf16 graph); with ``attrs["dynamic"]`` x comes in fp32 (or bf16) and is
   quantized per call.
+- ``DynamicQuantDequant``: float → float, x on the uint8 grid of ONNX DynamicQuantizeLinear
+  (its range taken per call) and dequantized: the float emulation of a dynamic int8
+  linear's input on the vnpu (`vnpu_quantize_int8`: an ONNX ``quantize_dynamic`` file),
+  with the levels the dynamic ``QuantLinearAct`` quantizes x to. Host kernel (ND).
 - ``AddLayerNormQuant``: CANN's AddLayerNormQuant: Add + LayerNorm (float32, the
   residual stream) and the norm's uint8 quantization for the int8 Linear reading it
   (``fuse_add_layer_norm_quant``; kernel ``ops/kernels/add_layer_norm_quant_cpu.py``: one
@@ -35,7 +39,8 @@ from __future__ import annotations
 from ..ir import Node, numel
 from .kernels import vnpu_cost
 from .kernels.vnpu_quant import make_vnpu_ascend_dequant, make_vnpu_ascend_quant
-from .kernels.int8_cpu import (make_ascend_dequant_kernel, make_ascend_quant_kernel, make_quant_conv_kernel,
+from .kernels.int8_cpu import (make_ascend_dequant_kernel, make_ascend_quant_kernel, make_dynamic_quant_dequant_kernel,
+                               make_quant_conv_kernel,
                                make_quant_add_kernel, make_quant_linear_kernel, make_quant_max_pool_kernel)
 from .kernels.add_layer_norm_quant_cpu import make_add_layer_norm_quant_kernel
 from .library import _conv_cost
@@ -81,6 +86,9 @@ register(OpDef("QuantLinearAct", OpKind.FUSED, aliases=((),), cost_fn=_quant_lin
                fused_from=("MatMulV2", "MatMul"), kernel_factories={"cpu": make_quant_linear_kernel},
                device_cost={"vnpu": vnpu_cost.matmul}, per_index=pi.addmm,
                doc="int8 Linear (+ activation), dequantized to fp32 (oneDNN qlinear)"))
+register(OpDef("DynamicQuantDequant", OpKind.FUSED, flops_per_elem=6, aliases=((),),
+               kernel_factories={"cpu": make_dynamic_quant_dequant_kernel}, device_cost={"vnpu": vnpu_cost.quant},
+               doc="x quantized to uint8 by DynamicQuantizeLinear's per-call range, then dequantized (x's dtype)"))
 register(OpDef("AddLayerNormQuant", OpKind.FUSED, flops_per_elem=12, aliases=((), ()),
                fused_from=("LayerNorm",), kernel_factories={"cpu": make_add_layer_norm_quant_kernel},
                out_capable=lambda node: True,   # writes (y, y_q) into the planned buffers

@@ -161,3 +161,93 @@ def test_quantize_dynamic_matmuls_run_the_dynamic_int8_kernel(tmp_path):
     y = cm(x)[0]
     _within_int8_rounding(y, _ort(qp, name, x))
     assert torch.equal(cm(x)[0], y)
+
+
+class Blocks(torch.nn.Module):
+    """conv-ReLU → conv + residual → x·sigmoid(x) → concat with a LeakyReLU branch → 1×1 conv →
+    AvgPool → global mean → Linear: ``quantize_static``'s QOperator format writes the
+    com.microsoft QLinearAdd, QLinearSigmoid, QLinearMul, QLinearLeakyRelu, QLinearConcat,
+    QLinearAveragePool, QLinearGlobalAveragePool and QGemm for it."""
+
+    def __init__(self):
+        super().__init__()
+        self.c1, self.c2 = torch.nn.Conv2d(3, 6, 3, padding=1), torch.nn.Conv2d(6, 6, 3, padding=1)
+        self.c3, self.fc = torch.nn.Conv2d(12, 8, 1), torch.nn.Linear(8, 5)
+
+    def forward(self, x):
+        y = torch.relu(self.c1(x))
+        z = y + self.c2(y)
+        z = torch.cat([z * torch.sigmoid(z), torch.nn.functional.leaky_relu(y, 0.1)], 1)
+        z = torch.nn.functional.avg_pool2d(self.c3(z), 2)
+        return self.fc(torch.nn.functional.adaptive_avg_pool2d(z, 1).flatten(1))
+
+
+_MSFT = {"QLinearAdd", "QLinearSigmoid", "QLinearMul", "QLinearLeakyRelu", "QLinearConcat", "QLinearAveragePool",
+         "QLinearGlobalAveragePool", "QGemm"}
+
+
+@pytest.mark.parametrize("act", ["QUInt8", "QInt8"])
+def test_qoperator_com_microsoft_ops_run_on_onnxruntime(tmp_path, act):
+    """The com.microsoft ops of a QOperator file run on ONNX Runtime (host fallback) with
+    their output shapes from ONNX Runtime's own shape inference (onnx's does not know
+    them). int8 activations: every node runs ONNX Runtime's kernels or the specification's
+    QuantizeLinear, so the output equals ONNX Runtime's exactly; uint8: the convolutions
+    run oneDNN's int8 kernels, within one step of the output's quantization (equal in the
+    runs made while writing this). A saved and loaded model gives the same bits."""
+    import onnx
+    qp, name = _qdq_file(Blocks(), (2, 3, 8, 8), tmp_path, n_cal=3, fmt="QOperator", act=act)
+    proto = onnx.load(qp)
+    assert _MSFT <= {nd.op_type for nd in proto.graph.node if nd.domain == "com.microsoft"}
+    cm = opencann.compile(qp)
+    assert {f"onnx::{op}" for op in _MSFT} <= set(cm.report.host_fallbacks), cm.report.host_fallbacks
+    last = next(nd for nd in proto.graph.node if nd.output[0] == proto.graph.output[0].name)
+    step = float(onnx.numpy_helper.to_array(next(t for t in proto.graph.initializer if t.name == last.input[1])))
+    path = str(tmp_path / "q.ocm")
+    opencann.save(cm, path)
+    loaded = opencann.load(path)
+    for seed in range(3):
+        x = torch.randn(2, 3, 8, 8, generator=torch.Generator().manual_seed(seed)) * 2
+        y, ref = cm(x)[0], _ort(qp, name, x)
+        assert y.shape == ref.shape and y.dtype == ref.dtype
+        if act == "QInt8":
+            assert torch.equal(y, ref), (y - ref).abs().max()
+        else:
+            assert (y - ref).abs().max().item() <= step * 1.0001, ((y - ref).abs().max(), step)
+        assert torch.equal(loaded(x)[0], y)
+
+
+def test_quantize_dynamic_file_runs_float_emulation_on_the_vnpu(tmp_path):
+    """On the vnpu an ONNX ``quantize_dynamic`` file runs as float emulation (as QDQ /
+    QOperator files do): each MatMul reads x through a DynamicQuantDequant (the uint8 levels
+    of DynamicQuantizeLinear, range per call) and multiplies by the file's dequantized weight
+    in fp32. Its values equal the CPU's dynamic int8 kernel's to fp32 rounding, NaN / ±inf
+    in x included (both leave them out of x's range), and ONNX Runtime's within int8
+    rounding; a saved and loaded model gives the same bits."""
+    import onnx
+    m = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 8)).eval()
+    fp, qp = str(tmp_path / "f.onnx"), str(tmp_path / "q.onnx")
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(m, (torch.randn(2, 5, 16),), fp, dynamo=False, opset_version=17)
+    oq.quantize_dynamic(fp, qp, weight_type=oq.QuantType.QInt8)
+    name = onnx.load(qp).graph.input[0].name
+    cpu, npu = opencann.compile(qp), opencann.compile(qp, device="vnpu:ascend910b")
+    ops = npu.report.op_counts_after
+    assert ops.get("DynamicQuantDequant") == 2 and "OnnxHostFallback" not in ops, ops
+    from opencann.engine.quantize import quant_report
+    rows = quant_report(npu)
+    assert len(rows) == 2 and all(not r["int8"] and "float emulation" in r["reason"] for r in rows), rows
+    path = str(tmp_path / "q.ocm")
+    opencann.save(npu, path)
+    loaded = opencann.load(path)
+    g = torch.Generator().manual_seed(3)
+    for special in (None, float("nan"), float("inf"), -float("inf")):
+        x = torch.randn(2, 5, 16, generator=g) * 3
+        if special is not None:
+            x[0, 1, 2] = special
+        y, c = npu(x)[0], cpu(x)[0]
+        assert torch.isfinite(y).all() and torch.isfinite(c).all()
+        assert (y - c).abs().max().item() <= 1e-5 * c.abs().max().item()
+        if special is None:
+            _within_int8_rounding(y, _ort(qp, name, x))
+        assert torch.equal(loaded(x)[0], y)

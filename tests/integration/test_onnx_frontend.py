@@ -246,6 +246,83 @@ def test_data_dependent_shape_is_a_clear_error():
     assert "depends on the data" in _one_line(e)
 
 
+
+def _qlinear_add_model(a_shape, b_shape):
+    """A com.microsoft QLinearAdd (uint8, broadcasting) whose output has no declared shape:
+    onnx's shape inference does not know the op, ONNX Runtime's does."""
+    from onnx import numpy_helper
+    q = {"as": np.float32(0.02), "az": np.uint8(120), "bs": np.float32(0.03), "bz": np.uint8(100),
+         "ys": np.float32(0.04), "yz": np.uint8(128)}
+    node = helper.make_node("QLinearAdd", ["a", "as", "az", "b", "bs", "bz", "ys", "yz"], ["y"],
+                            domain="com.microsoft")
+    graph = helper.make_graph([node, helper.make_node("Transpose", ["y"], ["r"], perm=[2, 0, 1])], "qadd",
+                              [helper.make_tensor_value_info("a", TensorProto.UINT8, a_shape),
+                               helper.make_tensor_value_info("b", TensorProto.UINT8, b_shape)],
+                              [helper.make_tensor_value_info("r", TensorProto.UINT8, ["d0", "d1", "d2"])],
+                              [numpy_helper.from_array(np.array(v), k) for k, v in q.items()])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17),
+                                                    helper.make_opsetid("com.microsoft", 1)])
+    model.ir_version = 10
+    return model
+
+
+def test_com_microsoft_fallback_takes_onnxruntime_shape_inference(tmp_path):
+    """A node onnx's shape inference gives no shape (a com.microsoft op, its output read by
+    another node) runs on ONNX Runtime with the output shape ONNX Runtime's inference
+    gives (broadcast here): ONNX Runtime's values exactly, live and after save / load."""
+    model = _qlinear_add_model([3, 1, 5], [4, 5])
+    path = str(tmp_path / "qadd.onnx")
+    onnx.save(model, path)
+    cm = opencann.compile(path)
+    assert cm.report.host_fallbacks["onnx::QLinearAdd"]["count"] == 1
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randint(0, 256, (3, 1, 5), generator=g).to(torch.uint8), \
+        torch.randint(0, 256, (4, 5), generator=g).to(torch.uint8)
+    ref = torch.from_numpy(ort_run(path, [a, b])[0])
+    y = cm(a, b)[0]
+    assert y.shape == (5, 3, 4) and torch.equal(y, ref)
+    opencann.save(cm, str(tmp_path / "qadd.ocm"))
+    assert torch.equal(opencann.load(str(tmp_path / "qadd.ocm"))(a, b)[0], ref)
+
+
+def test_fallback_shape_from_run_time_axes_is_data_dependent():
+    """An output neither onnx's nor ONNX Runtime's inference gives a shape, of a node that
+    reads a run-time integer input (Squeeze by axes fed as a graph input), is one
+    data-dependent line naming that input and the fix."""
+    graph = helper.make_graph([helper.make_node("Squeeze", ["x", "axes"], ["y"]),
+                               helper.make_node("Relu", ["y"], ["r"])], "sq",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 1]),
+                               helper.make_tensor_value_info("axes", TensorProto.INT64, [1])],
+                              [helper.make_tensor_value_info("r", TensorProto.FLOAT, ["d0"])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    with pytest.raises(ConversionError) as e:
+        opencann.compile(model)
+    msg = _one_line(e)
+    assert "neither onnx's nor ONNX Runtime's shape inference" in msg and "'axes'" in msg
+    assert "make them constants" in msg and e.value.kind == "data_dependent"
+
+
+def test_fallback_without_any_shape_inference_names_the_fix(tmp_path, monkeypatch):
+    """Where ONNX Runtime's inference gives no shape either (stubbed here: it gives QLinearAdd's),
+    the error says so, without claiming the shape depends on the data, and names the fix;
+    the fix (the output's static shape declared in graph.value_info) compiles, with ONNX
+    Runtime's values."""
+    from opencann.frontend.onnx import converter
+    monkeypatch.setattr(converter, "infer_outputs_ort", lambda *a: [None])
+    model = _qlinear_add_model([3, 1, 5], [4, 5])
+    with pytest.raises(ConversionError) as e:
+        opencann.compile(model)
+    msg = _one_line(e)
+    assert "neither onnx's nor ONNX Runtime's shape inference" in msg and "graph.value_info" in msg
+    assert "depends on the data" not in msg and e.value.kind == "unsupported_op"
+    model.graph.value_info.append(helper.make_tensor_value_info("y", TensorProto.UINT8, [3, 4, 5]))
+    path = str(tmp_path / "declared.onnx")
+    onnx.save(model, path)
+    g = torch.Generator().manual_seed(1)
+    a, b = torch.randint(0, 256, (3, 1, 5), generator=g).to(torch.uint8), \
+        torch.randint(0, 256, (4, 5), generator=g).to(torch.uint8)
+    assert torch.equal(opencann.compile(path)(a, b)[0], torch.from_numpy(ort_run(path, [a, b])[0]))
+
 class _Bert(torch.nn.Module):
     def __init__(self, m):
         super().__init__()

@@ -10,7 +10,8 @@ conversion (initializers, Shape/Constant/Range subgraphs) is evaluated right awa
 a constant. A node with no converter (or a configuration its converter does not take)
 becomes an ``OnnxHostFallback`` run by ONNX Runtime (``opencann.ops.onnx_fallback``),
 reported like the torch frontend's ATen host fallbacks; its output shapes come from onnx
-shape inference on the node alone with its exact input shapes and constants.
+shape inference on the node alone with its exact input shapes and constants, the model's
+declared ones, or else ONNX Runtime's shape inference of the node (com.microsoft ops).
 
 Every output is checked against ``onnx.shape_inference`` (with data propagation) where
 that gives a static shape; a disagreement is a ConversionError naming the node.

@@ -17,7 +17,7 @@ import torch
 from .. import errors
 from ...ir import DataType, Graph, Node, TensorDesc, TensorRef, Value
 from ...ops import lookup_aten
-from ...ops.onnx_fallback import encode_node, infer_outputs, make_onnx_kernel
+from ...ops.onnx_fallback import encode_node, infer_outputs, infer_outputs_ort, make_onnx_kernel
 from ..torch.convert import LOW_PRECISION, META_DIVERGES
 
 # onnx TensorProto element type -> torch dtype (types the IR models)
@@ -231,14 +231,16 @@ class Converter:
     # -- host fallback ----------------------------------------------------------------
     def fallback(self, n: OnnxNode, reason: str, descs: Sequence[Optional[TensorDesc]]) -> List[Value]:
         """The node as an OnnxHostFallback run by ONNX Runtime (or evaluated now when its
-        inputs are all known). ``descs``: the whole model's shape inference of its outputs;
-        the node's own inference on its exact input shapes and constants is preferred."""
+        inputs are all known). ``descs``: the whole model's shape inference of its outputs
+        (declared ``value_info`` included); the node's own inference on its exact input
+        shapes and constants is preferred, and ONNX Runtime's (`_runtime_descs`) fills what
+        neither gives (com.microsoft ops)."""
         ins = [n.x(i) for i in range(len(n.inputs)) if n.has(i)]
         opsets = tuple(sorted(self.opsets.items()))
         raw = encode_node(n.proto.SerializeToString())
         n_out = len([y for y in n.outputs if y])
-        own = infer_outputs(raw, opsets, [v.desc for v in ins],
-                            [v.const if v.is_const else None for v in ins])
+        consts = [v.const if v.is_const else None for v in ins]
+        own = infer_outputs(raw, opsets, [v.desc for v in ins], consts)
         descs = [TensorDesc(o[0], DataType.from_torch(o[1])) if o is not None else
                  (descs[k] if k < len(descs) else None) for k, o in enumerate(own[:n_out])]
         run, engine = self._host_kernel(n, reason, raw, opsets, [v.desc.dtype.torch for v in ins],
@@ -246,15 +248,59 @@ class Converter:
         if all(v.is_const for v in ins) and n.op_type not in RANDOM_OPS:
             return _by_position(n, [self.const(t) for t in run(*[v.const for v in ins])])
         if any(d is None for d in descs[:n_out]):
-            raise ConversionError(
-                f"ONNX node {self.where()} ({n.op_type}) has no converter ({reason}) and its "
-                "output shape depends on the data (onnx shape inference gives no static shape); "
-                "opencann compiles static graphs", kind="data_dependent")
+            descs = self._runtime_descs(n, reason, raw, opsets, ins, consts, descs[:n_out])
         attrs = {"op_type": n.op_type, "domain": n.proto.domain, "onnx_node": raw,
                  "opsets": opsets, "engine": engine, "reason": reason}
         ir = self.graph.create_node("OnnxHostFallback", ins, attrs, list(descs[:n_out]),
                                     name=n.name, source=self.source(), scope=self.scope())
         return _by_position(n, list(ir.outputs))
+
+    def _runtime_descs(self, n: OnnxNode, reason: str, raw: str, opsets, ins, consts, descs) -> list:
+        """``descs`` with each unknown entry from ONNX Runtime's shape inference of the node
+        (`infer_outputs_ort`). ConversionError naming the node and output: ``data_dependent``
+        where ONNX Runtime leaves a dim unknown (the size depends on the data), else
+        `_no_shape_error` where no inference gives a shape."""
+        ort_found = infer_outputs_ort(raw, opsets, [v.desc for v in ins], consts)
+        names = [y for y in n.outputs if y]
+        why = "no opencann converter" if reason in ("", "no converter") else f"not converted: {reason}"
+        out = list(descs)
+        for k, d in enumerate(descs):
+            if d is not None:
+                continue
+            got = ort_found[k] if k < len(ort_found) else None
+            dims = None if got is None else got[0]
+            if got is not None and got[1] is not None and all(s is not None for s in dims):
+                out[k] = TensorDesc(dims, DataType.from_torch(got[1]))
+            elif dims is not None and any(s is None for s in dims):
+                shown = "(" + ", ".join("?" if s is None else str(s) for s in dims) + ")"
+                raise ConversionError(
+                    f"ONNX node {self.where()} ({why}) runs on ONNX Runtime, whose shape inference "
+                    f"gives its output {names[k]!r} the shape {shown}: its size depends on the data; "
+                    "opencann compiles static graphs", kind="data_dependent")
+            else:
+                raise self._no_shape_error(n, why, names[k], ins)
+        return out
+
+    def _no_shape_error(self, n: OnnxNode, why: str, name: str, ins) -> ConversionError:
+        """The error for output ``name`` of ``n`` when neither onnx's nor ONNX Runtime's shape
+        inference gives it a shape: ``data_dependent`` when the node reads run-time integer
+        inputs (axes, shapes, sizes taken from the data), else ``unsupported_op``; both
+        name the fix."""
+        ints = [x for x, v in zip([x for x in n.inputs if x], ins) if not v.is_const
+                and v.desc.dtype.torch in (torch.int32, torch.int64)]
+        head = (f"ONNX node {self.where()} ({n.proto.domain or 'ai.onnx'}, {why}) runs on ONNX Runtime, "
+                f"but neither onnx's nor ONNX Runtime's shape inference gives its output {name!r} a "
+                "static shape")
+        if ints:
+            return ConversionError(
+                f"{head}: it can depend on the values of its run-time integer input(s) "
+                f"{', '.join(map(repr, ints))} (axes, shapes or sizes computed from the data); opencann "
+                "compiles static graphs. Fix: make them constants (initializers) in the model",
+                kind="data_dependent")
+        return ConversionError(
+            f"{head} (their inference stops at this op on these inputs). Fix: declare its static shape "
+            "in the model (graph.value_info, e.g. by onnxruntime.tools.symbolic_shape_infer), or "
+            "replace the op", kind="unsupported_op")
 
     def _host_kernel(self, n: OnnxNode, reason: str, raw: str, opsets, dtypes, n_out: int, descs,
                      shapes=None):

@@ -93,6 +93,20 @@ def dynamic_params(x: torch.Tensor) -> Tuple[float, int]:
     return step, int(min(max(round(-lo / step), QMIN), QMAX))
 
 
+def make_dynamic_quant_dequant_kernel(node: Node, in_descs: Sequence[TensorDesc], consts: Sequence) -> Callable:
+    """DynamicQuantDequant(x): x on the uint8 grid of ONNX DynamicQuantizeLinear, back in
+    x's dtype: ``(quantize_u8(x, s, z) - z) * s`` with ``(s, z) = dynamic_params(x)`` per
+    call, the very levels the dynamic QuantLinearAct's kernel quantizes x to (same range,
+    same rounding: x * (1/s) in fp32, NaN → level 0, ±inf saturated). x fp32, fp16 or
+    bf16, any shape; the arithmetic in fp32, the result cast to x's dtype. Returns
+    ``run(x)`` giving a fresh tensor of x's shape and dtype."""
+    def run(x):
+        s, z = dynamic_params(x)
+        q = quantize_u8(x if x.dtype in (torch.float32, torch.bfloat16) else x.float(), s, z)
+        return ((q.to(torch.float32) - float(z)) * s).to(x.dtype)
+    return run
+
+
 def make_ascend_quant_kernel(node: Node, in_descs: Sequence[TensorDesc], consts: Sequence) -> Callable:
     """AscendQuant(x) → uint8: ``node.attrs`` ``scale`` (CANN's: the reciprocal of the
     quantization step, y = round(x * scale) + offset) and ``offset`` (the zero point, in
@@ -315,6 +329,7 @@ def make_quant_max_pool_kernel(node: Node, in_descs: Sequence[TensorDesc], const
     return run
 
 
-__all__ = ["QMAX", "QMIN", "QConvWeightPacks", "make_ascend_dequant_kernel", "make_quant_add_kernel",
+__all__ = ["QMAX", "QMIN", "QConvWeightPacks", "make_ascend_dequant_kernel", "make_dynamic_quant_dequant_kernel",
+           "make_quant_add_kernel",
            "make_quant_max_pool_kernel", "dynamic_params", "make_ascend_quant_kernel",
            "make_quant_conv_kernel", "make_quant_linear_kernel", "quantize_u8"]

@@ -29,13 +29,20 @@ pass ``quantize_int8`` reads (AMCT's records: ``layers`` {node name: {"scale_d",
 
 An ONNX QDQ / QOperator model (the frontend's uint8 AscendQuant → AscendDequant) is not
 lowered here: it runs the float emulation on the vnpu, and the pass says so in a report
-note (lowering it to this int8 Cube path is not built yet).
+note (lowering it to this int8 Cube path is not built yet). So does an ONNX
+``quantize_dynamic`` model (``graph.meta["int8_dynamic_weights"]``, the frontend's MatMuls
+over the file's dequantized weights, ``frontend/onnx/dynamic_quant.py``): each such MatMul
+reads x through a ``DynamicQuantDequant`` (x on DynamicQuantizeLinear's uint8 grid, its
+range taken per call, dequantized: the levels the CPU's dynamic QuantLinearAct takes) and
+multiplies in fp32 on the Cube, with or without ``quant_config``; CANN's AscendQuant takes
+a calibrated scale, so there is no int8 Cube path for it.
 
 Layers kept in fp32, each reported with its reason: ``skip_layers``, no record, a
 non-constant or non-fp32 weight or x, NaN/inf weights, a transposed or grouped
 convolution, a matmul whose ``beta`` / ``alpha`` are not 1. A preset whose Cube has no
-int8 (``NpuSpec.cube_dtypes``) raises `CubeDtypeError` (one line); dynamic quantization
-(x quantized per call) has no vnpu kernel here and raises ValueError.
+int8 (``NpuSpec.cube_dtypes``) raises `CubeDtypeError` (one line); ``quant_config``'s
+``dynamic_linear`` (opencann.quantize's dynamic mode: x quantized per call) has no vnpu
+kernel here and raises ValueError.
 Source: CANN AMCT user guide (quantization record: scale_d / offset_d / scale_w /
 offset_w, "deq_scale = scale_d * scale_w"; AMCT's quantized graph: AscendQuant → int8
 Conv2D / MatMulV2 with int32 bias → AscendDequant); CANN operator list (Conv2D
@@ -88,21 +95,24 @@ class VnpuQuantizeInt8(RewritePass):
 
     def run(self, graph: Graph, ctx: PassContext) -> int:
         """Rewrite every target with a record in ``options["quant_config"]["layers"]``
-        (nothing without ``quant_config``: the note says so). Raises `CubeDtypeError` on a
-        preset whose Cube has no int8 and ValueError for ``dynamic_linear`` / an ONNX
-        model's dynamic int8 weights (no vnpu kernel)."""
+        (nothing without ``quant_config``: the note says so), after the float emulation of
+        an ONNX model's dynamic int8 MatMuls (`_emulate_dynamic`). Raises `CubeDtypeError` on
+        a preset whose Cube has no int8 and ValueError for ``dynamic_linear`` (no vnpu
+        kernel quantizes x per call). Returns the rewrites."""
         emulated = sum(1 for n in graph.nodes if n.op == "AscendQuant" and n.outputs[0].desc.dtype == DataType.UINT8)
         if emulated and ctx.report is not None:
             ctx.report.notes.append(f"ONNX QDQ / QOperator on the vnpu: {emulated} QuantizeLinear (uint8 AscendQuant) run as float "
                      f"emulation (AscendQuant -> AscendDequant to fp32 around fp32 Cube ops), not the int8 Cube "
                      f"path. Fix: quantize the float model with opencann.quantize(model, batches, device='vnpu:...'), "
                      f"or compile for device 'cpu' (qdq_to_int8 runs int8 kernels)")
+        dynamic = _emulate_dynamic(graph, ctx)
         cfg = ctx.options.get("quant_config")
-        if not cfg and not graph.meta.get("int8_dynamic_weights"):
-            ctx.note("no quant_config: nothing quantized (opencann.quantize sets it)")
-            return 0
+        if not cfg:
+            ctx.note(f"{dynamic} dynamic int8 MatMul(s) of an ONNX file as float emulation" if dynamic
+                     else "no quant_config: nothing quantized (opencann.quantize sets it)")
+            return dynamic
         check_cube_int8(ctx.device.spec, "quant_config")
-        if (cfg or {}).get("dynamic_linear") or graph.meta.get("int8_dynamic_weights"):
+        if cfg.get("dynamic_linear"):
             raise ValueError("dynamic int8 quantization (x quantized per call) has no vnpu kernel: CANN's "
                              "AscendQuant takes a calibrated scale. Fix: quantize with calibration data "
                              "(mode='static'), or compile for device 'cpu'")
@@ -110,8 +120,9 @@ class VnpuQuantizeInt8(RewritePass):
         self._quants: Dict[tuple, Value] = {}
         n = super().run(graph, ctx)
         graph.prune_constants()
-        ctx.note(f"{n} layer(s) in int8 on the Cube")
-        return n
+        ctx.note(f"{n} layer(s) in int8 on the Cube" + (f", {dynamic} dynamic one(s) as float emulation"
+                                                        if dynamic else ""))
+        return n + dynamic
 
     def match(self, node: Node, graph: Graph, ctx: PassContext):
         """A `_Match` for a target with a record, fp32 (or fp16) x and a constant weight of x's dtype; else a
@@ -195,6 +206,41 @@ class VnpuQuantizeInt8(RewritePass):
         ctx.applied([node], f"int8 on the Cube (scale_d={step:.4g}, offset_d={off + 128}; "
                             f"offset_x={off}, int32 accumulate, AscendDequant per channel)")
         return 1
+
+
+def _emulate_dynamic(graph: Graph, ctx: PassContext) -> int:
+    """The MatMul / MatMulV2 nodes over an ONNX ``quantize_dynamic`` file's weights
+    (``graph.meta["int8_dynamic_weights"]``: the frontend's dequantized fp32 weights, the
+    file's ``W_int8 * w_scale`` exactly) read x through a `DynamicQuantDequant` (one per x):
+    the float emulation of DynamicQuantizeLinear → MatMulInteger → Cast → Mul, x on the
+    uint8 levels the CPU's dynamic QuantLinearAct takes, the product in fp32 on the Cube;
+    each is a skipped entry of the pass (not int8 in ``quant_report``) saying so. A weight
+    read otherwise is noted and kept as it is (x not quantized). Returns the MatMuls
+    rewritten."""
+    names = set(graph.meta.get("int8_dynamic_weights") or ())
+    if not names:
+        return 0
+    done: Dict[int, Value] = {}
+    seen, rewritten = set(), 0
+    for node in list(graph.nodes):
+        w = node.arg("mat2") if node.op in ("MatMul", "MatMulV2") else None
+        if not (isinstance(w, Value) and w.is_const and w.name in names):
+            continue
+        x = node.arg("self" if node.op == "MatMul" else "mat1")
+        if x.id not in done:
+            dq = graph.create_node("DynamicQuantDequant", [x], {}, [x.desc], name=f"{node.name}_dynamic_quant",
+                                   source=node.source, scope=node.scope, before=node)
+            done[x.id] = dq.outputs[0]
+        graph.replace_input(node, x, done[x.id])
+        seen.add(w.name)
+        rewritten += 1
+        ctx.skipped(node, "ONNX dynamic int8 runs as float emulation: x on DynamicQuantizeLinear's uint8 "
+                    "grid per call (DynamicQuantDequant), the file's dequantized weight, an fp32 Cube op "
+                    "(CANN's AscendQuant takes a calibrated scale: no int8 Cube path)")
+    if names - seen and ctx.report is not None:
+        ctx.report.notes.append(f"ONNX dynamic int8 on the vnpu: weight(s) {sorted(names - seen)} not read as "
+                                "a MatMul's right operand: those layers run fp32 with x not quantized")
+    return rewritten
 
 
 __all__ = ["VnpuQuantizeInt8", "check_cube_int8"]
