@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import heapq
 import itertools
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Dict, Iterable, Iterator, KeysView, List, Optional, Sequence, Tuple
 
 import torch
 
 from ..devices import CPU, Device
+from .replaces import RewriteLog
 from .signature import CallSignature
 from .types import TensorDesc
 
@@ -264,6 +266,9 @@ class Graph:
     by changing the graph only through `create_node`, `add_node`, `erase_node`,
     `replace_all_uses_with` and the `Node` input methods."""
 
+    #: the open `rewriting` block's record (a class default: graphs built by older code)
+    _rewrite: "RewriteLog | None" = None
+
     def __init__(self, name: str = "graph"):
         self.name = name
         self.inputs: List[Value] = []
@@ -320,6 +325,8 @@ class Graph:
         node = Node(op, inputs, attrs, self._unique(name or op.lower()), source, scope)
         node.outputs = [self._value(d, producer=node) for d in out_descs]
         self._nodes._insert(node, self._nodes._root if before is None else before)
+        if self._rewrite is not None:
+            self._rewrite.created.append(node)
         return node
 
     def add_node(self, node: Node, before: Node | None = None) -> Node:
@@ -338,6 +345,8 @@ class Graph:
         traced value ``old`` stood for (its producer's ``meta["origin"]``, recorded by the
         frontend), so rewritten graphs still map back to the model."""
         _carry_origin(old, new)
+        if self._rewrite is not None and None not in (old.producer, new.producer):
+            self._rewrite.redirected.append((old.producer, new.producer))
         count = 0
         for user in list(old.users):
             user.replace_input(old, new)
@@ -362,6 +371,26 @@ class Graph:
                 raise ValueError(f"cannot erase {node.name}: output {o} is still used")
         self._nodes._remove(node)
         node.erased = True
+        if self._rewrite is not None:
+            self._rewrite.erased.append(node)
+
+    @contextmanager
+    def rewriting(self) -> Iterator[None]:
+        """A block that replaces nodes: when it ends without raising, the nodes taking over
+        the erased nodes' work (by the block's dataflow: the nodes their outputs were
+        redirected to, and the created nodes feeding those; `RewriteLog.apply`) record
+        the erased nodes' names in ``meta["replaces"]`` (read with `traced_names`). A
+        block that raises records nothing; a block inside another is part of the outer
+        one."""
+        if self._rewrite is not None:
+            yield
+            return
+        self._rewrite = log = RewriteLog()
+        try:
+            yield
+        finally:
+            self._rewrite = None
+        log.apply()
 
     def sole_user(self, v: Value) -> Optional[Node]:
         """The one node reading ``v`` (``x * x`` is one reader), or None when ``v`` has

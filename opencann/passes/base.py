@@ -141,7 +141,9 @@ class RewritePass(Pass):
     """A rule: ``match`` each live node whose op is in ``ops`` (in graph order, as they
     were when the pass started), ``rewrite`` each match; skips are recorded. A site in
     ``options["disable_rewrites"]`` is matched but not rewritten (a Skip); a rewrite that
-    recorded nothing is recorded as one of its root."""
+    recorded nothing is recorded as one of its root. Each rewrite runs in
+    `Graph.rewriting`: the nodes it creates record the names of those it replaced
+    (``meta["replaces"]``)."""
 
     site_switchable = True
 
@@ -163,7 +165,8 @@ class RewritePass(Pass):
                 ctx.skip(m if m.node is not None else Skip(m.reason, node, m.detail))
             elif m is not None and not ctx.site_off(node):
                 recorded = len(ctx.events)
-                k = self.rewrite(graph, m, ctx)
+                with graph.rewriting():   # new nodes record what they replace
+                    k = self.rewrite(graph, m, ctx)
                 if k and not any(e[0] == "applied" for e in ctx.events[recorded:]):
                     ctx.applied([node])
                 n += k

@@ -237,13 +237,14 @@ class FuseElementwise(Pass):
         attrs = {"program": lines, "outputs": outputs, "reduce": reduce,
                  "fastmath": bool(ctx.options["fuse_elementwise_fastmath"]),
                  "shape": list(g.shape), "ops": [n.op for n in g.nodes]}
-        new = graph.create_node("FusedElementwise", inputs, attrs, [v.desc for v in out_vals],
-                                name=f"{last.name}_fused", source=last.source, scope=last.scope,
-                                before=last)
-        for old, nv in zip(out_vals, new.outputs):
-            graph.replace_all_uses_with(old, nv)
-        for n in reversed(g.nodes):
-            graph.erase_node(n)
+        with graph.rewriting():   # the fused node records the nodes it replaces
+            new = graph.create_node("FusedElementwise", inputs, attrs, [v.desc for v in out_vals],
+                                    name=f"{last.name}_fused", source=last.source, scope=last.scope,
+                                    before=last)
+            for old, nv in zip(out_vals, new.outputs):
+                graph.replace_all_uses_with(old, nv)
+            for n in reversed(g.nodes):
+                graph.erase_node(n)
         ctx.applied(list(g.nodes), "+".join(n.op for n in g.nodes))
 
 

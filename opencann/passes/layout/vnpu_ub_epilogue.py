@@ -66,15 +66,16 @@ def fuse_chain(graph: Graph, cube: Node, links: List[Node], roles: Tuple[str, ..
     last = links[-1]
     attrs = dict(cube.attrs, cube=cube.op, cube_inputs=len(cube.inputs), epilogue=tuple(steps), shapes=tuple(shapes),
                  **extra)
-    fused = graph.create_node("CubeEpilogue", ins, attrs, [last.outputs[0].desc],
-                              name=f"{cube.name}_{'_'.join(roles)}", source=cube.source, scope=cube.scope,
-                              before=last)
-    fused.device = cube.device
-    if last.meta.get("strides"):
-        fused.meta["strides"] = last.meta["strides"][:1]
-    graph.replace_all_uses_with(last.outputs[0], fused.outputs[0])
-    for n in reversed([cube, *links]):
-        graph.erase_node(n)
+    with graph.rewriting():   # the fused node records the nodes it replaces
+        fused = graph.create_node("CubeEpilogue", ins, attrs, [last.outputs[0].desc],
+                                  name=f"{cube.name}_{'_'.join(roles)}", source=cube.source, scope=cube.scope,
+                                  before=last)
+        fused.device = cube.device
+        if last.meta.get("strides"):
+            fused.meta["strides"] = last.meta["strides"][:1]
+        graph.replace_all_uses_with(last.outputs[0], fused.outputs[0])
+        for n in reversed([cube, *links]):
+            graph.erase_node(n)
     return fused
 
 

@@ -39,8 +39,9 @@ class CommonSubexpressionElimination(Pass):
             if prev is None:
                 seen[k] = node
                 continue
-            for a, b in zip(node.outputs, prev.outputs):
-                graph.replace_all_uses_with(a, b)
-            graph.erase_node(node)
+            with graph.rewriting():   # ``prev`` records that it does ``node``'s work too
+                for a, b in zip(node.outputs, prev.outputs):
+                    graph.replace_all_uses_with(a, b)
+                graph.erase_node(node)
             n += 1
         return n
