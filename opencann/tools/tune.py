@@ -4,7 +4,7 @@ results pass an accuracy gate, as AMCT / OpenVINO's accuracy-aware tuning do per
     res = opencann.tune(model, (x,))               # candidates fp32 and bf16, msprobe's gate
     res.precision            # node name -> "fp32" / "bf16"
     res.kept                 # node name -> why it stays in higher precision (the gate it failed)
-    res.speedup              # measured call time of all-fp32 / tuned, same process
+    res.speedup              # call time of all-fp32 / tuned, both compiled models raced alike
     y = res.compiled(x)      # the compiled model with the choice applied (saved by opencann.save)
 
 The search (deterministic given ``seed``, but for the timing step, which compares
@@ -20,10 +20,12 @@ minima of repeated timings with a 5% margin):
 3. Timing: the all-fp32 graph, the candidate graph and (with three or more candidates)
    the graph with each lowered node one candidate higher (int8 -> bf16) compiled and
    timed per node (`Executor.node_seconds`: the least of a few runs); a node's time
-   includes the Casts (and int8's quantizations) inserted for it (``meta["precision_for"]``)
-   and, for a fused node, its fused partners. A lowered node keeps the fastest of the
-   three, a lower precision only when 5% faster than the fastest higher one (reason:
-   both times). Per-node times miss what a mix costs between nodes (a precision
+   includes the Casts inserted for it (``meta["precision_for"]``) and every compiled node
+   that does its work (`opencann.ir.traced_names`, recorded by the fusion passes: a fused
+   node, int8's quantizations), shared equally where one does several nodes' work. A
+   lowered node keeps the fastest of the three, a lower precision only when 5% faster than
+   the fastest higher one (reason: both times); a precision with no measured time for it
+   is left out and named in the reason. Per-node times miss what a mix costs between nodes (a precision
    boundary's casts and quantizations charged to one side, the layouts and caches a
    uniform chain keeps), so the timed choice is raced end to end against the choice
    the gate gave (`_Builder.race`), and the gate's choice comes back when it is 5% faster
@@ -35,7 +37,8 @@ minima of repeated timings with a 5% margin):
    with the worst own error goes up one candidate (int8 -> bf16 -> fp32; reason: "outputs").
 5. End to end (timing on): the graph with every lowest-candidate node one higher (int8 ->
    bf16) raced against the choice (`_Search.raise_lowest`); it is kept when `TIME_MARGIN`
-   faster and its outputs pass. Then the choice against all-fp32 (`_Search.result`).
+   faster and its outputs pass. Then the choice against all-fp32 (`_Search.result`: both
+   compiled models called alike, `race_models`).
 
 Candidates are a name plus how to apply them to a set of nodes (`Candidate`);
 `CANDIDATES` holds fp32, bf16, fp16 and int8. int8 (`opencann.tools.tune_int8`) is static

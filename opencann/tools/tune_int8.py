@@ -122,19 +122,14 @@ def emulate_bf16(target, args, kwargs) -> Optional[Tuple[torch.Tensor, torch.Ten
 
 
 def int8_applied(compiled) -> Dict[str, bool]:
-    """Module -> whether an int8 kernel runs it in ``compiled`` (the ``quantize_int8``
-    pass's applied entries), for checking the search's int8 choices. Sibling Linears
-    merged into one GEMM (``fuse_qkv_linear``: Q, K and V) run in the merged node, named
-    after the first; each one's StridedSlice of its result keeps its module, so a
-    quantized merged GEMM credits every sibling."""
-    out: Dict[str, bool] = {}
-    for n in compiled.graph.nodes:
-        if n.op in ("QuantConvBiasAct", "QuantConvAddAct", "QuantLinearAct") and n.scope:
-            out[n.scope] = True
-            for user in n.outputs[0].users:
-                if user.op == "StridedSlice" and user.scope:
-                    out[user.scope] = True
-    return out
+    """Traced node name -> whether an int8 kernel does its work in ``compiled``, for
+    checking the search's int8 choices: the names each QuantConvBiasAct / QuantConvAddAct /
+    QuantLinearAct records of the nodes it replaced (`opencann.ir.traced_names`; sibling
+    Linears merged into one GEMM by ``fuse_qkv_linear``, Q, K and V: each of them)."""
+    from ..ir import traced_names
+    return {s: True for n in compiled.graph.nodes
+            if n.op in ("QuantConvBiasAct", "QuantConvAddAct", "QuantLinearAct")
+            for s in traced_names(n)}
 
 
 def int8_skipped(compiled) -> Dict[str, str]:

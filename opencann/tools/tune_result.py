@@ -71,8 +71,10 @@ CANDIDATES: Dict[str, Candidate] = {
 class NodeChoice:
     """One candidate node: its ``name``, ``op`` (IR op type), ``module`` and ``source``,
     the chosen ``precision``, ``own`` (candidate name -> the gate's `Verdict` on its own
-    error), ``seconds`` (candidate name -> its measured time incl. its casts, s) and, when
-    kept higher than the lowest candidate, ``why`` (the gate or step that kept it)."""
+    error), ``seconds`` (candidate name -> its measured time incl. its casts, s; a candidate
+    in which nothing was measured for it is absent) and, when kept higher than the lowest
+    candidate, ``why`` (the gate or step that kept it; the timing step also names there a
+    precision it had no time for)."""
 
     name: str
     op: str
@@ -88,8 +90,9 @@ class NodeChoice:
 @dataclass
 class TuneResult:
     """What `tune` chose: ``nodes`` (name -> `NodeChoice`), ``outputs`` (per output: the
-    metrics against eager on each data item), ``fp32_ms`` / ``tuned_ms`` (median call
-    time, ms), ``compiled`` (the `CompiledModel` with the choice applied), ``candidates``,
+    metrics against eager on each data item), ``fp32_ms`` / ``tuned_ms`` (the all-fp32 and
+    the tuned compiled models' least call time in one interleaved race, both called alike,
+    ms), ``compiled`` (the `CompiledModel` with the choice applied), ``candidates``,
     ``budget`` ("msprobe" or the metric's name), ``seconds`` (search time)."""
 
     nodes: Dict[str, NodeChoice]
@@ -110,12 +113,13 @@ class TuneResult:
     @property
     def kept(self) -> Dict[str, str]:
         """Node name -> why it runs above the lowest candidate (the failed gate, timing
-        or the output check), for the nodes that do."""
+        or the output check), for the nodes that do, and where the timing step had no
+        time for a node in some precision, that note."""
         return {n: c.why for n, c in self.nodes.items() if c.why}
 
     @property
     def speedup(self) -> float:
-        """All-fp32 compiled call time / tuned call time (same process, medians)."""
+        """All-fp32 compiled call time / tuned call time (``fp32_ms / tuned_ms``)."""
         return self.fp32_ms / self.tuned_ms if self.tuned_ms > 0 else 0.0
 
     def keep_dtype(self) -> List[str]:

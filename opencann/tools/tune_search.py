@@ -6,11 +6,12 @@ output-fix, end-to-end and result steps."""
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Dict, List, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.utils._pytree as pytree
 
+from ..ir import traced_names
 from . import tune_int8
 from .compare import Session, check_judgeable, metrics
 from .tune_gate import COSINE_FAIL
@@ -20,21 +21,20 @@ from .tune_result import Candidate, NodeChoice, TuneResult
 TIME_MARGIN = 0.05
 
 
-def _charge(graph, names) -> Dict[str, str]:
-    """Final-graph node name -> the candidate node it is charged to: a Cast's
-    ``meta["precision_for"]``, else the longest candidate name that the node's name
-    starts with (fusion names a fused node after its root: ``addmm_1_relu``)."""
-    by_len = sorted(names, key=len, reverse=True)
-    out = {}
+def _charge(graph, names) -> Dict[str, Dict[str, float]]:
+    """Final-graph node name -> {candidate node name: the share of its time charged to it}:
+    a Cast's ``meta["precision_for"]`` (the node the ``precision`` pass inserted it for),
+    else the candidate nodes among those it does the work of (`traced_names`: what a fused
+    node records of the nodes it replaced, ``convolution_1`` for ConvAddAct
+    ``convolution_1_1_add_relu``), in equal shares (Q, K and V merged into one GEMM). A node
+    doing no candidate's work is left out."""
+    names = set(names)
+    out: Dict[str, Dict[str, float]] = {}
     for n in graph.nodes:
         target = n.meta.get("precision_for")
-        if target in names:
-            out[n.name] = target
-            continue
-        for c in by_len:
-            if n.name == c or n.name.startswith(c + "_") and not n.name[len(c) + 1:][:1].isdigit():
-                out[n.name] = c
-                break
+        mine = [target] if target in names else [s for s in traced_names(n) if s in names]
+        if mine:
+            out[n.name] = {c: 1.0 / len(mine) for c in mine}
     return out
 
 
@@ -55,20 +55,27 @@ class _Builder:
 
     def race(self, a: Dict[str, Any], b: Dict[str, Any]) -> Tuple[float, float]:
         """Least call time (ms) of the graph compiled with options ``a`` and with ``b``,
-        interleaved (`_race`)."""
+        interleaved (`_race`), both called alike (`Executor.run` on the same inputs)."""
         ea, eb = self.executor(a), self.executor(b)
         return _race(lambda: ea.run(self.inputs), lambda: eb.run(self.inputs))
 
-    def node_times(self, options: Dict[str, Any], names) -> Dict[str, float]:
-        """Candidate node name -> seconds charged to it under ``options`` (`_charge`)."""
+    def node_times(self, options: Dict[str, Any], names) -> Dict[str, Optional[float]]:
+        """Candidate node name -> seconds charged to it under ``options`` (`_charge`); None
+        when nothing was measured for it (no node of the compiled graph does its work, or
+        those that do took no measured time)."""
         ex = self.executor(options)
         secs = ex.node_seconds(self.inputs, reps=self.reps)
-        charge = _charge(ex.graph, names)
-        out = {n: 0.0 for n in names}
-        for node, s in secs.items():
-            if node in charge:
-                out[charge[node]] += s
-        return out
+        total = {n: 0.0 for n in names}
+        for node, shares in _charge(ex.graph, names).items():
+            for c, share in shares.items():
+                total[c] += secs.get(node, 0.0) * share
+        return {n: t if t > 0 else None for n, t in total.items()}
+
+
+def _group_time(times: Dict[str, Optional[float]], group: List[str]) -> Optional[float]:
+    """The sum of ``group``'s times (`_Builder.node_times`); None when one has none."""
+    ts = [times.get(n) for n in group]
+    return None if any(t is None for t in ts) else sum(ts)
 
 
 def _metric_verdict(value, metric) -> bool:
@@ -199,32 +206,44 @@ class _Search:
         mid = (self.builder.node_times(self.options_of(above), self.names)
                if any(p != "fp32" for p in above.values()) else {})
         for n in self.names:
-            self.nodes[n].seconds["fp32"] = high[n]
-            if self.choice[n] != "fp32":
-                self.nodes[n].seconds[self.choice[n]] = low[n]
-            if above[n] != "fp32":
-                self.nodes[n].seconds[above[n]] = mid[n]
+            got = [("fp32", high[n])] + [(p, t) for p, t in ((self.choice[n], low[n]),
+                                                             (above[n], mid.get(n))) if p != "fp32"]
+            self.nodes[n].seconds.update({p: t for p, t in got if t is not None})
         for group in self.groups():
-            p = self.choice[group[0]]
-            if p == "fp32":
-                continue
-            q = above[group[0]] if len({above[n] for n in group}) == 1 else "fp32"
-            tried = [("fp32", sum(high[n] for n in group))]
-            if q != "fp32":
-                tried.append((q, sum(mid[n] for n in group)))
-            tried.append((p, sum(low[n] for n in group)))
-            best, bt = tried[0]
-            for name, t in tried[1:]:
-                if t > 0 and bt > 0 and t < bt * (1 - TIME_MARGIN):
-                    best, bt = name, t
-            if best == p:
-                continue
-            what = f" (with {', '.join(group[1:])})" if len(group) > 1 else ""
-            lo = tried[-1][1]
-            for n in group:
-                self.nodes[n].why = (f"timing{what}: {p} {lo * 1e6:.1f} us incl. casts, not "
-                                     f"{TIME_MARGIN:.0%} under {best}'s {bt * 1e6:.1f} us")
-                self.choice[n] = best
+            if self.choice[group[0]] != "fp32":
+                q = above[group[0]] if len({above[n] for n in group}) == 1 else "fp32"
+                self._time_group(group, q, high, mid, low)
+
+    def _time_group(self, group: List[str], q: str, high, mid, low) -> None:
+        """One lowered group's verdict (`drop_slow`): of all-fp32's, one higher's (``q``,
+        unless "fp32") and its choice's times (``high``, ``mid``, ``low``: `node_times`),
+        the highest precision's is kept unless a lower one is `TIME_MARGIN` faster. A
+        precision with no measured time for a member (None) is left out of the comparison
+        and named in the members' ``why``; without its choice's own time the group keeps it."""
+        p = self.choice[group[0]]
+        tried = [("fp32", high), (q, mid), (p, low)] if q != "fp32" else [("fp32", high), (p, low)]
+        tried = [(name, _group_time(times, group)) for name, times in tried]
+        missing = [name for name, t in tried if t is None]
+        what = f" (with {', '.join(group[1:])})" if len(group) > 1 else ""
+        note = (f"no time measured for it in {' or '.join(missing)} (no node of that compiled "
+                f"graph ran its work)" if missing else "")
+        measured = [(name, t) for name, t in tried if t is not None] if p not in missing else []
+        best, bt = measured[0] if measured else (p, 0.0)
+        for name, t in measured[1:]:
+            if t < bt * (1 - TIME_MARGIN):
+                best, bt = name, t
+        if best == p:
+            if note:
+                for n in group:
+                    self.nodes[n].why = "; ".join(w for w in (self.nodes[n].why,
+                                                              f"timing{what}: {note}; {p} kept") if w)
+            return
+        lo = tried[-1][1]
+        for n in group:
+            self.nodes[n].why = "; ".join(w for w in (f"timing{what}: {p} {lo * 1e6:.1f} us incl. casts, "
+                                                      f"not {TIME_MARGIN:.0%} under {best}'s "
+                                                      f"{bt * 1e6:.1f} us", note) if w)
+            self.choice[n] = best
 
     def fix_outputs(self, data, budget, over) -> Tuple[bool, str, List[Dict[str, Any]]]:
         """Compile the choice and check the outputs (`_outputs_ok`); while they fail (and
@@ -264,7 +283,7 @@ class _Search:
         if not moved:
             return
         other = compile_module(self.model, self.args, self.builder.device, self.options_of(alt))
-        low_ms, high_ms = _race(lambda: self.compiled(*self.args), lambda: other(*self.args))
+        low_ms, high_ms = race_models(self.compiled, other, self.args)
         if not high_ms < low_ms * (1 - TIME_MARGIN):
             return
         check: List[Dict[str, Any]] = []
@@ -278,13 +297,14 @@ class _Search:
         outs[:] = check
 
     def result(self, budget, outs, timing: bool = True) -> TuneResult:
-        """The `TuneResult` of the current choice, both call times measured (interleaved,
-        the least of `_race`'s rounds); with ``timing``, a choice not faster than
-        all-fp32 end to end is dropped for all-fp32, each node saying so."""
+        """The `TuneResult` of the current choice, both call times measured the same way
+        (`race_models`: each a `CompiledModel` call, interleaved, the least of the rounds);
+        with ``timing``, a choice not faster than all-fp32 end to end is dropped for
+        all-fp32, each node saying so."""
         from ..engine import compile_module
-        fp32 = self.builder.executor(self.options_of({n: "fp32" for n in self.names}))
-        fp32_ms, tuned_ms = _race(lambda: fp32.run(self.builder.inputs),
-                                  lambda: self.compiled(*self.args))
+        fp32 = compile_module(self.model, self.args, self.builder.device,
+                              self.options_of({n: "fp32" for n in self.names}))
+        fp32_ms, tuned_ms = race_models(fp32, self.compiled, self.args)
         lowered = [n for n in self.names if self.choice[n] != "fp32"]
         if timing and lowered and tuned_ms >= fp32_ms:
             for n in lowered:
@@ -298,7 +318,7 @@ class _Search:
         not_ran = tune_int8.int8_skipped(self.compiled)
         low = (self.options_of(self.choice).get("node_precision") or {})
         for n in self.names:
-            if self.choice[n] == "int8" and not ran.get(self.nodes[n].module):
+            if self.choice[n] == "int8" and not ran.get(n):
                 as_ = "bf16" if low.get(n) == "bf16" else "fp32"   # the int8 candidate's bf16 activations
                 why = not_ran.get(self.nodes[n].module, "see the compile report")
                 self.nodes[n].why = f"int8 chosen, but the quantize_int8 pass left it in {as_}: {why}"
@@ -322,6 +342,13 @@ END_TO_END_SECONDS = 1.0
 END_TO_END_MAX_ROUNDS = 40
 
 
+def race_models(a, b, args: tuple) -> Tuple[float, float]:
+    """Least call time (ms) of the compiled models ``a`` and ``b`` on ``args`` (`_race`):
+    both called the same way (``model(*args)``, `CompiledModel.__call__` with its call-time
+    checks) the same number of times, so a model raced against itself gets a ratio near 1."""
+    return _race(lambda: a(*args), lambda: b(*args))
+
+
 def _race(a: Callable, b: Callable) -> Tuple[float, float]:
     """Least call time (ms) of ``a`` and of ``b``, each round calling both in turn (a burst
     of load on a shared host hits both) after one warm-up call each: at least
@@ -343,4 +370,4 @@ def _race(a: Callable, b: Callable) -> Tuple[float, float]:
     return best[0], best[1]
 
 
-__all__ = ["END_TO_END_MAX_ROUNDS", "END_TO_END_ROUNDS", "END_TO_END_SECONDS", "TIME_MARGIN"]
+__all__ = ["END_TO_END_MAX_ROUNDS", "END_TO_END_ROUNDS", "END_TO_END_SECONDS", "TIME_MARGIN", "race_models"]

@@ -335,6 +335,124 @@ def test_merged_siblings_are_decided_together_and_never_slower_than_fp32():
     torch.testing.assert_close(r.compiled(x), m(x), rtol=0.05, atol=0.05)
 
 
+class _ResidualConv(torch.nn.Module):
+    """conv-ReLU, then a residual conv: conv + add + relu, which fusion makes one
+    ConvAddAct named ``convolution_1_1_add_relu`` (the residual conv is ``convolution_1``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.c, self.c2 = torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.Conv2d(8, 8, 3, padding=1)
+
+    def forward(self, x):
+        y = torch.relu(self.c(x))
+        return torch.relu(y + self.c2(y))
+
+
+@pytest.mark.parametrize("candidates", [("fp32", "bf16"), ("fp32", "bf16", "int8")])
+def test_a_residual_conv_is_charged_its_fused_nodes_time(candidates):
+    """The ConvAddAct's time goes to the conv it was formed from (its record of the nodes it
+    replaced, not its name): every precision timed for each conv has a time, and no reason
+    compares with 0.0 us."""
+    from opencann.tools.tune_search import _charge
+    torch.manual_seed(0)
+    m, x = _ResidualConv().eval(), torch.randn(2, 3, 16, 16)
+    charged = _charge(opencann.compile(m, (x,)).graph, ["convolution", "convolution_1"])
+    assert charged == {"convolution_relu": {"convolution": 1.0},
+                       "convolution_1_1_add_relu": {"convolution_1": 1.0}}, charged
+    res = tune(m, (x,), candidates=candidates, reps=1)
+    for n in ("convolution", "convolution_1"):
+        c = res.nodes[n]
+        assert c.seconds.get("fp32", 0) > 0 and len(c.seconds) >= 2, (n, c.seconds)
+        assert all(t > 0 for t in c.seconds.values()) and " 0.0 us" not in c.why, (n, c.why)
+        assert "no time measured" not in c.why, c.why
+    with torch.no_grad():
+        ref = m(x)
+    y = res.compiled(x)
+    assert torch.nn.functional.cosine_similarity(y.flatten().double(), ref.flatten().double(), 0) > 0.99
+
+
+def test_the_speedup_race_calls_both_models_alike(monkeypatch):
+    """The race behind ``res.speedup`` (and the drop to all-fp32) calls the all-fp32 and the
+    tuned compiled models the same way, ``CompiledModel.__call__`` with its call-time
+    checks, the same number of times: neither side skips what the other pays."""
+    import opencann.tools.tune_search as ts
+    from opencann.engine.compiled_model import CompiledModel
+    from opencann.runtime import Executor
+    entered, depth = [], [0]
+
+    def spy(cls, name):
+        orig = getattr(cls, name)
+
+        def wrapped(self, *a, **k):
+            if depth[0] == 0:
+                entered.append((name, id(self)))
+            depth[0] += 1
+            try:
+                return orig(self, *a, **k)
+            finally:
+                depth[0] -= 1
+        monkeypatch.setattr(cls, name, wrapped)
+    spy(CompiledModel, "__call__")
+    spy(Executor, "run")
+    races, race = [], ts._race
+
+    def recorded(a, b):
+        calls = {0: [], 1: []}
+
+        def side(i, fn):
+            def run():
+                entered.clear()
+                fn()
+                calls[i].append(entered[0])
+            return run
+        out = race(side(0, a), side(1, b))
+        races.append(calls)
+        return out
+    monkeypatch.setattr(ts, "_race", recorded)
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.ReLU(), torch.nn.Linear(32, 8)).eval()
+    x = torch.randn(16, 32)
+    res = tune(m, x, reps=1)
+    fp32, tuned = races[-1][0], races[-1][1]
+    assert len(fp32) == len(tuned) > ts.END_TO_END_ROUNDS
+    assert {e[0] for e in fp32} == {e[0] for e in tuned} == {"__call__"}, (fp32[:1], tuned[:1])
+    assert len({e[1] for e in fp32}) == len({e[1] for e in tuned}) == 1 and fp32[0][1] != tuned[0][1]
+    assert res.tuned_ms > 0 and res.speedup == pytest.approx(res.fp32_ms / res.tuned_ms)
+    with torch.no_grad():
+        torch.testing.assert_close(res.compiled(x), m(x), rtol=0.05, atol=0.05)
+
+
+@pytest.mark.parametrize("comments", [False, True])
+def test_an_empty_keep_dtype_file_round_trips_through_atc(comments, tmp_path, capsys):
+    """Every node lowered: tune's keep_dtype file holds no name (keep no node) and its
+    mixlist keeps no op type in fp32; ``opencann atc`` takes both (blank and ``#`` lines
+    too) and builds the tuned graph."""
+    from opencann.tools.precision_files import read_keep_dtype, read_mixlist
+    path = tmp_path / "lin.py"
+    path.write_text("import torch\ndef make():\n    torch.manual_seed(0)\n    return torch.nn.Sequential("
+                    "torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 16)).eval(), "
+                    "(torch.randn(16, 64),)\n")
+    ns: dict = {}
+    exec(path.read_text(), ns)
+    model, (x,) = ns["make"]()
+    res = tune(model, (x,), timing=False)
+    assert res.keep_dtype() == [] and set(res.precision.values()) == {"bf16"}, res.summary()
+    keep, mix = str(tmp_path / "keep.txt"), str(tmp_path / "mix.json")
+    res.export(keep_dtype=keep, modify_mixlist=mix)
+    assert open(keep).read() == "" and read_keep_dtype(keep) == []
+    assert read_mixlist(mix) == ([], ["MatMulV2"])
+    if comments:
+        (tmp_path / "keep.txt").write_text("# kept in fp32 by opencann tune: none\n\n")
+    out = str(tmp_path / "a.ocm")
+    rc, _, err = run_cli(["atc", "--model", f"{path}:make", "--output", out, "--precision_mode",
+                          "allow_mix_precision_bf16", "--keep_dtype", keep, "--modify_mixlist", mix], capsys)
+    assert rc == 0, err
+    y = opencann.load(out)(x)
+    assert torch.equal(y, res.compiled(x))
+    with torch.no_grad():
+        torch.testing.assert_close(y, model(x), rtol=0.05, atol=0.05)
+
+
 # -- int8 as a candidate -------------------------------------------------------------------
 class ConvMlp(torch.nn.Module):
     """conv-BN-ReLU, conv + residual, global mean, Linear-GELU-Linear, and a product of

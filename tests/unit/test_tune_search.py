@@ -62,6 +62,27 @@ def test_timing_keeps_the_fastest_of_fp32_the_choice_and_one_higher(t, want):
         assert why.startswith("timing: int8") and f"{TIME_MARGIN:.0%} under {want}'s" in why, why
 
 
+@pytest.mark.parametrize("missing, want, note", [
+    ("fp32", "int8", "no time measured for it in fp32"),     # int8 5% under bf16: kept
+    ("int8", "int8", "no time measured for it in int8"),     # its own choice unmeasured: kept
+    ("bf16", "fp32", "no time measured for it in bf16"),     # int8 slower than fp32
+])
+def test_a_precision_with_no_measured_time_is_left_out_and_named(missing, want, note):
+    """A node with nothing measured in a precision (no compiled node did its work) has no
+    time there, not 0.0 s: that precision is left out of the comparison and the reason
+    says so; a node whose own choice went unmeasured keeps it."""
+    t = {"fp32": 10.0, "bf16": 5.0, "int8": 4.0} if want == "int8" else {"fp32": 10.0, "bf16": 5.0, "int8": 12.0}
+    s = _search({"a": {**t, missing: None}, "b": {"fp32": 10.0, "bf16": 5.0, "int8": 4.0}})
+    s.by_gate(False)
+    s.drop_slow()
+    assert s.choice == {"a": want, "b": "int8"}
+    assert missing not in s.nodes["a"].seconds and all(v > 0 for v in s.nodes["a"].seconds.values())
+    why = s.nodes["a"].why
+    assert note in why and " 0.0 us" not in why, why
+    assert (f"{want} kept" in why) == (want == "int8"), why
+    assert s.nodes["b"].why == ""
+
+
 def test_one_higher_skips_a_candidate_the_node_failed():
     """A node whose bf16 own error failed the gate goes from int8 to fp32, never bf16."""
     bad = Verdict(False, "error_ratio", "3% of elements above 0.01 relative error")
