@@ -23,20 +23,26 @@ _ACTIONS = ("to-add", "to-remove")
 
 def read_keep_dtype(path: str) -> List[str]:
     """Node names from a ``--keep_dtype`` file: one per line; blank lines and lines
-    starting with ``#`` skipped; surrounding spaces stripped. Raises ValueError (one
-    line) for a missing file or one without names."""
+    starting with ``#`` skipped; surrounding spaces stripped; each name once. A file
+    without names keeps no node (what `write_keep_dtype` writes when every node is
+    lowered): an empty list. Raises ValueError (one line) for a missing file or one that
+    is not UTF-8 text."""
     if not os.path.isfile(path):
         raise ValueError(f"--keep_dtype {path}: no such file; write one node name per line "
                          "(opencann tune --keep-dtype-out writes one)")
-    with open(path, encoding="utf-8") as f:
-        names = [ln.strip() for ln in f if ln.strip() and not ln.strip().startswith("#")]
-    if not names:
-        raise ValueError(f"--keep_dtype {path}: no node names; write one per line")
+    try:
+        with open(path, encoding="utf-8") as f:
+            names = [ln.strip() for ln in f if ln.strip() and not ln.strip().startswith("#")]
+    except UnicodeDecodeError as e:
+        raise ValueError(f"--keep_dtype {path}: not UTF-8 text ({e.reason} at byte {e.start}); "
+                         "write one node name per line") from None
     return list(dict.fromkeys(names))
 
 
 def write_keep_dtype(path: str, names: Iterable[str]) -> None:
-    """Write ``names`` to ``path``, one per line (CANN's ``--keep_dtype`` form)."""
+    """Write ``names`` to ``path``, one per line (CANN's ``--keep_dtype`` form); no names:
+    an empty file (keep no node), which `read_keep_dtype` and ``opencann atc
+    --keep_dtype`` take."""
     with open(path, "w", encoding="utf-8") as f:
         f.writelines(f"{n}\n" for n in names)
 
