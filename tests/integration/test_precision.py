@@ -274,3 +274,42 @@ def test_outputs_that_are_views_of_another_output_alias_it_as_in_eager(mode, vie
     assert all(bool((o == 7.0).all()) for o in out[1:])
     again = cm(x)                                        # and not in the next call's outputs
     assert not bool((again[0] == 7.0).any())
+
+
+@pytest.mark.parametrize("mode,dt", [("force_fp16", torch.float32), ("allow_mix_precision", torch.float32),
+                                     ("allow_mix_precision_bf16", torch.float32),
+                                     ("force_fp32", torch.float16), ("force_fp16", torch.bfloat16)])
+def test_outputs_that_are_views_of_an_input_alias_it_as_in_eager(mode, dt):
+    """A model returning its input and views of it (``y, x, x[:2]``, a transpose, a
+    chunk, a view of a view): force_fp16 sliced the input's fp16 cast and cast the slice
+    back, a rounded copy where eager returns a view of the caller's tensor. Such an
+    output never passes through a cast, in any mode: the same values, NaN and ±inf
+    included, bit for bit, in the caller's memory (a write through the returned input
+    shows in every view, as in eager), call after call."""
+    import opencann
+
+    class M(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(16, 16)
+
+        def forward(self, x):
+            a, b = x.chunk(2)
+            return self.lin(x), x, x[:2], x.t(), x[1:3][:, 2:5], a, b
+    torch.manual_seed(0)
+    m = M().eval().to(dt)
+    cm = opencann.compile(m, (torch.randn(4, 16, dtype=dt),), options={"precision_mode": mode})
+    for _ in range(2):
+        x = torch.randn(4, 16, dtype=dt)
+        x[0, 1], x[1, 3], x[3, 5] = float("nan"), float("inf"), float("-inf")
+        with torch.no_grad():
+            ref = m(x)
+        out = cm(x)
+        assert out[0].dtype == ref[0].dtype
+        for o, r in zip(out[1:], ref[1:]):
+            assert o.dtype == r.dtype and o.shape == r.shape and o.stride() == r.stride()
+            assert o.data_ptr() == r.data_ptr()          # a view of the caller's x, as eager's
+            bits = torch.int32 if dt == torch.float32 else torch.int16
+            assert torch.equal(o.view(bits), r.view(bits))     # bit for bit, NaN included
+        out[1].fill_(7.0)                                # a write into x shows in every view
+        assert all(bool((o == 7.0).all()) for o in out[2:])

@@ -44,10 +44,15 @@ from __future__ import annotations
 
 from typing import Tuple
 
+import torch
+
 from ...ir import DataType, Node
 
 # the kernels a ConvBiasAct / ConvAddAct may bind (node.meta["kernel"], saved in model files)
 CONV_KERNELS = ("onednn", "aten")
+# the dtypes of oneDNN's fused convolution (ConvBiasAct / ConvAddAct; bf16: its native
+# avx512_bf16 / AMX kernels); a convolution in another dtype stays a Conv2D (ATen's kernel)
+ONEDNN_CONV_DTYPES = (torch.float32, torch.bfloat16)
 # multiply-adds below which eager's NCHW convolution runs faster (module docstring)
 MAX_ATEN_MACS_POINTWISE = 8_000_000   # 1x1 kernels, any batch
 MAX_ATEN_MACS_BATCH1 = 1_000_000      # larger kernels, batch 1
@@ -99,4 +104,4 @@ def choose(node: Node) -> Tuple[str, str]:
                             int(node.attrs.get("groups", 1)))
 
 
-__all__ = ["CONV_KERNELS", "MAX_ATEN_MACS_BATCH1", "MAX_ATEN_MACS_POINTWISE", "choose", "choose_for_shape", "conv_macs"]
+__all__ = ["CONV_KERNELS", "ONEDNN_CONV_DTYPES", "MAX_ATEN_MACS_BATCH1", "MAX_ATEN_MACS_POINTWISE", "choose", "choose_for_shape", "conv_macs"]

@@ -36,7 +36,9 @@ _AT = (0, 1, 2, 3, 4, 5, 6, 497, 498, 499, 500, 501, 502, 503, 993, 994, 995, 99
 # act -> (ATen op, its keyword arguments, oneDNN post-op name and algorithm)
 _OPS = {"gelu": ("gelu", {"approximate": "none"}, ("gelu", "none")),
         "gelu_tanh": ("gelu", {"approximate": "tanh"}, ("gelu", "tanh")),
-        "silu": ("silu", {}, ("swish", ""))}
+        "silu": ("silu", {}, ("swish", "")),
+        # not formula fusions: `activation_low` probes their bf16 / fp16 kernels
+        "tanh": ("tanh", {}, ("tanh", "")), "sigmoid": ("sigmoid", {}, ("sigmoid", ""))}
 
 
 def probe_input(dtype: torch.dtype) -> torch.Tensor:
@@ -61,8 +63,9 @@ def _conv_post_op(post_op: str, algorithm: str) -> Callable:
 
 
 def kernels(act: str, dtype: torch.dtype) -> Iterator[Tuple[str, Callable]]:
-    """(name, f) of each CPU kernel a fused ``act`` node may run as; ``f(x) -> act(x)`` on
-    a contiguous 1-D ``x``, the same layout out."""
+    """(name, f) of each CPU kernel a fused ``act`` node ("gelu", "gelu_tanh", "silu";
+    "tanh", "sigmoid" too) may run as, ATen's functional first; ``f(x) -> act(x)`` on a
+    contiguous 1-D ``x``, the same layout out. Raises KeyError for another ``act``."""
     name, kw, (post_op, algorithm) = _OPS[act]
     fn, inplace = getattr(torch.ops.aten, name), getattr(torch.ops.aten, name + "_")
 

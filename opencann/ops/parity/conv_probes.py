@@ -12,11 +12,12 @@ once per machine (oneDNN creates its primitives).
 """
 from __future__ import annotations
 
-from typing import Callable, Dict, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
 from ...devices.cpu import mkldnn_available
+from ..kernels.conv_choice import ONEDNN_CONV_DTYPES
 from .layout_probe import PROBE_SHAPE, at_layout, probe_tensor, values_differ, show_element
 from .probe import Probe, register
 
@@ -111,23 +112,15 @@ def _conv_sum_differs(relu: bool, dtype: torch.dtype, layout: str, other_layout:
 #: spatial positions (of a [7, 8, 6][:rank] input) of `_conv_low_differs`'s four specials
 _PROBE_POSITIONS = {1: [(3,), (1,), (4,), (5,)], 2: [(2, 3), (4, 1), (5, 6), (6, 7)],
                     3: [(2, 4, 3), (4, 1, 2), (5, 6, 4), (6, 2, 5)]}
+#: a run of `_low_conv_runs`: (its name, the input's layout, f(x, w, bias, out_shape) -> out)
+_Run = Tuple[str, str, Callable[..., torch.Tensor]]
 
 
-def _conv_low_differs(cin: int, cout: int, groups: int, kernel: tuple, stride: tuple,
-                      dilation: tuple, dtype: torch.dtype, transposed: bool = False) -> Optional[str]:
-    """None when a ``dtype`` (bf16 / fp16) convolution of this configuration (``cin`` /
-    ``cout`` channels in all, ``groups``, ``kernel`` / ``stride`` / ``dilation`` per
-    spatial dim: 1, 2 or 3 of them; ``transposed``; padding k // 2, none when transposed)
-    gives NaN and ±inf where eager's fp32 convolution of the same values does, through
-    every kernel a low-precision convolution may run (ATen's ``convolution`` at the
-    contiguous and the channels-last layout, and for a 2-D one oneDNN's
-    ``mkldnn._convolution_pointwise``: ConvBiasAct); else one line naming the first
-    difference. Values otherwise differ by the rounding, which is not compared.
-    Why: oneDNN's bf16 convolution sums products two input channels at a time
-    (``vdpbf16ps``); with an odd channel count a pair reads the next pixel's first channel
-    against a zero weight, and a NaN or inf there (NaN × 0) turns a neighbour's finite
-    output NaN: Conv2d(3, 5, 1), Conv1d(3, 5, 3), Conv3d(3, 4, 3), ConvTranspose2d(3, 5, 2)
-    on this CPU."""
+def _low_conv_inputs(cin: int, cout: int, groups: int, kernel: tuple,
+                     transposed: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(x, weight, bias) in fp32 for `_conv_low_differs`: seeded randn, x [2, cin, 7, 8,
+    6][:2 + rank] with NaN, +inf, -inf, NaN in a few pixels' first, middle and last
+    channels."""
     g = torch.Generator().manual_seed(0)
     rank = len(kernel)
     x = torch.randn(2, cin, *(7, 8, 6)[:rank], generator=g)
@@ -140,33 +133,111 @@ def _conv_low_differs(cin: int, cout: int, groups: int, kernel: tuple, stride: t
         x[(n, c) + pos] = v
     w = torch.randn(*((cin, cout // groups) if transposed else (cout, cin // groups)), *kernel,
                     generator=g)
-    pad = [0] * rank if transposed else [k // 2 for k in kernel]
-    conv = torch.ops.aten.convolution
-    args = (None, list(stride), pad, list(dilation), transposed, [0] * rank, groups)
-    want = conv(x, w, *args)
-    runs = [("ATen's convolution at the contiguous layout", "contiguous", conv)]
-    if rank in (2, 3):
-        runs.append(("ATen's convolution at channels-last", "channels_last", conv))
-    if rank == 2 and not transposed and mkldnn_available():
-        runs.append(("oneDNN's convolution at channels-last", "channels_last",
-                     lambda xl, wl, *_: torch.ops.mkldnn._convolution_pointwise(
-                         xl, wl, None, pad, list(stride), list(dilation), groups, "none", [], "")))
-    for name, lay, run in runs:
-        xl = x.to(dtype)
-        if lay == "channels_last":
-            xl = xl.contiguous(memory_format=torch.channels_last if rank == 2
-                               else torch.channels_last_3d)
+    return x, w, torch.randn(cout, generator=g)
+
+
+def _onednn_conv_runs(conv: tuple, xshape: list, dtype: torch.dtype) -> List[_Run]:
+    """The runs of oneDNN's 2-D convolution a ConvBiasAct / ConvAddAct node binds
+    (``make_conv_kernel``): ``mkldnn._convolution_pointwise`` and its binary "add" post-op
+    out of and in place (into a zero addend), each on the plain weight (a weight that is no
+    constant: oneDNN reorders it every call) and on the weight reordered to oneDNN's
+    blocked layout for ``xshape`` (a constant weight, as bound: ``_reorder_convolution_
+    weight``, the plain one where that raises, as at bind). ``conv``: (padding, stride,
+    dilation, groups)."""
+    pad, stride, dil, groups = conv
+    ops = torch.ops.mkldnn
+
+    def reordered(w):
         try:
-            got = run(xl, w.to(dtype), *args).float()
-        except (RuntimeError, TypeError, ValueError) as e:
-            return f"{name} fails for {dtype} ({str(e).splitlines()[0]})"
-        bad = ~(torch.isnan(got) == torch.isnan(want)) | ~(got.isinf() == want.isinf()) \
-            | (want.isinf() & (got.sign() != want.sign()))
-        if bad.any():
-            i = int(bad.reshape(-1).nonzero()[0])
-            return (f"{name} in {str(dtype).replace('torch.', '')} gives {show_element(got, i)} where eager's "
-                    f"fp32 convolution gives {show_element(want, i)} (a NaN or inf in a "
-                    f"neighbouring position; {cin // groups} input channels per group)")
+            return ops._reorder_convolution_weight(w, pad, stride, dil, groups, xshape)
+        except (RuntimeError, AttributeError):
+            return w
+
+    def pointwise(prep):
+        return lambda x, w, b, _: ops._convolution_pointwise(x, prep(w), b, *conv, "none", [], "")
+
+    def add(prep, inplace):
+        def run(x, w, b, shape):
+            other = torch.zeros(shape, dtype=dtype).contiguous(memory_format=torch.channels_last)
+            if inplace:
+                return ops._convolution_pointwise_.binary(other, x, prep(w), b, *conv, "add",
+                                                          None, None, [], "")
+            return ops._convolution_pointwise.binary(x, other, prep(w), b, *conv, "add",
+                                                     None, None, [], "")
+        return run
+
+    runs: List[_Run] = []
+    for wname, prep in (("plain", lambda w: w), ("blocked (reordered)", reordered)):
+        runs += [(f"oneDNN's convolution on its {wname} weight", "channels_last", pointwise(prep)),
+                 (f"oneDNN's convolution with the sum post-op on its {wname} weight",
+                  "channels_last", add(prep, False)),
+                 (f"oneDNN's convolution with the in-place sum post-op on its {wname} weight",
+                  "channels_last", add(prep, True))]
+    return runs
+
+
+def _aten_conv(conv: tuple, rank: int, transposed: bool) -> Callable[..., torch.Tensor]:
+    """ATen's ``convolution`` as ``f(x, w, bias, out_shape=None)`` for ``conv`` (padding,
+    stride, dilation, groups; no padding when ``transposed``) over ``rank`` spatial dims:
+    the kernel of a Conv2D node, and eager's fp32 reference."""
+    pad, stride, dil, groups = conv
+    aten = torch.ops.aten.convolution
+    return lambda x, w, b, _=None: aten(x, w, b, stride, [0] * rank if transposed else pad, dil,
+                                        transposed, [0] * rank, groups)
+
+
+def _low_conv_runs(rank: int, transposed: bool, dtype: torch.dtype, conv: tuple,
+                   xshape: list) -> List[_Run]:
+    """Every kernel a ``dtype`` convolution node of this kind may bind on the cpu: ATen's
+    ``convolution`` (a Conv2D node) at the contiguous layout and, for 2-D and 3-D ones,
+    at channels-last; for a 2-D, not transposed one in a dtype of oneDNN's fused
+    convolution (`ONEDNN_CONV_DTYPES`: ``fuse_conv_act`` makes it a ConvBiasAct) oneDNN's
+    runs too (`_onednn_conv_runs`). ``conv``: (padding, stride, dilation, groups)."""
+    run_aten = _aten_conv(conv, rank, transposed)
+    runs: List[_Run] = [("ATen's convolution at the contiguous layout", "contiguous", run_aten)]
+    if rank in (2, 3):
+        runs.append(("ATen's convolution at channels-last", "channels_last", run_aten))
+    if rank == 2 and not transposed and dtype in ONEDNN_CONV_DTYPES and mkldnn_available():
+        runs += _onednn_conv_runs(conv, xshape, dtype)
+    return runs
+
+
+def _conv_low_differs(cin: int, cout: int, groups: int, kernel: tuple, stride: tuple,
+                      dilation: tuple, dtype: torch.dtype, transposed: bool = False) -> Optional[str]:
+    """None when a ``dtype`` (bf16 / fp16) convolution of this configuration (``cin`` /
+    ``cout`` channels in all, ``groups``, ``kernel`` / ``stride`` / ``dilation`` per
+    spatial dim: 1, 2 or 3 of them; ``transposed``; padding k // 2, none when transposed)
+    gives NaN and ±inf where eager's fp32 convolution of the same values does, through
+    every kernel the bound node may run (`_low_conv_runs`: ATen's at both layouts; for a
+    2-D one in bf16 oneDNN's on the plain and the reordered weight, alone and with the
+    sum post-op), with and without a bias; else one line naming the first difference.
+    Values otherwise differ by the rounding, which is not compared.
+    Why: oneDNN's bf16 convolution sums products two input channels at a time
+    (``vdpbf16ps``); with an odd channel count a pair reads the next pixel's first channel
+    against a zero weight, and a NaN or inf there (NaN × 0) turns a neighbour's finite
+    output NaN: Conv2d(3, 5, 1), Conv1d(3, 5, 3), Conv3d(3, 4, 3), ConvTranspose2d(3, 5, 2)
+    on this CPU, and Conv2d(1, 8, 1) on the reordered weight only."""
+    rank = len(kernel)
+    x, w, bias = _low_conv_inputs(cin, cout, groups, kernel, transposed)
+    conv = ([k // 2 for k in kernel], list(stride), list(dilation), groups)
+    fmt = torch.channels_last if rank == 2 else torch.channels_last_3d
+    wants = [(b, _aten_conv(conv, rank, transposed)(x, w, b)) for b in (bias, None)]
+    for name, lay, run in _low_conv_runs(rank, transposed, dtype, conv, list(x.shape)):
+        xl = x.to(dtype)
+        xl = xl.contiguous(memory_format=fmt) if lay == "channels_last" else xl
+        for b, want in wants:
+            what = f"{name}{' with a bias' if b is not None else ''}"
+            try:
+                got = run(xl, w.to(dtype), None if b is None else b.to(dtype), want.shape).float()
+            except (RuntimeError, TypeError, ValueError) as e:
+                return f"{what} fails for {dtype} ({str(e).splitlines()[0]})"
+            bad = ~(torch.isnan(got) == torch.isnan(want)) | ~(got.isinf() == want.isinf()) \
+                | (want.isinf() & (got.sign() != want.sign()))
+            if bad.any():
+                i = int(bad.reshape(-1).nonzero()[0])
+                return (f"{what} in {str(dtype).replace('torch.', '')} gives {show_element(got, i)} "
+                        f"where eager's fp32 convolution gives {show_element(want, i)} (a NaN or inf "
+                        f"in a neighbouring position; {cin // groups} input channels per group)")
     return None
 
 
@@ -174,9 +245,11 @@ CONV_LOW_PROBE = register(Probe(
     "conv_low_precision", guards="MixedPrecision (passes/prepare/precision.py): a Conv2D "
     "lowered to bf16 / fp16",
     kernel="ATen's bf16 / fp16 convolution (1-, 2-, 3-D, transposed) contiguous and "
-    "channels-last, oneDNN's 2-D one at channels-last",
-    inputs="seeded randn with NaN, +inf and -inf in a few pixels' first, middle and last channels",
-    run=_conv_low_differs, version=3))
+    "channels-last; for a 2-D bf16 one oneDNN's (ConvBiasAct / ConvAddAct) on the plain and "
+    "the reordered weight, alone and with the sum post-op in and out of place",
+    inputs="seeded randn with NaN, +inf and -inf in a few pixels' first, middle and last "
+    "channels; with and without a bias",
+    run=_conv_low_differs, version=4))
 
 
 def conv_low_precision_differs(cin: int, cout: int, groups: int, kernel: tuple, stride: tuple,

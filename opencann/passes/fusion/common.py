@@ -9,6 +9,7 @@ import torch
 from ...devices.cpu import mkldnn_available
 from ...ir import Graph, Node, TensorRef
 from ...ops import get_op
+from ...ops.kernels.conv_choice import ONEDNN_CONV_DTYPES
 from ..base import RewritePass
 
 
@@ -18,8 +19,9 @@ def _act(node: Optional[Node]) -> Optional[str]:
     return None if node is None else get_op(node.op).activation
 
 
-# dtypes of oneDNN's fused convolution (bf16: native avx512_bf16 / AMX kernels)
-CONV_DTYPES = (torch.float32, torch.bfloat16)
+# dtypes of oneDNN's fused convolution (bf16: native avx512_bf16 / AMX kernels); the
+# conv_low_precision probe runs oneDNN's kernels for exactly these
+CONV_DTYPES = ONEDNN_CONV_DTYPES
 
 
 def _conv_check(conv: Node) -> Optional[str]:

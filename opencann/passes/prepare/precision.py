@@ -36,9 +36,14 @@ Values keep their eager meaning (CANN reports, not changes, what a mode cannot d
 op that would be lowered while one of its float scalar arguments or constant inputs
 does not survive the cast (``finfo(float32).min`` in a ``masked_fill`` or an additive
 mask becomes -inf; an epsilon of 1e-12 becomes 0 in fp16; `precision_values`) stays
-in fp32, named in the log (INFO) and in the pass's note; an op's ``OpDef.precision_keeps``
+in fp32, named in the log (INFO) and in the pass's note, as does, on the cpu, an op whose
+low-precision kernels would put NaN or ±inf elsewhere than eager's fp32 op (a convolution
+with an odd number of input channels per group, an activation: `low_kernel_differs`,
+probed once per machine); an op's ``OpDef.precision_keeps``
 inputs (SDPA's ``attn_mask``) are never cast down: ATen adds a float mask to
-low-precision scores in fp32, as eager does with an fp32 mask.
+low-precision scores in fp32, as eager does with an fp32 mask. A graph output that is a
+graph input or a view of one is never cast, in any mode: the caller gets its own tensor
+or that view of it, as from eager (`_output_as`).
 """
 from __future__ import annotations
 
@@ -279,33 +284,37 @@ def node_overrides(graph: Graph, keep_dtype: Iterable[str],
 def _cast_outputs(graph: Graph, origin: Dict, cache: Dict) -> int:
     """Cast each graph output whose dtype the rewrite changed back to its original dtype
     (``origin``: id(value) -> dtype), reusing a cast an fp32 op already reads (``cache``)
-    or adding a ``cast_out`` node with the value's traced strides. Returns the number of
-    outputs redirected."""
+    or adding a ``cast_out`` node with the value's traced strides; a view of a graph input
+    or of another output is that view of the input or of the other's result instead
+    (`_output_as`). Returns the number of outputs redirected."""
     changed = 0
-    outs = {v.id for v in graph.outputs}
+    roots = {v.id for v in graph.outputs} | {v.id for v in graph.inputs}
     made: Dict[int, Value] = {}
     for i, v in enumerate(list(graph.outputs)):
         want = origin.get(id(v), v.desc.dtype)
         if v.desc.dtype == want:
             continue
         changed += 1
-        graph.outputs[i] = _output_as(graph, v, want, outs, made, cache)
+        graph.outputs[i] = _output_as(graph, v, want, roots, made, cache)
     return changed
 
 
-def _output_as(graph: Graph, v: Value, want: DataType, outs: Set[int], made: Dict,
+def _output_as(graph: Graph, v: Value, want: DataType, roots: Set[int], made: Dict,
                cache: Dict) -> Value:
-    """Graph output ``v`` in dtype ``want``: a view of another output (``y[:1]`` beside
-    ``y``) is the same view of that output's cast, so the two alias as in eager (a cast
+    """Graph output ``v`` in dtype ``want``: ``v`` itself where it has that dtype (a graph
+    input, an output the rewrite left alone); a view of a graph input or of another output
+    (``roots``: their value ids; ``x[:2]`` beside ``x``, ``y[:1]`` beside ``y``, through
+    this pass's casts) is the same view of that input (never cast: eager returns a view of
+    the caller's tensor) or of that output's result, so the two alias as in eager (a cast
     each made them two tensors); any other a ``cast_out`` node with ``v``'s traced strides,
     or the cast an fp32 op already reads (``cache``). ``made``: value id -> its result."""
     if v.id in made:
         return made[v.id]
-    p = v.producer
-    base = p.inputs[0] if p is not None and get_op(p.op).is_view and len(p.inputs) == 1 \
-        and not inplace_inputs(p) else None
-    if base is not None and (base.id in outs or _views_an_output(base, outs)):
-        src = _output_as(graph, base, want, outs, made, cache)
+    if v.desc.dtype == want:
+        return v
+    p, base = v.producer, _view_source(v)
+    if base is not None and (base.id in roots or _views_a_root(base, roots)):
+        src = _output_as(graph, base, want, roots, made, cache)
         view = graph.create_node(p.op, [src], dict(p.attrs), [o.desc.with_(dtype=want)
                                                               for o in p.outputs],
                                  name=f"{p.name}_out")   # every output of a split at once
@@ -326,12 +335,28 @@ def _output_as(graph: Graph, v: Value, want: DataType, outs: Set[int], made: Dic
     return tail.output
 
 
-def _views_an_output(v: Value, outs: Set[int]) -> bool:
-    """Whether ``v`` is a chain of single-input views of a graph output."""
-    while v.producer is not None and get_op(v.producer.op).is_view and len(v.producer.inputs) == 1:
-        v = v.producer.inputs[0]
-        if v.id in outs:
+def _view_source(v: Value) -> Optional[Value]:
+    """The value ``v`` is a single-input view of (not in place), before the casts this
+    pass put in between (``meta["precision"]``: ``x[:2]`` under force_fp16 slices x's
+    fp16 cast); None when ``v`` is no such view."""
+    p = v.producer
+    if p is None or not get_op(p.op).is_view or len(p.inputs) != 1 or inplace_inputs(p):
+        return None
+    base = p.inputs[0]
+    while base.producer is not None and base.producer.op == "Cast" \
+            and base.producer.meta.get("precision"):
+        base = base.producer.inputs[0]
+    return base
+
+
+def _views_a_root(v: Value, roots: Set[int]) -> bool:
+    """Whether ``v`` is a chain of single-input views (`_view_source`) of a value in
+    ``roots`` (ids of graph inputs and outputs)."""
+    v = _view_source(v)
+    while v is not None:
+        if v.id in roots:
             return True
+        v = _view_source(v)
     return False
 
 

@@ -21,6 +21,7 @@ from typing import Optional
 import torch
 
 from ...ir import DataType, Node
+from ...ops import get_op
 
 
 def _scalar_lost(x: float, dt: torch.dtype) -> Optional[str]:
@@ -71,9 +72,18 @@ def low_kernel_differs(node: Node, target: DataType) -> Optional[str]:
     only: the vnpu and CUDA run other kernels): a convolution (1-, 2- or 3-D, transposed or not) with
     an odd number of input channels per group, probed once per configuration
     (`parity.conv_low_precision_differs`: oneDNN's bf16 convolution pairs input channels,
-    and the pad of an odd count reads a neighbouring position's NaN or inf). None for
-    every other node and where the probe finds eager's positions."""
-    if node.op != "Conv2D" or target.torch not in (torch.bfloat16, torch.float16):
+    and the pad of an odd count reads a neighbouring position's NaN or inf); an
+    activation (GELU erf / tanh, SiLU, tanh, sigmoid), probed once per (activation,
+    dtype) (`parity.activation_low_precision_differs`: ATen's fp16 GELU returns +inf for
+    +inf where its fp32 one, oneDNN's on AVX-512, returns NaN). None for every other node
+    and where the probe finds eager's positions."""
+    if target.torch not in (torch.bfloat16, torch.float16):
+        return None
+    act = _activation(node)
+    if act is not None:
+        from ...ops.parity import activation_low_precision_differs
+        return activation_low_precision_differs(act, target.torch)
+    if node.op != "Conv2D":
         return None
     a = node.attrs
     wref = a.get("weight")
@@ -94,6 +104,16 @@ def low_kernel_differs(node: Node, target: DataType) -> Optional[str]:
                                       _per_dim(a.get("stride", (1,)), rank),
                                       _per_dim(a.get("dilation", (1,)), rank), target.torch,
                                       transposed)
+
+
+def _activation(node: Node) -> Optional[str]:
+    """The `parity.activation_low` name of the activation ``node`` computes ("gelu",
+    "gelu_tanh" for Gelu(approximate="tanh"), "silu", "tanh", "sigmoid"), else None."""
+    from ...ops.parity.activation_low import LOW_ACTS
+    act = get_op(node.op).activation
+    if act == "gelu" and node.attrs.get("approximate", "none") == "tanh":
+        act = "gelu_tanh"
+    return act if act in LOW_ACTS else None
 
 
 def _per_dim(v, rank: int) -> tuple:
