@@ -2,7 +2,8 @@
 op table, fused ops, and the kernels per device (``ops/kernels/{cpu,vnpu}.py``)."""
 from .opdef import (Cost, OpDef, OpKind, all_ops, call_args, frozen_graph, get_op, infer,
                     inplace_inputs, is_random, is_random_call, lookup_aten, lookup_custom_op,
-                    output_aliases, reads_layout, register, written_inputs)
+                    out_buffers_fit, out_contiguous_inputs, output_aliases, reads_layout,
+                    register, written_inputs)
 from .aliasing import (aliases_of, graph_happens_before, last_reads, layout_read_inputs,
                        ordering_deps, storage_roots)
 from . import library  # noqa: F401  (registers the table)
@@ -20,7 +21,8 @@ from . import quant  # noqa: F401  (AscendQuant and the int8 ops: the quantize_i
 
 __all__ = ["Cost", "OpDef", "OpKind", "aliases_of", "graph_happens_before", "ordering_deps", "all_ops", "call_args", "get_op", "infer",
            "frozen_graph", "inplace_inputs", "is_random", "is_random_call", "last_reads",
-           "layout_read_inputs", "lookup_aten", "lookup_custom_op", "output_aliases",
+           "layout_read_inputs", "lookup_aten", "lookup_custom_op", "out_buffers_fit",
+           "out_contiguous_inputs", "output_aliases",
            "reads_layout", "register", "storage_roots", "written_inputs"]
 
 # ``opencann.ops.flash_attention(q, k, v, ...)`` is the eager API (the issue's spelling);

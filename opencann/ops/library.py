@@ -152,6 +152,29 @@ _DECLARED_ALIASES = {"UnsafeReshape": (("self",),)}
 _PRIMARY_ONLY = {"MaxPoolWithArgmax": "MaxPool", "ReduceMaxD": "ReduceMax"}
 
 
+# OpDef.out_contiguous: operands (schema argument names) that an ATen ``.out`` overload
+# handles only when contiguous, where the functional overload takes any strides: it
+# walks them as if row-major and gives wrong values, no error. The runtime makes such an
+# input contiguous first, and runs the functional overload when such an output's buffer
+# is not contiguous. Evidence (torch 2.13, CPU, fp32 and bf16; the audit of every op's
+# ``.out`` overload against its functional one at transposed, strided, offset, expanded
+# and channels-last operands: tests/unit/test_out_overload_layouts.py, also a script):
+# - _native_batch_norm_legit.no_stats_out (BatchNorm with batch statistics and no
+#   running ones) on a transposed, strided or expanded input, or into a non-contiguous
+#   buffer (a contiguous input into a channels-last one): off by up to ~9;
+# - _softmax.out, _log_softmax.out, _softmax_backward_data.out,
+#   _log_softmax_backward_data.out into a non-contiguous buffer: the values land as if
+#   the buffer were contiguous (the traced layout of _log_softmax_backward_data's result
+#   follows a transposed gradient: a compiled backward was off by ~45);
+# - gelu.out from a contiguous input into a non-contiguous buffer (oneDNN's kernel
+#   writes it as if contiguous: garbage, NaN lost).
+_OUT_CONTIGUOUS = {
+    "BNTrainingUpdateNoStats": ("input", "out"),
+    "SoftmaxV2": ("out",), "LogSoftmaxV2": ("out",),
+    "SoftmaxGrad": ("grad_input",), "LogSoftmaxGrad": ("out",),
+    "Gelu": ("out",),
+}
+
 # OpDef.activation: the activations opencann's fused CPU kernels take (ConvBiasAct, LinearAct)
 _ACTIVATION = {"Relu": "relu", "Gelu": "gelu", "Sigmoid": "sigmoid", "Tanh": "tanh", "Swish": "silu"}
 
@@ -299,6 +322,7 @@ def _columns(name: str, kind: OpKind) -> dict:
     """Activation, keep-fp32, vnpu cost and NPU-format columns of table row ``name``."""
     cols = {"activation": _ACTIVATION.get(name), "keep_fp32": name in _KEEP_FP32,
             "fuse_expr": _FUSE_EXPR.get(name), "reads_layout": name == "AsStrided",
+            "out_contiguous": _OUT_CONTIGUOUS.get(name, ()),
             "per_index": _PER_INDEX.get(name, pi.ALL if kind == OpKind.ELEMENTWISE and
                                         not name.endswith("Grad") else None)}
     if name in _VNPU_COST:

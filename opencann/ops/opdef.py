@@ -79,6 +79,13 @@ class OpDef:
     for the node's shape only (attention: `opencann.ops.kernels.attention_cpu`); a dynamic
     model chooses it again per shape (`opencann.engine.dynamic.pin_kernel_choices` skips it).
     ``out_kernel``: the ``.out`` overload, when one exists, for arena binding.
+    ``out_contiguous``: the operands of ``out_kernel`` (schema argument names: inputs or
+    outputs) it reads or writes correctly only when they are contiguous, where the
+    functional overload takes any strides (an ATen kernel that walks the tensor as if it
+    were row-major): the runtime makes such an input contiguous before the call and
+    calls the functional overload (its result copied into the buffer) when such an
+    output's buffer is not contiguous. See `out_buffers_fit`; the table and its evidence
+    are ``ops/library.py``'s ``_OUT_CONTIGUOUS``.
     ``aliases``: per return of the op, the names of the arguments whose storage that
     return may share (a view, or an input handed back as is); ``()`` for a return that
     is always fresh memory; the last entry also covers any further outputs (a
@@ -158,6 +165,7 @@ class OpDef:
     kernel_per_shape: bool = False
     out_kernel: Optional[torch._ops.OpOverload] = None
     out_names: Tuple[str, ...] = ()
+    out_contiguous: Tuple[str, ...] = ()
     aliases: Optional[Tuple[Tuple[str, ...], ...]] = None
     cost_fn: Optional[Callable[[Node], Cost]] = None
     primary_only: Optional[str] = None
@@ -254,8 +262,9 @@ def _find_out_overload(op: torch._ops.OpOverload) -> Tuple[Optional[torch._ops.O
 
 def register(opdef: OpDef) -> OpDef:
     """Add an op to the registry. Raises ValueError on a duplicate name, overload or
-    ``custom_op``, or a ``kernels`` / ``kernel_factories`` / ``device_cost`` key that is
-    not a device kind (naming the kinds)."""
+    ``custom_op``, a ``kernels`` / ``kernel_factories`` / ``device_cost`` key that is
+    not a device kind (naming the kinds), or an ``out_contiguous`` name that is no
+    argument of the op's ``.out`` overload."""
     if opdef.name in _REGISTRY:
         raise ValueError(f"op {opdef.name} is registered twice")
     if opdef.custom_op is not None:
@@ -271,16 +280,46 @@ def register(opdef: OpDef) -> OpDef:
     if opdef.aten is not None:
         if opdef.aten in _BY_ATEN:
             raise ValueError(f"{opdef.aten} is already implemented by {_BY_ATEN[opdef.aten].name}")
-        _BY_ATEN[opdef.aten] = opdef
         own_cpu = opdef.kernels.get("cpu") not in (None, opdef.aten)
+        if opdef.out_kernel is None and opdef.kind != OpKind.VIEW and not own_cpu:
+            opdef.out_kernel, opdef.out_names = _find_out_overload(opdef.aten)
+        _check_out_contiguous(opdef)
+        _BY_ATEN[opdef.aten] = opdef
         opdef.kernels.setdefault("cpu", opdef.aten)
         opdef.random = opdef.random or seeded(opdef.aten)
         if opdef.aliases is None:
             opdef.aliases = schema_aliases(opdef.aten)
-        if opdef.out_kernel is None and opdef.kind != OpKind.VIEW and not own_cpu:
-            opdef.out_kernel, opdef.out_names = _find_out_overload(opdef.aten)
+    else:
+        _check_out_contiguous(opdef)
     _REGISTRY[opdef.name] = opdef
     return opdef
+
+
+def _check_out_contiguous(opdef: OpDef) -> None:
+    """Raise ValueError for an ``out_contiguous`` name that is no argument of the op's
+    ``.out`` overload (or an op without one), naming the arguments."""
+    if not opdef.out_contiguous:
+        return
+    names = [a.name for a in opdef.out_kernel._schema.arguments] if opdef.out_kernel else []
+    bad = [n for n in opdef.out_contiguous if n not in names]
+    if bad:
+        raise ValueError(f"op {opdef.name}: out_contiguous names {bad[0]!r}, not an argument of "
+                         f"its .out overload (arguments: {names or 'none, it has no .out overload'})")
+
+
+def out_contiguous_inputs(opdef: OpDef) -> Tuple[str, ...]:
+    """The input arguments (schema names) ``opdef.out_kernel`` needs contiguous
+    (``out_contiguous`` less the outputs)."""
+    return tuple(n for n in opdef.out_contiguous if n not in opdef.out_names)
+
+
+def out_buffers_fit(opdef: OpDef, buffers: Sequence[Optional[torch.Tensor]]) -> bool:
+    """Whether ``opdef.out_kernel`` writes ``buffers`` (one per ``out_names``, any device,
+    meta included; None for a skipped output) correctly: False when a buffer that
+    ``out_contiguous`` names is not contiguous (the functional overload must run instead,
+    its result copied into the buffer)."""
+    return not any(name in opdef.out_contiguous and b is not None and not b.is_contiguous()
+                   for name, b in zip(opdef.out_names, buffers))
 
 
 def seeded(target: Any) -> bool:

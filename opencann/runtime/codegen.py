@@ -45,7 +45,7 @@ import torch
 
 from ..ir import Graph, MemoryPlan, Node, TensorListRef, TensorRef, Value, is_dense
 from ..ops import (OpKind, call_args, get_op, graph_happens_before, inplace_inputs,
-                   output_aliases, storage_roots)
+                   out_buffers_fit, out_contiguous_inputs, output_aliases, storage_roots)
 from ..ops.parity import layout_dependent
 from .alias_check import AliasChecker
 from .fast_call import fast_callable_keyed, value_free
@@ -457,13 +457,16 @@ class CodeGen:
             return f"[{inner}]"
         return self.literal(a)
 
-    def aten_args(self, node: Node, aten) -> str:
+    def aten_args(self, node: Node, aten, contiguous=()) -> str:
         """Source text of the arguments of ATen overload ``aten`` for ``node`` (its
-        attributes in schema order, keyword-only ones as keywords)."""
+        attributes in schema order, keyword-only ones as keywords); the tensors named in
+        ``contiguous`` made contiguous at the call (`OpDef.out_contiguous`)."""
         pos, kw = [], []
         for name, kwarg_only in _schema_args(aten):
             if name in node.attrs:
                 a = self.render(node.attrs[name], node)
+                if name in contiguous and isinstance(node.attrs[name], TensorRef):
+                    a += ".contiguous()"
                 (kw.append(f"{name}={a}") if kwarg_only else pos.append(a))
         return ", ".join(pos + kw)
 
@@ -656,15 +659,17 @@ class CodeGen:
         target = f"K{idx}"
         aten = op.aten or node.meta["aten"]
         kernel = op.kernel(node.device) or aten   # a user's OpDef.kernels entry, or ATen
-        args = self.aten_args(node, aten)
         use_out = (kernel is aten and op.out_kernel is not None and not any(aliased)
                    and len(bufnames) == len(op.out_names)
                    and not node.meta.get("none_outputs")
-                   and not node.meta.get("no_out_kernel"))
+                   and not node.meta.get("no_out_kernel")
+                   and out_buffers_fit(op, self._out_buffers(node, bufnames)))
         if not use_out:
             self.glb[target] = _fast(node, aten) if kernel is aten else kernel
-            self._emit_result(node, lhs, outs, bufnames, f"{target}({args})")
+            self._emit_result(node, lhs, outs, bufnames, f"{target}({self.aten_args(node, aten)})")
             return
+        # an .out overload that mishandles some strided operand gets it contiguous
+        args = self.aten_args(node, aten, out_contiguous_inputs(op))
         # outputs outside the arena (graph outputs) get a fresh tensor each run in the
         # traced layout (eager's strides), so a multi-output kernel still writes its
         # planned outputs in place
@@ -682,6 +687,14 @@ class CodeGen:
         for o, b in zip(node.outputs, bufnames):
             if b.startswith("B"):
                 self.static[o.id] = b
+
+    def _out_buffers(self, node: Node, bufnames) -> List[torch.Tensor]:
+        """The tensor each output of ``node`` is written into by an ``.out`` call: its
+        planned buffer, else a meta stand-in of the fresh tensor made per call."""
+        def fresh(o):
+            shape, strides, dtype = _fresh_args(o)
+            return torch.empty_strided(shape, strides, dtype=dtype, device="meta")
+        return [self.glb[b] if b is not None else fresh(o) for b, o in zip(bufnames, node.outputs)]
 
     def _emit_result(self, node, lhs, outs, bufnames, call) -> None:
         """Assign a kernel's returned result(s); copy each planned one into its buffer."""
