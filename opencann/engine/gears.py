@@ -38,6 +38,7 @@ from ..ir.symbolic import bind
 from ..log import logger
 from ..passes.gear_padding import PaddingCheck, follow_padded_dim, padding_summary
 from ..frontend.torch import CaptureError
+from ..frontend.torch.dynamic import dim_names, spec_leaves
 from ..report import CompileReport
 from ..runtime import DEFAULT_CONCURRENT_CALLS
 from .compiled_model import CompiledModel
@@ -50,16 +51,20 @@ PAD_FILL = ("padded entries replicate the last real index of the dim; outputs ar
             "back to the call's sizes")
 
 
-def _tensor_args(model, args, kwargs) -> List[Tuple[str, torch.Tensor]]:
-    """(argument name, tensor) of the top-level tensor arguments."""
+def _arg_values(model, args, kwargs) -> List[Tuple[str, Any]]:
+    """(argument name, value) of the top-level arguments."""
     try:
         names = [p.name for p in inspect.signature(model.forward).parameters.values()
                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     except (TypeError, ValueError):
         names = []
     names += [f"arg{i}" for i in range(len(names), len(args))]
-    pairs = list(zip(names, args)) + list((kwargs or {}).items())
-    return [(n, t) for n, t in pairs if isinstance(t, torch.Tensor)]
+    return list(zip(names, args)) + list((kwargs or {}).items())
+
+
+def _tensor_args(model, args, kwargs) -> List[Tuple[str, torch.Tensor]]:
+    """(argument name, tensor) of the top-level tensor arguments."""
+    return [(n, t) for n, t in _arg_values(model, args, kwargs) if isinstance(t, torch.Tensor)]
 
 
 def _values(name: str, gears: Any, width: int) -> List[Tuple[int, ...]]:
@@ -129,22 +134,21 @@ def gear_spec(model, args, kwargs, options: Dict[str, Any], dynamic_shapes: Any
     if not isinstance(dynamic_shapes, dict):
         raise ValueError("dynamic_dims gives values for the dims named in dynamic_shapes: pass "
                          "dynamic_shapes={'input_ids': {1: 'seq'}} with it")
-    names = list(dict.fromkeys(v for s in dynamic_shapes.values() if isinstance(s, dict)
-                               for v in s.values() if isinstance(v, str)))
+    names = dim_names(dynamic_shapes)
     return opt, dynamic_shapes, names, _values(opt, options[opt], len(names))
 
 
-def _example_values(spec: Any, tensors: List[Tuple[str, torch.Tensor]]) -> Dict[str, List[int]]:
-    """dim name -> the example's sizes for it (simple-form ``spec`` entries only)."""
+def _example_values(spec: Any, values: List[Tuple[str, Any]]) -> Dict[str, List[int]]:
+    """dim name -> the example's sizes for it (simple-form ``spec`` entries, inside
+    dict, list and tuple inputs too); ``values``: (argument name, value) pairs."""
     out: Dict[str, List[int]] = {}
-    by_name = dict(tensors)
-    for arg, dims in (spec.items() if isinstance(spec, dict) else ()):
-        t = by_name.get(arg)
-        if t is None or not isinstance(dims, dict):
-            continue
-        for i, d in dims.items():
-            if isinstance(d, str) and isinstance(i, int) and i < t.dim():
-                out.setdefault(d, []).append(int(t.shape[i]))
+    for arg, value in values:
+        entry = spec.get(arg) if isinstance(spec, dict) else None
+        for _, t, dims in spec_leaves(arg, entry, value):
+            for i, d in dims.items():
+                if isinstance(d, str) and isinstance(t, torch.Tensor) and isinstance(i, int) \
+                        and i < t.dim():
+                    out.setdefault(d, []).append(int(t.shape[i]))
     return out
 
 
@@ -352,7 +356,7 @@ def compile_with_gears(model, example_inputs, options: Dict[str, Any], dynamic_s
     opt, spec, names, gears = gear_spec(model, args, example_kwargs, options, dynamic_shapes)
     rest = {k: v for k, v in options.items() if k not in GEAR_OPTIONS}
     rest["plan_cache_size"] = max(rest.get("plan_cache_size", 0), len(gears))
-    seen = _example_values(spec, _tensor_args(model, args, example_kwargs))
+    seen = _example_values(spec, _arg_values(model, args, example_kwargs))
     # the example's own size may lie outside the gears: export needs it in range
     ranges = {n: (min([g[i] for g in gears] + seen.get(n, [])),
                   max([g[i] for g in gears] + seen.get(n, []))) for i, n in enumerate(names)}

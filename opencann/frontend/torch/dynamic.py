@@ -11,6 +11,10 @@ Two forms are accepted (both keyed like torch.export's ``dynamic_shapes``: by
   (``{"seq": (16, 512)}``) or written in place (``{1: ("seq", 16, 512)}``); the
   default range is ``[1, unbounded)``.
 
+An input that is a dict, list or tuple of tensors takes an entry of the same structure
+(``{"extra": {"a": {0: "batch"}, "b": None}}``, ``{"pair": [{0: "batch"}, None]}``), in
+either form, names at any depth converted (`_one_input`); a dict's keys left out are static.
+
 torch.export turns each dynamic dim into a shape-environment symbol (``s43``) whose
 value range (``ep.range_constraints``) is the declared range narrowed by what the model
 itself requires (a position table of 512 entries bounds ``seq``). `dynamic_dims` maps
@@ -81,20 +85,89 @@ class _Dims:
         return self.dims[name]
 
 
-def _one_input(spec: Any, dims: _Dims, what: str) -> Any:
-    """One input's entry: {dim index: name/Dim}, a per-dim list, or None."""
-    if spec is None:
-        return None
+def _one_input(spec: Any, value: Any, dims: _Dims, what: str) -> Any:
+    """One input's entry for torch.export, matched to the input's structure: for a tensor,
+    {dim index: name/Dim} or a per-dim list (`_tensor_entry`); for a dict, list or tuple
+    input, the same structure of entries, recursively (dict keys left out are static);
+    a ``Dim`` or anything else (a custom structure in torch.export's own form) passed on.
+    ``what``: the entry's place (``"['extra']['a']"``) for error messages. Raises
+    ValueError (one line) for a key, type or length that does not match the input."""
+    if spec is None or _is_dim(spec):
+        return spec
+    if isinstance(value, Mapping):
+        first = repr(next(iter(value), "key"))
+        if not isinstance(spec, Mapping) or any(k not in value for k in spec):
+            bad = (f"has key(s) {[k for k in spec if k not in value]}" if isinstance(spec, Mapping)
+                   else f"is a {type(spec).__name__}")
+            raise ValueError(f"dynamic_shapes{what} {bad}, but that input is a dict with keys "
+                             f"{list(value)}: key its entry like the input, e.g. {{{first}: "
+                             "{0: 'batch'}} (keys left out are static)")
+        return {k: _one_input(spec.get(k), v, dims, f"{what}[{k!r}]") for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        if not isinstance(spec, (list, tuple)) or len(spec) != len(value):
+            shown = f"has {len(spec)} entries" if isinstance(spec, (list, tuple)) else \
+                f"is a {type(spec).__name__}"
+            raise ValueError(f"dynamic_shapes{what} {shown}, but that input is a "
+                             f"{type(value).__name__} of {len(value)}: give a list with one entry "
+                             "per element (None: static), e.g. [{0: 'batch'}, None]")
+        return type(spec)(_one_input(e, v, dims, f"{what}[{i}]")
+                          for i, (e, v) in enumerate(zip(spec, value)))
+    return _tensor_entry(spec, value, dims, what)
+
+
+def _tensor_entry(spec: Any, t: Any, dims: _Dims, what: str) -> Any:
+    """A tensor input's entry: {dim index: name/Dim} (a negative index counted from the
+    end of ``t``'s dims) or a per-dim list, names made the shared Dims; anything else is
+    passed on. ValueError (one line) for a key that is not a dim index of ``t``."""
     if isinstance(spec, Mapping):
-        for k in spec:
-            if not isinstance(k, int):
-                raise ValueError(f"dynamic_shapes[{what}] has key {k!r}; key its dims by index, "
+        out = {}
+        for k, v in spec.items():
+            if not isinstance(k, int) or isinstance(k, bool):
+                raise ValueError(f"dynamic_shapes{what} has key {k!r}; key its dims by index, "
                                  "e.g. {0: 'batch', 1: 'seq'}")
-        return {k: dims.get(v) for k, v in spec.items()}
+            if isinstance(t, torch.Tensor):
+                if not -t.dim() <= k < t.dim():
+                    raise ValueError(f"dynamic_shapes{what} names dim {k}, but that input has "
+                                     f"{t.dim()} dims (shape {list(t.shape)}): index its dims "
+                                     f"0..{t.dim() - 1}")
+                k = k % t.dim()
+            out[k] = dims.get(v)
+        return out
     if isinstance(spec, (list, tuple)) and all(v is None or isinstance(v, (str, tuple)) or _is_dim(v)
                                                for v in spec):
         return type(spec)(dims.get(v) for v in spec)
-    return spec   # a nested structure of torch.export's own form: passed on
+    return spec
+
+
+def spec_leaves(name: str, spec: Any, value: Any):
+    """Yield (torch.export's name for a tensor of input ``name``, that tensor, its
+    {dim index: entry}) for every tensor ``spec`` gives an entry, through nested dicts,
+    lists and tuples as torch.export names their tensors (``extra_a`` for key ``a`` of
+    input ``extra``, ``pair_0`` for element 0 of ``pair``). Entries are as ``spec`` has
+    them (names or Dims); None entries are left out."""
+    if isinstance(value, Mapping) and isinstance(spec, Mapping):
+        for k, v in value.items():
+            yield from spec_leaves(f"{name}_{k}", spec.get(k), v)
+    elif isinstance(value, (list, tuple)) and isinstance(spec, (list, tuple)) \
+            and not isinstance(value, torch.Size) and len(spec) == len(value):
+        for i, (e, v) in enumerate(zip(spec, value)):
+            yield from spec_leaves(f"{name}_{i}", e, v)
+    elif isinstance(spec, (Mapping, list, tuple)):
+        items = spec.items() if isinstance(spec, Mapping) else enumerate(spec)
+        yield name, value, {i: d for i, d in items if d is not None}
+
+
+def dim_names(spec: Any) -> List[str]:
+    """The simple-form dim names of a ``dynamic_shapes`` spec, in the order first named,
+    through nested dicts, lists and tuples (a ``(name, min, max)`` entry gives its name;
+    torch.export ``Dim`` objects are not names)."""
+    if isinstance(spec, str):
+        return [spec]
+    if isinstance(spec, tuple) and len(spec) == 3 and isinstance(spec[0], str):
+        return [spec[0]]
+    items = spec.values() if isinstance(spec, Mapping) else spec if isinstance(
+        spec, (list, tuple)) else ()
+    return list(dict.fromkeys(n for e in items for n in dim_names(e)))
 
 
 def export_dynamic_shapes(model: torch.nn.Module, args: Tuple[Any, ...],
@@ -104,12 +177,13 @@ def export_dynamic_shapes(model: torch.nn.Module, args: Tuple[Any, ...],
     """torch.export's ``dynamic_shapes`` for ``spec``, the user's dim names by
     (argument name, dim index) and the names given no range (default ``[1, inf)``). ``spec``: a dict keyed by ``forward``'s argument names
     or a tuple in argument order (see the module docstring); arguments it leaves out
-    are static. Raises ValueError naming an unknown argument, a bad key or range."""
+    are static; a dict, list or tuple input takes an entry of its own structure. Labels
+    are keyed by torch.export's input names (``extra_a`` for key ``a`` of ``extra``).
+    Raises ValueError naming an unknown argument, a bad key or range, or the place of an
+    entry that does not match its input's structure."""
     dims = _Dims(ranges or {})
     names = _arg_names(model, args, kwargs)
     values = dict(zip(names, list(args) + [kwargs[k] for k in (kwargs or {})]))
-    if isinstance(spec, Mapping):
-        spec = {n: _normalise_axes(s, values.get(n), repr(n)) for n, s in spec.items()}
     if isinstance(spec, Mapping):
         unknown = sorted(set(spec) - set(names))
         if unknown:
@@ -117,25 +191,24 @@ def export_dynamic_shapes(model: torch.nn.Module, args: Tuple[Any, ...],
                              f"{type(model).__name__}.forward ({', '.join(names)}); key it by "
                              "those names, e.g. {" + repr(names[0] if names else 'x') +
                              ": {0: 'batch'}}")
-        by_name = {n: _one_input(spec.get(n), dims, repr(n)) for n in names}
+        by_name = {n: _one_input(spec.get(n), values[n], dims, f"[{n!r}]") for n in names}
     elif isinstance(spec, (tuple, list)):
         if len(spec) != len(names):
             raise ValueError(f"dynamic_shapes has {len(spec)} entries for {len(names)} arguments "
                              f"({', '.join(names)}); give one per argument (None: static)")
-        by_name = {n: _one_input(s, dims, str(i)) for i, (n, s) in enumerate(zip(names, spec))}
+        by_name = {n: _one_input(s, values[n], dims, f"[{i}]")
+                   for i, (n, s) in enumerate(zip(names, spec))}
     else:
         raise ValueError(f"dynamic_shapes must be a dict such as {{'input_ids': {{0: 'batch', 1: "
                          f"'seq'}}}} or a tuple per argument, got {type(spec).__name__}")
-    labels = {(n, i): getattr(d, "__name__", f"{n}.shape[{i}]")
-              for n, s in by_name.items() if isinstance(s, Mapping) for i, d in s.items() if d is not None}
-    labels.update({(n, i): getattr(d, "__name__", f"{n}.shape[{i}]")
-                   for n, s in by_name.items() if isinstance(s, (list, tuple))
-                   for i, d in enumerate(s) if d is not None and not isinstance(d, (list, tuple, dict))})
+    leaves = [leaf for n in names for leaf in spec_leaves(n, by_name[n], values[n])]
+    labels = {(leaf, i): getattr(d, "__name__", f"{leaf}.shape[{i}]")
+              for leaf, _, entry in leaves for i, d in entry.items()}
     unknown = sorted(set(ranges or {}) - set(dims.dims))
     if unknown:
         raise ValueError(f"dim_ranges names {unknown}, which dynamic_shapes does not declare "
                          f"(declared: {sorted(dims.dims)}): name the dims as dynamic_shapes does")
-    _check_example_sizes(names, list(args) + [kwargs[k] for k in (kwargs or {})], labels, dims.dims)
+    _check_example_sizes({leaf: t for leaf, t, _ in leaves}, labels, dims.dims)
     fixed, star = _varargs(model)
     n_pos = len(args)
     if star is not None and n_pos > fixed:   # forward(self, x, *rest): torch.export takes
@@ -153,31 +226,13 @@ def export_dynamic_shapes(model: torch.nn.Module, args: Tuple[Any, ...],
     return tuple(by_name[n] for n in names), labels, dims.free
 
 
-def _normalise_axes(entry: Any, t: Any, what: str) -> Any:
-    """An input's ``{dim index: name}`` entry with negative indices counted from the end
-    of ``t``'s dims; ValueError (one line) for an index outside its rank."""
-    if not isinstance(entry, Mapping) or not isinstance(t, torch.Tensor):
-        return entry
-    out = {}
-    for k, v in entry.items():
-        if isinstance(k, int) and not isinstance(k, bool):
-            if not -t.dim() <= k < t.dim():
-                raise ValueError(f"dynamic_shapes[{what}] names dim {k}, but that input has "
-                                 f"{t.dim()} dims (shape {list(t.shape)}): index its dims "
-                                 f"0..{t.dim() - 1}")
-            k = k % t.dim()
-        out[k] = v
-    return out
-
-
-def _check_example_sizes(names: List[str], values: List[Any],
-                         labels: Mapping[Tuple[str, int], str],
+def _check_example_sizes(by_name: Mapping[str, Any], labels: Mapping[Tuple[str, int], str],
                          declared: Optional[Mapping[str, Any]] = None) -> None:
     """Raise ValueError (one line) when a dim declared dynamic has size 0 or 1 in the
     example (torch.export specialises those sizes to constants, "0/1 specialization" in
     torch.export's docs, so the dim cannot be captured dynamic from that example), or a
-    size outside the range ``declared`` (name -> torch.export Dim) gives it."""
-    by_name = dict(zip(names, values))
+    size outside the range ``declared`` (name -> torch.export Dim) gives it. ``by_name``:
+    the tensors by torch.export's input names (`spec_leaves`)."""
     for (n, i), label in labels.items():
         t = by_name.get(n)
         d = (declared or {}).get(label)
