@@ -10,6 +10,8 @@
 - `recompiles`: every compile per code object with dynamo's recompile reason and its
   source line, and the graphs run eagerly (`recompiles`, `eager_fallbacks`);
 - `compile_fx`: the one FX → IR → `compile_graph` → executor path both backends share;
+- `symbolic`: whether a graph is static, symbolic (sizes, strides, int arguments) or
+  data-dependent (run eagerly), read from every value of the graph (`graph_symbols`);
 - `freezing`: inference graphs get the module's parameters and buffers as constants
   (option ``freezing``), guarded per call and re-frozen when one changes.
 """

@@ -20,15 +20,7 @@ from ..engine.options import check_options, option
 from .compile_fx import COMPILED_GRAPHS
 from .freezing import freezing_compiler, weight_inputs
 from .recompiles import note_compile, note_eager, stamp
-
-
-def _dynamic(example_inputs) -> bool:
-    for t in example_inputs:
-        if isinstance(t, torch.SymInt):
-            return True
-        if isinstance(t, torch.Tensor) and any(isinstance(d, torch.SymInt) for d in t.shape):
-            return True
-    return False
+from .symbolic import graph_symbols
 
 
 def opencann_backend(gm: torch.fx.GraphModule, example_inputs, **options):
@@ -36,7 +28,11 @@ def opencann_backend(gm: torch.fx.GraphModule, example_inputs, **options):
     the forward compiler only; when gradients are needed (a parameter or input requires
     grad and grad mode is on) the training backend compiles forward and backward. Graphs
     with symbolic shapes (dynamo's recompile for a new shape, or ``dynamic=True``) are
-    optimised once and planned per concrete shape, for inference and training alike.
+    optimised once and planned per concrete shape, for inference and training alike; what
+    is symbolic (a tensor's sizes or strides, an int argument) is read from every value of
+    the graph (`opencann.dynamo.symbolic`), and a graph computing a data-dependent size or
+    scalar (``.item()``, ``x[mask]`` under dynamo's ``capture_scalar_outputs`` /
+    ``capture_dynamic_output_shape_ops``) runs eagerly.
     Every compile is counted per code object with dynamo's recompile reason
     (`opencann.dynamo.recompiles`) and stamped on the graphs' reports
     (``report.torch_compile``); a graph run eagerly is counted with its reason
@@ -47,11 +43,12 @@ def opencann_backend(gm: torch.fx.GraphModule, example_inputs, **options):
     options = dict(options.pop("options", None) or {}, **options)
     training = torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad
                                                for t in example_inputs)
-    dynamic = _dynamic(example_inputs)
+    dynamic = graph_symbols(gm, example_inputs).dynamic
     entry = note_compile(dynamic, training)
     if dynamic:
         logger.info("opencann: dynamo passed a %s graph with symbolic shapes (a recompile for "
-                    "a new input shape): compiled once, memory planned per concrete shape",
+                    "a new input shape or int argument): compiled once, memory planned per "
+                    "concrete shape",
                     "training" if training else "inference")
     hops = sorted({n.target.name() for n in gm.graph.nodes if n.op == "call_function"
                    and isinstance(n.target, torch._ops.HigherOrderOperator)})

@@ -55,6 +55,7 @@ from ..engine.guards import FrozenWeights, UnrecordedWrites
 from ..runtime.weight_watch import WeightWatch
 from .compile_fx import compile_fx
 from .recompiles import Compile, note_refreeze
+from .symbolic import graph_symbols
 
 def module_name(source: Any) -> str:
     """A readable name for a dynamo source: ``L['self']._modules['c']._parameters['weight']``
@@ -174,7 +175,7 @@ class FrozenGraph:
         # folded-stale and live-aliased weights
         snap = [t.detach().clone() for t in tensors]
         run = compile_fx(self._g, self._inputs, self._options or None,
-                         constants=dict(zip(self._positions, snap)))
+                         constants=dict(zip(self._positions, snap)), entry=self._entry)
         state = _Frozen(tensors, run, [self._names[p] for p in self._positions])
         seen = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
         run.report.torch_compile["frozen"] = {
@@ -247,11 +248,12 @@ def freezing_compiler(weights: Dict[int, str], example_inputs: Sequence[Any],
                       options: Dict[str, Any], entry: Optional[Compile]) -> Callable:
     """The AOTAutograd inference compiler that freezes ``weights`` (dynamo argument index
     -> name, `weight_inputs`) of ``example_inputs`` (the real tensors dynamo passed the
-    backend); without any to freeze it is plain `compile_fx`."""
+    backend); without any to freeze, or for a graph that runs eagerly (a data-dependent
+    size), it is plain `compile_fx`."""
     def fw(g, inputs):
         freeze, kept = _plan(g, weights)
-        if not freeze:
-            run = compile_fx(g, inputs, options or None)
+        if not freeze or graph_symbols(g, inputs).data_dependent:   # runs eagerly: no snapshots
+            run = compile_fx(g, inputs, options or None, entry=entry)
             if kept:
                 run.report.torch_compile["frozen"] = {"tensors": 0, "bytes": 0,
                                                       "kept_as_inputs": kept, "refreezes": 0}

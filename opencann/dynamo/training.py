@@ -26,6 +26,7 @@ from ..frontend.torch import decomposition_table
 from ..engine.options import KNOWN_OPTIONS, TRAINING_OPTIONS
 from .compile_fx import compile_fx
 from .partition import PARTITION_REPORTS, make_partition_fn, resolve_budget
+from .recompiles import compile_in_progress
 
 
 
@@ -99,17 +100,18 @@ def opencann_training_backend(gm: fx.GraphModule, example_inputs, **options):
     compile_opts = opts or None
     n_parts = len(PARTITION_REPORTS)
     forward = []
+    entry = compile_in_progress()   # the backward is compiled later, at its first call
 
     def fw(g, inputs):
         with unset_fake_temporarily():  # constant folding must make real tensors
-            run = compile_fx(g, inputs, compile_opts)
+            run = compile_fx(g, inputs, compile_opts, entry=entry)
         _attach(run.report, "forward", n_parts)
         forward.append(run.report)
         return _boxed(run)
 
     def bw(g, inputs):
         with unset_fake_temporarily():
-            run = compile_fx(g, inputs, compile_opts)
+            run = compile_fx(g, inputs, compile_opts, entry=entry)
         _attach(run.report, "backward", n_parts)
         if forward:   # compiled at the first backward: the forward's torch.compile stamp
             run.report.torch_compile = dict(forward[-1].torch_compile)

@@ -7,6 +7,7 @@ from typing import Any, Dict, Sequence
 import torch
 
 from ..ir import Graph
+from ..ir.symbolic import graph_has_symbols
 from ..log import logger
 from ..passes import MemoryPlanning, Pass, PassContext, apply_schedule
 from ..passes.schedule import multi_stream_schedule, stream_summary
@@ -64,8 +65,8 @@ def measured_streams(graph: Graph, ctx: PassContext) -> str:
     if n <= 1 or how != "measured":
         return ""
     why = ("" if ctx.device.kind == "cpu" else f"measured only on the cpu, not {ctx.device}")
-    if not why and not all(v.desc.is_static for v in graph.inputs):
-        why = "symbolic input shapes"
+    if not why and graph_has_symbols(graph):
+        why = "symbolic shapes"
     if not why:
         try:
             with torch.random.fork_rng(devices=[]):

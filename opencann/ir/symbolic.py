@@ -238,6 +238,16 @@ def has_symbolic(obj: Any) -> bool:
     return False
 
 
+def graph_has_symbols(graph: Any) -> bool:
+    """True when any value of ``graph`` (an IR `Graph`: its inputs and node outputs) has a
+    symbolic dim or any node holds a `SymExpr` attr. A graph can be symbolic with every
+    input static (a slice bounded by a size argument, ``x[:n]``), so the inputs alone do
+    not tell."""
+    return (any(not v.desc.is_static for v in graph.inputs)
+            or any(not o.desc.is_static for n in graph.nodes for o in n.outputs)
+            or any(has_symbolic(n.attrs) for n in graph.nodes))
+
+
 def linear_in(dim: Any, sym: str) -> Optional[Tuple[int, Any]]:
     """(a, b) when the string dim ``dim`` is ``a * sym + b`` with an integer ``a`` != 0 and
     ``b`` free of ``sym`` (an int or an expression of other symbols, as a string): a

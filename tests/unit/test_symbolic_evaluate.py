@@ -67,3 +67,22 @@ def test_floor_division_strings_evaluate_exactly():
     for s in range(1, 200):
         assert bind(e, {"s0": s}) == max(1, (((s - 1) // 4) + 1) // 3), s
     assert bind("s0/4", {"s0": 6}) == 1.5 and bind("s0/2", {"s0": 6}) == 3
+
+
+def test_a_graph_with_static_inputs_can_be_symbolic():
+    """A slice bounded by a size argument (``x[:n]`` under torch.compile): every input is
+    static, the slice's bound and output are symbolic; the inputs alone do not tell."""
+    from opencann.ir import DataType, Graph, TensorDesc
+    from opencann.ir.symbolic import graph_has_symbols
+
+    def sliced(end, out_rows):
+        g = Graph("g")
+        x = g.add_input(TensorDesc((6, 4), DataType.FLOAT), "x")
+        n = g.create_node("StridedSlice", [x], {"dim": 0, "start": 0, "end": end},
+                          [TensorDesc((out_rows, 4), DataType.FLOAT)])
+        g.outputs = [n.outputs[0]]
+        return g
+
+    assert not graph_has_symbols(sliced(3, 3))
+    assert graph_has_symbols(sliced(SymExpr("s0"), "s0"))
+    assert graph_has_symbols(sliced(SymExpr("s0"), 3))       # a symbolic attr alone
