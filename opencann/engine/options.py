@@ -232,7 +232,8 @@ def check_options(options: Optional[Dict[str, Any]]) -> Dict[str, Any]:
             raise ValueError(f"option {k!r} takes True or False, got {options[k]!r}")
     for k in _LIST_OPTIONS:
         v = options.get(k)
-        if v is not None and (isinstance(v, str) or not all(isinstance(x, str) for x in v)):
+        if v is not None and (not isinstance(v, (list, tuple, set, frozenset))
+                              or not all(isinstance(x, str) for x in v)):
             eg = repr([v]) if isinstance(v, str) else "['fuse_silu']"
             raise ValueError(f"option {k!r} takes a list of names, e.g. {eg}, got {v!r}")
     for rid in options.get("disable_rewrites") or ():

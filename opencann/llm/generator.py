@@ -27,7 +27,7 @@ from ..engine.guards import WeightChanged
 from .arch import LLMArch
 from .builder import DecoderLM, new_caches
 from .prompts import PromptBatch, prepare
-from .sampling import Sampler, resolve
+from .sampling import UNSET, Sampler, resolve
 from .stats import GenerationStats
 from .steps import BACKENDS, StepGraphs, batch_sizes, prefill_buckets, smallest
 
@@ -172,88 +172,107 @@ class Generator:
     def _pad_token(self, pad: Any, given: bool, stops: List[int]) -> int:
         """The id rows are padded and filled with after their stop token: ``pad`` when it
         is in the vocabulary (the decode step embeds it), else the first stop token, else
-        0. One outside the vocabulary raises ValueError when ``given`` in the call."""
+        0 (as transformers for a pad of None). One outside the vocabulary raises
+        ValueError when ``given`` in the call."""
         pad = _as_id(pad)
         ok = isinstance(pad, int) and not isinstance(pad, bool) and 0 <= pad < self.arch.vocab_size
-        if given and not ok:
+        if given and not ok and pad is not None:
             raise ValueError(f"pad_token_id {pad!r} is outside the vocabulary "
                              f"[0, {self.arch.vocab_size}); pass an id the model can embed")
         return pad if ok else (stops[0] if stops else 0)
 
-    def _budget(self, gc, batch: PromptBatch, max_new_tokens: Optional[int]) -> int:
-        new = _as_id(max_new_tokens if max_new_tokens is not None else gc.max_new_tokens)
-        asked = f"max_new_tokens={new}"     # where the count came from, for the error below
-        if new is None and getattr(self.generation_config, "max_length", None) is None:
-            # transformers' default (GenerationMixin._prepare_generated_length): max_length
-            # unset anywhere generates DEFAULT_NEW_TOKENS new tokens, the whole sequence
-            # capped at the model's positions
-            cap = self.arch.max_positions - batch.sequences.shape[1] if self.arch.max_positions else None
+    def _length(self, gc, batch: PromptBatch, given: Dict[str, Any]) -> "tuple[Any, str]":
+        """(new tokens, where the count came from) of a call: ``max_new_tokens``, else a
+        ``max_length`` (counting the prompt), else transformers' default
+        (GenerationMixin._prepare_generated_length: `DEFAULT_NEW_TOKENS` new tokens, the
+        whole sequence capped at the model's positions)."""
+        new = _as_id(gc.max_new_tokens)
+        if new is not None:
+            return new, f"max_new_tokens={new}"
+        L = batch.sequences.shape[1]
+        if gc.max_length is None:
+            cap = self.arch.max_positions - L if self.arch.max_positions else None
             new = DEFAULT_NEW_TOKENS if cap is None or cap < 1 else min(DEFAULT_NEW_TOKENS, cap)
-            asked = f"transformers' default of {new} new tokens (no max_new_tokens given)"
-        if new is None:
-            new = gc.max_length - batch.sequences.shape[1]
-            asked = (f"the generation_config's max_length {gc.max_length} ({new} new tokens; "
-                     "no max_new_tokens given)")
-            if new < 1:
-                raise ValueError(f"max_new_tokens not given, and the generation_config's max_length "
-                                 f"{gc.max_length} leaves none after a prompt of "
-                                 f"{batch.sequences.shape[1]} tokens: pass max_new_tokens")
+            return new, f"transformers' default of {new} new tokens (no max_new_tokens given)"
+        length = _as_id(gc.max_length)
+        if isinstance(length, bool) or not isinstance(length, int):
+            raise ValueError(f"max_length must be a positive int (prompt + new tokens), got "
+                             f"{length!r:.40}")
+        src = "max_length=" if "max_length" in given else "the generation_config's max_length "
+        if length - L < 1:
+            raise ValueError(f"max_new_tokens not given, and {src}{length} leaves none after a "
+                             f"prompt of {L} tokens: pass max_new_tokens")
+        return length - L, f"{src}{length} ({length - L} new tokens; no max_new_tokens given)"
+
+    def _budget(self, gc, batch: PromptBatch, given: Dict[str, Any]) -> int:
+        """The call's new-token count (`_length`); raises ValueError (one line) when it
+        is not a positive int or the prompt and it do not fit the cache, naming what
+        applies to this generator (`_larger_cache`)."""
+        new, asked = self._length(gc, batch, given)
         if isinstance(new, bool) or not isinstance(new, int) or new < 1:
-            raise ValueError(f"max_new_tokens must be a positive int, got {new!r}")
+            raise ValueError(f"max_new_tokens must be a positive int, got {new!r:.40}")
         longest = int(batch.lengths.max())
         if longest > self.max_seq_len:
-            raise ValueError(f"a prompt of {longest} tokens exceeds max_seq_len {self.max_seq_len}; "
-                             "compile with a larger max_seq_len or shorten the prompt")
+            raise ValueError(f"a prompt of {longest} tokens exceeds max_seq_len {self.max_seq_len}"
+                             f"; shorten the prompt or {self._larger_cache()}")
         if longest + new - 1 > self.max_seq_len:
             raise ValueError(f"a prompt of {longest} tokens plus {asked} needs "
                              f"{longest + new - 1} cache positions but max_seq_len is "
-                             f"{self.max_seq_len}; compile with a larger max_seq_len or ask for "
+                             f"{self.max_seq_len}; {self._larger_cache()} or ask for "
                              f"at most {self.max_seq_len - longest + 1} new tokens")
         return new
 
-    def generate(self, input_ids, max_new_tokens: Optional[int] = None,
-                 attention_mask: Optional[torch.Tensor] = None, do_sample: Optional[bool] = None,
-                 temperature: Optional[float] = None, top_k: Optional[int] = None,
-                 top_p: Optional[float] = None, min_p: Optional[float] = None,
-                 seed: Optional[int] = None, repetition_penalty: Optional[float] = None,
-                 eos_token_id: Any = None, pad_token_id: Optional[int] = None,
-                 streamer: Any = None, **unsupported: Any) -> torch.Tensor:
+    def _larger_cache(self) -> str:
+        """How to get a longer cache: compile again, or, for a generator loaded from a
+        file (its cache length is the file's), save one compiled with a larger one."""
+        if self.lm is None:
+            return (f"save a generator compiled with a larger max_seq_len (the cache length of "
+                    f"{self.steps.source or 'a loaded file'} is fixed)")
+        return "compile with a larger max_seq_len"
+
+    def generate(self, input_ids, max_new_tokens: Any = UNSET,
+                 attention_mask: Optional[torch.Tensor] = None, do_sample: Any = UNSET,
+                 temperature: Any = UNSET, top_k: Any = UNSET, top_p: Any = UNSET,
+                 min_p: Any = UNSET, seed: Optional[int] = None, repetition_penalty: Any = UNSET,
+                 eos_token_id: Any = UNSET, pad_token_id: Any = UNSET,
+                 streamer: Any = None, **settings: Any) -> torch.Tensor:
         """Generate up to ``max_new_tokens`` tokens per prompt; returns LongTensor
         [B, L + n] (the prompts as given, left-padded, then n <= max_new_tokens new
         tokens; rows that stopped early are filled with the pad token), as transformers'
         ``generate`` does.
 
         ``input_ids``: LongTensor [B, L] (or [L]) with ``attention_mask`` [B, L] (0 on
-        the left for padding), or a list of prompts of any lengths. Settings default to
-        the model's generation_config: ``do_sample`` (False: greedy), ``temperature``,
-        ``top_k``, ``top_p``, ``min_p``, ``repetition_penalty``, ``eos_token_id`` (stop
-        token id or list of ids), ``pad_token_id`` (default: the first stop token, else
-        0); ``seed`` (int: a private torch.Generator, reproducible; None: the global
-        RNG). ``streamer``: a callable taking each step's new tokens (LongTensor [B]), or
-        a transformers streamer (``put``/``end``, e.g. TextStreamer).
+        the left for padding), or a list of prompts of any lengths. Settings not given
+        come from the model's generation_config (`opencann.llm.sampling.resolve`; one
+        given as None sets None, as in transformers: ``eos_token_id=None`` stops at no
+        token): ``do_sample`` (False: greedy), ``temperature``, ``top_k``, ``top_p``,
+        ``min_p``, ``repetition_penalty``, ``eos_token_id`` (stop token id or list of
+        ids), ``pad_token_id`` (default: the first stop token, else 0), and in
+        ``settings`` ``max_length``, ``min_length``, ``min_new_tokens`` or any other
+        transformers GenerationConfig field left at its default; ``seed`` (int: a
+        private torch.Generator, reproducible; None: the global RNG). ``streamer``: a
+        callable taking each step's new tokens (LongTensor [B]), or a transformers
+        streamer (``put``/``end``, e.g. TextStreamer).
         Raises ValueError (one line) for a bad prompt, batch over max_batch, prompt +
         max_new_tokens over max_seq_len, a stop or pad token outside the vocabulary, a bad
-        setting, or a transformers setting it does not apply (num_beams, max_length, ...);
-        the generator stays usable. Calls from several threads run one at a time (the
+        setting, or a transformers setting it does not apply (num_beams, top_h, ...; in
+        the call or the generation_config); the generator stays usable. Calls from several threads run one at a time (the
         caches are the generator's state). The step graphs' guards (weights and module
         attributes unchanged since compile) run at each call's prefill and first decode
         step, not at every token: a weight changed by a streamer mid-call raises at the
         next call."""
-        if unsupported:
-            raise ValueError(f"generate() does not apply {', '.join(sorted(unsupported))}; it "
-                             f"takes max_new_tokens, attention_mask, do_sample, temperature, "
-                             f"top_k, top_p, min_p, seed, repetition_penalty, eos_token_id, "
-                             f"pad_token_id, streamer (greedy or sampling, one sequence per "
-                             f"prompt)")
-        gc = resolve(self.generation_config, do_sample=do_sample, temperature=temperature,
-                     top_k=top_k, top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty,
-                     eos_token_id=eos_token_id, pad_token_id=pad_token_id)
-        stops = self._stop_tokens(gc.eos_token_id, eos_token_id is not None)
-        pad = self._pad_token(gc.pad_token_id, pad_token_id is not None, stops)
+        settings.update(max_new_tokens=max_new_tokens, do_sample=do_sample, top_k=top_k,
+                        temperature=temperature, top_p=top_p, min_p=min_p, pad_token_id=pad_token_id,
+                        repetition_penalty=repetition_penalty, eos_token_id=eos_token_id)
+        given = {k: v for k, v in settings.items() if v is not UNSET}
+        gc = resolve(self.generation_config, **given)
+        stops = self._stop_tokens(gc.eos_token_id, "eos_token_id" in given)
+        pad = self._pad_token(gc.pad_token_id, "pad_token_id" in given, stops)
         batch = prepare(input_ids, attention_mask, vocab_size=self.arch.vocab_size,
                         max_batch=self.max_batch, pad_token_id=pad)
-        new = self._budget(gc, batch, max_new_tokens)
-        sampler = Sampler(gc, batch.padding if bool(batch.padding.any()) else None, seed)
+        new = self._budget(gc, batch, given)
+        sampler = Sampler(gc, batch.padding if bool(batch.padding.any()) else None, seed,
+                          stops=stops, prompt_len=batch.sequences.shape[1])
         emit = _streamer(streamer, batch.sequences)
         if self._owner == threading.get_ident():   # the streamer of this thread's call
             raise ValueError("generate() was called from its own streamer: the running call "

@@ -8,7 +8,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import List, Optional, Sequence
 
+import numpy as np
 import torch
+
+
+def _is_id(x) -> bool:
+    """Whether ``x`` is one token id as transformers' ``generate`` (through
+    ``torch.tensor``) takes it: a Python or NumPy integer, or a 0-d integer tensor."""
+    if isinstance(x, torch.Tensor):
+        return x.dim() == 0 and not x.dtype.is_floating_point and not x.dtype.is_complex \
+            and x.dtype != torch.bool
+    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
 
 
 @dataclass
@@ -33,12 +43,11 @@ def _from_list(prompts: Sequence, pad_token_id: int) -> "tuple[torch.Tensor, tor
     rows = []
     for i, p in enumerate(prompts):
         try:
-            if isinstance(p, (list, tuple)) and all(isinstance(x, int) and not isinstance(x, bool)
-                                                    for x in p):
-                p = torch.tensor(p, dtype=torch.long)
+            if isinstance(p, (list, tuple)) and all(_is_id(x) for x in p):
+                p = torch.tensor([int(x) for x in p], dtype=torch.long)
             t = torch.as_tensor(p)
         except (OverflowError, RuntimeError, TypeError, ValueError):
-            big = [x for x in p if isinstance(x, int) and not -2 ** 63 <= x < 2 ** 63] \
+            big = [int(x) for x in p if _is_id(x) and not -2 ** 63 <= int(x) < 2 ** 63] \
                 if isinstance(p, (list, tuple)) else []
             raise ValueError(f"prompt {i} must be a list or 1-D tensor of token ids" +
                              (f"; id {big[0]} is outside int64 (and the vocabulary)" if big
@@ -61,9 +70,11 @@ def _check_mask(mask: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         got = tuple(mask.shape) if isinstance(mask, torch.Tensor) else type(mask).__name__
         raise ValueError(f"attention_mask must be a tensor of input_ids' shape {tuple(ids.shape)}, "
                          f"got {got}")
+    if mask.dtype != torch.bool and ((mask != 0) & (mask != 1)).any():   # before any cast:
+        bad = mask[(mask != 0) & (mask != 1)][0].item()                  # 0.5 is no 0
+        raise ValueError(f"attention_mask must hold 0 (padding) and 1 (prompt token) only, "
+                         f"got {bad!r}")
     m = mask.to(torch.long)
-    if ((m != 0) & (m != 1)).any():
-        raise ValueError("attention_mask must hold 0 (padding) and 1 (prompt token) only")
     if (m[:, 1:] < m[:, :-1]).any():
         raise ValueError("attention_mask must be left padding (zeros before each prompt, ones "
                          "after): pad on the left (tokenizer.padding_side = 'left') or pass a "
@@ -74,13 +85,14 @@ def _check_mask(mask: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
 def prepare(input_ids, attention_mask: Optional[torch.Tensor], *, vocab_size: int,
             max_batch: int, pad_token_id: int) -> PromptBatch:
     """Check and normalise a call's prompts. ``input_ids``: LongTensor [B, L] or [L] (one
-    prompt), a flat list of ints (one prompt), or a list of prompts (lists or 1-D tensors
-    of ids, lengths may differ: left-padded with ``pad_token_id`` here); ``attention_mask`` [B, L] of 0/1 with the zeros on
-    the left (None: no padding). Raises ValueError (one line) for a float/bool or >2-D
-    tensor, an empty batch or prompt, more than ``max_batch`` rows, an id outside
-    [0, ``vocab_size``), a mask of another shape or not left padding."""
-    if isinstance(input_ids, (list, tuple)) and input_ids and \
-            all(isinstance(x, int) and not isinstance(x, bool) for x in input_ids):
+    prompt), a flat list of ids (one prompt; Python or NumPy integers or 0-d integer
+    tensors), or a list of prompts (lists or 1-D tensors of ids, lengths may differ:
+    left-padded with ``pad_token_id`` here); ``attention_mask`` [B, L] of 0/1 (any
+    dtype; each value checked before it is cast) with the zeros on the left (None: no
+    padding). Raises ValueError (one line) for a float/bool or >2-D tensor, an empty
+    batch or prompt, more than ``max_batch`` rows, an id outside [0, ``vocab_size``), a
+    mask of another shape, with a value other than 0 and 1, or not left padding."""
+    if isinstance(input_ids, (list, tuple)) and input_ids and all(_is_id(x) for x in input_ids):
         input_ids = [input_ids]   # one prompt's ids, as a tokenizer returns for one text
     if isinstance(input_ids, (list, tuple)):
         if attention_mask is not None:

@@ -1,13 +1,21 @@
 """Token selection for `opencann.llm` generation: greedy (argmax) and multinomial
 sampling over logits processed by transformers' own LogitsProcessor classes
-(``RepetitionPenaltyLogitsProcessor``, ``TemperatureLogitsWarper``, ``TopKLogitsWarper``,
-``TopPLogitsWarper``, ``MinPLogitsWarper``) in the order transformers' ``generate``
-applies them (``GenerationMixin._get_logits_processor``), so a run equals transformers'
-with the same settings; transformers is the dependency because these rules are its
-(and users know its parameter names).
+(``RepetitionPenaltyLogitsProcessor``, ``MinLengthLogitsProcessor``,
+``TemperatureLogitsWarper``, ``TopKLogitsWarper``, ``TopPLogitsWarper``,
+``MinPLogitsWarper``) in the order transformers' ``generate`` applies them
+(``GenerationMixin._get_logits_processor``), so a run equals transformers' with the same
+settings; transformers is the dependency because these rules are its (and users know its
+parameter names).
 
 Settings resolve as in transformers' ``generate``: the call's keywords over the model's
-``generation_config`` over transformers' global defaults (``top_k`` 50 when sampling).
+``generation_config`` over transformers' global defaults (``top_k`` 50 when sampling); a
+keyword given as None sets None (no stop token for ``eos_token_id=None``, no top-k for
+``top_k=None``), as transformers' ``GenerationConfig.update`` does, while a keyword not
+given (`UNSET`) leaves the generation_config's value. Every GenerationConfig field set
+to something other than transformers' default must be one this generator applies
+(`APPLIED`) or one that cannot change the tokens of one greedy or sampled sequence per
+prompt (`NEUTRAL`); any other is refused in one line (`resolve`), so a field transformers
+adds later is refused until it is applied here.
 Sampling draws with ``torch.multinomial`` from a ``torch.Generator`` seeded by ``seed``
 (reproducible, independent of the global RNG), or from the global RNG when ``seed`` is
 None (as transformers does, so ``torch.manual_seed(s)`` before both gives the same draws).
@@ -15,82 +23,176 @@ None (as transformers does, so ``torch.manual_seed(s)`` before both gives the sa
 from __future__ import annotations
 
 import copy
-from typing import Any, Dict, Optional
+import functools
+import numbers
+from typing import Any, Dict, FrozenSet, Optional, Sequence
 
 import numpy as np
 import torch
 
-#: GenerationConfig fields a `Sampler` applies; other set fields are refused (`resolve`)
+#: GenerationConfig fields the generator applies (here, or its stop tokens and length)
 APPLIED = ("do_sample", "temperature", "top_k", "top_p", "min_p", "repetition_penalty",
-           "eos_token_id", "pad_token_id", "max_new_tokens", "max_length")
-#: fields whose non-default value asks for something this generator does not do
-_REFUSED = {"num_beams": 1, "num_return_sequences": 1, "no_repeat_ngram_size": 0,
-            "bad_words_ids": None, "typical_p": 1.0, "epsilon_cutoff": 0.0, "eta_cutoff": 0.0,
-            "penalty_alpha": None, "suppress_tokens": None, "begin_suppress_tokens": None,
-            "sequence_bias": None, "guidance_scale": None, "min_new_tokens": None,
-            "forced_bos_token_id": None, "forced_eos_token_id": None}
+           "eos_token_id", "pad_token_id", "max_new_tokens", "max_length", "min_length",
+           "min_new_tokens")
+#: GenerationConfig fields that leave the tokens of one greedy or sampled sequence per
+#: prompt as they are: special ids used only without input_ids or by encoder-decoders,
+#: the cache and compile choices of transformers' own run, what it returns beside the
+#: tokens (only with ``return_dict_in_generate``, which is refused), beam-search-only
+#: settings (``num_beams`` > 1 is refused), and the version stamp
+NEUTRAL = ("bos_token_id", "decoder_start_token_id", "use_cache", "cache_implementation",
+           "cache_config", "compile_config", "disable_compile", "output_attentions",
+           "output_hidden_states", "output_scores", "output_logits", "early_stopping",
+           "length_penalty", "transformers_version")
+
+
+class _Unset:
+    """A `Generator.generate` keyword not given: the generation_config's value applies."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "<generation_config's>"
+
+
+#: the default of `Generator.generate`'s settings: not given (None given sets None)
+UNSET = _Unset()
+
+
+@functools.lru_cache(maxsize=1)
+def _fields() -> FrozenSet[str]:
+    """The settings transformers' ``GenerationConfig`` knows (its public attributes)."""
+    from transformers import GenerationConfig
+    return frozenset(k for k in vars(GenerationConfig()) if not k.startswith("_")) | \
+        frozenset(_defaults())
+
+
+def _defaults() -> Dict[str, Any]:
+    """transformers' global defaults of the GenerationConfig fields that have one."""
+    from transformers import GenerationConfig
+    return dict(getattr(GenerationConfig, "_get_default_generation_params", dict)())
+
+
+def _is_default(value: Any, default: Any) -> bool:
+    """Whether a field's ``value`` asks for nothing: None or transformers' ``default``."""
+    if value is None:
+        return True
+    try:
+        return default is not None and bool(value == default)
+    except (TypeError, ValueError, RuntimeError):   # an array / tensor of several values
+        return False
 
 
 def resolve(model_config: Any, **given: Any):
-    """The transformers ``GenerationConfig`` for one ``generate`` call: ``given``
-    keywords (None: not given) over ``model_config`` (the model's generation_config, or
-    None) over transformers' defaults. Raises ValueError (one line) for a keyword or a
-    model setting this generator does not apply (beam search, n-gram blocking, ...)."""
+    """The transformers ``GenerationConfig`` for one ``generate`` call: the ``given``
+    keywords (each one passed in the call, None included: None sets None, as transformers'
+    ``update``) over ``model_config`` (the model's generation_config, or None) over
+    transformers' defaults (``max_length`` left None where neither sets it: the caller
+    then takes transformers' default length). Raises ValueError (one line) for a keyword
+    that is not a generation setting, or for a field set (in the call or in
+    ``model_config``) to other than transformers' default that is neither in `APPLIED`
+    nor in `NEUTRAL` (beam search, n-gram blocking, top-h, watermarking, stop strings,
+    ...): the generator would not apply it, and its tokens would differ from
+    transformers'."""
     from transformers import GenerationConfig
+    unknown = sorted(k for k in given if k not in _fields())
+    if unknown:
+        raise ValueError(f"generate() does not take {', '.join(unknown)}: not a transformers "
+                         "generation setting; it takes input_ids, attention_mask, seed, streamer "
+                         f"and the settings {', '.join(APPLIED)}")
     gc = copy.deepcopy(model_config) if model_config is not None else GenerationConfig()
-    defaults = getattr(GenerationConfig, "_get_default_generation_params", dict)()
+    defaults = _defaults()
     for k, v in defaults.items():      # transformers' global defaults fill what is unset
-        if getattr(gc, k, None) is None:
+        if k != "max_length" and getattr(gc, k, None) is None:
             setattr(gc, k, v)
     for k, v in given.items():
-        if v is not None:
-            setattr(gc, k, v)
-    bad = [f"{k}={getattr(gc, k, d)!r}" for k, d in _REFUSED.items()
-           if getattr(gc, k, d) not in (d, None)]
+        setattr(gc, k, v)
+    bad = sorted(k for k in _fields() - set(APPLIED) - set(NEUTRAL)
+                 if not _is_default(getattr(gc, k, None), defaults.get(k)))
     if bad:
-        raise ValueError(f"opencann.llm generation does not apply {', '.join(bad)} (from the call "
-                         "or the model's generation_config); it applies "
-                         f"{', '.join(APPLIED)}: unset those settings")
+        k = bad[0]
+        where = "from the call: drop it" if k in given else \
+            f"from the model's generation_config: unset it with gen.generation_config.{k} = None"
+        shown = ", ".join(f"{b}={getattr(gc, b)!r:.40}" for b in bad)
+        raise ValueError(f"generate() does not apply {shown} ({where}); it applies "
+                         f"{', '.join(APPLIED)} (greedy or sampling, one sequence per prompt)")
     return gc
+
+def _real(v: Any) -> bool:
+    return isinstance(v, numbers.Real) and not isinstance(v, (bool, np.bool_))
+
+
+def _integer(v: Any) -> bool:
+    return isinstance(v, numbers.Integral) and not isinstance(v, (bool, np.bool_))
+
+
+def _check_types(gc) -> None:
+    """One ValueError line for a setting of the wrong type, whatever the decoding mode."""
+    if gc.do_sample is not None and not isinstance(gc.do_sample, (bool, np.bool_)):
+        raise ValueError(f"do_sample must be True (sampling) or False (greedy), got "
+                         f"{gc.do_sample!r}")
+    for k in ("temperature", "top_p", "min_p", "repetition_penalty"):
+        v = getattr(gc, k)
+        if v is not None and not _real(v):
+            raise ValueError(f"{k} must be a number, got {type(v).__name__} {v!r:.40}")
+    for k in ("top_k", "min_length", "min_new_tokens"):
+        v = getattr(gc, k)
+        if v is not None and not (_integer(v) and v >= 0):
+            raise ValueError(f"{k} must be an int >= 0 (0: off), got {v!r:.40}")
 
 
 def _check(gc) -> None:
+    _check_types(gc)
     if gc.do_sample:
         if gc.temperature is not None and not gc.temperature > 0:
             raise ValueError(f"temperature must be > 0 when sampling, got {gc.temperature!r}; use "
                              "do_sample=False for greedy decoding")
         if gc.top_p is not None and not 0 < gc.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {gc.top_p!r}")
-        if gc.top_k is not None and (not isinstance(gc.top_k, int) or gc.top_k < 0):
-            raise ValueError(f"top_k must be an int >= 0 (0: off), got {gc.top_k!r}")
+        if gc.min_p is not None and not 0 <= gc.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {gc.min_p!r}")
     rp = gc.repetition_penalty
-    if rp is not None and not (isinstance(rp, (int, float)) and rp > 0):
+    if rp is not None and not rp > 0:
         raise ValueError(f"repetition_penalty must be a float > 0 (1.0: off), got {rp!r}")
 
 
-def logits_processors(gc, padding: Optional[torch.Tensor] = None):
+def min_length(gc, prompt_len: int) -> int:
+    """The sequence length (prompt as given plus new tokens) before which the stop tokens
+    cannot be chosen: ``min_new_tokens`` + ``prompt_len`` when ``min_new_tokens`` is set
+    (it overrides ``min_length``, as transformers' ``_prepare_generated_length``), else
+    ``min_length`` (0: none)."""
+    if gc.min_new_tokens is not None:
+        return int(gc.min_new_tokens) + prompt_len
+    return int(gc.min_length or 0)
+
+
+def logits_processors(gc, padding: Optional[torch.Tensor] = None, stops: Sequence[int] = (),
+                      prompt_len: int = 0):
     """transformers' ``LogitsProcessorList`` for GenerationConfig ``gc``: repetition
     penalty (ignoring each row's ``padding`` [B] left-pad tokens, as ``generate`` does),
-    then, when sampling, temperature, top-k, top-p and min-p warpers. Raises ValueError
-    (one line) for an out-of-range setting."""
-    from transformers import (LogitsProcessorList, MinPLogitsWarper, RepetitionPenaltyLogitsProcessor,
-                              TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
+    the stop tokens ``stops`` suppressed before `min_length` (``prompt_len``: the prompts'
+    padded length), then, when sampling, temperature, top-k, top-p and min-p warpers.
+    Raises ValueError (one line) for a setting of the wrong type or out of range."""
+    from transformers import (LogitsProcessorList, MinLengthLogitsProcessor, MinPLogitsWarper,
+                              RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper,
+                              TopKLogitsWarper, TopPLogitsWarper)
     _check(gc)
     procs = LogitsProcessorList()
     if gc.repetition_penalty is not None and gc.repetition_penalty != 1.0:
         procs.append(RepetitionPenaltyLogitsProcessor(float(gc.repetition_penalty),
                                                       prompt_ignore_length=padding))
+    least = min_length(gc, prompt_len)
+    if least > 0 and len(stops):
+        procs.append(MinLengthLogitsProcessor(least, list(stops)))
     if gc.do_sample:
         if gc.temperature is not None and gc.temperature != 1.0:
             procs.append(TemperatureLogitsWarper(float(gc.temperature)))
         if gc.top_k:
-            procs.append(TopKLogitsWarper(top_k=gc.top_k, min_tokens_to_keep=1))
+            procs.append(TopKLogitsWarper(top_k=int(gc.top_k), min_tokens_to_keep=1))
         if gc.top_p is not None and gc.top_p < 1.0:
             procs.append(TopPLogitsWarper(top_p=float(gc.top_p), min_tokens_to_keep=1))
         if gc.min_p is not None:
             procs.append(MinPLogitsWarper(min_p=float(gc.min_p), min_tokens_to_keep=1))
     return procs
-
 
 def greedy(scores: torch.Tensor) -> torch.Tensor:
     """``torch.argmax(scores, dim=-1)`` for ``scores`` [B, vocab]: LongTensor [B], the first
@@ -106,20 +208,23 @@ def greedy(scores: torch.Tensor) -> torch.Tensor:
 
 
 class Sampler:
-    """Picks each step's next token per row: ``Sampler(gc, padding, seed)`` then
-    ``sampler(sequences, logits) -> LongTensor [B]``.
+    """Picks each step's next token per row: ``Sampler(gc, padding, seed, stops,
+    prompt_len)`` then ``sampler(sequences, logits) -> LongTensor [B]``.
 
     ``gc``: a resolved GenerationConfig (`resolve`); ``padding`` [B] int64, each row's
     left-pad count in ``sequences`` (for the repetition penalty); ``seed``: an int for a
-    private ``torch.Generator`` (reproducible), None for the global RNG. ``sequences``
-    [B, L] int64 (prompt as given plus generated tokens), ``logits`` [B, vocab] float32."""
+    private ``torch.Generator`` (reproducible), None for the global RNG; ``stops``: the
+    stop token ids and ``prompt_len`` the prompts' padded length (for `min_length`).
+    ``sequences`` [B, L] int64 (prompt as given plus generated tokens), ``logits``
+    [B, vocab] float32. Raises ValueError (one line) for a bad setting or seed."""
 
-    def __init__(self, gc, padding: Optional[torch.Tensor] = None, seed: Optional[int] = None):
-        self.processors = logits_processors(gc, padding)
+    def __init__(self, gc, padding: Optional[torch.Tensor] = None, seed: Optional[int] = None,
+                 stops: Sequence[int] = (), prompt_len: int = 0):
+        self.processors = logits_processors(gc, padding, stops, prompt_len)
         self.do_sample = bool(gc.do_sample)
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        if seed is not None and not _integer(seed):
             raise ValueError(f"seed must be an int (or None for the global RNG), got {seed!r}")
-        self.generator = torch.Generator().manual_seed(seed) if seed is not None else None
+        self.generator = torch.Generator().manual_seed(int(seed)) if seed is not None else None
 
     def __call__(self, sequences: Optional[torch.Tensor], logits: torch.Tensor) -> torch.Tensor:
         """Next token ids [B] (int64) from ``logits`` [B, vocab] after the processors
@@ -136,4 +241,5 @@ class Sampler:
                 "processors": [type(p).__name__ for p in self.processors]}
 
 
-__all__ = ["APPLIED", "Sampler", "greedy", "logits_processors", "resolve"]
+__all__ = ["APPLIED", "NEUTRAL", "Sampler", "UNSET", "greedy", "logits_processors", "min_length",
+           "resolve"]

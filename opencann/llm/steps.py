@@ -21,6 +21,7 @@ from __future__ import annotations
 import weakref
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
+import numpy as np
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
@@ -42,12 +43,19 @@ def prefill_buckets(max_seq_len: int, given: Optional[Sequence[int]] = None) -> 
             out.append(b)
             b *= 2
         return tuple(out) + (max_seq_len,)
-    if isinstance(given, (str, bytes)) or not all(
-            isinstance(b, int) and not isinstance(b, bool) and 1 <= b <= max_seq_len for b in given):
-        raise ValueError(f"option 'prefill_buckets' takes prompt lengths in 1..{max_seq_len} "
-                         f"(max_seq_len), e.g. {list(prefill_buckets(max_seq_len))} (the default), "
-                         f"got {given!r}")
-    return tuple(sorted(set(given) | {max_seq_len}))
+    if not _sizes_in(given, max_seq_len):
+        raise ValueError(f"option 'prefill_buckets' takes prompt lengths in "
+                         f"1..{max_seq_len} (max_seq_len), e.g. {list(prefill_buckets(max_seq_len))} "
+                         f"(the default), got {given!r:.80}")
+    return tuple(sorted({int(b) for b in given} | {max_seq_len}))
+
+
+def _sizes_in(given: Any, most: int) -> bool:
+    """Whether ``given`` is a list (tuple, set, range) of ints in 1..``most`` (Python or
+    NumPy integers): an option's value as JSON or Python gives it."""
+    return isinstance(given, (list, tuple, set, frozenset, range)) and all(
+        isinstance(b, (int, np.integer)) and not isinstance(b, (bool, np.bool_)) and 1 <= b <= most
+        for b in given)
 
 
 def batch_sizes(max_batch: int, given: Optional[Sequence[int]] = None) -> Tuple[int, ...]:
@@ -59,11 +67,11 @@ def batch_sizes(max_batch: int, given: Optional[Sequence[int]] = None) -> Tuple[
                          f"call), got {max_batch!r}")
     if given is None:
         return tuple(b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if b < max_batch) + (max_batch,)
-    if isinstance(given, (str, bytes)) or not all(
-            isinstance(b, int) and not isinstance(b, bool) and 1 <= b <= max_batch for b in given):
-        raise ValueError(f"option 'batch_sizes' takes batch sizes in 1..{max_batch} (max_batch), "
-                         f"e.g. {list(batch_sizes(max_batch))} (the default), got {given!r}")
-    return tuple(sorted(set(given) | {max_batch}))
+    if not _sizes_in(given, max_batch):
+        raise ValueError(f"option 'batch_sizes' takes batch sizes in 1..{max_batch} "
+                         f"(max_batch), e.g. {list(batch_sizes(max_batch))} (the default), got "
+                         f"{given!r:.80}")
+    return tuple(sorted({int(b) for b in given} | {max_batch}))
 
 
 def smallest(sizes: Sequence[int], n: int) -> int:

@@ -43,7 +43,8 @@ call as the live one does (`opencann.runtime.autocast_state`). Constants keep th
 readers ignore, reading them contiguous as before).
 
 Every problem with a file raises `ModelFileError` (a ValueError) with one line saying
-what is wrong: not an opencann model file, truncated, a section or the header failing
+what is wrong: not an opencann model file, truncated or with bytes after its last
+section (damaged, or another file appended), a section or the header failing
 its checksum, a newer format version, a device or preset this opencann lacks, an
 op / ATen operator it does not know, or a formula fusion (spelled-out GELU / SiLU /
 RMSNorm / LayerNorm run as one kernel) whose kernel would place NaN/±inf (or overflow)
@@ -616,8 +617,10 @@ def save(compiled, path: str, description: str = "") -> Dict[str, Any]:
 
 # -- read ----------------------------------------------------------------------------------
 def read_sections(path: str, verify: bool = True) -> Tuple[Dict[str, Any], Dict[str, memoryview]]:
-    """(header, section name -> bytes) of the file at ``path``, every checksum checked.
-    Raises ModelFileError (what is wrong, one line) or FileNotFoundError."""
+    """(header, section name -> bytes) of the file at ``path``, every checksum checked
+    (``verify``) and its size exactly the header's sections'. Raises ModelFileError (what
+    is wrong, one line: truncated, bytes after the last section, a checksum) or
+    FileNotFoundError."""
     if os.path.isdir(path):
         raise ModelFileError(f"{path} is a directory, not a model file: pass the .ocm file "
                              "(written by opencann.save or opencann atc)")
@@ -653,6 +656,10 @@ def read_sections(path: str, verify: bool = True) -> Tuple[Dict[str, Any], Dict[
     if len(data) < end:
         raise ModelFileError(f"{where} is truncated: {len(data)} bytes, expected {end} "
                              "(an interrupted copy or download?)")
+    if len(data) > end:   # every writer ends the file with its last section
+        raise ModelFileError(f"{where} has {len(data) - end} bytes after its last section "
+                             f"({len(data)} bytes, expected {end}): the file is damaged or "
+                             "something was appended to it (files concatenated?); save it again")
     missing = [s for s in (BUNDLE_SECTIONS if version == BUNDLE_FORMAT_VERSION else SECTIONS)
                if s not in secs]
     if missing:

@@ -24,6 +24,8 @@ from .argtypes import nonnegative_int, positive_float, positive_int, probability
 
 SAMPLING_DEFAULTS = {"temperature": 1.0, "top_k": 50, "top_p": 1.0}  # transformers' defaults
 MAX_SEQ_LEN_STEP = 64  # the default --max-seq-len: prompt + new tokens rounded up to this
+#: the most new tokens without --max-new-tokens (fewer where the cache or context has less room)
+DEFAULT_NEW_TOKENS = 128
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -32,7 +34,10 @@ def add_arguments(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
                     "(config.json and tokenizer) or a saved generator (.ocm, Generator.save)")
     ap.add_argument("--prompt", required=True, help="the text to continue (with --chat: the "
                     "user's message)")
-    ap.add_argument("--max-new-tokens", type=positive_int, default=128)
+    ap.add_argument("--max-new-tokens", type=positive_int,
+                    help=f"at most this many new tokens (default: as many as the KV cache holds "
+                    f"after the prompt - the model's context, --max-seq-len or a saved "
+                    f"generator's cache - at most {DEFAULT_NEW_TOKENS})")
     ap.add_argument("--chat", action="store_true",
                     help="put the prompt through the tokenizer's chat template as a user turn")
     ap.add_argument("--sample", action="store_true",
@@ -69,27 +74,50 @@ def sampling_kwargs(args: argparse.Namespace) -> dict:
             "repetition_penalty": args.repetition_penalty, **kw}
 
 
-def max_seq_len(args: argparse.Namespace, prompt_len: int, model) -> int:
-    """The KV-cache length: ``--max-seq-len``, or prompt + new tokens rounded up to
-    `MAX_SEQ_LEN_STEP` and capped at the model's context as ``opencann.llm.compile``
-    reads it (`opencann.llm.arch.rope_context`: ``max_position_embeddings``, longer under
-    a ``linear``/``llama3``/``yarn`` RoPE scaling; GPT-2's ``n_positions``). The cache
-    holds prompt + new - 1 positions (the last new token is never fed back), as the
-    generator counts them. Raises ValueError (one line) when they do not fit."""
+def new_tokens(requested: Optional[int], prompt_len: int, positions: int) -> int:
+    """The new tokens to ask for: ``requested`` (``--max-new-tokens``), else as many as
+    ``positions`` cache positions hold after a prompt of ``prompt_len`` tokens (prompt +
+    new - 1 positions: the last new token is never fed back), at most
+    `DEFAULT_NEW_TOKENS`, at least 1 (a prompt that fills the positions is reported by
+    the caller's check)."""
+    if requested is not None:
+        return requested
+    return max(1, min(DEFAULT_NEW_TOKENS, positions - prompt_len + 1))
+
+
+def lengths(args: argparse.Namespace, prompt_len: int, model) -> "tuple[int, int]":
+    """(KV-cache length, new tokens) for a prompt of ``prompt_len`` tokens. The cache:
+    ``--max-seq-len``, or prompt + new tokens rounded up to `MAX_SEQ_LEN_STEP` and capped
+    at the model's context as ``opencann.llm.compile`` reads it
+    (`opencann.llm.arch.rope_context`: ``max_position_embeddings``, longer under a
+    ``linear``/``llama3``/``yarn`` RoPE scaling; GPT-2's ``n_positions``). New tokens:
+    `new_tokens` within that room. The cache holds prompt + new - 1 positions (the last
+    new token is never fed back), as the generator counts them. Raises ValueError (one
+    line) when they do not fit."""
     from ..llm.arch import rope_context
-    need = prompt_len + args.max_new_tokens - 1
-    limit = rope_context(model.config) or need
-    if args.max_seq_len is not None:
-        if need > args.max_seq_len:
-            raise ValueError(f"the prompt ({prompt_len} tokens) and --max-new-tokens "
-                             f"{args.max_new_tokens} need {need} positions, more than --max-seq-len "
-                             f"{args.max_seq_len}: raise --max-seq-len or lower --max-new-tokens")
-        return args.max_seq_len
-    if need > limit:
+    context = rope_context(model.config)
+    room, what = ((args.max_seq_len, f"--max-seq-len {args.max_seq_len}")
+                  if args.max_seq_len is not None else (context, f"the model's context of {context}"))
+    new = new_tokens(args.max_new_tokens, prompt_len, room or prompt_len + DEFAULT_NEW_TOKENS)
+    need = prompt_len + new - 1
+    if room and need > room and args.max_new_tokens is None:
+        raise ValueError(f"the prompt ({prompt_len} tokens) fills {what}: shorten the prompt"
+                         + (" or raise --max-seq-len" if args.max_seq_len is not None else ""))
+    if room and need > room:
+        fix = ("raise --max-seq-len or lower --max-new-tokens" if args.max_seq_len is not None
+               else "shorten the prompt or lower --max-new-tokens")
         raise ValueError(f"the prompt ({prompt_len} tokens) and --max-new-tokens "
-                         f"{args.max_new_tokens} need {need} positions, more than the model's "
-                         f"context of {limit}: shorten the prompt or lower --max-new-tokens")
-    return min(-(-need // MAX_SEQ_LEN_STEP) * MAX_SEQ_LEN_STEP, limit)
+                         f"{args.max_new_tokens} need {need} positions, more than {what}: {fix}")
+    if args.max_seq_len is not None:
+        return args.max_seq_len, new
+    seq = -(-need // MAX_SEQ_LEN_STEP) * MAX_SEQ_LEN_STEP
+    return (min(seq, context) if context else seq), new
+
+
+def max_seq_len(args: argparse.Namespace, prompt_len: int, model) -> int:
+    """The KV-cache length of `lengths`. Raises ValueError (one line) when the prompt and
+    the new tokens do not fit."""
+    return lengths(args, prompt_len, model)[0]
 
 
 def stats_line(new_tokens: int, stats) -> str:
@@ -123,10 +151,12 @@ def run_args(args: argparse.Namespace, console, options: Optional[dict] = None) 
     gen_kw = sampling_kwargs(args)
     if str(args.model).endswith(".ocm"):
         return _run_saved(args, console, options, gen_kw)
+    from ..llm.arch import read_arch
     with console.status(f"loading {args.model}..."):
         model, tokenizer = load_causal_lm(args.model)
+    read_arch(model.config)   # an unsupported model says so before any length check
     ids = encode_prompt(tokenizer, args.prompt, chat=args.chat)
-    seq = max_seq_len(args, ids.shape[-1], model)
+    seq, new = lengths(args, ids.shape[-1], model)
     with console.status(f"compiling {type(model).__name__} for {seq} positions..."):
         t0 = time.perf_counter()
         gen = llm.compile(model, max_seq_len=seq, max_batch=1, options=options or None)
@@ -135,7 +165,7 @@ def run_args(args: argparse.Namespace, console, options: Optional[dict] = None) 
                   f"{seq} positions) in {time.perf_counter() - t0:.1f} s", style="dim",
                   highlight=False)  # opencann.llm builds its step graphs on first use
     stream = text_streamer(tokenizer)
-    out = gen.generate(ids, max_new_tokens=args.max_new_tokens, streamer=stream,
+    out = gen.generate(ids, max_new_tokens=new, streamer=stream,
                        eos_token_id=eos_ids(model, tokenizer), **gen_kw)
     console.print(stats_line(out.shape[-1] - ids.shape[-1], gen.stats), style="dim",
                   highlight=False)
@@ -164,7 +194,8 @@ def _run_saved(args: argparse.Namespace, console, options: Optional[dict], gen_k
                   f"graphs, {gen.max_seq_len} positions) in {time.perf_counter() - t0:.1f} s",
                   style="dim", highlight=False)
     ids = encode_prompt(gen.tokenizer, args.prompt, chat=args.chat)
-    out = gen.generate(ids, max_new_tokens=args.max_new_tokens,
+    out = gen.generate(ids, max_new_tokens=new_tokens(args.max_new_tokens, ids.shape[-1],
+                                                      gen.max_seq_len),
                        streamer=text_streamer(gen.tokenizer),
                        eos_token_id=eos_ids(gen, gen.tokenizer), **gen_kw)
     console.print(stats_line(out.shape[-1] - ids.shape[-1], gen.stats), style="dim",

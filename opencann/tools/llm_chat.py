@@ -44,14 +44,34 @@ def encode_prompt(tokenizer, text: str, chat: bool = False) -> torch.Tensor:
 
 def eos_ids(model, tokenizer) -> List[int]:
     """The stop tokens: the model's generation config ``eos_token_id`` (an int or a list),
-    else the tokenizer's ``eos_token_id``; [] when neither has one."""
+    else the tokenizer's ``eos_token_id``; [] when neither has one. ``model``: a
+    transformers model or an ``opencann.llm`` Generator. Ids outside the model's
+    vocabulary are dropped (the model can never generate them), as ``opencann.llm``
+    drops such a stop token of the generation_config: a small-vocabulary model whose
+    config keeps another model's eos (GPT-2's 50256) generates to its length."""
     cfg = getattr(model, "generation_config", None)
     eos = getattr(cfg, "eos_token_id", None)
     if eos is None:
         eos = getattr(tokenizer, "eos_token_id", None)
     if eos is None:
         return []
-    return [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])]
+    if isinstance(eos, torch.Tensor):
+        eos = eos.tolist()
+    ids = [int(e) for e in (eos if isinstance(eos, (list, tuple, set)) else [eos])]
+    vocab = _vocab_size(model)
+    return [e for e in ids if vocab is None or 0 <= e < vocab]
+
+
+def _vocab_size(model) -> Optional[int]:
+    """Ids ``model`` can generate: a Generator's ``arch.vocab_size``, a transformers
+    model's output embedding rows (its ``config.vocab_size`` without one), else None."""
+    arch = getattr(model, "arch", None)
+    if arch is not None:
+        return int(arch.vocab_size)
+    out = getattr(model, "get_output_embeddings", lambda: None)()
+    if out is not None and getattr(out, "weight", None) is not None:
+        return int(out.weight.shape[0])
+    return getattr(getattr(model, "config", None), "vocab_size", None)
 
 
 def text_streamer(tokenizer):
