@@ -256,8 +256,8 @@ class Generator:
         Raises ValueError (one line) for a bad prompt, batch over max_batch, prompt +
         max_new_tokens over max_seq_len, a stop or pad token outside the vocabulary, a bad
         setting, or a transformers setting it does not apply (num_beams, top_h, ...; in
-        the call or the generation_config); the generator stays usable. Calls from several threads run one at a time (the
-        caches are the generator's state). The step graphs' guards (weights and module
+        the call or the generation_config); the generator stays usable. Calls from
+        several threads run one at a time (the caches are the generator's state). The step graphs' guards (weights and module
         attributes unchanged since compile) run at each call's prefill and first decode
         step, not at every token: a weight changed by a streamer mid-call raises at the
         next call."""

@@ -52,7 +52,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
     ap.add_argument("--repetition-penalty", type=positive_float, default=1.0,
                     help="CTRL's penalty on tokens already in the sequence (1.0: off)")
     ap.add_argument("--max-seq-len", type=positive_int,
-                    help="KV-cache positions (default: prompt + --max-new-tokens, rounded up "
+                    help="KV-cache positions (default: prompt + new tokens, rounded up "
                     f"to a multiple of {MAX_SEQ_LEN_STEP}, at most the model's context)")
     ap.add_argument("--options", help="opencann.llm.compile options as JSON, e.g. "
                     "'{\"backend\": \"opencann\"}' (step graphs compiled by opencann.compile)")

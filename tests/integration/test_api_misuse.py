@@ -86,6 +86,8 @@ def test_non_contiguous_inputs():
     (["verify"], "options must be a dict"), ({"alignment": "64"}, "power of two"),
     ({"alignment": 48}, "power of two"), ({"disable": "cse"}, "takes a list of names"),
     ({"keep_fp32": ["linear"]}, "unknown op 'linear'"), ({"host_fallback": "no"}, "True or False"),
+    ({"disable": 5}, "'disable' takes a list of names"), ({"keep_dtype": 3}, "'keep_dtype' takes a list"),
+    ({"lower_ops": 1.5}, "'lower_ops' takes a list"), ({"enable": {"cse": 1}}, "'enable' takes a list"),
 ])
 def test_bad_options(options, match):
     with pytest.raises(ValueError, match=match):

@@ -168,3 +168,43 @@ def test_cli_generates_from_the_saved_file(saved, capsys):
     assert " new tokens: TTFT " in last and "0 step graphs built" in last, last
     rc, _, err = run_cli(argv + ["--max-seq-len", "64"], capsys)
     assert rc == 2 and len(err) == 1 and "--max-seq-len cannot change a saved generator" in err[0], err
+
+
+def test_bytes_appended_to_a_generator_file_are_refused(saved, tmp_path, capsys):
+    """A generator file with bytes after its last section (damaged, or files
+    concatenated) is one ModelFileError line from every reader of a bundle."""
+    _, _, _, path = saved
+    data = open(path, "rb").read()
+    bad = tmp_path / "appended.ocm"
+    bad.write_bytes(data + b"\0" * 4096 + b"appended by another tool")
+    want = (r"^appended.ocm has 4120 bytes after its last section \(\d+ bytes, expected "
+            rf"{len(data)}\): the file is damaged or something was appended to it")
+    for load in (opencann.load, L.load, read_sections):
+        with pytest.raises(ModelFileError, match=want):
+            load(str(bad))
+    rc, _, err = run_cli(["generate", str(bad), "--prompt", "Hi"], capsys)
+    assert rc == 2 and len(err) == 1 and "bytes after its last section" in err[0], err
+
+
+def test_cli_default_new_tokens_fit_the_files_cache(saved, capsys):
+    """Without --max-new-tokens a saved generator makes as many tokens as its cache (32
+    positions) holds after the prompt, at most 128 (before: 128, refused by every file of
+    a shorter cache); asking for more names what applies to a file - its cache length is
+    fixed - not compiling with a larger max_seq_len."""
+    _, tok, gen, path = saved
+    prompt = "The capital of France"
+    ids = tok(prompt, return_tensors="pt").input_ids
+    rc, out, err = run_cli(["generate", path, "--prompt", prompt], capsys)
+    assert rc == 0, err
+    text, _, last = out.rstrip("\n").partition("\n")[2].rpartition("\n")
+    want = gen.generate(ids, max_new_tokens=32 - ids.shape[-1] + 1, eos_token_id=1)
+    assert text == tok.decode(want[0, ids.shape[-1]:], skip_special_tokens=True)
+    assert last.startswith(f"{want.shape[-1] - ids.shape[-1]} new tokens: "), last
+    rc, _, err = run_cli(["generate", path, "--prompt", prompt, "--max-new-tokens", "100"], capsys)
+    assert rc == 2 and len(err) == 1, err
+    assert ("save a generator compiled with a larger max_seq_len (the cache length of gen.ocm "
+            "is fixed) or ask for at most") in err[0] and "compile with" not in err[0], err[0]
+    loaded = L.load(path)
+    with pytest.raises(ValueError, match=r"exceeds max_seq_len 32; shorten the prompt or save a "
+                                         r"generator compiled with a larger max_seq_len"):
+        loaded.generate([list(range(2, 42))], max_new_tokens=1)

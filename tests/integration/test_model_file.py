@@ -272,6 +272,26 @@ def test_truncated_tampered_foreign(small, tmp_path):
         opencann.load(str(tmp_path / "missing.ocm"))
 
 
+def test_bytes_after_the_last_section_are_refused(small, tmp_path, capsys):
+    """Every writer ends a file with its last section: bytes after it (a damaged file, or
+    another file appended) are one line, from opencann.load and opencann inspect alike;
+    the file as written loads."""
+    from helpers import run_cli
+    m, x, cm, path = small
+    data = open(path, "rb").read()
+    for extra in (b"\0", b"\0" * 4096 + b"appended by another tool", data):
+        bad = tmp_path / "appended.ocm"
+        bad.write_bytes(data + extra)
+        msg = _load_error(str(bad))
+        assert msg == (f"appended.ocm has {len(extra)} bytes after its last section "
+                       f"({len(data) + len(extra)} bytes, expected {len(data)}): the file is "
+                       "damaged or something was appended to it (files concatenated?); save "
+                       "it again"), msg
+        rc, _, err = run_cli(["inspect", str(bad)], capsys)
+        assert rc == 2 and len(err) == 1 and "bytes after its last section" in err[0], err
+    torch.testing.assert_close(opencann.load(path)(x), cm(x), rtol=0, atol=0)
+
+
 def test_newer_format_other_device_unknown_op(small, tmp_path):
     path = small[3]
     msg = _load_error(_rewrite(path, str(tmp_path / "v9.ocm"), version=9))

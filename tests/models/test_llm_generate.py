@@ -342,13 +342,16 @@ def test_pad_token_outside_the_vocabulary_is_one_line_and_tensor_stop_ids_work()
 
 
 def test_unapplied_settings_and_list_masks():
-    """A transformers setting generate does not apply (beams, max_length) is one ValueError
-    line; an attention_mask as a nested list, and a 1-D prompt with a 1-D mask, are taken."""
-    gen = L.compile(model("llama"), max_seq_len=48, max_batch=2)
-    for kw in ({"num_beams": 2}, {"max_length": 20}):
-        with pytest.raises(ValueError, match="generate\\(\\) does not apply") as e:
-            gen.generate([[1, 5, 9]], max_new_tokens=2, **kw)
-        assert "\n" not in str(e.value)
+    """A transformers setting generate does not apply (beams) is one ValueError line, one
+    it applies (max_length in the call) gives transformers' tokens; an attention_mask as a
+    nested list, and a 1-D prompt with a 1-D mask, are taken."""
+    m = model("llama")
+    gen = L.compile(m, max_seq_len=48, max_batch=2)
+    with pytest.raises(ValueError, match="generate\\(\\) does not apply num_beams=2") as e:
+        gen.generate([[1, 5, 9]], max_new_tokens=2, num_beams=2)
+    assert "\n" not in str(e.value)
+    ids = torch.tensor([[1, 5, 9]])
+    assert torch.equal(gen.generate(ids, max_length=9), m.generate(ids, max_length=9, do_sample=False))
     ids = torch.tensor([[0, 0, 5, 9, 13], [1, 5, 9, 13, 20]])
     mask = [[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]]
     a = gen.generate(ids, attention_mask=mask, max_new_tokens=4)
