@@ -2,7 +2,8 @@
 
 ``options={"dynamic_batch_size": [1, 2, 4, 8]}`` (ATC's ``--dynamic_batch_size``: dim 0
 of every tensor input), ``"dynamic_image_size": [[224, 224], [448, 448]]`` (dims 2 and 3,
-height and width, of every 4-D input) and ``"dynamic_dims": [[16, 16], [40, 40]]`` (one
+height and width, of every 4-D input; tensors inside dict, list and tuple inputs
+count too) and ``"dynamic_dims": [[16, 16], [40, 40]]`` (one
 value per dim named in ``dynamic_shapes``, in the order they are first named) compile
 the model once with those dims dynamic and plan every gear at compile time, as ATC puts
 every gear in its offline model. At most 100 gears (ATC's limit).
@@ -38,7 +39,7 @@ from ..ir.symbolic import bind
 from ..log import logger
 from ..passes.gear_padding import PaddingCheck, follow_padded_dim, padding_summary
 from ..frontend.torch import CaptureError
-from ..frontend.torch.dynamic import dim_names, spec_leaves
+from ..frontend.torch.dynamic import dim_names, spec_leaves, spec_places, tensor_entries
 from ..report import CompileReport
 from ..runtime import DEFAULT_CONCURRENT_CALLS
 from .compiled_model import CompiledModel
@@ -62,9 +63,18 @@ def _arg_values(model, args, kwargs) -> List[Tuple[str, Any]]:
     return list(zip(names, args)) + list((kwargs or {}).items())
 
 
-def _tensor_args(model, args, kwargs) -> List[Tuple[str, torch.Tensor]]:
-    """(argument name, tensor) of the top-level tensor arguments."""
-    return [(n, t) for n, t in _arg_values(model, args, kwargs) if isinstance(t, torch.Tensor)]
+#: the dims a gear option makes dynamic in a tensor input (None: none of its dims)
+DEFAULT_DIMS = {
+    "dynamic_batch_size": lambda t: {0: "batch"} if t.dim() >= 1 else None,
+    "dynamic_image_size": lambda t: {2: "height", 3: "width"} if t.dim() == 4 else None,
+}
+
+
+def _default_spec(values: List[Tuple[str, Any]], pick) -> Dict[str, Any]:
+    """The ``dynamic_shapes`` spec giving every tensor input, at any depth of a dict,
+    list or tuple input, the dims ``pick(tensor)`` names; inputs without any left out."""
+    entries = ((n, tensor_entries(v, pick)) for n, v in values)
+    return {n: e for n, e in entries if e is not None}
 
 
 def _values(name: str, gears: Any, width: int) -> List[Tuple[int, ...]]:
@@ -92,46 +102,49 @@ def _values(name: str, gears: Any, width: int) -> List[Tuple[int, ...]]:
     return sorted(set(out))
 
 
-def _same_sizes(opt: str, spec: Dict[str, Dict[int, str]],
-                tensors: List[Tuple[str, torch.Tensor]]) -> Dict[str, Dict[int, str]]:
-    """``spec`` (the option's default: the dims of every tensor input) when the example
-    inputs agree on each dim's size; else ValueError naming two inputs that differ and
-    the fix (name the inputs that carry the dim)."""
-    by_name, seen = dict(tensors), {}
-    for arg, dims in spec.items():
-        for i, d in dims.items():
-            size = int(by_name[arg].shape[i])
-            first = seen.setdefault(d, (arg, i, size))
-            if first[2] != size:
+def _same_sizes(opt: str, spec: Dict[str, Any], values: List[Tuple[str, Any]]) -> Dict[str, Any]:
+    """``spec`` (the option's default: the dims of every tensor input, nested ones too)
+    when the example inputs agree on each dim's size; else ValueError naming two inputs
+    that differ (``'extra'['a']`` for a tensor inside a dict) and the fix (name the
+    inputs that carry the dim)."""
+    seen: Dict[str, tuple] = {}
+    for arg, value in values:
+        for place, t, dims in spec_places(arg, spec.get(arg), value):
+            for i, d in dims.items():
+                first = seen.setdefault(d, (place, i, int(t.shape[i]), arg, value, t))
+                if first[2] == int(t.shape[i]):
+                    continue
+                fix = {first[3]: tensor_entries(first[4], lambda x, f=first: {f[1]: d}
+                                                if x is f[5] else None)}
                 raise ValueError(
                     f"{opt} makes dim {i} of every tensor input the dim {d!r}, but input "
-                    f"{arg!r} has {size} there and {first[0]!r} has {first[2]}: name the "
-                    f"inputs that carry it, e.g. dynamic_shapes={{{first[0]!r}: {{{first[1]}: "
-                    f"{d!r}}}}} with the option")
+                    f"{place} has {int(t.shape[i])} there and {first[0]} has {first[2]}: name "
+                    f"the inputs that carry it, e.g. dynamic_shapes={fix!r} with the option")
     return spec
 
 
 def gear_spec(model, args, kwargs, options: Dict[str, Any], dynamic_shapes: Any
               ) -> Tuple[str, Any, List[str], List[Tuple[int, ...]]]:
     """(the gear option used, the ``dynamic_shapes`` spec, the dim names in gear order,
-    the gears). Raises ValueError for two gear options, a bad gear, > 100 gears, or
-    ``dynamic_dims`` without ``dynamic_shapes`` naming the dims."""
+    the gears). ``dynamic_batch_size`` and ``dynamic_image_size`` without
+    ``dynamic_shapes`` make their dims dynamic in every tensor input, those inside dict,
+    list and tuple inputs too. Raises ValueError for two gear options, a bad gear, > 100
+    gears, no 4-D tensor for ``dynamic_image_size``, or ``dynamic_dims`` without
+    ``dynamic_shapes`` naming the dims."""
     used = [k for k in GEAR_OPTIONS if k in options]
     if len(used) != 1:
         raise ValueError(f"give one of the gear options {list(GEAR_OPTIONS)}, got {used}")
     opt = used[0]
-    tensors = _tensor_args(model, args, kwargs)
-    if opt == "dynamic_batch_size":
-        spec = dynamic_shapes or _same_sizes(opt, {n: {0: "batch"} for n, t in tensors
-                                                   if t.dim() >= 1}, tensors)
-        return opt, spec, ["batch"], _values(opt, options[opt], 1)
-    if opt == "dynamic_image_size":
-        spec = dynamic_shapes or _same_sizes(opt, {n: {2: "height", 3: "width"}
-                                                   for n, t in tensors if t.dim() == 4}, tensors)
+    values = _arg_values(model, args, kwargs)
+    if opt in DEFAULT_DIMS:
+        spec = dynamic_shapes or _same_sizes(opt, _default_spec(values, DEFAULT_DIMS[opt]),
+                                             values)
         if not spec:
-            raise ValueError("dynamic_image_size needs a 4-D (N, C, H, W) tensor input")
-        return opt, spec, ["height", "width"], _values(opt, options[opt], 2)
-    if not isinstance(dynamic_shapes, dict):
+            raise ValueError(f"{opt} needs a tensor input with the dims it makes dynamic ("
+                             f"{'a 4-D (N, C, H, W) one' if opt == 'dynamic_image_size' else 'dim 0'})")
+        names = ["batch"] if opt == "dynamic_batch_size" else ["height", "width"]
+        return opt, spec, names, _values(opt, options[opt], len(names))
+    if not isinstance(dynamic_shapes, (dict, list, tuple)) or not dim_names(dynamic_shapes):
         raise ValueError("dynamic_dims gives values for the dims named in dynamic_shapes: pass "
                          "dynamic_shapes={'input_ids': {1: 'seq'}} with it")
     names = dim_names(dynamic_shapes)
@@ -140,14 +153,16 @@ def gear_spec(model, args, kwargs, options: Dict[str, Any], dynamic_shapes: Any
 
 def _example_values(spec: Any, values: List[Tuple[str, Any]]) -> Dict[str, List[int]]:
     """dim name -> the example's sizes for it (simple-form ``spec`` entries, inside
-    dict, list and tuple inputs too); ``values``: (argument name, value) pairs."""
+    dict, list and tuple inputs too; ``spec`` keyed by argument name or a tuple in
+    argument order); ``values``: (argument name, value) pairs."""
     out: Dict[str, List[int]] = {}
-    for arg, value in values:
-        entry = spec.get(arg) if isinstance(spec, dict) else None
+    for k, (arg, value) in enumerate(values):
+        entry = spec.get(arg) if isinstance(spec, dict) else spec[k] if \
+            isinstance(spec, (list, tuple)) and k < len(spec) else None
         for _, t, dims in spec_leaves(arg, entry, value):
             for i, d in dims.items():
                 if isinstance(d, str) and isinstance(t, torch.Tensor) and isinstance(i, int) \
-                        and i < t.dim():
+                        and -t.dim() <= i < t.dim():
                     out.setdefault(d, []).append(int(t.shape[i]))
     return out
 
@@ -317,28 +332,29 @@ def _host_memory_bytes() -> int:
         return 0
 
 
-def _name_the_input(model, args, kwargs, opt: str, spec: Dict[str, Dict[int, str]],
-                    ranges, error: Exception) -> None:
-    """``opt``'s default spec (the dims of EVERY tensor input) made a dim the model fixes:
-    find the input that does not carry it (capturing without each input's entry, at most
-    4 tries) and raise ValueError naming it, the rule and the fix; return when none alone
-    is the cause (the caller re-raises ``error``)."""
+def _name_the_input(model, args, kwargs, opt: str, ranges) -> None:
+    """``opt``'s default spec (the dims of EVERY tensor input, nested ones too) made a dim
+    the model fixes: find the tensor that does not carry it (capturing without its
+    entry, at most 4 tries) and raise ValueError naming it (``'extra'['a']`` inside a
+    dict input), the rule and the fix; return when none alone is the cause (the caller
+    re-raises the capture's error)."""
     from .dynamic import _capture   # the engine's own capture with dynamic dims
-    if len(spec) < 2 or len(spec) > 4:
+    values, pick = _arg_values(model, args, kwargs), DEFAULT_DIMS[opt]
+    spec = _default_spec(values, pick)
+    leaves = [(place, t) for n, v in values for place, t, _ in spec_places(n, spec.get(n), v)]
+    if len(leaves) < 2 or len(leaves) > 4:
         return
-    tensors = dict(_tensor_args(model, args, kwargs))
-    for name in spec:
-        rest = {k: v for k, v in spec.items() if k != name}
+    for place, t in leaves:
+        rest = _default_spec(values, lambda x, t=t: None if x is t else pick(x))
         try:
             _capture(model, args, kwargs, rest, ranges)
         except (CaptureError, ValueError):
             continue
-        t = tensors.get(name)
-        shown = f"{str(t.dtype).replace('torch.', '')}{list(t.shape)}" if t is not None else ""
+        shown = f"{str(t.dtype).replace('torch.', '')}{list(t.shape)}"
         rule = ("dim 0" if opt == "dynamic_batch_size" else "dims 2 and 3")
         raise ValueError(
             f"{opt} makes {rule} of every tensor input dynamic (ATC: the dims given -1 in "
-            f"--input_shape), but input {name!r} {shown} does not carry them: the model uses that "
+            f"--input_shape), but input {place} {shown} does not carry them: the model uses that "
             f"size as a constant; name the inputs that do, e.g. dynamic_shapes={rest!r} with the "
             "option") from None
 
@@ -369,5 +385,5 @@ def compile_with_gears(model, example_inputs, options: Dict[str, Any], dynamic_s
                                policy=functools.partial(Gears, option=opt, names=names, gears=gears))
     except CaptureError as e:
         if dynamic_shapes is None and "cannot be dynamic" in str(e):
-            _name_the_input(model, args, example_kwargs, opt, spec, ranges, e)
+            _name_the_input(model, args, example_kwargs, opt, ranges)
         raise

@@ -389,6 +389,11 @@ def _explain(model: torch.nn.Module, args, kwargs, e: BaseException,
                                     "export utilities register cache objects)" if cache else
                                     "return tensors, tuples, lists, dicts or dataclasses of "
                                     "tensors (or register the class with torch.utils._pytree)"))
+    if "`dynamic_shapes" in msg:   # torch.export's own check of a spec opencann passed on
+        return (f"torch.export rejects the dynamic_shapes given for {name}: "
+                f"{_first_line(e)[:200]}; fix: give each input an entry of its own structure "
+                "(a tensor: {0: 'batch'}; a dict, list or tuple: the same structure of "
+                "entries; a pytree class: a list over its flattened values; None: static)")
     eager = _eager_error(model, args, kwargs)
     changed = _inputs_changed_in_place(model, args, kwargs, inputs) if eager is None else None
     if changed:

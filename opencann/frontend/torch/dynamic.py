@@ -11,9 +11,13 @@ Two forms are accepted (both keyed like torch.export's ``dynamic_shapes``: by
   (``{"seq": (16, 512)}``) or written in place (``{1: ("seq", 16, 512)}``); the
   default range is ``[1, unbounded)``.
 
-An input that is a dict, list or tuple of tensors takes an entry of the same structure
-(``{"extra": {"a": {0: "batch"}, "b": None}}``, ``{"pair": [{0: "batch"}, None]}``), in
-either form, names at any depth converted (`_one_input`); a dict's keys left out are static.
+An input that is a dict, list or tuple of tensors (a namedtuple, a dataclass registered
+with torch's pytree too) takes an entry of the same structure (``{"extra": {"a": {0:
+"batch"}, "b": None}}``, ``{"pair": [{0: "batch"}, None]}``), in either form, names at
+any depth converted (`_one_input`). None, a dict's keys left out and inputs left out are
+static at any depth (expanded into the input's structure, as torch.export needs). Every
+entry is checked against its input before torch.export sees it: one that does not fit
+is one line naming its place (``dynamic_shapes['extra']['a']``) and the fix.
 
 torch.export turns each dynamic dim into a shape-environment symbol (``s43``) whose
 value range (``ep.range_constraints``) is the declared range narrowed by what the model
@@ -24,12 +28,14 @@ Source: PyTorch "torch.export" documentation, "Expressing Dynamism".
 from __future__ import annotations
 
 import ast
+import collections
 import inspect
 import math
 import re
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 import torch
+import torch.utils._pytree as pytree
 
 from ...ir.symbolic import linear_in
 
@@ -85,76 +91,221 @@ class _Dims:
         return self.dims[name]
 
 
-def _one_input(spec: Any, value: Any, dims: _Dims, what: str) -> Any:
-    """One input's entry for torch.export, matched to the input's structure: for a tensor,
-    {dim index: name/Dim} or a per-dim list (`_tensor_entry`); for a dict, list or tuple
-    input, the same structure of entries, recursively (dict keys left out are static);
-    a ``Dim`` or anything else (a custom structure in torch.export's own form) passed on.
-    ``what``: the entry's place (``"['extra']['a']"``) for error messages. Raises
-    ValueError (one line) for a key, type or length that does not match the input."""
-    if spec is None or _is_dim(spec):
-        return spec
-    if isinstance(value, Mapping):
-        first = repr(next(iter(value), "key"))
-        if not isinstance(spec, Mapping) or any(k not in value for k in spec):
-            bad = (f"has key(s) {[k for k in spec if k not in value]}" if isinstance(spec, Mapping)
-                   else f"is a {type(spec).__name__}")
-            raise ValueError(f"dynamic_shapes{what} {bad}, but that input is a dict with keys "
-                             f"{list(value)}: key its entry like the input, e.g. {{{first}: "
-                             "{0: 'batch'}} (keys left out are static)")
-        return {k: _one_input(spec.get(k), v, dims, f"{what}[{k!r}]") for k, v in value.items()}
+def _key_name(key: Any, i: int) -> str:
+    """torch.export's name part for a pytree key (a field, a dict key, an index)."""
+    for attr in ("name", "key", "idx"):
+        if hasattr(key, attr):
+            return str(getattr(key, attr))
+    return str(i)
+
+
+def _node(value: Any) -> Optional[Tuple[str, List[Tuple[Any, str, Any]]]]:
+    """A container input as torch.export flattens it: (kind, [(key, name part, child)])
+    with kind ``"dict"`` (a dict, OrderedDict or defaultdict), ``"seq"`` (a list or
+    tuple), ``"named"`` (a namedtuple) or ``"node"`` (another class registered with
+    torch's pytree, such as a dataclass: torch.export takes its flattened values), and
+    the name part torch.export gives the child's tensors (``extra_a``, ``pair_0``); None
+    for a leaf (a tensor, a number, None, an object pytree does not know)."""
+    if isinstance(value, (torch.Tensor, torch.Size)):
+        return None
+    if type(value) in (dict, collections.OrderedDict, collections.defaultdict):
+        return "dict", [(k, str(k), v) for k, v in value.items()]
+    fields = getattr(type(value), "_fields", None) if isinstance(value, tuple) else None
+    if fields is not None:
+        return "named", [(i, str(f), v) for i, (f, v) in enumerate(zip(fields, value))]
     if isinstance(value, (list, tuple)):
-        if not isinstance(spec, (list, tuple)) or len(spec) != len(value):
-            shown = f"has {len(spec)} entries" if isinstance(spec, (list, tuple)) else \
-                f"is a {type(spec).__name__}"
-            raise ValueError(f"dynamic_shapes{what} {shown}, but that input is a "
-                             f"{type(value).__name__} of {len(value)}: give a list with one entry "
-                             "per element (None: static), e.g. [{0: 'batch'}, None]")
-        return type(spec)(_one_input(e, v, dims, f"{what}[{i}]")
-                          for i, (e, v) in enumerate(zip(spec, value)))
-    return _tensor_entry(spec, value, dims, what)
+        return "seq", [(i, str(i), v) for i, v in enumerate(value)]
+    node = pytree.SUPPORTED_NODES.get(type(value))
+    if node is None:
+        return None
+    if node.flatten_with_keys_fn is not None:
+        pairs = node.flatten_with_keys_fn(value)[0]
+        return "node", [(i, _key_name(k, i), v) for i, (k, v) in enumerate(pairs)]
+    return "node", [(i, str(i), v) for i, v in enumerate(node.flatten_fn(value)[0])]
 
 
-def _tensor_entry(spec: Any, t: Any, dims: _Dims, what: str) -> Any:
+def _child_entries(spec: Any, node: Tuple[str, list]) -> Optional[List[Any]]:
+    """The entries of a container input's children read from its entry ``spec``: None
+    (all static), a dict (for a dict: keyed like it, keys left out static; for a
+    namedtuple or a pytree class: keyed by field), a list or tuple of one entry per
+    child (not for a dict). None when ``spec`` does not fit the input."""
+    kind, kids = node
+    if spec is None:
+        return [None] * len(kids)
+    if isinstance(spec, Mapping) and kind != "seq":
+        keys = [k if kind == "dict" else name for k, name, _ in kids]
+        if any(k not in keys for k in spec):
+            return None
+        return [spec.get(k) for k in keys]
+    if isinstance(spec, (list, tuple)) and kind != "dict" and len(spec) == len(kids):
+        return list(spec)
+    return None
+
+
+def _shown(spec: Any) -> str:
+    """An entry as an error message names it: ``a list``, or its repr for a scalar."""
+    if isinstance(spec, (Mapping, list, tuple)):
+        return f"a {type(spec).__name__}"
+    text = repr(spec)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _mismatch(spec: Any, value: Any, node: Tuple[str, list], what: str) -> str:
+    """One line: the entry at ``what`` does not fit the container input ``value``, and
+    how to write it."""
+    kind, kids = node
+    keyed = isinstance(spec, Mapping) and kind != "seq"
+    names = [k if kind == "dict" else n for k, n, _ in kids]
+    bad = (f"has key(s) {[k for k in spec if k not in names]}" if keyed else
+           f"has {len(spec)} entries" if isinstance(spec, (list, tuple)) and kind != "dict"
+           else f"is {_shown(spec)}")
+    first = repr(names[0]) if names else "'key'"
+    if kind == "dict":
+        return (f"dynamic_shapes{what} {bad}, but that input is a dict with keys {names}: key "
+                f"its entry like the input, e.g. {{{first}: {{0: 'batch'}}}} (keys left out "
+                "are static)")
+    if kind == "seq":
+        return (f"dynamic_shapes{what} {bad}, but that input is a {type(value).__name__} of "
+                f"{len(kids)}: give a list with one entry per element (None: static), e.g. "
+                "[{0: 'batch'}, None]")
+    return (f"dynamic_shapes{what} {bad}, but that input is a {type(value).__name__} of "
+            f"{len(kids)} values {names} (as torch.export flattens it): give a list with one "
+            f"entry per value, or a dict keyed by those names, e.g. {{{first}: {{0: 'batch'}}}} "
+            "(None: static)")
+
+
+def _one_input(spec: Any, value: Any, dims: _Dims, what: str) -> Any:
+    """One input's entry for torch.export, checked against the input's structure: for a
+    tensor, {dim index: name/Dim} or a per-dim list (`_tensor_entry`); for a dict, list,
+    tuple, namedtuple or pytree class (`_node`), the same structure of entries,
+    recursively, rebuilt as torch.export matches it (a list entry for a tuple input made
+    a tuple); None, or a dict's keys left out, static at any depth. ``what``: the
+    entry's place (``"['extra']['a']"``) for error messages. Raises ValueError (one
+    line naming the place and the fix) for an entry that does not fit its input."""
+    node = _node(value)
+    if node is None:
+        return _leaf_entry(spec, value, dims, what)
+    entries = _child_entries(spec, node)
+    if entries is None:
+        raise ValueError(_mismatch(spec, value, node, what))
+    kind, kids = node
+    out = [_one_input(e, v, dims, f"{what}[{k!r}]") for e, (k, _, v) in zip(entries, kids)]
+    if kind == "dict":
+        return dict(zip((k for k, _, _ in kids), out))
+    if kind == "named":
+        return type(value)(*out)
+    return type(value)(out) if kind == "seq" else out
+
+
+def _leaf_entry(spec: Any, value: Any, dims: _Dims, what: str) -> Any:
+    """The entry of an input that is not a container: a tensor's (`_tensor_entry`);
+    None for a number, a string or None (an int may take torch.export's Dim.AUTO /
+    Dim.DYNAMIC hint); an object pytree does not know yet (a cache class registered at
+    capture) keeps its entry, torch.export's own form. ValueError (one line) otherwise."""
+    if spec is None:
+        return None
+    if isinstance(value, torch.Tensor):
+        return _tensor_entry(spec, value, dims, what)
+    if isinstance(value, int) and not isinstance(value, bool) and \
+            type(spec).__name__ in ("_DimHint", "_DimHintType"):
+        return spec
+    if value is None or isinstance(value, (bool, int, float, complex, str, bytes,
+                                           torch.dtype, torch.device, torch.Size)):
+        return _not_a_tensor(spec, value, what)
+    return spec
+
+
+def _not_a_tensor(spec: Any, value: Any, what: str):
+    """Raise the one-line error for an entry given to an input that is not a tensor."""
+    shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:37] + "..."
+    raise ValueError(f"dynamic_shapes{what} is {_shown(spec)}, but that input is "
+                     f"{type(value).__name__} {shown}, not a tensor: give None there (only "
+                     "a tensor's dims can be dynamic)")
+
+
+def _tensor_entry(spec: Any, t: torch.Tensor, dims: _Dims, what: str) -> Any:
     """A tensor input's entry: {dim index: name/Dim} (a negative index counted from the
-    end of ``t``'s dims) or a per-dim list, names made the shared Dims; anything else is
-    passed on. ValueError (one line) for a key that is not a dim index of ``t``."""
+    end of ``t``'s dims) or a list/tuple of one entry per dim, names made the shared
+    Dims. ValueError (one line naming the place and the fix) for a key that is not a dim
+    index of ``t``, a list of another length, or an entry of another kind (a name or a
+    Dim for the whole tensor, a nested structure)."""
+    name = next(iter(dim_names(spec)), "batch")
     if isinstance(spec, Mapping):
         out = {}
         for k, v in spec.items():
             if not isinstance(k, int) or isinstance(k, bool):
                 raise ValueError(f"dynamic_shapes{what} has key {k!r}; key its dims by index, "
                                  "e.g. {0: 'batch', 1: 'seq'}")
-            if isinstance(t, torch.Tensor):
-                if not -t.dim() <= k < t.dim():
-                    raise ValueError(f"dynamic_shapes{what} names dim {k}, but that input has "
-                                     f"{t.dim()} dims (shape {list(t.shape)}): index its dims "
-                                     f"0..{t.dim() - 1}")
-                k = k % t.dim()
-            out[k] = dims.get(v)
+            if not -t.dim() <= k < t.dim():
+                raise ValueError(f"dynamic_shapes{what} names dim {k}, but that input has "
+                                 f"{t.dim()} dims (shape {list(t.shape)}): index its dims "
+                                 f"0..{t.dim() - 1}")
+            out[k % t.dim()] = _dim_at(dims, v, what, k)
         return out
-    if isinstance(spec, (list, tuple)) and all(v is None or isinstance(v, (str, tuple)) or _is_dim(v)
-                                               for v in spec):
-        return type(spec)(dims.get(v) for v in spec)
-    return spec
+    per_dim = [name] + [None] * (t.dim() - 1)
+    if isinstance(spec, (list, tuple)) and len(spec) == t.dim() and \
+            not any(isinstance(v, (Mapping, list)) for v in spec):
+        return type(spec)(_dim_at(dims, v, what, i) for i, v in enumerate(spec))
+    shown = f"{_shown(spec)} of {len(spec)}" if isinstance(spec, (list, tuple)) else _shown(spec)
+    raise ValueError(f"dynamic_shapes{what} is {shown}, but that input is a tensor of shape "
+                     f"{list(t.shape)}: give its dynamic dims by index, e.g. {{0: {name!r}}}, "
+                     f"or one entry per dim, e.g. {per_dim} (None: static)")
+
+
+def _dim_at(dims: _Dims, entry: Any, what: str, index: Any):
+    """``dims.get(entry)`` for dim ``index`` of the tensor at ``what``; its ValueError
+    is prefixed with that place."""
+    try:
+        return dims.get(entry)
+    except ValueError as e:
+        raise ValueError(f"dynamic_shapes{what} dim {index}: {e}") from None
+
+
+def _leaves(name: str, place: str, spec: Any, value: Any):
+    """(torch.export's name, the user's place such as ``'extra'['a']``, tensor, its
+    {dim index: entry}) for every tensor ``spec`` gives an entry (see `spec_leaves`)."""
+    node = _node(value)
+    if node is not None:
+        entries = _child_entries(spec, node) or [None] * len(node[1])
+        for e, (k, part, v) in zip(entries, node[1]):
+            yield from _leaves(f"{name}_{part}", f"{place}[{k!r}]", e, v)
+    elif isinstance(spec, (Mapping, list, tuple)):
+        items = spec.items() if isinstance(spec, Mapping) else enumerate(spec)
+        yield name, place, value, {i: d for i, d in items if d is not None}
 
 
 def spec_leaves(name: str, spec: Any, value: Any):
     """Yield (torch.export's name for a tensor of input ``name``, that tensor, its
     {dim index: entry}) for every tensor ``spec`` gives an entry, through nested dicts,
-    lists and tuples as torch.export names their tensors (``extra_a`` for key ``a`` of
-    input ``extra``, ``pair_0`` for element 0 of ``pair``). Entries are as ``spec`` has
-    them (names or Dims); None entries are left out."""
-    if isinstance(value, Mapping) and isinstance(spec, Mapping):
-        for k, v in value.items():
-            yield from spec_leaves(f"{name}_{k}", spec.get(k), v)
-    elif isinstance(value, (list, tuple)) and isinstance(spec, (list, tuple)) \
-            and not isinstance(value, torch.Size) and len(spec) == len(value):
-        for i, (e, v) in enumerate(zip(spec, value)):
-            yield from spec_leaves(f"{name}_{i}", e, v)
-    elif isinstance(spec, (Mapping, list, tuple)):
-        items = spec.items() if isinstance(spec, Mapping) else enumerate(spec)
-        yield name, value, {i: d for i, d in items if d is not None}
+    lists, tuples, namedtuples and pytree classes as torch.export names their tensors
+    (``extra_a`` for key ``a`` of input ``extra``, ``pair_0`` for element 0 of ``pair``,
+    ``p_a`` for field ``a``). Entries are as ``spec`` has them (names or Dims); None
+    entries, and entries that do not fit the input, are left out."""
+    for leaf, _, t, entry in _leaves(name, "", spec, value):
+        yield leaf, t, entry
+
+
+def spec_places(name: str, spec: Any, value: Any):
+    """Yield (the place of a tensor of input ``name`` as the user writes it,
+    ``'extra'['a']``, that tensor, its {dim index: entry}) for every tensor ``spec``
+    gives an entry, as `spec_leaves` walks them."""
+    for _, place, t, entry in _leaves(name, repr(name), spec, value):
+        yield place, t, entry
+
+
+def tensor_entries(value: Any, pick) -> Any:
+    """The entry of input ``value`` that gives each of its tensors ``pick(tensor)`` (a
+    {dim index: name} dict, or None: static), following its structure at any depth (a
+    dict for a dict, a list for a list, tuple, namedtuple or pytree class); None when
+    no tensor is picked (the whole input static)."""
+    node = _node(value)
+    if node is None:
+        return pick(value) if isinstance(value, torch.Tensor) else None
+    kind, kids = node
+    out = [tensor_entries(v, pick) for _, _, v in kids]
+    if all(e is None for e in out):
+        return None
+    return dict(zip((k for k, _, _ in kids), out)) if kind == "dict" else out
 
 
 def dim_names(spec: Any) -> List[str]:
@@ -163,7 +314,8 @@ def dim_names(spec: Any) -> List[str]:
     torch.export ``Dim`` objects are not names)."""
     if isinstance(spec, str):
         return [spec]
-    if isinstance(spec, tuple) and len(spec) == 3 and isinstance(spec[0], str):
+    if isinstance(spec, tuple) and len(spec) == 3 and isinstance(spec[0], str) \
+            and all(isinstance(v, int) for v in spec[1:]):
         return [spec[0]]
     items = spec.values() if isinstance(spec, Mapping) else spec if isinstance(
         spec, (list, tuple)) else ()
@@ -177,7 +329,9 @@ def export_dynamic_shapes(model: torch.nn.Module, args: Tuple[Any, ...],
     """torch.export's ``dynamic_shapes`` for ``spec``, the user's dim names by
     (argument name, dim index) and the names given no range (default ``[1, inf)``). ``spec``: a dict keyed by ``forward``'s argument names
     or a tuple in argument order (see the module docstring); arguments it leaves out
-    are static; a dict, list or tuple input takes an entry of its own structure. Labels
+    are static; a dict, list or tuple input takes an entry of its own structure, checked
+    against the input and expanded (None: every tensor there static) to the structure
+    torch.export matches (`_one_input`). Labels
     are keyed by torch.export's input names (``extra_a`` for key ``a`` of ``extra``).
     Raises ValueError naming an unknown argument, a bad key or range, or the place of an
     entry that does not match its input's structure."""
