@@ -48,9 +48,13 @@ def compile(model, example_inputs=None, device: str = "cpu", options: Optional[D
     each concrete shape (each gear) is compiled whole, its layout needing static shapes.
 
     When it returns, the calling thread's OpenMP worker pool is released
-    (`release_openmp_pool`), so calls from other threads are not slowed by it."""
-    cm = _compile(model, example_inputs, device, options, example_kwargs, input_shapes,
-                  dynamic_shapes, dim_ranges)
+    (`release_openmp_pool`), so calls from other threads are not slowed by it.
+    Under ``torch.inference_mode()`` it compiles as outside it: what the compiled model
+    keeps (weight copies, arenas) is made of ordinary tensors, usable in any mode."""
+    import torch
+    with torch.inference_mode(False):
+        cm = _compile(model, example_inputs, device, options, example_kwargs, input_shapes,
+                      dynamic_shapes, dim_ranges)
     release_openmp_pool()
     return cm
 
@@ -144,13 +148,16 @@ def load(path: str):
     such: the same shapes, gears and padding, and the same errors for other shapes.
     Releases the calling thread's OpenMP pool on return, as `compile` does.
     A file written by ``Generator.save`` (format 4, several graphs) comes back as the
-    `opencann.llm.Generator` (`opencann.llm.load`)."""
+    `opencann.llm.Generator` (`opencann.llm.load`). Under ``torch.inference_mode()`` it
+    loads as outside it (ordinary tensors, usable in any mode)."""
     from .engine.loading import load_model_file
     from .runtime.model_file import BUNDLE_FORMAT_VERSION, peek_version
     if peek_version(path) == BUNDLE_FORMAT_VERSION:
         from .llm import load as load_generator
         return load_generator(path)
-    cm = load_model_file(path)
+    import torch
+    with torch.inference_mode(False):
+        cm = load_model_file(path)
     release_openmp_pool()
     return cm
 

@@ -71,8 +71,9 @@ class ExecutorPool:
             if grow:
                 self._count += 1
                 if self._first is None:  # built once, under the lock: others clone it
-                    try:
-                        self._first = self._make()
+                    try:   # arenas outlive the call: ordinary tensors in any mode
+                        with torch.inference_mode(False):
+                            self._first = self._make()
                     except BaseException:
                         self._count -= 1
                         raise
@@ -80,7 +81,8 @@ class ExecutorPool:
         if not grow:
             return self._idle.get()  # all `size` executors busy: wait for one
         try:
-            return self._first.clone()
+            with torch.inference_mode(False):
+                return self._first.clone()
         except BaseException:
             with self._lock:
                 self._count -= 1

@@ -83,7 +83,8 @@ class ShapePlanCache:
         pool = self._cached(key)
         if pool is not None:
             return pool
-        with self._build_lock:
+        # its arenas outlive the call: ordinary tensors under torch.inference_mode() too
+        with self._build_lock, torch.inference_mode(False):
             pool = self._cached(key)   # built by another thread meanwhile
             if pool is None:
                 pool = self._build(key)

@@ -81,8 +81,8 @@ class OnePass:
         self.affine_ok = ok and affine_in_range(weight, bias, d, torch.float32)
         self.args = (weight, bias, eps, step, offset)
         self.d = d
-        self.g = (torch.ones(d) if weight is None else weight).detach().numpy()
-        self.be = (torch.zeros(d) if bias is None else bias).detach().numpy()
+        self.g = (torch.ones(d, dtype=torch.float32) if weight is None else weight).detach().numpy()
+        self.be = (torch.zeros(d, dtype=torch.float32) if bias is None else bias).detach().numpy()
         bound, rstd_max = layer_norm_limits(d, torch.float32)
         self.p = np.array([np.float32(eps), np.float32(1.0 / step), offset, bound, rstd_max], np.float64)
 

@@ -84,7 +84,8 @@ def add_rms_norm(a: torch.Tensor, b: torch.Tensor, weight: torch.Tensor, eps: fl
         check_out("add_rms_norm", out[0], None, numel=a.numel())
         check_out("add_rms_norm", out[1], a.shape)
     y, s = out if out is not None and out[0].is_contiguous() and out[1].is_contiguous() \
-        else (torch.empty(a.shape if out is None else out[0].shape), torch.empty(a.shape))
+        else (torch.empty(a.shape if out is None else out[0].shape, dtype=torch.float32),
+              torch.empty(a.shape, dtype=torch.float32))
     rows = a.numel() // d if d else 0
     if rows == 0:
         return _into(out, y, s)

@@ -165,8 +165,8 @@ def _sample(desc: TensorDesc, strides, g: torch.Generator) -> torch.Tensor:
     shape = tuple(int(s) for s in desc.shape)
     if strides is None or not is_dense(shape, strides):
         strides = torch.empty(shape, device="meta").stride()
-    t = torch.empty_strided(shape, strides)
-    t.copy_(torch.randn(shape, generator=g))
+    t = torch.empty_strided(shape, strides, dtype=torch.float32)
+    t.copy_(torch.randn(shape, generator=g, dtype=torch.float32))
     return t > -1.28 if desc.dtype.torch == torch.bool else t
 
 

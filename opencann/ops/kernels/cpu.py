@@ -380,7 +380,8 @@ def _measure_choice(key: tuple, makers: Dict[str, Callable[[], Callable]], bias,
             times = {name: float("inf") for name in names}
             # freed after the race; cold: one timed call per round (an eviction of the
             # last-level cache reads ~16 ms on the 480 MiB L3 of the 2-core Xeon)
-            scratch = torch.ones((cold_scratch_bytes() if m > 1 else COLD_EVICT_MIN) // 4) if cold else None
+            scratch = (torch.ones((cold_scratch_bytes() if m > 1 else COLD_EVICT_MIN) // 4,
+                                  dtype=torch.float32) if cold else None)
             for rnd in range(3):
                 for name in names[rnd % len(names):] + names[:rnd % len(names)]:
                     run = makers[name]()
@@ -425,12 +426,12 @@ def concat_row_major(k: int, n: int, dtype: torch.dtype = torch.float32,
     gen = torch.Generator().manual_seed(0)
 
     def row_major() -> Callable:
-        w = torch.randn(k, n, generator=gen)
+        w = torch.randn(k, n, generator=gen, dtype=dtype)
         return lambda b, x, _w, out=None: torch.ops.aten.mm.out(x, w, out=out)
 
     def column_major() -> Callable:
         from .gemv_cpu import bind_gemv
-        gemv = bind_gemv(torch.randn(n, k, generator=gen), m)
+        gemv = bind_gemv(torch.randn(n, k, generator=gen, dtype=dtype), m)
         return lambda b, x, _w, out=None: gemv(x, None, out)
     probe = torch.empty(0, dtype=dtype)
     return _measure_choice(("concat layout", m) + shape_key, {"addmm_kn": row_major, "gemv": column_major},

@@ -176,7 +176,7 @@ def _prebind_one(g13, x: torch.Tensor, w13: torch.Tensor, n: int, out) -> Option
     m = int(x.shape[0])
     if out is None or out.dtype != torch.float32 or not out.is_contiguous() or out.numel() != m * n:
         return None
-    r = torch.empty(m, 2 * n)
+    r = torch.empty(m, 2 * n, dtype=torch.float32)
     gemm = g13.prebind(None, x, w13, r)
     if gemm is None:
         return None

@@ -579,7 +579,8 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths:
         and not lengths.requires_grad else np.asarray(ll, dtype=np.int64)
     scale = float(D) ** -0.5 if scale is None else float(scale)
     max_len = max(ll) if B else 0
-    res = out if out is not None and out.is_contiguous() else torch.empty(B, Hq, 1, D)
+    res = out if out is not None and out.is_contiguous() else torch.empty(B, Hq, 1, D,
+                                                                          dtype=torch.float32)
     if B * Hq * D and 2 * B * Hkv * max_len * D <= SERIAL_MAX:
         _serial(_np(q), _np(k), _np(v), lens, np.float32(scale), res.numpy())
         return out.copy_(res) if out is not None and res is not out else res
@@ -630,7 +631,8 @@ def decode_attention_update(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         kv_cache_update(k, k_new, positions)     # its checks and errors, then the general path
         kv_cache_update(v, v_new, positions)
         return decode_attention(q, k, v, lengths, scale, out), k, v
-    res = out if out is not None and out.is_contiguous() else torch.empty(B, Hq, 1, D)
+    res = out if out is not None and out.is_contiguous() else torch.empty(B, Hq, 1, D,
+                                                                          dtype=torch.float32)
     lens = lengths.numpy() if lengths.dtype == torch.int64 and not lengths.requires_grad \
         else np.asarray(ll, dtype=np.int64)
     scale = float(D) ** -0.5 if scale is None else float(scale)

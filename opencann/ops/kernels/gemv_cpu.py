@@ -283,7 +283,7 @@ def _views_call(kernel, wn: np.ndarray, x: torch.Tensor, bias: Optional[torch.Te
         if bias.requires_grad or not bias.is_contiguous():
             bias = bias.detach().contiguous()
         bn = bias.numpy()
-    y = out if out is not None and out.is_contiguous() else torch.empty(yshape)
+    y = out if out is not None and out.is_contiguous() else torch.empty(yshape, dtype=torch.float32)
     args = (x.numpy(), wn, bn, bias is not None, y.numpy())
     fn = entries.get(args[3])    # every call's types are the same (C-contiguous float32)
     _call(kernel if fn is None else fn, args, lock)

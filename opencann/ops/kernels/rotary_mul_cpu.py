@@ -148,10 +148,11 @@ def rotary_mul(x: torch.Tensor, r1: torch.Tensor, r2: torch.Tensor, out=None) ->
     c, s = (_as4(r, x.shape) for r in (r1, r2))
     rows = x.shape[0] * x.shape[1] * x.shape[2]
     if rows * x.shape[3] >= GRAIN:   # head-dim-contiguous: the vectorised rows, any out
-        y = out if _unit_last(out, x.shape) else torch.empty(x.shape)
+        y = out if _unit_last(out, x.shape) else torch.empty(x.shape, dtype=torch.float32)
         if _pair_flat(x, None, r1, r2, y, None):
             return y if out is None or y is out else out.copy_(y)
-    y = out if out is not None and out.is_contiguous() else torch.empty(x.shape)
+    y = out if out is not None and out.is_contiguous() else torch.empty(x.shape,
+                                                                        dtype=torch.float32)
     if rows and x.shape[3]:
         args = (x.detach().numpy(), c, s, y.numpy())
         if rows * x.shape[3] < GRAIN:
@@ -242,14 +243,14 @@ def apply_rotary_pos_emb(q: torch.Tensor, k: torch.Tensor, r1: torch.Tensor, r2:
         fast = c.shape[1] == 1 and s.shape[1] == 1
     if not fast:
         if q.numel() + k.numel() >= GRAIN and q.dim() == 4 and k.dim() == 4:
-            yq = oq if _unit_last(oq, q.shape) else torch.empty(q.shape)
-            yk = ok if _unit_last(ok, k.shape) else torch.empty(k.shape)
+            yq = oq if _unit_last(oq, q.shape) else torch.empty(q.shape, dtype=torch.float32)
+            yk = ok if _unit_last(ok, k.shape) else torch.empty(k.shape, dtype=torch.float32)
             if _pair_flat(q, k, r1, r2, yq, yk):   # a prefill: both in one parallel loop
                 return (yq if oq is None or yq is oq else oq.copy_(yq),
                         yk if ok is None or yk is ok else ok.copy_(yk))
         return rotary_mul(q, r1, r2, out=oq), rotary_mul(k, r1, r2, out=ok)
-    yq = oq if oq is not None else torch.empty(q.shape)
-    yk = ok if ok is not None else torch.empty(k.shape)
+    yq = oq if oq is not None else torch.empty(q.shape, dtype=torch.float32)
+    yk = ok if ok is not None else torch.empty(k.shape, dtype=torch.float32)
     if q.numel() and k.numel():
         _serial_pair(q.detach().numpy(), k.detach().numpy(), c, s, yq.numpy(), yk.numpy())
     return yq, yk
