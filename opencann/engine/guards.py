@@ -32,7 +32,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from ..frontend.torch import AttributeGuard, check_layout
+from ..frontend.torch import AttributeChanged, AttributeGuard, check_layout
 from ..ir.symbolic import fits
 from ..runtime import autocast_state
 from ..runtime.input_overlap import check_written_inputs
@@ -422,6 +422,6 @@ def same_value(a: Any, b: Any) -> bool:
         return a is b
 
 
-__all__ = ["AutocastState", "BakedValues", "Call", "FrozenWeights", "Guard", "InputLayout",
-           "InputOverlap", "InputTensors", "ModuleAttributes", "UnrecordedWrites",
+__all__ = ["AttributeChanged", "AutocastState", "BakedValues", "Call", "FrozenWeights", "Guard",
+           "InputLayout", "InputOverlap", "InputTensors", "ModuleAttributes", "UnrecordedWrites",
            "model_guards", "same_value"]

@@ -14,7 +14,7 @@ so logits equal transformers' eager logits to fp32 rounding.
 """
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -168,9 +168,18 @@ class DecoderLM(nn.Module):
     place. Returns float32 logits [B, vocab] of each row's last live token (index
     lengths - positions - 1 of the T new tokens).
 
+    Its forward calls no dropout and nothing else that reads a module's ``training``
+    flag: it computes the eval-mode logits whatever the model's train/eval mode, and
+    does not change that mode (``_opencann_unwatched``: the compiled step graphs do not
+    guard the flag).
+
     Raises ValueError (one line) for an unsupported architecture (`read_arch`), a model
-    without a causal LM head, or parameters that are not float32 (the decode attention
-    kernel is fp32: load with ``torch_dtype=torch.float32``)."""
+    without a causal LM head, parameters that are not float32 (the decode attention
+    kernel is fp32: load with ``torch_dtype=torch.float32``) or that are inference
+    tensors (made under ``torch.inference_mode()``)."""
+
+    #: module attributes its forward never reads (`AttributeGuard` does not watch them)
+    _opencann_unwatched = frozenset({"training"})
 
     def __init__(self, model: nn.Module):
         super().__init__()
@@ -184,6 +193,13 @@ class DecoderLM(nn.Module):
             raise ValueError(f"opencann.llm runs float32 models, this one has "
                              f"{sorted(str(d) for d in dtypes)} parameters; load it with "
                              "torch_dtype=torch.float32 or call model.float()")
+        made = [n for n, t in list(model.named_parameters()) + list(model.named_buffers())
+                if t.is_inference()]
+        if made:
+            raise ValueError(f"the model's {made[0]!r} is an inference tensor (the model was "
+                             "created or loaded under torch.inference_mode()): load it outside "
+                             "inference_mode (torch.no_grad() is enough); generate() may then "
+                             "run inside it")
         self.embed, self.pos_embed, layers, self.norm, self.lm_head, rotary = _parts(model, arch)
         block = GPT2Block if arch.family == "gpt2" else LlamaBlock
         self.blocks = nn.ModuleList(block(layer, arch, s) for layer, s in zip(layers, arch.attn_scales))
@@ -198,6 +214,14 @@ class DecoderLM(nn.Module):
         (e.g. ``blocks.1.mlp.up_proj.weight`` -> ``model.layers.1.mlp.up_proj.weight``), with
         the model's class: ``"'model.layers.1.mlp.up_proj.weight' of the LlamaForCausalLM"``."""
         return f"{self._source_names.get(name, name)!r} of the {self._source_class}"
+
+    def source_attribute(self, name: str) -> str:
+        """The transformers model's name of this module's submodule attribute ``name``
+        (``blocks.0.ln1.variance_epsilon`` -> ``model.layers.0.input_layernorm.variance_epsilon``),
+        quoted, with the model's class (as `source_name`)."""
+        path, _, attr = name.rpartition(".")
+        mod = self._source_names.get(("module", path), path)
+        return f"{(mod + '.' if mod else '') + attr!r} of the {self._source_class}"
 
     def new_caches(self, max_batch: int, max_seq_len: int) -> List[torch.Tensor]:
         """Zeroed caches K0, V0, ... [max_batch, Hkv, max_seq_len, D] float32 (2 * L
@@ -215,9 +239,10 @@ class DecoderLM(nn.Module):
         calls this with its ``max_seq_len``. No-op for learned positions (GPT-2)."""
         if self.rotary is None:
             return
-        cos, sin = self._rope(torch.arange(positions)[None], torch.float32)
-        self.register_buffer("rope_cos", cos[0].contiguous(), persistent=False)
-        self.register_buffer("rope_sin", sin[0].contiguous(), persistent=False)
+        with torch.inference_mode(False):   # read by graphs built later, in any mode
+            cos, sin = self._rope(torch.arange(positions, dtype=torch.long)[None], torch.float32)
+            self.register_buffer("rope_cos", cos[0].contiguous(), persistent=False)
+            self.register_buffer("rope_sin", sin[0].contiguous(), persistent=False)
 
     def _rope(self, pos: torch.Tensor, dtype: torch.dtype):
         """(cos, sin) [*pos.shape, D] for positions ``pos`` ([B, T] or [B]), as transformers' rotary
@@ -266,21 +291,27 @@ class DecoderLM(nn.Module):
         return self.lm_head(h).float()
 
 
-def _source_names(lm: nn.Module, model: nn.Module) -> Dict[str, str]:
+def _source_names(lm: nn.Module, model: nn.Module) -> Dict[Any, str]:
     """``lm``'s parameter and buffer names -> ``model``'s names of the same tensors (the
-    first name transformers lists for a tied tensor)."""
+    first name transformers lists for a tied tensor), and ``("module", path)`` of each
+    of ``lm``'s submodules that is one of ``model``'s -> its path there."""
     theirs: Dict[int, str] = {}
     for n, t in list(model.named_parameters()) + list(model.named_buffers()):
         theirs.setdefault(id(t), n)
-    return {n: theirs[id(t)] for n, t in list(lm.named_parameters()) + list(lm.named_buffers())
-            if id(t) in theirs}
+    mine = list(lm.named_parameters()) + list(lm.named_buffers())
+    out: Dict[Any, str] = {n: theirs[id(t)] for n, t in mine if id(t) in theirs}
+    mods = {id(m): n for n, m in model.named_modules()}
+    out.update({("module", n): mods[id(m)] for n, m in lm.named_modules() if id(m) in mods})
+    return out
 
 
 def new_caches(arch: LLMArch, max_batch: int, max_seq_len: int) -> List[torch.Tensor]:
     """Zeroed caches K0, V0, ... [max_batch, Hkv, max_seq_len, D] float32 for ``arch``
-    (2 * L tensors, `LLMArch.kv_cache_bytes` in all)."""
-    return [torch.zeros(max_batch, arch.num_kv_heads, max_seq_len, arch.head_dim)
-            for _ in range(2 * arch.num_layers)]
+    (2 * L tensors, `LLMArch.kv_cache_bytes` in all): float32 whatever torch's default
+    dtype, normal tensors (not inference tensors) even under ``torch.inference_mode()``."""
+    with torch.inference_mode(False):   # written in place by every call, in any mode
+        return [torch.zeros(max_batch, arch.num_kv_heads, max_seq_len, arch.head_dim,
+                            dtype=torch.float32) for _ in range(2 * arch.num_layers)]
 
 
 def shared_parameters(a: nn.Module, b: nn.Module) -> Sequence[str]:

@@ -15,15 +15,16 @@ memory plans and KV-cache bytes.
 """
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
 
 import numpy as np
 import torch
 
 from ..devices import parse_device
-from ..engine.guards import WeightChanged
+from ..engine.guards import AttributeChanged, WeightChanged
 from .arch import LLMArch
 from .builder import DecoderLM, new_caches
 from .prompts import PromptBatch, prepare
@@ -68,6 +69,10 @@ def compile(model: torch.nn.Module, max_seq_len: int, max_batch: int = 1, device
     are built for; default powers of two from 16, and max_seq_len), ``batch_sizes``
     (default powers of two up to max_batch); any other key is an ``opencann.compile``
     option. Graphs are built on first use (`Generator.stats` counts them).
+    The model's train/eval mode is left as it is and does not matter: the generator
+    computes the eval-mode logits (no dropout) in either. Under ``torch.inference_mode()``
+    or not, and whatever torch's default dtype, the caches, weights and graphs it makes
+    are ordinary float32 tensors: the model stays trainable.
     Raises ValueError (one line) for an unsupported architecture or dtype, a model
     without an LM head, max_seq_len beyond the model's positions or sliding window, a
     device other than "cpu", a bad option."""
@@ -76,7 +81,8 @@ def compile(model: torch.nn.Module, max_seq_len: int, max_batch: int = 1, device
                          f"attention and KV-cache kernels exist), got {device!r}")
     parse_device(device)     # DeviceError (one line) for an unknown vnpu preset
     ours, rest = _split_options(options)
-    return Generator(DecoderLM(model.eval()), max_seq_len, max_batch, device, ours, rest,
+    # the model's train/eval mode is left as it is: DecoderLM never applies dropout
+    return Generator(DecoderLM(model), max_seq_len, max_batch, device, ours, rest,
                      getattr(model, "generation_config", None))
 
 
@@ -94,6 +100,7 @@ class Generator:
     ``arch`` and its compiled step ``graphs`` ((batch, tokens) -> CompiledModel) and
     never compiles."""
 
+    @torch.inference_mode(False)   # caches and step graphs outlive the caller's mode
     def __init__(self, lm: Optional[DecoderLM], max_seq_len: int, max_batch: int, device: str,
                  llm_options: Dict[str, Any], compile_options: Dict[str, Any],
                  generation_config: Any = None, arch: Optional[LLMArch] = None,
@@ -125,8 +132,11 @@ class Generator:
         and batch size, a decode graph per batch size: the loaded generator never
         compiles), ``"built"`` saves those built so far. `opencann.llm.load` or
         `opencann.load` reads it back. Returns the file's sections (name, offset, size,
-        sha256). Raises ValueError (one line) on the eager backend or for a bad
-        ``graphs``, ModelFileError for a bad path, OSError when writing fails."""
+        sha256). Raises ValueError (one line) on the eager backend, for a bad
+        ``graphs``, for a weight or module attribute of the model changed since the step
+        graphs were built (the error `generate` gives: the file would hold weights the
+        generator refuses), or when called from the streamer of this generator's
+        running `generate`; ModelFileError for a bad path, OSError when writing fails."""
         from .saving import save
         return save(self, path, tokenizer=tokenizer, graphs=graphs)
 
@@ -274,30 +284,71 @@ class Generator:
         sampler = Sampler(gc, batch.padding if bool(batch.padding.any()) else None, seed,
                           stops=stops, prompt_len=batch.sequences.shape[1])
         emit = _streamer(streamer, batch.sequences)
-        if self._owner == threading.get_ident():   # the streamer of this thread's call
-            raise ValueError("generate() was called from its own streamer: the running call "
-                             "owns the KV caches until it returns; generate again after it")
-        with self._lock, torch.no_grad():   # one call at a time: the caches are shared state
-            self._owner = threading.get_ident()
+        with self._locked("generate()"):
             try:
                 out = self._run(batch, new, sampler, stops, pad, emit)
-            except WeightChanged as e:
-                raise self._weight_changed(e) from None
-            finally:
-                self._owner = None
+            except (WeightChanged, AttributeChanged) as e:
+                raise self._changed(e) from None
         if hasattr(streamer, "end"):
             streamer.end()
         return out
 
-    def _weight_changed(self, e: WeightChanged) -> ValueError:
-        """The one-line error for a weight of the compiled model changed after
-        `compile` (``e`` from a step graph's guards), naming the user's parameter."""
+    @contextlib.contextmanager
+    def _locked(self, what: str) -> Iterator[None]:
+        """Hold the generator (its caches and step graphs) for one call of ``what``
+        (``"generate()"``, ``"Generator.save()"``): calls from other threads wait their
+        turn; a call from the streamer of this thread's running generate is one
+        ValueError line (the lock is not re-entrant: it would wait for itself). Inside,
+        grad is off and inference mode too, whatever the caller's: what the call builds
+        or writes (graphs built on first use, the weights laid out for them, the caches)
+        stays usable outside it (``torch.inference_mode()`` tensors refuse in-place
+        writes and graph capture there)."""
+        if self._owner == threading.get_ident():   # the streamer of this thread's call
+            raise ValueError(f"{what} was called from its own streamer: the running "
+                             f"generate() owns the KV caches and step graphs until it "
+                             f"returns; call {what} after it")
+        with self._lock, torch.inference_mode(False), torch.no_grad():
+            self._owner = threading.get_ident()
+            try:
+                yield
+            finally:
+                self._owner = None
+
+    def _check_unchanged(self) -> None:
+        """Run the built step graphs' guards over the model (weights, module attributes)
+        as the next call's would: `WeightChanged` / `AttributeChanged` (`_changed` makes
+        them the user's one line)."""
+        for cm in self.steps.compiled().values():
+            for g in cm.guards:
+                if g.name in ("frozen_weights", "unrecorded_writes", "module_attributes"):
+                    g.check(None)
+            return
+
+    def _step(self, batch: int, tokens: int) -> Callable:
+        """`StepGraphs.step`, the built graphs' guards run first (`_check_unchanged`)
+        when it builds a new graph: that one would bake in a weight or attribute changed
+        since, where the built ones refuse it (another prompt bucket or batch size would
+        then serve what the first refuses)."""
+        if (batch, tokens) not in self.steps.keys():
+            self._check_unchanged()
+        return self.steps.step(batch, tokens)
+
+    def _changed(self, e: Exception) -> ValueError:
+        """The one-line error for a weight (`WeightChanged`) or module attribute
+        (`AttributeChanged`) of the compiled model changed after `compile` (``e`` from a
+        step graph's guards), naming the user's parameter or attribute."""
+        again = (f"compile it again after changing {{}}: opencann.llm.compile(model, "
+                 f"max_seq_len={self.max_seq_len}, max_batch={self.max_batch})")
+        if isinstance(e, AttributeChanged):
+            name = self.lm.source_attribute(e.name) if self.lm is not None else repr(e.name)
+            return ValueError(f"module attribute {name} was {e.was!r} at opencann.llm.compile "
+                              f"and is {e.now} now: the generator's step graphs baked its "
+                              f"value in; " + again.format("it"))
         name = self.lm.source_name(e.name) if self.lm is not None else repr(e.name)
         return ValueError(
             f"parameter {name} {e.how} after opencann.llm.compile{f' ({e.detail})' if e.detail else ''}"
             f": the generator's step graphs hold packed copies of the weights made at compile "
-            f"time; compile it again after changing weights: opencann.llm.compile(model, "
-            f"max_seq_len={self.max_seq_len}, max_batch={self.max_batch})")
+            f"time; " + again.format("weights"))
 
     def _prefill(self, batch: PromptBatch) -> torch.Tensor:
         """Logits [B, vocab] of each prompt's last token; writes the caches."""
@@ -308,7 +359,7 @@ class Generator:
         for b, row in enumerate(batch.rows):
             ids[b, :len(row)] = row
         lengths[:B] = batch.lengths
-        return self.steps.step(bs, T)(ids, torch.zeros(bs, dtype=torch.long), lengths)[:B]
+        return self._step(bs, T)(ids, torch.zeros(bs, dtype=torch.long), lengths)[:B]
 
     def _run(self, batch: PromptBatch, new: int, sampler: Sampler, stops: Sequence[int],
              pad: int, emit: Callable) -> torch.Tensor:
@@ -350,7 +401,7 @@ class Generator:
             if i == new - 1 or not alive.any():
                 break
             if decode is None:   # the call's first step: the decode graph's guards run
-                decode = self.steps.step(bs, 1)
+                decode = self._step(bs, 1)
                 logits = decode(ids, positions, lengths)
                 # nothing they watch changes inside a call: later steps skip them
                 decode = getattr(decode, "unguarded", decode)

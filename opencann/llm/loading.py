@@ -5,17 +5,21 @@ from __future__ import annotations
 import json
 import os
 
+import torch
+
 from .arch import LLMArch
 from .generator import DEFAULT_BACKEND, Generator
 from .saving import GENERATOR_FORMAT, KIND, load_tokenizer, prefix
 
 
+@torch.inference_mode(False)   # its graphs' arenas and caches are written by later calls
 def load(path: str) -> Generator:
     """The `Generator` saved at ``path`` by ``Generator.save``, in any process: no model
     code, no transformers model, no compile (``stats.graphs_loaded`` counts its graphs;
     ``graphs_built`` stays 0 for every prompt the saved graphs serve). Its ``tokenizer``
     is the stored one (None if none was saved) and ``generation_config`` the model's.
-    Tokens equal the saved generator's, greedy and seeded sampling alike.
+    Tokens equal the saved generator's, greedy and seeded sampling alike. Loading under
+    ``torch.inference_mode()`` gives the same generator (its tensors are ordinary ones).
     Raises ModelFileError (a ValueError, one line): not a model file, a single compiled
     model (load it with ``opencann.load``), a generator layout of another version, a
     corrupted or truncated file; FileNotFoundError."""

@@ -31,8 +31,6 @@ import os
 import tempfile
 from typing import Any, Dict, Optional
 
-import torch
-
 
 #: the bundle ``kind`` of a generator file
 KIND = "an opencann.llm generator"
@@ -85,6 +83,7 @@ def prefix(batch: int, tokens: int) -> str:
 def save(gen: Any, path: str, tokenizer: Any = None, graphs: str = "all") -> Dict[str, Any]:
     """``gen.save`` of a `Generator`: see `Generator.save` (this module's docstring for
     the layout)."""
+    from ..engine.guards import AttributeChanged, WeightChanged
     from ..runtime.bundle_file import save_bundle
     if gen.backend != "opencann":
         raise ValueError(f"Generator.save writes compiled step graphs, but this generator runs "
@@ -94,11 +93,17 @@ def save(gen: Any, path: str, tokenizer: Any = None, graphs: str = "all") -> Dic
         raise ValueError(f"Generator.save takes graphs='all' (build every bucket and batch size "
                          f"first) or 'built' (those built so far), got {graphs!r}")
     tokenizer = tokenizer if tokenizer is not None else gen.tokenizer
-    with gen._lock, torch.no_grad():
-        if graphs == "all":
-            for b in gen.batch_sizes:
-                for t in (*gen.buckets, 1):
-                    gen.steps.step(b, t)
+    with gen._locked("Generator.save()"):
+        try:
+            # a weight or attribute generate() would refuse is refused here alike: the
+            # graphs built would hold the old weights and new ones the changed ones
+            gen._check_unchanged()
+            if graphs == "all":
+                for b in gen.batch_sizes:
+                    for t in (*gen.buckets, 1):
+                        gen.steps.step(b, t)
+        except (WeightChanged, AttributeChanged) as e:
+            raise gen._changed(e) from None
         steps = gen.steps.compiled()
     if not steps:
         raise ValueError("Generator.save(graphs='built'): no step graph is built yet; call "

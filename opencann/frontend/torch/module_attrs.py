@@ -13,7 +13,9 @@ attributes its trace read instead, and recompiles; Dynamo's ``EQUALS_MATCH`` gua
 Cost per call: one ``operator.itemgetter`` call and one tuple comparison per module
 (BERT-base: 230 modules, about 30-60 µs measured; see the README). Attributes whose
 names start with ``_`` (torch's hook dictionaries and caches) are not watched, nor are
-objects (configs, tensors: tensors are the frozen-weight checks' business).
+objects (configs, tensors: tensors are the frozen-weight checks' business), nor the names
+the compiled module's class lists in ``_opencann_unwatched`` (attributes its forward
+reads in no submodule: opencann.llm's ``DecoderLM`` calls no dropout, so ``training``).
 """
 from __future__ import annotations
 
@@ -44,6 +46,15 @@ def _snapshot(v: Any) -> Any:
     return v
 
 
+class AttributeChanged(ValueError):
+    """A watched module attribute changed since compile: ``name`` (its dotted path in the
+    compiled module), ``was`` and ``now`` (its values; ``now`` is "deleted" when it is)."""
+
+    def __init__(self, message: str, name: str, was: Any, now: Any):
+        super().__init__(message)
+        self.name, self.was, self.now = name, was, now
+
+
 class AttributeGuard:
     """Snapshot of ``model``'s plain public attributes (every submodule's); `check` raises
     ValueError when one differs now. Holds the modules by weak reference (a compiled
@@ -51,8 +62,10 @@ class AttributeGuard:
 
     def __init__(self, model: torch.nn.Module):
         self._entries: List[Tuple[str, Any, Tuple[str, ...], Callable, Any]] = []
+        skip = getattr(type(model), "_opencann_unwatched", frozenset())
         for path, mod in model.named_modules():
-            keys = tuple(k for k, v in vars(mod).items() if not k.startswith("_") and _plain(v))
+            keys = tuple(k for k, v in vars(mod).items()
+                         if not k.startswith("_") and k not in skip and _plain(v))
             if not keys:
                 continue
             getter = operator.itemgetter(*keys) if len(keys) > 1 else (lambda d, k=keys[0]: (d[k],))
@@ -63,8 +76,8 @@ class AttributeGuard:
         return sum(len(e[2]) for e in self._entries)
 
     def check(self) -> None:
-        """Raise ValueError naming the first watched attribute that changed (or was
-        deleted) since the snapshot; return None when none did."""
+        """Raise `AttributeChanged` (a ValueError) naming the first watched attribute
+        that changed (or was deleted) since the snapshot; return None when none did."""
         for path, ref, keys, getter, snap in self._entries:
             mod = ref()
             if mod is None:
@@ -85,11 +98,11 @@ class AttributeGuard:
             if now is missing or now != was:
                 name = f"{path}.{k}" if path else k
                 shown = "deleted" if now is missing else repr(now)
-                raise ValueError(
+                raise AttributeChanged(
                     f"module attribute {name!r} was {was!r} when the model was compiled and is "
                     f"{shown} now: opencann.compile baked it into the graph. Recompile after "
                     "changing it (or use torch.compile(model, backend='opencann'), which "
-                    "recompiles on such changes)")
+                    "recompiles on such changes)", name, was, shown)
 
 
-__all__ = ["AttributeGuard"]
+__all__ = ["AttributeChanged", "AttributeGuard"]
