@@ -317,12 +317,12 @@ class Generator:
     def _check_unchanged(self) -> None:
         """Run the built step graphs' guards over the model (weights, module attributes)
         as the next call's would: `WeightChanged` / `AttributeChanged` (`_changed` makes
-        them the user's one line)."""
-        for cm in self.steps.compiled().values():
-            for g in cm.guards:
-                if g.name in ("frozen_weights", "unrecorded_writes", "module_attributes"):
-                    g.check(None)
-            return
+        them the user's one line). Every step graph watches the same weights and
+        attributes, so one built graph's guards answer for all."""
+        cm = next(iter(self.steps.compiled().values()), None)
+        for g in (cm.guards if cm is not None else ()):
+            if g.name in ("frozen_weights", "unrecorded_writes", "module_attributes"):
+                g.check(None)
 
     def _step(self, batch: int, tokens: int) -> Callable:
         """`StepGraphs.step`, the built graphs' guards run first (`_check_unchanged`)
