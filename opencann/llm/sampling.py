@@ -117,6 +117,7 @@ def resolve(model_config: Any, **given: Any):
                          f"{', '.join(APPLIED)} (greedy or sampling, one sequence per prompt)")
     return gc
 
+
 def _real(v: Any) -> bool:
     return isinstance(v, numbers.Real) and not isinstance(v, (bool, np.bool_))
 

@@ -24,7 +24,11 @@ _MODEL = []
 
 @pytest.fixture(autouse=True)
 def _eager_steps(monkeypatch):
+    """Eager steps on one thread: the tiny model's ops gain nothing from a second thread,
+    and under xdist each of them waited for a worker the other test process held (6-12 s
+    a test instead of 0.05 in one CI run); conftest restores the thread count after."""
     monkeypatch.setattr("opencann.llm.generator.DEFAULT_BACKEND", "eager")
+    torch.set_num_threads(1)
 
 
 def model():
