@@ -326,8 +326,8 @@ def _audit_cases(key: str, op, rule: bool) -> Iterator[Tuple[str, str, str]]:
             continue
         try:
             traced = [None if r is None else r.stride() for r in _tuple(op.aten(*_meta(args), **kw))]
-        except (RuntimeError, NotImplementedError):
-            traced = [None] * len(refs)
+        except (RuntimeError, NotImplementedError):   # no meta kernel: the "traced"
+            traced = [None] * len(refs)                 # buffer falls back to contiguous
         for layout in OUT_LAYOUTS:
             got = _run_out(op, args, kw, refs, traced, layout, rule)
             d = None if got is None else _differs(refs, got)
