@@ -77,23 +77,10 @@ def _compile(model, example_inputs, device, options, example_kwargs, input_shape
     if example_inputs is None:
         raise ValueError("example_inputs is required for a torch model: a tensor or tuple of "
                          "the model's positional inputs fixing shapes and dtypes")
-    from .engine.options import GEAR_OPTIONS
-    gears = [k for k in GEAR_OPTIONS if k in (options or {})]
-    if gears:
-        from .engine.gears import compile_with_gears
-        return compile_with_gears(model, example_inputs, dict(options), dynamic_shapes,
-                                  device=device, example_kwargs=example_kwargs)
-    if dynamic_shapes is not None:
-        from .engine.dynamic import compile_dynamic
-        return compile_dynamic(model, example_inputs, dynamic_shapes, device=device,
-                               options=options, example_kwargs=example_kwargs,
-                               dim_ranges=dim_ranges)
-    if dim_ranges is not None:
-        raise ValueError("dim_ranges gives the ranges of dims named in dynamic_shapes: pass "
-                         "dynamic_shapes={'input_ids': {1: 'seq'}} too")
-    from .engine import compile_module
-    return compile_module(model, example_inputs, device=device, options=options,
-                          example_kwargs=example_kwargs)
+    from .engine.dispatch import compile_torch
+    return compile_torch(model, example_inputs, device=device, options=options,
+                         example_kwargs=example_kwargs, dynamic_shapes=dynamic_shapes,
+                         dim_ranges=dim_ranges)
 
 
 def tune(model, example_inputs, **kwargs):
@@ -127,16 +114,18 @@ def save(compiled, path: str, description: str = "") -> None:
 
 
 def quantize(model, calibration_inputs, *, config=None, device: str = "cpu",
-             options: Optional[Dict[str, Any]] = None):
+             options: Optional[Dict[str, Any]] = None, dynamic_shapes=None, dim_ranges=None):
     """Post-training int8 quantization (CANN AMCT's flow): calibrate on
     ``calibration_inputs`` (a list of batches, each a tensor or a tuple of positional
     inputs, one shape) and return a `CompiledModel` whose convolutions and linears run
     oneDNN's int8 kernels (per-tensor uint8 activations, per-channel int8 weights);
     ``config`` from ``opencann.tools.quantize.create_quant_config`` (``skip_layers``,
-    ``mode="dynamic"``). Save it with `save`. Raises ValueError (one line) for an empty
+    ``mode="dynamic"``). ``dynamic_shapes`` / ``dim_ranges`` and gear options work as in
+    `compile`. Save it with `save`. Raises ValueError (one line) for an empty
     calibration set or a bad config. See `opencann.engine.quantize.quantize`."""
     from .engine.quantize import quantize as _quantize
-    return _quantize(model, calibration_inputs, config=config, device=device, options=options)
+    return _quantize(model, calibration_inputs, config=config, device=device, options=options,
+                     dynamic_shapes=dynamic_shapes, dim_ranges=dim_ranges)
 
 
 def load(path: str):

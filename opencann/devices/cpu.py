@@ -134,10 +134,53 @@ def cpu_flags() -> Tuple[str, ...]:
     return _proc_flags() + (platform.machine(),) + env
 
 
+def onednn_bf16_available() -> bool:
+    """True when oneDNN's bf16 kernels run on this CPU (``torch.ops.mkldnn.
+    _is_mkldnn_bf16_supported``: AVX-512 BW/VL, AVX-NE-CONVERT or AMX; without them its
+    bf16 inner product refuses to reorder a weight and its bf16 convolution fails at the
+    call). ATen's own bf16 kernels (``addmm``, ``convolution``) run everywhere."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    probe = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+    try:
+        return bool(probe()) if probe is not None else False
+    except RuntimeError:
+        return False
+
+
+@functools.lru_cache(maxsize=None)
+def _int8_exact(flags: Tuple[str, ...]) -> bool:
+    if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops, "onednn")
+            and hasattr(torch.ops.onednn, "qlinear_pointwise")):
+        return False
+    k = 64
+    x = torch.full((1, k), 255, dtype=torch.uint8)
+    w = torch.full((2, k), 127, dtype=torch.int8)
+    one, zp = torch.ones(2), torch.zeros(2, dtype=torch.int64)
+    try:
+        wp = torch.ops.onednn.qlinear_prepack(w, [1, k])
+        y = torch.ops.onednn.qlinear_pointwise(x, 1.0, 0, wp, one, zp, None, 1.0, 0, torch.float32,
+                                               "none", [], "")
+    except RuntimeError:
+        return False
+    return bool((y == 255 * 127 * k).all())
+
+
+def onednn_int8_exact() -> bool:
+    """True when oneDNN's uint8 x int8 kernels (``onednn.qlinear_pointwise``,
+    ``qconv2d_pointwise``) compute their products exactly here: measured once per
+    `cpu_flags` on 64 products of 255 x 127 (exact sum 2 072 640). Without VNNI / AMX-int8
+    the x86 kernels add pairs of products in int16 with saturation (``vpmaddubsw``), which
+    gives 32 x 32767 there; oneDNN's developer guide, "Nuances of int8 computations",
+    advises 7-bit data on such CPUs. Where False, the int8 ops run their arithmetic in
+    fp32 (`opencann.ops.kernels.int8_emulated`)."""
+    return _int8_exact(cpu_flags())
+
+
 __all__ = ["CPU_L2_FALLBACK", "FORMATS", "ISA_ENV", "cpu_flags", "cpu_l2", "cpu_last_level_cache", "isa",
            "memory_bytes",
            "mkl_packed_available",
-           "mkldnn_available", "onednn_linear_available"]
+           "mkldnn_available", "onednn_bf16_available", "onednn_int8_exact", "onednn_linear_available"]
 
 
 def best_time_us(fn: Callable[[], object], reps: int = 5, warmup: bool = True) -> float:

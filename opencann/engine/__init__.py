@@ -5,7 +5,7 @@ Layer (DESIGN.md): above ``frontend | passes | runtime``, below the applications
 (``dynamo``, ``llm``) and ``tools | acl``. Modules: `pipeline` (run the passes),
 `binding` (the runtime stage), `compiled_model` (the one `CompiledModel`), `shapes`
 (its shape policy; `StaticShapes`), `guards` (its call-time checks), `entry`
-(``opencann.compile`` of a module or an ONNX model), `dynamic` (dynamic dims:
+(``opencann.compile`` of a module or an ONNX model), `dispatch` (a module's shape policy), `dynamic` (dynamic dims:
 `DynamicShapes`), `gears` (ATC-style gears: `Gears`), `loading` (a model from a model
 file's parts), `options` (compile options).
 """

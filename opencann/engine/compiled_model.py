@@ -235,14 +235,15 @@ class CompiledModel:
         return self._structure(outs[len(self._mutations):], user)
 
     def run_observed(self, observe, *args, **kwargs) -> tuple:
-        """Run one call (no grad) on the example shape's executor, calling ``observe(node,
-        outputs)`` right after each node's kernel (``outputs``: that node's output tensors,
-        valid only during the call); returns the graph's flat outputs. For tools that
-        look inside a call (calibration, layer comparison). Raises what a call raises for
-        inputs the guards refuse."""
+        """Run one call (no grad) on the plan that serves these inputs' shapes (a dynamic
+        model: that shape's, built on first use; gears: the serving gear's, padded as a
+        call is), calling ``observe(node, outputs)`` right after each node's kernel
+        (``outputs``: that node's output tensors, valid only during the call); returns
+        the graph's flat outputs. For tools that look inside a call (calibration, layer
+        comparison). Raises what a call raises for inputs the guards refuse."""
         user = self._contiguous(self._user_tensors(args, kwargs))
         with torch.no_grad():
-            return self.executor.run_observed(user, observe)
+            return self.shapes.run_observed(user, observe)
 
     def _run(self, user: list) -> tuple:
         outs = self.shapes.run(self._contiguous(user))

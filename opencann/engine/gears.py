@@ -313,6 +313,15 @@ class Gears(DynamicShapes):
             inputs, _ = self.padder(inputs)
         return self.plans.profile(inputs, path)
 
+    def run_observed(self, inputs: Sequence[torch.Tensor], observe) -> tuple:
+        """`ShapePolicy.run_observed` on the gear that serves the call, padded as `run`
+        pads it (the observed outputs have the gear's shapes); the outputs returned are
+        the call's."""
+        if self.padder is None:
+            return self.plans.run_observed(inputs, observe)
+        ins, restore = self.padder(inputs)
+        return restore(self.plans.run_observed(ins, observe))
+
     @classmethod
     def saved_args(cls, graph: Graph, report: CompileReport, dynamic: Dict[str, Any],
                    concurrent_calls: int = DEFAULT_CONCURRENT_CALLS,

@@ -40,6 +40,7 @@ from ..devices import parse_device
 from ..passes.fusion.quantize_int8 import layer_labels
 from ..passes.layout.vnpu_quantize_int8 import check_cube_int8
 from .compiled_model import CompiledModel
+from .dispatch import compile_torch
 from .entry import compile_module
 
 TARGETS = ("ConvBiasAct", "ConvAddAct", "LinearAct")
@@ -95,7 +96,7 @@ class _Range:
                 "min": self.lo, "max": self.hi}
 
 
-def _batches(calibration_inputs) -> List[tuple]:
+def _batches(calibration_inputs, one_shape: bool = True) -> List[tuple]:
     if isinstance(calibration_inputs, (torch.Tensor, tuple)):
         calibration_inputs = [calibration_inputs]
     if not isinstance(calibration_inputs, Iterable) or isinstance(calibration_inputs, (str, dict)):
@@ -105,13 +106,28 @@ def _batches(calibration_inputs) -> List[tuple]:
     if not out:
         raise ValueError("calibration_inputs is empty: give at least one batch (a tensor or a "
                          "tuple of the model's inputs), e.g. [x1, x2]")
-    first = _signature(out[0])
+    sig = _signature if one_shape else _kinds
+    first = sig(out[0])
     for k, b in enumerate(out[1:], 1):
-        if _signature(b) != first:
-            raise ValueError(f"calibration batch #{k} is {_signature(b)} but batch #0 is {first}: "
+        if sig(b) != first:
+            if not one_shape:
+                raise ValueError(f"calibration batch #{k} is {sig(b)} but batch #0 is {first}: every "
+                                 f"calibration batch must have the first one's ranks and dtypes")
+            raise ValueError(f"calibration batch #{k} is {sig(b)} but batch #0 is {first}: "
                              f"every calibration batch must have the first one's shapes and dtypes "
-                             f"(the compiled shape); split or pad them to one shape")
+                             f"(the compiled shape); split or pad them to one shape, or give "
+                             f"dynamic_shapes for the dims that differ")
     return out
+
+
+def _numel(batch: tuple) -> int:
+    return sum(t.numel() for t in batch if isinstance(t, torch.Tensor))
+
+
+def _kinds(batch: tuple) -> str:
+    """``batch``'s dtypes and ranks (a dynamic-shape calibration's batches may differ in sizes)."""
+    return ", ".join(f"{str(t.dtype).replace('torch.', '')} rank {t.dim()}" if isinstance(t, torch.Tensor)
+                     else type(t).__name__ for t in batch)
 
 
 def _signature(batch: tuple) -> str:
@@ -189,7 +205,8 @@ def calibrate(cm: CompiledModel, batches: Iterable[tuple], targets: Optional[Dic
 
 
 def quantize(model: torch.nn.Module, calibration_inputs, *, config: Optional[Dict[str, Any]] = None,
-             device: str = "cpu", options: Optional[Dict[str, Any]] = None) -> CompiledModel:
+             device: str = "cpu", options: Optional[Dict[str, Any]] = None,
+             dynamic_shapes: Any = None, dim_ranges: Any = None) -> CompiledModel:
     """Post-training int8 quantization of ``model`` (AMCT's flow, module docstring):
     returns a compiled model whose convolutions and linears run oneDNN's int8 kernels.
 
@@ -197,8 +214,13 @@ def quantize(model: torch.nn.Module, calibration_inputs, *, config: Optional[Dic
     positional inputs, all of one shape (the compiled shape: the first batch's); real
     data (a few batches) gives the activation ranges. ``config``: `create_quant_config`'s
     dict (default: static, min/max, nothing skipped). ``options``: compile options, as
-    ``opencann.compile`` (``quant_config`` is set here). Raises ValueError (one line)
-    for an empty calibration set, batches of different shapes or dtypes, batches with no
+    ``opencann.compile`` (``quant_config`` is set here), gears included
+    (``dynamic_batch_size``...: every gear runs the int8 kernels at the ranges calibrated
+    on the batches' shape). ``dynamic_shapes`` / ``dim_ranges``: as ``opencann.compile``;
+    on the cpu the calibration batches may then have any sizes those allow (each runs
+    through an fp32 model compiled with the same dynamic dims). Raises ValueError (one line)
+    for an empty calibration set, batches of different shapes (or, with dynamic_shapes,
+    ranks) or dtypes, batches with no
     finite value at any layer's input (static mode), a ``skip_layers`` name that
     labels no node of the model, a config that is no dict, or a ``precision_mode``
     that lowers to fp16 (int8 layers are quantized from fp32; ``allow_mix_precision_bf16`` on
@@ -208,27 +230,23 @@ def quantize(model: torch.nn.Module, calibration_inputs, *, config: Optional[Dic
     the ``quantize_int8`` pass's entries (`quant_report`)."""
     cfg = _config(config)
     opts = dict(options or {})
-    if opts.get("precision_mode") not in (None, "force_fp32", "must_keep_origin_dtype", "allow_mix_precision_bf16") \
-            or (opts.get("precision_mode") == "allow_mix_precision_bf16" and parse_device(device).kind != "cpu"):
-        raise ValueError(f"precision_mode {opts['precision_mode']!r} lowers layers to fp16/bf16 before int8 "
-                         f"quantization on {device}; leave it unset to quantize from fp32 (on the cpu, "
-                         f"'allow_mix_precision_bf16' quantizes the linears inside a bf16 graph)")
-    batches = _batches(calibration_inputs)
-    records: Dict[str, Dict[str, Any]] = {}
+    _check_target(cfg, opts, device)
     vnpu = parse_device(device).kind == "vnpu"
-    if vnpu:
-        check_cube_int8(parse_device(device).spec, "opencann.quantize")
-        if cfg["mode"] != "static" or cfg.get("dynamic_linear"):
-            raise ValueError("dynamic int8 quantization (x quantized per call) has no vnpu kernel: CANN's "
-                             "AscendQuant takes a calibrated scale. Fix: mode='static' with calibration "
-                             "batches, or device='cpu'")
+    dynamic = dynamic_shapes is not None and not vnpu   # calibrated at the batches' own shapes
+    batches = _batches(calibration_inputs, one_shape=not dynamic)
+    # the compiled example: under dynamic dims the largest batch (torch.export specialises
+    # a size of 1, so a 1-row first batch must not be the example)
+    example = max(batches, key=_numel) if dynamic else batches[0]
+    records: Dict[str, Dict[str, Any]] = {}
     if cfg["mode"] == "static":
         if vnpu:     # the unfused graph the vnpu pass sees, observed on the host in fp32 (same names)
-            fp32 = compile_module(model, batches[0], "cpu", dict(opts, quant_config=None,
+            fp32 = compile_module(model, batches[0], "cpu", dict(_calibration_options(opts),
                                                                  disable=_cpu_only_rewrites(opts)))
             records = calibrate(fp32, batches, VNPU_TARGETS)
         else:
-            fp32 = compile_module(model, batches[0], device, dict(opts, quant_config=None))
+            fp32 = compile_torch(model, example, device, _calibration_options(opts),
+                                 dynamic_shapes=dynamic_shapes if dynamic else None,
+                                 dim_ranges=dim_ranges if dynamic else None)
             records = calibrate(fp32, batches)
         if not records and any(n.op in (VNPU_TARGETS if vnpu else TARGETS) for n in fp32.graph.nodes):
             raise ValueError("calibration saw no finite value at the input of any convolution or "
@@ -238,13 +256,39 @@ def quantize(model: torch.nn.Module, calibration_inputs, *, config: Optional[Dic
                   **{e: r[e] for e in ("accum", "out") if e in r}} for k, r in records.items()}
     opts["quant_config"] = {"layers": layers, "skip_layers": list(cfg.get("skip_layers") or ()),
                             "dynamic_linear": bool(cfg.get("dynamic_linear"))}
-    cm = compile_module(model, batches[0], device, opts)
+    cm = compile_torch(model, example, device, opts, dynamic_shapes=dynamic_shapes,
+                       dim_ranges=dim_ranges)
     rows = quant_report(cm)
     _check_skip_layers(cm, opts["quant_config"]["skip_layers"], rows)
     if vnpu and rows and not any(r["int8"] for r in rows) and not cfg.get("skip_layers"):
         raise ValueError(f"no layer was quantized on {device} (first: {rows[0]['layer']}: {rows[0]['reason']}); "
                          f"fix that, or compile without opencann.quantize to run fp32")
     return cm
+
+
+def _check_target(cfg: Dict[str, Any], opts: Dict[str, Any], device: str) -> None:
+    """ValueError (one line) for a ``precision_mode`` that lowers layers before int8
+    quantization, a vnpu without Cube int8, or dynamic quantization on the vnpu."""
+    mode = opts.get("precision_mode")
+    if mode not in (None, "force_fp32", "must_keep_origin_dtype", "allow_mix_precision_bf16") \
+            or (mode == "allow_mix_precision_bf16" and parse_device(device).kind != "cpu"):
+        raise ValueError(f"precision_mode {mode!r} lowers layers to fp16/bf16 before int8 "
+                         f"quantization on {device}; leave it unset to quantize from fp32 (on the cpu, "
+                         f"'allow_mix_precision_bf16' quantizes the linears inside a bf16 graph)")
+    if parse_device(device).kind == "vnpu":
+        check_cube_int8(parse_device(device).spec, "opencann.quantize")
+        if cfg["mode"] != "static" or cfg.get("dynamic_linear"):
+            raise ValueError("dynamic int8 quantization (x quantized per call) has no vnpu kernel: CANN's "
+                             "AscendQuant takes a calibrated scale. Fix: mode='static' with calibration "
+                             "batches, or device='cpu'")
+
+
+def _calibration_options(opts: Dict[str, Any]) -> Dict[str, Any]:
+    """The fp32 calibration model's options: ``opts`` without the quantization record and
+    the gear options (calibration runs at the batches' one shape; the gears are built
+    for the int8 model)."""
+    from .options import GEAR_OPTIONS
+    return {k: v for k, v in dict(opts, quant_config=None).items() if k not in GEAR_OPTIONS}
 
 
 def _config(config: Optional[Dict[str, Any]]) -> Dict[str, Any]:

@@ -13,7 +13,8 @@ KV cache as graph state, selecting a prefill or decode plan per call) plugs in:
 
 - ``run(inputs) -> tuple``: the flat graph outputs for the checked, contiguous graph
   inputs (fresh tensors; thread-safe);
-- ``profile(inputs, path)``: one recorded run (Chrome trace events);
+- ``profile(inputs, path)``: one recorded run (Chrome trace events); ``run_observed(inputs,
+  observe)``: one run calling ``observe(node, outputs)`` after each node;
 - ``plan``, ``executor``, ``pool``: the example shape's memory plan, first executor and
   the object ``run`` borrows executors from (``size``, ``count``);
 - ``shown(desc)``: a compiled input description as errors show it;
@@ -25,7 +26,7 @@ KV cache as graph state, selecting a prefill or decode plan per call) plugs in:
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 
@@ -53,6 +54,11 @@ class ShapePolicy:
                 ) -> List[Dict[str, Any]]:
         """Run once recording per-op times (`ExecutorPool.profile`)."""
         return self.pool.profile(inputs, path)
+
+    def run_observed(self, inputs: Sequence[torch.Tensor], observe: Callable[[Any, tuple], None]) -> tuple:
+        """One run calling ``observe(node, outputs)`` after each node, on the plan that
+        serves these inputs' shapes (`Executor.run_observed`)."""
+        return self.pool.run_observed(inputs, observe)
 
     def shown(self, desc) -> str:
         """``desc`` (a TensorDesc) as input errors show it."""

@@ -98,6 +98,16 @@ class ExecutorPool:
         finally:
             self._idle.put(ex)
 
+    def run_observed(self, inputs: Sequence[torch.Tensor],
+                     observe: Callable[[Any, tuple], None]) -> tuple:
+        """`Executor.run_observed` on a borrowed executor (an arena of its own)."""
+        ex = self._borrow()
+        try:
+            with kernels_without_autocast():
+                return ex.run_observed(inputs, observe)
+        finally:
+            self._idle.put(ex)
+
     def profile(self, inputs: Sequence[torch.Tensor], path: Optional[str] = None
                 ) -> List[Dict[str, Any]]:
         """`Executor.profile` on a borrowed executor (it uses that executor's arena)."""

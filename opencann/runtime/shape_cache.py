@@ -110,6 +110,10 @@ class ShapePlanCache:
         """Run on the pool of these inputs' shapes (see `ExecutorPool.run`)."""
         return self.pool_for(inputs).run(inputs)
 
+    def run_observed(self, inputs: Sequence[torch.Tensor], observe: Callable[[Any, tuple], None]) -> tuple:
+        """`ExecutorPool.run_observed` on the pool of these inputs' shapes."""
+        return self.pool_for(inputs).run_observed(inputs, observe)
+
     def profile(self, inputs: Sequence[torch.Tensor], path: Optional[str] = None
                 ) -> List[Dict[str, Any]]:
         """`ExecutorPool.profile` on the pool of these inputs' shapes."""

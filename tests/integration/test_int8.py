@@ -354,3 +354,57 @@ def test_pass_says_why_it_did_not_apply():
     assert cm.report.op_counts_after.get("LinearAct") == 1
     skip = [s for s in cm.report.skipped if s["pass"] == "quantize_int8"]
     assert skip and "no calibration record" in skip[0]["reason"]
+
+
+class _Unquantized(torch.nn.Module):
+    """Layers the int8 rewrite does not take: Conv1d, ConvTranspose2d, Conv3d, and a
+    batched matmul with a constant operand; one Conv2d that it does."""
+
+    def __init__(self):
+        super().__init__()
+        self.c1, self.ct = torch.nn.Conv1d(4, 8, 3), torch.nn.ConvTranspose2d(8, 4, 2)
+        self.c3, self.c2 = torch.nn.Conv3d(4, 4, 1), torch.nn.Conv2d(4, 4, 3, padding=1)
+        self.w = torch.nn.Parameter(torch.randn(3, 4, 5))
+
+    def forward(self, x):
+        y = self.c1(x)                                              # [B, 8, L]
+        z = self.c2(self.ct(y.unsqueeze(-1)))                       # [B, 4, L + 1, 2]
+        z = self.c3(z.unsqueeze(2)).squeeze(2)
+        return torch.bmm(z.flatten(2)[:3, :, :4].transpose(1, 2), self.w)
+
+
+def test_every_layer_left_in_float_has_a_report_row():
+    torch.manual_seed(0)
+    m = _Unquantized().eval()
+    cal = [torch.randn(3, 4, 10, generator=torch.Generator().manual_seed(k)) for k in range(2)]
+    q = opencann.quantize(m, cal)
+    rows = {r["where"].split(" ")[0]: r for r in quant_report(q)}
+    assert rows["c2"]["int8"]
+    for name, kind in (("c1", "1-D convolution"), ("ct", "transposed convolution"), ("c3", "3-D convolution")):
+        assert not rows[name]["int8"] and kind in rows[name]["reason"], rows[name]
+    assert any(not r["int8"] and "BatchMatMul with a constant operand" in r["reason"] for r in rows.values())
+    x = torch.randn(3, 4, 10)
+    assert _cos(q(x), m(x)) > 0.999
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_fp32_emulation_agrees_with_the_onednn_kernels(monkeypatch, dynamic):
+    """Where oneDNN's uint8 x int8 products are not exact (x86 without VNNI: int16
+    saturation), the int8 ops run their arithmetic in fp32 (`int8_emulated`); on a host
+    where they are exact both agree to fp32 rounding, uint8 residual chains and all, and
+    both stay close to eager on inputs of full 8-bit range (the saturation case)."""
+    import opencann.ops.kernels.int8_cpu as int8_cpu
+    from opencann.devices.cpu import onednn_int8_exact
+    m, cal = _model(), [c * 3 for c in _cal()]
+    cfg = create_quant_config(mode="dynamic") if dynamic else None
+    native = opencann.quantize(m, cal, config=cfg)
+    monkeypatch.setattr(int8_cpu, "onednn_int8_exact", lambda: False)
+    emulated = opencann.quantize(m, cal, config=cfg)
+    for seed in (7, 8):
+        x = torch.randn(2, 3, 16, 16, generator=torch.Generator().manual_seed(seed)) * 3
+        with torch.no_grad():
+            ref = m(x)
+        y = emulated(x)
+        assert _cos(y, ref) >= 0.999
+        if onednn_int8_exact():
+            torch.testing.assert_close(y, native(x), rtol=1e-4, atol=1e-4)

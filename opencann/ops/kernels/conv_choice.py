@@ -46,13 +46,15 @@ from typing import Tuple
 
 import torch
 
+from ...devices.cpu import onednn_bf16_available
 from ...ir import DataType, Node
 
 # the kernels a ConvBiasAct / ConvAddAct may bind (node.meta["kernel"], saved in model files)
 CONV_KERNELS = ("onednn", "aten")
-# the dtypes of oneDNN's fused convolution (ConvBiasAct / ConvAddAct; bf16: its native
-# avx512_bf16 / AMX kernels); a convolution in another dtype stays a Conv2D (ATen's kernel)
-ONEDNN_CONV_DTYPES = (torch.float32, torch.bfloat16)
+# the dtypes of oneDNN's fused convolution (ConvBiasAct / ConvAddAct; bf16 where oneDNN has
+# bf16 kernels on this CPU: AVX-512 BW/VL, AVX-NE-CONVERT or AMX, `onednn_bf16_available`);
+# a convolution in another dtype stays a Conv2D (ATen's kernel)
+ONEDNN_CONV_DTYPES = (torch.float32, torch.bfloat16) if onednn_bf16_available() else (torch.float32,)
 # multiply-adds below which eager's NCHW convolution runs faster (module docstring)
 MAX_ATEN_MACS_POINTWISE = 8_000_000   # 1x1 kernels, any batch
 MAX_ATEN_MACS_BATCH1 = 1_000_000      # larger kernels, batch 1

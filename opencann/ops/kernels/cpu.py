@@ -57,7 +57,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from ...devices.cpu import best_time_us, mkl_packed_available, onednn_linear_available
+from ...devices.cpu import best_time_us, mkl_packed_available, onednn_bf16_available, onednn_linear_available
 from ...ir import Node, TensorDesc, TensorRef
 from ..weight_concat import concat_view
 from ..weight_probe import probe_bytes
@@ -471,7 +471,8 @@ def _available(kernel: str, n: int, bias: Optional[TensorDesc], m: int = 0,
     product, MKL's packed GEMM and the GEMV take a full [n] bias or none: only addmm
     broadcasts a [1] one, the others read n values from its pointer, past its end, and
     oneDNN's read them as contiguous, `_dense_bias`); the GEMV 1..`GEMV_MAX_ROWS` rows;
-    bf16 runs on addmm and oneDNN's prepacked inner product only: MKL's packed GEMM,
+    bf16 runs on addmm and oneDNN's prepacked inner product only (that where
+    `onednn_bf16_available`): MKL's packed GEMM,
     the numba GEMV, ``addmm_kn`` and ``onednn_plain`` are fp32). ``kn``: ``addmm_kn``
     (addmm on a contiguous copy of the weight) is offered: a weight held transposed
     (nn.Linear's [n, k] weight viewed as [k, n]) streamed by a few-row GEMM
@@ -484,7 +485,7 @@ def _available(kernel: str, n: int, bias: Optional[TensorDesc], m: int = 0,
     if kernel == "gemv":
         return 1 <= m <= GEMV_MAX_ROWS and full
     if kernel in ("onednn_packed", "onednn_plain"):
-        return onednn_linear_available() and full
+        return onednn_linear_available() and full and (dtype != torch.bfloat16 or onednn_bf16_available())
     if kernel == "mkl_packed":
         return mkl_packed_available() and full
     return kernel == "addmm"

@@ -34,63 +34,17 @@ QInt8 per-channel weights).
 """
 from __future__ import annotations
 
-import math
 from typing import Callable, Sequence, Tuple
 
 import torch
 
+from ...devices.cpu import onednn_int8_exact
 from ...ir import Node, TensorDesc, TensorRef
 from .cpu import _ACT_FN, ThreadPacks
-from .out_arg import check_out
+from .int8_emulated import emulated_quant_conv, emulated_quant_linear
+from .int8_quantize import QMAX, QMIN, dynamic_params, quantize_u8
 
-QMIN, QMAX = 0, 255   # uint8 activations
 _LINEAR_POST = {"relu": ("relu", ""), "gelu": ("gelu", "none"), "gelu_tanh": ("gelu", "tanh")}
-
-
-def quantize_u8(x: torch.Tensor, step: float, offset: int, out: torch.Tensor = None,
-                divide: bool = False) -> torch.Tensor:
-    """``x`` (float) to uint8 ``saturate(round_half_even(x / step) + offset)`` in [0, 255],
-    NaN → 0; x's memory format kept. ``step`` > 0 (float), ``offset`` in [0, 255]. A dense
-    fp32 x takes one numba pass (`quant_numba.quantize_dense`, same values), a dense bf16
-    x one pass reading it directly (`quant_bf16_numba.quantize_bf16_dense`: the values of
-    quantizing ``x.float()``, no Cast); any other the eager ops below. ``out``: a uint8
-    tensor of x's shape that receives the result (written in place by the numba pass when
-    it has x's strides, else copied into) and is returned; None: a fresh tensor.
-    ``divide``: x / step, correctly rounded (ONNX QuantizeLinear), where the default
-    multiplies by 1 / step in fp32 (AscendQuant's ``x * scale``; a value on a rounding
-    boundary may land one step apart). Raises ValueError (one line) for an ``out`` of
-    another dtype or shape."""
-    from .quant_numba import quantize_dense   # numba loads on the first int8 call only
-    from .quant_bf16_numba import quantize_bf16_dense
-    check_out("quantize_u8", out, x.shape, torch.uint8)
-    y = (quantize_dense(x, step, offset, out, divide) if x.dtype == torch.float32
-         else None if divide else quantize_bf16_dense(x, step, offset, out))
-    if y is not None:
-        return y
-    y = torch.div(x.float(), step) if divide else torch.mul(x.float(), 1.0 / step)
-    y.round_().add_(offset).clamp_(QMIN, QMAX)
-    torch.nan_to_num_(y, nan=float(QMIN))
-    y = y.to(torch.uint8)
-    return y if out is None else out.copy_(y)
-
-
-def dynamic_params(x: torch.Tensor) -> Tuple[float, int]:
-    """(step, offset) of ONNX DynamicQuantizeLinear for ``x``: the range [min(x, 0),
-    max(x, 0)] over 255 levels, offset = saturate(round(-min / step)); step 1.0 for an
-    all-zero x. NaN / ±inf in x are left out of the range, as calibration leaves them out
-    (a second pass, only when the first range is not finite): the finite values keep their
-    resolution and the specials saturate (docs/guide/quantization.md); step 1.0 when no
-    value is finite. x fp32 or bf16 (read as it is: bf16 values are exact in fp32)."""
-    lo, hi = torch.aminmax(x)
-    lo, hi = float(lo), float(hi)
-    if not (math.isfinite(lo) and math.isfinite(hi)):
-        fin = x[torch.isfinite(x)]
-        lo, hi = (float(fin.min()), float(fin.max())) if fin.numel() else (0.0, 0.0)
-    lo, hi = min(lo, 0.0), max(hi, 0.0)
-    step = (hi - lo) / 255.0
-    if not (step > 0.0 and step != float("inf")):
-        return 1.0, 0
-    return step, int(min(max(round(-lo / step), QMIN), QMAX))
 
 
 def make_dynamic_quant_dequant_kernel(node: Node, in_descs: Sequence[TensorDesc], consts: Sequence) -> Callable:
@@ -174,7 +128,11 @@ def make_quant_conv_kernel(node: Node, in_descs: Sequence[TensorDesc], consts: S
     uint8 at ``out_scale`` / ``out_offset`` when the node's output is uint8 (``fuse_requant``);
     a uint8 QuantConvAddAct takes a uint8 addend at ``accum_scale`` / ``accum_offset`` and
     its ReLU as a oneDNN post-op (integers: no NaN to keep).
-    Raises KeyError for a missing attribute (the quantize pass always sets them)."""
+    Raises KeyError for a missing attribute (the quantize pass always sets them). Where
+    oneDNN's int8 products are not exact (`onednn_int8_exact`), the same arithmetic in
+    fp32 (`int8_emulated`)."""
+    if not onednn_int8_exact():
+        return emulated_quant_conv(node, in_descs, consts)
     a = node.attrs
     conv_args = (list(a["stride"]), list(a["padding"]), list(a["dilation"]), int(a["groups"]))
     step, offset = float(a["x_scale"]), int(a["x_offset"])
@@ -253,7 +211,10 @@ def make_quant_linear_kernel(node: Node, in_descs: Sequence[TensorDesc], consts:
     in the node's output dtype: fp32, bf16 (oneDNN rounds its fp32 result once: the bits
     of the fp32 output cast to bf16), or uint8 at ``out_scale`` / ``out_offset``
     (``fuse_requant``). The weight is transposed to [n, k] and prepacked once here
-    (``onednn.qlinear_prepack``; it serves every m)."""
+    (``onednn.qlinear_prepack``; it serves every m). Where oneDNN's int8 products are not
+    exact (`onednn_int8_exact`), the same arithmetic in fp32 (`int8_emulated`)."""
+    if not onednn_int8_exact():
+        return emulated_quant_linear(node, in_descs, consts)
     a = node.attrs
     xi, wi, si = a["mat1"].index, a["mat2"].index, a["w_scale"].index
     bi = a["self"].index if isinstance(a.get("self"), TensorRef) else None

@@ -26,7 +26,7 @@ from typing import Callable, Iterator, Optional, Tuple
 
 import torch
 
-from ...devices.cpu import onednn_linear_available
+from ...devices.cpu import onednn_bf16_available, onednn_linear_available
 from .activations import kernels, probe_input
 from .compare import first_difference
 from .probe import Probe, register
@@ -66,7 +66,8 @@ def low_kernels(act: str, dtype: torch.dtype) -> Iterator[Tuple[str, Callable, C
     for name, f in kernels(act, dtype):
         yield name, f, fp32[name]
     from ..kernels.cpu import BF16_LINEAR_POST   # the ops layer's kernels, loaded on use
-    if dtype == torch.bfloat16 and act in BF16_LINEAR_POST and onednn_linear_available():
+    if dtype == torch.bfloat16 and act in BF16_LINEAR_POST and onednn_linear_available() \
+            and onednn_bf16_available():
         functional = next(iter(fp32.values()))   # `kernels` yields ATen's functional first
         yield (f"oneDNN's bf16 inner product with the {act} post-op (LinearAct)",
                _linear_post_op(*BF16_LINEAR_POST[act]), _columns(functional))
@@ -101,7 +102,7 @@ ACTIVATION_LOW_PROBE = register(Probe(
     kernel="ATen's bf16 / fp16 activation (functional, .out, in place; contiguous, strided, "
     "channels-last) and, in bf16, oneDNN's inner product with the activation as its post-op",
     inputs="linspace(-4, 4) × 1000 with NaN, ±inf, ±3e38, ±1e13 at the head, body and tail",
-    run=activation_low_differs))
+    run=activation_low_differs, version=2))
 
 
 def activation_low_precision_differs(act: str, dtype: torch.dtype) -> Optional[str]:

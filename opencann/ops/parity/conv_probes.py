@@ -249,7 +249,7 @@ CONV_LOW_PROBE = register(Probe(
     "the reordered weight, alone and with the sum post-op in and out of place",
     inputs="seeded randn with NaN, +inf and -inf in a few pixels' first, middle and last "
     "channels; with and without a bias",
-    run=_conv_low_differs, version=4))
+    run=_conv_low_differs, version=5))
 
 
 def conv_low_precision_differs(cin: int, cout: int, groups: int, kernel: tuple, stride: tuple,

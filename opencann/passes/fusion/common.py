@@ -7,7 +7,7 @@ from typing import Optional
 import torch
 
 from ...devices.cpu import mkldnn_available
-from ...ir import Graph, Node, TensorRef
+from ...ir import DataType, Graph, Node, TensorRef
 from ...ops import get_op
 from ...ops.kernels.conv_choice import ONEDNN_CONV_DTYPES
 from ..base import RewritePass
@@ -31,7 +31,7 @@ def _conv_check(conv: Node) -> Optional[str]:
         return "transposed convolution (no fused oneDNN kernel used here)"
     if conv.outputs[0].desc.dtype.torch not in CONV_DTYPES:
         return (f"dtype {conv.outputs[0].desc.dtype.value}: the fused oneDNN convolution runs "
-                "fp32 and bf16 only here")
+                f"{' and '.join(DataType.from_torch(d).value for d in CONV_DTYPES)} only on this CPU")
     if conv.outputs[0].desc.rank != 4:
         return "not a 2-D convolution"
     if any(p != 0 for p in conv.attrs.get("output_padding", [0])):

@@ -133,6 +133,37 @@ def layer_labels(node: Node) -> set:
     return own | {lab.partition(".")[0] for lab in (node.meta.get("origin") or ()) if lab}
 
 
+_BF16_CONV = ("a bf16 convolution: int8 takes convolutions from fp32 graphs only (kept in bf16; "
+              "quantize without precision_mode to run it int8)")
+
+
+def _not_a_target(node: Node) -> Optional[str]:
+    """Why a convolution or matmul with a constant float weight that the int8 rewrite
+    does not take stays in float (a `quant_report` row), or None for other nodes: a
+    convolution left unfused (transposed, 1-D / 3-D, output padding: `_conv_check`'s
+    rules) or a matmul / batched matmul with a constant operand that is not a Linear."""
+    if node.op == "Conv2D":
+        w = node.arg("weight")
+        if not (w.is_const and w.desc.dtype.is_floating):
+            return None
+        if node.outputs[0].desc.dtype.torch == torch.bfloat16:
+            return _BF16_CONV
+        if node.attrs.get("transposed"):
+            kind = "a transposed convolution"
+        elif node.outputs[0].desc.rank != 4:
+            kind = f"a {node.outputs[0].desc.rank - 2}-D convolution"
+        else:
+            kind = "a convolution not fused into ConvBiasAct"
+        return (f"{kind}: the int8 kernels take 2-D forward convolutions (QuantConvBiasAct); "
+                f"kept in {w.desc.dtype.value}")
+    if node.op in ("MatMul", "BatchMatMul", "MatMulV2"):
+        const = [v for v in node.inputs if v.is_const and v.desc.dtype.is_floating and v.desc.rank >= 2]
+        if const:
+            return (f"{node.op} with a constant operand that is not a Linear's weight (LinearAct): "
+                    f"kept in {const[0].desc.dtype.value}")
+    return None
+
+
 class QuantizeInt8(CpuFusion):
     """ConvBiasAct / ConvAddAct / LinearAct(x, W fp32 const) ⇒ AscendQuant(x) →
     QuantConvBiasAct / QuantConvAddAct / QuantLinearAct(x_u8, W_int8, scale_w) (fp32 out);
@@ -154,6 +185,10 @@ class QuantizeInt8(CpuFusion):
         self._cfg = cfg
         self._quants: Dict[tuple, Value] = {}
         n = super().run(graph, ctx)
+        for node in graph.nodes:     # layers no target covers: a row each, with the reason
+            why = _not_a_target(node)
+            if why is not None:
+                ctx.skip(Skip(why, node))
         graph.prune_constants()
         ctx.note(f"{n} layer(s) in int8")
         return n
@@ -175,8 +210,7 @@ class QuantizeInt8(CpuFusion):
                 return Skip(f"bf16 LinearAct with activation {node.attrs.get('act')!r}: int8 in a bf16 graph "
                             f"takes {', '.join(_BF16_ACTS)} (oneDNN post-ops); kept in bf16")
         elif node.op != "LinearAct" and x.desc.dtype.torch == torch.bfloat16:
-            return Skip("a bf16 convolution: int8 takes convolutions from fp32 graphs only (kept in bf16; "
-                        "quantize without precision_mode to run it int8)")
+            return Skip(_BF16_CONV)
         elif not (w.is_const and w.desc.dtype.torch == torch.float32 and x.desc.dtype.torch == torch.float32):
             return Skip("the weight is not a constant fp32 tensor or x is not fp32 (bf16 is taken by "
                         "linears only: x, weight and result bf16)")
