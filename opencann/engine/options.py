@@ -187,8 +187,11 @@ def _check_keep_fp32(name: str) -> None:
 
 
 def _check_precision_options(options: Dict[str, Any]) -> None:
-    """Raises ValueError (one line) for a bad ``keep_fp32`` or ``lower_ops`` op name or a
-    bad ``node_precision``."""
+    """Raises ValueError (one line) for an unknown ``precision_mode``, a bad ``keep_fp32``
+    or ``lower_ops`` op name or a bad ``node_precision``."""
+    if options.get("precision_mode") is not None:
+        from ..passes.prepare.precision import low_dtype
+        low_dtype(options["precision_mode"])   # raises its one line for an unknown mode
     for name in options.get("keep_fp32") or ():
         _check_keep_fp32(name)
     for name in options.get("lower_ops") or ():

@@ -42,6 +42,7 @@ from ..passes.layout.vnpu_quantize_int8 import check_cube_int8
 from .compiled_model import CompiledModel
 from .dispatch import compile_torch
 from .entry import compile_module
+from .options import check_options
 
 TARGETS = ("ConvBiasAct", "ConvAddAct", "LinearAct")
 ALGORITHMS = ("minmax",)
@@ -57,15 +58,23 @@ def create_quant_config(skip_layers: Sequence[str] = (), *, mode: str = "static"
     "static" (calibrated activations) or "dynamic" (linears only, x quantized per call);
     ``activation``: the calibration algorithm (`ALGORITHMS`); ``dynamic_linear``: in
     static mode, linears without a calibration record run dynamic. Raises ValueError
-    (one line) for an unknown mode or algorithm or a string given as skip_layers."""
+    (one line) for an unknown mode or algorithm, skip_layers that is not a list of names
+    (None: none), or a dynamic_linear that is not a bool."""
     if mode not in MODES:
         raise ValueError(f"mode {mode!r} is not one of {MODES}")
     if activation not in ALGORITHMS:
         raise ValueError(f"activation {activation!r} is not one of {ALGORITHMS}")
     if isinstance(skip_layers, str):
         raise ValueError(f"skip_layers takes a list of names, e.g. [{skip_layers!r}]")
-    return {"mode": mode, "activation": activation, "skip_layers": list(skip_layers),
-            "dynamic_linear": bool(dynamic_linear) or mode == "dynamic"}
+    names = list(skip_layers) if isinstance(skip_layers, (list, tuple, set, frozenset)) else \
+        [] if skip_layers is None else None
+    if names is None or not all(isinstance(n, str) for n in names):
+        raise ValueError(f"skip_layers takes a list of layer names (strings), e.g. ['fc'], "
+                         f"got {skip_layers!r:.80}")
+    if not isinstance(dynamic_linear, bool):
+        raise ValueError(f"dynamic_linear takes True or False, got {dynamic_linear!r:.40}")
+    return {"mode": mode, "activation": activation, "skip_layers": names,
+            "dynamic_linear": dynamic_linear or mode == "dynamic"}
 
 
 class _Range:
@@ -229,7 +238,7 @@ def quantize(model: torch.nn.Module, calibration_inputs, *, config: Optional[Dic
     ``opencann.compile`` raises. The compiled model's ``report`` lists every layer in
     the ``quantize_int8`` pass's entries (`quant_report`)."""
     cfg = _config(config)
-    opts = dict(options or {})
+    opts = check_options(options)     # one line for options that are no dict or unknown
     _check_target(cfg, opts, device)
     vnpu = parse_device(device).kind == "vnpu"
     dynamic = dynamic_shapes is not None and not vnpu   # calibrated at the batches' own shapes
@@ -291,16 +300,27 @@ def _calibration_options(opts: Dict[str, Any]) -> Dict[str, Any]:
     return {k: v for k, v in dict(opts, quant_config=None).items() if k not in GEAR_OPTIONS}
 
 
+_CONFIG_KEYS = ("mode", "activation", "skip_layers", "dynamic_linear")
+
+
 def _config(config: Optional[Dict[str, Any]]) -> Dict[str, Any]:
-    """``config``, checked (default: `create_quant_config`'s); ValueError (one line) for
-    no such dict or a string ``skip_layers``."""
-    cfg = create_quant_config() if config is None else config
-    if not isinstance(cfg, dict) or "mode" not in cfg:
+    """``config`` checked and completed as `create_quant_config` makes it (default: its
+    defaults); ValueError (one line) for no dict, an unknown key, or any value
+    `create_quant_config` refuses."""
+    if config is None:
+        return create_quant_config()
+    if not isinstance(config, dict):
         raise ValueError(f"config must come from opencann.tools.quantize.create_quant_config(...), "
-                         f"got {cfg!r:.80}")
-    if isinstance(cfg.get("skip_layers"), str):
-        raise ValueError(f"config['skip_layers'] takes a list of names, e.g. [{cfg['skip_layers']!r}]")
-    return cfg
+                         f"got {type(config).__name__} {config!r:.80}")
+    unknown = sorted(set(config) - set(_CONFIG_KEYS))
+    if unknown:
+        raise ValueError(f"config has unknown key(s) {unknown}: create_quant_config takes "
+                         f"{', '.join(_CONFIG_KEYS)}")
+    given = {k: config[k] for k in _CONFIG_KEYS if k in config}
+    try:
+        return create_quant_config(given.pop("skip_layers", ()), **given)
+    except ValueError as e:
+        raise ValueError(f"config: {e}") from None
 
 
 def _check_skip_layers(cm: CompiledModel, skip: Sequence[str], rows: List[Dict[str, Any]]) -> None:

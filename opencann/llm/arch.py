@@ -174,6 +174,15 @@ def rope_context(config: Any) -> int:
     return limit
 
 
+def sliding_window(config: Any) -> Optional[int]:
+    """The sliding-attention window (tokens) of a Llama-family ``config`` (`LLAMA_TYPES`;
+    None for full attention and for other model types): `LLMArch.sliding_window`, whose
+    size is the longest ``max_seq_len`` `LLMArch.check_max_seq_len` admits. Raises
+    ValueError (one line) for attention layer types opencann.llm does not know."""
+    mt = _get(config, "model_type", None)
+    return _sliding_window(config, mt) if mt in LLAMA_TYPES else None
+
+
 def _sliding_window(config: Any, mt: str) -> Optional[int]:
     types = set(_get(config, "layer_types", None) or ())
     if types - {"full_attention", "sliding_attention"}:

@@ -187,6 +187,9 @@ class Generator:
         pad = _as_id(pad)
         ok = isinstance(pad, int) and not isinstance(pad, bool) and 0 <= pad < self.arch.vocab_size
         if given and not ok and pad is not None:
+            if not isinstance(pad, int) or isinstance(pad, bool):
+                raise ValueError(f"pad_token_id {pad!r} is not an integer id: pass an int in "
+                                 f"[0, {self.arch.vocab_size}) or None")
             raise ValueError(f"pad_token_id {pad!r} is outside the vocabulary "
                              f"[0, {self.arch.vocab_size}); pass an id the model can embed")
         return pad if ok else (stops[0] if stops else 0)

@@ -223,8 +223,9 @@ class Sampler:
                  stops: Sequence[int] = (), prompt_len: int = 0):
         self.processors = logits_processors(gc, padding, stops, prompt_len)
         self.do_sample = bool(gc.do_sample)
-        if seed is not None and not _integer(seed):
-            raise ValueError(f"seed must be an int (or None for the global RNG), got {seed!r}")
+        if seed is not None and not (_integer(seed) and 0 <= int(seed) < 2 ** 64):
+            raise ValueError(f"seed must be an int in [0, 2**64) (torch.Generator's range), or None "
+                             f"for the global RNG, got {seed!r:.40}")
         self.generator = torch.Generator().manual_seed(int(seed)) if seed is not None else None
 
     def __call__(self, sequences: Optional[torch.Tensor], logits: torch.Tensor) -> torch.Tensor:

@@ -90,14 +90,18 @@ def lengths(args: argparse.Namespace, prompt_len: int, model) -> "tuple[int, int
     ``--max-seq-len``, or prompt + new tokens rounded up to `MAX_SEQ_LEN_STEP` and capped
     at the model's context as ``opencann.llm.compile`` reads it
     (`opencann.llm.arch.rope_context`: ``max_position_embeddings``, longer under a
-    ``linear``/``llama3``/``yarn`` RoPE scaling; GPT-2's ``n_positions``). New tokens:
+    ``linear``/``llama3``/``yarn`` RoPE scaling; GPT-2's ``n_positions``; a sliding
+    window's size where it is shorter: the generator serves up to it). New tokens:
     `new_tokens` within that room. The cache holds prompt + new - 1 positions (the last
     new token is never fed back), as the generator counts them. Raises ValueError (one
     line) when they do not fit."""
-    from ..llm.arch import rope_context
-    context = rope_context(model.config)
+    from ..llm.arch import rope_context, sliding_window
+    context, what = rope_context(model.config), "the model's context of {}"
+    window = sliding_window(model.config)     # opencann.llm serves up to the window
+    if window and (not context or window < context):
+        context, what = window, "the model's sliding window of {}"
     room, what = ((args.max_seq_len, f"--max-seq-len {args.max_seq_len}")
-                  if args.max_seq_len is not None else (context, f"the model's context of {context}"))
+                  if args.max_seq_len is not None else (context, what.format(context)))
     new = new_tokens(args.max_new_tokens, prompt_len, room or prompt_len + DEFAULT_NEW_TOKENS)
     need = prompt_len + new - 1
     if room and need > room and args.max_new_tokens is None:

@@ -346,6 +346,29 @@ def test_errors_are_one_line():
         opencann.quantize(lin, [torch.full((2, 8), float("nan")), torch.full((2, 8), float("inf"))])
     with pytest.raises(ValueError, match="lowers layers to fp16/bf16"):
         opencann.quantize(lin, [torch.randn(2, 8)], options={"precision_mode": "allow_mix_precision"})
+    x = [torch.randn(2, 8)]
+    for kw, match in ((dict(options="allow_mix_precision_bf16"), "options must be a dict"),
+                      (dict(options={"precision_mode": "bogus"}), "unknown precision_mode 'bogus'"),
+                      (dict(config={"mode": "bogus"}), "config: mode 'bogus' is not one of"),
+                      (dict(config={"mode": "static", "activation": "kl"}), "activation 'kl'"),
+                      (dict(config={"mode": "static", "skip_layers": 5}), "skip_layers takes a list of layer names"),
+                      (dict(config={"mode": "static", "skip": ["fc"]}), r"unknown key\(s\) \['skip'\]"),
+                      (dict(config={"mode": "static", "dynamic_linear": "yes"}), "dynamic_linear takes True or False"),
+                      (dict(config="static"), "config must come from")):
+        with pytest.raises(ValueError, match=match) as e:
+            opencann.quantize(lin, x, **kw)
+        assert "\n" not in str(e.value)
+    assert create_quant_config(skip_layers=None)["skip_layers"] == []
+
+
+def test_a_hand_written_config_is_completed_as_create_quant_config_makes_it():
+    """``{"mode": "dynamic"}`` without ``dynamic_linear`` quantizes the linears (as
+    create_quant_config(mode="dynamic") does); a config of a few keys takes the defaults."""
+    lin = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4)).eval()
+    x = [torch.randn(2, 8)]
+    for cfg in ({"mode": "dynamic"}, {"mode": "static"}):
+        rows = quant_report(opencann.quantize(lin, x, config=cfg))
+        assert len(rows) == 2 and all(r["int8"] for r in rows), (cfg, rows)
 
 
 def test_pass_says_why_it_did_not_apply():

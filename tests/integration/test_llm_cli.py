@@ -166,6 +166,20 @@ def test_max_seq_len_serves_a_rope_scaled_context_as_the_generator_does():
         max_seq_len(argparse.Namespace(max_seq_len=None, max_new_tokens=125), 5, model)
 
 
+def test_max_seq_len_defaults_to_a_sliding_window_shorter_than_its_step():
+    """A sliding window of 16 (Mistral): the generator serves up to the window, so the
+    default cache is capped there (not rounded up to 64 and then refused), and a request
+    past it names the window."""
+    import argparse
+    from types import SimpleNamespace
+    from opencann.tools.generate_cli import max_seq_len
+    model = SimpleNamespace(config=SimpleNamespace(model_type="mistral", max_position_embeddings=128,
+                                                   sliding_window=16))
+    assert max_seq_len(argparse.Namespace(max_seq_len=None, max_new_tokens=3), 2, model) == 16
+    with pytest.raises(ValueError, match=r"more than the model's sliding window of 16"):
+        max_seq_len(argparse.Namespace(max_seq_len=None, max_new_tokens=20), 2, model)
+
+
 @pytest.fixture(scope="module")
 def small_gpt2(tmp_path_factory):
     """A tiny random GPT-2 folder of 24 positions whose generation_config keeps GPT2Config's

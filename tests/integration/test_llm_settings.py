@@ -201,6 +201,12 @@ def test_eos_none_generates_past_the_configs_stop_token(gen):
     (dict(max_new_tokens=None, max_length="20"), r"^max_length must be a positive int"),
     (dict(do_sample=True, min_p=1.5), r"^min_p must be in \[0, 1\]"),
     (dict(do_sample=True, temperature=float("nan")), r"^temperature must be > 0"),
+    (dict(do_sample=True, seed=2 ** 64), r"^seed must be an int in \[0, 2\*\*64\)"),
+    (dict(do_sample=True, seed=-1), r"^seed must be an int in \[0, 2\*\*64\)"),
+    (dict(pad_token_id="1"), r"^pad_token_id '1' is not an integer id"),
+    (dict(pad_token_id=1.0), r"^pad_token_id 1.0 is not an integer id"),
+    (dict(pad_token_id=True), r"^pad_token_id True is not an integer id"),
+    (dict(pad_token_id=10 ** 6), r"^pad_token_id 1000000 is outside the vocabulary"),
 ])
 def test_settings_of_the_wrong_type_are_one_line(gen, kw, match):
     kw = {"max_new_tokens": 3, **kw}
