@@ -551,7 +551,10 @@ def call_args(node: Node, inputs: Sequence[Any]) -> Tuple[list, dict]:
 
 
 def infer(node: Node) -> List[TensorDesc]:
-    """Shape/dtype inference by running the op's ATen overload on meta tensors.
+    """Shape/dtype inference by running the op's ATen overload on meta tensors; an
+    output the kernel does not produce (None, or in ``node.meta["none_outputs"]``: the
+    meta kernel of ``native_batch_norm_backward`` ignores ``output_mask``) is
+    `SKIPPED_OUTPUT`.
 
     Raises ValueError naming the node and its source location when inference fails."""
     op = get_op(node.op)
@@ -569,6 +572,7 @@ def infer(node: Node) -> List[TensorDesc]:
         raise ValueError(f"shape inference failed for {node.name} ({node.op}) at "
                          f"{node.where()}: {e}") from None
     outs = out if isinstance(out, (tuple, list)) else [out]
-    return [SKIPPED_OUTPUT if t is None
+    absent = node.meta.get("none_outputs", ())
+    return [SKIPPED_OUTPUT if t is None or k in absent
             else TensorDesc(tuple(int(s) for s in t.shape), DataType.from_torch(t.dtype))
-            for t in outs]
+            for k, t in enumerate(outs)]

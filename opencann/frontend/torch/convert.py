@@ -70,6 +70,23 @@ def _flat_vals(val: Any) -> Tuple[List[Any], bool]:
     return [val], False
 
 
+def _absent_outputs(node: fx.Node, vals: List[Any], mask: Any) -> List[int]:
+    """Positions of the outputs of multi-output ``node`` (FX values ``vals``) that its
+    kernel may not produce: a None value, or one its ``output_mask`` (a gradient op's
+    list of bools, None if the op has none) turns off and that no ``getitem`` reads.
+    FX's value is not enough: the meta kernels of ``native_batch_norm_backward`` and
+    ``batch_norm_backward`` return grad_input whatever the mask, while the CPU kernel
+    returns an undefined tensor (a BatchNorm on an input that needs no gradient), which
+    an ``.out`` call into a planned buffer refuses."""
+    absent = {k for k, v in enumerate(vals) if v is None}
+    if isinstance(mask, (list, tuple)) and all(isinstance(m, bool) for m in mask):
+        users = list(node.users)
+        if all(u.target is operator.getitem for u in users):
+            read = {u.args[1] for u in users}
+            absent |= {k for k, m in enumerate(mask) if not m and k < len(vals) and k not in read}
+    return sorted(absent)
+
+
 # Outputs where ATen's meta kernel and its CPU kernel disagree, so FX's values are taken
 # as they are: inference BatchNorm's saved statistics are empty on CPU ([C] on meta);
 # for bf16/fp16 inputs, the normalisations' statistics dtypes differ between the meta
@@ -174,7 +191,8 @@ def convert_node(graph: Graph, node: fx.Node, env: Dict[fx.Node, Any]) -> None:
     vals, is_seq = _flat_vals(node.meta.get("val"))
     # a multi-output op may skip outputs (a gradient op's output_mask): an empty
     # stand-in value, never planned, that the kernel returns as None
-    none_outputs = [k for k, v in enumerate(vals) if v is None] if is_seq else []
+    none_outputs = _absent_outputs(node, vals, attrs.get("output_mask")) if is_seq else []
+    vals = [None if k in none_outputs else v for k, v in enumerate(vals)]
     descs = [SKIPPED_OUTPUT if k in none_outputs
              else _desc(v, f"{node.name} at {src}") for k, v in enumerate(vals)]
     ir = graph.create_node(opdef.name if opdef else "HostFallback", inputs, attrs, descs,

@@ -200,7 +200,7 @@ def inline(graph: Graph, rule: FusionRule, m: _RuleMatch) -> Value:
         n = graph.create_node(rn.op, [env[id(v)] for v in rn.inputs], dict(rn.attrs),
                               [o.desc for o in rn.outputs], name=f"{rule.name}_{rn.name}",
                               source=m.root.source, scope=m.root.scope, before=m.root)
-        n.meta.update({k: v for k, v in rn.meta.items() if k == "aten"})
+        n.meta.update({k: v for k, v in rn.meta.items() if k in ("aten", "none_outputs")})
         n.meta["rule"] = rule.name
         try:
             descs = infer(n)
