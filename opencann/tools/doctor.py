@@ -120,7 +120,25 @@ def _cpu_checks() -> List[Check]:
                      "" if n <= cores else f"more threads than CPUs: set OMP_NUM_THREADS={cores} "
                      "or torch.set_num_threads"))
     out.append(_openmp_check())
+    out += _low_precision_checks()
     return out
+
+
+def _low_precision_checks() -> List[Check]:
+    """bf16 and int8 on this CPU: oneDNN's bf16 kernels (else ATen's, slower) and whether
+    its uint8 x int8 products are exact (else the int8 ops run their arithmetic in fp32)."""
+    from ..devices.cpu import onednn_bf16_available, onednn_int8_exact
+    bf16, int8 = onednn_bf16_available(), onednn_int8_exact()
+    return [Check("bf16", "ok" if bf16 else "warning",
+                  "oneDNN bf16 kernels" if bf16 else "no oneDNN bf16 kernels (needs AVX-512 BW/VL, "
+                  "AVX-NE-CONVERT or AMX)",
+                  "" if bf16 else "bf16 GEMMs and convolutions run on ATen's kernels: expect bf16 "
+                  "no faster than fp32 here"),
+            Check("int8", "ok" if int8 else "warning",
+                  "oneDNN u8 x s8 products exact (VNNI / AMX-int8)" if int8 else
+                  "oneDNN u8 x s8 products saturate (no VNNI)",
+                  "" if int8 else "int8 layers run their arithmetic in fp32 (correct, not faster than "
+                  "fp32); ONNX Runtime's own u8 x s8 kernels saturate here too (its reduce_range)")]
 
 
 def _openmp_check() -> Check:

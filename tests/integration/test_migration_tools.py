@@ -227,7 +227,7 @@ def test_doctor_ok_here_and_old_torch_is_an_error():
     checks = doctor()
     names = [c.name for c in checks]
     assert set(SUPPORTED) <= set(names)
-    assert {"cpu", "onednn", "mkl", "threads", "parity-cache", "cuda", "vnpu"} <= set(names)
+    assert {"cpu", "onednn", "mkl", "threads", "bf16", "int8", "parity-cache", "cuda", "vnpu"} <= set(names)
     assert not [c for c in checks if c.status == "error"], checks
     fake = doctor(installed=lambda n: "2.0.1" if n == "torch" else "99.0" if n != "python" else "3.11.0")
     torch_check = next(c for c in fake if c.name == "torch")
