@@ -8,13 +8,17 @@ import pytest
 import torch
 
 import opencann
-from opencann.devices.cpu import mkldnn_available, onednn_linear_available
+from opencann.devices.cpu import mkldnn_available, onednn_bf16_available, onednn_linear_available
 from opencann.ops import get_op
 from opencann.passes.prepare.precision import precision_summary
 
 pytestmark = pytest.mark.skipif(not (mkldnn_available() and onednn_linear_available()),
                                 reason="no oneDNN convolutions / inner products in this torch")
 BF16 = {"precision_mode": "allow_mix_precision_bf16"}
+#: the fused oneDNN bf16 kernels exist only where oneDNN has bf16 on this CPU; elsewhere the
+#: bf16 nodes run ATen's kernels (test_bf16_without_onednn_runs_aten_kernels)
+needs_onednn_bf16 = pytest.mark.skipif(not onednn_bf16_available(),
+                                       reason="no oneDNN bf16 kernels on this CPU (AVX2 only)")
 
 
 class Net(torch.nn.Module):
@@ -59,6 +63,7 @@ def _cosine(a, b):
     return (a @ b / (a.norm() * b.norm())).item()
 
 
+@needs_onednn_bf16
 def test_batchnorm_folds_and_every_conv_and_linear_runs_fused_in_bf16():
     m, x = _net()
     cm = opencann.compile(m, (x,), options=BF16)
@@ -84,6 +89,7 @@ def test_activations_stay_bf16_between_low_ops():
     assert cm.graph.outputs[0].producer.op == "Cast"
 
 
+@needs_onednn_bf16
 def test_a_call_reorders_no_weight_and_runs_native_bf16_kernels(capfd):
     """oneDNN's verbose log of a call after the first: bf16 convolutions and inner
     products on blocked (prepacked) weights, no reorder, no matmul on a plain weight."""
@@ -164,6 +170,7 @@ def test_keep_fp32_on_a_fused_conv_keeps_the_fp32_kernel():
     assert get_op("ConvBiasAct").fused_from == ("Conv2D",)
 
 
+@needs_onednn_bf16
 def test_a_bf16_model_file_loads_with_the_same_kernels_and_bits(tmp_path):
     m, x = _net()
     cm = opencann.compile(m, (x,), options=BF16)
@@ -207,3 +214,19 @@ def test_a_spelled_out_gelu_fuses_before_precision_and_runs_bf16():
     assert torch.equal(out.isnan(), ref.isnan()) and torch.equal(out.isinf(), ref.isinf())
     fin = ref.isfinite()
     assert fin.float().mean() > 0.5 and _cosine(out[fin], ref[fin]) >= 0.999
+
+
+def test_bf16_without_onednn_runs_aten_kernels(monkeypatch):
+    """Where oneDNN has no bf16 kernels, no GEMM or convolution binds one in bf16: the
+    bf16 LinearActs race only ATen's addmm, and the model runs (values as eager's bf16)."""
+    import opencann.ops.kernels.cpu as cpu
+    monkeypatch.setattr(cpu, "onednn_bf16_available", lambda: False)
+    assert not cpu._available("onednn_packed", 8, None, 4, torch.bfloat16)
+    assert cpu._available("addmm", 8, None, 4, torch.bfloat16)
+    m, x = _net()
+    cm = opencann.compile(m, x, options=BF16)
+    kernels = {n.meta.get("kernel") for n in cm.graph.nodes if n.op == "LinearAct"}
+    assert kernels <= {"addmm", None}, kernels
+    with torch.no_grad():
+        ref = m(x)
+    assert _cosine(cm(x), ref) > 0.999
