@@ -55,37 +55,61 @@ class Region:
     keep: Any = field(default=None, repr=False)
 
 
-_bases: List[int] = []
-regions: Dict[int, Region] = {}
+_bases: List[int] = []               # the bases of `regions`, sorted, each once
+regions: Dict[int, List[Region]] = {}   # base -> the regions starting there
 
 
 def add_region(r: Region) -> None:
-    """Register byte range ``r`` at ``r.base`` (replacing a region at the same base), kept sorted
-    for `find`."""
-    if r.base in regions:
-        del_region(r.base)
-    bisect.insort(_bases, r.base)
-    regions[r.base] = r
+    """Register byte range ``r``. Regions may overlap or nest (two arrays over one buffer,
+    a view inside an allocation) and share a base: each stays addressable until
+    `del_region` drops it, and `find` takes any one holding a whole range."""
+    at = regions.get(r.base)
+    if at is None:
+        bisect.insort(_bases, r.base)
+        regions[r.base] = at = []
+    at.append(r)
 
 
-def del_region(base: int) -> None:
-    """Forget the region at ``base``. Raises KeyError when there is none."""
-    regions.pop(base)
-    _bases.pop(bisect.bisect_left(_bases, base))
+def del_region(r: Region) -> None:
+    """Forget region ``r`` (this object; others at its base stay). Raises ValueError when
+    it is not registered."""
+    at = regions.get(r.base, [])
+    k = next((i for i, x in enumerate(at) if x is r), None)   # identity: Region has no ==
+    if k is None:
+        raise ValueError(f"no region {r!r} is registered")
+    del at[k]
+    if not at:
+        del regions[r.base]
+        _bases.pop(bisect.bisect_left(_bases, r.base))
+
+
+def allocation(ptr: Any) -> Optional[Region]:
+    """The allocation (``owned`` region: acl.rt.malloc / malloc_host) starting at ``ptr``,
+    or None."""
+    if not isinstance(ptr, int) or isinstance(ptr, bool):
+        return None
+    return next((r for r in regions.get(ptr, ()) if r.owned), None)
+
+
+def all_regions() -> List[Region]:
+    """Every registered region (a copy of the list: callers may drop some)."""
+    return [r for at in regions.values() for r in at]
 
 
 def find(ptr: int, nbytes: int) -> Optional[tuple]:
-    """(region, uint8 view of ``nbytes`` at ``ptr``) or None if not all inside one region."""
-    if not isinstance(ptr, int) or isinstance(ptr, bool):
+    """(region, uint8 view of ``nbytes`` at ``ptr``) from a region holding all of
+    [ptr, ptr + nbytes) — the nearest base at or below ``ptr`` first, then lower ones (an
+    enclosing buffer behind a registered view of it) — or None if no region holds it all."""
+    if not isinstance(ptr, int) or isinstance(ptr, bool) or not isinstance(nbytes, int) \
+            or isinstance(nbytes, bool) or nbytes < 0:
         return None
-    i = bisect.bisect_right(_bases, ptr) - 1
-    if i < 0:
-        return None
-    r = regions[_bases[i]]
-    off = ptr - r.base
-    if nbytes < 0 or off + nbytes > r.mem.numel():
-        return None
-    return r, r.mem[off:off + nbytes]
+    for i in range(bisect.bisect_right(_bases, ptr) - 1, -1, -1):
+        for r in reversed(regions[_bases[i]]):   # the latest registered first
+            mem = r.mem
+            off = ptr - r.base
+            if off + nbytes <= mem.numel():
+                return r, mem[off:off + nbytes]
+    return None
 
 
 def device_capacity(dev: int) -> int:

@@ -1,7 +1,12 @@
 """Every pyACL call returns an error code for a bad argument, never an exception: the
 facade's public functions are wrapped once (`guard_module`) so that an argument of the
 wrong type (a list as a handle, None as a size) is logged and answered with
-ACL_ERROR_INVALID_PARAM in the call's own return shape, as AscendCL's C API does."""
+ACL_ERROR_INVALID_PARAM in the call's own return shape, as AscendCL's C API does.
+
+An exception raised while every argument has the plain type its annotation names
+(``int``, ``str``) is the facade's own fault, not the caller's: it is logged as an
+internal error (naming the exception, and that the arguments were valid) and answered
+with ACL_ERROR_INTERNAL_ERROR in the same return shape."""
 from __future__ import annotations
 
 import functools
@@ -9,7 +14,7 @@ import inspect
 from types import ModuleType
 from typing import Any, Callable, Dict
 
-from .errors import ACL_ERROR_INVALID_PARAM, fail
+from .errors import ACL_ERROR_INTERNAL_ERROR, ACL_ERROR_INVALID_PARAM, fail
 
 _CODE = ACL_ERROR_INVALID_PARAM
 #: the failure value of calls that return something other than an error code
@@ -37,13 +42,48 @@ FAILURE: Dict[str, Any] = {
 _BAD_ARGUMENT = (TypeError, ValueError, KeyError, IndexError, AttributeError, OverflowError)
 
 
+#: annotation -> whether a value has that plain type (bool is not an int here)
+_PLAIN = {"int": lambda v: isinstance(v, int) and not isinstance(v, bool),
+          "str": lambda v: isinstance(v, str)}
+
+
+def _args_fit(sig: inspect.Signature, args: tuple, kwargs: dict) -> bool:
+    """Whether the call binds to ``sig`` and every argument passed has the plain type its
+    annotation names (`_PLAIN`); an unannotated or other parameter never fits."""
+    try:
+        bound = sig.bind(*args, **kwargs)
+    except TypeError:
+        return False
+    return all(_PLAIN.get(sig.parameters[n].annotation, lambda v: False)(v)
+               for n, v in bound.arguments.items())
+
+
+def _with_code(failure: Any, code: int) -> Any:
+    """``failure`` (a call's failure value) carrying ``code`` where it carries the
+    ACL_ERROR_INVALID_PARAM code (a plain code, or a tuple's last item)."""
+    if failure == _CODE and isinstance(failure, int):
+        return code
+    if isinstance(failure, tuple) and failure and failure[-1] == _CODE:
+        return failure[:-1] + (code,)
+    return failure
+
+
 def _guarded(fn: Callable, api: str, failure: Any) -> Callable:
+    sig = inspect.signature(fn)
+
     @functools.wraps(fn)
     def call(*args, **kwargs):
         try:
             return fn(*args, **kwargs)
-        except _BAD_ARGUMENT as e:
-            fail(_CODE, api, f"bad argument ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else e!r})")
+        except Exception as e:  # noqa: BLE001 - a pyACL call answers with a code
+            what = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else repr(e)}"
+            if _args_fit(sig, args, kwargs):
+                fail(ACL_ERROR_INTERNAL_ERROR, api, f"internal error ({what}); the arguments are "
+                     "valid, so this is a fault of opencann: please report it")
+                return _with_code(failure, ACL_ERROR_INTERNAL_ERROR)
+            if not isinstance(e, _BAD_ARGUMENT):
+                raise
+            fail(_CODE, api, f"bad argument ({what})")
             return failure
     call.__acl_guarded__ = True
     return call

@@ -227,10 +227,14 @@ def _index_by_name(model_desc, name, outputs: bool, api: str):
     v = described(model_desc, api)
     if v is None:
         return -1, ACL_ERROR_INVALID_PARAM
+    what = "output" if outputs else "input"
+    if not isinstance(name, str):
+        return -1, fail(ACL_ERROR_INVALID_PARAM, api, f"name must be a str (an {what} name, as "
+                        f"acl.mdl.get_{what}_name_by_index gives), got {type(name).__name__}")
     names = [v.name(i, outputs) for i in range(_count(v, outputs))]
     if name not in names:
-        return -1, fail(ACL_ERROR_INVALID_PARAM, api, f"the model has no {'output' if outputs else 'input'} "
-                        f"named {name!r} (it has {names})")
+        return -1, fail(ACL_ERROR_INVALID_PARAM, api, f"the model has no {what} named {name!r} "
+                        f"(it has {names})")
     return names.index(name), ACL_SUCCESS
 
 
@@ -311,9 +315,11 @@ def _buffers(dataset, needs, exact: bool, api: str, mismatch: int):
 
 
 def _dim_values(shapes: ModelShapes, dataset: int, api: str):
-    """The dynamic dims' values for an execution on input ``dataset``: the gear set by
-    ``acl.mdl.set_dynamic_*``, or (no gears) the shapes ``set_dataset_tensor_desc`` gave;
-    an error code when they are missing or inconsistent."""
+    """The dynamic dims' values (symbol -> int) for an execution on input ``dataset``: the
+    gear set by ``acl.mdl.set_dynamic_*``, or (no gears) the symbols the model's own
+    `ShapeBinder` binds from the shapes ``set_dataset_tensor_desc`` gave (derived dims such
+    as ``2 * s`` solved for ``s``, ranges and shared dims checked); an error code (logged)
+    when they are missing or inconsistent."""
     if not shapes.dynamic:
         return {}
     if shapes.gears:
@@ -323,35 +329,44 @@ def _dim_values(shapes: ModelShapes, dataset: int, api: str):
                         f"{shapes.gear_list()}: call {GEAR_SETTERS[shapes.option]} on the input "
                         "dataset before executing")
         return values
+    given = []
+    for i in range(len(shapes.inputs)):
+        dims = _described_shape(shapes, dataset, i, api)
+        if isinstance(dims, int):
+            return dims
+        given.append(dims)
+    try:
+        return shapes.binder.shape_values(given)
+    except ValueError as e:   # out of range, shared dims that differ, a size 2*s cannot take
+        return fail(ACL_ERROR_MODEL_INPUT_NOT_MATCH, api, f"the tensor descriptions' shapes: {e}")
+
+
+def _described_shape(shapes: ModelShapes, dataset: int, i: int, api: str):
+    """Input ``i``'s shape for this execution: its static shape, or with dynamic dims the
+    dims of the tensor description ``set_dataset_tensor_desc`` gave it (checked for rank,
+    data type and static dims); an error code (logged) when missing or different."""
+    v = shapes.inputs[i]
+    if not any(isinstance(d, str) for d in v.desc.shape):
+        return [int(d) for d in v.desc.shape]
     descs = S.dataset_descs.get(dataset, {})
-    values = {}
-    for i, v in enumerate(shapes.inputs):
-        dyn = [(j, d) for j, d in enumerate(v.desc.shape) if isinstance(d, str)]
-        if not dyn:
-            continue
-        if i not in descs or descs[i] not in S.tensor_descs:
-            return fail(ACL_ERROR_INVALID_PARAM, api, f"input {i} ({v.name}) has dynamic dims "
-                        f"{list(shapes.described_dims(i, False))}: give its shape with "
-                        "acl.mdl.set_dataset_tensor_desc before executing")
-        acl_dtype, dims, _ = S.tensor_descs[descs[i]]
-        if len(dims) != len(v.desc.shape):
-            return fail(ACL_ERROR_MODEL_INPUT_NOT_MATCH, api, f"input {i} ({v.name}): the tensor "
-                        f"description has {len(dims)} dims, the input {len(v.desc.shape)}")
-        if acl_dtype != dtype_to_acl(v.desc.dtype.torch):
-            return fail(ACL_ERROR_MODEL_INPUT_NOT_MATCH, api, f"input {i} ({v.name}): the tensor "
-                        f"description's data type is {acl_dtype}, the input's "
-                        f"{dtype_to_acl(v.desc.dtype.torch)} ({v.desc.dtype.value})")
-        wrong = [j for j, d in enumerate(v.desc.shape) if not isinstance(d, str) and dims[j] != d]
-        if wrong:
-            return fail(ACL_ERROR_MODEL_INPUT_NOT_MATCH, api, f"input {i} ({v.name}): the tensor "
-                        f"description's dims {list(dims)} differ from the input's static dims "
-                        f"{shapes.described_dims(i, False)} at {wrong}")
-        for j, d in dyn:
-            if values.setdefault(d, int(dims[j])) != int(dims[j]):
-                return fail(ACL_ERROR_MODEL_INPUT_NOT_MATCH, api, f"input {i} ({v.name}) dim {j} "
-                            f"is {dims[j]} but another input gives the same dynamic dim "
-                            f"{values[d]}")
-    return values
+    if i not in descs or descs[i] not in S.tensor_descs:
+        return fail(ACL_ERROR_INVALID_PARAM, api, f"input {i} ({shapes.name(i, False)}) has dynamic dims "
+                    f"{list(shapes.described_dims(i, False))}: give its shape with "
+                    "acl.mdl.set_dataset_tensor_desc before executing")
+    acl_dtype, dims, _ = S.tensor_descs[descs[i]]
+    if len(dims) != len(v.desc.shape):
+        return fail(ACL_ERROR_MODEL_INPUT_NOT_MATCH, api, f"input {i} ({shapes.name(i, False)}): the tensor "
+                    f"description has {len(dims)} dims, the input {len(v.desc.shape)}")
+    if acl_dtype != dtype_to_acl(v.desc.dtype.torch):
+        return fail(ACL_ERROR_MODEL_INPUT_NOT_MATCH, api, f"input {i} ({shapes.name(i, False)}): the tensor "
+                    f"description's data type is {acl_dtype}, the input's "
+                    f"{dtype_to_acl(v.desc.dtype.torch)} ({v.desc.dtype.value})")
+    wrong = [j for j, d in enumerate(v.desc.shape) if not isinstance(d, str) and dims[j] != d]
+    if wrong:
+        return fail(ACL_ERROR_MODEL_INPUT_NOT_MATCH, api, f"input {i} ({shapes.name(i, False)}): the tensor "
+                    f"description's dims {list(dims)} differ from the input's static dims "
+                    f"{shapes.described_dims(i, False)} at {wrong}")
+    return [int(n) for n in dims]
 
 
 def _call(cm, xs):
@@ -392,7 +407,8 @@ def execute(model_id: int, input: int, output: int) -> int:
     values = _dim_values(shapes, input, api)
     if isinstance(values, int):
         return values
-    label = lambda v, i, o: f"{v.name}, {v.desc.dtype.value}{list(shapes.shape(i, o, values))}"  # noqa: E731
+    label = lambda v, i, o: (f"{shapes.name(i, o)}, {v.desc.dtype.value}"  # noqa: E731
+                             f"{list(shapes.shape(i, o, values))}")
     needs = [(label(v, i, False), shapes.nbytes(i, False, values)) for i, v in enumerate(shapes.inputs)]
     if shapes.gears:
         needs.append((ACL_DYNAMIC_TENSOR_NAME, shapes.nbytes(shapes.index_input, False)))

@@ -21,6 +21,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 
 from ..ir.symbolic import bind
+from ..runtime.io_names import input_names, output_names
 from . import _state as S
 from .errors import ACL_ERROR_INVALID_PARAM, fail
 
@@ -44,7 +45,11 @@ class ModelShapes:
         self.inputs = list(g.inputs)
         k = len(g.signature.input_mutations)
         self.outputs = list(g.outputs)[k:]
-        binder = getattr(cm, "binder", None)
+        #: one str per input / output, unique (`opencann.runtime.io_names`: a model file's)
+        self.input_names = input_names(g)
+        self.output_names = output_names(g, cm.calling_convention().get("out_spec"))
+        #: the model's own `ShapeBinder` (None for a static model): binds shapes to symbols
+        self.binder = binder = getattr(cm, "binder", None)
         self.dims: Dict[str, dict] = dict(binder.dims) if binder is not None else {}
         spec = getattr(cm, "gear_spec", None)
         self.option: Optional[str] = spec["option"] if spec else None
@@ -68,10 +73,12 @@ class ModelShapes:
         return len(self.inputs) + (1 if self.gears else 0)
 
     def name(self, index: int, outputs: bool) -> str:
-        """The name of input/output ``index`` (`ACL_DYNAMIC_TENSOR_NAME` for the index input)."""
+        """The name (a str) of input/output ``index``: the model file's (an ONNX model's
+        graph names, a torch model's input names and ``output0``... or the returned dict's
+        keys), `ACL_DYNAMIC_TENSOR_NAME` for the dynamic-index input."""
         if not outputs and index == self.index_input:
             return ACL_DYNAMIC_TENSOR_NAME
-        return (self.outputs if outputs else self.inputs)[index].name
+        return (self.output_names if outputs else self.input_names)[index]
 
     def described_dims(self, index: int, outputs: bool) -> List[int]:
         """Dims as ``aclmdlGetInputDims`` gives them: -1 for a dynamic dim."""
@@ -143,25 +150,24 @@ class ModelShapes:
     def dims_gear(self, dims: Sequence[int]) -> Tuple[int, ...]:
         """The gear values named by ``aclmdlSetInputDynamicDims``'s ``dims``: every input's
         dims concatenated (static ones included), as ``aclmdlGetInputDynamicDims`` lists
-        them. Raises ValueError for another dim count or a static dim that differs."""
+        them; the symbols bound by the model's own `ShapeBinder` (a derived dim ``2 * s``
+        solved for ``s``). Raises ValueError for another dim count, a static dim that
+        differs, or a dynamic dim given two values."""
         want = sum(len(v.desc.shape) for v in self.inputs)
         if len(dims) != want:
             raise ValueError(f"dims has {len(dims)} values; the model's inputs have {want} dims "
                              "in all (every input's dims concatenated, as "
                              "acl.mdl.get_input_dynamic_dims lists them)")
-        seen: Dict[str, int] = {}
-        it = iter(dims)
-        for v in self.inputs:
-            for d in v.desc.shape:
-                n = int(next(it))
-                if isinstance(d, str):
-                    if seen.setdefault(d, n) != n:
-                        raise ValueError(f"dims give the dynamic dim {self.dims[d]['name']} two "
-                                         f"values ({seen[d]} and {n})")
-                elif n != int(d):
-                    raise ValueError(f"dims give {n} for a static dim of input {v.name} "
+        it, shapes = iter(dims), []
+        for v, name in zip(self.inputs, self.input_names):
+            shape = [int(next(it)) for _ in v.desc.shape]
+            for n, d in zip(shape, v.desc.shape):
+                if not isinstance(d, str) and n != int(d):
+                    raise ValueError(f"dims give {n} for a static dim of input {name} "
                                      f"whose size is {d}")
-        return tuple(seen.get(s, -1) for s in self.gear_symbols)
+            shapes.append(shape)
+        values = self.binder.shape_values(shapes)
+        return tuple(values.get(s, -1) for s in self.gear_symbols)
 
     def all_dims(self, values: Dict[str, int]) -> List[int]:
         """Every input's dims at ``values``, concatenated (one gear of

@@ -48,9 +48,9 @@ def reset_device(device_id: int) -> int:
     if ret:
         return ret
     with S.lock:
-        for base, r in list(S.regions.items()):
+        for r in S.all_regions():
             if r.device == device_id:
-                S.del_region(base)
+                S.del_region(r)
         # loaded models stay loaded (and counted) until acl.mdl.unload
         S.device_used[device_id] = sum(n for d, n in S.model_mem.values() if d == device_id)
         for h in [h for h, d in S.streams.items() if d == device_id]:
@@ -180,12 +180,12 @@ def _free(ptr, host: bool, api: str) -> int:
     if rc:
         return rc
     with S.lock:
-        r = S.regions.get(ptr) if isinstance(ptr, int) else None
-        if r is None or not r.owned or (r.device is None) != host:
+        r = S.allocation(ptr)
+        if r is None or (r.device is None) != host:
             return fail(ACL_ERROR_INVALID_PARAM, api, f"{ptr!r} is not a live "
                         f"{'host' if host else 'device'} allocation (freed twice, or not "
                         f"from acl.rt.malloc{'_host' if host else ''})")
-        S.del_region(ptr)
+        S.del_region(r)
         if r.device is not None:
             S.device_used[r.device] -= r.mem.numel()
     return ACL_SUCCESS

@@ -3,6 +3,9 @@
 `numpy_to_ptr` returns the array's own address and registers it as host memory for as
 long as the array lives: as in pyACL, the caller keeps the array alive while the pointer
 is used, and the facade holds no reference (a served request's arrays are freed with it).
+A view registers the whole (writable, contiguous) buffer it views, so pointers into
+``images`` and ``images[1]`` address the same bytes for as long as any of them lives;
+regions may nest and share a base (`_state.find` takes one holding the whole range).
 `bytes_to_ptr` copies immutable ``bytes`` once into a buffer the pointer addresses (kept
 until `acl.finalize`; a ``bytearray`` is addressed in place for as long as the facade
 runs). `ptr_to_numpy` returns an array sharing the memory at a pointer."""
@@ -25,26 +28,44 @@ _NPY = {NPY_BOOL: np.bool_, NPY_INT8: np.int8, NPY_UINT8: np.uint8, NPY_INT16: n
         NPY_FLOAT16: np.float16}
 
 
-def _register(base: int, mem: torch.Tensor, keep) -> int:
+def _register(base: int, mem: torch.Tensor, keep, source) -> int:
+    """Register ``mem`` at ``base``, kept alive (with ``source``) by ``keep`` until
+    `acl.finalize`, unless ``source`` (a bytearray addressed in place) is registered already."""
     with S.lock:
-        r = S.regions.get(base)
-        if r is not None and r.owned and r.keep is None:
-            return base   # already an acl allocation (e.g. ptr_to_numpy's array)
-        S.add_region(S.Region(base, mem, None, owned=False, keep=keep))
+        if source is None or not any(isinstance(r.keep, tuple) and r.keep[1] is source
+                                     for r in S.regions.get(base, ())):
+            S.add_region(S.Region(base, mem, None, owned=False, keep=(keep, source)))
     return base
 
 
-class _Borrowed(S.Region):
-    """A numpy array's memory, addressable while the array lives: a weak reference, and
-    the region is dropped when the array is freed. A read-only array is addressed through
-    a copy, dropped with the array too."""
+def _buffer_of(array: np.ndarray) -> np.ndarray:
+    """The array whose memory to register for ``array``: the outermost ndarray it is a view
+    of (``images`` for ``images[1]``) when that one is writable and spans contiguous memory,
+    so every view of one buffer addresses the whole buffer for as long as it lives; else
+    ``array`` (a view of a read-only buffer is addressed through a copy of the view only)."""
+    top = array
+    while isinstance(top.base, np.ndarray):
+        top = top.base
+    if top is not array and top.flags.writeable and (top.flags.c_contiguous
+                                                     or top.flags.f_contiguous):
+        return top
+    return array
 
-    def __init__(self, base: int, array: np.ndarray):
-        super().__init__(base, torch.empty(0, dtype=torch.uint8), None, owned=False)
+
+class _Borrowed(S.Region):
+    """A numpy array's memory (all of it, in memory order), addressable while the array
+    lives: a weak reference, and the region is dropped when the array is freed. A
+    read-only array is addressed through a copy, dropped with the array too."""
+
+    def __init__(self, array: np.ndarray):
+        super().__init__(array.ctypes.data, torch.empty(0, dtype=torch.uint8), None, owned=False)
         self._ref = weakref.ref(array)
-        flat = array.reshape(-1).view(np.uint8)
-        self._copy = None if array.flags.writeable else torch.from_numpy(flat.copy())
-        weakref.finalize(array, _drop, base, id(self))
+        self._copy = None if array.flags.writeable else torch.from_numpy(_raw(array).copy())
+        weakref.finalize(array, _drop, self)
+
+    def array(self):
+        """The registered array, None once it is freed."""
+        return self._ref()
 
     @property
     def mem(self) -> torch.Tensor:
@@ -53,22 +74,29 @@ class _Borrowed(S.Region):
         a = self._ref()
         if a is None:
             return torch.empty(0, dtype=torch.uint8)
-        return torch.from_numpy(a.reshape(-1).view(np.uint8))
+        return torch.from_numpy(_raw(a))
 
     @mem.setter
     def mem(self, value) -> None:   # the dataclass __init__ assigns it
         pass
 
 
-def _drop(base: int, token: int) -> None:
+def _raw(array: np.ndarray) -> np.ndarray:
+    """The bytes of a C- or F-contiguous array in memory order (a uint8 view)."""
+    return array.reshape(-1, order="A").view(np.uint8)
+
+
+def _drop(region: S.Region) -> None:
     with S.lock:
-        r = S.regions.get(base)
-        if r is not None and id(r) == token:
-            S.del_region(base)
+        if any(r is region for r in S.regions.get(region.base, ())):
+            S.del_region(region)
 
 
 def numpy_to_ptr(array: np.ndarray) -> int:
-    """The address of a C-contiguous numpy array's data, usable as a host pointer."""
+    """The address of a C-contiguous numpy array's data, usable as a host pointer for as long
+    as the array (or the buffer it views) lives. A view registers the buffer it views, so
+    pointers into ``images`` and into ``images[1]`` address the same bytes and ``p + k``
+    reaches any byte of the buffer; an array inside an acl allocation registers nothing."""
     if not isinstance(array, np.ndarray) or not array.flags.c_contiguous:
         fail(ACL_ERROR_INVALID_PARAM, "acl.util.numpy_to_ptr", "needs a C-contiguous numpy array "
              "(np.ascontiguousarray)")
@@ -76,11 +104,15 @@ def numpy_to_ptr(array: np.ndarray) -> int:
     base = array.ctypes.data
     if array.nbytes == 0:
         return base
+    top = _buffer_of(array)
     with S.lock:
-        r = S.regions.get(base)
-        if r is not None and r.owned and r.keep is None:
-            return base   # already an acl allocation (e.g. ptr_to_numpy's array)
-        S.add_region(_Borrowed(base, array))
+        if any(isinstance(r, _Borrowed) and r.array() is top
+               for r in S.regions.get(top.ctypes.data, ())):
+            return base   # this buffer is registered already
+        hit = S.find(base, array.nbytes)
+        if hit is not None and not isinstance(hit[0], _Borrowed):
+            return base   # inside an acl allocation (ptr_to_numpy's array) or bytes_to_ptr's
+        S.add_region(_Borrowed(top))
     return base
 
 
@@ -92,7 +124,8 @@ def bytes_to_ptr(data) -> int:
              f"{type(data).__name__}")
         return 0
     arr = np.frombuffer(data if isinstance(data, bytearray) else bytearray(data), dtype=np.uint8)
-    return _register(arr.ctypes.data, torch.from_numpy(arr), arr)
+    return _register(arr.ctypes.data, torch.from_numpy(arr), arr,
+                     data if isinstance(data, bytearray) else None)
 
 
 def ptr_to_bytes(ptr: int, size: int) -> bytes:

@@ -235,6 +235,16 @@ class ShapeBinder:
                                  "it with shapes that satisfy it")
         return values
 
+    def shape_values(self, shapes: Sequence[Sequence[int]]) -> Dict[str, int]:
+        """`values` for the graph inputs' shapes (one sequence of ints per graph input, in
+        graph-input order) rather than tensors: derived dims (``2 * s``) solved for their
+        root, ranges, shared dims and shape conditions checked alike (ValueError, one line).
+        For callers that hold shapes only (the ACL facade's tensor descriptions)."""
+        class _Shaped:   # the one attribute `values` reads
+            def __init__(self, shape):
+                self.shape = tuple(int(n) for n in shape)
+        return self.values([_Shaped(s) for s in shapes])
+
     def bind(self, inputs: Sequence[torch.Tensor], scalars: Sequence[int] = ()) -> Tuple[int, ...]:
         """The values of the symbols (in ``self.order``) for these inputs (see `values`);
         with gears, a shape that is not a gear raises ValueError naming the gears."""

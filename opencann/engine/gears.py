@@ -128,8 +128,10 @@ def gear_spec(model, args, kwargs, options: Dict[str, Any], dynamic_shapes: Any
     """(the gear option used, the ``dynamic_shapes`` spec, the dim names in gear order,
     the gears). ``dynamic_batch_size`` and ``dynamic_image_size`` without
     ``dynamic_shapes`` make their dims dynamic in every tensor input, those inside dict,
-    list and tuple inputs too. Raises ValueError for two gear options, a bad gear, > 100
-    gears, no 4-D tensor for ``dynamic_image_size``, or ``dynamic_dims`` without
+    list and tuple inputs too; with ``dynamic_shapes``, the dim(s) it names (any names,
+    `_named_gear_dims`) are theirs. Raises ValueError for two gear options, a bad gear,
+    > 100 gears, no 4-D tensor for ``dynamic_image_size``, a ``dynamic_shapes`` naming
+    another number of dims than the option has, or ``dynamic_dims`` without
     ``dynamic_shapes`` naming the dims."""
     used = [k for k in GEAR_OPTIONS if k in options]
     if len(used) != 1:
@@ -137,18 +139,41 @@ def gear_spec(model, args, kwargs, options: Dict[str, Any], dynamic_shapes: Any
     opt = used[0]
     values = _arg_values(model, args, kwargs)
     if opt in DEFAULT_DIMS:
-        spec = dynamic_shapes or _same_sizes(opt, _default_spec(values, DEFAULT_DIMS[opt]),
-                                             values)
+        names = ["batch"] if opt == "dynamic_batch_size" else ["height", "width"]
+        if dynamic_shapes:   # it names the gear dims, and which inputs carry them
+            first = next((n for n, v in values if isinstance(v, torch.Tensor)), "x")
+            return opt, dynamic_shapes, _named_gear_dims(opt, dynamic_shapes, names, first), \
+                _values(opt, options[opt], len(names))
+        spec = _same_sizes(opt, _default_spec(values, DEFAULT_DIMS[opt]), values)
         if not spec:
             raise ValueError(f"{opt} needs a tensor input with the dims it makes dynamic ("
                              f"{'a 4-D (N, C, H, W) one' if opt == 'dynamic_image_size' else 'dim 0'})")
-        names = ["batch"] if opt == "dynamic_batch_size" else ["height", "width"]
         return opt, spec, names, _values(opt, options[opt], len(names))
     if not isinstance(dynamic_shapes, (dict, list, tuple)) or not dim_names(dynamic_shapes):
         raise ValueError("dynamic_dims gives values for the dims named in dynamic_shapes: pass "
                          "dynamic_shapes={'input_ids': {1: 'seq'}} with it")
     names = dim_names(dynamic_shapes)
     return opt, dynamic_shapes, names, _values(opt, options[opt], len(names))
+
+
+def _named_gear_dims(opt: str, spec: Any, default: List[str], arg: str = "x") -> List[str]:
+    """The dims ``dynamic_shapes`` (``spec``) names for gear option ``opt`` (any names, in
+    the order first named: ``dynamic_batch_size`` takes one, the batch;
+    ``dynamic_image_size`` two, height then width). With the option, ``dynamic_shapes``
+    says which inputs carry those dims; inputs it leaves out or sets to None are static.
+    Raises ValueError (one line: the rule and an example on input ``arg``) when it names
+    another count."""
+    named = dim_names(spec)
+    if len(named) == len(default):
+        return named
+    eg = ({arg: {0: "batch"}} if len(default) == 1 else {arg: {2: "height", 3: "width"}})
+    raise ValueError(
+        f"{opt} with dynamic_shapes: dynamic_shapes names the inputs that carry the gear "
+        f"dim{'s' if len(default) > 1 else ''} ({', '.join(default)}) and leaves the others out "
+        f"or None, so it must name exactly {len(default)} dim{'s' if len(default) > 1 else ''} "
+        f"by a string (any name), but it names {named}: e.g. dynamic_shapes={eg!r} (or leave "
+        f"dynamic_shapes out: {opt} then uses {'dim 0' if len(default) == 1 else 'dims 2 and 3'} "
+        f"of every {'tensor' if len(default) == 1 else '4-D'} input)")
 
 
 def _example_values(spec: Any, values: List[Tuple[str, Any]]) -> Dict[str, List[int]]:

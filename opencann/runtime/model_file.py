@@ -71,6 +71,7 @@ from ..ir.types import DataType, Format, TensorDesc
 from ..ops import get_op
 from ..ops.parity import kernel_layout_differs, special_values_differ
 from ..report import CompileReport, PassRecord, fmt_bytes
+from .io_names import input_names, output_names
 
 FORMAT_VERSION = 3   # 3: graph.signature; 2: dynamic dims and gears; 1: static
 #: several graphs sharing one ``constants`` section (an opencann.llm generator): sections
@@ -463,25 +464,6 @@ def _spec_from_json(j: Optional[Dict[str, Any]]) -> Tuple[Any, Optional[str]]:
     return spec, ("; ".join(rebuilt) or None)
 
 
-def _output_names(spec, n: int) -> List[str]:
-    """Names of the flat outputs: dict keys / ModelOutput fields along the path."""
-    if spec is None:
-        return [f"output{i}" for i in range(n)]
-    names: List[str] = []
-
-    def walk(s, prefix):
-        if s.is_leaf():
-            names.append(prefix or f"output{len(names)}")
-            return
-        ctx = s.context
-        keys = list(ctx) if isinstance(ctx, (list, tuple)) and len(ctx) == len(_children(s)) else None
-        for i, c in enumerate(_children(s)):
-            k = str(keys[i]) if keys else str(i)
-            walk(c, f"{prefix}.{k}" if prefix else k)
-    walk(spec, "")
-    return names if len(names) == n else [f"output{i}" for i in range(n)]
-
-
 # -- save ---------------------------------------------------------------------------------
 def _json_bytes(obj: Any) -> bytes:
     return json.dumps(obj, allow_nan=False, separators=(",", ":")).encode()
@@ -492,18 +474,15 @@ def _metadata(g, report, conv: Dict[str, Any], description: str, version: int) -
     descs), the calling convention (structures, positions, baked non-tensor inputs),
     and for a dynamic model its dims and gears."""
     from ..version import __version__
-    n_out = g.signature.n_flat(len(g.outputs))
-    out_names = _output_names(conv["out_spec"], n_out)
-    lits = g.signature.output_literals
-    tensor_out_names = [nm for i, nm in enumerate(out_names) if i not in lits]
+    k = len(g.signature.input_mutations)
     return {
         "format_version": version, "opencann_version": __version__,
         "torch_version": torch.__version__, "created_unix": int(time.time()),
         "model": report.model or g.name, "device": report.device, "description": description,
-        "inputs": [{"name": v.name or f"input{i}", "desc": str(v.desc), **_enc_desc(v.desc)}
-                   for i, v in enumerate(g.inputs)],
-        "outputs": [{"name": nm, "desc": str(v.desc), **_enc_desc(v.desc)}
-                    for nm, v in zip(tensor_out_names, g.outputs)],
+        "inputs": [{"name": nm, "desc": str(v.desc), **_enc_desc(v.desc)}
+                   for nm, v in zip(input_names(g), g.inputs)],
+        "outputs": [{"name": nm, "desc": str(v.desc), **_enc_desc(v.desc)}   # the caller's
+                    for nm, v in zip(output_names(g, conv["out_spec"]), g.outputs[k:])],
         "gears": conv.get("gears") or [],   # ATC-style gears: {"option", "dims", "values"}
         "dynamic": _enc(conv.get("dynamic"), "dynamic dims"),
         "in_spec": _spec_to_json(conv["in_spec"], "input structure"),

@@ -108,6 +108,49 @@ def test_gear_input_without_the_batch_dim_is_named():
     torch.testing.assert_close(cm(x, b), m(x, b), equal_nan=True, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("name", ["n", "batch"])
+def test_batch_gears_take_the_dim_dynamic_shapes_names_whatever_its_name(name):
+    """With dynamic_shapes, dynamic_batch_size's dim is the one it names (any name); the
+    inputs it leaves out or sets to None are static."""
+    m = Two().eval()
+    cm = opencann.compile(m, (_x(4, 4), _x(4)), dynamic_shapes={"x": {0: name}, "b": None},
+                          options={"dynamic_batch_size": [2, 4]})
+    b = _x(4, seed=6)
+    for n in (2, 3, 4):   # 3: padded to the batch-4 gear
+        x = _x(n, 4, seed=n)
+        torch.testing.assert_close(cm(x, b), m(x, b), equal_nan=True, rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError) as e:
+        cm(_x(5, 4), b)
+    assert name in _one_line(e) and "dynamic_batch_size=[2, 4]" in str(e.value)
+
+
+@pytest.mark.parametrize("spec, named", [({"b": None}, "[]"),
+                                         ({"x": {0: "n", 1: "f"}, "b": None}, "['n', 'f']")])
+def test_batch_gears_with_dynamic_shapes_naming_no_dim_or_two_say_the_rule(spec, named):
+    with pytest.raises(ValueError) as e:
+        opencann.compile(Two().eval(), (_x(4, 4), _x(4)), dynamic_shapes=spec,
+                         options={"dynamic_batch_size": [2, 4]})
+    msg = _one_line(e)
+    assert "dim_ranges" not in msg
+    assert f"must name exactly 1 dim by a string (any name), but it names {named}" in msg
+    assert "dynamic_shapes={'x': {0: 'batch'}}" in msg
+
+
+def test_image_gears_take_the_two_dims_dynamic_shapes_names():
+    torch.manual_seed(0)
+    m = torch.nn.Conv2d(2, 3, 3, padding=1).eval()
+    cm = opencann.compile(m, (_x(1, 2, 8, 8),), dynamic_shapes={"input": {2: "h", 3: "w"}},
+                          options={"dynamic_image_size": [[8, 8], [6, 10]]})
+    for hw in ((8, 8), (6, 10)):
+        x = _x(1, 2, *hw, seed=hw[1])
+        with torch.no_grad():
+            torch.testing.assert_close(cm(x), m(x), equal_nan=True, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError) as e:
+        opencann.compile(m, (_x(1, 2, 8, 8),), dynamic_shapes={"input": {2: "h"}},
+                         options={"dynamic_image_size": [[8, 8], [6, 10]]})
+    assert "must name exactly 2 dims" in _one_line(e)
+
+
 def test_dim_the_model_fixes_is_one_line():
     with pytest.raises(CaptureError) as e:
         opencann.compile(Two().eval(), (_x(4, 4), _x(4)),
