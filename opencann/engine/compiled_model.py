@@ -141,16 +141,20 @@ class CompiledModel:
         inputs), ``baked`` (flat index -> non-tensor value fixed at compile time),
         ``contiguous`` (per tensor input: was the example contiguous),
         ``storage_offsets`` and ``strides`` (per tensor input: the example's),
-        ``concurrent_calls`` (the executor pool's size) and ``arg_names`` (names of
+        ``concurrent_calls`` (the executor pool's size), ``arg_names`` (names of
         ``forward``'s positional parameters, None per positional-only one; None if
-        unknown), by which calls are bound; plus the shape policy's fields (a dynamic
-        model: ``dynamic`` and ``gears``, `DynamicShapes.saved`)."""
+        unknown), by which calls are bound, and ``onnx_inputs`` (an ONNX graph's input
+        names, by which its calls are bound and checked; None for a torch model); plus
+        the shape policy's fields (a dynamic model: ``dynamic`` and ``gears``,
+        `DynamicShapes.saved`)."""
         return {"in_spec": self._in_spec, "out_spec": self._out_spec,
                 "input_positions": self._positions, "baked": dict(self._baked),
                 "contiguous": list(self._contig), "storage_offsets": list(self._offsets),
                 "strides": [list(st) for st in self._strides],
                 "concurrent_calls": self.pool.size,
-                "arg_names": self._arg_names, **self.shapes.saved()}
+                "arg_names": self._arg_names,
+                "onnx_inputs": list(self._onnx) if self._onnx is not None else None,
+                **self.shapes.saved()}
 
     def _flat_inputs(self, args, kwargs) -> list:
         """The graph's input tensors for a call (checked; contiguous where the examples were)."""
@@ -256,12 +260,21 @@ class CompiledModel:
         return outs
 
     def _onnx_order(self, args, kwargs) -> tuple:
-        """An ONNX model's call (positional, or by input name) in graph-input order."""
+        """An ONNX model's call (positional, or by input name) in graph-input order; a
+        keyword binds the input of that name whatever the keywords' order. ValueError
+        (one line) for an unknown name, an input given twice or missing, or too many."""
         names = self._onnx
-        unknown = set(kwargs) - set(names)
-        if unknown or len(args) + len(kwargs) != len(names) or set(names[:len(args)]) & set(kwargs):
-            raise ValueError(f"the ONNX model takes inputs {names} (positionally or by name); "
-                             f"got {len(args)} positional and {sorted(kwargs)}")
+        unknown = sorted(set(kwargs) - set(names))
+        twice = sorted(set(names[:len(args)]) & set(kwargs))
+        missing = [k for k in names[len(args):] if k not in kwargs]
+        problem = (f"unknown input name(s) {unknown}" if unknown else
+                   f"input(s) {twice} given both positionally and by name" if twice else
+                   f"{len(args)} positional inputs for {len(names)}" if len(args) > len(names) else
+                   f"input(s) {missing} missing" if missing else "")
+        if problem:
+            raise ValueError(f"the ONNX model takes inputs {names} (positionally in that order, "
+                             f"or by name): {problem}; got {len(args)} positional and "
+                             f"keywords {sorted(kwargs)}")
         return tuple(args) + tuple(kwargs[k] for k in names[len(args):])
 
     def _structure(self, outs, user=None):

@@ -21,11 +21,13 @@ def model_from_parts(graph: Graph, plan: MemoryPlan, report: CompileReport, in_s
                      storage_offsets: Optional[Sequence[int]] = None,
                      strides: Optional[Sequence[Sequence[int]]] = None,
                      dynamic: Optional[Dict[str, Any]] = None,
-                     gears: Optional[Dict[str, Any]] = None) -> CompiledModel:
+                     gears: Optional[Dict[str, Any]] = None,
+                     onnx_inputs: Optional[Sequence[str]] = None) -> CompiledModel:
     """A compiled model from saved parts (`opencann.runtime.model_file.read`'s fields
     but ``metadata``): graph, plan, report, the calling convention
     (`CompiledModel.calling_convention`; ``storage_offsets`` absent in older files: 0,
-    ``strides`` absent: not checked) and the shape policy's fields (``dynamic``,
+    ``strides`` absent: not checked; ``onnx_inputs``: an ONNX graph's input names, by
+    which it is called as the live model is) and the shape policy's fields (``dynamic``,
     ``gears``: None for a static model). Binds kernels (a static model) or plans the
     example's shape and every gear again (a dynamic one); no capture. Weights are not
     watched for in-place changes (the file holds its own copy). Raises KeyError or
@@ -40,7 +42,7 @@ def model_from_parts(graph: Graph, plan: MemoryPlan, report: CompileReport, in_s
     return CompiledModel(graph, report, shapes, in_spec=in_spec, out_spec=out_spec,
                          input_positions=input_positions, baked=baked, contiguous=contiguous,
                          storage_offsets=storage_offsets or [], strides=strides or [],
-                         arg_names=arg_names)
+                         arg_names=arg_names, onnx_inputs=onnx_inputs)
 
 
 def load_model_file(path: str) -> CompiledModel:

@@ -38,7 +38,10 @@ input/output names); files of versions 1 and 2 keep those under the same names i
 ``meta`` and are converted on load (`CallSignature.from_legacy_meta`). ``autocast`` is
 the host autocast dtype the model was captured under (None: outside autocast; absent in
 files written before it was recorded: read as outside), which a loaded model checks per
-call as the live one does (`opencann.runtime.autocast_state`). Constants keep their strides for every kind of view
+call as the live one does (`opencann.runtime.autocast_state`). ``metadata``'s
+``onnx_inputs`` holds an ONNX model's input names, by which a loaded one binds and checks
+its calls as the live one does (absent in files written before: the graph signature's
+``input_names``). Constants keep their strides for every kind of view
 (`_pack_constants`; gapped views saved as values carry ``fill_strides``, which older
 readers ignore, reading them contiguous as before).
 
@@ -491,7 +494,7 @@ def _metadata(g, report, conv: Dict[str, Any], description: str, version: int) -
         "baked": [[i, _enc(v, f"non-tensor input #{i}")] for i, v in conv["baked"].items()],
         "contiguous": conv["contiguous"], "concurrent_calls": conv["concurrent_calls"],
         "storage_offsets": conv.get("storage_offsets"), "strides": conv.get("strides"),
-        "arg_names": conv.get("arg_names"),
+        "arg_names": conv.get("arg_names"), "onnx_inputs": conv.get("onnx_inputs"),
     }
 
 
@@ -754,7 +757,8 @@ def read_graph(secs: Dict[str, memoryview], prefix: str, consts: Dict[str, torch
                      concurrent_calls=meta["concurrent_calls"],
                      storage_offsets=meta.get("storage_offsets"),   # absent in older files: 0
                      strides=meta.get("strides"),   # absent in older files: not checked
-                     arg_names=meta.get("arg_names"))   # absent in older files: bound by position
+                     arg_names=meta.get("arg_names"),   # absent in older files: bound by position
+                     onnx_inputs=_onnx_inputs(meta, graph))
         dynamic = _dec(meta.get("dynamic"))   # absent in version 1: static
         gears = meta.get("gears") or None
     except ModelFileError:
@@ -770,6 +774,16 @@ def read_graph(secs: Dict[str, memoryview], prefix: str, consts: Dict[str, torch
                             "model's library (e.g. transformers) before opencann.load to get them back")
     return dict(graph=graph, plan=plan, report=report, in_spec=in_spec, out_spec=out_spec,
                 baked=baked, metadata=meta, dynamic=dynamic, gears=gears, **parts)
+
+
+def _onnx_inputs(meta: Dict[str, Any], graph: Graph) -> Optional[List[str]]:
+    """An ONNX model's input names, by which its calls are bound (None: a torch model).
+    Files written before ``metadata`` held ``onnx_inputs`` still carry them in the
+    graph's signature (``input_names``, set only by the ONNX frontend)."""
+    if "onnx_inputs" in meta:
+        return meta["onnx_inputs"]
+    names = graph.signature.input_names
+    return list(names) if names is not None and meta.get("in_spec") is None else None
 
 
 def describe(path: str) -> Dict[str, Any]:
