@@ -375,14 +375,16 @@ def argmax(cv: Converter, n: OnnxNode):
 
 @converts("CumSum")
 def cumsum(cv: Converter, n: OnnxNode):
-    """ONNX CumSum along a constant axis → ``aten.cumsum`` in the input's dtype. Raises
-    NotConverted for ``exclusive`` or ``reverse``. Returns the node's outputs (a list of
-    Values)."""
+    """ONNX CumSum along a constant axis → ``aten.cumsum`` in the input's dtype: an
+    integer input's dtype is pinned (ATen would widen int32 to int64), a float one's is
+    not (it follows the input, so precision modes can lower it). Raises NotConverted for
+    ``exclusive`` or ``reverse``. Returns the node's outputs (a list of Values)."""
     x = n.x(0)
     axis = norm_axis(n.ints(1)[0], x.desc.rank)
     if n.attr("exclusive", 0) or n.attr("reverse", 0):
         raise NotConverted("exclusive or reverse CumSum")
-    return [cv.call(aten.cumsum.default, x, axis, dtype=x.desc.dtype.torch)]
+    dt = x.desc.dtype
+    return [cv.call(aten.cumsum.default, x, axis, dtype=None if dt.is_floating else dt.torch)]
 
 
 # -- matrix products --------------------------------------------------------------------

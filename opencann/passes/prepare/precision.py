@@ -36,26 +36,33 @@ Values keep their eager meaning (CANN reports, not changes, what a mode cannot d
 op that would be lowered while one of its float scalar arguments or constant inputs
 does not survive the cast (``finfo(float32).min`` in a ``masked_fill`` or an additive
 mask becomes -inf; an epsilon of 1e-12 becomes 0 in fp16; `precision_values`) stays
-in fp32, named in the log (INFO) and in the pass's note, as does, on the cpu, an op whose
+in fp32, named in the log (INFO) and in the pass's note, as do the ops reading an integer
+result cast to float before its dequantization scale (ConvInteger's / MatMulInteger's /
+``_int_mm``'s int32 accumulator: beyond fp16's range; `integer_accumulators`) up to the
+Mul / Div applying that scale, and the ops computing the scale, and, on the cpu, an op whose
 low-precision kernels would put NaN or ±inf elsewhere than eager's fp32 op (a convolution
 with an odd number of input channels per group, an activation: `low_kernel_differs`,
 probed once per machine); an op's ``OpDef.precision_keeps``
 inputs (SDPA's ``attn_mask``) are never cast down: ATen adds a float mask to
 low-precision scores in fp32, as eager does with an fp32 mask. A graph output that is a
 graph input or a view of one is never cast, in any mode: the caller gets its own tensor
-or that view of it, as from eager (`_output_as`).
+or that view of it, as from eager (`_output_as`). An op whose float ``dtype`` argument
+names its output dtype (``cumsum(x, 1, dtype=torch.float32)``, ``sum``, ``mean``: ONNX
+CumSum's converter, a torch model's own) gets the dtype the mode gives its output
+(`_dtype_attr_follows`), so its kernel writes the lowered output it is handed.
 """
 from __future__ import annotations
 
 import difflib
 from typing import Any, Dict, Iterable, Mapping, Optional, Set, Tuple
 
+import torch
 
 from ...ir import DataType, Graph, Node, TensorRef, Value
 from ...log import logger
 from ...ops import OpKind, all_ops, get_op, inplace_inputs, written_inputs
 from ..base import Pass, PassContext
-from .precision_values import lost_in_cast, low_kernel_differs
+from .precision_values import integer_accumulators, lost_in_cast, low_kernel_differs
 
 MODES = ("force_fp32", "must_keep_origin_dtype", "allow_fp32_to_fp16", "allow_mix_precision",
          "allow_mix_precision_fp16", "allow_mix_precision_bf16", "force_fp16")
@@ -174,6 +181,7 @@ class MixedPrecision(Pass):
         origin = {id(v): v.desc.dtype for v in graph.values()}
         changed = 0
         kept = []
+        accumulators = {dt: integer_accumulators(graph, dt) for dt in (FP16, BF16)}
         for node in list(graph.nodes):
             want, written = _wanted(node, target, is_low, keep, self._per_node)
             if want is None:
@@ -182,7 +190,7 @@ class MixedPrecision(Pass):
                 outs = [origin[id(o)] for o in node.outputs if origin[id(o)] in floats]
                 want = outs[0] if outs else FP32
             if want != FP32 and not written:
-                why = lost_in_cast(node, want) or (
+                why = lost_in_cast(node, want) or accumulators.get(want, {}).get(id(node)) or (
                     low_kernel_differs(node, want) if ctx.device.kind == "cpu" else None)
                 if why:   # lowering would change what a value means: keep eager's
                     want = FP32
@@ -202,6 +210,7 @@ class MixedPrecision(Pass):
                 if o.desc.dtype in floats and o.desc.dtype != want and any(
                         v.desc.dtype == want for v in node.inputs):
                     o.desc = o.desc.with_(dtype=want)
+                    _dtype_attr_follows(node, o.desc.dtype)
         changed += _cast_outputs(graph, origin, cache)
         graph.prune_constants()
         low_name = target.value if target is not None else "per node"
@@ -249,6 +258,18 @@ def _wanted(node: Node, target: Optional[DataType], is_low, keep,
         act = {v.desc.dtype for v in node.inputs if v.desc.dtype in floats and not v.is_const}
         return (act.pop() if len(act) == 1 and act & {FP16, BF16} else rest), False
     return rest, False
+
+
+def _dtype_attr_follows(node: Node, dt: DataType) -> None:
+    """Set ``node``'s float ``dtype`` attribute (ATen's ``cumsum(x, d, dtype=float32)``,
+    ``sum(x, d, dtype=)``, ``mean``, ``full_like``: the dtype its kernel writes) to ``dt``,
+    the dtype the rewrite gave its output: a pinned fp32 would make the kernel refuse the
+    fp16 out tensor on every call. Integer / bool dtypes (results that are not floats) and
+    view ops (``view(dtype)`` reinterprets bytes) are left."""
+    pinned = node.attrs.get("dtype")
+    if isinstance(pinned, torch.dtype) and pinned.is_floating_point and pinned != dt.torch \
+            and not get_op(node.op).is_view:
+        node.attrs["dtype"] = dt.torch
 
 
 def node_overrides(graph: Graph, keep_dtype: Iterable[str],
