@@ -238,7 +238,7 @@ def quantize(model: torch.nn.Module, calibration_inputs, *, config: Optional[Dic
     ``opencann.compile`` raises. The compiled model's ``report`` lists every layer in
     the ``quantize_int8`` pass's entries (`quant_report`)."""
     cfg = _config(config)
-    opts = check_options(options)     # one line for options that are no dict or unknown
+    opts = _options(options)
     _check_target(cfg, opts, device)
     vnpu = parse_device(device).kind == "vnpu"
     dynamic = dynamic_shapes is not None and not vnpu   # calibrated at the batches' own shapes
@@ -273,6 +273,16 @@ def quantize(model: torch.nn.Module, calibration_inputs, *, config: Optional[Dic
         raise ValueError(f"no layer was quantized on {device} (first: {rows[0]['layer']}: {rows[0]['reason']}); "
                          f"fix that, or compile without opencann.quantize to run fp32")
     return cm
+
+
+def _options(options: Optional[Dict[str, Any]]) -> Dict[str, Any]:
+    """``options`` checked as ``opencann.compile`` checks them (one ValueError line for no
+    dict, an unknown option or value), its gear options kept as given."""
+    from .options import GEAR_OPTIONS
+    if options is not None and not isinstance(options, dict):
+        return check_options(options)    # raises its line
+    gears = {k: v for k, v in (options or {}).items() if k in GEAR_OPTIONS}
+    return {**check_options({k: v for k, v in (options or {}).items() if k not in GEAR_OPTIONS}), **gears}
 
 
 def _check_target(cfg: Dict[str, Any], opts: Dict[str, Any], device: str) -> None:
@@ -319,8 +329,9 @@ def _config(config: Optional[Dict[str, Any]]) -> Dict[str, Any]:
     given = {k: config[k] for k in _CONFIG_KEYS if k in config}
     try:
         return create_quant_config(given.pop("skip_layers", ()), **given)
-    except ValueError as e:
-        raise ValueError(f"config: {e}") from None
+    except ValueError as e:   # "skip_layers takes ..." -> "config['skip_layers'] takes ..."
+        key, _, rest = str(e).partition(" ")
+        raise ValueError(f"config[{key!r}] {rest}" if rest.startswith("takes") else f"config: {e}") from None
 
 
 def _check_skip_layers(cm: CompiledModel, skip: Sequence[str], rows: List[Dict[str, Any]]) -> None:

@@ -351,9 +351,9 @@ def test_errors_are_one_line():
                       (dict(options={"precision_mode": "bogus"}), "unknown precision_mode 'bogus'"),
                       (dict(config={"mode": "bogus"}), "config: mode 'bogus' is not one of"),
                       (dict(config={"mode": "static", "activation": "kl"}), "activation 'kl'"),
-                      (dict(config={"mode": "static", "skip_layers": 5}), "skip_layers takes a list of layer names"),
+                      (dict(config={"mode": "static", "skip_layers": 5}), r"config\['skip_layers'\] takes a list of layer names"),
                       (dict(config={"mode": "static", "skip": ["fc"]}), r"unknown key\(s\) \['skip'\]"),
-                      (dict(config={"mode": "static", "dynamic_linear": "yes"}), "dynamic_linear takes True or False"),
+                      (dict(config={"mode": "static", "dynamic_linear": "yes"}), r"config\['dynamic_linear'\] takes True or False"),
                       (dict(config="static"), "config must come from")):
         with pytest.raises(ValueError, match=match) as e:
             opencann.quantize(lin, x, **kw)

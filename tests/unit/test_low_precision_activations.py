@@ -96,12 +96,13 @@ def test_the_probe_covers_each_activation_in_each_low_dtype():
     """Every activation of `LOW_ACTS` is probed in bf16 and fp16 through ATen's
     functional, .out, in-place, strided and channels-last kernels (and in bf16 oneDNN's
     inner product post-op where LinearAct binds it); each answer is a line or None."""
-    from opencann.devices.cpu import onednn_linear_available
+    from opencann.devices.cpu import onednn_bf16_available, onednn_linear_available
     from opencann.ops.kernels.cpu import BF16_LINEAR_POST
     for act in LOW_ACTS:
         for dt in (torch.bfloat16, torch.float16):
             names = [n for n, _, _ in low_kernels(act, dt)]
-            extra = dt == torch.bfloat16 and act in BF16_LINEAR_POST and onednn_linear_available()
+            extra = dt == torch.bfloat16 and act in BF16_LINEAR_POST and onednn_linear_available() \
+                and onednn_bf16_available()
             assert len(names) == 5 + extra, names
             why = activation_low_precision_differs(act, dt)
             assert why is None or (isinstance(why, str) and "\n" not in why)
