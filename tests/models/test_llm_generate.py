@@ -331,8 +331,9 @@ def test_pad_token_outside_the_vocabulary_is_one_line_and_tensor_stop_ids_work()
     stopped early and is embedded by the next decode step); stop ids may be a tensor, as
     transformers takes them."""
     gen = L.compile(model("llama"), max_seq_len=48, max_batch=2)
-    for pad in (10 ** 6, -1, 2.0):
-        with pytest.raises(ValueError, match="pad_token_id .* is outside the vocabulary") as e:
+    for pad, why in ((10 ** 6, "is outside the vocabulary"), (-1, "is outside the vocabulary"),
+                     (2.0, "is not an integer id")):
+        with pytest.raises(ValueError, match=f"pad_token_id .* {why}") as e:
             gen.generate([[1, 5, 9, 13, 20], [7, 7, 7]], max_new_tokens=8, eos_token_id=38,
                          pad_token_id=pad)
         assert "\n" not in str(e.value)
