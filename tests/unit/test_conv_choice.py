@@ -5,10 +5,12 @@ ResNet-sized one goes NHWC on oneDNN's. Values against eager with NaN/±inf plan
 a second call, output independence, and a model file round trip."""
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn as nn
 
 import opencann
+from opencann.devices.cpu import onednn_bf16_available
 from helpers import save_and_load
 from opencann.ops.kernels.conv_choice import choose_for_shape
 
@@ -173,6 +175,8 @@ def test_model_file_keeps_the_choice(tmp_path):
         torch.testing.assert_close(loaded(x), model(x), rtol=0, atol=0)
 
 
+@pytest.mark.skipif(not onednn_bf16_available(), reason="no oneDNN bf16 kernels on this CPU (AVX2 only): "
+                    "bf16 convolutions run ATen's")
 def test_the_size_rule_is_fp32s_a_bf16_conv_keeps_onednn(capfd):
     """In bf16 eager's NCHW convolution reorders its plain weight on every call; the tiny
     CNN kept on eager's kernel in fp32 runs oneDNN's prepacked bf16 convolutions, NHWC,

@@ -193,3 +193,21 @@ def test_concurrent_launches_while_the_verdict_flips(threads2, monkeypatch):
         t.join(timeout=120)
     assert not errors and len(got) == 24
     assert all(_same(a, want[0]) and _same(b, want[1]) for a, b in got)
+
+
+def test_starting_numba_keeps_the_callers_torch_thread_count():
+    """numba's omp layer sets the calling thread's OpenMP count to its pool size when it
+    starts; a fresh process that set torch.set_num_threads(1) keeps 1 through the first
+    numba kernel (compile, bind and call of a Linear, whose GEMV is numba's) and the next
+    eager op runs one-threaded."""
+    import subprocess
+    import sys
+    code = ("import torch\ntorch.set_num_threads(1)\nimport opencann\n"
+            "m = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Softmax(-1)).eval()\n"
+            "cm = opencann.compile(m, (torch.randn(1, 3),))\ncm(torch.randn(1, 3))\n"
+            "print(torch.get_num_threads())\n")
+    env = {k: v for k, v in __import__("os").environ.items() if k not in ("OMP_NUM_THREADS",)}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "1", out.stdout

@@ -389,6 +389,26 @@ def prebound(kernel, args: tuple, work: Optional[int] = None, threads: Optional[
     return call
 
 
+def _start_threads() -> None:
+    """Start numba's threading layer now (on the importing thread), keeping that thread's
+    torch intra-op count: numba's ``omp`` layer, on its first launch, sets the calling
+    thread's OpenMP count to its pool size (``omp_set_num_threads(NUMBA_NUM_THREADS)``),
+    which would turn a caller's ``torch.set_num_threads(1)`` into 2 behind its back
+    (its ATen kernels then ran two-threaded: a [2, 3] softmax 0.002 -> 4-8 ms on a loaded
+    host). Every later launch finds the layer started and leaves the count alone."""
+    import numba
+    import torch
+    n = torch.get_num_threads()
+    try:
+        numba.get_parallel_chunksize()   # launches numba's threads (parallel._launch_threads)
+    finally:
+        if torch.get_num_threads() != n:
+            torch.set_num_threads(n)
+
+
+_start_threads()
+
+
 __all__ = ["GRAIN", "LOAD_SAMPLE_S", "LOAD_TAU_S", "OpencannCacheLocator", "cache_dir", "prebound",
            "entry_point", "follow_torch_threads", "general_entry", "launch", "launch_guard", "launch_threads", "njit", "others_load",
            "own_running_threads",
