@@ -69,8 +69,9 @@ def test_bf16_conv_kernel_relu_is_eagers_relu_of_the_convolution():
     convolution (the same kernel bound without it), NaN / inf pre-activations included;
     a second call gives the same and a fresh tensor."""
     from opencann.ops.kernels.cpu import make_conv_kernel
-    if not hasattr(torch.ops.mkldnn, "_convolution_pointwise"):
-        pytest.skip("no oneDNN convolution in this torch")
+    from opencann.devices.cpu import onednn_bf16_available
+    if not hasattr(torch.ops.mkldnn, "_convolution_pointwise") or not onednn_bf16_available():
+        pytest.skip("no oneDNN bf16 convolution in this torch / on this CPU")
     g = torch.Generator().manual_seed(0)
     x = torch.randn(1, 16, 10, 10, generator=g).bfloat16().contiguous(memory_format=torch.channels_last)
     x[0, 3, 2, 2], x[0, 5, 7, 1], x[0, 1, 4, 4] = float("nan"), float("inf"), -float("inf")
