@@ -206,3 +206,19 @@ def run_threads(targets, switch_interval: float = 1e-6) -> None:
             t.join()
     finally:
         sys.setswitchinterval(old)
+
+
+def fresh_acl_session(monkeypatch):
+    """The body of an ACL test file's autouse fixture (``yield from``): no device list
+    from the environment, acl initialized with device 0 set for the test, finalized after
+    it, and the process left as if never finalized."""
+    import opencann.acl as acl
+    from opencann.acl import _state
+    monkeypatch.delenv("OPENCANN_ACL_DEVICES", raising=False)
+    if _state.initialized:
+        acl.finalize()
+    assert acl.init() == 0 and acl.rt.set_device(0) == 0
+    yield
+    if _state.initialized:
+        acl.finalize()
+    _state.finalized_once = False

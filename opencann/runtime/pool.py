@@ -14,10 +14,11 @@ thread-safe queue): borrowing and returning cost well under a microsecond each.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import threading
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
 
 import torch
 
@@ -88,10 +89,21 @@ class ExecutorPool:
                 self._count -= 1
             raise
 
+    @contextlib.contextmanager
+    def _borrowed(self) -> Iterator[Executor]:
+        """An executor borrowed for one call, given back after it; its kernels run
+        without the host's autocast (the graph's dtypes are explicit)."""
+        ex = self._borrow()
+        try:
+            with kernels_without_autocast():
+                yield ex
+        finally:
+            self._idle.put(ex)
+
     def run(self, inputs: Sequence[torch.Tensor]) -> tuple:
         """`Executor.run` on a borrowed executor; returns the flat outputs (fresh
         tensors, never views of an arena). Raises what `Executor.run` raises."""
-        ex = self._borrow()
+        ex = self._borrow()   # not `_borrowed`: this is every call's path, no generator frame
         try:
             with kernels_without_autocast():   # the graph's dtypes are explicit
                 return ex.run(inputs)
@@ -101,19 +113,11 @@ class ExecutorPool:
     def run_observed(self, inputs: Sequence[torch.Tensor],
                      observe: Callable[[Any, tuple], None]) -> tuple:
         """`Executor.run_observed` on a borrowed executor (an arena of its own)."""
-        ex = self._borrow()
-        try:
-            with kernels_without_autocast():
-                return ex.run_observed(inputs, observe)
-        finally:
-            self._idle.put(ex)
+        with self._borrowed() as ex:
+            return ex.run_observed(inputs, observe)
 
     def profile(self, inputs: Sequence[torch.Tensor], path: Optional[str] = None
                 ) -> List[Dict[str, Any]]:
         """`Executor.profile` on a borrowed executor (it uses that executor's arena)."""
-        ex = self._borrow()
-        try:
-            with kernels_without_autocast():
-                return ex.profile(inputs, path)
-        finally:
-            self._idle.put(ex)
+        with self._borrowed() as ex:
+            return ex.profile(inputs, path)

@@ -9,19 +9,13 @@ import torch
 
 import opencann
 import opencann.acl as acl
+from helpers import fresh_acl_session
 from opencann.acl import _state
 
 
 @pytest.fixture(autouse=True)
 def fresh_acl(monkeypatch):
-    monkeypatch.delenv("OPENCANN_ACL_DEVICES", raising=False)
-    if _state.initialized:
-        acl.finalize()
-    assert acl.init() == 0 and acl.rt.set_device(0) == 0
-    yield
-    if _state.initialized:
-        acl.finalize()
-    _state.finalized_once = False
+    yield from fresh_acl_session(monkeypatch)
 
 
 class Conv(torch.nn.Module):
