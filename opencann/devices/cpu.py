@@ -20,6 +20,9 @@ Facts are probed when asked (cheap; the L2 read is cached):
   sorted; ``platform.processor()`` where there is none), with the ISA overrides oneDNN
   and ATen read from the environment: what decides which kernel variant runs, so the
   eager-parity probe results (`opencann.ops.parity`) are cached per it.
+- `onednn_int8_exact` / `int8_weight_bound`: whether oneDNN's uint8 x int8 products are
+  exact here (VNNI / AMX-int8), else the largest |int8 weight| that keeps them exact
+  (64 on x86 without VNNI: 7-bit weights), probed once per `cpu_flags`.
 """
 from __future__ import annotations
 
@@ -28,7 +31,7 @@ import glob
 import os
 import platform
 import time
-from typing import Callable, Tuple
+from typing import Callable, Optional, Tuple
 
 import torch
 
@@ -149,13 +152,15 @@ def onednn_bf16_available() -> bool:
 
 
 @functools.lru_cache(maxsize=None)
-def _int8_exact(flags: Tuple[str, ...]) -> bool:
+def _int8_exact(flags: Tuple[str, ...], w_max: int = 127) -> bool:
+    """Whether oneDNN's ``qlinear_pointwise`` sums 64 products of 255 x ``w_max`` exactly
+    on the CPU whose `cpu_flags` are ``flags`` (cached per flags and bound)."""
     if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops, "onednn")
             and hasattr(torch.ops.onednn, "qlinear_pointwise")):
         return False
     k = 64
     x = torch.full((1, k), 255, dtype=torch.uint8)
-    w = torch.full((2, k), 127, dtype=torch.int8)
+    w = torch.full((2, k), w_max, dtype=torch.int8)
     one, zp = torch.ones(2), torch.zeros(2, dtype=torch.int64)
     try:
         wp = torch.ops.onednn.qlinear_prepack(w, [1, k])
@@ -163,7 +168,7 @@ def _int8_exact(flags: Tuple[str, ...]) -> bool:
                                                "none", [], "")
     except RuntimeError:
         return False
-    return bool((y == 255 * 127 * k).all())
+    return bool((y == 255 * w_max * k).all())
 
 
 def onednn_int8_exact() -> bool:
@@ -172,13 +177,38 @@ def onednn_int8_exact() -> bool:
     `cpu_flags` on 64 products of 255 x 127 (exact sum 2 072 640). Without VNNI / AMX-int8
     the x86 kernels add pairs of products in int16 with saturation (``vpmaddubsw``), which
     gives 32 x 32767 there; oneDNN's developer guide, "Nuances of int8 computations",
-    advises 7-bit data on such CPUs. Where False, the int8 ops run their arithmetic in
-    fp32 (`opencann.ops.kernels.int8_emulated`)."""
+    advises 7-bit data on such CPUs. Where False, see `int8_weight_bound`."""
     return _int8_exact(cpu_flags())
 
 
-__all__ = ["CPU_L2_FALLBACK", "FORMATS", "ISA_ENV", "cpu_flags", "cpu_l2", "cpu_last_level_cache", "isa",
-           "memory_bytes",
+#: the 7-bit weight bound: a pair of products 255 x 64 sums to 32 640 <= 32 767
+INT8_WEIGHT_BOUND_7BIT = 64
+
+
+def int8_weight_bound() -> Optional[int]:
+    """The largest |int8 weight| for which oneDNN's uint8 x int8 kernels are exact on this
+    CPU: 127 where `onednn_int8_exact` (VNNI / AMX-int8: int32 products), else 64 where a
+    probe of 64 products of 255 x 64 is exact (x86 without VNNI: ``vpmaddubsw`` adds a pair
+    of u8 x s8 products in int16 with saturation, and |255 x 64 x 2| = 32 640 <= 32 767;
+    one more, 255 x 65 x 2 = 33 150, saturates), else None (the int8 ops then run their
+    arithmetic in fp32, `opencann.ops.kernels.int8_emulated`). Measured once per
+    `cpu_flags`. Sources: oneDNN developer guide, "Nuances of int8 computations" (7-bit
+    data on CPUs without VNNI); NNCF / OpenVINO's ``overflow_fix`` (the weight range halved
+    for the same reason)."""
+    if onednn_int8_exact():
+        return 127
+    return INT8_WEIGHT_BOUND_7BIT if _int8_exact(cpu_flags(), INT8_WEIGHT_BOUND_7BIT) else None
+
+
+def int8_weight_qmax() -> int:
+    """The range [-qmax, qmax] opencann quantizes float weights to for the CPU's int8 ops:
+    `int8_weight_bound` (64 on a CPU without VNNI: 7-bit weights, so oneDNN's kernels stay
+    exact), 127 where it is None (the fp32 emulation is exact at 8 bits)."""
+    return int8_weight_bound() or 127
+
+
+__all__ = ["CPU_L2_FALLBACK", "FORMATS", "INT8_WEIGHT_BOUND_7BIT", "ISA_ENV", "cpu_flags", "cpu_l2",
+           "cpu_last_level_cache", "int8_weight_bound", "int8_weight_qmax", "isa", "memory_bytes",
            "mkl_packed_available",
            "mkldnn_available", "onednn_bf16_available", "onednn_int8_exact", "onednn_linear_available"]
 

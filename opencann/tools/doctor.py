@@ -125,20 +125,31 @@ def _cpu_checks() -> List[Check]:
 
 
 def _low_precision_checks() -> List[Check]:
-    """bf16 and int8 on this CPU: oneDNN's bf16 kernels (else ATen's, slower) and whether
-    its uint8 x int8 products are exact (else the int8 ops run their arithmetic in fp32)."""
-    from ..devices.cpu import onednn_bf16_available, onednn_int8_exact
-    bf16, int8 = onednn_bf16_available(), onednn_int8_exact()
+    """bf16 and int8 on this CPU: oneDNN's bf16 kernels (else ATen's, slower) and how its
+    uint8 x int8 products are exact: at 8 bits (VNNI), at 7 (x86 without VNNI: opencann
+    quantizes weights to [-64, 64] there) or not at all (the int8 ops run in fp32)."""
+    from ..devices.cpu import int8_weight_bound, onednn_bf16_available
+    bf16 = onednn_bf16_available()
     return [Check("bf16", "ok" if bf16 else "warning",
                   "oneDNN bf16 kernels" if bf16 else "no oneDNN bf16 kernels (needs AVX-512 BW/VL, "
                   "AVX-NE-CONVERT or AMX)",
                   "" if bf16 else "bf16 GEMMs and convolutions run on ATen's kernels: expect bf16 "
                   "no faster than fp32 here"),
-            Check("int8", "ok" if int8 else "warning",
-                  "oneDNN u8 x s8 products exact (VNNI / AMX-int8)" if int8 else
-                  "oneDNN u8 x s8 products saturate (no VNNI)",
-                  "" if int8 else "int8 layers run their arithmetic in fp32 (correct, not faster than "
-                  "fp32); ONNX Runtime's own u8 x s8 kernels saturate here too (its reduce_range)")]
+            _int8_check(int8_weight_bound())]
+
+
+def _int8_check(bound) -> Check:
+    """The ``int8`` row for `int8_weight_bound`'s answer ``bound`` (127, 64 or None)."""
+    if bound == 127:
+        return Check("int8", "ok", "oneDNN u8 x s8 products exact (VNNI / AMX-int8)")
+    if bound is not None:
+        return Check("int8", "ok", f"oneDNN u8 x s8 products exact for |w| <= {bound} (no VNNI: int16 pair "
+                     f"sums): opencann.quantize gives 7-bit weights [-{bound}, {bound}] and runs oneDNN's "
+                     "int8 kernels; an 8-bit int8 model (quantized on a VNNI CPU, ONNX int8 weights) runs "
+                     "its arithmetic in fp32 here")
+    return Check("int8", "warning", "oneDNN u8 x s8 products saturate (no VNNI)",
+                 "int8 layers run their arithmetic in fp32 (correct, not faster than fp32); ONNX "
+                 "Runtime's own u8 x s8 kernels saturate here too (its reduce_range)")
 
 
 def _openmp_check() -> Check:

@@ -7,8 +7,10 @@
   ``quantize_int8`` pass turns into oneDNN int8 kernels; else the reason.
 - `emulate(target, args, kwargs)`: one such op on eager's inputs with x quantized to uint8
   per tensor over its own range (what calibration on these inputs gives) and the weight
-  symmetric int8 per output channel (ARQ, `quantize_weight`), computed in fp32 on the
-  dequantized operands: the int8 kernel's integer products are exact, so this is its
+  symmetric int8 per output channel (ARQ, `quantize_weight`, in the range the
+  ``quantize_int8`` pass takes on this CPU: `int8_weight_qmax`, 7 bits without VNNI),
+  computed in fp32 on the dequantized operands: the int8 kernel's integer products are
+  exact, so this is its
   result up to the fp32 rescale. It returns (that, that): the gate's error-ratio rule
   (the kernel's arithmetic against fp32 on the same inputs) has nothing to judge, and
   the rounding of the operands is judged against eager by its NaN/Inf, cosine (<= 0.99
@@ -28,6 +30,7 @@ from typing import Any, Dict, Optional, Sequence, Tuple
 import torch
 
 from ..ops.kernels.int8_cpu import dynamic_params, quantize_u8
+from ..devices.cpu import int8_weight_qmax
 from ..passes.fusion.quantize_int8 import quantize_weight
 
 aten = torch.ops.aten
@@ -69,7 +72,7 @@ def emulate(target, args, kwargs) -> Optional[Tuple[torch.Tensor, torch.Tensor]]
         return None
     step, off = dynamic_params(x)
     xd = (quantize_u8(x.contiguous(), step, off).float() - off) * step
-    wq, ws = quantize_weight(w, axis)
+    wq, ws = quantize_weight(w, axis, int8_weight_qmax())
     view = [1] * w.dim()
     view[axis] = -1
     wd = wq.float() * ws.view(view)

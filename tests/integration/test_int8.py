@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import opencann
-from opencann.devices.cpu import mkldnn_available
+from opencann.devices.cpu import int8_weight_qmax, mkldnn_available
 from opencann.ops.kernels.int8_cpu import dynamic_params, quantize_u8
 from opencann.passes.fusion.quantize_int8 import quantize_weight
 from opencann.tools.quantize import create_quant_config, quant_report
@@ -243,7 +243,7 @@ def test_quant_linear_kernel_is_exact_int8_arithmetic():
     assert "static" in rec["detail"]
     step, off = dynamic_params(x)     # the calibration of one batch spans x's own range
     xq = quantize_u8(x, step, off)
-    wq, ws = quantize_weight(lin.weight.t(), 1)
+    wq, ws = quantize_weight(lin.weight.t(), 1, int8_weight_qmax())   # the range the pass takes here
     ref = torch.nn.functional.linear((xq.float() - off) * step, (wq.float() * ws).t(), lin.bias)
     torch.testing.assert_close(q(x), ref, rtol=1e-5, atol=1e-5)
 
@@ -412,16 +412,17 @@ def test_every_layer_left_in_float_has_a_report_row():
 
 @pytest.mark.parametrize("dynamic", [False, True])
 def test_fp32_emulation_agrees_with_the_onednn_kernels(monkeypatch, dynamic):
-    """Where oneDNN's uint8 x int8 products are not exact (x86 without VNNI: int16
-    saturation), the int8 ops run their arithmetic in fp32 (`int8_emulated`); on a host
-    where they are exact both agree to fp32 rounding, uint8 residual chains and all, and
-    both stay close to eager on inputs of full 8-bit range (the saturation case)."""
+    """Where oneDNN's uint8 x int8 products are not exact for a layer's weight (x86 without
+    VNNI: int16 saturation beyond |w| = 64), the int8 ops run their arithmetic in fp32
+    (`int8_emulated`); where they are exact (VNNI, or 7-bit weights without it) both agree
+    to fp32 rounding on the same weights, uint8 residual chains and all, and both stay
+    close to eager on inputs of full 8-bit range (the saturation case)."""
     import opencann.ops.kernels.int8_cpu as int8_cpu
-    from opencann.devices.cpu import onednn_int8_exact
+    from opencann.devices.cpu import int8_weight_bound
     m, cal = _model(), [c * 3 for c in _cal()]
     cfg = create_quant_config(mode="dynamic") if dynamic else None
     native = opencann.quantize(m, cal, config=cfg)
-    monkeypatch.setattr(int8_cpu, "onednn_int8_exact", lambda: False)
+    monkeypatch.setattr(int8_cpu, "int8_weight_bound", lambda: None)   # the kernels only: same weights
     emulated = opencann.quantize(m, cal, config=cfg)
     for seed in (7, 8):
         x = torch.randn(2, 3, 16, 16, generator=torch.Generator().manual_seed(seed)) * 3
@@ -429,5 +430,5 @@ def test_fp32_emulation_agrees_with_the_onednn_kernels(monkeypatch, dynamic):
             ref = m(x)
         y = emulated(x)
         assert _cos(y, ref) >= 0.999
-        if onednn_int8_exact():
+        if int8_weight_bound() is not None:
             torch.testing.assert_close(y, native(x), rtol=1e-4, atol=1e-4)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import opencann
-from opencann.devices.cpu import mkldnn_available
+from opencann.devices.cpu import int8_weight_qmax, mkldnn_available
 from opencann.ops.kernels.int8_cpu import dynamic_params, quantize_u8
 from opencann.ops.kernels.quant_bf16_numba import quantize_bf16_dense
 from opencann.passes.fusion.quantize_int8 import quantize_weight
@@ -80,7 +80,7 @@ def _ref_linear(x_bf16: torch.Tensor, lin: torch.nn.Linear, step: float, off: in
     to bf16 (the precision pass) then ARQ int8, bias bf16 → exact products and sums,
     activation, rounded once to bf16."""
     xd = (quantize_u8(x_bf16.float(), step, off).double() - off) * step
-    wq, ws = quantize_weight(lin.weight.detach().t().bfloat16().float(), 1)
+    wq, ws = quantize_weight(lin.weight.detach().t().bfloat16().float(), 1, int8_weight_qmax())
     y = xd @ (wq.double() * ws.double()) + lin.bias.detach().bfloat16().double()
     if act == "gelu":
         y = torch.nn.functional.gelu(y)

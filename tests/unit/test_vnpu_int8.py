@@ -19,6 +19,7 @@ from opencann.devices.vnpu import conv2d_cost
 from opencann.ir import DataType, Format, Graph, TensorDesc, TensorRef, verify
 from opencann.ir.dump import to_text
 from opencann.passes import PassContext, PassManager, VnpuQuantizeInt8
+from opencann.passes.fusion import quantize_int8
 from opencann.passes.fusion.quantize_int8 import quantize_weight
 from opencann.report import CompileReport
 from opencann.tools.estimate import estimate_compiled
@@ -53,8 +54,11 @@ def model():
 def quantized(model):
     m, cal = model
     # the CPU path at the vnpu's quantization points: without fuse_requant, which moves
-    # requantizations into the layers and keeps residual chains uint8 (test_int8.py covers it)
-    cpu = opencann.quantize(m, cal, device="cpu", options={"disable": ["fuse_requant"]})
+    # requantizations into the layers and keeps residual chains uint8 (test_int8.py covers it),
+    # and with the vnpu's 8-bit weights (a CPU without VNNI takes 7 bits, int8_weight_qmax)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(quantize_int8, "int8_weight_qmax", lambda: 127)
+        cpu = opencann.quantize(m, cal, device="cpu", options={"disable": ["fuse_requant"]})
     return {"cpu": cpu, **{dev: opencann.quantize(m, cal, device=dev) for dev in (DEV, "vnpu:ascend910")}}
 
 

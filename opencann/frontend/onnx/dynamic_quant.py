@@ -13,7 +13,9 @@ and the ``quantize_int8`` pass runs the linears over those weights as dynamic
 ``QuantLinearAct`` (x's scale and
 zero point taken per call by DynamicQuantizeLinear's rule, the weight's int8 values and
 scales as in the file: ``W_int8 * w_scale`` quantizes back to them exactly when they are
-symmetric with max |q| = 127). The two agree up to the rounding of the output's rescale
+symmetric with max |q| = 127; the file's values are kept, so on a CPU without VNNI, whose
+oneDNN u8 x s8 products are exact only for |w| <= 64, such a layer runs the fp32
+emulation, `opencann.devices.cpu.int8_weight_bound`). The two agree up to the rounding of the output's rescale
 (ONNX Runtime: int32 → float, then one product; oneDNN: one fused rescale) and of x's
 quantization (oneDNN's kernel multiplies by 1/scale where ONNX divides: a value on a
 rounding boundary may land one step apart). A layer the pass then does not quantize (not a

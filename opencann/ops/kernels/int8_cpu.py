@@ -26,6 +26,13 @@
   per call from its min / max (ONNX DynamicQuantizeLinear's rule: the range widened to
   include 0, uint8).
 
+oneDNN runs a layer where its uint8 x int8 products are exact for that layer's weight
+(`onednn_takes`, checked once at bind time): on every CPU with VNNI / AMX-int8, and on x86
+without them when max |w| <= 64 (`opencann.devices.cpu.int8_weight_bound`: the 7-bit
+weights `opencann.quantize` gives there); any other layer (8-bit weights quantized on a
+VNNI host, an ONNX file's int8 weights) runs the same arithmetic in fp32 (`int8_emulated`).
+Both give the same values to fp32 rounding, the same NaN/Inf and the same output dtype.
+
 These are the kernels PyTorch Inductor's x86 int8 path binds (torch/_inductor/fx_passes/
 quantization.py, the X86InductorQuantizer flow); no GEMM is written here. Source of the
 scheme (uint8 activations with a zero point, int8 symmetric per-channel weights): oneDNN
@@ -38,7 +45,7 @@ from typing import Callable, Sequence, Tuple
 
 import torch
 
-from ...devices.cpu import onednn_int8_exact
+from ...devices.cpu import int8_weight_bound
 from ...ir import Node, TensorDesc, TensorRef
 from .cpu import _ACT_FN, ThreadPacks
 from .int8_emulated import emulated_quant_conv, emulated_quant_linear
@@ -98,6 +105,24 @@ def make_ascend_dequant_kernel(node: Node, in_descs: Sequence[TensorDesc], const
     return run
 
 
+def onednn_takes(w: torch.Tensor) -> bool:
+    """Whether oneDNN's uint8 x int8 kernels compute exactly with the constant int8 weight
+    ``w`` on this CPU: `int8_weight_bound` is 127 (VNNI / AMX-int8), or it is 64 (x86
+    without VNNI: int16 pair sums) and max |w| <= 64; False where it is None. |w| is taken
+    in int32 (|-128| does not fit int8)."""
+    bound = int8_weight_bound()
+    if bound is None:
+        return False
+    return bound >= 127 or max(int(w.max()), -int(w.min())) <= bound
+
+
+def _tag(run: Callable, path: str) -> Callable:
+    """``run`` with ``run.int8_path`` = ``path`` ("onednn" or "emulated"): which arithmetic
+    the layer was bound to (for tests and reports)."""
+    run.int8_path = path
+    return run
+
+
 def QConvWeightPacks(w: torch.Tensor, w_scale: torch.Tensor, x_step: float, x_offset: int,  # noqa: N802
                      conv_args: tuple, x_shape: list) -> ThreadPacks:
     """An int8 conv weight prepacked by ``onednn.qconv_prepack`` for one input size, once
@@ -129,11 +154,12 @@ def make_quant_conv_kernel(node: Node, in_descs: Sequence[TensorDesc], consts: S
     a uint8 QuantConvAddAct takes a uint8 addend at ``accum_scale`` / ``accum_offset`` and
     its ReLU as a oneDNN post-op (integers: no NaN to keep).
     Raises KeyError for a missing attribute (the quantize pass always sets them). Where
-    oneDNN's int8 products are not exact (`onednn_int8_exact`), the same arithmetic in
-    fp32 (`int8_emulated`)."""
-    if not onednn_int8_exact():
-        return emulated_quant_conv(node, in_descs, consts)
+    oneDNN's int8 products are not exact for this weight (`onednn_takes`), the same
+    arithmetic in fp32 (`int8_emulated`). ``run.int8_path`` says which ("onednn" or
+    "emulated")."""
     a = node.attrs
+    if not onednn_takes(consts[a["weight"].index]):
+        return _tag(emulated_quant_conv(node, in_descs, consts), "emulated")
     conv_args = (list(a["stride"]), list(a["padding"]), list(a["dilation"]), int(a["groups"]))
     step, offset = float(a["x_scale"]), int(a["x_offset"])
     wi, si = a["weight"].index, a["w_scale"].index
@@ -145,7 +171,7 @@ def make_quant_conv_kernel(node: Node, in_descs: Sequence[TensorDesc], consts: S
     xi = a["input"].index
     stride, pad, dil, groups = conv_args
     if node.op == "QuantConvAddAct":
-        return _quant_conv_add(node, packs, w_scale, w_zp, xi, bi, conv_args)
+        return _tag(_quant_conv_add(node, packs, w_scale, w_zp, xi, bi, conv_args), "onednn")
 
     act, post = _act_after(a["act"], ("none", "relu"))
     conv = torch.ops.onednn.qconv2d_pointwise
@@ -155,7 +181,7 @@ def make_quant_conv_kernel(node: Node, in_descs: Sequence[TensorDesc], consts: S
         y = conv(ins[xi], step, offset, packs.get(), w_scale, w_zp, None if bi is None else ins[bi],
                  stride, pad, dil, groups, o_scale, o_zp, o_dtype, act, [], "")
         return y if post is None else post(y)
-    return run
+    return _tag(run, "onednn")
 
 
 def _quant_conv_add(node: Node, packs: QConvWeightPacks, w_scale, w_zp, xi: int, bi, conv_args) -> Callable:
@@ -212,10 +238,11 @@ def make_quant_linear_kernel(node: Node, in_descs: Sequence[TensorDesc], consts:
     of the fp32 output cast to bf16), or uint8 at ``out_scale`` / ``out_offset``
     (``fuse_requant``). The weight is transposed to [n, k] and prepacked once here
     (``onednn.qlinear_prepack``; it serves every m). Where oneDNN's int8 products are not
-    exact (`onednn_int8_exact`), the same arithmetic in fp32 (`int8_emulated`)."""
-    if not onednn_int8_exact():
-        return emulated_quant_linear(node, in_descs, consts)
+    exact for this weight (`onednn_takes`), the same arithmetic in fp32 (`int8_emulated`).
+    ``run.int8_path`` says which ("onednn" or "emulated")."""
     a = node.attrs
+    if not onednn_takes(consts[a["mat2"].index]):
+        return _tag(emulated_quant_linear(node, in_descs, consts), "emulated")
     xi, wi, si = a["mat1"].index, a["mat2"].index, a["w_scale"].index
     bi = a["self"].index if isinstance(a.get("self"), TensorRef) else None
     w_scale = consts[si].float()
@@ -239,7 +266,7 @@ def make_quant_linear_kernel(node: Node, in_descs: Sequence[TensorDesc], consts:
         y = lin(x, s, z, wp, w_scale, w_zp, None if bi is None else ins[bi], o_scale, o_zp, o_dtype, name, [],
                 algo)
         return y if post is None else post(y)
-    return run
+    return _tag(run, "onednn")
 
 
 def make_quant_add_kernel(node: Node, in_descs: Sequence[TensorDesc], consts: Sequence) -> Callable:
@@ -293,4 +320,4 @@ def make_quant_max_pool_kernel(node: Node, in_descs: Sequence[TensorDesc], const
 __all__ = ["QMAX", "QMIN", "QConvWeightPacks", "make_ascend_dequant_kernel", "make_dynamic_quant_dequant_kernel",
            "make_quant_add_kernel",
            "make_quant_max_pool_kernel", "dynamic_params", "make_ascend_quant_kernel",
-           "make_quant_conv_kernel", "make_quant_linear_kernel", "quantize_u8"]
+           "make_quant_conv_kernel", "make_quant_linear_kernel", "onednn_takes", "quantize_u8"]

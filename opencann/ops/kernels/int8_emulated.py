@@ -1,7 +1,9 @@
-"""The int8 ops' arithmetic in fp32, for CPUs whose oneDNN uint8 x int8 kernels are not
-exact (`opencann.devices.cpu.onednn_int8_exact`: x86 without VNNI / AMX-int8, where the
-kernels add pairs of products in int16 with saturation; oneDNN developer guide, "Nuances
-of int8 computations").
+"""The int8 ops' arithmetic in fp32, for layers whose oneDNN uint8 x int8 kernels would not
+be exact (`int8_cpu.onednn_takes`: on x86 without VNNI / AMX-int8 the kernels add pairs of
+products in int16 with saturation, exact only for |w| <= 64,
+`opencann.devices.cpu.int8_weight_bound`; oneDNN developer guide, "Nuances of int8
+computations"): there, 8-bit weights (a model quantized on a VNNI host, an ONNX file's
+int8 weights), and every layer where even 7-bit products saturate.
 
 `make_quant_conv_kernel` and `make_quant_linear_kernel` (``int8_cpu``) bind these there:
 the same node, attributes and results as the oneDNN kernels, computed as the integer sum

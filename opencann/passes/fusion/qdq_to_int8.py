@@ -18,7 +18,9 @@ After::
 The weight's DequantizeLinear was folded to fp32 ``q * s``; `exact_int8` gives back the
 file's int8 values and scales when they are symmetric with ``s = max|w| / 127`` per output
 channel or per tensor (ONNX Runtime's ``quantize_static`` with QInt8 weights writes
-these). Any other weight (asymmetric, reduced range) would be requantized, so that layer
+these; kept as they are, so on a CPU without VNNI a weight beyond |q| = 64 binds the fp32
+emulation, `opencann.devices.cpu.int8_weight_bound`). Any other weight (asymmetric,
+reduced range) would be requantized, so that layer
 keeps the float emulation (a Skip with the reason). Everything else (the output's QuantizeLinear, a
 pair in front of another op) stays float emulation. A dequantized x read by several
 layers serves each; the AscendDequant goes when none reads it any more.

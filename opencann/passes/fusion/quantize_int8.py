@@ -36,11 +36,17 @@ An ONNX model's ``quantize_dynamic`` MatMuls (their weights named in
 ``graph.meta["int8_dynamic_weights"]`` by ``frontend/onnx/dynamic_quant.py``) run dynamic as
 well, with or without ``quant_config``.
 
-Weights: AMCT's ARQ, symmetric int8 per output channel, ``scale_w = max|w| / 127``,
-``w_q = round_half_even(w / scale_w)`` in [-127, 127] (offset_w 0), done once here; the
+Weights: AMCT's ARQ, symmetric int8 per output channel, ``scale_w = max|w| / qmax``,
+``w_q = round_half_even(w / scale_w)`` in [-qmax, qmax] (offset_w 0), done once here; the
 int8 weight and its scales are the graph's constants (saved in the model file) and the
-fp32 weight is dropped. Source: CANN AMCT user guide ("ARQ", "IFMR", the quantization
-record's scale_d / offset_d / scale_w / offset_w); oneDNN "Int8 Inference"."""
+fp32 weight is dropped. ``qmax`` is this CPU's `int8_weight_qmax`: 127 with VNNI /
+AMX-int8, 64 (7-bit weights) on x86 without them, where oneDNN's kernels add pairs of
+u8 x s8 products in int16 with saturation (255 x 64 x 2 = 32 640 fits, 255 x 127 x 2 does
+not: `opencann.devices.cpu.int8_weight_bound`); the layers' report rows and one note say
+so. Weights an ONNX file gives (`exact_int8`) keep the file's values. Source: CANN AMCT
+user guide ("ARQ", "IFMR", the quantization record's scale_d / offset_d / scale_w /
+offset_w); oneDNN "Int8 Inference" and "Nuances of int8 computations" (7-bit data without
+VNNI); NNCF's ``overflow_fix`` (the same halved weight range)."""
 from __future__ import annotations
 
 import math
@@ -49,6 +55,7 @@ from typing import Any, Dict, Optional
 
 import torch
 
+from ...devices.cpu import int8_weight_qmax
 from ...ir import DataType, Graph, Node, TensorDesc, TensorRef, Value
 from ..base import PassContext, Skip
 from .common import CpuFusion
@@ -57,20 +64,21 @@ _TARGETS = {"ConvBiasAct": "QuantConvBiasAct", "ConvAddAct": "QuantConvAddAct",
             "LinearAct": "QuantLinearAct"}
 
 
-def quantize_weight(w: torch.Tensor, axis: int) -> "tuple[torch.Tensor, torch.Tensor]":
+def quantize_weight(w: torch.Tensor, axis: int, qmax: int = 127) -> "tuple[torch.Tensor, torch.Tensor]":
     """ARQ: ``w`` (float) to (int8 weight, fp32 scales along ``axis``), symmetric per channel:
-    scale = max|w| / 127 over every other dim (1.0 for an all-zero channel), values
-    round-half-even(w / scale) in [-127, 127]. NaN/inf weights: ValueError (one line)."""
+    scale = max|w| / qmax over every other dim (1.0 for an all-zero channel), values
+    round-half-even(w / scale) in [-qmax, qmax]; ``qmax`` in [1, 127] (the CPU pass gives
+    `int8_weight_qmax`: 64 on x86 without VNNI). NaN/inf weights: ValueError (one line)."""
     wf = w.detach().float()
     if not torch.isfinite(wf).all():
         raise ValueError("the weight holds NaN or inf: it cannot be quantized; keep the layer "
                          "in fp32 with skip_layers")
     dims = [d for d in range(wf.dim()) if d != axis]
     amax = wf.abs().amax(dim=dims)
-    scale = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))
+    scale = torch.where(amax > 0, amax / float(qmax), torch.ones_like(amax))
     view = [1] * wf.dim()
     view[axis] = -1
-    q = torch.round(wf / scale.view(view)).clamp_(-127, 127).to(torch.int8)
+    q = torch.round(wf / scale.view(view)).clamp_(-qmax, qmax).to(torch.int8)
     return q.contiguous(), scale.contiguous()
 
 
@@ -171,6 +179,7 @@ class QuantizeInt8(CpuFusion):
 
     name, stage = "quantize_int8", "fusion"
     ops = tuple(_TARGETS)
+    _narrow = 0    # layers given 7-bit weights in this run (a note says why)
 
     def run(self, graph: Graph, ctx: PassContext) -> int:
         """Rewrite every target named by ``options["quant_config"]`` (nothing without it:
@@ -184,13 +193,18 @@ class QuantizeInt8(CpuFusion):
             return 0
         self._cfg = cfg
         self._quants: Dict[tuple, Value] = {}
+        self._narrow = 0
         n = super().run(graph, ctx)
         for node in graph.nodes:     # layers no target covers: a row each, with the reason
             why = _not_a_target(node)
             if why is not None:
                 ctx.skip(Skip(why, node))
         graph.prune_constants()
-        ctx.note(f"{n} layer(s) in int8")
+        q = int8_weight_qmax()
+        ctx.note(f"{n} layer(s) in int8" + (
+            f"; {self._narrow} with 7-bit weights in [-{q}, {q}] (scale_w = max|w| / {q}): this CPU has "
+            f"no VNNI, its oneDNN u8 x s8 kernels add pairs of products in int16 and saturate beyond "
+            f"that (255 x {q} x 2 <= 32767), so they stay exact" if self._narrow else ""))
         return n
 
     def match(self, node: Node, graph: Graph, ctx: PassContext):
@@ -259,7 +273,8 @@ class QuantizeInt8(CpuFusion):
         linear = node.op == "LinearAct"
         wname, xname = ("mat2", "mat1") if linear else ("weight", "input")
         w = node.arg(wname)
-        wq, ws = m.weight or quantize_weight(w.const, 1 if linear else 0)
+        qmax = 127 if m.weight else int8_weight_qmax()
+        wq, ws = m.weight or quantize_weight(w.const, 1 if linear else 0, qmax)
         ins = list(node.inputs)
         attrs = dict(node.attrs)
         xi, wi = attrs[xname].index, attrs[wname].index
@@ -276,6 +291,9 @@ class QuantizeInt8(CpuFusion):
         else:
             attrs["dynamic"] = True
             detail = m.detail or "int8 dynamic (x quantized per call)"
+        if qmax < 127:
+            self._narrow += 1
+            detail += f"; 7-bit weights [-{qmax}, {qmax}] (no VNNI)"
         bias = attrs.get("self")
         if linear and isinstance(bias, TensorRef) and ins[bias.index].desc.dtype.torch != torch.float32:
             b = ins[bias.index]

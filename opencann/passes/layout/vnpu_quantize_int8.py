@@ -16,7 +16,9 @@ pass ``quantize_int8`` reads (AMCT's records: ``layers`` {node name: {"scale_d",
   reads those formats.
 - the Cube op: int8 × int8 accumulated exactly in int32 (L0C); weights quantized once
   here by ARQ (`quantize_weight`: symmetric per output channel, ``scale_w = max|W| /
-  127``, the CPU pass's function, so both devices hold the same int8 weight); its int32
+  127``, the CPU pass's function: both devices hold the same int8 weight where the host
+  CPU's int8 products are exact at 8 bits; on x86 without VNNI the CPU pass takes 7 bits,
+  `opencann.devices.cpu.int8_weight_bound`, and the Cube keeps 8); its int32
   bias is the offset correction ``-offset_x · Σ W_i8`` per output channel, and a
   convolution's padding reads ``offset_x`` (CANN Conv2D's attribute), so the int32 sum is
   exactly ``Σ (x_i8 - offset_x) · W_i8``.
