@@ -175,6 +175,38 @@ def test_quantize_dynamic_matmuls_run_the_dynamic_int8_kernel(tmp_path):
     assert torch.equal(cm(x)[0], y)
 
 
+
+@pytest.mark.parametrize("per_channel", [False, True])
+def test_reduce_range_files_keep_their_7bit_weights_on_the_onednn_kernels(tmp_path, per_channel):
+    """``quantize_dynamic(reduce_range=True)`` writes 7-bit weights (ONNX Runtime's advice
+    for CPUs without VNNI): they are the file's int8 weights (not requantized), bound to
+    oneDNN's kernels wherever they are exact (|w| <= 64 on a CPU without VNNI:
+    `int8_weight_bound`), and match ONNX Runtime, whose kernels do not saturate on them."""
+    import onnx
+    from opencann.devices.cpu import int8_weight_bound
+    from opencann.ops import get_op
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 8)).eval()
+    x = torch.randn(2, 5, 16)
+    fp, qp = str(tmp_path / "f.onnx"), str(tmp_path / "q.onnx")
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(m, (x,), fp, dynamo=False, opset_version=17)
+    oq.quantize_dynamic(fp, qp, weight_type=oq.QuantType.QInt8, reduce_range=True, per_channel=per_channel)
+    cm = opencann.compile(qp)
+    rows = [e["detail"] for e in cm.report.applied if e["pass"] == "quantize_int8"]
+    assert len(rows) == 2 and all("the file's int8 weights" in r for r in rows), rows
+    nodes = [n for n in cm.graph.nodes if n.op == "QuantLinearAct"]
+    assert all(int(n.arg("mat2").const.to(torch.int32).abs().max()) <= 64 for n in nodes)
+    if int8_weight_bound() is not None:
+        paths = {get_op(n.op).kernel_factory("cpu")(n, [v.desc for v in n.inputs],
+                                                   [v.const for v in n.inputs]).int8_path for n in nodes}
+        assert paths == {"onednn"}
+    name = onnx.load(qp).graph.input[0].name
+    y = cm(x)[0]
+    _within_int8_rounding(y, _ort(qp, name, x))
+    assert torch.equal(cm(x)[0], y)
+
 class Blocks(torch.nn.Module):
     """conv-ReLU → conv + residual → x·sigmoid(x) → concat with a LeakyReLU branch → 1×1 conv →
     AvgPool → global mean → Linear: ``quantize_static``'s QOperator format writes the

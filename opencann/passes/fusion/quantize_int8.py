@@ -84,21 +84,24 @@ def quantize_weight(w: torch.Tensor, axis: int, qmax: int = 127) -> "tuple[torch
 
 def exact_int8(w: torch.Tensor, axis: int):
     """(int8 weight, fp32 scales along ``axis``) that give back ``w`` exactly (``q * s ==
-    w`` in fp32): symmetric per channel (``s = max|w| / 127`` per channel, ARQ), else one
-    symmetric scale for the tensor (repeated per channel); None when neither does (an
-    asymmetric or reduced-range weight)."""
+    w`` in fp32): symmetric per channel (``s = max|w| / qmax`` per channel, ARQ), else one
+    symmetric scale for the tensor (repeated per channel), for qmax 127 (8-bit) or 64
+    (7-bit: ONNX Runtime's ``reduce_range``, which runs on oneDNN's kernels where the
+    CPU's u8 x s8 products saturate, `int8_weight_bound`); None when none does (an
+    asymmetric weight, or another range)."""
     view = [1] * w.dim()
     view[axis] = -1
-    wq, ws = quantize_weight(w, axis)
-    if torch.equal(wq.float() * ws.view(view), w):
-        return wq, ws
     amax = float(w.abs().max())
-    if amax == 0.0:
-        return None
-    s = torch.tensor(amax / 127.0, dtype=torch.float32)
-    q = torch.round(w / s).clamp_(-127, 127)
-    if torch.equal(q * s, w):
-        return q.to(torch.int8).contiguous(), s.repeat(w.shape[axis]).contiguous()
+    for qmax in (127, 64):
+        wq, ws = quantize_weight(w, axis, qmax)
+        if torch.equal(wq.float() * ws.view(view), w):
+            return wq, ws
+        if amax == 0.0:
+            continue
+        s = torch.tensor(amax / qmax, dtype=torch.float32)
+        q = torch.round(w / s).clamp_(-qmax, qmax)
+        if torch.equal(q * s, w):
+            return q.to(torch.int8).contiguous(), s.repeat(w.shape[axis]).contiguous()
     return None
 
 
