@@ -56,14 +56,29 @@ def _tokenizer_files(tokenizer: Any) -> Dict[str, str]:
     return out
 
 
+def _inside(folder: str, name: Any) -> str:
+    """``folder``/``name`` for a tokenizer file name read from a model file: a relative
+    path that stays inside ``folder`` (no absolute path, drive, ``..`` or empty part).
+    Raises ValueError otherwise: a file that would write elsewhere is refused, whatever
+    its checksums say (a crafted file is self-consistent)."""
+    parts = name.replace("\\", "/").split("/") if isinstance(name, str) else None
+    if (not parts or os.path.isabs(name) or os.path.splitdrive(name)[0]
+            or any(p in ("", ".", "..") for p in parts)):
+        raise ValueError(f"the model file's tokenizer names a file {name!r:.80} outside its "
+                         "folder: refused (the file was not written by opencann; save the "
+                         "generator again from its model)")
+    return os.path.join(folder, *parts)
+
+
 def load_tokenizer(files: Dict[str, str]) -> Any:
-    """The transformers tokenizer of ``files`` (`_tokenizer_files`' form)."""
+    """The transformers tokenizer of ``files`` (`_tokenizer_files`' form), written to a
+    temporary folder and read by ``AutoTokenizer``. Raises ValueError (one line) for a
+    file name that leaves that folder (`_inside`)."""
     from transformers import AutoTokenizer
     with tempfile.TemporaryDirectory() as tmp:
         for name, data in files.items():
-            full = os.path.join(tmp, name)
-            if os.path.dirname(name):
-                os.makedirs(os.path.dirname(full), exist_ok=True)
+            full = _inside(tmp, name)
+            os.makedirs(os.path.dirname(full), exist_ok=True)
             with open(full, "wb") as f:
                 f.write(base64.b64decode(data))
         return AutoTokenizer.from_pretrained(tmp, local_files_only=True)

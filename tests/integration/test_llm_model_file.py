@@ -208,3 +208,29 @@ def test_cli_default_new_tokens_fit_the_files_cache(saved, capsys):
     with pytest.raises(ValueError, match=r"exceeds max_seq_len 32; shorten the prompt or save a "
                                          r"generator compiled with a larger max_seq_len"):
         loaded.generate([list(range(2, 42))], max_new_tokens=1)
+
+
+@pytest.mark.parametrize("name", ["../escaped.txt", "a/../../escaped.txt", "/tmp/escaped_abs.txt",
+                                  "sub/./x", "", "..", "a//b", "a\\..\\..\\escaped.txt"])
+def test_tokenizer_file_names_that_leave_their_folder_are_refused(saved, tmp_path, monkeypatch, name):
+    """A model file is data: a crafted one (valid checksums) naming a tokenizer file outside
+    the temporary folder it is written to is refused in one line and writes nothing."""
+    import base64
+    _, tok, gen, _ = saved
+    real = saving._tokenizer_files(tok)
+    evil = {**real, name: base64.b64encode(b"written by a model file\n").decode()}
+    monkeypatch.setattr(saving, "_tokenizer_files", lambda t: evil)
+    path = str(tmp_path / "evil.ocm")
+    gen.save(path, tokenizer=tok, graphs="built")
+    monkeypatch.undo()
+    monkeypatch.chdir(tmp_path)
+    before = set(os.listdir(tmp_path))
+    with pytest.raises(ValueError, match=r"^the model file's tokenizer names a file .* outside its "
+                       r"folder: refused"):
+        opencann.load(path)
+    assert set(os.listdir(tmp_path)) == before
+    assert not os.path.exists("/tmp/escaped_abs.txt")
+    # the file's own names load
+    good = str(tmp_path / "good.ocm")
+    gen.save(good, tokenizer=tok, graphs="built")
+    assert L.load(good).tokenizer.encode("hi") == tok.encode("hi")
