@@ -34,23 +34,48 @@ OMP_PAUSE_SOFT = 1  # omp_pause_resource_t: omp_pause_soft (OpenMP 5.0 §3.2.43)
 
 
 def openmp_library() -> Optional[str]:
-    """The path of the GNU OpenMP runtime (libgomp) loaded in this process (torch's
-    own copy), read from ``/proc/self/maps`` (torch loads it on import); None where
-    there is none (another OpenMP runtime, a torch built without OpenMP, no procfs)."""
+    """The path of the OpenMP runtime torch's kernels run on (`torch_openmp_library`),
+    where it is GNU OpenMP (libgomp); None where there is none (another OpenMP runtime,
+    a torch built without OpenMP, no procfs)."""
     global _LIBRARY
     if _LIBRARY is None:
-        _LIBRARY = _find_libgomp()
-    return _LIBRARY
+        path = torch_openmp_library()
+        _LIBRARY = path if path is not None and "libgomp" in os.path.basename(path) else ""
+    return _LIBRARY or None
 
 
 _LIBRARY: Optional[str] = None
 
 
-def _find_libgomp() -> Optional[str]:
-    for path in loaded_libraries():
-        if "libgomp" in path.rsplit("/", 1)[-1]:
-            return path
-    return None
+class _DlInfo(ctypes.Structure):
+    _fields_ = [("dli_fname", ctypes.c_char_p), ("dli_fbase", ctypes.c_void_p),
+                ("dli_sname", ctypes.c_char_p), ("dli_saddr", ctypes.c_void_p)]
+
+
+def torch_openmp_library() -> Optional[str]:
+    """The path of the OpenMP runtime libtorch_cpu itself calls: its
+    ``omp_get_max_threads`` looked up through libtorch_cpu's own dependency scope
+    (``dlsym`` on its handle) and named by ``dladdr`` (glibc). Other packages load their
+    own copies (scikit-learn's ``libgomp-<hash>.so``, loaded by transformers): setting a
+    thread count through one of those changes nothing torch reads. Falls back to the
+    first libgomp / libiomp / libomp under torch's own folder, then any loaded one; None
+    where none is loaded."""
+    torch_cpu = next((p for p in loaded_libraries() if os.path.basename(p).startswith("libtorch_cpu")), None)
+    try:
+        fn = ctypes.CDLL(torch_cpu).omp_get_max_threads if torch_cpu else None
+        info = _DlInfo()
+        libc = ctypes.CDLL(None)
+        if fn is not None and libc.dladdr(ctypes.cast(fn, ctypes.c_void_p), ctypes.byref(info)) \
+                and info.dli_fname:
+            return os.path.realpath(os.fsdecode(info.dli_fname))
+    except (OSError, AttributeError):
+        pass
+    omp = [p for p in loaded_libraries() if os.path.basename(p).startswith(_OMP_PREFIXES)]
+    own = [p for p in omp if torch_cpu and os.path.dirname(p) == os.path.dirname(torch_cpu)]
+    return (own or omp or [None])[0]
+
+
+_OMP_PREFIXES = ("libgomp", "libiomp", "libomp")
 
 
 def loaded_libraries() -> List[str]:
@@ -117,4 +142,4 @@ def release_openmp_pool() -> bool:
 
 
 __all__ = ["OMP_PAUSE_SOFT", "loaded_libraries", "loaded_library", "openmp_library", "pause_available",
-           "release_openmp_pool"]
+           "release_openmp_pool", "torch_openmp_library"]

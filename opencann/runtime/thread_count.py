@@ -15,7 +15,8 @@ stream 0 kept 1 intra-op thread (and "restored" 1 afterwards).
 later init cannot overwrite it), then ``omp_set_num_threads`` and
 MKL's ``MKL_Set_Num_Threads_Local`` (its C entry point, int by value; the lower-case
 ``mkl_set_num_threads_local`` symbol is the Fortran one, taking a pointer) called through
-ctypes in the OpenMP runtime and MKL that torch loaded (found in ``/proc/self/maps``). ``torch.get_num_threads()`` on the thread
+ctypes in the OpenMP runtime and MKL that torch itself calls (`torch_openmp_library`: not
+another package's copy, e.g. scikit-learn's libgomp). ``torch.get_num_threads()`` on the thread
 reads the new count (it returns ``omp_get_max_threads()``). ctypes (standard library)
 because torch exposes no per-thread setter. Where no OpenMP runtime is found (not Linux,
 or ATen's native thread pool, whose count is process-wide anyway) `available` is False
@@ -30,13 +31,24 @@ from typing import Optional, Tuple
 
 import torch
 
-from ..devices.cpu_threads import loaded_library
+from ..devices.cpu_threads import loaded_library, torch_openmp_library
 
-_OMP_NAMES = ("libgomp", "libiomp", "libomp")
+
+
+def _torch_openmp() -> Optional[ctypes.CDLL]:
+    """The OpenMP runtime torch's kernels run on (`torch_openmp_library`: not another
+    package's copy, whose counts torch never reads), opened with ctypes; None where
+    torch runs no OpenMP or it exports no ``omp_set_num_threads``."""
+    path = torch_openmp_library() if "OpenMP" in torch.__config__.parallel_info() else None
+    try:
+        lib = ctypes.CDLL(path) if path else None
+    except OSError:
+        return None
+    return lib if lib is not None and hasattr(lib, "omp_set_num_threads") else None
 
 
 torch.get_num_threads()  # ATen (and its OpenMP runtime) loaded and initialised here
-_OMP = loaded_library(_OMP_NAMES, "omp_set_num_threads") if "OpenMP" in torch.__config__.parallel_info() else None
+_OMP = _torch_openmp()
 _MKL = loaded_library(("libtorch_cpu", "libmkl"), "MKL_Set_Num_Threads_Local") if _OMP else None
 available = _OMP is not None
 if _MKL is not None:

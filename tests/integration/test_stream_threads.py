@@ -122,3 +122,23 @@ def test_streams_never_call_the_process_wide_setter(monkeypatch, streams, costs)
     assert kept[0][0][0].data_ptr() != kept[0][0][1].data_ptr()
     assert calls == []
     assert torch.get_num_threads() == mine and count_in_new_thread() == fresh
+
+
+def test_the_count_is_set_in_torchs_openmp_runtime_when_another_copy_loaded_first():
+    """scikit-learn ships its own libgomp (``libgomp-<hash>.so``; transformers imports
+    scikit-learn): loaded before opencann, it sorted first among the mapped libraries and
+    the per-thread setter changed that copy's count, which torch never reads (stream 0
+    then ran on the caller's count). A fresh process loads it first."""
+    import subprocess
+    import sys
+    pytest.importorskip("sklearn")
+    code = ("import sklearn.utils._openmp_helpers, torch\n"
+            "torch.set_num_threads(2)\n"
+            "from opencann.devices.cpu_threads import torch_openmp_library\n"
+            "from opencann.runtime import thread_count as t\n"
+            "s = t.set_this_thread(1); inside = torch.get_num_threads(); t.restore_this_thread(s)\n"
+            "import os\n"
+            "print(inside, torch.get_num_threads(), os.path.dirname(torch.__file__) in torch_openmp_library())\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["1", "2", "True"], out.stdout
