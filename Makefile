@@ -10,7 +10,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: demo test test-fast test-all bench venv venv-ov clean
+.PHONY: demo test test-extended test-fast test-all bench venv venv-ov clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -33,9 +33,12 @@ demo: $(STAMP)
 # parallel pass; `onnx_full` marks the ONNX backend cases outside the fast subset (one
 # case per op set and element types); `full` marks exhaustive grids a sampled test also
 # covers; `heavy` compiles a zoo model.
-#   make test       what CI runs (.ci/run): everything but `onnx_full` and `full`, 2 processes (xdist)
-#   make test-fast  the edit loop: unit tests and the fast integration files, no heavy ones
-#   make test-all   everything, the full ONNX backend set included
+#   make test           the gate: everything but `onnx_full`, `full` and the files of
+#                       tests/extended.txt, 2 processes (xdist), then the serial pass
+#   make test-extended  the files of tests/extended.txt (edge-case sweeps, scenario suites);
+#                       CI (.ci/run) runs make test, then this
+#   make test-fast      the edit loop: unit tests and the fast integration files, no heavy ones
+#   make test-all       everything, the full ONNX backend set included
 # One file or test: $(PY) -m pytest tests/unit/test_ops.py -k relu
 PYTEST := $(PY) -m pytest
 XDIST := -n 2 --dist loadgroup
@@ -46,9 +49,15 @@ FAST_INTEGRATION := tests/integration/test_api_misuse.py tests/integration/test_
 # collects those, not the whole suite again (~20 s of collection)
 SERIAL_FILES = $(shell grep -rlE "mark\.serial" tests --include='test_*.py' | sort)
 
+EXTENDED_FILES = $(shell grep -v '^\#' tests/extended.txt)
+
 test: $(STAMP)
-	$(PYTEST) tests $(XDIST) -m "not serial and not onnx_full and not full" --durations=25
+	$(PYTEST) tests $(XDIST) -m "not serial and not onnx_full and not full" --durations=25 \
+		$(addprefix --ignore=,$(EXTENDED_FILES))
 	$(PYTEST) $(SERIAL_FILES) -m "serial and not onnx_full and not full"
+
+test-extended: $(STAMP)
+	$(PYTEST) $(EXTENDED_FILES) $(XDIST) -m "not serial and not onnx_full and not full" --durations=15
 
 test-fast: $(STAMP)
 	$(PYTEST) tests/unit $(FAST_INTEGRATION) $(XDIST) -m "not serial and not heavy"

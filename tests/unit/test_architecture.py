@@ -350,3 +350,14 @@ def test_serial_tests_are_marked_in_their_own_files():
             continue
         text = p.read_text()
         assert "mark." + "serial" not in text and "add_marker" not in text, p   # split: the grep skips this file
+
+
+def test_extended_files_exist():
+    """tests/extended.txt names the files `make test` leaves to `make test-extended`:
+    each must be a test file here (a renamed or deleted one would silently run in
+    neither target's intended place; a missing path makes pytest fail the whole run)."""
+    listed = [ln.strip() for ln in (REPO / "tests" / "extended.txt").read_text().splitlines()
+              if ln.strip() and not ln.startswith("#")]
+    assert listed and len(listed) == len(set(listed))
+    for p in listed:
+        assert (REPO / p).is_file() and pathlib.Path(p).name.startswith("test_"), p
