@@ -47,6 +47,9 @@ def openmp_library() -> Optional[str]:
 _LIBRARY: Optional[str] = None
 
 
+_OMP_PREFIXES = ("libgomp", "libiomp", "libomp")
+
+
 class _DlInfo(ctypes.Structure):
     _fields_ = [("dli_fname", ctypes.c_char_p), ("dli_fbase", ctypes.c_void_p),
                 ("dli_sname", ctypes.c_char_p), ("dli_saddr", ctypes.c_void_p)]
@@ -74,8 +77,6 @@ def torch_openmp_library() -> Optional[str]:
     own = [p for p in omp if torch_cpu and os.path.dirname(p) == os.path.dirname(torch_cpu)]
     return (own or omp or [None])[0]
 
-
-_OMP_PREFIXES = ("libgomp", "libiomp", "libomp")
 
 
 def loaded_libraries() -> List[str]:

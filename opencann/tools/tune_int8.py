@@ -10,8 +10,7 @@
   symmetric int8 per output channel (ARQ, `quantize_weight`, in the range the
   ``quantize_int8`` pass takes on this CPU: `int8_weight_qmax`, 7 bits without VNNI),
   computed in fp32 on the dequantized operands: the int8 kernel's integer products are
-  exact, so this is its
-  result up to the fp32 rescale. It returns (that, that): the gate's error-ratio rule
+  exact, so this is its result up to the fp32 rescale. It returns (that, that): the gate's error-ratio rule
   (the kernel's arithmetic against fp32 on the same inputs) has nothing to judge, and
   the rounding of the operands is judged against eager by its NaN/Inf, cosine (<= 0.99
   fails) and max-abs rules.
@@ -29,8 +28,8 @@ from typing import Any, Dict, Optional, Sequence, Tuple
 
 import torch
 
-from ..ops.kernels.int8_cpu import dynamic_params, quantize_u8
 from ..devices.cpu import int8_weight_qmax
+from ..ops.kernels.int8_cpu import dynamic_params, quantize_u8
 from ..passes.fusion.quantize_int8 import quantize_weight
 
 aten = torch.ops.aten

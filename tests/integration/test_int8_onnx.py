@@ -150,19 +150,26 @@ def test_qoperator_qlinearconv_and_qlinearmatmul_run_int8_kernels(tmp_path):
     _within_int8_rounding(cm(x)[0], _ort(qp, name, x))
 
 
-@needs_exact_u8s8
-def test_quantize_dynamic_matmuls_run_the_dynamic_int8_kernel(tmp_path):
-    """``quantize_dynamic`` (DynamicQuantizeLinear → MatMulInteger → Cast → Mul) on a 3-D
-    MLP: each MatMul becomes a dynamic QuantLinearAct with the file's int8 weights (no host
-    fallback); matches ONNX Runtime; a second call gives the same bits."""
-    import onnx
+def _dynamic_mlp_file(tmp_path, **quantize_options):
+    """(x [2, 5, 16], path): a 3-D MLP (16 → 32 → ReLU → 8) exported to ONNX and quantized by
+    ONNX Runtime's ``quantize_dynamic`` (int8 weights, ``quantize_options`` added)."""
     m = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 8)).eval()
     x = torch.randn(2, 5, 16)
     fp, qp = str(tmp_path / "f.onnx"), str(tmp_path / "q.onnx")
     with warnings.catch_warnings(), torch.no_grad():
         warnings.simplefilter("ignore")
         torch.onnx.export(m, (x,), fp, dynamo=False, opset_version=17)
-    oq.quantize_dynamic(fp, qp, weight_type=oq.QuantType.QInt8)
+    oq.quantize_dynamic(fp, qp, weight_type=oq.QuantType.QInt8, **quantize_options)
+    return x, qp
+
+
+@needs_exact_u8s8
+def test_quantize_dynamic_matmuls_run_the_dynamic_int8_kernel(tmp_path):
+    """``quantize_dynamic`` (DynamicQuantizeLinear → MatMulInteger → Cast → Mul) on a 3-D
+    MLP: each MatMul becomes a dynamic QuantLinearAct with the file's int8 weights (no host
+    fallback); matches ONNX Runtime; a second call gives the same bits."""
+    import onnx
+    x, qp = _dynamic_mlp_file(tmp_path)
     assert "MatMulInteger" in {nd.op_type for nd in onnx.load(qp).graph.node}
     cm = opencann.compile(qp)
     ops = cm.report.op_counts_after
@@ -175,7 +182,6 @@ def test_quantize_dynamic_matmuls_run_the_dynamic_int8_kernel(tmp_path):
     assert torch.equal(cm(x)[0], y)
 
 
-
 @pytest.mark.parametrize("per_channel", [False, True])
 def test_reduce_range_files_keep_their_7bit_weights_on_the_onednn_kernels(tmp_path, per_channel):
     """``quantize_dynamic(reduce_range=True)`` writes 7-bit weights (ONNX Runtime's advice
@@ -186,13 +192,7 @@ def test_reduce_range_files_keep_their_7bit_weights_on_the_onednn_kernels(tmp_pa
     from opencann.devices.cpu import int8_weight_bound
     from opencann.ops import get_op
     torch.manual_seed(0)
-    m = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 8)).eval()
-    x = torch.randn(2, 5, 16)
-    fp, qp = str(tmp_path / "f.onnx"), str(tmp_path / "q.onnx")
-    with warnings.catch_warnings(), torch.no_grad():
-        warnings.simplefilter("ignore")
-        torch.onnx.export(m, (x,), fp, dynamo=False, opset_version=17)
-    oq.quantize_dynamic(fp, qp, weight_type=oq.QuantType.QInt8, reduce_range=True, per_channel=per_channel)
+    x, qp = _dynamic_mlp_file(tmp_path, reduce_range=True, per_channel=per_channel)
     cm = opencann.compile(qp)
     rows = [e["detail"] for e in cm.report.applied if e["pass"] == "quantize_int8"]
     assert len(rows) == 2 and all("the file's int8 weights" in r for r in rows), rows

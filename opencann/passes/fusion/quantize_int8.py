@@ -182,7 +182,6 @@ class QuantizeInt8(CpuFusion):
 
     name, stage = "quantize_int8", "fusion"
     ops = tuple(_TARGETS)
-    _narrow = 0    # layers given 7-bit weights in this run (a note says why)
 
     def run(self, graph: Graph, ctx: PassContext) -> int:
         """Rewrite every target named by ``options["quant_config"]`` (nothing without it:
@@ -196,7 +195,7 @@ class QuantizeInt8(CpuFusion):
             return 0
         self._cfg = cfg
         self._quants: Dict[tuple, Value] = {}
-        self._narrow = 0
+        self._narrow = 0    # layers given 7-bit weights in this run (a note says why)
         n = super().run(graph, ctx)
         for node in graph.nodes:     # layers no target covers: a row each, with the reason
             why = _not_a_target(node)
