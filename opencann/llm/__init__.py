@@ -9,7 +9,8 @@
   one ValueError line naming the unsupported piece (`read_arch`);
 - `builder`: `DecoderLM`, the model rewritten over a preallocated KV cache with the
   ``opencann::kv_cache_update`` / ``opencann::decode_attention`` custom ops, sharing the
-  transformers model's parameters;
+  transformers model's parameters; `module_values`: the values transformers' forward
+  reads from the modules (norm epsilons, attention scales, RoPE), read from them;
 - `steps`: the prefill graphs (per prompt bucket and batch size) and one decode graph
   per batch size; `prompts`: the call's prompts checked and normalised;
 - `sampling`: greedy and sampling through transformers' logits processors, seeded;

@@ -22,6 +22,7 @@ from torch import nn
 
 from ..ops import llm_torch  # noqa: F401  (registers torch.ops.opencann.*)
 from .arch import LLMArch, read_arch
+from .module_values import UNREAD_ATTRIBUTES, attn_scale, check_rope_type, module_arch, norm_eps
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -86,31 +87,33 @@ class LlamaBlock(nn.Module):
     """One Llama/Mistral/Qwen2 decoder layer (RMSNorm, RoPE, GQA, gated MLP) over the
     transformers layer's own submodules."""
 
-    def __init__(self, layer: nn.Module, arch: LLMArch, scale: float):
+    def __init__(self, layer: nn.Module, arch: LLMArch):
         super().__init__()
         self.attn, self.mlp = layer.self_attn, layer.mlp
         self.ln1, self.ln2 = layer.input_layernorm, layer.post_attention_layernorm
-        self.eps, self.scale, self.arch = arch.norm_eps, scale, arch
+        self.arch = arch
 
     def forward(self, h: torch.Tensor, rope: Tuple[torch.Tensor, torch.Tensor],
                 positions: torch.Tensor, lengths: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, last: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``h`` [B, T, hidden] float32, ``rope`` (cos, sin) [B, T, D] -> [B, T, hidden]
         ([B, 1, hidden] with ``last``, [B] int64, each row's last live token: `attend`,
-        `_keep_last`); writes this layer's caches (`attend`)."""
+        `_keep_last`); writes this layer's caches (`attend`). The norms' epsilons and the
+        attention scale are the modules' own, read here (`module_values`)."""
         a, B, T = self.arch, h.shape[0], h.shape[1]
-        x = _rms_norm(h, self.ln1.weight, self.eps)
+        x = _rms_norm(h, self.ln1.weight, norm_eps(self.ln1, a.norm_eps))
         q = self.attn.q_proj(x).view(B, T, a.num_heads, a.head_dim).transpose(1, 2)
         k = self.attn.k_proj(x).view(B, T, a.num_kv_heads, a.head_dim).transpose(1, 2)
         v = self.attn.v_proj(x).view(B, T, a.num_kv_heads, a.head_dim).transpose(1, 2)
         cos, sin = rope[0].unsqueeze(1), rope[1].unsqueeze(1)
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
-        o = attend(q, k, v, k_cache, v_cache, positions, lengths, self.scale, last)
+        o = attend(q, k, v, k_cache, v_cache, positions, lengths,
+                   attn_scale(self.attn, a.head_dim ** -0.5), last)
         Tq = o.shape[2]   # 1 with ``last``
         o = o.transpose(1, 2).reshape(B, Tq, a.num_heads * a.head_dim)
         h = _keep_last(h, last) + self.attn.o_proj(o)
-        x = _rms_norm(h, self.ln2.weight, self.eps)
+        x = _rms_norm(h, self.ln2.weight, norm_eps(self.ln2, a.norm_eps))
         return h + self.mlp.down_proj(self.mlp.act_fn(self.mlp.gate_proj(x)) * self.mlp.up_proj(x))
 
 
@@ -118,24 +121,27 @@ class GPT2Block(nn.Module):
     """One GPT-2 decoder layer (LayerNorm, fused QKV Conv1D, GELU MLP) over the
     transformers layer's own submodules."""
 
-    def __init__(self, layer: nn.Module, arch: LLMArch, scale: float):
+    def __init__(self, layer: nn.Module, arch: LLMArch):
         super().__init__()
         self.attn, self.mlp, self.ln1, self.ln2 = layer.attn, layer.mlp, layer.ln_1, layer.ln_2
-        self.scale, self.arch = scale, arch
+        self.arch = arch
 
     def forward(self, h: torch.Tensor, rope, positions: torch.Tensor, lengths: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor,
                 last: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``h`` [B, T, hidden] float32 -> [B, T, hidden] ([B, 1, hidden] with ``last``, [B]
         int64, each row's last live token: `attend`, `_keep_last`); ``rope`` is unused
-        (learned positions); writes this layer's caches (`attend`)."""
+        (learned positions); writes this layer's caches (`attend`). The attention scale is
+        the module's ``scaling`` (`module_values`); the LayerNorms are the modules, called."""
         a, B, T = self.arch, h.shape[0], h.shape[1]
+        width = a.num_heads * a.head_dim    # GPT2Attention's split_size
         x = self.ln1(h)
-        q, k, v = _conv1d(x, self.attn.c_attn).split(a.hidden_size, dim=2)
+        q, k, v = _conv1d(x, self.attn.c_attn).split(width, dim=2)
         q, k, v = (t.view(B, T, a.num_heads, a.head_dim).transpose(1, 2) for t in (q, k, v))
-        o = attend(q, k, v, k_cache, v_cache, positions, lengths, self.scale, last)
+        o = attend(q, k, v, k_cache, v_cache, positions, lengths,
+                   attn_scale(self.attn, a.head_dim ** -0.5), last)
         Tq = o.shape[2]   # 1 with ``last``
-        h = _keep_last(h, last) + _conv1d(o.transpose(1, 2).reshape(B, Tq, a.hidden_size),
+        h = _keep_last(h, last) + _conv1d(o.transpose(1, 2).reshape(B, Tq, width),
                                           self.attn.c_proj)
         x = self.ln2(h)
         return h + _conv1d(self.mlp.act(_conv1d(x, self.mlp.c_fc)), self.mlp.c_proj)
@@ -171,7 +177,11 @@ class DecoderLM(nn.Module):
     Its forward calls no dropout and nothing else that reads a module's ``training``
     flag: it computes the eval-mode logits whatever the model's train/eval mode, and
     does not change that mode (``_opencann_unwatched``: the compiled step graphs do not
-    guard the flag).
+    guard the flag, nor the attributes neither forward reads, `UNREAD_ATTRIBUTES`).
+    Every value transformers' forward reads from a module (norm epsilons, attention
+    scales, head width, the rotary module's frequencies and scaling) is read from that
+    module, not from the config (`module_values`); ``arch`` holds them (the final norm's
+    epsilon as ``norm_eps``).
 
     Raises ValueError (one line) for an unsupported architecture (`read_arch`), a model
     without a causal LM head, parameters that are not float32 (the decode attention
@@ -179,7 +189,7 @@ class DecoderLM(nn.Module):
     tensors (made under ``torch.inference_mode()``)."""
 
     #: module attributes its forward never reads (`AttributeGuard` does not watch them)
-    _opencann_unwatched = frozenset({"training"})
+    _opencann_unwatched = frozenset({"training"}) | UNREAD_ATTRIBUTES
 
     def __init__(self, model: nn.Module):
         super().__init__()
@@ -201,8 +211,13 @@ class DecoderLM(nn.Module):
                              "inference_mode (torch.no_grad() is enough); generate() may then "
                              "run inside it")
         self.embed, self.pos_embed, layers, self.norm, self.lm_head, rotary = _parts(model, arch)
+        # the values transformers' forward reads from the modules, from the modules
+        arch, layers = module_arch(arch, layers, self.norm)
+        self.arch = arch
+        if rotary is not None:
+            check_rope_type(rotary, arch)
         block = GPT2Block if arch.family == "gpt2" else LlamaBlock
-        self.blocks = nn.ModuleList(block(layer, arch, s) for layer, s in zip(layers, arch.attn_scales))
+        self.blocks = nn.ModuleList(block(layer, arch) for layer in layers)
         self.rotary = rotary
         self.config = model.config
         # this module's parameter/buffer names -> the model's (errors name the user's)
@@ -240,9 +255,24 @@ class DecoderLM(nn.Module):
         if self.rotary is None:
             return
         with torch.inference_mode(False):   # read by graphs built later, in any mode
+            for name in ("rope_cos", "rope_sin"):   # made from the rotary module's values now
+                self._buffers.pop(name, None)
             cos, sin = self._rope(torch.arange(positions, dtype=torch.long)[None], torch.float32)
             self.register_buffer("rope_cos", cos[0].contiguous(), persistent=False)
             self.register_buffer("rope_sin", sin[0].contiguous(), persistent=False)
+            self._rope_from = (self.rotary.inv_freq.detach().clone(), self.rotary.attention_scaling)
+
+    def rope_table_current(self) -> bool:
+        """Whether the table `rope_table` made still holds the rotary module's values (its
+        ``inv_freq`` and ``attention_scaling`` unchanged since; True without a table): the
+        eager step backend remakes it otherwise, as transformers' rotary module reads them
+        at every call (compiled step graphs guard them instead)."""
+        made = getattr(self, "_rope_from", None)
+        if made is None:
+            return True
+        inv = self.rotary.inv_freq
+        return (made[1] == self.rotary.attention_scaling and inv.shape == made[0].shape
+                and bool(torch.equal(inv, made[0])))
 
     def _rope(self, pos: torch.Tensor, dtype: torch.dtype):
         """(cos, sin) [*pos.shape, D] for positions ``pos`` ([B, T] or [B]), as transformers' rotary
@@ -286,8 +316,8 @@ class DecoderLM(nn.Module):
             h = blk(h, rope, positions, lengths, caches[2 * i], caches[2 * i + 1],
                     last if i == n - 1 else None)
         h = h[:, 0] if n or last is None else _keep_last(h, last)[:, 0]
-        h = self.norm(h) if self.arch.family == "gpt2" else _rms_norm(h, self.norm.weight,
-                                                                      self.arch.norm_eps)
+        h = self.norm(h) if self.arch.family == "gpt2" else _rms_norm(
+            h, self.norm.weight, norm_eps(self.norm, self.arch.norm_eps))
         return self.lm_head(h).float()
 
 

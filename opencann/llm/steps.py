@@ -298,6 +298,8 @@ class StepGraphs:
             lm = self.lm
 
             def run(ids, positions, lengths):
+                if not lm.rope_table_current():   # the rotary module's values, as eager reads them
+                    lm.rope_table(lm.rope_cos.shape[0])
                 return lm(ids, positions, lengths, *views)
             self.stats.graph_built(key, 0)
             self.stats.set_memory(step_memory([], lm))
