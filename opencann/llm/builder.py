@@ -45,17 +45,25 @@ def _conv1d(x: torch.Tensor, mod: nn.Module) -> torch.Tensor:
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
            v_cache: torch.Tensor, positions: torch.Tensor, lengths: torch.Tensor,
-           scale: float, last: Optional[torch.Tensor] = None) -> torch.Tensor:
+           scale: float, last: Optional[torch.Tensor] = None,
+           padded: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Write ``k``/``v`` [B, Hkv, T, D] into the caches [B, Hkv, S_max, D] at
     ``positions`` [B] (in place) and attend ``q`` [B, Hq, T, D]; returns [B, Hq, T, D].
     T == 1 (decode): DecodeAttention over cache positions 0 .. lengths[b]-1 (lengths
     [B] int64, data). T > 1 (prefill from position 0): causal attention over the T new
     tokens (SDPA, GQA when Hq > Hkv); rows shorter than T are right-padded and causality
-    keeps the padding from reaching real tokens. ``last`` (a prefill's last layer:
+    keeps the padding from reaching real tokens: ``padded`` ([B, 1, T, 1] bool, True at
+    a row's padding, `pad_positions`) replaces the padded keys and values by zeros
+    first (a select, not a product), as a masked key's value still enters SDPA's
+    P·V as 0 x value, and 0 x NaN or 0 x Inf is NaN: a non-finite value computed at a
+    padded position (a pad id's embedding, a position-table row only padding reaches)
+    never reaches a real token. ``last`` (a prefill's last layer:
     [B] int64, each row's last live token, lengths - positions - 1): only that query
     attends, as a decode step does, over the cache just written (DecodeAttention over
     positions 0 .. lengths[b]-1, the keys causal attention gives it); returns
     [B, Hq, 1, D] (the other rows reach no logit: `_keep_last`)."""
+    if padded is not None:
+        k, v = torch.where(padded, 0.0, k), torch.where(padded, 0.0, v)
     torch.ops.opencann.kv_cache_update(k_cache, k, positions)
     torch.ops.opencann.kv_cache_update(v_cache, v, positions)
     if last is not None:
@@ -66,6 +74,14 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Ten
         return torch.ops.opencann.decode_attention(q, k_cache, v_cache, lengths, scale).to(q.dtype)
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
                                           enable_gqa=q.shape[1] != k.shape[1])
+
+
+def pad_positions(pos: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """[B, 1, T, 1] bool, True where new token t of row b is padding: its cache position
+    ``pos`` [B, T] (positions[b] + t) at or past the row's live length ``lengths`` [B]
+    (a prompt right-padded to its bucket), for `attend`'s ``padded``. From ``pos``,
+    which the step computes anyway: no constant of the bucket's length in the graph."""
+    return (pos >= lengths[:, None])[:, None, :, None]
 
 
 def _keep_last(h: torch.Tensor, last: Optional[torch.Tensor]) -> torch.Tensor:
@@ -95,11 +111,13 @@ class LlamaBlock(nn.Module):
 
     def forward(self, h: torch.Tensor, rope: Tuple[torch.Tensor, torch.Tensor],
                 positions: torch.Tensor, lengths: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, last: Optional[torch.Tensor] = None) -> torch.Tensor:
+                v_cache: torch.Tensor, last: Optional[torch.Tensor] = None,
+                padded: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``h`` [B, T, hidden] float32, ``rope`` (cos, sin) [B, T, D] -> [B, T, hidden]
         ([B, 1, hidden] with ``last``, [B] int64, each row's last live token: `attend`,
-        `_keep_last`); writes this layer's caches (`attend`). The norms' epsilons and the
-        attention scale are the modules' own, read here (`module_values`)."""
+        `_keep_last`; ``padded``: a prompt's padding, `attend`); writes this layer's caches
+        (`attend`). The norms' epsilons and the attention scale are the modules' own, read
+        here (`module_values`)."""
         a, B, T = self.arch, h.shape[0], h.shape[1]
         x = _rms_norm(h, self.ln1.weight, norm_eps(self.ln1, a.norm_eps))
         q = self.attn.q_proj(x).view(B, T, a.num_heads, a.head_dim).transpose(1, 2)
@@ -109,7 +127,7 @@ class LlamaBlock(nn.Module):
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
         o = attend(q, k, v, k_cache, v_cache, positions, lengths,
-                   attn_scale(self.attn, a.head_dim ** -0.5), last)
+                   attn_scale(self.attn, a.head_dim ** -0.5), last, padded)
         Tq = o.shape[2]   # 1 with ``last``
         o = o.transpose(1, 2).reshape(B, Tq, a.num_heads * a.head_dim)
         h = _keep_last(h, last) + self.attn.o_proj(o)
@@ -128,18 +146,20 @@ class GPT2Block(nn.Module):
 
     def forward(self, h: torch.Tensor, rope, positions: torch.Tensor, lengths: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor,
-                last: Optional[torch.Tensor] = None) -> torch.Tensor:
+                last: Optional[torch.Tensor] = None,
+                padded: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``h`` [B, T, hidden] float32 -> [B, T, hidden] ([B, 1, hidden] with ``last``, [B]
-        int64, each row's last live token: `attend`, `_keep_last`); ``rope`` is unused
-        (learned positions); writes this layer's caches (`attend`). The attention scale is
-        the module's ``scaling`` (`module_values`); the LayerNorms are the modules, called."""
+        int64, each row's last live token: `attend`, `_keep_last`; ``padded``: a prompt's
+        padding, `attend`); ``rope`` is unused (learned positions); writes this layer's
+        caches (`attend`). The attention scale is the module's ``scaling``
+        (`module_values`); the LayerNorms are the modules, called."""
         a, B, T = self.arch, h.shape[0], h.shape[1]
         width = a.num_heads * a.head_dim    # GPT2Attention's split_size
         x = self.ln1(h)
         q, k, v = _conv1d(x, self.attn.c_attn).split(width, dim=2)
         q, k, v = (t.view(B, T, a.num_heads, a.head_dim).transpose(1, 2) for t in (q, k, v))
         o = attend(q, k, v, k_cache, v_cache, positions, lengths,
-                   attn_scale(self.attn, a.head_dim ** -0.5), last)
+                   attn_scale(self.attn, a.head_dim ** -0.5), last, padded)
         Tq = o.shape[2]   # 1 with ``last``
         h = _keep_last(h, last) + _conv1d(o.transpose(1, 2).reshape(B, Tq, width),
                                           self.attn.c_proj)
@@ -309,12 +329,14 @@ class DecoderLM(nn.Module):
         if self.pos_embed is not None:
             h = h + rows(self.pos_embed(pos))
         rope = tuple(map(rows, self._rope(pos, h.dtype))) if self.rotary is not None else None
-        # a prompt: the last layer keeps each row's last live token only (`_keep_last`)
+        # a prompt: the last layer keeps each row's last live token only (`_keep_last`);
+        # its padding's keys and values are zeroed before attention (`attend`)
         last = lengths - positions - 1 if T > 1 else None
+        padded = pad_positions(pos, lengths) if T > 1 else None
         n = len(self.blocks)
         for i, blk in enumerate(self.blocks):
             h = blk(h, rope, positions, lengths, caches[2 * i], caches[2 * i + 1],
-                    last if i == n - 1 else None)
+                    last if i == n - 1 else None, padded)
         h = h[:, 0] if n or last is None else _keep_last(h, last)[:, 0]
         h = self.norm(h) if self.arch.family == "gpt2" else _rms_norm(
             h, self.norm.weight, norm_eps(self.norm, self.arch.norm_eps))
@@ -351,4 +373,5 @@ def shared_parameters(a: nn.Module, b: nn.Module) -> Sequence[str]:
     return [n for n, p in a.named_parameters() if p.untyped_storage().data_ptr() in ptrs]
 
 
-__all__ = ["DecoderLM", "GPT2Block", "LlamaBlock", "attend", "new_caches", "shared_parameters"]
+__all__ = ["DecoderLM", "GPT2Block", "LlamaBlock", "attend", "new_caches", "pad_positions",
+           "shared_parameters"]

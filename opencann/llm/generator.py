@@ -354,14 +354,18 @@ class Generator:
             f"time; " + again.format("weights"))
 
     def _prefill(self, batch: PromptBatch) -> torch.Tensor:
-        """Logits [B, vocab] of each prompt's last token; writes the caches."""
+        """Logits [B, vocab] of each prompt's last token; writes the caches. Each row is
+        right-padded to the bucket with its own last token, and a batch padded to its
+        batch size with copies of the first row: padding computes what real tokens do,
+        finite wherever they are (an id the prompts never hold may embed to NaN), and
+        `attend` zeroes the padded keys and values whatever they are."""
         B, bs = batch.batch, smallest(self.batch_sizes, batch.batch)
         T = smallest(self.buckets, int(batch.lengths.max()))
-        ids = torch.zeros(bs, T, dtype=torch.long)
-        lengths = torch.ones(bs, dtype=torch.long)
+        ids = torch.empty(bs, T, dtype=torch.long)
+        lengths = torch.empty(bs, dtype=torch.long)
         for b, row in enumerate(batch.rows):
-            ids[b, :len(row)] = row
-        lengths[:B] = batch.lengths
+            ids[b, :len(row)], ids[b, len(row):] = row, row[-1]
+        ids[B:], lengths[:B], lengths[B:] = ids[0], batch.lengths, batch.lengths[0]
         return self._step(bs, T)(ids, torch.zeros(bs, dtype=torch.long), lengths)[:B]
 
     def _run(self, batch: PromptBatch, new: int, sampler: Sampler, stops: Sequence[int],
@@ -396,7 +400,7 @@ class Generator:
                 t0 = time.perf_counter()
             if len(stop):   # not np.isin: it sorts (80 µs a token)
                 alive &= ~(tok[:, None] == stop).any(axis=1)
-            ids_np[:B, 0] = tok
+            ids_np[:B, 0], ids_np[B:, 0] = tok, tok[0]   # batch padding: a real row's token
             # streamed after every use of ``tok`` (as transformers' generate appends the
             # tokens before it streams them): a streamer writing into its tensor changes
             # neither the result, the stop check nor the next step's input

@@ -5,8 +5,11 @@ Shapes are the only thing a graph is specialised on; positions and live lengths 
 int tensors (data), so the decode graph of a batch size serves every position. Prompts
 are padded up to a bucket (ATC's gear idea, ``--dynamic_dims``: a few fixed shapes
 instead of one per length; `prefill_buckets`), batches up to a batch size
-(`batch_sizes`); padded rows and tokens never reach real ones (causal attention, rows
-independent). Caches are the generator's, [max_batch, Hkv, max_seq_len, D] per layer;
+(`batch_sizes`); padded rows and tokens never reach real ones, whatever they compute:
+rows are independent, a prompt's padding comes after its tokens (causal), its keys and
+values are zeroed before attention (`builder.attend`: a select, so a NaN or Inf there
+never enters a real token's 0 x value), and decode attention reads each row's live
+positions only. Caches are the generator's, [max_batch, Hkv, max_seq_len, D] per layer;
 a step of batch b takes views of their first b rows (contiguous), written in place.
 
 Backends: ``"eager"`` runs `DecoderLM` with torch (the reference, and the path that
