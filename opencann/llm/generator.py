@@ -27,7 +27,7 @@ from ..devices import parse_device
 from ..engine.guards import AttributeChanged, WeightChanged
 from .arch import LLMArch
 from .builder import DecoderLM, new_caches
-from .prompts import PromptBatch, prepare
+from .prompts import PromptBatch, mask_pad_id, prepare
 from .sampling import UNSET, Sampler, resolve
 from .stats import GenerationStats
 from .steps import BACKENDS, StepGraphs, batch_sizes, prefill_buckets, smallest
@@ -255,7 +255,9 @@ class Generator:
         ``generate`` does.
 
         ``input_ids``: LongTensor [B, L] (or [L]) with ``attention_mask`` [B, L] (0 on
-        the left for padding), or a list of prompts of any lengths. Settings not given
+        the left for padding; without one, as transformers' generate, a set
+        ``pad_token_id`` that is no stop token marks padding where it occurs:
+        `prompts.mask_pad_id`), or a list of prompts of any lengths. Settings not given
         come from the model's generation_config (`opencann.llm.sampling.resolve`; one
         given as None sets None, as in transformers: ``eos_token_id=None`` stops at no
         token): ``do_sample`` (False: greedy), ``temperature``, ``top_k``, ``top_p``,
@@ -282,7 +284,8 @@ class Generator:
         stops = self._stop_tokens(gc.eos_token_id, "eos_token_id" in given)
         pad = self._pad_token(gc.pad_token_id, "pad_token_id" in given, stops)
         batch = prepare(input_ids, attention_mask, vocab_size=self.arch.vocab_size,
-                        max_batch=self.max_batch, pad_token_id=pad)
+                        max_batch=self.max_batch, pad_token_id=pad,
+                        mask_pad=mask_pad_id(gc.pad_token_id, gc.eos_token_id))
         new = self._budget(gc, batch, given)
         sampler = Sampler(gc, batch.padding if bool(batch.padding.any()) else None, seed,
                           stops=stops, prompt_len=batch.sequences.shape[1])

@@ -6,7 +6,7 @@ the generator's state, so a refused call leaves it usable."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional, Sequence
+from typing import Any, List, Optional, Sequence
 
 import numpy as np
 import torch
@@ -82,16 +82,59 @@ def _check_mask(mask: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     return m
 
 
+def mask_pad_id(pad_token_id: Any, eos_token_id: Any) -> Optional[int]:
+    """The id transformers' ``generate`` infers an attention mask from when a call gives
+    none (``GenerationMixin._prepare_special_tokens`` and
+    ``_prepare_attention_mask_for_generation``): ``pad_token_id`` when it is set and is
+    not one of ``eos_token_id`` (an id, a list or a tensor of ids); None otherwise (an
+    unset pad becomes the first stop id there, which then infers nothing)."""
+    if isinstance(pad_token_id, torch.Tensor) and pad_token_id.numel() == 1:
+        pad_token_id = pad_token_id.reshape(()).item()
+    if not _is_id(pad_token_id):
+        return None
+    eos = eos_token_id.tolist() if isinstance(eos_token_id, (torch.Tensor, np.ndarray)) else eos_token_id
+    eos = [] if eos is None else list(eos) if isinstance(eos, (list, tuple, set)) else [eos]
+    return None if int(pad_token_id) in [int(e) for e in eos if _is_id(e)] else int(pad_token_id)
+
+
+def _inferred_mask(ids: torch.Tensor, pad: Optional[int]) -> Optional[torch.Tensor]:
+    """The attention mask transformers' ``generate`` infers for ``ids`` [B, L] given
+    without one: ``ids != pad`` where ``pad`` (`mask_pad_id`) occurs in them, else None
+    (every id a prompt token). Raises ValueError (one line) where that mask leaves a row
+    no token, or is not left padding (a pad id after a prompt token: right padding, or
+    the pad id used as a token), which the generator does not run (transformers runs
+    it, positions and all, as no unpadded prompt would)."""
+    if pad is None or not bool((ids == pad).any()):
+        return None
+    m = (ids != pad).long()
+    rows = (m.sum(1) == 0).nonzero()
+    if rows.numel():
+        raise ValueError(f"input_ids row {int(rows[0, 0])} holds only pad_token_id {pad}, and no "
+                         f"attention_mask was given: transformers' generate then masks every "
+                         f"pad_token_id out, which leaves the row no prompt; pass attention_mask "
+                         f"(1 for every real token, pad_token_id ones included) or a list of prompts")
+    rows = (m[:, 1:] < m[:, :-1]).any(1).nonzero()
+    if rows.numel():
+        raise ValueError(f"input_ids row {int(rows[0, 0])} holds pad_token_id {pad} after a prompt "
+                         f"token, and no attention_mask was given: transformers' generate then "
+                         f"masks every pad_token_id out, which opencann.llm runs for left padding "
+                         f"only; pad on the left, pass attention_mask (1 for every real token, "
+                         f"pad_token_id ones included) or pass a list of prompts")
+    return m
+
+
 def prepare(input_ids, attention_mask: Optional[torch.Tensor], *, vocab_size: int,
-            max_batch: int, pad_token_id: int) -> PromptBatch:
+            max_batch: int, pad_token_id: int, mask_pad: Optional[int] = None) -> PromptBatch:
     """Check and normalise a call's prompts. ``input_ids``: LongTensor [B, L] or [L] (one
     prompt), a flat list of ids (one prompt; Python or NumPy integers or 0-d integer
     tensors), or a list of prompts (lists or 1-D tensors of ids, lengths may differ:
     left-padded with ``pad_token_id`` here); ``attention_mask`` [B, L] of 0/1 (any
     dtype; each value checked before it is cast) with the zeros on the left (None: no
-    padding). Raises ValueError (one line) for a float/bool or >2-D tensor, an empty
-    batch or prompt, more than ``max_batch`` rows, an id outside [0, ``vocab_size``), a
-    mask of another shape, with a value other than 0 and 1, or not left padding."""
+    padding; for a tensor of ids holding ``mask_pad``, `mask_pad_id`, the mask
+    transformers infers from it, `_inferred_mask`). Raises ValueError (one line) for a
+    float/bool or >2-D tensor, an empty batch or prompt, more than ``max_batch`` rows, an id outside [0, ``vocab_size``), a mask of another
+    shape, with a value other than 0 and 1, or not left padding."""
+    mask_pad = mask_pad if isinstance(input_ids, torch.Tensor) else None   # a list: its own lengths
     if isinstance(input_ids, (list, tuple)) and input_ids and all(_is_id(x) for x in input_ids):
         input_ids = [input_ids]   # one prompt's ids, as a tokenizer returns for one text
     if isinstance(input_ids, (list, tuple)):
@@ -115,6 +158,8 @@ def prepare(input_ids, attention_mask: Optional[torch.Tensor], *, vocab_size: in
                              f"input_ids, got {type(attention_mask).__name__}") from None
     if attention_mask is not None and attention_mask.dim() == 1 and input_ids.dim() == 1:
         attention_mask = attention_mask[None]   # one prompt [L] with its mask [L]
+    if attention_mask is None:
+        attention_mask = _inferred_mask(ids, mask_pad)
     mask = torch.ones_like(ids) if attention_mask is None else _check_mask(attention_mask.cpu(), ids)
     lengths = mask.sum(1)
     if ids.shape[0] == 0 or (lengths == 0).any():
@@ -132,4 +177,4 @@ def prepare(input_ids, attention_mask: Optional[torch.Tensor], *, vocab_size: in
     return PromptBatch(ids, lengths, padding, rows)
 
 
-__all__ = ["PromptBatch", "prepare"]
+__all__ = ["PromptBatch", "mask_pad_id", "prepare"]
