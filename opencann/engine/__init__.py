@@ -13,10 +13,10 @@ from .binding import BindKernels, measured_streams, snapshot_constants
 from .compiled_model import CompiledModel, OnnxCompiledModel
 from .entry import compile_module, compile_onnx, convert_exported
 from .guards import Guard
-from .pipeline import compile_graph, graph_cost, run_pipeline
+from .pipeline import check_compile_options, compile_graph, graph_cost, run_pipeline
 from .shapes import ShapePolicy, StaticShapes
 
 __all__ = ["BindKernels", "CompiledModel", "Guard", "OnnxCompiledModel", "ShapePolicy",
-           "StaticShapes", "compile_graph", "compile_module", "compile_onnx",
+           "StaticShapes", "check_compile_options", "compile_graph", "compile_module", "compile_onnx",
            "convert_exported", "graph_cost", "measured_streams", "run_pipeline",
            "snapshot_constants"]

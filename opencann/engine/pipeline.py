@@ -107,3 +107,17 @@ def run_pipeline(graph: Graph, device: str, options: Optional[Dict[str, Any]],
 def _bind_pipeline() -> PassManager:
     """The default pipeline with kernel binding as its last stage."""
     return PassManager(default_pipeline().passes + [BindKernels()])
+
+
+def check_compile_options(options: Optional[Dict[str, Any]],
+                          pipeline: Optional[PassManager] = None) -> Dict[str, Any]:
+    """The checks ``opencann.compile`` makes of its ``options`` before it runs a pass,
+    without a model: `check_options` (names, types, values), then the pass switches
+    (``disable``, ``enable``, ``disable_rewrites``) against ``pipeline`` (default: the
+    compile pipeline, binding included; `PassManager.check_switches`). For an
+    application that compiles later (opencann.llm builds its step graphs on first use):
+    its bad option is one ValueError line at its own compile. Returns the checked
+    options (`check_options`)."""
+    options = check_options(options)
+    (pipeline or _bind_pipeline()).check_switches(complete(options))
+    return options

@@ -51,9 +51,9 @@ def _split_options(options: Optional[Dict[str, Any]]) -> "tuple[Dict[str, Any], 
     backend = ours.get("backend", DEFAULT_BACKEND)
     if backend not in BACKENDS:
         raise ValueError(f"option 'backend' takes {' or '.join(map(repr, BACKENDS))}, got {backend!r}")
-    if rest:
-        from ..engine.options import check_options
-        check_options(rest)
+    if rest:   # every option error now, not at the first generate (graphs build then)
+        from ..engine import check_compile_options
+        check_compile_options(rest)
     return ours, rest
 
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 from ..devices import CPU, Device, parse_device
 from ..ir import Graph, Node, verify
@@ -210,15 +210,9 @@ class PassManager:
         ValueError for an unknown name in ``disable``/``enable`` (listing the names) or a
         ``required`` pass disabled, and `GraphError` when ``options["verify"]`` finds a
         broken invariant after a pass."""
+        self.check_switches(ctx.options)
         disable = set(ctx.options["disable"])
         enable = set(ctx.options["enable"])
-        unknown = (disable | enable) - set(self.names())
-        if unknown:
-            raise ValueError(f"unknown pass name(s) {sorted(unknown)}; passes are {self.names()}")
-        fixed = sorted(p.name for p in self.passes if p.required and p.name in disable)
-        if fixed:
-            raise ValueError(f"pass(es) {fixed} cannot be disabled: later stages need their result")
-        self._check_rewrite_passes(ctx.options["disable_rewrites"])
         ran = set()
         for i, p in enumerate(self.passes):
             on = (p.default_enabled or p.name in enable) and p.name not in disable
@@ -230,6 +224,21 @@ class PassManager:
                 ctx.observe(p.stage, graph)
         check_rewrite_ids(ctx, ran)
         return graph
+
+    def check_switches(self, options: Mapping[str, Any]) -> None:
+        """Raise ValueError (one line) for a name in ``options``' ``disable`` / ``enable``
+        that is no pass of this pipeline (listing the names), a ``required`` pass
+        disabled, or a ``disable_rewrites`` id whose pass does not switch rewrite by
+        rewrite (`run` checks this first; an entry point checks it before any capture)."""
+        disable = set(options.get("disable") or ())
+        enable = set(options.get("enable") or ())
+        unknown = (disable | enable) - set(self.names())
+        if unknown:
+            raise ValueError(f"unknown pass name(s) {sorted(unknown)}; passes are {self.names()}")
+        fixed = sorted(p.name for p in self.passes if p.required and p.name in disable)
+        if fixed:
+            raise ValueError(f"pass(es) {fixed} cannot be disabled: later stages need their result")
+        self._check_rewrite_passes(options.get("disable_rewrites") or ())
 
     def _check_rewrite_passes(self, ids) -> None:
         """Each ``disable_rewrites`` id names a pass of this pipeline whose sites switch

@@ -289,11 +289,17 @@ def test_unsupported_models_are_one_line(make, match):
     (dict(options={"batch_sizes": [3]}), r"option 'batch_sizes' takes batch sizes in 1..2 \(max_batch\), "
      r"e.g. \[1, 2\] \(the default\)"),
     (dict(options={"no_such_option": 1}), r"unknown compile option"),
+    # pass switches: checked at compile, not at the first generate that builds a graph
+    (dict(options={"disable": ["fuse_qkv_linearr"]}), r"unknown pass name\(s\) \['fuse_qkv_linearr'\]"),
+    (dict(options={"backend": "eager", "enable": ["no_pass"]}), r"unknown pass name\(s\) \['no_pass'\]"),
+    (dict(options={"disable": ["memory_plan"]}), r"pass\(es\) \['memory_plan'\] cannot be disabled"),
+    (dict(options={"disable_rewrites": ["no_pass@x"]}), r"option 'disable_rewrites': 'no_pass@x'"),
 ])
 def test_bad_compile_arguments_are_one_line(kw, match):
     args = dict(max_seq_len=32, max_batch=2) | kw
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(ValueError, match=match) as e:
         L.compile(model("gpt2"), **args)
+    assert "\n" not in str(e.value)
 
 
 def test_given_buckets_and_batch_sizes():

@@ -151,6 +151,18 @@ def test_bad_inputs_have_clear_errors():
         opencann.compile(lambda x: x, (torch.randn(2),))
 
 
+def test_compile_options_are_checked_without_a_model():
+    """`check_compile_options`: what opencann.compile refuses in its options, before a
+    capture (an application that compiles later checks its options at its own compile)."""
+    from opencann.engine import check_compile_options
+    assert check_compile_options({"disable": ["fuse_qkv_linear"]}) == {"disable": ["fuse_qkv_linear"]}
+    for bad, match in (({"disable": ["nope"]}, "unknown pass name"), ({"fuse": True}, "unknown compile option"),
+                       ({"disable": ["memory_plan"]}, "cannot be disabled"),
+                       ({"disable_rewrites": ["dce@x"]}, "switches only whole")):
+        with pytest.raises(ValueError, match=match):
+            check_compile_options(bad)
+
+
 def test_pass_switch_and_trace(tmp_path):
     m = _randomize_bn(ConvNet())
     x = torch.randn(1, 3, 8, 8, generator=g)
