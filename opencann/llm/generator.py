@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from ..devices import parse_device
+from ..devices.cpu import memory_bytes
 from ..engine.guards import AttributeChanged, WeightChanged
 from .arch import LLMArch
 from .builder import DecoderLM, new_caches
@@ -75,7 +76,8 @@ def compile(model: torch.nn.Module, max_seq_len: int, max_batch: int = 1, device
     are ordinary float32 tensors: the model stays trainable.
     Raises ValueError (one line) for an unsupported architecture or dtype, a model
     without an LM head, max_seq_len beyond the model's positions or sliding window, a
-    device other than "cpu", a bad option."""
+    device other than "cpu", a bad option, KV caches larger than the machine's memory
+    (checked before they are allocated)."""
     if not isinstance(device, str) or (device != "cpu" and device.split(":")[0] != "vnpu"):
         raise ValueError(f"opencann.llm runs on device 'cpu' or 'vnpu[:<preset>]' (where its decode "
                          f"attention and KV-cache kernels exist), got {device!r}")
@@ -111,6 +113,7 @@ class Generator:
         if lm is not None:
             lm.rope_table(max_seq_len)   # each step gathers its cos/sin rows
         self.batch_sizes = batch_sizes(max_batch, llm_options.get("batch_sizes"))
+        _check_cache_fits(self.arch, max_batch, max_seq_len, loaded=lm is None)
         self.buckets = prefill_buckets(max_seq_len, llm_options.get("prefill_buckets"))
         self.backend = llm_options.get("backend", DEFAULT_BACKEND)
         self.generation_config = generation_config
@@ -431,6 +434,28 @@ class Generator:
         # a copy of its own: a view of the buffer (what .contiguous() gives for one row)
         # would hold, and torch.save would write, the unused L + new - n columns
         return seqs if n == L + new else seqs[:, :n].clone(memory_format=torch.contiguous_format)
+
+
+def _gib(nbytes: int) -> str:
+    x = nbytes / 2 ** 30
+    return f"{x:,.1f}" if x >= 0.1 else f"{x:.2g}"
+
+
+def _check_cache_fits(arch: LLMArch, max_batch: int, max_seq_len: int, loaded: bool) -> None:
+    """Raise ValueError (one line) before allocating when the KV caches (2 * layers *
+    max_batch * kv_heads * max_seq_len * head_dim * 4 bytes, `LLMArch.kv_cache_bytes`)
+    exceed the machine's memory (`devices.cpu.memory_bytes`), naming both in GiB and
+    how to shrink the cache (a loaded generator's is the file's)."""
+    need, have = arch.kv_cache_bytes(max_batch, max_seq_len), memory_bytes()
+    if have and need > have:
+        a = arch
+        fix = ("save a generator compiled with a smaller max_batch or max_seq_len (a loaded "
+               "file's cache size is fixed)" if loaded else
+               "compile with a smaller max_batch or max_seq_len")
+        raise ValueError(f"the KV cache for max_batch={max_batch} and max_seq_len={max_seq_len} needs "
+                         f"{_gib(need)} GiB (2 x {a.num_layers} layers x {max_batch} x {a.num_kv_heads} "
+                         f"kv heads x {max_seq_len} x {a.head_dim} head_dim x 4 bytes), more than "
+                         f"this machine's {_gib(have)} GiB of memory: {fix}")
 
 
 def _as_id(x: Any) -> Any:

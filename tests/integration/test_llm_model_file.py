@@ -154,6 +154,15 @@ def test_wrong_files_and_settings_are_one_line(saved, tmp_path, monkeypatch):
     assert not os.path.exists(tmp_path / "e.ocm")
 
 
+def test_a_files_cache_beyond_the_machines_memory_is_one_line(saved, monkeypatch):
+    """Checked before the caches are allocated; the fix names what applies to a file."""
+    monkeypatch.setattr("opencann.llm.generator.memory_bytes", lambda: 16 * 1024)
+    with pytest.raises(ValueError, match=r"^the KV cache for max_batch=2 and max_seq_len=32 needs "
+                       r"3.1e-05 GiB .* more than this machine's 1.5e-05 GiB of memory: save a "
+                       r"generator compiled with a smaller max_batch or max_seq_len"):
+        L.load(saved[3])
+
+
 def test_cli_generates_from_the_saved_file(saved, capsys):
     _, tok, gen, path = saved
     argv = ["generate", path, "--prompt", "The capital of France", "--max-new-tokens", "6"]

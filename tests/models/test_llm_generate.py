@@ -294,6 +294,10 @@ def test_unsupported_models_are_one_line(make, match):
     (dict(options={"backend": "eager", "enable": ["no_pass"]}), r"unknown pass name\(s\) \['no_pass'\]"),
     (dict(options={"disable": ["memory_plan"]}), r"pass\(es\) \['memory_plan'\] cannot be disabled"),
     (dict(options={"disable_rewrites": ["no_pass@x"]}), r"option 'disable_rewrites': 'no_pass@x'"),
+    # checked before the caches are allocated (not the allocator's RuntimeError)
+    (dict(max_batch=10 ** 9), r"^the KV cache for max_batch=1000000000 and max_seq_len=32 needs "
+     r"[\d,.]+ GiB \(2 x 2 layers x 1000000000 x 4 kv heads x 32 x 16 head_dim x 4 bytes\), more "
+     r"than this machine's [\d,.]+ GiB of memory: compile with a smaller max_batch or max_seq_len$"),
 ])
 def test_bad_compile_arguments_are_one_line(kw, match):
     args = dict(max_seq_len=32, max_batch=2) | kw
