@@ -343,9 +343,10 @@ class Generator:
         return self.steps.step(batch, tokens)
 
     def _changed(self, e: Exception) -> ValueError:
-        """The one-line error for a weight (`WeightChanged`) or module attribute
-        (`AttributeChanged`) of the compiled model changed after `compile` (``e`` from a
-        step graph's guards), naming the user's parameter or attribute."""
+        """The one-line error for a weight (`WeightChanged`: a parameter, or a buffer such
+        as a rotary module's ``inv_freq``) or module attribute (`AttributeChanged`) of the
+        compiled model changed after `compile` (``e`` from a step graph's guards), naming
+        the user's parameter, buffer or attribute."""
         again = (f"compile it again after changing {{}}: opencann.llm.compile(model, "
                  f"max_seq_len={self.max_seq_len}, max_batch={self.max_batch})")
         if isinstance(e, AttributeChanged):
@@ -354,10 +355,16 @@ class Generator:
                               f"and is {e.now} now: the generator's step graphs baked its "
                               f"value in; " + again.format("it"))
         name = self.lm.source_name(e.name) if self.lm is not None else repr(e.name)
+        detail = f" ({e.detail})" if e.detail else ""
+        if self.lm is not None and e.name in dict(self.lm.named_buffers()):
+            return ValueError(
+                f"buffer {name} {e.how} after opencann.llm.compile{detail}: the generator's "
+                f"step graphs were built from the model's buffers as they were then (the RoPE "
+                f"cos/sin table from a rotary module's inv_freq); " + again.format("it"))
         return ValueError(
-            f"parameter {name} {e.how} after opencann.llm.compile{f' ({e.detail})' if e.detail else ''}"
-            f": the generator's step graphs hold packed copies of the weights made at compile "
-            f"time; " + again.format("weights"))
+            f"parameter {name} {e.how} after opencann.llm.compile{detail}: the generator's "
+            f"step graphs hold packed copies of the weights made at compile time; "
+            + again.format("weights"))
 
     def _prefill(self, batch: PromptBatch) -> torch.Tensor:
         """Logits [B, vocab] of each prompt's last token; writes the caches. Each row is

@@ -39,6 +39,15 @@ class PromptBatch:
         return self.sequences.shape[0]
 
 
+def _with_data(t: torch.Tensor, what: str) -> torch.Tensor:
+    """``t`` on the host; ValueError (one line) for a tensor without data (the meta
+    device: shapes only, nothing to read the ids from)."""
+    if t.device.type == "meta":
+        raise ValueError(f"{what} is on the meta device (a shape without data): pass the "
+                         f"token ids in a cpu tensor or a list")
+    return t.cpu()
+
+
 def _from_list(prompts: Sequence, pad_token_id: int) -> "tuple[torch.Tensor, torch.Tensor]":
     rows = []
     for i, p in enumerate(prompts):
@@ -55,7 +64,7 @@ def _from_list(prompts: Sequence, pad_token_id: int) -> "tuple[torch.Tensor, tor
         if t.dim() != 1 or t.dtype.is_floating_point or t.dtype == torch.bool:
             raise ValueError(f"prompt {i} must be a 1-D list or tensor of token ids, got "
                              f"{tuple(t.shape)} {t.dtype}")
-        rows.append(t.long())
+        rows.append(_with_data(t, f"prompt {i}").long())
     L = max((len(r) for r in rows), default=0)
     ids = torch.full((len(rows), L), pad_token_id, dtype=torch.long)
     mask = torch.zeros((len(rows), L), dtype=torch.long)
@@ -132,7 +141,8 @@ def prepare(input_ids, attention_mask: Optional[torch.Tensor], *, vocab_size: in
     dtype; each value checked before it is cast) with the zeros on the left (None: no
     padding; for a tensor of ids holding ``mask_pad``, `mask_pad_id`, the mask
     transformers infers from it, `_inferred_mask`). Raises ValueError (one line) for a
-    float/bool or >2-D tensor, an empty batch or prompt, more than ``max_batch`` rows, an id outside [0, ``vocab_size``), a mask of another
+    float/bool or >2-D tensor, a tensor without data (meta device), an empty batch or
+    prompt, more than ``max_batch`` rows, an id outside [0, ``vocab_size``), a mask of another
     shape, with a value other than 0 and 1, or not left padding."""
     mask_pad = mask_pad if isinstance(input_ids, torch.Tensor) else None   # a list: its own lengths
     if isinstance(input_ids, (list, tuple)) and input_ids and all(_is_id(x) for x in input_ids):
@@ -148,7 +158,7 @@ def prepare(input_ids, attention_mask: Optional[torch.Tensor], *, vocab_size: in
                 else type(input_ids).__name__)
         raise ValueError(f"input_ids must be a LongTensor [batch, tokens] (or a list of prompts), "
                          f"got {what}")
-    ids = input_ids.long().cpu()
+    ids = _with_data(input_ids, "input_ids").long()
     ids = ids[None] if ids.dim() == 1 else ids
     if attention_mask is not None and not isinstance(attention_mask, torch.Tensor):
         try:   # a nested list of 0/1, as transformers' tokenizers return without tensors
@@ -160,7 +170,8 @@ def prepare(input_ids, attention_mask: Optional[torch.Tensor], *, vocab_size: in
         attention_mask = attention_mask[None]   # one prompt [L] with its mask [L]
     if attention_mask is None:
         attention_mask = _inferred_mask(ids, mask_pad)
-    mask = torch.ones_like(ids) if attention_mask is None else _check_mask(attention_mask.cpu(), ids)
+    mask = torch.ones_like(ids) if attention_mask is None else \
+        _check_mask(_with_data(attention_mask, "attention_mask"), ids)
     lengths = mask.sum(1)
     if ids.shape[0] == 0 or (lengths == 0).any():
         raise ValueError("empty prompt: every row needs at least one token (a BOS token for an "

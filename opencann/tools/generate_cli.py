@@ -118,6 +118,22 @@ def lengths(args: argparse.Namespace, prompt_len: int, model) -> "tuple[int, int
     return (min(seq, context) if context else seq), new
 
 
+def check_saved_fit(args: argparse.Namespace, prompt_len: int, new: int, positions: int) -> None:
+    """Raise ValueError (one line, in the command line's terms) when a prompt of
+    ``prompt_len`` tokens and ``new`` new tokens (prompt + new - 1 positions) do not fit
+    the ``positions`` of a saved generator's KV cache (``args.model``, fixed in the file)."""
+    where = f"{args.model}'s KV cache of {positions} positions (fixed in the file)"
+    larger = "save a generator compiled with a larger max_seq_len"
+    if prompt_len > positions:
+        raise ValueError(f"the prompt ({prompt_len} tokens) exceeds {where}: shorten the prompt "
+                         f"or {larger}")
+    if prompt_len + new - 1 > positions:
+        raise ValueError(f"the prompt ({prompt_len} tokens) and --max-new-tokens {new} need "
+                         f"{prompt_len + new - 1} positions, more than {where}: lower "
+                         f"--max-new-tokens to at most {positions - prompt_len + 1}, shorten "
+                         f"the prompt or {larger}")
+
+
 def max_seq_len(args: argparse.Namespace, prompt_len: int, model) -> int:
     """The KV-cache length of `lengths`. Raises ValueError (one line) when the prompt and
     the new tokens do not fit."""
@@ -180,7 +196,8 @@ def _run_saved(args: argparse.Namespace, console, options: Optional[dict], gen_k
     """`run_args` for a saved generator (``args.model`` an ``.ocm`` file): loaded, not
     compiled; its own tokenizer, stop tokens and cache length. Raises ValueError (one
     line) for ``--max-seq-len`` or ``--options`` (fixed in the file), a file without a
-    tokenizer, and what ``opencann.llm.load`` and ``generate`` raise."""
+    tokenizer, a prompt and ``--max-new-tokens`` beyond the file's cache
+    (`check_saved_fit`), and what ``opencann.llm.load`` and ``generate`` raise."""
     from .. import llm
     from .llm_chat import encode_prompt, eos_ids, text_streamer
     fixed = [f for f, v in (("--max-seq-len", args.max_seq_len), ("--options", options)) if v]
@@ -198,9 +215,9 @@ def _run_saved(args: argparse.Namespace, console, options: Optional[dict], gen_k
                   f"graphs, {gen.max_seq_len} positions) in {time.perf_counter() - t0:.1f} s",
                   style="dim", highlight=False)
     ids = encode_prompt(gen.tokenizer, args.prompt, chat=args.chat)
-    out = gen.generate(ids, max_new_tokens=new_tokens(args.max_new_tokens, ids.shape[-1],
-                                                      gen.max_seq_len),
-                       streamer=text_streamer(gen.tokenizer),
+    new = new_tokens(args.max_new_tokens, ids.shape[-1], gen.max_seq_len)
+    check_saved_fit(args, ids.shape[-1], new, gen.max_seq_len)
+    out = gen.generate(ids, max_new_tokens=new, streamer=text_streamer(gen.tokenizer),
                        eos_token_id=eos_ids(gen, gen.tokenizer), **gen_kw)
     console.print(stats_line(out.shape[-1] - ids.shape[-1], gen.stats), style="dim",
                   highlight=False)

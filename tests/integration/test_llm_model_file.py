@@ -211,8 +211,14 @@ def test_cli_default_new_tokens_fit_the_files_cache(saved, capsys):
     assert last.startswith(f"{want.shape[-1] - ids.shape[-1]} new tokens: "), last
     rc, _, err = run_cli(["generate", path, "--prompt", prompt, "--max-new-tokens", "100"], capsys)
     assert rc == 2 and len(err) == 1, err
-    assert ("save a generator compiled with a larger max_seq_len (the cache length of gen.ocm "
-            "is fixed) or ask for at most") in err[0] and "compile with" not in err[0], err[0]
+    n = ids.shape[-1]
+    assert (f"the prompt ({n} tokens) and --max-new-tokens 100 need {n + 99} positions, more "
+            f"than {path}'s KV cache of 32 positions (fixed in the file): lower --max-new-tokens "
+            f"to at most {33 - n}, shorten the prompt or save a generator compiled with a larger "
+            "max_seq_len") in err[0] and "max_new_tokens=" not in err[0], err[0]
+    rc, _, err = run_cli(["generate", path, "--prompt", "a " * 40], capsys)
+    assert rc == 2 and len(err) == 1 and "'s KV cache of 32 positions (fixed in the file): " \
+        "shorten the prompt or save a generator" in err[0], err
     loaded = L.load(path)
     with pytest.raises(ValueError, match=r"exceeds max_seq_len 32; shorten the prompt or save a "
                                          r"generator compiled with a larger max_seq_len"):

@@ -254,6 +254,11 @@ def test_gpt2_tied_embedding_is_one_tensor():
      r"temperature must be > 0"),
     (lambda g: g.generate(prompt(4, 0), max_new_tokens=2, seed=1.5), r"seed must be an int"),
     (lambda g: g.generate(prompt(4, 0), max_new_tokens=2, streamer=3), r"streamer must be a callable"),
+    (lambda g: g.generate(prompt(4, 0).to("meta"), max_new_tokens=2), r"^input_ids is on the meta device"),
+    (lambda g: g.generate([[5, 6], torch.tensor([7, 8], device="meta")], max_new_tokens=2),
+     r"^prompt 1 is on the meta device"),
+    (lambda g: g.generate(prompt(4, 0), attention_mask=torch.ones(1, 4, device="meta"), max_new_tokens=2),
+     r"^attention_mask is on the meta device \(a shape without data\): pass the token ids"),
 ])
 def test_bad_input_is_one_line_and_generator_stays_usable(call, match):
     m = model("llama")

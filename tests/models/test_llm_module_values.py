@@ -134,3 +134,18 @@ def test_a_sequence_length_dependent_rope_type_on_the_module_is_one_line():
     with pytest.raises(ValueError, match="RoPE type 'dynamic'") as e:
         L.compile(m, max_seq_len=32)
     assert "\n" not in str(e.value)
+
+
+def test_a_rotary_buffer_changed_after_compile_is_named_a_buffer():
+    m = fresh("llama")
+    gen = L.compile(m, max_seq_len=32)
+    gen.generate(IDS, max_new_tokens=2)
+    with torch.no_grad():
+        m.model.rotary_emb.inv_freq.mul_(2.0)
+    with pytest.raises(ValueError, match=r"^buffer 'model.rotary_emb.inv_freq' of the "
+                       r"LlamaForCausalLM was modified in place after opencann.llm.compile: the "
+                       r"generator's step graphs were built from the model's buffers as they were "
+                       r"then \(the RoPE cos/sin table from a rotary module's inv_freq\); compile it "
+                       r"again after changing it") as e:
+        gen.generate(IDS, max_new_tokens=2)
+    assert "\n" not in str(e.value) and "packed copies of the weights" not in str(e.value)
