@@ -96,6 +96,22 @@ def tune(model, example_inputs, **kwargs):
     return importlib.import_module(f"{__name__}.tools.tune").tune(model, example_inputs, **kwargs)
 
 
+def warm(processes: Optional[int] = None, only=None, progress=None):
+    """Compile opencann's numba CPU kernels (the signatures shipped with the package) into
+    the kernel cache now, so that the first compile, call or ``generate`` on this machine
+    loads them instead of compiling them (tens of seconds on an empty cache). ``processes``:
+    worker processes (default: the CPUs this process may use); ``only``: substrings of
+    kernel function names; ``progress(done, total, function)``: called after each
+    signature. Returns a `WarmResult` (``compiled``, ``cached``, ``skipped`` with reasons,
+    ``failed``, ``seconds``, ``cache_dir``; ``ok``). Safe to repeat (cached signatures are
+    not compiled again). Raises OSError (one line) when the cache directory cannot be
+    written, ValueError when ``only`` matches nothing. See `opencann.tools.numba_warm.warm`
+    and ``opencann warm``."""
+    import importlib     # by name at call time, as `tune`
+    return importlib.import_module(f"{__name__}.tools.numba_warm").warm(
+        processes=processes, only=only, progress=progress)
+
+
 def save(compiled, path: str, description: str = "") -> None:
     """Write a `CompiledModel` to ``path`` (an ``.ocm`` model file: optimized graph, memory
     plan, schedule, report, metadata as JSON; weights as safetensors; sha256 per

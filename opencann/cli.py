@@ -1,5 +1,5 @@
 """The ``opencann`` command line: demo, compile, run, bench, generate, estimate, train-demo,
-inspect, fuzz, doctor, analyze, compare, tune, readiness.
+inspect, fuzz, doctor, warm, analyze, compare, tune, readiness.
 
     opencann demo                               # the main job on the embedded default
     opencann compile resnet50 --report r.json   # zoo name, file.py:factory or m.onnx
@@ -13,7 +13,8 @@ inspect, fuzz, doctor, analyze, compare, tune, readiness.
     opencann atc --model f.py:make --output m --input_shape "x:-1,3,224,224" --dynamic_batch_size "1,2,4"
     opencann inspect m.ocm [--json]             # a saved model file (opencann.save)
     opencann fuzz --cases 10000 --out fuzz_failures/   # differential fuzzing against eager
-    opencann doctor [--json]                    # versions, CPU ISA, oneDNN/MKL, GPU, vnpu
+    opencann doctor [--json]                    # versions, CPU ISA, oneDNN/MKL, GPU, vnpu, kernel cache
+    opencann warm                               # compile the CPU kernels into the cache once
     opencann analyze m.py:factory [--device vnpu]   # op-support audit with source lines
     opencann compare resnet50 --html r.html --bisect   # layer-by-layer vs eager; guilty pass
     opencann tune minilm --out m.ocm --keep-dtype-out keep.txt   # per-node fp32/bf16 search
@@ -598,6 +599,13 @@ def cmd_doctor(args) -> int:
     return 1 if any(c.status == "error" for c in checks) else 0
 
 
+def cmd_warm(args) -> int:
+    """``opencann warm``: compile the shipped kernel signatures into the numba cache
+    (opencann.tools.warm_cli); exit 1 when a worker process failed."""
+    from .tools.warm_cli import run_args
+    return run_args(args, console)
+
+
 def cmd_analyze(args) -> int:
     """Op-support audit (opencann.tools.analyze); exit 1 when an op keeps the model
     from compiling into one device graph."""
@@ -716,6 +724,17 @@ def _add_migration_commands(sub) -> None:
                        "cause a divergence of the outputs")
         s.add_argument("--bisect-on", choices=("fail", "warn"), default="fail",
                        help="the output status that counts as a divergence")
+    from .tools.warm_cli import add_arguments as _warm_args
+    w = sub.add_parser("warm", help="compile the CPU kernels into the cache once, so that "
+                       "first compiles and generate calls on this machine load them",
+                       description="Compile opencann's numba CPU kernels (the signatures shipped "
+                       "in opencann/tools/numba_signatures.tsv) into the kernel cache: "
+                       "$NUMBA_CACHE_DIR, else $OPENCANN_CACHE_DIR/numba, else "
+                       "~/.cache/opencann/numba. Run it once on a new machine or after upgrading "
+                       "opencann; a second run finds them cached. Exit 1 when a worker process "
+                       "failed, 2 when the cache cannot be written.")
+    _warm_args(w)
+    w.set_defaults(fn=cmd_warm)
     from .tools.readiness_cli import add_arguments as _ready_args
     r = sub.add_parser("readiness", help="one NPU readiness report: op support, formats, HBM fit "
                        "(LLM KV cache), latency, accuracy at fp16/bf16, verdict and next steps")

@@ -7,7 +7,8 @@ own cannot leave a later test, which compares with eager, at another count: redu
 such as a convolution's weight gradient sum in another order at 1 and at 2 threads).
 
 Under pytest-xdist the controller first compiles the numba kernels the suite uses into
-the cache, so the workers do not each compile them (``numba_warm.py``)."""
+the cache, so the workers do not each compile them (`opencann.tools.numba_warm`, the
+file it reads is recorded again as ``numba_warm.py`` says)."""
 import os
 import sys
 
@@ -20,13 +21,14 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 _THREADS = torch.get_num_threads()
 
 if os.environ.get("OPENCANN_NUMBA_RECORD"):
-    import numba_warm
+    from opencann.tools import numba_warm
     numba_warm.record(os.environ["OPENCANN_NUMBA_RECORD"])
 
 
 def pytest_configure(config):
     """In the xdist controller (before it starts the workers) of a run over the whole
-    ``tests`` folder (`make test`): `numba_warm.warm`."""
+    ``tests`` folder (`make test`): `opencann.tools.numba_warm.warm` (a cache directory it
+    cannot write is left to the workers, which then compile lazily)."""
     workers = getattr(config.option, "numprocesses", None)
     here = os.path.dirname(os.path.abspath(__file__))
     whole = any(os.path.abspath(a) == here for a in config.args)
@@ -34,8 +36,11 @@ def pytest_configure(config):
             or os.environ.get("OPENCANN_NUMBA_WARM") == "0"
             or os.environ.get("OPENCANN_NUMBA_RECORD") or config.option.collectonly):
         return
-    import numba_warm
-    seconds = numba_warm.warm(processes=workers)
+    from opencann.tools import numba_warm
+    try:
+        seconds = numba_warm.warm(processes=workers).seconds
+    except OSError:
+        return
     if seconds:
         config.stash[_WARM_SECONDS] = seconds
 

@@ -1,7 +1,9 @@
 """Environment doctor (``opencann doctor``): versions against `SUPPORTED`, the CPU (model,
 AVX2 / AVX-512 / AMX from /proc/cpuinfo, torch's CPU capability), oneDNN and MKL, intra-op
-threads, the eager-parity probe cache, CUDA, and the vnpu presets. Each check is ok / warning / error with the advice
-that fixes it; ``opencann doctor`` exits 1 when any check is an error.
+threads, the eager-parity probe cache, the numba kernel cache (how many of the shipped
+kernel signatures it holds: `numba_warm.cache_status`), CUDA, and the vnpu presets. Each
+check is ok / warning / error with the advice that fixes it; ``opencann doctor`` exits 1
+when any check is an error.
 """
 from __future__ import annotations
 
@@ -180,6 +182,26 @@ def _parity_check() -> Check:
     return Check("parity-cache", "ok", f"{n} probe answers for this CPU and torch in {path}")
 
 
+def _kernel_cache_check() -> Check:
+    """How many of the shipped numba kernel signatures the kernel cache holds
+    (`numba_warm.cache_status`: numba's index files, nothing compiled), with ``opencann
+    warm`` as the advice when some are missing."""
+    from .numba_warm import cache_status, check_writable
+    try:
+        cached, total, path = cache_status()
+        check_writable(path)
+    except OSError as e:
+        return Check("kernel-cache", "warning", str(e), "every process compiles the CPU kernels "
+                     "it meets again (seconds each)")
+    except Exception as e:  # noqa: BLE001 - a broken install: say what failed
+        return Check("kernel-cache", "error", f"{type(e).__name__}: {e}", "reinstall opencann")
+    value = f"{cached} of {total} shipped kernel signatures compiled in {path}"
+    if cached >= total:
+        return Check("kernel-cache", "ok", value)
+    return Check("kernel-cache", "warning", value, "run `opencann warm` once (a minute or more): "
+                 "otherwise the first compile or generate on this machine compiles them")
+
+
 def _device_checks() -> List[Check]:
     import torch
     cuda = torch.cuda.is_available()
@@ -197,11 +219,11 @@ def _device_checks() -> List[Check]:
 def doctor(installed: Callable[[str], Optional[str]] = _installed) -> List[Check]:
     """Every check, in order: the `SUPPORTED` versions (``installed(name)`` gives the
     version found, None when missing; a test passes its own), CPU, oneDNN, MKL,
-    threads, the eager-parity probe cache, CUDA, vnpu."""
+    threads, the eager-parity probe cache, the numba kernel cache, CUDA, vnpu."""
     checks = [version_check(name, installed(name)) for name in SUPPORTED]
     if any(c.name == "torch" and c.status == "error" for c in checks):
         return checks
-    return checks + _cpu_checks() + [_parity_check()] + _device_checks()
+    return checks + _cpu_checks() + [_parity_check(), _kernel_cache_check()] + _device_checks()
 
 
 def to_json(checks: List[Check]) -> Dict[str, object]:
