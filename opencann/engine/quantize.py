@@ -37,6 +37,8 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence
 import torch
 
 from ..devices import parse_device
+from ..log import logger
+from ..ops.kernels.int8_quantize import uint8_params
 from ..passes.fusion.quantize_int8 import layer_labels
 from ..passes.layout.vnpu_quantize_int8 import check_cube_int8
 from .compiled_model import CompiledModel
@@ -95,14 +97,13 @@ class _Range:
         self.lo, self.hi = min(self.lo, float(lo)), max(self.hi, float(hi))
 
     def record(self) -> Optional[Dict[str, Any]]:
-        """{"scale_d", "offset_d"} for uint8 over [min(lo, 0), max(hi, 0)]; None if no
-        finite value was seen."""
+        """{"scale_d", "offset_d", "min", "max"} for uint8 over [min(lo, 0), max(hi, 0)]
+        (`uint8_params`: step at least float32's smallest normal, 1.0 when only zeros were
+        seen); None if no finite value was seen."""
         if self.lo > self.hi:
             return None
-        lo, hi = min(self.lo, 0.0), max(self.hi, 0.0)
-        step = (hi - lo) / 255.0 if hi > lo else 1.0
-        return {"scale_d": step, "offset_d": int(min(max(round(-lo / step), 0), 255)),
-                "min": self.lo, "max": self.hi}
+        step, offset = uint8_params(self.lo, self.hi)
+        return {"scale_d": step, "offset_d": offset, "min": self.lo, "max": self.hi}
 
 
 def _batches(calibration_inputs, one_shape: bool = True) -> List[tuple]:
@@ -257,10 +258,7 @@ def quantize(model: torch.nn.Module, calibration_inputs, *, config: Optional[Dic
                                  dynamic_shapes=dynamic_shapes if dynamic else None,
                                  dim_ranges=dim_ranges if dynamic else None)
             records = calibrate(fp32, batches)
-        if not records and any(n.op in (VNPU_TARGETS if vnpu else TARGETS) for n in fp32.graph.nodes):
-            raise ValueError("calibration saw no finite value at the input of any convolution or "
-                             "linear (every calibration batch is NaN/inf there): give batches of "
-                             "real data")
+        _check_records(records, fp32, VNPU_TARGETS if vnpu else TARGETS, set(cfg.get("skip_layers") or ()))
     layers = {k: {"scale_d": r["scale_d"], "offset_d": r["offset_d"],
                   **{e: r[e] for e in ("accum", "out") if e in r}} for k, r in records.items()}
     opts["quant_config"] = {"layers": layers, "skip_layers": list(cfg.get("skip_layers") or ()),
@@ -273,6 +271,33 @@ def quantize(model: torch.nn.Module, calibration_inputs, *, config: Optional[Dic
         raise ValueError(f"no layer was quantized on {device} (first: {rows[0]['layer']}: {rows[0]['reason']}); "
                          f"fix that, or compile without opencann.quantize to run fp32")
     return cm
+
+
+def _check_records(records: Dict[str, Dict[str, Any]], fp32: CompiledModel, targets, skip: set) -> None:
+    """ValueError (one line) when calibration recorded no layer of the fp32 model ``fp32``
+    that has ``targets`` (every batch NaN/inf at their inputs); `_warn_zero_ranges` else."""
+    if not records and any(n.op in targets for n in fp32.graph.nodes):
+        raise ValueError("calibration saw no finite value at the input of any convolution or "
+                         "linear (every calibration batch is NaN/inf there): give batches of "
+                         "real data")
+    _warn_zero_ranges(records, skip, fp32.graph)
+
+
+def _warn_zero_ranges(records: Dict[str, Dict[str, Any]], skip: set, graph) -> None:
+    """A WARNING (one line, ``opencann`` logger) naming the layers whose calibration saw only
+    zeros at their input (min = max = 0: an empty range, step 1.0): every later input of
+    magnitude under 0.5 quantizes to 0 there, so such a layer's results are far from eager
+    unless its input really is always 0 (all-zero or unrepresentative calibration batches).
+    Layers named in ``skip`` (node or module names, `layer_labels` of ``graph``'s nodes) stay
+    fp32 and are not named."""
+    skipped = {n.name for n in graph.nodes if layer_labels(n) & skip}
+    empty = sorted(k for k, r in records.items() if r.get("min") == 0.0 and r.get("max") == 0.0
+                   and k not in skipped)
+    if empty:
+        logger.warning("calibration saw only zeros at the input of %d layer(s) (%s): their int8 input "
+                       "has an empty range (scale_d=1) and later inputs under 0.5 in magnitude become 0; "
+                       "calibrate on batches of real data, or keep them in fp32 with skip_layers",
+                       len(empty), ", ".join(empty[:6]) + (", ..." if len(empty) > 6 else ""))
 
 
 def _options(options: Optional[Dict[str, Any]]) -> Dict[str, Any]:

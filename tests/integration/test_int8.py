@@ -432,3 +432,79 @@ def test_fp32_emulation_agrees_with_the_onednn_kernels(monkeypatch, dynamic):
         assert _cos(y, ref) >= 0.999
         if int8_weight_bound() is not None:
             torch.testing.assert_close(y, native(x), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_a_range_below_float32_normals_keeps_its_levels(dynamic):
+    """Activations of magnitude ~1e-38 (range / 255 below float32's smallest normal): the
+    step is floored at 2**-126 (`uint8_params`), so x · (1 / step) stays finite and the
+    layer computes what its record says (a float64 recomputation of the integer arithmetic);
+    a step of ~1e-40 made 1 / step overflow float32, every value saturated and the result
+    was cosine 0.78 with eager's (no warning)."""
+    import warnings
+    from opencann.ops.kernels.int8_quantize import MIN_STEP
+    g = torch.Generator().manual_seed(3)
+    lin = torch.nn.Linear(16, 8, bias=False).eval()
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(8, 16, generator=g) * 1e36)
+    x = torch.randn(4, 16, generator=g) * 1e-38
+    cfg = create_quant_config(mode="dynamic") if dynamic else None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)       # no overflow in a cast
+        q = opencann.quantize(lin, [x], config=cfg)
+        y = q(x)
+    step, off = dynamic_params(x)
+    assert step == MIN_STEP
+    if not dynamic:
+        assert "scale_d=1.175e-38" in quant_report(q)[0]["detail"]
+    xq = (torch.clamp(torch.round(x.double() / step) + off, 0, 255) - off) * step
+    wq, ws = quantize_weight(lin.weight, 0, int8_weight_qmax())
+    ref = xq @ (wq.double() * ws.double()[:, None]).t()
+    torch.testing.assert_close(y.double(), ref, rtol=1e-4, atol=1e-6 * float(ref.abs().max()))
+    with torch.no_grad():
+        assert _cos(y, lin(x)) > 0.85 and torch.isfinite(y).all()
+
+
+def test_calibration_of_only_zeros_is_a_warning_naming_the_layers(caplog):
+    """A layer whose calibration saw only zeros (an empty range: scale_d 1) quantizes every
+    later input under 0.5 to 0: one WARNING line names it and the fix; real data gives none."""
+    import logging
+    m = torch.nn.Sequential(torch.nn.Linear(8, 6), torch.nn.ReLU(), torch.nn.Linear(6, 4)).eval()
+    with caplog.at_level(logging.WARNING, logger="opencann"):
+        q = opencann.quantize(m, [torch.zeros(2, 8)])
+    lines = [r.getMessage() for r in caplog.records if "only zeros" in r.getMessage()]
+    assert len(lines) == 1 and "1 layer(s) (addmm_relu)" in lines[0] and "skip_layers" in lines[0], lines
+    with torch.no_grad():
+        torch.testing.assert_close(q(torch.zeros(2, 8)), m(torch.zeros(2, 8)), rtol=0, atol=1e-2)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="opencann"):
+        opencann.quantize(m, [torch.randn(2, 8)])
+        opencann.quantize(m, [torch.zeros(2, 8)], config=create_quant_config(skip_layers=["0"]))
+    assert not [r for r in caplog.records if "only zeros" in r.getMessage()]
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float16])
+def test_a_float64_or_float16_model_is_kept_with_its_dtype_named(dtype):
+    """int8 quantizes fp32 (and bf16) layers: those of a float64 / float16 model stay in
+    their dtype, each row saying so and how to quantize them (was: "not a Linear's weight")."""
+    m = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.ReLU(), torch.nn.Flatten(),
+                            torch.nn.Linear(4 * 6 * 6, 5), torch.nn.ReLU(), torch.nn.Linear(5, 3)).eval().to(dtype)
+    x = torch.randn(2, 3, 8, 8, dtype=dtype)
+    q = opencann.quantize(m, [x])
+    rows = quant_report(q)
+    assert len(rows) == 3 and all(not r["int8"] and f"a {str(dtype)[6:]} layer" in r["reason"]
+                                  and "model.float()" in r["reason"] for r in rows), rows
+    with torch.no_grad():
+        torch.testing.assert_close(q(x), m(x))
+
+
+def test_a_record_with_a_denormal_scale_is_left_fp32_with_the_reason():
+    """A hand-written ``quant_config`` record whose scale_d is under 2**-126 (its reciprocal
+    overflows float32: every value saturated, results off by the output's size) is a bad
+    record: the layer stays fp32 and its row says why."""
+    lin, x = torch.nn.Linear(8, 4).eval(), torch.randn(2, 8)
+    cm = opencann.compile(lin, x, options={"quant_config": {"layers": {"addmm_none": {"scale_d": 1e-45, "offset_d": 0}}}})
+    row = quant_report(cm)[0]
+    assert not row["int8"] and "bad record" in row["reason"] and "2**-126" in row["reason"], row
+    with torch.no_grad():
+        torch.testing.assert_close(cm(x), lin(x))

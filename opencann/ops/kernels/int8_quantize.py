@@ -12,6 +12,11 @@ from .out_arg import check_out
 
 QMIN, QMAX = 0, 255   # uint8 activations
 
+#: the least activation step: float32's smallest normal, 2**-126. A smaller step's
+#: reciprocal overflows float32 (x · (1 / step) = ±inf: every value saturates) and the
+#: step itself would be a denormal in the kernels' fp32 scales.
+MIN_STEP = 2.0 ** -126
+
 
 def quantize_u8(x: torch.Tensor, step: float, offset: int, out: torch.Tensor = None,
                 divide: bool = False) -> torch.Tensor:
@@ -40,23 +45,33 @@ def quantize_u8(x: torch.Tensor, step: float, offset: int, out: torch.Tensor = N
     return y if out is None else out.copy_(y)
 
 
+def uint8_params(lo: float, hi: float) -> Tuple[float, int]:
+    """(step, offset) of uint8 over [min(lo, 0), max(hi, 0)] (finite floats): step =
+    range / 255, at least `MIN_STEP` (a narrower range keeps fewer than 255 levels instead
+    of saturating every value), offset = saturate(round(-min / step)); (1.0, 0) for an
+    empty range (0 = 0: only zeros seen). ONNX DynamicQuantizeLinear's and calibration's
+    rule (CANN AMCT's scale_d / offset_d)."""
+    lo, hi = min(lo, 0.0), max(hi, 0.0)
+    step = (hi - lo) / 255.0
+    if not (step > 0.0 and step != float("inf")):
+        return 1.0, 0
+    step = max(step, MIN_STEP)
+    return step, int(min(max(round(-lo / step), QMIN), QMAX))
+
+
 def dynamic_params(x: torch.Tensor) -> Tuple[float, int]:
-    """(step, offset) of ONNX DynamicQuantizeLinear for ``x``: the range [min(x, 0),
-    max(x, 0)] over 255 levels, offset = saturate(round(-min / step)); step 1.0 for an
-    all-zero x. NaN / ±inf in x are left out of the range, as calibration leaves them out
-    (a second pass, only when the first range is not finite): the finite values keep their
-    resolution and the specials saturate (docs/guide/quantization.md); step 1.0 when no
-    value is finite. x fp32 or bf16 (read as it is: bf16 values are exact in fp32)."""
+    """(step, offset) of ONNX DynamicQuantizeLinear for ``x``: `uint8_params` of x's range
+    (step 1.0 for an all-zero x, at least `MIN_STEP`). NaN / ±inf in x are left out of the
+    range, as calibration leaves them out (a second pass, only when the first range is not
+    finite): the finite values keep their resolution and the specials saturate
+    (docs/guide/quantization.md); step 1.0 when no value is finite. x fp32 or bf16 (read
+    as it is: bf16 values are exact in fp32)."""
     lo, hi = torch.aminmax(x)
     lo, hi = float(lo), float(hi)
     if not (math.isfinite(lo) and math.isfinite(hi)):
         fin = x[torch.isfinite(x)]
         lo, hi = (float(fin.min()), float(fin.max())) if fin.numel() else (0.0, 0.0)
-    lo, hi = min(lo, 0.0), max(hi, 0.0)
-    step = (hi - lo) / 255.0
-    if not (step > 0.0 and step != float("inf")):
-        return 1.0, 0
-    return step, int(min(max(round(-lo / step), QMIN), QMAX))
+    return uint8_params(lo, hi)
 
 
-__all__ = ["QMAX", "QMIN", "dynamic_params", "quantize_u8"]
+__all__ = ["MIN_STEP", "QMAX", "QMIN", "dynamic_params", "quantize_u8", "uint8_params"]

@@ -57,6 +57,7 @@ import torch
 
 from ...devices.cpu import int8_weight_qmax
 from ...ir import DataType, Graph, Node, TensorDesc, TensorRef, Value
+from ...ops.kernels.int8_quantize import MIN_STEP
 from ..base import PassContext, Skip
 from .common import CpuFusion
 
@@ -148,6 +149,12 @@ _BF16_CONV = ("a bf16 convolution: int8 takes convolutions from fp32 graphs only
               "quantize without precision_mode to run it int8)")
 
 
+def _other_float(dtype: str) -> str:
+    """Why a layer of a float dtype int8 does not quantize from (float64, float16) stays so."""
+    return (f"a {dtype} layer: int8 quantizes float32 (and bf16) convolutions and linears; kept in "
+            f"{dtype} (cast the model to float32, model.float(), to quantize it)")
+
+
 def _not_a_target(node: Node) -> Optional[str]:
     """Why a convolution or matmul with a constant float weight that the int8 rewrite
     does not take stays in float (a `quant_report` row), or None for other nodes: a
@@ -157,6 +164,8 @@ def _not_a_target(node: Node) -> Optional[str]:
         w = node.arg("weight")
         if not (w.is_const and w.desc.dtype.is_floating):
             return None
+        if w.desc.dtype.torch not in (torch.float32, torch.bfloat16):
+            return _other_float(w.desc.dtype.value)
         if node.outputs[0].desc.dtype.torch == torch.bfloat16:
             return _BF16_CONV
         if node.attrs.get("transposed"):
@@ -169,6 +178,8 @@ def _not_a_target(node: Node) -> Optional[str]:
                 f"kept in {w.desc.dtype.value}")
     if node.op in ("MatMul", "BatchMatMul", "MatMulV2"):
         const = [v for v in node.inputs if v.is_const and v.desc.dtype.is_floating and v.desc.rank >= 2]
+        if const and const[0].desc.dtype.torch not in (torch.float32, torch.bfloat16):
+            return _other_float(const[0].desc.dtype.value)
         if const:
             return (f"{node.op} with a constant operand that is not a Linear's weight (LinearAct): "
                     f"kept in {const[0].desc.dtype.value}")
@@ -228,6 +239,10 @@ class QuantizeInt8(CpuFusion):
         elif node.op != "LinearAct" and x.desc.dtype.torch == torch.bfloat16:
             return Skip(_BF16_CONV)
         elif not (w.is_const and w.desc.dtype.torch == torch.float32 and x.desc.dtype.torch == torch.float32):
+            other = {d for d in (x.desc.dtype, w.desc.dtype) if d.is_floating and d.torch not in
+                     (torch.float32, torch.bfloat16)}
+            if other:
+                return Skip(_other_float(other.pop().value))
             return Skip("the weight is not a constant fp32 tensor or x is not fp32 (bf16 is taken by "
                         "linears only: x, weight and result bf16)")
         if node.op == "LinearAct" and (x.desc.rank != 2 or w.desc.rank != 2):
@@ -246,9 +261,10 @@ class QuantizeInt8(CpuFusion):
             return Skip("no calibration record for this layer (quant_config['layers']: no calibration "
                         "batch had a finite value at its input, or it was not calibrated)")
         step, off = rec.get("scale_d"), rec.get("offset_d")
-        if not (isinstance(step, (int, float)) and math.isfinite(step) and step > 0
+        if not (isinstance(step, (int, float)) and math.isfinite(step) and step >= MIN_STEP
                 and isinstance(off, int) and 0 <= off <= 255):
-            return Skip(f"bad record {rec!r}: scale_d must be a finite float > 0, offset_d an int in [0, 255]")
+            return Skip(f"bad record {rec!r}: scale_d must be a finite float >= 2**-126 (float32's smallest "
+                        f"normal: 1 / scale_d must not overflow), offset_d an int in [0, 255]")
         return _QMatch(node, rec)
 
     def _quant(self, graph: Graph, x: Value, step: float, offset: int, before: Node) -> Value:
