@@ -52,7 +52,7 @@ reason.
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Dict, List, Optional, Sequence, Union
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Union
 
 import torch
 
@@ -195,7 +195,8 @@ def tune(model: torch.nn.Module, example_inputs, *, budget: Union[str, Callable]
     step (keeps every node that passes the gate low). ``seed`` seeds torch's generator.
     ``reps``: timed runs per configuration (the least counts). ``calibration``: batches
     (input tuples of the example's shapes) calibrating the "int8" candidate's activations
-    (default: ``data``, else ``[example_inputs]``); unused without "int8".
+    (default None: ``data``, else ``[example_inputs]``; an empty list is refused, as by
+    ``opencann.quantize``); unused without "int8".
 
     Returns a `TuneResult` whose ``compiled`` is the `CompiledModel` with the choice
     applied (its report's ``precision`` holds `TuneResult.to_dict`; saved by
@@ -216,7 +217,7 @@ def tune(model: torch.nn.Module, example_inputs, *, budget: Union[str, Callable]
     nodes = _candidate_nodes(session)
     has_bf16 = any(c.name == "bf16" for c in cands)     # int8 linears then read and write bf16
     bf16 = [n for n, c in nodes.items() if c.op.startswith("MatMul")] if has_bf16 else []
-    cands = [_calibrate_int8(c, model, args, nodes, calibration or data, device, bf16)
+    cands = [_calibrate_int8(c, model, args, nodes, data if calibration is None else calibration, device, bf16)
              if c.name == "int8" and c.apply is None else c for c in cands]
     _own_errors(session, nodes, cands)
     search = _Search(model, args, nodes, cands, _Builder(session, device, reps))
@@ -247,8 +248,15 @@ def _calibrate_int8(cand: Candidate, model, args, nodes: Dict[str, NodeChoice], 
         raise ValueError(f"the int8 candidate of tune is not searched on {device} (its calibration reads the "
                          f"CPU's fused layers). Fix: drop 'int8' from candidates, or quantize the whole model "
                          f"with opencann.quantize(model, batches, device={device!r})")
+    if isinstance(batches, (torch.Tensor, tuple)):    # one batch, as opencann.quantize takes it
+        batches = [batches]
+    batches = list(batches) if isinstance(batches, Iterable) and not isinstance(batches, (str, dict)) \
+        else [args] if batches is None else []
+    if not batches:
+        raise ValueError("calibration takes a non-empty list of batches (each a tensor or a tuple like "
+                         "example_inputs), e.g. [x1, x2]; None calibrates on data, else the example inputs")
     fp32 = compile_module(model, args, device, {})
-    items = [b if isinstance(b, tuple) else (b,) for b in (batches or [args])]
+    items = [b if isinstance(b, tuple) else (b,) for b in batches]
     records = calibrate(fp32, items)
     scopes = {n.name: n.scope for n in fp32.graph.nodes if n.op in TARGETS}
     return tune_int8.calibrated(cand, records, scopes, {n: c.module for n, c in nodes.items()}, bf16_io)

@@ -622,3 +622,21 @@ def test_a_calibration_batch_of_another_shape_is_one_line_naming_it():
     with torch.no_grad():
         ref = m(x)
     assert torch.nn.functional.cosine_similarity(res.compiled(x).flatten().double(), ref.flatten().double(), 0) > 0.99
+
+
+def test_an_empty_calibration_list_is_one_line_and_one_batch_is_taken():
+    """``calibration=[]`` (an empty data loader) is refused as ``opencann.quantize`` refuses
+    it, where it silently calibrated on the example inputs; a lone tensor is one batch, a
+    generator of batches is read once."""
+    torch.manual_seed(0)
+    m, x = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4)).eval(), torch.randn(2, 8)
+    with pytest.raises(ValueError, match=r"^calibration takes a non-empty list of batches") as e:
+        tune(m, x, candidates=("fp32", "int8"), calibration=[], timing=False)
+    assert "\n" not in str(e.value)
+    with torch.no_grad():
+        ref = m(x)
+    for cal in (torch.randn(2, 8), (torch.randn(2, 8) for _ in range(2))):
+        res = tune(m, x, candidates=("fp32", "int8"), calibration=cal, timing=False)
+        assert set(res.options["quant_config"]["layers"]) == {"addmm_relu", "addmm_1_none"}
+        assert torch.nn.functional.cosine_similarity(res.compiled(x).flatten().double(),
+                                                     ref.flatten().double(), 0) > 0.99
