@@ -51,6 +51,7 @@ reason.
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Union
 
@@ -212,7 +213,28 @@ def tune(model: torch.nn.Module, example_inputs, *, budget: Union[str, Callable]
     t0 = time.perf_counter()
     args = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
     _check_data_shapes(data, args)
-    model = model.eval()
+    with _eval_mode(model):
+        return _search_and_compile(model, args, cands, budget, data, time_budget_s, device, timing,
+                                   reps, calibration, t0)
+
+
+@contextlib.contextmanager
+def _eval_mode(model: torch.nn.Module):
+    """``model`` in eval mode (eager's inference outputs are the reference) for the block,
+    every submodule's ``training`` flag given back afterwards: tune leaves the caller's
+    module as it found it (it used to leave it in eval mode)."""
+    flags = [(m, m.training) for m in model.modules()]
+    model.eval()
+    try:
+        yield
+    finally:
+        for m, was in flags:
+            m.training = was
+
+
+def _search_and_compile(model, args, cands, budget, data, time_budget_s, device, timing, reps,
+                        calibration, t0) -> TuneResult:
+    """`tune`'s steps on the eval-mode ``model`` (arguments checked), started at ``t0``."""
     session = Session(model, args)
     nodes = _candidate_nodes(session)
     has_bf16 = any(c.name == "bf16" for c in cands)     # int8 linears then read and write bf16

@@ -640,3 +640,20 @@ def test_an_empty_calibration_list_is_one_line_and_one_batch_is_taken():
         assert set(res.options["quant_config"]["layers"]) == {"addmm_relu", "addmm_1_none"}
         assert torch.nn.functional.cosine_similarity(res.compiled(x).flatten().double(),
                                                      ref.flatten().double(), 0) > 0.99
+
+
+def test_tune_gives_back_the_callers_training_flags():
+    """tune searches on eval-mode outputs, then gives every submodule its ``training`` flag
+    back (it left the caller's model in eval mode); the tuned model is the eval one."""
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.Dropout(0.5),
+                            torch.nn.Linear(16, 4))
+    m[1].eval()
+    flags = [s.training for s in m.modules()]
+    x = torch.randn(4, 8)
+    res = tune(m, x, candidates=("fp32", "int8"), timing=False)
+    assert [s.training for s in m.modules()] == flags == [True, True, False, True, True]
+    m.eval()
+    with torch.no_grad():
+        ref = m(x)
+    assert torch.nn.functional.cosine_similarity(res.compiled(x).flatten().double(), ref.flatten().double(), 0) > 0.99
