@@ -390,12 +390,14 @@ def _cpu_only_rewrites(opts: Dict[str, Any]) -> List[str]:
 quantize_model = quantize
 
 
-# the passes whose entries are quant_report's rows: the CPU's and the vnpu's int8 rewrite
-QUANT_PASSES = ("quantize_int8", "vnpu_quantize_int8")
+# the passes whose entries are quant_report's rows: the CPU's int8 rewrite, its ONNX QDQ /
+# QOperator form (the file's own int8 layers) and the vnpu's
+QUANT_PASSES = ("quantize_int8", "qdq_to_int8", "vnpu_quantize_int8")
 
 
 def quant_report(cm: CompiledModel) -> List[Dict[str, Any]]:
-    """One row per convolution / linear the ``quantize_int8`` (vnpu: ``vnpu_quantize_int8``) pass looked at: {"layer",
+    """One row per convolution / linear the ``quantize_int8`` pass looked at (an ONNX QDQ /
+    QOperator file's: ``qdq_to_int8``; vnpu: ``vnpu_quantize_int8``): {"layer",
     "int8" (bool), "detail" (static with scale_d / offset_d, or dynamic) or "reason"
     (why it stays fp32), "where"}; from the compile report, so a loaded model has it too."""
     rows = [{"layer": e["nodes"], "int8": True, "detail": e.get("detail", ""), "where": e.get("where", "")}

@@ -296,3 +296,30 @@ def test_quantize_dynamic_file_runs_float_emulation_on_the_vnpu(tmp_path):
         if special is None:
             _within_int8_rounding(y, _ort(qp, name, x))
         assert torch.equal(loaded(x)[0], y)
+
+
+def test_quant_report_lists_a_qdq_files_layers(tmp_path):
+    """``quant_report`` on a QDQ file lists its layers (it listed none: only the
+    ``quantize_int8`` pass's rows were read, not ``qdq_to_int8``'s): int8 with the file's
+    scale, and a layer whose weight is not symmetric int8 as float emulation with the reason."""
+    import onnx
+    from onnx import numpy_helper
+    from opencann.tools.quantize import quant_report
+    qp, name = _qdq_file(Cnn(), (1, 3, 20, 20), tmp_path)
+    rows = quant_report(opencann.compile(qp))
+    assert len(rows) == 4 and all(r["int8"] and "the file's int8 weights" in r["detail"] for r in rows), rows
+    model = onnx.load(qp)       # c1's weight: no value of channel 0 at 127 any more
+    inits = {i.name: i for i in model.graph.initializer}
+    wname = next(n.input[0] for n in model.graph.node if n.op_type == "DequantizeLinear"
+                 and n.input[0] in inits and numpy_helper.to_array(inits[n.input[0]]).ndim == 4)
+    w = numpy_helper.to_array(inits[wname]).copy()
+    w[0][abs(w[0].astype(int)) == 127] = 100
+    inits[wname].CopyFrom(numpy_helper.from_array(w, wname))
+    bad = str(tmp_path / "bad.onnx")
+    onnx.save(model, bad)
+    cm = opencann.compile(bad)
+    rows = quant_report(cm)
+    kept = [r for r in rows if not r["int8"]]
+    assert len(rows) == 4 and len(kept) == 1 and "not symmetric int8" in kept[0]["reason"], rows
+    x = torch.randn(1, 3, 20, 20, generator=torch.Generator().manual_seed(5))
+    _within_int8_rounding(cm(x)[0], _ort(bad, name, x))
