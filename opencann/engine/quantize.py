@@ -254,23 +254,35 @@ def quantize(model: torch.nn.Module, calibration_inputs, *, config: Optional[Dic
                                                                  disable=_cpu_only_rewrites(opts)))
             records = calibrate(fp32, batches, VNPU_TARGETS)
         else:
-            fp32 = compile_torch(model, example, device, _calibration_options(opts),
-                                 dynamic_shapes=dynamic_shapes if dynamic else None,
-                                 dim_ranges=dim_ranges if dynamic else None)
+            fp32 = _compile_example(model, example, device, _calibration_options(opts),
+                                    dynamic_shapes if dynamic else None, dim_ranges if dynamic else None)
             records = calibrate(fp32, batches)
         _check_records(records, fp32, VNPU_TARGETS if vnpu else TARGETS, set(cfg.get("skip_layers") or ()))
     layers = {k: {"scale_d": r["scale_d"], "offset_d": r["offset_d"],
                   **{e: r[e] for e in ("accum", "out") if e in r}} for k, r in records.items()}
     opts["quant_config"] = {"layers": layers, "skip_layers": list(cfg.get("skip_layers") or ()),
                             "dynamic_linear": bool(cfg.get("dynamic_linear"))}
-    cm = compile_torch(model, example, device, opts, dynamic_shapes=dynamic_shapes,
-                       dim_ranges=dim_ranges)
+    cm = _compile_example(model, example, device, opts, dynamic_shapes, dim_ranges, dynamic)
     rows = quant_report(cm)
     _check_skip_layers(cm, opts["quant_config"]["skip_layers"], rows)
     if vnpu and rows and not any(r["int8"] for r in rows) and not cfg.get("skip_layers"):
         raise ValueError(f"no layer was quantized on {device} (first: {rows[0]['layer']}: {rows[0]['reason']}); "
                          f"fix that, or compile without opencann.quantize to run fp32")
     return cm
+
+
+def _compile_example(model, example: tuple, device: str, opts: Dict[str, Any], dynamic_shapes, dim_ranges,
+                     explain: bool = True) -> CompiledModel:
+    """``compile_torch`` of ``model`` at ``example`` (a calibration batch). Under
+    ``dynamic_shapes`` (and ``explain``) a ValueError about the example says first that
+    the example is the largest calibration batch (the caller passed no example)."""
+    try:
+        return compile_torch(model, example, device, opts, dynamic_shapes=dynamic_shapes, dim_ranges=dim_ranges)
+    except ValueError as e:
+        if dynamic_shapes is None or not explain or "in the example" not in str(e):
+            raise
+        raise ValueError(f"with dynamic_shapes the largest calibration batch is the compiled example "
+                         f"({_signature(example)}): {e}") from None
 
 
 def _check_records(records: Dict[str, Dict[str, Any]], fp32: CompiledModel, targets, skip: set) -> None:

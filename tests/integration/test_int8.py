@@ -508,3 +508,22 @@ def test_a_record_with_a_denormal_scale_is_left_fp32_with_the_reason():
     assert not row["int8"] and "bad record" in row["reason"] and "2**-126" in row["reason"], row
     with torch.no_grad():
         torch.testing.assert_close(cm(x), lin(x))
+
+
+@pytest.mark.parametrize("mode", ["static", "dynamic"])
+def test_a_one_row_example_under_dynamic_shapes_names_the_calibration_batch(mode):
+    """Under ``dynamic_shapes`` the largest calibration batch is the compiled example: when
+    export refuses it (a dynamic dim of size 1), the one line says that batch is the example
+    (the caller passed no example); two rows compile and serve one."""
+    m = torch.nn.Sequential(torch.nn.Linear(8, 6), torch.nn.ReLU(), torch.nn.Linear(6, 4)).eval()
+    cfg = create_quant_config(mode=mode)
+    with pytest.raises(ValueError, match=r"^with dynamic_shapes the largest calibration batch is the compiled "
+                                         r"example \(float32\[1, 8\]\): .*at least 2") as e:
+        opencann.quantize(m, [torch.randn(1, 8)], config=cfg, dynamic_shapes={"input": {0: "b"}})
+    assert "\n" not in str(e.value)
+    g = torch.Generator().manual_seed(4)
+    cal = [torch.randn(1, 8, generator=g), torch.randn(2, 8, generator=g)]
+    q = opencann.quantize(m, cal, config=cfg, dynamic_shapes={"input": {0: "b"}})
+    x = cal[0]     # a row inside the calibrated range
+    with torch.no_grad():
+        assert _cos(q(x), m(x)) > 0.99
