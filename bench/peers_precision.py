@@ -35,7 +35,13 @@ moves the torch rows' medians 10-40x and the peers' hardly (MiniLM bf16 at load 
 median 972 ms by default, 21.5 ms passive, same minute).
 
     .venv/bin/python bench/peers_precision.py [--models resnet50 bert-base minilm]
-        [--batches 1 8] [--rounds 3] [--runs 3] [--no-tune] [--out FILE]
+        [--batches 1 8] [--rounds 3] [--runs 3] [--no-tune] [--bf16 auto|on|off] [--out FILE]
+
+``--bf16 auto`` (default): the bf16 rows and tune's bf16 candidate only where oneDNN's bf16
+kernels run (AVX-512 BW/VL, AVX-NE-CONVERT or AMX); elsewhere bf16 runs on ATen's reference
+kernels, rows that only measure their absence (eager BERT-base at batch 1 under autocast:
+3.0 s a call against 1.0 s in fp32 on the AVX2-only EPYC while another job ran). Progress
+(each model's stage, with the time) goes to stderr.
 
 Needs the extra ``bench`` (onnxruntime, openvino, nncf); a missing peer is reported and
 skipped. Writes bench/results/peers_precision.json.
@@ -48,6 +54,7 @@ import json
 import os
 import sys
 import tempfile
+import time
 from typing import Callable, Dict, List, Tuple
 
 import numpy as np
@@ -80,15 +87,18 @@ def output_gate(actual, expected) -> bool:
     return gate(first_tensor(actual), first_tensor(expected).float())["passed"]
 
 
-def ours(zm: zoo.ZooModel, work: str, tune: bool) -> Dict[str, Callable]:
+def ours(zm: zoo.ZooModel, work: str, tune: bool, bf16: bool = True) -> Dict[str, Callable]:
     """eager and opencann rows and ONNX Runtime's int8 (`precision.own_runners`), and the
     tuned row: ``opencann.tune`` over fp32 / bf16 / int8 (static, calibrated on
     `calibration_for`) judged by the table's own gate (`output_gate`), the rule every
-    other row passes or fails by."""
+    other row passes or fails by. ``bf16`` False: no bf16 row and no bf16 candidate."""
     rows = own_runners(zm, work)
+    if not bf16:
+        rows = {k: v for k, v in rows.items() if "bf16" not in k}
     if tune:
+        progress(f"{zm.name}: opencann.tune (time budget 120 s)")
         tuned = opencann.tune(zm.model, zm.example_inputs, time_budget_s=120, budget=output_gate,
-                              candidates=("fp32", "bf16", "int8"),
+                              candidates=("fp32", "bf16", "int8") if bf16 else ("fp32", "int8"),
                               calibration=calibration_for(zm)).compiled
         rows["opencann tuned"] = lambda: first_tensor(tuned(*zm.example_inputs))
     return rows
@@ -129,9 +139,28 @@ def onnxruntime_row(zm: zoo.ZooModel, path: str, threads: int) -> Dict[str, Call
     return {"onnxruntime fp32": lambda: torch.from_numpy(sess.run(None, feed)[0])}
 
 
-def build(name: str, batch: int, threads: int, tune: bool, work: str) -> Tuple[Dict[str, Callable], zoo.ZooModel]:
+def progress(what: str) -> None:
+    """One progress line on stderr, flushed (stdout to a file is block-buffered)."""
+    print(f"[{time.strftime('%H:%M:%S')}] {what}", file=sys.stderr, flush=True)
+
+
+def use_bf16(choice: str) -> bool:
+    """Whether the bf16 rows run: ``on``, ``off``, or ``auto`` = where oneDNN's bf16
+    kernels run on this CPU (`opencann.devices.cpu.onednn_bf16_available`: AVX-512 BW/VL,
+    AVX-NE-CONVERT or AMX). Elsewhere bf16 runs on ATen's reference kernels, slower than
+    fp32: rows that only measure their absence (module docstring)."""
+    if choice != "auto":
+        return choice == "on"
+    from opencann.devices.cpu import onednn_bf16_available
+    return onednn_bf16_available()
+
+
+def build(name: str, batch: int, threads: int, tune: bool, work: str,
+          bf16: bool = True) -> Tuple[Dict[str, Callable], zoo.ZooModel]:
     zm = model_for(name, batch)
-    rows = ours(zm, work, tune)
+    progress(f"{name} batch {batch}: compiling the opencann rows")
+    rows = ours(zm, work, tune, bf16)
+    progress(f"{name} batch {batch}: the peers (export, OpenVINO, NNCF, ONNX Runtime)")
     path = export_onnx(zm.model, zm.example_inputs, os.path.join(work, f"{name}-b{batch}.onnx"))
     for peer, fn in (("openvino", openvino_rows), ("onnxruntime", onnxruntime_row)):
         try:
@@ -193,16 +222,23 @@ def main(argv: List[str] = None) -> None:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--no-tune", action="store_true", help="skip the opencann tuned row")
+    ap.add_argument("--bf16", choices=("auto", "on", "off"), default="auto",
+                    help="bf16 rows: auto = where oneDNN's bf16 kernels run on this CPU (default)")
     ap.add_argument("--out", default=os.path.join(HERE, "results", "peers_precision.json"))
     a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)
+    bf16 = use_bf16(a.bf16)
+    if not bf16:
+        print("bf16 rows skipped (--bf16 on to run them): oneDNN's bf16 kernels do not run on this CPU")
     results = []
     with tempfile.TemporaryDirectory(prefix="opencann-precision-") as work:
         for name in a.models:
             for b in a.batches:
-                rows, _ = build(name, b, a.threads, not a.no_tune, work)
+                rows, _ = build(name, b, a.threads, not a.no_tune, work, bf16)
+                progress(f"{name} batch {b}: timing {len(rows)} rows")
                 r = row_result(name, b, rows, a.rounds, max(1, a.runs // 2) if b > 1 else a.runs)
                 print_rows(r)
+                sys.stdout.flush()
                 results.append(r)
     with open(os.path.join(os.path.dirname(a.out) or ".", os.path.basename(a.out)), "w") as f:
         json.dump(dict(date=datetime.date.today().isoformat(), threads=a.threads,
