@@ -18,7 +18,7 @@ the graphs read as they are instead of copying: held once,
 graphs and their GEMM kernels keep beside them, each storage once, by kind in
 ``packed_bytes_by_kind``: ``qkv_concat``, ``gate_up_concat``, ``addmm_kn`` ([k, n]
 copies), ``onednn_packed`` (oneDNN's blocked layout), ``gemv`` ([n, k] copies),
-``constants`` (folded at compile time); `opencann.llm.steps.step_memory`),
+``panel`` (the panel GEMM's [P, k, NR] panels), ``constants`` (folded at compile time); `opencann.llm.steps.step_memory`),
 ``arena_bytes`` (the step graphs' activation arenas, one per graph), ``graphs`` (the step
 graphs by key, e.g. ``"prefill b2 t32"``; a loaded generator's too), and
 ``peak_rss_bytes``: the process's peak resident set so far (`peak_rss_bytes`, read after

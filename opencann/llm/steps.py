@@ -96,11 +96,13 @@ class StepMemory(NamedTuple):
 
 #: the kinds of copies a step graph may hold beside the module's weights: Q/K/V weights
 #: concatenated (`fuse_qkv_linear`), gate and up weights concatenated (GatedMLP),
-#: ``addmm_kn``'s [k, n] copies, oneDNN's blocked copies, the GEMV's [n, k] copies, and
-#: other constants that are not the module's memory (folded at compile time)
-PACKED_KINDS = ("qkv_concat", "gate_up_concat", "addmm_kn", "onednn_packed", "gemv", "constants")
+#: ``addmm_kn``'s [k, n] copies, oneDNN's blocked copies, the GEMV's [n, k] copies, the
+#: panel GEMM's [P, k, NR] panels, and other constants that are not the module's memory
+#: (folded at compile time)
+PACKED_KINDS = ("qkv_concat", "gate_up_concat", "addmm_kn", "onednn_packed", "gemv", "panel",
+                "constants")
 _CACHE_KIND = {"concat": "gate_up_concat", "addmm_kn": "addmm_kn", "onednn_packed": "onednn_packed",
-               "gemv": "gemv"}
+               "gemv": "gemv", "panel": "panel"}
 
 
 def _storage_key(t: torch.Tensor) -> Tuple[int, int]:

@@ -45,7 +45,8 @@ def _close(out, ref, tol=1e-5):
 
 @pytest.mark.parametrize("kernel,rows", [(k, r) for k in ("addmm", "mkl_packed", "onednn_packed",
                                                                "onednn_plain")
-                                         for r in (1, 7, 64)] + [("gemv", 1), ("gemv", 4)])
+                                         for r in (1, 7, 64)] + [("gemv", 1), ("gemv", 4),
+                                                                 ("panel", 2), ("panel", 7), ("panel", 64)])
 def test_each_kernel_matches_eager(kernel, rows, monkeypatch):
     if kernel == "mkl_packed" and not cpu_device.mkl_packed_available():
         pytest.skip("MKL packed GEMM not in this torch build")
@@ -218,7 +219,7 @@ def test_a_broadcast_bias_never_goes_to_onednn(forced, monkeypatch):
     assert not cpu_kernels._available("mkl_packed", 24, TensorDesc((1,), DataType.FLOAT), 5)
 
 
-@pytest.mark.parametrize("kernel", ["onednn_packed", "onednn_plain", "mkl_packed", "gemv"])
+@pytest.mark.parametrize("kernel", ["onednn_packed", "onednn_plain", "mkl_packed", "gemv", "panel"])
 @pytest.mark.parametrize("layout", ["expand", "slice", "input"])
 def test_a_non_contiguous_bias_matches_eager_on_every_kernel(kernel, layout, monkeypatch):
     """A full [n] bias that is not contiguous (a [1] bias expanded, a strided slice of a
@@ -389,7 +390,7 @@ def test_addmm_kn_streams_a_transposed_weight_at_decode_rows_and_matches_eager(r
     assert not cpu_kernels.kn_offered(torch.randn(640, 512, dtype=torch.bfloat16).t(), 1)
 
 
-@pytest.mark.parametrize("kernel,write", [(k, w) for k in ("addmm_kn", "onednn_packed")
+@pytest.mark.parametrize("kernel,write", [(k, w) for k in ("addmm_kn", "onednn_packed", "panel")
                                           for w in ("data_mul", "data_copy")])
 def test_a_weight_written_through_data_and_compiled_again_is_packed_again(kernel, write, monkeypatch):
     """Under share_weights a packed copy is shared by constants viewing the same memory;
@@ -402,7 +403,7 @@ def test_a_weight_written_through_data_and_compiled_again_is_packed_again(kernel
     monkeypatch.setattr(cpu_kernels, "LINEAR_CHOICES", ForcedGemmChoice(kernel))
     torch.manual_seed(0)
     m = MLP(d=512, h=640).eval()                   # 1.25 MiB weights: addmm_kn is offered
-    x = torch.randn(1, 512)
+    x = torch.randn(2 if kernel == "panel" else 1, 512)   # the panel GEMM: 2 rows or more
     first = opencann.compile(m, (x,), options={"share_weights": True})
     assert _kernels(first) == [kernel, kernel]
     with torch.no_grad():
@@ -429,13 +430,14 @@ def test_a_weight_keeps_at_most_one_packed_layout():
     for view in (wt, wt.detach()):
         ok = cpu_kernels.copy_allowed(view)
         assert ok("addmm") and ok("gemv") and ok("addmm_kn")
-        assert not ok("onednn_packed") and not ok("mkl_packed")
+        assert not ok("onednn_packed") and not ok("mkl_packed") and not ok("panel")
     del kn
     gc.collect()
     assert cpu_kernels.copy_allowed(wt)("onednn_packed")
     cat = cpu_kernels.concat_weights(wt, torch.randn(640, 512).t())
     ok = cpu_kernels.copy_allowed(cat)
     assert ok("addmm") and not ok("addmm_kn") and not ok("onednn_packed") and not ok("mkl_packed")
+    assert not ok("panel")
     assert ok("gemv") == ok("onednn_plain") == cat.t().is_contiguous()
 
 

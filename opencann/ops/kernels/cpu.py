@@ -260,7 +260,7 @@ def make_trans_data(node: Node, in_descs: Sequence[TensorDesc], consts: Sequence
 
 
 # the GEMM kernels a LinearAct may bind (node.meta["kernel"], saved in model files)
-GEMM_KERNELS = ("addmm", "addmm_kn", "mkl_packed", "onednn_packed", "onednn_plain", "gemv")
+GEMM_KERNELS = ("addmm", "addmm_kn", "mkl_packed", "onednn_packed", "onednn_plain", "gemv", "panel")
 # operand dtypes whose constant-weight GEMMs are raced (bf16: addmm and oneDNN's only)
 LINEAR_DTYPES = (torch.float32, torch.bfloat16)
 GEMV_MAX_ROWS = 32  # gemv_cpu.MAX_ROWS (not imported here: that module loads numba)
@@ -473,17 +473,20 @@ def _available(kernel: str, n: int, bias: Optional[TensorDesc], m: int = 0,
     oneDNN's read them as contiguous, `_dense_bias`); the GEMV 1..`GEMV_MAX_ROWS` rows;
     bf16 runs on addmm and oneDNN's prepacked inner product only (that where
     `onednn_bf16_available`): MKL's packed GEMM,
-    the numba GEMV, ``addmm_kn`` and ``onednn_plain`` are fp32). ``kn``: ``addmm_kn``
+    the numba GEMV, the panel GEMM (2 rows or more), ``addmm_kn`` and ``onednn_plain``
+    are fp32). ``kn``: ``addmm_kn``
     (addmm on a contiguous copy of the weight) is offered: a weight held transposed
     (nn.Linear's [n, k] weight viewed as [k, n]) streamed by a few-row GEMM
     (`COLD_RACE_ROWS`, `kn_offered`)."""
-    if dtype != torch.float32 and kernel in ("gemv", "mkl_packed", "addmm_kn", "onednn_plain"):
+    if dtype != torch.float32 and kernel in ("gemv", "mkl_packed", "addmm_kn", "onednn_plain", "panel"):
         return False
     if kernel == "addmm_kn":
         return kn
     full = bias is None or tuple(int(d) for d in bias.shape) == (n,)
     if kernel == "gemv":
         return 1 <= m <= GEMV_MAX_ROWS and full
+    if kernel == "panel":
+        return m >= 2 and full
     if kernel in ("onednn_packed", "onednn_plain"):
         return onednn_linear_available() and full and (dtype != torch.bfloat16 or onednn_bf16_available())
     if kernel == "mkl_packed":
@@ -500,6 +503,7 @@ _ONEDNN_PACKED = WeakIdKeyDictionary()
 _ONEDNN_PACKED_LOCK = threading.Lock()
 _GEMV_PACKED = WeakIdKeyDictionary()  # constant weight [k, n] -> weak ref. to its [n, k] copy
 _KN_PACKED = WeakIdKeyDictionary()  # constant weight [k, n] (not contiguous) -> its contiguous copy
+_PANEL_PACKED = WeakIdKeyDictionary()  # constant weight [k, n] -> weak ref. to its [P, k, NR] panels
 # (cache id, data_ptr, shape, strides, dtype, version, probe bytes) -> weak reference to the first constant packed
 # for that view of memory: other constant tensors viewing the same memory (graphs compiled
 # with the option share_weights, e.g. opencann.llm's prefill buckets and decode graph) reuse
@@ -549,7 +553,8 @@ def copy_allowed(wt: torch.Tensor) -> Callable[[str], bool]:
     if getattr(wt, "_opencann_parts", None) is not None:
         return lambda c: not _copies(c, wt)
     held = {k for k, cache in (("addmm_kn", _KN_PACKED), ("onednn_packed", _ONEDNN_PACKED),
-                               ("gemv", _GEMV_PACKED), ("onednn_plain", _GEMV_PACKED))
+                               ("gemv", _GEMV_PACKED), ("onednn_plain", _GEMV_PACKED),
+                               ("panel", _PANEL_PACKED))
             if _copies(k, wt) and _live_copy(cache, wt)}
     return lambda c: not _copies(c, wt) or not held or c in held
 
@@ -601,17 +606,26 @@ def _gemv_weight(wt: torch.Tensor) -> torch.Tensor:
     return _packed_once(_GEMV_PACKED, wt, lambda w: pack_weight(w, transposed=True))
 
 
+def _panel_weight(wt: torch.Tensor) -> torch.Tensor:
+    """The panel GEMM's [P, k, NR] copy of the constant weight ``wt`` [k, n]
+    (`gemm_panel_cpu.pack_panels`), made once per weight (every row count and executor
+    reuses it) and cached while a bound kernel holds it (shared as `_onednn_weight`'s)."""
+    from .gemm_panel_cpu import pack_panels
+    return _packed_once(_PANEL_PACKED, wt, pack_panels)
+
+
 def packed_copies_by_kind(weights: Sequence[torch.Tensor]) -> Dict[str, List[torch.Tensor]]:
     """The packed copies bound kernels hold of the constant ``weights``, by kind:
     ``"onednn_packed"`` (oneDNN's blocked layout), ``"gemv"`` (the GEMV's [n, k]),
-    ``"addmm_kn"`` ([k, n] contiguous) and ``"concat"`` (`concat_weights`), and,
+    ``"addmm_kn"`` ([k, n] contiguous), ``"panel"`` (the panel GEMM's [P, k, NR]) and
+    ``"concat"`` (`concat_weights`), and,
     followed through, the copies kernels made of those copies (a concatenation's own
     packed layout). Made at bind time and alive while a kernel holds them: what a
     compiled graph keeps beside its constants. A copy that is the weight's own memory
     (the GEMV on a transposed weight) is listed too, and a copy may be listed under two
     weights: count storages once."""
     kinds = (("concat", _CONCAT_OF), ("onednn_packed", _ONEDNN_PACKED), ("gemv", _GEMV_PACKED),
-             ("addmm_kn", _KN_PACKED))
+             ("addmm_kn", _KN_PACKED), ("panel", _PANEL_PACKED))
     found: Dict[str, List[torch.Tensor]] = {k: [] for k, _ in kinds}
     seen, todo = set(), [w for w in weights if isinstance(w, torch.Tensor)]
     while todo:
@@ -709,6 +723,8 @@ def _packed_kernel(kernel: str, wt: torch.Tensor, m: int, post, act: str = "none
             post(r)
             return r
         return run_gemv
+    if kernel == "panel":
+        return _panel_kernel(wt, m, post)
     if kernel == "onednn_packed":
         packed, lin = _onednn_weight(wt, m), torch.ops.mkldnn._linear_pointwise
         fused, algo = "none", ""
@@ -733,6 +749,25 @@ def _packed_kernel(kernel: str, wt: torch.Tensor, m: int, post, act: str = "none
         return _copy_act(lin(x, packed, w, b, m), out, post)
     run_mkl.fresh_result = True
     return run_mkl
+
+
+def _panel_kernel(wt: torch.Tensor, m: int, post) -> Callable:
+    """``run(b, x, _w, out=None)`` of the panel GEMM (`gemm_panel_cpu`) on the constant
+    weight ``wt`` [k, n] (packed once, `_panel_weight`) for ``m`` rows, then ``post`` (an
+    in-place activation or None); its result goes straight into ``out``."""
+    from .gemm_panel_cpu import bind_panel
+    panel = bind_panel(_panel_weight(wt), m, int(wt.shape[1]))
+    if post is None:
+        def run_panel_plain(b, x, _w, out=None):
+            return panel(x, b, out)
+        run_panel_plain.prebind = lambda b, x, _w, out=None: panel.prebind(x, b, out)
+        return run_panel_plain
+
+    def run_panel(b, x, _w, out=None):
+        r = panel(x, b, out)
+        post(r)
+        return r
+    return run_panel
 
 
 def _known_choice(made, m: int, k: int, n: int, dtype, bias: Optional[TensorDesc],
@@ -883,6 +918,7 @@ def make_linear_kernel(node: Node, in_descs: Sequence[TensorDesc], consts: Seque
     - ``mkl_packed``: MKL's packed GEMM (``torch.ops.mkl._mkl_linear`` on
       ``_mkl_reorder_linear_weight``), packed for one m; raced against addmm only where
       oneDNN's is missing, and bound when a model file chose it;
+    - ``panel``: 2 rows or more, the numba panel GEMM on NR-wide panels (`gemm_panel_cpu`);
     - ``gemv``: for 1..`GEMV_MAX_ROWS` (32) rows (LLM decode, short prefills), the
       row-parallel numba GEMV (`gemv_cpu`) on the weight copied once to [n, k] (no copy
       when w_t is the transpose of nn.Linear's contiguous weight); it streams the weight
@@ -893,10 +929,8 @@ def make_linear_kernel(node: Node, in_descs: Sequence[TensorDesc], consts: Seque
     A choice already in ``node.meta["kernel"]`` (an earlier bind, a model file) holds
     where its kernel exists and the copy rule allows it (`_known_choice`), so every
     executor of a model, saved or live, runs the same GEMM (same bits). Which kernel wins
-    depends on the CPU (docs/performance.md, "GEMM choice"): on a 2-core AMD EPYC with
-    AVX-512 the oneDNN kernel measured 1.01-2.5x faster than addmm on BERT's and MiniLM's
-    shapes at m = 16…1024, 1 and 2 threads, within 1.5e-6 relative of addmm's results; on
-    an AVX2 host 2-6% slower, where the race keeps addmm. The activation runs in place on
+    depends on the CPU (docs/performance.md, "GEMM choice", "Panel GEMM"): oneDNN's on an
+    AVX-512 EPYC, the panel GEMM for most of BERT's on an AVX2 one. The activation runs in place on
     the result with eager's kernel (eager's NaN/Inf), except a bf16 oneDNN GEMM's, fused
     as post-ops (`BF16_LINEAR_POST`: same NaN/Inf)."""
     a = node.attrs

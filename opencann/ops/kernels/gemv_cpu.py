@@ -209,7 +209,20 @@ def bind_gemv(w_nk: torch.Tensor, rows: int, threads: Optional[int] = None
         raise ValueError(f"gemv: rows must be 1..{MAX_ROWS}, got {rows}; use F.linear for larger M")
     _check_threads(threads)
     n, k = (int(d) for d in w_nk.shape)
-    kernel, wn, f32 = _kernel_for(rows), w_nk.detach().numpy(), torch.float32
+    run = bind_rows_kernel(_kernel_for(rows), w_nk.detach().numpy(), rows, n, k, threads)
+    run.weight = w_nk   # held: a cache that keeps the packed copy weakly sees it alive
+    return run
+
+
+def bind_rows_kernel(kernel, wn: np.ndarray, rows: int, n: int, k: int,
+                     threads: Optional[int] = None, name: str = "gemv") -> Callable[..., torch.Tensor]:
+    """``run(x, bias=None, out=None)`` calling the numba GEMM ``kernel(x, wn, b, has_bias,
+    y)`` (x [rows, k], y [rows, n], b [n] fp32 C-contiguous NumPy arrays; ``wn`` the
+    constant weight in the kernel's own layout), as `bind_gemv` describes: shapes, the
+    launch policy's work size and the threading layer's lock resolved once, a call with
+    the previous call's tensors through the kernel's entry point, ``run.prebind`` for the
+    code generator. ``name`` prefixes the call's one-line ValueErrors (`_refuse`)."""
+    f32 = torch.float32
     xshape, yshape, work = torch.Size((rows, k)), torch.Size((rows, n)), rows * k * n
     bshape = torch.Size((n,))
     guard = launch_guard()
@@ -225,7 +238,7 @@ def bind_gemv(w_nk: torch.Tensor, rows: int, threads: Optional[int] = None
         if x.shape != xshape or x.dtype is not f32 or (out is not None and (
                 out.shape != yshape or out.dtype is not f32)) or (bias is not None and (
                 bias.shape != bshape or bias.dtype is not f32)):
-            _refuse(x, out, xshape, yshape, bias)
+            _refuse(x, out, xshape, yshape, bias, name)
         nt = threads if threads is not None else launch_threads(work)
         if get_threads() != nt:
             set_threads(nt)
@@ -235,7 +248,6 @@ def bind_gemv(w_nk: torch.Tensor, rows: int, threads: Optional[int] = None
             _call(m[4], m[5], lock)   # the last call's tensors: its views, no dispatch
             return out
         return _views_call(kernel, wn, x, bias, out, yshape, lock, last, entries)
-    run.weight = w_nk   # held: a cache that keeps the packed copy weakly sees it alive
     run.prebind = functools.partial(_prebind, kernel, wn, xshape, yshape, work, threads, lock)
     return run
 
@@ -256,13 +268,14 @@ def _prebind(kernel, wn: np.ndarray, xshape, yshape, work: int, threads: Optiona
 
 
 def _refuse(x: torch.Tensor, out: Optional[torch.Tensor], xshape, yshape,
-            bias: Optional[torch.Tensor] = None) -> None:
-    """Raise the bound GEMV's one-line ValueError for ``x``, ``bias`` or ``out``."""
+            bias: Optional[torch.Tensor] = None, name: str = "gemv") -> None:
+    """Raise the bound kernel's one-line ValueError for ``x``, ``bias`` or ``out``."""
     if x.shape != xshape or x.dtype is not torch.float32:
-        raise ValueError(f"gemv: x must be float32 {list(xshape)} (the bound rows and K), "
-                         f"got {tuple(x.shape)} {x.dtype}; bind the GEMV for this shape")
-    _check_bias(bias, yshape[1])
-    raise ValueError(f"gemv: out must be float32 {list(yshape)}, got {tuple(out.shape)} {out.dtype}")
+        raise ValueError(f"{name}: x must be float32 {list(xshape)} (the bound rows and K), "
+                         f"got {tuple(x.shape)} {x.dtype}; bind the kernel for this shape")
+    if bias is not None and (tuple(bias.shape) != (yshape[1],) or bias.dtype != torch.float32):
+        raise ValueError(f"{name}: bias must be float32 [{yshape[1]}], got {tuple(bias.shape)} {bias.dtype}")
+    raise ValueError(f"{name}: out must be float32 {list(yshape)}, got {tuple(out.shape)} {out.dtype}")
 
 
 def _views_call(kernel, wn: np.ndarray, x: torch.Tensor, bias: Optional[torch.Tensor],
@@ -326,4 +339,4 @@ def gemv(x: torch.Tensor, w_nk: torch.Tensor, bias: Optional[torch.Tensor] = Non
     return bind_gemv(w_nk, x.shape[0], threads)(x, bias, out)
 
 
-__all__ = ["MAX_ROWS", "bind_gemv", "gemv", "pack_weight"]
+__all__ = ["MAX_ROWS", "bind_gemv", "bind_rows_kernel", "gemv", "pack_weight"]

@@ -1,0 +1,129 @@
+"""Panel GEMM: ``y[M, N] = x[M, K] @ W[K, N] + b`` in fp32 on a constant weight packed once
+into NR-wide column panels, for LinearAct's prefill and encoder shapes (M from a few rows
+to a few thousand).
+
+Layout: W is packed at bind time into ``[P, K, NR]`` (`pack_panels`; P = ceil(N / NR),
+panel p = columns p*NR .. p*NR + NR - 1, each K row of a panel contiguous, columns past N
+zero), the B operand of Goto's algorithm, so the micro-kernel streams one panel row after
+the other. x is read in place (unit stride along K).
+
+Kernel: numba ``prange`` over the panels (each thread reads its own panels of W once, from
+memory, and keeps the panel in L2 while it runs every block of x's rows against it); per
+panel, blocks of MR rows of x through `gemm_tile`'s register tile (MR x NR = 6 x 16 with
+AVX2, 12 x 32 with AVX-512; a last block of fewer rows runs the tile of MR/3, 2MR/3 or MR
+rows that covers it, its rows past M repeating x's last row, computed and never stored),
+then the bias added as the tile's block is stored. K is not blocked: the whole panel (48
+KiB at K = 768, 192 KiB at K = 3072) stays in L2 while x's rows stream through L1; on the
+2-core AMD EPYC (AVX2) K blocks of 128 or 256 (B's block in L1) measured no faster, and a
+software prefetch of the next panel no faster either (interleaved A/B, 8 weights in
+rotation, 2 threads). Threads: as many as torch's intra-op count (`numba_cache.
+launch_threads`; one on an oversubscribed host); every output is one thread's, so the
+count never changes a bit.
+
+Measured against oneDNN's inner product on its blocked weight (``onednn_packed``) and MKL's
+``addmm``, 2 threads, the 2-core AMD EPYC with AVX2 only, 8 weights in rotation (cold),
+median over 5 interleaved rounds of the least of 10 calls (`bench/gemm_panel.py`), GFLOP/s:
+see docs/performance.md, "Panel GEMM"; the bind-time race (`cpu.gemm_kernel`) picks per
+shape, so a CPU where oneDNN or MKL is faster keeps them.
+
+Values: fp32 rounding of ``F.linear``'s (FMA in K order, another order than MKL's blocked
+sums); NaN and Inf propagate as in eager (no ``nnan``/``ninf`` fast-math flags).
+
+Source: K. Goto and R. van de Geijn, "Anatomy of High-Performance Matrix Multiplication",
+ACM TOMS 34(3), 2008 (packed B panels, register micro-kernel); `gemm_tile`.
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import numpy as np
+import torch
+from numba import prange
+
+from .gemm_tile import panel_shape, panel_tile
+from .numba_cache import njit
+
+_FM = {"contract"}   # FMA contraction only: NaN/Inf semantics kept
+MR, NR = panel_shape()
+_TS, _TM, _TL = panel_tile(MR // 3), panel_tile(2 * MR // 3), panel_tile(MR)
+
+
+@njit(parallel=True, fastmath=_FM, cache=True)
+def _panel_kernel(x, bp, b, has_bias, y):  # pragma: no cover - compiled by numba
+    """y = x @ W (+ b): prange over the panels of ``bp`` [P, K, NR] (`pack_panels`), per
+    panel every block of ``MR`` rows of x [M, K] through the register tile; y [M, N] fp32
+    C-contiguous, b [N] (read when ``has_bias``)."""
+    m_rows = x.shape[0]
+    n_cols = y.shape[1]
+    for p in prange(bp.shape[0]):
+        acc = np.empty((MR, NR), np.float32)
+        n0 = p * NR
+        nn = min(NR, n_cols - n0)
+        for m0 in range(0, m_rows, MR):
+            r = min(MR, m_rows - m0)
+            if r <= MR // 3:
+                _TS(x, bp, m0, p, acc)
+            elif r <= 2 * MR // 3:
+                _TM(x, bp, m0, p, acc)
+            else:
+                _TL(x, bp, m0, p, acc)
+            for m in range(r):
+                for j in range(nn):
+                    y[m0 + m, n0 + j] = acc[m, j] + b[n0 + j] if has_bias else acc[m, j]
+
+
+def pack_panels(w: torch.Tensor, transposed: bool = True) -> torch.Tensor:
+    """The kernel's weight layout ``[P, K, NR]`` fp32 C-contiguous (module docstring), made
+    once (bind time). ``w``: [K, N] (a LinearAct's ``w_t``, ``transposed=True``) or [N, K]
+    (nn.Linear's weight). Raises ValueError for a non-2-D or non-fp32 weight."""
+    if w.dim() != 2 or w.dtype != torch.float32:
+        raise ValueError(f"gemm_panel: the weight must be a 2-D float32 tensor, got "
+                         f"{tuple(w.shape)} {w.dtype}; use F.linear for other dtypes")
+    w_kn = w.detach() if transposed else w.detach().t()
+    k, n = (int(d) for d in w_kn.shape)
+    p = -(-n // NR)
+    padded = torch.zeros(k, p * NR, dtype=torch.float32)
+    padded[:, :n] = w_kn
+    return padded.view(k, p, NR).permute(1, 0, 2).contiguous()
+
+
+def bind_panel(packed: torch.Tensor, rows: int, n: int, threads: Optional[int] = None
+               ) -> Callable[..., torch.Tensor]:
+    """``run(x, bias=None, out=None)`` = ``x @ W + bias`` for x [rows, K] fp32, the panel
+    GEMM bound once (plan/bind time) to ``packed`` (`pack_panels` of W [K, n]) and the row
+    count ``rows`` (>= 1): as `gemv_cpu.bind_gemv` binds (a call with the previous call's
+    tensors skips the dispatcher; ``run.prebind`` for the code generator). ``out``: [rows,
+    n] fp32, written in place when contiguous (else through a copy), else a fresh tensor
+    is returned; ``threads``: exactly that many threads instead of the launch policy's.
+    Raises ValueError naming the bad argument: at bind for ``packed``, ``rows`` or ``n``,
+    at a call for an x, bias or out of the wrong shape or dtype."""
+    from .gemv_cpu import _check_threads, bind_rows_kernel
+    if packed.dim() != 3 or packed.shape[2] != NR or packed.dtype != torch.float32 \
+            or not packed.is_contiguous():
+        raise ValueError(f"gemm_panel: the weight must be float32 C-contiguous [P, K, {NR}], got "
+                         f"{tuple(packed.shape)} {packed.dtype}; pass it through pack_panels")
+    if not (isinstance(rows, int) and rows >= 1):
+        raise ValueError(f"gemm_panel: rows must be a positive int, got {rows!r}")
+    if not -(-n // NR) == packed.shape[0]:
+        raise ValueError(f"gemm_panel: n = {n} does not match {packed.shape[0]} panels of {NR}")
+    _check_threads(threads)
+    run = bind_rows_kernel(_panel_kernel, packed.numpy(), rows, n, int(packed.shape[1]),
+                           threads, "gemm_panel")
+    run.weight = packed   # held: a cache that keeps the packed copy weakly sees it alive
+    return run
+
+
+def gemm_panel(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None,
+               out: Optional[torch.Tensor] = None, threads: Optional[int] = None) -> torch.Tensor:
+    """``F.linear(x, w, bias)`` for x [M, K] fp32 and nn.Linear's weight ``w`` [N, K] fp32,
+    by the panel GEMM (packs ``w`` on every call: for tests and measurements; a caller that
+    repeats a weight packs once with `pack_panels` and binds with `bind_panel`). Raises
+    ValueError for a mismatched shape or dtype."""
+    if x.dim() != 2 or x.dtype != torch.float32 or w.dim() != 2 or w.shape[1] != x.shape[1]:
+        raise ValueError(f"gemm_panel: x must be float32 [M, K] and w [N, K], got "
+                         f"{tuple(x.shape)} {x.dtype} and {tuple(w.shape)}")
+    n = int(w.shape[0])
+    return bind_panel(pack_panels(w, transposed=False), int(x.shape[0]), n, threads)(x, bias, out)
+
+
+__all__ = ["MR", "NR", "bind_panel", "gemm_panel", "pack_panels"]
