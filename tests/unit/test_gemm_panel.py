@@ -83,21 +83,28 @@ def test_transposed_weight_packs_as_nn_linear():
 
 
 @pytest.mark.parametrize("width", [8, 16])
-def test_tile_of_either_width_matches(width):
+@pytest.mark.parametrize("bias", [False, True])
+def test_tile_of_either_width_matches(width, bias):
     """The micro-kernel at both widths (AVX2 6 x 16 and AVX-512 12 x 32) on the same data:
-    one block of MR rows against one panel of the packed weight."""
+    one block of MR rows against the second panel of the packed weight, stored at an
+    offset inside a larger destination (the bias read at its own offset); nothing else in
+    the destination is written."""
     mr, nr = panel_shape(width)
-    tile = panel_tile(mr, width)
+    tile = panel_tile(mr, width, bias)
 
     @numba.njit
-    def one(x, bp, acc):
-        return tile(x, bp, 0, 1, acc)
+    def one(x, bp, dst, b):
+        return tile(x, bp, 0, 1, dst, 2, 3, b, 4)
     g = torch.Generator().manual_seed(width)
     x, w = torch.randn(mr, 45, generator=g), torch.randn(45, 2 * nr, generator=g)
+    b = torch.randn(nr + 7, generator=g)
     bp = w.view(45, 2, nr).permute(1, 0, 2).contiguous()
-    acc = np.zeros((mr, nr), np.float32)
-    one(x.numpy(), bp.numpy(), acc)
-    _check(torch.from_numpy(acc), x, w[:, nr:].t(), None)
+    dst = np.zeros((mr + 3, nr + 5), np.float32)
+    one(x.numpy(), bp.numpy(), dst, b.numpy())
+    got = torch.from_numpy(dst)
+    _check(got[2:2 + mr, 3:3 + nr], x, w[:, nr:].t(), b[4:4 + nr] if bias else None)
+    got[2:2 + mr, 3:3 + nr] = 0
+    assert not got.any()
 
 
 def test_bad_input_is_one_line():

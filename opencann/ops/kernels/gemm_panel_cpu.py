@@ -46,13 +46,15 @@ from .numba_cache import njit
 _FM = {"contract"}   # FMA contraction only: NaN/Inf semantics kept
 MR, NR = panel_shape()
 _TS, _TM, _TL = panel_tile(MR // 3), panel_tile(2 * MR // 3), panel_tile(MR)
+_TLB = panel_tile(MR, bias=True)
 
 
 @njit(parallel=True, fastmath=_FM, cache=True)
 def _panel_kernel(x, bp, b, has_bias, y):  # pragma: no cover - compiled by numba
     """y = x @ W (+ b): prange over the panels of ``bp`` [P, K, NR] (`pack_panels`), per
-    panel every block of ``MR`` rows of x [M, K] through the register tile; y [M, N] fp32
-    C-contiguous, b [N] (read when ``has_bias``)."""
+    panel every block of ``MR`` rows of x [M, K] through the register tile, a whole block
+    stored (bias added) into y by the tile itself, an edge block (fewer rows or columns)
+    through a scratch tile; y [M, N] fp32 C-contiguous, b [N] (read when ``has_bias``)."""
     m_rows = x.shape[0]
     n_cols = y.shape[1]
     for p in prange(bp.shape[0]):
@@ -61,12 +63,18 @@ def _panel_kernel(x, bp, b, has_bias, y):  # pragma: no cover - compiled by numb
         nn = min(NR, n_cols - n0)
         for m0 in range(0, m_rows, MR):
             r = min(MR, m_rows - m0)
+            if r == MR and nn == NR:
+                if has_bias:
+                    _TLB(x, bp, m0, p, y, m0, n0, b, n0)
+                else:
+                    _TL(x, bp, m0, p, y, m0, n0, b, 0)
+                continue
             if r <= MR // 3:
-                _TS(x, bp, m0, p, acc)
+                _TS(x, bp, m0, p, acc, 0, 0, b, 0)
             elif r <= 2 * MR // 3:
-                _TM(x, bp, m0, p, acc)
+                _TM(x, bp, m0, p, acc, 0, 0, b, 0)
             else:
-                _TL(x, bp, m0, p, acc)
+                _TL(x, bp, m0, p, acc, 0, 0, b, 0)
             for m in range(r):
                 for j in range(nn):
                     y[m0 + m, n0 + j] = acc[m, j] + b[n0 + j] if has_bias else acc[m, j]

@@ -1,15 +1,18 @@
 """The panel GEMM's micro-kernel, written in LLVM IR: a numba intrinsic that computes an
 ``MR x NR`` block of ``x @ W`` over all of K with its accumulators in vector registers.
 
-`panel_tile` ``(mr, width)`` makes ``tile(x, bp, i0, p, acc)``: ``acc[m, j]`` (m < mr, j <
-NR = 2 * width) = the dot product of x's row ``i0 + m`` with column ``p * NR + j`` of W,
+`panel_tile` ``(mr, width, bias)`` makes ``tile(x, bp, i0, p, dst, r0, c0, b, cb)``:
+``dst[r0 + m, c0 + j]`` (m < mr, j < NR = 2 * width) = the dot product of x's row ``i0 +
+m`` with column ``p * NR + j`` of W (``+ b[cb + j]`` when ``bias``),
 where ``bp`` [P, K, NR] is W [K, N] cut into P panels of NR columns (`gemm_panel_cpu.
 pack_panels`: panel p holds columns p*NR .. p*NR + NR - 1, row k of the panel contiguous,
 zero past N). A row past x's last stands for x's last row (computed, never to be stored
 by the caller). Each K step loads the panel's two vectors of row k, broadcasts x[i0 + m,
 k] for every m and issues ``2 * mr`` vector FMAs into accumulators that live in registers
-for the whole K (`mem2reg` promotes them: allocas in the entry block); after K they are
-stored to ``acc`` [mr, NR] (fp32, C-contiguous). This is the register-blocked micro-kernel
+for the whole K (`mem2reg` promotes them: allocas in the entry block); after K the bias
+vector is added in registers and each row's two vectors are stored to ``dst`` (the
+result itself for a whole block, a scratch tile for an edge block: storing every block
+through a scratch tile and a scalar copy had cost 5-6% at K = 384). This is the register-blocked micro-kernel
 of Goto & van de Geijn (B packed into NR-wide panels, A read in place), at BLIS's AVX2
 shape 6 x 16: 12 accumulators, two B vectors and one broadcast fill 15 of the 16 vector
 registers (on AVX-512: 12 x 32, 24 accumulators of 32 registers). LLVM unrolls the K loop
@@ -51,42 +54,44 @@ def panel_shape(width: int = 0) -> tuple:
     return (6, 16) if width == 8 else (12, 32)
 
 
-def panel_tile(mr: int, width: int = 0):
-    """The numba intrinsic ``tile(x, bp, i0, p, acc)`` (module docstring) for ``mr`` rows
-    of x at vector ``width`` lanes (0: `vector_width`), NR = 2 * width. ``x``: 2-D float32
-    with unit stride along K (any row stride); ``bp``: 3-D float32 C-contiguous [P, K, NR];
-    ``acc``: 2-D float32 C-contiguous [mr, NR]; ``i0``, ``p``: integers (``p`` < P, ``i0``
-    < x's rows, not checked). Returns an intp 0. Callable from numba code only. Raises
-    ValueError for ``mr`` outside 1..12 or a width other than 8/16."""
+def panel_tile(mr: int, width: int = 0, bias: bool = False):
+    """The numba intrinsic ``tile(x, bp, i0, p, dst, r0, c0, b, cb)`` (module docstring)
+    for ``mr`` rows of x at vector ``width`` lanes (0: `vector_width`), NR = 2 * width,
+    adding ``b[cb:cb + NR]`` when ``bias``. ``x``: 2-D float32 with unit stride along K
+    (any row stride); ``bp``: 3-D float32 C-contiguous [P, K, NR]; ``dst``: 2-D float32
+    with unit stride along its columns, rows r0..r0+mr-1 and columns c0..c0+NR-1 inside
+    it; ``b``: 1-D float32 contiguous (read only when ``bias``); ``i0``, ``p``, ``r0``,
+    ``c0``, ``cb``: integers (in range, not checked). Returns an intp 0. Callable from
+    numba code only. Raises ValueError for ``mr`` outside 1..12 or a width other than 8/16."""
     width = width or vector_width()
     if not (1 <= mr <= 12 and width in (8, 16)):
         raise ValueError(f"gemm_tile: mr must be 1..12 and width 8 or 16, got {mr}, {width}")
 
     @intrinsic
-    def tile(typingctx, x, bp, i0, p, acc):
-        ok = (all(isinstance(a, types.Array) and a.dtype == types.float32 for a in (x, bp, acc))
-              and (x.ndim, bp.ndim, acc.ndim) == (2, 3, 2)
-              and isinstance(i0, types.Integer) and isinstance(p, types.Integer))
+    def tile(typingctx, x, bp, i0, p, dst, r0, c0, b, cb):
+        ok = (all(isinstance(a, types.Array) and a.dtype == types.float32 for a in (x, bp, dst, b))
+              and (x.ndim, bp.ndim, dst.ndim, b.ndim) == (2, 3, 2, 1)
+              and all(isinstance(i, types.Integer) for i in (i0, p, r0, c0, cb)))
         if not ok:
             return None
-        sig = types.intp(x, bp, i0, p, acc)
+        sig = types.intp(x, bp, i0, p, dst, r0, c0, b, cb)
 
         def codegen(context, builder, signature, args):
-            return _emit(context, builder, signature, args, mr, width)
+            return _emit(context, builder, signature, args, mr, width, bias)
         return sig, codegen
     return tile
 
 
-def _emit(context, builder, signature, args, mr: int, width: int):
+def _emit(context, builder, signature, args, mr: int, width: int, bias: bool):
     """The tile's IR (`panel_tile`); returns the intp 0."""
-    xty, bty, ity, pty, aty = signature.args
+    xty, bty, aty, vty = signature.args[0], signature.args[1], signature.args[4], signature.args[7]
     xa = context.make_array(xty)(context, builder, args[0])
     ba = context.make_array(bty)(context, builder, args[1])
     aa = context.make_array(aty)(context, builder, args[4])
     v = VectorIR(context, builder, width)
     c, nr = v.const, 2 * width
-    i0 = context.cast(builder, args[2], ity, types.intp)
-    p = context.cast(builder, args[3], pty, types.intp)
+    i0, p, r0, c0, cb = (context.cast(builder, args[i], signature.args[i], types.intp)
+                         for i in (2, 3, 5, 6, 8))
     m_rows, k_len = cgutils.unpack_tuple(builder, xa.shape, 2)
     last = builder.sub(m_rows, c(1))
 
@@ -107,11 +112,17 @@ def _emit(context, builder, signature, args, mr: int, width: int):
             for q in range(2):
                 a = vacc[2 * m + q]
                 builder.store(builder.call(v.fma, [sv, bv[q], builder.load(a)]), a)
+    bv = [None, None]
+    if bias:
+        bptr = cgutils.get_item_pointer(context, builder, vty, context.make_array(vty)(
+            context, builder, args[7]), [cb], wraparound=False)
+        bv = [v.load(bptr, c(0)), v.load(bptr, c(width))]
     for m in range(mr):
-        dst = v.item(aty, aa, c(m), c(0))
+        dst = v.item(aty, aa, builder.add(r0, c(m)), c0)
         for q in range(2):
-            builder.store(builder.load(vacc[2 * m + q]),
-                          builder.bitcast(builder.gep(dst, [c(q * width)]), v.vptr), align=4)
+            r = builder.load(vacc[2 * m + q])
+            r = builder.fadd(r, bv[q]) if bias else r
+            builder.store(r, builder.bitcast(builder.gep(dst, [c(q * width)]), v.vptr), align=4)
     return c(0)
 
 
