@@ -84,15 +84,44 @@ def pack_panels(w: torch.Tensor, transposed: bool = True) -> torch.Tensor:
     """The kernel's weight layout ``[P, K, NR]`` fp32 C-contiguous (module docstring), made
     once (bind time). ``w``: [K, N] (a LinearAct's ``w_t``, ``transposed=True``) or [N, K]
     (nn.Linear's weight). Raises ValueError for a non-2-D or non-fp32 weight."""
-    if w.dim() != 2 or w.dtype != torch.float32:
-        raise ValueError(f"gemm_panel: the weight must be a 2-D float32 tensor, got "
-                         f"{tuple(w.shape)} {w.dtype}; use F.linear for other dtypes")
+    if not _cpu_tensor(w) or w.dim() != 2 or w.dtype != torch.float32:
+        raise ValueError(f"gemm_panel: the weight must be a 2-D float32 CPU tensor, got "
+                         f"{_describe(w)}; use F.linear for other dtypes")
     w_kn = w.detach() if transposed else w.detach().t()
     k, n = (int(d) for d in w_kn.shape)
     p = -(-n // NR)
     padded = torch.zeros(k, p * NR, dtype=torch.float32)
     padded[:, :n] = w_kn
     return padded.view(k, p, NR).permute(1, 0, 2).contiguous()
+
+
+def _cpu_tensor(t) -> bool:
+    return isinstance(t, torch.Tensor) and t.device.type == "cpu"
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _describe(t) -> str:
+    """``t``'s shape, dtype and (when not the CPU) device, or its type for a non-tensor."""
+    if not isinstance(t, torch.Tensor):
+        return f"a {type(t).__name__}"
+    where = "" if t.device.type == "cpu" else f" on {t.device}"
+    return f"{tuple(t.shape)} {t.dtype}{where}"
+
+
+def _check_columns(packed: torch.Tensor, n) -> None:
+    """Raise ValueError unless ``n`` is the column count of the weight ``packed`` holds:
+    an int that needs exactly its panels, with the last panel's columns past ``n`` zero
+    (`pack_panels` pads with zeros: a smaller ``n`` would drop real columns)."""
+    p = int(packed.shape[0])
+    if not (_is_int(n) and n >= 0 and -(-n // NR) == p):
+        raise ValueError(f"gemm_panel: n = {n!r} does not match {p} panels of {NR} (n must be "
+                         f"an int from {(p - 1) * NR + 1 if p else 0} to {p * NR})")
+    if p and bool(packed[-1, :, n - (p - 1) * NR:].any()):
+        raise ValueError(f"gemm_panel: n = {n} drops columns of the packed weight (its last "
+                         f"panel holds values past column {n}); pass the weight's own N")
 
 
 def bind_panel(packed: torch.Tensor, rows: int, n: int, threads: Optional[int] = None
@@ -106,16 +135,15 @@ def bind_panel(packed: torch.Tensor, rows: int, n: int, threads: Optional[int] =
     Raises ValueError naming the bad argument: at bind for ``packed``, ``rows`` or ``n``,
     at a call for an x, bias or out of the wrong shape or dtype."""
     from .gemv_cpu import _check_threads, bind_rows_kernel
-    if packed.dim() != 3 or packed.shape[2] != NR or packed.dtype != torch.float32 \
-            or not packed.is_contiguous():
-        raise ValueError(f"gemm_panel: the weight must be float32 C-contiguous [P, K, {NR}], got "
-                         f"{tuple(packed.shape)} {packed.dtype}; pass it through pack_panels")
-    if not (isinstance(rows, int) and rows >= 1):
+    if not _cpu_tensor(packed) or packed.dim() != 3 or packed.shape[2] != NR \
+            or packed.dtype != torch.float32 or not packed.is_contiguous():
+        raise ValueError(f"gemm_panel: the weight must be float32 C-contiguous [P, K, {NR}] on the "
+                         f"CPU, got {_describe(packed)}; pass it through pack_panels")
+    if not (_is_int(rows) and rows >= 1):
         raise ValueError(f"gemm_panel: rows must be a positive int, got {rows!r}")
-    if not -(-n // NR) == packed.shape[0]:
-        raise ValueError(f"gemm_panel: n = {n} does not match {packed.shape[0]} panels of {NR}")
-    _check_threads(threads)
-    run = bind_rows_kernel(_panel_kernel, packed.numpy(), rows, n, int(packed.shape[1]),
+    _check_columns(packed, n)
+    _check_threads(threads, "gemm_panel")
+    run = bind_rows_kernel(_panel_kernel, packed.detach().numpy(), rows, n, int(packed.shape[1]),
                            threads, "gemm_panel")
     run.weight = packed   # held: a cache that keeps the packed copy weakly sees it alive
     return run
@@ -127,9 +155,10 @@ def gemm_panel(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = 
     by the panel GEMM (packs ``w`` on every call: for tests and measurements; a caller that
     repeats a weight packs once with `pack_panels` and binds with `bind_panel`). Raises
     ValueError for a mismatched shape or dtype."""
-    if x.dim() != 2 or x.dtype != torch.float32 or w.dim() != 2 or w.shape[1] != x.shape[1]:
-        raise ValueError(f"gemm_panel: x must be float32 [M, K] and w [N, K], got "
-                         f"{tuple(x.shape)} {x.dtype} and {tuple(w.shape)}")
+    if not (_cpu_tensor(x) and _cpu_tensor(w)) or x.dim() != 2 or x.dtype != torch.float32 \
+            or w.dim() != 2 or w.shape[1] != x.shape[1]:
+        raise ValueError(f"gemm_panel: x must be float32 [M, K] and w [N, K] (CPU tensors), got "
+                         f"{_describe(x)} and {_describe(w)}")
     n = int(w.shape[0])
     return bind_panel(pack_panels(w, transposed=False), int(x.shape[0]), n, threads)(x, bias, out)
 

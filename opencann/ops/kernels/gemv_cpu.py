@@ -170,11 +170,12 @@ def _check_bias(bias: Optional[torch.Tensor], n: int) -> None:
         raise ValueError(f"gemv: bias must be float32 [{n}], got {tuple(bias.shape)} {bias.dtype}")
 
 
-def _check_threads(threads: Optional[int]) -> None:
-    """Raises ValueError unless ``threads`` is None or an int in 1..numba's pool size."""
-    if threads is not None and not (isinstance(threads, int)
+def _check_threads(threads: Optional[int], name: str = "gemv") -> None:
+    """Raises ValueError unless ``threads`` is None or an int in 1..numba's pool size
+    (``name``: the kernel the message names)."""
+    if threads is not None and not (isinstance(threads, int) and not isinstance(threads, bool)
                                     and 1 <= threads <= numba.config.NUMBA_NUM_THREADS):
-        raise ValueError(f"gemv: threads must be an int in 1..{numba.config.NUMBA_NUM_THREADS} "
+        raise ValueError(f"{name}: threads must be an int in 1..{numba.config.NUMBA_NUM_THREADS} "
                          f"(numba's pool on this host), got {threads!r}; or None for the "
                          f"launch policy's choice")
 
@@ -247,7 +248,7 @@ def bind_rows_kernel(kernel, wn: np.ndarray, rows: int, n: int, k: int,
                 and m[3] == (x.data_ptr(), out.data_ptr(), 0 if bias is None else bias.data_ptr()):
             _call(m[4], m[5], lock)   # the last call's tensors: its views, no dispatch
             return out
-        return _views_call(kernel, wn, x, bias, out, yshape, lock, last, entries)
+        return _views_call(kernel, wn, x, bias, out, yshape, lock, last, entries, name)
     run.prebind = functools.partial(_prebind, kernel, wn, xshape, yshape, work, threads, lock)
     return run
 
@@ -280,13 +281,15 @@ def _refuse(x: torch.Tensor, out: Optional[torch.Tensor], xshape, yshape,
 
 def _views_call(kernel, wn: np.ndarray, x: torch.Tensor, bias: Optional[torch.Tensor],
                 out: Optional[torch.Tensor], yshape, lock, last: list,
-                entries: dict) -> torch.Tensor:
+                entries: dict, name: str = "gemv") -> torch.Tensor:
     """A bound GEMV call through the dispatcher: x, bias and the output as NumPy views
     (contiguous copies where they are not), the result into ``out`` (a copy when it is
     not contiguous) or a fresh tensor, through the kernel's entry point (``entries``,
     by whether there is a bias: the arguments' types never change) once it is compiled;
     ``last[0]`` set to this call's tensors, pointers, the entry point and arguments when
-    every view is the caller's tensor itself (cleared otherwise)."""
+    every view is the caller's tensor itself (cleared otherwise). Raises `_refuse_place`'s
+    ValueError for a tensor it cannot read or write through NumPy."""
+    _refuse_place(x, bias, out, name)
     x0, b0 = x, bias
     if x.requires_grad or not x.is_contiguous():
         x = x.detach().contiguous()
@@ -307,6 +310,18 @@ def _views_call(kernel, wn: np.ndarray, x: torch.Tensor, bias: Optional[torch.Te
     if out is not None and y is not out:
         return out.copy_(y)
     return y
+
+
+def _refuse_place(x: torch.Tensor, bias: Optional[torch.Tensor], out: Optional[torch.Tensor],
+                  name: str) -> None:
+    """Raise a one-line ValueError for an x, bias or out that is not in CPU memory, or an
+    ``out`` that requires grad (written in place: autograd refuses it, as eager's out=)."""
+    for what, t in (("x", x), ("bias", bias), ("out", out)):
+        if t is not None and (t.device.type != "cpu" or (what == "out" and t.requires_grad)):
+            raise ValueError(f"{name}: {what} must be a float32 CPU tensor"
+                             f"{' that does not require grad' if what == 'out' else ''}, got "
+                             f"{tuple(t.shape)} {t.dtype} on {t.device}"
+                             f"{' requiring grad' if t.requires_grad else ''}")
 
 
 def _call(fn: Callable, args: tuple, lock) -> None:
