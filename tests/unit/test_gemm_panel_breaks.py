@@ -66,3 +66,27 @@ def test_a_bound_call_refuses_an_out_or_x_it_cannot_write_or_read():
               "gemm_panel: out must be")
     _one_line(lambda: run(torch.empty(4, 8, device="meta")), "gemm_panel: x must be")
     assert NR in (16, 32)
+
+
+@pytest.mark.parametrize("change", ["x_t_", "x_as_strided_", "out_as_strided_"])
+@pytest.mark.parametrize("kernel", ["panel", "gemv"])
+def test_a_tensor_restrided_in_place_is_not_the_last_calls_layout(change, kernel):
+    """The bound call (`gemv_cpu.bind_rows_kernel`, shared by the GEMV and the panel GEMM)
+    reuses the last call's NumPy views when it gets the same x and out over the same
+    memory: a square x transposed in place, or an x / out given other strides by
+    ``as_strided_``, is the same object at the same address but another layout."""
+    from opencann.ops.kernels.gemv_cpu import bind_gemv, pack_weight
+    g = torch.Generator().manual_seed(3)
+    w, x = torch.randn(20, 16, generator=g), torch.randn(16, 16, generator=g)
+    run = bind_panel(pack_panels(w.t()), 16, 20) if kernel == "panel" else bind_gemv(pack_weight(w), 16)
+    out = torch.zeros(16, 20)
+    run(x, None, out)
+    run(x, None, out)                                    # the second call: the last call's views
+    if change == "x_t_":
+        x.t_()
+    elif change == "x_as_strided_":
+        x.as_strided_((16, 16), (1, 16))
+    else:
+        out.as_strided_((16, 20), (1, 16))
+    run(x, None, out)
+    assert torch.allclose(out, torch.nn.functional.linear(x, w), atol=1e-4)

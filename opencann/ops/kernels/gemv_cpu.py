@@ -245,7 +245,7 @@ def bind_rows_kernel(kernel, wn: np.ndarray, rows: int, n: int, k: int,
             set_threads(nt)
         m = last[0]       # read once: another thread may replace it (never mutated)
         if m is not None and x is m[0] and out is m[1] and bias is m[2] \
-                and m[3] == (x.data_ptr(), out.data_ptr(), 0 if bias is None else bias.data_ptr()):
+                and m[3] == _place(x, out, bias):
             _call(m[4], m[5], lock)   # the last call's tensors: its views, no dispatch
             return out
         return _views_call(kernel, wn, x, bias, out, yshape, lock, last, entries, name)
@@ -306,10 +306,18 @@ def _views_call(kernel, wn: np.ndarray, x: torch.Tensor, bias: Optional[torch.Te
     if fn is None:
         fn = entries[args[3]] = entry_point(kernel, args)
     last[0] = None if fn is None or not (x is x0 and bias is b0 and y is out) else \
-        (x, out, bias, (x.data_ptr(), out.data_ptr(), 0 if bias is None else bias.data_ptr()), fn, args)
+        (x, out, bias, _place(x, out, bias), fn, args)
     if out is not None and y is not out:
         return out.copy_(y)
     return y
+
+
+def _place(x: torch.Tensor, out: torch.Tensor, bias: Optional[torch.Tensor]) -> tuple:
+    """Where the last call's tensors lie: data pointers and strides (a tensor whose
+    strides changed in place, ``x.t_()`` on a square x or ``as_strided_``, is not the
+    memory layout of the NumPy views made for it)."""
+    return (x.data_ptr(), x.stride(), out.data_ptr(), out.stride(),
+            0 if bias is None else bias.data_ptr(), None if bias is None else bias.stride())
 
 
 def _refuse_place(x: torch.Tensor, bias: Optional[torch.Tensor], out: Optional[torch.Tensor],
