@@ -89,10 +89,13 @@ def pack_panels(w: torch.Tensor, transposed: bool = True) -> torch.Tensor:
                          f"{_describe(w)}; use F.linear for other dtypes")
     w_kn = w.detach() if transposed else w.detach().t()
     k, n = (int(d) for d in w_kn.shape)
-    p = -(-n // NR)
-    padded = torch.zeros(k, p * NR, dtype=torch.float32)
-    padded[:, :n] = w_kn
-    return padded.view(k, p, NR).permute(1, 0, 2).contiguous()
+    full, rest = divmod(n, NR)
+    packed = torch.empty(full + (rest > 0), k, NR, dtype=torch.float32)   # one copy, no padded one
+    packed[:full].copy_(w_kn[:, :full * NR].reshape(k, full, NR).permute(1, 0, 2))
+    if rest:
+        packed[full, :, rest:] = 0
+        packed[full, :, :rest] = w_kn[:, full * NR:]
+    return packed
 
 
 def _cpu_tensor(t) -> bool:
