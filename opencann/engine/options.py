@@ -17,6 +17,7 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 from ..log import logger
 from ..ops import OpKind, get_op
+from ..ops.kernels.int8_quantize import check_record
 from ..passes.memory import DEFAULT_ALIGNMENT
 from ..runtime.pool import DEFAULT_CONCURRENT_CALLS
 from ..runtime.shape_cache import DEFAULT_PLAN_CACHE_SIZE
@@ -279,8 +280,10 @@ def check_options(options: Optional[Dict[str, Any]]) -> Dict[str, Any]:
 
 def _check_quant_config(cfg: Any) -> None:
     """Raises ValueError (one line) for a ``quant_config`` that is not a dict of the keys
-    ``layers`` (node name -> {"scale_d": float > 0, "offset_d": int}), ``skip_layers``
-    (list of names) and ``dynamic_linear`` (bool)."""
+    ``layers`` (node name -> a record `check_record` accepts: {"scale_d": finite float >=
+    2**-126, "offset_d": int in [0, 255]}, optional "accum" / "out" the same; the line names
+    the layer, the field and the bad value), ``skip_layers`` (list of names) and
+    ``dynamic_linear`` (bool)."""
     if cfg is None:
         return
     fix = ("give {'layers': {node: {'scale_d': step, 'offset_d': zero_point}}, 'skip_layers': "
@@ -288,14 +291,20 @@ def _check_quant_config(cfg: Any) -> None:
     if not isinstance(cfg, dict) or set(cfg) - {"layers", "skip_layers", "dynamic_linear"}:
         raise ValueError(f"option 'quant_config' got {cfg!r:.80}; {fix}")
     layers = cfg.get("layers") or {}
-    if not isinstance(layers, dict) or not all(
-            isinstance(r, dict) and isinstance(r.get("scale_d"), (int, float)) and r["scale_d"] > 0
-            and isinstance(r.get("offset_d"), int) for r in layers.values()):
+    if not isinstance(layers, dict):
         raise ValueError(f"option 'quant_config': 'layers' must map node names to "
-                         f"{{'scale_d': float > 0, 'offset_d': int}}; {fix}")
+                         f"{{'scale_d': float > 0, 'offset_d': int}}, got {layers!r:.60}; {fix}")
+    for name, rec in layers.items():
+        if not isinstance(name, str):
+            raise ValueError(f"option 'quant_config': 'layers' takes node names (str) as keys, "
+                             f"got {name!r} ({type(name).__name__}); {fix}")
+        check_record(name, rec)
     skip = cfg.get("skip_layers") or ()
     if isinstance(skip, str) or not all(isinstance(s, str) for s in skip):
         raise ValueError(f"option 'quant_config': 'skip_layers' takes a list of names, got {skip!r}")
+    dyn = cfg.get("dynamic_linear")
+    if dyn is not None and not isinstance(dyn, bool):
+        raise ValueError(f"option 'quant_config': 'dynamic_linear' takes True or False, got {dyn!r}")
 
 
 _SECTIONS = ("GraphFusion", "UBFusion")

@@ -74,4 +74,47 @@ def dynamic_params(x: torch.Tensor) -> Tuple[float, int]:
     return uint8_params(lo, hi)
 
 
-__all__ = ["MIN_STEP", "QMAX", "QMIN", "dynamic_params", "quantize_u8", "uint8_params"]
+#: what a record's fields take (`check_record`'s messages)
+_STEP_RULE = ("a finite float >= 2**-126 (float32's smallest normal: 1 / scale_d must not overflow), "
+              "e.g. (max - min) / 255 of the layer's input range")
+_OFFSET_RULE = f"an int in [{QMIN}, {QMAX}] (the uint8 zero point), e.g. round(-min / scale_d)"
+
+
+def check_record(layer: str, rec: object, where: str = "option 'quant_config'") -> None:
+    """Raises ValueError (one line naming ``where``, the layer, the field, the bad value and
+    what it takes) unless ``rec`` is a valid uint8 activation record (AMCT's): a dict whose
+    ``scale_d`` is a finite int / float >= `MIN_STEP` and ``offset_d`` an int in [0, 255]
+    (bool refused), and whose optional ``"accum"`` / ``"out"`` (a ConvAddAct's addend and
+    result ranges) are records of the same two fields. Other keys ("min", "max", ...) are
+    not read. The one rule for every hand-written record: a bad one is an error, never a
+    layer silently kept in fp32 (calibration's records always hold)."""
+    _check_fields(f"{where}: layer {layer!r}", rec)
+    for key in ("accum", "out"):
+        if isinstance(rec, dict) and key in rec:
+            _check_fields(f"{where}: layer {layer!r} record {key!r}", rec[key])
+
+
+def _check_fields(at: str, rec: object) -> None:
+    """`check_record`'s test of one {"scale_d", "offset_d"} dict."""
+    if not isinstance(rec, dict):
+        raise ValueError(f"{at} is {rec!r:.60} ({type(rec).__name__}); give a dict "
+                         f"{{'scale_d': step, 'offset_d': zero_point}}")
+    for key, rule in (("scale_d", _STEP_RULE), ("offset_d", _OFFSET_RULE)):
+        if key not in rec:
+            raise ValueError(f"{at} has no {key!r}; give {key}: {rule}")
+    step, off = rec["scale_d"], rec["offset_d"]
+    if isinstance(step, bool) or not isinstance(step, (int, float)) or not (
+            math.isfinite(step) and step >= MIN_STEP):
+        raise ValueError(f"{at}: scale_d = {_show(step)}; give {_STEP_RULE}")
+    if isinstance(off, bool) or not isinstance(off, int) or not QMIN <= off <= QMAX:
+        raise ValueError(f"{at}: offset_d = {_show(off)}; give {_OFFSET_RULE}")
+
+
+def _show(v: object) -> str:
+    """``v`` for a message: numbers as repr, anything else with its type."""
+    if isinstance(v, (int, float)) and not isinstance(v, bool):
+        return repr(v)
+    return f"{v!r:.40} ({type(v).__name__})"
+
+
+__all__ = ["MIN_STEP", "QMAX", "QMIN", "check_record", "dynamic_params", "quantize_u8", "uint8_params"]

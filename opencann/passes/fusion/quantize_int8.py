@@ -9,8 +9,10 @@ without a reorder, and the int8 kernels' fp32 results take the fp32 ops' places.
 
 ``quant_config`` (AMCT's record names: ``scale_d`` / ``offset_d`` for data, per layer):
 
-- ``layers``: {fused node name: {"scale_d": step (float > 0), "offset_d": zero point in
-  [0, 255]}} — the activation's uint8 quantization, per tensor; a ConvAddAct's record may
+- ``layers``: {fused node name: {"scale_d": step (a finite float >= 2**-126), "offset_d":
+  zero point (an int in [0, 255])}} — the activation's uint8 quantization, per tensor (a
+  record outside that, ``"accum"`` / ``"out"`` included, is a ValueError line naming the
+  layer and the field: `check_record`, never a layer silently kept fp32); a ConvAddAct's record may
   add ``"accum"`` (the same for its residual addend: ``fuse_requant`` then quantizes an
   addend no other int8 layer reads, e.g. ResNet's downsample output) and ``"out"`` (the
   same for its result: ``fuse_requant`` keeps a residual chain in uint8 up to a last
@@ -49,7 +51,6 @@ offset_w); oneDNN "Int8 Inference" and "Nuances of int8 computations" (7-bit dat
 VNNI); NNCF's ``overflow_fix`` (the same halved weight range)."""
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any, Dict, Optional
 
@@ -57,7 +58,7 @@ import torch
 
 from ...devices.cpu import int8_weight_qmax
 from ...ir import DataType, Graph, Node, TensorDesc, TensorRef, Value
-from ...ops.kernels.int8_quantize import MIN_STEP
+from ...ops.kernels.int8_quantize import check_record
 from ..base import PassContext, Skip
 from .common import CpuFusion
 
@@ -260,11 +261,7 @@ class QuantizeInt8(CpuFusion):
                 return _QMatch(node, None)
             return Skip("no calibration record for this layer (quant_config['layers']: no calibration "
                         "batch had a finite value at its input, or it was not calibrated)")
-        step, off = rec.get("scale_d"), rec.get("offset_d")
-        if not (isinstance(step, (int, float)) and math.isfinite(step) and step >= MIN_STEP
-                and isinstance(off, int) and 0 <= off <= 255):
-            return Skip(f"bad record {rec!r}: scale_d must be a finite float >= 2**-126 (float32's smallest "
-                        f"normal: 1 / scale_d must not overflow), offset_d an int in [0, 255]")
+        check_record(node.name, rec)     # a bad hand-written record: one error line, not fp32
         return _QMatch(node, rec)
 
     def _quant(self, graph: Graph, x: Value, step: float, offset: int, before: Node) -> Value:

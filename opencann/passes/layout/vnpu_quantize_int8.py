@@ -44,7 +44,7 @@ non-constant or non-fp32 weight or x, NaN/inf weights, a transposed or grouped
 convolution, a matmul whose ``beta`` / ``alpha`` are not 1. A preset whose Cube has no
 int8 (``NpuSpec.cube_dtypes``) raises `CubeDtypeError` (one line); ``quant_config``'s
 ``dynamic_linear`` (opencann.quantize's dynamic mode: x quantized per call) has no vnpu
-kernel here and raises ValueError.
+kernel here and raises ValueError, as a bad record does (`check_record`: the CPU pass's rule).
 Source: CANN AMCT user guide (quantization record: scale_d / offset_d / scale_w /
 offset_w, "deq_scale = scale_d * scale_w"; AMCT's quantized graph: AscendQuant → int8
 Conv2D / MatMulV2 with int32 bias → AscendDequant); CANN operator list (Conv2D
@@ -52,13 +52,13 @@ Conv2D / MatMulV2 with int32 bias → AscendDequant); CANN operator list (Conv2D
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any, Dict
 
 import torch
 
 from ...ir import DataType, Graph, Node, TensorDesc, TensorRef, Value
+from ...ops.kernels.int8_quantize import check_record
 from ..base import PassContext, RewritePass, Skip
 from ..fusion.quantize_int8 import layer_labels, quantize_weight
 from .npu_layout import CubeDtypeError
@@ -152,11 +152,8 @@ class VnpuQuantizeInt8(RewritePass):
         if rec is None:
             return Skip("no calibration record for this layer (quant_config['layers']: no calibration "
                         "batch had a finite value at its input, or it was not calibrated)")
-        step, off = rec.get("scale_d"), rec.get("offset_d")
-        if not (isinstance(step, (int, float)) and math.isfinite(step) and step > 0
-                and isinstance(off, int) and 0 <= off <= 255):
-            return Skip(f"bad record {rec!r}: scale_d must be a finite float > 0, offset_d an int in [0, 255]")
-        return _Match(node, float(step), int(off) - 128)
+        check_record(node.name, rec)     # a bad hand-written record: one error line, not fp32
+        return _Match(node, float(rec["scale_d"]), int(rec["offset_d"]) - 128)
 
     def _quant(self, graph: Graph, x: Value, step: float, offset: int, before: Node) -> Value:
         """The int8 value of ``x`` at (step, offset_x): one AscendQuant per key."""
