@@ -65,25 +65,44 @@ from .tune_result import CANDIDATES, Candidate, NodeChoice, TuneResult
 from .tune_search import TIME_MARGIN, _Builder, _Search
 
 
-def _check_args(candidates, budget, data, time_budget_s) -> List[Candidate]:
-    """The `Candidate` objects of ``candidates``; ValueError (one line) for bad arguments."""
-    if isinstance(candidates, str) or not candidates:
-        raise ValueError(f"candidates takes a list of precisions such as ('fp32', 'bf16'), "
-                         f"got {candidates!r}")
-    out = []
-    for c in candidates:
+def check_candidates(candidates, what: str = "candidates") -> List[Candidate]:
+    """The `Candidate` objects of ``candidates`` (names from `CANDIDATES` or `Candidate`
+    objects, highest first); ValueError (one line, starting with ``what``) for a string or
+    an empty sequence, an empty or unknown name (the line names it and lists the valid
+    ones), a name given twice, a first one other than 'fp32' or no lower one after it."""
+    valid = ", ".join(sorted(CANDIDATES))
+    if not isinstance(candidates, (str, bytes, dict)) and isinstance(candidates, Iterable):
+        candidates = list(candidates)
+    if not isinstance(candidates, list) or not candidates:
+        raise ValueError(f"{what} takes a list of precisions such as ('fp32', 'bf16') (valid: {valid}), "
+                         f"got {candidates!r:.80}")
+    out: List[Candidate] = []
+    for k, c in enumerate(candidates):
         if isinstance(c, Candidate):
             out.append(c)
-        elif c in CANDIDATES:
+        elif isinstance(c, str) and c in CANDIDATES:
             out.append(CANDIDATES[c])
         else:
-            raise ValueError(f"unknown candidate precision {c!r}; use {sorted(CANDIDATES)} or "
-                             "a opencann.tools.tune.Candidate")
-    if out[0].name != "fp32":
-        raise ValueError(f"candidates must start with 'fp32' (the precision a node falls back "
-                         f"to), got {[c.name for c in out]}")
+            name = "an empty candidate name" if c == "" else f"unknown candidate precision {c!r:.40}"
+            raise ValueError(f"{what}: {name} at position {k + 1}; valid: {valid} "
+                             f"(or a opencann.tools.tune.Candidate), e.g. fp32,bf16")
+    names = [c.name for c in out]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise ValueError(f"{what}: {', '.join(map(repr, twice))} given twice in {names}; name each "
+                         f"precision once, highest first, e.g. fp32,bf16,int8")
+    if names[0] != "fp32":
+        raise ValueError(f"{what} must start with 'fp32' (the precision a node falls back "
+                         f"to), got {names}")
     if len(out) < 2:
-        raise ValueError("candidates needs a lower precision after 'fp32', e.g. ('fp32', 'bf16')")
+        raise ValueError(f"{what} needs a lower precision after 'fp32' (valid: {valid}), e.g. fp32,bf16")
+    return out
+
+
+def _check_args(candidates, budget, data, time_budget_s) -> List[Candidate]:
+    """The `Candidate` objects of ``candidates`` (`check_candidates`); ValueError (one
+    line) for bad arguments."""
+    out = check_candidates(candidates)
     if budget != "msprobe" and not callable(budget):
         raise ValueError(f"budget takes 'msprobe' or a callable metric(actual, expected) -> "
                          f"bool, got {budget!r}")
@@ -284,4 +303,4 @@ def _calibrate_int8(cand: Candidate, model, args, nodes: Dict[str, NodeChoice], 
     return tune_int8.calibrated(cand, records, scopes, {n: c.module for n, c in nodes.items()}, bf16_io)
 
 
-__all__ = ["CANDIDATES", "TIME_MARGIN", "Candidate", "NodeChoice", "TuneResult", "tune"]
+__all__ = ["CANDIDATES", "TIME_MARGIN", "Candidate", "NodeChoice", "TuneResult", "check_candidates", "tune"]

@@ -102,9 +102,11 @@ def run_args(args: argparse.Namespace, console, load) -> int:
         raise ValueError(f"{args.model}: tune takes a PyTorch model (zoo name or file.py:factory); "
                          "its per-layer comparison runs eager PyTorch as the reference")
     budget = "msprobe" if args.budget == "msprobe" else _metric(args.budget)
-    cands = tuple(c.strip() for c in args.candidates.split(",") if c.strip())
+    from .tune import check_candidates, tune
+    # every comma-separated name counts: an empty one (fp32,,int8) is refused, not dropped
+    cands = tuple(c.strip() for c in args.candidates.split(","))
+    check_candidates(cands, f"--candidates {args.candidates}")   # before the model loads
     zm = load(args.model, args.batch, args.seq)
-    from .tune import tune
     with console.status(f"tuning {zm.name} (own errors, per-node timing, output check)..."):
         res = tune(zm.model, zm.example_inputs, budget=budget, candidates=cands,
                    time_budget_s=args.time_budget, seed=args.seed, timing=not args.no_timing)
