@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -118,6 +119,7 @@ def test_a_non_bool_dynamic_linear_is_refused():
     ({"scale_d": 3.0 / 255, "offset_d": 255}, lambda x: -x.abs().clamp(max=3.0)),     # top offset
     ({"scale_d": 1, "offset_d": 128}, lambda x: (x * 50).clamp(-120, 120)),                             # an int step
     ({"scale_d": 2.0 ** -126, "offset_d": 0}, lambda x: x.abs() * 1e-40),            # the floor itself
+    ({"scale_d": np.float32(5.0 / 255), "offset_d": np.int64(128)}, lambda x: x.clamp(-2.5, 2.5)),  # NumPy scalars
 ])
 def test_a_valid_hand_written_record_is_used(rec, x_fn):
     """Valid records, boundaries included, run the layer in int8 at that step: the result is

@@ -4,6 +4,7 @@ offset), shared by the int8 kernels (`int8_cpu`, `int8_emulated`) and the tools.
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Tuple
 
 import torch
@@ -83,8 +84,8 @@ _OFFSET_RULE = f"an int in [{QMIN}, {QMAX}] (the uint8 zero point), e.g. round(-
 def check_record(layer: str, rec: object, where: str = "option 'quant_config'") -> None:
     """Raises ValueError (one line naming ``where``, the layer, the field, the bad value and
     what it takes) unless ``rec`` is a valid uint8 activation record (AMCT's): a dict whose
-    ``scale_d`` is a finite int / float >= `MIN_STEP` and ``offset_d`` an int in [0, 255]
-    (bool refused), and whose optional ``"accum"`` / ``"out"`` (a ConvAddAct's addend and
+    ``scale_d`` is a finite real >= `MIN_STEP` and ``offset_d`` an integer in [0, 255]
+    (bool refused; NumPy scalars taken), and whose optional ``"accum"`` / ``"out"`` (a ConvAddAct's addend and
     result ranges) are records of the same two fields. Other keys ("min", "max", ...) are
     not read. The one rule for every hand-written record: a bad one is an error, never a
     layer silently kept in fp32 (calibration's records always hold)."""
@@ -103,16 +104,16 @@ def _check_fields(at: str, rec: object) -> None:
         if key not in rec:
             raise ValueError(f"{at} has no {key!r}; give {key}: {rule}")
     step, off = rec["scale_d"], rec["offset_d"]
-    if isinstance(step, bool) or not isinstance(step, (int, float)) or not (
+    if isinstance(step, bool) or not isinstance(step, numbers.Real) or not (
             math.isfinite(step) and step >= MIN_STEP):
         raise ValueError(f"{at}: scale_d = {_show(step)}; give {_STEP_RULE}")
-    if isinstance(off, bool) or not isinstance(off, int) or not QMIN <= off <= QMAX:
+    if isinstance(off, bool) or not isinstance(off, numbers.Integral) or not QMIN <= off <= QMAX:
         raise ValueError(f"{at}: offset_d = {_show(off)}; give {_OFFSET_RULE}")
 
 
 def _show(v: object) -> str:
     """``v`` for a message: numbers as repr, anything else with its type."""
-    if isinstance(v, (int, float)) and not isinstance(v, bool):
+    if isinstance(v, numbers.Real) and not isinstance(v, bool):
         return repr(v)
     return f"{v!r:.40} ({type(v).__name__})"
 
