@@ -130,6 +130,9 @@ def test_the_pages_of_an_mmapped_checkpoint_are_given_back(tmp_path):
             for i in range(2)]
     held = keep[0].detach()
     assert float(held.sum() + keep[1].detach().sum()) != 0.0
+    before = _mapping_rss_kib(path)   # the kernel's fault-around may map neighbours too
     concatenate_in_place(keep)
-    assert _mapping_rss_kib(path) == 64 and torch.equal(held, data[:16384].view(128, 128))
+    after = _mapping_rss_kib(path)
+    # the free weight's 64 KiB are given back; the held one's stay
+    assert after == before - 64 and after >= 64 and torch.equal(held, data[:16384].view(128, 128))
     del held
