@@ -14,6 +14,26 @@ from opencann.runtime import Executor
 REPO = pathlib.Path(__file__).resolve().parent.parent
 
 
+def check_linear(out, x, w, b):
+    """Assert ``out`` is ``F.linear(x, w, b)`` as a numba GEMM computes it (fp32 sums of K
+    products in another order than MKL's): NaN/Inf positions and Inf signs are eager's
+    (fp32 F.linear), finite outputs within 1e-5 * (|x| @ |W|^T + |b|) of float64 elementwise
+    (the worst-case bound of a K-term fp32 sum is K * 2^-24 relative to that magnitude;
+    typical errors are ~sqrt(K) * 2^-24), and at least one output is finite."""
+    ref = torch.nn.functional.linear(x, w, b)
+    assert out.shape == ref.shape and out.dtype == torch.float32
+    assert torch.equal(torch.isnan(out), torch.isnan(ref))
+    assert torch.equal(torch.isinf(out), torch.isinf(ref))
+    assert torch.equal(out[torch.isinf(ref)], ref[torch.isinf(ref)])  # same sign of Inf
+    fin = torch.isfinite(ref)
+    assert fin.any()
+    ref64 = torch.nn.functional.linear(x.double(), w.double(), None if b is None else b.double())
+    mag = torch.nn.functional.linear(x.abs().nan_to_num(0, 0, 0).double(),
+                                     w.abs().nan_to_num(0, 0, 0).double(),
+                                     None if b is None else b.abs().double())
+    assert ((out.double() - ref64).abs()[fin] <= 1e-5 * mag[fin] + 1e-30).all()
+
+
 def run_compiled(fn, *inputs, options=None):
     """Trace ``fn`` to ATen with make_fx, compile it and run it; returns (outputs, graph,
     plan, report). Outputs are a list."""

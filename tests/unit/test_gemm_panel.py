@@ -14,21 +14,7 @@ import torch
 
 from opencann.ops.kernels.gemm_panel_cpu import MR, NR, bind_panel, gemm_panel, pack_panels
 from opencann.ops.kernels.gemm_tile import panel_shape, panel_tile
-
-
-def _check(out, x, w, b):
-    ref = torch.nn.functional.linear(x, w, b)           # eager: NaN/Inf positions
-    assert out.shape == ref.shape and out.dtype == torch.float32
-    assert torch.equal(torch.isnan(out), torch.isnan(ref))
-    assert torch.equal(torch.isinf(out), torch.isinf(ref))
-    assert torch.equal(out[torch.isinf(ref)], ref[torch.isinf(ref)])  # same sign of Inf
-    fin = torch.isfinite(ref)
-    assert fin.any()
-    ref64 = torch.nn.functional.linear(x.double(), w.double(), None if b is None else b.double())
-    mag = torch.nn.functional.linear(x.abs().nan_to_num(0, 0, 0).double(),
-                                     w.abs().nan_to_num(0, 0, 0).double(),
-                                     None if b is None else b.abs().double())
-    assert ((out.double() - ref64).abs()[fin] <= 1e-5 * mag[fin] + 1e-30).all()
+from helpers import check_linear
 
 
 @pytest.mark.parametrize("m", [1, 2, MR // 3 + 1, MR - 1, MR, MR + 1, 2 * MR + MR // 3, 67])
@@ -39,7 +25,7 @@ def test_matches_f_linear(m, k, n, with_bias):
     x, w = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g)
     b = torch.randn(n, generator=g) if with_bias else None
     out = gemm_panel(x, w, b)
-    _check(out, x, w, b)
+    check_linear(out, x, w, b)
     run = bind_panel(pack_panels(w, transposed=False), m, n)
     again = run(x, b)
     assert torch.equal(again, out)                 # the bound call: the same kernel, same bits
@@ -58,7 +44,7 @@ def test_nan_and_inf_propagate_as_in_eager(m):
     x[m - 1, 7] = float("inf")
     w[NR + 1, 2] = float("-inf")
     w[3, 9] = float("nan")
-    _check(gemm_panel(x, w, b), x, w, b)
+    check_linear(gemm_panel(x, w, b), x, w, b)
 
 
 def test_strided_out_and_x_views():
@@ -70,7 +56,7 @@ def test_strided_out_and_x_views():
     out = torch.zeros(20, 9).t()
     run = bind_panel(pack_panels(w.t()), 9, 20)
     assert run(x, b, out) is out
-    _check(out, x, w, b)
+    check_linear(out, x, w, b)
 
 
 def test_transposed_weight_packs_as_nn_linear():
@@ -102,7 +88,7 @@ def test_tile_of_either_width_matches(width, bias):
     dst = np.zeros((mr + 3, nr + 5), np.float32)
     one(x.numpy(), bp.numpy(), dst, b.numpy())
     got = torch.from_numpy(dst)
-    _check(got[2:2 + mr, 3:3 + nr], x, w[:, nr:].t(), b[4:4 + nr] if bias else None)
+    check_linear(got[2:2 + mr, 3:3 + nr], x, w[:, nr:].t(), b[4:4 + nr] if bias else None)
     got[2:2 + mr, 3:3 + nr] = 0
     assert not got.any()
 

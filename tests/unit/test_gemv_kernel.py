@@ -16,21 +16,7 @@ import gc
 import weakref
 
 from opencann.ops.kernels.gemv_cpu import MAX_ROWS, bind_gemv, gemv, pack_weight
-
-
-def _check(out, x, w, b):
-    ref = torch.nn.functional.linear(x, w, b)           # eager: NaN/Inf positions
-    assert out.shape == ref.shape and out.dtype == torch.float32
-    assert torch.equal(torch.isnan(out), torch.isnan(ref))
-    assert torch.equal(torch.isinf(out), torch.isinf(ref))
-    assert torch.equal(out[torch.isinf(ref)], ref[torch.isinf(ref)])  # same sign of Inf
-    fin = torch.isfinite(ref)
-    assert fin.any()
-    ref64 = torch.nn.functional.linear(x.double(), w.double(), None if b is None else b.double())
-    mag = torch.nn.functional.linear(x.abs().nan_to_num(0, 0, 0).double(),
-                                     w.abs().nan_to_num(0, 0, 0).double(),
-                                     None if b is None else b.abs().double())
-    assert ((out.double() - ref64).abs()[fin] <= 1e-5 * mag[fin] + 1e-30).all()
+from helpers import check_linear
 
 
 @pytest.mark.parametrize("m", list(range(1, 9)) + [9, 16, 17, MAX_ROWS])
@@ -42,7 +28,7 @@ def test_matches_f_linear(m, k, n, with_bias):
     b = torch.randn(n, generator=g) if with_bias else None
     w_nk = pack_weight(w)
     out = gemv(x, w_nk, b)
-    _check(out, x, w, b)
+    check_linear(out, x, w, b)
     again = gemv(x, w_nk, b)
     assert torch.equal(again, out)                 # a second call: same bits
     out.add_(1)                                    # the result is the caller's
@@ -64,12 +50,12 @@ def test_transposed_weight_and_out_buffer(m):
     out = torch.empty(m, 27)
     r = gemv(x, w_nk, b, out=out)
     assert r is out
-    _check(out, x, w_t.t(), b)
+    check_linear(out, x, w_t.t(), b)
     strided = torch.empty(27, m).t()               # a non-contiguous out: filled through a copy
     assert gemv(x, w_nk, b, out=strided) is strided
     assert torch.equal(strided, out)
     xs = torch.randn(40, m, generator=g).t()       # a non-contiguous x
-    _check(gemv(xs, w_nk, b), xs, w_t.t(), b)
+    check_linear(gemv(xs, w_nk, b), xs, w_t.t(), b)
 
 
 @pytest.mark.parametrize("m", [1, 2, 4, 5, 8])
@@ -87,7 +73,7 @@ def test_nan_and_inf_propagate_like_eager(m):
     if m > 2:                        # (at m = 2 no output would stay finite)
         x[m - 1, 8] = float("inf")   # Inf * W[:, 8] in the last row (a tile's padding repeats it)
     out = gemv(x, pack_weight(w), b)
-    _check(out, x, w, b)
+    check_linear(out, x, w, b)
     assert torch.isnan(out[:, 11]).all() and torch.isinf(out[:, 13]).any()
     assert torch.isinf(out[-1, n - 1]) or torch.isnan(out[-1, n - 1])
     if m > 1:
@@ -127,7 +113,7 @@ def test_threads_follow_torch_and_change_no_bit(m):
         assert torch.equal(gemv(x, w_nk, None), one)
     finally:
         torch.set_num_threads(before)
-    _check(one, x, w, None)
+    check_linear(one, x, w, None)
 
 
 @pytest.mark.parametrize("m", [1, 3, 8])
@@ -142,7 +128,7 @@ def test_bound_gemv_strided_inputs_and_nan_inf(m):
     run = bind_gemv(pack_weight(w), m)
     out = torch.empty(n, m).t()                    # a non-contiguous out: filled through a copy
     assert run(x, b, out) is out
-    _check(out, x, w, b)
+    check_linear(out, x, w, b)
     assert not torch.isfinite(out[:, 7]).any()
     if m > 1:
         assert torch.isnan(out[m - 1]).all() and torch.isfinite(out[0, :7]).all()

@@ -710,21 +710,11 @@ def _packed_kernel(kernel: str, wt: torch.Tensor, m: int, post, act: str = "none
     oneDNN GEMM runs one of `BF16_LINEAR_POST` as its post-op instead of ``post``."""
     if kernel == "gemv":
         from .gemv_cpu import bind_gemv
-        w_nk = _gemv_weight(wt)
-        gemv = bind_gemv(w_nk, m)   # shapes, weight view, kernel resolved once (not per call)
-        if post is None:
-            def run_gemv_plain(b, x, _w, out=None):
-                return gemv(x, b, out)
-            run_gemv_plain.prebind = lambda b, x, _w, out=None: gemv.prebind(x, b, out)
-            return run_gemv_plain
-
-        def run_gemv(b, x, _w, out=None):
-            r = gemv(x, b, out)
-            post(r)
-            return r
-        return run_gemv
+        # shapes, weight view, kernel resolved once (not per call)
+        return _bound_rows_kernel(bind_gemv(_gemv_weight(wt), m), post)
     if kernel == "panel":
-        return _panel_kernel(wt, m, post)
+        from .gemm_panel_cpu import bind_panel
+        return _bound_rows_kernel(bind_panel(_panel_weight(wt), m, int(wt.shape[1])), post)
     if kernel == "onednn_packed":
         packed, lin = _onednn_weight(wt, m), torch.ops.mkldnn._linear_pointwise
         fused, algo = "none", ""
@@ -751,23 +741,22 @@ def _packed_kernel(kernel: str, wt: torch.Tensor, m: int, post, act: str = "none
     return run_mkl
 
 
-def _panel_kernel(wt: torch.Tensor, m: int, post) -> Callable:
-    """``run(b, x, _w, out=None)`` of the panel GEMM (`gemm_panel_cpu`) on the constant
-    weight ``wt`` [k, n] (packed once, `_panel_weight`) for ``m`` rows, then ``post`` (an
-    in-place activation or None); its result goes straight into ``out``."""
-    from .gemm_panel_cpu import bind_panel
-    panel = bind_panel(_panel_weight(wt), m, int(wt.shape[1]))
+def _bound_rows_kernel(bound: Callable, post) -> Callable:
+    """``run(b, x, _w, out=None)`` of a numba GEMM bound once (`gemv_cpu.bind_rows_kernel`'s
+    ``run(x, bias, out)``: the decode GEMV, the panel GEMM), its result straight into
+    ``out``, then ``post`` (an in-place activation or None); without ``post`` it carries
+    ``prebind`` for the code generator."""
     if post is None:
-        def run_panel_plain(b, x, _w, out=None):
-            return panel(x, b, out)
-        run_panel_plain.prebind = lambda b, x, _w, out=None: panel.prebind(x, b, out)
-        return run_panel_plain
+        def run_plain(b, x, _w, out=None):
+            return bound(x, b, out)
+        run_plain.prebind = lambda b, x, _w, out=None: bound.prebind(x, b, out)
+        return run_plain
 
-    def run_panel(b, x, _w, out=None):
-        r = panel(x, b, out)
+    def run_post(b, x, _w, out=None):
+        r = bound(x, b, out)
         post(r)
         return r
-    return run_panel
+    return run_post
 
 
 def _known_choice(made, m: int, k: int, n: int, dtype, bias: Optional[TensorDesc],
