@@ -17,7 +17,7 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 from ..log import logger
 from ..ops import OpKind, get_op
-from ..ops.kernels.int8_quantize import check_record
+from ..ops.kernels.int8_quantize import check_record, check_skip_layers
 from ..passes.memory import DEFAULT_ALIGNMENT
 from ..runtime.pool import DEFAULT_CONCURRENT_CALLS
 from ..runtime.shape_cache import DEFAULT_PLAN_CACHE_SIZE
@@ -90,7 +90,9 @@ class CompileOptions:
     memory_aware_order: bool = _opt(True, "bool", "Order nodes to lower the arena's peak.")
     quant_config: Optional[Dict[str, Any]] = _opt(
         None, "dict", "int8 layers for the quantize_int8 pass ({'layers': {node: {'scale_d', "
-        "'offset_d'}}, 'skip_layers': [...], 'dynamic_linear': bool}); opencann.quantize fills it.")
+        "'offset_d'}}, 'skip_layers': [...], 'dynamic_linear': bool}); opencann.quantize fills it. A "
+        "name of no layer of the graph is an error ('check_names': False ignores it, for a config "
+        "made for a whole model applied to a part).")
     streams: int = _opt(1, "positive int", "The most logical streams independent branches run "
                                            "on at once (1: one stream).")
     fuse_elementwise_fastmath: bool = _opt(
@@ -280,31 +282,33 @@ def check_options(options: Optional[Dict[str, Any]]) -> Dict[str, Any]:
 
 def _check_quant_config(cfg: Any) -> None:
     """Raises ValueError (one line) for a ``quant_config`` that is not a dict of the keys
-    ``layers`` (node name -> a record `check_record` accepts: {"scale_d": finite float >=
+    ``layers`` (None or node name -> a record `check_record` accepts: {"scale_d": finite float >=
     2**-126, "offset_d": int in [0, 255]}, optional "accum" / "out" the same; the line names
-    the layer, the field and the bad value), ``skip_layers`` (list of names) and
-    ``dynamic_linear`` (bool)."""
+    the layer, the field and the bad value), ``skip_layers`` (None or a list of names:
+    `check_skip_layers`, the rule ``create_quant_config`` shares) and ``dynamic_linear``
+    (bool), ``check_names`` (bool, default True: the int8 passes raise for a name of no
+    layer of the graph, `opencann.passes.fusion.quant_names.check_layer_names`; False
+    ignores such names, for a config made for a whole model applied to a part of it)."""
     if cfg is None:
         return
     fix = ("give {'layers': {node: {'scale_d': step, 'offset_d': zero_point}}, 'skip_layers': "
            "[names], 'dynamic_linear': bool}, as opencann.quantize makes it")
-    if not isinstance(cfg, dict) or set(cfg) - {"layers", "skip_layers", "dynamic_linear"}:
+    if not isinstance(cfg, dict) or set(cfg) - {"layers", "skip_layers", "dynamic_linear", "check_names"}:
         raise ValueError(f"option 'quant_config' got {cfg!r:.80}; {fix}")
-    layers = cfg.get("layers") or {}
-    if not isinstance(layers, dict):
+    layers = cfg.get("layers")
+    if layers is not None and not isinstance(layers, dict):
         raise ValueError(f"option 'quant_config': 'layers' must map node names to "
                          f"{{'scale_d': float > 0, 'offset_d': int}}, got {layers!r:.60}; {fix}")
-    for name, rec in layers.items():
+    for name, rec in (layers or {}).items():
         if not isinstance(name, str):
             raise ValueError(f"option 'quant_config': 'layers' takes node names (str) as keys, "
                              f"got {name!r} ({type(name).__name__}); {fix}")
         check_record(name, rec)
-    skip = cfg.get("skip_layers") or ()
-    if isinstance(skip, str) or not all(isinstance(s, str) for s in skip):
-        raise ValueError(f"option 'quant_config': 'skip_layers' takes a list of names, got {skip!r}")
-    dyn = cfg.get("dynamic_linear")
-    if dyn is not None and not isinstance(dyn, bool):
-        raise ValueError(f"option 'quant_config': 'dynamic_linear' takes True or False, got {dyn!r}")
+    check_skip_layers(cfg.get("skip_layers"))
+    for key in ("dynamic_linear", "check_names"):
+        flag = cfg.get(key)
+        if flag is not None and not isinstance(flag, bool):
+            raise ValueError(f"option 'quant_config': {key!r} takes True or False, got {flag!r:.40}")
 
 
 _SECTIONS = ("GraphFusion", "UBFusion")

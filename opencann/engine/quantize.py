@@ -30,7 +30,6 @@ quantization", the quantization config (``skip_layers``, ``activation_quant_para
 IFMR) and record file (``scale_d``, ``offset_d``, ``scale_w``, ``offset_w``)."""
 from __future__ import annotations
 
-import difflib
 import math
 from typing import Any, Dict, Iterable, List, Optional, Sequence
 
@@ -38,8 +37,8 @@ import torch
 
 from ..devices import parse_device
 from ..log import logger
-from ..ops.kernels.int8_quantize import uint8_params
-from ..passes.fusion.quantize_int8 import layer_labels
+from ..ops.kernels.int8_quantize import check_skip_layers, uint8_params
+from ..passes.fusion.quant_names import layer_labels
 from ..passes.layout.vnpu_quantize_int8 import check_cube_int8
 from .compiled_model import CompiledModel
 from .dispatch import compile_torch
@@ -61,18 +60,14 @@ def create_quant_config(skip_layers: Sequence[str] = (), *, mode: str = "static"
     ``activation``: the calibration algorithm (`ALGORITHMS`); ``dynamic_linear``: in
     static mode, linears without a calibration record run dynamic. Raises ValueError
     (one line) for an unknown mode or algorithm, skip_layers that is not a list of names
-    (None: none), or a dynamic_linear that is not a bool."""
+    (None: none; `check_skip_layers`, the rule the option ``quant_config`` shares), or a
+    dynamic_linear that is not a bool. Whether each name labels a layer of the model is
+    checked when it is compiled (`check_layer_names`: one line with near matches)."""
     if mode not in MODES:
         raise ValueError(f"mode {mode!r} is not one of {MODES}")
     if activation not in ALGORITHMS:
         raise ValueError(f"activation {activation!r} is not one of {ALGORITHMS}")
-    if isinstance(skip_layers, str):
-        raise ValueError(f"skip_layers takes a list of names, e.g. [{skip_layers!r}]")
-    names = list(skip_layers) if isinstance(skip_layers, (list, tuple, set, frozenset)) else \
-        [] if skip_layers is None else None
-    if names is None or not all(isinstance(n, str) for n in names):
-        raise ValueError(f"skip_layers takes a list of layer names (strings), e.g. ['fc'], "
-                         f"got {skip_layers!r:.80}")
+    names = check_skip_layers(skip_layers, "skip_layers")
     if not isinstance(dynamic_linear, bool):
         raise ValueError(f"dynamic_linear takes True or False, got {dynamic_linear!r:.40}")
     return {"mode": mode, "activation": activation, "skip_layers": names,
@@ -232,7 +227,8 @@ def quantize(model: torch.nn.Module, calibration_inputs, *, config: Optional[Dic
     for an empty calibration set, batches of different shapes (or, with dynamic_shapes,
     ranks) or dtypes, batches with no
     finite value at any layer's input (static mode), a ``skip_layers`` name that
-    labels no node of the model, a config that is no dict, or a ``precision_mode``
+    labels no node of the model (the int8 pass's `check_layer_names`), a config that is
+    no dict, or a ``precision_mode``
     that lowers to fp16 (int8 layers are quantized from fp32; ``allow_mix_precision_bf16`` on
     the cpu: the linears are quantized inside the bf16 graph, calibrated on it, reading and
     writing bf16, `QuantizeInt8`; its convolutions stay bf16), and what
@@ -264,7 +260,6 @@ def quantize(model: torch.nn.Module, calibration_inputs, *, config: Optional[Dic
                             "dynamic_linear": bool(cfg.get("dynamic_linear"))}
     cm = _compile_example(model, example, device, opts, dynamic_shapes, dim_ranges, dynamic)
     rows = quant_report(cm)
-    _check_skip_layers(cm, opts["quant_config"]["skip_layers"], rows)
     if vnpu and rows and not any(r["int8"] for r in rows) and not cfg.get("skip_layers"):
         raise ValueError(f"no layer was quantized on {device} (first: {rows[0]['layer']}: {rows[0]['reason']}); "
                          f"fix that, or compile without opencann.quantize to run fp32")
@@ -369,24 +364,6 @@ def _config(config: Optional[Dict[str, Any]]) -> Dict[str, Any]:
     except ValueError as e:   # "skip_layers takes ..." -> "config['skip_layers'] takes ..."
         key, _, rest = str(e).partition(" ")
         raise ValueError(f"config[{key!r}] {rest}" if rest.startswith("takes") else f"config: {e}") from None
-
-
-def _check_skip_layers(cm: CompiledModel, skip: Sequence[str], rows: List[Dict[str, Any]]) -> None:
-    """A ``skip_layers`` name that labels no node of the compiled model (a typo, a parent
-    module) would leave its layer int8 without a word: one ValueError line with near matches."""
-    if not skip:
-        return
-    known = {r["layer"] for r in rows}
-    for n in cm.graph.nodes:
-        known |= layer_labels(n)
-    unknown = [s for s in skip if s not in known]
-    if unknown:
-        layers = sorted({r["where"].split(" ")[0] for r in rows if r.get("where")} | {r["layer"] for r in rows})
-        near = sorted({c for s in unknown for c in difflib.get_close_matches(s, layers, n=3, cutoff=0.5)})
-        raise ValueError(f"skip_layers names no layer of the model: {', '.join(map(repr, unknown))}; "
-                         f"give a convolution / linear module's name (AMCT's layer name) or a node name "
-                         f"from quant_report; " + (f"near matches: {', '.join(near)}" if near
-                                                    else f"layers: {', '.join(layers[:8])}"))
 
 
 def _cpu_only_rewrites(opts: Dict[str, Any]) -> List[str]:

@@ -99,7 +99,10 @@ def calibrated(base, records: Dict[str, Dict[str, Any]], scopes: Dict[str, str],
         layers = {k: {"scale_d": r["scale_d"], "offset_d": r["offset_d"],
                       **{e: r[e] for e in ("accum", "out") if e in r}}
                   for k, r in records.items() if scopes.get(k) in mods}
-        options["quant_config"] = {"layers": layers, "skip_layers": [], "dynamic_linear": False}
+        # records of the all-fp32 compile: a mixed-precision choice may keep apart sibling
+        # linears merged there (their QKV GEMM's record then names no node, kept fp32 and reported)
+        options["quant_config"] = {"layers": layers, "skip_layers": [], "dynamic_linear": False,
+                                   "check_names": False}
         low = [n for n in nodes if n in io]
         if low:
             options["node_precision"] = {**(options.get("node_precision") or {}), **{n: "bf16" for n in low}}

@@ -1,11 +1,13 @@
 """uint8 activation quantization on the CPU: `quantize_u8` (AscendQuant's and ONNX
 QuantizeLinear's rounding) and `dynamic_params` (ONNX DynamicQuantizeLinear's step and
-offset), shared by the int8 kernels (`int8_cpu`, `int8_emulated`) and the tools."""
+offset), shared by the int8 kernels (`int8_cpu`, `int8_emulated`) and the tools; and the
+checks of a hand-written quantization config every entry shares (`check_record`,
+`check_skip_layers`)."""
 from __future__ import annotations
 
 import math
 import numbers
-from typing import Tuple
+from typing import List, Tuple
 
 import torch
 
@@ -111,6 +113,28 @@ def _check_fields(at: str, rec: object) -> None:
         raise ValueError(f"{at}: offset_d = {_show(off)}; give {_OFFSET_RULE}")
 
 
+def check_skip_layers(skip: object, where: str = "option 'quant_config': 'skip_layers'") -> List[str]:
+    """``skip`` as a list of names, the one check of every entry taking ``skip_layers``
+    (the compile option ``quant_config``, ``create_quant_config``, ``opencann.quantize``'s
+    ``config``). It takes None (no layer) or a list / tuple / set / frozenset of non-empty
+    str (module, node or traced names kept in float; a set comes back sorted). Anything
+    else (a str, read letter by letter; an int, a dict, bytes, None or "" inside) is one
+    ValueError line naming ``where``, the bad value and what to give. Whether each name
+    labels a layer is checked where the graph is known (the int8 passes' `check_layer_names`)."""
+    if skip is None:
+        return []
+    if isinstance(skip, str):
+        raise ValueError(f"{where} takes a list of names, e.g. [{skip or 'fc'!r}], got the str {skip!r:.60} "
+                         f"(a str would be read letter by letter)")
+    what = f"{where} takes a list of layer names (non-empty str), e.g. ['fc'], got {skip!r:.60} ({type(skip).__name__})"
+    if not isinstance(skip, (list, tuple, set, frozenset)):
+        raise ValueError(what)
+    bad = [s for s in skip if not (isinstance(s, str) and s)]
+    if bad:
+        raise ValueError(f"{what} holding {bad[0]!r:.40} ({type(bad[0]).__name__})")
+    return sorted(skip) if isinstance(skip, (set, frozenset)) else list(skip)
+
+
 def _show(v: object) -> str:
     """``v`` for a message: numbers as repr, anything else with its type."""
     if isinstance(v, numbers.Real) and not isinstance(v, bool):
@@ -118,4 +142,4 @@ def _show(v: object) -> str:
     return f"{v!r:.40} ({type(v).__name__})"
 
 
-__all__ = ["MIN_STEP", "QMAX", "QMIN", "check_record", "dynamic_params", "quantize_u8", "uint8_params"]
+__all__ = ["MIN_STEP", "QMAX", "QMIN", "check_record", "check_skip_layers", "dynamic_params", "quantize_u8", "uint8_params"]

@@ -19,6 +19,8 @@ without a reorder, and the int8 kernels' fp32 results take the fp32 ops' places.
   block whose result an fp32 op reads, e.g. ResNet's global average pool);
 - ``skip_layers``: module names (AMCT's layer names: the node's ``scope``, e.g.
   ``layer1.0.conv2``), node names or traced labels (``meta["origin"]``) kept in fp32;
+  a record or ``skip_layers`` name of no such node (a typo, a module name as a record's
+  key, a node int8 does not take) is one ValueError line (`check_layer_names`);
 - ``dynamic_linear``: LinearAct nodes without a record quantize x per call.
 
 Inside a bf16 graph (``precision_mode`` ``allow_mix_precision_bf16``, or ``node_precision``
@@ -61,6 +63,7 @@ from ...ir import DataType, Graph, Node, TensorDesc, TensorRef, Value
 from ...ops.kernels.int8_quantize import check_record
 from ..base import PassContext, Skip
 from .common import CpuFusion
+from .quant_names import check_layer_names, layer_labels
 
 _TARGETS = {"ConvBiasAct": "QuantConvBiasAct", "ConvAddAct": "QuantConvAddAct",
             "LinearAct": "QuantLinearAct"}
@@ -139,13 +142,6 @@ def _fp32_readers(graph: Graph, v: Value) -> bool:
         for u in v.users)
 
 
-def layer_labels(node: Node) -> set:
-    """The names ``skip_layers`` may give for ``node``: its own, its module's (``scope``,
-    AMCT's layer name, e.g. ``layer1.0.conv2``) and its traced labels."""
-    own = {node.name} | ({node.scope} if node.scope else set())
-    return own | {lab.partition(".")[0] for lab in (node.meta.get("origin") or ()) if lab}
-
-
 _BF16_CONV = ("a bf16 convolution: int8 takes convolutions from fp32 graphs only (kept in bf16; "
               "quantize without precision_mode to run it int8)")
 
@@ -197,7 +193,9 @@ class QuantizeInt8(CpuFusion):
 
     def run(self, graph: Graph, ctx: PassContext) -> int:
         """Rewrite every target named by ``options["quant_config"]`` (nothing without it:
-        the note says so); AscendQuant nodes of one value at one scale are shared."""
+        the note says so); AscendQuant nodes of one value at one scale are shared. Raises
+        ValueError (one line) for a record or ``skip_layers`` name of no layer here
+        (`check_layer_names`)."""
         cfg = ctx.options.get("quant_config")
         onnx_dynamic = graph.meta.get("int8_dynamic_weights")
         if onnx_dynamic:
@@ -205,6 +203,7 @@ class QuantizeInt8(CpuFusion):
         if not cfg:
             ctx.note("no quant_config: nothing quantized (opencann.quantize sets it)")
             return 0
+        check_layer_names(graph, cfg, self.ops, _not_a_target)   # a name of no layer: one error line
         self._cfg = cfg
         self._quants: Dict[tuple, Value] = {}
         self._narrow = 0    # layers given 7-bit weights in this run (a note says why)

@@ -60,7 +60,8 @@ import torch
 from ...ir import DataType, Graph, Node, TensorDesc, TensorRef, Value
 from ...ops.kernels.int8_quantize import check_record
 from ..base import PassContext, RewritePass, Skip
-from ..fusion.quantize_int8 import layer_labels, quantize_weight
+from ..fusion.quant_names import check_layer_names, layer_labels
+from ..fusion.quantize_int8 import quantize_weight
 from .npu_layout import CubeDtypeError
 
 _FLOATS = (DataType.FLOAT, DataType.FLOAT16)
@@ -100,7 +101,9 @@ class VnpuQuantizeInt8(RewritePass):
         (nothing without ``quant_config``: the note says so), after the float emulation of
         an ONNX model's dynamic int8 MatMuls (`_emulate_dynamic`). Raises `CubeDtypeError` on
         a preset whose Cube has no int8 and ValueError for ``dynamic_linear`` (no vnpu
-        kernel quantizes x per call). Returns the rewrites."""
+        kernel quantizes x per call) or a record / ``skip_layers`` name of no layer here
+        (`check_layer_names`: records name the unfused Conv2D / MatMulV2 / MatMul nodes).
+        Returns the rewrites."""
         emulated = sum(1 for n in graph.nodes if n.op == "AscendQuant" and n.outputs[0].desc.dtype == DataType.UINT8)
         if emulated and ctx.report is not None:
             ctx.report.notes.append(f"ONNX QDQ / QOperator on the vnpu: {emulated} QuantizeLinear (uint8 AscendQuant) run as float "
@@ -118,6 +121,7 @@ class VnpuQuantizeInt8(RewritePass):
             raise ValueError("dynamic int8 quantization (x quantized per call) has no vnpu kernel: CANN's "
                              "AscendQuant takes a calibrated scale. Fix: quantize with calibration data "
                              "(mode='static'), or compile for device 'cpu'")
+        check_layer_names(graph, cfg, self.ops)    # a name of no layer here: one error line
         self._cfg = cfg
         self._quants: Dict[tuple, Value] = {}
         n = super().run(graph, ctx)
