@@ -97,7 +97,7 @@ def test_a_cached_kernel_is_stamped_with_every_kernel_source(tmp_path):
     register tile, used by gemv_cpu's kernels) or inlined helper recompiles what uses it."""
     from opencann.ops.kernels import gemv_cpu
     from opencann.ops.kernels.numba_cache import kernel_sources_stamp
-    stamp = gemv_cpu._gemv8_kernel._cache._impl.locator.get_source_stamp()
+    stamp = gemv_cpu._gemv_blocks_kernel._cache._impl.locator.get_source_stamp()
     assert stamp[-1] == kernel_sources_stamp() and len(stamp) == 2
     (tmp_path / "sub").mkdir()
     (tmp_path / "a.py").write_text("x = 1\n")

@@ -58,7 +58,7 @@ def test_transposed_weight_and_out_buffer(m):
     check_linear(gemv(xs, w_nk, b), xs, w_t.t(), b)
 
 
-@pytest.mark.parametrize("m", [1, 2, 4, 5, 8])
+@pytest.mark.parametrize("m", [1, 2, 4, 5, 6, 7, 8, 13, 31])
 def test_nan_and_inf_propagate_like_eager(m):
     g = torch.Generator().manual_seed(2)
     k, n = 137, 31                   # n odd: the last column is a tile's padded one

@@ -16,8 +16,8 @@ Kernel: numba ``prange`` over tiles of output features (row-parallel: each threa
 its own slices of W exactly once; as many threads as torch's intra-op count, one below
 ATen's grain or on an oversubscribed host: `numba_cache.launch_threads`; each output is
 one thread's dot product, so the count never changes a bit). A prange step is
-`gemv_tile`'s register tile: ``mr`` rows of x (1, 4 or 8: x's rows past M repeat row
-M - 1, computed and never stored) times ``rw`` rows of W that lie ``ceil(N / rw)`` rows
+`gemv_tile`'s register tile: ``mr`` rows of x (1 or 4; above 4 rows, blocks of 4 or 8, below:
+x's rows past M repeat row M - 1, computed and never stored) times ``rw`` rows of W that lie ``ceil(N / rw)`` rows
 apart (``rw`` = `gemv_tile.rows_for` ``(mr)``: 8, 6, 3 with AVX-512), accumulated in
 vector registers over all of K in one pass, each W row's successor prefetched into L2 as
 it goes; W rows past N repeat row N - 1 (computed, never stored), so no N needs its own
@@ -38,12 +38,20 @@ vectorises, one stream per thread) had measured 12.03 ms against 13.02 for the t
 far-apart rows while the tile prefetched into L1; with the prefetch into L2 (`gemv_tile`)
 the tile is level or ahead: medians of 24-40 interleaved passes, four processes, 16.29 ->
 13.82, 14.63 -> 14.23, 13.61 -> 12.63, 13.06 -> 12.80 ms (the host's bandwidth moves
-between runs), hence the tile at every M. M = 9..32 (a short prompt's prefill, a large
-decode batch) runs the 8-row tile over x's rows 8 at a time within each prange step, so
-the tile's W rows are read from memory once and from L1 for the other groups; the same
-rotation, one thread, against MKL's ``mm`` on W as nn.Linear holds it: 16 rows 45.0 / 79.7
-ms, 32 rows 73.3 / 91.8, 64 rows 133.4 / 127.6 (MKL's packed panels compute faster from
-there on: 128 rows 261.5 / 205.0), hence `MAX_ROWS` 32.
+between runs), hence the tile at every M. M = 5..32 (a short prompt's prefill, a large
+decode batch) runs a tile over blocks of x's rows within each prange step, so the tile's
+W rows are read from memory once and from L1 for the other blocks: blocks of 8 rows
+where the 8-row tile has as many accumulators as the 4-row one (AVX-512: 8 x 3 and 4 x
+6), else of 4 (AVX2's 16 registers: 8 x 1 against 4 x 3; the 8 x 1 tile loads nine
+vectors for eight FMAs and waits on L2 for x's rows, the 4 x 3 one loads seven for
+twelve). On the 2-core AMD EPYC with AVX2, the 85 decode weights of that Llama (400 MB),
+the kernels called directly on two threads in one process, least of 16 interleaved
+passes, 8 x 1 -> 4 x 3 blocks: 5 rows 24.9 -> 21.8 ms, 6 rows 29.6 -> 25.2, 8 rows 28.7
+-> 25.6, 12 rows 51.6 -> 33.7, 16 rows 62.8 -> 42.3, 32 rows 114.6 -> 78.9
+(``bench/gemv.py --rotation`` gives the same kernel against MKL and oneDNN).
+On the Xeon, the 8-row tile against MKL's ``mm`` on W as nn.Linear holds it,
+one thread: 16 rows 45.0 / 79.7 ms, 32 rows 73.3 / 91.8, 64 rows 133.4 / 127.6 (MKL's
+packed panels compute faster from there on: 128 rows 261.5 / 205.0), hence `MAX_ROWS` 32.
 The tile multiplies with FMA and sums its lanes once, reassociated (no ``nnan``/``ninf``),
 so NaN and Inf propagate as in eager (a NaN or Inf in x or W makes the outputs it reaches
 NaN/Inf; the summation order differs from MKL's, so results agree with eager to fp32
@@ -74,8 +82,13 @@ MAX_ROWS = 32  # the kernel handles x with 1..MAX_ROWS rows (decode: one token p
 _FM = {"reassoc", "contract"}  # vectorise the K reduction; keep NaN/Inf semantics
 
 
-_R1, _R4, _R8 = rows_for(1), rows_for(4), rows_for(8)   # W rows per tile (`gemv_tile`)
-_TILE1, _TILE4, _TILE8 = dot_tile(1, _R1), dot_tile(4, _R4), dot_tile(8, _R8)
+_R1, _R4 = rows_for(1), rows_for(4)   # W rows per tile (`gemv_tile`)
+_TILE1, _TILE4 = dot_tile(1, _R1), dot_tile(4, _R4)
+# x's rows per block above 4 rows: the block whose tile issues the most FMAs per K step
+# (mr x rows_for(mr) accumulators), 8 on a tie (module docstring: AVX-512 8 x 3, AVX2 4 x 3)
+_MB = 8 if 8 * rows_for(8) >= 4 * _R4 else 4
+_RB = rows_for(_MB)
+_TILEB = _TILE4 if _MB == 4 else dot_tile(_MB, _RB)
 
 
 @njit(fastmath=_FM, cache=True, inline="always")
@@ -109,38 +122,25 @@ def _gemv4_kernel(x, w, b, has_bias, y):  # pragma: no cover - compiled by numba
 
 
 @njit(parallel=True, fastmath=_FM, cache=True)
-def _gemv8_kernel(x, w, b, has_bias, y):  # pragma: no cover - compiled by numba
-    """M = 5..8: `_TILE8` (x's 8 rows x ``_R8`` rows of w, h apart) per prange step;
-    x [M, K], w [N, K], y [M, N] fp32 C-contiguous."""
-    h = (w.shape[0] + _R8 - 1) // _R8
-    for t in prange(h):
-        s = _TILE8(x, w, t, h)
-        for q in range(_R8):
-            for m in range(8):
-                _put(y, m, t + q * h, b, has_bias, s[8 * q + m])
-
-
-@njit(parallel=True, fastmath=_FM, cache=True)
-def _gemv32_kernel(x, w, b, has_bias, y):  # pragma: no cover - compiled by numba
-    """M = 9..`MAX_ROWS`: `_TILE8` for x's rows m0..m0+7, m0 = 0, 8, ..., per prange step
-    (the step's ``_R8`` rows of w stay in L1 from one group of x's rows to the next; a
-    last group of fewer than 8 repeats x's last row, never stored); x [M, K], w [N, K],
-    y [M, N] fp32 C-contiguous."""
+def _gemv_blocks_kernel(x, w, b, has_bias, y):  # pragma: no cover - compiled by numba
+    """M = 5..`MAX_ROWS`: `_TILEB` for x's rows m0..m0 + `_MB` - 1, m0 = 0, `_MB`, ...,
+    per prange step (the step's ``_RB`` rows of w stay in L1 from one block of x's rows
+    to the next; a last block of fewer rows repeats x's last row, never stored); x [M,
+    K], w [N, K], y [M, N] fp32 C-contiguous."""
     M = x.shape[0]
-    h = (w.shape[0] + _R8 - 1) // _R8
+    h = (w.shape[0] + _RB - 1) // _RB
     for t in prange(h):
-        for m0 in range(0, M, 8):
-            s = _TILE8(x[m0:], w, t, h)
-            for q in range(_R8):
-                for m in range(8):
-                    _put(y, m0 + m, t + q * h, b, has_bias, s[8 * q + m])
+        for m0 in range(0, M, _MB):
+            s = _TILEB(x[m0:], w, t, h)
+            for q in range(_RB):
+                for m in range(_MB):
+                    _put(y, m0 + m, t + q * h, b, has_bias, s[_MB * q + m])
 
 
 def _kernel_for(m: int):
     """The compiled kernel for ``m`` rows of x (1 <= m <= `MAX_ROWS`): `_gemv1_kernel`,
-    `_gemv4_kernel` (2..4), `_gemv8_kernel` (5..8) or `_gemv32_kernel` (9..32)."""
-    return (_gemv1_kernel if m == 1 else _gemv4_kernel if m <= 4 else
-            _gemv8_kernel if m <= 8 else _gemv32_kernel)
+    `_gemv4_kernel` (2..4) or `_gemv_blocks_kernel` (5..32)."""
+    return _gemv1_kernel if m == 1 else _gemv4_kernel if m <= 4 else _gemv_blocks_kernel
 
 
 _NO_BIAS = np.zeros(1, np.float32)  # stands in for b when there is none (never read)
