@@ -353,7 +353,11 @@ def _measure_choice(key: tuple, makers: Dict[str, Callable[[], Callable]], bias,
     lives at a time (a copy another graph holds is shared, not made); the least time
     per candidate kept; another kernel is chosen over addmm only when 3% faster (at one
     row the GEMV is the kernel to beat, by `GEMV_ONE_ROW_MARGIN`), the fastest of those
-    that are. A
+    that are, except that a kernel keeping a copy of the weight (`_copies`) must also be
+    3% faster than the fastest that keeps none (at 8 rows the GEMV reading nn.Linear's
+    weight and the panel GEMM on its packed copy run within a few % of each other cold,
+    `bench/gemm_panel.py`: a tie that a noisy race decided either way had cost a decode
+    step 104 MB of packed copies of a 125M Llama's o_proj and down_proj). A
     few-row GEMM of a large weight (`COLD_RACE_ROWS`) is timed with the caches evicted
     before each call (2 or more rows: out of the last-level cache, `cold_scratch_bytes`;
     1 row: `COLD_EVICT_MIN`; without addmm when ``addmm_kn`` races), and where ``addmm_kn``
@@ -392,10 +396,20 @@ def _measure_choice(key: tuple, makers: Dict[str, Callable[[], Callable]], bias,
                         times[name] = min(times[name], best_time_us(
                             lambda: run(b, x, wt, out), reps=1, warmup=False))
                     del run   # its packed copy goes with it (unless another kernel holds it)
-            beat = [(t, name) for name, t in times.items() if name != base and t < (
-                GEMV_ONE_ROW_MARGIN if base == "gemv" else _MARGIN) * times[base]]
-            choice = min(beat)[1] if beat else base
-            LINEAR_CHOICES[key] = choice
+            choice = LINEAR_CHOICES[key] = _pick(times, base, wt)
+    return choice
+
+
+def _pick(times: Dict[str, float], base: str, wt: torch.Tensor) -> str:
+    """The race's winner from each candidate's least time (`_measure_choice`): the fastest
+    of those faster than ``base`` by its margin, else ``base``; a kernel keeping a copy of
+    ``wt`` only when also 3% faster than the fastest of those that keep none."""
+    beat = [(t, name) for name, t in times.items() if name != base and t < (
+        GEMV_ONE_ROW_MARGIN if base == "gemv" else _MARGIN) * times[base]]
+    choice = min(beat)[1] if beat else base
+    free = [(t, name) for t, name in beat if not _copies(name, wt)]
+    if free and _copies(choice, wt) and times[choice] >= _MARGIN * min(free)[0]:
+        choice = min(free)[1]   # a copy of the weight must buy 3% too
     return choice
 
 
