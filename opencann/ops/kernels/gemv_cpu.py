@@ -1,4 +1,4 @@
-"""Bandwidth-bound skinny GEMM (GEMV) for linears with at most 32 rows: LLM decode and short
+"""Bandwidth-bound skinny GEMM (GEMV) for linears with at most 64 rows: LLM decode and short
 prefills.
 
 ``y[M, N] = x[M, K] @ W[N, K]^T + b`` in fp32, M <= `MAX_ROWS`. At decode time a linear
@@ -38,7 +38,7 @@ vectorises, one stream per thread) had measured 12.03 ms against 13.02 for the t
 far-apart rows while the tile prefetched into L1; with the prefetch into L2 (`gemv_tile`)
 the tile is level or ahead: medians of 24-40 interleaved passes, four processes, 16.29 ->
 13.82, 14.63 -> 14.23, 13.61 -> 12.63, 13.06 -> 12.80 ms (the host's bandwidth moves
-between runs), hence the tile at every M. M = 5..32 (a short prompt's prefill, a large
+between runs), hence the tile at every M. M = 5..64 (a short prompt's prefill, a large
 decode batch) runs a tile over blocks of x's rows within each prange step, so the tile's
 W rows are read from memory once and from L1 for the other blocks: blocks of 8 rows
 where the 8-row tile has as many accumulators as the 4-row one (AVX-512: 8 x 3 and 4 x
@@ -50,8 +50,13 @@ passes, 8 x 1 -> 4 x 3 blocks: 5 rows 24.9 -> 21.8 ms, 6 rows 29.6 -> 25.2, 8 ro
 -> 25.6, 12 rows 51.6 -> 33.7, 16 rows 62.8 -> 42.3, 32 rows 114.6 -> 78.9
 (``bench/gemv.py --rotation`` gives the same kernel against MKL and oneDNN).
 On the Xeon, the 8-row tile against MKL's ``mm`` on W as nn.Linear holds it,
-one thread: 16 rows 45.0 / 79.7 ms, 32 rows 73.3 / 91.8, 64 rows 133.4 / 127.6 (MKL's
-packed panels compute faster from there on: 128 rows 261.5 / 205.0), hence `MAX_ROWS` 32.
+one thread: 16 rows 45.0 / 79.7 ms, 32 rows 73.3 / 91.8, 64 rows 133.4 / 127.6, 128 rows
+261.5 / 205.0. On the AVX2 EPYC the 4-row blocks against oneDNN's inner product on the
+same [N, K] weight (what an LLM's merged Q/K/V and gate/up weights, which keep no other
+layout, race; 4 weights of 768 x 4096 in turn, least of 10 interleaved calls, 2 threads,
+GFLOP/s): 32 rows 58 / 47, 48 rows 68 / 53, 64 rows 65 / 56, 96 rows 64 / 63, hence
+`MAX_ROWS` 64; the bind-time race picks per shape (the panel GEMM on its packed copy, where
+a weight may have one, computes faster from ~48 rows: 70-75).
 The tile multiplies with FMA and sums its lanes once, reassociated (no ``nnan``/``ninf``),
 so NaN and Inf propagate as in eager (a NaN or Inf in x or W makes the outputs it reaches
 NaN/Inf; the summation order differs from MKL's, so results agree with eager to fp32
@@ -78,7 +83,7 @@ from .gemv_tile import dot_tile, rows_for
 from .numba_cache import entry_point, launch_guard, launch_threads, njit, prebound
 from .numpy_views import static_view
 
-MAX_ROWS = 32  # the kernel handles x with 1..MAX_ROWS rows (decode: one token per sequence)
+MAX_ROWS = 64  # the kernel handles x with 1..MAX_ROWS rows (decode: one token per sequence)
 _FM = {"reassoc", "contract"}  # vectorise the K reduction; keep NaN/Inf semantics
 
 
@@ -139,7 +144,7 @@ def _gemv_blocks_kernel(x, w, b, has_bias, y):  # pragma: no cover - compiled by
 
 def _kernel_for(m: int):
     """The compiled kernel for ``m`` rows of x (1 <= m <= `MAX_ROWS`): `_gemv1_kernel`,
-    `_gemv4_kernel` (2..4) or `_gemv_blocks_kernel` (5..32)."""
+    `_gemv4_kernel` (2..4) or `_gemv_blocks_kernel` (5..64)."""
     return _gemv1_kernel if m == 1 else _gemv4_kernel if m <= 4 else _gemv_blocks_kernel
 
 
