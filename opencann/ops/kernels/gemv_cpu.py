@@ -201,7 +201,8 @@ def bind_gemv(w_nk: torch.Tensor, rows: int, threads: Optional[int] = None
     (`numba_cache.entry_point`, no dispatch).
 
     ``bias``: [N] fp32 or None, per call; ``out``: [rows, N] fp32 (the planned buffer),
-    written in place when contiguous (else through a copy), else a fresh tensor is
+    written in place when contiguous and clear of x and the bias (else through a copy:
+    `_shares_memory`), else a fresh tensor is
     returned; ``threads``: exactly that many threads on every call (a bandwidth
     measurement), instead of `numba_cache.launch_threads`' choice per call (torch's
     intra-op count, one thread on an oversubscribed host). Values: `gemv`'s (module
@@ -263,7 +264,10 @@ def _prebind(kernel, wn: np.ndarray, xshape, yshape, work: int, threads: Optiona
              out: Optional[torch.Tensor] = None) -> Optional[Callable[[], torch.Tensor]]:
     """`bind_gemv`'s ``run.prebind(x, bias=None, out=None)``: ``call()`` running ``run(x,
     bias, out)`` on these very tensors and returning ``out`` (`numba_cache.prebound`), or
-    None where they do not allow it (not contiguous float32 of the bound shapes)."""
+    None where they do not allow it (not contiguous float32 of the bound shapes, or an
+    ``out`` overlapping x or the bias: `_shares_memory`)."""
+    if out is not None and _shares_memory(out, x, bias):
+        return None
     views = [static_view(t, s) if t is not None and t.shape == s else None
              for t, s in ((x, xshape), (out, yshape))]
     bn = _NO_BIAS if bias is None else static_view(bias, (yshape[1],))
@@ -304,7 +308,8 @@ def _views_call(kernel, wn: np.ndarray, x: torch.Tensor, bias: Optional[torch.Te
         if bias.requires_grad or not bias.is_contiguous():
             bias = bias.detach().contiguous()
         bn = bias.numpy()
-    y = out if out is not None and out.is_contiguous() else torch.empty(yshape, dtype=torch.float32)
+    y = out if out is not None and out.is_contiguous() and not _shares_memory(out, x, bias) \
+        else torch.empty(yshape, dtype=torch.float32)
     args = (x.numpy(), wn, bn, bias is not None, y.numpy())
     fn = entries.get(args[3])    # every call's types are the same (C-contiguous float32)
     _call(kernel if fn is None else fn, args, lock)
@@ -315,6 +320,25 @@ def _views_call(kernel, wn: np.ndarray, x: torch.Tensor, bias: Optional[torch.Te
     if out is not None and y is not out:
         return out.copy_(y)
     return y
+
+
+def _shares_memory(out: torch.Tensor, *inputs: Optional[torch.Tensor]) -> bool:
+    """Whether ``out``'s bytes may overlap those of any of ``inputs`` (None skipped): the
+    kernel writes outputs while other tiles still read x and the bias (``out=x`` would be
+    read after it was written), so such an ``out`` is filled through a copy. Conservative:
+    the span from the first to the last element of each, in one storage."""
+    def span(t: torch.Tensor) -> tuple:   # torch strides are >= 0
+        if t.numel() == 0:
+            return 0, 0
+        last = sum((d - 1) * s for d, s in zip(t.shape, t.stride()))
+        return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()
+    o_lo, o_hi = span(out)
+    for t in inputs:
+        if t is not None and o_hi > o_lo:
+            lo, hi = span(t)
+            if lo < o_hi and o_lo < hi:
+                return True
+    return False
 
 
 def _place(x: torch.Tensor, out: torch.Tensor, bias: Optional[torch.Tensor]) -> tuple:
@@ -350,7 +374,8 @@ def gemv(x: torch.Tensor, w_nk: torch.Tensor, bias: Optional[torch.Tensor] = Non
          out: Optional[torch.Tensor] = None, threads: Optional[int] = None) -> torch.Tensor:
     """``x @ w_nk.T + bias`` for x [M, K] fp32 with 1 <= M <= `MAX_ROWS` (32), ``w_nk`` [N, K]
     fp32 C-contiguous (`pack_weight`), ``bias`` [N] fp32 or None; result [M, N] fp32,
-    written into ``out`` when given (any strides; a non-contiguous one gets a copy);
+    written into ``out`` when given (any strides; a non-contiguous one, or one overlapping
+    x or the bias, gets a copy);
     ``threads``: exactly that many threads (a bandwidth measurement), instead of
     `numba_cache.launch`'s choice (one thread on an oversubscribed host). One call binds
     and runs (`bind_gemv`; a caller that repeats a shape binds once instead).
