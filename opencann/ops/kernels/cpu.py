@@ -774,12 +774,16 @@ def _bound_rows_kernel(bound: Callable, post) -> Callable:
 
 
 def _known_choice(made, m: int, k: int, n: int, dtype, bias: Optional[TensorDesc],
-                  kn: bool = False, allowed: Optional[Callable[[str], bool]] = None) -> tuple:
+                  kn: bool = False, allowed: Optional[Callable[[str], bool]] = None,
+                  wt: Optional[torch.Tensor] = None) -> tuple:
     """(cache key, choice) for a GEMM of shape (m, k, n) with a bias of ``bias``'s shape
     or none (None): the kernels raced here (oneDNN's prepacked where it exists, else
     MKL's packed, the GEMV for 1..`GEMV_MAX_ROWS` rows, ``addmm_kn`` where ``kn``
     (`kn_offered`), and addmm, those ``allowed`` (`copy_allowed`; None: all)) are the
-    key's last item (after "no bias" for a bias-free GEMM); the choice is ``made`` (a
+    key's last item (after "no bias" for a bias-free GEMM, then "weight [k, n]" where
+    the constant weight ``wt`` is not the transpose of a contiguous [n, k]: the GEMV and
+    ``onednn_plain`` copy that one and not nn.Linear's, so `_pick`'s copy rule may choose
+    differently for the two layouts of one shape); the choice is ``made`` (a
     node's earlier choice, or a model file's) where its kernel exists here (else addmm)
     and ``allowed`` allows it (else as if nothing were made); with nothing made, the
     cached choice for the key, oneDNN's prepacked kernel for bf16 where it exists,
@@ -788,7 +792,8 @@ def _known_choice(made, m: int, k: int, n: int, dtype, bias: Optional[TensorDesc
         raced = tuple(c for c in GEMM_KERNELS if _available(c, n, bias, m, dtype, kn) and ok(c))
         if "onednn_packed" in raced:  # MKL's packing serves one m and measured no faster
             raced = tuple(c for c in raced if c != "mkl_packed")
-        return (m, k, n, str(dtype)) + (("no bias",) if bias is None else ()) + (raced,)
+        return (m, k, n, str(dtype)) + (("no bias",) if bias is None else ()) + (
+            ("weight [k, n]",) if wt is not None and not wt.t().is_contiguous() else ()) + (raced,)
     key = race_key(lambda c: allowed is None or c == "addmm" or allowed(c))
     raced = key[-1]
     if allowed is not None and made is None:
@@ -872,7 +877,8 @@ def gemm_kernel(node: Node, x: TensorDesc, wt: Optional[torch.Tensor], bias: Opt
         return run_addmm
     key, choice = _known_choice(node.meta.get("kernel"), m, k, n, wt.dtype, bias,
                                 kn=kn_offered(wt, m),
-                                allowed=copy_allowed(wt) if wt.dtype == torch.float32 else None)
+                                allowed=copy_allowed(wt) if wt.dtype == torch.float32 else None,
+                                wt=wt)
     raced = key[-1]
     if choice == "addmm":  # no packing: it copies the weight twice for nothing
         node.meta["kernel"] = "addmm"
