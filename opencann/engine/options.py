@@ -242,6 +242,8 @@ def check_options(options: Optional[Dict[str, Any]]) -> Dict[str, Any]:
                               or not all(isinstance(x, str) for x in v)):
             eg = repr([v]) if isinstance(v, str) else "['fuse_silu']"
             raise ValueError(f"option {k!r} takes a list of names, e.g. {eg}, got {v!r}")
+        if isinstance(v, (set, frozenset)):
+            options[k] = sorted(v)    # a model file stores lists, not sets
     for rid in options.get("disable_rewrites") or ():
         if not all(rid.partition("@")[::2]):
             raise ValueError(f"option 'disable_rewrites' takes rewrite ids '<pass>@<root node>' "
@@ -264,7 +266,8 @@ def check_options(options: Optional[Dict[str, Any]]) -> Dict[str, Any]:
     if c is not None and (isinstance(c, bool) or not isinstance(c, int) or c < 1):
         raise ValueError(f"option 'plan_cache_size' takes a positive int (the most concrete "
                          f"shapes a model with dynamic dims keeps plans for; e.g. 8), got {c!r}")
-    _check_quant_config(options.get("quant_config"))
+    if options.get("quant_config") is not None:
+        options["quant_config"] = _check_quant_config(options["quant_config"])
     d = options.get("dump_graph")
     if d is not None and (not isinstance(d, str) or os.path.isfile(d)):
         raise ValueError(f"option 'dump_graph' takes a directory path (created if missing) for "
@@ -280,8 +283,10 @@ def check_options(options: Optional[Dict[str, Any]]) -> Dict[str, Any]:
     return options
 
 
-def _check_quant_config(cfg: Any) -> None:
-    """Raises ValueError (one line) for a ``quant_config`` that is not a dict of the keys
+def _check_quant_config(cfg: Any) -> Dict[str, Any]:
+    """``cfg`` with its ``skip_layers`` as a list (a set sorted: a model file stores
+    lists; a new dict, the caller's untouched). Raises ValueError (one line) for a
+    ``quant_config`` that is not a dict of the keys
     ``layers`` (None or node name -> a record `check_record` accepts: {"scale_d": finite float >=
     2**-126, "offset_d": int in [0, 255]}, optional "accum" / "out" the same; the line names
     the layer, the field and the bad value), ``skip_layers`` (None or a list of names:
@@ -289,8 +294,6 @@ def _check_quant_config(cfg: Any) -> None:
     (bool), ``check_names`` (bool, default True: the int8 passes raise for a name of no
     layer of the graph, `opencann.passes.fusion.quant_names.check_layer_names`; False
     ignores such names, for a config made for a whole model applied to a part of it)."""
-    if cfg is None:
-        return
     fix = ("give {'layers': {node: {'scale_d': step, 'offset_d': zero_point}}, 'skip_layers': "
            "[names], 'dynamic_linear': bool}, as opencann.quantize makes it")
     if not isinstance(cfg, dict) or set(cfg) - {"layers", "skip_layers", "dynamic_linear", "check_names"}:
@@ -304,11 +307,12 @@ def _check_quant_config(cfg: Any) -> None:
             raise ValueError(f"option 'quant_config': 'layers' takes node names (str) as keys, "
                              f"got {name!r} ({type(name).__name__}); {fix}")
         check_record(name, rec)
-    check_skip_layers(cfg.get("skip_layers"))
+    skip = check_skip_layers(cfg.get("skip_layers"))
     for key in ("dynamic_linear", "check_names"):
         flag = cfg.get(key)
         if flag is not None and not isinstance(flag, bool):
             raise ValueError(f"option 'quant_config': {key!r} takes True or False, got {flag!r:.40}")
+    return dict(cfg, skip_layers=skip) if isinstance(cfg.get("skip_layers"), (set, frozenset)) else cfg
 
 
 _SECTIONS = ("GraphFusion", "UBFusion")

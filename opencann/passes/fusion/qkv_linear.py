@@ -36,6 +36,7 @@ from ...ops.weight_concat import concat_view
 from ...ops.weight_probe import probe_bytes
 from ..base import PassContext, Skip
 from .common import CpuFusion, carry_keep_dtype
+from .quant_names import layer_labels
 
 
 @dataclass
@@ -221,6 +222,9 @@ class FuseQKVLinear(CpuFusion):
             [TensorDesc((mdim, total), out_dtype)], name=f"{first.name}_qkv",
             source=first.source, scope=first.scope, before=first)
         carry_keep_dtype(merged, *m.nodes)
+        # the merged GEMM does each part's work: a skip_layers name of any part (k_proj)
+        # keeps it out of int8 (`quant_names.layer_labels`), not the first part's only
+        merged.meta["part_labels"] = sorted(set().union(*(layer_labels(n) for n in m.nodes)))
         start = 0
         for n, (_, _, w) in zip(m.nodes, parts):
             width = int(w.desc.shape[1])

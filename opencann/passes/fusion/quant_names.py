@@ -32,8 +32,10 @@ from ...ir import Graph, Node, traced_names
 
 def layer_labels(node: Node) -> set:
     """The names ``skip_layers`` may give for ``node``: its own, its module's (``scope``,
-    AMCT's layer name, e.g. ``layer1.0.conv2``) and its traced labels."""
-    own = {node.name} | ({node.scope} if node.scope else set())
+    AMCT's layer name, e.g. ``layer1.0.conv2``), its traced labels, and those of the nodes
+    merged into it (``meta["part_labels"]``: a Q/K/V GEMM is k_proj's and v_proj's layer
+    too, `FuseQKVLinear`)."""
+    own = {node.name} | ({node.scope} if node.scope else set()) | set(node.meta.get("part_labels") or ())
     return own | {lab.partition(".")[0] for lab in (node.meta.get("origin") or ()) if lab}
 
 
