@@ -372,7 +372,7 @@ def _call(fn: Callable, args: tuple, lock) -> None:
 
 def gemv(x: torch.Tensor, w_nk: torch.Tensor, bias: Optional[torch.Tensor] = None,
          out: Optional[torch.Tensor] = None, threads: Optional[int] = None) -> torch.Tensor:
-    """``x @ w_nk.T + bias`` for x [M, K] fp32 with 1 <= M <= `MAX_ROWS` (32), ``w_nk`` [N, K]
+    """``x @ w_nk.T + bias`` for x [M, K] fp32 with 1 <= M <= `MAX_ROWS` (64), ``w_nk`` [N, K]
     fp32 C-contiguous (`pack_weight`), ``bias`` [N] fp32 or None; result [M, N] fp32,
     written into ``out`` when given (any strides; a non-contiguous one, or one overlapping
     x or the bias, gets a copy);
