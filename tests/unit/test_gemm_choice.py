@@ -281,7 +281,7 @@ def test_a_non_contiguous_bias_matches_eager_on_every_kernel(kernel, layout, mon
 
 
 def test_gemv_serves_decode_rows_only_and_a_file_keeps_it(tmp_path, monkeypatch):
-    """The GEMV (<= MAX_ROWS = 64 rows) is raced for decode and short-prefill shapes only: a choice of it pinned onto a
+    """The GEMV (<= MAX_ROWS = 32 rows) is raced for decode and short-prefill shapes only: a choice of it pinned onto a
     wider shape is measured again; a model file keeps it; its weight is copied once."""
     from opencann.ops.kernels.gemv_cpu import MAX_ROWS
     assert cpu_kernels.GEMV_MAX_ROWS == MAX_ROWS

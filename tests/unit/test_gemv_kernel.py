@@ -1,4 +1,4 @@
-"""The decode GEMV kernel (`opencann.ops.kernels.gemv_cpu.gemv`, 1..MAX_ROWS = 64 rows, and
+"""The decode GEMV kernel (`opencann.ops.kernels.gemv_cpu.gemv`, 1..MAX_ROWS = 32 rows, and
 its plan-time binding `bind_gemv`) against ``torch.nn.functional.linear``: every row count up
 to 8 and the 8-row groups' edges past it (9, 16, 17, 32) with odd K and N (N not a multiple
 of any tile's rows), bias and none, NaN/Inf in x and W at chosen positions propagating
@@ -19,7 +19,7 @@ from opencann.ops.kernels.gemv_cpu import MAX_ROWS, bind_gemv, gemv, pack_weight
 from helpers import check_linear
 
 
-@pytest.mark.parametrize("m", list(range(1, 9)) + [9, 16, 17, 33, 47, MAX_ROWS])
+@pytest.mark.parametrize("m", list(range(1, 9)) + [9, 16, 17, MAX_ROWS])
 @pytest.mark.parametrize("k,n", [(1, 1), (7, 13), (33, 65), (769, 301), (2048, 17)])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_matches_f_linear(m, k, n, with_bias):

@@ -263,7 +263,7 @@ def make_trans_data(node: Node, in_descs: Sequence[TensorDesc], consts: Sequence
 GEMM_KERNELS = ("addmm", "addmm_kn", "mkl_packed", "onednn_packed", "onednn_plain", "gemv", "panel")
 # operand dtypes whose constant-weight GEMMs are raced (bf16: addmm and oneDNN's only)
 LINEAR_DTYPES = (torch.float32, torch.bfloat16)
-GEMV_MAX_ROWS = 64  # gemv_cpu.MAX_ROWS (not imported here: that module loads numba)
+GEMV_MAX_ROWS = 32  # gemv_cpu.MAX_ROWS (not imported here: that module loads numba)
 # (m, k, n, dtype, raced kernels) -> one of GEMM_KERNELS: bind-time choice, measured once
 LINEAR_CHOICES: Dict[tuple, str] = {}
 _LINEAR_CHOICES_LOCK = threading.Lock()  # one measurement per shape, even when binding races
@@ -928,7 +928,7 @@ def make_linear_kernel(node: Node, in_descs: Sequence[TensorDesc], consts: Seque
       ``_mkl_reorder_linear_weight``), packed for one m; raced against addmm only where
       oneDNN's is missing, and bound when a model file chose it;
     - ``panel``: 2 rows or more, the numba panel GEMM on NR-wide panels (`gemm_panel_cpu`);
-    - ``gemv``: for 1..`GEMV_MAX_ROWS` (64) rows (LLM decode, short prefills), the
+    - ``gemv``: for 1..`GEMV_MAX_ROWS` (32) rows (LLM decode, short prefills), the
       row-parallel numba GEMV (`gemv_cpu`) on the weight copied once to [n, k] (no copy
       when w_t is the transpose of nn.Linear's contiguous weight); it streams the weight
       once at the memory bandwidth where a BLAS GEMM packs panels per call. Its result

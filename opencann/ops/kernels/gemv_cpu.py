@@ -1,4 +1,4 @@
-"""Bandwidth-bound skinny GEMM (GEMV) for linears with at most 64 rows: LLM decode and short
+"""Bandwidth-bound skinny GEMM (GEMV) for linears with at most 32 rows: LLM decode and short
 prefills.
 
 ``y[M, N] = x[M, K] @ W[N, K]^T + b`` in fp32, M <= `MAX_ROWS`. At decode time a linear
@@ -38,7 +38,7 @@ vectorises, one stream per thread) had measured 12.03 ms against 13.02 for the t
 far-apart rows while the tile prefetched into L1; with the prefetch into L2 (`gemv_tile`)
 the tile is level or ahead: medians of 24-40 interleaved passes, four processes, 16.29 ->
 13.82, 14.63 -> 14.23, 13.61 -> 12.63, 13.06 -> 12.80 ms (the host's bandwidth moves
-between runs), hence the tile at every M. M = 5..64 (a short prompt's prefill, a large
+between runs), hence the tile at every M. M = 5..32 (a short prompt's prefill, a large
 decode batch) runs a tile over blocks of x's rows within each prange step, so the tile's
 W rows are read from memory once and from L1 for the other blocks: blocks of 8 rows
 where the 8-row tile has as many accumulators as the 4-row one (AVX-512: 8 x 3 and 4 x
@@ -54,9 +54,11 @@ one thread: 16 rows 45.0 / 79.7 ms, 32 rows 73.3 / 91.8, 64 rows 133.4 / 127.6, 
 261.5 / 205.0. On the AVX2 EPYC the 4-row blocks against oneDNN's inner product on the
 same [N, K] weight (what an LLM's merged Q/K/V and gate/up weights, which keep no other
 layout, race; 4 weights of 768 x 4096 in turn, least of 10 interleaved calls, 2 threads,
-GFLOP/s): 32 rows 58 / 47, 48 rows 68 / 53, 64 rows 65 / 56, 96 rows 64 / 63, hence
-`MAX_ROWS` 64; the bind-time race picks per shape (the panel GEMM on its packed copy, where
-a weight may have one, computes faster from ~48 rows: 70-75).
+GFLOP/s): 32 rows 58 / 47, 48 rows 68 / 53, 64 rows 65 / 56, 96 rows 64 / 63. `MAX_ROWS`
+stays 32: with 64 the race bound the GEMV for a 34-row GEMM on rows of ±3e38 whose
+overflowed outputs then differed from eager's (inf where eager's sum in K order gave NaN:
+the GEMV sums K in vector lanes first), which a test of the norms' special values
+caught; not settled.
 The tile multiplies with FMA and sums its lanes once, reassociated (no ``nnan``/``ninf``),
 so NaN and Inf propagate as in eager (a NaN or Inf in x or W makes the outputs it reaches
 NaN/Inf; the summation order differs from MKL's, so results agree with eager to fp32
@@ -83,7 +85,7 @@ from .gemv_tile import dot_tile, rows_for
 from .numba_cache import entry_point, launch_guard, launch_threads, njit, prebound
 from .numpy_views import static_view
 
-MAX_ROWS = 64  # the kernel handles x with 1..MAX_ROWS rows (decode: one token per sequence)
+MAX_ROWS = 32  # the kernel handles x with 1..MAX_ROWS rows (decode: one token per sequence)
 _FM = {"reassoc", "contract"}  # vectorise the K reduction; keep NaN/Inf semantics
 
 
@@ -144,7 +146,7 @@ def _gemv_blocks_kernel(x, w, b, has_bias, y):  # pragma: no cover - compiled by
 
 def _kernel_for(m: int):
     """The compiled kernel for ``m`` rows of x (1 <= m <= `MAX_ROWS`): `_gemv1_kernel`,
-    `_gemv4_kernel` (2..4) or `_gemv_blocks_kernel` (5..64)."""
+    `_gemv4_kernel` (2..4) or `_gemv_blocks_kernel` (5..32)."""
     return _gemv1_kernel if m == 1 else _gemv4_kernel if m <= 4 else _gemv_blocks_kernel
 
 
@@ -372,7 +374,7 @@ def _call(fn: Callable, args: tuple, lock) -> None:
 
 def gemv(x: torch.Tensor, w_nk: torch.Tensor, bias: Optional[torch.Tensor] = None,
          out: Optional[torch.Tensor] = None, threads: Optional[int] = None) -> torch.Tensor:
-    """``x @ w_nk.T + bias`` for x [M, K] fp32 with 1 <= M <= `MAX_ROWS` (64), ``w_nk`` [N, K]
+    """``x @ w_nk.T + bias`` for x [M, K] fp32 with 1 <= M <= `MAX_ROWS` (32), ``w_nk`` [N, K]
     fp32 C-contiguous (`pack_weight`), ``bias`` [N] fp32 or None; result [M, N] fp32,
     written into ``out`` when given (any strides; a non-contiguous one, or one overlapping
     x or the bias, gets a copy);
