@@ -97,11 +97,11 @@ def _makers(runs: dict) -> dict:
     return {name: (lambda r=run: r) for name, run in runs.items()}
 
 
-def test_a_kernel_keeping_a_copy_must_beat_the_copy_free_ones_by_the_margin(monkeypatch):
-    """Among the kernels that beat addmm, one keeping a packed copy of the weight (the
-    panel GEMM) wins over one reading the module's weight in place (the GEMV on
-    nn.Linear's [n, k]) only when 3% faster; given times, so the host's load decides
-    nothing. A weight the GEMV would copy (a contiguous [k, n]) has no copy-free rival."""
+@pytest.fixture
+def given_times(monkeypatch):
+    """``kernel(name, us)``: a candidate ``run`` whose race time is ``us`` microseconds
+    (`best_time_us` returns the given time of the kernel it just ran), so the host's
+    load decides nothing; ``kernel.ran`` lists the kernels run, in order."""
     cost_us, ran = {}, []
 
     def timed(fn, **_):
@@ -114,6 +114,16 @@ def test_a_kernel_keeping_a_copy_must_beat_the_copy_free_ones_by_the_margin(monk
             ran.append(name)
             cost_us[name] = us
         return run
+    kernel.ran = ran
+    return kernel
+
+
+def test_a_kernel_keeping_a_copy_must_beat_the_copy_free_ones_by_the_margin(monkeypatch, given_times):
+    """Among the kernels that beat addmm, one keeping a packed copy of the weight (the
+    panel GEMM) wins over one reading the module's weight in place (the GEMV on
+    nn.Linear's [n, k]) only when 3% faster; given times, so the host's load decides
+    nothing. A weight the GEMV would copy (a contiguous [k, n]) has no copy-free rival."""
+    kernel = given_times
     module_weight = torch.randn(64, 32).t()        # nn.Linear's weight, transposed: gemv copies nothing
     for panel_us, want in ((98.0, "gemv"), (99.9, "gemv"), (96.0, "panel"), (50.0, "panel")):
         monkeypatch.setattr(cpu_kernels, "LINEAR_CHOICES", {})
@@ -128,28 +138,19 @@ def test_a_kernel_keeping_a_copy_must_beat_the_copy_free_ones_by_the_margin(monk
                                        torch.randn(32, 64)) == "panel"   # both copy: the faster
 
 
-def test_the_cold_race_of_a_streamed_weight_has_addmm_kn_to_beat(monkeypatch):
+def test_the_cold_race_of_a_streamed_weight_has_addmm_kn_to_beat(monkeypatch, given_times):
     """A few-row GEMM of a large weight held transposed is raced with the caches evicted
     before each timed call, addmm_kn (not addmm) being the kernel to beat: a tie keeps
     addmm_kn, a faster kernel wins, and addmm is not run at all. Each kernel's time is
     given (the timer returns it), so the outcome does not depend on the host's load."""
     monkeypatch.setattr(cpu_kernels, "LINEAR_CHOICES", {})
-    evictions, ran = [], []
+    evictions, ran = [], given_times.ran
     real_evict = cpu_kernels._evict_caches
     monkeypatch.setattr(cpu_kernels, "_evict_caches", lambda s: (evictions.append(s.numel()),
                                                                  real_evict(s)))
-    cost_us = {}
 
-    def timed(fn, **_):
-        fn()
-        return cost_us[ran[-1]]
-    monkeypatch.setattr(cpu_kernels, "best_time_us", timed)
-
-    def kernel(name, pause):
-        def run(b, x, w, out):
-            ran.append(name)
-            cost_us[name] = pause * 1e6
-        return run
+    def kernel(name, seconds):
+        return given_times(name, seconds * 1e6)
     wt = torch.randn(640, 512).t()                    # 1.25 MiB, transposed
     key = (1, 512, 640, "f", ("addmm", "addmm_kn", "p"))
     cands = {"addmm": kernel("addmm", 0.0), "addmm_kn": kernel("addmm_kn", 0.001),
