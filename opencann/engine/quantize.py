@@ -319,10 +319,14 @@ def _options(options: Optional[Dict[str, Any]]) -> Dict[str, Any]:
 
 def _check_target(cfg: Dict[str, Any], opts: Dict[str, Any], device: str) -> None:
     """ValueError (one line) for a ``precision_mode`` that lowers layers before int8
-    quantization, a vnpu without Cube int8, or dynamic quantization on the vnpu."""
+    quantization (on the cpu ``allow_fp32_to_fp16`` lowers nothing, every op having an fp32
+    kernel, and is taken), a vnpu without Cube int8, or dynamic quantization on the vnpu."""
     mode = opts.get("precision_mode")
-    if mode not in (None, "force_fp32", "must_keep_origin_dtype", "allow_mix_precision_bf16") \
-            or (mode == "allow_mix_precision_bf16" and parse_device(device).kind != "cpu"):
+    cpu = parse_device(device).kind == "cpu"
+    # allow_fp32_to_fp16 lowers only ops the device has no fp32 kernel for: none on the cpu
+    if mode not in (None, "force_fp32", "must_keep_origin_dtype", "allow_mix_precision_bf16",
+                    "allow_fp32_to_fp16") \
+            or (mode in ("allow_mix_precision_bf16", "allow_fp32_to_fp16") and not cpu):
         raise ValueError(f"precision_mode {mode!r} lowers layers to fp16/bf16 before int8 "
                          f"quantization on {device}; leave it unset to quantize from fp32 (on the cpu, "
                          f"'allow_mix_precision_bf16' quantizes the linears inside a bf16 graph)")

@@ -299,8 +299,11 @@ def _calibrate_int8(cand: Candidate, model, args, nodes: Dict[str, NodeChoice], 
     fp32 = compile_module(model, args, device, {})
     items = [b if isinstance(b, tuple) else (b,) for b in batches]
     records = calibrate(fp32, items)
+    from ..ir import traced_names
     scopes = {n.name: n.scope for n in fp32.graph.nodes if n.op in TARGETS}
-    return tune_int8.calibrated(cand, records, scopes, {n: c.module for n, c in nodes.items()}, bf16_io)
+    traced = [s for n in fp32.graph.nodes if n.op in TARGETS and n.name in records for s in traced_names(n)]
+    return tune_int8.calibrated(cand, records, scopes, {n: c.module for n, c in nodes.items()}, bf16_io,
+                                traced)
 
 
 __all__ = ["CANDIDATES", "TIME_MARGIN", "Candidate", "NodeChoice", "TuneResult", "check_candidates", "tune"]

@@ -82,7 +82,7 @@ def emulate(target, args, kwargs) -> Optional[Tuple[torch.Tensor, torch.Tensor]]
 
 
 def calibrated(base, records: Dict[str, Dict[str, Any]], scopes: Dict[str, str],
-               module_of: Dict[str, str], bf16_io: Sequence[str] = ()):
+               module_of: Dict[str, str], bf16_io: Sequence[str] = (), traced: Sequence[str] = ()):
     """``base`` (the int8 `Candidate`) with an ``apply`` that quantizes the layers of the
     chosen nodes: ``records`` (fused node name -> {"scale_d", "offset_d"}, from
     `opencann.engine.quantize.calibrate`), ``scopes`` (fused node name -> its module),
@@ -91,7 +91,12 @@ def calibrated(base, records: Dict[str, Dict[str, Any]], scopes: Dict[str, str],
     "bf16", so each int8 Linear sits in the graph as a bf16 one would (AscendQuant reading
     bf16, the layer writing bf16, no Cast around it: `QuantizeInt8`), and its own error is
     judged on operands rounded to bf16 first (`emulate_bf16`); convolutions are quantized
-    from fp32."""
+    from fp32. ``traced``: the captured node names whose work a recorded layer does
+    (`opencann.ir.traced_names`: Q, K and V of one merged GEMM). Its ``applies`` adds to
+    `applies` one rule: a node neither in ``traced`` nor of a recorded layer's module (every
+    calibration batch NaN/inf at its input, or a layer of no module) fails int8's verdict
+    with that reason, so the search gives it the next candidate (bf16) instead of an int8
+    the ``quantize_int8`` pass would leave in fp32."""
     from dataclasses import replace
 
     def apply(options: Dict[str, Any], nodes: Sequence[str]) -> Dict[str, Any]:
@@ -108,7 +113,17 @@ def calibrated(base, records: Dict[str, Dict[str, Any]], scopes: Dict[str, str],
             options["node_precision"] = {**(options.get("node_precision") or {}), **{n: "bf16" for n in low}}
         return options
     io = set(bf16_io)
-    return replace(base, apply=apply, **({"emulate": emulate_bf16} if io else {}))
+    recorded = {scopes.get(k) for k in records} - {None, ""}
+    done = set(traced)
+    static = base.applies or applies
+
+    def applies_calibrated(fx_node, ep) -> str:
+        why = static(fx_node, ep)
+        if why or fx_node.name in done or module_of.get(fx_node.name) in recorded:
+            return why
+        return ("no calibration record for its layer (no calibration batch had a finite value at its "
+                "input, or it is no module's layer): int8 cannot run it")
+    return replace(base, apply=apply, applies=applies_calibrated, **({"emulate": emulate_bf16} if io else {}))
 
 
 def emulate_bf16(target, args, kwargs) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
