@@ -50,7 +50,10 @@ class LLMArch:
     ``max_positions`` is the longest sequence (tokens) the model serves: GPT-2's
     ``n_positions`` (rows of its learned table), a RoPE model's ``max_position_embeddings``
     or, with a RoPE scaling (``linear``, ``llama3``, ``yarn``), the longer of that and
-    ``original_max_position_embeddings`` x ``factor`` (`rope_context`); 0: unknown."""
+    ``original_max_position_embeddings`` x ``factor`` (`rope_context`); 0: unknown.
+    ``config_positions`` is the config's own ``max_position_embeddings`` (GPT-2's
+    ``n_positions``; 0: none), which transformers' ``generate`` caps its default length at
+    whatever the RoPE scaling (`default_length_cap`)."""
 
     model_type: str
     family: str
@@ -71,6 +74,15 @@ class LLMArch:
     rope_type: Optional[str] = None
     tie_word_embeddings: bool = False
     sliding_window: Optional[int] = None
+    config_positions: Optional[int] = None
+
+    @property
+    def default_length_cap(self) -> int:
+        """The sequence length (tokens) transformers' ``generate`` caps its default length
+        at (``_prepare_generated_length``: the config's ``max_position_embeddings``, RoPE
+        scaling not counted; 0: no cap): ``config_positions``, or ``max_positions`` for an
+        arch read before that field was kept (a model file of an earlier opencann)."""
+        return self.max_positions if self.config_positions is None else self.config_positions
 
     def kv_cache_bytes(self, max_batch: int, max_seq_len: int, itemsize: int = 4) -> int:
         """Bytes of the K and V caches of all layers: 2 * L * B_max * Hkv * S_max * D *
@@ -211,7 +223,8 @@ def _read_llama(config: Any, mt: str) -> LLMArch:
         o_bias=mt != "qwen2" and bool(_get(config, "attention_bias", False)),
         mlp_bias=bool(_get(config, "mlp_bias", False)), rope_type=_rope_type(config, mt),
         tie_word_embeddings=bool(_get(config, "tie_word_embeddings", False)),
-        sliding_window=_sliding_window(config, mt))
+        sliding_window=_sliding_window(config, mt),
+        config_positions=int(_get(config, "max_position_embeddings", 0) or 0))
 
 
 def _read_gpt2(config: Any) -> LLMArch:
@@ -232,7 +245,8 @@ def _read_gpt2(config: Any) -> LLMArch:
         norm_eps=float(config.layer_norm_epsilon),
         activation=_activation(mt, config.activation_function),
         max_positions=int(config.n_positions), attn_scales=scales, qkv_bias=True, o_bias=True,
-        mlp_bias=True, tie_word_embeddings=bool(_get(config, "tie_word_embeddings", True)))
+        mlp_bias=True, tie_word_embeddings=bool(_get(config, "tie_word_embeddings", True)),
+        config_positions=int(_get(config, "max_position_embeddings", None) or config.n_positions))
 
 
 __all__ = ["ACTIVATIONS", "GPT2_TYPES", "LLAMA_TYPES", "LLMArch", "ROPE_TYPES", "read_arch",

@@ -74,6 +74,7 @@ def compile(model: torch.nn.Module, max_seq_len: int, max_batch: int = 1, device
     computes the eval-mode logits (no dropout) in either. Under ``torch.inference_mode()``
     or not, and whatever torch's default dtype, the caches, weights and graphs it makes
     are ordinary float32 tensors: the model stays trainable.
+    ``max_seq_len`` and ``max_batch``: Python or NumPy ints.
     Raises ValueError (one line) for an unsupported architecture or dtype, a model
     without an LM head, max_seq_len beyond the model's positions or sliding window, a
     device other than "cpu", a bad option, KV caches larger than the machine's memory
@@ -82,6 +83,9 @@ def compile(model: torch.nn.Module, max_seq_len: int, max_batch: int = 1, device
         raise ValueError(f"opencann.llm runs on device 'cpu' or 'vnpu[:<preset>]' (where its decode "
                          f"attention and KV-cache kernels exist), got {device!r}")
     parse_device(device)     # DeviceError (one line) for an unknown vnpu preset
+    # NumPy (or 0-d tensor) integers as Python ints, as the bucket and batch options take
+    # them: the sizes reach the model file's JSON metadata (`Generator.save`)
+    max_seq_len, max_batch = _as_id(max_seq_len), _as_id(max_batch)
     ours, rest = _split_options(options)
     # the model's train/eval mode is left as it is: DecoderLM never applies dropout
     return Generator(DecoderLM(model), max_seq_len, max_batch, device, ours, rest,
@@ -201,14 +205,21 @@ class Generator:
         """(new tokens, where the count came from) of a call: ``max_new_tokens``, else a
         ``max_length`` (counting the prompt), else transformers' default
         (GenerationMixin._prepare_generated_length: `DEFAULT_NEW_TOKENS` new tokens, the
-        whole sequence capped at the model's positions)."""
+        whole sequence capped at the config's ``max_position_embeddings``, RoPE scaling not
+        counted: `LLMArch.default_length_cap`). Raises ValueError (one line) where that cap
+        or ``max_length`` leaves no new token after the prompt, as transformers does."""
         new = _as_id(gc.max_new_tokens)
         if new is not None:
             return new, f"max_new_tokens={new}"
         L = batch.sequences.shape[1]
         if gc.max_length is None:
-            cap = self.arch.max_positions - L if self.arch.max_positions else None
-            new = DEFAULT_NEW_TOKENS if cap is None or cap < 1 else min(DEFAULT_NEW_TOKENS, cap)
+            limit = self.arch.default_length_cap
+            if limit and limit - L < 1:
+                raise ValueError(f"max_new_tokens not given, and transformers' default length "
+                                 f"({DEFAULT_NEW_TOKENS} new tokens, the sequence capped at the "
+                                 f"config's max_position_embeddings {limit}) leaves none after a "
+                                 f"prompt of {L} tokens: pass max_new_tokens")
+            new = min(DEFAULT_NEW_TOKENS, limit - L) if limit else DEFAULT_NEW_TOKENS
             return new, f"transformers' default of {new} new tokens (no max_new_tokens given)"
         length = _as_id(gc.max_length)
         if isinstance(length, bool) or not isinstance(length, int):
@@ -224,13 +235,13 @@ class Generator:
         """The call's new-token count (`_length`); raises ValueError (one line) when it
         is not a positive int or the prompt and it do not fit the cache, naming what
         applies to this generator (`_larger_cache`)."""
-        new, asked = self._length(gc, batch, given)
-        if isinstance(new, bool) or not isinstance(new, int) or new < 1:
-            raise ValueError(f"max_new_tokens must be a positive int, got {new!r:.40}")
         longest = int(batch.lengths.max())
         if longest > self.max_seq_len:
             raise ValueError(f"a prompt of {longest} tokens exceeds max_seq_len {self.max_seq_len}"
                              f"; shorten the prompt or {self._larger_cache()}")
+        new, asked = self._length(gc, batch, given)
+        if isinstance(new, bool) or not isinstance(new, int) or new < 1:
+            raise ValueError(f"max_new_tokens must be a positive int, got {new!r:.40}")
         if longest + new - 1 > self.max_seq_len:
             raise ValueError(f"a prompt of {longest} tokens plus {asked} needs "
                              f"{longest + new - 1} cache positions but max_seq_len is "

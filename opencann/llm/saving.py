@@ -26,6 +26,7 @@ the weights.
 from __future__ import annotations
 
 import base64
+import copy
 import json
 import os
 import tempfile
@@ -84,10 +85,45 @@ def load_tokenizer(files: Dict[str, str]) -> Any:
         return AutoTokenizer.from_pretrained(tmp, local_files_only=True)
 
 
+def _plain(v: Any) -> Any:
+    """``v`` with the NumPy scalars and arrays and the tensors `Generator.generate` takes
+    as settings (``eos_token_id=np.int64(2)``, a tensor of stop ids, a set of them) made
+    Python numbers and lists, JSON's kinds; anything else as it is."""
+    import numpy as np
+    import torch
+    if isinstance(v, (np.generic, np.ndarray, torch.Tensor)):
+        return v.tolist()
+    if isinstance(v, (list, tuple, set, frozenset)):
+        return [_plain(x) for x in v]
+    if isinstance(v, dict):
+        return {k: _plain(x) for k, x in v.items()}
+    return v
+
+
 def _generation_config_json(gc: Any) -> Optional[Dict[str, Any]]:
+    """The generation_config ``gc`` (a transformers GenerationConfig, or None) as a JSON
+    dict, every field (`_plain`): what `generate` reads from it, it reads back after
+    `load`. Raises ValueError (one line) naming a field JSON cannot hold."""
     if gc is None:
         return None
-    return json.loads(gc.to_json_string(use_diff=False))
+    gc = copy.deepcopy(gc)
+    for k, v in list(vars(gc).items()):
+        vars(gc)[k] = _plain(v)
+    try:
+        return json.loads(gc.to_json_string(use_diff=False))
+    except (TypeError, ValueError) as e:
+        bad = next((k for k, v in vars(gc).items() if not _jsonable(v)), "?")
+        raise ValueError(f"Generator.save: generation_config.{bad} = {getattr(gc, bad, None)!r:.60} "
+                         f"cannot be stored in the model file ({e}); set it to a number, a "
+                         f"string or a list of them") from None
+
+
+def _jsonable(v: Any) -> bool:
+    try:
+        json.dumps(v)
+        return True
+    except (TypeError, ValueError):
+        return False
 
 
 def prefix(batch: int, tokens: int) -> str:
@@ -108,6 +144,7 @@ def save(gen: Any, path: str, tokenizer: Any = None, graphs: str = "all") -> Dic
         raise ValueError(f"Generator.save takes graphs='all' (build every bucket and batch size "
                          f"first) or 'built' (those built so far), got {graphs!r}")
     tokenizer = tokenizer if tokenizer is not None else gen.tokenizer
+    gc_json = _generation_config_json(gen.generation_config)   # its error before any build
     with gen._locked("Generator.save()"):
         try:
             # a weight or attribute generate() would refuse is refused here alike: the
@@ -130,7 +167,7 @@ def save(gen: Any, path: str, tokenizer: Any = None, graphs: str = "all") -> Dic
                       "layers": a.num_layers, "kv_heads": a.num_kv_heads, "head_dim": a.head_dim,
                       "dtype": str(gen.caches[0].dtype).replace("torch.", ""),
                       "buckets": list(gen.buckets), "batch_sizes": list(gen.batch_sizes)},
-            "generation_config": _generation_config_json(gen.generation_config),
+            "generation_config": gc_json,
             "steps": [[b, t] for b, t in steps], "tokenizer": tokenizer is not None}
     extra = {}
     if tokenizer is not None:
