@@ -49,7 +49,10 @@ roofline tokens/s = bandwidth / bytes per step (per sequence).
     .venv/bin/python bench/llm.py --models llama125m --batches 1 --rounds 3 --reps 3
 
 Prints a Markdown table and writes bench/results/llm.json (with the load average at the
-start and end: figures taken on a loaded machine are not comparable with quiet ones).
+start and end: figures taken on a loaded machine are not comparable with quiet ones; and
+``OMP_WAIT_POLICY``, which every worker inherits: under ``PASSIVE`` each OpenMP region of
+torch's and opencann's kernels wakes a sleeping worker, which the peers' own thread pools
+do not pay; leave it unset on a quiet host).
 """
 from __future__ import annotations
 
@@ -456,8 +459,12 @@ def main(argv=None) -> None:
         backends.remove(b)
     load_start = os.getloadavg()
     bws = [gemv_bandwidth(args.threads)]
+    # read by the OpenMP runtime at `import torch` in every worker (libgomp's default: spin
+    # ~300 000 times before sleeping; PASSIVE: sleep at once, so every region wakes a worker)
+    policy = os.environ.get("OMP_WAIT_POLICY") or "default"
     print(f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, {args.threads} "
-          f"threads, load average {load_start[0]:.1f}; read bandwidth {bws[0]:.1f} GB/s", flush=True)
+          f"threads, load average {load_start[0]:.1f}; read bandwidth {bws[0]:.1f} GB/s; "
+          f"OMP_WAIT_POLICY {policy}", flush=True)
     rows = []
     with tempfile.TemporaryDirectory(prefix="opencann-llm-bench-") as work:
         for name in args.models:
@@ -473,7 +480,8 @@ def main(argv=None) -> None:
         except ImportError:
             pass
     doc = dict(date=datetime.date.today().isoformat(), threads=args.threads, prompt=args.prompt,
-               new=args.new, rounds=args.rounds, reps=args.reps, gemv_gb_per_s=max(bws),
+               new=args.new, rounds=args.rounds, reps=args.reps, omp_wait_policy=policy,
+               gemv_gb_per_s=max(bws),
                gemv_gb_per_s_readings=bws,
                load_average_start=load_start, load_average_end=os.getloadavg(),
                versions=versions, cpu_count=os.cpu_count(), skipped=skipped,

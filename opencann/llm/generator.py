@@ -62,7 +62,8 @@ def compile(model: torch.nn.Module, max_seq_len: int, max_batch: int = 1, device
             options: Optional[Dict[str, Any]] = None) -> "Generator":
     """A `Generator` for ``model``, a transformers causal LM in float32 (GPT-2, Llama,
     Mistral, Qwen2 families; `opencann.llm.arch`), with KV caches for ``max_batch``
-    prompts of up to ``max_seq_len`` tokens (prompt + generated): 2 * layers * max_batch *
+    prompts of up to ``max_seq_len`` cache positions (prompt + generated; the last new
+    token takes none, so a row may end max_seq_len + 1 long): 2 * layers * max_batch *
     kv_heads * max_seq_len * head_dim * 4 bytes, allocated here.
 
     ``options``: ``backend`` ("eager": torch runs the step graphs; "opencann": each is
