@@ -659,3 +659,50 @@ def test_rope_decode_kernel_at_batch_8_mixed_lengths_against_eager(path, monkeyp
         assert ((got - ref).abs() <= 1e-5 + 1e-5 * ref.abs()).all()
         first = got.clone() if first is None else first
         assert torch.equal(got, first)
+
+
+@pytest.mark.parametrize("batch,seq", [(1, 32), (3, 7), (2, 16)])
+def test_rotary_small_prefill_span_rows_are_eager_bit_for_bit(batch, seq):
+    """Below the grain, q/k sliced out of a fused QKV output (heads D apart, rows strided)
+    or contiguous, run the span rows (`_serial_pair_span`): eager's bits, NaN and inf
+    included, into the given buffers and again into fresh ones; cos per row or shared."""
+    from opencann.ops.kernels import rotary_mul_cpu as R
+    qkv = torch.randn(batch, seq, 20 * 64, generator=G)
+    q = qkv[..., :768].view(batch, seq, 12, 64).transpose(1, 2)
+    k = qkv[..., 768:1024].view(batch, seq, 4, 64).transpose(1, 2)
+    q[0, 3, seq - 1, 7], k[-1, 2, 0, 40], q[-1, 0, 1, 33] = float("nan"), float("inf"), -float("inf")
+    cos = torch.randn(batch, 1, seq, 64, generator=G)
+    sin = torch.randn(1, 1, seq, 64, generator=G)
+    sin[0, 0, 2, 50] = float("inf")
+    assert R._span_args(q, k, R._as4(cos, q.shape), R._as4(sin, q.shape),
+                        torch.empty(q.shape), torch.empty(k.shape)) is not None
+    for qq, kk in ((q, k), (q.contiguous(), k.contiguous())):
+        refs = [x * cos + _rotate_half(x) * sin for x in (qq, kk)]
+        out = (torch.empty(qq.shape), torch.empty(kk.shape))
+        got = apply_rotary_pos_emb(qq, kk, cos, sin, out=out)
+        assert got[0] is out[0] and got[1] is out[1]
+        again = apply_rotary_pos_emb(qq, kk, cos, sin)
+        for ys in (got, again):
+            for y, ref in zip(ys, refs):
+                assert torch.equal(y.view(torch.int32), ref.view(torch.int32))
+        assert again[0] is not got[0]
+
+
+def test_rotary_span_memo_follows_values_and_buffers():
+    """A graph node's memo reuses the spans of the same buffers (new values in them are
+    read, not the old ones) and rebuilds them for other buffers or layouts."""
+    memo: dict = {}
+    qkv = torch.randn(1, 32, 20 * 64, generator=G)
+    q = qkv[..., :768].view(1, 32, 12, 64).transpose(1, 2)
+    k = qkv[..., 768:1024].view(1, 32, 4, 64).transpose(1, 2)
+    cos, sin = torch.randn(1, 1, 32, 64, generator=G), torch.randn(1, 1, 32, 64, generator=G)
+    out = (torch.empty(1, 32, 12, 64).transpose(1, 2), torch.empty(1, 32, 4, 64).transpose(1, 2))
+    for step in range(3):
+        if step == 2:                      # other buffers, another layout: new spans
+            out = (torch.empty(1, 12, 32, 64), torch.empty(1, 4, 32, 64))
+        qkv.copy_(torch.randn(qkv.shape, generator=G))       # new values, same memory
+        cos.copy_(torch.randn(cos.shape, generator=G))
+        got = apply_rotary_pos_emb(q, k, cos, sin, out=out, memo=memo)
+        assert len(memo) == 1 and got[0] is out[0]
+        for y, x in zip(got, (q, k)):
+            assert torch.equal(y.view(torch.int32), (x * cos + _rotate_half(x) * sin).view(torch.int32))
