@@ -207,7 +207,8 @@ def tune(model: torch.nn.Module, example_inputs, *, budget: Union[str, Callable]
     ``budget``: "msprobe" (the gate of `opencann.tools.tune_gate` on each node's own
     error, and on the outputs its NaN/Inf and cosine <= 0.99 rules) or a callable
     ``metric(actual_outputs, eager_outputs) -> bool`` judging the outputs on ``data``
-    instead (each node's own error is still measured and reported). ``data``: a list of
+    instead (each node's own error is still measured and reported; an exception it
+    raises comes through as raised, with a note naming it and the data item). ``data``: a list of
     input tuples the outputs are checked on (default: ``[example_inputs]``).
     ``candidates``: precision names from `CANDIDATES` or `Candidate` objects, highest
     first, starting with "fp32". ``time_budget_s``: the search stops lowering more

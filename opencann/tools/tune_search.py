@@ -107,7 +107,15 @@ def _outputs_ok(model, data, budget, compiled, outs: List[Dict[str, Any]]) -> Tu
             got = compiled(*item)
         check_judgeable(ref, f"the model's eager outputs on data item {k}")   # a metric too
         if callable(budget):
-            ok = _metric_verdict(budget(got, ref), budget)
+            try:
+                value = budget(got, ref)
+            except Exception as e:   # the user's own error, as raised, with where it came from
+                e.add_note(f"tune: raised by the budget metric "
+                           f"{getattr(budget, '__name__', type(budget).__name__)!r} judging "
+                           f"data item {k} (a candidate's outputs against eager's); fix the "
+                           "metric or the data")
+                raise
+            ok = _metric_verdict(value, budget)
             outs.append({"data": k, "metric": ok})
             if not ok:
                 return False, f"{getattr(budget, '__name__', 'metric')} rejected data item {k}"

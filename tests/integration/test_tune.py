@@ -119,6 +119,19 @@ def test_a_metric_not_answering_a_bool_is_one_line(factory, answer, shown):
         tune(model, (x,), budget=score, timing=False)
 
 
+def test_a_metric_raising_keeps_its_error_and_says_where(factory):
+    """The user's own exception comes through as raised (type, message, traceback), with
+    a note naming the metric and the data item it was judging."""
+    _, model, (x,) = factory
+
+    def strict(actual, expected):
+        raise KeyError("no such output")
+    with pytest.raises(KeyError, match="no such output") as info:
+        tune(model, (x,), data=[(x,), (x + 1,)], budget=strict, timing=False)
+    assert info.value.__notes__ == ["tune: raised by the budget metric 'strict' judging data item 0 "
+                                    "(a candidate's outputs against eager's); fix the metric or the data"]
+
+
 @pytest.mark.parametrize("answer", [True, torch.tensor(True), torch.tensor([False])])
 def test_bool_like_metric_answers_are_taken(factory, answer):
     _, model, (x,) = factory
