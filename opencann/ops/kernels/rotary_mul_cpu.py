@@ -19,8 +19,10 @@ a 12/4-head, D = 64 layer 820 -> 293 us on 2 threads (two strided calls before,
 same-process A/B).
 
 Numerics: no fast-math, so each product and the sum round as eager's separate ``mul``,
-``mul`` and ``add`` (no fused multiply-add): y is eager's bit for bit, NaN and inf
-included.
+``mul`` and ``add`` (no fused multiply-add): y is eager's bit for bit, inf and NaN
+positions included, except the sign of a NaN that comes through the negated half
+(LLVM rewrites a + (−b)·s as a − b·s, as IEEE 754 leaves a NaN result's sign
+unspecified; eager's ``neg`` flips it).
 """
 from __future__ import annotations
 
@@ -177,15 +179,22 @@ def _as4(r: torch.Tensor, shape) -> "np.ndarray":
     return a
 
 
+def _span_bytes(t: torch.Tensor) -> tuple:
+    """[first, last + 1) byte addresses of ``t``'s elements (non-empty; any strides)."""
+    lo = t.data_ptr()
+    return lo, lo + (1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride()))) * t.element_size()
+
+
 def _overlaps(out: torch.Tensor, *xs: torch.Tensor) -> bool:
-    """Whether the memory of ``out`` meets the span of any of ``xs`` (byte ranges from
-    the first to the last element: conservative for strided views)."""
-    lo = out.data_ptr()
-    hi = lo + out.numel() * out.element_size()
+    """Whether the span of ``out`` meets the span of any of ``xs`` (byte ranges from
+    the first to the last element of each: conservative for strided views, e.g. a
+    strided ``out`` whose rows interleave with an input's)."""
+    if not out.numel():
+        return False
+    lo, hi = _span_bytes(out)
     for x in xs:
-        if x.numel() and out.numel():
-            a = x.data_ptr()
-            b = a + (1 + sum((n - 1) * st for n, st in zip(x.shape, x.stride()))) * x.element_size()
+        if x.numel():
+            a, b = _span_bytes(x)
             if a < hi and lo < b:
                 return True
     return False
@@ -317,8 +326,10 @@ def apply_rotary_pos_emb(q: torch.Tensor, k: torch.Tensor, r1: torch.Tensor, r2:
     Raises `rotary_mul`'s ValueErrors (an ``out`` that is not a pair of float32 tensors
     of q's and k's shapes among them)."""
     if out is not None:
-        if len(out) != 2:
-            raise ValueError(f"apply_rotary_pos_emb: out must be a (query, key) pair, got {len(out)} items")
+        if len(out) != 2 or any(o is None for o in out):
+            raise ValueError(f"apply_rotary_pos_emb: out must be a (query, key) pair of tensors, "
+                             f"got {[None if o is None else type(o).__name__ for o in out]}; "
+                             "pass both, or out=None for fresh ones")
         check_out("apply_rotary_pos_emb", out[0], q.shape)
         check_out("apply_rotary_pos_emb", out[1], k.shape)
     if out is not None and any(_overlaps(o, q, k, r1, r2) for o in out):
