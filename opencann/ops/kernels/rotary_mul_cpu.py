@@ -179,10 +179,15 @@ def _as4(r: torch.Tensor, shape) -> "np.ndarray":
     return a
 
 
+def _span(t: torch.Tensor) -> int:
+    """Elements from ``t``'s first to its last element (non-empty; non-negative strides)."""
+    return 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride()))
+
+
 def _span_bytes(t: torch.Tensor) -> tuple:
-    """[first, last + 1) byte addresses of ``t``'s elements (non-empty; any strides)."""
+    """[first, last + 1) byte addresses of ``t``'s elements (`_span`)."""
     lo = t.data_ptr()
-    return lo, lo + (1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride()))) * t.element_size()
+    return lo, lo + _span(t) * t.element_size()
 
 
 def _overlaps(out: torch.Tensor, *xs: torch.Tensor) -> bool:
@@ -236,8 +241,7 @@ def rotary_mul(x: torch.Tensor, r1: torch.Tensor, r2: torch.Tensor, out=None) ->
 def _flat(t: torch.Tensor) -> "np.ndarray":
     """A 1-D NumPy view of the span of memory ``t`` (non-empty, last stride 1) covers,
     from its first element to its last."""
-    span = 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride()))
-    return torch.as_strided(t.detach(), (span,), (1,), t.storage_offset()).numpy()
+    return torch.as_strided(t.detach(), (_span(t),), (1,), t.storage_offset()).numpy()
 
 
 def _row_strides(t: torch.Tensor) -> "np.ndarray":
