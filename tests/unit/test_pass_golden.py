@@ -921,8 +921,8 @@ def test_fuse_add_layer_norm():
 
 
 @pytest.mark.parametrize("case,reason", [
-    ("sum_read", "the sum a + b is also read by neg; the fused kernel does not write it"),
-    ("stats_read", "the LayerNorm's mean or rstd is read (training): the fused kernel returns "
+    ("sum_read", "the sum a + b is also read by neg; the fused node does not write it"),
+    ("stats_read", "the LayerNorm's mean or rstd is read (training): the fused node returns "
                    "the normalized output only"),
     ("no_affine", "LayerNorm without γ or β (elementwise_affine=False)"),
     ("broadcast", "the Add broadcasts (float32[2,8] + float32[8]); the fused kernel adds two "

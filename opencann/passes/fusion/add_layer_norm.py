@@ -13,7 +13,7 @@ from __future__ import annotations
 from ...ir import Graph, Node, TensorRef
 from ..base import PassContext, Skip
 from .common import CpuFusion
-from .match import residual_add
+from .match import residual_layer_norm
 
 
 class FuseAddLayerNorm(CpuFusion):
@@ -30,21 +30,9 @@ class FuseAddLayerNorm(CpuFusion):
         `Skip` with the reason for a near miss (broadcast or scaled Add, the sum or the
         statistics read elsewhere, normalization over several axes, no γ or β, dtypes)."""
         x = ln.inputs[0]
-        found = residual_add(x)
-        if not isinstance(found, tuple):
-            return found
-        add, a, b = found
-        readers = [u.name for u in x.users if u is not ln]
-        if readers or x in graph.outputs:
-            return Skip("the sum a + b is also read by "
-                        + (", ".join(readers) if readers else "the caller")
-                        + "; the fused kernel does not write it")
-        if any(o.users or o in graph.outputs for o in ln.outputs[1:]):
-            return Skip("the LayerNorm's mean or rstd is read (training): the fused kernel "
-                        "returns the normalized output only")
-        if len(ln.attrs["normalized_shape"]) != 1:
-            return Skip(f"normalizes {len(ln.attrs['normalized_shape'])} trailing axes; the "
-                        "fused kernel normalizes the last one")
+        add = residual_layer_norm(ln, graph)
+        if add is None or isinstance(add, Skip):
+            return add
         if ln.attrs.get("weight") is None or ln.attrs.get("bias") is None:
             return Skip("LayerNorm without γ or β (elementwise_affine=False)")
         if any(v.desc.dtype != x.desc.dtype for v in ln.inputs):

@@ -17,12 +17,11 @@ from __future__ import annotations
 
 from typing import List, Optional, Tuple
 
-import torch
 
 from ...ir import DataType, Graph, Node, TensorRef, Value
 from ..base import PassContext, Skip
 from .common import CpuFusion
-from .match import contiguous_strides, residual_add
+from .match import contiguous_strides, residual_layer_norm
 
 _LOW = (DataType.BF16, DataType.FLOAT16)
 #: views the down-cast may be reached through (same elements, same order)
@@ -76,30 +75,12 @@ class FuseAddLayerNormCast(CpuFusion):
         if y.desc.dtype != DataType.FLOAT:
             return Skip(f"the LayerNorm computes in {y.desc.dtype.value}; the fused node "
                         "normalizes in float32")
-        found = residual_add(ln.inputs[0])
-        if found is None:
+        add = residual_layer_norm(ln, graph, "its cast")
+        if add is None:
             return Skip("no residual Add produces the LayerNorm's input (the embeddings' "
                         "norm): the fused node adds two tensors")
-        if not isinstance(found, tuple):
-            return found
-        add = found[0]
-        x = add.outputs[0]
-        readers = [u.name for u in x.users if u is not ln]
-        if readers or x in graph.outputs:
-            return Skip("the sum a + b is also read by "
-                        + (", ".join(readers) if readers else "the caller")
-                        + "; the fused node does not write it")
-        if any(o.users or o in graph.outputs for o in ln.outputs[1:]):
-            return Skip("the LayerNorm's mean or rstd is read (training): the fused node "
-                        "returns the normalized output and its cast only")
-        if len(ln.attrs["normalized_shape"]) != 1:
-            return Skip(f"normalizes {len(ln.attrs['normalized_shape'])} trailing axes; the "
-                        "fused node normalizes the last one")
-        params = [ln.inputs[ln.attrs[k].index] for k in ("weight", "bias")
-                  if ln.attrs.get(k) is not None]
-        if any(p.desc.dtype != DataType.FLOAT for p in params):
-            return Skip(f"γ/β dtypes {[p.desc.dtype.value for p in params]}: the fused "
-                        "node takes float32 γ and β, as the float32 LayerNorm it replaces")
+        if isinstance(add, Skip):
+            return add
         return ln, add, down
 
     def rewrite(self, graph: Graph, m, ctx: PassContext) -> int:

@@ -11,7 +11,7 @@ from typing import Any, Iterable, List, Optional, Sequence, Tuple
 import sympy
 
 from ...ops.parity import special_values_differ as _differ
-from ...ir import Graph, Node, Value, numel
+from ...ir import DataType, Graph, Node, Value, numel
 from ...ir.symbolic import as_expr
 from ..base import Skip
 
@@ -72,6 +72,36 @@ def residual_add(x: Value):
         return Skip(f"the Add broadcasts ({a.desc} + {b.desc}); the fused kernel adds two "
                     "tensors of the result's shape")
     return add, a, b
+
+
+def residual_layer_norm(ln: Node, graph: Graph, out: str = ""):
+    """The residual Add feeding LayerNorm ``ln`` when an add-and-norm node can replace the
+    pair: the sum read by ``ln`` alone, the statistics unread, one normalized axis, float32
+    γ / β; None when no Add produces its input (the embeddings' norm of a model without
+    one); else a `Skip` naming the near miss. ``out`` names what the fused node returns
+    beside the norm, if anything (in the statistics' reason)."""
+    found = residual_add(ln.inputs[0])
+    if not isinstance(found, tuple):
+        return found
+    add = found[0]
+    x = add.outputs[0]
+    readers = [u.name for u in x.users if u is not ln]
+    if readers or x in graph.outputs:
+        return Skip("the sum a + b is also read by "
+                    + (", ".join(readers) if readers else "the caller")
+                    + "; the fused node does not write it")
+    if any(o.users or o in graph.outputs for o in ln.outputs[1:]):
+        return Skip("the LayerNorm's mean or rstd is read (training): the fused node "
+                    f"returns the normalized output{' and ' + out if out else ''} only")
+    if len(ln.attrs["normalized_shape"]) != 1:
+        return Skip(f"normalizes {len(ln.attrs['normalized_shape'])} trailing axes; the "
+                    "fused node normalizes the last one")
+    params = [ln.inputs[ln.attrs[k].index] for k in ("weight", "bias")
+              if ln.attrs.get(k) is not None]
+    if any(p.desc.dtype != DataType.FLOAT for p in params):
+        return Skip(f"γ/β dtypes {[p.desc.dtype.value for p in params]}: the fused "
+                    "node takes float32 γ and β, as the float32 LayerNorm it replaces")
+    return add
 
 
 def factors(graph: Graph, root: Node, depth: int = 2) -> Tuple[List[Value], float, List[Node]]:
@@ -178,4 +208,4 @@ def replace_with(graph: Graph, old_root: Node, new: Node, matched: Iterable[Node
 
 
 __all__ = ["close", "contiguous_strides", "factors", "producer", "replace_with", "scalar_operand", "tensor_pair",
-           "used_outside", "read_outside"]
+           "used_outside", "read_outside", "residual_add", "residual_layer_norm"]

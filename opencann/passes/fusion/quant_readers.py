@@ -48,6 +48,28 @@ def quant_readers(graph: Graph, v: Value, found: Optional[QuantReaders] = None) 
     return found
 
 
+def quant_paths(graph: Graph, v: Value) -> Tuple[QuantReaders, List[Node]]:
+    """The readers of ``v`` that only quantize it (an AscendQuant, or a Reshape whose
+    every reader does, through `VIEWS`) as one `QuantReaders`, and those readers (the
+    heads of the paths); ``v``'s other readers are left out: a producer writing both ``v``
+    and its uint8 (AddLayerNormQuant: the float32 residual stream beside the next int8
+    layer's input) feeds the heads its uint8 output instead."""
+    found, heads = QuantReaders(), []
+    for u in v.users:
+        if u.op == "AscendQuant":
+            found.quants.append(u)
+            found.keys.add((float(u.attrs["scale"]), int(u.attrs["offset"])))
+            heads.append(u)
+        elif u.op in VIEWS and len(u.outputs) == 1 and sum(1 for x in u.inputs if x is v) == 1:
+            r = quant_readers(graph, u.outputs[0], QuantReaders())
+            if isinstance(r, QuantReaders) and r.quants:
+                found.quants += r.quants
+                found.views += [u] + r.views
+                found.keys |= r.keys
+                heads.append(u)
+    return found, heads
+
+
 def to_uint8(graph: Graph, r: QuantReaders) -> None:
     """Retype the Reshapes of ``r`` to uint8 and bypass its AscendQuant nodes (erased):
     call once the producer writes the uint8 value itself."""
@@ -58,4 +80,4 @@ def to_uint8(graph: Graph, r: QuantReaders) -> None:
         graph.erase_node(q)
 
 
-__all__ = ["QuantReaders", "VIEWS", "quant_readers", "to_uint8"]
+__all__ = ["QuantReaders", "VIEWS", "quant_paths", "quant_readers", "to_uint8"]
