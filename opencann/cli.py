@@ -502,7 +502,8 @@ ATC_NPU_PRECISION = "force_fp16"
 def _atc_precision(args) -> dict:
     """The compile options of atc's --precision_mode (checked: one ValueError line naming
     the modes; unset: `ATC_NPU_PRECISION` for an Ascend --soc_version, the model's dtypes
-    for the cpu), --keep_dtype and --modify_mixlist files (`opencann.tools.precision_files`)."""
+    for the cpu), --keep_dtype, --modify_mixlist and --quant_config files
+    (`opencann.tools.precision_files`)."""
     options = {}
     mode = args.precision_mode or (ATC_NPU_PRECISION if args.soc_version != "cpu" else None)
     if mode:
@@ -515,6 +516,9 @@ def _atc_precision(args) -> dict:
     if args.modify_mixlist:
         from .tools.precision_files import read_mixlist
         options["keep_fp32"], options["lower_ops"] = read_mixlist(args.modify_mixlist)
+    if args.quant_config:
+        from .tools.precision_files import read_quant_config
+        options["quant_config"] = read_quant_config(args.quant_config)
     return options
 
 
@@ -858,6 +862,8 @@ def _add_atc_command(sub) -> None:
                    "(one per line) kept in their original dtype (opencann tune writes one)")
     a.add_argument("--modify_mixlist", metavar="FILE", help='CANN mixlist JSON ({"black-list": '
                    '{"to-add": [...]}, "white-list": {...}}) changing which op types are lowered')
+    a.add_argument("--quant_config", metavar="FILE", help="int8 layers with their calibration "
+                   "records (JSON, as opencann tune --quant-config-out writes; AMCT's record in CANN)")
     a.add_argument("--fusion_switch_file", help="CANN fusion switch JSON file "
                    '({"Switch": {"GraphFusion": {"ConvBatchnormFusionPass": "off"}}})')
     a.add_argument("--log", choices=sorted(_atc.LOG_LEVELS), help="log level")

@@ -1,6 +1,7 @@
 """CANN's precision files, read and written: ATC ``--keep_dtype`` (a text file, one node
-name per line, kept in its original dtype) and ``--modify_mixlist`` (JSON changing the
-mixed-precision lists by op type)::
+name per line, kept in its original dtype), ``--modify_mixlist`` (JSON changing the
+mixed-precision lists by op type) and the int8 layers' quantization record (AMCT's role:
+`write_quant_config`)::
 
     {"black-list": {"to-add": ["MatMulV2"], "to-remove": []},
      "white-list": {"to-add": ["SoftmaxV2"], "to-remove": []}}
@@ -47,20 +48,25 @@ def write_keep_dtype(path: str, names: Iterable[str]) -> None:
         f.writelines(f"{n}\n" for n in names)
 
 
+def _json(path: str, flag: str, fix: str):
+    """The JSON document of ``path``; ValueError (one line naming ``flag`` and the path)
+    for a missing file (with ``fix``) or one that is not JSON."""
+    if not os.path.isfile(path):
+        raise ValueError(f"{flag} {path}: no such file; {fix}")
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{flag} {path}: not JSON ({str(e).splitlines()[0]})") from None
+
+
 def read_mixlist(path: str) -> Tuple[List[str], List[str]]:
     """(op types kept in fp32, op types lowered) from a ``--modify_mixlist`` JSON file
     (module docstring), as opencann's ``keep_fp32`` / ``lower_ops`` options take them.
     Raises ValueError (one line) for a missing file, non-JSON, another structure, a gray
     list, or an op opencann does not know (naming it)."""
     from ..ops import get_op
-    if not os.path.isfile(path):
-        raise ValueError(f"--modify_mixlist {path}: no such file; write JSON such as "
-                         '{"black-list": {"to-add": ["MatMulV2"]}}')
-    try:
-        with open(path, encoding="utf-8") as f:
-            doc = json.load(f)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"--modify_mixlist {path}: not JSON ({str(e).splitlines()[0]})") from None
+    doc = _json(path, "--modify_mixlist", 'write JSON such as {"black-list": {"to-add": ["MatMulV2"]}}')
     if isinstance(doc, dict) and "gray-list" in doc:
         raise ValueError(f"--modify_mixlist {path}: gray-list is not taken (opencann's "
                          "elementwise ops already follow their inputs); use black-list or white-list")
@@ -99,4 +105,30 @@ def write_mixlist(path: str, keep: Iterable[str], lower: Iterable[str]) -> Dict[
     return doc
 
 
-__all__ = ["read_keep_dtype", "read_mixlist", "write_keep_dtype", "write_mixlist"]
+def write_quant_config(path: str, cfg: Dict) -> None:
+    """Write the compile option ``quant_config`` ``cfg`` (int8 layers by node name with
+    their activation records ``scale_d`` / ``offset_d``, ``skip_layers``,
+    ``dynamic_linear``, ``check_names``: `opencann.engine.options` checks it) as JSON: in
+    CANN, AMCT quantizes a model before ATC compiles it and keeps these records in its
+    record file; here ``opencann atc --quant_config FILE`` (or the option, through
+    `read_quant_config`) quantizes those layers again with the same records."""
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(cfg, f, indent=2, sort_keys=True)
+        f.write("\n")
+
+
+def read_quant_config(path: str) -> Dict:
+    """The ``quant_config`` option written by `write_quant_config` (``opencann tune
+    --quant-config-out``). Raises ValueError (one line) for a missing file, non-JSON or a
+    document the option refuses (the option's check, naming the layer and field)."""
+    from ..engine.options import check_options
+    cfg = _json(path, "--quant_config", "opencann tune --candidates fp32,int8 --quant-config-out FILE writes one")
+    try:
+        cfg = check_options({"quant_config": cfg})["quant_config"]
+    except ValueError as e:
+        raise ValueError(f"--quant_config {path}: {e}") from None
+    return cfg
+
+
+__all__ = ["read_keep_dtype", "read_mixlist", "read_quant_config", "write_keep_dtype", "write_mixlist",
+           "write_quant_config"]

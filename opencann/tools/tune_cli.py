@@ -29,6 +29,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
                     help="write CANN's --keep_dtype file (nodes kept in fp32) here")
     ap.add_argument("--mixlist-out", type=output_file,
                     help="write CANN's --modify_mixlist JSON (by op type) here")
+    ap.add_argument("--quant-config-out", type=output_file,
+                    help="write the int8 layers' calibration records (JSON; opencann atc --quant_config) here")
     ap.add_argument("--rows", type=positive_int, default=30, help="nodes shown in the table")
     return ap
 
@@ -96,7 +98,7 @@ def table(res, rows: int):
 def run_args(args: argparse.Namespace, console, load) -> int:
     """Run ``opencann tune`` from parsed `add_arguments` options: loads the model with
     ``load(spec, batch, seq)`` (the CLI's loader), tunes, prints the table and writes
-    --out / --keep-dtype-out / --mixlist-out. Returns 0. Raises ValueError (one line) for
+    --out / --keep-dtype-out / --mixlist-out / --quant-config-out. Returns 0. Raises ValueError (one line) for
     a bad --budget, --candidates or an .onnx / .ocm model."""
     if args.model.lower().endswith((".onnx", ".ocm")):
         raise ValueError(f"{args.model}: tune takes a PyTorch model (zoo name or file.py:factory); "
@@ -113,12 +115,12 @@ def run_args(args: argparse.Namespace, console, load) -> int:
     console.print(table(res, args.rows))
     for line in res.summary().splitlines()[1:]:
         console.print(line, markup=False, highlight=False)
-    res.export(args.keep_dtype_out, args.mixlist_out)
+    res.export(args.keep_dtype_out, args.mixlist_out, args.quant_config_out)
     if args.out:
         from ..runtime.model_file import save
         save(res.compiled, args.out, description=f"tuned: {res.summary().splitlines()[0]}")
     for what, path in (("model file", args.out), ("keep_dtype file", args.keep_dtype_out),
-                       ("modify_mixlist file", args.mixlist_out)):
+                       ("modify_mixlist file", args.mixlist_out), ("quant_config file", args.quant_config_out)):
         if path:
             console.print(f"wrote {what} {path}", markup=False, highlight=False)
     return 0

@@ -137,16 +137,29 @@ class TuneResult:
         lower = sorted(op for op, s in by_op.items() if s == {False})
         return keep, lower
 
-    def export(self, keep_dtype: Optional[str] = None, modify_mixlist: Optional[str] = None) -> None:
-        """Write CANN's ``--keep_dtype`` file (`keep_dtype`, one node name per line) and / or
-        ``--modify_mixlist`` JSON (`mixlist`); ``opencann atc --keep_dtype F --modify_mixlist
-        M --precision_mode allow_mix_precision_bf16`` reads them back. OSError when a path
-        cannot be written."""
-        from .precision_files import write_keep_dtype, write_mixlist
+    def quant_config(self) -> Dict[str, Any]:
+        """The int8 choices as the compile option ``quant_config``: the layers of the nodes
+        given int8 with their calibration records (``scale_d`` / ``offset_d``); no layer
+        when the search gave none int8."""
+        cfg = self.options.get("quant_config")
+        return dict(cfg) if cfg else {"layers": {}, "skip_layers": [], "dynamic_linear": False}
+
+    def export(self, keep_dtype: Optional[str] = None, modify_mixlist: Optional[str] = None,
+               quant_config: Optional[str] = None) -> None:
+        """Write CANN's ``--keep_dtype`` file (`keep_dtype`, one node name per line), its
+        ``--modify_mixlist`` JSON (`mixlist`) and / or the int8 layers' records
+        (`quant_config`, JSON: `precision_files.write_quant_config`); ``opencann atc
+        --keep_dtype F --modify_mixlist M --quant_config Q --precision_mode
+        allow_mix_precision_bf16`` reads them back. The keep_dtype and mixlist files cannot
+        say int8: an int8 node is a lowered one there, and the quant_config file names its
+        layer. OSError when a path cannot be written."""
+        from .precision_files import write_keep_dtype, write_mixlist, write_quant_config
         if keep_dtype:
             write_keep_dtype(keep_dtype, self.keep_dtype())
         if modify_mixlist:
             write_mixlist(modify_mixlist, *self.mixlist())
+        if quant_config:
+            write_quant_config(quant_config, self.quant_config())
 
     def to_dict(self) -> Dict[str, Any]:
         """JSON-able summary (what the model file's report keeps under ``precision``)."""

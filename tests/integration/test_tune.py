@@ -670,3 +670,70 @@ def test_tune_gives_back_the_callers_training_flags():
     with torch.no_grad():
         ref = m(x)
     assert torch.nn.functional.cosine_similarity(res.compiled(x).flatten().double(), ref.flatten().double(), 0) > 0.99
+
+
+_CONV_MLP_FILE = """import torch
+class M(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.c1 = torch.nn.Conv2d(3, 8, 3, padding=1)
+        self.fc1, self.fc2 = torch.nn.Linear(8, 32), torch.nn.Linear(32, 8)
+    def forward(self, x):
+        y = torch.relu(self.c1(x))
+        return self.fc2(torch.nn.functional.gelu(self.fc1(y.mean((2, 3)))))
+def make():
+    torch.manual_seed(0)
+    return M().eval(), (torch.randn(2, 3, 12, 12, generator=torch.Generator().manual_seed(1)),)
+"""
+
+
+def test_int8_choices_export_and_atc_builds_the_tuned_graph(tmp_path, capsys):
+    """The keep_dtype and mixlist files cannot say int8; the quant_config file names the
+    int8 layers with their records, and ``opencann atc --quant_config`` builds the tuned
+    graph again, bit for bit; written by ``opencann tune --quant-config-out`` too."""
+    from opencann.tools.precision_files import read_quant_config
+    path = tmp_path / "cm.py"
+    path.write_text(_CONV_MLP_FILE)
+    ns: dict = {}
+    exec(path.read_text(), ns)
+    model, (x,) = ns["make"]()
+    res = tune(model, (x,), candidates=("fp32", "int8"), timing=False)
+    assert "int8" in res.precision.values(), res.summary()
+    keep, q = str(tmp_path / "keep.txt"), str(tmp_path / "q.json")
+    res.export(keep_dtype=keep, quant_config=q)
+    cfg = read_quant_config(q)
+    assert set(cfg["layers"]) and cfg == json.loads(json.dumps(res.quant_config()))
+    out = str(tmp_path / "a.ocm")
+    rc, _, err = run_cli(["atc", "--model", f"{path}:make", "--output", out, "--keep_dtype", keep,
+                          "--quant_config", q], capsys)
+    assert rc == 0, err
+    loaded = opencann.load(out)
+    ops = loaded.report.op_counts_after
+    assert ops.get("QuantLinearAct", 0) + ops.get("QuantConvBiasAct", 0) == \
+        sum(p == "int8" for p in res.precision.values())
+    assert torch.equal(loaded(x), res.compiled(x))
+    q2 = str(tmp_path / "q2.json")
+    rc, _, err = run_cli(["tune", f"{path}:make", "--candidates", "fp32,int8", "--no-timing",
+                          "--quant-config-out", q2], capsys)
+    assert rc == 0, err
+    assert set(read_quant_config(q2)["layers"]) == set(cfg["layers"])
+
+
+@pytest.mark.parametrize("text,says", [
+    (None, "no such file"),
+    ("{not json", "not JSON"),
+    ('{"layers": {"fc": {"scale_d": -1, "offset_d": 3}}}', "scale_d"),
+    ('{"layers": {}, "skip_layer": []}', "option 'quant_config'"),
+])
+def test_quant_config_file_errors_are_one_line(tmp_path, capsys, text, says):
+    from opencann.tools.precision_files import read_quant_config
+    q = tmp_path / "q.json"
+    if text is not None:
+        q.write_text(text)
+    with pytest.raises(ValueError) as e:
+        read_quant_config(str(q))
+    assert says in str(e.value) and str(q) in str(e.value) and "\n" not in str(e.value)
+    (tmp_path / "cm.py").write_text(_CONV_MLP_FILE)
+    rc, _, err = run_cli(["atc", "--model", f"{tmp_path / 'cm.py'}:make", "--output", str(tmp_path / "a.ocm"),
+                          "--quant_config", str(q)], capsys)
+    assert rc != 0 and len(err) == 1 and says in err[0] and err[0].startswith("error: --quant_config")
