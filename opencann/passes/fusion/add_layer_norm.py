@@ -30,7 +30,7 @@ class FuseAddLayerNorm(CpuFusion):
         `Skip` with the reason for a near miss (broadcast or scaled Add, the sum or the
         statistics read elsewhere, normalization over several axes, no γ or β, dtypes)."""
         x = ln.inputs[0]
-        add = residual_layer_norm(ln, graph)
+        add = residual_layer_norm(ln, graph, float_affine=False)
         if add is None or isinstance(add, Skip):
             return add
         if ln.attrs.get("weight") is None or ln.attrs.get("bias") is None:

@@ -74,10 +74,11 @@ def residual_add(x: Value):
     return add, a, b
 
 
-def residual_layer_norm(ln: Node, graph: Graph, out: str = ""):
+def residual_layer_norm(ln: Node, graph: Graph, out: str = "", float_affine: bool = True):
     """The residual Add feeding LayerNorm ``ln`` when an add-and-norm node can replace the
     pair: the sum read by ``ln`` alone, the statistics unread, one normalized axis, float32
-    γ / β; None when no Add produces its input (the embeddings' norm of a model without
+    γ / β (``float_affine``: the nodes normalizing in float32; AddLayerNorm takes any
+    dtype); None when no Add produces its input (the embeddings' norm of a model without
     one); else a `Skip` naming the near miss. ``out`` names what the fused node returns
     beside the norm, if anything (in the statistics' reason)."""
     found = residual_add(ln.inputs[0])
@@ -98,7 +99,7 @@ def residual_layer_norm(ln: Node, graph: Graph, out: str = ""):
                     "fused node normalizes the last one")
     params = [ln.inputs[ln.attrs[k].index] for k in ("weight", "bias")
               if ln.attrs.get(k) is not None]
-    if any(p.desc.dtype != DataType.FLOAT for p in params):
+    if float_affine and any(p.desc.dtype != DataType.FLOAT for p in params):
         return Skip(f"γ/β dtypes {[p.desc.dtype.value for p in params]}: the fused "
                     "node takes float32 γ and β, as the float32 LayerNorm it replaces")
     return add
