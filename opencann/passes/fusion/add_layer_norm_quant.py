@@ -88,7 +88,8 @@ class FuseAddLayerNormQuant(CpuFusion):
     def _match_float(ln: Node, graph: Graph):
         """The float32 form: None when no reader of the norm quantizes it; a `_Match` when
         a residual Add feeds it (`residual_layer_norm`) and its quantizing readers
-        (`quant_paths`) use one scale; else a `Skip` with the reason."""
+        (`quant_paths`) use one scale (none an ONNX QuantizeLinear's division: AscendQuant
+        with ``step``, whose bits the kernel's product may miss by one); else a `Skip`."""
         y = ln.outputs[0]
         r, heads = quant_paths(graph, y)
         if not r.quants:
@@ -100,6 +101,9 @@ class FuseAddLayerNormQuant(CpuFusion):
         if add is None or isinstance(add, Skip):
             return add if add is not None else Skip(
                 "no residual Add produces the LayerNorm's input: the fused node adds two tensors")
+        if any("step" in q.attrs for q in r.quants):
+            return Skip("an ONNX QuantizeLinear reads it (x / step, the specification's "
+                        "division): the fused kernel multiplies by 1 / step")
         if len(r.keys) != 1:
             return Skip(f"its readers quantize it at {len(r.keys)} different scales")
         return _Match(ln, r, add, heads)
