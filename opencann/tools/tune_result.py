@@ -127,12 +127,17 @@ class TuneResult:
         return [n for n, c in self.nodes.items() if c.precision == "fp32"]
 
     def mixlist(self) -> Tuple[List[str], List[str]]:
-        """(op types whose every candidate node runs in fp32, op types whose every one is
-        lowered): the per-op-type approximation of the choice that CANN's
-        ``--modify_mixlist`` black and white lists can say."""
+        """(op types whose every candidate node computes in fp32, op types whose every one
+        is lowered): the per-op-type approximation of the choice that CANN's
+        ``--modify_mixlist`` black and white lists can say. An int8 node computes in fp32
+        here unless the search gave it bf16 inputs and outputs (``node_precision``): a
+        convolution quantized from fp32 stays out of a bf16 graph's lowering that way, and
+        ``quant_config`` makes it int8 again."""
+        low_io = self.options.get("node_precision") or {}
         by_op: Dict[str, set] = {}
         for c in self.nodes.values():
-            by_op.setdefault(c.op, set()).add(c.precision == "fp32")
+            by_op.setdefault(c.op, set()).add(c.precision == "fp32" or (
+                c.precision == "int8" and low_io.get(c.name) is None))
         keep = sorted(op for op, s in by_op.items() if s == {True})
         lower = sorted(op for op, s in by_op.items() if s == {False})
         return keep, lower

@@ -712,6 +712,20 @@ def test_int8_choices_export_and_atc_builds_the_tuned_graph(tmp_path, capsys):
     assert ops.get("QuantLinearAct", 0) + ops.get("QuantConvBiasAct", 0) == \
         sum(p == "int8" for p in res.precision.values())
     assert torch.equal(loaded(x), res.compiled(x))
+    # with bf16 in the search: the linears run int8 on bf16 (node_precision), the
+    # convolution int8 from fp32; the mixlist keeps Conv2D out of the bf16 lowering
+    mixed = tune(model, (x,), candidates=("fp32", "bf16", "int8"), timing=False)
+    assert mixed.precision["convolution"] == "int8", mixed.summary()
+    mix = str(tmp_path / "mix.json")
+    mixed.export(keep_dtype=keep, modify_mixlist=mix, quant_config=q)
+    assert "Conv2D" in mixed.mixlist()[0]
+    rc, _, err = run_cli(["atc", "--model", f"{path}:make", "--output", out, "--precision_mode",
+                          "allow_mix_precision_bf16", "--keep_dtype", keep, "--modify_mixlist", mix,
+                          "--quant_config", q], capsys)
+    assert rc == 0, err
+    again = opencann.load(out)
+    assert again.report.op_counts_after == mixed.compiled.report.op_counts_after
+    assert torch.equal(again(x), mixed.compiled(x))
     q2 = str(tmp_path / "q2.json")
     rc, _, err = run_cli(["tune", f"{path}:make", "--candidates", "fp32,int8", "--no-timing",
                           "--quant-config-out", q2], capsys)
