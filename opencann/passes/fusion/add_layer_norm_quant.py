@@ -98,9 +98,10 @@ class FuseAddLayerNormQuant(CpuFusion):
             return Skip(f"the LayerNorm computes in {y.desc.dtype.value}; the fused node "
                         "normalizes in float32")
         add = residual_layer_norm(ln, graph, "its uint8 quantization")
-        if add is None or isinstance(add, Skip):
-            return add if add is not None else Skip(
-                "no residual Add produces the LayerNorm's input: the fused node adds two tensors")
+        if add is None:
+            return Skip("no residual Add produces the LayerNorm's input: the fused node adds two tensors")
+        if isinstance(add, Skip):
+            return add
         if any("step" in q.attrs for q in r.quants):
             return Skip("an ONNX QuantizeLinear reads it (x / step, the specification's "
                         "division): the fused kernel multiplies by 1 / step")
