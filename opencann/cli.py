@@ -23,6 +23,7 @@ inspect, fuzz, doctor, warm, analyze, compare, tune, readiness.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import json
 import os
@@ -471,10 +472,10 @@ def cmd_atc(args) -> int:
             raise CliError(f"--{flag} with an ONNX model: opencann compiles ONNX models for "
                            "static shapes (gears are for --framework pytorch with --model "
                            "file.py:factory); or convert once per gear with its --input_shape sizes")
-        cm = opencann.compile(args.model, device=args.soc_version, options=options,
-                              input_shapes=args.input_shape)
-    else:
-        cm = _atc_pytorch(args, options, flag, spec)
+    with _quant_config_names(args):
+        cm = (opencann.compile(args.model, device=args.soc_version, options=options,
+                               input_shapes=args.input_shape) if fw == "onnx"
+              else _atc_pytorch(args, options, flag, spec))
     opencann.save(cm, args.output)
     r = cm.report
     off = [p.name for p in r.passes if not p.enabled]
@@ -491,6 +492,26 @@ def cmd_atc(args) -> int:
         console.print(f"graph after each stage written to {args.dump_graph}/ (.dot, .json)",
                       markup=False, highlight=False)
     return 0
+
+
+@contextlib.contextmanager
+def _quant_config_names(args):
+    """Around atc's compile: a ``quant_config`` whose layer names are no layer of the graph
+    (`check_layer_names`) as one line naming the --quant_config file and the likely cause:
+    written for another model, or by opencann tune on the cpu (its records name the CPU's
+    fused layers, which an Ascend --soc_version's graph does not have)."""
+    try:
+        yield
+    except ValueError as e:
+        msg = str(e)
+        if not args.quant_config or not msg.startswith(("option 'quant_config': 'layers' names no",
+                                                          "quant_config's skip_layers names no")):
+            raise
+        why = (f"its records name the CPU's fused layers (opencann tune calibrates on the cpu), which "
+               f"--soc_version {args.soc_version} does not have; drop --quant_config there"
+               if args.soc_version != "cpu" else
+               "was it written for another model? opencann tune --quant-config-out on this --model writes one")
+        raise CliError(f"--quant_config {args.quant_config}: {why}: {msg}") from None
 
 
 #: atc's --precision_mode when unset for an Ascend --soc_version: CANN ATC's default

@@ -28,6 +28,8 @@ def read_keep_dtype(path: str) -> List[str]:
     without names keeps no node (what `write_keep_dtype` writes when every node is
     lowered): an empty list. Raises ValueError (one line) for a missing file or one that
     is not UTF-8 text."""
+    if os.path.isdir(path):
+        raise ValueError(f"--keep_dtype {path}: is a directory; give the file itself, one node name per line")
     if not os.path.isfile(path):
         raise ValueError(f"--keep_dtype {path}: no such file; write one node name per line "
                          "(opencann tune --keep-dtype-out writes one)")
@@ -51,12 +53,14 @@ def write_keep_dtype(path: str, names: Iterable[str]) -> None:
 def _json(path: str, flag: str, fix: str):
     """The JSON document of ``path``; ValueError (one line naming ``flag`` and the path)
     for a missing file (with ``fix``) or one that is not JSON."""
+    if os.path.isdir(path):
+        raise ValueError(f"{flag} {path}: is a directory; give the file itself ({fix})")
     if not os.path.isfile(path):
         raise ValueError(f"{flag} {path}: no such file; {fix}")
     try:
         with open(path, encoding="utf-8") as f:
             return json.load(f)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    except (ValueError, UnicodeDecodeError) as e:     # JSONDecodeError, or an int of > 4300 digits
         raise ValueError(f"{flag} {path}: not JSON ({str(e).splitlines()[0]})") from None
 
 
@@ -123,6 +127,10 @@ def read_quant_config(path: str) -> Dict:
     document the option refuses (the option's check, naming the layer and field)."""
     from ..engine.options import check_options
     cfg = _json(path, "--quant_config", "opencann tune --candidates fp32,int8 --quant-config-out FILE writes one")
+    if cfg is None:     # the option's None is "no quant_config": a file naming none is a mistake
+        raise ValueError(f"--quant_config {path}: holds null, no int8 layer; give {{\"layers\": {{node: "
+                         f"{{\"scale_d\": step, \"offset_d\": zero_point}}}}}} (opencann tune "
+                         f"--quant-config-out writes one), or leave --quant_config out")
     try:
         cfg = check_options({"quant_config": cfg})["quant_config"]
     except ValueError as e:

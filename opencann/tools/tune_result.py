@@ -145,9 +145,20 @@ class TuneResult:
     def quant_config(self) -> Dict[str, Any]:
         """The int8 choices as the compile option ``quant_config``: the layers of the nodes
         given int8 with their calibration records (``scale_d`` / ``offset_d``); no layer
-        when the search gave none int8."""
+        when the search gave none int8. Only the records of layers the tuned graph has (the
+        search's option also holds those of the all-fp32 compile, e.g. a Q/K/V GEMM that a
+        mixed choice kept apart, and skips the name check for them): the names are checked
+        again where it is compiled, so a file given to another model or device (the vnpu's
+        unfused layers) is one error line there, not a graph left in fp32."""
         cfg = self.options.get("quant_config")
-        return dict(cfg) if cfg else {"layers": {}, "skip_layers": [], "dynamic_linear": False}
+        if not cfg:
+            return {"layers": {}, "skip_layers": [], "dynamic_linear": False}
+        out = {k: v for k, v in cfg.items() if k != "check_names"}
+        if self.compiled is not None:
+            from ..engine.quantize import quant_report
+            seen = {r["layer"] for r in quant_report(self.compiled)}
+            out["layers"] = {k: r for k, r in (cfg.get("layers") or {}).items() if k in seen}
+        return out
 
     def export(self, keep_dtype: Optional[str] = None, modify_mixlist: Optional[str] = None,
                quant_config: Optional[str] = None) -> None:

@@ -107,7 +107,7 @@ def _check_fields(at: str, rec: object) -> None:
             raise ValueError(f"{at} has no {key!r}; give {key}: {rule}")
     step, off = rec["scale_d"], rec["offset_d"]
     if isinstance(step, bool) or not isinstance(step, numbers.Real) or not (
-            math.isfinite(step) and step >= MIN_STEP):
+            _finite(step) and step >= MIN_STEP):
         raise ValueError(f"{at}: scale_d = {_show(step)}; give {_STEP_RULE}")
     if isinstance(off, bool) or not isinstance(off, numbers.Integral) or not QMIN <= off <= QMAX:
         raise ValueError(f"{at}: offset_d = {_show(off)}; give {_OFFSET_RULE}")
@@ -135,8 +135,19 @@ def check_skip_layers(skip: object, where: str = "option 'quant_config': 'skip_l
     return sorted(skip) if isinstance(skip, (set, frozenset)) else list(skip)
 
 
+def _finite(v: numbers.Real) -> bool:
+    """Whether ``v`` is a finite float32-sized value (an int too large for a float, e.g. a
+    hand-written 1 followed by 400 zeros, is not: `math.isfinite` would raise)."""
+    try:
+        return math.isfinite(v)
+    except OverflowError:
+        return False
+
+
 def _show(v: object) -> str:
     """``v`` for a message: numbers as repr, anything else with its type."""
+    if isinstance(v, numbers.Integral) and not isinstance(v, bool) and abs(v) > 10 ** 30:
+        return f"an int of {len(str(abs(v)))} digits"
     if isinstance(v, numbers.Real) and not isinstance(v, bool):
         return repr(v)
     return f"{v!r:.40} ({type(v).__name__})"
