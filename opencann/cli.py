@@ -510,7 +510,10 @@ def _quant_config_names(args):
         why = (f"its records name the CPU's fused layers (opencann tune calibrates on the cpu), which "
                f"--soc_version {args.soc_version} does not have; drop --quant_config there"
                if args.soc_version != "cpu" else
-               "was it written for another model? opencann tune --quant-config-out on this --model writes one")
+               "written for another model, or for a graph the precision files here do not build (an op type "
+               "whose nodes opencann tune gave int8 from fp32 and bf16 cannot be said by --modify_mixlist: "
+               "use its model file, opencann tune --out)? opencann tune --quant-config-out --keep-dtype-out "
+               "--mixlist-out on this --model writes matching files")
         raise CliError(f"--quant_config {args.quant_config}: {why}: {msg}") from None
 
 

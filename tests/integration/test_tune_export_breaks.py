@@ -125,3 +125,42 @@ def test_a_directory_is_not_called_a_missing_file(tmp_path):
     with pytest.raises(ValueError) as e:
         read_quant_config(str(tmp_path))
     assert "is a directory" in str(e.value) and "no such file" not in str(e.value), e.value
+
+
+_MIXED_CONV_FILE = """import torch
+class C(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.c0 = torch.nn.Conv2d(3, 8, 3, padding=1)
+        self.w1 = torch.nn.Parameter(torch.randn(8, 8, 3, 3) * 0.1)
+        self.fc = torch.nn.Linear(8, 4)
+    def forward(self, x):
+        y = torch.relu(self.c0(x))
+        y = torch.nn.functional.conv2d(y, self.w1 * 1.0, padding=1)   # computed weight: no int8
+        return self.fc(y.mean((2, 3)))
+def make():
+    torch.manual_seed(0)
+    return C().eval(), (torch.randn(2, 3, 16, 16, generator=torch.Generator().manual_seed(1)),)
+"""
+
+
+def test_a_choice_the_mixlist_cannot_say_is_an_error_not_another_graph(tmp_path, capsys):
+    """One convolution int8 from fp32, the other bf16: Conv2D is in neither list, the bf16
+    mode lowers both, and atc used to build the int8 one in bf16 and report success. It
+    must build the tuned graph or say (one line) that these files cannot."""
+    path = tmp_path / "mc.py"
+    path.write_text(_MIXED_CONV_FILE)
+    ns: dict = {}
+    exec(_MIXED_CONV_FILE, ns)
+    model, (x,) = ns["make"]()
+    res = tune(model, (x,), candidates=("fp32", "bf16", "int8"), timing=False)
+    assert res.precision["convolution"] == "int8" and res.precision["convolution_1"] == "bf16", res.summary()
+    keep, mix, q, out = (str(tmp_path / n) for n in ("keep.txt", "mix.json", "q.json", "a.ocm"))
+    res.export(keep_dtype=keep, modify_mixlist=mix, quant_config=q)
+    rc, _, err = run_cli(["atc", "--model", f"{path}:make", "--output", out, "--precision_mode",
+                          "allow_mix_precision_bf16", "--keep_dtype", keep, "--modify_mixlist", mix,
+                          "--quant_config", q], capsys)
+    if rc == 0:
+        assert torch.equal(opencann.load(out)(x), res.compiled(x))
+    else:
+        assert len(err) == 1 and f"--quant_config {q}" in err[0] and "opencann tune --out" in err[0], err
