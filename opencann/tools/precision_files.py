@@ -34,7 +34,7 @@ def read_keep_dtype(path: str) -> List[str]:
         raise ValueError(f"--keep_dtype {path}: no such file; write one node name per line "
                          "(opencann tune --keep-dtype-out writes one)")
     try:
-        with open(path, encoding="utf-8") as f:
+        with open(path, encoding="utf-8-sig") as f:
             names = [ln.strip() for ln in f if ln.strip() and not ln.strip().startswith("#")]
     except UnicodeDecodeError as e:
         raise ValueError(f"--keep_dtype {path}: not UTF-8 text ({e.reason} at byte {e.start}); "
@@ -51,14 +51,15 @@ def write_keep_dtype(path: str, names: Iterable[str]) -> None:
 
 
 def _json(path: str, flag: str, fix: str):
-    """The JSON document of ``path``; ValueError (one line naming ``flag`` and the path)
+    """The JSON document of ``path`` (UTF-8, a byte-order mark as some editors write it
+    skipped); ValueError (one line naming ``flag`` and the path)
     for a missing file (with ``fix``) or one that is not JSON."""
     if os.path.isdir(path):
         raise ValueError(f"{flag} {path}: is a directory; give the file itself ({fix})")
     if not os.path.isfile(path):
         raise ValueError(f"{flag} {path}: no such file; {fix}")
     try:
-        with open(path, encoding="utf-8") as f:
+        with open(path, encoding="utf-8-sig") as f:
             return json.load(f)
     except (ValueError, UnicodeDecodeError) as e:     # JSONDecodeError, or an int of > 4300 digits
         raise ValueError(f"{flag} {path}: not JSON ({str(e).splitlines()[0]})") from None

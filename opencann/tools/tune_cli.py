@@ -115,10 +115,10 @@ def run_args(args: argparse.Namespace, console, load) -> int:
     console.print(table(res, args.rows))
     for line in res.summary().splitlines()[1:]:
         console.print(line, markup=False, highlight=False)
-    res.export(args.keep_dtype_out, args.mixlist_out, args.quant_config_out)
-    if args.out:
+    if args.out:   # the model file first: the search's result whatever an export meets
         from ..runtime.model_file import save
         save(res.compiled, args.out, description=f"tuned: {res.summary().splitlines()[0]}")
+    res.export(args.keep_dtype_out, args.mixlist_out, args.quant_config_out)
     for what, path in (("model file", args.out), ("keep_dtype file", args.keep_dtype_out),
                        ("modify_mixlist file", args.mixlist_out), ("quant_config file", args.quant_config_out)):
         if path:

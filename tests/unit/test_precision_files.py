@@ -45,3 +45,16 @@ def test_bad_keep_dtype_file_is_one_line(content, msg, tmp_path):
     with pytest.raises(ValueError) as e:
         read_keep_dtype(str(p))
     assert msg in str(e.value) and str(p) in str(e.value) and "\n" not in str(e.value)
+
+
+def test_files_with_a_byte_order_mark_read_as_without(tmp_path):
+    """An editor that writes UTF-8 with a byte-order mark (Notepad) gives the same lists
+    and records as without it."""
+    from opencann.tools.precision_files import read_keep_dtype, read_mixlist, read_quant_config
+    keep, mix, q = tmp_path / "k.txt", tmp_path / "m.json", tmp_path / "q.json"
+    keep.write_bytes("\ufeffaddmm_1\nconvolution\n".encode("utf-8"))
+    mix.write_bytes('\ufeff{"black-list": {"to-add": ["MatMulV2"]}}'.encode("utf-8"))
+    q.write_bytes('\ufeff{"layers": {"fc": {"scale_d": 0.5, "offset_d": 3}}}'.encode("utf-8"))
+    assert read_keep_dtype(str(keep)) == ["addmm_1", "convolution"]
+    assert read_mixlist(str(mix)) == (["MatMulV2"], [])
+    assert read_quant_config(str(q))["layers"] == {"fc": {"scale_d": 0.5, "offset_d": 3}}
