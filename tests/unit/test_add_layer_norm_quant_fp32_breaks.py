@@ -37,7 +37,7 @@ def test_onnx_quantize_linear_keeps_its_division():
     Add + LayerNormalization + QuantizeLinear gave 204 where the unfused graph and ONNX
     Runtime give 203 (y = 7.5499997, step 0.1: 75.49999 by division, 75.5 → 76 by the
     product), with the same float32 y."""
-    onnx = pytest.importorskip("onnx")
+    pytest.importorskip("onnx")
     from onnx import TensorProto, helper, numpy_helper
     import numpy as np
     from opencann.engine.entry import compile_onnx

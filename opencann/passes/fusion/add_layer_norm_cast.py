@@ -72,13 +72,9 @@ class FuseAddLayerNormCast(CpuFusion):
         down = _down_cast(y)
         if down is None:
             return None
-        if y.desc.dtype != DataType.FLOAT:
-            return Skip(f"the LayerNorm computes in {y.desc.dtype.value}; the fused node "
-                        "normalizes in float32")
-        add = residual_layer_norm(ln, graph, "its cast")
-        if add is None:
-            return Skip("no residual Add produces the LayerNorm's input (the embeddings' "
-                        "norm): the fused node adds two tensors")
+        add = residual_layer_norm(ln, graph, "its cast", missing=(
+            "no residual Add produces the LayerNorm's input (the embeddings' norm): the fused "
+            "node adds two tensors"))
         if isinstance(add, Skip):
             return add
         return ln, add, down

@@ -94,12 +94,8 @@ class FuseAddLayerNormQuant(CpuFusion):
         r, heads = quant_paths(graph, y)
         if not r.quants:
             return None
-        if y.desc.dtype != DataType.FLOAT:
-            return Skip(f"the LayerNorm computes in {y.desc.dtype.value}; the fused node "
-                        "normalizes in float32")
-        add = residual_layer_norm(ln, graph, "its uint8 quantization")
-        if add is None:
-            return Skip("no residual Add produces the LayerNorm's input: the fused node adds two tensors")
+        add = residual_layer_norm(ln, graph, "its uint8 quantization", missing=(
+            "no residual Add produces the LayerNorm's input: the fused node adds two tensors"))
         if isinstance(add, Skip):
             return add
         if any("step" in q.attrs for q in r.quants):

@@ -74,14 +74,21 @@ def residual_add(x: Value):
     return add, a, b
 
 
-def residual_layer_norm(ln: Node, graph: Graph, out: str = "", float_affine: bool = True):
+def residual_layer_norm(ln: Node, graph: Graph, out: str = "", float_affine: bool = True,
+                        missing: str = ""):
     """The residual Add feeding LayerNorm ``ln`` when an add-and-norm node can replace the
-    pair: the sum read by ``ln`` alone, the statistics unread, one normalized axis, float32
-    γ / β (``float_affine``: the nodes normalizing in float32; AddLayerNorm takes any
-    dtype); None when no Add produces its input (the embeddings' norm of a model without
-    one); else a `Skip` naming the near miss. ``out`` names what the fused node returns
-    beside the norm, if anything (in the statistics' reason)."""
+    pair: the sum read by ``ln`` alone, the statistics unread, one normalized axis, and with
+    ``float_affine`` (the nodes normalizing in float32; AddLayerNorm takes any dtype) a
+    float32 norm with float32 γ / β; when no Add produces its input (the embeddings' norm of
+    a model without one), None, or a `Skip` saying ``missing`` when given; else a `Skip`
+    naming the near miss. ``out`` names what the fused node returns beside the norm, if
+    anything (in the statistics' reason)."""
+    dtype = ln.outputs[0].desc.dtype
+    if float_affine and dtype != DataType.FLOAT:
+        return Skip(f"the LayerNorm computes in {dtype.value}; the fused node normalizes in float32")
     found = residual_add(ln.inputs[0])
+    if found is None and missing:
+        return Skip(missing)
     if not isinstance(found, tuple):
         return found
     add = found[0]
