@@ -296,8 +296,13 @@ def _check_quant_config(cfg: Any) -> Dict[str, Any]:
     ignores such names, for a config made for a whole model applied to a part of it)."""
     fix = ("give {'layers': {node: {'scale_d': step, 'offset_d': zero_point}}, 'skip_layers': "
            "[names], 'dynamic_linear': bool}, as opencann.quantize makes it")
-    if not isinstance(cfg, dict) or set(cfg) - {"layers", "skip_layers", "dynamic_linear", "check_names"}:
+    known = ("layers", "skip_layers", "dynamic_linear", "check_names")
+    if not isinstance(cfg, dict):
         raise ValueError(f"option 'quant_config' got {cfg!r:.80}; {fix}")
+    unknown = sorted(map(repr, set(cfg) - set(known)))
+    if unknown:
+        raise ValueError(f"option 'quant_config' has no key {', '.join(unknown)[:80]} (it takes "
+                         f"{', '.join(known)}); {fix}")
     layers = cfg.get("layers")
     if layers is not None and not isinstance(layers, dict):
         raise ValueError(f"option 'quant_config': 'layers' must map node names to "

@@ -167,8 +167,8 @@ class TuneResult:
         (`quant_config`, JSON: `precision_files.write_quant_config`); ``opencann atc
         --keep_dtype F --modify_mixlist M --quant_config Q --precision_mode
         allow_mix_precision_bf16`` reads them back. The keep_dtype and mixlist files cannot
-        say int8: an int8 node is a lowered one there, and the quant_config file names its
-        layer. OSError when a path cannot be written."""
+        say int8 (they place an int8 node by the dtype it computes in: `mixlist`); the
+        quant_config file names its layer. OSError when a path cannot be written."""
         from .precision_files import write_keep_dtype, write_mixlist, write_quant_config
         if keep_dtype:
             write_keep_dtype(keep_dtype, self.keep_dtype())

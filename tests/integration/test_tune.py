@@ -737,7 +737,7 @@ def test_int8_choices_export_and_atc_builds_the_tuned_graph(tmp_path, capsys):
     (None, "no such file"),
     ("{not json", "not JSON"),
     ('{"layers": {"fc": {"scale_d": -1, "offset_d": 3}}}', "scale_d"),
-    ('{"layers": {}, "skip_layer": []}', "option 'quant_config'"),
+    ('{"layers": {}, "skip_layer": []}', "option 'quant_config' has no key 'skip_layer' (it takes layers, skip_layers"),
 ])
 def test_quant_config_file_errors_are_one_line(tmp_path, capsys, text, says):
     from opencann.tools.precision_files import read_quant_config
