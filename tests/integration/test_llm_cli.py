@@ -118,7 +118,7 @@ def test_demo_chat_turn(tiny, capsys):
     text, _ = _eager_text(tiny, "Hello", 8, chat=True)
     assert f"assistant: {text}\n" in out
     assert "tokens identical to eager greedy generate: yes (8 new tokens, eager 8)" in out
-    assert "decode: eager " in out and "TTFT: eager " in out
+    assert "decode: eager " in out and "TTFT: eager " in out and "-token prefill bucket)" in out
     assert cli._parser().parse_args(["demo", "--no-llm"]).no_llm
 
 
