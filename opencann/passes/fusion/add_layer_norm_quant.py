@@ -59,6 +59,19 @@ class _Match:
     heads: List[Node] = field(default_factory=list)   #: its readers on the quantizing paths
 
 
+def _one_scale(r: QuantReaders) -> Optional[Skip]:
+    """None when every AscendQuant of ``r`` quantizes at one (scale, offset) by a product
+    (the fused kernel's ``y * (1 / step)``); a `Skip` for two scales, or for an ONNX
+    QuantizeLinear (AscendQuant with ``step``: x / step, the specification's division, whose
+    bits the product misses by one where y / step lies next to a rounding boundary)."""
+    if any("step" in q.attrs for q in r.quants):
+        return Skip("an ONNX QuantizeLinear reads it (x / step, the specification's "
+                    "division): the fused kernel multiplies by 1 / step")
+    if len(r.keys) != 1:
+        return Skip(f"its readers quantize it at {len(r.keys)} different scales")
+    return None
+
+
 class FuseAddLayerNormQuant(CpuFusion):
     """AddLayerNormCast(x1, x2, γ, β) → (Reshape →)* AscendQuant(s, z) ⇒
     AddLayerNormQuant(x1, x2, γ, β; scale=s, offset=z) → (Reshape →)* (uint8); and the
@@ -70,8 +83,8 @@ class FuseAddLayerNormQuant(CpuFusion):
 
     def match(self, node: Node, graph: Graph, ctx: PassContext):
         """A `_Match` when every reader of the low output quantizes it (through Reshapes)
-        at one (scale, offset); else a `Skip` naming the reader or fact in the way. A
-        LayerNorm: `_match_float`."""
+        at one (scale, offset) (`_one_scale`); else a `Skip` naming the reader or fact in
+        the way. A LayerNorm: `_match_float`."""
         if node.op == "LayerNorm":
             return self._match_float(node, graph)
         low = node.outputs[1]
@@ -80,16 +93,13 @@ class FuseAddLayerNormQuant(CpuFusion):
             return Skip(f"its {low.desc.dtype.value} output: {r.reason}")
         if not r.quants:
             return Skip("no AscendQuant reads its low output (no static int8 layer after it)")
-        if len(r.keys) != 1:
-            return Skip(f"its readers quantize it at {len(r.keys)} different scales")
-        return _Match(node, r)
+        return _one_scale(r) or _Match(node, r)
 
     @staticmethod
     def _match_float(ln: Node, graph: Graph):
         """The float32 form: None when no reader of the norm quantizes it; a `_Match` when
         a residual Add feeds it (`residual_layer_norm`) and its quantizing readers
-        (`quant_paths`) use one scale (none an ONNX QuantizeLinear's division: AscendQuant
-        with ``step``, whose bits the kernel's product may miss by one); else a `Skip`."""
+        (`quant_paths`) pass `_one_scale`; else a `Skip`."""
         y = ln.outputs[0]
         r, heads = quant_paths(graph, y)
         if not r.quants:
@@ -98,12 +108,7 @@ class FuseAddLayerNormQuant(CpuFusion):
             "no residual Add produces the LayerNorm's input: the fused node adds two tensors"))
         if isinstance(add, Skip):
             return add
-        if any("step" in q.attrs for q in r.quants):
-            return Skip("an ONNX QuantizeLinear reads it (x / step, the specification's "
-                        "division): the fused kernel multiplies by 1 / step")
-        if len(r.keys) != 1:
-            return Skip(f"its readers quantize it at {len(r.keys)} different scales")
-        return _Match(ln, r, add, heads)
+        return _one_scale(r) or _Match(ln, r, add, heads)
 
     def rewrite(self, graph: Graph, m: _Match, ctx: PassContext) -> int:
         """Replace the node by AddLayerNormQuant (same inputs, the AscendQuant's scale and
