@@ -118,5 +118,12 @@ def test_observed_run_uses_the_plan_of_the_call_shape(how, recwarn):
                                                          and t.dim() > 1), x2)
     assert set(seen) == {2}
     torch.testing.assert_close(outs[0], m(x2), rtol=1e-5, atol=1e-5)
-    assert calibrate(cm, _batches([x2])) == calibrate(opencann.compile(m, x2), _batches([x2]))
+    # the two compiles may bind different fp32 kernels (the bind-time race): records equal
+    # to float32 rounding of the layers' inputs, not bit for bit
+    got, want = calibrate(cm, _batches([x2])), calibrate(opencann.compile(m, x2), _batches([x2]))
+    assert got.keys() == want.keys()
+    for k in want:
+        assert got[k].keys() == want[k].keys()
+        for f, v in want[k].items():
+            assert got[k][f] == pytest.approx(v, rel=1e-5, abs=1e-6), (k, f)
     assert not [w for w in recwarn if "resized" in str(w.message)]
