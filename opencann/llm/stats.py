@@ -7,7 +7,9 @@ to the first new token of every row, prefill and its sampling included), ``prefi
 ``decode_tokens`` (steps x live rows) and ``decode_tokens_per_s``, ``graphs_built_after_warmup``
 and ``plans_built_after_warmup`` (step graphs and memory plans built after the call's
 first decode step: zero when nothing recompiles per token). Totals over the generator's
-life: ``graphs_built`` (prefill and decode step graphs), ``recompiles`` (graphs built
+life: ``graphs_built`` (prefill and decode step graphs), ``captures`` (torch.export
+captures those took: one per decode graph, one per batch size for all its prefill
+buckets, `opencann.engine.per_shape.SymbolicCapture`), ``recompiles`` (graphs built
 again for a shape that had one), ``memory_plans`` (memory plans of the compiled step
 graphs; 0 on the eager backend), ``kv_cache_bytes`` (the preallocated caches),
 ``weight_bytes`` (the weights the generator holds: ``module_weight_bytes``, the module's
@@ -65,6 +67,7 @@ class GenerationStats:
     arena_bytes: int = 0
     peak_rss_bytes: int = 0
     graphs_built: int = 0
+    captures: int = 0
     recompiles: int = 0
     memory_plans: int = 0
     graphs: List[str] = field(default_factory=list)

@@ -28,6 +28,7 @@ import numpy as np
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
+from ..log import logger
 from .builder import DecoderLM
 from .stats import GenerationStats
 
@@ -38,13 +39,18 @@ MIN_BUCKET = 16
 
 def prefill_buckets(max_seq_len: int, given: Optional[Sequence[int]] = None) -> Tuple[int, ...]:
     """Prompt-length buckets (tokens), ascending, the last being ``max_seq_len``:
-    ``given`` (ints in 1..max_seq_len), or powers of two from `MIN_BUCKET`. A prompt runs
-    in the smallest bucket that holds it. Raises ValueError (one line) for a bad list."""
+    ``given`` (ints in 1..max_seq_len), or by default four per octave, multiples of
+    `MIN_BUCKET`: 16, 32, 48, 64, 80, 96, 112, 128, 160, 192, 224, 256, 320, ... (a step
+    of a quarter of the power of two below, at least 16 tokens), so a prompt's padding
+    is under 16 tokens up to 64 and under a quarter of its length above; prefill graphs
+    after a batch size's first share its capture (`StepGraphs._compile`: ~1 s a bucket),
+    and each is built on first use. A prompt runs in the smallest bucket that holds it.
+    Raises ValueError (one line) for a bad list."""
     if given is None:
         out, b = [], MIN_BUCKET
         while b < max_seq_len:
             out.append(b)
-            b *= 2
+            b += max(MIN_BUCKET, (1 << (b.bit_length() - 1)) // 4)
         return tuple(out) + (max_seq_len,)
     if not _sizes_in(given, max_seq_len):
         raise ValueError(f"option 'prefill_buckets' takes prompt lengths in "
@@ -266,6 +272,8 @@ class StepGraphs:
         self._graphs: Dict[Tuple[int, int], Callable] = {}
         self._views: Dict[int, List[torch.Tensor]] = {}
         self._laid_out = False   # `hold_weights_once` done
+        #: batch size -> the prefill graphs' shared capture (None: captured per bucket)
+        self._symbolic: Dict[int, Any] = {}
         for (b, t), cm in (loaded or {}).items():
             self._graphs[(b, t)] = self._runner(cm, b)
             stats.graphs_loaded += 1
@@ -320,17 +328,42 @@ class StepGraphs:
             # their races choose each weight's one packed layout (`cpu.copy_allowed`);
             # a prefill graph's races then share it or keep none
             self.step(batch, 1)
-        from ..engine import compile_module
         example = (torch.zeros(batch, tokens, dtype=torch.long),
                    torch.zeros(batch, dtype=torch.long),
                    torch.full((batch,), tokens, dtype=torch.long), *views)
-        cm = compile_module(self.lm, example, device=self.device,
-                            options=self.compile_options(tokens))
+        cm = self._compile(example, batch, tokens)
         self.stats.graph_built(key, _plans(cm))
         run = self._runner(cm, batch)
         self._graphs[(batch, tokens)] = run
         self._count_memory()
         return run
+
+    def _compile(self, example: Tuple[torch.Tensor, ...], batch: int, tokens: int) -> Any:
+        """The compiled step graph for ``example`` (``batch`` rows of ``tokens`` tokens).
+        Prefill graphs of one batch size share one capture (`SymbolicCapture`: exported
+        once with the prompt length as a dynamic dim in 2..max_seq_len, then each bucket
+        specialised and compiled whole: ~0.6 s a bucket after the first where a capture
+        took ~25 s for SmolLM2-135M on the 2-core host); a model torch.export cannot
+        trace that way has each graph captured at its own shape, as the decode graph is."""
+        from ..engine import compile_module
+        from ..engine.per_shape import SymbolicCapture
+        from ..frontend.torch import CaptureError
+        options = self.compile_options(tokens)
+        if tokens > 1 and self._symbolic.get(batch, True) is not None:
+            family = self._symbolic.get(batch)
+            if family is None:
+                self.stats.captures += 1
+                try:
+                    family = SymbolicCapture(
+                        self.lm, example, {"input_ids": {1: "prompt_tokens"}},
+                        {"prompt_tokens": (2, self.caches[0].shape[2])}, self.device)
+                except (CaptureError, ValueError) as e:
+                    logger.info("prefill graphs captured per bucket: %s", e)
+                self._symbolic[batch] = family
+            if family is not None:
+                return family.compile(example, options)
+        self.stats.captures += 1
+        return compile_module(self.lm, example, device=self.device, options=options)
 
     def _weights_unchanged(self) -> None:
         """`WeightChanged` when a weight the built graphs froze was changed since: a new
