@@ -98,5 +98,13 @@ class StaticShapes(ShapePolicy):
                                  concurrent_calls, first=executor)
         self.run = self.pool.run   # the hot path: no extra frame per call
 
+    def share_arena(self, arena: torch.Tensor) -> bool:
+        """Run in ``arena`` (`ExecutorPool.share_arena`: for graphs whose calls never
+        overlap); returns whether the executor was rebound."""
+        done = self.pool.share_arena(arena)
+        if done:
+            self.executor = self.pool.first
+        return done
+
 
 __all__ = ["ShapePolicy", "StaticShapes"]

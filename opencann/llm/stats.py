@@ -21,11 +21,12 @@ graphs and their GEMM kernels keep beside them, each storage once, by kind in
 ``packed_bytes_by_kind``: ``qkv_concat``, ``gate_up_concat``, ``addmm_kn`` ([k, n]
 copies), ``onednn_packed`` (oneDNN's blocked layout), ``gemv`` ([n, k] copies),
 ``panel`` (the panel GEMM's [P, k, NR] panels), ``constants`` (folded at compile time); `opencann.llm.steps.step_memory`),
-``arena_bytes`` (the step graphs' activation arenas, one per graph), ``graphs`` (the step
+``arena_bytes`` (the step graphs' activation arena: one buffer they all run in, the
+largest graph's size, `opencann.llm.steps.StepGraphs._share_arenas`), ``graphs`` (the step
 graphs by key, e.g. ``"prefill b2 t32"``; a loaded generator's too), and
 ``peak_rss_bytes``: the process's peak resident set so far (`peak_rss_bytes`, read after
 each graph build and each ``generate``; 0 where the platform gives none). The goal: peak
-RSS = the Python process (interpreter, torch, code) + weights + KV cache + arenas.
+RSS = the Python process (interpreter, torch, code) + weights + KV cache + arena.
 """
 from __future__ import annotations
 
@@ -133,7 +134,7 @@ class GenerationStats:
                 f"weights {self.weight_bytes / 2**20:.1f} MiB (module {self.module_weight_bytes / 2**20:.1f}"
                 + (f", {self.shared_weight_bytes / 2**20:.1f} of it the graphs' concatenations"
                    if self.shared_weight_bytes else "")
-                + f" + packed {self.packed_bytes / 2**20:.1f}), arenas {self.arena_bytes / 2**20:.1f} MiB"
+                + f" + packed {self.packed_bytes / 2**20:.1f}), arena {self.arena_bytes / 2**20:.1f} MiB"
                 + (f", peak RSS {self.peak_rss_bytes / 2**20:.0f} MiB" if self.peak_rss_bytes else ""))
 
 

@@ -94,7 +94,7 @@ class StepMemory(NamedTuple):
     module_bytes: int   #: the module's parameters and buffers (a loaded generator: its graphs' constants)
     packed_bytes: int   #: copies beyond those, = sum(by_kind.values())
     by_kind: Dict[str, int]  #: packed bytes per kind (`PACKED_KINDS`)
-    arena_bytes: int    #: the graphs' activation arenas, summed
+    arena_bytes: int    #: the graphs' activation arenas, a buffer they share counted once
     #: of module_bytes, the module's storages the graphs read as their concatenated GEMM
     #: operands (Q/K/V, gate/up: `hold_weights_once`), held once instead of copied
     shared_bytes: int = 0
@@ -150,9 +150,14 @@ def step_memory(graphs: Sequence[Any], module: Optional[torch.nn.Module] = None)
         key, nbytes = _storage_key(t)
         if key in mine and hasattr(t, "_opencann_parts"):
             shared[key] = nbytes
-    arena, consts = 0, []
-    for cm in graphs:
-        arena += int(cm.plan.arena_bytes)
+    arenas: Dict[int, int] = {}
+    consts = []
+    for cm in graphs:   # a buffer the graphs share (`StepGraphs._share_arenas`) counts once
+        ex = getattr(cm.shapes, "executor", None)
+        if ex is None:
+            arenas[id(cm)] = int(cm.plan.arena_bytes)
+        else:
+            arenas[ex.arena.untyped_storage().data_ptr()] = ex.arena.untyped_storage().nbytes()
         consts += [v.const for v in cm.graph.constants if isinstance(v.const, torch.Tensor)]
     for t in consts:
         n = count(t)
@@ -165,7 +170,8 @@ def step_memory(graphs: Sequence[Any], module: Optional[torch.nn.Module] = None)
         by_kind[_CACHE_KIND[kind]] += sum(count(t) for t in copies)
         for t in copies:
             held_once(t)
-    return StepMemory(own, sum(by_kind.values()), by_kind, arena, sum(shared.values()))
+    return StepMemory(own, sum(by_kind.values()), by_kind, sum(arenas.values()),
+                      sum(shared.values()))
 
 
 #: a weight `hold_weights_once` left in place (its kernel reads the row-major layout and
@@ -274,11 +280,13 @@ class StepGraphs:
         self._laid_out = False   # `hold_weights_once` done
         #: batch size -> the prefill graphs' shared capture (None: captured per bucket)
         self._symbolic: Dict[int, Any] = {}
+        self._arena: Optional[torch.Tensor] = None   # `_share_arenas`
         for (b, t), cm in (loaded or {}).items():
             self._graphs[(b, t)] = self._runner(cm, b)
             stats.graphs_loaded += 1
             stats.graphs.append(f"{'decode' if t == 1 else 'prefill'} b{b} t{t}")
         if loaded:
+            self._share_arenas()
             self._count_memory()
 
     def _count_memory(self) -> None:
@@ -335,8 +343,30 @@ class StepGraphs:
         self.stats.graph_built(key, _plans(cm))
         run = self._runner(cm, batch)
         self._graphs[(batch, tokens)] = run
+        self._share_arenas()
         self._count_memory()
         return run
+
+    def _share_arenas(self) -> None:
+        """Run every compiled step graph in ONE activation arena, the largest graph's
+        size: a generator's graphs never run at the same time (each call holds the
+        generator's lock, and a step's outputs are fresh tensors, its caches inputs), so
+        memory is weights + caches + one arena, not an arena per bucket and batch size
+        (a 125M Llama at max_seq_len 2048: 24 prefill buckets held 223 MiB of arenas,
+        the largest 35 MiB). A graph built later and larger replaces the buffer by one of
+        its size, every graph rebound to it (`StaticShapes.share_arena`: ~15 ms a graph)."""
+        shapes = [cm.shapes for cm in self.compiled().values()
+                  if callable(getattr(cm.shapes, "share_arena", None))]
+        if not shapes:
+            return
+        need = max(int(s.plan.arena_bytes) for s in shapes)
+        grow = self._arena is None or self._arena.numel() < need
+        if grow:
+            with torch.inference_mode(False):   # outlives the call: an ordinary tensor
+                self._arena = torch.empty(max(need, 1), dtype=torch.uint8)
+        for s in shapes:
+            if grow or s.executor.arena.untyped_storage().data_ptr() != self._arena.data_ptr():
+                s.share_arena(self._arena)
 
     def _compile(self, example: Tuple[torch.Tensor, ...], batch: int, tokens: int) -> Any:
         """The compiled step graph for ``example`` (``batch`` rows of ``tokens`` tokens).

@@ -90,14 +90,22 @@ class Executor:
         self._bound: List[tuple] = []  # (global name, value) of each arena view in the code
         self._fn = self._build(profile)
 
-    def clone(self) -> "Executor":
+    def clone(self, arena: Optional[torch.Tensor] = None) -> "Executor":
         """Another executor of the same graph and plan with its own arena: kernels,
         constants and generated code are shared (built once, kernels are stateless per
         call), the arena views are rebound. Cheap: one allocation and one view per
-        planned buffer."""
+        planned buffer. ``arena``: the buffer to run in instead of a new one (uint8,
+        contiguous, at least ``plan.arena_bytes``; e.g. one buffer shared by graphs that
+        never run at the same time, `ExecutorPool.share_arena`). Raises ValueError for
+        an arena of another dtype or too small."""
+        if arena is not None and (arena.dtype != torch.uint8 or not arena.is_contiguous()
+                                  or arena.numel() < self.plan.arena_bytes):
+            raise ValueError(f"an executor's arena must be a contiguous uint8 tensor of at least "
+                             f"{self.plan.arena_bytes} bytes (the plan's), got "
+                             f"{arena.dtype} of {arena.numel()} elements")
         ex = Executor.__new__(Executor)
         ex.__dict__.update(self.__dict__)
-        ex.arena = torch.empty_like(self.arena)
+        ex.arena = torch.empty_like(self.arena) if arena is None else arena
         ex.copy_out_nodes = list(self.copy_out_nodes)
         ex.trace_events = []
         glb = dict(self._glb)

@@ -100,6 +100,26 @@ class ExecutorPool:
         finally:
             self._idle.put(ex)
 
+    def share_arena(self, arena: torch.Tensor) -> bool:
+        """Make the pool's one executor run in ``arena`` (`Executor.clone` with that
+        buffer), for graphs whose calls never overlap (opencann.llm's step graphs, called
+        under their generator's lock) to share one buffer. Only while the pool holds
+        that executor alone and idle; returns whether it did (a second executor, made
+        for an overlapping call, keeps an arena of its own). Raises what `clone` raises."""
+        with self._lock:
+            if self._count != 1 or self._first is None:
+                return False
+            try:
+                ex = self._idle.get(block=False)
+            except queue.Empty:
+                return False
+            try:
+                with torch.inference_mode(False):
+                    self._first = ex.clone(arena)
+            finally:
+                self._idle.put(self._first)
+            return True
+
     def run(self, inputs: Sequence[torch.Tensor]) -> tuple:
         """`Executor.run` on a borrowed executor; returns the flat outputs (fresh
         tensors, never views of an arena). Raises what `Executor.run` raises."""

@@ -121,3 +121,48 @@ def test_default_buckets_pad_little():
     for n in range(2, 8193):
         b = smallest(buckets, n)
         assert b - n < 16 if n <= 64 else b < 1.25 * n, (n, b)
+
+
+def test_step_graphs_share_one_arena(tmp_path):
+    """Every step graph runs in one buffer the size of the largest graph's arena (their
+    calls never overlap): memory is weights + caches + one arena, reported so, and
+    results stay transformers' as graphs are built (each build may replace the buffer)."""
+    m = _model("llama")
+    gen = L.compile(m, max_seq_len=40, max_batch=2, options={"prefill_buckets": [4, 8, 16]})
+    g = torch.Generator().manual_seed(5)
+    for rows, n in ((1, 3), (2, 14), (1, 7), (2, 5), (1, 14)):
+        ids = torch.randint(3, 97, (rows, n), generator=g)
+        want = m.generate(ids, max_new_tokens=5, do_sample=False, pad_token_id=0)
+        assert torch.equal(gen.generate(ids, max_new_tokens=5), want), (rows, n)
+    graphs = gen.steps.compiled()
+    assert len(graphs) == 7
+    arenas = {cm.shapes.executor.arena.untyped_storage().data_ptr() for cm in graphs.values()}
+    largest = max(int(cm.plan.arena_bytes) for cm in graphs.values())
+    assert len(arenas) == 1 and gen.stats.arena_bytes == largest
+    # a generator loaded from a file shares one arena too, and gives the same tokens
+    path = str(tmp_path / "g.ocm")
+    gen.save(path, graphs="built")
+    back = L.load(path)
+    loaded = back.steps.compiled()
+    assert len({cm.shapes.executor.arena.untyped_storage().data_ptr()
+                for cm in loaded.values()}) == 1 and back.stats.arena_bytes == largest
+    ids = torch.randint(3, 97, (2, 12), generator=g)
+    assert torch.equal(back.generate(ids, max_new_tokens=4), gen.generate(ids, max_new_tokens=4))
+
+
+def test_a_shared_arena_is_not_shared_while_a_call_overlaps():
+    """`ExecutorPool.share_arena` rebinds only an idle pool's one executor."""
+    import opencann
+    lin = torch.nn.Linear(8, 8).eval()
+    cm = opencann.compile(lin, (torch.randn(4, 8),))
+    buf = torch.empty(cm.plan.arena_bytes + 64, dtype=torch.uint8)
+    x = torch.randn(4, 8)
+    want = lin(x)
+    pool = cm.shapes.pool
+    ex = pool._borrow()          # a call in flight
+    assert not cm.shapes.share_arena(buf)
+    pool._idle.put(ex)
+    assert cm.shapes.share_arena(buf) and cm.shapes.executor.arena is buf
+    torch.testing.assert_close(cm(x), want)
+    with pytest.raises(ValueError, match="contiguous uint8 tensor of at least"):
+        cm.shapes.executor.clone(torch.empty(1, dtype=torch.float32))
