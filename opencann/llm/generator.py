@@ -68,7 +68,8 @@ def compile(model: torch.nn.Module, max_seq_len: int, max_batch: int = 1, device
 
     ``options``: ``backend`` ("eager": torch runs the step graphs; "opencann": each is
     compiled by ``opencann.compile``), ``prefill_buckets`` (prompt lengths prefill graphs
-    are built for; default powers of two from 16, and max_seq_len), ``batch_sizes``
+    are built for; default multiples of 8 up to 64, then four per octave, and
+    max_seq_len: `steps.prefill_buckets`), ``batch_sizes``
     (default powers of two up to max_batch); any other key is an ``opencann.compile``
     option. Graphs are built on first use (`Generator.stats` counts them).
     The model's train/eval mode is left as it is and does not matter: the generator

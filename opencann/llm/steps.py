@@ -33,24 +33,25 @@ from .builder import DecoderLM
 from .stats import GenerationStats
 
 BACKENDS = ("eager", "opencann")
-#: the smallest default prefill bucket (tokens)
-MIN_BUCKET = 16
+#: the smallest default prefill bucket and the default buckets' step up to 64 (tokens)
+MIN_BUCKET = 8
 
 
 def prefill_buckets(max_seq_len: int, given: Optional[Sequence[int]] = None) -> Tuple[int, ...]:
     """Prompt-length buckets (tokens), ascending, the last being ``max_seq_len``:
-    ``given`` (ints in 1..max_seq_len), or by default four per octave, multiples of
-    `MIN_BUCKET`: 16, 32, 48, 64, 80, 96, 112, 128, 160, 192, 224, 256, 320, ... (a step
-    of a quarter of the power of two below, at least 16 tokens), so a prompt's padding
-    is under 16 tokens up to 64 and under a quarter of its length above; prefill graphs
-    after a batch size's first share its capture (`StepGraphs._compile`: ~1 s a bucket),
-    and each is built on first use. A prompt runs in the smallest bucket that holds it.
-    Raises ValueError (one line) for a bad list."""
+    ``given`` (ints in 1..max_seq_len), or by default multiples of `MIN_BUCKET` up to 64,
+    then four per octave: 8, 16, 24, ..., 64, 80, 96, 112, 128, 160, 192, 224, 256, 320, ...
+    (a step of a quarter of the power of two below), so a prompt's padding is under 8
+    tokens up to 64 and under a quarter of its length above. Many buckets cost little:
+    each is built on first use, the prefill graphs of a batch size share one capture
+    (`StepGraphs._compile`: ~1 s a bucket after the first) and every step graph one
+    arena (`StepGraphs._share_arenas`). A prompt runs in the smallest bucket that holds
+    it. Raises ValueError (one line) for a bad list."""
     if given is None:
         out, b = [], MIN_BUCKET
         while b < max_seq_len:
             out.append(b)
-            b += max(MIN_BUCKET, (1 << (b.bit_length() - 1)) // 4)
+            b += MIN_BUCKET if b < 64 else (1 << (b.bit_length() - 1)) // 4
         return tuple(out) + (max_seq_len,)
     if not _sizes_in(given, max_seq_len):
         raise ValueError(f"option 'prefill_buckets' takes prompt lengths in "

@@ -74,7 +74,7 @@ def test_greedy_tokens_equal_transformers_generate(name):
     assert torch.equal(out, want)
     again = gen.generate(ids, max_new_tokens=24)     # a second call: same tokens, fresh tensor
     assert torch.equal(again, want) and again.data_ptr() != out.data_ptr()
-    assert gen.stats.graphs_built == 2 and gen.stats.recompiles == 0   # prefill b1 t16, decode b1
+    assert gen.stats.graphs_built == 2 and gen.stats.recompiles == 0   # prefill b1 t8, decode b1
 
 
 @pytest.mark.parametrize("name", ["llama", "gpt2"])
@@ -221,8 +221,8 @@ def test_stats_no_graph_or_plan_per_decode_token_and_shared_weights():
     a = gen.arch
     assert s.kv_cache_bytes == a.kv_cache_bytes(2, 64) == 2 * 2 * 2 * 1 * 64 * 16 * 4
     ptrs = [c.data_ptr() for c in gen.caches]
-    gen.generate(prompt(20, 9), max_new_tokens=4)            # a longer prompt: bucket 32
-    assert s.graphs == ["prefill b1 t16", "decode b1 t1", "prefill b1 t32"] and s.recompiles == 0
+    gen.generate(prompt(20, 9), max_new_tokens=4)            # a longer prompt: bucket 24
+    assert s.graphs == ["prefill b1 t8", "decode b1 t1", "prefill b1 t24"] and s.recompiles == 0
     assert [c.data_ptr() for c in gen.caches] == ptrs          # caches written in place
     names = [n for n, _ in gen.lm.named_parameters()]
     assert shared_parameters(gen.lm, m) == names and len(names) == len(list(m.parameters()))
@@ -290,7 +290,7 @@ def test_unsupported_models_are_one_line(make, match):
     (dict(max_seq_len=65), r"exceeds the model's 64 learned positions"),
     (dict(options={"backend": "tvm"}), r"option 'backend' takes 'eager' or 'opencann'"),
     (dict(options={"prefill_buckets": [0, 8]}), r"option 'prefill_buckets' takes prompt lengths in 1..32 "
-     r"\(max_seq_len\), e.g. \[16, 32\] \(the default\)"),     # an example within 1..max_seq_len
+     r"\(max_seq_len\), e.g. \[8, 16, 24, 32\] \(the default\)"),     # an example within 1..max_seq_len
     (dict(options={"batch_sizes": [3]}), r"option 'batch_sizes' takes batch sizes in 1..2 \(max_batch\), "
      r"e.g. \[1, 2\] \(the default\)"),
     (dict(options={"no_such_option": 1}), r"unknown compile option"),

@@ -81,6 +81,6 @@ def test_padding_repeats_real_tokens():
     gen.steps.step = spy
     gen.generate([[8, 21, 4], [40, 41, 42, 43, 44, 45], [30, 31]], max_new_tokens=3)
     (ids, lengths), (tok, _) = seen[0], seen[1]
-    assert ids.shape == (4, 16) and lengths.tolist() == [3, 6, 2, 3]
-    assert ids[0].tolist() == [8, 21] + [4] * 14 and ids[2].tolist() == [30] + [31] * 15
+    assert ids.shape == (4, 8) and lengths.tolist() == [3, 6, 2, 3]
+    assert ids[0].tolist() == [8, 21] + [4] * 6 and ids[2].tolist() == [30] + [31] * 7
     assert torch.equal(ids[3], ids[0]) and tok[3] == tok[0]

@@ -3,8 +3,9 @@ dynamic dim), each bucket specialised from it and compiled whole
 (`opencann.engine.per_shape.SymbolicCapture`): tokens equal transformers' greedy
 ``generate`` in every bucket, each bucket's graph is the one a capture at its own shape
 gives (same ops, same logits to fp32 rounding), a model export cannot trace with a
-dynamic length falls back to one capture per bucket, and the default buckets pad a
-prompt by less than 16 tokens up to 64 and by less than a quarter above."""
+dynamic length falls back to one capture per bucket, the default buckets pad a
+prompt by less than 8 tokens up to 64 and by less than a quarter above, and every step
+graph of a generator runs in one shared arena."""
 import pytest
 import torch
 import transformers as T
@@ -113,14 +114,14 @@ def test_batch_sizes_each_share_their_own_capture():
 
 
 def test_default_buckets_pad_little():
-    assert prefill_buckets(512) == (16, 32, 48, 64, 80, 96, 112, 128, 160, 192, 224, 256,
-                                    320, 384, 448, 512)
-    assert prefill_buckets(100) == (16, 32, 48, 64, 80, 96, 100)
-    assert prefill_buckets(8) == (8,) and prefill_buckets(17) == (16, 17)
+    assert prefill_buckets(512) == (8, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128, 160, 192,
+                                    224, 256, 320, 384, 448, 512)
+    assert prefill_buckets(100) == (8, 16, 24, 32, 40, 48, 56, 64, 80, 96, 100)
+    assert prefill_buckets(8) == (8,) and prefill_buckets(17) == (8, 16, 17)
     buckets = prefill_buckets(8192)
     for n in range(2, 8193):
         b = smallest(buckets, n)
-        assert b - n < 16 if n <= 64 else b < 1.25 * n, (n, b)
+        assert b - n < 8 if n <= 64 else b < 1.25 * n, (n, b)
 
 
 def test_step_graphs_share_one_arena(tmp_path):
