@@ -375,21 +375,24 @@ class StepGraphs:
         once with the prompt length as a dynamic dim in 2..max_seq_len, then each bucket
         specialised and compiled whole: ~0.6 s a bucket after the first where a capture
         took ~25 s for SmolLM2-135M on the 2-core host); a model torch.export cannot
-        trace that way has each graph captured at its own shape, as the decode graph is."""
+        trace that way (whatever the shared capture raises: the static capture then gives
+        its own error if the model cannot be captured at all), and a max_seq_len of 2 (one
+        prompt length > 1, nothing dynamic), has each graph captured at its own shape, as
+        the decode graph is."""
         from ..engine import compile_module
         from ..engine.per_shape import SymbolicCapture
-        from ..frontend.torch import CaptureError
         options = self.compile_options(tokens)
-        if tokens > 1 and self._symbolic.get(batch, True) is not None:
+        most = int(self.caches[0].shape[2])
+        if tokens > 1 and most > 2 and self._symbolic.get(batch, True) is not None:
             family = self._symbolic.get(batch)
             if family is None:
                 self.stats.captures += 1
                 try:
                     family = SymbolicCapture(
                         self.lm, example, {"input_ids": {1: "prompt_tokens"}},
-                        {"prompt_tokens": (2, self.caches[0].shape[2])}, self.device)
-                except (CaptureError, ValueError) as e:
-                    logger.info("prefill graphs captured per bucket: %s", e)
+                        {"prompt_tokens": (2, most)}, self.device)
+                except Exception as e:   # noqa: BLE001 - any failure: the static capture's own error
+                    logger.info("prefill graphs captured per bucket: %s: %s", type(e).__name__, e)
                 self._symbolic[batch] = family
             if family is not None:
                 return family.compile(example, options)

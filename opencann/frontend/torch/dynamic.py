@@ -65,6 +65,9 @@ def _range_of(name: str, entry: Any, ranges: Mapping[str, Tuple[int, int]]):
         lo, hi = r
     if lo < 0 or (hi is not None and hi < lo):
         raise ValueError(f"dynamic dim {name!r} has range [{lo}, {hi}]; give 0 <= min <= max")
+    if hi == lo:   # torch.export's Dim asserts min < max: one size is a static dim
+        raise ValueError(f"dynamic dim {name!r} has the one size {lo} (range [{lo}, {hi}]): "
+                         f"give min < max, or leave the dim static")
     return lo, hi
 
 

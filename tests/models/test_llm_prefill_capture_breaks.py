@@ -1,0 +1,57 @@
+"""Inputs that once broke the shared prefill capture (`SymbolicCapture` in
+`StepGraphs._compile`): each must give transformers' greedy tokens or one clear error
+line, and leave the generator usable."""
+import pytest
+import torch
+import transformers as T
+
+import opencann
+import opencann.llm as L
+from opencann.engine.per_shape import SymbolicCapture
+
+
+def _llama():
+    torch.manual_seed(7)
+    return T.AutoModelForCausalLM.from_config(T.LlamaConfig(
+        vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, eos_token_id=None)).eval()
+
+
+def _want(m, ids, n):
+    return m.generate(ids, max_new_tokens=n, do_sample=False, pad_token_id=0)
+
+
+def test_max_seq_len_2_has_one_prompt_length_and_no_dynamic_capture():
+    """max_seq_len=2: the only prefill length > 1 is 2, a dynamic dim of range [2, 2]
+    (torch.export's Dim asserts min < max: an AssertionError at every call, each
+    counted as a capture); the bucket is captured statically."""
+    m = _llama()
+    gen = L.compile(m, max_seq_len=2)
+    for n in (1, 2, 2, 1):
+        ids = torch.randint(3, 97, (1, n), generator=torch.Generator().manual_seed(n))
+        assert torch.equal(gen.generate(ids, max_new_tokens=1), _want(m, ids, 1)), n
+    assert gen.stats.graphs == ["decode b1 t1", "prefill b1 t2"]
+    assert gen.stats.captures == 2 and gen.stats.recompiles == 0
+
+
+def test_any_failure_of_the_shared_capture_falls_back_to_a_capture_per_bucket(monkeypatch):
+    """Not only CaptureError/ValueError: whatever the dynamic capture raises (an
+    assertion inside torch.export, a conversion error) leaves the buckets to static
+    captures, tried once per batch size."""
+    def fail(self, *a, **k):
+        raise AssertionError("torch.export internals (test)")
+    monkeypatch.setattr(SymbolicCapture, "__init__", fail)
+    m = _llama()
+    gen = L.compile(m, max_seq_len=16, options={"prefill_buckets": [4, 8]})
+    for n in (3, 7, 3):
+        ids = torch.randint(3, 97, (1, n), generator=torch.Generator().manual_seed(n))
+        assert torch.equal(gen.generate(ids, max_new_tokens=2), _want(m, ids, 2)), n
+    # decode, the one failed shared capture, a capture per bucket
+    assert gen.stats.graphs_built == 3 and gen.stats.captures == 4
+
+
+def test_a_dynamic_dim_of_one_size_is_a_clear_error():
+    lin = torch.nn.Linear(4, 4).eval()
+    with pytest.raises(ValueError, match="one size 3 .*min < max"):
+        opencann.compile(lin, (torch.randn(3, 4),), dynamic_shapes={"input": {0: "batch"}},
+                         dim_ranges={"batch": (3, 3)})
