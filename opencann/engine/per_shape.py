@@ -23,6 +23,7 @@ import torch.utils._pytree as pytree
 
 from ..devices import parse_device
 from ..frontend.torch.dynamic import dynamic_dims
+from ..ir.symbolic import fits
 from ..runtime.call_binding import forward_arg_names
 from .compiled_model import CompiledModel, example_convention
 from .dynamic import ShapeBinder, _capture, compile_shape
@@ -58,10 +59,24 @@ class SymbolicCapture:
         self.n_user = sum(s.kind == InputKind.USER_INPUT for s in ep.graph_signature.input_specs)
 
     def values(self, inputs: Tuple[Any, ...]) -> Dict[str, int]:
-        """Symbol -> size for ``inputs``; ValueError (one line) for a size outside its
-        range or against the model's shape conditions (`ShapeBinder.bind`)."""
+        """Symbol -> size for ``inputs``; ValueError (one line) for inputs that are not
+        the capture's (another count, a static dim or dtype other than captured: the
+        specialised graph would be compiled for the captured sizes, not these), a size
+        outside its range or against the model's shape conditions (`ShapeBinder.bind`)."""
         flat = pytree.tree_flatten((inputs, {}))[0]
         tensors = [t for t in flat if isinstance(t, torch.Tensor)]
+        if len(tensors) != len(self.graph.inputs):
+            raise ValueError(f"the capture takes {len(self.graph.inputs)} tensor inputs "
+                             f"(as captured), got {len(tensors)}")
+        for t, v in zip(tensors, self.graph.inputs):
+            if not fits(t.shape, v.desc.shape) or t.dtype != v.desc.dtype.torch:
+                raise ValueError(
+                    f"input {v.name!r} is {str(t.dtype).replace('torch.', '')}{list(t.shape)} "
+                    f"but was captured as {str(v.desc.dtype.torch).replace('torch.', '')}"
+                    f"{[self.binder.readable(d) if isinstance(d, str) else d for d in v.desc.shape]}"
+                    f": only the dynamic dims "
+                    f"({', '.join(map(self.binder.readable, self.binder.order))}) may differ; "
+                    f"capture again for other static sizes or dtypes")
         return dict(zip(self.binder.order, self.binder.bind(tensors)))
 
     def compile(self, inputs: Tuple[Any, ...], options: Optional[Dict[str, Any]] = None

@@ -55,3 +55,29 @@ def test_a_dynamic_dim_of_one_size_is_a_clear_error():
     with pytest.raises(ValueError, match="one size 3 .*min < max"):
         opencann.compile(lin, (torch.randn(3, 4),), dynamic_shapes={"input": {0: "batch"}},
                          dim_ranges={"batch": (3, 3)})
+
+
+class _Sum(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, x, y):
+        return torch.softmax(self.lin(x), -1).sum(1) + y
+
+
+def test_a_capture_refuses_inputs_whose_static_sizes_or_dtypes_differ():
+    """`SymbolicCapture.compile` binds the dynamic dims only: a static dim, a dtype or an
+    input count other than captured compiled the captured sizes silently (or raised an
+    IndexError); now one ValueError line, and the capture stays usable."""
+    m = _Sum().eval()
+    x, y = torch.randn(2, 5, 8), torch.randn(2, 8)
+    cap = SymbolicCapture(m, (x, y), {"x": {1: "t"}}, {"t": (2, 16)})
+    for bad, what in (((torch.randn(3, 5, 8), y), r"'x' is float32\[3, 5, 8\] .*\[2, 't', 8\]"),
+                      ((x, torch.randn(2, 7)), r"'y' is float32\[2, 7\]"),
+                      ((x, y.double()), r"'y' is float64"),
+                      ((x,), "takes 2 tensor inputs")):
+        with pytest.raises(ValueError, match=what):
+            cap.compile(bad)
+    x9 = torch.randn(2, 9, 8)
+    torch.testing.assert_close(cap.compile((x9, y))(x9, y), m(x9, y), rtol=1e-5, atol=1e-5)
