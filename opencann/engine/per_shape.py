@@ -7,9 +7,10 @@ compiled whole - every pass at its concrete sizes, layout, memory plan and kerne
 binding, as ATC compiles each gear of ``--dynamic_dims`` - into a static `CompiledModel`,
 the graph `compile_module` would build from a capture at that shape, without running
 torch.export and its decomposition again. Measured on the 2-core EPYC host for
-SmolLM2-135M's 30-layer prefill graph: capture 24-26 s (export ~6 s, decomposition
-~20 s) once, then 0.6 s per shape (`compile_shape`), where each bucket used to take the
-whole ~27 s. Unlike `compile_dynamic` (one symbolic graph, passes run once with guards,
+SmolLM2-135M's 30-layer prefill graph, one process: the dynamic capture 30-34 s (export
+9-10 s, decomposition 20-25 s: symbolic shapes cost), a static capture at one length
+14-17 s, then 0.6-1 s per shape (`compile_shape`) where each static graph pays its
+capture: worth it from the second shape on. Unlike `compile_dynamic` (one symbolic graph, passes run once with guards,
 plans per shape) nothing here is decided on symbols: a pass that needs a concrete size
 gets it.
 """

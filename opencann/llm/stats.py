@@ -8,8 +8,8 @@ to the first new token of every row, prefill and its sampling included), ``prefi
 and ``plans_built_after_warmup`` (step graphs and memory plans built after the call's
 first decode step: zero when nothing recompiles per token). Totals over the generator's
 life: ``graphs_built`` (prefill and decode step graphs), ``captures`` (torch.export
-captures those took: one per decode graph, one per batch size for all its prefill
-buckets, `opencann.engine.per_shape.SymbolicCapture`), ``recompiles`` (graphs built
+captures those took: one per decode graph, one for a batch size's first prefill
+bucket and one shared by its later buckets, `opencann.engine.per_shape.SymbolicCapture`), ``recompiles`` (graphs built
 again for a shape that had one), ``memory_plans`` (memory plans of the compiled step
 graphs; 0 on the eager backend), ``kv_cache_bytes`` (the preallocated caches),
 ``weight_bytes`` (the weights the generator holds: ``module_weight_bytes``, the module's

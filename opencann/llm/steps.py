@@ -371,19 +371,22 @@ class StepGraphs:
 
     def _compile(self, example: Tuple[torch.Tensor, ...], batch: int, tokens: int) -> Any:
         """The compiled step graph for ``example`` (``batch`` rows of ``tokens`` tokens).
-        Prefill graphs of one batch size share one capture (`SymbolicCapture`: exported
-        once with the prompt length as a dynamic dim in 2..max_seq_len, then each bucket
-        specialised and compiled whole: ~0.6 s a bucket after the first where a capture
-        took ~25 s for SmolLM2-135M on the 2-core host); a model torch.export cannot
-        trace that way (whatever the shared capture raises: the static capture then gives
-        its own error if the model cannot be captured at all), and a max_seq_len of 2 (one
-        prompt length > 1, nothing dynamic), has each graph captured at its own shape, as
-        the decode graph is."""
+        A batch size's first prefill graph is captured at its shape, as the decode graph
+        is; its later prefill graphs share one capture (`SymbolicCapture`: exported once
+        with the prompt length as a dynamic dim in 2..max_seq_len, then each bucket
+        specialised and compiled whole). For SmolLM2-135M on the 2-core host a static
+        capture took 14-17 s, the dynamic one 30-34 s, each bucket from it ~1 s: a
+        generator that serves one prompt bucket pays one static capture, one that serves
+        more pays the dynamic capture once. A model torch.export cannot trace that way
+        (whatever the shared capture raises: the static capture then gives its own error
+        if the model cannot be captured at all) and a max_seq_len of 2 (one prompt length
+        > 1, nothing dynamic) have each graph captured at its own shape."""
         from ..engine import compile_module
         from ..engine.per_shape import SymbolicCapture
         options = self.compile_options(tokens)
         most = int(self.caches[0].shape[2])
-        if tokens > 1 and most > 2 and self._symbolic.get(batch, True) is not None:
+        later = any(b == batch and t > 1 for b, t in self._graphs)
+        if tokens > 1 and most > 2 and later and self._symbolic.get(batch, True) is not None:
             family = self._symbolic.get(batch)
             if family is None:
                 self.stats.captures += 1

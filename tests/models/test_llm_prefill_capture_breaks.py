@@ -46,7 +46,7 @@ def test_any_failure_of_the_shared_capture_falls_back_to_a_capture_per_bucket(mo
     for n in (3, 7, 3):
         ids = torch.randint(3, 97, (1, n), generator=torch.Generator().manual_seed(n))
         assert torch.equal(gen.generate(ids, max_new_tokens=2), _want(m, ids, 2)), n
-    # decode, the one failed shared capture, a capture per bucket
+    # decode, the first bucket, the one failed shared capture, the second bucket
     assert gen.stats.graphs_built == 3 and gen.stats.captures == 4
 
 
