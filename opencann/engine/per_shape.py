@@ -10,9 +10,9 @@ torch.export and its decomposition again. Measured on the 2-core EPYC host for
 SmolLM2-135M's 30-layer prefill graph, one process: the dynamic capture 30-34 s (export
 9-10 s, decomposition 20-25 s: symbolic shapes cost), a static capture at one length
 14-17 s, then 0.6-1 s per shape (`compile_shape`) where each static graph pays its
-capture: worth it from the second shape on. Unlike `compile_dynamic` (one symbolic graph, passes run once with guards,
-plans per shape) nothing here is decided on symbols: a pass that needs a concrete size
-gets it.
+capture: worth it from the second shape on. Unlike `compile_dynamic` (one symbolic
+graph, passes run once with guards, plans per shape) nothing here is decided on
+symbols: a pass that needs a concrete size gets it.
 """
 from __future__ import annotations
 

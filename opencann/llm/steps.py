@@ -43,10 +43,10 @@ def prefill_buckets(max_seq_len: int, given: Optional[Sequence[int]] = None) -> 
     then four per octave: 8, 16, 24, ..., 64, 80, 96, 112, 128, 160, 192, 224, 256, 320, ...
     (a step of a quarter of the power of two below), so a prompt's padding is under 8
     tokens up to 64 and under a quarter of its length above. Many buckets cost little:
-    each is built on first use, the prefill graphs of a batch size share one capture
-    (`StepGraphs._compile`: ~1 s a bucket after the first) and every step graph one
-    arena (`StepGraphs._share_arenas`). A prompt runs in the smallest bucket that holds
-    it. Raises ValueError (one line) for a bad list."""
+    each is built on first use, a batch size's prefill graphs after its first share one
+    capture (`StepGraphs._compile`: then ~1 s a bucket up to a few hundred tokens) and
+    every step graph runs in one arena (`StepGraphs._share_arenas`). A prompt runs in
+    the smallest bucket that holds it. Raises ValueError (one line) for a bad list."""
     if given is None:
         out, b = [], MIN_BUCKET
         while b < max_seq_len:
