@@ -125,11 +125,11 @@ class GenerationStats:
         return asdict(self)
 
     def summary(self) -> str:
-        """One line: TTFT, prefill and decode rates, graphs, recompiles, plans, cache."""
+        """One line: TTFT, prefill and decode rates, graphs and captures, recompiles, plans, cache."""
         return (f"TTFT {self.ttft_s * 1e3:.1f} ms, prefill {self.prefill_tokens_per_s:.1f} tok/s, "
                 f"decode {self.decode_tokens_per_s:.1f} tok/s ({self.decode_steps} steps), "
                 + (f"{self.graphs_loaded} graphs loaded, " if self.graphs_loaded else "")
-                + f"{self.graphs_built} graphs, {self.recompiles} recompiles, "
+                + f"{self.graphs_built} graphs ({self.captures} captures), {self.recompiles} recompiles, "
                 f"{self.memory_plans} memory plans, KV cache {self.kv_cache_bytes / 2**20:.2f} MiB, "
                 f"weights {self.weight_bytes / 2**20:.1f} MiB (module {self.module_weight_bytes / 2**20:.1f}"
                 + (f", {self.shared_weight_bytes / 2**20:.1f} of it the graphs' concatenations"
