@@ -242,3 +242,20 @@ def fresh_acl_session(monkeypatch):
     if _state.initialized:
         acl.finalize()
     _state.finalized_once = False
+
+
+def tiny_llm_config(name: str):
+    """A tiny transformers causal-LM config (vocab 97, 2 layers, no eos) for the LLM tests:
+    ``"llama"`` (GQA 4/2 heads), ``"gpt2"`` (learned positions, 64 of them) or ``"qwen2"``
+    (Q/K/V biases). Raises KeyError for another name."""
+    import transformers as T
+    return {
+        "llama": lambda: T.LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=96,
+                                       num_hidden_layers=2, num_attention_heads=4,
+                                       num_key_value_heads=2, eos_token_id=None),
+        "gpt2": lambda: T.GPT2Config(vocab_size=97, n_embd=32, n_layer=2, n_head=2,
+                                     n_positions=64, bos_token_id=1, eos_token_id=None),
+        "qwen2": lambda: T.Qwen2Config(vocab_size=97, hidden_size=64, intermediate_size=96,
+                                       num_hidden_layers=2, num_attention_heads=4,
+                                       num_key_value_heads=2, eos_token_id=None),
+    }[name]()

@@ -12,21 +12,16 @@ import torch
 import transformers as T
 
 import opencann.llm as L
+from helpers import tiny_llm_config
 
 
-CONFIGS = {
-    "llama": lambda: T.LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=96,
-                                   num_hidden_layers=2, num_attention_heads=4,
-                                   num_key_value_heads=2, eos_token_id=None),
-    "gpt2": lambda: T.GPT2Config(vocab_size=97, n_embd=32, n_layer=2, n_head=2, n_positions=64,
-                                 bos_token_id=1, eos_token_id=None),
-}
+CONFIGS = ("gpt2", "llama")
 
 
-@pytest.mark.parametrize("name", sorted(CONFIGS))
+@pytest.mark.parametrize("name", CONFIGS)
 def test_compiled_steps_equal_transformers_and_eager_with_one_decode_graph(name):
     torch.manual_seed(1234)
-    m = T.AutoModelForCausalLM.from_config(CONFIGS[name]()).eval()
+    m = T.AutoModelForCausalLM.from_config(tiny_llm_config(name)).eval()
     gen = L.compile(m, max_seq_len=48, max_batch=2, options={"backend": "opencann"})
     ids = torch.randint(3, 97, (2, 11), generator=torch.Generator().manual_seed(0))
     mask = torch.ones_like(ids)
@@ -90,7 +85,7 @@ def test_a_weight_changed_after_compile_is_one_line_naming_the_users_parameter()
     refused, naming the transformers model's parameter (not DecoderLM's internal name)
     and the recompile that fixes it; the recompiled generator follows the new weights."""
     torch.manual_seed(5)
-    m = T.AutoModelForCausalLM.from_config(CONFIGS["llama"]()).eval()
+    m = T.AutoModelForCausalLM.from_config(tiny_llm_config("llama")).eval()
     opts = {"prefill_buckets": [16]}
     gen = L.compile(m, max_seq_len=32, options=opts)
     ids = torch.randint(3, 97, (1, 9), generator=torch.Generator().manual_seed(2))
@@ -110,7 +105,7 @@ def test_a_weight_changed_after_compile_is_one_line_naming_the_users_parameter()
 def test_a_replaced_parameter_after_compile_is_one_line_naming_it():
     """A new Parameter assigned after compile is refused, naming the user's parameter."""
     torch.manual_seed(5)
-    m = T.AutoModelForCausalLM.from_config(CONFIGS["llama"]()).eval()
+    m = T.AutoModelForCausalLM.from_config(tiny_llm_config("llama")).eval()
     again = L.compile(m, max_seq_len=32, options={"prefill_buckets": [16]})
     ids = torch.randint(3, 97, (1, 9), generator=torch.Generator().manual_seed(2))
     again.generate(ids, max_new_tokens=3)
@@ -200,7 +195,7 @@ def test_steps_run_on_one_thread_while_the_host_is_oversubscribed(monkeypatch):
     monkeypatch.setattr(tc, "set_this_thread", spy)
     threads = torch.get_num_threads()
     torch.manual_seed(7)
-    m = T.AutoModelForCausalLM.from_config(CONFIGS["llama"]()).eval()
+    m = T.AutoModelForCausalLM.from_config(tiny_llm_config("llama")).eval()
     gen = L.compile(m, max_seq_len=32, max_batch=1, options={"backend": "opencann"})
     ids = torch.randint(3, 97, (1, 9), generator=torch.Generator().manual_seed(2))
     want = m.generate(ids, max_new_tokens=5, do_sample=False)

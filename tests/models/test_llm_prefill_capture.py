@@ -11,26 +11,18 @@ import torch
 import transformers as T
 
 import opencann.llm as L
+from helpers import tiny_llm_config
 from opencann.engine import compile_module
 from opencann.engine.per_shape import SymbolicCapture
 from opencann.frontend.torch import CaptureError
 from opencann.llm.steps import prefill_buckets, smallest
 
-CONFIGS = {
-    "llama": lambda: T.LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=96,
-                                   num_hidden_layers=2, num_attention_heads=4,
-                                   num_key_value_heads=2, eos_token_id=None),
-    "gpt2": lambda: T.GPT2Config(vocab_size=97, n_embd=32, n_layer=2, n_head=2, n_positions=64,
-                                 bos_token_id=1, eos_token_id=None),
-    "qwen2": lambda: T.Qwen2Config(vocab_size=97, hidden_size=64, intermediate_size=96,
-                                   num_hidden_layers=2, num_attention_heads=4,
-                                   num_key_value_heads=2, eos_token_id=None),
-}
+CONFIGS = ("gpt2", "llama", "qwen2")
 
 
 def _model(name):
     torch.manual_seed(7)
-    return T.AutoModelForCausalLM.from_config(CONFIGS[name]()).eval()
+    return T.AutoModelForCausalLM.from_config(tiny_llm_config(name)).eval()
 
 
 def _count_exports(monkeypatch):
@@ -44,7 +36,7 @@ def _count_exports(monkeypatch):
     return calls
 
 
-@pytest.mark.parametrize("name", sorted(CONFIGS))
+@pytest.mark.parametrize("name", CONFIGS)
 def test_buckets_share_one_capture_and_equal_transformers(name, monkeypatch):
     m = _model(name)
     exports = _count_exports(monkeypatch)
